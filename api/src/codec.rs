@@ -1,0 +1,192 @@
+//! Reading manifests: YAML (one or many `---`-separated documents) or JSON, each document
+//! validated on its own; errors name the source, the document's index and the field path.
+
+use std::fmt;
+
+use serde_json::Value;
+
+use crate::resource::DynObject;
+use crate::validate::{FieldError, normalize};
+
+/// The largest manifest file accepted.
+pub const MAX_FILE_BYTES: usize = 8 << 20;
+/// The largest single object accepted (as stored JSON).
+pub const MAX_OBJECT_BYTES: usize = 1 << 20;
+
+/// A manifest that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ManifestError {
+    /// Where it came from (a path, `-` for stdin, `<inline>`).
+    pub source_name: String,
+    /// The document's index in the file (0-based), when known.
+    pub document: Option<usize>,
+    /// The problems.
+    pub errors: Vec<FieldError>,
+    /// The object, when known (`Vm/dev1`).
+    pub object: Option<String>,
+}
+
+impl fmt::Display for ManifestError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.source_name)?;
+        if let Some(d) = self.document {
+            write!(f, ", document {d}")?;
+        }
+        if let Some(o) = &self.object {
+            write!(f, " ({o})")?;
+        }
+        f.write_str(": ")?;
+        for (i, e) in self.errors.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// One parsed, validated object and where it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Manifest {
+    /// The source's name.
+    pub source_name: String,
+    /// Index of the document within the source.
+    pub document: usize,
+    /// The object, validated and with defaults.
+    pub object: DynObject,
+}
+
+fn err(source: &str, document: Option<usize>, message: String) -> ManifestError {
+    ManifestError {
+        source_name: source.to_string(),
+        document,
+        errors: vec![FieldError::new("", message)],
+        object: None,
+    }
+}
+
+/// Which document (0-based) a 1-based line falls in, counting `---` separators before it.
+fn document_at_line(text: &str, line: usize) -> usize {
+    let mut doc = 0;
+    let mut seen_content = false;
+    for (i, l) in text.lines().enumerate() {
+        if i + 1 >= line {
+            break;
+        }
+        if l.starts_with("---") {
+            if seen_content {
+                doc += 1;
+            }
+            seen_content = true;
+        } else if !l.trim().is_empty() && !l.trim_start().starts_with('#') {
+            seen_content = true;
+        }
+    }
+    doc
+}
+
+/// Parse a source's bytes into raw JSON documents (no validation). Empty documents are skipped.
+pub fn parse_documents(source: &str, bytes: &[u8]) -> Result<Vec<(usize, Value)>, ManifestError> {
+    if bytes.len() > MAX_FILE_BYTES {
+        return Err(err(
+            source,
+            None,
+            format!(
+                "{:.1} MiB is too large: a manifest file may hold at most {} MiB (and one object at most {} MiB)",
+                bytes.len() as f64 / (1u64 << 20) as f64,
+                MAX_FILE_BYTES >> 20,
+                MAX_OBJECT_BYTES >> 20
+            ),
+        ));
+    }
+    let text = std::str::from_utf8(bytes)
+        .ok()
+        .filter(|t| !t.contains('\0'))
+        .ok_or_else(|| err(source, None, "not a text file: give a YAML or JSON manifest".into()))?;
+    if text.trim().is_empty() {
+        return Err(err(source, None, "the file is empty: it holds no objects to apply".into()));
+    }
+    let trimmed = text.trim_start();
+    let docs: Vec<Value> = if trimmed.starts_with('{') || trimmed.starts_with('[') {
+        match serde_json::from_str::<Value>(text) {
+            Ok(Value::Array(items)) => items,
+            Ok(v) => vec![v],
+            Err(e) => {
+                return Err(err(source, None, format!("invalid JSON at line {}, column {}: {e}", e.line(), e.column())));
+            }
+        }
+    } else {
+        serde_saphyr::from_multiple::<Value>(text).map_err(|e| {
+            let doc = e.location().map(|l| document_at_line(text, l.line() as usize));
+            let msg = e.to_string();
+            let first = msg.lines().next().unwrap_or("").to_string();
+            err(source, doc, format!("invalid YAML: {first}"))
+        })?
+    };
+    let out: Vec<(usize, Value)> = docs.into_iter().enumerate().filter(|(_, v)| !v.is_null()).collect();
+    if out.is_empty() {
+        return Err(err(source, None, "the file holds no objects (only empty documents)".into()));
+    }
+    Ok(out)
+}
+
+/// Parse and validate every document of a source. The first bad document fails the whole
+/// source, so callers can apply all or nothing.
+pub fn parse_manifests(source: &str, bytes: &[u8]) -> Result<Vec<Manifest>, ManifestError> {
+    let mut out = Vec::new();
+    for (index, value) in parse_documents(source, bytes)? {
+        let size = serde_json::to_vec(&value).map(|v| v.len()).unwrap_or(0);
+        if size > MAX_OBJECT_BYTES {
+            return Err(err(
+                source,
+                Some(index),
+                format!("the object is {} KiB; an object may be at most {} KiB", size >> 10, MAX_OBJECT_BYTES >> 10),
+            ));
+        }
+        let object = normalize(value).map_err(|e| ManifestError {
+            source_name: source.to_string(),
+            document: Some(index),
+            object: Some(e.object.clone()),
+            errors: e.errors,
+        })?;
+        out.push(Manifest { source_name: source.to_string(), document: index, object });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VM: &str = "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {name: a}\nspec: {source: {image: debian-12}}\n";
+
+    #[test]
+    fn multi_document() {
+        let two = format!("{VM}---\n{}", VM.replace("name: a", "name: b"));
+        let m = parse_manifests("x.yaml", two.as_bytes()).unwrap();
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[1].object.metadata.name, "b");
+        assert_eq!(m[1].document, 1);
+    }
+
+    #[test]
+    fn errors_name_document_and_field() {
+        let bad = format!("{VM}---\n{}", VM.replace("image: debian-12", "image: debian-12, bogus: 1"));
+        let e = parse_manifests("x.yaml", bad.as_bytes()).unwrap_err();
+        assert_eq!(e.document, Some(1), "{e}");
+        assert!(e.to_string().contains("x.yaml, document 1"), "{e}");
+        let e = parse_manifests("y.yaml", b"a: [1, 2\nb: c").unwrap_err();
+        assert!(e.to_string().starts_with("y.yaml"), "{e}");
+        assert!(parse_manifests("z", b"\x00\x01\xff").unwrap_err().to_string().contains("not a text file"));
+        assert!(parse_manifests("z", b"  \n").unwrap_err().to_string().contains("empty"));
+        let big = vec![b'a'; 10 << 20];
+        assert!(parse_manifests("z", &big).unwrap_err().to_string().contains("too large"));
+    }
+
+    #[test]
+    fn json_input() {
+        let j = r#"{"apiVersion":"boxery.dev/v1alpha1","kind":"Vm","metadata":{"name":"a"},"spec":{"source":{"image":"debian-12"}}}"#;
+        assert_eq!(parse_manifests("j.json", j.as_bytes()).unwrap().len(), 1);
+    }
+}

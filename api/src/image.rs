@@ -1,0 +1,140 @@
+//! `Image`: an immutable, disk-only copy of a VM's disk, a built base, or an imported file.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::meta::{Condition, Time};
+use crate::resource::{KindInfo, impl_resource, resource};
+use crate::validate::FieldError;
+use crate::vm::{Failure, Operation};
+
+resource!(
+    /// A disk image: a snapshot of a VM, a built base, or an imported file.
+    Image, ImageSpec, ImageStatus
+);
+impl_resource!(
+    Image,
+    KindInfo {
+        kind: "Image",
+        plural: "images",
+        singular: "image",
+        short_names: &["img"],
+        dotted_names: true,
+        description: "A disk-only, independent image: a snapshot of a VM (`source.vm`), a built base (`source.build`) or an imported file (`source.file`).",
+    },
+    normalize = normalize_image
+);
+
+/// The desired state of an image. Images are immutable: the source is read once.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ImageSpec {
+    /// Where the image's disk comes from.
+    pub source: ImageSource,
+}
+
+/// Where an image comes from: exactly one of `vm`, `build` or `file`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub enum ImageSource {
+    /// A snapshot of this VM's disk as it is now (works while the VM runs).
+    Vm(String),
+    /// Built from Debian's packages with these layers.
+    Build(BuildSpec),
+    /// Imported from a qcow2 file on the control plane's host.
+    File(String),
+}
+
+/// What to build.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BuildSpec {
+    /// The distribution to start from (`debian-12`).
+    pub base: String,
+    /// Guest layers to apply, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<String>,
+}
+
+/// An image's phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum ImagePhase {
+    /// Waiting for its source.
+    #[default]
+    Pending,
+    /// Being captured or built.
+    Capturing,
+    /// Ready to use.
+    Ready,
+    /// A step failed and is being retried with backoff.
+    Failed,
+    /// Gone from the backend behind boxery's back.
+    Lost,
+    /// Being deleted.
+    Terminating,
+}
+
+/// The observed state of an image.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ImageStatus {
+    /// Phase.
+    #[serde(default)]
+    pub phase: ImagePhase,
+    /// One word for `boxery get`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub printable_status: Option<String>,
+    /// The generation last acted on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Observations (`Ready`, `SourceAvailable`, …).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// The backend that holds it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// When it became ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_at: Option<Time>,
+    /// Bytes it takes on the host (its own data, not a shared base).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<u64>,
+    /// The side effect under way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation: Option<Operation>,
+    /// Consecutive failures.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failures: u32,
+    /// The last failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<Failure>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+fn normalize_image(img: &mut Image) -> Result<(), Vec<FieldError>> {
+    let mut errs = Vec::new();
+    match &img.spec.source {
+        ImageSource::Vm(v) => {
+            if let Err(e) = crate::validate::check_label_name(v) {
+                errs.push(FieldError::new("spec.source.vm", e));
+            }
+        }
+        ImageSource::Build(b) => {
+            if b.base != crate::vm::STOCK_IMAGE {
+                errs.push(FieldError::new(
+                    "spec.source.build.base",
+                    format!("`{}` cannot be built: the only base is `{}`", b.base, crate::vm::STOCK_IMAGE),
+                ));
+            }
+        }
+        ImageSource::File(p) => {
+            if !p.starts_with('/') {
+                errs.push(FieldError::new("spec.source.file", "give an absolute path".to_string()));
+            }
+        }
+    }
+    if errs.is_empty() { Ok(()) } else { Err(errs) }
+}

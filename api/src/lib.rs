@@ -1,0 +1,28 @@
+//! boxery's API: the object kinds (`Vm`, `Image`, `Pool`, `Lease`, `Grant`, `Event`), their
+//! Kubernetes-style metadata, JSON Schemas generated from the Rust types, validation of every
+//! write, label selectors, and the YAML/JSON codec for manifests. No I/O lives here.
+
+pub mod codec;
+pub mod event;
+pub mod grant;
+pub mod image;
+pub mod lease;
+pub mod meta;
+pub mod pool;
+pub mod quantity;
+pub mod resource;
+pub mod selector;
+pub mod validate;
+pub mod vm;
+
+pub use event::{Event, EventType, InvolvedObject};
+pub use grant::Grant;
+pub use image::{Image, ImagePhase, ImageSource};
+pub use lease::Lease;
+pub use meta::{Condition, ConditionStatus, Conditions, ObjectMeta, OwnerReference, Time, now};
+pub use pool::Pool;
+pub use quantity::Quantity;
+pub use resource::{API_VERSION, DynObject, KindInfo, Resource};
+pub use selector::Selector;
+pub use validate::{KINDS, ValidationError, lookup_kind, normalize};
+pub use vm::{RunStrategy, Vm, VmPhase, VmSource};

@@ -1,0 +1,121 @@
+//! `Pool`: a set of VMs that agents lease. Types and schema only; the reconciler comes later.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::meta::{Condition, LocalObjectReference};
+use crate::resource::{KindInfo, impl_resource, resource};
+use crate::vm::VmSpec;
+
+resource!(
+    /// A pool of VMs that agents lease.
+    Pool, PoolSpec, PoolStatus
+);
+impl_resource!(
+    Pool,
+    KindInfo {
+        kind: "Pool",
+        plural: "pools",
+        singular: "pool",
+        short_names: &["pool"],
+        dotted_names: false,
+        description: "A pool of VMs (made from a template and/or adopted) that agents lease one at a time.",
+    }
+);
+
+/// The desired state of a pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolSpec {
+    /// The VM every created member is made from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<VmTemplate>,
+    /// How many members to create from the template.
+    #[serde(default)]
+    #[schemars(range(max = 1000))]
+    pub replicas: u32,
+    /// Existing VMs adopted into the pool.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub members: Vec<LocalObjectReference>,
+    /// Lease defaults.
+    #[serde(default)]
+    pub lease: LeaseDefaults,
+    /// What to do with members when the template changes.
+    #[serde(default)]
+    pub update_strategy: UpdateStrategy,
+}
+
+/// A template for member VMs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VmTemplate {
+    /// Labels given to every member.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// The members' spec.
+    pub spec: VmSpec,
+}
+
+/// Lease defaults for a pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LeaseDefaults {
+    /// A lease's duration when it names none (60..28800).
+    #[schemars(range(min = 60, max = 28800))]
+    pub default_ttl_seconds: u32,
+    /// The longest lease allowed (60..28800).
+    #[schemars(range(min = 60, max = 28800))]
+    pub max_ttl_seconds: u32,
+}
+
+impl Default for LeaseDefaults {
+    fn default() -> Self {
+        LeaseDefaults { default_ttl_seconds: 1800, max_ttl_seconds: 28800 }
+    }
+}
+
+/// When template changes reach members.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum UpdateStrategy {
+    /// Replace a member with the new template when it is free.
+    #[default]
+    ReplaceWhenFree,
+    /// Never replace members; only new ones get the new template.
+    OnCreate,
+}
+
+/// The observed state of a pool.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolStatus {
+    /// The generation last acted on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Members in all.
+    #[serde(default)]
+    pub replicas: u32,
+    /// Members ready.
+    #[serde(default)]
+    pub ready: u32,
+    /// Members free to lease.
+    #[serde(default)]
+    pub free: u32,
+    /// Members leased.
+    #[serde(default)]
+    pub leased: u32,
+    /// Members being reset.
+    #[serde(default)]
+    pub resetting: u32,
+    /// Members broken.
+    #[serde(default)]
+    pub broken: u32,
+    /// Members on the current template.
+    #[serde(default)]
+    pub updated: u32,
+    /// Bumped whenever a member leaves and rejoins (lease fencing).
+    #[serde(default)]
+    pub epoch: u64,
+    /// Observations (`Ready`, `Progressing`, `Degraded`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}

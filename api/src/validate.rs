@@ -1,0 +1,279 @@
+//! Validation of every write: the kind's JSON Schema (generated from the Rust types), then the
+//! checks a schema cannot express, then defaults written into the object. Every error names the
+//! field path.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::OnceLock;
+
+use serde_json::Value;
+
+use crate::resource::{API_VERSION, DynObject, KindInfo, Resource};
+use crate::{Event, Grant, Image, Lease, Pool, Vm};
+
+/// One problem with one field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    /// Dotted path (`spec.resources.cpus`, `metadata.name`); empty for the whole object.
+    pub path: String,
+    /// What is wrong, and what to write instead.
+    pub message: String,
+}
+
+impl FieldError {
+    /// A field error.
+    pub fn new(path: impl Into<String>, message: String) -> Self {
+        FieldError { path: path.into(), message }
+    }
+}
+
+impl fmt::Display for FieldError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "{}: {}", self.path, self.message)
+        }
+    }
+}
+
+/// An object that failed validation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ValidationError {
+    /// `Vm/dev1`, or what is known of it.
+    pub object: String,
+    /// Each problem.
+    pub errors: Vec<FieldError>,
+}
+
+impl fmt::Display for ValidationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} is invalid: ", self.object)?;
+        for (i, e) in self.errors.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Every kind, in the order `boxery get` lists them.
+pub const KINDS: [KindInfo; 6] =
+    [Vm::INFO, Image::INFO, Pool::INFO, Lease::INFO, Grant::INFO, Event::INFO];
+
+/// Find a kind by its name, plural, singular or short name (case-insensitive).
+pub fn lookup_kind(name: &str) -> Option<&'static KindInfo> {
+    let n = name.to_ascii_lowercase();
+    KINDS.iter().find(|k| {
+        k.kind.eq_ignore_ascii_case(&n)
+            || k.plural == n
+            || k.singular == n
+            || k.short_names.iter().any(|s| *s == n)
+    })
+}
+
+/// The JSON Schema of a kind, generated from its Rust type.
+pub fn schema_of(kind: &str) -> Option<Value> {
+    let schema = match kind {
+        "Vm" => schemars::schema_for!(Vm),
+        "Image" => schemars::schema_for!(Image),
+        "Pool" => schemars::schema_for!(Pool),
+        "Lease" => schemars::schema_for!(Lease),
+        "Grant" => schemars::schema_for!(Grant),
+        "Event" => schemars::schema_for!(Event),
+        _ => return None,
+    };
+    Some(schema.to_value())
+}
+
+fn validators() -> &'static HashMap<&'static str, jsonschema::Validator> {
+    static V: OnceLock<HashMap<&'static str, jsonschema::Validator>> = OnceLock::new();
+    V.get_or_init(|| {
+        KINDS
+            .iter()
+            .map(|k| {
+                let schema = schema_of(k.kind).expect("every kind has a schema");
+                let v = jsonschema::validator_for(&schema)
+                    .unwrap_or_else(|e| panic!("the generated schema of {} is invalid: {e}", k.kind));
+                (k.kind, v)
+            })
+            .collect()
+    })
+}
+
+/// `/spec/resources/cpus` → `spec.resources.cpus`.
+fn dotted(pointer: &str) -> String {
+    pointer.trim_start_matches('/').split('/').collect::<Vec<_>>().join(".")
+}
+
+/// Check that a name is a DNS-1123 label: 1–63 of `a-z`, `0-9`, `-`, starting and ending with
+/// a letter or digit.
+pub fn check_label_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("a name is required".into());
+    }
+    if name.len() > 63 {
+        return Err(format!("`{}…` is {} characters long; the limit is 63", &name[..20], name.len()));
+    }
+    let ok_chars = name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    let ok_ends = name.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
+        && name.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric());
+    if !ok_chars || !ok_ends {
+        return Err(format!(
+            "`{}` is not a valid name: use lowercase letters, digits and `-`, starting and ending with a letter or digit",
+            name.escape_debug()
+        ));
+    }
+    Ok(())
+}
+
+/// Check that a name is a DNS-1123 subdomain: dot-separated labels, at most 253 characters.
+pub fn check_subdomain_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("a name is required".into());
+    }
+    if name.len() > 253 {
+        return Err(format!("the name is {} characters long; the limit is 253", name.len()));
+    }
+    for part in name.split('.') {
+        check_label_name(part).map_err(|_| {
+            format!(
+                "`{}` is not a valid name: use dot-separated parts of lowercase letters, digits and `-`",
+                name.escape_debug()
+            )
+        })?;
+    }
+    Ok(())
+}
+
+fn normalize_typed<R: Resource>(value: Value, label: &str) -> Result<DynObject, ValidationError> {
+    let fail = |errors| ValidationError { object: label.to_string(), errors };
+    let mut obj: R = serde_json::from_value(value).map_err(|e| fail(vec![FieldError::new("", e.to_string())]))?;
+    let mut errs = Vec::new();
+    let name_check = if R::INFO.dotted_names {
+        check_subdomain_name(&obj.meta().name)
+    } else {
+        check_label_name(&obj.meta().name)
+    };
+    if let Err(e) = name_check {
+        errs.push(FieldError::new("metadata.name", e));
+    }
+    if let Err(mut e) = obj.normalize() {
+        errs.append(&mut e);
+    }
+    if !errs.is_empty() {
+        return Err(fail(errs));
+    }
+    DynObject::from_typed(&obj).map_err(|e| fail(vec![FieldError::new("", e.to_string())]))
+}
+
+/// Validate an object of any kind and write its defaults: checks `apiVersion` and `kind`, the
+/// kind's schema (unknown fields are errors), names, ranges. Returns the object as it would be
+/// stored.
+pub fn normalize(value: Value) -> Result<DynObject, ValidationError> {
+    let name = value.pointer("/metadata/name").and_then(Value::as_str).unwrap_or("").to_string();
+    let kind_raw = value.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
+    let label = if name.is_empty() { format!("{kind_raw} (unnamed)") } else { format!("{kind_raw}/{name}") };
+    let fail = |path: &str, message: String| ValidationError {
+        object: label.clone(),
+        errors: vec![FieldError::new(path, message)],
+    };
+    if !value.is_object() {
+        return Err(fail("", "a manifest must be a mapping with apiVersion, kind, metadata and spec".into()));
+    }
+    match value.get("apiVersion").and_then(Value::as_str) {
+        Some(API_VERSION) => {}
+        Some(other) => return Err(fail("apiVersion", format!("unknown apiVersion `{other}`: use `{API_VERSION}`"))),
+        None => return Err(fail("apiVersion", format!("apiVersion is required: use `{API_VERSION}`"))),
+    }
+    let known: Vec<&str> = KINDS.iter().map(|k| k.kind).collect();
+    let Some(info) = KINDS.iter().find(|k| k.kind == kind_raw) else {
+        let msg = if kind_raw.is_empty() {
+            format!("kind is required: one of {}", known.join(", "))
+        } else {
+            format!("unknown kind `{kind_raw}`: use one of {}", known.join(", "))
+        };
+        return Err(fail("kind", msg));
+    };
+    let validator = &validators()[info.kind];
+    let errors: Vec<FieldError> = validator
+        .iter_errors(&value)
+        .map(|e| FieldError::new(dotted(e.instance_path().as_str()), e.to_string()))
+        .collect();
+    if !errors.is_empty() {
+        return Err(ValidationError { object: label, errors });
+    }
+    match info.kind {
+        "Vm" => normalize_typed::<Vm>(value, &label),
+        "Image" => normalize_typed::<Image>(value, &label),
+        "Pool" => normalize_typed::<Pool>(value, &label),
+        "Lease" => normalize_typed::<Lease>(value, &label),
+        "Grant" => normalize_typed::<Grant>(value, &label),
+        "Event" => normalize_typed::<Event>(value, &label),
+        _ => unreachable!("KINDS and this match list the same kinds"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn vm(spec: Value) -> Value {
+        json!({"apiVersion": API_VERSION, "kind": "Vm", "metadata": {"name": "dev1"}, "spec": spec})
+    }
+
+    #[test]
+    fn defaults_are_written() {
+        let o = normalize(vm(json!({"source": {"image": "debian-12"}}))).unwrap();
+        assert_eq!(o.spec()["resources"]["cpus"], 1);
+        assert_eq!(o.spec()["resources"]["memory"], "1Gi");
+        assert_eq!(o.spec()["runStrategy"], "Running");
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = normalize(vm(json!({"source": {"image": "debian-12"}, "resources": {"cpus": 0}}))).unwrap_err();
+        assert_eq!(e.errors[0].path, "spec.resources.cpus", "{e}");
+        let e = normalize(vm(json!({"source": {"image": "debian-12"}, "bogus": 1}))).unwrap_err();
+        assert!(e.to_string().contains("bogus"), "{e}");
+        let e = normalize(vm(json!({"source": {"image": "x"}, "resources": {"memory": "-1Gi"}}))).unwrap_err();
+        assert_eq!(e.errors[0].path, "spec.resources.memory", "{e}");
+        let e = normalize(vm(json!({"source": {"image": "x"}, "resources": {"memory": "100Ti"}}))).unwrap_err();
+        assert_eq!(e.errors[0].path, "spec.resources.memory", "{e}");
+    }
+
+    #[test]
+    fn names() {
+        for bad in ["", "../x", "Dev1", "-a", "a-", &"a".repeat(64), "a.b", "a b"] {
+            assert!(check_label_name(bad).is_err(), "{bad}");
+        }
+        for good in ["a", "dev-1", &"a".repeat(63)] {
+            assert!(check_label_name(good).is_ok(), "{good}");
+        }
+        assert!(check_subdomain_name("dev1.before-upgrade").is_ok());
+        assert!(check_subdomain_name("dev1..x").is_err());
+        let e = normalize(json!({"apiVersion": API_VERSION, "kind": "Vm", "metadata": {"name": "../x"}, "spec": {"source": {"image": "a"}}})).unwrap_err();
+        assert_eq!(e.errors[0].path, "metadata.name");
+    }
+
+    #[test]
+    fn unknown_kind_and_version() {
+        let e = normalize(json!({"apiVersion": "v1", "kind": "Vm"})).unwrap_err();
+        assert_eq!(e.errors[0].path, "apiVersion");
+        let e = normalize(json!({"apiVersion": API_VERSION, "kind": "Pod"})).unwrap_err();
+        assert!(e.to_string().contains("unknown kind `Pod`"), "{e}");
+    }
+
+    #[test]
+    fn every_schema_compiles_and_rejects_unknown_fields() {
+        for k in KINDS {
+            let s = schema_of(k.kind).unwrap();
+            assert_eq!(s["additionalProperties"], json!(false), "{}", k.kind);
+        }
+        assert!(lookup_kind("img").is_some_and(|k| k.kind == "Image"));
+        assert!(lookup_kind("VMS").is_some_and(|k| k.kind == "Vm"));
+    }
+}

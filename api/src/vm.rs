@@ -1,0 +1,345 @@
+//! `Vm`: one virtual machine, its source, size and run strategy.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::meta::{Condition, Time};
+use crate::quantity::Quantity;
+use crate::resource::{KindInfo, impl_resource, resource};
+use crate::validate::FieldError;
+
+resource!(
+    /// A virtual machine: where its disk comes from, how big it is, whether it runs.
+    Vm, VmSpec, VmStatus
+);
+impl_resource!(
+    Vm,
+    KindInfo {
+        kind: "Vm",
+        plural: "vms",
+        singular: "vm",
+        short_names: &["vm"],
+        dotted_names: false,
+        description: "A virtual machine: its source image or VM, resources, run strategy and revert requests.",
+    },
+    normalize = normalize_vm
+);
+
+/// The well-known stock image, created on first use.
+pub const STOCK_IMAGE: &str = "debian-12";
+
+/// The desired state of a VM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VmSpec {
+    /// Where the VM's disk comes from. Fixed once the VM is created.
+    pub source: VmSource,
+    /// CPUs, memory and disk. Missing fields come from `shape` (default `small`).
+    #[serde(default)]
+    pub resources: Resources,
+    /// No desktop (the only kind so far).
+    #[serde(default = "yes")]
+    pub headless: bool,
+    /// Extra guest layers to apply (`plumbing` and `devtools` are always there).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<String>,
+    /// Whether the VM should run.
+    #[serde(default)]
+    pub run_strategy: RunStrategy,
+    /// A revert request: replace the disk with that image's, once per `requestedAt`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore: Option<Restore>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Where a VM's disk comes from: exactly one of `image`, `vm` or `base`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub enum VmSource {
+    /// An `Image` by name (`debian-12` is built on first use).
+    Image(String),
+    /// Another VM's disk as it is now: a fork (captured, then cloned).
+    Vm(String),
+    /// A built base image (the desktop base, later).
+    Base(String),
+}
+
+impl VmSource {
+    /// The name it points at.
+    pub fn name(&self) -> &str {
+        match self {
+            VmSource::Image(n) | VmSource::Vm(n) | VmSource::Base(n) => n,
+        }
+    }
+}
+
+/// The VM's size. Explicit fields win over `shape`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Resources {
+    /// A named size that fills in missing fields.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<Shape>,
+    /// Virtual CPUs (1..64).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub cpus: Option<u32>,
+    /// Guest memory (64Mi..256Gi).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Quantity>,
+    /// Disk size (1Gi..16Ti). Disks only grow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<Quantity>,
+}
+
+/// Named sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum Shape {
+    /// 1 CPU, 1Gi memory, 10Gi disk.
+    #[serde(rename = "small")]
+    Small,
+    /// 2 CPUs, 4Gi memory, 20Gi disk.
+    #[serde(rename = "standard")]
+    Standard,
+    /// 4 CPUs, 8Gi memory, 40Gi disk.
+    #[serde(rename = "large")]
+    Large,
+}
+
+impl Shape {
+    /// (cpus, memory, disk).
+    pub fn size(self) -> (u32, Quantity, Quantity) {
+        match self {
+            Shape::Small => (1, Quantity::gib(1), Quantity::gib(10)),
+            Shape::Standard => (2, Quantity::gib(4), Quantity::gib(20)),
+            Shape::Large => (4, Quantity::gib(8), Quantity::gib(40)),
+        }
+    }
+}
+
+/// A size with every field known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Size {
+    /// Virtual CPUs.
+    pub cpus: u32,
+    /// Memory.
+    pub memory: Quantity,
+    /// Disk.
+    pub disk: Quantity,
+}
+
+impl Resources {
+    /// The size with defaults filled in.
+    pub fn effective(&self) -> Size {
+        let (c, m, d) = self.shape.unwrap_or(Shape::Small).size();
+        Size { cpus: self.cpus.unwrap_or(c), memory: self.memory.unwrap_or(m), disk: self.disk.unwrap_or(d) }
+    }
+}
+
+/// Whether a VM should run: an intent, not a bool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum RunStrategy {
+    /// Keep it running; start it when it stops.
+    #[default]
+    Running,
+    /// Keep it stopped.
+    Stopped,
+}
+
+/// A revert request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Restore {
+    /// The image whose disk replaces the VM's.
+    pub image: String,
+    /// When it was asked for; a new time asks again. Served once.
+    pub requested_at: Time,
+}
+
+/// A VM's lifecycle phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum VmPhase {
+    /// Not acted on yet, or waiting (for its image, its source VM).
+    #[default]
+    Pending,
+    /// Being created.
+    Creating,
+    /// Running.
+    Running,
+    /// Stopped.
+    Stopped,
+    /// Its disk is being replaced from an image.
+    Restoring,
+    /// A step failed and is being retried with backoff (see conditions and events).
+    Failed,
+    /// Gone from the backend behind boxery's back.
+    Lost,
+    /// Being deleted.
+    Terminating,
+}
+
+/// The observed state of a VM.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VmStatus {
+    /// Lifecycle phase.
+    #[serde(default)]
+    pub phase: VmPhase,
+    /// One word for `boxery get` (`Running`, `ImageNotFound`, `Lost`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub printable_status: Option<String>,
+    /// The generation the controller last acted on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Observations (`Ready`, `Created`, `ImageAvailable`, `Lost`, `BackendReachable`, …).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// The backend that holds the VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// The image the VM's disk was made from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_image: Option<String>,
+    /// When the VM was created in the backend.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_at: Option<Time>,
+    /// The size the backend has now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<Size>,
+    /// How to reach the VM's sshd.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh: Option<SshStatus>,
+    /// The side effect under way, recorded before it starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation: Option<Operation>,
+    /// The last revert served (its `requestedAt`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_restore: Option<Restore>,
+    /// Consecutive failures of the current step (reset on success).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failures: u32,
+    /// The last failure, for `describe`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<Failure>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// Where a VM's sshd is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SshStatus {
+    /// `HOST:PORT` as this host reaches it.
+    pub endpoint: String,
+    /// The pinned host key (`ssh-ed25519 AAAA…`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_key: Option<String>,
+}
+
+/// A side effect recorded before it starts, so that a crash leaves a trail.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Operation {
+    /// What is being done.
+    #[serde(rename = "type")]
+    pub type_: OperationType,
+    /// The image involved (create from, reimage from, capture into).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// The source VM's state before a capture (`Running`/`Stopped`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub original_state: Option<String>,
+    /// When it started.
+    pub started_at: Time,
+    /// The control plane that started it.
+    pub holder: String,
+}
+
+/// Kinds of recorded side effects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum OperationType {
+    /// Creating the VM in the backend.
+    Create,
+    /// Replacing its disk from an image.
+    Reimage,
+    /// Copying a VM's disk into an image.
+    Capture,
+    /// Building an image.
+    Build,
+}
+
+/// A failed step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Failure {
+    /// The step (`create`, `start`, …).
+    pub step: String,
+    /// What went wrong.
+    pub message: String,
+    /// When.
+    pub at: Time,
+}
+
+/// Largest sizes accepted at all (the backend checks the host's real limits).
+pub const MAX_CPUS: u32 = 64;
+/// Smallest guest memory.
+pub const MIN_MEMORY: Quantity = Quantity::mib(64);
+/// Largest guest memory.
+pub const MAX_MEMORY: Quantity = Quantity::gib(256);
+/// Smallest disk.
+pub const MIN_DISK: Quantity = Quantity::gib(1);
+/// Largest disk.
+pub const MAX_DISK: Quantity = Quantity::gib(16 * 1024);
+
+fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
+    let mut errs = Vec::new();
+    let r = &vm.spec.resources;
+    if let Some(m) = r.memory {
+        if m < MIN_MEMORY || m > MAX_MEMORY {
+            errs.push(FieldError::new("spec.resources.memory", format!("{m} is out of range: use 64Mi to 256Gi")));
+        }
+    }
+    if let Some(d) = r.disk {
+        if d < MIN_DISK || d > MAX_DISK {
+            errs.push(FieldError::new("spec.resources.disk", format!("{d} is out of range: use 1Gi to 16Ti")));
+        }
+    }
+    if let Some(c) = r.cpus {
+        if c == 0 || c > MAX_CPUS {
+            errs.push(FieldError::new("spec.resources.cpus", format!("{c} is out of range: use 1 to {MAX_CPUS}")));
+        }
+    }
+    let src = vm.spec.source.name().to_string();
+    let path = match vm.spec.source {
+        VmSource::Image(_) => "spec.source.image",
+        VmSource::Vm(_) => "spec.source.vm",
+        VmSource::Base(_) => "spec.source.base",
+    };
+    let ok = match vm.spec.source {
+        VmSource::Vm(_) => crate::validate::check_label_name(&src),
+        _ => crate::validate::check_subdomain_name(&src),
+    };
+    if let Err(e) = ok {
+        errs.push(FieldError::new(path, e));
+    }
+    if matches!(&vm.spec.source, VmSource::Vm(n) if *n == vm.metadata.name) {
+        errs.push(FieldError::new(path, "a VM cannot be forked from itself".into()));
+    }
+    if let Some(r) = &vm.spec.restore {
+        if let Err(e) = crate::validate::check_subdomain_name(&r.image) {
+            errs.push(FieldError::new("spec.restore.image", e));
+        }
+    }
+    // Defaults are written into the object, so an upgrade never changes a stored VM's size.
+    let eff = vm.spec.resources.effective();
+    vm.spec.resources.cpus = Some(eff.cpus);
+    vm.spec.resources.memory = Some(eff.memory);
+    vm.spec.resources.disk = Some(eff.disk);
+    if errs.is_empty() { Ok(()) } else { Err(errs) }
+}
