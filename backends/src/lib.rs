@@ -1,0 +1,278 @@
+//! Backends: the `Backend` trait, seed 001's contract in Rust, and its implementations.
+//!
+//! A backend turns idempotent requests (create this VM, capture that image) into hypervisor
+//! actions. It keeps whatever state it needs on disk or in the hypervisor, never in memory
+//! only: the control plane may be killed between any two calls and a new process must carry
+//! on. Every VM and image a backend makes carries boxery's mark (the owning object's uid), and
+//! a backend never lists or touches anything without it.
+//!
+//! # The contract
+//! - `list`/`images` distinguish an empty host (`Ok(vec![])`) from an unreachable one
+//!   (`Err(BackendError::Unreachable)`).
+//! - Images are disk-only, independent of their source (a VM made from an image keeps working
+//!   after the image and its source are deleted; images can be deleted in any order) and cheap.
+//! - `capture` works on a running VM and leaves it as it found it; it never leaves a partial
+//!   image behind on failure.
+//! - `reimage` keeps the VM's identity (MAC, endpoint, host key); it returns
+//!   `BackendError::Unchanged` when it failed before touching the VM, and is retryable after
+//!   an interruption between destructive steps.
+//! - The recovery hooks (`cleanup_new`, `cleanup_image`, `recover_capture`) are idempotent and
+//!   succeed when there is nothing to clean.
+
+pub mod fake;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+/// Backend errors: one variant per kind of failure the reconcilers treat differently.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The hypervisor (daemon, API, state dir) cannot be reached: never read this as "empty".
+    #[error("the {backend} backend is unreachable: {message}")]
+    Unreachable { backend: String, message: String },
+    /// The VM or image does not exist.
+    #[error("{what} not found in the {backend} backend")]
+    NotFound { backend: String, what: String },
+    /// The request can never succeed as asked (too many CPUs, a disk smaller than its image):
+    /// not retried until the spec changes.
+    #[error("{0}")]
+    Invalid(String),
+    /// The backend does not offer this.
+    #[error("the {backend} backend cannot {what}")]
+    Unsupported { backend: String, what: String },
+    /// `reimage` failed before changing the VM at all.
+    #[error("reimage failed before changing the VM: {0}")]
+    Unchanged(String),
+    /// A step failed; retrying may help.
+    #[error("{step} failed: {message}")]
+    Failed { step: String, message: String },
+    /// Local I/O failed.
+    #[error("{context}")]
+    Io { context: String, #[source] source: std::io::Error },
+}
+
+impl BackendError {
+    /// A `Failed` error.
+    pub fn failed(step: impl Into<String>, message: impl Into<String>) -> Self {
+        BackendError::Failed { step: step.into(), message: message.into() }
+    }
+    /// An `Io` error with context.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        BackendError::Io { context: context.into(), source }
+    }
+    /// Whether retrying without a spec change is pointless.
+    pub fn is_terminal(&self) -> bool {
+        matches!(self, BackendError::Invalid(_) | BackendError::Unsupported { .. })
+    }
+}
+
+/// Result alias.
+pub type Result<T, E = BackendError> = std::result::Result<T, E>;
+
+/// The identity a new VM (or a VM made from an image) gets: never reused from its source.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    /// The guest's hostname (the VM's name).
+    pub hostname: String,
+    /// A fresh machine-id (32 hex).
+    pub machine_id: String,
+    /// The ssh host key pair generated on the host: (private OpenSSH PEM, public line).
+    pub host_key: Option<(String, String)>,
+    /// Public keys for `authorized_keys` (replaced, not appended).
+    pub authorized_keys: Vec<String>,
+    /// The per-VM proxy token written into the guest.
+    pub proxy_token: Option<String>,
+}
+
+/// Where a new VM's disk comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DiskSource {
+    /// A backend image by name.
+    Image(String),
+}
+
+/// A request to create a VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NewVm {
+    /// The VM's name (the object's name).
+    pub name: String,
+    /// The owning object's uid: the mark on everything made for it.
+    pub uid: String,
+    /// Where the disk comes from.
+    pub source: DiskSource,
+    /// Virtual CPUs.
+    pub cpus: u32,
+    /// Memory in MiB.
+    pub memory_mib: u64,
+    /// Disk size in GiB.
+    pub disk_gib: u64,
+    /// Boot it once created.
+    pub start: bool,
+    /// Its identity.
+    pub identity: Identity,
+}
+
+/// Whether a VM runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PowerState {
+    /// Running.
+    Running,
+    /// Stopped.
+    Stopped,
+}
+
+/// A size as the backend applies it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmSize {
+    /// Virtual CPUs.
+    pub cpus: u32,
+    /// Memory in MiB.
+    pub memory_mib: u64,
+    /// Disk in GiB.
+    pub disk_gib: u64,
+}
+
+/// One VM as the backend sees it (inventory row).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmInfo {
+    /// Name.
+    pub name: String,
+    /// The uid it was made for (boxery's mark); `None` when it carries no mark.
+    pub mark: Option<String>,
+    /// Running or stopped.
+    pub state: PowerState,
+    /// Its configured size.
+    pub size: VmSize,
+    /// `HOST:PORT` of its sshd when running and reachable.
+    pub ssh: Option<String>,
+    /// Bytes its own disk takes (a shared base not counted), when known.
+    pub disk_used_bytes: Option<u64>,
+}
+
+/// One image as the backend sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageInfo {
+    /// Name.
+    pub name: String,
+    /// The uid it was made for; `None` when it carries no mark.
+    pub mark: Option<String>,
+    /// When it was made.
+    pub created: Option<boxery_api::Time>,
+    /// Bytes it takes on the host.
+    pub size_bytes: Option<u64>,
+}
+
+/// How ready a backend is for use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Stability {
+    /// Meets every line of "what stable means for a backend".
+    Stable,
+    /// Works; some lines are missing.
+    Experimental,
+    /// Tests only.
+    TestOnly,
+}
+
+/// What a backend offers: declared once, read by the reconcilers, the CLI and the docs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Capabilities {
+    /// The backend's name.
+    pub name: &'static str,
+    /// Stability.
+    pub stability: Stability,
+    /// Platforms it runs on (`linux-x86_64`).
+    pub platforms: &'static [&'static str],
+    /// What it needs installed.
+    pub requirements: &'static [&'static str],
+    /// Can resize CPUs/memory/disk.
+    pub resize: bool,
+    /// Can capture a running VM.
+    pub live_capture: bool,
+    /// Can build the stock image.
+    pub build_stock_image: bool,
+    /// Can read a guest's host key through the hypervisor.
+    pub host_key: bool,
+}
+
+/// Progress reports for long work (image builds).
+pub type Progress = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// A hypervisor backend.
+#[async_trait]
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// What it offers.
+    fn capabilities(&self) -> Capabilities;
+    /// The backend's name.
+    fn name(&self) -> &'static str {
+        self.capabilities().name
+    }
+    /// Verify dependencies; the error says what to install.
+    async fn check(&self) -> Result<()>;
+    /// One-time host setup (state dirs, pools). Idempotent.
+    async fn init(&self) -> Result<()>;
+    /// Create (and boot, if asked) a VM. When it fails, `cleanup_new` removes what it left.
+    async fn create(&self, vm: &NewVm) -> Result<()>;
+    /// One VM, or `None` when it does not exist (only complete, marked VMs).
+    async fn get(&self, name: &str) -> Result<Option<VmInfo>>;
+    /// Every VM in boxery's namespace (marked or not; never another tool's).
+    async fn list(&self) -> Result<Vec<VmInfo>>;
+    /// Where the VM's sshd is, now.
+    async fn ssh_endpoint(&self, name: &str) -> Result<Option<String>>;
+    /// Boot a stopped VM (no-op when running).
+    async fn start(&self, name: &str) -> Result<()>;
+    /// Stop a running VM (no-op when stopped).
+    async fn stop(&self, name: &str) -> Result<()>;
+    /// Remove a VM (not its images). Succeeds when already gone.
+    async fn remove(&self, name: &str) -> Result<()>;
+    /// Apply a new size; leaves the VM running if it was, stopped if it was. Disks only grow.
+    async fn resize(&self, name: &str, size: VmSize) -> Result<()>;
+    /// Copy a VM's disk into a new image `image` marked with `uid`.
+    async fn capture(&self, vm: &str, image: &str, uid: &str) -> Result<()>;
+    /// Every image in boxery's namespace.
+    async fn images(&self) -> Result<Vec<ImageInfo>>;
+    /// Delete an image; VMs made from it keep working. Succeeds when already gone.
+    async fn remove_image(&self, image: &str) -> Result<()>;
+    /// Replace a VM's disk with a copy of `image`, keeping its identity; ends running.
+    async fn reimage(&self, vm: &str, image: &str, identity: &Identity) -> Result<()>;
+    /// Build the stock image `name` (`debian-12`) as image `image` marked `uid`.
+    async fn build_image(&self, name: &str, image: &str, uid: &str, progress: Progress) -> Result<()>;
+    /// Import a disk file as image `image`.
+    async fn import_image(&self, path: &std::path::Path, image: &str, uid: &str) -> Result<()> {
+        let _ = (path, image, uid);
+        Err(BackendError::Unsupported { backend: self.name().into(), what: "import image files".into() })
+    }
+    /// Remove an incomplete VM and its partial files. Idempotent.
+    async fn cleanup_new(&self, name: &str) -> Result<()>;
+    /// Remove a complete or partial image. Idempotent.
+    async fn cleanup_image(&self, image: &str) -> Result<()>;
+    /// Cancel a dead capture's jobs, restore the source VM to `original` and remove the partial
+    /// image. Never removes the source VM. Idempotent.
+    async fn recover_capture(&self, vm: &str, image: &str, original: Option<PowerState>) -> Result<()>;
+    /// The guest's host key read through the hypervisor, where the backend can.
+    async fn host_key(&self, name: &str) -> Result<Option<String>> {
+        let _ = name;
+        Ok(None)
+    }
+}
+
+/// Where a backend keeps its state: `$BOXERY_HOME/<backend>/`.
+pub fn state_dir(home: &std::path::Path, backend: &str) -> PathBuf {
+    home.join(backend)
+}
+
+/// Names of the backends this build has.
+pub const BACKENDS: &[&str] = &["fake"];
+
+/// Make a backend by name, its state under `home`.
+pub fn by_name(name: &str, home: &std::path::Path) -> Result<Arc<dyn Backend>> {
+    match name {
+        "fake" => Ok(Arc::new(fake::FakeBackend::new(state_dir(home, "fake")))),
+        other => Err(BackendError::Invalid(format!(
+            "unknown backend `{other}`: use one of {}",
+            BACKENDS.join(", ")
+        ))),
+    }
+}
