@@ -1,0 +1,1 @@
+//! The controller runtime (to be written).

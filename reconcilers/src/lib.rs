@@ -1,0 +1,1 @@
+//! Reconcilers (to be written).
