@@ -6,21 +6,47 @@
 //!
 //! Modelled on k3s's kine: one log whose row id is the revision; watch = rows after revision N
 //! plus a wake-up (in-process notify, and `PRAGMA data_version` polling for writes from other
-//! processes).
+//! processes). `docs/store.md` describes the layout and the reasoning.
 //!
 //! # Guarantees
 //! - Every write is one short `BEGIN IMMEDIATE` transaction; `apply_all` is one transaction for
-//!   a whole set (all or nothing).
+//!   a whole set (all or nothing). Several processes may open the same file at once.
 //! - Every stored object passed `boxery_api::normalize` (schema + checks + defaults).
+//! - Each changed object gets its own revision; revisions are committed in increasing order, so
+//!   a reader that saw revision N has seen every change at or below N.
 //! - A watcher sees every change after its start revision, in order, exactly once, or gets
 //!   `TooOld` when compaction removed what it asked for (relist, then watch again).
+//! - `list` returns the revision it read at: watching from it misses nothing.
+//! - A write that changes nothing writes nothing (no new revision, no event).
+//!
+//! # Assumptions
+//! - The file lives on a local file system (SQLite's WAL needs shared memory between the
+//!   processes that open it).
+//! - Reads and writes are short and synchronous; async callers may call them directly (they
+//!   take microseconds to a few milliseconds) and the watch stream does so between waits.
+//!
+//! # Caveats
+//! - Cascading deletes follow the owner's uid: every object naming a removed object among its
+//!   ownerReferences is deleted too, even when it names other owners.
+//! - Leader election compares wall clocks; see [`Store::try_lead`].
 
-#![allow(missing_docs)] // stub: filled in by the store implementation
+mod apply;
+mod compact;
+mod leader;
+mod schema;
+mod watch;
+mod write;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use boxery_api::{DynObject, Resource, Selector};
+use rusqlite::{Connection, OptionalExtension};
+
+use crate::schema::connect;
+use crate::write::Tx;
 
 /// Annotation holding the manifest last applied (for `diff` and `--prune`).
 pub const LAST_APPLIED: &str = "boxery.dev/last-applied";
@@ -30,28 +56,104 @@ pub const LAST_APPLIED: &str = "boxery.dev/last-applied";
 pub enum StoreError {
     /// The object does not exist.
     #[error("{kind} {name} not found: `boxery get {plural}` lists them")]
-    NotFound { kind: String, name: String, plural: String },
+    NotFound {
+        /// The kind asked for.
+        kind: String,
+        /// The name asked for.
+        name: String,
+        /// The kind's plural, for the hint.
+        plural: String,
+    },
     /// `create` of a name that exists.
     #[error("{kind} {name} already exists: use `boxery apply` to change it, or pick another name")]
-    AlreadyExists { kind: String, name: String },
+    AlreadyExists {
+        /// The kind.
+        kind: String,
+        /// The name taken.
+        name: String,
+    },
     /// Optimistic concurrency: the object changed since the caller read it.
-    #[error("{kind} {name} was changed by someone else (resourceVersion {expected} is stale; it is now {actual}): read it again and retry")]
-    Conflict { kind: String, name: String, expected: String, actual: String },
+    #[error(
+        "{kind} {name} was changed by someone else (resourceVersion {expected} is stale; it is now {actual}): read it again and retry"
+    )]
+    Conflict {
+        /// The kind.
+        kind: String,
+        /// The name.
+        name: String,
+        /// The resourceVersion the caller had.
+        expected: String,
+        /// The resourceVersion stored.
+        actual: String,
+    },
     /// The object failed validation.
     #[error(transparent)]
     Invalid(#[from] boxery_api::ValidationError),
+    /// `apply` of an object that is being deleted.
+    #[error(
+        "{kind} {name} is being deleted (its finalizers are still running): wait until it is gone, then apply again"
+    )]
+    BeingDeleted {
+        /// The kind.
+        kind: String,
+        /// The name.
+        name: String,
+    },
     /// A watch asked for revisions that were compacted away.
-    #[error("revision {requested} is too old (history starts after {floor}): list again and watch from the list's revision")]
-    TooOld { requested: u64, floor: u64 },
+    #[error(
+        "revision {requested} is too old (history starts after {floor}): list again and watch from the list's revision"
+    )]
+    TooOld {
+        /// The revision the watch would resume after.
+        requested: u64,
+        /// The compaction floor: history starts after it.
+        floor: u64,
+    },
     /// SQLite failed.
     #[error("the store's database failed")]
     Db(#[from] rusqlite::Error),
     /// JSON (de)serialization failed.
     #[error("a stored object could not be read")]
     Json(#[from] serde_json::Error),
-    /// Opening the store failed.
+    /// Opening the store failed (its directory, or its background threads).
     #[error("cannot open the store at {path}")]
-    Open { path: String, #[source] source: std::io::Error },
+    Open {
+        /// The file.
+        path: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Opening the store's SQLite file failed.
+    #[error("cannot open the store's database at {path}: check the path and its permissions")]
+    OpenDb {
+        /// The file.
+        path: String,
+        /// The cause.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// The file was written by a newer boxery.
+    #[error(
+        "the store at {path} has schema version {found}, newer than this boxery understands ({supported}): upgrade boxery"
+    )]
+    SchemaTooNew {
+        /// The file.
+        path: String,
+        /// Its `user_version`.
+        found: i64,
+        /// The newest version this build reads.
+        supported: i64,
+    },
+}
+
+impl StoreError {
+    fn not_found(kind: &str, name: &str) -> StoreError {
+        let plural = boxery_api::lookup_kind(kind)
+            .map(|k| k.plural.to_string())
+            .unwrap_or_else(|| kind.to_ascii_lowercase());
+        StoreError::NotFound { kind: kind.to_string(), name: name.to_string(), plural }
+    }
 }
 
 /// Result alias.
@@ -64,8 +166,17 @@ pub enum WatchEvent {
     Added(DynObject),
     /// Changed (including deletionTimestamp being set).
     Modified(DynObject),
-    /// Removed (the object as it was last).
+    /// Removed (the object as it was last, with the deletion's revision as resourceVersion).
     Deleted(DynObject),
+}
+
+impl WatchEvent {
+    /// The object the event carries.
+    pub fn object(&self) -> &DynObject {
+        match self {
+            WatchEvent::Added(o) | WatchEvent::Modified(o) | WatchEvent::Deleted(o) => o,
+        }
+    }
 }
 
 /// What `delete` did.
@@ -79,7 +190,17 @@ pub enum DeleteOutcome {
 
 /// What `apply` did to one object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ApplyAction { Created, Configured, Unchanged, Pruned }
+pub enum ApplyAction {
+    /// It did not exist and was created.
+    Created,
+    /// It existed and its manifest changed it.
+    Configured,
+    /// It existed and nothing changed (nothing was written).
+    Unchanged,
+    /// It was not in the set, matched the prune selector and carried a last-applied record:
+    /// deleted (or marked for deletion while finalizers remain).
+    Pruned,
+}
 
 /// Options for `apply_all`.
 #[derive(Debug, Clone, Default)]
@@ -92,31 +213,336 @@ pub struct ApplyOptions {
 
 /// Who is trying to lead.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Candidate { pub id: String, pub pid: u32, pub boot_id: String }
+pub struct Candidate {
+    /// Unique per running instance (e.g. `hostname-pid-random`); the holder's name.
+    pub id: String,
+    /// The candidate's process id, checked for liveness by candidates on the same boot.
+    pub pid: u32,
+    /// The machine's boot id (`/proc/sys/kernel/random/boot_id`).
+    pub boot_id: String,
+}
+
+impl Candidate {
+    /// This process as a candidate: its pid and this machine's boot id.
+    pub fn current(id: impl Into<String>) -> Candidate {
+        Candidate { id: id.into(), pid: std::process::id(), boot_id: leader::boot_id() }
+    }
+}
 
 /// The outcome of a leader-election attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Leadership { Leader { epoch: u64 }, Follower { holder: String, expires_in: Duration } }
+pub enum Leadership {
+    /// The caller holds the lock until the TTL runs out (renew before).
+    Leader {
+        /// Grows by one whenever the holder changes: fences a former leader's writes.
+        epoch: u64,
+    },
+    /// Someone else holds it.
+    Follower {
+        /// The holder's candidate id.
+        holder: String,
+        /// How long until its lease expires unless renewed.
+        expires_in: Duration,
+    },
+}
 
-pub struct Store;
+/// Background compaction of the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AutoCompact {
+    /// How many of the newest revisions stay in the log.
+    pub keep_revisions: u64,
+    /// How often to compact (the first run is one period after opening).
+    pub every: Duration,
+}
+
+/// How a store is opened.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// Background compaction (`None`: only [`Store::compact`] trims the log).
+    pub auto_compact: Option<AutoCompact>,
+    /// How long a write waits for another writer's lock before failing.
+    pub busy_timeout: Duration,
+    /// How often the change poller looks for writes by other processes.
+    pub poll_interval: Duration,
+}
+
+impl Default for StoreOptions {
+    /// Keep the newest 10,000 revisions, compacting every minute; wait up to 5 s for the write
+    /// lock; poll for other processes' writes every 5 ms.
+    fn default() -> Self {
+        StoreOptions {
+            auto_compact: Some(AutoCompact { keep_revisions: 10_000, every: Duration::from_secs(60) }),
+            busy_timeout: Duration::from_secs(5),
+            poll_interval: Duration::from_millis(5),
+        }
+    }
+}
+
+/// Readers kept open for reuse.
+const MAX_IDLE_READERS: usize = 8;
+
+/// What every clone of a [`Store`] shares.
+pub(crate) struct Inner {
+    path: PathBuf,
+    busy_timeout: Duration,
+    writer: Mutex<Connection>,
+    readers: Mutex<Vec<Connection>>,
+    /// The newest revision known to this process (wakes watchers).
+    pub(crate) revisions: tokio::sync::watch::Sender<u64>,
+    /// Dropped with the last handle: stops the poller and upkeep threads.
+    _stop: [mpsc::Sender<()>; 2],
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic inside a transaction rolled it back (rusqlite's Transaction drops with a
+    // rollback); the connection is usable.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Inner {
+    /// Run `f` on an idle reader connection (opening one if none is idle).
+    pub(crate) fn with_reader<T>(&self, f: impl FnOnce(&mut Connection) -> Result<T>) -> Result<T> {
+        let idle = lock(&self.readers).pop();
+        let mut conn = match idle {
+            Some(c) => c,
+            None => connect(&self.path, self.busy_timeout)?,
+        };
+        let out = f(&mut conn);
+        if !conn.is_autocommit() {
+            // A failed read left its transaction open: do not reuse the connection.
+            return out;
+        }
+        let mut idle = lock(&self.readers);
+        if idle.len() < MAX_IDLE_READERS {
+            idle.push(conn);
+        }
+        out
+    }
+
+    /// Run `f` in one write transaction; commit when it succeeds (roll back when it fails or
+    /// when `dry_run`), then wake watchers.
+    fn write<T>(&self, dry_run: bool, f: impl FnOnce(&mut Tx<'_>) -> Result<T>) -> Result<T> {
+        let mut conn = lock(&self.writer);
+        let mut tx = Tx::begin(&mut conn)?;
+        let out = f(&mut tx)?;
+        if dry_run {
+            tx.rollback()?;
+        } else {
+            let rev = tx.commit()?;
+            watch::publish(&self.revisions, rev);
+        }
+        Ok(out)
+    }
+}
+
+/// A handle on the store. Cheap to clone (every clone shares the connections and the
+/// background threads, which stop when the last clone is dropped).
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("path", &self.inner.path).finish_non_exhaustive()
+    }
+}
 
 impl Store {
-    pub fn open(_path: &Path) -> Result<Store> { todo!() }
-    pub fn create(&self, _obj: DynObject) -> Result<DynObject> { todo!() }
-    pub fn get(&self, _kind: &str, _name: &str) -> Result<Option<DynObject>> { todo!() }
-    pub fn list(&self, _kind: &str, _selector: &Selector) -> Result<(Vec<DynObject>, u64)> { todo!() }
-    pub fn update(&self, _obj: DynObject) -> Result<DynObject> { todo!() }
-    pub fn update_status(&self, _obj: DynObject) -> Result<DynObject> { todo!() }
-    pub fn delete(&self, _kind: &str, _name: &str) -> Result<DeleteOutcome> { todo!() }
-    pub fn apply_all(&self, _objs: Vec<DynObject>, _opts: &ApplyOptions) -> Result<Vec<(ApplyAction, DynObject)>> { todo!() }
-    pub fn revision(&self) -> Result<u64> { todo!() }
-    pub fn watch(&self, _kind: Option<&str>, _from: u64) -> futures::stream::BoxStream<'static, Result<(u64, WatchEvent)>> { todo!() }
-    pub fn compact(&self, _keep_revisions: u64) -> Result<u64> { todo!() }
-    pub fn try_lead(&self, _lock: &str, _me: &Candidate, _ttl: Duration) -> Result<Leadership> { todo!() }
-    pub fn resign(&self, _lock: &str, _me: &Candidate) -> Result<()> { todo!() }
-    pub fn get_as<R: Resource>(&self, _name: &str) -> Result<Option<R>> { todo!() }
-    pub fn list_as<R: Resource>(&self, _selector: &Selector) -> Result<Vec<R>> { todo!() }
-    pub fn create_as<R: Resource>(&self, _obj: &R) -> Result<R> { todo!() }
-    pub fn update_as<R: Resource>(&self, _obj: &R) -> Result<R> { todo!() }
-    pub fn update_status_as<R: Resource>(&self, _obj: &R) -> Result<R> { todo!() }
+    /// Open (or create) the store at `path` with [`StoreOptions::default`]. Creates missing
+    /// parent directories. Needs no async runtime.
+    pub fn open(path: &Path) -> Result<Store> {
+        Store::open_with(path, StoreOptions::default())
+    }
+
+    /// Open (or create) the store at `path`.
+    pub fn open_with(path: &Path, options: StoreOptions) -> Result<Store> {
+        let open_err = |source| StoreError::Open { path: path.display().to_string(), source };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(open_err)?;
+        }
+        let mut writer = connect(path, options.busy_timeout)?;
+        schema::init(&mut writer, path)?;
+        let rev = schema::meta(&writer, "revision")
+            .map_err(|source| StoreError::OpenDb { path: path.display().to_string(), source })?;
+        let (revisions, _) = tokio::sync::watch::channel(rev);
+        let (stop_poll, poll_rx) = mpsc::channel();
+        let (stop_upkeep, upkeep_rx) = mpsc::channel();
+        watch::spawn_poller(path.to_path_buf(), options.busy_timeout, options.poll_interval, revisions.clone(), poll_rx)
+            .map_err(open_err)?;
+        compact::spawn_upkeep(path.to_path_buf(), options.busy_timeout, options.auto_compact.clone(), upkeep_rx)
+            .map_err(open_err)?;
+        Ok(Store {
+            inner: Arc::new(Inner {
+                path: path.to_path_buf(),
+                busy_timeout: options.busy_timeout,
+                writer: Mutex::new(writer),
+                readers: Mutex::new(Vec::new()),
+                revisions,
+                _stop: [stop_poll, stop_upkeep],
+            }),
+        })
+    }
+
+    /// The file this store keeps.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Create an object: validated and defaulted, then `uid`, `generation` 1,
+    /// `creationTimestamp` and `resourceVersion` set by the server (`deletionTimestamp` and any
+    /// given `resourceVersion` dropped). Metadata, spec and status are kept as given.
+    /// `AlreadyExists` when the name is taken.
+    pub fn create(&self, obj: DynObject) -> Result<DynObject> {
+        let obj = boxery_api::normalize(serde_json::to_value(&obj)?)?;
+        self.inner.write(false, |tx| tx.create(obj))
+    }
+
+    /// The current object of a key.
+    pub fn get(&self, kind: &str, name: &str) -> Result<Option<DynObject>> {
+        self.inner.with_reader(|c| {
+            let json: Option<String> = c
+                .prepare_cached("SELECT json FROM objects WHERE kind = ?1 AND name = ?2")?
+                .query_row([kind, name], |r| r.get(0))
+                .optional()?;
+            Ok(match json {
+                Some(j) => Some(serde_json::from_str(&j)?),
+                None => None,
+            })
+        })
+    }
+
+    /// The objects of a kind whose labels match `selector`, sorted by name, and the revision
+    /// they were read at (one read transaction: watching from it misses nothing).
+    pub fn list(&self, kind: &str, selector: &Selector) -> Result<(Vec<DynObject>, u64)> {
+        self.inner.with_reader(|c| {
+            let tx = c.transaction()?;
+            let rev = schema::meta(&tx, "revision")?;
+            let mut out = Vec::new();
+            {
+                let mut stmt = tx.prepare_cached("SELECT json FROM objects WHERE kind = ?1 ORDER BY name")?;
+                let mut rows = stmt.query([kind])?;
+                while let Some(r) = rows.next()? {
+                    let obj: DynObject = serde_json::from_str(r.get_ref(0)?.as_str().map_err(rusqlite::Error::from)?)?;
+                    if selector.matches(&obj.metadata.labels) {
+                        out.push(obj);
+                    }
+                }
+            }
+            tx.commit()?;
+            Ok((out, rev))
+        })
+    }
+
+    /// Replace an object's spec and its labels, annotations, finalizers and ownerReferences.
+    /// The stored status, uid, creationTimestamp and deletionTimestamp are kept; `generation`
+    /// grows when the spec changed. A `resourceVersion` in `obj` is a precondition (`Conflict`
+    /// when the object moved on); without one the update is unconditional. Finalizers may not
+    /// be added to an object being deleted. When the object is being deleted and no finalizer
+    /// remains, it is removed (and what it owns is deleted): the removed object is returned.
+    /// An update that changes nothing writes nothing and returns the stored object.
+    pub fn update(&self, obj: DynObject) -> Result<DynObject> {
+        let obj = boxery_api::normalize(serde_json::to_value(&obj)?)?;
+        self.inner.write(false, |tx| tx.update(obj))
+    }
+
+    /// Replace only `status` (with the same `resourceVersion` precondition as `update`);
+    /// never bumps `generation`. Kinds without a status (`Event`) are refused as `Invalid`.
+    pub fn update_status(&self, obj: DynObject) -> Result<DynObject> {
+        let obj = boxery_api::normalize(serde_json::to_value(&obj)?)?;
+        self.inner.write(false, |tx| tx.update_status(obj))
+    }
+
+    /// Delete an object: while finalizers remain, set `deletionTimestamp` (once) and return
+    /// `Marked`; otherwise remove it and return `Removed`. Removal cascades to every object
+    /// whose ownerReferences name the removed object's uid, recursively, finalizers respected.
+    pub fn delete(&self, kind: &str, name: &str) -> Result<DeleteOutcome> {
+        self.inner.write(false, |tx| tx.delete(kind, name))
+    }
+
+    /// Apply a set of manifests in one transaction, all or nothing. Absent objects are created
+    /// with a [`LAST_APPLIED`] record (their status dropped); present ones get the manifest's
+    /// spec, labels and annotations (system `boxery.dev/` annotations kept), keeping status,
+    /// finalizers, ownerReferences and server fields; unchanged ones are not written. Objects
+    /// being deleted are refused (`BeingDeleted`), as are two objects with the same kind and
+    /// name (`Invalid`). With `prune`, objects of the kinds in the set that match the
+    /// selector, carry a last-applied record and are not in the set are deleted. With
+    /// `dry_run`, everything happens inside the transaction, which is then rolled back.
+    pub fn apply_all(&self, objs: Vec<DynObject>, opts: &ApplyOptions) -> Result<Vec<(ApplyAction, DynObject)>> {
+        self.inner.write(opts.dry_run, |tx| apply::apply_all(tx, objs, opts))
+    }
+
+    /// The store's current revision (the last one written).
+    pub fn revision(&self) -> Result<u64> {
+        self.inner.with_reader(|c| Ok(schema::meta(c, "revision")?))
+    }
+
+    /// Every change after revision `from` (of one kind, or of all), in order, then each new
+    /// change as it is committed, by this process or another. When `from` is below the
+    /// compaction floor, the first and only item is `Err(TooOld)`: list again and watch from
+    /// the list's revision. Any error ends the stream; resume from the last revision seen.
+    /// The stream needs no particular runtime (it waits on a `tokio::sync::watch`).
+    pub fn watch(&self, kind: Option<&str>, from: u64) -> futures::stream::BoxStream<'static, Result<(u64, WatchEvent)>> {
+        watch::stream(self.inner.clone(), kind.map(str::to_string), from)
+    }
+
+    /// Delete log rows older than the newest `keep_revisions` revisions, in batches of a
+    /// thousand rows, each its own short write transaction (writers wait at most one batch),
+    /// raising the compaction floor as it goes. Returns the rows deleted.
+    pub fn compact(&self, keep_revisions: u64) -> Result<u64> {
+        let mut total = 0;
+        loop {
+            let (n, done) = compact::compact_batch(&mut lock(&self.inner.writer), keep_revisions)?;
+            total += n;
+            if done {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// The compaction floor: the log holds every change after it.
+    pub fn compacted(&self) -> Result<u64> {
+        self.inner.with_reader(|c| Ok(schema::meta(c, "compacted")?))
+    }
+
+    /// Try to take or renew the leader lock `lock` for `ttl`. Succeeds when nobody holds it,
+    /// the lease expired (wall clock), `me` holds it, or the holder ran on this boot and its
+    /// process is gone (or its pid was reused). Renew well within `ttl`.
+    pub fn try_lead(&self, lock_name: &str, me: &Candidate, ttl: Duration) -> Result<Leadership> {
+        leader::try_lead(&mut lock(&self.inner.writer), lock_name, me, ttl)
+    }
+
+    /// Give up the lock if `me` holds it (others may take it at once).
+    pub fn resign(&self, lock_name: &str, me: &Candidate) -> Result<()> {
+        leader::resign(&mut lock(&self.inner.writer), lock_name, me)
+    }
+
+    /// [`Store::get`], typed.
+    pub fn get_as<R: Resource>(&self, name: &str) -> Result<Option<R>> {
+        match self.get(R::INFO.kind, name)? {
+            Some(o) => Ok(Some(o.to_typed()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// [`Store::list`], typed (without the revision).
+    pub fn list_as<R: Resource>(&self, selector: &Selector) -> Result<Vec<R>> {
+        let (objs, _) = self.list(R::INFO.kind, selector)?;
+        objs.iter().map(|o| o.to_typed().map_err(StoreError::from)).collect()
+    }
+
+    /// [`Store::create`], typed.
+    pub fn create_as<R: Resource>(&self, obj: &R) -> Result<R> {
+        Ok(self.create(DynObject::from_typed(obj)?)?.to_typed()?)
+    }
+
+    /// [`Store::update`], typed.
+    pub fn update_as<R: Resource>(&self, obj: &R) -> Result<R> {
+        Ok(self.update(DynObject::from_typed(obj)?)?.to_typed()?)
+    }
+
+    /// [`Store::update_status`], typed.
+    pub fn update_status_as<R: Resource>(&self, obj: &R) -> Result<R> {
+        Ok(self.update_status(DynObject::from_typed(obj)?)?.to_typed()?)
+    }
 }

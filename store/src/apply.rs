@@ -1,0 +1,115 @@
+//! `apply_all`: a set of manifests in one transaction, all or nothing, with last-applied
+//! records, prune and dry run.
+
+use std::collections::{BTreeSet, HashSet};
+
+use boxery_api::validate::FieldError;
+use boxery_api::{DynObject, ValidationError};
+use serde_json::Value;
+
+use crate::write::{EventType, Tx, replace_spec};
+use crate::{ApplyAction, ApplyOptions, DeleteOutcome, LAST_APPLIED, Result, StoreError};
+
+/// Annotations with this prefix belong to the system: apply keeps the stored ones.
+const SYSTEM_PREFIX: &str = "boxery.dev/";
+
+/// The manifest as recorded in `LAST_APPLIED`: as given, without status, the server's
+/// metadata fields, or the record itself.
+pub(crate) fn last_applied(obj: &DynObject) -> Result<Value> {
+    let mut v = serde_json::to_value(obj)?;
+    if let Some(o) = v.as_object_mut() {
+        o.remove("status");
+        if let Some(Value::Object(m)) = o.get_mut("metadata") {
+            for k in ["uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp"] {
+                m.remove(k);
+            }
+            let empty = match m.get_mut("annotations") {
+                Some(Value::Object(a)) => {
+                    a.remove(LAST_APPLIED);
+                    a.is_empty()
+                }
+                _ => false,
+            };
+            if empty {
+                m.remove("annotations");
+            }
+        }
+    }
+    Ok(v)
+}
+
+/// Apply every object of the set inside `tx`, then prune. Returns what happened to each
+/// object, in the order given, then the pruned ones.
+pub(crate) fn apply_all(
+    tx: &mut Tx<'_>,
+    objs: Vec<DynObject>,
+    opts: &ApplyOptions,
+) -> Result<Vec<(ApplyAction, DynObject)>> {
+    let mut seen = HashSet::new();
+    for o in &objs {
+        if !seen.insert((o.kind.clone(), o.metadata.name.clone())) {
+            return Err(StoreError::Invalid(ValidationError {
+                object: o.key(),
+                errors: vec![FieldError::new(
+                    "metadata.name",
+                    format!("{} appears more than once in the set being applied: keep one of them", o.key()),
+                )],
+            }));
+        }
+    }
+    let kinds: BTreeSet<String> = objs.iter().map(|o| o.kind.clone()).collect();
+    let mut out = Vec::with_capacity(objs.len());
+    for obj in objs {
+        out.push(apply_one(tx, obj)?);
+    }
+    if let Some(selector) = &opts.prune {
+        for kind in &kinds {
+            for obj in tx.load_kind(kind)? {
+                if seen.contains(&(obj.kind.clone(), obj.metadata.name.clone()))
+                    || obj.metadata.is_deleting()
+                    || !obj.metadata.annotations.contains_key(LAST_APPLIED)
+                    || !selector.matches(&obj.metadata.labels)
+                {
+                    continue;
+                }
+                let pruned = match tx.delete(&obj.kind, &obj.metadata.name)? {
+                    DeleteOutcome::Marked(o) | DeleteOutcome::Removed(o) => o,
+                };
+                out.push((ApplyAction::Pruned, pruned));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn apply_one(tx: &mut Tx<'_>, obj: DynObject) -> Result<(ApplyAction, DynObject)> {
+    let mut manifest = last_applied(&obj)?;
+    let record = manifest.to_string();
+    if let Some(m) = manifest.get_mut("metadata").and_then(Value::as_object_mut) {
+        let ann = m.entry("annotations").or_insert_with(|| Value::Object(Default::default()));
+        if let Some(a) = ann.as_object_mut() {
+            a.insert(LAST_APPLIED.into(), Value::String(record));
+        }
+    }
+    let n = boxery_api::normalize(manifest)?;
+    let Some(cur) = tx.load(&n.kind, &n.metadata.name)? else {
+        return Ok((ApplyAction::Created, tx.create(n)?));
+    };
+    if cur.metadata.is_deleting() {
+        return Err(StoreError::BeingDeleted { kind: cur.kind, name: cur.metadata.name });
+    }
+    let mut new = cur.clone();
+    let spec_changed = replace_spec(&mut new.rest, &n.rest);
+    let m = &mut new.metadata;
+    m.labels = n.metadata.labels;
+    m.annotations.retain(|k, _| k.starts_with(SYSTEM_PREFIX) && k != LAST_APPLIED);
+    m.annotations.extend(n.metadata.annotations);
+    if spec_changed {
+        m.generation = Some(cur.metadata.generation.unwrap_or(0) + 1);
+    }
+    if new == cur {
+        return Ok((ApplyAction::Unchanged, cur));
+    }
+    tx.put(&mut new, EventType::Modified, Some(&cur))?;
+    Ok((ApplyAction::Configured, new))
+}

@@ -1,0 +1,126 @@
+//! The SQLite file: connection settings and the schema.
+//!
+//! # Layout (schema version 1, kept in `PRAGMA user_version`)
+//! - `meta(key, value)`: `revision` (the global counter, the last revision written) and
+//!   `compacted` (the compaction floor: log rows at or below it may be gone).
+//! - `objects(kind, name, uid, rev, json)`: the current object of every key.
+//! - `owners(owner_uid, kind, name)`: one row per ownerReference of a current object, so the
+//!   cascade finds what an object owns without reading any JSON.
+//! - `log(rev, kind, name, type, json)`: one row per change, `rev` is the revision; `type` is
+//!   `Added`, `Modified` or `Deleted`; `json` is the object as of that change.
+//! - `leaders(lock, holder, pid, boot_id, start_time, epoch, expires_ms)`: leader election.
+
+use std::path::Path;
+use std::time::Duration;
+
+use rusqlite::{Connection, OpenFlags, TransactionBehavior};
+
+use crate::{Result, StoreError};
+
+/// The schema version this code reads and writes.
+pub(crate) const SCHEMA_VERSION: i64 = 1;
+
+const SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+) WITHOUT ROWID;
+INSERT OR IGNORE INTO meta (key, value) VALUES ('revision', 0), ('compacted', 0);
+
+CREATE TABLE IF NOT EXISTS objects (
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    uid  TEXT NOT NULL,
+    rev  INTEGER NOT NULL,
+    json TEXT NOT NULL,
+    PRIMARY KEY (kind, name)
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS owners (
+    owner_uid TEXT NOT NULL,
+    kind      TEXT NOT NULL,
+    name      TEXT NOT NULL,
+    PRIMARY KEY (owner_uid, kind, name)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS owners_by_object ON owners (kind, name);
+
+CREATE TABLE IF NOT EXISTS log (
+    rev  INTEGER PRIMARY KEY,
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    type TEXT NOT NULL,
+    json TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS log_by_kind ON log (kind, rev);
+
+CREATE TABLE IF NOT EXISTS leaders (
+    lock       TEXT PRIMARY KEY,
+    holder     TEXT NOT NULL,
+    pid        INTEGER NOT NULL,
+    boot_id    TEXT NOT NULL,
+    start_time INTEGER,
+    epoch      INTEGER NOT NULL,
+    expires_ms INTEGER NOT NULL
+) WITHOUT ROWID;
+"#;
+
+/// Open one connection to the store's file with the settings every connection shares:
+/// WAL, `synchronous=NORMAL`, a busy timeout, foreign keys off (the schema has none).
+pub(crate) fn connect(path: &Path, busy_timeout: Duration) -> Result<Connection> {
+    let open_db = |source| StoreError::OpenDb { path: path.display().to_string(), source };
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+        | OpenFlags::SQLITE_OPEN_CREATE
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX
+        | OpenFlags::SQLITE_OPEN_URI;
+    let conn = Connection::open_with_flags(path, flags).map_err(open_db)?;
+    conn.busy_timeout(busy_timeout).map_err(open_db)?;
+    // Switching to WAL needs a moment of exclusive access; the busy timeout covers a race
+    // with another process opening the same new file.
+    let mode: String =
+        conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0)).map_err(open_db)?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        tracing::warn!(path = %path.display(), mode, "the store's file is not in WAL mode");
+    }
+    conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_db)?;
+    Ok(conn)
+}
+
+/// Create the schema if the file is new; refuse a file written by a newer boxery.
+pub(crate) fn init(conn: &mut Connection, path: &Path) -> Result<()> {
+    let open_db = |source| StoreError::OpenDb { path: path.display().to_string(), source };
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(open_db)?;
+    let version: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(open_db)?;
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::SchemaTooNew {
+            path: path.display().to_string(),
+            found: version,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    if version < SCHEMA_VERSION {
+        tx.execute_batch(SCHEMA).map_err(open_db)?;
+        tx.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(open_db)?;
+    }
+    tx.commit().map_err(open_db)?;
+    Ok(())
+}
+
+/// Read one `meta` value.
+pub(crate) fn meta(conn: &Connection, key: &str) -> rusqlite::Result<u64> {
+    let v: i64 = conn
+        .prepare_cached("SELECT value FROM meta WHERE key = ?1")?
+        .query_row([key], |r| r.get(0))?;
+    Ok(v.max(0) as u64)
+}
+
+/// Write one `meta` value.
+pub(crate) fn set_meta(conn: &Connection, key: &str, value: u64) -> rusqlite::Result<()> {
+    conn.prepare_cached("UPDATE meta SET value = ?2 WHERE key = ?1")?
+        .execute(rusqlite::params![key, to_i64(value)])?;
+    Ok(())
+}
+
+/// A revision as SQLite stores it (revisions never come near `i64::MAX`).
+pub(crate) fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
