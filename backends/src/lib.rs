@@ -32,26 +32,52 @@ use serde::{Deserialize, Serialize};
 pub enum BackendError {
     /// The hypervisor (daemon, API, state dir) cannot be reached: never read this as "empty".
     #[error("the {backend} backend is unreachable: {message}")]
-    Unreachable { backend: String, message: String },
+    Unreachable {
+        /// The backend's name.
+        backend: String,
+        /// What could not be reached, and why.
+        message: String,
+    },
     /// The VM or image does not exist.
     #[error("{what} not found in the {backend} backend")]
-    NotFound { backend: String, what: String },
+    NotFound {
+        /// The backend's name.
+        backend: String,
+        /// What is missing (`VM dev1`, `image dev1@clean`).
+        what: String,
+    },
     /// The request can never succeed as asked (too many CPUs, a disk smaller than its image):
     /// not retried until the spec changes.
     #[error("{0}")]
     Invalid(String),
     /// The backend does not offer this.
     #[error("the {backend} backend cannot {what}")]
-    Unsupported { backend: String, what: String },
+    Unsupported {
+        /// The backend's name.
+        backend: String,
+        /// What it cannot do (`resize VMs`).
+        what: String,
+    },
     /// `reimage` failed before changing the VM at all.
     #[error("reimage failed before changing the VM: {0}")]
     Unchanged(String),
     /// A step failed; retrying may help.
     #[error("{step} failed: {message}")]
-    Failed { step: String, message: String },
+    Failed {
+        /// The step that failed.
+        step: String,
+        /// Why.
+        message: String,
+    },
     /// Local I/O failed.
     #[error("{context}")]
-    Io { context: String, #[source] source: std::io::Error },
+    Io {
+        /// What was being done.
+        context: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl BackendError {
