@@ -1,1 +1,26 @@
-//! The controller runtime (to be written).
+//! boxery's controller runtime, on the model of kube-runtime: a [`reflector`] keeps an
+//! in-memory cache of a kind from the store's watch; a [`scheduler`] queues object names
+//! (deduplicated, earliest deadline wins); a [`runner`] calls `reconcile` with at most one
+//! call in flight per name and a global concurrency limit; the [`controller`] ties them
+//! together with the requeue and [`backoff`] policy ([`Action`]). Beside it: the
+//! [`finalizer`] helpers, the [`events`] recorder and [`leader`] election.
+//!
+//! See `docs/controller.md` for the picture and the guarantees.
+
+pub mod action;
+pub mod backoff;
+pub mod controller;
+pub mod events;
+pub mod finalizer;
+pub mod leader;
+pub mod reflector;
+pub mod runner;
+pub mod scheduler;
+
+pub use action::{Action, ReconcileError};
+pub use backoff::Backoff;
+pub use controller::{Controller, Mapper, Trigger, default_error_policy, error_chain};
+// pub use events::Recorder;
+// pub use leader::{Leader, LeaderElector};
+pub use reflector::{Cache, Change, Source};
+pub use tokio_util::sync::CancellationToken;
