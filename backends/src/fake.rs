@@ -54,15 +54,19 @@ use std::path::{Path, PathBuf};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-pub use faults::{COUNTERS_FILE, FAULTS_ENV, FAULTS_FILE, FaultAction, FaultConfig, FaultRule, STEPS};
+pub use faults::{
+    COUNTERS_FILE, FAULTS_ENV, FAULTS_FILE, FaultAction, FaultConfig, FaultRule, STEPS,
+};
 pub use journal::{JOURNAL_FILE, JournalEntry, JournalOp};
 
 use crate::{
-    Backend, BackendError, Capabilities, DiskSource, Identity, ImageInfo, NewVm, PowerState, Progress, Result,
-    Stability, VmInfo, VmSize,
+    Backend, BackendError, Capabilities, DiskSource, Identity, ImageInfo, NewVm, PowerState,
+    Progress, Result, Stability, VmInfo, VmSize,
 };
 use faults::{Decision, Faults};
-use fsutil::{copy_atomic, exists, mkdirs, read_json, remove_file, remove_tree, write_atomic, write_json};
+use fsutil::{
+    copy_atomic, exists, mkdirs, read_json, remove_file, remove_tree, write_atomic, write_json,
+};
 
 const BACKEND: &str = "fake";
 /// Stock images the fake can build.
@@ -142,7 +146,10 @@ impl FakeBackend {
     /// A fake backend keeping its state in `dir` (made on first use). Reads the fault
     /// configuration in `BOXERY_FAKE_FAULTS` now; an invalid one fails every call.
     pub fn new(dir: PathBuf) -> Self {
-        FakeBackend { faults: Faults::new(dir.clone()), dir }
+        FakeBackend {
+            faults: Faults::new(dir.clone()),
+            dir,
+        }
     }
 
     /// Its state dir.
@@ -167,13 +174,19 @@ impl FakeBackend {
     async fn step(&self, step: &str) -> Result<()> {
         match self.faults.check(step).await? {
             Decision::Proceed => Ok(()),
-            Decision::Fire { action, rule, call, ms } => {
+            Decision::Fire {
+                action,
+                rule,
+                call,
+                ms,
+            } => {
                 let why = format!("injected fault (rule {rule}, call {call} of step `{step}`)");
                 match action {
                     FaultAction::Fail => Err(BackendError::failed(step, why)),
-                    FaultAction::Unreachable => {
-                        Err(BackendError::Unreachable { backend: BACKEND.into(), message: why })
-                    }
+                    FaultAction::Unreachable => Err(BackendError::Unreachable {
+                        backend: BACKEND.into(),
+                        message: why,
+                    }),
                     FaultAction::Hang => {
                         tracing::warn!(step, rule, call, "fake backend: injected hang");
                         let never: std::convert::Infallible = std::future::pending().await;
@@ -192,9 +205,18 @@ impl FakeBackend {
         }
     }
 
-    fn record(&self, op: JournalOp, name: &str, uid: Option<&str>, source: Option<&str>) -> Result<()> {
+    fn record(
+        &self,
+        op: JournalOp,
+        name: &str,
+        uid: Option<&str>,
+        source: Option<&str>,
+    ) -> Result<()> {
         mkdirs(&self.dir)?;
-        journal::append(&self.dir.join(JOURNAL_FILE), &JournalEntry::new(op, name, uid, source))
+        journal::append(
+            &self.dir.join(JOURNAL_FILE),
+            &JournalEntry::new(op, name, uid, source),
+        )
     }
 
     /// The record of a complete VM (marked or not); `None` when absent or partial.
@@ -210,7 +232,8 @@ impl FakeBackend {
     }
 
     fn require_vm(&self, name: &str) -> Result<VmRecord> {
-        self.vm_record(name)?.ok_or_else(|| not_found(format!("VM {name}")))
+        self.vm_record(name)?
+            .ok_or_else(|| not_found(format!("VM {name}")))
     }
 
     fn write_vm(&self, rec: &VmRecord) -> Result<()> {
@@ -218,7 +241,9 @@ impl FakeBackend {
     }
 
     fn vm_info(&self, rec: VmRecord) -> VmInfo {
-        let used = std::fs::metadata(self.vm_dir(&rec.name).join(DISK)).ok().map(|m| m.len());
+        let used = std::fs::metadata(self.vm_dir(&rec.name).join(DISK))
+            .ok()
+            .map(|m| m.len());
         VmInfo {
             ssh: (rec.state == PowerState::Running).then(|| endpoint(&rec.name)),
             name: rec.name,
@@ -241,7 +266,10 @@ impl FakeBackend {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
             Err(e) => {
-                return Err(BackendError::io(format!("cannot move {} to {}", path.display(), target.display()), e));
+                return Err(BackendError::io(
+                    format!("cannot move {} to {}", path.display(), target.display()),
+                    e,
+                ));
             }
         }
         remove_tree(&target)?;
@@ -264,7 +292,10 @@ impl FakeBackend {
         if let Ok(Some(rec)) = read_json::<VmRecord>(&dir.join(VM_JSON)) {
             return rec.mark;
         }
-        std::fs::read_to_string(dir.join(MARK)).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty())
+        std::fs::read_to_string(dir.join(MARK))
+            .ok()
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
     }
 
     /// Rename a finished staging dir to `images/<image>`.
@@ -281,7 +312,14 @@ impl FakeBackend {
             self.discard(&target)?;
         }
         std::fs::rename(staging, &target).map_err(|e| {
-            BackendError::io(format!("cannot rename {} to {}", staging.display(), target.display()), e)
+            BackendError::io(
+                format!(
+                    "cannot rename {} to {}",
+                    staging.display(),
+                    target.display()
+                ),
+                e,
+            )
         })
     }
 
@@ -370,13 +408,17 @@ impl FakeBackend {
     /// A VM's disk contents.
     pub fn read_disk(&self, vm: &str) -> Result<Vec<u8>> {
         check_name("VM", vm)?;
-        read_file(&self.vm_dir(vm).join(DISK), || not_found(format!("disk of VM {vm}")))
+        read_file(&self.vm_dir(vm).join(DISK), || {
+            not_found(format!("disk of VM {vm}"))
+        })
     }
 
     /// A complete image's disk contents.
     pub fn read_image_disk(&self, image: &str) -> Result<Vec<u8>> {
         check_name("image", image)?;
-        read_file(&self.image_dir(image).join(DISK), || not_found(format!("disk of image {image}")))
+        read_file(&self.image_dir(image).join(DISK), || {
+            not_found(format!("disk of image {image}"))
+        })
     }
 
     /// Add a complete VM without `create` (no faults, no journal): `mark: None` is something
@@ -390,9 +432,16 @@ impl FakeBackend {
             name: name.into(),
             mark: mark.map(str::to_string),
             state,
-            size: VmSize { cpus: 1, memory_mib: 1024, disk_gib: STOCK_DISK_GIB },
+            size: VmSize {
+                cpus: 1,
+                memory_mib: 1024,
+                disk_gib: STOCK_DISK_GIB,
+            },
             source: None,
-            identity: Identity { hostname: name.into(), ..Identity::default() },
+            identity: Identity {
+                hostname: name.into(),
+                ..Identity::default()
+            },
             mac: new_mac(),
             created: boxery_api::now(),
             reimaged_from: None,
@@ -457,7 +506,10 @@ impl FakeBackend {
                 continue;
             }
             for f in list(&vm) {
-                let n = f.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let n = f
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
                 if n.starts_with('.') || n == DISK_NEW || n == REIMAGE_JSON {
                     out.push(f);
                 }
@@ -470,7 +522,14 @@ impl FakeBackend {
         }
         out.extend(list(&self.dir.join("staging").join("images")));
         out.extend(list(&self.trash_dir()));
-        Ok(out.into_iter().map(|p| p.strip_prefix(&self.dir).map(Path::to_path_buf).unwrap_or(p)).collect())
+        Ok(out
+            .into_iter()
+            .map(|p| {
+                p.strip_prefix(&self.dir)
+                    .map(Path::to_path_buf)
+                    .unwrap_or(p)
+            })
+            .collect())
     }
 }
 
@@ -505,7 +564,14 @@ impl Backend for FakeBackend {
     async fn create(&self, vm: &NewVm) -> Result<()> {
         self.step("create").await?;
         check_name("VM", &vm.name)?;
-        check_size(&vm.name, VmSize { cpus: vm.cpus, memory_mib: vm.memory_mib, disk_gib: vm.disk_gib })?;
+        check_size(
+            &vm.name,
+            VmSize {
+                cpus: vm.cpus,
+                memory_mib: vm.memory_mib,
+                disk_gib: vm.disk_gib,
+            },
+        )?;
         if let Some(rec) = self.vm_record(&vm.name)? {
             if rec.mark.as_deref() == Some(vm.uid.as_str()) {
                 return Ok(());
@@ -522,7 +588,9 @@ impl Backend for FakeBackend {
         }
         let DiskSource::Image(image) = &vm.source;
         check_name("image", image)?;
-        let source = self.image_record(image)?.ok_or_else(|| not_found(format!("image {image}")))?;
+        let source = self
+            .image_record(image)?
+            .ok_or_else(|| not_found(format!("image {image}")))?;
         if vm.disk_gib < source.disk_gib {
             return Err(BackendError::Invalid(format!(
                 "VM {} asks for a {} GiB disk, smaller than its image {image} ({} GiB): ask for at least {} GiB",
@@ -544,8 +612,16 @@ impl Backend for FakeBackend {
         self.write_vm(&VmRecord {
             name: vm.name.clone(),
             mark: Some(vm.uid.clone()),
-            state: if vm.start { PowerState::Running } else { PowerState::Stopped },
-            size: VmSize { cpus: vm.cpus, memory_mib: vm.memory_mib, disk_gib: vm.disk_gib },
+            state: if vm.start {
+                PowerState::Running
+            } else {
+                PowerState::Stopped
+            },
+            size: VmSize {
+                cpus: vm.cpus,
+                memory_mib: vm.memory_mib,
+                disk_gib: vm.disk_gib,
+            },
             source: Some(image.clone()),
             identity: vm.identity.clone(),
             mac: new_mac(),
@@ -558,12 +634,19 @@ impl Backend for FakeBackend {
 
     async fn get(&self, name: &str) -> Result<Option<VmInfo>> {
         self.step("get").await?;
-        Ok(self.vm_record(name)?.filter(|r| r.mark.is_some()).map(|r| self.vm_info(r)))
+        Ok(self
+            .vm_record(name)?
+            .filter(|r| r.mark.is_some())
+            .map(|r| self.vm_info(r)))
     }
 
     async fn list(&self) -> Result<Vec<VmInfo>> {
         self.step("list").await?;
-        Ok(self.scan::<VmRecord>("vms", VM_JSON)?.into_iter().map(|r| self.vm_info(r)).collect())
+        Ok(self
+            .scan::<VmRecord>("vms", VM_JSON)?
+            .into_iter()
+            .map(|r| self.vm_info(r))
+            .collect())
     }
 
     async fn ssh_endpoint(&self, name: &str) -> Result<Option<String>> {
@@ -661,7 +744,9 @@ impl Backend for FakeBackend {
             .scan::<ImageRecord>("images", IMAGE_JSON)?
             .into_iter()
             .map(|r| ImageInfo {
-                size_bytes: std::fs::metadata(self.image_dir(&r.name).join(DISK)).ok().map(|m| m.len()),
+                size_bytes: std::fs::metadata(self.image_dir(&r.name).join(DISK))
+                    .ok()
+                    .map(|m| m.len()),
                 name: r.name,
                 mark: r.mark,
                 created: Some(r.created),
@@ -682,15 +767,20 @@ impl Backend for FakeBackend {
     async fn reimage(&self, vm: &str, image: &str, identity: &Identity) -> Result<()> {
         // Until the swap, a failure leaves the VM as it was: `Unchanged`.
         let unchanged = |e: BackendError| match e {
-            BackendError::Failed { step, message } => BackendError::Unchanged(format!("{step} failed: {message}")),
-            BackendError::Io { context, source } => BackendError::Unchanged(format!("{context}: {source}")),
+            BackendError::Failed { step, message } => {
+                BackendError::Unchanged(format!("{step} failed: {message}"))
+            }
+            BackendError::Io { context, source } => {
+                BackendError::Unchanged(format!("{context}: {source}"))
+            }
             other => other,
         };
         self.step("reimage").await.map_err(unchanged)?;
         check_name("image", image)?;
         let mut rec = self.require_vm(vm)?;
         let dir = self.vm_dir(vm);
-        let marker: Option<ReimageMarker> = read_json(&dir.join(REIMAGE_JSON)).map_err(unchanged)?;
+        let marker: Option<ReimageMarker> =
+            read_json(&dir.join(REIMAGE_JSON)).map_err(unchanged)?;
         let resuming = marker.is_some_and(|m| m.image == image);
         if !resuming {
             // A stale marker (an abandoned reimage to another image) goes first.
@@ -699,7 +789,9 @@ impl Backend for FakeBackend {
             let source = self
                 .image_record(image)
                 .map_err(unchanged)?
-                .ok_or_else(|| BackendError::Unchanged(format!("image {image} not found in the fake backend")))?;
+                .ok_or_else(|| {
+                    BackendError::Unchanged(format!("image {image} not found in the fake backend"))
+                })?;
             if rec.size.disk_gib < source.disk_gib {
                 return Err(BackendError::Unchanged(format!(
                     "image {image} needs a {} GiB disk and VM {vm} has {} GiB: resize it first",
@@ -707,8 +799,15 @@ impl Backend for FakeBackend {
                 )));
             }
             self.step("reimage.stage").await.map_err(unchanged)?;
-            copy_atomic(&self.image_dir(image).join(DISK), &dir.join(DISK_NEW)).map_err(unchanged)?;
-            write_json(&dir.join(REIMAGE_JSON), &ReimageMarker { image: image.into() }).map_err(unchanged)?;
+            copy_atomic(&self.image_dir(image).join(DISK), &dir.join(DISK_NEW))
+                .map_err(unchanged)?;
+            write_json(
+                &dir.join(REIMAGE_JSON),
+                &ReimageMarker {
+                    image: image.into(),
+                },
+            )
+            .map_err(unchanged)?;
         }
 
         self.step("reimage.swap").await?;
@@ -727,7 +826,13 @@ impl Backend for FakeBackend {
         self.step("reimage.done").await
     }
 
-    async fn build_image(&self, name: &str, image: &str, uid: &str, progress: Progress) -> Result<()> {
+    async fn build_image(
+        &self,
+        name: &str,
+        image: &str,
+        uid: &str,
+        progress: Progress,
+    ) -> Result<()> {
         self.step("build").await?;
         check_name("image", image)?;
         if !STOCK_IMAGES.contains(&name) {
@@ -807,7 +912,10 @@ impl Backend for FakeBackend {
         check_name("VM", name)?;
         let dir = self.vm_dir(name);
         if exists(&dir.join(VM_JSON)) {
-            tracing::debug!(vm = name, "fake cleanup_new: the VM is complete, leaving it");
+            tracing::debug!(
+                vm = name,
+                "fake cleanup_new: the VM is complete, leaving it"
+            );
             return Ok(());
         }
         let mark = self.vm_dir_mark(name);
@@ -825,7 +933,11 @@ impl Backend for FakeBackend {
             .image_record(image)
             .ok()
             .flatten()
-            .or_else(|| read_json::<ImageRecord>(&staging.join(IMAGE_JSON)).ok().flatten())
+            .or_else(|| {
+                read_json::<ImageRecord>(&staging.join(IMAGE_JSON))
+                    .ok()
+                    .flatten()
+            })
             .and_then(|r| r.mark);
         let staged = self.discard(&staging)?;
         let published = self.discard(&self.image_dir(image))?;
@@ -837,13 +949,21 @@ impl Backend for FakeBackend {
 
     /// Removes the capture's staging dir and an `images/<image>` dir without `image.json`;
     /// a complete image is left (the capture finished; `cleanup_image` deletes it).
-    async fn recover_capture(&self, vm: &str, image: &str, original: Option<PowerState>) -> Result<()> {
+    async fn recover_capture(
+        &self,
+        vm: &str,
+        image: &str,
+        original: Option<PowerState>,
+    ) -> Result<()> {
         self.step("recover_capture").await?;
         check_name("VM", vm)?;
         check_name("image", image)?;
         let _ = original; // captures never change the source's state
         let staging = self.staging_dir(image);
-        let mark = read_json::<ImageRecord>(&staging.join(IMAGE_JSON)).ok().flatten().and_then(|r| r.mark);
+        let mark = read_json::<ImageRecord>(&staging.join(IMAGE_JSON))
+            .ok()
+            .flatten()
+            .and_then(|r| r.mark);
         let mut removed = self.discard(&staging)?;
         let published = self.image_dir(image);
         if exists(&published) && !exists(&published.join(IMAGE_JSON)) {
@@ -862,7 +982,10 @@ fn endpoint(name: &str) -> String {
 }
 
 fn not_found(what: String) -> BackendError {
-    BackendError::NotFound { backend: BACKEND.into(), what }
+    BackendError::NotFound {
+        backend: BACKEND.into(),
+        what,
+    }
 }
 
 fn new_mac() -> String {
@@ -874,13 +997,20 @@ fn read_file(path: &Path, missing: impl FnOnce() -> BackendError) -> Result<Vec<
     match std::fs::read(path) {
         Ok(b) => Ok(b),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(missing()),
-        Err(e) => Err(BackendError::io(format!("cannot read {}", path.display()), e)),
+        Err(e) => Err(BackendError::io(
+            format!("cannot read {}", path.display()),
+            e,
+        )),
     }
 }
 
 /// Names become directory names: refuse what could escape or hide.
 fn check_name(what: &str, name: &str) -> Result<()> {
-    if name.is_empty() || name.starts_with('.') || name.contains(['/', '\\', '\0']) || name.len() > 255 {
+    if name.is_empty()
+        || name.starts_with('.')
+        || name.contains(['/', '\\', '\0'])
+        || name.len() > 255
+    {
         return Err(BackendError::Invalid(format!(
             "{what} name `{name}` is not usable by the fake backend: use 1 to 255 characters, \
              no `/`, not starting with `.`"

@@ -134,7 +134,13 @@ pub enum FaultAction {
 impl FaultRule {
     /// A rule firing `action` on every call of `step`.
     pub fn new(step: impl Into<String>, action: FaultAction) -> Self {
-        FaultRule { step: step.into(), nth: None, times: None, action, ms: None }
+        FaultRule {
+            step: step.into(),
+            nth: None,
+            times: None,
+            action,
+            ms: None,
+        }
     }
     /// Fire only from the `n`-th call (and, without `times`, only on it).
     pub fn nth(mut self, n: u64) -> Self {
@@ -166,7 +172,10 @@ impl FaultRule {
 impl FaultConfig {
     /// A configuration with these rules.
     pub fn rules(rules: impl IntoIterator<Item = FaultRule>) -> Self {
-        FaultConfig { latency_ms: 0, rules: rules.into_iter().collect() }
+        FaultConfig {
+            latency_ms: 0,
+            rules: rules.into_iter().collect(),
+        }
     }
 
     /// Parse and validate JSON.
@@ -210,7 +219,12 @@ pub(crate) enum Decision {
     /// Carry on.
     Proceed,
     /// A rule fired: the action, the rule's index and the call number.
-    Fire { action: FaultAction, rule: usize, call: u64, ms: u64 },
+    Fire {
+        action: FaultAction,
+        rule: usize,
+        call: u64,
+        ms: u64,
+    },
 }
 
 /// The fault injector of one fake backend.
@@ -240,7 +254,11 @@ impl Faults {
     fn load(&self) -> Result<(FaultConfig, String), String> {
         let env = match &self.env {
             Ok(c) => c.clone(),
-            Err(e) => return Err(format!("{FAULTS_ENV} is not a valid fault configuration: {e}")),
+            Err(e) => {
+                return Err(format!(
+                    "{FAULTS_ENV} is not a valid fault configuration: {e}"
+                ));
+            }
         };
         let path = self.dir.join(FAULTS_FILE);
         let file = match std::fs::read_to_string(&path) {
@@ -251,8 +269,9 @@ impl Faults {
                     .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                     .map(|d| d.as_nanos())
                     .unwrap_or(0);
-                let config = FaultConfig::parse(&text)
-                    .map_err(|e| format!("{} is not a valid fault configuration: {e}", path.display()))?;
+                let config = FaultConfig::parse(&text).map_err(|e| {
+                    format!("{} is not a valid fault configuration: {e}", path.display())
+                })?;
                 Some((config, mtime))
             }
             Err(e) if e.kind() == ErrorKind::NotFound => None,
@@ -268,7 +287,10 @@ impl Faults {
         let identity = if effective.is_empty() {
             String::new()
         } else {
-            format!("{}@{mtime}", serde_json::to_string(&effective).unwrap_or_default())
+            format!(
+                "{}@{mtime}",
+                serde_json::to_string(&effective).unwrap_or_default()
+            )
         };
         Ok((effective, identity))
     }
@@ -289,7 +311,12 @@ impl Faults {
         let call = self.bump(step, &identity)?;
         for (i, rule) in config.rules.iter().enumerate() {
             if rule.step == step && rule.fires_on(call) {
-                return Ok(Decision::Fire { action: rule.action, rule: i, call, ms: rule.ms.unwrap_or(0) });
+                return Ok(Decision::Fire {
+                    action: rule.action,
+                    rule: i,
+                    call,
+                    ms: rule.ms.unwrap_or(0),
+                });
             }
         }
         Ok(Decision::Proceed)
@@ -299,7 +326,10 @@ impl Faults {
     fn bump(&self, step: &str, identity: &str) -> Result<u64> {
         self.with_counters(|counters| {
             if counters.config != identity {
-                *counters = Counters { config: identity.to_string(), counts: BTreeMap::new() };
+                *counters = Counters {
+                    config: identity.to_string(),
+                    counts: BTreeMap::new(),
+                };
             }
             let n = counters.counts.entry(step.to_string()).or_insert(0);
             *n += 1;
@@ -318,12 +348,18 @@ impl Faults {
             .write(true)
             .open(&lock_path)
             .map_err(|e| BackendError::io(format!("cannot open {}", lock_path.display()), e))?;
-        lock.lock().map_err(|e| BackendError::io(format!("cannot lock {}", lock_path.display()), e))?;
+        lock.lock()
+            .map_err(|e| BackendError::io(format!("cannot lock {}", lock_path.display()), e))?;
         let path = self.dir.join(COUNTERS_FILE);
         let mut counters = match std::fs::read(&path) {
             Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_default(),
             Err(e) if e.kind() == ErrorKind::NotFound => Counters::default(),
-            Err(e) => return Err(BackendError::io(format!("cannot read {}", path.display()), e)),
+            Err(e) => {
+                return Err(BackendError::io(
+                    format!("cannot read {}", path.display()),
+                    e,
+                ));
+            }
         };
         let out = f(&mut counters);
         let bytes = serde_json::to_vec(&counters).expect("counters serialize");
@@ -344,10 +380,17 @@ impl Faults {
         match std::fs::read(&path) {
             Ok(bytes) => {
                 let c: Counters = serde_json::from_slice(&bytes).unwrap_or_default();
-                Ok(if c.config == identity { c.counts } else { BTreeMap::new() })
+                Ok(if c.config == identity {
+                    c.counts
+                } else {
+                    BTreeMap::new()
+                })
             }
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(BTreeMap::new()),
-            Err(e) => Err(BackendError::io(format!("cannot read {}", path.display()), e)),
+            Err(e) => Err(BackendError::io(
+                format!("cannot read {}", path.display()),
+                e,
+            )),
         }
     }
 
@@ -367,7 +410,12 @@ impl Faults {
         match std::fs::remove_file(&path) {
             Ok(()) => {}
             Err(e) if e.kind() == ErrorKind::NotFound => {}
-            Err(e) => return Err(BackendError::io(format!("cannot remove {}", path.display()), e)),
+            Err(e) => {
+                return Err(BackendError::io(
+                    format!("cannot remove {}", path.display()),
+                    e,
+                ));
+            }
         }
         self.reset()
     }
@@ -382,11 +430,22 @@ mod tests {
         let always = FaultRule::new("create", FaultAction::Fail);
         assert!((1..10).all(|c| always.fires_on(c)));
         let third = FaultRule::new("create", FaultAction::Fail).nth(3);
-        assert_eq!((1..6).filter(|c| third.fires_on(*c)).collect::<Vec<_>>(), vec![3]);
+        assert_eq!(
+            (1..6).filter(|c| third.fires_on(*c)).collect::<Vec<_>>(),
+            vec![3]
+        );
         let first_two = FaultRule::new("create", FaultAction::Fail).times(2);
-        assert_eq!((1..6).filter(|c| first_two.fires_on(*c)).collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!(
+            (1..6)
+                .filter(|c| first_two.fires_on(*c))
+                .collect::<Vec<_>>(),
+            vec![1, 2]
+        );
         let window = FaultRule::new("create", FaultAction::Fail).nth(3).times(2);
-        assert_eq!((1..8).filter(|c| window.fires_on(*c)).collect::<Vec<_>>(), vec![3, 4]);
+        assert_eq!(
+            (1..8).filter(|c| window.fires_on(*c)).collect::<Vec<_>>(),
+            vec![3, 4]
+        );
     }
 
     #[test]
@@ -402,17 +461,32 @@ mod tests {
         .unwrap();
         assert_eq!(c.latency_ms, 5);
         assert_eq!(c.rules.len(), 6);
-        assert_eq!(c.rules[1], FaultRule::new("capture.copy", FaultAction::Hang).nth(1));
+        assert_eq!(
+            c.rules[1],
+            FaultRule::new("capture.copy", FaultAction::Hang).nth(1)
+        );
     }
 
     #[test]
     fn rejects_typos() {
-        assert!(FaultConfig::parse(r#"{"rules": [{"step": "create.copy", "action": "fail"}]}"#)
-            .unwrap_err()
-            .contains("unknown step `create.copy`"));
-        assert!(FaultConfig::parse(r#"{"rules": [{"step": "create", "nht": 1, "action": "fail"}]}"#).is_err());
-        assert!(FaultConfig::parse(r#"{"rules": [{"step": "create", "action": "explode"}]}"#).is_err());
-        assert!(FaultConfig::parse(r#"{"rules": [{"step": "create", "action": "sleep"}]}"#).is_err());
-        assert!(FaultConfig::parse(r#"{"rules": [{"step": "create", "nth": 0, "action": "fail"}]}"#).is_err());
+        assert!(
+            FaultConfig::parse(r#"{"rules": [{"step": "create.copy", "action": "fail"}]}"#)
+                .unwrap_err()
+                .contains("unknown step `create.copy`")
+        );
+        assert!(
+            FaultConfig::parse(r#"{"rules": [{"step": "create", "nht": 1, "action": "fail"}]}"#)
+                .is_err()
+        );
+        assert!(
+            FaultConfig::parse(r#"{"rules": [{"step": "create", "action": "explode"}]}"#).is_err()
+        );
+        assert!(
+            FaultConfig::parse(r#"{"rules": [{"step": "create", "action": "sleep"}]}"#).is_err()
+        );
+        assert!(
+            FaultConfig::parse(r#"{"rules": [{"step": "create", "nth": 0, "action": "fail"}]}"#)
+                .is_err()
+        );
     }
 }

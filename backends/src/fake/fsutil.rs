@@ -13,17 +13,28 @@ use crate::{BackendError, Result};
 
 /// A unique temp path beside `path`, hidden (starts with a dot).
 pub(crate) fn temp_beside(path: &Path) -> PathBuf {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    path.with_file_name(format!(".{name}.tmp-{}-{}", std::process::id(), uuid::Uuid::new_v4().simple()))
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(
+        ".{name}.tmp-{}-{}",
+        std::process::id(),
+        uuid::Uuid::new_v4().simple()
+    ))
 }
 
 /// Write `bytes` to `path` atomically.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = temp_beside(path);
-    std::fs::write(&tmp, bytes).map_err(|e| BackendError::io(format!("cannot write {}", tmp.display()), e))?;
+    std::fs::write(&tmp, bytes)
+        .map_err(|e| BackendError::io(format!("cannot write {}", tmp.display()), e))?;
     std::fs::rename(&tmp, path).map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
-        BackendError::io(format!("cannot rename {} to {}", tmp.display(), path.display()), e)
+        BackendError::io(
+            format!("cannot rename {} to {}", tmp.display(), path.display()),
+            e,
+        )
     })
 }
 
@@ -43,8 +54,13 @@ pub(crate) fn read_json<T: DeserializeOwned>(path: &Path) -> Result<Option<T>> {
                 std::io::Error::new(ErrorKind::InvalidData, e),
             )
         }),
-        Err(e) if e.kind() == ErrorKind::NotFound || e.kind() == ErrorKind::NotADirectory => Ok(None),
-        Err(e) => Err(BackendError::io(format!("cannot read {}", path.display()), e)),
+        Err(e) if e.kind() == ErrorKind::NotFound || e.kind() == ErrorKind::NotADirectory => {
+            Ok(None)
+        }
+        Err(e) => Err(BackendError::io(
+            format!("cannot read {}", path.display()),
+            e,
+        )),
     }
 }
 
@@ -53,17 +69,24 @@ pub(crate) fn copy_atomic(src: &Path, dst: &Path) -> Result<()> {
     let tmp = temp_beside(dst);
     std::fs::copy(src, &tmp).map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
-        BackendError::io(format!("cannot copy {} to {}", src.display(), tmp.display()), e)
+        BackendError::io(
+            format!("cannot copy {} to {}", src.display(), tmp.display()),
+            e,
+        )
     })?;
     std::fs::rename(&tmp, dst).map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
-        BackendError::io(format!("cannot rename {} to {}", tmp.display(), dst.display()), e)
+        BackendError::io(
+            format!("cannot rename {} to {}", tmp.display(), dst.display()),
+            e,
+        )
     })
 }
 
 /// Create `dir` and its parents.
 pub(crate) fn mkdirs(dir: &Path) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| BackendError::io(format!("cannot create {}", dir.display()), e))
+    std::fs::create_dir_all(dir)
+        .map_err(|e| BackendError::io(format!("cannot create {}", dir.display()), e))
 }
 
 /// Remove a directory tree; succeeds when it is already gone.
@@ -71,7 +94,10 @@ pub(crate) fn remove_tree(dir: &Path) -> Result<bool> {
     match std::fs::remove_dir_all(dir) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(BackendError::io(format!("cannot remove {}", dir.display()), e)),
+        Err(e) => Err(BackendError::io(
+            format!("cannot remove {}", dir.display()),
+            e,
+        )),
     }
 }
 
@@ -80,7 +106,10 @@ pub(crate) fn remove_file(path: &Path) -> Result<bool> {
     match std::fs::remove_file(path) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(BackendError::io(format!("cannot remove {}", path.display()), e)),
+        Err(e) => Err(BackendError::io(
+            format!("cannot remove {}", path.display()),
+            e,
+        )),
     }
 }
 

@@ -89,11 +89,16 @@ pub(crate) fn append(path: &Path, entry: &JournalEntry) -> Result<()> {
         .append(true)
         .open(path)
         .map_err(|e| BackendError::io(format!("cannot open {}", path.display()), e))?;
-    let written = file.write(&line).map_err(|e| BackendError::io(format!("cannot append to {}", path.display()), e))?;
+    let written = file
+        .write(&line)
+        .map_err(|e| BackendError::io(format!("cannot append to {}", path.display()), e))?;
     if written != line.len() {
         return Err(BackendError::io(
             format!("cannot append to {}", path.display()),
-            std::io::Error::new(ErrorKind::WriteZero, format!("short write: {written} of {} bytes", line.len())),
+            std::io::Error::new(
+                ErrorKind::WriteZero,
+                format!("short write: {written} of {} bytes", line.len()),
+            ),
         ));
     }
     Ok(())
@@ -104,7 +109,12 @@ pub(crate) fn read(path: &Path) -> Result<Vec<JournalEntry>> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(BackendError::io(format!("cannot read {}", path.display()), e)),
+        Err(e) => {
+            return Err(BackendError::io(
+                format!("cannot read {}", path.display()),
+                e,
+            ));
+        }
     };
     text.lines()
         .filter(|l| !l.trim().is_empty())
