@@ -474,11 +474,13 @@ mod tests {
         }
     }
 
+    type Script = dyn Fn(&str, usize) -> Result<Action, Oops> + Send + Sync;
+
     /// What a test's reconciler saw: (name, seconds since start as f64).
     struct Ctx {
         t0: Instant,
         runs: Mutex<Vec<(String, f64)>>,
-        script: Box<dyn Fn(&str, usize) -> Result<Action, Oops> + Send + Sync>,
+        script: Box<Script>,
     }
 
     impl Ctx {

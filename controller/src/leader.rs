@@ -1,1 +1,294 @@
-//! (being written)
+//! Leader election: one active controller set per store.
+//!
+//! ```ignore
+//! let elector = LeaderElector::new(store.clone(), "controllers", Duration::from_secs(15));
+//! let leader = elector.acquire().await;          // stands by until it leads
+//! run_controllers(leader.token()).await;         // the token is cancelled if leadership is lost
+//! if leader.is_lost() { std::process::exit(1) }  // never act on a lost lease
+//! ```
+//!
+//! # Guarantees
+//! - [`LeaderElector::acquire`] returns only once the store granted this candidate the lock;
+//!   it asks every `ttl / 3` (sooner when the holder's lease is about to expire), so a
+//!   standby takes over within `ttl + ttl / 3` of the holder's last renewal, or at once when
+//!   the holder resigned or its process on this host is gone.
+//! - While leading, the lock is renewed every `ttl / 3`. The [`Leader::token`] is cancelled
+//!   (and [`Leader::is_lost`] turns true) when a renewal finds another holder or a new epoch,
+//!   or when renewals have failed for `2 × ttl / 3` — before the lease can expire and another
+//!   candidate can take it.
+//! - [`Leader::resign`] releases the lock so a standby takes over without waiting for expiry.
+//!   Dropping a [`Leader`] stops renewing (the lease then expires) and cancels its token.
+//!
+//! # Assumptions
+//! - Hosts sharing a store have clocks that agree to well within `ttl / 3` (the store compares
+//!   wall clocks); in practice the store is on one host.
+//! - Whoever holds the token stops acting promptly when it is cancelled (controllers drop
+//!   their in-flight reconciles).
+//!
+//! # Caveats
+//! - Leadership is a lease, not a lock held by the kernel: a process paused for longer than
+//!   `ttl` (SIGSTOP, a suspended laptop) may act once after waking before its renewal notices.
+//!   Reconcilers keep such a late step safe with resourceVersion preconditions.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use boxery_store::{Candidate, Leadership, Store, StoreError};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// A leader-election call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaderError {
+    /// Giving up the lock failed (it will expire after its ttl).
+    #[error("cannot resign the leader lock {lock}")]
+    Resign {
+        /// The lock's name.
+        lock: String,
+        /// The store's error.
+        #[source]
+        source: StoreError,
+    },
+    /// A store call could not run (the blocking task was cancelled or panicked).
+    #[error("the leader-election call on lock {lock} did not finish")]
+    Task {
+        /// The lock's name.
+        lock: String,
+        /// Why.
+        #[source]
+        source: tokio::task::JoinError,
+    },
+}
+
+/// This process as a candidate: a fresh uuid, its pid, and the host's boot id (so the store
+/// can tell that a holder on this host has died).
+pub fn this_process() -> Candidate {
+    Candidate {
+        id: uuid::Uuid::new_v4().to_string(),
+        pid: std::process::id(),
+        boot_id: std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default(),
+    }
+}
+
+/// Competes for one leader lock in the store.
+#[derive(Debug, Clone)]
+pub struct LeaderElector {
+    store: Store,
+    lock: String,
+    candidate: Candidate,
+    ttl: Duration,
+}
+
+impl LeaderElector {
+    /// An elector for `lock` as [`this_process`], with leases of `ttl`.
+    pub fn new(store: Store, lock: impl Into<String>, ttl: Duration) -> Self {
+        Self::with_candidate(store, lock, this_process(), ttl)
+    }
+
+    /// An elector for `lock` as `candidate`.
+    pub fn with_candidate(
+        store: Store,
+        lock: impl Into<String>,
+        candidate: Candidate,
+        ttl: Duration,
+    ) -> Self {
+        LeaderElector {
+            store,
+            lock: lock.into(),
+            candidate,
+            ttl: ttl.max(Duration::from_millis(30)),
+        }
+    }
+
+    /// Who this elector competes as.
+    pub fn candidate(&self) -> &Candidate {
+        &self.candidate
+    }
+
+    /// The lease length.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    async fn try_lead(&self) -> Result<Leadership, String> {
+        let (store, lock, me, ttl) = (
+            self.store.clone(),
+            self.lock.clone(),
+            self.candidate.clone(),
+            self.ttl,
+        );
+        match tokio::task::spawn_blocking(move || store.try_lead(&lock, &me, ttl)).await {
+            Ok(Ok(l)) => Ok(l),
+            Ok(Err(e)) => Err(crate::controller::error_chain(&e)),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Wait until this candidate leads, then keep renewing in the background. Store errors
+    /// while waiting are logged and retried. Cancel-safe: dropping the future gives up.
+    pub async fn acquire(&self) -> Leader {
+        let period = self.ttl / 3;
+        let mut announced = false;
+        loop {
+            let wait = match self.try_lead().await {
+                Ok(Leadership::Leader { epoch }) => {
+                    tracing::info!(lock = self.lock, id = self.candidate.id, epoch, "leading");
+                    return self.lead(epoch);
+                }
+                Ok(Leadership::Follower { holder, expires_in }) => {
+                    if !announced {
+                        tracing::info!(
+                            lock = self.lock,
+                            holder,
+                            ?expires_in,
+                            "standing by: another process leads"
+                        );
+                        announced = true;
+                    }
+                    period.min(expires_in + Duration::from_millis(10))
+                }
+                Err(error) => {
+                    tracing::warn!(
+                        lock = self.lock,
+                        error,
+                        "cannot ask for the leader lock; retrying"
+                    );
+                    period
+                }
+            };
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    fn lead(&self, epoch: u64) -> Leader {
+        let token = CancellationToken::new();
+        let lost = Arc::new(AtomicBool::new(false));
+        let me = self.clone();
+        let (t, l) = (token.clone(), lost.clone());
+        let renewal = tokio::spawn(async move {
+            let period = me.ttl / 3;
+            let give_up = me.ttl * 2 / 3;
+            let mut last_ok = Instant::now();
+            let mut wait = period;
+            loop {
+                tokio::select! {
+                    _ = t.cancelled() => return,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                match me.try_lead().await {
+                    Ok(Leadership::Leader { epoch: e }) if e == epoch => {
+                        last_ok = Instant::now();
+                        wait = period;
+                    }
+                    Ok(Leadership::Leader { epoch: e }) => {
+                        tracing::error!(
+                            lock = me.lock,
+                            epoch,
+                            new_epoch = e,
+                            "leadership was lost in between: stopping"
+                        );
+                        break;
+                    }
+                    Ok(Leadership::Follower { holder, .. }) => {
+                        tracing::error!(
+                            lock = me.lock,
+                            holder,
+                            "leadership was lost to another process: stopping"
+                        );
+                        break;
+                    }
+                    Err(error) => {
+                        if last_ok.elapsed() + period / 3 >= give_up {
+                            tracing::error!(
+                                lock = me.lock,
+                                error,
+                                "cannot renew leadership in time: stopping"
+                            );
+                            break;
+                        }
+                        tracing::warn!(
+                            lock = me.lock,
+                            error,
+                            "renewing leadership failed; retrying"
+                        );
+                        wait = period / 3;
+                    }
+                }
+            }
+            l.store(true, Ordering::SeqCst);
+            t.cancel();
+        });
+        Leader {
+            elector: self.clone(),
+            epoch,
+            token,
+            lost,
+            renewal,
+        }
+    }
+}
+
+/// Leadership held. Renewed in the background until resigned, dropped or lost.
+#[derive(Debug)]
+pub struct Leader {
+    elector: LeaderElector,
+    epoch: u64,
+    token: CancellationToken,
+    lost: Arc<AtomicBool>,
+    renewal: JoinHandle<()>,
+}
+
+impl Leader {
+    /// The lock's epoch: it grows with every change of holder (a fencing number).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Who leads.
+    pub fn candidate(&self) -> &Candidate {
+        &self.elector.candidate
+    }
+
+    /// A token cancelled when leadership ends (lost, resigned or dropped): run the
+    /// controllers on it (or on a child of it). Cancelling it yourself stops the renewals too
+    /// (the lease then expires).
+    pub fn token(&self) -> CancellationToken {
+        self.token.clone()
+    }
+
+    /// Whether leadership was lost (rather than given up).
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+
+    /// Wait until leadership is lost (or the token is cancelled).
+    pub async fn lost(&self) {
+        self.token.cancelled().await;
+    }
+
+    /// Stop renewing and release the lock, so a standby takes over at once.
+    pub async fn resign(self) -> Result<(), LeaderError> {
+        self.token.cancel();
+        self.renewal.abort();
+        let e = self.elector.clone();
+        let lock = e.lock.clone();
+        tokio::task::spawn_blocking(move || e.store.resign(&e.lock, &e.candidate))
+            .await
+            .map_err(|source| LeaderError::Task {
+                lock: lock.clone(),
+                source,
+            })?
+            .map_err(|source| LeaderError::Resign { lock, source })
+    }
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        self.renewal.abort();
+        self.token.cancel();
+    }
+}
