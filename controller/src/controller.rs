@@ -249,64 +249,65 @@ impl<R: Resource> Controller<R> {
             rx,
             ..
         } = self;
-        let watch_backoff = Backoff {
-            max: Duration::from_secs(30),
-            ..Backoff::default()
-        };
-        let mut background = JoinSet::new();
+        async move {
+            let watch_backoff = Backoff {
+                max: Duration::from_secs(30),
+                ..Backoff::default()
+            };
+            let mut background = JoinSet::new();
 
-        // The primary kind: every change queues its own name.
-        spawn_reflector(
-            &mut background,
-            &source,
-            cache.clone(),
-            watch_backoff,
-            tx.clone(),
-            |c: &Change| vec![c.name().to_string()],
-        );
-        // Watched kinds: the mapper names the keys, for the object before and after.
-        for w in watches {
-            let mapper = w.mapper;
+            // The primary kind: every change queues its own name.
             spawn_reflector(
                 &mut background,
                 &source,
-                Cache::new(&w.kind),
+                cache.clone(),
                 watch_backoff,
                 tx.clone(),
-                move |c: &Change| {
-                    let mut keys = BTreeSet::new();
-                    for o in c.old.iter().chain(c.new.iter()) {
-                        keys.extend(mapper(o));
-                    }
-                    keys.into_iter().collect()
-                },
+                |c: &Change| vec![c.name().to_string()],
             );
-        }
-        if let Some(every) = resync {
-            let (cache, tx) = (cache.clone(), tx.clone());
-            background.spawn(async move {
-                let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tick.tick().await;
-                    for name in cache.names() {
-                        let _ = tx.send(Request::now(name));
+            // Watched kinds: the mapper names the keys, for the object before and after.
+            for w in watches {
+                let mapper = w.mapper;
+                spawn_reflector(
+                    &mut background,
+                    &source,
+                    Cache::new(&w.kind),
+                    watch_backoff,
+                    tx.clone(),
+                    move |c: &Change| {
+                        let mut keys = BTreeSet::new();
+                        for o in c.old.iter().chain(c.new.iter()) {
+                            keys.extend(mapper(o));
+                        }
+                        keys.into_iter().collect()
+                    },
+                );
+            }
+            if let Some(every) = resync {
+                let (cache, tx) = (cache.clone(), tx.clone());
+                background.spawn(async move {
+                    let mut tick =
+                        tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    loop {
+                        tick.tick().await;
+                        for name in cache.names() {
+                            let _ = tx.send(Request::now(name));
+                        }
                     }
-                }
-            });
-        }
-        drop(tx);
+                });
+            }
+            drop(tx);
 
-        let shared = Arc::new(Shared {
-            source,
-            reconcile,
-            error_policy,
-            ctx,
-            backoff,
-            keys: Mutex::default(),
-            _kind: PhantomData::<fn() -> R>,
-        });
-        async move {
+            let shared = Arc::new(Shared {
+                source,
+                reconcile,
+                error_policy,
+                ctx,
+                backoff,
+                keys: Mutex::default(),
+                _kind: PhantomData::<fn() -> R>,
+            });
             runner::run(rx, concurrency, shutdown, move |key| {
                 let shared = shared.clone();
                 let span = tracing::info_span!("reconcile", kind = R::INFO.kind, name = %key);

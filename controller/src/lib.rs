@@ -3,7 +3,8 @@
 //! (deduplicated, earliest deadline wins); a [`runner`] calls `reconcile` with at most one
 //! call in flight per name and a global concurrency limit; the [`controller`] ties them
 //! together with the requeue and [`backoff`] policy ([`Action`]). Beside it: the
-//! [`finalizer`] helpers, the [`events`] recorder and [`leader`] election.
+//! [`finalizer`] helpers, the [`events`] recorder and [`leader`] election, and a [`manager`] that runs several controllers on one
+//! shutdown token.
 //!
 //! See `docs/controller.md` for the picture and the guarantees.
 
@@ -13,6 +14,7 @@ pub mod controller;
 pub mod events;
 pub mod finalizer;
 pub mod leader;
+pub mod manager;
 pub mod reflector;
 pub mod runner;
 pub mod scheduler;
@@ -23,5 +25,6 @@ pub use controller::{Controller, Mapper, Trigger, default_error_policy, error_ch
 pub use events::Recorder;
 pub use finalizer::{FinalizerEvent, ensure_finalizer, finalizer, remove_finalizer};
 pub use leader::{Leader, LeaderElector};
+pub use manager::Manager;
 pub use reflector::{Cache, Change, Source};
 pub use tokio_util::sync::CancellationToken;

@@ -321,3 +321,44 @@ async fn resigning_hands_over_at_once_and_the_old_leader_notices_loss() {
 fn next_candidate(l: &boxery_controller::Leader) -> &boxery_store::Candidate {
     l.candidate()
 }
+
+/// A child process killed and reaped on drop, even when the test fails.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_holder_on_this_host_is_replaced_at_once() {
+    let (_dir, store) = store();
+    let ttl = Duration::from_secs(30);
+    let child = Child(
+        std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap(),
+    );
+    // The lock is held on behalf of the child process (as `boxery serve` would hold it).
+    let mut holder = boxery_controller::leader::this_process();
+    holder.pid = child.0.id();
+    let held = LeaderElector::with_candidate(store.clone(), "controllers", holder, ttl);
+    drop(held.acquire().await);
+    let standby = LeaderElector::new(store.clone(), "controllers", ttl);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), standby.acquire())
+            .await
+            .is_err(),
+        "a live holder keeps the lock"
+    );
+    drop(child);
+    let t = Instant::now();
+    let leader = tokio::time::timeout(Duration::from_secs(5), standby.acquire())
+        .await
+        .expect("a dead holder's lock is taken without waiting for the ttl");
+    assert!(t.elapsed() < Duration::from_secs(2));
+    assert!(leader.epoch() >= 2);
+}
