@@ -20,6 +20,9 @@
 //!   succeed when there is nothing to clean.
 
 pub mod fake;
+pub mod identity;
+#[cfg(feature = "qemu")]
+pub mod qemu;
 
 use std::path::PathBuf;
 use std::sync::Arc;

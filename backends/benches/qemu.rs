@@ -1,0 +1,2 @@
+//! qemu backend benchmarks (written next).
+fn main() {}

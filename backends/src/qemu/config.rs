@@ -1,0 +1,122 @@
+//! The qemu backend's settings, from the environment.
+//!
+//! | variable | default | what |
+//! |---|---|---|
+//! | `BOXERY_QEMU_BINARY` | `qemu-system-x86_64` | the emulator |
+//! | `BOXERY_QEMU_IMG` | `qemu-img` | the disk tool |
+//! | `BOXERY_QEMU_ACCEL` | `auto` | `kvm`, `tcg` or `auto` (KVM only when it really works) |
+//! | `BOXERY_QEMU_PORTS` | `22000-22999` | loopback ports for the VMs' sshd |
+//! | `BOXERY_QEMU_POWERDOWN_TIMEOUT` | `60` | seconds a guest gets to power off before `quit` |
+//! | `BOXERY_QEMU_TB_SIZE` | `64` | TCG translation cache in MiB (QEMU's default is far larger) |
+//! | `BOXERY_IMAGE_DIR` | found | the repository's `image/` (builders), see [`find_image_dir`] |
+//! | `BOXERY_IMAGE_CACHE` | `/var/cache/boxery/images` | where the builders write |
+
+use std::ops::RangeInclusive;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::process::{AccelChoice, detect_accel};
+
+/// The qemu backend's settings.
+#[derive(Debug, Clone)]
+pub struct QemuConfig {
+    /// The emulator.
+    pub qemu: PathBuf,
+    /// `qemu-img`.
+    pub qemu_img: PathBuf,
+    /// `genisoimage` (seed ISOs).
+    pub genisoimage: PathBuf,
+    /// The accelerator and why.
+    pub accel: AccelChoice,
+    /// Loopback ports for sshd forwards.
+    pub ports: RangeInclusive<u16>,
+    /// How long a guest gets to power off on the ACPI button.
+    pub powerdown_timeout: Duration,
+    /// How long QEMU gets to start (daemonize).
+    pub start_timeout: Duration,
+    /// TCG translation cache size in MiB.
+    pub tcg_tb_size_mib: Option<u32>,
+    /// The image builders' directory (`image/` of the repository), when found.
+    pub image_dir: Option<PathBuf>,
+    /// Where the builders write their output.
+    pub image_cache: PathBuf,
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// Parse `A-B` into a port range.
+pub fn parse_ports(s: &str) -> Option<RangeInclusive<u16>> {
+    let (a, b) = s.split_once('-')?;
+    let (a, b): (u16, u16) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+    (a > 0 && a <= b).then_some(a..=b)
+}
+
+/// The repository's `image/` directory: `BOXERY_IMAGE_DIR`, else the first `image/` holding
+/// `build-tiny.sh` beside the running binary or in one of its parent directories (a cargo
+/// build runs from `target/<profile>/`), else the source tree this crate was built from.
+pub fn find_image_dir() -> Option<PathBuf> {
+    if let Some(d) = env("BOXERY_IMAGE_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    let has = |d: &Path| d.join("build-tiny.sh").is_file();
+    if let Ok(exe) = std::env::current_exe() {
+        for dir in exe.ancestors().skip(1) {
+            for cand in [dir.join("image"), dir.join("share/boxery/image")] {
+                if has(&cand) {
+                    return Some(cand);
+                }
+            }
+        }
+    }
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../image");
+    has(&src).then(|| src.canonicalize().unwrap_or(src))
+}
+
+impl QemuConfig {
+    /// Settings from the environment (see the module docs).
+    pub fn from_env() -> Self {
+        QemuConfig {
+            qemu: env("BOXERY_QEMU_BINARY")
+                .unwrap_or_else(|| "qemu-system-x86_64".into())
+                .into(),
+            qemu_img: env("BOXERY_QEMU_IMG")
+                .unwrap_or_else(|| "qemu-img".into())
+                .into(),
+            genisoimage: "genisoimage".into(),
+            accel: detect_accel(env("BOXERY_QEMU_ACCEL").as_deref()),
+            ports: env("BOXERY_QEMU_PORTS")
+                .and_then(|s| parse_ports(&s))
+                .unwrap_or(22000..=22999),
+            powerdown_timeout: Duration::from_secs(
+                env("BOXERY_QEMU_POWERDOWN_TIMEOUT")
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(60),
+            ),
+            start_timeout: Duration::from_secs(30),
+            tcg_tb_size_mib: match env("BOXERY_QEMU_TB_SIZE").as_deref() {
+                Some("default") => None,
+                Some(s) => s.parse().ok(),
+                None => Some(64),
+            },
+            image_dir: find_image_dir(),
+            image_cache: env("BOXERY_IMAGE_CACHE")
+                .unwrap_or_else(|| "/var/cache/boxery/images".into())
+                .into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports() {
+        assert_eq!(parse_ports("22000-22999"), Some(22000..=22999));
+        assert_eq!(parse_ports("5-5"), Some(5..=5));
+        assert_eq!(parse_ports("9-5"), None);
+        assert_eq!(parse_ports("x"), None);
+    }
+}

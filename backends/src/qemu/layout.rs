@@ -1,0 +1,338 @@
+//! The qemu backend's state directory, and the file primitives every step uses.
+//!
+//! ```text
+//! $BOXERY_HOME/qemu/
+//!   base/<id>/          a stock base, read-only (files 0444): disk.qcow2, vmlinuz, initrd.img,
+//!                       base.json (boot: kernel, initrd, cmdline, machine; written last)
+//!   images/<name>.qcow2 an image: one qcow2 overlay on a base (0444)
+//!   images/<name>.json  its record (mark, base, created); the image's commit point
+//!   vms/<name>/         one VM: config.json (the commit point), disk-<gen>.qcow2 (the active
+//!                       overlay is the highest generation), seed.iso, known_hosts,
+//!                       qemu.pid, qmp.sock, qga.sock, serial.log, qemu.log
+//!   ports/<port>        a loopback port reserved for a VM (holds its name)
+//!   locks/vm-<name>.lock, locks/image-<name>.lock
+//!                       flocks, each held for the length of a mutating operation
+//! ```
+//!
+//! Guarantees: every file is written to a temporary name in the same directory and renamed
+//! into place, so a reader sees the old file or the new one, never half of one.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+/// Where everything of one qemu backend lives.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    root: PathBuf,
+}
+
+/// A unix socket path may be at most this long (sun_path is 108 bytes with its NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
+
+impl Layout {
+    /// A layout rooted at `root` (`$BOXERY_HOME/qemu`). Relative roots are made absolute,
+    /// because QEMU runs with `/` as its working directory once daemonized.
+    pub fn new(root: PathBuf) -> Self {
+        let root = if root.is_absolute() {
+            root
+        } else {
+            std::env::current_dir()
+                .map(|d| d.join(&root))
+                .unwrap_or(root)
+        };
+        Layout { root }
+    }
+    /// The root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+    /// `base/`.
+    pub fn bases(&self) -> PathBuf {
+        self.root.join("base")
+    }
+    /// `base/<id>/`.
+    pub fn base_dir(&self, id: &str) -> PathBuf {
+        self.bases().join(id)
+    }
+    /// `images/`.
+    pub fn images(&self) -> PathBuf {
+        self.root.join("images")
+    }
+    /// `images/<name>.qcow2`.
+    pub fn image_disk(&self, name: &str) -> PathBuf {
+        self.images().join(format!("{name}.qcow2"))
+    }
+    /// `images/<name>.json`.
+    pub fn image_record(&self, name: &str) -> PathBuf {
+        self.images().join(format!("{name}.json"))
+    }
+    /// `vms/`.
+    pub fn vms(&self) -> PathBuf {
+        self.root.join("vms")
+    }
+    /// `vms/<name>/`.
+    pub fn vm_dir(&self, name: &str) -> PathBuf {
+        self.vms().join(name)
+    }
+    /// `vms/<name>/config.json`.
+    pub fn vm_config(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("config.json")
+    }
+    /// `vms/<name>/disk-<gen>.qcow2`.
+    pub fn vm_disk(&self, name: &str, generation: u64) -> PathBuf {
+        self.vm_dir(name).join(format!("disk-{generation}.qcow2"))
+    }
+    /// `vms/<name>/seed.iso`.
+    pub fn vm_seed(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("seed.iso")
+    }
+    /// `vms/<name>/known_hosts`.
+    pub fn vm_known_hosts(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("known_hosts")
+    }
+    /// `vms/<name>/qemu.pid`.
+    pub fn vm_pidfile(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("qemu.pid")
+    }
+    /// `vms/<name>/qmp.sock`.
+    pub fn vm_qmp(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("qmp.sock")
+    }
+    /// `vms/<name>/qga.sock` (the guest agent's channel).
+    pub fn vm_qga(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("qga.sock")
+    }
+    /// `vms/<name>/serial.log`.
+    pub fn vm_serial(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("serial.log")
+    }
+    /// `vms/<name>/qemu.log` (QEMU's stderr).
+    pub fn vm_log(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("qemu.log")
+    }
+    /// `ports/`.
+    pub fn ports(&self) -> PathBuf {
+        self.root.join("ports")
+    }
+    /// `ports/<port>`.
+    pub fn port(&self, port: u16) -> PathBuf {
+        self.ports().join(port.to_string())
+    }
+    /// `locks/`.
+    pub fn locks(&self) -> PathBuf {
+        self.root.join("locks")
+    }
+    /// `locks/vm-<name>.lock`.
+    pub fn vm_lock(&self, name: &str) -> PathBuf {
+        self.locks().join(format!("vm-{name}.lock"))
+    }
+    /// `locks/image-<name>.lock`.
+    pub fn image_lock(&self, name: &str) -> PathBuf {
+        self.locks().join(format!("image-{name}.lock"))
+    }
+    /// `base/<id>/base.json`.
+    pub fn base_record(&self, id: &str) -> PathBuf {
+        self.base_dir(id).join("base.json")
+    }
+
+    /// Create the directories (idempotent).
+    pub fn ensure(&self) -> std::io::Result<()> {
+        for d in [
+            self.bases(),
+            self.images(),
+            self.vms(),
+            self.ports(),
+            self.locks(),
+        ] {
+            fs::create_dir_all(&d)?;
+        }
+        fs::set_permissions(&self.root, fs::Permissions::from_mode(0o700))?;
+        Ok(())
+    }
+}
+
+/// Whether `name` is safe as a file name and a VM/image name: 1–63 characters of `a-z 0-9 - .`,
+/// starting and ending with a letter or digit, no `..`.
+pub fn valid_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'.')
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+        && !name.contains("..")
+}
+
+/// The temporary sibling a file is written to before its rename.
+pub fn temp_path(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+}
+
+/// Write `data` to `path` atomically (temp file, fsync, rename, fsync the directory), with
+/// permissions `mode`.
+pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> std::io::Result<()> {
+    let tmp = temp_path(path);
+    let res = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&tmp)?;
+        f.set_permissions(fs::Permissions::from_mode(mode))?;
+        f.write_all(data)?;
+        f.sync_all()?;
+        drop(f);
+        fs::rename(&tmp, path)?;
+        sync_dir(path)
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Write `value` as pretty JSON, atomically.
+pub fn write_json<T: serde::Serialize>(path: &Path, value: &T, mode: u32) -> std::io::Result<()> {
+    let mut data = serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?;
+    data.push(b'\n');
+    write_atomic(path, &data, mode)
+}
+
+/// Read JSON from `path`; `Ok(None)` when the file does not exist.
+pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> std::io::Result<Option<T>> {
+    match fs::read(path) {
+        Ok(data) => serde_json::from_slice(&data).map(Some).map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{}: {e}", path.display()),
+            )
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// fsync the directory holding `path`, so a rename in it survives a crash.
+pub fn sync_dir(path: &Path) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// Remove a file; succeed when it is already gone.
+pub fn remove_file_if_exists(path: &Path) -> std::io::Result<()> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Remove a directory tree; succeed when it is already gone.
+pub fn remove_dir_if_exists(path: &Path) -> std::io::Result<()> {
+    match fs::remove_dir_all(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Make a file read-only for everyone (0444).
+pub fn make_read_only(path: &Path) -> std::io::Result<()> {
+    fs::set_permissions(path, fs::Permissions::from_mode(0o444))
+}
+
+/// An exclusive advisory lock (flock) on a lock file, held until dropped. It excludes other
+/// processes and other operations in this process alike (each lock opens the file anew).
+#[derive(Debug)]
+pub struct FileLock {
+    _file: File,
+}
+
+impl FileLock {
+    /// Take the lock, waiting for it without blocking the async runtime.
+    pub async fn acquire(path: PathBuf) -> std::io::Result<FileLock> {
+        tokio::task::spawn_blocking(move || {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(&path)?;
+            file.lock()?;
+            Ok(FileLock { _file: file })
+        })
+        .await
+        .map_err(std::io::Error::other)?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        for ok in ["dev1", "a", "dev1.before-upgrade", "x-1.2"] {
+            assert!(valid_name(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "-a",
+            "a-",
+            ".a",
+            "a..b",
+            "A",
+            "a/b",
+            "a b",
+            &"a".repeat(64),
+        ] {
+            assert!(!valid_name(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn atomic_write_and_read() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("x.json");
+        assert_eq!(read_json::<serde_json::Value>(&p).unwrap(), None);
+        write_json(&p, &serde_json::json!({"a": 1}), 0o600).unwrap();
+        assert_eq!(
+            read_json::<serde_json::Value>(&p).unwrap(),
+            Some(serde_json::json!({"a": 1}))
+        );
+        assert_eq!(
+            fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(
+            fs::read_dir(d.path()).unwrap().count(),
+            1,
+            "no temp file left"
+        );
+    }
+
+    #[tokio::test]
+    async fn locks_exclude_each_other() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("a.lock");
+        let l1 = FileLock::acquire(p.clone()).await.unwrap();
+        let p2 = p.clone();
+        let waiter = tokio::spawn(async move { FileLock::acquire(p2).await.unwrap() });
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert!(!waiter.is_finished());
+        drop(l1);
+        let _l2 = tokio::time::timeout(std::time::Duration::from_secs(5), waiter)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+}

@@ -1,0 +1,584 @@
+//! One daemonized QEMU per VM: choosing the accelerator, building the command line,
+//! launching, finding a VM's process again after a restart, and ending it.
+//!
+//! Guarantees: a process is only ever signalled after its `/proc/PID/cmdline` was checked to
+//! be a `qemu-system-*` whose arguments name this VM's own directory, so a stale pidfile (or a
+//! PID reused by something else) is never acted on.
+//!
+//! Caveat: QEMU closes its stderr once it has daemonized, so `qemu.log` holds what it said
+//! while starting (the part worth showing), not later runtime messages.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+/// A failed process operation.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    /// The QEMU binary is not there.
+    #[error(
+        "QEMU is not installed ({binary} not found): run scripts/install-deps.sh (Debian: qemu-system-x86 from bookworm-backports)"
+    )]
+    Missing {
+        /// The binary looked for.
+        binary: String,
+    },
+    /// Spawning QEMU failed.
+    #[error("could not run {binary}")]
+    Spawn {
+        /// The binary.
+        binary: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// QEMU exited with an error while starting; `log` is the tail of its stderr.
+    #[error("QEMU failed to start VM {vm} ({status}): {log}")]
+    Start {
+        /// The VM.
+        vm: String,
+        /// Its exit status.
+        status: String,
+        /// The tail of its stderr.
+        log: String,
+    },
+    /// QEMU did not finish starting in time.
+    #[error("QEMU did not finish starting VM {vm} within {timeout:?}")]
+    StartTimeout {
+        /// The VM.
+        vm: String,
+        /// How long we waited.
+        timeout: Duration,
+    },
+    /// It started but wrote no usable pidfile.
+    #[error("QEMU started VM {vm} but its pidfile {path} is unreadable")]
+    Pidfile {
+        /// The VM.
+        vm: String,
+        /// The pidfile.
+        path: PathBuf,
+    },
+    /// Preparing QEMU's log file failed.
+    #[error("could not open QEMU's log {path}")]
+    Log {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Signalling a process failed.
+    #[error("could not signal QEMU process {pid}")]
+    Signal {
+        /// The process.
+        pid: i32,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// It would not die.
+    #[error("QEMU process {pid} is still alive after SIGKILL")]
+    Unkillable {
+        /// The process.
+        pid: i32,
+    },
+}
+
+/// The accelerator a VM runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accel {
+    /// Hardware virtualization.
+    Kvm,
+    /// QEMU's emulator (slow, works everywhere).
+    Tcg,
+}
+
+impl std::fmt::Display for Accel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        })
+    }
+}
+
+/// The accelerator chosen for this host, and why, in words fit for a status or an event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AccelChoice {
+    /// The accelerator.
+    pub accel: Accel,
+    /// Why.
+    pub reason: String,
+}
+
+/// Choose the accelerator: `requested` (`kvm`, `tcg` or `auto`, from `BOXERY_QEMU_ACCEL`)
+/// or, for `auto`, KVM only when `/dev/kvm` opens read-write and the host's KVM is not
+/// `kvm_pvm` (which runs only PVM-built guest kernels: `/dev/kvm` opens, guests hang).
+pub fn detect_accel(requested: Option<&str>) -> AccelChoice {
+    match requested.map(str::trim) {
+        Some("tcg") => {
+            return AccelChoice {
+                accel: Accel::Tcg,
+                reason: "TCG (emulation) because BOXERY_QEMU_ACCEL=tcg".into(),
+            };
+        }
+        Some("kvm") => {
+            return AccelChoice {
+                accel: Accel::Kvm,
+                reason: "KVM because BOXERY_QEMU_ACCEL=kvm".into(),
+            };
+        }
+        _ => {}
+    }
+    let kvm = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm");
+    match kvm {
+        Err(e) => AccelChoice { accel: Accel::Tcg, reason: format!("TCG (emulation, slow): /dev/kvm cannot be opened ({e})") },
+        Ok(_) if Path::new("/sys/module/kvm_pvm").exists() => AccelChoice {
+            accel: Accel::Tcg,
+            reason: "TCG (emulation, slow): the host's KVM is kvm_pvm, which runs only PVM guest kernels".into(),
+        },
+        Ok(_) => AccelChoice { accel: Accel::Kvm, reason: "KVM: /dev/kvm opens and the host KVM is standard".into() },
+    }
+}
+
+/// How a guest boots: direct kernel boot (kernel, initrd, command line) or, without a
+/// kernel, the disk's own bootloader.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Boot {
+    /// The kernel (absolute path), for direct kernel boot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<PathBuf>,
+    /// The initrd (absolute path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initrd: Option<PathBuf>,
+    /// The kernel command line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmdline: Option<String>,
+    /// The machine type (`q35` unless the image says otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine: Option<String>,
+    /// Whether the guest powers off on the ACPI power button (default yes).
+    #[serde(default = "yes")]
+    pub acpi_shutdown: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Everything one QEMU command line needs.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    /// The VM's name.
+    pub name: String,
+    /// Its directory (named in the command line: how its process is recognised).
+    pub dir: PathBuf,
+    /// SMBIOS UUID.
+    pub uuid: String,
+    /// MAC address.
+    pub mac: String,
+    /// Host loopback port forwarded to the guest's port 22.
+    pub port: u16,
+    /// vCPUs.
+    pub cpus: u32,
+    /// Memory in MiB.
+    pub memory_mib: u64,
+    /// The read-only base.
+    pub base: PathBuf,
+    /// The VM's active overlay (backed by `base`).
+    pub disk: PathBuf,
+    /// The active overlay's node name (`ov<generation>`).
+    pub disk_node: String,
+    /// The seed ISO.
+    pub seed: PathBuf,
+    /// The QMP socket.
+    pub qmp: PathBuf,
+    /// The guest agent socket.
+    pub qga: PathBuf,
+    /// The serial console log.
+    pub serial: PathBuf,
+    /// The pidfile.
+    pub pidfile: PathBuf,
+    /// How it boots.
+    pub boot: Boot,
+    /// The accelerator.
+    pub accel: Accel,
+    /// TCG translation cache size in MiB (`None`: QEMU's default).
+    pub tcg_tb_size_mib: Option<u32>,
+}
+
+/// The name of the node the base is opened as (every stream job names it as its base).
+pub const BASE_NODE: &str = "base";
+/// The qdev id of the VM's disk.
+pub const DISK_DEVICE: &str = "vda";
+
+fn os(s: impl Into<OsString>) -> OsString {
+    s.into()
+}
+
+/// The QEMU arguments for `spec` (without `-daemonize`/`-pidfile`).
+pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
+    let p = |p: &Path| p.display().to_string();
+    let mut a: Vec<OsString> = Vec::new();
+    let mut push = |items: &[&str]| a.extend(items.iter().map(os));
+    push(&["-name", &format!("guest={},debug-threads=on", spec.name)]);
+    push(&["-uuid", &spec.uuid]);
+    push(&["-machine", spec.boot.machine.as_deref().unwrap_or("q35")]);
+    match spec.accel {
+        Accel::Kvm => push(&["-accel", "kvm", "-cpu", "host"]),
+        Accel::Tcg => {
+            let accel = match spec.tcg_tb_size_mib {
+                Some(mib) => format!("tcg,tb-size={mib}"),
+                None => "tcg".into(),
+            };
+            push(&["-accel", &accel, "-cpu", "max"]);
+        }
+    }
+    push(&[
+        "-smp",
+        &spec.cpus.to_string(),
+        "-m",
+        &spec.memory_mib.to_string(),
+    ]);
+    push(&["-nodefaults", "-no-user-config", "-display", "none"]);
+    if let Some(k) = &spec.boot.kernel {
+        push(&["-kernel", &p(k)]);
+        if let Some(i) = &spec.boot.initrd {
+            push(&["-initrd", &p(i)]);
+        }
+        if let Some(c) = &spec.boot.cmdline {
+            push(&["-append", c]);
+        }
+    }
+    push(&[
+        "-chardev",
+        &format!("file,id=serial0,path={}", p(&spec.serial)),
+        "-serial",
+        "chardev:serial0",
+    ]);
+    push(&[
+        "-chardev",
+        &format!("socket,id=qmp,path={},server=on,wait=off", p(&spec.qmp)),
+        "-mon",
+        "chardev=qmp,mode=control",
+    ]);
+    push(&[
+        "-chardev",
+        &format!("socket,id=qga0,path={},server=on,wait=off", p(&spec.qga)),
+        "-device",
+        "virtio-serial-pci,id=vser0",
+        "-device",
+        "virtserialport,chardev=qga0,name=org.qemu.guest_agent.0",
+    ]);
+    let blockdev = |v: serde_json::Value| v.to_string();
+    let node = &spec.disk_node;
+    push(&[
+        "-blockdev",
+        &blockdev(
+            json!({"driver": "file", "filename": p(&spec.base), "node-name": "base-file", "read-only": true}),
+        ),
+        "-blockdev",
+        &blockdev(
+            json!({"driver": "qcow2", "file": "base-file", "node-name": BASE_NODE, "read-only": true}),
+        ),
+        "-blockdev",
+        &blockdev(
+            json!({"driver": "file", "filename": p(&spec.disk), "node-name": format!("{node}-file"), "discard": "unmap"}),
+        ),
+        "-blockdev",
+        &blockdev(
+            json!({"driver": "qcow2", "file": format!("{node}-file"), "backing": BASE_NODE, "node-name": node, "discard": "unmap"}),
+        ),
+        "-device",
+        &format!("virtio-blk-pci,drive={node},id={DISK_DEVICE},bootindex=1"),
+        "-blockdev",
+        &blockdev(
+            json!({"driver": "file", "filename": p(&spec.seed), "node-name": "seed-file", "read-only": true}),
+        ),
+        "-blockdev",
+        &blockdev(
+            json!({"driver": "raw", "file": "seed-file", "node-name": "seed", "read-only": true}),
+        ),
+        "-device",
+        "virtio-blk-pci,drive=seed,id=seed",
+    ]);
+    push(&[
+        "-netdev",
+        &format!("user,id=n0,hostfwd=tcp:127.0.0.1:{}-:22", spec.port),
+        "-device",
+        &format!("virtio-net-pci,netdev=n0,mac={},romfile=", spec.mac),
+        "-device",
+        "virtio-rng-pci",
+    ]);
+    a
+}
+
+/// The last `lines` lines of a file (empty when unreadable).
+pub fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Launch QEMU for `spec`, daemonized; returns its PID once it has finished starting.
+/// Its stderr goes to `log`.
+pub async fn launch(
+    binary: &Path,
+    spec: &LaunchSpec,
+    log: &Path,
+    timeout: Duration,
+) -> Result<i32, ProcessError> {
+    let bin = binary.display().to_string();
+    let _ = std::fs::remove_file(&spec.pidfile);
+    let _ = std::fs::remove_file(&spec.qmp);
+    let _ = std::fs::remove_file(&spec.qga);
+    let logf = std::fs::File::create(log).map_err(|source| ProcessError::Log {
+        path: log.into(),
+        source,
+    })?;
+    let logf2 = logf.try_clone().map_err(|source| ProcessError::Log {
+        path: log.into(),
+        source,
+    })?;
+    let mut cmd = tokio::process::Command::new(binary);
+    cmd.args(command_line(spec))
+        .arg("-daemonize")
+        .arg("-pidfile")
+        .arg(&spec.pidfile)
+        .stdin(std::process::Stdio::null())
+        .stdout(logf)
+        .stderr(logf2)
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().map_err(|source| {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            ProcessError::Missing {
+                binary: bin.clone(),
+            }
+        } else {
+            ProcessError::Spawn {
+                binary: bin.clone(),
+                source,
+            }
+        }
+    })?;
+    let status = match tokio::time::timeout(timeout, child.wait()).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(source)) => {
+            return Err(ProcessError::Spawn {
+                binary: bin,
+                source,
+            });
+        }
+        Err(_) => {
+            let _ = child.kill().await;
+            return Err(ProcessError::StartTimeout {
+                vm: spec.name.clone(),
+                timeout,
+            });
+        }
+    };
+    if !status.success() {
+        let log = tail(log, 12);
+        return Err(ProcessError::Start {
+            vm: spec.name.clone(),
+            status: status.to_string(),
+            log: if log.is_empty() {
+                "QEMU printed nothing".into()
+            } else {
+                log
+            },
+        });
+    }
+    read_pid(&spec.pidfile).ok_or_else(|| ProcessError::Pidfile {
+        vm: spec.name.clone(),
+        path: spec.pidfile.clone(),
+    })
+}
+
+/// The PID in a pidfile.
+pub fn read_pid(pidfile: &Path) -> Option<i32> {
+    std::fs::read_to_string(pidfile)
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+        .filter(|p| *p > 0)
+}
+
+/// Whether `pid` is a live QEMU whose command line names `dir`.
+pub fn is_our_qemu(pid: i32, dir: &Path) -> bool {
+    let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    // a zombie has an empty cmdline
+    let mut args = raw.split(|b| *b == 0).filter(|a| !a.is_empty());
+    let Some(argv0) = args.next() else {
+        return false;
+    };
+    let exe = String::from_utf8_lossy(argv0);
+    let base = exe.rsplit('/').next().unwrap_or(&exe);
+    if !base.starts_with("qemu-system") {
+        return false;
+    }
+    let needle = format!("{}/", dir.display());
+    args.any(|a| String::from_utf8_lossy(a).contains(&needle))
+}
+
+/// The PID of the VM's running QEMU, from its pidfile, when that process is alive and ours.
+pub fn running_pid(pidfile: &Path, dir: &Path) -> Option<i32> {
+    read_pid(pidfile).filter(|pid| is_our_qemu(*pid, dir))
+}
+
+fn signal(pid: i32, sig: rustix::process::Signal) -> Result<(), ProcessError> {
+    let Some(p) = rustix::process::Pid::from_raw(pid) else {
+        return Ok(());
+    };
+    match rustix::process::kill_process(p, sig) {
+        Ok(()) | Err(rustix::io::Errno::SRCH) => Ok(()),
+        Err(e) => Err(ProcessError::Signal {
+            pid,
+            source: e.into(),
+        }),
+    }
+}
+
+/// Wait until `pid` is no longer our QEMU for `dir`; `true` when it is gone in time.
+pub async fn wait_gone(pid: i32, dir: &Path, timeout: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if !is_our_qemu(pid, dir) {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// End our QEMU `pid` for `dir`: SIGTERM, then SIGKILL after `grace`. Only a process that is
+/// checked to be ours is signalled.
+pub async fn terminate(pid: i32, dir: &Path, grace: Duration) -> Result<(), ProcessError> {
+    if !is_our_qemu(pid, dir) {
+        return Ok(());
+    }
+    signal(pid, rustix::process::Signal::TERM)?;
+    if wait_gone(pid, dir, grace).await {
+        return Ok(());
+    }
+    if is_our_qemu(pid, dir) {
+        signal(pid, rustix::process::Signal::KILL)?;
+    }
+    if wait_gone(pid, dir, Duration::from_secs(10)).await {
+        Ok(())
+    } else {
+        Err(ProcessError::Unkillable { pid })
+    }
+}
+
+/// The resident memory of `pid` in bytes.
+pub fn rss_bytes(pid: i32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Whether a TCP port on 127.0.0.1 can be bound now (nobody listens on it).
+pub fn port_free(port: u16) -> bool {
+    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+}
+
+/// The host's CPU count and memory in MiB.
+pub fn host_capacity() -> (u32, u64) {
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(1);
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map(|kb| kb / 1024)
+        .unwrap_or(0);
+    (cpus, mem)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> LaunchSpec {
+        let dir = PathBuf::from("/state/qemu/vms/dev1");
+        LaunchSpec {
+            name: "dev1".into(),
+            uuid: "u".into(),
+            mac: "52:54:00:12:34:56".into(),
+            port: 22001,
+            cpus: 2,
+            memory_mib: 256,
+            base: "/state/qemu/base/tiny-1/disk.qcow2".into(),
+            disk: dir.join("disk-3.qcow2"),
+            disk_node: "ov3".into(),
+            seed: dir.join("seed.iso"),
+            qmp: dir.join("qmp.sock"),
+            qga: dir.join("qga.sock"),
+            serial: dir.join("serial.log"),
+            pidfile: dir.join("qemu.pid"),
+            boot: Boot {
+                kernel: Some("/k".into()),
+                initrd: Some("/i".into()),
+                cmdline: Some("console=ttyS0".into()),
+                machine: None,
+                acpi_shutdown: true,
+            },
+            accel: Accel::Tcg,
+            tcg_tb_size_mib: None,
+            dir,
+        }
+    }
+
+    #[test]
+    fn command_line_names_base_and_loopback_only() {
+        let args: Vec<String> = command_line(&spec())
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect();
+        let joined = args.join(" ");
+        assert!(
+            joined.contains("hostfwd=tcp:127.0.0.1:22001-:22"),
+            "{joined}"
+        );
+        assert!(joined.contains("\"backing\":\"base\""));
+        assert!(joined.contains("\"node-name\":\"ov3\""));
+        assert!(joined.contains("-accel tcg -cpu max"));
+        assert!(joined.contains("mac=52:54:00:12:34:56"));
+        assert!(!joined.contains("-daemonize"));
+        assert!(args.iter().any(|a| a.contains("/state/qemu/vms/dev1/")));
+    }
+
+    #[test]
+    fn accel_override() {
+        assert_eq!(detect_accel(Some("tcg")).accel, Accel::Tcg);
+        assert_eq!(detect_accel(Some("kvm")).accel, Accel::Kvm);
+        if Path::new("/sys/module/kvm_pvm").exists() {
+            assert_eq!(detect_accel(None).accel, Accel::Tcg);
+        }
+    }
+
+    #[test]
+    fn not_our_qemu() {
+        assert!(!is_our_qemu(std::process::id() as i32, Path::new("/state")));
+        assert!(!is_our_qemu(i32::MAX, Path::new("/state")));
+    }
+}

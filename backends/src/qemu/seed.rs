@@ -1,0 +1,317 @@
+//! The NoCloud seed of a VM: `meta-data` and `user-data` as docs/images.md ("Seed contract")
+//! defines them (the same bytes `image/make-seed.sh` writes), packed into an ISO with volume
+//! label `cidata` by `genisoimage`.
+//!
+//! The seed carries the identity: hostname, the pinned ed25519 host key (sshd's only key),
+//! `authorized_keys` for `agent` (reset per instance), a fresh machine-id per instance (made in
+//! the guest) and the proxy token. A new `instance-id` is used for every seed written, so the
+//! guest re-applies the per-instance steps after every create and reimage.
+//!
+//! The ISO holds the host's private key and the token: it is written 0600.
+
+use std::path::{Path, PathBuf};
+
+use crate::Identity;
+
+/// A failed seed write.
+#[derive(Debug, thiserror::Error)]
+pub enum SeedError {
+    /// The identity lacks something the seed needs.
+    #[error("the identity of {name} cannot be seeded: {why}")]
+    Identity {
+        /// The VM.
+        name: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// Writing the seed's files failed.
+    #[error("could not write the seed files of {name}")]
+    Io {
+        /// The VM.
+        name: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `genisoimage` could not be run.
+    #[error(
+        "could not run genisoimage for the seed of {name}: run scripts/install-deps.sh (package genisoimage)"
+    )]
+    Spawn {
+        /// The VM.
+        name: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `genisoimage` failed.
+    #[error("genisoimage failed for the seed of {name}: {stderr}")]
+    Iso {
+        /// The VM.
+        name: String,
+        /// Its stderr.
+        stderr: String,
+    },
+}
+
+/// Standard base64 with padding, one line (as `base64 -w0`).
+pub fn base64(data: &[u8]) -> String {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
+    for chunk in data.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        out.push(T[(n >> 18) as usize & 63] as char);
+        out.push(T[(n >> 12) as usize & 63] as char);
+        out.push(if chunk.len() > 1 {
+            T[(n >> 6) as usize & 63] as char
+        } else {
+            '='
+        });
+        out.push(if chunk.len() > 2 {
+            T[n as usize & 63] as char
+        } else {
+            '='
+        });
+    }
+    out
+}
+
+/// Whether `h` is a hostname the seed accepts: `[a-zA-Z0-9-]`, not starting with `-`.
+pub fn valid_hostname(h: &str) -> bool {
+    !h.is_empty()
+        && !h.starts_with('-')
+        && h.len() <= 63
+        && h.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-')
+}
+
+/// `meta-data`.
+pub fn meta_data(instance_id: &str, hostname: &str) -> String {
+    format!("instance-id: {instance_id}\nlocal-hostname: {hostname}\n")
+}
+
+/// `user-data` (cloud-config) for `identity`.
+pub fn user_data(name: &str, identity: &Identity) -> Result<String, SeedError> {
+    let bad = |why: &str| SeedError::Identity {
+        name: name.into(),
+        why: why.into(),
+    };
+    if !valid_hostname(&identity.hostname) {
+        return Err(bad("the hostname must be letters, digits and '-'"));
+    }
+    let Some((private, public)) = &identity.host_key else {
+        return Err(bad("it has no host key (identity::generate makes one)"));
+    };
+    let token = identity.proxy_token.as_deref().unwrap_or("");
+    let mut s = String::new();
+    s.push_str("#cloud-config\n# boxery seed v1 (docs/images.md, \"Seed contract\")\n");
+    s.push_str(&format!("hostname: {}\n", identity.hostname));
+    s.push_str(
+        "preserve_hostname: false\nmanage_etc_hosts: true\nssh_pwauth: false\ndisable_root: true\n\
+         ssh_deletekeys: true\nssh_genkeytypes: []\nbootcmd:\n\
+         \x20 - [cloud-init-per, instance, boxery-reset-authorized-keys, rm, -f, /home/agent/.ssh/authorized_keys]\n\
+         \x20 - [cloud-init-per, instance, boxery-machine-id, sh, -c, \"rm -f /etc/machine-id /var/lib/dbus/machine-id && systemd-machine-id-setup\"]\n\
+         ssh_authorized_keys:\n",
+    );
+    for key in &identity.authorized_keys {
+        let key = key.trim();
+        if key.is_empty() || key.starts_with('#') {
+            continue;
+        }
+        if key.contains('\n') {
+            return Err(bad("an authorized key spans several lines"));
+        }
+        s.push_str(&format!("  - {key}\n"));
+    }
+    let public_file = format!("{}\n", public.trim());
+    let file = |path: &str, perm: &str, owner: Option<&str>, content: &[u8]| {
+        let mut f = format!("  - path: {path}\n");
+        if let Some(o) = owner {
+            f.push_str(&format!("    owner: {o}\n"));
+        }
+        f.push_str(&format!(
+            "    permissions: '{perm}'\n    encoding: b64\n    content: {}\n",
+            base64(content)
+        ));
+        f
+    };
+    s.push_str("write_files:\n");
+    s.push_str(&file(
+        "/etc/ssh/boxery_host_ed25519_key",
+        "0600",
+        None,
+        private.as_bytes(),
+    ));
+    s.push_str(&file(
+        "/etc/ssh/boxery_host_ed25519_key.pub",
+        "0644",
+        None,
+        public_file.as_bytes(),
+    ));
+    s.push_str(&file(
+        "/etc/ssh/sshd_config.d/05-boxery-hostkey.conf",
+        "0644",
+        None,
+        b"HostKey /etc/ssh/boxery_host_ed25519_key\n",
+    ));
+    s.push_str(&file(
+        "/home/agent/.boxery/token",
+        "0600",
+        Some("agent:agent"),
+        token.as_bytes(),
+    ));
+    Ok(s)
+}
+
+/// Write the seed ISO for `identity` to `iso` (temp file + rename, mode 0600), using
+/// `work` (a directory that is created and removed) for the loose files.
+pub async fn write_seed_iso(
+    genisoimage: &Path,
+    name: &str,
+    instance_id: &str,
+    identity: &Identity,
+    work: &Path,
+    iso: &Path,
+) -> Result<(), SeedError> {
+    use std::os::unix::fs::PermissionsExt;
+    let io = |source| SeedError::Io {
+        name: name.into(),
+        source,
+    };
+    let user = user_data(name, identity)?;
+    let meta = meta_data(instance_id, &identity.hostname);
+    let _ = std::fs::remove_dir_all(work);
+    std::fs::create_dir_all(work).map_err(io)?;
+    std::fs::set_permissions(work, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+    let result = async {
+        std::fs::write(work.join("user-data"), user).map_err(io)?;
+        std::fs::write(work.join("meta-data"), meta).map_err(io)?;
+        let tmp: PathBuf = super::layout::temp_path(iso);
+        let out = tokio::process::Command::new(genisoimage)
+            .arg("-quiet")
+            .arg("-output")
+            .arg(&tmp)
+            .args(["-volid", "cidata", "-joliet", "-rock"])
+            .arg(work.join("user-data"))
+            .arg(work.join("meta-data"))
+            .stdin(std::process::Stdio::null())
+            .output()
+            .await
+            .map_err(|source| SeedError::Spawn {
+                name: name.into(),
+                source,
+            })?;
+        if !out.status.success() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(SeedError::Iso {
+                name: name.into(),
+                stderr: String::from_utf8_lossy(&out.stderr).trim().into(),
+            });
+        }
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+        std::fs::rename(&tmp, iso).map_err(io)?;
+        super::layout::sync_dir(iso).map_err(io)
+    }
+    .await;
+    let _ = std::fs::remove_dir_all(work);
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_matches_coreutils() {
+        assert_eq!(base64(b""), "");
+        assert_eq!(base64(b"f"), "Zg==");
+        assert_eq!(base64(b"fo"), "Zm8=");
+        assert_eq!(base64(b"foo"), "Zm9v");
+        assert_eq!(
+            base64(b"HostKey /etc/ssh/boxery_host_ed25519_key\n"),
+            "SG9zdEtleSAvZXRjL3NzaC9ib3hlcnlfaG9zdF9lZDI1NTE5X2tleQo="
+        );
+    }
+
+    fn identity() -> Identity {
+        Identity {
+            hostname: "dev1".into(),
+            machine_id: "0".repeat(32),
+            host_key: Some((
+                "-----BEGIN OPENSSH PRIVATE KEY-----\nabc\n-----END OPENSSH PRIVATE KEY-----\n"
+                    .into(),
+                "ssh-ed25519 AAAA dev1.boxery".into(),
+            )),
+            authorized_keys: vec!["ssh-ed25519 BBBB me@laptop".into()],
+            proxy_token: Some("bxt_1".into()),
+        }
+    }
+
+    #[test]
+    fn user_data_follows_the_contract() {
+        let u = user_data("dev1", &identity()).unwrap();
+        assert!(u.starts_with("#cloud-config\n"));
+        assert!(u.contains("hostname: dev1\n"));
+        assert!(u.contains("ssh_authorized_keys:\n  - ssh-ed25519 BBBB me@laptop\n"));
+        assert!(u.contains("  - path: /etc/ssh/boxery_host_ed25519_key\n    permissions: '0600'\n    encoding: b64\n"));
+        assert!(u.contains(&format!("content: {}\n", base64(b"bxt_1"))));
+        assert!(u.contains("    owner: agent:agent\n"));
+        let mut no_key = identity();
+        no_key.host_key = None;
+        assert!(user_data("dev1", &no_key).is_err());
+        let mut bad_host = identity();
+        bad_host.hostname = "a.b".into();
+        assert!(user_data("dev1", &bad_host).is_err());
+    }
+
+    /// The same identity gives the same bytes as image/make-seed.sh (the reference).
+    #[test]
+    fn matches_make_seed_sh() {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../image/make-seed.sh");
+        let have = |c: &str| {
+            std::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!("command -v {c}"))
+                .output()
+                .is_ok_and(|o| o.status.success())
+        };
+        if !script.exists() || !have("genisoimage") {
+            eprintln!("skipped: image/make-seed.sh or genisoimage missing");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let id = crate::identity::generate("dev1", &["ssh-ed25519 BBBB me@laptop".into()]).unwrap();
+        let (private, public) = id.host_key.clone().unwrap();
+        std::fs::write(d.path().join("hk"), &private).unwrap();
+        std::fs::write(d.path().join("hk.pub"), format!("{public}\n")).unwrap();
+        std::fs::write(d.path().join("ak"), "ssh-ed25519 BBBB me@laptop\n").unwrap();
+        std::fs::write(d.path().join("tok"), id.proxy_token.clone().unwrap()).unwrap();
+        let out = std::process::Command::new("bash")
+            .arg(&script)
+            .args(["--instance-id", "iid-1", "--hostname", "dev1", "--host-key"])
+            .arg(d.path().join("hk"))
+            .arg("--authorized-keys")
+            .arg(d.path().join("ak"))
+            .arg("--token")
+            .arg(d.path().join("tok"))
+            .arg(d.path().join("seed"))
+            .arg(d.path().join("seed.iso"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let reference = std::fs::read_to_string(d.path().join("seed/user-data")).unwrap();
+        assert_eq!(user_data("dev1", &id).unwrap(), reference);
+        assert_eq!(
+            meta_data("iid-1", "dev1"),
+            std::fs::read_to_string(d.path().join("seed/meta-data")).unwrap()
+        );
+    }
+}

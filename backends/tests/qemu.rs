@@ -1,0 +1,1 @@
+//! Real-QEMU tests of the qemu backend (written next).
