@@ -20,7 +20,13 @@ pub(crate) fn last_applied(obj: &DynObject) -> Result<Value> {
     if let Some(o) = v.as_object_mut() {
         o.remove("status");
         if let Some(Value::Object(m)) = o.get_mut("metadata") {
-            for k in ["uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp"] {
+            for k in [
+                "uid",
+                "resourceVersion",
+                "generation",
+                "creationTimestamp",
+                "deletionTimestamp",
+            ] {
                 m.remove(k);
             }
             let empty = match m.get_mut("annotations") {
@@ -52,7 +58,10 @@ pub(crate) fn apply_all(
                 object: o.key(),
                 errors: vec![FieldError::new(
                     "metadata.name",
-                    format!("{} appears more than once in the set being applied: keep one of them", o.key()),
+                    format!(
+                        "{} appears more than once in the set being applied: keep one of them",
+                        o.key()
+                    ),
                 )],
             }));
         }
@@ -86,7 +95,9 @@ fn apply_one(tx: &mut Tx<'_>, obj: DynObject) -> Result<(ApplyAction, DynObject)
     let mut manifest = last_applied(&obj)?;
     let record = manifest.to_string();
     if let Some(m) = manifest.get_mut("metadata").and_then(Value::as_object_mut) {
-        let ann = m.entry("annotations").or_insert_with(|| Value::Object(Default::default()));
+        let ann = m
+            .entry("annotations")
+            .or_insert_with(|| Value::Object(Default::default()));
         if let Some(a) = ann.as_object_mut() {
             a.insert(LAST_APPLIED.into(), Value::String(record));
         }
@@ -96,13 +107,17 @@ fn apply_one(tx: &mut Tx<'_>, obj: DynObject) -> Result<(ApplyAction, DynObject)
         return Ok((ApplyAction::Created, tx.create(n)?));
     };
     if cur.metadata.is_deleting() {
-        return Err(StoreError::BeingDeleted { kind: cur.kind, name: cur.metadata.name });
+        return Err(StoreError::BeingDeleted {
+            kind: cur.kind,
+            name: cur.metadata.name,
+        });
     }
     let mut new = cur.clone();
     let spec_changed = replace_spec(&mut new.rest, &n.rest);
     let m = &mut new.metadata;
     m.labels = n.metadata.labels;
-    m.annotations.retain(|k, _| k.starts_with(SYSTEM_PREFIX) && k != LAST_APPLIED);
+    m.annotations
+        .retain(|k, _| k.starts_with(SYSTEM_PREFIX) && k != LAST_APPLIED);
     m.annotations.extend(n.metadata.annotations);
     if spec_changed {
         m.generation = Some(cur.metadata.generation.unwrap_or(0) + 1);

@@ -38,7 +38,9 @@ pub(crate) fn compact_batch(conn: &mut Connection, keep: u64) -> Result<(u64, bo
             "SELECT count(*), max(rev) FROM \
              (SELECT rev FROM log WHERE rev > ?1 AND rev <= ?2 ORDER BY rev LIMIT ?3)",
         )?
-        .query_row(params![to_i64(floor), to_i64(target), COMPACT_BATCH], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        .query_row(params![to_i64(floor), to_i64(target), COMPACT_BATCH], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })?;
     // A full batch ends at its last row; a short one reaches the target.
     let (upto, done) = match last {
         Some(l) if rows == COMPACT_BATCH && (l.max(0) as u64) < target => (l as u64, false),

@@ -33,11 +33,19 @@ struct Row {
 }
 
 fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }
 
 /// Take or renew `lock` for `me`, or report who holds it.
-pub(crate) fn try_lead(conn: &mut Connection, lock: &str, me: &Candidate, ttl: Duration) -> Result<Leadership> {
+pub(crate) fn try_lead(
+    conn: &mut Connection,
+    lock: &str,
+    me: &Candidate,
+    ttl: Duration,
+) -> Result<Leadership> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     let row = tx
         .prepare_cached(
@@ -62,7 +70,10 @@ pub(crate) fn try_lead(conn: &mut Connection, lock: &str, me: &Candidate, ttl: D
         Some(r) if r.boot_id == me.boot_id && !process_alive(r.pid, r.start_time) => r.epoch + 1,
         Some(r) => {
             let expires_in = Duration::from_millis((r.expires_ms - now).max(0) as u64);
-            return Ok(Leadership::Follower { holder: r.holder.clone(), expires_in });
+            return Ok(Leadership::Follower {
+                holder: r.holder.clone(),
+                expires_in,
+            });
         }
     };
     let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX / 2);
@@ -121,7 +132,10 @@ pub(crate) fn process_alive(pid: u32, start_time: Option<u64>) -> bool {
             if state == "Z" || state == "X" || state == "x" {
                 return false;
             }
-            match (start_time, f.get(22 - 3).and_then(|s| s.parse::<u64>().ok())) {
+            match (
+                start_time,
+                f.get(22 - 3).and_then(|s| s.parse::<u64>().ok()),
+            ) {
                 (Some(recorded), Some(now)) => recorded == now,
                 _ => true,
             }
@@ -131,7 +145,9 @@ pub(crate) fn process_alive(pid: u32, start_time: Option<u64>) -> bool {
 
 /// This machine's boot id (`/proc/sys/kernel/random/boot_id`), or `""` where there is none.
 pub(crate) fn boot_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -144,7 +160,10 @@ mod tests {
         let start = process_start_time(me);
         assert!(start.is_some());
         assert!(process_alive(me, start));
-        assert!(!process_alive(me, start.map(|s| s + 1)), "a different start time means PID reuse");
+        assert!(
+            !process_alive(me, start.map(|s| s + 1)),
+            "a different start time means PID reuse"
+        );
         assert!(!process_alive(u32::MAX - 1, None));
         assert!(!boot_id().is_empty());
     }

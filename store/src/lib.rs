@@ -152,7 +152,11 @@ impl StoreError {
         let plural = boxery_api::lookup_kind(kind)
             .map(|k| k.plural.to_string())
             .unwrap_or_else(|| kind.to_ascii_lowercase());
-        StoreError::NotFound { kind: kind.to_string(), name: name.to_string(), plural }
+        StoreError::NotFound {
+            kind: kind.to_string(),
+            name: name.to_string(),
+            plural,
+        }
     }
 }
 
@@ -225,7 +229,11 @@ pub struct Candidate {
 impl Candidate {
     /// This process as a candidate: its pid and this machine's boot id.
     pub fn current(id: impl Into<String>) -> Candidate {
-        Candidate { id: id.into(), pid: std::process::id(), boot_id: leader::boot_id() }
+        Candidate {
+            id: id.into(),
+            pid: std::process::id(),
+            boot_id: leader::boot_id(),
+        }
     }
 }
 
@@ -271,7 +279,10 @@ impl Default for StoreOptions {
     /// lock; poll for other processes' writes every 5 ms.
     fn default() -> Self {
         StoreOptions {
-            auto_compact: Some(AutoCompact { keep_revisions: 10_000, every: Duration::from_secs(60) }),
+            auto_compact: Some(AutoCompact {
+                keep_revisions: 10_000,
+                every: Duration::from_secs(60),
+            }),
             busy_timeout: Duration::from_secs(5),
             poll_interval: Duration::from_millis(5),
         }
@@ -344,7 +355,9 @@ pub struct Store {
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").field("path", &self.inner.path).finish_non_exhaustive()
+        f.debug_struct("Store")
+            .field("path", &self.inner.path)
+            .finish_non_exhaustive()
     }
 }
 
@@ -357,21 +370,37 @@ impl Store {
 
     /// Open (or create) the store at `path`.
     pub fn open_with(path: &Path, options: StoreOptions) -> Result<Store> {
-        let open_err = |source| StoreError::Open { path: path.display().to_string(), source };
+        let open_err = |source| StoreError::Open {
+            path: path.display().to_string(),
+            source,
+        };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(open_err)?;
         }
         let mut writer = connect(path, options.busy_timeout)?;
         schema::init(&mut writer, path)?;
-        let rev = schema::meta(&writer, "revision")
-            .map_err(|source| StoreError::OpenDb { path: path.display().to_string(), source })?;
+        let rev = schema::meta(&writer, "revision").map_err(|source| StoreError::OpenDb {
+            path: path.display().to_string(),
+            source,
+        })?;
         let (revisions, _) = tokio::sync::watch::channel(rev);
         let (stop_poll, poll_rx) = mpsc::channel();
         let (stop_upkeep, upkeep_rx) = mpsc::channel();
-        watch::spawn_poller(path.to_path_buf(), options.busy_timeout, options.poll_interval, revisions.clone(), poll_rx)
-            .map_err(open_err)?;
-        compact::spawn_upkeep(path.to_path_buf(), options.busy_timeout, options.auto_compact.clone(), upkeep_rx)
-            .map_err(open_err)?;
+        watch::spawn_poller(
+            path.to_path_buf(),
+            options.busy_timeout,
+            options.poll_interval,
+            revisions.clone(),
+            poll_rx,
+        )
+        .map_err(open_err)?;
+        compact::spawn_upkeep(
+            path.to_path_buf(),
+            options.busy_timeout,
+            options.auto_compact.clone(),
+            upkeep_rx,
+        )
+        .map_err(open_err)?;
         Ok(Store {
             inner: Arc::new(Inner {
                 path: path.to_path_buf(),
@@ -420,10 +449,13 @@ impl Store {
             let rev = schema::meta(&tx, "revision")?;
             let mut out = Vec::new();
             {
-                let mut stmt = tx.prepare_cached("SELECT json FROM objects WHERE kind = ?1 ORDER BY name")?;
+                let mut stmt =
+                    tx.prepare_cached("SELECT json FROM objects WHERE kind = ?1 ORDER BY name")?;
                 let mut rows = stmt.query([kind])?;
                 while let Some(r) = rows.next()? {
-                    let obj: DynObject = serde_json::from_str(r.get_ref(0)?.as_str().map_err(rusqlite::Error::from)?)?;
+                    let obj: DynObject = serde_json::from_str(
+                        r.get_ref(0)?.as_str().map_err(rusqlite::Error::from)?,
+                    )?;
                     if selector.matches(&obj.metadata.labels) {
                         out.push(obj);
                     }
@@ -468,8 +500,13 @@ impl Store {
     /// name (`Invalid`). With `prune`, objects of the kinds in the set that match the
     /// selector, carry a last-applied record and are not in the set are deleted. With
     /// `dry_run`, everything happens inside the transaction, which is then rolled back.
-    pub fn apply_all(&self, objs: Vec<DynObject>, opts: &ApplyOptions) -> Result<Vec<(ApplyAction, DynObject)>> {
-        self.inner.write(opts.dry_run, |tx| apply::apply_all(tx, objs, opts))
+    pub fn apply_all(
+        &self,
+        objs: Vec<DynObject>,
+        opts: &ApplyOptions,
+    ) -> Result<Vec<(ApplyAction, DynObject)>> {
+        self.inner
+            .write(opts.dry_run, |tx| apply::apply_all(tx, objs, opts))
     }
 
     /// The store's current revision (the last one written).
@@ -482,7 +519,11 @@ impl Store {
     /// compaction floor, the first and only item is `Err(TooOld)`: list again and watch from
     /// the list's revision. Any error ends the stream; resume from the last revision seen.
     /// The stream needs no particular runtime (it waits on a `tokio::sync::watch`).
-    pub fn watch(&self, kind: Option<&str>, from: u64) -> futures::stream::BoxStream<'static, Result<(u64, WatchEvent)>> {
+    pub fn watch(
+        &self,
+        kind: Option<&str>,
+        from: u64,
+    ) -> futures::stream::BoxStream<'static, Result<(u64, WatchEvent)>> {
         watch::stream(self.inner.clone(), kind.map(str::to_string), from)
     }
 
@@ -502,7 +543,8 @@ impl Store {
 
     /// The compaction floor: the log holds every change after it.
     pub fn compacted(&self) -> Result<u64> {
-        self.inner.with_reader(|c| Ok(schema::meta(c, "compacted")?))
+        self.inner
+            .with_reader(|c| Ok(schema::meta(c, "compacted")?))
     }
 
     /// Try to take or renew the leader lock `lock` for `ttl`. Succeeds when nobody holds it,
@@ -528,7 +570,9 @@ impl Store {
     /// [`Store::list`], typed (without the revision).
     pub fn list_as<R: Resource>(&self, selector: &Selector) -> Result<Vec<R>> {
         let (objs, _) = self.list(R::INFO.kind, selector)?;
-        objs.iter().map(|o| o.to_typed().map_err(StoreError::from)).collect()
+        objs.iter()
+            .map(|o| o.to_typed().map_err(StoreError::from))
+            .collect()
     }
 
     /// [`Store::create`], typed.
@@ -543,6 +587,8 @@ impl Store {
 
     /// [`Store::update_status`], typed.
     pub fn update_status_as<R: Resource>(&self, obj: &R) -> Result<R> {
-        Ok(self.update_status(DynObject::from_typed(obj)?)?.to_typed()?)
+        Ok(self
+            .update_status(DynObject::from_typed(obj)?)?
+            .to_typed()?)
     }
 }

@@ -67,7 +67,10 @@ CREATE TABLE IF NOT EXISTS leaders (
 /// Open one connection to the store's file with the settings every connection shares:
 /// WAL, `synchronous=NORMAL`, a busy timeout, foreign keys off (the schema has none).
 pub(crate) fn connect(path: &Path, busy_timeout: Duration) -> Result<Connection> {
-    let open_db = |source| StoreError::OpenDb { path: path.display().to_string(), source };
+    let open_db = |source| StoreError::OpenDb {
+        path: path.display().to_string(),
+        source,
+    };
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
         | OpenFlags::SQLITE_OPEN_CREATE
         | OpenFlags::SQLITE_OPEN_NO_MUTEX
@@ -76,20 +79,29 @@ pub(crate) fn connect(path: &Path, busy_timeout: Duration) -> Result<Connection>
     conn.busy_timeout(busy_timeout).map_err(open_db)?;
     // Switching to WAL needs a moment of exclusive access; the busy timeout covers a race
     // with another process opening the same new file.
-    let mode: String =
-        conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0)).map_err(open_db)?;
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+        .map_err(open_db)?;
     if !mode.eq_ignore_ascii_case("wal") {
         tracing::warn!(path = %path.display(), mode, "the store's file is not in WAL mode");
     }
-    conn.pragma_update(None, "synchronous", "NORMAL").map_err(open_db)?;
+    conn.pragma_update(None, "synchronous", "NORMAL")
+        .map_err(open_db)?;
     Ok(conn)
 }
 
 /// Create the schema if the file is new; refuse a file written by a newer boxery.
 pub(crate) fn init(conn: &mut Connection, path: &Path) -> Result<()> {
-    let open_db = |source| StoreError::OpenDb { path: path.display().to_string(), source };
-    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(open_db)?;
-    let version: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(open_db)?;
+    let open_db = |source| StoreError::OpenDb {
+        path: path.display().to_string(),
+        source,
+    };
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(open_db)?;
+    let version: i64 = tx
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .map_err(open_db)?;
     if version > SCHEMA_VERSION {
         return Err(StoreError::SchemaTooNew {
             path: path.display().to_string(),
@@ -99,7 +111,8 @@ pub(crate) fn init(conn: &mut Connection, path: &Path) -> Result<()> {
     }
     if version < SCHEMA_VERSION {
         tx.execute_batch(SCHEMA).map_err(open_db)?;
-        tx.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(open_db)?;
+        tx.pragma_update(None, "user_version", SCHEMA_VERSION)
+            .map_err(open_db)?;
     }
     tx.commit().map_err(open_db)?;
     Ok(())

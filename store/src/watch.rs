@@ -33,7 +33,10 @@ pub(crate) fn read_log(
     let tx = conn.transaction()?;
     let floor = meta(&tx, "compacted")?;
     if after < floor {
-        return Err(StoreError::TooOld { requested: after, floor });
+        return Err(StoreError::TooOld {
+            requested: after,
+            floor,
+        });
     }
     let mut out = Vec::new();
     {
@@ -75,9 +78,20 @@ struct State {
 }
 
 /// The stream behind `Store::watch`.
-pub(crate) fn stream(inner: Arc<Inner>, kind: Option<String>, from: u64) -> BoxStream<'static, Result<(u64, WatchEvent)>> {
+pub(crate) fn stream(
+    inner: Arc<Inner>,
+    kind: Option<String>,
+    from: u64,
+) -> BoxStream<'static, Result<(u64, WatchEvent)>> {
     let rx = inner.revisions.subscribe();
-    let state = State { inner, kind, pos: from, rx, buf: VecDeque::new(), done: false };
+    let state = State {
+        inner,
+        kind,
+        pos: from,
+        rx,
+        buf: VecDeque::new(),
+        done: false,
+    };
     stream::unfold(state, |mut s| async move {
         loop {
             if let Some(item) = s.buf.pop_front() {
@@ -89,7 +103,10 @@ pub(crate) fn stream(inner: Arc<Inner>, kind: Option<String>, from: u64) -> BoxS
             // Mark seen before reading: a commit after this read wakes the wait below.
             let known = *s.rx.borrow_and_update();
             if known > s.pos {
-                match s.inner.with_reader(|c| read_log(c, s.kind.as_deref(), s.pos)) {
+                match s
+                    .inner
+                    .with_reader(|c| read_log(c, s.kind.as_deref(), s.pos))
+                {
                     Ok((rows, head)) => {
                         let full = rows.len() == BATCH;
                         if let Some((last, _)) = rows.last() {

@@ -42,7 +42,11 @@ impl<'c> Tx<'c> {
     pub(crate) fn begin(conn: &'c mut Connection) -> Result<Tx<'c>> {
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let rev = meta(&tx, "revision")?;
-        Ok(Tx { tx, start: rev, rev })
+        Ok(Tx {
+            tx,
+            start: rev,
+            rev,
+        })
     }
 
     /// Commit; returns the last revision written (unchanged when nothing was written).
@@ -75,7 +79,9 @@ impl<'c> Tx<'c> {
 
     /// Every current object of a kind, by name.
     pub(crate) fn load_kind(&self, kind: &str) -> Result<Vec<DynObject>> {
-        let mut stmt = self.tx.prepare_cached("SELECT json FROM objects WHERE kind = ?1 ORDER BY name")?;
+        let mut stmt = self
+            .tx
+            .prepare_cached("SELECT json FROM objects WHERE kind = ?1 ORDER BY name")?;
         let rows = stmt.query_map([kind], |r| r.get::<_, String>(0))?;
         let mut out = Vec::new();
         for j in rows {
@@ -86,7 +92,12 @@ impl<'c> Tx<'c> {
 
     /// Write `obj` as the current object of its key at a new revision and log it. `old` is the
     /// object it replaces (to keep the owner index in step).
-    pub(crate) fn put(&mut self, obj: &mut DynObject, ev: EventType, old: Option<&DynObject>) -> Result<()> {
+    pub(crate) fn put(
+        &mut self,
+        obj: &mut DynObject,
+        ev: EventType,
+        old: Option<&DynObject>,
+    ) -> Result<()> {
         self.rev += 1;
         let rev = self.rev;
         obj.metadata.resource_version = Some(rev.to_string());
@@ -99,16 +110,18 @@ impl<'c> Tx<'c> {
             )?
             .execute(params![obj.kind, obj.metadata.name, uid, to_i64(rev), json])?;
         self.log(rev, &obj.kind, &obj.metadata.name, ev, &json)?;
-        let old_refs = old.map(|o| o.metadata.owner_references.as_slice()).unwrap_or_default();
+        let old_refs = old
+            .map(|o| o.metadata.owner_references.as_slice())
+            .unwrap_or_default();
         if old_refs != obj.metadata.owner_references.as_slice() {
             if !old_refs.is_empty() {
                 self.tx
                     .prepare_cached("DELETE FROM owners WHERE kind = ?1 AND name = ?2")?
                     .execute(params![obj.kind, obj.metadata.name])?;
             }
-            let mut ins = self
-                .tx
-                .prepare_cached("INSERT OR IGNORE INTO owners (owner_uid, kind, name) VALUES (?1, ?2, ?3)")?;
+            let mut ins = self.tx.prepare_cached(
+                "INSERT OR IGNORE INTO owners (owner_uid, kind, name) VALUES (?1, ?2, ?3)",
+            )?;
             for r in &obj.metadata.owner_references {
                 ins.execute(params![r.uid, obj.kind, obj.metadata.name])?;
             }
@@ -118,7 +131,9 @@ impl<'c> Tx<'c> {
 
     fn log(&self, rev: u64, kind: &str, name: &str, ev: EventType, json: &str) -> Result<()> {
         self.tx
-            .prepare_cached("INSERT INTO log (rev, kind, name, type, json) VALUES (?1, ?2, ?3, ?4, ?5)")?
+            .prepare_cached(
+                "INSERT INTO log (rev, kind, name, type, json) VALUES (?1, ?2, ?3, ?4, ?5)",
+            )?
             .execute(params![to_i64(rev), kind, name, ev.as_str(), json])?;
         Ok(())
     }
@@ -129,7 +144,9 @@ impl<'c> Tx<'c> {
         let removed = self.remove_one(&mut obj)?;
         let mut work = self.owned_by(removed.as_deref())?;
         while let Some((kind, name)) = work.pop() {
-            let Some(mut child) = self.load(&kind, &name)? else { continue };
+            let Some(mut child) = self.load(&kind, &name)? else {
+                continue;
+            };
             if !child.metadata.finalizers.is_empty() {
                 self.mark_deleting(&mut child)?;
                 continue;
@@ -154,14 +171,24 @@ impl<'c> Tx<'c> {
                 .prepare_cached("DELETE FROM owners WHERE kind = ?1 AND name = ?2")?
                 .execute(params![obj.kind, obj.metadata.name])?;
         }
-        self.log(rev, &obj.kind, &obj.metadata.name, EventType::Deleted, &json)?;
+        self.log(
+            rev,
+            &obj.kind,
+            &obj.metadata.name,
+            EventType::Deleted,
+            &json,
+        )?;
         Ok(obj.metadata.uid.clone())
     }
 
     /// The keys of the objects that name `uid` among their ownerReferences.
     fn owned_by(&self, uid: Option<&str>) -> Result<Vec<(String, String)>> {
-        let Some(uid) = uid else { return Ok(Vec::new()) };
-        let mut stmt = self.tx.prepare_cached("SELECT kind, name FROM owners WHERE owner_uid = ?1")?;
+        let Some(uid) = uid else {
+            return Ok(Vec::new());
+        };
+        let mut stmt = self
+            .tx
+            .prepare_cached("SELECT kind, name FROM owners WHERE owner_uid = ?1")?;
         let rows = stmt.query_map([uid], |r| Ok((r.get(0)?, r.get(1)?)))?;
         let mut out: Vec<(String, String)> = rows.collect::<rusqlite::Result<_>>()?;
         // Popped from the end: handle them in (kind, name) order.
@@ -196,7 +223,10 @@ impl<'c> Tx<'c> {
     /// Create a new object: server fields set, Added logged. `obj` must be normalized.
     pub(crate) fn create(&mut self, mut obj: DynObject) -> Result<DynObject> {
         if self.exists(&obj.kind, &obj.metadata.name)? {
-            return Err(StoreError::AlreadyExists { kind: obj.kind, name: obj.metadata.name });
+            return Err(StoreError::AlreadyExists {
+                kind: obj.kind,
+                name: obj.metadata.name,
+            });
         }
         let m = &mut obj.metadata;
         m.uid = Some(uuid::Uuid::new_v4().to_string());
@@ -221,8 +251,12 @@ impl<'c> Tx<'c> {
     pub(crate) fn update(&mut self, obj: DynObject) -> Result<DynObject> {
         let cur = self.load_for_write(&obj)?;
         if cur.metadata.is_deleting() {
-            let added: Vec<&String> =
-                obj.metadata.finalizers.iter().filter(|f| !cur.metadata.has_finalizer(f)).collect();
+            let added: Vec<&String> = obj
+                .metadata
+                .finalizers
+                .iter()
+                .filter(|f| !cur.metadata.has_finalizer(f))
+                .collect();
             if !added.is_empty() {
                 return Err(invalid(
                     &cur,
@@ -259,7 +293,10 @@ impl<'c> Tx<'c> {
                 return Err(invalid(
                     &cur,
                     "status",
-                    format!("{} objects have no status: use update to change them", cur.kind),
+                    format!(
+                        "{} objects have no status: use update to change them",
+                        cur.kind
+                    ),
                 ));
             }
             None => {
@@ -290,7 +327,11 @@ impl<'c> Tx<'c> {
 
     /// Write `new` over `cur` unless nothing changed; remove it when it is being deleted and
     /// no finalizer remains.
-    pub(crate) fn finish_update(&mut self, cur: DynObject, mut new: DynObject) -> Result<DynObject> {
+    pub(crate) fn finish_update(
+        &mut self,
+        cur: DynObject,
+        mut new: DynObject,
+    ) -> Result<DynObject> {
         if new.metadata.is_deleting() && new.metadata.finalizers.is_empty() {
             return self.remove(new);
         }
@@ -305,8 +346,11 @@ impl<'c> Tx<'c> {
 /// Replace every top-level field but `status` (the spec, or an Event's fields) in `dst` with
 /// `src`'s. Returns whether anything changed.
 pub(crate) fn replace_spec(dst: &mut Map<String, Value>, src: &Map<String, Value>) -> bool {
-    let before: Vec<(String, Value)> =
-        dst.iter().filter(|(k, _)| k.as_str() != "status").map(|(k, v)| (k.clone(), v.clone())).collect();
+    let before: Vec<(String, Value)> = dst
+        .iter()
+        .filter(|(k, _)| k.as_str() != "status")
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
     dst.retain(|k, _| k == "status");
     for (k, v) in src {
         if k != "status" {
@@ -319,5 +363,8 @@ pub(crate) fn replace_spec(dst: &mut Map<String, Value>, src: &Map<String, Value
 
 /// An `Invalid` error about one field of `obj`.
 pub(crate) fn invalid(obj: &DynObject, path: &str, message: String) -> StoreError {
-    StoreError::Invalid(ValidationError { object: obj.key(), errors: vec![FieldError::new(path, message)] })
+    StoreError::Invalid(ValidationError {
+        object: obj.key(),
+        errors: vec![FieldError::new(path, message)],
+    })
 }

@@ -7,7 +7,9 @@ use boxery_store::{ApplyAction, ApplyOptions, LAST_APPLIED, StoreError};
 use common::{Fixture, dump, image, store, vm};
 
 fn actions(out: &[(ApplyAction, boxery_api::DynObject)]) -> Vec<(ApplyAction, String)> {
-    out.iter().map(|(a, o)| (*a, o.metadata.name.clone())).collect()
+    out.iter()
+        .map(|(a, o)| (*a, o.metadata.name.clone()))
+        .collect()
 }
 
 fn apply(s: &boxery_store::Store, objs: Vec<boxery_api::DynObject>) -> Vec<(ApplyAction, String)> {
@@ -18,38 +20,77 @@ fn apply(s: &boxery_store::Store, objs: Vec<boxery_api::DynObject>) -> Vec<(Appl
 fn creates_configures_and_leaves_unchanged() {
     let (_d, s) = store();
     let out = apply(&s, vec![vm("a"), vm("b").label("team", "web")]);
-    assert_eq!(out, [(ApplyAction::Created, "a".into()), (ApplyAction::Created, "b".into())]);
+    assert_eq!(
+        out,
+        [
+            (ApplyAction::Created, "a".into()),
+            (ApplyAction::Created, "b".into())
+        ]
+    );
     let a = s.get("Vm", "a").unwrap().unwrap();
-    let record: serde_json::Value = serde_json::from_str(&a.metadata.annotations[LAST_APPLIED]).unwrap();
-    assert_eq!(record, serde_json::to_value(vm("a")).unwrap(), "the manifest as given");
+    let record: serde_json::Value =
+        serde_json::from_str(&a.metadata.annotations[LAST_APPLIED]).unwrap();
+    assert_eq!(
+        record,
+        serde_json::to_value(vm("a")).unwrap(),
+        "the manifest as given"
+    );
     let rev = s.revision().unwrap();
 
     // Same set again: nothing written.
     let out = apply(&s, vec![vm("a"), vm("b").label("team", "web")]);
-    assert_eq!(out, [(ApplyAction::Unchanged, "a".into()), (ApplyAction::Unchanged, "b".into())]);
+    assert_eq!(
+        out,
+        [
+            (ApplyAction::Unchanged, "a".into()),
+            (ApplyAction::Unchanged, "b".into())
+        ]
+    );
     assert_eq!(s.revision().unwrap(), rev);
 
     // The controller writes status, a finalizer and a system annotation; a user adds one.
     let mut a = s.get("Vm", "a").unwrap().unwrap();
-    a.rest.insert("status".into(), serde_json::json!({"phase": "Running"}));
+    a.rest
+        .insert("status".into(), serde_json::json!({"phase": "Running"}));
     let a = s.update_status(a).unwrap();
     let mut a2 = a.clone().finalizer("boxery.dev/vm");
-    a2.metadata.annotations.insert("boxery.dev/printed".into(), "x".into());
-    a2.metadata.annotations.insert("note".into(), "by hand".into());
+    a2.metadata
+        .annotations
+        .insert("boxery.dev/printed".into(), "x".into());
+    a2.metadata
+        .annotations
+        .insert("note".into(), "by hand".into());
     s.update(a2).unwrap();
 
     // Spec change: Configured, generation bumps, status/finalizers/system annotations kept,
     // user annotations replaced by the manifest's.
     let mut manifest = vm("a").cpus(2);
-    manifest.metadata.annotations.insert("owner".into(), "me".into());
-    manifest.rest.insert("status".into(), serde_json::json!({"phase": "Failed"}));
+    manifest
+        .metadata
+        .annotations
+        .insert("owner".into(), "me".into());
+    manifest
+        .rest
+        .insert("status".into(), serde_json::json!({"phase": "Failed"}));
     let out = apply(&s, vec![manifest, vm("b").label("team", "web")]);
-    assert_eq!(out, [(ApplyAction::Configured, "a".into()), (ApplyAction::Unchanged, "b".into())]);
+    assert_eq!(
+        out,
+        [
+            (ApplyAction::Configured, "a".into()),
+            (ApplyAction::Unchanged, "b".into())
+        ]
+    );
     let a = s.get("Vm", "a").unwrap().unwrap();
     assert_eq!(a.metadata.generation, Some(2));
     assert_eq!(a.status()["phase"], "Running");
     assert_eq!(a.metadata.finalizers, ["boxery.dev/vm"]);
-    assert_eq!(a.metadata.annotations.get("boxery.dev/printed").map(String::as_str), Some("x"));
+    assert_eq!(
+        a.metadata
+            .annotations
+            .get("boxery.dev/printed")
+            .map(String::as_str),
+        Some("x")
+    );
     assert_eq!(a.metadata.annotations.get("note"), None);
     assert_eq!(a.metadata.annotations["owner"], "me");
     assert!(a.metadata.annotations[LAST_APPLIED].contains("\"cpus\":2"));
@@ -58,7 +99,10 @@ fn creates_configures_and_leaves_unchanged() {
     // Labels only: Configured, generation stays.
     let out = apply(&s, vec![vm("b").label("team", "db")]);
     assert_eq!(out, [(ApplyAction::Configured, "b".into())]);
-    assert_eq!(s.get("Vm", "b").unwrap().unwrap().metadata.generation, Some(1));
+    assert_eq!(
+        s.get("Vm", "b").unwrap().unwrap().metadata.generation,
+        Some(1)
+    );
 }
 
 #[test]
@@ -68,7 +112,10 @@ fn one_invalid_object_leaves_the_store_byte_for_byte_unchanged() {
     let before = dump(&d.path().join("store.db"));
     let rev = s.revision().unwrap();
     let err = s
-        .apply_all(vec![vm("a").cpus(3), vm("c"), vm("d").cpus(1000)], &ApplyOptions::default())
+        .apply_all(
+            vec![vm("a").cpus(3), vm("c"), vm("d").cpus(1000)],
+            &ApplyOptions::default(),
+        )
         .unwrap_err();
     assert!(matches!(err, StoreError::Invalid(_)), "{err}");
     assert!(err.to_string().contains("spec.resources.cpus"), "{err}");
@@ -80,8 +127,16 @@ fn one_invalid_object_leaves_the_store_byte_for_byte_unchanged() {
 fn duplicates_in_one_set_are_refused() {
     let (d, s) = store();
     let before = dump(&d.path().join("store.db"));
-    let err = s.apply_all(vec![vm("a"), image("a"), vm("a").cpus(2)], &ApplyOptions::default()).unwrap_err();
-    assert!(err.to_string().contains("Vm/a appears more than once"), "{err}");
+    let err = s
+        .apply_all(
+            vec![vm("a"), image("a"), vm("a").cpus(2)],
+            &ApplyOptions::default(),
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("Vm/a appears more than once"),
+        "{err}"
+    );
     assert_eq!(dump(&d.path().join("store.db")), before);
 }
 
@@ -90,7 +145,9 @@ fn objects_being_deleted_are_refused() {
     let (_d, s) = store();
     s.create(vm("a").finalizer("f")).unwrap();
     s.delete("Vm", "a").unwrap();
-    let err = s.apply_all(vec![vm("a")], &ApplyOptions::default()).unwrap_err();
+    let err = s
+        .apply_all(vec![vm("a")], &ApplyOptions::default())
+        .unwrap_err();
     assert!(matches!(err, StoreError::BeingDeleted { .. }), "{err}");
     assert!(err.to_string().contains("being deleted"), "{err}");
 }
@@ -98,12 +155,25 @@ fn objects_being_deleted_are_refused() {
 #[test]
 fn prune_deletes_only_applied_objects_that_match_and_are_not_in_the_set() {
     let (_d, s) = store();
-    apply(&s, vec![vm("keep").label("app", "x"), vm("old").label("app", "x"), vm("other").label("app", "y")]);
+    apply(
+        &s,
+        vec![
+            vm("keep").label("app", "x"),
+            vm("old").label("app", "x"),
+            vm("other").label("app", "y"),
+        ],
+    );
     apply(&s, vec![image("img-old").label("app", "x")]);
     s.create(vm("by-hand").label("app", "x")).unwrap(); // no last-applied record
     apply(&s, vec![vm("guarded").label("app", "x").finalizer("f")]);
-    let prune = ApplyOptions { prune: Some("app=x".parse::<Selector>().unwrap()), ..Default::default() };
-    let out = actions(&s.apply_all(vec![vm("keep").label("app", "x")], &prune).unwrap());
+    let prune = ApplyOptions {
+        prune: Some("app=x".parse::<Selector>().unwrap()),
+        ..Default::default()
+    };
+    let out = actions(
+        &s.apply_all(vec![vm("keep").label("app", "x")], &prune)
+            .unwrap(),
+    );
     assert_eq!(
         out,
         [
@@ -113,12 +183,28 @@ fn prune_deletes_only_applied_objects_that_match_and_are_not_in_the_set() {
         ]
     );
     assert_eq!(s.get("Vm", "old").unwrap(), None);
-    assert!(s.get("Vm", "guarded").unwrap().unwrap().metadata.is_deleting(), "finalizers respected");
-    assert!(s.get("Vm", "other").unwrap().is_some(), "selector does not match");
+    assert!(
+        s.get("Vm", "guarded")
+            .unwrap()
+            .unwrap()
+            .metadata
+            .is_deleting(),
+        "finalizers respected"
+    );
+    assert!(
+        s.get("Vm", "other").unwrap().is_some(),
+        "selector does not match"
+    );
     assert!(s.get("Vm", "by-hand").unwrap().is_some(), "never applied");
-    assert!(s.get("Image", "img-old").unwrap().is_some(), "kind not in the set");
+    assert!(
+        s.get("Image", "img-old").unwrap().is_some(),
+        "kind not in the set"
+    );
     // Pruning again: the marked object is not reported twice.
-    let out = actions(&s.apply_all(vec![vm("keep").label("app", "x")], &prune).unwrap());
+    let out = actions(
+        &s.apply_all(vec![vm("keep").label("app", "x")], &prune)
+            .unwrap(),
+    );
     assert_eq!(out, [(ApplyAction::Unchanged, "keep".into())]);
 }
 
@@ -127,11 +213,18 @@ fn dry_run_reports_and_writes_nothing() {
     let (d, s) = store();
     apply(&s, vec![vm("a"), vm("b").label("app", "x")]);
     let before = dump(&d.path().join("store.db"));
-    let opts = ApplyOptions { dry_run: true, prune: Some("app=x".parse().unwrap()) };
+    let opts = ApplyOptions {
+        dry_run: true,
+        prune: Some("app=x".parse().unwrap()),
+    };
     let out = actions(&s.apply_all(vec![vm("a").cpus(2), vm("c")], &opts).unwrap());
     assert_eq!(
         out,
-        [(ApplyAction::Configured, "a".into()), (ApplyAction::Created, "c".into()), (ApplyAction::Pruned, "b".into())]
+        [
+            (ApplyAction::Configured, "a".into()),
+            (ApplyAction::Created, "c".into()),
+            (ApplyAction::Pruned, "b".into())
+        ]
     );
     assert_eq!(dump(&d.path().join("store.db")), before);
 }

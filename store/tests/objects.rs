@@ -23,7 +23,10 @@ fn create_sets_server_fields_and_get_returns_the_object() {
     assert_eq!(m.generation, Some(1));
     assert_eq!(m.resource_version.as_deref(), Some("1"));
     assert!(m.creation_timestamp.is_some());
-    assert!(m.deletion_timestamp.is_none(), "deletionTimestamp cannot be set by create");
+    assert!(
+        m.deletion_timestamp.is_none(),
+        "deletionTimestamp cannot be set by create"
+    );
     // Defaults were written by validation.
     assert_eq!(created.spec()["runStrategy"], "Running");
     assert_eq!(s.get("Vm", "dev1").unwrap(), Some(created.clone()));
@@ -44,11 +47,17 @@ fn create_sets_server_fields_and_get_returns_the_object() {
 fn list_filters_by_selector_sorts_by_name_and_returns_the_revision() {
     let (_d, s) = store();
     s.create(vm("c").label("team", "web")).unwrap();
-    s.create(vm("a").label("team", "web").label("tier", "fe")).unwrap();
+    s.create(vm("a").label("team", "web").label("tier", "fe"))
+        .unwrap();
     s.create(vm("b").label("team", "db")).unwrap();
     s.create(image("a-img").label("team", "web")).unwrap();
     let names = |sel_: &str| -> Vec<String> {
-        s.list("Vm", &sel(sel_)).unwrap().0.into_iter().map(|o| o.metadata.name).collect()
+        s.list("Vm", &sel(sel_))
+            .unwrap()
+            .0
+            .into_iter()
+            .map(|o| o.metadata.name)
+            .collect()
     };
     assert_eq!(names(""), ["a", "b", "c"]);
     assert_eq!(names("team=web"), ["a", "c"]);
@@ -84,7 +93,10 @@ fn generation_grows_on_spec_changes_only() {
     forged.metadata.generation = Some(99);
     forged.metadata.deletion_timestamp = Some(boxery_api::now());
     let v5 = s.update(forged).unwrap();
-    assert_eq!(v5, v3, "uid, generation and deletionTimestamp are the server's");
+    assert_eq!(
+        v5, v3,
+        "uid, generation and deletionTimestamp are the server's"
+    );
 }
 
 #[test]
@@ -94,7 +106,9 @@ fn stale_resource_version_conflicts_and_none_is_unconditional() {
     s.update(v.clone().label("a", "1")).unwrap();
     let err = s.update(v.clone().label("b", "2")).unwrap_err();
     match &err {
-        StoreError::Conflict { expected, actual, .. } => assert_eq!((expected.as_str(), actual.as_str()), ("1", "2")),
+        StoreError::Conflict {
+            expected, actual, ..
+        } => assert_eq!((expected.as_str(), actual.as_str()), ("1", "2")),
         other => panic!("want Conflict, got {other}"),
     }
     assert!(err.to_string().contains("read it again"), "{err}");
@@ -103,7 +117,11 @@ fn stale_resource_version_conflicts_and_none_is_unconditional() {
     let mut blind = v.label("b", "2");
     blind.metadata.resource_version = None;
     let out = s.update(blind).unwrap();
-    assert_eq!(out.metadata.labels.get("a"), None, "an unconditional update replaces labels");
+    assert_eq!(
+        out.metadata.labels.get("a"),
+        None,
+        "an unconditional update replaces labels"
+    );
     assert_eq!(out.metadata.labels["b"], "2");
     let err = s.update(vm("ghost")).unwrap_err();
     assert!(matches!(err, StoreError::NotFound { .. }), "{err}");
@@ -115,22 +133,33 @@ fn update_status_replaces_status_only_and_keeps_generation() {
     let (_d, s) = store();
     let v = s.create(vm("dev1")).unwrap();
     let mut w = v.clone().cpus(8).label("x", "y");
-    w.rest.insert("status".into(), serde_json::json!({"phase": "Running", "observedGeneration": 1}));
+    w.rest.insert(
+        "status".into(),
+        serde_json::json!({"phase": "Running", "observedGeneration": 1}),
+    );
     let out = s.update_status(w).unwrap();
     assert_eq!(out.status()["phase"], "Running");
     assert_eq!(out.metadata.generation, Some(1));
     assert_eq!(out.spec(), v.spec(), "spec untouched by update_status");
-    assert!(out.metadata.labels.is_empty(), "labels untouched by update_status");
+    assert!(
+        out.metadata.labels.is_empty(),
+        "labels untouched by update_status"
+    );
     // update keeps the stored status.
     let mut u = out.clone().cpus(2);
-    u.rest.insert("status".into(), serde_json::json!({"phase": "Failed"}));
+    u.rest
+        .insert("status".into(), serde_json::json!({"phase": "Failed"}));
     let out2 = s.update(u).unwrap();
     assert_eq!(out2.status()["phase"], "Running");
     assert_eq!(out2.metadata.generation, Some(2));
     // Invalid status is refused.
     let mut bad = out2.clone();
-    bad.rest.insert("status".into(), serde_json::json!({"phase": "Dancing"}));
-    assert!(matches!(s.update_status(bad).unwrap_err(), StoreError::Invalid(_)));
+    bad.rest
+        .insert("status".into(), serde_json::json!({"phase": "Dancing"}));
+    assert!(matches!(
+        s.update_status(bad).unwrap_err(),
+        StoreError::Invalid(_)
+    ));
     // Typed.
     let mut typed: Vm = out2.to_typed().unwrap();
     typed.status.observed_generation = Some(2);
@@ -142,23 +171,37 @@ fn update_status_replaces_status_only_and_keeps_generation() {
 #[test]
 fn delete_with_finalizers_marks_and_removing_the_last_finalizer_removes() {
     let (_d, s) = store();
-    s.create(vm("dev1").finalizer("boxery.dev/vm").finalizer("boxery.dev/other")).unwrap();
-    let DeleteOutcome::Marked(m) = s.delete("Vm", "dev1").unwrap() else { panic!("want Marked") };
+    s.create(
+        vm("dev1")
+            .finalizer("boxery.dev/vm")
+            .finalizer("boxery.dev/other"),
+    )
+    .unwrap();
+    let DeleteOutcome::Marked(m) = s.delete("Vm", "dev1").unwrap() else {
+        panic!("want Marked")
+    };
     let ts = m.metadata.deletion_timestamp;
     assert!(ts.is_some());
     // Deleting again changes nothing.
     let rev = s.revision().unwrap();
-    let DeleteOutcome::Marked(m2) = s.delete("Vm", "dev1").unwrap() else { panic!("want Marked") };
+    let DeleteOutcome::Marked(m2) = s.delete("Vm", "dev1").unwrap() else {
+        panic!("want Marked")
+    };
     assert_eq!(m2.metadata.deletion_timestamp, ts);
     assert_eq!(s.revision().unwrap(), rev);
     // No new finalizers while deleting.
-    let err = s.update(m2.clone().finalizer("boxery.dev/late")).unwrap_err();
+    let err = s
+        .update(m2.clone().finalizer("boxery.dev/late"))
+        .unwrap_err();
     assert!(err.to_string().contains("finalizer"), "{err}");
     // Drop one finalizer: still there.
     let mut one = m2.clone();
     one.metadata.finalizers.retain(|f| f != "boxery.dev/other");
     let one = s.update(one).unwrap();
-    assert_eq!(one.metadata.deletion_timestamp, ts, "update cannot clear deletionTimestamp");
+    assert_eq!(
+        one.metadata.deletion_timestamp, ts,
+        "update cannot clear deletionTimestamp"
+    );
     assert!(s.get("Vm", "dev1").unwrap().is_some());
     // Drop the last: gone.
     let mut none = one.clone();
@@ -166,10 +209,16 @@ fn delete_with_finalizers_marks_and_removing_the_last_finalizer_removes() {
     let gone = s.update(none).unwrap();
     assert!(gone.metadata.finalizers.is_empty());
     assert_eq!(s.get("Vm", "dev1").unwrap(), None);
-    assert!(matches!(s.delete("Vm", "dev1").unwrap_err(), StoreError::NotFound { .. }));
+    assert!(matches!(
+        s.delete("Vm", "dev1").unwrap_err(),
+        StoreError::NotFound { .. }
+    ));
     // Without finalizers: removed at once.
     s.create(vm("dev2")).unwrap();
-    assert!(matches!(s.delete("Vm", "dev2").unwrap(), DeleteOutcome::Removed(_)));
+    assert!(matches!(
+        s.delete("Vm", "dev2").unwrap(),
+        DeleteOutcome::Removed(_)
+    ));
     assert_eq!(s.get("Vm", "dev2").unwrap(), None);
 }
 
@@ -179,18 +228,33 @@ fn removal_cascades_through_owner_references_two_levels_deep() {
     let pool_vm = s.create(vm("owner")).unwrap();
     let child = s.create(vm("child").owned_by(&pool_vm)).unwrap();
     let grandchild = s.create(image("grandchild").owned_by(&child)).unwrap();
-    let guarded = s.create(image("guarded").owned_by(&child).finalizer("boxery.dev/image")).unwrap();
+    let guarded = s
+        .create(
+            image("guarded")
+                .owned_by(&child)
+                .finalizer("boxery.dev/image"),
+        )
+        .unwrap();
     let unrelated = s.create(vm("unrelated")).unwrap();
     // An object owned by a *different* object of the same name is not touched.
     let mut fake_owner = vm("x").owned_by(&unrelated);
     fake_owner.metadata.owner_references[0].name = "owner".into();
     s.create(fake_owner).unwrap();
 
-    assert!(matches!(s.delete("Vm", "owner").unwrap(), DeleteOutcome::Removed(_)));
+    assert!(matches!(
+        s.delete("Vm", "owner").unwrap(),
+        DeleteOutcome::Removed(_)
+    ));
     assert_eq!(s.get("Vm", "child").unwrap(), None);
     assert_eq!(s.get("Image", "grandchild").unwrap(), None);
-    let g = s.get("Image", "guarded").unwrap().expect("finalizers keep it");
-    assert!(g.metadata.deletion_timestamp.is_some(), "marked for deletion");
+    let g = s
+        .get("Image", "guarded")
+        .unwrap()
+        .expect("finalizers keep it");
+    assert!(
+        g.metadata.deletion_timestamp.is_some(),
+        "marked for deletion"
+    );
     assert!(s.get("Vm", "unrelated").unwrap().is_some());
     assert!(s.get("Vm", "x").unwrap().is_some());
     let _ = (grandchild, guarded);
@@ -198,12 +262,19 @@ fn removal_cascades_through_owner_references_two_levels_deep() {
     // An owner that is only marked does not cascade yet.
     let owner2 = s.create(vm("owner2").finalizer("f")).unwrap();
     s.create(vm("child2").owned_by(&owner2)).unwrap();
-    assert!(matches!(s.delete("Vm", "owner2").unwrap(), DeleteOutcome::Marked(_)));
+    assert!(matches!(
+        s.delete("Vm", "owner2").unwrap(),
+        DeleteOutcome::Marked(_)
+    ));
     assert!(s.get("Vm", "child2").unwrap().is_some());
     let mut o = s.get("Vm", "owner2").unwrap().unwrap();
     o.metadata.finalizers.clear();
     s.update(o).unwrap();
-    assert_eq!(s.get("Vm", "child2").unwrap(), None, "removing the owner's last finalizer cascades");
+    assert_eq!(
+        s.get("Vm", "child2").unwrap(),
+        None,
+        "removing the owner's last finalizer cascades"
+    );
 }
 
 #[test]
@@ -223,7 +294,10 @@ fn event_objects_have_no_status_subresource() {
     e2.rest.insert("count".into(), 2.into());
     let e2 = s.update(e2).unwrap();
     assert_eq!(e2.rest["count"], 2);
-    assert!(matches!(s.update_status(e2).unwrap_err(), StoreError::Invalid(_)));
+    assert!(matches!(
+        s.update_status(e2).unwrap_err(),
+        StoreError::Invalid(_)
+    ));
 }
 
 #[test]
@@ -239,5 +313,8 @@ fn open_creates_directories_and_reopens_with_data() {
     assert_eq!(s.revision().unwrap(), 1);
     let clone = s.clone();
     drop(s);
-    assert!(clone.get("Vm", "dev1").unwrap().is_some(), "clones share the store");
+    assert!(
+        clone.get("Vm", "dev1").unwrap().is_some(),
+        "clones share the store"
+    );
 }

@@ -19,7 +19,14 @@ pub fn store() -> (tempfile::TempDir, Store) {
 
 /// Open `path` without auto-compaction.
 pub fn open(path: &Path) -> Store {
-    Store::open_with(path, StoreOptions { auto_compact: None, ..Default::default() }).expect("open store")
+    Store::open_with(
+        path,
+        StoreOptions {
+            auto_compact: None,
+            ..Default::default()
+        },
+    )
+    .expect("open store")
 }
 
 fn obj(v: Value) -> DynObject {
@@ -28,14 +35,18 @@ fn obj(v: Value) -> DynObject {
 
 /// A Vm made from the stock image.
 pub fn vm(name: &str) -> DynObject {
-    obj(json!({"apiVersion": API_VERSION, "kind": "Vm", "metadata": {"name": name},
-               "spec": {"source": {"image": "debian-12"}}}))
+    obj(
+        json!({"apiVersion": API_VERSION, "kind": "Vm", "metadata": {"name": name},
+               "spec": {"source": {"image": "debian-12"}}}),
+    )
 }
 
 /// An Image captured from a VM.
 pub fn image(name: &str) -> DynObject {
-    obj(json!({"apiVersion": API_VERSION, "kind": "Image", "metadata": {"name": name},
-               "spec": {"source": {"vm": "dev1"}}}))
+    obj(
+        json!({"apiVersion": API_VERSION, "kind": "Image", "metadata": {"name": name},
+               "spec": {"source": {"vm": "dev1"}}}),
+    )
 }
 
 /// Builder-style changes to a fixture.
@@ -70,7 +81,11 @@ impl Fixture for DynObject {
         self
     }
     fn cpus(mut self, n: u32) -> Self {
-        let spec = self.rest.get_mut("spec").and_then(Value::as_object_mut).expect("spec");
+        let spec = self
+            .rest
+            .get_mut("spec")
+            .and_then(Value::as_object_mut)
+            .expect("spec");
         let res = spec.entry("resources").or_insert_with(|| json!({}));
         res["cpus"] = json!(n);
         self
@@ -88,7 +103,9 @@ pub fn dump(path: &Path) -> String {
         "SELECT rev || ' ' || type || ' ' || kind || '/' || name || ' ' || json FROM log ORDER BY rev",
     ] {
         let mut stmt = conn.prepare(q).expect("dump query");
-        let rows = stmt.query_map([], |r| r.get::<_, String>(0)).expect("dump rows");
+        let rows = stmt
+            .query_map([], |r| r.get::<_, String>(0))
+            .expect("dump rows");
         for r in rows {
             out.push_str(&r.expect("dump row"));
             out.push('\n');
