@@ -646,6 +646,38 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn watched_kinds_are_mapped_and_triggers_enqueue() {
+        let src = FakeSource::new();
+        src.put(obj("Vm", "a"));
+        src.put(obj("Vm", "b"));
+        // Images name the VM they are for in a label.
+        let ctl = Controller::<Vm>::from_source(Arc::new(src.clone()))
+            .watches::<boxery_api::Image>(|img| {
+                img.metadata
+                    .labels
+                    .get("for")
+                    .cloned()
+                    .into_iter()
+                    .collect()
+            });
+        let trigger = ctl.trigger();
+        let (ctx, stop) = start(ctl, |_, _| Ok(Action::await_change()));
+        sleep(1.0).await;
+        let mut img = obj("Image", "i");
+        img.metadata.labels.insert("for".into(), "b".into());
+        src.put(img);
+        sleep(1.0).await;
+        assert_eq!(ctx.runs_of("a"), [0.0]);
+        assert_eq!(ctx.runs_of("b"), [0.0, 1.0]);
+        trigger.enqueue_after("a", Duration::from_secs(3));
+        trigger.enqueue("unknown");
+        sleep(5.0).await;
+        assert_eq!(ctx.runs_of("a"), [0.0, 5.0]);
+        assert!(ctx.runs_of("unknown").is_empty(), "no object, no reconcile");
+        stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn resync_queues_every_object() {
         let src = FakeSource::new();
         src.put(obj("Vm", "a"));

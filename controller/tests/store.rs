@@ -265,7 +265,7 @@ fn recorder_dedups_repeats_and_caps_per_object() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_when_the_leader_stops_renewing() {
     let (_dir, store) = store();
-    let ttl = Duration::from_millis(900);
+    let ttl = Duration::from_millis(1500);
     let first = LeaderElector::new(store.clone(), "controllers", ttl);
     let second = LeaderElector::new(store.clone(), "controllers", ttl);
     let leader = first.acquire().await;
