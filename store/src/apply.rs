@@ -128,3 +128,28 @@ fn apply_one(tx: &mut Tx<'_>, obj: DynObject) -> Result<(ApplyAction, DynObject)
     tx.put(&mut new, EventType::Modified, Some(&cur))?;
     Ok((ApplyAction::Configured, new))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn last_applied_drops_status_server_fields_and_itself() {
+        let obj: DynObject = serde_json::from_value(json!({
+            "apiVersion": "boxery.dev/v1alpha1", "kind": "Vm",
+            "metadata": {"name": "a", "uid": "u", "resourceVersion": "3", "generation": 2,
+                         "creationTimestamp": "2026-11-30T10:00:00Z", "labels": {"x": "y"},
+                         "annotations": {LAST_APPLIED: "{}"}},
+            "spec": {"source": {"image": "debian-12"}},
+            "status": {"phase": "Running"}
+        }))
+        .unwrap();
+        assert_eq!(
+            last_applied(&obj).unwrap(),
+            json!({"apiVersion": "boxery.dev/v1alpha1", "kind": "Vm",
+                   "metadata": {"name": "a", "labels": {"x": "y"}},
+                   "spec": {"source": {"image": "debian-12"}}})
+        );
+    }
+}

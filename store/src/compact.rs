@@ -63,7 +63,7 @@ pub(crate) fn spawn_upkeep(
     auto: Option<AutoCompact>,
     stop: Receiver<()>,
 ) -> std::io::Result<()> {
-    std::thread::Builder::new().name("boxery-store-upkeep".into()).spawn(move || {
+    std::thread::Builder::new().name("boxery-upkeep".into()).spawn(move || {
         let mut conn = match connect(&path, busy_timeout) {
             Ok(c) => c,
             Err(e) => {

@@ -592,3 +592,74 @@ impl Store {
             .to_typed()?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vm(name: &str) -> DynObject {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": boxery_api::API_VERSION, "kind": "Vm", "metadata": {"name": name},
+            "spec": {"source": {"image": "debian-12"}}
+        }))
+        .unwrap()
+    }
+
+    /// The store threads of this process (Linux keeps at most 15 bytes of a thread name).
+    fn store_threads() -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|c| c.starts_with("boxery-poll") || c.starts_with("boxery-upkeep"))
+            .count()
+    }
+
+    #[test]
+    fn background_threads_compact_and_stop_with_the_last_handle() {
+        let d = tempfile::tempdir().unwrap();
+        let before = store_threads();
+        let opts = StoreOptions {
+            auto_compact: Some(AutoCompact {
+                keep_revisions: 10,
+                every: Duration::from_millis(100),
+            }),
+            ..Default::default()
+        };
+        let s = Store::open_with(&d.path().join("s.db"), opts).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        // A new thread names itself once it runs.
+        while store_threads() < before + 2 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a poller and an upkeep thread start"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for i in 0..50 {
+            s.create(vm(&format!("v{i}"))).unwrap();
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while s.compacted().unwrap() < 40 {
+            assert!(std::time::Instant::now() < deadline, "auto-compaction ran");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let w = s.watch(None, 45);
+        let clone = s.clone();
+        drop(s);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            store_threads(),
+            before + 2,
+            "a clone and a watch keep the store open"
+        );
+        drop((clone, w));
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while store_threads() > before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "threads stop with the last handle"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}

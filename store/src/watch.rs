@@ -147,7 +147,7 @@ pub(crate) fn spawn_poller(
     revisions: watch::Sender<u64>,
     stop: Receiver<()>,
 ) -> std::io::Result<()> {
-    std::thread::Builder::new().name("boxery-store-poll".into()).spawn(move || {
+    std::thread::Builder::new().name("boxery-poll".into()).spawn(move || {
         let conn = match connect(&path, busy_timeout) {
             Ok(c) => c,
             Err(e) => {

@@ -368,3 +368,38 @@ pub(crate) fn invalid(obj: &DynObject, path: &str, message: String) -> StoreErro
         errors: vec![FieldError::new(path, message)],
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn map(v: Value) -> Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn replace_spec_keeps_status_and_reports_changes() {
+        let mut dst = map(json!({"spec": {"a": 1}, "status": {"phase": "Running"}}));
+        assert!(!replace_spec(
+            &mut dst,
+            &map(json!({"spec": {"a": 1}, "status": {"phase": "Failed"}}))
+        ));
+        assert_eq!(dst["status"]["phase"], "Running");
+        assert!(replace_spec(&mut dst, &map(json!({"spec": {"a": 2}}))));
+        assert_eq!(
+            dst,
+            map(json!({"spec": {"a": 2}, "status": {"phase": "Running"}}))
+        );
+        // Event-like objects: every field but status is the "spec".
+        let mut ev = map(json!({"reason": "A", "count": 1}));
+        assert!(replace_spec(
+            &mut ev,
+            &map(json!({"reason": "A", "count": 2}))
+        ));
+        assert!(
+            replace_spec(&mut ev, &map(json!({"reason": "A"}))),
+            "a removed field is a change"
+        );
+    }
+}
