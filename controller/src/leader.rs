@@ -1,8 +1,8 @@
 //! Leader election: one active controller set per store.
 //!
 //! ```ignore
-//! let elector = LeaderElector::new(store.clone(), "controllers", Duration::from_secs(15));
-//! let leader = elector.acquire().await;          // stands by until it leads
+//! let elector = LeaderElector::new(store.clone(), "controllers", this_process(), Duration::from_secs(15));
+//! let leader = elector.acquire().await?;         // stands by until it leads
 //! run_controllers(leader.token()).await;         // the token is cancelled if leadership is lost
 //! if leader.is_lost() { std::process::exit(1) }  // never act on a lost lease
 //! ```
@@ -34,7 +34,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use boxery_store::{Candidate, Leadership, Store, StoreError};
+pub use boxery_store::Candidate;
+use boxery_store::{Leadership, Store, StoreError};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -42,6 +43,15 @@ use tokio_util::sync::CancellationToken;
 /// A leader-election call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum LeaderError {
+    /// Asking the store for the lock failed.
+    #[error("cannot ask the store for the leader lock {lock}")]
+    Acquire {
+        /// The lock's name.
+        lock: String,
+        /// The store's error.
+        #[source]
+        source: Box<StoreError>,
+    },
     /// Giving up the lock failed (it will expire after its ttl).
     #[error("cannot resign the leader lock {lock}")]
     Resign {
@@ -49,7 +59,7 @@ pub enum LeaderError {
         lock: String,
         /// The store's error.
         #[source]
-        source: StoreError,
+        source: Box<StoreError>,
     },
     /// A store call could not run (the blocking task was cancelled or panicked).
     #[error("the leader-election call on lock {lock} did not finish")]
@@ -84,18 +94,8 @@ pub struct LeaderElector {
 }
 
 impl LeaderElector {
-    /// An elector for `lock` as [`this_process`], with leases of `ttl`.
-    pub fn new(store: Store, lock: impl Into<String>, ttl: Duration) -> Self {
-        Self::with_candidate(store, lock, this_process(), ttl)
-    }
-
-    /// An elector for `lock` as `candidate`.
-    pub fn with_candidate(
-        store: Store,
-        lock: impl Into<String>,
-        candidate: Candidate,
-        ttl: Duration,
-    ) -> Self {
+    /// An elector for `lock` as `candidate` (usually [`this_process`]), with leases of `ttl`.
+    pub fn new(store: Store, lock: impl Into<String>, candidate: Candidate, ttl: Duration) -> Self {
         LeaderElector {
             store,
             lock: lock.into(),
@@ -114,32 +114,40 @@ impl LeaderElector {
         self.ttl
     }
 
-    async fn try_lead(&self) -> Result<Leadership, String> {
+    async fn try_lead(&self) -> Result<Leadership, LeaderError> {
         let (store, lock, me, ttl) = (
             self.store.clone(),
             self.lock.clone(),
             self.candidate.clone(),
             self.ttl,
         );
-        match tokio::task::spawn_blocking(move || store.try_lead(&lock, &me, ttl)).await {
-            Ok(Ok(l)) => Ok(l),
-            Ok(Err(e)) => Err(crate::controller::error_chain(&e)),
-            Err(e) => Err(e.to_string()),
-        }
+        tokio::task::spawn_blocking(move || store.try_lead(&lock, &me, ttl))
+            .await
+            .map_err(|source| LeaderError::Task {
+                lock: self.lock.clone(),
+                source,
+            })?
+            .map_err(|source| LeaderError::Acquire {
+                lock: self.lock.clone(),
+                source: Box::new(source),
+            })
     }
 
     /// Wait until this candidate leads, then keep renewing in the background. Store errors
-    /// while waiting are logged and retried. Cancel-safe: dropping the future gives up.
-    pub async fn acquire(&self) -> Leader {
+    /// while waiting are logged and retried; one that persists for a whole `ttl` is returned.
+    /// Cancel-safe: dropping the future gives up.
+    pub async fn acquire(&self) -> Result<Leader, LeaderError> {
         let period = self.ttl / 3;
         let mut announced = false;
+        let mut failing_since: Option<Instant> = None;
         loop {
             let wait = match self.try_lead().await {
                 Ok(Leadership::Leader { epoch }) => {
                     tracing::info!(lock = self.lock, id = self.candidate.id, epoch, "leading");
-                    return self.lead(epoch);
+                    return Ok(self.lead(epoch));
                 }
                 Ok(Leadership::Follower { holder, expires_in }) => {
+                    failing_since = None;
                     if !announced {
                         tracing::info!(
                             lock = self.lock,
@@ -151,10 +159,14 @@ impl LeaderElector {
                     }
                     period.min(expires_in + Duration::from_millis(10))
                 }
-                Err(error) => {
+                Err(e) => {
+                    let since = *failing_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= self.ttl {
+                        return Err(e);
+                    }
                     tracing::warn!(
                         lock = self.lock,
-                        error,
+                        error = %crate::controller::error_chain(&e),
                         "cannot ask for the leader lock; retrying"
                     );
                     period
@@ -205,14 +217,14 @@ impl LeaderElector {
                         if last_ok.elapsed() + period / 3 >= give_up {
                             tracing::error!(
                                 lock = me.lock,
-                                error,
+                                error = %crate::controller::error_chain(&error),
                                 "cannot renew leadership in time: stopping"
                             );
                             break;
                         }
                         tracing::warn!(
                             lock = me.lock,
-                            error,
+                            error = %crate::controller::error_chain(&error),
                             "renewing leadership failed; retrying"
                         );
                         wait = period / 3;
@@ -231,6 +243,9 @@ impl LeaderElector {
         }
     }
 }
+
+/// Another name for [`Leader`].
+pub type Leading = Leader;
 
 /// Leadership held. Renewed in the background until resigned, dropped or lost.
 #[derive(Debug)]
@@ -282,7 +297,10 @@ impl Leader {
                 lock: lock.clone(),
                 source,
             })?
-            .map_err(|source| LeaderError::Resign { lock, source })
+            .map_err(|source| LeaderError::Resign {
+                lock,
+                source: Box::new(source),
+            })
     }
 }
 

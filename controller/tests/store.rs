@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use boxery_api::{DynObject, Event, EventType, OwnerReference, Resource, Vm};
 use boxery_controller::events::{MAX_EVENTS_PER_OBJECT, involved};
 use boxery_controller::finalizer::FinalizerError;
+use boxery_controller::leader::this_process;
 use boxery_controller::{
     Action, CancellationToken, Controller, FinalizerEvent, LeaderElector, ReconcileError, Recorder,
     default_error_policy, ensure_finalizer, finalizer, remove_finalizer,
@@ -266,10 +267,10 @@ fn recorder_dedups_repeats_and_caps_per_object() {
 async fn a_standby_takes_over_when_the_leader_stops_renewing() {
     let (_dir, store) = store();
     let ttl = Duration::from_millis(1500);
-    let first = LeaderElector::new(store.clone(), "controllers", ttl);
-    let second = LeaderElector::new(store.clone(), "controllers", ttl);
-    let leader = first.acquire().await;
-    let standby = tokio::spawn(async move { second.acquire().await });
+    let first = LeaderElector::new(store.clone(), "controllers", this_process(), ttl);
+    let second = LeaderElector::new(store.clone(), "controllers", this_process(), ttl);
+    let leader = first.acquire().await.unwrap();
+    let standby = tokio::spawn(async move { second.acquire().await.unwrap() });
     tokio::time::sleep(ttl * 2).await;
     assert!(
         !standby.is_finished(),
@@ -293,10 +294,10 @@ async fn a_standby_takes_over_when_the_leader_stops_renewing() {
 async fn resigning_hands_over_at_once_and_the_old_leader_notices_loss() {
     let (_dir, store) = store();
     let ttl = Duration::from_millis(3000);
-    let first = LeaderElector::new(store.clone(), "controllers", ttl);
-    let second = LeaderElector::new(store.clone(), "controllers", ttl);
-    let leader = first.acquire().await;
-    let standby = tokio::spawn(async move { second.acquire().await });
+    let first = LeaderElector::new(store.clone(), "controllers", this_process(), ttl);
+    let second = LeaderElector::new(store.clone(), "controllers", this_process(), ttl);
+    let leader = first.acquire().await.unwrap();
+    let standby = tokio::spawn(async move { second.acquire().await.unwrap() });
     tokio::time::sleep(Duration::from_millis(200)).await;
     let t = Instant::now();
     leader.resign().await.unwrap();
@@ -308,9 +309,10 @@ async fn resigning_hands_over_at_once_and_the_old_leader_notices_loss() {
 
     // Steal the lock from `next` behind its back: its renewal sees a new holder and stops.
     store.resign("controllers", next_candidate(&next)).unwrap();
-    let thief = LeaderElector::new(store.clone(), "controllers", ttl)
+    let thief = LeaderElector::new(store.clone(), "controllers", this_process(), ttl)
         .acquire()
-        .await;
+        .await
+        .unwrap();
     tokio::time::timeout(ttl, next.lost())
         .await
         .expect("loss noticed within a renewal period");
@@ -343,11 +345,11 @@ async fn a_dead_holder_on_this_host_is_replaced_at_once() {
             .unwrap(),
     );
     // The lock is held on behalf of the child process (as `boxery serve` would hold it).
-    let mut holder = boxery_controller::leader::this_process();
+    let mut holder = this_process();
     holder.pid = child.0.id();
-    let held = LeaderElector::with_candidate(store.clone(), "controllers", holder, ttl);
-    drop(held.acquire().await);
-    let standby = LeaderElector::new(store.clone(), "controllers", ttl);
+    let held = LeaderElector::new(store.clone(), "controllers", holder, ttl);
+    drop(held.acquire().await.unwrap());
+    let standby = LeaderElector::new(store.clone(), "controllers", this_process(), ttl);
     assert!(
         tokio::time::timeout(Duration::from_millis(500), standby.acquire())
             .await
@@ -358,7 +360,8 @@ async fn a_dead_holder_on_this_host_is_replaced_at_once() {
     let t = Instant::now();
     let leader = tokio::time::timeout(Duration::from_secs(5), standby.acquire())
         .await
-        .expect("a dead holder's lock is taken without waiting for the ttl");
+        .expect("a dead holder's lock is taken without waiting for the ttl")
+        .unwrap();
     assert!(t.elapsed() < Duration::from_secs(2));
     assert!(leader.epoch() >= 2);
 }
