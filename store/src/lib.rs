@@ -99,6 +99,20 @@ pub enum StoreError {
         /// The name.
         name: String,
     },
+    /// An object names an owner (by uid) that does not exist: it would never be cleaned up.
+    #[error(
+        "{kind} {name} names owner {owner} (uid {uid}), which no longer exists: re-read the owner and write its current uid, or drop the reference"
+    )]
+    OwnerGone {
+        /// The kind of the object written.
+        kind: String,
+        /// Its name.
+        name: String,
+        /// The owner's `kind/name` as the reference gives it.
+        owner: String,
+        /// The owner's uid as the reference gives it.
+        uid: String,
+    },
     /// A watch asked for revisions that were compacted away.
     #[error(
         "revision {requested} is too old (history starts after {floor}): list again and watch from the list's revision"
@@ -421,7 +435,8 @@ impl Store {
     /// Create an object: validated and defaulted, then `uid`, `generation` 1,
     /// `creationTimestamp` and `resourceVersion` set by the server (`deletionTimestamp` and any
     /// given `resourceVersion` dropped). Metadata, spec and status are kept as given.
-    /// `AlreadyExists` when the name is taken.
+    /// `AlreadyExists` when the name is taken; `OwnerGone` when an ownerReference names a uid
+    /// no current object has (the object would never be garbage-collected).
     pub fn create(&self, obj: DynObject) -> Result<DynObject> {
         let obj = boxery_api::normalize(serde_json::to_value(&obj)?)?;
         self.inner.write(false, |tx| tx.create(obj))
@@ -472,7 +487,8 @@ impl Store {
     /// when the object moved on); without one the update is unconditional. Finalizers may not
     /// be added to an object being deleted. When the object is being deleted and no finalizer
     /// remains, it is removed (and what it owns is deleted): the removed object is returned.
-    /// An update that changes nothing writes nothing and returns the stored object.
+    /// An update that changes nothing writes nothing and returns the stored object. A new
+    /// ownerReference must name a current object's uid (`OwnerGone` otherwise).
     pub fn update(&self, obj: DynObject) -> Result<DynObject> {
         let obj = boxery_api::normalize(serde_json::to_value(&obj)?)?;
         self.inner.write(false, |tx| tx.update(obj))

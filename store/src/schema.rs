@@ -3,7 +3,8 @@
 //! # Layout (schema version 1, kept in `PRAGMA user_version`)
 //! - `meta(key, value)`: `revision` (the global counter, the last revision written) and
 //!   `compacted` (the compaction floor: log rows at or below it may be gone).
-//! - `objects(kind, name, uid, rev, json)`: the current object of every key.
+//! - `objects(kind, name, uid, rev, json)`: the current object of every key (indexed by uid
+//!   too, to check that an owner exists).
 //! - `owners(owner_uid, kind, name)`: one row per ownerReference of a current object, so the
 //!   cascade finds what an object owns without reading any JSON.
 //! - `log(rev, kind, name, type, json)`: one row per change, `rev` is the revision; `type` is
@@ -35,6 +36,7 @@ CREATE TABLE IF NOT EXISTS objects (
     json TEXT NOT NULL,
     PRIMARY KEY (kind, name)
 ) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS objects_by_uid ON objects (uid);
 
 CREATE TABLE IF NOT EXISTS owners (
     owner_uid TEXT NOT NULL,

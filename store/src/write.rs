@@ -114,6 +114,16 @@ impl<'c> Tx<'c> {
             .map(|o| o.metadata.owner_references.as_slice())
             .unwrap_or_default();
         if old_refs != obj.metadata.owner_references.as_slice() {
+            for r in &obj.metadata.owner_references {
+                if !old_refs.iter().any(|o| o.uid == r.uid) && !self.uid_exists(&r.uid)? {
+                    return Err(StoreError::OwnerGone {
+                        kind: obj.kind.clone(),
+                        name: obj.metadata.name.clone(),
+                        owner: format!("{}/{}", r.kind, r.name),
+                        uid: r.uid.clone(),
+                    });
+                }
+            }
             if !old_refs.is_empty() {
                 self.tx
                     .prepare_cached("DELETE FROM owners WHERE kind = ?1 AND name = ?2")?
@@ -127,6 +137,15 @@ impl<'c> Tx<'c> {
             }
         }
         Ok(())
+    }
+
+    fn uid_exists(&self, uid: &str) -> Result<bool> {
+        Ok(self
+            .tx
+            .prepare_cached("SELECT 1 FROM objects WHERE uid = ?1")?
+            .query_row([uid], |_| Ok(()))
+            .optional()?
+            .is_some())
     }
 
     fn log(&self, rev: u64, kind: &str, name: &str, ev: EventType, json: &str) -> Result<()> {

@@ -275,6 +275,14 @@ fn removal_cascades_through_owner_references_two_levels_deep() {
         None,
         "removing the owner's last finalizer cascades"
     );
+
+    // A child of an owner that is gone would never be collected: refused.
+    let err = s.create(vm("orphan").owned_by(&owner2)).unwrap_err();
+    assert!(matches!(err, StoreError::OwnerGone { .. }), "{err}");
+    assert!(err.to_string().contains("Vm/owner2"), "{err}");
+    let adopted = s.create(vm("adoptee")).unwrap();
+    let err = s.update(adopted.owned_by(&owner2)).unwrap_err();
+    assert!(matches!(err, StoreError::OwnerGone { .. }), "{err}");
 }
 
 #[test]
