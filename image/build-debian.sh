@@ -1,0 +1,239 @@
+#!/bin/bash
+# build-debian.sh [--force] OUT_DIR — build boxery's Debian 12 guest from Debian's packages only.
+#
+#   1. debootstrap --variant=minbase bookworm into a folder, with systemd, openssh-server, sudo,
+#      cloud-init (NoCloud only), qemu-guest-agent, the cloud kernel and every layer's packages
+#   2. configure the tree: apt sources (with security), fstab, empty machine-id, systemd-networkd
+#      DHCP on every NIC + systemd-resolved, cloud-init datasource_list [NoCloud, None] and no
+#      network config, no host keys
+#   3. run the layers in a chroot: boxery-provision plumbing devtools (security updates
+#      included), then hold the kernel (it boots from outside the disk) and clean up
+#   4. mkfs.ext4 -d (no loop mounts), qemu-img convert to qcow2; vmlinuz + initrd copied out for
+#      direct kernel boot (root=/dev/vda, no bootloader, no partition table)
+#
+#   OUT_DIR/debian-12.qcow2  OUT_DIR/debian-12.vmlinuz  OUT_DIR/debian-12.initrd
+#   OUT_DIR/debian-12.build-info  OUT_DIR/debian-12.json (manifest)
+#
+# Cached by a hash of its inputs (this script, lib.sh, the layers, the package list, suite,
+# mirror, disk size): a second run with the same inputs returns at once. --force rebuilds.
+# Runs as root (debootstrap, chroot). Needs network access to the Debian archive.
+# Env: BOXERY_MIRROR (default http://deb.debian.org/debian), DEBIAN_DISK_SIZE (default 4G),
+#      BOXERY_DEBOOTSTRAP_CACHE (default /var/cache/boxery/debootstrap: downloaded .debs).
+set -euo pipefail
+. "$(dirname "$0")/lib.sh"
+
+FORCE=0
+[ "${1:-}" = --force ] && { FORCE=1; shift; }
+OUT=${1:-$BOXERY_DEFAULT_OUT}
+NAME=debian-12
+SUITE=bookworm
+MIRROR=${BOXERY_MIRROR:-http://deb.debian.org/debian}
+SECURITY_MIRROR=${BOXERY_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
+DISK_SIZE=${DEBIAN_DISK_SIZE:-4G}
+DEB_CACHE=${BOXERY_DEBOOTSTRAP_CACHE:-/var/cache/boxery/debootstrap}
+CMDLINE="root=/dev/vda rw console=ttyS0 panic=-1"
+L=$BOXERY_IMAGE_DIR/layers
+LAYERS="plumbing devtools"
+[ "$(id -u)" = 0 ] || die "build-debian.sh must run as root (debootstrap, chroot)"
+require debootstrap chroot mkfs.ext4 qemu-img sha256sum mount umount
+
+# The base system. python3-cffi-backend: debootstrap does not resolve the virtual
+# python3-cffi-backend-api-min that cloud-init's python3-cryptography needs.
+BASE_PKGS="systemd-sysv udev dbus systemd-resolved openssh-server sudo qemu-guest-agent cloud-init
+python3-cffi-backend linux-image-cloud-amd64 initramfs-tools iproute2 netbase ca-certificates"
+LAYER_PKGS=""
+for l in $LAYERS; do LAYER_PKGS="$LAYER_PKGS $(bash "$L/$l.sh" --print-packages)"; done
+INCLUDE=$(echo $BASE_PKGS $LAYER_PKGS | tr ' ' '\n' | awk 'NF && !seen[$0]++' | paste -sd,)
+
+phase "resolving inputs"
+INPUTS=("$BOXERY_IMAGE_DIR/build-debian.sh" "$BOXERY_IMAGE_DIR/lib.sh" "$L/provision.sh")
+for l in $LAYERS; do INPUTS+=("$L/$l.sh"); done
+KEY=$(sha256_of_inputs "${INPUTS[@]}" <<EOI
+suite=$SUITE
+mirror=$MIRROR
+security=$SECURITY_MIRROR
+disk_size=$DISK_SIZE
+include=$INCLUDE
+cmdline=$CMDLINE
+layers=$LAYERS
+EOI
+)
+OUTPUTS=("$NAME.qcow2" "$NAME.vmlinuz" "$NAME.initrd" "$NAME.build-info")
+if [ $FORCE = 0 ] && cache_hit "$OUT" "$NAME" "$KEY" "${OUTPUTS[@]}"; then
+  phase "up to date: $OUT/$NAME.json (input hash ${KEY:0:16})"
+  exit 0
+fi
+phase "building $NAME (input hash ${KEY:0:16}) into $OUT"
+
+mkdir -p "$OUT" "$DEB_CACHE"
+W=$(mktemp -d "$OUT/.work-$NAME.XXXXXX")
+ROOT=$W/rootfs
+MOUNTS=()
+unmount_all() {
+  local i
+  for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do
+    umount "${MOUNTS[$i]}" 2>/dev/null || umount -l "${MOUNTS[$i]}" 2>/dev/null || true
+  done
+  MOUNTS=()
+}
+cleanup() {
+  unmount_all
+  # never rm -rf a tree that still has something mounted in it (it would reach the host's /dev)
+  if grep -q " $W/" /proc/mounts; then
+    echo "warning: mounts left under $W; not removing it" >&2
+  else
+    rm -rf "$W"
+  fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# --- 1. debootstrap ----------------------------------------------------------------------------
+phase "debootstrap $SUITE (minbase + $(echo "$INCLUDE" | tr ',' '\n' | wc -l) packages named; log: $W/debootstrap.log)"
+# progress: one line each time debootstrap moves to a new stage
+debootstrap --variant=minbase --include="$INCLUDE" --cache-dir="$DEB_CACHE" \
+  "$SUITE" "$ROOT" "$MIRROR" 2>&1 | tee "$W/debootstrap.log" |
+  awk -v t0="$BOXERY_T0" '/^I: / { st = $2; if (st == "Validating") next; cmd = "date +%s"; cmd | getline now; close(cmd);
+      n[st]++; if (st != last || now - lastp >= 10) { last = st; lastp = now;
+        printf "[%7.2fs]   debootstrap: %s (%d)\n", now - t0 / 1e9, substr($0, 4), n[st]; fflush() } }' \
+  || { tail -30 "$W/debootstrap.log"; die "debootstrap failed (log above)"; }
+[ -x "$ROOT/usr/bin/apt-get" ] && [ -d "$ROOT/lib/modules" ] || { tail -30 "$W/debootstrap.log"; die "debootstrap failed"; }
+phase "debootstrap done: $(du -sm "$ROOT" | cut -f1) MiB, $(chroot "$ROOT" dpkg-query -W | wc -l) packages"
+
+# --- 2. configure the tree ---------------------------------------------------------------------
+rm -f "$ROOT/etc/apt/sources.list"
+cat > "$ROOT/etc/apt/sources.list.d/debian.sources" <<EOS
+Types: deb
+URIs: $MIRROR
+Suites: $SUITE $SUITE-updates
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb
+URIs: $SECURITY_MIRROR
+Suites: $SUITE-security
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOS
+echo "$NAME" > "$ROOT/etc/hostname"
+printf '127.0.0.1 localhost\n127.0.1.1 %s\n::1 localhost ip6-localhost ip6-loopback\n' "$NAME" > "$ROOT/etc/hosts"
+echo '/dev/vda / ext4 defaults,discard,errors=remount-ro 0 1' > "$ROOT/etc/fstab"
+echo 'LANG=C.UTF-8' > "$ROOT/etc/default/locale"
+# networking: DHCP on every ethernet NIC, whatever its name; DNS through systemd-resolved
+mkdir -p "$ROOT/etc/systemd/network"
+cat > "$ROOT/etc/systemd/network/20-boxery-dhcp.network" <<'EON'
+# boxery: DHCP on every ethernet NIC (QEMU user networking: 10.0.2.15, gateway 10.0.2.2)
+[Match]
+Type=ether
+
+[Network]
+DHCP=ipv4
+LinkLocalAddressing=no
+
+[DHCPv4]
+ClientIdentifier=mac
+EON
+# cloud-init: only the local seed, never a network metadata service; the image does the network
+cat > "$ROOT/etc/cloud/cloud.cfg.d/99-boxery.cfg" <<'EOC'
+# boxery: read only the NoCloud seed (ISO/disk labelled cidata); networking is the image's own
+datasource_list: [ NoCloud, None ]
+network: {config: disabled}
+EOC
+# no services start inside the chroot
+printf '#!/bin/sh\nexit 101\n' > "$ROOT/usr/sbin/policy-rc.d"; chmod +x "$ROOT/usr/sbin/policy-rc.d"
+phase "tree configured"
+
+# --- 3. layers in a chroot ---------------------------------------------------------------------
+for m in proc sys dev dev/pts; do mkdir -p "$ROOT/$m"; done
+mount -t proc proc "$ROOT/proc"; MOUNTS+=("$ROOT/proc")
+mount -t sysfs sys "$ROOT/sys"; MOUNTS+=("$ROOT/sys")
+mount --bind /dev "$ROOT/dev"; MOUNTS+=("$ROOT/dev")
+mount -t devpts devpts "$ROOT/dev/pts"; MOUNTS+=("$ROOT/dev/pts")
+# DNS for apt inside the chroot (the real resolv.conf link is made after)
+rm -f "$ROOT/etc/resolv.conf"; cp -L /etc/resolv.conf "$ROOT/etc/resolv.conf"
+install -d "$ROOT/usr/local/lib/boxery/layers"
+install -m 0755 "$L"/*.sh "$ROOT/usr/local/lib/boxery/layers/"
+ln -sf /usr/local/lib/boxery/layers/provision.sh "$ROOT/usr/local/sbin/boxery-provision"
+echo "$LAYERS" > "$ROOT/etc/boxery-provision.tmp"; install -d "$ROOT/etc/boxery"
+mv "$ROOT/etc/boxery-provision.tmp" "$ROOT/etc/boxery/provision"
+chroot "$ROOT" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 BOXERY_IMAGE=$NAME \
+  /usr/local/sbin/boxery-provision $LAYERS 2>&1 | while IFS= read -r line; do
+    case "$line" in boxery-provision:*|plumbing:*|devtools:*) phase "  $line" ;; esac
+  done || true
+[ -f "$ROOT/var/log/boxery-provision.ok" ] || { tail -40 "$ROOT/var/log/boxery-provision.log"; die "layers failed (log above)"; }
+
+# the kernel boots from outside the disk (direct kernel boot): keep only the newest, and hold it
+# so an upgrade inside a VM never removes the modules of the kernel the VM boots
+KVER=$(ls "$ROOT/lib/modules" | sort -V | tail -1)
+for k in $(ls "$ROOT/lib/modules" | sort -V | head -n -1); do
+  phase "  removing older kernel $k"
+  chroot "$ROOT" env DEBIAN_FRONTEND=noninteractive apt-get purge -y -q "linux-image-$k" >/dev/null
+done
+chroot "$ROOT" apt-mark hold "linux-image-$KVER" linux-image-cloud-amd64 >/dev/null
+[ -f "$ROOT/boot/initrd.img-$KVER" ] || chroot "$ROOT" update-initramfs -c -k "$KVER" >/dev/null
+chroot "$ROOT" systemctl enable systemd-networkd.service systemd-resolved.service >/dev/null 2>&1
+chroot "$ROOT" systemctl mask apt-daily.timer apt-daily-upgrade.timer >/dev/null 2>&1
+chroot "$ROOT" apt-get clean
+unmount_all
+phase "layers done; kernel $KVER"
+
+# leave nothing instance-specific: host keys, machine-id, cloud-init state, logs, apt lists
+rm -f "$ROOT"/etc/ssh/ssh_host_* "$ROOT/usr/sbin/policy-rc.d"
+: > "$ROOT/etc/machine-id"; rm -f "$ROOT/var/lib/dbus/machine-id"
+ln -s /etc/machine-id "$ROOT/var/lib/dbus/machine-id"
+rm -rf "$ROOT"/var/lib/cloud/* "$ROOT"/var/lib/apt/lists/* "$ROOT"/var/cache/apt/*.bin \
+  "$ROOT"/var/log/journal/* "$ROOT"/tmp/* "$ROOT"/var/tmp/* "$ROOT/root/.bash_history"
+find "$ROOT/var/log" -type f ! -name 'boxery-provision.*' -delete
+rm -f "$ROOT/etc/resolv.conf"; ln -s ../run/systemd/resolve/stub-resolv.conf "$ROOT/etc/resolv.conf"
+cp "$ROOT/boot/vmlinuz-$KVER" "$W/$NAME.vmlinuz"; cp "$ROOT/boot/initrd.img-$KVER" "$W/$NAME.initrd"
+cp "$ROOT/etc/boxery/build-info" "$W/$NAME.build-info"
+PKG_COUNT=$(dpkg-query --admindir="$ROOT/var/lib/dpkg" -W | wc -l)
+phase "tree cleaned: $(du -sm "$ROOT" | cut -f1) MiB, $PKG_COUNT packages"
+
+# --- 4. filesystem and qcow2 -------------------------------------------------------------------
+truncate -s "$DISK_SIZE" "$W/root.raw"
+mkfs.ext4 -q -F -L boxery-root -d "$ROOT" "$W/root.raw"
+phase "mkfs.ext4 -d ($DISK_SIZE)"
+qemu-img convert -f raw -O qcow2 "$W/root.raw" "$W/$NAME.qcow2"; rm -f "$W/root.raw"
+chmod 0444 "$W/$NAME.qcow2"   # a base image: read-only, VMs get overlays
+phase "qcow2: $(($(file_size "$W/$NAME.qcow2") / 1048576)) MiB"
+
+DISK_SHA=$(sha256sum < "$W/$NAME.qcow2" | cut -d' ' -f1)
+BUILT_AT=$(sed -n 's/^built_at=//p' "$W/$NAME.build-info")
+cat > "$W/$NAME.json" <<EOJ
+{
+  "name": "$NAME",
+  "format": "qcow2",
+  "disk": "$NAME.qcow2",
+  "disk_virtual_size": $(qcow2_virtual_size "$W/$NAME.qcow2"),
+  "disk_file_size": $(file_size "$W/$NAME.qcow2"),
+  "disk_sha256": "$DISK_SHA",
+  "disk_device": "/dev/vda",
+  "disk_mount": "/",
+  "root_device": "/dev/vda",
+  "kernel": "$NAME.vmlinuz",
+  "kernel_size": $(file_size "$W/$NAME.vmlinuz"),
+  "initrd": "$NAME.initrd",
+  "initrd_size": $(file_size "$W/$NAME.initrd"),
+  "kernel_version": "$KVER",
+  "cmdline": $(json_str "$CMDLINE"),
+  "boot": "direct-kernel",
+  "seed": {"type": "nocloud", "label": "cidata", "attach": "raw read-only virtio-blk, after the disk"},
+  "cpus": 2,
+  "memory_mib": 1024,
+  "min_memory_mib": 512,
+  "ssh_user": "agent",
+  "guest_agent": true,
+  "acpi_powerdown": true,
+  "layers": "$LAYERS",
+  "packages": $PKG_COUNT,
+  "build_info": "$NAME.build-info",
+  "built_at": "$BUILT_AT",
+  "build_seconds": $(secs_since "$BOXERY_T0"),
+  "input_hash": "$KEY"
+}
+EOJ
+rm -f "$OUT/$NAME.json"   # the manifest goes last: it is what marks a complete build
+for f in "${OUTPUTS[@]}"; do rm -f "$OUT/$f"; mv "$W/$f" "$OUT/$f"; done
+mv "$W/$NAME.json" "$OUT/$NAME.json"
+phase "done: $OUT/$NAME.{qcow2,vmlinuz,initrd,build-info,json}"
