@@ -103,9 +103,19 @@ pub fn parse_documents(source: &str, bytes: &[u8]) -> Result<Vec<(usize, Value)>
     let text = std::str::from_utf8(bytes)
         .ok()
         .filter(|t| !t.contains('\0'))
-        .ok_or_else(|| err(source, None, "not a text file: give a YAML or JSON manifest".into()))?;
+        .ok_or_else(|| {
+            err(
+                source,
+                None,
+                "not a text file: give a YAML or JSON manifest".into(),
+            )
+        })?;
     if text.trim().is_empty() {
-        return Err(err(source, None, "the file is empty: it holds no objects to apply".into()));
+        return Err(err(
+            source,
+            None,
+            "the file is empty: it holds no objects to apply".into(),
+        ));
     }
     let trimmed = text.trim_start();
     let docs: Vec<Value> = if trimmed.starts_with('{') || trimmed.starts_with('[') {
@@ -113,20 +123,38 @@ pub fn parse_documents(source: &str, bytes: &[u8]) -> Result<Vec<(usize, Value)>
             Ok(Value::Array(items)) => items,
             Ok(v) => vec![v],
             Err(e) => {
-                return Err(err(source, None, format!("invalid JSON at line {}, column {}: {e}", e.line(), e.column())));
+                return Err(err(
+                    source,
+                    None,
+                    format!(
+                        "invalid JSON at line {}, column {}: {e}",
+                        e.line(),
+                        e.column()
+                    ),
+                ));
             }
         }
     } else {
         serde_saphyr::from_multiple::<Value>(text).map_err(|e| {
-            let doc = e.location().map(|l| document_at_line(text, l.line() as usize));
+            let doc = e
+                .location()
+                .map(|l| document_at_line(text, l.line() as usize));
             let msg = e.to_string();
             let first = msg.lines().next().unwrap_or("").to_string();
             err(source, doc, format!("invalid YAML: {first}"))
         })?
     };
-    let out: Vec<(usize, Value)> = docs.into_iter().enumerate().filter(|(_, v)| !v.is_null()).collect();
+    let out: Vec<(usize, Value)> = docs
+        .into_iter()
+        .enumerate()
+        .filter(|(_, v)| !v.is_null())
+        .collect();
     if out.is_empty() {
-        return Err(err(source, None, "the file holds no objects (only empty documents)".into()));
+        return Err(err(
+            source,
+            None,
+            "the file holds no objects (only empty documents)".into(),
+        ));
     }
     Ok(out)
 }
@@ -141,7 +169,11 @@ pub fn parse_manifests(source: &str, bytes: &[u8]) -> Result<Vec<Manifest>, Mani
             return Err(err(
                 source,
                 Some(index),
-                format!("the object is {} KiB; an object may be at most {} KiB", size >> 10, MAX_OBJECT_BYTES >> 10),
+                format!(
+                    "the object is {} KiB; an object may be at most {} KiB",
+                    size >> 10,
+                    MAX_OBJECT_BYTES >> 10
+                ),
             ));
         }
         let object = normalize(value).map_err(|e| ManifestError {
@@ -150,7 +182,11 @@ pub fn parse_manifests(source: &str, bytes: &[u8]) -> Result<Vec<Manifest>, Mani
             object: Some(e.object.clone()),
             errors: e.errors,
         })?;
-        out.push(Manifest { source_name: source.to_string(), document: index, object });
+        out.push(Manifest {
+            source_name: source.to_string(),
+            document: index,
+            object,
+        });
     }
     Ok(out)
 }
@@ -172,16 +208,34 @@ mod tests {
 
     #[test]
     fn errors_name_document_and_field() {
-        let bad = format!("{VM}---\n{}", VM.replace("image: debian-12", "image: debian-12, bogus: 1"));
+        let bad = format!(
+            "{VM}---\n{}",
+            VM.replace("image: debian-12", "image: debian-12, bogus: 1")
+        );
         let e = parse_manifests("x.yaml", bad.as_bytes()).unwrap_err();
         assert_eq!(e.document, Some(1), "{e}");
         assert!(e.to_string().contains("x.yaml, document 1"), "{e}");
         let e = parse_manifests("y.yaml", b"a: [1, 2\nb: c").unwrap_err();
         assert!(e.to_string().starts_with("y.yaml"), "{e}");
-        assert!(parse_manifests("z", b"\x00\x01\xff").unwrap_err().to_string().contains("not a text file"));
-        assert!(parse_manifests("z", b"  \n").unwrap_err().to_string().contains("empty"));
+        assert!(
+            parse_manifests("z", b"\x00\x01\xff")
+                .unwrap_err()
+                .to_string()
+                .contains("not a text file")
+        );
+        assert!(
+            parse_manifests("z", b"  \n")
+                .unwrap_err()
+                .to_string()
+                .contains("empty")
+        );
         let big = vec![b'a'; 10 << 20];
-        assert!(parse_manifests("z", &big).unwrap_err().to_string().contains("too large"));
+        assert!(
+            parse_manifests("z", &big)
+                .unwrap_err()
+                .to_string()
+                .contains("too large")
+        );
     }
 
     #[test]

@@ -126,13 +126,20 @@ fn normalize_image(img: &mut Image) -> Result<(), Vec<FieldError>> {
             if b.base != crate::vm::STOCK_IMAGE {
                 errs.push(FieldError::new(
                     "spec.source.build.base",
-                    format!("`{}` cannot be built: the only base is `{}`", b.base, crate::vm::STOCK_IMAGE),
+                    format!(
+                        "`{}` cannot be built: the only base is `{}`",
+                        b.base,
+                        crate::vm::STOCK_IMAGE
+                    ),
                 ));
             }
         }
         ImageSource::File(p) => {
             if !p.starts_with('/') {
-                errs.push(FieldError::new("spec.source.file", "give an absolute path".to_string()));
+                errs.push(FieldError::new(
+                    "spec.source.file",
+                    "give an absolute path".to_string(),
+                ));
             }
         }
     }

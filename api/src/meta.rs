@@ -13,7 +13,9 @@ pub type Time = DateTime<Utc>;
 pub fn now() -> Time {
     let t = Utc::now();
     let s = t.to_rfc3339_opts(SecondsFormat::Millis, true);
-    DateTime::parse_from_rfc3339(&s).map(|d| d.with_timezone(&Utc)).unwrap_or(t)
+    DateTime::parse_from_rfc3339(&s)
+        .map(|d| d.with_timezone(&Utc))
+        .unwrap_or(t)
 }
 
 /// Metadata every object carries. The server sets `uid`, `resourceVersion`, `generation`,
@@ -59,12 +61,18 @@ pub struct ObjectMeta {
 impl ObjectMeta {
     /// Metadata with just a name.
     pub fn named(name: impl Into<String>) -> Self {
-        ObjectMeta { name: name.into(), ..Default::default() }
+        ObjectMeta {
+            name: name.into(),
+            ..Default::default()
+        }
     }
 
     /// The resourceVersion as a number (0 when unset or unparsable).
     pub fn rv(&self) -> u64 {
-        self.resource_version.as_deref().and_then(|s| s.parse().ok()).unwrap_or(0)
+        self.resource_version
+            .as_deref()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0)
     }
 
     /// Whether deletion has been requested.

@@ -70,7 +70,10 @@ pub struct LeaseDefaults {
 
 impl Default for LeaseDefaults {
     fn default() -> Self {
-        LeaseDefaults { default_ttl_seconds: 1800, max_ttl_seconds: 28800 }
+        LeaseDefaults {
+            default_ttl_seconds: 1800,
+            max_ttl_seconds: 28800,
+        }
     }
 }
 

@@ -17,7 +17,9 @@ pub struct Quantity(u64);
 
 /// A quantity that does not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("`{0}` is not a quantity: write a whole number of bytes with an optional suffix, like 512Mi, 4Gi or 20G")]
+#[error(
+    "`{0}` is not a quantity: write a whole number of bytes with an optional suffix, like 512Mi, 4Gi or 20G"
+)]
 pub struct QuantityError(pub String);
 
 impl Quantity {
@@ -138,7 +140,15 @@ mod tests {
         assert_eq!("20G".parse::<Quantity>().unwrap().bytes(), 20_000_000_000);
         assert_eq!(Quantity::gib(4).to_string(), "4Gi");
         assert_eq!(Quantity::from_bytes(1000).to_string(), "1000");
-        for bad in ["", "-1", "4gb", "Gi", "1.5Gi", "99999999999999999999", "18446744073709551615Ki"] {
+        for bad in [
+            "",
+            "-1",
+            "4gb",
+            "Gi",
+            "1.5Gi",
+            "99999999999999999999",
+            "18446744073709551615Ki",
+        ] {
             assert!(bad.parse::<Quantity>().is_err(), "{bad}");
         }
     }

@@ -26,7 +26,9 @@ pub struct Selector(pub Vec<Requirement>);
 
 /// A selector that does not parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid label selector `{0}`: write key=value, key!=value, key, !key, `key in (a,b)` or `key notin (a,b)`, joined by commas")]
+#[error(
+    "invalid label selector `{0}`: write key=value, key!=value, key, !key, `key in (a,b)` or `key notin (a,b)`, joined by commas"
+)]
 pub struct SelectorError(pub String);
 
 impl Selector {
@@ -69,7 +71,8 @@ fn split_top(s: &str) -> Vec<&str> {
 fn valid_key(k: &str) -> bool {
     !k.is_empty()
         && k.len() <= 253
-        && k.chars().all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c))
+        && k.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c))
 }
 
 impl FromStr for Selector {
@@ -84,7 +87,13 @@ impl FromStr for Selector {
             let p = part.trim();
             let set = |rest: &str| -> Option<Vec<String>> {
                 let inner = rest.trim().strip_prefix('(')?.strip_suffix(')')?;
-                Some(inner.split(',').map(|v| v.trim().to_string()).filter(|v| !v.is_empty()).collect())
+                Some(
+                    inner
+                        .split(',')
+                        .map(|v| v.trim().to_string())
+                        .filter(|v| !v.is_empty())
+                        .collect(),
+                )
             };
             let req = if let Some((k, rest)) = p.split_once(" notin ") {
                 Requirement::NotIn(k.trim().into(), set(rest).ok_or_else(err)?)
@@ -121,7 +130,10 @@ mod tests {
     use super::*;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]

@@ -23,7 +23,10 @@ pub struct FieldError {
 impl FieldError {
     /// A field error.
     pub fn new(path: impl Into<String>, message: String) -> Self {
-        FieldError { path: path.into(), message }
+        FieldError {
+            path: path.into(),
+            message,
+        }
     }
 }
 
@@ -60,8 +63,14 @@ impl fmt::Display for ValidationError {
 }
 
 /// Every kind, in the order `boxery get` lists them.
-pub const KINDS: [KindInfo; 6] =
-    [Vm::INFO, Image::INFO, Pool::INFO, Lease::INFO, Grant::INFO, Event::INFO];
+pub const KINDS: [KindInfo; 6] = [
+    Vm::INFO,
+    Image::INFO,
+    Pool::INFO,
+    Lease::INFO,
+    Grant::INFO,
+    Event::INFO,
+];
 
 /// Find a kind by its name, plural, singular or short name (case-insensitive).
 pub fn lookup_kind(name: &str) -> Option<&'static KindInfo> {
@@ -95,8 +104,9 @@ fn validators() -> &'static HashMap<&'static str, jsonschema::Validator> {
             .iter()
             .map(|k| {
                 let schema = schema_of(k.kind).expect("every kind has a schema");
-                let v = jsonschema::validator_for(&schema)
-                    .unwrap_or_else(|e| panic!("the generated schema of {} is invalid: {e}", k.kind));
+                let v = jsonschema::validator_for(&schema).unwrap_or_else(|e| {
+                    panic!("the generated schema of {} is invalid: {e}", k.kind)
+                });
                 (k.kind, v)
             })
             .collect()
@@ -105,7 +115,11 @@ fn validators() -> &'static HashMap<&'static str, jsonschema::Validator> {
 
 /// `/spec/resources/cpus` → `spec.resources.cpus`.
 fn dotted(pointer: &str) -> String {
-    pointer.trim_start_matches('/').split('/').collect::<Vec<_>>().join(".")
+    pointer
+        .trim_start_matches('/')
+        .split('/')
+        .collect::<Vec<_>>()
+        .join(".")
 }
 
 /// Check that a name is a DNS-1123 label: 1–63 of `a-z`, `0-9`, `-`, starting and ending with
@@ -115,11 +129,23 @@ pub fn check_label_name(name: &str) -> Result<(), String> {
         return Err("a name is required".into());
     }
     if name.len() > 63 {
-        return Err(format!("`{}…` is {} characters long; the limit is 63", &name[..20], name.len()));
+        return Err(format!(
+            "`{}…` is {} characters long; the limit is 63",
+            &name[..20],
+            name.len()
+        ));
     }
-    let ok_chars = name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-    let ok_ends = name.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
-        && name.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric());
+    let ok_chars = name
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    let ok_ends = name
+        .bytes()
+        .next()
+        .is_some_and(|b| b.is_ascii_alphanumeric())
+        && name
+            .bytes()
+            .last()
+            .is_some_and(|b| b.is_ascii_alphanumeric());
     if !ok_chars || !ok_ends {
         return Err(format!(
             "`{}` is not a valid name: use lowercase letters, digits and `-`, starting and ending with a letter or digit",
@@ -135,7 +161,10 @@ pub fn check_subdomain_name(name: &str) -> Result<(), String> {
         return Err("a name is required".into());
     }
     if name.len() > 253 {
-        return Err(format!("the name is {} characters long; the limit is 253", name.len()));
+        return Err(format!(
+            "the name is {} characters long; the limit is 253",
+            name.len()
+        ));
     }
     for part in name.split('.') {
         check_label_name(part).map_err(|_| {
@@ -149,8 +178,12 @@ pub fn check_subdomain_name(name: &str) -> Result<(), String> {
 }
 
 fn normalize_typed<R: Resource>(value: Value, label: &str) -> Result<DynObject, ValidationError> {
-    let fail = |errors| ValidationError { object: label.to_string(), errors };
-    let mut obj: R = serde_json::from_value(value).map_err(|e| fail(vec![FieldError::new("", e.to_string())]))?;
+    let fail = |errors| ValidationError {
+        object: label.to_string(),
+        errors,
+    };
+    let mut obj: R = serde_json::from_value(value)
+        .map_err(|e| fail(vec![FieldError::new("", e.to_string())]))?;
     let mut errs = Vec::new();
     let name_check = if R::INFO.dotted_names {
         check_subdomain_name(&obj.meta().name)
@@ -173,20 +206,45 @@ fn normalize_typed<R: Resource>(value: Value, label: &str) -> Result<DynObject, 
 /// kind's schema (unknown fields are errors), names, ranges. Returns the object as it would be
 /// stored.
 pub fn normalize(value: Value) -> Result<DynObject, ValidationError> {
-    let name = value.pointer("/metadata/name").and_then(Value::as_str).unwrap_or("").to_string();
-    let kind_raw = value.get("kind").and_then(Value::as_str).unwrap_or("").to_string();
-    let label = if name.is_empty() { format!("{kind_raw} (unnamed)") } else { format!("{kind_raw}/{name}") };
+    let name = value
+        .pointer("/metadata/name")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let kind_raw = value
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let label = if name.is_empty() {
+        format!("{kind_raw} (unnamed)")
+    } else {
+        format!("{kind_raw}/{name}")
+    };
     let fail = |path: &str, message: String| ValidationError {
         object: label.clone(),
         errors: vec![FieldError::new(path, message)],
     };
     if !value.is_object() {
-        return Err(fail("", "a manifest must be a mapping with apiVersion, kind, metadata and spec".into()));
+        return Err(fail(
+            "",
+            "a manifest must be a mapping with apiVersion, kind, metadata and spec".into(),
+        ));
     }
     match value.get("apiVersion").and_then(Value::as_str) {
         Some(API_VERSION) => {}
-        Some(other) => return Err(fail("apiVersion", format!("unknown apiVersion `{other}`: use `{API_VERSION}`"))),
-        None => return Err(fail("apiVersion", format!("apiVersion is required: use `{API_VERSION}`"))),
+        Some(other) => {
+            return Err(fail(
+                "apiVersion",
+                format!("unknown apiVersion `{other}`: use `{API_VERSION}`"),
+            ));
+        }
+        None => {
+            return Err(fail(
+                "apiVersion",
+                format!("apiVersion is required: use `{API_VERSION}`"),
+            ));
+        }
     }
     let known: Vec<&str> = KINDS.iter().map(|k| k.kind).collect();
     let Some(info) = KINDS.iter().find(|k| k.kind == kind_raw) else {
@@ -203,7 +261,10 @@ pub fn normalize(value: Value) -> Result<DynObject, ValidationError> {
         .map(|e| FieldError::new(dotted(e.instance_path().as_str()), e.to_string()))
         .collect();
     if !errors.is_empty() {
-        return Err(ValidationError { object: label, errors });
+        return Err(ValidationError {
+            object: label,
+            errors,
+        });
     }
     match info.kind {
         "Vm" => normalize_typed::<Vm>(value, &label),
@@ -235,19 +296,37 @@ mod tests {
 
     #[test]
     fn errors_name_the_field() {
-        let e = normalize(vm(json!({"source": {"image": "debian-12"}, "resources": {"cpus": 0}}))).unwrap_err();
+        let e = normalize(vm(
+            json!({"source": {"image": "debian-12"}, "resources": {"cpus": 0}}),
+        ))
+        .unwrap_err();
         assert_eq!(e.errors[0].path, "spec.resources.cpus", "{e}");
         let e = normalize(vm(json!({"source": {"image": "debian-12"}, "bogus": 1}))).unwrap_err();
         assert!(e.to_string().contains("bogus"), "{e}");
-        let e = normalize(vm(json!({"source": {"image": "x"}, "resources": {"memory": "-1Gi"}}))).unwrap_err();
+        let e = normalize(vm(
+            json!({"source": {"image": "x"}, "resources": {"memory": "-1Gi"}}),
+        ))
+        .unwrap_err();
         assert_eq!(e.errors[0].path, "spec.resources.memory", "{e}");
-        let e = normalize(vm(json!({"source": {"image": "x"}, "resources": {"memory": "100Ti"}}))).unwrap_err();
+        let e = normalize(vm(
+            json!({"source": {"image": "x"}, "resources": {"memory": "100Ti"}}),
+        ))
+        .unwrap_err();
         assert_eq!(e.errors[0].path, "spec.resources.memory", "{e}");
     }
 
     #[test]
     fn names() {
-        for bad in ["", "../x", "Dev1", "-a", "a-", &"a".repeat(64), "a.b", "a b"] {
+        for bad in [
+            "",
+            "../x",
+            "Dev1",
+            "-a",
+            "a-",
+            &"a".repeat(64),
+            "a.b",
+            "a b",
+        ] {
             assert!(check_label_name(bad).is_err(), "{bad}");
         }
         for good in ["a", "dev-1", &"a".repeat(63)] {

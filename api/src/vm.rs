@@ -136,7 +136,11 @@ impl Resources {
     /// The size with defaults filled in.
     pub fn effective(&self) -> Size {
         let (c, m, d) = self.shape.unwrap_or(Shape::Small).size();
-        Size { cpus: self.cpus.unwrap_or(c), memory: self.memory.unwrap_or(m), disk: self.disk.unwrap_or(d) }
+        Size {
+            cpus: self.cpus.unwrap_or(c),
+            memory: self.memory.unwrap_or(m),
+            disk: self.disk.unwrap_or(d),
+        }
     }
 }
 
@@ -302,17 +306,26 @@ fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
     let r = &vm.spec.resources;
     if let Some(m) = r.memory {
         if m < MIN_MEMORY || m > MAX_MEMORY {
-            errs.push(FieldError::new("spec.resources.memory", format!("{m} is out of range: use 64Mi to 256Gi")));
+            errs.push(FieldError::new(
+                "spec.resources.memory",
+                format!("{m} is out of range: use 64Mi to 256Gi"),
+            ));
         }
     }
     if let Some(d) = r.disk {
         if d < MIN_DISK || d > MAX_DISK {
-            errs.push(FieldError::new("spec.resources.disk", format!("{d} is out of range: use 1Gi to 16Ti")));
+            errs.push(FieldError::new(
+                "spec.resources.disk",
+                format!("{d} is out of range: use 1Gi to 16Ti"),
+            ));
         }
     }
     if let Some(c) = r.cpus {
         if c == 0 || c > MAX_CPUS {
-            errs.push(FieldError::new("spec.resources.cpus", format!("{c} is out of range: use 1 to {MAX_CPUS}")));
+            errs.push(FieldError::new(
+                "spec.resources.cpus",
+                format!("{c} is out of range: use 1 to {MAX_CPUS}"),
+            ));
         }
     }
     let src = vm.spec.source.name().to_string();
@@ -329,7 +342,10 @@ fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
         errs.push(FieldError::new(path, e));
     }
     if matches!(&vm.spec.source, VmSource::Vm(n) if *n == vm.metadata.name) {
-        errs.push(FieldError::new(path, "a VM cannot be forked from itself".into()));
+        errs.push(FieldError::new(
+            path,
+            "a VM cannot be forked from itself".into(),
+        ));
     }
     if let Some(r) = &vm.spec.restore {
         if let Err(e) = crate::validate::check_subdomain_name(&r.image) {

@@ -1,1 +1,409 @@
-fn main() {}
+//! `boxery`: VMs as hands for coding agents, declaratively.
+
+mod commands;
+mod env;
+mod exit;
+mod manifests;
+mod output;
+mod runtime;
+mod sugar;
+mod wait;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+use crate::env::Env;
+use crate::exit::{CliError, CliResult};
+
+/// boxery gives coding agents VMs as their hands. You write desired state (Vm, Image, Pool,
+/// Lease, Grant objects) and boxery's controllers make the world match.
+///
+/// Exit codes: 0 success; 1 failure (diff: differences found); 2 invalid input; 3 not found;
+/// 4 timed out waiting; 5 conflict.
+#[derive(Debug, Parser)]
+#[command(
+    name = "boxery",
+    version,
+    propagate_version = true,
+    max_term_width = 100
+)]
+struct Cli {
+    /// Where boxery keeps its state (the store, backend files). Default: $XDG_DATA_HOME/boxery
+    /// or ~/.local/share/boxery.
+    #[arg(long, global = true, env = "BOXERY_HOME", value_name = "DIR")]
+    home: Option<PathBuf>,
+    /// The backend that runs VMs (`fake`, …). Default: `backend:` in $BOXERY_HOME/config.yaml,
+    /// else the platform's default.
+    #[arg(long, global = true, env = "BOXERY_BACKEND", value_name = "NAME")]
+    backend: Option<String>,
+    /// Log more (repeat for even more); logs go to stderr.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// `--wait` and `--timeout`, shared.
+#[derive(Debug, Clone, clap::Args)]
+struct WaitArgs {
+    /// Wait until the objects are ready (or deleted), running the controllers in this process if
+    /// no `boxery serve` is running.
+    #[arg(long)]
+    wait: bool,
+    /// How long --wait waits (e.g. 90s, 5m).
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+}
+
+impl WaitArgs {
+    fn wait_for(&self) -> Option<Duration> {
+        self.wait.then_some(self.timeout)
+    }
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Create or update objects from YAML/JSON manifests (files, directories, or - for stdin).
+    /// One apply is all or nothing: a bad document changes nothing.
+    Apply {
+        /// A manifest file, a directory (read recursively), or - for stdin. Repeatable.
+        #[arg(short = 'f', long = "filename", required = true)]
+        files: Vec<String>,
+        /// Validate and show what would happen; write nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Delete objects matching -l that an earlier apply created and this one no longer names.
+        #[arg(long, requires = "selector")]
+        prune: bool,
+        /// Label selector for --prune.
+        #[arg(short = 'l', long = "selector")]
+        selector: Option<String>,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// List objects of a kind (vm, vms, image, img, pool, lease, grant, event).
+    Get {
+        /// The kind.
+        kind: String,
+        /// Names (all when none).
+        names: Vec<String>,
+        /// Output: wide, yaml, json, name, jsonpath=EXPR.
+        #[arg(short, long, default_value = "")]
+        output: String,
+        /// Label selector (team=web,tier!=db).
+        #[arg(short = 'l', long = "selector")]
+        selector: Option<String>,
+        /// Keep watching and print changes.
+        #[arg(short, long)]
+        watch: bool,
+    },
+    /// Show one object in detail: spec, status, conditions, recent events.
+    Describe {
+        /// The kind.
+        kind: String,
+        /// The name.
+        name: String,
+    },
+    /// Delete objects. Their controllers clean up first (the VM is removed from the backend).
+    Delete {
+        /// The kind.
+        kind: String,
+        /// Names.
+        names: Vec<String>,
+        /// Drop boxery's finalizer once the backend confirms the VM or image is gone (for a
+        /// delete stuck on a broken backend).
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Show what `apply` would change. Exit 0: no difference; 1: differences; 2+: error.
+    Diff {
+        /// Manifest files or directories.
+        #[arg(short = 'f', long = "filename", required = true)]
+        files: Vec<String>,
+    },
+    /// Wait for a condition on an object.
+    Wait {
+        /// The kind.
+        kind: String,
+        /// The name.
+        name: String,
+        /// condition=Ready[=True|False], delete, or jsonpath={.status.phase}=Stopped.
+        #[arg(long = "for")]
+        until: String,
+        /// How long to wait.
+        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+    },
+    /// Describe a kind or field from its schema (e.g. Vm.spec.resources).
+    Explain {
+        /// KIND[.field[.field…]].
+        path: String,
+    },
+    /// List events, or the events of one object.
+    Events {
+        /// The kind.
+        kind: Option<String>,
+        /// The name.
+        name: Option<String>,
+    },
+    /// Print the JSON Schema of a kind (or of all kinds).
+    Schema {
+        /// The kind.
+        kind: Option<String>,
+    },
+    /// Make a VM (writes a Vm object). Default source: the stock image debian-12.
+    New {
+        /// The VM's name.
+        name: String,
+        /// Make it from this image.
+        #[arg(long, value_name = "IMAGE")]
+        from: Option<String>,
+        /// Make it from another VM's disk as it is now.
+        #[arg(long, value_name = "VM")]
+        fork: Option<String>,
+        #[command(flatten)]
+        size: sugar::SizeArgs,
+        /// Create it stopped.
+        #[arg(long)]
+        stopped: bool,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Snapshot a VM's disk into the image VM.LABEL (works while it runs).
+    Snap {
+        /// The VM.
+        vm: String,
+        /// The label.
+        label: String,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Replace a VM's disk with its image VM.LABEL (sets spec.restore).
+    Revert {
+        /// The VM.
+        vm: String,
+        /// The label (or a full image name).
+        label: String,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Make new VMs from a VM's disk as it is now.
+    Fork {
+        /// The source VM.
+        src: String,
+        /// New VM names.
+        #[arg(required = true)]
+        names: Vec<String>,
+        #[command(flatten)]
+        size: sugar::SizeArgs,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Start VMs (runStrategy: Running).
+    Start {
+        /// VM names.
+        #[arg(required = true)]
+        names: Vec<String>,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Stop VMs (runStrategy: Stopped).
+    Stop {
+        /// VM names.
+        #[arg(required = true)]
+        names: Vec<String>,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Change a VM's CPUs, memory or disk.
+    Resize {
+        /// The VM.
+        name: String,
+        #[command(flatten)]
+        size: sugar::SizeArgs,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Delete VMs (and the images they own).
+    Rm {
+        /// VM names.
+        #[arg(required = true)]
+        names: Vec<String>,
+        /// See `delete --force`.
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Run the control plane: the controllers, until interrupted. A second `serve` on the same
+    /// store stands by and takes over when the first dies.
+    Serve {
+        /// Seconds between inventory comparisons with the backend.
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        inventory_every: Duration,
+        /// Leader lease duration.
+        #[arg(long, default_value = "4s", value_parser = humantime::parse_duration)]
+        lease: Duration,
+    },
+}
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("BOXERY_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
+async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
+    let env = Env::resolve(cli.home, cli.backend)?;
+    match cli.command {
+        Command::Apply {
+            files,
+            dry_run,
+            prune,
+            selector,
+            wait,
+        } => {
+            let prune = if prune { selector.as_deref() } else { None };
+            commands::apply(&env, &files, dry_run, prune, wait.wait_for()).await?;
+        }
+        Command::Get {
+            kind,
+            names,
+            output,
+            selector,
+            watch,
+        } => {
+            commands::get(
+                &env,
+                &kind,
+                &names,
+                output.parse()?,
+                selector.as_deref(),
+                watch,
+            )
+            .await?;
+        }
+        Command::Describe { kind, name } => commands::describe(&env, &kind, &name)?,
+        Command::Delete {
+            kind,
+            names,
+            force,
+            wait,
+        } => commands::delete(&env, &kind, &names, wait.wait_for(), force).await?,
+        Command::Diff { files } => {
+            return match commands::diff(&env, &files) {
+                Ok(true) => Ok(ExitCode::from(1)),
+                Ok(false) => Ok(ExitCode::SUCCESS),
+                Err(e) if e.code == exit::Code::Failed => {
+                    Err(CliError::new(exit::Code::Invalid, e.error))
+                }
+                Err(e) => Err(e),
+            };
+        }
+        Command::Wait {
+            kind,
+            name,
+            until,
+            timeout,
+        } => {
+            let info = commands::kind(&kind)?;
+            wait::wait_all(
+                &env,
+                &[(info.kind.to_string(), name)],
+                &until.parse()?,
+                timeout,
+                false,
+            )
+            .await?;
+        }
+        Command::Explain { path } => commands::explain(&path)?,
+        Command::Events { kind, name } => commands::events(&env, kind.as_deref(), name.as_deref())?,
+        Command::Schema { kind } => commands::schema(kind.as_deref())?,
+        Command::New {
+            name,
+            from,
+            fork,
+            size,
+            stopped,
+            wait,
+        } => sugar::new(&env, &name, from, fork, &size, stopped, wait.wait_for()).await?,
+        Command::Snap { vm, label, wait } => {
+            sugar::snap(&env, &vm, &label, wait.wait_for()).await?
+        }
+        Command::Revert { vm, label, wait } => {
+            sugar::revert(&env, &vm, &label, wait.wait_for()).await?
+        }
+        Command::Fork {
+            src,
+            names,
+            size,
+            wait,
+        } => sugar::fork(&env, &src, &names, &size, wait.wait_for()).await?,
+        Command::Start { names, wait } => {
+            sugar::power(
+                &env,
+                &names,
+                boxery_api::RunStrategy::Running,
+                wait.wait_for(),
+            )
+            .await?
+        }
+        Command::Stop { names, wait } => {
+            sugar::power(
+                &env,
+                &names,
+                boxery_api::RunStrategy::Stopped,
+                wait.wait_for(),
+            )
+            .await?
+        }
+        Command::Resize { name, size, wait } => {
+            sugar::resize(&env, &name, &size, wait.wait_for()).await?
+        }
+        Command::Rm { names, force, wait } => {
+            commands::delete(&env, "vm", &names, wait.wait_for(), force).await?
+        }
+        Command::Serve {
+            inventory_every,
+            lease,
+        } => runtime::serve(&env, inventory_every, lease).await?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(dispatch(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {:#}", e.error);
+            ExitCode::from(e.code as u8)
+        }
+    }
+}

@@ -1,1 +1,13 @@
-//! Reconcilers (to be written).
+//! boxery's reconcilers: one per kind (`Vm`, `Image`), the inventory resync, and `run`, which
+//! starts them all on one store and backend (used by `boxery serve` and by the CLI's embedded
+//! mode).
+
+pub mod context;
+pub mod error;
+pub mod image;
+pub mod inventory;
+pub mod runtime;
+pub mod vm;
+
+pub use context::{Ctx, Settings};
+pub use error::ReconcileError;

@@ -1,0 +1,663 @@
+//! The kubectl-style commands: apply, get, describe, delete, diff, explain, events, schema.
+
+use std::io::Write;
+use std::time::Duration;
+
+use boxery_api::{DynObject, KindInfo, Selector, lookup_kind};
+use boxery_store::{ApplyAction, ApplyOptions, DeleteOutcome, LAST_APPLIED, WatchEvent};
+use futures::StreamExt;
+use serde_json::Value;
+
+use crate::env::Env;
+use crate::exit::{CliError, CliResult, Code};
+use crate::output::{self, Format};
+use crate::wait::{self, Until};
+
+/// Resolve a kind name the user typed.
+pub fn kind(name: &str) -> CliResult<&'static KindInfo> {
+    lookup_kind(name).ok_or_else(|| {
+        let known: Vec<String> = boxery_api::KINDS
+            .iter()
+            .map(|k| format!("{} ({})", k.plural, k.short_names.join(", ")))
+            .collect();
+        CliError::invalid(format!(
+            "unknown kind `{name}`: use one of {}",
+            known.join("; ")
+        ))
+    })
+}
+
+fn selector(s: Option<&str>) -> CliResult<Selector> {
+    s.unwrap_or("")
+        .parse::<Selector>()
+        .map_err(CliError::invalid)
+}
+
+/// Objects with a `Ready` condition (the ones `--wait` waits on).
+fn waitable(kind: &str) -> bool {
+    matches!(kind, "Vm" | "Image")
+}
+
+/// `apply -f`.
+pub async fn apply(
+    env: &Env,
+    files: &[String],
+    dry_run: bool,
+    prune: Option<&str>,
+    wait_for: Option<Duration>,
+) -> CliResult {
+    let manifests = crate::manifests::read_all(files)?;
+    let store = env.store()?;
+    let opts = ApplyOptions {
+        dry_run,
+        prune: match prune {
+            Some(p) => Some(selector(Some(p))?),
+            None => None,
+        },
+    };
+    let objs: Vec<DynObject> = manifests.iter().map(|m| m.object.clone()).collect();
+    let results = store.apply_all(objs, &opts).map_err(|e| match e {
+        boxery_store::StoreError::Invalid(v) => CliError::invalid(v),
+        other => CliError::from(other),
+    })?;
+    let suffix = if dry_run { " (dry run)" } else { "" };
+    let mut targets = Vec::new();
+    for (action, obj) in &results {
+        let word = match action {
+            ApplyAction::Created => "created",
+            ApplyAction::Configured => "configured",
+            ApplyAction::Unchanged => "unchanged",
+            ApplyAction::Pruned => "pruned",
+        };
+        let singular = lookup_kind(&obj.kind)
+            .map(|k| k.singular)
+            .unwrap_or("object");
+        println!("{singular}/{} {word}{suffix}", obj.metadata.name);
+        if *action != ApplyAction::Pruned && waitable(&obj.kind) {
+            targets.push((obj.kind.clone(), obj.metadata.name.clone()));
+        }
+    }
+    if let (Some(timeout), false) = (wait_for, dry_run) {
+        let mut ready = Vec::new();
+        let mut stopped = Vec::new();
+        for (k, n) in targets {
+            let o = store.get(&k, &n)?;
+            if o.as_ref()
+                .is_some_and(|o| o.spec()["runStrategy"] == "Stopped")
+            {
+                stopped.push((k, n));
+            } else {
+                ready.push((k, n));
+            }
+        }
+        wait::wait_all(
+            env,
+            &ready,
+            &Until::Condition("Ready".into(), boxery_api::ConditionStatus::True),
+            timeout,
+            false,
+        )
+        .await?;
+        wait::wait_all(
+            env,
+            &stopped,
+            &Until::JsonPath("{.status.phase}".into(), "Stopped".into()),
+            timeout,
+            false,
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+fn strip_for_diff(o: &DynObject) -> Value {
+    let mut v = output::display_value(o);
+    if let Some(m) = v.get_mut("metadata").and_then(Value::as_object_mut) {
+        for k in ["resourceVersion", "generation", "creationTimestamp", "uid"] {
+            m.remove(k);
+        }
+        if let Some(a) = m.get_mut("annotations").and_then(Value::as_object_mut) {
+            a.remove(LAST_APPLIED);
+            if a.is_empty() {
+                m.remove("annotations");
+            }
+        }
+    }
+    if let Some(m) = v.as_object_mut() {
+        m.remove("status");
+    }
+    v
+}
+
+/// `diff -f`: what `apply` would change. Returns whether anything differs.
+pub fn diff(env: &Env, files: &[String]) -> CliResult<bool> {
+    let manifests = crate::manifests::read_all(files)?;
+    let store = env.store()?;
+    let objs: Vec<DynObject> = manifests.iter().map(|m| m.object.clone()).collect();
+    let results = store
+        .apply_all(
+            objs,
+            &ApplyOptions {
+                dry_run: true,
+                prune: None,
+            },
+        )
+        .map_err(|e| match e {
+            boxery_store::StoreError::Invalid(v) => CliError::invalid(v),
+            other => CliError::from(other),
+        })?;
+    let mut differs = false;
+    let mut out = std::io::stdout().lock();
+    for (_, after) in &results {
+        let live = store.get(&after.kind, &after.metadata.name)?;
+        let before_text = match &live {
+            Some(l) => output::to_yaml(&strip_for_diff(l))?,
+            None => String::new(),
+        };
+        let after_text = output::to_yaml(&strip_for_diff(after))?;
+        if before_text != after_text {
+            differs = true;
+            let label = format!("{}/{}", after.kind.to_lowercase(), after.metadata.name);
+            let d = similar::TextDiff::from_lines(&before_text, &after_text);
+            write!(
+                out,
+                "{}",
+                d.unified_diff()
+                    .header(&format!("live/{label}"), &format!("applied/{label}"))
+            )?;
+        }
+    }
+    Ok(differs)
+}
+
+/// `get`.
+pub async fn get(
+    env: &Env,
+    kind_name: &str,
+    names: &[String],
+    format: Format,
+    sel: Option<&str>,
+    watch: bool,
+) -> CliResult {
+    let info = kind(kind_name)?;
+    let store = env.store()?;
+    let sel = selector(sel)?;
+    let (mut objs, rev) = store.list(info.kind, &sel)?;
+    if !names.is_empty() {
+        for n in names {
+            if !objs.iter().any(|o| &o.metadata.name == n) {
+                let known: Vec<&str> = objs
+                    .iter()
+                    .map(|o| o.metadata.name.as_str())
+                    .take(20)
+                    .collect();
+                let hint = if known.is_empty() {
+                    format!("there are no {}", info.plural)
+                } else {
+                    format!("known: {}", known.join(", "))
+                };
+                return Err(CliError::not_found(format!(
+                    "{} {n} not found ({hint})",
+                    info.kind
+                )));
+            }
+        }
+        objs.retain(|o| names.contains(&o.metadata.name));
+    }
+    let mut out = std::io::stdout().lock();
+    output::print(info, &objs, &format, &mut out)?;
+    out.flush()?;
+    drop(out);
+    if !watch {
+        return Ok(());
+    }
+    let mut stream = store.watch(Some(info.kind), rev);
+    while let Some(ev) = stream.next().await {
+        let (_, ev) = ev?;
+        let (obj, deleted) = match &ev {
+            WatchEvent::Added(o) | WatchEvent::Modified(o) => (o, false),
+            WatchEvent::Deleted(o) => (o, true),
+        };
+        if !sel.matches(&obj.metadata.labels)
+            || (!names.is_empty() && !names.contains(&obj.metadata.name))
+        {
+            continue;
+        }
+        let mut out = std::io::stdout().lock();
+        match &format {
+            Format::Table | Format::Wide => {
+                let mut v = output::display_value(obj);
+                if deleted {
+                    v["status"]["printableStatus"] = Value::String("Deleted".into());
+                }
+                write!(
+                    out,
+                    "{}",
+                    output::table(info.kind, &[v], format == Format::Wide, false)
+                )?;
+            }
+            f => output::print(info, std::slice::from_ref(obj), f, &mut out)?,
+        }
+        out.flush()?;
+    }
+    Ok(())
+}
+
+/// `describe`.
+pub fn describe(env: &Env, kind_name: &str, name: &str) -> CliResult {
+    let info = kind(kind_name)?;
+    let store = env.store()?;
+    let obj = store.get(info.kind, name)?.ok_or_else(|| {
+        CliError::not_found(format!(
+            "{} {name} not found: `boxery get {}` lists them",
+            info.kind, info.plural
+        ))
+    })?;
+    let v = output::display_value(&obj);
+    let mut out = String::new();
+    let m = &obj.metadata;
+    out.push_str(&format!(
+        "Name:         {}\nKind:         {}\n",
+        m.name, obj.kind
+    ));
+    if !m.labels.is_empty() {
+        out.push_str(&format!(
+            "Labels:       {}\n",
+            m.labels
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        ));
+    }
+    out.push_str(&format!(
+        "UID:          {}\n",
+        m.uid.as_deref().unwrap_or("")
+    ));
+    out.push_str(&format!(
+        "Created:      {} ({} ago)\n",
+        v["metadata"]["creationTimestamp"].as_str().unwrap_or(""),
+        output::age(&v["metadata"]["creationTimestamp"])
+    ));
+    out.push_str(&format!(
+        "Generation:   {} (observed {})\n",
+        m.generation.unwrap_or(0),
+        obj.status()["observedGeneration"]
+            .as_i64()
+            .map(|g| g.to_string())
+            .unwrap_or_else(|| "never".into())
+    ));
+    if let Some(d) = &m.deletion_timestamp {
+        out.push_str(&format!(
+            "Deleting:     since {d} (finalizers: {})\n",
+            m.finalizers.join(", ")
+        ));
+    }
+    for o in &m.owner_references {
+        out.push_str(&format!(
+            "Owned by:     {}/{}\n",
+            o.kind.to_lowercase(),
+            o.name
+        ));
+    }
+    if let Some(st) = obj.status()["printableStatus"].as_str() {
+        out.push_str(&format!("Status:       {st}\n"));
+    }
+    if let Some(spec) = obj.rest.get("spec") {
+        out.push_str("Spec:\n");
+        for line in output::to_yaml(spec)?.lines() {
+            out.push_str(&format!("  {line}\n"));
+        }
+    }
+    let status = obj.status().clone();
+    if let Some(s) = status.as_object() {
+        let mut rest = s.clone();
+        for k in ["conditions", "printableStatus"] {
+            rest.remove(k);
+        }
+        if !rest.is_empty() {
+            out.push_str("Observed:\n");
+            for line in output::to_yaml(&Value::Object(rest))?.lines() {
+                out.push_str(&format!("  {line}\n"));
+            }
+        }
+    }
+    if let Some(conds) = status["conditions"].as_array() {
+        out.push_str("Conditions:\n  TYPE   STATUS   REASON   AGE   MESSAGE\n");
+        let rows: Vec<Vec<String>> = conds
+            .iter()
+            .map(|c| {
+                vec![
+                    c["type"].as_str().unwrap_or("").to_string(),
+                    c["status"].as_str().unwrap_or("").to_string(),
+                    c["reason"].as_str().unwrap_or("").to_string(),
+                    output::age(&c["lastTransitionTime"]),
+                    c["message"].as_str().unwrap_or("").to_string(),
+                ]
+            })
+            .collect();
+        out.truncate(out.len() - "  TYPE   STATUS   REASON   AGE   MESSAGE\n".len());
+        out.push_str(&indent_table(
+            &["TYPE", "STATUS", "REASON", "AGE", "MESSAGE"],
+            &rows,
+        ));
+    }
+    let events = events_for(&store, &obj.kind, name)?;
+    if events.is_empty() {
+        out.push_str("Events:       <none>\n");
+    } else {
+        out.push_str("Events:\n");
+        let rows: Vec<Vec<String>> = events
+            .iter()
+            .map(|e| {
+                vec![
+                    e.rest["type"].as_str().unwrap_or("").to_string(),
+                    e.rest["reason"].as_str().unwrap_or("").to_string(),
+                    output::age(&e.rest["lastTimestamp"]),
+                    e.rest["count"].to_string(),
+                    e.rest["message"].as_str().unwrap_or("").to_string(),
+                ]
+            })
+            .collect();
+        out.push_str(&indent_table(
+            &["TYPE", "REASON", "AGE", "COUNT", "MESSAGE"],
+            &rows,
+        ));
+    }
+    print!("{out}");
+    Ok(())
+}
+
+fn indent_table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let line = |cells: Vec<String>| {
+        let mut l = String::from("  ");
+        for (i, c) in cells.iter().enumerate() {
+            if i + 1 == cells.len() {
+                l.push_str(c);
+            } else {
+                l.push_str(&format!("{c:<w$}   ", w = widths[i]));
+            }
+        }
+        l.trim_end().to_string() + "\n"
+    };
+    out.push_str(&line(headers.iter().map(|h| h.to_string()).collect()));
+    for r in rows {
+        out.push_str(&line(r.clone()));
+    }
+    out
+}
+
+/// Events about one object, oldest first.
+pub fn events_for(
+    store: &boxery_store::Store,
+    kind: &str,
+    name: &str,
+) -> CliResult<Vec<DynObject>> {
+    let (mut evs, _) = store.list("Event", &Selector::default())?;
+    evs.retain(|e| {
+        e.rest["involvedObject"]["kind"] == kind && e.rest["involvedObject"]["name"] == name
+    });
+    evs.sort_by(|a, b| {
+        a.rest["lastTimestamp"]
+            .as_str()
+            .cmp(&b.rest["lastTimestamp"].as_str())
+    });
+    Ok(evs)
+}
+
+/// `events [KIND NAME]`.
+pub fn events(env: &Env, kind_name: Option<&str>, name: Option<&str>) -> CliResult {
+    let store = env.store()?;
+    let evs = match (kind_name, name) {
+        (Some(k), Some(n)) => events_for(&store, kind(k)?.kind, n)?,
+        (Some(_), None) => return Err(CliError::invalid("give both KIND and NAME, or neither")),
+        _ => {
+            let (mut evs, _) = store.list("Event", &Selector::default())?;
+            evs.sort_by(|a, b| {
+                a.rest["lastTimestamp"]
+                    .as_str()
+                    .cmp(&b.rest["lastTimestamp"].as_str())
+            });
+            evs
+        }
+    };
+    let info = kind("Event")?;
+    output::print(info, &evs, &Format::Table, &mut std::io::stdout().lock())
+}
+
+/// `delete`.
+pub async fn delete(
+    env: &Env,
+    kind_name: &str,
+    names: &[String],
+    wait_for: Option<Duration>,
+    force: bool,
+) -> CliResult {
+    let info = kind(kind_name)?;
+    let store = env.store()?;
+    if names.is_empty() {
+        return Err(CliError::invalid("name at least one object to delete"));
+    }
+    let mut targets = Vec::new();
+    for n in names {
+        match store.delete(info.kind, n)? {
+            DeleteOutcome::Removed(_) => println!("{}/{n} deleted", info.singular),
+            DeleteOutcome::Marked(_) => {
+                println!("{}/{n} deleting", info.singular);
+                targets.push((info.kind.to_string(), n.clone()));
+            }
+        }
+    }
+    if force {
+        for (k, n) in &targets {
+            crate::runtime::force_delete(env, &store, k, n).await?;
+            println!("{}/{n} deleted (forced)", info.singular);
+        }
+        return Ok(());
+    }
+    if let Some(t) = wait_for {
+        wait::wait_all(env, &targets, &Until::Deleted, t, true).await?;
+        for (_, n) in &targets {
+            println!("{}/{n} deleted", info.singular);
+        }
+    }
+    Ok(())
+}
+
+/// `explain Vm.spec.resources`.
+pub fn explain(path: &str) -> CliResult {
+    let mut parts = path.split('.');
+    let info = kind(parts.next().unwrap_or(""))?;
+    let schema = boxery_api::validate::schema_of(info.kind).expect("every kind has a schema");
+    let defs = schema.get("$defs").cloned().unwrap_or(Value::Null);
+    let resolve = |s: &Value| -> Value {
+        let mut cur = s.clone();
+        for _ in 0..8 {
+            let r = cur
+                .get("$ref")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+                .or_else(|| {
+                    cur.get("allOf")
+                        .and_then(|a| a.get(0))
+                        .and_then(|a| a.get("$ref"))
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                })
+                .or_else(|| {
+                    cur.get("anyOf").and_then(Value::as_array).and_then(|a| {
+                        a.iter()
+                            .find_map(|x| x.get("$ref").and_then(Value::as_str).map(str::to_string))
+                    })
+                });
+            match r {
+                Some(r) => {
+                    let name = r.trim_start_matches("#/$defs/");
+                    let desc = cur.get("description").cloned();
+                    cur = defs.get(name).cloned().unwrap_or(Value::Null);
+                    if let (Some(d), Some(m)) = (desc, cur.as_object_mut()) {
+                        m.insert("description".into(), d);
+                    }
+                }
+                None => break,
+            }
+        }
+        cur
+    };
+    let mut node = schema.clone();
+    let mut walked = vec![info.kind.to_string()];
+    for p in parts {
+        let props = resolve(&node)
+            .get("properties")
+            .cloned()
+            .unwrap_or(Value::Null);
+        let Some(next) = props.get(p) else {
+            let fields: Vec<String> = props
+                .as_object()
+                .map(|m| m.keys().cloned().collect())
+                .unwrap_or_default();
+            return Err(CliError::not_found(format!(
+                "{} has no field `{p}`{}",
+                walked.join("."),
+                if fields.is_empty() {
+                    String::new()
+                } else {
+                    format!(": its fields are {}", fields.join(", "))
+                }
+            )));
+        };
+        node = next.clone();
+        walked.push(p.to_string());
+    }
+    let desc = node
+        .get("description")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let r = resolve(&node);
+    let ty = r
+        .get("type")
+        .map(|t| t.to_string().trim_matches('"').to_string())
+        .unwrap_or_else(|| {
+            if r.get("oneOf").is_some() {
+                "one of".into()
+            } else {
+                "object".into()
+            }
+        });
+    let mut out = format!(
+        "KIND:     {}\nVERSION:  {}\n\nFIELD:    {} <{}>\n\nDESCRIPTION:\n",
+        info.kind,
+        boxery_api::API_VERSION,
+        walked.join("."),
+        ty
+    );
+    let d = desc
+        .or_else(|| {
+            r.get("description")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| info.description.to_string());
+    for l in d.lines() {
+        out.push_str(&format!("     {l}\n"));
+    }
+    if let Some(vals) = r.get("enum").and_then(Value::as_array) {
+        out.push_str(&format!(
+            "\nVALUES:   {}\n",
+            vals.iter()
+                .map(|v| v.as_str().unwrap_or("").to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    let mut fields: Vec<(String, Value)> = r
+        .get("properties")
+        .and_then(Value::as_object)
+        .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+        .unwrap_or_default();
+    if let Some(one) = r.get("oneOf").and_then(Value::as_array) {
+        for alt in one {
+            if let Some(m) = alt.get("properties").and_then(Value::as_object) {
+                for (k, v) in m {
+                    fields.push((k.clone(), v.clone()));
+                }
+            }
+            if let Some(e) = alt.get("enum").and_then(Value::as_array) {
+                for v in e {
+                    fields.push((v.as_str().unwrap_or("").to_string(), alt.clone()));
+                }
+            }
+        }
+    }
+    if !fields.is_empty() {
+        let required: Vec<&str> = r
+            .get("required")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        out.push_str("\nFIELDS:\n");
+        for (k, v) in fields {
+            let rv = resolve(&v);
+            let t = rv
+                .get("type")
+                .map(|t| t.to_string().trim_matches('"').to_string())
+                .unwrap_or_else(|| "object".into());
+            let req = if required.contains(&k.as_str()) {
+                " -required-"
+            } else {
+                ""
+            };
+            out.push_str(&format!("   {k}\t<{t}>{req}\n"));
+            let d = v
+                .get("description")
+                .or(rv.get("description"))
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            if let Some(first) = d.lines().next() {
+                out.push_str(&format!("     {first}\n"));
+            }
+        }
+    }
+    print!("{out}");
+    Ok(())
+}
+
+/// `schema [KIND]`: the JSON Schema(s).
+pub fn schema(kind_name: Option<&str>) -> CliResult {
+    match kind_name {
+        Some(k) => {
+            let info = kind(k)?;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(
+                    &boxery_api::validate::schema_of(info.kind).expect("schema")
+                )?
+            );
+        }
+        None => {
+            let all: serde_json::Map<String, Value> = boxery_api::KINDS
+                .iter()
+                .map(|k| {
+                    (
+                        k.kind.to_string(),
+                        boxery_api::validate::schema_of(k.kind).expect("schema"),
+                    )
+                })
+                .collect();
+            println!("{}", serde_json::to_string_pretty(&Value::Object(all))?);
+        }
+    }
+    Ok(())
+}
+
+/// Map a store error from a wait-less write to a CLI error (used by sugar).
+pub fn conflict(msg: impl std::fmt::Display) -> CliError {
+    CliError::new(Code::Conflict, anyhow::anyhow!("{msg}"))
+}

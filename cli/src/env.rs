@@ -1,0 +1,95 @@
+//! Where boxery keeps its state, which backend it drives, and opening both.
+//!
+//! Everything lives under `$BOXERY_HOME` (default `$XDG_DATA_HOME/boxery`, else
+//! `~/.local/share/boxery`): `store.db` (the object store), one folder per backend, and
+//! `config.yaml` (`backend: NAME`). The backend is chosen by `--backend`, then
+//! `BOXERY_BACKEND`, then `config.yaml`, then the default.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use boxery_backends::Backend;
+use boxery_store::Store;
+
+use crate::exit::{CliError, CliResult};
+
+/// The default backend when nothing selects one.
+pub fn default_backend() -> &'static str {
+    "fake"
+}
+
+/// The resolved environment of one command.
+#[derive(Debug, Clone)]
+pub struct Env {
+    /// `$BOXERY_HOME`.
+    pub home: PathBuf,
+    /// The backend's name.
+    pub backend_name: String,
+}
+
+impl Env {
+    /// Resolve from flags, environment and config.
+    pub fn resolve(home: Option<PathBuf>, backend: Option<String>) -> CliResult<Env> {
+        let home = match home {
+            Some(h) => h,
+            None => {
+                let data = std::env::var_os("XDG_DATA_HOME")
+                    .map(PathBuf::from)
+                    .filter(|p| p.is_absolute())
+                    .or_else(|| {
+                        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share"))
+                    })
+                    .ok_or_else(|| {
+                        CliError::invalid("cannot find a home for boxery's state: set BOXERY_HOME")
+                    })?;
+                data.join("boxery")
+            }
+        };
+        let backend_name = match backend {
+            Some(b) => b,
+            None => read_config_backend(&home)?.unwrap_or_else(|| default_backend().to_string()),
+        };
+        if !boxery_backends::BACKENDS.contains(&backend_name.as_str()) {
+            return Err(CliError::invalid(format!(
+                "unknown backend `{backend_name}`: this build has {}",
+                boxery_backends::BACKENDS.join(", ")
+            )));
+        }
+        Ok(Env { home, backend_name })
+    }
+
+    /// Open (creating if needed) the store.
+    pub fn store(&self) -> CliResult<Store> {
+        std::fs::create_dir_all(&self.home)
+            .with_context(|| format!("cannot create boxery's home {}", self.home.display()))?;
+        Ok(Store::open(&self.home.join("store.db"))?)
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> CliResult<Arc<dyn Backend>> {
+        boxery_backends::by_name(&self.backend_name, &self.home).map_err(|e| CliError::invalid(e))
+    }
+}
+
+fn read_config_backend(home: &Path) -> CliResult<Option<String>> {
+    let path = home.join("config.yaml");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(CliError::failed(format!(
+                "cannot read {}: {e}",
+                path.display()
+            )));
+        }
+    };
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Config {
+        backend: Option<String>,
+    }
+    let cfg: Config = serde_saphyr::from_str(&text)
+        .map_err(|e| CliError::invalid(format!("{}: {e}", path.display())))?;
+    Ok(cfg.backend)
+}

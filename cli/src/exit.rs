@@ -1,0 +1,97 @@
+//! Errors at the CLI's edge and the exit codes they map to.
+//!
+//! | code | meaning |
+//! |---|---|
+//! | 0 | success (`diff`: no differences) |
+//! | 1 | the operation failed (`diff`: differences found) |
+//! | 2 | invalid input: bad arguments, a manifest that does not validate |
+//! | 3 | not found |
+//! | 4 | timed out waiting for a condition |
+//! | 5 | conflict: someone else changed the object, or it is being deleted |
+
+use std::fmt;
+
+/// Exit codes, documented in docs/cli.md.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Code {
+    /// The operation failed.
+    Failed = 1,
+    /// Invalid input.
+    Invalid = 2,
+    /// Not found.
+    NotFound = 3,
+    /// Timed out.
+    Timeout = 4,
+    /// Conflict.
+    Conflict = 5,
+}
+
+/// An error with its exit code.
+pub struct CliError {
+    /// The code to exit with.
+    pub code: Code,
+    /// What went wrong (the whole chain is printed once).
+    pub error: anyhow::Error,
+}
+
+impl fmt::Debug for CliError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}: {:#}", self.code, self.error)
+    }
+}
+
+impl CliError {
+    /// An error with a code.
+    pub fn new(code: Code, error: impl Into<anyhow::Error>) -> Self {
+        CliError {
+            code,
+            error: error.into(),
+        }
+    }
+    /// Invalid input.
+    pub fn invalid(msg: impl fmt::Display) -> Self {
+        CliError::new(Code::Invalid, anyhow::anyhow!("{msg}"))
+    }
+    /// Not found.
+    pub fn not_found(msg: impl fmt::Display) -> Self {
+        CliError::new(Code::NotFound, anyhow::anyhow!("{msg}"))
+    }
+    /// Failed.
+    pub fn failed(msg: impl fmt::Display) -> Self {
+        CliError::new(Code::Failed, anyhow::anyhow!("{msg}"))
+    }
+}
+
+impl From<boxery_store::StoreError> for CliError {
+    fn from(e: boxery_store::StoreError) -> Self {
+        use boxery_store::StoreError as E;
+        let code = match &e {
+            E::NotFound { .. } => Code::NotFound,
+            E::Invalid(_) | E::AlreadyExists { .. } => Code::Invalid,
+            E::Conflict { .. } => Code::Conflict,
+            _ => Code::Failed,
+        };
+        CliError::new(code, e)
+    }
+}
+
+impl From<anyhow::Error> for CliError {
+    fn from(e: anyhow::Error) -> Self {
+        CliError::new(Code::Failed, e)
+    }
+}
+
+impl From<std::io::Error> for CliError {
+    fn from(e: std::io::Error) -> Self {
+        CliError::new(Code::Failed, e)
+    }
+}
+
+impl From<serde_json::Error> for CliError {
+    fn from(e: serde_json::Error) -> Self {
+        CliError::new(Code::Failed, e)
+    }
+}
+
+/// Result alias for commands.
+pub type CliResult<T = ()> = Result<T, CliError>;

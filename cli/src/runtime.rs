@@ -1,0 +1,205 @@
+//! Running the controllers: `serve` (a long-lived control plane with leader election) and
+//! embedded mode (a CLI command with `--wait` runs them in-process while nothing else leads).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use boxery_controller::CancellationToken;
+use boxery_controller::leader::{LeaderElector, this_process};
+use boxery_reconcilers::{Ctx, Settings};
+use boxery_store::{Leadership, Store};
+
+use crate::env::Env;
+use crate::exit::{CliError, CliResult};
+
+/// The store lock the controllers lead under.
+pub const LOCK: &str = "boxery-controllers";
+
+fn context(env: &Env, store: &Store, settings: Settings, holder: &str) -> CliResult<Arc<Ctx>> {
+    let backend = env.backend()?;
+    Ok(Arc::new(Ctx::new(
+        store.clone(),
+        backend,
+        holder.to_string(),
+        settings,
+    )))
+}
+
+/// `serve`: wait to lead, run the controllers, exit when interrupted or when leadership is lost.
+pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> CliResult {
+    let store = env.store()?;
+    let backend = env.backend()?;
+    backend.check().await.map_err(|e| {
+        CliError::failed(format!(
+            "the {} backend is not usable: {e}",
+            env.backend_name
+        ))
+    })?;
+    backend.init().await.map_err(|e| {
+        CliError::failed(format!(
+            "the {} backend could not initialise: {e}",
+            env.backend_name
+        ))
+    })?;
+    let me = this_process();
+    let elector = LeaderElector::new(store.clone(), LOCK, me.clone(), lease);
+    let shutdown = CancellationToken::new();
+    {
+        let s = shutdown.clone();
+        tokio::spawn(async move {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+            }
+            s.cancel();
+        });
+    }
+    eprintln!(
+        "boxery serve: waiting to lead the store at {} (backend {})",
+        env.home.display(),
+        env.backend_name
+    );
+    let leading = tokio::select! {
+        l = elector.acquire() => l.map_err(|e| CliError::failed(format!("leader election failed: {e}")))?,
+        _ = shutdown.cancelled() => return Ok(()),
+    };
+    eprintln!(
+        "boxery serve: leading (pid {}); controllers running",
+        std::process::id()
+    );
+    let settings = Settings {
+        inventory_every,
+        ..Settings::default()
+    };
+    let ctx = context(env, &store, settings, &me.id)?;
+    let run = boxery_reconcilers::runtime::run(ctx, shutdown.child_token());
+    tokio::select! {
+        _ = run => {}
+        _ = leading.lost() => {
+            shutdown.cancel();
+            return Err(CliError::failed("lost leadership of the store (another control plane took over): exiting"));
+        }
+        _ = shutdown.cancelled() => {}
+    }
+    if let Err(e) = leading.resign().await {
+        tracing::warn!(error = %e, "resigning leadership failed; a standby takes over when the lease expires");
+    }
+    Ok(())
+}
+
+/// Controllers running inside a CLI command.
+pub struct Embedded {
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+    leading: boxery_controller::leader::Leading,
+}
+
+impl Embedded {
+    /// Start the controllers here if nothing leads the store; `None` when a `serve` runs.
+    pub async fn start_if_needed(env: &Env, store: &Store) -> CliResult<Option<Embedded>> {
+        let me = this_process();
+        let ttl = Duration::from_secs(4);
+        match store.try_lead(LOCK, &me, ttl)? {
+            Leadership::Follower { .. } => return Ok(None),
+            Leadership::Leader { .. } => {}
+        }
+        let elector = LeaderElector::new(store.clone(), LOCK, me.clone(), ttl);
+        let leading = elector
+            .acquire()
+            .await
+            .map_err(|e| CliError::failed(format!("leader election failed: {e}")))?;
+        let backend = env.backend()?;
+        backend.init().await.map_err(|e| {
+            CliError::failed(format!(
+                "the {} backend could not initialise: {e}",
+                env.backend_name
+            ))
+        })?;
+        let settings = Settings {
+            inventory_every: Duration::from_secs(5),
+            ..Settings::default()
+        };
+        let ctx = context(env, store, settings, &me.id)?;
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(boxery_reconcilers::runtime::run(ctx, shutdown.clone()));
+        Ok(Some(Embedded {
+            shutdown,
+            task,
+            leading,
+        }))
+    }
+
+    /// Stop the controllers and give up leadership.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = self.task.await;
+        if let Err(e) = self.leading.resign().await {
+            tracing::warn!(error = %e, "resigning leadership failed");
+        }
+    }
+}
+
+/// `delete --force`: drop boxery's finalizer once the backend confirms the VM or image is gone
+/// (removing it first when the backend can).
+pub async fn force_delete(env: &Env, store: &Store, kind: &str, name: &str) -> CliResult {
+    let backend = env.backend()?;
+    match kind {
+        "Vm" => {
+            if let Err(e) = backend.remove(name).await {
+                tracing::warn!(error = %e, "remove failed");
+            }
+            match backend.get(name).await {
+                Ok(None) => {}
+                Ok(Some(_)) => {
+                    return Err(CliError::failed(format!(
+                        "the backend still has VM {name}; fix the backend and try again (nothing was dropped)"
+                    )));
+                }
+                Err(e) => {
+                    return Err(CliError::failed(format!(
+                        "cannot confirm VM {name} is gone ({e}); nothing was dropped"
+                    )));
+                }
+            }
+            let _ = backend.cleanup_new(name).await;
+        }
+        "Image" => {
+            if let Err(e) = backend.remove_image(name).await {
+                tracing::warn!(error = %e, "remove_image failed");
+            }
+            match backend.images().await {
+                Ok(list) if !list.iter().any(|i| i.name == name) => {}
+                Ok(_) => {
+                    return Err(CliError::failed(format!(
+                        "the backend still has image {name}; nothing was dropped"
+                    )));
+                }
+                Err(e) => {
+                    return Err(CliError::failed(format!(
+                        "cannot confirm image {name} is gone ({e}); nothing was dropped"
+                    )));
+                }
+            }
+        }
+        _ => {}
+    }
+    for _ in 0..10 {
+        let Some(mut obj) = store.get(kind, name)? else {
+            return Ok(());
+        };
+        obj.metadata
+            .finalizers
+            .retain(|f| !f.starts_with("boxery.dev/"));
+        match store.update(obj) {
+            Ok(_) => return Ok(()),
+            Err(boxery_store::StoreError::Conflict { .. }) => continue,
+            Err(boxery_store::StoreError::NotFound { .. }) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(crate::commands::conflict(format!(
+        "{kind} {name} kept changing; try again"
+    )))
+}

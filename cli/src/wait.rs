@@ -1,0 +1,228 @@
+//! Waiting for conditions: `wait`, and every `--wait` flag.
+//!
+//! A wait watches the store from the revision it read the object at, so it never misses a
+//! change. When no control plane leads the store (no `boxery serve` running), the wait runs the
+//! controllers in this process until its condition holds (embedded mode), so the first
+//! `apply --wait` on a fresh machine works with no daemon.
+
+use std::time::{Duration, Instant};
+
+use boxery_api::{ConditionStatus, DynObject};
+use futures::StreamExt;
+use serde_json::Value;
+
+use crate::env::Env;
+use crate::exit::{CliError, CliResult, Code};
+
+/// What to wait for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Until {
+    /// A condition of this type has this status, computed for the current generation.
+    Condition(String, ConditionStatus),
+    /// The object is gone.
+    Deleted,
+    /// A JSONPath's value equals this.
+    JsonPath(String, String),
+}
+
+impl std::str::FromStr for Until {
+    type Err = CliError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "delete" {
+            return Ok(Until::Deleted);
+        }
+        if let Some(c) = s.strip_prefix("condition=") {
+            let (t, v) = c.split_once('=').unwrap_or((c, "True"));
+            let st = match v.to_ascii_lowercase().as_str() {
+                "true" => ConditionStatus::True,
+                "false" => ConditionStatus::False,
+                "unknown" => ConditionStatus::Unknown,
+                _ => {
+                    return Err(CliError::invalid(format!(
+                        "--for=condition={c}: the status must be True, False or Unknown"
+                    )));
+                }
+            };
+            return Ok(Until::Condition(t.to_string(), st));
+        }
+        if let Some(j) = s.strip_prefix("jsonpath=") {
+            let (p, v) = j
+                .rsplit_once('=')
+                .ok_or_else(|| CliError::invalid("--for=jsonpath={.path}=VALUE needs a value"))?;
+            return Ok(Until::JsonPath(p.to_string(), v.to_string()));
+        }
+        Err(CliError::invalid(format!(
+            "--for={s}: use condition=NAME[=True|False], delete, or jsonpath={{.path}}=VALUE"
+        )))
+    }
+}
+
+/// Whether `obj` (None = gone) satisfies `until`.
+pub fn holds(until: &Until, obj: Option<&DynObject>) -> CliResult<bool> {
+    let Some(obj) = obj else {
+        return Ok(*until == Until::Deleted);
+    };
+    Ok(match until {
+        Until::Deleted => false,
+        Until::Condition(t, want) => {
+            let generation = obj.metadata.generation;
+            obj.status()["conditions"].as_array().is_some_and(|cs| {
+                cs.iter().any(|c| {
+                    c["type"].as_str() == Some(t)
+                        && c["status"].as_str() == Some(&want.to_string())
+                        && (generation.is_none() || c["observedGeneration"].as_i64() >= generation)
+                })
+            })
+        }
+        Until::JsonPath(p, v) => {
+            let val: Value = serde_json::to_value(obj)?;
+            crate::output::jsonpath(p, &val)? == *v
+        }
+    })
+}
+
+/// A short description of where an object stands, for timeouts.
+pub fn describe_state(obj: Option<&DynObject>) -> String {
+    let Some(o) = obj else {
+        return "it does not exist".into();
+    };
+    let st = o.status();
+    let word = st["printableStatus"]
+        .as_str()
+        .or(st["phase"].as_str())
+        .unwrap_or("Pending");
+    let ready = st["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"))
+        .map(|c| {
+            format!(
+                "; Ready={} ({}): {}",
+                c["status"].as_str().unwrap_or("?"),
+                c["reason"].as_str().unwrap_or(""),
+                c["message"].as_str().unwrap_or("")
+            )
+        })
+        .unwrap_or_default();
+    format!("it is {word}{ready}")
+}
+
+/// Wait until every `(kind, name)` satisfies `until`, or `timeout` passes. Runs the controllers
+/// in-process when nothing else leads the store.
+pub async fn wait_all(
+    env: &Env,
+    targets: &[(String, String)],
+    until: &Until,
+    timeout: Duration,
+    quiet: bool,
+) -> CliResult {
+    let store = env.store()?;
+    let embedded = crate::runtime::Embedded::start_if_needed(env, &store).await?;
+    let result = wait_inner(&store, targets, until, timeout, quiet).await;
+    if let Some(e) = embedded {
+        e.stop().await;
+    }
+    result
+}
+
+async fn wait_inner(
+    store: &boxery_store::Store,
+    targets: &[(String, String)],
+    until: &Until,
+    timeout: Duration,
+    quiet: bool,
+) -> CliResult {
+    let deadline = Instant::now() + timeout;
+    let from = store.revision()?;
+    let mut pending: Vec<(String, String)> = Vec::new();
+    for (kind, name) in targets {
+        let obj = store.get(kind, name)?;
+        if obj.is_none() && *until != Until::Deleted {
+            return Err(CliError::not_found(format!("{kind} {name} not found")));
+        }
+        if holds(until, obj.as_ref())? {
+            if !quiet {
+                println!("{}/{} condition met", kind.to_lowercase(), name);
+            }
+        } else {
+            pending.push((kind.clone(), name.clone()));
+        }
+    }
+    if pending.is_empty() {
+        return Ok(());
+    }
+    let mut watch = store.watch(None, from);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let next = tokio::time::timeout(left, watch.next()).await;
+        match next {
+            Err(_) => {
+                let mut lines = Vec::new();
+                for (kind, name) in &pending {
+                    let obj = store.get(kind, name)?;
+                    lines.push(format!("{kind} {name}: {}", describe_state(obj.as_ref())));
+                }
+                return Err(CliError::new(
+                    Code::Timeout,
+                    anyhow::anyhow!(
+                        "timed out after {} waiting for {}: {}",
+                        humantime::format_duration(timeout),
+                        describe_until(until),
+                        lines.join("; ")
+                    ),
+                ));
+            }
+            Ok(None) => return Err(CliError::failed("the store's watch ended")),
+            Ok(Some(Err(boxery_store::StoreError::TooOld { .. }))) => {
+                // Compacted under us: re-check everything, then watch from now.
+                watch = store.watch(None, store.revision()?);
+                recheck(store, &mut pending, until, quiet)?;
+            }
+            Ok(Some(Err(e))) => return Err(e.into()),
+            Ok(Some(Ok((_, ev)))) => {
+                let obj = match &ev {
+                    boxery_store::WatchEvent::Added(o)
+                    | boxery_store::WatchEvent::Modified(o)
+                    | boxery_store::WatchEvent::Deleted(o) => o,
+                };
+                if pending
+                    .iter()
+                    .any(|(k, n)| *k == obj.kind && *n == obj.metadata.name)
+                {
+                    recheck(store, &mut pending, until, quiet)?;
+                }
+            }
+        }
+        if pending.is_empty() {
+            return Ok(());
+        }
+    }
+}
+
+fn recheck(
+    store: &boxery_store::Store,
+    pending: &mut Vec<(String, String)>,
+    until: &Until,
+    quiet: bool,
+) -> CliResult {
+    let mut still = Vec::new();
+    for (kind, name) in pending.drain(..) {
+        let obj = store.get(&kind, &name)?;
+        if holds(until, obj.as_ref())? {
+            if !quiet {
+                println!("{}/{} condition met", kind.to_lowercase(), name);
+            }
+        } else {
+            still.push((kind, name));
+        }
+    }
+    *pending = still;
+    Ok(())
+}
+
+fn describe_until(u: &Until) -> String {
+    match u {
+        Until::Deleted => "deletion".into(),
+        Until::Condition(t, s) => format!("condition {t}={s}"),
+        Until::JsonPath(p, v) => format!("{p} to be {v}"),
+    }
+}

@@ -1,0 +1,92 @@
+//! What every reconciler shares: the store, the backend, the event recorder, per-VM locks.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use boxery_api::{EventType, Resource};
+use boxery_backends::Backend;
+use boxery_controller::events::Recorder;
+use boxery_store::Store;
+
+/// Settings of the reconcilers.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// How often the inventory of the backend is compared with the store.
+    pub inventory_every: Duration,
+    /// How often every object is reconciled again even without a change.
+    pub resync_every: Duration,
+    /// How many reconciles may run at once per controller.
+    pub concurrency: usize,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            inventory_every: Duration::from_secs(10),
+            resync_every: Duration::from_secs(60),
+            concurrency: 16,
+        }
+    }
+}
+
+/// Shared state of the reconcilers.
+pub struct Ctx {
+    /// The store.
+    pub store: Store,
+    /// The backend.
+    pub backend: Arc<dyn Backend>,
+    /// Writes Events.
+    pub recorder: Recorder,
+    /// This control plane's identity, recorded in `status.operation.holder`.
+    pub holder: String,
+    /// Settings.
+    pub settings: Settings,
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl std::fmt::Debug for Ctx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ctx")
+            .field("backend", &self.backend)
+            .field("holder", &self.holder)
+            .finish()
+    }
+}
+
+impl Ctx {
+    /// A context.
+    pub fn new(
+        store: Store,
+        backend: Arc<dyn Backend>,
+        holder: String,
+        settings: Settings,
+    ) -> Self {
+        let recorder = Recorder::new(store.clone(), "boxery-controller");
+        Ctx {
+            store,
+            backend,
+            recorder,
+            holder,
+            settings,
+            locks: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The lock that serialises every backend action on one VM across reconcilers (a capture
+    /// by the Image reconciler never overlaps a start, stop or reimage by the Vm reconciler).
+    pub fn vm_lock(&self, vm: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
+        locks.entry(vm.to_string()).or_default().clone()
+    }
+
+    /// Record an event about `obj`.
+    pub fn event<R: Resource>(&self, obj: &R, type_: EventType, reason: &str, message: &str) {
+        self.recorder.publish(
+            &boxery_controller::events::involved(obj),
+            type_,
+            reason,
+            message,
+        );
+    }
+}

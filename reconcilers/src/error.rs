@@ -1,0 +1,54 @@
+//! The reconcilers' error type.
+
+use boxery_backends::BackendError;
+use boxery_store::StoreError;
+
+/// Why a reconcile step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    /// Reading or writing the store failed (a Conflict means someone else moved first: retry).
+    #[error("store operation failed")]
+    Store(#[from] StoreError),
+    /// A backend step failed.
+    #[error("backend step `{step}` for {object} failed")]
+    Backend {
+        /// The step (`create`, `capture`, …).
+        step: &'static str,
+        /// `Vm/dev1`.
+        object: String,
+        /// The backend's error.
+        #[source]
+        source: BackendError,
+    },
+}
+
+impl ReconcileError {
+    /// A backend error with its step.
+    pub fn backend(step: &'static str, object: impl Into<String>, source: BackendError) -> Self {
+        ReconcileError::Backend {
+            step,
+            object: object.into(),
+            source,
+        }
+    }
+
+    /// Whether retrying without a spec change cannot help.
+    pub fn is_terminal(&self) -> bool {
+        match self {
+            ReconcileError::Backend { source, .. } => source.is_terminal(),
+            ReconcileError::Store(_) => false,
+        }
+    }
+
+    /// The whole cause chain in one line, for conditions and events.
+    pub fn chain(&self) -> String {
+        let mut s = self.to_string();
+        let mut cur: Option<&dyn std::error::Error> = std::error::Error::source(self);
+        while let Some(e) = cur {
+            s.push_str(": ");
+            s.push_str(&e.to_string());
+            cur = e.source();
+        }
+        s
+    }
+}

@@ -1,0 +1,371 @@
+//! The `Image` reconciler: capture a VM's disk, build the stock image, or import a file; delete
+//! behind a finalizer.
+//!
+//! # Guarantees
+//! - The intent (`status.operation`) is recorded before a capture or build starts. A reconcile
+//!   that finds one at its start runs the backend's `recover_capture` (cancel jobs, restore the
+//!   source VM's power state, remove the partial image) or `cleanup_image`, then retries.
+//! - A capture holds the source VM's lock, so it never overlaps a start, stop or reimage.
+//! - Images are immutable: once `Ready`, spec changes are ignored (and reported).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use boxery_api::vm::{Failure, Operation, OperationType};
+use boxery_api::{
+    ConditionStatus, Conditions, EventType, Image, ImagePhase, ImageSource, Resource, Vm, now,
+};
+use boxery_backends::PowerState;
+use boxery_controller::Action;
+use boxery_store::StoreError;
+
+use crate::context::Ctx;
+use crate::error::ReconcileError;
+
+/// The Image finalizer.
+pub const FINALIZER: &str = "boxery.dev/image";
+
+type Result<T, E = ReconcileError> = std::result::Result<T, E>;
+
+fn save(ctx: &Ctx, img: &Image) -> Result<Image> {
+    Ok(ctx.store.update_status_as(img)?)
+}
+
+/// The one word `boxery get` shows.
+pub fn printable(img: &Image) -> String {
+    if img.metadata.is_deleting() {
+        return "Terminating".into();
+    }
+    if img.status.phase == ImagePhase::Pending {
+        if let Some(c) = img.status.conditions.get_condition("Ready") {
+            if c.status == ConditionStatus::False && !c.reason.is_empty() {
+                return c.reason.clone();
+            }
+        }
+    }
+    if img.status.phase == ImagePhase::Failed && img.status.last_failure.is_some() {
+        return "ErrorBackoff".into();
+    }
+    format!("{:?}", img.status.phase)
+}
+
+/// Reconcile one Image.
+pub async fn reconcile(img: Arc<Image>, ctx: Arc<Ctx>) -> Result<Action> {
+    let Some(img) = ctx.store.get_as::<Image>(img.name())? else {
+        return Ok(Action::await_change());
+    };
+    let name = img.name().to_string();
+    let source_vm = match &img.spec.source {
+        ImageSource::Vm(v) => Some(v.clone()),
+        _ => None,
+    };
+    let lock = source_vm.as_ref().map(|v| ctx.vm_lock(v));
+    let _guard = match &lock {
+        Some(l) => Some(l.lock().await),
+        None => None,
+    };
+    let res = step(img, &ctx).await;
+    if let Err(e) = &res {
+        if !matches!(e, ReconcileError::Store(StoreError::Conflict { .. })) {
+            if let Ok(Some(mut cur)) = ctx.store.get_as::<Image>(&name) {
+                let step = match e {
+                    ReconcileError::Backend { step, .. } => step.to_string(),
+                    ReconcileError::Store(_) => "store".into(),
+                };
+                cur.status.failures += 1;
+                cur.status.last_failure = Some(Failure {
+                    step: step.clone(),
+                    message: e.chain(),
+                    at: now(),
+                });
+                if cur.status.phase != ImagePhase::Ready && !cur.metadata.is_deleting() {
+                    cur.status.phase = ImagePhase::Failed;
+                }
+                let generation = cur.metadata.generation;
+                cur.status.conditions.set_condition(
+                    "Ready",
+                    ConditionStatus::False,
+                    "StepFailed",
+                    &format!("{step} failed: {}", e.chain()),
+                    generation,
+                );
+                cur.status.printable_status = Some(printable(&cur));
+                let _ = ctx.store.update_status_as(&cur);
+                ctx.event(
+                    &cur,
+                    EventType::Warning,
+                    "StepFailed",
+                    &format!("{step} failed: {}", e.chain()),
+                );
+            }
+        }
+        tracing::warn!(object = %format!("Image/{name}"), error = %e.chain(), "reconcile failed");
+    }
+    res
+}
+
+async fn step(mut img: Image, ctx: &Ctx) -> Result<Action> {
+    let name = img.name().to_string();
+    let obj = format!("Image/{name}");
+    let generation = img.metadata.generation;
+
+    if img.metadata.is_deleting() {
+        if !img.metadata.has_finalizer(FINALIZER) {
+            return Ok(Action::await_change());
+        }
+        if img.status.phase != ImagePhase::Terminating {
+            img.status.phase = ImagePhase::Terminating;
+            img.status.printable_status = Some("Terminating".into());
+            img = save(ctx, &img)?;
+        }
+        if let Some(op) = &img.status.operation {
+            if op.type_ == OperationType::Capture {
+                if let ImageSource::Vm(v) = &img.spec.source {
+                    let orig = original_state(op);
+                    ctx.backend
+                        .recover_capture(v, &name, orig)
+                        .await
+                        .map_err(|e| ReconcileError::backend("recover_capture", &obj, e))?;
+                }
+            }
+        }
+        ctx.backend
+            .remove_image(&name)
+            .await
+            .map_err(|e| ReconcileError::backend("remove_image", &obj, e))?;
+        ctx.backend
+            .cleanup_image(&name)
+            .await
+            .map_err(|e| ReconcileError::backend("cleanup_image", &obj, e))?;
+        img.metadata.finalizers.retain(|f| f != FINALIZER);
+        ctx.store.update_as(&img)?;
+        return Ok(Action::await_change());
+    }
+    if !img.metadata.has_finalizer(FINALIZER) {
+        img.metadata.finalizers.push(FINALIZER.into());
+        ctx.store.update_as(&img)?;
+        return Ok(Action::requeue(Duration::ZERO));
+    }
+    if img.status.conditions.get_condition("Ready").is_none() {
+        img.status.conditions.set_condition(
+            "Ready",
+            ConditionStatus::Unknown,
+            "Reconciling",
+            "",
+            generation,
+        );
+        img.status.printable_status = Some(printable(&img));
+        img = save(ctx, &img)?;
+    }
+
+    if let Some(op) = img.status.operation.clone() {
+        // No live worker owns it: recover, then retry from a clean slate.
+        match (&img.spec.source, op.type_) {
+            (ImageSource::Vm(v), OperationType::Capture) => {
+                ctx.backend
+                    .recover_capture(v, &name, original_state(&op))
+                    .await
+                    .map_err(|e| ReconcileError::backend("recover_capture", &obj, e))?;
+            }
+            _ => {
+                ctx.backend
+                    .cleanup_image(&name)
+                    .await
+                    .map_err(|e| ReconcileError::backend("cleanup_image", &obj, e))?;
+            }
+        }
+        img.status.operation = None;
+        img.status.phase = ImagePhase::Pending;
+        let img = save(ctx, &img)?;
+        ctx.event(
+            &img,
+            EventType::Normal,
+            "Recovered",
+            "an interrupted capture was cleaned up and will be retried",
+        );
+        return Ok(Action::requeue(Duration::ZERO));
+    }
+
+    if img.status.phase == ImagePhase::Ready {
+        if img.status.observed_generation != generation {
+            img.status.observed_generation = generation;
+            let img = save(ctx, &img)?;
+            ctx.event(
+                &img,
+                EventType::Warning,
+                "Immutable",
+                "images are immutable: a changed spec is ignored; create a new image instead",
+            );
+        }
+        return Ok(Action::await_change());
+    }
+
+    let uid = img.metadata.uid.clone().unwrap_or_default();
+    let (op_type, original) = match &img.spec.source {
+        ImageSource::Vm(v) => {
+            let vm = ctx.store.get_as::<Vm>(v)?;
+            let ready = vm.as_ref().is_some_and(|vm| {
+                vm.status.created_at.is_some()
+                    && vm.status.operation.is_none()
+                    && !vm.metadata.is_deleting()
+            });
+            if !ready {
+                let msg = match &vm {
+                    None => format!("the source VM {v} does not exist: `boxery get vms` lists VMs"),
+                    Some(_) => format!("waiting for the source VM {v} to be created"),
+                };
+                let reason = if vm.is_none() {
+                    "SourceVmNotFound"
+                } else {
+                    "SourceVmNotReady"
+                };
+                if img.status.conditions.set_condition(
+                    "Ready",
+                    ConditionStatus::False,
+                    reason,
+                    &msg,
+                    generation,
+                ) {
+                    img.status.observed_generation = generation;
+                    img.status.printable_status = Some(printable(&img));
+                    save(ctx, &img)?;
+                }
+                return Ok(Action::requeue(Duration::from_secs(2)));
+            }
+            let state = ctx
+                .backend
+                .get(v)
+                .await
+                .map_err(|e| ReconcileError::backend("get", &obj, e))?
+                .map(|i| i.state);
+            (OperationType::Capture, state.map(|s| format!("{s:?}")))
+        }
+        _ => (OperationType::Build, None),
+    };
+    img.status.operation = Some(Operation {
+        type_: op_type,
+        image: Some(name.clone()),
+        original_state: original,
+        started_at: now(),
+        holder: ctx.holder.clone(),
+    });
+    img.status.phase = ImagePhase::Capturing;
+    img.status.printable_status = Some(if op_type == OperationType::Build {
+        "Building".into()
+    } else {
+        "Capturing".into()
+    });
+    img = save(ctx, &img)?;
+
+    let result = match &img.spec.source {
+        ImageSource::Vm(v) => ctx
+            .backend
+            .capture(v, &name, &uid)
+            .await
+            .map_err(|e| ReconcileError::backend("capture", &obj, e)),
+        ImageSource::Build(b) => {
+            let progress_name = obj.clone();
+            let progress: boxery_backends::Progress =
+                Arc::new(move |line: &str| tracing::info!(object = %progress_name, "{line}"));
+            ctx.event(
+                &img,
+                EventType::Normal,
+                "Building",
+                &format!("building {} with layers [{}]", b.base, b.layers.join(", ")),
+            );
+            ctx.backend
+                .build_image(&b.base, &name, &uid, progress)
+                .await
+                .map_err(|e| ReconcileError::backend("build", &obj, e))
+        }
+        ImageSource::File(p) => ctx
+            .backend
+            .import_image(std::path::Path::new(p), &name, &uid)
+            .await
+            .map_err(|e| ReconcileError::backend("import", &obj, e)),
+    };
+    if let Err(e) = result {
+        // Never leave a partial image: clean it now; if that fails too, recovery does it later.
+        let cleaned = match &img.spec.source {
+            ImageSource::Vm(v) => {
+                ctx.backend
+                    .recover_capture(
+                        v,
+                        &name,
+                        original_state(img.status.operation.as_ref().expect("set above")),
+                    )
+                    .await
+            }
+            _ => ctx.backend.cleanup_image(&name).await,
+        };
+        if cleaned.is_ok() {
+            img.status.operation = None;
+            save(ctx, &img)?;
+        }
+        return Err(e);
+    }
+    let size = ctx
+        .backend
+        .images()
+        .await
+        .ok()
+        .and_then(|list| list.into_iter().find(|i| i.name == name))
+        .and_then(|i| i.size_bytes);
+    img.status.operation = None;
+    img.status.phase = ImagePhase::Ready;
+    img.status.created_at = Some(now());
+    img.status.size_bytes = size;
+    img.status.backend = Some(ctx.backend.name().to_string());
+    img.status.observed_generation = generation;
+    img.status.failures = 0;
+    img.status.last_failure = None;
+    img.status.conditions.set_condition(
+        "Ready",
+        ConditionStatus::True,
+        "Ready",
+        "the image is ready",
+        generation,
+    );
+    img.status.printable_status = Some(printable(&img));
+    let img = save(ctx, &img)?;
+    let what = match &img.spec.source {
+        ImageSource::Vm(v) => format!("captured from VM {v}"),
+        ImageSource::Build(b) => format!("built from {}", b.base),
+        ImageSource::File(p) => format!("imported from {p}"),
+    };
+    ctx.event(&img, EventType::Normal, "Ready", &what);
+    Ok(Action::await_change())
+}
+
+fn original_state(op: &Operation) -> Option<PowerState> {
+    match op.original_state.as_deref() {
+        Some("Running") => Some(PowerState::Running),
+        Some("Stopped") => Some(PowerState::Stopped),
+        _ => None,
+    }
+}
+
+/// Map a Vm change to the images waiting to capture it.
+pub fn images_for_vm(ctx: &Ctx, vm: &boxery_api::DynObject) -> Vec<String> {
+    let name = &vm.metadata.name;
+    ctx.store
+        .list_as::<Image>(&Default::default())
+        .map(|imgs| {
+            imgs.into_iter()
+                .filter(|i| {
+                    i.status.phase != ImagePhase::Ready
+                        && matches!(&i.spec.source, ImageSource::Vm(v) if v == name)
+                })
+                .map(|i| i.name().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether an Image's `Ready` holds for its current generation.
+pub fn is_ready(img: &Image) -> bool {
+    img.status.phase == ImagePhase::Ready
+}
+
+/// The kind's name, for wiring.
+pub const KIND: &str = Image::INFO.kind;

@@ -1,0 +1,247 @@
+//! The inventory resync: compare what the backend has with what the store says.
+//!
+//! # Guarantees
+//! - An unreachable backend is an error condition (`BackendReachable=False` on VMs), never
+//!   "everything was deleted": nothing is marked Lost and nothing is removed.
+//! - A VM the store knows as created but the backend lacks gets `Lost=True` and a Warning event.
+//! - A backend VM or image with no object is reported; it is removed only when it carries
+//!   boxery's mark (the uid of an object that no longer exists). Unmarked ones are never touched.
+//! - The backend is listed before the store, so a VM created in between is never seen as an
+//!   orphan (objects are written before their backend VM exists).
+
+use std::collections::HashMap;
+
+use boxery_api::{ConditionStatus, Conditions, EventType, Image, ImagePhase, Vm, VmPhase};
+use boxery_backends::BackendError;
+
+use crate::context::Ctx;
+use crate::error::ReconcileError;
+
+/// What one pass found and did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Report {
+    /// VMs marked Lost in this pass.
+    pub lost_vms: Vec<String>,
+    /// Images marked Lost in this pass.
+    pub lost_images: Vec<String>,
+    /// Marked orphans removed from the backend.
+    pub removed: Vec<String>,
+    /// Unmarked things seen and left alone.
+    pub foreign: Vec<String>,
+    /// Whether the backend answered.
+    pub reachable: bool,
+}
+
+/// One inventory pass.
+pub async fn pass(ctx: &Ctx) -> Result<Report, ReconcileError> {
+    let mut report = Report::default();
+    let backend_vms = ctx.backend.list().await;
+    let backend_images = ctx.backend.images().await;
+    let (backend_vms, backend_images) = match (backend_vms, backend_images) {
+        (Ok(v), Ok(i)) => (v, i),
+        (Err(e), _) | (_, Err(e)) => {
+            unreachable(ctx, &e)?;
+            return Err(ReconcileError::backend("inventory", "backend", e));
+        }
+    };
+    report.reachable = true;
+    let vms: HashMap<String, Vm> = ctx
+        .store
+        .list_as::<Vm>(&Default::default())?
+        .into_iter()
+        .map(|v| (v.metadata.name.clone(), v))
+        .collect();
+    let images: HashMap<String, Image> = ctx
+        .store
+        .list_as::<Image>(&Default::default())?
+        .into_iter()
+        .map(|i| (i.metadata.name.clone(), i))
+        .collect();
+
+    // Backend → store: orphans.
+    for info in &backend_vms {
+        let owner = vms.get(&info.name);
+        let matches = owner.is_some_and(|o| info.mark.is_none() || o.metadata.uid == info.mark);
+        if matches {
+            continue;
+        }
+        match &info.mark {
+            Some(_) if owner.is_none() => {
+                let _lock = ctx.vm_lock(&info.name);
+                let _g = _lock.lock().await;
+                // Re-check under the lock against the store itself, not the snapshot.
+                if ctx.store.get_as::<Vm>(&info.name)?.is_none() {
+                    ctx.backend.remove(&info.name).await.map_err(|e| {
+                        ReconcileError::backend("remove", format!("Vm/{}", info.name), e)
+                    })?;
+                    ctx.backend.cleanup_new(&info.name).await.map_err(|e| {
+                        ReconcileError::backend("cleanup_new", format!("Vm/{}", info.name), e)
+                    })?;
+                    tracing::warn!(vm = %info.name, "removed a VM boxery made for an object that no longer exists");
+                    report.removed.push(format!("vm/{}", info.name));
+                }
+            }
+            _ => {
+                tracing::warn!(vm = %info.name, "the backend has a VM that no object describes and that boxery did not make; left alone");
+                report.foreign.push(format!("vm/{}", info.name));
+            }
+        }
+    }
+    for info in &backend_images {
+        let owner = images.get(&info.name);
+        if owner.is_some_and(|o| info.mark.is_none() || o.metadata.uid == info.mark) {
+            continue;
+        }
+        match &info.mark {
+            Some(_) if owner.is_none() => {
+                if ctx.store.get_as::<Image>(&info.name)?.is_none() {
+                    ctx.backend.remove_image(&info.name).await.map_err(|e| {
+                        ReconcileError::backend("remove_image", format!("Image/{}", info.name), e)
+                    })?;
+                    report.removed.push(format!("image/{}", info.name));
+                }
+            }
+            _ => report.foreign.push(format!("image/{}", info.name)),
+        }
+    }
+
+    // Store → backend: lost things, and reachability restored.
+    let present: HashMap<&str, &boxery_backends::VmInfo> =
+        backend_vms.iter().map(|v| (v.name.as_str(), v)).collect();
+    for vm in vms.values() {
+        let mut vm = vm.clone();
+        let generation = vm.metadata.generation;
+        let mut changed = vm.status.conditions.remove_condition("BackendReachable");
+        let settled = vm.status.created_at.is_some()
+            && vm.status.operation.is_none()
+            && !vm.metadata.is_deleting();
+        if settled
+            && !present.contains_key(vm.metadata.name.as_str())
+            && vm.status.phase != VmPhase::Lost
+        {
+            // Confirm under the VM's lock: a reconcile may have just changed it.
+            let lock = ctx.vm_lock(&vm.metadata.name);
+            let _g = lock.lock().await;
+            let Some(cur) = ctx.store.get_as::<Vm>(&vm.metadata.name)? else {
+                continue;
+            };
+            let still = cur.status.created_at.is_some()
+                && cur.status.operation.is_none()
+                && !cur.metadata.is_deleting();
+            let gone = ctx
+                .backend
+                .get(&cur.metadata.name)
+                .await
+                .map_err(|e| {
+                    ReconcileError::backend("get", format!("Vm/{}", cur.metadata.name), e)
+                })?
+                .is_none();
+            if still && gone {
+                vm = cur;
+                vm.status.conditions.set_condition("Lost", ConditionStatus::True, "NotInBackend", "the backend no longer has this VM: delete it (`boxery rm NAME`) and create it again, or revert it from an image", generation);
+                vm.status.conditions.set_condition(
+                    "Ready",
+                    ConditionStatus::False,
+                    "Lost",
+                    "the VM is gone from the backend",
+                    generation,
+                );
+                vm.status.phase = VmPhase::Lost;
+                vm.status.ssh = None;
+                vm.status.printable_status = Some("Lost".into());
+                changed = true;
+                ctx.event(
+                    &vm,
+                    EventType::Warning,
+                    "Lost",
+                    "the VM is missing from the backend",
+                );
+                report.lost_vms.push(vm.metadata.name.clone());
+            }
+        }
+        if changed {
+            match ctx.store.update_status_as(&vm) {
+                Ok(_)
+                | Err(boxery_store::StoreError::Conflict { .. })
+                | Err(boxery_store::StoreError::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+    let present_images: HashMap<&str, ()> = backend_images
+        .iter()
+        .map(|i| (i.name.as_str(), ()))
+        .collect();
+    for img in images.values() {
+        if img.status.phase == ImagePhase::Ready
+            && img.status.operation.is_none()
+            && !img.metadata.is_deleting()
+            && !present_images.contains_key(img.metadata.name.as_str())
+        {
+            let mut img = img.clone();
+            let generation = img.metadata.generation;
+            img.status.phase = ImagePhase::Lost;
+            img.status.conditions.set_condition(
+                "Ready",
+                ConditionStatus::False,
+                "Lost",
+                "the backend no longer has this image",
+                generation,
+            );
+            img.status.printable_status = Some("Lost".into());
+            match ctx.store.update_status_as(&img) {
+                Ok(img) => ctx.event(
+                    &img,
+                    EventType::Warning,
+                    "Lost",
+                    "the image is missing from the backend",
+                ),
+                Err(boxery_store::StoreError::Conflict { .. })
+                | Err(boxery_store::StoreError::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+            report.lost_images.push(img.metadata.name.clone());
+        }
+    }
+    Ok(report)
+}
+
+fn unreachable(ctx: &Ctx, e: &BackendError) -> Result<(), ReconcileError> {
+    let msg =
+        format!("{e}: boxery cannot see its VMs and changes nothing until the backend answers");
+    for mut vm in ctx.store.list_as::<Vm>(&Default::default())? {
+        let generation = vm.metadata.generation;
+        if vm.status.conditions.set_condition(
+            "BackendReachable",
+            ConditionStatus::False,
+            "BackendUnreachable",
+            &msg,
+            generation,
+        ) {
+            match ctx.store.update_status_as(&vm) {
+                Ok(vm) => ctx.event(&vm, EventType::Warning, "BackendUnreachable", &msg),
+                Err(boxery_store::StoreError::Conflict { .. })
+                | Err(boxery_store::StoreError::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Run passes every `ctx.settings.inventory_every` until `shutdown` resolves.
+pub async fn run(ctx: std::sync::Arc<Ctx>, shutdown: impl std::future::Future<Output = ()>) {
+    tokio::pin!(shutdown);
+    let mut tick = tokio::time::interval(ctx.settings.inventory_every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => return,
+            _ = tick.tick() => {
+                if let Err(e) = pass(&ctx).await {
+                    tracing::warn!(error = %e.chain(), "inventory pass failed");
+                }
+            }
+        }
+    }
+}

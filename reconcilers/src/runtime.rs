@@ -1,0 +1,69 @@
+//! Running every reconciler on one store and backend: the Vm and Image controllers, the
+//! inventory resync and history compaction. Used by `boxery serve` and the CLI's embedded mode.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use boxery_api::{Image, Vm};
+use boxery_controller::{CancellationToken, Controller, default_error_policy};
+
+use crate::context::Ctx;
+use crate::{image, inventory, vm};
+
+impl boxery_controller::ReconcileError for crate::error::ReconcileError {
+    fn is_terminal(&self) -> bool {
+        crate::error::ReconcileError::is_terminal(self)
+    }
+}
+
+/// How many store revisions of history to keep for watchers.
+pub const KEEP_REVISIONS: u64 = 20_000;
+
+/// Run until `shutdown` is cancelled.
+pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
+    let store = ctx.store.clone();
+    let c = ctx.clone();
+    let vms = Controller::<Vm>::new(store.clone())
+        .owns::<Image>()
+        .watches::<Image>(move |o| vm::vms_for_image(&c, o))
+        .resync_every(ctx.settings.resync_every)
+        .concurrency(ctx.settings.concurrency)
+        .run(
+            vm::reconcile,
+            default_error_policy,
+            ctx.clone(),
+            shutdown.clone(),
+        );
+    let c = ctx.clone();
+    let images = Controller::<Image>::new(store.clone())
+        .watches::<Vm>(move |o| image::images_for_vm(&c, o))
+        .resync_every(ctx.settings.resync_every)
+        .concurrency(ctx.settings.concurrency)
+        .run(
+            image::reconcile,
+            default_error_policy,
+            ctx.clone(),
+            shutdown.clone(),
+        );
+    let inv = inventory::run(ctx.clone(), shutdown.clone().cancelled_owned());
+    let compact = {
+        let (store, shutdown) = (store.clone(), shutdown.clone());
+        async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(60));
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tick.tick() => {
+                        let s = store.clone();
+                        match tokio::task::spawn_blocking(move || s.compact(KEEP_REVISIONS)).await {
+                            Ok(Err(e)) => tracing::warn!(error = %e, "history compaction failed"),
+                            Err(e) => tracing::warn!(error = %e, "history compaction panicked"),
+                            Ok(Ok(_)) => {}
+                        }
+                    }
+                }
+            }
+        }
+    };
+    tokio::join!(vms, images, inv, compact);
+}

@@ -1,0 +1,800 @@
+//! The `Vm` reconciler: one idempotent step per call.
+//!
+//! # Guarantees
+//! - Before a side effect that can be left half done (create, reimage), the intent is written
+//!   to `status.operation` with a resourceVersion precondition; it is cleared after. A
+//!   reconcile that finds an operation at its start knows no live worker owns it (reconciles of
+//!   one object never overlap, and one control plane leads a store) and recovers: an
+//!   interrupted create is adopted when the backend has the complete VM with our mark, and
+//!   cleaned up (then retried) otherwise; an interrupted reimage is retried.
+//! - Deletion: the finalizer `boxery.dev/vm` stays until the backend has removed the VM; images
+//!   the VM owns are deleted by the store's ownerReference cascade.
+//! - A VM gone from the backend behind our back is marked `Lost`, never silently recreated.
+
+use std::sync::Arc;
+
+use boxery_api::image::{BuildSpec, ImageSpec};
+use boxery_api::vm::{Failure, Operation, OperationType, STOCK_IMAGE, SshStatus};
+use boxery_api::{
+    ConditionStatus, Conditions, EventType, Image, ImagePhase, ImageSource, OwnerReference,
+    Resource, RunStrategy, Vm, VmPhase, VmSource, now,
+};
+use boxery_backends::{BackendError, DiskSource, NewVm, PowerState, VmSize};
+use boxery_controller::Action;
+use boxery_store::StoreError;
+
+use crate::context::Ctx;
+use crate::error::ReconcileError;
+
+/// The Vm finalizer.
+pub const FINALIZER: &str = "boxery.dev/vm";
+
+/// The name of the image a fork captures from its source.
+pub fn fork_image_name(vm: &str) -> String {
+    format!("{vm}.fork-source")
+}
+
+type Result<T, E = ReconcileError> = std::result::Result<T, E>;
+
+fn size_of(vm: &Vm) -> VmSize {
+    let s = vm.spec.resources.effective();
+    VmSize {
+        cpus: s.cpus,
+        memory_mib: s.memory.as_mib(),
+        disk_gib: s.disk.as_gib(),
+    }
+}
+
+fn api_size(s: VmSize) -> boxery_api::vm::Size {
+    boxery_api::vm::Size {
+        cpus: s.cpus,
+        memory: boxery_api::Quantity::mib(s.memory_mib),
+        disk: boxery_api::Quantity::gib(s.disk_gib),
+    }
+}
+
+/// Write the status; returns the stored object.
+fn save(ctx: &Ctx, vm: &Vm) -> Result<Vm> {
+    Ok(ctx.store.update_status_as(vm)?)
+}
+
+/// Reconcile one Vm by name.
+pub async fn reconcile(vm: Arc<Vm>, ctx: Arc<Ctx>) -> Result<Action> {
+    // State is always re-read: the cached copy may lag.
+    let Some(vm) = ctx.store.get_as::<Vm>(vm.name())? else {
+        return Ok(Action::await_change());
+    };
+    let lock = ctx.vm_lock(vm.name());
+    let _guard = lock.lock().await;
+    let name = vm.name().to_string();
+    let key = format!("Vm/{name}");
+    let res = step(vm, &ctx).await;
+    if let Err(e) = &res {
+        // Record the failure in status so `describe` shows it, with the backoff the runtime applies.
+        if let Ok(Some(mut cur)) = ctx.store.get_as::<Vm>(&name) {
+            if !matches!(e, ReconcileError::Store(StoreError::Conflict { .. })) {
+                cur.status.failures += 1;
+                let step = match e {
+                    ReconcileError::Backend { step, .. } => step.to_string(),
+                    ReconcileError::Store(_) => "store".into(),
+                };
+                let msg = e.chain();
+                cur.status.last_failure = Some(Failure {
+                    step: step.clone(),
+                    message: msg.clone(),
+                    at: now(),
+                });
+                let generation = cur.metadata.generation;
+                cur.status.conditions.set_condition(
+                    "Ready",
+                    ConditionStatus::False,
+                    if e.is_terminal() {
+                        "InvalidRequest"
+                    } else {
+                        "StepFailed"
+                    },
+                    &format!("{step} failed: {msg}"),
+                    generation,
+                );
+                if cur.status.phase == VmPhase::Pending || cur.status.phase == VmPhase::Creating {
+                    cur.status.phase = VmPhase::Failed;
+                }
+                cur.status.printable_status = Some(printable(&cur));
+                let _ = ctx.store.update_status_as(&cur);
+                ctx.event(
+                    &cur,
+                    EventType::Warning,
+                    "StepFailed",
+                    &format!("{step} failed: {msg}"),
+                );
+            }
+        }
+        tracing::warn!(object = %key, error = %e.chain(), "reconcile failed");
+    }
+    res
+}
+
+async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
+    let generation = vm.metadata.generation;
+
+    if vm.metadata.is_deleting() {
+        return finalize(vm, ctx).await;
+    }
+    if !vm.metadata.has_finalizer(FINALIZER) {
+        vm.metadata.finalizers.push(FINALIZER.to_string());
+        ctx.store.update_as(&vm)?;
+        return Ok(Action::requeue(std::time::Duration::ZERO));
+    }
+    // Conditions are set on the first visit, even when unknown.
+    if vm.status.conditions.get_condition("Ready").is_none() {
+        vm.status.conditions.set_condition(
+            "Ready",
+            ConditionStatus::Unknown,
+            "Reconciling",
+            "",
+            generation,
+        );
+        vm.status.printable_status = Some(printable(&vm));
+        vm = save(ctx, &vm)?;
+    }
+
+    if let Some(op) = vm.status.operation.clone() {
+        return recover(vm, op, ctx).await;
+    }
+
+    if vm.status.created_at.is_none() {
+        return create(vm, ctx).await;
+    }
+
+    // Revert requests.
+    if let Some(r) = vm.spec.restore.clone() {
+        let served = vm
+            .status
+            .last_restore
+            .as_ref()
+            .is_some_and(|l| l.requested_at == r.requested_at);
+        if !served {
+            return restore(vm, r, ctx).await;
+        }
+    }
+
+    let Some(info) = ctx
+        .backend
+        .get(&name)
+        .await
+        .map_err(|e| ReconcileError::backend("get", format!("Vm/{name}"), e))?
+    else {
+        return lost(vm, ctx);
+    };
+    if vm.status.conditions.remove_condition("Lost") {
+        ctx.event(
+            &vm,
+            EventType::Normal,
+            "Found",
+            "the VM is back in the backend",
+        );
+    }
+
+    // Resize.
+    let want = size_of(&vm);
+    if info.size != want {
+        if want.disk_gib < info.size.disk_gib {
+            let msg = format!(
+                "the disk cannot shrink from {}Gi to {}Gi: set spec.resources.disk to {}Gi or more",
+                info.size.disk_gib, want.disk_gib, info.size.disk_gib
+            );
+            vm.status.conditions.set_condition(
+                "Resized",
+                ConditionStatus::False,
+                "DiskShrinkRefused",
+                &msg,
+                generation,
+            );
+            vm.status.size = Some(api_size(info.size));
+            finish_status(&mut vm, &info.state, info.ssh.clone(), generation);
+            save(ctx, &vm)?;
+            ctx.event(&vm, EventType::Warning, "DiskShrinkRefused", &msg);
+            return Ok(Action::await_change());
+        }
+        ctx.backend
+            .resize(&name, want)
+            .await
+            .map_err(|e| ReconcileError::backend("resize", format!("Vm/{name}"), e))?;
+        vm.status.size = Some(api_size(want));
+        vm.status.conditions.remove_condition("Resized");
+        ctx.event(
+            &vm,
+            EventType::Normal,
+            "Resized",
+            &format!(
+                "{} CPUs, {} MiB, {} GiB",
+                want.cpus, want.memory_mib, want.disk_gib
+            ),
+        );
+        save(ctx, &vm)?;
+        return Ok(Action::requeue(std::time::Duration::ZERO));
+    }
+
+    // Power.
+    match (vm.spec.run_strategy, info.state) {
+        (RunStrategy::Running, PowerState::Stopped) => {
+            ctx.backend
+                .start(&name)
+                .await
+                .map_err(|e| ReconcileError::backend("start", format!("Vm/{name}"), e))?;
+            ctx.event(&vm, EventType::Normal, "Started", "the VM was started");
+            return Ok(Action::requeue(std::time::Duration::ZERO));
+        }
+        (RunStrategy::Stopped, PowerState::Running) => {
+            ctx.backend
+                .stop(&name)
+                .await
+                .map_err(|e| ReconcileError::backend("stop", format!("Vm/{name}"), e))?;
+            ctx.event(&vm, EventType::Normal, "Stopped", "the VM was stopped");
+            return Ok(Action::requeue(std::time::Duration::ZERO));
+        }
+        _ => {}
+    }
+
+    let before = vm.status.clone();
+    vm.status.size = Some(api_size(info.size));
+    finish_status(&mut vm, &info.state, info.ssh.clone(), generation);
+    vm.status.failures = 0;
+    vm.status.last_failure = None;
+    if vm.status != before {
+        save(ctx, &vm)?;
+    }
+    Ok(Action::await_change())
+}
+
+/// Phase, Ready, ssh, observedGeneration and the printable status after a successful step.
+fn finish_status(vm: &mut Vm, state: &PowerState, ssh: Option<String>, generation: Option<i64>) {
+    let (phase, ready, reason, msg) = match state {
+        PowerState::Running => (
+            VmPhase::Running,
+            ConditionStatus::True,
+            "Running",
+            "the VM is running",
+        ),
+        PowerState::Stopped => (
+            VmPhase::Stopped,
+            ConditionStatus::False,
+            "Stopped",
+            "the VM is stopped (runStrategy: Stopped)",
+        ),
+    };
+    vm.status.phase = phase;
+    vm.status
+        .conditions
+        .set_condition("Ready", ready, reason, msg, generation);
+    vm.status.ssh = ssh.map(|endpoint| SshStatus {
+        endpoint,
+        host_key: vm.status.ssh.as_ref().and_then(|s| s.host_key.clone()),
+    });
+    vm.status.observed_generation = generation;
+    vm.status.printable_status = Some(printable(vm));
+}
+
+/// The one word `boxery get` shows.
+pub fn printable(vm: &Vm) -> String {
+    if vm.metadata.is_deleting() {
+        return "Terminating".into();
+    }
+    if vm
+        .status
+        .conditions
+        .get_condition("Lost")
+        .is_some_and(|c| c.status == ConditionStatus::True)
+    {
+        return "Lost".into();
+    }
+    if let Some(c) = vm.status.conditions.get_condition("ImageAvailable") {
+        if c.status == ConditionStatus::False {
+            return c.reason.clone();
+        }
+    }
+    if vm.status.phase == VmPhase::Failed {
+        return if vm.status.last_failure.is_some() {
+            "ErrorBackoff".into()
+        } else {
+            "Failed".into()
+        };
+    }
+    format!("{:?}", vm.status.phase)
+}
+
+fn lost(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
+    let generation = vm.metadata.generation;
+    let changed = vm.status.conditions.set_condition(
+        "Lost",
+        ConditionStatus::True,
+        "NotInBackend",
+        "the backend no longer has this VM: delete it (`boxery rm NAME`) and create it again, or revert it from an image",
+        generation,
+    );
+    vm.status.conditions.set_condition(
+        "Ready",
+        ConditionStatus::False,
+        "Lost",
+        "the VM is gone from the backend",
+        generation,
+    );
+    vm.status.phase = VmPhase::Lost;
+    vm.status.ssh = None;
+    vm.status.printable_status = Some(printable(&vm));
+    if changed {
+        let vm = save(ctx, &vm)?;
+        ctx.event(
+            &vm,
+            EventType::Warning,
+            "Lost",
+            "the VM is missing from the backend",
+        );
+    }
+    Ok(Action::await_change())
+}
+
+async fn finalize(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
+    if !vm.metadata.has_finalizer(FINALIZER) {
+        return Ok(Action::await_change());
+    }
+    if vm.status.phase != VmPhase::Terminating {
+        vm.status.phase = VmPhase::Terminating;
+        vm.status.printable_status = Some("Terminating".into());
+        vm = save(ctx, &vm)?;
+    }
+    let obj = format!("Vm/{name}");
+    // Only remove what is ours: a backend VM with another object's mark is not this VM.
+    match ctx.backend.get(&name).await {
+        Ok(Some(info))
+            if info.mark.is_some() && info.mark.as_deref() != vm.metadata.uid.as_deref() => {}
+        Ok(_) => {
+            ctx.backend
+                .remove(&name)
+                .await
+                .map_err(|e| ReconcileError::backend("remove", &obj, e))?;
+            ctx.backend
+                .cleanup_new(&name)
+                .await
+                .map_err(|e| ReconcileError::backend("cleanup_new", &obj, e))?;
+        }
+        Err(e) => return Err(ReconcileError::backend("get", &obj, e)),
+    }
+    vm.metadata.finalizers.retain(|f| f != FINALIZER);
+    ctx.store.update_as(&vm)?;
+    ctx.event(
+        &vm,
+        EventType::Normal,
+        "Deleted",
+        "the VM was removed from the backend",
+    );
+    Ok(Action::await_change())
+}
+
+async fn recover(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
+    let obj = format!("Vm/{name}");
+    match op.type_ {
+        OperationType::Create => {
+            let existing = ctx
+                .backend
+                .get(&name)
+                .await
+                .map_err(|e| ReconcileError::backend("get", &obj, e))?;
+            match existing {
+                Some(info) if info.mark.as_deref() == vm.metadata.uid.as_deref() => {
+                    // The create finished before the crash: adopt it.
+                    vm.status.operation = None;
+                    vm.status.created_at = Some(now());
+                    vm.status.source_image = op.image.clone();
+                    vm.status.size = Some(api_size(info.size));
+                    vm.status.backend = Some(ctx.backend.name().to_string());
+                    let vm = save(ctx, &vm)?;
+                    ctx.event(
+                        &vm,
+                        EventType::Normal,
+                        "Recovered",
+                        "an interrupted create had finished; the VM was adopted",
+                    );
+                }
+                Some(_) => {
+                    let msg = format!(
+                        "the backend has a VM named {name} that boxery did not make for this object: remove it or pick another name"
+                    );
+                    vm.status.operation = None;
+                    vm.status.phase = VmPhase::Failed;
+                    vm.status.conditions.set_condition(
+                        "Ready",
+                        ConditionStatus::False,
+                        "NameTaken",
+                        &msg,
+                        vm.metadata.generation,
+                    );
+                    vm.status.printable_status = Some("NameTaken".into());
+                    let vm = save(ctx, &vm)?;
+                    ctx.event(&vm, EventType::Warning, "NameTaken", &msg);
+                    return Ok(Action::await_change());
+                }
+                None => {
+                    ctx.backend
+                        .cleanup_new(&name)
+                        .await
+                        .map_err(|e| ReconcileError::backend("cleanup_new", &obj, e))?;
+                    vm.status.operation = None;
+                    let vm = save(ctx, &vm)?;
+                    ctx.event(
+                        &vm,
+                        EventType::Normal,
+                        "Recovered",
+                        "an interrupted create was cleaned up and will be retried",
+                    );
+                }
+            }
+        }
+        OperationType::Reimage => {
+            let image = op.image.clone().unwrap_or_default();
+            let identity = identity_for(&vm);
+            match ctx.backend.reimage(&name, &image, &identity).await {
+                Ok(()) => {
+                    vm.status.operation = None;
+                    vm.status.last_restore = vm.spec.restore.clone();
+                    let vm = save(ctx, &vm)?;
+                    ctx.event(
+                        &vm,
+                        EventType::Normal,
+                        "Reverted",
+                        &format!("an interrupted revert to {image} was finished"),
+                    );
+                }
+                Err(BackendError::Unchanged(msg)) => {
+                    vm.status.operation = None;
+                    vm.status.last_restore = vm.spec.restore.clone();
+                    let vm = save(ctx, &vm)?;
+                    ctx.event(
+                        &vm,
+                        EventType::Warning,
+                        "RevertFailed",
+                        &format!("revert to {image} failed before changing the VM: {msg}"),
+                    );
+                }
+                Err(e) => return Err(ReconcileError::backend("reimage", &obj, e)),
+            }
+        }
+        OperationType::Capture | OperationType::Build => {
+            // Not a Vm operation; drop it.
+            vm.status.operation = None;
+            save(ctx, &vm)?;
+        }
+    }
+    Ok(Action::requeue(std::time::Duration::ZERO))
+}
+
+fn identity_for(vm: &Vm) -> boxery_backends::Identity {
+    boxery_backends::Identity {
+        hostname: vm.name().to_string(),
+        ..Default::default()
+    }
+}
+
+/// Resolve the image a new VM is made from; `Ok(None)` means wait (status already written).
+fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
+    let generation = vm.metadata.generation;
+    let (image_name, wait_msg) = match &vm.spec.source {
+        VmSource::Image(n) | VmSource::Base(n) => (n.clone(), None),
+        VmSource::Vm(src) => {
+            let img = fork_image_name(vm.name());
+            if ctx.store.get_as::<Image>(&img)?.is_none() {
+                if ctx.store.get_as::<Vm>(src)?.is_none() {
+                    let msg =
+                        format!("the source VM {src} does not exist: `boxery get vms` lists VMs");
+                    set_waiting(vm, "SourceVmNotFound", &msg, ctx)?;
+                    return Ok(None);
+                }
+                let mut image = Image::new(
+                    &img,
+                    ImageSpec {
+                        source: ImageSource::Vm(src.clone()),
+                    },
+                );
+                image
+                    .metadata
+                    .labels
+                    .insert("boxery.dev/fork-of".into(), src.clone());
+                image.metadata.owner_references.push(owner_ref(vm));
+                match ctx.store.create_as(&image) {
+                    Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            (img, Some(format!("capturing the source VM {src}")))
+        }
+    };
+    match ctx.store.get_as::<Image>(&image_name)? {
+        None if image_name == STOCK_IMAGE => {
+            let image = Image::new(
+                STOCK_IMAGE,
+                ImageSpec {
+                    source: ImageSource::Build(BuildSpec {
+                        base: STOCK_IMAGE.into(),
+                        layers: vec![],
+                    }),
+                },
+            );
+            match ctx.store.create_as(&image) {
+                Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+            ctx.event(
+                vm,
+                EventType::Normal,
+                "BuildingImage",
+                &format!("the stock image {STOCK_IMAGE} is built on first use"),
+            );
+            set_waiting(
+                vm,
+                "ImageNotReady",
+                &format!("waiting for the stock image {STOCK_IMAGE} to be built"),
+                ctx,
+            )?;
+            Ok(None)
+        }
+        None => {
+            let msg = format!(
+                "image {image_name} does not exist: create it (`boxery snap VM LABEL`, or `boxery apply -f` an Image), or point spec.source at an image from `boxery get images`"
+            );
+            let changed = vm
+                .status
+                .conditions
+                .get_condition("ImageAvailable")
+                .is_none_or(|c| c.reason != "ImageNotFound");
+            set_waiting(vm, "ImageNotFound", &msg, ctx)?;
+            if changed {
+                ctx.event(vm, EventType::Warning, "ImageNotFound", &msg);
+            }
+            Ok(None)
+        }
+        Some(img) if img.metadata.is_deleting() => {
+            set_waiting(
+                vm,
+                "ImageNotFound",
+                &format!("image {image_name} is being deleted"),
+                ctx,
+            )?;
+            Ok(None)
+        }
+        Some(img) if img.status.phase != ImagePhase::Ready => {
+            let msg = wait_msg.unwrap_or_else(|| {
+                format!(
+                    "image {image_name} is not ready yet ({:?})",
+                    img.status.phase
+                )
+            });
+            set_waiting(vm, "ImageNotReady", &msg, ctx)?;
+            Ok(None)
+        }
+        Some(_) => Ok(Some(image_name)),
+    }
+}
+
+fn owner_ref(vm: &Vm) -> OwnerReference {
+    OwnerReference {
+        api_version: boxery_api::API_VERSION.into(),
+        kind: "Vm".into(),
+        name: vm.name().to_string(),
+        uid: vm.metadata.uid.clone().unwrap_or_default(),
+        controller: Some(true),
+    }
+}
+
+fn set_waiting(vm: &mut Vm, reason: &str, msg: &str, ctx: &Ctx) -> Result<()> {
+    let generation = vm.metadata.generation;
+    let mut changed = vm.status.conditions.set_condition(
+        "ImageAvailable",
+        ConditionStatus::False,
+        reason,
+        msg,
+        generation,
+    );
+    changed |= vm.status.conditions.set_condition(
+        "Ready",
+        ConditionStatus::False,
+        reason,
+        msg,
+        generation,
+    );
+    vm.status.phase = VmPhase::Pending;
+    vm.status.observed_generation = generation;
+    vm.status.printable_status = Some(printable(vm));
+    if changed {
+        *vm = save(ctx, vm)?;
+    }
+    Ok(())
+}
+
+async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
+    let obj = format!("Vm/{name}");
+    let generation = vm.metadata.generation;
+    let Some(image) = source_image(&mut vm, ctx)? else {
+        // Image changes wake us (the controller watches Images); poll slowly as a fallback.
+        return Ok(Action::requeue(std::time::Duration::from_secs(5)));
+    };
+    vm.status.conditions.set_condition(
+        "ImageAvailable",
+        ConditionStatus::True,
+        "ImageReady",
+        &format!("made from image {image}"),
+        generation,
+    );
+    // Intent first, with a resourceVersion precondition: a stale writer gets a Conflict here.
+    vm.status.operation = Some(Operation {
+        type_: OperationType::Create,
+        image: Some(image.clone()),
+        original_state: None,
+        started_at: now(),
+        holder: ctx.holder.clone(),
+    });
+    vm.status.phase = VmPhase::Creating;
+    vm.status.printable_status = Some("Creating".into());
+    vm = save(ctx, &vm)?;
+
+    let size = size_of(&vm);
+    let req = NewVm {
+        name: name.clone(),
+        uid: vm.metadata.uid.clone().unwrap_or_default(),
+        source: DiskSource::Image(image.clone()),
+        cpus: size.cpus,
+        memory_mib: size.memory_mib,
+        disk_gib: size.disk_gib,
+        start: vm.spec.run_strategy == RunStrategy::Running,
+        identity: identity_for(&vm),
+    };
+    if let Err(e) = ctx.backend.create(&req).await {
+        // Leave nothing half made; the operation is cleared so the next try starts clean.
+        let cleanup = ctx.backend.cleanup_new(&name).await;
+        if cleanup.is_ok() {
+            vm.status.operation = None;
+            save(ctx, &vm)?;
+        }
+        return Err(ReconcileError::backend("create", &obj, e));
+    }
+    vm.status.operation = None;
+    vm.status.created_at = Some(now());
+    vm.status.source_image = Some(image.clone());
+    vm.status.backend = Some(ctx.backend.name().to_string());
+    vm.status.size = Some(api_size(size));
+    vm.status.failures = 0;
+    vm.status.last_failure = None;
+    // A revert requested before the VM existed is moot: the disk is fresh.
+    vm.status.last_restore = vm.spec.restore.clone();
+    let vm = save(ctx, &vm)?;
+    ctx.event(
+        &vm,
+        EventType::Normal,
+        "Created",
+        &format!("created from image {image}"),
+    );
+    if matches!(vm.spec.source, VmSource::Vm(_)) {
+        // The fork's capture is not needed any more: images are independent.
+        match ctx.store.delete("Image", &fork_image_name(&name)) {
+            Ok(_) | Err(StoreError::NotFound { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(Action::requeue(std::time::Duration::ZERO))
+}
+
+async fn restore(mut vm: Vm, r: boxery_api::vm::Restore, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
+    let obj = format!("Vm/{name}");
+    let generation = vm.metadata.generation;
+    let image = ctx.store.get_as::<Image>(&r.image)?;
+    let ready = image
+        .as_ref()
+        .is_some_and(|i| i.status.phase == ImagePhase::Ready && !i.metadata.is_deleting());
+    if !ready {
+        let msg = match image {
+            None => format!(
+                "cannot revert: image {} does not exist (`boxery get images` lists them)",
+                r.image
+            ),
+            Some(i) => format!(
+                "cannot revert yet: image {} is {:?}",
+                r.image, i.status.phase
+            ),
+        };
+        if vm.status.conditions.set_condition(
+            "Reverted",
+            ConditionStatus::False,
+            "ImageNotReady",
+            &msg,
+            generation,
+        ) {
+            vm = save(ctx, &vm)?;
+            ctx.event(&vm, EventType::Warning, "RevertWaiting", &msg);
+        }
+        return Ok(Action::requeue(std::time::Duration::from_secs(5)));
+    }
+    vm.status.operation = Some(Operation {
+        type_: OperationType::Reimage,
+        image: Some(r.image.clone()),
+        original_state: None,
+        started_at: now(),
+        holder: ctx.holder.clone(),
+    });
+    vm.status.phase = VmPhase::Restoring;
+    vm.status.printable_status = Some("Restoring".into());
+    vm = save(ctx, &vm)?;
+    match ctx
+        .backend
+        .reimage(&name, &r.image, &identity_for(&vm))
+        .await
+    {
+        Ok(()) => {
+            vm.status.operation = None;
+            vm.status.last_restore = Some(r.clone());
+            vm.status.conditions.set_condition(
+                "Reverted",
+                ConditionStatus::True,
+                "Reverted",
+                &format!("reverted to {}", r.image),
+                generation,
+            );
+            let vm = save(ctx, &vm)?;
+            ctx.event(
+                &vm,
+                EventType::Normal,
+                "Reverted",
+                &format!("the disk was replaced from image {}", r.image),
+            );
+            Ok(Action::requeue(std::time::Duration::ZERO))
+        }
+        Err(BackendError::Unchanged(msg)) => {
+            // Nothing changed: drop the intent rather than finish it later over newer data.
+            vm.status.operation = None;
+            save(ctx, &vm)?;
+            Err(ReconcileError::backend(
+                "reimage",
+                &obj,
+                BackendError::Unchanged(msg),
+            ))
+        }
+        Err(e) => Err(ReconcileError::backend("reimage", &obj, e)),
+    }
+}
+
+/// Map an Image change to the Vms waiting on it (by source image, fork image owner, or restore).
+pub fn vms_for_image(ctx: &Ctx, image: &boxery_api::DynObject) -> Vec<String> {
+    let name = &image.metadata.name;
+    let mut out: Vec<String> = image
+        .metadata
+        .owner_references
+        .iter()
+        .filter(|o| o.kind == "Vm")
+        .map(|o| o.name.clone())
+        .collect();
+    if let Ok(vms) = ctx.store.list_as::<Vm>(&Default::default()) {
+        for vm in vms {
+            let uses = vm.status.created_at.is_none() && vm.spec.source.name() == name
+                || vm.spec.restore.as_ref().is_some_and(|r| &r.image == name);
+            if uses {
+                out.push(vm.name().to_string());
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Whether a Vm's `Ready` holds for its current generation.
+pub fn is_ready(vm: &Vm) -> bool {
+    vm.status
+        .conditions
+        .is_true_for("Ready", vm.metadata.generation)
+}
+
+/// The kind info, re-exported for wiring.
+pub const KIND: &str = Vm::INFO.kind;

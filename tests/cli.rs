@@ -1,0 +1,362 @@
+//! The CLI end to end on the fake backend: apply → converge → get/describe → snapshot → revert
+//! → fork → stop/start → resize → diff → delete, in embedded mode (no daemon) and with `serve`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Home, vm_yaml};
+
+fn code(home: &Home, args: &[&str]) -> i32 {
+    home.run(args).status.code().unwrap_or(-1)
+}
+
+#[test]
+fn lifecycle_in_embedded_mode() {
+    let home = Home::new();
+    let fake = home.fake();
+    let f = home.write("vm.yaml", &vm_yaml("dev1"));
+    let out = home.ok(&[
+        "apply",
+        "-f",
+        f.to_str().unwrap(),
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    assert!(out.contains("vm/dev1 created"), "{out}");
+    assert!(out.contains("vm/dev1 condition met"), "{out}");
+
+    let table = home.ok(&["get", "vm"]);
+    let mut lines = table.lines();
+    let header = lines.next().unwrap();
+    for col in ["NAME", "STATUS", "READY", "AGE"] {
+        assert!(header.contains(col), "{table}");
+    }
+    let row = lines.next().unwrap();
+    assert!(
+        row.starts_with("dev1") && row.contains("Running") && row.contains("True"),
+        "{table}"
+    );
+    assert_eq!(
+        home.ok(&["get", "vms", "dev1", "-o", "jsonpath={.status.phase}"])
+            .trim(),
+        "Running"
+    );
+    assert_eq!(home.ok(&["get", "vm", "-o", "name"]).trim(), "vm/dev1");
+    let yaml = home.ok(&["get", "vm", "dev1", "-o", "yaml"]);
+    assert!(
+        yaml.contains("kind: Vm") && yaml.contains("observedGeneration"),
+        "{yaml}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&home.ok(&["get", "vm", "dev1", "-o", "json"])).unwrap();
+    assert_eq!(
+        json["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "Ready")
+            .unwrap()["status"],
+        "True"
+    );
+    assert!(home.ok(&["get", "vm", "-o", "wide"]).contains("SSH"));
+    assert!(
+        home.ok(&["get", "img"]).contains("debian-12"),
+        "the stock image was made on first use"
+    );
+    let d = home.ok(&["describe", "vm", "dev1"]);
+    assert!(
+        d.contains("Conditions:") && d.contains("Ready") && d.contains("Created"),
+        "{d}"
+    );
+
+    // Snapshot, change, revert: the disk is back.
+    fake.write_disk("dev1", b"before").unwrap();
+    home.ok(&["snap", "dev1", "s1", "--wait", "--timeout", "30s"]);
+    assert_eq!(fake.read_image_disk("dev1.s1").unwrap(), b"before");
+    fake.write_disk("dev1", b"after").unwrap();
+    home.ok(&["revert", "dev1", "s1", "--wait", "--timeout", "30s"]);
+    assert_eq!(fake.read_disk("dev1").unwrap(), b"before");
+
+    // Fork into two: each has the source's disk as it was.
+    fake.write_disk("dev1", b"forked").unwrap();
+    home.ok(&["fork", "dev1", "dev2", "dev3", "--wait", "--timeout", "30s"]);
+    for n in ["dev2", "dev3"] {
+        assert_eq!(fake.read_disk(n).unwrap(), b"forked", "{n}");
+    }
+    assert!(
+        !home.ok(&["get", "images"]).contains("fork-source"),
+        "the fork's capture is removed once the forks exist"
+    );
+
+    // Stop, start, resize.
+    home.ok(&["stop", "dev2", "--wait", "--timeout", "30s"]);
+    assert_eq!(
+        home.ok(&["get", "vm", "dev2", "-o", "jsonpath={.status.phase}"])
+            .trim(),
+        "Stopped"
+    );
+    assert_eq!(
+        fake.vm_record("dev2").unwrap().unwrap().state,
+        boxery_backends::PowerState::Stopped
+    );
+    home.ok(&["start", "dev2", "--wait", "--timeout", "30s"]);
+    home.ok(&[
+        "resize",
+        "dev2",
+        "--cpus",
+        "2",
+        "--memory",
+        "2Gi",
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    let rec = fake.vm_record("dev2").unwrap().unwrap();
+    assert_eq!((rec.size.cpus, rec.size.memory_mib), (2, 2048));
+    // Shrinking a disk is refused with a condition saying what to do.
+    home.ok(&["resize", "dev2", "--disk", "1Gi"]);
+    home.ok(&[
+        "wait",
+        "vm",
+        "dev2",
+        "--for",
+        "condition=Resized=False",
+        "--timeout",
+        "30s",
+    ]);
+    assert!(
+        home.ok(&["describe", "vm", "dev2"])
+            .contains("DiskShrinkRefused")
+    );
+
+    // diff: 0 when the same, 1 when different.
+    assert_eq!(code(&home, &["diff", "-f", f.to_str().unwrap()]), 0);
+    let f2 = home.write(
+        "vm2.yaml",
+        &format!("{}  resources:\n    cpus: 2\n", vm_yaml("dev1")),
+    );
+    let out = home.run(&["diff", "-f", f2.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("+    cpus: 2"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
+    // wait: met, not found (3), timeout (4).
+    assert_eq!(
+        code(
+            &home,
+            &[
+                "wait",
+                "vm",
+                "dev1",
+                "--for=condition=Ready",
+                "--timeout=5s"
+            ]
+        ),
+        0
+    );
+    assert_eq!(
+        code(
+            &home,
+            &[
+                "wait",
+                "vm",
+                "nope",
+                "--for=condition=Ready",
+                "--timeout=1s"
+            ]
+        ),
+        3
+    );
+    assert_eq!(
+        code(
+            &home,
+            &["wait", "vm", "dev1", "--for=condition=Lost", "--timeout=1s"]
+        ),
+        4
+    );
+    assert_eq!(code(&home, &["get", "vm", "nope"]), 3);
+
+    // Delete: the VM, its snapshot (owned) and the backend's copies go.
+    home.ok(&["rm", "dev1", "--wait", "--timeout", "30s"]);
+    assert_eq!(code(&home, &["get", "vm", "dev1"]), 3);
+    home.ok(&["wait", "image", "dev1.s1", "--for=delete", "--timeout=30s"]);
+    assert!(fake.image_record("dev1.s1").unwrap().is_none());
+    assert!(fake.vm_record("dev1").unwrap().is_none());
+    // The forks keep working: images are independent.
+    assert_eq!(fake.read_disk("dev2").unwrap(), b"forked");
+    let ev = home.ok(&["events"]);
+    assert!(ev.contains("Deleted") && ev.contains("Created"), "{ev}");
+}
+
+#[test]
+fn explain_and_schema() {
+    let home = Home::new();
+    let e = home.ok(&["explain", "Vm.spec.resources"]);
+    for w in ["cpus", "memory", "disk", "FIELDS"] {
+        assert!(e.contains(w), "{e}");
+    }
+    assert!(
+        home.ok(&["explain", "vm.spec.runStrategy"])
+            .contains("Running")
+    );
+    let s: serde_json::Value = serde_json::from_str(&home.ok(&["schema", "vm"])).unwrap();
+    assert_eq!(s["additionalProperties"], false);
+    // The exported schema files for editors match the code.
+    for k in ["vm", "image", "pool", "lease", "grant"] {
+        let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("../manifests/schemas/{k}.json"));
+        let on_disk: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display())),
+        )
+        .unwrap();
+        let now: serde_json::Value = serde_json::from_str(&home.ok(&["schema", k])).unwrap();
+        assert_eq!(
+            on_disk,
+            now,
+            "{} is stale: run scripts/export-schemas.sh",
+            file.display()
+        );
+    }
+}
+
+#[test]
+fn examples_apply() {
+    let home = Home::new();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/examples");
+    home.ok(&[
+        "apply",
+        "-f",
+        dir.join("vm.yaml").to_str().unwrap(),
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    home.ok(&[
+        "apply",
+        "-f",
+        dir.join("snapshot.yaml").to_str().unwrap(),
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    home.ok(&[
+        "apply",
+        "-f",
+        dir.join("fork.yaml").to_str().unwrap(),
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    assert_eq!(home.ok(&["get", "vm", "-o", "name"]).lines().count(), 3);
+}
+
+#[test]
+fn prune_and_dry_run() {
+    let home = Home::new();
+    let both = format!(
+        "{}  labels: {{set: a}}\n---\n{}",
+        vm_yaml("p1"),
+        vm_yaml("p2")
+    );
+    // labels under metadata
+    let both = both
+        .replace(
+            "metadata:\n  name: p1\nspec:",
+            "metadata:\n  name: p1\n  labels: {set: a}\nspec:",
+        )
+        .replace("  labels: {set: a}\n---", "---");
+    let both = both.replace(
+        "metadata:\n  name: p2\n",
+        "metadata:\n  name: p2\n  labels: {set: a}\n",
+    );
+    let f = home.write("both.yaml", &both);
+    let out = home.ok(&["apply", "-f", f.to_str().unwrap(), "--dry-run"]);
+    assert!(out.contains("vm/p1 created (dry run)"), "{out}");
+    assert_eq!(home.ok(&["get", "vm", "-o", "name"]).trim(), "");
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    // An object created by hand (no last-applied record) is never pruned.
+    home.ok(&["new", "byhand"]);
+    let one = home.write("one.yaml", &both.split("---").next().unwrap().to_string());
+    let out = home.ok(&[
+        "apply",
+        "-f",
+        one.to_str().unwrap(),
+        "--prune",
+        "-l",
+        "set=a",
+    ]);
+    assert!(out.contains("vm/p2 pruned"), "{out}");
+    let names = home.ok(&["get", "vm", "-o", "name"]);
+    assert!(
+        names.contains("vm/p1") && names.contains("vm/byhand"),
+        "{names}"
+    );
+}
+
+#[test]
+fn serve_and_standby_takeover() {
+    let home = Home::new();
+    let mut first = home.serve(&[]);
+    let f = home.write("a.yaml", &vm_yaml("a"));
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    // `a` becomes Ready only through a leader, and only `first` runs: it leads.
+    home.ok(&["wait", "vm", "a", "--for=condition=Ready", "--timeout=30s"]);
+    let mut second = home.serve(&[]);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(second.alive(), "the standby must wait, not exit");
+    first.kill();
+    // The standby takes over within two lease periods (2 s each here).
+    let t = Instant::now();
+    let f = home.write("b.yaml", &vm_yaml("b"));
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    home.ok(&["wait", "vm", "b", "--for=condition=Ready", "--timeout=30s"]);
+    assert!(
+        t.elapsed() < Duration::from_secs(4) + Duration::from_secs(2),
+        "takeover took {:?}",
+        t.elapsed()
+    );
+    assert!(second.alive());
+    // With a serve running, --wait does not start controllers of its own: it just waits.
+    home.ok(&["new", "c", "--wait", "--timeout", "30s"]);
+}
+
+#[test]
+fn get_watch_streams_changes() {
+    let home = Home::new();
+    home.ok(&["new", "w1"]);
+    let mut child = home
+        .cmd()
+        .args(["get", "vm", "-w"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    home.ok(&["new", "w2"]);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::Read;
+        let mut buf = [0u8; 4096];
+        let mut all = String::new();
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            all.push_str(&String::from_utf8_lossy(&buf[..n]));
+            if all.contains("w2") {
+                let _ = tx.send(all.clone());
+                break;
+            }
+        }
+    });
+    let got = rx.recv_timeout(Duration::from_secs(5));
+    let _ = child.kill();
+    let _ = child.wait();
+    let got = got.expect("get -w printed the new VM");
+    assert!(got.contains("w1") && got.contains("w2"), "{got}");
+}

@@ -1,0 +1,146 @@
+//! Helpers for the end-to-end tests: an isolated `$BOXERY_HOME`, running the `boxery` binary,
+//! and a `boxery serve` child process that is always killed (by PID) when dropped.
+#![allow(dead_code)]
+
+pub mod invariants;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use boxery_backends::fake::FakeBackend;
+use boxery_store::Store;
+
+/// The boxery binary under test.
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_boxery")
+}
+
+/// An isolated boxery home on the fake backend.
+pub struct Home {
+    pub dir: tempfile::TempDir,
+}
+
+impl Home {
+    pub fn new() -> Self {
+        Home {
+            dir: tempfile::Builder::new()
+                .prefix("boxery-test-")
+                .tempdir()
+                .expect("tempdir"),
+        }
+    }
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+    pub fn cmd(&self) -> Command {
+        let mut c = Command::new(bin());
+        c.env("BOXERY_HOME", self.path())
+            .env("BOXERY_BACKEND", "fake")
+            .env_remove("BOXERY_FAKE_FAULTS")
+            .stdin(Stdio::null());
+        c
+    }
+    /// Run `boxery ARGS…` and return its output.
+    pub fn run(&self, args: &[&str]) -> Output {
+        self.cmd().args(args).output().expect("run boxery")
+    }
+    /// Run and assert success; returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let o = self.run(args);
+        assert!(
+            o.status.success(),
+            "boxery {args:?} failed ({:?}):\nstdout: {}\nstderr: {}",
+            o.status.code(),
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+    pub fn store(&self) -> Store {
+        std::fs::create_dir_all(self.path()).unwrap();
+        Store::open(&self.path().join("store.db")).expect("open store")
+    }
+    pub fn fake(&self) -> FakeBackend {
+        FakeBackend::new(self.path().join("fake"))
+    }
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+    /// Start `boxery serve`.
+    pub fn serve(&self, extra: &[&str]) -> Serve {
+        let log = self.path().join("serve.log");
+        let logf = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        let child = self
+            .cmd()
+            .args(["serve", "--inventory-every", "1s", "--lease", "2s"])
+            .args(extra)
+            .env("BOXERY_LOG", "warn")
+            .stdout(logf.try_clone().unwrap())
+            .stderr(logf)
+            .spawn()
+            .expect("spawn serve");
+        Serve {
+            child: Some(child),
+            log,
+        }
+    }
+}
+
+/// A running `boxery serve`, killed by PID on drop.
+pub struct Serve {
+    child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Serve {
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+    /// SIGKILL it and reap it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+    /// Whether it is still running.
+    pub fn alive(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Poll `f` until it returns Some or `timeout` passes.
+pub fn eventually<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+pub const VM_YAML: &str = "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata:\n  name: NAME\nspec:\n  source:\n    image: debian-12\n";
+
+/// A Vm manifest named `name`.
+pub fn vm_yaml(name: &str) -> String {
+    VM_YAML.replace("NAME", name)
+}

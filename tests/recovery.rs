@@ -1,0 +1,199 @@
+//! Recovery paths that are not a crash: a step that fails N times then succeeds converges with
+//! backoff; an unreachable backend deletes nothing; a VM deleted behind boxery's back turns
+//! Lost; orphans with boxery's mark are removed and foreign ones left alone; a crash exactly
+//! inside a create converges with the VM created once.
+
+mod common;
+
+use std::time::Duration;
+
+use boxery_backends::fake::{FaultAction, FaultConfig, FaultRule};
+use boxery_backends::{Backend, PowerState};
+use common::{Home, invariants};
+
+fn converge(home: &Home) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut last = Vec::new();
+    let ok = common::eventually(Duration::from_secs(60), || {
+        last = rt.block_on(invariants::problems(home));
+        last.is_empty().then_some(())
+    });
+    assert!(ok.is_some(), "did not converge:\n{}", last.join("\n"));
+}
+
+#[test]
+fn failing_step_converges_with_backoff() {
+    let home = Home::new();
+    let fake = home.fake();
+    fake.set_faults(&FaultConfig::rules([FaultRule::new(
+        "create",
+        FaultAction::Fail,
+    )
+    .times(3)]))
+        .unwrap();
+    let _serve = home.serve(&[]);
+    home.ok(&["new", "f1"]);
+    home.ok(&["wait", "vm", "f1", "--for=condition=Ready", "--timeout=60s"]);
+    let d = home.ok(&["describe", "vm", "f1"]);
+    assert!(
+        d.contains("StepFailed"),
+        "the failures are recorded as events: {d}"
+    );
+    assert_eq!(
+        fake.fault_counts().unwrap().get("create").copied(),
+        Some(4),
+        "three failures, then success"
+    );
+    converge(&home);
+}
+
+#[test]
+fn unreachable_backend_deletes_nothing() {
+    let home = Home::new();
+    let fake = home.fake();
+    let _serve = home.serve(&[]);
+    for n in ["u1", "u2"] {
+        home.ok(&["new", n]);
+    }
+    for n in ["u1", "u2"] {
+        home.ok(&["wait", "vm", n, "--for=condition=Ready", "--timeout=30s"]);
+    }
+    fake.set_faults(&FaultConfig::rules([
+        FaultRule::new("list", FaultAction::Unreachable),
+        FaultRule::new("images", FaultAction::Unreachable),
+        FaultRule::new("get", FaultAction::Unreachable),
+    ]))
+    .unwrap();
+    home.ok(&[
+        "wait",
+        "vm",
+        "u1",
+        "--for=condition=BackendReachable=False",
+        "--timeout=30s",
+    ]);
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        fake.vm_record("u1").unwrap().is_some() && fake.vm_record("u2").unwrap().is_some(),
+        "nothing deleted"
+    );
+    let store = home.store();
+    for n in ["u1", "u2"] {
+        let vm: boxery_api::Vm = store.get_as(n).unwrap().expect("object kept");
+        assert!(
+            vm.status.conditions.iter().all(|c| c.type_ != "Lost"),
+            "{n} was not marked Lost"
+        );
+    }
+    fake.clear_faults().unwrap();
+    common::eventually(Duration::from_secs(30), || {
+        let vm: boxery_api::Vm = store.get_as("u1").unwrap().unwrap();
+        vm.status
+            .conditions
+            .iter()
+            .all(|c| c.type_ != "BackendReachable")
+            .then_some(())
+    })
+    .expect("BackendReachable cleared once the backend answers");
+    converge(&home);
+}
+
+#[test]
+fn lost_vms_and_orphans() {
+    let home = Home::new();
+    let fake = home.fake();
+    let _serve = home.serve(&[]);
+    home.ok(&["new", "l1"]);
+    home.ok(&["wait", "vm", "l1", "--for=condition=Ready", "--timeout=30s"]);
+    // Deleted behind our back: Lost, with a warning event; never recreated silently.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(fake.remove("l1")).unwrap();
+    home.ok(&["wait", "vm", "l1", "--for=condition=Lost", "--timeout=30s"]);
+    assert_eq!(
+        home.ok(&[
+            "get",
+            "vm",
+            "l1",
+            "-o",
+            "jsonpath={.status.printableStatus}"
+        ])
+        .trim(),
+        "Lost"
+    );
+    assert!(home.ok(&["events", "vm", "l1"]).contains("Lost"));
+    // A marked orphan (made by boxery for an object that is gone) is removed; a foreign VM is not.
+    fake.add_vm(
+        "orphan",
+        Some("00000000-dead-beef-0000-000000000000"),
+        PowerState::Running,
+    )
+    .unwrap();
+    fake.add_vm("foreign", None, PowerState::Running).unwrap();
+    fake.add_image("orphan-img", Some("00000000-dead-beef-0000-000000000001"))
+        .unwrap();
+    fake.add_image("foreign-img", None).unwrap();
+    common::eventually(Duration::from_secs(30), || {
+        (fake.vm_record("orphan").unwrap().is_none()
+            && fake.image_record("orphan-img").unwrap().is_none())
+        .then_some(())
+    })
+    .expect("marked orphans removed");
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        fake.vm_record("foreign").unwrap().is_some(),
+        "a VM boxery did not make is never touched"
+    );
+    assert!(
+        fake.image_record("foreign-img").unwrap().is_some(),
+        "an image boxery did not make is never touched"
+    );
+    // The Lost VM can be deleted.
+    home.ok(&["rm", "l1", "--wait", "--timeout", "30s"]);
+}
+
+#[test]
+fn crash_inside_create_and_capture() {
+    for step in [
+        "create.disk",
+        "create.commit",
+        "create.done",
+        "capture.copy",
+        "capture.commit",
+        "reimage.swap",
+    ] {
+        let home = Home::new();
+        let fake = home.fake();
+        let mut serve = home.serve(&[]);
+        home.ok(&["new", "c1"]);
+        home.ok(&["wait", "vm", "c1", "--for=condition=Ready", "--timeout=30s"]);
+        home.ok(&["snap", "c1", "base"]);
+        home.ok(&[
+            "wait",
+            "image",
+            "c1.base",
+            "--for=condition=Ready",
+            "--timeout=30s",
+        ]);
+        // The next call of `step` kills the control plane right inside the step.
+        fake.set_faults(&FaultConfig::rules([FaultRule::new(
+            step,
+            FaultAction::Exit,
+        )
+        .nth(1)]))
+            .unwrap();
+        home.ok(&["new", "c2"]);
+        home.ok(&["snap", "c1", "s2"]);
+        home.ok(&["revert", "c1", "base"]);
+        let died = common::eventually(Duration::from_secs(20), || (!serve.alive()).then_some(()));
+        assert!(died.is_some(), "{step}: the injected crash never happened");
+        fake.clear_faults().unwrap();
+        serve = home.serve(&[]);
+        converge(&home);
+        drop(serve);
+    }
+}
