@@ -392,7 +392,7 @@ impl Store {
             std::fs::create_dir_all(dir).map_err(open_err)?;
         }
         let mut writer = connect(path, options.busy_timeout)?;
-        schema::init(&mut writer, path)?;
+        schema::init(&mut writer, path, options.busy_timeout)?;
         let rev = schema::meta(&writer, "revision").map_err(|source| StoreError::OpenDb {
             path: path.display().to_string(),
             source,

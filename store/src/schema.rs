@@ -12,9 +12,9 @@
 //! - `leaders(lock, holder, pid, boot_id, start_time, epoch, expires_ms)`: leader election.
 
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use rusqlite::{Connection, OpenFlags, TransactionBehavior};
+use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
 
 use crate::{Result, StoreError};
 
@@ -79,11 +79,12 @@ pub(crate) fn connect(path: &Path, busy_timeout: Duration) -> Result<Connection>
         | OpenFlags::SQLITE_OPEN_URI;
     let conn = Connection::open_with_flags(path, flags).map_err(open_db)?;
     conn.busy_timeout(busy_timeout).map_err(open_db)?;
-    // Switching to WAL needs a moment of exclusive access; the busy timeout covers a race
-    // with another process opening the same new file.
-    let mode: String = conn
-        .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
-        .map_err(open_db)?;
+    // Switching to WAL needs a moment of exclusive access, and SQLite answers BUSY at once
+    // (without its busy handler) when another connection opens the same new file: retry.
+    let mode: String = retry_busy(busy_timeout, || {
+        conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+    })
+    .map_err(open_db)?;
     if !mode.eq_ignore_ascii_case("wal") {
         tracing::warn!(path = %path.display(), mode, "the store's file is not in WAL mode");
     }
@@ -92,8 +93,45 @@ pub(crate) fn connect(path: &Path, busy_timeout: Duration) -> Result<Connection>
     Ok(conn)
 }
 
+/// Run `f` again while SQLite answers BUSY or LOCKED without having waited (as it does while
+/// another connection sets up a new file), for up to `timeout`.
+fn retry_busy<T>(
+    timeout: Duration,
+    mut f: impl FnMut() -> rusqlite::Result<T>,
+) -> rusqlite::Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match f() {
+            Err(rusqlite::Error::SqliteFailure(e, _))
+                if matches!(e.code, ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked)
+                    && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Create the schema if the file is new; refuse a file written by a newer boxery.
-pub(crate) fn init(conn: &mut Connection, path: &Path) -> Result<()> {
+pub(crate) fn init(conn: &mut Connection, path: &Path, busy_timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + busy_timeout;
+    loop {
+        match init_once(conn, path) {
+            Err(StoreError::OpenDb {
+                source: rusqlite::Error::SqliteFailure(e, _),
+                ..
+            }) if matches!(e.code, ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked)
+                && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            other => return other,
+        }
+    }
+}
+
+fn init_once(conn: &mut Connection, path: &Path) -> Result<()> {
     let open_db = |source| StoreError::OpenDb {
         path: path.display().to_string(),
         source,

@@ -85,3 +85,25 @@ fn threads_with_their_own_connections_never_lose_an_update() {
     let conflicts = run((0..THREADS).map(|_| common::open(&path)).collect());
     check(&s, conflicts, "own handles");
 }
+
+#[test]
+fn many_handles_can_create_the_same_new_file_at_once() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("new.db");
+    let barrier = Arc::new(std::sync::Barrier::new(6));
+    let threads: Vec<_> = (0..6)
+        .map(|i| {
+            let (path, barrier) = (path.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                let s = common::open(&path);
+                s.create(vm(&format!("v{i}"))).unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let s = common::open(&path);
+    assert_eq!(s.list("Vm", &Default::default()).unwrap().0.len(), 6);
+}
