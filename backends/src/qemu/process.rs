@@ -483,6 +483,14 @@ pub async fn terminate(pid: i32, dir: &Path, grace: Duration) -> Result<(), Proc
     }
 }
 
+/// SIGKILL our QEMU `pid` for `dir` at once, without waiting (for drop guards in tests and
+/// benchmarks). Does nothing when the process is not ours.
+pub fn kill_now(pid: i32, dir: &Path) {
+    if is_our_qemu(pid, dir) {
+        let _ = signal(pid, rustix::process::Signal::KILL);
+    }
+}
+
 /// The resident memory of `pid` in bytes.
 pub fn rss_bytes(pid: i32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
