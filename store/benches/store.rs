@@ -13,8 +13,25 @@ use boxery_store::{Store, StoreOptions};
 use futures::StreamExt;
 use serde_json::json;
 
-const WRITES: usize = 5_000;
-const WATCHED: usize = 1_000;
+const CHILD_COUNT_ENV: &str = "BOXERY_STORE_BENCH_CHILD_COUNT";
+
+/// Objects written per series: 5,000 under `cargo bench`; a quick 100 when the binary runs as
+/// a test target (`cargo test --all-targets`), which passes no `--bench`.
+fn writes() -> usize {
+    if std::env::args().any(|a| a == "--bench") {
+        5_000
+    } else {
+        100
+    }
+}
+
+/// Objects the child process writes for the watch series.
+fn watched() -> usize {
+    match std::env::var(CHILD_COUNT_ENV) {
+        Ok(n) => n.parse().expect("count"),
+        Err(_) => writes() / 5,
+    }
+}
 const CHILD_ENV: &str = "BOXERY_STORE_BENCH_CHILD_DB";
 
 fn vm(name: &str) -> DynObject {
@@ -98,7 +115,7 @@ fn ms(d: Duration) -> f64 {
 /// The child process: writes objects stamped with their send time, paced 2 ms apart.
 fn child(path: &str) {
     let s = open(Path::new(path));
-    for i in 0..WATCHED {
+    for i in 0..watched() {
         let mut o = vm(&format!("w{i}"));
         o.metadata
             .annotations
@@ -110,20 +127,17 @@ fn child(path: &str) {
 
 fn store_writes(dir: &Path) -> (Series, Series, Series) {
     let s = open(&dir.join("store.db"));
-    let mut objs = Vec::with_capacity(WRITES);
-    let create = Series::run("Store::create (validate + write)", WRITES, |i| {
+    let n = writes();
+    let mut objs = Vec::with_capacity(n);
+    let create = Series::run("Store::create (validate + write)", n, |i| {
         objs.push(s.create(vm(&format!("vm{i}"))).expect("create"));
     });
-    let update = Series::run(
-        "Store::update (spec change, rv precondition)",
-        WRITES,
-        |i| {
-            let mut o = objs[i].clone();
-            o.rest.get_mut("spec").expect("spec")["resources"]["cpus"] = json!(4);
-            objs[i] = s.update(o).expect("update");
-        },
-    );
-    let status = Series::run("Store::update_status", WRITES, |i| {
+    let update = Series::run("Store::update (spec change, rv precondition)", n, |i| {
+        let mut o = objs[i].clone();
+        o.rest.get_mut("spec").expect("spec")["resources"]["cpus"] = json!(4);
+        objs[i] = s.update(o).expect("update");
+    });
+    let status = Series::run("Store::update_status", n, |i| {
         let mut o = objs[i].clone();
         o.rest.insert(
             "status".into(),
@@ -148,37 +162,36 @@ fn raw_inserts(dir: &Path) -> Series {
     )
     .expect("table");
     let json = serde_json::to_string(&vm("raw")).expect("json");
+    let n = writes();
     let mut stmt = conn
         .prepare("INSERT INTO kv (name, json) VALUES (?1, ?2)")
         .expect("prepare");
-    Series::run(
-        "raw rusqlite INSERT, one row per transaction",
-        WRITES,
-        |i| {
-            conn.execute_batch("BEGIN IMMEDIATE").expect("begin");
-            stmt.execute(rusqlite::params![format!("vm{i}"), json])
-                .expect("insert");
-            conn.execute_batch("COMMIT").expect("commit");
-        },
-    )
+    Series::run("raw rusqlite INSERT, one row per transaction", n, |i| {
+        conn.execute_batch("BEGIN IMMEDIATE").expect("begin");
+        stmt.execute(rusqlite::params![format!("vm{i}"), json])
+            .expect("insert");
+        conn.execute_batch("COMMIT").expect("commit");
+    })
 }
 
 fn reads(dir: &Path) -> (Series, Series) {
     let s = open(&dir.join("store.db"));
-    let get = Series::run("Store::get", WRITES, |i| {
+    let n = writes();
+    let get = Series::run("Store::get", n, |i| {
         s.get("Vm", &format!("vm{i}"))
             .expect("get")
             .expect("present");
     });
     let sel = "team=web".parse().expect("selector");
-    let list = Series::run("Store::list (5,000 Vms, selector)", 20, |_| {
-        assert_eq!(s.list("Vm", &sel).expect("list").0.len(), WRITES);
+    let list = Series::run("Store::list (all Vms, selector)", 20, |_| {
+        assert_eq!(s.list("Vm", &sel).expect("list").0.len(), n);
     });
     (get, list)
 }
 
 fn watch_latency(dir: &Path) -> Series {
     let path = dir.join("watch.db");
+    let n = watched();
     let s = open(&path);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -187,12 +200,13 @@ fn watch_latency(dir: &Path) -> Series {
     let mut w = s.watch(Some("Vm"), s.revision().expect("revision"));
     let mut child = std::process::Command::new(std::env::current_exe().expect("own path"))
         .env(CHILD_ENV, &path)
+        .env(CHILD_COUNT_ENV, n.to_string())
         .spawn()
         .expect("spawn the writer process");
     let start = Instant::now();
-    let mut lat = Vec::with_capacity(WATCHED);
+    let mut lat = Vec::with_capacity(n);
     rt.block_on(async {
-        while lat.len() < WATCHED {
+        while lat.len() < n {
             let next = tokio::time::timeout(Duration::from_secs(30), w.next()).await;
             let Ok(Some(Ok((_, ev)))) = next else {
                 panic!("watch ended or stalled: {next:?}")
@@ -241,6 +255,12 @@ fn main() {
     println!(
         "\n(ops/s of the watch row is the child's paced write rate; its latencies include the child's create call)"
     );
+    if writes() < 5_000 {
+        println!(
+            "quick smoke run (no --bench): run `cargo bench -p boxery-store --bench store` for figures"
+        );
+        return;
+    }
     println!(
         "targets: store write p99 <= 5 ms: {}; >= 3,000 writes/s: {}; watch p99 <= 50 ms: {}",
         ok(create.pct(0.99) <= Duration::from_millis(5)

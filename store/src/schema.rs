@@ -79,6 +79,8 @@ pub(crate) fn connect(path: &Path, busy_timeout: Duration) -> Result<Connection>
         | OpenFlags::SQLITE_OPEN_URI;
     let conn = Connection::open_with_flags(path, flags).map_err(open_db)?;
     conn.busy_timeout(busy_timeout).map_err(open_db)?;
+    // Every statement the store runs stays prepared.
+    conn.set_prepared_statement_cache_capacity(64);
     // Switching to WAL needs a moment of exclusive access, and SQLite answers BUSY at once
     // (without its busy handler) when another connection opens the same new file: retry.
     let mode: String = retry_busy(busy_timeout, || {
