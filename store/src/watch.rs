@@ -134,6 +134,8 @@ pub(crate) fn stream(
             }
         }
     })
+    // Polling again after the end is fine.
+    .fuse()
     .boxed()
 }
 

@@ -131,6 +131,7 @@ async fn too_old_after_compaction() {
         other => panic!("want TooOld, got {other:?}"),
     }
     assert!(w.next().await.is_none(), "TooOld ends the stream");
+    assert!(w.next().await.is_none(), "and stays ended");
     // The lagging watcher has 500 rows buffered at most, then learns it is too old.
     let mut last = 11;
     let err = loop {
