@@ -23,7 +23,7 @@ fn dump(home: &Home) -> String {
     let mut out = String::new();
     for t in tables {
         let mut stmt = conn
-            .prepare(&format!("SELECT * FROM \"{t}\" ORDER BY rowid"))
+            .prepare(&format!("SELECT * FROM \"{t}\""))
             .unwrap();
         let n = stmt.column_count();
         let rows = stmt
@@ -37,8 +37,10 @@ fn dump(home: &Home) -> String {
             })
             .unwrap();
         out.push_str(&format!("== {t}\n"));
+        let mut rows: Vec<String> = rows.map(Result::unwrap).collect();
+        rows.sort();
         for r in rows {
-            out.push_str(&r.unwrap());
+            out.push_str(&r);
             out.push('\n');
         }
     }

@@ -27,6 +27,20 @@ fn lifecycle_in_embedded_mode() {
     assert!(out.contains("vm/dev1 created"), "{out}");
     assert!(out.contains("vm/dev1 condition met"), "{out}");
 
+    // diff: 0 when the same, 1 when different.
+    assert_eq!(code(&home, &["diff", "-f", f.to_str().unwrap()]), 0);
+    let f2 = home.write(
+        "vm2.yaml",
+        &format!("{}  resources:\n    cpus: 2\n", vm_yaml("dev1")),
+    );
+    let out = home.run(&["diff", "-f", f2.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("+    cpus: 2"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
     let table = home.ok(&["get", "vm"]);
     let mut lines = table.lines();
     let header = lines.next().unwrap();
@@ -85,10 +99,10 @@ fn lifecycle_in_embedded_mode() {
     for n in ["dev2", "dev3"] {
         assert_eq!(fake.read_disk(n).unwrap(), b"forked", "{n}");
     }
-    assert!(
-        !home.ok(&["get", "images"]).contains("fork-source"),
-        "the fork's capture is removed once the forks exist"
-    );
+    // The fork's capture is removed once the forks exist.
+    for n in ["dev2", "dev3"] {
+        home.ok(&["wait", "image", &format!("{n}.fork-source"), "--for=delete", "--timeout=30s"]);
+    }
 
     // Stop, start, resize.
     home.ok(&["stop", "dev2", "--wait", "--timeout", "30s"]);
@@ -129,20 +143,6 @@ fn lifecycle_in_embedded_mode() {
     assert!(
         home.ok(&["describe", "vm", "dev2"])
             .contains("DiskShrinkRefused")
-    );
-
-    // diff: 0 when the same, 1 when different.
-    assert_eq!(code(&home, &["diff", "-f", f.to_str().unwrap()]), 0);
-    let f2 = home.write(
-        "vm2.yaml",
-        &format!("{}  resources:\n    cpus: 2\n", vm_yaml("dev1")),
-    );
-    let out = home.run(&["diff", "-f", f2.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("+    cpus: 2"),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
     );
 
     // wait: met, not found (3), timeout (4).
@@ -189,8 +189,9 @@ fn lifecycle_in_embedded_mode() {
     assert!(fake.vm_record("dev1").unwrap().is_none());
     // The forks keep working: images are independent.
     assert_eq!(fake.read_disk("dev2").unwrap(), b"forked");
+    // Events belong to their object: dev1's went with it, the forks' remain.
     let ev = home.ok(&["events"]);
-    assert!(ev.contains("Deleted") && ev.contains("Created"), "{ev}");
+    assert!(ev.contains("vm/dev2") && ev.contains("Created") && !ev.contains("vm/dev1 "), "{ev}");
 }
 
 #[test]

@@ -544,12 +544,10 @@ pub fn explain(path: &str) -> CliResult {
     let ty = r
         .get("type")
         .map(|t| t.to_string().trim_matches('"').to_string())
-        .unwrap_or_else(|| {
-            if r.get("oneOf").is_some() {
-                "one of".into()
-            } else {
-                "object".into()
-            }
+        .unwrap_or_else(|| match r.get("oneOf").and_then(Value::as_array) {
+            Some(alts) if alts.iter().all(|a| a.get("const").is_some() || a.get("enum").is_some()) => "string".into(),
+            Some(_) => "exactly one of".into(),
+            None => "object".into(),
         });
     let mut out = format!(
         "KIND:     {}\nVERSION:  {}\n\nFIELD:    {} <{}>\n\nDESCRIPTION:\n",
@@ -568,14 +566,23 @@ pub fn explain(path: &str) -> CliResult {
     for l in d.lines() {
         out.push_str(&format!("     {l}\n"));
     }
-    if let Some(vals) = r.get("enum").and_then(Value::as_array) {
-        out.push_str(&format!(
-            "\nVALUES:   {}\n",
-            vals.iter()
-                .map(|v| v.as_str().unwrap_or("").to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
+    let mut values: Vec<String> = r
+        .get("enum")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).map(str::to_string).collect())
+        .unwrap_or_default();
+    for alt in r.get("oneOf").and_then(Value::as_array).into_iter().flatten() {
+        let d = alt.get("description").and_then(Value::as_str).unwrap_or("");
+        let consts = alt.get("const").into_iter().chain(alt.get("enum").and_then(Value::as_array).into_iter().flatten());
+        for c in consts.filter_map(Value::as_str) {
+            values.push(if d.is_empty() { c.to_string() } else { format!("{c}: {d}") });
+        }
+    }
+    if !values.is_empty() {
+        out.push_str("\nVALUES:\n");
+        for v in &values {
+            out.push_str(&format!("   {v}\n"));
+        }
     }
     let mut fields: Vec<(String, Value)> = r
         .get("properties")
@@ -587,11 +594,6 @@ pub fn explain(path: &str) -> CliResult {
             if let Some(m) = alt.get("properties").and_then(Value::as_object) {
                 for (k, v) in m {
                     fields.push((k.clone(), v.clone()));
-                }
-            }
-            if let Some(e) = alt.get("enum").and_then(Value::as_array) {
-                for v in e {
-                    fields.push((v.as_str().unwrap_or("").to_string(), alt.clone()));
                 }
             }
         }

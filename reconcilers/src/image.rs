@@ -54,6 +54,15 @@ pub async fn reconcile(img: Arc<Image>, ctx: Arc<Ctx>) -> Result<Action> {
     let Some(img) = ctx.store.get_as::<Image>(img.name())? else {
         return Ok(Action::await_change());
     };
+    if let Some(wait) = crate::backoff::remaining(
+        img.status.failures,
+        img.status.last_failure.as_ref(),
+        img.status.observed_generation,
+        img.metadata.generation,
+        img.metadata.deletion_timestamp,
+    ) {
+        return Ok(Action::requeue(wait));
+    }
     let name = img.name().to_string();
     let source_vm = match &img.spec.source {
         ImageSource::Vm(v) => Some(v.clone()),
@@ -82,6 +91,7 @@ pub async fn reconcile(img: Arc<Image>, ctx: Arc<Ctx>) -> Result<Action> {
                     cur.status.phase = ImagePhase::Failed;
                 }
                 let generation = cur.metadata.generation;
+                cur.status.observed_generation = generation;
                 cur.status.conditions.set_condition(
                     "Ready",
                     ConditionStatus::False,

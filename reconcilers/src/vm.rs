@@ -64,6 +64,15 @@ pub async fn reconcile(vm: Arc<Vm>, ctx: Arc<Ctx>) -> Result<Action> {
     let Some(vm) = ctx.store.get_as::<Vm>(vm.name())? else {
         return Ok(Action::await_change());
     };
+    if let Some(wait) = crate::backoff::remaining(
+        vm.status.failures,
+        vm.status.last_failure.as_ref(),
+        vm.status.observed_generation,
+        vm.metadata.generation,
+        vm.metadata.deletion_timestamp,
+    ) {
+        return Ok(Action::requeue(wait));
+    }
     let lock = ctx.vm_lock(vm.name());
     let _guard = lock.lock().await;
     let name = vm.name().to_string();
@@ -85,6 +94,7 @@ pub async fn reconcile(vm: Arc<Vm>, ctx: Arc<Ctx>) -> Result<Action> {
                     at: now(),
                 });
                 let generation = cur.metadata.generation;
+                cur.status.observed_generation = generation;
                 cur.status.conditions.set_condition(
                     "Ready",
                     ConditionStatus::False,
