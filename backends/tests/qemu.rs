@@ -250,3 +250,266 @@ async fn lifecycle_capture_reimage_fork_resize_remove() {
     assert_eq!(left(b.layout().images()), 0, "image files left");
     assert_eq!(left(b.layout().ports()), 0, "ports left reserved");
 }
+
+/// Nothing of VM `vm` is left in the state dir.
+fn nothing_left(env: &Env, vm: &str) {
+    let l = env.backend.layout();
+    assert!(!l.vm_dir(vm).exists(), "{} is left", l.vm_dir(vm).display());
+    assert_eq!(
+        std::fs::read_dir(l.ports()).unwrap().count(),
+        0,
+        "a port is left reserved"
+    );
+    assert!(env.qemu_pids().is_empty(), "a QEMU is left");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_invalid_and_leave_nothing() {
+    use boxery_backends::BackendError;
+    let env = Env::new().await;
+    let b = &env.backend;
+    env.tiny_image("tiny").await;
+
+    let mut vm = env.vm("bad", "tiny");
+    vm.cpus = 4096;
+    let e = b.create(&vm).await.unwrap_err();
+    assert!(
+        matches!(&e, BackendError::Invalid(m) if m.contains("CPUs")),
+        "{e}"
+    );
+    let mut vm = env.vm("bad", "tiny");
+    vm.memory_mib = 1 << 30;
+    let e = b.create(&vm).await.unwrap_err();
+    assert!(
+        matches!(&e, BackendError::Invalid(m) if m.contains("memory")),
+        "{e}"
+    );
+    let mut vm = env.vm("bad", "tiny");
+    vm.disk_gib = 0;
+    let e = b.create(&vm).await.unwrap_err();
+    assert!(
+        matches!(&e, BackendError::Invalid(m) if m.contains("smaller than image")),
+        "{e}"
+    );
+    nothing_left(&env, "bad");
+    let e = b.create(&env.vm("bad", "no-such-image")).await.unwrap_err();
+    assert!(matches!(&e, BackendError::NotFound { .. }), "{e}");
+    nothing_left(&env, "bad");
+
+    // QEMU missing
+    let mut cfg = b.config().clone();
+    cfg.qemu = "/nonexistent/qemu-system-x86_64".into();
+    let missing = boxery_backends::qemu::QemuBackend::with_config(
+        b.layout().root().to_path_buf(),
+        cfg.clone(),
+    );
+    let e = missing.create(&env.vm("bad", "tiny")).await.unwrap_err();
+    assert!(
+        matches!(&e, BackendError::Invalid(m) if m.contains("install-deps")),
+        "{e}"
+    );
+    assert!(missing.check().await.is_err());
+    nothing_left(&env, "bad");
+
+    // QEMU failing to start: its stderr is in the error
+    let fake = env.tmp.path().join("qemu-fails");
+    std::fs::write(&fake, "#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'qemu-system-x86_64: -device virtio-blk-pci: boom, no such device' >&2\nexit 1\n").unwrap();
+    std::process::Command::new("chmod")
+        .arg("+x")
+        .arg(&fake)
+        .status()
+        .unwrap();
+    cfg.qemu = fake;
+    let failing =
+        boxery_backends::qemu::QemuBackend::with_config(b.layout().root().to_path_buf(), cfg);
+    let e = failing.create(&env.vm("bad", "tiny")).await.unwrap_err();
+    assert!(
+        matches!(&e, BackendError::Invalid(m) if m.contains("boom, no such device")),
+        "{e}"
+    );
+    nothing_left(&env, "bad");
+
+    // a name taken by another object
+    let mut vm = env.vm("taken", "tiny");
+    vm.start = false;
+    b.create(&vm).await.unwrap();
+    b.create(&vm).await.unwrap(); // the same object again: fine
+    let mut other = env.vm("taken", "tiny");
+    other.uid = "someone-else".into();
+    other.start = false;
+    let e = b.create(&other).await.unwrap_err();
+    assert!(
+        matches!(&e, BackendError::Invalid(m) if m.contains("another object")),
+        "{e}"
+    );
+
+    // its port taken by another process: start fails saying so, and works once it is free
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(b.layout().vm_config("taken")).unwrap()).unwrap();
+    let port = cfg["port"].as_u64().unwrap() as u16;
+    let squatter = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let e = b.start("taken").await.unwrap_err();
+    assert!(
+        e.to_string()
+            .contains(&format!("127.0.0.1:{port} is taken")),
+        "{e}"
+    );
+    assert_eq!(
+        b.get("taken").await.unwrap().unwrap().state,
+        PowerState::Stopped
+    );
+    drop(squatter);
+    b.start("taken").await.unwrap();
+    env.wait_ssh("taken", BOOT).await;
+    b.remove("taken").await.unwrap();
+    nothing_left(&env, "taken");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_hooks_reattach_and_inventory_errors() {
+    use boxery_backends::qemu::QemuBackend;
+    let env = Env::new().await;
+    let b = &env.backend;
+    env.tiny_image("tiny").await;
+    b.create(&env.vm("r1", "tiny")).await.unwrap();
+    env.wait_ssh("r1", BOOT).await;
+
+    // a control plane restart: a new backend on the same dir finds the running VM
+    let again = QemuBackend::with_config(b.layout().root().to_path_buf(), b.config().clone());
+    let info = again.get("r1").await.unwrap().unwrap();
+    assert_eq!(info.state, PowerState::Running);
+    assert_eq!(again.list().await.unwrap().len(), 1);
+
+    // a QEMU killed behind our back is a stopped VM, and starts again
+    let pid = b.pid("r1").unwrap();
+    boxery_backends::qemu::process::kill_now(pid, &b.layout().vm_dir("r1"));
+    assert!(boxery_backends::qemu::process::wait_gone(pid, Duration::from_secs(10)).await);
+    assert_eq!(
+        again.get("r1").await.unwrap().unwrap().state,
+        PowerState::Stopped
+    );
+    again.start("r1").await.unwrap();
+    env.wait_ssh("r1", BOOT).await;
+
+    // a capture whose control plane died mid-way: the stream is still running in QEMU, a
+    // restarted backend finishes it; then one that died between snapshot and publishing
+    env.run("r1", "dd if=/dev/urandom of=/home/agent/big bs=1M count=150 2>/dev/null && md5sum /home/agent/big > /home/agent/big.md5 && sync").await;
+    b.capture("r1", "r1.s1", "uid-s1").await.unwrap();
+    again
+        .wait_settled("r1", Duration::from_secs(120))
+        .await
+        .unwrap();
+    one_overlay_on_base(&env, "r1").await;
+    {
+        use boxery_backends::qemu::qmp::Qmp;
+        let l = b.layout();
+        let mut q = Qmp::connect(&l.vm_qmp("r1"), Duration::from_secs(10))
+            .await
+            .unwrap();
+        let disks: Vec<u64> = std::fs::read_dir(l.vm_dir("r1"))
+            .unwrap()
+            .flatten()
+            .filter_map(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .strip_prefix("disk-")?
+                    .strip_suffix(".qcow2")?
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        let g = disks[0];
+        q.blockdev_snapshot_sync(
+            &format!("ov{g}"),
+            &l.vm_disk("r1", g + 1),
+            &format!("ov{}", g + 1),
+        )
+        .await
+        .unwrap();
+        // and an overlay QEMU never switched to, as a kill between create and switch leaves
+        std::process::Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+            .arg(l.vm_disk("r1", g + 1))
+            .arg(l.vm_disk("r1", g + 2))
+            .output()
+            .unwrap();
+        std::fs::write(l.images().join(".r1.s2.qcow2.part"), b"partial").unwrap();
+    }
+    for _ in 0..2 {
+        again
+            .recover_capture("r1", "r1.s2", Some(PowerState::Running))
+            .await
+            .unwrap();
+    }
+    assert!(!b.layout().images().join(".r1.s2.qcow2.part").exists());
+    assert_eq!(
+        b.get("r1").await.unwrap().unwrap().state,
+        PowerState::Running
+    );
+    again
+        .wait_settled("r1", Duration::from_secs(120))
+        .await
+        .unwrap();
+    one_overlay_on_base(&env, "r1").await;
+    assert_eq!(
+        env.run("r1", "md5sum -c /home/agent/big.md5 >/dev/null && echo ok")
+            .await,
+        "ok"
+    );
+
+    // a stream cut short by a stop: the next start pulls the data offline
+    b.capture("r1", "r1.s3", "uid-s3").await.unwrap();
+    b.stop("r1").await.unwrap();
+    b.start("r1").await.unwrap();
+    one_overlay_on_base(&env, "r1").await;
+    env.wait_ssh("r1", BOOT).await;
+    assert_eq!(
+        env.run("r1", "md5sum -c /home/agent/big.md5 >/dev/null && echo ok")
+            .await,
+        "ok"
+    );
+
+    // a create that died before its commit point: cleanup_new kills its QEMU and removes it
+    std::fs::remove_file(b.layout().vm_config("r1")).unwrap();
+    assert!(
+        b.get("r1").await.unwrap().is_none(),
+        "incomplete VMs are not listed"
+    );
+    for _ in 0..2 {
+        again.cleanup_new("r1").await.unwrap();
+    }
+    nothing_left(&env, "r1");
+
+    // a half-written image: cleanup_image removes it, twice
+    std::fs::write(b.layout().image_disk("half"), b"x").unwrap();
+    std::fs::write(b.layout().images().join(".half.qcow2.part"), b"x").unwrap();
+    for _ in 0..2 {
+        b.cleanup_image("half").await.unwrap();
+    }
+    assert!(!b.layout().image_disk("half").exists());
+    // r1.s1 and r1.s3 are complete and independent: a VM from r1.s3 has the data
+    b.remove_image("r1.s1").await.unwrap();
+    b.create(&env.vm("r2", "r1.s3")).await.unwrap();
+    env.wait_ssh("r2", BOOT).await;
+    assert_eq!(
+        env.run("r2", "md5sum -c /home/agent/big.md5 >/dev/null && echo ok")
+            .await,
+        "ok"
+    );
+    b.remove("r2").await.unwrap();
+
+    // an unreadable state dir is an error, never an empty inventory
+    let broken = env.tmp.path().join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::write(broken.join("vms"), b"not a dir").unwrap();
+    std::fs::write(broken.join("images"), b"not a dir").unwrap();
+    let bad = QemuBackend::with_config(broken, b.config().clone());
+    assert!(matches!(
+        bad.list().await,
+        Err(boxery_backends::BackendError::Unreachable { .. })
+    ));
+    assert!(matches!(
+        bad.images().await,
+        Err(boxery_backends::BackendError::Unreachable { .. })
+    ));
+}

@@ -532,7 +532,7 @@ impl Inner {
             && q.system_powerdown().await.is_ok()
         {
             drop(q);
-            if process::wait_gone(pid, &dir, self.config.powerdown_timeout).await {
+            if process::wait_gone(pid, self.config.powerdown_timeout).await {
                 self.clear_runtime_files(name);
                 return Ok(());
             }
@@ -541,7 +541,7 @@ impl Inner {
         if let Ok(Ok(mut q)) = tokio::time::timeout(Duration::from_secs(5), self.qmp(name)).await {
             let _ = q.quit().await;
             drop(q);
-            if process::wait_gone(pid, &dir, Duration::from_secs(10)).await {
+            if process::wait_gone(pid, Duration::from_secs(10)).await {
                 self.clear_runtime_files(name);
                 return Ok(());
             }

@@ -449,11 +449,26 @@ fn signal(pid: i32, sig: rustix::process::Signal) -> Result<(), ProcessError> {
     }
 }
 
-/// Wait until `pid` is no longer our QEMU for `dir`; `true` when it is gone in time.
-pub async fn wait_gone(pid: i32, dir: &Path, timeout: Duration) -> bool {
+/// Whether `pid` exists and has not exited (a zombie has: it holds no files or sockets).
+/// A process that is exiting loses its command line before it closes its sockets, so this,
+/// not [`is_our_qemu`], tells when its port is free again.
+pub fn is_alive(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // "PID (comm) STATE ...": the state follows the last ')'
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next());
+    !matches!(state, Some('Z' | 'X') | None)
+}
+
+/// Wait until `pid` (checked to be our QEMU by the caller) has exited; `true` when it is gone
+/// in time.
+pub async fn wait_gone(pid: i32, timeout: Duration) -> bool {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        if !is_our_qemu(pid, dir) {
+        if !is_alive(pid) {
             return true;
         }
         if tokio::time::Instant::now() >= deadline {
@@ -470,13 +485,13 @@ pub async fn terminate(pid: i32, dir: &Path, grace: Duration) -> Result<(), Proc
         return Ok(());
     }
     signal(pid, rustix::process::Signal::TERM)?;
-    if wait_gone(pid, dir, grace).await {
+    if wait_gone(pid, grace).await {
         return Ok(());
     }
-    if is_our_qemu(pid, dir) {
+    if is_alive(pid) {
         signal(pid, rustix::process::Signal::KILL)?;
     }
-    if wait_gone(pid, dir, Duration::from_secs(10)).await {
+    if wait_gone(pid, Duration::from_secs(10)).await {
         Ok(())
     } else {
         Err(ProcessError::Unkillable { pid })
