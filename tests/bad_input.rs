@@ -22,9 +22,7 @@ fn dump(home: &Home) -> String {
     tables.retain(|t| !t.starts_with("sqlite_"));
     let mut out = String::new();
     for t in tables {
-        let mut stmt = conn
-            .prepare(&format!("SELECT * FROM \"{t}\""))
-            .unwrap();
+        let mut stmt = conn.prepare(&format!("SELECT * FROM \"{t}\"")).unwrap();
         let n = stmt.column_count();
         let rows = stmt
             .query_map([], |r| {

@@ -101,7 +101,13 @@ fn lifecycle_in_embedded_mode() {
     }
     // The fork's capture is removed once the forks exist.
     for n in ["dev2", "dev3"] {
-        home.ok(&["wait", "image", &format!("{n}.fork-source"), "--for=delete", "--timeout=30s"]);
+        home.ok(&[
+            "wait",
+            "image",
+            &format!("{n}.fork-source"),
+            "--for=delete",
+            "--timeout=30s",
+        ]);
     }
 
     // Stop, start, resize.
@@ -191,7 +197,10 @@ fn lifecycle_in_embedded_mode() {
     assert_eq!(fake.read_disk("dev2").unwrap(), b"forked");
     // Events belong to their object: dev1's went with it, the forks' remain.
     let ev = home.ok(&["events"]);
-    assert!(ev.contains("vm/dev2") && ev.contains("Created") && !ev.contains("vm/dev1 "), "{ev}");
+    assert!(
+        ev.contains("vm/dev2") && ev.contains("Created") && !ev.contains("vm/dev1 "),
+        "{ev}"
+    );
 }
 
 #[test]
@@ -282,7 +291,7 @@ fn prune_and_dry_run() {
     home.ok(&["apply", "-f", f.to_str().unwrap()]);
     // An object created by hand (no last-applied record) is never pruned.
     home.ok(&["new", "byhand"]);
-    let one = home.write("one.yaml", &both.split("---").next().unwrap().to_string());
+    let one = home.write("one.yaml", both.split("---").next().unwrap());
     let out = home.ok(&[
         "apply",
         "-f",

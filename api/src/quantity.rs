@@ -81,7 +81,7 @@ impl fmt::Display for Quantity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let b = self.0;
         for (shift, unit) in [(50, "Pi"), (40, "Ti"), (30, "Gi"), (20, "Mi"), (10, "Ki")] {
-            if b != 0 && b % (1u64 << shift) == 0 {
+            if b != 0 && b.is_multiple_of(1u64 << shift) {
                 return write!(f, "{}{}", b >> shift, unit);
             }
         }

@@ -304,29 +304,29 @@ pub const MAX_DISK: Quantity = Quantity::gib(16 * 1024);
 fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
     let mut errs = Vec::new();
     let r = &vm.spec.resources;
-    if let Some(m) = r.memory {
-        if m < MIN_MEMORY || m > MAX_MEMORY {
-            errs.push(FieldError::new(
-                "spec.resources.memory",
-                format!("{m} is out of range: use 64Mi to 256Gi"),
-            ));
-        }
+    if let Some(m) = r.memory
+        && (m < MIN_MEMORY || m > MAX_MEMORY)
+    {
+        errs.push(FieldError::new(
+            "spec.resources.memory",
+            format!("{m} is out of range: use 64Mi to 256Gi"),
+        ));
     }
-    if let Some(d) = r.disk {
-        if d < MIN_DISK || d > MAX_DISK {
-            errs.push(FieldError::new(
-                "spec.resources.disk",
-                format!("{d} is out of range: use 1Gi to 16Ti"),
-            ));
-        }
+    if let Some(d) = r.disk
+        && (d < MIN_DISK || d > MAX_DISK)
+    {
+        errs.push(FieldError::new(
+            "spec.resources.disk",
+            format!("{d} is out of range: use 1Gi to 16Ti"),
+        ));
     }
-    if let Some(c) = r.cpus {
-        if c == 0 || c > MAX_CPUS {
-            errs.push(FieldError::new(
-                "spec.resources.cpus",
-                format!("{c} is out of range: use 1 to {MAX_CPUS}"),
-            ));
-        }
+    if let Some(c) = r.cpus
+        && (c == 0 || c > MAX_CPUS)
+    {
+        errs.push(FieldError::new(
+            "spec.resources.cpus",
+            format!("{c} is out of range: use 1 to {MAX_CPUS}"),
+        ));
     }
     let src = vm.spec.source.name().to_string();
     let path = match vm.spec.source {
@@ -347,10 +347,10 @@ fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
             "a VM cannot be forked from itself".into(),
         ));
     }
-    if let Some(r) = &vm.spec.restore {
-        if let Err(e) = crate::validate::check_subdomain_name(&r.image) {
-            errs.push(FieldError::new("spec.restore.image", e));
-        }
+    if let Some(r) = &vm.spec.restore
+        && let Err(e) = crate::validate::check_subdomain_name(&r.image)
+    {
+        errs.push(FieldError::new("spec.restore.image", e));
     }
     // Defaults are written into the object, so an upgrade never changes a stored VM's size.
     let eff = vm.spec.resources.effective();

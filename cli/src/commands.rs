@@ -545,7 +545,13 @@ pub fn explain(path: &str) -> CliResult {
         .get("type")
         .map(|t| t.to_string().trim_matches('"').to_string())
         .unwrap_or_else(|| match r.get("oneOf").and_then(Value::as_array) {
-            Some(alts) if alts.iter().all(|a| a.get("const").is_some() || a.get("enum").is_some()) => "string".into(),
+            Some(alts)
+                if alts
+                    .iter()
+                    .all(|a| a.get("const").is_some() || a.get("enum").is_some()) =>
+            {
+                "string".into()
+            }
             Some(_) => "exactly one of".into(),
             None => "object".into(),
         });
@@ -569,13 +575,32 @@ pub fn explain(path: &str) -> CliResult {
     let mut values: Vec<String> = r
         .get("enum")
         .and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(Value::as_str).map(str::to_string).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_string)
+                .collect()
+        })
         .unwrap_or_default();
-    for alt in r.get("oneOf").and_then(Value::as_array).into_iter().flatten() {
+    for alt in r
+        .get("oneOf")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
         let d = alt.get("description").and_then(Value::as_str).unwrap_or("");
-        let consts = alt.get("const").into_iter().chain(alt.get("enum").and_then(Value::as_array).into_iter().flatten());
+        let consts = alt.get("const").into_iter().chain(
+            alt.get("enum")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten(),
+        );
         for c in consts.filter_map(Value::as_str) {
-            values.push(if d.is_empty() { c.to_string() } else { format!("{c}: {d}") });
+            values.push(if d.is_empty() {
+                c.to_string()
+            } else {
+                format!("{c}: {d}")
+            });
         }
     }
     if !values.is_empty() {

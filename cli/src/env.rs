@@ -68,7 +68,7 @@ impl Env {
 
     /// The backend.
     pub fn backend(&self) -> CliResult<Arc<dyn Backend>> {
-        boxery_backends::by_name(&self.backend_name, &self.home).map_err(|e| CliError::invalid(e))
+        boxery_backends::by_name(&self.backend_name, &self.home).map_err(CliError::invalid)
     }
 }
 

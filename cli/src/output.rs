@@ -121,10 +121,12 @@ fn source(o: &Value) -> String {
     }
 }
 
+/// A printer column: its header and how to compute a cell.
+pub type Column = (&'static str, fn(&Value) -> String);
+
 /// Column headers and cells for a kind.
-pub fn columns(kind: &str, wide: bool) -> Vec<(&'static str, fn(&Value) -> String)> {
-    let mut cols: Vec<(&'static str, fn(&Value) -> String)> =
-        vec![("NAME", |o| s(ptr(o, "/metadata/name")))];
+pub fn columns(kind: &str, wide: bool) -> Vec<Column> {
+    let mut cols: Vec<Column> = vec![("NAME", |o| s(ptr(o, "/metadata/name")))];
     match kind {
         "Vm" => {
             cols.push(("STATUS", status_word));

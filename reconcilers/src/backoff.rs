@@ -54,9 +54,16 @@ mod tests {
 
     #[test]
     fn skipped_on_change() {
-        let f = Failure { step: "create".into(), message: "x".into(), at: boxery_api::now() };
+        let f = Failure {
+            step: "create".into(),
+            message: "x".into(),
+            at: boxery_api::now(),
+        };
         assert!(remaining(3, Some(&f), Some(1), Some(1), None).is_some());
-        assert!(remaining(3, Some(&f), Some(1), Some(2), None).is_none(), "a new spec retries at once");
+        assert!(
+            remaining(3, Some(&f), Some(1), Some(2), None).is_none(),
+            "a new spec retries at once"
+        );
         assert!(remaining(0, Some(&f), Some(1), Some(1), None).is_none());
     }
 }

@@ -36,12 +36,12 @@ pub fn printable(img: &Image) -> String {
     if img.metadata.is_deleting() {
         return "Terminating".into();
     }
-    if img.status.phase == ImagePhase::Pending {
-        if let Some(c) = img.status.conditions.get_condition("Ready") {
-            if c.status == ConditionStatus::False && !c.reason.is_empty() {
-                return c.reason.clone();
-            }
-        }
+    if img.status.phase == ImagePhase::Pending
+        && let Some(c) = img.status.conditions.get_condition("Ready")
+        && c.status == ConditionStatus::False
+        && !c.reason.is_empty()
+    {
+        return c.reason.clone();
     }
     if img.status.phase == ImagePhase::Failed && img.status.last_failure.is_some() {
         return "ErrorBackoff".into();
@@ -75,39 +75,39 @@ pub async fn reconcile(img: Arc<Image>, ctx: Arc<Ctx>) -> Result<Action> {
     };
     let res = step(img, &ctx).await;
     if let Err(e) = &res {
-        if !matches!(e, ReconcileError::Store(StoreError::Conflict { .. })) {
-            if let Ok(Some(mut cur)) = ctx.store.get_as::<Image>(&name) {
-                let step = match e {
-                    ReconcileError::Backend { step, .. } => step.to_string(),
-                    ReconcileError::Store(_) => "store".into(),
-                };
-                cur.status.failures += 1;
-                cur.status.last_failure = Some(Failure {
-                    step: step.clone(),
-                    message: e.chain(),
-                    at: now(),
-                });
-                if cur.status.phase != ImagePhase::Ready && !cur.metadata.is_deleting() {
-                    cur.status.phase = ImagePhase::Failed;
-                }
-                let generation = cur.metadata.generation;
-                cur.status.observed_generation = generation;
-                cur.status.conditions.set_condition(
-                    "Ready",
-                    ConditionStatus::False,
-                    "StepFailed",
-                    &format!("{step} failed: {}", e.chain()),
-                    generation,
-                );
-                cur.status.printable_status = Some(printable(&cur));
-                let _ = ctx.store.update_status_as(&cur);
-                ctx.event(
-                    &cur,
-                    EventType::Warning,
-                    "StepFailed",
-                    &format!("{step} failed: {}", e.chain()),
-                );
+        if !matches!(e, ReconcileError::Store(StoreError::Conflict { .. }))
+            && let Ok(Some(mut cur)) = ctx.store.get_as::<Image>(&name)
+        {
+            let step = match e {
+                ReconcileError::Backend { step, .. } => step.to_string(),
+                ReconcileError::Store(_) => "store".into(),
+            };
+            cur.status.failures += 1;
+            cur.status.last_failure = Some(Failure {
+                step: step.clone(),
+                message: e.chain(),
+                at: now(),
+            });
+            if cur.status.phase != ImagePhase::Ready && !cur.metadata.is_deleting() {
+                cur.status.phase = ImagePhase::Failed;
             }
+            let generation = cur.metadata.generation;
+            cur.status.observed_generation = generation;
+            cur.status.conditions.set_condition(
+                "Ready",
+                ConditionStatus::False,
+                "StepFailed",
+                &format!("{step} failed: {}", e.chain()),
+                generation,
+            );
+            cur.status.printable_status = Some(printable(&cur));
+            let _ = ctx.store.update_status_as(&cur);
+            ctx.event(
+                &cur,
+                EventType::Warning,
+                "StepFailed",
+                &format!("{step} failed: {}", e.chain()),
+            );
         }
         tracing::warn!(object = %format!("Image/{name}"), error = %e.chain(), "reconcile failed");
     }
@@ -128,16 +128,15 @@ async fn step(mut img: Image, ctx: &Ctx) -> Result<Action> {
             img.status.printable_status = Some("Terminating".into());
             img = save(ctx, &img)?;
         }
-        if let Some(op) = &img.status.operation {
-            if op.type_ == OperationType::Capture {
-                if let ImageSource::Vm(v) = &img.spec.source {
-                    let orig = original_state(op);
-                    ctx.backend
-                        .recover_capture(v, &name, orig)
-                        .await
-                        .map_err(|e| ReconcileError::backend("recover_capture", &obj, e))?;
-                }
-            }
+        if let Some(op) = &img.status.operation
+            && op.type_ == OperationType::Capture
+            && let ImageSource::Vm(v) = &img.spec.source
+        {
+            let orig = original_state(op);
+            ctx.backend
+                .recover_capture(v, &name, orig)
+                .await
+                .map_err(|e| ReconcileError::backend("recover_capture", &obj, e))?;
         }
         ctx.backend
             .remove_image(&name)

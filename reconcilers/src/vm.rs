@@ -80,44 +80,44 @@ pub async fn reconcile(vm: Arc<Vm>, ctx: Arc<Ctx>) -> Result<Action> {
     let res = step(vm, &ctx).await;
     if let Err(e) = &res {
         // Record the failure in status so `describe` shows it, with the backoff the runtime applies.
-        if let Ok(Some(mut cur)) = ctx.store.get_as::<Vm>(&name) {
-            if !matches!(e, ReconcileError::Store(StoreError::Conflict { .. })) {
-                cur.status.failures += 1;
-                let step = match e {
-                    ReconcileError::Backend { step, .. } => step.to_string(),
-                    ReconcileError::Store(_) => "store".into(),
-                };
-                let msg = e.chain();
-                cur.status.last_failure = Some(Failure {
-                    step: step.clone(),
-                    message: msg.clone(),
-                    at: now(),
-                });
-                let generation = cur.metadata.generation;
-                cur.status.observed_generation = generation;
-                cur.status.conditions.set_condition(
-                    "Ready",
-                    ConditionStatus::False,
-                    if e.is_terminal() {
-                        "InvalidRequest"
-                    } else {
-                        "StepFailed"
-                    },
-                    &format!("{step} failed: {msg}"),
-                    generation,
-                );
-                if cur.status.phase == VmPhase::Pending || cur.status.phase == VmPhase::Creating {
-                    cur.status.phase = VmPhase::Failed;
-                }
-                cur.status.printable_status = Some(printable(&cur));
-                let _ = ctx.store.update_status_as(&cur);
-                ctx.event(
-                    &cur,
-                    EventType::Warning,
-                    "StepFailed",
-                    &format!("{step} failed: {msg}"),
-                );
+        if let Ok(Some(mut cur)) = ctx.store.get_as::<Vm>(&name)
+            && !matches!(e, ReconcileError::Store(StoreError::Conflict { .. }))
+        {
+            cur.status.failures += 1;
+            let step = match e {
+                ReconcileError::Backend { step, .. } => step.to_string(),
+                ReconcileError::Store(_) => "store".into(),
+            };
+            let msg = e.chain();
+            cur.status.last_failure = Some(Failure {
+                step: step.clone(),
+                message: msg.clone(),
+                at: now(),
+            });
+            let generation = cur.metadata.generation;
+            cur.status.observed_generation = generation;
+            cur.status.conditions.set_condition(
+                "Ready",
+                ConditionStatus::False,
+                if e.is_terminal() {
+                    "InvalidRequest"
+                } else {
+                    "StepFailed"
+                },
+                &format!("{step} failed: {msg}"),
+                generation,
+            );
+            if cur.status.phase == VmPhase::Pending || cur.status.phase == VmPhase::Creating {
+                cur.status.phase = VmPhase::Failed;
             }
+            cur.status.printable_status = Some(printable(&cur));
+            let _ = ctx.store.update_status_as(&cur);
+            ctx.event(
+                &cur,
+                EventType::Warning,
+                "StepFailed",
+                &format!("{step} failed: {msg}"),
+            );
         }
         tracing::warn!(object = %key, error = %e.chain(), "reconcile failed");
     }
@@ -299,10 +299,10 @@ pub fn printable(vm: &Vm) -> String {
     {
         return "Lost".into();
     }
-    if let Some(c) = vm.status.conditions.get_condition("ImageAvailable") {
-        if c.status == ConditionStatus::False {
-            return c.reason.clone();
-        }
+    if let Some(c) = vm.status.conditions.get_condition("ImageAvailable")
+        && c.status == ConditionStatus::False
+    {
+        return c.reason.clone();
     }
     if vm.status.phase == VmPhase::Failed {
         return if vm.status.last_failure.is_some() {
@@ -490,7 +490,6 @@ fn identity_for(vm: &Vm) -> boxery_backends::Identity {
 
 /// Resolve the image a new VM is made from; `Ok(None)` means wait (status already written).
 fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
-    let generation = vm.metadata.generation;
     let (image_name, wait_msg) = match &vm.spec.source {
         VmSource::Image(n) | VmSource::Base(n) => (n.clone(), None),
         VmSource::Vm(src) => {

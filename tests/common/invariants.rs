@@ -40,10 +40,10 @@ pub async fn problems(home: &super::Home) -> Vec<String> {
                 st.observed_generation, vm.metadata.generation
             ));
         }
-        if let Some(r) = &vm.spec.restore {
-            if st.last_restore.as_ref().map(|l| l.requested_at) != Some(r.requested_at) {
-                out.push(format!("vm {n} revert to {} not served", r.image));
-            }
+        if let Some(r) = &vm.spec.restore
+            && st.last_restore.as_ref().map(|l| l.requested_at) != Some(r.requested_at)
+        {
+            out.push(format!("vm {n} revert to {} not served", r.image));
         }
         match bvm.get(n) {
             None => out.push(format!("vm {n} missing from the backend")),
