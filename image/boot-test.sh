@@ -13,7 +13,8 @@
 #      token B, the file is still there; power off with QMP system_powerdown
 # Prints launch->banner and banner->first command seconds per boot (boot 1 is the "raw QEMU
 # boot-to-ssh" limit the benchmarks compare against). Every QEMU it starts is killed on exit.
-# Env: MEM (MiB), SMP, MODE=full|quick, BOOT_TIMEOUT (s), KEEP_WORK=1 (keep the work dir).
+# Env: MEM (MiB), SMP, MODE=full|quick, BOOT_TIMEOUT (s), KEEP_WORK=1 (keep the work dir),
+#      GUEST_CMD (a command to run and show after the checks of boot 1).
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 [ $# -eq 2 ] || { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
@@ -26,7 +27,10 @@ mf() { # mf KEY: a top-level string or number of the manifest
 }
 DISK=$OUT/$(mf disk) KERNEL=$OUT/$(mf kernel) INITRD=$OUT/$(mf initrd) CMDLINE=$(mf cmdline)
 MEM=${MEM:-$(mf memory_mib)} SMP=${SMP:-$(mf cpus)} SMP=${SMP:-1}
-GA=$(mf guest_agent) MODE=${MODE:-full}
+GA=$(mf guest_agent) MODE=${MODE:-full} MOUNT=$(mf disk_mount)
+# what boot checks read from the guest, one answer a line
+PROBE="hostname; cat /etc/machine-id; cat ~/.boxery/token; echo; stat -c %a ~/.boxery/token;
+  cat ~/persist.txt 2>/dev/null || echo none; df -m $MOUNT | awk 'NR==2{print \$2}'"
 BOOT_TIMEOUT=${BOOT_TIMEOUT:-$([ "$NAME" = tiny ] && echo 120 || echo 600)}
 for f in "$DISK" "$KERNEL" "$INITRD"; do [ -f "$f" ] || die "missing $f"; done
 
@@ -145,14 +149,14 @@ run_boot() {
   banner_s=$(secs_since "$T_LAUNCH"); t1=$(now_ns)
   local out=""
   for _ in $(seq 60); do   # sshd may answer before the key is in place (full image: cloud-init)
-    out=$(gssh "$s" "$s" 'hostname; cat /etc/machine-id; cat ~/.boxery/token; echo; stat -c %a ~/.boxery/token; cat ~/persist.txt 2>/dev/null || echo none' 2> "$W/ssh.err") && break
+    out=$(gssh "$s" "$s" "$PROBE" 2> "$W/ssh.err") && break
     out=""; sleep 1
   done
   cmd_s=$(secs_since "$t1")
   if [ -z "$out" ]; then echo "boot $n: banner after ${banner_s}s but ssh failed: $(cat "$W/ssh.err")"; tail -25 "$W/serial.log"; exit 1; fi
   echo "boot $n (seed $s, ${MEM} MiB, ${SMP} vCPU, TCG): launch->ssh banner ${banner_s}s, +first command ${cmd_s}s, qemu RSS $(($(ps -o rss= -p "$QPID") / 1024)) MiB"
   G_HOST=$(sed -n 1p <<< "$out"); G_MID=$(sed -n 2p <<< "$out"); G_TOK=$(sed -n 3p <<< "$out")
-  G_MODE=$(sed -n 4p <<< "$out"); G_PERSIST=$(sed -n 5p <<< "$out")
+  G_MODE=$(sed -n 4p <<< "$out"); G_PERSIST=$(sed -n 5p <<< "$out"); G_SIZE=$(sed -n 6p <<< "$out")
   check "hostname is the seed's ($G_HOST)" test "$G_HOST" = "$(cat "$W/$s/hostname")"
   check "machine-id is 32 hex digits ($G_MID)" grep -Eqx '[0-9a-f]{32}' <<< "$G_MID"
   check "token is the seed's, mode 600" test "$G_TOK:$G_MODE" = "$(cat "$W/$s/token"):600"
@@ -168,6 +172,7 @@ run_boot 1 A
 MID_A=$G_MID
 check "no file from an earlier boot" test "$G_PERSIST" = none
 gssh A A 'echo "written in boot 1" > ~/persist.txt; sync' || FAILS=$((FAILS + 1))
+if [ -n "${GUEST_CMD:-}" ]; then echo "   guest: \$ $GUEST_CMD"; gssh A A "$GUEST_CMD" 2>&1 | sed "s/^/   guest: /" || true; fi
 if [ "$GA" = true ]; then
   r=$({ echo '{"execute":"guest-ping"}'; sleep 1; } | socat -t 3 - "UNIX-CONNECT:$W/qga.sock" 2>/dev/null || true)
   check "qemu-guest-agent answers guest-ping ($r)" grep -q '"return"' <<< "$r"
@@ -180,10 +185,13 @@ else
   check "machine-id kept across a reboot" test "$G_MID" = "$MID_A"
   check "file written in boot 1 persisted" test "$G_PERSIST" = "written in boot 1"
   poweroff_guest ssh A
+  SIZE_A=$G_SIZE
+  qemu-img resize -q "$W/disk.qcow2" +1G   # what a resize of a stopped VM does
   make_identity B
   run_boot 3 B
   check "new instance: new machine-id" test "$G_MID" != "$MID_A"
   check "disk data kept in the new instance" test "$G_PERSIST" = "written in boot 1"
+  check "filesystem on $MOUNT grew with the disk (${SIZE_A} -> ${G_SIZE} MiB)" test "$G_SIZE" -gt $((SIZE_A + 900))
   err=$(gssh B A true 2>&1 >/dev/null) && ok=1 || ok=0
   check "the old instance's client key is refused ($err)" test $ok = 0 -a -n "$(grep -o 'Permission denied' <<< "$err")"
   err=$(gssh A B true 2>&1 >/dev/null) && ok=1 || ok=0

@@ -138,6 +138,10 @@ cat > "$ROOT/etc/cloud/cloud.cfg.d/99-boxery.cfg" <<'EOC'
 # boxery: read only the NoCloud seed (ISO/disk labelled cidata); networking is the image's own
 datasource_list: [ NoCloud, None ]
 network: {config: disabled}
+# sshd presents only the seed's host key (05-boxery-hostkey.conf). An empty ssh_genkeytypes
+# fails the schema check, so cloud-init makes one ed25519 key that sshd never loads.
+ssh_deletekeys: true
+ssh_genkeytypes: [ed25519]
 EOC
 # no services start inside the chroot
 printf '#!/bin/sh\nexit 101\n' > "$ROOT/usr/sbin/policy-rc.d"; chmod +x "$ROOT/usr/sbin/policy-rc.d"

@@ -31,12 +31,15 @@ require apt-get apt-cache dpkg-deb depmod modprobe cpio gzip mkfs.ext4 qemu-img 
 
 # --- inputs and cache ------------------------------------------------------------------------
 phase "resolving inputs"
-KPKG=$(apt-cache depends linux-image-cloud-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+# one apt-cache call (it loads the whole cache): the cloud kernel meta package pins its image
+SHOW=$(apt-cache show --no-all-versions linux-image-cloud-amd64 openssh-sftp-server 2>/dev/null || true)
+KDEP=$(awk '/^Package: linux-image-cloud-amd64$/{p=1} p && /^Depends:/{print; exit}' <<< "$SHOW")
+KPKG=$(sed -n 's/^Depends: \(linux-image-[0-9][^ ,]*\) (= \([^)]*\)).*/\1/p' <<< "$KDEP")
+KPKG_V=$(sed -n 's/^Depends: \(linux-image-[0-9][^ ,]*\) (= \([^)]*\)).*/\2/p' <<< "$KDEP")
+SFTP_V=$(awk '/^Package: openssh-sftp-server$/{p=1} p && /^Version:/{print $2; exit}' <<< "$SHOW")
 [ -n "$KPKG" ] || die "apt knows no linux-image-cloud-amd64: run 'apt-get update' (or scripts/install-deps.sh)"
 KVER=${KPKG#linux-image-}
-cand() { apt-cache policy "$1" | awk '/Candidate:/{print $2}'; }
 inst() { dpkg-query -W -f='${Version}' "$1"; }
-KPKG_V=$(cand "$KPKG"); SFTP_V=$(cand openssh-sftp-server)
 [ -n "$KPKG_V" ] && [ "$KPKG_V" != "(none)" ] || die "no candidate for $KPKG: run apt-get update"
 [ -n "$SFTP_V" ] && [ "$SFTP_V" != "(none)" ] || die "no candidate for openssh-sftp-server: run apt-get update"
 VERSIONS="kernel=$KPKG=$KPKG_V

@@ -46,10 +46,7 @@ cat <<EOU
 hostname: $HOST
 preserve_hostname: false
 manage_etc_hosts: true
-ssh_pwauth: false
 disable_root: true
-ssh_deletekeys: true
-ssh_genkeytypes: []
 bootcmd:
   - [cloud-init-per, instance, boxery-reset-authorized-keys, rm, -f, /home/agent/.ssh/authorized_keys]
   - [cloud-init-per, instance, boxery-machine-id, sh, -c, "rm -f /etc/machine-id /var/lib/dbus/machine-id && systemd-machine-id-setup"]

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The whole test suite, from a clean clone on Debian 12: installs what the tests need (host
+# packages, as root), then runs every test of the workspace — unit, store, controller, fake
+# backend, the CLI end to end, the crash-recovery torture test, and the real-QEMU tests.
+#
+#   scripts/test.sh            # everything
+#   scripts/test.sh -E 'test(torture)'   # extra arguments go to cargo nextest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n== %s (%ss)\n' "$*" "$SECONDS"; }
+
+step "host packages"
+scripts/install-deps.sh
+
+command -v cargo >/dev/null || { echo "cargo is missing: install Rust 1.95 (rustup) first" >&2; exit 1; }
+runner=(cargo nextest run)
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "cargo-nextest is missing; falling back to cargo test" >&2
+  runner=(cargo test)
+fi
+
+step "format and lints"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --all-features -- -D warnings
+
+step "tests"
+if [ "${runner[1]}" = nextest ]; then
+  cargo nextest run --workspace --all-features --no-fail-fast "$@"
+else
+  cargo test --workspace --all-features --no-fail-fast "$@"
+fi
+step "done"
