@@ -99,8 +99,10 @@ boot() {
   PORT=$(free_port)
   rm -f "$W/serial.log" "$W/qmp.sock" "$W/qga.sock" "$W/qemu.pid"
   local ga=()
+  # shellcheck disable=SC2054 # commas are QEMU option syntax
   [ "$GA" = true ] && ga=(-chardev "socket,path=$W/qga.sock,server=on,wait=off,id=qga0"
     -device virtio-serial-pci -device virtserialport,chardev=qga0,name=org.qemu.guest_agent.0)
+  # shellcheck disable=SC2054
   QEMU_ARGS=(-name "boxery-boot-test-$NAME" -machine q35 -accel tcg -cpu max -smp "$SMP" -m "$MEM"
     -nodefaults -no-user-config -display none -uuid "$(cat /proc/sys/kernel/random/uuid)"
     -kernel "$KERNEL" -initrd "$INITRD" -append "$CMDLINE" -no-reboot
@@ -117,7 +119,8 @@ boot() {
 }
 # poweroff_guest HOW S: acpi (QMP system_powerdown) or ssh (sudo poweroff); print seconds to exit
 poweroff_guest() {
-  local how=$1 s=$2 t=$(now_ns) limit
+  local how=$1 s=$2 t limit
+  t=$(now_ns)
   limit=$([ "$NAME" = tiny ] && echo 30 || echo 120)
   if [ "$how" = acpi ]; then qmp '{"execute":"system_powerdown"}' > /dev/null
   else gssh "$s" "$s" 'sudo poweroff' > /dev/null 2>&1 || true; fi
@@ -172,6 +175,11 @@ run_boot 1 A
 MID_A=$G_MID
 check "no file from an earlier boot" test "$G_PERSIST" = none
 gssh A A 'echo "written in boot 1" > ~/persist.txt; sync' || FAILS=$((FAILS + 1))
+head -c 100000 /dev/urandom > "$W/scp.bin"
+scp -q -i "$W/A/client_key" -o IdentitiesOnly=yes -o BatchMode=yes -o StrictHostKeyChecking=yes \
+  -o UserKnownHostsFile="$W/A/known_hosts" -o HostKeyAlias="$(cat "$W/A/hostname").boxery" -o LogLevel=ERROR \
+  -P "$PORT" "$W/scp.bin" agent@127.0.0.1:scp.bin 2> "$W/scp.err" || true
+check "scp (sftp) to the guest: same sha256" test "$(gssh A A 'sha256sum scp.bin' 2>/dev/null | cut -d" " -f1)" = "$(sha256sum < "$W/scp.bin" | cut -d" " -f1)"
 if [ -n "${GUEST_CMD:-}" ]; then echo "   guest: \$ $GUEST_CMD"; gssh A A "$GUEST_CMD" 2>&1 | sed "s/^/   guest: /" || true; fi
 if [ "$GA" = true ]; then
   r=$({ echo '{"execute":"guest-ping"}'; sleep 1; } | socat -t 3 - "UNIX-CONNECT:$W/qga.sock" 2>/dev/null || true)

@@ -1,7 +1,9 @@
 # image/lib.sh — helpers shared by the image builders and boot-test.sh (source it; bash only).
+# shellcheck shell=bash
 # Nothing here touches the system: progress lines, hashing, atomic output, manifest JSON.
 
 BOXERY_IMAGE_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck disable=SC2034 # used by the scripts that source this file
 BOXERY_DEFAULT_OUT=/var/cache/boxery/images
 
 # now_ns: nanoseconds since the epoch

@@ -13,7 +13,7 @@
 # SEED_DIR gets meta-data and user-data (it is created; existing files are replaced).
 set -euo pipefail
 usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
-IID= HOST= HK= AK= TOK=
+IID='' HOST='' HK='' AK='' TOK=''
 while [ $# -gt 0 ]; do
   case "$1" in
     --instance-id) IID=$2; shift 2 ;;

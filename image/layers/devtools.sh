@@ -13,7 +13,7 @@ for p in $PACKAGES; do
 done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "devtools: installing ${missing[*]}"
-  [ -n "$(ls /var/lib/apt/lists/ 2>/dev/null | grep _Packages)" ] || apt-get update -q
+  compgen -G "/var/lib/apt/lists/*_Packages" >/dev/null || apt-get update -q
   apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 # Debian names fd `fdfind`

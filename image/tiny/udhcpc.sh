@@ -1,5 +1,6 @@
 #!/bin/sh
 # udhcpc event script of the boxery tiny guest: address, default route, DNS
+# shellcheck disable=SC2154 # udhcpc passes interface, ip, mask, router, dns in the environment
 case "$1" in
   deconfig) ip addr flush dev "$interface"; ip link set "$interface" up ;;
   bound|renew)
