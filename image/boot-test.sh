@@ -14,7 +14,8 @@
 # Prints launch->banner and banner->first command seconds per boot (boot 1 is the "raw QEMU
 # boot-to-ssh" limit the benchmarks compare against). Every QEMU it starts is killed on exit.
 # Env: MEM (MiB), SMP, MODE=full|quick, BOOT_TIMEOUT (s), KEEP_WORK=1 (keep the work dir),
-#      GUEST_CMD (a command to run and show after the checks of boot 1).
+#      GUEST_CMD (a command to run and show after the checks of boot 1), EMPTY_DISK=1 (boot
+#      tiny on a blank 1 GiB disk instead of an overlay of NAME.qcow2).
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 [ $# -eq 2 ] || { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
@@ -163,13 +164,18 @@ run_boot() {
   check "hostname is the seed's ($G_HOST)" test "$G_HOST" = "$(cat "$W/$s/hostname")"
   check "machine-id is 32 hex digits ($G_MID)" grep -Eqx '[0-9a-f]{32}' <<< "$G_MID"
   check "token is the seed's, mode 600" test "$G_TOK:$G_MODE" = "$(cat "$W/$s/token"):600"
+  check "the disk is mounted on $MOUNT (${G_SIZE:-no} MiB)" test -n "$G_SIZE"
   check "host key pinned (StrictHostKeyChecking=yes with only the seed's key)" true
   BANNERS+=("$banner_s")
 }
 
 phase "boot-test $NAME: $MF (mode $MODE)"
 BANNERS=()
-qemu-img create -q -f qcow2 -b "$DISK" -F qcow2 "$W/disk.qcow2"
+if [ "${EMPTY_DISK:-0}" = 1 ]; then   # a blank disk: the tiny guest formats it on first boot
+  qemu-img create -q -f qcow2 "$W/disk.qcow2" 1G
+else
+  qemu-img create -q -f qcow2 -b "$DISK" -F qcow2 "$W/disk.qcow2"
+fi
 make_identity A
 run_boot 1 A
 MID_A=$G_MID
