@@ -27,14 +27,47 @@ async fn smoke_create_ssh_remove() {
     assert!(env.qemu_pids().is_empty());
 }
 
-/// The backing file of a VM's only disk generation (and that there is only one).
+/// Whether QEMU `pid` holds `path`'s inode open for writing.
+fn qemu_writes(pid: i32, path: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).unwrap();
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .any(|fd| {
+            let Ok(t) = std::fs::metadata(fd.path()) else {
+                return false;
+            };
+            if (t.dev(), t.ino()) != (m.dev(), m.ino()) {
+                return false;
+            }
+            let info = std::fs::read_to_string(format!(
+                "/proc/{pid}/fdinfo/{}",
+                fd.file_name().to_string_lossy()
+            ))
+            .unwrap();
+            let flags = info
+                .lines()
+                .find_map(|l| l.strip_prefix("flags:"))
+                .unwrap()
+                .trim();
+            u32::from_str_radix(flags, 8).unwrap() & 3 != 0
+        })
+}
+
+/// Wait for the VM's streams, then check it has one disk file, one overlay on a base, and
+/// return that base.
 async fn one_overlay_on_base(env: &Env, vm: &str) -> std::path::PathBuf {
+    env.backend
+        .wait_settled(vm, Duration::from_secs(120))
+        .await
+        .unwrap();
     let dir = env.backend.layout().vm_dir(vm);
     let disks: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("disk-") && n.ends_with(".qcow2"))
+        .filter(|n| (n.starts_with("disk-") || n.starts_with("layer-")) && n.ends_with(".qcow2"))
         .collect();
     assert_eq!(disks.len(), 1, "VM {vm} has disks {disks:?}");
     let out = std::process::Command::new("qemu-img")
@@ -63,6 +96,11 @@ async fn lifecycle_capture_reimage_fork_resize_remove() {
     b.create(&dev1).await.unwrap();
     env.wait_ssh("dev1", BOOT).await;
     assert_eq!(env.run("dev1", "hostname").await, "dev1");
+    let pinned = dev1.identity.host_key.clone().unwrap().1;
+    assert_eq!(
+        b.host_key("dev1").await.unwrap().as_deref(),
+        Some(pinned.trim())
+    );
     env.run("dev1", "echo hello > /home/agent/f && sync").await;
 
     // capture while running: the VM keeps running, the image appears, the disk goes back to
@@ -71,6 +109,10 @@ async fn lifecycle_capture_reimage_fork_resize_remove() {
     assert_eq!(
         b.get("dev1").await.unwrap().unwrap().state,
         PowerState::Running
+    );
+    assert!(
+        !qemu_writes(b.pid("dev1").unwrap(), &b.layout().image_disk("dev1.snap1")),
+        "QEMU must not write the image"
     );
     assert!(
         b.images()
@@ -108,6 +150,10 @@ async fn lifecycle_capture_reimage_fork_resize_remove() {
     // two VMs from the image: each its own identity
     b.create(&env.vm("a", "dev1.snap1")).await.unwrap();
     b.create(&env.vm("b", "dev1.snap1")).await.unwrap();
+    assert!(
+        !qemu_writes(b.pid("a").unwrap(), &b.layout().image_disk("dev1.snap1")),
+        "QEMU must not write the image"
+    );
     env.wait_ssh("a", BOOT).await;
     env.wait_ssh("b", BOOT).await;
     let id = |vm: &'static str| {

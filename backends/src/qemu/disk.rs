@@ -131,6 +131,37 @@ impl Disks {
         })
     }
 
+    /// The files of `path`'s backing chain, top (`path`) first, base last, as the headers say.
+    pub async fn chain(&self, path: &Path) -> Result<Vec<PathBuf>, DiskError> {
+        #[derive(Deserialize)]
+        struct Entry {
+            filename: String,
+        }
+        let out = self
+            .run(
+                &self.qemu_img,
+                "qemu-img info --backing-chain",
+                path,
+                &[
+                    "info".as_ref(),
+                    "--backing-chain".as_ref(),
+                    "--output=json".as_ref(),
+                    "-U".as_ref(),
+                    path.as_os_str(),
+                ],
+            )
+            .await?;
+        let entries: Vec<Entry> =
+            serde_json::from_slice(&out).map_err(|source| DiskError::Parse {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        Ok(entries
+            .into_iter()
+            .map(|e| PathBuf::from(e.filename))
+            .collect())
+    }
+
     /// Create a qcow2 overlay at `path` on `backing` (a qcow2). With `size`, the overlay is
     /// that big and `backing` is not opened (it may be open for writing in a running QEMU);
     /// without, it takes the backing file's size.
@@ -315,6 +346,10 @@ mod tests {
         assert_eq!(info.virtual_size, 128 << 20);
         assert_eq!(info.format, "qcow2");
         assert_eq!(info.backing(), Some(mid.clone()));
+        assert_eq!(
+            disks.chain(&top).await.unwrap(),
+            vec![top.clone(), mid.clone(), base.clone()]
+        );
         disks.rebase(&top, &base).await.unwrap();
         assert_eq!(
             disks.info(&top).await.unwrap().backing(),

@@ -7,7 +7,7 @@
 //!   ([`process::detect_accel`]).
 //! - **Disks.** Every VM disk and every image is one qcow2 overlay on a shared, read-only base
 //!   (`base/<id>/disk.qcow2`), never on another VM or image. A VM's active overlay is its
-//!   highest `disk-<generation>.qcow2`.
+//!   highest `disk-<gen>.qcow2`.
 //! - **Capture of a running VM** (hand-off): guest filesystems frozen when the guest runs
 //!   qemu-guest-agent, QMP `blockdev-snapshot-sync` puts a new overlay `disk-<generation+1>` on top,
 //!   the old overlay (now frozen, one deep on the base) is hard-linked as the image, and a
@@ -68,7 +68,7 @@ const STREAM_JOB: &str = "bx-stream";
 const STREAM_WAIT: Duration = Duration::from_secs(600);
 
 /// The error and all its causes, on one line.
-fn chain(e: &dyn std::error::Error) -> String {
+fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {
@@ -80,7 +80,7 @@ fn chain(e: &dyn std::error::Error) -> String {
 }
 
 fn failed(step: impl Into<String>, e: impl std::error::Error) -> BackendError {
-    BackendError::failed(step, chain(&e))
+    BackendError::failed(step, error_chain(&e))
 }
 
 fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> BackendError {
@@ -107,16 +107,39 @@ fn random_mac() -> String {
     format!("52:54:00:{:02x}:{:02x}:{:02x}", b[0], b[1], b[2])
 }
 
-fn new_instance_id(name: &str) -> String {
-    format!("{name}-{:08x}", rand::random::<u32>())
+/// A new instance-id (`iid-<uuid>`, docs/images.md): new per identity, kept for the VM's life.
+fn new_instance_id() -> String {
+    format!("iid-{}", uuid::Uuid::new_v4())
 }
 
-/// The generation of a `disk-<generation>.qcow2` file name.
+/// The generation of a `disk-<gen>.qcow2` file name (a VM's own overlay).
 fn disk_generation(file: &str) -> Option<u64> {
     file.strip_prefix("disk-")?
         .strip_suffix(".qcow2")?
         .parse()
         .ok()
+}
+
+/// The generation of a `layer-<gen>.qcow2` file name: an image's overlay hard-linked into the
+/// VM (shared with the image, so never written) until a stream has pulled it up.
+fn layer_generation(file: &str) -> Option<u64> {
+    file.strip_prefix("layer-")?
+        .strip_suffix(".qcow2")?
+        .parse()
+        .ok()
+}
+
+/// The QEMU node name of a disk file: `disk-N` → `ovN`, `layer-N` → `lyN`.
+fn node_name(path: &Path, fallback: usize) -> String {
+    let f = path
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    match (disk_generation(&f), layer_generation(&f)) {
+        (Some(g), _) => format!("ov{g}"),
+        (_, Some(g)) => format!("ly{g}"),
+        _ => format!("layer{fallback}"),
+    }
 }
 
 /// The state shared by the backend and its background tasks.
@@ -194,8 +217,25 @@ impl QemuBackend {
     /// disk chain. Used by tests and benchmarks; operations do this themselves.
     pub async fn wait_settled(&self, name: &str, timeout: Duration) -> Result<()> {
         let _lock = self.inner.lock_vm(name).await?;
-        self.inner.wait_jobs(name, timeout).await?;
-        self.inner.settle(name).await
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.inner
+                .wait_jobs(name, deadline.saturating_duration_since(Instant::now()))
+                .await?;
+            self.inner.settle(name).await?;
+            // settle starts a stream when the chain was deeper; wait for that one too
+            if self.inner.pid(name).is_none() {
+                return Ok(());
+            }
+            let mut q = self.inner.qmp(name).await?;
+            let jobs = q
+                .query_block_jobs()
+                .await
+                .map_err(|e| failed(format!("query the block jobs of VM {name}"), e))?;
+            if jobs.is_empty() {
+                return Ok(());
+            }
+        }
     }
 }
 
@@ -283,10 +323,78 @@ impl Inner {
         Ok(gens)
     }
 
-    /// The active overlay's generation: the highest one (a newer overlay is only ever made on
-    /// top of, or in place of, the older ones).
+    /// The active overlay's generation: the highest `disk-N` (a newer overlay is only ever
+    /// made on top of, or in place of, the older ones; `layer-N` files are never active).
     fn active_generation(&self, name: &str) -> Result<Option<u64>> {
         Ok(self.generations(name)?.first().copied())
+    }
+
+    /// Every disk file of the VM: its overlays and the image layers linked into it.
+    fn disk_files(&self, name: &str) -> Result<Vec<PathBuf>> {
+        let dir = self.vm_dir(name);
+        Ok(std::fs::read_dir(&dir)
+            .map_err(io(format!("listing {}", dir.display())))?
+            .filter_map(|e| e.ok())
+            .filter(|e| {
+                let f = e.file_name().to_string_lossy().into_owned();
+                disk_generation(&f).is_some() || layer_generation(&f).is_some()
+            })
+            .map(|e| e.path())
+            .collect())
+    }
+
+    /// The highest generation of any disk file (the next file takes the one after).
+    fn max_generation(&self, name: &str) -> Result<u64> {
+        Ok(self
+            .disk_files(name)?
+            .iter()
+            .filter_map(|p| {
+                let f = p.file_name()?.to_string_lossy().into_owned();
+                disk_generation(&f).or(layer_generation(&f))
+            })
+            .max()
+            .unwrap_or(0))
+    }
+
+    /// Remove every disk file of the VM not in `keep`.
+    fn remove_unused(&self, name: &str, keep: &[PathBuf]) -> Result<()> {
+        for p in self.disk_files(name)? {
+            if !keep.contains(&p) {
+                debug!(vm = name, file = %p.display(), "removing an unused disk file");
+                remove_file_if_exists(&p).map_err(io(format!("removing {}", p.display())))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The stopped VM's disk chain from its headers: top (the highest `disk-N`) first, the base
+    /// last. Fails when the chain does not end at the VM's base.
+    async fn offline_chain(&self, cfg: &VmConfig) -> Result<Vec<PathBuf>> {
+        let name = &cfg.name;
+        let top = self.active_generation(name)?.ok_or_else(|| {
+            failed_msg(
+                "find the disk",
+                format!("VM {name} has no disk in {}", self.vm_dir(name).display()),
+            )
+        })?;
+        let top = self.layout.vm_disk(name, top);
+        let chain = self
+            .disks
+            .chain(&top)
+            .await
+            .map_err(|e| failed(format!("read the disk chain of VM {name}"), e))?;
+        let base = self.base_disk(&cfg.base);
+        if chain.last() != Some(&base) {
+            return Err(failed_msg(
+                format!("read the disk chain of VM {name}"),
+                format!(
+                    "it ends at {:?}, not at its base {}",
+                    chain.last(),
+                    base.display()
+                ),
+            ));
+        }
+        Ok(chain)
     }
 
     async fn qmp(&self, name: &str) -> Result<Qmp> {
@@ -380,16 +488,12 @@ impl Inner {
             }
             keep = PathBuf::from(&files[0]);
         } else {
-            let Some(generation) = self.active_generation(name)? else {
+            if self.active_generation(name)?.is_none() {
                 return Ok(());
-            };
-            let active = self.layout.vm_disk(name, generation);
-            let info = self
-                .disks
-                .info(&active)
-                .await
-                .map_err(|e| failed(format!("inspect the disk of VM {name}"), e))?;
-            if info.backing().as_deref() != Some(base.as_path()) {
+            }
+            let chain = self.offline_chain(&cfg).await?;
+            let active = chain[0].clone();
+            if chain.len() > 2 {
                 let t = Instant::now();
                 self.disks
                     .rebase(&active, &base)
@@ -403,14 +507,7 @@ impl Inner {
             }
             keep = active;
         }
-        for g in self.generations(name)? {
-            let p = self.layout.vm_disk(name, g);
-            if p != keep {
-                debug!(vm = name, file = %p.display(), "removing an unused disk generation");
-                remove_file_if_exists(&p).map_err(io(format!("removing {}", p.display())))?;
-            }
-        }
-        Ok(())
+        self.remove_unused(name, &[keep])
     }
 
     /// After a capture: wait for the stream in the background and drop the frozen layer.
@@ -444,8 +541,16 @@ impl Inner {
         });
     }
 
-    fn launch_spec(&self, cfg: &VmConfig, base: &BaseRecord, generation: u64) -> LaunchSpec {
+    /// The command line's inputs; `chain` is the disk chain, top first, base last.
+    fn launch_spec(&self, cfg: &VmConfig, base: &BaseRecord, chain: &[PathBuf]) -> LaunchSpec {
         let name = &cfg.name;
+        let top = chain[0].clone();
+        let backing = chain[1..chain.len() - 1]
+            .iter()
+            .rev()
+            .enumerate()
+            .map(|(i, p)| (p.clone(), node_name(p, i)))
+            .collect();
         LaunchSpec {
             name: name.clone(),
             dir: self.vm_dir(name),
@@ -455,8 +560,9 @@ impl Inner {
             cpus: cfg.cpus,
             memory_mib: cfg.memory_mib,
             base: self.base_disk(&cfg.base),
-            disk: self.layout.vm_disk(name, generation),
-            disk_node: format!("ov{generation}"),
+            backing,
+            disk_node: node_name(&top, 0),
+            disk: top,
             seed: self.layout.vm_seed(name),
             qmp: self.layout.vm_qmp(name),
             qga: self.layout.vm_qga(name),
@@ -468,21 +574,24 @@ impl Inner {
         }
     }
 
-    /// Boot a stopped VM (lock held). Errors a person must fix are `Invalid`.
-    async fn boot(&self, cfg: &VmConfig) -> Result<()> {
+    /// Boot a stopped VM (lock held). Errors a person must fix are `Invalid`. A disk still
+    /// more than one overlay deep (a linked image layer, a stream cut short) boots as it is and
+    /// is streamed back to one overlay on its base in the background.
+    async fn boot(self: &Arc<Self>, cfg: &VmConfig) -> Result<()> {
         let name = &cfg.name;
         if self.pid(name).is_some() {
             return Ok(());
         }
-        self.settle(name).await?;
         let base = self.load_base(&cfg.base)?;
-        let generation = self.active_generation(name)?.ok_or_else(|| {
-            failed_msg(
-                "boot",
-                format!("VM {name} has no disk in {}", self.vm_dir(name).display()),
-            )
-        })?;
+        let chain = self.offline_chain(cfg).await?;
+        self.remove_unused(name, &chain)?;
         self.claim_port(name, cfg.port)?;
+        // a QEMU that has just exited may still be releasing it
+        let mut tries = 0;
+        while !process::port_free(cfg.port) && tries < 20 {
+            tries += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         if !process::port_free(cfg.port) {
             return Err(failed_msg(
                 format!("start VM {name}"),
@@ -492,7 +601,7 @@ impl Inner {
                 ),
             ));
         }
-        let spec = self.launch_spec(cfg, &base, generation);
+        let spec = self.launch_spec(cfg, &base, &chain);
         let t = Instant::now();
         let pid = process::launch(
             &self.config.qemu,
@@ -503,11 +612,23 @@ impl Inner {
         .await
         .map_err(|e| match e {
             process::ProcessError::Missing { .. } | process::ProcessError::Start { .. } => {
-                BackendError::Invalid(format!("{} ({})", chain(&e), self.config.accel.reason))
+                BackendError::Invalid(format!(
+                    "{} ({})",
+                    error_chain(&e),
+                    self.config.accel.reason
+                ))
             }
             e => failed(format!("start VM {name}"), e),
         })?;
-        info!(vm = name.as_str(), pid, port = cfg.port, accel = %self.config.accel.accel, secs = t.elapsed().as_secs_f64(), "QEMU started");
+        info!(vm = name.as_str(), pid, port = cfg.port, accel = %self.config.accel.accel, depth = chain.len() - 1, secs = t.elapsed().as_secs_f64(), "QEMU started");
+        if chain.len() > 2 {
+            let mut q = self.qmp(name).await?;
+            q.block_stream(STREAM_JOB, &spec.disk_node, BASE_NODE)
+                .await
+                .map_err(|e| failed(format!("stream the disk of VM {name}"), e))?;
+            drop(q);
+            self.settle_later(name.clone());
+        }
         Ok(())
     }
 
@@ -705,7 +826,7 @@ impl Inner {
         if identity.hostname.is_empty() {
             identity.hostname = name.to_string();
         }
-        let work = self.vm_dir(name).join(".seed");
+        let work = self.vm_dir(name).join("seed");
         seed::write_seed_iso(
             &self.config.genisoimage,
             name,
@@ -716,7 +837,7 @@ impl Inner {
         )
         .await
         .map_err(|e| match e {
-            seed::SeedError::Identity { .. } => BackendError::Invalid(chain(&e)),
+            seed::SeedError::Identity { .. } => BackendError::Invalid(error_chain(&e)),
             e => failed(format!("write the seed of VM {name}"), e),
         })
     }
@@ -725,9 +846,12 @@ impl Inner {
         let path = self.layout.vm_known_hosts(&cfg.name);
         match &cfg.host_key {
             Some(key) => {
-                let line =
+                // two lines, one key: for `-p PORT agent@127.0.0.1` and for `HostKeyAlias NAME.boxery`
+                let by_port =
                     crate::identity::known_hosts_line(&format!("[127.0.0.1]:{}", cfg.port), key);
-                layout::write_atomic(&path, format!("{line}\n").as_bytes(), 0o644)
+                let by_alias =
+                    crate::identity::known_hosts_line(&format!("{}.boxery", cfg.name), key);
+                layout::write_atomic(&path, format!("{by_port}\n{by_alias}\n").as_bytes(), 0o644)
                     .map_err(io(format!("writing {}", path.display())))
             }
             None => {
@@ -763,6 +887,53 @@ impl Inner {
         Ok(info.virtual_size)
     }
 
+    /// Give VM `name` a disk from image `image` as generation `generation`: the image's
+    /// overlay hard-linked in as `layer-<gen>` (read-only to QEMU, so the image is never
+    /// written) under a new empty overlay `disk-<gen+1>` of `bytes`; the first boot streams the
+    /// layer up so the disk is one overlay on the base again. The link keeps the data alive
+    /// when the image is deleted. Where a hard link is impossible, a copy of the overlay.
+    /// Returns the disk's virtual size.
+    async fn attach_image(
+        &self,
+        name: &str,
+        image: &str,
+        generation: u64,
+        bytes: u64,
+    ) -> Result<u64> {
+        let src = self.layout.image_disk(image);
+        let layer = self.vm_dir(name).join(format!("layer-{generation}.qcow2"));
+        let top = self.layout.vm_disk(name, generation + 1);
+        let _ = remove_file_if_exists(&layer);
+        let _ = remove_file_if_exists(&top);
+        match std::fs::hard_link(&src, &layer) {
+            Ok(()) => {
+                let size = self
+                    .disks
+                    .info(&layer)
+                    .await
+                    .map_err(|e| failed(format!("inspect image {image}"), e))?
+                    .virtual_size;
+                let size = size.max(bytes);
+                self.disks
+                    .create_overlay(&top, &layer, Some(size))
+                    .await
+                    .map_err(|e| failed(format!("make the disk of VM {name}"), e))?;
+                Ok(size)
+            }
+            Err(e) => {
+                debug!(vm = name, image, error = %e, "cannot hard-link the image; copying it");
+                let part = self
+                    .vm_dir(name)
+                    .join(format!(".disk-{generation}.qcow2.part"));
+                let size = self.copy_image(image, &part, bytes).await?;
+                let disk = self.layout.vm_disk(name, generation);
+                std::fs::rename(&part, &disk)
+                    .map_err(io(format!("renaming {}", part.display())))?;
+                Ok(size)
+            }
+        }
+    }
+
     async fn create_inner(self: &Arc<Self>, vm: &NewVm) -> Result<()> {
         let name = vm.name.as_str();
         let crate::DiskSource::Image(image) = &vm.source;
@@ -792,12 +963,14 @@ impl Inner {
                 .map_err(io(format!("chmod {}", dir.display())))?;
         }
         let port = self.reserve_port(name)?;
-        let part = dir.join(".disk-1.qcow2.part");
-        self.copy_image(image, &part, want).await?;
-        let disk = self.layout.vm_disk(name, 1);
-        std::fs::rename(&part, &disk).map_err(io(format!("renaming {}", part.display())))?;
-        let instance_id = new_instance_id(name);
-        self.write_seed(name, &instance_id, &vm.identity).await?;
+        self.attach_image(name, image, 1, want).await?;
+        // a request without a host key still gets one: every VM is pinned
+        let mut identity = vm.identity.clone();
+        if identity.host_key.is_none() {
+            identity.host_key = Some(crate::identity::host_key(name, &format!("{name}.boxery"))?);
+        }
+        let instance_id = new_instance_id();
+        self.write_seed(name, &instance_id, &identity).await?;
         let cfg = VmConfig {
             name: name.into(),
             mark: vm.uid.clone(),
@@ -809,13 +982,12 @@ impl Inner {
             disk_gib: vm.disk_gib,
             base: base.id.clone(),
             instance_id,
-            hostname: if vm.identity.hostname.is_empty() {
+            hostname: if identity.hostname.is_empty() {
                 name.into()
             } else {
-                vm.identity.hostname.clone()
+                identity.hostname.clone()
             },
-            host_key: vm
-                .identity
+            host_key: identity
                 .host_key
                 .as_ref()
                 .map(|(_, public)| public.trim().to_string()),
@@ -845,11 +1017,28 @@ impl Inner {
         let part = self.layout.images().join(format!(".{image}.qcow2.part"));
         let t = Instant::now();
         if self.pid(vm).is_some() {
-            // a previous capture's stream must finish first (jobs would overlap)
-            self.wait_jobs(vm, STREAM_WAIT).await?;
-            self.settle(vm).await?;
-            let mut q = self.qmp(vm).await?;
-            let (node, files) = self.live_chain(&mut q, vm).await?;
+            // the disk must be one overlay on the base (the overlay becomes the image): wait
+            // for a stream under way (a previous capture's, a new VM's), start one if needed
+            let deadline = Instant::now() + STREAM_WAIT;
+            let (mut q, node, files) = loop {
+                self.wait_jobs(vm, deadline.saturating_duration_since(Instant::now()))
+                    .await?;
+                self.settle(vm).await?;
+                let mut q = self.qmp(vm).await?;
+                let (node, files) = self.live_chain(&mut q, vm).await?;
+                if files.len() <= 2 {
+                    break (q, node, files);
+                }
+                if Instant::now() >= deadline {
+                    return Err(failed_msg(
+                        format!("capture VM {vm}"),
+                        format!(
+                            "its disk is still {} layers deep after {STREAM_WAIT:?}",
+                            files.len() - 1
+                        ),
+                    ));
+                }
+            };
             let generation = self.active_generation(vm)?.unwrap_or(0);
             let active = PathBuf::from(&files[0]);
             if active != self.layout.vm_disk(vm, generation) {
@@ -861,10 +1050,11 @@ impl Inner {
                     ),
                 ));
             }
-            let next = self.layout.vm_disk(vm, generation + 1);
+            let next_gen = self.max_generation(vm)? + 1;
+            let next = self.layout.vm_disk(vm, next_gen);
             let frozen = self.freeze(&mut q, vm).await;
             let snap = q
-                .blockdev_snapshot_sync(&node, &next, &format!("ov{}", generation + 1))
+                .blockdev_snapshot_sync(&node, &next, &format!("ov{next_gen}"))
                 .await;
             if frozen {
                 self.thaw(vm).await;
@@ -882,7 +1072,7 @@ impl Inner {
             self.publish_image(image, uid, &cfg.base, &format!("vm:{vm}"), &part, &dst)
                 .await?;
             let mut q = self.qmp(vm).await?;
-            q.block_stream(STREAM_JOB, &format!("ov{}", generation + 1), BASE_NODE)
+            q.block_stream(STREAM_JOB, &format!("ov{next_gen}"), BASE_NODE)
                 .await
                 .map_err(|e| failed(format!("stream the disk of VM {vm} after capture"), e))?;
             drop(q);
@@ -934,13 +1124,13 @@ impl Inner {
                     true
                 }
                 Err(e) => {
-                    warn!(vm, error = %chain(&e), "guest fsfreeze failed; capturing crash-consistent");
+                    warn!(vm, error = %error_chain(&e), "guest fsfreeze failed; capturing crash-consistent");
                     let _ = g.fsfreeze_thaw().await;
                     false
                 }
             },
             Err(e) => {
-                warn!(vm, error = %chain(&e), "the guest agent did not answer; capturing crash-consistent");
+                warn!(vm, error = %error_chain(&e), "the guest agent did not answer; capturing crash-consistent");
                 false
             }
         }
@@ -1290,11 +1480,11 @@ impl Backend for QemuBackend {
         let cfg = match inner.load_vm(name) {
             Ok(Some(c)) => c,
             Ok(None) => return Ok(None),
-            Err(e) => return Err(unreachable(chain(&e))),
+            Err(e) => return Err(unreachable(error_chain(&e))),
         };
         let gens = inner
             .generations(name)
-            .map_err(|e| unreachable(chain(&e)))?;
+            .map_err(|e| unreachable(error_chain(&e)))?;
         if gens.is_empty() {
             // its disk is gone: it is Lost to the reconciler
             return Ok(None);
@@ -1481,7 +1671,7 @@ impl Backend for QemuBackend {
             let Some(rec) = self
                 .inner
                 .load_image(name)
-                .map_err(|e| unreachable(chain(&e)))?
+                .map_err(|e| unreachable(error_chain(&e)))?
             else {
                 continue;
             };
@@ -1521,30 +1711,34 @@ impl Backend for QemuBackend {
             BackendError::Unchanged(format!("image {image} does not exist in the qemu backend"))
         })?;
         inner.load_base(&rec.base).map_err(unchanged)?;
-        let t = Instant::now();
-        // stage the new disk before touching the VM
-        let part = inner.vm_dir(vm).join(".disk-next.qcow2.part");
-        let bytes = match inner.copy_image(image, &part, cfg.disk_gib * GIB).await {
-            Ok(b) => b,
-            Err(e) => {
-                let _ = remove_file_if_exists(&part);
-                return Err(unchanged(e));
-            }
-        };
-        // from here on the VM changes; a retry redoes every step
-        inner.shutdown(vm, false).await?;
-        let generation = inner.active_generation(vm)?.unwrap_or(0) + 1;
-        let disk = inner.layout.vm_disk(vm, generation);
-        std::fs::rename(&part, &disk).map_err(io(format!("renaming {}", part.display())))?;
-        layout::sync_dir(&disk).map_err(io("fsync"))?;
-        for g in inner.generations(vm)? {
-            if g != generation {
-                remove_file_if_exists(&inner.layout.vm_disk(vm, g))
-                    .map_err(io("removing the old disk"))?;
-            }
+        if !inner.layout.image_disk(image).exists() {
+            return Err(BackendError::Unchanged(format!(
+                "image {image} has no disk in the qemu backend"
+            )));
         }
-        if identity.host_key.is_some() {
-            cfg.instance_id = new_instance_id(vm);
+        let t = Instant::now();
+        // from here on the VM changes; a retry redoes every step: the highest `disk-N` is
+        // always either the old disk or the complete new one
+        inner.shutdown(vm, false).await?;
+        let generation = inner.max_generation(vm)? + 1;
+        let bytes = inner
+            .attach_image(vm, image, generation, cfg.disk_gib * GIB)
+            .await?;
+        let top = inner
+            .active_generation(vm)?
+            .map(|g| inner.layout.vm_disk(vm, g));
+        let mut keep = vec![inner.vm_dir(vm).join(format!("layer-{generation}.qcow2"))];
+        keep.extend(top);
+        layout::sync_dir(&keep[0]).map_err(io("fsync"))?;
+        inner.remove_unused(vm, &keep)?;
+        // the identity stays: a new seed only when the caller passes a different host key (a
+        // new identity, so a new instance-id); otherwise the seed the VM has
+        let new_key = identity
+            .host_key
+            .as_ref()
+            .map(|(_, p)| p.trim().to_string());
+        if new_key.is_some() && new_key != cfg.host_key {
+            cfg.instance_id = new_instance_id();
             inner.write_seed(vm, &cfg.instance_id, identity).await?;
             cfg.host_key = identity
                 .host_key
@@ -1762,8 +1956,16 @@ impl Backend for QemuBackend {
         Ok(())
     }
 
+    /// The pinned key recorded when the seed was written (the seed reaches the guest through
+    /// the hypervisor, which the guest cannot spoof); for a VM without a record, the key the
+    /// guest agent reads from the guest's disk.
     async fn host_key(&self, name: &str) -> Result<Option<String>> {
         let inner = &self.inner;
+        if let Some(cfg) = inner.load_vm(name)?
+            && let Some(key) = cfg.host_key
+        {
+            return Ok(Some(key));
+        }
         if inner.pid(name).is_none() {
             return Ok(None);
         }

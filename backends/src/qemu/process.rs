@@ -192,7 +192,10 @@ pub struct LaunchSpec {
     pub memory_mib: u64,
     /// The read-only base.
     pub base: PathBuf,
-    /// The VM's active overlay (backed by `base`).
+    /// Read-only layers between the base and the active overlay, bottom first, with their node
+    /// names (a captured or linked layer a stream has not pulled up yet); usually none.
+    pub backing: Vec<(PathBuf, String)>,
+    /// The VM's active overlay (backed by the last of `backing`, or by `base`).
     pub disk: PathBuf,
     /// The active overlay's node name (`ov<generation>`).
     pub disk_node: String,
@@ -278,7 +281,6 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
         "virtserialport,chardev=qga0,name=org.qemu.guest_agent.0",
     ]);
     let blockdev = |v: serde_json::Value| v.to_string();
-    let node = &spec.disk_node;
     push(&[
         "-blockdev",
         &blockdev(
@@ -288,13 +290,33 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
         &blockdev(
             json!({"driver": "qcow2", "file": "base-file", "node-name": BASE_NODE, "read-only": true}),
         ),
+    ]);
+    // the layers in between: read-only, so a layer shared with an image is never written
+    let mut below = BASE_NODE.to_string();
+    for (path, node) in &spec.backing {
+        push(&[
+            "-blockdev",
+            &blockdev(
+                json!({"driver": "file", "filename": p(path), "node-name": format!("{node}-file"), "read-only": true}),
+            ),
+            "-blockdev",
+            &blockdev(
+                json!({"driver": "qcow2", "file": format!("{node}-file"), "backing": below, "node-name": node, "read-only": true}),
+            ),
+        ]);
+        below = node.clone();
+    }
+    let node = &spec.disk_node;
+    push(&[
         "-blockdev",
         &blockdev(
-            json!({"driver": "file", "filename": p(&spec.disk), "node-name": format!("{node}-file"), "discard": "unmap"}),
+            // auto-read-only: once a snapshot has frozen this layer (it may become an image),
+            // QEMU reopens the file read-only instead of keeping its writable descriptor
+            json!({"driver": "file", "filename": p(&spec.disk), "node-name": format!("{node}-file"), "discard": "unmap", "auto-read-only": true}),
         ),
         "-blockdev",
         &blockdev(
-            json!({"driver": "qcow2", "file": format!("{node}-file"), "backing": BASE_NODE, "node-name": node, "discard": "unmap"}),
+            json!({"driver": "qcow2", "file": format!("{node}-file"), "backing": below, "node-name": node, "discard": "unmap"}),
         ),
         "-device",
         &format!("virtio-blk-pci,drive={node},id={DISK_DEVICE},bootindex=1"),
@@ -449,18 +471,24 @@ fn signal(pid: i32, sig: rustix::process::Signal) -> Result<(), ProcessError> {
     }
 }
 
-/// Whether `pid` exists and has not exited (a zombie has: it holds no files or sockets).
-/// A process that is exiting loses its command line before it closes its sockets, so this,
-/// not [`is_our_qemu`], tells when its port is free again.
+/// Whether `pid` exists and has not exited. A zombie has exited, but the leader of a
+/// multi-threaded process turns zombie before its other threads have closed the process's
+/// files and sockets, so every thread is checked. A process that is exiting also loses its
+/// command line early, so this, not [`is_our_qemu`], tells when its port is free again.
 pub fn is_alive(pid: i32) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+    let running = |stat: &str| {
+        // "PID (comm) STATE ...": the state follows the last ')'
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next());
+        !matches!(state, Some('Z' | 'X') | None)
+    };
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return false;
     };
-    // "PID (comm) STATE ...": the state follows the last ')'
-    let state = stat
-        .rsplit_once(')')
-        .and_then(|(_, rest)| rest.trim_start().chars().next());
-    !matches!(state, Some('Z' | 'X') | None)
+    tasks
+        .flatten()
+        .any(|t| std::fs::read_to_string(t.path().join("stat")).is_ok_and(|s| running(&s)))
 }
 
 /// Wait until `pid` (checked to be our QEMU by the caller) has exited; `true` when it is gone
@@ -514,6 +542,32 @@ pub fn rss_bytes(pid: i32) -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// QEMU's resident memory split in two: (all, the guest RAM mapping's share), in bytes. The
+/// guest RAM is the anonymous mapping exactly `guest_mib` big; the rest is QEMU itself (TCG
+/// translation cache, device models, libraries).
+pub fn rss_split(pid: i32, guest_mib: u64) -> Option<(u64, u64)> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()?;
+    let (mut total, mut guest) = (0u64, 0u64);
+    let mut in_guest = false;
+    for line in smaps.lines() {
+        let mut f = line.split_whitespace();
+        match (f.next(), f.next()) {
+            (Some("Size:"), Some(kb)) => {
+                in_guest = kb.parse::<u64>().ok() == Some(guest_mib * 1024)
+            }
+            (Some("Rss:"), Some(kb)) => {
+                let b = kb.parse::<u64>().unwrap_or(0) * 1024;
+                total += b;
+                if in_guest {
+                    guest += b;
+                }
+            }
+            _ => {}
+        }
+    }
+    Some((total, guest))
+}
+
 /// Whether a TCP port on 127.0.0.1 can be bound now (nobody listens on it).
 pub fn port_free(port: u16) -> bool {
     std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
@@ -551,6 +605,7 @@ mod tests {
             cpus: 2,
             memory_mib: 256,
             base: "/state/qemu/base/tiny-1/disk.qcow2".into(),
+            backing: vec![(dir.join("layer-2.qcow2"), "ly2".into())],
             disk: dir.join("disk-3.qcow2"),
             disk_node: "ov3".into(),
             seed: dir.join("seed.iso"),
@@ -582,7 +637,11 @@ mod tests {
             joined.contains("hostfwd=tcp:127.0.0.1:22001-:22"),
             "{joined}"
         );
-        assert!(joined.contains("\"backing\":\"base\""));
+        assert!(
+            joined.contains("\"backing\":\"base\",\"driver\":\"qcow2\",\"file\":\"ly2-file\""),
+            "{joined}"
+        );
+        assert!(joined.contains("\"backing\":\"ly2\""));
         assert!(joined.contains("\"node-name\":\"ov3\""));
         assert!(joined.contains("-accel tcg -cpu max"));
         assert!(joined.contains("mac=52:54:00:12:34:56"));

@@ -4,8 +4,9 @@
 //!
 //! The seed carries the identity: hostname, the pinned ed25519 host key (sshd's only key),
 //! `authorized_keys` for `agent` (reset per instance), a fresh machine-id per instance (made in
-//! the guest) and the proxy token. A new `instance-id` is used for every seed written, so the
-//! guest re-applies the per-instance steps after every create and reimage.
+//! the guest) and the proxy token. The
+//! `instance-id` is new for every new VM (and VM made from an image) and kept for its life,
+//! reimages included: a new instance-id is what makes the guest redo its per-instance steps.
 //!
 //! The ISO holds the host's private key and the token: it is written 0600.
 
@@ -111,8 +112,7 @@ pub fn user_data(name: &str, identity: &Identity) -> Result<String, SeedError> {
     s.push_str("#cloud-config\n# boxery seed v1 (docs/images.md, \"Seed contract\")\n");
     s.push_str(&format!("hostname: {}\n", identity.hostname));
     s.push_str(
-        "preserve_hostname: false\nmanage_etc_hosts: true\nssh_pwauth: false\ndisable_root: true\n\
-         ssh_deletekeys: true\nssh_genkeytypes: []\nbootcmd:\n\
+        "preserve_hostname: false\nmanage_etc_hosts: true\ndisable_root: true\nbootcmd:\n\
          \x20 - [cloud-init-per, instance, boxery-reset-authorized-keys, rm, -f, /home/agent/.ssh/authorized_keys]\n\
          \x20 - [cloud-init-per, instance, boxery-machine-id, sh, -c, \"rm -f /etc/machine-id /var/lib/dbus/machine-id && systemd-machine-id-setup\"]\n\
          ssh_authorized_keys:\n",
@@ -167,8 +167,9 @@ pub fn user_data(name: &str, identity: &Identity) -> Result<String, SeedError> {
     Ok(s)
 }
 
-/// Write the seed ISO for `identity` to `iso` (temp file + rename, mode 0600), using
-/// `work` (a directory that is created and removed) for the loose files.
+/// Write the seed ISO for `identity` to `iso` (temp file + rename, mode 0600). The loose
+/// files stay in `work` (created 0700, files 0600; they hold what the ISO holds) for
+/// inspection.
 pub async fn write_seed_iso(
     genisoimage: &Path,
     name: &str,
@@ -187,38 +188,42 @@ pub async fn write_seed_iso(
     let _ = std::fs::remove_dir_all(work);
     std::fs::create_dir_all(work).map_err(io)?;
     std::fs::set_permissions(work, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
-    let result = async {
-        std::fs::write(work.join("user-data"), user).map_err(io)?;
-        std::fs::write(work.join("meta-data"), meta).map_err(io)?;
-        let tmp: PathBuf = super::layout::temp_path(iso);
-        let out = tokio::process::Command::new(genisoimage)
-            .arg("-quiet")
-            .arg("-output")
-            .arg(&tmp)
-            .args(["-volid", "cidata", "-joliet", "-rock"])
-            .arg(work.join("user-data"))
-            .arg(work.join("meta-data"))
-            .stdin(std::process::Stdio::null())
-            .output()
-            .await
-            .map_err(|source| SeedError::Spawn {
-                name: name.into(),
-                source,
-            })?;
-        if !out.status.success() {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(SeedError::Iso {
-                name: name.into(),
-                stderr: String::from_utf8_lossy(&out.stderr).trim().into(),
-            });
-        }
-        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
-        std::fs::rename(&tmp, iso).map_err(io)?;
-        super::layout::sync_dir(iso).map_err(io)
+    super::layout::write_atomic(&work.join("user-data"), user.as_bytes(), 0o600).map_err(io)?;
+    super::layout::write_atomic(&work.join("meta-data"), meta.as_bytes(), 0o600).map_err(io)?;
+    pack(genisoimage, name, work, iso).await
+}
+
+async fn pack(genisoimage: &Path, name: &str, work: &Path, iso: &Path) -> Result<(), SeedError> {
+    use std::os::unix::fs::PermissionsExt;
+    let io = |source| SeedError::Io {
+        name: name.into(),
+        source,
+    };
+    let tmp: PathBuf = super::layout::temp_path(iso);
+    let out = tokio::process::Command::new(genisoimage)
+        .arg("-quiet")
+        .arg("-output")
+        .arg(&tmp)
+        .args(["-volid", "cidata", "-joliet", "-rock"])
+        .arg(work.join("user-data"))
+        .arg(work.join("meta-data"))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|source| SeedError::Spawn {
+            name: name.into(),
+            source,
+        })?;
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(SeedError::Iso {
+            name: name.into(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().into(),
+        });
     }
-    .await;
-    let _ = std::fs::remove_dir_all(work);
-    result
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+    std::fs::rename(&tmp, iso).map_err(io)?;
+    super::layout::sync_dir(iso).map_err(io)
 }
 
 #[cfg(test)]
