@@ -182,28 +182,37 @@ pub async fn get(
     let info = kind(kind_name)?;
     let store = env.store()?;
     let sel = selector(sel)?;
-    let (mut objs, rev) = store.list(info.kind, &sel)?;
-    if !names.is_empty() {
+    let (objs, rev) = if names.is_empty() {
+        store.list(info.kind, &sel)?
+    } else {
+        // Named objects are read one by one: no need to load the whole kind.
+        let rev = store.revision()?;
+        let mut objs = Vec::new();
         for n in names {
-            if !objs.iter().any(|o| &o.metadata.name == n) {
-                let known: Vec<&str> = objs
-                    .iter()
-                    .map(|o| o.metadata.name.as_str())
-                    .take(20)
-                    .collect();
-                let hint = if known.is_empty() {
-                    format!("there are no {}", info.plural)
-                } else {
-                    format!("known: {}", known.join(", "))
-                };
-                return Err(CliError::not_found(format!(
-                    "{} {n} not found ({hint})",
-                    info.kind
-                )));
+            match store.get(info.kind, n)? {
+                Some(o) if sel.matches(&o.metadata.labels) => objs.push(o),
+                Some(_) => {}
+                None => {
+                    let (all, _) = store.list(info.kind, &Selector::default())?;
+                    let known: Vec<&str> = all
+                        .iter()
+                        .map(|o| o.metadata.name.as_str())
+                        .take(20)
+                        .collect();
+                    let hint = if known.is_empty() {
+                        format!("there are no {}", info.plural)
+                    } else {
+                        format!("known: {}", known.join(", "))
+                    };
+                    return Err(CliError::not_found(format!(
+                        "{} {n} not found ({hint})",
+                        info.kind
+                    )));
+                }
             }
         }
-        objs.retain(|o| names.contains(&o.metadata.name));
-    }
+        (objs, rev)
+    };
     let mut out = std::io::stdout().lock();
     output::print(info, &objs, &format, &mut out)?;
     out.flush()?;

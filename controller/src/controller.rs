@@ -111,6 +111,7 @@ impl Trigger {
 struct Watch {
     kind: String,
     mapper: Mapper,
+    cache: Option<Cache>,
 }
 
 /// A controller for objects of kind `R`. Build it, then [`Controller::run`] it.
@@ -186,6 +187,23 @@ impl<R: Resource> Controller<R> {
         self.watches.push(Watch {
             kind: kind.to_string(),
             mapper: Arc::new(mapper),
+            cache: None,
+        });
+        self
+    }
+
+    /// [`Controller::watches`] with a metadata-only cache ([`Cache::metadata_only`]): the
+    /// mapper sees each object's metadata (name, labels, ownerReferences, …) but not its
+    /// `spec` or `status`. A control plane then holds one full copy of each object (in the
+    /// cache of the controller whose kind it is) however many controllers watch its kind.
+    pub fn watches_metadata<O: Resource>(
+        mut self,
+        mapper: impl Fn(&DynObject) -> Vec<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.watches.push(Watch {
+            kind: O::INFO.kind.to_string(),
+            mapper: Arc::new(mapper),
+            cache: Some(Cache::metadata_only(O::INFO.kind)),
         });
         self
     }
@@ -271,7 +289,7 @@ impl<R: Resource> Controller<R> {
                 spawn_reflector(
                     &mut background,
                     &source,
-                    Cache::new(&w.kind),
+                    w.cache.unwrap_or_else(|| Cache::new(&w.kind)),
                     watch_backoff,
                     tx.clone(),
                     move |c: &Change| {

@@ -97,6 +97,7 @@ pub struct Cache {
     kind: Arc<str>,
     state: Arc<RwLock<CacheState>>,
     ready: watch::Sender<bool>,
+    metadata_only: bool,
 }
 
 impl Cache {
@@ -106,7 +107,22 @@ impl Cache {
             kind: kind.into(),
             state: Arc::default(),
             ready: watch::Sender::new(false),
+            metadata_only: false,
         }
+    }
+
+    /// An empty cache for `kind` that keeps only each object's metadata (its `spec`, `status`
+    /// and other fields are dropped on the way in): for kinds a controller watches only to map
+    /// changes to keys by name, labels or ownerReferences, at a fraction of the memory.
+    pub fn metadata_only(kind: &str) -> Self {
+        Cache { metadata_only: true, ..Cache::new(kind) }
+    }
+
+    fn admit(&self, mut obj: DynObject) -> DynObject {
+        if self.metadata_only {
+            obj.rest = Default::default();
+        }
+        obj
     }
 
     /// The kind it holds.
@@ -168,6 +184,7 @@ impl Cache {
             let mut state = self.write();
             let mut old = std::mem::take(&mut state.objects);
             for obj in objects {
+                let obj = self.admit(obj);
                 let name = obj.metadata.name.clone();
                 let before = old.remove(&name);
                 let new = Arc::new(obj);
@@ -201,7 +218,7 @@ impl Cache {
         let mut state = self.write();
         match event {
             WatchEvent::Added(obj) | WatchEvent::Modified(obj) => {
-                let new = Arc::new(obj);
+                let new = Arc::new(self.admit(obj));
                 let old = state.objects.insert(new.metadata.name.clone(), new.clone());
                 Change {
                     old,
@@ -211,7 +228,7 @@ impl Cache {
             WatchEvent::Deleted(obj) => {
                 let cached = state.objects.remove(&obj.metadata.name);
                 Change {
-                    old: Some(cached.unwrap_or_else(|| Arc::new(obj))),
+                    old: Some(cached.unwrap_or_else(|| Arc::new(self.admit(obj)))),
                     new: None,
                 }
             }

@@ -354,21 +354,17 @@ fn original_state(op: &Operation) -> Option<PowerState> {
     }
 }
 
-/// Map a Vm change to the images waiting to capture it.
-pub fn images_for_vm(ctx: &Ctx, vm: &boxery_api::DynObject) -> Vec<String> {
-    let name = &vm.metadata.name;
-    ctx.store
-        .list_as::<Image>(&Default::default())
-        .map(|imgs| {
-            imgs.into_iter()
-                .filter(|i| {
-                    i.status.phase != ImagePhase::Ready
-                        && matches!(&i.spec.source, ImageSource::Vm(v) if v == name)
-                })
-                .map(|i| i.name().to_string())
-                .collect()
+/// Map a Vm change to the images waiting to capture it. Reads the Image cache.
+pub fn images_for_vm(images: &boxery_controller::Cache, vm: &boxery_api::DynObject) -> Vec<String> {
+    let name = vm.metadata.name.as_str();
+    images
+        .list()
+        .iter()
+        .filter(|i| {
+            i.status()["phase"] != "Ready" && i.spec()["source"]["vm"].as_str() == Some(name)
         })
-        .unwrap_or_default()
+        .map(|i| i.metadata.name.clone())
+        .collect()
 }
 
 /// Whether an Image's `Ready` holds for its current generation.

@@ -10,6 +10,10 @@
 //!   orphan (objects are written before their backend VM exists).
 
 use std::collections::HashMap;
+use std::sync::Arc;
+
+use boxery_api::DynObject;
+use boxery_controller::Cache;
 
 use boxery_api::{ConditionStatus, Conditions, EventType, Image, ImagePhase, Vm, VmPhase};
 use boxery_backends::BackendError;
@@ -32,8 +36,48 @@ pub struct Report {
     pub reachable: bool,
 }
 
+/// The objects an inventory pass compares with the backend: the controllers' caches in a
+/// running control plane (no copies), or a fresh list from the store.
+pub trait Objects {
+    /// Every Vm.
+    fn vms(&self) -> Vec<Arc<DynObject>>;
+    /// Every Image.
+    fn images(&self) -> Vec<Arc<DynObject>>;
+}
+
+/// The controllers' caches.
+#[derive(Debug, Clone)]
+pub struct Caches {
+    /// The Vm cache.
+    pub vms: Cache,
+    /// The Image cache.
+    pub images: Cache,
+}
+
+impl Objects for Caches {
+    fn vms(&self) -> Vec<Arc<DynObject>> {
+        self.vms.list()
+    }
+    fn images(&self) -> Vec<Arc<DynObject>> {
+        self.images.list()
+    }
+}
+
+impl Objects for boxery_store::Store {
+    fn vms(&self) -> Vec<Arc<DynObject>> {
+        self.list("Vm", &Default::default())
+            .map(|(v, _)| v.into_iter().map(Arc::new).collect())
+            .unwrap_or_default()
+    }
+    fn images(&self) -> Vec<Arc<DynObject>> {
+        self.list("Image", &Default::default())
+            .map(|(v, _)| v.into_iter().map(Arc::new).collect())
+            .unwrap_or_default()
+    }
+}
+
 /// One inventory pass.
-pub async fn pass(ctx: &Ctx) -> Result<Report, ReconcileError> {
+pub async fn pass(ctx: &Ctx, objects: &impl Objects) -> Result<Report, ReconcileError> {
     let mut report = Report::default();
     let backend_vms = ctx.backend.list().await;
     let backend_images = ctx.backend.images().await;
@@ -45,16 +89,16 @@ pub async fn pass(ctx: &Ctx) -> Result<Report, ReconcileError> {
         }
     };
     report.reachable = true;
-    let vms: HashMap<String, Vm> = ctx
-        .store
-        .list_as::<Vm>(&Default::default())?
-        .into_iter()
+    let vms: HashMap<String, Vm> = objects
+        .vms()
+        .iter()
+        .filter_map(|o| o.to_typed::<Vm>().ok())
         .map(|v| (v.metadata.name.clone(), v))
         .collect();
-    let images: HashMap<String, Image> = ctx
-        .store
-        .list_as::<Image>(&Default::default())?
-        .into_iter()
+    let images: HashMap<String, Image> = objects
+        .images()
+        .iter()
+        .filter_map(|o| o.to_typed::<Image>().ok())
         .map(|i| (i.metadata.name.clone(), i))
         .collect();
 
@@ -230,7 +274,11 @@ fn unreachable(ctx: &Ctx, e: &BackendError) -> Result<(), ReconcileError> {
 }
 
 /// Run passes every `ctx.settings.inventory_every` until `shutdown` resolves.
-pub async fn run(ctx: std::sync::Arc<Ctx>, shutdown: impl std::future::Future<Output = ()>) {
+pub async fn run(
+    ctx: std::sync::Arc<Ctx>,
+    objects: impl Objects,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
     tokio::pin!(shutdown);
     let mut tick = tokio::time::interval(ctx.settings.inventory_every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -238,7 +286,7 @@ pub async fn run(ctx: std::sync::Arc<Ctx>, shutdown: impl std::future::Future<Ou
         tokio::select! {
             _ = &mut shutdown => return,
             _ = tick.tick() => {
-                if let Err(e) = pass(&ctx).await {
+                if let Err(e) = pass(&ctx, &objects).await {
                     tracing::warn!(error = %e.chain(), "inventory pass failed");
                 }
             }

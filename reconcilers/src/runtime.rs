@@ -22,10 +22,18 @@ pub const KEEP_REVISIONS: u64 = 20_000;
 /// Run until `shutdown` is cancelled.
 pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     let store = ctx.store.clone();
-    let c = ctx.clone();
-    let vms = Controller::<Vm>::new(store.clone())
-        .owns::<Image>()
-        .watches::<Image>(move |o| vm::vms_for_image(&c, o))
+    let vm_ctl = Controller::<Vm>::new(store.clone());
+    let image_ctl = Controller::<Image>::new(store.clone());
+    // One full cache per kind (its controller's); the watches keep metadata only.
+    let caches = inventory::Caches {
+        vms: vm_ctl.cache(),
+        images: image_ctl.cache(),
+    };
+    let vm_cache = caches.vms.clone();
+    let vms = vm_ctl
+        .watches_metadata::<Image>(move |o| {
+            vm::vms_for_image(&vm_cache, o)
+        })
         .resync_every(ctx.settings.resync_every)
         .concurrency(ctx.settings.concurrency)
         .run(
@@ -34,9 +42,11 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
             ctx.clone(),
             shutdown.clone(),
         );
-    let c = ctx.clone();
-    let images = Controller::<Image>::new(store.clone())
-        .watches::<Vm>(move |o| image::images_for_vm(&c, o))
+    let image_cache = caches.images.clone();
+    let images = image_ctl
+        .watches_metadata::<Vm>(move |o| {
+            image::images_for_vm(&image_cache, o)
+        })
         .resync_every(ctx.settings.resync_every)
         .concurrency(ctx.settings.concurrency)
         .run(
@@ -45,7 +55,7 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
             ctx.clone(),
             shutdown.clone(),
         );
-    let inv = inventory::run(ctx.clone(), shutdown.clone().cancelled_owned());
+    let inv = inventory::run(ctx.clone(), caches, shutdown.clone().cancelled_owned());
     let compact = {
         let (store, shutdown) = (store.clone(), shutdown.clone());
         async move {

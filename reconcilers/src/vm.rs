@@ -774,9 +774,10 @@ async fn restore(mut vm: Vm, r: boxery_api::vm::Restore, ctx: &Ctx) -> Result<Ac
     }
 }
 
-/// Map an Image change to the Vms waiting on it (by source image, fork image owner, or restore).
-pub fn vms_for_image(ctx: &Ctx, image: &boxery_api::DynObject) -> Vec<String> {
-    let name = &image.metadata.name;
+/// Map an Image change to the Vms waiting on it: its owner (a fork's capture), Vms not yet
+/// created from it, and Vms asking to revert to it. Reads the Vm cache: no store round trip.
+pub fn vms_for_image(vms: &boxery_controller::Cache, image: &boxery_api::DynObject) -> Vec<String> {
+    let name = image.metadata.name.as_str();
     let mut out: Vec<String> = image
         .metadata
         .owner_references
@@ -784,13 +785,17 @@ pub fn vms_for_image(ctx: &Ctx, image: &boxery_api::DynObject) -> Vec<String> {
         .filter(|o| o.kind == "Vm")
         .map(|o| o.name.clone())
         .collect();
-    if let Ok(vms) = ctx.store.list_as::<Vm>(&Default::default()) {
-        for vm in vms {
-            let uses = vm.status.created_at.is_none() && vm.spec.source.name() == name
-                || vm.spec.restore.as_ref().is_some_and(|r| &r.image == name);
-            if uses {
-                out.push(vm.name().to_string());
-            }
+    for vm in vms.list() {
+        let spec = vm.spec();
+        let waiting = vm.status()["createdAt"].is_null()
+            && spec["source"]
+                .as_object()
+                .and_then(|m| m.values().next())
+                .and_then(|v| v.as_str())
+                == Some(name);
+        let reverting = spec["restore"]["image"].as_str() == Some(name);
+        if waiting || reverting {
+            out.push(vm.metadata.name.clone());
         }
     }
     out.sort();

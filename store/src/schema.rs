@@ -92,6 +92,11 @@ pub(crate) fn connect(path: &Path, busy_timeout: Duration) -> Result<Connection>
     }
     conn.pragma_update(None, "synchronous", "NORMAL")
         .map_err(open_db)?;
+    // A small page cache per connection (SQLite's default is 2 MiB): the store has several
+    // connections, the hot pages sit in the OS page cache anyway, and a control plane's
+    // idle memory is a measured target (docs/benchmarks.md).
+    conn.pragma_update(None, "cache_size", -512)
+        .map_err(open_db)?;
     Ok(conn)
 }
 

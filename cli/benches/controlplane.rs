@@ -1,0 +1,173 @@
+//! Control-plane benchmarks on the zero-latency fake backend:
+//! - `boxery get vm NAME` and `boxery get vm` wall time with 1,000 objects in the store;
+//! - time for 1,000 Vms to converge (written in one apply → all Ready) under `boxery serve`;
+//! - the control plane's RSS, idle, with those 1,000 VMs (and their Events) in the store.
+//!
+//! `cargo bench -p boxery --bench controlplane` (release build). Prints a table; the figures
+//! go into docs/benchmarks.md with this command. `BOXERY_BENCH_VMS=N` changes the count.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use boxery_api::vm::{Resources, VmSpec};
+use boxery_api::{DynObject, RunStrategy, Vm, VmSource};
+use boxery_store::{ApplyOptions, Store};
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_boxery")
+}
+
+fn vms(n: usize) -> Vec<DynObject> {
+    (0..n)
+        .map(|i| {
+            let spec = VmSpec {
+                source: VmSource::Image("debian-12".into()),
+                resources: Resources::default(),
+                headless: true,
+                layers: vec![],
+                run_strategy: RunStrategy::Running,
+                restore: None,
+            };
+            DynObject::from_typed(&Vm::new(format!("vm-{i:04}"), spec)).unwrap()
+        })
+        .collect()
+}
+
+fn pct(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn run_get(home: &Path, args: &[&str]) -> Duration {
+    let t = Instant::now();
+    let out = Command::new(bin())
+        .args(args)
+        .env("BOXERY_HOME", home)
+        .env("BOXERY_BACKEND", "fake")
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    let d = t.elapsed();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    d
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+struct Serve(Child);
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn main() {
+    let n: usize = std::env::var("BOXERY_BENCH_VMS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1000);
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path();
+    let store = Store::open(&home.join("store.db")).unwrap();
+
+    // Idle RSS of an empty control plane, for reference.
+    let serve = Serve(
+        Command::new(bin())
+            .args(["serve", "--inventory-every", "5s"])
+            .env("BOXERY_HOME", home)
+            .env("BOXERY_BACKEND", "fake")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let rss_empty = rss_kib(serve.0.id());
+
+    // Converge N VMs: one apply writes them all; time until every one is Ready.
+    let t = Instant::now();
+    store.apply_all(vms(n), &ApplyOptions::default()).unwrap();
+    let written = t.elapsed();
+    let mut polls = 0;
+    let converged = loop {
+        polls += 1;
+        let ready = store
+            .list_as::<Vm>(&Default::default())
+            .unwrap()
+            .iter()
+            .filter(|v| boxery_reconcilers::vm::is_ready(v))
+            .count();
+        if ready == n {
+            break t.elapsed();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(300),
+            "only {ready}/{n} ready after 300 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    std::thread::sleep(Duration::from_secs(3));
+    let rss_loaded = rss_kib(serve.0.id());
+    let objects = ["Vm", "Image", "Event"]
+        .iter()
+        .map(|k| store.list(k, &Default::default()).unwrap().0.len())
+        .sum::<usize>();
+    drop(serve);
+
+    // `get` wall time with N VMs in the store (no serve running: the CLI alone).
+    let mut one: Vec<Duration> = (0..40)
+        .map(|_| run_get(home, &["get", "vm", "vm-0500"]))
+        .collect();
+    one.sort();
+    let mut all: Vec<Duration> = (0..10).map(|_| run_get(home, &["get", "vm"])).collect();
+    all.sort();
+    let mut help: Vec<Duration> = (0..20).map(|_| run_get(home, &["--version"])).collect();
+    help.sort();
+
+    println!("control plane, fake backend (zero latency), {n} VMs, 2 cores");
+    println!("| measure | result | target |");
+    println!("|---|---|---|");
+    println!("| {n} Vms written (one apply) | {} | |", ms(written));
+    println!(
+        "| {n} Vms converge (apply → all Ready, `serve`) | {:.2} s ({polls} polls) | ≤ 10 s |",
+        converged.as_secs_f64()
+    );
+    println!(
+        "| `boxery get vm NAME` p50 / p99 (40 runs) | {} / {} | ≤ 15 ms |",
+        ms(pct(&one, 0.5)),
+        ms(pct(&one, 0.99))
+    );
+    println!(
+        "| `boxery get vm` ({n} rows) p50 / p99 (10 runs) | {} / {} | |",
+        ms(pct(&all, 0.5)),
+        ms(pct(&all, 0.99))
+    );
+    println!(
+        "| process start floor (`boxery --version`) p50 | {} | |",
+        ms(pct(&help, 0.5))
+    );
+    println!(
+        "| `serve` RSS, idle, empty store | {:.1} MiB | |",
+        rss_empty as f64 / 1024.0
+    );
+    println!(
+        "| `serve` RSS, idle, {objects} objects ({n} Vms + images + events) | {:.1} MiB | ≤ 30 MiB |",
+        rss_loaded as f64 / 1024.0
+    );
+}
