@@ -123,13 +123,13 @@ fn normalize_image(img: &mut Image) -> Result<(), Vec<FieldError>> {
             }
         }
         ImageSource::Build(b) => {
-            if b.base != crate::vm::STOCK_IMAGE {
+            if !crate::vm::STOCK_IMAGES.contains(&b.base.as_str()) {
                 errs.push(FieldError::new(
                     "spec.source.build.base",
                     format!(
-                        "`{}` cannot be built: the only base is `{}`",
+                        "`{}` cannot be built: use one of {}",
                         b.base,
-                        crate::vm::STOCK_IMAGE
+                        crate::vm::STOCK_IMAGES.join(", ")
                     ),
                 ));
             }

@@ -25,8 +25,13 @@ impl_resource!(
     normalize = normalize_vm
 );
 
-/// The well-known stock image, created on first use.
+/// The default stock image, built on first use.
 pub const STOCK_IMAGE: &str = "debian-12";
+
+/// The stock images a backend can build, each created (as an Image named after it) the first
+/// time a Vm uses it: `debian-12` (the real guest) and `tiny` (a small busybox+dropbear test
+/// guest that boots in seconds under emulation).
+pub const STOCK_IMAGES: &[&str] = &["debian-12", "tiny"];
 
 /// The desired state of a VM.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -235,13 +240,15 @@ fn is_zero(n: &u32) -> bool {
     *n == 0
 }
 
-/// Where a VM's sshd is.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+/// How to reach a VM's sshd.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SshStatus {
-    /// `HOST:PORT` as this host reaches it.
-    pub endpoint: String,
-    /// The pinned host key (`ssh-ed25519 AAAA…`).
+    /// `HOST:PORT` as this host reaches it, while the VM runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// The pinned host key (`ssh-ed25519 AAAA…`), generated on the host when the VM got its
+    /// identity: every ssh to the VM checks it (no trust on first use).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_key: Option<String>,
 }

@@ -549,6 +549,7 @@ impl Backend for FakeBackend {
             live_capture: true,
             build_stock_image: true,
             host_key: false,
+            ssh: false,
         }
     }
 

@@ -224,6 +224,9 @@ pub struct Capabilities {
     pub build_stock_image: bool,
     /// Can read a guest's host key through the hypervisor.
     pub host_key: bool,
+    /// Its VMs run a real sshd at the endpoint it reports (readiness is then checked over
+    /// ssh, with the pinned host key; the fake backend's VMs have no sshd).
+    pub ssh: bool,
 }
 
 /// Progress reports for long work (image builds).

@@ -3,6 +3,7 @@
 mod commands;
 mod env;
 mod exit;
+mod hands;
 mod manifests;
 mod output;
 mod runtime;
@@ -240,6 +241,31 @@ enum Command {
         #[command(flatten)]
         wait: WaitArgs,
     },
+    /// Open a shell in a VM (or run a command with a terminal), with its pinned host key.
+    Ssh {
+        /// The VM.
+        vm: String,
+        /// A command instead of a shell.
+        #[arg(last = true)]
+        cmd: Vec<String>,
+    },
+    /// Run a command in a VM: output is streamed, and boxery exits with the command's code.
+    Run {
+        /// The VM.
+        vm: String,
+        /// The command and its arguments (after `--`). One word is run by the shell as is
+        /// (`boxery run dev1 -- 'cd /tmp && ls'`); several are quoted one by one.
+        #[arg(last = true, required = true)]
+        cmd: Vec<String>,
+    },
+    /// Copy files or directories between this host and a VM (`VM:PATH` names the VM side),
+    /// streamed through tar over ssh.
+    Cp {
+        /// Source: a local path or VM:PATH.
+        src: String,
+        /// Destination: a local path or VM:PATH.
+        dst: String,
+    },
     /// Run the control plane: the controllers, until interrupted. A second `serve` on the same
     /// store stands by and takes over when the first dies.
     Serve {
@@ -377,6 +403,9 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
         Command::Rm { names, force, wait } => {
             commands::delete(&env, "vm", &names, wait.wait_for(), force).await?
         }
+        Command::Ssh { vm, cmd } => return hands::ssh(&env, &vm, &cmd),
+        Command::Run { vm, cmd } => return hands::run(&env, &vm, &cmd),
+        Command::Cp { src, dst } => return hands::cp(&env, &src, &dst),
         Command::Serve {
             inventory_every,
             lease,

@@ -151,6 +151,7 @@ async fn wait_inner(
         return Ok(());
     }
     let mut watch = store.watch(None, from);
+    let mut shown: std::collections::HashMap<String, String> = Default::default();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let next = tokio::time::timeout(left, watch.next()).await;
@@ -188,6 +189,9 @@ async fn wait_inner(
                     .iter()
                     .any(|(k, n)| *k == obj.kind && *n == obj.metadata.name)
                 {
+                    if !quiet {
+                        progress(&mut shown, obj);
+                    }
                     recheck(store, &mut pending, until, quiet)?;
                 }
             }
@@ -195,6 +199,32 @@ async fn wait_inner(
         if pending.is_empty() {
             return Ok(());
         }
+    }
+}
+
+/// Print where an object stands when that changed (progress for long waits, on stderr).
+fn progress(shown: &mut std::collections::HashMap<String, String>, obj: &DynObject) {
+    let st = obj.status();
+    let word = st["printableStatus"]
+        .as_str()
+        .or(st["phase"].as_str())
+        .unwrap_or("Pending");
+    let msg = st["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"))
+        .and_then(|c| c["message"].as_str())
+        .filter(|m| !m.is_empty())
+        .map(|m| format!(": {m}"))
+        .unwrap_or_default();
+    let line = format!(
+        "{}/{} {word}{msg}",
+        obj.kind.to_lowercase(),
+        obj.metadata.name
+    );
+    let key = format!("{}/{}", obj.kind, obj.metadata.name);
+    if shown.get(&key) != Some(&line) {
+        eprintln!("{line}");
+        shown.insert(key, line);
     }
 }
 

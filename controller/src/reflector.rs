@@ -115,7 +115,10 @@ impl Cache {
     /// and other fields are dropped on the way in): for kinds a controller watches only to map
     /// changes to keys by name, labels or ownerReferences, at a fraction of the memory.
     pub fn metadata_only(kind: &str) -> Self {
-        Cache { metadata_only: true, ..Cache::new(kind) }
+        Cache {
+            metadata_only: true,
+            ..Cache::new(kind)
+        }
     }
 
     fn admit(&self, mut obj: DynObject) -> DynObject {

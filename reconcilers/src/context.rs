@@ -42,6 +42,8 @@ pub struct Ctx {
     pub holder: String,
     /// Settings.
     pub settings: Settings,
+    /// The ssh files, when the backend's VMs run sshd.
+    pub ssh: Option<crate::ssh::SshDir>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -63,12 +65,23 @@ impl Ctx {
         settings: Settings,
     ) -> Self {
         let recorder = Recorder::new(store.clone(), "boxery-controller");
+        // The ssh files live beside the store, in $BOXERY_HOME.
+        let home = store
+            .path()
+            .parent()
+            .map(std::path::Path::to_path_buf)
+            .unwrap_or_default();
+        let ssh = backend
+            .capabilities()
+            .ssh
+            .then(|| crate::ssh::SshDir::new(&home));
         Ctx {
             store,
             backend,
             recorder,
             holder,
             settings,
+            ssh,
             locks: Mutex::new(HashMap::new()),
         }
     }

@@ -273,9 +273,7 @@ async fn step(mut img: Image, ctx: &Ctx) -> Result<Action> {
             .await
             .map_err(|e| ReconcileError::backend("capture", &obj, e)),
         ImageSource::Build(b) => {
-            let progress_name = obj.clone();
-            let progress: boxery_backends::Progress =
-                Arc::new(move |line: &str| tracing::info!(object = %progress_name, "{line}"));
+            let progress = build_progress(ctx.store.clone(), name.clone());
             ctx.event(
                 &img,
                 EventType::Normal,
@@ -293,6 +291,13 @@ async fn step(mut img: Image, ctx: &Ctx) -> Result<Action> {
             .await
             .map_err(|e| ReconcileError::backend("import", &obj, e)),
     };
+    // Progress lines may have written the status meanwhile: carry on from the stored object
+    // (the operation recorded in it is ours: reconciles of one object never overlap).
+    let Some(stored) = ctx.store.get_as::<Image>(&name)? else {
+        return Ok(Action::await_change());
+    };
+    img.metadata = stored.metadata;
+    img.status.conditions = stored.status.conditions;
     if let Err(e) = result {
         // Never leave a partial image: clean it now; if that fails too, recovery does it later.
         let cleaned = match &img.spec.source {
@@ -344,6 +349,31 @@ async fn step(mut img: Image, ctx: &Ctx) -> Result<Action> {
     };
     ctx.event(&img, EventType::Normal, "Ready", &what);
     Ok(Action::await_change())
+}
+
+/// Build progress: each line is logged, and (at most once a second) written into the Image's
+/// `Ready` condition, where `describe`, `get` and every `--wait` on a VM using it show it.
+fn build_progress(store: boxery_store::Store, name: String) -> boxery_backends::Progress {
+    let last = std::sync::Mutex::new(None::<std::time::Instant>);
+    Arc::new(move |line: &str| {
+        tracing::info!(image = %name, "{line}");
+        let mut last = last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return;
+        }
+        *last = Some(std::time::Instant::now());
+        if let Ok(Some(mut img)) = store.get_as::<Image>(&name) {
+            let generation = img.metadata.generation;
+            img.status.conditions.set_condition(
+                "Ready",
+                ConditionStatus::False,
+                "Building",
+                line.trim(),
+                generation,
+            );
+            let _ = store.update_status_as(&img);
+        }
+    })
 }
 
 fn original_state(op: &Operation) -> Option<PowerState> {

@@ -8,6 +8,7 @@ pub mod error;
 pub mod image;
 pub mod inventory;
 pub mod runtime;
+pub mod ssh;
 pub mod vm;
 
 pub use context::{Ctx, Settings};

@@ -31,9 +31,7 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     };
     let vm_cache = caches.vms.clone();
     let vms = vm_ctl
-        .watches_metadata::<Image>(move |o| {
-            vm::vms_for_image(&vm_cache, o)
-        })
+        .watches_metadata::<Image>(move |o| vm::vms_for_image(&vm_cache, o))
         .resync_every(ctx.settings.resync_every)
         .concurrency(ctx.settings.concurrency)
         .run(
@@ -44,9 +42,7 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
         );
     let image_cache = caches.images.clone();
     let images = image_ctl
-        .watches_metadata::<Vm>(move |o| {
-            image::images_for_vm(&image_cache, o)
-        })
+        .watches_metadata::<Vm>(move |o| image::images_for_vm(&image_cache, o))
         .resync_every(ctx.settings.resync_every)
         .concurrency(ctx.settings.concurrency)
         .run(

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use boxery_api::image::{BuildSpec, ImageSpec};
-use boxery_api::vm::{Failure, Operation, OperationType, STOCK_IMAGE, SshStatus};
+use boxery_api::vm::{Failure, Operation, OperationType, STOCK_IMAGES, SshStatus};
 use boxery_api::{
     ConditionStatus, Conditions, EventType, Image, ImagePhase, ImageSource, OwnerReference,
     Resource, RunStrategy, Vm, VmPhase, VmSource, now,
@@ -202,7 +202,14 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
                 generation,
             );
             vm.status.size = Some(api_size(info.size));
-            finish_status(&mut vm, &info.state, info.ssh.clone(), generation);
+            let readiness = Readiness::Ready("Running");
+            finish_status(
+                &mut vm,
+                &info.state,
+                info.ssh.clone(),
+                &readiness,
+                generation,
+            );
             save(ctx, &vm)?;
             ctx.event(&vm, EventType::Warning, "DiskShrinkRefused", &msg);
             return Ok(Action::await_change());
@@ -247,40 +254,114 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         _ => {}
     }
 
+    let readiness = match (&info.state, &info.ssh) {
+        (PowerState::Running, Some(endpoint)) if ctx.backend.capabilities().ssh => {
+            match probe(ctx, &vm, endpoint).await {
+                Ok(()) => Readiness::Ready("SshReachable"),
+                Err(why) => Readiness::Booting(why),
+            }
+        }
+        (PowerState::Running, None) if ctx.backend.capabilities().ssh => {
+            Readiness::Booting("the backend reports no ssh endpoint yet".into())
+        }
+        _ => Readiness::Ready("Running"),
+    };
     let before = vm.status.clone();
     vm.status.size = Some(api_size(info.size));
-    finish_status(&mut vm, &info.state, info.ssh.clone(), generation);
+    finish_status(
+        &mut vm,
+        &info.state,
+        info.ssh.clone(),
+        &readiness,
+        generation,
+    );
     vm.status.failures = 0;
     vm.status.last_failure = None;
     if vm.status != before {
         save(ctx, &vm)?;
     }
+    if let Readiness::Booting(_) = readiness {
+        return Ok(Action::requeue(std::time::Duration::from_secs(1)));
+    }
     Ok(Action::await_change())
 }
 
+/// Check that a running VM answers over ssh with its pinned host key.
+async fn probe(ctx: &Ctx, vm: &Vm, endpoint: &str) -> Result<(), String> {
+    let Some(ssh) = &ctx.ssh else { return Ok(()) };
+    let Some(host_key) = vm.status.ssh.as_ref().and_then(|s| s.host_key.clone()) else {
+        return Err("no pinned host key is recorded for this VM (it was not made by boxery's identity step)".into());
+    };
+    let target = crate::ssh::Target {
+        name: vm.name().to_string(),
+        endpoint: endpoint.to_string(),
+        host_key,
+    };
+    let mut targets = known_targets(ctx);
+    targets.retain(|t| t.name != target.name);
+    targets.push(target.clone());
+    ssh.write(&targets).map_err(|e| e.to_string())?;
+    ssh.probe(&target).await.map_err(|e| match e {
+        crate::ssh::SshError::Unreachable { reason, .. } => reason,
+        e => e.to_string(),
+    })
+}
+
+/// Every VM with an endpoint and a pinned key, from the store.
+pub fn known_targets(ctx: &Ctx) -> Vec<crate::ssh::Target> {
+    ctx.store
+        .list_as::<Vm>(&Default::default())
+        .unwrap_or_default()
+        .iter()
+        .filter_map(crate::ssh::Target::of)
+        .collect()
+}
+
+/// How ready a running VM is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Readiness {
+    /// Reachable (over ssh with the pinned key, where the backend runs sshd).
+    Ready(&'static str),
+    /// Running but not answering yet.
+    Booting(String),
+}
+
 /// Phase, Ready, ssh, observedGeneration and the printable status after a successful step.
-fn finish_status(vm: &mut Vm, state: &PowerState, ssh: Option<String>, generation: Option<i64>) {
-    let (phase, ready, reason, msg) = match state {
-        PowerState::Running => (
+fn finish_status(
+    vm: &mut Vm,
+    state: &PowerState,
+    ssh: Option<String>,
+    readiness: &Readiness,
+    generation: Option<i64>,
+) {
+    let (phase, ready, reason, msg) = match (state, readiness) {
+        (PowerState::Running, Readiness::Ready(reason)) => (
             VmPhase::Running,
             ConditionStatus::True,
-            "Running",
-            "the VM is running",
+            *reason,
+            "the VM is running".to_string(),
         ),
-        PowerState::Stopped => (
+        (PowerState::Running, Readiness::Booting(why)) => (
+            VmPhase::Running,
+            ConditionStatus::False,
+            "Booting",
+            format!("the VM is running but not reachable yet: {why}"),
+        ),
+        (PowerState::Stopped, _) => (
             VmPhase::Stopped,
             ConditionStatus::False,
             "Stopped",
-            "the VM is stopped (runStrategy: Stopped)",
+            "the VM is stopped (runStrategy: Stopped)".to_string(),
         ),
     };
     vm.status.phase = phase;
     vm.status
         .conditions
-        .set_condition("Ready", ready, reason, msg, generation);
-    vm.status.ssh = ssh.map(|endpoint| SshStatus {
-        endpoint,
-        host_key: vm.status.ssh.as_ref().and_then(|s| s.host_key.clone()),
+        .set_condition("Ready", ready, reason, &msg, generation);
+    let host_key = vm.status.ssh.as_ref().and_then(|s| s.host_key.clone());
+    vm.status.ssh = (ssh.is_some() || host_key.is_some()).then(|| SshStatus {
+        endpoint: ssh,
+        host_key,
     });
     vm.status.observed_generation = generation;
     vm.status.printable_status = Some(printable(vm));
@@ -331,7 +412,9 @@ fn lost(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         generation,
     );
     vm.status.phase = VmPhase::Lost;
-    vm.status.ssh = None;
+    if let Some(ssh) = vm.status.ssh.as_mut() {
+        ssh.endpoint = None;
+    }
     vm.status.printable_status = Some(printable(&vm));
     if changed {
         let vm = save(ctx, &vm)?;
@@ -371,6 +454,9 @@ async fn finalize(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
                 .map_err(|e| ReconcileError::backend("cleanup_new", &obj, e))?;
         }
         Err(e) => return Err(ReconcileError::backend("get", &obj, e)),
+    }
+    if let Some(ssh) = &ctx.ssh {
+        ssh.close(&name).await;
     }
     vm.metadata.finalizers.retain(|f| f != FINALIZER);
     ctx.store.update_as(&vm)?;
@@ -481,6 +567,33 @@ async fn recover(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action> {
     Ok(Action::requeue(std::time::Duration::ZERO))
 }
 
+/// A new VM's identity. Backends whose VMs run sshd get a host key made here (ssh-keygen)
+/// and the control plane's key; the fake backend, which has no guests, gets names only.
+async fn new_identity(ctx: &Ctx, name: &str) -> Result<boxery_backends::Identity> {
+    let Some(ssh) = ctx.ssh.clone() else {
+        return Ok(boxery_backends::Identity {
+            hostname: name.to_string(),
+            ..Default::default()
+        });
+    };
+    let vm = name.to_string();
+    let made = tokio::task::spawn_blocking(move || -> Result<boxery_backends::Identity, String> {
+        let key = ssh.public_key().map_err(|e| e.to_string())?;
+        boxery_backends::identity::generate(&vm, &[key]).map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| e.to_string())
+    .and_then(|r| r);
+    made.map_err(|e| {
+        ReconcileError::backend(
+            "identity",
+            format!("Vm/{name}"),
+            boxery_backends::BackendError::failed("identity", e),
+        )
+    })
+}
+
+/// The identity passed to `reimage`: names only, so the VM keeps its seed (host key, MAC).
 fn identity_for(vm: &Vm) -> boxery_backends::Identity {
     boxery_backends::Identity {
         hostname: vm.name().to_string(),
@@ -521,12 +634,12 @@ fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
         }
     };
     match ctx.store.get_as::<Image>(&image_name)? {
-        None if image_name == STOCK_IMAGE => {
+        None if STOCK_IMAGES.contains(&image_name.as_str()) => {
             let image = Image::new(
-                STOCK_IMAGE,
+                &image_name,
                 ImageSpec {
                     source: ImageSource::Build(BuildSpec {
-                        base: STOCK_IMAGE.into(),
+                        base: image_name.clone(),
                         layers: vec![],
                     }),
                 },
@@ -539,12 +652,12 @@ fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
                 vm,
                 EventType::Normal,
                 "BuildingImage",
-                &format!("the stock image {STOCK_IMAGE} is built on first use"),
+                &format!("the stock image {image_name} is built on first use"),
             );
             set_waiting(
                 vm,
                 "ImageNotReady",
-                &format!("waiting for the stock image {STOCK_IMAGE} to be built"),
+                &format!("waiting for the stock image {image_name} to be built"),
                 ctx,
             )?;
             Ok(None)
@@ -574,12 +687,18 @@ fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
             Ok(None)
         }
         Some(img) if img.status.phase != ImagePhase::Ready => {
-            let msg = wait_msg.unwrap_or_else(|| {
-                format!(
-                    "image {image_name} is not ready yet ({:?})",
-                    img.status.phase
-                )
-            });
+            // Show the image's own progress (a build's phase, a capture) while waiting.
+            let progress = img
+                .status
+                .conditions
+                .get_condition("Ready")
+                .map(|c| c.message.clone())
+                .filter(|m| !m.is_empty())
+                .unwrap_or_else(|| format!("{:?}", img.status.phase));
+            let msg = match wait_msg {
+                Some(w) => format!("{w}: {progress}"),
+                None => format!("waiting for image {image_name}: {progress}"),
+            };
             set_waiting(vm, "ImageNotReady", &msg, ctx)?;
             Ok(None)
         }
@@ -637,6 +756,17 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         &format!("made from image {image}"),
         generation,
     );
+    // A fresh identity, made on the host: a new host key (pinned in status before the VM
+    // exists, so no ssh ever trusts on first use), machine-id and token, and the control
+    // plane's key as the only authorized key.
+    let identity = new_identity(ctx, &name).await?;
+    vm.status.ssh = Some(SshStatus {
+        endpoint: None,
+        host_key: identity
+            .host_key
+            .as_ref()
+            .map(|(_, public)| public.trim().to_string()),
+    });
     // Intent first, with a resourceVersion precondition: a stale writer gets a Conflict here.
     vm.status.operation = Some(Operation {
         type_: OperationType::Create,
@@ -658,7 +788,7 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         memory_mib: size.memory_mib,
         disk_gib: size.disk_gib,
         start: vm.spec.run_strategy == RunStrategy::Running,
-        identity: identity_for(&vm),
+        identity,
     };
     if let Err(e) = ctx.backend.create(&req).await {
         // Leave nothing half made; the operation is cleared so the next try starts clean.
