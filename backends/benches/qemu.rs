@@ -22,7 +22,7 @@ use boxery_backends::qemu::process::{self, Boot, LaunchSpec};
 use boxery_backends::qemu::qmp::Qmp;
 use boxery_backends::qemu::seed;
 use boxery_backends::{Backend, identity};
-use qemu_support::{Env, ssh_cmd, wait_banner};
+use qemu_support::{Env, wait_banner, wait_ssh};
 
 const BOOT: Duration = Duration::from_secs(240);
 
@@ -44,7 +44,7 @@ fn stats(v: &[f64]) -> String {
 
 /// Boot the tiny base with raw QEMU (the backend's own command line, no backend code around
 /// it): launch → "SSH-" banner, and → first ssh command. Returns (banner, first command, RSS).
-async fn raw_boot(env: &Env, run: usize) -> (f64, f64, u64) {
+async fn raw_boot(env: &Env, run: usize, tb_size: Option<u32>) -> (f64, f64, (u64, u64)) {
     let l = env.backend.layout();
     let base_id = std::fs::read_dir(l.bases())
         .unwrap()
@@ -109,7 +109,8 @@ async fn raw_boot(env: &Env, run: usize) -> (f64, f64, u64) {
             acpi_shutdown: true,
         },
         accel: env.backend.accel().accel,
-        tcg_tb_size_mib: env.backend.config().tcg_tb_size_mib,
+        tcg_tb_size_mib: tb_size,
+        sandbox: env.backend.config().sandbox,
     };
     let t = Instant::now();
     let st = tokio::process::Command::new("qemu-system-x86_64")
@@ -124,15 +125,9 @@ async fn raw_boot(env: &Env, run: usize) -> (f64, f64, u64) {
     let pid = process::read_pid(&spec.pidfile).unwrap();
     let guard = scopeguard(pid, dir.clone());
     let banner = wait_banner(port, BOOT).await.unwrap();
-    loop {
-        if ssh_cmd(&env.key, &kh, port, "true").await.status.success() {
-            break;
-        }
-        assert!(t.elapsed() < BOOT, "raw boot: no ssh");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_ssh(&env.key, &kh, port, BOOT).await.unwrap();
     let first = t.elapsed();
-    let rss = process::rss_bytes(pid).unwrap_or(0);
+    let rss = process::rss_split(pid, 256).unwrap_or((0, 0));
     drop(guard);
     (secs(banner), secs(first), rss)
 }
@@ -176,17 +171,23 @@ async fn main() {
 
     // 1. boot: raw QEMU vs the backend
     let (mut raw_banner, mut raw_first, mut raw_rss) = (vec![], vec![], vec![]);
-    let (mut create_call, mut create_first) = (vec![], vec![]);
+    let (mut create_call, mut create_banner, mut create_first) = (vec![], vec![], vec![]);
     for run in 0..runs {
-        let (bn, f, rss) = raw_boot(&env, run).await;
+        let (bn, f, rss) = raw_boot(&env, run, b.config().tcg_tb_size_mib).await;
         raw_banner.push(bn);
         raw_first.push(f);
         raw_rss.push(rss);
         let name = format!("boot{run}");
+        let vm = env.vm(&name, "tiny");
         let t = Instant::now();
-        b.create(&env.vm(&name, "tiny")).await.unwrap();
+        b.create(&vm).await.unwrap();
         create_call.push(secs(t.elapsed()));
-        env.wait_ssh(&name, BOOT).await;
+        let port = env.port(&name).await;
+        wait_banner(port, BOOT).await.unwrap();
+        create_banner.push(secs(t.elapsed()));
+        wait_ssh(&env.key, &b.layout().vm_known_hosts(&name), port, BOOT)
+            .await
+            .unwrap();
         create_first.push(secs(t.elapsed()));
         b.remove(&name).await.unwrap();
     }
@@ -203,6 +204,10 @@ async fn main() {
     println!(
         "| backend create() returns (disk copy, seed, QEMU daemonized) | {} |",
         stats(&create_call)
+    );
+    println!(
+        "| backend create() → sshd banner | {} |",
+        stats(&create_banner)
     );
     println!(
         "| backend create() → first ssh command | {} |",
@@ -226,7 +231,7 @@ async fn main() {
     b.create(&vm).await.unwrap();
     env.wait_ssh("cap", BOOT).await;
     let pid = b.pid("cap").unwrap();
-    let rss_idle = process::rss_bytes(pid).unwrap_or(0);
+    let rss_idle = process::rss_split(pid, 256).unwrap_or((0, 0));
     let t = Instant::now();
     env.run("cap", &format!("dd if=/dev/urandom of=/home/agent/blob bs=1M count={write_mib} 2>/dev/null && md5sum /home/agent/blob > /home/agent/blob.md5 && sync"))
         .await;
@@ -340,28 +345,34 @@ async fn main() {
     println!("| 2 VMs from the image in parallel (fork into 2) | | {fork2:.2} s |");
 
     // 4. memory
-    let rss_f1 = b.pid("f1").and_then(process::rss_bytes).unwrap_or(0);
+    let rss_f1 = b
+        .pid("f1")
+        .and_then(|p| process::rss_split(p, 256))
+        .unwrap_or((0, 0));
+    let (_, _, rss_default_tb) = raw_boot(&env, runs + 1, None).await;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     println!(
-        "\n## QEMU memory (guest RAM 256 MiB, TCG tb-size {:?} MiB)",
-        b.config().tcg_tb_size_mib
+        "\n## QEMU memory (guest RAM 256 MiB; RSS of the guest RAM mapping vs the rest of QEMU)"
     );
-    println!("| | RSS | beyond guest RAM |\n|---|---|---|");
-    println!(
-        "| raw boot, just booted | {:.0} MiB | {:+.0} MiB |",
-        mib(raw_rss[0]),
-        mib(raw_rss[0]) - 256.0
+    println!("| | RSS | of it guest RAM | QEMU beyond guest RAM |\n|---|---|---|---|");
+    let row = |what: &str, (total, guest): (u64, u64)| {
+        println!(
+            "| {what} | {:.0} MiB | {:.0} MiB | {:.0} MiB |",
+            mib(total),
+            mib(guest),
+            mib(total - guest)
+        );
+    };
+    row(
+        &format!(
+            "raw boot, TCG tb-size {:?} MiB (the backend's)",
+            b.config().tcg_tb_size_mib
+        ),
+        raw_rss[0],
     );
-    println!(
-        "| backend VM, booted, idle | {:.0} MiB | {:+.0} MiB |",
-        mib(rss_idle),
-        mib(rss_idle) - 256.0
-    );
-    println!(
-        "| VM from a {write_mib} MiB image, booted | {:.0} MiB | {:+.0} MiB |",
-        mib(rss_f1),
-        mib(rss_f1) - 256.0
-    );
+    row("raw boot, TCG tb-size QEMU's default", rss_default_tb);
+    row("backend VM, booted, idle", rss_idle);
+    row(&format!("VM from a {write_mib} MiB image, booted"), rss_f1);
     for vm in ["f1", "f2", "cap"] {
         b.remove(vm).await.unwrap();
     }

@@ -23,6 +23,38 @@ async fn smoke_create_ssh_remove() {
     let took = env.wait_ssh("dev1", BOOT).await;
     eprintln!("boot to ssh: {took:?}");
     assert_eq!(env.run("dev1", "hostname").await, "dev1");
+
+    // What the guest can reach (docs/backends-qemu.md, "Network"): QEMU user networking maps
+    // the host's loopback to 10.0.2.2, so a service listening only on the host's 127.0.0.1 is
+    // reachable from the guest. This test pins that documented exposure.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let accept = tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        let (mut s, peer) = listener.accept().await.unwrap();
+        let mut buf = String::new();
+        let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_string(&mut buf)).await;
+        (peer, buf)
+    });
+    env.run(
+        "dev1",
+        &format!("echo from-guest | nc -w 3 10.0.2.2 {port} || true"),
+    )
+    .await;
+    let (peer, got) = tokio::time::timeout(Duration::from_secs(20), accept)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        got.trim(),
+        "from-guest",
+        "the guest reached the host's loopback through 10.0.2.2"
+    );
+    assert!(
+        peer.ip().is_loopback(),
+        "it arrives from 127.0.0.1 ({peer})"
+    );
+
     env.backend.remove("dev1").await.unwrap();
     assert!(env.qemu_pids().is_empty());
 }

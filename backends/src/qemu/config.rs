@@ -7,7 +7,8 @@
 //! | `BOXERY_QEMU_ACCEL` | `auto` | `kvm`, `tcg` or `auto` (KVM only when it really works) |
 //! | `BOXERY_QEMU_PORTS` | `22000-22999` | loopback ports for the VMs' sshd |
 //! | `BOXERY_QEMU_POWERDOWN_TIMEOUT` | `60` | seconds a guest gets to power off before `quit` |
-//! | `BOXERY_QEMU_TB_SIZE` | `64` | TCG translation cache in MiB (QEMU's default is far larger) |
+//! | `BOXERY_QEMU_TB_SIZE` | `64` | TCG translation cache in MiB (`default`: QEMU's) |
+//! | `BOXERY_QEMU_SANDBOX` | on | `off` drops QEMU's seccomp sandbox (`-sandbox on,…`) |
 //! | `BOXERY_IMAGE_DIR` | found | the repository's `image/` (builders), see [`find_image_dir`] |
 //! | `BOXERY_IMAGE_CACHE` | `/var/cache/boxery/images` | where the builders write |
 
@@ -36,6 +37,8 @@ pub struct QemuConfig {
     pub start_timeout: Duration,
     /// TCG translation cache size in MiB.
     pub tcg_tb_size_mib: Option<u32>,
+    /// Confine each QEMU with its seccomp sandbox.
+    pub sandbox: bool,
     /// The image builders' directory (`image/` of the repository), when found.
     pub image_dir: Option<PathBuf>,
     /// Where the builders write their output.
@@ -100,6 +103,7 @@ impl QemuConfig {
                 Some(s) => s.parse().ok(),
                 None => Some(64),
             },
+            sandbox: env("BOXERY_QEMU_SANDBOX").as_deref() != Some("off"),
             image_dir: find_image_dir(),
             image_cache: env("BOXERY_IMAGE_CACHE")
                 .unwrap_or_else(|| "/var/cache/boxery/images".into())

@@ -148,6 +148,8 @@ struct Inner {
     layout: Layout,
     config: QemuConfig,
     disks: Disks,
+    /// Set once the host tools were found (checked again until they are).
+    tools_ok: std::sync::OnceLock<()>,
 }
 
 /// The qemu backend.
@@ -170,6 +172,7 @@ impl QemuBackend {
                 layout: Layout::new(dir),
                 config,
                 disks,
+                tools_ok: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -571,6 +574,7 @@ impl Inner {
             boot: base.boot_in(&self.layout.base_dir(&base.id)),
             accel: self.config.accel.accel,
             tcg_tb_size_mib: self.config.tcg_tb_size_mib,
+            sandbox: self.config.sandbox,
         }
     }
 
@@ -784,6 +788,9 @@ impl Inner {
     }
 
     fn check_tools(&self) -> Result<()> {
+        if self.tools_ok.get().is_some() {
+            return Ok(());
+        }
         let runs = |bin: &Path, arg: &str| {
             std::process::Command::new(bin)
                 .arg(arg)
@@ -812,6 +819,7 @@ impl Inner {
             missing.push("ssh-keygen (package openssh-client)".into());
         }
         if missing.is_empty() {
+            let _ = self.tools_ok.set(());
             Ok(())
         } else {
             Err(BackendError::Invalid(format!(
@@ -1404,6 +1412,7 @@ impl Backend for QemuBackend {
             live_capture: true,
             build_stock_image: true,
             host_key: true,
+            ssh: true,
         }
     }
 

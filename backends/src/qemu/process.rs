@@ -215,6 +215,8 @@ pub struct LaunchSpec {
     pub accel: Accel,
     /// TCG translation cache size in MiB (`None`: QEMU's default).
     pub tcg_tb_size_mib: Option<u32>,
+    /// Confine QEMU with its seccomp filter (`-sandbox`).
+    pub sandbox: bool,
 }
 
 /// The name of the node the base is opened as (every stream job names it as its base).
@@ -251,6 +253,11 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
         &spec.memory_mib.to_string(),
     ]);
     push(&["-nodefaults", "-no-user-config", "-display", "none"]);
+    if spec.sandbox {
+        // seccomp: no obsolete syscalls, no scheduler/affinity changes. `elevateprivileges`
+        // and `spawn` stay allowed: -daemonize needs setsid() and fork()
+        push(&["-sandbox", "on,obsolete=deny,resourcecontrol=deny"]);
+    }
     if let Some(k) = &spec.boot.kernel {
         push(&["-kernel", &p(k)]);
         if let Some(i) = &spec.boot.initrd {
@@ -622,6 +629,7 @@ mod tests {
             },
             accel: Accel::Tcg,
             tcg_tb_size_mib: None,
+            sandbox: true,
             dir,
         }
     }
