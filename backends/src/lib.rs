@@ -296,12 +296,18 @@ pub fn state_dir(home: &std::path::Path, backend: &str) -> PathBuf {
 }
 
 /// Names of the backends this build has.
+#[cfg(not(feature = "qemu"))]
 pub const BACKENDS: &[&str] = &["fake"];
+/// Names of the backends this build has.
+#[cfg(feature = "qemu")]
+pub const BACKENDS: &[&str] = &["fake", "qemu"];
 
 /// Make a backend by name, its state under `home`.
 pub fn by_name(name: &str, home: &std::path::Path) -> Result<Arc<dyn Backend>> {
     match name {
         "fake" => Ok(Arc::new(fake::FakeBackend::new(state_dir(home, "fake")))),
+        #[cfg(feature = "qemu")]
+        "qemu" => Ok(Arc::new(qemu::QemuBackend::new(state_dir(home, "qemu")))),
         other => Err(BackendError::Invalid(format!(
             "unknown backend `{other}`: use one of {}",
             BACKENDS.join(", ")
