@@ -1,0 +1,415 @@
+//! A VM's life: launching and stopping its QEMU, its port, its seed, creating and destroying it.
+
+use super::chain::node_name;
+use super::*;
+
+impl Inner {
+    /// The command line's inputs; `chain` is the disk chain, top first, base last.
+    pub(super) fn launch_spec(
+        &self,
+        cfg: &VmConfig,
+        base: &BaseRecord,
+        chain: &[PathBuf],
+    ) -> LaunchSpec {
+        let name = &cfg.name;
+        let top = chain[0].clone();
+        let backing = chain[1..chain.len() - 1]
+            .iter()
+            .rev()
+            .enumerate()
+            .map(|(i, p)| (p.clone(), node_name(p, i)))
+            .collect();
+        LaunchSpec {
+            name: name.clone(),
+            dir: self.vm_dir(name),
+            uuid: cfg.uuid.clone(),
+            mac: cfg.mac.clone(),
+            port: cfg.port,
+            cpus: cfg.cpus,
+            memory_mib: cfg.memory_mib,
+            base: self.base_disk(&cfg.base),
+            backing,
+            disk_node: node_name(&top, 0),
+            disk: top,
+            seed: self.layout.vm_seed(name),
+            qmp: self.layout.vm_qmp(name),
+            qga: self.layout.vm_qga(name),
+            serial: self.layout.vm_serial(name),
+            pidfile: self.layout.vm_pidfile(name),
+            boot: base.boot_in(&self.layout.base_dir(&base.id)),
+            accel: self.config.accel.accel,
+            tcg_tb_size_mib: self.config.tcg_tb_size_mib,
+            sandbox: self.config.sandbox,
+        }
+    }
+
+    /// Boot a stopped VM (lock held). Errors a person must fix are `Invalid`. A disk still
+    /// more than one overlay deep (a linked image layer, a stream cut short) boots as it is and
+    /// is streamed back to one overlay on its base in the background.
+    pub(super) async fn boot(self: &Arc<Self>, cfg: &VmConfig) -> Result<()> {
+        let name = &cfg.name;
+        if self.pid(name).is_some() {
+            return Ok(());
+        }
+        let base = self.load_base(&cfg.base)?;
+        let chain = self.offline_chain(cfg).await?;
+        self.remove_unused(name, &chain)?;
+        self.claim_port(name, cfg.port)?;
+        // a QEMU that has just exited may still be releasing it
+        let mut tries = 0;
+        while !process::port_free(cfg.port) && tries < 20 {
+            tries += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if !process::port_free(cfg.port) {
+            return Err(failed_msg(
+                format!("start VM {name}"),
+                format!(
+                    "its ssh port 127.0.0.1:{} is taken by another process (not a boxery VM): free it (`ss -ltnp sport = :{}`) and retry",
+                    cfg.port, cfg.port
+                ),
+            ));
+        }
+        let spec = self.launch_spec(cfg, &base, &chain);
+        let t = Instant::now();
+        let pid = process::launch(
+            &self.config.qemu,
+            &spec,
+            &self.layout.vm_log(name),
+            self.config.start_timeout,
+        )
+        .await
+        .map_err(|e| match e {
+            process::ProcessError::Missing { .. } | process::ProcessError::Start { .. } => {
+                BackendError::Invalid(format!(
+                    "{} ({})",
+                    error_chain(&e),
+                    self.config.accel.reason
+                ))
+            }
+            e => failed(format!("start VM {name}"), e),
+        })?;
+        info!(vm = name.as_str(), pid, port = cfg.port, accel = %self.config.accel.accel, depth = chain.len() - 1, secs = t.elapsed().as_secs_f64(), "QEMU started");
+        if chain.len() > 2 {
+            let mut q = self.qmp(name).await?;
+            q.block_stream(STREAM_JOB, &spec.disk_node, BASE_NODE)
+                .await
+                .map_err(|e| failed(format!("stream the disk of VM {name}"), e))?;
+            drop(q);
+            self.settle_later(name.clone());
+        }
+        Ok(())
+    }
+
+    /// Power a running VM off (lock held): ACPI button when the guest handles it, then `quit`,
+    /// then signals.
+    pub(super) async fn shutdown(&self, name: &str, graceful: bool) -> Result<()> {
+        let dir = self.vm_dir(name);
+        let Some(pid) = self.pid(name) else {
+            self.clear_runtime_files(name);
+            return Ok(());
+        };
+        let acpi = match self.load_vm(name)? {
+            Some(cfg) => self
+                .load_base(&cfg.base)
+                .map(|b| b.boot.acpi_shutdown)
+                .unwrap_or(true),
+            None => false,
+        };
+        if graceful
+            && acpi
+            && let Ok(mut q) = self.qmp(name).await
+            && q.system_powerdown().await.is_ok()
+        {
+            drop(q);
+            if process::wait_gone(pid, self.config.powerdown_timeout).await {
+                self.clear_runtime_files(name);
+                return Ok(());
+            }
+            warn!(vm = name, timeout = ?self.config.powerdown_timeout, "the guest did not power off on the ACPI button; quitting QEMU");
+        }
+        if let Ok(Ok(mut q)) = tokio::time::timeout(Duration::from_secs(5), self.qmp(name)).await {
+            let _ = q.quit().await;
+            drop(q);
+            if process::wait_gone(pid, Duration::from_secs(10)).await {
+                self.clear_runtime_files(name);
+                return Ok(());
+            }
+        }
+        process::terminate(pid, &dir, Duration::from_secs(5))
+            .await
+            .map_err(|e| failed(format!("stop VM {name}"), e))?;
+        self.clear_runtime_files(name);
+        Ok(())
+    }
+
+    pub(super) fn clear_runtime_files(&self, name: &str) {
+        for p in [
+            self.layout.vm_pidfile(name),
+            self.layout.vm_qmp(name),
+            self.layout.vm_qga(name),
+        ] {
+            let _ = remove_file_if_exists(&p);
+        }
+    }
+
+    /// Reserve a free loopback port for VM `name` (`ports/<port>` made with O_EXCL).
+    pub(super) fn reserve_port(&self, name: &str) -> Result<u16> {
+        let range = self.config.ports.clone();
+        let len = u32::from(*range.end() - *range.start()) + 1;
+        let offset = rand::random::<u32>() % len;
+        for i in 0..len {
+            let port = *range.start() + ((offset + i) % len) as u16;
+            let path = self.layout.port(port);
+            if path.exists() || !process::port_free(port) {
+                continue;
+            }
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+            {
+                Ok(mut f) => {
+                    use std::io::Write;
+                    f.write_all(name.as_bytes())
+                        .map_err(io(format!("reserving port {port}")))?;
+                    return Ok(port);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(BackendError::io(format!("reserving port {port}"), e)),
+            }
+        }
+        Err(failed_msg(
+            "reserve an ssh port",
+            format!(
+                "no free loopback port in {}-{} (BOXERY_QEMU_PORTS)",
+                range.start(),
+                range.end()
+            ),
+        ))
+    }
+
+    /// Make sure `ports/<port>` names VM `name` (recreated when missing).
+    pub(super) fn claim_port(&self, name: &str, port: u16) -> Result<()> {
+        let path = self.layout.port(port);
+        match std::fs::read_to_string(&path) {
+            Ok(owner) if owner.trim() == name => Ok(()),
+            Ok(owner) => Err(failed_msg(
+                format!("start VM {name}"),
+                format!(
+                    "its port {port} is reserved for VM {} in {}",
+                    owner.trim(),
+                    path.display()
+                ),
+            )),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                layout::write_atomic(&path, name.as_bytes(), 0o644)
+                    .map_err(io(format!("reserving port {port}")))
+            }
+            Err(e) => Err(BackendError::io(format!("reading {}", path.display()), e)),
+        }
+    }
+
+    /// Release every port reserved for VM `name`.
+    pub(super) fn release_ports(&self, name: &str) -> Result<()> {
+        let dir = self.layout.ports();
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(BackendError::io(format!("listing {}", dir.display()), e)),
+        };
+        for e in entries.flatten() {
+            if std::fs::read_to_string(e.path()).is_ok_and(|o| o.trim() == name) {
+                remove_file_if_exists(&e.path())
+                    .map_err(io(format!("releasing {}", e.path().display())))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Remove VM `name` entirely: its QEMU (when ours), its directory, its port (lock held).
+    pub(super) async fn destroy(&self, name: &str) -> Result<()> {
+        if self.pid(name).is_some() {
+            self.shutdown(name, false).await?;
+        }
+        remove_dir_if_exists(&self.vm_dir(name))
+            .map_err(io(format!("removing {}", self.vm_dir(name).display())))?;
+        self.release_ports(name)
+    }
+
+    pub(super) fn check_size(&self, cpus: u32, memory_mib: u64) -> Result<()> {
+        let (host_cpus, host_mem) = process::host_capacity();
+        if cpus == 0 || cpus > host_cpus {
+            return Err(BackendError::Invalid(format!(
+                "{cpus} CPUs asked, but this host has {host_cpus}: ask for 1 to {host_cpus}"
+            )));
+        }
+        if memory_mib < 64 || (host_mem > 0 && memory_mib > host_mem) {
+            return Err(BackendError::Invalid(format!(
+                "{memory_mib} MiB of memory asked, but this host has {host_mem} MiB: ask for 64 MiB to {host_mem} MiB"
+            )));
+        }
+        Ok(())
+    }
+
+    pub(super) fn check_tools(&self) -> Result<()> {
+        if self.tools_ok.get().is_some() {
+            return Ok(());
+        }
+        let runs = |bin: &Path, arg: &str| {
+            std::process::Command::new(bin)
+                .arg(arg)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        let mut missing = Vec::new();
+        if !runs(&self.config.qemu, "--version") {
+            missing.push(format!(
+                "{} (package qemu-system-x86, from bookworm-backports on Debian 12)",
+                self.config.qemu.display()
+            ));
+        }
+        if !runs(&self.config.qemu_img, "--version") {
+            missing.push(format!(
+                "{} (package qemu-utils)",
+                self.config.qemu_img.display()
+            ));
+        }
+        if !runs(&self.config.genisoimage, "-version") {
+            missing.push("genisoimage (package genisoimage)".into());
+        }
+        if !runs(Path::new("ssh-keygen"), "-?") && !Path::new("/usr/bin/ssh-keygen").exists() {
+            missing.push("ssh-keygen (package openssh-client)".into());
+        }
+        if missing.is_empty() {
+            let _ = self.tools_ok.set(());
+            Ok(())
+        } else {
+            Err(BackendError::Invalid(format!(
+                "the qemu backend needs {}: run scripts/install-deps.sh",
+                missing.join(", ")
+            )))
+        }
+    }
+
+    pub(super) async fn write_seed(
+        &self,
+        name: &str,
+        instance_id: &str,
+        identity: &Identity,
+    ) -> Result<()> {
+        let mut identity = identity.clone();
+        if identity.hostname.is_empty() {
+            identity.hostname = name.to_string();
+        }
+        let work = self.vm_dir(name).join("seed");
+        seed::write_seed_iso(
+            &self.config.genisoimage,
+            name,
+            instance_id,
+            &identity,
+            &work,
+            &self.layout.vm_seed(name),
+        )
+        .await
+        .map_err(|e| match e {
+            seed::SeedError::Identity { .. } => BackendError::Invalid(error_chain(&e)),
+            e => failed(format!("write the seed of VM {name}"), e),
+        })
+    }
+
+    pub(super) fn write_known_hosts(&self, cfg: &VmConfig) -> Result<()> {
+        let path = self.layout.vm_known_hosts(&cfg.name);
+        match &cfg.host_key {
+            Some(key) => {
+                // two lines, one key: for `-p PORT agent@127.0.0.1` and for `HostKeyAlias NAME.boxery`
+                let by_port =
+                    crate::identity::known_hosts_line(&format!("[127.0.0.1]:{}", cfg.port), key);
+                let by_alias =
+                    crate::identity::known_hosts_line(&format!("{}.boxery", cfg.name), key);
+                layout::write_atomic(&path, format!("{by_port}\n{by_alias}\n").as_bytes(), 0o644)
+                    .map_err(io(format!("writing {}", path.display())))
+            }
+            None => {
+                remove_file_if_exists(&path).map_err(io(format!("removing {}", path.display())))
+            }
+        }
+    }
+
+    pub(super) async fn create_inner(self: &Arc<Self>, vm: &NewVm) -> Result<()> {
+        let name = vm.name.as_str();
+        let crate::DiskSource::Image(image) = &vm.source;
+        let rec = self
+            .load_image(image)?
+            .ok_or_else(|| not_found(format!("image {image}")))?;
+        if !self.layout.image_disk(image).exists() {
+            return Err(not_found(format!("image {image} (its disk is missing)")));
+        }
+        let base = self.load_base(&rec.base)?;
+        let want = vm.disk_gib.saturating_mul(GIB);
+        if want < rec.virtual_size {
+            return Err(BackendError::Invalid(format!(
+                "a {} GiB disk is smaller than image {image} ({:.1} GiB): ask for at least {} GiB",
+                vm.disk_gib,
+                rec.virtual_size as f64 / GIB as f64,
+                rec.virtual_size.div_ceil(GIB)
+            )));
+        }
+
+        let dir = self.vm_dir(name);
+        let t = Instant::now();
+        std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(io(format!("chmod {}", dir.display())))?;
+        }
+        let port = self.reserve_port(name)?;
+        self.attach_image(name, image, 1, want).await?;
+        // a request without a host key still gets one: every VM is pinned
+        let mut identity = vm.identity.clone();
+        if identity.host_key.is_none() {
+            identity.host_key = Some(crate::identity::host_key(name, &format!("{name}.boxery"))?);
+        }
+        let instance_id = new_instance_id();
+        self.write_seed(name, &instance_id, &identity).await?;
+        let cfg = VmConfig {
+            name: name.into(),
+            mark: vm.uid.clone(),
+            uuid: uuid::Uuid::new_v4().to_string(),
+            mac: random_mac(),
+            port,
+            cpus: vm.cpus,
+            memory_mib: vm.memory_mib,
+            disk_gib: vm.disk_gib,
+            base: base.id.clone(),
+            instance_id,
+            hostname: if identity.hostname.is_empty() {
+                name.into()
+            } else {
+                identity.hostname.clone()
+            },
+            host_key: identity
+                .host_key
+                .as_ref()
+                .map(|(_, public)| public.trim().to_string()),
+            image: image.clone(),
+            created: boxery_api::now(),
+        };
+        self.write_known_hosts(&cfg)?;
+        self.save_vm(&cfg)?;
+        info!(
+            vm = name,
+            image = image.as_str(),
+            port,
+            secs = t.elapsed().as_secs_f64(),
+            "VM created"
+        );
+        if vm.start {
+            self.boot(&cfg).await?;
+        }
+        Ok(())
+    }
+}
