@@ -646,3 +646,84 @@ async fn debian_end_to_end() {
     b.remove_image("deb1.s1").await.unwrap();
     assert!(env.qemu_pids().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn import_registers_a_base_once_and_images_are_overlays() {
+    use boxery_backends::BackendError;
+    let env = Env::new().await;
+    let b = &env.backend;
+    env.tiny_image("tiny").await;
+    let cache = b.config().image_cache.clone();
+    // a builder manifest imports as an image on the same (already registered) base
+    b.import_image(&cache.join("tiny.json"), "imported", "uid-imp")
+        .await
+        .unwrap();
+    b.import_image(&cache.join("tiny.qcow2"), "imported2", "uid-imp2")
+        .await
+        .unwrap();
+    b.import_image(&cache.join("tiny.json"), "imported", "uid-imp")
+        .await
+        .unwrap(); // idempotent
+    let e = b
+        .import_image(&cache.join("tiny.json"), "imported", "uid-other")
+        .await
+        .unwrap_err();
+    assert!(matches!(e, BackendError::Invalid(_)), "{e}");
+    assert_eq!(
+        std::fs::read_dir(b.layout().bases())
+            .unwrap()
+            .flatten()
+            .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+            .count(),
+        1
+    );
+    // a bare disk without a manifest says why it cannot be imported
+    let bare = env.tmp.path().join("bare.qcow2");
+    std::fs::copy(cache.join("tiny.qcow2"), &bare).unwrap();
+    let e = b.import_image(&bare, "bare", "uid-bare").await.unwrap_err();
+    assert!(
+        matches!(&e, BackendError::Invalid(m) if m.contains("manifest")),
+        "{e}"
+    );
+    let names: Vec<_> = b
+        .images()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| i.name)
+        .collect();
+    assert_eq!(names, ["imported", "imported2", "tiny"]);
+    // every image is one overlay on the read-only base
+    for n in &names {
+        let out = std::process::Command::new("qemu-img")
+            .args(["info", "-U", "--output=json"])
+            .arg(b.layout().image_disk(n))
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let backing = v["full-backing-filename"].as_str().unwrap();
+        assert!(
+            backing.starts_with(&b.layout().bases().display().to_string()),
+            "{n}: {backing}"
+        );
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(backing).unwrap().permissions().mode() & 0o777,
+            0o444
+        );
+    }
+    // a VM made (not started) from an import, then removed with every image
+    let mut vm = env.vm("imp1", "imported");
+    vm.start = false;
+    b.create(&vm).await.unwrap();
+    assert_eq!(
+        b.get("imp1").await.unwrap().unwrap().state,
+        PowerState::Stopped
+    );
+    assert!(b.ssh_endpoint("imp1").await.unwrap().is_none());
+    b.remove("imp1").await.unwrap();
+    for n in &names {
+        b.remove_image(n).await.unwrap();
+    }
+    assert!(b.images().await.unwrap().is_empty());
+}

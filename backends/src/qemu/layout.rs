@@ -3,14 +3,16 @@
 //! ```text
 //! $BOXERY_HOME/qemu/
 //!   base/<id>/          a stock base, read-only (files 0444): disk.qcow2, vmlinuz, initrd.img,
-//!                       base.json (boot: kernel, initrd, cmdline, machine; written last)
+//!                       base.json (boot: kernel, initrd, cmdline, machine); the directory is
+//!                       renamed into place complete
 //!   images/<name>.qcow2 an image: one qcow2 overlay on a base (0444)
 //!   images/<name>.json  its record (mark, base, created); the image's commit point
-//!   vms/<name>/         one VM: config.json (the commit point), disk-<gen>.qcow2 (the active
-//!                       overlay is the highest generation), seed.iso, known_hosts,
-//!                       qemu.pid, qmp.sock, qga.sock, serial.log, qemu.log
+//!   vms/<name>/         one VM: config.json (the commit point), disk-<gen>.qcow2 (its own
+//!                       overlays; the highest generation is the active one), layer-<gen>.qcow2
+//!                       (an image hard-linked in, read-only, until streamed up), seed.iso and
+//!                       seed/, known_hosts, qemu.pid, qmp.sock, qga.sock, serial.log, qemu.log
 //!   ports/<port>        a loopback port reserved for a VM (holds its name)
-//!   locks/vm-<name>.lock, locks/image-<name>.lock
+//!   locks/vm-<name>.lock, locks/image-<name>.lock, locks/base-<id>.lock
 //!                       flocks, each held for the length of a mutating operation
 //! ```
 //!
