@@ -375,15 +375,30 @@ fn get_watch_streams_changes() {
 fn docs_cover_every_command() {
     let home = Home::new();
     let help = home.ok(&["--help"]);
-    let docs = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/cli.md")).unwrap();
+    let docs = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/cli.md"),
+    )
+    .unwrap();
     let mut n = 0;
-    for line in help.lines().skip_while(|l| !l.starts_with("Commands:")).skip(1) {
-        let Some(cmd) = line.strip_prefix("  ").and_then(|l| l.split_whitespace().next()) else { break };
+    for line in help
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+    {
+        let Some(cmd) = line
+            .strip_prefix("  ")
+            .and_then(|l| l.split_whitespace().next())
+        else {
+            break;
+        };
         if line.starts_with("   ") || cmd == "help" {
             continue;
         }
         n += 1;
-        assert!(docs.contains(&format!("`{cmd} ")) || docs.contains(&format!("`{cmd}`")), "docs/cli.md does not describe `{cmd}`");
+        assert!(
+            docs.contains(&format!("`{cmd} ")) || docs.contains(&format!("`{cmd}`")),
+            "docs/cli.md does not describe `{cmd}`"
+        );
     }
     assert!(n > 15, "parsed only {n} commands from --help");
 }

@@ -14,9 +14,10 @@ use boxery_store::Store;
 
 use crate::exit::{CliError, CliResult};
 
-/// The default backend when nothing selects one.
+/// The default backend when nothing selects one: `qemu` (direct QEMU, no daemon). Its
+/// `check` says what to install when QEMU is missing; `--backend fake` runs without VMs.
 pub fn default_backend() -> &'static str {
-    "fake"
+    "qemu"
 }
 
 /// The resolved environment of one command.

@@ -283,7 +283,7 @@ pub async fn banner(endpoint: &str) -> Result<(), String> {
             Err(format!("{endpoint} does not speak SSH"))
         }
     };
-    tokio::time::timeout(Duration::from_secs(3), fut)
+    tokio::time::timeout(Duration::from_secs(1), fut)
         .await
-        .map_err(|_| format!("no SSH banner at {endpoint} within 3 s"))?
+        .map_err(|_| format!("no SSH banner at {endpoint} within 1 s"))?
 }

@@ -281,7 +281,7 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         save(ctx, &vm)?;
     }
     if let Readiness::Booting(_) = readiness {
-        return Ok(Action::requeue(std::time::Duration::from_secs(1)));
+        return Ok(Action::requeue(std::time::Duration::from_millis(250)));
     }
     Ok(Action::await_change())
 }

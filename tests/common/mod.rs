@@ -100,6 +100,13 @@ pub struct Serve {
 }
 
 impl Serve {
+    /// Wrap a spawned `serve`.
+    pub fn from_child(child: Child, log: PathBuf) -> Serve {
+        Serve {
+            child: Some(child),
+            log,
+        }
+    }
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
