@@ -21,6 +21,8 @@
 
 pub mod fake;
 pub mod identity;
+#[cfg(feature = "libvirt")]
+pub mod libvirt;
 #[cfg(feature = "qemu")]
 pub mod qemu;
 
@@ -86,15 +88,24 @@ pub enum BackendError {
 impl BackendError {
     /// A `Failed` error.
     pub fn failed(step: impl Into<String>, message: impl Into<String>) -> Self {
-        BackendError::Failed { step: step.into(), message: message.into() }
+        BackendError::Failed {
+            step: step.into(),
+            message: message.into(),
+        }
     }
     /// An `Io` error with context.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        BackendError::Io { context: context.into(), source }
+        BackendError::Io {
+            context: context.into(),
+            source,
+        }
     }
     /// Whether retrying without a spec change is pointless.
     pub fn is_terminal(&self) -> bool {
-        matches!(self, BackendError::Invalid(_) | BackendError::Unsupported { .. })
+        matches!(
+            self,
+            BackendError::Invalid(_) | BackendError::Unsupported { .. }
+        )
     }
 }
 
@@ -270,11 +281,20 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Replace a VM's disk with a copy of `image`, keeping its identity; ends running.
     async fn reimage(&self, vm: &str, image: &str, identity: &Identity) -> Result<()>;
     /// Build the stock image `name` (`debian-12`) as image `image` marked `uid`.
-    async fn build_image(&self, name: &str, image: &str, uid: &str, progress: Progress) -> Result<()>;
+    async fn build_image(
+        &self,
+        name: &str,
+        image: &str,
+        uid: &str,
+        progress: Progress,
+    ) -> Result<()>;
     /// Import a disk file as image `image`.
     async fn import_image(&self, path: &std::path::Path, image: &str, uid: &str) -> Result<()> {
         let _ = (path, image, uid);
-        Err(BackendError::Unsupported { backend: self.name().into(), what: "import image files".into() })
+        Err(BackendError::Unsupported {
+            backend: self.name().into(),
+            what: "import image files".into(),
+        })
     }
     /// Remove an incomplete VM and its partial files. Idempotent.
     async fn cleanup_new(&self, name: &str) -> Result<()>;
@@ -282,7 +302,17 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     async fn cleanup_image(&self, image: &str) -> Result<()>;
     /// Cancel a dead capture's jobs, restore the source VM to `original` and remove the partial
     /// image. Never removes the source VM. Idempotent.
-    async fn recover_capture(&self, vm: &str, image: &str, original: Option<PowerState>) -> Result<()>;
+    async fn recover_capture(
+        &self,
+        vm: &str,
+        image: &str,
+        original: Option<PowerState>,
+    ) -> Result<()>;
+    /// How VMs are accelerated, in one sentence for status and events ("TCG (emulation,
+    /// slow): …" or "KVM"), where the backend knows.
+    fn accelerator(&self) -> Option<String> {
+        None
+    }
     /// The guest's host key read through the hypervisor, where the backend can.
     async fn host_key(&self, name: &str) -> Result<Option<String>> {
         let _ = name;
@@ -299,8 +329,11 @@ pub fn state_dir(home: &std::path::Path, backend: &str) -> PathBuf {
 #[cfg(not(feature = "qemu"))]
 pub const BACKENDS: &[&str] = &["fake"];
 /// Names of the backends this build has.
-#[cfg(feature = "qemu")]
+#[cfg(all(feature = "qemu", not(feature = "libvirt")))]
 pub const BACKENDS: &[&str] = &["fake", "qemu"];
+/// Names of the backends this build has.
+#[cfg(feature = "libvirt")]
+pub const BACKENDS: &[&str] = &["fake", "qemu", "libvirt"];
 
 /// Make a backend by name, its state under `home`.
 pub fn by_name(name: &str, home: &std::path::Path) -> Result<Arc<dyn Backend>> {
@@ -308,6 +341,10 @@ pub fn by_name(name: &str, home: &std::path::Path) -> Result<Arc<dyn Backend>> {
         "fake" => Ok(Arc::new(fake::FakeBackend::new(state_dir(home, "fake")))),
         #[cfg(feature = "qemu")]
         "qemu" => Ok(Arc::new(qemu::QemuBackend::new(state_dir(home, "qemu")))),
+        #[cfg(feature = "libvirt")]
+        "libvirt" => Ok(Arc::new(libvirt::LibvirtBackend::new(state_dir(
+            home, "libvirt",
+        )))),
         other => Err(BackendError::Invalid(format!(
             "unknown backend `{other}`: use one of {}",
             BACKENDS.join(", ")

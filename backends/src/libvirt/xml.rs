@@ -1,0 +1,311 @@
+//! The XML boxery gives libvirt: the domain (with boxery's metadata mark), the storage pool and
+//! the isolation nwfilter. Pure functions, unit-tested without a daemon.
+
+use crate::qemu::records::VmConfig;
+
+/// The XML namespace of boxery's domain metadata.
+pub const META_URI: &str = "https://boxery.dev/xmlns/libvirt/vm/1";
+/// The nwfilter on every guest interface.
+pub const FILTER: &str = "boxery-guest-isolation";
+
+/// `s` with XML's five special characters escaped.
+pub fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+        .replace('\'', "&apos;")
+}
+
+/// The inverse of [`escape`].
+pub fn unescape(s: &str) -> String {
+    s.replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&apos;", "'")
+        .replace("&amp;", "&")
+}
+
+/// The metadata element: the namespace id and the VM's record as JSON.
+pub fn metadata(ns: &str, cfg: &VmConfig) -> String {
+    let json = serde_json::to_string(cfg).unwrap_or_default();
+    format!("<vm ns=\"{}\">{}</vm>", escape(ns), escape(&json))
+}
+
+/// Parse [`metadata`] back: `(ns, record)`.
+pub fn parse_metadata(xml: &str) -> Option<(String, VmConfig)> {
+    let start = xml.find("<vm ")?;
+    let rest = &xml[start..];
+    let ns_at = rest.find("ns=\"")? + 4;
+    let ns_end = ns_at + rest[ns_at..].find('"')?;
+    let ns = unescape(&rest[ns_at..ns_end]);
+    let body_at = ns_end + rest[ns_end..].find('>')? + 1;
+    let body_end = body_at + rest[body_at..].find("</")?;
+    let cfg = serde_json::from_str(&unescape(&rest[body_at..body_end])).ok()?;
+    Some((ns, cfg))
+}
+
+/// What a domain is made of besides its record.
+#[derive(Debug, Clone)]
+pub struct DomainSpec<'a> {
+    /// libvirt domain name (`bx-<ns>-<name>`).
+    pub domain: &'a str,
+    /// `kvm` or `qemu`.
+    pub kind: &'a str,
+    /// The namespace id.
+    pub ns: &'a str,
+    /// The VM's record (UUID, MAC, size: written into the XML and the metadata).
+    pub cfg: &'a VmConfig,
+    /// The active disk (qcow2).
+    pub disk: &'a str,
+    /// The seed ISO.
+    pub seed: &'a str,
+    /// Kernel, initrd, command line (direct kernel boot).
+    pub kernel: &'a str,
+    /// Initrd.
+    pub initrd: &'a str,
+    /// Kernel command line.
+    pub cmdline: &'a str,
+    /// Machine type (`q35`).
+    pub machine: &'a str,
+    /// Serial console log file.
+    pub serial: &'a str,
+    /// The libvirt network the NIC joins.
+    pub network: &'a str,
+    /// The network's gateway address (the host on that network), for the filter.
+    pub gateway: &'a str,
+    /// Reference the isolation filter.
+    pub isolation: bool,
+}
+
+/// The domain XML.
+pub fn domain(s: &DomainSpec<'_>) -> String {
+    let cpu = if s.kind == "kvm" {
+        "<cpu mode='host-passthrough'/>"
+    } else {
+        "<cpu mode='maximum'/>"
+    };
+    let filter = if s.isolation {
+        format!(
+            "<filterref filter='{FILTER}'><parameter name='GATEWAY' value='{gw}'/><parameter name='DHCPSERVER' value='{gw}'/><parameter name='CTRL_IP_LEARNING' value='dhcp'/></filterref>",
+            gw = escape(s.gateway)
+        )
+    } else {
+        String::new()
+    };
+    let e = escape;
+    format!(
+        "<domain type='{kind}'>
+  <name>{name}</name>
+  <uuid>{uuid}</uuid>
+  <metadata><boxery:vm xmlns:boxery='{META_URI}' ns='{ns}'>{meta}</boxery:vm></metadata>
+  <memory unit='MiB'>{mem}</memory>
+  <vcpu>{cpus}</vcpu>
+  <os><type arch='x86_64' machine='{machine}'>hvm</type>
+    <kernel>{kernel}</kernel><initrd>{initrd}</initrd><cmdline>{cmdline}</cmdline></os>
+  {cpu}
+  <features><acpi/></features>
+  <on_poweroff>destroy</on_poweroff><on_reboot>restart</on_reboot><on_crash>destroy</on_crash>
+  <devices>
+    <disk type='file' device='disk'><driver name='qemu' type='qcow2' discard='unmap'/>
+      <source file='{disk}'/><target dev='vda' bus='virtio'/></disk>
+    <disk type='file' device='disk'><driver name='qemu' type='raw'/>
+      <source file='{seed}'/><target dev='vdb' bus='virtio'/><readonly/></disk>
+    <interface type='network'><mac address='{mac}'/><source network='{net}'/><model type='virtio'/>{filter}</interface>
+    <serial type='file'><source path='{serial}'/><target port='0'/></serial>
+    <console type='file'><source path='{serial}'/><target type='serial' port='0'/></console>
+    <channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/></channel>
+    <rng model='virtio'><backend model='random'>/dev/urandom</backend></rng>
+    <memballoon model='none'/>
+  </devices>
+</domain>
+",
+        kind = e(s.kind),
+        name = e(s.domain),
+        uuid = e(&s.cfg.uuid),
+        ns = e(s.ns),
+        meta = e(&serde_json::to_string(s.cfg).unwrap_or_default()),
+        mem = s.cfg.memory_mib,
+        cpus = s.cfg.cpus,
+        machine = e(s.machine),
+        kernel = e(s.kernel),
+        initrd = e(s.initrd),
+        cmdline = e(s.cmdline),
+        disk = e(s.disk),
+        seed = e(s.seed),
+        mac = e(&s.cfg.mac),
+        net = e(s.network),
+        serial = e(s.serial),
+    )
+}
+
+/// A `dir` storage pool at `path`.
+pub fn pool(name: &str, path: &str) -> String {
+    format!(
+        "<pool type='dir'><name>{}</name><target><path>{}</path><permissions><mode>0711</mode></permissions></target></pool>",
+        escape(name),
+        escape(path)
+    )
+}
+
+/// An external disk-only snapshot of `vda` into `file` (the seed is left alone).
+pub fn disk_snapshot(file: &str) -> String {
+    format!(
+        "<domainsnapshot><disks><disk name='vda' snapshot='external'><driver type='qcow2'/><source file='{}'/></disk><disk name='vdb' snapshot='no'/></disks></domainsnapshot>",
+        escape(file)
+    )
+}
+
+/// The isolation filter (seed 000's `boxery-guest-isolation`): no MAC, IP or ARP spoofing (the
+/// guest's address is learned by DHCP snooping), DHCP and DNS only with the host (`$GATEWAY`),
+/// ssh into the guest only from the host, private, shared, link-local, loopback and multicast
+/// destinations dropped (the host, other guests, the LAN, metadata services), the rest of the
+/// internet allowed with connection tracking, IPv6 and every other layer-2 protocol dropped.
+/// `uuid` keeps the filter's identity when it is redefined.
+pub fn isolation_filter(uuid: Option<&str>) -> String {
+    let uuid = uuid
+        .map(|u| format!("<uuid>{}</uuid>", escape(u)))
+        .unwrap_or_default();
+    let private = [
+        ("10.0.0.0", 8),
+        ("172.16.0.0", 12),
+        ("192.168.0.0", 16),
+        ("100.64.0.0", 10),
+        ("169.254.0.0", 16),
+        ("127.0.0.0", 8),
+        ("224.0.0.0", 3),
+        ("0.0.0.0", 8),
+    ];
+    let drops: String = private
+        .iter()
+        .map(|(a, m)| {
+            format!(
+                "  <rule action='drop' direction='out' priority='200'><all dstipaddr='{a}' dstipmask='{m}'/></rule>\n"
+            )
+        })
+        .collect();
+    format!(
+        "<filter name='{FILTER}' chain='root'>{uuid}
+  <filterref filter='no-mac-spoofing'/>
+  <filterref filter='no-ip-spoofing'/>
+  <filterref filter='no-arp-spoofing'/>
+  <rule action='accept' direction='inout' priority='-500'><mac protocolid='arp'/></rule>
+  <rule action='accept' direction='inout' priority='-500'><mac protocolid='ipv4'/></rule>
+  <rule action='drop' direction='inout' priority='-400'/>
+  <rule action='accept' direction='out' priority='100'><udp srcipaddr='0.0.0.0' dstipaddr='255.255.255.255' srcportstart='68' dstportstart='67' statematch='false'/></rule>
+  <rule action='accept' direction='out' priority='100'><udp dstipaddr='$GATEWAY' srcportstart='68' dstportstart='67' statematch='false'/></rule>
+  <rule action='accept' direction='in' priority='100'><udp srcipaddr='$GATEWAY' srcportstart='67' dstportstart='68' statematch='false'/></rule>
+  <rule action='accept' direction='out' priority='110'><udp dstipaddr='$GATEWAY' dstportstart='53'/></rule>
+  <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='53'/></rule>
+  <rule action='accept' direction='in' priority='120'><tcp srcipaddr='$GATEWAY' dstportstart='22'/></rule>
+{drops}  <rule action='accept' direction='out' priority='300'><all/></rule>
+  <rule action='drop' direction='inout' priority='400'><all/></rule>
+</filter>
+"
+    )
+}
+
+/// The first `<ip address='…'` of a network's XML (its gateway on the bridge).
+pub fn network_gateway(xml: &str) -> Option<String> {
+    let at = xml.find("<ip ")?;
+    let rest = &xml[at..];
+    let a = rest
+        .find("address='")
+        .map(|i| (i + 9, '\''))
+        .or_else(|| rest.find("address=\"").map(|i| (i + 9, '"')))?;
+    let end = a.0 + rest[a.0..].find(a.1)?;
+    Some(rest[a.0..end].to_string())
+}
+
+/// The `<source file='…'/>` of disk `vda` in a domain's XML.
+pub fn vda_source(xml: &str) -> Option<String> {
+    let at = xml.find("<target dev='vda'")?;
+    let before = &xml[..at];
+    let s = before.rfind("<source file='")? + 14;
+    let end = s + before[s..].find('\'')?;
+    Some(unescape(&before[s..end]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> VmConfig {
+        VmConfig {
+            name: "dev1".into(),
+            mark: "uid-1".into(),
+            uuid: "6f0b6a8e-6c3e-4a53-9f53-0b1a1c3d2e4f".into(),
+            mac: "52:54:00:01:02:03".into(),
+            port: 0,
+            cpus: 1,
+            memory_mib: 256,
+            disk_gib: 1,
+            base: "tiny-abc".into(),
+            instance_id: "iid-1".into(),
+            hostname: "dev1".into(),
+            host_key: Some("ssh-ed25519 AAAA <x>&'\"".into()),
+            image: "img".into(),
+            created: chrono::Utc::now(),
+        }
+    }
+
+    #[test]
+    fn metadata_round_trips() {
+        let c = cfg();
+        let (ns, back) = parse_metadata(&metadata("ab12", &c)).unwrap();
+        assert_eq!(ns, "ab12");
+        assert_eq!(back.host_key, c.host_key);
+        assert_eq!(back.mark, "uid-1");
+        // as libvirt returns it: the namespace prefix on the element
+        let x = format!(
+            "<boxery:vm xmlns:boxery=\"{META_URI}\" ns=\"ab12\">{}</boxery:vm>",
+            escape(&serde_json::to_string(&c).unwrap())
+        );
+        assert_eq!(parse_metadata(&x).unwrap().1.name, "dev1");
+        assert!(parse_metadata("<other/>").is_none());
+    }
+
+    #[test]
+    fn domain_xml_has_identity_filter_and_seed() {
+        let c = cfg();
+        let x = domain(&DomainSpec {
+            domain: "bx-ab12-dev1",
+            kind: "qemu",
+            ns: "ab12",
+            cfg: &c,
+            disk: "/p/vm-dev1-1.qcow2",
+            seed: "/p/vm-dev1-seed.iso",
+            kernel: "/p/k",
+            initrd: "/p/i",
+            cmdline: "console=ttyS0",
+            machine: "q35",
+            serial: "/s.log",
+            network: "default",
+            gateway: "192.168.122.1",
+            isolation: true,
+        });
+        assert!(x.contains("<domain type='qemu'>"));
+        assert!(x.contains("<mac address='52:54:00:01:02:03'/>"));
+        assert!(x.contains(&format!("<filterref filter='{FILTER}'>")));
+        assert!(x.contains("<readonly/>"));
+        assert!(x.contains("discard='unmap'"));
+        assert_eq!(vda_source(&x).as_deref(), Some("/p/vm-dev1-1.qcow2"));
+        assert!(!x.contains("<x>"), "metadata is escaped");
+    }
+
+    #[test]
+    fn gateway_of_a_network() {
+        let n = "<network><name>default</name><ip address='192.168.122.1' netmask='255.255.255.0'/></network>";
+        assert_eq!(network_gateway(n).as_deref(), Some("192.168.122.1"));
+    }
+
+    #[test]
+    fn filter_drops_private_ranges_and_keeps_uuid() {
+        let f = isolation_filter(Some("u-1"));
+        assert!(f.contains("<uuid>u-1</uuid>"));
+        for r in ["10.0.0.0", "172.16.0.0", "192.168.0.0", "169.254.0.0"] {
+            assert!(f.contains(&format!("dstipaddr='{r}'")));
+        }
+        assert!(f.contains("no-arp-spoofing"));
+    }
+}

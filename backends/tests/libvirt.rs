@@ -1,0 +1,1 @@
+//! libvirt backend tests (being written).
