@@ -19,8 +19,57 @@ impl_resource!(
         short_names: &["lease"],
         dotted_names: false,
         description: "An expiring claim on one free member of a pool; deleting it releases the VM, which is then reset.",
-    }
+    },
+    normalize = normalize_lease
 );
+
+/// Check what the schema cannot: names and the public key's form.
+fn normalize_lease(lease: &mut Lease) -> Result<(), Vec<crate::validate::FieldError>> {
+    let mut errs = Vec::new();
+    if let Err(e) = crate::validate::check_label_name(&lease.spec.pool) {
+        errs.push(crate::validate::FieldError::new("spec.pool", e));
+    }
+    if lease.spec.holder_identity.trim().is_empty() || lease.spec.holder_identity.len() > 128 {
+        errs.push(crate::validate::FieldError::new(
+            "spec.holderIdentity",
+            "give a holder name of 1 to 128 characters".into(),
+        ));
+    }
+    if let Err(e) = check_public_key(&lease.spec.public_key) {
+        errs.push(crate::validate::FieldError::new("spec.publicKey", e));
+    }
+    if errs.is_empty() { Ok(()) } else { Err(errs) }
+}
+
+/// Whether `key` is one OpenSSH public key line (`ssh-ed25519 AAAA… [comment]`).
+pub fn check_public_key(key: &str) -> Result<(), String> {
+    let bad = || {
+        "not an ssh public key: give one line like `ssh-ed25519 AAAA… comment` (the private key never enters the store)".to_string()
+    };
+    if key.contains('\n') || key.len() > 16 * 1024 {
+        return Err(bad());
+    }
+    let mut parts = key.split_whitespace();
+    let (Some(kind), Some(data)) = (parts.next(), parts.next()) else {
+        return Err(bad());
+    };
+    let known = [
+        "ssh-ed25519",
+        "ssh-rsa",
+        "ecdsa-sha2-nistp256",
+        "ecdsa-sha2-nistp384",
+        "ecdsa-sha2-nistp521",
+        "sk-ssh-ed25519@openssh.com",
+    ];
+    let b64 = data.len() >= 16
+        && data
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/' || b == b'=');
+    if !known.contains(&kind) || !b64 {
+        return Err(bad());
+    }
+    Ok(())
+}
 
 /// The desired state of a lease.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -81,6 +130,18 @@ pub struct LeaseStatus {
     /// How many times the lease changed hands.
     #[serde(default)]
     pub lease_transitions: u32,
+    /// The member's generation when this lease claimed it (the fence).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub member_generation: Option<u64>,
+    /// The pool's epoch when this lease claimed it (the fence).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_epoch: Option<u64>,
+    /// The host's boot id when bound: after a reboot every lease is void.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_id: Option<String>,
+    /// The last renewal served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renewed: Option<Time>,
     /// Observations.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,

@@ -121,4 +121,54 @@ pub struct PoolStatus {
     /// Observations (`Ready`, `Progressing`, `Degraded`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+    /// One row per member: the table leases are claimed from. A claim is one update of this
+    /// status with a resourceVersion precondition, so concurrent claims have one winner.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub members: Vec<MemberStatus>,
+}
+
+/// Where a pool member stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum MemberState {
+    /// Being created, or its clean image being captured.
+    #[default]
+    Pending,
+    /// Clean and free to lease.
+    Free,
+    /// Claimed by a lease; its key and token are being installed.
+    Acquiring,
+    /// Held by a lease.
+    Leased,
+    /// Being reset to its clean image after a lease ended.
+    Resetting,
+    /// Excluded from claims (a reset failed, or it is gone): remove and re-add it to repair.
+    Broken,
+}
+
+/// One member of a pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MemberStatus {
+    /// The member Vm.
+    pub name: String,
+    /// Its state.
+    pub state: MemberState,
+    /// Bumped on every state change: the fence a lease holds.
+    #[serde(default)]
+    pub generation: u64,
+    /// The lease holding it (name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<String>,
+    /// The lease holding it (uid): a new lease with the same name is not the holder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_uid: Option<String>,
+    /// Whether the pool made it from its template (else it was adopted).
+    #[serde(default)]
+    pub created: bool,
+    /// When its current reset was asked for (the Vm's `spec.restore.requestedAt`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reset_requested_at: Option<crate::meta::Time>,
+    /// Why it is Broken or Pending.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
 }

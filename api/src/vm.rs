@@ -210,6 +210,10 @@ pub struct VmStatus {
     /// The backend that holds the VM.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backend: Option<String>,
+    /// How the VM is accelerated (`Kvm`, or `Tcg` with the reason KVM is not used), as the
+    /// backend said when it created the VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acceleration: Option<String>,
     /// The image the VM's disk was made from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_image: Option<String>,

@@ -70,7 +70,7 @@ use fsutil::{
 
 const BACKEND: &str = "fake";
 /// Stock images the fake can build.
-pub const STOCK_IMAGES: &[&str] = &["debian-12"];
+pub const STOCK_IMAGES: &[&str] = boxery_api::vm::STOCK_IMAGES;
 /// The disk size (GiB) recorded for a stock image: VMs made from it need at least this.
 pub const STOCK_DISK_GIB: u64 = 1;
 /// Most CPUs a fake VM may have.

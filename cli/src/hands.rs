@@ -74,6 +74,19 @@ fn prepare(env: &Env, store: &Store, vm: &str) -> CliResult<SshDir> {
     Ok(ssh)
 }
 
+/// `ssh -F config [-i LEASE_KEY] NAME.boxery`: a lease this host holds on the VM lends its key
+/// (the holder's access is what is exercised), else the control plane's key.
+fn command(env: &Env, store: &Store, ssh: &SshDir, vm: &str) -> std::process::Command {
+    let mut c = std::process::Command::new("ssh");
+    if let Some(key) = crate::pools::held_key(env, store, vm) {
+        c.arg("-i").arg(key);
+    }
+    c.arg("-F")
+        .arg(ssh.config())
+        .arg(boxery_reconcilers::ssh::alias(vm));
+    c
+}
+
 fn exit_of(status: std::process::ExitStatus) -> ExitCode {
     match status.code() {
         Some(c) => ExitCode::from(c.clamp(0, 255) as u8),
@@ -85,7 +98,7 @@ fn exit_of(status: std::process::ExitStatus) -> ExitCode {
 pub fn ssh(env: &Env, vm: &str, cmd: &[String]) -> CliResult<ExitCode> {
     let store = env.store()?;
     let ssh = prepare(env, &store, vm)?;
-    let mut c = ssh.std_command(vm);
+    let mut c = command(env, &store, &ssh, vm);
     if std::io::IsTerminal::is_terminal(&std::io::stdin()) {
         c.arg("-t");
     }
@@ -120,8 +133,7 @@ pub fn run(env: &Env, vm: &str, cmd: &[String]) -> CliResult<ExitCode> {
             .collect::<Vec<_>>()
             .join(" ")
     };
-    let status = ssh
-        .std_command(vm)
+    let status = command(env, &store, &ssh, vm)
         .args(["-T", "-o", "BatchMode=yes", "--", &line])
         .status()
         .map_err(|e| CliError::failed(format!("cannot run ssh: {e}")))?;

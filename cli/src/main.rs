@@ -5,9 +5,12 @@ mod env;
 mod exit;
 mod hands;
 mod manifests;
+mod mcp;
 mod output;
+mod pools;
 mod runtime;
 mod sugar;
+mod tools;
 mod wait;
 
 use std::path::PathBuf;
@@ -241,6 +244,12 @@ enum Command {
         #[command(flatten)]
         wait: WaitArgs,
     },
+    /// Pools of VMs that agents lease: add, remove, list members.
+    #[command(subcommand)]
+    Pool(pools::PoolCmd),
+    /// Leases on pool VMs: acquire (makes a key pair here), renew, release, list.
+    #[command(subcommand)]
+    Lease(pools::LeaseCmd),
     /// Open a shell in a VM (or run a command with a terminal), with its pinned host key.
     Ssh {
         /// The VM.
@@ -275,6 +284,118 @@ enum Command {
         /// Leader lease duration.
         #[arg(long, default_value = "4s", value_parser = humantime::parse_duration)]
         lease: Duration,
+        /// Also serve MCP (streamable HTTP) at http://ADDR/mcp, e.g. 127.0.0.1:7380. Clients
+        /// need the bearer token in $BOXERY_HOME/mcp-token. See docs/mcp.md.
+        #[arg(long, value_name = "ADDR")]
+        mcp_listen: Option<std::net::SocketAddr>,
+        /// An extra browser Origin allowed to call /mcp (repeatable).
+        #[arg(long, value_name = "ORIGIN")]
+        mcp_allow_origin: Vec<String>,
+    },
+    /// Serve the vm_* tools over MCP on stdin/stdout, for Claude Code, Codex, Cursor… Runs
+    /// the controllers while no `boxery serve` does. See docs/mcp.md.
+    Mcp {
+        /// The session's default VM.
+        #[arg(long)]
+        vm: Option<String>,
+        /// Print the tool table as markdown and exit.
+        #[arg(long)]
+        tools_markdown: bool,
+    },
+    /// Background jobs in a VM that outlive the command (start, list, logs, wait, kill).
+    Jobs {
+        #[command(subcommand)]
+        action: JobsCmd,
+    },
+    /// Print a text file in a VM (or a line range of it).
+    Read {
+        /// The VM.
+        vm: String,
+        /// The file.
+        path: String,
+        /// First line (from 1).
+        #[arg(long)]
+        offset: Option<u64>,
+        /// How many lines.
+        #[arg(long)]
+        limit: Option<u64>,
+    },
+    /// Write stdin to a file in a VM, atomically (temp file + rename).
+    Write {
+        /// The VM.
+        vm: String,
+        /// The file.
+        path: String,
+        /// Only if the file is still at this version (from `read --version`), or `absent`.
+        #[arg(long = "if-version")]
+        version: Option<String>,
+    },
+    /// Replace text in a file in a VM: OLD must occur exactly COUNT times; atomic.
+    Edit {
+        /// The VM.
+        vm: String,
+        /// The file.
+        path: String,
+        /// The exact text to replace.
+        #[arg(long)]
+        old: String,
+        /// The replacement.
+        #[arg(long)]
+        new: String,
+        /// How many times OLD must occur.
+        #[arg(long)]
+        count: Option<usize>,
+        /// Only if the file is still at this version.
+        #[arg(long = "if-version")]
+        version: Option<String>,
+    },
+}
+
+/// `boxery jobs …`.
+#[derive(Debug, Subcommand)]
+enum JobsCmd {
+    /// Start a command in the background (its own process group); prints the job id.
+    Start {
+        /// The VM.
+        vm: String,
+        /// Working directory.
+        #[arg(long)]
+        cwd: Option<String>,
+        /// The command (after `--`).
+        #[arg(last = true, required = true)]
+        cmd: Vec<String>,
+    },
+    /// List the VM's jobs.
+    List {
+        /// The VM.
+        vm: String,
+    },
+    /// Print a job's output.
+    Logs {
+        /// The VM.
+        vm: String,
+        /// The job.
+        id: String,
+        /// From this byte on (default: the last 64 KiB).
+        #[arg(long)]
+        offset: Option<u64>,
+    },
+    /// Wait until a job ends; exits with its exit code (4 if still running at the timeout).
+    Wait {
+        /// The VM.
+        vm: String,
+        /// The job.
+        id: String,
+        /// How long to wait.
+        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+    },
+    /// Kill a job's process group.
+    Kill {
+        /// The VM.
+        vm: String,
+        /// The job.
+        id: String,
     },
 }
 
@@ -403,13 +524,132 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
         Command::Rm { names, force, wait } => {
             commands::delete(&env, "vm", &names, wait.wait_for(), force).await?
         }
+        Command::Pool(cmd) => pools::pool(&env, cmd)?,
+        Command::Lease(cmd) => pools::lease(&env, cmd).await?,
         Command::Ssh { vm, cmd } => return hands::ssh(&env, &vm, &cmd),
         Command::Run { vm, cmd } => return hands::run(&env, &vm, &cmd),
-        Command::Cp { src, dst } => return hands::cp(&env, &src, &dst),
+        Command::Cp { src, dst } => {
+            if let (hands::Place::Vm(..), hands::Place::Vm(..)) =
+                (hands::Place::parse(&src), hands::Place::parse(&dst))
+            {
+                tools::run_cli(&env, "vm_copy", serde_json::json!({"src": src, "dst": dst}))
+                    .await?;
+                return Ok(ExitCode::SUCCESS);
+            }
+            return hands::cp(&env, &src, &dst);
+        }
         Command::Serve {
             inventory_every,
             lease,
-        } => runtime::serve(&env, inventory_every, lease).await?,
+            mcp_listen,
+            mcp_allow_origin,
+        } => {
+            let stop = tokio_util::sync::CancellationToken::new();
+            let http = mcp_listen.map(|addr| {
+                let (env, stop) = (env.clone(), stop.clone());
+                tokio::spawn(async move { mcp::http(&env, addr, mcp_allow_origin, stop).await })
+            });
+            let r = runtime::serve(&env, inventory_every, lease).await;
+            stop.cancel();
+            if let Some(h) = http {
+                if let Ok(Err(e)) = h.await {
+                    eprintln!("error: {:#}", e.error);
+                }
+            }
+            r?
+        }
+        Command::Mcp { vm, tools_markdown } => {
+            if tools_markdown {
+                print!("{}", tools::markdown());
+            } else {
+                mcp::stdio(&env, vm).await?
+            }
+        }
+        Command::Jobs { action } => return jobs_cmd(&env, action).await,
+        Command::Read {
+            vm,
+            path,
+            offset,
+            limit,
+        } => {
+            let out = tools::run_cli(
+                &env,
+                "vm_read",
+                serde_json::json!({"vm": vm, "path": path, "offset": offset, "limit": limit}),
+            )
+            .await?;
+            let data = out.data.unwrap_or_default();
+            eprintln!("{}", out.text.lines().next().unwrap_or(""));
+            print!("{}", data["content"].as_str().unwrap_or(""));
+        }
+        Command::Write { vm, path, version } => {
+            let mut content = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut content)
+                .map_err(|e| CliError::invalid(format!("stdin is not UTF-8 text: {e}")))?;
+            let out = tools::run_cli(
+                &env,
+                "vm_write",
+                serde_json::json!({"vm": vm, "path": path, "content": content, "version": version}),
+            )
+            .await?;
+            println!("{}", out.text);
+        }
+        Command::Edit {
+            vm,
+            path,
+            old,
+            new,
+            count,
+            version,
+        } => {
+            let out = tools::run_cli(
+                &env,
+                "vm_edit",
+                serde_json::json!({"vm": vm, "path": path, "old": old, "new": new, "count": count, "version": version}),
+            )
+            .await?;
+            println!("{}", out.text);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn jobs_cmd(env: &Env, action: JobsCmd) -> CliResult<ExitCode> {
+    let args = match &action {
+        JobsCmd::Start { vm, cwd, cmd } => {
+            let line = if cmd.len() == 1 {
+                cmd[0].clone()
+            } else {
+                cmd.iter()
+                    .map(|w| hands::shell_quote(w))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            serde_json::json!({"action": "start", "vm": vm, "cwd": cwd, "command": line})
+        }
+        JobsCmd::List { vm } => serde_json::json!({"action": "list", "vm": vm}),
+        JobsCmd::Logs { vm, id, offset } => {
+            serde_json::json!({"action": "logs", "vm": vm, "id": id, "offset": offset})
+        }
+        JobsCmd::Wait { vm, id, timeout } => serde_json::json!({
+            "action": "wait", "vm": vm, "id": id, "timeout_seconds": timeout.as_secs().max(1)
+        }),
+        JobsCmd::Kill { vm, id } => serde_json::json!({"action": "kill", "vm": vm, "id": id}),
+    };
+    let out = tools::run_cli(env, "vm_jobs", args).await?;
+    let data = out.data.unwrap_or_default();
+    match action {
+        JobsCmd::Start { .. } => println!("{}", data["id"].as_str().unwrap_or("")),
+        JobsCmd::Logs { .. } => print!("{}", data["output"].as_str().unwrap_or("")),
+        JobsCmd::Wait { .. } => {
+            eprintln!("{}", out.text.lines().next().unwrap_or(""));
+            return Ok(match (data["state"].as_str(), data["exit_code"].as_i64()) {
+                (Some("exited"), Some(c)) => ExitCode::from(c.clamp(0, 255) as u8),
+                (Some("running"), _) => ExitCode::from(exit::Code::Timeout as u8),
+                _ => ExitCode::from(1),
+            });
+        }
+        _ => print!("{}", out.text),
     }
     Ok(ExitCode::SUCCESS)
 }

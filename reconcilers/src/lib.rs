@@ -7,6 +7,8 @@ pub mod context;
 pub mod error;
 pub mod image;
 pub mod inventory;
+pub mod lease;
+pub mod pool;
 pub mod runtime;
 pub mod ssh;
 pub mod vm;

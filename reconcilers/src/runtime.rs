@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use boxery_api::{Image, Vm};
+use boxery_api::{Image, Lease, Pool, Vm};
 use boxery_controller::{CancellationToken, Controller, default_error_policy};
 
 use crate::context::Ctx;
-use crate::{image, inventory, vm};
+use crate::{image, inventory, lease, pool, vm};
 
 impl boxery_controller::ReconcileError for crate::error::ReconcileError {
     fn is_terminal(&self) -> bool {
@@ -51,6 +51,36 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
             ctx.clone(),
             shutdown.clone(),
         );
+    let pool_ctl = Controller::<Pool>::new(store.clone());
+    let lease_ctl = Controller::<Lease>::new(store.clone());
+    let lease_cache = lease_ctl.cache();
+    let pools = pool_ctl
+        .watches_metadata::<Vm>(pool::pool_of_vm)
+        .watches::<Lease>(|l| {
+            l.spec()["pool"]
+                .as_str()
+                .map(str::to_string)
+                .into_iter()
+                .collect()
+        })
+        .resync_every(ctx.settings.resync_every)
+        .concurrency(ctx.settings.concurrency)
+        .run(
+            pool::reconcile,
+            default_error_policy,
+            ctx.clone(),
+            shutdown.clone(),
+        );
+    let leases = lease_ctl
+        .watches_metadata::<Pool>(move |p| lease::leases_for_pool(&lease_cache, p))
+        .resync_every(ctx.settings.resync_every)
+        .concurrency(ctx.settings.concurrency)
+        .run(
+            lease::reconcile,
+            default_error_policy,
+            ctx.clone(),
+            shutdown.clone(),
+        );
     let inv = inventory::run(ctx.clone(), caches, shutdown.clone().cancelled_owned());
     let compact = {
         let (store, shutdown) = (store.clone(), shutdown.clone());
@@ -71,5 +101,5 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
             }
         }
     };
-    tokio::join!(vms, images, inv, compact);
+    tokio::join!(vms, images, pools, leases, inv, compact);
 }

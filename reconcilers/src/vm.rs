@@ -803,6 +803,7 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     vm.status.created_at = Some(now());
     vm.status.source_image = Some(image.clone());
     vm.status.backend = Some(ctx.backend.name().to_string());
+    vm.status.acceleration = ctx.backend.accelerator();
     vm.status.size = Some(api_size(size));
     vm.status.failures = 0;
     vm.status.last_failure = None;
@@ -813,7 +814,10 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         &vm,
         EventType::Normal,
         "Created",
-        &format!("created from image {image}"),
+        &match &vm.status.acceleration {
+            Some(a) => format!("created from image {image}; {a}"),
+            None => format!("created from image {image}"),
+        },
     );
     if matches!(vm.spec.source, VmSource::Vm(_)) {
         // The fork's capture is not needed any more: images are independent.

@@ -310,6 +310,11 @@ fn builder_script(name: &str) -> Option<&'static str> {
 
 #[async_trait]
 impl Backend for QemuBackend {
+    fn accelerator(&self) -> Option<String> {
+        let a = self.accel();
+        Some(format!("{:?}: {}", a.accel, a.reason))
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             name: BACKEND,

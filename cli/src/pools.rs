@@ -1,0 +1,357 @@
+//! `boxery pool …` and `boxery lease …`: sugar over Pool and Lease specs.
+
+use std::time::Duration;
+
+use boxery_api::lease::{LeasePhase, LeaseSpec};
+use boxery_api::meta::LocalObjectReference;
+use boxery_api::pool::{MemberState, PoolSpec};
+use boxery_api::{Lease, Pool};
+use boxery_store::{Store, StoreError};
+
+use crate::env::Env;
+use crate::exit::{CliError, CliResult, Code};
+use crate::wait::{self, Until};
+
+/// `pool` subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum PoolCmd {
+    /// Add an existing VM to a pool (made if missing): it turns from a pet into a pool VM.
+    Add {
+        /// The pool.
+        pool: String,
+        /// The VM.
+        vm: String,
+    },
+    /// Take a VM out of a pool (refused while it is leased).
+    Rm {
+        /// The pool.
+        pool: String,
+        /// The VM.
+        vm: String,
+    },
+    /// List pools and their members.
+    Ls,
+}
+
+/// `lease` subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum LeaseCmd {
+    /// Lease a free VM of a pool: makes a key pair here (the private key never leaves this
+    /// host), writes a Lease, and (with --wait) prints the VM and how to reach it.
+    Acquire {
+        /// The pool.
+        pool: String,
+        /// How long until it expires unless renewed (60s..8h).
+        #[arg(long, default_value = "30m", value_parser = humantime::parse_duration)]
+        ttl: Duration,
+        /// Who holds it (default: $USER@hostname).
+        #[arg(long)]
+        holder: Option<String>,
+        /// The lease's name (default: generated).
+        #[arg(long)]
+        name: Option<String>,
+        /// Wait until bound.
+        #[arg(long)]
+        wait: bool,
+        /// How long --wait waits.
+        #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+    },
+    /// Renew a lease (refused once it expired, or for someone else's lease).
+    Renew {
+        /// The lease.
+        name: String,
+        /// Your holder name (must match the lease's).
+        #[arg(long)]
+        holder: Option<String>,
+    },
+    /// Release a lease: the VM is reset to its clean image and goes back to the pool.
+    Release {
+        /// The lease.
+        name: String,
+        /// Wait until the lease is gone.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// List leases.
+    Ls,
+}
+
+fn default_holder() -> String {
+    let user = std::env::var("USER").unwrap_or_else(|_| "someone".into());
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "host".into());
+    format!("{user}@{host}")
+}
+
+fn edit_pool(
+    store: &Store,
+    name: &str,
+    create: bool,
+    f: impl Fn(&mut Pool) -> CliResult,
+) -> CliResult {
+    for _ in 0..10 {
+        let (mut pool, exists) = match store.get_as::<Pool>(name)? {
+            Some(p) => (p, true),
+            None if create => (
+                Pool::new(
+                    name,
+                    PoolSpec {
+                        template: None,
+                        replicas: 0,
+                        members: vec![],
+                        lease: Default::default(),
+                        update_strategy: Default::default(),
+                    },
+                ),
+                false,
+            ),
+            None => {
+                return Err(CliError::not_found(format!(
+                    "pool {name} not found: `boxery pool ls` lists pools"
+                )));
+            }
+        };
+        f(&mut pool)?;
+        let r = if exists {
+            store.update_as(&pool).map(|_| ())
+        } else {
+            store.create_as(&pool).map(|_| ())
+        };
+        match r {
+            Ok(()) => return Ok(()),
+            Err(StoreError::Conflict { .. }) | Err(StoreError::AlreadyExists { .. }) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(crate::commands::conflict(format!(
+        "pool {name} kept changing: try again"
+    )))
+}
+
+/// `pool …`.
+pub fn pool(env: &Env, cmd: PoolCmd) -> CliResult {
+    let store = env.store()?;
+    match cmd {
+        PoolCmd::Add { pool, vm } => {
+            if store.get_as::<boxery_api::Vm>(&vm)?.is_none() {
+                return Err(CliError::not_found(format!(
+                    "VM {vm} not found: `boxery get vms` lists them"
+                )));
+            }
+            edit_pool(&store, &pool, true, |p| {
+                if !p.spec.members.iter().any(|m| m.name == vm) {
+                    p.spec
+                        .members
+                        .push(LocalObjectReference { name: vm.clone() });
+                }
+                Ok(())
+            })?;
+            println!("pool/{pool}: {vm} added (its clean image is captured once it is Ready)");
+        }
+        PoolCmd::Rm { pool, vm } => {
+            edit_pool(&store, &pool, false, |p| {
+                if let Some(m) = p.status.members.iter().find(|m| m.name == vm) {
+                    if matches!(m.state, MemberState::Acquiring | MemberState::Leased) {
+                        return Err(CliError::new(
+                            Code::Conflict,
+                            anyhow::anyhow!(
+                                "{vm} is leased by {}: it leaves the pool only when free (`boxery lease release {}`)",
+                                m.lease.clone().unwrap_or_default(),
+                                m.lease.clone().unwrap_or_default()
+                            ),
+                        ));
+                    }
+                }
+                if !p.spec.members.iter().any(|m| m.name == vm) {
+                    return Err(CliError::not_found(format!(
+                        "{vm} is not an adopted member of pool {pool} (members made from the template go with `replicas`)"
+                    )));
+                }
+                p.spec.members.retain(|m| m.name != vm);
+                Ok(())
+            })?;
+            println!("pool/{pool}: {vm} removed");
+        }
+        PoolCmd::Ls => {
+            let pools = store.list_as::<Pool>(&Default::default())?;
+            if pools.is_empty() {
+                eprintln!("No pools found.");
+            }
+            for p in pools {
+                let s = &p.status;
+                println!(
+                    "{}: {} members, {} free, {} leased, {} resetting, {} broken",
+                    p.metadata.name, s.replicas, s.free, s.leased, s.resetting, s.broken
+                );
+                for m in &s.members {
+                    let lease = m
+                        .lease
+                        .as_deref()
+                        .map(|l| format!(" lease={l}"))
+                        .unwrap_or_default();
+                    let msg = if m.message.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", m.message)
+                    };
+                    println!(
+                        "  {:<24} {:<10}{lease}{msg}",
+                        m.name,
+                        format!("{:?}", m.state)
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where a lease's key pair lives on this host.
+pub fn lease_dir(env: &Env, lease: &str) -> std::path::PathBuf {
+    env.home.join("leases").join(lease)
+}
+
+/// The private key of a lease this host holds on `vm`, if any.
+pub fn held_key(env: &Env, store: &Store, vm: &str) -> Option<std::path::PathBuf> {
+    let leases = store.list_as::<Lease>(&Default::default()).ok()?;
+    leases
+        .iter()
+        .filter(|l| l.status.phase == LeasePhase::Bound && l.status.vm.as_deref() == Some(vm))
+        .find_map(|l| {
+            let k = lease_dir(env, &l.metadata.name).join("id_ed25519");
+            k.exists().then_some(k)
+        })
+}
+
+/// `lease …`.
+pub async fn lease(env: &Env, cmd: LeaseCmd) -> CliResult {
+    let store = env.store()?;
+    match cmd {
+        LeaseCmd::Acquire {
+            pool,
+            ttl,
+            holder,
+            name,
+            wait: w,
+            timeout,
+        } => {
+            let secs = ttl.as_secs();
+            if !(60..=28800).contains(&secs) {
+                return Err(CliError::invalid(format!(
+                    "--ttl {} is out of range: use 60s to 8h",
+                    humantime::format_duration(ttl)
+                )));
+            }
+            let name = name.unwrap_or_else(|| {
+                format!("{pool}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
+            });
+            let dir = lease_dir(env, &name);
+            std::fs::create_dir_all(&dir)?;
+            let key = dir.join("id_ed25519");
+            let _ = std::fs::remove_file(&key);
+            let _ = std::fs::remove_file(dir.join("id_ed25519.pub"));
+            let out = std::process::Command::new("ssh-keygen")
+                .args(["-q", "-t", "ed25519", "-N", "", "-C"])
+                .arg(format!("boxery-lease-{name}"))
+                .arg("-f")
+                .arg(&key)
+                .output()
+                .map_err(|e| CliError::failed(format!("cannot run ssh-keygen: {e}")))?;
+            if !out.status.success() {
+                return Err(CliError::failed(format!(
+                    "ssh-keygen failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                )));
+            }
+            let public = std::fs::read_to_string(dir.join("id_ed25519.pub"))?
+                .trim()
+                .to_string();
+            let spec = LeaseSpec {
+                pool: pool.clone(),
+                holder_identity: holder.unwrap_or_else(default_holder),
+                lease_duration_seconds: secs as u32,
+                renew_time: None,
+                public_key: public,
+            };
+            store.create_as(&Lease::new(&name, spec))?;
+            println!("lease/{name} created");
+            if w {
+                wait::wait_all(
+                    env,
+                    &[("Lease".into(), name.clone())],
+                    &Until::JsonPath("{.status.phase}".into(), "Bound".into()),
+                    timeout,
+                    true,
+                )
+                .await?;
+                let l: Lease = store.get_as(&name)?.expect("just bound");
+                let vm = l.status.vm.unwrap_or_default();
+                println!(
+                    "lease/{name} bound: {vm} until {}",
+                    l.status
+                        .expire_time
+                        .map(|t| t.to_string())
+                        .unwrap_or_default()
+                );
+                println!(
+                    "  boxery ssh {vm}        (uses this lease's key: {})",
+                    key.display()
+                );
+                println!("  boxery lease renew {name}; boxery lease release {name}");
+            }
+        }
+        LeaseCmd::Renew { name, holder } => {
+            let l: Lease = store.get_as(&name)?.ok_or_else(|| {
+                CliError::not_found(format!("lease {name} not found: `boxery lease ls`"))
+            })?;
+            let me = holder.unwrap_or_else(default_holder);
+            if l.spec.holder_identity != me {
+                return Err(CliError::new(
+                    Code::Conflict,
+                    anyhow::anyhow!(
+                        "lease {name} is held by {}, not {me}: only its holder renews it",
+                        l.spec.holder_identity
+                    ),
+                ));
+            }
+            if matches!(l.status.phase, LeasePhase::Expired | LeasePhase::Released) {
+                return Err(CliError::new(
+                    Code::Conflict,
+                    anyhow::anyhow!(
+                        "lease {name} has expired and cannot be renewed: release it and acquire a new one"
+                    ),
+                ));
+            }
+            boxery_reconcilers::lease::renew(&store, &name)?;
+            println!("lease/{name} renewed");
+        }
+        LeaseCmd::Release { name, wait: w } => {
+            store.delete("Lease", &name)?;
+            let _ = std::fs::remove_dir_all(lease_dir(env, &name));
+            println!("lease/{name} released");
+            if w {
+                wait::wait_all(
+                    env,
+                    &[("Lease".into(), name.clone())],
+                    &Until::Deleted,
+                    Duration::from_secs(300),
+                    true,
+                )
+                .await?;
+            }
+        }
+        LeaseCmd::Ls => {
+            let info = boxery_api::lookup_kind("lease").expect("a kind");
+            let (objs, _) = store.list("Lease", &Default::default())?;
+            crate::output::print(
+                info,
+                &objs,
+                &crate::output::Format::Table,
+                &mut std::io::stdout().lock(),
+            )?;
+        }
+    }
+    Ok(())
+}
