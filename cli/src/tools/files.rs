@@ -1,0 +1,443 @@
+//! Files in a VM: `vm_read` (line ranges, refuses binary), `vm_write` (temp file + rename),
+//! `vm_edit` (search/replace with an expected count, atomic, refused when the file changed
+//! since it was read), and `vm_copy` (streaming tar, local⇄VM and VM⇄VM).
+//!
+//! A file's version is the sha256 of its bytes, computed in the guest. Writes check the
+//! version they expect in the same guest script that renames the temp file into place, so a
+//! concurrent change between reading and writing is refused, not overwritten (the window left
+//! is the few microseconds between that check and the rename).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use super::exec::{helper, qpath};
+use super::{OUTPUT_CAP, Output, Session, ToolError, ToolResult};
+use crate::hands::{Place, shell_quote};
+
+/// The largest file `vm_edit` handles: 8 MiB.
+pub const EDIT_CAP: usize = 8 << 20;
+
+const T: Duration = Duration::from_secs(60);
+
+fn check_file(f: &str, shown: &str) -> String {
+    let shown = shown.replace(['"', '\\', '$', '`'], "_");
+    format!(
+        "f={f}; [ -e \"$f\" ] || {{ echo \"{shown}: no such file\" >&2; exit 3; }}; [ -f \"$f\" ] || {{ echo \"{shown} is not a regular file (a directory? list it with vm_bash ls)\" >&2; exit 4; }}; "
+    )
+}
+
+/// `vm_read` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReadArgs {
+    /// The VM (default: the session's VM).
+    #[serde(default)]
+    pub vm: Option<String>,
+    /// The file (absolute, `~/…`, or relative to the home).
+    pub path: String,
+    /// First line to return, from 1 (default 1).
+    #[serde(default)]
+    pub offset: Option<u64>,
+    /// How many lines (default 2000).
+    #[serde(default)]
+    pub limit: Option<u64>,
+}
+
+/// `vm_read`.
+pub async fn read(session: Arc<Session>, a: ReadArgs, ct: CancellationToken) -> ToolResult {
+    let vm = session.resolve_vm(a.vm)?;
+    let from = a.offset.unwrap_or(1).max(1);
+    let limit = a.limit.unwrap_or(2000).clamp(1, 1_000_000);
+    let to = from + limit - 1;
+    let script = format!(
+        "{}n1=$(head -c 8192 \"$f\" | wc -c); n2=$(head -c 8192 \"$f\" | tr -d '\\000' | wc -c); [ \"$n1\" = \"$n2\" ] || {{ echo \"{}: binary file ($(wc -c < \"$f\") bytes): not readable as text; fetch it with vm_copy\" >&2; exit 4; }}; sha256sum < \"$f\" | cut -c1-64; wc -l < \"$f\"; sed -n '{from},{to}p' \"$f\"",
+        check_file(&qpath(&a.path), &a.path),
+        a.path.replace(['"', '\\', '$', '`'], "_"),
+    );
+    let out = helper(&session, &vm, &script, None, OUTPUT_CAP + 128, T, &ct)
+        .await
+        .map_err(|e| match e {
+            ToolError::Invalid(m) if m.contains("over the") => ToolError::Invalid(format!(
+                "{}: lines {from}-{to} are over the 1 MiB cap: ask for fewer lines (limit)",
+                a.path
+            )),
+            e => e,
+        })?;
+    let text = String::from_utf8(out).map_err(|_| {
+        ToolError::Invalid(format!(
+            "{}: not UTF-8 text (a binary file?); fetch it with vm_copy",
+            a.path
+        ))
+    })?;
+    let mut parts = text.splitn(3, '\n');
+    let version = parts.next().unwrap_or("").trim().to_string();
+    let total: u64 = parts.next().unwrap_or("0").trim().parse().unwrap_or(0);
+    let content = parts.next().unwrap_or("").to_string();
+    let n = content.lines().count() as u64;
+    session.saw(&vm, &a.path, &version);
+    let last = if n == 0 {
+        from.saturating_sub(1)
+    } else {
+        from + n - 1
+    };
+    let header = format!(
+        "{}: lines {from}-{last} of {total} (version {})",
+        a.path,
+        &version[..version.len().min(16)]
+    );
+    Ok(Output::with_data(
+        format!("{header}\n{content}"),
+        json!({"vm": vm, "path": a.path, "version": version, "total_lines": total,
+               "from": from, "to": last, "content": content}),
+    ))
+}
+
+/// A guest script that writes stdin to `f` atomically, refusing when the file's version is not
+/// `expect` (when given; `absent` means the file must not exist), and prints the new version.
+fn write_script(path: &str, shown: &str, expect: Option<&str>) -> String {
+    let shown = shown.replace(['"', '\\', '$', '`'], "_");
+    let check = match expect {
+        None => String::new(),
+        Some(v) => format!(
+            "cur=$( {{ sha256sum < \"$f\"; }} 2>/dev/null | cut -c1-64); [ -n \"$cur\" ] || cur=absent; if [ \"$cur\" != {} ]; then rm -f \"$t\"; echo \"{shown} changed since you read it (its version is now $cur): vm_read it again\" >&2; exit 5; fi; ",
+            shell_quote(v)
+        ),
+    };
+    format!(
+        "f={}; d=$(dirname \"$f\"); mkdir -p \"$d\" || exit 4; t=$(mktemp \"$d/.boxery-write.XXXXXX\") || exit 1; cat > \"$t\" || {{ rm -f \"$t\"; exit 1; }}; {check}if [ -e \"$f\" ]; then chmod \"$(stat -c %a \"$f\")\" \"$t\"; else chmod 644 \"$t\"; fi; mv -f \"$t\" \"$f\" || {{ rm -f \"$t\"; exit 1; }}; sha256sum < \"$f\" | cut -c1-64",
+        qpath(path)
+    )
+}
+
+/// `vm_write` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WriteArgs {
+    /// The VM (default: the session's VM).
+    #[serde(default)]
+    pub vm: Option<String>,
+    /// The file (absolute, `~/…`, or relative to the home). Parent directories are made.
+    pub path: String,
+    /// The whole new content.
+    pub content: String,
+    /// Only write if the file is still at this version (from vm_read), or `absent`.
+    #[serde(default)]
+    pub version: Option<String>,
+}
+
+/// `vm_write`.
+pub async fn write(session: Arc<Session>, a: WriteArgs, ct: CancellationToken) -> ToolResult {
+    let vm = session.resolve_vm(a.vm)?;
+    let script = write_script(&a.path, &a.path, a.version.as_deref());
+    let bytes = a.content.len();
+    let out = helper(
+        &session,
+        &vm,
+        &script,
+        Some(a.content.into_bytes()),
+        4096,
+        T,
+        &ct,
+    )
+    .await?;
+    let version = String::from_utf8_lossy(&out).trim().to_string();
+    session.saw(&vm, &a.path, &version);
+    Ok(Output::with_data(
+        format!(
+            "wrote {bytes} bytes to {} (version {})",
+            a.path,
+            &version[..version.len().min(16)]
+        ),
+        json!({"vm": vm, "path": a.path, "bytes": bytes, "version": version}),
+    ))
+}
+
+/// `vm_edit` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EditArgs {
+    /// The VM (default: the session's VM).
+    #[serde(default)]
+    pub vm: Option<String>,
+    /// The file.
+    pub path: String,
+    /// The exact text to replace (whitespace and newlines included).
+    pub old: String,
+    /// What to put instead.
+    pub new: String,
+    /// How many times `old` must occur (default 1); all of them are replaced.
+    #[serde(default)]
+    pub count: Option<usize>,
+    /// The version the edit is based on (default: the one this session last read or wrote).
+    #[serde(default)]
+    pub version: Option<String>,
+}
+
+fn line_of(text: &str, byte: usize) -> usize {
+    text[..byte].matches('\n').count() + 1
+}
+
+/// `vm_edit`.
+pub async fn edit(session: Arc<Session>, a: EditArgs, ct: CancellationToken) -> ToolResult {
+    let vm = session.resolve_vm(a.vm)?;
+    if a.old.is_empty() {
+        return Err(ToolError::Invalid(
+            "`old` is empty: give the exact text to replace (use vm_write for a whole file)".into(),
+        ));
+    }
+    let want = a.count.unwrap_or(1);
+    let script = format!(
+        "{}sha256sum < \"$f\" | cut -c1-64; cat \"$f\"",
+        check_file(&qpath(&a.path), &a.path)
+    );
+    let out = helper(&session, &vm, &script, None, EDIT_CAP + 128, T, &ct).await?;
+    let (version, body) = match out.iter().position(|b| *b == b'\n') {
+        Some(i) => (
+            String::from_utf8_lossy(&out[..i]).to_string(),
+            out[i + 1..].to_vec(),
+        ),
+        None => return Err(ToolError::Failed(format!("reading {} failed", a.path))),
+    };
+    let expected = a.version.clone().or_else(|| session.seen(&vm, &a.path));
+    if let Some(exp) = &expected {
+        if !version.starts_with(exp.as_str()) || exp.is_empty() {
+            return Err(ToolError::Conflict(format!(
+                "{} changed since you read it (version {} now, you had {}): vm_read it again and redo the edit",
+                a.path,
+                &version[..version.len().min(16)],
+                &exp[..exp.len().min(16)]
+            )));
+        }
+    }
+    let text = String::from_utf8(body).map_err(|_| {
+        ToolError::Invalid(format!(
+            "{} is not UTF-8 text (a binary file?): vm_edit edits text",
+            a.path
+        ))
+    })?;
+    let found: Vec<usize> = text.match_indices(&a.old).map(|(i, _)| i).collect();
+    if found.is_empty() {
+        let hint = a
+            .old
+            .lines()
+            .find(|l| !l.trim().is_empty())
+            .and_then(|l| text.find(l.trim()).map(|i| line_of(&text, i)))
+            .map(|l| format!("; its first line appears near line {l}: check whitespace and the lines around it"))
+            .unwrap_or_default();
+        return Err(ToolError::NotFound(format!(
+            "the search text does not occur in {}{hint}; vm_read the file and copy the text exactly",
+            a.path
+        )));
+    }
+    if found.len() != want {
+        let lines: Vec<String> = found
+            .iter()
+            .take(20)
+            .map(|i| line_of(&text, *i).to_string())
+            .collect();
+        return Err(ToolError::Conflict(format!(
+            "the search text occurs {} times in {} (at lines {}), not {want}: add surrounding lines to make it unique, or set count to {}",
+            found.len(),
+            a.path,
+            lines.join(", "),
+            found.len()
+        )));
+    }
+    let first_line = line_of(&text, found[0]);
+    let new_text = text.replace(&a.old, &a.new);
+    let script = write_script(&a.path, &a.path, Some(&version));
+    let out = helper(
+        &session,
+        &vm,
+        &script,
+        Some(new_text.into_bytes()),
+        4096,
+        T,
+        &ct,
+    )
+    .await?;
+    let new_version = String::from_utf8_lossy(&out).trim().to_string();
+    session.saw(&vm, &a.path, &new_version);
+    Ok(Output::with_data(
+        format!(
+            "replaced {want} occurrence{} in {} (first at line {first_line}); version {}",
+            if want == 1 { "" } else { "s" },
+            a.path,
+            &new_version[..new_version.len().min(16)]
+        ),
+        json!({"vm": vm, "path": a.path, "replaced": want, "line": first_line, "version": new_version}),
+    ))
+}
+
+/// `vm_copy` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CopyArgs {
+    /// Source: VM:PATH, or local:PATH (a path on the machine running boxery).
+    pub src: String,
+    /// Destination: VM:PATH, or local:PATH.
+    pub dst: String,
+}
+
+/// `vm_copy` (and `boxery cp` between two VMs).
+pub async fn copy(session: Arc<Session>, a: CopyArgs, _ct: CancellationToken) -> ToolResult {
+    let src = Place::parse(&a.src);
+    let dst = Place::parse(&a.dst);
+    for p in [&src, &dst] {
+        match p {
+            Place::Local(_) if !session.allow_local => {
+                return Err(ToolError::Invalid(
+                    "local paths are refused over HTTP (they would be the server's files): copy between VMs, or run `boxery mcp` (stdio) on your machine".into(),
+                ));
+            }
+            Place::Vm(vm, _) => {
+                session.ssh_to(vm)?;
+            }
+            Place::Local(_) => {}
+        }
+    }
+    let env = session.env.clone();
+    let (s2, d2) = (a.src.clone(), a.dst.clone());
+    let res = tokio::task::spawn_blocking(move || match (&src, &dst) {
+        (Place::Vm(sv, sp), Place::Vm(dv, dp)) => vm_to_vm(&env, sv, sp, dv, dp),
+        _ => crate::hands::cp(&env, &s2, &d2)
+            .map(|_| ())
+            .map_err(ToolError::from),
+    })
+    .await
+    .map_err(|e| ToolError::Failed(format!("the copy task failed: {e}")))?;
+    res?;
+    Ok(Output::with_data(
+        format!("copied {} to {}", a.src, a.dst),
+        json!({"src": a.src, "dst": a.dst}),
+    ))
+}
+
+/// Stream `tar` from one VM into another (through this host, never to disk).
+fn vm_to_vm(
+    env: &crate::env::Env,
+    sv: &str,
+    sp: &str,
+    dv: &str,
+    dp: &str,
+) -> Result<(), ToolError> {
+    use std::process::Stdio;
+    let ssh = boxery_reconcilers::ssh::SshDir::new(&env.home);
+    let base = std::path::Path::new(sp)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or(".")
+        .to_string();
+    let q = qpath(sp);
+    let src_script = format!(
+        "s={q}; [ -e \"$s\" ] || {{ echo \"{sv}:{}: no such file\" >&2; exit 3; }}; if [ -d \"$s\" ]; then echo D; tar -C \"$s\" -cf - .; else echo F; tar -C \"$(dirname \"$s\")\" -cf - {}; fi",
+        sp.replace(['"', '\\', '$', '`'], "_"),
+        shell_quote(&base)
+    );
+    let d = qpath(dp);
+    // The first line says directory (D: contents into DST) or file (F: DST, or into DST).
+    let dst_script = format!(
+        "read k; d={d}; if [ \"$k\" = D ]; then mkdir -p \"$d\" && tar -C \"$d\" -xf -; elif [ -d \"$d\" ]; then tar -C \"$d\" -xf -; else p=$(dirname \"$d\"); mkdir -p \"$p\"; t=$(mktemp -d \"$p/.boxery-cp.XXXXXX\"); tar -C \"$t\" -xf - && mv -f \"$t\"/{} \"$d\"; rc=$?; rm -rf \"$t\"; exit $rc; fi",
+        shell_quote(&base)
+    );
+    let mut a = ssh
+        .std_command(sv)
+        .args(["-T", "-o", "BatchMode=yes", "--", &src_script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| ToolError::Failed(format!("cannot run ssh: {e}")))?;
+    let pipe = a.stdout.take().expect("piped");
+    let b = ssh
+        .std_command(dv)
+        .args(["-T", "-o", "BatchMode=yes", "--", &dst_script])
+        .stdin(pipe)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| ToolError::Failed(format!("cannot run ssh: {e}")))?;
+    let ao = a
+        .wait_with_output()
+        .map_err(|e| ToolError::Failed(e.to_string()))?;
+    if ao.status.code() == Some(3) {
+        return Err(ToolError::NotFound(
+            String::from_utf8_lossy(&ao.stderr).trim().to_string(),
+        ));
+    }
+    if !ao.status.success() {
+        return Err(ToolError::Failed(format!(
+            "reading {sv}:{sp} failed: {}",
+            String::from_utf8_lossy(&ao.stderr).trim()
+        )));
+    }
+    if !b.status.success() {
+        return Err(ToolError::Failed(format!(
+            "writing {dv}:{dp} failed: {}",
+            String::from_utf8_lossy(&b.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh(script: &str, stdin: &str, home: &std::path::Path) -> std::process::Output {
+        use std::io::Write;
+        let mut c = std::process::Command::new("sh")
+            .env("HOME", home)
+            .current_dir(home)
+            .args(["-c", script])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        c.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+        c.wait_with_output().unwrap()
+    }
+
+    /// The guest scripts, run by the local sh: atomic write, version check, mode kept.
+    #[test]
+    fn write_script_checks_the_version() {
+        let home = tempfile::tempdir().unwrap();
+        let o = sh(
+            &write_script("~/d/f.txt", "f", Some("absent")),
+            "one\n",
+            home.path(),
+        );
+        assert!(o.status.success(), "{o:?}");
+        let v1 = String::from_utf8_lossy(&o.stdout).trim().to_string();
+        assert_eq!(v1.len(), 64);
+        let o = sh(
+            &write_script("d/f.txt", "f", Some("absent")),
+            "two\n",
+            home.path(),
+        );
+        assert_eq!(o.status.code(), Some(5), "{o:?}");
+        let o = sh(
+            &write_script("d/f.txt", "f", Some(&v1)),
+            "two\n",
+            home.path(),
+        );
+        assert!(o.status.success(), "{o:?}");
+        assert_eq!(
+            std::fs::read_to_string(home.path().join("d/f.txt")).unwrap(),
+            "two\n"
+        );
+        let left: Vec<_> = std::fs::read_dir(home.path().join("d")).unwrap().collect();
+        assert_eq!(left.len(), 1, "temp files left behind");
+    }
+
+    #[test]
+    fn lines() {
+        assert_eq!(line_of("a\nb\nc", 0), 1);
+        assert_eq!(line_of("a\nb\nc", 2), 2);
+    }
+}

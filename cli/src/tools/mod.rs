@@ -1,0 +1,599 @@
+//! The `vm_*` tool table: every tool's name, description, input JSON Schema (generated from
+//! the Rust argument type by schemars), annotations and runner, in one place. The MCP server
+//! (`crate::mcp`) lists and runs tools from it; the CLI's `read`, `write`, `edit` and `jobs`
+//! commands run the same runners; `parity` maps every tool to its CLI command and back.
+//!
+//! Guarantees: a runner never prints to stdout (stdout is the MCP stdio transport), never
+//! waits without a bound, and turns every failure into a [`ToolError`] a model can act on.
+
+pub mod exec;
+pub mod files;
+pub mod jobs;
+pub mod lifecycle;
+#[cfg(test)]
+mod parity;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use boxery_api::{Vm, VmPhase};
+use boxery_reconcilers::ssh::{SshDir, Target};
+use boxery_store::Store;
+use futures::future::BoxFuture;
+use schemars::JsonSchema;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::env::Env;
+use crate::exit::{CliError, Code};
+
+/// The cap on text a tool returns (command output, file contents, job logs): 1 MiB.
+pub const OUTPUT_CAP: usize = 1 << 20;
+/// The cap on a tool call's arguments, serialized (a `vm_write` content included): 8 MiB.
+pub const ARGS_CAP: usize = 8 << 20;
+/// The cap on any one string argument other than file content and manifests: 64 KiB.
+pub const STRING_CAP: usize = 64 << 10;
+/// The longest a tool may wait (`timeout_seconds` is clamped to this): 30 minutes.
+pub const MAX_WAIT_SECS: u64 = 1800;
+
+/// A tool failed; the message says what to do next.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    /// The arguments are wrong.
+    #[error("{0}")]
+    Invalid(String),
+    /// A VM, object, file or job does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// The VM exists but cannot be reached now.
+    #[error("{0}")]
+    NotReady(String),
+    /// Something changed under the call (a file edited since it was read, an object updated).
+    #[error("{0}")]
+    Conflict(String),
+    /// A bounded wait ran out.
+    #[error("{0}")]
+    Timeout(String),
+    /// The call was cancelled by the client.
+    #[error("cancelled")]
+    Cancelled,
+    /// Anything else.
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl ToolError {
+    /// The CLI exit code this error maps to.
+    pub fn code(&self) -> Code {
+        match self {
+            ToolError::Invalid(_) => Code::Invalid,
+            ToolError::NotFound(_) => Code::NotFound,
+            ToolError::NotReady(_) | ToolError::Conflict(_) => Code::Conflict,
+            ToolError::Timeout(_) => Code::Timeout,
+            ToolError::Cancelled | ToolError::Failed(_) => Code::Failed,
+        }
+    }
+}
+
+impl From<CliError> for ToolError {
+    fn from(e: CliError) -> Self {
+        let msg = format!("{:#}", e.error);
+        match e.code {
+            Code::Invalid => ToolError::Invalid(msg),
+            Code::NotFound => ToolError::NotFound(msg),
+            Code::Timeout => ToolError::Timeout(msg),
+            Code::Conflict => ToolError::Conflict(msg),
+            Code::Failed => ToolError::Failed(msg),
+        }
+    }
+}
+
+impl From<boxery_store::StoreError> for ToolError {
+    fn from(e: boxery_store::StoreError) -> Self {
+        CliError::from(e).into()
+    }
+}
+
+impl From<ToolError> for CliError {
+    fn from(e: ToolError) -> Self {
+        CliError::new(e.code(), anyhow::anyhow!("{e}"))
+    }
+}
+
+/// What a tool returns: text for the model, and the same facts as JSON.
+#[derive(Debug, Clone, Default)]
+pub struct Output {
+    /// Human- and model-readable text.
+    pub text: String,
+    /// Structured result (`structuredContent` in MCP), when there is one.
+    pub data: Option<Value>,
+}
+
+impl Output {
+    /// Text and data.
+    pub fn with_data(text: impl Into<String>, data: Value) -> Self {
+        Output {
+            text: text.into(),
+            data: Some(data),
+        }
+    }
+}
+
+/// The result of a runner.
+pub type ToolResult = Result<Output, ToolError>;
+
+/// The CLI side of a tool.
+#[derive(Debug, Clone, Copy)]
+pub enum CliSide {
+    /// These `boxery` commands do what the tool does.
+    Commands(&'static [&'static str]),
+    /// No command, and why.
+    None(&'static str),
+}
+
+type Runner = Box<
+    dyn Fn(Arc<Session>, Value, CancellationToken) -> BoxFuture<'static, ToolResult> + Send + Sync,
+>;
+
+/// One tool of the table.
+pub struct Tool {
+    /// Its name (`vm_bash`).
+    pub name: &'static str,
+    /// What it does, for the model.
+    pub description: &'static str,
+    /// It changes nothing.
+    pub read_only: bool,
+    /// It may destroy data (delete, overwrite, kill).
+    pub destructive: bool,
+    /// Its CLI command(s).
+    pub cli: CliSide,
+    /// Its input JSON Schema.
+    pub schema: Value,
+    run: Runner,
+}
+
+impl std::fmt::Debug for Tool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tool").field("name", &self.name).finish()
+    }
+}
+
+impl Tool {
+    /// Run the tool with JSON arguments (validated by deserializing into its argument type).
+    pub fn run(
+        &self,
+        session: Arc<Session>,
+        args: Value,
+        ct: CancellationToken,
+    ) -> BoxFuture<'static, ToolResult> {
+        (self.run)(session, args, ct)
+    }
+}
+
+fn schema_of<A: JsonSchema>() -> Value {
+    let mut v = serde_json::to_value(schemars::schema_for!(A)).expect("schemas serialize");
+    if let Some(m) = v.as_object_mut() {
+        // MCP wants an object schema; the draft is implied by the protocol.
+        m.remove("$schema");
+        m.remove("title");
+        if !m.contains_key("properties") {
+            m.insert("properties".into(), Value::Object(Default::default()));
+        }
+    }
+    v
+}
+
+fn tool<A, F, Fut>(
+    name: &'static str,
+    description: &'static str,
+    (read_only, destructive): (bool, bool),
+    cli: CliSide,
+    f: F,
+) -> Tool
+where
+    A: DeserializeOwned + JsonSchema + Send + 'static,
+    F: Fn(Arc<Session>, A, CancellationToken) -> Fut + Send + Sync + Copy + 'static,
+    Fut: Future<Output = ToolResult> + Send + 'static,
+{
+    Tool {
+        name,
+        description,
+        read_only,
+        destructive,
+        cli,
+        schema: schema_of::<A>(),
+        run: Box::new(move |s, args, ct| {
+            let parsed = check_args(&args).and_then(|()| {
+                serde_json::from_value::<A>(args).map_err(|e| {
+                    ToolError::Invalid(format!(
+                        "invalid arguments for {name}: {e}; the tool's input schema lists the fields"
+                    ))
+                })
+            });
+            match parsed {
+                Ok(a) => Box::pin(f(s, a, ct)),
+                Err(e) => Box::pin(async move { Err(e) }),
+            }
+        }),
+    }
+}
+
+/// Refuse arguments over the size bounds.
+fn check_args(args: &Value) -> Result<(), ToolError> {
+    let size = serde_json::to_vec(args)
+        .map(|v| v.len())
+        .unwrap_or(usize::MAX);
+    if size > ARGS_CAP {
+        return Err(ToolError::Invalid(format!(
+            "arguments too large: {size} bytes (the limit is {ARGS_CAP}); write big files with vm_copy"
+        )));
+    }
+    if let Some(m) = args.as_object() {
+        for (k, v) in m {
+            if matches!(k.as_str(), "content" | "manifest" | "old" | "new") {
+                continue;
+            }
+            if let Some(s) = v.as_str() {
+                if s.len() > STRING_CAP {
+                    return Err(ToolError::Invalid(format!(
+                        "argument `{k}` is too large: {} bytes (the limit is {STRING_CAP})",
+                        s.len()
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The table, built once.
+pub fn tools() -> &'static [Tool] {
+    static TOOLS: OnceLock<Vec<Tool>> = OnceLock::new();
+    TOOLS.get_or_init(|| {
+        let ro = (true, false);
+        let rw = (false, false);
+        let destructive = (false, true);
+        vec![
+            tool(
+                "vm_apply",
+                "Create or update objects (Vm, Image, Pool, Lease, Grant) from a YAML or JSON manifest, validated exactly as `boxery apply` validates it; all or nothing. Waits (bounded) until Vms and Images are Ready and returns their state. A Vm needs at least: apiVersion: boxery.dev/v1alpha1, kind: Vm, metadata.name, spec.source.image (e.g. debian-12 or tiny).",
+                rw,
+                CliSide::Commands(&["apply"]),
+                lifecycle::apply,
+            ),
+            tool(
+                "vm_get",
+                "List objects of a kind (vm, image, pool, lease, grant, event) with their status, or show named ones as YAML.",
+                ro,
+                CliSide::Commands(&["get"]),
+                lifecycle::get,
+            ),
+            tool(
+                "vm_describe",
+                "Show one object in detail: spec, status, conditions and recent events. Use it to see why a VM is not Ready.",
+                ro,
+                CliSide::Commands(&["describe", "events"]),
+                lifecycle::describe,
+            ),
+            tool(
+                "vm_delete",
+                "Delete objects (a Vm's controller removes it from the backend first). Waits (bounded) until they are gone.",
+                destructive,
+                CliSide::Commands(&["delete"]),
+                lifecycle::delete,
+            ),
+            tool(
+                "vm_wait",
+                "Wait (bounded) for a condition on an object: condition=Ready, delete, or jsonpath={.status.phase}=Stopped. On timeout says where the object stands.",
+                ro,
+                CliSide::Commands(&["wait"]),
+                lifecycle::wait,
+            ),
+            tool(
+                "vm_manage",
+                "VM verbs that write specs and wait (bounded) for the result: new (make a VM from an image), snap (snapshot the disk into image VM.LABEL), revert (back to a snapshot), fork (new VMs from this VM's disk), start, stop, resize, rm. Returns the current state even when the wait runs out.",
+                destructive,
+                CliSide::Commands(&["new", "snap", "revert", "fork", "start", "stop", "resize", "rm"]),
+                lifecycle::manage,
+            ),
+            tool(
+                "vm_lease",
+                "Acquire, renew or release a VM from a warm pool. Not available yet: pools are not implemented; use vm_manage new.",
+                rw,
+                CliSide::None("pools and leases are not implemented yet; the tool says so"),
+                lifecycle::lease,
+            ),
+            tool(
+                "vm_use",
+                "Set (or show) this session's default VM, so other tools need no `vm` argument. Every tool still accepts an explicit `vm`.",
+                ro,
+                CliSide::None("the CLI has no session: every command names its VM"),
+                lifecycle::use_vm,
+            ),
+            tool(
+                "vm_bash",
+                "Run a shell command in the VM (as user agent, in its home unless `cwd` is given) and return stdout, stderr and the exit code. Bounded by `timeout_seconds`; on timeout or cancel the command's whole process group is killed. Output is capped at 1 MiB. For long-running work use vm_jobs.",
+                destructive,
+                CliSide::Commands(&["run"]),
+                exec::bash,
+            ),
+            tool(
+                "vm_read",
+                "Read a text file in the VM, optionally a line range. Returns the lines and the file's version (a hash); pass it to vm_edit to make sure nobody changed the file in between. Binary files are refused.",
+                ro,
+                CliSide::Commands(&["read"]),
+                files::read,
+            ),
+            tool(
+                "vm_write",
+                "Write a whole file in the VM atomically (temp file + rename; parent directories are made). Returns the new version.",
+                destructive,
+                CliSide::Commands(&["write"]),
+                files::write,
+            ),
+            tool(
+                "vm_edit",
+                "Replace text in a file in the VM: `old` must occur exactly `count` times (default 1). Atomic, and refused when the file changed since this session last read or wrote it (or since `version`).",
+                destructive,
+                CliSide::Commands(&["edit"]),
+                files::edit,
+            ),
+            tool(
+                "vm_copy",
+                "Copy files or directories, streamed as tar: local⇄VM or VM⇄VM. Write VM paths as VM:PATH and local paths as local:PATH (local paths are on the machine running the MCP server; refused over HTTP).",
+                destructive,
+                CliSide::Commands(&["cp"]),
+                files::copy,
+            ),
+            tool(
+                "vm_jobs",
+                "Background jobs in the VM that outlive this call and the MCP server: start (runs `command` in its own process group), list, logs (output so far), wait (bounded), kill. Jobs record their real exit code.",
+                destructive,
+                CliSide::Commands(&["jobs"]),
+                jobs::jobs,
+            ),
+        ]
+    })
+}
+
+/// Look a tool up by name.
+pub fn find(name: &str) -> Option<&'static Tool> {
+    tools().iter().find(|t| t.name == name)
+}
+
+/// One agent's session: the environment, its default VM, and the versions of files it read.
+#[derive(Debug)]
+pub struct Session {
+    /// The boxery environment.
+    pub env: Env,
+    /// Whether tools may touch the local file system (false over HTTP: "local" would be the
+    /// server's disk, not the agent's).
+    pub allow_local: bool,
+    default_vm: Mutex<Option<String>>,
+    versions: Mutex<HashMap<(String, String), String>>,
+    store: OnceLock<Store>,
+}
+
+impl Session {
+    /// A new session.
+    pub fn new(env: Env, default_vm: Option<String>, allow_local: bool) -> Self {
+        Session {
+            env,
+            allow_local,
+            default_vm: Mutex::new(default_vm),
+            versions: Mutex::new(HashMap::new()),
+            store: OnceLock::new(),
+        }
+    }
+
+    /// The store (opened once per session).
+    pub fn store(&self) -> Result<Store, ToolError> {
+        if let Some(s) = self.store.get() {
+            return Ok(s.clone());
+        }
+        let s = self.env.store()?;
+        Ok(self.store.get_or_init(|| s).clone())
+    }
+
+    /// The default VM.
+    pub fn default_vm(&self) -> Option<String> {
+        self.default_vm.lock().expect("poisoned").clone()
+    }
+
+    /// Set the default VM.
+    pub fn set_default_vm(&self, vm: Option<String>) {
+        *self.default_vm.lock().expect("poisoned") = vm;
+    }
+
+    /// The version of a file this session last saw.
+    pub fn seen(&self, vm: &str, path: &str) -> Option<String> {
+        self.versions
+            .lock()
+            .expect("poisoned")
+            .get(&(vm.to_string(), path.to_string()))
+            .cloned()
+    }
+
+    /// Remember the version of a file.
+    pub fn saw(&self, vm: &str, path: &str, version: &str) {
+        self.versions
+            .lock()
+            .expect("poisoned")
+            .insert((vm.to_string(), path.to_string()), version.to_string());
+    }
+
+    fn vm_names(&self) -> Vec<String> {
+        self.store()
+            .and_then(|s| Ok(s.list_as::<Vm>(&Default::default())?))
+            .unwrap_or_default()
+            .into_iter()
+            .map(|v| v.metadata.name)
+            .take(30)
+            .collect()
+    }
+
+    /// Which VM a call means: the explicit one, else the default, else the only VM.
+    pub fn resolve_vm(&self, vm: Option<String>) -> Result<String, ToolError> {
+        if let Some(v) = vm.filter(|v| !v.is_empty()) {
+            return Ok(v);
+        }
+        if let Some(v) = self.default_vm() {
+            return Ok(v);
+        }
+        let names = self.vm_names();
+        match names.as_slice() {
+            [one] => Ok(one.clone()),
+            [] => Err(ToolError::NotFound(
+                "no VM named and there are no VMs: make one with vm_manage {action: new, vm: NAME} or vm_apply".into(),
+            )),
+            many => Err(ToolError::Invalid(format!(
+                "which VM? name one with `vm`, or set a default with vm_use; known VMs: {}",
+                many.join(", ")
+            ))),
+        }
+    }
+
+    /// A not-found error that lists the known VMs.
+    pub fn unknown_vm(&self, vm: &str) -> ToolError {
+        let names = self.vm_names();
+        ToolError::NotFound(if names.is_empty() {
+            format!("VM {vm} not found: there are no VMs (vm_manage {{action: new}} makes one)")
+        } else {
+            format!("VM {vm} not found; known VMs: {}", names.join(", "))
+        })
+    }
+
+    /// Check the VM can be reached over ssh and write the ssh files; returns them.
+    pub fn ssh_to(&self, vm: &str) -> Result<SshDir, ToolError> {
+        let store = self.store()?;
+        let v: Vm = store.get_as(vm)?.ok_or_else(|| self.unknown_vm(vm))?;
+        if Target::of(&v).is_none() || v.metadata.is_deleting() {
+            let status = v
+                .status
+                .printable_status
+                .clone()
+                .unwrap_or_else(|| format!("{:?}", v.status.phase));
+            let msg = v
+                .status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Ready")
+                .map(|c| format!(" ({})", c.message))
+                .unwrap_or_default();
+            let hint = match v.status.phase {
+                _ if v.metadata.is_deleting() => "it is being deleted".to_string(),
+                VmPhase::Stopped => "start it with vm_manage {action: start}".to_string(),
+                _ => format!("wait with vm_wait {{kind: vm, name: {vm}}} (condition=Ready)"),
+            };
+            return Err(ToolError::NotReady(format!(
+                "VM {vm} is not ready: its status is {status}{msg}; {hint}"
+            )));
+        }
+        let ssh = SshDir::new(&self.env.home);
+        let targets: Vec<Target> = store
+            .list_as::<Vm>(&Default::default())?
+            .iter()
+            .filter_map(Target::of)
+            .collect();
+        ssh.write(&targets)
+            .map_err(|e| ToolError::Failed(format!("cannot write the ssh files: {e}")))?;
+        Ok(ssh)
+    }
+}
+
+/// Run a tool from the CLI: print its text (stdout) and map its error to an exit code.
+pub async fn run_cli(env: &Env, name: &str, args: Value) -> crate::exit::CliResult<Output> {
+    let t = find(name).expect("the CLI only runs tools of the table");
+    let session = Arc::new(Session::new(env.clone(), None, true));
+    Ok(t.run(session, args, CancellationToken::new()).await?)
+}
+
+/// The tool list as markdown (the table in docs/mcp.md is this text).
+pub fn markdown() -> String {
+    let mut s = String::from("| tool | annotations | CLI | what it does |\n|---|---|---|---|\n");
+    for t in tools() {
+        let ann = match (t.read_only, t.destructive) {
+            (true, _) => "read-only",
+            (false, true) => "destructive",
+            (false, false) => "writes",
+        };
+        let cli = match t.cli {
+            CliSide::Commands(c) => c
+                .iter()
+                .map(|c| format!("`boxery {c}`"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            CliSide::None(why) => format!("none: {why}"),
+        };
+        s.push_str(&format!(
+            "| `{}` | {ann} | {cli} | {} |\n",
+            t.name,
+            t.description.replace('|', "\\|")
+        ));
+    }
+    s
+}
+
+/// Clamp a user-given timeout.
+pub fn clamp_timeout(secs: Option<u64>, default: u64) -> std::time::Duration {
+    std::time::Duration::from_secs(secs.unwrap_or(default).clamp(1, MAX_WAIT_SECS))
+}
+
+/// Whether a process group has live (non-zombie) members, polling for up to 2 s.
+#[cfg(test)]
+pub fn group_alive(pgid: u32) -> bool {
+    for _ in 0..40 {
+        let live = std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+            .any(|st| {
+                let rest = st.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                f.len() > 3 && f[0] != "Z" && f[2] == pgid.to_string()
+            });
+        if !live {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schemas_are_objects_and_names_unique() {
+        let mut names = std::collections::BTreeSet::new();
+        for t in tools() {
+            assert!(names.insert(t.name), "{} twice", t.name);
+            assert_eq!(t.schema["type"], "object", "{}: {}", t.name, t.schema);
+            assert!(t.name.starts_with("vm_"));
+            assert!(!(t.read_only && t.destructive), "{}", t.name);
+        }
+    }
+
+    #[test]
+    fn oversized_arguments_are_refused() {
+        let big = "x".repeat(STRING_CAP + 1);
+        let e = check_args(&serde_json::json!({"command": big})).unwrap_err();
+        assert!(e.to_string().contains("too large"), "{e}");
+        assert!(check_args(&serde_json::json!({"content": "x".repeat(STRING_CAP + 1)})).is_ok());
+    }
+
+    #[test]
+    fn docs_list_every_tool() {
+        let doc = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/mcp.md"),
+        )
+        .unwrap();
+        assert!(
+            doc.contains(&markdown()),
+            "docs/mcp.md's tool table is out of date: paste the output of `boxery mcp --tools-markdown`"
+        );
+    }
+}

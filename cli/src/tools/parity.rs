@@ -1,0 +1,93 @@
+//! Tool ⇄ CLI parity: every tool names its `boxery` command(s) (or says why it has none), and
+//! every command is either named by a tool or listed here with why it has no tool. A new
+//! tool or command fails this test until its other half exists or a reason is written down.
+
+use clap::CommandFactory;
+
+use super::{CliSide, tools};
+
+/// Commands with no tool, and why.
+const CLI_ONLY: &[(&str, &str)] = &[
+    ("diff", "vm_apply {dry_run: true} shows what would change"),
+    (
+        "explain",
+        "reference for humans; tool schemas and errors carry the field docs",
+    ),
+    (
+        "schema",
+        "reference for editors; the tools' input schemas are in tools/list",
+    ),
+    ("ssh", "an interactive terminal; agents use vm_bash"),
+    ("serve", "runs the control plane (and serves MCP over HTTP)"),
+    ("mcp", "is the MCP server"),
+    ("help", "clap's help"),
+    (
+        "pool",
+        "pools are declared by spec (vm_apply a Pool); membership is an operator's job",
+    ),
+    (
+        "lease",
+        "new with the pool work: vm_lease will wrap it (until then vm_lease says pools are not available through MCP)",
+    ),
+];
+
+#[test]
+fn every_tool_has_a_command_and_every_command_a_tool() {
+    let cli = crate::Cli::command();
+    let commands: Vec<String> = cli
+        .get_subcommands()
+        .map(|c| c.get_name().to_string())
+        .chain(std::iter::once("help".to_string()))
+        .collect();
+    let mut covered = std::collections::BTreeSet::new();
+    for t in tools() {
+        match t.cli {
+            CliSide::Commands(cs) => {
+                assert!(!cs.is_empty(), "{} names no command", t.name);
+                for c in cs {
+                    assert!(
+                        commands.iter().any(|x| x == c),
+                        "{} maps to `boxery {c}`, which does not exist",
+                        t.name
+                    );
+                    covered.insert(c.to_string());
+                }
+            }
+            CliSide::None(why) => assert!(why.len() > 10, "{}: say why it has no command", t.name),
+        }
+    }
+    for c in &commands {
+        let exempt = CLI_ONLY.iter().find(|(n, _)| n == c);
+        assert!(
+            covered.contains(c) || exempt.is_some(),
+            "`boxery {c}` has no tool: add one to the table, or a reason to CLI_ONLY"
+        );
+        assert!(
+            !(covered.contains(c) && exempt.is_some()),
+            "`boxery {c}` has a tool and is listed in CLI_ONLY"
+        );
+    }
+    for (n, _) in CLI_ONLY {
+        assert!(
+            commands.iter().any(|c| c == n),
+            "CLI_ONLY names `{n}`, which is gone"
+        );
+    }
+}
+
+/// Every `vm_manage` action and `vm_jobs` action has a command of the same name.
+#[test]
+fn actions_have_commands() {
+    let cli = crate::Cli::command();
+    let names: Vec<&str> = cli.get_subcommands().map(|c| c.get_name()).collect();
+    for a in [
+        "new", "snap", "revert", "fork", "start", "stop", "resize", "rm",
+    ] {
+        assert!(names.contains(&a), "vm_manage {a} has no command");
+    }
+    let jobs = cli.find_subcommand("jobs").expect("jobs");
+    let sub: Vec<&str> = jobs.get_subcommands().map(|c| c.get_name()).collect();
+    for a in ["start", "list", "logs", "wait", "kill"] {
+        assert!(sub.contains(&a), "vm_jobs {a} has no `boxery jobs {a}`");
+    }
+}
