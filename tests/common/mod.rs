@@ -71,6 +71,11 @@ impl Home {
     }
     /// Start `boxery serve`.
     pub fn serve(&self, extra: &[&str]) -> Serve {
+        self.serve_env(extra, &[])
+    }
+
+    /// Start `boxery serve` with extra environment variables.
+    pub fn serve_env(&self, extra: &[&str], envs: &[(&str, &str)]) -> Serve {
         let log = self.path().join("serve.log");
         let logf = std::fs::OpenOptions::new()
             .create(true)
@@ -82,6 +87,7 @@ impl Home {
             .args(["serve", "--inventory-every", "1s", "--lease", "2s"])
             .args(extra)
             .env("BOXERY_LOG", "warn")
+            .envs(envs.iter().copied())
             .stdout(logf.try_clone().unwrap())
             .stderr(logf)
             .spawn()

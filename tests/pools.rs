@@ -1,0 +1,366 @@
+//! Pools and leases on the fake backend: concurrent claims have one winner per member;
+//! expiry, release and reboot reset members; an expired lease cannot be renewed; killing the
+//! control plane during acquires, expiries and resets converges with no member leased twice
+//! or stuck; a failing reset marks a member Broken; bad requests are refused or held.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use boxery_api::lease::LeasePhase;
+use boxery_api::pool::MemberState;
+use boxery_api::{Lease, Pool};
+use common::Home;
+
+fn pool_yaml(name: &str, replicas: u32) -> String {
+    format!(
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {{name: {name}}}\nspec:\n  replicas: {replicas}\n  template:\n    spec:\n      source: {{image: debian-12}}\n"
+    )
+}
+
+fn make_pool(home: &Home, name: &str, replicas: u32) {
+    let f = home.write(&format!("{name}.yaml"), &pool_yaml(name, replicas));
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    common::eventually(Duration::from_secs(60), || {
+        let p: Pool = home.store().get_as(name).unwrap()?;
+        (p.status.free == replicas).then_some(())
+    })
+    .unwrap_or_else(|| panic!("pool {name} never had {replicas} free members"));
+}
+
+fn leases(home: &Home) -> Vec<Lease> {
+    home.store().list_as(&Default::default()).unwrap()
+}
+
+/// The invariants: a Bound lease's VM is a Leased member carrying its uid; no VM is in two
+/// Bound leases; the pool's counts match its table.
+fn check(home: &Home, pool: &str) -> Result<(), String> {
+    let p: Pool = home.store().get_as(pool).unwrap().unwrap();
+    let ls = leases(home);
+    let mut vms = BTreeSet::new();
+    for l in ls.iter().filter(|l| l.status.phase == LeasePhase::Bound) {
+        let vm = l.status.vm.clone().ok_or("bound without a vm")?;
+        if !vms.insert(vm.clone()) {
+            return Err(format!("{vm} is in two bound leases"));
+        }
+        let m = p
+            .status
+            .members
+            .iter()
+            .find(|m| m.name == vm)
+            .ok_or(format!("{vm} is not a member"))?;
+        if m.state != MemberState::Leased || m.lease_uid != l.metadata.uid {
+            return Err(format!(
+                "{vm}: member {:?} lease {:?} does not match lease {}",
+                m.state, m.lease, l.metadata.name
+            ));
+        }
+    }
+    for m in &p.status.members {
+        if m.state == MemberState::Leased
+            && !ls
+                .iter()
+                .any(|l| l.metadata.uid == m.lease_uid && l.status.phase == LeasePhase::Bound)
+        {
+            return Err(format!("{} is Leased by no bound lease", m.name));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn fifty_acquires_on_ten_members() {
+    let home = Home::new();
+    let _serve = home.serve(&[]);
+    make_pool(&home, "p", 10);
+    let children: Vec<_> = (0..50)
+        .map(|i| {
+            home.cmd()
+                .args([
+                    "lease",
+                    "acquire",
+                    "p",
+                    "--holder",
+                    &format!("h{i}"),
+                    "--name",
+                    &format!("l{i}"),
+                ])
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut c in children {
+        assert!(c.wait().unwrap().success());
+    }
+    common::eventually(Duration::from_secs(60), || {
+        (leases(&home)
+            .iter()
+            .filter(|l| l.status.phase == LeasePhase::Bound)
+            .count()
+            == 10)
+            .then_some(())
+    })
+    .expect("10 bound");
+    std::thread::sleep(Duration::from_secs(2));
+    let ls = leases(&home);
+    assert_eq!(
+        ls.iter()
+            .filter(|l| l.status.phase == LeasePhase::Bound)
+            .count(),
+        10,
+        "exactly 10 bound"
+    );
+    assert_eq!(
+        ls.iter()
+            .filter(|l| l.status.phase == LeasePhase::Pending)
+            .count(),
+        40,
+        "the rest wait"
+    );
+    check(&home, "p").unwrap();
+    // Releasing five lets five waiting leases in, after a reset.
+    let bound: Vec<String> = ls
+        .iter()
+        .filter(|l| l.status.phase == LeasePhase::Bound)
+        .map(|l| l.metadata.name.clone())
+        .take(5)
+        .collect();
+    for l in &bound {
+        home.ok(&["lease", "release", l]);
+    }
+    common::eventually(Duration::from_secs(60), || {
+        let ls = leases(&home);
+        (ls.iter()
+            .filter(|l| l.status.phase == LeasePhase::Bound)
+            .count()
+            == 10
+            && ls.len() == 45)
+            .then_some(())
+    })
+    .expect("five more bound after the releases");
+    check(&home, "p").unwrap();
+}
+
+#[test]
+fn expiry_renew_and_reboot() {
+    let home = Home::new();
+    // A lease second lasts 50 ms here: a 60 s lease expires in 3 s.
+    let mut serve = home.serve_env(
+        &[],
+        &[
+            ("BOXERY_LEASE_SECOND_MS", "50"),
+            ("BOXERY_BOOT_ID", "boot-a"),
+        ],
+    );
+    make_pool(&home, "e", 3);
+    home.ok(&[
+        "lease",
+        "acquire",
+        "e",
+        "--ttl",
+        "60s",
+        "--holder",
+        "me",
+        "--name",
+        "short",
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    home.ok(&["lease", "renew", "short", "--holder", "me"]);
+    // Someone else may not renew it.
+    assert_eq!(
+        home.run(&["lease", "renew", "short", "--holder", "mallory"])
+            .status
+            .code(),
+        Some(5)
+    );
+    home.ok(&[
+        "wait",
+        "lease",
+        "short",
+        "--for=jsonpath={.status.phase}=Expired",
+        "--timeout=30s",
+    ]);
+    // An expired lease cannot be renewed, and its member goes back to the pool clean.
+    assert_eq!(
+        home.run(&["lease", "renew", "short", "--holder", "me"])
+            .status
+            .code(),
+        Some(5)
+    );
+    common::eventually(Duration::from_secs(30), || {
+        let p: Pool = home.store().get_as("e").unwrap()?;
+        (p.status.free == 3).then_some(())
+    })
+    .expect("the expired lease's member is free again");
+    // A host reboot (a new boot id) voids every lease.
+    home.ok(&[
+        "lease",
+        "acquire",
+        "e",
+        "--ttl",
+        "8h",
+        "--holder",
+        "a",
+        "--name",
+        "r1",
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    home.ok(&[
+        "lease",
+        "acquire",
+        "e",
+        "--ttl",
+        "8h",
+        "--holder",
+        "b",
+        "--name",
+        "r2",
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    serve.kill();
+    let _serve = home.serve_env(&[], &[("BOXERY_BOOT_ID", "boot-b")]);
+    for l in ["r1", "r2"] {
+        home.ok(&[
+            "wait",
+            "lease",
+            l,
+            "--for=jsonpath={.status.phase}=Expired",
+            "--timeout=30s",
+        ]);
+    }
+    common::eventually(Duration::from_secs(30), || {
+        let p: Pool = home.store().get_as("e").unwrap()?;
+        (p.status.free == 3).then_some(())
+    })
+    .expect("members reset after the reboot");
+}
+
+#[test]
+fn kills_during_acquire_expiry_and_reset_converge() {
+    let home = Home::new();
+    let envs = [("BOXERY_LEASE_SECOND_MS", "40")];
+    let mut serve = home.serve_env(&[], &envs);
+    make_pool(&home, "k", 4);
+    let mut n = 0;
+    for round in 0..25u64 {
+        // A mix: acquire (some short, so they expire), release.
+        for _ in 0..3 {
+            n += 1;
+            let ttl = if n % 3 == 0 { "60s" } else { "8h" };
+            let _ = home.run(&[
+                "lease",
+                "acquire",
+                "k",
+                "--ttl",
+                ttl,
+                "--holder",
+                "x",
+                "--name",
+                &format!("k{n}"),
+            ]);
+        }
+        let ls = leases(&home);
+        if let Some(l) = ls.iter().find(|l| {
+            l.status.phase == LeasePhase::Bound && (l.metadata.name.len() + round as usize) % 2 == 0
+        }) {
+            let _ = home.run(&["lease", "release", &l.metadata.name]);
+        }
+        std::thread::sleep(Duration::from_millis(50 + (round * 37) % 300));
+        serve.kill();
+        serve = home.serve_env(&[], &envs);
+    }
+    // Release everything; every member must come back Free, none stuck or leased twice.
+    common::eventually(Duration::from_secs(60), || check(&home, "k").ok())
+        .expect("invariants hold");
+    for l in leases(&home) {
+        let _ = home.run(&["lease", "release", &l.metadata.name]);
+    }
+    let mut last = String::new();
+    let ok = common::eventually(Duration::from_secs(90), || {
+        let p: Pool = home.store().get_as("k").unwrap()?;
+        last = format!(
+            "{:?}",
+            p.status
+                .members
+                .iter()
+                .map(|m| (m.name.clone(), m.state))
+                .collect::<Vec<_>>()
+        );
+        (p.status.free == 4 && leases(&home).is_empty()).then_some(())
+    });
+    assert!(ok.is_some(), "members not all free: {last}");
+}
+
+#[test]
+fn failing_reset_marks_broken_and_bad_requests() {
+    let home = Home::new();
+    let fake = home.fake();
+    let _serve = home.serve(&[]);
+    make_pool(&home, "b", 2);
+    home.ok(&[
+        "lease",
+        "acquire",
+        "b",
+        "--holder",
+        "me",
+        "--name",
+        "doomed",
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    let vm = leases(&home)[0].status.vm.clone().unwrap();
+    // pool rm of a leased member is refused.
+    let out = home.run(&["pool", "add", "b", &vm]);
+    assert!(out.status.success());
+    assert_eq!(home.run(&["pool", "rm", "b", &vm]).status.code(), Some(5));
+    // Every reimage fails: the reset fails and the member is Broken.
+    use boxery_backends::fake::{FaultAction, FaultConfig, FaultRule};
+    fake.set_faults(&FaultConfig::rules([FaultRule::new(
+        "reimage.swap",
+        FaultAction::Fail,
+    )]))
+    .unwrap();
+    home.ok(&["lease", "release", "doomed"]);
+    common::eventually(Duration::from_secs(60), || {
+        let p: Pool = home.store().get_as("b").unwrap()?;
+        (p.status.broken == 1).then_some(())
+    })
+    .expect("the member is Broken");
+    fake.clear_faults().unwrap();
+    let p: Pool = home.store().get_as("b").unwrap().unwrap();
+    let m = p.status.members.iter().find(|m| m.name == vm).unwrap();
+    assert!(m.message.contains("reset failed"), "{}", m.message);
+    // Bad requests.
+    assert_eq!(
+        home.run(&["lease", "acquire", "b", "--ttl", "10s"])
+            .status
+            .code(),
+        Some(2),
+        "duration out of range"
+    );
+    let bad_key = home.write("bad.yaml", "apiVersion: boxery.dev/v1alpha1\nkind: Lease\nmetadata: {name: bad}\nspec: {pool: b, holderIdentity: me, publicKey: not-a-key}\n");
+    let out = home.run(&["apply", "-f", bad_key.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("spec.publicKey"));
+    home.ok(&["lease", "acquire", "nope", "--name", "orphan"]);
+    home.ok(&[
+        "wait",
+        "lease",
+        "orphan",
+        "--for=condition=Ready=False",
+        "--timeout=30s",
+    ]);
+    assert!(
+        home.ok(&["describe", "lease", "orphan"])
+            .contains("PoolNotFound")
+    );
+}
