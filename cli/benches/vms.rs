@@ -155,6 +155,11 @@ fn main() {
         }
     }
     // The limit: the same QEMU command line, launched by hand → banner → first ssh command.
+    // A stop and start first, so the disk chain is settled (a new VM streams its image layer
+    // up in the background; the command line of a settled VM names only its own overlay).
+    h.ok(&["stop", "b0", "--wait"]);
+    std::thread::sleep(Duration::from_secs(1));
+    h.ok(&["start", "b0", "--wait", "--timeout", "5m"]);
     let pid = h.pid("b0");
     let cmdline: Vec<String> = std::fs::read(format!("/proc/{pid}/cmdline"))
         .unwrap()
