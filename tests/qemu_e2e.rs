@@ -307,3 +307,116 @@ fn full_debian_guest() {
     h.ok(&["rm", "dev1", "--wait", "--timeout", "3m"]);
     assert!(h.live_qemus().is_empty());
 }
+
+/// ssh to `vm` with exactly one key (not the control plane's): does the guest accept it?
+fn ssh_with_key(h: &QemuHome, vm: &str, key: &Path) -> bool {
+    let v = h.vm_json(vm);
+    let endpoint = v["status"]["ssh"]["endpoint"].as_str().unwrap().to_string();
+    let (host, port) = endpoint.rsplit_once(':').unwrap();
+    std::process::Command::new("ssh")
+        .args([
+            "-F",
+            "/dev/null",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "ControlMaster=no",
+            "-o",
+            "ControlPath=none",
+        ])
+        .arg("-o")
+        .arg(format!(
+            "UserKnownHostsFile={}",
+            h.home.path().join("ssh/known_hosts").display()
+        ))
+        .arg("-o")
+        .arg(format!("HostKeyAlias={vm}.boxery"))
+        .arg("-i")
+        .arg(key)
+        .args(["-p", port, &format!("agent@{host}"), "true"])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn pool_leases_with_real_vms() {
+    let h = QemuHome::new();
+    let _serve = h.serve();
+    let f = h.home.write(
+        "pool.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: rp}\nspec:\n  replicas: 1\n  template:\n    spec:\n      source: {image: tiny}\n      resources: {cpus: 1, memory: 256Mi, disk: 1Gi}\n",
+    );
+    h.ok(&["apply", "-f", f.to_str().unwrap()]);
+    h.ok(&[
+        "wait",
+        "pool",
+        "rp",
+        "--for=condition=Ready",
+        "--timeout=10m",
+    ]);
+    // Alice leases the only member: her key works, and `boxery run` uses it.
+    h.ok(&[
+        "lease",
+        "acquire",
+        "rp",
+        "--holder",
+        "alice",
+        "--name",
+        "la",
+        "--wait",
+        "--timeout",
+        "5m",
+    ]);
+    let alice_key = h.home.path().join("leases/la/id_ed25519");
+    let alice_copy = h.home.path().join("alice_key");
+    std::fs::copy(&alice_key, &alice_copy).unwrap();
+    assert!(
+        ssh_with_key(&h, "rp-0", &alice_copy),
+        "the holder's key works"
+    );
+    h.run("rp-0", "echo secret > ~/during-lease && sync");
+    let token = h.run("rp-0", "cat ~/.boxery/token");
+    assert!(
+        boxery_reconcilers::lease::token_valid(h.home.path(), "rp-0", &token),
+        "the lease's token is live"
+    );
+    // Release: the VM is reset; Bob gets it; Alice's key and token are dead, her files gone.
+    h.ok(&["lease", "release", "la", "--wait"]);
+    h.ok(&[
+        "lease",
+        "acquire",
+        "rp",
+        "--holder",
+        "bob",
+        "--name",
+        "lb",
+        "--wait",
+        "--timeout",
+        "5m",
+    ]);
+    let bob_key = h.home.path().join("leases/lb/id_ed25519");
+    assert!(
+        ssh_with_key(&h, "rp-0", &bob_key),
+        "the new holder's key works"
+    );
+    assert!(
+        !ssh_with_key(&h, "rp-0", &alice_copy),
+        "the previous holder's key no longer works"
+    );
+    assert!(
+        !boxery_reconcilers::lease::token_valid(h.home.path(), "rp-0", &token),
+        "the old token is revoked"
+    );
+    assert_eq!(
+        h.run("rp-0", "ls ~/during-lease 2>/dev/null || echo gone"),
+        "gone",
+        "files written during the lease are gone"
+    );
+    h.ok(&["lease", "release", "lb", "--wait"]);
+    h.ok(&["delete", "pool", "rp", "--wait", "--timeout", "3m"]);
+}
