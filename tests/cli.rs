@@ -402,3 +402,17 @@ fn docs_cover_every_command() {
     }
     assert!(n > 15, "parsed only {n} commands from --help");
 }
+
+#[test]
+fn backend_table_in_docs_matches_the_declarations() {
+    let home = Home::new();
+    let table = home.ok(&["backends"]);
+    let docs = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/backends.md"),
+    )
+    .unwrap();
+    assert!(
+        docs.contains(&table),
+        "docs/backends.md's support table is stale; paste `boxery backends`:\n{table}"
+    );
+}

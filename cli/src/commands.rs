@@ -697,3 +697,35 @@ pub fn schema(kind_name: Option<&str>) -> CliResult {
 pub fn conflict(msg: impl std::fmt::Display) -> CliError {
     CliError::new(Code::Conflict, anyhow::anyhow!("{msg}"))
 }
+
+/// The backend support table, from each backend's own `capabilities()` (the one source of
+/// truth; docs/backends.md holds a copy a test keeps equal).
+pub fn backends_table(home: &std::path::Path) -> String {
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    let mut out = String::from(
+        "| backend | stability | platforms | requires | resize | live capture | builds stock images | host key | sshd in guests |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for name in boxery_backends::BACKENDS {
+        let Ok(b) = boxery_backends::by_name(name, home) else {
+            continue;
+        };
+        let c = b.capabilities();
+        out.push_str(&format!(
+            "| `{}` | {:?} | {} | {} | {} | {} | {} | {} | {} |\n",
+            c.name,
+            c.stability,
+            c.platforms.join(", "),
+            if c.requirements.is_empty() {
+                "—".to_string()
+            } else {
+                c.requirements.join(", ")
+            },
+            yes(c.resize),
+            yes(c.live_capture),
+            yes(c.build_stock_image),
+            yes(c.host_key),
+            yes(c.ssh)
+        ));
+    }
+    out
+}

@@ -155,6 +155,8 @@ enum Command {
         /// The name.
         name: Option<String>,
     },
+    /// The backends this build has and what each offers (from their own declarations).
+    Backends,
     /// Print the JSON Schema of a kind (or of all kinds).
     Schema {
         /// The kind.
@@ -479,6 +481,7 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
         }
         Command::Explain { path } => commands::explain(&path)?,
         Command::Events { kind, name } => commands::events(&env, kind.as_deref(), name.as_deref())?,
+        Command::Backends => print!("{}", commands::backends_table(&env.home)),
         Command::Schema { kind } => commands::schema(kind.as_deref())?,
         Command::New {
             name,
