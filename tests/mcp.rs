@@ -1,1 +1,169 @@
-//! placeholder
+//! The MCP server driven by a client we did not write: the official Python MCP SDK
+//! (`pip install mcp jsonschema`; scripts/test.sh installs both into target/mcp-venv).
+//! tests/mcp/client.py holds the checks; these tests run it against `boxery mcp` (stdio) and
+//! `boxery serve --mcp-listen` (HTTP), with the fake backend, and once with a real QEMU VM.
+//! They fail (never skip) when python3 or the SDK is missing, saying how to install them.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::Home;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The python with the SDK: $BOXERY_TEST_PYTHON, else target/mcp-venv, else python3.
+fn python() -> PathBuf {
+    let candidates: Vec<PathBuf> = std::env::var_os("BOXERY_TEST_PYTHON")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([root().join("target/mcp-venv/bin/python"), "python3".into()])
+        .collect();
+    for p in &candidates {
+        let ok = Command::new(p)
+            .args(["-c", "import mcp, jsonschema"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            return p.clone();
+        }
+    }
+    panic!(
+        "no python with the MCP SDK: run `python3 -m venv target/mcp-venv && target/mcp-venv/bin/pip install mcp jsonschema` (scripts/test.sh does this), or set BOXERY_TEST_PYTHON"
+    );
+}
+
+fn client(home: &Home, backend: &str, args: &[&str], timeout: Duration) {
+    let mut child = Command::new(python())
+        .arg(root().join("tests/mcp/client.py"))
+        .args(args)
+        .env("BOXERY_HOME", home.path())
+        .env("BOXERY_BACKEND", backend)
+        .env("BOXERY_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run python");
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(_st) = child.try_wait().unwrap() {
+            break;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "client.py {args:?} timed out:\n{}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "client.py {args:?} failed:\nstdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{}", String::from_utf8_lossy(&out.stdout));
+}
+
+#[test]
+fn stdio_tools_schemas_and_bad_calls() {
+    let h = Home::new();
+    client(
+        &h,
+        "fake",
+        &["tools", common::bin()],
+        Duration::from_secs(180),
+    );
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn http_needs_the_token_and_a_good_origin() {
+    let h = Home::new();
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let serve = h.serve(&["--mcp-listen", &addr]);
+    let token = h.path().join("mcp-token");
+    let up = common::eventually(Duration::from_secs(30), || {
+        (token.exists() && std::net::TcpStream::connect(&addr).is_ok()).then_some(())
+    });
+    assert!(
+        up.is_some(),
+        "serve --mcp-listen did not come up: {}",
+        std::fs::read_to_string(&serve.log).unwrap_or_default()
+    );
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&token).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    client(
+        &h,
+        "fake",
+        &[
+            "http",
+            &format!("http://{addr}/mcp"),
+            token.to_str().unwrap(),
+        ],
+        Duration::from_secs(120),
+    );
+    drop(serve);
+}
+
+/// Kill the QEMU processes a home started (by their pidfiles).
+struct QemuGuard<'a>(&'a Home);
+
+impl Drop for QemuGuard<'_> {
+    fn drop(&mut self) {
+        let Ok(vms) = std::fs::read_dir(self.0.path().join("qemu/vms")) else {
+            return;
+        };
+        for vm in vms.flatten() {
+            if let Some(pid) = std::fs::read_to_string(vm.path().join("qemu.pid"))
+                .ok()
+                .and_then(|s| s.trim().parse::<u32>().ok())
+            {
+                let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+            }
+        }
+    }
+}
+
+#[test]
+fn real_vm_through_the_python_sdk() {
+    let ok = Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        ok,
+        "qemu-system-x86_64 is not installed: run scripts/install-deps.sh (as root)"
+    );
+    let h = Home::new();
+    let _guard = QemuGuard(&h);
+    let out = tempfile::tempdir().unwrap();
+    client(
+        &h,
+        "qemu",
+        &["vm", common::bin(), out.path().to_str().unwrap()],
+        Duration::from_secs(1500),
+    );
+}

@@ -70,7 +70,10 @@ fn state_lines(
         text.push_str(&format!(
             "{}/{n}: {}\n",
             k.to_lowercase(),
-            wait::describe_state(o.as_ref())
+            match &o {
+                Some(o) => wait::describe_state(Some(o)),
+                None => "deleted".into(),
+            }
         ));
         data.push(match &o {
             Some(o) => json!({"kind": k, "name": n, "status": o.status()}),

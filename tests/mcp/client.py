@@ -1,0 +1,245 @@
+"""Drive boxery's MCP server with the official Python MCP SDK (a client we did not write).
+
+    python client.py tools BOXERY_BIN          # stdio, fake backend: tools, schemas, bad calls
+    python client.py http  URL TOKEN_FILE      # streamable HTTP: auth, Origin, a tool call
+    python client.py vm    BOXERY_BIN OUTDIR   # stdio, qemu backend: a real VM end to end
+
+BOXERY_HOME and BOXERY_BACKEND come from the environment. Exits non-zero with the reason on
+the first failed check.
+"""
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+import jsonschema
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+
+
+def check(cond, what):
+    if not cond:
+        raise SystemExit(f"FAILED: {what}")
+
+
+def text(res):
+    return "".join(getattr(c, "text", "") for c in res.content)
+
+
+async def call(s, name, args, ok=True):
+    res = await s.call_tool(name, args)
+    t = text(res)
+    if ok:
+        check(not res.is_error, f"{name} {json.dumps(args)[:300]} failed: {t}")
+    else:
+        check(res.is_error, f"{name} {json.dumps(args)[:300]} should fail, got: {t}")
+    return res, t
+
+
+def stdio_params(binary):
+    env = {k: v for k, v in os.environ.items() if k.startswith(("BOXERY_", "PATH", "HOME"))}
+    return StdioServerParameters(command=binary, args=["mcp"], env=env)
+
+
+async def tools_mode(binary):
+    async with stdio_client(stdio_params(binary)) as (r, w):
+        async with ClientSession(r, w) as s:
+            await s.initialize()
+            listed = (await s.list_tools()).tools
+            names = {t.name for t in listed}
+            for want in ["vm_apply", "vm_get", "vm_describe", "vm_delete", "vm_wait", "vm_manage",
+                         "vm_lease", "vm_bash", "vm_read", "vm_write", "vm_edit", "vm_copy",
+                         "vm_jobs", "vm_use"]:
+                check(want in names, f"tool {want} missing from {sorted(names)}")
+            for t in listed:
+                schema = t.input_schema
+                jsonschema.validators.validator_for(schema).check_schema(schema)
+                check(schema.get("type") == "object", f"{t.name}: input schema is not an object")
+                check(t.annotations is not None, f"{t.name}: no annotations")
+                check(t.description and len(t.description) > 20, f"{t.name}: no description")
+            by = {t.name: t for t in listed}
+            check(by["vm_get"].annotations.read_only_hint is True, "vm_get is read-only")
+            check(by["vm_delete"].annotations.destructive_hint is True, "vm_delete is destructive")
+
+            # Bad calls: tool errors a model can act on.
+            _, t = await call(s, "vm_bash", {"vm": "ghost", "command": "true"}, ok=False)
+            check("not found" in t, f"unknown VM: {t}")
+            _, t = await call(s, "vm_lease", {"action": "acquire", "pool": "p"}, ok=False)
+            check("not implemented" in t, f"vm_lease: {t}")
+            _, t = await call(s, "vm_apply", {"manifest": "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata:\n  name: a\nspec:\n  source:\n    image: debian-12\n  resources:\n    cpus: lots\n"}, ok=False)
+            check("spec.resources.cpus" in t or "cpus" in t, f"invalid manifest names no field: {t}")
+            _, t = await call(s, "vm_bash", {"command": "x" * 70000, "vm": "a"}, ok=False)
+            check("too large" in t, f"oversized argument: {t}")
+            _, t = await call(s, "vm_bash", {"vm": "a"}, ok=False)
+            check("command" in t, f"missing argument: {t}")
+            res = await s.call_tool("no_such_tool", {})
+            check(res.is_error, "an unknown tool is an error")
+
+            # A Vm converges on the fake backend with no serve: the MCP server runs the controllers.
+            _, t = await call(s, "vm_apply", {"manifest": "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata:\n  name: f1\nspec:\n  source:\n    image: debian-12\n", "timeout_seconds": 60})
+            check("created" in t and "Ready" in t, f"vm_apply: {t}")
+            _, t = await call(s, "vm_get", {})
+            check("f1" in t, f"vm_get: {t}")
+            _, t = await call(s, "vm_use", {})
+            check("f1" in t, f"the applied VM is the default: {t}")
+            _, t = await call(s, "vm_manage", {"action": "stop", "timeout_seconds": 60})
+            check("Stopped" in t, f"stop: {t}")
+            _, t = await call(s, "vm_bash", {"command": "true"}, ok=False)
+            check("not ready" in t and "Stopped" in t, f"stopped VM: {t}")
+            _, t = await call(s, "vm_manage", {"action": "rm", "timeout_seconds": 60})
+            check("deleted" in t, f"rm: {t}")
+    print("tools: ok")
+
+
+async def http_mode(url, token_file):
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
+
+    token = open(token_file).read().strip()
+    body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}
+    hdr = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    async with httpx2.AsyncClient() as c:
+        r = await c.post(url, json=body, headers=hdr)
+        check(r.status_code == 401, f"no token: {r.status_code}")
+        r = await c.post(url, json=body, headers={**hdr, "Authorization": "Bearer wrong"})
+        check(r.status_code == 401, f"wrong token: {r.status_code}")
+        r = await c.post(url, json=body, headers={**hdr, "Authorization": f"Bearer {token}",
+                                                   "Origin": "https://evil.example"})
+        check(r.status_code == 403, f"wrong Origin: {r.status_code}")
+        try:
+            r = await c.post(url, content=b"x" * (9 << 20),
+                             headers={**hdr, "Authorization": f"Bearer {token}"})
+            check(r.status_code == 413, f"oversized body: {r.status_code}")
+        except (httpx2.ReadError, httpx2.WriteError, httpx2.RemoteProtocolError):
+            pass  # refused before the client finished sending: the connection was closed
+    client = create_mcp_http_client(headers={"Authorization": f"Bearer {token}"})
+    async with client:
+        async with streamable_http_client(url, http_client=client) as streams:
+            r, w = streams[0], streams[1]
+            async with ClientSession(r, w) as s:
+                await s.initialize()
+                names = {t.name for t in (await s.list_tools()).tools}
+                check("vm_bash" in names, f"tools over HTTP: {names}")
+                _, t = await call(s, "vm_get", {})
+                check("no vms" in t or "NAME" in t, f"vm_get over HTTP: {t}")
+                _, t = await call(s, "vm_copy", {"src": "local:/etc/passwd", "dst": "x:/tmp/"}, ok=False)
+                check("refused over HTTP" in t, f"local paths over HTTP: {t}")
+    print("http: ok")
+
+
+TINY = """apiVersion: boxery.dev/v1alpha1
+kind: Vm
+metadata:
+  name: m1
+spec:
+  source:
+    image: tiny
+  resources:
+    cpus: 1
+    memory: 256Mi
+    disk: 1Gi
+"""
+
+
+async def vm_mode(binary, outdir):
+    async with stdio_client(stdio_params(binary)) as (r, w):
+        async with ClientSession(r, w) as s:
+            await s.initialize()
+            _, t = await call(s, "vm_apply", {"manifest": TINY, "timeout_seconds": 900})
+            check("Ready=True" in t, f"m1 is not Ready: {t}")
+            res, t = await call(s, "vm_bash", {"command": "hostname; echo err >&2; exit 3"})
+            sc = res.structured_content
+            check(sc["exit_code"] == 3 and sc["stdout"] == "m1\n" and sc["stderr"] == "err\n", f"vm_bash: {sc}")
+            _, t = await call(s, "vm_bash", {"command": "pwd", "cwd": "/tmp"})
+            check(t.strip() == "/tmp", f"cwd: {t}")
+            # Output over the cap comes back truncated with a marker.
+            res, t = await call(s, "vm_bash", {"command": "head -c 2000000 /dev/zero | tr '\\0' a"})
+            check("output truncated" in t and res.structured_content["truncated_bytes"] > 0, f"cap: {t[-200:]}")
+            # A timeout kills the command's process group.
+            _, t = await call(s, "vm_bash", {"command": "sleep 300 & sleep 301; echo never", "timeout_seconds": 2}, ok=False)
+            check("timed out" in t, f"timeout: {t}")
+            _, t = await call(s, "vm_bash", {"command": "sleep 1; ps | grep -c '[s]leep 30'"}, ok=True)
+            check(t.strip().startswith("0"), f"the timed-out command's group survived: {t}")
+
+            # Files: write, read (range), edit, and the edit guard.
+            _, t = await call(s, "vm_write", {"path": "~/src/app.txt", "content": "alpha\nbeta\ngamma\nbeta\n"})
+            res, t = await call(s, "vm_read", {"path": "~/src/app.txt", "offset": 2, "limit": 2})
+            check(res.structured_content["content"] == "beta\ngamma\n", f"vm_read range: {t}")
+            _, t = await call(s, "vm_edit", {"path": "~/src/app.txt", "old": "beta", "new": "BETA"}, ok=False)
+            check("2 times" in t, f"ambiguous edit: {t}")
+            _, t = await call(s, "vm_edit", {"path": "~/src/app.txt", "old": "delta", "new": "x"}, ok=False)
+            check("does not occur" in t, f"absent edit: {t}")
+            _, t = await call(s, "vm_edit", {"path": "~/src/app.txt", "old": "gamma", "new": "GAMMA"})
+            _, t = await call(s, "vm_bash", {"command": "cat ~/src/app.txt"})
+            check(t == "alpha\nbeta\nGAMMA\nbeta\n", f"after edit: {t!r}")
+            await call(s, "vm_bash", {"command": "echo sneaky >> ~/src/app.txt"})
+            _, t = await call(s, "vm_edit", {"path": "~/src/app.txt", "old": "alpha", "new": "A"}, ok=False)
+            check("changed since you read it" in t, f"stale edit: {t}")
+            await call(s, "vm_read", {"path": "~/src/app.txt"})
+            await call(s, "vm_edit", {"path": "~/src/app.txt", "old": "alpha", "new": "A"})
+            await call(s, "vm_bash", {"command": "head -c 3000 /dev/urandom > ~/blob; printf 'a\\0b' >> ~/blob"})
+            _, t = await call(s, "vm_read", {"path": "~/blob"}, ok=False)
+            check("binary" in t, f"binary read: {t}")
+            _, t = await call(s, "vm_read", {"path": "~/nope"}, ok=False)
+            check("no such file" in t, f"missing file: {t}")
+
+            # Jobs: start, wait, logs, list, kill; real exit codes; unknown ids.
+            res, t = await call(s, "vm_jobs", {"action": "start", "command": "echo working; sleep 1; echo done; exit 5"})
+            jid = res.structured_content["id"]
+            res, t = await call(s, "vm_jobs", {"action": "wait", "id": jid, "timeout_seconds": 60})
+            check(res.structured_content["exit_code"] == 5, f"job exit code: {t}")
+            res, t = await call(s, "vm_jobs", {"action": "logs", "id": jid})
+            check("working\ndone\n" in t, f"job logs: {t}")
+            res, t = await call(s, "vm_jobs", {"action": "start", "command": "sleep 600"})
+            k = res.structured_content["id"]
+            _, t = await call(s, "vm_jobs", {"action": "list"})
+            check(jid in t and k in t and "running" in t, f"job list: {t}")
+            res, t = await call(s, "vm_jobs", {"action": "kill", "id": k})
+            check(res.structured_content["exit_code"] == 143, f"killed job: {t}")
+            _, t = await call(s, "vm_jobs", {"action": "wait", "id": "jdeadbeef"}, ok=False)
+            check("no job jdeadbeef" in t, f"unknown job: {t}")
+
+            # Copy a file out, then a directory VM to the same VM (VM⇄VM path).
+            dst = os.path.join(outdir, "app.txt")
+            await call(s, "vm_copy", {"src": "m1:src/app.txt", "dst": f"local:{dst}"})
+            check(open(dst).read().startswith("A\nbeta\nGAMMA"), f"copied file: {open(dst).read()!r}")
+            await call(s, "vm_copy", {"src": "m1:src", "dst": "m1:/tmp/src2"})
+            _, t = await call(s, "vm_bash", {"command": "cat /tmp/src2/app.txt | head -1"})
+            check(t.strip() == "A", f"VM to VM copy: {t}")
+    # A job outlives the MCP server: start one, restart the server, wait for it.
+    async with stdio_client(stdio_params(binary)) as (r, w):
+        async with ClientSession(r, w) as s:
+            await s.initialize()
+            res, _ = await call(s, "vm_jobs", {"vm": "m1", "action": "start", "command": "sleep 3; exit 9"})
+            jid = res.structured_content["id"]
+    async with stdio_client(stdio_params(binary)) as (r, w):
+        async with ClientSession(r, w) as s:
+            await s.initialize()
+            res, t = await call(s, "vm_jobs", {"vm": "m1", "action": "wait", "id": jid, "timeout_seconds": 60})
+            check(res.structured_content["exit_code"] == 9, f"job across restarts: {t}")
+            _, t = await call(s, "vm_delete", {"names": ["m1"], "timeout_seconds": 120})
+            check("deleted" in t, f"delete: {t}")
+    print("vm: ok")
+
+
+def main():
+    mode = sys.argv[1]
+    started = time.time()
+    if mode == "tools":
+        asyncio.run(tools_mode(sys.argv[2]))
+    elif mode == "http":
+        asyncio.run(http_mode(sys.argv[2], sys.argv[3]))
+    elif mode == "vm":
+        asyncio.run(vm_mode(sys.argv[2], sys.argv[3]))
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    print(f"{mode}: {time.time() - started:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
