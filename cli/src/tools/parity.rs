@@ -21,6 +21,7 @@ const CLI_ONLY: &[(&str, &str)] = &[
     ("serve", "runs the control plane (and serves MCP over HTTP)"),
     ("mcp", "is the MCP server"),
     ("help", "clap's help"),
+    ("backends", "describes this build's backends, for operators"),
     (
         "pool",
         "pools are declared by spec (vm_apply a Pool); membership is an operator's job",
