@@ -11,7 +11,8 @@ use boxery_api::lease::{LeasePhase, LeaseSpec};
 use boxery_api::{DynObject, Lease, Pool};
 use boxery_store::{ApplyOptions, Store};
 
-const KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb0uMmDhD7Z3hSR6rW9q2x5Zk2kq3w5b5dB8kKTtJxk bench";
+const KEY: &str =
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb0uMmDhD7Z3hSR6rW9q2x5Zk2kq3w5b5dB8kKTtJxk bench";
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_boxery")
@@ -26,26 +27,55 @@ impl Drop for Serve {
 }
 
 fn serve(home: &std::path::Path) -> Serve {
-    Serve(Command::new(bin()).args(["serve", "--inventory-every", "30s"]).env("BOXERY_HOME", home).env("BOXERY_BACKEND", "fake").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap())
+    Serve(
+        Command::new(bin())
+            .args(["serve", "--inventory-every", "30s"])
+            .env("BOXERY_HOME", home)
+            .env("BOXERY_BACKEND", "fake")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
 }
 
 fn pool(store: &Store, name: &str, n: u32) {
-    let yaml = format!("apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {{name: {name}}}\nspec:\n  replicas: {n}\n  template:\n    spec:\n      source: {{image: debian-12}}\n");
+    let yaml = format!(
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {{name: {name}}}\nspec:\n  replicas: {n}\n  template:\n    spec:\n      source: {{image: debian-12}}\n"
+    );
     let m = boxery_api::codec::parse_manifests("pool", yaml.as_bytes()).unwrap();
-    store.apply_all(m.into_iter().map(|m| m.object).collect(), &ApplyOptions::default()).unwrap();
+    store
+        .apply_all(
+            m.into_iter().map(|m| m.object).collect(),
+            &ApplyOptions::default(),
+        )
+        .unwrap();
     let t = Instant::now();
     loop {
         let p: Pool = store.get_as(name).unwrap().unwrap();
         if p.status.free == n {
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(600), "pool {name}: {} of {n} free", p.status.free);
+        assert!(
+            t.elapsed() < Duration::from_secs(600),
+            "pool {name}: {} of {n} free",
+            p.status.free
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
 
 fn lease(pool: &str, name: &str) -> Lease {
-    Lease::new(name, LeaseSpec { pool: pool.into(), holder_identity: "bench".into(), lease_duration_seconds: 1800, renew_time: None, public_key: KEY.into() })
+    Lease::new(
+        name,
+        LeaseSpec {
+            pool: pool.into(),
+            holder_identity: "bench".into(),
+            lease_duration_seconds: 1800,
+            renew_time: None,
+            public_key: KEY.into(),
+        },
+    )
 }
 
 fn pct(v: &mut [Duration], p: f64) -> Duration {
@@ -58,7 +88,10 @@ fn ms(d: Duration) -> String {
 }
 
 fn main() {
-    let members: u32 = std::env::var("BOXERY_BENCH_MEMBERS").ok().and_then(|s| s.parse().ok()).unwrap_or(1000);
+    let members: u32 = std::env::var("BOXERY_BENCH_MEMBERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1000);
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("store.db")).unwrap();
     let _serve = serve(dir.path());
@@ -86,7 +119,12 @@ fn main() {
         let t = Instant::now();
         loop {
             let p: Pool = store.get_as("warm").unwrap().unwrap();
-            if p.status.free == 20 && store.list_as::<Lease>(&Default::default()).unwrap().is_empty() {
+            if p.status.free == 20
+                && store
+                    .list_as::<Lease>(&Default::default())
+                    .unwrap()
+                    .is_empty()
+            {
                 break;
             }
             assert!(t.elapsed() < Duration::from_secs(120));
@@ -98,15 +136,25 @@ fn main() {
     let t0 = Instant::now();
     pool(&store, "big", members);
     let made = t0.elapsed();
-    let leases: Vec<DynObject> = (0..members).map(|i| DynObject::from_typed(&lease("big", &format!("b{i}"))).unwrap()).collect();
+    let leases: Vec<DynObject> = (0..members)
+        .map(|i| DynObject::from_typed(&lease("big", &format!("b{i}"))).unwrap())
+        .collect();
     let t = Instant::now();
     store.apply_all(leases, &ApplyOptions::default()).unwrap();
     loop {
-        let bound = store.list_as::<Lease>(&Default::default()).unwrap().iter().filter(|l| l.status.phase == LeasePhase::Bound).count();
+        let bound = store
+            .list_as::<Lease>(&Default::default())
+            .unwrap()
+            .iter()
+            .filter(|l| l.status.phase == LeasePhase::Bound)
+            .count();
         if bound == members as usize {
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(900), "{bound} of {members} bound");
+        assert!(
+            t.elapsed() < Duration::from_secs(900),
+            "{bound} of {members} bound"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     let all = t.elapsed();
@@ -114,7 +162,19 @@ fn main() {
     println!("pools, fake backend (zero latency), `boxery serve`, 2 cores");
     println!("| measure | result | target |");
     println!("|---|---|---|");
-    println!("| claim latency, warm pool of 20: Lease written → Bound, p50 / p99 ({} claims) | {} / {} | ≤ 20 ms / ≤ 100 ms |", lat.len(), ms(pct(&mut lat, 0.5)), ms(pct(&mut lat, 0.99)));
-    println!("| {members} leases on {members} free members → all Bound | {:.1} s = {:.0} claims/s | ≥ 500/s |", all.as_secs_f64(), members as f64 / all.as_secs_f64());
-    println!("| (setup) pool of {members} members created and clean-imaged | {:.1} s | |", made.as_secs_f64());
+    println!(
+        "| claim latency, warm pool of 20: Lease written → Bound, p50 / p99 ({} claims) | {} / {} | ≤ 20 ms / ≤ 100 ms |",
+        lat.len(),
+        ms(pct(&mut lat, 0.5)),
+        ms(pct(&mut lat, 0.99))
+    );
+    println!(
+        "| {members} leases on {members} free members → all Bound | {:.1} s = {:.0} claims/s | ≥ 500/s |",
+        all.as_secs_f64(),
+        members as f64 / all.as_secs_f64()
+    );
+    println!(
+        "| (setup) pool of {members} members created and clean-imaged | {:.1} s | |",
+        made.as_secs_f64()
+    );
 }
