@@ -299,6 +299,9 @@ pub struct Failure {
     pub message: String,
     /// When.
     pub at: Time,
+    /// Whether retrying cannot help until the spec changes (the request is invalid).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub terminal: bool,
 }
 
 /// Largest sizes accepted at all (the backend checks the host's real limits).

@@ -401,9 +401,12 @@ enum JobsCmd {
     },
 }
 
-fn init_logging(verbose: u8) {
+fn init_logging(verbose: u8, serve: bool) {
+    // Commands report progress themselves; their embedded controllers log only errors unless
+    // asked. `serve` is a daemon: its warnings are its report.
     let default = match verbose {
-        0 => "warn",
+        0 if serve => "warn",
+        0 => "error",
         1 => "info",
         _ => "debug",
     };
@@ -659,7 +662,7 @@ async fn jobs_cmd(env: &Env, action: JobsCmd) -> CliResult<ExitCode> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.verbose);
+    init_logging(cli.verbose, matches!(cli.command, Command::Serve { .. }));
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -36,7 +36,10 @@ pub fn remaining(
     if failures == 0 || observed != generation || deletion.is_some_and(|d| d > last.at) {
         return None;
     }
-    let until = last.at + chrono::Duration::from_std(delay(failures)).ok()?;
+    // A request that cannot succeed as asked is tried again only after the longest delay (the
+    // host may have changed), or at once when the spec changes.
+    let wait = if last.terminal { MAX } else { delay(failures) };
+    let until = last.at + chrono::Duration::from_std(wait).ok()?;
     let left = until - boxery_api::now();
     left.to_std().ok().filter(|d| !d.is_zero())
 }
@@ -58,6 +61,7 @@ mod tests {
             step: "create".into(),
             message: "x".into(),
             at: boxery_api::now(),
+            terminal: false,
         };
         assert!(remaining(3, Some(&f), Some(1), Some(1), None).is_some());
         assert!(

@@ -87,6 +87,7 @@ pub async fn reconcile(img: Arc<Image>, ctx: Arc<Ctx>) -> Result<Action> {
                 step: step.clone(),
                 message: e.chain(),
                 at: now(),
+                terminal: e.is_terminal(),
             });
             if cur.status.phase != ImagePhase::Ready && !cur.metadata.is_deleting() {
                 cur.status.phase = ImagePhase::Failed;

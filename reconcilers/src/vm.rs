@@ -93,6 +93,7 @@ pub async fn reconcile(vm: Arc<Vm>, ctx: Arc<Ctx>) -> Result<Action> {
                 step: step.clone(),
                 message: msg.clone(),
                 at: now(),
+                terminal: e.is_terminal(),
             });
             let generation = cur.metadata.generation;
             cur.status.observed_generation = generation;
@@ -460,12 +461,8 @@ async fn finalize(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     }
     vm.metadata.finalizers.retain(|f| f != FINALIZER);
     ctx.store.update_as(&vm)?;
-    ctx.event(
-        &vm,
-        EventType::Normal,
-        "Deleted",
-        "the VM was removed from the backend",
-    );
+    // No event: events belong to their object and go with it.
+    tracing::info!(vm = %name, "removed from the backend");
     Ok(Action::await_change())
 }
 
