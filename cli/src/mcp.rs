@@ -164,10 +164,10 @@ pub fn token(env: &Env) -> CliResult<String> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let path = env.home.join("mcp-token");
-    if let Ok(t) = std::fs::read_to_string(&path) {
-        if t.trim().len() >= 32 {
-            return Ok(t.trim().to_string());
-        }
+    if let Ok(t) = std::fs::read_to_string(&path)
+        && t.trim().len() >= 32
+    {
+        return Ok(t.trim().to_string());
     }
     std::fs::create_dir_all(&env.home)?;
     let t = format!(

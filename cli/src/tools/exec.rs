@@ -72,6 +72,7 @@ async fn drain(
 /// Run `script` in the VM (by `sh -c`, via ssh) with optional stdin, bounded by `timeout`
 /// and `cap` bytes of output (stdout and stderr together). `on_stop` runs (best effort) in the
 /// guest when the call times out or is cancelled.
+#[allow(clippy::too_many_arguments)] // one call site per shape; a struct would only rename them
 pub async fn run(
     ssh: &SshDir,
     vm: &str,

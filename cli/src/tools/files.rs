@@ -204,15 +204,15 @@ pub async fn edit(session: Arc<Session>, a: EditArgs, ct: CancellationToken) -> 
         None => return Err(ToolError::Failed(format!("reading {} failed", a.path))),
     };
     let expected = a.version.clone().or_else(|| session.seen(&vm, &a.path));
-    if let Some(exp) = &expected {
-        if !version.starts_with(exp.as_str()) || exp.is_empty() {
-            return Err(ToolError::Conflict(format!(
-                "{} changed since you read it (version {} now, you had {}): vm_read it again and redo the edit",
-                a.path,
-                &version[..version.len().min(16)],
-                &exp[..exp.len().min(16)]
-            )));
-        }
+    if let Some(exp) = &expected
+        && (!version.starts_with(exp.as_str()) || exp.is_empty())
+    {
+        return Err(ToolError::Conflict(format!(
+            "{} changed since you read it (version {} now, you had {}): vm_read it again and redo the edit",
+            a.path,
+            &version[..version.len().min(16)],
+            &exp[..exp.len().min(16)]
+        )));
     }
     let text = String::from_utf8(body).map_err(|_| {
         ToolError::Invalid(format!(

@@ -93,13 +93,13 @@ async fn finish(
     ct: &CancellationToken,
 ) -> ToolResult {
     let mut converged = true;
-    if let Some(t) = wait_for {
-        if let Some(why) = bounded_wait(session, &targets, &until, t, ct).await? {
-            converged = false;
-            text.push_str(&format!(
-                "not there yet ({why}); it keeps converging: vm_wait or vm_get to follow it\n"
-            ));
-        }
+    if let Some(t) = wait_for
+        && let Some(why) = bounded_wait(session, &targets, &until, t, ct).await?
+    {
+        converged = false;
+        text.push_str(&format!(
+            "not there yet ({why}); it keeps converging: vm_wait or vm_get to follow it\n"
+        ));
     }
     let store = session.store()?;
     let (state, data) = state_lines(&store, &targets)?;
@@ -190,10 +190,10 @@ pub async fn apply(session: Arc<Session>, a: ApplyArgs, ct: CancellationToken) -
         .wait
         .unwrap_or(true)
         .then(|| clamp_timeout(a.timeout_seconds, 600));
-    if let Some(t) = wait_for {
-        if let Some(why) = bounded_wait(&session, &stopped_t, &stopped(), t, &ct).await? {
-            text.push_str(&format!("not stopped yet: {why}\n"));
-        }
+    if let Some(t) = wait_for
+        && let Some(why) = bounded_wait(&session, &stopped_t, &stopped(), t, &ct).await?
+    {
+        text.push_str(&format!("not stopped yet: {why}\n"));
     }
     let mut all = ready_t.clone();
     all.extend(stopped_t);

@@ -235,13 +235,13 @@ fn check_args(args: &Value) -> Result<(), ToolError> {
             if matches!(k.as_str(), "content" | "manifest" | "old" | "new") {
                 continue;
             }
-            if let Some(s) = v.as_str() {
-                if s.len() > STRING_CAP {
-                    return Err(ToolError::Invalid(format!(
-                        "argument `{k}` is too large: {} bytes (the limit is {STRING_CAP})",
-                        s.len()
-                    )));
-                }
+            if let Some(s) = v.as_str()
+                && s.len() > STRING_CAP
+            {
+                return Err(ToolError::Invalid(format!(
+                    "argument `{k}` is too large: {} bytes (the limit is {STRING_CAP})",
+                    s.len()
+                )));
             }
         }
     }
