@@ -557,10 +557,10 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
             });
             let r = runtime::serve(&env, inventory_every, lease).await;
             stop.cancel();
-            if let Some(h) = http {
-                if let Ok(Err(e)) = h.await {
-                    eprintln!("error: {:#}", e.error);
-                }
+            if let Some(h) = http
+                && let Ok(Err(e)) = h.await
+            {
+                eprintln!("error: {:#}", e.error);
             }
             r?
         }
