@@ -152,17 +152,17 @@ pub fn pool(env: &Env, cmd: PoolCmd) -> CliResult {
         }
         PoolCmd::Rm { pool, vm } => {
             edit_pool(&store, &pool, false, |p| {
-                if let Some(m) = p.status.members.iter().find(|m| m.name == vm) {
-                    if matches!(m.state, MemberState::Acquiring | MemberState::Leased) {
-                        return Err(CliError::new(
-                            Code::Conflict,
-                            anyhow::anyhow!(
-                                "{vm} is leased by {}: it leaves the pool only when free (`boxery lease release {}`)",
-                                m.lease.clone().unwrap_or_default(),
-                                m.lease.clone().unwrap_or_default()
-                            ),
-                        ));
-                    }
+                if let Some(m) = p.status.members.iter().find(|m| m.name == vm)
+                    && matches!(m.state, MemberState::Acquiring | MemberState::Leased)
+                {
+                    return Err(CliError::new(
+                        Code::Conflict,
+                        anyhow::anyhow!(
+                            "{vm} is leased by {}: it leaves the pool only when free (`boxery lease release {}`)",
+                            m.lease.clone().unwrap_or_default(),
+                            m.lease.clone().unwrap_or_default()
+                        ),
+                    ));
                 }
                 if !p.spec.members.iter().any(|m| m.name == vm) {
                     return Err(CliError::not_found(format!(

@@ -195,15 +195,14 @@ pub async fn reconcile(lease: Arc<Lease>, ctx: Arc<Ctx>) -> Result<Action> {
                 );
             }
             // Renewals extend it; an expired lease cannot be renewed (below).
-            if let Some(r) = l.spec.renew_time {
-                if l.status.renewed.is_none_or(|done| r > done)
-                    && l.status.expire_time.is_some_and(|e| r <= e)
-                {
-                    l.status.renewed = Some(r);
-                    l.status.expire_time = Some(r.max(now()) + duration(&l));
-                    l.status.observed_generation = generation;
-                    l = save(&ctx, &l)?;
-                }
+            if let Some(r) = l.spec.renew_time
+                && l.status.renewed.is_none_or(|done| r > done)
+                && l.status.expire_time.is_some_and(|e| r <= e)
+            {
+                l.status.renewed = Some(r);
+                l.status.expire_time = Some(r.max(now()) + duration(&l));
+                l.status.observed_generation = generation;
+                l = save(&ctx, &l)?;
             }
             let exp = l.status.expire_time.unwrap_or_else(now);
             let left = exp - now();
@@ -217,11 +216,10 @@ pub async fn reconcile(lease: Arc<Lease>, ctx: Arc<Ctx>) -> Result<Action> {
             ))
         }
         LeasePhase::Expired | LeasePhase::Released => {
-            if let (Some(r), Some(e)) = (l.spec.renew_time, l.status.expire_time) {
-                if r > e && l.status.conditions.set_condition("Renewed", ConditionStatus::False, "RenewRefused", &format!("the lease expired at {e}; an expired lease cannot be renewed: `boxery lease release {}` and acquire a new one", l.name()), generation) {
+            if let (Some(r), Some(e)) = (l.spec.renew_time, l.status.expire_time)
+                && r > e && l.status.conditions.set_condition("Renewed", ConditionStatus::False, "RenewRefused", &format!("the lease expired at {e}; an expired lease cannot be renewed: `boxery lease release {}` and acquire a new one", l.name()), generation) {
                     save(&ctx, &l)?;
                 }
-            }
             Ok(Action::await_change())
         }
     }

@@ -136,10 +136,10 @@ impl SshDir {
             source,
         };
         let pubf = self.dir.join("id_ed25519.pub");
-        if let Ok(p) = std::fs::read_to_string(&pubf) {
-            if self.key().exists() {
-                return Ok(p.trim().to_string());
-            }
+        if let Ok(p) = std::fs::read_to_string(&pubf)
+            && self.key().exists()
+        {
+            return Ok(p.trim().to_string());
         }
         std::fs::create_dir_all(self.dir.join("cm")).map_err(key_err)?;
         use std::os::unix::fs::PermissionsExt;
@@ -207,8 +207,16 @@ impl SshDir {
              ForwardAgent no\n  ForwardX11 no\n  ControlMaster auto\n  ControlPath {d}/cm/%C\n  ControlPersist 300\n  \
              ConnectTimeout 10\n  ServerAliveInterval 15\n  ServerAliveCountMax 4\n  LogLevel ERROR\n"
         ));
-        write_atomic(&self.dir.join("known_hosts"), &known, 0o600)?;
-        write_atomic(&self.config(), &cfg, 0o600)
+        // Unchanged files are left alone (this runs before every `boxery run`).
+        for (path, text) in [
+            (self.dir.join("known_hosts"), &known),
+            (self.config(), &cfg),
+        ] {
+            if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+                write_atomic(&path, text, 0o600)?;
+            }
+        }
+        Ok(())
     }
 
     /// `ssh -F config NAME.boxery` plus `args`, as a command to finish and run.
@@ -246,7 +254,16 @@ impl SshDir {
             vm: t.name.clone(),
             reason,
         };
-        banner(&t.endpoint).await.map_err(unreachable)?;
+        // Poll the banner briefly here rather than across requeues: the first command after a
+        // boot should not wait for the next reconcile (docs/benchmarks.md measures this).
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        loop {
+            match banner(&t.endpoint).await {
+                Ok(()) => break,
+                Err(e) if std::time::Instant::now() >= deadline => return Err(unreachable(e)),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
         let mut c = self.command(&t.name);
         c.args(["-o", "BatchMode=yes", "--", "true"])
             .stdin(Stdio::null())
@@ -283,7 +300,7 @@ pub async fn banner(endpoint: &str) -> Result<(), String> {
             Err(format!("{endpoint} does not speak SSH"))
         }
     };
-    tokio::time::timeout(Duration::from_secs(1), fut)
+    tokio::time::timeout(Duration::from_millis(500), fut)
         .await
-        .map_err(|_| format!("no SSH banner at {endpoint} within 1 s"))?
+        .map_err(|_| format!("no SSH banner at {endpoint} within 0.5 s"))?
 }

@@ -282,7 +282,7 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         save(ctx, &vm)?;
     }
     if let Readiness::Booting(_) = readiness {
-        return Ok(Action::requeue(std::time::Duration::from_millis(250)));
+        return Ok(Action::requeue(std::time::Duration::from_millis(100)));
     }
     Ok(Action::await_change())
 }
@@ -360,7 +360,7 @@ fn finish_status(
         .conditions
         .set_condition("Ready", ready, reason, &msg, generation);
     let host_key = vm.status.ssh.as_ref().and_then(|s| s.host_key.clone());
-    vm.status.ssh = (ssh.is_some() || host_key.is_some()).then(|| SshStatus {
+    vm.status.ssh = (ssh.is_some() || host_key.is_some()).then_some(SshStatus {
         endpoint: ssh,
         host_key,
     });
