@@ -269,7 +269,8 @@ fn kills_during_acquire_expiry_and_reset_converge() {
         }
         let ls = leases(&home);
         if let Some(l) = ls.iter().find(|l| {
-            l.status.phase == LeasePhase::Bound && (l.metadata.name.len() + round as usize) % 2 == 0
+            l.status.phase == LeasePhase::Bound
+                && (l.metadata.name.len() + round as usize).is_multiple_of(2)
         }) {
             let _ = home.run(&["lease", "release", &l.metadata.name]);
         }

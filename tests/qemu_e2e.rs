@@ -67,10 +67,9 @@ impl QemuHome {
             if let Some(pid) = std::fs::read_to_string(vm.path().join("qemu.pid"))
                 .ok()
                 .and_then(|s| s.trim().parse::<u32>().ok())
+                && Path::new(&format!("/proc/{pid}")).exists()
             {
-                if Path::new(&format!("/proc/{pid}")).exists() {
-                    out.push(pid);
-                }
+                out.push(pid);
             }
         }
         out
