@@ -970,12 +970,12 @@ impl Backend for LibvirtBackend {
         }
         let _ = pool.set_autostart(true);
         // the filter (redefined with its UUID, so domains using it pick up changes)
-        let uuid = conn
-            .lookup_nwfilter_by_name(xml::FILTER)
-            .ok()
-            .and_then(|f| f.uuid_string().ok());
-        conn.define_nwfilter_xml(&xml::isolation_filter(uuid.as_deref()))
-            .map_err(|e| lv_failed("define the nwfilter boxery-guest-isolation", e))?;
+        // defined when missing; redefining it while guests run re-instantiates every guest's
+        // rules, so a changed filter is applied by `virsh nwfilter-define` on purpose
+        if conn.lookup_nwfilter_by_name(xml::FILTER).is_err() {
+            conn.define_nwfilter_xml(&xml::isolation_filter(None))
+                .map_err(|e| lv_failed("define the nwfilter boxery-guest-isolation", e))?;
+        }
         // the network
         let net = conn.lookup_network_by_name(&self.config.network).map_err(|e| {
             BackendError::Invalid(format!("libvirt network {} does not exist ({e}): define it (`virsh net-define`) or set BOXERY_LIBVIRT_NETWORK", self.config.network))

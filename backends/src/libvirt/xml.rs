@@ -87,7 +87,7 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
     };
     let filter = if s.isolation {
         format!(
-            "<filterref filter='{FILTER}'><parameter name='GATEWAY' value='{gw}'/><parameter name='DHCPSERVER' value='{gw}'/><parameter name='CTRL_IP_LEARNING' value='dhcp'/></filterref>",
+            "<filterref filter='{FILTER}'><parameter name='GATEWAY' value='{gw}'/><parameter name='DHCPSERVER' value='{gw}'/><parameter name='CTRL_IP_LEARNING' value='any'/></filterref>",
             gw = escape(s.gateway)
         )
     } else {
@@ -217,13 +217,15 @@ pub fn network_gateway(xml: &str) -> Option<String> {
     Some(rest[a.0..end].to_string())
 }
 
-/// The `<source file='…'/>` of disk `vda` in a domain's XML.
+/// The `<source file='…'/>` of disk `vda` in a domain's XML: the disk's own source, not the
+/// sources of its `<backingStore>` (a running domain lists its whole chain).
 pub fn vda_source(xml: &str) -> Option<String> {
     let at = xml.find("<target dev='vda'")?;
-    let before = &xml[..at];
-    let s = before.rfind("<source file='")? + 14;
-    let end = s + before[s..].find('\'')?;
-    Some(unescape(&before[s..end]))
+    let disk_start = xml[..at].rfind("<disk ")?;
+    let disk = &xml[disk_start..at];
+    let s = disk.find("<source file='")? + 14;
+    let end = s + disk[s..].find('\'')?;
+    Some(unescape(&disk[s..end]))
 }
 
 #[cfg(test)]
@@ -290,6 +292,8 @@ mod tests {
         assert!(x.contains("<readonly/>"));
         assert!(x.contains("discard='unmap'"));
         assert_eq!(vda_source(&x).as_deref(), Some("/p/vm-dev1-1.qcow2"));
+        let live = "<disk type='file' device='disk'><source file='/p/vm-2.qcow2'/><backingStore type='file'><source file='/p/vm-1.qcow2'/><backingStore type='file'><source file='/p/base.qcow2'/></backingStore></backingStore><target dev='vda' bus='virtio'/></disk>";
+        assert_eq!(vda_source(live).as_deref(), Some("/p/vm-2.qcow2"));
         assert!(!x.contains("<x>"), "metadata is escaped");
     }
 
