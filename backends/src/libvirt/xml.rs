@@ -32,16 +32,23 @@ pub fn metadata(ns: &str, cfg: &VmConfig) -> String {
     format!("<vm ns=\"{}\">{}</vm>", escape(ns), escape(&json))
 }
 
-/// Parse [`metadata`] back: `(ns, record)`.
+/// Parse [`metadata`] back: `(ns, record)`. Accepts the element with or without a namespace
+/// prefix and either quote style (libvirt re-serialises it).
 pub fn parse_metadata(xml: &str) -> Option<(String, VmConfig)> {
-    let start = xml.find("<vm ")?;
-    let rest = &xml[start..];
-    let ns_at = rest.find("ns=\"")? + 4;
-    let ns_end = ns_at + rest[ns_at..].find('"')?;
-    let ns = unescape(&rest[ns_at..ns_end]);
-    let body_at = ns_end + rest[ns_end..].find('>')? + 1;
-    let body_end = body_at + rest[body_at..].find("</")?;
-    let cfg = serde_json::from_str(&unescape(&rest[body_at..body_end])).ok()?;
+    let open = xml.find('<')?;
+    let head_end = open + xml[open..].find('>')?;
+    let head = &xml[open..head_end];
+    let name = head[1..].split_whitespace().next()?;
+    if name != "vm" && !name.ends_with(":vm") {
+        return None;
+    }
+    let (at, q) = head
+        .find(" ns=\"")
+        .map(|i| (i + 5, '"'))
+        .or_else(|| head.find(" ns='").map(|i| (i + 5, '\'')))?;
+    let ns = unescape(&head[at..at + head[at..].find(q)?]);
+    let body_end = xml.rfind("</")?;
+    let cfg = serde_json::from_str(&unescape(&xml[head_end + 1..body_end])).ok()?;
     Some((ns, cfg))
 }
 
@@ -264,6 +271,11 @@ mod tests {
             escape(&serde_json::to_string(&c).unwrap())
         );
         assert_eq!(parse_metadata(&x).unwrap().1.name, "dev1");
+        let y = format!(
+            "<vm xmlns=\"{META_URI}\" ns='ab12'>{}</vm>",
+            escape(&serde_json::to_string(&c).unwrap())
+        );
+        assert_eq!(parse_metadata(&y).unwrap().0, "ab12");
         assert!(parse_metadata("<other/>").is_none());
     }
 
