@@ -77,7 +77,8 @@ pub enum LeaseCmd {
     Ls,
 }
 
-fn default_holder() -> String {
+/// The default holder name: `$USER@hostname`.
+pub fn default_holder() -> String {
     let user = std::env::var("USER").unwrap_or_else(|_| "someone".into());
     let host = std::fs::read_to_string("/etc/hostname")
         .map(|h| h.trim().to_string())
@@ -225,6 +226,114 @@ pub fn held_key(env: &Env, store: &Store, vm: &str) -> Option<std::path::PathBuf
         })
 }
 
+/// A lease written by [`acquire`] (not yet bound: wait for `status.phase` Bound).
+#[derive(Debug, Clone)]
+pub struct Acquired {
+    /// The lease's name.
+    pub name: String,
+    /// Who holds it.
+    pub holder: String,
+    /// The private key made for it on this host (`$BOXERY_HOME/leases/NAME/id_ed25519`).
+    pub key: std::path::PathBuf,
+}
+
+/// `lease acquire`: make an ed25519 key pair on this host (the private key never leaves it)
+/// and write a Lease on `pool` with its public half. Returns at once; the lease binds when
+/// the lease controller finds a free member.
+pub fn acquire(
+    env: &Env,
+    store: &Store,
+    pool: &str,
+    ttl: Duration,
+    holder: Option<String>,
+    name: Option<String>,
+) -> CliResult<Acquired> {
+    let secs = ttl.as_secs();
+    if !(60..=28800).contains(&secs) {
+        return Err(CliError::invalid(format!(
+            "the lease duration {} is out of range: use 60s to 8h",
+            humantime::format_duration(ttl)
+        )));
+    }
+    let name = name
+        .unwrap_or_else(|| format!("{pool}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]));
+    let dir = lease_dir(env, &name);
+    std::fs::create_dir_all(&dir)?;
+    let key = dir.join("id_ed25519");
+    let _ = std::fs::remove_file(&key);
+    let _ = std::fs::remove_file(dir.join("id_ed25519.pub"));
+    let out = std::process::Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-C"])
+        .arg(format!("boxery-lease-{name}"))
+        .arg("-f")
+        .arg(&key)
+        .output()
+        .map_err(|e| CliError::failed(format!("cannot run ssh-keygen: {e}")))?;
+    if !out.status.success() {
+        return Err(CliError::failed(format!(
+            "ssh-keygen failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    let public = std::fs::read_to_string(dir.join("id_ed25519.pub"))?
+        .trim()
+        .to_string();
+    let holder = holder.unwrap_or_else(default_holder);
+    let spec = LeaseSpec {
+        pool: pool.to_string(),
+        holder_identity: holder.clone(),
+        lease_duration_seconds: secs as u32,
+        renew_time: None,
+        public_key: public,
+    };
+    if let Err(e) = store.create_as(&Lease::new(&name, spec)) {
+        let _ = std::fs::remove_dir_all(&dir);
+        return Err(e.into());
+    }
+    Ok(Acquired { name, holder, key })
+}
+
+/// `lease renew`: refused for someone else's lease (`holder`, default `$USER@hostname`) and
+/// for one that expired.
+pub fn renew(store: &Store, name: &str, holder: Option<String>) -> CliResult<Lease> {
+    let l: Lease = store
+        .get_as(name)?
+        .ok_or_else(|| CliError::not_found(format!("lease {name} not found: `boxery lease ls`")))?;
+    let me = holder.unwrap_or_else(default_holder);
+    if l.spec.holder_identity != me {
+        return Err(CliError::new(
+            Code::Conflict,
+            anyhow::anyhow!(
+                "lease {name} is held by {}, not {me}: only its holder renews it",
+                l.spec.holder_identity
+            ),
+        ));
+    }
+    if matches!(l.status.phase, LeasePhase::Expired | LeasePhase::Released) {
+        return Err(CliError::new(
+            Code::Conflict,
+            anyhow::anyhow!(
+                "lease {name} has expired and cannot be renewed: release it and acquire a new one"
+            ),
+        ));
+    }
+    Ok(boxery_reconcilers::lease::renew(store, name)?)
+}
+
+/// `lease release`: delete the Lease (its VM is reset and goes back to the pool) and the key
+/// pair made for it here.
+pub fn release(env: &Env, store: &Store, name: &str) -> CliResult {
+    let r = store.delete("Lease", name);
+    let _ = std::fs::remove_dir_all(lease_dir(env, name));
+    match r {
+        Ok(_) => Ok(()),
+        Err(StoreError::NotFound { .. }) => Err(CliError::not_found(format!(
+            "lease {name} not found: `boxery lease ls` lists leases"
+        ))),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// `lease …`.
 pub async fn lease(env: &Env, cmd: LeaseCmd) -> CliResult {
     let store = env.store()?;
@@ -237,45 +346,8 @@ pub async fn lease(env: &Env, cmd: LeaseCmd) -> CliResult {
             wait: w,
             timeout,
         } => {
-            let secs = ttl.as_secs();
-            if !(60..=28800).contains(&secs) {
-                return Err(CliError::invalid(format!(
-                    "--ttl {} is out of range: use 60s to 8h",
-                    humantime::format_duration(ttl)
-                )));
-            }
-            let name = name.unwrap_or_else(|| {
-                format!("{pool}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8])
-            });
-            let dir = lease_dir(env, &name);
-            std::fs::create_dir_all(&dir)?;
-            let key = dir.join("id_ed25519");
-            let _ = std::fs::remove_file(&key);
-            let _ = std::fs::remove_file(dir.join("id_ed25519.pub"));
-            let out = std::process::Command::new("ssh-keygen")
-                .args(["-q", "-t", "ed25519", "-N", "", "-C"])
-                .arg(format!("boxery-lease-{name}"))
-                .arg("-f")
-                .arg(&key)
-                .output()
-                .map_err(|e| CliError::failed(format!("cannot run ssh-keygen: {e}")))?;
-            if !out.status.success() {
-                return Err(CliError::failed(format!(
-                    "ssh-keygen failed: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                )));
-            }
-            let public = std::fs::read_to_string(dir.join("id_ed25519.pub"))?
-                .trim()
-                .to_string();
-            let spec = LeaseSpec {
-                pool: pool.clone(),
-                holder_identity: holder.unwrap_or_else(default_holder),
-                lease_duration_seconds: secs as u32,
-                renew_time: None,
-                public_key: public,
-            };
-            store.create_as(&Lease::new(&name, spec))?;
+            let a = acquire(env, &store, &pool, ttl, holder, name)?;
+            let (name, key) = (a.name, a.key);
             println!("lease/{name} created");
             if w {
                 wait::wait_all(
@@ -303,33 +375,11 @@ pub async fn lease(env: &Env, cmd: LeaseCmd) -> CliResult {
             }
         }
         LeaseCmd::Renew { name, holder } => {
-            let l: Lease = store.get_as(&name)?.ok_or_else(|| {
-                CliError::not_found(format!("lease {name} not found: `boxery lease ls`"))
-            })?;
-            let me = holder.unwrap_or_else(default_holder);
-            if l.spec.holder_identity != me {
-                return Err(CliError::new(
-                    Code::Conflict,
-                    anyhow::anyhow!(
-                        "lease {name} is held by {}, not {me}: only its holder renews it",
-                        l.spec.holder_identity
-                    ),
-                ));
-            }
-            if matches!(l.status.phase, LeasePhase::Expired | LeasePhase::Released) {
-                return Err(CliError::new(
-                    Code::Conflict,
-                    anyhow::anyhow!(
-                        "lease {name} has expired and cannot be renewed: release it and acquire a new one"
-                    ),
-                ));
-            }
-            boxery_reconcilers::lease::renew(&store, &name)?;
+            renew(&store, &name, holder)?;
             println!("lease/{name} renewed");
         }
         LeaseCmd::Release { name, wait: w } => {
-            store.delete("Lease", &name)?;
-            let _ = std::fs::remove_dir_all(lease_dir(env, &name));
+            release(env, &store, &name)?;
             println!("lease/{name} released");
             if w {
                 wait::wait_all(
