@@ -2,7 +2,7 @@
 //! (`$BOXERY_HOME/ssh/config`): the pinned host key, and one ControlMaster per VM so repeated
 //! calls reuse one connection.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
 
 use boxery_api::{Vm, VmPhase};
@@ -23,8 +23,8 @@ pub fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 
-/// Check the VM can be reached and write the ssh files; returns them.
-fn prepare(env: &Env, store: &Store, vm: &str) -> CliResult<SshDir> {
+/// Check the VM can be reached and write the ssh files; returns how to reach it.
+fn prepare(env: &Env, store: &Store, vm: &str) -> CliResult<Reach> {
     let v: Vm = store.get_as(vm)?.ok_or_else(|| {
         let names: Vec<String> = store
             .list_as::<Vm>(&Default::default())
@@ -71,20 +71,68 @@ fn prepare(env: &Env, store: &Store, vm: &str) -> CliResult<SshDir> {
         .collect();
     ssh.write(&targets)
         .map_err(|e| CliError::failed(format!("{e:#}")))?;
-    Ok(ssh)
+    Ok(Reach::new(env, store, ssh, vm))
 }
 
-/// `ssh -F config [-i LEASE_KEY] NAME.boxery`: a lease this host holds on the VM lends its key
-/// (the holder's access is what is exercised), else the control plane's key.
-fn command(env: &Env, store: &Store, ssh: &SshDir, vm: &str) -> std::process::Command {
-    let mut c = std::process::Command::new("ssh");
-    if let Some(key) = crate::pools::held_key(env, store, vm) {
-        c.arg("-i").arg(key);
+/// How this host reaches one VM over ssh, shared by the CLI's hands and the tools:
+/// `ssh -F config [-i LEASE_KEY -o ControlPath=…] NAME.boxery`. A lease this host holds on the
+/// VM lends its key (the holder's access is what is exercised), with a ControlMaster of its
+/// own so a connection made with the control plane's key is never reused for it (nor the
+/// holder's for anyone else); else the control plane's key.
+#[derive(Debug, Clone)]
+pub(crate) struct Reach {
+    ssh: SshDir,
+    vm: String,
+    key: Option<PathBuf>,
+}
+
+impl Reach {
+    /// How to reach `vm` with the ssh files in `ssh` (looks up a lease this host holds on it).
+    pub(crate) fn new(env: &Env, store: &Store, ssh: SshDir, vm: &str) -> Reach {
+        Reach {
+            key: crate::pools::held_key(env, store, vm),
+            ssh,
+            vm: vm.to_string(),
+        }
     }
-    c.arg("-F")
-        .arg(ssh.config())
-        .arg(boxery_reconcilers::ssh::alias(vm));
-    c
+
+    /// The VM.
+    pub(crate) fn vm(&self) -> &str {
+        &self.vm
+    }
+
+    /// The ssh command, to finish with arguments (`std::process`).
+    pub(crate) fn std_command(&self) -> std::process::Command {
+        let mut c = std::process::Command::new("ssh");
+        if let Some(key) = &self.key {
+            // A short, stable name per key: socket paths are limited to ~100 bytes.
+            let tag = key
+                .as_os_str()
+                .as_encoded_bytes()
+                .iter()
+                .fold(0xcbf29ce484222325u64, |h, b| {
+                    (h ^ u64::from(*b)).wrapping_mul(0x100000001b3)
+                });
+            let cm = self
+                .ssh
+                .config()
+                .with_file_name("cm")
+                .join(format!("%C-{:08x}", tag as u32));
+            c.arg("-i")
+                .arg(key)
+                .arg("-o")
+                .arg(format!("ControlPath={}", cm.display()));
+        }
+        c.arg("-F")
+            .arg(self.ssh.config())
+            .arg(boxery_reconcilers::ssh::alias(&self.vm));
+        c
+    }
+
+    /// The ssh command, to finish with arguments (`tokio::process`).
+    pub(crate) fn command(&self) -> tokio::process::Command {
+        tokio::process::Command::from(self.std_command())
+    }
 }
 
 fn exit_of(status: std::process::ExitStatus) -> ExitCode {
@@ -97,8 +145,7 @@ fn exit_of(status: std::process::ExitStatus) -> ExitCode {
 /// `boxery ssh VM [-- CMD…]`: an interactive shell (or a command), with the pinned key.
 pub fn ssh(env: &Env, vm: &str, cmd: &[String]) -> CliResult<ExitCode> {
     let store = env.store()?;
-    let ssh = prepare(env, &store, vm)?;
-    let mut c = command(env, &store, &ssh, vm);
+    let mut c = prepare(env, &store, vm)?.std_command();
     if std::io::IsTerminal::is_terminal(&std::io::stdin()) {
         c.arg("-t");
     }
@@ -133,7 +180,8 @@ pub fn run(env: &Env, vm: &str, cmd: &[String]) -> CliResult<ExitCode> {
             .collect::<Vec<_>>()
             .join(" ")
     };
-    let status = command(env, &store, &ssh, vm)
+    let status = ssh
+        .std_command()
         .args(["-T", "-o", "BatchMode=yes", "--", &line])
         .status()
         .map_err(|e| CliError::failed(format!("cannot run ssh: {e}")))?;
@@ -221,7 +269,7 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
                 .map_err(|e| CliError::failed(format!("cannot run tar: {e}")))?;
             let out = tar.stdout.take().expect("piped");
             let status = ssh
-                .std_command(&vm)
+                .std_command()
                 .args(["-T", "-o", "BatchMode=yes", "--", &remote])
                 .stdin(out)
                 .status()
@@ -245,7 +293,7 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
             // Directories copy their contents into L (made if needed); a file lands at L, or
             // inside L when L is a directory.
             let is_dir = ssh
-                .std_command(&vm)
+                .std_command()
                 .args(["-T", "-o", "BatchMode=yes", "--", &format!("test -d {q}")])
                 .status()
                 .map_err(|e| CliError::failed(format!("cannot run ssh: {e}")))?
@@ -297,7 +345,7 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
                 target_dir.clone()
             };
             let mut sshc = ssh
-                .std_command(&vm)
+                .std_command()
                 .args(["-T", "-o", "BatchMode=yes", "--", &remote])
                 .stdout(Stdio::piped())
                 .spawn()
@@ -354,6 +402,38 @@ mod tests {
         assert_eq!(Place::parse("/x:y"), Place::Local("/x:y".into()));
         assert_eq!(Place::parse("local:dev1:x"), Place::Local("dev1:x".into()));
         assert_eq!(Place::parse("file.txt"), Place::Local("file.txt".into()));
+    }
+
+    /// A held lease's key goes first, with a ControlMaster of its own; otherwise plain.
+    #[test]
+    fn lease_keys_get_their_own_connection() {
+        let home = tempfile::tempdir().unwrap();
+        let args = |key: Option<PathBuf>| -> Vec<String> {
+            Reach {
+                ssh: SshDir::new(home.path()),
+                vm: "a".into(),
+                key,
+            }
+            .std_command()
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+        };
+        let plain = args(None);
+        assert_eq!(plain[0], "-F");
+        assert_eq!(plain.last().unwrap(), "a.boxery");
+        let leased = args(Some(home.path().join("leases/l1/id_ed25519")));
+        assert_eq!(leased[0], "-i");
+        assert!(leased[1].ends_with("leases/l1/id_ed25519"));
+        assert_eq!(leased[2], "-o");
+        let cm = leased[3].strip_prefix("ControlPath=").unwrap();
+        assert!(
+            cm.starts_with(&home.path().join("ssh/cm/%C-").display().to_string()),
+            "{cm}"
+        );
+        let other = args(Some(home.path().join("leases/l2/id_ed25519")));
+        assert_ne!(other[3], leased[3], "two leases share a ControlMaster");
+        assert_eq!(&leased[4..], &plain[..]);
     }
 
     #[test]

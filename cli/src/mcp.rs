@@ -145,15 +145,46 @@ fn embed_controllers(env: Env) -> tokio::task::JoinHandle<()> {
     })
 }
 
-/// `boxery mcp`: serve MCP on stdin/stdout until the client goes away.
+/// SIGINT or SIGTERM: returns the signal's number.
+async fn terminated() -> i32 {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(mut i), Ok(mut t)) => {
+            tokio::select! {
+                _ = i.recv() => 2,
+                _ = t.recv() => 15,
+            }
+        }
+        _ => std::future::pending().await,
+    }
+}
+
+/// `boxery mcp`: serve MCP on stdin/stdout until the client goes away (stdin closes) or a
+/// SIGINT/SIGTERM; either way the session's leases are released.
 pub async fn stdio(env: &Env, vm: Option<String>) -> CliResult {
     let controllers = embed_controllers(env.clone());
-    let server = BoxeryMcp::new(Arc::new(Session::new(env.clone(), vm, true)));
-    let running = server
-        .serve(rmcp::transport::stdio())
-        .await
-        .map_err(|e| CliError::failed(format!("MCP initialisation failed: {e}")))?;
-    let r = running.waiting().await;
+    let session = Arc::new(Session::new(env.clone(), vm, true));
+    let server = BoxeryMcp::new(session.clone());
+    let signalled = terminated();
+    tokio::pin!(signalled);
+    let running = tokio::select! {
+        r = server.serve(rmcp::transport::stdio()) => {
+            r.map_err(|e| CliError::failed(format!("MCP initialisation failed: {e}")))?
+        }
+        sig = &mut signalled => std::process::exit(128 + sig),
+    };
+    let r = tokio::select! {
+        r = running.waiting() => r.map(|_| ()),
+        sig = &mut signalled => {
+            session.release_leases();
+            // Exit now: tokio's stdin reader is a blocking thread the runtime would wait on.
+            std::process::exit(128 + sig);
+        }
+    };
+    session.release_leases();
     controllers.abort();
     r.map_err(|e| CliError::failed(format!("the MCP session ended with an error: {e}")))?;
     Ok(())
@@ -264,13 +295,17 @@ pub async fn http(
         cfg.allowed_hosts.push(local.to_string());
     }
     let env2 = env.clone();
+    // Sessions end (and release their leases) when the client deletes them, when they idle
+    // out (rmcp's keep-alive), or when the server shuts down (below).
+    let sessions: Arc<std::sync::Mutex<Vec<std::sync::Weak<Session>>>> = Default::default();
+    let sessions2 = sessions.clone();
     let service = StreamableHttpService::new(
         move || {
-            Ok(BoxeryMcp::new(Arc::new(Session::new(
-                env2.clone(),
-                None,
-                false,
-            ))))
+            let s = Arc::new(Session::new(env2.clone(), None, false));
+            let mut all = sessions2.lock().expect("poisoned");
+            all.retain(|w| w.strong_count() > 0);
+            all.push(Arc::downgrade(&s));
+            Ok(BoxeryMcp::new(s))
         },
         Arc::new(LocalSessionManager::default()),
         cfg,
@@ -286,10 +321,19 @@ pub async fn http(
         "boxery serve: MCP at http://{local}/mcp (bearer token in {})",
         env.home.join("mcp-token").display()
     );
-    axum::serve(listener, app)
+    let r = axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await
-        .map_err(|e| CliError::failed(format!("the MCP HTTP server failed: {e}")))
+        .map_err(|e| CliError::failed(format!("the MCP HTTP server failed: {e}")));
+    for s in sessions
+        .lock()
+        .expect("poisoned")
+        .iter()
+        .filter_map(|w| w.upgrade())
+    {
+        s.release_leases();
+    }
+    r
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::exec::{helper, qpath};
 use super::{OUTPUT_CAP, Output, Session, ToolError, ToolResult};
-use crate::hands::{Place, shell_quote};
+use crate::hands::{Place, Reach, shell_quote};
 
 /// The largest file `vm_edit` handles: 8 MiB.
 pub const EDIT_CAP: usize = 8 << 20;
@@ -288,6 +288,7 @@ pub struct CopyArgs {
 pub async fn copy(session: Arc<Session>, a: CopyArgs, _ct: CancellationToken) -> ToolResult {
     let src = Place::parse(&a.src);
     let dst = Place::parse(&a.dst);
+    let mut reach = Vec::new();
     for p in [&src, &dst] {
         match p {
             Place::Local(_) if !session.allow_local => {
@@ -295,16 +296,14 @@ pub async fn copy(session: Arc<Session>, a: CopyArgs, _ct: CancellationToken) ->
                     "local paths are refused over HTTP (they would be the server's files): copy between VMs, or run `boxery mcp` (stdio) on your machine".into(),
                 ));
             }
-            Place::Vm(vm, _) => {
-                session.ssh_to(vm)?;
-            }
+            Place::Vm(vm, _) => reach.push(session.ssh_to(vm)?),
             Place::Local(_) => {}
         }
     }
     let env = session.env.clone();
     let (s2, d2) = (a.src.clone(), a.dst.clone());
     let res = tokio::task::spawn_blocking(move || match (&src, &dst) {
-        (Place::Vm(sv, sp), Place::Vm(dv, dp)) => vm_to_vm(&env, sv, sp, dv, dp),
+        (Place::Vm(sv, sp), Place::Vm(dv, dp)) => vm_to_vm(&reach[0], &reach[1], sv, sp, dv, dp),
         _ => crate::hands::cp(&env, &s2, &d2)
             .map(|_| ())
             .map_err(ToolError::from),
@@ -320,14 +319,14 @@ pub async fn copy(session: Arc<Session>, a: CopyArgs, _ct: CancellationToken) ->
 
 /// Stream `tar` from one VM into another (through this host, never to disk).
 fn vm_to_vm(
-    env: &crate::env::Env,
+    from: &Reach,
+    to: &Reach,
     sv: &str,
     sp: &str,
     dv: &str,
     dp: &str,
 ) -> Result<(), ToolError> {
     use std::process::Stdio;
-    let ssh = boxery_reconcilers::ssh::SshDir::new(&env.home);
     let base = std::path::Path::new(sp)
         .file_name()
         .and_then(|n| n.to_str())
@@ -345,16 +344,16 @@ fn vm_to_vm(
         "read k; d={d}; if [ \"$k\" = D ]; then mkdir -p \"$d\" && tar -C \"$d\" -xf -; elif [ -d \"$d\" ]; then tar -C \"$d\" -xf -; else p=$(dirname \"$d\"); mkdir -p \"$p\"; t=$(mktemp -d \"$p/.boxery-cp.XXXXXX\"); tar -C \"$t\" -xf - && mv -f \"$t\"/{} \"$d\"; rc=$?; rm -rf \"$t\"; exit $rc; fi",
         shell_quote(&base)
     );
-    let mut a = ssh
-        .std_command(sv)
+    let mut a = from
+        .std_command()
         .args(["-T", "-o", "BatchMode=yes", "--", &src_script])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| ToolError::Failed(format!("cannot run ssh: {e}")))?;
     let pipe = a.stdout.take().expect("piped");
-    let b = ssh
-        .std_command(dv)
+    let b = to
+        .std_command()
         .args(["-T", "-o", "BatchMode=yes", "--", &dst_script])
         .stdin(pipe)
         .stdout(Stdio::null())

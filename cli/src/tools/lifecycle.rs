@@ -36,7 +36,7 @@ fn stopped() -> Until {
 }
 
 /// Wait (bounded); `Ok(None)` when it held, `Ok(Some(state))` when the time ran out.
-async fn bounded_wait(
+pub(super) async fn bounded_wait(
     session: &Session,
     targets: &[(String, String)],
     until: &Until,
@@ -722,30 +722,6 @@ pub async fn manage(session: Arc<Session>, a: ManageArgs, ct: CancellationToken)
             delete_objects(&session, info, &[vm], wait_for, &ct).await
         }
     }
-}
-
-/// `vm_lease` arguments.
-#[derive(Debug, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct LeaseArgs {
-    /// acquire, renew or release.
-    pub action: String,
-    /// The pool (acquire).
-    #[serde(default)]
-    pub pool: Option<String>,
-    /// The lease (renew, release).
-    #[serde(default)]
-    pub lease: Option<String>,
-}
-
-/// `vm_lease`: pools do not exist yet, and the error says what to do instead.
-pub async fn lease(_session: Arc<Session>, a: LeaseArgs, _ct: CancellationToken) -> ToolResult {
-    Err(ToolError::Invalid(format!(
-        "vm_lease {} (pool {}, lease {}): pools and leases are not implemented yet in this boxery; make a VM with vm_manage {{action: new, vm: NAME, from: IMAGE}} (or vm_apply a Vm) instead",
-        a.action,
-        a.pool.as_deref().unwrap_or("-"),
-        a.lease.as_deref().unwrap_or("-")
-    )))
 }
 
 /// `vm_use` arguments.

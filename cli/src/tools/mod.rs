@@ -9,11 +9,12 @@
 pub mod exec;
 pub mod files;
 pub mod jobs;
+pub mod lease;
 pub mod lifecycle;
 #[cfg(test)]
 mod parity;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -28,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::env::Env;
 use crate::exit::{CliError, Code};
+use crate::hands::Reach;
 
 /// The cap on text a tool returns (command output, file contents, job logs): 1 MiB.
 pub const OUTPUT_CAP: usize = 1 << 20;
@@ -300,10 +302,10 @@ pub fn tools() -> &'static [Tool] {
             ),
             tool(
                 "vm_lease",
-                "Acquire, renew or release a VM from a warm pool. Not available yet: pools are not implemented; use vm_manage new.",
+                "Take a VM from a warm pool: acquire (waits, bounded, for a free member; the VM becomes this session's default VM and is reached with a key made for the lease), renew, release (the VM is reset to its clean image and goes back to the pool), list. The session renews its leases by itself and releases them when it ends.",
                 rw,
-                CliSide::None("pools and leases are not implemented yet; the tool says so"),
-                lifecycle::lease,
+                CliSide::Commands(&["lease"]),
+                lease::lease,
             ),
             tool(
                 "vm_use",
@@ -374,6 +376,8 @@ pub struct Session {
     default_vm: Mutex<Option<String>>,
     versions: Mutex<HashMap<(String, String), String>>,
     store: OnceLock<Store>,
+    /// Leases this session keeps alive; dropping one (or the session) releases it.
+    leases: Mutex<BTreeMap<String, lease::Kept>>,
 }
 
 impl Session {
@@ -385,6 +389,7 @@ impl Session {
             default_vm: Mutex::new(default_vm),
             versions: Mutex::new(HashMap::new()),
             store: OnceLock::new(),
+            leases: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -405,6 +410,57 @@ impl Session {
     /// Set the default VM.
     pub fn set_default_vm(&self, vm: Option<String>) {
         *self.default_vm.lock().expect("poisoned") = vm;
+    }
+
+    /// Keep a lease alive for as long as this session lives (or until [`Session::let_go`]).
+    pub(crate) fn keep(&self, name: &str, kept: lease::Kept) {
+        let old = self
+            .leases
+            .lock()
+            .expect("poisoned")
+            .insert(name.to_string(), kept);
+        drop(old);
+    }
+
+    /// Stop keeping a lease and release it; false when this session did not hold it.
+    pub fn let_go(&self, name: &str) -> bool {
+        let k = self.leases.lock().expect("poisoned").remove(name);
+        match k {
+            Some(k) => {
+                k.release();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The leases this session keeps alive.
+    pub fn held_leases(&self) -> Vec<String> {
+        self.leases
+            .lock()
+            .expect("poisoned")
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    /// The holder a lease of this session was acquired as.
+    pub fn holder_of(&self, name: &str) -> Option<String> {
+        self.leases
+            .lock()
+            .expect("poisoned")
+            .get(name)
+            .map(|k| k.holder.clone())
+    }
+
+    /// Release every lease this session holds (the session is ending). Also happens when the
+    /// session is dropped.
+    pub fn release_leases(&self) {
+        let all = std::mem::take(&mut *self.leases.lock().expect("poisoned"));
+        for (name, k) in all {
+            tracing::info!(lease = %name, "the session ended: releasing its lease");
+            k.release();
+        }
     }
 
     /// The version of a file this session last saw.
@@ -465,8 +521,9 @@ impl Session {
         })
     }
 
-    /// Check the VM can be reached over ssh and write the ssh files; returns them.
-    pub fn ssh_to(&self, vm: &str) -> Result<SshDir, ToolError> {
+    /// Check the VM can be reached over ssh and write the ssh files; returns how to reach it
+    /// (with the key of a lease this host holds on it, like `boxery run`).
+    pub(crate) fn ssh_to(&self, vm: &str) -> Result<Reach, ToolError> {
         let store = self.store()?;
         let v: Vm = store.get_as(vm)?.ok_or_else(|| self.unknown_vm(vm))?;
         if Target::of(&v).is_none() || v.metadata.is_deleting() {
@@ -499,7 +556,7 @@ impl Session {
             .collect();
         ssh.write(&targets)
             .map_err(|e| ToolError::Failed(format!("cannot write the ssh files: {e}")))?;
-        Ok(ssh)
+        Ok(Reach::new(&self.env, &store, ssh, vm))
     }
 }
 

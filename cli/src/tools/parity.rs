@@ -26,10 +26,6 @@ const CLI_ONLY: &[(&str, &str)] = &[
         "pool",
         "pools are declared by spec (vm_apply a Pool); membership is an operator's job",
     ),
-    (
-        "lease",
-        "new with the pool work: vm_lease will wrap it (until then vm_lease says pools are not available through MCP)",
-    ),
 ];
 
 #[test]
@@ -90,5 +86,38 @@ fn actions_have_commands() {
     let sub: Vec<&str> = jobs.get_subcommands().map(|c| c.get_name()).collect();
     for a in ["start", "list", "logs", "wait", "kill"] {
         assert!(sub.contains(&a), "vm_jobs {a} has no `boxery jobs {a}`");
+    }
+}
+
+/// Every `vm_lease` action is a `boxery lease` subcommand, and every subcommand an action.
+#[test]
+fn lease_actions_are_lease_commands() {
+    use super::lease::LeaseAction;
+    let pairs = [
+        (LeaseAction::Acquire, "acquire"),
+        (LeaseAction::Renew, "renew"),
+        (LeaseAction::Release, "release"),
+        (LeaseAction::List, "ls"),
+    ];
+    let schema = super::find("vm_lease").unwrap().schema.to_string();
+    let cli = crate::Cli::command();
+    let lease = cli.find_subcommand("lease").expect("lease");
+    let sub: Vec<&str> = lease.get_subcommands().map(|c| c.get_name()).collect();
+    for (action, cmd) in pairs {
+        let name = serde_json::to_value(action).unwrap();
+        assert!(
+            schema.contains(&name.to_string()),
+            "vm_lease's schema lacks {name}"
+        );
+        assert!(
+            sub.contains(&cmd),
+            "vm_lease {name} has no `boxery lease {cmd}`"
+        );
+    }
+    for c in sub {
+        assert!(
+            pairs.iter().any(|(_, cmd)| *cmd == c),
+            "`boxery lease {c}` has no vm_lease action"
+        );
     }
 }

@@ -1,0 +1,248 @@
+//! `vm_lease`: take a VM from a warm pool for this session, as `boxery lease …` does (the same
+//! functions in `crate::pools`).
+//!
+//! Guarantees: a lease acquired through a session is renewed by it (a
+//! [`LeaseKeeper`](boxery_reconcilers::lease::LeaseKeeper), at a third of its duration) and
+//! released when the session ends — stdin closes (`boxery mcp`), the HTTP session is deleted
+//! or times out, the server shuts down, or it gets SIGINT/SIGTERM. The leased VM becomes the
+//! session's default VM, and the tools reach it with the lease's key.
+//! Caveats: SIGKILL releases nothing; such a lease expires after its duration.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use boxery_api::lease::LeasePhase;
+use boxery_api::{Lease, Pool};
+use boxery_reconcilers::lease::LeaseKeeper;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use super::lifecycle::bounded_wait;
+use super::{Output, Session, ToolError, ToolResult, clamp_timeout};
+use crate::wait::Until;
+
+/// A `vm_lease` verb (each is a `boxery lease` subcommand).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum LeaseAction {
+    /// Lease a free VM of `pool`; it becomes this session's default VM, is renewed while the
+    /// session lives and released when it ends.
+    Acquire,
+    /// Renew a lease now (this session renews its own leases by itself).
+    Renew,
+    /// Release a lease: its VM is reset to its clean image and goes back to the pool.
+    Release,
+    /// List leases.
+    List,
+}
+
+/// `vm_lease` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseArgs {
+    /// acquire, renew, release or list.
+    pub action: LeaseAction,
+    /// The pool (acquire).
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// The lease (renew, release; default: this session's only lease).
+    #[serde(default)]
+    pub lease: Option<String>,
+    /// How long the lease lasts unless renewed, in seconds (acquire; 60..28800, default 1800).
+    #[serde(default)]
+    pub ttl_seconds: Option<u64>,
+    /// Who holds it (acquire, renew; default $USER@hostname).
+    #[serde(default)]
+    pub holder: Option<String>,
+    /// How long to wait for a free member (acquire) or for the release (default 300 s).
+    #[serde(default)]
+    pub timeout_seconds: Option<u64>,
+}
+
+/// A lease a session keeps alive.
+pub(crate) struct Kept {
+    pub(crate) holder: String,
+    keeper: LeaseKeeper,
+}
+
+impl std::fmt::Debug for Kept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kept")
+            .field("holder", &self.holder)
+            .finish()
+    }
+}
+
+impl Kept {
+    /// Stop renewing and release (delete) the lease.
+    pub(crate) fn release(self) {
+        self.keeper.release();
+    }
+}
+
+fn which_lease(session: &Session, lease: Option<String>) -> Result<String, ToolError> {
+    if let Some(l) = lease.filter(|l| !l.is_empty()) {
+        return Ok(l);
+    }
+    match session.held_leases().as_slice() {
+        [one] => Ok(one.clone()),
+        [] => Err(ToolError::Invalid(
+            "which lease? name it with `lease` (vm_lease {action: list} lists them)".into(),
+        )),
+        many => Err(ToolError::Invalid(format!(
+            "which lease? this session holds {}",
+            many.join(", ")
+        ))),
+    }
+}
+
+/// `vm_lease`.
+pub async fn lease(session: Arc<Session>, a: LeaseArgs, ct: CancellationToken) -> ToolResult {
+    let store = session.store()?;
+    let env = &session.env;
+    let timeout = clamp_timeout(a.timeout_seconds, 300);
+    match a.action {
+        LeaseAction::Acquire => {
+            let pool = a.pool.filter(|p| !p.is_empty()).ok_or_else(|| {
+                ToolError::Invalid("acquire needs `pool` (vm_get {kind: pool} lists pools)".into())
+            })?;
+            if store.get_as::<Pool>(&pool)?.is_none() {
+                let names: Vec<String> = store
+                    .list_as::<Pool>(&Default::default())?
+                    .into_iter()
+                    .map(|p| p.metadata.name)
+                    .collect();
+                return Err(ToolError::NotFound(if names.is_empty() {
+                    format!(
+                        "pool {pool} not found: there are no pools (vm_apply a Pool makes one; docs/pools.md)"
+                    )
+                } else {
+                    format!("pool {pool} not found; known pools: {}", names.join(", "))
+                }));
+            }
+            let ttl = Duration::from_secs(a.ttl_seconds.unwrap_or(1800));
+            let (env2, store2, pool2) = (env.clone(), store.clone(), pool.clone());
+            let got = tokio::task::spawn_blocking(move || {
+                crate::pools::acquire(&env2, &store2, &pool2, ttl, a.holder, None)
+            })
+            .await
+            .map_err(|e| ToolError::Failed(format!("the acquire task failed: {e}")))??;
+            let name = got.name.clone();
+            // Kept from the start: a session that ends while waiting releases it too.
+            session.keep(
+                &name,
+                Kept {
+                    holder: got.holder.clone(),
+                    keeper: LeaseKeeper::start(store.clone(), &name, ttl),
+                },
+            );
+            let target = [("Lease".to_string(), name.clone())];
+            let bound = Until::JsonPath("{.status.phase}".into(), "Bound".into());
+            let waited = bounded_wait(&session, &target, &bound, timeout, &ct).await;
+            let state = match waited {
+                Ok(None) => None,
+                Ok(Some(state)) => Some(state),
+                Err(e) => {
+                    session.let_go(&name);
+                    return Err(e);
+                }
+            };
+            if let Some(state) = state {
+                session.let_go(&name);
+                return Err(ToolError::Timeout(format!(
+                    "no member of pool {pool} was free within {}s, so lease {name} was released again ({state}); try later, or vm_get {{kind: pool, name: {pool}}} to see its members",
+                    timeout.as_secs()
+                )));
+            }
+            let l: Lease = store.get_as(&name)?.ok_or_else(|| {
+                ToolError::Failed(format!("lease {name} vanished right after binding"))
+            })?;
+            let vm = l.status.vm.clone().unwrap_or_default();
+            session.set_default_vm(Some(vm.clone()));
+            let until = l.status.expire_time.map(|t| t.to_string());
+            Ok(Output::with_data(
+                format!(
+                    "lease/{name} bound: {vm} (pool {pool}) until {}; it is now this session's default VM. This session renews it every {}s and releases it when the session ends (vm_lease {{action: release}} releases it now: the VM is reset).",
+                    until.clone().unwrap_or_default(),
+                    (ttl / 3).as_secs().max(1)
+                ),
+                json!({
+                    "lease": name,
+                    "vm": vm,
+                    "pool": pool,
+                    "holder": got.holder,
+                    "expire_time": until,
+                    "key": got.key,
+                }),
+            ))
+        }
+        LeaseAction::Renew => {
+            let name = which_lease(&session, a.lease)?;
+            let holder = a.holder.or_else(|| session.holder_of(&name));
+            let l = crate::pools::renew(&store, &name, holder)?;
+            let until = l.status.expire_time.map(|t| t.to_string());
+            Ok(Output::with_data(
+                format!("lease/{name} renewed"),
+                json!({"lease": name, "vm": l.status.vm, "renew_time": l.spec.renew_time.map(|t| t.to_string()), "expire_time": until}),
+            ))
+        }
+        LeaseAction::Release => {
+            let name = which_lease(&session, a.lease)?;
+            let vm = store.get_as::<Lease>(&name)?.and_then(|l| l.status.vm);
+            if session.let_go(&name) {
+                let _ = std::fs::remove_dir_all(crate::pools::lease_dir(env, &name));
+            } else {
+                crate::pools::release(env, &store, &name)?;
+            }
+            if vm.is_some() && session.default_vm() == vm {
+                session.set_default_vm(None);
+            }
+            let target = [("Lease".to_string(), name.clone())];
+            let state = bounded_wait(&session, &target, &Until::Deleted, timeout, &ct).await?;
+            let vm_text = vm
+                .as_deref()
+                .map(|v| {
+                    format!(": {v} is being reset to its clean image and goes back to the pool")
+                })
+                .unwrap_or_default();
+            let text = match state {
+                None => format!("lease/{name} released{vm_text}"),
+                Some(s) => format!("lease/{name} is being released{vm_text} ({s})"),
+            };
+            Ok(Output::with_data(text, json!({"lease": name, "vm": vm})))
+        }
+        LeaseAction::List => {
+            let info = boxery_api::lookup_kind("lease").expect("a kind");
+            let (objs, _) = store.list("Lease", &Default::default())?;
+            let mut out = Vec::new();
+            if objs.is_empty() {
+                out.extend_from_slice(b"no leases\n");
+            } else {
+                crate::output::print(info, &objs, &crate::output::Format::Table, &mut out)?;
+            }
+            let mut text = String::from_utf8_lossy(&out).into_owned();
+            let held = session.held_leases();
+            if !held.is_empty() {
+                text.push_str(&format!("held by this session: {}\n", held.join(", ")));
+            }
+            let leases: Vec<_> = store
+                .list_as::<Lease>(&Default::default())?
+                .into_iter()
+                .map(|l| {
+                    json!({
+                        "lease": l.metadata.name,
+                        "pool": l.spec.pool,
+                        "holder": l.spec.holder_identity,
+                        "phase": format!("{:?}", l.status.phase),
+                        "vm": l.status.vm,
+                        "held_by_this_session": held.contains(&l.metadata.name),
+                        "bound": l.status.phase == LeasePhase::Bound,
+                    })
+                })
+                .collect();
+            Ok(Output::with_data(text, json!({"leases": leases})))
+        }
+    }
+}
