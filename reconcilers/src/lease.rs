@@ -285,51 +285,34 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
     let member = match mine {
         Some(m) => m,
         None => {
-            let Some(free) = crate::pool::free_member(&pool).cloned() else {
-                let s = &pool.status;
-                return waiting(
-                    l,
-                    ctx,
-                    "NoFreeMember",
-                    &format!(
-                        "waiting for a free member of pool {pool_name} ({} leased, {} resetting, {} broken of {})",
-                        s.leased, s.resetting, s.broken, s.replicas
-                    ),
-                    Some(Duration::from_secs(5)),
-                );
-            };
-            let (lname, luid) = (l.name().to_string(), uid.to_string());
-            let claimed = edit_member(
-                ctx,
-                &pool_name,
-                &free.name,
-                |m| m.state == MemberState::Free,
-                |m| {
-                    m.state = MemberState::Acquiring;
-                    m.generation += 1;
-                    m.lease = Some(lname.clone());
-                    m.lease_uid = Some(luid.clone());
-                    m.message = String::new();
-                },
-            )?;
-            let Some(g) = claimed else {
-                // Someone else got it first: try again at once.
-                return Ok(Action::requeue(Duration::ZERO));
-            };
-            l.status.vm = Some(free.name.clone());
-            l.status.member_generation = Some(g);
-            l.status.pool_epoch = Some(pool.status.epoch);
-            l = save(ctx, &l)?;
-            let mut m = free;
-            m.state = MemberState::Acquiring;
-            m.generation = g;
-            m
+            // Claims on one pool are made one batch at a time (a lock per pool in this
+            // process; the store's precondition still fences any other writer): whoever takes
+            // the lock assigns free members to every waiting lease, oldest first, in one write.
+            let lock = ctx.vm_lock(&format!("pool:{pool_name}"));
+            let _held = lock.lock().await;
+            match claim_batch(ctx, &pool_name, uid)? {
+                Some(m) => m,
+                None => {
+                    let s = ctx.store.get_as::<Pool>(&pool_name)?.map(|p| p.status).unwrap_or_default();
+                    return waiting(
+                        l,
+                        ctx,
+                        "NoFreeMember",
+                        &format!(
+                            "waiting for a free member of pool {pool_name} ({} leased, {} resetting, {} broken of {})",
+                            s.leased, s.resetting, s.broken, s.replicas
+                        ),
+                        Some(Duration::from_secs(5)),
+                    );
+                }
+            }
         }
     };
     let vm = member.name.clone();
     if l.status.vm.as_deref() != Some(&vm) {
         l.status.vm = Some(vm.clone());
         l.status.member_generation = Some(member.generation);
+        l.status.pool_epoch = Some(pool.status.epoch);
         l = save(ctx, &l)?;
     }
     if member.state == MemberState::Acquiring {
@@ -369,7 +352,14 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
             return Ok(Action::requeue(Duration::ZERO));
         };
         l.status.member_generation = Some(g);
-    } else if member.state != MemberState::Leased {
+    } else if member.state == MemberState::Leased {
+        if !std::fs::read_to_string(token_file(ctx, &vm)).is_ok_and(|t| t.split_whitespace().next() == Some(uid)) {
+            let token = boxery_backends::identity::proxy_token();
+            write_token(ctx, &vm, uid, &token).map_err(|e| {
+                ReconcileError::backend("token", format!("Lease/{}", l.name()), boxery_backends::BackendError::io("writing the token store", e))
+            })?;
+        }
+    } else {
         l.status.vm = None;
         save(ctx, &l)?;
         return Ok(Action::requeue(Duration::ZERO));
@@ -410,6 +400,55 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
             .unwrap_or(Duration::from_secs(1))
             .min(Duration::from_secs(300)),
     ))
+}
+
+/// Assign free members of `pool_name` to its waiting leases, oldest first, in one status
+/// update; returns the member given to lease `uid` (if any). Backends without sshd have
+/// nothing to install, so their members go straight to Leased.
+fn claim_batch(ctx: &Ctx, pool_name: &str, uid: &str) -> Result<Option<boxery_api::pool::MemberStatus>> {
+    let direct = ctx.ssh.is_none();
+    for _ in 0..50 {
+        let Some(mut pool) = ctx.store.get_as::<Pool>(pool_name)? else { return Ok(None) };
+        if let Some(m) = pool.status.members.iter().find(|m| m.lease_uid.as_deref() == Some(uid)) {
+            return Ok(Some(m.clone()));
+        }
+        if crate::pool::free_member(&pool).is_none() {
+            return Ok(None);
+        }
+        let claimed: std::collections::HashSet<String> = pool.status.members.iter().filter_map(|m| m.lease_uid.clone()).collect();
+        let mut waiting: Vec<Lease> = ctx
+            .store
+            .list_as::<Lease>(&Default::default())?
+            .into_iter()
+            .filter(|w| {
+                w.spec.pool == pool_name
+                    && w.status.phase == LeasePhase::Pending
+                    && !w.metadata.is_deleting()
+                    && w.metadata.uid.as_ref().is_some_and(|u| !claimed.contains(u))
+                    && w.spec.lease_duration_seconds <= pool.spec.lease.max_ttl_seconds
+            })
+            .collect();
+        waiting.sort_by(|a, b| a.metadata.creation_timestamp.cmp(&b.metadata.creation_timestamp).then(a.metadata.name.cmp(&b.metadata.name)));
+        let mut mine = None;
+        let mut next = waiting.iter();
+        for m in pool.status.members.iter_mut().filter(|m| m.state == MemberState::Free) {
+            let Some(w) = next.next() else { break };
+            m.state = if direct { MemberState::Leased } else { MemberState::Acquiring };
+            m.generation += 1;
+            m.lease = Some(w.metadata.name.clone());
+            m.lease_uid = w.metadata.uid.clone();
+            m.message = String::new();
+            if w.metadata.uid.as_deref() == Some(uid) {
+                mine = Some(m.clone());
+            }
+        }
+        match ctx.store.update_status_as(&pool) {
+            Ok(_) => return Ok(mine),
+            Err(StoreError::Conflict { .. }) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(None)
 }
 
 /// Write the token, then `authorized_keys` = the control plane's key + the holder's, in the
