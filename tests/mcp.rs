@@ -87,6 +87,19 @@ fn stdio_tools_schemas_and_bad_calls() {
     );
 }
 
+/// vm_lease on a fake pool of 2: acquire binds a member that becomes the session's default VM,
+/// the session renews it, release resets it to Free; closing stdin or SIGTERM releases too.
+#[test]
+fn stdio_lease_on_a_pool() {
+    let h = Home::new();
+    client(
+        &h,
+        "fake",
+        &["lease", common::bin()],
+        Duration::from_secs(300),
+    );
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -3,6 +3,7 @@
     python client.py tools BOXERY_BIN          # stdio, fake backend: tools, schemas, bad calls
     python client.py http  URL TOKEN_FILE      # streamable HTTP: auth, Origin, a tool call
     python client.py vm    BOXERY_BIN OUTDIR   # stdio, qemu backend: a real VM end to end
+    python client.py lease BOXERY_BIN          # stdio, fake backend: vm_lease on a pool of 2
 
 BOXERY_HOME and BOXERY_BACKEND come from the environment. Exits non-zero with the reason on
 the first failed check.
@@ -67,7 +68,9 @@ async def tools_mode(binary):
             _, t = await call(s, "vm_bash", {"vm": "ghost", "command": "true"}, ok=False)
             check("not found" in t, f"unknown VM: {t}")
             _, t = await call(s, "vm_lease", {"action": "acquire", "pool": "p"}, ok=False)
-            check("not implemented" in t, f"vm_lease: {t}")
+            check("pool p not found" in t, f"vm_lease on a missing pool: {t}")
+            _, t = await call(s, "vm_lease", {"action": "rent"}, ok=False)
+            check("acquire" in t, f"vm_lease with a bad action: {t}")
             _, t = await call(s, "vm_apply", {"manifest": "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata:\n  name: a\nspec:\n  source:\n    image: debian-12\n  resources:\n    cpus: lots\n"}, ok=False)
             check("spec.resources.cpus" in t or "cpus" in t, f"invalid manifest names no field: {t}")
             _, t = await call(s, "vm_bash", {"command": "x" * 70000, "vm": "a"}, ok=False)
@@ -129,7 +132,103 @@ async def http_mode(url, token_file):
                 check("no vms" in t or "NAME" in t, f"vm_get over HTTP: {t}")
                 _, t = await call(s, "vm_copy", {"src": "local:/etc/passwd", "dst": "x:/tmp/"}, ok=False)
                 check("refused over HTTP" in t, f"local paths over HTTP: {t}")
+                await call(s, "vm_apply", {"manifest": pool_yaml("hp", 1), "timeout_seconds": 60})
+                await call(s, "vm_wait", {"kind": "pool", "name": "hp", "for": "jsonpath={.status.free}=1", "timeout_seconds": 120})
+                res, t = await call(s, "vm_lease", {"action": "acquire", "pool": "hp", "timeout_seconds": 60})
+                lease = res.structured_content["lease"]
+                check(res.structured_content["vm"] == "hp-0", f"HTTP lease: {t}")
+    # The client deleted its session on the way out: the lease goes, and the member comes back.
+    client = create_mcp_http_client(headers={"Authorization": f"Bearer {token}"})
+    async with client:
+        async with streamable_http_client(url, http_client=client) as streams:
+            async with ClientSession(streams[0], streams[1]) as s:
+                await s.initialize()
+                await call(s, "vm_wait", {"kind": "lease", "name": lease, "for": "delete", "timeout_seconds": 60})
+                await call(s, "vm_wait", {"kind": "pool", "name": "hp", "for": "jsonpath={.status.free}=1", "timeout_seconds": 120})
     print("http: ok")
+
+
+def pool_yaml(name, replicas):
+    return (f"apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {{name: {name}}}\nspec:\n"
+            f"  replicas: {replicas}\n  template:\n    spec:\n      source: {{image: debian-12}}\n")
+
+
+async def lease_mode(binary):
+    home = os.environ["BOXERY_HOME"]
+    async with stdio_client(stdio_params(binary)) as (r, w):
+        async with ClientSession(r, w) as s:
+            await s.initialize()
+            await call(s, "vm_apply", {"manifest": pool_yaml("agents", 2), "timeout_seconds": 60})
+            await call(s, "vm_wait", {"kind": "pool", "name": "agents", "for": "jsonpath={.status.free}=2", "timeout_seconds": 120})
+            res, t = await call(s, "vm_lease", {"action": "acquire", "pool": "agents", "ttl_seconds": 60, "timeout_seconds": 60})
+            sc = res.structured_content
+            lease, vm = sc["lease"], sc["vm"]
+            check(vm in ("agents-0", "agents-1") and "bound" in t, f"acquire: {t}")
+            check(os.path.exists(os.path.join(home, "leases", lease, "id_ed25519")), "no lease key on this host")
+            _, t = await call(s, "vm_use", {})
+            check(vm in t, f"the leased VM is the session's default: {t}")
+            res, t = await call(s, "vm_lease", {"action": "list"})
+            mine = [l for l in res.structured_content["leases"] if l["lease"] == lease]
+            check(mine and mine[0]["bound"] and mine[0]["held_by_this_session"] and mine[0]["vm"] == vm, f"list: {t}")
+            _, t = await call(s, "vm_get", {"kind": "pool", "name": "agents"})
+            check("Leased" in t, f"the member is Leased: {t}")
+            # The session renews by itself at a third of the TTL (20 s here).
+            res, t = await call(s, "vm_get", {"kind": "lease", "name": lease})
+            check("renewTime" not in t, f"renewed before its time: {t}")
+            await asyncio.sleep(22)
+            _, t = await call(s, "vm_get", {"kind": "lease", "name": lease})
+            check("renewTime" in t, f"the session did not renew its lease: {t}")
+            _, t = await call(s, "vm_lease", {"action": "renew"})
+            check("renewed" in t, f"renew: {t}")
+            _, t = await call(s, "vm_lease", {"action": "renew", "lease": lease, "holder": "mallory"}, ok=False)
+            check("only its holder" in t, f"renew by another holder: {t}")
+            # Release: the member is reset and Free again; the session has no default VM.
+            _, t = await call(s, "vm_lease", {"action": "release", "timeout_seconds": 60})
+            check("released" in t, f"release: {t}")
+            check(not os.path.exists(os.path.join(home, "leases", lease)), "the lease key outlived the lease")
+            await call(s, "vm_wait", {"kind": "pool", "name": "agents", "for": "jsonpath={.status.free}=2", "timeout_seconds": 120})
+            _, t = await call(s, "vm_describe", {"kind": "pool", "name": "agents"})
+            check("MemberReset" in t and f"{vm} was reset" in t, f"{vm} was not reset: {t[-1500:]}")
+            _, t = await call(s, "vm_use", {})
+            check("no default VM" in t, f"the released VM is still the default: {t}")
+            _, t = await call(s, "vm_lease", {"action": "release"}, ok=False)
+            check("which lease" in t, f"release with nothing held: {t}")
+            res, _ = await call(s, "vm_lease", {"action": "acquire", "pool": "agents", "timeout_seconds": 60})
+            ended = res.structured_content["lease"]
+    # stdin closed: the session released its lease.
+    async with stdio_client(stdio_params(binary)) as (r, w):
+        async with ClientSession(r, w) as s:
+            await s.initialize()
+            await call(s, "vm_wait", {"kind": "lease", "name": ended, "for": "delete", "timeout_seconds": 60})
+            await call(s, "vm_wait", {"kind": "pool", "name": "agents", "for": "jsonpath={.status.free}=2", "timeout_seconds": 120})
+    # SIGTERM: released too (raw JSON-RPC lines, so the signal lands while the session is open).
+    env = {k: v for k, v in os.environ.items() if k.startswith(("BOXERY_", "PATH", "HOME"))}
+    p = await asyncio.create_subprocess_exec(binary, "mcp", env=env, stdin=asyncio.subprocess.PIPE,
+                                             stdout=asyncio.subprocess.PIPE)
+
+    async def rpc(i, method, params):
+        p.stdin.write((json.dumps({"jsonrpc": "2.0", "id": i, "method": method, "params": params}) + "\n").encode())
+        await p.stdin.drain()
+        while True:
+            m = json.loads(await asyncio.wait_for(p.stdout.readline(), 120))
+            if m.get("id") == i:
+                return m
+
+    await rpc(1, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                "clientInfo": {"name": "t", "version": "1"}})
+    p.stdin.write(b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n')
+    m = await rpc(2, "tools/call", {"name": "vm_lease", "arguments": {"action": "acquire", "pool": "agents", "timeout_seconds": 60}})
+    check(not m["result"].get("isError"), f"acquire over raw stdio: {m}")
+    signalled = m["result"]["structuredContent"]["lease"]
+    p.terminate()
+    code = await asyncio.wait_for(p.wait(), 30)
+    check(code == 143, f"boxery mcp after SIGTERM exited {code}")
+    async with stdio_client(stdio_params(binary)) as (r, w):
+        async with ClientSession(r, w) as s:
+            await s.initialize()
+            await call(s, "vm_wait", {"kind": "lease", "name": signalled, "for": "delete", "timeout_seconds": 60})
+            await call(s, "vm_wait", {"kind": "pool", "name": "agents", "for": "jsonpath={.status.free}=2", "timeout_seconds": 120})
+    print("lease: ok")
 
 
 TINY = """apiVersion: boxery.dev/v1alpha1
@@ -234,6 +333,8 @@ def main():
         asyncio.run(tools_mode(sys.argv[2]))
     elif mode == "http":
         asyncio.run(http_mode(sys.argv[2], sys.argv[3]))
+    elif mode == "lease":
+        asyncio.run(lease_mode(sys.argv[2]))
     elif mode == "vm":
         asyncio.run(vm_mode(sys.argv[2], sys.argv[3]))
     else:
