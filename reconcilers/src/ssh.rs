@@ -300,7 +300,7 @@ pub async fn banner(endpoint: &str) -> Result<(), String> {
             Err(format!("{endpoint} does not speak SSH"))
         }
     };
-    tokio::time::timeout(Duration::from_millis(500), fut)
+    tokio::time::timeout(Duration::from_millis(200), fut)
         .await
-        .map_err(|_| format!("no SSH banner at {endpoint} within 0.5 s"))?
+        .map_err(|_| format!("no SSH banner at {endpoint} within 0.2 s"))?
 }
