@@ -145,6 +145,10 @@ fn embed_controllers(env: Env) -> tokio::task::JoinHandle<()> {
     })
 }
 
+/// How long a ending `boxery mcp` waits for its released leases to be let go (the reset then
+/// runs in the background, or in whichever control plane runs next).
+const LEASE_GRACE: Duration = Duration::from_secs(5);
+
 /// SIGINT or SIGTERM: returns the signal's number.
 async fn terminated() -> i32 {
     use tokio::signal::unix::{SignalKind, signal};
@@ -179,12 +183,12 @@ pub async fn stdio(env: &Env, vm: Option<String>) -> CliResult {
     let r = tokio::select! {
         r = running.waiting() => r.map(|_| ()),
         sig = &mut signalled => {
-            session.release_leases();
+            session.end(LEASE_GRACE).await;
             // Exit now: tokio's stdin reader is a blocking thread the runtime would wait on.
             std::process::exit(128 + sig);
         }
     };
-    session.release_leases();
+    session.end(LEASE_GRACE).await;
     controllers.abort();
     r.map_err(|e| CliError::failed(format!("the MCP session ended with an error: {e}")))?;
     Ok(())
@@ -325,12 +329,13 @@ pub async fn http(
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await
         .map_err(|e| CliError::failed(format!("the MCP HTTP server failed: {e}")));
-    for s in sessions
+    let live: Vec<Arc<Session>> = sessions
         .lock()
         .expect("poisoned")
         .iter()
         .filter_map(|w| w.upgrade())
-    {
+        .collect();
+    for s in live {
         s.release_leases();
     }
     r

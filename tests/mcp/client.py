@@ -195,10 +195,12 @@ async def lease_mode(binary):
             check("which lease" in t, f"release with nothing held: {t}")
             res, _ = await call(s, "vm_lease", {"action": "acquire", "pool": "agents", "timeout_seconds": 60})
             ended = res.structured_content["lease"]
-    # stdin closed: the session released its lease.
+    # stdin closed: the session released its lease (and its controllers let it go on the way out).
     async with stdio_client(stdio_params(binary)) as (r, w):
         async with ClientSession(r, w) as s:
             await s.initialize()
+            _, t = await call(s, "vm_get", {"kind": "lease"})
+            check(ended not in t, f"the lease outlived its session: {t}")
             await call(s, "vm_wait", {"kind": "lease", "name": ended, "for": "delete", "timeout_seconds": 60})
             await call(s, "vm_wait", {"kind": "pool", "name": "agents", "for": "jsonpath={.status.free}=2", "timeout_seconds": 120})
     # SIGTERM: released too (raw JSON-RPC lines, so the signal lands while the session is open).

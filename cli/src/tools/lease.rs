@@ -191,9 +191,7 @@ pub async fn lease(session: Arc<Session>, a: LeaseArgs, ct: CancellationToken) -
         LeaseAction::Release => {
             let name = which_lease(&session, a.lease)?;
             let vm = store.get_as::<Lease>(&name)?.and_then(|l| l.status.vm);
-            if session.let_go(&name) {
-                let _ = std::fs::remove_dir_all(crate::pools::lease_dir(env, &name));
-            } else {
+            if !session.let_go(&name) {
                 crate::pools::release(env, &store, &name)?;
             }
             if vm.is_some() && session.default_vm() == vm {

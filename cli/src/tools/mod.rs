@@ -422,12 +422,14 @@ impl Session {
         drop(old);
     }
 
-    /// Stop keeping a lease and release it; false when this session did not hold it.
+    /// Stop keeping a lease and release it (and its key pair here); false when this session
+    /// did not hold it.
     pub fn let_go(&self, name: &str) -> bool {
         let k = self.leases.lock().expect("poisoned").remove(name);
         match k {
             Some(k) => {
                 k.release();
+                let _ = std::fs::remove_dir_all(crate::pools::lease_dir(&self.env, name));
                 true
             }
             None => false,
@@ -453,13 +455,33 @@ impl Session {
             .map(|k| k.holder.clone())
     }
 
-    /// Release every lease this session holds (the session is ending). Also happens when the
-    /// session is dropped.
-    pub fn release_leases(&self) {
+    /// Release every lease this session holds (the session is ending); returns their names.
+    /// Also happens when the session is dropped.
+    pub fn release_leases(&self) -> Vec<String> {
         let all = std::mem::take(&mut *self.leases.lock().expect("poisoned"));
+        let mut names = Vec::new();
         for (name, k) in all {
             tracing::info!(lease = %name, "the session ended: releasing its lease");
             k.release();
+            let _ = std::fs::remove_dir_all(crate::pools::lease_dir(&self.env, &name));
+            names.push(name);
+        }
+        names
+    }
+
+    /// Release every lease this session holds and give the controllers (in this process, or a
+    /// `serve`) up to `grace` to let them go, so their VMs head back to their pools now rather
+    /// than when a control plane next runs.
+    pub async fn end(&self, grace: std::time::Duration) {
+        let names = self.release_leases();
+        let Ok(store) = self.store() else { return };
+        let deadline = tokio::time::Instant::now() + grace;
+        while tokio::time::Instant::now() < deadline
+            && names
+                .iter()
+                .any(|n| matches!(store.get("Lease", n), Ok(Some(_))))
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
     }
 
@@ -557,6 +579,13 @@ impl Session {
         ssh.write(&targets)
             .map_err(|e| ToolError::Failed(format!("cannot write the ssh files: {e}")))?;
         Ok(Reach::new(&self.env, &store, ssh, vm))
+    }
+}
+
+impl Drop for Session {
+    /// A session that goes away (an HTTP session deleted or idled out) releases its leases.
+    fn drop(&mut self) {
+        self.release_leases();
     }
 }
 
