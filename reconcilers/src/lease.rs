@@ -293,7 +293,11 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
             match claim_batch(ctx, &pool_name, uid)? {
                 Some(m) => m,
                 None => {
-                    let s = ctx.store.get_as::<Pool>(&pool_name)?.map(|p| p.status).unwrap_or_default();
+                    let s = ctx
+                        .store
+                        .get_as::<Pool>(&pool_name)?
+                        .map(|p| p.status)
+                        .unwrap_or_default();
                     return waiting(
                         l,
                         ctx,
@@ -353,10 +357,16 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
         };
         l.status.member_generation = Some(g);
     } else if member.state == MemberState::Leased {
-        if !std::fs::read_to_string(token_file(ctx, &vm)).is_ok_and(|t| t.split_whitespace().next() == Some(uid)) {
+        if !std::fs::read_to_string(token_file(ctx, &vm))
+            .is_ok_and(|t| t.split_whitespace().next() == Some(uid))
+        {
             let token = boxery_backends::identity::proxy_token();
             write_token(ctx, &vm, uid, &token).map_err(|e| {
-                ReconcileError::backend("token", format!("Lease/{}", l.name()), boxery_backends::BackendError::io("writing the token store", e))
+                ReconcileError::backend(
+                    "token",
+                    format!("Lease/{}", l.name()),
+                    boxery_backends::BackendError::io("writing the token store", e),
+                )
             })?;
         }
     } else {
@@ -405,17 +415,33 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
 /// Assign free members of `pool_name` to its waiting leases, oldest first, in one status
 /// update; returns the member given to lease `uid` (if any). Backends without sshd have
 /// nothing to install, so their members go straight to Leased.
-fn claim_batch(ctx: &Ctx, pool_name: &str, uid: &str) -> Result<Option<boxery_api::pool::MemberStatus>> {
+fn claim_batch(
+    ctx: &Ctx,
+    pool_name: &str,
+    uid: &str,
+) -> Result<Option<boxery_api::pool::MemberStatus>> {
     let direct = ctx.ssh.is_none();
     for _ in 0..50 {
-        let Some(mut pool) = ctx.store.get_as::<Pool>(pool_name)? else { return Ok(None) };
-        if let Some(m) = pool.status.members.iter().find(|m| m.lease_uid.as_deref() == Some(uid)) {
+        let Some(mut pool) = ctx.store.get_as::<Pool>(pool_name)? else {
+            return Ok(None);
+        };
+        if let Some(m) = pool
+            .status
+            .members
+            .iter()
+            .find(|m| m.lease_uid.as_deref() == Some(uid))
+        {
             return Ok(Some(m.clone()));
         }
         if crate::pool::free_member(&pool).is_none() {
             return Ok(None);
         }
-        let claimed: std::collections::HashSet<String> = pool.status.members.iter().filter_map(|m| m.lease_uid.clone()).collect();
+        let claimed: std::collections::HashSet<String> = pool
+            .status
+            .members
+            .iter()
+            .filter_map(|m| m.lease_uid.clone())
+            .collect();
         let mut waiting: Vec<Lease> = ctx
             .store
             .list_as::<Lease>(&Default::default())?
@@ -424,16 +450,33 @@ fn claim_batch(ctx: &Ctx, pool_name: &str, uid: &str) -> Result<Option<boxery_ap
                 w.spec.pool == pool_name
                     && w.status.phase == LeasePhase::Pending
                     && !w.metadata.is_deleting()
-                    && w.metadata.uid.as_ref().is_some_and(|u| !claimed.contains(u))
+                    && w.metadata
+                        .uid
+                        .as_ref()
+                        .is_some_and(|u| !claimed.contains(u))
                     && w.spec.lease_duration_seconds <= pool.spec.lease.max_ttl_seconds
             })
             .collect();
-        waiting.sort_by(|a, b| a.metadata.creation_timestamp.cmp(&b.metadata.creation_timestamp).then(a.metadata.name.cmp(&b.metadata.name)));
+        waiting.sort_by(|a, b| {
+            a.metadata
+                .creation_timestamp
+                .cmp(&b.metadata.creation_timestamp)
+                .then(a.metadata.name.cmp(&b.metadata.name))
+        });
         let mut mine = None;
         let mut next = waiting.iter();
-        for m in pool.status.members.iter_mut().filter(|m| m.state == MemberState::Free) {
+        for m in pool
+            .status
+            .members
+            .iter_mut()
+            .filter(|m| m.state == MemberState::Free)
+        {
             let Some(w) = next.next() else { break };
-            m.state = if direct { MemberState::Leased } else { MemberState::Acquiring };
+            m.state = if direct {
+                MemberState::Leased
+            } else {
+                MemberState::Acquiring
+            };
             m.generation += 1;
             m.lease = Some(w.metadata.name.clone());
             m.lease_uid = w.metadata.uid.clone();

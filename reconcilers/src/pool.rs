@@ -410,6 +410,26 @@ pub fn pool_of_vm(vm: &boxery_api::DynObject) -> Vec<String> {
         .collect()
 }
 
+/// Map a Lease change to its pool, only when the lease is ending (deleted, being deleted,
+/// expired): claims and binds update the member table themselves, so a pool reconcile per
+/// lease change would only re-read every member for nothing.
+pub fn pool_of_ending_lease(lease: &boxery_api::DynObject) -> Vec<String> {
+    let ending = lease.metadata.is_deleting()
+        || matches!(
+            lease.status()["phase"].as_str(),
+            Some("Expired" | "Released")
+        );
+    if ending {
+        lease.spec()["pool"]
+            .as_str()
+            .map(str::to_string)
+            .into_iter()
+            .collect()
+    } else {
+        Vec::new()
+    }
+}
+
 /// Whether a Pool's member is Free.
 pub fn free_member(pool: &Pool) -> Option<&MemberStatus> {
     pool.status

@@ -56,13 +56,7 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     let lease_cache = lease_ctl.cache();
     let pools = pool_ctl
         .watches_metadata::<Vm>(pool::pool_of_vm)
-        .watches::<Lease>(|l| {
-            l.spec()["pool"]
-                .as_str()
-                .map(str::to_string)
-                .into_iter()
-                .collect()
-        })
+        .watches::<Lease>(pool::pool_of_ending_lease)
         .resync_every(ctx.settings.resync_every)
         .concurrency(ctx.settings.concurrency)
         .run(
