@@ -59,6 +59,8 @@ const BACKEND: &str = "libvirt";
 
 // libvirt flag values (libvirt-domain.h), named here because virt 0.5 takes raw u32s
 const META_ELEMENT: i32 = 2; // VIR_DOMAIN_METADATA_ELEMENT
+const AFFECT_LIVE: u32 = 1; // VIR_DOMAIN_AFFECT_LIVE
+const META_KEY: &str = "boxery"; // the namespace prefix of our metadata element
 const SNAP_NO_METADATA: u32 = 1 << 2;
 const SNAP_DISK_ONLY: u32 = 1 << 4;
 const SNAP_QUIESCE: u32 = 1 << 6;
@@ -680,6 +682,17 @@ impl LibvirtBackend {
         // live too (the rest applies at its next cold start)
         let active = self.active_disk(d)?;
         self.define(conn, cfg, &active)?;
+        if Self::is_running(d) {
+            d.dom
+                .set_metadata(
+                    META_ELEMENT,
+                    Some(&xml::metadata(&self.ns, cfg)),
+                    Some(META_KEY),
+                    Some(xml::META_URI),
+                    AFFECT_LIVE,
+                )
+                .map_err(|e| lv_failed(format!("update the live record of VM {}", cfg.name), e))?;
+        }
         Ok(())
     }
 
