@@ -279,6 +279,58 @@ fn main() {
     ]);
     h.ok(&["rm", "g1", "g2", "g3", "g4", "--wait"]);
     h.ok(&["rm", "b0", "--wait"]);
+
+    // Leases on a pool of one real VM: claim → first command, reset, and a raw reimage.
+    let pf = h.home.join("pool.yaml");
+    std::fs::write(&pf, "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: p}\nspec:\n  replicas: 1\n  template:\n    spec: {source: {image: tiny}, resources: {cpus: 1, memory: 256Mi, disk: 2Gi}}\n").unwrap();
+    h.ok(&["apply", "-f", pf.to_str().unwrap()]);
+    h.ok(&[
+        "wait",
+        "pool",
+        "p",
+        "--for=condition=Ready",
+        "--timeout=10m",
+    ]);
+    let (mut claims, mut binds, mut resets) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..runs {
+        let name = format!("l{i}");
+        let t = Instant::now();
+        h.ok(&[
+            "lease",
+            "acquire",
+            "p",
+            "--holder",
+            "bench",
+            "--name",
+            &name,
+            "--wait",
+            "--timeout",
+            "5m",
+        ]);
+        binds.push(t.elapsed());
+        h.ok(&["run", "p-0", "--", "true"]);
+        claims.push(t.elapsed());
+        let t = Instant::now();
+        h.ok(&["lease", "release", &name, "--wait"]);
+        h.ok(&[
+            "wait",
+            "pool",
+            "p",
+            "--for=jsonpath={.status.free}=1",
+            "--timeout=5m",
+        ]);
+        resets.push(t.elapsed());
+    }
+    let raw_reimage = h.timed(&[
+        "revert",
+        "p-0",
+        "p-0.boxery-clean",
+        "--wait",
+        "--timeout",
+        "5m",
+    ]);
+    h.ok(&["delete", "pool", "p"]);
+    h.ok(&["wait", "vm", "p-0", "--for=delete", "--timeout=3m"]);
     drop(serve);
 
     let (b, r) = (median(&mut boxery), median(&mut raw));
@@ -324,6 +376,21 @@ fn main() {
         s(fork4),
         s(b),
         fork4.as_secs_f64() / b.as_secs_f64()
+    );
+    println!(
+        "| lease acquire → Bound (median, includes the `boxery` CLI, key pair, token and key install) | {} | warm ssh round trip: {} | | install ≤ one warm ssh round trip |",
+        s(median(&mut binds)),
+        ms(pct(&mut ssh_rt, 0.5))
+    );
+    println!(
+        "| lease acquire → Bound → first `run` (median) | {} | | | |",
+        s(median(&mut claims))
+    );
+    println!(
+        "| reset: release → member Free again (median) | {} | raw reimage of the same disk (`revert` to its clean image → Ready): {} | {:.2}× | |",
+        s(median(&mut resets)),
+        s(raw_reimage),
+        median(&mut resets).as_secs_f64() / raw_reimage.as_secs_f64()
     );
     println!(
         "| QEMU RSS, 256 MiB guest | {:.0} MiB ({:.0} MiB beyond guest RAM, an upper bound: the guest touches less) | | | |",
