@@ -40,6 +40,11 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --features "$features" -- -D warnings
 
 step "tests"
+if [ "${BOXERY_TEST_LIBVIRT:-}" = 1 ]; then
+  # The libvirt tests start libvirtd (scripts/libvirtd.sh) but none of them knows it is the
+  # last: stop it, and the default network's dnsmasq, when the suite ends.
+  trap 'virsh -c qemu:///system net-destroy default >/dev/null 2>&1 || true; scripts/libvirtd.sh stop || true' EXIT
+fi
 if [ "${runner[1]}" = nextest ]; then
   cargo nextest run --workspace --features "$features" --no-fail-fast "$@"
 else
