@@ -563,8 +563,11 @@ impl LeaseKeeper {
             let every = (duration / 3).max(Duration::from_secs(1));
             loop {
                 tokio::time::sleep(every).await;
-                if let Err(e) = renew(&s, &n) {
-                    tracing::warn!(lease = %n, error = %e, "renewing the lease failed");
+                match renew(&s, &n) {
+                    Ok(_) => {}
+                    // Released from elsewhere (`boxery lease release`): nothing left to keep.
+                    Err(StoreError::NotFound { .. }) => return,
+                    Err(e) => tracing::warn!(lease = %n, error = %e, "renewing the lease failed"),
                 }
             }
         });
