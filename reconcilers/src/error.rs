@@ -40,6 +40,30 @@ impl ReconcileError {
         }
     }
 
+    /// What a failed step records in its object's status: the failure (for the backoff and
+    /// `describe`), the `Ready` reason, and one message for the condition and the event.
+    pub fn recorded(&self) -> Recorded {
+        let step = match self {
+            ReconcileError::Backend { step, .. } => step.to_string(),
+            ReconcileError::Store(_) => "store".into(),
+        };
+        let message = format!("{step} failed: {}", self.chain());
+        Recorded {
+            failure: boxery_api::vm::Failure {
+                step,
+                message: self.chain(),
+                at: boxery_api::now(),
+                terminal: self.is_terminal(),
+            },
+            reason: if self.is_terminal() {
+                "InvalidRequest"
+            } else {
+                "StepFailed"
+            },
+            message,
+        }
+    }
+
     /// The whole cause chain in one line, for conditions and events.
     pub fn chain(&self) -> String {
         let mut s = self.to_string();
@@ -51,4 +75,15 @@ impl ReconcileError {
         }
         s
     }
+}
+
+/// What a failed step writes into status (see [`ReconcileError::recorded`]).
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    /// The failure, with its time and whether it is terminal.
+    pub failure: boxery_api::vm::Failure,
+    /// The `Ready` condition's reason: `InvalidRequest` or `StepFailed`.
+    pub reason: &'static str,
+    /// `STEP failed: CAUSE…`, for the condition and the Warning event.
+    pub message: String,
 }

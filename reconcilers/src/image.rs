@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use boxery_api::vm::{Failure, Operation, OperationType};
+use boxery_api::vm::{Operation, OperationType};
 use boxery_api::{
     ConditionStatus, Conditions, EventType, Image, ImagePhase, ImageSource, Resource, Vm, now,
 };
@@ -78,17 +78,9 @@ pub async fn reconcile(img: Arc<Image>, ctx: Arc<Ctx>) -> Result<Action> {
         if !matches!(e, ReconcileError::Store(StoreError::Conflict { .. }))
             && let Ok(Some(mut cur)) = ctx.store.get_as::<Image>(&name)
         {
-            let step = match e {
-                ReconcileError::Backend { step, .. } => step.to_string(),
-                ReconcileError::Store(_) => "store".into(),
-            };
+            let r = e.recorded();
             cur.status.failures += 1;
-            cur.status.last_failure = Some(Failure {
-                step: step.clone(),
-                message: e.chain(),
-                at: now(),
-                terminal: e.is_terminal(),
-            });
+            cur.status.last_failure = Some(r.failure);
             if cur.status.phase != ImagePhase::Ready && !cur.metadata.is_deleting() {
                 cur.status.phase = ImagePhase::Failed;
             }
@@ -97,18 +89,13 @@ pub async fn reconcile(img: Arc<Image>, ctx: Arc<Ctx>) -> Result<Action> {
             cur.status.conditions.set_condition(
                 "Ready",
                 ConditionStatus::False,
-                "StepFailed",
-                &format!("{step} failed: {}", e.chain()),
+                r.reason,
+                &r.message,
                 generation,
             );
             cur.status.printable_status = Some(printable(&cur));
             let _ = ctx.store.update_status_as(&cur);
-            ctx.event(
-                &cur,
-                EventType::Warning,
-                "StepFailed",
-                &format!("{step} failed: {}", e.chain()),
-            );
+            ctx.event(&cur, EventType::Warning, "StepFailed", &r.message);
         }
         tracing::warn!(object = %format!("Image/{name}"), error = %e.chain(), "reconcile failed");
     }

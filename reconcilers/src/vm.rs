@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use boxery_api::image::{BuildSpec, ImageSpec};
-use boxery_api::vm::{Failure, Operation, OperationType, STOCK_IMAGES, SshStatus};
+use boxery_api::vm::{Operation, OperationType, STOCK_IMAGES, SshStatus};
 use boxery_api::{
     ConditionStatus, Conditions, EventType, Image, ImagePhase, ImageSource, OwnerReference,
     Resource, RunStrategy, Vm, VmPhase, VmSource, now,
@@ -83,29 +83,16 @@ pub async fn reconcile(vm: Arc<Vm>, ctx: Arc<Ctx>) -> Result<Action> {
         if let Ok(Some(mut cur)) = ctx.store.get_as::<Vm>(&name)
             && !matches!(e, ReconcileError::Store(StoreError::Conflict { .. }))
         {
+            let r = e.recorded();
             cur.status.failures += 1;
-            let step = match e {
-                ReconcileError::Backend { step, .. } => step.to_string(),
-                ReconcileError::Store(_) => "store".into(),
-            };
-            let msg = e.chain();
-            cur.status.last_failure = Some(Failure {
-                step: step.clone(),
-                message: msg.clone(),
-                at: now(),
-                terminal: e.is_terminal(),
-            });
+            cur.status.last_failure = Some(r.failure);
             let generation = cur.metadata.generation;
             cur.status.observed_generation = generation;
             cur.status.conditions.set_condition(
                 "Ready",
                 ConditionStatus::False,
-                if e.is_terminal() {
-                    "InvalidRequest"
-                } else {
-                    "StepFailed"
-                },
-                &format!("{step} failed: {msg}"),
+                r.reason,
+                &r.message,
                 generation,
             );
             if cur.status.phase == VmPhase::Pending || cur.status.phase == VmPhase::Creating {
@@ -113,12 +100,7 @@ pub async fn reconcile(vm: Arc<Vm>, ctx: Arc<Ctx>) -> Result<Action> {
             }
             cur.status.printable_status = Some(printable(&cur));
             let _ = ctx.store.update_status_as(&cur);
-            ctx.event(
-                &cur,
-                EventType::Warning,
-                "StepFailed",
-                &format!("{step} failed: {msg}"),
-            );
+            ctx.event(&cur, EventType::Warning, "StepFailed", &r.message);
         }
         tracing::warn!(object = %key, error = %e.chain(), "reconcile failed");
     }
