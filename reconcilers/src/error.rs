@@ -9,6 +9,9 @@ pub enum ReconcileError {
     /// Reading or writing the store failed (a Conflict means someone else moved first: retry).
     #[error("store operation failed")]
     Store(#[from] StoreError),
+    /// Adding or removing a finalizer failed (a conflict means the object moved on: retry).
+    #[error("finalizer update failed")]
+    Finalizer(#[from] boxery_controller::finalizer::FinalizerError),
     /// A backend step failed.
     #[error("backend step `{step}` for {object} failed")]
     Backend {
@@ -36,7 +39,16 @@ impl ReconcileError {
     pub fn is_terminal(&self) -> bool {
         match self {
             ReconcileError::Backend { source, .. } => source.is_terminal(),
-            ReconcileError::Store(_) => false,
+            ReconcileError::Store(_) | ReconcileError::Finalizer(_) => false,
+        }
+    }
+
+    /// Whether someone else wrote the object first (retried at once, not recorded as a failure).
+    pub fn is_conflict(&self) -> bool {
+        match self {
+            ReconcileError::Store(StoreError::Conflict { .. }) => true,
+            ReconcileError::Finalizer(f) => f.is_conflict(),
+            _ => false,
         }
     }
 
@@ -45,7 +57,7 @@ impl ReconcileError {
     pub fn recorded(&self) -> Recorded {
         let step = match self {
             ReconcileError::Backend { step, .. } => step.to_string(),
-            ReconcileError::Store(_) => "store".into(),
+            ReconcileError::Store(_) | ReconcileError::Finalizer(_) => "store".into(),
         };
         let message = format!("{step} failed: {}", self.chain());
         Recorded {

@@ -16,8 +16,7 @@ use boxery_api::{
     ConditionStatus, Conditions, EventType, Image, ImagePhase, ImageSource, Resource, Vm, now,
 };
 use boxery_backends::PowerState;
-use boxery_controller::Action;
-use boxery_store::StoreError;
+use boxery_controller::{Action, ensure_finalizer, remove_finalizer};
 
 use crate::context::Ctx;
 use crate::error::ReconcileError;
@@ -75,7 +74,7 @@ pub async fn reconcile(img: Arc<Image>, ctx: Arc<Ctx>) -> Result<Action> {
     };
     let res = step(img, &ctx).await;
     if let Err(e) = &res {
-        if !matches!(e, ReconcileError::Store(StoreError::Conflict { .. }))
+        if !e.is_conflict()
             && let Ok(Some(mut cur)) = ctx.store.get_as::<Image>(&name)
         {
             let r = e.recorded();
@@ -134,13 +133,10 @@ async fn step(mut img: Image, ctx: &Ctx) -> Result<Action> {
             .cleanup_image(&name)
             .await
             .map_err(|e| ReconcileError::backend("cleanup_image", &obj, e))?;
-        img.metadata.finalizers.retain(|f| f != FINALIZER);
-        ctx.store.update_as(&img)?;
+        remove_finalizer(&ctx.store, &img, FINALIZER)?;
         return Ok(Action::await_change());
     }
-    if !img.metadata.has_finalizer(FINALIZER) {
-        img.metadata.finalizers.push(FINALIZER.into());
-        ctx.store.update_as(&img)?;
+    if ensure_finalizer(&ctx.store, &img, FINALIZER)? {
         return Ok(Action::requeue(Duration::ZERO));
     }
     if img.status.conditions.get_condition("Ready").is_none() {

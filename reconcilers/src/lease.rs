@@ -20,7 +20,7 @@ use std::time::Duration;
 use boxery_api::lease::LeasePhase;
 use boxery_api::pool::MemberState;
 use boxery_api::{ConditionStatus, Conditions, EventType, Lease, Pool, Resource, Time, now};
-use boxery_controller::Action;
+use boxery_controller::{Action, ensure_finalizer, remove_finalizer};
 use boxery_store::StoreError;
 
 use crate::context::Ctx;
@@ -172,14 +172,11 @@ pub async fn reconcile(lease: Arc<Lease>, ctx: Arc<Ctx>) -> Result<Action> {
                     ),
                 );
             }
-            l.metadata.finalizers.retain(|f| f != FINALIZER);
-            ctx.store.update_as(&l)?;
+            remove_finalizer(&ctx.store, &l, FINALIZER)?;
         }
         return Ok(Action::await_change());
     }
-    if !l.metadata.has_finalizer(FINALIZER) {
-        l.metadata.finalizers.push(FINALIZER.into());
-        ctx.store.update_as(&l)?;
+    if ensure_finalizer(&ctx.store, &l, FINALIZER)? {
         return Ok(Action::requeue(Duration::ZERO));
     }
     match l.status.phase {

@@ -20,7 +20,7 @@ use boxery_api::{
     Resource, RunStrategy, Vm, VmPhase, VmSource, now,
 };
 use boxery_backends::{BackendError, DiskSource, NewVm, PowerState, VmSize};
-use boxery_controller::Action;
+use boxery_controller::{Action, ensure_finalizer, remove_finalizer};
 use boxery_store::StoreError;
 
 use crate::context::Ctx;
@@ -81,7 +81,7 @@ pub async fn reconcile(vm: Arc<Vm>, ctx: Arc<Ctx>) -> Result<Action> {
     if let Err(e) = &res {
         // Record the failure in status so `describe` shows it, with the backoff the runtime applies.
         if let Ok(Some(mut cur)) = ctx.store.get_as::<Vm>(&name)
-            && !matches!(e, ReconcileError::Store(StoreError::Conflict { .. }))
+            && !e.is_conflict()
         {
             let r = e.recorded();
             cur.status.failures += 1;
@@ -114,9 +114,7 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     if vm.metadata.is_deleting() {
         return finalize(vm, ctx).await;
     }
-    if !vm.metadata.has_finalizer(FINALIZER) {
-        vm.metadata.finalizers.push(FINALIZER.to_string());
-        ctx.store.update_as(&vm)?;
+    if ensure_finalizer(&ctx.store, &vm, FINALIZER)? {
         return Ok(Action::requeue(std::time::Duration::ZERO));
     }
     // Conditions are set on the first visit, even when unknown.
@@ -441,8 +439,7 @@ async fn finalize(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     if let Some(ssh) = &ctx.ssh {
         ssh.close(&name).await;
     }
-    vm.metadata.finalizers.retain(|f| f != FINALIZER);
-    ctx.store.update_as(&vm)?;
+    remove_finalizer(&ctx.store, &vm, FINALIZER)?;
     // No event: events belong to their object and go with it.
     tracing::info!(vm = %name, "removed from the backend");
     Ok(Action::await_change())
