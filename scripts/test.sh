@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a clean clone on Debian 12: installs what the tests need (host
 # packages, as root), then runs every test of the workspace — unit, store, controller, fake
-# backend, the CLI end to end, the crash-recovery torture test, and the real-QEMU tests.
+# backend, the CLI end to end, the crash-recovery torture test, and the real-VM tests on the
+# qemu and libvirt backends.
 #
 #   scripts/test.sh            # everything
 #   scripts/test.sh -E 'test(torture)'   # extra arguments go to cargo nextest
@@ -10,16 +11,11 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n== %s (%ss)\n' "$*" "$SECONDS"; }
 
-# The libvirt backend's tests need a libvirtd (started by the tests) and libvirt-dev; they
-# join the suite with BOXERY_TEST_LIBVIRT=1 until they pass reliably (issue 6 is open).
-features=boxery-backends/qemu
+# Both real backends are tested: qemu (direct QEMU) and libvirt (a real libvirtd, started by
+# the tests through scripts/libvirtd.sh when none answers, and stopped again at the end).
+features=boxery-backends/qemu,boxery-backends/libvirt,boxery/libvirt
 step "host packages"
-if [ "${BOXERY_TEST_LIBVIRT:-}" = 1 ]; then
-  scripts/install-libvirt.sh
-  features=boxery-backends/qemu,boxery-backends/libvirt
-else
-  scripts/install-deps.sh
-fi
+scripts/install-libvirt.sh
 
 command -v cargo >/dev/null || { echo "cargo is missing: install Rust 1.95 (rustup) first" >&2; exit 1; }
 runner=(cargo nextest run)
@@ -40,11 +36,18 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --features "$features" -- -D warnings
 
 step "tests"
-if [ "${BOXERY_TEST_LIBVIRT:-}" = 1 ]; then
-  # The libvirt tests start libvirtd (scripts/libvirtd.sh) but none of them knows it is the
-  # last: stop it, and the default network's dnsmasq, when the suite ends.
-  trap 'virsh -c qemu:///system net-destroy default >/dev/null 2>&1 || true; scripts/libvirtd.sh stop || true' EXIT
+# The libvirt tests start libvirtd (and its default network) when they are not up, but none of
+# them knows it is the last: afterwards, stop what was not running before the suite.
+libvirtd_was_up=no; net_was_up=no
+if scripts/libvirtd.sh status; then
+  libvirtd_was_up=yes
+  virsh -q -c qemu:///system net-info default 2>/dev/null | grep -q '^Active: *yes' && net_was_up=yes
 fi
+cleanup_libvirt() {
+  [ "$net_was_up" = yes ] || virsh -q -c qemu:///system net-destroy default >/dev/null 2>&1 || true
+  [ "$libvirtd_was_up" = yes ] || scripts/libvirtd.sh stop || true
+}
+trap cleanup_libvirt EXIT
 if [ "${runner[1]}" = nextest ]; then
   cargo nextest run --workspace --features "$features" --no-fail-fast "$@"
 else

@@ -536,11 +536,13 @@ async fn recovery_foreign_domains_and_unreachable() {
 }
 
 /// The isolation filter, live: a guest cannot reach the host (beyond DHCP/DNS), another guest
-/// or a private address; the host still reaches its sshd. A control VM defined without the
-/// filter (same namespace, `isolation: false`) runs the same ping probe against the gateway and
-/// gets an answer: the probe works, so "dropped" from a filtered guest is the filter's doing.
+/// or a private address; the host still reaches its sshd; a guest that changes its MAC, sends
+/// from an address not its own, claims another guest's address in ARP, or speaks IPv6 gets
+/// nothing through. Every probe runs the same way on two control VMs defined without the
+/// filter (same namespace, `isolation: false`), which get through: the probe works, so
+/// "dropped" from a filtered guest is the filter's doing.
 /// Not verified here (see docs/backends-libvirt.md): that 10/8 or 169.254/16 would answer
-/// without the filter (nothing listens there), and MAC/IP spoofing beyond one ping.
+/// without the filter (nothing listens there).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn isolation_filter_holds() {
     let env = Env::new().await;
@@ -558,6 +560,7 @@ async fn isolation_filter_holds() {
     b.create(&v1).await.unwrap();
     b.create(&v2).await.unwrap();
     open.create(&env.vm("o1", "tiny")).await.unwrap();
+    open.create(&env.vm("o2", "tiny")).await.unwrap();
     let xml = |n: &str| {
         String::from_utf8_lossy(&virsh(&["dumpxml", &b.domain_name(n)]).stdout).to_string()
     };
@@ -616,19 +619,122 @@ async fn isolation_filter_holds() {
         "dns",
         "DNS to the host works through the filter"
     );
-    // a second (spoofed) address on the NIC: a ping from it to the host is not answered
-    assert_eq!(
-        env.run(
-            "i1",
-            &format!(
-                "sudo ip addr add 192.168.122.250/24 dev eth0; if ping -c 2 -W 2 -I 192.168.122.250 {gw} >/dev/null 2>&1; then echo open; else echo dropped; fi"
-            )
+    // IP spoofing: DNS to the host (allowed from the guest's own address) sent from a second
+    // address on the NIC (the route to the host says `src SPOOF`), then undone.
+    let from_spoofed = |spoof: &str| {
+        format!(
+            "sudo ip addr add {spoof}/32 dev eth0 2>/dev/null; sudo ip route replace {gw}/32 dev eth0 src {spoof}; \
+             if timeout 8 nslookup localhost {gw} >/dev/null 2>&1; then r=dns; else r=nodns; fi; \
+             sudo ip route del {gw}/32 dev eth0; sudo ip addr del {spoof}/32 dev eth0; echo $r"
         )
-        .await,
-        "dropped",
-        "spoofed source"
+    };
+    assert_eq!(
+        env.run("o1", &from_spoofed("192.168.122.249")).await,
+        "dns",
+        "control: DNS from a second address works without the filter"
     );
-    for n in ["i1", "i2", "o1"] {
+    assert_eq!(
+        env.run("i1", &from_spoofed("192.168.122.250")).await,
+        "nodns",
+        "IP spoofing: a packet from an address not the guest's own is dropped"
+    );
+
+    // MAC spoofing: the NIC takes another MAC, tells the host (ARP), asks it for DNS, and
+    // goes back to its own MAC (and tells the host again, so ssh finds it).
+    let with_mac = |vm_mac: &str, spoof: &str| {
+        format!(
+            "sudo ip link set eth0 address {spoof}; arping -c 1 -w 2 -I eth0 {gw} >/dev/null 2>&1; \
+             if timeout 8 nslookup localhost {gw} >/dev/null 2>&1; then r=dns; else r=nodns; fi; \
+             sudo ip link set eth0 address {vm_mac}; arping -c 2 -w 3 -I eth0 {gw} >/dev/null 2>&1; echo $r"
+        )
+    };
+    let mac_of = async |vm: &str| env.run(vm, "cat /sys/class/net/eth0/address").await;
+    let (mac_i1, mac_o1) = (mac_of("i1").await, mac_of("o1").await);
+    assert_eq!(
+        env.run("o1", &with_mac(&mac_o1, "52:54:00:6b:6b:01")).await,
+        "dns",
+        "control: a changed MAC gets through without the filter"
+    );
+    assert_eq!(
+        env.run("i1", &with_mac(&mac_i1, "52:54:00:6b:6b:02")).await,
+        "nodns",
+        "MAC spoofing: frames from another MAC are dropped"
+    );
+
+    // ARP spoofing: an ARP request to the host that claims another address for this NIC
+    // (sender IP = CLAIM). Without the filter the host learns CLAIM → this MAC.
+    let bridge = String::from_utf8_lossy(&virsh(&["net-info", "default"]).stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("Bridge:").map(|b| b.trim().to_string()))
+        .expect("the default network has a bridge");
+    let host_neigh = |ip: &str| {
+        let o = std::process::Command::new("ip")
+            .args(["neigh", "show", "to", ip, "dev", &bridge])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&o.stdout).to_lowercase()
+    };
+    let claim = |ip: &str| {
+        format!(
+            "sudo ip addr add {ip}/32 dev eth0 2>/dev/null; arping -c 2 -w 3 -I eth0 -s {ip} {gw} >/dev/null 2>&1; \
+             sudo ip addr del {ip}/32 dev eth0; echo done"
+        )
+    };
+    env.run("o1", &claim("192.168.122.248")).await;
+    assert!(
+        host_neigh("192.168.122.248").contains(&mac_o1),
+        "control: the host learns a claimed address without the filter: {}",
+        host_neigh("192.168.122.248")
+    );
+    env.run("i1", &claim(&ip2)).await;
+    env.run("i1", &claim("192.168.122.247")).await;
+    assert!(
+        !host_neigh(&ip2).contains(&mac_i1) && !host_neigh("192.168.122.247").contains(&mac_i1),
+        "ARP spoofing: the host never maps another address to i1's MAC: {} / {}",
+        host_neigh(&ip2),
+        host_neigh("192.168.122.247")
+    );
+    assert_eq!(
+        env.run("i2", "hostname").await,
+        "i2",
+        "i2 is still reached at its own address"
+    );
+
+    // IPv6: link-local pings between guests.
+    let ll = async |vm: &str| {
+        env.run(
+            vm,
+            "ip -6 addr show dev eth0 scope link | awk '/inet6/{sub(\"/.*\",\"\",$2); print $2; exit}'",
+        )
+        .await
+    };
+    let (ll_i1, ll_o2) = (ll("i1").await, ll("o2").await);
+    assert!(
+        ll_i1.starts_with("fe80:") && ll_o2.starts_with("fe80:"),
+        "guests have IPv6 link-local addresses: {ll_i1:?} {ll_o2:?}"
+    );
+    let ping6 = |ip: &str| {
+        format!(
+            "if ping6 -c 2 -W 2 -I eth0 {ip} >/dev/null 2>&1; then echo open; else echo dropped; fi"
+        )
+    };
+    assert_eq!(
+        env.run("o1", &ping6(&ll_o2)).await,
+        "open",
+        "control: IPv6 between two unfiltered guests works"
+    );
+    assert_eq!(
+        env.run("i1", &ping6(&ll_o2)).await,
+        "dropped",
+        "IPv6 out of a filtered guest is dropped"
+    );
+    assert_eq!(
+        env.run("o2", &ping6(&ll_i1)).await,
+        "dropped",
+        "IPv6 into a filtered guest is dropped"
+    );
+
+    for n in ["i1", "i2", "o1", "o2"] {
         b.remove(n).await.unwrap();
     }
     assert!(env.domains().is_empty(), "no domain left");

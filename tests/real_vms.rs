@@ -1,11 +1,15 @@
-//! End to end with real VMs: the `boxery` binary on the `qemu` backend, guests under TCG.
+//! End to end with real VMs: the `boxery` binary on each real backend (`qemu`, and `libvirt`
+//! against a real libvirtd), guests under TCG. The same tests, the same manifests, run on both:
+//! `qemu::…` and `libvirt::…`.
 //!
 //! apply a Vm (the small `tiny` guest) → Ready → `run` → write a file → `snap` → change it →
 //! `revert` → the file is back → `fork` into two → both reachable with their own hostname,
 //! machine-id, MAC and host key → `stop`/`start` → `resize` → `cp` both ways → delete → no
-//! QEMU process, disk, image, port or pidfile left. Crashes: `serve` SIGKILLed during a create
-//! and during a capture of a running VM converges with nothing leaked. And one run of the full
-//! `debian-12` guest. These tests fail (never pass) when QEMU is missing.
+//! VM process or domain, disk, image or port left. Crashes: `serve` SIGKILLed during a create
+//! and during a capture of a running VM converges with nothing leaked. The example manifests
+//! (`manifests/examples/{vm,snapshot,fork}.yaml`) unchanged, on the full `debian-12` guest. A
+//! pool's lease cycle. These tests fail (never pass) when QEMU or libvirt is missing, and the
+//! libvirt ones fail when the binary was built without `--features libvirt`.
 
 mod common;
 
@@ -13,6 +17,26 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::Home;
+
+/// Which real backend a test drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Qemu,
+    Libvirt,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Qemu => "qemu",
+            Kind::Libvirt => "libvirt",
+        }
+    }
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
 
 fn require_qemu() {
     let ok = std::process::Command::new("qemu-system-x86_64")
@@ -25,26 +49,58 @@ fn require_qemu() {
     );
 }
 
-/// A home on the qemu backend whose QEMU processes are killed (by their pidfiles) on drop.
-struct QemuHome {
-    home: Home,
+/// A libvirtd that answers: started by scripts/libvirtd.sh unless one already does.
+fn require_libvirtd() {
+    let out = std::process::Command::new("bash")
+        .arg(repo().join("scripts/libvirtd.sh"))
+        .arg("start")
+        .output()
+        .expect("run scripts/libvirtd.sh");
+    assert!(
+        out.status.success(),
+        "no libvirtd: scripts/libvirtd.sh start failed (install libvirt with scripts/install-libvirt.sh): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
-impl QemuHome {
-    fn new() -> Self {
+fn virsh(args: &[&str]) -> String {
+    let o = std::process::Command::new("virsh")
+        .args(["-q", "-c", "qemu:///system"])
+        .args(args)
+        .output()
+        .expect("virsh is installed (scripts/install-libvirt.sh)");
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A home on one real backend; on drop, every VM it started is killed (QEMU: by its pidfile;
+/// libvirt: its namespace's domains destroyed and undefined, its storage pool removed).
+struct RealHome {
+    home: Home,
+    kind: Kind,
+}
+
+impl RealHome {
+    fn new(kind: Kind) -> Self {
         require_qemu();
-        QemuHome { home: Home::new() }
+        if kind == Kind::Libvirt {
+            require_libvirtd();
+        }
+        RealHome {
+            home: Home::new(),
+            kind,
+        }
     }
     fn cmd(&self, args: &[&str]) -> std::process::Output {
         let mut c = self.home.cmd();
-        c.env("BOXERY_BACKEND", "qemu").args(args);
+        c.env("BOXERY_BACKEND", self.kind.name()).args(args);
         c.output().expect("run boxery")
     }
     fn ok(&self, args: &[&str]) -> String {
         let o = self.cmd(args);
         assert!(
             o.status.success(),
-            "boxery {args:?} failed ({:?}):\nstdout: {}\nstderr: {}",
+            "boxery {args:?} on {} failed ({:?}):\nstdout: {}\nstderr: {}",
+            self.kind.name(),
             o.status.code(),
             String::from_utf8_lossy(&o.stdout),
             String::from_utf8_lossy(&o.stderr)
@@ -54,25 +110,104 @@ impl QemuHome {
     fn run(&self, vm: &str, cmd: &str) -> String {
         self.ok(&["run", vm, "--", cmd]).trim().to_string()
     }
+    fn apply_file(&self, path: &Path, timeout: &str) {
+        self.ok(&[
+            "apply",
+            "-f",
+            path.to_str().unwrap(),
+            "--wait",
+            "--timeout",
+            timeout,
+        ]);
+    }
     fn qemu_dir(&self) -> PathBuf {
         self.home.path().join("qemu")
     }
-    /// PIDs of live QEMU processes this home started.
-    fn live_qemus(&self) -> Vec<u32> {
-        let mut out = Vec::new();
-        let Ok(vms) = std::fs::read_dir(self.qemu_dir().join("vms")) else {
-            return out;
+    /// The libvirt domain prefix of this home (`bx-<namespace>-`).
+    fn domain_prefix(&self) -> String {
+        format!("bx-{}-", self.namespace())
+    }
+    #[cfg(feature = "libvirt")]
+    fn libvirt(&self) -> boxery_backends::libvirt::LibvirtBackend {
+        boxery_backends::libvirt::LibvirtBackend::new(boxery_backends::state_dir(
+            self.home.path(),
+            "libvirt",
+        ))
+    }
+    #[cfg(feature = "libvirt")]
+    fn namespace(&self) -> String {
+        self.libvirt().namespace().to_string()
+    }
+    #[cfg(not(feature = "libvirt"))]
+    fn namespace(&self) -> String {
+        unreachable!("libvirt tests exist only with --features libvirt")
+    }
+    fn domains(&self, all: bool) -> Vec<String> {
+        let prefix = self.domain_prefix();
+        let list = if all {
+            virsh(&["list", "--all", "--name"])
+        } else {
+            virsh(&["list", "--name"])
         };
-        for vm in vms.flatten() {
-            if let Some(pid) = std::fs::read_to_string(vm.path().join("qemu.pid"))
-                .ok()
-                .and_then(|s| s.trim().parse::<u32>().ok())
-                && Path::new(&format!("/proc/{pid}")).exists()
-            {
-                out.push(pid);
+        list.lines()
+            .map(str::trim)
+            .filter(|l| l.starts_with(&prefix))
+            .map(String::from)
+            .collect()
+    }
+    /// The VMs running now: QEMU PIDs this home started, or this home's running domains.
+    fn running(&self) -> Vec<String> {
+        match self.kind {
+            Kind::Qemu => {
+                let mut out = Vec::new();
+                let Ok(vms) = std::fs::read_dir(self.qemu_dir().join("vms")) else {
+                    return out;
+                };
+                for vm in vms.flatten() {
+                    if let Some(pid) = std::fs::read_to_string(vm.path().join("qemu.pid"))
+                        .ok()
+                        .and_then(|s| s.trim().parse::<u32>().ok())
+                        && Path::new(&format!("/proc/{pid}")).exists()
+                    {
+                        out.push(pid.to_string());
+                    }
+                }
+                out
+            }
+            Kind::Libvirt => self.domains(false),
+        }
+    }
+    /// What a backend keeps per VM or image, when none should exist (bases are a cache and stay).
+    fn leftovers(&self) -> Vec<String> {
+        let list = |d: PathBuf, keep: &dyn Fn(&str) -> bool| -> Vec<String> {
+            std::fs::read_dir(&d)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter(|e| keep(&e.file_name().to_string_lossy()))
+                .map(|e| e.path().display().to_string())
+                .collect()
+        };
+        match self.kind {
+            Kind::Qemu => ["vms", "images", "ports"]
+                .iter()
+                .flat_map(|d| list(self.qemu_dir().join(d), &|_| true))
+                .collect(),
+            Kind::Libvirt => {
+                let mut out = self.domains(true);
+                out.extend(list(self.home.path().join("libvirt/images"), &|_| true));
+                out.extend(list(self.pool_dir(), &|f| !f.starts_with("base-")));
+                out
             }
         }
-        out
+    }
+    #[cfg(feature = "libvirt")]
+    fn pool_dir(&self) -> PathBuf {
+        self.libvirt().pool_dir().to_path_buf()
+    }
+    #[cfg(not(feature = "libvirt"))]
+    fn pool_dir(&self) -> PathBuf {
+        unreachable!("libvirt tests exist only with --features libvirt")
     }
     fn vm_json(&self, vm: &str) -> serde_json::Value {
         serde_json::from_str(&self.ok(&["get", "vm", vm, "-o", "json"])).unwrap()
@@ -88,7 +223,7 @@ impl QemuHome {
         let child = self
             .home
             .cmd()
-            .env("BOXERY_BACKEND", "qemu")
+            .env("BOXERY_BACKEND", self.kind.name())
             .args(["serve", "--inventory-every", "2s", "--lease", "2s"])
             .stdout(logf.try_clone().unwrap())
             .stderr(logf)
@@ -98,13 +233,26 @@ impl QemuHome {
     }
 }
 
-impl Drop for QemuHome {
+impl Drop for RealHome {
     fn drop(&mut self) {
-        for pid in self.live_qemus() {
-            let _ = std::process::Command::new("kill")
-                .arg("-9")
-                .arg(pid.to_string())
-                .status();
+        match self.kind {
+            Kind::Qemu => {
+                for pid in self.running() {
+                    let _ = std::process::Command::new("kill")
+                        .args(["-9", &pid])
+                        .status();
+                }
+            }
+            Kind::Libvirt => {
+                for d in self.domains(true) {
+                    virsh(&["destroy", &d]);
+                    virsh(&["undefine", &d]);
+                }
+                let pool = format!("boxery-{}", self.namespace());
+                virsh(&["pool-destroy", &pool]);
+                virsh(&["pool-undefine", &pool]);
+                let _ = std::fs::remove_dir_all(self.pool_dir());
+            }
         }
     }
 }
@@ -115,9 +263,8 @@ fn tiny_vm(name: &str) -> String {
     )
 }
 
-#[test]
-fn lifecycle_with_real_vms() {
-    let h = QemuHome::new();
+fn lifecycle(kind: Kind) {
+    let h = RealHome::new(kind);
     let f = h.home.write("vm.yaml", &tiny_vm("t1"));
     h.ok(&[
         "apply",
@@ -212,26 +359,15 @@ fn lifecycle_with_real_vms() {
     h.ok(&["rm", "t1", "t2", "t3", "--wait", "--timeout", "3m"]);
     h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
     assert!(
-        h.live_qemus().is_empty(),
-        "QEMU processes left: {:?}",
-        h.live_qemus()
+        h.running().is_empty(),
+        "VMs left running: {:?}",
+        h.running()
     );
-    let leftovers: Vec<String> = ["vms", "images", "ports"]
-        .iter()
-        .flat_map(|d| {
-            std::fs::read_dir(h.qemu_dir().join(d))
-                .into_iter()
-                .flatten()
-                .flatten()
-                .map(|e| e.path().display().to_string())
-        })
-        .collect();
-    assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
+    assert!(h.leftovers().is_empty(), "left behind: {:?}", h.leftovers());
 }
 
-#[test]
-fn crash_during_create_and_capture_with_real_vms() {
-    let h = QemuHome::new();
+fn crash_during_create_and_capture(kind: Kind) {
+    let h = RealHome::new(kind);
     let mut serve = h.serve();
     let f = h.home.write("a.yaml", &tiny_vm("c1"));
     h.ok(&["apply", "-f", f.to_str().unwrap()]);
@@ -269,29 +405,26 @@ fn crash_during_create_and_capture_with_real_vms() {
     h.ok(&["wait", "vm", "c1", "--for=condition=Ready", "--timeout=5m"]);
     assert_eq!(h.run("c1", "ls ~/blob"), "/home/agent/blob");
     // One QEMU per VM, no more.
-    assert_eq!(h.live_qemus().len(), 2, "one QEMU per VM");
+    assert_eq!(
+        h.running().len(),
+        2,
+        "one running VM per Vm: {:?}",
+        h.running()
+    );
     h.ok(&["rm", "c1", "c2", "--wait", "--timeout", "3m"]);
-    assert!(h.live_qemus().is_empty());
+    // c1's snapshot is owned by c1 and goes with it
+    h.ok(&["wait", "image", "c1.s1", "--for=delete", "--timeout=1m"]);
+    h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
+    assert!(h.running().is_empty());
+    assert!(h.leftovers().is_empty(), "left behind: {:?}", h.leftovers());
 }
 
-#[test]
-fn full_debian_guest() {
-    let h = QemuHome::new();
-    let f = h.home.write(
-        "vm.yaml",
-        &std::fs::read_to_string(
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/examples/vm.yaml"),
-        )
-        .unwrap(),
-    );
-    h.ok(&[
-        "apply",
-        "-f",
-        f.to_str().unwrap(),
-        "--wait",
-        "--timeout",
-        "20m",
-    ]);
+/// The example manifests, unchanged: `vm.yaml` (the full `debian-12` guest), then
+/// `snapshot.yaml` (a capture of it running) and `fork.yaml` (two VMs from its disk).
+fn example_manifests(kind: Kind) {
+    let h = RealHome::new(kind);
+    let example = |f: &str| repo().join("manifests/examples").join(f);
+    h.apply_file(&example("vm.yaml"), "20m");
     let out = h.run(
         "dev1",
         "uname -a; id -un; cat /etc/boxery/build-info; sudo -n true && echo sudo-ok",
@@ -303,12 +436,32 @@ fn full_debian_guest() {
             && out.contains("sudo-ok"),
         "{out}"
     );
-    h.ok(&["rm", "dev1", "--wait", "--timeout", "3m"]);
-    assert!(h.live_qemus().is_empty());
+    h.run("dev1", "echo from-dev1 > ~/mark && sync");
+    h.apply_file(&example("snapshot.yaml"), "5m");
+    h.apply_file(&example("fork.yaml"), "20m");
+    for n in ["dev2", "dev3"] {
+        assert_eq!(
+            h.run(n, "hostname; cat ~/mark"),
+            format!("{n}\nfrom-dev1"),
+            "{n} is dev1's disk with its own identity"
+        );
+    }
+    h.ok(&["rm", "dev1", "dev2", "dev3", "--wait", "--timeout", "5m"]);
+    h.ok(&[
+        "delete",
+        "image",
+        "dev1.before-upgrade",
+        "debian-12",
+        "--wait",
+        "--timeout",
+        "2m",
+    ]);
+    assert!(h.running().is_empty());
+    assert!(h.leftovers().is_empty(), "left behind: {:?}", h.leftovers());
 }
 
 /// ssh to `vm` with exactly one key (not the control plane's): does the guest accept it?
-fn ssh_with_key(h: &QemuHome, vm: &str, key: &Path) -> bool {
+fn ssh_with_key(h: &RealHome, vm: &str, key: &Path) -> bool {
     let v = h.vm_json(vm);
     let endpoint = v["status"]["ssh"]["endpoint"].as_str().unwrap().to_string();
     let (host, port) = endpoint.rsplit_once(':').unwrap();
@@ -342,9 +495,8 @@ fn ssh_with_key(h: &QemuHome, vm: &str, key: &Path) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-#[test]
-fn pool_leases_with_real_vms() {
-    let h = QemuHome::new();
+fn pool_leases(kind: Kind) {
+    let h = RealHome::new(kind);
     let _serve = h.serve();
     let f = h.home.write(
         "pool.yaml",
@@ -418,4 +570,50 @@ fn pool_leases_with_real_vms() {
     );
     h.ok(&["lease", "release", "lb", "--wait"]);
     h.ok(&["delete", "pool", "rp", "--wait", "--timeout", "3m"]);
+    // the pool's members go with it (cascade), each through its own finalizer
+    h.ok(&["wait", "vm", "rp-0", "--for=delete", "--timeout=3m"]);
+    h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
+    assert!(h.running().is_empty());
+    assert!(h.leftovers().is_empty(), "left behind: {:?}", h.leftovers());
+}
+
+/// The same tests on each real backend.
+macro_rules! on_backend {
+    ($kind:expr) => {
+        #[test]
+        fn lifecycle_with_real_vms() {
+            super::lifecycle($kind)
+        }
+        #[test]
+        fn crash_during_create_and_capture_with_real_vms() {
+            super::crash_during_create_and_capture($kind)
+        }
+        #[test]
+        fn example_manifests_on_the_debian_guest() {
+            super::example_manifests($kind)
+        }
+        #[test]
+        fn pool_leases_with_real_vms() {
+            super::pool_leases($kind)
+        }
+    };
+}
+
+mod qemu {
+    on_backend!(super::Kind::Qemu);
+}
+
+#[cfg(feature = "libvirt")]
+mod libvirt {
+    on_backend!(super::Kind::Libvirt);
+}
+
+/// Without the libvirt backend in this build, its half of the suite cannot run: say so.
+#[cfg(not(feature = "libvirt"))]
+#[test]
+fn libvirt_backend_is_in_this_build() {
+    panic!(
+        "the libvirt end-to-end tests need a binary built with the libvirt backend: run them with \
+         `--features boxery/libvirt` after scripts/install-libvirt.sh (scripts/test.sh does both)"
+    );
 }
