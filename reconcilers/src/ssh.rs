@@ -254,14 +254,24 @@ impl SshDir {
             vm: t.name.clone(),
             reason,
         };
-        // Poll the banner briefly here rather than across requeues: the first command after a
-        // boot should not wait for the next reconcile (docs/benchmarks.md measures this).
-        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        // Poll the banner here rather than across requeues: the first command after a boot
+        // should not wait for the next reconcile (docs/benchmarks.md measures this). Early
+        // attempts are short (a guest that is not up yet may leave a connect hanging, and
+        // retrying finds it the moment it listens); later ones wait longer, since a loaded
+        // host's sshd can take seconds to fork and send its banner, and giving up on each
+        // connection after a fixed short time would never see it (and piles up half-open
+        // connections against sshd's MaxStartups).
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut within = Duration::from_millis(200);
         loop {
-            match banner(&t.endpoint).await {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match banner(&t.endpoint, within.min(left)).await {
                 Ok(()) => break,
                 Err(e) if std::time::Instant::now() >= deadline => return Err(unreachable(e)),
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    within = (within * 2).min(Duration::from_secs(5));
+                }
             }
         }
         let mut c = self.command(&t.name);
@@ -282,9 +292,9 @@ impl SshDir {
     }
 }
 
-/// Connect and read the `SSH-` banner (user-mode networking accepts TCP before the guest
-/// listens, so a connect alone proves nothing).
-pub async fn banner(endpoint: &str) -> Result<(), String> {
+/// Connect and read the `SSH-` banner `within` a time (user-mode networking accepts TCP
+/// before the guest listens, so a connect alone proves nothing).
+pub async fn banner(endpoint: &str, within: Duration) -> Result<(), String> {
     let fut = async {
         let mut s = tokio::net::TcpStream::connect(endpoint)
             .await
@@ -300,7 +310,7 @@ pub async fn banner(endpoint: &str) -> Result<(), String> {
             Err(format!("{endpoint} does not speak SSH"))
         }
     };
-    tokio::time::timeout(Duration::from_millis(200), fut)
+    tokio::time::timeout(within, fut)
         .await
-        .map_err(|_| format!("no SSH banner at {endpoint} within 0.2 s"))?
+        .map_err(|_| format!("no SSH banner at {endpoint} within {within:.1?}"))?
 }

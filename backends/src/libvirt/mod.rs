@@ -45,7 +45,7 @@ use virt::domain::Domain;
 
 use crate::qemu::disk::{Disks, GIB, allocated_bytes};
 use crate::qemu::layout::{
-    FileLock, read_json, remove_file_if_exists, valid_name, write_atomic, write_json,
+    FileLock, read_json, remove_file_if_exists, remove_temps, valid_name, write_atomic, write_json,
 };
 use crate::qemu::process::{Accel, detect_accel};
 use crate::qemu::records::{BaseRecord, ImageRecord, Manifest, VmConfig};
@@ -254,6 +254,11 @@ impl LibvirtBackend {
     }
     fn image_part(&self, name: &str) -> PathBuf {
         self.pool_dir.join(format!(".img-{name}.part"))
+    }
+
+    /// `.img-<name>.copy`: a stopped VM's disk being copied for a capture.
+    fn image_copy(&self, name: &str) -> PathBuf {
+        self.pool_dir.join(format!(".img-{name}.copy"))
     }
     fn image_record(&self, name: &str) -> PathBuf {
         self.images_dir().join(format!("{name}.json"))
@@ -521,6 +526,15 @@ impl LibvirtBackend {
         for p in [self.vm_seed(name), self.vm_serial(name)] {
             remove_file_if_exists(&p).map_err(io(format!("removing {}", p.display())))?;
         }
+        // a create killed mid-copy leaves `.vm-NAME-G.qcow2.tmp-PID` or the seed's temp
+        let (prefix, seed) = (format!("vm-{name}-"), format!("vm-{name}-seed.iso"));
+        remove_temps(&self.pool_dir, |f| {
+            f == seed
+                || f.strip_prefix(&prefix)
+                    .and_then(|r| r.strip_suffix(".qcow2"))
+                    .is_some_and(|g| g.parse::<u64>().is_ok())
+        })
+        .map_err(io(format!("removing temp files of VM {name}")))?;
         let _ = std::fs::remove_dir_all(self.seed_work(name));
         self.refresh_pool(&conn);
         Ok(())
@@ -724,10 +738,17 @@ impl LibvirtBackend {
 
     fn remove_image_files(&self, image: &str) -> Result<()> {
         remove_file_if_exists(&self.image_record(image)).map_err(io("removing an image record"))?;
-        for p in [self.image_disk(image), self.image_part(image)] {
+        for p in [
+            self.image_disk(image),
+            self.image_part(image),
+            self.image_copy(image),
+        ] {
             remove_file_if_exists(&p).map_err(io(format!("removing {}", p.display())))?;
         }
-        Ok(())
+        let (record, disk) = (format!("{image}.json"), format!("img-{image}.qcow2"));
+        remove_temps(&self.images_dir(), |f| f == record)
+            .and_then(|()| remove_temps(&self.pool_dir, |f| f == disk))
+            .map_err(io(format!("removing temp files of image {image}")))
     }
 
     async fn capture_inner(&self, conn: &Connect, vm: &str, image: &str, uid: &str) -> Result<()> {
@@ -756,7 +777,7 @@ impl LibvirtBackend {
             active
         } else {
             // stopped: copy its overlay (below)
-            let tmp = self.pool_dir.join(format!(".img-{image}.copy"));
+            let tmp = self.image_copy(image);
             self.disks.copy(&active, &tmp).await.map_err(|e| {
                 BackendError::failed(format!("copy the disk of VM {vm}"), e.to_string())
             })?;
@@ -930,7 +951,7 @@ impl Backend for LibvirtBackend {
                 "libvirt >= 9 (libvirt-daemon-system, libvirt-clients; Debian 12: 11.3 from bookworm-backports)",
                 "qemu-system-x86 >= 8, qemu-utils",
                 "dnsmasq-base, iptables, ebtables (the NAT network and its nwfilter)",
-                "genisoimage",
+                "genisoimage, openssh-client",
                 "libvirt-dev and pkg-config to build",
             ],
             resize: true,

@@ -186,15 +186,11 @@ impl Inner {
             .map_err(io(format!("removing the record of image {image}")))?;
         remove_file_if_exists(&self.layout.image_disk(image))
             .map_err(io(format!("removing the disk of image {image}")))?;
-        let prefix = format!(".{image}.");
-        if let Ok(entries) = std::fs::read_dir(self.layout.images()) {
-            for e in entries.flatten() {
-                if e.file_name().to_string_lossy().starts_with(&prefix) {
-                    remove_file_if_exists(&e.path())
-                        .map_err(io(format!("removing {}", e.path().display())))?;
-                }
-            }
-        }
+        let part = self.layout.images().join(format!(".{image}.qcow2.part"));
+        remove_file_if_exists(&part).map_err(io(format!("removing {}", part.display())))?;
+        let (record, disk) = (format!("{image}.json"), format!("{image}.qcow2"));
+        layout::remove_temps(&self.layout.images(), |f| f == record || f == disk)
+            .map_err(io(format!("removing temp files of image {image}")))?;
         Ok(())
     }
 

@@ -177,6 +177,30 @@ pub fn temp_path(path: &Path) -> PathBuf {
     path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }
 
+/// Remove the temp files ([`temp_path`]: `.FILE.tmp-PID`) that a process killed while writing
+/// a file of `dir` left behind, for every `FILE` that `of` picks. Exact names only: image
+/// `c1`'s temps are not image `c1.s1`'s.
+pub fn remove_temps(dir: &Path, of: impl Fn(&str) -> bool) -> std::io::Result<()> {
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        let temp_of = name
+            .strip_prefix('.')
+            .and_then(|r| r.rsplit_once(".tmp-"))
+            .filter(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+            .map(|(file, _)| file);
+        if temp_of.is_some_and(&of) {
+            remove_file_if_exists(&e.path())?;
+        }
+    }
+    Ok(())
+}
+
 /// Write `data` to `path` atomically (temp file, fsync, rename, fsync the directory), with
 /// permissions `mode`.
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> std::io::Result<()> {
@@ -280,6 +304,37 @@ impl FileLock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn remove_temps_takes_exactly_the_named_files_temps() {
+        let d = tempfile::tempdir().unwrap();
+        let names = [
+            ".c1.json.tmp-12",    // c1's record, mid-write: goes
+            ".c1.s1.json.tmp-13", // image c1.s1's: stays
+            ".c1.json.tmp-x",     // not a PID: stays
+            ".c1.json.tmp-",      // no PID: stays
+            "c1.json",            // the record itself: stays
+        ];
+        for n in names {
+            fs::write(d.path().join(n), "x").unwrap();
+        }
+        remove_temps(d.path(), |f| f == "c1.json").unwrap();
+        let mut left: Vec<String> = fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                ".c1.json.tmp-",
+                ".c1.json.tmp-x",
+                ".c1.s1.json.tmp-13",
+                "c1.json"
+            ]
+        );
+        remove_temps(&d.path().join("missing"), |_| true).unwrap();
+    }
 
     #[test]
     fn names() {
