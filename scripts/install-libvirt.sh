@@ -7,14 +7,14 @@
 #   scripts/install-libvirt.sh --check       # only report; exit 1 if something is missing
 #
 # libvirt 11.3 comes from bookworm-backports (it must match QEMU 10 from there). Plain bookworm
-# gives passt (the <portForward> user network that carries each VM's ssh to a loopback port),
-# dnsmasq-base and iptables (libvirt's `default` NAT network), ebtables (nwfilter's MAC/ARP rules)
-# and pkg-config (the `virt` crate's build finds libvirt through it).
+# gives dnsmasq-base and iptables (libvirt's `default` NAT network, which carries each VM's ssh
+# from the host), ebtables (nwfilter's MAC/ARP rules) and pkg-config (the `virt` crate's build
+# finds libvirt through it).
 set -euo pipefail
 cd "$(dirname "$0")"
 
 LIBVIRT_PKGS=(libvirt-daemon-system libvirt-clients libvirt-dev libvirt-daemon-driver-qemu)
-BASE_PKGS=(passt dnsmasq-base iptables ebtables pkg-config)
+BASE_PKGS=(dnsmasq-base iptables ebtables pkg-config)
 
 say() { printf 'install-libvirt: %s\n' "$*"; }
 missing() {
@@ -40,7 +40,7 @@ fi
 MISS_LV=$(missing "${LIBVIRT_PKGS[@]}")
 MISS_BASE=$(missing "${BASE_PKGS[@]}")
 if [ -z "$MISS_LV" ] && [ -z "$MISS_BASE" ]; then
-  say "all present: libvirt $(dpkg-query -W -f='${Version}' libvirt-daemon-system), passt, dnsmasq-base, iptables, ebtables"
+  say "all present: libvirt $(dpkg-query -W -f='${Version}' libvirt-daemon-system), dnsmasq-base, iptables, ebtables"
   exit 0
 fi
 export DEBIAN_FRONTEND=noninteractive

@@ -541,7 +541,7 @@ async fn recovery_foreign_domains_and_unreachable() {
 /// nothing through. Every probe runs the same way on two control VMs defined without the
 /// filter (same namespace, `isolation: false`), which get through: the probe works, so
 /// "dropped" from a filtered guest is the filter's doing.
-/// Not verified here (see docs/backends-libvirt.md): that 10/8 or 169.254/16 would answer
+/// Not verified here (see docs/backends.md, "The libvirt backend"): that 10/8 or 169.254/16 would answer
 /// without the filter (nothing listens there).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn isolation_filter_holds() {
