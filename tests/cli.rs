@@ -403,6 +403,49 @@ fn docs_cover_every_command() {
     assert!(n > 15, "parsed only {n} commands from --help");
 }
 
+/// A home whose VMs live on one backend refuses to run controllers on another (they would
+/// find every VM missing and mark it Lost), says what to do, and changes nothing.
+#[test]
+fn a_home_drives_one_backend() {
+    let home = Home::new();
+    let f = home.write("vm.yaml", &vm_yaml("dev1"));
+    let f = f.to_str().unwrap();
+    home.ok(&["apply", "-f", f, "--wait", "--timeout", "30s"]);
+    let before = home.ok(&["get", "vm", "dev1", "-o", "json"]);
+    let on_qemu = |args: &[&str]| {
+        home.cmd()
+            .env("BOXERY_BACKEND", "qemu")
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    for args in [
+        &["apply", "-f", f, "--wait", "--timeout", "10s"][..],
+        &["serve"][..],
+        &["delete", "vm", "dev1", "--force"][..],
+    ] {
+        let o = on_qemu(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains("Vm dev1 in") && err.contains("lives on the `fake` backend, not `qemu`"),
+            "{args:?}: {err}"
+        );
+        assert!(err.contains("BOXERY_HOME"), "says what to do: {err}");
+    }
+    assert_eq!(
+        home.ok(&["get", "vm", "dev1", "-o", "json"]),
+        before,
+        "nothing changed"
+    );
+    // reading needs no backend
+    on_qemu(&["get", "vms"])
+        .status
+        .success()
+        .then_some(())
+        .unwrap();
+}
+
 #[test]
 fn backend_table_in_docs_matches_the_declarations() {
     let home = Home::new();

@@ -454,6 +454,10 @@ pub async fn delete(
     if names.is_empty() {
         return Err(CliError::invalid("name at least one object to delete"));
     }
+    if force {
+        // before anything is marked: --force acts on the backend at once
+        env.backend_for(&store)?;
+    }
     let mut targets = Vec::new();
     for n in names {
         match store.delete(info.kind, n)? {

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use boxery_api::Resource as _;
 use boxery_backends::Backend;
 use boxery_store::Store;
 
@@ -70,6 +71,34 @@ impl Env {
     /// The backend.
     pub fn backend(&self) -> CliResult<Arc<dyn Backend>> {
         boxery_backends::by_name(&self.backend_name, &self.home).map_err(CliError::invalid)
+    }
+
+    /// The backend, once the store's VMs and images are known to live on it. One home drives
+    /// one backend: controllers on another would find every VM missing and mark it `Lost`.
+    pub fn backend_for(&self, store: &Store) -> CliResult<Arc<dyn Backend>> {
+        let selected = self.backend_name.as_str();
+        let elsewhere = |kind: &str, name: &str, on: &Option<String>| {
+            on.as_deref().filter(|b| *b != selected).map(|b| {
+                CliError::invalid(format!(
+                    "{kind} {name} in {} lives on the `{b}` backend, not `{selected}`: one home \
+                     drives one backend. Use another BOXERY_HOME for `{selected}`, or select \
+                     `{b}` again (--backend, BOXERY_BACKEND or config.yaml)",
+                    self.home.display()
+                ))
+            })
+        };
+        let all = boxery_api::Selector::default();
+        for vm in store.list_as::<boxery_api::Vm>(&all)? {
+            if let Some(e) = elsewhere("Vm", vm.name(), &vm.status.backend) {
+                return Err(e);
+            }
+        }
+        for img in store.list_as::<boxery_api::Image>(&all)? {
+            if let Some(e) = elsewhere("Image", img.name(), &img.status.backend) {
+                return Err(e);
+            }
+        }
+        self.backend()
     }
 }
 

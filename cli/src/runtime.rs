@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use boxery_backends::Backend;
 use boxery_controller::CancellationToken;
 use boxery_controller::leader::{LeaderElector, this_process};
 use boxery_reconcilers::{Ctx, Settings};
@@ -15,20 +16,19 @@ use crate::exit::{CliError, CliResult};
 /// The store lock the controllers lead under.
 pub const LOCK: &str = "boxery-controllers";
 
-fn context(env: &Env, store: &Store, settings: Settings, holder: &str) -> CliResult<Arc<Ctx>> {
-    let backend = env.backend()?;
-    Ok(Arc::new(Ctx::new(
+fn context(store: &Store, backend: Arc<dyn Backend>, settings: Settings, holder: &str) -> Arc<Ctx> {
+    Arc::new(Ctx::new(
         store.clone(),
         backend,
         holder.to_string(),
         settings,
-    )))
+    ))
 }
 
 /// `serve`: wait to lead, run the controllers, exit when interrupted or when leadership is lost.
 pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> CliResult {
     let store = env.store()?;
-    let backend = env.backend()?;
+    let backend = env.backend_for(&store)?;
     backend.check().await.map_err(|e| {
         CliError::failed(format!(
             "the {} backend is not usable: {e}",
@@ -73,7 +73,7 @@ pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> Cli
         inventory_every,
         ..Settings::default()
     };
-    let ctx = context(env, &store, settings, &me.id)?;
+    let ctx = context(&store, backend.clone(), settings, &me.id);
     let run = boxery_reconcilers::runtime::run(ctx, shutdown.child_token());
     tokio::select! {
         _ = run => {}
@@ -110,7 +110,7 @@ impl Embedded {
             .acquire()
             .await
             .map_err(|e| CliError::failed(format!("leader election failed: {e}")))?;
-        let backend = env.backend()?;
+        let backend = env.backend_for(store)?;
         backend.init().await.map_err(|e| {
             CliError::failed(format!(
                 "the {} backend could not initialise: {e}",
@@ -121,7 +121,7 @@ impl Embedded {
             inventory_every: Duration::from_secs(5),
             ..Settings::default()
         };
-        let ctx = context(env, store, settings, &me.id)?;
+        let ctx = context(store, backend.clone(), settings, &me.id);
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(boxery_reconcilers::runtime::run(ctx, shutdown.clone()));
         Ok(Some(Embedded {
@@ -144,7 +144,7 @@ impl Embedded {
 /// `delete --force`: drop boxery's finalizer once the backend confirms the VM or image is gone
 /// (removing it first when the backend can).
 pub async fn force_delete(env: &Env, store: &Store, kind: &str, name: &str) -> CliResult {
-    let backend = env.backend()?;
+    let backend = env.backend_for(store)?;
     match kind {
         "Vm" => {
             if let Err(e) = backend.remove(name).await {
