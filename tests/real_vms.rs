@@ -213,6 +213,9 @@ impl RealHome {
         serde_json::from_str(&self.ok(&["get", "vm", vm, "-o", "json"])).unwrap()
     }
     fn serve(&self) -> common::Serve {
+        self.serve_env(&[])
+    }
+    fn serve_env(&self, envs: &[(&str, &str)]) -> common::Serve {
         // The serve helper sets BOXERY_BACKEND=fake; use the CLI env instead.
         let log = self.home.path().join("serve.log");
         let logf = std::fs::OpenOptions::new()
@@ -224,6 +227,7 @@ impl RealHome {
             .home
             .cmd()
             .env("BOXERY_BACKEND", self.kind.name())
+            .envs(envs.iter().copied())
             .args(["serve", "--inventory-every", "2s", "--lease", "2s"])
             .stdout(logf.try_clone().unwrap())
             .stderr(logf)
@@ -605,7 +609,110 @@ mod qemu {
 
 #[cfg(feature = "libvirt")]
 mod libvirt {
+    use super::{Kind, RealHome, tiny_vm};
+    use std::time::Duration;
+
     on_backend!(super::Kind::Libvirt);
+
+    /// A socat relay to libvirtd's socket that the test can cut: the control plane's view of
+    /// libvirtd going away and coming back, without stopping the daemon other tests share.
+    struct Relay {
+        sock: std::path::PathBuf,
+        child: Option<std::process::Child>,
+    }
+
+    impl Relay {
+        fn uri(&self) -> String {
+            format!("qemu+unix:///system?socket={}", self.sock.display())
+        }
+        fn up(&mut self) {
+            let child = std::process::Command::new("socat")
+                .arg(format!(
+                    "UNIX-LISTEN:{},fork,unlink-early",
+                    self.sock.display()
+                ))
+                .arg("UNIX-CONNECT:/var/run/libvirt/libvirt-sock")
+                .spawn()
+                .expect("socat is installed (scripts/install-deps.sh)");
+            self.child = Some(child);
+            super::common::eventually(Duration::from_secs(10), || self.sock.exists().then_some(()))
+                .expect("the relay listens");
+        }
+        /// Cut the relay: no new connection reaches libvirtd (the control plane opens one per
+        /// call; a relayed connection in flight ends with its call).
+        fn down(&mut self) {
+            if let Some(mut c) = self.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            let _ = std::fs::remove_file(&self.sock);
+        }
+    }
+
+    impl Drop for Relay {
+        fn drop(&mut self) {
+            self.down();
+        }
+    }
+
+    /// libvirtd out of reach: `serve` started while it is waits for it (rather than exit);
+    /// cut mid-run, the Vm gets `BackendReachable=False`, is neither deleted nor marked Lost,
+    /// and its domain keeps running; reachable again, it is Ready, the same VM.
+    #[test]
+    fn unreachable_libvirtd_is_a_condition_not_a_deletion() {
+        let h = RealHome::new(Kind::Libvirt);
+        let mut relay = Relay {
+            sock: h.home.path().join("lv.sock"),
+            child: None,
+        };
+        let uri = relay.uri();
+        let mut serve = h.serve_env(&[("BOXERY_LIBVIRT_URI", &uri)]);
+        std::thread::sleep(Duration::from_secs(4));
+        assert!(serve.alive(), "serve waits for an unreachable libvirtd");
+        let log = std::fs::read_to_string(h.home.path().join("serve.log")).unwrap();
+        assert!(
+            log.contains("unreachable") && log.contains("retrying"),
+            "{log}"
+        );
+        relay.up();
+        let f = h.home.write("u.yaml", &tiny_vm("u1"));
+        h.ok(&["apply", "-f", f.to_str().unwrap()]);
+        h.ok(&["wait", "vm", "u1", "--for=condition=Ready", "--timeout=10m"]);
+        h.run("u1", "echo kept > ~/mark && sync");
+        let uid = h.vm_json("u1")["metadata"]["uid"].clone();
+
+        relay.down();
+        h.ok(&[
+            "wait",
+            "vm",
+            "u1",
+            "--for=condition=BackendReachable=False",
+            "--timeout=2m",
+        ]);
+        std::thread::sleep(Duration::from_secs(5)); // a few inventory passes
+        let v = h.vm_json("u1");
+        assert_eq!(v["metadata"]["uid"], uid, "the Vm is the same object");
+        assert_ne!(v["status"]["phase"], "Lost", "not marked Lost: {v}");
+        assert!(v["metadata"]["deletionTimestamp"].is_null(), "not deleted");
+        assert_eq!(h.running().len(), 1, "the domain keeps running");
+
+        relay.up();
+        h.ok(&["wait", "vm", "u1", "--for=condition=Ready", "--timeout=5m"]);
+        let v = h.vm_json("u1");
+        assert!(
+            v["status"]["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|c| c["type"] != "BackendReachable"),
+            "BackendReachable cleared: {v}"
+        );
+        assert_eq!(h.run("u1", "hostname; cat ~/mark"), "u1\nkept");
+        assert!(serve.alive());
+        h.ok(&["rm", "u1", "--wait", "--timeout", "3m"]);
+        h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
+        assert!(h.leftovers().is_empty(), "left behind: {:?}", h.leftovers());
+    }
 }
 
 /// Without the libvirt backend in this build, its half of the suite cannot run: say so.

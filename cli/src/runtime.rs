@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use boxery_backends::Backend;
+use boxery_backends::{Backend, BackendError};
 use boxery_controller::CancellationToken;
 use boxery_controller::leader::{LeaderElector, this_process};
 use boxery_reconcilers::{Ctx, Settings};
@@ -29,18 +29,6 @@ fn context(store: &Store, backend: Arc<dyn Backend>, settings: Settings, holder:
 pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> CliResult {
     let store = env.store()?;
     let backend = env.backend_for(&store)?;
-    backend.check().await.map_err(|e| {
-        CliError::failed(format!(
-            "the {} backend is not usable: {e}",
-            env.backend_name
-        ))
-    })?;
-    backend.init().await.map_err(|e| {
-        CliError::failed(format!(
-            "the {} backend could not initialise: {e}",
-            env.backend_name
-        ))
-    })?;
     let me = this_process();
     let elector = LeaderElector::new(store.clone(), LOCK, me.clone(), lease);
     let shutdown = CancellationToken::new();
@@ -55,6 +43,34 @@ pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> Cli
             }
             s.cancel();
         });
+    }
+    // A backend that is not up yet (libvirtd starting after boxery at boot) is waited for;
+    // one that is broken (a missing tool, a bad setting) is an error.
+    let mut said = false;
+    loop {
+        let ready = match backend.check().await {
+            Ok(()) => backend.init().await,
+            Err(e) => Err(e),
+        };
+        match ready {
+            Ok(()) => break,
+            Err(e @ BackendError::Unreachable { .. }) => {
+                if !said {
+                    eprintln!("boxery serve: {e}; retrying every 2 s");
+                    said = true;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+                    _ = shutdown.cancelled() => return Ok(()),
+                }
+            }
+            Err(e) => {
+                return Err(CliError::failed(format!(
+                    "the {} backend is not usable: {e}",
+                    env.backend_name
+                )));
+            }
+        }
     }
     eprintln!(
         "boxery serve: waiting to lead the store at {} (backend {})",
