@@ -178,6 +178,11 @@ impl LibvirtBackend {
 
     /// A backend with explicit settings.
     pub fn with_config(dir: PathBuf, config: LibvirtConfig) -> Self {
+        // libvirt prints every error to stderr by default (`libvirt: QEMU Driver error : Domain
+        // not found…` for an expected lookup miss); errors come back as values and are
+        // reported by the caller, so silence the printer once for the process.
+        static QUIET: std::sync::Once = std::sync::Once::new();
+        QUIET.call_once(virt::error::clear_error_callback);
         let abs = std::path::absolute(&dir).unwrap_or_else(|_| dir.clone());
         let ns = namespace_of(&abs.to_string_lossy());
         let pool_dir = config
