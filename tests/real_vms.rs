@@ -77,6 +77,8 @@ fn virsh(args: &[&str]) -> String {
 struct RealHome {
     home: Home,
     kind: Kind,
+    /// Environment for every command and `serve` of this home.
+    env: Vec<(String, String)>,
 }
 
 impl RealHome {
@@ -88,11 +90,14 @@ impl RealHome {
         RealHome {
             home: Home::new(),
             kind,
+            env: Vec::new(),
         }
     }
     fn cmd(&self, args: &[&str]) -> std::process::Output {
         let mut c = self.home.cmd();
-        c.env("BOXERY_BACKEND", self.kind.name()).args(args);
+        c.env("BOXERY_BACKEND", self.kind.name())
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .args(args);
         c.output().expect("run boxery")
     }
     fn ok(&self, args: &[&str]) -> String {
@@ -227,6 +232,7 @@ impl RealHome {
             .home
             .cmd()
             .env("BOXERY_BACKEND", self.kind.name())
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .envs(envs.iter().copied())
             .args(["serve", "--inventory-every", "2s", "--lease", "2s"])
             .stdout(logf.try_clone().unwrap())
@@ -660,13 +666,16 @@ mod libvirt {
     /// and its domain keeps running; reachable again, it is Ready, the same VM.
     #[test]
     fn unreachable_libvirtd_is_a_condition_not_a_deletion() {
-        let h = RealHome::new(Kind::Libvirt);
+        let dir = tempfile::tempdir().unwrap();
         let mut relay = Relay {
-            sock: h.home.path().join("lv.sock"),
+            sock: dir.path().join("lv.sock"),
             child: None,
         };
-        let uri = relay.uri();
-        let mut serve = h.serve_env(&[("BOXERY_LIBVIRT_URI", &uri)]);
+        // every command of this home goes through the relay: a `wait` that finds no leader
+        // runs the controllers itself, and must not reach libvirtd around the cut
+        let mut h = RealHome::new(Kind::Libvirt);
+        h.env.push(("BOXERY_LIBVIRT_URI".into(), relay.uri()));
+        let mut serve = h.serve();
         std::thread::sleep(Duration::from_secs(4));
         assert!(serve.alive(), "serve waits for an unreachable libvirtd");
         let log = std::fs::read_to_string(h.home.path().join("serve.log")).unwrap();
@@ -682,13 +691,22 @@ mod libvirt {
         let uid = h.vm_json("u1")["metadata"]["uid"].clone();
 
         relay.down();
-        h.ok(&[
+        let o = h.cmd(&[
             "wait",
             "vm",
             "u1",
             "--for=condition=BackendReachable=False",
             "--timeout=2m",
         ]);
+        if !o.status.success() {
+            let log = std::fs::read_to_string(h.home.path().join("serve.log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(30).collect();
+            panic!(
+                "no BackendReachable=False with the relay cut: {}\nserve.log, newest first:\n{}",
+                String::from_utf8_lossy(&o.stderr),
+                tail.join("\n")
+            );
+        }
         std::thread::sleep(Duration::from_secs(5)); // a few inventory passes
         let v = h.vm_json("u1");
         assert_eq!(v["metadata"]["uid"], uid, "the Vm is the same object");
