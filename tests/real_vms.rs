@@ -217,29 +217,12 @@ impl RealHome {
     fn vm_json(&self, vm: &str) -> serde_json::Value {
         serde_json::from_str(&self.ok(&["get", "vm", vm, "-o", "json"])).unwrap()
     }
+    /// `boxery serve` on this home's backend and environment (the common helper, whose
+    /// `fake` default these override).
     fn serve(&self) -> common::Serve {
-        self.serve_env(&[])
-    }
-    fn serve_env(&self, envs: &[(&str, &str)]) -> common::Serve {
-        // The serve helper sets BOXERY_BACKEND=fake; use the CLI env instead.
-        let log = self.home.path().join("serve.log");
-        let logf = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .unwrap();
-        let child = self
-            .home
-            .cmd()
-            .env("BOXERY_BACKEND", self.kind.name())
-            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .envs(envs.iter().copied())
-            .args(["serve", "--inventory-every", "2s", "--lease", "2s"])
-            .stdout(logf.try_clone().unwrap())
-            .stderr(logf)
-            .spawn()
-            .unwrap();
-        common::Serve::from_child(child, log)
+        let mut envs: Vec<(&str, &str)> = vec![("BOXERY_BACKEND", self.kind.name())];
+        envs.extend(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        self.home.serve_env(&[], &envs)
     }
 }
 

@@ -106,13 +106,6 @@ pub struct Serve {
 }
 
 impl Serve {
-    /// Wrap a spawned `serve`.
-    pub fn from_child(child: Child, log: PathBuf) -> Serve {
-        Serve {
-            child: Some(child),
-            log,
-        }
-    }
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
