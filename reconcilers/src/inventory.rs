@@ -4,6 +4,9 @@
 //! - An unreachable backend is an error condition (`BackendReachable=False` on VMs), never
 //!   "everything was deleted": nothing is marked Lost and nothing is removed.
 //! - A VM the store knows as created but the backend lacks gets `Lost=True` and a Warning event.
+//! - A VM last seen running, meant to run, that the backend reports stopped (guest power-off,
+//!   hypervisor crash) gets `Ready=False` (`Exited`); that write wakes its controller, which
+//!   starts it again. Without this, it would wait for the periodic resync.
 //! - A backend VM or image with no object is reported; it is removed only when it carries
 //!   boxery's mark (the uid of an object that no longer exists). Unmarked ones are never touched.
 //! - The backend is listed before the store, so a VM created in between is never seen as an
@@ -15,8 +18,10 @@ use std::sync::Arc;
 use boxery_api::DynObject;
 use boxery_controller::Cache;
 
-use boxery_api::{ConditionStatus, Conditions, EventType, Image, ImagePhase, Vm, VmPhase};
-use boxery_backends::BackendError;
+use boxery_api::{
+    ConditionStatus, Conditions, EventType, Image, ImagePhase, RunStrategy, Vm, VmPhase,
+};
+use boxery_backends::{BackendError, PowerState};
 
 use crate::context::Ctx;
 use crate::error::ReconcileError;
@@ -28,6 +33,9 @@ pub struct Report {
     pub lost_vms: Vec<String>,
     /// Images marked Lost in this pass.
     pub lost_images: Vec<String>,
+    /// VMs found stopped that were running and are meant to run (started again by their
+    /// controller).
+    pub exited: Vec<String>,
     /// Marked orphans removed from the backend.
     pub removed: Vec<String>,
     /// Unmarked things seen and left alone.
@@ -182,6 +190,7 @@ pub async fn pass(ctx: &Ctx, objects: &impl Objects) -> Result<Report, Reconcile
                 .is_none();
             if still && gone {
                 vm = cur;
+                vm.status.conditions.remove_condition("BackendReachable");
                 vm.status.conditions.set_condition("Lost", ConditionStatus::True, "NotInBackend", "the backend no longer has this VM: delete it (`boxery rm NAME`) and create it again, or revert it from an image", generation);
                 vm.status.conditions.set_condition(
                     "Ready",
@@ -201,6 +210,42 @@ pub async fn pass(ctx: &Ctx, objects: &impl Objects) -> Result<Report, Reconcile
                     "the VM is missing from the backend",
                 );
                 report.lost_vms.push(vm.metadata.name.clone());
+            }
+        }
+        let stopped_here = present
+            .get(vm.metadata.name.as_str())
+            .is_some_and(|info| info.state == PowerState::Stopped);
+        if settled && stopped_here && runs(&vm) {
+            // Confirm under the VM's lock and against the backend itself: a reconcile may be
+            // stopping it (a resize) or may have just started it again.
+            let lock = ctx.vm_lock(&vm.metadata.name);
+            let _g = lock.lock().await;
+            let Some(mut cur) = ctx.store.get_as::<Vm>(&vm.metadata.name)? else {
+                continue;
+            };
+            let state = ctx
+                .backend
+                .get(&cur.metadata.name)
+                .await
+                .map_err(|e| {
+                    ReconcileError::backend("get", format!("Vm/{}", cur.metadata.name), e)
+                })?
+                .map(|i| i.state);
+            if runs(&cur) && state == Some(PowerState::Stopped) {
+                let generation = cur.metadata.generation;
+                cur.status.conditions.remove_condition("BackendReachable");
+                // The status write wakes the Vm controller, which starts it again.
+                cur.status.conditions.set_condition(
+                    "Ready",
+                    ConditionStatus::False,
+                    "Exited",
+                    "the VM stopped without being asked (a power-off in the guest, or its hypervisor process exited or crashed); it is being started again",
+                    generation,
+                );
+                cur.status.printable_status = Some("Exited".into());
+                vm = cur;
+                changed = true;
+                report.exited.push(vm.metadata.name.clone());
             }
         }
         if changed {
@@ -248,6 +293,15 @@ pub async fn pass(ctx: &Ctx, objects: &impl Objects) -> Result<Report, Reconcile
         }
     }
     Ok(report)
+}
+
+/// Settled, last seen running, and meant to run.
+fn runs(vm: &Vm) -> bool {
+    vm.status.created_at.is_some()
+        && vm.status.operation.is_none()
+        && !vm.metadata.is_deleting()
+        && vm.status.phase == VmPhase::Running
+        && vm.spec.run_strategy == RunStrategy::Running
 }
 
 fn unreachable(ctx: &Ctx, e: &BackendError) -> Result<(), ReconcileError> {

@@ -217,11 +217,24 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     // Power.
     match (vm.spec.run_strategy, info.state) {
         (RunStrategy::Running, PowerState::Stopped) => {
+            // Last seen running and never asked to stop: the guest powered off, or its
+            // hypervisor process exited or crashed. The spec says Running, so it runs again.
+            let on_its_own = vm.status.phase == VmPhase::Running;
             ctx.backend
                 .start(&name)
                 .await
                 .map_err(|e| ReconcileError::backend("start", format!("Vm/{name}"), e))?;
-            ctx.event(&vm, EventType::Normal, "Started", "the VM was started");
+            if on_its_own {
+                ctx.event(
+                    &vm,
+                    EventType::Warning,
+                    "Restarted",
+                    "the VM had stopped on its own (a power-off in the guest, or its hypervisor \
+                     process exited or crashed) and was started again, as runStrategy is Running",
+                );
+            } else {
+                ctx.event(&vm, EventType::Normal, "Started", "the VM was started");
+            }
             return Ok(Action::requeue(std::time::Duration::ZERO));
         }
         (RunStrategy::Stopped, PowerState::Running) => {
