@@ -88,10 +88,12 @@ impl RealHome {
         if kind == Kind::Libvirt {
             require_libvirtd();
         }
+        let home = Home::new();
+        let log = home.path().join("ssh-debug.log").display().to_string();
         RealHome {
-            home: Home::new(),
+            home,
             kind,
-            env: Vec::new(),
+            env: vec![("BOXERY_SSH_LOG".into(), log)],
         }
     }
     fn cmd(&self, args: &[&str]) -> std::process::Output {
@@ -113,8 +115,25 @@ impl RealHome {
         );
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
+    /// `boxery run VM -- CMD`; on failure, the end of ssh's own debug log (`BOXERY_SSH_LOG`,
+    /// set for every command and `serve` of these homes) besides boxery's output.
     fn run(&self, vm: &str, cmd: &str) -> String {
-        self.ok(&["run", vm, "--", cmd]).trim().to_string()
+        let o = self.cmd(&["run", vm, "--", cmd]);
+        if !o.status.success() {
+            let log = std::fs::read_to_string(self.ssh_log()).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(60).collect();
+            panic!(
+                "boxery run {vm} -- {cmd:?} on {} failed ({:?}):\nstdout: {}\nstderr: {}\nssh log (last lines, newest first): {tail:#?}",
+                self.kind.name(),
+                o.status.code(),
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    }
+    fn ssh_log(&self) -> PathBuf {
+        self.home.path().join("ssh-debug.log")
     }
     fn apply_file(&self, path: &Path, timeout: &str) {
         self.ok(&[

@@ -100,6 +100,38 @@ fn unreachable_backend_deletes_nothing() {
     converge(&home);
 }
 
+/// A VM that stops without being asked (guest power-off, hypervisor crash) is noticed by the
+/// inventory pass, not the minute-long resync, shown as `Exited`, and started again.
+#[test]
+fn a_vm_that_stops_on_its_own_is_started_again() {
+    let home = Home::new();
+    let fake = home.fake();
+    let _serve = home.serve(&[]);
+    home.ok(&["new", "e1"]);
+    home.ok(&["wait", "vm", "e1", "--for=condition=Ready", "--timeout=30s"]);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(fake.stop("e1")).unwrap();
+    common::eventually(Duration::from_secs(15), || {
+        home.ok(&["events", "vm", "e1"])
+            .contains("Restarted")
+            .then_some(())
+    })
+    .expect("a Restarted event within a few inventory passes");
+    let state = rt.block_on(fake.get("e1")).unwrap().unwrap().state;
+    assert_eq!(state, PowerState::Running);
+    home.ok(&["wait", "vm", "e1", "--for=condition=Ready", "--timeout=30s"]);
+    // Asked to stop, it stays stopped: no restart, no warning.
+    home.ok(&["stop", "e1", "--wait", "--timeout=30s"]);
+    std::thread::sleep(Duration::from_secs(3));
+    let state = rt.block_on(fake.get("e1")).unwrap().unwrap().state;
+    assert_eq!(state, PowerState::Stopped);
+    let events = home.ok(&["events", "vm", "e1"]);
+    assert_eq!(events.matches("Restarted").count(), 1, "{events}");
+}
+
 #[test]
 fn lost_vms_and_orphans() {
     let home = Home::new();

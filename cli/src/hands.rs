@@ -104,6 +104,7 @@ impl Reach {
     /// The ssh command, to finish with arguments (`std::process`).
     pub(crate) fn std_command(&self) -> std::process::Command {
         let mut c = std::process::Command::new("ssh");
+        c.args(boxery_reconcilers::ssh::debug_log_args());
         if let Some(key) = &self.key {
             // A short, stable name per key: socket paths are limited to ~100 bytes.
             let tag = key

@@ -221,21 +221,23 @@ impl SshDir {
 
     /// `ssh -F config NAME.boxery` plus `args`, as a command to finish and run.
     pub fn command(&self, vm: &str) -> Command {
-        let mut c = Command::new("ssh");
-        c.arg("-F").arg(self.config()).arg(alias(vm));
-        c
+        Command::from(self.std_command(vm))
     }
 
     /// `ssh -F config NAME.boxery`, for `std::process`.
     pub fn std_command(&self, vm: &str) -> std::process::Command {
         let mut c = std::process::Command::new("ssh");
-        c.arg("-F").arg(self.config()).arg(alias(vm));
+        c.args(debug_log_args())
+            .arg("-F")
+            .arg(self.config())
+            .arg(alias(vm));
         c
     }
 
     /// Close a VM's ControlMaster, if one runs (best effort).
     pub async fn close(&self, vm: &str) {
         let _ = Command::new("ssh")
+            .args(debug_log_args())
             .arg("-F")
             .arg(self.config())
             .args(["-O", "exit"])
@@ -289,6 +291,16 @@ impl SshDir {
             Ok(Err(e)) => Err(SshError::Spawn(e)),
             Err(_) => Err(unreachable("ssh did not answer within 15 s".into())),
         }
+    }
+}
+
+/// With `BOXERY_SSH_LOG=FILE`: `-E FILE -o LogLevel=DEBUG1`, so ssh appends its own log there
+/// (a client's, and that of a ControlMaster it starts) instead of staying silent at `ERROR`:
+/// for a connection that fails (exit 255) without a word. Empty otherwise.
+pub fn debug_log_args() -> Vec<std::ffi::OsString> {
+    match std::env::var_os("BOXERY_SSH_LOG") {
+        Some(f) if !f.is_empty() => vec!["-E".into(), f, "-o".into(), "LogLevel=DEBUG1".into()],
+        _ => Vec::new(),
     }
 }
 
