@@ -318,6 +318,24 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         let _ = name;
         Ok(None)
     }
+    /// What a stopped VM's hypervisor said last, where the backend keeps it (QEMU's own log:
+    /// an assertion that aborted it, the signal that ended it), for the event that reports a
+    /// VM which stopped on its own. Read before the VM is started again.
+    async fn last_exit(&self, name: &str) -> Option<String> {
+        let _ = name;
+        None
+    }
+}
+
+/// The last line of a hypervisor log worth showing: not blank, not libvirt's own
+/// `… shutting down, reason=…` bookkeeping; at most 300 characters.
+pub fn last_words(log: &str) -> Option<String> {
+    let line = log
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.contains(": shutting down, reason="))?;
+    Some(line.chars().take(300).collect())
 }
 
 /// Where a backend keeps its state: `$BOXERY_HOME/<backend>/`.
@@ -349,5 +367,25 @@ pub fn by_name(name: &str, home: &std::path::Path) -> Result<Arc<dyn Backend>> {
             "unknown backend `{other}`: use one of {}",
             BACKENDS.join(", ")
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn last_words_skip_blank_lines_and_libvirt_bookkeeping() {
+        assert_eq!(
+            super::last_words("a\nqemu: terminating on signal 15\n\n").as_deref(),
+            Some("qemu: terminating on signal 15")
+        );
+        assert_eq!(
+            super::last_words(
+                "qemu: boom\n2026-11-30 07:26:03.802+0000: shutting down, reason=crashed\n"
+            )
+            .as_deref(),
+            Some("qemu: boom")
+        );
+        assert_eq!(super::last_words("\n  \n"), None);
+        assert_eq!(super::last_words(&"x".repeat(400)).unwrap().len(), 300);
     }
 }

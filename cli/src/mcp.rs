@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::env::Env;
 use crate::exit::{CliError, CliResult};
+use crate::runtime::Started;
 use crate::tools::{self, Session};
 
 /// The cap on an HTTP request body: the argument cap plus room for the envelope.
@@ -132,11 +133,12 @@ fn embed_controllers(env: Env) -> tokio::task::JoinHandle<()> {
         loop {
             if embedded.is_none() {
                 match crate::runtime::Embedded::start_if_needed(&env, &store).await {
-                    Ok(Some(e)) => {
+                    Ok(Started::Here(e)) => {
                         tracing::info!("boxery mcp: running the controllers (no serve leads)");
                         embedded = Some(e);
                     }
-                    Ok(None) => {}
+                    Ok(Started::Elsewhere) => {}
+                    Ok(Started::Unreachable(why)) => tracing::warn!("{why}; retrying in 5 s"),
                     Err(e) => tracing::warn!(error = %e.error, "cannot run the controllers"),
                 }
             }

@@ -112,13 +112,24 @@ pub struct Embedded {
     leading: boxery_controller::leader::Leading,
 }
 
+/// What [`Embedded::start_if_needed`] found.
+pub enum Started {
+    /// The controllers run in this process until [`Embedded::stop`].
+    Here(Embedded),
+    /// Another process (`serve`) leads the store.
+    Elsewhere,
+    /// Nothing led, but the backend does not answer: its VMs were marked
+    /// `BackendReachable=False` and no controller runs here (the message says why).
+    Unreachable(String),
+}
+
 impl Embedded {
-    /// Start the controllers here if nothing leads the store; `None` when a `serve` runs.
-    pub async fn start_if_needed(env: &Env, store: &Store) -> CliResult<Option<Embedded>> {
+    /// Start the controllers here if nothing leads the store.
+    pub async fn start_if_needed(env: &Env, store: &Store) -> CliResult<Started> {
         let me = this_process();
         let ttl = Duration::from_secs(4);
         match store.try_lead(LOCK, &me, ttl)? {
-            Leadership::Follower { .. } => return Ok(None),
+            Leadership::Follower { .. } => return Ok(Started::Elsewhere),
             Leadership::Leader { .. } => {}
         }
         let elector = LeaderElector::new(store.clone(), LOCK, me.clone(), ttl);
@@ -126,21 +137,42 @@ impl Embedded {
             .acquire()
             .await
             .map_err(|e| CliError::failed(format!("leader election failed: {e}")))?;
-        let backend = env.backend_for(store)?;
-        backend.init().await.map_err(|e| {
-            CliError::failed(format!(
-                "the {} backend could not initialise: {e}",
-                env.backend_name
-            ))
-        })?;
+        let backend = match env.backend_for(store) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = leading.resign().await;
+                return Err(e);
+            }
+        };
         let settings = Settings {
             inventory_every: Duration::from_secs(5),
             ..Settings::default()
         };
         let ctx = context(store, backend.clone(), settings, &me.id);
+        match backend.init().await {
+            Ok(()) => {}
+            Err(e @ BackendError::Unreachable { .. }) => {
+                // What an inventory pass would record; then leave the store to whoever can
+                // reach the backend (a `serve` retries until it answers).
+                let marked = boxery_reconcilers::inventory::unreachable(&ctx, &e);
+                let _ = leading.resign().await;
+                marked.map_err(|m| CliError::failed(m.to_string()))?;
+                return Ok(Started::Unreachable(format!(
+                    "the {} backend is unreachable ({e}); no controller runs in this command",
+                    env.backend_name
+                )));
+            }
+            Err(e) => {
+                let _ = leading.resign().await;
+                return Err(CliError::failed(format!(
+                    "the {} backend could not initialise: {e}",
+                    env.backend_name
+                )));
+            }
+        }
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(boxery_reconcilers::runtime::run(ctx, shutdown.clone()));
-        Ok(Some(Embedded {
+        Ok(Started::Here(Embedded {
             shutdown,
             task,
             leading,

@@ -13,6 +13,7 @@ use serde_json::Value;
 
 use crate::env::Env;
 use crate::exit::{CliError, CliResult, Code};
+use crate::runtime::Started;
 
 /// What to wait for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,7 +117,15 @@ pub async fn wait_all(
     quiet: bool,
 ) -> CliResult {
     let store = env.store()?;
-    let embedded = crate::runtime::Embedded::start_if_needed(env, &store).await?;
+    let embedded = match crate::runtime::Embedded::start_if_needed(env, &store).await? {
+        Started::Here(e) => Some(e),
+        Started::Elsewhere => None,
+        Started::Unreachable(why) => {
+            // Keep waiting: the condition may be the unreachable one, or a `serve` may lead.
+            eprintln!("boxery: {why}; waiting on the store only");
+            None
+        }
+    };
     let result = wait_inner(&store, targets, until, timeout, quiet).await;
     if let Some(e) = embedded {
         e.stop().await;

@@ -411,7 +411,10 @@ where
     async fn reconcile_key(&self, key: String) -> Option<Duration> {
         let kind = R::INFO.kind;
         let dyn_obj = match self.source.get(kind, &key) {
-            Ok(Some(o)) => o,
+            Ok(Some(o)) => {
+                tracing::debug!(resource_version = ?o.metadata.resource_version, "reconciling");
+                o
+            }
             Ok(None) => {
                 tracing::debug!("gone; nothing to reconcile");
                 self.with_key(&key, |s| *s = KeyState::default());

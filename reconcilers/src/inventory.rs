@@ -231,6 +231,7 @@ pub async fn pass(ctx: &Ctx, objects: &impl Objects) -> Result<Report, Reconcile
                     ReconcileError::backend("get", format!("Vm/{}", cur.metadata.name), e)
                 })?
                 .map(|i| i.state);
+            tracing::debug!(vm = %cur.metadata.name, ?state, runs = runs(&cur), "listed as stopped; re-checked under its lock");
             if runs(&cur) && state == Some(PowerState::Stopped) {
                 let generation = cur.metadata.generation;
                 cur.status.conditions.remove_condition("BackendReachable");
@@ -304,7 +305,9 @@ fn runs(vm: &Vm) -> bool {
         && vm.spec.run_strategy == RunStrategy::Running
 }
 
-fn unreachable(ctx: &Ctx, e: &BackendError) -> Result<(), ReconcileError> {
+/// Record an unreachable backend on every Vm (`BackendReachable=False`, a Warning event once):
+/// what an inventory pass does when the backend does not answer. Changes nothing else.
+pub fn unreachable(ctx: &Ctx, e: &BackendError) -> Result<(), ReconcileError> {
     let msg =
         format!("{e}: boxery cannot see its VMs and changes nothing until the backend answers");
     for mut vm in ctx.store.list_as::<Vm>(&Default::default())? {

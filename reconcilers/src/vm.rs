@@ -220,18 +220,25 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
             // Last seen running and never asked to stop: the guest powered off, or its
             // hypervisor process exited or crashed. The spec says Running, so it runs again.
             let on_its_own = vm.status.phase == VmPhase::Running;
+            // Read before the start, which begins a new log.
+            let last_words = if on_its_own {
+                ctx.backend.last_exit(&name).await
+            } else {
+                None
+            };
             ctx.backend
                 .start(&name)
                 .await
                 .map_err(|e| ReconcileError::backend("start", format!("Vm/{name}"), e))?;
             if on_its_own {
-                ctx.event(
-                    &vm,
-                    EventType::Warning,
-                    "Restarted",
+                let mut msg = String::from(
                     "the VM had stopped on its own (a power-off in the guest, or its hypervisor \
                      process exited or crashed) and was started again, as runStrategy is Running",
                 );
+                if let Some(w) = last_words {
+                    msg.push_str(&format!("; the hypervisor's last words: {w}"));
+                }
+                ctx.event(&vm, EventType::Warning, "Restarted", &msg);
             } else {
                 ctx.event(&vm, EventType::Normal, "Started", "the VM was started");
             }

@@ -1488,6 +1488,42 @@ impl Backend for LibvirtBackend {
         let conn = self.conn()?;
         Ok(self.lookup(&conn, name)?.and_then(|d| d.cfg.host_key))
     }
+
+    /// What QEMU said after the domain's last start, from libvirt's per-domain log (only when
+    /// libvirtd runs on this host, as root: `/var/log/libvirt/qemu/<domain>.log`).
+    async fn last_exit(&self, name: &str) -> Option<String> {
+        let path = Path::new(DOMAIN_LOG_DIR).join(format!("{}.log", self.domain_name(name)));
+        domain_log_last_words(&std::fs::read_to_string(path).ok()?)
+    }
+}
+
+/// Where libvirtd (system instance) keeps each QEMU domain's log.
+const DOMAIN_LOG_DIR: &str = "/var/log/libvirt/qemu";
+
+/// From a libvirt domain log: what QEMU printed after the last start (its command line and
+/// environment excluded), else the reason libvirt recorded for the shutdown.
+pub fn domain_log_last_words(log: &str) -> Option<String> {
+    let start = log.rfind(": starting up libvirt version")?;
+    let run = &log[start..];
+    // After the "starting up" line: the environment and command line, one per line, each
+    // but the last ending in `\`; then what QEMU said.
+    let mut lines = run.lines().skip(1);
+    for l in lines.by_ref() {
+        if !l.ends_with('\\') {
+            break;
+        }
+    }
+    let said = lines
+        .filter(|l| !l.starts_with("char device redirected"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    crate::last_words(&said).or_else(|| {
+        let reason = run
+            .lines()
+            .rev()
+            .find_map(|l| l.split("shutting down, reason=").nth(1))?;
+        Some(format!("libvirt: shut down, reason {}", reason.trim()))
+    })
 }
 
 /// Write `data` to `path` atomically (re-exported for the tests' fixtures).
@@ -1505,4 +1541,30 @@ fn chain(e: &dyn std::error::Error) -> String {
         cur = c.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::domain_log_last_words;
+
+    const START: &str = "2026-11-30 07:25:59.948+0000: starting up libvirt version: 11.3.0, package: 11.3.0-2~bpo12+1 (Debian)\nLC_ALL=C \\\nHOME=/var/lib/libvirt/qemu/domain-26-x \\\n/usr/bin/qemu-system-x86_64 \\\n-name guest=x,debug-threads=on \\\n-msg timestamp=on\n";
+
+    #[test]
+    fn what_qemu_said_after_the_last_start() {
+        let crashed = format!(
+            "{START}qemu-system-x86_64: earlier run\n2026-11-30 07:25:50.000+0000: shutting down, reason=destroyed\n{START}qemu-system-x86_64: system/physmem.c:2678: iotlb_to_section: Assertion `x' failed.\n2026-11-30 07:26:03.802+0000: shutting down, reason=crashed\n"
+        );
+        assert_eq!(
+            domain_log_last_words(&crashed).unwrap(),
+            "qemu-system-x86_64: system/physmem.c:2678: iotlb_to_section: Assertion `x' failed."
+        );
+        // SIGKILL: QEMU says nothing; libvirt's reason is what there is
+        let killed =
+            format!("{START}2026-11-30 07:26:03.802+0000: shutting down, reason=crashed\n");
+        assert_eq!(
+            domain_log_last_words(&killed).unwrap(),
+            "libvirt: shut down, reason crashed"
+        );
+        assert_eq!(domain_log_last_words("no start line"), None);
+    }
 }

@@ -10,7 +10,8 @@
 //!   vms/<name>/         one VM: config.json (the commit point), disk-<gen>.qcow2 (its own
 //!                       overlays; the highest generation is the active one), layer-<gen>.qcow2
 //!                       (an image hard-linked in, read-only, until streamed up), seed.iso and
-//!                       seed/, known_hosts, qemu.pid, qmp.sock, qga.sock, serial.log, qemu.log
+//!                       seed/, known_hosts, qemu.pid, qmp.sock, qga.sock, serial.log, qemu.log,
+//!                       qemu-run.log
 //!   ports/<port>        a loopback port reserved for a VM (holds its name)
 //!   locks/vm-<name>.lock, locks/image-<name>.lock, locks/base-<id>.lock
 //!                       flocks, each held for the length of a mutating operation
@@ -110,9 +111,14 @@ impl Layout {
     pub fn vm_serial(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("serial.log")
     }
-    /// `vms/<name>/qemu.log` (QEMU's stderr).
+    /// `vms/<name>/qemu.log` (QEMU's stderr while it starts).
     pub fn vm_log(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("qemu.log")
+    }
+    /// `vms/<name>/qemu-run.log` (QEMU's stderr once daemonized: `-D`; what it says when it
+    /// aborts, or which signal ended it).
+    pub fn vm_run_log(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("qemu-run.log")
     }
     /// `ports/`.
     pub fn ports(&self) -> PathBuf {

@@ -35,6 +35,7 @@ impl Inner {
             qmp: self.layout.vm_qmp(name),
             qga: self.layout.vm_qga(name),
             serial: self.layout.vm_serial(name),
+            run_log: self.layout.vm_run_log(name),
             pidfile: self.layout.vm_pidfile(name),
             boot: base.boot_in(&self.layout.base_dir(&base.id)),
             accel: self.config.accel.accel,

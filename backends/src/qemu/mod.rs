@@ -916,4 +916,13 @@ impl Backend for QemuBackend {
             Err(e) => Err(failed(format!("read the host key of VM {name}"), e)),
         }
     }
+
+    /// The last line of `qemu-run.log` (QEMU's stderr since its last start).
+    async fn last_exit(&self, name: &str) -> Option<String> {
+        if self.inner.pid(name).is_some() {
+            return None;
+        }
+        let log = std::fs::read_to_string(self.inner.layout.vm_run_log(name)).ok()?;
+        crate::last_words(&log)
+    }
 }

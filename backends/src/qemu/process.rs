@@ -5,8 +5,9 @@
 //! be a `qemu-system-*` whose arguments name this VM's own directory, so a stale pidfile (or a
 //! PID reused by something else) is never acted on.
 //!
-//! Caveat: QEMU closes its stderr once it has daemonized, so `qemu.log` holds what it said
-//! while starting (the part worth showing), not later runtime messages.
+//! QEMU's stderr goes to `qemu.log` while it starts (the part shown when a start fails); once
+//! daemonized, QEMU would point it at /dev/null, so `-D qemu-run.log` keeps what it says later
+//! (an assertion that aborts it, the signal that ended it).
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -207,6 +208,8 @@ pub struct LaunchSpec {
     pub qga: PathBuf,
     /// The serial console log.
     pub serial: PathBuf,
+    /// Where QEMU's stderr goes once it has daemonized (`-D`, truncated at each start).
+    pub run_log: PathBuf,
     /// The pidfile.
     pub pidfile: PathBuf,
     /// How it boots.
@@ -253,6 +256,9 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
         &spec.memory_mib.to_string(),
     ]);
     push(&["-nodefaults", "-no-user-config", "-display", "none"]);
+    // Daemonized QEMU points its stderr at the -D file instead of /dev/null: an abort's
+    // message (an assertion) or the signal that ended it stays readable.
+    push(&["-D", &p(&spec.run_log)]);
     if spec.sandbox {
         // seccomp: no obsolete syscalls, no scheduler/affinity changes. `elevateprivileges`
         // and `spawn` stay allowed: -daemonize needs setsid() and fork()
@@ -619,6 +625,7 @@ mod tests {
             qmp: dir.join("qmp.sock"),
             qga: dir.join("qga.sock"),
             serial: dir.join("serial.log"),
+            run_log: dir.join("qemu-run.log"),
             pidfile: dir.join("qemu.pid"),
             boot: Boot {
                 kernel: Some("/k".into()),

@@ -474,7 +474,15 @@ impl Session {
     /// than when a control plane next runs.
     pub async fn end(&self, grace: std::time::Duration) {
         let names = self.release_leases();
-        let Ok(store) = self.store() else { return };
+        // A session that holds no lease has nothing to wait for; and one that never opened
+        // the store holds none. Opening it here would create the home again after it was
+        // removed (a test's temporary home, a user's `rm -rf`).
+        if names.is_empty() {
+            return;
+        }
+        let Some(store) = self.store.get().cloned() else {
+            return;
+        };
         let deadline = tokio::time::Instant::now() + grace;
         while tokio::time::Instant::now() < deadline
             && names
