@@ -100,6 +100,7 @@ async fn raw_boot(env: &Env, run: usize, tb_size: Option<u32>) -> (f64, f64, (u6
         qmp: dir.join("qmp.sock"),
         qga: dir.join("qga.sock"),
         serial: dir.join("serial.log"),
+        run_log: dir.join("qemu-run.log"),
         pidfile: dir.join("qemu.pid"),
         boot: Boot {
             kernel: Some(base_dir.join("vmlinuz")),
