@@ -108,13 +108,37 @@ impl RealHome {
         let o = self.cmd(args);
         assert!(
             o.status.success(),
-            "boxery {args:?} on {} failed ({:?}):\nstdout: {}\nstderr: {}",
+            "boxery {args:?} on {} failed ({:?}):\nstdout: {}\nstderr: {}\n{}",
             self.kind.name(),
             o.status.code(),
             String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
+            String::from_utf8_lossy(&o.stderr),
+            self.state_report()
         );
         String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+    /// For a failure message: every object of this home described (status, conditions,
+    /// events) and the end of serve's log.
+    fn state_report(&self) -> String {
+        let mut out = String::new();
+        for kind in ["vm", "image", "pool", "lease"] {
+            let names = self.cmd(&["get", kind, "-o", "name"]);
+            for n in String::from_utf8_lossy(&names.stdout).lines() {
+                let name = n.rsplit('/').next().unwrap_or(n);
+                let d = self.cmd(&["describe", kind, name]);
+                out.push_str(&format!(
+                    "--- {kind} {name}\n{}",
+                    String::from_utf8_lossy(&d.stdout)
+                ));
+            }
+        }
+        let log = std::fs::read_to_string(self.home.path().join("serve.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(40).collect();
+        out.push_str(&format!(
+            "--- serve.log, newest first:\n{}",
+            tail.join("\n")
+        ));
+        out
     }
     /// `boxery run VM -- CMD`; on failure, the end of ssh's own debug log (`BOXERY_SSH_LOG`,
     /// set for every command and `serve` of these homes) besides boxery's output.
