@@ -50,6 +50,51 @@ fn failing_step_converges_with_backoff() {
     converge(&home);
 }
 
+/// A `--wait` that began while a `serve` led takes over when that `serve` dies, instead of
+/// waiting out its timeout with no controller running.
+#[test]
+fn a_wait_outlives_the_serve_it_began_under() {
+    let home = Home::new();
+    let fake = home.fake();
+    // the first create never returns: serve is stuck inside it when it is killed
+    fake.set_faults(&FaultConfig::rules([FaultRule::new(
+        "create",
+        FaultAction::Hang,
+    )
+    .times(1)]))
+        .unwrap();
+    let mut serve = home.serve(&[]);
+    common::eventually(Duration::from_secs(20), || {
+        std::fs::read_to_string(&serve.log)
+            .unwrap_or_default()
+            .contains("leading")
+            .then_some(())
+    })
+    .expect("serve leads");
+    home.ok(&["new", "w1"]);
+    let wait = home
+        .cmd()
+        .args(["wait", "vm", "w1", "--for=condition=Ready", "--timeout=60s"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::eventually(Duration::from_secs(20), || {
+        (fake.fault_counts().unwrap().get("create").copied() >= Some(1)).then_some(())
+    })
+    .expect("serve is inside the create");
+    std::thread::sleep(Duration::from_millis(500));
+    serve.kill();
+    let out = wait.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the wait finished the job: {stderr}");
+    assert!(
+        stderr.contains("no control plane leads the store any more"),
+        "{stderr}"
+    );
+    converge(&home);
+}
+
 #[test]
 fn unreachable_backend_deletes_nothing() {
     let home = Home::new();

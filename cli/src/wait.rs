@@ -108,7 +108,8 @@ pub fn describe_state(obj: Option<&DynObject>) -> String {
 }
 
 /// Wait until every `(kind, name)` satisfies `until`, or `timeout` passes. Runs the controllers
-/// in-process when nothing else leads the store.
+/// in-process whenever nothing else leads the store: at the start, and later if the control
+/// plane that led goes away (a `serve` that exited), so a wait never outlives its controllers.
 pub async fn wait_all(
     env: &Env,
     targets: &[(String, String)],
@@ -117,20 +118,61 @@ pub async fn wait_all(
     quiet: bool,
 ) -> CliResult {
     let store = env.store()?;
-    let embedded = match crate::runtime::Embedded::start_if_needed(env, &store).await? {
-        Started::Here(e) => Some(e),
-        Started::Elsewhere => None,
-        Started::Unreachable(why) => {
-            // Keep waiting: the condition may be the unreachable one, or a `serve` may lead.
-            eprintln!("boxery: {why}; waiting on the store only");
-            None
+    let mut said_unreachable = false;
+    let mut embedded = lead_if_needed(env, &store, &mut said_unreachable, false).await?;
+    let wait = wait_inner(&store, targets, until, timeout, quiet);
+    tokio::pin!(wait);
+    let mut check = tokio::time::interval(TAKE_OVER_CHECK);
+    check.tick().await;
+    let result = loop {
+        tokio::select! {
+            r = &mut wait => break r,
+            _ = check.tick(), if embedded.is_none() => {
+                match lead_if_needed(env, &store, &mut said_unreachable, true).await {
+                    Ok(e) => embedded = e,
+                    Err(e) => break Err(e),
+                }
+            }
         }
     };
-    let result = wait_inner(&store, targets, until, timeout, quiet).await;
     if let Some(e) = embedded {
         e.stop().await;
     }
     result
+}
+
+/// How often a wait that does not lead checks that something does.
+const TAKE_OVER_CHECK: Duration = Duration::from_secs(3);
+
+/// The controllers of this process, if nothing else leads (saying so when it is a take-over);
+/// an unreachable backend is said once and waited on.
+async fn lead_if_needed(
+    env: &Env,
+    store: &boxery_store::Store,
+    said_unreachable: &mut bool,
+    taking_over: bool,
+) -> CliResult<Option<crate::runtime::Embedded>> {
+    Ok(
+        match crate::runtime::Embedded::start_if_needed(env, store).await? {
+            Started::Here(e) => {
+                if taking_over {
+                    eprintln!(
+                        "boxery: no control plane leads the store any more; running the controllers here"
+                    );
+                }
+                Some(e)
+            }
+            Started::Elsewhere => None,
+            Started::Unreachable(why) => {
+                // Keep waiting: the condition may be the unreachable one, or a `serve` may lead.
+                if !*said_unreachable {
+                    eprintln!("boxery: {why}; waiting on the store only");
+                    *said_unreachable = true;
+                }
+                None
+            }
+        },
+    )
 }
 
 async fn wait_inner(

@@ -12,7 +12,8 @@
 //!   it asks every `ttl / 3` (sooner when the holder's lease is about to expire), so a
 //!   standby takes over within `ttl + ttl / 3` of the holder's last renewal, or at once when
 //!   the holder resigned or its process on this host is gone.
-//! - While leading, the lock is renewed every `ttl / 3`. The [`Leader::token`] is cancelled
+//! - While leading, the lock is renewed every `ttl / 3`, on a thread of its own, so busy
+//!   async workers (a backend's slow blocking calls) cannot let it lapse. The [`Leader::token`] is cancelled
 //!   (and [`Leader::is_lost`] turns true) when a renewal finds another holder or a new epoch,
 //!   or when renewals have failed for `2 × ttl / 3` — before the lease can expire and another
 //!   candidate can take it.
@@ -36,7 +37,6 @@ use std::time::Duration;
 
 pub use boxery_store::Candidate;
 use boxery_store::{Leadership, Store, StoreError};
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -181,59 +181,19 @@ impl LeaderElector {
         let lost = Arc::new(AtomicBool::new(false));
         let me = self.clone();
         let (t, l) = (token.clone(), lost.clone());
-        let renewal = tokio::spawn(async move {
-            let period = me.ttl / 3;
-            let give_up = me.ttl * 2 / 3;
-            let mut last_ok = Instant::now();
-            let mut wait = period;
-            loop {
-                tokio::select! {
-                    _ = t.cancelled() => return,
-                    _ = tokio::time::sleep(wait) => {}
-                }
-                match me.try_lead().await {
-                    Ok(Leadership::Leader { epoch: e }) if e == epoch => {
-                        last_ok = Instant::now();
-                        wait = period;
-                    }
-                    Ok(Leadership::Leader { epoch: e }) => {
-                        tracing::error!(
-                            lock = me.lock,
-                            epoch,
-                            new_epoch = e,
-                            "leadership was lost in between: stopping"
-                        );
-                        break;
-                    }
-                    Ok(Leadership::Follower { holder, .. }) => {
-                        tracing::error!(
-                            lock = me.lock,
-                            holder,
-                            "leadership was lost to another process: stopping"
-                        );
-                        break;
-                    }
-                    Err(error) => {
-                        if last_ok.elapsed() + period / 3 >= give_up {
-                            tracing::error!(
-                                lock = me.lock,
-                                error = %crate::controller::error_chain(&error),
-                                "cannot renew leadership in time: stopping"
-                            );
-                            break;
-                        }
-                        tracing::warn!(
-                            lock = me.lock,
-                            error = %crate::controller::error_chain(&error),
-                            "renewing leadership failed; retrying"
-                        );
-                        wait = period / 3;
-                    }
-                }
-            }
-            l.store(true, Ordering::SeqCst);
-            t.cancel();
-        });
+        // Renewals run on a thread of their own: a runtime whose workers are all busy (a
+        // backend making slow blocking calls) must not let the lease lapse while this process
+        // is alive and well.
+        let renewal = std::thread::Builder::new()
+            .name(format!("lease-{}", self.lock))
+            .spawn(move || renew(&me, epoch, &t, &l))
+            .map(Some)
+            .unwrap_or_else(|e| {
+                tracing::error!(error = %e, "cannot start the lease renewal thread");
+                lost.store(true, Ordering::SeqCst);
+                token.cancel();
+                None
+            });
         Leader {
             elector: self.clone(),
             epoch,
@@ -243,6 +203,76 @@ impl LeaderElector {
         }
     }
 }
+
+/// Renew `epoch` of the lock every `ttl / 3` until `token` is cancelled; when leadership is
+/// lost, mark `lost` and cancel `token`.
+fn renew(me: &LeaderElector, epoch: u64, token: &CancellationToken, lost: &AtomicBool) {
+    let period = me.ttl / 3;
+    let give_up = me.ttl * 2 / 3;
+    let mut last_ok = std::time::Instant::now();
+    let mut wait = period;
+    loop {
+        // Sleep in short steps so a resignation is not held up.
+        let until = std::time::Instant::now() + wait;
+        while std::time::Instant::now() < until {
+            if token.is_cancelled() {
+                return;
+            }
+            std::thread::sleep(
+                until
+                    .saturating_duration_since(std::time::Instant::now())
+                    .min(RENEWAL_STEP),
+            );
+        }
+        if token.is_cancelled() {
+            return;
+        }
+        match me.store.try_lead(&me.lock, &me.candidate, me.ttl) {
+            Ok(Leadership::Leader { epoch: e }) if e == epoch => {
+                last_ok = std::time::Instant::now();
+                wait = period;
+            }
+            Ok(Leadership::Leader { epoch: e }) => {
+                tracing::error!(
+                    lock = me.lock,
+                    epoch,
+                    new_epoch = e,
+                    "leadership was lost in between: stopping"
+                );
+                break;
+            }
+            Ok(Leadership::Follower { holder, .. }) => {
+                tracing::error!(
+                    lock = me.lock,
+                    holder,
+                    "leadership was lost to another process: stopping"
+                );
+                break;
+            }
+            Err(error) => {
+                if last_ok.elapsed() + period / 3 >= give_up {
+                    tracing::error!(
+                        lock = me.lock,
+                        error = %crate::controller::error_chain(&error),
+                        "cannot renew leadership in time: stopping"
+                    );
+                    break;
+                }
+                tracing::warn!(
+                    lock = me.lock,
+                    error = %crate::controller::error_chain(&error),
+                    "renewing leadership failed; retrying"
+                );
+                wait = period / 3;
+            }
+        }
+    }
+    lost.store(true, Ordering::SeqCst);
+    token.cancel();
+}
+
+/// How often a sleeping renewal thread looks for a resignation.
+const RENEWAL_STEP: Duration = Duration::from_millis(20);
 
 /// Another name for [`Leader`].
 pub type Leading = Leader;
@@ -254,7 +284,7 @@ pub struct Leader {
     epoch: u64,
     token: CancellationToken,
     lost: Arc<AtomicBool>,
-    renewal: JoinHandle<()>,
+    renewal: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Leader {
@@ -286,27 +316,34 @@ impl Leader {
     }
 
     /// Stop renewing and release the lock, so a standby takes over at once.
-    pub async fn resign(self) -> Result<(), LeaderError> {
+    pub async fn resign(mut self) -> Result<(), LeaderError> {
         self.token.cancel();
-        self.renewal.abort();
+        let renewal = self.renewal.take();
         let e = self.elector.clone();
         let lock = e.lock.clone();
-        tokio::task::spawn_blocking(move || e.store.resign(&e.lock, &e.candidate))
-            .await
-            .map_err(|source| LeaderError::Task {
-                lock: lock.clone(),
-                source,
-            })?
-            .map_err(|source| LeaderError::Resign {
-                lock,
-                source: Box::new(source),
-            })
+        // The renewal thread ends first: a renewal after the resignation would take the
+        // lock again.
+        tokio::task::spawn_blocking(move || {
+            if let Some(r) = renewal {
+                let _ = r.join();
+            }
+            e.store.resign(&e.lock, &e.candidate)
+        })
+        .await
+        .map_err(|source| LeaderError::Task {
+            lock: lock.clone(),
+            source,
+        })?
+        .map_err(|source| LeaderError::Resign {
+            lock,
+            source: Box::new(source),
+        })
     }
 }
 
 impl Drop for Leader {
     fn drop(&mut self) {
-        self.renewal.abort();
+        // The renewal thread sees this within RENEWAL_STEP (or after a renewal in flight).
         self.token.cancel();
     }
 }

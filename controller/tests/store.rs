@@ -290,6 +290,36 @@ async fn a_standby_takes_over_when_the_leader_stops_renewing() {
     assert!(!next.token().is_cancelled());
 }
 
+/// A runtime whose only worker is stuck in a blocking call (a backend's synchronous libvirt
+/// call) for three leases does not lose leadership: renewals run on their own thread.
+#[tokio::test(flavor = "current_thread")]
+async fn renewals_go_on_while_the_runtime_is_blocked() {
+    let (_dir, store) = store();
+    let ttl = Duration::from_millis(600);
+    let leader = LeaderElector::new(store.clone(), "controllers", this_process(), ttl)
+        .acquire()
+        .await
+        .unwrap();
+    std::thread::sleep(ttl * 3); // blocks this runtime's one thread
+    assert!(
+        !leader.is_lost(),
+        "still leading after the runtime was blocked"
+    );
+    let other = this_process();
+    assert!(
+        matches!(
+            store.try_lead("controllers", &other, ttl).unwrap(),
+            boxery_store::Leadership::Follower { .. }
+        ),
+        "nobody else could take the lock meanwhile"
+    );
+    leader.resign().await.unwrap();
+    assert!(matches!(
+        store.try_lead("controllers", &other, ttl).unwrap(),
+        boxery_store::Leadership::Leader { .. }
+    ));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resigning_hands_over_at_once_and_the_old_leader_notices_loss() {
     let (_dir, store) = store();
