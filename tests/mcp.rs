@@ -45,6 +45,8 @@ fn client(home: &Home, backend: &str, args: &[&str], timeout: Duration) {
         .env("BOXERY_HOME", home.path())
         .env("BOXERY_BACKEND", backend)
         .env("BOXERY_LOG", "warn")
+        // ssh's own debug log, shown when the client fails (an ssh exit 255 without a word)
+        .env("BOXERY_SSH_LOG", home.path().join("ssh-debug.log"))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -67,12 +69,15 @@ fn client(home: &Home, backend: &str, args: &[&str], timeout: Duration) {
         std::thread::sleep(Duration::from_millis(100));
     }
     let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "client.py {args:?} failed:\nstdout: {}\nstderr: {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    if !out.status.success() {
+        let log = std::fs::read_to_string(home.path().join("ssh-debug.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(60).collect();
+        panic!(
+            "client.py {args:?} failed:\nstdout: {}\nstderr: {}\nssh log (last lines, newest first): {tail:#?}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     eprintln!("{}", String::from_utf8_lossy(&out.stdout));
 }
 

@@ -329,7 +329,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
 /// The last line of a hypervisor log worth showing: not blank, not libvirt's own
 /// `… shutting down, reason=…` bookkeeping; at most 300 characters.
-pub fn last_words(log: &str) -> Option<String> {
+#[cfg_attr(not(any(feature = "qemu", feature = "libvirt")), allow(dead_code))]
+pub(crate) fn last_words(log: &str) -> Option<String> {
     let line = log
         .lines()
         .rev()

@@ -1502,7 +1502,7 @@ const DOMAIN_LOG_DIR: &str = "/var/log/libvirt/qemu";
 
 /// From a libvirt domain log: what QEMU printed after the last start (its command line and
 /// environment excluded), else the reason libvirt recorded for the shutdown.
-pub fn domain_log_last_words(log: &str) -> Option<String> {
+fn domain_log_last_words(log: &str) -> Option<String> {
     let start = log.rfind(": starting up libvirt version")?;
     let run = &log[start..];
     // After the "starting up" line: the environment and command line, one per line, each
