@@ -15,6 +15,10 @@ use boxery_store::Store;
 
 use crate::exit::{CliError, CliResult};
 
+/// The homes this process has opened a store in.
+static OPENED_HOMES: std::sync::Mutex<std::collections::BTreeSet<PathBuf>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
 /// The default backend when nothing selects one: `qemu` (direct QEMU, no daemon). Its
 /// `check` says what to install when QEMU is missing; `--backend fake` runs without VMs.
 pub fn default_backend() -> &'static str {
@@ -61,11 +65,22 @@ impl Env {
         Ok(Env { home, backend_name })
     }
 
-    /// Open (creating if needed) the store.
+    /// Open (creating if needed) the store. A home this process already opened and that is
+    /// gone now was removed under it: that is an error, not a new empty home (a long-running
+    /// `mcp` or `serve` must not bring back a home that was deleted).
     pub fn store(&self) -> CliResult<Store> {
+        let mut opened = OPENED_HOMES.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.home.exists() && opened.contains(&self.home) {
+            return Err(CliError::failed(format!(
+                "boxery's home {} was removed while this process ran; not creating it again",
+                self.home.display()
+            )));
+        }
         std::fs::create_dir_all(&self.home)
             .with_context(|| format!("cannot create boxery's home {}", self.home.display()))?;
-        Ok(Store::open(&self.home.join("store.db"))?)
+        let store = Store::open(&self.home.join("store.db"))?;
+        opened.insert(self.home.clone());
+        Ok(store)
     }
 
     /// The backend.
@@ -122,4 +137,24 @@ fn read_config_backend(home: &Path) -> CliResult<Option<String>> {
     let cfg: Config = serde_saphyr::from_str(&text)
         .map_err(|e| CliError::invalid(format!("{}: {e}", path.display())))?;
     Ok(cfg.backend)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Env;
+
+    #[test]
+    fn a_home_removed_under_the_process_is_not_created_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = Env {
+            home: dir.path().join("home"),
+            backend_name: "fake".into(),
+        };
+        drop(env.store().expect("a new home is created"));
+        drop(env.store().expect("and opened again"));
+        std::fs::remove_dir_all(&env.home).unwrap();
+        let err = env.store().expect_err("removed under this process");
+        assert!(err.error.to_string().contains("was removed"), "{err:?}");
+        assert!(!env.home.exists(), "not created again");
+    }
 }
