@@ -64,13 +64,7 @@ fn a_wait_outlives_the_serve_it_began_under() {
     .times(1)]))
         .unwrap();
     let mut serve = home.serve(&[]);
-    common::eventually(Duration::from_secs(20), || {
-        std::fs::read_to_string(&serve.log)
-            .unwrap_or_default()
-            .contains("leading")
-            .then_some(())
-    })
-    .expect("serve leads");
+    serve.wait_leading();
     home.ok(&["new", "w1"]);
     let wait = home
         .cmd()
@@ -151,16 +145,10 @@ fn unreachable_backend_deletes_nothing() {
 fn a_vm_that_stops_on_its_own_is_started_again() {
     let home = Home::new();
     let fake = home.fake();
-    let serve = home.serve(&[]);
     // serve leads from here on (no `--wait` runs the controllers in-process and hands over
     // later), so only its inventory pass, or the 60 s resync, can notice the stop
-    common::eventually(Duration::from_secs(20), || {
-        std::fs::read_to_string(&serve.log)
-            .unwrap_or_default()
-            .contains("leading")
-            .then_some(())
-    })
-    .expect("serve leads");
+    let serve = home.serve(&[]);
+    serve.wait_leading();
     home.ok(&["new", "e1"]);
     home.ok(&["wait", "vm", "e1", "--for=condition=Ready", "--timeout=30s"]);
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -21,7 +21,7 @@ use boxery_controller::Cache;
 use boxery_api::{
     ConditionStatus, Conditions, EventType, Image, ImagePhase, RunStrategy, Vm, VmPhase,
 };
-use boxery_backends::{BackendError, PowerState};
+use boxery_backends::{BackendError, PowerState, VmInfo};
 
 use crate::context::Ctx;
 use crate::error::ReconcileError;
@@ -167,28 +167,20 @@ pub async fn pass(ctx: &Ctx, objects: &impl Objects) -> Result<Report, Reconcile
         let settled = vm.status.created_at.is_some()
             && vm.status.operation.is_none()
             && !vm.metadata.is_deleting();
+        // Held until the status is written: a reconcile must not change the VM in between.
+        let mut _held = None;
         if settled
             && !present.contains_key(vm.metadata.name.as_str())
             && vm.status.phase != VmPhase::Lost
         {
-            // Confirm under the VM's lock: a reconcile may have just changed it.
-            let lock = ctx.vm_lock(&vm.metadata.name);
-            let _g = lock.lock().await;
-            let Some(cur) = ctx.store.get_as::<Vm>(&vm.metadata.name)? else {
+            let Some((guard, cur, info)) = recheck(ctx, &vm.metadata.name).await? else {
                 continue;
             };
             let still = cur.status.created_at.is_some()
                 && cur.status.operation.is_none()
                 && !cur.metadata.is_deleting();
-            let gone = ctx
-                .backend
-                .get(&cur.metadata.name)
-                .await
-                .map_err(|e| {
-                    ReconcileError::backend("get", format!("Vm/{}", cur.metadata.name), e)
-                })?
-                .is_none();
-            if still && gone {
+            if still && info.is_none() {
+                _held = Some(guard);
                 vm = cur;
                 vm.status.conditions.remove_condition("BackendReachable");
                 vm.status.conditions.set_condition("Lost", ConditionStatus::True, "NotInBackend", "the backend no longer has this VM: delete it (`boxery rm NAME`) and create it again, or revert it from an image", generation);
@@ -216,23 +208,14 @@ pub async fn pass(ctx: &Ctx, objects: &impl Objects) -> Result<Report, Reconcile
             .get(vm.metadata.name.as_str())
             .is_some_and(|info| info.state == PowerState::Stopped);
         if settled && stopped_here && runs(&vm) {
-            // Confirm under the VM's lock and against the backend itself: a reconcile may be
-            // stopping it (a resize) or may have just started it again.
-            let lock = ctx.vm_lock(&vm.metadata.name);
-            let _g = lock.lock().await;
-            let Some(mut cur) = ctx.store.get_as::<Vm>(&vm.metadata.name)? else {
+            // A reconcile may be stopping it (a resize) or may have just started it again.
+            let Some((guard, mut cur, info)) = recheck(ctx, &vm.metadata.name).await? else {
                 continue;
             };
-            let state = ctx
-                .backend
-                .get(&cur.metadata.name)
-                .await
-                .map_err(|e| {
-                    ReconcileError::backend("get", format!("Vm/{}", cur.metadata.name), e)
-                })?
-                .map(|i| i.state);
+            let state = info.map(|i| i.state);
             tracing::debug!(vm = %cur.metadata.name, ?state, runs = runs(&cur), "listed as stopped; re-checked under its lock");
             if runs(&cur) && state == Some(PowerState::Stopped) {
+                _held = Some(guard);
                 let generation = cur.metadata.generation;
                 cur.status.conditions.remove_condition("BackendReachable");
                 // The status write wakes the Vm controller, which starts it again.
@@ -294,6 +277,24 @@ pub async fn pass(ctx: &Ctx, objects: &impl Objects) -> Result<Report, Reconcile
         }
     }
     Ok(report)
+}
+
+/// A VM re-read under its lock (a reconcile may have just changed it): the held lock, the
+/// stored object and what the backend has now; `None` when the object is gone.
+async fn recheck(
+    ctx: &Ctx,
+    name: &str,
+) -> Result<Option<(tokio::sync::OwnedMutexGuard<()>, Vm, Option<VmInfo>)>, ReconcileError> {
+    let guard = ctx.vm_lock(name).lock_owned().await;
+    let Some(cur) = ctx.store.get_as::<Vm>(name)? else {
+        return Ok(None);
+    };
+    let info = ctx
+        .backend
+        .get(name)
+        .await
+        .map_err(|e| ReconcileError::backend("get", format!("Vm/{name}"), e))?;
+    Ok(Some((guard, cur, info)))
 }
 
 /// Settled, last seen running, and meant to run.

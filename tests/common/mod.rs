@@ -106,6 +106,16 @@ pub struct Serve {
 }
 
 impl Serve {
+    /// Wait until it leads the store (so no `--wait` runs the controllers in-process first).
+    pub fn wait_leading(&self) {
+        eventually(Duration::from_secs(20), || {
+            std::fs::read_to_string(&self.log)
+                .unwrap_or_default()
+                .contains("leading")
+                .then_some(())
+        })
+        .unwrap_or_else(|| panic!("serve does not lead: see {}", self.log.display()));
+    }
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
