@@ -27,17 +27,27 @@ ours() {
   echo "$pid"
 }
 
+# One start or stop at a time (tests run in parallel, and each starts libvirtd when none
+# answers): the second waits, then finds it answering.
+serialize() {
+  mkdir -p "$RUN"
+  exec 9>"$RUN/lock"
+  flock 9
+}
+
 start() {
   command -v libvirtd >/dev/null || { say "libvirtd is not installed: run scripts/install-libvirt.sh"; exit 1; }
+  if answers; then say "libvirtd already answers on $URI"; return 0; fi
+  serialize
   if answers; then say "libvirtd already answers on $URI"; return 0; fi
   mkdir -p "$RUN" /run/libvirt /var/log/libvirt/qemu /var/lib/libvirt/qemu
   if ! ours virtlogd >/dev/null; then
     rm -f "$RUN/virtlogd.pid"
-    virtlogd -d -p "$RUN/virtlogd.pid"
+    virtlogd -d -p "$RUN/virtlogd.pid" 9>&-  # the daemons must not inherit the lock
   fi
   if ! ours libvirtd >/dev/null; then
     rm -f "$RUN/libvirtd.pid"
-    LIBVIRT_LOG_OUTPUTS="3:file:$RUN/libvirtd.log" libvirtd -d -p "$RUN/libvirtd.pid"
+    LIBVIRT_LOG_OUTPUTS="3:file:$RUN/libvirtd.log" libvirtd -d -p "$RUN/libvirtd.pid" 9>&-
   fi
   local t=$SECONDS
   # the first start probes QEMU's capabilities (measured: up to ~8 s here; more under load)
@@ -51,6 +61,7 @@ start() {
 
 stop() {
   local d pid
+  serialize
   for d in libvirtd virtlogd; do
     if pid=$(ours "$d"); then
       kill "$pid"
