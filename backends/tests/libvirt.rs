@@ -431,6 +431,41 @@ async fn lifecycle_capture_reimage_fork_resize_remove() {
     );
 }
 
+/// `init` run at the same moment by two processes of one home (a `serve` and a CLI `--wait`):
+/// both succeed (they take turns; one finds the pool defined and started by the other).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_from_two_places_at_once() {
+    need_libvirtd();
+    let tmp = tempfile::Builder::new()
+        .prefix("bxl")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let dir = tmp.path().join("libvirt");
+    let inits: Vec<_> = (0..2)
+        .map(|_| {
+            let dir = dir.clone();
+            tokio::spawn(async move {
+                LibvirtBackend::with_config(dir, LibvirtConfig::from_env())
+                    .init()
+                    .await
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for i in inits {
+        results.push(i.await.unwrap());
+    }
+    let b = LibvirtBackend::with_config(dir, LibvirtConfig::from_env());
+    let active =
+        String::from_utf8_lossy(&virsh(&["pool-info", &b.pool_name()]).stdout).contains("running");
+    virsh(&["pool-destroy", &b.pool_name()]);
+    virsh(&["pool-undefine", &b.pool_name()]);
+    for r in results {
+        r.expect("init succeeds while another runs");
+    }
+    assert!(active, "the pool was started");
+}
+
 /// The recovery hooks, each twice, on the states a killed create or capture leaves; a domain
 /// that is not ours is never listed or touched; libvirtd unreachable mid-run is an error, not
 /// an empty host.

@@ -990,8 +990,11 @@ impl Backend for LibvirtBackend {
         Ok(())
     }
 
+    /// Idempotent, and safe to run from several processes at once: this home's (a `serve`
+    /// and a CLI `--wait`) take turns; the filter and network, shared with other homes, count
+    /// as done when another process got there first.
     async fn init(&self) -> Result<()> {
-        self.ensure_dirs()?;
+        let _lock = self.lock("init").await?;
         let conn = self.conn()?;
         // the pool
         let pool = match conn.lookup_storage_pool_by_name(&self.pool_name()) {
@@ -1003,26 +1006,34 @@ impl Backend for LibvirtBackend {
                 )
                 .map_err(|e| lv_failed("define the storage pool", e))?,
         };
-        if !pool.is_active().unwrap_or(false) {
-            pool.create(0)
-                .map_err(|e| lv_failed("start the storage pool", e))?;
+        if !pool.is_active().unwrap_or(false)
+            && let Err(e) = pool.create(0)
+            && !pool.is_active().unwrap_or(false)
+        {
+            return Err(lv_failed("start the storage pool", e));
         }
         let _ = pool.set_autostart(true);
         // the filter (redefined with its UUID, so domains using it pick up changes)
         // defined when missing; redefining it while guests run re-instantiates every guest's
         // rules, so a changed filter is applied by `virsh nwfilter-define` on purpose
-        if conn.lookup_nwfilter_by_name(xml::FILTER).is_err() {
-            conn.define_nwfilter_xml(&xml::isolation_filter(None))
-                .map_err(|e| lv_failed("define the nwfilter boxery-guest-isolation", e))?;
+        if conn.lookup_nwfilter_by_name(xml::FILTER).is_err()
+            && let Err(e) = conn.define_nwfilter_xml(&xml::isolation_filter(None))
+            && conn.lookup_nwfilter_by_name(xml::FILTER).is_err()
+        {
+            return Err(lv_failed("define the nwfilter boxery-guest-isolation", e));
         }
         // the network
         let net = conn.lookup_network_by_name(&self.config.network).map_err(|e| {
             BackendError::Invalid(format!("libvirt network {} does not exist ({e}): define it (`virsh net-define`) or set BOXERY_LIBVIRT_NETWORK", self.config.network))
         })?;
-        if !net.is_active().unwrap_or(false) {
-            net.create().map_err(|e| {
-                lv_failed(format!("start libvirt network {}", self.config.network), e)
-            })?;
+        if !net.is_active().unwrap_or(false)
+            && let Err(e) = net.create()
+            && !net.is_active().unwrap_or(false)
+        {
+            return Err(lv_failed(
+                format!("start libvirt network {}", self.config.network),
+                e,
+            ));
         }
         let _ = net.set_autostart(true);
         Ok(())
