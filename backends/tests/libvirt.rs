@@ -460,6 +460,7 @@ async fn init_from_two_places_at_once() {
         String::from_utf8_lossy(&virsh(&["pool-info", &b.pool_name()]).stdout).contains("running");
     virsh(&["pool-destroy", &b.pool_name()]);
     virsh(&["pool-undefine", &b.pool_name()]);
+    let _ = std::fs::remove_dir_all(b.pool_dir());
     for r in results {
         r.expect("init succeeds while another runs");
     }
