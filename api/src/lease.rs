@@ -29,11 +29,8 @@ fn normalize_lease(lease: &mut Lease) -> Result<(), Vec<crate::validate::FieldEr
     if let Err(e) = crate::validate::check_label_name(&lease.spec.pool) {
         errs.push(crate::validate::FieldError::new("spec.pool", e));
     }
-    if lease.spec.holder_identity.trim().is_empty() || lease.spec.holder_identity.len() > 128 {
-        errs.push(crate::validate::FieldError::new(
-            "spec.holderIdentity",
-            "give a holder name of 1 to 128 characters".into(),
-        ));
+    if let Err(e) = crate::name::check_text(&lease.spec.holder_identity, 128) {
+        errs.push(crate::validate::FieldError::new("spec.holderIdentity", e));
     }
     if let Err(e) = check_public_key(&lease.spec.public_key) {
         errs.push(crate::validate::FieldError::new("spec.publicKey", e));
@@ -46,7 +43,7 @@ pub fn check_public_key(key: &str) -> Result<(), String> {
     let bad = || {
         "not an ssh public key: give one line like `ssh-ed25519 AAAA… comment` (the private key never enters the store)".to_string()
     };
-    if key.contains('\n') || key.len() > 16 * 1024 {
+    if key.chars().any(char::is_control) || key.len() > 16 * 1024 {
         return Err(bad());
     }
     let mut parts = key.split_whitespace();

@@ -122,60 +122,7 @@ fn dotted(pointer: &str) -> String {
         .join(".")
 }
 
-/// Check that a name is a DNS-1123 label: 1–63 of `a-z`, `0-9`, `-`, starting and ending with
-/// a letter or digit.
-pub fn check_label_name(name: &str) -> Result<(), String> {
-    if name.is_empty() {
-        return Err("a name is required".into());
-    }
-    if name.len() > 63 {
-        return Err(format!(
-            "`{}…` is {} characters long; the limit is 63",
-            &name[..20],
-            name.len()
-        ));
-    }
-    let ok_chars = name
-        .bytes()
-        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-    let ok_ends = name
-        .bytes()
-        .next()
-        .is_some_and(|b| b.is_ascii_alphanumeric())
-        && name
-            .bytes()
-            .last()
-            .is_some_and(|b| b.is_ascii_alphanumeric());
-    if !ok_chars || !ok_ends {
-        return Err(format!(
-            "`{}` is not a valid name: use lowercase letters, digits and `-`, starting and ending with a letter or digit",
-            name.escape_debug()
-        ));
-    }
-    Ok(())
-}
-
-/// Check that a name is a DNS-1123 subdomain: dot-separated labels, at most 253 characters.
-pub fn check_subdomain_name(name: &str) -> Result<(), String> {
-    if name.is_empty() {
-        return Err("a name is required".into());
-    }
-    if name.len() > 253 {
-        return Err(format!(
-            "the name is {} characters long; the limit is 253",
-            name.len()
-        ));
-    }
-    for part in name.split('.') {
-        check_label_name(part).map_err(|_| {
-            format!(
-                "`{}` is not a valid name: use dot-separated parts of lowercase letters, digits and `-`",
-                name.escape_debug()
-            )
-        })?;
-    }
-    Ok(())
-}
+pub use crate::name::{check_label_name, check_subdomain_name};
 
 fn normalize_typed<R: Resource>(value: Value, label: &str) -> Result<DynObject, ValidationError> {
     let fail = |errors| ValidationError {
@@ -217,9 +164,13 @@ pub fn normalize(value: Value) -> Result<DynObject, ValidationError> {
         .unwrap_or("")
         .to_string();
     let label = if name.is_empty() {
-        format!("{kind_raw} (unnamed)")
+        format!("{} (unnamed)", crate::name::shown(&kind_raw))
     } else {
-        format!("{kind_raw}/{name}")
+        format!(
+            "{}/{}",
+            crate::name::shown(&kind_raw),
+            crate::name::shown(&name)
+        )
     };
     let fail = |path: &str, message: String| ValidationError {
         object: label.clone(),
@@ -251,7 +202,11 @@ pub fn normalize(value: Value) -> Result<DynObject, ValidationError> {
         let msg = if kind_raw.is_empty() {
             format!("kind is required: one of {}", known.join(", "))
         } else {
-            format!("unknown kind `{kind_raw}`: use one of {}", known.join(", "))
+            format!(
+                "unknown kind `{}`: use one of {}",
+                crate::name::shown(&kind_raw),
+                known.join(", ")
+            )
         };
         return Err(fail("kind", msg));
     };

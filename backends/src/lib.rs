@@ -19,6 +19,7 @@
 //! - The recovery hooks (`cleanup_new`, `cleanup_image`, `recover_capture`) are idempotent and
 //!   succeed when there is nothing to clean.
 
+pub mod confined;
 pub mod fake;
 pub mod identity;
 #[cfg(feature = "libvirt")]

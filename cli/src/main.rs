@@ -1,5 +1,6 @@
 //! `boxery`: VMs as hands for coding agents, declaratively.
 
+mod args;
 mod commands;
 mod env;
 mod exit;
@@ -165,12 +166,13 @@ enum Command {
     /// Make a VM (writes a Vm object). Default source: the stock image debian-12.
     New {
         /// The VM's name.
+        #[arg(value_parser = args::label)]
         name: String,
         /// Make it from this image.
-        #[arg(long, value_name = "IMAGE")]
+        #[arg(long, value_name = "IMAGE", value_parser = args::any_name)]
         from: Option<String>,
         /// Make it from another VM's disk as it is now.
-        #[arg(long, value_name = "VM")]
+        #[arg(long, value_name = "VM", value_parser = args::label)]
         fork: Option<String>,
         #[command(flatten)]
         size: sugar::SizeArgs,
@@ -183,8 +185,10 @@ enum Command {
     /// Snapshot a VM's disk into the image VM.LABEL (works while it runs).
     Snap {
         /// The VM.
+        #[arg(value_parser = args::label)]
         vm: String,
         /// The label.
+        #[arg(value_parser = args::label)]
         label: String,
         #[command(flatten)]
         wait: WaitArgs,
@@ -192,8 +196,10 @@ enum Command {
     /// Replace a VM's disk with its image VM.LABEL (sets spec.restore).
     Revert {
         /// The VM.
+        #[arg(value_parser = args::label)]
         vm: String,
         /// The label (or a full image name).
+        #[arg(value_parser = args::any_name)]
         label: String,
         #[command(flatten)]
         wait: WaitArgs,
@@ -201,9 +207,10 @@ enum Command {
     /// Make new VMs from a VM's disk as it is now.
     Fork {
         /// The source VM.
+        #[arg(value_parser = args::label)]
         src: String,
         /// New VM names.
-        #[arg(required = true)]
+        #[arg(required = true, value_parser = args::label)]
         names: Vec<String>,
         #[command(flatten)]
         size: sugar::SizeArgs,
@@ -213,7 +220,7 @@ enum Command {
     /// Start VMs (runStrategy: Running).
     Start {
         /// VM names.
-        #[arg(required = true)]
+        #[arg(required = true, value_parser = args::label)]
         names: Vec<String>,
         #[command(flatten)]
         wait: WaitArgs,
@@ -221,7 +228,7 @@ enum Command {
     /// Stop VMs (runStrategy: Stopped).
     Stop {
         /// VM names.
-        #[arg(required = true)]
+        #[arg(required = true, value_parser = args::label)]
         names: Vec<String>,
         #[command(flatten)]
         wait: WaitArgs,
@@ -229,6 +236,7 @@ enum Command {
     /// Change a VM's CPUs, memory or disk.
     Resize {
         /// The VM.
+        #[arg(value_parser = args::label)]
         name: String,
         #[command(flatten)]
         size: sugar::SizeArgs,
@@ -238,7 +246,7 @@ enum Command {
     /// Delete VMs (and the images they own).
     Rm {
         /// VM names.
-        #[arg(required = true)]
+        #[arg(required = true, value_parser = args::label)]
         names: Vec<String>,
         /// See `delete --force`.
         #[arg(long)]
@@ -255,6 +263,7 @@ enum Command {
     /// Open a shell in a VM (or run a command with a terminal), with its pinned host key.
     Ssh {
         /// The VM.
+        #[arg(value_parser = args::label)]
         vm: String,
         /// A command instead of a shell.
         #[arg(last = true)]
@@ -263,6 +272,7 @@ enum Command {
     /// Run a command in a VM: output is streamed, and boxery exits with the command's code.
     Run {
         /// The VM.
+        #[arg(value_parser = args::label)]
         vm: String,
         /// The command and its arguments (after `--`). One word is run by the shell as is
         /// (`boxery run dev1 -- 'cd /tmp && ls'`); several are quoted one by one.
@@ -312,6 +322,7 @@ enum Command {
     /// Print a text file in a VM (or a line range of it).
     Read {
         /// The VM.
+        #[arg(value_parser = args::label)]
         vm: String,
         /// The file.
         path: String,
@@ -325,6 +336,7 @@ enum Command {
     /// Write stdin to a file in a VM, atomically (temp file + rename).
     Write {
         /// The VM.
+        #[arg(value_parser = args::label)]
         vm: String,
         /// The file.
         path: String,
@@ -335,6 +347,7 @@ enum Command {
     /// Replace text in a file in a VM: OLD must occur exactly COUNT times; atomic.
     Edit {
         /// The VM.
+        #[arg(value_parser = args::label)]
         vm: String,
         /// The file.
         path: String,
@@ -359,6 +372,7 @@ enum JobsCmd {
     /// Start a command in the background (its own process group); prints the job id.
     Start {
         /// The VM.
+        #[arg(value_parser = args::label)]
         vm: String,
         /// Working directory.
         #[arg(long)]
@@ -370,11 +384,13 @@ enum JobsCmd {
     /// List the VM's jobs.
     List {
         /// The VM.
+        #[arg(value_parser = args::label)]
         vm: String,
     },
     /// Print a job's output.
     Logs {
         /// The VM.
+        #[arg(value_parser = args::label)]
         vm: String,
         /// The job.
         id: String,
@@ -385,6 +401,7 @@ enum JobsCmd {
     /// Wait until a job ends; exits with its exit code (4 if still running at the timeout).
     Wait {
         /// The VM.
+        #[arg(value_parser = args::label)]
         vm: String,
         /// The job.
         id: String,
@@ -395,6 +412,7 @@ enum JobsCmd {
     /// Kill a job's process group.
     Kill {
         /// The VM.
+        #[arg(value_parser = args::label)]
         vm: String,
         /// The job.
         id: String,

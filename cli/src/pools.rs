@@ -5,7 +5,8 @@ use std::time::Duration;
 use boxery_api::lease::{LeasePhase, LeaseSpec};
 use boxery_api::meta::LocalObjectReference;
 use boxery_api::pool::{MemberState, PoolSpec};
-use boxery_api::{Lease, Pool};
+use boxery_api::{Lease, Name, Pool};
+use boxery_backends::confined;
 use boxery_store::{Store, StoreError};
 
 use crate::env::Env;
@@ -18,15 +19,19 @@ pub enum PoolCmd {
     /// Add an existing VM to a pool (made if missing): it turns from a pet into a pool VM.
     Add {
         /// The pool.
+        #[arg(value_parser = crate::args::label)]
         pool: String,
         /// The VM.
+        #[arg(value_parser = crate::args::label)]
         vm: String,
     },
     /// Take a VM out of a pool (refused while it is leased).
     Rm {
         /// The pool.
+        #[arg(value_parser = crate::args::label)]
         pool: String,
         /// The VM.
+        #[arg(value_parser = crate::args::label)]
         vm: String,
     },
     /// List pools and their members.
@@ -40,6 +45,7 @@ pub enum LeaseCmd {
     /// host), writes a Lease, and (with --wait) prints the VM and how to reach it.
     Acquire {
         /// The pool.
+        #[arg(value_parser = crate::args::label)]
         pool: String,
         /// How long until it expires unless renewed (60s..8h).
         #[arg(long, default_value = "30m", value_parser = humantime::parse_duration)]
@@ -48,7 +54,7 @@ pub enum LeaseCmd {
         #[arg(long)]
         holder: Option<String>,
         /// The lease's name (default: generated).
-        #[arg(long)]
+        #[arg(long, value_parser = crate::args::label)]
         name: Option<String>,
         /// Wait until bound.
         #[arg(long)]
@@ -60,6 +66,7 @@ pub enum LeaseCmd {
     /// Renew a lease (refused once it expired, or for someone else's lease).
     Renew {
         /// The lease.
+        #[arg(value_parser = crate::args::label)]
         name: String,
         /// Your holder name (must match the lease's).
         #[arg(long)]
@@ -68,6 +75,7 @@ pub enum LeaseCmd {
     /// Release a lease: the VM is reset to its clean image and goes back to the pool.
     Release {
         /// The lease.
+        #[arg(value_parser = crate::args::label)]
         name: String,
         /// Wait until the lease is gone.
         #[arg(long)]
@@ -209,9 +217,23 @@ pub fn pool(env: &Env, cmd: PoolCmd) -> CliResult {
     Ok(())
 }
 
+/// The directory holding the key pairs of the leases this host holds.
+fn leases_root(env: &Env) -> std::path::PathBuf {
+    env.home.join("leases")
+}
+
 /// Where a lease's key pair lives on this host.
-pub fn lease_dir(env: &Env, lease: &str) -> std::path::PathBuf {
-    env.home.join("leases").join(lease)
+pub fn lease_dir(env: &Env, lease: &Name) -> std::path::PathBuf {
+    confined::child(&leases_root(env), lease)
+}
+
+/// Remove the key pair made here for a lease (never anything outside
+/// `$BOXERY_HOME/leases`).
+pub fn forget_key(env: &Env, lease: &Name) {
+    let root = leases_root(env);
+    if let Err(e) = confined::remove_within(&root, &lease_dir(env, lease)) {
+        tracing::warn!(lease = %lease, error = %e, "cannot remove the lease's key pair");
+    }
 }
 
 /// The private key of a lease this host holds on `vm`, if any.
@@ -221,7 +243,8 @@ pub fn held_key(env: &Env, store: &Store, vm: &str) -> Option<std::path::PathBuf
         .iter()
         .filter(|l| l.status.phase == LeasePhase::Bound && l.status.vm.as_deref() == Some(vm))
         .find_map(|l| {
-            let k = lease_dir(env, &l.metadata.name).join("id_ed25519");
+            let name = Name::label(&l.metadata.name).ok()?;
+            let k = lease_dir(env, &name).join("id_ed25519");
             k.exists().then_some(k)
         })
 }
@@ -243,11 +266,12 @@ pub struct Acquired {
 pub fn acquire(
     env: &Env,
     store: &Store,
-    pool: &str,
+    pool: &Name,
     ttl: Duration,
     holder: Option<String>,
-    name: Option<String>,
+    name: Option<Name>,
 ) -> CliResult<Acquired> {
+    // Everything is checked before anything is made.
     let secs = ttl.as_secs();
     if !(60..=28800).contains(&secs) {
         return Err(CliError::invalid(format!(
@@ -255,13 +279,33 @@ pub fn acquire(
             humantime::format_duration(ttl)
         )));
     }
-    let name = name
-        .unwrap_or_else(|| format!("{pool}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]));
+    let pool = Name::label(pool).map_err(|e| CliError::invalid(format!("pool: {e}")))?;
+    let holder = holder.unwrap_or_else(default_holder);
+    boxery_api::name::check_text(&holder, 128)
+        .map_err(|e| CliError::invalid(format!("holder: {e}")))?;
+    let name = match name {
+        Some(n) => Name::label(&n).map_err(|e| CliError::invalid(format!("lease name: {e}")))?,
+        None => {
+            let suffix = &uuid::Uuid::new_v4().simple().to_string()[..8];
+            // A pool name near the limit leaves no room for the suffix: cut it.
+            let stem: String = pool.chars().take(63 - 9).collect();
+            Name::label(&format!("{}-{suffix}", stem.trim_end_matches('-')))
+                .map_err(|e| CliError::invalid(format!("lease name: {e}")))?
+        }
+    };
+    if store.get_as::<Lease>(&name)?.is_some() {
+        return Err(StoreError::AlreadyExists {
+            kind: "Lease".into(),
+            name: name.to_string(),
+        }
+        .into());
+    }
     let dir = lease_dir(env, &name);
-    std::fs::create_dir_all(&dir)?;
+    // A key pair left by an acquire that died before writing its Lease is stale.
+    forget_key(env, &name);
+    std::fs::create_dir_all(leases_root(env))?;
+    std::fs::create_dir(&dir)?;
     let key = dir.join("id_ed25519");
-    let _ = std::fs::remove_file(&key);
-    let _ = std::fs::remove_file(dir.join("id_ed25519.pub"));
     let out = std::process::Command::new("ssh-keygen")
         .args(["-q", "-t", "ed25519", "-N", "", "-C"])
         .arg(format!("boxery-lease-{name}"))
@@ -278,7 +322,6 @@ pub fn acquire(
     let public = std::fs::read_to_string(dir.join("id_ed25519.pub"))?
         .trim()
         .to_string();
-    let holder = holder.unwrap_or_else(default_holder);
     let spec = LeaseSpec {
         pool: pool.to_string(),
         holder_identity: holder.clone(),
@@ -287,10 +330,16 @@ pub fn acquire(
         public_key: public,
     };
     if let Err(e) = store.create_as(&Lease::new(&name, spec)) {
-        let _ = std::fs::remove_dir_all(&dir);
+        if !matches!(e, StoreError::AlreadyExists { .. }) {
+            forget_key(env, &name);
+        }
         return Err(e.into());
     }
-    Ok(Acquired { name, holder, key })
+    Ok(Acquired {
+        name: name.into_string(),
+        holder,
+        key,
+    })
 }
 
 /// `lease renew`: refused for someone else's lease (`holder`, default `$USER@hostname`) and
@@ -322,11 +371,12 @@ pub fn renew(store: &Store, name: &str, holder: Option<String>) -> CliResult<Lea
 
 /// `lease release`: delete the Lease (its VM is reset and goes back to the pool) and the key
 /// pair made for it here.
-pub fn release(env: &Env, store: &Store, name: &str) -> CliResult {
-    let r = store.delete("Lease", name);
-    let _ = std::fs::remove_dir_all(lease_dir(env, name));
-    match r {
-        Ok(_) => Ok(()),
+pub fn release(env: &Env, store: &Store, name: &Name) -> CliResult {
+    match store.delete("Lease", name) {
+        Ok(_) => {
+            forget_key(env, name);
+            Ok(())
+        }
         Err(StoreError::NotFound { .. }) => Err(CliError::not_found(format!(
             "lease {name} not found: `boxery lease ls` lists leases"
         ))),
@@ -346,6 +396,11 @@ pub async fn lease(env: &Env, cmd: LeaseCmd) -> CliResult {
             wait: w,
             timeout,
         } => {
+            let pool = Name::label(&pool).map_err(|e| CliError::invalid(e.0))?;
+            let name = name
+                .map(|n| Name::label(&n))
+                .transpose()
+                .map_err(|e| CliError::invalid(e.0))?;
             let a = acquire(env, &store, &pool, ttl, holder, name)?;
             let (name, key) = (a.name, a.key);
             println!("lease/{name} created");
@@ -379,7 +434,8 @@ pub async fn lease(env: &Env, cmd: LeaseCmd) -> CliResult {
             println!("lease/{name} renewed");
         }
         LeaseCmd::Release { name, wait: w } => {
-            release(env, &store, &name)?;
+            let lease = Name::label(&name).map_err(|e| CliError::invalid(e.0))?;
+            release(env, &store, &lease)?;
             println!("lease/{name} released");
             if w {
                 wait::wait_all(

@@ -174,6 +174,29 @@ impl StoreError {
     }
 }
 
+/// `Invalid` unless `name` is a valid name for objects of `kind` (and `kind` is a kind).
+pub fn check_name(kind: &str, name: &str) -> Result<()> {
+    let invalid = |message: String| {
+        StoreError::Invalid(boxery_api::ValidationError {
+            object: format!(
+                "{}/{}",
+                boxery_api::name::shown(kind),
+                boxery_api::name::shown(name)
+            ),
+            errors: vec![boxery_api::validate::FieldError::new(
+                "metadata.name",
+                message,
+            )],
+        })
+    };
+    let info = boxery_api::KINDS
+        .iter()
+        .find(|k| k.kind == kind)
+        .ok_or_else(|| invalid(format!("unknown kind `{}`", boxery_api::name::shown(kind))))?;
+    boxery_api::Name::for_kind(info, name).map_err(|e| invalid(e.0))?;
+    Ok(())
+}
+
 /// Result alias.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
@@ -442,8 +465,11 @@ impl Store {
         self.inner.write(false, |tx| tx.create(obj))
     }
 
-    /// The current object of a key.
+    /// The current object of a key (`None` for a name no object can have, such as `../x`).
     pub fn get(&self, kind: &str, name: &str) -> Result<Option<DynObject>> {
+        if check_name(kind, name).is_err() {
+            return Ok(None);
+        }
         self.inner.with_reader(|c| {
             let json: Option<String> = c
                 .prepare_cached("SELECT json FROM objects WHERE kind = ?1 AND name = ?2")?
@@ -504,7 +530,9 @@ impl Store {
     /// Delete an object: while finalizers remain, set `deletionTimestamp` (once) and return
     /// `Marked`; otherwise remove it and return `Removed`. Removal cascades to every object
     /// whose ownerReferences name the removed object's uid, recursively, finalizers respected.
+    /// A name no object can have is `Invalid`.
     pub fn delete(&self, kind: &str, name: &str) -> Result<DeleteOutcome> {
+        check_name(kind, name)?;
         self.inner.write(false, |tx| tx.delete(kind, name))
     }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use boxery_api::lease::LeasePhase;
-use boxery_api::{Lease, Pool};
+use boxery_api::{Lease, Name, Pool};
 use boxery_reconcilers::lease::LeaseKeeper;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -82,11 +82,20 @@ impl Kept {
     }
 }
 
+/// The lease a renew or release names: one this session holds. A session never renews or
+/// releases another session's (or a person's) lease: `boxery lease release` does that.
 fn which_lease(session: &Session, lease: Option<String>) -> Result<String, ToolError> {
+    let held = session.held_leases();
     if let Some(l) = lease.filter(|l| !l.is_empty()) {
-        return Ok(l);
+        let name = Name::label(&l).map_err(|e| ToolError::Invalid(format!("lease: {e}")))?;
+        if !held.iter().any(|h| *h == *name) {
+            return Err(ToolError::Invalid(format!(
+                "lease {name} is not held by this session: a session renews and releases only the leases it acquired (its holder can run `boxery lease release {name}`)"
+            )));
+        }
+        return Ok(name.into_string());
     }
-    match session.held_leases().as_slice() {
+    match held.as_slice() {
         [one] => Ok(one.clone()),
         [] => Err(ToolError::Invalid(
             "which lease? name it with `lease` (vm_lease {action: list} lists them)".into(),
@@ -108,6 +117,7 @@ pub async fn lease(session: Arc<Session>, a: LeaseArgs, ct: CancellationToken) -
             let pool = a.pool.filter(|p| !p.is_empty()).ok_or_else(|| {
                 ToolError::Invalid("acquire needs `pool` (vm_get {kind: pool} lists pools)".into())
             })?;
+            let pool = Name::label(&pool).map_err(|e| ToolError::Invalid(format!("pool: {e}")))?;
             if store.get_as::<Pool>(&pool)?.is_none() {
                 let names: Vec<String> = store
                     .list_as::<Pool>(&Default::default())?
@@ -191,9 +201,7 @@ pub async fn lease(session: Arc<Session>, a: LeaseArgs, ct: CancellationToken) -
         LeaseAction::Release => {
             let name = which_lease(&session, a.lease)?;
             let vm = store.get_as::<Lease>(&name)?.and_then(|l| l.status.vm);
-            if !session.let_go(&name) {
-                crate::pools::release(env, &store, &name)?;
-            }
+            session.let_go(&name);
             if vm.is_some() && session.default_vm() == vm {
                 session.set_default_vm(None);
             }

@@ -429,7 +429,9 @@ impl Session {
         match k {
             Some(k) => {
                 k.release();
-                let _ = std::fs::remove_dir_all(crate::pools::lease_dir(&self.env, name));
+                if let Ok(n) = boxery_api::Name::label(name) {
+                    crate::pools::forget_key(&self.env, &n);
+                }
                 true
             }
             None => false,
@@ -463,7 +465,9 @@ impl Session {
         for (name, k) in all {
             tracing::info!(lease = %name, "the session ended: releasing its lease");
             k.release();
-            let _ = std::fs::remove_dir_all(crate::pools::lease_dir(&self.env, &name));
+            if let Ok(n) = boxery_api::Name::label(&name) {
+                crate::pools::forget_key(&self.env, &n);
+            }
             names.push(name);
         }
         names

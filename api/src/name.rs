@@ -1,0 +1,292 @@
+//! Object names: the one validated type every user- or agent-supplied name passes through
+//! before it reaches the store, the filesystem, a command line, an ssh config or a hypervisor.
+//!
+//! # Guarantees
+//! - A [`Name`] is a DNS-1123 subdomain: 1–253 bytes of `a-z`, `0-9`, `-` and `.`, made of
+//!   dot-separated labels of 1–63 bytes that start and end with a letter or digit. So it is
+//!   never empty, `.` or `..`, holds no `/`, NUL, space, control character or non-ASCII
+//!   byte, and never starts with `-`: it is one plain path component and never an option.
+//! - A [`Name`] made with [`Name::label`] (or [`Name::for_kind`] of a kind whose names have no
+//!   dots) is a DNS-1123 label (1–63 bytes, no dot).
+//! - The checks never panic, whatever the input (property-tested).
+
+use std::fmt;
+use std::ops::Deref;
+use std::path::Path;
+use std::str::FromStr;
+
+use crate::resource::KindInfo;
+
+/// How long a name shown in an error may be before it is cut (in characters).
+const SHOWN: usize = 40;
+
+/// A name shown in a message: control characters escaped, long names cut at a character
+/// boundary. Safe to print to a terminal.
+pub fn shown(name: &str) -> String {
+    let mut out: String = name.chars().take(SHOWN).collect::<String>();
+    if name.chars().count() > SHOWN {
+        out.push('…');
+    }
+    out.escape_debug().to_string()
+}
+
+/// Check a free-form text field (a holder name, a comment): 1 to `max` bytes with no control
+/// characters (no newline, escape or NUL), so it is safe in a terminal, a log line and a
+/// one-line file format.
+pub fn check_text(text: &str, max: usize) -> Result<(), String> {
+    if text.trim().is_empty() || text.len() > max {
+        return Err(format!("give 1 to {max} bytes of text"));
+    }
+    if text.chars().any(char::is_control) {
+        return Err(format!(
+            "`{}` holds control characters (newlines, escapes): use printable text",
+            shown(text)
+        ));
+    }
+    Ok(())
+}
+
+/// Check that a name is a DNS-1123 label: 1–63 of `a-z`, `0-9`, `-`, starting and ending with
+/// a letter or digit.
+pub fn check_label_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("a name is required".into());
+    }
+    if name.len() > 63 {
+        return Err(format!(
+            "`{}` is {} bytes long; the limit is 63",
+            shown(name),
+            name.len()
+        ));
+    }
+    let ok_chars = name
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    let ok_ends = name
+        .bytes()
+        .next()
+        .is_some_and(|b| b.is_ascii_alphanumeric())
+        && name
+            .bytes()
+            .last()
+            .is_some_and(|b| b.is_ascii_alphanumeric());
+    if !ok_chars || !ok_ends {
+        return Err(format!(
+            "`{}` is not a valid name: use lowercase letters, digits and `-`, starting and ending with a letter or digit",
+            shown(name)
+        ));
+    }
+    Ok(())
+}
+
+/// Check that a name is a DNS-1123 subdomain: dot-separated labels, at most 253 bytes.
+pub fn check_subdomain_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("a name is required".into());
+    }
+    if name.len() > 253 {
+        return Err(format!(
+            "`{}` is {} bytes long; the limit is 253",
+            shown(name),
+            name.len()
+        ));
+    }
+    for part in name.split('.') {
+        check_label_name(part).map_err(|_| {
+            format!(
+                "`{}` is not a valid name: use dot-separated parts of lowercase letters, digits and `-`",
+                shown(name)
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// A validated object name (see the module's guarantees). The only way to get one is to
+/// check a string, so a function that takes a `Name` cannot be handed `..`, `/etc` or
+/// `-oProxyCommand=…`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Name(String);
+
+/// A string that is not a valid name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidName(pub String);
+
+impl Name {
+    /// A DNS-1123 subdomain (dots allowed: Image and Event names).
+    pub fn new(s: &str) -> Result<Name, InvalidName> {
+        check_subdomain_name(s).map_err(InvalidName)?;
+        Ok(Name(s.to_string()))
+    }
+
+    /// A DNS-1123 label (no dots: Vm, Pool, Lease and Grant names).
+    pub fn label(s: &str) -> Result<Name, InvalidName> {
+        check_label_name(s).map_err(InvalidName)?;
+        Ok(Name(s.to_string()))
+    }
+
+    /// A name valid for objects of `kind`.
+    pub fn for_kind(kind: &KindInfo, s: &str) -> Result<Name, InvalidName> {
+        if kind.dotted_names {
+            Name::new(s)
+        } else {
+            Name::label(s)
+        }
+    }
+
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The name as one path component (never `..`, never absolute, no separator).
+    pub fn as_path(&self) -> &Path {
+        Path::new(&self.0)
+    }
+
+    /// The name, owned.
+    pub fn into_string(self) -> String {
+        self.0
+    }
+}
+
+impl Deref for Name {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl AsRef<str> for Name {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Name {
+    fn as_ref(&self) -> &Path {
+        self.as_path()
+    }
+}
+
+impl fmt::Display for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl FromStr for Name {
+    type Err = InvalidName;
+    /// A subdomain name (what `clap` and serde parse arguments with); a kind whose names are
+    /// labels is checked again by [`Name::for_kind`] or by the store.
+    fn from_str(s: &str) -> Result<Name, InvalidName> {
+        Name::new(s)
+    }
+}
+
+impl From<&Name> for String {
+    fn from(n: &Name) -> String {
+        n.0.clone()
+    }
+}
+
+impl From<Name> for String {
+    fn from(n: Name) -> String {
+        n.0
+    }
+}
+
+impl PartialEq<str> for Name {
+    fn eq(&self, other: &str) -> bool {
+        self.0 == other
+    }
+}
+
+impl PartialEq<&str> for Name {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
+    }
+}
+
+impl PartialEq<String> for Name {
+    fn eq(&self, other: &String) -> bool {
+        &self.0 == other
+    }
+}
+
+impl serde::Serialize for Name {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Name {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Name, D::Error> {
+        let s = String::deserialize(d)?;
+        Name::new(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+impl schemars::JsonSchema for Name {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Name".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "minLength": 1,
+            "maxLength": 253,
+            "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+            "description": "An object name: lowercase letters, digits and `-` (Image names may also hold dots)."
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hostile_names_are_refused() {
+        for bad in [
+            "",
+            ".",
+            "..",
+            "../x",
+            "/etc",
+            "a/b",
+            "-oProxyCommand=x",
+            "a\0b",
+            "a\nb",
+            "a b",
+            "\u{1b}[31mred",
+            "Dev1",
+            "dév",
+            "a..b",
+            ".a",
+            "a.",
+            &"a".repeat(254),
+            &"é".repeat(40),
+        ] {
+            assert!(Name::new(bad).is_err(), "{bad:?}");
+            assert!(Name::label(bad).is_err(), "{bad:?}");
+        }
+        assert!(Name::label("a.b").is_err());
+        assert_eq!(Name::new("a.b").unwrap().as_str(), "a.b");
+        let long = Name::label(&"é".repeat(40)).unwrap_err().to_string();
+        assert!(long.contains("80 bytes long"), "{long}");
+    }
+
+    #[test]
+    fn shown_escapes_and_cuts() {
+        assert_eq!(shown("a\u{1b}[2Jb"), "a\\u{1b}[2Jb");
+        assert_eq!(shown(&"é".repeat(50)).chars().count(), SHOWN + 1);
+    }
+
+    #[test]
+    fn serde_refuses_bad_names() {
+        assert!(serde_json::from_str::<Name>("\"../x\"").is_err());
+        assert_eq!(serde_json::from_str::<Name>("\"ok-1\"").unwrap(), "ok-1");
+    }
+}
