@@ -48,6 +48,11 @@ use rusqlite::{Connection, OptionalExtension};
 use crate::schema::connect;
 use crate::write::Tx;
 
+/// The kinds whose removal is remembered (their uids, in `tombstones`): the kinds a backend
+/// makes things for, so that an orphan in the backend is removed only when this store knew
+/// its object and deleted it.
+pub(crate) const TOMBSTONED_KINDS: [&str; 2] = ["Vm", "Image"];
+
 /// Annotation holding the manifest last applied (for `diff` and `--prune`).
 pub const LAST_APPLIED: &str = "boxery.dev/last-applied";
 
@@ -146,6 +151,16 @@ pub enum StoreError {
         /// The cause.
         #[source]
         source: rusqlite::Error,
+    },
+    /// The file is not a boxery store: empty, truncated, corrupted, or another program's.
+    #[error(
+        "{path} is not a boxery store ({why}). boxery reads and writes nothing until this is settled: restore the store from a backup, or move the file away (`mv {path} {path}.broken`) to start a new, empty store. The VMs and images boxery made stay in the backend either way; a new store lists them with `boxery orphans` and never deletes them by itself"
+    )]
+    NotAStore {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        why: String,
     },
     /// The file was written by a newer boxery.
     #[error(
@@ -332,6 +347,7 @@ const MAX_IDLE_READERS: usize = 8;
 /// What every clone of a [`Store`] shares.
 pub(crate) struct Inner {
     path: PathBuf,
+    uid: String,
     busy_timeout: Duration,
     writer: Mutex<Connection>,
     readers: Mutex<Vec<Connection>>,
@@ -414,12 +430,33 @@ impl Store {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(open_err)?;
         }
-        let mut writer = connect(path, options.busy_timeout)?;
-        schema::init(&mut writer, path, options.busy_timeout)?;
-        let rev = schema::meta(&writer, "revision").map_err(|source| StoreError::OpenDb {
+        schema::create_new(path)?;
+        schema::probe(path)?;
+        let not_a_db = |e: StoreError| match e {
+            StoreError::OpenDb {
+                source: rusqlite::Error::SqliteFailure(f, _),
+                ..
+            } if f.code == rusqlite::ErrorCode::NotADatabase => StoreError::NotAStore {
+                path: path.display().to_string(),
+                why: "the file is not an SQLite database: it is corrupted or was replaced".into(),
+            },
+            StoreError::OpenDb {
+                source: rusqlite::Error::SqliteFailure(f, _),
+                ..
+            } if f.code == rusqlite::ErrorCode::DatabaseCorrupt => StoreError::NotAStore {
+                path: path.display().to_string(),
+                why: "the database is corrupted (truncated or partly overwritten)".into(),
+            },
+            e => e,
+        };
+        let mut writer = connect(path, options.busy_timeout).map_err(not_a_db)?;
+        schema::init(&mut writer, path, options.busy_timeout).map_err(not_a_db)?;
+        let open_db = |source| StoreError::OpenDb {
             path: path.display().to_string(),
             source,
-        })?;
+        };
+        let rev = schema::meta(&writer, "revision").map_err(open_db)?;
+        let uid = schema::identity(&writer).map_err(open_db)?;
         let (revisions, _) = tokio::sync::watch::channel(rev);
         let (stop_poll, poll_rx) = mpsc::channel();
         let (stop_upkeep, upkeep_rx) = mpsc::channel();
@@ -441,6 +478,7 @@ impl Store {
         Ok(Store {
             inner: Arc::new(Inner {
                 path: path.to_path_buf(),
+                uid,
                 busy_timeout: options.busy_timeout,
                 writer: Mutex::new(writer),
                 readers: Mutex::new(Vec::new()),
@@ -453,6 +491,23 @@ impl Store {
     /// The file this store keeps.
     pub fn path(&self) -> &Path {
         &self.inner.path
+    }
+
+    /// The store's identity: a uid made with the file and never changed. Backends record it
+    /// in the mark of everything made for this store's objects.
+    pub fn uid(&self) -> &str {
+        &self.inner.uid
+    }
+
+    /// Whether this store removed an object (a Vm or an Image) with this uid. `false` for a
+    /// uid it never knew, and for one removed after the point a restored backup was taken.
+    pub fn was_removed(&self, uid: &str) -> Result<bool> {
+        self.inner.with_reader(|c| {
+            Ok(c.prepare_cached("SELECT 1 FROM tombstones WHERE uid = ?1")?
+                .query_row([uid], |_| Ok(()))
+                .optional()?
+                .is_some())
+        })
     }
 
     /// Create an object: validated and defaulted, then `uid`, `generation` 1,

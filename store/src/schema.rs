@@ -1,6 +1,10 @@
 //! The SQLite file: connection settings and the schema.
 //!
-//! # Layout (schema version 1, kept in `PRAGMA user_version`)
+//! # Layout (schema version 2, kept in `PRAGMA user_version`)
+//! - `identity(key, value)`: `uid`, the store's identity, made once with the file and never
+//!   changed (recorded in the marks backends put on what boxery makes), and `created`.
+//! - `tombstones(uid, kind, name, rev)`: the uid of every Vm and Image this store removed, so
+//!   that only what this store knew and deleted is ever removed from a backend as an orphan.
 //! - `meta(key, value)`: `revision` (the global counter, the last revision written) and
 //!   `compacted` (the compaction floor: log rows at or below it may be gone).
 //! - `objects(kind, name, uid, rev, json)`: the current object of every key (indexed by uid
@@ -19,7 +23,7 @@ use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
 use crate::{Result, StoreError};
 
 /// The schema version this code reads and writes.
-pub(crate) const SCHEMA_VERSION: i64 = 1;
+pub(crate) const SCHEMA_VERSION: i64 = 2;
 
 const SCHEMA: &str = r#"
 CREATE TABLE IF NOT EXISTS meta (
@@ -55,6 +59,18 @@ CREATE TABLE IF NOT EXISTS log (
 );
 CREATE INDEX IF NOT EXISTS log_by_kind ON log (kind, rev);
 
+CREATE TABLE IF NOT EXISTS identity (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS tombstones (
+    uid  TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    rev  INTEGER NOT NULL
+) WITHOUT ROWID;
+
 CREATE TABLE IF NOT EXISTS leaders (
     lock       TEXT PRIMARY KEY,
     holder     TEXT NOT NULL,
@@ -73,8 +89,9 @@ pub(crate) fn connect(path: &Path, busy_timeout: Duration) -> Result<Connection>
         path: path.display().to_string(),
         source,
     };
+    // Never SQLITE_OPEN_CREATE: a new store is made whole by `create_new`, so a missing file
+    // here is an error, not a new empty store.
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
-        | OpenFlags::SQLITE_OPEN_CREATE
         | OpenFlags::SQLITE_OPEN_NO_MUTEX
         | OpenFlags::SQLITE_OPEN_URI;
     let conn = Connection::open_with_flags(path, flags).map_err(open_db)?;
@@ -120,7 +137,117 @@ fn retry_busy<T>(
     }
 }
 
-/// Create the schema if the file is new; refuse a file written by a newer boxery.
+/// Make a new store at `path` unless a file is there: the schema and a fresh identity are
+/// written into a temporary file beside it, which is then linked into place (so `path` is
+/// always either absent or a whole boxery store, even when several processes race to make
+/// it). Returns whether this call made it.
+pub(crate) fn create_new(path: &Path) -> Result<bool> {
+    let open_err = |source| StoreError::Open {
+        path: path.display().to_string(),
+        source,
+    };
+    if path.exists() || path.symlink_metadata().is_ok() {
+        return Ok(false);
+    }
+    let file = path
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "store.db".into());
+    let tmp = path.with_file_name(format!(
+        ".{file}.new-{}-{}",
+        std::process::id(),
+        uuid::Uuid::new_v4().simple()
+    ));
+    let made = (|| -> Result<()> {
+        let open_db = |source| StoreError::OpenDb {
+            path: tmp.display().to_string(),
+            source,
+        };
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(open_err)?;
+        }
+        let mut conn = Connection::open(&tmp).map_err(open_db)?;
+        let tx = conn.transaction().map_err(open_db)?;
+        tx.execute_batch(SCHEMA).map_err(open_db)?;
+        tx.execute(
+            "INSERT INTO identity (key, value) VALUES ('uid', ?1), ('created', ?2)",
+            [
+                uuid::Uuid::new_v4().to_string(),
+                boxery_api::now().to_rfc3339(),
+            ],
+        )
+        .map_err(open_db)?;
+        tx.pragma_update(None, "user_version", SCHEMA_VERSION)
+            .map_err(open_db)?;
+        tx.commit().map_err(open_db)?;
+        conn.close().map_err(|(_, e)| open_db(e))?;
+        std::fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .map_err(open_err)?;
+        Ok(())
+    })();
+    let linked = made.and_then(|()| match std::fs::hard_link(&tmp, path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(open_err(e)),
+    });
+    let _ = std::fs::remove_file(&tmp);
+    linked
+}
+
+/// Refuse, before writing a byte to it, a file that cannot be a boxery store: an empty file,
+/// one without SQLite's header, or an SQLite database whose schema version is 0 (another
+/// program's, or one whose header was lost).
+pub(crate) fn probe(path: &Path) -> Result<()> {
+    use std::io::Read;
+    let not_a_store = |why: &str| StoreError::NotAStore {
+        path: path.display().to_string(),
+        why: why.to_string(),
+    };
+    let mut head = [0u8; 16];
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| f.read(&mut head))
+        .map_err(|source| StoreError::Open {
+            path: path.display().to_string(),
+            source,
+        })?;
+    if n == 0 {
+        return Err(not_a_store(
+            "the file is empty (0 bytes): it was truncated or replaced",
+        ));
+    }
+    if n < head.len() || &head != b"SQLite format 3\0" {
+        return Err(not_a_store(
+            "the file is not an SQLite database: it is corrupted or was replaced",
+        ));
+    }
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    if let Ok(c) = Connection::open_with_flags(path, flags)
+        && let Ok(0) = c.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))
+    {
+        return Err(not_a_store(
+            "the file is an SQLite database without boxery's schema",
+        ));
+    }
+    Ok(())
+}
+
+/// The store's identity (its `uid`).
+pub(crate) fn identity(conn: &Connection) -> rusqlite::Result<String> {
+    conn.query_row("SELECT value FROM identity WHERE key = 'uid'", [], |r| {
+        r.get(0)
+    })
+}
+
+/// Check that the file is a boxery store and bring an older schema up to date; refuse a
+/// file written by a newer boxery, and any file that is not a boxery store (empty, truncated,
+/// another program's database).
 pub(crate) fn init(conn: &mut Connection, path: &Path, busy_timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + busy_timeout;
     loop {
@@ -156,8 +283,29 @@ fn init_once(conn: &mut Connection, path: &Path) -> Result<()> {
             supported: SCHEMA_VERSION,
         });
     }
+    if version == 0 {
+        let size = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+        return Err(StoreError::NotAStore {
+            path: path.display().to_string(),
+            why: if size == 0 {
+                "the file is empty (0 bytes): it was truncated or replaced".into()
+            } else {
+                "the file is an SQLite database without boxery's schema".into()
+            },
+        });
+    }
     if version < SCHEMA_VERSION {
+        // Version 1 (wave 1) lacks the identity and the tombstones: add them. Its backend
+        // objects carry marks without a store identity; see `docs/store.md`.
         tx.execute_batch(SCHEMA).map_err(open_db)?;
+        tx.execute(
+            "INSERT OR IGNORE INTO identity (key, value) VALUES ('uid', ?1), ('created', ?2)",
+            [
+                uuid::Uuid::new_v4().to_string(),
+                boxery_api::now().to_rfc3339(),
+            ],
+        )
+        .map_err(open_db)?;
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)
             .map_err(open_db)?;
     }

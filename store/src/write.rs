@@ -197,6 +197,15 @@ impl<'c> Tx<'c> {
             EventType::Deleted,
             &json,
         )?;
+        if let Some(uid) = obj.metadata.uid.as_deref()
+            && crate::TOMBSTONED_KINDS.contains(&obj.kind.as_str())
+        {
+            self.tx
+                .prepare_cached(
+                    "INSERT OR REPLACE INTO tombstones (uid, kind, name, rev) VALUES (?1, ?2, ?3, ?4)",
+                )?
+                .execute(params![uid, obj.kind, obj.metadata.name, to_i64(rev)])?;
+        }
         Ok(obj.metadata.uid.clone())
     }
 
