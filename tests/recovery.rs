@@ -1,6 +1,8 @@
 //! Recovery paths that are not a crash: a step that fails N times then succeeds converges with
 //! backoff; an unreachable backend deletes nothing; a VM deleted behind boxery's back turns
-//! Lost; orphans with boxery's mark are removed and foreign ones left alone; a crash exactly
+//! Lost; orphans are removed only when this store deleted their object (others are
+//! quarantined, listed by `boxery orphans`, adopted or deleted on request) and foreign ones are
+//! left alone; a crash exactly
 //! inside a create converges with the VM created once.
 
 mod common;
@@ -200,31 +202,105 @@ fn lost_vms_and_orphans() {
         "Lost"
     );
     assert!(home.ok(&["events", "vm", "l1"]).contains("Lost"));
-    // A marked orphan (made by boxery for an object that is gone) is removed; a foreign VM is not.
+    // An orphan this store made for an object it deleted is removed; one it has no record of
+    // (marked by another store, before stores had an identity, or for an object a restored
+    // backup lacks) is quarantined: left alone and listed by `boxery orphans`; a foreign VM is
+    // never touched.
+    home.ok(&["new", "gone1"]);
+    home.ok(&[
+        "wait",
+        "vm",
+        "gone1",
+        "--for=condition=Ready",
+        "--timeout=30s",
+    ]);
+    let uid = home.ok(&["get", "vm", "gone1", "-o", "jsonpath={.metadata.uid}"]);
+    home.ok(&["rm", "gone1", "--wait", "--timeout", "30s"]);
+    let store_uid = home.store().uid().to_string();
+    let mark = boxery_backends::mark::mark(uid.trim(), &store_uid);
+    fake.add_vm("gone1", Some(&mark), PowerState::Running)
+        .unwrap();
     fake.add_vm(
         "orphan",
         Some("00000000-dead-beef-0000-000000000000"),
         PowerState::Running,
     )
     .unwrap();
+    let elsewhere =
+        boxery_backends::mark::mark("00000000-dead-beef-0000-000000000002", "other-store");
+    fake.add_vm("other", Some(&elsewhere), PowerState::Running)
+        .unwrap();
     fake.add_vm("foreign", None, PowerState::Running).unwrap();
     fake.add_image("orphan-img", Some("00000000-dead-beef-0000-000000000001"))
         .unwrap();
     fake.add_image("foreign-img", None).unwrap();
     common::eventually(Duration::from_secs(30), || {
-        (fake.vm_record("orphan").unwrap().is_none()
-            && fake.image_record("orphan-img").unwrap().is_none())
-        .then_some(())
+        fake.vm_record("gone1").unwrap().is_none().then_some(())
     })
-    .expect("marked orphans removed");
-    std::thread::sleep(Duration::from_secs(2));
-    assert!(
-        fake.vm_record("foreign").unwrap().is_some(),
-        "a VM boxery did not make is never touched"
+    .expect("the orphan of an object this store deleted is removed");
+    let listed = common::eventually(Duration::from_secs(30), || {
+        let events = home.ok(&["events"]);
+        (events.contains("Orphaned") && events.contains("orphan-img")).then_some(events)
+    })
+    .expect("quarantined orphans are reported as events");
+    assert!(listed.contains("other"), "{listed}");
+    for (name, gone) in [
+        ("orphan", fake.vm_record("orphan").unwrap().is_none()),
+        ("other", fake.vm_record("other").unwrap().is_none()),
+        ("foreign", fake.vm_record("foreign").unwrap().is_none()),
+        (
+            "orphan-img",
+            fake.image_record("orphan-img").unwrap().is_none(),
+        ),
+        (
+            "foreign-img",
+            fake.image_record("foreign-img").unwrap().is_none(),
+        ),
+    ] {
+        assert!(!gone, "{name} must be left alone");
+    }
+    let table = home.ok(&["orphans"]);
+    for line in [
+        "Vm     orphan       Quarantined",
+        "Vm     other        Quarantined",
+        "Vm     foreign      Foreign",
+        "Image  orphan-img   Quarantined",
+    ] {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        assert!(
+            table
+                .lines()
+                .any(|l| l.split_whitespace().take(3).eq(words.iter().copied())),
+            "`{line}` in:\n{table}"
+        );
+    }
+    assert!(table.contains("another store (other-store)"), "{table}");
+    // Settling them: delete needs --yes and never touches a foreign VM.
+    let out = home.run(&["orphans", "delete", "vm", "orphan"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let out = home.run(&["orphans", "delete", "vm", "foreign", "--yes"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    home.ok(&["orphans", "delete", "vm", "orphan", "--yes"]);
+    assert!(fake.vm_record("orphan").unwrap().is_none());
+    assert!(fake.vm_record("foreign").unwrap().is_some());
+    // Adopting: the object is written again with the uid it was made for, and is managed.
+    home.ok(&["orphans", "adopt", "vm", "other"]);
+    home.ok(&[
+        "wait",
+        "vm",
+        "other",
+        "--for=condition=Ready",
+        "--timeout=30s",
+    ]);
+    assert_eq!(
+        home.ok(&["get", "vm", "other", "-o", "jsonpath={.metadata.uid}"])
+            .trim(),
+        "00000000-dead-beef-0000-000000000002"
     );
+    home.ok(&["rm", "other", "--wait", "--timeout", "30s"]);
     assert!(
-        fake.image_record("foreign-img").unwrap().is_some(),
-        "an image boxery did not make is never touched"
+        fake.vm_record("other").unwrap().is_none(),
+        "an adopted VM is boxery's again"
     );
     // The Lost VM can be deleted.
     home.ok(&["rm", "l1", "--wait", "--timeout", "30s"]);

@@ -86,6 +86,19 @@ impl ObjectMeta {
     }
 }
 
+/// The finalizers boxery's controllers set and remove: the only ones a manifest may carry
+/// (any other would make its object undeletable, since nothing would ever remove it).
+pub mod finalizers {
+    /// A Vm's: its VM is removed from the backend.
+    pub const VM: &str = "boxery.dev/vm";
+    /// An Image's: its image is removed from the backend.
+    pub const IMAGE: &str = "boxery.dev/image";
+    /// A Lease's: its member is handed back to the pool and reset.
+    pub const LEASE: &str = "boxery.dev/lease";
+    /// All of them.
+    pub const ALL: [&str; 3] = [VM, IMAGE, LEASE];
+}
+
 /// A reference from an owned object to its owner.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

@@ -332,7 +332,14 @@ impl FakeBackend {
     fn image_done(&self, image: &str, uid: &str, step: &str) -> Result<bool> {
         match self.image_record(image)? {
             None => Ok(false),
-            Some(rec) if rec.mark.as_deref() == Some(uid) => Ok(true),
+            Some(rec)
+                if rec
+                    .mark
+                    .as_deref()
+                    .is_some_and(|m| crate::mark::Mark::same_object(m, uid)) =>
+            {
+                Ok(true)
+            }
             Some(rec) => Err(BackendError::failed(
                 step,
                 format!(
@@ -578,7 +585,11 @@ impl Backend for FakeBackend {
             },
         )?;
         if let Some(rec) = self.vm_record(&vm.name)? {
-            if rec.mark.as_deref() == Some(vm.uid.as_str()) {
+            if rec
+                .mark
+                .as_deref()
+                .is_some_and(|m| crate::mark::Mark::same_object(m, &vm.uid))
+            {
                 return Ok(());
             }
             return Err(BackendError::failed(

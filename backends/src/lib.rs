@@ -3,7 +3,8 @@
 //! A backend turns idempotent requests (create this VM, capture that image) into hypervisor
 //! actions. It keeps whatever state it needs on disk or in the hypervisor, never in memory
 //! only: the control plane may be killed between any two calls and a new process must carry
-//! on. Every VM and image a backend makes carries boxery's mark (the owning object's uid), and
+//! on. Every VM and image a backend makes carries boxery's mark (the owning object's uid and
+//! its store's identity, see [`mark`]), and
 //! a backend never lists or touches anything without it.
 //!
 //! # The contract
@@ -24,6 +25,7 @@ pub mod fake;
 pub mod identity;
 #[cfg(feature = "libvirt")]
 pub mod libvirt;
+pub mod mark;
 #[cfg(feature = "qemu")]
 pub mod qemu;
 
@@ -140,7 +142,8 @@ pub enum DiskSource {
 pub struct NewVm {
     /// The VM's name (the object's name).
     pub name: String,
-    /// The owning object's uid: the mark on everything made for it.
+    /// boxery's mark on everything made for it ([`mark::mark`]: the owning object's uid and
+    /// its store's identity); compared whole, or with [`mark::Mark::same_object`].
     pub uid: String,
     /// Where the disk comes from.
     pub source: DiskSource,
@@ -181,7 +184,7 @@ pub struct VmSize {
 pub struct VmInfo {
     /// Name.
     pub name: String,
-    /// The uid it was made for (boxery's mark); `None` when it carries no mark.
+    /// boxery's mark ([`mark::Mark`]); `None` when it carries none.
     pub mark: Option<String>,
     /// Running or stopped.
     pub state: PowerState,
@@ -198,7 +201,7 @@ pub struct VmInfo {
 pub struct ImageInfo {
     /// Name.
     pub name: String,
-    /// The uid it was made for; `None` when it carries no mark.
+    /// boxery's mark ([`mark::Mark`]); `None` when it carries none.
     pub mark: Option<String>,
     /// When it was made.
     pub created: Option<boxery_api::Time>,

@@ -68,7 +68,7 @@ impl From<boxery_store::StoreError> for CliError {
         let code = match &e {
             E::NotFound { .. } => Code::NotFound,
             E::Invalid(_) | E::AlreadyExists { .. } => Code::Invalid,
-            E::Conflict { .. } => Code::Conflict,
+            E::Conflict { .. } | E::BeingDeleted { .. } => Code::Conflict,
             _ => Code::Failed,
         };
         CliError::new(code, e)

@@ -7,6 +7,7 @@ mod exit;
 mod hands;
 mod manifests;
 mod mcp;
+mod orphans;
 mod output;
 mod pools;
 mod runtime;
@@ -253,6 +254,13 @@ enum Command {
         force: bool,
         #[command(flatten)]
         wait: WaitArgs,
+    },
+    /// VMs and images in the backend that no object here owns (after a store was emptied,
+    /// replaced or restored from an older backup): list them, adopt them, or delete them.
+    /// boxery never deletes them by itself.
+    Orphans {
+        #[command(subcommand)]
+        cmd: Option<orphans::OrphansCmd>,
     },
     /// Pools of VMs that agents lease: add, remove, list members.
     #[command(subcommand)]
@@ -548,6 +556,7 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
         Command::Rm { names, force, wait } => {
             commands::delete(&env, "vm", &names, wait.wait_for(), force).await?
         }
+        Command::Orphans { cmd } => orphans::orphans(&env, cmd).await?,
         Command::Pool(cmd) => pools::pool(&env, cmd)?,
         Command::Lease(cmd) => pools::lease(&env, cmd).await?,
         Command::Ssh { vm, cmd } => return hands::ssh(&env, &vm, &cmd),

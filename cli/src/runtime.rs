@@ -16,7 +16,12 @@ use crate::exit::{CliError, CliResult};
 /// The store lock the controllers lead under.
 pub const LOCK: &str = "boxery-controllers";
 
-fn context(store: &Store, backend: Arc<dyn Backend>, settings: Settings, holder: &str) -> Arc<Ctx> {
+pub fn context(
+    store: &Store,
+    backend: Arc<dyn Backend>,
+    settings: Settings,
+    holder: &str,
+) -> Arc<Ctx> {
     Arc::new(Ctx::new(
         store.clone(),
         backend,
@@ -193,8 +198,23 @@ impl Embedded {
 /// (removing it first when the backend can).
 pub async fn force_delete(env: &Env, store: &Store, kind: &str, name: &str) -> CliResult {
     let backend = env.backend_for(store)?;
+    let uid = store.get(kind, name)?.and_then(|o| o.metadata.uid);
     match kind {
         "Vm" => {
+            // Only what was made for this object: a VM of this name with another object's
+            // mark is not removed (and the object is not dropped while it stands).
+            let mine = match backend.get(name).await {
+                Ok(Some(info)) => {
+                    info.mark.is_none()
+                        || boxery_backends::mark::Mark::is_for(info.mark.as_deref(), uid.as_deref())
+                }
+                _ => true,
+            };
+            if !mine {
+                return Err(CliError::failed(format!(
+                    "the backend's VM {name} was made for another object than this Vm: nothing was removed or dropped; `boxery orphans` shows it"
+                )));
+            }
             if let Err(e) = backend.remove(name).await {
                 tracing::warn!(error = %e, "remove failed");
             }
@@ -233,17 +253,37 @@ pub async fn force_delete(env: &Env, store: &Store, kind: &str, name: &str) -> C
         }
         _ => {}
     }
+    // Every finalizer goes, boxery's and any other (a finalizer nothing removes would keep
+    // the object forever); the ones boxery does not own are named.
     for _ in 0..10 {
         let Some(mut obj) = store.get(kind, name)? else {
             return Ok(());
         };
-        obj.metadata
+        let foreign: Vec<String> = obj
+            .metadata
             .finalizers
-            .retain(|f| !f.starts_with("boxery.dev/"));
+            .iter()
+            .filter(|f| !boxery_api::meta::finalizers::ALL.contains(&f.as_str()))
+            .map(|f| boxery_api::name::shown(f))
+            .collect();
+        obj.metadata.finalizers.clear();
         match store.update(obj) {
-            Ok(_) => return Ok(()),
+            Ok(_) | Err(boxery_store::StoreError::NotFound { .. }) => {
+                if !foreign.is_empty() {
+                    eprintln!(
+                        "{kind}/{name}: dropped finalizers boxery does not own: {}",
+                        foreign.join(", ")
+                    );
+                }
+                if store.get(kind, name)?.is_some() {
+                    return Err(CliError::failed(format!(
+                        "{kind} {name} is still in the store after its finalizers were dropped: nothing else was changed; `boxery describe {} {name}` shows it",
+                        kind.to_ascii_lowercase()
+                    )));
+                }
+                return Ok(());
+            }
             Err(boxery_store::StoreError::Conflict { .. }) => continue,
-            Err(boxery_store::StoreError::NotFound { .. }) => return Ok(()),
             Err(e) => return Err(e.into()),
         }
     }

@@ -45,6 +45,7 @@ pub struct Ctx {
     /// The ssh files, when the backend's VMs run sshd.
     pub ssh: Option<crate::ssh::SshDir>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    reported: Mutex<std::collections::HashSet<String>>,
 }
 
 impl std::fmt::Debug for Ctx {
@@ -57,6 +58,20 @@ impl std::fmt::Debug for Ctx {
 }
 
 impl Ctx {
+    /// Whether `key` is reported for the first time by this process (then it is remembered).
+    pub fn first_report(&self, key: &str) -> bool {
+        self.reported
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.to_string())
+    }
+
+    /// boxery's mark for what the backend makes for the object with `meta`: its uid and this
+    /// store's identity.
+    pub fn mark(&self, meta: &boxery_api::ObjectMeta) -> String {
+        boxery_backends::mark::mark(meta.uid.as_deref().unwrap_or_default(), self.store.uid())
+    }
+
     /// A context.
     pub fn new(
         store: Store,
@@ -83,6 +98,7 @@ impl Ctx {
             settings,
             ssh,
             locks: Mutex::new(HashMap::new()),
+            reported: Mutex::new(Default::default()),
         }
     }
 

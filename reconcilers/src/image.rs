@@ -22,7 +22,7 @@ use crate::context::Ctx;
 use crate::error::ReconcileError;
 
 /// The Image finalizer.
-pub const FINALIZER: &str = "boxery.dev/image";
+pub const FINALIZER: &str = boxery_api::meta::finalizers::IMAGE;
 
 type Result<T, E = ReconcileError> = std::result::Result<T, E>;
 
@@ -193,7 +193,7 @@ async fn step(mut img: Image, ctx: &Ctx) -> Result<Action> {
         return Ok(Action::await_change());
     }
 
-    let uid = img.metadata.uid.clone().unwrap_or_default();
+    let uid = ctx.mark(&img.metadata);
     let (op_type, original) = match &img.spec.source {
         ImageSource::Vm(v) => {
             let vm = ctx.store.get_as::<Vm>(v)?;

@@ -7,8 +7,13 @@
 //! - A VM last seen running, meant to run, that the backend reports stopped (guest power-off,
 //!   hypervisor crash) gets `Ready=False` (`Exited`); that write wakes its controller, which
 //!   starts it again. Without this, it would wait for the periodic resync.
-//! - A backend VM or image with no object is reported; it is removed only when it carries
-//!   boxery's mark (the uid of an object that no longer exists). Unmarked ones are never touched.
+//! - A backend VM or image with no object is removed only when its mark names this store and
+//!   an object this store remembers removing (a tombstone). Everything else is quarantined: left
+//!   alone, logged, reported once as an `Orphaned` Warning event and listed by `boxery
+//!   orphans` (marked by another store, by this store for an object it has no record of, by a
+//!   store restored from an older backup, or before stores had an identity). So an emptied,
+//!   replaced or rolled-back store never deletes a VM or an image. Unmarked ones are never
+//!   touched.
 //! - The backend is listed before the store, so a VM created in between is never seen as an
 //!   orphan (objects are written before their backend VM exists).
 
@@ -21,6 +26,7 @@ use boxery_controller::Cache;
 use boxery_api::{
     ConditionStatus, Conditions, EventType, Image, ImagePhase, RunStrategy, Vm, VmPhase,
 };
+use boxery_backends::mark::Mark;
 use boxery_backends::{BackendError, PowerState, VmInfo};
 
 use crate::context::Ctx;
@@ -36,8 +42,12 @@ pub struct Report {
     /// VMs found stopped that were running and are meant to run (started again by their
     /// controller).
     pub exited: Vec<String>,
-    /// Marked orphans removed from the backend.
+    /// Orphans removed from the backend: made for an object this store deleted.
     pub removed: Vec<String>,
+    /// Orphans left alone and reported: marked by another store, by this store for an object
+    /// it has no record of (a store restored from an older backup), or before stores had an
+    /// identity; or in the way of an object of the same name.
+    pub quarantined: Vec<String>,
     /// Unmarked things seen and left alone.
     pub foreign: Vec<String>,
     /// Whether the backend answered.
@@ -113,27 +123,36 @@ pub async fn pass(ctx: &Ctx, objects: &impl Objects) -> Result<Report, Reconcile
     // Backend → store: orphans.
     for info in &backend_vms {
         let owner = vms.get(&info.name);
-        let matches = owner.is_some_and(|o| info.mark.is_none() || o.metadata.uid == info.mark);
-        if matches {
+        if owner.is_some_and(|o| {
+            info.mark.is_none() || Mark::is_for(info.mark.as_deref(), o.metadata.uid.as_deref())
+        }) {
             continue;
         }
-        match &info.mark {
-            Some(_) if owner.is_none() => {
-                let _lock = ctx.vm_lock(&info.name);
-                let _g = _lock.lock().await;
-                // Re-check under the lock against the store itself, not the snapshot.
-                if ctx.store.get_as::<Vm>(&info.name)?.is_none() {
-                    ctx.backend.remove(&info.name).await.map_err(|e| {
-                        ReconcileError::backend("remove", format!("Vm/{}", info.name), e)
-                    })?;
-                    ctx.backend.cleanup_new(&info.name).await.map_err(|e| {
-                        ReconcileError::backend("cleanup_new", format!("Vm/{}", info.name), e)
-                    })?;
-                    tracing::warn!(vm = %info.name, "removed a VM boxery made for an object that no longer exists");
-                    report.removed.push(format!("vm/{}", info.name));
-                }
+        let lock = ctx.vm_lock(&info.name);
+        let _g = lock.lock().await;
+        // Re-check under the lock against the store itself, not the snapshot.
+        let current = ctx.store.get_as::<Vm>(&info.name)?;
+        match orphan_verdict(
+            ctx,
+            info.mark.as_deref(),
+            current.as_ref().map(|v| &v.metadata),
+        )? {
+            Verdict::Owned => {}
+            Verdict::Removable => {
+                ctx.backend.remove(&info.name).await.map_err(|e| {
+                    ReconcileError::backend("remove", format!("Vm/{}", info.name), e)
+                })?;
+                ctx.backend.cleanup_new(&info.name).await.map_err(|e| {
+                    ReconcileError::backend("cleanup_new", format!("Vm/{}", info.name), e)
+                })?;
+                tracing::warn!(vm = %info.name, "removed a VM boxery made for an object this store deleted");
+                report.removed.push(format!("vm/{}", info.name));
             }
-            _ => {
+            Verdict::Quarantined(why) => {
+                quarantine(ctx, "Vm", &info.name, &why);
+                report.quarantined.push(format!("vm/{}", info.name));
+            }
+            Verdict::Foreign => {
                 tracing::warn!(vm = %info.name, "the backend has a VM that no object describes and that boxery did not make; left alone");
                 report.foreign.push(format!("vm/{}", info.name));
             }
@@ -141,19 +160,30 @@ pub async fn pass(ctx: &Ctx, objects: &impl Objects) -> Result<Report, Reconcile
     }
     for info in &backend_images {
         let owner = images.get(&info.name);
-        if owner.is_some_and(|o| info.mark.is_none() || o.metadata.uid == info.mark) {
+        if owner.is_some_and(|o| {
+            info.mark.is_none() || Mark::is_for(info.mark.as_deref(), o.metadata.uid.as_deref())
+        }) {
             continue;
         }
-        match &info.mark {
-            Some(_) if owner.is_none() => {
-                if ctx.store.get_as::<Image>(&info.name)?.is_none() {
-                    ctx.backend.remove_image(&info.name).await.map_err(|e| {
-                        ReconcileError::backend("remove_image", format!("Image/{}", info.name), e)
-                    })?;
-                    report.removed.push(format!("image/{}", info.name));
-                }
+        let current = ctx.store.get_as::<Image>(&info.name)?;
+        match orphan_verdict(
+            ctx,
+            info.mark.as_deref(),
+            current.as_ref().map(|i| &i.metadata),
+        )? {
+            Verdict::Owned => {}
+            Verdict::Removable => {
+                ctx.backend.remove_image(&info.name).await.map_err(|e| {
+                    ReconcileError::backend("remove_image", format!("Image/{}", info.name), e)
+                })?;
+                tracing::warn!(image = %info.name, "removed an image boxery made for an object this store deleted");
+                report.removed.push(format!("image/{}", info.name));
             }
-            _ => report.foreign.push(format!("image/{}", info.name)),
+            Verdict::Quarantined(why) => {
+                quarantine(ctx, "Image", &info.name, &why);
+                report.quarantined.push(format!("image/{}", info.name));
+            }
+            Verdict::Foreign => report.foreign.push(format!("image/{}", info.name)),
         }
     }
 
@@ -295,6 +325,91 @@ async fn recheck(
         .await
         .map_err(|e| ReconcileError::backend("get", format!("Vm/{name}"), e))?;
     Ok(Some((guard, cur, info)))
+}
+
+/// What to do with a backend VM or image that no object of this store owns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// An object owns it after all (it was written since the snapshot).
+    Owned,
+    /// This store made it for an object it has since removed: remove it.
+    Removable,
+    /// Leave it and report it (`boxery orphans`), saying why.
+    Quarantined(String),
+    /// boxery did not make it: never touched.
+    Foreign,
+}
+
+/// Decide about a backend thing marked `mark` whose name's object is `current` (read from the
+/// store under the object's lock). Only what this very store remembers removing is removable:
+/// a store that was emptied, replaced or rolled back to an older backup has no tombstone for
+/// the things made after it, so they are quarantined, never deleted.
+pub fn orphan_verdict(
+    ctx: &Ctx,
+    mark: Option<&str>,
+    current: Option<&boxery_api::ObjectMeta>,
+) -> Result<Verdict, ReconcileError> {
+    let Some(raw) = mark else {
+        return Ok(match current {
+            Some(_) => Verdict::Owned,
+            None => Verdict::Foreign,
+        });
+    };
+    let m = Mark::parse(raw);
+    if let Some(meta) = current {
+        if Mark::is_for(Some(raw), meta.uid.as_deref()) {
+            return Ok(Verdict::Owned);
+        }
+        return Ok(Verdict::Quarantined(format!(
+            "it was made for another object (uid {}) than the one of this name (uid {}): remove one of them",
+            m.object,
+            meta.uid.as_deref().unwrap_or("?")
+        )));
+    }
+    let ours = m.store == Some(ctx.store.uid());
+    if ours && ctx.store.was_removed(m.object)? {
+        return Ok(Verdict::Removable);
+    }
+    Ok(Verdict::Quarantined(match m.store {
+        Some(s) if s == ctx.store.uid() => format!(
+            "this store has no record of its object (uid {}): the store was probably restored from an older backup",
+            m.object
+        ),
+        Some(s) => format!(
+            "it was made by another store ({s}), not this one ({}): the store was replaced or emptied, or two homes share a backend",
+            ctx.store.uid()
+        ),
+        None => format!(
+            "it carries a mark from before stores had an identity (object uid {}) and this store has no record of it",
+            m.object
+        ),
+    }))
+}
+
+/// Report a quarantined orphan: a log line, and a Warning event once per process.
+fn quarantine(ctx: &Ctx, kind: &str, name: &str, why: &str) {
+    tracing::warn!(
+        kind,
+        name,
+        why,
+        "an orphan in the backend is quarantined (left alone)"
+    );
+    if ctx.first_report(&format!("{kind}/{name}")) {
+        let msg = format!(
+            "{kind} {name} in the backend has no object here and is left alone: {why}. `boxery orphans` lists such things; `boxery orphans adopt` or `boxery orphans delete` settles them"
+        );
+        ctx.recorder.publish(
+            &boxery_api::InvolvedObject {
+                kind: kind.to_string(),
+                name: name.to_string(),
+                // No uid: an Event owned by a uid no object has could not be written.
+                uid: None,
+            },
+            EventType::Warning,
+            "Orphaned",
+            &msg,
+        );
+    }
 }
 
 /// Settled, last seen running, and meant to run.

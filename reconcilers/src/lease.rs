@@ -28,7 +28,7 @@ use crate::error::ReconcileError;
 use crate::pool::start_reset;
 
 /// The Lease finalizer.
-pub const FINALIZER: &str = "boxery.dev/lease";
+pub const FINALIZER: &str = boxery_api::meta::finalizers::LEASE;
 
 type Result<T, E = ReconcileError> = std::result::Result<T, E>;
 

@@ -19,6 +19,7 @@ use boxery_api::{
     ConditionStatus, Conditions, EventType, Image, ImagePhase, ImageSource, OwnerReference,
     Resource, RunStrategy, Vm, VmPhase, VmSource, now,
 };
+use boxery_backends::mark::Mark;
 use boxery_backends::{BackendError, DiskSource, NewVm, PowerState, VmSize};
 use boxery_controller::{Action, ensure_finalizer, remove_finalizer};
 use boxery_store::StoreError;
@@ -27,7 +28,7 @@ use crate::context::Ctx;
 use crate::error::ReconcileError;
 
 /// The Vm finalizer.
-pub const FINALIZER: &str = "boxery.dev/vm";
+pub const FINALIZER: &str = boxery_api::meta::finalizers::VM;
 
 /// The name of the image a fork captures from its source.
 pub fn fork_image_name(vm: &str) -> String {
@@ -443,7 +444,8 @@ async fn finalize(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     // Only remove what is ours: a backend VM with another object's mark is not this VM.
     match ctx.backend.get(&name).await {
         Ok(Some(info))
-            if info.mark.is_some() && info.mark.as_deref() != vm.metadata.uid.as_deref() => {}
+            if info.mark.is_some()
+                && !Mark::is_for(info.mark.as_deref(), vm.metadata.uid.as_deref()) => {}
         Ok(_) => {
             ctx.backend
                 .remove(&name)
@@ -476,7 +478,7 @@ async fn recover(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action> {
                 .await
                 .map_err(|e| ReconcileError::backend("get", &obj, e))?;
             match existing {
-                Some(info) if info.mark.as_deref() == vm.metadata.uid.as_deref() => {
+                Some(info) if Mark::is_for(info.mark.as_deref(), vm.metadata.uid.as_deref()) => {
                     // The create finished before the crash: adopt it.
                     vm.status.operation = None;
                     vm.status.created_at = Some(now());
@@ -778,7 +780,7 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     let size = size_of(&vm);
     let req = NewVm {
         name: name.clone(),
-        uid: vm.metadata.uid.clone().unwrap_or_default(),
+        uid: ctx.mark(&vm.metadata),
         source: DiskSource::Image(image.clone()),
         cpus: size.cpus,
         memory_mib: size.memory_mib,

@@ -66,6 +66,44 @@ pub(crate) fn apply_all(
             }));
         }
     }
+    for o in &objs {
+        let invalid = |path: &str, message: String| {
+            StoreError::Invalid(ValidationError {
+                object: o.key(),
+                errors: vec![FieldError::new(path, message)],
+            })
+        };
+        if o.kind == "Event" {
+            return Err(invalid(
+                "kind",
+                "Events are written by boxery's controllers only: apply Vm, Image, Pool, Lease or Grant objects".into(),
+            ));
+        }
+        if let Some(f) = o
+            .metadata
+            .finalizers
+            .iter()
+            .find(|f| !boxery_api::meta::finalizers::ALL.contains(&f.as_str()))
+        {
+            return Err(invalid(
+                "metadata.finalizers",
+                format!(
+                    "`{}` is not one of boxery's finalizers ({}): nothing would ever remove it, so the object could never be deleted; drop it",
+                    boxery_api::name::shown(f),
+                    boxery_api::meta::finalizers::ALL.join(", ")
+                ),
+            ));
+        }
+    }
+    if opts.prune.as_ref().is_some_and(|s| s.is_empty()) {
+        return Err(StoreError::Invalid(ValidationError {
+            object: "apply --prune".into(),
+            errors: vec![FieldError::new(
+                "selector",
+                "--prune needs a non-empty label selector (-l team=web): an empty one would prune every object an apply ever made".into(),
+            )],
+        }));
+    }
     let kinds: BTreeSet<String> = objs.iter().map(|o| o.kind.clone()).collect();
     let mut out = Vec::with_capacity(objs.len());
     for obj in objs {

@@ -520,6 +520,14 @@ impl Store {
         self.inner.write(false, |tx| tx.create(obj))
     }
 
+    /// Create an object again with the uid it was made with (`boxery orphans adopt`: a VM or
+    /// image in the backend whose object this store lacks). Validated as `create`; refused when
+    /// a current object has the uid, or this store removed the object that had it.
+    pub fn adopt(&self, obj: DynObject, uid: &str) -> Result<DynObject> {
+        let obj = boxery_api::normalize(serde_json::to_value(&obj)?)?;
+        self.inner.write(false, |tx| tx.adopt(obj, uid))
+    }
+
     /// The current object of a key (`None` for a name no object can have, such as `../x`).
     pub fn get(&self, kind: &str, name: &str) -> Result<Option<DynObject>> {
         if check_name(kind, name).is_err() {

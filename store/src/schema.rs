@@ -192,10 +192,36 @@ pub(crate) fn create_new(path: &Path) -> Result<bool> {
             .map_err(open_err)?;
         Ok(())
     })();
-    let linked = made.and_then(|()| match std::fs::hard_link(&tmp, path) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
-        Err(e) => Err(open_err(e)),
+    let linked = made.and_then(|()| {
+        // Under a lock, so that no other process is between its own check and link: a WAL
+        // or shared-memory file left by a store that was moved or deleted belongs to that
+        // store, and SQLite would replay it into the new one. Such files are moved aside.
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path.with_file_name(format!(".{file}.create-lock")))
+            .map_err(open_err)?;
+        lock.lock().map_err(open_err)?;
+        if path.symlink_metadata().is_ok() {
+            return Ok(false);
+        }
+        for suffix in ["-wal", "-shm"] {
+            let stale = path.with_file_name(format!("{file}{suffix}"));
+            if stale.symlink_metadata().is_ok() {
+                let aside = path.with_file_name(format!(
+                    "{file}{suffix}.stale-{}",
+                    uuid::Uuid::new_v4().simple()
+                ));
+                std::fs::rename(&stale, &aside).map_err(open_err)?;
+                tracing::warn!(from = %stale.display(), to = %aside.display(), "moved aside a file left by a removed store");
+            }
+        }
+        match std::fs::hard_link(&tmp, path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(open_err(e)),
+        }
     });
     let _ = std::fs::remove_file(&tmp);
     linked

@@ -265,6 +265,40 @@ impl<'c> Tx<'c> {
         Ok(obj)
     }
 
+    /// Create an object with a uid it had before (an orphan in the backend adopted again):
+    /// refused when an object has that uid, or when this store removed its object.
+    pub(crate) fn adopt(&mut self, mut obj: DynObject, uid: &str) -> Result<DynObject> {
+        let taken = self.uid_exists(uid)?
+            || self
+                .tx
+                .prepare_cached("SELECT 1 FROM tombstones WHERE uid = ?1")?
+                .query_row([uid], |_| Ok(()))
+                .optional()?
+                .is_some();
+        if taken {
+            return Err(invalid(
+                &obj,
+                "metadata.uid",
+                format!(
+                    "uid {uid} belongs to an object this store has or removed: it cannot be adopted"
+                ),
+            ));
+        }
+        if self.exists(&obj.kind, &obj.metadata.name)? {
+            return Err(StoreError::AlreadyExists {
+                kind: obj.kind,
+                name: obj.metadata.name,
+            });
+        }
+        let m = &mut obj.metadata;
+        m.uid = Some(uid.to_string());
+        m.generation = Some(1);
+        m.creation_timestamp = Some(boxery_api::now());
+        m.deletion_timestamp = None;
+        self.put(&mut obj, EventType::Added, None)?;
+        Ok(obj)
+    }
+
     fn exists(&self, kind: &str, name: &str) -> Result<bool> {
         Ok(self
             .tx

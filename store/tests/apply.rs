@@ -165,7 +165,10 @@ fn prune_deletes_only_applied_objects_that_match_and_are_not_in_the_set() {
     );
     apply(&s, vec![image("img-old").label("app", "x")]);
     s.create(vm("by-hand").label("app", "x")).unwrap(); // no last-applied record
-    apply(&s, vec![vm("guarded").label("app", "x").finalizer("f")]);
+    apply(
+        &s,
+        vec![vm("guarded").label("app", "x").finalizer("boxery.dev/vm")],
+    );
     let prune = ApplyOptions {
         prune: Some("app=x".parse::<Selector>().unwrap()),
         ..Default::default()

@@ -9,7 +9,10 @@ use common::{image, open, store, vm};
 fn not_a_store(path: &std::path::Path) -> String {
     match Store::open(path) {
         Err(e @ StoreError::NotAStore { .. }) => e.to_string(),
-        Err(e) => panic!("expected NotAStore, got {e}: {:?}", std::error::Error::source(&e)),
+        Err(e) => panic!(
+            "expected NotAStore, got {e}: {:?}",
+            std::error::Error::source(&e)
+        ),
         Ok(_) => panic!("{} opened as a store", path.display()),
     }
 }
@@ -20,7 +23,10 @@ fn closed(path: &std::path::Path) {
     let wal = path.with_extension("db-wal");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while wal.exists() {
-        assert!(std::time::Instant::now() < deadline, "the store's WAL stays");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the store's WAL stays"
+        );
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
 }
@@ -64,7 +70,11 @@ fn an_emptied_truncated_corrupted_or_foreign_file_is_refused() {
     let msg = not_a_store(&path);
     assert!(msg.contains("empty"), "{msg}");
     assert!(msg.contains("boxery orphans"), "{msg}");
-    assert_eq!(std::fs::metadata(&path).unwrap().len(), 0, "nothing written");
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        0,
+        "nothing written"
+    );
 
     // Cut in the middle, or overwritten with garbage.
     std::fs::write(&path, &keep[..100]).unwrap();
@@ -114,10 +124,8 @@ fn a_wave_one_store_is_upgraded_in_place() {
     closed(&path);
     // What wave 1 wrote: schema version 1, no identity, no tombstones.
     let c = rusqlite::Connection::open(&path).unwrap();
-    c.execute_batch(
-        "DROP TABLE identity; DROP TABLE tombstones; PRAGMA user_version = 1;",
-    )
-    .unwrap();
+    c.execute_batch("DROP TABLE identity; DROP TABLE tombstones; PRAGMA user_version = 1;")
+        .unwrap();
     drop(c);
     let s = open(&path);
     assert_eq!(s.uid().len(), 36);

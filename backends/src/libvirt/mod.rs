@@ -935,7 +935,7 @@ fn set_mode(p: &Path, mode: u32) -> Result<()> {
 }
 
 fn same_image(rec: ImageRecord, uid: &str) -> Result<()> {
-    if rec.mark == uid {
+    if crate::mark::Mark::same_object(&rec.mark, uid) {
         Ok(())
     } else {
         Err(BackendError::Invalid(format!(
@@ -1044,7 +1044,7 @@ impl Backend for LibvirtBackend {
         let _lock = self.lock(&format!("vm-{}", vm.name)).await?;
         let conn = self.conn()?;
         if let Some(d) = self.lookup(&conn, &vm.name)? {
-            if d.cfg.mark != vm.uid {
+            if !crate::mark::Mark::same_object(&d.cfg.mark, &vm.uid) {
                 return Err(BackendError::Invalid(format!(
                     "a VM named {} already exists in the libvirt backend for another object (uid {}): pick another name",
                     vm.name, d.cfg.mark

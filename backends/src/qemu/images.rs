@@ -359,7 +359,7 @@ impl Inner {
     }
 
     pub(super) fn same_image(&self, rec: ImageRecord, uid: &str) -> Result<()> {
-        if rec.mark == uid {
+        if crate::mark::Mark::same_object(&rec.mark, uid) {
             Ok(())
         } else {
             Err(BackendError::Invalid(format!(

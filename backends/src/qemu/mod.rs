@@ -369,7 +369,7 @@ impl Backend for QemuBackend {
         }
         let _lock = inner.lock_vm(&vm.name).await?;
         if let Some(cfg) = inner.load_vm(&vm.name)? {
-            if cfg.mark != vm.uid {
+            if !crate::mark::Mark::same_object(&cfg.mark, &vm.uid) {
                 return Err(BackendError::Invalid(format!(
                     "a VM named {} already exists in the qemu backend for another object (uid {}): pick another name",
                     vm.name, cfg.mark

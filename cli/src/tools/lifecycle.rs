@@ -10,7 +10,7 @@ use std::time::Duration;
 use boxery_api::image::ImageSpec;
 use boxery_api::vm::{Resources, Restore, VmSpec};
 use boxery_api::{
-    ConditionStatus, DynObject, Image, ImageSource, OwnerReference, Quantity, RunStrategy,
+    ConditionStatus, DynObject, Image, ImageSource, Name, OwnerReference, Quantity, RunStrategy,
     Selector, Vm, VmSource, lookup_kind, now,
 };
 use boxery_store::{ApplyAction, ApplyOptions, DeleteOutcome, Store, StoreError};
@@ -540,7 +540,32 @@ fn create<R: boxery_api::Resource>(store: &Store, obj: &R, what: &str) -> Result
 }
 
 /// `vm_manage`.
+/// Every name `vm_manage` was given, checked before it does anything (so a fork with one bad
+/// name makes none of the others).
+fn check_names(a: &ManageArgs) -> Result<(), ToolError> {
+    let bad = |field: &str, e: boxery_api::InvalidName| ToolError::Invalid(format!("{field}: {e}"));
+    let given = |v: &Option<String>| v.clone().filter(|s| !s.is_empty());
+    if let Some(v) = given(&a.vm) {
+        Name::label(&v).map_err(|e| bad("vm", e))?;
+    }
+    if let Some(f) = given(&a.from) {
+        Name::new(&f).map_err(|e| bad("from", e))?;
+    }
+    if let Some(l) = given(&a.label) {
+        match a.action {
+            Action::Snap => Name::label(&l).map(drop),
+            _ => Name::new(&l).map(drop),
+        }
+        .map_err(|e| bad("label", e))?;
+    }
+    for n in &a.names {
+        Name::label(n).map_err(|e| bad("names", e))?;
+    }
+    Ok(())
+}
+
 pub async fn manage(session: Arc<Session>, a: ManageArgs, ct: CancellationToken) -> ToolResult {
+    check_names(&a)?;
     let wait_for = a
         .wait
         .unwrap_or(true)

@@ -527,7 +527,9 @@ impl Session {
     /// Which VM a call means: the explicit one, else the default, else the only VM.
     pub fn resolve_vm(&self, vm: Option<String>) -> Result<String, ToolError> {
         if let Some(v) = vm.filter(|v| !v.is_empty()) {
-            return Ok(v);
+            return boxery_api::Name::label(&v)
+                .map(boxery_api::Name::into_string)
+                .map_err(|e| ToolError::Invalid(format!("vm: {e}")));
         }
         if let Some(v) = self.default_vm() {
             return Ok(v);
@@ -549,9 +551,16 @@ impl Session {
     pub fn unknown_vm(&self, vm: &str) -> ToolError {
         let names = self.vm_names();
         ToolError::NotFound(if names.is_empty() {
-            format!("VM {vm} not found: there are no VMs (vm_manage {{action: new}} makes one)")
+            format!(
+                "VM {} not found: there are no VMs (vm_manage {{action: new}} makes one)",
+                boxery_api::name::shown(vm)
+            )
         } else {
-            format!("VM {vm} not found; known VMs: {}", names.join(", "))
+            format!(
+                "VM {} not found; known VMs: {}",
+                boxery_api::name::shown(vm),
+                names.join(", ")
+            )
         })
     }
 

@@ -1,0 +1,457 @@
+//! A hostile caller against the fake backend: one test per class of defect the hostile review
+//! found (see docs/security.md, "What a hostile caller cannot do"), each with its variants.
+//! - names that would become paths or options: on every verb and MCP tool that takes a name;
+//! - an emptied, truncated, corrupted, replaced or rolled-back store: nothing is deleted;
+//! - finalizers nobody removes, and `--force` that reports what did not happen;
+//! - pools and leases that would hand one VM to two holders or take a person's VM.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::Home;
+use serde_json::{Value, json};
+
+/// Names that must never reach the filesystem, a command line or the store.
+const HOSTILE: &[&str] = &[
+    "..",
+    ".",
+    "../..",
+    "/",
+    "/tmp",
+    "a/b",
+    "../x",
+    "-rf",
+    "--help-me",
+    "Bad_Name",
+    "a..b",
+    "\u{1b}[2J\u{1b}]52;c;aGk=\u{7}",
+    "a\nb",
+    "nul\0x",
+    "éééééééééééééééééééééééééééééééééééééééééééééééééééé",
+];
+
+/// A directory outside the home, and a file in the home, that must survive every attack.
+struct Sentinels {
+    outside: tempfile::TempDir,
+}
+
+impl Sentinels {
+    fn new(home: &Home) -> Sentinels {
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("keep"), "keep").unwrap();
+        std::fs::create_dir_all(home.path().join("leases")).unwrap();
+        std::fs::write(home.path().join("keep"), "keep").unwrap();
+        Sentinels { outside }
+    }
+    fn check(&self, home: &Home, what: &str) {
+        assert!(
+            self.outside.path().join("keep").exists(),
+            "{what}: a directory outside the home was touched"
+        );
+        assert!(
+            home.path().join("keep").exists() && home.path().join("store.db").exists(),
+            "{what}: the home was touched"
+        );
+    }
+}
+
+fn code(o: &std::process::Output) -> Option<i32> {
+    o.status.code()
+}
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Every CLI verb that takes a name refuses a hostile one with exit 2, before any side effect,
+/// and never prints a control character back.
+#[test]
+fn hostile_names_on_every_verb_touch_nothing() {
+    let home = Home::new();
+    home.ok(&["new", "v1"]);
+    let s = Sentinels::new(&home);
+    let outside = s.outside.path().display().to_string();
+    let mut names: Vec<String> = HOSTILE.iter().map(|n| n.to_string()).collect();
+    names.push(outside.clone());
+    names.push(format!("{}/../..", home.path().display()));
+    for n in &names {
+        let n = n.as_str();
+        if n.contains('\0') {
+            continue; // no process takes a NUL in an argument
+        }
+        let verbs: Vec<Vec<&str>> = vec![
+            vec!["lease", "release", n],
+            vec!["lease", "renew", n],
+            vec!["lease", "acquire", n],
+            vec!["lease", "acquire", "p", "--name", n],
+            vec!["pool", "add", n, "v1"],
+            vec!["pool", "add", "p", n],
+            vec!["pool", "rm", "p", n],
+            vec!["new", n],
+            vec!["new", "ok1", "--from", n],
+            vec!["new", "ok1", "--fork", n],
+            vec!["snap", "v1", n],
+            vec!["snap", n, "x"],
+            vec!["revert", "v1", n],
+            vec!["fork", "v1", "ok1", n],
+            vec!["start", "ok1", n],
+            vec!["stop", n],
+            vec!["rm", "ok1", n],
+            vec!["resize", n, "--cpus", "2"],
+            vec!["run", n, "--", "true"],
+            vec!["ssh", n],
+            vec!["delete", "vm", n],
+            vec!["delete", "lease", n],
+            vec!["orphans", "delete", "vm", n, "--yes"],
+        ];
+        for args in verbs {
+            let o = home.run(&args);
+            assert!(
+                matches!(code(&o), Some(2) | Some(3)),
+                "boxery {args:?}: exit {:?}\n{}",
+                code(&o),
+                stderr(&o)
+            );
+            assert!(
+                !stderr(&o).contains('\u{1b}'),
+                "boxery {args:?} printed a raw escape: {:?}",
+                stderr(&o)
+            );
+            s.check(&home, &format!("{args:?}"));
+        }
+    }
+    // Validated all first: nothing was made along the way.
+    assert!(
+        home.run(&["get", "vm", "ok1"]).status.code() == Some(3),
+        "a verb with one bad name made the good ones"
+    );
+}
+
+/// A newline-delimited JSON-RPC session with `boxery mcp` over stdio.
+struct Mcp {
+    child: std::process::Child,
+    out: BufReader<std::process::ChildStdout>,
+    id: u64,
+}
+
+impl Mcp {
+    fn start(home: &Home) -> Mcp {
+        let mut child = home
+            .cmd()
+            .arg("mcp")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        let mut m = Mcp { child, out, id: 0 };
+        m.request(
+            "initialize",
+            json!({"protocolVersion": "2025-06-18", "capabilities": {},
+                   "clientInfo": {"name": "hostile", "version": "0"}}),
+        );
+        m.send(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
+        m
+    }
+    fn send(&mut self, v: Value) {
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{v}").unwrap();
+        stdin.flush().unwrap();
+    }
+    fn request(&mut self, method: &str, params: Value) -> Value {
+        self.id += 1;
+        let id = self.id;
+        self.send(json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}));
+        loop {
+            let mut line = String::new();
+            assert!(self.out.read_line(&mut line).unwrap() > 0, "mcp closed");
+            let v: Value = serde_json::from_str(&line).unwrap();
+            if v["id"] == json!(id) {
+                return v;
+            }
+        }
+    }
+    /// Call a tool; returns (is_error, text).
+    fn call(&mut self, tool: &str, args: Value) -> (bool, String) {
+        let r = self.request("tools/call", json!({"name": tool, "arguments": args}));
+        if let Some(e) = r.get("error") {
+            return (true, e.to_string());
+        }
+        let res = &r["result"];
+        let text = res["content"]
+            .as_array()
+            .map(|c| {
+                c.iter()
+                    .filter_map(|x| x["text"].as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .unwrap_or_default();
+        (res["isError"] == json!(true), text)
+    }
+}
+
+impl Drop for Mcp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The same names through the MCP tools an agent reaches.
+#[test]
+fn hostile_names_through_mcp_touch_nothing() {
+    let home = Home::new();
+    home.ok(&["new", "v1"]);
+    let s = Sentinels::new(&home);
+    let outside = s.outside.path().display().to_string();
+    let mut mcp = Mcp::start(&home);
+    let mut names: Vec<String> = HOSTILE.iter().map(|n| n.to_string()).collect();
+    names.push(outside);
+    for n in &names {
+        let n = n.as_str();
+        let calls = [
+            ("vm_lease", json!({"action": "release", "lease": n})),
+            ("vm_lease", json!({"action": "renew", "lease": n})),
+            ("vm_lease", json!({"action": "acquire", "pool": n})),
+            ("vm_manage", json!({"action": "rm", "vm": n})),
+            (
+                "vm_manage",
+                json!({"action": "snap", "vm": "v1", "label": n}),
+            ),
+            (
+                "vm_manage",
+                json!({"action": "fork", "vm": "v1", "names": ["ok1", n]}),
+            ),
+            ("vm_bash", json!({"vm": n, "command": "true"})),
+            ("vm_get", json!({"kind": "vm", "name": n})),
+        ];
+        for (tool, args) in calls {
+            let (err, text) = mcp.call(tool, args.clone());
+            assert!(err, "{tool} {args} succeeded: {text}");
+            assert!(
+                !text.contains('\u{1b}'),
+                "{tool} echoed a raw escape: {text:?}"
+            );
+            s.check(&home, &format!("{tool} {args}"));
+        }
+    }
+    assert_eq!(home.run(&["get", "vm", "ok1"]).status.code(), Some(3));
+}
+
+/// A lease is released only by its holder session, and releasing one that does not exist
+/// touches nothing.
+#[test]
+fn a_session_cannot_release_another_ones_lease() {
+    let home = Home::new();
+    std::fs::create_dir_all(home.path().join("leases/someone-else")).unwrap();
+    std::fs::write(home.path().join("leases/someone-else/id_ed25519"), "k").unwrap();
+    let mut mcp = Mcp::start(&home);
+    let (err, text) = mcp.call(
+        "vm_lease",
+        json!({"action": "release", "lease": "someone-else"}),
+    );
+    assert!(err, "{text}");
+    assert!(text.contains("not held by this session"), "{text}");
+    let (err, _) = mcp.call(
+        "vm_lease",
+        json!({"action": "renew", "lease": "someone-else"}),
+    );
+    assert!(err);
+    assert!(home.path().join("leases/someone-else/id_ed25519").exists());
+    // The CLI: a lease that does not exist is not found, and its directory is left alone.
+    let o = home.run(&["lease", "release", "someone-else"]);
+    assert_eq!(code(&o), Some(3), "{}", stderr(&o));
+    assert!(home.path().join("leases/someone-else/id_ed25519").exists());
+}
+
+fn serve_until_inventory(home: &Home) -> common::Serve {
+    let serve = home.serve(&[]);
+    serve.wait_leading();
+    // Several inventory passes (every 1 s).
+    std::thread::sleep(Duration::from_secs(4));
+    serve
+}
+
+fn store_files(home: &Home) -> Vec<std::path::PathBuf> {
+    ["store.db", "store.db-wal", "store.db-shm"]
+        .iter()
+        .map(|f| home.path().join(f))
+        .collect()
+}
+
+/// Truncated, corrupted, replaced: every command refuses the file; a new store (the file moved
+/// away) deletes nothing and lists everything under `boxery orphans`.
+#[test]
+fn an_emptied_or_replaced_store_deletes_nothing() {
+    let home = Home::new();
+    let fake = home.fake();
+    let mut serve = home.serve(&[]);
+    home.ok(&["new", "v1", "--wait", "--timeout", "30s"]);
+    home.ok(&["new", "v2", "--wait", "--timeout", "30s"]);
+    home.ok(&["snap", "v1", "s1", "--wait", "--timeout", "30s"]);
+    serve.kill();
+    let backend_before = (fake.vm_record("v1").unwrap(), fake.vm_record("v2").unwrap());
+    assert!(backend_before.0.is_some() && backend_before.1.is_some());
+
+    // Truncated: an error for reads and writes alike, and nothing is written.
+    std::fs::write(home.path().join("store.db"), b"").unwrap();
+    for args in [
+        vec!["get", "vms"],
+        vec!["describe", "vm", "v1"],
+        vec!["new", "v3"],
+        vec!["orphans"],
+        vec!["lease", "ls"],
+    ] {
+        let o = home.run(&args);
+        assert_eq!(code(&o), Some(1), "{args:?}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("is not a boxery store"),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+    }
+    let o = home
+        .cmd()
+        .args(["serve", "--inventory-every", "1s"])
+        .output()
+        .unwrap();
+    assert_eq!(code(&o), Some(1), "serve refuses it too: {}", stderr(&o));
+    // Corrupted.
+    std::fs::write(home.path().join("store.db"), vec![0x42; 4096]).unwrap();
+    assert_eq!(code(&home.run(&["get", "vms"])), Some(1));
+    assert!(fake.vm_record("v1").unwrap().is_some());
+
+    // Moved away: a new, empty store. Its inventory quarantines everything.
+    std::fs::rename(
+        home.path().join("store.db"),
+        home.path().join("store.db.broken"),
+    )
+    .unwrap();
+    let _serve = serve_until_inventory(&home);
+    for vm in ["v1", "v2"] {
+        assert!(fake.vm_record(vm).unwrap().is_some(), "{vm} was deleted");
+    }
+    assert!(
+        fake.image_record("v1.s1").unwrap().is_some(),
+        "the snapshot was deleted"
+    );
+    assert!(
+        fake.image_record("debian-12").unwrap().is_some(),
+        "the stock image was deleted"
+    );
+    let table = home.ok(&["orphans"]);
+    for name in ["v1", "v2", "v1.s1", "debian-12"] {
+        assert!(
+            table
+                .lines()
+                .any(|l| l.split_whitespace().nth(1) == Some(name) && l.contains("Quarantined")),
+            "{name} not quarantined:\n{table}"
+        );
+    }
+    assert!(table.contains("another store"), "{table}");
+    let _ = store_files(&home);
+}
+
+/// A store restored from an older backup deletes nothing made after the backup: those things
+/// are quarantined and can be adopted back.
+#[test]
+fn a_store_rolled_back_to_a_backup_deletes_nothing() {
+    let home = Home::new();
+    let fake = home.fake();
+    let mut serve = home.serve(&[]);
+    home.ok(&["new", "v1", "--wait", "--timeout", "30s"]);
+    serve.kill();
+    // A consistent backup (SQLite's own backup API, as `sqlite3 store.db .backup` does).
+    let backup = home.path().join("backup.db");
+    {
+        let src = rusqlite::Connection::open(home.path().join("store.db")).unwrap();
+        src.execute("VACUUM INTO ?1", [backup.display().to_string()])
+            .unwrap();
+    }
+    let mut serve = home.serve(&[]);
+    home.ok(&["new", "v2", "--wait", "--timeout", "30s"]);
+    home.ok(&["snap", "v1", "after", "--wait", "--timeout", "30s"]);
+    serve.kill();
+    for f in store_files(&home) {
+        let _ = std::fs::remove_file(f);
+    }
+    std::fs::copy(&backup, home.path().join("store.db")).unwrap();
+
+    let _serve = serve_until_inventory(&home);
+    assert!(fake.vm_record("v2").unwrap().is_some(), "v2 was deleted");
+    assert!(
+        fake.image_record("v1.after").unwrap().is_some(),
+        "the snapshot was deleted"
+    );
+    let table = home.ok(&["orphans"]);
+    assert!(table.contains("restored from an older backup"), "{table}");
+    home.ok(&["orphans", "adopt", "vm", "v2"]);
+    home.ok(&["orphans", "adopt", "image", "v1.after"]);
+    home.ok(&["wait", "vm", "v2", "--for=condition=Ready", "--timeout=30s"]);
+    let table = home.run(&["orphans"]);
+    assert!(
+        !String::from_utf8_lossy(&table.stdout).contains("v1.after"),
+        "adopted things are no longer orphans"
+    );
+}
+
+/// A finalizer nothing removes cannot be applied, and `--force` removes what is there and says
+/// so; a forced delete never reports what did not happen.
+#[test]
+fn finalizers_cannot_pin_an_object_and_force_tells_the_truth() {
+    let home = Home::new();
+    let f = home.write(
+        "evil.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata:\n  name: e1\n  finalizers: [evil.example/never]\nspec:\n  source: {image: debian-12}\n",
+    );
+    let o = home.run(&["apply", "-f", f.to_str().unwrap()]);
+    assert_eq!(code(&o), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("evil.example/never"), "{}", stderr(&o));
+    // One written behind boxery's back (an older store, a direct write): --force removes it.
+    home.ok(&["new", "e2"]);
+    let store = home.store();
+    let mut obj = store.get("Vm", "e2").unwrap().unwrap();
+    obj.metadata.finalizers.push("evil.example/never".into());
+    store.update(obj).unwrap();
+    let o = home.run(&["delete", "vm", "e2", "--force", "--wait"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("evil.example/never"),
+        "names what it dropped: {}",
+        stderr(&o)
+    );
+    assert!(
+        store.get("Vm", "e2").unwrap().is_none(),
+        "forced means gone"
+    );
+    // Events are the controllers' to write; an empty prune selector prunes nothing.
+    let ev = home.write(
+        "ev.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Event\nmetadata: {name: x}\ninvolvedObject: {kind: Vm, name: v1}\ntype: Normal\nreason: Forged\nmessage: hi\ncount: 1\nfirstTimestamp: '2026-01-01T00:00:00Z'\nlastTimestamp: '2026-01-01T00:00:00Z'\nreportingController: me\n",
+    );
+    assert_eq!(
+        code(&home.run(&["apply", "-f", ev.to_str().unwrap()])),
+        Some(2)
+    );
+    let v = home.write("v.yaml", &common::vm_yaml("p1"));
+    home.ok(&["apply", "-f", v.to_str().unwrap()]);
+    let o = home.run(&["apply", "-f", f.to_str().unwrap(), "--prune", "-l", ""]);
+    assert_eq!(code(&o), Some(2), "{}", stderr(&o));
+    assert!(store.get("Vm", "p1").unwrap().is_some());
+    // Applying an object being deleted is a conflict (exit 5), as documented.
+    home.ok(&["new", "d1"]);
+    let mut obj = store.get("Vm", "d1").unwrap().unwrap();
+    obj.metadata.finalizers.push("boxery.dev/vm".into());
+    store.update(obj).unwrap();
+    home.ok(&["delete", "vm", "d1"]);
+    let d = home.write("d.yaml", &common::vm_yaml("d1"));
+    assert_eq!(
+        code(&home.run(&["apply", "-f", d.to_str().unwrap()])),
+        Some(5)
+    );
+}
