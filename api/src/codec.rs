@@ -7,11 +7,14 @@
 //!   budgets for nesting ([`MAX_DEPTH`]), nodes, documents, alias replays
 //!   ([`MAX_ALIAS_REPLAYED_EVENTS`]) and expanded scalar bytes ([`MAX_SCALAR_BYTES`]), so an
 //!   alias bomb is refused in milliseconds; JSON stops at 128 levels of nesting.
+//! - Every error names the source and is safe to print: control and other unprintable
+//!   characters in the source name, paths and messages are escaped.
 
 use std::fmt;
 
 use serde_json::Value;
 
+use crate::name::printable;
 use crate::resource::DynObject;
 use crate::validate::{FieldError, normalize};
 
@@ -61,7 +64,7 @@ pub struct ManifestError {
 
 impl fmt::Display for ManifestError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.source_name)?;
+        write!(f, "{}", printable(&self.source_name))?;
         if let Some(d) = self.document {
             write!(f, ", document {d}")?;
         }
@@ -94,9 +97,15 @@ fn err(source: &str, document: Option<usize>, message: String) -> ManifestError 
     ManifestError {
         source_name: source.to_string(),
         document,
-        errors: vec![FieldError::new("", message)],
+        errors: vec![FieldError::new("", printable(&message))],
         object: None,
     }
+}
+
+/// A field error safe to print: paths and messages quote the manifest's own keys and values,
+/// which may hold escapes, DEL or C1 controls (JSON escapes only U+0000 to U+001F).
+fn printable_error(e: FieldError) -> FieldError {
+    FieldError::new(printable(&e.path), printable(&e.message))
 }
 
 /// Which document (0-based) a 1-based line falls in, counting `---` separators before it.
@@ -212,8 +221,8 @@ pub fn parse_manifests(source: &str, bytes: &[u8]) -> Result<Vec<Manifest>, Mani
         let object = normalize(value).map_err(|e| ManifestError {
             source_name: source.to_string(),
             document: Some(index),
-            object: Some(e.object.clone()),
-            errors: e.errors,
+            object: Some(printable(&e.object)),
+            errors: e.errors.into_iter().map(printable_error).collect(),
         })?;
         out.push(Manifest {
             source_name: source.to_string(),
