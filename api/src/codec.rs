@@ -1,10 +1,20 @@
 //! Reading manifests: YAML (one or many `---`-separated documents) or JSON, each document
 //! validated on its own; errors name the source, the document's index and the field path.
+//!
+//! # Guarantees
+//! - Never panics, whatever the bytes (property-tested in `api/tests/properties.rs`).
+//! - Bounded work: a file above [`MAX_FILE_BYTES`] is refused before parsing; YAML has explicit
+//!   budgets for nesting ([`MAX_DEPTH`]), nodes, documents, alias replays
+//!   ([`MAX_ALIAS_REPLAYED_EVENTS`]) and expanded scalar bytes ([`MAX_SCALAR_BYTES`]), so an
+//!   alias bomb is refused in milliseconds; JSON stops at 128 levels of nesting.
+//! - Every error names the source and is safe to print: control and other unprintable
+//!   characters in the source name, paths and messages are escaped.
 
 use std::fmt;
 
 use serde_json::Value;
 
+use crate::name::printable;
 use crate::resource::DynObject;
 use crate::validate::{FieldError, normalize};
 
@@ -12,6 +22,32 @@ use crate::validate::{FieldError, normalize};
 pub const MAX_FILE_BYTES: usize = 8 << 20;
 /// The largest single object accepted (as stored JSON).
 pub const MAX_OBJECT_BYTES: usize = 1 << 20;
+/// The most events YAML aliases (`*a`) may replay in one file. Manifests that share a block
+/// through an anchor replay a few hundred; an alias bomb ("billion laughs") wants billions.
+pub const MAX_ALIAS_REPLAYED_EVENTS: usize = 20_000;
+/// The most scalar bytes one file may expand to, aliases included.
+pub const MAX_SCALAR_BYTES: usize = 2 * MAX_FILE_BYTES;
+/// The deepest nesting of mappings and sequences a YAML document may have (JSON stops at 128).
+pub const MAX_DEPTH: usize = 64;
+
+/// The YAML parser's budgets, set here rather than left to serde-saphyr's defaults (which
+/// allow a million replayed alias events and 64 MiB of scalars): far above what a manifest
+/// needs, low enough that a hostile file is refused in milliseconds and a few MiB.
+fn yaml_options() -> serde_saphyr::Options {
+    serde_saphyr::options! {
+        budget: serde_saphyr::budget! {
+            max_depth: MAX_DEPTH,
+            max_documents: 1_024,
+            max_nodes: 250_000,
+            max_total_scalar_bytes: MAX_SCALAR_BYTES,
+            max_aliases: 10_000,
+            max_anchors: 10_000,
+        },
+        alias_limits: serde_saphyr::alias_limits! {
+            max_total_replayed_events: MAX_ALIAS_REPLAYED_EVENTS,
+        },
+    }
+}
 
 /// A manifest that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -28,7 +64,7 @@ pub struct ManifestError {
 
 impl fmt::Display for ManifestError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.source_name)?;
+        write!(f, "{}", printable(&self.source_name))?;
         if let Some(d) = self.document {
             write!(f, ", document {d}")?;
         }
@@ -61,9 +97,15 @@ fn err(source: &str, document: Option<usize>, message: String) -> ManifestError 
     ManifestError {
         source_name: source.to_string(),
         document,
-        errors: vec![FieldError::new("", message)],
+        errors: vec![FieldError::new("", printable(&message))],
         object: None,
     }
+}
+
+/// A field error safe to print: paths and messages quote the manifest's own keys and values,
+/// which may hold escapes, DEL or C1 controls (JSON escapes only U+0000 to U+001F).
+fn printable_error(e: FieldError) -> FieldError {
+    FieldError::new(printable(&e.path), printable(&e.message))
 }
 
 /// Which document (0-based) a 1-based line falls in, counting `---` separators before it.
@@ -135,7 +177,7 @@ pub fn parse_documents(source: &str, bytes: &[u8]) -> Result<Vec<(usize, Value)>
             }
         }
     } else {
-        serde_saphyr::from_multiple::<Value>(text).map_err(|e| {
+        serde_saphyr::from_multiple_with_options::<Value>(text, yaml_options()).map_err(|e| {
             let doc = e
                 .location()
                 .map(|l| document_at_line(text, l.line() as usize));
@@ -179,8 +221,8 @@ pub fn parse_manifests(source: &str, bytes: &[u8]) -> Result<Vec<Manifest>, Mani
         let object = normalize(value).map_err(|e| ManifestError {
             source_name: source.to_string(),
             document: Some(index),
-            object: Some(e.object.clone()),
-            errors: e.errors,
+            object: Some(printable(&e.object)),
+            errors: e.errors.into_iter().map(printable_error).collect(),
         })?;
         out.push(Manifest {
             source_name: source.to_string(),

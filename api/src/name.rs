@@ -17,17 +17,44 @@ use std::str::FromStr;
 
 use crate::resource::KindInfo;
 
-/// How long a name shown in an error may be before it is cut (in characters).
+/// How long a name shown in an error may be before it is cut (in characters, escapes
+/// included).
 const SHOWN: usize = 40;
 
-/// A name shown in a message: control characters escaped, long names cut at a character
-/// boundary. Safe to print to a terminal.
+/// A name shown in a message: control and other unprintable characters escaped (`\n`,
+/// `\u{1b}`), then cut at 40 characters with `…` after. At most 41 characters whatever the
+/// input, and safe to print to a terminal.
 pub fn shown(name: &str) -> String {
-    let mut out: String = name.chars().take(SHOWN).collect::<String>();
-    if name.chars().count() > SHOWN {
-        out.push('…');
+    let mut out = String::new();
+    let mut len = 0;
+    for c in name.chars() {
+        let escaped = c.escape_debug();
+        if len + escaped.len() > SHOWN {
+            out.push('…');
+            break;
+        }
+        len += escaped.len();
+        out.extend(escaped);
     }
-    out.escape_debug().to_string()
+    out
+}
+
+/// Text made safe to print whole (an error message that quotes its input): control and
+/// other unprintable characters escaped as in [`shown`], nothing cut.
+pub fn printable(text: &str) -> String {
+    let unprintable = |c: char| !matches!(c, '\\' | '\'' | '"') && c.escape_debug().len() > 1;
+    if !text.chars().any(unprintable) {
+        return text.to_string();
+    }
+    text.chars()
+        .map(|c| {
+            if unprintable(c) {
+                c.escape_debug().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 /// Check a free-form text field (a holder name, a comment): 1 to `max` bytes with no control
@@ -282,6 +309,20 @@ mod tests {
     fn shown_escapes_and_cuts() {
         assert_eq!(shown("a\u{1b}[2Jb"), "a\\u{1b}[2Jb");
         assert_eq!(shown(&"é".repeat(50)).chars().count(), SHOWN + 1);
+        assert_eq!(shown(&"é".repeat(40)), "é".repeat(40));
+        // Escapes count: 40 control characters used to come out as 40 escapes (200 chars).
+        let cut = shown(&"\u{1}".repeat(40));
+        assert_eq!(cut, format!("{}…", "\\u{1}".repeat(8)));
+        assert_eq!(shown("\u{202e}evil"), "\\u{202e}evil");
+    }
+
+    #[test]
+    fn printable_escapes_only_what_a_terminal_would_act_on() {
+        assert_eq!(printable("it's \"ok\" é 名 \\"), "it's \"ok\" é 名 \\");
+        assert_eq!(
+            printable("a\nb\u{7f}\u{85}\u{202e}"),
+            "a\\nb\\u{7f}\\u{85}\\u{202e}"
+        );
     }
 
     #[test]

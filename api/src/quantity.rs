@@ -15,7 +15,8 @@ pub const QUANTITY_PATTERN: &str = r"^[0-9]{1,19}(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$";
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Quantity(u64);
 
-/// A quantity that does not parse.
+/// A quantity that does not parse; holds the input as [`shown`](crate::name::shown): escaped
+/// and cut, so the message is safe to print whatever was given.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "`{0}` is not a quantity: write a whole number of bytes with an optional suffix, like 512Mi, 4Gi or 20G"
@@ -52,7 +53,7 @@ impl Quantity {
 impl FromStr for Quantity {
     type Err = QuantityError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let err = || QuantityError(s.to_string());
+        let err = || QuantityError(crate::name::shown(s));
         let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
         let (num, suffix) = s.split_at(split);
         if num.is_empty() {
@@ -151,5 +152,7 @@ mod tests {
         ] {
             assert!(bad.parse::<Quantity>().is_err(), "{bad}");
         }
+        let e = "4Gi\u{1b}[2J".parse::<Quantity>().unwrap_err().to_string();
+        assert!(e.starts_with("`4Gi\\u{1b}[2J` is not a quantity"), "{e}");
     }
 }

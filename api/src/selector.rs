@@ -24,7 +24,8 @@ pub enum Requirement {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Selector(pub Vec<Requirement>);
 
-/// A selector that does not parse.
+/// A selector that does not parse; holds the input as [`shown`](crate::name::shown): escaped
+/// and cut, so the message is safe to print whatever was given.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "invalid label selector `{0}`: write key=value, key!=value, key, !key, `key in (a,b)` or `key notin (a,b)`, joined by commas"
@@ -78,7 +79,7 @@ fn valid_key(k: &str) -> bool {
 impl FromStr for Selector {
     type Err = SelectorError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let err = || SelectorError(s.to_string());
+        let err = || SelectorError(crate::name::shown(s));
         let mut reqs = Vec::new();
         if s.trim().is_empty() {
             return Ok(Selector(reqs));
@@ -155,5 +156,7 @@ mod tests {
         }
         assert!("a in b".parse::<Selector>().is_err());
         assert!("=x".parse::<Selector>().is_err());
+        let e = "a=b,\u{1b}]0;pwned\u{7}".parse::<Selector>().unwrap_err();
+        assert!(e.to_string().contains("`a=b,\\u{1b}]0;pwned\\u{7}`"), "{e}");
     }
 }
