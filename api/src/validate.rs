@@ -21,10 +21,16 @@ pub struct FieldError {
 }
 
 impl FieldError {
-    /// A field error.
+    /// A field error. The message is made safe to print (control characters escaped) and cut
+    /// to 1,000 characters: it may quote what a hostile caller wrote.
     pub fn new(path: impl Into<String>, message: String) -> Self {
+        const MAX: usize = 1000;
+        let mut message = crate::name::printable(&message);
+        if message.chars().count() > MAX {
+            message = message.chars().take(MAX).collect::<String>() + "…";
+        }
         FieldError {
-            path: path.into(),
+            path: crate::name::printable(&path.into()),
             message,
         }
     }
@@ -187,7 +193,10 @@ pub fn normalize(value: Value) -> Result<DynObject, ValidationError> {
         Some(other) => {
             return Err(fail(
                 "apiVersion",
-                format!("unknown apiVersion `{other}`: use `{API_VERSION}`"),
+                format!(
+                    "unknown apiVersion `{}`: use `{API_VERSION}`",
+                    crate::name::shown(other)
+                ),
             ));
         }
         None => {

@@ -754,7 +754,6 @@ proptest! {
     /// (U+007F to U+009F) raw, and `unknown apiVersion` quotes the value unescaped. The codec
     /// escapes them (checked above through `parse_manifests`); `validate.rs` does not yet.
     #[test]
-    #[ignore = "validate.rs echoes values with control characters; enable once FieldError messages are escaped"]
     fn normalize_messages_are_printable(value in any_json()) {
         check_normalize(value, true)?;
     }
