@@ -455,3 +455,96 @@ fn finalizers_cannot_pin_an_object_and_force_tells_the_truth() {
         Some(5)
     );
 }
+
+fn pool_status(home: &Home, pool: &str) -> boxery_api::Pool {
+    home.store()
+        .get_as::<boxery_api::Pool>(pool)
+        .unwrap()
+        .unwrap_or_else(|| panic!("pool {pool} missing"))
+}
+
+/// A VM is in one pool at a time, and a template member never takes over a person's VM that
+/// happens to have its name.
+#[test]
+fn pools_never_share_a_vm_or_take_a_persons_vm() {
+    let home = Home::new();
+    let _serve = home.serve(&[]);
+    home.ok(&["new", "v1", "--wait", "--timeout", "30s"]);
+    home.ok(&["pool", "add", "pa", "v1"]);
+    common::eventually(Duration::from_secs(30), || {
+        (pool_status(&home, "pa").status.free == 1).then_some(())
+    })
+    .expect("pa's member is free");
+    // The CLI refuses a second pool.
+    let o = home.run(&["pool", "add", "pb", "v1"]);
+    assert_eq!(code(&o), Some(5), "{}", stderr(&o));
+    assert!(stderr(&o).contains("belongs to pool pa"), "{}", stderr(&o));
+    // A manifest naming it in another pool: the member waits, never free, never leased.
+    let pb = home.write(
+        "pb.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: pb}\nspec:\n  members: [{name: v1}]\n",
+    );
+    home.ok(&["apply", "-f", pb.to_str().unwrap()]);
+    common::eventually(Duration::from_secs(30), || {
+        let p = pool_status(&home, "pb");
+        p.status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "MembersBlocked" && c.status == boxery_api::ConditionStatus::True)
+            .then_some(())
+    })
+    .expect("pb says its member is blocked");
+    home.ok(&[
+        "lease",
+        "acquire",
+        "pa",
+        "--holder",
+        "alice",
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    home.ok(&[
+        "lease", "acquire", "pb", "--holder", "bob", "--name", "bob1",
+    ]);
+    std::thread::sleep(Duration::from_secs(3));
+    let bob = home.ok(&["get", "lease", "bob1", "-o", "jsonpath={.status.phase}"]);
+    assert_ne!(bob.trim(), "Bound", "one VM leased to two holders");
+    assert_eq!(pool_status(&home, "pb").status.free, 0);
+
+    // A person's VM named like a template member is never adopted, captured or leased.
+    home.ok(&["new", "pc-0", "--wait", "--timeout", "30s"]);
+    let pc = home.write(
+        "pc.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: pc}\nspec:\n  replicas: 1\n  template:\n    spec:\n      source: {image: debian-12}\n",
+    );
+    home.ok(&["apply", "-f", pc.to_str().unwrap()]);
+    let msg = common::eventually(Duration::from_secs(30), || {
+        let p = pool_status(&home, "pc");
+        p.status
+            .members
+            .iter()
+            .find(|m| m.name == "pc-0" && m.message.contains("did not make"))
+            .map(|m| m.message.clone())
+    })
+    .expect("pc's member waits with a reason");
+    assert!(msg.contains("never taken over"), "{msg}");
+    std::thread::sleep(Duration::from_secs(2));
+    let vm = home
+        .store()
+        .get_as::<boxery_api::Vm>("pc-0")
+        .unwrap()
+        .unwrap();
+    assert!(
+        !vm.metadata.labels.contains_key("boxery.dev/pool"),
+        "adopted: {vm:?}"
+    );
+    assert!(
+        home.store()
+            .get_as::<boxery_api::Image>("pc-0.boxery-clean")
+            .unwrap()
+            .is_none(),
+        "the person's VM was captured as a clean image"
+    );
+    assert_eq!(pool_status(&home, "pc").status.free, 0);
+}

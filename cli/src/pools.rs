@@ -144,10 +144,39 @@ pub fn pool(env: &Env, cmd: PoolCmd) -> CliResult {
     let store = env.store()?;
     match cmd {
         PoolCmd::Add { pool, vm } => {
-            if store.get_as::<boxery_api::Vm>(&vm)?.is_none() {
+            let Some(v) = store.get_as::<boxery_api::Vm>(&vm)? else {
                 return Err(CliError::not_found(format!(
                     "VM {vm} not found: `boxery get vms` lists them"
                 )));
+            };
+            // A VM is in one pool at a time: two pools would lease it to two holders.
+            let label = boxery_reconcilers::pool::POOL_LABEL;
+            let elsewhere = v
+                .metadata
+                .labels
+                .get(label)
+                .filter(|p| **p != pool)
+                .cloned()
+                .or_else(|| {
+                    store
+                        .list_as::<Pool>(&Default::default())
+                        .ok()?
+                        .into_iter()
+                        .find(|p| {
+                            p.metadata.name != pool
+                                && boxery_reconcilers::pool::wanted(p)
+                                    .iter()
+                                    .any(|(n, _)| *n == vm)
+                        })
+                        .map(|p| p.metadata.name)
+                });
+            if let Some(other) = elsewhere {
+                return Err(CliError::new(
+                    Code::Conflict,
+                    anyhow::anyhow!(
+                        "VM {vm} belongs to pool {other}: a VM is in one pool at a time (`boxery pool rm {other} {vm}` first)"
+                    ),
+                ));
             }
             edit_pool(&store, &pool, true, |p| {
                 if !p.spec.members.iter().any(|m| m.name == vm) {

@@ -122,6 +122,7 @@ pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
         }
     }
 
+    let mut blocked: Vec<String> = Vec::new();
     for m in table.iter_mut() {
         let vm = ctx.store.get_as::<Vm>(&m.name)?;
         let in_spec = wanted.iter().any(|(n, _)| *n == m.name);
@@ -155,7 +156,20 @@ pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
             soon(Duration::from_secs(2), &mut requeue);
             continue;
         };
-        if in_spec && vm.metadata.labels.get(POOL_LABEL) != Some(&name) {
+        if m.state == MemberState::Pending
+            && let Some(why) = not_ours(&pool, m.created, &vm)
+        {
+            // Never adopted: a VM of another pool, or a person's VM whose name a template
+            // member would take. The member waits until the way is clear.
+            if m.message != why {
+                ctx.event(&pool, EventType::Warning, "MemberConflict", &why);
+            }
+            m.message = why;
+            blocked.push(m.name.clone());
+            soon(Duration::from_secs(5), &mut requeue);
+            continue;
+        }
+        if in_spec && !vm.metadata.labels.contains_key(POOL_LABEL) {
             let mut v = vm.clone();
             v.metadata.labels.insert(POOL_LABEL.into(), name.clone());
             ctx.store.update_as(&v)?;
@@ -364,6 +378,28 @@ pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
         generation,
     );
     pool.status.conditions.set_condition(
+        "MembersBlocked",
+        if blocked.is_empty() {
+            ConditionStatus::False
+        } else {
+            ConditionStatus::True
+        },
+        if blocked.is_empty() {
+            "NoConflict"
+        } else {
+            "NameTaken"
+        },
+        &if blocked.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "{} cannot join: see each member's message (`boxery pool ls`)",
+                blocked.join(", ")
+            )
+        },
+        generation,
+    );
+    pool.status.conditions.set_condition(
         "Degraded",
         if pool.status.broken > 0 {
             ConditionStatus::True
@@ -384,6 +420,36 @@ pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
     Ok(requeue
         .map(Action::requeue)
         .unwrap_or_else(Action::await_change))
+}
+
+/// Why `vm` may not become a member of `pool`, if it may not: it belongs to another pool (its
+/// `boxery.dev/pool` label), or it is a template member's name (`created`) that this pool did
+/// not make (a person's VM is never taken over by a name collision; only an explicit
+/// `members:` entry, or `boxery pool add`, adopts a VM).
+pub fn not_ours(pool: &Pool, created: bool, vm: &Vm) -> Option<String> {
+    let name = pool.name();
+    if let Some(other) = vm.metadata.labels.get(POOL_LABEL)
+        && other != name
+    {
+        return Some(format!(
+            "VM {} belongs to pool {other}: a VM is in one pool at a time (`boxery pool rm {other} {}` first)",
+            vm.name(),
+            vm.name()
+        ));
+    }
+    let made_here = vm
+        .metadata
+        .owner_references
+        .iter()
+        .any(|o| o.kind == "Pool" && Some(&o.uid) == pool.metadata.uid.as_ref());
+    if created && !made_here {
+        return Some(format!(
+            "a VM named {} exists that this pool did not make: it is never taken over; rename or remove it, or adopt it explicitly with `boxery pool add {name} {}` after lowering replicas",
+            vm.name(),
+            vm.name()
+        ));
+    }
+    None
 }
 
 fn set(m: &mut MemberStatus, state: MemberState, message: &str) {

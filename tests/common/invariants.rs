@@ -48,7 +48,7 @@ pub async fn problems(home: &super::Home) -> Vec<String> {
         match bvm.get(n) {
             None => out.push(format!("vm {n} missing from the backend")),
             Some(b) => {
-                if b.mark != vm.metadata.uid {
+                if b.mark != mark_of(&store, &vm.metadata) {
                     out.push(format!(
                         "vm {n} backend mark {:?} != uid {:?}",
                         b.mark, vm.metadata.uid
@@ -94,7 +94,7 @@ pub async fn problems(home: &super::Home) -> Vec<String> {
         }
         match bimg.get(n) {
             None => out.push(format!("image {n} missing from the backend")),
-            Some(b) if b.mark != img.metadata.uid => out.push(format!(
+            Some(b) if b.mark != mark_of(&store, &img.metadata) => out.push(format!(
                 "image {n} backend mark {:?} != uid {:?}",
                 b.mark, img.metadata.uid
             )),
@@ -139,4 +139,11 @@ pub async fn problems(home: &super::Home) -> Vec<String> {
         }
     }
     out
+}
+
+/// The mark boxery puts on what it makes for an object of `store`.
+fn mark_of(store: &boxery_store::Store, meta: &boxery_api::ObjectMeta) -> Option<String> {
+    meta.uid
+        .as_deref()
+        .map(|u| boxery_backends::mark::mark(u, store.uid()))
 }
