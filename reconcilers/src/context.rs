@@ -18,6 +18,9 @@ pub struct Settings {
     pub resync_every: Duration,
     /// How many reconciles may run at once per controller.
     pub concurrency: usize,
+    /// Directories an Image's `source.file` may import from, besides `$BOXERY_HOME/imports`
+    /// (`importRoots` in `$BOXERY_HOME/config.yaml`).
+    pub import_roots: Vec<std::path::PathBuf>,
 }
 
 impl Default for Settings {
@@ -26,6 +29,7 @@ impl Default for Settings {
             inventory_every: Duration::from_secs(10),
             resync_every: Duration::from_secs(60),
             concurrency: 16,
+            import_roots: Vec::new(),
         }
     }
 }
@@ -58,6 +62,20 @@ impl std::fmt::Debug for Ctx {
 }
 
 impl Ctx {
+    /// The directories an Image may import a file from: `$BOXERY_HOME/imports` and the
+    /// owner's `importRoots`.
+    pub fn import_roots(&self) -> Vec<std::path::PathBuf> {
+        let home = self
+            .store
+            .path()
+            .parent()
+            .map(std::path::Path::to_path_buf)
+            .unwrap_or_default();
+        let mut roots = vec![home.join("imports")];
+        roots.extend(self.settings.import_roots.iter().cloned());
+        roots
+    }
+
     /// Whether `key` is reported for the first time by this process (then it is remembered).
     pub fn first_report(&self, key: &str) -> bool {
         self.reported

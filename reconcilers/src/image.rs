@@ -269,11 +269,14 @@ async fn step(mut img: Image, ctx: &Ctx) -> Result<Action> {
                 .await
                 .map_err(|e| ReconcileError::backend("build", &obj, e))
         }
-        ImageSource::File(p) => ctx
-            .backend
-            .import_image(std::path::Path::new(p), &name, &uid)
-            .await
-            .map_err(|e| ReconcileError::backend("import", &obj, e)),
+        ImageSource::File(p) => match confine_import(&ctx.import_roots(), p) {
+            Ok(path) => ctx
+                .backend
+                .import_image(&path, &name, &uid)
+                .await
+                .map_err(|e| ReconcileError::backend("import", &obj, e)),
+            Err(e) => Err(ReconcileError::backend("import", &obj, e)),
+        },
     };
     // Progress lines may have written the status meanwhile: carry on from the stored object
     // (the operation recorded in it is ours: reconciles of one object never overlap).
@@ -388,3 +391,99 @@ pub fn is_ready(img: &Image) -> bool {
 
 /// The kind's name, for wiring.
 pub const KIND: &str = Image::INFO.kind;
+
+/// Where an Image may import a file from: only inside the owner's import roots, reached
+/// through no symlink that leads out, and said without telling whether a file outside exists
+/// (an agent that writes an Image must not read or probe the host's files).
+pub fn confine_import(
+    roots: &[std::path::PathBuf],
+    p: &str,
+) -> Result<std::path::PathBuf, boxery_backends::BackendError> {
+    use std::path::{Component, Path};
+    let shown: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
+    let refuse = || {
+        boxery_backends::BackendError::Invalid(format!(
+            "{} is not inside an import root ({}): put the file (and its .json manifest) under one, or add a directory to `importRoots` in $BOXERY_HOME/config.yaml",
+            boxery_api::name::shown(p),
+            shown.join(", ")
+        ))
+    };
+    let path = Path::new(p);
+    if !path.is_absolute() || path.components().any(|c| matches!(c, Component::ParentDir)) {
+        return Err(refuse());
+    }
+    // Lexically first: nothing outside the roots is ever looked at.
+    if !roots.iter().any(|r| path.starts_with(r)) {
+        return Err(refuse());
+    }
+    let canon_roots: Vec<_> = roots.iter().filter_map(|r| r.canonicalize().ok()).collect();
+    let inside = |q: &Path| {
+        q.canonicalize()
+            .ok()
+            .filter(|c| canon_roots.iter().any(|r| c.starts_with(r)))
+    };
+    let Some(canon) = inside(path) else {
+        return Err(if path.exists() {
+            refuse()
+        } else {
+            boxery_backends::BackendError::Invalid(format!(
+                "{} does not exist in the import root",
+                boxery_api::name::shown(p)
+            ))
+        });
+    };
+    // The builder's manifest beside it is read too: it must not lead out either.
+    let manifest = if canon.extension().is_some_and(|e| e == "json") {
+        canon.clone()
+    } else {
+        canon.with_extension("json")
+    };
+    if manifest.exists() && inside(&manifest).is_none() {
+        return Err(refuse());
+    }
+    Ok(canon)
+}
+
+#[cfg(test)]
+mod import_tests {
+    use super::confine_import;
+
+    #[test]
+    fn imports_stay_inside_their_roots_and_probe_nothing_outside() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().join("imports");
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(root.join("ok.qcow2"), "x").unwrap();
+        std::fs::write(root.join("ok.json"), "{}").unwrap();
+        std::os::unix::fs::symlink("/etc/shadow", root.join("shadow.qcow2")).unwrap();
+        std::os::unix::fs::symlink("/etc", root.join("etc")).unwrap();
+        std::fs::write(root.join("evil.qcow2"), "x").unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", root.join("evil.json")).unwrap();
+        let roots = vec![root.clone()];
+        let ok = confine_import(&roots, root.join("ok.qcow2").to_str().unwrap()).unwrap();
+        assert_eq!(ok, root.canonicalize().unwrap().join("ok.qcow2"));
+        // Outside, a missing file outside, and an existing one: the same words, nothing probed.
+        let a = confine_import(&roots, "/etc/shadow")
+            .unwrap_err()
+            .to_string();
+        let b = confine_import(&roots, "/etc/no-such-file")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            a.replace("/etc/shadow", "P"),
+            b.replace("/etc/no-such-file", "P")
+        );
+        for bad in [
+            root.join("shadow.qcow2"),
+            root.join("etc/passwd"),
+            root.join("../imports/../../etc/passwd"),
+            root.join("evil.qcow2"),
+        ] {
+            let e = confine_import(&roots, bad.to_str().unwrap()).unwrap_err();
+            assert!(e.to_string().contains("not inside an import root"), "{e}");
+        }
+        assert!(confine_import(&roots, "relative/x.qcow2").is_err());
+        let e = confine_import(&roots, root.join("missing.qcow2").to_str().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("does not exist"), "{e}");
+    }
+}

@@ -432,6 +432,15 @@ impl Store {
         }
         schema::create_new(path)?;
         schema::probe(path)?;
+        // The store is its owner's alone (SQLite gives its -wal and -shm the same mode).
+        {
+            use std::os::unix::fs::PermissionsExt;
+            if let Ok(m) = std::fs::metadata(path)
+                && m.permissions().mode() & 0o077 != 0
+            {
+                let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
+            }
+        }
         let not_a_db = |e: StoreError| match e {
             StoreError::OpenDb {
                 source: rusqlite::Error::SqliteFailure(f, _),

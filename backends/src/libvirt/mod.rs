@@ -839,7 +839,13 @@ impl LibvirtBackend {
             .clone()
             .or(m.disk_sha256.clone())
             .unwrap_or_else(|| namespace_of(&manifest.to_string_lossy()));
-        let id = format!("{}-{}", m.name, &hash[..hash.len().min(12)]);
+        crate::qemu::images::check_manifest_files(
+            manifest,
+            Path::new(&m.disk),
+            m.kernel.as_deref().map(Path::new),
+            m.initrd.as_deref().map(Path::new),
+        )?;
+        let id = crate::qemu::images::base_id(manifest, &m.name, &hash)?;
         let _lock = self.lock(&format!("base-{id}")).await?;
         let rec_path = self.bases_dir().join(format!("{id}.json"));
         if rec_path.exists() {

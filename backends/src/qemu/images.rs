@@ -206,6 +206,12 @@ impl Inner {
             ))
         })?;
         let src_dir = manifest_path.parent().unwrap_or(Path::new("."));
+        check_manifest_files(
+            manifest_path,
+            &m.disk,
+            m.kernel.as_deref(),
+            m.initrd.as_deref(),
+        )?;
         let hash = m
             .input_hash
             .clone()
@@ -217,19 +223,7 @@ impl Inner {
                 });
                 format!("{digest:016x}")
             });
-        let short: String = hash
-            .chars()
-            .filter(char::is_ascii_alphanumeric)
-            .take(12)
-            .collect();
-        let id = format!("{}-{short}", m.name);
-        if !valid_name(&id) {
-            return Err(BackendError::Invalid(format!(
-                "image manifest {} names an invalid image `{}`",
-                manifest_path.display(),
-                m.name
-            )));
-        }
+        let id = base_id(manifest_path, &m.name, &hash)?;
         self.layout
             .ensure()
             .map_err(io("creating the state directory"))?;
@@ -258,7 +252,15 @@ impl Inner {
                     .info(&src_disk)
                     .await
                     .map_err(|e| failed("inspect the built disk", e))?;
-                if info.backing().is_some() {
+                if let Some(b) = info.backing() {
+                    // Flattening pulls the backing file's bytes in: only one beside the disk.
+                    let inside = src_dir.join(&b).canonicalize().ok().zip(src_dir.canonicalize().ok());
+                    if !inside.is_some_and(|(b, d)| b.parent() == Some(d.as_path())) {
+                        return Err(BackendError::Invalid(format!(
+                            "image manifest {}: the disk's backing file is not beside it; import a standalone disk",
+                            manifest_path.display()
+                        )));
+                    }
                     self.disks
                         .convert(&src_disk, &disk)
                         .await
@@ -368,4 +370,52 @@ impl Inner {
             )))
         }
     }
+}
+
+/// The id of the base a builder manifest registers: `<name>-<12 of its hash>`, a valid name.
+pub(crate) fn base_id(manifest_path: &Path, name: &str, hash: &str) -> Result<String> {
+    let short: String = hash
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .take(12)
+        .collect();
+    let id = format!("{name}-{short}");
+    if !valid_name(&id) {
+        return Err(BackendError::Invalid(format!(
+            "image manifest {} names an invalid image `{}`",
+            manifest_path.display(),
+            boxery_api::name::shown(name)
+        )));
+    }
+    Ok(id)
+}
+
+/// The files a builder manifest names lie beside it: each a plain file name, never a path
+/// elsewhere on the host.
+pub(crate) fn check_manifest_files(
+    manifest_path: &Path,
+    disk: &Path,
+    kernel: Option<&Path>,
+    initrd: Option<&Path>,
+) -> Result<()> {
+    for (field, f) in [("disk", Some(disk)), ("kernel", kernel), ("initrd", initrd)] {
+        if let Some(f) = f
+            && !is_plain_file_name(f)
+        {
+            return Err(BackendError::Invalid(format!(
+                "image manifest {}: `{field}` must name a file beside the manifest, not a path",
+                manifest_path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `f` is one plain file name (no directory, no `..`, not absolute).
+fn is_plain_file_name(f: &Path) -> bool {
+    let mut c = f.components();
+    matches!(
+        (c.next(), c.next()),
+        (Some(std::path::Component::Normal(_)), None)
+    )
 }

@@ -36,7 +36,7 @@
 mod chain;
 pub mod config;
 pub mod disk;
-mod images;
+pub(crate) mod images;
 pub mod layout;
 mod lifecycle;
 pub mod process;
