@@ -202,3 +202,59 @@ fn symlink_loops_are_read_once() {
         1
     );
 }
+
+#[test]
+fn huge_durations_are_refused_not_panicked_on() {
+    let home = Home::new();
+    let f = home.write("vm.yaml", &vm_yaml("d"));
+    let f = f.to_str().unwrap();
+    let huge = "18446744073709551615s";
+    for args in [
+        &["wait", "vm", "x", "--for", "delete", "--timeout", huge][..],
+        &["wait", "vm", "x", "--for", "delete", "--timeout", "8days"],
+        &["apply", "-f", f, "--wait", "--timeout", huge],
+        &["new", "n1", "--wait", "--timeout", huge],
+        &["delete", "vm", "d", "--wait", "--timeout", huge],
+    ] {
+        let out = run_within(&home, args, Duration::from_secs(30));
+        refused(
+            &out,
+            &format!("{args:?}"),
+            &["--timeout", "out of range: use 0s to 7days"],
+        );
+    }
+    let out = run_within(
+        &home,
+        &["jobs", "wait", "d", "1", "--timeout", huge],
+        Duration::from_secs(30),
+    );
+    refused(
+        &out,
+        "jobs wait",
+        &["--timeout", "out of range: use 0s to 30m"],
+    );
+    // Nothing was written by the refused commands.
+    let out = home.ok(&["get", "vm", "-o", "name"]);
+    assert_eq!(out.trim(), "", "{out}");
+    // In range still works.
+    home.ok(&["wait", "vm", "x", "--for", "delete", "--timeout", "7days"]);
+}
+
+#[test]
+fn serve_refuses_durations_out_of_range() {
+    let home = Home::new();
+    for (flag, value, range) in [
+        ("--inventory-every", "0s", "use 1s to 1day"),
+        (
+            "--inventory-every",
+            "18446744073709551615s",
+            "use 1s to 1day",
+        ),
+        ("--lease", "0s", "use 1s to 5m"),
+        ("--lease", "18446744073709551615s", "use 1s to 5m"),
+        ("--lease", "100ms", "use 1s to 5m"),
+    ] {
+        let out = run_within(&home, &["serve", flag, value], Duration::from_secs(30));
+        refused(&out, &format!("serve {flag} {value}"), &[flag, range]);
+    }
+}

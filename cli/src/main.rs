@@ -58,8 +58,8 @@ struct WaitArgs {
     /// no `boxery serve` is running.
     #[arg(long)]
     wait: bool,
-    /// How long --wait waits (e.g. 90s, 5m).
-    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    /// How long --wait waits (e.g. 90s, 5m; at most 7days).
+    #[arg(long, default_value = "5m", value_parser = wait::timeout_arg)]
     timeout: Duration,
 }
 
@@ -140,8 +140,8 @@ enum Command {
         /// condition=Ready[=True|False], delete, or jsonpath={.status.phase}=Stopped.
         #[arg(long = "for")]
         until: String,
-        /// How long to wait.
-        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        /// How long to wait (at most 7days).
+        #[arg(long, default_value = "60s", value_parser = wait::timeout_arg)]
         timeout: Duration,
     },
     /// Describe a kind or field from its schema (e.g. Vm.spec.resources).
@@ -290,11 +290,12 @@ enum Command {
     /// Run the control plane: the controllers, until interrupted. A second `serve` on the same
     /// store stands by and takes over when the first dies.
     Serve {
-        /// Seconds between inventory comparisons with the backend.
-        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        /// Time between inventory comparisons with the backend (1s to 1day).
+        #[arg(long, default_value = "10s", value_parser = runtime::inventory_every_arg)]
         inventory_every: Duration,
-        /// Leader lease duration.
-        #[arg(long, default_value = "4s", value_parser = humantime::parse_duration)]
+        /// Leader lease duration (1s to 5m): a standby takes over this long (and a third)
+        /// after the leader dies.
+        #[arg(long, default_value = "4s", value_parser = runtime::lease_arg)]
         lease: Duration,
         /// Also serve MCP (streamable HTTP) at http://ADDR/mcp, e.g. 127.0.0.1:7380. Clients
         /// need the bearer token in $BOXERY_HOME/mcp-token. See docs/mcp.md.
@@ -405,8 +406,8 @@ enum JobsCmd {
         vm: String,
         /// The job.
         id: String,
-        /// How long to wait.
-        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        /// How long to wait (0s to 30m).
+        #[arg(long, default_value = "60s", value_parser = wait::tool_timeout_arg)]
         timeout: Duration,
     },
     /// Kill a job's process group.
