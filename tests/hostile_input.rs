@@ -7,6 +7,7 @@
 mod common;
 
 use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -257,4 +258,36 @@ fn serve_refuses_durations_out_of_range() {
         let out = run_within(&home, &["serve", flag, value], Duration::from_secs(30));
         refused(&out, &format!("serve {flag} {value}"), &[flag, range]);
     }
+}
+
+#[test]
+fn the_home_is_private() {
+    let root = tempfile::tempdir().unwrap();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    // A new home is 0700 whatever the umask.
+    let new = root.path().join("a/b/home");
+    let out = Command::new("sh")
+        .args(["-c", "umask 000 && exec \"$0\" get vm"])
+        .arg(common::bin())
+        .env("BOXERY_HOME", &new)
+        .env("BOXERY_BACKEND", "fake")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    succeeded(&out, "get vm in a new home");
+    assert_eq!(mode(&new), 0o700);
+    // An existing one others could open is made private, with a note.
+    let old = root.path().join("old");
+    std::fs::create_dir(&old).unwrap();
+    std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = Command::new(common::bin())
+        .args(["get", "vm"])
+        .env("BOXERY_HOME", &old)
+        .env("BOXERY_BACKEND", "fake")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = succeeded(&out, "get vm in a 0755 home");
+    assert!(stderr.contains("0755 -> 0700"), "{stderr}");
+    assert_eq!(mode(&old), 0o700);
 }
