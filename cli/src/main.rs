@@ -298,12 +298,17 @@ enum Command {
         #[arg(long, default_value = "4s", value_parser = runtime::lease_arg)]
         lease: Duration,
         /// Also serve MCP (streamable HTTP) at http://ADDR/mcp, e.g. 127.0.0.1:7380. Clients
-        /// need the bearer token in $BOXERY_HOME/mcp-token. See docs/mcp.md.
+        /// need the bearer token in $BOXERY_HOME/mcp-token. A non-loopback ADDR is refused
+        /// unless --mcp-allow-remote is given. See docs/mcp.md.
         #[arg(long, value_name = "ADDR")]
         mcp_listen: Option<std::net::SocketAddr>,
         /// An extra browser Origin allowed to call /mcp (repeatable).
-        #[arg(long, value_name = "ORIGIN")]
+        #[arg(long, value_name = "ORIGIN", requires = "mcp_listen")]
         mcp_allow_origin: Vec<String>,
+        /// Allow --mcp-listen on an address other machines (and the VMs' networks) can
+        /// reach; the bearer token is then the endpoint's only protection.
+        #[arg(long, requires = "mcp_listen")]
+        mcp_allow_remote: bool,
     },
     /// Serve the vm_* tools over MCP on stdin/stdout, for Claude Code, Codex, Cursor… Runs
     /// the controllers while no `boxery serve` does. See docs/mcp.md.
@@ -568,12 +573,20 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
             lease,
             mcp_listen,
             mcp_allow_origin,
+            mcp_allow_remote,
         } => {
             let stop = tokio_util::sync::CancellationToken::new();
-            let http = mcp_listen.map(|addr| {
-                let (env, stop) = (env.clone(), stop.clone());
-                tokio::spawn(async move { mcp::http(&env, addr, mcp_allow_origin, stop).await })
-            });
+            // Bound (or refused) before the controllers start, so a bad address or token
+            // file fails `serve` at once.
+            let http = match mcp_listen {
+                Some(addr) => {
+                    let server =
+                        mcp::HttpServer::bind(&env, addr, mcp_allow_origin, mcp_allow_remote)
+                            .await?;
+                    Some(tokio::spawn(server.run(stop.clone())))
+                }
+                None => None,
+            };
             let r = runtime::serve(&env, inventory_every, lease).await;
             stop.cancel();
             if let Some(h) = http
