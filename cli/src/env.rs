@@ -19,6 +19,19 @@ use crate::exit::{CliError, CliResult};
 static OPENED_HOMES: std::sync::Mutex<std::collections::BTreeSet<PathBuf>> =
     std::sync::Mutex::new(std::collections::BTreeSet::new());
 
+/// Say `line` on stderr once per home in this process.
+fn note_once(home: &Path, line: String) {
+    static SAID: std::sync::Mutex<std::collections::BTreeSet<PathBuf>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    if SAID
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(home.to_path_buf())
+    {
+        eprintln!("{line}");
+    }
+}
+
 /// The default backend when nothing selects one: `qemu` (direct QEMU, no daemon). Its
 /// `check` says what to install when QEMU is missing; `--backend fake` runs without VMs.
 pub fn default_backend() -> &'static str {
@@ -76,11 +89,97 @@ impl Env {
                 self.home.display()
             )));
         }
-        std::fs::create_dir_all(&self.home)
-            .with_context(|| format!("cannot create boxery's home {}", self.home.display()))?;
+        self.ensure_home()?;
         let store = Store::open(&self.home.join("store.db"))?;
         opened.insert(self.home.clone());
         Ok(store)
+    }
+
+    /// Make `$BOXERY_HOME` private to its owner: created 0700 (whatever the umask), and an
+    /// existing one of this user with access for others tightened to 0700 (with a note).
+    /// Whoever can write the home controls every VM and reads every key in it, so a home of
+    /// another user that others may write is refused (exit 2); one that is merely another
+    /// user's gets a warning. Its parents are created as usual.
+    pub fn ensure_home(&self) -> CliResult {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+        let home = &self.home;
+        let shown = home.display();
+        let private = std::fs::Permissions::from_mode(0o700);
+        let meta = match std::fs::metadata(home) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if let Some(parent) = home.parent().filter(|p| !p.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(parent).with_context(|| {
+                        format!(
+                            "cannot create {}, the parent of boxery's home",
+                            parent.display()
+                        )
+                    })?;
+                }
+                match std::fs::DirBuilder::new().mode(0o700).create(home) {
+                    Ok(()) => {
+                        std::fs::set_permissions(home, private).with_context(|| {
+                            format!("cannot make boxery's home {shown} private")
+                        })?;
+                        return Ok(());
+                    }
+                    // Made by another process in between: check it as an existing one.
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                        std::fs::metadata(home)
+                            .with_context(|| format!("cannot read boxery's home {shown}"))?
+                    }
+                    Err(e) => {
+                        return Err(anyhow::Error::new(e)
+                            .context(format!("cannot create boxery's home {shown}"))
+                            .into());
+                    }
+                }
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e)
+                    .context(format!("cannot read boxery's home {shown}"))
+                    .into());
+            }
+        };
+        if !meta.is_dir() {
+            return Err(CliError::invalid(format!(
+                "boxery's home {shown} is not a directory: set BOXERY_HOME to a directory"
+            )));
+        }
+        let mode = meta.permissions().mode() & 0o7777;
+        let me = rustix::process::getuid().as_raw();
+        if meta.uid() == me {
+            if mode & 0o077 != 0 {
+                match std::fs::set_permissions(home, private) {
+                    Ok(()) => note_once(
+                        home,
+                        format!(
+                            "boxery: made its home {shown} private (mode {mode:04o} -> 0700): it holds the store, keys and tokens"
+                        ),
+                    ),
+                    Err(e) => note_once(
+                        home,
+                        format!(
+                            "boxery: warning: other users may read or write its home {shown} (mode {mode:04o}) and it cannot be changed ({e}): `chmod 700 {shown}`"
+                        ),
+                    ),
+                }
+            }
+        } else if mode & 0o022 != 0 {
+            return Err(CliError::invalid(format!(
+                "boxery's home {shown} belongs to uid {} and others may write it (mode {mode:04o}): whoever can write it controls every VM. Use a home of your own (BOXERY_HOME), or have its owner `chmod 700 {shown}`",
+                meta.uid()
+            )));
+        } else {
+            note_once(
+                home,
+                format!(
+                    "boxery: warning: its home {shown} belongs to uid {}, not to you (uid {me}): that user controls every VM in it",
+                    meta.uid()
+                ),
+            );
+        }
+        Ok(())
     }
 
     /// The backend.

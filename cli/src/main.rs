@@ -59,8 +59,8 @@ struct WaitArgs {
     /// no `boxery serve` is running.
     #[arg(long)]
     wait: bool,
-    /// How long --wait waits (e.g. 90s, 5m).
-    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    /// How long --wait waits (e.g. 90s, 5m; at most 7days).
+    #[arg(long, default_value = "5m", value_parser = wait::timeout_arg)]
     timeout: Duration,
 }
 
@@ -141,8 +141,8 @@ enum Command {
         /// condition=Ready[=True|False], delete, or jsonpath={.status.phase}=Stopped.
         #[arg(long = "for")]
         until: String,
-        /// How long to wait.
-        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        /// How long to wait (at most 7days).
+        #[arg(long, default_value = "60s", value_parser = wait::timeout_arg)]
         timeout: Duration,
     },
     /// Describe a kind or field from its schema (e.g. Vm.spec.resources).
@@ -298,19 +298,25 @@ enum Command {
     /// Run the control plane: the controllers, until interrupted. A second `serve` on the same
     /// store stands by and takes over when the first dies.
     Serve {
-        /// Seconds between inventory comparisons with the backend.
-        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        /// Time between inventory comparisons with the backend (1s to 1day).
+        #[arg(long, default_value = "10s", value_parser = runtime::inventory_every_arg)]
         inventory_every: Duration,
-        /// Leader lease duration.
-        #[arg(long, default_value = "4s", value_parser = humantime::parse_duration)]
+        /// Leader lease duration (1s to 5m): a standby takes over this long (and a third)
+        /// after the leader dies.
+        #[arg(long, default_value = "4s", value_parser = runtime::lease_arg)]
         lease: Duration,
         /// Also serve MCP (streamable HTTP) at http://ADDR/mcp, e.g. 127.0.0.1:7380. Clients
-        /// need the bearer token in $BOXERY_HOME/mcp-token. See docs/mcp.md.
+        /// need the bearer token in $BOXERY_HOME/mcp-token. A non-loopback ADDR is refused
+        /// unless --mcp-allow-remote is given. See docs/mcp.md.
         #[arg(long, value_name = "ADDR")]
         mcp_listen: Option<std::net::SocketAddr>,
         /// An extra browser Origin allowed to call /mcp (repeatable).
-        #[arg(long, value_name = "ORIGIN")]
+        #[arg(long, value_name = "ORIGIN", requires = "mcp_listen")]
         mcp_allow_origin: Vec<String>,
+        /// Allow --mcp-listen on an address other machines (and the VMs' networks) can
+        /// reach; the bearer token is then the endpoint's only protection.
+        #[arg(long, requires = "mcp_listen")]
+        mcp_allow_remote: bool,
     },
     /// Serve the vm_* tools over MCP on stdin/stdout, for Claude Code, Codex, Cursor… Runs
     /// the controllers while no `boxery serve` does. See docs/mcp.md.
@@ -413,8 +419,8 @@ enum JobsCmd {
         vm: String,
         /// The job.
         id: String,
-        /// How long to wait.
-        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        /// How long to wait (0s to 30m).
+        #[arg(long, default_value = "60s", value_parser = wait::tool_timeout_arg)]
         timeout: Duration,
     },
     /// Kill a job's process group.
@@ -576,12 +582,20 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
             lease,
             mcp_listen,
             mcp_allow_origin,
+            mcp_allow_remote,
         } => {
             let stop = tokio_util::sync::CancellationToken::new();
-            let http = mcp_listen.map(|addr| {
-                let (env, stop) = (env.clone(), stop.clone());
-                tokio::spawn(async move { mcp::http(&env, addr, mcp_allow_origin, stop).await })
-            });
+            // Bound (or refused) before the controllers start, so a bad address or token
+            // file fails `serve` at once.
+            let http = match mcp_listen {
+                Some(addr) => {
+                    let server =
+                        mcp::HttpServer::bind(&env, addr, mcp_allow_origin, mcp_allow_remote)
+                            .await?;
+                    Some(tokio::spawn(server.run(stop.clone())))
+                }
+                None => None,
+            };
             let r = runtime::serve(&env, inventory_every, lease).await;
             stop.cancel();
             if let Some(h) = http

@@ -1,14 +1,37 @@
 //! The MCP server, built from the tool table (`crate::tools`): `boxery mcp` over stdio, and
 //! streamable HTTP at `/mcp` inside `boxery serve --mcp-listen ADDR`.
 //!
-//! Over HTTP every request needs `Authorization: Bearer TOKEN` (the token is generated into
-//! `$BOXERY_HOME/mcp-token`, mode 0600), an `Origin`, when present, must be one of the allowed
-//! origins (by default only the listen address itself), and request bodies are capped at
-//! [`BODY_CAP`]. Tool arguments are bounded by the table (`tools::ARGS_CAP`, `STRING_CAP`).
-//! Each HTTP session gets its own default VM; local paths are refused over HTTP.
+//! Guarantees of the HTTP endpoint (every client is hostile until it shows the token):
+//! - Every request needs `Authorization: Bearer TOKEN`, the scheme in any case (RFC 7235),
+//!   compared in constant time. The token lives in `$BOXERY_HOME/mcp-token` (0600); an
+//!   existing file that is not a regular file of this user readable by nobody else is refused.
+//! - It listens on loopback only, unless `--mcp-allow-remote` says otherwise (and a warning
+//!   says who can then reach it).
+//! - An `Origin`, when present, must be one of the allowed origins (by default only the
+//!   listen address itself); `Host` must be loopback or the listen address (rmcp).
+//! - A request body is at most [`BODY_CAP`] (counted while reading, with or without a
+//!   `Content-Length`; rmcp's own cap is raised to match), read only once the token was
+//!   shown, and must arrive within [`Limits::body_read`].
+//! - A connection must send each request's headers within [`Limits::header_read`] of
+//!   connecting or of its previous request: idle and trickling sockets are closed.
+//! - At most [`Limits::connections`] connections are open (a quarter of `ulimit -n`), and
+//!   [`Limits::per_peer`] from one address. At a cap, the oldest connection that has not
+//!   shown the token is closed to make room; when all have shown it, the new one is closed
+//!   at once. So idle sockets cannot take the descriptors the controllers need, nor keep the
+//!   token holder out.
+//!
+//! Caveats: on loopback every local client (and, on the qemu backend, every guest: see
+//! docs/security.md) has the same address, so the per-peer cap separates nobody there; what
+//! keeps the token holder served is that unauthenticated connections make room first. An
+//! attacker that opens a whole cap of connections in the milliseconds between a client's
+//! connect and its headers can still close that client's new connection (it retries).
+//!
+//! Tool arguments are bounded by the table (`tools::ARGS_CAP`, `STRING_CAP`). Each HTTP
+//! session gets its own default VM; local paths are refused over HTTP.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::extract::{Request, State};
@@ -196,29 +219,67 @@ pub async fn stdio(env: &Env, vm: Option<String>) -> CliResult {
     Ok(())
 }
 
-/// Read or create the bearer token in `$BOXERY_HOME/mcp-token` (0600).
+/// The most bytes of `mcp-token` read (a token is 64 characters).
+const TOKEN_FILE_CAP: u64 = 4096;
+
+/// Read or create the bearer token in `$BOXERY_HOME/mcp-token` (0600). An existing file must
+/// be a regular file of this user that nobody else can read: one that others could read may
+/// have leaked, so it is refused (exit 2) with what to do, never used or silently fixed.
 pub fn token(env: &Env) -> CliResult<String> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::io::{Read, Write};
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
     let path = env.home.join("mcp-token");
-    if let Ok(t) = std::fs::read_to_string(&path)
-        && t.trim().len() >= 32
-    {
-        return Ok(t.trim().to_string());
+    let shown = path.display();
+    match std::fs::symlink_metadata(&path) {
+        Ok(m) => {
+            let me = rustix::process::getuid().as_raw();
+            if !m.file_type().is_file() {
+                return Err(CliError::invalid(format!(
+                    "{shown} is not a regular file (a symlink, directory or device): delete it and boxery makes a new token"
+                )));
+            }
+            if m.uid() != me {
+                return Err(CliError::invalid(format!(
+                    "{shown} belongs to uid {}, not to you (uid {me}): whoever owns it knows the token. Delete it and boxery makes a new one",
+                    m.uid()
+                )));
+            }
+            let mode = m.permissions().mode() & 0o777;
+            if mode & 0o077 != 0 {
+                return Err(CliError::invalid(format!(
+                    "{shown} has mode {mode:04o}: other users may have read the token. Delete it to have a new one made (`rm {shown}`), or, if nobody else can have read it, `chmod 600 {shown}`"
+                )));
+            }
+            let mut text = String::new();
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+                .open(&path)
+                .and_then(|f| f.take(TOKEN_FILE_CAP).read_to_string(&mut text))
+                .map_err(|e| CliError::failed(format!("cannot read {shown}: {e}")))?;
+            let t = text.trim();
+            if t.len() >= 32 && t.bytes().all(|b| b.is_ascii_graphic()) {
+                return Ok(t.to_string());
+            }
+            // Too short or not a token: replaced below.
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(CliError::failed(format!("cannot read {shown}: {e}"))),
     }
-    std::fs::create_dir_all(&env.home)?;
+    env.ensure_home()?;
     let t = format!(
         "{}{}",
         uuid::Uuid::new_v4().simple(),
         uuid::Uuid::new_v4().simple()
     );
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
     let mut f = std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(0o600)
         .open(&tmp)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
     f.write_all(t.as_bytes())?;
     f.write_all(b"\n")?;
     std::fs::rename(&tmp, &path)?;
@@ -229,27 +290,51 @@ pub fn token(env: &Env) -> CliResult<String> {
 struct Gate {
     token: Arc<String>,
     origins: Arc<Vec<String>>,
+    body_read: Duration,
 }
 
 fn refuse(code: StatusCode, msg: &str) -> Response {
     (code, format!("{msg}\n")).into_response()
 }
 
+fn body_too_large() -> Response {
+    refuse(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        &format!(
+            "request body too large: at most {} MiB + {} KiB",
+            tools::ARGS_CAP >> 20,
+            (BODY_CAP - tools::ARGS_CAP) >> 10
+        ),
+    )
+}
+
 fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The credentials of an `Authorization: Bearer TOKEN` header. The scheme is
+/// case-insensitive (RFC 7235 §2.1): `bearer`, `BEARER` and `Bearer` are one.
+fn bearer(value: &str) -> Option<&str> {
+    let (scheme, rest) = value.trim().split_once([' ', '\t'])?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(rest.trim())
 }
 
 async fn gate(State(g): State<Gate>, headers: HeaderMap, req: Request, next: Next) -> Response {
     let auth = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(bearer)
         .unwrap_or("");
-    if !same(auth.trim().as_bytes(), g.token.as_bytes()) {
+    if !same(auth.as_bytes(), g.token.as_bytes()) {
         return refuse(
             StatusCode::UNAUTHORIZED,
             "missing or wrong bearer token: send Authorization: Bearer $(cat $BOXERY_HOME/mcp-token)",
         );
+    }
+    // This connection has shown the token: it is no longer the first to be closed when the
+    // listener is full.
+    if let Some(p) = req.extensions().get::<Proven>() {
+        p.0.store(true, Ordering::Relaxed);
     }
     if let Some(o) = headers.get("origin") {
         let o = o.to_str().unwrap_or("");
@@ -260,87 +345,331 @@ async fn gate(State(g): State<Gate>, headers: HeaderMap, req: Request, next: Nex
     let too_big = headers
         .get("content-length")
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok())
-        .is_some_and(|n| n > BODY_CAP);
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_some_and(|n| n > BODY_CAP as u64);
     if too_big {
-        return refuse(StatusCode::PAYLOAD_TOO_LARGE, "request body too large");
+        return body_too_large();
     }
     let (parts, body) = req.into_parts();
-    let bytes = match axum::body::to_bytes(body, BODY_CAP).await {
-        Ok(b) => b,
-        Err(_) => return refuse(StatusCode::PAYLOAD_TOO_LARGE, "request body too large"),
+    let bytes = match tokio::time::timeout(g.body_read, axum::body::to_bytes(body, BODY_CAP)).await
+    {
+        Ok(Ok(b)) => b,
+        Ok(Err(_)) => return body_too_large(),
+        Err(_) => {
+            return refuse(
+                StatusCode::REQUEST_TIMEOUT,
+                &format!(
+                    "the request body did not arrive within {}",
+                    humantime::format_duration(g.body_read)
+                ),
+            );
+        }
     };
     next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
         .await
 }
 
-/// Serve streamable HTTP MCP at `http://ADDR/mcp` until `shutdown`; `origins` are extra
-/// allowed browser origins.
-pub async fn http(
-    env: &Env,
-    addr: SocketAddr,
-    origins: Vec<String>,
+/// The limits of the HTTP listener.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// How long a connection may take to send a request's headers, counted from when it
+    /// connects or finished its previous request: idle connections are closed after it.
+    pub header_read: Duration,
+    /// How long an authenticated request's body may take to arrive (408 after).
+    pub body_read: Duration,
+    /// Connections open at once, in all.
+    pub connections: usize,
+    /// Connections open at once from one peer address.
+    pub per_peer: usize,
+}
+
+impl Limits {
+    /// 5 s for headers, 30 s for a body; the connection caps scale with this process's file
+    /// limit (a quarter of `ulimit -n`, 8 to 256 in all, half of that per peer), so the
+    /// listener can never take the descriptors the controllers need.
+    pub fn for_this_process() -> Limits {
+        let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(1024);
+        let connections = (nofile / 4).clamp(8, 256) as usize;
+        Limits {
+            header_read: Duration::from_secs(5),
+            body_read: Duration::from_secs(30),
+            connections,
+            per_peer: connections / 2,
+        }
+    }
+}
+
+/// Set on a connection once one of its requests showed the token.
+#[derive(Clone, Default)]
+struct Proven(Arc<AtomicBool>);
+
+/// One open connection.
+struct Live {
+    peer: IpAddr,
+    proven: Proven,
+    evict: CancellationToken,
+}
+
+/// The open connections, oldest first.
+#[derive(Default)]
+struct Conns {
+    table: std::sync::Mutex<(u64, std::collections::BTreeMap<u64, Live>)>,
+}
+
+/// A connection's place in [`Conns`], given back when dropped.
+struct Slot {
+    conns: Arc<Conns>,
+    id: u64,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut t = self.conns.table.lock().unwrap_or_else(|e| e.into_inner());
+        t.1.remove(&self.id);
+    }
+}
+
+impl Conns {
+    /// Admit a connection from `peer`. At a cap, the oldest connection that has not shown the
+    /// token (from this peer, when the peer's cap is the one reached) is closed to make room;
+    /// when every connection has shown it, the new one is refused (`None`).
+    fn admit(
+        self: &Arc<Self>,
+        peer: IpAddr,
+        limits: &Limits,
+    ) -> Option<(Slot, Proven, CancellationToken)> {
+        let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        let (next, live) = &mut *t;
+        let peer_full = live.values().filter(|l| l.peer == peer).count() >= limits.per_peer;
+        if peer_full || live.len() >= limits.connections {
+            let victim = live
+                .iter()
+                .find(|(_, l)| {
+                    !l.proven.0.load(Ordering::Relaxed) && (!peer_full || l.peer == peer)
+                })
+                .map(|(id, _)| *id)?;
+            if let Some(l) = live.remove(&victim) {
+                l.evict.cancel();
+            }
+        }
+        let id = *next;
+        *next += 1;
+        let live_one = Live {
+            peer,
+            proven: Proven::default(),
+            evict: CancellationToken::new(),
+        };
+        let out = (live_one.proven.clone(), live_one.evict.clone());
+        live.insert(id, live_one);
+        Some((
+            Slot {
+                conns: self.clone(),
+                id,
+            },
+            out.0,
+            out.1,
+        ))
+    }
+
+    fn len(&self) -> usize {
+        self.table.lock().unwrap_or_else(|e| e.into_inner()).1.len()
+    }
+}
+
+/// How long open connections get to finish when the server stops.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Whether `ip` is this machine's loopback (IPv4-mapped addresses included).
+fn is_loopback(ip: IpAddr) -> bool {
+    ip.to_canonical().is_loopback()
+}
+
+/// Serve `app` on `listener` over HTTP/1.1 until `shutdown`, within `limits`: every
+/// connection is closed when its headers take longer than `header_read` (idle ones too),
+/// and connections over the caps are closed at once (or make room by closing the oldest
+/// connection that has not shown the token).
+async fn serve_connections(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    limits: Limits,
     shutdown: CancellationToken,
-) -> CliResult {
-    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
-    use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
-    let token = token(env)?;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| CliError::failed(format!("cannot listen on {addr} for MCP: {e}")))?;
-    let local = listener.local_addr()?;
-    let mut allowed = vec![
-        format!("http://{local}"),
-        format!("http://localhost:{}", local.port()),
-    ];
-    allowed.extend(origins);
-    let mut cfg = StreamableHttpServerConfig::default();
-    cfg.cancellation_token = shutdown.child_token();
-    if !local.ip().is_loopback() {
-        cfg.allowed_hosts.push(local.ip().to_string());
-        cfg.allowed_hosts.push(local.to_string());
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+    use tower::Layer as _;
+    let conns = Arc::new(Conns::default());
+    // Sockets, not table entries, are what run out: a connection closed to make room holds
+    // its descriptor until its task has run, so nothing more is accepted until one permit
+    // (of the cap, plus one for the connection being decided on) is free again.
+    let sockets = Arc::new(tokio::sync::Semaphore::new(limits.connections + 1));
+    let mut tasks = tokio::task::JoinSet::new();
+    loop {
+        let permit = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            p = sockets.clone().acquire_owned() => p.expect("never closed"),
+        };
+        let (stream, peer) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    // EMFILE and the like: say so and let descriptors free up.
+                    tracing::warn!(error = %e, "MCP: accepting a connection failed");
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                        _ = shutdown.cancelled() => break,
+                    }
+                    continue;
+                }
+            },
+        };
+        let Some((slot, proven, evict)) = conns.admit(peer.ip(), &limits) else {
+            tracing::debug!(%peer, open = conns.len(), "MCP: too many connections: refused");
+            drop(stream);
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(axum::Extension(proven).layer(app.clone()));
+        let stop = shutdown.clone();
+        tasks.spawn(async move {
+            // Dropped in reverse: the socket first, then its place and its permit.
+            let _permit = permit;
+            let _slot = slot;
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(TokioTimer::new())
+                .header_read_timeout(limits.header_read);
+            let conn = http.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = evict.cancelled() => {}
+                _ = stop.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(SHUTDOWN_GRACE, conn).await;
+                }
+            }
+        });
     }
-    let env2 = env.clone();
-    // Sessions end (and release their leases) when the client deletes them, when they idle
-    // out (rmcp's keep-alive), or when the server shuts down (below).
-    let sessions: Arc<std::sync::Mutex<Vec<std::sync::Weak<Session>>>> = Default::default();
-    let sessions2 = sessions.clone();
-    let service = StreamableHttpService::new(
-        move || {
-            let s = Arc::new(Session::new(env2.clone(), None, false));
-            let mut all = sessions2.lock().expect("poisoned");
-            all.retain(|w| w.strong_count() > 0);
-            all.push(Arc::downgrade(&s));
-            Ok(BoxeryMcp::new(s))
-        },
-        Arc::new(LocalSessionManager::default()),
-        cfg,
-    );
-    let g = Gate {
-        token: Arc::new(token),
-        origins: Arc::new(allowed),
-    };
-    let app = axum::Router::new()
-        .nest_service("/mcp", service)
-        .layer(axum::middleware::from_fn_with_state(g, gate));
-    eprintln!(
-        "boxery serve: MCP at http://{local}/mcp (bearer token in {})",
-        env.home.join("mcp-token").display()
-    );
-    let r = axum::serve(listener, app)
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await
-        .map_err(|e| CliError::failed(format!("the MCP HTTP server failed: {e}")));
-    let live: Vec<Arc<Session>> = sessions
-        .lock()
-        .expect("poisoned")
-        .iter()
-        .filter_map(|w| w.upgrade())
-        .collect();
-    for s in live {
-        s.release_leases();
+    drop(listener);
+    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tasks.shutdown().await;
     }
-    r
+}
+
+/// The MCP endpoint, bound and checked, not serving yet.
+pub struct HttpServer {
+    listener: tokio::net::TcpListener,
+    local: SocketAddr,
+    token: String,
+    origins: Vec<String>,
+    env: Env,
+}
+
+impl HttpServer {
+    /// Check the address and the token file and bind `addr`. A non-loopback address is refused
+    /// (exit 2) unless `allow_remote`; with it, a warning says who can reach the endpoint.
+    pub async fn bind(
+        env: &Env,
+        addr: SocketAddr,
+        origins: Vec<String>,
+        allow_remote: bool,
+    ) -> CliResult<HttpServer> {
+        if !is_loopback(addr.ip()) {
+            if !allow_remote {
+                return Err(CliError::invalid(format!(
+                    "--mcp-listen {addr} is not a loopback address: /mcp would be reachable from other machines and from the VMs' networks, with the bearer token as its only protection. Listen on 127.0.0.1:{} and reach it through an SSH tunnel or `tailscale serve`, or add --mcp-allow-remote to accept that",
+                    addr.port()
+                )));
+            }
+            eprintln!(
+                "boxery serve: WARNING: MCP listens on {addr}, which other machines and the VMs' networks may reach; the bearer token in {} is its only protection (no TLS: it crosses the network in clear text)",
+                env.home.join("mcp-token").display()
+            );
+        }
+        let token = token(env)?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| CliError::failed(format!("cannot listen on {addr} for MCP: {e}")))?;
+        let local = listener.local_addr()?;
+        Ok(HttpServer {
+            listener,
+            local,
+            token,
+            origins,
+            env: env.clone(),
+        })
+    }
+
+    /// Serve streamable HTTP MCP at `http://ADDR/mcp` until `shutdown`, within
+    /// [`Limits::for_this_process`]; then release the leases of the sessions still open.
+    pub async fn run(self, shutdown: CancellationToken) -> CliResult {
+        self.run_within(Limits::for_this_process(), shutdown).await
+    }
+
+    async fn run_within(self, limits: Limits, shutdown: CancellationToken) -> CliResult {
+        use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+        use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
+        let local = self.local;
+        let mut allowed = vec![
+            format!("http://{local}"),
+            format!("http://localhost:{}", local.port()),
+        ];
+        allowed.extend(self.origins);
+        let mut cfg = StreamableHttpServerConfig::default();
+        cfg.cancellation_token = shutdown.child_token();
+        // rmcp's own cap (4 MiB by default) must not undercut ours: the gate enforces it.
+        cfg.max_request_body_bytes = BODY_CAP;
+        if !local.ip().is_loopback() {
+            cfg.allowed_hosts.push(local.ip().to_string());
+            cfg.allowed_hosts.push(local.to_string());
+        }
+        let env2 = self.env.clone();
+        // Sessions end (and release their leases) when the client deletes them, when they
+        // idle out (rmcp's keep-alive), or when the server shuts down (below).
+        let sessions: Arc<std::sync::Mutex<Vec<std::sync::Weak<Session>>>> = Default::default();
+        let sessions2 = sessions.clone();
+        let service = StreamableHttpService::new(
+            move || {
+                let s = Arc::new(Session::new(env2.clone(), None, false));
+                let mut all = sessions2.lock().expect("poisoned");
+                all.retain(|w| w.strong_count() > 0);
+                all.push(Arc::downgrade(&s));
+                Ok(BoxeryMcp::new(s))
+            },
+            Arc::new(LocalSessionManager::default()),
+            cfg,
+        );
+        let g = Gate {
+            token: Arc::new(self.token),
+            origins: Arc::new(allowed),
+            body_read: limits.body_read,
+        };
+        let app = axum::Router::new()
+            .nest_service("/mcp", service)
+            .layer(axum::middleware::from_fn_with_state(g, gate));
+        eprintln!(
+            "boxery serve: MCP at http://{local}/mcp (bearer token in {})",
+            self.env.home.join("mcp-token").display()
+        );
+        serve_connections(self.listener, app, limits, shutdown).await;
+        let live: Vec<Arc<Session>> = sessions
+            .lock()
+            .expect("poisoned")
+            .iter()
+            .filter_map(|w| w.upgrade())
+            .collect();
+        for s in live {
+            s.release_leases();
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -370,6 +699,220 @@ mod tests {
             .permissions()
             .mode();
         assert_eq!(mode & 0o777, 0o600);
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer("Bearer abc"), Some("abc"));
+        assert_eq!(bearer("bearer abc"), Some("abc"));
+        assert_eq!(bearer("BEARER \t abc "), Some("abc"));
+        assert_eq!(bearer("Basic abc"), None);
+        assert_eq!(bearer("Bearerabc"), None);
+        assert_eq!(bearer("abc"), None);
+    }
+
+    fn home() -> (tempfile::TempDir, Env) {
+        let d = tempfile::tempdir().unwrap();
+        let env = Env {
+            home: d.path().to_path_buf(),
+            backend_name: "fake".into(),
+        };
+        (d, env)
+    }
+
+    #[test]
+    fn a_token_file_others_can_read_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let (d, env) = home();
+        let t = token(&env).unwrap();
+        let path = d.path().join("mcp-token");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = token(&env).unwrap_err();
+        assert_eq!(e.code, crate::exit::Code::Invalid);
+        let msg = e.error.to_string();
+        assert!(
+            msg.contains("mode 0644") && msg.contains("chmod 600"),
+            "{msg}"
+        );
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(token(&env).unwrap(), t, "the same token once private again");
+        // A symlink is not followed, even to a private file.
+        std::fs::rename(&path, d.path().join("elsewhere")).unwrap();
+        std::os::unix::fs::symlink(d.path().join("elsewhere"), &path).unwrap();
+        let e = token(&env).unwrap_err();
+        assert!(e.error.to_string().contains("not a regular file"), "{e:?}");
+    }
+
+    fn limits(connections: usize, per_peer: usize) -> Limits {
+        Limits {
+            header_read: Duration::from_millis(300),
+            body_read: Duration::from_millis(300),
+            connections,
+            per_peer,
+        }
+    }
+
+    #[test]
+    fn at_a_cap_the_oldest_connection_without_the_token_makes_room() {
+        let conns = Arc::new(Conns::default());
+        let l = limits(3, 2);
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        let (s1, _p1, e1) = conns.admit(a, &l).unwrap();
+        let (_s2, _p2, e2) = conns.admit(a, &l).unwrap();
+        // a is at its cap: its oldest unproven connection (1) goes.
+        let (_s3, _p3, e3) = conns.admit(a, &l).unwrap();
+        assert!(e1.is_cancelled() && !e2.is_cancelled());
+        drop(s1); // its task ends; the slot was already given back
+        assert_eq!(conns.len(), 2);
+        // b fills the total; then another b finds only a's connections unproven: not its own.
+        let (_s4, p4, _e4) = conns.admit(b, &l).unwrap();
+        p4.0.store(true, Ordering::Relaxed);
+        let (_s5, _p5, _e5) = conns.admit(b, &l).unwrap();
+        assert!(
+            e2.is_cancelled(),
+            "the total cap closes the oldest unproven anywhere"
+        );
+        assert!(
+            conns.admit(b, &l).is_some(),
+            "b's unproven one makes room for b"
+        );
+        assert!(!e3.is_cancelled());
+        // Every connection proven: refused.
+        let full = Arc::new(Conns::default());
+        let (_x, px, _) = full.admit(a, &limits(1, 1)).unwrap();
+        px.0.store(true, Ordering::Relaxed);
+        assert!(full.admit(a, &limits(1, 1)).is_none());
+    }
+
+    /// A minimal HTTP/1.1 exchange: the response's status code.
+    fn status_of(stream: &mut std::net::TcpStream, request: &[u8]) -> Option<u16> {
+        use std::io::{Read, Write};
+        stream.write_all(request).ok()?;
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 256];
+        while !got.windows(2).any(|w| w == b"\r\n") {
+            let n = stream.read(&mut buf).ok()?;
+            if n == 0 {
+                return None;
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&got)
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    }
+
+    /// Whether the server closes `stream` within `within` (reads give EOF or a reset).
+    fn closed_within(stream: &mut std::net::TcpStream, within: Duration) -> bool {
+        use std::io::Read;
+        let deadline = std::time::Instant::now() + within;
+        let mut buf = [0u8; 1024];
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            stream.set_read_timeout(Some(left)).unwrap();
+            match stream.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(_) => return true,
+            }
+        }
+    }
+
+    fn initialize(addr: SocketAddr, auth: &str) -> Vec<u8> {
+        let body = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-03-26","capabilities":{},"clientInfo":{"name":"t","version":"1"}}}"#;
+        format!(
+            "POST /mcp HTTP/1.1\r\nHost: {addr}\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\nAccept: application/json, text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_and_slow_connections_are_closed_and_clients_still_served() {
+        let (_d, env) = home();
+        let server = HttpServer::bind(&env, "127.0.0.1:0".parse().unwrap(), vec![], false)
+            .await
+            .unwrap();
+        let addr = server.local;
+        let token = server.token.clone();
+        let stop = CancellationToken::new();
+        let run = tokio::spawn(server.run_within(limits(4, 4), stop.clone()));
+        let check = tokio::task::spawn_blocking(move || {
+            // More idle connections than the caps allow.
+            let mut idle: Vec<std::net::TcpStream> = (0..12)
+                .map(|_| std::net::TcpStream::connect(addr).unwrap())
+                .collect();
+            // A slow client: headers a byte at a time, never finished.
+            let mut slow = std::net::TcpStream::connect(addr).unwrap();
+            // The token holder is served meanwhile, with either spelling of the scheme.
+            for scheme in ["Bearer", "bearer"] {
+                let mut c = std::net::TcpStream::connect(addr).unwrap();
+                assert_eq!(
+                    status_of(&mut c, &initialize(addr, &format!("{scheme} {token}"))),
+                    Some(200),
+                    "{scheme}"
+                );
+            }
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            assert_eq!(
+                status_of(&mut c, &initialize(addr, "Bearer wrong")),
+                Some(401)
+            );
+            // Without the token, a body that never finishes arriving is not waited for.
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            let head =
+                format!("POST /mcp HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 1000000\r\n\r\n{{");
+            assert_eq!(status_of(&mut c, head.as_bytes()), Some(401));
+            assert!(
+                closed_within(&mut c, Duration::from_secs(3)),
+                "a refused request's slow body held the connection"
+            );
+            // With it, a body that does not arrive in time gets 408.
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            let head = format!(
+                "POST /mcp HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\nContent-Length: 1000\r\n\r\n{{"
+            );
+            assert_eq!(status_of(&mut c, head.as_bytes()), Some(408));
+            {
+                use std::io::Write;
+                slow.write_all(b"POST /mcp HTTP/1.1\r\nHost: x\r\n")
+                    .unwrap();
+                let t0 = std::time::Instant::now();
+                let mut closed = false;
+                while t0.elapsed() < Duration::from_secs(5) {
+                    if slow.write_all(b"X").is_err() {
+                        closed = true;
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                assert!(closed || closed_within(&mut slow, Duration::from_secs(1)));
+            }
+            for s in idle.iter_mut() {
+                assert!(
+                    closed_within(s, Duration::from_secs(5)),
+                    "an idle socket stayed open"
+                );
+            }
+        });
+        let r = check.await;
+        stop.cancel();
+        run.await.unwrap().unwrap();
+        r.unwrap();
     }
 
     #[test]

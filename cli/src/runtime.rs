@@ -16,6 +16,26 @@ use crate::exit::{CliError, CliResult};
 /// The store lock the controllers lead under.
 pub const LOCK: &str = "boxery-controllers";
 
+/// `serve --inventory-every`: 1 s (a zero period would make tokio's interval panic) to 24 h.
+pub const INVENTORY_EVERY: (Duration, Duration) =
+    (Duration::from_secs(1), Duration::from_secs(24 * 3600));
+
+/// `serve --lease`, the leader lease: 1 s to 5 min. It is renewed every third of itself, and
+/// a standby takes over within 4/3 of it after the leader dies: longer leaves the store
+/// unled too long after a crash, and a huge one would overflow the renewal arithmetic.
+pub const LEASE: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(300));
+
+/// The value parser of `serve --inventory-every`.
+pub fn inventory_every_arg(s: &str) -> Result<Duration, String> {
+    crate::wait::duration_in(s, INVENTORY_EVERY.0, INVENTORY_EVERY.1)
+}
+
+/// The value parser of `serve --lease`.
+pub fn lease_arg(s: &str) -> Result<Duration, String> {
+    crate::wait::duration_in(s, LEASE.0, LEASE.1)
+}
+
+/// The controllers' shared context.
 pub fn context(
     store: &Store,
     backend: Arc<dyn Backend>,
@@ -31,7 +51,22 @@ pub fn context(
 }
 
 /// `serve`: wait to lead, run the controllers, exit when interrupted or when leadership is lost.
+/// `inventory_every` and `lease` must lie in [`INVENTORY_EVERY`] and [`LEASE`] (their value
+/// parsers check that; this refuses anything else too).
 pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> CliResult {
+    for (what, d, (min, max)) in [
+        ("--inventory-every", inventory_every, INVENTORY_EVERY),
+        ("--lease", lease, LEASE),
+    ] {
+        if d < min || d > max {
+            return Err(CliError::invalid(format!(
+                "{what} {} is out of range: use {} to {}",
+                humantime::format_duration(d),
+                humantime::format_duration(min),
+                humantime::format_duration(max)
+            )));
+        }
+    }
     let store = env.store()?;
     let backend = env.backend_for(&store)?;
     let me = this_process();
@@ -290,4 +325,24 @@ pub async fn force_delete(env: &Env, store: &Store, kind: &str, name: &str) -> C
     Err(crate::commands::conflict(format!(
         "{kind} {name} kept changing; try again"
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serve_durations_are_bounded() {
+        assert_eq!(inventory_every_arg("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(lease_arg("4s"), Ok(Duration::from_secs(4)));
+        assert!(
+            inventory_every_arg("0s")
+                .unwrap_err()
+                .contains("use 1s to 1day")
+        );
+        assert!(inventory_every_arg("18446744073709551615s").is_err());
+        assert!(lease_arg("0s").unwrap_err().contains("use 1s to 5m"));
+        assert!(lease_arg("500ms").is_err());
+        assert!(lease_arg("1h").is_err());
+    }
 }

@@ -15,6 +15,41 @@ use crate::env::Env;
 use crate::exit::{CliError, CliResult, Code};
 use crate::runtime::Started;
 
+/// The longest any wait may last (`--timeout` on `wait`, `--wait` and `jobs wait`): 7 days.
+/// Longer values are refused when parsed; [`wait_all`] clamps what other callers pass.
+pub const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// A duration argument within `min..=max`, or a message saying the range. humantime's parser
+/// alone accepts `18446744073709551615s`, which overflows the first `Instant + timeout`.
+pub fn duration_in(s: &str, min: Duration, max: Duration) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s.trim())
+        .map_err(|e| format!("`{s}` is not a duration ({e}): write e.g. 90s, 5m or 2h"))?;
+    if d < min || d > max {
+        return Err(format!(
+            "{} is out of range: use {} to {}",
+            humantime::format_duration(d),
+            humantime::format_duration(min),
+            humantime::format_duration(max)
+        ));
+    }
+    Ok(d)
+}
+
+/// The value parser of every `--timeout`: 0s to [`MAX_WAIT`].
+pub fn timeout_arg(s: &str) -> Result<Duration, String> {
+    duration_in(s, Duration::ZERO, MAX_WAIT)
+}
+
+/// The value parser of `jobs wait --timeout`: 0s to the tools' longest wait (30 minutes),
+/// which `vm_jobs` would otherwise cut it to without a word.
+pub fn tool_timeout_arg(s: &str) -> Result<Duration, String> {
+    duration_in(
+        s,
+        Duration::ZERO,
+        Duration::from_secs(crate::tools::MAX_WAIT_SECS),
+    )
+}
+
 /// What to wait for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Until {
@@ -107,9 +142,10 @@ pub fn describe_state(obj: Option<&DynObject>) -> String {
     format!("it is {word}{ready}")
 }
 
-/// Wait until every `(kind, name)` satisfies `until`, or `timeout` passes. Runs the controllers
-/// in-process whenever nothing else leads the store: at the start, and later if the control
-/// plane that led goes away (a `serve` that exited), so a wait never outlives its controllers.
+/// Wait until every `(kind, name)` satisfies `until`, or `timeout` (at most [`MAX_WAIT`]: a
+/// longer one is cut to it) passes. Runs the controllers in-process whenever nothing else
+/// leads the store: at the start, and later if the control plane that led goes away (a
+/// `serve` that exited), so a wait never outlives its controllers.
 pub async fn wait_all(
     env: &Env,
     targets: &[(String, String)],
@@ -117,6 +153,7 @@ pub async fn wait_all(
     timeout: Duration,
     quiet: bool,
 ) -> CliResult {
+    let timeout = timeout.min(MAX_WAIT);
     let store = env.store()?;
     let mut said_unreachable = false;
     let mut embedded = lead_if_needed(env, &store, &mut said_unreachable, false).await?;
@@ -182,7 +219,10 @@ async fn wait_inner(
     timeout: Duration,
     quiet: bool,
 ) -> CliResult {
-    let deadline = Instant::now() + timeout;
+    // Never `Instant + timeout` unchecked: a huge timeout would panic.
+    let deadline = Instant::now()
+        .checked_add(timeout.min(MAX_WAIT))
+        .ok_or_else(|| CliError::invalid("the timeout is too long"))?;
     let from = store.revision()?;
     let mut pending: Vec<(String, String)> = Vec::new();
     for (kind, name) in targets {
@@ -305,5 +345,28 @@ fn describe_until(u: &Until) -> String {
         Until::Deleted => "deletion".into(),
         Until::Condition(t, s) => format!("condition {t}={s}"),
         Until::JsonPath(p, v) => format!("{p} to be {v}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_are_bounded_when_parsed() {
+        assert_eq!(timeout_arg("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(timeout_arg("0s"), Ok(Duration::ZERO));
+        assert_eq!(timeout_arg("7days"), Ok(MAX_WAIT));
+        for bad in ["18446744073709551615s", "8days", "1000000000y"] {
+            let e = timeout_arg(bad).unwrap_err();
+            assert!(e.contains("out of range: use 0s to 7days"), "{bad}: {e}");
+        }
+        assert!(timeout_arg("soon").unwrap_err().contains("not a duration"));
+        assert_eq!(tool_timeout_arg("30m"), Ok(Duration::from_secs(1800)));
+        assert!(
+            tool_timeout_arg("31m")
+                .unwrap_err()
+                .contains("use 0s to 30m")
+        );
     }
 }
