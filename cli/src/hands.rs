@@ -48,18 +48,23 @@ fn prepare(env: &Env, store: &Store, vm: &str) -> CliResult<Reach> {
     if Target::of(&v).is_none() {
         let why = match v.status.phase {
             VmPhase::Stopped => "it is stopped: `boxery start NAME --wait`".to_string(),
+            // status text comes from controllers and backends, some of it from the guest
             p => format!(
                 "it is {} ({}): wait for it with `boxery wait vm {vm} --for=condition=Ready`",
-                v.status
-                    .printable_status
-                    .clone()
-                    .unwrap_or_else(|| format!("{p:?}")),
-                v.status
-                    .conditions
-                    .iter()
-                    .find(|c| c.type_ == "Ready")
-                    .map(|c| c.message.clone())
-                    .unwrap_or_default()
+                crate::output::safe(
+                    &v.status
+                        .printable_status
+                        .clone()
+                        .unwrap_or_else(|| format!("{p:?}"))
+                ),
+                crate::output::safe(
+                    &v.status
+                        .conditions
+                        .iter()
+                        .find(|c| c.type_ == "Ready")
+                        .map(|c| c.message.clone())
+                        .unwrap_or_default()
+                )
             ),
         };
         return Err(CliError::new(
