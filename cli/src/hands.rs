@@ -626,7 +626,7 @@ mod tests {
     }
 
     /// What a local directory holds, as sorted `path` / `dir/` / `link -> target` lines.
-    fn tree(root: &Path) -> Vec<String> {
+    pub(super) fn tree(root: &Path) -> Vec<String> {
         let mut out = Vec::new();
         let mut stack = vec![root.to_path_buf()];
         while let Some(d) = stack.pop() {

@@ -376,6 +376,7 @@ pub fn filter(r: impl Read, top: Top, w: impl Write) -> Result<Kind, UnpackError
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hands::tests::tree;
     use std::process::Command;
 
     /// A tar archive made by GNU tar (`tar -C dir -cf - ARGS…`).
@@ -413,29 +414,6 @@ mod tests {
             b.append(&h, data.as_bytes()).unwrap();
         }
         b.into_inner().unwrap()
-    }
-
-    fn tree(root: &Path) -> Vec<String> {
-        let mut out = Vec::new();
-        let mut stack = vec![root.to_path_buf()];
-        while let Some(d) = stack.pop() {
-            for e in std::fs::read_dir(&d).unwrap() {
-                let e = e.unwrap();
-                let rel = e.path().strip_prefix(root).unwrap().display().to_string();
-                let t = e.file_type().unwrap();
-                if t.is_symlink() {
-                    let to = std::fs::read_link(e.path()).unwrap();
-                    out.push(format!("{rel} -> {}", to.display()));
-                } else if t.is_dir() {
-                    out.push(format!("{rel}/"));
-                    stack.push(e.path());
-                } else {
-                    out.push(rel);
-                }
-            }
-        }
-        out.sort();
-        out
     }
 
     /// A real GNU tar archive of a directory (nested dirs, a relative link inside, a hard
