@@ -3,6 +3,7 @@
 use std::io::Write;
 use std::time::Duration;
 
+use boxery_api::name::shown;
 use boxery_api::{DynObject, KindInfo, Selector, lookup_kind};
 use boxery_store::{ApplyAction, ApplyOptions, DeleteOutcome, LAST_APPLIED, WatchEvent};
 use futures::StreamExt;
@@ -21,7 +22,8 @@ pub fn kind(name: &str) -> CliResult<&'static KindInfo> {
             .map(|k| format!("{} ({})", k.plural, k.short_names.join(", ")))
             .collect();
         CliError::invalid(format!(
-            "unknown kind `{name}`: use one of {}",
+            "unknown kind `{}`: use one of {}",
+            shown(name),
             known.join("; ")
         ))
     })
@@ -205,8 +207,10 @@ pub async fn get(
                         format!("known: {}", known.join(", "))
                     };
                     return Err(CliError::not_found(format!(
-                        "{} {n} not found ({hint})",
-                        info.kind
+                        "{} {} not found ({})",
+                        info.kind,
+                        shown(n),
+                        output::safe(&hint)
                     )));
                 }
             }
@@ -252,14 +256,19 @@ pub async fn get(
     Ok(())
 }
 
-/// `describe`.
+/// `describe`. Every value shown comes from the store, which agents write: each goes through
+/// [`output::safe`] (in `indent_table` for the tables), so no control character reaches the
+/// terminal.
 pub fn describe(env: &Env, kind_name: &str, name: &str) -> CliResult {
+    use output::safe;
     let info = kind(kind_name)?;
     let store = env.store()?;
     let obj = store.get(info.kind, name)?.ok_or_else(|| {
         CliError::not_found(format!(
-            "{} {name} not found: `boxery get {}` lists them",
-            info.kind, info.plural
+            "{} {} not found: `boxery get {}` lists them",
+            info.kind,
+            shown(name),
+            info.plural
         ))
     })?;
     let v = output::display_value(&obj);
@@ -267,25 +276,28 @@ pub fn describe(env: &Env, kind_name: &str, name: &str) -> CliResult {
     let m = &obj.metadata;
     out.push_str(&format!(
         "Name:         {}\nKind:         {}\n",
-        m.name, obj.kind
+        safe(&m.name),
+        safe(&obj.kind)
     ));
     if !m.labels.is_empty() {
         out.push_str(&format!(
             "Labels:       {}\n",
-            m.labels
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect::<Vec<_>>()
-                .join(",")
+            safe(
+                &m.labels
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            )
         ));
     }
     out.push_str(&format!(
         "UID:          {}\n",
-        m.uid.as_deref().unwrap_or("")
+        safe(m.uid.as_deref().unwrap_or(""))
     ));
     out.push_str(&format!(
         "Created:      {} ({} ago)\n",
-        v["metadata"]["creationTimestamp"].as_str().unwrap_or(""),
+        safe(v["metadata"]["creationTimestamp"].as_str().unwrap_or("")),
         output::age(&v["metadata"]["creationTimestamp"])
     ));
     out.push_str(&format!(
@@ -298,24 +310,25 @@ pub fn describe(env: &Env, kind_name: &str, name: &str) -> CliResult {
     ));
     if let Some(d) = &m.deletion_timestamp {
         out.push_str(&format!(
-            "Deleting:     since {d} (finalizers: {})\n",
-            m.finalizers.join(", ")
+            "Deleting:     since {} (finalizers: {})\n",
+            safe(&d.to_string()),
+            safe(&m.finalizers.join(", "))
         ));
     }
     for o in &m.owner_references {
         out.push_str(&format!(
             "Owned by:     {}/{}\n",
-            o.kind.to_lowercase(),
-            o.name
+            safe(&o.kind.to_lowercase()),
+            safe(&o.name)
         ));
     }
     if let Some(st) = obj.status()["printableStatus"].as_str() {
-        out.push_str(&format!("Status:       {st}\n"));
+        out.push_str(&format!("Status:       {}\n", safe(st)));
     }
     if let Some(spec) = obj.rest.get("spec") {
         out.push_str("Spec:\n");
         for line in output::to_yaml(spec)?.lines() {
-            out.push_str(&format!("  {line}\n"));
+            out.push_str(&format!("  {}\n", safe(line)));
         }
     }
     let status = obj.status().clone();
@@ -327,25 +340,25 @@ pub fn describe(env: &Env, kind_name: &str, name: &str) -> CliResult {
         if !rest.is_empty() {
             out.push_str("Observed:\n");
             for line in output::to_yaml(&Value::Object(rest))?.lines() {
-                out.push_str(&format!("  {line}\n"));
+                out.push_str(&format!("  {}\n", safe(line)));
             }
         }
     }
+    let text = |v: &Value| v.as_str().unwrap_or("").to_string();
     if let Some(conds) = status["conditions"].as_array() {
-        out.push_str("Conditions:\n  TYPE   STATUS   REASON   AGE   MESSAGE\n");
+        out.push_str("Conditions:\n");
         let rows: Vec<Vec<String>> = conds
             .iter()
             .map(|c| {
                 vec![
-                    c["type"].as_str().unwrap_or("").to_string(),
-                    c["status"].as_str().unwrap_or("").to_string(),
-                    c["reason"].as_str().unwrap_or("").to_string(),
+                    text(&c["type"]),
+                    text(&c["status"]),
+                    text(&c["reason"]),
                     output::age(&c["lastTransitionTime"]),
-                    c["message"].as_str().unwrap_or("").to_string(),
+                    text(&c["message"]),
                 ]
             })
             .collect();
-        out.truncate(out.len() - "  TYPE   STATUS   REASON   AGE   MESSAGE\n".len());
         out.push_str(&indent_table(
             &["TYPE", "STATUS", "REASON", "AGE", "MESSAGE"],
             &rows,
@@ -360,11 +373,11 @@ pub fn describe(env: &Env, kind_name: &str, name: &str) -> CliResult {
             .iter()
             .map(|e| {
                 vec![
-                    e.rest["type"].as_str().unwrap_or("").to_string(),
-                    e.rest["reason"].as_str().unwrap_or("").to_string(),
+                    text(&e.rest["type"]),
+                    text(&e.rest["reason"]),
                     output::age(&e.rest["lastTimestamp"]),
                     e.rest["count"].to_string(),
-                    e.rest["message"].as_str().unwrap_or("").to_string(),
+                    text(&e.rest["message"]),
                 ]
             })
             .collect();
@@ -377,9 +390,14 @@ pub fn describe(env: &Env, kind_name: &str, name: &str) -> CliResult {
     Ok(())
 }
 
+/// Rows under headers, indented, aligned; every cell made [`output::safe`] first.
 fn indent_table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| r.iter().map(|c| output::safe(c).into_owned()).collect())
+        .collect();
     let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
-    for r in rows {
+    for r in &rows {
         for (i, c) in r.iter().enumerate() {
             widths[i] = widths[i].max(c.chars().count());
         }
@@ -398,7 +416,7 @@ fn indent_table(headers: &[&str], rows: &[Vec<String>]) -> String {
     };
     out.push_str(&line(headers.iter().map(|h| h.to_string()).collect()));
     for r in rows {
-        out.push_str(&line(r.clone()));
+        out.push_str(&line(r));
     }
     out
 }
@@ -537,8 +555,9 @@ pub fn explain(path: &str) -> CliResult {
                 .map(|m| m.keys().cloned().collect())
                 .unwrap_or_default();
             return Err(CliError::not_found(format!(
-                "{} has no field `{p}`{}",
+                "{} has no field `{}`{}",
                 walked.join("."),
+                shown(p),
                 if fields.is_empty() {
                     String::new()
                 } else {

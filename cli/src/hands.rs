@@ -11,6 +11,10 @@ use boxery_store::Store;
 
 use crate::env::Env;
 use crate::exit::{CliError, CliResult, Code};
+use crate::tools::exec::qpath;
+
+mod unpack;
+pub(crate) use unpack::{Kind, Top, UnpackError, filter};
 
 /// Quote one word for the remote shell.
 pub fn shell_quote(s: &str) -> String {
@@ -44,18 +48,23 @@ fn prepare(env: &Env, store: &Store, vm: &str) -> CliResult<Reach> {
     if Target::of(&v).is_none() {
         let why = match v.status.phase {
             VmPhase::Stopped => "it is stopped: `boxery start NAME --wait`".to_string(),
+            // status text comes from controllers and backends, some of it from the guest
             p => format!(
                 "it is {} ({}): wait for it with `boxery wait vm {vm} --for=condition=Ready`",
-                v.status
-                    .printable_status
-                    .clone()
-                    .unwrap_or_else(|| format!("{p:?}")),
-                v.status
-                    .conditions
-                    .iter()
-                    .find(|c| c.type_ == "Ready")
-                    .map(|c| c.message.clone())
-                    .unwrap_or_default()
+                crate::output::safe(
+                    &v.status
+                        .printable_status
+                        .clone()
+                        .unwrap_or_else(|| format!("{p:?}"))
+                ),
+                crate::output::safe(
+                    &v.status
+                        .conditions
+                        .iter()
+                        .find(|c| c.type_ == "Ready")
+                        .map(|c| c.message.clone())
+                        .unwrap_or_default()
+                )
             ),
         };
         return Err(CliError::new(
@@ -227,6 +236,196 @@ impl Place {
     }
 }
 
+/// Text for a double-quoted string in a remote script, for a message the guest prints with
+/// `printf '%s\n' "…"` (never `echo`, which reads backslashes in some shells): what the shell
+/// expands there (`"`, `\`, `$`, `` ` ``) becomes `_`, control characters are escaped
+/// ([`crate::output::safe`]). The one way user text goes into a remote message.
+pub fn dquoted(text: &str) -> String {
+    crate::output::safe(&text.replace(['"', '\\', '$', '`'], "_")).into_owned()
+}
+
+/// The remote script that sends the file or directory at `path` (in the VM) as a tar stream on
+/// stdout, exit 3 when there is none; and the top-level name its archive has.
+pub(crate) fn send_script(path: &str) -> (String, Top) {
+    let p = Path::new(path);
+    let base = if path == "~" {
+        None
+    } else {
+        p.file_name().and_then(|n| n.to_str())
+    };
+    let check = format!(
+        "s={}; [ -e \"$s\" ] || [ -L \"$s\" ] || {{ printf '%s\\n' \"{}: no such file or directory\" >&2; exit 3; }}; ",
+        qpath(path),
+        dquoted(path)
+    );
+    match base {
+        Some(b) => {
+            let parent = p
+                .parent()
+                .and_then(|p| p.to_str())
+                .filter(|p| !p.is_empty())
+                .unwrap_or(".");
+            (
+                // `./NAME`: a name starting with `-` is a member, not an option
+                format!("{check}tar -C {} -cf - ./{}", qpath(parent), shell_quote(b)),
+                Top::Name(b.to_string()),
+            )
+        }
+        None => (format!("{check}tar -C \"$s\" -cf - ."), Top::Dot),
+    }
+}
+
+/// The remote script that receives a [`unpack::filter`]ed archive (top [`unpack::TOP`]) on
+/// stdin and puts it at `path` in the VM with the rules of [`Landing`]: through a fresh
+/// directory beside it, a file at PATH or PATH/NAME, a directory only where nothing is; and
+/// nothing at all unless the archive ends with [`unpack::DONE`].
+pub(crate) fn receive_script(path: &str, top: &Top, shown: &str) -> String {
+    let shown = dquoted(shown);
+    let into = match top {
+        Top::Name(n) => format!("\"$d\"/{}", shell_quote(n)),
+        Top::Dot => "\"$d\"".into(),
+    };
+    format!(
+        "d={d}; if [ -d \"$d\" ]; then p=\"$d\"; f={into}; else p=$(dirname \"$d\"); f=\"$d\"; fi; \
+         mkdir -p \"$p\" || exit 1; t=$(mktemp -d \"$p/.boxery-cp.XXXXXX\") || exit 1; \
+         if tar -C \"$t\" -xf - && [ -f \"$t/{done}\" ]; then \
+           if [ -d \"$t/{top}\" ]; then \
+             if [ -e \"$d\" ] || [ -L \"$d\" ]; then printf '%s\\n' \"{shown} exists: a directory is copied to a new path, never into an existing one\" >&2; rc=5; \
+             else mv \"$t/{top}\" \"$d\"; rc=$?; fi; \
+           elif [ -d \"$f\" ]; then printf '%s\\n' \"{shown}: a directory is in the way of the file\" >&2; rc=5; \
+           else mv -f \"$t/{top}\" \"$f\"; rc=$?; fi; \
+         else rc=1; fi; rm -rf \"$t\"; exit $rc",
+        d = qpath(path),
+        top = unpack::TOP,
+        done = unpack::DONE,
+    )
+}
+
+/// Copy a VM's stderr (ssh's and the remote script's) to ours, one line at a time, escaped:
+/// a guest cannot write escape sequences to the terminal through `cp`.
+fn relay_stderr(from: Option<std::process::ChildStderr>) -> Option<std::thread::JoinHandle<()>> {
+    use std::io::{BufRead, Read};
+    let from = from?;
+    Some(std::thread::spawn(move || {
+        let mut r = std::io::BufReader::new(from);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match (&mut r).take(64 << 10).read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {
+                    let text = String::from_utf8_lossy(&line);
+                    eprintln!("{}", crate::output::safe(text.trim_end_matches('\n')));
+                }
+            }
+        }
+    }))
+}
+
+/// Read what is left of a stream after its tar archive (the padding to a record), up to
+/// 1 MiB; false when there is more (the guest sent something else too).
+pub(crate) fn drain<R: std::io::Read>(r: &mut R) -> bool {
+    let mut rest = <&mut R as std::io::Read>::take(r, (1 << 20) + 1);
+    matches!(std::io::copy(&mut rest, &mut std::io::sink()), Ok(n) if n <= 1 << 20)
+}
+
+/// A copy from a VM arriving at a local path `dst`. The archive is unpacked into a fresh
+/// staging directory beside where the copy lands (same filesystem), checked member by member
+/// ([`unpack`]), then renamed into place:
+/// - a file lands at DST, or at DST/NAME when DST is a directory (replacing a file there, as
+///   `cp` does; never a directory);
+/// - a directory lands at DST, which must not exist: it is never merged into an existing
+///   directory (so a guest asked for `report.txt` that sends a directory holding `.bashrc`
+///   instead writes nothing into an existing DST, and only DST itself when it is new).
+///
+/// Parent directories of DST are made.
+#[derive(Debug)]
+pub(crate) struct Landing {
+    dst: PathBuf,
+    top: Top,
+    into_dir: bool,
+    staging: tempfile::TempDir,
+}
+
+impl Landing {
+    /// Make the staging directory for a copy whose archive has `top`, to land at `dst`.
+    pub(crate) fn new(dst: &Path, top: Top) -> CliResult<Landing> {
+        let into_dir = dst.is_dir();
+        let beside = if into_dir {
+            dst.to_path_buf()
+        } else {
+            dst.parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."))
+                .to_path_buf()
+        };
+        let shown = crate::output::safe(&beside.to_string_lossy()).into_owned();
+        std::fs::create_dir_all(&beside)
+            .map_err(|e| CliError::failed(format!("cannot make {shown}: {e}")))?;
+        let staging = tempfile::Builder::new()
+            .prefix(".boxery-cp.")
+            .tempdir_in(&beside)
+            .map_err(|e| CliError::failed(format!("cannot write in {shown}: {e}")))?;
+        Ok(Landing {
+            dst: dst.to_path_buf(),
+            top,
+            into_dir,
+            staging,
+        })
+    }
+
+    /// Unpack the archive read from `r` into the staging directory.
+    pub(crate) fn unpack(&self, r: impl std::io::Read) -> Result<Kind, UnpackError> {
+        unpack::unpack(r, self.top.clone(), self.staging.path())
+    }
+
+    /// Rename the unpacked copy into place; returns where it landed. The staging directory
+    /// goes, whatever happens.
+    pub(crate) fn place(self, kind: Kind) -> CliResult<PathBuf> {
+        let from = self.staging.path().join(unpack::TOP);
+        let shown = |p: &Path| crate::output::safe(&p.to_string_lossy()).into_owned();
+        let to = match (kind, self.into_dir, &self.top) {
+            (Kind::File, true, Top::Name(n)) => self.dst.join(n),
+            (Kind::File, true, Top::Dot) | (Kind::Dir, true, _) => {
+                return Err(CliError::new(
+                    Code::Conflict,
+                    anyhow::anyhow!(
+                        "{} exists: a directory from a VM is copied to a new path, never into an existing directory (name one that does not exist, e.g. {})",
+                        shown(&self.dst),
+                        shown(&self.dst.join(match &self.top {
+                            Top::Name(n) => n.as_str(),
+                            Top::Dot => "copy",
+                        }))
+                    ),
+                ));
+            }
+            (_, false, _) => self.dst.clone(),
+        };
+        match (kind, to.symlink_metadata()) {
+            (Kind::Dir, Ok(_)) => {
+                return Err(CliError::new(
+                    Code::Conflict,
+                    anyhow::anyhow!(
+                        "{} exists: a directory from a VM is copied to a new path, never over another file",
+                        shown(&to)
+                    ),
+                ));
+            }
+            (Kind::File, Ok(m)) if m.is_dir() => {
+                return Err(CliError::new(
+                    Code::Conflict,
+                    anyhow::anyhow!("{} is a directory: name the file to write", shown(&to)),
+                ));
+            }
+            _ => {}
+        }
+        // rename(2): replaces a file (or a symlink itself) at `to`, never follows one
+        std::fs::rename(&from, &to)
+            .map_err(|e| CliError::failed(format!("cannot write {}: {e}", shown(&to))))?;
+        Ok(to)
+    }
+}
+
 /// `boxery cp SRC DST`: local ⇄ VM, files or directories, streamed through tar over ssh.
 pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
     let store = env.store()?;
@@ -234,8 +433,8 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
         (Place::Local(l), Place::Vm(vm, path)) => {
             let ssh = prepare(env, &store, &vm)?;
             let lp = Path::new(&l);
-            let meta =
-                std::fs::metadata(lp).map_err(|e| CliError::not_found(format!("{l}: {e}")))?;
+            let meta = std::fs::metadata(lp)
+                .map_err(|e| CliError::not_found(format!("{}: {e}", crate::output::safe(&l))))?;
             let (dir, name) = if meta.is_dir() {
                 (lp.to_path_buf(), ".".to_string())
             } else {
@@ -250,9 +449,9 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
                         .to_string(),
                 )
             };
-            // A directory goes to PATH (made if needed); a file goes to PATH, or into PATH when
-            // PATH is a directory.
-            let q = shell_quote(&path);
+            // A directory's contents go to PATH (made if needed); a file goes to PATH, or into
+            // PATH when PATH is a directory.
+            let q = qpath(&path);
             let remote = if meta.is_dir() {
                 format!("mkdir -p {q} && tar -C {q} -xf -")
             } else {
@@ -261,27 +460,34 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
                     "set -e; if [ -d {q} ]; then tar -C {q} -xf -; else d=$(dirname {q}); mkdir -p \"$d\"; t=$(mktemp -d \"$d/.boxery-cp.XXXXXX\"); tar -C \"$t\" -xf -; mv -f \"$t\"/{n} {q}; rmdir \"$t\"; fi"
                 )
             };
-            let mut tar = std::process::Command::new("tar")
-                .arg("-C")
-                .arg(&dir)
-                .args(["-cf", "-", &name])
+            let mut tar = pack_command(&dir, &name)
                 .stdout(Stdio::piped())
                 .spawn()
                 .map_err(|e| CliError::failed(format!("cannot run tar: {e}")))?;
             let out = tar.stdout.take().expect("piped");
-            let status = ssh
+            let mut sshc = ssh
                 .std_command()
                 .args(["-T", "-o", "BatchMode=yes", "--", &remote])
                 .stdin(out)
-                .status()
+                .stderr(Stdio::piped())
+                .spawn()
                 .map_err(|e| CliError::failed(format!("cannot run ssh: {e}")))?;
+            let relay = relay_stderr(sshc.stderr.take());
+            let status = sshc.wait()?;
+            if let Some(r) = relay {
+                let _ = r.join();
+            }
             let tar_status = tar.wait()?;
             if !tar_status.success() {
-                return Err(CliError::failed(format!("reading {l} failed")));
+                return Err(CliError::failed(format!(
+                    "reading {} failed",
+                    crate::output::safe(&l)
+                )));
             }
             if !status.success() {
                 return Err(CliError::failed(format!(
-                    "writing {vm}:{path} failed (ssh exit {:?})",
+                    "writing {vm}:{} failed (ssh exit {:?})",
+                    crate::output::safe(&path),
                     status.code()
                 )));
             }
@@ -289,94 +495,45 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
         }
         (Place::Vm(vm, path), Place::Local(l)) => {
             let ssh = prepare(env, &store, &vm)?;
-            let q = shell_quote(&path);
-            let lp = Path::new(&l);
-            // Directories copy their contents into L (made if needed); a file lands at L, or
-            // inside L when L is a directory.
-            let is_dir = ssh
-                .std_command()
-                .args(["-T", "-o", "BatchMode=yes", "--", &format!("test -d {q}")])
-                .status()
-                .map_err(|e| CliError::failed(format!("cannot run ssh: {e}")))?
-                .success();
-            let (remote, target_dir, rename) = if is_dir {
-                std::fs::create_dir_all(lp)?;
-                (format!("tar -C {q} -cf - ."), lp.to_path_buf(), None)
-            } else {
-                let base = Path::new(&path)
-                    .file_name()
-                    .and_then(|n| n.to_str())
-                    .unwrap_or("file")
-                    .to_string();
-                let parent = shell_quote(
-                    Path::new(&path)
-                        .parent()
-                        .and_then(|p| p.to_str())
-                        .filter(|p| !p.is_empty())
-                        .unwrap_or("."),
-                );
-                let remote = format!(
-                    "test -e {q} || {{ echo \"{path}: no such file\" >&2; exit 3; }}; tar -C {parent} -cf - {}",
-                    shell_quote(&base)
-                );
-                if lp.is_dir() {
-                    (remote, lp.to_path_buf(), None)
-                } else {
-                    let dir = lp
-                        .parent()
-                        .filter(|p| !p.as_os_str().is_empty())
-                        .unwrap_or(Path::new("."))
-                        .to_path_buf();
-                    (
-                        remote,
-                        dir.clone(),
-                        Some((dir.join(&base), lp.to_path_buf())),
-                    )
-                }
-            };
-            let tmp = match &rename {
-                Some(_) => tempfile::Builder::new()
-                    .prefix(".boxery-cp.")
-                    .tempdir_in(&target_dir)?,
-                None => tempfile::tempdir()?,
-            };
-            let extract_into = if rename.is_some() {
-                tmp.path().to_path_buf()
-            } else {
-                target_dir.clone()
-            };
+            let (remote, top) = send_script(&path);
+            let shown = format!("{vm}:{}", crate::output::safe(&path));
+            let landing = Landing::new(Path::new(&l), top)?;
             let mut sshc = ssh
                 .std_command()
                 .args(["-T", "-o", "BatchMode=yes", "--", &remote])
                 .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
                 .spawn()
                 .map_err(|e| CliError::failed(format!("cannot run ssh: {e}")))?;
-            let out = sshc.stdout.take().expect("piped");
-            let tar_status = std::process::Command::new("tar")
-                .arg("-C")
-                .arg(&extract_into)
-                .args(["-xf", "-"])
-                .stdin(out)
-                .status()
-                .map_err(|e| CliError::failed(format!("cannot run tar: {e}")))?;
+            let relay = relay_stderr(sshc.stderr.take());
+            let mut out = sshc.stdout.take().expect("piped");
+            let unpacked = landing.unpack(&mut out);
+            if unpacked.is_err() || !drain(&mut out) {
+                let _ = sshc.kill();
+            }
+            drop(out);
             let status = sshc.wait()?;
+            if let Some(r) = relay {
+                let _ = r.join();
+            }
+            if status.code() == Some(3) {
+                return Err(CliError::not_found(format!(
+                    "{shown}: no such file or directory in the VM"
+                )));
+            }
+            let kind = unpacked.map_err(|e| {
+                CliError::new(
+                    Code::Failed,
+                    anyhow::Error::new(e).context(format!("copying {shown}")),
+                )
+            })?;
             if !status.success() {
-                return Err(CliError::new(
-                    if status.code() == Some(3) {
-                        Code::NotFound
-                    } else {
-                        Code::Failed
-                    },
-                    anyhow::anyhow!("reading {vm}:{path} failed (ssh exit {:?})", status.code()),
-                ));
+                return Err(CliError::failed(format!(
+                    "reading {shown} failed (ssh exit {:?}): nothing was copied",
+                    status.code()
+                )));
             }
-            if !tar_status.success() {
-                return Err(CliError::failed(format!("writing {l} failed")));
-            }
-            if let Some((from, to)) = rename {
-                let name = from.file_name().expect("a file name").to_owned();
-                std::fs::rename(tmp.path().join(name), &to)?;
-            }
+            landing.place(kind)?;
             Ok(ExitCode::SUCCESS)
         }
         (Place::Vm(..), Place::Vm(..)) => Err(CliError::invalid(
@@ -386,6 +543,19 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
             "one side must be a VM: write VM:PATH (e.g. dev1:/home/agent/file)",
         )),
     }
+}
+
+/// `tar -C DIR -cf - ./NAME` (`.` for a directory's contents): `./` so that a name starting
+/// with `-` is a member, never an option.
+fn pack_command(dir: &Path, name: &str) -> std::process::Command {
+    let mut c = std::process::Command::new("tar");
+    c.arg("-C").arg(dir).args(["-cf", "-"]);
+    if name == "." {
+        c.arg(".");
+    } else {
+        c.arg(format!("./{name}"));
+    }
+    c
 }
 
 #[cfg(test)]
@@ -435,6 +605,267 @@ mod tests {
         let other = args(Some(home.path().join("leases/l2/id_ed25519")));
         assert_ne!(other[3], leased[3], "two leases share a ControlMaster");
         assert_eq!(&leased[4..], &plain[..]);
+    }
+
+    /// Run a remote script the way a guest does (`sh -c`, in its home), with `stdin`.
+    fn guest(script: &str, home: &Path, stdin: &[u8]) -> std::process::Output {
+        use std::io::Write;
+        let mut c = std::process::Command::new("sh")
+            .env("HOME", home)
+            .current_dir(home)
+            .args(["-c", script])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut w = c.stdin.take().unwrap();
+        let _ = w.write_all(stdin);
+        drop(w);
+        c.wait_with_output().unwrap()
+    }
+
+    /// What a local directory holds, as sorted `path` / `dir/` / `link -> target` lines.
+    pub(super) fn tree(root: &Path) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut stack = vec![root.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let e = e.unwrap();
+                let rel = e.path().strip_prefix(root).unwrap().display().to_string();
+                let t = e.file_type().unwrap();
+                if t.is_symlink() {
+                    out.push(format!(
+                        "{rel} -> {}",
+                        std::fs::read_link(e.path()).unwrap().display()
+                    ));
+                } else if t.is_dir() {
+                    out.push(format!("{rel}/"));
+                    stack.push(e.path());
+                } else {
+                    out.push(rel);
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// `boxery cp VM:PATH DST` end to end without a VM: the send script runs under the local
+    /// sh as the guest would, its stream is landed by [`Landing`].
+    fn cp_from(guest_home: &Path, path: &str, dst: &Path) -> CliResult<PathBuf> {
+        let (script, top) = send_script(path);
+        let o = guest(&script, guest_home, b"");
+        if o.status.code() == Some(3) {
+            return Err(CliError::not_found(String::from_utf8_lossy(&o.stderr)));
+        }
+        assert!(o.status.success(), "{o:?}");
+        let landing = Landing::new(dst, top)?;
+        let kind = landing
+            .unpack(&o.stdout[..])
+            .map_err(|e| CliError::new(Code::Failed, e))?;
+        landing.place(kind)
+    }
+
+    /// The documented `cp` rules, from a VM: a file lands at DST or DST/NAME (replacing a
+    /// file), a directory at a new DST only; nothing is left beside them.
+    #[test]
+    fn cp_from_a_vm_follows_the_documented_rules() {
+        let vm = tempfile::tempdir().unwrap();
+        let g = vm.path();
+        std::fs::create_dir_all(g.join("proj/src")).unwrap();
+        std::fs::write(g.join("proj/src/a.rs"), "a").unwrap();
+        std::os::unix::fs::symlink("src/a.rs", g.join("proj/link")).unwrap();
+        std::fs::write(g.join("report.txt"), "report").unwrap();
+        std::fs::write(g.join("-rf"), "dash").unwrap();
+        let local = tempfile::tempdir().unwrap();
+        let l = local.path();
+
+        // a file to a new path, then over it (cp replaces a file), then into a directory
+        assert_eq!(
+            cp_from(g, "report.txt", &l.join("r.txt")).unwrap(),
+            l.join("r.txt")
+        );
+        std::fs::write(l.join("r.txt"), "old").unwrap();
+        cp_from(g, "~/report.txt", &l.join("r.txt")).unwrap();
+        assert_eq!(std::fs::read_to_string(l.join("r.txt")).unwrap(), "report");
+        std::fs::create_dir(l.join("in")).unwrap();
+        assert_eq!(
+            cp_from(g, "report.txt", &l.join("in")).unwrap(),
+            l.join("in/report.txt")
+        );
+        // a name starting with `-` is a file, not a tar option
+        cp_from(g, "-rf", &l.join("in")).unwrap();
+        assert_eq!(std::fs::read_to_string(l.join("in/-rf")).unwrap(), "dash");
+        // a directory to a new path (parents made), whole
+        cp_from(g, "proj", &l.join("new/proj2")).unwrap();
+        assert_eq!(
+            tree(&l.join("new/proj2")),
+            ["link -> src/a.rs", "src/", "src/a.rs"]
+        );
+        // the VM's home (no basename) to a new path
+        cp_from(g, "~", &l.join("home-copy")).unwrap();
+        assert!(l.join("home-copy/proj/src/a.rs").is_file());
+        // a directory is never merged into an existing one
+        let e = cp_from(g, "proj", &l.join("in")).unwrap_err();
+        assert_eq!(e.code, Code::Conflict, "{:#}", e.error);
+        let e = cp_from(g, "proj", &l.join("r.txt")).unwrap_err();
+        assert_eq!(e.code, Code::Conflict, "{:#}", e.error);
+        assert_eq!(std::fs::read_to_string(l.join("r.txt")).unwrap(), "report");
+        // missing
+        let e = cp_from(g, "nope/x", &l.join("x")).unwrap_err();
+        assert_eq!(e.code, Code::NotFound);
+        assert_eq!(
+            tree(l)
+                .iter()
+                .filter(|p| p.contains(".boxery-cp"))
+                .collect::<Vec<_>>(),
+            Vec::<&String>::new(),
+            "staging directories left behind"
+        );
+    }
+
+    /// `boxery cp dev1:/x/report.txt ~` with a compromised guest: whatever it sends instead of
+    /// report.txt (a dotfile, a directory full of them, a link out), nothing in the home
+    /// changes and nothing is left in it.
+    #[test]
+    fn a_guest_cannot_write_outside_the_copy() {
+        let home = tempfile::tempdir().unwrap();
+        let h = home.path();
+        std::fs::write(h.join(".bashrc"), "mine").unwrap();
+        let before = tree(h);
+        let vm = tempfile::tempdir().unwrap();
+        let g = vm.path();
+        // the guest makes report.txt a directory holding dotfiles and a link to the host's home
+        std::fs::create_dir_all(g.join("x/report.txt/.ssh")).unwrap();
+        std::fs::write(g.join("x/report.txt/.bashrc"), "pwned").unwrap();
+        std::fs::write(g.join("x/report.txt/.ssh/authorized_keys"), "pwned").unwrap();
+        let tar = |dir: &Path, names: &[&str]| -> Vec<u8> {
+            std::process::Command::new("tar")
+                .arg("-C")
+                .arg(dir)
+                .args(["-cf", "-"])
+                .args(names)
+                .output()
+                .unwrap()
+                .stdout
+        };
+        let land = |stream: &[u8]| -> CliResult<PathBuf> {
+            let landing = Landing::new(h, Top::Name("report.txt".into()))?;
+            let kind = landing
+                .unpack(stream)
+                .map_err(|e| CliError::new(Code::Failed, e))?;
+            landing.place(kind)
+        };
+        // a directory where a file was asked for: never merged into the existing home
+        let e = land(&tar(&g.join("x"), &["./report.txt"])).unwrap_err();
+        assert_eq!(e.code, Code::Conflict, "{:#}", e.error);
+        // the dotfiles themselves, `..`, a link out: refused
+        assert!(land(&tar(&g.join("x/report.txt"), &["./.bashrc"])).is_err());
+        assert!(land(&tar(&g.join("x/report.txt"), &["."])).is_err());
+        std::fs::create_dir_all(g.join("y/report.txt")).unwrap();
+        std::os::unix::fs::symlink(h, g.join("y/report.txt/home")).unwrap();
+        assert!(land(&tar(&g.join("y"), &["./report.txt"])).is_err());
+        assert_eq!(tree(h), before, "the home changed");
+    }
+
+    /// The remote scripts quote what they are given: a path made of shell syntax and escape
+    /// sequences is a path, and its message carries no control character.
+    #[test]
+    fn remote_scripts_quote_paths() {
+        let vm = tempfile::tempdir().unwrap();
+        let g = vm.path();
+        for path in [
+            "$(touch pwned)",
+            "`touch pwned`",
+            "\"; touch pwned; \"",
+            "'; touch pwned; '",
+            "a\u{1b}]52;c;eA==\u{7}\n$HOME",
+        ] {
+            let (script, _) = send_script(path);
+            let o = guest(&script, g, b"");
+            assert_eq!(o.status.code(), Some(3), "{path}: {o:?}");
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
+            assert_eq!(err.lines().count(), 1, "{err:?}");
+            let o = guest(&receive_script(path, &Top::Name("d".into()), path), g, b"");
+            assert!(!o.status.success());
+            assert!(!g.join("pwned").exists(), "{path}: ran");
+        }
+        assert!(tree(g).is_empty(), "{:?}", tree(g));
+    }
+
+    /// A VM to VM copy: the source's stream is filtered here and landed by the destination's
+    /// script (run under the local sh) with the same rules; a cut or refused stream lands
+    /// nothing.
+    #[test]
+    fn vm_to_vm_lands_only_whole_filtered_copies() {
+        let a = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(a.path().join("src/sub")).unwrap();
+        std::fs::write(a.path().join("src/sub/f"), "f").unwrap();
+        std::fs::write(a.path().join("file"), "file").unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let b = b.path();
+        let copy = |path: &str, dst: &str| -> (std::process::Output, Vec<u8>) {
+            let (script, top) = send_script(path);
+            let o = guest(&script, a.path(), b"");
+            let mut clean = Vec::new();
+            filter(&o.stdout[..], top.clone(), &mut clean).unwrap();
+            (guest(&receive_script(dst, &top, dst), b, &clean), clean)
+        };
+        let (o, _) = copy("src", "src2");
+        assert!(o.status.success(), "{o:?}");
+        assert_eq!(tree(&b.join("src2")), ["sub/", "sub/f"]);
+        let (o, _) = copy("src", "src2");
+        assert_eq!(
+            o.status.code(),
+            Some(5),
+            "merged into an existing directory: {o:?}"
+        );
+        assert_eq!(tree(&b.join("src2")), ["sub/", "sub/f"]);
+        let (o, _) = copy("file", "src2");
+        assert!(o.status.success(), "{o:?}");
+        assert_eq!(
+            std::fs::read_to_string(b.join("src2/file")).unwrap(),
+            "file"
+        );
+        // a stream cut short between two members (GNU tar unpacks that without a word) lands
+        // nothing: `done` is missing
+        let (_, clean) = copy("file", "other");
+        std::fs::remove_file(b.join("other")).unwrap();
+        let cut = &clean[..clean.len() - 3 * 512]; // the `done` header and the two end blocks
+        assert!(cut.len() >= 1024 && cut.len() % 512 == 0);
+        let o = guest(
+            &receive_script("other", &Top::Name("file".into()), "other"),
+            b,
+            cut,
+        );
+        assert!(!o.status.success(), "{o:?}");
+        assert!(!b.join("other").exists());
+        assert!(
+            !tree(b).iter().any(|p| p.contains(".boxery-cp")),
+            "{:?}",
+            tree(b)
+        );
+    }
+
+    /// A local file whose name starts with `-` is packed as a member, not read as an option.
+    #[test]
+    fn local_names_are_never_tar_options() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("--version"), "x").unwrap();
+        let o = pack_command(d.path(), "--version").output().unwrap();
+        assert!(o.status.success(), "{o:?}");
+        let list = std::process::Command::new("tar")
+            .args(["-tf", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut list = list;
+        std::io::Write::write_all(&mut list.stdin.take().unwrap(), &o.stdout).unwrap();
+        let names = String::from_utf8(list.wait_with_output().unwrap().stdout).unwrap();
+        assert_eq!(names.trim(), "./--version");
     }
 
     #[test]

@@ -1,7 +1,16 @@
 //! Printing objects: tables with per-kind columns, YAML, JSON, names, JSONPath.
+//!
+//! Guarantees: what is printed for a person (table cells, `-o name`, `-o jsonpath` on a
+//! terminal, `describe` and `events`) goes through [`safe`], so an object an agent wrote cannot
+//! send escape sequences to the terminal of whoever lists it. `-o json` and `-o yaml` are
+//! machine output and stay exact (both emitters escape C0 control characters themselves;
+//! tested). `-o jsonpath` piped to a program prints values as they are, for scripts.
 
-use std::io::Write;
+use std::borrow::Cow;
+use std::fmt::Write as _;
+use std::io::{IsTerminal, Write};
 
+use boxery_api::name::shown;
 use boxery_api::{DynObject, KindInfo};
 use serde_json::Value;
 
@@ -37,12 +46,47 @@ impl std::str::FromStr for Format {
                 Some(expr) => Format::JsonPath(expr.to_string()),
                 None => {
                     return Err(CliError::invalid(format!(
-                        "unknown output format `{s}`: use wide, yaml, json, name or jsonpath=EXPR"
+                        "unknown output format `{}`: use wide, yaml, json, name or jsonpath=EXPR",
+                        shown(s)
                     )));
                 }
             },
         })
     }
+}
+
+/// A character that must not reach a terminal as is: the C0 and C1 control characters and DEL
+/// (escape sequences, screen clears, OSC 52 clipboard writes, bells), and the bidirectional
+/// formatting characters that make text read differently from what it holds.
+fn unsafe_char(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
+        )
+}
+
+/// Text safe to print to a terminal: control characters, DEL and bidirectional formatting
+/// characters escaped (`\n`, `\r`, `\t`, else `\u{1b}` as Rust writes them); everything else,
+/// other unicode included, kept. Borrows when there is nothing to escape. Display only: the
+/// result is ambiguous when the text itself holds such backslash sequences.
+pub fn safe(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(unsafe_char) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if unsafe_char(c) => {
+                let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
 }
 
 /// Age of a timestamp, as kubectl prints it (`5s`, `3m`, `2h`, `4d`).
@@ -211,7 +255,8 @@ pub fn table(kind: &str, objs: &[Value], wide: bool, headers: bool) -> String {
         rows.push(cols.iter().map(|(h, _)| h.to_string()).collect());
     }
     for o in objs {
-        rows.push(cols.iter().map(|(_, f)| f(o)).collect());
+        // the edge: every cell, whatever column computed it, is made safe here
+        rows.push(cols.iter().map(|(_, f)| safe(&f(o)).into_owned()).collect());
     }
     let mut widths = vec![0; cols.len()];
     for r in &rows {
@@ -237,7 +282,13 @@ pub fn table(kind: &str, objs: &[Value], wide: bool, headers: bool) -> String {
 }
 
 /// Evaluate a kubectl-style JSONPath (`{.status.phase}`, `{.metadata.name}{"\n"}`) on one object.
+/// Values are exact (for `wait --for=jsonpath` and scripts).
 pub fn jsonpath(expr: &str, obj: &Value) -> CliResult<String> {
+    jsonpath_with(expr, obj, false)
+}
+
+/// [`jsonpath`], with the values (not the expression's literals) made [`safe`] when `escape`.
+fn jsonpath_with(expr: &str, obj: &Value, escape: bool) -> CliResult<String> {
     let mut out = String::new();
     let mut rest = expr;
     while !rest.is_empty() {
@@ -249,7 +300,7 @@ pub fn jsonpath(expr: &str, obj: &Value) -> CliResult<String> {
             Some(i) => {
                 out.push_str(&rest[..i]);
                 let end = rest[i..].find('}').ok_or_else(|| {
-                    CliError::invalid(format!("unclosed `{{` in jsonpath `{expr}`"))
+                    CliError::invalid(format!("unclosed `{{` in jsonpath `{}`", shown(expr)))
                 })?;
                 let inner = rest[i + 1..i + end].trim();
                 rest = &rest[i + end + 1..];
@@ -265,15 +316,27 @@ pub fn jsonpath(expr: &str, obj: &Value) -> CliResult<String> {
                         format!(".{inner}")
                     }
                 );
-                let p = serde_json_path::JsonPath::parse(&path)
-                    .map_err(|e| CliError::invalid(format!("invalid jsonpath `{inner}`: {e}")))?;
+                let p = serde_json_path::JsonPath::parse(&path).map_err(|e| {
+                    CliError::invalid(format!(
+                        "invalid jsonpath `{}`: {}",
+                        shown(inner),
+                        safe(&e.to_string())
+                    ))
+                })?;
                 let vals: Vec<String> = p
                     .query(obj)
                     .all()
                     .into_iter()
-                    .map(|v| match v {
-                        Value::String(s) => s.clone(),
-                        other => other.to_string(),
+                    .map(|v| {
+                        let text = match v {
+                            Value::String(s) => s.clone(),
+                            other => other.to_string(),
+                        };
+                        if escape {
+                            safe(&text).into_owned()
+                        } else {
+                            text
+                        }
                     })
                     .collect();
                 out.push_str(&vals.join(" "));
@@ -310,12 +373,25 @@ pub fn to_yaml(v: &Value) -> CliResult<String> {
     serde_saphyr::to_string(v).map_err(|e| CliError::failed(format!("cannot print YAML: {e}")))
 }
 
-/// Print objects of one kind in a format.
+/// Print objects of one kind in a format, to stdout or anything else (`-o jsonpath` escapes
+/// values when stdout is a terminal).
 pub fn print(
     info: &KindInfo,
     objs: &[DynObject],
     format: &Format,
     out: &mut impl Write,
+) -> CliResult {
+    print_for(info, objs, format, out, std::io::stdout().is_terminal())
+}
+
+/// [`print`], saying whether a person reads `out` (`terminal`): then `-o jsonpath` values are
+/// escaped with [`safe`] (the expression's own literals, `{"\n"}`, are kept).
+pub fn print_for(
+    info: &KindInfo,
+    objs: &[DynObject],
+    format: &Format,
+    out: &mut impl Write,
+    terminal: bool,
 ) -> CliResult {
     let values: Vec<Value> = objs.iter().map(display_value).collect();
     match format {
@@ -348,12 +424,17 @@ pub fn print(
         }
         Format::Name => {
             for v in &values {
-                writeln!(out, "{}/{}", info.singular, s(ptr(v, "/metadata/name")))?;
+                writeln!(
+                    out,
+                    "{}/{}",
+                    info.singular,
+                    safe(&s(ptr(v, "/metadata/name")))
+                )?;
             }
         }
         Format::JsonPath(expr) => {
             for v in &values {
-                write!(out, "{}", jsonpath(expr, v)?)?;
+                write!(out, "{}", jsonpath_with(expr, v, terminal)?)?;
             }
             if !expr.contains("\\n") {
                 writeln!(out)?;
@@ -361,4 +442,110 @@ pub fn print(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// What an agent can write into objects, and what a terminal must never get from boxery.
+    const HOSTILE: &str = "a\u{1b}]52;c;cm0gLXJmIH4K\u{7}\u{1b}[2J\u{9b}31m\u{7f}\u{202e}b\nc";
+
+    fn raw_controls(text: &str) -> Vec<char> {
+        text.chars()
+            .filter(|c| unsafe_char(*c) && *c != '\n')
+            .collect()
+    }
+
+    fn obj(v: Value) -> DynObject {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn safe_escapes_control_characters_and_keeps_unicode() {
+        assert_eq!(
+            safe(HOSTILE),
+            "a\\u{1b}]52;c;cm0gLXJmIH4K\\u{7}\\u{1b}[2J\\u{9b}31m\\u{7f}\\u{202e}b\\nc"
+        );
+        assert_eq!(safe("tab\there\r\0"), "tab\\there\\r\\u{0}");
+        assert!(matches!(safe("plain été 日本 🦀"), Cow::Borrowed(_)));
+        for c in (0u32..0x20).chain(0x7f..0xa0).filter_map(char::from_u32) {
+            assert!(raw_controls(&safe(&c.to_string())).is_empty(), "{c:?}");
+            assert!(!safe(&c.to_string()).contains('\n'));
+        }
+    }
+
+    #[test]
+    fn table_cells_are_safe_and_one_line() {
+        let lease = display_value(&obj(json!({
+            "apiVersion": "boxery.dev/v1alpha1", "kind": "Lease",
+            "metadata": {"name": "l1"},
+            "spec": {"pool": "p", "holderIdentity": HOSTILE},
+            "status": {"phase": HOSTILE, "vm": "v"},
+        })));
+        let event = json!({
+            "type": "Normal", "reason": HOSTILE, "message": HOSTILE, "count": 1,
+            "involvedObject": {"kind": "Vm", "name": HOSTILE},
+        });
+        let image = display_value(&obj(json!({
+            "apiVersion": "boxery.dev/v1alpha1", "kind": "Image",
+            "metadata": {"name": "i", "ownerReferences": [{"apiVersion": "x", "kind": "Vm", "name": HOSTILE, "uid": "u"}]},
+            "spec": {"source": {"file": HOSTILE}},
+        })));
+        for (kind, v) in [("Lease", lease), ("Event", event), ("Image", image)] {
+            let t = table(kind, &[v], true, true);
+            assert!(raw_controls(&t).is_empty(), "{kind}: {t:?}");
+            assert_eq!(t.lines().count(), 2, "{kind}: a newline made a row: {t}");
+            assert!(t.contains("\\u{1b}]52"), "{kind}: {t}");
+        }
+    }
+
+    #[test]
+    fn jsonpath_values_are_escaped_only_for_a_terminal() {
+        let info = boxery_api::lookup_kind("lease").unwrap();
+        let o = obj(json!({
+            "apiVersion": "boxery.dev/v1alpha1", "kind": "Lease",
+            "metadata": {"name": "l1", "annotations": {"a": HOSTILE}},
+            "spec": {"pool": "p", "holderIdentity": "h"},
+        }));
+        let f = Format::JsonPath("{.metadata.annotations.a}{\"\\n\"}".into());
+        let mut piped = Vec::new();
+        print_for(info, std::slice::from_ref(&o), &f, &mut piped, false).unwrap();
+        assert_eq!(String::from_utf8(piped).unwrap(), format!("{HOSTILE}\n"));
+        let mut tty = Vec::new();
+        print_for(info, std::slice::from_ref(&o), &f, &mut tty, true).unwrap();
+        let tty = String::from_utf8(tty).unwrap();
+        assert_eq!(
+            tty,
+            format!("{}\n", safe(HOSTILE)),
+            "the literal newline is kept"
+        );
+        // `wait --for=jsonpath` compares exact values
+        assert_eq!(
+            jsonpath("{.metadata.annotations.a}", &display_value(&o)).unwrap(),
+            HOSTILE
+        );
+    }
+
+    /// `-o json` and `-o yaml` stay exact and round-trip. serde_json escapes C0 controls (not
+    /// DEL or C1: `\u{9b}` is written raw); serde-saphyr escapes all of them (`\e`, `\x9B`).
+    #[test]
+    fn json_and_yaml_escape_c0_controls() {
+        let v = json!({"a": HOSTILE, "b": "x\u{1b}y", "c": "\u{9b}1m\u{7f}"});
+        let j = serde_json::to_string_pretty(&v).unwrap();
+        assert!(!j.contains('\u{1b}') && !j.contains('\u{7}'), "{j:?}");
+        assert_eq!(serde_json::from_str::<Value>(&j).unwrap(), v);
+        let y = to_yaml(&v).unwrap();
+        assert!(raw_controls(&y).iter().all(|c| *c == '\u{202e}'), "{y:?}");
+        assert_eq!(serde_saphyr::from_str::<Value>(&y).unwrap(), v);
+    }
+
+    #[test]
+    fn errors_do_not_echo_raw_input() {
+        let e = "table\u{1b}[2J".parse::<Format>().unwrap_err();
+        assert!(!format!("{:#}", e.error).contains('\u{1b}'));
+        let e = jsonpath("{.a\u{1b}[2J", &json!({})).unwrap_err();
+        assert!(!format!("{:#}", e.error).contains('\u{1b}'));
+    }
 }

@@ -23,7 +23,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 use super::{OUTPUT_CAP, Output, Session, ToolError, ToolResult, clamp_timeout};
-use crate::hands::{Reach, shell_quote};
+use crate::hands::{Reach, dquoted, shell_quote};
+use crate::output::safe;
 
 /// A path for the remote shell: `~` and `~/…` expand to the home, the rest is quoted.
 pub fn qpath(p: &str) -> String {
@@ -133,7 +134,7 @@ pub(crate) async fn run(
                 status.map_err(|e| ToolError::Failed(format!("waiting for ssh failed: {e}")))?;
             ran.code = status.code();
             if status.code() == Some(255) && so.is_empty() {
-                let msg = String::from_utf8_lossy(&se).trim().to_string();
+                let msg = safe(String::from_utf8_lossy(&se).trim()).into_owned();
                 if msg.starts_with("ssh:")
                     || msg.contains("Host key verification failed")
                     || msg.contains("Permission denied")
@@ -169,7 +170,8 @@ pub(crate) async fn run(
 }
 
 /// Run a short helper script whose failure is a tool error: returns stdout. Exit code 3 means
-/// "not found", 4 "invalid", 5 "conflict"; stderr is the message.
+/// "not found", 4 "invalid", 5 "conflict"; stderr is the message (control characters
+/// escaped: the guest writes it).
 pub async fn helper(
     session: &Session,
     vm: &str,
@@ -196,7 +198,7 @@ pub async fn helper(
             cap
         )));
     }
-    let msg = String::from_utf8_lossy(&r.stderr).trim().to_string();
+    let msg = safe(String::from_utf8_lossy(&r.stderr).trim()).into_owned();
     match r.code {
         Some(0) => Ok(r.stdout),
         Some(3) => Err(ToolError::NotFound(msg)),
@@ -237,9 +239,9 @@ pub const CALL_TAG: &str = "BOXERY_CALL";
 pub fn bash_script(id: &str, command: &str, cwd: Option<&str>) -> String {
     let cd = match cwd {
         Some(d) => format!(
-            "cd {} || {{ echo \"vm_bash: cannot cd to {}\" >&2; exit 126; }}; ",
+            "cd {} || {{ printf '%s\\n' \"vm_bash: cannot cd to {}\" >&2; exit 126; }}; ",
             qpath(d),
-            d.replace(['"', '\\', '$', '`'], "_")
+            dquoted(d)
         ),
         None => String::new(),
     };

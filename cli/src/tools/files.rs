@@ -17,7 +17,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::exec::{helper, qpath};
 use super::{OUTPUT_CAP, Output, Session, ToolError, ToolResult};
-use crate::hands::{Place, Reach, shell_quote};
+use crate::hands::{Place, Reach, dquoted, shell_quote};
+use crate::output::safe;
 
 /// The largest file `vm_edit` handles: 8 MiB.
 pub const EDIT_CAP: usize = 8 << 20;
@@ -25,10 +26,51 @@ pub const EDIT_CAP: usize = 8 << 20;
 const T: Duration = Duration::from_secs(60);
 
 fn check_file(f: &str, shown: &str) -> String {
-    let shown = shown.replace(['"', '\\', '$', '`'], "_");
+    let shown = dquoted(shown);
     format!(
-        "f={f}; [ -e \"$f\" ] || {{ echo \"{shown}: no such file\" >&2; exit 3; }}; [ -f \"$f\" ] || {{ echo \"{shown} is not a regular file (a directory? list it with vm_bash ls)\" >&2; exit 4; }}; "
+        "f={f}; [ -e \"$f\" ] || {{ printf '%s\\n' \"{shown}: no such file\" >&2; exit 3; }}; [ -f \"$f\" ] || {{ printf '%s\\n' \"{shown} is not a regular file (a directory? list it with vm_bash ls)\" >&2; exit 4; }}; "
     )
+}
+
+/// A file's version: the sha256 of its bytes, 64 lowercase hex characters.
+fn is_version(v: &str) -> bool {
+    v.len() == 64 && v.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// A version an agent gave (`version`, `--if-version`): 64 hex characters (any case), or
+/// `absent` where `absent_ok`. Returns it in lowercase.
+fn agent_version(v: &str, absent_ok: bool) -> Result<String, ToolError> {
+    let lower = v.trim().to_ascii_lowercase();
+    if is_version(&lower) || (absent_ok && lower == "absent") {
+        return Ok(lower);
+    }
+    Err(ToolError::Invalid(format!(
+        "`{}` is not a file version: give the 64 hex characters vm_read or vm_write returned{}",
+        boxery_api::name::shown(v),
+        if absent_ok {
+            ", or `absent` (the file must not exist)"
+        } else {
+            ""
+        }
+    )))
+}
+
+/// A version the guest printed: refused unless it is one (a guest may be compromised).
+fn guest_version(vm: &str, out: &str) -> Result<String, ToolError> {
+    let v = out.trim();
+    if is_version(v) {
+        Ok(v.to_string())
+    } else {
+        Err(ToolError::Failed(format!(
+            "VM {vm} answered `{}` where a sha256 was expected",
+            boxery_api::name::shown(v)
+        )))
+    }
+}
+
+/// The start of a version, for messages (cut at a character boundary, whatever it holds).
+fn short(v: &str) -> String {
+    safe(&v.chars().take(16).collect::<String>()).into_owned()
 }
 
 /// `vm_read` arguments.
@@ -55,27 +97,27 @@ pub async fn read(session: Arc<Session>, a: ReadArgs, ct: CancellationToken) -> 
     let limit = a.limit.unwrap_or(2000).clamp(1, 1_000_000);
     let to = from + limit - 1;
     let script = format!(
-        "{}n1=$(head -c 8192 \"$f\" | wc -c); n2=$(head -c 8192 \"$f\" | tr -d '\\000' | wc -c); [ \"$n1\" = \"$n2\" ] || {{ echo \"{}: binary file ($(wc -c < \"$f\") bytes): not readable as text; fetch it with vm_copy\" >&2; exit 4; }}; sha256sum < \"$f\" | cut -c1-64; wc -l < \"$f\"; sed -n '{from},{to}p' \"$f\"",
+        "{}n1=$(head -c 8192 \"$f\" | wc -c); n2=$(head -c 8192 \"$f\" | tr -d '\\000' | wc -c); [ \"$n1\" = \"$n2\" ] || {{ printf '%s\\n' \"{}: binary file ($(wc -c < \"$f\") bytes): not readable as text; fetch it with vm_copy\" >&2; exit 4; }}; sha256sum < \"$f\" | cut -c1-64; wc -l < \"$f\"; sed -n '{from},{to}p' \"$f\"",
         check_file(&qpath(&a.path), &a.path),
-        a.path.replace(['"', '\\', '$', '`'], "_"),
+        dquoted(&a.path),
     );
     let out = helper(&session, &vm, &script, None, OUTPUT_CAP + 128, T, &ct)
         .await
         .map_err(|e| match e {
             ToolError::Invalid(m) if m.contains("over the") => ToolError::Invalid(format!(
                 "{}: lines {from}-{to} are over the 1 MiB cap: ask for fewer lines (limit)",
-                a.path
+                safe(&a.path)
             )),
             e => e,
         })?;
     let text = String::from_utf8(out).map_err(|_| {
         ToolError::Invalid(format!(
             "{}: not UTF-8 text (a binary file?); fetch it with vm_copy",
-            a.path
+            safe(&a.path)
         ))
     })?;
     let mut parts = text.splitn(3, '\n');
-    let version = parts.next().unwrap_or("").trim().to_string();
+    let version = guest_version(&vm, parts.next().unwrap_or(""))?;
     let total: u64 = parts.next().unwrap_or("0").trim().parse().unwrap_or(0);
     let content = parts.next().unwrap_or("").to_string();
     let n = content.lines().count() as u64;
@@ -86,9 +128,8 @@ pub async fn read(session: Arc<Session>, a: ReadArgs, ct: CancellationToken) -> 
         from + n - 1
     };
     let header = format!(
-        "{}: lines {from}-{last} of {total} (version {})",
-        a.path,
-        &version[..version.len().min(16)]
+        "{}: lines {from}-{last} of {total} (version {version})",
+        safe(&a.path)
     );
     Ok(Output::with_data(
         format!("{header}\n{content}"),
@@ -100,11 +141,11 @@ pub async fn read(session: Arc<Session>, a: ReadArgs, ct: CancellationToken) -> 
 /// A guest script that writes stdin to `f` atomically, refusing when the file's version is not
 /// `expect` (when given; `absent` means the file must not exist), and prints the new version.
 fn write_script(path: &str, shown: &str, expect: Option<&str>) -> String {
-    let shown = shown.replace(['"', '\\', '$', '`'], "_");
+    let shown = dquoted(shown);
     let check = match expect {
         None => String::new(),
         Some(v) => format!(
-            "cur=$( {{ sha256sum < \"$f\"; }} 2>/dev/null | cut -c1-64); [ -n \"$cur\" ] || cur=absent; if [ \"$cur\" != {} ]; then rm -f \"$t\"; echo \"{shown} changed since you read it (its version is now $cur): vm_read it again\" >&2; exit 5; fi; ",
+            "cur=$( {{ sha256sum < \"$f\"; }} 2>/dev/null | cut -c1-64); [ -n \"$cur\" ] || cur=absent; if [ \"$cur\" != {} ]; then rm -f \"$t\"; printf '%s\\n' \"{shown} changed since you read it (its version is now $cur): vm_read it again\" >&2; exit 5; fi; ",
             shell_quote(v)
         ),
     };
@@ -125,7 +166,7 @@ pub struct WriteArgs {
     pub path: String,
     /// The whole new content.
     pub content: String,
-    /// Only write if the file is still at this version (from vm_read), or `absent`.
+    /// Only write if the file is still at this version (the 64 hex characters vm_read returned), or `absent` (the file must not exist).
     #[serde(default)]
     pub version: Option<String>,
 }
@@ -133,7 +174,12 @@ pub struct WriteArgs {
 /// `vm_write`.
 pub async fn write(session: Arc<Session>, a: WriteArgs, ct: CancellationToken) -> ToolResult {
     let vm = session.resolve_vm(a.vm)?;
-    let script = write_script(&a.path, &a.path, a.version.as_deref());
+    let expect = a
+        .version
+        .as_deref()
+        .map(|v| agent_version(v, true))
+        .transpose()?;
+    let script = write_script(&a.path, &a.path, expect.as_deref());
     let bytes = a.content.len();
     let out = helper(
         &session,
@@ -145,13 +191,12 @@ pub async fn write(session: Arc<Session>, a: WriteArgs, ct: CancellationToken) -
         &ct,
     )
     .await?;
-    let version = String::from_utf8_lossy(&out).trim().to_string();
+    let version = guest_version(&vm, &String::from_utf8_lossy(&out))?;
     session.saw(&vm, &a.path, &version);
     Ok(Output::with_data(
         format!(
-            "wrote {bytes} bytes to {} (version {})",
-            a.path,
-            &version[..version.len().min(16)]
+            "wrote {bytes} bytes to {} (version {version})",
+            safe(&a.path)
         ),
         json!({"vm": vm, "path": a.path, "bytes": bytes, "version": version}),
     ))
@@ -173,7 +218,7 @@ pub struct EditArgs {
     /// How many times `old` must occur (default 1); all of them are replaced.
     #[serde(default)]
     pub count: Option<usize>,
-    /// The version the edit is based on (default: the one this session last read or wrote).
+    /// The version the edit is based on, 64 hex characters (default: the one this session last read or wrote).
     #[serde(default)]
     pub version: Option<String>,
 }
@@ -191,6 +236,11 @@ pub async fn edit(session: Arc<Session>, a: EditArgs, ct: CancellationToken) -> 
         ));
     }
     let want = a.count.unwrap_or(1);
+    let given = a
+        .version
+        .as_deref()
+        .map(|v| agent_version(v, false))
+        .transpose()?;
     let script = format!(
         "{}sha256sum < \"$f\" | cut -c1-64; cat \"$f\"",
         check_file(&qpath(&a.path), &a.path)
@@ -198,26 +248,31 @@ pub async fn edit(session: Arc<Session>, a: EditArgs, ct: CancellationToken) -> 
     let out = helper(&session, &vm, &script, None, EDIT_CAP + 128, T, &ct).await?;
     let (version, body) = match out.iter().position(|b| *b == b'\n') {
         Some(i) => (
-            String::from_utf8_lossy(&out[..i]).to_string(),
+            guest_version(&vm, &String::from_utf8_lossy(&out[..i]))?,
             out[i + 1..].to_vec(),
         ),
-        None => return Err(ToolError::Failed(format!("reading {} failed", a.path))),
+        None => {
+            return Err(ToolError::Failed(format!(
+                "reading {} failed",
+                safe(&a.path)
+            )));
+        }
     };
-    let expected = a.version.clone().or_else(|| session.seen(&vm, &a.path));
+    let expected = given.or_else(|| session.seen(&vm, &a.path));
     if let Some(exp) = &expected
-        && (!version.starts_with(exp.as_str()) || exp.is_empty())
+        && *exp != version
     {
         return Err(ToolError::Conflict(format!(
             "{} changed since you read it (version {} now, you had {}): vm_read it again and redo the edit",
-            a.path,
-            &version[..version.len().min(16)],
-            &exp[..exp.len().min(16)]
+            safe(&a.path),
+            short(&version),
+            short(exp)
         )));
     }
     let text = String::from_utf8(body).map_err(|_| {
         ToolError::Invalid(format!(
             "{} is not UTF-8 text (a binary file?): vm_edit edits text",
-            a.path
+            safe(&a.path)
         ))
     })?;
     let found: Vec<usize> = text.match_indices(&a.old).map(|(i, _)| i).collect();
@@ -231,7 +286,7 @@ pub async fn edit(session: Arc<Session>, a: EditArgs, ct: CancellationToken) -> 
             .unwrap_or_default();
         return Err(ToolError::NotFound(format!(
             "the search text does not occur in {}{hint}; vm_read the file and copy the text exactly",
-            a.path
+            safe(&a.path)
         )));
     }
     if found.len() != want {
@@ -243,7 +298,7 @@ pub async fn edit(session: Arc<Session>, a: EditArgs, ct: CancellationToken) -> 
         return Err(ToolError::Conflict(format!(
             "the search text occurs {} times in {} (at lines {}), not {want}: add surrounding lines to make it unique, or set count to {}",
             found.len(),
-            a.path,
+            safe(&a.path),
             lines.join(", "),
             found.len()
         )));
@@ -261,14 +316,13 @@ pub async fn edit(session: Arc<Session>, a: EditArgs, ct: CancellationToken) -> 
         &ct,
     )
     .await?;
-    let new_version = String::from_utf8_lossy(&out).trim().to_string();
+    let new_version = guest_version(&vm, &String::from_utf8_lossy(&out))?;
     session.saw(&vm, &a.path, &new_version);
     Ok(Output::with_data(
         format!(
-            "replaced {want} occurrence{} in {} (first at line {first_line}); version {}",
+            "replaced {want} occurrence{} in {} (first at line {first_line}); version {new_version}",
             if want == 1 { "" } else { "s" },
-            a.path,
-            &new_version[..new_version.len().min(16)]
+            safe(&a.path),
         ),
         json!({"vm": vm, "path": a.path, "replaced": want, "line": first_line, "version": new_version}),
     ))
@@ -312,12 +366,28 @@ pub async fn copy(session: Arc<Session>, a: CopyArgs, _ct: CancellationToken) ->
     .map_err(|e| ToolError::Failed(format!("the copy task failed: {e}")))?;
     res?;
     Ok(Output::with_data(
-        format!("copied {} to {}", a.src, a.dst),
+        format!("copied {} to {}", safe(&a.src), safe(&a.dst)),
         json!({"src": a.src, "dst": a.dst}),
     ))
 }
 
-/// Stream `tar` from one VM into another (through this host, never to disk).
+/// Read at most 64 KiB of a child's stderr, in a thread (so a chatty child never blocks).
+fn stderr_of(e: Option<std::process::ChildStderr>) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        use std::io::Read;
+        let mut buf = Vec::new();
+        if let Some(e) = e {
+            let _ = e.take(64 << 10).read_to_end(&mut buf);
+        }
+        safe(String::from_utf8_lossy(&buf).trim()).into_owned()
+    })
+}
+
+/// Stream a copy from one VM into another, through this host and never to disk. The source
+/// guest is not trusted by the destination: its archive is checked and re-written here
+/// ([`crate::hands::filter`]: one top, no path out, no special files, no link out), and the
+/// destination lands it with the rules of `boxery cp` (a fresh directory beside it, a
+/// directory never merged into an existing one, nothing unless the whole archive passed).
 fn vm_to_vm(
     from: &Reach,
     to: &Reach,
@@ -327,23 +397,9 @@ fn vm_to_vm(
     dp: &str,
 ) -> Result<(), ToolError> {
     use std::process::Stdio;
-    let base = std::path::Path::new(sp)
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or(".")
-        .to_string();
-    let q = qpath(sp);
-    let src_script = format!(
-        "s={q}; [ -e \"$s\" ] || {{ echo \"{sv}:{}: no such file\" >&2; exit 3; }}; if [ -d \"$s\" ]; then echo D; tar -C \"$s\" -cf - .; else echo F; tar -C \"$(dirname \"$s\")\" -cf - {}; fi",
-        sp.replace(['"', '\\', '$', '`'], "_"),
-        shell_quote(&base)
-    );
-    let d = qpath(dp);
-    // The first line says directory (D: contents into DST) or file (F: DST, or into DST).
-    let dst_script = format!(
-        "read k; d={d}; if [ \"$k\" = D ]; then mkdir -p \"$d\" && tar -C \"$d\" -xf -; elif [ -d \"$d\" ]; then tar -C \"$d\" -xf -; else p=$(dirname \"$d\"); mkdir -p \"$p\"; t=$(mktemp -d \"$p/.boxery-cp.XXXXXX\"); tar -C \"$t\" -xf - && mv -f \"$t\"/{} \"$d\"; rc=$?; rm -rf \"$t\"; exit $rc; fi",
-        shell_quote(&base)
-    );
+    let (src_script, top) = crate::hands::send_script(sp);
+    let dst_script = crate::hands::receive_script(dp, &top, &format!("{dv}:{dp}"));
+    let (src_shown, dst_shown) = (format!("{sv}:{}", safe(sp)), format!("{dv}:{}", safe(dp)));
     let mut a = from
         .std_command()
         .args(["-T", "-o", "BatchMode=yes", "--", &src_script])
@@ -351,36 +407,71 @@ fn vm_to_vm(
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| ToolError::Failed(format!("cannot run ssh: {e}")))?;
-    let pipe = a.stdout.take().expect("piped");
-    let b = to
+    let mut b = match to
         .std_command()
         .args(["-T", "-o", "BatchMode=yes", "--", &dst_script])
-        .stdin(pipe)
+        .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
-        .output()
-        .map_err(|e| ToolError::Failed(format!("cannot run ssh: {e}")))?;
-    let ao = a
-        .wait_with_output()
-        .map_err(|e| ToolError::Failed(e.to_string()))?;
-    if ao.status.code() == Some(3) {
-        return Err(ToolError::NotFound(
-            String::from_utf8_lossy(&ao.stderr).trim().to_string(),
-        ));
+        .spawn()
+    {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = a.kill();
+            let _ = a.wait();
+            return Err(ToolError::Failed(format!("cannot run ssh: {e}")));
+        }
+    };
+    let (a_err, b_err) = (stderr_of(a.stderr.take()), stderr_of(b.stderr.take()));
+    let mut a_out = a.stdout.take().expect("piped");
+    let b_in = b.stdin.take().expect("piped");
+    let filtered = crate::hands::filter(&mut a_out, top, b_in);
+    if filtered.is_err() || !crate::hands::drain(&mut a_out) {
+        let _ = a.kill();
     }
-    if !ao.status.success() {
-        return Err(ToolError::Failed(format!(
-            "reading {sv}:{sp} failed: {}",
-            String::from_utf8_lossy(&ao.stderr).trim()
+    drop(a_out);
+    let a_status = a
+        .wait()
+        .map_err(|e| ToolError::Failed(format!("waiting for ssh failed: {e}")))?;
+    let b_status = b
+        .wait()
+        .map_err(|e| ToolError::Failed(format!("waiting for ssh failed: {e}")))?;
+    let (a_msg, b_msg) = (
+        a_err.join().unwrap_or_default(),
+        b_err.join().unwrap_or_default(),
+    );
+    if a_status.code() == Some(3) {
+        return Err(ToolError::NotFound(format!(
+            "{src_shown}: no such file or directory in the VM"
         )));
     }
-    if !b.status.success() {
+    // the destination stopped reading: its own message says why
+    let dst_gave_up =
+        !b_status.success() && matches!(&filtered, Err(crate::hands::UnpackError::Write { .. }));
+    if let Err(e) = filtered
+        && !dst_gave_up
+    {
         return Err(ToolError::Failed(format!(
-            "writing {dv}:{dp} failed: {}",
-            String::from_utf8_lossy(&b.stderr).trim()
+            "copying {src_shown}: {}",
+            anyhow::Error::new(e)
+                .chain()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(": ")
         )));
     }
-    Ok(())
+    if !a_status.success() {
+        return Err(ToolError::Failed(format!(
+            "reading {src_shown} failed: {a_msg}"
+        )));
+    }
+    match b_status.code() {
+        Some(0) => Ok(()),
+        Some(5) => Err(ToolError::Conflict(b_msg)),
+        _ => Err(ToolError::Failed(format!(
+            "writing {dst_shown} failed: {b_msg}"
+        ))),
+    }
 }
 
 #[cfg(test)]
@@ -432,6 +523,56 @@ mod tests {
         );
         let left: Vec<_> = std::fs::read_dir(home.path().join("d")).unwrap().collect();
         assert_eq!(left.len(), 1, "temp files left behind");
+    }
+
+    /// Versions an agent gives are 64 hex characters or `absent`; versions a guest prints are
+    /// checked too; cutting one for a message never panics, whatever it holds.
+    #[test]
+    fn versions_are_checked_and_cut_at_characters() {
+        let v = "ab".repeat(32);
+        assert_eq!(agent_version(&v.to_uppercase(), false).unwrap(), v);
+        assert_eq!(agent_version("absent", true).unwrap(), "absent");
+        let hostile = format!("a{}", "é".repeat(40));
+        for bad in [
+            "absent",
+            &v[..16],
+            "",
+            &hostile,
+            "\u{1b}[2J",
+            &format!("{v}0"),
+        ] {
+            let e = agent_version(bad, false).unwrap_err();
+            assert!(matches!(e, ToolError::Invalid(_)), "{bad:?}");
+            assert!(e.to_string().contains("64 hex characters"), "{e}");
+            assert!(!e.to_string().contains('\u{1b}'), "{e}");
+        }
+        assert!(agent_version(&v[..16], true).is_err());
+        assert_eq!(guest_version("vm1", &format!(" {v}\n")).unwrap(), v);
+        let e = guest_version("vm1", &hostile).unwrap_err();
+        assert!(matches!(e, ToolError::Failed(_)), "{e}");
+        assert_eq!(short(&hostile), format!("a{}", "é".repeat(15)));
+        assert_eq!(short("\u{1b}]52;"), "\\u{1b}]52;");
+    }
+
+    /// The guest scripts print messages with `printf '%s'`: a path made of shell syntax,
+    /// backslash escapes and control characters is printed as escaped text, on one line, and
+    /// never run.
+    #[test]
+    fn messages_in_guest_scripts_are_inert() {
+        let home = tempfile::tempdir().unwrap();
+        for path in [
+            "$(touch pwned)",
+            "a\\0033[2Jb\\c",
+            "x\u{1b}]52;c;eA==\u{7}\ny",
+        ] {
+            let o = sh(&check_file(&qpath(path), path), "", home.path());
+            assert_eq!(o.status.code(), Some(3), "{o:?}");
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(err.lines().count(), 1, "{err:?}");
+            assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
+            assert!(err.ends_with(": no such file\n"), "{err:?}");
+            assert!(!home.path().join("pwned").exists());
+        }
     }
 
     #[test]

@@ -18,7 +18,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::exec::{helper, qpath};
 use super::{OUTPUT_CAP, Output, Session, ToolError, ToolResult, clamp_timeout};
-use crate::hands::shell_quote;
+use crate::hands::{dquoted, shell_quote};
+use crate::output::safe;
 
 /// What to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
@@ -75,7 +76,8 @@ fn job_dir(id: &str) -> Result<String, ToolError> {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
     {
         return Err(ToolError::Invalid(format!(
-            "`{id}` is not a job id: ids look like j3f9a2c01 (vm_jobs {{action: list}} shows them)"
+            "`{}` is not a job id: ids look like j3f9a2c01 (vm_jobs {{action: list}} shows them)",
+            boxery_api::name::shown(id)
         )));
     }
     Ok(format!("{JOBS}/{id}"))
@@ -96,9 +98,9 @@ pub fn start_script(id: &str, command: &str, cwd: Option<&str>) -> String {
     );
     let cd = match cwd {
         Some(d) => format!(
-            "cd {} || {{ echo \"cannot cd to {}\" >&2; exit 4; }}; ",
+            "cd {} || {{ printf '%s\\n' \"cannot cd to {}\" >&2; exit 4; }}; ",
             qpath(d),
-            d.replace(['"', '\\', '$', '`'], "_")
+            dquoted(d)
         ),
         None => "cd \"$HOME\"; ".into(),
     };
@@ -219,7 +221,7 @@ pub async fn jobs(session: Arc<Session>, a: JobsArgs, ct: CancellationToken) -> 
                 &ct,
             )
             .await?;
-            let pid = String::from_utf8_lossy(&out).trim().to_string();
+            let pid = safe(String::from_utf8_lossy(&out).trim()).into_owned();
             Ok(Output::with_data(
                 format!(
                     "started job {id} in {vm} (process group {pid}); vm_jobs {{action: wait, id: {id}}} waits for it, logs shows its output"
@@ -236,15 +238,16 @@ pub async fn jobs(session: Arc<Session>, a: JobsArgs, ct: CancellationToken) -> 
                 String::from("ID\tSTATE\tEXIT\tCOMMAND\n")
             };
             for j in &list {
+                // the guest wrote these: one line per job, no control characters
                 text.push_str(&format!(
                     "{}\t{}\t{}\t{}\n",
-                    j["id"].as_str().unwrap_or(""),
-                    j["state"].as_str().unwrap_or(""),
+                    safe(j["id"].as_str().unwrap_or("")),
+                    safe(j["state"].as_str().unwrap_or("")),
                     j["exit_code"]
                         .as_i64()
                         .map(|c| c.to_string())
                         .unwrap_or_default(),
-                    j["command"].as_str().unwrap_or("")
+                    safe(j["command"].as_str().unwrap_or(""))
                 ));
             }
             Ok(Output::with_data(text, json!({"vm": vm, "jobs": list})))
