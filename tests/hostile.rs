@@ -548,3 +548,52 @@ fn pools_never_share_a_vm_or_take_a_persons_vm() {
     );
     assert_eq!(pool_status(&home, "pc").status.free, 0);
 }
+
+/// An Image's `source.file` reads only from the owner's import roots, whichever surface wrote
+/// it, and its errors do not tell whether a file outside exists.
+#[test]
+fn image_imports_read_only_the_owners_import_roots() {
+    let home = Home::new();
+    let fake = home.fake();
+    let _serve = home.serve(&[]);
+    let image = |name: &str, file: &str| {
+        let f = home.write(
+            &format!("{name}.yaml"),
+            &format!(
+                "apiVersion: boxery.dev/v1alpha1\nkind: Image\nmetadata: {{name: {name}}}\nspec:\n  source: {{file: '{file}'}}\n"
+            ),
+        );
+        home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    };
+    let failure = |name: &str| {
+        common::eventually(Duration::from_secs(30), || {
+            let y = home.ok(&["get", "image", name, "-o", "yaml"]);
+            y.contains("import root").then_some(y)
+        })
+        .unwrap_or_else(|| panic!("image {name} never failed"))
+    };
+    image("shadow", "/etc/shadow");
+    image("nothing", "/etc/no-such-file-here");
+    let a = failure("shadow");
+    let b = failure("nothing");
+    assert!(a.contains("not inside an import root"), "{a}");
+    assert!(b.contains("not inside an import root"), "{b}");
+    assert!(fake.image_record("shadow").unwrap().is_none());
+    // A symlink under the root that leads out is refused the same way.
+    let imports = home.path().join("imports");
+    std::fs::create_dir_all(&imports).unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", imports.join("link.qcow2")).unwrap();
+    image("link", imports.join("link.qcow2").to_str().unwrap());
+    assert!(failure("link").contains("not inside an import root"));
+    // Inside the root, it imports.
+    std::fs::write(imports.join("ok.qcow2"), "disk").unwrap();
+    image("ok", imports.join("ok.qcow2").to_str().unwrap());
+    home.ok(&[
+        "wait",
+        "image",
+        "ok",
+        "--for=condition=Ready",
+        "--timeout=30s",
+    ]);
+    assert!(fake.image_record("ok").unwrap().is_some());
+}

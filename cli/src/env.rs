@@ -216,11 +216,24 @@ impl Env {
     }
 }
 
-fn read_config_backend(home: &Path) -> CliResult<Option<String>> {
+/// `$BOXERY_HOME/config.yaml`: the owner's settings.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Config {
+    /// The backend (`--backend` and `BOXERY_BACKEND` win).
+    pub backend: Option<String>,
+    /// Directories an Image's `source.file` may import from, besides `$BOXERY_HOME/imports`.
+    /// Absolute paths.
+    #[serde(default)]
+    pub import_roots: Vec<PathBuf>,
+}
+
+/// Read `config.yaml` (all defaults when there is none).
+pub fn read_config(home: &Path) -> CliResult<Config> {
     let path = home.join("config.yaml");
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Config::default()),
         Err(e) => {
             return Err(CliError::failed(format!(
                 "cannot read {}: {e}",
@@ -228,14 +241,20 @@ fn read_config_backend(home: &Path) -> CliResult<Option<String>> {
             )));
         }
     };
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct Config {
-        backend: Option<String>,
-    }
     let cfg: Config = serde_saphyr::from_str(&text)
         .map_err(|e| CliError::invalid(format!("{}: {e}", path.display())))?;
-    Ok(cfg.backend)
+    if let Some(r) = cfg.import_roots.iter().find(|r| !r.is_absolute()) {
+        return Err(CliError::invalid(format!(
+            "{}: importRoots: `{}` is not an absolute path",
+            path.display(),
+            r.display()
+        )));
+    }
+    Ok(cfg)
+}
+
+fn read_config_backend(home: &Path) -> CliResult<Option<String>> {
+    Ok(read_config(home)?.backend)
 }
 
 #[cfg(test)]

@@ -601,7 +601,7 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
             if let Some(h) = http
                 && let Ok(Err(e)) = h.await
             {
-                eprintln!("error: {:#}", e.error);
+                eprintln!("error: {}", output::safe(&format!("{:#}", e.error)));
             }
             r?
         }
@@ -718,7 +718,7 @@ fn main() -> ExitCode {
     match rt.block_on(dispatch(cli)) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {:#}", e.error);
+            eprintln!("error: {}", output::safe(&format!("{:#}", e.error)));
             ExitCode::from(e.code as u8)
         }
     }

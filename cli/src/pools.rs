@@ -48,7 +48,7 @@ pub enum LeaseCmd {
         #[arg(value_parser = crate::args::label)]
         pool: String,
         /// How long until it expires unless renewed (60s..8h).
-        #[arg(long, default_value = "30m", value_parser = humantime::parse_duration)]
+        #[arg(long, default_value = "30m", value_parser = ttl_arg)]
         ttl: Duration,
         /// Who holds it (default: $USER@hostname).
         #[arg(long)]
@@ -60,7 +60,7 @@ pub enum LeaseCmd {
         #[arg(long)]
         wait: bool,
         /// How long --wait waits.
-        #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+        #[arg(long, default_value = "5m", value_parser = crate::wait::timeout_arg)]
         timeout: Duration,
     },
     /// Renew a lease (refused once it expired, or for someone else's lease).
@@ -83,6 +83,11 @@ pub enum LeaseCmd {
     },
     /// List leases.
     Ls,
+}
+
+/// `lease acquire --ttl`: what a Lease's `leaseDurationSeconds` allows, 60 s to 8 h.
+fn ttl_arg(s: &str) -> Result<Duration, String> {
+    crate::wait::duration_in(s, Duration::from_secs(60), Duration::from_secs(8 * 3600))
 }
 
 /// The default holder name: `$USER@hostname`.
@@ -219,24 +224,30 @@ pub fn pool(env: &Env, cmd: PoolCmd) -> CliResult {
             }
             for p in pools {
                 let s = &p.status;
+                let safe = crate::output::safe;
                 println!(
                     "{}: {} members, {} free, {} leased, {} resetting, {} broken",
-                    p.metadata.name, s.replicas, s.free, s.leased, s.resetting, s.broken
+                    safe(&p.metadata.name),
+                    s.replicas,
+                    s.free,
+                    s.leased,
+                    s.resetting,
+                    s.broken
                 );
                 for m in &s.members {
                     let lease = m
                         .lease
                         .as_deref()
-                        .map(|l| format!(" lease={l}"))
+                        .map(|l| format!(" lease={}", safe(l)))
                         .unwrap_or_default();
                     let msg = if m.message.is_empty() {
                         String::new()
                     } else {
-                        format!(" ({})", m.message)
+                        format!(" ({})", safe(&m.message))
                     };
                     println!(
                         "  {:<24} {:<10}{lease}{msg}",
-                        m.name,
+                        safe(&m.name),
                         format!("{:?}", m.state)
                     );
                 }

@@ -127,6 +127,7 @@ pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> Cli
     );
     let settings = Settings {
         inventory_every,
+        import_roots: crate::env::read_config(&env.home)?.import_roots,
         ..Settings::default()
     };
     let ctx = context(&store, backend.clone(), settings, &me.id);
@@ -186,6 +187,7 @@ impl Embedded {
         };
         let settings = Settings {
             inventory_every: Duration::from_secs(5),
+            import_roots: crate::env::read_config(&env.home)?.import_roots,
             ..Settings::default()
         };
         let ctx = context(store, backend.clone(), settings, &me.id);
