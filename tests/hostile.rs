@@ -94,6 +94,7 @@ fn hostile_names_on_every_verb_touch_nothing() {
             vec!["new", "ok1", "--from", n],
             vec!["new", "ok1", "--fork", n],
             vec!["snap", "v1", n],
+            vec!["snap", "v1", "k0.before"],
             vec!["snap", n, "x"],
             vec!["revert", "v1", n],
             vec!["fork", "v1", "ok1", n],
@@ -596,4 +597,22 @@ fn image_imports_read_only_the_owners_import_roots() {
         "--timeout=30s",
     ]);
     assert!(fake.image_record("ok").unwrap().is_some());
+}
+
+/// VMs that fork from each other in a cycle say so instead of waiting in silence.
+#[test]
+fn fork_cycles_say_so() {
+    let home = Home::new();
+    let _serve = home.serve(&[]);
+    let f = home.write(
+        "cycle.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {name: ca}\nspec:\n  source: {vm: cb}\n---\napiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {name: cb}\nspec:\n  source: {vm: ca}\n",
+    );
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    let d = common::eventually(Duration::from_secs(30), || {
+        let d = home.ok(&["describe", "vm", "ca"]);
+        d.contains("ForkCycle").then_some(d)
+    })
+    .expect("the cycle is reported");
+    assert!(d.contains("ca → cb → ca"), "{d}");
 }

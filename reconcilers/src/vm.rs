@@ -599,12 +599,47 @@ fn identity_for(vm: &Vm) -> boxery_backends::Identity {
     }
 }
 
+/// The cycle `vm` is in when the not-yet-made VMs it forks from lead back to it (`a → b → a`).
+fn fork_cycle(vm: &Vm, ctx: &Ctx) -> Result<Option<Vec<String>>> {
+    let mut chain = vec![vm.name().to_string()];
+    let mut src = match &vm.spec.source {
+        VmSource::Vm(s) => s.clone(),
+        _ => return Ok(None),
+    };
+    for _ in 0..64 {
+        if chain.contains(&src) {
+            chain.push(src);
+            return Ok(Some(chain));
+        }
+        let Some(next) = ctx.store.get_as::<Vm>(&src)? else {
+            return Ok(None);
+        };
+        if next.status.created_at.is_some() {
+            return Ok(None);
+        }
+        chain.push(src);
+        src = match next.spec.source {
+            VmSource::Vm(s) => s,
+            _ => return Ok(None),
+        };
+    }
+    Ok(None)
+}
+
 /// Resolve the image a new VM is made from; `Ok(None)` means wait (status already written).
 fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
     let (image_name, wait_msg) = match &vm.spec.source {
         VmSource::Image(n) | VmSource::Base(n) => (n.clone(), None),
         VmSource::Vm(src) => {
             let img = fork_image_name(vm.name());
+            if let Some(cycle) = fork_cycle(vm, ctx)? {
+                let msg = format!(
+                    "the VMs fork from each other in a cycle ({}): none of them can ever be made; give one of them an image as its source",
+                    cycle.join(" → ")
+                );
+                set_waiting(vm, "ForkCycle", &msg, ctx)?;
+                return Ok(None);
+            }
             if ctx.store.get_as::<Image>(&img)?.is_none() {
                 if ctx.store.get_as::<Vm>(src)?.is_none() {
                     let msg =
