@@ -255,7 +255,7 @@ impl Inner {
                 if let Some(b) = info.backing() {
                     // Flattening pulls the backing file's bytes in: only one beside the disk.
                     let inside = src_dir.join(&b).canonicalize().ok().zip(src_dir.canonicalize().ok());
-                    if !inside.is_some_and(|(b, d)| b.parent() == Some(d.as_path())) {
+                    if inside.is_none_or(|(b, d)| b.parent() != Some(d.as_path())) {
                         return Err(BackendError::Invalid(format!(
                             "image manifest {}: the disk's backing file is not beside it; import a standalone disk",
                             manifest_path.display()
