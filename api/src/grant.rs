@@ -19,8 +19,28 @@ impl_resource!(
         short_names: &["grant"],
         dotted_names: false,
         description: "A credential route for one VM or lease (llm, http, env, file, github), applied after a person approves it.",
-    }
+    },
+    normalize = normalize_grant
 );
+
+/// Check what the schema cannot: the VM and lease it names are object names.
+fn normalize_grant(grant: &mut Grant) -> Result<(), Vec<crate::validate::FieldError>> {
+    let mut errs = Vec::new();
+    for (field, v) in [
+        ("spec.vm", &grant.spec.vm),
+        ("spec.lease", &grant.spec.lease),
+    ] {
+        if let Some(n) = v
+            && let Err(e) = crate::name::check_label_name(n)
+        {
+            errs.push(crate::validate::FieldError::new(field, e));
+        }
+    }
+    if let Err(e) = crate::name::check_text(&grant.spec.target, 2048) {
+        errs.push(crate::validate::FieldError::new("spec.target", e));
+    }
+    if errs.is_empty() { Ok(()) } else { Err(errs) }
+}
 
 /// The desired state of a grant.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -20,8 +20,34 @@ impl_resource!(
         short_names: &["pool"],
         dotted_names: false,
         description: "A pool of VMs (made from a template and/or adopted) that agents lease one at a time.",
-    }
+    },
+    normalize = normalize_pool
 );
+
+/// Check what the schema cannot: member names, and the template as a Vm spec (its defaults
+/// written, so every member is made from the same spec).
+fn normalize_pool(pool: &mut Pool) -> Result<(), Vec<crate::validate::FieldError>> {
+    use crate::resource::Resource;
+    let mut errs = Vec::new();
+    for (i, m) in pool.spec.members.iter().enumerate() {
+        if let Err(e) = crate::name::check_label_name(&m.name) {
+            errs.push(crate::validate::FieldError::new(
+                format!("spec.members[{i}].name"),
+                e,
+            ));
+        }
+    }
+    if let Some(t) = pool.spec.template.as_mut() {
+        let mut vm = crate::Vm::new("template", t.spec.clone());
+        match vm.normalize() {
+            Ok(()) => t.spec = vm.spec,
+            Err(es) => errs.extend(es.into_iter().map(|e| {
+                crate::validate::FieldError::new(format!("spec.template.{}", e.path), e.message)
+            })),
+        }
+    }
+    if errs.is_empty() { Ok(()) } else { Err(errs) }
+}
 
 /// The desired state of a pool.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
