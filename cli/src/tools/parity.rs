@@ -23,6 +23,10 @@ const CLI_ONLY: &[(&str, &str)] = &[
     ("help", "clap's help"),
     ("backends", "describes this build's backends, for operators"),
     (
+        "orphans",
+        "settling what a lost or rolled-back store left in the backend is the owner's decision, never an agent's",
+    ),
+    (
         "pool",
         "pools are declared by spec (vm_apply a Pool); membership is an operator's job",
     ),
