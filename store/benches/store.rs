@@ -1,6 +1,7 @@
 //! The store's benchmark: single-object writes through the `Store` API against raw rusqlite
 //! single-row INSERT transactions on the same file settings, and how fast a write by another
-//! process reaches a watcher.
+//! process reaches a watcher, and what opening an existing store costs (every CLI command
+//! does it once) against a raw open of the same file.
 //!
 //! Run with `cargo bench -p boxery-store --bench store`. Targets: store write p99 ≤ 5 ms and
 //! ≥ 3,000 writes/s; cross-process watch p99 ≤ 50 ms.
@@ -189,6 +190,25 @@ fn reads(dir: &Path) -> (Series, Series) {
     (get, list)
 }
 
+/// What every CLI command pays to open an existing store (the check that it is a boxery store,
+/// its identity, the schema check, the background threads), against opening the same file
+/// with rusqlite and reading one value: the floor.
+fn opens(dir: &Path) -> (Series, Series) {
+    let path = dir.join("store.db");
+    let n = writes() / 25;
+    let store = Series::run("Store::open (existing store)", n, |_| {
+        drop(open(&path));
+    });
+    let raw = Series::run("raw rusqlite open + one SELECT (limit)", n, |_| {
+        let c = rusqlite::Connection::open(&path).expect("open");
+        let v: i64 = c
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("read");
+        assert_eq!(v, 2);
+    });
+    (store, raw)
+}
+
 fn watch_latency(dir: &Path) -> Series {
     let path = dir.join("watch.db");
     let n = watched();
@@ -239,6 +259,7 @@ fn main() {
     let (create, update, status) = store_writes(dir.path());
     let raw = raw_inserts(dir.path());
     let (get, list) = reads(dir.path());
+    let (opened, raw_open) = opens(dir.path());
     let watch = watch_latency(dir.path());
     println!();
     println!(
@@ -249,7 +270,9 @@ fn main() {
         "|{:-<46}|{:->8}|{:->12}|{:->11}|{:->11}|{:->11}|",
         "", "", "", "", "", ""
     );
-    for s in [&create, &update, &status, &raw, &get, &list, &watch] {
+    for s in [
+        &create, &update, &status, &raw, &get, &list, &opened, &raw_open, &watch,
+    ] {
         println!("{}", s.row());
     }
     println!(
