@@ -174,17 +174,7 @@ pub(crate) fn create_new(path: &Path) -> Result<bool> {
         }
         let mut conn = Connection::open(&tmp).map_err(open_db)?;
         let tx = conn.transaction().map_err(open_db)?;
-        tx.execute_batch(SCHEMA).map_err(open_db)?;
-        tx.execute(
-            "INSERT INTO identity (key, value) VALUES ('uid', ?1), ('created', ?2)",
-            [
-                uuid::Uuid::new_v4().to_string(),
-                boxery_api::now().to_rfc3339(),
-            ],
-        )
-        .map_err(open_db)?;
-        tx.pragma_update(None, "user_version", SCHEMA_VERSION)
-            .map_err(open_db)?;
+        write_schema(&tx).map_err(open_db)?;
         tx.commit().map_err(open_db)?;
         conn.close().map_err(|(_, e)| open_db(e))?;
         std::fs::File::open(&tmp)
@@ -264,6 +254,19 @@ pub(crate) fn probe(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Create what is missing of the schema, an identity if there is none, and the version.
+fn write_schema(tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
+    tx.execute_batch(SCHEMA)?;
+    tx.execute(
+        "INSERT OR IGNORE INTO identity (key, value) VALUES ('uid', ?1), ('created', ?2)",
+        [
+            uuid::Uuid::new_v4().to_string(),
+            boxery_api::now().to_rfc3339(),
+        ],
+    )?;
+    tx.pragma_update(None, "user_version", SCHEMA_VERSION)
+}
+
 /// The store's identity (its `uid`).
 pub(crate) fn identity(conn: &Connection) -> rusqlite::Result<String> {
     conn.query_row("SELECT value FROM identity WHERE key = 'uid'", [], |r| {
@@ -323,17 +326,7 @@ fn init_once(conn: &mut Connection, path: &Path) -> Result<()> {
     if version < SCHEMA_VERSION {
         // Version 1 (wave 1) lacks the identity and the tombstones: add them. Its backend
         // objects carry marks without a store identity; see `docs/store.md`.
-        tx.execute_batch(SCHEMA).map_err(open_db)?;
-        tx.execute(
-            "INSERT OR IGNORE INTO identity (key, value) VALUES ('uid', ?1), ('created', ?2)",
-            [
-                uuid::Uuid::new_v4().to_string(),
-                boxery_api::now().to_rfc3339(),
-            ],
-        )
-        .map_err(open_db)?;
-        tx.pragma_update(None, "user_version", SCHEMA_VERSION)
-            .map_err(open_db)?;
+        write_schema(&tx).map_err(open_db)?;
     }
     tx.commit().map_err(open_db)?;
     Ok(())
