@@ -100,11 +100,11 @@ fn hostile_names_on_every_verb_touch_nothing() {
             vec!["fork", "v1", "ok1", n],
             vec!["start", "ok1", n],
             vec!["stop", n],
-            vec!["rm", "ok1", n],
+            vec!["rm", "v1", n],
             vec!["resize", n, "--cpus", "2"],
             vec!["run", n, "--", "true"],
             vec!["ssh", n],
-            vec!["delete", "vm", n],
+            vec!["delete", "vm", "v1", n],
             vec!["delete", "lease", n],
             vec!["orphans", "delete", "vm", n, "--yes"],
         ];
@@ -124,10 +124,15 @@ fn hostile_names_on_every_verb_touch_nothing() {
             s.check(&home, &format!("{args:?}"));
         }
     }
-    // Validated all first: nothing was made along the way.
+    // Validated all first: nothing was made, deleted or stopped along the way.
     assert!(
         home.run(&["get", "vm", "ok1"]).status.code() == Some(3),
         "a verb with one bad name made the good ones"
+    );
+    let v1 = home.ok(&["get", "vm", "v1", "-o", "json"]);
+    assert!(
+        !v1.contains("deletionTimestamp"),
+        "a delete with one bad name deleted v1"
     );
 }
 
@@ -210,6 +215,7 @@ fn hostile_names_through_mcp_touch_nothing() {
     home.ok(&["new", "v1"]);
     let s = Sentinels::new(&home);
     let outside = s.outside.path().display().to_string();
+    home.ok(&["new", "ok2"]);
     let mut mcp = Mcp::start(&home);
     let mut names: Vec<String> = HOSTILE.iter().map(|n| n.to_string()).collect();
     names.push(outside);
@@ -230,6 +236,20 @@ fn hostile_names_through_mcp_touch_nothing() {
             ),
             ("vm_bash", json!({"vm": n, "command": "true"})),
             ("vm_get", json!({"kind": "vm", "name": n})),
+            ("vm_describe", json!({"kind": "vm", "name": n})),
+            ("vm_delete", json!({"kind": "vm", "names": ["ok2", n]})),
+            ("vm_delete", json!({"kind": "lease", "names": [n]})),
+            (
+                "vm_wait",
+                json!({"kind": "vm", "name": n, "timeout_seconds": 1}),
+            ),
+            ("vm_use", json!({"vm": n})),
+            ("vm_read", json!({"vm": n, "path": "/etc/hostname"})),
+            (
+                "vm_write",
+                json!({"vm": n, "path": "/tmp/x", "content": "x"}),
+            ),
+            ("vm_jobs", json!({"action": "list", "vm": n})),
         ];
         for (tool, args) in calls {
             let (err, text) = mcp.call(tool, args.clone());
@@ -242,6 +262,18 @@ fn hostile_names_through_mcp_touch_nothing() {
         }
     }
     assert_eq!(home.run(&["get", "vm", "ok1"]).status.code(), Some(3));
+    assert!(
+        home.ok(&[
+            "get",
+            "vm",
+            "ok2",
+            "-o",
+            "jsonpath={.metadata.deletionTimestamp}"
+        ])
+        .trim()
+        .is_empty(),
+        "a delete with one bad name deleted the good one"
+    );
 }
 
 /// A lease is released only by its holder session, and releasing one that does not exist

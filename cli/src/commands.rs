@@ -472,6 +472,10 @@ pub async fn delete(
     if names.is_empty() {
         return Err(CliError::invalid("name at least one object to delete"));
     }
+    // Every name first: one bad name deletes none of the others.
+    for n in names {
+        boxery_api::Name::for_kind(info, n).map_err(|e| CliError::invalid(e.0))?;
+    }
     if force {
         // before anything is marked: --force acts on the backend at once
         env.backend_for(&store)?;

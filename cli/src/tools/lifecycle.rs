@@ -350,6 +350,10 @@ async fn delete_objects(
             "name at least one object to delete".into(),
         ));
     }
+    // Every name first: one bad name deletes none of the others.
+    for n in names {
+        Name::for_kind(kind, n).map_err(|e| ToolError::Invalid(format!("names: {e}")))?;
+    }
     let store = session.store()?;
     let mut text = String::new();
     let mut targets = Vec::new();
