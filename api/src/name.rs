@@ -73,6 +73,52 @@ pub fn check_text(text: &str, max: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// Check a label or annotation key: an optional DNS-subdomain prefix and `/`, then a name of
+/// 1–63 letters, digits, `-`, `_` and `.` that starts and ends with a letter or digit
+/// (Kubernetes' qualified names: `team`, `boxery.dev/pool`).
+pub fn check_key(key: &str) -> Result<(), String> {
+    let bad = || {
+        format!(
+            "`{}` is not a valid key: use `name` or `prefix.example/name`, where the name is 1–63 letters, digits, `-`, `_` or `.` (starting and ending with a letter or digit)",
+            shown(key)
+        )
+    };
+    let (prefix, name) = match key.split_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, key),
+    };
+    if let Some(p) = prefix {
+        check_subdomain_name(p).map_err(|_| bad())?;
+    }
+    if name.len() > 63 || !plain_label_value(name) {
+        return Err(bad());
+    }
+    Ok(())
+}
+
+/// Check a label's value: empty, or up to 253 letters, digits, `-`, `_` and `.` that start
+/// and end with a letter or digit (Kubernetes allows 63; an Event's label holds an Image's
+/// name, which may be longer).
+pub fn check_label_value(value: &str) -> Result<(), String> {
+    if value.is_empty() || (value.len() <= 253 && plain_label_value(value)) {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{}` is not a valid label value: use up to 253 letters, digits, `-`, `_` or `.`, starting and ending with a letter or digit",
+            shown(value)
+        ))
+    }
+}
+
+fn plain_label_value(v: &str) -> bool {
+    let b = v.as_bytes();
+    v.len() <= 253
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+        && b.first().is_some_and(u8::is_ascii_alphanumeric)
+        && b.last().is_some_and(u8::is_ascii_alphanumeric)
+}
+
 /// Check that a name is a DNS-1123 label: 1–63 of `a-z`, `0-9`, `-`, starting and ending with
 /// a letter or digit.
 pub fn check_label_name(name: &str) -> Result<(), String> {
@@ -303,6 +349,31 @@ mod tests {
         assert_eq!(Name::new("a.b").unwrap().as_str(), "a.b");
         let long = Name::label(&"é".repeat(40)).unwrap_err().to_string();
         assert!(long.contains("80 bytes long"), "{long}");
+    }
+
+    #[test]
+    fn label_keys_and_values() {
+        for ok in ["team", "boxery.dev/pool", "a.b-c_d", "x.example/Tier.1"] {
+            assert!(check_key(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "/x",
+            "a/",
+            "-a",
+            "a b",
+            "a\u{1b}",
+            "Bad_Prefix/x",
+            "a/b/c",
+            &"a".repeat(64),
+        ] {
+            assert!(check_key(bad).is_err(), "{bad:?}");
+        }
+        assert!(check_label_value("").is_ok());
+        assert!(check_label_value("web.1").is_ok());
+        for bad in ["-x", "a b", "\u{1b}[2J", "é", &"a".repeat(254)] {
+            assert!(check_label_value(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -146,6 +146,20 @@ fn normalize_typed<R: Resource>(value: Value, label: &str) -> Result<DynObject, 
     if let Err(e) = name_check {
         errs.push(FieldError::new("metadata.name", e));
     }
+    let meta = obj.meta();
+    for (k, v) in &meta.labels {
+        if let Err(e) = crate::name::check_key(k) {
+            errs.push(FieldError::new("metadata.labels", e));
+        }
+        if let Err(e) = crate::name::check_label_value(v) {
+            errs.push(FieldError::new(format!("metadata.labels.{k}"), e));
+        }
+    }
+    for k in meta.annotations.keys() {
+        if let Err(e) = crate::name::check_key(k) {
+            errs.push(FieldError::new("metadata.annotations", e));
+        }
+    }
     if let Err(mut e) = obj.normalize() {
         errs.append(&mut e);
     }

@@ -330,7 +330,11 @@ impl LibvirtBackend {
     fn ours(&self, dom: Domain) -> Option<Dom> {
         let meta = dom.metadata(META_ELEMENT, Some(xml::META_URI), 0).ok()?;
         let (ns, cfg) = xml::parse_metadata(&meta)?;
-        (ns == self.ns).then_some(Dom { dom, cfg })
+        // The metadata names the VM: only a valid name that is this very domain's counts (a
+        // domain defined by hand with our mark must not point boxery at other paths).
+        let named_here = crate::qemu::layout::valid_name(&cfg.name)
+            && dom.name().is_ok_and(|d| d == self.domain_name(&cfg.name));
+        (ns == self.ns && named_here).then_some(Dom { dom, cfg })
     }
 
     fn load_image(&self, name: &str) -> Result<Option<ImageRecord>> {
@@ -845,6 +849,7 @@ impl LibvirtBackend {
             m.kernel.as_deref().map(Path::new),
             m.initrd.as_deref().map(Path::new),
         )?;
+        crate::qemu::images::check_machine(manifest, m.machine.as_deref())?;
         let id = crate::qemu::images::base_id(manifest, &m.name, &hash)?;
         let _lock = self.lock(&format!("base-{id}")).await?;
         let rec_path = self.bases_dir().join(format!("{id}.json"));

@@ -212,6 +212,7 @@ impl Inner {
             m.kernel.as_deref(),
             m.initrd.as_deref(),
         )?;
+        check_machine(manifest_path, m.machine.as_deref())?;
         let hash = m
             .input_hash
             .clone()
@@ -388,6 +389,26 @@ pub(crate) fn base_id(manifest_path: &Path, name: &str, hash: &str) -> Result<St
         )));
     }
     Ok(id)
+}
+
+/// A manifest's `machine` becomes part of QEMU's `-machine` argument: a machine type name only
+/// (no `,` that would add options).
+pub(crate) fn check_machine(manifest_path: &Path, machine: Option<&str>) -> Result<()> {
+    match machine {
+        Some(m)
+            if m.is_empty()
+                || m.len() > 64
+                || !m
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_')) =>
+        {
+            Err(BackendError::Invalid(format!(
+                "image manifest {}: `machine` must be a machine type such as `q35` or `pc-q35-7.2`",
+                manifest_path.display()
+            )))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The files a builder manifest names lie beside it: each a plain file name, never a path
