@@ -302,11 +302,25 @@ fn a_session_cannot_release_another_ones_lease() {
     assert!(home.path().join("leases/someone-else/id_ed25519").exists());
 }
 
-fn serve_until_inventory(home: &Home) -> common::Serve {
+/// Start `serve` and wait until its inventory pass has judged each of `names`: an `Orphaned`
+/// event names each one it leaves alone (one it removed would have none).
+fn serve_until_judged(home: &Home, names: &[&str]) -> common::Serve {
     let serve = home.serve(&[]);
     serve.wait_leading();
-    // Several inventory passes (every 1 s).
-    std::thread::sleep(Duration::from_secs(4));
+    let mut last = String::new();
+    common::eventually(Duration::from_secs(30), || {
+        last = home.ok(&["events"]);
+        names
+            .iter()
+            .all(|n| {
+                last.lines().any(|l| {
+                    l.contains("Orphaned")
+                        && l.split_whitespace().any(|w| w.ends_with(&format!("/{n}")))
+                })
+            })
+            .then_some(())
+    })
+    .unwrap_or_else(|| panic!("the inventory never reported {names:?}:\n{last}"));
     serve
 }
 
@@ -365,7 +379,7 @@ fn an_emptied_or_replaced_store_deletes_nothing() {
         home.path().join("store.db.broken"),
     )
     .unwrap();
-    let _serve = serve_until_inventory(&home);
+    let _serve = serve_until_judged(&home, &["v1", "v2", "v1.s1", "debian-12"]);
     for vm in ["v1", "v2"] {
         assert!(fake.vm_record(vm).unwrap().is_some(), "{vm} was deleted");
     }
@@ -415,7 +429,7 @@ fn a_store_rolled_back_to_a_backup_deletes_nothing() {
     }
     std::fs::copy(&backup, home.path().join("store.db")).unwrap();
 
-    let _serve = serve_until_inventory(&home);
+    let _serve = serve_until_judged(&home, &["v2", "v1.after"]);
     assert!(fake.vm_record("v2").unwrap().is_some(), "v2 was deleted");
     assert!(
         fake.image_record("v1.after").unwrap().is_some(),
@@ -540,7 +554,12 @@ fn pools_never_share_a_vm_or_take_a_persons_vm() {
     home.ok(&[
         "lease", "acquire", "pb", "--holder", "bob", "--name", "bob1",
     ]);
-    std::thread::sleep(Duration::from_secs(3));
+    // The lease controller has looked for a member of pb and found none free.
+    common::eventually(Duration::from_secs(30), || {
+        let d = home.ok(&["describe", "lease", "bob1"]);
+        d.contains("NoFreeMember").then_some(())
+    })
+    .expect("bob's lease is told there is no free member");
     let bob = home.ok(&["get", "lease", "bob1", "-o", "jsonpath={.status.phase}"]);
     assert_ne!(bob.trim(), "Bound", "one VM leased to two holders");
     assert_eq!(pool_status(&home, "pb").status.free, 0);
@@ -562,7 +581,7 @@ fn pools_never_share_a_vm_or_take_a_persons_vm() {
     })
     .expect("pc's member waits with a reason");
     assert!(msg.contains("never taken over"), "{msg}");
-    std::thread::sleep(Duration::from_secs(2));
+    // The member's message is written by the same reconcile that would have adopted it.
     let vm = home
         .store()
         .get_as::<boxery_api::Vm>("pc-0")
