@@ -347,3 +347,56 @@ fn crash_inside_create_and_capture() {
         drop(serve);
     }
 }
+
+/// A VM started again by its reconcile (not by the inventory pass) is not Ready until the new
+/// guest answers: a Ready from before the stop must not let `wait --for=condition=Ready`
+/// return while the guest still boots (the first command would meet a reset connection).
+#[test]
+fn a_restarted_vm_is_not_ready_until_it_answers() {
+    let home = Home::new();
+    let fake = home.fake();
+    // No inventory pass in this test's time: only a reconcile can notice the stop.
+    let serve = home.serve(&["--inventory-every", "1day"]);
+    serve.wait_leading();
+    home.ok(&["new", "r1"]);
+    home.ok(&["wait", "vm", "r1", "--for=condition=Ready", "--timeout=30s"]);
+    let store = home.store();
+    let from = store.revision().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(fake.stop("r1")).unwrap();
+    // A label change wakes the reconcile, which finds the VM stopped and starts it again.
+    let mut o = store.get("Vm", "r1").unwrap().unwrap();
+    o.metadata.labels.insert("poke".into(), "1".into());
+    store.update(o).unwrap();
+    common::eventually(Duration::from_secs(15), || {
+        home.ok(&["events", "vm", "r1"])
+            .contains("Restarted")
+            .then_some(())
+    })
+    .expect("a Restarted event");
+    home.ok(&["wait", "vm", "r1", "--for=condition=Ready", "--timeout=30s"]);
+    // Between the stop and the new Ready, Ready was False at least once.
+    let mut watch = store.watch(Some("Vm"), from);
+    let mut not_ready = false;
+    rt.block_on(async {
+        use futures::StreamExt;
+        while let Ok(Some(Ok(ev))) =
+            tokio::time::timeout(Duration::from_millis(500), watch.next()).await
+        {
+            let vm: boxery_api::Vm = ev.1.object().to_typed().unwrap();
+            if vm.metadata.name == "r1"
+                && vm
+                    .status
+                    .conditions
+                    .iter()
+                    .any(|c| c.type_ == "Ready" && c.status == boxery_api::ConditionStatus::False)
+            {
+                not_ready = true;
+            }
+        }
+    });
+    assert!(not_ready, "r1 stayed Ready across its restart");
+}

@@ -231,6 +231,18 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
                 .start(&name)
                 .await
                 .map_err(|e| ReconcileError::backend("start", format!("Vm/{name}"), e))?;
+            // A Ready from before the stop describes a guest that is gone: until the new one
+            // answers, nobody may take it as ready (a `wait --for=condition=Ready` would return
+            // at once and the first command would meet a guest still booting).
+            vm.status.conditions.set_condition(
+                "Ready",
+                ConditionStatus::False,
+                "Booting",
+                "started again: waiting for the guest to answer",
+                generation,
+            );
+            vm.status.printable_status = Some(printable(&vm));
+            vm = save(ctx, &vm)?;
             if on_its_own {
                 let mut msg = String::from(
                     "the VM had stopped on its own (a power-off in the guest, or its hypervisor \

@@ -82,9 +82,16 @@ impl Home {
             .append(true)
             .open(&log)
             .unwrap();
+        // Every second unless the test says otherwise.
+        let inventory: &[&str] = if extra.contains(&"--inventory-every") {
+            &[]
+        } else {
+            &["--inventory-every", "1s"]
+        };
         let child = self
             .cmd()
-            .args(["serve", "--inventory-every", "1s", "--lease", "2s"])
+            .args(["serve", "--lease", "2s"])
+            .args(inventory)
             .args(extra)
             .env("BOXERY_LOG", "warn")
             .envs(envs.iter().copied())
