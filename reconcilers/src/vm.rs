@@ -231,18 +231,6 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
                 .start(&name)
                 .await
                 .map_err(|e| ReconcileError::backend("start", format!("Vm/{name}"), e))?;
-            // A Ready from before the stop describes a guest that is gone: until the new one
-            // answers, nobody may take it as ready (a `wait --for=condition=Ready` would return
-            // at once and the first command would meet a guest still booting).
-            vm.status.conditions.set_condition(
-                "Ready",
-                ConditionStatus::False,
-                "Booting",
-                "started again: waiting for the guest to answer",
-                generation,
-            );
-            vm.status.printable_status = Some(printable(&vm));
-            vm = save(ctx, &vm)?;
             if on_its_own {
                 let mut msg = String::from(
                     "the VM had stopped on its own (a power-off in the guest, or its hypervisor \
@@ -254,6 +242,23 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
                 ctx.event(&vm, EventType::Warning, "Restarted", &msg);
             } else {
                 ctx.event(&vm, EventType::Normal, "Started", "the VM was started");
+            }
+            // A Ready from before the stop describes a guest that is gone: until the new one
+            // answers, nobody may take it as ready (a `wait --for=condition=Ready` would return
+            // at once and the first command would meet a guest still booting). A conflict
+            // means another writer (the inventory's `Exited`) got there first: re-read.
+            vm.status.conditions.set_condition(
+                "Ready",
+                ConditionStatus::False,
+                "Booting",
+                "started again: waiting for the guest to answer",
+                generation,
+            );
+            vm.status.printable_status = Some(printable(&vm));
+            match save(ctx, &vm) {
+                Ok(_) => {}
+                Err(e) if e.is_conflict() => {}
+                Err(e) => return Err(e),
             }
             return Ok(Action::requeue(std::time::Duration::ZERO));
         }
