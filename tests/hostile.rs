@@ -401,7 +401,6 @@ fn an_emptied_or_replaced_store_deletes_nothing() {
         );
     }
     assert!(table.contains("another store"), "{table}");
-    let _ = store_files(&home);
 }
 
 /// A store restored from an older backup deletes nothing made after the backup: those things

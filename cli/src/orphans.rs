@@ -83,25 +83,15 @@ pub async fn list(env: &Env, store: &Store) -> CliResult<Vec<Orphan>> {
             reason,
         });
     };
-    for info in vms {
-        let cur = store.get_as::<Vm>(&info.name)?;
-        let v = orphan_verdict(
-            &ctx,
-            info.mark.as_deref(),
-            cur.as_ref().map(|o| &o.metadata),
-        )
-        .map_err(|e| CliError::failed(e.chain()))?;
-        push("Vm", &info.name, info.mark, v);
-    }
-    for info in images {
-        let cur = store.get_as::<Image>(&info.name)?;
-        let v = orphan_verdict(
-            &ctx,
-            info.mark.as_deref(),
-            cur.as_ref().map(|o| &o.metadata),
-        )
-        .map_err(|e| CliError::failed(e.chain()))?;
-        push("Image", &info.name, info.mark, v);
+    let things = vms
+        .into_iter()
+        .map(|i| ("Vm", i.name, i.mark))
+        .chain(images.into_iter().map(|i| ("Image", i.name, i.mark)));
+    for (kind, name, mark) in things {
+        let cur = store.get(kind, &name)?;
+        let v = orphan_verdict(&ctx, mark.as_deref(), cur.as_ref().map(|o| &o.metadata))
+            .map_err(|e| CliError::failed(e.chain()))?;
+        push(kind, &name, mark, v);
     }
     Ok(out)
 }
