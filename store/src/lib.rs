@@ -33,6 +33,7 @@
 mod apply;
 mod compact;
 mod leader;
+mod object_store;
 mod schema;
 mod watch;
 mod write;
@@ -45,6 +46,7 @@ use std::time::Duration;
 use boxery_api::{DynObject, Resource, Selector};
 use rusqlite::{Connection, OptionalExtension};
 
+pub use crate::object_store::{ObjectRef, ObjectStore, ObjectStoreExt, WatchStream};
 use crate::schema::connect;
 use crate::write::Tx;
 
@@ -127,6 +129,13 @@ pub enum StoreError {
         requested: u64,
         /// The compaction floor: history starts after it.
         floor: u64,
+    },
+    /// The store cannot serve the call now (a remote store unreachable, a runtime shutting
+    /// down); retrying may help.
+    #[error("the store is unavailable: {why}")]
+    Unavailable {
+        /// Why.
+        why: String,
     },
     /// SQLite failed.
     #[error("the store's database failed")]

@@ -1,0 +1,257 @@
+//! The object store as an async trait: what the controller runtime, the reconcilers and the
+//! verbs need from a store, whatever keeps the objects. [`Store`] (SQLite) implements it and
+//! does its blocking work on tokio's blocking pool, so async workers never wait on SQLite; an
+//! etcd-backed store or a remote HTTP API are the next implementations, and
+//! `store/tests/conformance.rs` is the suite every implementation must pass unchanged.
+//!
+//! # Guarantees every implementation gives
+//! - One global, increasing revision; each changed object's `resourceVersion` is the revision
+//!   of its change; whoever saw revision N saw every change at or below N.
+//! - Server fields (`uid`, `creationTimestamp`, `resourceVersion`, `generation`,
+//!   `deletionTimestamp`) are the store's; `generation` grows only with a spec change.
+//! - `update`/`update_status` with a `resourceVersion` are refused with `Conflict` when the
+//!   object moved on; a write that changes nothing writes nothing.
+//! - `delete` respects finalizers and cascades through ownerReferences (by uid).
+//! - `apply_all` is all or nothing.
+//! - `watch(kind, from)` yields every change after `from` in order, exactly once, from this
+//!   process or another; `TooOld` when `from` is below the compaction floor (list again).
+//! - `list` returns the revision it was read at: a watch from it misses nothing.
+//!
+//! docs/store.md says how the SQLite store keeps these promises.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use boxery_api::{DynObject, Resource, Selector};
+use futures::stream::BoxStream;
+
+use crate::{
+    ApplyAction, ApplyOptions, Candidate, DeleteOutcome, Leadership, Result, Store, StoreError,
+    WatchEvent,
+};
+
+/// The key of one object. Objects are cluster-scoped today; the struct is non-exhaustive so a
+/// namespace can join the key without breaking callers.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub struct ObjectRef {
+    /// The kind (`Vm`).
+    pub kind: String,
+    /// The name.
+    pub name: String,
+}
+
+impl ObjectRef {
+    /// The object `name` of `kind`.
+    pub fn new(kind: impl Into<String>, name: impl Into<String>) -> ObjectRef {
+        ObjectRef {
+            kind: kind.into(),
+            name: name.into(),
+        }
+    }
+
+    /// The object `name` of `R`'s kind.
+    pub fn of<R: Resource>(name: impl Into<String>) -> ObjectRef {
+        ObjectRef::new(R::INFO.kind, name)
+    }
+
+    /// The key of a stored object.
+    pub fn to(obj: &DynObject) -> ObjectRef {
+        ObjectRef::new(obj.kind.clone(), obj.metadata.name.clone())
+    }
+}
+
+impl std::fmt::Display for ObjectRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.kind, self.name)
+    }
+}
+
+/// A stream of changes: `(revision, event)`, or an error that ends it.
+pub type WatchStream = BoxStream<'static, Result<(u64, WatchEvent)>>;
+
+/// A versioned object store (see the module documentation for the guarantees).
+#[async_trait]
+pub trait ObjectStore: Send + Sync + std::fmt::Debug + 'static {
+    /// The store's identity: made with the store, never changed (backends mark what they make
+    /// with it).
+    fn uid(&self) -> &str;
+
+    /// The current object of a key; `None` when absent or when no object can have the name.
+    async fn get(&self, key: &ObjectRef) -> Result<Option<DynObject>>;
+
+    /// The objects of a kind whose labels match `selector`, sorted by name, and the revision
+    /// they were read at.
+    async fn list(&self, kind: &str, selector: &Selector) -> Result<(Vec<DynObject>, u64)>;
+
+    /// Create an object (validated, defaulted; the server fields set by the store).
+    async fn create(&self, obj: DynObject) -> Result<DynObject>;
+
+    /// Create an object again with the uid it was made with (adopting an orphan); refused
+    /// when a current object has the uid or the store removed the object that had it.
+    async fn adopt(&self, obj: DynObject, uid: &str) -> Result<DynObject>;
+
+    /// Replace everything but status (a `resourceVersion` in `obj` is a precondition).
+    async fn update(&self, obj: DynObject) -> Result<DynObject>;
+
+    /// Replace only status (same precondition); never bumps `generation`.
+    async fn update_status(&self, obj: DynObject) -> Result<DynObject>;
+
+    /// Delete: mark while finalizers remain, else remove and cascade.
+    async fn delete(&self, key: &ObjectRef) -> Result<DeleteOutcome>;
+
+    /// Apply a set of manifests in one transaction (see `docs/store.md`, Apply).
+    async fn apply_all(
+        &self,
+        objs: Vec<DynObject>,
+        opts: &ApplyOptions,
+    ) -> Result<Vec<(ApplyAction, DynObject)>>;
+
+    /// The current revision.
+    async fn revision(&self) -> Result<u64>;
+
+    /// Every change after `from` (of one kind, or all), in order, then each new one.
+    fn watch(&self, kind: Option<&str>, from: u64) -> WatchStream;
+
+    /// Trim history to the newest `keep_revisions` revisions; returns the entries removed.
+    async fn compact(&self, keep_revisions: u64) -> Result<u64>;
+
+    /// The compaction floor: history holds every change after it.
+    async fn compacted(&self) -> Result<u64>;
+
+    /// Whether this store removed a Vm or Image with this uid.
+    async fn was_removed(&self, uid: &str) -> Result<bool>;
+
+    /// Take or renew the leader lock `lock` for `ttl`.
+    async fn try_lead(&self, lock: &str, me: &Candidate, ttl: Duration) -> Result<Leadership>;
+
+    /// Give up the leader lock if `me` holds it.
+    async fn resign(&self, lock: &str, me: &Candidate) -> Result<()>;
+}
+
+/// Typed helpers over any [`ObjectStore`].
+#[async_trait]
+pub trait ObjectStoreExt: ObjectStore {
+    /// [`ObjectStore::get`], typed.
+    async fn get_as<R: Resource>(&self, name: &str) -> Result<Option<R>> {
+        match self.get(&ObjectRef::of::<R>(name)).await? {
+            Some(o) => Ok(Some(o.to_typed()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// [`ObjectStore::list`], typed (without the revision).
+    async fn list_as<R: Resource>(&self, selector: &Selector) -> Result<Vec<R>> {
+        let (objs, _) = self.list(R::INFO.kind, selector).await?;
+        objs.iter()
+            .map(|o| o.to_typed().map_err(StoreError::from))
+            .collect()
+    }
+
+    /// [`ObjectStore::create`], typed.
+    async fn create_as<R: Resource>(&self, obj: &R) -> Result<R> {
+        Ok(self.create(DynObject::from_typed(obj)?).await?.to_typed()?)
+    }
+
+    /// [`ObjectStore::update`], typed.
+    async fn update_as<R: Resource>(&self, obj: &R) -> Result<R> {
+        Ok(self.update(DynObject::from_typed(obj)?).await?.to_typed()?)
+    }
+
+    /// [`ObjectStore::update_status`], typed.
+    async fn update_status_as<R: Resource>(&self, obj: &R) -> Result<R> {
+        Ok(self
+            .update_status(DynObject::from_typed(obj)?)
+            .await?
+            .to_typed()?)
+    }
+}
+
+impl<S: ObjectStore + ?Sized> ObjectStoreExt for S {}
+
+/// Run a blocking store call on tokio's blocking pool when a runtime is current (so async
+/// workers never wait on SQLite's locks or disk), inline otherwise (a plain thread).
+async fn blocking<T: Send + 'static>(
+    store: &Store,
+    f: impl FnOnce(&Store) -> Result<T> + Send + 'static,
+) -> Result<T> {
+    let store = store.clone();
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::CurrentThread => {
+            match tokio::task::spawn_blocking(move || f(&store)).await {
+                Ok(out) => out,
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(_) => Err(StoreError::Unavailable {
+                    why: "the runtime is shutting down".into(),
+                }),
+            }
+        }
+        // A current-thread runtime (tests, short CLI commands) has no workers to protect and
+        // may have no blocking pool to spare: run inline.
+        _ => f(&store),
+    }
+}
+
+#[async_trait]
+impl ObjectStore for Store {
+    fn uid(&self) -> &str {
+        Store::uid(self)
+    }
+    async fn get(&self, key: &ObjectRef) -> Result<Option<DynObject>> {
+        let key = key.clone();
+        blocking(self, move |s| s.get(&key.kind, &key.name)).await
+    }
+    async fn list(&self, kind: &str, selector: &Selector) -> Result<(Vec<DynObject>, u64)> {
+        let (kind, selector) = (kind.to_string(), selector.clone());
+        blocking(self, move |s| s.list(&kind, &selector)).await
+    }
+    async fn create(&self, obj: DynObject) -> Result<DynObject> {
+        blocking(self, move |s| s.create(obj)).await
+    }
+    async fn adopt(&self, obj: DynObject, uid: &str) -> Result<DynObject> {
+        let uid = uid.to_string();
+        blocking(self, move |s| s.adopt(obj, &uid)).await
+    }
+    async fn update(&self, obj: DynObject) -> Result<DynObject> {
+        blocking(self, move |s| s.update(obj)).await
+    }
+    async fn update_status(&self, obj: DynObject) -> Result<DynObject> {
+        blocking(self, move |s| s.update_status(obj)).await
+    }
+    async fn delete(&self, key: &ObjectRef) -> Result<DeleteOutcome> {
+        let key = key.clone();
+        blocking(self, move |s| s.delete(&key.kind, &key.name)).await
+    }
+    async fn apply_all(
+        &self,
+        objs: Vec<DynObject>,
+        opts: &ApplyOptions,
+    ) -> Result<Vec<(ApplyAction, DynObject)>> {
+        let opts = opts.clone();
+        blocking(self, move |s| s.apply_all(objs, &opts)).await
+    }
+    async fn revision(&self) -> Result<u64> {
+        blocking(self, |s| s.revision()).await
+    }
+    fn watch(&self, kind: Option<&str>, from: u64) -> WatchStream {
+        Store::watch(self, kind, from)
+    }
+    async fn compact(&self, keep_revisions: u64) -> Result<u64> {
+        blocking(self, move |s| s.compact(keep_revisions)).await
+    }
+    async fn compacted(&self) -> Result<u64> {
+        blocking(self, |s| s.compacted()).await
+    }
+    async fn was_removed(&self, uid: &str) -> Result<bool> {
+        let uid = uid.to_string();
+        blocking(self, move |s| s.was_removed(&uid)).await
+    }
+    async fn try_lead(&self, lock: &str, me: &Candidate, ttl: Duration) -> Result<Leadership> {
+        let (lock, me) = (lock.to_string(), me.clone());
+        blocking(self, move |s| s.try_lead(&lock, &me, ttl)).await
+    }
+    async fn resign(&self, lock: &str, me: &Candidate) -> Result<()> {
+        let (lock, me) = (lock.to_string(), me.clone());
+        blocking(self, move |s| s.resign(&lock, &me)).await
+    }
+}
