@@ -653,7 +653,7 @@ async fn import_registers_a_base_once_and_images_are_overlays() {
     let env = Env::new().await;
     let b = &env.backend;
     env.tiny_image("tiny").await;
-    let cache = b.config().image_cache.clone();
+    let cache = b.config().storage.image_cache.clone();
     // a builder manifest imports as an image on the same (already registered) base
     b.import_image(&cache.join("tiny.json"), "imported", "uid-imp")
         .await
