@@ -428,8 +428,7 @@ async fn bad_requests_are_invalid_and_leave_nothing() {
     let squatter = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
     let e = b.start("taken").await.unwrap_err();
     assert!(
-        e.to_string()
-            .contains(&format!("127.0.0.1:{port} is taken")),
+        e.chain().contains(&format!("127.0.0.1:{port} is taken")),
         "{e}"
     );
     assert_eq!(
