@@ -18,9 +18,10 @@ mod qemu_support;
 
 use std::time::{Duration, Instant};
 
-use boxery_backends::qemu::process::{self, Boot, LaunchSpec};
+use boxery_backends::qemu::process::{self, LaunchSpec};
 use boxery_backends::qemu::qmp::Qmp;
-use boxery_backends::qemu::seed;
+use boxery_backends::storage::records::Boot;
+use boxery_backends::storage::seed;
 use boxery_backends::{Backend, identity};
 use qemu_support::{Env, wait_banner, wait_ssh};
 

@@ -783,9 +783,7 @@ impl Backend for FakeBackend {
     async fn reimage(&self, vm: &str, image: &str, identity: &Identity) -> Result<()> {
         // Until the swap, a failure leaves the VM as it was: `Unchanged`.
         let unchanged = |e: BackendError| match e {
-            BackendError::Failed { step, message } => {
-                BackendError::Unchanged(format!("{step} failed: {message}"))
-            }
+            e @ BackendError::Failed { .. } => BackendError::Unchanged(e.chain()),
             BackendError::Io { context, source } => {
                 BackendError::Unchanged(format!("{context}: {source}"))
             }

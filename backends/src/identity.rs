@@ -58,20 +58,8 @@ pub enum IdentityError {
 
 impl From<IdentityError> for BackendError {
     fn from(e: IdentityError) -> Self {
-        BackendError::failed("generate identity", crate_chain(&e))
+        BackendError::failed("generate identity", e)
     }
-}
-
-/// The error and its causes, one line.
-fn crate_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 /// Random bytes as lowercase hex.

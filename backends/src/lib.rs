@@ -22,12 +22,16 @@
 
 pub mod confined;
 pub mod fake;
+#[cfg(any(feature = "qemu", feature = "libvirt"))]
+pub mod host;
 pub mod identity;
 #[cfg(feature = "libvirt")]
 pub mod libvirt;
 pub mod mark;
 #[cfg(feature = "qemu")]
 pub mod qemu;
+#[cfg(any(feature = "qemu", feature = "libvirt"))]
+pub mod storage;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -70,12 +74,13 @@ pub enum BackendError {
     #[error("reimage failed before changing the VM: {0}")]
     Unchanged(String),
     /// A step failed; retrying may help.
-    #[error("{step} failed: {message}")]
+    #[error("{step} failed")]
     Failed {
         /// The step that failed.
         step: String,
-        /// Why.
-        message: String,
+        /// Why: the error that made it fail (a message for causes that are only text).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// Local I/O failed.
     #[error("{context}")]
@@ -89,12 +94,35 @@ pub enum BackendError {
 }
 
 impl BackendError {
-    /// A `Failed` error.
-    pub fn failed(step: impl Into<String>, message: impl Into<String>) -> Self {
+    /// A `Failed` error: `step` failed because of `cause`, an error (kept as the source, so
+    /// its own causes stay reachable) or a message (`String`, `&str`).
+    pub fn failed(
+        step: impl Into<String>,
+        cause: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
         BackendError::Failed {
             step: step.into(),
+            source: cause.into(),
+        }
+    }
+    /// A `NotFound` error of backend `backend`.
+    pub fn not_found(backend: &str, what: impl Into<String>) -> Self {
+        BackendError::NotFound {
+            backend: backend.into(),
+            what: what.into(),
+        }
+    }
+    /// An `Unreachable` error of backend `backend`.
+    pub fn unreachable(backend: &str, message: impl Into<String>) -> Self {
+        BackendError::Unreachable {
+            backend: backend.into(),
             message: message.into(),
         }
+    }
+    /// This error and all its causes on one line (`outer: cause: root cause`): what a
+    /// message for a person shows.
+    pub fn chain(&self) -> String {
+        error_chain(self)
     }
     /// An `Io` error with context.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
@@ -110,6 +138,27 @@ impl BackendError {
             BackendError::Invalid(_) | BackendError::Unsupported { .. }
         )
     }
+}
+
+/// An error and all its causes on one line, `outer: cause: root cause`: the one renderer of
+/// error chains in this crate (errors keep their causes as `source()`, never in their
+/// message, so printing only `Display` loses them).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// A closure for `map_err` turning an I/O error into [`BackendError::Io`] with `context`.
+#[cfg_attr(not(any(feature = "qemu", feature = "libvirt")), allow(dead_code))]
+pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> BackendError {
+    let context = context.into();
+    move |source| BackendError::io(context, source)
 }
 
 /// Result alias.

@@ -681,7 +681,7 @@ async fn fault_nth_fires_on_one_call_only() {
     b.create(&new_vm("a", "ua", STOCK)).await.unwrap();
     let r = b.create(&new_vm("b", "ub", STOCK)).await;
     assert!(
-        matches!(r, Err(BackendError::Failed { ref step, ref message }) if step == "create" && message.contains("injected")),
+        matches!(r, Err(BackendError::Failed { ref step, ref source }) if step == "create" && source.to_string().contains("injected")),
         "{r:?}"
     );
     b.create(&new_vm("b", "ub", STOCK)).await.unwrap();
@@ -836,7 +836,7 @@ async fn bad_fault_configurations_are_loud() {
     .unwrap();
     let r = b.list().await;
     assert!(
-        matches!(r, Err(BackendError::Failed { ref message, .. }) if message.contains("faults.json")),
+        matches!(r, Err(BackendError::Failed { ref source, .. }) if source.to_string().contains("faults.json")),
         "{r:?}"
     );
     b.clear_faults().unwrap();

@@ -5,7 +5,7 @@
 //!
 //! `cargo test -p boxery-backends --features libvirt --test libvirt`
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Output;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,47 +13,11 @@ use std::time::{Duration, Instant};
 use boxery_backends::libvirt::{LibvirtBackend, LibvirtConfig};
 use boxery_backends::{Backend, BackendError, DiskSource, NewVm, PowerState, VmSize, identity};
 
-const URI: &str = "qemu:///system";
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+mod libvirt_support;
+use libvirt_support::{need_libvirtd, virsh};
 
 /// QEMU 10.0's assertion when multi-threaded TCG races a memory-map update (upstream bug).
 const KNOWN_TCG_RACE: &str = "iotlb_to_section: Assertion";
-
-fn virsh(args: &[&str]) -> Output {
-    std::process::Command::new("virsh")
-        .arg("-q")
-        .arg("-c")
-        .arg(URI)
-        .args(args)
-        .output()
-        .expect("virsh is installed (scripts/install-libvirt.sh)")
-}
-
-/// Start libvirtd (by scripts/libvirtd.sh) unless it answers; fail with the reason otherwise.
-fn need_libvirtd() {
-    let have = std::process::Command::new("sh")
-        .arg("-c")
-        .arg("command -v libvirtd virsh")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(
-        have,
-        "libvirtd/virsh are not installed: run scripts/install-libvirt.sh (these tests need a real libvirtd)"
-    );
-    let out = std::process::Command::new("bash")
-        .arg(repo().join("scripts/libvirtd.sh"))
-        .arg("start")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "scripts/libvirtd.sh start failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 struct Env {
     tmp: tempfile::TempDir,
@@ -228,13 +192,7 @@ impl Env {
     }
 
     fn domains(&self) -> Vec<String> {
-        let prefix = self.backend.domain_name("");
-        String::from_utf8_lossy(&virsh(&["list", "--all", "--name"]).stdout)
-            .lines()
-            .map(str::trim)
-            .filter(|l| l.starts_with(&prefix))
-            .map(String::from)
-            .collect()
+        libvirt_support::domains(&self.backend)
     }
 
     fn pool_files(&self, pat: &str) -> Vec<String> {
@@ -252,14 +210,7 @@ impl Env {
 impl Drop for Env {
     /// Remove every domain of this namespace and the pool (also when the test failed).
     fn drop(&mut self) {
-        for d in self.domains() {
-            virsh(&["destroy", &d]);
-            virsh(&["undefine", &d]);
-        }
-        let pool = self.backend.pool_name();
-        virsh(&["pool-destroy", &pool]);
-        virsh(&["pool-undefine", &pool]);
-        let _ = std::fs::remove_dir_all(self.backend.pool_dir());
+        libvirt_support::clean(&self.backend);
     }
 }
 

@@ -428,8 +428,7 @@ async fn bad_requests_are_invalid_and_leave_nothing() {
     let squatter = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
     let e = b.start("taken").await.unwrap_err();
     assert!(
-        e.to_string()
-            .contains(&format!("127.0.0.1:{port} is taken")),
+        e.chain().contains(&format!("127.0.0.1:{port} is taken")),
         "{e}"
     );
     assert_eq!(
@@ -653,7 +652,7 @@ async fn import_registers_a_base_once_and_images_are_overlays() {
     let env = Env::new().await;
     let b = &env.backend;
     env.tiny_image("tiny").await;
-    let cache = b.config().image_cache.clone();
+    let cache = b.config().storage.image_cache.clone();
     // a builder manifest imports as an image on the same (already registered) base
     b.import_image(&cache.join("tiny.json"), "imported", "uid-imp")
         .await

@@ -29,13 +29,18 @@
 //!   inbound connection the filter allows. No user-mode (passt/slirp) NIC: passt maps the
 //!   gateway to the host's loopback, which would route around the filter.
 //!
+//! - **Storage** (bases, images, seeds, builds) is the storage module's ([`crate::storage`]),
+//!   shared with the qemu backend; this module keeps the domain XML and the libvirt calls.
+//! - **Calls into libvirt** are synchronous: they run on tokio's blocking threads, never on an
+//!   async worker, over one connection opened on first use and again after it dropped.
+//!
 //! # Caveats
-//! - Calls into libvirt block the calling thread for the length of one libvirt RPC.
 //! - A running VM captured N times runs on a chain N+1 deep until its next cold start.
 
 pub mod xml;
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -43,16 +48,14 @@ use tracing::{info, warn};
 use virt::connect::Connect;
 use virt::domain::Domain;
 
-use crate::qemu::disk::{Disks, GIB, allocated_bytes};
-use crate::qemu::layout::{
-    FileLock, read_json, remove_file_if_exists, remove_temps, valid_name, write_atomic, write_json,
-};
-use crate::qemu::process::{Accel, detect_accel};
-use crate::qemu::records::{BaseRecord, ImageRecord, Manifest, VmConfig};
-use crate::qemu::{config::QemuConfig, seed};
+use crate::host::{Accel, detect_accel};
+use crate::storage::disk::{GIB, allocated_bytes};
+use crate::storage::files::{FileLock, remove_file_if_exists, remove_temps, valid_name};
+use crate::storage::records::{BaseRecord, VmConfig};
+use crate::storage::{BasePlaces, Places, Storage, StorageConfig, seed};
 use crate::{
     Backend, BackendError, Capabilities, Identity, ImageInfo, NewVm, PowerState, Progress, Result,
-    Stability, VmInfo, VmSize,
+    Stability, VmInfo, VmSize, io,
 };
 
 const BACKEND: &str = "libvirt";
@@ -83,12 +86,12 @@ pub struct LibvirtConfig {
     /// Seconds a guest gets to power off on the ACPI button (`BOXERY_LIBVIRT_POWERDOWN_TIMEOUT`).
     pub powerdown_timeout: Duration,
     /// Domain type: `kvm` when KVM really works, else `qemu` (`BOXERY_LIBVIRT_ACCEL` =
-    /// `kvm`/`tcg`/`auto`, the qemu backend's detection).
+    /// `kvm`/`tcg`/`auto`, the same detection as the qemu backend's).
     pub kind: &'static str,
     /// Why that domain type.
     pub kind_reason: String,
-    /// Tools, image builders and cache (shared with the qemu backend's settings).
-    pub qemu: QemuConfig,
+    /// `qemu-img`, `genisoimage`, the image builders (shared with the other drivers).
+    pub storage: StorageConfig,
 }
 
 impl LibvirtConfig {
@@ -112,7 +115,7 @@ impl LibvirtConfig {
                 "qemu"
             },
             kind_reason: accel.reason,
-            qemu: QemuConfig::from_env(),
+            storage: StorageConfig::from_env(),
         }
     }
 }
@@ -120,38 +123,41 @@ impl LibvirtConfig {
 /// The libvirt backend.
 #[derive(Debug, Clone)]
 pub struct LibvirtBackend {
+    inner: Arc<Inner>,
+}
+
+/// The backend's state, shared with the blocking threads its libvirt calls run on.
+#[derive(Debug)]
+struct Inner {
     dir: PathBuf,
     ns: String,
     pool_dir: PathBuf,
     config: LibvirtConfig,
-    disks: Disks,
-}
-
-fn lv_failed(step: impl Into<String>, e: virt::error::Error) -> BackendError {
-    BackendError::failed(step, e.to_string())
+    /// Bases, images and seeds: `bases/`, `images/` here, disks in the pool.
+    storage: Storage,
+    /// One connection for every call, opened on first use and again after it dropped.
+    conn: Mutex<Option<Connect>>,
 }
 
 fn unreachable(message: impl Into<String>) -> BackendError {
-    BackendError::Unreachable {
-        backend: BACKEND.into(),
-        message: message.into(),
-    }
+    BackendError::unreachable(BACKEND, message)
 }
 
 fn not_found(what: impl Into<String>) -> BackendError {
-    BackendError::NotFound {
-        backend: BACKEND.into(),
-        what: what.into(),
-    }
-}
-
-fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> BackendError {
-    let context = context.into();
-    move |source| BackendError::io(context, source)
+    BackendError::not_found(BACKEND, what)
 }
 
 fn is_code(e: &virt::error::Error, code: virt::error::ErrorNumber) -> bool {
     e.code().is(code)
+}
+
+/// Run blocking work (libvirt's synchronous calls) on tokio's blocking threads, never on an
+/// async worker; a panic in it is re-raised here.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(t) => t,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
 }
 
 /// 8 hex digits of FNV-1a over `s`: a stable namespace id for a state directory.
@@ -165,6 +171,7 @@ pub fn namespace_of(s: &str) -> String {
 }
 
 /// A VM as read from its domain.
+#[derive(Clone)]
 struct Dom {
     dom: Domain,
     cfg: VmConfig,
@@ -189,59 +196,120 @@ impl LibvirtBackend {
             .pool_dir
             .clone()
             .unwrap_or_else(|| PathBuf::from(format!("/var/lib/libvirt/images/boxery-{ns}")));
-        let disks = Disks::new(config.qemu.qemu_img.clone());
+        let places = Places {
+            state: abs.clone(),
+            image_disks: pool_dir.clone(),
+            image_file: |name| format!("img-{name}.qcow2"),
+            image_part_file: |name| format!(".img-{name}.part"),
+            image_copy_file: Some(|name| format!(".img-{name}.copy")),
+            bases: BasePlaces::Flat {
+                files: pool_dir.clone(),
+                records: abs.join("bases"),
+            },
+        };
+        let storage = Storage::new(BACKEND, places, config.storage.clone());
         LibvirtBackend {
-            dir: abs,
-            ns,
-            pool_dir,
-            config,
-            disks,
+            inner: Arc::new(Inner {
+                dir: abs,
+                ns,
+                pool_dir,
+                config,
+                storage,
+                conn: Mutex::new(None),
+            }),
         }
     }
 
     /// The namespace id (in domain names `bx-<ns>-<vm>` and in the metadata mark).
     pub fn namespace(&self) -> &str {
-        &self.ns
+        &self.inner.ns
     }
 
     /// The storage pool's directory.
     pub fn pool_dir(&self) -> &Path {
-        &self.pool_dir
+        &self.inner.pool_dir
     }
 
     /// Its settings.
     pub fn config(&self) -> &LibvirtConfig {
-        &self.config
+        &self.inner.config
     }
 
     /// The libvirt domain name of VM `name`.
     pub fn domain_name(&self, name: &str) -> String {
-        format!("bx-{}-{name}", self.ns)
+        self.inner.domain_name(name)
     }
 
     /// The storage pool's name.
     pub fn pool_name(&self) -> String {
+        self.inner.pool_name()
+    }
+
+    /// Register a builder's output (`OUT/<name>.json`) as a read-only base in the pool; returns
+    /// its id. Idempotent.
+    pub async fn register_base(&self, manifest: &Path) -> Result<String> {
+        self.inner.ensure_dirs()?;
+        self.inner.storage.register_base(manifest).await
+    }
+}
+
+impl Inner {
+    fn domain_name(&self, name: &str) -> String {
+        format!("bx-{}-{name}", self.ns)
+    }
+
+    fn pool_name(&self) -> String {
         format!("boxery-{}", self.ns)
     }
 
+    /// The connection: the open one while it is alive, else a new one. Blocking.
     fn conn(&self) -> Result<Connect> {
-        Connect::open(Some(&self.config.uri)).map_err(|e| {
+        let mut slot = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = slot.as_ref()
+            && c.is_alive().unwrap_or(false)
+        {
+            return Ok(c.clone());
+        }
+        *slot = None;
+        let c = Connect::open(Some(&self.config.uri)).map_err(|e| {
             unreachable(format!(
                 "cannot connect to libvirtd at {}: {e} (start it: scripts/libvirtd.sh start, or `systemctl start libvirtd`)",
                 self.config.uri
             ))
-        })
+        })?;
+        *slot = Some(c.clone());
+        Ok(c)
     }
 
-    fn locks(&self) -> PathBuf {
-        self.dir.join("locks")
+    /// Run `f` with the connection on a blocking thread. A failure on a connection that has
+    /// dropped meanwhile is `Unreachable`, and the next call connects again.
+    async fn call<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&Inner, &Connect) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let me = Arc::clone(self);
+        blocking(move || {
+            let conn = me.conn()?;
+            let res = f(&me, &conn);
+            match res {
+                Err(e) if !conn.is_alive().unwrap_or(false) => {
+                    let mut slot = me.conn.lock().unwrap_or_else(|p| p.into_inner());
+                    *slot = None;
+                    Err(match e {
+                        e @ BackendError::Unreachable { .. } => e,
+                        e => unreachable(format!(
+                            "the connection to libvirtd at {} dropped: {}",
+                            me.config.uri,
+                            e.chain()
+                        )),
+                    })
+                }
+                res => res,
+            }
+        })
+        .await
     }
-    fn images_dir(&self) -> PathBuf {
-        self.dir.join("images")
-    }
-    fn bases_dir(&self) -> PathBuf {
-        self.dir.join("bases")
-    }
+
     fn seed_work(&self, name: &str) -> PathBuf {
         self.dir.join("seeds").join(name)
     }
@@ -254,31 +322,14 @@ impl LibvirtBackend {
     fn vm_serial(&self, name: &str) -> PathBuf {
         self.pool_dir.join(format!("vm-{name}-serial.log"))
     }
-    fn image_disk(&self, name: &str) -> PathBuf {
-        self.pool_dir.join(format!("img-{name}.qcow2"))
-    }
-    fn image_part(&self, name: &str) -> PathBuf {
-        self.pool_dir.join(format!(".img-{name}.part"))
-    }
-
-    /// `.img-<name>.copy`: a stopped VM's disk being copied for a capture.
-    fn image_copy(&self, name: &str) -> PathBuf {
-        self.pool_dir.join(format!(".img-{name}.copy"))
-    }
-    fn image_record(&self, name: &str) -> PathBuf {
-        self.images_dir().join(format!("{name}.json"))
-    }
-    fn base_disk(&self, id: &str) -> PathBuf {
-        self.pool_dir.join(format!("base-{id}.qcow2"))
-    }
 
     fn ensure_dirs(&self) -> Result<()> {
         use std::os::unix::fs::PermissionsExt;
         for d in [
             self.dir.clone(),
-            self.locks(),
-            self.images_dir(),
-            self.bases_dir(),
+            self.storage.locks(),
+            self.storage.records(),
+            self.dir.join("bases"),
             self.dir.join("seeds"),
         ] {
             std::fs::create_dir_all(&d).map_err(io(format!("creating {}", d.display())))?;
@@ -296,19 +347,7 @@ impl LibvirtBackend {
 
     async fn lock(&self, what: &str) -> Result<FileLock> {
         self.ensure_dirs()?;
-        FileLock::acquire(self.locks().join(format!("{what}.lock")))
-            .await
-            .map_err(io(format!("locking {what}")))
-    }
-
-    fn check_name(&self, what: &str, name: &str) -> Result<()> {
-        if valid_name(name) {
-            Ok(())
-        } else {
-            Err(BackendError::Invalid(format!(
-                "{what} name `{name}` is not valid for the libvirt backend: use 1-63 of a-z, 0-9, '-' and '.'"
-            )))
-        }
+        self.storage.lock(what).await
     }
 
     /// Our domain `name`, or `None` when there is none or it is not ours (never touched).
@@ -326,34 +365,21 @@ impl LibvirtBackend {
         Ok(self.ours(dom))
     }
 
+    /// Our domain `name`, else `NotFound`.
+    fn require(&self, conn: &Connect, name: &str) -> Result<Dom> {
+        self.lookup(conn, name)?
+            .ok_or_else(|| not_found(format!("VM {name}")))
+    }
+
     /// `Some` when `dom` carries our mark for this namespace.
     fn ours(&self, dom: Domain) -> Option<Dom> {
         let meta = dom.metadata(META_ELEMENT, Some(xml::META_URI), 0).ok()?;
         let (ns, cfg) = xml::parse_metadata(&meta)?;
         // The metadata names the VM: only a valid name that is this very domain's counts (a
         // domain defined by hand with our mark must not point boxery at other paths).
-        let named_here = crate::qemu::layout::valid_name(&cfg.name)
-            && dom.name().is_ok_and(|d| d == self.domain_name(&cfg.name));
+        let named_here =
+            valid_name(&cfg.name) && dom.name().is_ok_and(|d| d == self.domain_name(&cfg.name));
         (ns == self.ns && named_here).then_some(Dom { dom, cfg })
-    }
-
-    fn load_image(&self, name: &str) -> Result<Option<ImageRecord>> {
-        read_json(&self.image_record(name))
-            .map_err(io(format!("reading the record of image {name}")))
-    }
-
-    fn load_base(&self, id: &str) -> Result<BaseRecord> {
-        read_json(&self.bases_dir().join(format!("{id}.json")))
-            .map_err(io(format!("reading base {id}")))?
-            .ok_or_else(|| {
-                BackendError::failed(
-                    "find the base",
-                    format!(
-                        "base {id} is not registered in {}",
-                        self.bases_dir().display()
-                    ),
-                )
-            })
     }
 
     fn generations(&self, name: &str) -> Result<Vec<u64>> {
@@ -383,13 +409,19 @@ impl LibvirtBackend {
         Ok(out)
     }
 
+    fn next_generation(&self, name: &str) -> Result<u64> {
+        Ok(self.generations(name)?.last().copied().unwrap_or(0) + 1)
+    }
+
     fn gateway(&self, conn: &Connect) -> Result<String> {
         let net = conn
             .lookup_network_by_name(&self.config.network)
-            .map_err(|e| lv_failed(format!("find libvirt network {}", self.config.network), e))?;
+            .map_err(|e| {
+                BackendError::failed(format!("find libvirt network {}", self.config.network), e)
+            })?;
         let x = net
             .xml_desc(0)
-            .map_err(|e| lv_failed("read the network", e))?;
+            .map_err(|e| BackendError::failed("read the network", e))?;
         xml::network_gateway(&x).ok_or_else(|| {
             BackendError::Invalid(format!(
                 "libvirt network {} has no IPv4 address: boxery needs a NAT network with DHCP",
@@ -399,12 +431,12 @@ impl LibvirtBackend {
     }
 
     fn domain_xml(&self, conn: &Connect, cfg: &VmConfig, disk: &Path) -> Result<String> {
-        let base = self.load_base(&cfg.base)?;
+        let base = self.storage.load_base(&cfg.base)?;
         let gw = self.gateway(conn)?;
-        let boot = &base.boot;
+        let boot = self.storage.base_boot(&base);
         let p = |p: &Option<PathBuf>| {
             p.as_ref()
-                .map(|p| self.pool_dir.join(p).to_string_lossy().into_owned())
+                .map(|p| p.to_string_lossy().into_owned())
                 .unwrap_or_default()
         };
         Ok(xml::domain(&xml::DomainSpec {
@@ -428,14 +460,14 @@ impl LibvirtBackend {
     fn define(&self, conn: &Connect, cfg: &VmConfig, disk: &Path) -> Result<Domain> {
         let x = self.domain_xml(conn, cfg, disk)?;
         conn.define_domain_xml(&x)
-            .map_err(|e| lv_failed(format!("define the domain of VM {}", cfg.name), e))
+            .map_err(|e| BackendError::failed(format!("define the domain of VM {}", cfg.name), e))
     }
 
-    fn active_disk(&self, d: &Dom) -> Result<PathBuf> {
+    fn active_disk(d: &Dom) -> Result<PathBuf> {
         let x = d
             .dom
             .xml_desc(0)
-            .map_err(|e| lv_failed("read the domain XML", e))?;
+            .map_err(|e| BackendError::failed("read the domain XML", e))?;
         xml::vda_source(&x).map(PathBuf::from).ok_or_else(|| {
             BackendError::failed("find the disk", format!("VM {} has no vda", d.cfg.name))
         })
@@ -445,25 +477,11 @@ impl LibvirtBackend {
         d.dom.is_active().unwrap_or(false)
     }
 
-    /// Pull any frozen layers of a stopped VM into its active overlay, then drop them: the VM is
-    /// one overlay deep on its base again.
-    async fn flatten(&self, d: &Dom) -> Result<()> {
-        let active = self.active_disk(d)?;
-        let base = self.base_disk(&d.cfg.base);
-        let chain = self
-            .disks
-            .chain(&active)
-            .await
-            .map_err(|e| BackendError::failed("read the disk chain", e.to_string()))?;
-        if chain.len() > 2 {
-            self.disks.rebase(&active, &base).await.map_err(|e| {
-                BackendError::failed(
-                    format!("pull the layers of VM {} into its disk", d.cfg.name),
-                    e.to_string(),
-                )
-            })?;
-        }
-        self.remove_stale_generations(&d.cfg.name, &active)
+    fn start_domain(d: &Dom) -> Result<()> {
+        d.dom
+            .create()
+            .map(drop)
+            .map_err(|e| BackendError::failed(format!("start VM {}", d.cfg.name), e))
     }
 
     fn remove_stale_generations(&self, name: &str, active: &Path) -> Result<()> {
@@ -476,27 +494,55 @@ impl LibvirtBackend {
         Ok(())
     }
 
-    async fn boot(&self, conn: &Connect, d: &Dom) -> Result<()> {
-        if Self::is_running(d) {
+    /// Pull any frozen layers of a stopped VM into its active overlay, then drop them: the VM is
+    /// one overlay deep on its base again.
+    async fn flatten(self: &Arc<Self>, d: &Dom) -> Result<PathBuf> {
+        let dd = d.clone();
+        let active = blocking(move || Self::active_disk(&dd)).await?;
+        let base = self.storage.base_disk(&d.cfg.base);
+        let disks = self.storage.disks();
+        let chain = disks
+            .chain(&active)
+            .await
+            .map_err(|e| BackendError::failed("read the disk chain", e))?;
+        if chain.len() > 2 {
+            disks.rebase(&active, &base).await.map_err(|e| {
+                BackendError::failed(
+                    format!("pull the layers of VM {} into its disk", d.cfg.name),
+                    e,
+                )
+            })?;
+        }
+        self.remove_stale_generations(&d.cfg.name, &active)?;
+        Ok(active)
+    }
+
+    /// Start a stopped VM: flatten its disk, regenerate its XML (filter, accel, size), start.
+    async fn boot(self: &Arc<Self>, d: &Dom) -> Result<()> {
+        let dd = d.clone();
+        if blocking(move || Self::is_running(&dd)).await {
             return Ok(());
         }
-        self.flatten(d).await?;
-        // regenerate the XML (filter, accel, size) before every cold start
-        let active = self.active_disk(d)?;
-        self.define(conn, &d.cfg, &active)?;
-        d.dom
-            .create()
-            .map_err(|e| lv_failed(format!("start VM {}", d.cfg.name), e))
+        let active = self.flatten(d).await?;
+        let cfg = d.cfg.clone();
+        self.call(move |me, conn| {
+            let dom = me.define(conn, &cfg, &active)?;
+            Self::start_domain(&Dom { dom, cfg })
+        })
+        .await
     }
 
     async fn shutdown(&self, d: &Dom, graceful: bool) -> Result<()> {
-        if !Self::is_running(d) {
+        let dd = d.clone();
+        if !blocking(move || Self::is_running(&dd)).await {
             return Ok(());
         }
-        if graceful && d.dom.shutdown().is_ok() {
+        let dd = d.clone();
+        if graceful && blocking(move || dd.dom.shutdown().is_ok()).await {
             let deadline = Instant::now() + self.config.powerdown_timeout;
             while Instant::now() < deadline {
-                if !Self::is_running(d) {
+                let dd = d.clone();
+                if !blocking(move || Self::is_running(&dd)).await {
                     return Ok(());
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -506,28 +552,35 @@ impl LibvirtBackend {
                 "no ACPI power-off in time; destroying"
             );
         }
-        match d.dom.destroy() {
+        let dd = d.clone();
+        blocking(move || match dd.dom.destroy() {
             Ok(()) => Ok(()),
-            Err(_) if !Self::is_running(d) => Ok(()),
-            Err(e) => Err(lv_failed(format!("stop VM {}", d.cfg.name), e)),
-        }
+            Err(_) if !Self::is_running(&dd) => Ok(()),
+            Err(e) => Err(BackendError::failed(format!("stop VM {}", dd.cfg.name), e)),
+        })
+        .await
     }
 
     /// Remove VM `name`'s domain (when ours) and every file of it.
-    async fn destroy(&self, name: &str) -> Result<()> {
-        let conn = self.conn()?;
-        if let Some(d) = self.lookup(&conn, name)? {
+    async fn destroy(self: &Arc<Self>, name: &str) -> Result<()> {
+        let n = name.to_string();
+        if let Some(d) = self.call(move |me, conn| me.lookup(conn, &n)).await? {
             self.shutdown(&d, false).await?;
-            d.dom
-                .undefine()
-                .or_else(|e| {
-                    if is_code(&e, virt::error::ErrorNumber::NoDomain) {
-                        Ok(())
-                    } else {
-                        Err(e)
-                    }
-                })
-                .map_err(|e| lv_failed(format!("undefine the domain of VM {name}"), e))?;
+            blocking(move || {
+                d.dom
+                    .undefine()
+                    .or_else(|e| {
+                        if is_code(&e, virt::error::ErrorNumber::NoDomain) {
+                            Ok(())
+                        } else {
+                            Err(e)
+                        }
+                    })
+                    .map_err(|e| {
+                        BackendError::failed(format!("undefine the domain of VM {}", d.cfg.name), e)
+                    })
+            })
+            .await?;
         }
         for g in self.generations(name)? {
             remove_file_if_exists(&self.vm_disk(name, g)).map_err(io("removing a VM disk"))?;
@@ -545,116 +598,66 @@ impl LibvirtBackend {
         })
         .map_err(io(format!("removing temp files of VM {name}")))?;
         let _ = std::fs::remove_dir_all(self.seed_work(name));
-        self.refresh_pool(&conn);
+        self.refresh_pool().await;
         Ok(())
     }
 
-    fn refresh_pool(&self, conn: &Connect) {
-        if let Ok(p) = conn.lookup_storage_pool_by_name(&self.pool_name()) {
-            let _ = p.refresh(0);
-        }
+    /// Tell libvirt the pool's files changed (best effort).
+    async fn refresh_pool(self: &Arc<Self>) {
+        let _ = self
+            .call(|me, conn| {
+                if let Ok(p) = conn.lookup_storage_pool_by_name(&me.pool_name()) {
+                    let _ = p.refresh(0);
+                }
+                Ok(())
+            })
+            .await;
     }
 
     async fn write_seed(&self, name: &str, instance_id: &str, identity: &Identity) -> Result<()> {
-        seed::write_seed_iso(
-            &self.config.qemu.genisoimage,
-            name,
-            instance_id,
-            identity,
-            &self.seed_work(name),
-            &self.vm_seed(name),
-        )
-        .await
-        .map_err(|e| BackendError::failed(format!("write the seed of VM {name}"), chain(&e)))
-    }
-
-    fn with_host_key(name: &str, identity: &Identity) -> Result<Identity> {
-        let mut id = identity.clone();
-        if id.hostname.is_empty() {
-            id.hostname = name.replace('.', "-");
-        }
-        if id.host_key.is_none() {
-            id.host_key = Some(
-                crate::identity::host_key(name, &format!("{name}.boxery"))
-                    .map_err(|e| BackendError::failed("make a host key", e.to_string()))?,
-            );
-        }
-        Ok(id)
-    }
-
-    /// Copy image `image`'s overlay to `dst`, grown to `bytes`; returns the image record.
-    async fn copy_image(&self, image: &str, dst: &Path, bytes: u64) -> Result<ImageRecord> {
-        let rec = self
-            .load_image(image)?
-            .ok_or_else(|| not_found(format!("image {image}")))?;
-        let src = self.image_disk(image);
-        if !src.exists() {
-            return Err(not_found(format!("the disk of image {image}")));
-        }
-        let tmp = crate::qemu::layout::temp_path(dst);
-        self.disks
-            .copy(&src, &tmp)
+        self.storage
+            .write_seed(
+                name,
+                instance_id,
+                identity,
+                &self.seed_work(name),
+                &self.vm_seed(name),
+            )
             .await
-            .map_err(|e| BackendError::failed(format!("copy image {image}"), e.to_string()))?;
-        set_mode(&tmp, 0o600)?;
-        if bytes > rec.virtual_size {
-            self.disks
-                .resize(&tmp, bytes)
-                .await
-                .map_err(|e| BackendError::failed("grow the disk", e.to_string()))?;
-        }
-        std::fs::rename(&tmp, dst).map_err(io(format!("renaming {}", dst.display())))?;
-        Ok(rec)
     }
 
-    async fn create_inner(&self, conn: &Connect, vm: &NewVm) -> Result<()> {
+    async fn create_inner(self: &Arc<Self>, vm: &NewVm) -> Result<()> {
         let crate::DiskSource::Image(image) = &vm.source;
+        let rec = self.storage.usable_image(image)?;
         let disk = self.vm_disk(&vm.name, 1);
-        let rec = self.copy_image(image, &disk, vm.disk_gib * GIB).await?;
-        let base = self.load_base(&rec.base)?;
-        if vm.memory_mib < 64 || vm.cpus == 0 {
-            return Err(BackendError::Invalid(format!(
-                "VM {}: at least 1 CPU and 64 MiB",
-                vm.name
-            )));
-        }
-        let (host_cpus, host_mib) = crate::qemu::process::host_capacity();
-        if vm.cpus > host_cpus || vm.memory_mib > host_mib {
-            return Err(BackendError::Invalid(format!(
-                "VM {} asks for {} CPUs and {} MiB; this host has {host_cpus} CPUs and {host_mib} MiB",
-                vm.name, vm.cpus, vm.memory_mib
-            )));
-        }
-        let identity = Self::with_host_key(&vm.name, &vm.identity)?;
-        let instance_id = format!("iid-{}", uuid::Uuid::new_v4());
+        self.storage
+            .copy_image(image, &disk, vm.disk_gib * GIB)
+            .await?;
+        let base = self.storage.load_base(&rec.base)?;
+        let identity = seed::complete_identity(&vm.name, &vm.identity)?;
+        let instance_id = seed::new_instance_id();
         self.write_seed(&vm.name, &instance_id, &identity).await?;
-        let b: [u8; 3] = rand::random();
-        let cfg = VmConfig {
-            name: vm.name.clone(),
-            mark: vm.uid.clone(),
-            uuid: uuid::Uuid::new_v4().to_string(),
-            mac: format!("52:54:00:{:02x}:{:02x}:{:02x}", b[0], b[1], b[2]),
-            port: 22,
-            cpus: vm.cpus,
-            memory_mib: vm.memory_mib,
-            disk_gib: vm.disk_gib.max(rec.virtual_size.div_ceil(GIB)),
-            base: base.id.clone(),
+        let cfg = seed::new_vm_record(
+            vm,
+            &identity,
             instance_id,
-            hostname: identity.hostname.clone(),
-            host_key: identity
-                .host_key
-                .as_ref()
-                .map(|(_, p)| p.trim().to_string()),
-            image: image.clone(),
-            created: chrono::Utc::now(),
-        };
-        let dom = self.define(conn, &cfg, &disk)?;
-        self.refresh_pool(conn);
-        if vm.start {
-            dom.create()
-                .map_err(|e| lv_failed(format!("start VM {}", vm.name), e))?;
-        }
-        Ok(())
+            image,
+            &base.id,
+            vm.disk_gib.max(rec.virtual_size.div_ceil(GIB)),
+            22,
+        );
+        let start = vm.start;
+        self.call(move |me, conn| {
+            let dom = me.define(conn, &cfg, &disk)?;
+            if let Ok(p) = conn.lookup_storage_pool_by_name(&me.pool_name()) {
+                let _ = p.refresh(0);
+            }
+            if start {
+                Self::start_domain(&Dom { dom, cfg })?;
+            }
+            Ok(())
+        })
+        .await
     }
 
     /// The guest's address on its network, from the DHCP lease.
@@ -671,7 +674,11 @@ impl LibvirtBackend {
             .map(|a| a.addr.clone())
     }
 
-    fn info(&self, d: &Dom) -> VmInfo {
+    /// The inventory row of `d`, `None` when its disk is gone (Lost to the reconciler).
+    fn info(&self, d: &Dom) -> Option<VmInfo> {
+        if !Self::active_disk(d).map(|p| p.exists()).unwrap_or(false) {
+            return None;
+        }
         let running = Self::is_running(d);
         let used = self
             .generations(&d.cfg.name)
@@ -679,7 +686,7 @@ impl LibvirtBackend {
             .iter()
             .map(|g| allocated_bytes(&self.vm_disk(&d.cfg.name, *g)))
             .sum();
-        VmInfo {
+        Some(VmInfo {
             name: d.cfg.name.clone(),
             mark: Some(d.cfg.mark.clone()),
             state: if running {
@@ -697,13 +704,13 @@ impl LibvirtBackend {
                 .flatten()
                 .map(|a| format!("{a}:22")),
             disk_used_bytes: Some(used),
-        }
+        })
     }
 
     fn save_cfg(&self, conn: &Connect, d: &Dom, cfg: &VmConfig) -> Result<()> {
         // the persistent definition carries the record; a running domain gets the new metadata
         // live too (the rest applies at its next cold start)
-        let active = self.active_disk(d)?;
+        let active = Self::active_disk(d)?;
         self.define(conn, cfg, &active)?;
         if Self::is_running(d) {
             d.dom
@@ -714,245 +721,93 @@ impl LibvirtBackend {
                     Some(xml::META_URI),
                     AFFECT_LIVE,
                 )
-                .map_err(|e| lv_failed(format!("update the live record of VM {}", cfg.name), e))?;
+                .map_err(|e| {
+                    BackendError::failed(format!("update the live record of VM {}", cfg.name), e)
+                })?;
         }
         Ok(())
     }
 
-    /// Publish `part` as image `image` (record first, then the disk's name).
-    fn publish(
-        &self,
-        image: &str,
-        uid: &str,
-        base: &str,
-        source: String,
-        virtual_size: u64,
-    ) -> Result<()> {
-        use std::os::unix::fs::PermissionsExt;
-        let part = self.image_part(image);
-        std::fs::set_permissions(&part, std::fs::Permissions::from_mode(0o444))
-            .map_err(io("chmod the image"))?;
-        std::fs::rename(&part, self.image_disk(image)).map_err(io("publishing the image disk"))?;
-        let rec = ImageRecord {
-            name: image.into(),
-            mark: uid.into(),
-            base: base.into(),
-            source,
-            virtual_size,
-            created: chrono::Utc::now(),
-        };
-        write_json(&self.image_record(image), &rec, 0o600)
-            .map_err(io(format!("writing the record of image {image}")))
-    }
-
-    fn remove_image_files(&self, image: &str) -> Result<()> {
-        remove_file_if_exists(&self.image_record(image)).map_err(io("removing an image record"))?;
-        for p in [
-            self.image_disk(image),
-            self.image_part(image),
-            self.image_copy(image),
-        ] {
-            remove_file_if_exists(&p).map_err(io(format!("removing {}", p.display())))?;
-        }
-        let (record, disk) = (format!("{image}.json"), format!("img-{image}.qcow2"));
-        remove_temps(&self.images_dir(), |f| f == record)
-            .and_then(|()| remove_temps(&self.pool_dir, |f| f == disk))
-            .map_err(io(format!("removing temp files of image {image}")))
-    }
-
-    async fn capture_inner(&self, conn: &Connect, vm: &str, image: &str, uid: &str) -> Result<()> {
-        let d = self
-            .lookup(conn, vm)?
-            .ok_or_else(|| not_found(format!("VM {vm}")))?;
-        let base = self.load_base(&d.cfg.base)?;
-        let base_disk = self.base_disk(&base.id);
-        let active = self.active_disk(&d)?;
-        let part = self.image_part(image);
+    /// Capture VM `vm` into the image's part file and publish it (image lock held).
+    async fn capture_inner(self: &Arc<Self>, vm: &str, image: &str, uid: &str) -> Result<()> {
+        let n = vm.to_string();
+        let d = self.call(move |me, conn| me.require(conn, &n)).await?;
+        let base = self.storage.load_base(&d.cfg.base)?;
+        let base_disk = self.storage.base_disk(&base.id);
+        let part = self.storage.image_part(image);
         let _ = remove_file_if_exists(&part);
-        let frozen = if Self::is_running(&d) {
-            let next = self.generations(vm)?.last().copied().unwrap_or(0) + 1;
-            let new = self.vm_disk(vm, next);
+        let disks = self.storage.disks();
+        let (running, active) = {
+            let dd = d.clone();
+            blocking(move || {
+                Ok::<_, BackendError>((Self::is_running(&dd), Self::active_disk(&dd)?))
+            })
+            .await?
+        };
+        let frozen = if running {
+            let new = self.vm_disk(vm, self.next_generation(vm)?);
             let snap = xml::disk_snapshot(&new.to_string_lossy());
-            let flags = SNAP_DISK_ONLY | SNAP_NO_METADATA | SNAP_ATOMIC;
-            let quiesced = base.guest_agent
-                && d.dom
-                    .create_snapshot_xml(&snap, flags | SNAP_QUIESCE)
-                    .is_ok();
-            if !quiesced {
-                d.dom
-                    .create_snapshot_xml(&snap, flags)
-                    .map_err(|e| lv_failed(format!("snapshot the disk of VM {vm}"), e))?;
-            }
+            let agent = base.guest_agent;
+            let dd = d.clone();
+            blocking(move || {
+                let flags = SNAP_DISK_ONLY | SNAP_NO_METADATA | SNAP_ATOMIC;
+                let quiesced = agent
+                    && dd
+                        .dom
+                        .create_snapshot_xml(&snap, flags | SNAP_QUIESCE)
+                        .is_ok();
+                if !quiesced {
+                    dd.dom.create_snapshot_xml(&snap, flags).map_err(|e| {
+                        BackendError::failed(format!("snapshot the disk of VM {}", dd.cfg.name), e)
+                    })?;
+                }
+                Ok::<_, BackendError>(())
+            })
+            .await?;
             active
         } else {
             // stopped: copy its overlay (below)
-            let tmp = self.image_copy(image);
-            self.disks.copy(&active, &tmp).await.map_err(|e| {
-                BackendError::failed(format!("copy the disk of VM {vm}"), e.to_string())
-            })?;
+            let tmp = self
+                .storage
+                .image_copy(image)
+                .expect("the libvirt backend stages copies");
+            disks
+                .copy(&active, &tmp)
+                .await
+                .map_err(|e| BackendError::failed(format!("copy the disk of VM {vm}"), e))?;
             std::fs::rename(&tmp, &part).map_err(io("renaming the image copy"))?;
             part.clone()
         };
         if frozen != part {
-            let chain = self
-                .disks
+            let chain = disks
                 .chain(&frozen)
                 .await
-                .map_err(|e| BackendError::failed("read the disk chain", e.to_string()))?;
+                .map_err(|e| BackendError::failed("read the disk chain", e))?;
             if chain.len() <= 2 && std::fs::hard_link(&frozen, &part).is_ok() {
                 // one overlay on the base, never written again: share it
             } else {
-                self.disks.copy(&frozen, &part).await.map_err(|e| {
-                    BackendError::failed(format!("copy the frozen disk of VM {vm}"), e.to_string())
+                disks.copy(&frozen, &part).await.map_err(|e| {
+                    BackendError::failed(format!("copy the frozen disk of VM {vm}"), e)
                 })?;
             }
         }
-        let chain = self
-            .disks
+        let chain = disks
             .chain(&part)
             .await
-            .map_err(|e| BackendError::failed("read the image chain", e.to_string()))?;
+            .map_err(|e| BackendError::failed("read the image chain", e))?;
         if chain.len() > 2 {
-            set_mode(&part, 0o600)?;
-            self.disks.rebase(&part, &base_disk).await.map_err(|e| {
-                BackendError::failed("rebase the image onto its base", e.to_string())
-            })?;
+            crate::storage::files::set_mode(&part, 0o600)
+                .map_err(io(format!("chmod {}", part.display())))?;
+            disks
+                .rebase(&part, &base_disk)
+                .await
+                .map_err(|e| BackendError::failed("rebase the image onto its base", e))?;
         }
-        let size = self
-            .disks
-            .info(&part)
-            .await
-            .map(|i| i.virtual_size)
-            .unwrap_or(d.cfg.disk_gib * GIB);
-        self.publish(image, uid, &base.id, format!("vm:{vm}"), size)?;
-        self.refresh_pool(conn);
+        self.storage
+            .publish(image, uid, &base.id, &format!("vm:{vm}"))
+            .await?;
+        self.refresh_pool().await;
         Ok(())
-    }
-
-    /// Register a builder's output (`OUT/<name>.json`) as a read-only base in the pool; returns
-    /// its id. Idempotent.
-    pub async fn register_base(&self, manifest: &Path) -> Result<String> {
-        self.ensure_dirs()?;
-        let m: Manifest = read_json(manifest)
-            .map_err(io(format!("reading {}", manifest.display())))?
-            .ok_or_else(|| {
-                BackendError::Invalid(format!("{} does not exist", manifest.display()))
-            })?;
-        let hash = m
-            .input_hash
-            .clone()
-            .or(m.disk_sha256.clone())
-            .unwrap_or_else(|| namespace_of(&manifest.to_string_lossy()));
-        crate::qemu::images::check_manifest_files(
-            manifest,
-            Path::new(&m.disk),
-            m.kernel.as_deref().map(Path::new),
-            m.initrd.as_deref().map(Path::new),
-        )?;
-        crate::qemu::images::check_machine(manifest, m.machine.as_deref())?;
-        let id = crate::qemu::images::base_id(manifest, &m.name, &hash)?;
-        let _lock = self.lock(&format!("base-{id}")).await?;
-        let rec_path = self.bases_dir().join(format!("{id}.json"));
-        if rec_path.exists() {
-            return Ok(id);
-        }
-        let dir = manifest.parent().unwrap_or(Path::new("."));
-        let copy = |src: &Path, dst: PathBuf| -> Result<()> {
-            let tmp = crate::qemu::layout::temp_path(&dst);
-            let st = std::process::Command::new("cp")
-                .arg("--reflink=auto")
-                .arg(src)
-                .arg(&tmp)
-                .status()
-                .map_err(io("running cp"))?;
-            if !st.success() {
-                return Err(BackendError::failed(
-                    "copy the base",
-                    format!("cp {} failed", src.display()),
-                ));
-            }
-            set_mode(&tmp, 0o444)?;
-            std::fs::rename(&tmp, &dst).map_err(io("renaming the base"))
-        };
-        copy(&dir.join(&m.disk), self.base_disk(&id))?;
-        let mut boot = crate::qemu::process::Boot {
-            cmdline: m.cmdline.clone(),
-            machine: m.machine.clone(),
-            ..Default::default()
-        };
-        if let Some(k) = &m.kernel {
-            copy(
-                &dir.join(k),
-                self.pool_dir.join(format!("base-{id}.vmlinuz")),
-            )?;
-            boot.kernel = Some(PathBuf::from(format!("base-{id}.vmlinuz")));
-        }
-        if let Some(i) = &m.initrd {
-            copy(
-                &dir.join(i),
-                self.pool_dir.join(format!("base-{id}.initrd")),
-            )?;
-            boot.initrd = Some(PathBuf::from(format!("base-{id}.initrd")));
-        }
-        let size = self
-            .disks
-            .info(&self.base_disk(&id))
-            .await
-            .map(|i| i.virtual_size)
-            .unwrap_or(GIB);
-        let rec = BaseRecord {
-            id: id.clone(),
-            stock: m.name.clone(),
-            boot,
-            guest_agent: m.guest_agent,
-            hash,
-            virtual_size: size,
-            created: chrono::Utc::now(),
-        };
-        write_json(&rec_path, &rec, 0o600).map_err(io("writing the base record"))?;
-        Ok(id)
-    }
-
-    async fn image_from_base(
-        &self,
-        image: &str,
-        uid: &str,
-        base: &str,
-        source: String,
-    ) -> Result<()> {
-        let _lock = self.lock(&format!("image-{image}")).await?;
-        if let Some(rec) = self.load_image(image)? {
-            return same_image(rec, uid);
-        }
-        let rec = self.load_base(base)?;
-        let part = self.image_part(image);
-        let _ = remove_file_if_exists(&part);
-        self.disks
-            .create_overlay(&part, &self.base_disk(base), None)
-            .await
-            .map_err(|e| BackendError::failed("create the image overlay", e.to_string()))?;
-        self.publish(image, uid, base, source, rec.virtual_size)?;
-        if let Ok(c) = self.conn() {
-            self.refresh_pool(&c);
-        }
-        Ok(())
-    }
-}
-
-fn set_mode(p: &Path, mode: u32) -> Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
-        .map_err(io(format!("chmod {}", p.display())))
-}
-
-fn same_image(rec: ImageRecord, uid: &str) -> Result<()> {
-    if crate::mark::Mark::same_object(&rec.mark, uid) {
-        Ok(())
-    } else {
-        Err(BackendError::Invalid(format!(
-            "an image named {} already exists in the libvirt backend for another object (uid {}): pick another name",
-            rec.name, rec.mark
-        )))
     }
 }
 
@@ -979,109 +834,132 @@ impl Backend for LibvirtBackend {
     }
 
     async fn check(&self) -> Result<()> {
-        let conn = self.conn()?;
-        conn.hyp_version().map_err(|e| {
-            unreachable(format!(
-                "libvirtd at {} does not answer: {e}",
-                self.config.uri
-            ))
-        })?;
-        for tool in [&self.config.qemu.qemu_img, &self.config.qemu.genisoimage] {
-            if std::process::Command::new(tool)
-                .arg("--version")
-                .output()
-                .is_err()
-            {
-                return Err(BackendError::Invalid(format!(
-                    "{} is missing: run scripts/install-deps.sh",
-                    tool.display()
-                )));
-            }
-        }
-        Ok(())
+        self.inner
+            .call(|me, conn| {
+                conn.hyp_version().map_err(|e| {
+                    unreachable(format!(
+                        "libvirtd at {} does not answer: {e}",
+                        me.config.uri
+                    ))
+                })?;
+                for tool in [&me.config.storage.qemu_img, &me.config.storage.genisoimage] {
+                    if std::process::Command::new(tool)
+                        .arg("--version")
+                        .output()
+                        .is_err()
+                    {
+                        return Err(BackendError::Invalid(format!(
+                            "{} is missing: run scripts/install-deps.sh",
+                            tool.display()
+                        )));
+                    }
+                }
+                Ok(())
+            })
+            .await
     }
 
     /// Idempotent, and safe to run from several processes at once: this home's (a `serve`
     /// and a CLI `--wait`) take turns; the filter and network, shared with other homes, count
     /// as done when another process got there first.
     async fn init(&self) -> Result<()> {
-        let _lock = self.lock("init").await?;
-        let conn = self.conn()?;
-        // the pool
-        let pool = match conn.lookup_storage_pool_by_name(&self.pool_name()) {
-            Ok(p) => p,
-            Err(_) => conn
-                .define_storage_pool_xml(
-                    &xml::pool(&self.pool_name(), &self.pool_dir.to_string_lossy()),
-                    0,
-                )
-                .map_err(|e| lv_failed("define the storage pool", e))?,
-        };
-        if !pool.is_active().unwrap_or(false)
-            && let Err(e) = pool.create(0)
-            && !pool.is_active().unwrap_or(false)
-        {
-            return Err(lv_failed("start the storage pool", e));
-        }
-        let _ = pool.set_autostart(true);
-        // the filter (redefined with its UUID, so domains using it pick up changes)
-        // defined when missing; redefining it while guests run re-instantiates every guest's
-        // rules, so a changed filter is applied by `virsh nwfilter-define` on purpose
-        if conn.lookup_nwfilter_by_name(xml::FILTER).is_err()
-            && let Err(e) = conn.define_nwfilter_xml(&xml::isolation_filter(None))
-            && conn.lookup_nwfilter_by_name(xml::FILTER).is_err()
-        {
-            return Err(lv_failed("define the nwfilter boxery-guest-isolation", e));
-        }
-        // the network
-        let net = conn.lookup_network_by_name(&self.config.network).map_err(|e| {
-            BackendError::Invalid(format!("libvirt network {} does not exist ({e}): define it (`virsh net-define`) or set BOXERY_LIBVIRT_NETWORK", self.config.network))
-        })?;
-        if !net.is_active().unwrap_or(false)
-            && let Err(e) = net.create()
-            && !net.is_active().unwrap_or(false)
-        {
-            return Err(lv_failed(
-                format!("start libvirt network {}", self.config.network),
-                e,
-            ));
-        }
-        let _ = net.set_autostart(true);
-        Ok(())
+        let _lock = self.inner.lock("init").await?;
+        self.inner
+            .call(|me, conn| {
+                // the pool
+                let pool = match conn.lookup_storage_pool_by_name(&me.pool_name()) {
+                    Ok(p) => p,
+                    Err(_) => conn
+                        .define_storage_pool_xml(
+                            &xml::pool(&me.pool_name(), &me.pool_dir.to_string_lossy()),
+                            0,
+                        )
+                        .map_err(|e| BackendError::failed("define the storage pool", e))?,
+                };
+                if !pool.is_active().unwrap_or(false)
+                    && let Err(e) = pool.create(0)
+                    && !pool.is_active().unwrap_or(false)
+                {
+                    return Err(BackendError::failed("start the storage pool", e));
+                }
+                let _ = pool.set_autostart(true);
+                // the filter, defined when missing; redefining it while guests run
+                // re-instantiates every guest's rules, so a changed filter is applied by
+                // `virsh nwfilter-define` on purpose
+                if conn.lookup_nwfilter_by_name(xml::FILTER).is_err()
+                    && let Err(e) = conn.define_nwfilter_xml(&xml::isolation_filter(None))
+                    && conn.lookup_nwfilter_by_name(xml::FILTER).is_err()
+                {
+                    return Err(BackendError::failed(
+                        "define the nwfilter boxery-guest-isolation",
+                        e,
+                    ));
+                }
+                // the network
+                let net = conn.lookup_network_by_name(&me.config.network).map_err(|e| {
+                    BackendError::Invalid(format!("libvirt network {} does not exist ({e}): define it (`virsh net-define`) or set BOXERY_LIBVIRT_NETWORK", me.config.network))
+                })?;
+                if !net.is_active().unwrap_or(false)
+                    && let Err(e) = net.create()
+                    && !net.is_active().unwrap_or(false)
+                {
+                    return Err(BackendError::failed(
+                        format!("start libvirt network {}", me.config.network),
+                        e,
+                    ));
+                }
+                let _ = net.set_autostart(true);
+                Ok(())
+            })
+            .await
     }
 
     async fn create(&self, vm: &NewVm) -> Result<()> {
-        self.check_name("VM", &vm.name)?;
-        let _lock = self.lock(&format!("vm-{}", vm.name)).await?;
-        let conn = self.conn()?;
-        if let Some(d) = self.lookup(&conn, &vm.name)? {
-            if !crate::mark::Mark::same_object(&d.cfg.mark, &vm.uid) {
+        let inner = &self.inner;
+        inner.storage.check_name("VM", &vm.name)?;
+        crate::host::check_size(vm.cpus, vm.memory_mib)?;
+        let _lock = inner.lock(&format!("vm-{}", vm.name)).await?;
+        let name = vm.name.clone();
+        let found = inner
+            .call(move |me, conn| {
+                Ok(match me.lookup(conn, &name)? {
+                    Some(d) => Some(Some(d)),
+                    // a domain with our prefix but not our mark
+                    None if conn.lookup_domain_by_name(&me.domain_name(&name)).is_ok() => {
+                        Some(None)
+                    }
+                    None => None,
+                })
+            })
+            .await?;
+        match found {
+            Some(Some(d)) => {
+                if !crate::mark::Mark::same_object(&d.cfg.mark, &vm.uid) {
+                    return Err(BackendError::Invalid(format!(
+                        "a VM named {} already exists in the libvirt backend for another object (uid {}): pick another name",
+                        vm.name, d.cfg.mark
+                    )));
+                }
+                if vm.start {
+                    inner.boot(&d).await?;
+                }
+                return Ok(());
+            }
+            Some(None) => {
                 return Err(BackendError::Invalid(format!(
-                    "a VM named {} already exists in the libvirt backend for another object (uid {}): pick another name",
-                    vm.name, d.cfg.mark
+                    "libvirt domain {} exists without boxery's mark: boxery never touches it; remove or rename it",
+                    inner.domain_name(&vm.name)
                 )));
             }
-            if vm.start {
-                self.boot(&conn, &d).await?;
-            }
-            return Ok(());
-        }
-        if conn
-            .lookup_domain_by_name(&self.domain_name(&vm.name))
-            .is_ok()
-        {
-            return Err(BackendError::Invalid(format!(
-                "libvirt domain {} exists without boxery's mark: boxery never touches it; remove or rename it",
-                self.domain_name(&vm.name)
-            )));
+            None => {}
         }
         // leftovers of a create that died
-        self.destroy(&vm.name).await?;
-        let res = self.create_inner(&conn, vm).await;
+        inner.destroy(&vm.name).await?;
+        let res = inner.create_inner(vm).await;
         if let Err(e) = &res {
-            warn!(vm = vm.name.as_str(), error = %e, "create failed; removing what it made");
-            if let Err(e2) = self.destroy(&vm.name).await {
-                warn!(vm = vm.name.as_str(), error = %e2, "could not remove the failed create; cleanup_new retries");
+            warn!(vm = vm.name.as_str(), error = %e.chain(), "create failed; removing what it made");
+            if let Err(e2) = inner.destroy(&vm.name).await {
+                warn!(vm = vm.name.as_str(), error = %e2.chain(), "could not remove the failed create; cleanup_new retries");
             }
         }
         res
@@ -1091,40 +969,38 @@ impl Backend for LibvirtBackend {
         if !valid_name(name) {
             return Ok(None);
         }
-        let conn = self.conn()?;
-        let Some(d) = self.lookup(&conn, name)? else {
-            return Ok(None);
-        };
-        if !self.active_disk(&d).map(|p| p.exists()).unwrap_or(false) {
-            return Ok(None);
-        }
-        Ok(Some(self.info(&d)))
+        let name = name.to_string();
+        self.inner
+            .call(move |me, conn| Ok(me.lookup(conn, &name)?.and_then(|d| me.info(&d))))
+            .await
     }
 
     async fn list(&self) -> Result<Vec<VmInfo>> {
-        let conn = self.conn()?;
-        let doms = conn
-            .list_all_domains(LIST_ALL)
-            .map_err(|e| unreachable(format!("listing domains: {e}")))?;
-        let prefix = self.domain_name("");
-        let mut out = Vec::new();
-        for dom in doms {
-            let Ok(n) = dom.name() else { continue };
-            if !n.starts_with(&prefix) {
-                continue; // not ours: never read further
-            }
-            let Some(d) = self.ours(dom) else { continue };
-            if self.active_disk(&d).map(|p| p.exists()).unwrap_or(false) {
-                out.push(self.info(&d));
-            }
-        }
-        if !conn.is_alive().unwrap_or(false) {
-            return Err(unreachable(
-                "the connection to libvirtd dropped while listing",
-            ));
-        }
-        out.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(out)
+        self.inner
+            .call(|me, conn| {
+                let doms = conn
+                    .list_all_domains(LIST_ALL)
+                    .map_err(|e| unreachable(format!("listing domains: {e}")))?;
+                let prefix = me.domain_name("");
+                let mut out = Vec::new();
+                for dom in doms {
+                    let Ok(n) = dom.name() else { continue };
+                    if !n.starts_with(&prefix) {
+                        continue; // not ours: never read further
+                    }
+                    if let Some(info) = me.ours(dom).and_then(|d| me.info(&d)) {
+                        out.push(info);
+                    }
+                }
+                if !conn.is_alive().unwrap_or(false) {
+                    return Err(unreachable(
+                        "the connection to libvirtd dropped while listing",
+                    ));
+                }
+                out.sort_by(|a, b| a.name.cmp(&b.name));
+                Ok(out)
+            })
+            .await
     }
 
     async fn ssh_endpoint(&self, name: &str) -> Result<Option<String>> {
@@ -1132,158 +1008,109 @@ impl Backend for LibvirtBackend {
     }
 
     async fn start(&self, name: &str) -> Result<()> {
-        self.check_name("VM", name)?;
-        let _lock = self.lock(&format!("vm-{name}")).await?;
-        let conn = self.conn()?;
-        let d = self
-            .lookup(&conn, name)?
-            .ok_or_else(|| not_found(format!("VM {name}")))?;
-        self.boot(&conn, &d).await
+        let inner = &self.inner;
+        inner.storage.check_name("VM", name)?;
+        let _lock = inner.lock(&format!("vm-{name}")).await?;
+        let n = name.to_string();
+        let d = inner.call(move |me, conn| me.require(conn, &n)).await?;
+        inner.boot(&d).await
     }
 
     async fn stop(&self, name: &str) -> Result<()> {
-        self.check_name("VM", name)?;
-        let _lock = self.lock(&format!("vm-{name}")).await?;
-        let conn = self.conn()?;
-        let d = self
-            .lookup(&conn, name)?
-            .ok_or_else(|| not_found(format!("VM {name}")))?;
-        self.shutdown(&d, true).await
+        let inner = &self.inner;
+        inner.storage.check_name("VM", name)?;
+        let _lock = inner.lock(&format!("vm-{name}")).await?;
+        let n = name.to_string();
+        let d = inner.call(move |me, conn| me.require(conn, &n)).await?;
+        inner.shutdown(&d, true).await
     }
 
     async fn remove(&self, name: &str) -> Result<()> {
         if !valid_name(name) {
             return Ok(());
         }
-        let _lock = self.lock(&format!("vm-{name}")).await?;
-        self.destroy(name).await?;
+        let _lock = self.inner.lock(&format!("vm-{name}")).await?;
+        self.inner.destroy(name).await?;
         info!(vm = name, "VM removed");
         Ok(())
     }
 
     async fn resize(&self, name: &str, size: VmSize) -> Result<()> {
-        self.check_name("VM", name)?;
-        let _lock = self.lock(&format!("vm-{name}")).await?;
-        let conn = self.conn()?;
-        let d = self
-            .lookup(&conn, name)?
-            .ok_or_else(|| not_found(format!("VM {name}")))?;
+        let inner = &self.inner;
+        inner.storage.check_name("VM", name)?;
+        crate::host::check_size(size.cpus, size.memory_mib)?;
+        let _lock = inner.lock(&format!("vm-{name}")).await?;
+        let n = name.to_string();
+        let (d, was_running) = inner
+            .call(move |me, conn| {
+                let d = me.require(conn, &n)?;
+                let running = Inner::is_running(&d);
+                Ok((d, running))
+            })
+            .await?;
         let mut cfg = d.cfg.clone();
-        if size.disk_gib < cfg.disk_gib {
-            return Err(BackendError::Invalid(format!(
-                "disks only grow: VM {name} has {} GiB, {} GiB asked",
-                cfg.disk_gib, size.disk_gib
-            )));
-        }
-        let (host_cpus, host_mib) = crate::qemu::process::host_capacity();
-        if size.cpus == 0
-            || size.cpus > host_cpus
-            || size.memory_mib > host_mib
-            || size.memory_mib < 64
-        {
-            return Err(BackendError::Invalid(format!(
-                "VM {name}: {} CPUs and {} MiB do not fit this host ({host_cpus} CPUs, {host_mib} MiB)",
-                size.cpus, size.memory_mib
-            )));
-        }
-        let machine = size.cpus != cfg.cpus || size.memory_mib != cfg.memory_mib;
-        let grow = size.disk_gib > cfg.disk_gib;
-        if !machine && !grow {
+        let Some(change) = cfg.resize_to(size)? else {
             return Ok(());
-        }
-        let was_running = Self::is_running(&d);
-        if was_running && !machine {
-            d.dom
-                .block_resize("vda", size.disk_gib * GIB, BLOCK_RESIZE_BYTES)
-                .map_err(|e| lv_failed(format!("grow the disk of VM {name}"), e))?;
+        };
+        if was_running && !change.machine {
             cfg.disk_gib = size.disk_gib;
-            return self.save_cfg(&conn, &d, &cfg);
+            return inner
+                .call(move |me, conn| {
+                    d.dom
+                        .block_resize("vda", size.disk_gib * GIB, BLOCK_RESIZE_BYTES)
+                        .map_err(|e| {
+                            BackendError::failed(format!("grow the disk of VM {}", d.cfg.name), e)
+                        })?;
+                    me.save_cfg(conn, &d, &cfg)
+                })
+                .await;
         }
         if was_running {
-            self.shutdown(&d, true).await?;
+            inner.shutdown(&d, true).await?;
         }
         let applied: Result<()> = async {
-            if grow {
-                self.flatten(&d).await?;
-                let active = self.active_disk(&d)?;
-                self.disks
+            if change.grow {
+                let active = inner.flatten(&d).await?;
+                inner
+                    .storage
+                    .disks()
                     .resize(&active, size.disk_gib * GIB)
                     .await
-                    .map_err(|e| {
-                        BackendError::failed(format!("grow the disk of VM {name}"), e.to_string())
-                    })?;
+                    .map_err(|e| BackendError::failed(format!("grow the disk of VM {name}"), e))?;
             }
             cfg.cpus = size.cpus;
             cfg.memory_mib = size.memory_mib;
             cfg.disk_gib = size.disk_gib;
-            self.save_cfg(&conn, &d, &cfg)
+            let d = d.clone();
+            inner
+                .call(move |me, conn| me.save_cfg(conn, &d, &cfg))
+                .await
         }
         .await;
         if was_running {
-            let d = self
-                .lookup(&conn, name)?
-                .ok_or_else(|| not_found(format!("VM {name}")))?;
-            self.boot(&conn, &d).await?;
+            let n = name.to_string();
+            let d = inner.call(move |me, conn| me.require(conn, &n)).await?;
+            inner.boot(&d).await?;
         }
         applied
     }
 
     async fn capture(&self, vm: &str, image: &str, uid: &str) -> Result<()> {
-        self.check_name("VM", vm)?;
-        self.check_name("image", image)?;
-        let _vm_lock = self.lock(&format!("vm-{vm}")).await?;
-        let _image_lock = self.lock(&format!("image-{image}")).await?;
-        if let Some(rec) = self.load_image(image)? {
-            return same_image(rec, uid);
-        }
-        let conn = self.conn()?;
+        let inner = &self.inner;
+        inner.storage.check_name("VM", vm)?;
+        inner.storage.check_name("image", image)?;
+        let _vm_lock = inner.lock(&format!("vm-{vm}")).await?;
         let t = Instant::now();
-        let res = self.capture_inner(&conn, vm, image, uid).await;
-        if res.is_err() {
-            let _ = self.remove_image_files(image);
-        } else {
-            info!(vm, image, secs = t.elapsed().as_secs_f64(), "captured");
-        }
-        res
+        inner
+            .storage
+            .new_image(image, uid, inner.capture_inner(vm, image, uid))
+            .await?;
+        info!(vm, image, secs = t.elapsed().as_secs_f64(), "captured");
+        Ok(())
     }
 
     async fn images(&self) -> Result<Vec<ImageInfo>> {
-        let dir = self.images_dir();
-        let entries = std::fs::read_dir(&dir).map_err(|e| {
-            unreachable(format!(
-                "cannot read {}: {e} (run `boxery init`)",
-                dir.display()
-            ))
-        })?;
-        let mut out = Vec::new();
-        for e in entries {
-            let e = e.map_err(|e| unreachable(format!("cannot read {}: {e}", dir.display())))?;
-            let f = e.file_name().to_string_lossy().into_owned();
-            let Some(name) = f.strip_suffix(".json") else {
-                continue;
-            };
-            if !valid_name(name) {
-                continue;
-            }
-            let Some(rec) = self
-                .load_image(name)
-                .map_err(|e| unreachable(e.to_string()))?
-            else {
-                continue;
-            };
-            let disk = self.image_disk(name);
-            if !disk.exists() {
-                continue;
-            }
-            out.push(ImageInfo {
-                name: rec.name,
-                mark: Some(rec.mark),
-                created: Some(rec.created),
-                size_bytes: Some(allocated_bytes(&disk)),
-            });
-        }
-        out.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(out)
+        self.inner.storage.images()
     }
 
     async fn remove_image(&self, image: &str) -> Result<()> {
@@ -1291,63 +1118,59 @@ impl Backend for LibvirtBackend {
     }
 
     async fn reimage(&self, vm: &str, image: &str, identity: &Identity) -> Result<()> {
-        self.check_name("VM", vm)?;
+        let inner = &self.inner;
+        inner.storage.check_name("VM", vm)?;
         if !valid_name(image) {
             return Err(BackendError::Unchanged(format!(
                 "image name `{image}` is not valid"
             )));
         }
-        let _lock = self.lock(&format!("vm-{vm}")).await?;
-        let conn = self
-            .conn()
-            .map_err(|e| BackendError::Unchanged(e.to_string()))?;
-        let d = self
-            .lookup(&conn, vm)?
+        let _lock = inner.lock(&format!("vm-{vm}")).await?;
+        let unchanged = |e: BackendError| BackendError::Unchanged(e.chain());
+        let n = vm.to_string();
+        let d = inner
+            .call(move |me, conn| Ok(me.lookup(conn, &n)))
+            .await
+            .map_err(unchanged)??
             .ok_or_else(|| not_found(format!("VM {vm}")))?;
-        let rec = self
+        let rec = inner
+            .storage
             .load_image(image)
-            .map_err(|e| BackendError::Unchanged(e.to_string()))?
+            .map_err(unchanged)?
             .ok_or_else(|| {
                 BackendError::Unchanged(format!(
                     "image {image} does not exist in the libvirt backend"
                 ))
             })?;
-        self.load_base(&rec.base)
-            .map_err(|e| BackendError::Unchanged(e.to_string()))?;
-        if !self.image_disk(image).exists() {
+        let _: BaseRecord = inner.storage.load_base(&rec.base).map_err(unchanged)?;
+        if !inner.storage.image_disk(image).exists() {
             return Err(BackendError::Unchanged(format!(
                 "image {image} has no disk in the libvirt backend"
             )));
         }
         // from here on the VM changes; every step is redone by a retry: the domain names either
         // the old disk or the complete new one
-        self.shutdown(&d, false).await?;
+        inner.shutdown(&d, false).await?;
         let mut cfg = d.cfg.clone();
-        let generation = self.generations(vm)?.last().copied().unwrap_or(0) + 1;
-        let disk = self.vm_disk(vm, generation);
-        self.copy_image(image, &disk, cfg.disk_gib * GIB).await?;
-        let new_key = identity
-            .host_key
-            .as_ref()
-            .map(|(_, p)| p.trim().to_string());
-        if new_key.is_some() && new_key != cfg.host_key {
-            cfg.instance_id = format!("iid-{}", uuid::Uuid::new_v4());
-            let id = Self::with_host_key(vm, identity)?;
-            self.write_seed(vm, &cfg.instance_id, &id).await?;
-            cfg.host_key = new_key;
-            cfg.hostname = id.hostname.clone();
+        let disk = inner.vm_disk(vm, inner.next_generation(vm)?);
+        inner
+            .storage
+            .copy_image(image, &disk, cfg.disk_gib * GIB)
+            .await?;
+        if let Some(id) = seed::reseed(vm, &mut cfg, identity)? {
+            inner.write_seed(vm, &cfg.instance_id, &id).await?;
         }
         cfg.base = rec.base.clone();
         cfg.image = image.into();
         cfg.disk_gib = cfg.disk_gib.max(rec.virtual_size.div_ceil(GIB));
-        self.define(&conn, &cfg, &disk)?;
-        self.remove_stale_generations(vm, &disk)?;
-        let d = self
-            .lookup(&conn, vm)?
-            .ok_or_else(|| not_found(format!("VM {vm}")))?;
-        d.dom
-            .create()
-            .map_err(|e| lv_failed(format!("start VM {vm}"), e))
+        inner
+            .call(move |me, conn| {
+                me.define(conn, &cfg, &disk)?;
+                me.remove_stale_generations(&cfg.name, &disk)?;
+                let d = me.require(conn, &cfg.name)?;
+                Inner::start_domain(&d)
+            })
+            .await
     }
 
     async fn build_image(
@@ -1357,90 +1180,38 @@ impl Backend for LibvirtBackend {
         uid: &str,
         progress: Progress,
     ) -> Result<()> {
-        self.check_name("image", image)?;
-        let script = match name {
-            "debian-12" => "build-debian.sh",
-            "tiny" => "build-tiny.sh",
-            _ => {
-                return Err(BackendError::Invalid(format!(
-                    "the libvirt backend cannot build stock image `{name}`: it builds debian-12 and tiny"
-                )));
-            }
-        };
-        if let Some(rec) = self.load_image(image)? {
-            return same_image(rec, uid);
-        }
-        let dir = self.config.qemu.image_dir.clone().ok_or_else(|| {
-            BackendError::Invalid("the image builders (image/build-*.sh) were not found: set BOXERY_IMAGE_DIR to the repository's image/ directory".into())
-        })?;
-        let out = self.config.qemu.image_cache.clone();
-        progress(&format!(
-            "building {name} with {} into {}",
-            dir.join(script).display(),
-            out.display()
-        ));
-        let o = tokio::process::Command::new("bash")
-            .arg(dir.join(script))
-            .arg(&out)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .await
-            .map_err(io(format!("running {}", dir.join(script).display())))?;
-        for line in String::from_utf8_lossy(&o.stdout).lines() {
-            progress(line);
-        }
-        if !o.status.success() {
-            let err = String::from_utf8_lossy(&o.stderr);
-            let tail: Vec<&str> = err.lines().rev().take(15).collect();
-            return Err(BackendError::failed(
-                format!("build stock image {name}"),
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n"),
-            ));
-        }
-        let base = self
-            .register_base(&out.join(format!("{name}.json")))
+        self.inner.ensure_dirs()?;
+        self.inner
+            .storage
+            .build_image(name, image, uid, progress)
             .await?;
-        progress(&format!("registered base {base}"));
-        self.image_from_base(image, uid, &base, format!("build:{name}"))
-            .await
+        self.inner.refresh_pool().await;
+        Ok(())
     }
 
     async fn import_image(&self, path: &Path, image: &str, uid: &str) -> Result<()> {
-        self.check_name("image", image)?;
-        let manifest = if path.extension().is_some_and(|e| e == "json") {
-            path.to_path_buf()
-        } else {
-            path.with_extension("json")
-        };
-        if !manifest.is_file() {
-            return Err(BackendError::Invalid(format!(
-                "{} has no image manifest ({}): the libvirt backend imports builder outputs (docs/images.md)",
-                path.display(),
-                manifest.display()
-            )));
-        }
-        let base = self.register_base(&manifest).await?;
-        self.image_from_base(image, uid, &base, format!("file:{}", path.display()))
-            .await
+        self.inner.ensure_dirs()?;
+        self.inner.storage.import_image(path, image, uid).await?;
+        self.inner.refresh_pool().await;
+        Ok(())
     }
 
     async fn cleanup_new(&self, name: &str) -> Result<()> {
         if !valid_name(name) {
             return Ok(());
         }
-        let _lock = self.lock(&format!("vm-{name}")).await?;
-        self.destroy(name).await
+        let _lock = self.inner.lock(&format!("vm-{name}")).await?;
+        self.inner.destroy(name).await
     }
 
     async fn cleanup_image(&self, image: &str) -> Result<()> {
-        if !valid_name(image) || !self.images_dir().exists() {
+        let inner = &self.inner;
+        if !valid_name(image) || !inner.storage.records().exists() {
             return Ok(());
         }
-        let _lock = self.lock(&format!("image-{image}")).await?;
-        self.remove_image_files(image)?;
-        if let Ok(c) = self.conn() {
-            self.refresh_pool(&c);
-        }
+        let _lock = inner.lock(&format!("image-{image}")).await?;
+        inner.storage.remove_image_files(image)?;
+        inner.refresh_pool().await;
         Ok(())
     }
 
@@ -1450,65 +1221,80 @@ impl Backend for LibvirtBackend {
         image: &str,
         original: Option<PowerState>,
     ) -> Result<()> {
+        let inner = &self.inner;
         if !valid_name(vm) || !valid_name(image) {
             return Ok(());
         }
-        let _lock = self.lock(&format!("vm-{vm}")).await?;
-        let conn = self.conn()?;
-        if let Some(d) = self.lookup(&conn, vm)? {
-            if Self::is_running(&d) {
-                // a capture that died between freeze and thaw leaves the guest frozen
-                if let Ok(s) =
-                    d.dom
-                        .qemu_agent_command(r#"{"execute":"guest-fsfreeze-status"}"#, 3, 0)
-                    && s.contains("\"frozen\"")
-                {
-                    d.dom
-                        .qemu_agent_command(r#"{"execute":"guest-fsfreeze-thaw"}"#, 10, 0)
-                        .map_err(|e| lv_failed(format!("thaw the guest of VM {vm}"), e))?;
-                }
-                if original == Some(PowerState::Running)
-                    && let Ok((st, _)) = d.dom.state()
-                    && st.is(virt::domain::DomainState::Paused)
-                {
-                    d.dom
-                        .resume()
-                        .map_err(|e| lv_failed(format!("resume VM {vm}"), e))?;
-                }
-            }
-            // a snapshot file libvirt never switched to
-            let active = self.active_disk(&d)?;
-            let active_gen = active.file_name().and_then(|f| {
-                f.to_string_lossy()
-                    .rsplit('-')
-                    .next()
-                    .and_then(|g| g.strip_suffix(".qcow2").and_then(|g| g.parse::<u64>().ok()))
-            });
-            if let Some(ag) = active_gen {
-                for g in self.generations(vm)? {
-                    if g > ag {
-                        remove_file_if_exists(&self.vm_disk(vm, g))
-                            .map_err(io("removing an unused snapshot overlay"))?;
+        let _lock = inner.lock(&format!("vm-{vm}")).await?;
+        let n = vm.to_string();
+        let found = inner
+            .call(move |me, conn| {
+                let Some(d) = me.lookup(conn, &n)? else {
+                    return Ok(None);
+                };
+                if Inner::is_running(&d) {
+                    // a capture that died between freeze and thaw leaves the guest frozen
+                    if let Ok(s) =
+                        d.dom
+                            .qemu_agent_command(r#"{"execute":"guest-fsfreeze-status"}"#, 3, 0)
+                        && s.contains("\"frozen\"")
+                    {
+                        d.dom
+                            .qemu_agent_command(r#"{"execute":"guest-fsfreeze-thaw"}"#, 10, 0)
+                            .map_err(|e| {
+                                BackendError::failed(format!("thaw the guest of VM {n}"), e)
+                            })?;
+                    }
+                    if original == Some(PowerState::Running)
+                        && let Ok((st, _)) = d.dom.state()
+                        && st.is(virt::domain::DomainState::Paused)
+                    {
+                        d.dom
+                            .resume()
+                            .map_err(|e| BackendError::failed(format!("resume VM {n}"), e))?;
                     }
                 }
-            }
-            if !Self::is_running(&d) && original == Some(PowerState::Running) {
-                self.boot(&conn, &d).await?;
-            }
+                // a snapshot file libvirt never switched to
+                let active = Inner::active_disk(&d)?;
+                let active_gen = active.file_name().and_then(|f| {
+                    f.to_string_lossy()
+                        .rsplit('-')
+                        .next()
+                        .and_then(|g| g.strip_suffix(".qcow2").and_then(|g| g.parse::<u64>().ok()))
+                });
+                if let Some(ag) = active_gen {
+                    for g in me.generations(&n)? {
+                        if g > ag {
+                            remove_file_if_exists(&me.vm_disk(&n, g))
+                                .map_err(io("removing an unused snapshot overlay"))?;
+                        }
+                    }
+                }
+                let running = Inner::is_running(&d);
+                Ok(Some((d, running)))
+            })
+            .await?;
+        if let Some((d, running)) = found
+            && !running
+            && original == Some(PowerState::Running)
+        {
+            inner.boot(&d).await?;
         }
-        let _image_lock = self.lock(&format!("image-{image}")).await?;
-        if self.load_image(image)?.is_none() || !self.image_disk(image).exists() {
-            self.remove_image_files(image)?;
+        let _image_lock = inner.lock(&format!("image-{image}")).await?;
+        if inner.storage.load_image(image)?.is_none() || !inner.storage.image_disk(image).exists() {
+            inner.storage.remove_image_files(image)?;
         }
-        self.refresh_pool(&conn);
+        inner.refresh_pool().await;
         Ok(())
     }
 
     /// The pinned key recorded when the seed was written (the seed reaches the guest through
     /// the hypervisor, which the guest cannot spoof).
     async fn host_key(&self, name: &str) -> Result<Option<String>> {
-        let conn = self.conn()?;
-        Ok(self.lookup(&conn, name)?.and_then(|d| d.cfg.host_key))
+        let name = name.to_string();
+        self.inner
+            .call(move |me, conn| Ok(me.lookup(conn, &name)?.and_then(|d| d.cfg.host_key)))
+            .await
     }
 
     /// What QEMU said after the domain's last start, from libvirt's per-domain log (only when
@@ -1546,23 +1332,6 @@ fn domain_log_last_words(log: &str) -> Option<String> {
             .find_map(|l| l.split("shutting down, reason=").nth(1))?;
         Some(format!("libvirt: shut down, reason {}", reason.trim()))
     })
-}
-
-/// Write `data` to `path` atomically (re-exported for the tests' fixtures).
-pub fn write_file(path: &Path, data: &[u8]) -> std::io::Result<()> {
-    write_atomic(path, data, 0o600)
-}
-
-/// The error and all its causes, on one line.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 #[cfg(test)]

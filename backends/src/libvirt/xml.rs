@@ -1,7 +1,7 @@
 //! The XML boxery gives libvirt: the domain (with boxery's metadata mark), the storage pool and
 //! the isolation nwfilter. Pure functions, unit-tested without a daemon.
 
-use crate::qemu::records::VmConfig;
+use crate::storage::records::VmConfig;
 
 /// The XML namespace of boxery's domain metadata.
 pub const META_URI: &str = "https://boxery.dev/xmlns/libvirt/vm/1";

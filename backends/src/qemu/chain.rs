@@ -99,20 +99,19 @@ impl Inner {
     pub(super) async fn offline_chain(&self, cfg: &VmConfig) -> Result<Vec<PathBuf>> {
         let name = &cfg.name;
         let top = self.active_generation(name)?.ok_or_else(|| {
-            failed_msg(
+            BackendError::failed(
                 "find the disk",
                 format!("VM {name} has no disk in {}", self.vm_dir(name).display()),
             )
         })?;
         let top = self.layout.vm_disk(name, top);
-        let chain = self
-            .disks
-            .chain(&top)
-            .await
-            .map_err(|e| failed(format!("read the disk chain of VM {name}"), e))?;
+        let chain =
+            self.disks().chain(&top).await.map_err(|e| {
+                BackendError::failed(format!("read the disk chain of VM {name}"), e)
+            })?;
         let base = self.base_disk(&cfg.base);
         if chain.last() != Some(&base) {
-            return Err(failed_msg(
+            return Err(BackendError::failed(
                 format!("read the disk chain of VM {name}"),
                 format!(
                     "it ends at {:?}, not at its base {}",
@@ -133,7 +132,7 @@ impl Inner {
         let blocks = q
             .query_block()
             .await
-            .map_err(|e| failed(format!("query the disks of VM {name}"), e))?;
+            .map_err(|e| BackendError::failed(format!("query the disks of VM {name}"), e))?;
         let disk = blocks
             .into_iter()
             .find(|b| {
@@ -143,7 +142,7 @@ impl Inner {
             })
             .and_then(|b| b.inserted)
             .ok_or_else(|| {
-                failed_msg(
+                BackendError::failed(
                     "query the disks",
                     format!("VM {name} has no disk {DISK_DEVICE} in QEMU"),
                 )
@@ -159,15 +158,14 @@ impl Inner {
         let deadline = Instant::now() + timeout;
         loop {
             let mut q = self.qmp(name).await?;
-            let jobs = q
-                .query_block_jobs()
-                .await
-                .map_err(|e| failed(format!("query the block jobs of VM {name}"), e))?;
+            let jobs = q.query_block_jobs().await.map_err(|e| {
+                BackendError::failed(format!("query the block jobs of VM {name}"), e)
+            })?;
             if jobs.is_empty() {
                 return Ok(());
             }
             if Instant::now() >= deadline {
-                return Err(failed_msg(
+                return Err(BackendError::failed(
                     "wait for block jobs",
                     format!(
                         "VM {name} still runs block job {} after {timeout:?}",
@@ -192,10 +190,9 @@ impl Inner {
         let keep: PathBuf;
         if self.pid(name).is_some() {
             let mut q = self.qmp(name).await?;
-            let jobs = q
-                .query_block_jobs()
-                .await
-                .map_err(|e| failed(format!("query the block jobs of VM {name}"), e))?;
+            let jobs = q.query_block_jobs().await.map_err(|e| {
+                BackendError::failed(format!("query the block jobs of VM {name}"), e)
+            })?;
             if !jobs.is_empty() {
                 return Ok(());
             }
@@ -208,7 +205,9 @@ impl Inner {
                 );
                 q.block_stream(STREAM_JOB, &node, BASE_NODE)
                     .await
-                    .map_err(|e| failed(format!("stream the disk of VM {name}"), e))?;
+                    .map_err(|e| {
+                        BackendError::failed(format!("stream the disk of VM {name}"), e)
+                    })?;
                 return Ok(());
             }
             keep = PathBuf::from(&files[0]);
@@ -220,10 +219,9 @@ impl Inner {
             let active = chain[0].clone();
             if chain.len() > 2 {
                 let t = Instant::now();
-                self.disks
-                    .rebase(&active, &base)
-                    .await
-                    .map_err(|e| failed(format!("pull the disk of VM {name} onto its base"), e))?;
+                self.disks().rebase(&active, &base).await.map_err(|e| {
+                    BackendError::failed(format!("pull the disk of VM {name} onto its base"), e)
+                })?;
                 info!(
                     vm = name,
                     secs = t.elapsed().as_secs_f64(),
@@ -266,33 +264,6 @@ impl Inner {
         });
     }
 
-    /// Copy image `image`'s overlay to `dst` (same base, so the header is already right),
-    /// grown to `min_bytes` when smaller.
-    pub(super) async fn copy_image(&self, image: &str, dst: &Path, min_bytes: u64) -> Result<u64> {
-        use std::os::unix::fs::PermissionsExt;
-        let src = self.layout.image_disk(image);
-        let _ = remove_file_if_exists(dst);
-        self.disks
-            .copy(&src, dst)
-            .await
-            .map_err(|e| failed(format!("copy image {image}"), e))?;
-        std::fs::set_permissions(dst, std::fs::Permissions::from_mode(0o600))
-            .map_err(io(format!("chmod {}", dst.display())))?;
-        let info = self
-            .disks
-            .info(dst)
-            .await
-            .map_err(|e| failed(format!("inspect the copy of image {image}"), e))?;
-        if info.virtual_size < min_bytes {
-            self.disks
-                .resize(dst, min_bytes)
-                .await
-                .map_err(|e| failed(format!("grow the disk made from image {image}"), e))?;
-            return Ok(min_bytes);
-        }
-        Ok(info.virtual_size)
-    }
-
     /// Give VM `name` a disk from image `image` as generation `generation`: the image's
     /// overlay hard-linked in as `layer-<gen>` (read-only to QEMU, so the image is never
     /// written) under a new empty overlay `disk-<gen+1>` of `bytes`; the first boot streams the
@@ -306,7 +277,7 @@ impl Inner {
         generation: u64,
         bytes: u64,
     ) -> Result<u64> {
-        let src = self.layout.image_disk(image);
+        let src = self.storage.image_disk(image);
         let layer = self.vm_dir(name).join(format!("layer-{generation}.qcow2"));
         let top = self.layout.vm_disk(name, generation + 1);
         let _ = remove_file_if_exists(&layer);
@@ -314,28 +285,22 @@ impl Inner {
         match std::fs::hard_link(&src, &layer) {
             Ok(()) => {
                 let size = self
-                    .disks
+                    .disks()
                     .info(&layer)
                     .await
-                    .map_err(|e| failed(format!("inspect image {image}"), e))?
+                    .map_err(|e| BackendError::failed(format!("inspect image {image}"), e))?
                     .virtual_size;
                 let size = size.max(bytes);
-                self.disks
+                self.disks()
                     .create_overlay(&top, &layer, Some(size))
                     .await
-                    .map_err(|e| failed(format!("make the disk of VM {name}"), e))?;
+                    .map_err(|e| BackendError::failed(format!("make the disk of VM {name}"), e))?;
                 Ok(size)
             }
             Err(e) => {
                 debug!(vm = name, image, error = %e, "cannot hard-link the image; copying it");
-                let part = self
-                    .vm_dir(name)
-                    .join(format!(".disk-{generation}.qcow2.part"));
-                let size = self.copy_image(image, &part, bytes).await?;
                 let disk = self.layout.vm_disk(name, generation);
-                std::fs::rename(&part, &disk)
-                    .map_err(io(format!("renaming {}", part.display())))?;
-                Ok(size)
+                self.storage.copy_image(image, &disk, bytes).await
             }
         }
     }

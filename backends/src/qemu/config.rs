@@ -9,24 +9,20 @@
 //! | `BOXERY_QEMU_POWERDOWN_TIMEOUT` | `60` | seconds a guest gets to power off before `quit` |
 //! | `BOXERY_QEMU_TB_SIZE` | `64` | TCG translation cache in MiB (`default`: QEMU's) |
 //! | `BOXERY_QEMU_SANDBOX` | on | `off` drops QEMU's seccomp sandbox (`-sandbox on,…`) |
-//! | `BOXERY_IMAGE_DIR` | found | the repository's `image/` (builders), see [`find_image_dir`] |
-//! | `BOXERY_IMAGE_CACHE` | `/var/cache/boxery/images` | where the builders write |
+//! | `BOXERY_IMAGE_DIR`, `BOXERY_IMAGE_CACHE` | | image storage's ([`StorageConfig`]) |
 
 use std::ops::RangeInclusive;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use super::process::{AccelChoice, detect_accel};
+use crate::host::{AccelChoice, detect_accel};
+use crate::storage::StorageConfig;
 
 /// The qemu backend's settings.
 #[derive(Debug, Clone)]
 pub struct QemuConfig {
     /// The emulator.
     pub qemu: PathBuf,
-    /// `qemu-img`.
-    pub qemu_img: PathBuf,
-    /// `genisoimage` (seed ISOs).
-    pub genisoimage: PathBuf,
     /// The accelerator and why.
     pub accel: AccelChoice,
     /// Loopback ports for sshd forwards.
@@ -39,10 +35,8 @@ pub struct QemuConfig {
     pub tcg_tb_size_mib: Option<u32>,
     /// Confine each QEMU with its seccomp sandbox.
     pub sandbox: bool,
-    /// The image builders' directory (`image/` of the repository), when found.
-    pub image_dir: Option<PathBuf>,
-    /// Where the builders write their output.
-    pub image_cache: PathBuf,
+    /// `qemu-img`, `genisoimage`, the image builders (shared with the other drivers).
+    pub storage: StorageConfig,
 }
 
 fn env(name: &str) -> Option<String> {
@@ -56,27 +50,6 @@ pub fn parse_ports(s: &str) -> Option<RangeInclusive<u16>> {
     (a > 0 && a <= b).then_some(a..=b)
 }
 
-/// The repository's `image/` directory: `BOXERY_IMAGE_DIR`, else the first `image/` holding
-/// `build-tiny.sh` beside the running binary or in one of its parent directories (a cargo
-/// build runs from `target/<profile>/`), else the source tree this crate was built from.
-pub fn find_image_dir() -> Option<PathBuf> {
-    if let Some(d) = env("BOXERY_IMAGE_DIR") {
-        return Some(PathBuf::from(d));
-    }
-    let has = |d: &Path| d.join("build-tiny.sh").is_file();
-    if let Ok(exe) = std::env::current_exe() {
-        for dir in exe.ancestors().skip(1) {
-            for cand in [dir.join("image"), dir.join("share/boxery/image")] {
-                if has(&cand) {
-                    return Some(cand);
-                }
-            }
-        }
-    }
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../image");
-    has(&src).then(|| src.canonicalize().unwrap_or(src))
-}
-
 impl QemuConfig {
     /// Settings from the environment (see the module docs).
     pub fn from_env() -> Self {
@@ -84,10 +57,6 @@ impl QemuConfig {
             qemu: env("BOXERY_QEMU_BINARY")
                 .unwrap_or_else(|| "qemu-system-x86_64".into())
                 .into(),
-            qemu_img: env("BOXERY_QEMU_IMG")
-                .unwrap_or_else(|| "qemu-img".into())
-                .into(),
-            genisoimage: "genisoimage".into(),
             accel: detect_accel(env("BOXERY_QEMU_ACCEL").as_deref()),
             ports: env("BOXERY_QEMU_PORTS")
                 .and_then(|s| parse_ports(&s))
@@ -104,10 +73,7 @@ impl QemuConfig {
                 None => Some(64),
             },
             sandbox: env("BOXERY_QEMU_SANDBOX").as_deref() != Some("off"),
-            image_dir: find_image_dir(),
-            image_cache: env("BOXERY_IMAGE_CACHE")
-                .unwrap_or_else(|| "/var/cache/boxery/images".into())
-                .into(),
+            storage: StorageConfig::from_env(),
         }
     }
 }

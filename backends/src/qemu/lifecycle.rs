@@ -37,7 +37,7 @@ impl Inner {
             serial: self.layout.vm_serial(name),
             run_log: self.layout.vm_run_log(name),
             pidfile: self.layout.vm_pidfile(name),
-            boot: base.boot_in(&self.layout.base_dir(&base.id)),
+            boot: self.storage.base_boot(base),
             accel: self.config.accel.accel,
             tcg_tb_size_mib: self.config.tcg_tb_size_mib,
             sandbox: self.config.sandbox,
@@ -63,7 +63,7 @@ impl Inner {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         if !process::port_free(cfg.port) {
-            return Err(failed_msg(
+            return Err(BackendError::failed(
                 format!("start VM {name}"),
                 format!(
                     "its ssh port 127.0.0.1:{} is taken by another process (not a boxery VM): free it (`ss -ltnp sport = :{}`) and retry",
@@ -84,18 +84,18 @@ impl Inner {
             process::ProcessError::Missing { .. } | process::ProcessError::Start { .. } => {
                 BackendError::Invalid(format!(
                     "{} ({})",
-                    error_chain(&e),
+                    crate::error_chain(&e),
                     self.config.accel.reason
                 ))
             }
-            e => failed(format!("start VM {name}"), e),
+            e => BackendError::failed(format!("start VM {name}"), e),
         })?;
         info!(vm = name.as_str(), pid, port = cfg.port, accel = %self.config.accel.accel, depth = chain.len() - 1, secs = t.elapsed().as_secs_f64(), "QEMU started");
         if chain.len() > 2 {
             let mut q = self.qmp(name).await?;
             q.block_stream(STREAM_JOB, &spec.disk_node, BASE_NODE)
                 .await
-                .map_err(|e| failed(format!("stream the disk of VM {name}"), e))?;
+                .map_err(|e| BackendError::failed(format!("stream the disk of VM {name}"), e))?;
             drop(q);
             self.settle_later(name.clone());
         }
@@ -139,7 +139,7 @@ impl Inner {
         }
         process::terminate(pid, &dir, Duration::from_secs(5))
             .await
-            .map_err(|e| failed(format!("stop VM {name}"), e))?;
+            .map_err(|e| BackendError::failed(format!("stop VM {name}"), e))?;
         self.clear_runtime_files(name);
         Ok(())
     }
@@ -180,7 +180,7 @@ impl Inner {
                 Err(e) => return Err(BackendError::io(format!("reserving port {port}"), e)),
             }
         }
-        Err(failed_msg(
+        Err(BackendError::failed(
             "reserve an ssh port",
             format!(
                 "no free loopback port in {}-{} (BOXERY_QEMU_PORTS)",
@@ -195,7 +195,7 @@ impl Inner {
         let path = self.layout.port(port);
         match std::fs::read_to_string(&path) {
             Ok(owner) if owner.trim() == name => Ok(()),
-            Ok(owner) => Err(failed_msg(
+            Ok(owner) => Err(BackendError::failed(
                 format!("start VM {name}"),
                 format!(
                     "its port {port} is reserved for VM {} in {}",
@@ -204,7 +204,7 @@ impl Inner {
                 ),
             )),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                layout::write_atomic(&path, name.as_bytes(), 0o644)
+                crate::storage::files::write_atomic(&path, name.as_bytes(), 0o644)
                     .map_err(io(format!("reserving port {port}")))
             }
             Err(e) => Err(BackendError::io(format!("reading {}", path.display()), e)),
@@ -238,21 +238,6 @@ impl Inner {
         self.release_ports(name)
     }
 
-    pub(super) fn check_size(&self, cpus: u32, memory_mib: u64) -> Result<()> {
-        let (host_cpus, host_mem) = process::host_capacity();
-        if cpus == 0 || cpus > host_cpus {
-            return Err(BackendError::Invalid(format!(
-                "{cpus} CPUs asked, but this host has {host_cpus}: ask for 1 to {host_cpus}"
-            )));
-        }
-        if memory_mib < 64 || (host_mem > 0 && memory_mib > host_mem) {
-            return Err(BackendError::Invalid(format!(
-                "{memory_mib} MiB of memory asked, but this host has {host_mem} MiB: ask for 64 MiB to {host_mem} MiB"
-            )));
-        }
-        Ok(())
-    }
-
     pub(super) fn check_tools(&self) -> Result<()> {
         if self.tools_ok.get().is_some() {
             return Ok(());
@@ -272,13 +257,13 @@ impl Inner {
                 self.config.qemu.display()
             ));
         }
-        if !runs(&self.config.qemu_img, "--version") {
+        if !runs(&self.config.storage.qemu_img, "--version") {
             missing.push(format!(
                 "{} (package qemu-utils)",
-                self.config.qemu_img.display()
+                self.config.storage.qemu_img.display()
             ));
         }
-        if !runs(&self.config.genisoimage, "-version") {
+        if !runs(&self.config.storage.genisoimage, "-version") {
             missing.push("genisoimage (package genisoimage)".into());
         }
         if !runs(Path::new("ssh-keygen"), "-?") && !Path::new("/usr/bin/ssh-keygen").exists() {
@@ -301,24 +286,15 @@ impl Inner {
         instance_id: &str,
         identity: &Identity,
     ) -> Result<()> {
-        let mut identity = identity.clone();
-        if identity.hostname.is_empty() {
-            identity.hostname = name.to_string();
-        }
-        let work = self.vm_dir(name).join("seed");
-        seed::write_seed_iso(
-            &self.config.genisoimage,
-            name,
-            instance_id,
-            &identity,
-            &work,
-            &self.layout.vm_seed(name),
-        )
-        .await
-        .map_err(|e| match e {
-            seed::SeedError::Identity { .. } => BackendError::Invalid(error_chain(&e)),
-            e => failed(format!("write the seed of VM {name}"), e),
-        })
+        self.storage
+            .write_seed(
+                name,
+                instance_id,
+                identity,
+                &self.vm_dir(name).join("seed"),
+                &self.layout.vm_seed(name),
+            )
+            .await
     }
 
     pub(super) fn write_known_hosts(&self, cfg: &VmConfig) -> Result<()> {
@@ -330,8 +306,12 @@ impl Inner {
                     crate::identity::known_hosts_line(&format!("[127.0.0.1]:{}", cfg.port), key);
                 let by_alias =
                     crate::identity::known_hosts_line(&format!("{}.boxery", cfg.name), key);
-                layout::write_atomic(&path, format!("{by_port}\n{by_alias}\n").as_bytes(), 0o644)
-                    .map_err(io(format!("writing {}", path.display())))
+                crate::storage::files::write_atomic(
+                    &path,
+                    format!("{by_port}\n{by_alias}\n").as_bytes(),
+                    0o644,
+                )
+                .map_err(io(format!("writing {}", path.display())))
             }
             None => {
                 remove_file_if_exists(&path).map_err(io(format!("removing {}", path.display())))
@@ -342,12 +322,7 @@ impl Inner {
     pub(super) async fn create_inner(self: &Arc<Self>, vm: &NewVm) -> Result<()> {
         let name = vm.name.as_str();
         let crate::DiskSource::Image(image) = &vm.source;
-        let rec = self
-            .load_image(image)?
-            .ok_or_else(|| not_found(format!("image {image}")))?;
-        if !self.layout.image_disk(image).exists() {
-            return Err(not_found(format!("image {image} (its disk is missing)")));
-        }
+        let rec = self.storage.usable_image(image)?;
         let base = self.load_base(&rec.base)?;
         let want = vm.disk_gib.saturating_mul(GIB);
         if want < rec.virtual_size {
@@ -370,35 +345,18 @@ impl Inner {
         let port = self.reserve_port(name)?;
         self.attach_image(name, image, 1, want).await?;
         // a request without a host key still gets one: every VM is pinned
-        let mut identity = vm.identity.clone();
-        if identity.host_key.is_none() {
-            identity.host_key = Some(crate::identity::host_key(name, &format!("{name}.boxery"))?);
-        }
-        let instance_id = new_instance_id();
+        let identity = seed::complete_identity(name, &vm.identity)?;
+        let instance_id = seed::new_instance_id();
         self.write_seed(name, &instance_id, &identity).await?;
-        let cfg = VmConfig {
-            name: name.into(),
-            mark: vm.uid.clone(),
-            uuid: uuid::Uuid::new_v4().to_string(),
-            mac: random_mac(),
-            port,
-            cpus: vm.cpus,
-            memory_mib: vm.memory_mib,
-            disk_gib: vm.disk_gib,
-            base: base.id.clone(),
+        let cfg = seed::new_vm_record(
+            vm,
+            &identity,
             instance_id,
-            hostname: if identity.hostname.is_empty() {
-                name.into()
-            } else {
-                identity.hostname.clone()
-            },
-            host_key: identity
-                .host_key
-                .as_ref()
-                .map(|(_, public)| public.trim().to_string()),
-            image: image.clone(),
-            created: boxery_api::now(),
-        };
+            image,
+            &base.id,
+            vm.disk_gib,
+            port,
+        );
         self.write_known_hosts(&cfg)?;
         self.save_vm(&cfg)?;
         info!(

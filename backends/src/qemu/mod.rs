@@ -33,16 +33,13 @@
 //! - A guest without qemu-guest-agent is captured crash-consistent (no freeze).
 //! - A second capture waits until the first one's stream has finished.
 
+mod capture;
 mod chain;
 pub mod config;
-pub mod disk;
-pub(crate) mod images;
 pub mod layout;
 mod lifecycle;
 pub mod process;
 pub mod qmp;
-pub mod records;
-pub mod seed;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -51,19 +48,19 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use tracing::{debug, info, warn};
 
+use crate::storage::disk::{Disks, GIB, allocated_bytes};
+use crate::storage::files::{FileLock, remove_dir_if_exists, remove_file_if_exists, valid_name};
+use crate::storage::records::{BaseRecord, VmConfig};
+use crate::storage::{BasePlaces, Places, Storage, seed};
 use crate::{
     Backend, BackendError, Capabilities, Identity, ImageInfo, NewVm, PowerState, Progress, Result,
-    Stability, VmInfo, VmSize,
+    Stability, VmInfo, VmSize, error_chain, io,
 };
 use chain::disk_generation;
 use config::QemuConfig;
-use disk::{Disks, GIB, allocated_bytes};
-use layout::{
-    FileLock, Layout, remove_dir_if_exists, remove_file_if_exists, valid_name, write_json,
-};
+use layout::Layout;
 use process::{BASE_NODE, DISK_DEVICE, LaunchSpec};
 use qmp::{Qga, Qmp};
-use records::{BaseRecord, ImageRecord, Manifest, VmConfig};
 
 const BACKEND: &str = "qemu";
 const QMP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -71,49 +68,12 @@ const STREAM_JOB: &str = "bx-stream";
 /// How long a capture waits for the previous capture's stream.
 const STREAM_WAIT: Duration = Duration::from_secs(600);
 
-/// The error and all its causes, on one line.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
-
-fn failed(step: impl Into<String>, e: impl std::error::Error) -> BackendError {
-    BackendError::failed(step, error_chain(&e))
-}
-
-fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> BackendError {
-    let context = context.into();
-    move |source| BackendError::io(context, source)
-}
-
 fn not_found(what: impl Into<String>) -> BackendError {
-    BackendError::NotFound {
-        backend: BACKEND.into(),
-        what: what.into(),
-    }
+    BackendError::not_found(BACKEND, what)
 }
 
 fn unreachable(message: impl Into<String>) -> BackendError {
-    BackendError::Unreachable {
-        backend: BACKEND.into(),
-        message: message.into(),
-    }
-}
-
-fn random_mac() -> String {
-    let b: [u8; 3] = rand::random();
-    format!("52:54:00:{:02x}:{:02x}:{:02x}", b[0], b[1], b[2])
-}
-
-/// A new instance-id (`iid-<uuid>`, docs/images.md): new per identity, kept for the VM's life.
-fn new_instance_id() -> String {
-    format!("iid-{}", uuid::Uuid::new_v4())
+    BackendError::unreachable(BACKEND, message)
 }
 
 /// The state shared by the backend and its background tasks.
@@ -121,7 +81,8 @@ fn new_instance_id() -> String {
 struct Inner {
     layout: Layout,
     config: QemuConfig,
-    disks: Disks,
+    /// Bases, images and seeds: `base/<id>/`, `images/<name>.{qcow2,json}`.
+    storage: Storage,
     /// Set once the host tools were found (checked again until they are).
     tools_ok: std::sync::OnceLock<()>,
 }
@@ -140,12 +101,21 @@ impl QemuBackend {
 
     /// A backend with explicit settings.
     pub fn with_config(dir: PathBuf, config: QemuConfig) -> Self {
-        let disks = Disks::new(config.qemu_img.clone());
+        let layout = Layout::new(dir);
+        let places = Places {
+            state: layout.root().to_path_buf(),
+            image_disks: layout.images(),
+            image_file: |name| format!("{name}.qcow2"),
+            image_part_file: |name| format!(".{name}.qcow2.part"),
+            image_copy_file: None,
+            bases: BasePlaces::Dirs(layout.bases()),
+        };
+        let storage = Storage::new(BACKEND, places, config.storage.clone());
         QemuBackend {
             inner: Arc::new(Inner {
-                layout: Layout::new(dir),
+                layout,
                 config,
-                disks,
+                storage,
                 tools_ok: std::sync::OnceLock::new(),
             }),
         }
@@ -163,7 +133,7 @@ impl QemuBackend {
 
     /// The accelerator VMs run with, and why, in words fit for a status or an event
     /// ("TCG (emulation, slow): the host's KVM is kvm_pvm, …").
-    pub fn accel(&self) -> &process::AccelChoice {
+    pub fn accel(&self) -> &crate::host::AccelChoice {
         &self.inner.config.accel
     }
 
@@ -187,7 +157,8 @@ impl QemuBackend {
     /// Register a builder's output (`manifest`: `OUT/<name>.json`) as a read-only base;
     /// returns its id. Idempotent: a base with the same content is registered once.
     pub async fn register_base(&self, manifest: &Path) -> Result<String> {
-        self.inner.register_base(manifest).await
+        self.inner.ensure_layout()?;
+        self.inner.storage.register_base(manifest).await
     }
 
     /// Wait until VM `name` has no block job running (a capture's stream), then settle its
@@ -205,10 +176,9 @@ impl QemuBackend {
                 return Ok(());
             }
             let mut q = self.inner.qmp(name).await?;
-            let jobs = q
-                .query_block_jobs()
-                .await
-                .map_err(|e| failed(format!("query the block jobs of VM {name}"), e))?;
+            let jobs = q.query_block_jobs().await.map_err(|e| {
+                BackendError::failed(format!("query the block jobs of VM {name}"), e)
+            })?;
             if jobs.is_empty() {
                 return Ok(());
             }
@@ -221,67 +191,47 @@ impl Inner {
         self.layout.vm_dir(name)
     }
 
+    fn disks(&self) -> &Disks {
+        self.storage.disks()
+    }
+
     fn check_name(&self, what: &str, name: &str) -> Result<()> {
-        if valid_name(name) {
-            Ok(())
-        } else {
-            Err(BackendError::Invalid(format!(
-                "{what} name `{name}` is not valid for the qemu backend: use 1-63 of a-z, 0-9, '-' and '.'"
-            )))
-        }
+        self.storage.check_name(what, name)
+    }
+
+    fn ensure_layout(&self) -> Result<()> {
+        self.layout.ensure().map_err(io(format!(
+            "creating the state directory {}",
+            self.layout.root().display()
+        )))
     }
 
     async fn lock_vm(&self, name: &str) -> Result<FileLock> {
-        self.layout.ensure().map_err(io(format!(
-            "creating the state directory {}",
-            self.layout.root().display()
-        )))?;
-        FileLock::acquire(self.layout.vm_lock(name))
-            .await
-            .map_err(io(format!("locking VM {name}")))
+        self.ensure_layout()?;
+        self.storage.lock(&format!("vm-{name}")).await
     }
 
     async fn lock_image(&self, name: &str) -> Result<FileLock> {
-        self.layout.ensure().map_err(io(format!(
-            "creating the state directory {}",
-            self.layout.root().display()
-        )))?;
-        FileLock::acquire(self.layout.image_lock(name))
-            .await
-            .map_err(io(format!("locking image {name}")))
+        self.ensure_layout()?;
+        self.storage.lock(&format!("image-{name}")).await
     }
 
     fn load_vm(&self, name: &str) -> Result<Option<VmConfig>> {
-        layout::read_json(&self.layout.vm_config(name))
+        crate::storage::files::read_json(&self.layout.vm_config(name))
             .map_err(io(format!("reading the config of VM {name}")))
     }
 
     fn save_vm(&self, cfg: &VmConfig) -> Result<()> {
-        write_json(&self.layout.vm_config(&cfg.name), cfg, 0o600)
+        crate::storage::files::write_json(&self.layout.vm_config(&cfg.name), cfg, 0o600)
             .map_err(io(format!("writing the config of VM {}", cfg.name)))
     }
 
-    fn load_image(&self, name: &str) -> Result<Option<ImageRecord>> {
-        layout::read_json(&self.layout.image_record(name))
-            .map_err(io(format!("reading the record of image {name}")))
-    }
-
     fn load_base(&self, id: &str) -> Result<BaseRecord> {
-        layout::read_json(&self.layout.base_record(id))
-            .map_err(io(format!("reading base {id}")))?
-            .ok_or_else(|| {
-                failed_msg(
-                    "find the base",
-                    format!(
-                        "base {id} is missing from {}",
-                        self.layout.bases().display()
-                    ),
-                )
-            })
+        self.storage.load_base(id)
     }
 
     fn base_disk(&self, id: &str) -> PathBuf {
-        self.layout.base_dir(id).join("disk.qcow2")
+        self.storage.base_disk(id)
     }
 
     fn pid(&self, name: &str) -> Option<i32> {
@@ -291,20 +241,7 @@ impl Inner {
     async fn qmp(&self, name: &str) -> Result<Qmp> {
         Qmp::connect(&self.layout.vm_qmp(name), QMP_TIMEOUT)
             .await
-            .map_err(|e| failed(format!("talk to the QEMU of VM {name}"), e))
-    }
-}
-
-fn failed_msg(step: impl Into<String>, message: impl Into<String>) -> BackendError {
-    BackendError::failed(step, message)
-}
-
-/// Which builder script makes stock image `name`.
-fn builder_script(name: &str) -> Option<&'static str> {
-    match name {
-        "debian-12" => Some("build-debian.sh"),
-        "tiny" => Some("build-tiny.sh"),
-        _ => None,
+            .map_err(|e| BackendError::failed(format!("talk to the QEMU of VM {name}"), e))
     }
 }
 
@@ -355,7 +292,7 @@ impl Backend for QemuBackend {
     async fn create(&self, vm: &NewVm) -> Result<()> {
         let inner = &self.inner;
         inner.check_name("VM", &vm.name)?;
-        inner.check_size(vm.cpus, vm.memory_mib)?;
+        crate::host::check_size(vm.cpus, vm.memory_mib)?;
         let sock = inner.layout.vm_qmp(&vm.name);
         if sock.as_os_str().len() > layout::MAX_SOCKET_PATH {
             return Err(BackendError::Invalid(format!(
@@ -507,22 +444,15 @@ impl Backend for QemuBackend {
     async fn resize(&self, name: &str, size: VmSize) -> Result<()> {
         let inner = &self.inner;
         inner.check_name("VM", name)?;
-        inner.check_size(size.cpus, size.memory_mib)?;
+        crate::host::check_size(size.cpus, size.memory_mib)?;
         let _lock = inner.lock_vm(name).await?;
         let mut cfg = inner
             .load_vm(name)?
             .ok_or_else(|| not_found(format!("VM {name}")))?;
-        if size.disk_gib < cfg.disk_gib {
-            return Err(BackendError::Invalid(format!(
-                "disks only grow: VM {name} has {} GiB, {} GiB asked",
-                cfg.disk_gib, size.disk_gib
-            )));
-        }
-        let machine_change = size.cpus != cfg.cpus || size.memory_mib != cfg.memory_mib;
-        let grow = size.disk_gib > cfg.disk_gib;
-        if !machine_change && !grow {
+        let Some(change) = cfg.resize_to(size)? else {
             return Ok(());
-        }
+        };
+        let (machine_change, grow) = (change.machine, change.grow);
         let was_running = inner.pid(name).is_some();
         if was_running && !machine_change {
             // disk only: grow it live, the guest sees a capacity change
@@ -530,7 +460,7 @@ impl Backend for QemuBackend {
             let (node, _) = inner.live_chain(&mut q, name).await?;
             q.block_resize(&node, size.disk_gib * GIB)
                 .await
-                .map_err(|e| failed(format!("grow the disk of VM {name}"), e))?;
+                .map_err(|e| BackendError::failed(format!("grow the disk of VM {name}"), e))?;
             cfg.disk_gib = size.disk_gib;
             return inner.save_vm(&cfg);
         }
@@ -544,10 +474,10 @@ impl Backend for QemuBackend {
                     .active_generation(name)?
                     .ok_or_else(|| not_found(format!("the disk of VM {name}")))?;
                 inner
-                    .disks
+                    .disks()
                     .resize(&inner.layout.vm_disk(name, generation), size.disk_gib * GIB)
                     .await
-                    .map_err(|e| failed(format!("grow the disk of VM {name}"), e))?;
+                    .map_err(|e| BackendError::failed(format!("grow the disk of VM {name}"), e))?;
             }
             cfg.cpus = size.cpus;
             cfg.memory_mib = size.memory_mib;
@@ -570,51 +500,15 @@ impl Backend for QemuBackend {
         inner.check_name("VM", vm)?;
         inner.check_name("image", image)?;
         let _vm_lock = inner.lock_vm(vm).await?;
-        let _image_lock = inner.lock_image(image).await?;
-        if let Some(rec) = inner.load_image(image)? {
-            return inner.same_image(rec, uid);
-        }
-        let res = inner.capture_inner(vm, image, uid).await;
-        if res.is_err() {
-            let _ = inner.remove_image_files(image);
-        }
-        res
+        inner.ensure_layout()?;
+        inner
+            .storage
+            .new_image(image, uid, inner.capture_inner(vm, image, uid))
+            .await
     }
 
     async fn images(&self) -> Result<Vec<ImageInfo>> {
-        let dir = self.inner.layout.images();
-        let entries = std::fs::read_dir(&dir)
-            .map_err(|e| unreachable(format!("cannot read {}: {e}", dir.display())))?;
-        let mut out = Vec::new();
-        for e in entries {
-            let e = e.map_err(|e| unreachable(format!("cannot read {}: {e}", dir.display())))?;
-            let file = e.file_name().to_string_lossy().into_owned();
-            let Some(name) = file.strip_suffix(".json") else {
-                continue;
-            };
-            if !valid_name(name) {
-                continue;
-            }
-            let Some(rec) = self
-                .inner
-                .load_image(name)
-                .map_err(|e| unreachable(error_chain(&e)))?
-            else {
-                continue;
-            };
-            let disk = self.inner.layout.image_disk(name);
-            if !disk.exists() {
-                continue;
-            }
-            out.push(ImageInfo {
-                name: rec.name,
-                mark: Some(rec.mark),
-                created: Some(rec.created),
-                size_bytes: Some(allocated_bytes(&disk)),
-            });
-        }
-        out.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(out)
+        self.inner.storage.images()
     }
 
     async fn remove_image(&self, image: &str) -> Result<()> {
@@ -633,12 +527,16 @@ impl Backend for QemuBackend {
         let mut cfg = inner
             .load_vm(vm)?
             .ok_or_else(|| not_found(format!("VM {vm}")))?;
-        let unchanged = |e: BackendError| BackendError::Unchanged(e.to_string());
-        let rec = inner.load_image(image).map_err(unchanged)?.ok_or_else(|| {
-            BackendError::Unchanged(format!("image {image} does not exist in the qemu backend"))
-        })?;
+        let unchanged = |e: BackendError| BackendError::Unchanged(e.chain());
+        let rec = inner
+            .storage
+            .load_image(image)
+            .map_err(unchanged)?
+            .ok_or_else(|| {
+                BackendError::Unchanged(format!("image {image} does not exist in the qemu backend"))
+            })?;
         inner.load_base(&rec.base).map_err(unchanged)?;
-        if !inner.layout.image_disk(image).exists() {
+        if !inner.storage.image_disk(image).exists() {
             return Err(BackendError::Unchanged(format!(
                 "image {image} has no disk in the qemu backend"
             )));
@@ -656,24 +554,11 @@ impl Backend for QemuBackend {
             .map(|g| inner.layout.vm_disk(vm, g));
         let mut keep = vec![inner.vm_dir(vm).join(format!("layer-{generation}.qcow2"))];
         keep.extend(top);
-        layout::sync_dir(&keep[0]).map_err(io("fsync"))?;
+        crate::storage::files::sync_dir(&keep[0]).map_err(io("fsync"))?;
         inner.remove_unused(vm, &keep)?;
-        // the identity stays: a new seed only when the caller passes a different host key (a
-        // new identity, so a new instance-id); otherwise the seed the VM has
-        let new_key = identity
-            .host_key
-            .as_ref()
-            .map(|(_, p)| p.trim().to_string());
-        if new_key.is_some() && new_key != cfg.host_key {
-            cfg.instance_id = new_instance_id();
-            inner.write_seed(vm, &cfg.instance_id, identity).await?;
-            cfg.host_key = identity
-                .host_key
-                .as_ref()
-                .map(|(_, p)| p.trim().to_string());
-            if !identity.hostname.is_empty() {
-                cfg.hostname = identity.hostname.clone();
-            }
+        // the identity stays: a new seed only when the caller passes a different host key
+        if let Some(id) = seed::reseed(vm, &mut cfg, identity)? {
+            inner.write_seed(vm, &cfg.instance_id, &id).await?;
         }
         cfg.base = rec.base.clone();
         cfg.image = image.into();
@@ -692,97 +577,16 @@ impl Backend for QemuBackend {
         uid: &str,
         progress: Progress,
     ) -> Result<()> {
-        let inner = &self.inner;
-        inner.check_name("image", image)?;
-        let script = builder_script(name).ok_or_else(|| {
-            BackendError::Invalid(format!(
-                "the qemu backend cannot build stock image `{name}`: it builds debian-12 and tiny"
-            ))
-        })?;
-        if let Some(rec) = inner.load_image(image)? {
-            return inner.same_image(rec, uid);
-        }
-        let dir = inner.config.image_dir.clone().ok_or_else(|| {
-            BackendError::Invalid(
-                "the image builders (image/build-*.sh) were not found: set BOXERY_IMAGE_DIR to the repository's image/ directory".into(),
-            )
-        })?;
-        let script_path = dir.join(script);
-        if !script_path.is_file() {
-            return Err(BackendError::Invalid(format!(
-                "{} does not exist: set BOXERY_IMAGE_DIR",
-                script_path.display()
-            )));
-        }
-        let out = inner.config.image_cache.clone();
-        progress(&format!(
-            "building {name} with {} into {}",
-            script_path.display(),
-            out.display()
-        ));
-        let stderr_path = inner.layout.root().join(format!(".build-{image}.log"));
-        inner
-            .layout
-            .ensure()
-            .map_err(io("creating the state directory"))?;
-        let stderr = std::fs::File::create(&stderr_path)
-            .map_err(io(format!("creating {}", stderr_path.display())))?;
-        let mut child = tokio::process::Command::new("bash")
-            .arg(&script_path)
-            .arg(&out)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(stderr)
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(io(format!("running {}", script_path.display())))?;
-        if let Some(stdout) = child.stdout.take() {
-            use tokio::io::AsyncBufReadExt;
-            let mut lines = tokio::io::BufReader::new(stdout).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                progress(&line);
-            }
-        }
-        let status = child
-            .wait()
-            .await
-            .map_err(io(format!("waiting for {}", script_path.display())))?;
-        if !status.success() {
-            let tail = process::tail(&stderr_path, 15);
-            return Err(failed_msg(
-                format!("build stock image {name}"),
-                format!("{} exited with {status}: {tail}", script_path.display()),
-            ));
-        }
-        let _ = remove_file_if_exists(&stderr_path);
-        let base = inner
-            .register_base(&out.join(format!("{name}.json")))
-            .await?;
-        progress(&format!("registered base {base}"));
-        inner
-            .image_from_base(image, uid, &base, &format!("build:{name}"))
+        self.inner.ensure_layout()?;
+        self.inner
+            .storage
+            .build_image(name, image, uid, progress)
             .await
     }
 
     async fn import_image(&self, path: &Path, image: &str, uid: &str) -> Result<()> {
-        let inner = &self.inner;
-        inner.check_name("image", image)?;
-        let manifest = if path.extension().is_some_and(|e| e == "json") {
-            path.to_path_buf()
-        } else {
-            path.with_extension("json")
-        };
-        if !manifest.is_file() {
-            return Err(BackendError::Invalid(format!(
-                "{} has no image manifest ({}): the qemu backend imports builder outputs (docs/images.md), which say how the disk boots",
-                path.display(),
-                manifest.display()
-            )));
-        }
-        let base = inner.register_base(&manifest).await?;
-        inner
-            .image_from_base(image, uid, &base, &format!("file:{}", path.display()))
-            .await
+        self.inner.ensure_layout()?;
+        self.inner.storage.import_image(path, image, uid).await
     }
 
     async fn cleanup_new(&self, name: &str) -> Result<()> {
@@ -803,7 +607,7 @@ impl Backend for QemuBackend {
             return Ok(());
         }
         let _lock = inner.lock_image(image).await?;
-        inner.remove_image_files(image)
+        inner.storage.remove_image_files(image)
     }
 
     async fn recover_capture(
@@ -832,17 +636,17 @@ impl Backend for QemuBackend {
             {
                 g.fsfreeze_thaw()
                     .await
-                    .map_err(|e| failed(format!("thaw the guest of VM {vm}"), e))?;
+                    .map_err(|e| BackendError::failed(format!("thaw the guest of VM {vm}"), e))?;
             }
             // our capture starts no job other than the stream, which is left to finish
             let jobs = q
                 .query_block_jobs()
                 .await
-                .map_err(|e| failed(format!("query the block jobs of VM {vm}"), e))?;
+                .map_err(|e| BackendError::failed(format!("query the block jobs of VM {vm}"), e))?;
             for j in jobs.iter().filter(|j| j.kind != "stream") {
-                q.block_job_cancel(&j.device, true)
-                    .await
-                    .map_err(|e| failed(format!("cancel block job {}", j.device), e))?;
+                q.block_job_cancel(&j.device, true).await.map_err(|e| {
+                    BackendError::failed(format!("cancel block job {}", j.device), e)
+                })?;
             }
             if original == Some(PowerState::Running)
                 && let Ok(st) = q.query_status().await
@@ -850,7 +654,7 @@ impl Backend for QemuBackend {
             {
                 q.cont()
                     .await
-                    .map_err(|e| failed(format!("resume VM {vm}"), e))?;
+                    .map_err(|e| BackendError::failed(format!("resume VM {vm}"), e))?;
             }
             drop(q);
             // a snapshot QEMU never switched to is an empty file above the active layer
@@ -877,8 +681,8 @@ impl Backend for QemuBackend {
             inner.boot(&cfg).await?;
         }
         let _image_lock = inner.lock_image(image).await?;
-        if inner.load_image(image)?.is_none() {
-            inner.remove_image_files(image)?;
+        if inner.storage.load_image(image)?.is_none() {
+            inner.storage.remove_image_files(image)?;
         }
         Ok(())
     }
@@ -909,11 +713,14 @@ impl Backend for QemuBackend {
         }
         let mut g = Qga::connect(&inner.layout.vm_qga(name), Duration::from_secs(5))
             .await
-            .map_err(|e| failed(format!("reach the guest agent of VM {name}"), e))?;
+            .map_err(|e| BackendError::failed(format!("reach the guest agent of VM {name}"), e))?;
         match g.read_file("/etc/ssh/boxery_host_ed25519_key.pub").await {
             Ok(s) => Ok(Some(s.trim().to_string()).filter(|s| !s.is_empty())),
             Err(qmp::QmpError::Command { .. }) => Ok(None),
-            Err(e) => Err(failed(format!("read the host key of VM {name}"), e)),
+            Err(e) => Err(BackendError::failed(
+                format!("read the host key of VM {name}"),
+                e,
+            )),
         }
     }
 

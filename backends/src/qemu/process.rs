@@ -11,9 +11,11 @@
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+
+use crate::host::Accel;
+use crate::storage::records::Boot;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 /// A failed process operation.
@@ -86,92 +88,6 @@ pub enum ProcessError {
         /// The process.
         pid: i32,
     },
-}
-
-/// The accelerator a VM runs with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Accel {
-    /// Hardware virtualization.
-    Kvm,
-    /// QEMU's emulator (slow, works everywhere).
-    Tcg,
-}
-
-impl std::fmt::Display for Accel {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Accel::Kvm => "kvm",
-            Accel::Tcg => "tcg",
-        })
-    }
-}
-
-/// The accelerator chosen for this host, and why, in words fit for a status or an event.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AccelChoice {
-    /// The accelerator.
-    pub accel: Accel,
-    /// Why.
-    pub reason: String,
-}
-
-/// Choose the accelerator: `requested` (`kvm`, `tcg` or `auto`, from `BOXERY_QEMU_ACCEL`)
-/// or, for `auto`, KVM only when `/dev/kvm` opens read-write and the host's KVM is not
-/// `kvm_pvm` (which runs only PVM-built guest kernels: `/dev/kvm` opens, guests hang).
-pub fn detect_accel(requested: Option<&str>) -> AccelChoice {
-    match requested.map(str::trim) {
-        Some("tcg") => {
-            return AccelChoice {
-                accel: Accel::Tcg,
-                reason: "TCG (emulation) because BOXERY_QEMU_ACCEL=tcg".into(),
-            };
-        }
-        Some("kvm") => {
-            return AccelChoice {
-                accel: Accel::Kvm,
-                reason: "KVM because BOXERY_QEMU_ACCEL=kvm".into(),
-            };
-        }
-        _ => {}
-    }
-    let kvm = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm");
-    match kvm {
-        Err(e) => AccelChoice { accel: Accel::Tcg, reason: format!("TCG (emulation, slow): /dev/kvm cannot be opened ({e})") },
-        Ok(_) if Path::new("/sys/module/kvm_pvm").exists() => AccelChoice {
-            accel: Accel::Tcg,
-            reason: "TCG (emulation, slow): the host's KVM is kvm_pvm, which runs only PVM guest kernels".into(),
-        },
-        Ok(_) => AccelChoice { accel: Accel::Kvm, reason: "KVM: /dev/kvm opens and the host KVM is standard".into() },
-    }
-}
-
-/// How a guest boots: direct kernel boot (kernel, initrd, command line) or, without a
-/// kernel, the disk's own bootloader.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct Boot {
-    /// The kernel (absolute path), for direct kernel boot.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kernel: Option<PathBuf>,
-    /// The initrd (absolute path).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub initrd: Option<PathBuf>,
-    /// The kernel command line.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cmdline: Option<String>,
-    /// The machine type (`q35` unless the image says otherwise).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub machine: Option<String>,
-    /// Whether the guest powers off on the ACPI power button (default yes).
-    #[serde(default = "yes")]
-    pub acpi_shutdown: bool,
-}
-
-fn yes() -> bool {
-    true
 }
 
 /// Everything one QEMU command line needs.
@@ -355,12 +271,7 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
     a
 }
 
-/// The last `lines` lines of a file (empty when unreadable).
-pub fn tail(path: &Path, lines: usize) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let all: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
-}
+pub use crate::storage::files::tail;
 
 /// Launch QEMU for `spec`, daemonized; returns its PID once it has finished starting.
 /// Its stderr goes to `log`.
@@ -586,24 +497,6 @@ pub fn port_free(port: u16) -> bool {
     std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
 }
 
-/// The host's CPU count and memory in MiB.
-pub fn host_capacity() -> (u32, u64) {
-    let cpus = std::thread::available_parallelism()
-        .map(|n| n.get() as u32)
-        .unwrap_or(1);
-    let mem = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map(|kb| kb / 1024)
-        .unwrap_or(0);
-    (cpus, mem)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -662,15 +555,6 @@ mod tests {
         assert!(joined.contains("mac=52:54:00:12:34:56"));
         assert!(!joined.contains("-daemonize"));
         assert!(args.iter().any(|a| a.contains("/state/qemu/vms/dev1/")));
-    }
-
-    #[test]
-    fn accel_override() {
-        assert_eq!(detect_accel(Some("tcg")).accel, Accel::Tcg);
-        assert_eq!(detect_accel(Some("kvm")).accel, Accel::Kvm);
-        if Path::new("/sys/module/kvm_pvm").exists() {
-            assert_eq!(detect_accel(None).accel, Accel::Tcg);
-        }
     }
 
     #[test]

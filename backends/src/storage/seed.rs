@@ -9,10 +9,120 @@
 //! reimages included: a new instance-id is what makes the guest redo its per-instance steps.
 //!
 //! The ISO holds the host's private key and the token: it is written 0600.
+//!
+//! Also here: the hypervisor side of a new identity both drivers give a VM (seed 001,
+//! "Identity"): a new UUID, MAC and instance-id, never the source's, and the VM's record.
 
 use std::path::{Path, PathBuf};
 
-use crate::Identity;
+use super::Storage;
+use super::records::VmConfig;
+use crate::{BackendError, Identity, NewVm};
+
+/// A new MAC address in QEMU's locally administered range (`52:54:00:xx:xx:xx`).
+pub(crate) fn random_mac() -> String {
+    let b: [u8; 3] = rand::random();
+    format!("52:54:00:{:02x}:{:02x}:{:02x}", b[0], b[1], b[2])
+}
+
+/// A new instance-id (`iid-<uuid>`, docs/images.md): new per identity, kept for the VM's life.
+pub(crate) fn new_instance_id() -> String {
+    format!("iid-{}", uuid::Uuid::new_v4())
+}
+
+/// `identity` made complete for VM `name`: a hostname (the name, `.` as `-`) and a host key
+/// (generated when the request has none: every VM is pinned).
+pub(crate) fn complete_identity(name: &str, identity: &Identity) -> crate::Result<Identity> {
+    let mut id = identity.clone();
+    if id.hostname.is_empty() {
+        id.hostname = name.replace('.', "-");
+    }
+    if id.host_key.is_none() {
+        id.host_key = Some(crate::identity::host_key(name, &format!("{name}.boxery"))?);
+    }
+    Ok(id)
+}
+
+/// The record of a new VM made from `vm` with the completed `identity`: a new UUID and MAC.
+pub(crate) fn new_vm_record(
+    vm: &NewVm,
+    identity: &Identity,
+    instance_id: String,
+    image: &str,
+    base: &str,
+    disk_gib: u64,
+    port: u16,
+) -> VmConfig {
+    VmConfig {
+        name: vm.name.clone(),
+        mark: vm.uid.clone(),
+        uuid: uuid::Uuid::new_v4().to_string(),
+        mac: random_mac(),
+        port,
+        cpus: vm.cpus,
+        memory_mib: vm.memory_mib,
+        disk_gib,
+        base: base.into(),
+        instance_id,
+        hostname: identity.hostname.clone(),
+        host_key: identity
+            .host_key
+            .as_ref()
+            .map(|(_, public)| public.trim().to_string()),
+        image: image.into(),
+        created: boxery_api::now(),
+    }
+}
+
+/// What a reimage does to the seed: the identity stays (same UUID, MAC, instance-id and
+/// seed) unless the caller passes a different host key, which is a new identity: a new
+/// instance-id, the new key and hostname in `cfg`, and the identity to write the new seed
+/// with (`None`: keep the seed).
+pub(crate) fn reseed(
+    vm: &str,
+    cfg: &mut VmConfig,
+    identity: &Identity,
+) -> crate::Result<Option<Identity>> {
+    let new_key = identity
+        .host_key
+        .as_ref()
+        .map(|(_, p)| p.trim().to_string());
+    if new_key.is_none() || new_key == cfg.host_key {
+        return Ok(None);
+    }
+    let id = complete_identity(vm, identity)?;
+    cfg.instance_id = new_instance_id();
+    cfg.host_key = new_key;
+    cfg.hostname = id.hostname.clone();
+    Ok(Some(id))
+}
+
+impl Storage {
+    /// Write VM `name`'s seed ISO `iso` for `identity` (loose files in `work`). An identity
+    /// that cannot be seeded is `Invalid`.
+    pub async fn write_seed(
+        &self,
+        name: &str,
+        instance_id: &str,
+        identity: &Identity,
+        work: &Path,
+        iso: &Path,
+    ) -> crate::Result<()> {
+        write_seed_iso(
+            &self.config.genisoimage,
+            name,
+            instance_id,
+            identity,
+            work,
+            iso,
+        )
+        .await
+        .map_err(|e| match e {
+            SeedError::Identity { .. } => BackendError::Invalid(e.to_string()),
+            e => BackendError::failed(format!("write the seed of VM {name}"), e),
+        })
+    }
+}
 
 /// A failed seed write.
 #[derive(Debug, thiserror::Error)]
@@ -188,8 +298,8 @@ pub async fn write_seed_iso(
     let _ = std::fs::remove_dir_all(work);
     std::fs::create_dir_all(work).map_err(io)?;
     std::fs::set_permissions(work, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
-    super::layout::write_atomic(&work.join("user-data"), user.as_bytes(), 0o600).map_err(io)?;
-    super::layout::write_atomic(&work.join("meta-data"), meta.as_bytes(), 0o600).map_err(io)?;
+    super::files::write_atomic(&work.join("user-data"), user.as_bytes(), 0o600).map_err(io)?;
+    super::files::write_atomic(&work.join("meta-data"), meta.as_bytes(), 0o600).map_err(io)?;
     pack(genisoimage, name, work, iso).await
 }
 
@@ -199,7 +309,7 @@ async fn pack(genisoimage: &Path, name: &str, work: &Path, iso: &Path) -> Result
         name: name.into(),
         source,
     };
-    let tmp: PathBuf = super::layout::temp_path(iso);
+    let tmp: PathBuf = super::files::temp_path(iso);
     let out = tokio::process::Command::new(genisoimage)
         .arg("-quiet")
         .arg("-output")
@@ -223,7 +333,7 @@ async fn pack(genisoimage: &Path, name: &str, work: &Path, iso: &Path) -> Result
     }
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
     std::fs::rename(&tmp, iso).map_err(io)?;
-    super::layout::sync_dir(iso).map_err(io)
+    super::files::sync_dir(iso).map_err(io)
 }
 
 #[cfg(test)]

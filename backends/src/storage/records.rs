@@ -1,11 +1,31 @@
-//! What the qemu backend records on disk: a VM's config (its commit point), an image's record,
-//! a base's record, and the image builders' manifest it reads.
+//! What the drivers record: a VM's record (qemu: `vms/<name>/config.json`, its commit point;
+//! libvirt: the domain's metadata), an image's record (both: `images/<name>.json`, the image's
+//! commit point), a base's record, and the image builders' manifest they read.
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::process::Boot;
+/// How a guest boots: direct kernel boot (kernel, initrd, command line) or, without a
+/// kernel, the disk's own bootloader.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Boot {
+    /// The kernel (absolute path), for direct kernel boot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<PathBuf>,
+    /// The initrd (absolute path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initrd: Option<PathBuf>,
+    /// The kernel command line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmdline: Option<String>,
+    /// The machine type (`q35` unless the image says otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine: Option<String>,
+    /// Whether the guest powers off on the ACPI power button (default yes).
+    #[serde(default = "yes")]
+    pub acpi_shutdown: bool,
+}
 
 /// `vms/<name>/config.json`: written last when a VM is made; a VM directory without it is an
 /// incomplete create.
@@ -40,6 +60,33 @@ pub struct VmConfig {
     pub image: String,
     /// When it was made.
     pub created: boxery_api::Time,
+}
+
+/// What a resize changes (see [`VmConfig::resize_to`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ResizeChange {
+    /// CPUs or memory change: the machine is restarted.
+    pub machine: bool,
+    /// The disk grows.
+    pub grow: bool,
+}
+
+impl VmConfig {
+    /// What resizing this VM to `size` changes; `None` when nothing does. A disk only grows
+    /// (`Invalid` otherwise: retrying cannot help).
+    pub(crate) fn resize_to(&self, size: crate::VmSize) -> crate::Result<Option<ResizeChange>> {
+        if size.disk_gib < self.disk_gib {
+            return Err(crate::BackendError::Invalid(format!(
+                "disks only grow: VM {} has {} GiB, {} GiB asked",
+                self.name, self.disk_gib, size.disk_gib
+            )));
+        }
+        let change = ResizeChange {
+            machine: size.cpus != self.cpus || size.memory_mib != self.memory_mib,
+            grow: size.disk_gib > self.disk_gib,
+        };
+        Ok((change.machine || change.grow).then_some(change))
+    }
 }
 
 /// `images/<name>.json`: the image's commit point.

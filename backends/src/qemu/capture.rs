@@ -1,0 +1,159 @@
+//! Capture: the live hand-off (guest-agent freeze, snapshot, the frozen overlay published as
+//! the image, a stream back to one overlay) or, for a stopped VM, a copy. Publishing and the
+//! rest of image storage are the storage module's.
+
+use super::*;
+
+impl Inner {
+    pub(super) async fn capture_inner(
+        self: &Arc<Self>,
+        vm: &str,
+        image: &str,
+        uid: &str,
+    ) -> Result<()> {
+        let cfg = self
+            .load_vm(vm)?
+            .ok_or_else(|| not_found(format!("VM {vm}")))?;
+        let part = self.storage.image_part(image);
+        let t = Instant::now();
+        if self.pid(vm).is_some() {
+            // the disk must be one overlay on the base (the overlay becomes the image): wait
+            // for a stream under way (a previous capture's, a new VM's), start one if needed
+            let deadline = Instant::now() + STREAM_WAIT;
+            let (mut q, node, files) = loop {
+                self.wait_jobs(vm, deadline.saturating_duration_since(Instant::now()))
+                    .await?;
+                self.settle(vm).await?;
+                let mut q = self.qmp(vm).await?;
+                let (node, files) = self.live_chain(&mut q, vm).await?;
+                if files.len() <= 2 {
+                    break (q, node, files);
+                }
+                if Instant::now() >= deadline {
+                    return Err(BackendError::failed(
+                        format!("capture VM {vm}"),
+                        format!(
+                            "its disk is still {} layers deep after {STREAM_WAIT:?}",
+                            files.len() - 1
+                        ),
+                    ));
+                }
+            };
+            let generation = self.active_generation(vm)?.unwrap_or(0);
+            let active = PathBuf::from(&files[0]);
+            if active != self.layout.vm_disk(vm, generation) {
+                return Err(BackendError::failed(
+                    format!("capture VM {vm}"),
+                    format!(
+                        "QEMU writes {} but the newest disk is generation {generation}: run recovery",
+                        active.display()
+                    ),
+                ));
+            }
+            let next_gen = self.max_generation(vm)? + 1;
+            let next = self.layout.vm_disk(vm, next_gen);
+            let frozen = self.freeze(&mut q, vm).await;
+            let snap = q
+                .blockdev_snapshot_sync(&node, &next, &format!("ov{next_gen}"))
+                .await;
+            if frozen {
+                self.thaw(vm).await;
+            }
+            if let Err(e) = snap {
+                let _ = remove_file_if_exists(&next);
+                return Err(BackendError::failed(
+                    format!("snapshot the disk of VM {vm}"),
+                    e,
+                ));
+            }
+            let t_snap = t.elapsed();
+            drop(q);
+            // the old overlay is frozen and one deep on the base: it becomes the image
+            let _ = remove_file_if_exists(&part);
+            std::fs::hard_link(&active, &part)
+                .map_err(io(format!("linking {} as image {image}", active.display())))?;
+            self.storage
+                .publish(image, uid, &cfg.base, &format!("vm:{vm}"))
+                .await?;
+            let mut q = self.qmp(vm).await?;
+            q.block_stream(STREAM_JOB, &format!("ov{next_gen}"), BASE_NODE)
+                .await
+                .map_err(|e| {
+                    BackendError::failed(format!("stream the disk of VM {vm} after capture"), e)
+                })?;
+            drop(q);
+            info!(
+                vm,
+                image,
+                frozen,
+                snapshot_secs = t_snap.as_secs_f64(),
+                secs = t.elapsed().as_secs_f64(),
+                "captured a running VM"
+            );
+            self.settle_later(vm.to_string());
+        } else {
+            self.settle(vm).await?;
+            let generation = self
+                .active_generation(vm)?
+                .ok_or_else(|| not_found(format!("the disk of VM {vm}")))?;
+            let _ = remove_file_if_exists(&part);
+            self.disks()
+                .copy(&self.layout.vm_disk(vm, generation), &part)
+                .await
+                .map_err(|e| BackendError::failed(format!("copy the disk of VM {vm}"), e))?;
+            self.storage
+                .publish(image, uid, &cfg.base, &format!("vm:{vm}"))
+                .await?;
+            info!(
+                vm,
+                image,
+                secs = t.elapsed().as_secs_f64(),
+                "captured a stopped VM"
+            );
+        }
+        Ok(())
+    }
+
+    /// Freeze the guest's filesystems through qemu-guest-agent when it runs; `true` if frozen.
+    pub(super) async fn freeze(&self, q: &mut Qmp, vm: &str) -> bool {
+        let agent = q
+            .query_chardev()
+            .await
+            .map(|c| c.iter().any(|c| c.label == "qga0" && c.frontend_open))
+            .unwrap_or(false);
+        if !agent {
+            return false;
+        }
+        match Qga::connect(&self.layout.vm_qga(vm), Duration::from_secs(3)).await {
+            Ok(mut g) => match g.fsfreeze_freeze().await {
+                Ok(n) => {
+                    debug!(vm, filesystems = n, "guest filesystems frozen");
+                    true
+                }
+                Err(e) => {
+                    warn!(vm, error = %error_chain(&e), "guest fsfreeze failed; capturing crash-consistent");
+                    let _ = g.fsfreeze_thaw().await;
+                    false
+                }
+            },
+            Err(e) => {
+                warn!(vm, error = %error_chain(&e), "the guest agent did not answer; capturing crash-consistent");
+                false
+            }
+        }
+    }
+
+    pub(super) async fn thaw(&self, vm: &str) {
+        for _ in 0..3 {
+            if let Ok(mut g) = Qga::connect(&self.layout.vm_qga(vm), Duration::from_secs(5)).await
+                && g.fsfreeze_thaw().await.is_ok()
+            {
+                return;
+            }
+        }
+        warn!(
+            vm,
+            "could not thaw the guest's filesystems; recover_capture retries"
+        );
+    }
+}

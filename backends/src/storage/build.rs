@@ -1,0 +1,121 @@
+//! The stock images (`tiny`, `debian-12`) from the image builders (`image/build-*.sh`), and
+//! imports of a builder's output: each registers a base and makes the image an empty overlay
+//! on it.
+
+use std::path::Path;
+
+use super::Storage;
+use super::files::{remove_file_if_exists, tail};
+use crate::{BackendError, Progress, Result, io};
+
+/// Which builder script makes stock image `name`.
+fn builder_script(name: &str) -> Option<&'static str> {
+    match name {
+        "debian-12" => Some("build-debian.sh"),
+        "tiny" => Some("build-tiny.sh"),
+        _ => None,
+    }
+}
+
+impl Storage {
+    /// Build stock image `name` as image `image` marked `uid`: run its builder into
+    /// `BOXERY_IMAGE_CACHE`, forwarding every line it prints as it prints it, register the
+    /// output as a base (once per input hash) and make the image an overlay on it.
+    pub async fn build_image(
+        &self,
+        name: &str,
+        image: &str,
+        uid: &str,
+        progress: Progress,
+    ) -> Result<()> {
+        self.check_name("image", image)?;
+        let script = builder_script(name).ok_or_else(|| {
+            BackendError::Invalid(format!(
+                "the {} backend cannot build stock image `{name}`: it builds debian-12 and tiny",
+                self.backend
+            ))
+        })?;
+        if let Some(rec) = self.load_image(image)? {
+            return self.same_image(rec, uid);
+        }
+        let dir = self.config.image_dir.clone().ok_or_else(|| {
+            BackendError::Invalid(
+                "the image builders (image/build-*.sh) were not found: set BOXERY_IMAGE_DIR to the repository's image/ directory".into(),
+            )
+        })?;
+        let script_path = dir.join(script);
+        if !script_path.is_file() {
+            return Err(BackendError::Invalid(format!(
+                "{} does not exist: set BOXERY_IMAGE_DIR",
+                script_path.display()
+            )));
+        }
+        let out = self.config.image_cache.clone();
+        progress(&format!(
+            "building {name} with {} into {}",
+            script_path.display(),
+            out.display()
+        ));
+        let state = &self.places.state;
+        std::fs::create_dir_all(state).map_err(io("creating the state directory"))?;
+        let stderr_path = state.join(format!(".build-{image}.log"));
+        let stderr = std::fs::File::create(&stderr_path)
+            .map_err(io(format!("creating {}", stderr_path.display())))?;
+        let mut child = tokio::process::Command::new("bash")
+            .arg(&script_path)
+            .arg(&out)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(stderr)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(io(format!("running {}", script_path.display())))?;
+        if let Some(stdout) = child.stdout.take() {
+            use tokio::io::AsyncBufReadExt;
+            let mut lines = tokio::io::BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                progress(&line);
+            }
+        }
+        let status = child
+            .wait()
+            .await
+            .map_err(io(format!("waiting for {}", script_path.display())))?;
+        if !status.success() {
+            let tail = tail(&stderr_path, 15);
+            return Err(BackendError::failed(
+                format!("build stock image {name}"),
+                format!("{} exited with {status}: {tail}", script_path.display()),
+            ));
+        }
+        let _ = remove_file_if_exists(&stderr_path);
+        let base = self
+            .register_base(&out.join(format!("{name}.json")))
+            .await?;
+        progress(&format!("registered base {base}"));
+        self.image_from_base(image, uid, &base, &format!("build:{name}"))
+            .await
+    }
+
+    /// Import a builder's output as image `image`: `path` is its manifest, or a disk with the
+    /// manifest beside it (it says how the disk boots).
+    pub async fn import_image(&self, path: &Path, image: &str, uid: &str) -> Result<()> {
+        self.check_name("image", image)?;
+        let manifest = if path.extension().is_some_and(|e| e == "json") {
+            path.to_path_buf()
+        } else {
+            path.with_extension("json")
+        };
+        if !manifest.is_file() {
+            return Err(BackendError::Invalid(format!(
+                "{} has no image manifest ({}): the {} backend imports builder outputs (docs/images.md), which say how the disk boots",
+                path.display(),
+                manifest.display(),
+                self.backend
+            )));
+        }
+        let base = self.register_base(&manifest).await?;
+        self.image_from_base(image, uid, &base, &format!("file:{}", path.display()))
+            .await
+    }
+}
