@@ -177,6 +177,31 @@ fn bad_input_changes_nothing() {
         vm_with("  runStrategy: Sometimes\n").as_bytes(),
         &["spec.runStrategy"],
     );
+    // Fields that validate but that nothing implements yet are refused, never ignored.
+    case(
+        &home,
+        "layers.yaml",
+        vm_with("  layers: [desktop]\n").as_bytes(),
+        &["spec.layers", "not implemented yet"],
+    );
+    case(
+        &home,
+        "desktop.yaml",
+        vm_with("  headless: false\n").as_bytes(),
+        &["spec.headless", "not implemented yet"],
+    );
+    case(
+        &home,
+        "build-layers.yaml",
+        b"apiVersion: boxery.dev/v1alpha1\nkind: Image\nmetadata:\n  name: mine\nspec:\n  source:\n    build: {base: debian-12, layers: [desktop]}\n",
+        &["spec.source.build.layers", "not implemented yet"],
+    );
+    case(
+        &home,
+        "pool-ttl.yaml",
+        b"apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata:\n  name: p\nspec:\n  lease: {defaultTtlSeconds: 600, maxTtlSeconds: 28800}\n",
+        &["spec.lease.defaultTtlSeconds", "not implemented yet"],
+    );
     let dup = format!("{}---\n{}", vm_yaml("dup"), vm_yaml("dup"));
     case(
         &home,

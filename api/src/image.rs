@@ -51,7 +51,8 @@ pub enum ImageSource {
 pub struct BuildSpec {
     /// The distribution to start from (`debian-12`).
     pub base: String,
-    /// Guest layers to apply, in order.
+    /// Guest layers to apply, in order. Not implemented yet: a non-empty list is refused (a
+    /// stock image is built with its own layers).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub layers: Vec<String>,
 }
@@ -131,6 +132,12 @@ fn normalize_image(img: &mut Image) -> Result<(), Vec<FieldError>> {
                         b.base,
                         crate::vm::STOCK_IMAGES.join(", ")
                     ),
+                ));
+            }
+            if !b.layers.is_empty() {
+                errs.push(crate::validate::not_implemented(
+                    "spec.source.build.layers",
+                    "a stock image is built with its own layers (plumbing and devtools in debian-12); remove the field",
                 ));
             }
         }

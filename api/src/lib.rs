@@ -3,6 +3,7 @@
 //! write, label selectors, and the YAML/JSON codec for manifests. No I/O lives here.
 
 pub mod codec;
+pub mod conditions;
 pub mod event;
 pub mod grant;
 pub mod image;

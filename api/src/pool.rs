@@ -37,6 +37,12 @@ fn normalize_pool(pool: &mut Pool) -> Result<(), Vec<crate::validate::FieldError
             ));
         }
     }
+    if pool.spec.lease.default_ttl_seconds != LeaseDefaults::default().default_ttl_seconds {
+        errs.push(crate::validate::not_implemented(
+            "spec.lease.defaultTtlSeconds",
+            "a lease lasts its own leaseDurationSeconds (`boxery lease acquire --ttl`, 30m by default); remove the field or set it to 1800",
+        ));
+    }
     if let Some(t) = pool.spec.template.as_mut() {
         let mut vm = crate::Vm::new("template", t.spec.clone());
         match vm.normalize() {
@@ -86,7 +92,8 @@ pub struct VmTemplate {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LeaseDefaults {
-    /// A lease's duration when it names none (60..28800).
+    /// A lease's duration when it names none (60..28800). Not implemented yet: only the
+    /// default, 1800, is accepted (a lease lasts its own `leaseDurationSeconds`).
     #[schemars(range(min = 60, max = 28800))]
     pub default_ttl_seconds: u32,
     /// The longest lease allowed (60..28800).

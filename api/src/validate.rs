@@ -36,6 +36,12 @@ impl FieldError {
     }
 }
 
+/// A field that validates but that nothing acts on yet: refused, so that nobody's manifest
+/// asks for something boxery would silently not do. `instead` says what to do.
+pub(crate) fn not_implemented(path: &str, instead: &str) -> FieldError {
+    FieldError::new(path, format!("not implemented yet: {instead}"))
+}
+
 impl fmt::Display for FieldError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.path.is_empty() {
@@ -291,6 +297,52 @@ mod tests {
         ))
         .unwrap_err();
         assert_eq!(e.errors[0].path, "spec.resources.memory", "{e}");
+    }
+
+    #[test]
+    fn fields_nothing_implements_are_refused_by_name() {
+        let refused = |v: Value, path: &str| {
+            let e = normalize(v).unwrap_err();
+            assert!(
+                e.errors
+                    .iter()
+                    .any(|f| f.path == path && f.message.starts_with("not implemented yet")),
+                "{path}: {e}"
+            );
+        };
+        refused(
+            vm(json!({"source": {"image": "debian-12"}, "layers": ["desktop"]})),
+            "spec.layers",
+        );
+        refused(
+            vm(json!({"source": {"image": "debian-12"}, "headless": false})),
+            "spec.headless",
+        );
+        refused(
+            json!({"apiVersion": API_VERSION, "kind": "Image", "metadata": {"name": "i"},
+                   "spec": {"source": {"build": {"base": "debian-12", "layers": ["x"]}}}}),
+            "spec.source.build.layers",
+        );
+        refused(
+            json!({"apiVersion": API_VERSION, "kind": "Pool", "metadata": {"name": "p"},
+                   "spec": {"lease": {"defaultTtlSeconds": 600, "maxTtlSeconds": 28800}}}),
+            "spec.lease.defaultTtlSeconds",
+        );
+        refused(
+            json!({"apiVersion": API_VERSION, "kind": "Pool", "metadata": {"name": "p"},
+                   "spec": {"template": {"spec": {"source": {"image": "tiny"}, "layers": ["x"]}}}}),
+            "spec.template.spec.layers",
+        );
+        // Their defaults, and saying them explicitly, are fine.
+        normalize(vm(
+            json!({"source": {"image": "debian-12"}, "headless": true, "layers": []}),
+        ))
+        .unwrap();
+        normalize(
+            json!({"apiVersion": API_VERSION, "kind": "Pool", "metadata": {"name": "p"},
+                         "spec": {"lease": {"defaultTtlSeconds": 1800, "maxTtlSeconds": 600}}}),
+        )
+        .unwrap();
     }
 
     #[test]

@@ -42,10 +42,11 @@ pub struct VmSpec {
     /// CPUs, memory and disk. Missing fields come from `shape` (default `small`).
     #[serde(default)]
     pub resources: Resources,
-    /// No desktop (the only kind so far).
+    /// No desktop. Only `true` (the default) is accepted until desktops are implemented.
     #[serde(default = "yes")]
     pub headless: bool,
-    /// Extra guest layers to apply (`plumbing` and `devtools` are always there).
+    /// Extra guest layers to apply. Not implemented yet: a non-empty list is refused (a VM has
+    /// its image's layers, `plumbing` and `devtools` in `debian-12`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub layers: Vec<String>,
     /// Whether the VM should run.
@@ -365,6 +366,19 @@ fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
         && let Err(e) = crate::validate::check_subdomain_name(&r.image)
     {
         errs.push(FieldError::new("spec.restore.image", e));
+    }
+    // Accepted only as what is built: no desktop, no extra layers (never accepted and ignored).
+    if !vm.spec.headless {
+        errs.push(crate::validate::not_implemented(
+            "spec.headless",
+            "every VM is headless (no desktop); remove the field or set it to true",
+        ));
+    }
+    if !vm.spec.layers.is_empty() {
+        errs.push(crate::validate::not_implemented(
+            "spec.layers",
+            "a VM has its image's layers (plumbing and devtools in debian-12); remove the field",
+        ));
     }
     // Defaults are written into the object, so an upgrade never changes a stored VM's size.
     let eff = vm.spec.resources.effective();

@@ -58,7 +58,13 @@ pub struct Orphan {
 /// Every VM and image of the backend without an owning object here.
 pub async fn list(env: &Env, store: &Store) -> CliResult<Vec<Orphan>> {
     let backend = env.backend_for(store)?;
-    let ctx = crate::runtime::context(store, backend.clone(), Default::default(), "boxery-orphans");
+    let ctx = crate::runtime::context(
+        store,
+        &env.home,
+        backend.clone(),
+        Default::default(),
+        "boxery-orphans",
+    );
     let vms = backend.list().await.map_err(CliError::failed)?;
     let images = backend.images().await.map_err(CliError::failed)?;
     let mut out = Vec::new();
@@ -90,6 +96,7 @@ pub async fn list(env: &Env, store: &Store) -> CliResult<Vec<Orphan>> {
     for (kind, name, mark) in things {
         let cur = store.get(kind, &name)?;
         let v = orphan_verdict(&ctx, mark.as_deref(), cur.as_ref().map(|o| &o.metadata))
+            .await
             .map_err(|e| CliError::failed(e.chain()))?;
         push(kind, &name, mark, v);
     }

@@ -35,15 +35,17 @@ pub fn lease_arg(s: &str) -> Result<Duration, String> {
     crate::wait::duration_in(s, LEASE.0, LEASE.1)
 }
 
-/// The controllers' shared context.
+/// The controllers' shared context, for the home `home` whose store is `store`.
 pub fn context(
     store: &Store,
+    home: &std::path::Path,
     backend: Arc<dyn Backend>,
     settings: Settings,
     holder: &str,
 ) -> Arc<Ctx> {
     Arc::new(Ctx::new(
-        store.clone(),
+        Arc::new(store.clone()),
+        home.to_path_buf(),
         backend,
         holder.to_string(),
         settings,
@@ -70,7 +72,7 @@ pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> Cli
     let store = env.store()?;
     let backend = env.backend_for(&store)?;
     let me = this_process();
-    let elector = LeaderElector::new(store.clone(), LOCK, me.clone(), lease);
+    let elector = LeaderElector::new(Arc::new(store.clone()), LOCK, me.clone(), lease);
     let shutdown = CancellationToken::new();
     {
         let s = shutdown.clone();
@@ -130,7 +132,7 @@ pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> Cli
         import_roots: crate::env::read_config(&env.home)?.import_roots,
         ..Settings::default()
     };
-    let ctx = context(&store, backend.clone(), settings, &me.id);
+    let ctx = context(&store, &env.home, backend.clone(), settings, &me.id);
     let run = boxery_reconcilers::runtime::run(ctx, shutdown.child_token());
     tokio::select! {
         _ = run => {}
@@ -173,7 +175,7 @@ impl Embedded {
             Leadership::Follower { .. } => return Ok(Started::Elsewhere),
             Leadership::Leader { .. } => {}
         }
-        let elector = LeaderElector::new(store.clone(), LOCK, me.clone(), ttl);
+        let elector = LeaderElector::new(Arc::new(store.clone()), LOCK, me.clone(), ttl);
         let leading = elector
             .acquire()
             .await
@@ -190,13 +192,13 @@ impl Embedded {
             import_roots: crate::env::read_config(&env.home)?.import_roots,
             ..Settings::default()
         };
-        let ctx = context(store, backend.clone(), settings, &me.id);
+        let ctx = context(store, &env.home, backend.clone(), settings, &me.id);
         match backend.init().await {
             Ok(()) => {}
             Err(e @ BackendError::Unreachable { .. }) => {
                 // What an inventory pass would record; then leave the store to whoever can
                 // reach the backend (a `serve` retries until it answers).
-                let marked = boxery_reconcilers::inventory::unreachable(&ctx, &e);
+                let marked = boxery_reconcilers::inventory::unreachable(&ctx, &e).await;
                 let _ = leading.resign().await;
                 marked.map_err(|m| CliError::failed(m.to_string()))?;
                 return Ok(Started::Unreachable(format!(

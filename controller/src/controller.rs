@@ -12,9 +12,12 @@
 //! ```
 //!
 //! # Guarantees
-//! - Level-based: the queue holds names only, and every reconcile gets the object as stored
-//!   at that moment (read from the store, not the cache). A key whose object is gone is
+//! - Level-based: the queue holds names only, and every reconcile gets the object from the
+//!   controller's cache as it is when the reconcile starts. A key whose object is gone is
 //!   dropped without calling `reconcile` (cleanup belongs behind a finalizer).
+//! - A reconcile sees the writes of the reconciles before it, when they write through a
+//!   [`WriteThrough`](crate::WriteThrough) store this controller's [`Controller::cache`] is
+//!   registered with: the cache holds a written object before the write returns.
 //! - Never two reconciles of one object at once; at most `concurrency` at once overall.
 //! - Every object is reconciled once at start (the first list), after each change to it, after
 //!   each mapped change of a watched kind, and on every resync.
@@ -31,6 +34,9 @@
 //! - On shutdown, reconciles in flight are dropped and the future returns.
 //!
 //! # Assumptions
+//! - Writes of other processes reach the cache with the watch latency; reconcilers write with
+//!   a resourceVersion precondition, so a step taken on a stale copy fails with `Conflict`
+//!   and is retried on the fresh one.
 //! - Reconcilers are idempotent and crash-safe (they record in-flight operations in status
 //!   before side effects), so a dropped reconcile is as good as a crash.
 //! - A change of the object during a reconcile re-queues it; the reconcile that follows sees
@@ -49,7 +55,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use boxery_api::{DynObject, Resource};
-use boxery_store::Store;
+use boxery_store::ObjectStore;
 use futures::FutureExt;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -58,7 +64,7 @@ use tracing::Instrument;
 
 use crate::action::{Action, Next, ReconcileError};
 use crate::backoff::Backoff;
-use crate::reflector::{Cache, Change, Source, reflect};
+use crate::reflector::{Cache, Change, reflect};
 use crate::runner::{self, Request};
 
 /// Maps a changed object of a watched kind to names of the controller's kind.
@@ -116,7 +122,7 @@ struct Watch {
 
 /// A controller for objects of kind `R`. Build it, then [`Controller::run`] it.
 pub struct Controller<R: Resource> {
-    source: Arc<dyn Source>,
+    store: Arc<dyn ObjectStore>,
     cache: Cache,
     watches: Vec<Watch>,
     resync: Option<Duration>,
@@ -129,15 +135,10 @@ pub struct Controller<R: Resource> {
 
 impl<R: Resource> Controller<R> {
     /// A controller for `R` objects in `store`: concurrency 4, default backoff, no resync.
-    pub fn new(store: Store) -> Self {
-        Self::from_source(Arc::new(store))
-    }
-
-    /// A controller over any [`Source`] (tests use an in-memory one).
-    pub fn from_source(source: Arc<dyn Source>) -> Self {
+    pub fn new(store: Arc<dyn ObjectStore>) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         Controller {
-            source,
+            store,
             cache: Cache::new(R::INFO.kind),
             watches: Vec::new(),
             resync: None,
@@ -227,8 +228,9 @@ impl<R: Resource> Controller<R> {
         self
     }
 
-    /// The cache of `R` objects the controller's reflector keeps (for mappers of watched
-    /// kinds that need to look at primary objects, e.g. by label).
+    /// The cache of `R` objects the controller's reflector keeps and reconciles from (for
+    /// mappers of watched kinds that need to look at primary objects, e.g. by label, and to
+    /// register with a [`WriteThrough`](crate::WriteThrough) store).
     pub fn cache(&self) -> Cache {
         self.cache.clone()
     }
@@ -241,7 +243,7 @@ impl<R: Resource> Controller<R> {
     }
 
     /// Run until `shutdown` is cancelled: reflect, map, resync, and call `reconcile` for each
-    /// queued key with the object as stored now. See the module docs for the requeue policy.
+    /// queued key with the object as cached now. See the module docs for the requeue policy.
     pub fn run<F, Fut, E, P, Ctx>(
         self,
         reconcile: F,
@@ -257,7 +259,7 @@ impl<R: Resource> Controller<R> {
         Ctx: Send + Sync + 'static,
     {
         let Controller {
-            source,
+            store,
             cache,
             watches,
             resync,
@@ -277,7 +279,7 @@ impl<R: Resource> Controller<R> {
             // The primary kind: every change queues its own name.
             spawn_reflector(
                 &mut background,
-                &source,
+                &store,
                 cache.clone(),
                 watch_backoff,
                 tx.clone(),
@@ -288,7 +290,7 @@ impl<R: Resource> Controller<R> {
                 let mapper = w.mapper;
                 spawn_reflector(
                     &mut background,
-                    &source,
+                    &store,
                     w.cache.unwrap_or_else(|| Cache::new(&w.kind)),
                     watch_backoff,
                     tx.clone(),
@@ -318,7 +320,7 @@ impl<R: Resource> Controller<R> {
             drop(tx);
 
             let shared = Arc::new(Shared {
-                source,
+                cache,
                 reconcile,
                 error_policy,
                 ctx,
@@ -340,14 +342,14 @@ impl<R: Resource> Controller<R> {
 
 fn spawn_reflector(
     background: &mut JoinSet<()>,
-    source: &Arc<dyn Source>,
+    store: &Arc<dyn ObjectStore>,
     cache: Cache,
     backoff: Backoff,
     tx: mpsc::UnboundedSender<Request>,
     keys: impl Fn(&Change) -> Vec<String> + Send + 'static,
 ) {
     let (changes_tx, mut changes) = mpsc::unbounded_channel();
-    background.spawn(reflect(source.clone(), cache, changes_tx, backoff));
+    background.spawn(reflect(store.clone(), cache, changes_tx, backoff));
     background.spawn(async move {
         while let Some(change) = changes.recv().await {
             for key in keys(&change) {
@@ -369,7 +371,7 @@ struct KeyState {
 }
 
 struct Shared<R, F, P, Ctx> {
-    source: Arc<dyn Source>,
+    cache: Cache,
     reconcile: F,
     error_policy: P,
     ctx: Arc<Ctx>,
@@ -410,21 +412,14 @@ where
     /// One reconcile of `key`; returns its requeue delay.
     async fn reconcile_key(&self, key: String) -> Option<Duration> {
         let kind = R::INFO.kind;
-        let dyn_obj = match self.source.get(kind, &key) {
-            Ok(Some(o)) => {
-                tracing::debug!(resource_version = ?o.metadata.resource_version, "reconciling");
-                o
-            }
-            Ok(None) => {
-                tracing::debug!("gone; nothing to reconcile");
-                self.with_key(&key, |s| *s = KeyState::default());
-                return None;
-            }
-            Err(e) => {
-                tracing::warn!(error = %error_chain(&e), "cannot read the object; retrying");
-                return Some(self.next_backoff(&key));
-            }
+        // A trigger may come before the first list: wait for it rather than call the key gone.
+        self.cache.wait_ready().await;
+        let Some(dyn_obj) = self.cache.get(&key) else {
+            tracing::debug!("gone; nothing to reconcile");
+            self.with_key(&key, |s| *s = KeyState::default());
+            return None;
         };
+        tracing::debug!(resource_version = ?dyn_obj.metadata.resource_version, "reconciling");
         let rv = dyn_obj.metadata.rv();
         if self.with_key(&key, |s| s.terminal_at == Some(rv)) {
             tracing::debug!("failed terminally at this resourceVersion; waiting for a change");
@@ -562,7 +557,7 @@ mod tests {
         let src = FakeSource::new();
         src.put(obj("Vm", "a"));
         src.put(obj("Vm", "b"));
-        let ctl = Controller::<Vm>::from_source(Arc::new(src.clone()));
+        let ctl = Controller::<Vm>::new(Arc::new(src.clone()));
         let (ctx, stop) = start(ctl, |name, _| {
             Ok(if name == "a" {
                 Action::requeue(Duration::from_secs(5))
@@ -583,7 +578,7 @@ mod tests {
     async fn backoff_grows_and_resets_on_success() {
         let src = FakeSource::new();
         src.put(obj("Vm", "a"));
-        let ctl = Controller::<Vm>::from_source(Arc::new(src.clone())).backoff(no_jitter());
+        let ctl = Controller::<Vm>::new(Arc::new(src.clone())).backoff(no_jitter());
         // Fails four times, succeeds, then fails once more (after a change) and succeeds.
         let (ctx, stop) = start(ctl, |_, n| {
             if n <= 4 || n == 6 {
@@ -610,7 +605,7 @@ mod tests {
         let src = FakeSource::new();
         src.put(obj("Vm", "a"));
         src.put(obj("Image", "i"));
-        let ctl = Controller::<Vm>::from_source(Arc::new(src.clone()))
+        let ctl = Controller::<Vm>::new(Arc::new(src.clone()))
             .resync_every(Duration::from_secs(5))
             .watches::<boxery_api::Image>(|_| vec!["a".into()]);
         let trigger = ctl.trigger();
@@ -635,7 +630,7 @@ mod tests {
         let src = FakeSource::new();
         src.put(obj("Vm", "a"));
         src.put(obj("Vm", "b"));
-        let ctl = Controller::<Vm>::from_source(Arc::new(src.clone())).owns::<boxery_api::Image>();
+        let ctl = Controller::<Vm>::new(Arc::new(src.clone())).owns::<boxery_api::Image>();
         let (ctx, stop) = start(ctl, |_, _| Ok(Action::await_change()));
         sleep(1.0).await;
         let mut child = obj("Image", "snap");
@@ -672,8 +667,8 @@ mod tests {
         src.put(obj("Vm", "a"));
         src.put(obj("Vm", "b"));
         // Images name the VM they are for in a label.
-        let ctl = Controller::<Vm>::from_source(Arc::new(src.clone()))
-            .watches::<boxery_api::Image>(|img| {
+        let ctl =
+            Controller::<Vm>::new(Arc::new(src.clone())).watches::<boxery_api::Image>(|img| {
                 img.metadata
                     .labels
                     .get("for")
@@ -703,8 +698,8 @@ mod tests {
         let src = FakeSource::new();
         src.put(obj("Vm", "a"));
         src.put(obj("Vm", "b"));
-        let ctl = Controller::<Vm>::from_source(Arc::new(src.clone()))
-            .resync_every(Duration::from_secs(10));
+        let ctl =
+            Controller::<Vm>::new(Arc::new(src.clone())).resync_every(Duration::from_secs(10));
         let (ctx, stop) = start(ctl, |_, _| Ok(Action::await_change()));
         sleep(35.0).await;
         assert_eq!(ctx.runs_of("a"), [0.0, 10.0, 20.0, 30.0]);
@@ -717,7 +712,7 @@ mod tests {
         let src = FakeSource::new();
         src.put(obj("Vm", "a"));
         src.put(obj("Vm", "p"));
-        let ctl = Controller::<Vm>::from_source(Arc::new(src.clone())).backoff(no_jitter());
+        let ctl = Controller::<Vm>::new(Arc::new(src.clone())).backoff(no_jitter());
         let (ctx, stop) = start(ctl, |name, n| {
             if name == "p" && n == 1 {
                 panic!("on purpose");

@@ -26,7 +26,9 @@ use boxery_api::{
     API_VERSION, DynObject, Event, EventType, InvolvedObject, ObjectMeta, OwnerReference, Resource,
     Selector,
 };
-use boxery_store::{Store, StoreError};
+use std::sync::Arc;
+
+use boxery_store::{ObjectRef, ObjectStore, StoreError};
 
 /// How many Events one object keeps.
 pub const MAX_EVENTS_PER_OBJECT: usize = 20;
@@ -137,14 +139,14 @@ pub fn event_name(obj: &InvolvedObject, type_: EventType, reason: &str, message:
 /// Writes Events. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Recorder {
-    store: Store,
+    store: Arc<dyn ObjectStore>,
     controller: String,
     max_per_object: usize,
 }
 
 impl Recorder {
     /// A recorder writing as `reporting_controller` (`vm-controller`).
-    pub fn new(store: Store, reporting_controller: impl Into<String>) -> Self {
+    pub fn new(store: Arc<dyn ObjectStore>, reporting_controller: impl Into<String>) -> Self {
         Recorder {
             store,
             controller: reporting_controller.into(),
@@ -159,18 +161,26 @@ impl Recorder {
     }
 
     /// Record a routine event about `obj`; failures are logged.
-    pub fn normal<R: Resource>(&self, obj: &R, reason: &str, message: &str) {
-        self.publish(&involved(obj), EventType::Normal, reason, message);
+    pub async fn normal<R: Resource>(&self, obj: &R, reason: &str, message: &str) {
+        self.publish(&involved(obj), EventType::Normal, reason, message)
+            .await;
     }
 
     /// Record an event a person may need to act on; failures are logged.
-    pub fn warning<R: Resource>(&self, obj: &R, reason: &str, message: &str) {
-        self.publish(&involved(obj), EventType::Warning, reason, message);
+    pub async fn warning<R: Resource>(&self, obj: &R, reason: &str, message: &str) {
+        self.publish(&involved(obj), EventType::Warning, reason, message)
+            .await;
     }
 
     /// Record an event about any object; failures are logged.
-    pub fn publish(&self, obj: &InvolvedObject, type_: EventType, reason: &str, message: &str) {
-        if let Err(e) = self.record(obj, type_, reason, message) {
+    pub async fn publish(
+        &self,
+        obj: &InvolvedObject,
+        type_: EventType,
+        reason: &str,
+        message: &str,
+    ) {
+        if let Err(e) = self.record(obj, type_, reason, message).await {
             tracing::warn!(
                 kind = obj.kind,
                 name = obj.name,
@@ -183,7 +193,7 @@ impl Recorder {
 
     /// Record an event about any object: create it, or bump its count; then drop the oldest
     /// beyond the limit. Returns the Event as stored.
-    pub fn record(
+    pub async fn record(
         &self,
         obj: &InvolvedObject,
         type_: EventType,
@@ -193,13 +203,14 @@ impl Recorder {
         let name = event_name(obj, type_, reason, message);
         let mut last_conflict = None;
         for _ in 0..ATTEMPTS {
-            let existing =
-                self.store
-                    .get(Event::INFO.kind, &name)
-                    .map_err(|source| EventsError::Read {
-                        name: name.clone(),
-                        source: Box::new(source),
-                    })?;
+            let existing = self
+                .store
+                .get(&ObjectRef::of::<Event>(&name))
+                .await
+                .map_err(|source| EventsError::Read {
+                    name: name.clone(),
+                    source: Box::new(source),
+                })?;
             let convert = |source| EventsError::Convert {
                 name: name.clone(),
                 source,
@@ -211,14 +222,20 @@ impl Recorder {
                     ev.last_timestamp = boxery_api::now();
                     self.store
                         .update(DynObject::from_typed(&ev).map_err(convert)?)
+                        .await
                 }
                 None => {
                     let ev = self.new_event(obj, &name, type_, reason, message);
-                    self.store.create(DynObject::from_typed(&ev).map_err(convert)?).inspect(|_| {
-                        if let Err(e) = self.prune(obj) {
-                            tracing::warn!(error = %crate::controller::error_chain(&e), "dropping old events failed");
-                        }
-                    })
+                    let created = self
+                        .store
+                        .create(DynObject::from_typed(&ev).map_err(convert)?)
+                        .await;
+                    if created.is_ok()
+                        && let Err(e) = self.prune(obj).await
+                    {
+                        tracing::warn!(error = %crate::controller::error_chain(&e), "dropping old events failed");
+                    }
+                    created
                 }
             };
             match result {
@@ -290,7 +307,7 @@ impl Recorder {
     }
 
     /// The Events about `obj`, oldest first.
-    pub fn events_of(&self, obj: &InvolvedObject) -> Result<Vec<Event>, EventsError> {
+    pub async fn events_of(&self, obj: &InvolvedObject) -> Result<Vec<Event>, EventsError> {
         let selector = Selector(vec![
             Requirement::Eq(INVOLVED_KIND.into(), obj.kind.clone()),
             Requirement::Eq(INVOLVED_NAME.into(), obj.name.clone()),
@@ -298,6 +315,7 @@ impl Recorder {
         let (found, _) = self
             .store
             .list(Event::INFO.kind, &selector)
+            .await
             .map_err(|source| EventsError::List {
                 kind: obj.kind.clone(),
                 object: obj.name.clone(),
@@ -314,11 +332,15 @@ impl Recorder {
         Ok(events)
     }
 
-    fn prune(&self, obj: &InvolvedObject) -> Result<(), EventsError> {
-        let events = self.events_of(obj)?;
+    async fn prune(&self, obj: &InvolvedObject) -> Result<(), EventsError> {
+        let events = self.events_of(obj).await?;
         let excess = events.len().saturating_sub(self.max_per_object);
         for ev in &events[..excess] {
-            match self.store.delete(Event::INFO.kind, &ev.metadata.name) {
+            match self
+                .store
+                .delete(&ObjectRef::of::<Event>(&ev.metadata.name))
+                .await
+            {
                 Ok(_) | Err(StoreError::NotFound { .. }) => {}
                 Err(source) => {
                     return Err(EventsError::Prune {

@@ -32,7 +32,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use boxery_api::{DynObject, Resource};
-use boxery_store::{Store, StoreError};
+use boxery_store::{ObjectRef, ObjectStore, StoreError};
 
 use crate::action::{Action, ReconcileError};
 
@@ -104,8 +104,8 @@ fn to_dyn<R: Resource>(obj: &R) -> Result<DynObject, FinalizerError> {
 
 /// Add `finalizer` to `obj` unless it has it or is being deleted. Returns whether it wrote.
 /// Fails with `Conflict` inside when `obj` is stale.
-pub fn ensure_finalizer<R: Resource>(
-    store: &Store,
+pub async fn ensure_finalizer<R: Resource>(
+    store: &dyn ObjectStore,
     obj: &R,
     finalizer: &str,
 ) -> Result<bool, FinalizerError> {
@@ -115,19 +115,22 @@ pub fn ensure_finalizer<R: Resource>(
     }
     let mut d = to_dyn(obj)?;
     d.metadata.finalizers.push(finalizer.to_string());
-    store.update(d).map_err(|source| FinalizerError::Add {
-        source: Box::new(source),
-        key: key(obj),
-        finalizer: finalizer.into(),
-    })?;
+    store
+        .update(d)
+        .await
+        .map_err(|source| FinalizerError::Add {
+            source: Box::new(source),
+            key: key(obj),
+            finalizer: finalizer.into(),
+        })?;
     Ok(true)
 }
 
 /// Remove `finalizer` from `obj` if it has it. Returns whether it wrote. When `obj` is being
 /// deleted and this was its last finalizer, the object is removed. Fails with `Conflict`
 /// inside when `obj` is stale.
-pub fn remove_finalizer<R: Resource>(
-    store: &Store,
+pub async fn remove_finalizer<R: Resource>(
+    store: &dyn ObjectStore,
     obj: &R,
     finalizer: &str,
 ) -> Result<bool, FinalizerError> {
@@ -136,11 +139,14 @@ pub fn remove_finalizer<R: Resource>(
     }
     let mut d = to_dyn(obj)?;
     d.metadata.finalizers.retain(|f| f != finalizer);
-    store.update(d).map_err(|source| FinalizerError::Remove {
-        source: Box::new(source),
-        key: key(obj),
-        finalizer: finalizer.into(),
-    })?;
+    store
+        .update(d)
+        .await
+        .map_err(|source| FinalizerError::Remove {
+            source: Box::new(source),
+            key: key(obj),
+            finalizer: finalizer.into(),
+        })?;
     Ok(true)
 }
 
@@ -185,7 +191,7 @@ impl<E: ReconcileError> ReconcileError for Error<E> {
 /// | deleting | present | `reconcile(Cleanup(obj))`; on success the finalizer is removed |
 /// | deleting | absent | nothing; `await_change` |
 pub async fn finalizer<R, E, F, Fut>(
-    store: &Store,
+    store: &dyn ObjectStore,
     name: &str,
     obj: Arc<R>,
     reconcile: F,
@@ -199,7 +205,7 @@ where
     let meta = obj.meta();
     match (meta.is_deleting(), meta.has_finalizer(name)) {
         (false, false) => {
-            ensure_finalizer(store, &*obj, name)?;
+            ensure_finalizer(store, &*obj, name).await?;
             Ok(Action::await_change())
         }
         (false, true) => reconcile(FinalizerEvent::Apply(obj))
@@ -210,18 +216,19 @@ where
                 .await
                 .map_err(Error::CleanupFailed)?;
             // Cleanup may have written status: drop the finalizer from the object as it is now.
-            let current =
-                store
-                    .get(R::INFO.kind, obj.name())
-                    .map_err(|source| FinalizerError::Remove {
-                        source: Box::new(source),
-                        key: key(&*obj),
-                        finalizer: name.into(),
-                    })?;
+            let current = store
+                .get(&ObjectRef::of::<R>(obj.name()))
+                .await
+                .map_err(|source| FinalizerError::Remove {
+                    source: Box::new(source),
+                    key: key(&*obj),
+                    finalizer: name.into(),
+                })?;
             if let Some(mut current) = current.filter(|c| c.metadata.has_finalizer(name)) {
                 current.metadata.finalizers.retain(|f| f != name);
                 store
                     .update(current)
+                    .await
                     .map_err(|source| FinalizerError::Remove {
                         source: Box::new(source),
                         key: key(&*obj),

@@ -12,8 +12,9 @@
 //!   it asks every `ttl / 3` (sooner when the holder's lease is about to expire), so a
 //!   standby takes over within `ttl + ttl / 3` of the holder's last renewal, or at once when
 //!   the holder resigned or its process on this host is gone.
-//! - While leading, the lock is renewed every `ttl / 3`, on a thread of its own, so busy
-//!   async workers (a backend's slow blocking calls) cannot let it lapse. The [`Leader::token`] is cancelled
+//! - While leading, the lock is renewed every `ttl / 3`, on a thread of its own with its own
+//!   single-threaded tokio runtime, so busy async workers (a backend's slow blocking calls)
+//!   cannot let it lapse. The [`Leader::token`] is cancelled
 //!   (and [`Leader::is_lost`] turns true) when a renewal finds another holder or a new epoch,
 //!   or when renewals have failed for `2 × ttl / 3` — before the lease can expire and another
 //!   candidate can take it.
@@ -36,7 +37,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 pub use boxery_store::Candidate;
-use boxery_store::{Leadership, Store, StoreError};
+use boxery_store::{Leadership, ObjectStore, StoreError};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -87,7 +88,7 @@ pub fn this_process() -> Candidate {
 /// Competes for one leader lock in the store.
 #[derive(Debug, Clone)]
 pub struct LeaderElector {
-    store: Store,
+    store: Arc<dyn ObjectStore>,
     lock: String,
     candidate: Candidate,
     ttl: Duration,
@@ -95,7 +96,12 @@ pub struct LeaderElector {
 
 impl LeaderElector {
     /// An elector for `lock` as `candidate` (usually [`this_process`]), with leases of `ttl`.
-    pub fn new(store: Store, lock: impl Into<String>, candidate: Candidate, ttl: Duration) -> Self {
+    pub fn new(
+        store: Arc<dyn ObjectStore>,
+        lock: impl Into<String>,
+        candidate: Candidate,
+        ttl: Duration,
+    ) -> Self {
         LeaderElector {
             store,
             lock: lock.into(),
@@ -115,18 +121,9 @@ impl LeaderElector {
     }
 
     async fn try_lead(&self) -> Result<Leadership, LeaderError> {
-        let (store, lock, me, ttl) = (
-            self.store.clone(),
-            self.lock.clone(),
-            self.candidate.clone(),
-            self.ttl,
-        );
-        tokio::task::spawn_blocking(move || store.try_lead(&lock, &me, ttl))
+        self.store
+            .try_lead(&self.lock, &self.candidate, self.ttl)
             .await
-            .map_err(|source| LeaderError::Task {
-                lock: self.lock.clone(),
-                source,
-            })?
             .map_err(|source| LeaderError::Acquire {
                 lock: self.lock.clone(),
                 source: Box::new(source),
@@ -181,12 +178,17 @@ impl LeaderElector {
         let lost = Arc::new(AtomicBool::new(false));
         let me = self.clone();
         let (t, l) = (token.clone(), lost.clone());
-        // Renewals run on a thread of their own: a runtime whose workers are all busy (a
-        // backend making slow blocking calls) must not let the lease lapse while this process
-        // is alive and well.
-        let renewal = std::thread::Builder::new()
-            .name(format!("lease-{}", self.lock))
-            .spawn(move || renew(&me, epoch, &t, &l))
+        // Renewals run on a thread of their own, with a runtime of their own: a runtime whose
+        // workers are all busy (a backend making slow blocking calls) must not let the lease
+        // lapse while this process is alive and well.
+        let renewal = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .and_then(|rt| {
+                std::thread::Builder::new()
+                    .name(format!("lease-{}", self.lock))
+                    .spawn(move || renew(&rt, &me, epoch, &t, &l))
+            })
             .map(Some)
             .unwrap_or_else(|e| {
                 tracing::error!(error = %e, "cannot start the lease renewal thread");
@@ -206,7 +208,13 @@ impl LeaderElector {
 
 /// Renew `epoch` of the lock every `ttl / 3` until `token` is cancelled; when leadership is
 /// lost, mark `lost` and cancel `token`.
-fn renew(me: &LeaderElector, epoch: u64, token: &CancellationToken, lost: &AtomicBool) {
+fn renew(
+    rt: &tokio::runtime::Runtime,
+    me: &LeaderElector,
+    epoch: u64,
+    token: &CancellationToken,
+    lost: &AtomicBool,
+) {
     let period = me.ttl / 3;
     let give_up = me.ttl * 2 / 3;
     let mut last_ok = std::time::Instant::now();
@@ -227,7 +235,7 @@ fn renew(me: &LeaderElector, epoch: u64, token: &CancellationToken, lost: &Atomi
         if token.is_cancelled() {
             return;
         }
-        match me.store.try_lead(&me.lock, &me.candidate, me.ttl) {
+        match rt.block_on(me.store.try_lead(&me.lock, &me.candidate, me.ttl)) {
             Ok(Leadership::Leader { epoch: e }) if e == epoch => {
                 last_ok = std::time::Instant::now();
                 wait = period;
@@ -323,21 +331,22 @@ impl Leader {
         let lock = e.lock.clone();
         // The renewal thread ends first: a renewal after the resignation would take the
         // lock again.
-        tokio::task::spawn_blocking(move || {
-            if let Some(r) = renewal {
-                let _ = r.join();
-            }
-            e.store.resign(&e.lock, &e.candidate)
-        })
-        .await
-        .map_err(|source| LeaderError::Task {
-            lock: lock.clone(),
-            source,
-        })?
-        .map_err(|source| LeaderError::Resign {
-            lock,
-            source: Box::new(source),
-        })
+        if let Some(r) = renewal {
+            tokio::task::spawn_blocking(move || r.join())
+                .await
+                .map_err(|source| LeaderError::Task {
+                    lock: lock.clone(),
+                    source,
+                })?
+                .ok();
+        }
+        e.store
+            .resign(&e.lock, &e.candidate)
+            .await
+            .map_err(|source| LeaderError::Resign {
+                lock,
+                source: Box::new(source),
+            })
     }
 }
 

@@ -3,8 +3,10 @@
 //! (deduplicated, earliest deadline wins); a [`runner`] calls `reconcile` with at most one
 //! call in flight per name and a global concurrency limit; the [`controller`] ties them
 //! together with the requeue and [`backoff`] policy ([`Action`]). Beside it: the
-//! [`finalizer`] helpers, the [`events`] recorder and [`leader`] election, and a [`manager`] that runs several controllers on one
-//! shutdown token.
+//! [`finalizer`] helpers, the [`events`] recorder and [`leader`] election, a [`manager`] that
+//! runs several controllers on one shutdown token, and [`write_through`], which lets a
+//! controller's reconciles read their own writes from its cache. Everything reads and writes
+//! through [`boxery_store::ObjectStore`].
 //!
 //! See `docs/controller.md` for the picture and the guarantees.
 
@@ -18,6 +20,7 @@ pub mod manager;
 pub mod reflector;
 pub mod runner;
 pub mod scheduler;
+pub mod write_through;
 
 pub use action::{Action, ReconcileError};
 pub use backoff::Backoff;
@@ -26,5 +29,6 @@ pub use events::Recorder;
 pub use finalizer::{FinalizerEvent, ensure_finalizer, finalizer, remove_finalizer};
 pub use leader::{Leader, LeaderElector};
 pub use manager::Manager;
-pub use reflector::{Cache, Change, Source};
+pub use reflector::{Cache, Change};
 pub use tokio_util::sync::CancellationToken;
+pub use write_through::WriteThrough;

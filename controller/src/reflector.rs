@@ -1,5 +1,6 @@
 //! The reflector: list a kind, then watch it from the list's revision, into an in-memory
-//! [`Cache`] that mappers and resync read, emitting a [`Change`] per object that changed.
+//! [`Cache`] that the controller reconciles from and mappers and resync read, emitting a
+//! [`Change`] per object that changed.
 //!
 //! # Guarantees
 //! - After the first list the cache holds every object of the kind as of some revision, and
@@ -10,56 +11,29 @@
 //!   the reflector lists again and emits exactly the differences: objects whose
 //!   resourceVersion changed, and objects that vanished (as deletions of the cached copy).
 //!   Repeated failures back off exponentially; the first `TooOld` relists at once.
+//! - The cache never goes back in time for an object: a copy put in by [`Cache::observe`]
+//!   (a write of this process, see [`crate::write_through`]) is replaced only by a newer one,
+//!   and an object [`Cache::observe_removed`] took out stays out until a newer revision of
+//!   it arrives.
 //!
 //! # Assumptions
-//! - The source's watch delivers every change after its start revision, in order, once
-//!   (the store guarantees it), so following it keeps the cache exact.
+//! - The store's watch delivers every change after its start revision, in order, once (every
+//!   [`ObjectStore`] guarantees it), so following it keeps the cache exact.
 //!
 //! # Caveats
-//! - The cache lags the store by the watch latency: decisions that must be exact (creating
-//!   an object, taking a pool member) are made against the store, not the cache. The
-//!   controller re-reads each object from the store before reconciling it.
+//! - The cache lags the store by the watch latency for writes it did not see made: decisions
+//!   that must be exact (creating an object, taking a pool member) are made against the
+//!   store, not the cache, and every write carries a resourceVersion precondition.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use boxery_api::{DynObject, Selector};
-use boxery_store::{Store, StoreError, WatchEvent};
+use boxery_store::{ObjectStore, StoreError, WatchEvent};
 use futures::StreamExt;
-use futures::stream::BoxStream;
 use tokio::sync::{mpsc, watch};
 
 use crate::backoff::Backoff;
-
-/// Where objects come from: the store, or a test double.
-pub trait Source: Send + Sync + 'static {
-    /// Every object of `kind`, and the revision the list was taken at.
-    fn list(&self, kind: &str) -> Result<(Vec<DynObject>, u64), StoreError>;
-    /// The changes to `kind` after revision `from`.
-    fn watch(
-        &self,
-        kind: &str,
-        from: u64,
-    ) -> BoxStream<'static, Result<(u64, WatchEvent), StoreError>>;
-    /// One object, as stored now.
-    fn get(&self, kind: &str, name: &str) -> Result<Option<DynObject>, StoreError>;
-}
-
-impl Source for Store {
-    fn list(&self, kind: &str) -> Result<(Vec<DynObject>, u64), StoreError> {
-        Store::list(self, kind, &Selector::default())
-    }
-    fn watch(
-        &self,
-        kind: &str,
-        from: u64,
-    ) -> BoxStream<'static, Result<(u64, WatchEvent), StoreError>> {
-        Store::watch(self, Some(kind), from)
-    }
-    fn get(&self, kind: &str, name: &str) -> Result<Option<DynObject>, StoreError> {
-        Store::get(self, kind, name)
-    }
-}
 
 /// One object's change, as the reflector saw it.
 #[derive(Debug, Clone, PartialEq)]
@@ -89,6 +63,19 @@ impl Change {
 #[derive(Debug, Default)]
 struct CacheState {
     objects: HashMap<String, Arc<DynObject>>,
+    /// Objects taken out by [`Cache::observe_removed`] before the watch said so: name → the
+    /// revision of their removal. Older events of those names are ignored.
+    removed: HashMap<String, u64>,
+}
+
+impl CacheState {
+    /// Whether what is known of `name` is at `rev` or newer (so an event at `rev` is old).
+    fn newer_than(&self, name: &str, rev: u64) -> bool {
+        self.objects
+            .get(name)
+            .is_some_and(|o| o.metadata.rv() > rev)
+            || self.removed.get(name).is_some_and(|r| *r > rev)
+    }
 }
 
 /// The reflector's in-memory copy of one kind, shared and cheap to clone.
@@ -180,17 +167,60 @@ impl Cache {
         self.state.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Replace the contents with a fresh list; returns the differences.
-    pub(crate) fn replace(&self, objects: Vec<DynObject>) -> Vec<Change> {
+    /// Put in an object as a write of this process stored it, unless the cache already has
+    /// it at that revision or newer. Emits nothing: the watch brings the change later, and
+    /// that is what queues the object.
+    pub fn observe(&self, obj: &DynObject) {
+        if obj.kind != *self.kind {
+            return;
+        }
+        let rev = obj.metadata.rv();
+        let mut state = self.write();
+        let name = &obj.metadata.name;
+        if state.newer_than(name, rev.saturating_sub(1)) {
+            return;
+        }
+        state.removed.remove(name);
+        state
+            .objects
+            .insert(name.clone(), Arc::new(self.admit(obj.clone())));
+    }
+
+    /// Take out an object a write of this process removed (`obj` as removed, carrying the
+    /// revision of its removal), unless the cache has a newer revision of that name.
+    pub fn observe_removed(&self, obj: &DynObject) {
+        if obj.kind != *self.kind {
+            return;
+        }
+        let rev = obj.metadata.rv();
+        let mut state = self.write();
+        let name = &obj.metadata.name;
+        if state.newer_than(name, rev.saturating_sub(1)) {
+            return;
+        }
+        state.objects.remove(name);
+        state.removed.insert(name.clone(), rev);
+    }
+
+    /// Replace the contents with a fresh list taken at revision `rev`; returns the
+    /// differences. Objects observed at a newer revision than the list are kept.
+    pub(crate) fn replace(&self, objects: Vec<DynObject>, rev: u64) -> Vec<Change> {
         let mut changes = Vec::new();
         {
             let mut state = self.write();
             let mut old = std::mem::take(&mut state.objects);
+            let removed = std::mem::take(&mut state.removed);
             for obj in objects {
-                let obj = self.admit(obj);
                 let name = obj.metadata.name.clone();
+                if removed.get(&name).is_some_and(|r| *r > rev) {
+                    continue;
+                }
                 let before = old.remove(&name);
-                let new = Arc::new(obj);
+                if let Some(b) = before.as_ref().filter(|b| b.metadata.rv() > rev) {
+                    state.objects.insert(name, b.clone());
+                    continue;
+                }
+                let new = Arc::new(self.admit(obj));
                 let same = before.as_ref().is_some_and(|b| {
                     b.metadata.resource_version.is_some()
                         && b.metadata.resource_version == new.metadata.resource_version
@@ -205,7 +235,13 @@ impl Cache {
                     });
                 }
             }
-            let mut gone: Vec<_> = old.into_values().collect();
+            // Written since the list by this process: still there.
+            let (kept, mut gone): (Vec<_>, Vec<_>) =
+                old.into_values().partition(|o| o.metadata.rv() > rev);
+            for o in kept {
+                state.objects.insert(o.metadata.name.clone(), o);
+            }
+            state.removed = removed.into_iter().filter(|(_, r)| *r > rev).collect();
             gone.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
             changes.extend(gone.into_iter().map(|o| Change {
                 old: Some(o),
@@ -216,20 +252,35 @@ impl Cache {
         changes
     }
 
-    /// Apply one watch event; returns the change.
-    pub(crate) fn apply(&self, event: WatchEvent) -> Change {
+    /// Apply one watch event at revision `rev`; returns the change. An event older than what
+    /// the cache already has of that name (observed from a write of this process) leaves the
+    /// cache as it is; the change then shows the cached object as both old and new.
+    pub(crate) fn apply(&self, rev: u64, event: WatchEvent) -> Change {
         let mut state = self.write();
+        let name = match &event {
+            WatchEvent::Added(o) | WatchEvent::Modified(o) | WatchEvent::Deleted(o) => {
+                o.metadata.name.clone()
+            }
+        };
+        if state.newer_than(&name, rev) {
+            let cached = state.objects.get(&name).cloned();
+            return Change {
+                old: cached.clone(),
+                new: cached,
+            };
+        }
+        state.removed.remove(&name);
         match event {
             WatchEvent::Added(obj) | WatchEvent::Modified(obj) => {
                 let new = Arc::new(self.admit(obj));
-                let old = state.objects.insert(new.metadata.name.clone(), new.clone());
+                let old = state.objects.insert(name, new.clone());
                 Change {
                     old,
                     new: Some(new),
                 }
             }
             WatchEvent::Deleted(obj) => {
-                let cached = state.objects.remove(&obj.metadata.name);
+                let cached = state.objects.remove(&name);
                 Change {
                     old: Some(cached.unwrap_or_else(|| Arc::new(self.admit(obj)))),
                     new: None,
@@ -242,7 +293,7 @@ impl Cache {
 /// Keep `cache` in step with `kind` in `source`, sending every change to `changes`. Runs
 /// until `changes` is closed (or the task is dropped).
 pub async fn reflect(
-    source: Arc<dyn Source>,
+    store: Arc<dyn ObjectStore>,
     cache: Cache,
     changes: mpsc::UnboundedSender<Change>,
     backoff: Backoff,
@@ -250,9 +301,9 @@ pub async fn reflect(
     let kind = cache.kind().to_string();
     let mut failures: u32 = 0;
     loop {
-        let rev = match source.list(&kind) {
+        let rev = match store.list(&kind, &Selector::default()).await {
             Ok((objects, rev)) => {
-                for change in cache.replace(objects) {
+                for change in cache.replace(objects, rev) {
                     if changes.send(change).is_err() {
                         return;
                     }
@@ -265,12 +316,12 @@ pub async fn reflect(
                 continue;
             }
         };
-        let mut stream = source.watch(&kind, rev);
+        let mut stream = store.watch(Some(&kind), rev);
         loop {
             match stream.next().await {
-                Some(Ok((_rev, event))) => {
+                Some(Ok((rev, event))) => {
                     failures = 0;
-                    if changes.send(cache.apply(event)).is_err() {
+                    if changes.send(cache.apply(rev, event)).is_err() {
                         return;
                     }
                 }
@@ -314,20 +365,23 @@ pub(crate) mod tests {
     use std::sync::Mutex;
 
     use boxery_api::{API_VERSION, ObjectMeta};
+    use boxery_store::{
+        ApplyAction, ApplyOptions, Candidate, DeleteOutcome, Leadership, ObjectRef, WatchStream,
+    };
     use serde_json::json;
     use tokio::sync::broadcast;
 
     use super::*;
 
-    /// An in-memory source: a map, a revision counter, a broadcast of events, and a switch to
+    /// An in-memory store for the runtime's tests: a map, a revision counter, a broadcast of events, and a switch to
     /// fail the next watches with an error.
-    #[derive(Clone)]
+    #[derive(Clone, Debug)]
     pub(crate) struct FakeSource {
         inner: Arc<Mutex<FakeState>>,
         events: broadcast::Sender<(u64, WatchEvent)>,
     }
 
-    #[derive(Default)]
+    #[derive(Default, Debug)]
     struct FakeState {
         rev: u64,
         objects: BTreeMap<(String, String), DynObject>,
@@ -386,12 +440,13 @@ pub(crate) mod tests {
                 .insert((o.kind.clone(), o.metadata.name.clone()), o);
         }
 
-        pub(crate) fn delete(&self, kind: &str, name: &str) {
+        pub(crate) fn delete(&self, kind: &str, name: &str) -> Option<DynObject> {
             let mut s = self.inner.lock().unwrap();
             s.rev += 1;
-            if let Some(o) = s.objects.remove(&(kind.to_string(), name.to_string())) {
-                let _ = self.events.send((s.rev, WatchEvent::Deleted(o)));
-            }
+            let mut o = s.objects.remove(&(kind.to_string(), name.to_string()))?;
+            o.metadata.resource_version = Some(s.rev.to_string());
+            let _ = self.events.send((s.rev, WatchEvent::Deleted(o.clone())));
+            Some(o)
         }
 
         /// Break every open watch with `err`, and make new watches fail the same way once.
@@ -407,8 +462,33 @@ pub(crate) mod tests {
         }
     }
 
-    impl Source for FakeSource {
-        fn list(&self, kind: &str) -> Result<(Vec<DynObject>, u64), StoreError> {
+    fn unsupported<T>(what: &str) -> Result<T, StoreError> {
+        Err(StoreError::Unavailable {
+            why: format!("the test store does not {what}"),
+        })
+    }
+
+    #[async_trait::async_trait]
+    impl ObjectStore for FakeSource {
+        fn uid(&self) -> &str {
+            "fake-store"
+        }
+
+        async fn get(&self, key: &ObjectRef) -> Result<Option<DynObject>, StoreError> {
+            Ok(self
+                .inner
+                .lock()
+                .unwrap()
+                .objects
+                .get(&(key.kind.clone(), key.name.clone()))
+                .cloned())
+        }
+
+        async fn list(
+            &self,
+            kind: &str,
+            _selector: &Selector,
+        ) -> Result<(Vec<DynObject>, u64), StoreError> {
             let mut s = self.inner.lock().unwrap();
             s.lists += 1;
             let objs = s
@@ -420,12 +500,40 @@ pub(crate) mod tests {
             Ok((objs, s.rev))
         }
 
-        fn watch(
+        async fn create(&self, obj: DynObject) -> Result<DynObject, StoreError> {
+            Ok(self.put(obj))
+        }
+        async fn adopt(&self, _: DynObject, _: &str) -> Result<DynObject, StoreError> {
+            unsupported("adopt")
+        }
+        async fn update(&self, obj: DynObject) -> Result<DynObject, StoreError> {
+            Ok(self.put(obj))
+        }
+        async fn update_status(&self, obj: DynObject) -> Result<DynObject, StoreError> {
+            Ok(self.put(obj))
+        }
+        async fn delete(&self, key: &ObjectRef) -> Result<DeleteOutcome, StoreError> {
+            let gone = FakeSource::delete(self, &key.kind, &key.name);
+            gone.map(DeleteOutcome::Removed)
+                .ok_or_else(|| StoreError::NotFound {
+                    kind: key.kind.clone(),
+                    name: key.name.clone(),
+                    plural: String::new(),
+                })
+        }
+        async fn apply_all(
             &self,
-            kind: &str,
-            from: u64,
-        ) -> BoxStream<'static, Result<(u64, WatchEvent), StoreError>> {
-            let kind = kind.to_string();
+            _: Vec<DynObject>,
+            _: &ApplyOptions,
+        ) -> Result<Vec<(ApplyAction, DynObject)>, StoreError> {
+            unsupported("apply")
+        }
+        async fn revision(&self) -> Result<u64, StoreError> {
+            Ok(self.inner.lock().unwrap().rev)
+        }
+
+        fn watch(&self, kind: Option<&str>, from: u64) -> WatchStream {
+            let kind = kind.unwrap_or_default().to_string();
             let rx = self.events.subscribe();
             let inner = self.inner.clone();
             if let Some(err) = inner.lock().unwrap().fail_watch.take() {
@@ -459,14 +567,25 @@ pub(crate) mod tests {
             .boxed()
         }
 
-        fn get(&self, kind: &str, name: &str) -> Result<Option<DynObject>, StoreError> {
-            Ok(self
-                .inner
-                .lock()
-                .unwrap()
-                .objects
-                .get(&(kind.to_string(), name.to_string()))
-                .cloned())
+        async fn compact(&self, _: u64) -> Result<u64, StoreError> {
+            unsupported("compact")
+        }
+        async fn compacted(&self) -> Result<u64, StoreError> {
+            Ok(0)
+        }
+        async fn was_removed(&self, _: &str) -> Result<bool, StoreError> {
+            Ok(false)
+        }
+        async fn try_lead(
+            &self,
+            _: &str,
+            _: &Candidate,
+            _: std::time::Duration,
+        ) -> Result<Leadership, StoreError> {
+            unsupported("lead")
+        }
+        async fn resign(&self, _: &str, _: &Candidate) -> Result<(), StoreError> {
+            unsupported("lead")
         }
     }
 

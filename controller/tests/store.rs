@@ -110,7 +110,7 @@ async fn controller_reconciles_fresh_objects_owned_children_and_cleans_up() {
         cleaned: Mutex::default(),
     });
     let shutdown = CancellationToken::new();
-    let ctl = Controller::<Vm>::new(store.clone()).owns::<boxery_api::Image>();
+    let ctl = Controller::<Vm>::new(Arc::new(store.clone())).owns::<boxery_api::Image>();
     let cache = ctl.cache();
     let run = tokio::spawn(ctl.run(
         reconcile,
@@ -176,20 +176,28 @@ async fn controller_reconciles_fresh_objects_owned_children_and_cleans_up() {
         .unwrap();
 }
 
-#[test]
-fn finalizers_are_added_and_removed_with_preconditions() {
+#[tokio::test]
+async fn finalizers_are_added_and_removed_with_preconditions() {
     let (_dir, store) = store();
     let created: Vm = store.create(vm("a")).unwrap().to_typed().unwrap();
-    assert!(ensure_finalizer(&store, &created, "boxery.dev/x").unwrap());
+    assert!(
+        ensure_finalizer(&store, &created, "boxery.dev/x")
+            .await
+            .unwrap()
+    );
     // The same (now stale) view again: Conflict, not a silent overwrite.
-    let err = ensure_finalizer(&store, &created, "boxery.dev/y").unwrap_err();
+    let err = ensure_finalizer(&store, &created, "boxery.dev/y")
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, FinalizerError::Add { .. }) && err.is_conflict(),
         "{err}"
     );
     let fresh: Vm = store.get("Vm", "a").unwrap().unwrap().to_typed().unwrap();
     assert!(
-        !ensure_finalizer(&store, &fresh, "boxery.dev/x").unwrap(),
+        !ensure_finalizer(&store, &fresh, "boxery.dev/x")
+            .await
+            .unwrap(),
         "already there"
     );
     // Deletion waits for the finalizer; none can be added now.
@@ -198,33 +206,44 @@ fn finalizers_are_added_and_removed_with_preconditions() {
         DeleteOutcome::Marked(_)
     ));
     let deleting: Vm = store.get("Vm", "a").unwrap().unwrap().to_typed().unwrap();
-    assert!(!ensure_finalizer(&store, &deleting, "boxery.dev/y").unwrap());
-    let err = remove_finalizer(&store, &fresh, "boxery.dev/x").unwrap_err();
+    assert!(
+        !ensure_finalizer(&store, &deleting, "boxery.dev/y")
+            .await
+            .unwrap()
+    );
+    let err = remove_finalizer(&store, &fresh, "boxery.dev/x")
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, FinalizerError::Remove { .. }) && err.is_conflict(),
         "{err}"
     );
-    assert!(remove_finalizer(&store, &deleting, "boxery.dev/x").unwrap());
+    assert!(
+        remove_finalizer(&store, &deleting, "boxery.dev/x")
+            .await
+            .unwrap()
+    );
     assert!(
         store.get("Vm", "a").unwrap().is_none(),
         "last finalizer gone: removed"
     );
 }
 
-#[test]
-fn recorder_dedups_repeats_and_caps_per_object() {
+#[tokio::test]
+async fn recorder_dedups_repeats_and_caps_per_object() {
     let (_dir, store) = store();
     let a: Vm = store.create(vm("a")).unwrap().to_typed().unwrap();
     let b: Vm = store.create(vm("b")).unwrap().to_typed().unwrap();
-    let rec = Recorder::new(store.clone(), "test-controller");
+    let rec = Recorder::new(Arc::new(store.clone()), "test-controller");
     for _ in 0..3 {
         rec.warning(
             &a,
             "BackendDown",
             "the backend did not answer: check `boxery backends`",
-        );
+        )
+        .await;
     }
-    let evs = rec.events_of(&involved(&a)).unwrap();
+    let evs = rec.events_of(&involved(&a)).await.unwrap();
     assert_eq!(evs.len(), 1);
     assert_eq!(evs[0].count, 3);
     assert_eq!(evs[0].type_, EventType::Warning);
@@ -232,18 +251,18 @@ fn recorder_dedups_repeats_and_caps_per_object() {
     assert!(evs[0].last_timestamp >= evs[0].first_timestamp);
 
     for i in 0..25 {
-        rec.normal(&a, "Step", &format!("step {i}"));
+        rec.normal(&a, "Step", &format!("step {i}")).await;
         std::thread::sleep(Duration::from_millis(2));
     }
-    rec.normal(&b, "Started", "b started");
-    let evs = rec.events_of(&involved(&a)).unwrap();
+    rec.normal(&b, "Started", "b started").await;
+    let evs = rec.events_of(&involved(&a)).await.unwrap();
     assert_eq!(evs.len(), MAX_EVENTS_PER_OBJECT);
     let messages: Vec<_> = evs.iter().map(|e| e.message.as_str()).collect();
     assert!(
         !messages.contains(&"step 0") && messages.contains(&"step 24"),
         "{messages:?}"
     );
-    assert_eq!(rec.events_of(&involved(&b)).unwrap().len(), 1);
+    assert_eq!(rec.events_of(&involved(&b)).await.unwrap().len(), 1);
 
     // Events belong to their object: removing it removes them.
     store.delete("Vm", "a").unwrap();
@@ -260,15 +279,16 @@ fn recorder_dedups_repeats_and_caps_per_object() {
         EventType::Normal,
         "X",
         "y",
-    );
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_when_the_leader_stops_renewing() {
     let (_dir, store) = store();
     let ttl = Duration::from_millis(1500);
-    let first = LeaderElector::new(store.clone(), "controllers", this_process(), ttl);
-    let second = LeaderElector::new(store.clone(), "controllers", this_process(), ttl);
+    let first = LeaderElector::new(Arc::new(store.clone()), "controllers", this_process(), ttl);
+    let second = LeaderElector::new(Arc::new(store.clone()), "controllers", this_process(), ttl);
     let leader = first.acquire().await.unwrap();
     let standby = tokio::spawn(async move { second.acquire().await.unwrap() });
     tokio::time::sleep(ttl * 2).await;
@@ -296,7 +316,7 @@ async fn a_standby_takes_over_when_the_leader_stops_renewing() {
 async fn renewals_go_on_while_the_runtime_is_blocked() {
     let (_dir, store) = store();
     let ttl = Duration::from_millis(600);
-    let leader = LeaderElector::new(store.clone(), "controllers", this_process(), ttl)
+    let leader = LeaderElector::new(Arc::new(store.clone()), "controllers", this_process(), ttl)
         .acquire()
         .await
         .unwrap();
@@ -324,8 +344,8 @@ async fn renewals_go_on_while_the_runtime_is_blocked() {
 async fn resigning_hands_over_at_once_and_the_old_leader_notices_loss() {
     let (_dir, store) = store();
     let ttl = Duration::from_millis(3000);
-    let first = LeaderElector::new(store.clone(), "controllers", this_process(), ttl);
-    let second = LeaderElector::new(store.clone(), "controllers", this_process(), ttl);
+    let first = LeaderElector::new(Arc::new(store.clone()), "controllers", this_process(), ttl);
+    let second = LeaderElector::new(Arc::new(store.clone()), "controllers", this_process(), ttl);
     let leader = first.acquire().await.unwrap();
     let standby = tokio::spawn(async move { second.acquire().await.unwrap() });
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -339,7 +359,7 @@ async fn resigning_hands_over_at_once_and_the_old_leader_notices_loss() {
 
     // Steal the lock from `next` behind its back: its renewal sees a new holder and stops.
     store.resign("controllers", next_candidate(&next)).unwrap();
-    let thief = LeaderElector::new(store.clone(), "controllers", this_process(), ttl)
+    let thief = LeaderElector::new(Arc::new(store.clone()), "controllers", this_process(), ttl)
         .acquire()
         .await
         .unwrap();
@@ -377,9 +397,9 @@ async fn a_dead_holder_on_this_host_is_replaced_at_once() {
     // The lock is held on behalf of the child process (as `boxery serve` would hold it).
     let mut holder = this_process();
     holder.pid = child.0.id();
-    let held = LeaderElector::new(store.clone(), "controllers", holder, ttl);
+    let held = LeaderElector::new(Arc::new(store.clone()), "controllers", holder, ttl);
     drop(held.acquire().await.unwrap());
-    let standby = LeaderElector::new(store.clone(), "controllers", this_process(), ttl);
+    let standby = LeaderElector::new(Arc::new(store.clone()), "controllers", this_process(), ttl);
     assert!(
         tokio::time::timeout(Duration::from_millis(500), standby.acquire())
             .await

@@ -1,5 +1,7 @@
-//! Backoff recorded in status, so it holds across restarts and across the status writes that
-//! record a failure (each of which is a change that wakes the controller at once).
+//! The backoff of kinds that record their failures in status, so it holds across restarts and
+//! across the status writes that record a failure (each of which is a change that wakes the
+//! controller at once). It is the controller's [`Backoff`] policy (the one the runtime applies
+//! in memory to everything else), without jitter, counted from `status.failures`.
 //!
 //! After `failures` consecutive failures, the next try waits `200 ms × 2^(failures−1)`, at most
 //! 60 s. A changed spec (generation ahead of the observed one) or a deletion requested after
@@ -9,19 +11,28 @@ use std::time::Duration;
 
 use boxery_api::Time;
 use boxery_api::vm::Failure;
+use boxery_controller::Backoff;
+
+/// The policy: the controller's default, without jitter (the wait is computed again from
+/// status on every wake-up, so it must come out the same each time).
+const POLICY: Backoff = Backoff {
+    base: Duration::from_millis(200),
+    factor: 2.0,
+    max: Duration::from_secs(60),
+    jitter: 0.0,
+};
 
 /// The first retry's delay.
-pub const BASE: Duration = Duration::from_millis(200);
+pub const BASE: Duration = POLICY.base;
 /// The longest delay.
-pub const MAX: Duration = Duration::from_secs(60);
+pub const MAX: Duration = POLICY.max;
 
 /// The delay after `failures` consecutive failures.
 pub fn delay(failures: u32) -> Duration {
     if failures == 0 {
         return Duration::ZERO;
     }
-    let exp = (failures - 1).min(16);
-    BASE.saturating_mul(1 << exp).min(MAX)
+    POLICY.nominal(failures - 1)
 }
 
 /// How long to wait before trying again, or `None` to go ahead now.
@@ -53,6 +64,15 @@ mod tests {
         assert_eq!(delay(1), Duration::from_millis(200));
         assert_eq!(delay(3), Duration::from_millis(800));
         assert_eq!(delay(40), MAX);
+    }
+
+    #[test]
+    fn is_the_controllers_policy() {
+        let runtime = Backoff::default();
+        assert_eq!(
+            (POLICY.base, POLICY.factor, POLICY.max),
+            (runtime.base, runtime.factor, runtime.max)
+        );
     }
 
     #[test]

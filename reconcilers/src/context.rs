@@ -1,13 +1,16 @@
-//! What every reconciler shares: the store, the backend, the event recorder, per-VM locks.
+//! What every reconciler shares: the store, `$BOXERY_HOME`, the backend, the event recorder,
+//! per-VM locks.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use boxery_api::{EventType, Resource};
 use boxery_backends::Backend;
 use boxery_controller::events::Recorder;
-use boxery_store::Store;
+use boxery_controller::{Cache, WriteThrough};
+use boxery_store::ObjectStore;
 
 /// Settings of the reconcilers.
 #[derive(Debug, Clone)]
@@ -36,8 +39,10 @@ impl Default for Settings {
 
 /// Shared state of the reconcilers.
 pub struct Ctx {
-    /// The store.
-    pub store: Store,
+    /// The store, written through to the controllers' caches (see [`Ctx::read_own_writes`]).
+    pub store: Arc<dyn ObjectStore>,
+    /// `$BOXERY_HOME`: the ssh files, the token store and the default import root live here.
+    pub home: PathBuf,
     /// The backend.
     pub backend: Arc<dyn Backend>,
     /// Writes Events.
@@ -48,6 +53,7 @@ pub struct Ctx {
     pub settings: Settings,
     /// The ssh files, when the backend's VMs run sshd.
     pub ssh: Option<crate::ssh::SshDir>,
+    writes: Arc<WriteThrough>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     reported: Mutex<std::collections::HashSet<String>>,
 }
@@ -64,14 +70,8 @@ impl std::fmt::Debug for Ctx {
 impl Ctx {
     /// The directories an Image may import a file from: `$BOXERY_HOME/imports` and the
     /// owner's `importRoots`.
-    pub fn import_roots(&self) -> Vec<std::path::PathBuf> {
-        let home = self
-            .store
-            .path()
-            .parent()
-            .map(std::path::Path::to_path_buf)
-            .unwrap_or_default();
-        let mut roots = vec![home.join("imports")];
+    pub fn import_roots(&self) -> Vec<PathBuf> {
+        let mut roots = vec![self.home.join("imports")];
         roots.extend(self.settings.import_roots.iter().cloned());
         roots
     }
@@ -90,26 +90,25 @@ impl Ctx {
         boxery_backends::mark::mark(meta.uid.as_deref().unwrap_or_default(), self.store.uid())
     }
 
-    /// A context.
+    /// A context over `store`, for the home directory `home`.
     pub fn new(
-        store: Store,
+        store: Arc<dyn ObjectStore>,
+        home: PathBuf,
         backend: Arc<dyn Backend>,
         holder: String,
         settings: Settings,
     ) -> Self {
+        let writes = Arc::new(WriteThrough::new(store));
+        let store: Arc<dyn ObjectStore> = writes.clone();
         let recorder = Recorder::new(store.clone(), "boxery-controller");
-        // The ssh files live beside the store, in $BOXERY_HOME.
-        let home = store
-            .path()
-            .parent()
-            .map(std::path::Path::to_path_buf)
-            .unwrap_or_default();
         let ssh = backend
             .capabilities()
             .ssh
             .then(|| crate::ssh::SshDir::new(&home));
         Ctx {
             store,
+            home,
+            writes,
             backend,
             recorder,
             holder,
@@ -127,13 +126,21 @@ impl Ctx {
         locks.entry(vm.to_string()).or_default().clone()
     }
 
+    /// Make every write through [`Ctx::store`] go into `cache` before it returns, so that the
+    /// controller reconciling from `cache` reads its own writes.
+    pub fn read_own_writes(&self, cache: Cache) {
+        self.writes.register(cache);
+    }
+
     /// Record an event about `obj`.
-    pub fn event<R: Resource>(&self, obj: &R, type_: EventType, reason: &str, message: &str) {
-        self.recorder.publish(
-            &boxery_controller::events::involved(obj),
-            type_,
-            reason,
-            message,
-        );
+    pub async fn event<R: Resource>(&self, obj: &R, type_: EventType, reason: &str, message: &str) {
+        self.recorder
+            .publish(
+                &boxery_controller::events::involved(obj),
+                type_,
+                reason,
+                message,
+            )
+            .await;
     }
 }

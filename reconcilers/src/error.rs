@@ -68,9 +68,9 @@ impl ReconcileError {
                 terminal: self.is_terminal(),
             },
             reason: if self.is_terminal() {
-                "InvalidRequest"
+                boxery_api::conditions::reasons::INVALID_REQUEST
             } else {
-                "StepFailed"
+                boxery_api::conditions::reasons::STEP_FAILED
             },
             message,
         }
@@ -98,4 +98,20 @@ pub struct Recorded {
     pub reason: &'static str,
     /// `STEP failed: CAUSE…`, for the condition and the Warning event.
     pub message: String,
+}
+
+impl boxery_controller::ReconcileError for ReconcileError {
+    fn is_terminal(&self) -> bool {
+        ReconcileError::is_terminal(self)
+    }
+}
+
+impl From<boxery_controller::finalizer::Error<ReconcileError>> for ReconcileError {
+    fn from(e: boxery_controller::finalizer::Error<ReconcileError>) -> Self {
+        use boxery_controller::finalizer::Error;
+        match e {
+            Error::ApplyFailed(e) | Error::CleanupFailed(e) => e,
+            Error::Finalizer(f) => ReconcileError::Finalizer(f),
+        }
+    }
 }

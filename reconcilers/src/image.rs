@@ -11,23 +11,27 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use boxery_api::conditions::{READY, reasons};
 use boxery_api::vm::{Operation, OperationType};
 use boxery_api::{
     ConditionStatus, Conditions, EventType, Image, ImagePhase, ImageSource, Resource, Vm, now,
 };
 use boxery_backends::PowerState;
-use boxery_controller::{Action, ensure_finalizer, remove_finalizer};
+use boxery_controller::{Action, FinalizerEvent};
+
+use boxery_store::ObjectStoreExt;
 
 use crate::context::Ctx;
 use crate::error::ReconcileError;
+use crate::recorded::{self, Recorded};
 
 /// The Image finalizer.
-pub const FINALIZER: &str = boxery_api::meta::finalizers::IMAGE;
+pub const FINALIZER: &str = <Image as Recorded>::FINALIZER;
 
 type Result<T, E = ReconcileError> = std::result::Result<T, E>;
 
-fn save(ctx: &Ctx, img: &Image) -> Result<Image> {
-    Ok(ctx.store.update_status_as(img)?)
+async fn save(ctx: &Ctx, img: &Image) -> Result<Image> {
+    recorded::save(ctx, img).await
 }
 
 /// The one word `boxery get` shows.
@@ -36,7 +40,7 @@ pub fn printable(img: &Image) -> String {
         return "Terminating".into();
     }
     if img.status.phase == ImagePhase::Pending
-        && let Some(c) = img.status.conditions.get_condition("Ready")
+        && let Some(c) = img.status.conditions.get_condition(READY)
         && c.status == ConditionStatus::False
         && !c.reason.is_empty()
     {
@@ -48,192 +52,169 @@ pub fn printable(img: &Image) -> String {
     format!("{:?}", img.status.phase)
 }
 
-/// Reconcile one Image.
+/// Reconcile one Image: the shared boilerplate ([`recorded::reconcile`]: backoff, finalizer,
+/// `Ready=Unknown` start, failures recorded in status) around one step, holding the source
+/// VM's lock for a capture.
 pub async fn reconcile(img: Arc<Image>, ctx: Arc<Ctx>) -> Result<Action> {
-    let Some(img) = ctx.store.get_as::<Image>(img.name())? else {
-        return Ok(Action::await_change());
-    };
-    if let Some(wait) = crate::backoff::remaining(
-        img.status.failures,
-        img.status.last_failure.as_ref(),
-        img.status.observed_generation,
-        img.metadata.generation,
-        img.metadata.deletion_timestamp,
-    ) {
-        return Ok(Action::requeue(wait));
-    }
-    let name = img.name().to_string();
-    let source_vm = match &img.spec.source {
-        ImageSource::Vm(v) => Some(v.clone()),
+    let lock = match &img.spec.source {
+        ImageSource::Vm(v) => Some(ctx.vm_lock(v)),
         _ => None,
     };
-    let lock = source_vm.as_ref().map(|v| ctx.vm_lock(v));
-    let _guard = match &lock {
-        Some(l) => Some(l.lock().await),
-        None => None,
-    };
-    let res = step(img, &ctx).await;
-    if let Err(e) = &res {
-        if !e.is_conflict()
-            && let Ok(Some(mut cur)) = ctx.store.get_as::<Image>(&name)
-        {
-            let r = e.recorded();
-            cur.status.failures += 1;
-            cur.status.last_failure = Some(r.failure);
-            if cur.status.phase != ImagePhase::Ready && !cur.metadata.is_deleting() {
-                cur.status.phase = ImagePhase::Failed;
-            }
-            let generation = cur.metadata.generation;
-            cur.status.observed_generation = generation;
-            cur.status.conditions.set_condition(
-                "Ready",
-                ConditionStatus::False,
-                r.reason,
-                &r.message,
-                generation,
-            );
-            cur.status.printable_status = Some(printable(&cur));
-            let _ = ctx.store.update_status_as(&cur);
-            ctx.event(&cur, EventType::Warning, "StepFailed", &r.message);
-        }
-        tracing::warn!(object = %format!("Image/{name}"), error = %e.chain(), "reconcile failed");
-    }
-    res
+    recorded::reconcile(img, &ctx, lock, async |event| match event {
+        FinalizerEvent::Apply(img) => step((*img).clone(), &ctx).await,
+        FinalizerEvent::Cleanup(img) => finalize((*img).clone(), &ctx).await,
+    })
+    .await
 }
 
-async fn step(mut img: Image, ctx: &Ctx) -> Result<Action> {
-    let name = img.name().to_string();
-    let obj = format!("Image/{name}");
-    let generation = img.metadata.generation;
+/// One step: recover an interrupted operation, keep a ready image as it is, or make it
+/// (once its source is there).
+async fn step(img: Image, ctx: &Ctx) -> Result<Action> {
+    if let Some(op) = img.status.operation.clone() {
+        return recover(img, op, ctx).await;
+    }
+    if img.status.phase == ImagePhase::Ready {
+        return immutable(img, ctx).await;
+    }
+    let Some(original) = source_ready(&img, ctx).await? else {
+        return Ok(Action::requeue(Duration::from_secs(2)));
+    };
+    make(img, original, ctx).await
+}
 
-    if img.metadata.is_deleting() {
-        if !img.metadata.has_finalizer(FINALIZER) {
-            return Ok(Action::await_change());
-        }
-        if img.status.phase != ImagePhase::Terminating {
-            img.status.phase = ImagePhase::Terminating;
-            img.status.printable_status = Some("Terminating".into());
-            img = save(ctx, &img)?;
-        }
-        if let Some(op) = &img.status.operation
-            && op.type_ == OperationType::Capture
-            && let ImageSource::Vm(v) = &img.spec.source
-        {
-            let orig = original_state(op);
+fn key(img: &Image) -> String {
+    format!("Image/{}", img.name())
+}
+
+/// Deletion: undo an unfinished capture, remove the image from the backend; the finalizer
+/// goes after ([`recorded::reconcile`]).
+async fn finalize(mut img: Image, ctx: &Ctx) -> Result<Action> {
+    let (name, obj) = (img.name().to_string(), key(&img));
+    if img.status.phase != ImagePhase::Terminating {
+        img.status.phase = ImagePhase::Terminating;
+        img.status.printable_status = Some("Terminating".into());
+        img = save(ctx, &img).await?;
+    }
+    if let Some(op) = &img.status.operation
+        && op.type_ == OperationType::Capture
+        && let ImageSource::Vm(v) = &img.spec.source
+    {
+        ctx.backend
+            .recover_capture(v, &name, original_state(op))
+            .await
+            .map_err(|e| ReconcileError::backend("recover_capture", &obj, e))?;
+    }
+    ctx.backend
+        .remove_image(&name)
+        .await
+        .map_err(|e| ReconcileError::backend("remove_image", &obj, e))?;
+    ctx.backend
+        .cleanup_image(&name)
+        .await
+        .map_err(|e| ReconcileError::backend("cleanup_image", &obj, e))?;
+    Ok(Action::await_change())
+}
+
+/// An operation at the start of a reconcile has no live worker: undo it, then retry from a
+/// clean slate.
+async fn recover(mut img: Image, op: Operation, ctx: &Ctx) -> Result<Action> {
+    let (name, obj) = (img.name().to_string(), key(&img));
+    match (&img.spec.source, op.type_) {
+        (ImageSource::Vm(v), OperationType::Capture) => {
             ctx.backend
-                .recover_capture(v, &name, orig)
+                .recover_capture(v, &name, original_state(&op))
                 .await
                 .map_err(|e| ReconcileError::backend("recover_capture", &obj, e))?;
         }
-        ctx.backend
-            .remove_image(&name)
-            .await
-            .map_err(|e| ReconcileError::backend("remove_image", &obj, e))?;
-        ctx.backend
-            .cleanup_image(&name)
-            .await
-            .map_err(|e| ReconcileError::backend("cleanup_image", &obj, e))?;
-        remove_finalizer(&ctx.store, &img, FINALIZER)?;
-        return Ok(Action::await_change());
-    }
-    if ensure_finalizer(&ctx.store, &img, FINALIZER)? {
-        return Ok(Action::requeue(Duration::ZERO));
-    }
-    if img.status.conditions.get_condition("Ready").is_none() {
-        img.status.conditions.set_condition(
-            "Ready",
-            ConditionStatus::Unknown,
-            "Reconciling",
-            "",
-            generation,
-        );
-        img.status.printable_status = Some(printable(&img));
-        img = save(ctx, &img)?;
-    }
-
-    if let Some(op) = img.status.operation.clone() {
-        // No live worker owns it: recover, then retry from a clean slate.
-        match (&img.spec.source, op.type_) {
-            (ImageSource::Vm(v), OperationType::Capture) => {
-                ctx.backend
-                    .recover_capture(v, &name, original_state(&op))
-                    .await
-                    .map_err(|e| ReconcileError::backend("recover_capture", &obj, e))?;
-            }
-            _ => {
-                ctx.backend
-                    .cleanup_image(&name)
-                    .await
-                    .map_err(|e| ReconcileError::backend("cleanup_image", &obj, e))?;
-            }
+        _ => {
+            ctx.backend
+                .cleanup_image(&name)
+                .await
+                .map_err(|e| ReconcileError::backend("cleanup_image", &obj, e))?;
         }
-        img.status.operation = None;
-        img.status.phase = ImagePhase::Pending;
-        let img = save(ctx, &img)?;
+    }
+    img.status.operation = None;
+    img.status.phase = ImagePhase::Pending;
+    let img = save(ctx, &img).await?;
+    ctx.event(
+        &img,
+        EventType::Normal,
+        "Recovered",
+        "an interrupted capture was cleaned up and will be retried",
+    )
+    .await;
+    Ok(Action::requeue(Duration::ZERO))
+}
+
+/// A ready image never changes: a changed spec is reported, once per generation.
+async fn immutable(mut img: Image, ctx: &Ctx) -> Result<Action> {
+    let generation = img.metadata.generation;
+    if img.status.observed_generation != generation {
+        img.status.observed_generation = generation;
+        let img = save(ctx, &img).await?;
         ctx.event(
             &img,
-            EventType::Normal,
-            "Recovered",
-            "an interrupted capture was cleaned up and will be retried",
-        );
-        return Ok(Action::requeue(Duration::ZERO));
+            EventType::Warning,
+            "Immutable",
+            "images are immutable: a changed spec is ignored; create a new image instead",
+        )
+        .await;
     }
+    Ok(Action::await_change())
+}
 
-    if img.status.phase == ImagePhase::Ready {
-        if img.status.observed_generation != generation {
-            img.status.observed_generation = generation;
-            let img = save(ctx, &img)?;
-            ctx.event(
-                &img,
-                EventType::Warning,
-                "Immutable",
-                "images are immutable: a changed spec is ignored; create a new image instead",
-            );
-        }
-        return Ok(Action::await_change());
+/// Whether the source is there to make the image from: `Some(the source VM's power state)`
+/// (none for builds and imports), or `None` (waiting; the reason is written in `Ready`).
+async fn source_ready(img: &Image, ctx: &Ctx) -> Result<Option<Option<String>>> {
+    let ImageSource::Vm(v) = &img.spec.source else {
+        return Ok(Some(None));
+    };
+    let vm = ctx.store.get_as::<Vm>(v).await?;
+    let ready = vm.as_ref().is_some_and(|vm| {
+        vm.status.created_at.is_some()
+            && vm.status.operation.is_none()
+            && !vm.metadata.is_deleting()
+    });
+    if ready {
+        let state = ctx
+            .backend
+            .get(v)
+            .await
+            .map_err(|e| ReconcileError::backend("get", key(img), e))?
+            .map(|i| i.state);
+        return Ok(Some(state.map(|s| format!("{s:?}"))));
     }
+    let (reason, msg) = match &vm {
+        None => (
+            reasons::SOURCE_VM_NOT_FOUND,
+            format!("the source VM {v} does not exist: `boxery get vms` lists VMs"),
+        ),
+        Some(_) => (
+            reasons::SOURCE_VM_NOT_READY,
+            format!("waiting for the source VM {v} to be created"),
+        ),
+    };
+    let mut img = img.clone();
+    let generation = img.metadata.generation;
+    if img
+        .status
+        .conditions
+        .set_condition(READY, ConditionStatus::False, reason, &msg, generation)
+    {
+        img.status.observed_generation = generation;
+        img.status.printable_status = Some(printable(&img));
+        save(ctx, &img).await?;
+    }
+    Ok(None)
+}
 
-    let uid = ctx.mark(&img.metadata);
-    let (op_type, original) = match &img.spec.source {
-        ImageSource::Vm(v) => {
-            let vm = ctx.store.get_as::<Vm>(v)?;
-            let ready = vm.as_ref().is_some_and(|vm| {
-                vm.status.created_at.is_some()
-                    && vm.status.operation.is_none()
-                    && !vm.metadata.is_deleting()
-            });
-            if !ready {
-                let msg = match &vm {
-                    None => format!("the source VM {v} does not exist: `boxery get vms` lists VMs"),
-                    Some(_) => format!("waiting for the source VM {v} to be created"),
-                };
-                let reason = if vm.is_none() {
-                    "SourceVmNotFound"
-                } else {
-                    "SourceVmNotReady"
-                };
-                if img.status.conditions.set_condition(
-                    "Ready",
-                    ConditionStatus::False,
-                    reason,
-                    &msg,
-                    generation,
-                ) {
-                    img.status.observed_generation = generation;
-                    img.status.printable_status = Some(printable(&img));
-                    save(ctx, &img)?;
-                }
-                return Ok(Action::requeue(Duration::from_secs(2)));
-            }
-            let state = ctx
-                .backend
-                .get(v)
-                .await
-                .map_err(|e| ReconcileError::backend("get", &obj, e))?
-                .map(|i| i.state);
-            (OperationType::Capture, state.map(|s| format!("{s:?}")))
-        }
-        _ => (OperationType::Build, None),
+/// Capture, build or import: the intent first, then the backend's work, then Ready (or,
+/// when it failed, the partial image cleaned up and the failure returned).
+async fn make(mut img: Image, original: Option<String>, ctx: &Ctx) -> Result<Action> {
+    let name = img.name().to_string();
+    let op_type = match img.spec.source {
+        ImageSource::Vm(_) => OperationType::Capture,
+        _ => OperationType::Build,
     };
     img.status.operation = Some(Operation {
         type_: op_type,
@@ -248,39 +229,11 @@ async fn step(mut img: Image, ctx: &Ctx) -> Result<Action> {
     } else {
         "Capturing".into()
     });
-    img = save(ctx, &img)?;
-
-    let result = match &img.spec.source {
-        ImageSource::Vm(v) => ctx
-            .backend
-            .capture(v, &name, &uid)
-            .await
-            .map_err(|e| ReconcileError::backend("capture", &obj, e)),
-        ImageSource::Build(b) => {
-            let progress = build_progress(ctx.store.clone(), name.clone());
-            ctx.event(
-                &img,
-                EventType::Normal,
-                "Building",
-                &format!("building {} with layers [{}]", b.base, b.layers.join(", ")),
-            );
-            ctx.backend
-                .build_image(&b.base, &name, &uid, progress)
-                .await
-                .map_err(|e| ReconcileError::backend("build", &obj, e))
-        }
-        ImageSource::File(p) => match confine_import(&ctx.import_roots(), p) {
-            Ok(path) => ctx
-                .backend
-                .import_image(&path, &name, &uid)
-                .await
-                .map_err(|e| ReconcileError::backend("import", &obj, e)),
-            Err(e) => Err(ReconcileError::backend("import", &obj, e)),
-        },
-    };
+    img = save(ctx, &img).await?;
+    let result = run(&img, ctx).await;
     // Progress lines may have written the status meanwhile: carry on from the stored object
     // (the operation recorded in it is ours: reconciles of one object never overlap).
-    let Some(stored) = ctx.store.get_as::<Image>(&name)? else {
+    let Some(stored) = ctx.store.get_as::<Image>(&name).await? else {
         return Ok(Action::await_change());
     };
     img.metadata = stored.metadata;
@@ -289,22 +242,64 @@ async fn step(mut img: Image, ctx: &Ctx) -> Result<Action> {
         // Never leave a partial image: clean it now; if that fails too, recovery does it later.
         let cleaned = match &img.spec.source {
             ImageSource::Vm(v) => {
+                let op = img.status.operation.as_ref().expect("set above");
                 ctx.backend
-                    .recover_capture(
-                        v,
-                        &name,
-                        original_state(img.status.operation.as_ref().expect("set above")),
-                    )
+                    .recover_capture(v, &name, original_state(op))
                     .await
             }
             _ => ctx.backend.cleanup_image(&name).await,
         };
         if cleaned.is_ok() {
             img.status.operation = None;
-            save(ctx, &img)?;
+            save(ctx, &img).await?;
         }
         return Err(e);
     }
+    ready(img, ctx).await
+}
+
+/// The backend's part of [`make`].
+async fn run(img: &Image, ctx: &Ctx) -> Result<()> {
+    let (name, obj) = (img.name().to_string(), key(img));
+    let uid = ctx.mark(&img.metadata);
+    match &img.spec.source {
+        ImageSource::Vm(v) => ctx
+            .backend
+            .capture(v, &name, &uid)
+            .await
+            .map_err(|e| ReconcileError::backend("capture", &obj, e)),
+        ImageSource::Build(b) => {
+            let progress = BuildProgress::start(ctx.store.clone(), name.clone());
+            ctx.event(
+                img,
+                EventType::Normal,
+                "Building",
+                &format!("building {}", b.base),
+            )
+            .await;
+            let built = ctx
+                .backend
+                .build_image(&b.base, &name, &uid, progress.progress.clone())
+                .await
+                .map_err(|e| ReconcileError::backend("build", &obj, e));
+            progress.finish().await;
+            built
+        }
+        ImageSource::File(p) => {
+            let path = confine_import(&ctx.import_roots(), p)
+                .map_err(|e| ReconcileError::backend("import", &obj, e))?;
+            ctx.backend
+                .import_image(&path, &name, &uid)
+                .await
+                .map_err(|e| ReconcileError::backend("import", &obj, e))
+        }
+    }
+}
+
+/// The image is made: status Ready, with its size.
+async fn ready(mut img: Image, ctx: &Ctx) -> Result<Action> {
+    let name = img.name().to_string();
+    let generation = img.metadata.generation;
     let size = ctx
         .backend
         .images()
@@ -321,46 +316,93 @@ async fn step(mut img: Image, ctx: &Ctx) -> Result<Action> {
     img.status.failures = 0;
     img.status.last_failure = None;
     img.status.conditions.set_condition(
-        "Ready",
+        READY,
         ConditionStatus::True,
-        "Ready",
+        reasons::READY,
         "the image is ready",
         generation,
     );
     img.status.printable_status = Some(printable(&img));
-    let img = save(ctx, &img)?;
+    let img = save(ctx, &img).await?;
     let what = match &img.spec.source {
         ImageSource::Vm(v) => format!("captured from VM {v}"),
         ImageSource::Build(b) => format!("built from {}", b.base),
         ImageSource::File(p) => format!("imported from {p}"),
     };
-    ctx.event(&img, EventType::Normal, "Ready", &what);
+    ctx.event(&img, EventType::Normal, "Ready", &what).await;
     Ok(Action::await_change())
 }
 
 /// Build progress: each line is logged, and (at most once a second) written into the Image's
 /// `Ready` condition, where `describe`, `get` and every `--wait` on a VM using it show it.
-fn build_progress(store: boxery_store::Store, name: String) -> boxery_backends::Progress {
-    let last = std::sync::Mutex::new(None::<std::time::Instant>);
-    Arc::new(move |line: &str| {
-        tracing::info!(image = %name, "{line}");
-        let mut last = last.lock().unwrap_or_else(|e| e.into_inner());
-        if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
-            return;
+/// The writes are made by a task of their own; [`BuildProgress::finish`] waits for the last
+/// one, so none lands after the step's own status write.
+struct BuildProgress {
+    progress: boxery_backends::Progress,
+    done: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl BuildProgress {
+    fn start(store: Arc<dyn boxery_store::ObjectStore>, name: String) -> Self {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        let last = std::sync::Mutex::new(None::<std::time::Instant>);
+        let image = name.clone();
+        let progress: boxery_backends::Progress = Arc::new(move |line: &str| {
+            tracing::info!(image = %image, "{line}");
+            let mut last = last.lock().unwrap_or_else(|e| e.into_inner());
+            if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+                return;
+            }
+            *last = Some(std::time::Instant::now());
+            let _ = tx.send(line.trim().to_string());
+        });
+        let done = tokio_util::sync::CancellationToken::new();
+        let stop = done.clone();
+        let task = tokio::spawn(async move {
+            let write = |line: String| {
+                let (store, name) = (store.clone(), name.clone());
+                async move {
+                    if let Ok(Some(mut img)) = store.get_as::<Image>(&name).await {
+                        let generation = img.metadata.generation;
+                        img.status.conditions.set_condition(
+                            READY,
+                            ConditionStatus::False,
+                            reasons::BUILDING,
+                            &line,
+                            generation,
+                        );
+                        let _ = store.update_status_as(&img).await;
+                    }
+                }
+            };
+            loop {
+                tokio::select! {
+                    line = rx.recv() => match line {
+                        Some(line) => write(line).await,
+                        None => return,
+                    },
+                    _ = stop.cancelled() => {
+                        while let Ok(line) = rx.try_recv() {
+                            write(line).await;
+                        }
+                        return;
+                    }
+                }
+            }
+        });
+        BuildProgress {
+            progress,
+            done,
+            task,
         }
-        *last = Some(std::time::Instant::now());
-        if let Ok(Some(mut img)) = store.get_as::<Image>(&name) {
-            let generation = img.metadata.generation;
-            img.status.conditions.set_condition(
-                "Ready",
-                ConditionStatus::False,
-                "Building",
-                line.trim(),
-                generation,
-            );
-            let _ = store.update_status_as(&img);
-        }
-    })
+    }
+
+    /// Stop taking lines and wait until the last one is written.
+    async fn finish(self) {
+        self.done.cancel();
+        let _ = self.task.await;
+    }
 }
 
 fn original_state(op: &Operation) -> Option<PowerState> {

@@ -23,11 +23,14 @@ use std::sync::Arc;
 use boxery_api::DynObject;
 use boxery_controller::Cache;
 
+use boxery_api::conditions::{self, READY, reasons};
 use boxery_api::{
     ConditionStatus, Conditions, EventType, Image, ImagePhase, RunStrategy, Vm, VmPhase,
 };
 use boxery_backends::mark::Mark;
 use boxery_backends::{BackendError, PowerState, VmInfo};
+
+use boxery_store::ObjectStoreExt;
 
 use crate::context::Ctx;
 use crate::error::ReconcileError;
@@ -81,20 +84,8 @@ impl Objects for Caches {
     }
 }
 
-impl Objects for boxery_store::Store {
-    fn vms(&self) -> Vec<Arc<DynObject>> {
-        self.list("Vm", &Default::default())
-            .map(|(v, _)| v.into_iter().map(Arc::new).collect())
-            .unwrap_or_default()
-    }
-    fn images(&self) -> Vec<Arc<DynObject>> {
-        self.list("Image", &Default::default())
-            .map(|(v, _)| v.into_iter().map(Arc::new).collect())
-            .unwrap_or_default()
-    }
-}
-
-/// One inventory pass.
+/// One inventory pass: the backend is listed first, then each backend thing is checked for
+/// an owner and each object for its backend thing.
 pub async fn pass(ctx: &Ctx, objects: &impl Objects) -> Result<Report, ReconcileError> {
     let mut report = Report::default();
     let backend_vms = ctx.backend.list().await;
@@ -102,211 +93,278 @@ pub async fn pass(ctx: &Ctx, objects: &impl Objects) -> Result<Report, Reconcile
     let (backend_vms, backend_images) = match (backend_vms, backend_images) {
         (Ok(v), Ok(i)) => (v, i),
         (Err(e), _) | (_, Err(e)) => {
-            unreachable(ctx, &e)?;
+            unreachable(ctx, &e).await?;
             return Err(ReconcileError::backend("inventory", "backend", e));
         }
     };
     report.reachable = true;
-    let vms: HashMap<String, Vm> = objects
-        .vms()
-        .iter()
-        .filter_map(|o| o.to_typed::<Vm>().ok())
-        .map(|v| (v.metadata.name.clone(), v))
-        .collect();
-    let images: HashMap<String, Image> = objects
-        .images()
-        .iter()
-        .filter_map(|o| o.to_typed::<Image>().ok())
-        .map(|i| (i.metadata.name.clone(), i))
-        .collect();
+    let vms: HashMap<String, Vm> = typed(objects.vms());
+    let images: HashMap<String, Image> = typed(objects.images());
 
     // Backend → store: orphans.
     for info in &backend_vms {
-        let owner = vms.get(&info.name);
-        if owner.is_some_and(|o| {
-            info.mark.is_none() || Mark::is_for(info.mark.as_deref(), o.metadata.uid.as_deref())
-        }) {
-            continue;
-        }
-        let lock = ctx.vm_lock(&info.name);
-        let _g = lock.lock().await;
-        // Re-check under the lock against the store itself, not the snapshot.
-        let current = ctx.store.get_as::<Vm>(&info.name)?;
-        match orphan_verdict(
-            ctx,
-            info.mark.as_deref(),
-            current.as_ref().map(|v| &v.metadata),
-        )? {
-            Verdict::Owned => {}
-            Verdict::Removable => {
-                ctx.backend.remove(&info.name).await.map_err(|e| {
-                    ReconcileError::backend("remove", format!("Vm/{}", info.name), e)
-                })?;
-                ctx.backend.cleanup_new(&info.name).await.map_err(|e| {
-                    ReconcileError::backend("cleanup_new", format!("Vm/{}", info.name), e)
-                })?;
-                tracing::warn!(vm = %info.name, "removed a VM boxery made for an object this store deleted");
-                report.removed.push(format!("vm/{}", info.name));
-            }
-            Verdict::Quarantined(why) => {
-                quarantine(ctx, "Vm", &info.name, &why);
-                report.quarantined.push(format!("vm/{}", info.name));
-            }
-            Verdict::Foreign => {
-                tracing::warn!(vm = %info.name, "the backend has a VM that no object describes and that boxery did not make; left alone");
-                report.foreign.push(format!("vm/{}", info.name));
-            }
-        }
+        orphan_vm(ctx, info, vms.get(&info.name), &mut report).await?;
     }
     for info in &backend_images {
-        let owner = images.get(&info.name);
-        if owner.is_some_and(|o| {
-            info.mark.is_none() || Mark::is_for(info.mark.as_deref(), o.metadata.uid.as_deref())
-        }) {
-            continue;
-        }
-        let current = ctx.store.get_as::<Image>(&info.name)?;
-        match orphan_verdict(
-            ctx,
-            info.mark.as_deref(),
-            current.as_ref().map(|i| &i.metadata),
-        )? {
-            Verdict::Owned => {}
-            Verdict::Removable => {
-                ctx.backend.remove_image(&info.name).await.map_err(|e| {
-                    ReconcileError::backend("remove_image", format!("Image/{}", info.name), e)
-                })?;
-                tracing::warn!(image = %info.name, "removed an image boxery made for an object this store deleted");
-                report.removed.push(format!("image/{}", info.name));
-            }
-            Verdict::Quarantined(why) => {
-                quarantine(ctx, "Image", &info.name, &why);
-                report.quarantined.push(format!("image/{}", info.name));
-            }
-            Verdict::Foreign => report.foreign.push(format!("image/{}", info.name)),
-        }
+        orphan_image(ctx, info, images.get(&info.name), &mut report).await?;
     }
-
-    // Store → backend: lost things, and reachability restored.
-    let present: HashMap<&str, &boxery_backends::VmInfo> =
+    // Store → backend: lost things, stopped ones, and reachability restored.
+    let present: HashMap<&str, &VmInfo> =
         backend_vms.iter().map(|v| (v.name.as_str(), v)).collect();
     for vm in vms.values() {
-        let mut vm = vm.clone();
-        let generation = vm.metadata.generation;
-        let mut changed = vm.status.conditions.remove_condition("BackendReachable");
-        let settled = vm.status.created_at.is_some()
-            && vm.status.operation.is_none()
-            && !vm.metadata.is_deleting();
-        // Held until the status is written: a reconcile must not change the VM in between.
-        let mut _held = None;
-        if settled
-            && !present.contains_key(vm.metadata.name.as_str())
-            && vm.status.phase != VmPhase::Lost
-        {
-            let Some((guard, cur, info)) = recheck(ctx, &vm.metadata.name).await? else {
-                continue;
-            };
-            let still = cur.status.created_at.is_some()
-                && cur.status.operation.is_none()
-                && !cur.metadata.is_deleting();
-            if still && info.is_none() {
-                _held = Some(guard);
-                vm = cur;
-                vm.status.conditions.remove_condition("BackendReachable");
-                vm.status.conditions.set_condition("Lost", ConditionStatus::True, "NotInBackend", "the backend no longer has this VM: delete it (`boxery rm NAME`) and create it again, or revert it from an image", generation);
-                vm.status.conditions.set_condition(
-                    "Ready",
-                    ConditionStatus::False,
-                    "Lost",
-                    "the VM is gone from the backend",
-                    generation,
-                );
-                vm.status.phase = VmPhase::Lost;
-                vm.status.ssh = None;
-                vm.status.printable_status = Some("Lost".into());
-                changed = true;
-                ctx.event(
-                    &vm,
-                    EventType::Warning,
-                    "Lost",
-                    "the VM is missing from the backend",
-                );
-                report.lost_vms.push(vm.metadata.name.clone());
-            }
-        }
-        let stopped_here = present
-            .get(vm.metadata.name.as_str())
-            .is_some_and(|info| info.state == PowerState::Stopped);
-        if settled && stopped_here && runs(&vm) {
-            // A reconcile may be stopping it (a resize) or may have just started it again.
-            let Some((guard, mut cur, info)) = recheck(ctx, &vm.metadata.name).await? else {
-                continue;
-            };
-            let state = info.map(|i| i.state);
-            tracing::debug!(vm = %cur.metadata.name, ?state, runs = runs(&cur), "listed as stopped; re-checked under its lock");
-            if runs(&cur) && state == Some(PowerState::Stopped) {
-                _held = Some(guard);
-                let generation = cur.metadata.generation;
-                cur.status.conditions.remove_condition("BackendReachable");
-                // The status write wakes the Vm controller, which starts it again.
-                cur.status.conditions.set_condition(
-                    "Ready",
-                    ConditionStatus::False,
-                    "Exited",
-                    "the VM stopped without being asked (a power-off in the guest, or its hypervisor process exited or crashed); it is being started again",
-                    generation,
-                );
-                cur.status.printable_status = Some("Exited".into());
-                vm = cur;
-                changed = true;
-                report.exited.push(vm.metadata.name.clone());
-            }
-        }
-        if changed {
-            match ctx.store.update_status_as(&vm) {
-                Ok(_)
-                | Err(boxery_store::StoreError::Conflict { .. })
-                | Err(boxery_store::StoreError::NotFound { .. }) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
+        check_vm(
+            ctx,
+            vm,
+            present.get(vm.metadata.name.as_str()).copied(),
+            &mut report,
+        )
+        .await?;
     }
-    let present_images: HashMap<&str, ()> = backend_images
-        .iter()
-        .map(|i| (i.name.as_str(), ()))
-        .collect();
     for img in images.values() {
-        if img.status.phase == ImagePhase::Ready
-            && img.status.operation.is_none()
-            && !img.metadata.is_deleting()
-            && !present_images.contains_key(img.metadata.name.as_str())
-        {
-            let mut img = img.clone();
-            let generation = img.metadata.generation;
-            img.status.phase = ImagePhase::Lost;
-            img.status.conditions.set_condition(
-                "Ready",
-                ConditionStatus::False,
-                "Lost",
-                "the backend no longer has this image",
-                generation,
-            );
-            img.status.printable_status = Some("Lost".into());
-            match ctx.store.update_status_as(&img) {
-                Ok(img) => ctx.event(
-                    &img,
-                    EventType::Warning,
-                    "Lost",
-                    "the image is missing from the backend",
-                ),
-                Err(boxery_store::StoreError::Conflict { .. })
-                | Err(boxery_store::StoreError::NotFound { .. }) => {}
-                Err(e) => return Err(e.into()),
-            }
-            report.lost_images.push(img.metadata.name.clone());
+        if !backend_images.iter().any(|i| i.name == img.metadata.name) {
+            lost_image(ctx, img, &mut report).await?;
         }
     }
     Ok(report)
+}
+
+/// Objects by name, typed (those that do not read as `R` are skipped).
+fn typed<R: boxery_api::Resource>(objects: Vec<Arc<DynObject>>) -> HashMap<String, R> {
+    objects
+        .iter()
+        .filter_map(|o| o.to_typed::<R>().ok())
+        .map(|o| (o.meta().name.clone(), o))
+        .collect()
+}
+
+/// Whether a backend thing marked `mark` belongs to the object `owner` of its name.
+fn owned(mark: Option<&str>, owner: Option<&boxery_api::ObjectMeta>) -> bool {
+    owner.is_some_and(|o| mark.is_none() || Mark::is_for(mark, o.uid.as_deref()))
+}
+
+/// A backend VM no object owns: removed, quarantined or left alone ([`orphan_verdict`]),
+/// decided under the VM's lock against the store itself, not the snapshot.
+async fn orphan_vm(
+    ctx: &Ctx,
+    info: &VmInfo,
+    owner: Option<&Vm>,
+    report: &mut Report,
+) -> Result<(), ReconcileError> {
+    if owned(info.mark.as_deref(), owner.map(|o| &o.metadata)) {
+        return Ok(());
+    }
+    let name = &info.name;
+    let lock = ctx.vm_lock(name);
+    let _g = lock.lock().await;
+    let current = ctx.store.get_as::<Vm>(name).await?;
+    match orphan_verdict(
+        ctx,
+        info.mark.as_deref(),
+        current.as_ref().map(|v| &v.metadata),
+    )
+    .await?
+    {
+        Verdict::Owned => {}
+        Verdict::Removable => {
+            ctx.backend
+                .remove(name)
+                .await
+                .map_err(|e| ReconcileError::backend("remove", format!("Vm/{name}"), e))?;
+            ctx.backend
+                .cleanup_new(name)
+                .await
+                .map_err(|e| ReconcileError::backend("cleanup_new", format!("Vm/{name}"), e))?;
+            tracing::warn!(vm = %name, "removed a VM boxery made for an object this store deleted");
+            report.removed.push(format!("vm/{name}"));
+        }
+        Verdict::Quarantined(why) => {
+            quarantine(ctx, "Vm", name, &why).await;
+            report.quarantined.push(format!("vm/{name}"));
+        }
+        Verdict::Foreign => {
+            tracing::warn!(vm = %name, "the backend has a VM that no object describes and that boxery did not make; left alone");
+            report.foreign.push(format!("vm/{name}"));
+        }
+    }
+    Ok(())
+}
+
+/// A backend image no object owns (see [`orphan_vm`]).
+async fn orphan_image(
+    ctx: &Ctx,
+    info: &boxery_backends::ImageInfo,
+    owner: Option<&Image>,
+    report: &mut Report,
+) -> Result<(), ReconcileError> {
+    if owned(info.mark.as_deref(), owner.map(|o| &o.metadata)) {
+        return Ok(());
+    }
+    let name = &info.name;
+    let current = ctx.store.get_as::<Image>(name).await?;
+    match orphan_verdict(
+        ctx,
+        info.mark.as_deref(),
+        current.as_ref().map(|i| &i.metadata),
+    )
+    .await?
+    {
+        Verdict::Owned => {}
+        Verdict::Removable => {
+            ctx.backend
+                .remove_image(name)
+                .await
+                .map_err(|e| ReconcileError::backend("remove_image", format!("Image/{name}"), e))?;
+            tracing::warn!(image = %name, "removed an image boxery made for an object this store deleted");
+            report.removed.push(format!("image/{name}"));
+        }
+        Verdict::Quarantined(why) => {
+            quarantine(ctx, "Image", name, &why).await;
+            report.quarantined.push(format!("image/{name}"));
+        }
+        Verdict::Foreign => report.foreign.push(format!("image/{name}")),
+    }
+    Ok(())
+}
+
+/// One Vm against what the backend has (`info`): `BackendReachable` cleared, `Lost` when a
+/// settled VM is missing, `Exited` when one meant to run stopped. Each verdict is re-checked
+/// under the VM's lock, which is held until the status is written.
+async fn check_vm(
+    ctx: &Ctx,
+    cached: &Vm,
+    info: Option<&VmInfo>,
+    report: &mut Report,
+) -> Result<(), ReconcileError> {
+    let mut vm = cached.clone();
+    let mut changed = vm
+        .status
+        .conditions
+        .remove_condition(conditions::BACKEND_REACHABLE);
+    let settled = vm.status.created_at.is_some()
+        && vm.status.operation.is_none()
+        && !vm.metadata.is_deleting();
+    // Held until the status is written: a reconcile must not change the VM in between.
+    let mut _held = None;
+    if settled && info.is_none() && vm.status.phase != VmPhase::Lost {
+        let Some((guard, cur, now)) = recheck(ctx, &vm.metadata.name).await? else {
+            return Ok(());
+        };
+        let still = cur.status.created_at.is_some()
+            && cur.status.operation.is_none()
+            && !cur.metadata.is_deleting();
+        if still && now.is_none() {
+            _held = Some(guard);
+            vm = cur;
+            mark_lost(ctx, &mut vm).await;
+            changed = true;
+            report.lost_vms.push(vm.metadata.name.clone());
+        }
+    }
+    let stopped_here = info.is_some_and(|i| i.state == PowerState::Stopped);
+    if settled && stopped_here && runs(&vm) {
+        // A reconcile may be stopping it (a resize) or may have just started it again.
+        let Some((guard, mut cur, now)) = recheck(ctx, &vm.metadata.name).await? else {
+            return Ok(());
+        };
+        let state = now.map(|i| i.state);
+        tracing::debug!(vm = %cur.metadata.name, ?state, runs = runs(&cur), "listed as stopped; re-checked under its lock");
+        if runs(&cur) && state == Some(PowerState::Stopped) {
+            _held = Some(guard);
+            mark_exited(&mut cur);
+            vm = cur;
+            changed = true;
+            report.exited.push(vm.metadata.name.clone());
+        }
+    }
+    if changed {
+        match ctx.store.update_status_as(&vm).await {
+            Ok(_)
+            | Err(boxery_store::StoreError::Conflict { .. })
+            | Err(boxery_store::StoreError::NotFound { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// A settled VM the backend no longer has: `Lost` (never recreated silently).
+async fn mark_lost(ctx: &Ctx, vm: &mut Vm) {
+    let generation = vm.metadata.generation;
+    vm.status
+        .conditions
+        .remove_condition(conditions::BACKEND_REACHABLE);
+    vm.status.conditions.set_condition(conditions::LOST, ConditionStatus::True, reasons::NOT_IN_BACKEND, "the backend no longer has this VM: delete it (`boxery rm NAME`) and create it again, or revert it from an image", generation);
+    vm.status.conditions.set_condition(
+        READY,
+        ConditionStatus::False,
+        reasons::LOST,
+        "the VM is gone from the backend",
+        generation,
+    );
+    vm.status.phase = VmPhase::Lost;
+    vm.status.ssh = None;
+    vm.status.printable_status = Some("Lost".into());
+    ctx.event(
+        &*vm,
+        EventType::Warning,
+        "Lost",
+        "the VM is missing from the backend",
+    )
+    .await;
+}
+
+/// A VM meant to run that stopped on its own: `Ready=False` (`Exited`). The status write
+/// wakes the Vm controller, which starts it again.
+fn mark_exited(vm: &mut Vm) {
+    let generation = vm.metadata.generation;
+    vm.status
+        .conditions
+        .remove_condition(conditions::BACKEND_REACHABLE);
+    vm.status.conditions.set_condition(
+        READY,
+        ConditionStatus::False,
+        reasons::EXITED,
+        "the VM stopped without being asked (a power-off in the guest, or its hypervisor process exited or crashed); it is being started again",
+        generation,
+    );
+    vm.status.printable_status = Some("Exited".into());
+}
+
+/// A ready image the backend no longer has: `Lost`.
+async fn lost_image(ctx: &Ctx, img: &Image, report: &mut Report) -> Result<(), ReconcileError> {
+    if img.status.phase != ImagePhase::Ready
+        || img.status.operation.is_some()
+        || img.metadata.is_deleting()
+    {
+        return Ok(());
+    }
+    let mut img = img.clone();
+    let generation = img.metadata.generation;
+    img.status.phase = ImagePhase::Lost;
+    img.status.conditions.set_condition(
+        READY,
+        ConditionStatus::False,
+        reasons::LOST,
+        "the backend no longer has this image",
+        generation,
+    );
+    img.status.printable_status = Some("Lost".into());
+    match ctx.store.update_status_as(&img).await {
+        Ok(img) => {
+            ctx.event(
+                &img,
+                EventType::Warning,
+                "Lost",
+                "the image is missing from the backend",
+            )
+            .await
+        }
+        Err(boxery_store::StoreError::Conflict { .. })
+        | Err(boxery_store::StoreError::NotFound { .. }) => {}
+        Err(e) => return Err(e.into()),
+    }
+    report.lost_images.push(img.metadata.name.clone());
+    Ok(())
 }
 
 /// A VM re-read under its lock (a reconcile may have just changed it): the held lock, the
@@ -316,7 +374,7 @@ async fn recheck(
     name: &str,
 ) -> Result<Option<(tokio::sync::OwnedMutexGuard<()>, Vm, Option<VmInfo>)>, ReconcileError> {
     let guard = ctx.vm_lock(name).lock_owned().await;
-    let Some(cur) = ctx.store.get_as::<Vm>(name)? else {
+    let Some(cur) = ctx.store.get_as::<Vm>(name).await? else {
         return Ok(None);
     };
     let info = ctx
@@ -344,7 +402,7 @@ pub enum Verdict {
 /// store under the object's lock). Only what this very store remembers removing is removable:
 /// a store that was emptied, replaced or rolled back to an older backup has no tombstone for
 /// the things made after it, so they are quarantined, never deleted.
-pub fn orphan_verdict(
+pub async fn orphan_verdict(
     ctx: &Ctx,
     mark: Option<&str>,
     current: Option<&boxery_api::ObjectMeta>,
@@ -367,7 +425,7 @@ pub fn orphan_verdict(
         )));
     }
     let ours = m.store == Some(ctx.store.uid());
-    if ours && ctx.store.was_removed(m.object)? {
+    if ours && ctx.store.was_removed(m.object).await? {
         return Ok(Verdict::Removable);
     }
     Ok(Verdict::Quarantined(match m.store {
@@ -387,7 +445,7 @@ pub fn orphan_verdict(
 }
 
 /// Report a quarantined orphan: a log line, and a Warning event once per process.
-fn quarantine(ctx: &Ctx, kind: &str, name: &str, why: &str) {
+async fn quarantine(ctx: &Ctx, kind: &str, name: &str, why: &str) {
     tracing::warn!(
         kind,
         name,
@@ -398,17 +456,19 @@ fn quarantine(ctx: &Ctx, kind: &str, name: &str, why: &str) {
         let msg = format!(
             "{kind} {name} in the backend has no object here and is left alone: {why}. `boxery orphans` lists such things; `boxery orphans adopt` or `boxery orphans delete` settles them"
         );
-        ctx.recorder.publish(
-            &boxery_api::InvolvedObject {
-                kind: kind.to_string(),
-                name: name.to_string(),
-                // No uid: an Event owned by a uid no object has could not be written.
-                uid: None,
-            },
-            EventType::Warning,
-            "Orphaned",
-            &msg,
-        );
+        ctx.recorder
+            .publish(
+                &boxery_api::InvolvedObject {
+                    kind: kind.to_string(),
+                    name: name.to_string(),
+                    // No uid: an Event owned by a uid no object has could not be written.
+                    uid: None,
+                },
+                EventType::Warning,
+                "Orphaned",
+                &msg,
+            )
+            .await;
     }
 }
 
@@ -423,20 +483,23 @@ fn runs(vm: &Vm) -> bool {
 
 /// Record an unreachable backend on every Vm (`BackendReachable=False`, a Warning event once):
 /// what an inventory pass does when the backend does not answer. Changes nothing else.
-pub fn unreachable(ctx: &Ctx, e: &BackendError) -> Result<(), ReconcileError> {
+pub async fn unreachable(ctx: &Ctx, e: &BackendError) -> Result<(), ReconcileError> {
     let msg =
         format!("{e}: boxery cannot see its VMs and changes nothing until the backend answers");
-    for mut vm in ctx.store.list_as::<Vm>(&Default::default())? {
+    for mut vm in ctx.store.list_as::<Vm>(&Default::default()).await? {
         let generation = vm.metadata.generation;
         if vm.status.conditions.set_condition(
-            "BackendReachable",
+            conditions::BACKEND_REACHABLE,
             ConditionStatus::False,
-            "BackendUnreachable",
+            reasons::BACKEND_UNREACHABLE,
             &msg,
             generation,
         ) {
-            match ctx.store.update_status_as(&vm) {
-                Ok(vm) => ctx.event(&vm, EventType::Warning, "BackendUnreachable", &msg),
+            match ctx.store.update_status_as(&vm).await {
+                Ok(vm) => {
+                    ctx.event(&vm, EventType::Warning, "BackendUnreachable", &msg)
+                        .await
+                }
                 Err(boxery_store::StoreError::Conflict { .. })
                 | Err(boxery_store::StoreError::NotFound { .. }) => {}
                 Err(e) => return Err(e.into()),

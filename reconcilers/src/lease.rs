@@ -17,11 +17,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use boxery_api::conditions::{self, READY, reasons};
 use boxery_api::lease::LeasePhase;
 use boxery_api::pool::MemberState;
 use boxery_api::{ConditionStatus, Conditions, EventType, Lease, Pool, Resource, Time, now};
-use boxery_controller::{Action, ensure_finalizer, remove_finalizer};
+use boxery_controller::{Action, FinalizerEvent, finalizer};
 use boxery_store::StoreError;
+
+use boxery_store::ObjectStoreExt;
 
 use crate::context::Ctx;
 use crate::error::ReconcileError;
@@ -42,18 +45,10 @@ pub fn boot_id() -> String {
         .unwrap_or_default()
 }
 
-fn home(ctx: &Ctx) -> std::path::PathBuf {
-    ctx.store
-        .path()
-        .parent()
-        .map(std::path::Path::to_path_buf)
-        .unwrap_or_default()
-}
-
 /// The token store: `$BOXERY_HOME/tokens/<vm>` holds `<lease uid> <token>` (0600) while a
 /// lease holds the VM. The proxy (a later issue) accepts only a token found here.
 pub fn token_file(ctx: &Ctx, vm: &str) -> std::path::PathBuf {
-    home(ctx).join("tokens").join(vm)
+    ctx.home.join("tokens").join(vm)
 }
 
 /// Whether `token` is the live token of `vm` (what the proxy will check).
@@ -86,8 +81,8 @@ fn write_token(ctx: &Ctx, vm: &str, lease_uid: &str, token: &str) -> std::io::Re
     std::fs::rename(tmp, f)
 }
 
-fn save(ctx: &Ctx, l: &Lease) -> Result<Lease> {
-    Ok(ctx.store.update_status_as(l)?)
+async fn save(ctx: &Ctx, l: &Lease) -> Result<Lease> {
+    Ok(ctx.store.update_status_as(l).await?)
 }
 
 /// How long a lease lasts. `BOXERY_LEASE_SECOND_MS` (a test knob, default 1000) says how many
@@ -103,7 +98,7 @@ fn duration(l: &Lease) -> chrono::Duration {
 
 /// Change one member of `pool_name` with a resourceVersion precondition, if `check` holds.
 /// Returns the member's new generation, or `None` when the check failed (fenced out).
-fn edit_member(
+async fn edit_member(
     ctx: &Ctx,
     pool_name: &str,
     member: &str,
@@ -111,7 +106,7 @@ fn edit_member(
     change: impl Fn(&mut boxery_api::pool::MemberStatus),
 ) -> Result<Option<u64>> {
     for _ in 0..50 {
-        let Some(mut pool) = ctx.store.get_as::<Pool>(pool_name)? else {
+        let Some(mut pool) = ctx.store.get_as::<Pool>(pool_name).await? else {
             return Ok(None);
         };
         let Some(m) = pool.status.members.iter_mut().find(|m| m.name == member) else {
@@ -122,7 +117,7 @@ fn edit_member(
         }
         change(m);
         let g = m.generation;
-        match ctx.store.update_status_as(&pool) {
+        match ctx.store.update_status_as(&pool).await {
             Ok(_) => return Ok(Some(g)),
             Err(StoreError::Conflict { .. }) => continue,
             Err(e) => return Err(e.into()),
@@ -138,7 +133,7 @@ fn edit_member(
 }
 
 /// End a lease's hold on its member: reset it, if the member is still this lease's.
-fn let_go(ctx: &Ctx, l: &Lease, why: &str) -> Result<()> {
+async fn let_go(ctx: &Ctx, l: &Lease, why: &str) -> Result<()> {
     let (Some(vm), Some(uid)) = (&l.status.vm, &l.metadata.uid) else {
         return Ok(());
     };
@@ -147,94 +142,132 @@ fn let_go(ctx: &Ctx, l: &Lease, why: &str) -> Result<()> {
         m.lease_uid.as_deref() == Some(uid.as_str())
             && matches!(m.state, MemberState::Acquiring | MemberState::Leased)
     };
-    edit_member(ctx, &l.spec.pool, vm, mine, |m| start_reset(m, why))?;
+    edit_member(ctx, &l.spec.pool, vm, mine, |m| start_reset(m, why)).await?;
     Ok(())
 }
 
-/// Reconcile one Lease.
+/// Reconcile one Lease, under its finalizer (the controller's [`finalizer`] helper): a
+/// deleted lease lets its member go before it is removed.
 pub async fn reconcile(lease: Arc<Lease>, ctx: Arc<Ctx>) -> Result<Action> {
-    let Some(mut l) = ctx.store.get_as::<Lease>(lease.name())? else {
-        return Ok(Action::await_change());
-    };
-    let generation = l.metadata.generation;
-    let uid = l.metadata.uid.clone().unwrap_or_default();
-    if l.metadata.is_deleting() {
-        if l.metadata.has_finalizer(FINALIZER) {
-            let_go(&ctx, &l, "its lease was released")?;
-            if l.status.phase == LeasePhase::Bound {
-                ctx.event(
-                    &l,
-                    EventType::Normal,
-                    "Released",
-                    &format!(
-                        "{} goes back to the pool after a reset",
-                        l.status.vm.clone().unwrap_or_default()
-                    ),
-                );
-            }
-            remove_finalizer(&ctx.store, &l, FINALIZER)?;
-        }
-        return Ok(Action::await_change());
-    }
-    if ensure_finalizer(&ctx.store, &l, FINALIZER)? {
-        return Ok(Action::requeue(Duration::ZERO));
-    }
-    match l.status.phase {
-        LeasePhase::Pending => acquire(l, &ctx, &uid).await,
-        LeasePhase::Bound => {
-            // Void after a host reboot.
-            if l.status.boot_id.as_deref().is_some_and(|b| b != boot_id()) {
-                return end(
-                    l,
-                    &ctx,
-                    "HostRebooted",
-                    "the host rebooted: every lease is void after a reboot",
-                );
-            }
-            // Renewals extend it; an expired lease cannot be renewed (below).
-            if let Some(r) = l.spec.renew_time
-                && l.status.renewed.is_none_or(|done| r > done)
-                && l.status.expire_time.is_some_and(|e| r <= e)
-            {
-                l.status.renewed = Some(r);
-                l.status.expire_time = Some(r.max(now()) + duration(&l));
-                l.status.observed_generation = generation;
-                l = save(&ctx, &l)?;
-            }
-            let exp = l.status.expire_time.unwrap_or_else(now);
-            let left = exp - now();
-            if left <= chrono::Duration::zero() {
-                return end(l, &ctx, "LeaseExpired", "the lease ran out without renewal");
-            }
-            Ok(Action::requeue(
-                left.to_std()
-                    .unwrap_or(Duration::from_secs(1))
-                    .min(Duration::from_secs(300)),
-            ))
-        }
-        LeasePhase::Expired | LeasePhase::Released => {
-            if let (Some(r), Some(e)) = (l.spec.renew_time, l.status.expire_time)
-                && r > e && l.status.conditions.set_condition("Renewed", ConditionStatus::False, "RenewRefused", &format!("the lease expired at {e}; an expired lease cannot be renewed: `boxery lease release {}` and acquire a new one", l.name()), generation) {
-                    save(&ctx, &l)?;
-                }
-            Ok(Action::await_change())
-        }
-    }
+    let done = finalizer(
+        ctx.store.as_ref(),
+        FINALIZER,
+        lease,
+        async |event| match event {
+            FinalizerEvent::Apply(l) => step((*l).clone(), &ctx).await,
+            FinalizerEvent::Cleanup(l) => release(&l, &ctx).await,
+        },
+    )
+    .await;
+    Ok(done?)
 }
 
-fn end(mut l: Lease, ctx: &Ctx, reason: &str, msg: &str) -> Result<Action> {
-    let generation = l.metadata.generation;
-    let_go(ctx, &l, msg)?;
-    l.status.phase = LeasePhase::Expired;
-    l.status
-        .conditions
-        .set_condition("Ready", ConditionStatus::False, reason, msg, generation);
-    let l = save(ctx, &l)?;
-    ctx.event(&l, EventType::Normal, reason, msg);
+/// A released (deleted) lease: its member is reset and goes back to the pool.
+async fn release(l: &Lease, ctx: &Ctx) -> Result<Action> {
+    let_go(ctx, l, "its lease was released").await?;
+    if l.status.phase == LeasePhase::Bound {
+        ctx.event(
+            l,
+            EventType::Normal,
+            "Released",
+            &format!(
+                "{} goes back to the pool after a reset",
+                l.status.vm.clone().unwrap_or_default()
+            ),
+        )
+        .await;
+    }
     Ok(Action::await_change())
 }
 
-fn waiting(
+/// One step, by phase: claim a member, keep a bound lease (renewals, expiry, reboots), or
+/// refuse to renew an ended one.
+async fn step(l: Lease, ctx: &Ctx) -> Result<Action> {
+    match l.status.phase {
+        LeasePhase::Pending => {
+            let uid = l.metadata.uid.clone().unwrap_or_default();
+            acquire(l, ctx, &uid).await
+        }
+        LeasePhase::Bound => bound(l, ctx).await,
+        LeasePhase::Expired | LeasePhase::Released => ended(l, ctx).await,
+    }
+}
+
+/// Bound: void after a host reboot; renewals extend it; it ends when it runs out.
+async fn bound(mut l: Lease, ctx: &Ctx) -> Result<Action> {
+    let generation = l.metadata.generation;
+    if l.status.boot_id.as_deref().is_some_and(|b| b != boot_id()) {
+        return end(
+            l,
+            ctx,
+            reasons::HOST_REBOOTED,
+            "the host rebooted: every lease is void after a reboot",
+        )
+        .await;
+    }
+    // Renewals extend it; an expired lease cannot be renewed (below).
+    if let Some(r) = l.spec.renew_time
+        && l.status.renewed.is_none_or(|done| r > done)
+        && l.status.expire_time.is_some_and(|e| r <= e)
+    {
+        l.status.renewed = Some(r);
+        l.status.expire_time = Some(r.max(now()) + duration(&l));
+        l.status.observed_generation = generation;
+        l = save(ctx, &l).await?;
+    }
+    let left = l.status.expire_time.unwrap_or_else(now) - now();
+    if left <= chrono::Duration::zero() {
+        return end(
+            l,
+            ctx,
+            reasons::LEASE_EXPIRED,
+            "the lease ran out without renewal",
+        )
+        .await;
+    }
+    Ok(Action::requeue(
+        left.to_std()
+            .unwrap_or(Duration::from_secs(1))
+            .min(Duration::from_secs(300)),
+    ))
+}
+
+/// Expired or released: a renewal asked for after the end is refused, once.
+async fn ended(mut l: Lease, ctx: &Ctx) -> Result<Action> {
+    let generation = l.metadata.generation;
+    if let (Some(r), Some(e)) = (l.spec.renew_time, l.status.expire_time)
+        && r > e
+    {
+        let msg = format!(
+            "the lease expired at {e}; an expired lease cannot be renewed: `boxery lease release {}` and acquire a new one",
+            l.name()
+        );
+        if l.status.conditions.set_condition(
+            conditions::RENEWED,
+            ConditionStatus::False,
+            reasons::RENEW_REFUSED,
+            &msg,
+            generation,
+        ) {
+            save(ctx, &l).await?;
+        }
+    }
+    Ok(Action::await_change())
+}
+
+async fn end(mut l: Lease, ctx: &Ctx, reason: &str, msg: &str) -> Result<Action> {
+    let generation = l.metadata.generation;
+    let_go(ctx, &l, msg).await?;
+    l.status.phase = LeasePhase::Expired;
+    l.status
+        .conditions
+        .set_condition(READY, ConditionStatus::False, reason, msg, generation);
+    let l = save(ctx, &l).await?;
+    ctx.event(&l, EventType::Normal, reason, msg).await;
+    Ok(Action::await_change())
+}
+
+async fn waiting(
     mut l: Lease,
     ctx: &Ctx,
     reason: &str,
@@ -244,10 +277,10 @@ fn waiting(
     let generation = l.metadata.generation;
     if l.status
         .conditions
-        .set_condition("Ready", ConditionStatus::False, reason, msg, generation)
+        .set_condition(READY, ConditionStatus::False, reason, msg, generation)
     {
         l.status.observed_generation = generation;
-        save(ctx, &l)?;
+        save(ctx, &l).await?;
     }
     Ok(again
         .map(Action::requeue)
@@ -256,21 +289,22 @@ fn waiting(
 
 async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
     let pool_name = l.spec.pool.clone();
-    let Some(pool) = ctx.store.get_as::<Pool>(&pool_name)? else {
+    let Some(pool) = ctx.store.get_as::<Pool>(&pool_name).await? else {
         return waiting(
             l,
             ctx,
-            "PoolNotFound",
+            reasons::POOL_NOT_FOUND,
             &format!("pool {pool_name} does not exist: `boxery get pools` lists them"),
             Some(Duration::from_secs(5)),
-        );
+        )
+        .await;
     };
     if l.spec.lease_duration_seconds > pool.spec.lease.max_ttl_seconds {
         let msg = format!(
             "leaseDurationSeconds {} is over pool {pool_name}'s maximum of {}: ask for less",
             l.spec.lease_duration_seconds, pool.spec.lease.max_ttl_seconds
         );
-        return waiting(l, ctx, "DurationTooLong", &msg, None);
+        return waiting(l, ctx, reasons::DURATION_TOO_LONG, &msg, None).await;
     }
     // A member already claimed by this lease (a crash after the claim) is resumed.
     let mine = pool
@@ -287,24 +321,25 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
             // the lock assigns free members to every waiting lease, oldest first, in one write.
             let lock = ctx.vm_lock(&format!("pool:{pool_name}"));
             let _held = lock.lock().await;
-            match claim_batch(ctx, &pool_name, uid)? {
+            match claim_batch(ctx, &pool_name, uid).await? {
                 Some(m) => m,
                 None => {
                     let s = ctx
                         .store
-                        .get_as::<Pool>(&pool_name)?
+                        .get_as::<Pool>(&pool_name)
+                        .await?
                         .map(|p| p.status)
                         .unwrap_or_default();
                     return waiting(
                         l,
                         ctx,
-                        "NoFreeMember",
+                        reasons::NO_FREE_MEMBER,
                         &format!(
                             "waiting for a free member of pool {pool_name} ({} leased, {} resetting, {} broken of {})",
                             s.leased, s.resetting, s.broken, s.replicas
                         ),
                         Some(Duration::from_secs(5)),
-                    );
+                    ).await;
                 }
             }
         }
@@ -314,7 +349,7 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
         l.status.vm = Some(vm.clone());
         l.status.member_generation = Some(member.generation);
         l.status.pool_epoch = Some(pool.status.epoch);
-        l = save(ctx, &l)?;
+        l = save(ctx, &l).await?;
     }
     if member.state == MemberState::Acquiring {
         // Token first, then keys: the holder never has the VM without its own token.
@@ -344,12 +379,13 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
                 m.state = MemberState::Leased;
                 m.generation += 1;
             },
-        )?;
+        )
+        .await?;
         let Some(g) = moved else {
             // Fenced out (the member was reset or removed meanwhile): start over.
             l.status.vm = None;
             l.status.member_generation = None;
-            save(ctx, &l)?;
+            save(ctx, &l).await?;
             return Ok(Action::requeue(Duration::ZERO));
         };
         l.status.member_generation = Some(g);
@@ -368,7 +404,7 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
         }
     } else {
         l.status.vm = None;
-        save(ctx, &l)?;
+        save(ctx, &l).await?;
         return Ok(Action::requeue(Duration::ZERO));
     }
     let t: Time = now();
@@ -381,13 +417,13 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
     l.status.lease_transitions += 1;
     l.status.observed_generation = generation;
     l.status.conditions.set_condition(
-        "Ready",
+        READY,
         ConditionStatus::True,
-        "Bound",
+        reasons::BOUND,
         &format!("holding {vm}: `boxery ssh {vm}`"),
         generation,
     );
-    let l = save(ctx, &l)?;
+    let l = save(ctx, &l).await?;
     ctx.event(
         &l,
         EventType::Normal,
@@ -400,7 +436,8 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
                 .map(|e| e.to_string())
                 .unwrap_or_default()
         ),
-    );
+    )
+    .await;
     let exp = l.status.expire_time.unwrap_or_else(now) - now();
     Ok(Action::requeue(
         exp.to_std()
@@ -412,14 +449,14 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
 /// Assign free members of `pool_name` to its waiting leases, oldest first, in one status
 /// update; returns the member given to lease `uid` (if any). Backends without sshd have
 /// nothing to install, so their members go straight to Leased.
-fn claim_batch(
+async fn claim_batch(
     ctx: &Ctx,
     pool_name: &str,
     uid: &str,
 ) -> Result<Option<boxery_api::pool::MemberStatus>> {
     let direct = ctx.ssh.is_none();
     for _ in 0..50 {
-        let Some(mut pool) = ctx.store.get_as::<Pool>(pool_name)? else {
+        let Some(mut pool) = ctx.store.get_as::<Pool>(pool_name).await? else {
             return Ok(None);
         };
         if let Some(m) = pool
@@ -441,7 +478,8 @@ fn claim_batch(
             .collect();
         let mut waiting: Vec<Lease> = ctx
             .store
-            .list_as::<Lease>(&Default::default())?
+            .list_as::<Lease>(&Default::default())
+            .await?
             .into_iter()
             .filter(|w| {
                 w.spec.pool == pool_name
@@ -482,7 +520,7 @@ fn claim_batch(
                 mine = Some(m.clone());
             }
         }
-        match ctx.store.update_status_as(&pool) {
+        match ctx.store.update_status_as(&pool).await {
             Ok(_) => return Ok(mine),
             Err(StoreError::Conflict { .. }) => continue,
             Err(e) => return Err(e.into()),
@@ -502,7 +540,7 @@ async fn install(
     let Some(ssh) = &ctx.ssh else { return Ok(()) };
     let fail = |m: String| boxery_backends::BackendError::failed("install", m);
     let cp_key = ssh.public_key().map_err(|e| fail(e.to_string()))?;
-    ssh.write(&crate::vm::known_targets(ctx))
+    ssh.write(&crate::vm::known_targets(ctx).await)
         .map_err(|e| fail(e.to_string()))?;
     let q = |s: &str| format!("'{}'", s.replace('\'', "'\\''"));
     let script = format!(

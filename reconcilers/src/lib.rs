@@ -9,6 +9,7 @@ pub mod image;
 pub mod inventory;
 pub mod lease;
 pub mod pool;
+pub mod recorded;
 pub mod runtime;
 pub mod ssh;
 pub mod vm;

@@ -17,6 +17,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use boxery_api::conditions::{self, READY, reasons};
 use boxery_api::image::ImageSpec;
 use boxery_api::pool::{MemberState, MemberStatus};
 use boxery_api::vm::Restore;
@@ -26,6 +27,8 @@ use boxery_api::{
 };
 use boxery_controller::Action;
 use boxery_store::StoreError;
+
+use boxery_store::ObjectStoreExt;
 
 use crate::context::Ctx;
 use crate::error::ReconcileError;
@@ -79,22 +82,56 @@ pub fn wanted(pool: &Pool) -> Vec<(String, bool)> {
     out
 }
 
-/// Reconcile one Pool.
+/// When to look at a pool again: the earliest of what its members asked for.
+#[derive(Debug, Default)]
+struct Again(Option<Duration>);
+
+impl Again {
+    fn within(&mut self, d: Duration) {
+        self.0 = Some(self.0.map_or(d, |x| x.min(d)));
+    }
+    fn action(self) -> Action {
+        self.0
+            .map(Action::requeue)
+            .unwrap_or_else(Action::await_change)
+    }
+}
+
+/// What one pass over a pool's members found, besides the member table.
+#[derive(Debug, Default)]
+struct Pass {
+    again: Again,
+    /// Members whose VM cannot join (another pool's, or a person's).
+    blocked: Vec<String>,
+}
+
+/// Reconcile one Pool: bring each member one step on (make or adopt its VM, capture its clean
+/// image, reset it after a lease), then write the member table and the counts in one status
+/// update with a resourceVersion precondition.
 pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
-    let Some(mut pool) = ctx.store.get_as::<Pool>(pool.name())? else {
-        return Ok(Action::await_change());
-    };
     if pool.metadata.is_deleting() {
         return Ok(Action::await_change());
     }
-    let generation = pool.metadata.generation;
-    let name = pool.name().to_string();
-    let mut requeue: Option<Duration> = None;
-    let soon = |d: Duration, r: &mut Option<Duration>| *r = Some(r.map_or(d, |x| x.min(d)));
+    let mut pool = (*pool).clone();
     let before = pool.status.clone();
     let wanted = wanted(&pool);
+    let mut table = member_table(&mut pool, &wanted);
+    let mut pass = Pass::default();
+    for m in table.iter_mut() {
+        let in_spec = wanted.iter().any(|(n, _)| *n == m.name);
+        member(&ctx, &pool, in_spec, m, &mut pass).await?;
+    }
+    unlabel_departed(&ctx, &pool, &table).await?;
+    summarize(&mut pool, table, &pass.blocked);
+    if pool.status != before {
+        ctx.store.update_status_as(&pool).await?;
+    }
+    Ok(pass.again.action())
+}
 
-    // Members that left the spec: free ones go at once; held ones stay until their lease ends.
+/// The member table: members that left the spec go when free (held ones stay until their
+/// lease ends); members new in the spec join as Pending.
+fn member_table(pool: &mut Pool, wanted: &[(String, bool)]) -> Vec<MemberStatus> {
     let mut table = std::mem::take(&mut pool.status.members);
     table.retain(|m| {
         let keep = wanted.iter().any(|(n, _)| *n == m.name)
@@ -107,7 +144,7 @@ pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
         }
         keep
     });
-    for (member, created) in &wanted {
+    for (member, created) in wanted {
         if !table.iter().any(|m| m.name == *member) {
             table.push(MemberStatus {
                 name: member.clone(),
@@ -121,273 +158,313 @@ pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
             });
         }
     }
+    table
+}
 
-    let mut blocked: Vec<String> = Vec::new();
-    for m in table.iter_mut() {
-        let vm = ctx.store.get_as::<Vm>(&m.name)?;
-        let in_spec = wanted.iter().any(|(n, _)| *n == m.name);
-        // Make or adopt the Vm.
-        let Some(vm) = vm else {
-            if m.created && in_spec {
-                let template = pool
-                    .spec
-                    .template
-                    .as_ref()
-                    .expect("created members come from the template");
-                let mut v = Vm::new(&m.name, template.spec.clone());
-                v.metadata.labels = template.labels.clone();
-                v.metadata.labels.insert(POOL_LABEL.into(), name.clone());
-                v.metadata.owner_references.push(owner(&pool));
-                match ctx.store.create_as(&v) {
-                    Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
-                    Err(e) => return Err(e.into()),
-                }
-                set(m, MemberState::Pending, "creating the member VM");
-            } else if in_spec {
-                set(
-                    m,
-                    MemberState::Broken,
-                    &format!(
-                        "VM {} does not exist: create it, or `boxery pool rm {name} {}`",
-                        m.name, m.name
-                    ),
-                );
-            }
-            soon(Duration::from_secs(2), &mut requeue);
-            continue;
-        };
-        if m.state == MemberState::Pending
-            && let Some(why) = not_ours(&pool, m.created, &vm)
-        {
-            // Never adopted: a VM of another pool, or a person's VM whose name a template
-            // member would take. The member waits until the way is clear.
-            if m.message != why {
-                ctx.event(&pool, EventType::Warning, "MemberConflict", &why);
-            }
-            m.message = why;
-            blocked.push(m.name.clone());
-            soon(Duration::from_secs(5), &mut requeue);
-            continue;
+/// One step for one member, by its state.
+async fn member(
+    ctx: &Ctx,
+    pool: &Pool,
+    in_spec: bool,
+    m: &mut MemberStatus,
+    pass: &mut Pass,
+) -> Result<()> {
+    let Some(vm) = ctx.store.get_as::<Vm>(&m.name).await? else {
+        return missing_vm(ctx, pool, in_spec, m, pass).await;
+    };
+    if m.state == MemberState::Pending
+        && let Some(why) = not_ours(pool, m.created, &vm)
+    {
+        // Never adopted: a VM of another pool, or a person's VM whose name a template
+        // member would take. The member waits until the way is clear.
+        if m.message != why {
+            ctx.event(pool, EventType::Warning, "MemberConflict", &why)
+                .await;
         }
-        if in_spec && !vm.metadata.labels.contains_key(POOL_LABEL) {
-            let mut v = vm.clone();
-            v.metadata.labels.insert(POOL_LABEL.into(), name.clone());
-            ctx.store.update_as(&v)?;
-            continue;
+        m.message = why;
+        pass.blocked.push(m.name.clone());
+        pass.again.within(Duration::from_secs(5));
+        return Ok(());
+    }
+    if in_spec && !vm.metadata.labels.contains_key(POOL_LABEL) {
+        let mut v = vm.clone();
+        v.metadata
+            .labels
+            .insert(POOL_LABEL.into(), pool.name().into());
+        ctx.store.update_as(&v).await?;
+        return Ok(());
+    }
+    match m.state {
+        MemberState::Pending => pending(ctx, pool, &vm, m, pass).await,
+        MemberState::Acquiring | MemberState::Leased => held(ctx, m).await,
+        MemberState::Resetting => resetting(ctx, pool, &vm, m, pass).await,
+        MemberState::Free | MemberState::Broken => Ok(()),
+    }
+}
+
+/// A member without its VM: make it from the template, or (an adopted one) mark it Broken.
+async fn missing_vm(
+    ctx: &Ctx,
+    pool: &Pool,
+    in_spec: bool,
+    m: &mut MemberStatus,
+    pass: &mut Pass,
+) -> Result<()> {
+    let name = pool.name();
+    if m.created && in_spec {
+        let template = pool
+            .spec
+            .template
+            .as_ref()
+            .expect("created members come from the template");
+        let mut v = Vm::new(&m.name, template.spec.clone());
+        v.metadata.labels = template.labels.clone();
+        v.metadata.labels.insert(POOL_LABEL.into(), name.into());
+        v.metadata.owner_references.push(owner(pool));
+        match ctx.store.create_as(&v).await {
+            Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
+            Err(e) => return Err(e.into()),
         }
-        let ready = crate::vm::is_ready(&vm);
-        match m.state {
-            MemberState::Pending => {
-                if !ready {
-                    m.message = "waiting for the member VM to be Ready".into();
-                    soon(Duration::from_secs(2), &mut requeue);
-                    continue;
-                }
-                // Its clean image: captured once, when first Ready.
-                let img_name = clean_image(&m.name);
-                match ctx.store.get_as::<Image>(&img_name)? {
-                    None => {
-                        let mut img = Image::new(
-                            &img_name,
-                            ImageSpec {
-                                source: ImageSource::Vm(m.name.clone()),
-                            },
-                        );
-                        img.metadata.labels.insert(POOL_LABEL.into(), name.clone());
-                        img.metadata.owner_references.push(vm_owner(&vm));
-                        match ctx.store.create_as(&img) {
-                            Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
-                            Err(e) => return Err(e.into()),
-                        }
-                        m.message = "capturing the member's clean image".into();
-                        soon(Duration::from_secs(1), &mut requeue);
-                    }
-                    Some(img) if img.status.phase == ImagePhase::Ready => {
-                        set(m, MemberState::Free, "");
-                        ctx.event(
-                            &pool,
-                            EventType::Normal,
-                            "MemberReady",
-                            &format!("{} is clean and free", m.name),
-                        );
-                    }
-                    Some(_) => {
-                        m.message = "capturing the member's clean image".into();
-                        soon(Duration::from_secs(1), &mut requeue);
-                    }
-                }
+        set(m, MemberState::Pending, "creating the member VM");
+    } else if in_spec {
+        set(
+            m,
+            MemberState::Broken,
+            &format!(
+                "VM {} does not exist: create it, or `boxery pool rm {name} {}`",
+                m.name, m.name
+            ),
+        );
+    }
+    pass.again.within(Duration::from_secs(2));
+    Ok(())
+}
+
+/// Pending: wait for the VM to be Ready, capture its clean image once, then it is Free.
+async fn pending(
+    ctx: &Ctx,
+    pool: &Pool,
+    vm: &Vm,
+    m: &mut MemberStatus,
+    pass: &mut Pass,
+) -> Result<()> {
+    if !crate::vm::is_ready(vm) {
+        m.message = "waiting for the member VM to be Ready".into();
+        pass.again.within(Duration::from_secs(2));
+        return Ok(());
+    }
+    let img_name = clean_image(&m.name);
+    match ctx.store.get_as::<Image>(&img_name).await? {
+        None => {
+            let mut img = Image::new(
+                &img_name,
+                ImageSpec {
+                    source: ImageSource::Vm(m.name.clone()),
+                },
+            );
+            img.metadata
+                .labels
+                .insert(POOL_LABEL.into(), pool.name().into());
+            img.metadata.owner_references.push(vm_owner(vm));
+            match ctx.store.create_as(&img).await {
+                Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
+                Err(e) => return Err(e.into()),
             }
-            MemberState::Acquiring | MemberState::Leased => {
-                // The lease must still exist and be the one recorded; otherwise reset.
-                let lease = match &m.lease {
-                    Some(l) => ctx.store.get_as::<Lease>(l)?,
-                    None => None,
-                };
-                let holds = lease
-                    .as_ref()
-                    .is_some_and(|l| l.metadata.uid == m.lease_uid && !l.metadata.is_deleting());
-                if !holds {
-                    start_reset(m, "its lease is gone");
-                }
-            }
-            MemberState::Resetting => {
-                if let Some(lease_uid) = &m.lease_uid {
-                    crate::lease::revoke_token(ctx.as_ref(), &m.name, lease_uid);
-                }
-                match m.reset_requested_at {
-                    None => {
-                        // Ask the Vm to reimage from its clean image.
-                        let at = now();
-                        let mut v = vm.clone();
-                        v.spec.restore = Some(Restore {
-                            image: clean_image(&m.name),
-                            requested_at: at,
-                        });
-                        match ctx.store.update_as(&v) {
-                            Ok(_) => {
-                                m.reset_requested_at = Some(at);
-                                m.message = "reimaging from the clean image".into();
-                            }
-                            Err(StoreError::Conflict { .. }) => {}
-                            Err(e) => return Err(e.into()),
-                        }
-                        soon(Duration::from_millis(200), &mut requeue);
-                    }
-                    Some(at) => {
-                        let served = vm
-                            .status
-                            .last_restore
-                            .as_ref()
-                            .is_some_and(|r| r.requested_at == at);
-                        let reverted_ok = vm
-                            .status
-                            .conditions
-                            .get_condition("Reverted")
-                            .is_none_or(|c| c.status == ConditionStatus::True);
-                        if served && ready && reverted_ok {
-                            m.lease = None;
-                            m.lease_uid = None;
-                            m.reset_requested_at = None;
-                            set(m, MemberState::Free, "");
-                            ctx.event(
-                                &pool,
-                                EventType::Normal,
-                                "MemberReset",
-                                &format!("{} was reset to its clean image and is free", m.name),
-                            );
-                        } else if vm.status.failures >= RESET_ATTEMPTS
-                            || vm
-                                .status
-                                .conditions
-                                .get_condition("Lost")
-                                .is_some_and(|c| c.status == ConditionStatus::True)
-                        {
-                            let why = vm
-                                .status
-                                .last_failure
-                                .as_ref()
-                                .map(|f| f.message.clone())
-                                .unwrap_or_else(|| "the VM is lost".into());
-                            set(
-                                m,
-                                MemberState::Broken,
-                                &format!(
-                                    "reset failed: {why}; repair with `boxery pool rm {name} {}` and `boxery pool add {name} {}`",
-                                    m.name, m.name
-                                ),
-                            );
-                            ctx.event(
-                                &pool,
-                                EventType::Warning,
-                                "MemberBroken",
-                                &format!("{}: reset failed: {why}", m.name),
-                            );
-                        } else {
-                            soon(Duration::from_millis(500), &mut requeue);
-                        }
-                    }
-                }
-            }
-            MemberState::Free | MemberState::Broken => {}
+            m.message = "capturing the member's clean image".into();
+            pass.again.within(Duration::from_secs(1));
+        }
+        Some(img) if img.status.phase == ImagePhase::Ready => {
+            set(m, MemberState::Free, "");
+            ctx.event(
+                pool,
+                EventType::Normal,
+                "MemberReady",
+                &format!("{} is clean and free", m.name),
+            )
+            .await;
+        }
+        Some(_) => {
+            m.message = "capturing the member's clean image".into();
+            pass.again.within(Duration::from_secs(1));
         }
     }
+    Ok(())
+}
 
-    // Adopted members that left the spec (and are not held) lose the label.
-    for vm in ctx.store.list_as::<Vm>(
-        &format!("{POOL_LABEL}={name}")
-            .parse()
-            .expect("a valid selector"),
-    )? {
+/// Acquiring or Leased: the lease must still exist and be the one recorded; otherwise reset.
+async fn held(ctx: &Ctx, m: &mut MemberStatus) -> Result<()> {
+    let lease = match &m.lease {
+        Some(l) => ctx.store.get_as::<Lease>(l).await?,
+        None => None,
+    };
+    let holds = lease
+        .as_ref()
+        .is_some_and(|l| l.metadata.uid == m.lease_uid && !l.metadata.is_deleting());
+    if !holds {
+        start_reset(m, "its lease is gone");
+    }
+    Ok(())
+}
+
+/// Resetting: revoke the token, ask the Vm to reimage from the clean image, and once it has
+/// (and is Ready) the member is Free; a reset that keeps failing makes it Broken.
+async fn resetting(
+    ctx: &Ctx,
+    pool: &Pool,
+    vm: &Vm,
+    m: &mut MemberStatus,
+    pass: &mut Pass,
+) -> Result<()> {
+    let name = pool.name();
+    if let Some(lease_uid) = &m.lease_uid {
+        crate::lease::revoke_token(ctx, &m.name, lease_uid);
+    }
+    let Some(at) = m.reset_requested_at else {
+        // Ask the Vm to reimage from its clean image.
+        let at = now();
+        let mut v = vm.clone();
+        v.spec.restore = Some(Restore {
+            image: clean_image(&m.name),
+            requested_at: at,
+        });
+        match ctx.store.update_as(&v).await {
+            Ok(_) => {
+                m.reset_requested_at = Some(at);
+                m.message = "reimaging from the clean image".into();
+            }
+            Err(StoreError::Conflict { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+        pass.again.within(Duration::from_millis(200));
+        return Ok(());
+    };
+    let served = vm
+        .status
+        .last_restore
+        .as_ref()
+        .is_some_and(|r| r.requested_at == at);
+    let reverted_ok = vm
+        .status
+        .conditions
+        .get_condition(conditions::REVERTED)
+        .is_none_or(|c| c.status == ConditionStatus::True);
+    let lost = vm
+        .status
+        .conditions
+        .get_condition(conditions::LOST)
+        .is_some_and(|c| c.status == ConditionStatus::True);
+    if served && crate::vm::is_ready(vm) && reverted_ok {
+        m.lease = None;
+        m.lease_uid = None;
+        m.reset_requested_at = None;
+        set(m, MemberState::Free, "");
+        ctx.event(
+            pool,
+            EventType::Normal,
+            "MemberReset",
+            &format!("{} was reset to its clean image and is free", m.name),
+        )
+        .await;
+    } else if vm.status.failures >= RESET_ATTEMPTS || lost {
+        let why = vm
+            .status
+            .last_failure
+            .as_ref()
+            .map(|f| f.message.clone())
+            .unwrap_or_else(|| "the VM is lost".into());
+        set(
+            m,
+            MemberState::Broken,
+            &format!(
+                "reset failed: {why}; repair with `boxery pool rm {name} {}` and `boxery pool add {name} {}`",
+                m.name, m.name
+            ),
+        );
+        ctx.event(
+            pool,
+            EventType::Warning,
+            "MemberBroken",
+            &format!("{}: reset failed: {why}", m.name),
+        )
+        .await;
+    } else {
+        pass.again.within(Duration::from_millis(500));
+    }
+    Ok(())
+}
+
+/// Adopted members that left the spec (and are not held) lose the pool's label.
+async fn unlabel_departed(ctx: &Ctx, pool: &Pool, table: &[MemberStatus]) -> Result<()> {
+    let selector = format!("{POOL_LABEL}={}", pool.name())
+        .parse()
+        .expect("a valid selector");
+    for vm in ctx.store.list_as::<Vm>(&selector).await? {
         if !table.iter().any(|m| m.name == vm.metadata.name) {
             let mut v = vm.clone();
             v.metadata.labels.remove(POOL_LABEL);
-            ctx.store.update_as(&v)?;
+            ctx.store.update_as(&v).await?;
         }
     }
+    Ok(())
+}
 
+/// The member table, the counts and the conditions, into the pool's status.
+fn summarize(pool: &mut Pool, table: Vec<MemberStatus>, blocked: &[String]) {
+    let generation = pool.metadata.generation;
     let count = |s: MemberState| table.iter().filter(|m| m.state == s).count() as u32;
-    pool.status.replicas = table.len() as u32;
-    pool.status.free = count(MemberState::Free);
-    pool.status.leased = count(MemberState::Leased) + count(MemberState::Acquiring);
-    pool.status.resetting = count(MemberState::Resetting);
-    pool.status.broken = count(MemberState::Broken);
-    pool.status.ready = pool.status.free + pool.status.leased;
-    pool.status.updated = table.len() as u32;
-    pool.status.members = table;
-    pool.status.observed_generation = generation;
-    let progressing = pool
-        .status
-        .members
-        .iter()
-        .any(|m| m.state == MemberState::Pending);
-    pool.status.conditions.set_condition(
-        "Ready",
-        if pool.status.free > 0 {
+    let st = &mut pool.status;
+    st.replicas = table.len() as u32;
+    st.free = count(MemberState::Free);
+    st.leased = count(MemberState::Leased) + count(MemberState::Acquiring);
+    st.resetting = count(MemberState::Resetting);
+    st.broken = count(MemberState::Broken);
+    st.ready = st.free + st.leased;
+    st.updated = table.len() as u32;
+    let progressing = table.iter().any(|m| m.state == MemberState::Pending);
+    st.members = table;
+    st.observed_generation = generation;
+    let yes_no = |b: bool| {
+        if b {
             ConditionStatus::True
         } else {
             ConditionStatus::False
-        },
-        if pool.status.free > 0 {
-            "MembersFree"
+        }
+    };
+    let summary = format!(
+        "{} free, {} leased, {} resetting, {} broken of {}",
+        st.free, st.leased, st.resetting, st.broken, st.replicas
+    );
+    let (free, broken) = (st.free > 0, st.broken > 0);
+    let c = &mut st.conditions;
+    c.set_condition(
+        READY,
+        yes_no(free),
+        if free {
+            reasons::MEMBERS_FREE
         } else {
-            "NoFreeMember"
+            reasons::NO_FREE_MEMBER
         },
-        &format!(
-            "{} free, {} leased, {} resetting, {} broken of {}",
-            pool.status.free,
-            pool.status.leased,
-            pool.status.resetting,
-            pool.status.broken,
-            pool.status.replicas
-        ),
+        &summary,
         generation,
     );
-    pool.status.conditions.set_condition(
-        "Progressing",
+    c.set_condition(
+        conditions::PROGRESSING,
+        yes_no(progressing),
         if progressing {
-            ConditionStatus::True
+            reasons::MEMBERS_PENDING
         } else {
-            ConditionStatus::False
-        },
-        if progressing {
-            "MembersPending"
-        } else {
-            "Settled"
+            reasons::SETTLED
         },
         "",
         generation,
     );
-    pool.status.conditions.set_condition(
-        "MembersBlocked",
+    c.set_condition(
+        conditions::MEMBERS_BLOCKED,
+        yes_no(!blocked.is_empty()),
         if blocked.is_empty() {
-            ConditionStatus::False
+            reasons::NO_CONFLICT
         } else {
-            ConditionStatus::True
-        },
-        if blocked.is_empty() {
-            "NoConflict"
-        } else {
-            "NameTaken"
+            reasons::NAME_TAKEN
         },
         &if blocked.is_empty() {
             String::new()
@@ -399,27 +476,17 @@ pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
         },
         generation,
     );
-    pool.status.conditions.set_condition(
-        "Degraded",
-        if pool.status.broken > 0 {
-            ConditionStatus::True
+    c.set_condition(
+        conditions::DEGRADED,
+        yes_no(broken),
+        if broken {
+            reasons::MEMBERS_BROKEN
         } else {
-            ConditionStatus::False
-        },
-        if pool.status.broken > 0 {
-            "MembersBroken"
-        } else {
-            "Healthy"
+            reasons::HEALTHY
         },
         "",
         generation,
     );
-    if pool.status != before {
-        ctx.store.update_status_as(&pool)?;
-    }
-    Ok(requeue
-        .map(Action::requeue)
-        .unwrap_or_else(Action::await_change))
 }
 
 /// Why `vm` may not become a member of `pool`, if it may not: it belongs to another pool (its

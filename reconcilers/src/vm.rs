@@ -12,23 +12,29 @@
 //! - A VM gone from the backend behind our back is marked `Lost`, never silently recreated.
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use boxery_api::conditions::{self, READY, reasons};
 use boxery_api::image::{BuildSpec, ImageSpec};
 use boxery_api::vm::{Operation, OperationType, STOCK_IMAGES, SshStatus};
 use boxery_api::{
     ConditionStatus, Conditions, EventType, Image, ImagePhase, ImageSource, OwnerReference,
     Resource, RunStrategy, Vm, VmPhase, VmSource, now,
 };
+use boxery_backends::VmInfo;
 use boxery_backends::mark::Mark;
 use boxery_backends::{BackendError, DiskSource, NewVm, PowerState, VmSize};
-use boxery_controller::{Action, ensure_finalizer, remove_finalizer};
+use boxery_controller::{Action, FinalizerEvent};
 use boxery_store::StoreError;
+
+use boxery_store::{ObjectRef, ObjectStoreExt};
 
 use crate::context::Ctx;
 use crate::error::ReconcileError;
+use crate::recorded::{self, Recorded};
 
 /// The Vm finalizer.
-pub const FINALIZER: &str = boxery_api::meta::finalizers::VM;
+pub const FINALIZER: &str = <Vm as Recorded>::FINALIZER;
 
 /// The name of the image a fork captures from its source.
 pub fn fork_image_name(vm: &str) -> String {
@@ -55,235 +61,193 @@ fn api_size(s: VmSize) -> boxery_api::vm::Size {
 }
 
 /// Write the status; returns the stored object.
-fn save(ctx: &Ctx, vm: &Vm) -> Result<Vm> {
-    Ok(ctx.store.update_status_as(vm)?)
+async fn save(ctx: &Ctx, vm: &Vm) -> Result<Vm> {
+    recorded::save(ctx, vm).await
 }
 
-/// Reconcile one Vm by name.
+/// Reconcile one Vm: the shared boilerplate ([`recorded::reconcile`]: backoff, finalizer,
+/// `Ready=Unknown` start, failures recorded in status) under the VM's lock, around one step.
 pub async fn reconcile(vm: Arc<Vm>, ctx: Arc<Ctx>) -> Result<Action> {
-    // State is always re-read: the cached copy may lag.
-    let Some(vm) = ctx.store.get_as::<Vm>(vm.name())? else {
-        return Ok(Action::await_change());
-    };
-    if let Some(wait) = crate::backoff::remaining(
-        vm.status.failures,
-        vm.status.last_failure.as_ref(),
-        vm.status.observed_generation,
-        vm.metadata.generation,
-        vm.metadata.deletion_timestamp,
-    ) {
-        return Ok(Action::requeue(wait));
-    }
     let lock = ctx.vm_lock(vm.name());
-    let _guard = lock.lock().await;
-    let name = vm.name().to_string();
-    let key = format!("Vm/{name}");
-    let res = step(vm, &ctx).await;
-    if let Err(e) = &res {
-        // Record the failure in status so `describe` shows it, with the backoff the runtime applies.
-        if let Ok(Some(mut cur)) = ctx.store.get_as::<Vm>(&name)
-            && !e.is_conflict()
-        {
-            let r = e.recorded();
-            cur.status.failures += 1;
-            cur.status.last_failure = Some(r.failure);
-            let generation = cur.metadata.generation;
-            cur.status.observed_generation = generation;
-            cur.status.conditions.set_condition(
-                "Ready",
-                ConditionStatus::False,
-                r.reason,
-                &r.message,
-                generation,
-            );
-            if cur.status.phase == VmPhase::Pending || cur.status.phase == VmPhase::Creating {
-                cur.status.phase = VmPhase::Failed;
-            }
-            cur.status.printable_status = Some(printable(&cur));
-            let _ = ctx.store.update_status_as(&cur);
-            ctx.event(&cur, EventType::Warning, "StepFailed", &r.message);
-        }
-        tracing::warn!(object = %key, error = %e.chain(), "reconcile failed");
-    }
-    res
+    recorded::reconcile(vm, &ctx, Some(lock), async |event| match event {
+        FinalizerEvent::Apply(vm) => step((*vm).clone(), &ctx).await,
+        FinalizerEvent::Cleanup(vm) => finalize((*vm).clone(), &ctx).await,
+    })
+    .await
 }
 
+/// One step towards the spec, the first that applies: recover an interrupted operation,
+/// create, revert, notice a loss, resize, start or stop, then report readiness.
 async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
-    let name = vm.name().to_string();
-    let generation = vm.metadata.generation;
-
-    if vm.metadata.is_deleting() {
-        return finalize(vm, ctx).await;
-    }
-    if ensure_finalizer(&ctx.store, &vm, FINALIZER)? {
-        return Ok(Action::requeue(std::time::Duration::ZERO));
-    }
-    // Conditions are set on the first visit, even when unknown.
-    if vm.status.conditions.get_condition("Ready").is_none() {
-        vm.status.conditions.set_condition(
-            "Ready",
-            ConditionStatus::Unknown,
-            "Reconciling",
-            "",
-            generation,
-        );
-        vm.status.printable_status = Some(printable(&vm));
-        vm = save(ctx, &vm)?;
-    }
-
     if let Some(op) = vm.status.operation.clone() {
         return recover(vm, op, ctx).await;
     }
-
     if vm.status.created_at.is_none() {
         return create(vm, ctx).await;
     }
-
-    // Revert requests.
-    if let Some(r) = vm.spec.restore.clone() {
-        let served = vm
-            .status
+    if let Some(r) = vm.spec.restore.clone().filter(|r| {
+        vm.status
             .last_restore
             .as_ref()
-            .is_some_and(|l| l.requested_at == r.requested_at);
-        if !served {
-            return restore(vm, r, ctx).await;
-        }
+            .is_none_or(|l| l.requested_at != r.requested_at)
+    }) {
+        return restore(vm, r, ctx).await;
     }
-
+    let name = vm.name().to_string();
     let Some(info) = ctx
         .backend
         .get(&name)
         .await
         .map_err(|e| ReconcileError::backend("get", format!("Vm/{name}"), e))?
     else {
-        return lost(vm, ctx);
+        return lost(vm, ctx).await;
     };
-    if vm.status.conditions.remove_condition("Lost") {
+    if vm.status.conditions.remove_condition(conditions::LOST) {
         ctx.event(
             &vm,
             EventType::Normal,
             "Found",
             "the VM is back in the backend",
-        );
+        )
+        .await;
     }
-
-    // Resize.
-    let want = size_of(&vm);
-    if info.size != want {
-        if want.disk_gib < info.size.disk_gib {
-            let msg = format!(
-                "the disk cannot shrink from {}Gi to {}Gi: set spec.resources.disk to {}Gi or more",
-                info.size.disk_gib, want.disk_gib, info.size.disk_gib
-            );
-            vm.status.conditions.set_condition(
-                "Resized",
-                ConditionStatus::False,
-                "DiskShrinkRefused",
-                &msg,
-                generation,
-            );
-            vm.status.size = Some(api_size(info.size));
-            let readiness = Readiness::Ready("Running");
-            finish_status(
-                &mut vm,
-                &info.state,
-                info.ssh.clone(),
-                &readiness,
-                generation,
-            );
-            save(ctx, &vm)?;
-            ctx.event(&vm, EventType::Warning, "DiskShrinkRefused", &msg);
-            return Ok(Action::await_change());
-        }
-        ctx.backend
-            .resize(&name, want)
-            .await
-            .map_err(|e| ReconcileError::backend("resize", format!("Vm/{name}"), e))?;
-        vm.status.size = Some(api_size(want));
-        vm.status.conditions.remove_condition("Resized");
-        ctx.event(
-            &vm,
-            EventType::Normal,
-            "Resized",
-            &format!(
-                "{} CPUs, {} MiB, {} GiB",
-                want.cpus, want.memory_mib, want.disk_gib
-            ),
-        );
-        save(ctx, &vm)?;
-        return Ok(Action::requeue(std::time::Duration::ZERO));
+    if info.size != size_of(&vm) {
+        return resize(vm, &info, ctx).await;
     }
-
-    // Power.
     match (vm.spec.run_strategy, info.state) {
-        (RunStrategy::Running, PowerState::Stopped) => {
-            // Last seen running and never asked to stop: the guest powered off, or its
-            // hypervisor process exited or crashed. The spec says Running, so it runs again.
-            let on_its_own = vm.status.phase == VmPhase::Running;
-            // Read before the start, which begins a new log.
-            let last_words = if on_its_own {
-                ctx.backend.last_exit(&name).await
-            } else {
-                None
-            };
-            ctx.backend
-                .start(&name)
-                .await
-                .map_err(|e| ReconcileError::backend("start", format!("Vm/{name}"), e))?;
-            if on_its_own {
-                let mut msg = String::from(
-                    "the VM had stopped on its own (a power-off in the guest, or its hypervisor \
-                     process exited or crashed) and was started again, as runStrategy is Running",
-                );
-                if let Some(w) = last_words {
-                    msg.push_str(&format!("; the hypervisor's last words: {w}"));
-                }
-                ctx.event(&vm, EventType::Warning, "Restarted", &msg);
-            } else {
-                ctx.event(&vm, EventType::Normal, "Started", "the VM was started");
-            }
-            // A Ready from before the stop describes a guest that is gone: until the new one
-            // answers, nobody may take it as ready (a `wait --for=condition=Ready` would return
-            // at once and the first command would meet a guest still booting). A conflict
-            // means another writer (the inventory's `Exited`) got there first: re-read.
-            vm.status.conditions.set_condition(
-                "Ready",
-                ConditionStatus::False,
-                "Booting",
-                "started again: waiting for the guest to answer",
-                generation,
-            );
-            vm.status.printable_status = Some(printable(&vm));
-            match save(ctx, &vm) {
-                Ok(_) => {}
-                Err(e) if e.is_conflict() => {}
-                Err(e) => return Err(e),
-            }
-            return Ok(Action::requeue(std::time::Duration::ZERO));
-        }
-        (RunStrategy::Stopped, PowerState::Running) => {
-            ctx.backend
-                .stop(&name)
-                .await
-                .map_err(|e| ReconcileError::backend("stop", format!("Vm/{name}"), e))?;
-            ctx.event(&vm, EventType::Normal, "Stopped", "the VM was stopped");
-            return Ok(Action::requeue(std::time::Duration::ZERO));
-        }
-        _ => {}
+        (RunStrategy::Running, PowerState::Stopped) => start(vm, ctx).await,
+        (RunStrategy::Stopped, PowerState::Running) => stop(vm, ctx).await,
+        _ => settle(vm, &info, ctx).await,
     }
+}
 
+/// Make the backend's size the spec's; a shrinking disk is refused with a condition.
+async fn resize(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
+    let generation = vm.metadata.generation;
+    let want = size_of(&vm);
+    if want.disk_gib < info.size.disk_gib {
+        let msg = format!(
+            "the disk cannot shrink from {}Gi to {}Gi: set spec.resources.disk to {}Gi or more",
+            info.size.disk_gib, want.disk_gib, info.size.disk_gib
+        );
+        vm.status.conditions.set_condition(
+            conditions::RESIZED,
+            ConditionStatus::False,
+            reasons::DISK_SHRINK_REFUSED,
+            &msg,
+            generation,
+        );
+        vm.status.size = Some(api_size(info.size));
+        let readiness = Readiness::Ready(reasons::RUNNING);
+        finish_status(
+            &mut vm,
+            &info.state,
+            info.ssh.clone(),
+            &readiness,
+            generation,
+        );
+        save(ctx, &vm).await?;
+        ctx.event(&vm, EventType::Warning, "DiskShrinkRefused", &msg)
+            .await;
+        return Ok(Action::await_change());
+    }
+    ctx.backend
+        .resize(&name, want)
+        .await
+        .map_err(|e| ReconcileError::backend("resize", format!("Vm/{name}"), e))?;
+    vm.status.size = Some(api_size(want));
+    vm.status.conditions.remove_condition(conditions::RESIZED);
+    ctx.event(
+        &vm,
+        EventType::Normal,
+        "Resized",
+        &format!(
+            "{} CPUs, {} MiB, {} GiB",
+            want.cpus, want.memory_mib, want.disk_gib
+        ),
+    )
+    .await;
+    save(ctx, &vm).await?;
+    Ok(Action::requeue(Duration::ZERO))
+}
+
+/// Start a VM meant to run. One last seen running that stopped without being asked (a
+/// power-off in the guest, its hypervisor exited or crashed) gets a `Restarted` warning.
+async fn start(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
+    let on_its_own = vm.status.phase == VmPhase::Running;
+    // Read before the start, which begins a new log.
+    let last_words = if on_its_own {
+        ctx.backend.last_exit(&name).await
+    } else {
+        None
+    };
+    ctx.backend
+        .start(&name)
+        .await
+        .map_err(|e| ReconcileError::backend("start", format!("Vm/{name}"), e))?;
+    if on_its_own {
+        let mut msg = String::from(
+            "the VM had stopped on its own (a power-off in the guest, or its hypervisor \
+             process exited or crashed) and was started again, as runStrategy is Running",
+        );
+        if let Some(w) = last_words {
+            msg.push_str(&format!("; the hypervisor's last words: {w}"));
+        }
+        ctx.event(&vm, EventType::Warning, "Restarted", &msg).await;
+    } else {
+        ctx.event(&vm, EventType::Normal, "Started", "the VM was started")
+            .await;
+    }
+    // A Ready from before the stop describes a guest that is gone: until the new one
+    // answers, nobody may take it as ready (a `wait --for=condition=Ready` would return
+    // at once and the first command would meet a guest still booting). A conflict
+    // means another writer (the inventory's `Exited`) got there first: re-read.
+    let generation = vm.metadata.generation;
+    vm.status.conditions.set_condition(
+        READY,
+        ConditionStatus::False,
+        reasons::BOOTING,
+        "started again: waiting for the guest to answer",
+        generation,
+    );
+    vm.status.printable_status = Some(printable(&vm));
+    match save(ctx, &vm).await {
+        Ok(_) => {}
+        Err(e) if e.is_conflict() => {}
+        Err(e) => return Err(e),
+    }
+    Ok(Action::requeue(Duration::ZERO))
+}
+
+/// Stop a VM meant to be stopped.
+async fn stop(vm: Vm, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name();
+    ctx.backend
+        .stop(name)
+        .await
+        .map_err(|e| ReconcileError::backend("stop", format!("Vm/{name}"), e))?;
+    ctx.event(&vm, EventType::Normal, "Stopped", "the VM was stopped")
+        .await;
+    Ok(Action::requeue(Duration::ZERO))
+}
+
+/// Nothing to change: report phase and readiness (probing ssh where the backend runs sshd),
+/// and poll while the guest boots.
+async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
+    let generation = vm.metadata.generation;
     let readiness = match (&info.state, &info.ssh) {
         (PowerState::Running, Some(endpoint)) if ctx.backend.capabilities().ssh => {
             match probe(ctx, &vm, endpoint).await {
-                Ok(()) => Readiness::Ready("SshReachable"),
+                Ok(()) => Readiness::Ready(reasons::SSH_REACHABLE),
                 Err(why) => Readiness::Booting(why),
             }
         }
         (PowerState::Running, None) if ctx.backend.capabilities().ssh => {
             Readiness::Booting("the backend reports no ssh endpoint yet".into())
         }
-        _ => Readiness::Ready("Running"),
+        _ => Readiness::Ready(reasons::RUNNING),
     };
     let before = vm.status.clone();
     vm.status.size = Some(api_size(info.size));
@@ -297,10 +261,10 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     vm.status.failures = 0;
     vm.status.last_failure = None;
     if vm.status != before {
-        save(ctx, &vm)?;
+        save(ctx, &vm).await?;
     }
     if let Readiness::Booting(_) = readiness {
-        return Ok(Action::requeue(std::time::Duration::from_millis(100)));
+        return Ok(Action::requeue(Duration::from_millis(100)));
     }
     Ok(Action::await_change())
 }
@@ -316,7 +280,7 @@ async fn probe(ctx: &Ctx, vm: &Vm, endpoint: &str) -> Result<(), String> {
         endpoint: endpoint.to_string(),
         host_key,
     };
-    let mut targets = known_targets(ctx);
+    let mut targets = known_targets(ctx).await;
     targets.retain(|t| t.name != target.name);
     targets.push(target.clone());
     ssh.write(&targets).map_err(|e| e.to_string())?;
@@ -327,9 +291,10 @@ async fn probe(ctx: &Ctx, vm: &Vm, endpoint: &str) -> Result<(), String> {
 }
 
 /// Every VM with an endpoint and a pinned key, from the store.
-pub fn known_targets(ctx: &Ctx) -> Vec<crate::ssh::Target> {
+pub async fn known_targets(ctx: &Ctx) -> Vec<crate::ssh::Target> {
     ctx.store
         .list_as::<Vm>(&Default::default())
+        .await
         .unwrap_or_default()
         .iter()
         .filter_map(crate::ssh::Target::of)
@@ -363,20 +328,20 @@ fn finish_status(
         (PowerState::Running, Readiness::Booting(why)) => (
             VmPhase::Running,
             ConditionStatus::False,
-            "Booting",
+            reasons::BOOTING,
             format!("the VM is running but not reachable yet: {why}"),
         ),
         (PowerState::Stopped, _) => (
             VmPhase::Stopped,
             ConditionStatus::False,
-            "Stopped",
+            reasons::STOPPED,
             "the VM is stopped (runStrategy: Stopped)".to_string(),
         ),
     };
     vm.status.phase = phase;
     vm.status
         .conditions
-        .set_condition("Ready", ready, reason, &msg, generation);
+        .set_condition(READY, ready, reason, &msg, generation);
     let host_key = vm.status.ssh.as_ref().and_then(|s| s.host_key.clone());
     vm.status.ssh = (ssh.is_some() || host_key.is_some()).then_some(SshStatus {
         endpoint: ssh,
@@ -394,12 +359,15 @@ pub fn printable(vm: &Vm) -> String {
     if vm
         .status
         .conditions
-        .get_condition("Lost")
+        .get_condition(conditions::LOST)
         .is_some_and(|c| c.status == ConditionStatus::True)
     {
         return "Lost".into();
     }
-    if let Some(c) = vm.status.conditions.get_condition("ImageAvailable")
+    if let Some(c) = vm
+        .status
+        .conditions
+        .get_condition(conditions::IMAGE_AVAILABLE)
         && c.status == ConditionStatus::False
     {
         return c.reason.clone();
@@ -414,19 +382,19 @@ pub fn printable(vm: &Vm) -> String {
     format!("{:?}", vm.status.phase)
 }
 
-fn lost(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
+async fn lost(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     let generation = vm.metadata.generation;
     let changed = vm.status.conditions.set_condition(
-        "Lost",
+        conditions::LOST,
         ConditionStatus::True,
-        "NotInBackend",
+        reasons::NOT_IN_BACKEND,
         "the backend no longer has this VM: delete it (`boxery rm NAME`) and create it again, or revert it from an image",
         generation,
     );
     vm.status.conditions.set_condition(
-        "Ready",
+        READY,
         ConditionStatus::False,
-        "Lost",
+        reasons::LOST,
         "the VM is gone from the backend",
         generation,
     );
@@ -436,26 +404,26 @@ fn lost(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     }
     vm.status.printable_status = Some(printable(&vm));
     if changed {
-        let vm = save(ctx, &vm)?;
+        let vm = save(ctx, &vm).await?;
         ctx.event(
             &vm,
             EventType::Warning,
             "Lost",
             "the VM is missing from the backend",
-        );
+        )
+        .await;
     }
     Ok(Action::await_change())
 }
 
+/// Deletion: remove the VM from the backend (only one made for this object) and close its
+/// ssh ControlMaster; the finalizer goes after ([`recorded::reconcile`]).
 async fn finalize(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     let name = vm.name().to_string();
-    if !vm.metadata.has_finalizer(FINALIZER) {
-        return Ok(Action::await_change());
-    }
     if vm.status.phase != VmPhase::Terminating {
         vm.status.phase = VmPhase::Terminating;
         vm.status.printable_status = Some("Terminating".into());
-        vm = save(ctx, &vm)?;
+        vm = save(ctx, &vm).await?;
     }
     let obj = format!("Vm/{name}");
     // Only remove what is ours: a backend VM with another object's mark is not this VM.
@@ -478,7 +446,6 @@ async fn finalize(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     if let Some(ssh) = &ctx.ssh {
         ssh.close(&name).await;
     }
-    remove_finalizer(&ctx.store, &vm, FINALIZER)?;
     // No event: events belong to their object and go with it.
     tracing::info!(vm = %name, "removed from the backend");
     Ok(Action::await_change())
@@ -502,13 +469,14 @@ async fn recover(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action> {
                     vm.status.source_image = op.image.clone();
                     vm.status.size = Some(api_size(info.size));
                     vm.status.backend = Some(ctx.backend.name().to_string());
-                    let vm = save(ctx, &vm)?;
+                    let vm = save(ctx, &vm).await?;
                     ctx.event(
                         &vm,
                         EventType::Normal,
                         "Recovered",
                         "an interrupted create had finished; the VM was adopted",
-                    );
+                    )
+                    .await;
                 }
                 Some(_) => {
                     let msg = format!(
@@ -517,15 +485,15 @@ async fn recover(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action> {
                     vm.status.operation = None;
                     vm.status.phase = VmPhase::Failed;
                     vm.status.conditions.set_condition(
-                        "Ready",
+                        READY,
                         ConditionStatus::False,
-                        "NameTaken",
+                        reasons::NAME_TAKEN,
                         &msg,
                         vm.metadata.generation,
                     );
                     vm.status.printable_status = Some("NameTaken".into());
-                    let vm = save(ctx, &vm)?;
-                    ctx.event(&vm, EventType::Warning, "NameTaken", &msg);
+                    let vm = save(ctx, &vm).await?;
+                    ctx.event(&vm, EventType::Warning, "NameTaken", &msg).await;
                     return Ok(Action::await_change());
                 }
                 None => {
@@ -534,13 +502,14 @@ async fn recover(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action> {
                         .await
                         .map_err(|e| ReconcileError::backend("cleanup_new", &obj, e))?;
                     vm.status.operation = None;
-                    let vm = save(ctx, &vm)?;
+                    let vm = save(ctx, &vm).await?;
                     ctx.event(
                         &vm,
                         EventType::Normal,
                         "Recovered",
                         "an interrupted create was cleaned up and will be retried",
-                    );
+                    )
+                    .await;
                 }
             }
         }
@@ -551,24 +520,26 @@ async fn recover(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action> {
                 Ok(()) => {
                     vm.status.operation = None;
                     vm.status.last_restore = vm.spec.restore.clone();
-                    let vm = save(ctx, &vm)?;
+                    let vm = save(ctx, &vm).await?;
                     ctx.event(
                         &vm,
                         EventType::Normal,
                         "Reverted",
                         &format!("an interrupted revert to {image} was finished"),
-                    );
+                    )
+                    .await;
                 }
                 Err(BackendError::Unchanged(msg)) => {
                     vm.status.operation = None;
                     vm.status.last_restore = vm.spec.restore.clone();
-                    let vm = save(ctx, &vm)?;
+                    let vm = save(ctx, &vm).await?;
                     ctx.event(
                         &vm,
                         EventType::Warning,
                         "RevertFailed",
                         &format!("revert to {image} failed before changing the VM: {msg}"),
-                    );
+                    )
+                    .await;
                 }
                 Err(e) => return Err(ReconcileError::backend("reimage", &obj, e)),
             }
@@ -576,10 +547,10 @@ async fn recover(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action> {
         OperationType::Capture | OperationType::Build => {
             // Not a Vm operation; drop it.
             vm.status.operation = None;
-            save(ctx, &vm)?;
+            save(ctx, &vm).await?;
         }
     }
-    Ok(Action::requeue(std::time::Duration::ZERO))
+    Ok(Action::requeue(Duration::ZERO))
 }
 
 /// A new VM's identity. Backends whose VMs run sshd get a host key made here (ssh-keygen)
@@ -617,7 +588,7 @@ fn identity_for(vm: &Vm) -> boxery_backends::Identity {
 }
 
 /// The cycle `vm` is in when the not-yet-made VMs it forks from lead back to it (`a → b → a`).
-fn fork_cycle(vm: &Vm, ctx: &Ctx) -> Result<Option<Vec<String>>> {
+async fn fork_cycle(vm: &Vm, ctx: &Ctx) -> Result<Option<Vec<String>>> {
     let mut chain = vec![vm.name().to_string()];
     let mut src = match &vm.spec.source {
         VmSource::Vm(s) => s.clone(),
@@ -628,7 +599,7 @@ fn fork_cycle(vm: &Vm, ctx: &Ctx) -> Result<Option<Vec<String>>> {
             chain.push(src);
             return Ok(Some(chain));
         }
-        let Some(next) = ctx.store.get_as::<Vm>(&src)? else {
+        let Some(next) = ctx.store.get_as::<Vm>(&src).await? else {
             return Ok(None);
         };
         if next.status.created_at.is_some() {
@@ -644,24 +615,24 @@ fn fork_cycle(vm: &Vm, ctx: &Ctx) -> Result<Option<Vec<String>>> {
 }
 
 /// Resolve the image a new VM is made from; `Ok(None)` means wait (status already written).
-fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
+async fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
     let (image_name, wait_msg) = match &vm.spec.source {
         VmSource::Image(n) | VmSource::Base(n) => (n.clone(), None),
         VmSource::Vm(src) => {
             let img = fork_image_name(vm.name());
-            if let Some(cycle) = fork_cycle(vm, ctx)? {
+            if let Some(cycle) = fork_cycle(vm, ctx).await? {
                 let msg = format!(
                     "the VMs fork from each other in a cycle ({}): none of them can ever be made; give one of them an image as its source",
                     cycle.join(" → ")
                 );
-                set_waiting(vm, "ForkCycle", &msg, ctx)?;
+                set_waiting(vm, reasons::FORK_CYCLE, &msg, ctx).await?;
                 return Ok(None);
             }
-            if ctx.store.get_as::<Image>(&img)?.is_none() {
-                if ctx.store.get_as::<Vm>(src)?.is_none() {
+            if ctx.store.get_as::<Image>(&img).await?.is_none() {
+                if ctx.store.get_as::<Vm>(src).await?.is_none() {
                     let msg =
                         format!("the source VM {src} does not exist: `boxery get vms` lists VMs");
-                    set_waiting(vm, "SourceVmNotFound", &msg, ctx)?;
+                    set_waiting(vm, reasons::SOURCE_VM_NOT_FOUND, &msg, ctx).await?;
                     return Ok(None);
                 }
                 let mut image = Image::new(
@@ -675,7 +646,7 @@ fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
                     .labels
                     .insert("boxery.dev/fork-of".into(), src.clone());
                 image.metadata.owner_references.push(owner_ref(vm));
-                match ctx.store.create_as(&image) {
+                match ctx.store.create_as(&image).await {
                     Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
                     Err(e) => return Err(e.into()),
                 }
@@ -683,7 +654,7 @@ fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
             (img, Some(format!("capturing the source VM {src}")))
         }
     };
-    match ctx.store.get_as::<Image>(&image_name)? {
+    match ctx.store.get_as::<Image>(&image_name).await? {
         None if STOCK_IMAGES.contains(&image_name.as_str()) => {
             let image = Image::new(
                 &image_name,
@@ -694,7 +665,7 @@ fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
                     }),
                 },
             );
-            match ctx.store.create_as(&image) {
+            match ctx.store.create_as(&image).await {
                 Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
                 Err(e) => return Err(e.into()),
             }
@@ -703,13 +674,15 @@ fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
                 EventType::Normal,
                 "BuildingImage",
                 &format!("the stock image {image_name} is built on first use"),
-            );
+            )
+            .await;
             set_waiting(
                 vm,
-                "ImageNotReady",
+                reasons::IMAGE_NOT_READY,
                 &format!("waiting for the stock image {image_name} to be built"),
                 ctx,
-            )?;
+            )
+            .await?;
             Ok(None)
         }
         None => {
@@ -719,21 +692,23 @@ fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
             let changed = vm
                 .status
                 .conditions
-                .get_condition("ImageAvailable")
-                .is_none_or(|c| c.reason != "ImageNotFound");
-            set_waiting(vm, "ImageNotFound", &msg, ctx)?;
+                .get_condition(conditions::IMAGE_AVAILABLE)
+                .is_none_or(|c| c.reason != reasons::IMAGE_NOT_FOUND);
+            set_waiting(vm, reasons::IMAGE_NOT_FOUND, &msg, ctx).await?;
             if changed {
-                ctx.event(vm, EventType::Warning, "ImageNotFound", &msg);
+                ctx.event(vm, EventType::Warning, "ImageNotFound", &msg)
+                    .await;
             }
             Ok(None)
         }
         Some(img) if img.metadata.is_deleting() => {
             set_waiting(
                 vm,
-                "ImageNotFound",
+                reasons::IMAGE_NOT_FOUND,
                 &format!("image {image_name} is being deleted"),
                 ctx,
-            )?;
+            )
+            .await?;
             Ok(None)
         }
         Some(img) if img.status.phase != ImagePhase::Ready => {
@@ -741,7 +716,7 @@ fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
             let progress = img
                 .status
                 .conditions
-                .get_condition("Ready")
+                .get_condition(READY)
                 .map(|c| c.message.clone())
                 .filter(|m| !m.is_empty())
                 .unwrap_or_else(|| format!("{:?}", img.status.phase));
@@ -749,7 +724,7 @@ fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
                 Some(w) => format!("{w}: {progress}"),
                 None => format!("waiting for image {image_name}: {progress}"),
             };
-            set_waiting(vm, "ImageNotReady", &msg, ctx)?;
+            set_waiting(vm, reasons::IMAGE_NOT_READY, &msg, ctx).await?;
             Ok(None)
         }
         Some(_) => Ok(Some(image_name)),
@@ -766,27 +741,24 @@ fn owner_ref(vm: &Vm) -> OwnerReference {
     }
 }
 
-fn set_waiting(vm: &mut Vm, reason: &str, msg: &str, ctx: &Ctx) -> Result<()> {
+async fn set_waiting(vm: &mut Vm, reason: &str, msg: &str, ctx: &Ctx) -> Result<()> {
     let generation = vm.metadata.generation;
     let mut changed = vm.status.conditions.set_condition(
-        "ImageAvailable",
+        conditions::IMAGE_AVAILABLE,
         ConditionStatus::False,
         reason,
         msg,
         generation,
     );
-    changed |= vm.status.conditions.set_condition(
-        "Ready",
-        ConditionStatus::False,
-        reason,
-        msg,
-        generation,
-    );
+    changed |=
+        vm.status
+            .conditions
+            .set_condition(READY, ConditionStatus::False, reason, msg, generation);
     vm.status.phase = VmPhase::Pending;
     vm.status.observed_generation = generation;
     vm.status.printable_status = Some(printable(vm));
     if changed {
-        *vm = save(ctx, vm)?;
+        *vm = save(ctx, vm).await?;
     }
     Ok(())
 }
@@ -795,14 +767,14 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     let name = vm.name().to_string();
     let obj = format!("Vm/{name}");
     let generation = vm.metadata.generation;
-    let Some(image) = source_image(&mut vm, ctx)? else {
+    let Some(image) = source_image(&mut vm, ctx).await? else {
         // Image changes wake us (the controller watches Images); poll slowly as a fallback.
-        return Ok(Action::requeue(std::time::Duration::from_secs(5)));
+        return Ok(Action::requeue(Duration::from_secs(5)));
     };
     vm.status.conditions.set_condition(
-        "ImageAvailable",
+        conditions::IMAGE_AVAILABLE,
         ConditionStatus::True,
-        "ImageReady",
+        reasons::IMAGE_READY,
         &format!("made from image {image}"),
         generation,
     );
@@ -827,7 +799,7 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     });
     vm.status.phase = VmPhase::Creating;
     vm.status.printable_status = Some("Creating".into());
-    vm = save(ctx, &vm)?;
+    vm = save(ctx, &vm).await?;
 
     let size = size_of(&vm);
     let req = NewVm {
@@ -845,7 +817,7 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         let cleanup = ctx.backend.cleanup_new(&name).await;
         if cleanup.is_ok() {
             vm.status.operation = None;
-            save(ctx, &vm)?;
+            save(ctx, &vm).await?;
         }
         return Err(ReconcileError::backend("create", &obj, e));
     }
@@ -859,7 +831,7 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     vm.status.last_failure = None;
     // A revert requested before the VM existed is moot: the disk is fresh.
     vm.status.last_restore = vm.spec.restore.clone();
-    let vm = save(ctx, &vm)?;
+    let vm = save(ctx, &vm).await?;
     ctx.event(
         &vm,
         EventType::Normal,
@@ -868,22 +840,27 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
             Some(a) => format!("created from image {image}; {a}"),
             None => format!("created from image {image}"),
         },
-    );
+    )
+    .await;
     if matches!(vm.spec.source, VmSource::Vm(_)) {
         // The fork's capture is not needed any more: images are independent.
-        match ctx.store.delete("Image", &fork_image_name(&name)) {
+        match ctx
+            .store
+            .delete(&ObjectRef::of::<Image>(fork_image_name(&name)))
+            .await
+        {
             Ok(_) | Err(StoreError::NotFound { .. }) => {}
             Err(e) => return Err(e.into()),
         }
     }
-    Ok(Action::requeue(std::time::Duration::ZERO))
+    Ok(Action::requeue(Duration::ZERO))
 }
 
 async fn restore(mut vm: Vm, r: boxery_api::vm::Restore, ctx: &Ctx) -> Result<Action> {
     let name = vm.name().to_string();
     let obj = format!("Vm/{name}");
     let generation = vm.metadata.generation;
-    let image = ctx.store.get_as::<Image>(&r.image)?;
+    let image = ctx.store.get_as::<Image>(&r.image).await?;
     let ready = image
         .as_ref()
         .is_some_and(|i| i.status.phase == ImagePhase::Ready && !i.metadata.is_deleting());
@@ -899,16 +876,17 @@ async fn restore(mut vm: Vm, r: boxery_api::vm::Restore, ctx: &Ctx) -> Result<Ac
             ),
         };
         if vm.status.conditions.set_condition(
-            "Reverted",
+            conditions::REVERTED,
             ConditionStatus::False,
-            "ImageNotReady",
+            reasons::IMAGE_NOT_READY,
             &msg,
             generation,
         ) {
-            vm = save(ctx, &vm)?;
-            ctx.event(&vm, EventType::Warning, "RevertWaiting", &msg);
+            vm = save(ctx, &vm).await?;
+            ctx.event(&vm, EventType::Warning, "RevertWaiting", &msg)
+                .await;
         }
-        return Ok(Action::requeue(std::time::Duration::from_secs(5)));
+        return Ok(Action::requeue(Duration::from_secs(5)));
     }
     vm.status.operation = Some(Operation {
         type_: OperationType::Reimage,
@@ -919,7 +897,7 @@ async fn restore(mut vm: Vm, r: boxery_api::vm::Restore, ctx: &Ctx) -> Result<Ac
     });
     vm.status.phase = VmPhase::Restoring;
     vm.status.printable_status = Some("Restoring".into());
-    vm = save(ctx, &vm)?;
+    vm = save(ctx, &vm).await?;
     match ctx
         .backend
         .reimage(&name, &r.image, &identity_for(&vm))
@@ -929,25 +907,26 @@ async fn restore(mut vm: Vm, r: boxery_api::vm::Restore, ctx: &Ctx) -> Result<Ac
             vm.status.operation = None;
             vm.status.last_restore = Some(r.clone());
             vm.status.conditions.set_condition(
-                "Reverted",
+                conditions::REVERTED,
                 ConditionStatus::True,
-                "Reverted",
+                reasons::REVERTED,
                 &format!("reverted to {}", r.image),
                 generation,
             );
-            let vm = save(ctx, &vm)?;
+            let vm = save(ctx, &vm).await?;
             ctx.event(
                 &vm,
                 EventType::Normal,
                 "Reverted",
                 &format!("the disk was replaced from image {}", r.image),
-            );
-            Ok(Action::requeue(std::time::Duration::ZERO))
+            )
+            .await;
+            Ok(Action::requeue(Duration::ZERO))
         }
         Err(BackendError::Unchanged(msg)) => {
             // Nothing changed: drop the intent rather than finish it later over newer data.
             vm.status.operation = None;
-            save(ctx, &vm)?;
+            save(ctx, &vm).await?;
             Err(ReconcileError::backend(
                 "reimage",
                 &obj,
@@ -991,7 +970,7 @@ pub fn vms_for_image(vms: &boxery_controller::Cache, image: &boxery_api::DynObje
 pub fn is_ready(vm: &Vm) -> bool {
     vm.status
         .conditions
-        .is_true_for("Ready", vm.metadata.generation)
+        .is_true_for(READY, vm.metadata.generation)
 }
 
 /// The kind info, re-exported for wiring.

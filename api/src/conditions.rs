@@ -1,0 +1,100 @@
+//! The condition types and reasons boxery's controllers write, named once. Clients (the CLI,
+//! MCP tools, `wait --for=condition=…`) match on these strings; they are part of the API.
+
+/// Whether the object is usable: a Vm answers (over ssh where the backend runs sshd), an
+/// Image can be used, a Pool has a free member, a Lease holds a member.
+pub const READY: &str = "Ready";
+/// A Vm the backend no longer has.
+pub const LOST: &str = "Lost";
+/// Whether a Vm not created yet has its source image.
+pub const IMAGE_AVAILABLE: &str = "ImageAvailable";
+/// `False` on every Vm while the backend does not answer.
+pub const BACKEND_REACHABLE: &str = "BackendReachable";
+/// A Vm's last revert (`spec.restore`).
+pub const REVERTED: &str = "Reverted";
+/// A Vm's last resize, when it was refused.
+pub const RESIZED: &str = "Resized";
+/// A Lease's renewal, when it was refused.
+pub const RENEWED: &str = "Renewed";
+/// A Pool with members still being made.
+pub const PROGRESSING: &str = "Progressing";
+/// A Pool with members whose VMs cannot join.
+pub const MEMBERS_BLOCKED: &str = "MembersBlocked";
+/// A Pool with broken members.
+pub const DEGRADED: &str = "Degraded";
+
+/// Condition reasons.
+pub mod reasons {
+    /// `Ready=Unknown` on an object's first visit.
+    pub const RECONCILING: &str = "Reconciling";
+    /// A step failed and is retried after a backoff.
+    pub const STEP_FAILED: &str = "StepFailed";
+    /// A step failed in a way only a change of the object can fix (retried after 60 s).
+    pub const INVALID_REQUEST: &str = "InvalidRequest";
+    /// A Vm runs but does not answer yet.
+    pub const BOOTING: &str = "Booting";
+    /// A Vm answers over ssh with its pinned key.
+    pub const SSH_REACHABLE: &str = "SshReachable";
+    /// A Vm runs (backends without sshd).
+    pub const RUNNING: &str = "Running";
+    /// A Vm is stopped as asked.
+    pub const STOPPED: &str = "Stopped";
+    /// A Vm meant to run stopped on its own; it is started again.
+    pub const EXITED: &str = "Exited";
+    /// The object is gone from the backend (`Ready`).
+    pub const LOST: &str = "Lost";
+    /// The object is gone from the backend (`Lost`).
+    pub const NOT_IN_BACKEND: &str = "NotInBackend";
+    /// The backend does not answer.
+    pub const BACKEND_UNREACHABLE: &str = "BackendUnreachable";
+    /// The backend has a VM of this name that was not made for this object.
+    pub const NAME_TAKEN: &str = "NameTaken";
+    /// A disk shrink was refused.
+    pub const DISK_SHRINK_REFUSED: &str = "DiskShrinkRefused";
+    /// The source image is ready.
+    pub const IMAGE_READY: &str = "ImageReady";
+    /// The image is not ready yet.
+    pub const IMAGE_NOT_READY: &str = "ImageNotReady";
+    /// The image does not exist (or is being deleted).
+    pub const IMAGE_NOT_FOUND: &str = "ImageNotFound";
+    /// Forks that fork from each other.
+    pub const FORK_CYCLE: &str = "ForkCycle";
+    /// A fork's or capture's source VM does not exist.
+    pub const SOURCE_VM_NOT_FOUND: &str = "SourceVmNotFound";
+    /// A capture's source VM is not created yet.
+    pub const SOURCE_VM_NOT_READY: &str = "SourceVmNotReady";
+    /// An image is being built (the message is the build's last progress line).
+    pub const BUILDING: &str = "Building";
+    /// An image is ready.
+    pub const READY: &str = "Ready";
+    /// A revert is done.
+    pub const REVERTED: &str = "Reverted";
+    /// An orphan was adopted (`boxery orphans adopt`).
+    pub const ADOPTED: &str = "Adopted";
+    /// A pool has free members.
+    pub const MEMBERS_FREE: &str = "MembersFree";
+    /// A pool has no free member.
+    pub const NO_FREE_MEMBER: &str = "NoFreeMember";
+    /// A pool has members being made.
+    pub const MEMBERS_PENDING: &str = "MembersPending";
+    /// A pool has no member being made.
+    pub const SETTLED: &str = "Settled";
+    /// No member's VM is in the way.
+    pub const NO_CONFLICT: &str = "NoConflict";
+    /// A pool has broken members.
+    pub const MEMBERS_BROKEN: &str = "MembersBroken";
+    /// A pool has no broken member.
+    pub const HEALTHY: &str = "Healthy";
+    /// A lease holds a member.
+    pub const BOUND: &str = "Bound";
+    /// A lease's pool does not exist.
+    pub const POOL_NOT_FOUND: &str = "PoolNotFound";
+    /// A lease asks for more than its pool allows.
+    pub const DURATION_TOO_LONG: &str = "DurationTooLong";
+    /// A lease ran out.
+    pub const LEASE_EXPIRED: &str = "LeaseExpired";
+    /// The host rebooted: every lease is void.
+    pub const HOST_REBOOTED: &str = "HostRebooted";
+    /// An expired lease cannot be renewed.
+    pub const RENEW_REFUSED: &str = "RenewRefused";
+}
