@@ -37,12 +37,6 @@ fn normalize_pool(pool: &mut Pool) -> Result<(), Vec<crate::validate::FieldError
             ));
         }
     }
-    if pool.spec.lease.default_ttl_seconds != LeaseDefaults::default().default_ttl_seconds {
-        errs.push(crate::validate::not_implemented(
-            "spec.lease.defaultTtlSeconds",
-            "a lease lasts its own leaseDurationSeconds (`boxery lease acquire --ttl`, 30m by default); remove the field or set it to 1800",
-        ));
-    }
     if let Some(t) = pool.spec.template.as_mut() {
         let mut vm = crate::Vm::new("template", t.spec.clone());
         match vm.normalize() {
@@ -204,4 +198,20 @@ pub struct MemberStatus {
     /// Why it is Broken or Pending.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
+}
+
+/// The fields of a Pool spec that validate but that nothing acts on yet (its template's
+/// included).
+pub(crate) fn unimplemented(pool: &Pool) -> Vec<crate::validate::FieldError> {
+    let mut errs = Vec::new();
+    if pool.spec.lease.default_ttl_seconds != LeaseDefaults::default().default_ttl_seconds {
+        errs.push(crate::validate::not_implemented(
+            "spec.lease.defaultTtlSeconds",
+            "a lease lasts its own leaseDurationSeconds (`boxery lease acquire --ttl`, 30m by default); remove the field or set it to 1800",
+        ));
+    }
+    if let Some(t) = &pool.spec.template {
+        errs.extend(crate::vm::unimplemented(&t.spec, "spec.template.spec."));
+    }
+    errs
 }

@@ -367,23 +367,30 @@ fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
     {
         errs.push(FieldError::new("spec.restore.image", e));
     }
-    // Accepted only as what is built: no desktop, no extra layers (never accepted and ignored).
-    if !vm.spec.headless {
-        errs.push(crate::validate::not_implemented(
-            "spec.headless",
-            "every VM is headless (no desktop); remove the field or set it to true",
-        ));
-    }
-    if !vm.spec.layers.is_empty() {
-        errs.push(crate::validate::not_implemented(
-            "spec.layers",
-            "a VM has its image's layers (plumbing and devtools in debian-12); remove the field",
-        ));
-    }
     // Defaults are written into the object, so an upgrade never changes a stored VM's size.
     let eff = vm.spec.resources.effective();
     vm.spec.resources.cpus = Some(eff.cpus);
     vm.spec.resources.memory = Some(eff.memory);
     vm.spec.resources.disk = Some(eff.disk);
     if errs.is_empty() { Ok(()) } else { Err(errs) }
+}
+
+/// The fields of a Vm spec that validate but that nothing acts on yet (`prefix` is where the
+/// spec sits: `spec.` in a Vm, `spec.template.spec.` in a Pool). Accepted only as what is
+/// built: no desktop, no extra layers.
+pub(crate) fn unimplemented(spec: &VmSpec, prefix: &str) -> Vec<FieldError> {
+    let mut errs = Vec::new();
+    if !spec.headless {
+        errs.push(crate::validate::not_implemented(
+            &format!("{prefix}headless"),
+            "every VM is headless (no desktop); remove the field or set it to true",
+        ));
+    }
+    if !spec.layers.is_empty() {
+        errs.push(crate::validate::not_implemented(
+            &format!("{prefix}layers"),
+            "a VM has its image's layers (plumbing and devtools in debian-12); remove the field",
+        ));
+    }
+    errs
 }

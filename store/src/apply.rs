@@ -152,6 +152,9 @@ fn apply_one(tx: &mut Tx<'_>, obj: DynObject) -> Result<(ApplyAction, DynObject)
     }
     let mut new = cur.clone();
     let spec_changed = replace_spec(&mut new.rest, &n.rest);
+    if spec_changed {
+        crate::write::refuse_unimplemented(Some(&cur), &new)?;
+    }
     let m = &mut new.metadata;
     m.labels = n.metadata.labels;
     m.annotations

@@ -250,6 +250,7 @@ impl<'c> Tx<'c> {
 
     /// Create a new object: server fields set, Added logged. `obj` must be normalized.
     pub(crate) fn create(&mut self, mut obj: DynObject) -> Result<DynObject> {
+        refuse_unimplemented(None, &obj)?;
         if self.exists(&obj.kind, &obj.metadata.name)? {
             return Err(StoreError::AlreadyExists {
                 kind: obj.kind,
@@ -268,6 +269,7 @@ impl<'c> Tx<'c> {
     /// Create an object with a uid it had before (an orphan in the backend adopted again):
     /// refused when an object has that uid, or when this store removed its object.
     pub(crate) fn adopt(&mut self, mut obj: DynObject, uid: &str) -> Result<DynObject> {
+        refuse_unimplemented(None, &obj)?;
         let taken = self.uid_exists(uid)?
             || self
                 .tx
@@ -332,6 +334,9 @@ impl<'c> Tx<'c> {
         }
         let mut new = cur.clone();
         let spec_changed = replace_spec(&mut new.rest, &obj.rest);
+        if spec_changed {
+            refuse_unimplemented(Some(&cur), &new)?;
+        }
         let m = &mut new.metadata;
         m.labels = obj.metadata.labels;
         m.annotations = obj.metadata.annotations;
@@ -424,6 +429,27 @@ pub(crate) fn replace_spec(dst: &mut Map<String, Value>, src: &Map<String, Value
 }
 
 /// An `Invalid` error about one field of `obj`.
+/// Refuse `new` when it sets a field nothing implements yet
+/// ([`boxery_api::validate::unimplemented`]) that `old` (the stored object, if any) did not
+/// already set the same way: an object from an older boxery keeps working until a write would
+/// set such a field anew.
+pub(crate) fn refuse_unimplemented(old: Option<&DynObject>, new: &DynObject) -> Result<()> {
+    let before = old
+        .map(boxery_api::validate::unimplemented)
+        .unwrap_or_default();
+    let errors: Vec<_> = boxery_api::validate::unimplemented(new)
+        .into_iter()
+        .filter(|e| !before.contains(e))
+        .collect();
+    if errors.is_empty() {
+        return Ok(());
+    }
+    Err(StoreError::Invalid(ValidationError {
+        object: new.key(),
+        errors,
+    }))
+}
+
 pub(crate) fn invalid(obj: &DynObject, path: &str, message: String) -> StoreError {
     StoreError::Invalid(ValidationError {
         object: obj.key(),

@@ -326,3 +326,60 @@ fn open_creates_directories_and_reopens_with_data() {
         "clones share the store"
     );
 }
+
+/// A field nothing implements yet is refused when a write sets it, but an object stored with
+/// it by an older boxery keeps working: its status is written, its finalizers removed, it is
+/// deleted; only setting such a field anew is refused (ratcheting).
+#[test]
+fn fields_nothing_implements_are_refused_only_when_set_anew() {
+    let (_d, s) = common::store();
+    let with_layers = serde_json::json!({
+        "apiVersion": boxery_api::API_VERSION, "kind": "Vm",
+        "metadata": {"name": "old", "finalizers": ["boxery.dev/vm"]},
+        "spec": {"source": {"image": "debian-12"}, "layers": ["desktop"]}
+    });
+    let e = s
+        .create(serde_json::from_value(with_layers.clone()).unwrap())
+        .unwrap_err();
+    assert!(e.to_string().contains("spec.layers"), "{e}");
+    assert!(e.to_string().contains("not implemented yet"), "{e}");
+
+    // An object an older boxery stored with the field, written into the file directly.
+    let clean = s.create(common::vm("old")).unwrap();
+    let mut stored: serde_json::Value = serde_json::to_value(&clean).unwrap();
+    stored["spec"]["layers"] = serde_json::json!(["desktop"]);
+    stored["metadata"]["finalizers"] = serde_json::json!(["boxery.dev/vm"]);
+    let conn = rusqlite::Connection::open(s.path()).unwrap();
+    conn.execute(
+        "UPDATE objects SET json = ?1 WHERE kind = 'Vm' AND name = 'old'",
+        [stored.to_string()],
+    )
+    .unwrap();
+    drop(conn);
+
+    // Status, labels and finalizers are written; the spec is untouched.
+    let mut o = s.get("Vm", "old").unwrap().unwrap();
+    o.metadata.labels.insert("team".into(), "a".into());
+    let o = s.update(o).unwrap();
+    let mut st = o.clone();
+    st.rest
+        .insert("status".into(), serde_json::json!({"phase": "Running"}));
+    s.update_status(st).unwrap();
+    // A spec change that keeps the field as it was is accepted; one that sets another is not.
+    let mut o = s.get("Vm", "old").unwrap().unwrap();
+    o.rest["spec"]["resources"] = serde_json::json!({"cpus": 2});
+    s.update(o).unwrap();
+    let mut o = s.get("Vm", "old").unwrap().unwrap();
+    o.rest["spec"]["headless"] = serde_json::json!(false);
+    let e = s.update(o).unwrap_err();
+    assert!(e.to_string().contains("spec.headless"), "{e}");
+    // It can be deleted: the finalizer's removal goes through.
+    assert!(matches!(
+        s.delete("Vm", "old").unwrap(),
+        boxery_store::DeleteOutcome::Marked(_)
+    ));
+    let mut o = s.get("Vm", "old").unwrap().unwrap();
+    o.metadata.finalizers.clear();
+    s.update(o).unwrap();
+    assert!(s.get("Vm", "old").unwrap().is_none());
+}
