@@ -78,14 +78,7 @@ impl ReconcileError {
 
     /// The whole cause chain in one line, for conditions and events.
     pub fn chain(&self) -> String {
-        let mut s = self.to_string();
-        let mut cur: Option<&dyn std::error::Error> = std::error::Error::source(self);
-        while let Some(e) = cur {
-            s.push_str(": ");
-            s.push_str(&e.to_string());
-            cur = e.source();
-        }
-        s
+        boxery_controller::error_chain(self)
     }
 }
 

@@ -484,8 +484,10 @@ fn runs(vm: &Vm) -> bool {
 /// Record an unreachable backend on every Vm (`BackendReachable=False`, a Warning event once):
 /// what an inventory pass does when the backend does not answer. Changes nothing else.
 pub async fn unreachable(ctx: &Ctx, e: &BackendError) -> Result<(), ReconcileError> {
-    let msg =
-        format!("{e}: boxery cannot see its VMs and changes nothing until the backend answers");
+    let msg = format!(
+        "{}: boxery cannot see its VMs and changes nothing until the backend answers",
+        e.chain()
+    );
     for mut vm in ctx.store.list_as::<Vm>(&Default::default()).await? {
         let generation = vm.metadata.generation;
         if vm.status.conditions.set_condition(
