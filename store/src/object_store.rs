@@ -2,7 +2,8 @@
 //! verbs need from a store, whatever keeps the objects. [`Store`] (SQLite) implements it and
 //! does its blocking work on tokio's blocking pool, so async workers never wait on SQLite; an
 //! etcd-backed store or a remote HTTP API are the next implementations, and
-//! `store/tests/conformance.rs` is the suite every implementation must pass unchanged.
+//! `store/tests/conformance/mod.rs` is the suite every implementation must pass unchanged
+//! (`store/tests/conformance_sqlite.rs` runs it for [`Store`]).
 //!
 //! # Guarantees every implementation gives
 //! - One global, increasing revision; each changed object's `resourceVersion` is the revision
@@ -169,16 +170,20 @@ pub trait ObjectStoreExt: ObjectStore {
 
 impl<S: ObjectStore + ?Sized> ObjectStoreExt for S {}
 
-/// Run a blocking store call on tokio's blocking pool when a runtime is current (so async
-/// workers never wait on SQLite's locks or disk), inline otherwise (a plain thread).
-async fn blocking<T: Send + 'static>(
-    store: &Store,
-    f: impl FnOnce(&Store) -> Result<T> + Send + 'static,
+/// Run blocking store work on tokio's blocking pool when a multi-thread runtime is current
+/// (so async workers never wait on SQLite's locks or disk), inline otherwise (a plain thread,
+/// `futures::executor`, a current-thread runtime). Used by every [`ObjectStore`] method of
+/// [`Store`] and by the watch stream's log reads.
+///
+/// Cancellation: once started, `f` runs to its end even when the returned future is dropped
+/// (its result is then discarded), so a connection it borrows is always given back in a clean
+/// state and nothing it commits is half done.
+pub(crate) async fn off_workers<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> Result<T> {
-    let store = store.clone();
     match tokio::runtime::Handle::try_current() {
         Ok(handle) if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::CurrentThread => {
-            match tokio::task::spawn_blocking(move || f(&store)).await {
+            match handle.spawn_blocking(f).await {
                 Ok(out) => out,
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                 Err(_) => Err(StoreError::Unavailable {
@@ -188,8 +193,17 @@ async fn blocking<T: Send + 'static>(
         }
         // A current-thread runtime (tests, short CLI commands) has no workers to protect and
         // may have no blocking pool to spare: run inline.
-        _ => f(&store),
+        _ => f(),
     }
+}
+
+/// [`off_workers`] for a call on a clone of `store`.
+async fn blocking<T: Send + 'static>(
+    store: &Store,
+    f: impl FnOnce(&Store) -> Result<T> + Send + 'static,
+) -> Result<T> {
+    let store = store.clone();
+    off_workers(move || f(&store)).await
 }
 
 #[async_trait]
