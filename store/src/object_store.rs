@@ -18,6 +18,14 @@
 //!   process or another; `TooOld` when `from` is below the compaction floor (list again).
 //! - `list` returns the revision it was read at: a watch from it misses nothing.
 //!
+//! # Caveats
+//! - A call's future may be dropped after the store started the work: a write may then have
+//!   committed anyway (the SQLite store finishes it on the blocking pool). Read again, or
+//!   watch, to learn the outcome; a precondition (`resourceVersion`) keeps a retry safe.
+//! - On [`Store`] itself the inherent synchronous methods (`get`, `list`, `create`, ...)
+//!   shadow the trait's: async code holds an `Arc<dyn ObjectStore>` (or calls
+//!   `ObjectStore::get(&store, ..)`).
+//!
 //! docs/store.md says how the SQLite store keeps these promises.
 
 use std::time::Duration;
