@@ -7,10 +7,11 @@
 //! ≥ 3,000 writes/s; cross-process watch p99 ≤ 50 ms.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use boxery_api::{API_VERSION, DynObject};
-use boxery_store::{Store, StoreOptions};
+use boxery_store::{ObjectRef, ObjectStore, Store, StoreOptions};
 use futures::StreamExt;
 use serde_json::json;
 
@@ -175,6 +176,44 @@ fn raw_inserts(dir: &Path) -> Series {
     })
 }
 
+/// `get` through the async trait (`Arc<dyn ObjectStore>`): on a multi-thread runtime each
+/// call goes through tokio's blocking pool (what the controller pays), on a current-thread
+/// runtime it runs inline. Against `Store::get` this is the price of keeping SQLite off the
+/// async workers.
+fn trait_reads(dir: &Path) -> (Series, Series) {
+    let s: Arc<dyn ObjectStore> = Arc::new(open(&dir.join("store.db")));
+    let n = writes();
+    let run = |name: &'static str, rt: tokio::runtime::Runtime| {
+        let mut lat = Vec::with_capacity(n);
+        let start = Instant::now();
+        rt.block_on(async {
+            for i in 0..n {
+                let key = ObjectRef::new("Vm", format!("vm{i}"));
+                let t = Instant::now();
+                s.get(&key).await.expect("get").expect("present");
+                lat.push(t.elapsed());
+            }
+        });
+        Series {
+            name,
+            lat,
+            total: start.elapsed(),
+        }
+    };
+    let multi = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let current = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    (
+        run("dyn ObjectStore::get (multi-thread rt)", multi),
+        run("dyn ObjectStore::get (current-thread rt)", current),
+    )
+}
+
 fn reads(dir: &Path) -> (Series, Series) {
     let s = open(&dir.join("store.db"));
     let n = writes();
@@ -259,6 +298,7 @@ fn main() {
     let (create, update, status) = store_writes(dir.path());
     let raw = raw_inserts(dir.path());
     let (get, list) = reads(dir.path());
+    let (trait_get, trait_get_inline) = trait_reads(dir.path());
     let (opened, raw_open) = opens(dir.path());
     let watch = watch_latency(dir.path());
     println!();
@@ -271,7 +311,17 @@ fn main() {
         "", "", "", "", "", ""
     );
     for s in [
-        &create, &update, &status, &raw, &get, &list, &opened, &raw_open, &watch,
+        &create,
+        &update,
+        &status,
+        &raw,
+        &get,
+        &trait_get,
+        &trait_get_inline,
+        &list,
+        &opened,
+        &raw_open,
+        &watch,
     ] {
         println!("{}", s.row());
     }

@@ -22,8 +22,11 @@
 //! # Assumptions
 //! - The file lives on a local file system (SQLite's WAL needs shared memory between the
 //!   processes that open it).
-//! - Reads and writes are short and synchronous; async callers may call them directly (they
-//!   take microseconds to a few milliseconds) and the watch stream does so between waits.
+//! - The [`Store`] methods are short and synchronous (microseconds to a few milliseconds,
+//!   longer when another process holds the write lock): for synchronous callers. Async code
+//!   uses the [`ObjectStore`] trait, whose SQLite implementation runs them on tokio's blocking
+//!   pool (inline on a current-thread runtime); the watch stream reads the log the same way,
+//!   so it needs no particular runtime.
 //!
 //! # Caveats
 //! - Cascading deletes follow the owner's uid: every object naming a removed object among its

@@ -2,7 +2,8 @@
 //! verbs need from a store, whatever keeps the objects. [`Store`] (SQLite) implements it and
 //! does its blocking work on tokio's blocking pool, so async workers never wait on SQLite; an
 //! etcd-backed store or a remote HTTP API are the next implementations, and
-//! `store/tests/conformance.rs` is the suite every implementation must pass unchanged.
+//! `store/tests/conformance/mod.rs` is the suite every implementation must pass unchanged
+//! (`store/tests/conformance_sqlite.rs` runs it for [`Store`]).
 //!
 //! # Guarantees every implementation gives
 //! - One global, increasing revision; each changed object's `resourceVersion` is the revision
@@ -16,6 +17,14 @@
 //! - `watch(kind, from)` yields every change after `from` in order, exactly once, from this
 //!   process or another; `TooOld` when `from` is below the compaction floor (list again).
 //! - `list` returns the revision it was read at: a watch from it misses nothing.
+//!
+//! # Caveats
+//! - A call's future may be dropped after the store started the work: a write may then have
+//!   committed anyway (the SQLite store finishes it on the blocking pool). Read again, or
+//!   watch, to learn the outcome; a precondition (`resourceVersion`) keeps a retry safe.
+//! - On [`Store`] itself the inherent synchronous methods (`get`, `list`, `create`, ...)
+//!   shadow the trait's: async code holds an `Arc<dyn ObjectStore>` (or calls
+//!   `ObjectStore::get(&store, ..)`).
 //!
 //! docs/store.md says how the SQLite store keeps these promises.
 
@@ -169,16 +178,20 @@ pub trait ObjectStoreExt: ObjectStore {
 
 impl<S: ObjectStore + ?Sized> ObjectStoreExt for S {}
 
-/// Run a blocking store call on tokio's blocking pool when a runtime is current (so async
-/// workers never wait on SQLite's locks or disk), inline otherwise (a plain thread).
-async fn blocking<T: Send + 'static>(
-    store: &Store,
-    f: impl FnOnce(&Store) -> Result<T> + Send + 'static,
+/// Run blocking store work on tokio's blocking pool when a multi-thread runtime is current
+/// (so async workers never wait on SQLite's locks or disk), inline otherwise (a plain thread,
+/// `futures::executor`, a current-thread runtime). Used by every [`ObjectStore`] method of
+/// [`Store`] and by the watch stream's log reads.
+///
+/// Cancellation: once started, `f` runs to its end even when the returned future is dropped
+/// (its result is then discarded), so a connection it borrows is always given back in a clean
+/// state and nothing it commits is half done.
+pub(crate) async fn off_workers<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> Result<T> {
-    let store = store.clone();
     match tokio::runtime::Handle::try_current() {
         Ok(handle) if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::CurrentThread => {
-            match tokio::task::spawn_blocking(move || f(&store)).await {
+            match handle.spawn_blocking(f).await {
                 Ok(out) => out,
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                 Err(_) => Err(StoreError::Unavailable {
@@ -188,8 +201,17 @@ async fn blocking<T: Send + 'static>(
         }
         // A current-thread runtime (tests, short CLI commands) has no workers to protect and
         // may have no blocking pool to spare: run inline.
-        _ => f(&store),
+        _ => f(),
     }
+}
+
+/// [`off_workers`] for a call on a clone of `store`.
+async fn blocking<T: Send + 'static>(
+    store: &Store,
+    f: impl FnOnce(&Store) -> Result<T> + Send + 'static,
+) -> Result<T> {
+    let store = store.clone();
+    off_workers(move || f(&store)).await
 }
 
 #[async_trait]

@@ -6,6 +6,10 @@
 //! `PRAGMA data_version` on its own connection every few milliseconds and, when it changed,
 //! publishes the file's revision. A watcher marks the channel seen *before* it reads, so a
 //! write that commits after its read always wakes it.
+//!
+//! The log reads are blocking SQLite calls: on a multi-thread tokio runtime they run on the
+//! blocking pool, elsewhere (a current-thread runtime, `futures::executor`, no runtime at all)
+//! inline, so the stream needs no particular runtime.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -17,6 +21,7 @@ use futures::stream::{self, BoxStream, StreamExt};
 use rusqlite::{Connection, params};
 use tokio::sync::watch;
 
+use crate::object_store::off_workers;
 use crate::schema::{connect, meta, to_i64};
 use crate::{Inner, Result, StoreError, WatchEvent};
 
@@ -103,10 +108,14 @@ pub(crate) fn stream(
             // Mark seen before reading: a commit after this read wakes the wait below.
             let known = *s.rx.borrow_and_update();
             if known > s.pos {
-                match s
-                    .inner
-                    .with_reader(|c| read_log(c, s.kind.as_deref(), s.pos))
-                {
+                // Off the async workers when a multi-thread runtime runs this stream. If the
+                // stream is dropped while the read runs, the read still finishes and gives its
+                // connection back; its rows are discarded and `pos` never moved, so nothing
+                // was yielded that a resume from the last revision seen would repeat or miss.
+                let (inner, kind, pos) = (s.inner.clone(), s.kind.clone(), s.pos);
+                let read =
+                    off_workers(move || inner.with_reader(|c| read_log(c, kind.as_deref(), pos)));
+                match read.await {
                     Ok((rows, head)) => {
                         let full = rows.len() == BATCH;
                         if let Some((last, _)) = rows.last() {
@@ -195,4 +204,112 @@ pub(crate) fn publish(revisions: &watch::Sender<u64>, rev: u64) {
             false
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use futures::StreamExt;
+
+    use crate::{MAX_IDLE_READERS, Store, StoreOptions, WatchEvent, lock};
+
+    fn vm(name: &str) -> boxery_api::DynObject {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": boxery_api::API_VERSION, "kind": "Vm", "metadata": {"name": name},
+            "spec": {"source": {"image": "debian-12"}}
+        }))
+        .unwrap()
+    }
+
+    fn open(dir: &tempfile::TempDir) -> Store {
+        let opts = StoreOptions {
+            auto_compact: None,
+            ..Default::default()
+        };
+        Store::open_with(&dir.path().join("s.db"), opts).unwrap()
+    }
+
+    fn runtime(workers: usize) -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn log_reads_leave_the_async_workers_free() {
+        let d = tempfile::tempdir().unwrap();
+        let s = open(&d);
+        s.create(vm("a")).unwrap();
+        let rt = runtime(1);
+        let (got_tx, got) = mpsc::channel();
+        let (ran_tx, ran) = mpsc::channel();
+        // With every reader connection held, a log read blocks until released.
+        let held = lock(&s.inner.readers);
+        let mut w = s.watch(None, 0);
+        rt.spawn(async move {
+            let _ = got_tx.send(w.next().await.map(|r| r.map(|(rev, _)| rev)));
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        // The runtime's only worker is free while the read waits.
+        rt.spawn(async move {
+            let _ = ran_tx.send(());
+        });
+        let free = ran.recv_timeout(Duration::from_secs(2));
+        drop(held);
+        assert!(free.is_ok(), "a log read blocked the async worker");
+        let rev = got.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!(rev.unwrap().unwrap(), 1);
+    }
+
+    #[test]
+    fn a_watch_dropped_mid_read_loses_nothing_and_returns_its_connection() {
+        let d = tempfile::tempdir().unwrap();
+        let s = open(&d);
+        for i in 0..600 {
+            s.create(vm(&format!("v{i}"))).unwrap();
+        }
+        let rt = runtime(2);
+        rt.block_on(async {
+            // Read one batch, then drop the stream while its second read runs.
+            let mut w = s.watch(Some("Vm"), 0);
+            let mut last = 0;
+            for _ in 0..super::BATCH {
+                last = w.next().await.unwrap().unwrap().0;
+            }
+            let held = lock(&s.inner.readers);
+            assert!(
+                futures::FutureExt::now_or_never(w.next()).is_none(),
+                "the read waits for a connection"
+            );
+            drop(w);
+            drop(held);
+            // The abandoned read finishes on the blocking pool and gives its connection back.
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while lock(&s.inner.readers).is_empty() {
+                assert!(std::time::Instant::now() < deadline, "connection returned");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            {
+                let idle = lock(&s.inner.readers);
+                assert!(idle.len() <= MAX_IDLE_READERS);
+                assert!(
+                    idle.iter().all(|c| c.is_autocommit()),
+                    "no open transaction"
+                );
+            }
+            // A resume from the last revision seen gets the rest, once each, in order.
+            let mut again = s.watch(Some("Vm"), last);
+            for want in last + 1..=600 {
+                let (rev, ev) = again.next().await.unwrap().unwrap();
+                assert_eq!(rev, want);
+                assert!(matches!(ev, WatchEvent::Added(_)));
+            }
+            s.create(vm("late")).unwrap();
+            assert_eq!(again.next().await.unwrap().unwrap().0, 601);
+        });
+    }
 }
