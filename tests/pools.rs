@@ -1,7 +1,9 @@
 //! Pools and leases on the fake backend: concurrent claims have one winner per member;
 //! expiry, release and reboot reset members; an expired lease cannot be renewed; killing the
 //! control plane during acquires, expiries and resets converges with no member leased twice
-//! or stuck; a failing reset marks a member Broken; bad requests are refused or held.
+//! or stuck; a failing reset marks a member Broken; bad requests are refused or held; a
+//! template change replaces free members (`ReplaceWhenFree`), leased ones after their lease,
+//! and nothing under `OnCreate`.
 
 mod common;
 
@@ -364,4 +366,173 @@ fn failing_reset_marks_broken_and_bad_requests() {
         home.ok(&["describe", "lease", "orphan"])
             .contains("PoolNotFound")
     );
+}
+
+fn template_pool_yaml(name: &str, replicas: u32, cpus: u32, strategy: &str) -> String {
+    format!(
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {{name: {name}}}\nspec:\n  replicas: {replicas}\n  updateStrategy: {strategy}\n  template:\n    spec:\n      source: {{image: debian-12}}\n      resources: {{cpus: {cpus}}}\n"
+    )
+}
+
+fn apply_pool(home: &Home, name: &str, replicas: u32, cpus: u32, strategy: &str) {
+    let f = home.write(
+        &format!("{name}.yaml"),
+        &template_pool_yaml(name, replicas, cpus, strategy),
+    );
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+}
+
+/// Each member VM's uid and cpus.
+fn member_vms(home: &Home, pool: &str) -> std::collections::BTreeMap<String, (String, u32)> {
+    let p: Pool = home.store().get_as(pool).unwrap().unwrap();
+    p.status
+        .members
+        .iter()
+        .filter_map(|m| {
+            let vm: boxery_api::Vm = home.store().get_as(&m.name).unwrap()?;
+            Some((
+                m.name.clone(),
+                (
+                    vm.metadata.uid.clone().unwrap_or_default(),
+                    vm.spec.resources.cpus.unwrap_or_default(),
+                ),
+            ))
+        })
+        .collect()
+}
+
+#[test]
+fn template_change_replaces_free_members_and_leased_ones_after_release() {
+    let home = Home::new();
+    let _serve = home.serve(&[]);
+    apply_pool(&home, "u", 3, 1, "ReplaceWhenFree");
+    common::eventually(Duration::from_secs(60), || {
+        let p: Pool = home.store().get_as("u").unwrap()?;
+        (p.status.free == 3 && p.status.updated == 3).then_some(())
+    })
+    .expect("3 free members, all on the current template");
+    home.ok(&[
+        "lease",
+        "acquire",
+        "u",
+        "--holder",
+        "me",
+        "--name",
+        "held",
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    let held: String = leases(&home)[0].status.vm.clone().unwrap();
+    let before = member_vms(&home, "u");
+    assert_eq!(before.len(), 3);
+    assert!(before.values().all(|(_, cpus)| *cpus == 1), "{before:?}");
+
+    // Change the template: the two free members are replaced, one at a time
+    // (max(1, 3/4) = 1), and the leased one is not touched.
+    apply_pool(&home, "u", 3, 2, "ReplaceWhenFree");
+    let mut most_replacing = 0;
+    let mut last = String::new();
+    let replaced = common::eventually(Duration::from_secs(90), || {
+        let p: Pool = home.store().get_as("u").unwrap()?;
+        let replacing = p
+            .status
+            .members
+            .iter()
+            .filter(|m| m.state == MemberState::Replacing)
+            .count();
+        most_replacing = most_replacing.max(replacing);
+        let now = member_vms(&home, "u");
+        last = format!("{:?} {now:?}", p.status.members);
+        let done = now.len() == 3
+            && now.iter().all(|(name, (uid, cpus))| {
+                if *name == held {
+                    *uid == before[name].0 && *cpus == 1
+                } else {
+                    *uid != before[name].0 && *cpus == 2
+                }
+            })
+            && p.status.free == 2
+            && p.status.updated == 2;
+        done.then_some(())
+    });
+    assert!(replaced.is_some(), "free members not replaced: {last}");
+    assert!(most_replacing <= 1, "at most one member replaced at a time");
+    // Still leased, still the same VM, a while later.
+    std::thread::sleep(Duration::from_secs(2));
+    let p: Pool = home.store().get_as("u").unwrap().unwrap();
+    let m = p.status.members.iter().find(|m| m.name == held).unwrap();
+    assert_eq!(m.state, MemberState::Leased);
+    assert_eq!(member_vms(&home, "u")[&held], before[&held]);
+    check(&home, "u").unwrap();
+    let out = home.ok(&["get", "pool", "u"]);
+    assert!(out.contains("UP-TO-DATE"), "{out}");
+
+    // Released: the leased member is replaced instead of reset, and every member is free on
+    // the new template.
+    home.ok(&["lease", "release", "held", "--wait"]);
+    let done = common::eventually(Duration::from_secs(90), || {
+        let p: Pool = home.store().get_as("u").unwrap()?;
+        let now = member_vms(&home, "u");
+        last = format!("{:?} {now:?}", p.status.members);
+        (p.status.free == 3
+            && p.status.updated == 3
+            && now[&held].0 != before[&held].0
+            && now.values().all(|(_, cpus)| *cpus == 2))
+        .then_some(())
+    });
+    assert!(
+        done.is_some(),
+        "the released member was not replaced: {last}"
+    );
+    // A lease on the new template works.
+    home.ok(&[
+        "lease",
+        "acquire",
+        "u",
+        "--holder",
+        "me",
+        "--name",
+        "next",
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    check(&home, "u").unwrap();
+}
+
+#[test]
+fn on_create_replaces_nothing() {
+    let home = Home::new();
+    let _serve = home.serve(&[]);
+    apply_pool(&home, "o", 2, 1, "OnCreate");
+    common::eventually(Duration::from_secs(60), || {
+        let p: Pool = home.store().get_as("o").unwrap()?;
+        (p.status.free == 2).then_some(())
+    })
+    .expect("2 free members");
+    let before = member_vms(&home, "o");
+    apply_pool(&home, "o", 2, 2, "OnCreate");
+    // The pool sees the change (it counts no member on the new template) and replaces nothing.
+    common::eventually(Duration::from_secs(30), || {
+        let p: Pool = home.store().get_as("o").unwrap()?;
+        (p.status.observed_generation == p.metadata.generation && p.status.updated == 0)
+            .then_some(())
+    })
+    .expect("no member on the new template");
+    std::thread::sleep(Duration::from_secs(3));
+    let p: Pool = home.store().get_as("o").unwrap().unwrap();
+    assert_eq!(p.status.free, 2);
+    assert_eq!(member_vms(&home, "o"), before, "no member replaced");
+    // Only a member made after the change gets the new template.
+    apply_pool(&home, "o", 3, 2, "OnCreate");
+    common::eventually(Duration::from_secs(60), || {
+        let p: Pool = home.store().get_as("o").unwrap()?;
+        (p.status.free == 3 && p.status.updated == 1).then_some(())
+    })
+    .expect("a third member, on the new template");
+    let now = member_vms(&home, "o");
+    assert_eq!(now["o-2"].1, 2);
+    assert_eq!(now["o-0"], before["o-0"]);
+    assert_eq!(now["o-1"], before["o-1"]);
 }

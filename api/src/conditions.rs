@@ -77,6 +77,8 @@ pub mod reasons {
     pub const NO_FREE_MEMBER: &str = "NoFreeMember";
     /// A pool has members being made.
     pub const MEMBERS_PENDING: &str = "MembersPending";
+    /// A pool is replacing members made from an older template.
+    pub const MEMBERS_REPLACING: &str = "MembersReplacing";
     /// A pool has no member being made.
     pub const SETTLED: &str = "Settled";
     /// No member's VM is in the way.

@@ -1,4 +1,5 @@
-//! `Pool`: a set of VMs that agents lease. Types and schema only; the reconciler comes later.
+//! `Pool`: a set of VMs that agents lease. Types and schema only; the reconciler is
+//! `boxery_reconcilers::pool`.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -66,7 +67,8 @@ pub struct PoolSpec {
     /// Lease defaults.
     #[serde(default)]
     pub lease: LeaseDefaults,
-    /// What to do with members when the template changes.
+    /// What a change to `template` does to members already made (`ReplaceWhenFree`, the
+    /// default: free members are replaced, a few at a time; `OnCreate`: nothing).
     #[serde(default)]
     pub update_strategy: UpdateStrategy,
 }
@@ -104,13 +106,18 @@ impl Default for LeaseDefaults {
     }
 }
 
-/// When template changes reach members.
+/// When template changes reach members made before them. Adopted members (`members`) are
+/// never replaced: they were not made from the template.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 pub enum UpdateStrategy {
-    /// Replace a member with the new template when it is free.
+    /// A member made from an older template is replaced while it is free: it leaves the free
+    /// set (`Replacing`), its VM and clean image are deleted, and it is made again from the
+    /// current template, clean-imaged and freed. At most max(1, replicas/4) members are
+    /// replaced at a time. A leased member is never touched: it is replaced when its lease
+    /// ends (instead of being reset).
     #[default]
     ReplaceWhenFree,
-    /// Never replace members; only new ones get the new template.
+    /// Never replace members: a template change reaches only members made after it.
     OnCreate,
 }
 
@@ -139,7 +146,7 @@ pub struct PoolStatus {
     /// Members broken.
     #[serde(default)]
     pub broken: u32,
-    /// Members on the current template.
+    /// Members made from the current template (adopted members are not counted).
     #[serde(default)]
     pub updated: u32,
     /// Bumped whenever a member leaves and rejoins (lease fencing).
@@ -170,6 +177,9 @@ pub enum MemberState {
     Resetting,
     /// Excluded from claims (a reset failed, or it is gone): remove and re-add it to repair.
     Broken,
+    /// Made from an older template: being deleted and made again from the current one
+    /// (`updateStrategy: ReplaceWhenFree`), then clean-imaged and freed.
+    Replacing,
 }
 
 /// One member of a pool.
@@ -192,6 +202,10 @@ pub struct MemberStatus {
     /// Whether the pool made it from its template (else it was adopted).
     #[serde(default)]
     pub created: bool,
+    /// The template it was made from (a hash; template members only). Rows written before
+    /// boxery recorded it have none, which is taken as the template current when first seen.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
     /// When its current reset was asked for (the Vm's `spec.restore.requestedAt`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reset_requested_at: Option<crate::meta::Time>,

@@ -207,6 +207,7 @@ pub fn columns(kind: &str, wide: bool) -> Vec<Column> {
         "Pool" => {
             cols.push(("REPLICAS", |o| s(ptr(o, "/spec/replicas"))));
             cols.push(("READY", |o| s(ptr(o, "/status/ready"))));
+            cols.push(("UP-TO-DATE", |o| s(ptr(o, "/status/updated"))));
             cols.push(("FREE", |o| s(ptr(o, "/status/free"))));
             cols.push(("LEASED", |o| s(ptr(o, "/status/leased"))));
             cols.push(("BROKEN", |o| s(ptr(o, "/status/broken"))));
