@@ -124,6 +124,8 @@ pub(crate) enum BasePlaces {
     Dirs(PathBuf),
     /// Flat files `<files>/base-<id>.{qcow2,vmlinuz,initrd}` (beside the VM disks, e.g. in a
     /// storage pool) and records `<records>/<id>.json`, written last: the commit point.
+    /// Used by the libvirt driver only.
+    #[cfg_attr(not(feature = "libvirt"), allow(dead_code))]
     Flat {
         /// The directory of the files.
         files: PathBuf,
