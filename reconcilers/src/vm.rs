@@ -451,104 +451,116 @@ async fn finalize(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     Ok(Action::await_change())
 }
 
-async fn recover(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action> {
-    let name = vm.name().to_string();
-    let obj = format!("Vm/{name}");
+async fn recover(vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action> {
     match op.type_ {
-        OperationType::Create => {
-            let existing = ctx
-                .backend
-                .get(&name)
-                .await
-                .map_err(|e| ReconcileError::backend("get", &obj, e))?;
-            match existing {
-                Some(info) if Mark::is_for(info.mark.as_deref(), vm.metadata.uid.as_deref()) => {
-                    // The create finished before the crash: adopt it.
-                    vm.status.operation = None;
-                    vm.status.created_at = Some(now());
-                    vm.status.source_image = op.image.clone();
-                    vm.status.size = Some(api_size(info.size));
-                    vm.status.backend = Some(ctx.backend.name().to_string());
-                    let vm = save(ctx, &vm).await?;
-                    ctx.event(
-                        &vm,
-                        EventType::Normal,
-                        "Recovered",
-                        "an interrupted create had finished; the VM was adopted",
-                    )
-                    .await;
-                }
-                Some(_) => {
-                    let msg = format!(
-                        "the backend has a VM named {name} that boxery did not make for this object: remove it or pick another name"
-                    );
-                    vm.status.operation = None;
-                    vm.status.phase = VmPhase::Failed;
-                    vm.status.conditions.set_condition(
-                        READY,
-                        ConditionStatus::False,
-                        reasons::NAME_TAKEN,
-                        &msg,
-                        vm.metadata.generation,
-                    );
-                    vm.status.printable_status = Some("NameTaken".into());
-                    let vm = save(ctx, &vm).await?;
-                    ctx.event(&vm, EventType::Warning, "NameTaken", &msg).await;
-                    return Ok(Action::await_change());
-                }
-                None => {
-                    ctx.backend
-                        .cleanup_new(&name)
-                        .await
-                        .map_err(|e| ReconcileError::backend("cleanup_new", &obj, e))?;
-                    vm.status.operation = None;
-                    let vm = save(ctx, &vm).await?;
-                    ctx.event(
-                        &vm,
-                        EventType::Normal,
-                        "Recovered",
-                        "an interrupted create was cleaned up and will be retried",
-                    )
-                    .await;
-                }
-            }
-        }
-        OperationType::Reimage => {
-            let image = op.image.clone().unwrap_or_default();
-            let identity = identity_for(&vm);
-            match ctx.backend.reimage(&name, &image, &identity).await {
-                Ok(()) => {
-                    vm.status.operation = None;
-                    vm.status.last_restore = vm.spec.restore.clone();
-                    let vm = save(ctx, &vm).await?;
-                    ctx.event(
-                        &vm,
-                        EventType::Normal,
-                        "Reverted",
-                        &format!("an interrupted revert to {image} was finished"),
-                    )
-                    .await;
-                }
-                Err(BackendError::Unchanged(msg)) => {
-                    vm.status.operation = None;
-                    vm.status.last_restore = vm.spec.restore.clone();
-                    let vm = save(ctx, &vm).await?;
-                    ctx.event(
-                        &vm,
-                        EventType::Warning,
-                        "RevertFailed",
-                        &format!("revert to {image} failed before changing the VM: {msg}"),
-                    )
-                    .await;
-                }
-                Err(e) => return Err(ReconcileError::backend("reimage", &obj, e)),
-            }
-        }
+        OperationType::Create => recover_create(vm, op, ctx).await,
+        OperationType::Reimage => recover_reimage(vm, op, ctx).await,
         OperationType::Capture | OperationType::Build => {
             // Not a Vm operation; drop it.
+            let mut vm = vm;
             vm.status.operation = None;
             save(ctx, &vm).await?;
+            Ok(Action::requeue(Duration::ZERO))
         }
+    }
+}
+
+/// An interrupted create: adopt the VM when the backend has it complete with this object's
+/// uid, stop with `NameTaken` when it has another one of that name, else clean up and retry.
+async fn recover_create(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
+    let obj = format!("Vm/{name}");
+    let existing = ctx
+        .backend
+        .get(&name)
+        .await
+        .map_err(|e| ReconcileError::backend("get", &obj, e))?;
+    match existing {
+        Some(info) if Mark::is_for(info.mark.as_deref(), vm.metadata.uid.as_deref()) => {
+            // The create finished before the crash: adopt it.
+            vm.status.operation = None;
+            vm.status.created_at = Some(now());
+            vm.status.source_image = op.image.clone();
+            vm.status.size = Some(api_size(info.size));
+            vm.status.backend = Some(ctx.backend.name().to_string());
+            let vm = save(ctx, &vm).await?;
+            ctx.event(
+                &vm,
+                EventType::Normal,
+                "Recovered",
+                "an interrupted create had finished; the VM was adopted",
+            )
+            .await;
+        }
+        Some(_) => {
+            let msg = format!(
+                "the backend has a VM named {name} that boxery did not make for this object: remove it or pick another name"
+            );
+            vm.status.operation = None;
+            vm.status.phase = VmPhase::Failed;
+            vm.status.conditions.set_condition(
+                READY,
+                ConditionStatus::False,
+                reasons::NAME_TAKEN,
+                &msg,
+                vm.metadata.generation,
+            );
+            vm.status.printable_status = Some("NameTaken".into());
+            let vm = save(ctx, &vm).await?;
+            ctx.event(&vm, EventType::Warning, "NameTaken", &msg).await;
+            return Ok(Action::await_change());
+        }
+        None => {
+            ctx.backend
+                .cleanup_new(&name)
+                .await
+                .map_err(|e| ReconcileError::backend("cleanup_new", &obj, e))?;
+            vm.status.operation = None;
+            let vm = save(ctx, &vm).await?;
+            ctx.event(
+                &vm,
+                EventType::Normal,
+                "Recovered",
+                "an interrupted create was cleaned up and will be retried",
+            )
+            .await;
+        }
+    }
+    Ok(Action::requeue(Duration::ZERO))
+}
+
+/// An interrupted reimage: run it again (reimage is retryable; `Unchanged` drops the intent).
+async fn recover_reimage(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
+    let obj = format!("Vm/{name}");
+    let image = op.image.clone().unwrap_or_default();
+    let identity = identity_for(&vm);
+    match ctx.backend.reimage(&name, &image, &identity).await {
+        Ok(()) => {
+            vm.status.operation = None;
+            vm.status.last_restore = vm.spec.restore.clone();
+            let vm = save(ctx, &vm).await?;
+            ctx.event(
+                &vm,
+                EventType::Normal,
+                "Reverted",
+                &format!("an interrupted revert to {image} was finished"),
+            )
+            .await;
+        }
+        Err(BackendError::Unchanged(msg)) => {
+            vm.status.operation = None;
+            vm.status.last_restore = vm.spec.restore.clone();
+            let vm = save(ctx, &vm).await?;
+            ctx.event(
+                &vm,
+                EventType::Warning,
+                "RevertFailed",
+                &format!("revert to {image} failed before changing the VM: {msg}"),
+            )
+            .await;
+        }
+        Err(e) => return Err(ReconcileError::backend("reimage", &obj, e)),
     }
     Ok(Action::requeue(Duration::ZERO))
 }
@@ -619,70 +631,16 @@ async fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
     let (image_name, wait_msg) = match &vm.spec.source {
         VmSource::Image(n) | VmSource::Base(n) => (n.clone(), None),
         VmSource::Vm(src) => {
-            let img = fork_image_name(vm.name());
-            if let Some(cycle) = fork_cycle(vm, ctx).await? {
-                let msg = format!(
-                    "the VMs fork from each other in a cycle ({}): none of them can ever be made; give one of them an image as its source",
-                    cycle.join(" → ")
-                );
-                set_waiting(vm, reasons::FORK_CYCLE, &msg, ctx).await?;
-                return Ok(None);
+            let src = src.clone();
+            match fork_source(vm, &src, ctx).await? {
+                Some(img) => (img, Some(format!("capturing the source VM {src}"))),
+                None => return Ok(None),
             }
-            if ctx.store.get_as::<Image>(&img).await?.is_none() {
-                if ctx.store.get_as::<Vm>(src).await?.is_none() {
-                    let msg =
-                        format!("the source VM {src} does not exist: `boxery get vms` lists VMs");
-                    set_waiting(vm, reasons::SOURCE_VM_NOT_FOUND, &msg, ctx).await?;
-                    return Ok(None);
-                }
-                let mut image = Image::new(
-                    &img,
-                    ImageSpec {
-                        source: ImageSource::Vm(src.clone()),
-                    },
-                );
-                image
-                    .metadata
-                    .labels
-                    .insert("boxery.dev/fork-of".into(), src.clone());
-                image.metadata.owner_references.push(owner_ref(vm));
-                match ctx.store.create_as(&image).await {
-                    Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
-                    Err(e) => return Err(e.into()),
-                }
-            }
-            (img, Some(format!("capturing the source VM {src}")))
         }
     };
     match ctx.store.get_as::<Image>(&image_name).await? {
         None if STOCK_IMAGES.contains(&image_name.as_str()) => {
-            let image = Image::new(
-                &image_name,
-                ImageSpec {
-                    source: ImageSource::Build(BuildSpec {
-                        base: image_name.clone(),
-                        layers: vec![],
-                    }),
-                },
-            );
-            match ctx.store.create_as(&image).await {
-                Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
-                Err(e) => return Err(e.into()),
-            }
-            ctx.event(
-                vm,
-                EventType::Normal,
-                "BuildingImage",
-                &format!("the stock image {image_name} is built on first use"),
-            )
-            .await;
-            set_waiting(
-                vm,
-                reasons::IMAGE_NOT_READY,
-                &format!("waiting for the stock image {image_name} to be built"),
-                ctx,
-            )
-            .await?;
+            build_stock(vm, &image_name, ctx).await?;
             Ok(None)
         }
         None => {
@@ -729,6 +687,75 @@ async fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
         }
         Some(_) => Ok(Some(image_name)),
     }
+}
+
+/// A fork's source: the capture `NAME.fork-source` of the source VM, owned by the fork and made
+/// here on first visit. `None` (with a waiting condition) when it cannot be made.
+async fn fork_source(vm: &mut Vm, src: &str, ctx: &Ctx) -> Result<Option<String>> {
+    let img = fork_image_name(vm.name());
+    if let Some(cycle) = fork_cycle(vm, ctx).await? {
+        let msg = format!(
+            "the VMs fork from each other in a cycle ({}): none of them can ever be made; give one of them an image as its source",
+            cycle.join(" → ")
+        );
+        set_waiting(vm, reasons::FORK_CYCLE, &msg, ctx).await?;
+        return Ok(None);
+    }
+    if ctx.store.get_as::<Image>(&img).await?.is_none() {
+        if ctx.store.get_as::<Vm>(src).await?.is_none() {
+            let msg = format!("the source VM {src} does not exist: `boxery get vms` lists VMs");
+            set_waiting(vm, reasons::SOURCE_VM_NOT_FOUND, &msg, ctx).await?;
+            return Ok(None);
+        }
+        let mut image = Image::new(
+            &img,
+            ImageSpec {
+                source: ImageSource::Vm(src.to_string()),
+            },
+        );
+        image
+            .metadata
+            .labels
+            .insert("boxery.dev/fork-of".into(), src.to_string());
+        image.metadata.owner_references.push(owner_ref(vm));
+        match ctx.store.create_as(&image).await {
+            Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(Some(img))
+}
+
+/// A stock image (`debian-12`, `tiny`) is built on first use: its Image is made here.
+async fn build_stock(vm: &mut Vm, image_name: &str, ctx: &Ctx) -> Result<()> {
+    let image = Image::new(
+        image_name,
+        ImageSpec {
+            source: ImageSource::Build(BuildSpec {
+                base: image_name.to_string(),
+                layers: vec![],
+            }),
+        },
+    );
+    match ctx.store.create_as(&image).await {
+        Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
+        Err(e) => return Err(e.into()),
+    }
+    ctx.event(
+        vm,
+        EventType::Normal,
+        "BuildingImage",
+        &format!("the stock image {image_name} is built on first use"),
+    )
+    .await;
+    set_waiting(
+        vm,
+        reasons::IMAGE_NOT_READY,
+        &format!("waiting for the stock image {image_name} to be built"),
+        ctx,
+    )
+    .await?;
+    Ok(())
 }
 
 fn owner_ref(vm: &Vm) -> OwnerReference {
