@@ -10,7 +10,7 @@ pub mod inventory;
 pub mod lease;
 pub mod pool;
 pub mod runtime;
-pub mod ssh;
+pub use boxery_hands::ssh;
 pub mod vm;
 
 pub use context::{Ctx, Settings};
