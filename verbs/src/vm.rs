@@ -1,146 +1,80 @@
-//! The seed's verbs, as sugar that writes specs: `new`, `snap`, `revert`, `fork`, `start`,
-//! `stop`, `resize`, `rm`. Each ends where `apply` would, and `--wait` waits on a condition.
-
-use std::time::Duration;
+//! The VM verbs, as writes of specs: `new`, `snap`, `revert`, `fork`, `start`, `stop`,
+//! `resize` (`rm` is [`crate::objects::delete`]). Each writes what `apply` would and returns a
+//! [`Plan`]: the objects to wait on and the conditions that say the write took effect, which
+//! the CLI waits on with `--wait` and the tools with a bound.
 
 use boxery_api::image::ImageSpec;
 use boxery_api::vm::{Resources, Restore, VmSpec};
 use boxery_api::{
-    ConditionStatus, Image, ImageSource, OwnerReference, Quantity, RunStrategy, Vm, VmSource, now,
+    ConditionStatus, Image, ImageSource, OwnerReference, Quantity, Resource as _, RunStrategy, Vm,
+    VmSource, now,
 };
-use boxery_store::{Store, StoreError};
+use boxery_store::{ObjectRef, ObjectStoreExt, StoreError};
 
-use crate::env::Env;
-use crate::exit::{CliError, CliResult};
-use crate::wait::{self, Until};
+use crate::error::{Result, VerbError};
+use crate::wait::Until;
+use crate::{Verbs, Voice};
 
-/// Size flags shared by `new`, `fork` and `resize`.
-#[derive(Debug, Clone, Default, clap::Args)]
-pub struct SizeArgs {
-    /// Virtual CPUs (1..64).
-    #[arg(long)]
+/// A VM's size: each part given replaces the base's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Size {
+    /// Virtual CPUs.
     pub cpus: Option<u32>,
-    /// Memory, e.g. 512Mi, 4Gi.
-    #[arg(long)]
+    /// Memory.
     pub memory: Option<Quantity>,
-    /// Disk size, e.g. 20Gi (disks only grow).
-    #[arg(long)]
+    /// Disk size (disks only grow).
     pub disk: Option<Quantity>,
 }
 
-fn ready() -> Until {
+impl Size {
+    /// Nothing given.
+    pub fn is_empty(&self) -> bool {
+        self.cpus.is_none() && self.memory.is_none() && self.disk.is_none()
+    }
+
+    /// `base` with the parts given here.
+    pub fn over(&self, base: Resources) -> Resources {
+        Resources {
+            shape: base.shape,
+            cpus: self.cpus.or(base.cpus),
+            memory: self.memory.or(base.memory),
+            disk: self.disk.or(base.disk),
+        }
+    }
+}
+
+/// What a verb wrote is done when every target meets each step, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// The objects written.
+    pub targets: Vec<ObjectRef>,
+    /// The conditions, in order.
+    pub steps: Vec<Until>,
+}
+
+impl Plan {
+    fn vms(names: &[String], steps: Vec<Until>) -> Plan {
+        Plan {
+            targets: names
+                .iter()
+                .map(|n| ObjectRef::of::<Vm>(n.clone()))
+                .collect(),
+            steps,
+        }
+    }
+}
+
+/// `condition=Ready`.
+pub fn ready() -> Until {
     Until::Condition("Ready".into(), ConditionStatus::True)
 }
 
-fn vm_or_not_found(store: &Store, name: &str) -> CliResult<Vm> {
-    store.get_as::<Vm>(name)?.ok_or_else(|| {
-        let names: Vec<String> = store
-            .list_as::<Vm>(&Default::default())
-            .unwrap_or_default()
-            .into_iter()
-            .map(|v| v.metadata.name)
-            .take(20)
-            .collect();
-        CliError::not_found(format!(
-            "VM {name} not found: {}",
-            if names.is_empty() {
-                "there are no VMs (`boxery new NAME` makes one)".to_string()
-            } else {
-                format!("known VMs: {}", names.join(", "))
-            }
-        ))
-    })
+/// `jsonpath={.status.phase}=Stopped`.
+pub fn stopped() -> Until {
+    Until::JsonPath("{.status.phase}".into(), "Stopped".into())
 }
 
-/// Read-modify-write a Vm with the resourceVersion precondition, retrying on conflicts.
-fn edit_vm(store: &Store, name: &str, f: impl Fn(&mut Vm) -> CliResult) -> CliResult<Vm> {
-    for _ in 0..10 {
-        let mut vm = vm_or_not_found(store, name)?;
-        if vm.metadata.is_deleting() {
-            return Err(crate::commands::conflict(format!(
-                "VM {name} is being deleted"
-            )));
-        }
-        f(&mut vm)?;
-        match store.update_as(&vm) {
-            Ok(v) => return Ok(v),
-            Err(StoreError::Conflict { .. }) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Err(crate::commands::conflict(format!(
-        "VM {name} kept changing under this command: try again"
-    )))
-}
-
-async fn maybe_wait(
-    env: &Env,
-    targets: Vec<(String, String)>,
-    until: Until,
-    wait_for: Option<Duration>,
-) -> CliResult {
-    match wait_for {
-        Some(t) => wait::wait_all(env, &targets, &until, t, false).await,
-        None => Ok(()),
-    }
-}
-
-fn resources(size: &SizeArgs, base: Resources) -> Resources {
-    Resources {
-        shape: base.shape,
-        cpus: size.cpus.or(base.cpus),
-        memory: size.memory.or(base.memory),
-        disk: size.disk.or(base.disk),
-    }
-}
-
-/// `new NAME [--from IMAGE | --fork VM]`.
-pub async fn new(
-    env: &Env,
-    name: &str,
-    from: Option<String>,
-    fork: Option<String>,
-    size: &SizeArgs,
-    stopped: bool,
-    wait_for: Option<Duration>,
-) -> CliResult {
-    let store = env.store()?;
-    let source = match (from, fork) {
-        (Some(_), Some(_)) => {
-            return Err(CliError::invalid(
-                "give --from IMAGE or --fork VM, not both",
-            ));
-        }
-        (_, Some(vm)) => {
-            vm_or_not_found(&store, &vm)?;
-            VmSource::Vm(vm)
-        }
-        (Some(img), None) => VmSource::Image(img),
-        (None, None) => VmSource::Image(boxery_api::vm::STOCK_IMAGE.into()),
-    };
-    let spec = VmSpec {
-        source,
-        resources: resources(size, Resources::default()),
-        headless: true,
-        layers: vec![],
-        run_strategy: if stopped {
-            RunStrategy::Stopped
-        } else {
-            RunStrategy::Running
-        },
-        restore: None,
-    };
-    store.create_as(&Vm::new(name, spec))?;
-    println!("vm/{name} created");
-    let until = if stopped {
-        Until::JsonPath("{.status.phase}".into(), "Stopped".into())
-    } else {
-        ready()
-    };
-    maybe_wait(env, vec![("Vm".into(), name.into())], until, wait_for).await
-}
-
-/// The image name for `VM LABEL`.
+/// The image name for `VM LABEL` (a label with a dot is a full image name).
 pub fn image_name(vm: &str, label: &str) -> String {
     if label.contains('.') {
         label.to_string()
@@ -149,10 +83,112 @@ pub fn image_name(vm: &str, label: &str) -> String {
     }
 }
 
-/// `snap VM LABEL`: an Image of the VM's disk, owned by the VM.
-pub async fn snap(env: &Env, vm: &str, label: &str, wait_for: Option<Duration>) -> CliResult {
-    let store = env.store()?;
-    let v = vm_or_not_found(&store, vm)?;
+/// The Vm `name`, which must exist.
+pub async fn get_vm(v: &Verbs, name: &str) -> Result<Vm> {
+    match v.store().get_as::<Vm>(name).await? {
+        Some(vm) => Ok(vm),
+        None => Err(v.vm_not_found(name).await),
+    }
+}
+
+/// Read-modify-write a Vm with the resourceVersion precondition, retrying on conflicts.
+pub async fn edit_vm(v: &Verbs, name: &str, f: impl Fn(&mut Vm)) -> Result<Vm> {
+    for _ in 0..10 {
+        let mut vm = get_vm(v, name).await?;
+        if vm.metadata.is_deleting() {
+            return Err(VerbError::conflict(format!("VM {name} is being deleted")));
+        }
+        f(&mut vm);
+        match v.store().update_as(&vm).await {
+            Ok(vm) => return Ok(vm),
+            Err(StoreError::Conflict { .. }) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(VerbError::conflict(match v.voice {
+        Voice::Cli => format!("VM {name} kept changing under this command: try again"),
+        Voice::Tool => format!("VM {name} kept changing under this call: try again"),
+    }))
+}
+
+/// Create an object; one that exists already is said in the front end's words (`what`).
+async fn create<R: boxery_api::Resource>(
+    v: &Verbs,
+    obj: &R,
+    exists: impl FnOnce() -> VerbError,
+) -> Result {
+    match v.store().create_as(obj).await {
+        Ok(_) => Ok(()),
+        Err(StoreError::AlreadyExists { .. }) => Err(exists()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `create` for a VM: the store's own words on the CLI, "pick another name" for a tool.
+async fn create_vm(v: &Verbs, vm: &Vm) -> Result {
+    let name = vm.name().to_string();
+    create(v, vm, || match v.voice {
+        Voice::Cli => StoreError::AlreadyExists {
+            kind: "Vm".into(),
+            name: name.clone(),
+        }
+        .into(),
+        Voice::Tool => VerbError::conflict(format!("VM {name} already exists: pick another name")),
+    })
+    .await
+}
+
+/// `new`'s input.
+#[derive(Debug, Clone, Default)]
+pub struct NewVm {
+    /// The new VM's name.
+    pub name: String,
+    /// Make it from this image (default: the stock image).
+    pub from: Option<String>,
+    /// Make it from this VM's disk as it is now.
+    pub fork: Option<String>,
+    /// Its size (defaults for what is not given).
+    pub size: Size,
+    /// Create it stopped.
+    pub stopped: bool,
+}
+
+/// `new NAME [--from IMAGE | --fork VM]`: write a Vm.
+pub async fn new(v: &Verbs, input: NewVm) -> Result<Plan> {
+    let source = match (input.from, input.fork) {
+        (Some(_), Some(_)) => {
+            return Err(VerbError::invalid(
+                "give --from IMAGE or --fork VM, not both",
+            ));
+        }
+        (_, Some(vm)) => {
+            get_vm(v, &vm).await?;
+            VmSource::Vm(vm)
+        }
+        (Some(img), None) => VmSource::Image(img),
+        (None, None) => VmSource::Image(boxery_api::vm::STOCK_IMAGE.into()),
+    };
+    let spec = VmSpec {
+        source,
+        resources: input.size.over(Resources::default()),
+        headless: true,
+        layers: vec![],
+        run_strategy: if input.stopped {
+            RunStrategy::Stopped
+        } else {
+            RunStrategy::Running
+        },
+        restore: None,
+    };
+    create_vm(v, &Vm::new(&input.name, spec)).await?;
+    let until = if input.stopped { stopped() } else { ready() };
+    Ok(Plan::vms(&[input.name], vec![until]))
+}
+
+/// `snap VM LABEL`: an Image of the VM's disk (`VM.LABEL`), owned by the VM (it goes with
+/// it). Returns the image's name.
+pub async fn snap(v: &Verbs, vm: &str, label: &str) -> Result<(String, Plan)> {
+    let owner = get_vm(v, vm).await?;
     let name = image_name(vm, label);
     let mut img = Image::new(
         &name,
@@ -167,72 +203,66 @@ pub async fn snap(env: &Env, vm: &str, label: &str, wait_for: Option<Duration>) 
         api_version: boxery_api::API_VERSION.into(),
         kind: "Vm".into(),
         name: vm.into(),
-        uid: v.metadata.uid.clone().unwrap_or_default(),
+        uid: owner.metadata.uid.clone().unwrap_or_default(),
         controller: Some(false),
     });
-    store.create_as(&img).map_err(|e| match e {
-        StoreError::AlreadyExists { .. } => CliError::invalid(format!(
+    create(v, &img, || match v.voice {
+        Voice::Cli => VerbError::invalid(format!(
             "image {name} already exists: pick another label, or `boxery delete image {name}` first"
         )),
-        e => e.into(),
-    })?;
-    println!("image/{name} created");
-    maybe_wait(env, vec![("Image".into(), name)], ready(), wait_for).await
+        Voice::Tool => {
+            VerbError::conflict(format!("image {name} already exists: pick another name"))
+        }
+    })
+    .await?;
+    let plan = Plan {
+        targets: vec![ObjectRef::of::<Image>(name.clone())],
+        steps: vec![ready()],
+    };
+    Ok((name, plan))
 }
 
-/// `revert VM LABEL`: set `spec.restore`.
-pub async fn revert(env: &Env, vm: &str, label: &str, wait_for: Option<Duration>) -> CliResult {
-    let store = env.store()?;
+/// `revert VM LABEL`: set `spec.restore` to the image `VM.LABEL`. The plan waits for the
+/// restore to be served, then for Ready. Returns the image's name.
+pub async fn revert(v: &Verbs, vm: &str, label: &str) -> Result<(String, Plan)> {
     let image = image_name(vm, label);
-    if store.get_as::<Image>(&image)?.is_none() {
-        return Err(CliError::not_found(format!(
-            "image {image} not found: `boxery get images` lists them"
-        )));
+    if v.store().get_as::<Image>(&image).await?.is_none() {
+        return Err(VerbError::not_found(match v.voice {
+            Voice::Cli => format!("image {image} not found: `boxery get images` lists them"),
+            Voice::Tool => {
+                format!("image {image} not found: vm_get {{kind: image}} lists snapshots")
+            }
+        }));
     }
     let at = now();
-    let v = edit_vm(&store, vm, |v| {
-        v.spec.restore = Some(Restore {
+    edit_vm(v, vm, |vm| {
+        vm.spec.restore = Some(Restore {
             image: image.clone(),
             requested_at: at,
         });
-        Ok(())
-    })?;
-    println!("vm/{vm} reverting to {image}");
-    let generation = v.metadata.generation;
-    let _ = generation;
-    maybe_wait(
-        env,
-        vec![("Vm".into(), vm.into())],
-        Until::JsonPath(
-            "{.status.lastRestore.requestedAt}".into(),
-            at.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true),
-        ),
-        wait_for,
-    )
+    })
     .await?;
-    if wait_for.is_some() {
-        maybe_wait(env, vec![("Vm".into(), vm.into())], ready(), wait_for).await?;
-    }
-    Ok(())
+    let served = Until::JsonPath(
+        "{.status.lastRestore.requestedAt}".into(),
+        at.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true),
+    );
+    Ok((image, Plan::vms(&[vm.to_string()], vec![served, ready()])))
 }
 
-/// `fork SRC NEW…`: new VMs whose source is SRC's disk as it is now.
-pub async fn fork(
-    env: &Env,
-    src: &str,
-    names: &[String],
-    size: &SizeArgs,
-    wait_for: Option<Duration>,
-) -> CliResult {
-    let store = env.store()?;
-    let s = vm_or_not_found(&store, src)?;
+/// `fork SRC NEW…`: new VMs whose source is SRC's disk as it is now, with SRC's size (or
+/// `size`), layers and labels.
+pub async fn fork(v: &Verbs, src: &str, names: &[String], size: &Size) -> Result<Plan> {
+    let s = get_vm(v, src).await?;
     if names.is_empty() {
-        return Err(CliError::invalid("name at least one new VM"));
+        return Err(VerbError::invalid(match v.voice {
+            Voice::Cli => "name at least one new VM",
+            Voice::Tool => "give the new VMs' `names`",
+        }));
     }
     for n in names {
         let spec = VmSpec {
             source: VmSource::Vm(src.into()),
-            resources: resources(size, s.spec.resources.clone()),
+            resources: size.over(s.spec.resources.clone()),
             headless: s.spec.headless,
             layers: s.spec.layers.clone(),
             run_strategy: RunStrategy::Running,
@@ -240,84 +270,40 @@ pub async fn fork(
         };
         let mut vm = Vm::new(n, spec);
         vm.metadata.labels = s.metadata.labels.clone();
-        store.create_as(&vm)?;
-        println!("vm/{n} created (fork of {src})");
+        create_vm(v, &vm).await?;
     }
-    maybe_wait(
-        env,
-        names
-            .iter()
-            .map(|n| ("Vm".to_string(), n.clone()))
-            .collect(),
-        ready(),
-        wait_for,
-    )
-    .await
+    Ok(Plan::vms(names, vec![ready()]))
 }
 
-/// `start` / `stop`.
-pub async fn power(
-    env: &Env,
-    names: &[String],
-    run: RunStrategy,
-    wait_for: Option<Duration>,
-) -> CliResult {
-    let store = env.store()?;
+/// `start` / `stop`: set `runStrategy`.
+pub async fn power(v: &Verbs, names: &[String], run: RunStrategy) -> Result<Plan> {
     for n in names {
-        edit_vm(&store, n, |v| {
-            v.spec.run_strategy = run;
-            Ok(())
-        })?;
-        println!(
-            "vm/{n} {}",
-            if run == RunStrategy::Running {
-                "starting"
-            } else {
-                "stopping"
-            }
-        );
+        edit_vm(v, n, |vm| vm.spec.run_strategy = run).await?;
     }
     let until = match run {
         RunStrategy::Running => ready(),
-        RunStrategy::Stopped => Until::JsonPath("{.status.phase}".into(), "Stopped".into()),
+        RunStrategy::Stopped => stopped(),
     };
-    maybe_wait(
-        env,
-        names
-            .iter()
-            .map(|n| ("Vm".to_string(), n.clone()))
-            .collect(),
-        until,
-        wait_for,
-    )
-    .await
+    Ok(Plan::vms(names, vec![until]))
 }
 
-/// `resize VM`.
-pub async fn resize(
-    env: &Env,
-    name: &str,
-    size: &SizeArgs,
-    wait_for: Option<Duration>,
-) -> CliResult {
-    if size.cpus.is_none() && size.memory.is_none() && size.disk.is_none() {
-        return Err(CliError::invalid("give --cpus, --memory and/or --disk"));
+/// `resize VM`: change CPUs, memory or disk; the plan waits until the controller observed
+/// the new generation.
+pub async fn resize(v: &Verbs, name: &str, size: &Size) -> Result<Plan> {
+    if size.is_empty() {
+        return Err(VerbError::invalid(match v.voice {
+            Voice::Cli => "give --cpus, --memory and/or --disk",
+            Voice::Tool => "give cpus, memory and/or disk",
+        }));
     }
-    let store = env.store()?;
-    let v = edit_vm(&store, name, |v| {
-        v.spec.resources = resources(size, v.spec.resources.clone());
-        Ok(())
-    })?;
-    println!("vm/{name} resizing");
-    let generation = v.metadata.generation.unwrap_or(0);
-    maybe_wait(
-        env,
-        vec![("Vm".into(), name.into())],
-        Until::JsonPath(
-            "{.status.observedGeneration}".into(),
-            generation.to_string(),
-        ),
-        wait_for,
-    )
-    .await
+    let vm = edit_vm(v, name, |vm| {
+        vm.spec.resources = size.over(vm.spec.resources.clone());
+    })
+    .await?;
+    let generation = vm.metadata.generation.unwrap_or(0);
+    let until = Until::JsonPath(
+        "{.status.observedGeneration}".into(),
+        generation.to_string(),
+    );
+    Ok(Plan::vms(&[name.to_string()], vec![until]))
 }

@@ -11,13 +11,18 @@ use boxery_api::{ConditionStatus, DynObject};
 use futures::StreamExt;
 use serde_json::Value;
 
-use crate::env::Env;
-use crate::exit::{CliError, CliResult, Code};
+use boxery_store::{ObjectRef, ObjectStore};
+
+use crate::Verbs;
+use crate::error::{ErrorKind, Result, VerbError};
 use crate::runtime::Started;
 
 /// The longest any wait may last (`--timeout` on `wait`, `--wait` and `jobs wait`): 7 days.
 /// Longer values are refused when parsed; [`wait_all`] clamps what other callers pass.
 pub const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The longest a tool may wait (a tool's `timeout_seconds` is clamped to this): 30 minutes.
+pub const TOOL_MAX_WAIT_SECS: u64 = 1800;
 
 /// A duration argument within `min..=max`, or a message saying the range. humantime's parser
 /// alone accepts `18446744073709551615s`, which overflows the first `Instant + timeout`.
@@ -43,11 +48,7 @@ pub fn timeout_arg(s: &str) -> Result<Duration, String> {
 /// The value parser of `jobs wait --timeout`: 0s to the tools' longest wait (30 minutes),
 /// which `vm_jobs` would otherwise cut it to without a word.
 pub fn tool_timeout_arg(s: &str) -> Result<Duration, String> {
-    duration_in(
-        s,
-        Duration::ZERO,
-        Duration::from_secs(crate::tools::MAX_WAIT_SECS),
-    )
+    duration_in(s, Duration::ZERO, Duration::from_secs(TOOL_MAX_WAIT_SECS))
 }
 
 /// What to wait for.
@@ -62,7 +63,7 @@ pub enum Until {
 }
 
 impl std::str::FromStr for Until {
-    type Err = CliError;
+    type Err = VerbError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         if s == "delete" {
             return Ok(Until::Deleted);
@@ -74,7 +75,7 @@ impl std::str::FromStr for Until {
                 "false" => ConditionStatus::False,
                 "unknown" => ConditionStatus::Unknown,
                 _ => {
-                    return Err(CliError::invalid(format!(
+                    return Err(VerbError::invalid(format!(
                         "--for=condition={c}: the status must be True, False or Unknown"
                     )));
                 }
@@ -84,17 +85,17 @@ impl std::str::FromStr for Until {
         if let Some(j) = s.strip_prefix("jsonpath=") {
             let (p, v) = j
                 .rsplit_once('=')
-                .ok_or_else(|| CliError::invalid("--for=jsonpath={.path}=VALUE needs a value"))?;
+                .ok_or_else(|| VerbError::invalid("--for=jsonpath={.path}=VALUE needs a value"))?;
             return Ok(Until::JsonPath(p.to_string(), v.to_string()));
         }
-        Err(CliError::invalid(format!(
+        Err(VerbError::invalid(format!(
             "--for={s}: use condition=NAME[=True|False], delete, or jsonpath={{.path}}=VALUE"
         )))
     }
 }
 
 /// Whether `obj` (None = gone) satisfies `until`.
-pub fn holds(until: &Until, obj: Option<&DynObject>) -> CliResult<bool> {
+pub fn holds(until: &Until, obj: Option<&DynObject>) -> Result<bool> {
     let Some(obj) = obj else {
         return Ok(*until == Until::Deleted);
     };
@@ -112,7 +113,7 @@ pub fn holds(until: &Until, obj: Option<&DynObject>) -> CliResult<bool> {
         }
         Until::JsonPath(p, v) => {
             let val: Value = serde_json::to_value(obj)?;
-            crate::output::jsonpath(p, &val)? == *v
+            crate::render::jsonpath(p, &val)? == *v
         }
     })
 }
@@ -142,22 +143,40 @@ pub fn describe_state(obj: Option<&DynObject>) -> String {
     format!("it is {word}{ready}")
 }
 
-/// Wait until every `(kind, name)` satisfies `until`, or `timeout` (at most [`MAX_WAIT`]: a
-/// longer one is cut to it) passes. Runs the controllers in-process whenever nothing else
-/// leads the store: at the start, and later if the control plane that led goes away (a
-/// `serve` that exited), so a wait never outlives its controllers.
+/// What a wait tells its caller while it runs. Every method has a default: [`Quiet`] says
+/// only the notes (on stderr, which is never the MCP transport).
+pub trait Progress: Sync {
+    /// `target` satisfies the condition now.
+    fn met(&self, _target: &ObjectRef) {}
+    /// Where a pending object stands changed (`kind/name STATUS: message`).
+    fn state(&self, _line: &str) {}
+    /// Something about the wait itself (the controllers taken over, an unreachable backend).
+    fn note(&self, line: &str) {
+        eprintln!("{line}");
+    }
+}
+
+/// A wait that reports nothing but its notes.
+#[derive(Debug, Clone, Copy)]
+pub struct Quiet;
+impl Progress for Quiet {}
+
+/// Wait until every target satisfies `until`, or `timeout` (at most [`MAX_WAIT`]: a longer
+/// one is cut to it) passes (a `Timeout` error saying where each pending object stands).
+/// Runs the controllers in-process whenever nothing else leads the store: at the start, and
+/// later if the control plane that led goes away (a `serve` that exited), so a wait never
+/// outlives its controllers.
 pub async fn wait_all(
-    env: &Env,
-    targets: &[(String, String)],
+    v: &Verbs,
+    targets: &[ObjectRef],
     until: &Until,
     timeout: Duration,
-    quiet: bool,
-) -> CliResult {
+    progress: &dyn Progress,
+) -> Result {
     let timeout = timeout.min(MAX_WAIT);
-    let store = env.store()?;
     let mut said_unreachable = false;
-    let mut embedded = lead_if_needed(env, &store, &mut said_unreachable, false).await?;
-    let wait = wait_inner(&store, targets, until, timeout, quiet);
+    let mut embedded = lead_if_needed(v, &mut said_unreachable, false, progress).await?;
+    let wait = wait_inner(v.store(), targets, until, timeout, progress);
     tokio::pin!(wait);
     let mut check = tokio::time::interval(TAKE_OVER_CHECK);
     check.tick().await;
@@ -165,7 +184,7 @@ pub async fn wait_all(
         tokio::select! {
             r = &mut wait => break r,
             _ = check.tick(), if embedded.is_none() => {
-                match lead_if_needed(env, &store, &mut said_unreachable, true).await {
+                match lead_if_needed(v, &mut said_unreachable, true, progress).await {
                     Ok(e) => embedded = e,
                     Err(e) => break Err(e),
                 }
@@ -178,23 +197,52 @@ pub async fn wait_all(
     result
 }
 
+/// A wait with a bound that is an answer, not a failure: `Ok(None)` when `until` held,
+/// `Ok(Some(where they stand))` when the time ran out; a `Cancelled` error when `cancel`
+/// fires first. What the tools wait with.
+pub async fn bounded(
+    v: &Verbs,
+    targets: &[ObjectRef],
+    until: &Until,
+    timeout: Duration,
+    cancel: impl std::future::Future<Output = ()>,
+) -> Result<Option<String>> {
+    if targets.is_empty() {
+        return Ok(None);
+    }
+    let w = wait_all(v, targets, until, timeout, &Quiet);
+    let r = tokio::select! {
+        r = w => r,
+        _ = cancel => return Err(VerbError::new(ErrorKind::Cancelled, "cancelled")),
+    };
+    match r {
+        Ok(()) => Ok(None),
+        Err(e) if e.kind() == ErrorKind::Timeout => Ok(Some(e.chain())),
+        Err(e) => Err(e),
+    }
+}
+
 /// How often a wait that does not lead checks that something does.
 const TAKE_OVER_CHECK: Duration = Duration::from_secs(3);
 
 /// The controllers of this process, if nothing else leads (saying so when it is a take-over);
-/// an unreachable backend is said once and waited on.
+/// an unreachable backend is said once and waited on. Verbs over a store this process did not
+/// open wait on the store only.
 async fn lead_if_needed(
-    env: &Env,
-    store: &boxery_store::Store,
+    v: &Verbs,
     said_unreachable: &mut bool,
     taking_over: bool,
-) -> CliResult<Option<crate::runtime::Embedded>> {
+    progress: &dyn Progress,
+) -> Result<Option<crate::runtime::Embedded>> {
+    let Ok(store) = v.local() else {
+        return Ok(None);
+    };
     Ok(
-        match crate::runtime::Embedded::start_if_needed(env, store).await? {
+        match crate::runtime::Embedded::start_if_needed(&v.env, store).await? {
             Started::Here(e) => {
                 if taking_over {
-                    eprintln!(
-                        "boxery: no control plane leads the store any more; running the controllers here"
+                    progress.note(
+                        "boxery: no control plane leads the store any more; running the controllers here",
                     );
                 }
                 Some(e)
@@ -203,7 +251,7 @@ async fn lead_if_needed(
             Started::Unreachable(why) => {
                 // Keep waiting: the condition may be the unreachable one, or a `serve` may lead.
                 if !*said_unreachable {
-                    eprintln!("boxery: {why}; waiting on the store only");
+                    progress.note(&format!("boxery: {why}; waiting on the store only"));
                     *said_unreachable = true;
                 }
                 None
@@ -213,29 +261,30 @@ async fn lead_if_needed(
 }
 
 async fn wait_inner(
-    store: &boxery_store::Store,
-    targets: &[(String, String)],
+    store: &dyn ObjectStore,
+    targets: &[ObjectRef],
     until: &Until,
     timeout: Duration,
-    quiet: bool,
-) -> CliResult {
+    progress: &dyn Progress,
+) -> Result {
     // Never `Instant + timeout` unchecked: a huge timeout would panic.
     let deadline = Instant::now()
         .checked_add(timeout.min(MAX_WAIT))
-        .ok_or_else(|| CliError::invalid("the timeout is too long"))?;
-    let from = store.revision()?;
-    let mut pending: Vec<(String, String)> = Vec::new();
-    for (kind, name) in targets {
-        let obj = store.get(kind, name)?;
+        .ok_or_else(|| VerbError::invalid("the timeout is too long"))?;
+    let from = store.revision().await?;
+    let mut pending: Vec<ObjectRef> = Vec::new();
+    for t in targets {
+        let obj = store.get(t).await?;
         if obj.is_none() && *until != Until::Deleted {
-            return Err(CliError::not_found(format!("{kind} {name} not found")));
+            return Err(VerbError::not_found(format!(
+                "{} {} not found",
+                t.kind, t.name
+            )));
         }
         if holds(until, obj.as_ref())? {
-            if !quiet {
-                println!("{}/{} condition met", kind.to_lowercase(), name);
-            }
+            progress.met(t);
         } else {
-            pending.push((kind.clone(), name.clone()));
+            pending.push(t.clone());
         }
     }
     if pending.is_empty() {
@@ -249,13 +298,18 @@ async fn wait_inner(
         match next {
             Err(_) => {
                 let mut lines = Vec::new();
-                for (kind, name) in &pending {
-                    let obj = store.get(kind, name)?;
-                    lines.push(format!("{kind} {name}: {}", describe_state(obj.as_ref())));
+                for t in &pending {
+                    let obj = store.get(t).await?;
+                    lines.push(format!(
+                        "{} {}: {}",
+                        t.kind,
+                        t.name,
+                        describe_state(obj.as_ref())
+                    ));
                 }
-                return Err(CliError::new(
-                    Code::Timeout,
-                    anyhow::anyhow!(
+                return Err(VerbError::new(
+                    ErrorKind::Timeout,
+                    format!(
                         "timed out after {} waiting for {}: {}",
                         humantime::format_duration(timeout),
                         describe_until(until),
@@ -263,11 +317,11 @@ async fn wait_inner(
                     ),
                 ));
             }
-            Ok(None) => return Err(CliError::failed("the store's watch ended")),
+            Ok(None) => return Err(VerbError::failed("the store's watch ended")),
             Ok(Some(Err(boxery_store::StoreError::TooOld { .. }))) => {
                 // Compacted under us: re-check everything, then watch from now.
-                watch = store.watch(None, store.revision()?);
-                recheck(store, &mut pending, until, quiet)?;
+                watch = store.watch(None, store.revision().await?);
+                recheck(store, &mut pending, until, progress).await?;
             }
             Ok(Some(Err(e))) => return Err(e.into()),
             Ok(Some(Ok((_, ev)))) => {
@@ -278,12 +332,12 @@ async fn wait_inner(
                 };
                 if pending
                     .iter()
-                    .any(|(k, n)| *k == obj.kind && *n == obj.metadata.name)
+                    .any(|t| t.kind == obj.kind && t.name == obj.metadata.name)
                 {
-                    if !quiet {
-                        progress(&mut shown, obj);
+                    if let Some(line) = changed(&mut shown, obj) {
+                        progress.state(&line);
                     }
-                    recheck(store, &mut pending, until, quiet)?;
+                    recheck(store, &mut pending, until, progress).await?;
                 }
             }
         }
@@ -293,8 +347,12 @@ async fn wait_inner(
     }
 }
 
-/// Print where an object stands when that changed (progress for long waits, on stderr).
-fn progress(shown: &mut std::collections::HashMap<String, String>, obj: &DynObject) {
+/// Where an object stands, when that changed since it was last said (progress for long
+/// waits).
+fn changed(
+    shown: &mut std::collections::HashMap<String, String>,
+    obj: &DynObject,
+) -> Option<String> {
     let st = obj.status();
     let word = st["printableStatus"]
         .as_str()
@@ -313,27 +371,26 @@ fn progress(shown: &mut std::collections::HashMap<String, String>, obj: &DynObje
         obj.metadata.name
     );
     let key = format!("{}/{}", obj.kind, obj.metadata.name);
-    if shown.get(&key) != Some(&line) {
-        eprintln!("{line}");
-        shown.insert(key, line);
+    if shown.get(&key) == Some(&line) {
+        return None;
     }
+    shown.insert(key, line.clone());
+    Some(line)
 }
 
-fn recheck(
-    store: &boxery_store::Store,
-    pending: &mut Vec<(String, String)>,
+async fn recheck(
+    store: &dyn ObjectStore,
+    pending: &mut Vec<ObjectRef>,
     until: &Until,
-    quiet: bool,
-) -> CliResult {
+    progress: &dyn Progress,
+) -> Result {
     let mut still = Vec::new();
-    for (kind, name) in pending.drain(..) {
-        let obj = store.get(&kind, &name)?;
+    for t in pending.drain(..) {
+        let obj = store.get(&t).await?;
         if holds(until, obj.as_ref())? {
-            if !quiet {
-                println!("{}/{} condition met", kind.to_lowercase(), name);
-            }
+            progress.met(&t);
         } else {
-            still.push((kind, name));
+            still.push(t);
         }
     }
     *pending = still;
