@@ -1,72 +1,52 @@
-//! Lifecycle tools: they write specs into the store (validated exactly as `boxery apply` does)
-//! and wait, bounded, on conditions; a wait that runs out returns where the object stands.
+//! Lifecycle tools: they call the verbs (`boxery_verbs`: the same functions as `boxery apply`,
+//! `new`, `snap`…, validated exactly as `boxery apply` validates) and wait, bounded, on the
+//! plan a verb returns; a wait that runs out returns where the object stands.
 //!
-//! Waits run through `crate::wait::wait_all`, which runs the controllers in-process when
+//! Waits run through `boxery_verbs::wait::bounded`, which runs the controllers in-process when
 //! nothing leads the store (and `boxery mcp` runs them for its whole life in that case).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use boxery_api::image::ImageSpec;
-use boxery_api::vm::{Resources, Restore, VmSpec};
-use boxery_api::{
-    ConditionStatus, DynObject, Image, ImageSource, Name, OwnerReference, Quantity, RunStrategy,
-    Selector, Vm, VmSource, lookup_kind, now,
-};
-use boxery_store::{ApplyAction, ApplyOptions, DeleteOutcome, Store, StoreError};
+use boxery_api::{Name, Quantity, RunStrategy, Vm};
+use boxery_store::{ObjectRef, ObjectStoreExt};
+use boxery_verbs::objects::{self, Deleted};
+use boxery_verbs::render;
+use boxery_verbs::vm::{self as verbs_vm, Plan, Size};
+use boxery_verbs::wait::{self, Until};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use super::{Output, Session, ToolError, ToolResult, clamp_timeout};
-use crate::output;
-use crate::wait::{self, Until};
 
 fn kind_of(name: Option<&str>) -> Result<&'static boxery_api::KindInfo, ToolError> {
-    Ok(crate::commands::kind(name.unwrap_or("vm"))?)
-}
-
-fn ready() -> Until {
-    Until::Condition("Ready".into(), ConditionStatus::True)
-}
-
-fn stopped() -> Until {
-    Until::JsonPath("{.status.phase}".into(), "Stopped".into())
+    Ok(objects::kind(name.unwrap_or("vm"))?)
 }
 
 /// Wait (bounded); `Ok(None)` when it held, `Ok(Some(state))` when the time ran out.
 pub(super) async fn bounded_wait(
     session: &Session,
-    targets: &[(String, String)],
+    targets: &[ObjectRef],
     until: &Until,
     timeout: Duration,
     ct: &CancellationToken,
 ) -> Result<Option<String>, ToolError> {
-    if targets.is_empty() {
-        return Ok(None);
-    }
-    let w = wait::wait_all(&session.env, targets, until, timeout, true);
-    let r = tokio::select! {
-        r = w => r,
-        _ = ct.cancelled() => return Err(ToolError::Cancelled),
-    };
-    match r {
-        Ok(()) => Ok(None),
-        Err(e) if e.code == crate::exit::Code::Timeout => Ok(Some(format!("{:#}", e.error))),
-        Err(e) => Err(e.into()),
-    }
+    Ok(wait::bounded(session.verbs()?, targets, until, timeout, ct.cancelled()).await?)
 }
 
 /// One line per object: `kind/name STATUS (Ready=…: message)`.
-fn state_lines(
-    store: &Store,
-    targets: &[(String, String)],
+async fn state_lines(
+    session: &Session,
+    targets: &[ObjectRef],
 ) -> Result<(String, Vec<Value>), ToolError> {
+    let store = session.verbs()?.store();
     let mut text = String::new();
     let mut data = Vec::new();
-    for (k, n) in targets {
-        let o = store.get(k, n)?;
+    for t in targets {
+        let (k, n) = (&t.kind, &t.name);
+        let o = store.get(t).await?;
         text.push_str(&format!(
             "{}/{n}: {}\n",
             k.to_lowercase(),
@@ -83,26 +63,32 @@ fn state_lines(
     Ok((text, data))
 }
 
-/// Finish a spec-writing call: wait, then report the state either way.
+/// Finish a spec-writing call: wait for the plan's last step (the earlier ones first, each
+/// saying when it did not hold), then report the state either way.
 async fn finish(
     session: &Session,
     mut text: String,
-    targets: Vec<(String, String)>,
-    until: Until,
+    plan: Plan,
     wait_for: Option<Duration>,
     ct: &CancellationToken,
 ) -> ToolResult {
     let mut converged = true;
     if let Some(t) = wait_for
-        && let Some(why) = bounded_wait(session, &targets, &until, t, ct).await?
+        && let Some((last, before)) = plan.steps.split_last()
     {
-        converged = false;
-        text.push_str(&format!(
-            "not there yet ({why}); it keeps converging: vm_wait or vm_get to follow it\n"
-        ));
+        for until in before {
+            if let Some(why) = bounded_wait(session, &plan.targets, until, t, ct).await? {
+                text.push_str(&format!("not reverted yet: {why}\n"));
+            }
+        }
+        if let Some(why) = bounded_wait(session, &plan.targets, last, t, ct).await? {
+            converged = false;
+            text.push_str(&format!(
+                "not there yet ({why}); it keeps converging: vm_wait or vm_get to follow it\n"
+            ));
+        }
     }
-    let store = session.store()?;
-    let (state, data) = state_lines(&store, &targets)?;
+    let (state, data) = state_lines(session, &plan.targets).await?;
     text.push_str(&state);
     Ok(Output::with_data(
         text,
@@ -127,96 +113,6 @@ pub struct ApplyArgs {
     pub timeout_seconds: Option<u64>,
 }
 
-/// `vm_apply`.
-pub async fn apply(session: Arc<Session>, a: ApplyArgs, ct: CancellationToken) -> ToolResult {
-    let manifests = boxery_api::codec::parse_manifests("manifest", a.manifest.as_bytes())
-        .map_err(|e| ToolError::Invalid(format!("{e}")))?;
-    if manifests.is_empty() {
-        return Err(ToolError::Invalid("the manifest holds no documents".into()));
-    }
-    let store = session.store()?;
-    let objs: Vec<DynObject> = manifests.iter().map(|m| m.object.clone()).collect();
-    let results = store
-        .apply_all(
-            objs,
-            &ApplyOptions {
-                dry_run: a.dry_run,
-                prune: None,
-            },
-        )
-        .map_err(|e| match e {
-            StoreError::Invalid(v) => ToolError::Invalid(format!("{v}")),
-            e => e.into(),
-        })?;
-    let mut text = String::new();
-    let mut ready_t = Vec::new();
-    let mut stopped_t = Vec::new();
-    let mut vms = Vec::new();
-    for (action, obj) in &results {
-        let word = match action {
-            ApplyAction::Created => "created",
-            ApplyAction::Configured => "configured",
-            ApplyAction::Unchanged => "unchanged",
-            ApplyAction::Pruned => "pruned",
-        };
-        let singular = lookup_kind(&obj.kind)
-            .map(|k| k.singular)
-            .unwrap_or("object");
-        text.push_str(&format!(
-            "{singular}/{} {word}{}\n",
-            obj.metadata.name,
-            if a.dry_run { " (dry run)" } else { "" }
-        ));
-        if obj.kind == "Vm" {
-            vms.push(obj.metadata.name.clone());
-        }
-        if matches!(obj.kind.as_str(), "Vm" | "Image") {
-            let t = (obj.kind.clone(), obj.metadata.name.clone());
-            if obj.spec()["runStrategy"] == "Stopped" {
-                stopped_t.push(t);
-            } else {
-                ready_t.push(t);
-            }
-        }
-    }
-    if a.dry_run {
-        return Ok(Output::with_data(text, json!({"dry_run": true})));
-    }
-    if let [one] = vms.as_slice() {
-        session.set_default_vm(Some(one.clone()));
-        text.push_str(&format!("(VM {one} is this session's default VM now)\n"));
-    }
-    let wait_for = a
-        .wait
-        .unwrap_or(true)
-        .then(|| clamp_timeout(a.timeout_seconds, 600));
-    if let Some(t) = wait_for
-        && let Some(why) = bounded_wait(&session, &stopped_t, &stopped(), t, &ct).await?
-    {
-        text.push_str(&format!("not stopped yet: {why}\n"));
-    }
-    let mut all = ready_t.clone();
-    all.extend(stopped_t);
-    let converged = match wait_for {
-        Some(t) => match bounded_wait(&session, &ready_t, &ready(), t, &ct).await? {
-            None => true,
-            Some(why) => {
-                text.push_str(&format!(
-                    "not there yet ({why}); it keeps converging: vm_wait or vm_get to follow it\n"
-                ));
-                false
-            }
-        },
-        None => false,
-    };
-    let (state, data) = state_lines(&store, &all)?;
-    text.push_str(&state);
-    Ok(Output::with_data(
-        text,
-        json!({"objects": data, "converged": converged}),
-    ))
-}
-
 /// `vm_get` arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -232,40 +128,6 @@ pub struct GetArgs {
     pub selector: Option<String>,
 }
 
-/// `vm_get`.
-pub async fn get(session: Arc<Session>, a: GetArgs, _ct: CancellationToken) -> ToolResult {
-    let info = kind_of(a.kind.as_deref())?;
-    let store = session.store()?;
-    let sel: Selector = a
-        .selector
-        .as_deref()
-        .unwrap_or("")
-        .parse()
-        .map_err(|e| ToolError::Invalid(format!("bad selector: {e}")))?;
-    if let Some(n) = &a.name {
-        let o = store.get(info.kind, n)?.ok_or_else(|| {
-            if info.kind == "Vm" {
-                session.unknown_vm(n)
-            } else {
-                ToolError::NotFound(format!(
-                    "{} {n} not found: vm_get {{kind: {}}} lists them",
-                    info.kind, info.plural
-                ))
-            }
-        })?;
-        let v = output::display_value(&o);
-        return Ok(Output::with_data(output::to_yaml(&v)?, v));
-    }
-    let (objs, _) = store.list(info.kind, &sel)?;
-    let vals: Vec<Value> = objs.iter().map(output::display_value).collect();
-    let text = if vals.is_empty() {
-        format!("no {}\n", info.plural)
-    } else {
-        output::table(info.kind, &vals, true, true)
-    };
-    Ok(Output::with_data(text, json!({ "items": vals })))
-}
-
 /// `vm_describe` arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -276,49 +138,6 @@ pub struct DescribeArgs {
     /// The name (default: the session's VM).
     #[serde(default)]
     pub name: Option<String>,
-}
-
-/// `vm_describe`.
-pub async fn describe(
-    session: Arc<Session>,
-    a: DescribeArgs,
-    _ct: CancellationToken,
-) -> ToolResult {
-    let info = kind_of(a.kind.as_deref())?;
-    let name = match a.name {
-        Some(n) => n,
-        None if info.kind == "Vm" => session.resolve_vm(None)?,
-        None => return Err(ToolError::Invalid("give the object's `name`".into())),
-    };
-    let store = session.store()?;
-    let o = store.get(info.kind, &name)?.ok_or_else(|| {
-        if info.kind == "Vm" {
-            session.unknown_vm(&name)
-        } else {
-            ToolError::NotFound(format!("{} {name} not found", info.kind))
-        }
-    })?;
-    let mut v = output::display_value(&o);
-    let events: Vec<Value> = crate::commands::events_for(&store, info.kind, &name)?
-        .iter()
-        .rev()
-        .take(20)
-        .map(|e| {
-            json!({
-                "type": e.rest["type"], "reason": e.rest["reason"], "message": e.rest["message"],
-                "count": e.rest["count"], "lastTimestamp": e.rest["lastTimestamp"],
-            })
-        })
-        .collect();
-    v["events"] = Value::Array(events);
-    Ok(Output::with_data(
-        format!(
-            "{}\n{}",
-            wait::describe_state(Some(&o)),
-            output::to_yaml(&v)?
-        ),
-        v,
-    ))
 }
 
 /// `vm_delete` arguments.
@@ -338,54 +157,6 @@ pub struct DeleteArgs {
     pub timeout_seconds: Option<u64>,
 }
 
-async fn delete_objects(
-    session: &Session,
-    kind: &'static boxery_api::KindInfo,
-    names: &[String],
-    wait_for: Option<Duration>,
-    ct: &CancellationToken,
-) -> ToolResult {
-    if names.is_empty() {
-        return Err(ToolError::Invalid(
-            "name at least one object to delete".into(),
-        ));
-    }
-    // Every name first: one bad name deletes none of the others.
-    for n in names {
-        Name::for_kind(kind, n).map_err(|e| ToolError::Invalid(format!("names: {e}")))?;
-    }
-    let store = session.store()?;
-    let mut text = String::new();
-    let mut targets = Vec::new();
-    for n in names {
-        let r = store.delete(kind.kind, n).map_err(|e| match e {
-            StoreError::NotFound { .. } if kind.kind == "Vm" => session.unknown_vm(n),
-            e => e.into(),
-        })?;
-        match r {
-            DeleteOutcome::Removed(_) => text.push_str(&format!("{}/{n} deleted\n", kind.singular)),
-            DeleteOutcome::Marked(_) => {
-                text.push_str(&format!("{}/{n} deleting\n", kind.singular));
-                targets.push((kind.kind.to_string(), n.clone()));
-            }
-        }
-        if session.default_vm().as_deref() == Some(n) && kind.kind == "Vm" {
-            session.set_default_vm(None);
-        }
-    }
-    finish(session, text, targets, Until::Deleted, wait_for, ct).await
-}
-
-/// `vm_delete`.
-pub async fn delete(session: Arc<Session>, a: DeleteArgs, ct: CancellationToken) -> ToolResult {
-    let info = kind_of(a.kind.as_deref())?;
-    let wait_for = a
-        .wait
-        .unwrap_or(true)
-        .then(|| clamp_timeout(a.timeout_seconds, 120));
-    delete_objects(&session, info, &a.names, wait_for, &ct).await
-}
-
 /// `vm_wait` arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -402,38 +173,6 @@ pub struct WaitArgs {
     /// How long to wait (default 300 s, at most 1800).
     #[serde(default)]
     pub timeout_seconds: Option<u64>,
-}
-
-/// `vm_wait`.
-pub async fn wait(session: Arc<Session>, a: WaitArgs, ct: CancellationToken) -> ToolResult {
-    let info = kind_of(a.kind.as_deref())?;
-    let name = match a.name {
-        Some(n) => n,
-        None => session.resolve_vm(None)?,
-    };
-    let until: Until = a.until.as_deref().unwrap_or("condition=Ready").parse()?;
-    let store = session.store()?;
-    if until != Until::Deleted && store.get(info.kind, &name)?.is_none() {
-        return Err(if info.kind == "Vm" {
-            session.unknown_vm(&name)
-        } else {
-            ToolError::NotFound(format!("{} {name} not found", info.kind))
-        });
-    }
-    let t = clamp_timeout(a.timeout_seconds, 300);
-    let targets = vec![(info.kind.to_string(), name)];
-    match bounded_wait(&session, &targets, &until, t, &ct).await? {
-        None => {
-            let (state, data) = state_lines(&store, &targets)?;
-            Ok(Output::with_data(
-                format!("condition met\n{state}"),
-                json!({"met": true, "objects": data}),
-            ))
-        }
-        Some(why) => Err(ToolError::Timeout(format!(
-            "{why}; call vm_wait again to keep waiting, or vm_describe to see why"
-        ))),
-    }
 }
 
 /// A `vm_manage` verb.
@@ -493,6 +232,198 @@ pub struct ManageArgs {
     pub timeout_seconds: Option<u64>,
 }
 
+/// `vm_use` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UseArgs {
+    /// The VM to make this session's default (absent: show the current default).
+    #[serde(default)]
+    pub vm: Option<String>,
+}
+
+/// `vm_apply`.
+pub async fn apply(session: Arc<Session>, a: ApplyArgs, ct: CancellationToken) -> ToolResult {
+    let manifests = boxery_api::codec::parse_manifests("manifest", a.manifest.as_bytes())
+        .map_err(|e| ToolError::Invalid(format!("{e}")))?;
+    let objs = manifests.into_iter().map(|m| m.object).collect();
+    let applied = objects::apply(session.verbs()?, objs, a.dry_run, None).await?;
+    let mut text: String = applied.lines().iter().map(|l| format!("{l}\n")).collect();
+    if a.dry_run {
+        return Ok(Output::with_data(text, json!({"dry_run": true})));
+    }
+    let vms: Vec<&str> = applied
+        .results
+        .iter()
+        .filter(|(_, o)| o.kind == "Vm")
+        .map(|(_, o)| o.metadata.name.as_str())
+        .collect();
+    if let [one] = vms.as_slice() {
+        session.set_default_vm(Some(one.to_string()));
+        text.push_str(&format!("(VM {one} is this session's default VM now)\n"));
+    }
+    let wait_for = a
+        .wait
+        .unwrap_or(true)
+        .then(|| clamp_timeout(a.timeout_seconds, 600));
+    if let Some(t) = wait_for
+        && let Some(why) =
+            bounded_wait(&session, &applied.stopped, &verbs_vm::stopped(), t, &ct).await?
+    {
+        text.push_str(&format!("not stopped yet: {why}\n"));
+    }
+    let mut all = applied.ready.clone();
+    all.extend(applied.stopped.iter().cloned());
+    let converged = match wait_for {
+        Some(t) => {
+            match bounded_wait(&session, &applied.ready, &verbs_vm::ready(), t, &ct).await? {
+                None => true,
+                Some(why) => {
+                    text.push_str(&format!(
+                    "not there yet ({why}); it keeps converging: vm_wait or vm_get to follow it\n"
+                ));
+                    false
+                }
+            }
+        }
+        None => false,
+    };
+    let (state, data) = state_lines(&session, &all).await?;
+    text.push_str(&state);
+    Ok(Output::with_data(
+        text,
+        json!({"objects": data, "converged": converged}),
+    ))
+}
+
+/// `vm_get`.
+pub async fn get(session: Arc<Session>, a: GetArgs, _ct: CancellationToken) -> ToolResult {
+    let info = kind_of(a.kind.as_deref())?;
+    let v = session.verbs()?;
+    let sel = objects::selector(a.selector.as_deref())
+        .map_err(|e| ToolError::Invalid(format!("bad selector: {e}")))?;
+    if let Some(n) = &a.name {
+        let (objs, _) = objects::get(v, info, std::slice::from_ref(n), &Default::default()).await?;
+        let value = objs.first().map(render::display_value).unwrap_or_default();
+        return Ok(Output::with_data(render::to_yaml(&value)?, value));
+    }
+    let (objs, _) = objects::get(v, info, &[], &sel).await?;
+    let vals: Vec<Value> = objs.iter().map(render::display_value).collect();
+    let text = if vals.is_empty() {
+        format!("no {}\n", info.plural)
+    } else {
+        render::table(info.kind, &vals, true, true)
+    };
+    Ok(Output::with_data(text, json!({ "items": vals })))
+}
+
+/// `vm_describe`.
+pub async fn describe(
+    session: Arc<Session>,
+    a: DescribeArgs,
+    _ct: CancellationToken,
+) -> ToolResult {
+    let info = kind_of(a.kind.as_deref())?;
+    let name = match a.name {
+        Some(n) => n,
+        None if info.kind == "Vm" => session.resolve_vm(None)?,
+        None => return Err(ToolError::Invalid("give the object's `name`".into())),
+    };
+    let v = session.verbs()?;
+    let o = objects::get_one(v, info, &name).await?;
+    let mut value = render::display_value(&o);
+    let events: Vec<Value> = objects::events(v, Some((info.kind, &name)))
+        .await?
+        .iter()
+        .rev()
+        .take(20)
+        .map(|e| {
+            json!({
+                "type": e.rest["type"], "reason": e.rest["reason"], "message": e.rest["message"],
+                "count": e.rest["count"], "lastTimestamp": e.rest["lastTimestamp"],
+            })
+        })
+        .collect();
+    value["events"] = Value::Array(events);
+    Ok(Output::with_data(
+        format!(
+            "{}\n{}",
+            wait::describe_state(Some(&o)),
+            render::to_yaml(&value)?
+        ),
+        value,
+    ))
+}
+
+async fn delete_objects(
+    session: &Session,
+    kind: &'static boxery_api::KindInfo,
+    names: &[String],
+    wait_for: Option<Duration>,
+    ct: &CancellationToken,
+) -> ToolResult {
+    let done = objects::delete(session.verbs()?, kind, names).await?;
+    let mut text = String::new();
+    let mut targets = Vec::new();
+    for d in done {
+        let n = match d {
+            Deleted::Removed(n) => {
+                text.push_str(&format!("{}/{n} deleted\n", kind.singular));
+                n
+            }
+            Deleted::Deleting(n) => {
+                text.push_str(&format!("{}/{n} deleting\n", kind.singular));
+                targets.push(ObjectRef::new(kind.kind, n.clone()));
+                n
+            }
+        };
+        if session.default_vm().as_deref() == Some(n.as_str()) && kind.kind == "Vm" {
+            session.set_default_vm(None);
+        }
+    }
+    let plan = Plan {
+        targets,
+        steps: vec![Until::Deleted],
+    };
+    finish(session, text, plan, wait_for, ct).await
+}
+
+/// `vm_delete`.
+pub async fn delete(session: Arc<Session>, a: DeleteArgs, ct: CancellationToken) -> ToolResult {
+    let info = kind_of(a.kind.as_deref())?;
+    let wait_for = a
+        .wait
+        .unwrap_or(true)
+        .then(|| clamp_timeout(a.timeout_seconds, 120));
+    delete_objects(&session, info, &a.names, wait_for, &ct).await
+}
+
+/// `vm_wait`.
+pub async fn wait(session: Arc<Session>, a: WaitArgs, ct: CancellationToken) -> ToolResult {
+    let info = kind_of(a.kind.as_deref())?;
+    let name = match a.name {
+        Some(n) => n,
+        None => session.resolve_vm(None)?,
+    };
+    let until: Until = a.until.as_deref().unwrap_or("condition=Ready").parse()?;
+    if until != Until::Deleted {
+        objects::get_one(session.verbs()?, info, &name).await?;
+    }
+    let t = clamp_timeout(a.timeout_seconds, 300);
+    let targets = vec![ObjectRef::new(info.kind, name)];
+    match bounded_wait(&session, &targets, &until, t, &ct).await? {
+        None => {
+            let (state, data) = state_lines(&session, &targets).await?;
+            Ok(Output::with_data(
+                format!("condition met\n{state}"),
+                json!({"met": true, "objects": data}),
+            ))
+        }
+        Some(why) => Err(ToolError::Timeout(format!(
+            "{why}; call vm_wait again to keep waiting, or vm_describe to see why"
+        ))),
+    }
+}
+
 fn quantity(s: &Option<String>, what: &str) -> Result<Option<Quantity>, ToolError> {
     s.as_deref()
         .map(|q| {
@@ -502,48 +433,14 @@ fn quantity(s: &Option<String>, what: &str) -> Result<Option<Quantity>, ToolErro
         .transpose()
 }
 
-fn resources(a: &ManageArgs, base: Resources) -> Result<Resources, ToolError> {
-    Ok(Resources {
-        shape: base.shape,
-        cpus: a.cpus.or(base.cpus),
-        memory: quantity(&a.memory, "memory")?.or(base.memory),
-        disk: quantity(&a.disk, "disk")?.or(base.disk),
+fn size(a: &ManageArgs) -> Result<Size, ToolError> {
+    Ok(Size {
+        cpus: a.cpus,
+        memory: quantity(&a.memory, "memory")?,
+        disk: quantity(&a.disk, "disk")?,
     })
 }
 
-fn edit_vm(session: &Session, name: &str, f: impl Fn(&mut Vm)) -> Result<Vm, ToolError> {
-    let store = session.store()?;
-    for _ in 0..10 {
-        let mut vm: Vm = store
-            .get_as(name)?
-            .ok_or_else(|| session.unknown_vm(name))?;
-        if vm.metadata.is_deleting() {
-            return Err(ToolError::Conflict(format!("VM {name} is being deleted")));
-        }
-        f(&mut vm);
-        match store.update_as(&vm) {
-            Ok(v) => return Ok(v),
-            Err(StoreError::Conflict { .. }) => continue,
-            Err(StoreError::Invalid(v)) => return Err(ToolError::Invalid(format!("{v}"))),
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Err(ToolError::Conflict(format!(
-        "VM {name} kept changing under this call: try again"
-    )))
-}
-
-fn create<R: boxery_api::Resource>(store: &Store, obj: &R, what: &str) -> Result<(), ToolError> {
-    store.create_as(obj).map(|_| ()).map_err(|e| match e {
-        StoreError::AlreadyExists { .. } => {
-            ToolError::Conflict(format!("{what} already exists: pick another name"))
-        }
-        StoreError::Invalid(v) => ToolError::Invalid(format!("{v}")),
-        e => e.into(),
-    })
-}
-
-/// `vm_manage`.
 /// Every name `vm_manage` was given, checked before it does anything (so a fork with one bad
 /// name makes none of the others).
 fn check_names(a: &ManageArgs) -> Result<(), ToolError> {
@@ -568,205 +465,105 @@ fn check_names(a: &ManageArgs) -> Result<(), ToolError> {
     Ok(())
 }
 
+/// `vm_manage`: one verb per action.
 pub async fn manage(session: Arc<Session>, a: ManageArgs, ct: CancellationToken) -> ToolResult {
     check_names(&a)?;
     let wait_for = a
         .wait
         .unwrap_or(true)
         .then(|| clamp_timeout(a.timeout_seconds, 600));
-    let store = session.store()?;
-    let vm_t = |n: &str| vec![("Vm".to_string(), n.to_string())];
-    match a.action {
-        Action::New => {
-            let name =
-                a.vm.clone()
-                    .filter(|v| !v.is_empty())
-                    .ok_or_else(|| ToolError::Invalid("give the new VM's name in `vm`".into()))?;
-            let spec = VmSpec {
-                source: VmSource::Image(
-                    a.from
-                        .clone()
-                        .unwrap_or_else(|| boxery_api::vm::STOCK_IMAGE.into()),
-                ),
-                resources: resources(&a, Resources::default())?,
-                headless: true,
-                layers: vec![],
-                run_strategy: RunStrategy::Running,
-                restore: None,
-            };
-            create(&store, &Vm::new(&name, spec), &format!("VM {name}"))?;
-            session.set_default_vm(Some(name.clone()));
-            finish(
-                &session,
-                format!("vm/{name} created (now this session's default VM)\n"),
-                vm_t(&name),
-                ready(),
-                wait_for,
-                &ct,
-            )
-            .await
-        }
-        Action::Snap | Action::Revert => {
-            let vm = session.resolve_vm(a.vm.clone())?;
-            let label = a
-                .label
-                .clone()
-                .filter(|l| !l.is_empty())
-                .ok_or_else(|| ToolError::Invalid("give the snapshot's `label`".into()))?;
-            let image = crate::sugar::image_name(&vm, &label);
-            if a.action == Action::Snap {
-                let v: Vm = store.get_as(&vm)?.ok_or_else(|| session.unknown_vm(&vm))?;
-                let mut img = Image::new(
-                    &image,
-                    ImageSpec {
-                        source: ImageSource::Vm(vm.clone()),
-                    },
-                );
-                img.metadata
-                    .labels
-                    .insert("boxery.dev/vm".into(), vm.clone());
-                img.metadata.owner_references.push(OwnerReference {
-                    api_version: boxery_api::API_VERSION.into(),
-                    kind: "Vm".into(),
-                    name: vm.clone(),
-                    uid: v.metadata.uid.clone().unwrap_or_default(),
-                    controller: Some(false),
-                });
-                create(&store, &img, &format!("image {image}"))?;
-                finish(
-                    &session,
-                    format!("image/{image} created\n"),
-                    vec![("Image".into(), image)],
-                    ready(),
-                    wait_for,
-                    &ct,
-                )
-                .await
-            } else {
-                if store.get_as::<Image>(&image)?.is_none() {
-                    return Err(ToolError::NotFound(format!(
-                        "image {image} not found: vm_get {{kind: image}} lists snapshots"
-                    )));
-                }
-                let at = now();
-                edit_vm(&session, &vm, |v| {
-                    v.spec.restore = Some(Restore {
-                        image: image.clone(),
-                        requested_at: at,
-                    });
-                })?;
-                let mut text = format!("vm/{vm} reverting to {image}\n");
-                if let Some(t) = wait_for {
-                    let until = Until::JsonPath(
-                        "{.status.lastRestore.requestedAt}".into(),
-                        at.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true),
-                    );
-                    if let Some(why) = bounded_wait(&session, &vm_t(&vm), &until, t, &ct).await? {
-                        text.push_str(&format!("not reverted yet: {why}\n"));
-                    }
-                }
-                finish(&session, text, vm_t(&vm), ready(), wait_for, &ct).await
-            }
-        }
-        Action::Fork => {
-            let src = session.resolve_vm(a.vm.clone())?;
-            let s: Vm = store
-                .get_as(&src)?
-                .ok_or_else(|| session.unknown_vm(&src))?;
-            if a.names.is_empty() {
-                return Err(ToolError::Invalid("give the new VMs' `names`".into()));
-            }
-            let mut text = String::new();
-            for n in &a.names {
-                let spec = VmSpec {
-                    source: VmSource::Vm(src.clone()),
-                    resources: resources(&a, s.spec.resources.clone())?,
-                    headless: s.spec.headless,
-                    layers: s.spec.layers.clone(),
-                    run_strategy: RunStrategy::Running,
-                    restore: None,
-                };
-                let mut vm = Vm::new(n, spec);
-                vm.metadata.labels = s.metadata.labels.clone();
-                create(&store, &vm, &format!("VM {n}"))?;
-                text.push_str(&format!("vm/{n} created (fork of {src})\n"));
-            }
-            let targets = a
-                .names
-                .iter()
-                .map(|n| ("Vm".to_string(), n.clone()))
-                .collect();
-            finish(&session, text, targets, ready(), wait_for, &ct).await
-        }
-        Action::Start | Action::Stop => {
-            let vm = session.resolve_vm(a.vm.clone())?;
-            let run = if a.action == Action::Start {
-                RunStrategy::Running
-            } else {
-                RunStrategy::Stopped
-            };
-            edit_vm(&session, &vm, |v| v.spec.run_strategy = run)?;
-            let (word, until) = if run == RunStrategy::Running {
-                ("starting", ready())
-            } else {
-                ("stopping", stopped())
-            };
-            finish(
-                &session,
-                format!("vm/{vm} {word}\n"),
-                vm_t(&vm),
-                until,
-                wait_for,
-                &ct,
-            )
-            .await
-        }
-        Action::Resize => {
-            let vm = session.resolve_vm(a.vm.clone())?;
-            if a.cpus.is_none() && a.memory.is_none() && a.disk.is_none() {
-                return Err(ToolError::Invalid("give cpus, memory and/or disk".into()));
-            }
-            let r = {
-                let cur: Vm = store.get_as(&vm)?.ok_or_else(|| session.unknown_vm(&vm))?;
-                resources(&a, cur.spec.resources)?
-            };
-            let v = edit_vm(&session, &vm, |v| v.spec.resources = r.clone())?;
-            let generation = v.metadata.generation.unwrap_or(0);
-            finish(
-                &session,
-                format!("vm/{vm} resizing\n"),
-                vm_t(&vm),
-                Until::JsonPath(
-                    "{.status.observedGeneration}".into(),
-                    generation.to_string(),
-                ),
-                wait_for,
-                &ct,
-            )
-            .await
-        }
+    let (text, plan) = match a.action {
+        Action::New => manage_new(&session, &a).await?,
+        Action::Snap => manage_snap(&session, &a).await?,
+        Action::Revert => manage_revert(&session, &a).await?,
+        Action::Fork => manage_fork(&session, &a).await?,
+        Action::Start => manage_power(&session, &a, RunStrategy::Running).await?,
+        Action::Stop => manage_power(&session, &a, RunStrategy::Stopped).await?,
+        Action::Resize => manage_resize(&session, &a).await?,
         Action::Rm => {
             let vm = session.resolve_vm(a.vm.clone())?;
-            let info = kind_of(Some("vm"))?;
-            delete_objects(&session, info, &[vm], wait_for, &ct).await
+            return delete_objects(&session, kind_of(Some("vm"))?, &[vm], wait_for, &ct).await;
         }
-    }
+    };
+    finish(&session, text, plan, wait_for, &ct).await
 }
 
-/// `vm_use` arguments.
-#[derive(Debug, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct UseArgs {
-    /// The VM to make this session's default (absent: show the current default).
-    #[serde(default)]
-    pub vm: Option<String>,
+async fn manage_new(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+    let name =
+        a.vm.clone()
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| ToolError::Invalid("give the new VM's name in `vm`".into()))?;
+    let input = verbs_vm::NewVm {
+        name: name.clone(),
+        from: a.from.clone(),
+        size: size(a)?,
+        ..Default::default()
+    };
+    let plan = verbs_vm::new(session.verbs()?, input).await?;
+    session.set_default_vm(Some(name.clone()));
+    Ok((
+        format!("vm/{name} created (now this session's default VM)\n"),
+        plan,
+    ))
+}
+
+fn label_of(a: &ManageArgs) -> Result<String, ToolError> {
+    a.label
+        .clone()
+        .filter(|l| !l.is_empty())
+        .ok_or_else(|| ToolError::Invalid("give the snapshot's `label`".into()))
+}
+
+async fn manage_snap(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+    let vm = session.resolve_vm(a.vm.clone())?;
+    let label = label_of(a)?;
+    let (image, plan) = verbs_vm::snap(session.verbs()?, &vm, &label).await?;
+    Ok((format!("image/{image} created\n"), plan))
+}
+
+async fn manage_revert(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+    let vm = session.resolve_vm(a.vm.clone())?;
+    let label = label_of(a)?;
+    let (image, plan) = verbs_vm::revert(session.verbs()?, &vm, &label).await?;
+    Ok((format!("vm/{vm} reverting to {image}\n"), plan))
+}
+
+async fn manage_fork(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+    let src = session.resolve_vm(a.vm.clone())?;
+    let plan = verbs_vm::fork(session.verbs()?, &src, &a.names, &size(a)?).await?;
+    let text = a
+        .names
+        .iter()
+        .map(|n| format!("vm/{n} created (fork of {src})\n"))
+        .collect();
+    Ok((text, plan))
+}
+
+async fn manage_power(
+    session: &Session,
+    a: &ManageArgs,
+    run: RunStrategy,
+) -> Result<(String, Plan), ToolError> {
+    let vm = session.resolve_vm(a.vm.clone())?;
+    let plan = verbs_vm::power(session.verbs()?, std::slice::from_ref(&vm), run).await?;
+    let word = if run == RunStrategy::Running {
+        "starting"
+    } else {
+        "stopping"
+    };
+    Ok((format!("vm/{vm} {word}\n"), plan))
+}
+
+async fn manage_resize(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+    let vm = session.resolve_vm(a.vm.clone())?;
+    let plan = verbs_vm::resize(session.verbs()?, &vm, &size(a)?).await?;
+    Ok((format!("vm/{vm} resizing\n"), plan))
 }
 
 /// `vm_use`.
 pub async fn use_vm(session: Arc<Session>, a: UseArgs, _ct: CancellationToken) -> ToolResult {
     if let Some(vm) = a.vm.filter(|v| !v.is_empty()) {
-        let store = session.store()?;
-        if store.get_as::<Vm>(&vm)?.is_none() {
+        if session.verbs()?.store().get_as::<Vm>(&vm).await?.is_none() {
             return Err(session.unknown_vm(&vm));
         }
         session.set_default_vm(Some(vm.clone()));

@@ -1,4 +1,4 @@
-//! The MCP server, built from the tool table (`crate::tools`): `boxery mcp` over stdio, and
+//! The MCP server, built from the tool table ([`crate::tools`]): `boxery mcp` over stdio, and
 //! streamable HTTP at `/mcp` inside `boxery serve --mcp-listen ADDR`.
 //!
 //! Guarantees of the HTTP endpoint (every client is hostile until it shows the token):
@@ -47,10 +47,10 @@ use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt};
 use tokio_util::sync::CancellationToken;
 
-use crate::env::Env;
-use crate::exit::{CliError, CliResult};
-use crate::runtime::Started;
-use crate::tools::{self, Session};
+use boxery_verbs::runtime::Started;
+use boxery_verbs::{Env, Result as CliResult, VerbError as CliError};
+
+use crate::{self as tools, Session};
 
 /// The cap on an HTTP request body: the argument cap plus room for the envelope.
 pub const BODY_CAP: usize = tools::ARGS_CAP + (64 << 10);
@@ -155,14 +155,14 @@ fn embed_controllers(env: Env) -> tokio::task::JoinHandle<()> {
         let mut embedded = None;
         loop {
             if embedded.is_none() {
-                match crate::runtime::Embedded::start_if_needed(&env, &store).await {
+                match boxery_verbs::runtime::Embedded::start_if_needed(&env, &store).await {
                     Ok(Started::Here(e)) => {
                         tracing::info!("boxery mcp: running the controllers (no serve leads)");
                         embedded = Some(e);
                     }
                     Ok(Started::Elsewhere) => {}
                     Ok(Started::Unreachable(why)) => tracing::warn!("{why}; retrying in 5 s"),
-                    Err(e) => tracing::warn!(error = %e.error, "cannot run the controllers"),
+                    Err(e) => tracing::warn!(error = %e, "cannot run the controllers"),
                 }
             }
             tokio::time::sleep(Duration::from_secs(5)).await;
@@ -728,8 +728,8 @@ mod tests {
         let path = d.path().join("mcp-token");
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
         let e = token(&env).unwrap_err();
-        assert_eq!(e.code, crate::exit::Code::Invalid);
-        let msg = e.error.to_string();
+        assert_eq!(e.kind(), boxery_verbs::ErrorKind::Invalid);
+        let msg = e.to_string();
         assert!(
             msg.contains("mode 0644") && msg.contains("chmod 600"),
             "{msg}"
@@ -740,7 +740,7 @@ mod tests {
         std::fs::rename(&path, d.path().join("elsewhere")).unwrap();
         std::os::unix::fs::symlink(d.path().join("elsewhere"), &path).unwrap();
         let e = token(&env).unwrap_err();
-        assert!(e.error.to_string().contains("not a regular file"), "{e:?}");
+        assert!(e.to_string().contains("not a regular file"), "{e:?}");
     }
 
     fn limits(connections: usize, per_peer: usize) -> Limits {
