@@ -8,8 +8,8 @@ use boxery_backends::mark::Mark;
 use boxery_reconcilers::inventory::{Verdict, orphan_verdict};
 use boxery_store::Store;
 
-use crate::env::Env;
 use crate::exit::{CliError, CliResult};
+use boxery_verbs::Env;
 
 /// `orphans` subcommands.
 #[derive(Debug, clap::Subcommand)]
@@ -57,8 +57,13 @@ pub struct Orphan {
 
 /// Every VM and image of the backend without an owning object here.
 pub async fn list(env: &Env, store: &Store) -> CliResult<Vec<Orphan>> {
-    let backend = env.backend_for(store)?;
-    let ctx = crate::runtime::context(store, backend.clone(), Default::default(), "boxery-orphans");
+    let backend = env.backend_for(store).await?;
+    let ctx = boxery_verbs::runtime::context(
+        store,
+        backend.clone(),
+        Default::default(),
+        "boxery-orphans",
+    );
     let vms = backend.list().await.map_err(CliError::failed)?;
     let images = backend.images().await.map_err(CliError::failed)?;
     let mut out = Vec::new();
@@ -158,7 +163,7 @@ pub async fn orphans(env: &Env, cmd: Option<OrphansCmd>) -> CliResult {
                     kind.to_ascii_lowercase()
                 )));
             }
-            let backend = env.backend_for(&store)?;
+            let backend = env.backend_for(&store).await?;
             let r = if kind == "Vm" {
                 match backend.remove(&name).await {
                     Ok(()) => backend.cleanup_new(&name).await,
@@ -198,7 +203,7 @@ pub async fn orphans(env: &Env, cmd: Option<OrphansCmd>) -> CliResult {
 
 /// Write the object of an orphan again, with its old uid and a status saying it exists.
 async fn adopt(env: &Env, store: &Store, kind: &str, name: &str, uid: &str) -> CliResult {
-    let backend = env.backend_for(store)?;
+    let backend = env.backend_for(store).await?;
     let name = Name::for_kind(boxery_api::lookup_kind(kind).expect("Vm or Image"), name)
         .map_err(|e| CliError::invalid(e.0))?;
     let obj = if kind == "Vm" {

@@ -1,0 +1,222 @@
+//! `boxery pool …` and `boxery lease …`: the pool and lease verbs (`boxery_verbs::pools`),
+//! rendered.
+
+use std::time::Duration;
+
+use boxery_api::{Lease, Name, Pool};
+use boxery_store::{ObjectRef, ObjectStoreExt};
+use boxery_verbs::Verbs;
+use boxery_verbs::pools::{self, AcquireInput};
+use boxery_verbs::wait::Until;
+
+use crate::exit::{CliError, CliResult};
+use crate::wait;
+
+/// `pool` subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum PoolCmd {
+    /// Add an existing VM to a pool (made if missing): it turns from a pet into a pool VM.
+    Add {
+        /// The pool.
+        #[arg(value_parser = crate::args::label)]
+        pool: String,
+        /// The VM.
+        #[arg(value_parser = crate::args::label)]
+        vm: String,
+    },
+    /// Take a VM out of a pool (refused while it is leased).
+    Rm {
+        /// The pool.
+        #[arg(value_parser = crate::args::label)]
+        pool: String,
+        /// The VM.
+        #[arg(value_parser = crate::args::label)]
+        vm: String,
+    },
+    /// List pools and their members.
+    Ls,
+}
+
+/// `lease` subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum LeaseCmd {
+    /// Lease a free VM of a pool: makes a key pair here (the private key never leaves this
+    /// host), writes a Lease, and (with --wait) prints the VM and how to reach it.
+    Acquire {
+        /// The pool.
+        #[arg(value_parser = crate::args::label)]
+        pool: String,
+        /// How long until it expires unless renewed (60s..8h).
+        #[arg(long, default_value = "30m", value_parser = ttl_arg)]
+        ttl: Duration,
+        /// Who holds it (default: $USER@hostname).
+        #[arg(long)]
+        holder: Option<String>,
+        /// The lease's name (default: generated).
+        #[arg(long, value_parser = crate::args::label)]
+        name: Option<String>,
+        /// Wait until bound.
+        #[arg(long)]
+        wait: bool,
+        /// How long --wait waits.
+        #[arg(long, default_value = "5m", value_parser = boxery_verbs::wait::timeout_arg)]
+        timeout: Duration,
+    },
+    /// Renew a lease (refused once it expired, or for someone else's lease).
+    Renew {
+        /// The lease.
+        #[arg(value_parser = crate::args::label)]
+        name: String,
+        /// Your holder name (must match the lease's).
+        #[arg(long)]
+        holder: Option<String>,
+    },
+    /// Release a lease: the VM is reset to its clean image and goes back to the pool.
+    Release {
+        /// The lease.
+        #[arg(value_parser = crate::args::label)]
+        name: String,
+        /// Wait until the lease is gone.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// List leases.
+    Ls,
+}
+
+/// `lease acquire --ttl`: what a Lease's `leaseDurationSeconds` allows, 60 s to 8 h.
+fn ttl_arg(s: &str) -> Result<Duration, String> {
+    boxery_verbs::wait::duration_in(s, Duration::from_secs(60), Duration::from_secs(8 * 3600))
+}
+
+/// `pool …`.
+pub async fn pool(v: &Verbs, cmd: PoolCmd) -> CliResult {
+    match cmd {
+        PoolCmd::Add { pool, vm } => {
+            pools::add(v, &pool, &vm).await?;
+            println!("pool/{pool}: {vm} added (its clean image is captured once it is Ready)");
+        }
+        PoolCmd::Rm { pool, vm } => {
+            pools::remove(v, &pool, &vm).await?;
+            println!("pool/{pool}: {vm} removed");
+        }
+        PoolCmd::Ls => {
+            let pools = v.store().list_as::<Pool>(&Default::default()).await?;
+            if pools.is_empty() {
+                eprintln!("No pools found.");
+            }
+            for p in pools {
+                let s = &p.status;
+                let safe = boxery_verbs::render::safe;
+                println!(
+                    "{}: {} members, {} free, {} leased, {} resetting, {} broken",
+                    safe(&p.metadata.name),
+                    s.replicas,
+                    s.free,
+                    s.leased,
+                    s.resetting,
+                    s.broken
+                );
+                for m in &s.members {
+                    let lease = m
+                        .lease
+                        .as_deref()
+                        .map(|l| format!(" lease={}", safe(l)))
+                        .unwrap_or_default();
+                    let msg = if m.message.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", safe(&m.message))
+                    };
+                    println!(
+                        "  {:<24} {:<10}{lease}{msg}",
+                        safe(&m.name),
+                        format!("{:?}", m.state)
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `lease …`.
+pub async fn lease(v: &Verbs, cmd: LeaseCmd) -> CliResult {
+    match cmd {
+        LeaseCmd::Acquire {
+            pool,
+            ttl,
+            holder,
+            name,
+            wait: w,
+            timeout,
+        } => {
+            let pool = Name::label(&pool).map_err(|e| CliError::invalid(e.0))?;
+            let name = name
+                .map(|n| Name::label(&n))
+                .transpose()
+                .map_err(|e| CliError::invalid(e.0))?;
+            let input = AcquireInput {
+                pool,
+                ttl,
+                holder,
+                name,
+            };
+            let a = pools::acquire(v, input).await?;
+            let (name, key) = (a.name, a.key);
+            println!("lease/{name} created");
+            if w {
+                wait::quiet(
+                    v,
+                    &[ObjectRef::new("Lease", name.clone())],
+                    &Until::JsonPath("{.status.phase}".into(), "Bound".into()),
+                    timeout,
+                )
+                .await?;
+                let l: Lease = v.store().get_as(&name).await?.expect("just bound");
+                let vm = l.status.vm.unwrap_or_default();
+                println!(
+                    "lease/{name} bound: {vm} until {}",
+                    l.status
+                        .expire_time
+                        .map(|t| t.to_string())
+                        .unwrap_or_default()
+                );
+                println!(
+                    "  boxery ssh {vm}        (uses this lease's key: {})",
+                    key.display()
+                );
+                println!("  boxery lease renew {name}; boxery lease release {name}");
+            }
+        }
+        LeaseCmd::Renew { name, holder } => {
+            pools::renew(v, &name, holder).await?;
+            println!("lease/{name} renewed");
+        }
+        LeaseCmd::Release { name, wait: w } => {
+            let lease = Name::label(&name).map_err(|e| CliError::invalid(e.0))?;
+            pools::release(v, &lease).await?;
+            println!("lease/{name} released");
+            if w {
+                wait::quiet(
+                    v,
+                    &[ObjectRef::new("Lease", name.clone())],
+                    &Until::Deleted,
+                    Duration::from_secs(300),
+                )
+                .await?;
+            }
+        }
+        LeaseCmd::Ls => {
+            let info = boxery_api::lookup_kind("lease").expect("a kind");
+            let (objs, _) = v.store().list("Lease", &Default::default()).await?;
+            boxery_verbs::render::print(
+                info,
+                &objs,
+                &boxery_verbs::render::Format::Table,
+                &mut std::io::stdout().lock(),
+            )?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,48 @@
+//! The CLI's waits (`wait`, every `--wait`): the verbs' wait, reporting on the terminal
+//! (`kind/name condition met` on stdout, progress on stderr).
+
+use std::time::Duration;
+
+use boxery_store::ObjectRef;
+use boxery_verbs::Verbs;
+use boxery_verbs::vm::Plan;
+use boxery_verbs::wait::{Progress, Quiet, Until, wait_all};
+
+use crate::exit::CliResult;
+
+/// Says each met condition on stdout and where pending objects stand on stderr.
+struct Printed;
+
+impl Progress for Printed {
+    fn met(&self, t: &ObjectRef) {
+        println!("{}/{} condition met", t.kind.to_lowercase(), t.name);
+    }
+    fn state(&self, line: &str) {
+        eprintln!("{line}");
+    }
+}
+
+/// Wait, saying each object's progress.
+pub async fn all(v: &Verbs, targets: &[ObjectRef], until: &Until, timeout: Duration) -> CliResult {
+    Ok(wait_all(v, targets, until, timeout, &Printed).await?)
+}
+
+/// Wait, saying nothing.
+pub async fn quiet(
+    v: &Verbs,
+    targets: &[ObjectRef],
+    until: &Until,
+    timeout: Duration,
+) -> CliResult {
+    Ok(wait_all(v, targets, until, timeout, &Quiet).await?)
+}
+
+/// With `--wait`: wait for each step of a verb's plan in turn.
+pub async fn plan(v: &Verbs, plan: &Plan, wait_for: Option<Duration>) -> CliResult {
+    if let Some(t) = wait_for {
+        for until in &plan.steps {
+            all(v, &plan.targets, until, t).await?;
+        }
+    }
+    Ok(())
+}
