@@ -56,10 +56,6 @@ impl CliError {
     pub fn not_found(msg: impl fmt::Display) -> Self {
         CliError::new(Code::NotFound, anyhow::anyhow!("{msg}"))
     }
-    /// Failed.
-    pub fn failed(msg: impl fmt::Display) -> Self {
-        CliError::new(Code::Failed, anyhow::anyhow!("{msg}"))
-    }
 }
 
 impl From<boxery_verbs::ErrorKind> for Code {

@@ -499,7 +499,7 @@ async fn verb_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
         | Command::Events { .. }) => return object_command(v, command).await,
         Command::Pool(cmd) => pools::pool(v, cmd).await?,
         Command::Lease(cmd) => pools::lease(v, cmd).await?,
-        Command::Orphans { cmd } => orphans::orphans(&v.env, cmd).await?,
+        Command::Orphans { cmd } => orphans::orphans(v, cmd).await?,
         Command::Ssh { vm, cmd } => return Ok(boxery_hands::ssh(v.home(), v.local()?, &vm, &cmd)?),
         Command::Run { vm, cmd } => return Ok(boxery_hands::run(v.home(), v.local()?, &vm, &cmd)?),
         Command::Cp { src, dst } => return cp(v, &src, &dst).await,

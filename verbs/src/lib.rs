@@ -18,6 +18,7 @@
 pub mod env;
 pub mod error;
 pub mod objects;
+pub mod orphans;
 pub mod pools;
 pub mod render;
 pub mod runtime;
