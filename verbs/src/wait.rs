@@ -118,11 +118,9 @@ pub fn holds(until: &Until, obj: Option<&DynObject>) -> Result<bool> {
     })
 }
 
-/// A short description of where an object stands, for timeouts.
-pub fn describe_state(obj: Option<&DynObject>) -> String {
-    let Some(o) = obj else {
-        return "it does not exist".into();
-    };
+/// An object's status word (`printableStatus`, else `phase`, else Pending) and its `Ready`
+/// condition, if it has one.
+fn standing(o: &DynObject) -> (&str, Option<&Value>) {
     let st = o.status();
     let word = st["printableStatus"]
         .as_str()
@@ -130,7 +128,17 @@ pub fn describe_state(obj: Option<&DynObject>) -> String {
         .unwrap_or("Pending");
     let ready = st["conditions"]
         .as_array()
-        .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"))
+        .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"));
+    (word, ready)
+}
+
+/// A short description of where an object stands, for timeouts.
+pub fn describe_state(obj: Option<&DynObject>) -> String {
+    let Some(o) = obj else {
+        return "it does not exist".into();
+    };
+    let (word, ready) = standing(o);
+    let ready = ready
         .map(|c| {
             format!(
                 "; Ready={} ({}): {}",
@@ -353,14 +361,8 @@ fn changed(
     shown: &mut std::collections::HashMap<String, String>,
     obj: &DynObject,
 ) -> Option<String> {
-    let st = obj.status();
-    let word = st["printableStatus"]
-        .as_str()
-        .or(st["phase"].as_str())
-        .unwrap_or("Pending");
-    let msg = st["conditions"]
-        .as_array()
-        .and_then(|cs| cs.iter().find(|c| c["type"] == "Ready"))
+    let (word, ready) = standing(obj);
+    let msg = ready
         .and_then(|c| c["message"].as_str())
         .filter(|m| !m.is_empty())
         .map(|m| format!(": {m}"))
