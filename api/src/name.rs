@@ -10,6 +10,7 @@
 //!   dots) is a DNS-1123 label (1–63 bytes, no dot).
 //! - The checks never panic, whatever the input (property-tested).
 
+use std::borrow::Cow;
 use std::fmt;
 use std::ops::Deref;
 use std::path::Path;
@@ -55,6 +56,40 @@ pub fn printable(text: &str) -> String {
             }
         })
         .collect()
+}
+
+/// A character that must not reach a terminal as is: the C0 and C1 control characters and DEL
+/// (escape sequences, screen clears, OSC 52 clipboard writes, bells), and the bidirectional
+/// formatting characters that make text read differently from what it holds.
+pub fn unsafe_char(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
+        )
+}
+
+/// Text safe to print to a terminal: control characters, DEL and bidirectional formatting
+/// characters escaped (`\n`, `\r`, `\t`, else `\u{1b}` as Rust writes them); everything else,
+/// other unicode included, kept. Borrows when there is nothing to escape. Display only: the
+/// result is ambiguous when the text itself holds such backslash sequences.
+pub fn safe(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(unsafe_char) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if unsafe_char(c) => {
+                out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+            }
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
 }
 
 /// Check a free-form text field (a holder name, a comment): 1 to `max` bytes with no control

@@ -1,113 +1,45 @@
 //! The kubectl-style commands: apply, get, describe, delete, diff, explain, events, schema.
+//! Each calls a verb (`boxery_verbs::objects`) and renders its result.
 
 use std::io::Write;
 use std::time::Duration;
 
 use boxery_api::name::shown;
-use boxery_api::{DynObject, KindInfo, Selector, lookup_kind};
-use boxery_store::{ApplyAction, ApplyOptions, DeleteOutcome, LAST_APPLIED, WatchEvent};
+use boxery_api::{DynObject, KindInfo};
+use boxery_store::{LAST_APPLIED, ObjectRef};
+use boxery_verbs::objects::{self, Deleted};
+use boxery_verbs::render::{self as output, Format};
+use boxery_verbs::wait::Until;
+use boxery_verbs::{Verbs, vm};
 use futures::StreamExt;
 use serde_json::Value;
 
-use crate::env::Env;
-use crate::exit::{CliError, CliResult, Code};
-use crate::output::{self, Format};
-use crate::wait::{self, Until};
+use crate::exit::{CliError, CliResult};
+use crate::wait;
 
 /// Resolve a kind name the user typed.
 pub fn kind(name: &str) -> CliResult<&'static KindInfo> {
-    lookup_kind(name).ok_or_else(|| {
-        let known: Vec<String> = boxery_api::KINDS
-            .iter()
-            .map(|k| format!("{} ({})", k.plural, k.short_names.join(", ")))
-            .collect();
-        CliError::invalid(format!(
-            "unknown kind `{}`: use one of {}",
-            shown(name),
-            known.join("; ")
-        ))
-    })
-}
-
-fn selector(s: Option<&str>) -> CliResult<Selector> {
-    s.unwrap_or("")
-        .parse::<Selector>()
-        .map_err(CliError::invalid)
-}
-
-/// Objects with a `Ready` condition (the ones `--wait` waits on).
-fn waitable(kind: &str) -> bool {
-    matches!(kind, "Vm" | "Image")
+    Ok(objects::kind(name)?)
 }
 
 /// `apply -f`.
 pub async fn apply(
-    env: &Env,
+    v: &Verbs,
     files: &[String],
     dry_run: bool,
     prune: Option<&str>,
     wait_for: Option<Duration>,
 ) -> CliResult {
     let manifests = crate::manifests::read_all(files)?;
-    let store = env.store()?;
-    let opts = ApplyOptions {
-        dry_run,
-        prune: match prune {
-            Some(p) => Some(selector(Some(p))?),
-            None => None,
-        },
-    };
-    let objs: Vec<DynObject> = manifests.iter().map(|m| m.object.clone()).collect();
-    let results = store.apply_all(objs, &opts).map_err(|e| match e {
-        boxery_store::StoreError::Invalid(v) => CliError::invalid(v),
-        other => CliError::from(other),
-    })?;
-    let suffix = if dry_run { " (dry run)" } else { "" };
-    let mut targets = Vec::new();
-    for (action, obj) in &results {
-        let word = match action {
-            ApplyAction::Created => "created",
-            ApplyAction::Configured => "configured",
-            ApplyAction::Unchanged => "unchanged",
-            ApplyAction::Pruned => "pruned",
-        };
-        let singular = lookup_kind(&obj.kind)
-            .map(|k| k.singular)
-            .unwrap_or("object");
-        println!("{singular}/{} {word}{suffix}", obj.metadata.name);
-        if *action != ApplyAction::Pruned && waitable(&obj.kind) {
-            targets.push((obj.kind.clone(), obj.metadata.name.clone()));
-        }
+    let prune = prune.map(|p| objects::selector(Some(p))).transpose()?;
+    let objs = manifests.into_iter().map(|m| m.object).collect();
+    let applied = objects::apply(v, objs, dry_run, prune).await?;
+    for line in applied.lines() {
+        println!("{line}");
     }
     if let (Some(timeout), false) = (wait_for, dry_run) {
-        let mut ready = Vec::new();
-        let mut stopped = Vec::new();
-        for (k, n) in targets {
-            let o = store.get(&k, &n)?;
-            if o.as_ref()
-                .is_some_and(|o| o.spec()["runStrategy"] == "Stopped")
-            {
-                stopped.push((k, n));
-            } else {
-                ready.push((k, n));
-            }
-        }
-        wait::wait_all(
-            env,
-            &ready,
-            &Until::Condition("Ready".into(), boxery_api::ConditionStatus::True),
-            timeout,
-            false,
-        )
-        .await?;
-        wait::wait_all(
-            env,
-            &stopped,
-            &Until::JsonPath("{.status.phase}".into(), "Stopped".into()),
-            timeout,
-            false,
-        )
-        .await?;
+        wait::all(v, &applied.ready, &vm::ready(), timeout).await?;
+        wait::all(v, &applied.stopped, &vm::stopped(), timeout).await?;
     }
     Ok(())
 }
@@ -132,27 +64,14 @@ fn strip_for_diff(o: &DynObject) -> Value {
 }
 
 /// `diff -f`: what `apply` would change. Returns whether anything differs.
-pub fn diff(env: &Env, files: &[String]) -> CliResult<bool> {
+pub async fn diff(v: &Verbs, files: &[String]) -> CliResult<bool> {
     let manifests = crate::manifests::read_all(files)?;
-    let store = env.store()?;
-    let objs: Vec<DynObject> = manifests.iter().map(|m| m.object.clone()).collect();
-    let results = store
-        .apply_all(
-            objs,
-            &ApplyOptions {
-                dry_run: true,
-                prune: None,
-            },
-        )
-        .map_err(|e| match e {
-            boxery_store::StoreError::Invalid(v) => CliError::invalid(v),
-            other => CliError::from(other),
-        })?;
+    let objs = manifests.into_iter().map(|m| m.object).collect();
+    let pairs = objects::diff(v, objs).await?;
     let mut differs = false;
     let mut out = std::io::stdout().lock();
-    for (_, after) in &results {
-        let live = store.get(&after.kind, &after.metadata.name)?;
-        let before_text = match &live {
+    for (live, after) in &pairs {
+        let before_text = match live {
             Some(l) => output::to_yaml(&strip_for_diff(l))?,
             None => String::new(),
         };
@@ -174,7 +93,7 @@ pub fn diff(env: &Env, files: &[String]) -> CliResult<bool> {
 
 /// `get`.
 pub async fn get(
-    env: &Env,
+    v: &Verbs,
     kind_name: &str,
     names: &[String],
     format: Format,
@@ -182,41 +101,8 @@ pub async fn get(
     watch: bool,
 ) -> CliResult {
     let info = kind(kind_name)?;
-    let store = env.store()?;
-    let sel = selector(sel)?;
-    let (objs, rev) = if names.is_empty() {
-        store.list(info.kind, &sel)?
-    } else {
-        // Named objects are read one by one: no need to load the whole kind.
-        let rev = store.revision()?;
-        let mut objs = Vec::new();
-        for n in names {
-            match store.get(info.kind, n)? {
-                Some(o) if sel.matches(&o.metadata.labels) => objs.push(o),
-                Some(_) => {}
-                None => {
-                    let (all, _) = store.list(info.kind, &Selector::default())?;
-                    let known: Vec<&str> = all
-                        .iter()
-                        .map(|o| o.metadata.name.as_str())
-                        .take(20)
-                        .collect();
-                    let hint = if known.is_empty() {
-                        format!("there are no {}", info.plural)
-                    } else {
-                        format!("known: {}", known.join(", "))
-                    };
-                    return Err(CliError::not_found(format!(
-                        "{} {} not found ({})",
-                        info.kind,
-                        shown(n),
-                        output::safe(&hint)
-                    )));
-                }
-            }
-        }
-        (objs, rev)
-    };
+    let sel = objects::selector(sel)?;
+    let (objs, rev) = objects::get(v, info, names, &sel).await?;
     let mut out = std::io::stdout().lock();
     output::print(info, &objs, &format, &mut out)?;
     out.flush()?;
@@ -224,22 +110,13 @@ pub async fn get(
     if !watch {
         return Ok(());
     }
-    let mut stream = store.watch(Some(info.kind), rev);
-    while let Some(ev) = stream.next().await {
-        let (_, ev) = ev?;
-        let (obj, deleted) = match &ev {
-            WatchEvent::Added(o) | WatchEvent::Modified(o) => (o, false),
-            WatchEvent::Deleted(o) => (o, true),
-        };
-        if !sel.matches(&obj.metadata.labels)
-            || (!names.is_empty() && !names.contains(&obj.metadata.name))
-        {
-            continue;
-        }
+    let mut changes = objects::watch(v, info, names, &sel, rev);
+    while let Some(change) = changes.next().await {
+        let (obj, deleted) = change?;
         let mut out = std::io::stdout().lock();
         match &format {
             Format::Table | Format::Wide => {
-                let mut v = output::display_value(obj);
+                let mut v = output::display_value(&obj);
                 if deleted {
                     v["status"]["printableStatus"] = Value::String("Deleted".into());
                 }
@@ -249,7 +126,7 @@ pub async fn get(
                     output::table(info.kind, &[v], format == Format::Wide, false)
                 )?;
             }
-            f => output::print(info, std::slice::from_ref(obj), f, &mut out)?,
+            f => output::print(info, std::slice::from_ref(&obj), f, &mut out)?,
         }
         out.flush()?;
     }
@@ -259,18 +136,10 @@ pub async fn get(
 /// `describe`. Every value shown comes from the store, which agents write: each goes through
 /// [`output::safe`] (in `indent_table` for the tables), so no control character reaches the
 /// terminal.
-pub fn describe(env: &Env, kind_name: &str, name: &str) -> CliResult {
+pub async fn describe(verbs: &Verbs, kind_name: &str, name: &str) -> CliResult {
     use output::safe;
     let info = kind(kind_name)?;
-    let store = env.store()?;
-    let obj = store.get(info.kind, name)?.ok_or_else(|| {
-        CliError::not_found(format!(
-            "{} {} not found: `boxery get {}` lists them",
-            info.kind,
-            shown(name),
-            info.plural
-        ))
-    })?;
+    let obj = objects::get_one(verbs, info, name).await?;
     let v = output::display_value(&obj);
     let mut out = String::new();
     let m = &obj.metadata;
@@ -364,7 +233,7 @@ pub fn describe(env: &Env, kind_name: &str, name: &str) -> CliResult {
             &rows,
         ));
     }
-    let events = events_for(&store, &obj.kind, name)?;
+    let events = objects::events(verbs, Some((&obj.kind, name))).await?;
     if events.is_empty() {
         out.push_str("Events:       <none>\n");
     } else {
@@ -421,86 +290,59 @@ fn indent_table(headers: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
-/// Events about one object, oldest first.
-pub fn events_for(
-    store: &boxery_store::Store,
-    kind: &str,
-    name: &str,
-) -> CliResult<Vec<DynObject>> {
-    let (mut evs, _) = store.list("Event", &Selector::default())?;
-    evs.retain(|e| {
-        e.rest["involvedObject"]["kind"] == kind && e.rest["involvedObject"]["name"] == name
-    });
-    evs.sort_by(|a, b| {
-        a.rest["lastTimestamp"]
-            .as_str()
-            .cmp(&b.rest["lastTimestamp"].as_str())
-    });
-    Ok(evs)
-}
-
 /// `events [KIND NAME]`.
-pub fn events(env: &Env, kind_name: Option<&str>, name: Option<&str>) -> CliResult {
-    let store = env.store()?;
+pub async fn events(v: &Verbs, kind_name: Option<&str>, name: Option<&str>) -> CliResult {
     let evs = match (kind_name, name) {
-        (Some(k), Some(n)) => events_for(&store, kind(k)?.kind, n)?,
+        (Some(k), Some(n)) => objects::events(v, Some((kind(k)?.kind, n))).await?,
         (Some(_), None) => return Err(CliError::invalid("give both KIND and NAME, or neither")),
-        _ => {
-            let (mut evs, _) = store.list("Event", &Selector::default())?;
-            evs.sort_by(|a, b| {
-                a.rest["lastTimestamp"]
-                    .as_str()
-                    .cmp(&b.rest["lastTimestamp"].as_str())
-            });
-            evs
-        }
+        _ => objects::events(v, None).await?,
     };
     let info = kind("Event")?;
-    output::print(info, &evs, &Format::Table, &mut std::io::stdout().lock())
+    Ok(output::print(
+        info,
+        &evs,
+        &Format::Table,
+        &mut std::io::stdout().lock(),
+    )?)
 }
 
-/// `delete`.
+/// `delete` (and `rm`).
 pub async fn delete(
-    env: &Env,
+    v: &Verbs,
     kind_name: &str,
     names: &[String],
     wait_for: Option<Duration>,
     force: bool,
 ) -> CliResult {
     let info = kind(kind_name)?;
-    let store = env.store()?;
-    if names.is_empty() {
-        return Err(CliError::invalid("name at least one object to delete"));
-    }
-    // Every name first: one bad name deletes none of the others.
-    for n in names {
-        boxery_api::Name::for_kind(info, n).map_err(|e| CliError::invalid(e.0))?;
-    }
-    if force {
+    if force && !names.is_empty() {
         // before anything is marked: --force acts on the backend at once
-        env.backend_for(&store)?;
+        for n in names {
+            boxery_api::Name::for_kind(info, n).map_err(|e| CliError::invalid(e.0))?;
+        }
+        objects::check_force(v).await?;
     }
     let mut targets = Vec::new();
-    for n in names {
-        match store.delete(info.kind, n)? {
-            DeleteOutcome::Removed(_) => println!("{}/{n} deleted", info.singular),
-            DeleteOutcome::Marked(_) => {
+    for d in objects::delete(v, info, names).await? {
+        match d {
+            Deleted::Removed(n) => println!("{}/{n} deleted", info.singular),
+            Deleted::Deleting(n) => {
                 println!("{}/{n} deleting", info.singular);
-                targets.push((info.kind.to_string(), n.clone()));
+                targets.push(ObjectRef::new(info.kind, n));
             }
         }
     }
     if force {
-        for (k, n) in &targets {
-            crate::runtime::force_delete(env, &store, k, n).await?;
-            println!("{}/{n} deleted (forced)", info.singular);
+        for t in &targets {
+            boxery_verbs::runtime::force_delete(v, &t.kind, &t.name).await?;
+            println!("{}/{} deleted (forced)", info.singular, t.name);
         }
         return Ok(());
     }
     if let Some(t) = wait_for {
-        wait::wait_all(env, &targets, &Until::Deleted, t, true).await?;
-        for (_, n) in &targets {
-            println!("{}/{n} deleted", info.singular);
+        wait::quiet(v, &targets, &Until::Deleted, t).await?;
+        for t in &targets {
+            println!("{}/{} deleted", info.singular, t.name);
         }
     }
     Ok(())
@@ -718,11 +560,6 @@ pub fn schema(kind_name: Option<&str>) -> CliResult {
         }
     }
     Ok(())
-}
-
-/// Map a store error from a wait-less write to a CLI error (used by sugar).
-pub fn conflict(msg: impl std::fmt::Display) -> CliError {
-    CliError::new(Code::Conflict, anyhow::anyhow!("{msg}"))
 }
 
 /// The backend support table, from each backend's own `capabilities()` (the one source of

@@ -56,22 +56,42 @@ impl CliError {
     pub fn not_found(msg: impl fmt::Display) -> Self {
         CliError::new(Code::NotFound, anyhow::anyhow!("{msg}"))
     }
-    /// Failed.
-    pub fn failed(msg: impl fmt::Display) -> Self {
-        CliError::new(Code::Failed, anyhow::anyhow!("{msg}"))
+}
+
+impl From<boxery_verbs::ErrorKind> for Code {
+    fn from(k: boxery_verbs::ErrorKind) -> Self {
+        use boxery_verbs::ErrorKind as K;
+        match k {
+            K::Invalid => Code::Invalid,
+            K::NotFound => Code::NotFound,
+            K::NotReady | K::Conflict => Code::Conflict,
+            K::Timeout => Code::Timeout,
+            K::Cancelled | K::Failed => Code::Failed,
+        }
+    }
+}
+
+impl From<boxery_verbs::VerbError> for CliError {
+    fn from(e: boxery_verbs::VerbError) -> Self {
+        CliError::new(e.kind().into(), e)
     }
 }
 
 impl From<boxery_store::StoreError> for CliError {
     fn from(e: boxery_store::StoreError) -> Self {
-        use boxery_store::StoreError as E;
-        let code = match &e {
-            E::NotFound { .. } => Code::NotFound,
-            E::Invalid(_) | E::AlreadyExists { .. } => Code::Invalid,
-            E::Conflict { .. } | E::BeingDeleted { .. } => Code::Conflict,
-            _ => Code::Failed,
-        };
-        CliError::new(code, e)
+        boxery_verbs::VerbError::from(e).into()
+    }
+}
+
+impl From<boxery_hands::HandsError> for CliError {
+    fn from(e: boxery_hands::HandsError) -> Self {
+        boxery_verbs::VerbError::from(e).into()
+    }
+}
+
+impl From<boxery_mcp::ToolError> for CliError {
+    fn from(e: boxery_mcp::ToolError) -> Self {
+        CliError::new(e.kind().into(), anyhow::anyhow!("{e}"))
     }
 }
 

@@ -2,26 +2,28 @@
 
 mod args;
 mod commands;
-mod env;
 mod exit;
-mod hands;
 mod manifests;
-mod mcp;
 mod orphans;
-mod output;
+#[cfg(test)]
+mod parity;
 mod pools;
-mod runtime;
-mod sugar;
-mod tools;
+mod vms;
 mod wait;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use boxery_api::RunStrategy;
+use boxery_hands::{Place, Voice};
+use boxery_mcp::server as mcp;
+use boxery_verbs::runtime;
+use boxery_verbs::wait::timeout_arg;
+use boxery_verbs::{Env, Verbs};
 use clap::{Parser, Subcommand};
+use serde_json::json;
 
-use crate::env::Env;
 use crate::exit::{CliError, CliResult};
 
 /// boxery gives coding agents VMs as their hands. You write desired state (Vm, Image, Pool,
@@ -60,7 +62,7 @@ struct WaitArgs {
     #[arg(long)]
     wait: bool,
     /// How long --wait waits (e.g. 90s, 5m; at most 7days).
-    #[arg(long, default_value = "5m", value_parser = wait::timeout_arg)]
+    #[arg(long, default_value = "5m", value_parser = timeout_arg)]
     timeout: Duration,
 }
 
@@ -142,7 +144,7 @@ enum Command {
         #[arg(long = "for")]
         until: String,
         /// How long to wait (at most 7days).
-        #[arg(long, default_value = "60s", value_parser = wait::timeout_arg)]
+        #[arg(long, default_value = "60s", value_parser = timeout_arg)]
         timeout: Duration,
     },
     /// Describe a kind or field from its schema (e.g. Vm.spec.resources).
@@ -176,7 +178,7 @@ enum Command {
         #[arg(long, value_name = "VM", value_parser = args::label)]
         fork: Option<String>,
         #[command(flatten)]
-        size: sugar::SizeArgs,
+        size: vms::SizeArgs,
         /// Create it stopped.
         #[arg(long)]
         stopped: bool,
@@ -214,7 +216,7 @@ enum Command {
         #[arg(required = true, value_parser = args::label)]
         names: Vec<String>,
         #[command(flatten)]
-        size: sugar::SizeArgs,
+        size: vms::SizeArgs,
         #[command(flatten)]
         wait: WaitArgs,
     },
@@ -240,7 +242,7 @@ enum Command {
         #[arg(value_parser = args::label)]
         name: String,
         #[command(flatten)]
-        size: sugar::SizeArgs,
+        size: vms::SizeArgs,
         #[command(flatten)]
         wait: WaitArgs,
     },
@@ -420,7 +422,7 @@ enum JobsCmd {
         /// The job.
         id: String,
         /// How long to wait (0s to 30m).
-        #[arg(long, default_value = "60s", value_parser = wait::tool_timeout_arg)]
+        #[arg(long, default_value = "60s", value_parser = boxery_verbs::wait::tool_timeout_arg)]
         timeout: Duration,
     },
     /// Kill a job's process group.
@@ -451,9 +453,64 @@ fn init_logging(verbose: u8, serve: bool) {
         .try_init();
 }
 
+/// Run one command: each group of commands has a function of its own.
 async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
     let env = Env::resolve(cli.home, cli.backend)?;
     match cli.command {
+        Command::Backends => print!("{}", commands::backends_table(&env.home)),
+        Command::Explain { path } => commands::explain(&path)?,
+        Command::Schema { kind } => commands::schema(kind.as_deref())?,
+        Command::Serve {
+            inventory_every,
+            lease,
+            mcp_listen,
+            mcp_allow_origin,
+            mcp_allow_remote,
+        } => {
+            let listen = mcp_listen.map(|a| (a, mcp_allow_origin, mcp_allow_remote));
+            serve(&env, inventory_every, lease, listen).await?
+        }
+        Command::Mcp {
+            tools_markdown: true,
+            ..
+        } => print!("{}", boxery_mcp::markdown()),
+        Command::Mcp { vm, .. } => mcp::stdio(&env, vm).await?,
+        command @ (Command::Read { .. }
+        | Command::Write { .. }
+        | Command::Edit { .. }
+        | Command::Jobs { .. }) => return tool_command(&env, command).await,
+        command => {
+            let v = Verbs::open(env, Voice::Cli)?;
+            return verb_command(&v, command).await;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The commands that call the verbs (and the hands) on the store.
+async fn verb_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
+    match command {
+        command @ (Command::Apply { .. }
+        | Command::Get { .. }
+        | Command::Describe { .. }
+        | Command::Delete { .. }
+        | Command::Diff { .. }
+        | Command::Wait { .. }
+        | Command::Events { .. }) => return object_command(v, command).await,
+        Command::Pool(cmd) => pools::pool(v, cmd).await?,
+        Command::Lease(cmd) => pools::lease(v, cmd).await?,
+        Command::Orphans { cmd } => orphans::orphans(v, cmd).await?,
+        Command::Ssh { vm, cmd } => return Ok(boxery_hands::ssh(v.home(), v.local()?, &vm, &cmd)?),
+        Command::Run { vm, cmd } => return Ok(boxery_hands::run(v.home(), v.local()?, &vm, &cmd)?),
+        Command::Cp { src, dst } => return cp(v, &src, &dst).await,
+        command => vm_command(v, command).await?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// apply, get, describe, delete, diff, wait, events.
+async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
+    match command {
         Command::Apply {
             files,
             dry_run,
@@ -462,7 +519,7 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
             wait,
         } => {
             let prune = if prune { selector.as_deref() } else { None };
-            commands::apply(&env, &files, dry_run, prune, wait.wait_for()).await?;
+            commands::apply(v, &files, dry_run, prune, wait.wait_for()).await?;
         }
         Command::Get {
             kind,
@@ -471,25 +528,18 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
             selector,
             watch,
         } => {
-            commands::get(
-                &env,
-                &kind,
-                &names,
-                output.parse()?,
-                selector.as_deref(),
-                watch,
-            )
-            .await?;
+            let format = output.parse()?;
+            commands::get(v, &kind, &names, format, selector.as_deref(), watch).await?;
         }
-        Command::Describe { kind, name } => commands::describe(&env, &kind, &name)?,
+        Command::Describe { kind, name } => commands::describe(v, &kind, &name).await?,
         Command::Delete {
             kind,
             names,
             force,
             wait,
-        } => commands::delete(&env, &kind, &names, wait.wait_for(), force).await?,
+        } => commands::delete(v, &kind, &names, wait.wait_for(), force).await?,
         Command::Diff { files } => {
-            return match commands::diff(&env, &files) {
+            return match commands::diff(v, &files).await {
                 Ok(true) => Ok(ExitCode::from(1)),
                 Ok(false) => Ok(ExitCode::SUCCESS),
                 Err(e) if e.code == exit::Code::Failed => {
@@ -505,19 +555,20 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
             timeout,
         } => {
             let info = commands::kind(&kind)?;
-            wait::wait_all(
-                &env,
-                &[(info.kind.to_string(), name)],
-                &until.parse()?,
-                timeout,
-                false,
-            )
-            .await?;
+            let target = boxery_store::ObjectRef::new(info.kind, name);
+            wait::all(v, &[target], &until.parse()?, timeout).await?;
         }
-        Command::Explain { path } => commands::explain(&path)?,
-        Command::Events { kind, name } => commands::events(&env, kind.as_deref(), name.as_deref())?,
-        Command::Backends => print!("{}", commands::backends_table(&env.home)),
-        Command::Schema { kind } => commands::schema(kind.as_deref())?,
+        Command::Events { kind, name } => {
+            commands::events(v, kind.as_deref(), name.as_deref()).await?
+        }
+        _ => unreachable!("object_command is called for object commands only"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// new, snap, revert, fork, start, stop, resize, rm.
+async fn vm_command(v: &Verbs, command: Command) -> CliResult {
+    match command {
         Command::New {
             name,
             from,
@@ -525,106 +576,77 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
             size,
             stopped,
             wait,
-        } => sugar::new(&env, &name, from, fork, &size, stopped, wait.wait_for()).await?,
-        Command::Snap { vm, label, wait } => {
-            sugar::snap(&env, &vm, &label, wait.wait_for()).await?
-        }
-        Command::Revert { vm, label, wait } => {
-            sugar::revert(&env, &vm, &label, wait.wait_for()).await?
-        }
+        } => vms::new(v, &name, from, fork, &size, stopped, wait.wait_for()).await,
+        Command::Snap { vm, label, wait } => vms::snap(v, &vm, &label, wait.wait_for()).await,
+        Command::Revert { vm, label, wait } => vms::revert(v, &vm, &label, wait.wait_for()).await,
         Command::Fork {
             src,
             names,
             size,
             wait,
-        } => sugar::fork(&env, &src, &names, &size, wait.wait_for()).await?,
+        } => vms::fork(v, &src, &names, &size, wait.wait_for()).await,
         Command::Start { names, wait } => {
-            sugar::power(
-                &env,
-                &names,
-                boxery_api::RunStrategy::Running,
-                wait.wait_for(),
-            )
-            .await?
+            vms::power(v, &names, RunStrategy::Running, wait.wait_for()).await
         }
         Command::Stop { names, wait } => {
-            sugar::power(
-                &env,
-                &names,
-                boxery_api::RunStrategy::Stopped,
-                wait.wait_for(),
-            )
-            .await?
+            vms::power(v, &names, RunStrategy::Stopped, wait.wait_for()).await
         }
-        Command::Resize { name, size, wait } => {
-            sugar::resize(&env, &name, &size, wait.wait_for()).await?
-        }
+        Command::Resize { name, size, wait } => vms::resize(v, &name, &size, wait.wait_for()).await,
         Command::Rm { names, force, wait } => {
-            commands::delete(&env, "vm", &names, wait.wait_for(), force).await?
+            commands::delete(v, "vm", &names, wait.wait_for(), force).await
         }
-        Command::Orphans { cmd } => orphans::orphans(&env, cmd).await?,
-        Command::Pool(cmd) => pools::pool(&env, cmd)?,
-        Command::Lease(cmd) => pools::lease(&env, cmd).await?,
-        Command::Ssh { vm, cmd } => return hands::ssh(&env, &vm, &cmd),
-        Command::Run { vm, cmd } => return hands::run(&env, &vm, &cmd),
-        Command::Cp { src, dst } => {
-            if let (hands::Place::Vm(..), hands::Place::Vm(..)) =
-                (hands::Place::parse(&src), hands::Place::parse(&dst))
-            {
-                tools::run_cli(&env, "vm_copy", serde_json::json!({"src": src, "dst": dst}))
-                    .await?;
-                return Ok(ExitCode::SUCCESS);
-            }
-            return hands::cp(&env, &src, &dst);
+        _ => unreachable!("vm_command is called for VM commands only"),
+    }
+}
+
+/// `cp`: local ⇄ VM through the hands; VM ⇄ VM through the `vm_copy` tool.
+async fn cp(v: &Verbs, src: &str, dst: &str) -> CliResult<ExitCode> {
+    if let (Place::Vm(..), Place::Vm(..)) = (Place::parse(src), Place::parse(dst)) {
+        boxery_mcp::run_cli(&v.env, "vm_copy", json!({"src": src, "dst": dst})).await?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    Ok(boxery_hands::cp(v.home(), v.local()?, src, dst)?)
+}
+
+/// `serve`, with the MCP endpoint when `--mcp-listen` is given.
+async fn serve(
+    env: &Env,
+    inventory_every: Duration,
+    lease: Duration,
+    mcp_listen: Option<(std::net::SocketAddr, Vec<String>, bool)>,
+) -> CliResult {
+    let stop = tokio_util::sync::CancellationToken::new();
+    // Bound (or refused) before the controllers start, so a bad address or token file fails
+    // `serve` at once.
+    let http = match mcp_listen {
+        Some((addr, origins, remote)) => {
+            let server = mcp::HttpServer::bind(env, addr, origins, remote).await?;
+            Some(tokio::spawn(server.run(stop.clone())))
         }
-        Command::Serve {
-            inventory_every,
-            lease,
-            mcp_listen,
-            mcp_allow_origin,
-            mcp_allow_remote,
-        } => {
-            let stop = tokio_util::sync::CancellationToken::new();
-            // Bound (or refused) before the controllers start, so a bad address or token
-            // file fails `serve` at once.
-            let http = match mcp_listen {
-                Some(addr) => {
-                    let server =
-                        mcp::HttpServer::bind(&env, addr, mcp_allow_origin, mcp_allow_remote)
-                            .await?;
-                    Some(tokio::spawn(server.run(stop.clone())))
-                }
-                None => None,
-            };
-            let r = runtime::serve(&env, inventory_every, lease).await;
-            stop.cancel();
-            if let Some(h) = http
-                && let Ok(Err(e)) = h.await
-            {
-                eprintln!("error: {}", output::safe(&format!("{:#}", e.error)));
-            }
-            r?
-        }
-        Command::Mcp { vm, tools_markdown } => {
-            if tools_markdown {
-                print!("{}", tools::markdown());
-            } else {
-                mcp::stdio(&env, vm).await?
-            }
-        }
-        Command::Jobs { action } => return jobs_cmd(&env, action).await,
+        None => None,
+    };
+    let r = runtime::serve(env, inventory_every, lease).await;
+    stop.cancel();
+    if let Some(h) = http
+        && let Ok(Err(e)) = h.await
+    {
+        eprintln!("error: {}", boxery_verbs::render::safe(&e.chain()));
+    }
+    Ok(r?)
+}
+
+/// read, write, edit, jobs: the tools' runners, their results rendered for the terminal.
+async fn tool_command(env: &Env, command: Command) -> CliResult<ExitCode> {
+    match command {
+        Command::Jobs { action } => return jobs_cmd(env, action).await,
         Command::Read {
             vm,
             path,
             offset,
             limit,
         } => {
-            let out = tools::run_cli(
-                &env,
-                "vm_read",
-                serde_json::json!({"vm": vm, "path": path, "offset": offset, "limit": limit}),
-            )
-            .await?;
+            let args = json!({"vm": vm, "path": path, "offset": offset, "limit": limit});
+            let out = boxery_mcp::run_cli(env, "vm_read", args).await?;
             let data = out.data.unwrap_or_default();
             eprintln!("{}", out.text.lines().next().unwrap_or(""));
             print!("{}", data["content"].as_str().unwrap_or(""));
@@ -633,12 +655,8 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
             let mut content = String::new();
             std::io::Read::read_to_string(&mut std::io::stdin(), &mut content)
                 .map_err(|e| CliError::invalid(format!("stdin is not UTF-8 text: {e}")))?;
-            let out = tools::run_cli(
-                &env,
-                "vm_write",
-                serde_json::json!({"vm": vm, "path": path, "content": content, "version": version}),
-            )
-            .await?;
+            let args = json!({"vm": vm, "path": path, "content": content, "version": version});
+            let out = boxery_mcp::run_cli(env, "vm_write", args).await?;
             println!("{}", out.text);
         }
         Command::Edit {
@@ -649,18 +667,16 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
             count,
             version,
         } => {
-            let out = tools::run_cli(
-                &env,
-                "vm_edit",
-                serde_json::json!({"vm": vm, "path": path, "old": old, "new": new, "count": count, "version": version}),
-            )
-            .await?;
+            let args = json!({"vm": vm, "path": path, "old": old, "new": new, "count": count, "version": version});
+            let out = boxery_mcp::run_cli(env, "vm_edit", args).await?;
             println!("{}", out.text);
         }
+        _ => unreachable!("tool_command is called for tool commands only"),
     }
     Ok(ExitCode::SUCCESS)
 }
 
+/// `jobs …`: the `vm_jobs` tool; `jobs wait` exits with the job's code.
 async fn jobs_cmd(env: &Env, action: JobsCmd) -> CliResult<ExitCode> {
     let args = match &action {
         JobsCmd::Start { vm, cwd, cmd } => {
@@ -668,7 +684,7 @@ async fn jobs_cmd(env: &Env, action: JobsCmd) -> CliResult<ExitCode> {
                 cmd[0].clone()
             } else {
                 cmd.iter()
-                    .map(|w| hands::shell_quote(w))
+                    .map(|w| boxery_hands::shell_quote(w))
                     .collect::<Vec<_>>()
                     .join(" ")
             };
@@ -683,7 +699,7 @@ async fn jobs_cmd(env: &Env, action: JobsCmd) -> CliResult<ExitCode> {
         }),
         JobsCmd::Kill { vm, id } => serde_json::json!({"action": "kill", "vm": vm, "id": id}),
     };
-    let out = tools::run_cli(env, "vm_jobs", args).await?;
+    let out = boxery_mcp::run_cli(env, "vm_jobs", args).await?;
     let data = out.data.unwrap_or_default();
     match action {
         JobsCmd::Start { .. } => println!("{}", data["id"].as_str().unwrap_or("")),
@@ -718,7 +734,10 @@ fn main() -> ExitCode {
     match rt.block_on(dispatch(cli)) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {}", output::safe(&format!("{:#}", e.error)));
+            eprintln!(
+                "error: {}",
+                boxery_verbs::render::safe(&format!("{:#}", e.error))
+            );
             ExitCode::from(e.code as u8)
         }
     }

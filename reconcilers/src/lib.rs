@@ -11,7 +11,7 @@ pub mod lease;
 pub mod pool;
 pub mod recorded;
 pub mod runtime;
-pub mod ssh;
+pub use boxery_hands::ssh;
 pub mod vm;
 
 pub use context::{Ctx, Settings};

@@ -23,19 +23,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 use super::{OUTPUT_CAP, Output, Session, ToolError, ToolResult, clamp_timeout};
-use crate::hands::{Reach, dquoted, shell_quote};
-use crate::output::safe;
-
-/// A path for the remote shell: `~` and `~/…` expand to the home, the rest is quoted.
-pub fn qpath(p: &str) -> String {
-    if p == "~" {
-        "\"$HOME\"".into()
-    } else if let Some(rest) = p.strip_prefix("~/") {
-        format!("\"$HOME\"/{}", shell_quote(rest))
-    } else {
-        shell_quote(p)
-    }
-}
+use boxery_api::name::safe;
+use boxery_hands::{Reach, dquoted, qpath, shell_quote};
 
 /// What a remote command did.
 #[derive(Debug, Default)]

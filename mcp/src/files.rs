@@ -15,10 +15,11 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::exec::{helper, qpath};
+use super::exec::helper;
 use super::{OUTPUT_CAP, Output, Session, ToolError, ToolResult};
-use crate::hands::{Place, Reach, dquoted, shell_quote};
-use crate::output::safe;
+use boxery_api::name::safe;
+use boxery_hands::qpath;
+use boxery_hands::{Place, Reach, dquoted, shell_quote};
 
 /// The largest file `vm_edit` handles: 8 MiB.
 pub const EDIT_CAP: usize = 8 << 20;
@@ -354,11 +355,12 @@ pub async fn copy(session: Arc<Session>, a: CopyArgs, _ct: CancellationToken) ->
             Place::Local(_) => {}
         }
     }
-    let env = session.env.clone();
+    let home = session.env.home.clone();
+    let store = session.verbs()?.local()?.clone();
     let (s2, d2) = (a.src.clone(), a.dst.clone());
     let res = tokio::task::spawn_blocking(move || match (&src, &dst) {
         (Place::Vm(sv, sp), Place::Vm(dv, dp)) => vm_to_vm(&reach[0], &reach[1], sv, sp, dv, dp),
-        _ => crate::hands::cp(&env, &s2, &d2)
+        _ => boxery_hands::cp(&home, &store, &s2, &d2)
             .map(|_| ())
             .map_err(ToolError::from),
     })
@@ -385,7 +387,7 @@ fn stderr_of(e: Option<std::process::ChildStderr>) -> std::thread::JoinHandle<St
 
 /// Stream a copy from one VM into another, through this host and never to disk. The source
 /// guest is not trusted by the destination: its archive is checked and re-written here
-/// ([`crate::hands::filter`]: one top, no path out, no special files, no link out), and the
+/// ([`boxery_hands::filter`]: one top, no path out, no special files, no link out), and the
 /// destination lands it with the rules of `boxery cp` (a fresh directory beside it, a
 /// directory never merged into an existing one, nothing unless the whole archive passed).
 fn vm_to_vm(
@@ -397,8 +399,8 @@ fn vm_to_vm(
     dp: &str,
 ) -> Result<(), ToolError> {
     use std::process::Stdio;
-    let (src_script, top) = crate::hands::send_script(sp);
-    let dst_script = crate::hands::receive_script(dp, &top, &format!("{dv}:{dp}"));
+    let (src_script, top) = boxery_hands::send_script(sp);
+    let dst_script = boxery_hands::receive_script(dp, &top, &format!("{dv}:{dp}"));
     let (src_shown, dst_shown) = (format!("{sv}:{}", safe(sp)), format!("{dv}:{}", safe(dp)));
     let mut a = from
         .std_command()
@@ -425,8 +427,8 @@ fn vm_to_vm(
     let (a_err, b_err) = (stderr_of(a.stderr.take()), stderr_of(b.stderr.take()));
     let mut a_out = a.stdout.take().expect("piped");
     let b_in = b.stdin.take().expect("piped");
-    let filtered = crate::hands::filter(&mut a_out, top, b_in);
-    if filtered.is_err() || !crate::hands::drain(&mut a_out) {
+    let filtered = boxery_hands::filter(&mut a_out, top, b_in);
+    if filtered.is_err() || !boxery_hands::drain(&mut a_out) {
         let _ = a.kill();
     }
     drop(a_out);
@@ -447,17 +449,13 @@ fn vm_to_vm(
     }
     // the destination stopped reading: its own message says why
     let dst_gave_up =
-        !b_status.success() && matches!(&filtered, Err(crate::hands::UnpackError::Write { .. }));
+        !b_status.success() && matches!(&filtered, Err(boxery_hands::UnpackError::Write { .. }));
     if let Err(e) = filtered
         && !dst_gave_up
     {
         return Err(ToolError::Failed(format!(
             "copying {src_shown}: {}",
-            anyhow::Error::new(e)
-                .chain()
-                .map(|c| c.to_string())
-                .collect::<Vec<_>>()
-                .join(": ")
+            boxery_verbs::error::chain(&e)
         )));
     }
     if !a_status.success() {

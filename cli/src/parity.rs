@@ -4,7 +4,7 @@
 
 use clap::CommandFactory;
 
-use super::{CliSide, tools};
+use boxery_mcp::{CliSide, tools};
 
 /// Commands with no tool, and why.
 const CLI_ONLY: &[(&str, &str)] = &[
@@ -96,14 +96,14 @@ fn actions_have_commands() {
 /// Every `vm_lease` action is a `boxery lease` subcommand, and every subcommand an action.
 #[test]
 fn lease_actions_are_lease_commands() {
-    use super::lease::LeaseAction;
+    use boxery_mcp::lease::LeaseAction;
     let pairs = [
         (LeaseAction::Acquire, "acquire"),
         (LeaseAction::Renew, "renew"),
         (LeaseAction::Release, "release"),
         (LeaseAction::List, "ls"),
     ];
-    let schema = super::find("vm_lease").unwrap().schema.to_string();
+    let schema = boxery_mcp::find("vm_lease").unwrap().schema.to_string();
     let cli = crate::Cli::command();
     let lease = cli.find_subcommand("lease").expect("lease");
     let sub: Vec<&str> = lease.get_subcommands().map(|c| c.get_name()).collect();

@@ -1,8 +1,8 @@
 //! `vm_lease`: take a VM from a warm pool for this session, as `boxery lease …` does (the same
-//! functions in `crate::pools`).
+//! verbs: `boxery_verbs::pools`).
 //!
 //! Guarantees: a lease acquired through a session is renewed by it (a
-//! [`LeaseKeeper`](boxery_reconcilers::lease::LeaseKeeper), at a third of its duration) and
+//! [`LeaseKeeper`](boxery_verbs::pools::LeaseKeeper), at a third of its duration) and
 //! released when the session ends — stdin closes (`boxery mcp`), the HTTP session is deleted
 //! or times out, the server shuts down, or it gets SIGINT/SIGTERM. The leased VM becomes the
 //! session's default VM, and the tools reach it with the lease's key.
@@ -12,8 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use boxery_api::lease::LeasePhase;
-use boxery_api::{Lease, Name, Pool};
-use boxery_reconcilers::lease::LeaseKeeper;
+use boxery_api::{Lease, Name};
+use boxery_store::{ObjectRef, ObjectStoreExt};
+use boxery_verbs::pools::{self, LeaseKeeper};
+use boxery_verbs::wait::Until;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -21,7 +23,6 @@ use tokio_util::sync::CancellationToken;
 
 use super::lifecycle::bounded_wait;
 use super::{Output, Session, ToolError, ToolResult, clamp_timeout};
-use crate::wait::Until;
 
 /// A `vm_lease` verb (each is a `boxery lease` subcommand).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
@@ -109,89 +110,13 @@ fn which_lease(session: &Session, lease: Option<String>) -> Result<String, ToolE
 
 /// `vm_lease`.
 pub async fn lease(session: Arc<Session>, a: LeaseArgs, ct: CancellationToken) -> ToolResult {
-    let store = session.store()?;
-    let env = &session.env;
     let timeout = clamp_timeout(a.timeout_seconds, 300);
     match a.action {
-        LeaseAction::Acquire => {
-            let pool = a.pool.filter(|p| !p.is_empty()).ok_or_else(|| {
-                ToolError::Invalid("acquire needs `pool` (vm_get {kind: pool} lists pools)".into())
-            })?;
-            let pool = Name::label(&pool).map_err(|e| ToolError::Invalid(format!("pool: {e}")))?;
-            if store.get_as::<Pool>(&pool)?.is_none() {
-                let names: Vec<String> = store
-                    .list_as::<Pool>(&Default::default())?
-                    .into_iter()
-                    .map(|p| p.metadata.name)
-                    .collect();
-                return Err(ToolError::NotFound(if names.is_empty() {
-                    format!(
-                        "pool {pool} not found: there are no pools (vm_apply a Pool makes one; docs/pools.md)"
-                    )
-                } else {
-                    format!("pool {pool} not found; known pools: {}", names.join(", "))
-                }));
-            }
-            let ttl = Duration::from_secs(a.ttl_seconds.unwrap_or(1800));
-            let (env2, store2, pool2) = (env.clone(), store.clone(), pool.clone());
-            let got = tokio::task::spawn_blocking(move || {
-                crate::pools::acquire(&env2, &store2, &pool2, ttl, a.holder, None)
-            })
-            .await
-            .map_err(|e| ToolError::Failed(format!("the acquire task failed: {e}")))??;
-            let name = got.name.clone();
-            // Kept from the start: a session that ends while waiting releases it too.
-            session.keep(
-                &name,
-                Kept {
-                    holder: got.holder.clone(),
-                    keeper: LeaseKeeper::start(store.clone(), &name, ttl),
-                },
-            );
-            let target = [("Lease".to_string(), name.clone())];
-            let bound = Until::JsonPath("{.status.phase}".into(), "Bound".into());
-            let waited = bounded_wait(&session, &target, &bound, timeout, &ct).await;
-            let state = match waited {
-                Ok(None) => None,
-                Ok(Some(state)) => Some(state),
-                Err(e) => {
-                    session.let_go(&name);
-                    return Err(e);
-                }
-            };
-            if let Some(state) = state {
-                session.let_go(&name);
-                return Err(ToolError::Timeout(format!(
-                    "no member of pool {pool} was free within {}s, so lease {name} was released again ({state}); try later, or vm_get {{kind: pool, name: {pool}}} to see its members",
-                    timeout.as_secs()
-                )));
-            }
-            let l: Lease = store.get_as(&name)?.ok_or_else(|| {
-                ToolError::Failed(format!("lease {name} vanished right after binding"))
-            })?;
-            let vm = l.status.vm.clone().unwrap_or_default();
-            session.set_default_vm(Some(vm.clone()));
-            let until = l.status.expire_time.map(|t| t.to_string());
-            Ok(Output::with_data(
-                format!(
-                    "lease/{name} bound: {vm} (pool {pool}) until {}; it is now this session's default VM. This session renews it every {}s and releases it when the session ends (vm_lease {{action: release}} releases it now: the VM is reset).",
-                    until.clone().unwrap_or_default(),
-                    (ttl / 3).as_secs().max(1)
-                ),
-                json!({
-                    "lease": name,
-                    "vm": vm,
-                    "pool": pool,
-                    "holder": got.holder,
-                    "expire_time": until,
-                    "key": got.key,
-                }),
-            ))
-        }
+        LeaseAction::Acquire => acquire(&session, a, timeout, &ct).await,
         LeaseAction::Renew => {
             let name = which_lease(&session, a.lease)?;
             let holder = a.holder.or_else(|| session.holder_of(&name));
-            let l = crate::pools::renew(&store, &name, holder)?;
+            let l = pools::renew(session.verbs()?, &name, holder).await?;
             let until = l.status.expire_time.map(|t| t.to_string());
             Ok(Output::with_data(
                 format!("lease/{name} renewed"),
@@ -200,12 +125,17 @@ pub async fn lease(session: Arc<Session>, a: LeaseArgs, ct: CancellationToken) -
         }
         LeaseAction::Release => {
             let name = which_lease(&session, a.lease)?;
-            let vm = store.get_as::<Lease>(&name)?.and_then(|l| l.status.vm);
+            let vm = session
+                .verbs()?
+                .store()
+                .get_as::<Lease>(&name)
+                .await?
+                .and_then(|l| l.status.vm);
             session.let_go(&name);
             if vm.is_some() && session.default_vm() == vm {
                 session.set_default_vm(None);
             }
-            let target = [("Lease".to_string(), name.clone())];
+            let target = [ObjectRef::new("Lease", name.clone())];
             let state = bounded_wait(&session, &target, &Until::Deleted, timeout, &ct).await?;
             let vm_text = vm
                 .as_deref()
@@ -221,12 +151,18 @@ pub async fn lease(session: Arc<Session>, a: LeaseArgs, ct: CancellationToken) -
         }
         LeaseAction::List => {
             let info = boxery_api::lookup_kind("lease").expect("a kind");
-            let (objs, _) = store.list("Lease", &Default::default())?;
+            let store = session.verbs()?.store();
+            let (objs, _) = store.list("Lease", &Default::default()).await?;
             let mut out = Vec::new();
             if objs.is_empty() {
                 out.extend_from_slice(b"no leases\n");
             } else {
-                crate::output::print(info, &objs, &crate::output::Format::Table, &mut out)?;
+                boxery_verbs::render::print(
+                    info,
+                    &objs,
+                    &boxery_verbs::render::Format::Table,
+                    &mut out,
+                )?;
             }
             let mut text = String::from_utf8_lossy(&out).into_owned();
             let held = session.held_leases();
@@ -234,7 +170,8 @@ pub async fn lease(session: Arc<Session>, a: LeaseArgs, ct: CancellationToken) -
                 text.push_str(&format!("held by this session: {}\n", held.join(", ")));
             }
             let leases: Vec<_> = store
-                .list_as::<Lease>(&Default::default())?
+                .list_as::<Lease>(&Default::default())
+                .await?
                 .into_iter()
                 .map(|l| {
                     json!({
@@ -251,4 +188,76 @@ pub async fn lease(session: Arc<Session>, a: LeaseArgs, ct: CancellationToken) -
             Ok(Output::with_data(text, json!({"leases": leases})))
         }
     }
+}
+
+/// `vm_lease {action: acquire}`: write a lease, keep it, wait (bounded) until it binds.
+async fn acquire(
+    session: &Session,
+    a: LeaseArgs,
+    timeout: std::time::Duration,
+    ct: &CancellationToken,
+) -> ToolResult {
+    let v = session.verbs()?;
+    let pool = a.pool.filter(|p| !p.is_empty()).ok_or_else(|| {
+        ToolError::Invalid("acquire needs `pool` (vm_get {kind: pool} lists pools)".into())
+    })?;
+    let pool = Name::label(&pool).map_err(|e| ToolError::Invalid(format!("pool: {e}")))?;
+    pools::require_pool(v, &pool).await?;
+    let ttl = Duration::from_secs(a.ttl_seconds.unwrap_or(1800));
+    let input = pools::AcquireInput {
+        pool: pool.clone(),
+        ttl,
+        holder: a.holder,
+        name: None,
+    };
+    let got = pools::acquire(v, input).await?;
+    let name = got.name.clone();
+    // Kept from the start: a session that ends while waiting releases it too.
+    session.keep(
+        &name,
+        Kept {
+            holder: got.holder.clone(),
+            keeper: pools::keep(v, &name, ttl)?,
+        },
+    );
+    let target = [ObjectRef::new("Lease", name.clone())];
+    let bound = Until::JsonPath("{.status.phase}".into(), "Bound".into());
+    let waited = bounded_wait(session, &target, &bound, timeout, ct).await;
+    let state = match waited {
+        Ok(None) => None,
+        Ok(Some(state)) => Some(state),
+        Err(e) => {
+            session.let_go(&name);
+            return Err(e);
+        }
+    };
+    if let Some(state) = state {
+        session.let_go(&name);
+        return Err(ToolError::Timeout(format!(
+            "no member of pool {pool} was free within {}s, so lease {name} was released again ({state}); try later, or vm_get {{kind: pool, name: {pool}}} to see its members",
+            timeout.as_secs()
+        )));
+    }
+    let l: Lease =
+        v.store().get_as(&name).await?.ok_or_else(|| {
+            ToolError::Failed(format!("lease {name} vanished right after binding"))
+        })?;
+    let vm = l.status.vm.clone().unwrap_or_default();
+    session.set_default_vm(Some(vm.clone()));
+    let until = l.status.expire_time.map(|t| t.to_string());
+    Ok(Output::with_data(
+        format!(
+            "lease/{name} bound: {vm} (pool {pool}) until {}; it is now this session's default VM. This session renews it every {}s and releases it when the session ends (vm_lease {{action: release}} releases it now: the VM is reset).",
+            until.clone().unwrap_or_default(),
+            (ttl / 3).as_secs().max(1)
+        ),
+        json!({
+            "lease": name,
+            "vm": vm,
+            "pool": pool,
+            "holder": got.holder,
+            "expire_time": until,
+            "key": got.key,
+        }),
+    ))
 }

@@ -1,7 +1,10 @@
-//! The `vm_*` tool table: every tool's name, description, input JSON Schema (generated from
-//! the Rust argument type by schemars), annotations and runner, in one place. The MCP server
-//! (`crate::mcp`) lists and runs tools from it; the CLI's `read`, `write`, `edit` and `jobs`
-//! commands run the same runners; `parity` maps every tool to its CLI command and back.
+//! boxery's MCP server and its `vm_*` tool table: every tool's name, description, input JSON
+//! Schema (generated from the Rust argument type by schemars), annotations and runner, in one
+//! place. The server ([`server`]: stdio and streamable HTTP) lists and runs tools from it; the
+//! CLI's `read`, `write`, `edit`, `jobs` and VM-to-VM `cp` commands run the same runners
+//! ([`run_cli`]); the CLI's parity test maps every tool to its CLI command and back. The
+//! tools call the verbs (`boxery-verbs`) and the hands (`boxery-hands`) and render their
+//! results as tool results.
 //!
 //! Guarantees: a runner never prints to stdout (stdout is the MCP stdio transport), never
 //! waits without a bound, and turns every failure into a [`ToolError`] a model can act on.
@@ -11,25 +14,20 @@ pub mod files;
 pub mod jobs;
 pub mod lease;
 pub mod lifecycle;
-#[cfg(test)]
-mod parity;
+pub mod server;
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use boxery_api::{Vm, VmPhase};
-use boxery_reconcilers::ssh::{SshDir, Target};
-use boxery_store::Store;
+use boxery_api::Vm;
+use boxery_hands::{Reach, Voice};
+use boxery_verbs::{Env, ErrorKind, VerbError, Verbs};
 use futures::future::BoxFuture;
 use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
-
-use crate::env::Env;
-use crate::exit::{CliError, Code};
-use crate::hands::Reach;
 
 /// The cap on text a tool returns (command output, file contents, job logs): 1 MiB.
 pub const OUTPUT_CAP: usize = 1 << 20;
@@ -38,7 +36,7 @@ pub const ARGS_CAP: usize = 8 << 20;
 /// The cap on any one string argument other than file content and manifests: 64 KiB.
 pub const STRING_CAP: usize = 64 << 10;
 /// The longest a tool may wait (`timeout_seconds` is clamped to this): 30 minutes.
-pub const MAX_WAIT_SECS: u64 = 1800;
+pub const MAX_WAIT_SECS: u64 = boxery_verbs::wait::TOOL_MAX_WAIT_SECS;
 
 /// A tool failed; the message says what to do next.
 #[derive(Debug, thiserror::Error)]
@@ -67,40 +65,44 @@ pub enum ToolError {
 }
 
 impl ToolError {
-    /// The CLI exit code this error maps to.
-    pub fn code(&self) -> Code {
+    /// The kind of failure (the CLI maps it to its exit code).
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            ToolError::Invalid(_) => Code::Invalid,
-            ToolError::NotFound(_) => Code::NotFound,
-            ToolError::NotReady(_) | ToolError::Conflict(_) => Code::Conflict,
-            ToolError::Timeout(_) => Code::Timeout,
-            ToolError::Cancelled | ToolError::Failed(_) => Code::Failed,
+            ToolError::Invalid(_) => ErrorKind::Invalid,
+            ToolError::NotFound(_) => ErrorKind::NotFound,
+            ToolError::NotReady(_) => ErrorKind::NotReady,
+            ToolError::Conflict(_) => ErrorKind::Conflict,
+            ToolError::Timeout(_) => ErrorKind::Timeout,
+            ToolError::Cancelled => ErrorKind::Cancelled,
+            ToolError::Failed(_) => ErrorKind::Failed,
         }
     }
 }
 
-impl From<CliError> for ToolError {
-    fn from(e: CliError) -> Self {
-        let msg = format!("{:#}", e.error);
-        match e.code {
-            Code::Invalid => ToolError::Invalid(msg),
-            Code::NotFound => ToolError::NotFound(msg),
-            Code::Timeout => ToolError::Timeout(msg),
-            Code::Conflict => ToolError::Conflict(msg),
-            Code::Failed => ToolError::Failed(msg),
+impl From<VerbError> for ToolError {
+    fn from(e: VerbError) -> Self {
+        let msg = e.chain();
+        match e.kind() {
+            ErrorKind::Invalid => ToolError::Invalid(msg),
+            ErrorKind::NotFound => ToolError::NotFound(msg),
+            ErrorKind::NotReady => ToolError::NotReady(msg),
+            ErrorKind::Timeout => ToolError::Timeout(msg),
+            ErrorKind::Conflict => ToolError::Conflict(msg),
+            ErrorKind::Cancelled => ToolError::Cancelled,
+            ErrorKind::Failed => ToolError::Failed(msg),
         }
     }
 }
 
 impl From<boxery_store::StoreError> for ToolError {
     fn from(e: boxery_store::StoreError) -> Self {
-        CliError::from(e).into()
+        VerbError::from(e).into()
     }
 }
 
-impl From<ToolError> for CliError {
-    fn from(e: ToolError) -> Self {
-        CliError::new(e.code(), anyhow::anyhow!("{e}"))
+impl From<boxery_hands::HandsError> for ToolError {
+    fn from(e: boxery_hands::HandsError) -> Self {
+        VerbError::from(e).into()
     }
 }
 
@@ -375,7 +377,7 @@ pub struct Session {
     pub allow_local: bool,
     default_vm: Mutex<Option<String>>,
     versions: Mutex<HashMap<(String, String), String>>,
-    store: OnceLock<Store>,
+    verbs: OnceLock<Verbs>,
     /// Leases this session keeps alive; dropping one (or the session) releases it.
     leases: Mutex<BTreeMap<String, lease::Kept>>,
 }
@@ -388,18 +390,18 @@ impl Session {
             allow_local,
             default_vm: Mutex::new(default_vm),
             versions: Mutex::new(HashMap::new()),
-            store: OnceLock::new(),
+            verbs: OnceLock::new(),
             leases: Mutex::new(BTreeMap::new()),
         }
     }
 
-    /// The store (opened once per session).
-    pub fn store(&self) -> Result<Store, ToolError> {
-        if let Some(s) = self.store.get() {
-            return Ok(s.clone());
+    /// The verbs, in the tools' voice, over the store (opened once per session).
+    pub fn verbs(&self) -> Result<&Verbs, ToolError> {
+        if let Some(v) = self.verbs.get() {
+            return Ok(v);
         }
-        let s = self.env.store()?;
-        Ok(self.store.get_or_init(|| s).clone())
+        let v = Verbs::open(self.env.clone(), Voice::Tool)?;
+        Ok(self.verbs.get_or_init(|| v))
     }
 
     /// The default VM.
@@ -430,7 +432,7 @@ impl Session {
             Some(k) => {
                 k.release();
                 if let Ok(n) = boxery_api::Name::label(name) {
-                    crate::pools::forget_key(&self.env, &n);
+                    boxery_hands::keys::forget_key(&self.env.home, &n);
                 }
                 true
             }
@@ -466,7 +468,7 @@ impl Session {
             tracing::info!(lease = %name, "the session ended: releasing its lease");
             k.release();
             if let Ok(n) = boxery_api::Name::label(&name) {
-                crate::pools::forget_key(&self.env, &n);
+                boxery_hands::keys::forget_key(&self.env.home, &n);
             }
             names.push(name);
         }
@@ -484,15 +486,19 @@ impl Session {
         if names.is_empty() {
             return;
         }
-        let Some(store) = self.store.get().cloned() else {
+        let Some(verbs) = self.verbs.get() else {
             return;
         };
         let deadline = tokio::time::Instant::now() + grace;
-        while tokio::time::Instant::now() < deadline
-            && names
-                .iter()
-                .any(|n| matches!(store.get("Lease", n), Ok(Some(_))))
-        {
+        while tokio::time::Instant::now() < deadline {
+            let mut left = false;
+            for n in &names {
+                let key = boxery_store::ObjectRef::new("Lease", n.clone());
+                left |= matches!(verbs.store().get(&key).await, Ok(Some(_)));
+            }
+            if !left {
+                break;
+            }
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
     }
@@ -514,13 +520,15 @@ impl Session {
             .insert((vm.to_string(), path.to_string()), version.to_string());
     }
 
+    /// The VMs there are (sync: the tools resolve names before their first await).
     fn vm_names(&self) -> Vec<String> {
-        self.store()
-            .and_then(|s| Ok(s.list_as::<Vm>(&Default::default())?))
+        self.verbs()
+            .ok()
+            .and_then(|v| v.local().ok())
+            .and_then(|s| s.list_as::<Vm>(&Default::default()).ok())
             .unwrap_or_default()
             .into_iter()
             .map(|v| v.metadata.name)
-            .take(30)
             .collect()
     }
 
@@ -534,7 +542,8 @@ impl Session {
         if let Some(v) = self.default_vm() {
             return Ok(v);
         }
-        let names = self.vm_names();
+        let mut names = self.vm_names();
+        names.truncate(30);
         match names.as_slice() {
             [one] => Ok(one.clone()),
             [] => Err(ToolError::NotFound(
@@ -549,57 +558,14 @@ impl Session {
 
     /// A not-found error that lists the known VMs.
     pub fn unknown_vm(&self, vm: &str) -> ToolError {
-        let names = self.vm_names();
-        ToolError::NotFound(if names.is_empty() {
-            format!(
-                "VM {} not found: there are no VMs (vm_manage {{action: new}} makes one)",
-                boxery_api::name::shown(vm)
-            )
-        } else {
-            format!(
-                "VM {} not found; known VMs: {}",
-                boxery_api::name::shown(vm),
-                names.join(", ")
-            )
-        })
+        boxery_hands::vm_not_found(vm, &self.vm_names(), Voice::Tool).into()
     }
 
     /// Check the VM can be reached over ssh and write the ssh files; returns how to reach it
     /// (with the key of a lease this host holds on it, like `boxery run`).
     pub(crate) fn ssh_to(&self, vm: &str) -> Result<Reach, ToolError> {
-        let store = self.store()?;
-        let v: Vm = store.get_as(vm)?.ok_or_else(|| self.unknown_vm(vm))?;
-        if Target::of(&v).is_none() || v.metadata.is_deleting() {
-            let status = v
-                .status
-                .printable_status
-                .clone()
-                .unwrap_or_else(|| format!("{:?}", v.status.phase));
-            let msg = v
-                .status
-                .conditions
-                .iter()
-                .find(|c| c.type_ == "Ready")
-                .map(|c| format!(" ({})", c.message))
-                .unwrap_or_default();
-            let hint = match v.status.phase {
-                _ if v.metadata.is_deleting() => "it is being deleted".to_string(),
-                VmPhase::Stopped => "start it with vm_manage {action: start}".to_string(),
-                _ => format!("wait with vm_wait {{kind: vm, name: {vm}}} (condition=Ready)"),
-            };
-            return Err(ToolError::NotReady(format!(
-                "VM {vm} is not ready: its status is {status}{msg}; {hint}"
-            )));
-        }
-        let ssh = SshDir::new(&self.env.home);
-        let targets: Vec<Target> = store
-            .list_as::<Vm>(&Default::default())?
-            .iter()
-            .filter_map(Target::of)
-            .collect();
-        ssh.write(&targets)
-            .map_err(|e| ToolError::Failed(format!("cannot write the ssh files: {e}")))?;
-        Ok(Reach::new(&self.env, &store, ssh, vm))
+        let store = self.verbs()?.local()?;
+        Ok(boxery_hands::reach(&self.env.home, store, vm, Voice::Tool)?)
     }
 }
 
@@ -611,10 +577,10 @@ impl Drop for Session {
 }
 
 /// Run a tool from the CLI: print its text (stdout) and map its error to an exit code.
-pub async fn run_cli(env: &Env, name: &str, args: Value) -> crate::exit::CliResult<Output> {
+pub async fn run_cli(env: &Env, name: &str, args: Value) -> Result<Output, ToolError> {
     let t = find(name).expect("the CLI only runs tools of the table");
     let session = Arc::new(Session::new(env.clone(), None, true));
-    Ok(t.run(session, args, CancellationToken::new()).await?)
+    t.run(session, args, CancellationToken::new()).await
 }
 
 /// The tool list as markdown (the table in docs/mcp.md is this text).

@@ -1,4 +1,4 @@
-//! The MCP server, built from the tool table (`crate::tools`): `boxery mcp` over stdio, and
+//! The MCP server, built from the tool table ([`crate::tools`]): `boxery mcp` over stdio, and
 //! streamable HTTP at `/mcp` inside `boxery serve --mcp-listen ADDR`.
 //!
 //! Guarantees of the HTTP endpoint (every client is hostile until it shows the token):
@@ -47,10 +47,10 @@ use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt};
 use tokio_util::sync::CancellationToken;
 
-use crate::env::Env;
-use crate::exit::{CliError, CliResult};
-use crate::runtime::Started;
-use crate::tools::{self, Session};
+use boxery_verbs::runtime::Started;
+use boxery_verbs::{Env, Result as VerbResult, VerbError};
+
+use crate::{self as tools, Session};
 
 /// The cap on an HTTP request body: the argument cap plus room for the envelope.
 pub const BODY_CAP: usize = tools::ARGS_CAP + (64 << 10);
@@ -155,14 +155,14 @@ fn embed_controllers(env: Env) -> tokio::task::JoinHandle<()> {
         let mut embedded = None;
         loop {
             if embedded.is_none() {
-                match crate::runtime::Embedded::start_if_needed(&env, &store).await {
+                match boxery_verbs::runtime::Embedded::start_if_needed(&env, &store).await {
                     Ok(Started::Here(e)) => {
                         tracing::info!("boxery mcp: running the controllers (no serve leads)");
                         embedded = Some(e);
                     }
                     Ok(Started::Elsewhere) => {}
                     Ok(Started::Unreachable(why)) => tracing::warn!("{why}; retrying in 5 s"),
-                    Err(e) => tracing::warn!(error = %e.error, "cannot run the controllers"),
+                    Err(e) => tracing::warn!(error = %e, "cannot run the controllers"),
                 }
             }
             tokio::time::sleep(Duration::from_secs(5)).await;
@@ -193,7 +193,7 @@ async fn terminated() -> i32 {
 
 /// `boxery mcp`: serve MCP on stdin/stdout until the client goes away (stdin closes) or a
 /// SIGINT/SIGTERM; either way the session's leases are released.
-pub async fn stdio(env: &Env, vm: Option<String>) -> CliResult {
+pub async fn stdio(env: &Env, vm: Option<String>) -> VerbResult {
     let controllers = embed_controllers(env.clone());
     let session = Arc::new(Session::new(env.clone(), vm, true));
     let server = BoxeryMcp::new(session.clone());
@@ -201,7 +201,7 @@ pub async fn stdio(env: &Env, vm: Option<String>) -> CliResult {
     tokio::pin!(signalled);
     let running = tokio::select! {
         r = server.serve(rmcp::transport::stdio()) => {
-            r.map_err(|e| CliError::failed(format!("MCP initialisation failed: {e}")))?
+            r.map_err(|e| VerbError::failed(format!("MCP initialisation failed: {e}")))?
         }
         sig = &mut signalled => std::process::exit(128 + sig),
     };
@@ -215,7 +215,7 @@ pub async fn stdio(env: &Env, vm: Option<String>) -> CliResult {
     };
     session.end(LEASE_GRACE).await;
     controllers.abort();
-    r.map_err(|e| CliError::failed(format!("the MCP session ended with an error: {e}")))?;
+    r.map_err(|e| VerbError::failed(format!("the MCP session ended with an error: {e}")))?;
     Ok(())
 }
 
@@ -225,7 +225,7 @@ const TOKEN_FILE_CAP: u64 = 4096;
 /// Read or create the bearer token in `$BOXERY_HOME/mcp-token` (0600). An existing file must
 /// be a regular file of this user that nobody else can read: one that others could read may
 /// have leaked, so it is refused (exit 2) with what to do, never used or silently fixed.
-pub fn token(env: &Env) -> CliResult<String> {
+pub fn token(env: &Env) -> VerbResult<String> {
     use std::io::{Read, Write};
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
     let path = env.home.join("mcp-token");
@@ -234,19 +234,19 @@ pub fn token(env: &Env) -> CliResult<String> {
         Ok(m) => {
             let me = rustix::process::getuid().as_raw();
             if !m.file_type().is_file() {
-                return Err(CliError::invalid(format!(
+                return Err(VerbError::invalid(format!(
                     "{shown} is not a regular file (a symlink, directory or device): delete it and boxery makes a new token"
                 )));
             }
             if m.uid() != me {
-                return Err(CliError::invalid(format!(
+                return Err(VerbError::invalid(format!(
                     "{shown} belongs to uid {}, not to you (uid {me}): whoever owns it knows the token. Delete it and boxery makes a new one",
                     m.uid()
                 )));
             }
             let mode = m.permissions().mode() & 0o777;
             if mode & 0o077 != 0 {
-                return Err(CliError::invalid(format!(
+                return Err(VerbError::invalid(format!(
                     "{shown} has mode {mode:04o}: other users may have read the token. Delete it to have a new one made (`rm {shown}`), or, if nobody else can have read it, `chmod 600 {shown}`"
                 )));
             }
@@ -256,7 +256,7 @@ pub fn token(env: &Env) -> CliResult<String> {
                 .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
                 .open(&path)
                 .and_then(|f| f.take(TOKEN_FILE_CAP).read_to_string(&mut text))
-                .map_err(|e| CliError::failed(format!("cannot read {shown}: {e}")))?;
+                .map_err(|e| VerbError::failed(format!("cannot read {shown}: {e}")))?;
             let t = text.trim();
             if t.len() >= 32 && t.bytes().all(|b| b.is_ascii_graphic()) {
                 return Ok(t.to_string());
@@ -264,7 +264,7 @@ pub fn token(env: &Env) -> CliResult<String> {
             // Too short or not a token: replaced below.
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(CliError::failed(format!("cannot read {shown}: {e}"))),
+        Err(e) => return Err(VerbError::failed(format!("cannot read {shown}: {e}"))),
     }
     env.ensure_home()?;
     let t = format!(
@@ -580,10 +580,10 @@ impl HttpServer {
         addr: SocketAddr,
         origins: Vec<String>,
         allow_remote: bool,
-    ) -> CliResult<HttpServer> {
+    ) -> VerbResult<HttpServer> {
         if !is_loopback(addr.ip()) {
             if !allow_remote {
-                return Err(CliError::invalid(format!(
+                return Err(VerbError::invalid(format!(
                     "--mcp-listen {addr} is not a loopback address: /mcp would be reachable from other machines and from the VMs' networks, with the bearer token as its only protection. Listen on 127.0.0.1:{} and reach it through an SSH tunnel or `tailscale serve`, or add --mcp-allow-remote to accept that",
                     addr.port()
                 )));
@@ -596,7 +596,7 @@ impl HttpServer {
         let token = token(env)?;
         let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .map_err(|e| CliError::failed(format!("cannot listen on {addr} for MCP: {e}")))?;
+            .map_err(|e| VerbError::failed(format!("cannot listen on {addr} for MCP: {e}")))?;
         let local = listener.local_addr()?;
         Ok(HttpServer {
             listener,
@@ -609,11 +609,11 @@ impl HttpServer {
 
     /// Serve streamable HTTP MCP at `http://ADDR/mcp` until `shutdown`, within
     /// [`Limits::for_this_process`]; then release the leases of the sessions still open.
-    pub async fn run(self, shutdown: CancellationToken) -> CliResult {
+    pub async fn run(self, shutdown: CancellationToken) -> VerbResult {
         self.run_within(Limits::for_this_process(), shutdown).await
     }
 
-    async fn run_within(self, limits: Limits, shutdown: CancellationToken) -> CliResult {
+    async fn run_within(self, limits: Limits, shutdown: CancellationToken) -> VerbResult {
         use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
         use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
         let local = self.local;
@@ -728,8 +728,8 @@ mod tests {
         let path = d.path().join("mcp-token");
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
         let e = token(&env).unwrap_err();
-        assert_eq!(e.code, crate::exit::Code::Invalid);
-        let msg = e.error.to_string();
+        assert_eq!(e.kind(), boxery_verbs::ErrorKind::Invalid);
+        let msg = e.to_string();
         assert!(
             msg.contains("mode 0644") && msg.contains("chmod 600"),
             "{msg}"
@@ -740,7 +740,7 @@ mod tests {
         std::fs::rename(&path, d.path().join("elsewhere")).unwrap();
         std::os::unix::fs::symlink(d.path().join("elsewhere"), &path).unwrap();
         let e = token(&env).unwrap_err();
-        assert!(e.error.to_string().contains("not a regular file"), "{e:?}");
+        assert!(e.to_string().contains("not a regular file"), "{e:?}");
     }
 
     fn limits(connections: usize, per_peer: usize) -> Limits {

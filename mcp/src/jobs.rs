@@ -16,10 +16,11 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use super::exec::{helper, qpath};
+use super::exec::helper;
 use super::{OUTPUT_CAP, Output, Session, ToolError, ToolResult, clamp_timeout};
-use crate::hands::{dquoted, shell_quote};
-use crate::output::safe;
+use boxery_api::name::safe;
+use boxery_hands::qpath;
+use boxery_hands::{dquoted, shell_quote};
 
 /// What to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
@@ -344,7 +345,7 @@ mod tests {
         assert_eq!(k.trim(), "exited 143", "{k}");
         let pgid = std::fs::read_to_string(h.join(".boxery/jobs/jb/pid")).unwrap();
         assert!(
-            !crate::tools::group_alive(pgid.trim().parse().unwrap()),
+            !crate::group_alive(pgid.trim().parse().unwrap()),
             "the job's process group survived kill"
         );
         let o = std::process::Command::new("sh")

@@ -6,15 +6,14 @@
 //! machine output and stay exact (both emitters escape C0 control characters themselves;
 //! tested). `-o jsonpath` piped to a program prints values as they are, for scripts.
 
-use std::borrow::Cow;
-use std::fmt::Write as _;
 use std::io::{IsTerminal, Write};
 
+pub use boxery_api::name::safe;
 use boxery_api::name::shown;
 use boxery_api::{DynObject, KindInfo};
 use serde_json::Value;
 
-use crate::exit::{CliError, CliResult};
+use crate::error::{Result, VerbError};
 
 /// How `get` prints.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,7 +33,7 @@ pub enum Format {
 }
 
 impl std::str::FromStr for Format {
-    type Err = CliError;
+    type Err = VerbError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Ok(match s {
             "" | "table" => Format::Table,
@@ -45,7 +44,7 @@ impl std::str::FromStr for Format {
             _ => match s.strip_prefix("jsonpath=") {
                 Some(expr) => Format::JsonPath(expr.to_string()),
                 None => {
-                    return Err(CliError::invalid(format!(
+                    return Err(VerbError::invalid(format!(
                         "unknown output format `{}`: use wide, yaml, json, name or jsonpath=EXPR",
                         shown(s)
                     )));
@@ -53,40 +52,6 @@ impl std::str::FromStr for Format {
             },
         })
     }
-}
-
-/// A character that must not reach a terminal as is: the C0 and C1 control characters and DEL
-/// (escape sequences, screen clears, OSC 52 clipboard writes, bells), and the bidirectional
-/// formatting characters that make text read differently from what it holds.
-fn unsafe_char(c: char) -> bool {
-    c.is_control()
-        || matches!(
-            c,
-            '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
-        )
-}
-
-/// Text safe to print to a terminal: control characters, DEL and bidirectional formatting
-/// characters escaped (`\n`, `\r`, `\t`, else `\u{1b}` as Rust writes them); everything else,
-/// other unicode included, kept. Borrows when there is nothing to escape. Display only: the
-/// result is ambiguous when the text itself holds such backslash sequences.
-pub fn safe(text: &str) -> Cow<'_, str> {
-    if !text.chars().any(unsafe_char) {
-        return Cow::Borrowed(text);
-    }
-    let mut out = String::with_capacity(text.len() + 8);
-    for c in text.chars() {
-        match c {
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if unsafe_char(c) => {
-                let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
-            }
-            c => out.push(c),
-        }
-    }
-    Cow::Owned(out)
 }
 
 /// Age of a timestamp, as kubectl prints it (`5s`, `3m`, `2h`, `4d`).
@@ -284,12 +249,12 @@ pub fn table(kind: &str, objs: &[Value], wide: bool, headers: bool) -> String {
 
 /// Evaluate a kubectl-style JSONPath (`{.status.phase}`, `{.metadata.name}{"\n"}`) on one object.
 /// Values are exact (for `wait --for=jsonpath` and scripts).
-pub fn jsonpath(expr: &str, obj: &Value) -> CliResult<String> {
+pub fn jsonpath(expr: &str, obj: &Value) -> Result<String> {
     jsonpath_with(expr, obj, false)
 }
 
 /// [`jsonpath`], with the values (not the expression's literals) made [`safe`] when `escape`.
-fn jsonpath_with(expr: &str, obj: &Value, escape: bool) -> CliResult<String> {
+fn jsonpath_with(expr: &str, obj: &Value, escape: bool) -> Result<String> {
     let mut out = String::new();
     let mut rest = expr;
     while !rest.is_empty() {
@@ -301,7 +266,7 @@ fn jsonpath_with(expr: &str, obj: &Value, escape: bool) -> CliResult<String> {
             Some(i) => {
                 out.push_str(&rest[..i]);
                 let end = rest[i..].find('}').ok_or_else(|| {
-                    CliError::invalid(format!("unclosed `{{` in jsonpath `{}`", shown(expr)))
+                    VerbError::invalid(format!("unclosed `{{` in jsonpath `{}`", shown(expr)))
                 })?;
                 let inner = rest[i + 1..i + end].trim();
                 rest = &rest[i + end + 1..];
@@ -318,7 +283,7 @@ fn jsonpath_with(expr: &str, obj: &Value, escape: bool) -> CliResult<String> {
                     }
                 );
                 let p = serde_json_path::JsonPath::parse(&path).map_err(|e| {
-                    CliError::invalid(format!(
+                    VerbError::invalid(format!(
                         "invalid jsonpath `{}`: {}",
                         shown(inner),
                         safe(&e.to_string())
@@ -370,18 +335,13 @@ pub fn display_value(o: &DynObject) -> Value {
 }
 
 /// YAML text of a value.
-pub fn to_yaml(v: &Value) -> CliResult<String> {
-    serde_saphyr::to_string(v).map_err(|e| CliError::failed(format!("cannot print YAML: {e}")))
+pub fn to_yaml(v: &Value) -> Result<String> {
+    serde_saphyr::to_string(v).map_err(|e| VerbError::failed(format!("cannot print YAML: {e}")))
 }
 
 /// Print objects of one kind in a format, to stdout or anything else (`-o jsonpath` escapes
 /// values when stdout is a terminal).
-pub fn print(
-    info: &KindInfo,
-    objs: &[DynObject],
-    format: &Format,
-    out: &mut impl Write,
-) -> CliResult {
+pub fn print(info: &KindInfo, objs: &[DynObject], format: &Format, out: &mut impl Write) -> Result {
     print_for(info, objs, format, out, std::io::stdout().is_terminal())
 }
 
@@ -393,7 +353,7 @@ pub fn print_for(
     format: &Format,
     out: &mut impl Write,
     terminal: bool,
-) -> CliResult {
+) -> Result {
     let values: Vec<Value> = objs.iter().map(display_value).collect();
     match format {
         Format::Table | Format::Wide => {
@@ -455,7 +415,7 @@ mod tests {
 
     fn raw_controls(text: &str) -> Vec<char> {
         text.chars()
-            .filter(|c| unsafe_char(*c) && *c != '\n')
+            .filter(|c| boxery_api::name::unsafe_char(*c) && *c != '\n')
             .collect()
     }
 
@@ -470,7 +430,10 @@ mod tests {
             "a\\u{1b}]52;c;cm0gLXJmIH4K\\u{7}\\u{1b}[2J\\u{9b}31m\\u{7f}\\u{202e}b\\nc"
         );
         assert_eq!(safe("tab\there\r\0"), "tab\\there\\r\\u{0}");
-        assert!(matches!(safe("plain été 日本 🦀"), Cow::Borrowed(_)));
+        assert!(matches!(
+            safe("plain été 日本 🦀"),
+            std::borrow::Cow::Borrowed(_)
+        ));
         for c in (0u32..0x20).chain(0x7f..0xa0).filter_map(char::from_u32) {
             assert!(raw_controls(&safe(&c.to_string())).is_empty(), "{c:?}");
             assert!(!safe(&c.to_string()).contains('\n'));
@@ -545,8 +508,8 @@ mod tests {
     #[test]
     fn errors_do_not_echo_raw_input() {
         let e = "table\u{1b}[2J".parse::<Format>().unwrap_err();
-        assert!(!format!("{:#}", e.error).contains('\u{1b}'));
+        assert!(!e.chain().contains('\u{1b}'));
         let e = jsonpath("{.a\u{1b}[2J", &json!({})).unwrap_err();
-        assert!(!format!("{:#}", e.error).contains('\u{1b}'));
+        assert!(!e.chain().contains('\u{1b}'));
     }
 }

@@ -8,12 +8,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::Context as _;
 use boxery_api::Resource as _;
 use boxery_backends::Backend;
-use boxery_store::Store;
+use boxery_store::{ObjectStore, ObjectStoreExt, Store};
 
-use crate::exit::{CliError, CliResult};
+use crate::error::{ErrorKind, Result, VerbError};
 
 /// The homes this process has opened a store in.
 static OPENED_HOMES: std::sync::Mutex<std::collections::BTreeSet<PathBuf>> =
@@ -49,7 +48,7 @@ pub struct Env {
 
 impl Env {
     /// Resolve from flags, environment and config.
-    pub fn resolve(home: Option<PathBuf>, backend: Option<String>) -> CliResult<Env> {
+    pub fn resolve(home: Option<PathBuf>, backend: Option<String>) -> Result<Env> {
         let home = match home {
             Some(h) => h,
             None => {
@@ -60,7 +59,7 @@ impl Env {
                         std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share"))
                     })
                     .ok_or_else(|| {
-                        CliError::invalid("cannot find a home for boxery's state: set BOXERY_HOME")
+                        VerbError::invalid("cannot find a home for boxery's state: set BOXERY_HOME")
                     })?;
                 data.join("boxery")
             }
@@ -70,7 +69,7 @@ impl Env {
             None => read_config_backend(&home)?.unwrap_or_else(|| default_backend().to_string()),
         };
         if !boxery_backends::BACKENDS.contains(&backend_name.as_str()) {
-            return Err(CliError::invalid(format!(
+            return Err(VerbError::invalid(format!(
                 "unknown backend `{backend_name}`: this build has {}",
                 boxery_backends::BACKENDS.join(", ")
             )));
@@ -81,10 +80,10 @@ impl Env {
     /// Open (creating if needed) the store. A home this process already opened and that is
     /// gone now was removed under it: that is an error, not a new empty home (a long-running
     /// `mcp` or `serve` must not bring back a home that was deleted).
-    pub fn store(&self) -> CliResult<Store> {
+    pub fn store(&self) -> Result<Store> {
         let mut opened = OPENED_HOMES.lock().unwrap_or_else(|e| e.into_inner());
         if !self.home.exists() && opened.contains(&self.home) {
-            return Err(CliError::failed(format!(
+            return Err(VerbError::failed(format!(
                 "boxery's home {} was removed while this process ran; not creating it again",
                 self.home.display()
             )));
@@ -100,7 +99,7 @@ impl Env {
     /// Whoever can write the home controls every VM and reads every key in it, so a home of
     /// another user that others may write is refused (exit 2); one that is merely another
     /// user's gets a warning. Its parents are created as usual.
-    pub fn ensure_home(&self) -> CliResult {
+    pub fn ensure_home(&self) -> Result {
         use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
         let home = &self.home;
         let shown = home.display();
@@ -109,40 +108,57 @@ impl Env {
             Ok(m) => m,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 if let Some(parent) = home.parent().filter(|p| !p.as_os_str().is_empty()) {
-                    std::fs::create_dir_all(parent).with_context(|| {
-                        format!(
-                            "cannot create {}, the parent of boxery's home",
-                            parent.display()
+                    std::fs::create_dir_all(parent).map_err(|e| {
+                        VerbError::caused(
+                            ErrorKind::Failed,
+                            format!(
+                                "cannot create {}, the parent of boxery's home",
+                                parent.display()
+                            ),
+                            e,
                         )
                     })?;
                 }
                 match std::fs::DirBuilder::new().mode(0o700).create(home) {
                     Ok(()) => {
-                        std::fs::set_permissions(home, private).with_context(|| {
-                            format!("cannot make boxery's home {shown} private")
+                        std::fs::set_permissions(home, private).map_err(|e| {
+                            VerbError::caused(
+                                ErrorKind::Failed,
+                                format!("cannot make boxery's home {shown} private"),
+                                e,
+                            )
                         })?;
                         return Ok(());
                     }
                     // Made by another process in between: check it as an existing one.
                     Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                        std::fs::metadata(home)
-                            .with_context(|| format!("cannot read boxery's home {shown}"))?
+                        std::fs::metadata(home).map_err(|e| {
+                            VerbError::caused(
+                                ErrorKind::Failed,
+                                format!("cannot read boxery's home {shown}"),
+                                e,
+                            )
+                        })?
                     }
                     Err(e) => {
-                        return Err(anyhow::Error::new(e)
-                            .context(format!("cannot create boxery's home {shown}"))
-                            .into());
+                        return Err(VerbError::caused(
+                            ErrorKind::Failed,
+                            format!("cannot create boxery's home {shown}"),
+                            e,
+                        ));
                     }
                 }
             }
             Err(e) => {
-                return Err(anyhow::Error::new(e)
-                    .context(format!("cannot read boxery's home {shown}"))
-                    .into());
+                return Err(VerbError::caused(
+                    ErrorKind::Failed,
+                    format!("cannot read boxery's home {shown}"),
+                    e,
+                ));
             }
         };
         if !meta.is_dir() {
-            return Err(CliError::invalid(format!(
+            return Err(VerbError::invalid(format!(
                 "boxery's home {shown} is not a directory: set BOXERY_HOME to a directory"
             )));
         }
@@ -166,7 +182,7 @@ impl Env {
                 }
             }
         } else if mode & 0o022 != 0 {
-            return Err(CliError::invalid(format!(
+            return Err(VerbError::invalid(format!(
                 "boxery's home {shown} belongs to uid {} and others may write it (mode {mode:04o}): whoever can write it controls every VM. Use a home of your own (BOXERY_HOME), or have its owner `chmod 700 {shown}`",
                 meta.uid()
             )));
@@ -183,17 +199,17 @@ impl Env {
     }
 
     /// The backend.
-    pub fn backend(&self) -> CliResult<Arc<dyn Backend>> {
-        boxery_backends::by_name(&self.backend_name, &self.home).map_err(CliError::invalid)
+    pub fn backend(&self) -> Result<Arc<dyn Backend>> {
+        boxery_backends::by_name(&self.backend_name, &self.home).map_err(VerbError::invalid)
     }
 
     /// The backend, once the store's VMs and images are known to live on it. One home drives
     /// one backend: controllers on another would find every VM missing and mark it `Lost`.
-    pub fn backend_for(&self, store: &Store) -> CliResult<Arc<dyn Backend>> {
+    pub async fn backend_for(&self, store: &dyn ObjectStore) -> Result<Arc<dyn Backend>> {
         let selected = self.backend_name.as_str();
         let elsewhere = |kind: &str, name: &str, on: &Option<String>| {
             on.as_deref().filter(|b| *b != selected).map(|b| {
-                CliError::invalid(format!(
+                VerbError::invalid(format!(
                     "{kind} {name} in {} lives on the `{b}` backend, not `{selected}`: one home \
                      drives one backend. Use another BOXERY_HOME for `{selected}`, or select \
                      `{b}` again (--backend, BOXERY_BACKEND or config.yaml)",
@@ -202,12 +218,12 @@ impl Env {
             })
         };
         let all = boxery_api::Selector::default();
-        for vm in store.list_as::<boxery_api::Vm>(&all)? {
+        for vm in store.list_as::<boxery_api::Vm>(&all).await? {
             if let Some(e) = elsewhere("Vm", vm.name(), &vm.status.backend) {
                 return Err(e);
             }
         }
-        for img in store.list_as::<boxery_api::Image>(&all)? {
+        for img in store.list_as::<boxery_api::Image>(&all).await? {
             if let Some(e) = elsewhere("Image", img.name(), &img.status.backend) {
                 return Err(e);
             }
@@ -229,22 +245,22 @@ pub struct Config {
 }
 
 /// Read `config.yaml` (all defaults when there is none).
-pub fn read_config(home: &Path) -> CliResult<Config> {
+pub fn read_config(home: &Path) -> Result<Config> {
     let path = home.join("config.yaml");
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Config::default()),
         Err(e) => {
-            return Err(CliError::failed(format!(
+            return Err(VerbError::failed(format!(
                 "cannot read {}: {e}",
                 path.display()
             )));
         }
     };
     let cfg: Config = serde_saphyr::from_str(&text)
-        .map_err(|e| CliError::invalid(format!("{}: {e}", path.display())))?;
+        .map_err(|e| VerbError::invalid(format!("{}: {e}", path.display())))?;
     if let Some(r) = cfg.import_roots.iter().find(|r| !r.is_absolute()) {
-        return Err(CliError::invalid(format!(
+        return Err(VerbError::invalid(format!(
             "{}: importRoots: `{}` is not an absolute path",
             path.display(),
             r.display()
@@ -253,7 +269,7 @@ pub fn read_config(home: &Path) -> CliResult<Config> {
     Ok(cfg)
 }
 
-fn read_config_backend(home: &Path) -> CliResult<Option<String>> {
+fn read_config_backend(home: &Path) -> Result<Option<String>> {
     Ok(read_config(home)?.backend)
 }
 
@@ -272,7 +288,7 @@ mod tests {
         drop(env.store().expect("and opened again"));
         std::fs::remove_dir_all(&env.home).unwrap();
         let err = env.store().expect_err("removed under this process");
-        assert!(err.error.to_string().contains("was removed"), "{err:?}");
+        assert!(err.to_string().contains("was removed"), "{err:?}");
         assert!(!env.home.exists(), "not created again");
     }
 }

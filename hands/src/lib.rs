@@ -1,20 +1,71 @@
-//! The first hands: `ssh`, `run` and `cp`, over OpenSSH with the generated ssh_config
-//! (`$BOXERY_HOME/ssh/config`): the pinned host key, and one ControlMaster per VM so repeated
-//! calls reuse one connection.
+//! The hands: reaching VMs over OpenSSH with the generated ssh_config
+//! (`$BOXERY_HOME/ssh/config`: the pinned host key, one ControlMaster per VM so repeated calls
+//! reuse one connection), and `ssh`, `run` and `cp` on top of it. [`ssh`] holds the config,
+//! keys and probes (the reconcilers use them too); [`keys`] the key pairs of the leases this
+//! host holds; [`reach`] is the one check that a VM can be reached, shared by the CLI and the
+//! MCP tools.
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
 
+use boxery_api::name::safe;
 use boxery_api::{Vm, VmPhase};
-use boxery_reconcilers::ssh::{SshDir, Target};
 use boxery_store::Store;
 
-use crate::env::Env;
-use crate::exit::{CliError, CliResult, Code};
-use crate::tools::exec::qpath;
+use crate::ssh::{SshDir, Target};
 
+pub mod keys;
+pub mod ssh;
 mod unpack;
-pub(crate) use unpack::{Kind, Top, UnpackError, filter};
+pub use unpack::{Kind, Top, UnpackError, filter};
+
+/// What a hand could not do; the message says what to do next.
+#[derive(Debug, thiserror::Error)]
+pub enum HandsError {
+    /// The arguments are wrong.
+    #[error("{0}")]
+    Invalid(String),
+    /// A VM, file or path does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// The VM exists but cannot be reached now.
+    #[error("{0}")]
+    NotReady(String),
+    /// Something is in the way (a directory where a file would land).
+    #[error("{0}")]
+    Conflict(String),
+    /// Anything else.
+    #[error("{0}")]
+    Failed(String),
+    /// Unpacking what a VM sent failed.
+    #[error("{what}")]
+    Copy {
+        /// What was being copied.
+        what: String,
+        /// Why it failed.
+        #[source]
+        source: UnpackError,
+    },
+    /// A local file or process operation failed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// Reading the store failed.
+    #[error(transparent)]
+    Store(#[from] boxery_store::StoreError),
+}
+
+/// Result alias for the hands.
+pub type Result<T = (), E = HandsError> = std::result::Result<T, E>;
+
+/// Who reads a message, so its hint names what they can run: the CLI's commands or the MCP
+/// tools. The facts in a message are the same in both voices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Voice {
+    /// `boxery …` commands.
+    Cli,
+    /// `vm_*` tools.
+    Tool,
+}
 
 /// Quote one word for the remote shell.
 pub fn shell_quote(s: &str) -> String {
@@ -27,60 +78,96 @@ pub fn shell_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 
-/// Check the VM can be reached and write the ssh files; returns how to reach it.
-fn prepare(env: &Env, store: &Store, vm: &str) -> CliResult<Reach> {
-    let v: Vm = store.get_as(vm)?.ok_or_else(|| {
-        let names: Vec<String> = store
-            .list_as::<Vm>(&Default::default())
-            .unwrap_or_default()
-            .into_iter()
-            .map(|v| v.metadata.name)
-            .collect();
-        CliError::not_found(format!(
-            "VM {vm} not found: {}",
-            if names.is_empty() {
-                "there are no VMs (`boxery new NAME --wait` makes one)".to_string()
-            } else {
-                format!("known VMs: {}", names.join(", "))
-            }
-        ))
-    })?;
-    if Target::of(&v).is_none() {
-        let why = match v.status.phase {
-            VmPhase::Stopped => "it is stopped: `boxery start NAME --wait`".to_string(),
-            // status text comes from controllers and backends, some of it from the guest
-            p => format!(
-                "it is {} ({}): wait for it with `boxery wait vm {vm} --for=condition=Ready`",
-                crate::output::safe(
-                    &v.status
-                        .printable_status
-                        .clone()
-                        .unwrap_or_else(|| format!("{p:?}"))
-                ),
-                crate::output::safe(
-                    &v.status
-                        .conditions
-                        .iter()
-                        .find(|c| c.type_ == "Ready")
-                        .map(|c| c.message.clone())
-                        .unwrap_or_default()
-                )
-            ),
-        };
-        return Err(CliError::new(
-            Code::Conflict,
-            anyhow::anyhow!("VM {vm} cannot be reached: {why}"),
-        ));
+/// A path for the remote shell: `~` and `~/…` expand to the home, the rest is quoted.
+pub fn qpath(p: &str) -> String {
+    if p == "~" {
+        "\"$HOME\"".into()
+    } else if let Some(rest) = p.strip_prefix("~/") {
+        format!("\"$HOME\"/{}", shell_quote(rest))
+    } else {
+        shell_quote(p)
     }
-    let ssh = SshDir::new(&env.home);
-    let targets: Vec<Target> = store
-        .list_as::<Vm>(&Default::default())?
+}
+
+/// The not-found message for VM `vm`, listing the known VMs (`names`, at most 30 shown).
+pub fn vm_not_found(vm: &str, names: &[String], voice: Voice) -> HandsError {
+    let vm = boxery_api::name::shown(vm);
+    let cap = if voice == Voice::Cli { 20 } else { 30 };
+    let names: Vec<&str> = names.iter().map(String::as_str).take(cap).collect();
+    HandsError::NotFound(match (voice, names.is_empty()) {
+        (Voice::Cli, true) => {
+            format!("VM {vm} not found: there are no VMs (`boxery new NAME` makes one)")
+        }
+        (Voice::Cli, false) => format!("VM {vm} not found: known VMs: {}", names.join(", ")),
+        (Voice::Tool, true) => {
+            format!("VM {vm} not found: there are no VMs (vm_manage {{action: new}} makes one)")
+        }
+        (Voice::Tool, false) => format!("VM {vm} not found; known VMs: {}", names.join(", ")),
+    })
+}
+
+/// Why `v` cannot be reached over ssh now, and what to do, in `voice`; `None` when it can.
+/// The status text comes from controllers and backends, some of it from the guest: it is
+/// made [`safe`].
+pub fn not_ready(v: &Vm, voice: Voice) -> Option<HandsError> {
+    let vm = v.metadata.name.as_str();
+    // A VM being deleted still answers: the CLI reaches it until it is gone, a tool does not.
+    let deleting = voice == Voice::Tool && v.metadata.is_deleting();
+    if Target::of(v).is_some() && !deleting {
+        return None;
+    }
+    let status = safe(
+        &v.status
+            .printable_status
+            .clone()
+            .unwrap_or_else(|| format!("{:?}", v.status.phase)),
+    )
+    .into_owned();
+    let message = v
+        .status
+        .conditions
         .iter()
-        .filter_map(Target::of)
-        .collect();
+        .find(|c| c.type_ == "Ready")
+        .map(|c| safe(&c.message).into_owned());
+    Some(HandsError::NotReady(match voice {
+        Voice::Cli => {
+            let why = match v.status.phase {
+                VmPhase::Stopped => "it is stopped: `boxery start NAME --wait`".to_string(),
+                _ => format!(
+                    "it is {status} ({}): wait for it with `boxery wait vm {vm} --for=condition=Ready`",
+                    message.unwrap_or_default()
+                ),
+            };
+            format!("VM {vm} cannot be reached: {why}")
+        }
+        Voice::Tool => {
+            let msg = message.map(|m| format!(" ({m})")).unwrap_or_default();
+            let hint = match v.status.phase {
+                _ if deleting => "it is being deleted".to_string(),
+                VmPhase::Stopped => "start it with vm_manage {action: start}".to_string(),
+                _ => format!("wait with vm_wait {{kind: vm, name: {vm}}} (condition=Ready)"),
+            };
+            format!("VM {vm} is not ready: its status is {status}{msg}; {hint}")
+        }
+    }))
+}
+
+/// Check that VM `vm` can be reached and write the ssh files; returns how to reach it (with
+/// the key of a lease this host holds on it). The one way both front ends get to a VM.
+pub fn reach(home: &Path, store: &Store, vm: &str, voice: Voice) -> Result<Reach> {
+    let all = store.list_as::<Vm>(&Default::default())?;
+    let Some(v) = all.iter().find(|v| v.metadata.name == vm) else {
+        let names: Vec<String> = all.into_iter().map(|v| v.metadata.name).collect();
+        return Err(vm_not_found(vm, &names, voice));
+    };
+    if let Some(e) = not_ready(v, voice) {
+        return Err(e);
+    }
+    let ssh = SshDir::new(home);
+    let targets: Vec<Target> = all.iter().filter_map(Target::of).collect();
     ssh.write(&targets)
-        .map_err(|e| CliError::failed(format!("{e:#}")))?;
-    Ok(Reach::new(env, store, ssh, vm))
+        .map_err(|e| HandsError::Failed(format!("cannot write the ssh files: {e}")))?;
+    Ok(Reach::new(home, store, ssh, vm))
 }
 
 /// How this host reaches one VM over ssh, shared by the CLI's hands and the tools:
@@ -89,7 +176,7 @@ fn prepare(env: &Env, store: &Store, vm: &str) -> CliResult<Reach> {
 /// own so a connection made with the control plane's key is never reused for it (nor the
 /// holder's for anyone else); else the control plane's key.
 #[derive(Debug, Clone)]
-pub(crate) struct Reach {
+pub struct Reach {
     ssh: SshDir,
     vm: String,
     key: Option<PathBuf>,
@@ -97,23 +184,23 @@ pub(crate) struct Reach {
 
 impl Reach {
     /// How to reach `vm` with the ssh files in `ssh` (looks up a lease this host holds on it).
-    pub(crate) fn new(env: &Env, store: &Store, ssh: SshDir, vm: &str) -> Reach {
+    pub fn new(home: &Path, store: &Store, ssh: SshDir, vm: &str) -> Reach {
         Reach {
-            key: crate::pools::held_key(env, store, vm),
+            key: keys::held_key(home, store, vm),
             ssh,
             vm: vm.to_string(),
         }
     }
 
     /// The VM.
-    pub(crate) fn vm(&self) -> &str {
+    pub fn vm(&self) -> &str {
         &self.vm
     }
 
     /// The ssh command, to finish with arguments (`std::process`).
-    pub(crate) fn std_command(&self) -> std::process::Command {
+    pub fn std_command(&self) -> std::process::Command {
         let mut c = std::process::Command::new("ssh");
-        c.args(boxery_reconcilers::ssh::debug_log_args());
+        c.args(crate::ssh::debug_log_args());
         if let Some(key) = &self.key {
             // A short, stable name per key: socket paths are limited to ~100 bytes.
             let tag = key
@@ -135,12 +222,12 @@ impl Reach {
         }
         c.arg("-F")
             .arg(self.ssh.config())
-            .arg(boxery_reconcilers::ssh::alias(&self.vm));
+            .arg(crate::ssh::alias(&self.vm));
         c
     }
 
     /// The ssh command, to finish with arguments (`tokio::process`).
-    pub(crate) fn command(&self) -> tokio::process::Command {
+    pub fn command(&self) -> tokio::process::Command {
         tokio::process::Command::from(self.std_command())
     }
 }
@@ -153,9 +240,8 @@ fn exit_of(status: std::process::ExitStatus) -> ExitCode {
 }
 
 /// `boxery ssh VM [-- CMD…]`: an interactive shell (or a command), with the pinned key.
-pub fn ssh(env: &Env, vm: &str, cmd: &[String]) -> CliResult<ExitCode> {
-    let store = env.store()?;
-    let mut c = prepare(env, &store, vm)?.std_command();
+pub fn ssh(home: &Path, store: &Store, vm: &str, cmd: &[String]) -> Result<ExitCode> {
+    let mut c = reach(home, store, vm, Voice::Cli)?.std_command();
     if std::io::IsTerminal::is_terminal(&std::io::stdin()) {
         c.arg("-t");
     }
@@ -169,19 +255,18 @@ pub fn ssh(env: &Env, vm: &str, cmd: &[String]) -> CliResult<ExitCode> {
     }
     let status = c
         .status()
-        .map_err(|e| CliError::failed(format!("cannot run ssh: {e}")))?;
+        .map_err(|e| HandsError::Failed(format!("cannot run ssh: {e}")))?;
     Ok(exit_of(status))
 }
 
 /// `boxery run VM -- CMD…`: run a command, stream its output, exit with its code.
-pub fn run(env: &Env, vm: &str, cmd: &[String]) -> CliResult<ExitCode> {
+pub fn run(home: &Path, store: &Store, vm: &str, cmd: &[String]) -> Result<ExitCode> {
     if cmd.is_empty() {
-        return Err(CliError::invalid(
-            "give a command: boxery run VM -- CMD [ARGS…]",
+        return Err(HandsError::Invalid(
+            "give a command: boxery run VM -- CMD [ARGS…]".into(),
         ));
     }
-    let store = env.store()?;
-    let ssh = prepare(env, &store, vm)?;
+    let ssh = reach(home, store, vm, Voice::Cli)?;
     let line = if cmd.len() == 1 {
         cmd[0].clone()
     } else {
@@ -194,7 +279,7 @@ pub fn run(env: &Env, vm: &str, cmd: &[String]) -> CliResult<ExitCode> {
         .std_command()
         .args(["-T", "-o", "BatchMode=yes", "--", &line])
         .status()
-        .map_err(|e| CliError::failed(format!("cannot run ssh: {e}")))?;
+        .map_err(|e| HandsError::Failed(format!("cannot run ssh: {e}")))?;
     if status.code() == Some(255) {
         eprintln!(
             "boxery: ssh to {vm} failed (exit 255); `boxery describe vm {vm}` shows its state"
@@ -239,14 +324,14 @@ impl Place {
 /// Text for a double-quoted string in a remote script, for a message the guest prints with
 /// `printf '%s\n' "…"` (never `echo`, which reads backslashes in some shells): what the shell
 /// expands there (`"`, `\`, `$`, `` ` ``) becomes `_`, control characters are escaped
-/// ([`crate::output::safe`]). The one way user text goes into a remote message.
+/// ([`safe`]). The one way user text goes into a remote message.
 pub fn dquoted(text: &str) -> String {
-    crate::output::safe(&text.replace(['"', '\\', '$', '`'], "_")).into_owned()
+    safe(&text.replace(['"', '\\', '$', '`'], "_")).into_owned()
 }
 
 /// The remote script that sends the file or directory at `path` (in the VM) as a tar stream on
 /// stdout, exit 3 when there is none; and the top-level name its archive has.
-pub(crate) fn send_script(path: &str) -> (String, Top) {
+pub fn send_script(path: &str) -> (String, Top) {
     let p = Path::new(path);
     let base = if path == "~" {
         None
@@ -279,7 +364,7 @@ pub(crate) fn send_script(path: &str) -> (String, Top) {
 /// stdin and puts it at `path` in the VM with the rules of [`Landing`]: through a fresh
 /// directory beside it, a file at PATH or PATH/NAME, a directory only where nothing is; and
 /// nothing at all unless the archive ends with [`unpack::DONE`].
-pub(crate) fn receive_script(path: &str, top: &Top, shown: &str) -> String {
+pub fn receive_script(path: &str, top: &Top, shown: &str) -> String {
     let shown = dquoted(shown);
     let into = match top {
         Top::Name(n) => format!("\"$d\"/{}", shell_quote(n)),
@@ -315,7 +400,7 @@ fn relay_stderr(from: Option<std::process::ChildStderr>) -> Option<std::thread::
                 Ok(0) | Err(_) => return,
                 Ok(_) => {
                     let text = String::from_utf8_lossy(&line);
-                    eprintln!("{}", crate::output::safe(text.trim_end_matches('\n')));
+                    eprintln!("{}", safe(text.trim_end_matches('\n')));
                 }
             }
         }
@@ -324,7 +409,7 @@ fn relay_stderr(from: Option<std::process::ChildStderr>) -> Option<std::thread::
 
 /// Read what is left of a stream after its tar archive (the padding to a record), up to
 /// 1 MiB; false when there is more (the guest sent something else too).
-pub(crate) fn drain<R: std::io::Read>(r: &mut R) -> bool {
+pub fn drain<R: std::io::Read>(r: &mut R) -> bool {
     let mut rest = <&mut R as std::io::Read>::take(r, (1 << 20) + 1);
     matches!(std::io::copy(&mut rest, &mut std::io::sink()), Ok(n) if n <= 1 << 20)
 }
@@ -340,7 +425,7 @@ pub(crate) fn drain<R: std::io::Read>(r: &mut R) -> bool {
 ///
 /// Parent directories of DST are made.
 #[derive(Debug)]
-pub(crate) struct Landing {
+pub struct Landing {
     dst: PathBuf,
     top: Top,
     into_dir: bool,
@@ -349,7 +434,7 @@ pub(crate) struct Landing {
 
 impl Landing {
     /// Make the staging directory for a copy whose archive has `top`, to land at `dst`.
-    pub(crate) fn new(dst: &Path, top: Top) -> CliResult<Landing> {
+    pub fn new(dst: &Path, top: Top) -> Result<Landing> {
         let into_dir = dst.is_dir();
         let beside = if into_dir {
             dst.to_path_buf()
@@ -359,13 +444,13 @@ impl Landing {
                 .unwrap_or(Path::new("."))
                 .to_path_buf()
         };
-        let shown = crate::output::safe(&beside.to_string_lossy()).into_owned();
+        let shown = safe(&beside.to_string_lossy()).into_owned();
         std::fs::create_dir_all(&beside)
-            .map_err(|e| CliError::failed(format!("cannot make {shown}: {e}")))?;
+            .map_err(|e| HandsError::Failed(format!("cannot make {shown}: {e}")))?;
         let staging = tempfile::Builder::new()
             .prefix(".boxery-cp.")
             .tempdir_in(&beside)
-            .map_err(|e| CliError::failed(format!("cannot write in {shown}: {e}")))?;
+            .map_err(|e| HandsError::Failed(format!("cannot write in {shown}: {e}")))?;
         Ok(Landing {
             dst: dst.to_path_buf(),
             top,
@@ -375,66 +460,59 @@ impl Landing {
     }
 
     /// Unpack the archive read from `r` into the staging directory.
-    pub(crate) fn unpack(&self, r: impl std::io::Read) -> Result<Kind, UnpackError> {
+    pub fn unpack(&self, r: impl std::io::Read) -> Result<Kind, UnpackError> {
         unpack::unpack(r, self.top.clone(), self.staging.path())
     }
 
     /// Rename the unpacked copy into place; returns where it landed. The staging directory
     /// goes, whatever happens.
-    pub(crate) fn place(self, kind: Kind) -> CliResult<PathBuf> {
+    pub fn place(self, kind: Kind) -> Result<PathBuf> {
         let from = self.staging.path().join(unpack::TOP);
-        let shown = |p: &Path| crate::output::safe(&p.to_string_lossy()).into_owned();
+        let shown = |p: &Path| safe(&p.to_string_lossy()).into_owned();
         let to = match (kind, self.into_dir, &self.top) {
             (Kind::File, true, Top::Name(n)) => self.dst.join(n),
             (Kind::File, true, Top::Dot) | (Kind::Dir, true, _) => {
-                return Err(CliError::new(
-                    Code::Conflict,
-                    anyhow::anyhow!(
-                        "{} exists: a directory from a VM is copied to a new path, never into an existing directory (name one that does not exist, e.g. {})",
-                        shown(&self.dst),
-                        shown(&self.dst.join(match &self.top {
-                            Top::Name(n) => n.as_str(),
-                            Top::Dot => "copy",
-                        }))
-                    ),
-                ));
+                return Err(HandsError::Conflict(format!(
+                    "{} exists: a directory from a VM is copied to a new path, never into an existing directory (name one that does not exist, e.g. {})",
+                    shown(&self.dst),
+                    shown(&self.dst.join(match &self.top {
+                        Top::Name(n) => n.as_str(),
+                        Top::Dot => "copy",
+                    }))
+                )));
             }
             (_, false, _) => self.dst.clone(),
         };
         match (kind, to.symlink_metadata()) {
             (Kind::Dir, Ok(_)) => {
-                return Err(CliError::new(
-                    Code::Conflict,
-                    anyhow::anyhow!(
-                        "{} exists: a directory from a VM is copied to a new path, never over another file",
-                        shown(&to)
-                    ),
-                ));
+                return Err(HandsError::Conflict(format!(
+                    "{} exists: a directory from a VM is copied to a new path, never over another file",
+                    shown(&to)
+                )));
             }
             (Kind::File, Ok(m)) if m.is_dir() => {
-                return Err(CliError::new(
-                    Code::Conflict,
-                    anyhow::anyhow!("{} is a directory: name the file to write", shown(&to)),
-                ));
+                return Err(HandsError::Conflict(format!(
+                    "{} is a directory: name the file to write",
+                    shown(&to)
+                )));
             }
             _ => {}
         }
         // rename(2): replaces a file (or a symlink itself) at `to`, never follows one
         std::fs::rename(&from, &to)
-            .map_err(|e| CliError::failed(format!("cannot write {}: {e}", shown(&to))))?;
+            .map_err(|e| HandsError::Failed(format!("cannot write {}: {e}", shown(&to))))?;
         Ok(to)
     }
 }
 
 /// `boxery cp SRC DST`: local ⇄ VM, files or directories, streamed through tar over ssh.
-pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
-    let store = env.store()?;
+pub fn cp(home: &Path, store: &Store, src: &str, dst: &str) -> Result<ExitCode> {
     match (Place::parse(src), Place::parse(dst)) {
         (Place::Local(l), Place::Vm(vm, path)) => {
-            let ssh = prepare(env, &store, &vm)?;
+            let ssh = reach(home, store, &vm, Voice::Cli)?;
             let lp = Path::new(&l);
             let meta = std::fs::metadata(lp)
-                .map_err(|e| CliError::not_found(format!("{}: {e}", crate::output::safe(&l))))?;
+                .map_err(|e| HandsError::NotFound(format!("{}: {e}", safe(&l))))?;
             let (dir, name) = if meta.is_dir() {
                 (lp.to_path_buf(), ".".to_string())
             } else {
@@ -463,7 +541,7 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
             let mut tar = pack_command(&dir, &name)
                 .stdout(Stdio::piped())
                 .spawn()
-                .map_err(|e| CliError::failed(format!("cannot run tar: {e}")))?;
+                .map_err(|e| HandsError::Failed(format!("cannot run tar: {e}")))?;
             let out = tar.stdout.take().expect("piped");
             let mut sshc = ssh
                 .std_command()
@@ -471,7 +549,7 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
                 .stdin(out)
                 .stderr(Stdio::piped())
                 .spawn()
-                .map_err(|e| CliError::failed(format!("cannot run ssh: {e}")))?;
+                .map_err(|e| HandsError::Failed(format!("cannot run ssh: {e}")))?;
             let relay = relay_stderr(sshc.stderr.take());
             let status = sshc.wait()?;
             if let Some(r) = relay {
@@ -479,24 +557,21 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
             }
             let tar_status = tar.wait()?;
             if !tar_status.success() {
-                return Err(CliError::failed(format!(
-                    "reading {} failed",
-                    crate::output::safe(&l)
-                )));
+                return Err(HandsError::Failed(format!("reading {} failed", safe(&l))));
             }
             if !status.success() {
-                return Err(CliError::failed(format!(
+                return Err(HandsError::Failed(format!(
                     "writing {vm}:{} failed (ssh exit {:?})",
-                    crate::output::safe(&path),
+                    safe(&path),
                     status.code()
                 )));
             }
             Ok(ExitCode::SUCCESS)
         }
         (Place::Vm(vm, path), Place::Local(l)) => {
-            let ssh = prepare(env, &store, &vm)?;
+            let ssh = reach(home, store, &vm, Voice::Cli)?;
             let (remote, top) = send_script(&path);
-            let shown = format!("{vm}:{}", crate::output::safe(&path));
+            let shown = format!("{vm}:{}", safe(&path));
             let landing = Landing::new(Path::new(&l), top)?;
             let mut sshc = ssh
                 .std_command()
@@ -504,7 +579,7 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
-                .map_err(|e| CliError::failed(format!("cannot run ssh: {e}")))?;
+                .map_err(|e| HandsError::Failed(format!("cannot run ssh: {e}")))?;
             let relay = relay_stderr(sshc.stderr.take());
             let mut out = sshc.stdout.take().expect("piped");
             let unpacked = landing.unpack(&mut out);
@@ -517,18 +592,16 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
                 let _ = r.join();
             }
             if status.code() == Some(3) {
-                return Err(CliError::not_found(format!(
+                return Err(HandsError::NotFound(format!(
                     "{shown}: no such file or directory in the VM"
                 )));
             }
-            let kind = unpacked.map_err(|e| {
-                CliError::new(
-                    Code::Failed,
-                    anyhow::Error::new(e).context(format!("copying {shown}")),
-                )
+            let kind = unpacked.map_err(|e| HandsError::Copy {
+                what: format!("copying {shown}"),
+                source: e,
             })?;
             if !status.success() {
-                return Err(CliError::failed(format!(
+                return Err(HandsError::Failed(format!(
                     "reading {shown} failed (ssh exit {:?}): nothing was copied",
                     status.code()
                 )));
@@ -536,11 +609,12 @@ pub fn cp(env: &Env, src: &str, dst: &str) -> CliResult<ExitCode> {
             landing.place(kind)?;
             Ok(ExitCode::SUCCESS)
         }
-        (Place::Vm(..), Place::Vm(..)) => Err(CliError::invalid(
-            "copying from one VM to another is not supported yet: copy to a local path first",
+        (Place::Vm(..), Place::Vm(..)) => Err(HandsError::Invalid(
+            "copying from one VM to another is not supported yet: copy to a local path first"
+                .into(),
         )),
-        (Place::Local(_), Place::Local(_)) => Err(CliError::invalid(
-            "one side must be a VM: write VM:PATH (e.g. dev1:/home/agent/file)",
+        (Place::Local(_), Place::Local(_)) => Err(HandsError::Invalid(
+            "one side must be a VM: write VM:PATH (e.g. dev1:/home/agent/file)".into(),
         )),
     }
 }
@@ -653,17 +727,19 @@ mod tests {
 
     /// `boxery cp VM:PATH DST` end to end without a VM: the send script runs under the local
     /// sh as the guest would, its stream is landed by [`Landing`].
-    fn cp_from(guest_home: &Path, path: &str, dst: &Path) -> CliResult<PathBuf> {
+    fn cp_from(guest_home: &Path, path: &str, dst: &Path) -> Result<PathBuf> {
         let (script, top) = send_script(path);
         let o = guest(&script, guest_home, b"");
         if o.status.code() == Some(3) {
-            return Err(CliError::not_found(String::from_utf8_lossy(&o.stderr)));
+            return Err(HandsError::NotFound(
+                String::from_utf8_lossy(&o.stderr).into_owned(),
+            ));
         }
         assert!(o.status.success(), "{o:?}");
         let landing = Landing::new(dst, top)?;
         let kind = landing
             .unpack(&o.stdout[..])
-            .map_err(|e| CliError::new(Code::Failed, e))?;
+            .map_err(|e| HandsError::Failed(e.to_string()))?;
         landing.place(kind)
     }
 
@@ -708,13 +784,13 @@ mod tests {
         assert!(l.join("home-copy/proj/src/a.rs").is_file());
         // a directory is never merged into an existing one
         let e = cp_from(g, "proj", &l.join("in")).unwrap_err();
-        assert_eq!(e.code, Code::Conflict, "{:#}", e.error);
+        assert!(matches!(e, HandsError::Conflict(_)), "{e}");
         let e = cp_from(g, "proj", &l.join("r.txt")).unwrap_err();
-        assert_eq!(e.code, Code::Conflict, "{:#}", e.error);
+        assert!(matches!(e, HandsError::Conflict(_)), "{e}");
         assert_eq!(std::fs::read_to_string(l.join("r.txt")).unwrap(), "report");
         // missing
         let e = cp_from(g, "nope/x", &l.join("x")).unwrap_err();
-        assert_eq!(e.code, Code::NotFound);
+        assert!(matches!(e, HandsError::NotFound(_)), "{e}");
         assert_eq!(
             tree(l)
                 .iter()
@@ -750,16 +826,16 @@ mod tests {
                 .unwrap()
                 .stdout
         };
-        let land = |stream: &[u8]| -> CliResult<PathBuf> {
+        let land = |stream: &[u8]| -> Result<PathBuf> {
             let landing = Landing::new(h, Top::Name("report.txt".into()))?;
             let kind = landing
                 .unpack(stream)
-                .map_err(|e| CliError::new(Code::Failed, e))?;
+                .map_err(|e| HandsError::Failed(e.to_string()))?;
             landing.place(kind)
         };
         // a directory where a file was asked for: never merged into the existing home
         let e = land(&tar(&g.join("x"), &["./report.txt"])).unwrap_err();
-        assert_eq!(e.code, Code::Conflict, "{:#}", e.error);
+        assert!(matches!(e, HandsError::Conflict(_)), "{e}");
         // the dotfiles themselves, `..`, a link out: refused
         assert!(land(&tar(&g.join("x/report.txt"), &["./.bashrc"])).is_err());
         assert!(land(&tar(&g.join("x/report.txt"), &["."])).is_err());

@@ -32,7 +32,7 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use crate::output::safe;
+use boxery_api::name::safe;
 
 /// The name the copy's top has in a staging directory and in a [`filter`]ed archive.
 pub const TOP: &str = "copy";
@@ -376,7 +376,7 @@ pub fn filter(r: impl Read, top: Top, w: impl Write) -> Result<Kind, UnpackError
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hands::tests::tree;
+    use crate::tests::tree;
     use std::process::Command;
 
     /// A tar archive made by GNU tar (`tar -C dir -cf - ARGS…`).

@@ -11,7 +11,7 @@ use boxery_reconcilers::{Ctx, Settings};
 use boxery_store::{Leadership, Store};
 
 use crate::env::Env;
-use crate::exit::{CliError, CliResult};
+use crate::error::{Result, VerbError};
 
 /// The store lock the controllers lead under.
 pub const LOCK: &str = "boxery-controllers";
@@ -55,13 +55,13 @@ pub fn context(
 /// `serve`: wait to lead, run the controllers, exit when interrupted or when leadership is lost.
 /// `inventory_every` and `lease` must lie in [`INVENTORY_EVERY`] and [`LEASE`] (their value
 /// parsers check that; this refuses anything else too).
-pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> CliResult {
+pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> Result {
     for (what, d, (min, max)) in [
         ("--inventory-every", inventory_every, INVENTORY_EVERY),
         ("--lease", lease, LEASE),
     ] {
         if d < min || d > max {
-            return Err(CliError::invalid(format!(
+            return Err(VerbError::invalid(format!(
                 "{what} {} is out of range: use {} to {}",
                 humantime::format_duration(d),
                 humantime::format_duration(min),
@@ -70,7 +70,7 @@ pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> Cli
         }
     }
     let store = env.store()?;
-    let backend = env.backend_for(&store)?;
+    let backend = env.backend_for(&store).await?;
     let me = this_process();
     let elector = LeaderElector::new(Arc::new(store.clone()), LOCK, me.clone(), lease);
     let shutdown = CancellationToken::new();
@@ -107,9 +107,10 @@ pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> Cli
                 }
             }
             Err(e) => {
-                return Err(CliError::failed(format!(
-                    "the {} backend is not usable: {e}",
-                    env.backend_name
+                return Err(VerbError::failed(format!(
+                    "the {} backend is not usable: {}",
+                    env.backend_name,
+                    e.chain()
                 )));
             }
         }
@@ -120,7 +121,7 @@ pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> Cli
         env.backend_name
     );
     let leading = tokio::select! {
-        l = elector.acquire() => l.map_err(|e| CliError::failed(format!("leader election failed: {e}")))?,
+        l = elector.acquire() => l.map_err(|e| VerbError::failed(format!("leader election failed: {e}")))?,
         _ = shutdown.cancelled() => return Ok(()),
     };
     eprintln!(
@@ -138,7 +139,7 @@ pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> Cli
         _ = run => {}
         _ = leading.lost() => {
             shutdown.cancel();
-            return Err(CliError::failed("lost leadership of the store (another control plane took over): exiting"));
+            return Err(VerbError::failed("lost leadership of the store (another control plane took over): exiting"));
         }
         _ = shutdown.cancelled() => {}
     }
@@ -168,7 +169,7 @@ pub enum Started {
 
 impl Embedded {
     /// Start the controllers here if nothing leads the store.
-    pub async fn start_if_needed(env: &Env, store: &Store) -> CliResult<Started> {
+    pub async fn start_if_needed(env: &Env, store: &Store) -> Result<Started> {
         let me = this_process();
         let ttl = Duration::from_secs(4);
         match store.try_lead(LOCK, &me, ttl)? {
@@ -179,8 +180,8 @@ impl Embedded {
         let leading = elector
             .acquire()
             .await
-            .map_err(|e| CliError::failed(format!("leader election failed: {e}")))?;
-        let backend = match env.backend_for(store) {
+            .map_err(|e| VerbError::failed(format!("leader election failed: {e}")))?;
+        let backend = match env.backend_for(store).await {
             Ok(b) => b,
             Err(e) => {
                 let _ = leading.resign().await;
@@ -200,7 +201,7 @@ impl Embedded {
                 // reach the backend (a `serve` retries until it answers).
                 let marked = boxery_reconcilers::inventory::unreachable(&ctx, &e).await;
                 let _ = leading.resign().await;
-                marked.map_err(|m| CliError::failed(m.to_string()))?;
+                marked.map_err(|m| VerbError::failed(m.to_string()))?;
                 return Ok(Started::Unreachable(format!(
                     "the {} backend is unreachable ({e}); no controller runs in this command",
                     env.backend_name
@@ -208,9 +209,10 @@ impl Embedded {
             }
             Err(e) => {
                 let _ = leading.resign().await;
-                return Err(CliError::failed(format!(
-                    "the {} backend could not initialise: {e}",
-                    env.backend_name
+                return Err(VerbError::failed(format!(
+                    "the {} backend could not initialise: {}",
+                    env.backend_name,
+                    e.chain()
                 )));
             }
         }
@@ -235,8 +237,9 @@ impl Embedded {
 
 /// `delete --force`: drop boxery's finalizer once the backend confirms the VM or image is gone
 /// (removing it first when the backend can).
-pub async fn force_delete(env: &Env, store: &Store, kind: &str, name: &str) -> CliResult {
-    let backend = env.backend_for(store)?;
+pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
+    let store = v.local()?;
+    let backend = v.env.backend_for(store).await?;
     let uid = store.get(kind, name)?.and_then(|o| o.metadata.uid);
     match kind {
         "Vm" => {
@@ -250,23 +253,24 @@ pub async fn force_delete(env: &Env, store: &Store, kind: &str, name: &str) -> C
                 _ => true,
             };
             if !mine {
-                return Err(CliError::failed(format!(
+                return Err(VerbError::failed(format!(
                     "the backend's VM {name} was made for another object than this Vm: nothing was removed or dropped; `boxery orphans` shows it"
                 )));
             }
             if let Err(e) = backend.remove(name).await {
-                tracing::warn!(error = %e, "remove failed");
+                tracing::warn!(error = %e.chain(), "remove failed");
             }
             match backend.get(name).await {
                 Ok(None) => {}
                 Ok(Some(_)) => {
-                    return Err(CliError::failed(format!(
+                    return Err(VerbError::failed(format!(
                         "the backend still has VM {name}; fix the backend and try again (nothing was dropped)"
                     )));
                 }
                 Err(e) => {
-                    return Err(CliError::failed(format!(
-                        "cannot confirm VM {name} is gone ({e}); nothing was dropped"
+                    return Err(VerbError::failed(format!(
+                        "cannot confirm VM {name} is gone ({}); nothing was dropped",
+                        e.chain()
                     )));
                 }
             }
@@ -274,18 +278,19 @@ pub async fn force_delete(env: &Env, store: &Store, kind: &str, name: &str) -> C
         }
         "Image" => {
             if let Err(e) = backend.remove_image(name).await {
-                tracing::warn!(error = %e, "remove_image failed");
+                tracing::warn!(error = %e.chain(), "remove_image failed");
             }
             match backend.images().await {
                 Ok(list) if !list.iter().any(|i| i.name == name) => {}
                 Ok(_) => {
-                    return Err(CliError::failed(format!(
+                    return Err(VerbError::failed(format!(
                         "the backend still has image {name}; nothing was dropped"
                     )));
                 }
                 Err(e) => {
-                    return Err(CliError::failed(format!(
-                        "cannot confirm image {name} is gone ({e}); nothing was dropped"
+                    return Err(VerbError::failed(format!(
+                        "cannot confirm image {name} is gone ({}); nothing was dropped",
+                        e.chain()
                     )));
                 }
             }
@@ -315,7 +320,7 @@ pub async fn force_delete(env: &Env, store: &Store, kind: &str, name: &str) -> C
                     );
                 }
                 if store.get(kind, name)?.is_some() {
-                    return Err(CliError::failed(format!(
+                    return Err(VerbError::failed(format!(
                         "{kind} {name} is still in the store after its finalizers were dropped: nothing else was changed; `boxery describe {} {name}` shows it",
                         kind.to_ascii_lowercase()
                     )));
@@ -326,7 +331,7 @@ pub async fn force_delete(env: &Env, store: &Store, kind: &str, name: &str) -> C
             Err(e) => return Err(e.into()),
         }
     }
-    Err(crate::commands::conflict(format!(
+    Err(VerbError::conflict(format!(
         "{kind} {name} kept changing; try again"
     )))
 }

@@ -1,0 +1,582 @@
+//! Lifecycle tools: they call the verbs (`boxery_verbs`: the same functions as `boxery apply`,
+//! `new`, `snap`…, validated exactly as `boxery apply` validates) and wait, bounded, on the
+//! plan a verb returns; a wait that runs out returns where the object stands.
+//!
+//! Waits run through `boxery_verbs::wait::bounded`, which runs the controllers in-process when
+//! nothing leads the store (and `boxery mcp` runs them for its whole life in that case).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use boxery_api::{Name, Quantity, RunStrategy, Vm};
+use boxery_store::{ObjectRef, ObjectStoreExt};
+use boxery_verbs::objects::{self, Deleted};
+use boxery_verbs::render;
+use boxery_verbs::vm::{self as verbs_vm, Plan, Size};
+use boxery_verbs::wait::{self, Until};
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use super::{Output, Session, ToolError, ToolResult, clamp_timeout};
+
+fn kind_of(name: Option<&str>) -> Result<&'static boxery_api::KindInfo, ToolError> {
+    Ok(objects::kind(name.unwrap_or("vm"))?)
+}
+
+/// Wait (bounded); `Ok(None)` when it held, `Ok(Some(state))` when the time ran out.
+pub(super) async fn bounded_wait(
+    session: &Session,
+    targets: &[ObjectRef],
+    until: &Until,
+    timeout: Duration,
+    ct: &CancellationToken,
+) -> Result<Option<String>, ToolError> {
+    Ok(wait::bounded(session.verbs()?, targets, until, timeout, ct.cancelled()).await?)
+}
+
+/// One line per object: `kind/name STATUS (Ready=…: message)`.
+async fn state_lines(
+    session: &Session,
+    targets: &[ObjectRef],
+) -> Result<(String, Vec<Value>), ToolError> {
+    let store = session.verbs()?.store();
+    let mut text = String::new();
+    let mut data = Vec::new();
+    for t in targets {
+        let (k, n) = (&t.kind, &t.name);
+        let o = store.get(t).await?;
+        text.push_str(&format!(
+            "{}/{n}: {}\n",
+            k.to_lowercase(),
+            match &o {
+                Some(o) => wait::describe_state(Some(o)),
+                None => "deleted".into(),
+            }
+        ));
+        data.push(match &o {
+            Some(o) => json!({"kind": k, "name": n, "status": o.status()}),
+            None => json!({"kind": k, "name": n, "deleted": true}),
+        });
+    }
+    Ok((text, data))
+}
+
+/// Finish a spec-writing call: wait for the plan's last step (the earlier ones first, each
+/// saying when it did not hold), then report the state either way.
+async fn finish(
+    session: &Session,
+    mut text: String,
+    plan: Plan,
+    wait_for: Option<Duration>,
+    ct: &CancellationToken,
+) -> ToolResult {
+    let mut converged = true;
+    if let Some(t) = wait_for
+        && let Some((last, before)) = plan.steps.split_last()
+    {
+        for until in before {
+            if let Some(why) = bounded_wait(session, &plan.targets, until, t, ct).await? {
+                text.push_str(&format!("not reverted yet: {why}\n"));
+            }
+        }
+        if let Some(why) = bounded_wait(session, &plan.targets, last, t, ct).await? {
+            converged = false;
+            text.push_str(&format!(
+                "not there yet ({why}); it keeps converging: vm_wait or vm_get to follow it\n"
+            ));
+        }
+    }
+    let (state, data) = state_lines(session, &plan.targets).await?;
+    text.push_str(&state);
+    Ok(Output::with_data(
+        text,
+        json!({"converged": converged, "objects": data}),
+    ))
+}
+
+/// `vm_apply` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApplyArgs {
+    /// One or more YAML documents (separated by `---`) or a JSON object.
+    pub manifest: String,
+    /// Validate and show what would change; write nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+    /// Wait until Vms and Images are Ready (default true).
+    #[serde(default)]
+    pub wait: Option<bool>,
+    /// How long to wait (default 600 s, at most 1800).
+    #[serde(default)]
+    pub timeout_seconds: Option<u64>,
+}
+
+/// `vm_get` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GetArgs {
+    /// The kind: vm (default), image, pool, lease, grant, event.
+    #[serde(default)]
+    pub kind: Option<String>,
+    /// One name (all when absent).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// A label selector (team=web,tier!=db).
+    #[serde(default)]
+    pub selector: Option<String>,
+}
+
+/// `vm_describe` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DescribeArgs {
+    /// The kind (default vm).
+    #[serde(default)]
+    pub kind: Option<String>,
+    /// The name (default: the session's VM).
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// `vm_delete` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteArgs {
+    /// The kind (default vm).
+    #[serde(default)]
+    pub kind: Option<String>,
+    /// The names.
+    pub names: Vec<String>,
+    /// Wait until they are gone (default true).
+    #[serde(default)]
+    pub wait: Option<bool>,
+    /// How long to wait (default 120 s).
+    #[serde(default)]
+    pub timeout_seconds: Option<u64>,
+}
+
+/// `vm_wait` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WaitArgs {
+    /// The kind (default vm).
+    #[serde(default)]
+    pub kind: Option<String>,
+    /// The name (default: the session's VM).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// condition=Ready (default), condition=Ready=False, delete, or jsonpath={.status.phase}=Stopped.
+    #[serde(default, rename = "for")]
+    pub until: Option<String>,
+    /// How long to wait (default 300 s, at most 1800).
+    #[serde(default)]
+    pub timeout_seconds: Option<u64>,
+}
+
+/// A `vm_manage` verb.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Action {
+    /// Make a VM from an image (`from`, default debian-12).
+    New,
+    /// Snapshot the VM's disk into the image VM.LABEL (works while it runs).
+    Snap,
+    /// Replace the VM's disk with its snapshot VM.LABEL.
+    Revert,
+    /// Make new VMs (`names`) from this VM's disk as it is now.
+    Fork,
+    /// Start the VM.
+    Start,
+    /// Stop the VM.
+    Stop,
+    /// Change CPUs, memory or disk.
+    Resize,
+    /// Delete the VM (and the images it owns).
+    Rm,
+}
+
+/// `vm_manage` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ManageArgs {
+    /// new, snap, revert, fork, start, stop, resize or rm.
+    pub action: Action,
+    /// The VM (for new: the new VM's name; default: the session's VM).
+    #[serde(default)]
+    pub vm: Option<String>,
+    /// new: the image to make it from (default debian-12; `tiny` boots in seconds).
+    #[serde(default)]
+    pub from: Option<String>,
+    /// snap/revert: the snapshot's label (image VM.LABEL).
+    #[serde(default)]
+    pub label: Option<String>,
+    /// fork: the new VMs' names.
+    #[serde(default)]
+    pub names: Vec<String>,
+    /// new/fork/resize: virtual CPUs.
+    #[serde(default)]
+    pub cpus: Option<u32>,
+    /// new/fork/resize: memory, e.g. 512Mi, 4Gi.
+    #[serde(default)]
+    pub memory: Option<String>,
+    /// new/fork/resize: disk size, e.g. 20Gi (disks only grow).
+    #[serde(default)]
+    pub disk: Option<String>,
+    /// Wait for the result (default true).
+    #[serde(default)]
+    pub wait: Option<bool>,
+    /// How long to wait (default 600 s, at most 1800).
+    #[serde(default)]
+    pub timeout_seconds: Option<u64>,
+}
+
+/// `vm_use` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UseArgs {
+    /// The VM to make this session's default (absent: show the current default).
+    #[serde(default)]
+    pub vm: Option<String>,
+}
+
+/// `vm_apply`.
+pub async fn apply(session: Arc<Session>, a: ApplyArgs, ct: CancellationToken) -> ToolResult {
+    let manifests = boxery_api::codec::parse_manifests("manifest", a.manifest.as_bytes())
+        .map_err(|e| ToolError::Invalid(format!("{e}")))?;
+    let objs = manifests.into_iter().map(|m| m.object).collect();
+    let applied = objects::apply(session.verbs()?, objs, a.dry_run, None).await?;
+    let mut text: String = applied.lines().iter().map(|l| format!("{l}\n")).collect();
+    if a.dry_run {
+        return Ok(Output::with_data(text, json!({"dry_run": true})));
+    }
+    let vms: Vec<&str> = applied
+        .results
+        .iter()
+        .filter(|(_, o)| o.kind == "Vm")
+        .map(|(_, o)| o.metadata.name.as_str())
+        .collect();
+    if let [one] = vms.as_slice() {
+        session.set_default_vm(Some(one.to_string()));
+        text.push_str(&format!("(VM {one} is this session's default VM now)\n"));
+    }
+    let wait_for = a
+        .wait
+        .unwrap_or(true)
+        .then(|| clamp_timeout(a.timeout_seconds, 600));
+    if let Some(t) = wait_for
+        && let Some(why) =
+            bounded_wait(&session, &applied.stopped, &verbs_vm::stopped(), t, &ct).await?
+    {
+        text.push_str(&format!("not stopped yet: {why}\n"));
+    }
+    let mut all = applied.ready.clone();
+    all.extend(applied.stopped.iter().cloned());
+    let converged = match wait_for {
+        Some(t) => {
+            match bounded_wait(&session, &applied.ready, &verbs_vm::ready(), t, &ct).await? {
+                None => true,
+                Some(why) => {
+                    text.push_str(&format!(
+                    "not there yet ({why}); it keeps converging: vm_wait or vm_get to follow it\n"
+                ));
+                    false
+                }
+            }
+        }
+        None => false,
+    };
+    let (state, data) = state_lines(&session, &all).await?;
+    text.push_str(&state);
+    Ok(Output::with_data(
+        text,
+        json!({"objects": data, "converged": converged}),
+    ))
+}
+
+/// `vm_get`.
+pub async fn get(session: Arc<Session>, a: GetArgs, _ct: CancellationToken) -> ToolResult {
+    let info = kind_of(a.kind.as_deref())?;
+    let v = session.verbs()?;
+    let sel = objects::selector(a.selector.as_deref())
+        .map_err(|e| ToolError::Invalid(format!("bad selector: {e}")))?;
+    if let Some(n) = &a.name {
+        let (objs, _) = objects::get(v, info, std::slice::from_ref(n), &Default::default()).await?;
+        let value = objs.first().map(render::display_value).unwrap_or_default();
+        return Ok(Output::with_data(render::to_yaml(&value)?, value));
+    }
+    let (objs, _) = objects::get(v, info, &[], &sel).await?;
+    let vals: Vec<Value> = objs.iter().map(render::display_value).collect();
+    let text = if vals.is_empty() {
+        format!("no {}\n", info.plural)
+    } else {
+        render::table(info.kind, &vals, true, true)
+    };
+    Ok(Output::with_data(text, json!({ "items": vals })))
+}
+
+/// `vm_describe`.
+pub async fn describe(
+    session: Arc<Session>,
+    a: DescribeArgs,
+    _ct: CancellationToken,
+) -> ToolResult {
+    let info = kind_of(a.kind.as_deref())?;
+    let name = match a.name {
+        Some(n) => n,
+        None if info.kind == "Vm" => session.resolve_vm(None)?,
+        None => return Err(ToolError::Invalid("give the object's `name`".into())),
+    };
+    let v = session.verbs()?;
+    let o = objects::get_one(v, info, &name).await?;
+    let mut value = render::display_value(&o);
+    let events: Vec<Value> = objects::events(v, Some((info.kind, &name)))
+        .await?
+        .iter()
+        .rev()
+        .take(20)
+        .map(|e| {
+            json!({
+                "type": e.rest["type"], "reason": e.rest["reason"], "message": e.rest["message"],
+                "count": e.rest["count"], "lastTimestamp": e.rest["lastTimestamp"],
+            })
+        })
+        .collect();
+    value["events"] = Value::Array(events);
+    Ok(Output::with_data(
+        format!(
+            "{}\n{}",
+            wait::describe_state(Some(&o)),
+            render::to_yaml(&value)?
+        ),
+        value,
+    ))
+}
+
+async fn delete_objects(
+    session: &Session,
+    kind: &'static boxery_api::KindInfo,
+    names: &[String],
+    wait_for: Option<Duration>,
+    ct: &CancellationToken,
+) -> ToolResult {
+    let done = objects::delete(session.verbs()?, kind, names).await?;
+    let mut text = String::new();
+    let mut targets = Vec::new();
+    for d in done {
+        let n = match d {
+            Deleted::Removed(n) => {
+                text.push_str(&format!("{}/{n} deleted\n", kind.singular));
+                n
+            }
+            Deleted::Deleting(n) => {
+                text.push_str(&format!("{}/{n} deleting\n", kind.singular));
+                targets.push(ObjectRef::new(kind.kind, n.clone()));
+                n
+            }
+        };
+        if session.default_vm().as_deref() == Some(n.as_str()) && kind.kind == "Vm" {
+            session.set_default_vm(None);
+        }
+    }
+    let plan = Plan {
+        targets,
+        steps: vec![Until::Deleted],
+    };
+    finish(session, text, plan, wait_for, ct).await
+}
+
+/// `vm_delete`.
+pub async fn delete(session: Arc<Session>, a: DeleteArgs, ct: CancellationToken) -> ToolResult {
+    let info = kind_of(a.kind.as_deref())?;
+    let wait_for = a
+        .wait
+        .unwrap_or(true)
+        .then(|| clamp_timeout(a.timeout_seconds, 120));
+    delete_objects(&session, info, &a.names, wait_for, &ct).await
+}
+
+/// `vm_wait`.
+pub async fn wait(session: Arc<Session>, a: WaitArgs, ct: CancellationToken) -> ToolResult {
+    let info = kind_of(a.kind.as_deref())?;
+    let name = match a.name {
+        Some(n) => n,
+        None => session.resolve_vm(None)?,
+    };
+    let until: Until = a.until.as_deref().unwrap_or("condition=Ready").parse()?;
+    if until != Until::Deleted {
+        objects::get_one(session.verbs()?, info, &name).await?;
+    }
+    let t = clamp_timeout(a.timeout_seconds, 300);
+    let targets = vec![ObjectRef::new(info.kind, name)];
+    match bounded_wait(&session, &targets, &until, t, &ct).await? {
+        None => {
+            let (state, data) = state_lines(&session, &targets).await?;
+            Ok(Output::with_data(
+                format!("condition met\n{state}"),
+                json!({"met": true, "objects": data}),
+            ))
+        }
+        Some(why) => Err(ToolError::Timeout(format!(
+            "{why}; call vm_wait again to keep waiting, or vm_describe to see why"
+        ))),
+    }
+}
+
+fn quantity(s: &Option<String>, what: &str) -> Result<Option<Quantity>, ToolError> {
+    s.as_deref()
+        .map(|q| {
+            q.parse::<Quantity>()
+                .map_err(|e| ToolError::Invalid(format!("{what} `{q}`: {e} (e.g. 512Mi, 4Gi)")))
+        })
+        .transpose()
+}
+
+fn size(a: &ManageArgs) -> Result<Size, ToolError> {
+    Ok(Size {
+        cpus: a.cpus,
+        memory: quantity(&a.memory, "memory")?,
+        disk: quantity(&a.disk, "disk")?,
+    })
+}
+
+/// Every name `vm_manage` was given, checked before it does anything (so a fork with one bad
+/// name makes none of the others).
+fn check_names(a: &ManageArgs) -> Result<(), ToolError> {
+    let bad = |field: &str, e: boxery_api::InvalidName| ToolError::Invalid(format!("{field}: {e}"));
+    let given = |v: &Option<String>| v.clone().filter(|s| !s.is_empty());
+    if let Some(v) = given(&a.vm) {
+        Name::label(&v).map_err(|e| bad("vm", e))?;
+    }
+    if let Some(f) = given(&a.from) {
+        Name::new(&f).map_err(|e| bad("from", e))?;
+    }
+    if let Some(l) = given(&a.label) {
+        match a.action {
+            Action::Snap => Name::label(&l).map(drop),
+            _ => Name::new(&l).map(drop),
+        }
+        .map_err(|e| bad("label", e))?;
+    }
+    for n in &a.names {
+        Name::label(n).map_err(|e| bad("names", e))?;
+    }
+    Ok(())
+}
+
+/// `vm_manage`: one verb per action.
+pub async fn manage(session: Arc<Session>, a: ManageArgs, ct: CancellationToken) -> ToolResult {
+    check_names(&a)?;
+    let wait_for = a
+        .wait
+        .unwrap_or(true)
+        .then(|| clamp_timeout(a.timeout_seconds, 600));
+    let (text, plan) = match a.action {
+        Action::New => manage_new(&session, &a).await?,
+        Action::Snap => manage_snap(&session, &a).await?,
+        Action::Revert => manage_revert(&session, &a).await?,
+        Action::Fork => manage_fork(&session, &a).await?,
+        Action::Start => manage_power(&session, &a, RunStrategy::Running).await?,
+        Action::Stop => manage_power(&session, &a, RunStrategy::Stopped).await?,
+        Action::Resize => manage_resize(&session, &a).await?,
+        Action::Rm => {
+            let vm = session.resolve_vm(a.vm.clone())?;
+            return delete_objects(&session, kind_of(Some("vm"))?, &[vm], wait_for, &ct).await;
+        }
+    };
+    finish(&session, text, plan, wait_for, &ct).await
+}
+
+async fn manage_new(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+    let name =
+        a.vm.clone()
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| ToolError::Invalid("give the new VM's name in `vm`".into()))?;
+    let input = verbs_vm::NewVm {
+        name: name.clone(),
+        from: a.from.clone(),
+        size: size(a)?,
+        ..Default::default()
+    };
+    let plan = verbs_vm::new(session.verbs()?, input).await?;
+    session.set_default_vm(Some(name.clone()));
+    Ok((
+        format!("vm/{name} created (now this session's default VM)\n"),
+        plan,
+    ))
+}
+
+fn label_of(a: &ManageArgs) -> Result<String, ToolError> {
+    a.label
+        .clone()
+        .filter(|l| !l.is_empty())
+        .ok_or_else(|| ToolError::Invalid("give the snapshot's `label`".into()))
+}
+
+async fn manage_snap(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+    let vm = session.resolve_vm(a.vm.clone())?;
+    let label = label_of(a)?;
+    let (image, plan) = verbs_vm::snap(session.verbs()?, &vm, &label).await?;
+    Ok((format!("image/{image} created\n"), plan))
+}
+
+async fn manage_revert(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+    let vm = session.resolve_vm(a.vm.clone())?;
+    let label = label_of(a)?;
+    let (image, plan) = verbs_vm::revert(session.verbs()?, &vm, &label).await?;
+    Ok((format!("vm/{vm} reverting to {image}\n"), plan))
+}
+
+async fn manage_fork(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+    let src = session.resolve_vm(a.vm.clone())?;
+    let plan = verbs_vm::fork(session.verbs()?, &src, &a.names, &size(a)?).await?;
+    let text = a
+        .names
+        .iter()
+        .map(|n| format!("vm/{n} created (fork of {src})\n"))
+        .collect();
+    Ok((text, plan))
+}
+
+async fn manage_power(
+    session: &Session,
+    a: &ManageArgs,
+    run: RunStrategy,
+) -> Result<(String, Plan), ToolError> {
+    let vm = session.resolve_vm(a.vm.clone())?;
+    let plan = verbs_vm::power(session.verbs()?, std::slice::from_ref(&vm), run).await?;
+    let word = if run == RunStrategy::Running {
+        "starting"
+    } else {
+        "stopping"
+    };
+    Ok((format!("vm/{vm} {word}\n"), plan))
+}
+
+async fn manage_resize(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+    let vm = session.resolve_vm(a.vm.clone())?;
+    let plan = verbs_vm::resize(session.verbs()?, &vm, &size(a)?).await?;
+    Ok((format!("vm/{vm} resizing\n"), plan))
+}
+
+/// `vm_use`.
+pub async fn use_vm(session: Arc<Session>, a: UseArgs, _ct: CancellationToken) -> ToolResult {
+    if let Some(vm) = a.vm.filter(|v| !v.is_empty()) {
+        if session.verbs()?.store().get_as::<Vm>(&vm).await?.is_none() {
+            return Err(session.unknown_vm(&vm));
+        }
+        session.set_default_vm(Some(vm.clone()));
+        return Ok(Output::with_data(
+            format!("default VM: {vm}"),
+            json!({"vm": vm}),
+        ));
+    }
+    Ok(match session.default_vm() {
+        Some(vm) => Output::with_data(format!("default VM: {vm}"), json!({"vm": vm})),
+        None => Output::with_data(
+            "no default VM: vm_use {vm: NAME} sets one (vm_get lists VMs)",
+            json!({"vm": null}),
+        ),
+    })
+}

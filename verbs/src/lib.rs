@@ -1,0 +1,122 @@
+//! boxery's verbs: what every front end does, once, with typed inputs and results. The CLI
+//! renders them as text or `-o json|yaml`, the MCP tools as tool results; `sync` and an HTTP
+//! API are the next callers. A verb reads and writes objects through
+//! [`ObjectStore`](boxery_store::ObjectStore), never prints, and fails with a [`VerbError`]
+//! whose [`ErrorKind`] the front end maps (to an exit code, to a tool error).
+//!
+//! - [`objects`]: get, list, apply (with prune), diff, delete, watch, events;
+//! - [`vm`]: new, snap, revert, fork, start, stop, resize (rm is [`objects::delete`]);
+//! - [`pools`]: pool add/rm, lease acquire/renew/release and the [`pools::LeaseKeeper`];
+//! - [`wait`]: wait for a condition (bounded or not), running the controllers in this
+//!   process while nothing else leads the store ([`runtime`], embedded mode);
+//! - [`env`]: where the state lives and which backend runs VMs; [`render`]: the text forms
+//!   of objects both front ends print (tables, YAML, JSONPath, [`render::safe`]).
+//!
+//! Messages name what the reader can run next, in the [`Voice`] of the front end: `boxery …`
+//! commands or `vm_*` tools.
+
+pub mod env;
+pub mod error;
+pub mod objects;
+pub mod orphans;
+pub mod pools;
+pub mod render;
+pub mod runtime;
+pub mod vm;
+pub mod wait;
+
+use std::path::Path;
+use std::sync::Arc;
+
+pub use boxery_hands::Voice;
+use boxery_store::{ObjectStore, Store};
+
+pub use crate::env::Env;
+pub use crate::error::{ErrorKind, Result, VerbError};
+
+/// What the verbs work on: the store, the home and backend, and the voice messages speak in.
+/// Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Verbs {
+    /// Where the state lives and which backend runs VMs.
+    pub env: Env,
+    /// Who reads the messages.
+    pub voice: Voice,
+    store: Arc<dyn ObjectStore>,
+    /// The SQLite store this process opened, when it did: what the embedded controllers, the
+    /// ssh hands and the lease keeper still take (the controller runtime and the reconcilers'
+    /// context are bound to it until they take the trait).
+    local: Option<Store>,
+}
+
+impl Verbs {
+    /// The verbs over the store in `env`'s home (opened, created if needed).
+    pub fn open(env: Env, voice: Voice) -> Result<Verbs> {
+        let local = env.store()?;
+        Ok(Verbs::with_store(
+            env,
+            voice,
+            Arc::new(local.clone()),
+            Some(local),
+        ))
+    }
+
+    /// The verbs over any store (`local`: the same store as SQLite, when it is one, for the
+    /// verbs that need the controllers or the hands).
+    pub fn with_store(
+        env: Env,
+        voice: Voice,
+        store: Arc<dyn ObjectStore>,
+        local: Option<Store>,
+    ) -> Verbs {
+        Verbs {
+            env,
+            voice,
+            store,
+            local,
+        }
+    }
+
+    /// The same verbs, speaking in another voice.
+    pub fn in_voice(&self, voice: Voice) -> Verbs {
+        Verbs {
+            voice,
+            ..self.clone()
+        }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &dyn ObjectStore {
+        &*self.store
+    }
+
+    /// The store, shared.
+    pub fn store_arc(&self) -> Arc<dyn ObjectStore> {
+        self.store.clone()
+    }
+
+    /// The local SQLite store, for what cannot work on another store yet.
+    pub fn local(&self) -> Result<&Store> {
+        self.local.as_ref().ok_or_else(|| {
+            VerbError::failed(
+                "this needs boxery's own store on this host, which this process did not open",
+            )
+        })
+    }
+
+    /// `$BOXERY_HOME`.
+    pub fn home(&self) -> &Path {
+        &self.env.home
+    }
+
+    /// The message for a VM that does not exist, listing the ones that do.
+    pub async fn vm_not_found(&self, vm: &str) -> VerbError {
+        let names: Vec<String> = self
+            .store
+            .list("Vm", &Default::default())
+            .await
+            .map(|(objs, _)| objs.into_iter().map(|o| o.metadata.name).collect())
+            .unwrap_or_default();
+        boxery_hands::vm_not_found(vm, &names, self.voice).into()
+    }
+}

@@ -1,0 +1,292 @@
+//! The object verbs: get, list, apply (with prune), diff, delete, watch, events. The kinds'
+//! names are resolved here ([`kind`]) and every name is checked before anything is written.
+
+use boxery_api::name::shown;
+use boxery_api::{DynObject, KindInfo, Name, Selector, lookup_kind};
+use boxery_store::{ApplyAction, ApplyOptions, DeleteOutcome, ObjectRef, StoreError, WatchEvent};
+use futures::StreamExt;
+use futures::stream::BoxStream;
+
+use crate::error::{Result, VerbError};
+use crate::{Verbs, Voice};
+
+/// Resolve a kind name the user typed (`vm`, `vms`, `Vm`, `img`…).
+pub fn kind(name: &str) -> Result<&'static KindInfo> {
+    lookup_kind(name).ok_or_else(|| {
+        let known: Vec<String> = boxery_api::KINDS
+            .iter()
+            .map(|k| format!("{} ({})", k.plural, k.short_names.join(", ")))
+            .collect();
+        VerbError::invalid(format!(
+            "unknown kind `{}`: use one of {}",
+            shown(name),
+            known.join("; ")
+        ))
+    })
+}
+
+/// A label selector (`team=web,tier!=db`; none: everything).
+pub fn selector(s: Option<&str>) -> Result<Selector> {
+    s.unwrap_or("")
+        .parse::<Selector>()
+        .map_err(VerbError::invalid)
+}
+
+/// Objects with a `Ready` condition (the ones a wait after a write waits on).
+pub fn waitable(kind: &str) -> bool {
+    matches!(kind, "Vm" | "Image")
+}
+
+/// What [`apply`] did.
+#[derive(Debug, Clone)]
+pub struct Applied {
+    /// Each object and what happened to it, in the manifests' order (pruned ones last).
+    pub results: Vec<(ApplyAction, DynObject)>,
+    /// Whether nothing was written.
+    pub dry_run: bool,
+    /// The Vms and Images to wait on for Ready.
+    pub ready: Vec<ObjectRef>,
+    /// The Vms and Images applied stopped, to wait on for phase Stopped.
+    pub stopped: Vec<ObjectRef>,
+}
+
+impl Applied {
+    /// One line per object: `vm/dev1 created (dry run)`.
+    pub fn lines(&self) -> Vec<String> {
+        let suffix = if self.dry_run { " (dry run)" } else { "" };
+        self.results
+            .iter()
+            .map(|(action, obj)| {
+                let word = match action {
+                    ApplyAction::Created => "created",
+                    ApplyAction::Configured => "configured",
+                    ApplyAction::Unchanged => "unchanged",
+                    ApplyAction::Pruned => "pruned",
+                };
+                let singular = lookup_kind(&obj.kind)
+                    .map(|k| k.singular)
+                    .unwrap_or("object");
+                format!("{singular}/{} {word}{suffix}", obj.metadata.name)
+            })
+            .collect()
+    }
+}
+
+/// `apply`: create or update `objs` in one transaction (all or nothing); with `prune`, delete
+/// the objects matching it that an earlier apply made and these no longer name.
+pub async fn apply(
+    v: &Verbs,
+    objs: Vec<DynObject>,
+    dry_run: bool,
+    prune: Option<Selector>,
+) -> Result<Applied> {
+    if objs.is_empty() && v.voice == Voice::Tool {
+        return Err(VerbError::invalid("the manifest holds no documents"));
+    }
+    let opts = ApplyOptions { dry_run, prune };
+    let results = v.store().apply_all(objs, &opts).await.map_err(invalid)?;
+    let (mut ready, mut stopped) = (Vec::new(), Vec::new());
+    for (action, obj) in &results {
+        if *action == ApplyAction::Pruned || !waitable(&obj.kind) {
+            continue;
+        }
+        if obj.spec()["runStrategy"] == "Stopped" {
+            stopped.push(ObjectRef::to(obj));
+        } else {
+            ready.push(ObjectRef::to(obj));
+        }
+    }
+    Ok(Applied {
+        results,
+        dry_run,
+        ready,
+        stopped,
+    })
+}
+
+/// A manifest that does not validate is invalid input, whatever the store calls it.
+fn invalid(e: StoreError) -> VerbError {
+    match e {
+        StoreError::Invalid(v) => VerbError::invalid(v),
+        other => other.into(),
+    }
+}
+
+/// `diff`: each object as it is now (`None`: absent) and as `apply` would make it.
+pub async fn diff(v: &Verbs, objs: Vec<DynObject>) -> Result<Vec<(Option<DynObject>, DynObject)>> {
+    let opts = ApplyOptions {
+        dry_run: true,
+        prune: None,
+    };
+    let results = v.store().apply_all(objs, &opts).await.map_err(invalid)?;
+    let mut out = Vec::new();
+    for (_, after) in results {
+        let live = v.store().get(&ObjectRef::to(&after)).await?;
+        out.push((live, after));
+    }
+    Ok(out)
+}
+
+/// `get`: the objects of a kind matching `sel` (all, or the named ones, which must exist),
+/// and the revision they were read at (a watch from it misses nothing).
+pub async fn get(
+    v: &Verbs,
+    info: &'static KindInfo,
+    names: &[String],
+    sel: &Selector,
+) -> Result<(Vec<DynObject>, u64)> {
+    if names.is_empty() {
+        return Ok(v.store().list(info.kind, sel).await?);
+    }
+    // Named objects are read one by one: no need to load the whole kind.
+    let rev = v.store().revision().await?;
+    let mut objs = Vec::new();
+    for n in names {
+        match v.store().get(&ObjectRef::new(info.kind, n)).await? {
+            Some(o) if sel.matches(&o.metadata.labels) => objs.push(o),
+            Some(_) => {}
+            None => return Err(missing(v, info, n).await),
+        }
+    }
+    Ok((objs, rev))
+}
+
+/// The not-found error of `get`.
+async fn missing(v: &Verbs, info: &'static KindInfo, n: &str) -> VerbError {
+    match v.voice {
+        Voice::Tool if info.kind == "Vm" => v.vm_not_found(n).await,
+        Voice::Tool => VerbError::not_found(format!(
+            "{} {n} not found: vm_get {{kind: {}}} lists them",
+            info.kind, info.plural
+        )),
+        Voice::Cli => {
+            let known: Vec<String> = v
+                .store()
+                .list(info.kind, &Selector::default())
+                .await
+                .map(|(all, _)| all.into_iter().map(|o| o.metadata.name).take(20).collect())
+                .unwrap_or_default();
+            let hint = if known.is_empty() {
+                format!("there are no {}", info.plural)
+            } else {
+                format!("known: {}", known.join(", "))
+            };
+            VerbError::not_found(format!(
+                "{} {} not found ({})",
+                info.kind,
+                shown(n),
+                crate::render::safe(&hint)
+            ))
+        }
+    }
+}
+
+/// One object, which must exist (`describe`, `wait`).
+pub async fn get_one(v: &Verbs, info: &'static KindInfo, name: &str) -> Result<DynObject> {
+    if let Some(o) = v.store().get(&ObjectRef::new(info.kind, name)).await? {
+        return Ok(o);
+    }
+    Err(match v.voice {
+        Voice::Tool if info.kind == "Vm" => v.vm_not_found(name).await,
+        Voice::Tool => VerbError::not_found(format!("{} {name} not found", info.kind)),
+        Voice::Cli => VerbError::not_found(format!(
+            "{} {} not found: `boxery get {}` lists them",
+            info.kind,
+            shown(name),
+            info.plural
+        )),
+    })
+}
+
+/// A change `watch` saw: the object, and whether it was deleted.
+pub type Change = (DynObject, bool);
+
+/// `get --watch`: every later change (after `from`) of the kind's objects that match `sel`
+/// (and `names`, when given).
+pub fn watch(
+    v: &Verbs,
+    info: &'static KindInfo,
+    names: &[String],
+    sel: &Selector,
+    from: u64,
+) -> BoxStream<'static, Result<Change>> {
+    let (names, sel) = (names.to_vec(), sel.clone());
+    v.store()
+        .watch(Some(info.kind), from)
+        .filter_map(move |ev| {
+            let out = match ev {
+                Err(e) => Some(Err(e.into())),
+                Ok((_, ev)) => {
+                    let (obj, deleted) = match ev {
+                        WatchEvent::Added(o) | WatchEvent::Modified(o) => (o, false),
+                        WatchEvent::Deleted(o) => (o, true),
+                    };
+                    (sel.matches(&obj.metadata.labels)
+                        && (names.is_empty() || names.contains(&obj.metadata.name)))
+                    .then_some(Ok((obj, deleted)))
+                }
+            };
+            std::future::ready(out)
+        })
+        .boxed()
+}
+
+/// Events about one object (or all, with `None`), oldest first.
+pub async fn events(v: &Verbs, about: Option<(&str, &str)>) -> Result<Vec<DynObject>> {
+    let (mut evs, _) = v.store().list("Event", &Selector::default()).await?;
+    if let Some((kind, name)) = about {
+        evs.retain(|e| {
+            e.rest["involvedObject"]["kind"] == kind && e.rest["involvedObject"]["name"] == name
+        });
+    }
+    evs.sort_by(|a, b| {
+        a.rest["lastTimestamp"]
+            .as_str()
+            .cmp(&b.rest["lastTimestamp"].as_str())
+    });
+    Ok(evs)
+}
+
+/// What [`delete`] did to one object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Deleted {
+    /// Gone.
+    Removed(String),
+    /// Marked: its finalizers run first (wait for [`crate::wait::Until::Deleted`]).
+    Deleting(String),
+}
+
+/// `delete` (and `rm`): every name is checked first (one bad name deletes none of the
+/// others), then each object is deleted or marked.
+pub async fn delete(v: &Verbs, info: &'static KindInfo, names: &[String]) -> Result<Vec<Deleted>> {
+    if names.is_empty() {
+        return Err(VerbError::invalid("name at least one object to delete"));
+    }
+    for n in names {
+        Name::for_kind(info, n).map_err(|e| match v.voice {
+            Voice::Cli => VerbError::invalid(e.0),
+            Voice::Tool => VerbError::invalid(format!("names: {e}")),
+        })?;
+    }
+    let mut out = Vec::new();
+    for n in names {
+        let r = match v.store().delete(&ObjectRef::new(info.kind, n)).await {
+            Err(StoreError::NotFound { .. }) if info.kind == "Vm" && v.voice == Voice::Tool => {
+                return Err(v.vm_not_found(n).await);
+            }
+            r => r?,
+        };
+        out.push(match r {
+            DeleteOutcome::Removed(_) => Deleted::Removed(n.clone()),
+            DeleteOutcome::Marked(_) => Deleted::Deleting(n.clone()),
+        });
+    }
+    Ok(out)
+}
+
+/// `delete --force` of objects [`delete`] marked: drop boxery's finalizers once the backend
+/// confirms each VM or image is gone (see [`crate::runtime::force_delete`]). Checks first
+/// that the store's objects live on the selected backend.
+pub async fn check_force(v: &Verbs) -> Result {
+    v.env.backend_for(v.store()).await.map(drop)
+}

@@ -1,0 +1,310 @@
+//! Pool and lease verbs: add a VM to a pool or take it out, acquire, renew and release leases
+//! (the key pair of a lease is made on this host: [`boxery_hands::keys`]), and keep a lease
+//! alive ([`LeaseKeeper`]).
+
+use std::time::Duration;
+
+use boxery_api::lease::{LeasePhase, LeaseSpec};
+use boxery_api::meta::LocalObjectReference;
+use boxery_api::pool::{MemberState, PoolSpec};
+use boxery_api::{Lease, Name, Pool};
+use boxery_hands::keys::{forget_key, lease_dir, leases_root};
+pub use boxery_reconcilers::lease::LeaseKeeper;
+use boxery_store::{ObjectRef, ObjectStoreExt, StoreError};
+
+use crate::error::{Result, VerbError};
+use crate::{Verbs, Voice};
+
+/// The default holder name: `$USER@hostname`.
+pub fn default_holder() -> String {
+    let user = std::env::var("USER").unwrap_or_else(|_| "someone".into());
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "host".into());
+    format!("{user}@{host}")
+}
+
+async fn edit_pool(v: &Verbs, name: &str, create: bool, f: impl Fn(&mut Pool) -> Result) -> Result {
+    for _ in 0..10 {
+        let (mut pool, exists) = match v.store().get_as::<Pool>(name).await? {
+            Some(p) => (p, true),
+            None if create => (
+                Pool::new(
+                    name,
+                    PoolSpec {
+                        template: None,
+                        replicas: 0,
+                        members: vec![],
+                        lease: Default::default(),
+                        update_strategy: Default::default(),
+                    },
+                ),
+                false,
+            ),
+            None => {
+                return Err(VerbError::not_found(format!(
+                    "pool {name} not found: `boxery pool ls` lists pools"
+                )));
+            }
+        };
+        f(&mut pool)?;
+        let r = if exists {
+            v.store().update_as(&pool).await.map(drop)
+        } else {
+            v.store().create_as(&pool).await.map(drop)
+        };
+        match r {
+            Ok(()) => return Ok(()),
+            Err(StoreError::Conflict { .. }) | Err(StoreError::AlreadyExists { .. }) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(VerbError::conflict(format!(
+        "pool {name} kept changing: try again"
+    )))
+}
+
+/// `pool add POOL VM`: adopt an existing VM into a pool (made if missing).
+pub async fn add(v: &Verbs, pool: &str, vm: &str) -> Result {
+    let Some(member) = v.store().get_as::<boxery_api::Vm>(vm).await? else {
+        return Err(VerbError::not_found(format!(
+            "VM {vm} not found: `boxery get vms` lists them"
+        )));
+    };
+    // A VM is in one pool at a time: two pools would lease it to two holders.
+    let label = boxery_reconcilers::pool::POOL_LABEL;
+    let mut elsewhere = member
+        .metadata
+        .labels
+        .get(label)
+        .filter(|p| **p != pool)
+        .cloned();
+    if elsewhere.is_none() {
+        elsewhere = v
+            .store()
+            .list_as::<Pool>(&Default::default())
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .find(|p| {
+                p.metadata.name != pool
+                    && boxery_reconcilers::pool::wanted(p)
+                        .iter()
+                        .any(|(n, _)| *n == vm)
+            })
+            .map(|p| p.metadata.name);
+    }
+    if let Some(other) = elsewhere {
+        return Err(VerbError::conflict(format!(
+            "VM {vm} belongs to pool {other}: a VM is in one pool at a time (`boxery pool rm {other} {vm}` first)"
+        )));
+    }
+    edit_pool(v, pool, true, |p| {
+        if !p.spec.members.iter().any(|m| m.name == vm) {
+            p.spec
+                .members
+                .push(LocalObjectReference { name: vm.into() });
+        }
+        Ok(())
+    })
+    .await
+}
+
+/// `pool rm POOL VM`: take an adopted VM out of a pool (refused while it is leased).
+pub async fn remove(v: &Verbs, pool: &str, vm: &str) -> Result {
+    edit_pool(v, pool, false, |p| {
+        if let Some(m) = p.status.members.iter().find(|m| m.name == vm)
+            && matches!(m.state, MemberState::Acquiring | MemberState::Leased)
+        {
+            return Err(VerbError::conflict(format!(
+                "{vm} is leased by {}: it leaves the pool only when free (`boxery lease release {}`)",
+                m.lease.clone().unwrap_or_default(),
+                m.lease.clone().unwrap_or_default()
+            )));
+        }
+        if !p.spec.members.iter().any(|m| m.name == vm) {
+            return Err(VerbError::not_found(format!(
+                "{vm} is not an adopted member of pool {pool} (members made from the template go with `replicas`)"
+            )));
+        }
+        p.spec.members.retain(|m| m.name != vm);
+        Ok(())
+    })
+    .await
+}
+
+/// The pool `pool`, which must exist (a tool acquires only from a pool that does).
+pub async fn require_pool(v: &Verbs, pool: &str) -> Result {
+    if v.store().get_as::<Pool>(pool).await?.is_some() {
+        return Ok(());
+    }
+    let names: Vec<String> = v
+        .store()
+        .list_as::<Pool>(&Default::default())
+        .await?
+        .into_iter()
+        .map(|p| p.metadata.name)
+        .collect();
+    Err(VerbError::not_found(match (v.voice, names.is_empty()) {
+        (Voice::Tool, true) => format!(
+            "pool {pool} not found: there are no pools (vm_apply a Pool makes one; docs/pools.md)"
+        ),
+        (Voice::Cli, true) => format!("pool {pool} not found: `boxery pool ls` lists pools"),
+        (_, false) => format!("pool {pool} not found; known pools: {}", names.join(", ")),
+    }))
+}
+
+/// A lease written by [`acquire`] (not yet bound: wait for `status.phase` Bound).
+#[derive(Debug, Clone)]
+pub struct Acquired {
+    /// The lease's name.
+    pub name: String,
+    /// Who holds it.
+    pub holder: String,
+    /// The private key made for it on this host (`$BOXERY_HOME/leases/NAME/id_ed25519`).
+    pub key: std::path::PathBuf,
+}
+
+/// `lease acquire`'s input.
+#[derive(Debug, Clone)]
+pub struct AcquireInput {
+    /// The pool.
+    pub pool: Name,
+    /// How long until it expires unless renewed (60 s to 8 h).
+    pub ttl: Duration,
+    /// Who holds it (default `$USER@hostname`).
+    pub holder: Option<String>,
+    /// The lease's name (default: generated from the pool's).
+    pub name: Option<Name>,
+}
+
+/// `lease acquire`: make an ed25519 key pair on this host (the private key never leaves it)
+/// and write a Lease on the pool with its public half. Returns at once; the lease binds when
+/// the lease controller finds a free member (wait for `{.status.phase}` Bound).
+pub async fn acquire(v: &Verbs, input: AcquireInput) -> Result<Acquired> {
+    // Everything is checked before anything is made.
+    let ttl = input.ttl;
+    let secs = ttl.as_secs();
+    if !(60..=28800).contains(&secs) {
+        return Err(VerbError::invalid(format!(
+            "the lease duration {} is out of range: use 60s to 8h",
+            humantime::format_duration(ttl)
+        )));
+    }
+    let pool = Name::label(&input.pool).map_err(|e| VerbError::invalid(format!("pool: {e}")))?;
+    let holder = input.holder.unwrap_or_else(default_holder);
+    boxery_api::name::check_text(&holder, 128)
+        .map_err(|e| VerbError::invalid(format!("holder: {e}")))?;
+    let name = match input.name {
+        Some(n) => Name::label(&n).map_err(|e| VerbError::invalid(format!("lease name: {e}")))?,
+        None => {
+            let suffix = &uuid::Uuid::new_v4().simple().to_string()[..8];
+            // A pool name near the limit leaves no room for the suffix: cut it.
+            let stem: String = pool.chars().take(63 - 9).collect();
+            Name::label(&format!("{}-{suffix}", stem.trim_end_matches('-')))
+                .map_err(|e| VerbError::invalid(format!("lease name: {e}")))?
+        }
+    };
+    if v.store().get_as::<Lease>(&name).await?.is_some() {
+        return Err(StoreError::AlreadyExists {
+            kind: "Lease".into(),
+            name: name.to_string(),
+        }
+        .into());
+    }
+    let home = v.home();
+    let dir = lease_dir(home, &name);
+    // A key pair left by an acquire that died before writing its Lease is stale.
+    forget_key(home, &name);
+    std::fs::create_dir_all(leases_root(home))?;
+    std::fs::create_dir(&dir)?;
+    let key = dir.join("id_ed25519");
+    let out = tokio::process::Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-C"])
+        .arg(format!("boxery-lease-{name}"))
+        .arg("-f")
+        .arg(&key)
+        .output()
+        .await
+        .map_err(|e| VerbError::failed(format!("cannot run ssh-keygen: {e}")))?;
+    if !out.status.success() {
+        return Err(VerbError::failed(format!(
+            "ssh-keygen failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    let public = std::fs::read_to_string(dir.join("id_ed25519.pub"))?
+        .trim()
+        .to_string();
+    let spec = LeaseSpec {
+        pool: pool.to_string(),
+        holder_identity: holder.clone(),
+        lease_duration_seconds: secs as u32,
+        renew_time: None,
+        public_key: public,
+    };
+    if let Err(e) = v.store().create_as(&Lease::new(&name, spec)).await {
+        if !matches!(e, StoreError::AlreadyExists { .. }) {
+            forget_key(home, &name);
+        }
+        return Err(e.into());
+    }
+    Ok(Acquired {
+        name: name.into_string(),
+        holder,
+        key,
+    })
+}
+
+/// Keep lease `name` alive (renewed every third of `ttl`) until the keeper is dropped, which
+/// releases it.
+pub fn keep(v: &Verbs, name: &str, ttl: Duration) -> Result<LeaseKeeper> {
+    Ok(LeaseKeeper::start(v.local()?.clone(), name, ttl))
+}
+
+/// `lease renew`: refused for someone else's lease (`holder`, default `$USER@hostname`) and
+/// for one that expired.
+pub async fn renew(v: &Verbs, name: &str, holder: Option<String>) -> Result<Lease> {
+    let l: Lease = v.store().get_as(name).await?.ok_or_else(|| {
+        VerbError::not_found(format!("lease {name} not found: `boxery lease ls`"))
+    })?;
+    let me = holder.unwrap_or_else(default_holder);
+    if l.spec.holder_identity != me {
+        return Err(VerbError::conflict(format!(
+            "lease {name} is held by {}, not {me}: only its holder renews it",
+            l.spec.holder_identity
+        )));
+    }
+    if matches!(l.status.phase, LeasePhase::Expired | LeasePhase::Released) {
+        return Err(VerbError::conflict(format!(
+            "lease {name} has expired and cannot be renewed: release it and acquire a new one"
+        )));
+    }
+    Ok(boxery_reconcilers::lease::renew(v.local()?, name)?)
+}
+
+/// `lease release`: delete the Lease (its VM is reset and goes back to the pool) and the key
+/// pair made for it here.
+pub async fn release(v: &Verbs, name: &Name) -> Result {
+    match v
+        .store()
+        .delete(&ObjectRef::of::<Lease>(name.to_string()))
+        .await
+    {
+        Ok(_) => {
+            forget_key(v.home(), name);
+            Ok(())
+        }
+        Err(StoreError::NotFound { .. }) => Err(VerbError::not_found(format!(
+            "lease {name} not found: `boxery lease ls` lists leases"
+        ))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Forget the key pair made here for a lease a session let go (the keeper released it).
+pub fn forget(v: &Verbs, name: &str) {
+    if let Ok(n) = Name::label(name) {
+        forget_key(v.home(), &n);
+    }
+}

@@ -1,0 +1,309 @@
+//! The VM verbs, as writes of specs: `new`, `snap`, `revert`, `fork`, `start`, `stop`,
+//! `resize` (`rm` is [`crate::objects::delete`]). Each writes what `apply` would and returns a
+//! [`Plan`]: the objects to wait on and the conditions that say the write took effect, which
+//! the CLI waits on with `--wait` and the tools with a bound.
+
+use boxery_api::image::ImageSpec;
+use boxery_api::vm::{Resources, Restore, VmSpec};
+use boxery_api::{
+    ConditionStatus, Image, ImageSource, OwnerReference, Quantity, Resource as _, RunStrategy, Vm,
+    VmSource, now,
+};
+use boxery_store::{ObjectRef, ObjectStoreExt, StoreError};
+
+use crate::error::{Result, VerbError};
+use crate::wait::Until;
+use crate::{Verbs, Voice};
+
+/// A VM's size: each part given replaces the base's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Size {
+    /// Virtual CPUs.
+    pub cpus: Option<u32>,
+    /// Memory.
+    pub memory: Option<Quantity>,
+    /// Disk size (disks only grow).
+    pub disk: Option<Quantity>,
+}
+
+impl Size {
+    /// Nothing given.
+    pub fn is_empty(&self) -> bool {
+        self.cpus.is_none() && self.memory.is_none() && self.disk.is_none()
+    }
+
+    /// `base` with the parts given here.
+    pub fn over(&self, base: Resources) -> Resources {
+        Resources {
+            shape: base.shape,
+            cpus: self.cpus.or(base.cpus),
+            memory: self.memory.or(base.memory),
+            disk: self.disk.or(base.disk),
+        }
+    }
+}
+
+/// What a verb wrote is done when every target meets each step, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// The objects written.
+    pub targets: Vec<ObjectRef>,
+    /// The conditions, in order.
+    pub steps: Vec<Until>,
+}
+
+impl Plan {
+    fn vms(names: &[String], steps: Vec<Until>) -> Plan {
+        Plan {
+            targets: names
+                .iter()
+                .map(|n| ObjectRef::of::<Vm>(n.clone()))
+                .collect(),
+            steps,
+        }
+    }
+}
+
+/// `condition=Ready`.
+pub fn ready() -> Until {
+    Until::Condition("Ready".into(), ConditionStatus::True)
+}
+
+/// `jsonpath={.status.phase}=Stopped`.
+pub fn stopped() -> Until {
+    Until::JsonPath("{.status.phase}".into(), "Stopped".into())
+}
+
+/// The image name for `VM LABEL` (a label with a dot is a full image name).
+pub fn image_name(vm: &str, label: &str) -> String {
+    if label.contains('.') {
+        label.to_string()
+    } else {
+        format!("{vm}.{label}")
+    }
+}
+
+/// The Vm `name`, which must exist.
+pub async fn get_vm(v: &Verbs, name: &str) -> Result<Vm> {
+    match v.store().get_as::<Vm>(name).await? {
+        Some(vm) => Ok(vm),
+        None => Err(v.vm_not_found(name).await),
+    }
+}
+
+/// Read-modify-write a Vm with the resourceVersion precondition, retrying on conflicts.
+pub async fn edit_vm(v: &Verbs, name: &str, f: impl Fn(&mut Vm)) -> Result<Vm> {
+    for _ in 0..10 {
+        let mut vm = get_vm(v, name).await?;
+        if vm.metadata.is_deleting() {
+            return Err(VerbError::conflict(format!("VM {name} is being deleted")));
+        }
+        f(&mut vm);
+        match v.store().update_as(&vm).await {
+            Ok(vm) => return Ok(vm),
+            Err(StoreError::Conflict { .. }) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(VerbError::conflict(match v.voice {
+        Voice::Cli => format!("VM {name} kept changing under this command: try again"),
+        Voice::Tool => format!("VM {name} kept changing under this call: try again"),
+    }))
+}
+
+/// Create an object; one that exists already is said in the front end's words (`what`).
+async fn create<R: boxery_api::Resource>(
+    v: &Verbs,
+    obj: &R,
+    exists: impl FnOnce() -> VerbError,
+) -> Result {
+    match v.store().create_as(obj).await {
+        Ok(_) => Ok(()),
+        Err(StoreError::AlreadyExists { .. }) => Err(exists()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `create` for a VM: the store's own words on the CLI, "pick another name" for a tool.
+async fn create_vm(v: &Verbs, vm: &Vm) -> Result {
+    let name = vm.name().to_string();
+    create(v, vm, || match v.voice {
+        Voice::Cli => StoreError::AlreadyExists {
+            kind: "Vm".into(),
+            name: name.clone(),
+        }
+        .into(),
+        Voice::Tool => VerbError::conflict(format!("VM {name} already exists: pick another name")),
+    })
+    .await
+}
+
+/// `new`'s input.
+#[derive(Debug, Clone, Default)]
+pub struct NewVm {
+    /// The new VM's name.
+    pub name: String,
+    /// Make it from this image (default: the stock image).
+    pub from: Option<String>,
+    /// Make it from this VM's disk as it is now.
+    pub fork: Option<String>,
+    /// Its size (defaults for what is not given).
+    pub size: Size,
+    /// Create it stopped.
+    pub stopped: bool,
+}
+
+/// `new NAME [--from IMAGE | --fork VM]`: write a Vm.
+pub async fn new(v: &Verbs, input: NewVm) -> Result<Plan> {
+    let source = match (input.from, input.fork) {
+        (Some(_), Some(_)) => {
+            return Err(VerbError::invalid(
+                "give --from IMAGE or --fork VM, not both",
+            ));
+        }
+        (_, Some(vm)) => {
+            get_vm(v, &vm).await?;
+            VmSource::Vm(vm)
+        }
+        (Some(img), None) => VmSource::Image(img),
+        (None, None) => VmSource::Image(boxery_api::vm::STOCK_IMAGE.into()),
+    };
+    let spec = VmSpec {
+        source,
+        resources: input.size.over(Resources::default()),
+        headless: true,
+        layers: vec![],
+        run_strategy: if input.stopped {
+            RunStrategy::Stopped
+        } else {
+            RunStrategy::Running
+        },
+        restore: None,
+    };
+    create_vm(v, &Vm::new(&input.name, spec)).await?;
+    let until = if input.stopped { stopped() } else { ready() };
+    Ok(Plan::vms(&[input.name], vec![until]))
+}
+
+/// `snap VM LABEL`: an Image of the VM's disk (`VM.LABEL`), owned by the VM (it goes with
+/// it). Returns the image's name.
+pub async fn snap(v: &Verbs, vm: &str, label: &str) -> Result<(String, Plan)> {
+    let owner = get_vm(v, vm).await?;
+    let name = image_name(vm, label);
+    let mut img = Image::new(
+        &name,
+        ImageSpec {
+            source: ImageSource::Vm(vm.into()),
+        },
+    );
+    img.metadata
+        .labels
+        .insert("boxery.dev/vm".into(), vm.into());
+    img.metadata.owner_references.push(OwnerReference {
+        api_version: boxery_api::API_VERSION.into(),
+        kind: "Vm".into(),
+        name: vm.into(),
+        uid: owner.metadata.uid.clone().unwrap_or_default(),
+        controller: Some(false),
+    });
+    create(v, &img, || match v.voice {
+        Voice::Cli => VerbError::invalid(format!(
+            "image {name} already exists: pick another label, or `boxery delete image {name}` first"
+        )),
+        Voice::Tool => {
+            VerbError::conflict(format!("image {name} already exists: pick another name"))
+        }
+    })
+    .await?;
+    let plan = Plan {
+        targets: vec![ObjectRef::of::<Image>(name.clone())],
+        steps: vec![ready()],
+    };
+    Ok((name, plan))
+}
+
+/// `revert VM LABEL`: set `spec.restore` to the image `VM.LABEL`. The plan waits for the
+/// restore to be served, then for Ready. Returns the image's name.
+pub async fn revert(v: &Verbs, vm: &str, label: &str) -> Result<(String, Plan)> {
+    let image = image_name(vm, label);
+    if v.store().get_as::<Image>(&image).await?.is_none() {
+        return Err(VerbError::not_found(match v.voice {
+            Voice::Cli => format!("image {image} not found: `boxery get images` lists them"),
+            Voice::Tool => {
+                format!("image {image} not found: vm_get {{kind: image}} lists snapshots")
+            }
+        }));
+    }
+    let at = now();
+    edit_vm(v, vm, |vm| {
+        vm.spec.restore = Some(Restore {
+            image: image.clone(),
+            requested_at: at,
+        });
+    })
+    .await?;
+    let served = Until::JsonPath(
+        "{.status.lastRestore.requestedAt}".into(),
+        at.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true),
+    );
+    Ok((image, Plan::vms(&[vm.to_string()], vec![served, ready()])))
+}
+
+/// `fork SRC NEW…`: new VMs whose source is SRC's disk as it is now, with SRC's size (or
+/// `size`), layers and labels.
+pub async fn fork(v: &Verbs, src: &str, names: &[String], size: &Size) -> Result<Plan> {
+    let s = get_vm(v, src).await?;
+    if names.is_empty() {
+        return Err(VerbError::invalid(match v.voice {
+            Voice::Cli => "name at least one new VM",
+            Voice::Tool => "give the new VMs' `names`",
+        }));
+    }
+    for n in names {
+        let spec = VmSpec {
+            source: VmSource::Vm(src.into()),
+            resources: size.over(s.spec.resources.clone()),
+            headless: s.spec.headless,
+            layers: s.spec.layers.clone(),
+            run_strategy: RunStrategy::Running,
+            restore: None,
+        };
+        let mut vm = Vm::new(n, spec);
+        vm.metadata.labels = s.metadata.labels.clone();
+        create_vm(v, &vm).await?;
+    }
+    Ok(Plan::vms(names, vec![ready()]))
+}
+
+/// `start` / `stop`: set `runStrategy`.
+pub async fn power(v: &Verbs, names: &[String], run: RunStrategy) -> Result<Plan> {
+    for n in names {
+        edit_vm(v, n, |vm| vm.spec.run_strategy = run).await?;
+    }
+    let until = match run {
+        RunStrategy::Running => ready(),
+        RunStrategy::Stopped => stopped(),
+    };
+    Ok(Plan::vms(names, vec![until]))
+}
+
+/// `resize VM`: change CPUs, memory or disk; the plan waits until the controller observed
+/// the new generation.
+pub async fn resize(v: &Verbs, name: &str, size: &Size) -> Result<Plan> {
+    if size.is_empty() {
+        return Err(VerbError::invalid(match v.voice {
+            Voice::Cli => "give --cpus, --memory and/or --disk",
+            Voice::Tool => "give cpus, memory and/or disk",
+        }));
+    }
+    let vm = edit_vm(v, name, |vm| {
+        vm.spec.resources = size.over(vm.spec.resources.clone());
+    })
+    .await?;
+    let generation = vm.metadata.generation.unwrap_or(0);
+    let until = Until::JsonPath(
+        "{.status.observedGeneration}".into(),
+        generation.to_string(),
+    );
+    Ok(Plan::vms(&[name.to_string()], vec![until]))
+}
