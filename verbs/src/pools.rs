@@ -9,8 +9,8 @@ use boxery_api::meta::LocalObjectReference;
 use boxery_api::pool::{MemberState, PoolSpec};
 use boxery_api::{Lease, Name, Pool};
 use boxery_hands::keys::{forget_key, lease_dir, leases_root};
-pub use boxery_reconcilers::lease::LeaseKeeper;
-use boxery_store::{ObjectRef, ObjectStoreExt, StoreError};
+use boxery_store::{ObjectRef, ObjectStore, ObjectStoreExt, StoreError};
+use std::sync::Arc;
 
 use crate::error::{Result, VerbError};
 use crate::{Verbs, Voice};
@@ -259,7 +259,72 @@ pub async fn acquire(v: &Verbs, input: AcquireInput) -> Result<Acquired> {
 /// Keep lease `name` alive (renewed every third of `ttl`) until the keeper is dropped, which
 /// releases it.
 pub fn keep(v: &Verbs, name: &str, ttl: Duration) -> Result<LeaseKeeper> {
-    Ok(LeaseKeeper::start(v.local()?.clone(), name, ttl))
+    Ok(LeaseKeeper::start(v.store_arc(), name, ttl))
+}
+
+/// Keeps a lease alive while its owner runs: renews at a third of its duration, releases
+/// (deletes) it when dropped.
+pub struct LeaseKeeper {
+    store: Arc<dyn ObjectStore>,
+    name: String,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LeaseKeeper {
+    /// Start renewing `name` every `duration / 3` (needs a tokio runtime).
+    pub fn start(store: Arc<dyn ObjectStore>, name: &str, duration: Duration) -> Self {
+        let (s, n) = (store.clone(), name.to_string());
+        let task = tokio::spawn(async move {
+            let every = (duration / 3).max(Duration::from_secs(1));
+            loop {
+                tokio::time::sleep(every).await;
+                match set_renew_time(&*s, &n).await {
+                    Ok(_) => {}
+                    // Released from elsewhere (`boxery lease release`): nothing left to keep.
+                    Err(StoreError::NotFound { .. }) => return,
+                    Err(e) => tracing::warn!(lease = %n, error = %e, "renewing the lease failed"),
+                }
+            }
+        });
+        LeaseKeeper {
+            store,
+            name: name.to_string(),
+            task,
+        }
+    }
+
+    /// Stop renewing and release the lease.
+    pub fn release(self) {
+        // Drop does it.
+    }
+}
+
+impl Drop for LeaseKeeper {
+    /// The release is waited for (not left to a task a closing runtime might never run): a
+    /// session that ends gives its VM back at once.
+    fn drop(&mut self) {
+        self.task.abort();
+        let key = ObjectRef::of::<Lease>(self.name.as_str());
+        let _ = futures::executor::block_on(self.store.delete(&key));
+    }
+}
+
+/// Set `spec.renewTime` to now, re-reading on a conflict.
+async fn set_renew_time(store: &dyn ObjectStore, name: &str) -> Result<Lease, StoreError> {
+    loop {
+        let Some(mut l) = store.get_as::<Lease>(name).await? else {
+            return Err(StoreError::NotFound {
+                kind: "Lease".into(),
+                name: name.into(),
+                plural: "leases".into(),
+            });
+        };
+        l.spec.renew_time = Some(boxery_api::now());
+        match store.update_as(&l).await {
+            Err(StoreError::Conflict { .. }) => continue,
+            other => return other,
+        }
+    }
 }
 
 /// `lease renew`: refused for someone else's lease (`holder`, default `$USER@hostname`) and
@@ -280,7 +345,7 @@ pub async fn renew(v: &Verbs, name: &str, holder: Option<String>) -> Result<Leas
             "lease {name} has expired and cannot be renewed: release it and acquire a new one"
         )));
     }
-    Ok(boxery_reconcilers::lease::renew(v.local()?, name)?)
+    Ok(set_renew_time(v.store(), name).await?)
 }
 
 /// `lease release`: delete the Lease (its VM is reset and goes back to the pool) and the key
