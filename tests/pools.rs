@@ -536,3 +536,40 @@ fn on_create_replaces_nothing() {
     assert_eq!(now["o-0"], before["o-0"]);
     assert_eq!(now["o-1"], before["o-1"]);
 }
+
+/// `lease acquire` without `--ttl` asks for the pool's `spec.lease.defaultTtlSeconds` (cut to
+/// its `maxTtlSeconds`); `--ttl` wins.
+#[test]
+fn a_lease_without_ttl_lasts_the_pools_default() {
+    let home = Home::new();
+    let pool = |name: &str, default: u32, max: u32| {
+        format!(
+            "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {{name: {name}}}\nspec:\n  replicas: 0\n  lease: {{defaultTtlSeconds: {default}, maxTtlSeconds: {max}}}\n"
+        )
+    };
+    let f = home.write(
+        "pools.yaml",
+        &format!(
+            "{}---\n{}",
+            pool("short", 600, 28800),
+            pool("capped", 3600, 900)
+        ),
+    );
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    let duration = |lease: &str| -> u32 {
+        let l: Lease = home.store().get_as(lease).unwrap().unwrap();
+        l.spec.lease_duration_seconds
+    };
+    home.ok(&["lease", "acquire", "short", "--name", "a"]);
+    assert_eq!(duration("a"), 600, "the pool's default");
+    home.ok(&["lease", "acquire", "short", "--name", "b", "--ttl", "5m"]);
+    assert_eq!(duration("b"), 300, "--ttl wins");
+    home.ok(&["lease", "acquire", "capped", "--name", "c"]);
+    assert_eq!(
+        duration("c"),
+        900,
+        "a default above the ceiling is cut to it"
+    );
+    home.ok(&["lease", "acquire", "nosuchpool", "--name", "d"]);
+    assert_eq!(duration("d"), 1800, "no pool: 30 minutes");
+}

@@ -218,12 +218,6 @@ pub struct MemberStatus {
 /// included).
 pub(crate) fn unimplemented(pool: &Pool) -> Vec<crate::validate::FieldError> {
     let mut errs = Vec::new();
-    if pool.spec.lease.default_ttl_seconds != LeaseDefaults::default().default_ttl_seconds {
-        errs.push(crate::validate::not_implemented(
-            "spec.lease.defaultTtlSeconds",
-            "a lease lasts its own leaseDurationSeconds (`boxery lease acquire --ttl`, 30m by default); remove the field or set it to 1800",
-        ));
-    }
     if let Some(t) = &pool.spec.template {
         errs.extend(crate::vm::unimplemented(&t.spec, "spec.template.spec."));
     }

@@ -349,11 +349,6 @@ mod tests {
         );
         refused(
             json!({"apiVersion": API_VERSION, "kind": "Pool", "metadata": {"name": "p"},
-                   "spec": {"lease": {"defaultTtlSeconds": 600, "maxTtlSeconds": 28800}}}),
-            "spec.lease.defaultTtlSeconds",
-        );
-        refused(
-            json!({"apiVersion": API_VERSION, "kind": "Pool", "metadata": {"name": "p"},
                    "spec": {"template": {"spec": {"source": {"image": "tiny"}, "layers": ["x"]}}}}),
             "spec.template.spec.layers",
         );

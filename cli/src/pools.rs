@@ -46,9 +46,10 @@ pub enum LeaseCmd {
         /// The pool.
         #[arg(value_parser = crate::args::label)]
         pool: String,
-        /// How long until it expires unless renewed (60s..8h).
-        #[arg(long, default_value = "30m", value_parser = ttl_arg)]
-        ttl: Duration,
+        /// How long until it expires unless renewed (60s..8h; default: the pool's
+        /// spec.lease.defaultTtlSeconds, 30m unless the pool sets it).
+        #[arg(long, value_parser = ttl_arg)]
+        ttl: Option<Duration>,
         /// Who holds it (default: $USER@hostname).
         #[arg(long)]
         holder: Option<String>,

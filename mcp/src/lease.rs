@@ -51,7 +51,8 @@ pub struct LeaseArgs {
     /// The lease (renew, release; default: this session's only lease).
     #[serde(default)]
     pub lease: Option<String>,
-    /// How long the lease lasts unless renewed, in seconds (acquire; 60..28800, default 1800).
+    /// How long the lease lasts unless renewed, in seconds (acquire; 60..28800; default: the
+    /// pool's spec.lease.defaultTtlSeconds, 1800 unless the pool sets it).
     #[serde(default)]
     pub ttl_seconds: Option<u64>,
     /// Who holds it (acquire, renew; default $USER@hostname).
@@ -203,15 +204,15 @@ async fn acquire(
     })?;
     let pool = Name::label(&pool).map_err(|e| ToolError::Invalid(format!("pool: {e}")))?;
     pools::require_pool(v, &pool).await?;
-    let ttl = Duration::from_secs(a.ttl_seconds.unwrap_or(1800));
     let input = pools::AcquireInput {
         pool: pool.clone(),
-        ttl,
+        ttl: a.ttl_seconds.map(Duration::from_secs),
         holder: a.holder,
         name: None,
     };
     let got = pools::acquire(v, input).await?;
     let name = got.name.clone();
+    let ttl = got.ttl;
     // Kept from the start: a session that ends while waiting releases it too.
     session.keep(
         &name,

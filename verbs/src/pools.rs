@@ -163,6 +163,8 @@ pub struct Acquired {
     pub holder: String,
     /// The private key made for it on this host (`$BOXERY_HOME/leases/NAME/id_ed25519`).
     pub key: std::path::PathBuf,
+    /// How long it lasts unless renewed (the one asked for, else the pool's default).
+    pub ttl: Duration,
 }
 
 /// `lease acquire`'s input.
@@ -170,8 +172,9 @@ pub struct Acquired {
 pub struct AcquireInput {
     /// The pool.
     pub pool: Name,
-    /// How long until it expires unless renewed (60 s to 8 h).
-    pub ttl: Duration,
+    /// How long until it expires unless renewed (60 s to 8 h); `None`: the pool's
+    /// `spec.lease.defaultTtlSeconds` (30 minutes unless the pool says otherwise).
+    pub ttl: Option<Duration>,
     /// Who holds it (default `$USER@hostname`).
     pub holder: Option<String>,
     /// The lease's name (default: generated from the pool's).
@@ -183,7 +186,19 @@ pub struct AcquireInput {
 /// the lease controller finds a free member (wait for `{.status.phase}` Bound).
 pub async fn acquire(v: &Verbs, input: AcquireInput) -> Result<Acquired> {
     // Everything is checked before anything is made.
-    let ttl = input.ttl;
+    let pool = Name::label(&input.pool).map_err(|e| VerbError::invalid(format!("pool: {e}")))?;
+    let ttl = match input.ttl {
+        Some(t) => t,
+        None => Duration::from_secs(u64::from(match v.store().get_as::<Pool>(&pool).await? {
+            // A default above the pool's ceiling is cut to it.
+            Some(p) => p
+                .spec
+                .lease
+                .default_ttl_seconds
+                .min(p.spec.lease.max_ttl_seconds),
+            None => boxery_api::pool::LeaseDefaults::default().default_ttl_seconds,
+        })),
+    };
     let secs = ttl.as_secs();
     if !(60..=28800).contains(&secs) {
         return Err(VerbError::invalid(format!(
@@ -191,7 +206,6 @@ pub async fn acquire(v: &Verbs, input: AcquireInput) -> Result<Acquired> {
             humantime::format_duration(ttl)
         )));
     }
-    let pool = Name::label(&input.pool).map_err(|e| VerbError::invalid(format!("pool: {e}")))?;
     let holder = input.holder.unwrap_or_else(default_holder);
     boxery_api::name::check_text(&holder, 128)
         .map_err(|e| VerbError::invalid(format!("holder: {e}")))?;
@@ -253,6 +267,7 @@ pub async fn acquire(v: &Verbs, input: AcquireInput) -> Result<Acquired> {
         name: name.into_string(),
         holder,
         key,
+        ttl,
     })
 }
 
