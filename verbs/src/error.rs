@@ -131,16 +131,7 @@ impl VerbError {
 }
 
 /// An error and its causes, `: `-separated (what anyhow's `{:#}` prints).
-pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        cur = s.source();
-    }
-    out
-}
+pub use boxery_controller::error_chain as chain;
 
 /// Result alias of the verbs.
 pub type Result<T = (), E = VerbError> = std::result::Result<T, E>;
