@@ -224,6 +224,17 @@ pub fn parse_manifests(source: &str, bytes: &[u8]) -> Result<Vec<Manifest>, Mani
             object: Some(printable(&e.object)),
             errors: e.errors.into_iter().map(printable_error).collect(),
         })?;
+        // A manifest is what someone asks for now: a field nothing implements is refused here,
+        // with the file's name (the store refuses it too, but lets objects stored before keep it).
+        let unimplemented = crate::validate::unimplemented(&object);
+        if !unimplemented.is_empty() {
+            return Err(ManifestError {
+                source_name: source.to_string(),
+                document: Some(index),
+                object: Some(printable(&object.key())),
+                errors: unimplemented.into_iter().map(printable_error).collect(),
+            });
+        }
         out.push(Manifest {
             source_name: source.to_string(),
             document: index,
