@@ -170,7 +170,7 @@ pub async fn helper(
     timeout: Duration,
     ct: &CancellationToken,
 ) -> Result<Vec<u8>, ToolError> {
-    let ssh = session.ssh_to(vm)?;
+    let ssh = session.ssh_to(vm).await?;
     let r = run(&ssh, script, stdin, cap, timeout, ct, None).await?;
     if r.cancelled {
         return Err(ToolError::Cancelled);
@@ -261,9 +261,9 @@ fn text_of(bytes: &[u8]) -> String {
 
 /// `vm_bash`.
 pub async fn bash(session: Arc<Session>, a: BashArgs, ct: CancellationToken) -> ToolResult {
-    let vm = session.resolve_vm(a.vm)?;
+    let vm = session.resolve_vm(a.vm).await?;
     let timeout = clamp_timeout(a.timeout_seconds, 120);
-    let ssh = session.ssh_to(&vm)?;
+    let ssh = session.ssh_to(&vm).await?;
     let id = format!("b{}", uuid::Uuid::new_v4().simple());
     let script = bash_script(&id, &a.command, a.cwd.as_deref());
     let kill = kill_script(&id);

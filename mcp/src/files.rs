@@ -93,7 +93,7 @@ pub struct ReadArgs {
 
 /// `vm_read`.
 pub async fn read(session: Arc<Session>, a: ReadArgs, ct: CancellationToken) -> ToolResult {
-    let vm = session.resolve_vm(a.vm)?;
+    let vm = session.resolve_vm(a.vm).await?;
     let from = a.offset.unwrap_or(1).max(1);
     let limit = a.limit.unwrap_or(2000).clamp(1, 1_000_000);
     let to = from + limit - 1;
@@ -174,7 +174,7 @@ pub struct WriteArgs {
 
 /// `vm_write`.
 pub async fn write(session: Arc<Session>, a: WriteArgs, ct: CancellationToken) -> ToolResult {
-    let vm = session.resolve_vm(a.vm)?;
+    let vm = session.resolve_vm(a.vm).await?;
     let expect = a
         .version
         .as_deref()
@@ -230,7 +230,7 @@ fn line_of(text: &str, byte: usize) -> usize {
 
 /// `vm_edit`.
 pub async fn edit(session: Arc<Session>, a: EditArgs, ct: CancellationToken) -> ToolResult {
-    let vm = session.resolve_vm(a.vm)?;
+    let vm = session.resolve_vm(a.vm).await?;
     if a.old.is_empty() {
         return Err(ToolError::Invalid(
             "`old` is empty: give the exact text to replace (use vm_write for a whole file)".into(),
@@ -351,7 +351,7 @@ pub async fn copy(session: Arc<Session>, a: CopyArgs, _ct: CancellationToken) ->
                     "local paths are refused over HTTP (they would be the server's files): copy between VMs, or run `boxery mcp` (stdio) on your machine".into(),
                 ));
             }
-            Place::Vm(vm, _) => reach.push(session.ssh_to(vm)?),
+            Place::Vm(vm, _) => reach.push(session.ssh_to(vm).await?),
             Place::Local(_) => {}
         }
     }

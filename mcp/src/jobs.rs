@@ -196,7 +196,7 @@ fn state_data(line: &str) -> (String, Option<i64>) {
 
 /// `vm_jobs`.
 pub async fn jobs(session: Arc<Session>, a: JobsArgs, ct: CancellationToken) -> ToolResult {
-    let vm = session.resolve_vm(a.vm.clone())?;
+    let vm = session.resolve_vm(a.vm.clone()).await?;
     let short = Duration::from_secs(60);
     let id = || {
         a.id.clone().filter(|i| !i.is_empty()).ok_or_else(|| {

@@ -520,20 +520,20 @@ impl Session {
             .insert((vm.to_string(), path.to_string()), version.to_string());
     }
 
-    /// The VMs there are (sync: the tools resolve names before their first await).
-    fn vm_names(&self) -> Vec<String> {
-        self.verbs()
-            .ok()
-            .and_then(|v| v.local().ok())
-            .and_then(|s| s.list_as::<Vm>(&Default::default()).ok())
+    /// The VMs there are (none when the store cannot be read: this only words an error).
+    async fn vm_names(&self) -> Vec<String> {
+        let Ok(v) = self.verbs() else {
+            return Vec::new();
+        };
+        v.store()
+            .list(<Vm as boxery_api::Resource>::INFO.kind, &Default::default())
+            .await
+            .map(|(objs, _)| objs.into_iter().map(|o| o.metadata.name).collect())
             .unwrap_or_default()
-            .into_iter()
-            .map(|v| v.metadata.name)
-            .collect()
     }
 
     /// Which VM a call means: the explicit one, else the default, else the only VM.
-    pub fn resolve_vm(&self, vm: Option<String>) -> Result<String, ToolError> {
+    pub async fn resolve_vm(&self, vm: Option<String>) -> Result<String, ToolError> {
         if let Some(v) = vm.filter(|v| !v.is_empty()) {
             return boxery_api::Name::label(&v)
                 .map(boxery_api::Name::into_string)
@@ -542,7 +542,7 @@ impl Session {
         if let Some(v) = self.default_vm() {
             return Ok(v);
         }
-        let mut names = self.vm_names();
+        let mut names = self.vm_names().await;
         names.truncate(30);
         match names.as_slice() {
             [one] => Ok(one.clone()),
@@ -557,15 +557,20 @@ impl Session {
     }
 
     /// A not-found error that lists the known VMs.
-    pub fn unknown_vm(&self, vm: &str) -> ToolError {
-        boxery_hands::vm_not_found(vm, &self.vm_names(), Voice::Tool).into()
+    pub async fn unknown_vm(&self, vm: &str) -> ToolError {
+        boxery_hands::vm_not_found(vm, &self.vm_names().await, Voice::Tool).into()
     }
 
     /// Check the VM can be reached over ssh and write the ssh files; returns how to reach it
     /// (with the key of a lease this host holds on it, like `boxery run`).
-    pub(crate) fn ssh_to(&self, vm: &str) -> Result<Reach, ToolError> {
-        let store = self.verbs()?.local()?;
-        Ok(boxery_hands::reach(&self.env.home, store, vm, Voice::Tool)?)
+    pub(crate) async fn ssh_to(&self, vm: &str) -> Result<Reach, ToolError> {
+        // reach reads the store and writes the ssh files: off the async workers.
+        let store = self.verbs()?.local()?.clone();
+        let (home, vm) = (self.env.home.clone(), vm.to_string());
+        tokio::task::spawn_blocking(move || boxery_hands::reach(&home, &store, &vm, Voice::Tool))
+            .await
+            .map_err(|e| ToolError::Failed(format!("the ssh check failed: {e}")))?
+            .map_err(ToolError::from)
     }
 }
 

@@ -325,7 +325,7 @@ pub async fn describe(
     let info = kind_of(a.kind.as_deref())?;
     let name = match a.name {
         Some(n) => n,
-        None if info.kind == "Vm" => session.resolve_vm(None)?,
+        None if info.kind == "Vm" => session.resolve_vm(None).await?,
         None => return Err(ToolError::Invalid("give the object's `name`".into())),
     };
     let v = session.verbs()?;
@@ -402,7 +402,7 @@ pub async fn wait(session: Arc<Session>, a: WaitArgs, ct: CancellationToken) -> 
     let info = kind_of(a.kind.as_deref())?;
     let name = match a.name {
         Some(n) => n,
-        None => session.resolve_vm(None)?,
+        None => session.resolve_vm(None).await?,
     };
     let until: Until = a.until.as_deref().unwrap_or("condition=Ready").parse()?;
     if until != Until::Deleted {
@@ -481,7 +481,7 @@ pub async fn manage(session: Arc<Session>, a: ManageArgs, ct: CancellationToken)
         Action::Stop => manage_power(&session, &a, RunStrategy::Stopped).await?,
         Action::Resize => manage_resize(&session, &a).await?,
         Action::Rm => {
-            let vm = session.resolve_vm(a.vm.clone())?;
+            let vm = session.resolve_vm(a.vm.clone()).await?;
             return delete_objects(&session, kind_of(Some("vm"))?, &[vm], wait_for, &ct).await;
         }
     };
@@ -515,21 +515,21 @@ fn label_of(a: &ManageArgs) -> Result<String, ToolError> {
 }
 
 async fn manage_snap(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
-    let vm = session.resolve_vm(a.vm.clone())?;
+    let vm = session.resolve_vm(a.vm.clone()).await?;
     let label = label_of(a)?;
     let (image, plan) = verbs_vm::snap(session.verbs()?, &vm, &label).await?;
     Ok((format!("image/{image} created\n"), plan))
 }
 
 async fn manage_revert(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
-    let vm = session.resolve_vm(a.vm.clone())?;
+    let vm = session.resolve_vm(a.vm.clone()).await?;
     let label = label_of(a)?;
     let (image, plan) = verbs_vm::revert(session.verbs()?, &vm, &label).await?;
     Ok((format!("vm/{vm} reverting to {image}\n"), plan))
 }
 
 async fn manage_fork(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
-    let src = session.resolve_vm(a.vm.clone())?;
+    let src = session.resolve_vm(a.vm.clone()).await?;
     let plan = verbs_vm::fork(session.verbs()?, &src, &a.names, &size(a)?).await?;
     let text = a
         .names
@@ -544,7 +544,7 @@ async fn manage_power(
     a: &ManageArgs,
     run: RunStrategy,
 ) -> Result<(String, Plan), ToolError> {
-    let vm = session.resolve_vm(a.vm.clone())?;
+    let vm = session.resolve_vm(a.vm.clone()).await?;
     let plan = verbs_vm::power(session.verbs()?, std::slice::from_ref(&vm), run).await?;
     let word = if run == RunStrategy::Running {
         "starting"
@@ -555,7 +555,7 @@ async fn manage_power(
 }
 
 async fn manage_resize(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
-    let vm = session.resolve_vm(a.vm.clone())?;
+    let vm = session.resolve_vm(a.vm.clone()).await?;
     let plan = verbs_vm::resize(session.verbs()?, &vm, &size(a)?).await?;
     Ok((format!("vm/{vm} resizing\n"), plan))
 }
@@ -564,7 +564,7 @@ async fn manage_resize(session: &Session, a: &ManageArgs) -> Result<(String, Pla
 pub async fn use_vm(session: Arc<Session>, a: UseArgs, _ct: CancellationToken) -> ToolResult {
     if let Some(vm) = a.vm.filter(|v| !v.is_empty()) {
         if session.verbs()?.store().get_as::<Vm>(&vm).await?.is_none() {
-            return Err(session.unknown_vm(&vm));
+            return Err(session.unknown_vm(&vm).await);
         }
         session.set_default_vm(Some(vm.clone()));
         return Ok(Output::with_data(
