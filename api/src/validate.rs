@@ -56,6 +56,13 @@ pub fn unimplemented(obj: &crate::DynObject) -> Vec<FieldError> {
             .to_typed::<crate::Pool>()
             .map(|p| crate::pool::unimplemented(&p))
             .unwrap_or_default(),
+        // The kind's types and schema exist (so manifests can be written against them), but
+        // nothing approves or applies a Grant yet: storing one would promise a credential
+        // route that never comes.
+        k if k == Grant::INFO.kind => vec![not_implemented(
+            "spec",
+            "no controller approves or applies Grants in this version, so none is stored",
+        )],
         _ => Vec::new(),
     }
 }
@@ -351,6 +358,11 @@ mod tests {
             json!({"apiVersion": API_VERSION, "kind": "Pool", "metadata": {"name": "p"},
                    "spec": {"template": {"spec": {"source": {"image": "tiny"}, "layers": ["x"]}}}}),
             "spec.template.spec.layers",
+        );
+        refused(
+            json!({"apiVersion": API_VERSION, "kind": "Grant", "metadata": {"name": "g"},
+                   "spec": {"vm": "dev1", "type": "env", "target": "TOKEN", "valueFrom": {"env": "TOKEN"}}}),
+            "spec",
         );
         // Their defaults, and saying them explicitly, are fine.
         let fine = |v: Value| assert_eq!(unimplemented(&normalize(v).unwrap()), vec![]);
