@@ -198,9 +198,9 @@ fn bad_input_changes_nothing() {
     );
     case(
         &home,
-        "pool-ttl.yaml",
-        b"apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata:\n  name: p\nspec:\n  lease: {defaultTtlSeconds: 600, maxTtlSeconds: 28800}\n",
-        &["spec.lease.defaultTtlSeconds", "not implemented yet"],
+        "grant.yaml",
+        b"apiVersion: boxery.dev/v1alpha1\nkind: Grant\nmetadata:\n  name: g\nspec:\n  vm: dev1\n  type: env\n  target: TOKEN\n  valueFrom: {env: TOKEN}\n",
+        &["Grant/g", "not implemented yet"],
     );
     let dup = format!("{}---\n{}", vm_yaml("dup"), vm_yaml("dup"));
     case(
