@@ -722,6 +722,10 @@ fn main() -> ExitCode {
     init_logging(cli.verbose, matches!(cli.command, Command::Serve { .. }));
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        // The store's calls and the hands' blocking work run on this pool. Each thread that
+        // allocates may get a malloc arena of its own, which keeps its memory: a small pool
+        // keeps a long-lived `serve` small (measured in docs/benchmarks.md).
+        .max_blocking_threads(8)
         .enable_all()
         .build()
     {
