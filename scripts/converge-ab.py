@@ -5,6 +5,8 @@ Runs `boxery serve` on the fake backend in a temporary home, applies N Vms at on
 the store until every Vm is Ready, prints the time and the number of log rows per kind and
 change type (how many writes convergence took). Run it with two binaries, interleaved, to
 compare them in one session (docs/benchmarks.md)."""
+import json, os, sqlite3, subprocess, sys, tempfile, time
+
 B, N = sys.argv[1], int(sys.argv[2])
 H = tempfile.mkdtemp()
 env = dict(os.environ, BOXERY_HOME=H, BOXERY_BACKEND="fake")
