@@ -764,22 +764,31 @@ mod libvirt {
             format!("qemu+unix:///system?socket={}", self.sock.display())
         }
         fn up(&mut self) {
+            use std::os::unix::process::CommandExt;
+            // In a process group of its own: socat forks a child per connection, and a cut
+            // ends those too.
             let child = std::process::Command::new("socat")
                 .arg(format!(
                     "UNIX-LISTEN:{},fork,unlink-early",
                     self.sock.display()
                 ))
                 .arg("UNIX-CONNECT:/var/run/libvirt/libvirt-sock")
+                .process_group(0)
                 .spawn()
                 .expect("socat is installed (scripts/install-deps.sh)");
             self.child = Some(child);
             super::common::eventually(Duration::from_secs(10), || self.sock.exists().then_some(()))
                 .expect("the relay listens");
         }
-        /// Cut the relay: no new connection reaches libvirtd (the control plane opens one per
-        /// call; a relayed connection in flight ends with its call).
+        /// Cut the relay as libvirtd's death would: the listener and every relayed connection
+        /// end (the control plane keeps one connection open and must see it drop), and no
+        /// new connection gets through.
         fn down(&mut self) {
             if let Some(mut c) = self.child.take() {
+                // The group is socat's own (`process_group(0)` above): its pid is the pgid.
+                if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
+                    let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+                }
                 let _ = c.kill();
                 let _ = c.wait();
             }
