@@ -535,33 +535,24 @@ async fn recover_reimage(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action>
     let obj = format!("Vm/{name}");
     let image = op.image.clone().unwrap_or_default();
     let identity = identity_for(&vm);
-    match ctx.backend.reimage(&name, &image, &identity).await {
-        Ok(()) => {
-            vm.status.operation = None;
-            vm.status.last_restore = vm.spec.restore.clone();
-            let vm = save(ctx, &vm).await?;
-            ctx.event(
-                &vm,
-                EventType::Normal,
-                "Reverted",
-                &format!("an interrupted revert to {image} was finished"),
-            )
-            .await;
-        }
-        Err(BackendError::Unchanged(msg)) => {
-            vm.status.operation = None;
-            vm.status.last_restore = vm.spec.restore.clone();
-            let vm = save(ctx, &vm).await?;
-            ctx.event(
-                &vm,
-                EventType::Warning,
-                "RevertFailed",
-                &format!("revert to {image} failed before changing the VM: {msg}"),
-            )
-            .await;
-        }
+    let (ty, reason, msg) = match ctx.backend.reimage(&name, &image, &identity).await {
+        Ok(()) => (
+            EventType::Normal,
+            "Reverted",
+            format!("an interrupted revert to {image} was finished"),
+        ),
+        Err(BackendError::Unchanged(msg)) => (
+            EventType::Warning,
+            "RevertFailed",
+            format!("revert to {image} failed before changing the VM: {msg}"),
+        ),
         Err(e) => return Err(ReconcileError::backend("reimage", &obj, e)),
-    }
+    };
+    // Done or refused before touching the VM: either way the intent is settled.
+    vm.status.operation = None;
+    vm.status.last_restore = vm.spec.restore.clone();
+    let vm = save(ctx, &vm).await?;
+    ctx.event(&vm, ty, reason, &msg).await;
     Ok(Action::requeue(Duration::ZERO))
 }
 
