@@ -459,3 +459,42 @@ fn backend_table_in_docs_matches_the_declarations() {
         "docs/backends.md's support table is stale; paste `boxery backends`:\n{table}"
     );
 }
+
+/// A reader that leaves early (`boxery get vms | head -1`) ends the command quietly: exit 141
+/// (a filter killed by SIGPIPE), nothing on stderr, no panic. The reader here closes its end
+/// before the command writes, so every write fails.
+#[test]
+fn a_closed_pipe_ends_a_command_quietly() {
+    let home = Home::new();
+    let mut many = String::new();
+    for i in 0..50 {
+        many.push_str(&vm_yaml(&format!("p{i}")));
+        many.push_str("\n---\n");
+    }
+    let f = home.write("many.yaml", &many);
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    let new = home.write("new.yaml", &vm_yaml("not-yet"));
+    for args in [
+        &["schema"][..],
+        &["get", "vms"],
+        &["get", "vms", "-o", "yaml"],
+        &["get", "vms", "-o", "json"],
+        &["describe", "vm", "p1"],
+        &["explain", "vm"],
+        &["diff", "-f", new.to_str().unwrap()],
+        &["backends"],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = home
+            .cmd()
+            .args(args)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(141), "{args:?}: stderr: {stderr}");
+        assert!(stderr.is_empty(), "{args:?} said something: {stderr}");
+    }
+}

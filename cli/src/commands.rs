@@ -1,6 +1,7 @@
 //! The kubectl-style commands: apply, get, describe, delete, diff, explain, events, schema.
 //! Each calls a verb (`boxery_verbs::objects`) and renders its result.
 
+use crate::out::{out, outln};
 use std::io::Write;
 use std::time::Duration;
 
@@ -35,7 +36,7 @@ pub async fn apply(
     let objs = manifests.into_iter().map(|m| m.object).collect();
     let applied = objects::apply(v, objs, dry_run, prune).await?;
     for line in applied.lines() {
-        println!("{line}");
+        outln!("{line}");
     }
     if let (Some(timeout), false) = (wait_for, dry_run) {
         wait::all(v, &applied.ready, &vm::ready(), timeout).await?;
@@ -255,7 +256,7 @@ pub async fn describe(verbs: &Verbs, kind_name: &str, name: &str) -> CliResult {
             &rows,
         ));
     }
-    print!("{out}");
+    out!("{out}");
     Ok(())
 }
 
@@ -325,9 +326,9 @@ pub async fn delete(
     let mut targets = Vec::new();
     for d in objects::delete(v, info, names).await? {
         match d {
-            Deleted::Removed(n) => println!("{}/{n} deleted", info.singular),
+            Deleted::Removed(n) => outln!("{}/{n} deleted", info.singular),
             Deleted::Deleting(n) => {
-                println!("{}/{n} deleting", info.singular);
+                outln!("{}/{n} deleting", info.singular);
                 targets.push(ObjectRef::new(info.kind, n));
             }
         }
@@ -335,14 +336,14 @@ pub async fn delete(
     if force {
         for t in &targets {
             boxery_verbs::runtime::force_delete(v, &t.kind, &t.name).await?;
-            println!("{}/{} deleted (forced)", info.singular, t.name);
+            outln!("{}/{} deleted (forced)", info.singular, t.name);
         }
         return Ok(());
     }
     if let Some(t) = wait_for {
         wait::quiet(v, &targets, &Until::Deleted, t).await?;
         for t in &targets {
-            println!("{}/{} deleted", info.singular, t.name);
+            outln!("{}/{} deleted", info.singular, t.name);
         }
     }
     Ok(())
@@ -530,7 +531,7 @@ pub fn explain(path: &str) -> CliResult {
             }
         }
     }
-    print!("{out}");
+    out!("{out}");
     Ok(())
 }
 
@@ -539,7 +540,7 @@ pub fn schema(kind_name: Option<&str>) -> CliResult {
     match kind_name {
         Some(k) => {
             let info = kind(k)?;
-            println!(
+            outln!(
                 "{}",
                 serde_json::to_string_pretty(
                     &boxery_api::validate::schema_of(info.kind).expect("schema")
@@ -556,7 +557,7 @@ pub fn schema(kind_name: Option<&str>) -> CliResult {
                     )
                 })
                 .collect();
-            println!("{}", serde_json::to_string_pretty(&Value::Object(all))?);
+            outln!("{}", serde_json::to_string_pretty(&Value::Object(all))?);
         }
     }
     Ok(())

@@ -8,6 +8,7 @@
 //! | 3 | not found |
 //! | 4 | timed out waiting for a condition |
 //! | 5 | conflict: someone else changed the object, or it is being deleted |
+//! | 141 | stdout was closed by its reader (`… \| head -1`): the command stopped quietly |
 
 use std::fmt;
 
@@ -24,6 +25,9 @@ pub enum Code {
     Timeout = 4,
     /// Conflict.
     Conflict = 5,
+    /// Stdout's reader left: the command stops quietly, as a filter killed by `SIGPIPE`
+    /// does (128 + 13).
+    PipeClosed = 141,
 }
 
 /// An error with its exit code.

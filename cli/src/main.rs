@@ -5,12 +5,14 @@ mod commands;
 mod exit;
 mod manifests;
 mod orphans;
+mod out;
 #[cfg(test)]
 mod parity;
 mod pools;
 mod vms;
 mod wait;
 
+use crate::out::{out, outln};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -457,7 +459,7 @@ fn init_logging(verbose: u8, serve: bool) {
 async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
     let env = Env::resolve(cli.home, cli.backend)?;
     match cli.command {
-        Command::Backends => print!("{}", commands::backends_table(&env.home)),
+        Command::Backends => out!("{}", commands::backends_table(&env.home)),
         Command::Explain { path } => commands::explain(&path)?,
         Command::Schema { kind } => commands::schema(kind.as_deref())?,
         Command::Serve {
@@ -473,7 +475,7 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
         Command::Mcp {
             tools_markdown: true,
             ..
-        } => print!("{}", boxery_mcp::markdown()),
+        } => out!("{}", boxery_mcp::markdown()),
         Command::Mcp { vm, .. } => mcp::stdio(&env, vm).await?,
         command @ (Command::Read { .. }
         | Command::Write { .. }
@@ -649,7 +651,7 @@ async fn tool_command(env: &Env, command: Command) -> CliResult<ExitCode> {
             let out = boxery_mcp::run_cli(env, "vm_read", args).await?;
             let data = out.data.unwrap_or_default();
             eprintln!("{}", out.text.lines().next().unwrap_or(""));
-            print!("{}", data["content"].as_str().unwrap_or(""));
+            out!("{}", data["content"].as_str().unwrap_or(""));
         }
         Command::Write { vm, path, version } => {
             let mut content = String::new();
@@ -657,7 +659,7 @@ async fn tool_command(env: &Env, command: Command) -> CliResult<ExitCode> {
                 .map_err(|e| CliError::invalid(format!("stdin is not UTF-8 text: {e}")))?;
             let args = json!({"vm": vm, "path": path, "content": content, "version": version});
             let out = boxery_mcp::run_cli(env, "vm_write", args).await?;
-            println!("{}", out.text);
+            outln!("{}", out.text);
         }
         Command::Edit {
             vm,
@@ -669,7 +671,7 @@ async fn tool_command(env: &Env, command: Command) -> CliResult<ExitCode> {
         } => {
             let args = json!({"vm": vm, "path": path, "old": old, "new": new, "count": count, "version": version});
             let out = boxery_mcp::run_cli(env, "vm_edit", args).await?;
-            println!("{}", out.text);
+            outln!("{}", out.text);
         }
         _ => unreachable!("tool_command is called for tool commands only"),
     }
@@ -702,8 +704,8 @@ async fn jobs_cmd(env: &Env, action: JobsCmd) -> CliResult<ExitCode> {
     let out = boxery_mcp::run_cli(env, "vm_jobs", args).await?;
     let data = out.data.unwrap_or_default();
     match action {
-        JobsCmd::Start { .. } => println!("{}", data["id"].as_str().unwrap_or("")),
-        JobsCmd::Logs { .. } => print!("{}", data["output"].as_str().unwrap_or("")),
+        JobsCmd::Start { .. } => outln!("{}", data["id"].as_str().unwrap_or("")),
+        JobsCmd::Logs { .. } => out!("{}", data["output"].as_str().unwrap_or("")),
         JobsCmd::Wait { .. } => {
             eprintln!("{}", out.text.lines().next().unwrap_or(""));
             return Ok(match (data["state"].as_str(), data["exit_code"].as_i64()) {
@@ -712,7 +714,7 @@ async fn jobs_cmd(env: &Env, action: JobsCmd) -> CliResult<ExitCode> {
                 _ => ExitCode::from(1),
             });
         }
-        _ => print!("{}", out.text),
+        _ => out!("{}", out.text),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -737,6 +739,7 @@ fn main() -> ExitCode {
     };
     match rt.block_on(dispatch(cli)) {
         Ok(code) => code,
+        Err(e) if out::is_closed_pipe(&e) => ExitCode::from(exit::Code::PipeClosed as u8),
         Err(e) => {
             eprintln!(
                 "error: {}",

@@ -1,5 +1,6 @@
 //! `boxery orphans`: the orphan verbs (`boxery_verbs::orphans`), rendered.
 
+use crate::out::outln;
 use boxery_verbs::{Verbs, orphans};
 
 use crate::exit::CliResult;
@@ -52,12 +53,12 @@ pub async fn orphans(v: &Verbs, cmd: Option<OrphansCmd>) -> CliResult {
                     o.reason.clone(),
                 ]);
             }
-            println!("{}", t.trim_fmt());
+            outln!("{}", t.trim_fmt());
         }
         OrphansCmd::Delete { kind, name, yes } => {
             orphans::delete(v, &kind, &name, yes).await?;
             let kind = orphans::which_kind(&kind)?;
-            println!(
+            outln!(
                 "{}/{name} removed from the backend",
                 kind.to_ascii_lowercase()
             );
@@ -65,7 +66,7 @@ pub async fn orphans(v: &Verbs, cmd: Option<OrphansCmd>) -> CliResult {
         OrphansCmd::Adopt { kind, name } => {
             orphans::adopt(v, &kind, &name).await?;
             let kind = orphans::which_kind(&kind)?;
-            println!(
+            outln!(
                 "{}/{name} adopted: boxery manages it again (`boxery describe {} {name}`)",
                 kind.to_ascii_lowercase(),
                 kind.to_ascii_lowercase()

@@ -1,6 +1,7 @@
 //! `boxery pool …` and `boxery lease …`: the pool and lease verbs (`boxery_verbs::pools`),
 //! rendered.
 
+use crate::out::outln;
 use std::time::Duration;
 
 use boxery_api::{Lease, Name, Pool};
@@ -95,11 +96,11 @@ pub async fn pool(v: &Verbs, cmd: PoolCmd) -> CliResult {
     match cmd {
         PoolCmd::Add { pool, vm } => {
             pools::add(v, &pool, &vm).await?;
-            println!("pool/{pool}: {vm} added (its clean image is captured once it is Ready)");
+            outln!("pool/{pool}: {vm} added (its clean image is captured once it is Ready)");
         }
         PoolCmd::Rm { pool, vm } => {
             pools::remove(v, &pool, &vm).await?;
-            println!("pool/{pool}: {vm} removed");
+            outln!("pool/{pool}: {vm} removed");
         }
         PoolCmd::Ls => {
             let pools = v.store().list_as::<Pool>(&Default::default()).await?;
@@ -109,7 +110,7 @@ pub async fn pool(v: &Verbs, cmd: PoolCmd) -> CliResult {
             for p in pools {
                 let s = &p.status;
                 let safe = boxery_verbs::render::safe;
-                println!(
+                outln!(
                     "{}: {} members, {} free, {} leased, {} resetting, {} broken",
                     safe(&p.metadata.name),
                     s.replicas,
@@ -129,7 +130,7 @@ pub async fn pool(v: &Verbs, cmd: PoolCmd) -> CliResult {
                     } else {
                         format!(" ({})", safe(&m.message))
                     };
-                    println!(
+                    outln!(
                         "  {:<24} {:<10}{lease}{msg}",
                         safe(&m.name),
                         format!("{:?}", m.state)
@@ -165,7 +166,7 @@ pub async fn lease(v: &Verbs, cmd: LeaseCmd) -> CliResult {
             };
             let a = pools::acquire(v, input).await?;
             let (name, key) = (a.name, a.key);
-            println!("lease/{name} created");
+            outln!("lease/{name} created");
             if w {
                 wait::quiet(
                     v,
@@ -176,28 +177,28 @@ pub async fn lease(v: &Verbs, cmd: LeaseCmd) -> CliResult {
                 .await?;
                 let l: Lease = v.store().get_as(&name).await?.expect("just bound");
                 let vm = l.status.vm.unwrap_or_default();
-                println!(
+                outln!(
                     "lease/{name} bound: {vm} until {}",
                     l.status
                         .expire_time
                         .map(|t| t.to_string())
                         .unwrap_or_default()
                 );
-                println!(
+                outln!(
                     "  boxery ssh {vm}        (uses this lease's key: {})",
                     key.display()
                 );
-                println!("  boxery lease renew {name}; boxery lease release {name}");
+                outln!("  boxery lease renew {name}; boxery lease release {name}");
             }
         }
         LeaseCmd::Renew { name, holder } => {
             pools::renew(v, &name, holder).await?;
-            println!("lease/{name} renewed");
+            outln!("lease/{name} renewed");
         }
         LeaseCmd::Release { name, wait: w } => {
             let lease = Name::label(&name).map_err(|e| CliError::invalid(e.0))?;
             pools::release(v, &lease).await?;
-            println!("lease/{name} released");
+            outln!("lease/{name} released");
             if w {
                 wait::quiet(
                     v,

@@ -2,6 +2,7 @@
 //! `resize` (`rm` is `delete vm`). Each calls its verb (`boxery_verbs::vm`), says what it
 //! wrote, and with `--wait` waits on the verb's plan.
 
+use crate::out::outln;
 use std::time::Duration;
 
 use boxery_api::{Quantity, RunStrategy};
@@ -53,21 +54,21 @@ pub async fn new(
         stopped,
     };
     let plan = vm::new(v, input).await?;
-    println!("vm/{name} created");
+    outln!("vm/{name} created");
     wait::plan(v, &plan, wait_for).await
 }
 
 /// `snap VM LABEL`.
 pub async fn snap(v: &Verbs, name: &str, label: &str, wait_for: Option<Duration>) -> CliResult {
     let (image, plan) = vm::snap(v, name, label).await?;
-    println!("image/{image} created");
+    outln!("image/{image} created");
     wait::plan(v, &plan, wait_for).await
 }
 
 /// `revert VM LABEL`.
 pub async fn revert(v: &Verbs, name: &str, label: &str, wait_for: Option<Duration>) -> CliResult {
     let (image, plan) = vm::revert(v, name, label).await?;
-    println!("vm/{name} reverting to {image}");
+    outln!("vm/{name} reverting to {image}");
     wait::plan(v, &plan, wait_for).await
 }
 
@@ -81,7 +82,7 @@ pub async fn fork(
 ) -> CliResult {
     let plan = vm::fork(v, src, names, &size.size()).await?;
     for n in names {
-        println!("vm/{n} created (fork of {src})");
+        outln!("vm/{n} created (fork of {src})");
     }
     wait::plan(v, &plan, wait_for).await
 }
@@ -99,7 +100,7 @@ pub async fn power(
         RunStrategy::Stopped => "stopping",
     };
     for n in names {
-        println!("vm/{n} {word}");
+        outln!("vm/{n} {word}");
     }
     wait::plan(v, &plan, wait_for).await
 }
@@ -112,6 +113,6 @@ pub async fn resize(
     wait_for: Option<Duration>,
 ) -> CliResult {
     let plan = vm::resize(v, name, &size.size()).await?;
-    println!("vm/{name} resizing");
+    outln!("vm/{name} resizing");
     wait::plan(v, &plan, wait_for).await
 }

@@ -15,7 +15,9 @@ struct Printed;
 
 impl Progress for Printed {
     fn met(&self, t: &ObjectRef) {
-        println!("{}/{} condition met", t.kind.to_lowercase(), t.name);
+        // A reader that left (`… | head -1`) misses the rest; the wait itself goes on.
+        let line = format_args!("{}/{} condition met", t.kind.to_lowercase(), t.name);
+        let _ = crate::out::write(line, true);
     }
     fn state(&self, line: &str) {
         eprintln!("{line}");
