@@ -419,8 +419,15 @@ fn a_home_drives_one_backend() {
             .output()
             .unwrap()
     };
+    let changed = home.write(
+        "changed.yaml",
+        &format!("{}  resources:\n    cpus: 2\n", vm_yaml("dev1")),
+    );
     for args in [
         &["apply", "-f", f, "--wait", "--timeout", "10s"][..],
+        &["apply", "-f", changed.to_str().unwrap(), "--wait"][..],
+        &["stop", "dev1", "--wait"][..],
+        &["new", "dev2", "--wait"][..],
         &["serve"][..],
         &["delete", "vm", "dev1", "--force"][..],
     ] {
@@ -497,4 +504,36 @@ fn a_closed_pipe_ends_a_command_quietly() {
         assert_eq!(out.status.code(), Some(141), "{args:?}: stderr: {stderr}");
         assert!(stderr.is_empty(), "{args:?} said something: {stderr}");
     }
+}
+
+/// Messages name what the reader can type: a Ready VM on a backend with no guest is not
+/// "waited for", and the CLI's tool-backed commands (`read`, `jobs`) speak the CLI's words.
+#[test]
+fn hands_errors_name_what_the_cli_user_can_type() {
+    let home = Home::new();
+    let f = home.write("vm.yaml", &vm_yaml("dev1"));
+    home.ok(&[
+        "apply",
+        "-f",
+        f.to_str().unwrap(),
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    for args in [
+        &["run", "dev1", "--", "true"][..],
+        &["read", "dev1", "/etc/hostname"],
+        &["jobs", "list", "dev1"],
+    ] {
+        let o = home.run(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(5), "{args:?}: {err}");
+        assert!(err.contains("no guest to reach"), "{args:?}: {err}");
+        assert!(!err.contains("wait"), "{args:?} suggests waiting: {err}");
+        assert!(!err.contains("vm_"), "{args:?} names a tool: {err}");
+    }
+    home.ok(&["stop", "dev1", "--wait", "--timeout", "30s"]);
+    let o = home.run(&["read", "dev1", "/etc/hostname"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("boxery start dev1"), "{err}");
 }

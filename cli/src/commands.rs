@@ -321,7 +321,7 @@ pub async fn delete(
         for n in names {
             boxery_api::Name::for_kind(info, n).map_err(|e| CliError::invalid(e.0))?;
         }
-        objects::check_force(v).await?;
+        objects::check_backend(v).await?;
     }
     let mut targets = Vec::new();
     for d in objects::delete(v, info, names).await? {

@@ -489,8 +489,31 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The `--wait` of a command that writes, if it has one.
+fn write_wait(command: &Command) -> Option<&WaitArgs> {
+    match command {
+        Command::Apply { wait, dry_run, .. } => (!dry_run).then_some(wait),
+        Command::Delete { wait, .. }
+        | Command::New { wait, .. }
+        | Command::Snap { wait, .. }
+        | Command::Revert { wait, .. }
+        | Command::Fork { wait, .. }
+        | Command::Start { wait, .. }
+        | Command::Stop { wait, .. }
+        | Command::Resize { wait, .. }
+        | Command::Rm { wait, .. } => Some(wait),
+        _ => None,
+    }
+}
+
 /// The commands that call the verbs (and the hands) on the store.
 async fn verb_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
+    // A write that waits may run the controllers here, which needs the home's backend: check
+    // it before writing, so a refusal leaves the store as it was (not a spec changed with
+    // nothing to reconcile it).
+    if write_wait(&command).is_some_and(|w| w.wait) {
+        boxery_verbs::objects::check_backend(v).await?;
+    }
     match command {
         command @ (Command::Apply { .. }
         | Command::Get { .. }

@@ -129,10 +129,29 @@ pub fn not_ready(v: &Vm, voice: Voice) -> Option<HandsError> {
         .iter()
         .find(|c| c.type_ == "Ready")
         .map(|c| safe(&c.message).into_owned());
+    let ready = v
+        .status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == "Ready" && c.status == boxery_api::ConditionStatus::True);
+    if ready && !deleting {
+        // Ready, yet no ssh endpoint: its backend runs no guest (the fake backend). Waiting
+        // would not help, so no hint to wait.
+        let backend = v.status.backend.as_deref().unwrap_or("its backend");
+        return Some(HandsError::NotReady(format!(
+            "VM {vm} is Ready but has no guest to reach: {} gives no ssh endpoint; the shell, \
+             file and copy {} need a backend that boots a guest (qemu, libvirt)",
+            safe(backend),
+            match voice {
+                Voice::Cli => "commands",
+                Voice::Tool => "tools",
+            }
+        )));
+    }
     Some(HandsError::NotReady(match voice {
         Voice::Cli => {
             let why = match v.status.phase {
-                VmPhase::Stopped => "it is stopped: `boxery start NAME --wait`".to_string(),
+                VmPhase::Stopped => format!("it is stopped: `boxery start {vm} --wait`"),
                 _ => format!(
                     "it is {status} ({}): wait for it with `boxery wait vm {vm} --for=condition=Ready`",
                     message.unwrap_or_default()

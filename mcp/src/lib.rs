@@ -375,6 +375,9 @@ pub struct Session {
     /// Whether tools may touch the local file system (false over HTTP: "local" would be the
     /// server's disk, not the agent's).
     pub allow_local: bool,
+    /// Whose words errors use: the tools' (`vm_wait {…}`), or the CLI's when a command runs a
+    /// tool (`boxery read`: `boxery wait vm …`).
+    voice: Voice,
     default_vm: Mutex<Option<String>>,
     versions: Mutex<HashMap<(String, String), String>>,
     verbs: OnceLock<Verbs>,
@@ -388,6 +391,7 @@ impl Session {
         Session {
             env,
             allow_local,
+            voice: Voice::Tool,
             default_vm: Mutex::new(default_vm),
             versions: Mutex::new(HashMap::new()),
             verbs: OnceLock::new(),
@@ -395,12 +399,20 @@ impl Session {
         }
     }
 
-    /// The verbs, in the tools' voice, over the store (opened once per session).
+    /// A session for one CLI command that runs a tool (`boxery read`, `write`, `edit`, `jobs`):
+    /// local files allowed, errors in the CLI's words.
+    pub fn for_cli(env: Env) -> Self {
+        let mut s = Session::new(env, None, true);
+        s.voice = Voice::Cli;
+        s
+    }
+
+    /// The verbs, in the session's voice, over the store (opened once per session).
     pub fn verbs(&self) -> Result<&Verbs, ToolError> {
         if let Some(v) = self.verbs.get() {
             return Ok(v);
         }
-        let v = Verbs::open(self.env.clone(), Voice::Tool)?;
+        let v = Verbs::open(self.env.clone(), self.voice)?;
         Ok(self.verbs.get_or_init(|| v))
     }
 
@@ -558,7 +570,7 @@ impl Session {
 
     /// A not-found error that lists the known VMs.
     pub async fn unknown_vm(&self, vm: &str) -> ToolError {
-        boxery_hands::vm_not_found(vm, &self.vm_names().await, Voice::Tool).into()
+        boxery_hands::vm_not_found(vm, &self.vm_names().await, self.voice).into()
     }
 
     /// Check the VM can be reached over ssh and write the ssh files; returns how to reach it
@@ -566,8 +578,8 @@ impl Session {
     pub(crate) async fn ssh_to(&self, vm: &str) -> Result<Reach, ToolError> {
         // reach reads the store and writes the ssh files: off the async workers.
         let store = self.verbs()?.local()?.clone();
-        let (home, vm) = (self.env.home.clone(), vm.to_string());
-        tokio::task::spawn_blocking(move || boxery_hands::reach(&home, &store, &vm, Voice::Tool))
+        let (home, vm, voice) = (self.env.home.clone(), vm.to_string(), self.voice);
+        tokio::task::spawn_blocking(move || boxery_hands::reach(&home, &store, &vm, voice))
             .await
             .map_err(|e| ToolError::Failed(format!("the ssh check failed: {e}")))?
             .map_err(ToolError::from)
@@ -584,7 +596,7 @@ impl Drop for Session {
 /// Run a tool from the CLI: print its text (stdout) and map its error to an exit code.
 pub async fn run_cli(env: &Env, name: &str, args: Value) -> Result<Output, ToolError> {
     let t = find(name).expect("the CLI only runs tools of the table");
-    let session = Arc::new(Session::new(env.clone(), None, true));
+    let session = Arc::new(Session::for_cli(env.clone()));
     t.run(session, args, CancellationToken::new()).await
 }
 

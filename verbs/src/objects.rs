@@ -284,9 +284,9 @@ pub async fn delete(v: &Verbs, info: &'static KindInfo, names: &[String]) -> Res
     Ok(out)
 }
 
-/// `delete --force` of objects [`delete`] marked: drop boxery's finalizers once the backend
-/// confirms each VM or image is gone (see [`crate::runtime::force_delete`]). Checks first
-/// that the store's objects live on the selected backend.
-pub async fn check_force(v: &Verbs) -> Result {
+/// Check that the store's objects live on the selected backend: before `delete --force` (which
+/// asks the backend whether each VM or image is gone, see [`crate::runtime::force_delete`]) and
+/// before a write that waits (whose wait may run the controllers here).
+pub async fn check_backend(v: &Verbs) -> Result {
     v.env.backend_for(v.store()).await.map(drop)
 }
