@@ -537,3 +537,34 @@ fn hands_errors_name_what_the_cli_user_can_type() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("boxery start dev1"), "{err}");
 }
+
+/// A write that does not wait, with nothing reconciling, says so and how to start a control
+/// plane; with `serve` leading it says nothing more; `--dry-run` and `--wait` never say it.
+#[test]
+fn a_write_with_nothing_reconciling_says_so() {
+    let home = Home::new();
+    let f = home.write("vm.yaml", &vm_yaml("a"));
+    let f = f.to_str().unwrap();
+    let said = |args: &[&str]| {
+        let o = home.run(args);
+        assert!(o.status.success(), "{args:?}: {o:?}");
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    for args in [&["apply", "-f", f][..], &["new", "b"], &["stop", "b"]] {
+        let err = said(args);
+        assert!(
+            err.contains("nothing reconciles")
+                && err.contains("boxery serve")
+                && err.contains("--wait"),
+            "{args:?}: {err}"
+        );
+    }
+    assert!(!said(&["apply", "-f", f, "--dry-run"]).contains("nothing reconciles"));
+    assert!(!said(&["start", "b", "--wait", "--timeout", "30s"]).contains("nothing reconciles"));
+    let serve = home.serve(&[]);
+    serve.wait_leading();
+    for args in [&["new", "c"][..], &["stop", "c"]] {
+        let err = said(args);
+        assert!(!err.contains("nothing reconciles"), "{args:?}: {err}");
+    }
+}

@@ -511,9 +511,21 @@ async fn verb_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
     // A write that waits may run the controllers here, which needs the home's backend: check
     // it before writing, so a refusal leaves the store as it was (not a spec changed with
     // nothing to reconcile it).
-    if write_wait(&command).is_some_and(|w| w.wait) {
+    let waits = write_wait(&command).map(|w| w.wait);
+    if waits == Some(true) {
         boxery_verbs::objects::check_backend(v).await?;
     }
+    // A write that does not wait, with nothing reconciling: say why it will stay Pending.
+    let deletes = matches!(command, Command::Delete { .. } | Command::Rm { .. });
+    let note = waits == Some(false) && !deletes;
+    let code = verb_command_inner(v, command).await?;
+    if note && let Some(line) = runtime::unreconciled_note(v).await? {
+        eprintln!("{line}");
+    }
+    Ok(code)
+}
+
+async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> {
     match command {
         command @ (Command::Apply { .. }
         | Command::Get { .. }

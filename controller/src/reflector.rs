@@ -587,6 +587,9 @@ pub(crate) mod tests {
         async fn resign(&self, _: &str, _: &Candidate) -> Result<(), StoreError> {
             unsupported("lead")
         }
+        async fn leader(&self, _: &str) -> Result<Option<String>, StoreError> {
+            unsupported("lead")
+        }
     }
 
     async fn next(rx: &mut mpsc::UnboundedReceiver<Change>) -> (String, bool, bool) {

@@ -168,6 +168,9 @@ impl ObjectStore for WriteThrough {
     async fn resign(&self, lock: &str, me: &Candidate) -> Result<()> {
         self.inner.resign(lock, me).await
     }
+    async fn leader(&self, lock: &str) -> Result<Option<String>> {
+        self.inner.leader(lock).await
+    }
 }
 
 #[cfg(test)]

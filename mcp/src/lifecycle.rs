@@ -63,6 +63,13 @@ async fn state_lines(
     Ok((text, data))
 }
 
+/// A line saying nothing reconciles the store, when nothing does (else empty): a write that
+/// did not wait stays Pending until a control plane runs.
+async fn unreconciled(session: &Session) -> Result<String, ToolError> {
+    let note = boxery_verbs::runtime::unreconciled_note(session.verbs()?).await?;
+    Ok(note.map(|n| format!("{n}\n")).unwrap_or_default())
+}
+
 /// Finish a spec-writing call: wait for the plan's last step (the earlier ones first, each
 /// saying when it did not hold), then report the state either way.
 async fn finish(
@@ -87,6 +94,9 @@ async fn finish(
                 "not there yet ({why}); it keeps converging: vm_wait or vm_get to follow it\n"
             ));
         }
+    }
+    if wait_for.is_none() {
+        text.push_str(&unreconciled(session).await?);
     }
     let (state, data) = state_lines(session, &plan.targets).await?;
     text.push_str(&state);
@@ -285,7 +295,12 @@ pub async fn apply(session: Arc<Session>, a: ApplyArgs, ct: CancellationToken) -
                 }
             }
         }
-        None => false,
+        None => {
+            if !a.dry_run {
+                text.push_str(&unreconciled(&session).await?);
+            }
+            false
+        }
     };
     let (state, data) = state_lines(&session, &all).await?;
     text.push_str(&state);

@@ -97,6 +97,30 @@ pub(crate) fn try_lead(
     Ok(Leadership::Leader { epoch })
 }
 
+/// Who holds `lock` now, if anyone: `None` when it was never taken, was given up, expired, or
+/// its holder ran on this boot and its process is gone (exactly when [`try_lead`] would take
+/// it). Reads only.
+pub(crate) fn holder(conn: &Connection, lock: &str) -> Result<Option<String>> {
+    let row = conn
+        .prepare_cached(
+            "SELECT holder, pid, boot_id, start_time, expires_ms FROM leaders WHERE lock = ?1",
+        )?
+        .query_row([lock], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, i64>(1)?.clamp(0, u32::MAX as i64) as u32,
+                r.get::<_, String>(2)?,
+                r.get::<_, Option<i64>>(3)?.map(|v| v.max(0) as u64),
+                r.get::<_, i64>(4)?,
+            ))
+        })
+        .optional()?;
+    Ok(row.and_then(|(holder, pid, boot, start, expires_ms)| {
+        let gone = expires_ms <= now_ms() || (boot == boot_id() && !process_alive(pid, start));
+        (!gone).then_some(holder)
+    }))
+}
+
 /// Give up `lock` if `me` holds it: the lease expires now (the row stays, so the next
 /// holder's epoch is still higher).
 pub(crate) fn resign(conn: &mut Connection, lock: &str, me: &Candidate) -> Result<()> {

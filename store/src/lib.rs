@@ -682,6 +682,11 @@ impl Store {
         leader::try_lead(&mut lock(&self.inner.writer), lock_name, me, ttl)
     }
 
+    /// Who holds the lock now (`None`: it is free for the taking).
+    pub fn leader(&self, lock_name: &str) -> Result<Option<String>> {
+        self.inner.with_reader(|c| leader::holder(c, lock_name))
+    }
+
     /// Give up the lock if `me` holds it (others may take it at once).
     pub fn resign(&self, lock_name: &str, me: &Candidate) -> Result<()> {
         leader::resign(&mut lock(&self.inner.writer), lock_name, me)

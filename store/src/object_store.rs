@@ -136,6 +136,10 @@ pub trait ObjectStore: Send + Sync + std::fmt::Debug + 'static {
 
     /// Give up the leader lock if `me` holds it.
     async fn resign(&self, lock: &str, me: &Candidate) -> Result<()>;
+
+    /// Who holds the leader lock `lock` now; `None` when it is free for the taking (never
+    /// taken, given up, expired, or its holder's process is gone). Reads only.
+    async fn leader(&self, lock: &str) -> Result<Option<String>>;
 }
 
 /// Typed helpers over any [`ObjectStore`].
@@ -275,5 +279,9 @@ impl ObjectStore for Store {
     async fn resign(&self, lock: &str, me: &Candidate) -> Result<()> {
         let (lock, me) = (lock.to_string(), me.clone());
         blocking(self, move |s| s.resign(&lock, &me)).await
+    }
+    async fn leader(&self, lock: &str) -> Result<Option<String>> {
+        let lock = lock.to_string();
+        blocking(self, move |s| s.leader(&lock)).await
     }
 }

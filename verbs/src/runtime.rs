@@ -35,6 +35,24 @@ pub fn lease_arg(s: &str) -> Result<Duration, String> {
     crate::wait::duration_in(s, LEASE.0, LEASE.1)
 }
 
+/// What to say after a write that does not wait, when nothing leads the store: the change is
+/// stored, and nothing will act on it until a control plane runs. `None` while one leads.
+pub async fn unreconciled_note(v: &crate::Verbs) -> Result<Option<String>> {
+    if v.store().leader(LOCK).await?.is_some() {
+        return Ok(None);
+    }
+    Ok(Some(match v.voice {
+        boxery_hands::Voice::Cli => "boxery: stored, but nothing reconciles this home now (no \
+            `boxery serve` runs): start one with `boxery serve` (or keep one running with \
+            `boxery service install`), or add --wait to run the controllers in this command"
+            .to_string(),
+        boxery_hands::Voice::Tool => "note: stored, but nothing reconciles this home now (no \
+            control plane runs): call again with wait: true, or ask the user to run \
+            `boxery serve` (or `boxery service install`)"
+            .to_string(),
+    }))
+}
+
 /// The controllers' shared context, for the home `home` whose store is `store`.
 pub fn context(
     store: &Store,

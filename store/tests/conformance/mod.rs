@@ -1305,9 +1305,19 @@ pub async fn leader_lock_follows_expires_resigns_and_fences_by_epoch(imp: &dyn I
     let b = Candidate::current("b");
     let ttl = Duration::from_millis(400);
     let at = rev(s).await;
+    assert_eq!(
+        other.leader("controllers").await.unwrap(),
+        None,
+        "never taken"
+    );
     let Leadership::Leader { epoch: e1 } = s.try_lead("controllers", &a, ttl).await.unwrap() else {
         panic!("a leads a free lock")
     };
+    assert_eq!(
+        other.leader("controllers").await.unwrap().as_deref(),
+        Some("a"),
+        "every handle sees the holder"
+    );
     match other.try_lead("controllers", &b, ttl).await.unwrap() {
         Leadership::Follower { holder, expires_in } => {
             assert_eq!(holder, "a");
@@ -1326,6 +1336,7 @@ pub async fn leader_lock_follows_expires_resigns_and_fences_by_epoch(imp: &dyn I
     ));
     // a is alive (same process as b) but stops renewing: b takes over after the ttl.
     tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    assert_eq!(s.leader("controllers").await.unwrap(), None, "expired");
     let Leadership::Leader { epoch: e2 } = other.try_lead("controllers", &b, ttl).await.unwrap()
     else {
         panic!("b leads after the lease ran out")
@@ -1344,6 +1355,7 @@ pub async fn leader_lock_follows_expires_resigns_and_fences_by_epoch(imp: &dyn I
         "a resign by a non-holder does nothing"
     );
     other.resign("controllers", &b).await.unwrap();
+    assert_eq!(s.leader("controllers").await.unwrap(), None, "given up");
     let Leadership::Leader { epoch: e3 } = s.try_lead("controllers", &a, ttl).await.unwrap() else {
         panic!("a leads at once after b resigned")
     };
