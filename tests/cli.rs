@@ -568,3 +568,22 @@ fn a_write_with_nothing_reconciling_says_so() {
         assert!(!err.contains("nothing reconciles"), "{args:?}: {err}");
     }
 }
+
+/// `apply --wait` waits for every kind it applied: the example pool's own header command
+/// returns once all three members are made and free, not at once.
+#[test]
+fn apply_wait_waits_for_a_pool_to_settle() {
+    let home = Home::new();
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../manifests/examples/pool.yaml"
+    );
+    let out = home.ok(&["apply", "-f", example, "--wait", "--timeout", "60s"]);
+    assert!(out.contains("pool/agents condition met"), "{out}");
+    let free = home.ok(&["get", "pool", "agents", "-o", "jsonpath={.status.free}"]);
+    assert_eq!(
+        free.trim(),
+        "3",
+        "all three members free when --wait returns"
+    );
+}

@@ -8,10 +8,10 @@ use std::time::Duration;
 use boxery_api::name::shown;
 use boxery_api::{DynObject, KindInfo};
 use boxery_store::{LAST_APPLIED, ObjectRef};
+use boxery_verbs::Verbs;
 use boxery_verbs::objects::{self, Deleted};
 use boxery_verbs::render::{self as output, Format};
 use boxery_verbs::wait::Until;
-use boxery_verbs::{Verbs, vm};
 use futures::StreamExt;
 use serde_json::Value;
 
@@ -39,8 +39,9 @@ pub async fn apply(
         outln!("{line}");
     }
     if let (Some(timeout), false) = (wait_for, dry_run) {
-        wait::all(v, &applied.ready, &vm::ready(), timeout).await?;
-        wait::all(v, &applied.stopped, &vm::stopped(), timeout).await?;
+        for (until, targets) in &applied.waits {
+            wait::all(v, targets, until, timeout).await?;
+        }
     }
     Ok(())
 }

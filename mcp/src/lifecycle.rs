@@ -275,25 +275,22 @@ pub async fn apply(session: Arc<Session>, a: ApplyArgs, ct: CancellationToken) -
         .wait
         .unwrap_or(true)
         .then(|| clamp_timeout(a.timeout_seconds, 600));
-    if let Some(t) = wait_for
-        && let Some(why) =
-            bounded_wait(&session, &applied.stopped, &verbs_vm::stopped(), t, &ct).await?
-    {
-        text.push_str(&format!("not stopped yet: {why}\n"));
-    }
-    let mut all = applied.ready.clone();
-    all.extend(applied.stopped.iter().cloned());
+    let all = applied.waited_on();
     let converged = match wait_for {
         Some(t) => {
-            match bounded_wait(&session, &applied.ready, &verbs_vm::ready(), t, &ct).await? {
-                None => true,
-                Some(why) => {
+            // One bound for every step: a step that runs out leaves less for the next.
+            let deadline = std::time::Instant::now() + t;
+            let mut converged = true;
+            for (until, targets) in &applied.waits {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                if let Some(why) = bounded_wait(&session, targets, until, left, &ct).await? {
                     text.push_str(&format!(
-                    "not there yet ({why}); it keeps converging: vm_wait or vm_get to follow it\n"
-                ));
-                    false
+                        "not there yet ({why}); it keeps converging: vm_wait or vm_get to follow it\n"
+                    ));
+                    converged = false;
                 }
             }
+            converged
         }
         None => {
             if !a.dry_run {

@@ -8,6 +8,7 @@ use futures::StreamExt;
 use futures::stream::BoxStream;
 
 use crate::error::{Result, VerbError};
+use crate::wait::Until;
 use crate::{Verbs, Voice};
 
 /// Resolve a kind name the user typed (`vm`, `vms`, `Vm`, `img`…).
@@ -32,9 +33,26 @@ pub fn selector(s: Option<&str>) -> Result<Selector> {
         .map_err(VerbError::invalid)
 }
 
-/// Objects with a `Ready` condition (the ones a wait after a write waits on).
-pub fn waitable(kind: &str) -> bool {
-    matches!(kind, "Vm" | "Image")
+/// What `apply --wait` waits for on an applied object, in turn: a Vm or Image `Ready` (phase
+/// `Stopped` when applied with `runStrategy: Stopped`); a Pool `Ready` (a member free) and then
+/// settled (`Progressing=False`: every member made and past its first boot); a Lease `Bound`;
+/// a Grant `Applied` (approved by a person).
+pub fn settled(obj: &DynObject) -> Vec<Until> {
+    let phase = |p: &str| Until::JsonPath("{.status.phase}".into(), p.into());
+    match obj.kind.as_str() {
+        "Vm" | "Image" if obj.spec()["runStrategy"] == "Stopped" => vec![crate::vm::stopped()],
+        "Vm" | "Image" => vec![crate::vm::ready()],
+        "Pool" => vec![
+            crate::vm::ready(),
+            Until::Condition(
+                boxery_api::conditions::PROGRESSING.into(),
+                boxery_api::ConditionStatus::False,
+            ),
+        ],
+        "Lease" => vec![phase("Bound")],
+        "Grant" => vec![phase("Applied")],
+        _ => Vec::new(),
+    }
 }
 
 /// What [`apply`] did.
@@ -44,10 +62,22 @@ pub struct Applied {
     pub results: Vec<(ApplyAction, DynObject)>,
     /// Whether nothing was written.
     pub dry_run: bool,
-    /// The Vms and Images to wait on for Ready.
-    pub ready: Vec<ObjectRef>,
-    /// The Vms and Images applied stopped, to wait on for phase Stopped.
-    pub stopped: Vec<ObjectRef>,
+    /// What `--wait` waits for, in turn: each condition with the objects it is awaited on
+    /// ([`settled`]), stopped objects first, then in the order each condition first came.
+    pub waits: Vec<(Until, Vec<ObjectRef>)>,
+}
+
+impl Applied {
+    /// Every object waited on, once.
+    pub fn waited_on(&self) -> Vec<ObjectRef> {
+        let mut all: Vec<ObjectRef> = Vec::new();
+        for t in self.waits.iter().flat_map(|(_, ts)| ts) {
+            if !all.contains(t) {
+                all.push(t.clone());
+            }
+        }
+        all
+    }
 }
 
 impl Applied {
@@ -85,22 +115,23 @@ pub async fn apply(
     }
     let opts = ApplyOptions { dry_run, prune };
     let results = v.store().apply_all(objs, &opts).await.map_err(invalid)?;
-    let (mut ready, mut stopped) = (Vec::new(), Vec::new());
+    let mut waits: Vec<(Until, Vec<ObjectRef>)> = vec![(crate::vm::stopped(), Vec::new())];
     for (action, obj) in &results {
-        if *action == ApplyAction::Pruned || !waitable(&obj.kind) {
+        if *action == ApplyAction::Pruned {
             continue;
         }
-        if obj.spec()["runStrategy"] == "Stopped" {
-            stopped.push(ObjectRef::to(obj));
-        } else {
-            ready.push(ObjectRef::to(obj));
+        for until in settled(obj) {
+            match waits.iter_mut().find(|(u, _)| *u == until) {
+                Some((_, targets)) => targets.push(ObjectRef::to(obj)),
+                None => waits.push((until, vec![ObjectRef::to(obj)])),
+            }
         }
     }
+    waits.retain(|(_, targets)| !targets.is_empty());
     Ok(Applied {
         results,
         dry_run,
-        ready,
-        stopped,
+        waits,
     })
 }
 
