@@ -150,6 +150,40 @@ fn lifecycle_in_embedded_mode() {
         home.ok(&["describe", "vm", "dev2"])
             .contains("DiskShrinkRefused")
     );
+    // A refused spec is not converged: Ready says why, GEN stays behind; the rest of the spec
+    // (here: stop it) is still carried out, and fixing the disk converges it.
+    home.ok(&[
+        "wait",
+        "vm",
+        "dev2",
+        "--for=condition=Ready=False",
+        "--timeout=30s",
+    ]);
+    let jp = |p: &str| {
+        home.ok(&["get", "vm", "dev2", "-o", &format!("jsonpath={p}")])
+            .trim()
+            .to_string()
+    };
+    assert_eq!(
+        jp("{.status.conditions[?(@.type==\"Ready\")].reason}"),
+        "DiskShrinkRefused"
+    );
+    assert_ne!(
+        jp("{.status.observedGeneration}"),
+        jp("{.metadata.generation}")
+    );
+    home.ok(&["stop", "dev2", "--wait", "--timeout", "30s"]);
+    home.ok(&["resize", "dev2", "--disk", "10Gi"]);
+    home.ok(&["start", "dev2", "--wait", "--timeout", "30s"]);
+    assert_eq!(
+        jp("{.status.observedGeneration}"),
+        jp("{.metadata.generation}")
+    );
+    assert_eq!(
+        jp("{.status.conditions[?(@.type==\"Resized\")].status}"),
+        "",
+        "the refusal is cleared"
+    );
 
     // wait: met, not found (3), timeout (4).
     assert_eq!(

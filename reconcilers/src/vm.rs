@@ -111,8 +111,20 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         )
         .await;
     }
-    if info.size != size_of(&vm) {
-        return resize(vm, &info, ctx).await;
+    // A disk cannot shrink: that part of the spec is refused (said in a condition, and the VM
+    // is not counted as converged); the rest of it is still carried out.
+    let want = size_of(&vm);
+    let fits = VmSize {
+        disk_gib: want.disk_gib.max(info.size.disk_gib),
+        ..want
+    };
+    if want.disk_gib < info.size.disk_gib {
+        refuse_shrink(&mut vm, &info, ctx).await;
+    } else if vm.status.conditions.remove_condition(conditions::RESIZED) {
+        vm = save(ctx, &vm).await?;
+    }
+    if info.size != fits {
+        return resize(vm, fits, ctx).await;
     }
     match (vm.spec.run_strategy, info.state) {
         (RunStrategy::Running, PowerState::Stopped) => start(vm, ctx).await,
@@ -121,43 +133,38 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     }
 }
 
-/// Make the backend's size the spec's; a shrinking disk is refused with a condition.
-async fn resize(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
-    let name = vm.name().to_string();
+/// Say that the spec's disk is smaller than the VM's (a disk cannot shrink): `Resized=False`
+/// with what to do, and a warning event the first time for this generation. Saved with the
+/// step's status.
+async fn refuse_shrink(vm: &mut Vm, info: &VmInfo, ctx: &Ctx) {
     let generation = vm.metadata.generation;
-    let want = size_of(&vm);
-    if want.disk_gib < info.size.disk_gib {
-        let msg = format!(
-            "the disk cannot shrink from {}Gi to {}Gi: set spec.resources.disk to {}Gi or more",
-            info.size.disk_gib, want.disk_gib, info.size.disk_gib
-        );
-        vm.status.conditions.set_condition(
-            conditions::RESIZED,
-            ConditionStatus::False,
-            reasons::DISK_SHRINK_REFUSED,
-            &msg,
-            generation,
-        );
-        vm.status.size = Some(api_size(info.size));
-        let readiness = Readiness::Ready(reasons::RUNNING);
-        finish_status(
-            &mut vm,
-            &info.state,
-            info.ssh.clone(),
-            &readiness,
-            generation,
-        );
-        save(ctx, &vm).await?;
-        ctx.event(&vm, EventType::Warning, "DiskShrinkRefused", &msg)
+    let msg = format!(
+        "the disk cannot shrink from {}Gi to {}Gi: set spec.resources.disk to {}Gi or more",
+        info.size.disk_gib,
+        size_of(vm).disk_gib,
+        info.size.disk_gib
+    );
+    let new = vm.status.conditions.set_condition(
+        conditions::RESIZED,
+        ConditionStatus::False,
+        reasons::DISK_SHRINK_REFUSED,
+        &msg,
+        generation,
+    );
+    if new {
+        ctx.event(vm, EventType::Warning, "DiskShrinkRefused", &msg)
             .await;
-        return Ok(Action::await_change());
     }
+}
+
+/// Make the backend's size `want` (the spec's, with a disk that never shrinks).
+async fn resize(mut vm: Vm, want: VmSize, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
     ctx.backend
         .resize(&name, want)
         .await
         .map_err(|e| ReconcileError::backend("resize", format!("Vm/{name}"), e))?;
     vm.status.size = Some(api_size(want));
-    vm.status.conditions.remove_condition(conditions::RESIZED);
     ctx.event(
         &vm,
         EventType::Normal,
@@ -342,12 +349,31 @@ fn finish_status(
     vm.status
         .conditions
         .set_condition(READY, ready, reason, &msg, generation);
+    // A part of the spec the backend refused: not converged, whatever the power state. Ready
+    // says why and the observed generation stays at the last one carried out in full.
+    let refused = vm
+        .status
+        .conditions
+        .get_condition(conditions::RESIZED)
+        .filter(|c| c.status == ConditionStatus::False)
+        .map(|c| (c.reason.clone(), c.message.clone()));
     let host_key = vm.status.ssh.as_ref().and_then(|s| s.host_key.clone());
     vm.status.ssh = (ssh.is_some() || host_key.is_some()).then_some(SshStatus {
         endpoint: ssh,
         host_key,
     });
-    vm.status.observed_generation = generation;
+    match refused {
+        Some((reason, msg)) => {
+            vm.status.conditions.set_condition(
+                READY,
+                ConditionStatus::False,
+                &reason,
+                &msg,
+                generation,
+            );
+        }
+        None => vm.status.observed_generation = generation,
+    }
     vm.status.printable_status = Some(printable(vm));
 }
 
