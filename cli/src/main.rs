@@ -9,6 +9,7 @@ mod out;
 #[cfg(test)]
 mod parity;
 mod pools;
+mod service;
 mod vms;
 mod wait;
 
@@ -322,6 +323,12 @@ enum Command {
         #[arg(long, requires = "mcp_listen")]
         mcp_allow_remote: bool,
     },
+    /// Keep a control plane running (a systemd unit running `serve` for this home): install,
+    /// uninstall, status. See docs/cli.md.
+    Service {
+        #[command(subcommand)]
+        cmd: service::ServiceCmd,
+    },
     /// Serve the vm_* tools over MCP on stdin/stdout, for Claude Code, Codex, Cursor… Runs
     /// the controllers while no `boxery serve` does. See docs/mcp.md.
     Mcp {
@@ -457,8 +464,10 @@ fn init_logging(verbose: u8, serve: bool) {
 
 /// Run one command: each group of commands has a function of its own.
 async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
+    let selected = cli.backend.clone();
     let env = Env::resolve(cli.home, cli.backend)?;
     match cli.command {
+        Command::Service { cmd } => service::service(&env, selected.as_deref(), cmd).await?,
         Command::Backends => out!("{}", commands::backends_table(&env.home)),
         Command::Explain { path } => commands::explain(&path)?,
         Command::Schema { kind } => commands::schema(kind.as_deref())?,

@@ -1,0 +1,396 @@
+//! `boxery service`: keep a control plane running, so leases expire, pools reset and VMs come
+//! back after a host reboot without anyone running a command.
+//!
+//! On a host that runs systemd, `install` writes a unit that runs `boxery serve` for this home
+//! (a user unit, or a system unit when run as root or with `--system`), enables and starts it.
+//! The unit kills only `serve` when it stops (`KillMode=process`): VMs keep running across a
+//! restart of the control plane, as they do across a crash of it. On a host without systemd it
+//! says so and prints the command to run under another supervisor.
+
+use std::path::{Path, PathBuf};
+use std::process::Command as Process;
+
+use boxery_verbs::{Env, runtime};
+
+use crate::exit::{CliError, CliResult, Code};
+use crate::out::outln;
+
+/// `service` subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum ServiceCmd {
+    /// Write, enable and start a systemd unit running `boxery serve` for this home (and this
+    /// backend, when one was selected with --backend or BOXERY_BACKEND). Extra `serve`
+    /// arguments go after `--`: `boxery service install -- --mcp-listen 127.0.0.1:7380`.
+    Install {
+        #[command(flatten)]
+        scope: Scope,
+        /// Print the unit and change nothing.
+        #[arg(long)]
+        print: bool,
+        /// Arguments for `serve`.
+        #[arg(last = true, value_name = "SERVE_ARGS")]
+        serve_args: Vec<String>,
+    },
+    /// Stop and disable the unit and remove it. VMs keep running; nothing reconciles them
+    /// until a control plane runs again.
+    Uninstall {
+        #[command(flatten)]
+        scope: Scope,
+    },
+    /// Whether the unit is installed, enabled and running, and what leads the store now.
+    Status {
+        #[command(flatten)]
+        scope: Scope,
+    },
+}
+
+/// User or system unit.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Scope {
+    /// A user unit (`systemctl --user`; the default unless run as root). It starts at boot
+    /// only with lingering on: `loginctl enable-linger USER`.
+    #[arg(long, conflicts_with = "system")]
+    user: bool,
+    /// A system unit (`/etc/systemd/system`; the default as root).
+    #[arg(long)]
+    system: bool,
+}
+
+impl Scope {
+    fn system(&self) -> bool {
+        self.system || (!self.user && rustix::process::geteuid().is_root())
+    }
+}
+
+/// Where the unit lives and how systemctl is called for it.
+struct Unit {
+    name: String,
+    path: PathBuf,
+    system: bool,
+}
+
+impl Unit {
+    fn for_home(env: &Env, scope: &Scope) -> CliResult<Unit> {
+        let system = scope.system();
+        let dir = if system {
+            PathBuf::from("/etc/systemd/system")
+        } else {
+            let config = std::env::var_os("XDG_CONFIG_HOME")
+                .map(PathBuf::from)
+                .filter(|p| p.is_absolute())
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))
+                .ok_or_else(|| CliError::invalid("cannot find ~/.config: set HOME"))?;
+            config.join("systemd/user")
+        };
+        let name = unit_name(&env.home);
+        Ok(Unit {
+            path: dir.join(&name),
+            name,
+            system,
+        })
+    }
+
+    fn systemctl(&self, args: &[&str]) -> Process {
+        let mut c = Process::new("systemctl");
+        if !self.system {
+            c.arg("--user");
+        }
+        c.args(args);
+        c
+    }
+
+    /// Run systemctl; an error says the command that failed and its words.
+    fn run(&self, args: &[&str]) -> CliResult {
+        let out = self.systemctl(args).output().map_err(|e| {
+            CliError::new(
+                Code::Failed,
+                anyhow::anyhow!("cannot run systemctl: {e}"),
+            )
+        })?;
+        if out.status.success() {
+            return Ok(());
+        }
+        Err(CliError::new(
+            Code::Failed,
+            anyhow::anyhow!(
+                "`systemctl{} {}` failed: {}",
+                if self.system { "" } else { " --user" },
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        ))
+    }
+
+    /// `systemctl is-enabled`/`is-active`'s one word.
+    fn word(&self, query: &str) -> String {
+        self.systemctl(&[query, &self.name])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .ok()
+            .filter(|w| !w.is_empty())
+            .unwrap_or_else(|| "unknown".into())
+    }
+}
+
+/// `boxery.service` for the default home; `boxery-HASH.service` for another one (one unit per
+/// home, so two homes can each have a control plane).
+fn unit_name(home: &Path) -> String {
+    let default = Env::resolve(None, None).ok().map(|e| e.home);
+    if default.as_deref() == Some(home) {
+        return "boxery.service".into();
+    }
+    let h = home
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0xcbf29ce484222325u64, |h, b| {
+            (h ^ u64::from(*b)).wrapping_mul(0x100000001b3)
+        });
+    format!("boxery-{:08x}.service", h as u32)
+}
+
+/// Whether this host runs systemd (`sd_booted()`: `/run/systemd/system` exists).
+fn has_systemd() -> bool {
+    Path::new("/run/systemd/system").is_dir()
+}
+
+/// A value for a unit's `Environment=`/`ExecStart=`: quoted, with `\`, `"`, `%` and `$`
+/// escaped (systemd expands `%` specifiers and `$` variables).
+fn quoted(s: &str) -> String {
+    let mut q = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '\\' | '"' => {
+                q.push('\\');
+                q.push(c);
+            }
+            '%' => q.push_str("%%"),
+            '$' => q.push_str("$$"),
+            _ => q.push(c),
+        }
+    }
+    q.push('"');
+    q
+}
+
+/// The command that runs this home's control plane, for a person or another supervisor.
+fn command_line(exe: &Path, env: &Env, backend: Option<&str>, serve_args: &[String]) -> String {
+    let sh = |s: &str| {
+        if !s.is_empty()
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "/._-:=,@".contains(c))
+        {
+            s.to_string()
+        } else {
+            format!("'{}'", s.replace('\'', r"'\''"))
+        }
+    };
+    let mut line = format!("BOXERY_HOME={}", sh(&env.home.to_string_lossy()));
+    if let Some(b) = backend {
+        line.push_str(&format!(" BOXERY_BACKEND={}", sh(b)));
+    }
+    line.push_str(&format!(" {} serve", sh(&exe.to_string_lossy())));
+    for a in serve_args {
+        line.push(' ');
+        line.push_str(&sh(a));
+    }
+    line
+}
+
+/// The unit's text.
+fn unit_text(
+    exe: &Path,
+    env: &Env,
+    backend: Option<&str>,
+    serve_args: &[String],
+    system: bool,
+) -> String {
+    let mut exec = quoted(&exe.to_string_lossy());
+    exec.push_str(" serve");
+    for a in serve_args {
+        exec.push(' ');
+        exec.push_str(&quoted(a));
+    }
+    let mut envs = format!(
+        "Environment={}\n",
+        quoted(&format!("BOXERY_HOME={}", env.home.display()))
+    );
+    if let Some(b) = backend {
+        envs.push_str(&format!(
+            "Environment={}\n",
+            quoted(&format!("BOXERY_BACKEND={b}"))
+        ));
+    }
+    format!(
+        "# Written by `boxery service install`; `boxery service uninstall` removes it.\n\
+         [Unit]\n\
+         Description=boxery control plane for {home}\n\
+         After=network-online.target libvirtd.service\n\
+         Wants=network-online.target\n\
+         \n\
+         [Service]\n\
+         Type=simple\n\
+         {envs}\
+         ExecStart={exec}\n\
+         Restart=always\n\
+         RestartSec=2\n\
+         # Stopping the control plane leaves the VMs running, as a crash of it does.\n\
+         KillMode=process\n\
+         \n\
+         [Install]\n\
+         WantedBy={target}\n",
+        home = env.home.display(),
+        target = if system {
+            "multi-user.target"
+        } else {
+            "default.target"
+        },
+    )
+}
+
+/// Check the `serve` arguments parse, so a bad one fails now rather than in a restart loop.
+fn check_serve_args(serve_args: &[String]) -> CliResult {
+    use clap::Parser as _;
+    let argv = ["boxery", "serve"]
+        .into_iter()
+        .map(String::from)
+        .chain(serve_args.iter().cloned());
+    crate::Cli::try_parse_from(argv)
+        .map(drop)
+        .map_err(|e| {
+            let first = e.to_string();
+            let first = first.lines().next().unwrap_or("").trim_start_matches("error: ");
+            CliError::invalid(format!("serve arguments: {first} (see `boxery serve --help`)"))
+        })
+}
+
+/// Run a `service` subcommand. `backend` is the backend selected by flag or environment (the
+/// unit pins it); `None` leaves the choice to `config.yaml`.
+pub async fn service(env: &Env, backend: Option<&str>, cmd: ServiceCmd) -> CliResult {
+    match cmd {
+        ServiceCmd::Install {
+            scope,
+            print,
+            serve_args,
+        } => install(env, backend, &scope, print, &serve_args),
+        ServiceCmd::Uninstall { scope } => uninstall(env, &scope),
+        ServiceCmd::Status { scope } => status(env, &scope).await,
+    }
+}
+
+fn install(
+    env: &Env,
+    backend: Option<&str>,
+    scope: &Scope,
+    print: bool,
+    serve_args: &[String],
+) -> CliResult {
+    check_serve_args(serve_args)?;
+    let exe = std::env::current_exe()
+        .map_err(|e| CliError::new(Code::Failed, anyhow::anyhow!("cannot find boxery: {e}")))?;
+    let unit = Unit::for_home(env, scope)?;
+    let text = unit_text(&exe, env, backend, serve_args, unit.system);
+    if print {
+        crate::out::out!("{text}");
+        return Ok(());
+    }
+    if !has_systemd() {
+        outln!("{}", command_line(&exe, env, backend, serve_args));
+        return Err(CliError::new(
+            Code::Failed,
+            anyhow::anyhow!(
+                "this host does not run systemd (/run/systemd/system is missing): nothing was \
+                 installed. Run the command above (printed on stdout) under your supervisor, \
+                 restarted when it exits; `boxery service install --print` shows the systemd \
+                 unit it would have written"
+            ),
+        ));
+    }
+    if let Some(dir) = unit.path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = unit.path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, &text)?;
+    std::fs::rename(&tmp, &unit.path)?;
+    unit.run(&["daemon-reload"])?;
+    unit.run(&["enable", "--now", &unit.name])?;
+    outln!("{} installed and started ({})", unit.name, unit.path.display());
+    if !unit.system {
+        let user = std::env::var("USER").unwrap_or_default();
+        let linger = Process::new("loginctl")
+            .args(["show-user", &user, "-p", "Linger", "--value"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "yes")
+            .unwrap_or(false);
+        if !linger {
+            eprintln!(
+                "boxery: a user unit runs while you are logged in; to start it at boot: \
+                 `loginctl enable-linger {user}` (or install it with --system as root)"
+            );
+        }
+    }
+    Ok(())
+}
+
+fn uninstall(env: &Env, scope: &Scope) -> CliResult {
+    let unit = Unit::for_home(env, scope)?;
+    if !unit.path.exists() {
+        return Err(CliError::not_found(format!(
+            "no unit for this home at {} (`boxery service status` says what runs)",
+            unit.path.display()
+        )));
+    }
+    if has_systemd() {
+        unit.run(&["disable", "--now", &unit.name])?;
+    }
+    std::fs::remove_file(&unit.path)?;
+    if has_systemd() {
+        unit.run(&["daemon-reload"])?;
+    }
+    outln!(
+        "{} removed; the VMs keep running, and nothing reconciles them until a control plane \
+         runs again (`boxery serve`)",
+        unit.name
+    );
+    Ok(())
+}
+
+async fn status(env: &Env, scope: &Scope) -> CliResult {
+    let unit = Unit::for_home(env, scope)?;
+    let installed = unit.path.exists();
+    outln!(
+        "unit:          {} ({})",
+        unit.name,
+        if installed {
+            unit.path.display().to_string()
+        } else {
+            "not installed".into()
+        }
+    );
+    if !has_systemd() {
+        outln!("systemd:       not running on this host");
+    } else if installed {
+        outln!("enabled:       {}", unit.word("is-enabled"));
+        outln!("active:        {}", unit.word("is-active"));
+    }
+    let store = env.store()?;
+    let leader = store.leader(runtime::LOCK)?;
+    outln!(
+        "control plane: {}",
+        match leader {
+            Some(h) => format!("running ({h} leads the store)"),
+            None => "none: nothing reconciles this home (`boxery serve`)".into(),
+        }
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unit_values_are_quoted_against_specifiers_and_variables() {
+        assert_eq!(quoted(r#"a "b" %h $X \"#), r#""a \"b\" %%h $$X \\""#);
+    }
+}
