@@ -621,3 +621,57 @@ fn apply_wait_waits_for_a_pool_to_settle() {
         "all three members free when --wait returns"
     );
 }
+
+/// `service install --print` shows a unit that runs `serve` for this home and backend and
+/// leaves VMs running when it stops; bad `serve` arguments are refused before anything is
+/// written; `status` says what leads the store. On a host without systemd, `install` says so,
+/// prints the command for another supervisor and installs nothing.
+#[test]
+fn service_unit_and_status() {
+    let home = Home::new();
+    let unit = home.ok(&[
+        "service",
+        "install",
+        "--user",
+        "--print",
+        "--",
+        "--mcp-listen",
+        "127.0.0.1:7380",
+    ]);
+    let h = home.path().display().to_string();
+    for want in [
+        format!("Environment=\"BOXERY_HOME={h}\""),
+        "Environment=\"BOXERY_BACKEND=fake\"".to_string(),
+        " serve \"--mcp-listen\" \"127.0.0.1:7380\"".to_string(),
+        "KillMode=process".to_string(),
+        "Restart=always".to_string(),
+        "WantedBy=default.target".to_string(),
+    ] {
+        assert!(unit.contains(&want), "the unit lacks {want}:\n{unit}");
+    }
+    let bad = home.run(&["service", "install", "--print", "--", "--bogus"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("serve arguments"));
+
+    let status = home.ok(&["service", "status", "--user"]);
+    assert!(
+        status.contains("not installed") && status.contains("nothing reconciles"),
+        "{status}"
+    );
+    let serve = home.serve(&[]);
+    serve.wait_leading();
+    let status = home.ok(&["service", "status", "--user"]);
+    assert!(status.contains("leads the store"), "{status}");
+
+    if !std::path::Path::new("/run/systemd/system").is_dir() {
+        let o = home.run(&["service", "install", "--user"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains("does not run systemd"), "{err}");
+        let line = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            line.contains(&format!("BOXERY_HOME={h}")) && line.trim_end().ends_with(" serve"),
+            "{line}"
+        );
+    }
+}

@@ -719,6 +719,95 @@ fn pool_leases(kind: Kind) {
     assert!(h.leftovers().is_empty(), "left behind: {:?}", h.leftovers());
 }
 
+/// A host reboot as boxery sees it: every QEMU and `serve` killed, a new boot id, `serve`
+/// started again. A Vm with `runStrategy: Running` comes back on its own disk (a file written
+/// before is there); a lease from before the reboot is void, its holder's key no longer works,
+/// and its member is reset and free again.
+fn host_reboot(kind: Kind) {
+    let mut h = RealHome::new(kind);
+    h.env.push(("BOXERY_BOOT_ID".into(), "boot-before".into()));
+    let mut serve = h.serve();
+    let f = h.home.write(
+        "reboot.yaml",
+        &format!(
+            "{}---\napiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {{name: rb}}\nspec:\n  replicas: 1\n  template:\n    spec:\n      source: {{image: tiny}}\n      resources: {{cpus: 1, memory: 256Mi, disk: 1Gi}}\n",
+            tiny_vm("keeper")
+        ),
+    );
+    h.apply_file(&f, "10m");
+    h.run("keeper", "echo kept > ~/kept && sync");
+    h.ok(&[
+        "lease",
+        "acquire",
+        "rb",
+        "--holder",
+        "alice",
+        "--name",
+        "before",
+        "--wait",
+        "--timeout",
+        "5m",
+    ]);
+    let alice = h.home.path().join("alice_key");
+    std::fs::copy(h.home.path().join("leases/before/id_ed25519"), &alice).unwrap();
+    assert!(ssh_with_key(&h, "rb-0", &alice), "the holder's key works");
+
+    // The reboot: everything boxery started dies at once; the machine has a new boot id.
+    serve.kill();
+    let pids = h.running();
+    assert_eq!(pids.len(), 2, "two VMs ran: {pids:?}");
+    for pid in &pids {
+        let _ = std::process::Command::new("kill")
+            .args(["-9", pid])
+            .status();
+    }
+    common::eventually(Duration::from_secs(10), || {
+        h.running().is_empty().then_some(())
+    })
+    .expect("every QEMU is gone");
+    for (k, v) in h.env.iter_mut() {
+        if k == "BOXERY_BOOT_ID" {
+            *v = "boot-after".into();
+        }
+    }
+    let _serve = h.serve();
+
+    h.ok(&[
+        "wait",
+        "vm",
+        "keeper",
+        "--for=condition=Ready",
+        "--timeout=5m",
+    ]);
+    assert_eq!(
+        h.run("keeper", "cat ~/kept"),
+        "kept",
+        "back on its own disk"
+    );
+    h.ok(&[
+        "wait",
+        "lease",
+        "before",
+        "--for=jsonpath={.status.phase}=Expired",
+        "--timeout=2m",
+    ]);
+    assert!(
+        h.ok(&["describe", "lease", "before"]).contains("rebooted"),
+        "the lease says why it ended"
+    );
+    h.ok(&[
+        "wait",
+        "pool",
+        "rb",
+        "--for=jsonpath={.status.free}=1",
+        "--timeout=5m",
+    ]);
+    assert!(
+        !ssh_with_key(&h, "rb-0", &alice),
+        "the key of a lease from before the reboot no longer works"
+    );
+}
+
 /// The same tests on each real backend.
 macro_rules! on_backend {
     ($kind:expr) => {
@@ -743,6 +832,11 @@ macro_rules! on_backend {
 
 mod qemu {
     on_backend!(super::Kind::Qemu);
+
+    #[test]
+    fn host_reboot_brings_vms_back_and_voids_leases() {
+        super::host_reboot(super::Kind::Qemu)
+    }
 }
 
 #[cfg(feature = "libvirt")]

@@ -224,6 +224,10 @@ pub struct VmStatus {
     /// The size the backend has now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size: Option<Size>,
+    /// The host's boot id when the control plane last saw the VM: a `Ready` from another boot
+    /// (the host rebooted since) is void until a control plane looks again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_id: Option<String>,
     /// How to reach the VM's sshd.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ssh: Option<SshStatus>,

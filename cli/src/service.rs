@@ -102,10 +102,7 @@ impl Unit {
     /// Run systemctl; an error says the command that failed and its words.
     fn run(&self, args: &[&str]) -> CliResult {
         let out = self.systemctl(args).output().map_err(|e| {
-            CliError::new(
-                Code::Failed,
-                anyhow::anyhow!("cannot run systemctl: {e}"),
-            )
+            CliError::new(Code::Failed, anyhow::anyhow!("cannot run systemctl: {e}"))
         })?;
         if out.status.success() {
             return Ok(());
@@ -255,13 +252,17 @@ fn check_serve_args(serve_args: &[String]) -> CliResult {
         .into_iter()
         .map(String::from)
         .chain(serve_args.iter().cloned());
-    crate::Cli::try_parse_from(argv)
-        .map(drop)
-        .map_err(|e| {
-            let first = e.to_string();
-            let first = first.lines().next().unwrap_or("").trim_start_matches("error: ");
-            CliError::invalid(format!("serve arguments: {first} (see `boxery serve --help`)"))
-        })
+    crate::Cli::try_parse_from(argv).map(drop).map_err(|e| {
+        let first = e.to_string();
+        let first = first
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim_start_matches("error: ");
+        CliError::invalid(format!(
+            "serve arguments: {first} (see `boxery serve --help`)"
+        ))
+    })
 }
 
 /// Run a `service` subcommand. `backend` is the backend selected by flag or environment (the
@@ -309,12 +310,18 @@ fn install(
     if let Some(dir) = unit.path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let tmp = unit.path.with_extension(format!("tmp{}", std::process::id()));
+    let tmp = unit
+        .path
+        .with_extension(format!("tmp{}", std::process::id()));
     std::fs::write(&tmp, &text)?;
     std::fs::rename(&tmp, &unit.path)?;
     unit.run(&["daemon-reload"])?;
     unit.run(&["enable", "--now", &unit.name])?;
-    outln!("{} installed and started ({})", unit.name, unit.path.display());
+    outln!(
+        "{} installed and started ({})",
+        unit.name,
+        unit.path.display()
+    );
     if !unit.system {
         let user = std::env::var("USER").unwrap_or_default();
         let linger = Process::new("loginctl")

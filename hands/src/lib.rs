@@ -113,6 +113,22 @@ pub fn not_ready(v: &Vm, voice: Voice) -> Option<HandsError> {
     let vm = v.metadata.name.as_str();
     // A VM being deleted still answers: the CLI reaches it until it is gone, a tool does not.
     let deleting = voice == Voice::Tool && v.metadata.is_deleting();
+    // Seen running on a boot before the host's last reboot: not running now, whatever it says.
+    let rebooted = v
+        .status
+        .boot_id
+        .as_deref()
+        .is_some_and(|b| b != boxery_store::boot_id());
+    if rebooted && !deleting {
+        return Some(HandsError::NotReady(format!(
+            "VM {vm} has not been seen since the host rebooted: a control plane brings it back \
+             (runStrategy: Running); {}",
+            match voice {
+                Voice::Cli => format!("wait with `boxery wait vm {vm} --for=condition=Ready`"),
+                Voice::Tool => format!("wait with vm_wait {{kind: vm, name: {vm}}}"),
+            }
+        )));
+    }
     if Target::of(v).is_some() && !deleting {
         return None;
     }

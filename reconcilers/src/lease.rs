@@ -37,12 +37,7 @@ type Result<T, E = ReconcileError> = std::result::Result<T, E>;
 
 /// The host's boot id (`BOXERY_BOOT_ID` overrides it, for tests that simulate a reboot).
 pub fn boot_id() -> String {
-    std::env::var("BOXERY_BOOT_ID")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok())
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
+    boxery_store::boot_id()
 }
 
 /// The token store: `$BOXERY_HOME/tokens/<vm>` holds `<lease uid> <token>` (0600) while a

@@ -357,6 +357,7 @@ fn finish_status(
         .get_condition(conditions::RESIZED)
         .filter(|c| c.status == ConditionStatus::False)
         .map(|c| (c.reason.clone(), c.message.clone()));
+    vm.status.boot_id = Some(boxery_store::boot_id());
     let host_key = vm.status.ssh.as_ref().and_then(|s| s.host_key.clone());
     vm.status.ssh = (ssh.is_some() || host_key.is_some()).then_some(SshStatus {
         endpoint: ssh,

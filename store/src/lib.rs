@@ -49,6 +49,7 @@ use std::time::Duration;
 use boxery_api::{DynObject, Resource, Selector};
 use rusqlite::{Connection, OptionalExtension};
 
+pub use crate::leader::boot_id;
 pub use crate::object_store::{ObjectRef, ObjectStore, ObjectStoreExt, WatchStream};
 use crate::schema::connect;
 use crate::write::Tx;

@@ -95,7 +95,11 @@ fn ready(o: &Value) -> String {
         .iter()
         .find(|c| c["type"] == "Ready")
         .map(|c| {
-            let stale = generation.is_some() && c["observedGeneration"].as_i64() < generation;
+            // Computed for an older spec, or on a boot before the host's last reboot.
+            let stale = (generation.is_some() && c["observedGeneration"].as_i64() < generation)
+                || ptr(o, "/status/bootId")
+                    .as_str()
+                    .is_some_and(|b| b != boxery_store::boot_id());
             match (c["status"].as_str(), stale) {
                 (Some("True"), false) => "True".to_string(),
                 (Some(st), true) => format!("{st} (stale)"),

@@ -7,6 +7,7 @@
 
 use std::time::{Duration, Instant};
 
+use boxery_api::conditions::READY;
 use boxery_api::{ConditionStatus, DynObject};
 use futures::StreamExt;
 use serde_json::Value;
@@ -94,6 +95,14 @@ impl std::str::FromStr for Until {
     }
 }
 
+/// Whether a Vm was last seen on another boot of this host (its `status.bootId`).
+pub fn rebooted_since(obj: &DynObject) -> bool {
+    obj.kind == "Vm"
+        && obj.status()["bootId"]
+            .as_str()
+            .is_some_and(|b| b != boxery_store::boot_id())
+}
+
 /// Whether `obj` (None = gone) satisfies `until`.
 pub fn holds(until: &Until, obj: Option<&DynObject>) -> Result<bool> {
     let Some(obj) = obj else {
@@ -101,6 +110,8 @@ pub fn holds(until: &Until, obj: Option<&DynObject>) -> Result<bool> {
     };
     Ok(match until {
         Until::Deleted => false,
+        // A Ready seen before the host rebooted is void until a control plane looks again.
+        Until::Condition(t, _) if t == READY && rebooted_since(obj) => false,
         Until::Condition(t, want) => {
             let generation = obj.metadata.generation;
             obj.status()["conditions"].as_array().is_some_and(|cs| {
