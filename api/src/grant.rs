@@ -18,7 +18,7 @@ impl_resource!(
         singular: "grant",
         short_names: &["grant"],
         dotted_names: false,
-        description: "A credential route for one VM or lease (llm, http, env, file, github), applied after a person approves it.",
+        description: "A credential route for one VM or lease (llm, http, env, file, github), applied after a person approves it. Not implemented yet: the store refuses Grants until the credential proxy lands (issue 13).",
     },
     normalize = normalize_grant
 );

@@ -262,7 +262,7 @@ pub fn tools() -> &'static [Tool] {
         vec![
             tool(
                 "vm_apply",
-                "Create or update objects (Vm, Image, Pool, Lease) from a YAML or JSON manifest, validated exactly as `boxery apply` validates it; all or nothing. Waits (bounded) until Vms and Images are Ready and returns their state. A Vm needs at least: apiVersion: boxery.dev/v1alpha1, kind: Vm, metadata.name, spec.source.image (e.g. debian-12 or tiny).",
+                "Create or update objects (Vm, Image, Pool, Lease) from a YAML or JSON manifest, validated exactly as `boxery apply` validates it; all or nothing. Waits (bounded) until what it applied has settled (Vms and Images Ready, Pools with every member made, Leases Bound) and returns their state; with wait: false it says when no control plane runs. A Vm needs at least: apiVersion: boxery.dev/v1alpha1, kind: Vm, metadata.name, spec.source.image (e.g. debian-12 or tiny).",
                 rw,
                 CliSide::Commands(&["apply"]),
                 lifecycle::apply,
