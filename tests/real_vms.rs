@@ -784,6 +784,11 @@ fn host_reboot(kind: Kind) {
         "kept",
         "back on its own disk"
     );
+    let said = h.ok(&["describe", "vm", "keeper"]);
+    assert!(
+        said.contains("StartedAfterReboot") && !said.contains("Restarted"),
+        "the event says the host rebooted, not that the VM stopped on its own:\n{said}"
+    );
     h.ok(&[
         "wait",
         "lease",

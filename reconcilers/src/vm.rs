@@ -183,7 +183,13 @@ async fn resize(mut vm: Vm, want: VmSize, ctx: &Ctx) -> Result<Action> {
 /// power-off in the guest, its hypervisor exited or crashed) gets a `Restarted` warning.
 async fn start(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     let name = vm.name().to_string();
-    let on_its_own = vm.status.phase == VmPhase::Running;
+    // Last seen on a boot before the host's last reboot: it did not stop on its own.
+    let rebooted = vm
+        .status
+        .boot_id
+        .as_deref()
+        .is_some_and(|b| b != boxery_store::boot_id());
+    let on_its_own = vm.status.phase == VmPhase::Running && !rebooted;
     // Read before the start, which begins a new log.
     let last_words = if on_its_own {
         ctx.backend.last_exit(&name).await
@@ -203,6 +209,14 @@ async fn start(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
             msg.push_str(&format!("; the hypervisor's last words: {w}"));
         }
         ctx.event(&vm, EventType::Warning, "Restarted", &msg).await;
+    } else if rebooted {
+        ctx.event(
+            &vm,
+            EventType::Normal,
+            "StartedAfterReboot",
+            "the host rebooted; the VM was started again on its own disk, as runStrategy is Running",
+        )
+        .await;
     } else {
         ctx.event(&vm, EventType::Normal, "Started", "the VM was started")
             .await;
