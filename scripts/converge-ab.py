@@ -2,9 +2,9 @@
 """Diagnostic A/B for convergence: `scripts/converge-ab.py BOXERY_BINARY N`.
 
 Runs `boxery serve` on the fake backend in a temporary home, applies N Vms at once, polls
-the store until every Vm is Ready, prints the time and the number of log rows per kind and
-change type (how many writes convergence took). Run it with two binaries, interleaved, to
-compare them in one session (docs/benchmarks.md)."""
+the store until every Vm is Ready, prints the time, `serve`'s RSS 3 s later (idle), and the
+number of log rows per kind and change type (how many writes convergence took). Run it with
+two binaries, interleaved, to compare them in one session (docs/benchmarks.md)."""
 import json, os, sqlite3, subprocess, sys, tempfile, time
 
 B, N = sys.argv[1], int(sys.argv[2])
@@ -30,6 +30,10 @@ try:
         time.sleep(0.05)
     t1 = time.time()
     print(f"converge {t1-t0:.2f} s")
+    time.sleep(3)
+    with open(f"/proc/{sp.pid}/status") as st:
+        rss = next(int(l.split()[1]) for l in st if l.startswith("VmRSS:"))
+    print(f"idle rss {rss / 1024:.1f} MiB")
     for row in db.execute("select kind,type,count(*) from log group by kind,type"): print(row)
 finally:
     sp.kill(); sp.wait()

@@ -195,7 +195,7 @@ impl<R: Resource> Controller<R> {
 
     /// [`Controller::watches`] with a metadata-only cache ([`Cache::metadata_only`]): the
     /// mapper sees each object's metadata (name, labels, ownerReferences, …) but not its
-    /// `spec` or `status`. A control plane then holds one full copy of each object (in the
+    /// annotations, `spec` or `status`. A control plane then holds one full copy of each object (in the
     /// cache of the controller whose kind it is) however many controllers watch its kind.
     pub fn watches_metadata<O: Resource>(
         mut self,
@@ -414,19 +414,19 @@ where
         let kind = R::INFO.kind;
         // A trigger may come before the first list: wait for it rather than call the key gone.
         self.cache.wait_ready().await;
-        let Some(dyn_obj) = self.cache.get(&key) else {
+        // Parsed straight from the cached text into the kind's type.
+        let Some((rv, typed)) = self.cache.get_as::<R>(&key) else {
             tracing::debug!("gone; nothing to reconcile");
             self.with_key(&key, |s| *s = KeyState::default());
             return None;
         };
-        tracing::debug!(resource_version = ?dyn_obj.metadata.resource_version, "reconciling");
-        let rv = dyn_obj.metadata.rv();
+        tracing::debug!(resource_version = rv, "reconciling");
         if self.with_key(&key, |s| s.terminal_at == Some(rv)) {
             tracing::debug!("failed terminally at this resourceVersion; waiting for a change");
             return None;
         }
         self.with_key(&key, |s| s.terminal_at = None);
-        let obj: Arc<R> = match dyn_obj.to_typed() {
+        let obj: Arc<R> = match typed {
             Ok(o) => Arc::new(o),
             Err(e) => {
                 tracing::error!(error = %e, "the stored object does not read as a {kind}; waiting for a change");

@@ -11,6 +11,10 @@
 //!   the reflector lists again and emits exactly the differences: objects whose
 //!   resourceVersion changed, and objects that vanished (as deletions of the cached copy).
 //!   Repeated failures back off exponentially; the first `TooOld` relists at once.
+//! - A full cache keeps each object as its JSON text (one allocation, a fraction of a parsed
+//!   tree's memory) and parses it when read: [`Cache::get`] and [`Cache::list`] return fresh
+//!   parsed copies, [`Cache::get_as`] parses straight into a typed object. A metadata-only
+//!   cache keeps each object's metadata parsed, without its annotations.
 //! - The cache never goes back in time for an object: a copy put in by [`Cache::observe`]
 //!   (a write of this process, see [`crate::write_through`]) is replaced only by a newer one,
 //!   and an object [`Cache::observe_removed`] took out stays out until a newer revision of
@@ -28,9 +32,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
-use boxery_api::{DynObject, Selector};
+use boxery_api::{DynObject, ObjectMeta, Selector};
 use boxery_store::{ObjectStore, StoreError, WatchEvent};
 use futures::StreamExt;
+use serde::de::DeserializeOwned;
 use tokio::sync::{mpsc, watch};
 
 use crate::backoff::Backoff;
@@ -60,9 +65,44 @@ impl Change {
     }
 }
 
+/// One cached object: its revision, and the object as JSON text (full caches) or as parsed
+/// metadata (metadata-only caches).
+#[derive(Debug, Clone)]
+struct Entry {
+    rv: u64,
+    held: Held,
+}
+
+#[derive(Debug, Clone)]
+enum Held {
+    Json(Arc<str>),
+    Meta(Arc<DynObject>),
+}
+
+impl Entry {
+    /// The object, parsed (a metadata-only entry is shared, not copied).
+    fn object(&self) -> Option<Arc<DynObject>> {
+        match &self.held {
+            Held::Meta(o) => Some(o.clone()),
+            Held::Json(j) => parse(j).map(Arc::new),
+        }
+    }
+}
+
+/// Parse a cached object's text, which this cache wrote from a `DynObject`: it reads back.
+fn parse<T: serde::de::DeserializeOwned>(json: &str) -> Option<T> {
+    match serde_json::from_str(json) {
+        Ok(o) => Some(o),
+        Err(e) => {
+            tracing::error!(error = %e, "a cached object does not read back");
+            None
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct CacheState {
-    objects: HashMap<String, Arc<DynObject>>,
+    objects: HashMap<String, Entry>,
     /// Objects taken out by [`Cache::observe_removed`] before the watch said so: name → the
     /// revision of their removal. Older events of those names are ignored.
     removed: HashMap<String, u64>,
@@ -71,9 +111,7 @@ struct CacheState {
 impl CacheState {
     /// Whether what is known of `name` is at `rev` or newer (so an event at `rev` is old).
     fn newer_than(&self, name: &str, rev: u64) -> bool {
-        self.objects
-            .get(name)
-            .is_some_and(|o| o.metadata.rv() > rev)
+        self.objects.get(name).is_some_and(|o| o.rv > rev)
             || self.removed.get(name).is_some_and(|r| *r > rev)
     }
 }
@@ -98,9 +136,10 @@ impl Cache {
         }
     }
 
-    /// An empty cache for `kind` that keeps only each object's metadata (its `spec`, `status`
-    /// and other fields are dropped on the way in): for kinds a controller watches only to map
-    /// changes to keys by name, labels or ownerReferences, at a fraction of the memory.
+    /// An empty cache for `kind` that keeps only each object's metadata, without its
+    /// annotations (its `spec`, `status`, other fields and annotations are dropped on the way
+    /// in, from the changes it emits too): for kinds a controller watches only to map changes
+    /// to keys by name, labels or ownerReferences, at a fraction of the memory.
     pub fn metadata_only(kind: &str) -> Self {
         Cache {
             metadata_only: true,
@@ -108,11 +147,58 @@ impl Cache {
         }
     }
 
-    fn admit(&self, mut obj: DynObject) -> DynObject {
+    /// The entry this cache keeps for `obj`: its text, or its metadata without annotations.
+    fn admit(&self, obj: &DynObject) -> Entry {
+        let rv = obj.metadata.rv();
         if self.metadata_only {
-            obj.rest = Default::default();
+            return Entry {
+                rv,
+                held: Held::Meta(Arc::new(DynObject {
+                    api_version: obj.api_version.clone(),
+                    kind: obj.kind.clone(),
+                    metadata: ObjectMeta {
+                        annotations: Default::default(),
+                        ..obj.metadata.clone()
+                    },
+                    rest: Default::default(),
+                })),
+            };
         }
-        obj
+        let json = match serde_json::to_string(obj) {
+            Ok(j) => j,
+            // A DynObject always serializes (string keys, JSON values); keep the metadata if
+            // it ever did not.
+            Err(e) => {
+                tracing::error!(error = %e, name = obj.metadata.name, "an object does not serialize");
+                return Entry {
+                    rv,
+                    held: Held::Meta(Arc::new(DynObject {
+                        rest: Default::default(),
+                        ..obj.clone()
+                    })),
+                };
+            }
+        };
+        Entry {
+            rv,
+            held: Held::Json(json.into()),
+        }
+    }
+
+    /// The object as a change carries it: as admitted (metadata only, for those caches).
+    fn as_admitted(&self, obj: DynObject) -> Arc<DynObject> {
+        if self.metadata_only {
+            Arc::new(DynObject {
+                metadata: ObjectMeta {
+                    annotations: Default::default(),
+                    ..obj.metadata
+                },
+                rest: Default::default(),
+                ..obj
+            })
+        } else {
+            Arc::new(obj)
+        }
     }
 
     /// The kind it holds.
@@ -120,14 +206,45 @@ impl Cache {
         &self.kind
     }
 
-    /// One object by name.
+    /// One object by name (a copy parsed from the cached text).
     pub fn get(&self, name: &str) -> Option<Arc<DynObject>> {
-        self.read().objects.get(name).cloned()
+        let entry = self.read().objects.get(name).cloned()?;
+        entry.object()
     }
 
-    /// Every object (in no particular order).
+    /// One object by name, parsed as `R`, with its revision: `Err` when it does not read as
+    /// one. Cheaper than [`Cache::get`] and a conversion.
+    pub fn get_as<R: DeserializeOwned>(
+        &self,
+        name: &str,
+    ) -> Option<(u64, Result<R, serde_json::Error>)> {
+        let entry = self.read().objects.get(name).cloned()?;
+        let typed = match &entry.held {
+            Held::Json(j) => serde_json::from_str(j),
+            Held::Meta(o) => serde_json::to_value(&**o).and_then(serde_json::from_value),
+        };
+        Some((entry.rv, typed))
+    }
+
+    /// Every object (in no particular order), parsed.
     pub fn list(&self) -> Vec<Arc<DynObject>> {
-        self.read().objects.values().cloned().collect()
+        let entries: Vec<Entry> = self.read().objects.values().cloned().collect();
+        entries.iter().filter_map(Entry::object).collect()
+    }
+
+    /// Every object (in no particular order) that reads as `R`, parsed straight from the
+    /// cached text.
+    pub fn list_as<R: DeserializeOwned>(&self) -> Vec<R> {
+        let entries: Vec<Entry> = self.read().objects.values().cloned().collect();
+        entries
+            .iter()
+            .filter_map(|e| match &e.held {
+                Held::Json(j) => serde_json::from_str(j).ok(),
+                Held::Meta(o) => serde_json::to_value(&**o)
+                    .and_then(serde_json::from_value)
+                    .ok(),
+            })
+            .collect()
     }
 
     /// Every name, sorted.
@@ -180,10 +297,9 @@ impl Cache {
         if state.newer_than(name, rev.saturating_sub(1)) {
             return;
         }
+        let entry = self.admit(obj);
         state.removed.remove(name);
-        state
-            .objects
-            .insert(name.clone(), Arc::new(self.admit(obj.clone())));
+        state.objects.insert(name.clone(), entry);
     }
 
     /// Take out an object a write of this process removed (`obj` as removed, carrying the
@@ -216,36 +332,37 @@ impl Cache {
                     continue;
                 }
                 let before = old.remove(&name);
-                if let Some(b) = before.as_ref().filter(|b| b.metadata.rv() > rev) {
+                if let Some(b) = before.as_ref().filter(|b| b.rv > rev) {
                     state.objects.insert(name, b.clone());
                     continue;
                 }
-                let new = Arc::new(self.admit(obj));
                 let same = before.as_ref().is_some_and(|b| {
-                    b.metadata.resource_version.is_some()
-                        && b.metadata.resource_version == new.metadata.resource_version
+                    obj.metadata.resource_version.is_some() && b.rv == obj.metadata.rv()
                 });
                 if same {
-                    state.objects.insert(name, before.unwrap_or(new));
+                    if let Some(b) = before {
+                        state.objects.insert(name, b);
+                    }
                 } else {
-                    state.objects.insert(name, new.clone());
+                    state.objects.insert(name, self.admit(&obj));
                     changes.push(Change {
-                        old: before,
-                        new: Some(new),
+                        old: before.and_then(|b| b.object()),
+                        new: Some(self.as_admitted(obj)),
                     });
                 }
             }
             // Written since the list by this process: still there.
-            let (kept, mut gone): (Vec<_>, Vec<_>) =
-                old.into_values().partition(|o| o.metadata.rv() > rev);
-            for o in kept {
-                state.objects.insert(o.metadata.name.clone(), o);
+            let (kept, mut gone): (Vec<_>, Vec<_>) = old.into_iter().partition(|(_, o)| o.rv > rev);
+            for (name, o) in kept {
+                state.objects.insert(name, o);
             }
             state.removed = removed.into_iter().filter(|(_, r)| *r > rev).collect();
-            gone.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
-            changes.extend(gone.into_iter().map(|o| Change {
-                old: Some(o),
-                new: None,
+            gone.sort_by(|a, b| a.0.cmp(&b.0));
+            changes.extend(gone.into_iter().filter_map(|(_, o)| {
+                Some(Change {
+                    old: Some(o.object()?),
+                    new: None,
+                })
             }));
         }
         self.ready.send_replace(true);
@@ -256,36 +373,46 @@ impl Cache {
     /// the cache already has of that name (observed from a write of this process) leaves the
     /// cache as it is; the change then shows the cached object as both old and new.
     pub(crate) fn apply(&self, rev: u64, event: WatchEvent) -> Change {
-        let mut state = self.write();
         let name = match &event {
             WatchEvent::Added(o) | WatchEvent::Modified(o) | WatchEvent::Deleted(o) => {
                 o.metadata.name.clone()
             }
         };
-        if state.newer_than(&name, rev) {
-            let cached = state.objects.get(&name).cloned();
-            return Change {
-                old: cached.clone(),
-                new: cached,
-            };
-        }
-        state.removed.remove(&name);
+        // The text is made outside the lock.
+        let entry = match &event {
+            WatchEvent::Added(o) | WatchEvent::Modified(o) => Some(self.admit(o)),
+            WatchEvent::Deleted(_) => None,
+        };
+        let before = {
+            let mut state = self.write();
+            if state.newer_than(&name, rev) {
+                let cached = state.objects.get(&name).cloned();
+                drop(state);
+                let cached = cached.and_then(|c| c.object());
+                return Change {
+                    old: cached.clone(),
+                    new: cached,
+                };
+            }
+            state.removed.remove(&name);
+            match entry {
+                Some(e) => state.objects.insert(name, e),
+                None => state.objects.remove(&name),
+            }
+        };
         match event {
-            WatchEvent::Added(obj) | WatchEvent::Modified(obj) => {
-                let new = Arc::new(self.admit(obj));
-                let old = state.objects.insert(name, new.clone());
-                Change {
-                    old,
-                    new: Some(new),
-                }
-            }
-            WatchEvent::Deleted(obj) => {
-                let cached = state.objects.remove(&name);
-                Change {
-                    old: Some(cached.unwrap_or_else(|| Arc::new(self.admit(obj)))),
-                    new: None,
-                }
-            }
+            WatchEvent::Added(obj) | WatchEvent::Modified(obj) => Change {
+                old: before.and_then(|b| b.object()),
+                new: Some(self.as_admitted(obj)),
+            },
+            WatchEvent::Deleted(obj) => Change {
+                old: Some(
+                    before
+                        .and_then(|b| b.object())
+                        .unwrap_or_else(|| self.as_admitted(obj)),
+                ),
+                new: None,
+            },
         }
     }
 }
@@ -623,6 +750,39 @@ pub(crate) mod tests {
         assert_eq!(next(&mut rx).await, ("b".into(), true, false));
         assert_eq!(cache.names(), ["a"]);
         task.abort();
+    }
+
+    #[test]
+    fn full_caches_read_back_what_went_in_and_metadata_caches_keep_less() {
+        let src = FakeSource::new();
+        let mut a = obj("Vm", "a");
+        a.metadata.annotations.insert("note".into(), "kept".into());
+        a.metadata.labels.insert("app".into(), "x".into());
+        let a = src.put(a);
+        let full = Cache::new("Vm");
+        let meta = Cache::metadata_only("Vm");
+        for c in [&full, &meta] {
+            c.replace(vec![a.clone()], a.metadata.rv());
+        }
+        // Full: the object as stored, parsed again on every read, typed or not.
+        assert_eq!(*full.get("a").unwrap(), a);
+        assert_eq!(full.list(), [Arc::new(a.clone())]);
+        let (rv, vm) = full.get_as::<boxery_api::Vm>("a").unwrap();
+        assert_eq!(rv, a.metadata.rv());
+        assert_eq!(vm.unwrap().metadata, a.metadata);
+        assert_eq!(full.list_as::<boxery_api::Vm>().len(), 1);
+        // Metadata only: no spec, no annotations; labels and the revision stay.
+        let m = meta.get("a").unwrap();
+        assert!(m.rest.is_empty() && m.metadata.annotations.is_empty());
+        assert_eq!(m.metadata.labels, a.metadata.labels);
+        assert_eq!(m.metadata.rv(), a.metadata.rv());
+        // A change carries the objects as the cache keeps them.
+        let b = src.put(a.clone());
+        let change = meta.apply(b.metadata.rv(), WatchEvent::Modified(b.clone()));
+        assert!(change.new.unwrap().metadata.annotations.is_empty());
+        let change = full.apply(b.metadata.rv(), WatchEvent::Modified(b.clone()));
+        assert_eq!(*change.old.unwrap(), a);
+        assert_eq!(*change.new.unwrap(), b);
     }
 
     #[tokio::test(start_paused = true)]

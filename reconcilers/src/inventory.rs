@@ -18,9 +18,7 @@
 //!   orphan (objects are written before their backend VM exists).
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use boxery_api::DynObject;
 use boxery_controller::Cache;
 
 use boxery_api::conditions::{self, READY, reasons};
@@ -58,12 +56,18 @@ pub struct Report {
 }
 
 /// The objects an inventory pass compares with the backend: the controllers' caches in a
-/// running control plane (no copies), or a fresh list from the store.
+/// running control plane. A pass reads them one at a time (parsed from the cached text when
+/// it needs one), so it never holds a typed copy of every object at once; objects that do not
+/// read as their kind are left out.
 pub trait Objects {
-    /// Every Vm.
-    fn vms(&self) -> Vec<Arc<DynObject>>;
-    /// Every Image.
-    fn images(&self) -> Vec<Arc<DynObject>>;
+    /// Every Vm's name.
+    fn vm_names(&self) -> Vec<String>;
+    /// One Vm.
+    fn vm(&self, name: &str) -> Option<Vm>;
+    /// Every Image's name.
+    fn image_names(&self) -> Vec<String>;
+    /// One Image.
+    fn image(&self, name: &str) -> Option<Image>;
 }
 
 /// The controllers' caches.
@@ -76,11 +80,17 @@ pub struct Caches {
 }
 
 impl Objects for Caches {
-    fn vms(&self) -> Vec<Arc<DynObject>> {
-        self.vms.list()
+    fn vm_names(&self) -> Vec<String> {
+        self.vms.names()
     }
-    fn images(&self) -> Vec<Arc<DynObject>> {
-        self.images.list()
+    fn vm(&self, name: &str) -> Option<Vm> {
+        self.vms.get_as(name).and_then(|(_, vm)| vm.ok())
+    }
+    fn image_names(&self) -> Vec<String> {
+        self.images.names()
+    }
+    fn image(&self, name: &str) -> Option<Image> {
+        self.images.get_as(name).and_then(|(_, img)| img.ok())
     }
 }
 
@@ -98,43 +108,33 @@ pub async fn pass(ctx: &Ctx, objects: &impl Objects) -> Result<Report, Reconcile
         }
     };
     report.reachable = true;
-    let vms: HashMap<String, Vm> = typed(objects.vms());
-    let images: HashMap<String, Image> = typed(objects.images());
-
     // Backend → store: orphans.
     for info in &backend_vms {
-        orphan_vm(ctx, info, vms.get(&info.name), &mut report).await?;
+        let owner = objects.vm(&info.name);
+        orphan_vm(ctx, info, owner.as_ref(), &mut report).await?;
     }
     for info in &backend_images {
-        orphan_image(ctx, info, images.get(&info.name), &mut report).await?;
+        let owner = objects.image(&info.name);
+        orphan_image(ctx, info, owner.as_ref(), &mut report).await?;
     }
     // Store → backend: lost things, stopped ones, and reachability restored.
     let present: HashMap<&str, &VmInfo> =
         backend_vms.iter().map(|v| (v.name.as_str(), v)).collect();
-    for vm in vms.values() {
-        check_vm(
-            ctx,
-            vm,
-            present.get(vm.metadata.name.as_str()).copied(),
-            &mut report,
-        )
-        .await?;
+    for name in objects.vm_names() {
+        let Some(vm) = objects.vm(&name) else {
+            continue;
+        };
+        check_vm(ctx, &vm, present.get(name.as_str()).copied(), &mut report).await?;
     }
-    for img in images.values() {
-        if !backend_images.iter().any(|i| i.name == img.metadata.name) {
-            lost_image(ctx, img, &mut report).await?;
+    for name in objects.image_names() {
+        if backend_images.iter().any(|i| i.name == name) {
+            continue;
+        }
+        if let Some(img) = objects.image(&name) {
+            lost_image(ctx, &img, &mut report).await?;
         }
     }
     Ok(report)
-}
-
-/// Objects by name, typed (those that do not read as `R` are skipped).
-fn typed<R: boxery_api::Resource>(objects: Vec<Arc<DynObject>>) -> HashMap<String, R> {
-    objects
-        .iter()
-        .filter_map(|o| o.to_typed::<R>().ok())
-        .map(|o| (o.meta().name.clone(), o))
-        .collect()
 }
 
 /// Whether a backend thing marked `mark` belongs to the object `owner` of its name.

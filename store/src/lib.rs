@@ -62,6 +62,30 @@ pub(crate) const TOMBSTONED_KINDS: [&str; 2] = ["Vm", "Image"];
 /// Annotation holding the manifest last applied (for `diff` and `--prune`).
 pub const LAST_APPLIED: &str = "boxery.dev/last-applied";
 
+/// The text each `key=value` requirement of `selector` needs in a stored object's JSON:
+/// `"key":"value"`, as `serde_json::to_string` (the one writer of the `objects` rows) writes
+/// a label. A row without it cannot match, so `list` skips it before parsing; a row with it
+/// may still not match (the pair could sit elsewhere in the object), so the selector is
+/// checked on the parsed labels as before. Listing one object's Events among thousands (the
+/// event recorder does it on every new Event) reads the matching rows only.
+fn label_needles(selector: &Selector) -> Result<Vec<String>> {
+    selector
+        .0
+        .iter()
+        .filter_map(|r| match r {
+            boxery_api::selector::Requirement::Eq(k, v) => Some((k, v)),
+            _ => None,
+        })
+        .map(|(k, v)| {
+            Ok(format!(
+                "{}:{}",
+                serde_json::to_string(k)?,
+                serde_json::to_string(v)?
+            ))
+        })
+        .collect()
+}
+
 /// Store errors.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -357,6 +381,13 @@ impl Default for StoreOptions {
 /// Readers kept open for reuse.
 const MAX_IDLE_READERS: usize = 8;
 
+/// The page cache of each reader, in KiB (the writer keeps `schema::connect`'s 512). Up to
+/// eight readers stay open; their reads are an object by key, the recent rows of the log, or a
+/// whole kind (more than any cache of this size holds), all served from the OS page cache
+/// when not from this one. 128 KiB each keeps about 3 MiB off an idle `serve`
+/// (docs/benchmarks.md, issue 12).
+const READER_CACHE_KIB: i64 = 128;
+
 /// What every clone of a [`Store`] shares.
 pub(crate) struct Inner {
     path: PathBuf,
@@ -382,7 +413,11 @@ impl Inner {
         let idle = lock(&self.readers).pop();
         let mut conn = match idle {
             Some(c) => c,
-            None => connect(&self.path, self.busy_timeout)?,
+            None => {
+                let c = connect(&self.path, self.busy_timeout)?;
+                c.pragma_update(None, "cache_size", -READER_CACHE_KIB)?;
+                c
+            }
         };
         let out = f(&mut conn);
         if !conn.is_autocommit() {
@@ -575,9 +610,20 @@ impl Store {
             let rev = schema::meta(&tx, "revision")?;
             let mut out = Vec::new();
             {
-                let mut stmt =
-                    tx.prepare_cached("SELECT json FROM objects WHERE kind = ?1 ORDER BY name")?;
-                let mut rows = stmt.query([kind])?;
+                // Rows that cannot match are skipped before they are parsed: a `key=value`
+                // requirement needs its pair in the row's text (see `label_needles`).
+                let needles = label_needles(selector)?;
+                let mut sql = String::from("SELECT json FROM objects WHERE kind = ?1");
+                for i in 0..needles.len() {
+                    sql.push_str(&format!(" AND instr(json, ?{}) > 0", i + 2));
+                }
+                sql.push_str(" ORDER BY name");
+                let mut stmt = tx.prepare_cached(&sql)?;
+                let params: Vec<&dyn rusqlite::ToSql> =
+                    std::iter::once(&kind as &dyn rusqlite::ToSql)
+                        .chain(needles.iter().map(|n| n as &dyn rusqlite::ToSql))
+                        .collect();
+                let mut rows = stmt.query(params.as_slice())?;
                 while let Some(r) = rows.next()? {
                     let obj: DynObject = serde_json::from_str(
                         r.get_ref(0)?.as_str().map_err(rusqlite::Error::from)?,
@@ -795,5 +841,40 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    #[test]
+    fn list_by_label_skips_rows_without_the_pair_and_checks_the_rest() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(&d.path().join("s.db")).unwrap();
+        let with = |name: &str, labels: serde_json::Value, annotations: serde_json::Value| {
+            let mut o = vm(name);
+            o.metadata.labels = serde_json::from_value(labels).unwrap();
+            o.metadata.annotations = serde_json::from_value(annotations).unwrap();
+            s.create(o).unwrap();
+        };
+        with(
+            "a",
+            serde_json::json!({"app": "x", "t": "v.1"}),
+            serde_json::json!({}),
+        );
+        with("b", serde_json::json!({"app": "y"}), serde_json::json!({}));
+        // The pair's text is in the object, but not among its labels.
+        with("c", serde_json::json!({}), serde_json::json!({"app": "x"}));
+        with("d", serde_json::json!({"app": "x"}), serde_json::json!({}));
+        let names = |sel: &str| -> Vec<String> {
+            let sel: Selector = sel.parse().unwrap();
+            s.list("Vm", &sel)
+                .unwrap()
+                .0
+                .into_iter()
+                .map(|o| o.metadata.name)
+                .collect()
+        };
+        assert_eq!(names("app=x"), ["a", "d"]);
+        assert_eq!(names("app=x,t=v.1"), ["a"]);
+        assert_eq!(names("app!=x"), ["b", "c"]);
+        assert_eq!(names("app in (y)"), ["b"]);
+        assert_eq!(names(""), ["a", "b", "c", "d"]);
     }
 }
