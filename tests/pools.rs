@@ -850,3 +850,75 @@ fn scale_down_removes_free_members_and_leased_ones_after_their_lease() {
         .count();
     assert_eq!(owned, 2, "no VM of the pool left outside it");
 }
+
+/// A pool stored before per-member records (its member table in `status.members`) is moved
+/// to records by the first reconcile: a lease bound before the upgrade stays bound on the
+/// same member, the free member stays free, and both keep working.
+#[test]
+fn a_member_table_from_before_moves_to_records() {
+    let home = Home::new();
+    let mut serve = home.serve(&[]);
+    make_pool(&home, "old", 2);
+    home.ok(&[
+        "lease",
+        "acquire",
+        "old",
+        "--holder",
+        "me",
+        "--name",
+        "kept",
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    serve.kill();
+    // Rewrite the store as an older boxery left it: the table in the pool, no records.
+    let store = home.store();
+    let before = members(&home, "old");
+    assert_eq!(before.len(), 2);
+    let mut p: Pool = store.get_as("old").unwrap().unwrap();
+    p.status.members = before.clone();
+    store.update_status_as(&p).unwrap();
+    for m in &before {
+        store.delete("PoolMember", &m.name).unwrap();
+    }
+    assert!(members(&home, "old").is_empty());
+
+    let _serve = home.serve(&[]);
+    common::eventually(Duration::from_secs(30), || {
+        let p: Pool = home.store().get_as("old").unwrap()?;
+        (p.status.members.is_empty() && members(&home, "old").len() == 2).then_some(())
+    })
+    .expect("the table is moved to records");
+    let after = members(&home, "old");
+    let held = after
+        .iter()
+        .find(|m| m.lease.as_deref() == Some("kept"))
+        .unwrap();
+    let was = before.iter().find(|m| m.name == held.name).unwrap();
+    assert_eq!(held.state, MemberState::Leased);
+    assert_eq!(held.generation, was.generation, "the fence is kept");
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(lease_phase(&home, "kept"), LeasePhase::Bound);
+    check(&home, "old").unwrap();
+    // Both members work after the move.
+    home.ok(&[
+        "lease",
+        "acquire",
+        "old",
+        "--holder",
+        "me",
+        "--name",
+        "new",
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    check(&home, "old").unwrap();
+    home.ok(&["lease", "release", "kept", "--wait"]);
+    common::eventually(Duration::from_secs(30), || {
+        let p: Pool = home.store().get_as("old").unwrap()?;
+        (p.status.free == 1 && p.status.leased == 1).then_some(())
+    })
+    .expect("the released member is free again");
+}
