@@ -347,7 +347,6 @@ fn failing_reset_marks_broken_and_bad_requests() {
     })
     .expect("the member is Broken");
     fake.clear_faults().unwrap();
-    let p: Pool = home.store().get_as("b").unwrap().unwrap();
     let m = members(&home, "b")
         .into_iter()
         .find(|m| m.name == vm)
@@ -467,7 +466,6 @@ fn template_change_replaces_free_members_and_leased_ones_after_release() {
     assert!(most_replacing <= 1, "at most one member replaced at a time");
     // Still leased, still the same VM, a while later.
     std::thread::sleep(Duration::from_secs(2));
-    let p: Pool = home.store().get_as("u").unwrap().unwrap();
     let m = members(&home, "u")
         .into_iter()
         .find(|m| m.name == held)
