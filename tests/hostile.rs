@@ -571,12 +571,12 @@ fn pools_never_share_a_vm_or_take_a_persons_vm() {
     );
     home.ok(&["apply", "-f", pc.to_str().unwrap()]);
     let msg = common::eventually(Duration::from_secs(30), || {
-        let p = pool_status(&home, "pc");
-        p.status
-            .members
-            .iter()
-            .find(|m| m.name == "pc-0" && m.message.contains("did not make"))
-            .map(|m| m.message.clone())
+        // Each member's record (a PoolMember named after its VM) carries its message.
+        home.store()
+            .get_as::<boxery_api::pool::PoolMember>("pc-0")
+            .unwrap()
+            .filter(|m| m.spec.pool == "pc" && m.status.message.contains("did not make"))
+            .map(|m| m.status.message)
     })
     .expect("pc's member waits with a reason");
     assert!(msg.contains("never taken over"), "{msg}");

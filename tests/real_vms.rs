@@ -712,7 +712,7 @@ fn pool_leases(kind: Kind) {
     );
     h.ok(&["lease", "release", "lb", "--wait"]);
     h.ok(&["delete", "pool", "rp", "--wait", "--timeout", "3m"]);
-    // the pool's members go with it (cascade), each through its own finalizer
+    // the pool waits for its members to leave (its finalizer), each VM through its own
     h.ok(&["wait", "vm", "rp-0", "--for=delete", "--timeout=3m"]);
     h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
     assert!(h.running().is_empty());

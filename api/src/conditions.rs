@@ -79,6 +79,8 @@ pub mod reasons {
     pub const MEMBERS_PENDING: &str = "MembersPending";
     /// A pool is replacing members made from an older template.
     pub const MEMBERS_REPLACING: &str = "MembersReplacing";
+    /// A pool has members leaving (scaled down, or the pool being deleted).
+    pub const MEMBERS_REMOVING: &str = "MembersRemoving";
     /// A pool has no member being made.
     pub const SETTLED: &str = "Settled";
     /// No member's VM is in the way.
@@ -99,4 +101,10 @@ pub mod reasons {
     pub const HOST_REBOOTED: &str = "HostRebooted";
     /// An expired lease cannot be renewed.
     pub const RENEW_REFUSED: &str = "RenewRefused";
+    /// A lease's VM is gone (or its member left the pool): the lease ended (`Lost`).
+    pub const VM_LOST: &str = "VmLost";
+    /// A lease was ended because its VM or pool was deleted with `--force`.
+    pub const FORCE_DELETED: &str = "ForceDeleted";
+    /// A lease is waiting for a pool whose member table is being moved to `PoolMember`s.
+    pub const POOL_UPGRADING: &str = "PoolUpgrading";
 }

@@ -103,6 +103,19 @@ pub enum LeasePhase {
     Expired,
     /// Released by its holder.
     Released,
+    /// Ended because its VM is gone (deleted, with `--force`, or with its pool): the lease
+    /// holds nothing. Release it and acquire a new one.
+    Lost,
+}
+
+impl LeasePhase {
+    /// Whether the lease has ended (it holds no member and cannot be renewed).
+    pub fn ended(self) -> bool {
+        matches!(
+            self,
+            LeasePhase::Expired | LeasePhase::Released | LeasePhase::Lost
+        )
+    }
 }
 
 /// The observed state of a lease.

@@ -1,6 +1,7 @@
-//! boxery's API: the object kinds (`Vm`, `Image`, `Pool`, `Lease`, `Grant`, `Event`), their
-//! Kubernetes-style metadata, JSON Schemas generated from the Rust types, validation of every
-//! write, label selectors, and the YAML/JSON codec for manifests. No I/O lives here.
+//! boxery's API: the object kinds (`Vm`, `Image`, `Pool`, `PoolMember`, `Lease`, `Grant`,
+//! `Event`), their Kubernetes-style metadata, JSON Schemas generated from the Rust types,
+//! validation of every write, label selectors, and the YAML/JSON codec for manifests. No I/O
+//! lives here.
 
 pub mod codec;
 pub mod conditions;
@@ -23,7 +24,7 @@ pub use image::{Image, ImagePhase, ImageSource};
 pub use lease::Lease;
 pub use meta::{Condition, ConditionStatus, Conditions, ObjectMeta, OwnerReference, Time, now};
 pub use name::{InvalidName, Name};
-pub use pool::Pool;
+pub use pool::{Pool, PoolMember};
 pub use quantity::Quantity;
 pub use resource::{API_VERSION, DynObject, KindInfo, Resource};
 pub use selector::Selector;

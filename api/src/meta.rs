@@ -95,8 +95,10 @@ pub mod finalizers {
     pub const IMAGE: &str = "boxery.dev/image";
     /// A Lease's: its member is handed back to the pool and reset.
     pub const LEASE: &str = "boxery.dev/lease";
+    /// A Pool's: its members leave first (leased ones when their lease ends).
+    pub const POOL: &str = "boxery.dev/pool";
     /// All of them.
-    pub const ALL: [&str; 3] = [VM, IMAGE, LEASE];
+    pub const ALL: [&str; 4] = [VM, IMAGE, LEASE, POOL];
 }
 
 /// A reference from an owned object to its owner.

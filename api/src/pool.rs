@@ -1,5 +1,6 @@
-//! `Pool`: a set of VMs that agents lease. Types and schema only; the reconciler is
-//! `boxery_reconcilers::pool`.
+//! `Pool`: a set of VMs that agents lease, and `PoolMember`: one member's record (its state
+//! and the fence a lease holds on it). Types and schema only; the reconcilers are
+//! `boxery_reconcilers::pool` and `boxery_reconcilers::lease`.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -149,14 +150,18 @@ pub struct PoolStatus {
     /// Members made from the current template (adopted members are not counted).
     #[serde(default)]
     pub updated: u32,
-    /// Bumped whenever a member leaves and rejoins (lease fencing).
+    /// Members leaving the pool (scaled down, the pool deleted): their VMs are being deleted.
+    #[serde(default)]
+    pub removing: u32,
+    /// Bumped whenever a member leaves (lease fencing).
     #[serde(default)]
     pub epoch: u64,
     /// Observations (`Ready`, `Progressing`, `Degraded`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
-    /// One row per member: the table leases are claimed from. A claim is one update of this
-    /// status with a resourceVersion precondition, so concurrent claims have one winner.
+    /// The member table of pools stored before per-member records: moved into one
+    /// `PoolMember` per member by the first reconcile of this version, then empty. Members
+    /// are `PoolMember` objects now (`boxery get poolmembers -l boxery.dev/pool=NAME`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub members: Vec<MemberStatus>,
 }
@@ -180,9 +185,13 @@ pub enum MemberState {
     /// Made from an older template: being deleted and made again from the current one
     /// (`updateStrategy: ReplaceWhenFree`), then clean-imaged and freed.
     Replacing,
+    /// Leaving the pool (scaled down, the pool or the VM deleted): a template member's VM and
+    /// clean image are being deleted; an adopted member's VM is left, unlabelled.
+    Removing,
 }
 
-/// One member of a pool.
+/// One row of a pool's member table as stored before per-member records (`status.members`
+/// of an older Pool): read once, to make its `PoolMember`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MemberStatus {
@@ -222,4 +231,100 @@ pub(crate) fn unimplemented(pool: &Pool) -> Vec<crate::validate::FieldError> {
         errs.extend(crate::vm::unimplemented(&t.spec, "spec.template.spec."));
     }
     errs
+}
+
+resource!(
+    /// One member of a pool: where it stands and which lease holds it. One small object per
+    /// member, so that a claim and a fence check read and write one member, never the pool.
+    PoolMember, PoolMemberSpec, PoolMemberStatus
+);
+impl_resource!(
+    PoolMember,
+    KindInfo {
+        kind: "PoolMember",
+        plural: "poolmembers",
+        singular: "poolmember",
+        short_names: &["member", "pm"],
+        dotted_names: false,
+        description: "One member of a pool (named after its VM): its state and the lease holding it. Written by boxery's pool and lease controllers: read it, do not write it.",
+    },
+    normalize = normalize_member
+);
+
+fn normalize_member(m: &mut PoolMember) -> Result<(), Vec<crate::validate::FieldError>> {
+    match crate::name::check_label_name(&m.spec.pool) {
+        Ok(()) => Ok(()),
+        Err(e) => Err(vec![crate::validate::FieldError::new("spec.pool", e)]),
+    }
+}
+
+/// What a member is: the pool it belongs to and how it joined.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolMemberSpec {
+    /// The pool.
+    pub pool: String,
+    /// Whether the pool made its VM from its template (else the VM was adopted).
+    #[serde(default)]
+    pub created: bool,
+}
+
+/// Where a member stands. Every change is one `update_status` of this object with a
+/// resourceVersion precondition: of a claim, a reset, a replacement and a removal racing on
+/// one member exactly one lands.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolMemberStatus {
+    /// Its state.
+    #[serde(default)]
+    pub state: MemberState,
+    /// Bumped on every state change: the fence a lease holds.
+    #[serde(default)]
+    pub generation: u64,
+    /// The lease holding it (name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<String>,
+    /// The lease holding it (uid): a new lease with the same name is not the holder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_uid: Option<String>,
+    /// The template it was made from (a hash; template members only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// When its current reset was asked for (the Vm's `spec.restore.requestedAt`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reset_requested_at: Option<crate::meta::Time>,
+    /// Why it is Broken, Pending or Removing.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+}
+
+impl MemberStatus {
+    /// This row as a member's status.
+    pub fn record(&self) -> PoolMemberStatus {
+        PoolMemberStatus {
+            state: self.state,
+            generation: self.generation,
+            lease: self.lease.clone(),
+            lease_uid: self.lease_uid.clone(),
+            template: self.template.clone(),
+            reset_requested_at: self.reset_requested_at,
+            message: self.message.clone(),
+        }
+    }
+
+    /// The row of a member record.
+    pub fn of(m: &PoolMember) -> MemberStatus {
+        let s = &m.status;
+        MemberStatus {
+            name: m.metadata.name.clone(),
+            state: s.state,
+            generation: s.generation,
+            lease: s.lease.clone(),
+            lease_uid: s.lease_uid.clone(),
+            created: m.spec.created,
+            template: s.template.clone(),
+            reset_requested_at: s.reset_requested_at,
+            message: s.message.clone(),
+        }
+    }
 }

@@ -8,6 +8,7 @@ use std::sync::OnceLock;
 
 use serde_json::Value;
 
+use crate::pool::PoolMember;
 use crate::resource::{API_VERSION, DynObject, KindInfo, Resource};
 use crate::{Event, Grant, Image, Lease, Pool, Vm};
 
@@ -106,10 +107,11 @@ impl fmt::Display for ValidationError {
 }
 
 /// Every kind, in the order `boxery get` lists them.
-pub const KINDS: [KindInfo; 6] = [
+pub const KINDS: [KindInfo; 7] = [
     Vm::INFO,
     Image::INFO,
     Pool::INFO,
+    PoolMember::INFO,
     Lease::INFO,
     Grant::INFO,
     Event::INFO,
@@ -132,6 +134,7 @@ pub fn schema_of(kind: &str) -> Option<Value> {
         "Vm" => schemars::schema_for!(Vm),
         "Image" => schemars::schema_for!(Image),
         "Pool" => schemars::schema_for!(Pool),
+        "PoolMember" => schemars::schema_for!(PoolMember),
         "Lease" => schemars::schema_for!(Lease),
         "Grant" => schemars::schema_for!(Grant),
         "Event" => schemars::schema_for!(Event),
@@ -285,6 +288,7 @@ pub fn normalize(value: Value) -> Result<DynObject, ValidationError> {
         "Vm" => normalize_typed::<Vm>(value, &label),
         "Image" => normalize_typed::<Image>(value, &label),
         "Pool" => normalize_typed::<Pool>(value, &label),
+        "PoolMember" => normalize_typed::<PoolMember>(value, &label),
         "Lease" => normalize_typed::<Lease>(value, &label),
         "Grant" => normalize_typed::<Grant>(value, &label),
         "Event" => normalize_typed::<Event>(value, &label),

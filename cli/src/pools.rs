@@ -111,15 +111,36 @@ pub async fn pool(v: &Verbs, cmd: PoolCmd) -> CliResult {
                 let s = &p.status;
                 let safe = boxery_verbs::render::safe;
                 outln!(
-                    "{}: {} members, {} free, {} leased, {} resetting, {} broken",
+                    "{}: {} members, {} free, {} leased, {} resetting, {} broken{}",
                     safe(&p.metadata.name),
                     s.replicas,
                     s.free,
                     s.leased,
                     s.resetting,
-                    s.broken
+                    s.broken,
+                    if s.removing > 0 {
+                        format!(", {} leaving", s.removing)
+                    } else {
+                        String::new()
+                    }
                 );
-                for m in &s.members {
+                let selector = format!(
+                    "{}={}",
+                    boxery_reconcilers::pool::POOL_LABEL,
+                    p.metadata.name
+                )
+                .parse()
+                .expect("a valid selector");
+                let members: Vec<boxery_api::pool::MemberStatus> = v
+                    .store()
+                    .list_as::<boxery_api::pool::PoolMember>(&selector)
+                    .await?
+                    .iter()
+                    .filter(|m| m.spec.pool == p.metadata.name)
+                    .map(boxery_api::pool::MemberStatus::of)
+                    .chain(s.members.iter().cloned())
+                    .collect();
+                for m in &members {
                     let lease = m
                         .lease
                         .as_deref()

@@ -54,6 +54,7 @@ pub struct Ctx {
     /// The ssh files, when the backend's VMs run sshd.
     pub ssh: Option<crate::ssh::SshDir>,
     writes: Arc<WriteThrough>,
+    pool_caches: std::sync::OnceLock<crate::pool::Caches>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     reported: Mutex<std::collections::HashSet<String>>,
 }
@@ -114,6 +115,7 @@ impl Ctx {
             holder,
             settings,
             ssh,
+            pool_caches: std::sync::OnceLock::new(),
             locks: Mutex::new(HashMap::new()),
             reported: Mutex::new(Default::default()),
         }
@@ -130,6 +132,16 @@ impl Ctx {
     /// controller reconciling from `cache` reads its own writes.
     pub fn read_own_writes(&self, cache: Cache) {
         self.writes.register(cache);
+    }
+
+    /// Give the pool and lease reconcilers the caches they read (once; `runtime::run` does).
+    pub fn keep_pool_caches(&self, caches: crate::pool::Caches) {
+        let _ = self.pool_caches.set(caches);
+    }
+
+    /// The caches of member records and leases, when the runtime keeps them.
+    pub fn pool_caches(&self) -> Option<&crate::pool::Caches> {
+        self.pool_caches.get()
     }
 
     /// Record an event about `obj`.

@@ -2,29 +2,38 @@
 //! token, expires, renews, and hands the member back for a reset when the lease ends.
 //!
 //! # Guarantees
-//! - A claim is one update of the Pool's status with a resourceVersion precondition: of
-//!   concurrent claims on one member exactly one wins; the others retry on another member.
-//! - Fencing: the lease records the member's generation and the pool's epoch when it claims.
-//!   It moves the member on (Acquiring → Leased, → Resetting) only while the member still
-//!   carries its uid and that generation, so a stale reconcile never acts on a newer lease.
+//! - A claim is one update of the member's own record (`PoolMember`) with a resourceVersion
+//!   precondition: of concurrent claims on one member exactly one wins; the others go on to
+//!   another member. Claims on a pool are made in batches, oldest waiting lease first.
+//! - Fencing: the lease records the member's generation and the pool's epoch when it binds.
+//!   It moves the member on (Acquiring → Leased, → Resetting) only while the member's record
+//!   still carries its uid (and, from Acquiring, that generation), so a stale reconcile never
+//!   acts on a newer lease.
+//! - A bound lease whose VM is gone, or whose member no longer carries it, becomes `Lost`
+//!   (Warning event `VmLost`): a lease never stays `Bound` on nothing.
 //! - Before `Bound`: a fresh token is written into the guest (and recorded, 0600, in
 //!   `$BOXERY_HOME/tokens/<vm>`), then `authorized_keys` is set to the control plane's key
 //!   plus the holder's key only.
-//! - Every end (delete = release, expiry, host reboot) puts the member in `Resetting`, which
-//!   revokes the token first. An expired lease cannot be renewed. Deadlines are tied to the
-//!   host's boot id: after a reboot every lease is void.
+//! - Every end (delete = release, expiry, host reboot, lost, [`end_now`] from outside) puts
+//!   the member in `Resetting`, which revokes the token first. An ended lease cannot be
+//!   renewed. Deadlines are tied to the host's boot id: after a reboot every lease is void.
+//! - Ending a lease from outside: set its status phase to an ended one (`Expired`, `Lost`)
+//!   with a `Ready=False` condition saying why (`update_status`), or call [`end_now`], which
+//!   does that and lets the member go at once. The next reconcile of an ended lease lets its
+//!   member go if it still holds it ([`ended`]): token revoked, member reset (its VM reimaged
+//!   from the clean image, which drops the holder's key).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use boxery_api::conditions::{self, READY, reasons};
 use boxery_api::lease::LeasePhase;
-use boxery_api::pool::MemberState;
+use boxery_api::pool::{MemberState, MemberStatus, PoolMember};
 use boxery_api::{ConditionStatus, Conditions, EventType, Lease, Pool, Resource, Time, now};
 use boxery_controller::{Action, FinalizerEvent, finalizer};
 use boxery_store::StoreError;
 
-use boxery_store::ObjectStoreExt;
+use boxery_store::{ObjectRef, ObjectStoreExt};
 
 use crate::context::Ctx;
 use crate::error::ReconcileError;
@@ -91,53 +100,111 @@ fn duration(l: &Lease) -> chrono::Duration {
     chrono::Duration::milliseconds(l.spec.lease_duration_seconds as i64 * ms)
 }
 
-/// Change one member of `pool_name` with a resourceVersion precondition, if `check` holds.
-/// Returns the member's new generation, or `None` when the check failed (fenced out).
+/// Change member `member`'s record with its resourceVersion as the precondition, if `check`
+/// holds. Returns the member's new generation, or `None` when the check failed (fenced out)
+/// or the member is gone.
 async fn edit_member(
     ctx: &Ctx,
-    pool_name: &str,
     member: &str,
-    check: impl Fn(&boxery_api::pool::MemberStatus) -> bool,
-    change: impl Fn(&mut boxery_api::pool::MemberStatus),
+    check: impl Fn(&MemberStatus) -> bool,
+    change: impl Fn(&mut MemberStatus),
 ) -> Result<Option<u64>> {
     for _ in 0..50 {
-        let Some(mut pool) = ctx.store.get_as::<Pool>(pool_name).await? else {
+        let Some(mut rec) = ctx.store.get_as::<PoolMember>(member).await? else {
             return Ok(None);
         };
-        let Some(m) = pool.status.members.iter_mut().find(|m| m.name == member) else {
-            return Ok(None);
-        };
-        if !check(m) {
+        let mut row = MemberStatus::of(&rec);
+        if !check(&row) {
             return Ok(None);
         }
-        change(m);
-        let g = m.generation;
-        match ctx.store.update_status_as(&pool).await {
+        change(&mut row);
+        let g = row.generation;
+        rec.status = row.record();
+        match ctx.store.update_status_as(&rec).await {
             Ok(_) => return Ok(Some(g)),
             Err(StoreError::Conflict { .. }) => continue,
+            Err(StoreError::NotFound { .. }) => return Ok(None),
             Err(e) => return Err(e.into()),
         }
     }
     Err(StoreError::Conflict {
-        kind: "Pool".into(),
-        name: pool_name.into(),
+        kind: "PoolMember".into(),
+        name: member.into(),
         expected: "?".into(),
         actual: "?".into(),
     }
     .into())
 }
 
-/// End a lease's hold on its member: reset it, if the member is still this lease's.
+/// The member lease `uid` claimed in pool `pool`, if any (a claim made by a batch, or before a
+/// crash): found in the member cache (or the store), confirmed against the store.
+async fn find_claim(ctx: &Ctx, pool: &str, uid: &str) -> Result<Option<PoolMember>> {
+    let name = match ctx.pool_caches().filter(|c| c.members.is_ready()) {
+        Some(c) => c
+            .members
+            .list()
+            .iter()
+            .find(|o| {
+                o.status()["leaseUid"].as_str() == Some(uid)
+                    && o.spec()["pool"].as_str() == Some(pool)
+            })
+            .map(|o| o.metadata.name.clone()),
+        None => members(ctx, pool)
+            .await?
+            .into_iter()
+            .find(|m| m.status.lease_uid.as_deref() == Some(uid))
+            .map(|m| m.metadata.name),
+    };
+    let Some(name) = name else { return Ok(None) };
+    Ok(ctx
+        .store
+        .get_as::<PoolMember>(&name)
+        .await?
+        .filter(|m| m.status.lease_uid.as_deref() == Some(uid) && m.spec.pool == pool))
+}
+
+/// The member records of pool `pool` (the cache when kept, else the store).
+async fn members(ctx: &Ctx, pool: &str) -> Result<Vec<PoolMember>> {
+    if let Some(c) = ctx.pool_caches().filter(|c| c.members.is_ready()) {
+        return Ok(c
+            .members
+            .list()
+            .iter()
+            .filter(|o| o.spec()["pool"].as_str() == Some(pool))
+            .filter_map(|o| o.to_typed().ok())
+            .collect());
+    }
+    let selector = format!("{}={pool}", crate::pool::POOL_LABEL)
+        .parse()
+        .expect("a valid selector");
+    Ok(ctx
+        .store
+        .list_as::<PoolMember>(&selector)
+        .await?
+        .into_iter()
+        .filter(|m| m.spec.pool == pool)
+        .collect())
+}
+
+/// End a lease's hold on its member: revoke its token and reset the member, if the member is
+/// still this lease's (fenced: its record carries the lease's uid and is held).
 async fn let_go(ctx: &Ctx, l: &Lease, why: &str) -> Result<()> {
-    let (Some(vm), Some(uid)) = (&l.status.vm, &l.metadata.uid) else {
+    let Some(uid) = &l.metadata.uid else {
         return Ok(());
     };
-    revoke_token(ctx, vm, uid);
-    let mine = |m: &boxery_api::pool::MemberStatus| {
+    let vm = match &l.status.vm {
+        Some(vm) => vm.clone(),
+        None => match find_claim(ctx, &l.spec.pool, uid).await? {
+            Some(m) => m.metadata.name,
+            None => return Ok(()),
+        },
+    };
+    revoke_token(ctx, &vm, uid);
+    let mine = |m: &MemberStatus| {
         m.lease_uid.as_deref() == Some(uid.as_str())
             && matches!(m.state, MemberState::Acquiring | MemberState::Leased)
     };
-    edit_member(ctx, &l.spec.pool, vm, mine, |m| start_reset(m, why)).await?;
+    edit_member(ctx, &vm, mine, |m| start_reset(m, why)).await?;
     Ok(())
 }
 
@@ -175,8 +242,8 @@ async fn release(l: &Lease, ctx: &Ctx) -> Result<Action> {
     Ok(Action::await_change())
 }
 
-/// One step, by phase: claim a member, keep a bound lease (renewals, expiry, reboots), or
-/// refuse to renew an ended one.
+/// One step, by phase: claim a member, keep a bound lease (renewals, expiry, reboots, a VM
+/// gone), or finish an ended one.
 async fn step(l: Lease, ctx: &Ctx) -> Result<Action> {
     match l.status.phase {
         LeasePhase::Pending => {
@@ -184,11 +251,12 @@ async fn step(l: Lease, ctx: &Ctx) -> Result<Action> {
             acquire(l, ctx, &uid).await
         }
         LeasePhase::Bound => bound(l, ctx).await,
-        LeasePhase::Expired | LeasePhase::Released => ended(l, ctx).await,
+        LeasePhase::Expired | LeasePhase::Released | LeasePhase::Lost => ended(l, ctx).await,
     }
 }
 
-/// Bound: void after a host reboot; renewals extend it; it ends when it runs out.
+/// Bound: void after a host reboot; lost when its VM or member is gone; renewals extend it;
+/// it ends when it runs out.
 async fn bound(mut l: Lease, ctx: &Ctx) -> Result<Action> {
     let generation = l.metadata.generation;
     if l.status.boot_id.as_deref().is_some_and(|b| b != boot_id()) {
@@ -199,6 +267,9 @@ async fn bound(mut l: Lease, ctx: &Ctx) -> Result<Action> {
             "the host rebooted: every lease is void after a reboot",
         )
         .await;
+    }
+    if let Some(why) = gone(ctx, &l).await? {
+        return lost(l, ctx, &why).await;
     }
     // Renewals extend it; an expired lease cannot be renewed (below).
     if let Some(r) = l.spec.renew_time
@@ -227,9 +298,58 @@ async fn bound(mut l: Lease, ctx: &Ctx) -> Result<Action> {
     ))
 }
 
-/// Expired or released: a renewal asked for after the end is refused, once.
+/// Why a bound lease holds nothing any more, if it does not: its VM is gone, or its member no
+/// longer carries it (it left the pool, or was taken back). A pool whose member table is
+/// still being moved to records is not judged.
+async fn gone(ctx: &Ctx, l: &Lease) -> Result<Option<String>> {
+    let (Some(vm), Some(uid)) = (&l.status.vm, &l.metadata.uid) else {
+        return Ok(Some("the lease records no VM".into()));
+    };
+    let rec = ctx.store.get_as::<PoolMember>(vm).await?;
+    let mine = rec.as_ref().is_some_and(|m| {
+        m.status.lease_uid.as_deref() == Some(uid.as_str())
+            && matches!(m.status.state, MemberState::Acquiring | MemberState::Leased)
+    });
+    if !mine {
+        if rec.is_none()
+            && ctx
+                .store
+                .get_as::<Pool>(&l.spec.pool)
+                .await?
+                .is_some_and(|p| !p.status.members.is_empty())
+        {
+            return Ok(None);
+        }
+        return Ok(Some(format!(
+            "{vm} is no longer held by this lease (it left pool {})",
+            l.spec.pool
+        )));
+    }
+    if ctx
+        .store
+        .get(&ObjectRef::of::<boxery_api::Vm>(vm.as_str()))
+        .await?
+        .is_none()
+    {
+        return Ok(Some(format!("VM {vm} is gone")));
+    }
+    Ok(None)
+}
+
+/// Ended (expired, released, lost): the member is let go (again: a no-op once it is), and a
+/// renewal asked for after the end is refused, once. A lease ended from outside (its status
+/// set to `Expired` or `Lost` by another part of boxery) ends here: token revoked, member
+/// reset.
 async fn ended(mut l: Lease, ctx: &Ctx) -> Result<Action> {
     let generation = l.metadata.generation;
+    let why = l
+        .status
+        .conditions
+        .get_condition(READY)
+        .map(|c| c.message.clone())
+        .filter(|m| !m.is_empty())
+        .unwrap_or_else(|| "its lease ended".into());
+    let_go(ctx, &l, &why).await?;
     if let (Some(r), Some(e)) = (l.spec.renew_time, l.status.expire_time)
         && r > e
     {
@@ -250,16 +370,123 @@ async fn ended(mut l: Lease, ctx: &Ctx) -> Result<Action> {
     Ok(Action::await_change())
 }
 
-async fn end(mut l: Lease, ctx: &Ctx, reason: &str, msg: &str) -> Result<Action> {
+async fn end(l: Lease, ctx: &Ctx, reason: &str, msg: &str) -> Result<Action> {
+    finish(l, ctx, LeasePhase::Expired, EventType::Normal, reason, msg).await
+}
+
+/// A bound lease whose VM or member is gone: `Lost`, with a Warning event.
+async fn lost(l: Lease, ctx: &Ctx, msg: &str) -> Result<Action> {
+    let msg = format!("{msg}: the lease holds nothing; release it and acquire a new one");
+    finish(
+        l,
+        ctx,
+        LeasePhase::Lost,
+        EventType::Warning,
+        reasons::VM_LOST,
+        &msg,
+    )
+    .await
+}
+
+async fn finish(
+    mut l: Lease,
+    ctx: &Ctx,
+    phase: LeasePhase,
+    type_: EventType,
+    reason: &str,
+    msg: &str,
+) -> Result<Action> {
     let generation = l.metadata.generation;
     let_go(ctx, &l, msg).await?;
-    l.status.phase = LeasePhase::Expired;
+    l.status.phase = phase;
     l.status
         .conditions
         .set_condition(READY, ConditionStatus::False, reason, msg, generation);
     let l = save(ctx, &l).await?;
-    ctx.event(&l, EventType::Normal, reason, msg).await;
+    ctx.event(&l, type_, reason, msg).await;
     Ok(Action::await_change())
+}
+
+/// End lease `name` now, from outside the lease controller (`delete --force` of its VM or
+/// pool; a caller that decided the lease is void): its status becomes `phase` (an ended one)
+/// with `Ready=False` `reason`/`message` (resourceVersion precondition, re-read on a
+/// conflict), its token is revoked and its member moved to Resetting (fenced), and an event
+/// says why. A lease already ended is left as it is. Works with no controller running; the
+/// Lease reconciler finishes the same way if it runs first (see [`ended`]).
+pub async fn end_now(
+    store: &dyn boxery_store::ObjectStore,
+    home: &std::path::Path,
+    recorder: &boxery_controller::Recorder,
+    name: &str,
+    phase: LeasePhase,
+    reason: &str,
+    message: &str,
+) -> Result<bool> {
+    debug_assert!(phase.ended());
+    for _ in 0..20 {
+        let Some(mut l) = store.get_as::<Lease>(name).await? else {
+            return Ok(false);
+        };
+        if l.status.phase.ended() {
+            return Ok(false);
+        }
+        let generation = l.metadata.generation;
+        l.status.phase = phase;
+        l.status.conditions.set_condition(
+            READY,
+            ConditionStatus::False,
+            reason,
+            message,
+            generation,
+        );
+        let l = match store.update_status_as(&l).await {
+            Ok(l) => l,
+            Err(StoreError::Conflict { .. }) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        if let (Some(vm), Some(uid)) = (&l.status.vm, &l.metadata.uid) {
+            let f = home.join("tokens").join(vm);
+            if std::fs::read_to_string(&f)
+                .is_ok_and(|s| s.split_whitespace().next() == Some(uid.as_str()))
+            {
+                let _ = std::fs::remove_file(&f);
+            }
+            for _ in 0..20 {
+                let Some(mut rec) = store.get_as::<PoolMember>(vm).await? else {
+                    break;
+                };
+                let mut row = MemberStatus::of(&rec);
+                if row.lease_uid.as_deref() != Some(uid.as_str())
+                    || !matches!(row.state, MemberState::Acquiring | MemberState::Leased)
+                {
+                    break;
+                }
+                start_reset(&mut row, message);
+                rec.status = row.record();
+                match store.update_status_as(&rec).await {
+                    Ok(_) | Err(StoreError::NotFound { .. }) => break,
+                    Err(StoreError::Conflict { .. }) => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        recorder
+            .publish(
+                &boxery_controller::events::involved(&l),
+                EventType::Warning,
+                reason,
+                message,
+            )
+            .await;
+        return Ok(true);
+    }
+    Err(StoreError::Conflict {
+        kind: "Lease".into(),
+        name: name.into(),
+        expected: "?".into(),
+        actual: "?".into(),
+    }
+    .into())
 }
 
 async fn waiting(
@@ -282,6 +509,14 @@ async fn waiting(
         .unwrap_or_else(Action::await_change))
 }
 
+fn token_error(l: &Lease, e: std::io::Error) -> ReconcileError {
+    ReconcileError::backend(
+        "token",
+        format!("Lease/{}", l.name()),
+        boxery_backends::BackendError::io("writing the token store", e),
+    )
+}
+
 async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
     let pool_name = l.spec.pool.clone();
     let Some(pool) = ctx.store.get_as::<Pool>(&pool_name).await? else {
@@ -294,6 +529,16 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
         )
         .await;
     };
+    if !pool.status.members.is_empty() {
+        return waiting(
+            l,
+            ctx,
+            reasons::POOL_UPGRADING,
+            &format!("pool {pool_name}'s member table is being moved to PoolMember records"),
+            Some(Duration::from_secs(1)),
+        )
+        .await;
+    }
     if l.spec.lease_duration_seconds > pool.spec.lease.max_ttl_seconds {
         let msg = format!(
             "leaseDurationSeconds {} is over pool {pool_name}'s maximum of {}: ask for less",
@@ -301,30 +546,19 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
         );
         return waiting(l, ctx, reasons::DURATION_TOO_LONG, &msg, None).await;
     }
-    // A member already claimed by this lease (a crash after the claim) is resumed.
-    let mine = pool
-        .status
-        .members
-        .iter()
-        .find(|m| m.lease_uid.as_deref() == Some(uid))
-        .cloned();
-    let member = match mine {
+    // A member already claimed for this lease (by a batch, or before a crash) is resumed.
+    let member = match find_claim(ctx, &pool_name, uid).await? {
         Some(m) => m,
         None => {
             // Claims on one pool are made one batch at a time (a lock per pool in this
-            // process; the store's precondition still fences any other writer): whoever takes
-            // the lock assigns free members to every waiting lease, oldest first, in one write.
+            // process; each member's precondition still fences any other writer): whoever
+            // takes the lock assigns free members to the waiting leases, oldest first.
             let lock = ctx.vm_lock(&format!("pool:{pool_name}"));
             let _held = lock.lock().await;
-            match claim_batch(ctx, &pool_name, uid).await? {
+            match claim_batch(ctx, &pool, uid).await? {
                 Some(m) => m,
                 None => {
-                    let s = ctx
-                        .store
-                        .get_as::<Pool>(&pool_name)
-                        .await?
-                        .map(|p| p.status)
-                        .unwrap_or_default();
+                    let s = pool.status;
                     return waiting(
                         l,
                         ctx,
@@ -339,68 +573,56 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
             }
         }
     };
-    let vm = member.name.clone();
-    if l.status.vm.as_deref() != Some(&vm) {
-        l.status.vm = Some(vm.clone());
-        l.status.member_generation = Some(member.generation);
-        l.status.pool_epoch = Some(pool.status.epoch);
-        l = save(ctx, &l).await?;
-    }
-    if member.state == MemberState::Acquiring {
-        // Token first, then keys: the holder never has the VM without its own token.
-        let token = boxery_backends::identity::proxy_token();
-        write_token(ctx, &vm, uid, &token).map_err(|e| {
-            ReconcileError::backend(
-                "token",
-                format!("Lease/{}", l.name()),
-                boxery_backends::BackendError::io("writing the token store", e),
-            )
-        })?;
-        install(ctx, &vm, &token, &l.spec.public_key)
-            .await
-            .map_err(|e| ReconcileError::backend("install", format!("Lease/{}", l.name()), e))?;
-        let g = member.generation;
-        let luid = uid.to_string();
-        let moved = edit_member(
-            ctx,
-            &pool_name,
-            &vm,
-            |m| {
-                m.lease_uid.as_deref() == Some(luid.as_str())
-                    && m.generation == g
-                    && m.state == MemberState::Acquiring
-            },
-            |m| {
-                m.state = MemberState::Leased;
-                m.generation += 1;
-            },
-        )
-        .await?;
-        let Some(g) = moved else {
-            // Fenced out (the member was reset or removed meanwhile): start over.
-            l.status.vm = None;
-            l.status.member_generation = None;
-            save(ctx, &l).await?;
-            return Ok(Action::requeue(Duration::ZERO));
-        };
-        l.status.member_generation = Some(g);
-    } else if member.state == MemberState::Leased {
-        if !std::fs::read_to_string(token_file(ctx, &vm))
-            .is_ok_and(|t| t.split_whitespace().next() == Some(uid))
-        {
+    let vm = member.metadata.name.clone();
+    l.status.vm = Some(vm.clone());
+    l.status.member_generation = Some(member.status.generation);
+    l.status.pool_epoch = Some(pool.status.epoch);
+    match member.status.state {
+        MemberState::Acquiring => {
+            // Recorded first, so `lease get` shows which VM is being prepared.
+            l = save(ctx, &l).await?;
+            // Token first, then keys: the holder never has the VM without its own token.
             let token = boxery_backends::identity::proxy_token();
-            write_token(ctx, &vm, uid, &token).map_err(|e| {
-                ReconcileError::backend(
-                    "token",
-                    format!("Lease/{}", l.name()),
-                    boxery_backends::BackendError::io("writing the token store", e),
-                )
-            })?;
+            write_token(ctx, &vm, uid, &token).map_err(|e| token_error(&l, e))?;
+            install(ctx, &vm, &token, &l.spec.public_key)
+                .await
+                .map_err(|e| {
+                    ReconcileError::backend("install", format!("Lease/{}", l.name()), e)
+                })?;
+            let g = member.status.generation;
+            let luid = uid.to_string();
+            let moved = edit_member(
+                ctx,
+                &vm,
+                |m| {
+                    m.lease_uid.as_deref() == Some(luid.as_str())
+                        && m.generation == g
+                        && m.state == MemberState::Acquiring
+                },
+                |m| {
+                    m.state = MemberState::Leased;
+                    m.generation += 1;
+                },
+            )
+            .await?;
+            let Some(g) = moved else {
+                // Fenced out (the member was reset or removed meanwhile): start over.
+                l.status.vm = None;
+                l.status.member_generation = None;
+                save(ctx, &l).await?;
+                return Ok(Action::requeue(Duration::ZERO));
+            };
+            l.status.member_generation = Some(g);
         }
-    } else {
-        l.status.vm = None;
-        save(ctx, &l).await?;
-        return Ok(Action::requeue(Duration::ZERO));
+        MemberState::Leased => {
+            if !std::fs::read_to_string(token_file(ctx, &vm))
+                .is_ok_and(|t| t.split_whitespace().next() == Some(uid))
+            {
+                let token = boxery_backends::identity::proxy_token();
+                write_token(ctx, &vm, uid, &token).map_err(|e| token_error(&l, e))?;
+            }
+        }
+        _ => return Ok(Action::requeue(Duration::ZERO)),
     }
     let t: Time = now();
     let generation = l.metadata.generation;
@@ -441,87 +663,105 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
     ))
 }
 
-/// Assign free members of `pool_name` to its waiting leases, oldest first, in one status
-/// update; returns the member given to lease `uid` (if any). Backends without sshd have
-/// nothing to install, so their members go straight to Leased.
-async fn claim_batch(
-    ctx: &Ctx,
-    pool_name: &str,
-    uid: &str,
-) -> Result<Option<boxery_api::pool::MemberStatus>> {
-    let direct = ctx.ssh.is_none();
-    for _ in 0..50 {
-        let Some(mut pool) = ctx.store.get_as::<Pool>(pool_name).await? else {
-            return Ok(None);
-        };
-        if let Some(m) = pool
-            .status
-            .members
+/// The leases of pool `pool` waiting for a member, oldest first (the lease cache when kept).
+async fn waiting_leases(ctx: &Ctx, pool: &Pool) -> Result<Vec<Lease>> {
+    let name = pool.name();
+    let max = pool.spec.lease.max_ttl_seconds;
+    let all: Vec<Lease> = match ctx.pool_caches().filter(|c| c.leases.is_ready()) {
+        Some(c) => c
+            .leases
+            .list()
             .iter()
-            .find(|m| m.lease_uid.as_deref() == Some(uid))
-        {
-            return Ok(Some(m.clone()));
-        }
-        if crate::pool::free_member(&pool).is_none() {
-            return Ok(None);
-        }
-        let claimed: std::collections::HashSet<String> = pool
-            .status
-            .members
-            .iter()
-            .filter_map(|m| m.lease_uid.clone())
-            .collect();
-        let mut waiting: Vec<Lease> = ctx
-            .store
-            .list_as::<Lease>(&Default::default())
-            .await?
-            .into_iter()
-            .filter(|w| {
-                w.spec.pool == pool_name
-                    && w.status.phase == LeasePhase::Pending
-                    && !w.metadata.is_deleting()
-                    && w.metadata
-                        .uid
-                        .as_ref()
-                        .is_some_and(|u| !claimed.contains(u))
-                    && w.spec.lease_duration_seconds <= pool.spec.lease.max_ttl_seconds
+            .filter(|o| {
+                o.spec()["pool"].as_str() == Some(name)
+                    && o.status()["phase"].as_str().is_none_or(|p| p == "Pending")
+                    && !o.metadata.is_deleting()
             })
-            .collect();
-        waiting.sort_by(|a, b| {
-            a.metadata
-                .creation_timestamp
-                .cmp(&b.metadata.creation_timestamp)
-                .then(a.metadata.name.cmp(&b.metadata.name))
-        });
-        let mut mine = None;
-        let mut next = waiting.iter();
-        for m in pool
-            .status
-            .members
-            .iter_mut()
-            .filter(|m| m.state == MemberState::Free)
-        {
-            let Some(w) = next.next() else { break };
-            m.state = if direct {
+            .filter_map(|o| o.to_typed().ok())
+            .collect(),
+        None => ctx.store.list_as::<Lease>(&Default::default()).await?,
+    };
+    let mut waiting: Vec<Lease> = all
+        .into_iter()
+        .filter(|w| {
+            w.spec.pool == name
+                && w.status.phase == LeasePhase::Pending
+                && !w.metadata.is_deleting()
+                && w.spec.lease_duration_seconds <= max
+        })
+        .collect();
+    waiting.sort_by(|a, b| {
+        a.metadata
+            .creation_timestamp
+            .cmp(&b.metadata.creation_timestamp)
+            .then(a.metadata.name.cmp(&b.metadata.name))
+    });
+    Ok(waiting)
+}
+
+/// Assign free members of `pool` to its waiting leases, oldest first, one small record
+/// update each (its resourceVersion the precondition: a member taken meanwhile is skipped);
+/// returns the member given to lease `uid` (if any). Backends without sshd have nothing to
+/// install, so their members go straight to Leased.
+async fn claim_batch(ctx: &Ctx, pool: &Pool, uid: &str) -> Result<Option<PoolMember>> {
+    if let Some(m) = find_claim(ctx, pool.name(), uid).await? {
+        return Ok(Some(m));
+    }
+    let direct = ctx.ssh.is_none();
+    let records = members(ctx, pool.name()).await?;
+    let mut free: Vec<PoolMember> = records
+        .iter()
+        .filter(|m| m.status.state == MemberState::Free && !m.metadata.is_deleting())
+        .cloned()
+        .collect();
+    if free.is_empty() {
+        return Ok(None);
+    }
+    free.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    let claimed: std::collections::HashSet<&str> = records
+        .iter()
+        .filter_map(|m| m.status.lease_uid.as_deref())
+        .collect();
+    let waiting: Vec<Lease> = waiting_leases(ctx, pool)
+        .await?
+        .into_iter()
+        .filter(|w| {
+            w.metadata
+                .uid
+                .as_deref()
+                .is_some_and(|u| !claimed.contains(u))
+        })
+        .collect();
+    let mut mine = None;
+    let mut free = free.into_iter();
+    'leases: for w in &waiting {
+        for mut m in free.by_ref() {
+            let mut row = MemberStatus::of(&m);
+            row.state = if direct {
                 MemberState::Leased
             } else {
                 MemberState::Acquiring
             };
-            m.generation += 1;
-            m.lease = Some(w.metadata.name.clone());
-            m.lease_uid = w.metadata.uid.clone();
-            m.message = String::new();
-            if w.metadata.uid.as_deref() == Some(uid) {
-                mine = Some(m.clone());
+            row.generation += 1;
+            row.lease = Some(w.metadata.name.clone());
+            row.lease_uid = w.metadata.uid.clone();
+            row.message = String::new();
+            m.status = row.record();
+            match ctx.store.update_status_as(&m).await {
+                Ok(m) => {
+                    if w.metadata.uid.as_deref() == Some(uid) {
+                        mine = Some(m);
+                    }
+                    continue 'leases;
+                }
+                // Taken or changed meanwhile: try the next free member for this lease.
+                Err(StoreError::Conflict { .. } | StoreError::NotFound { .. }) => continue,
+                Err(e) => return Err(e.into()),
             }
         }
-        match ctx.store.update_status_as(&pool).await {
-            Ok(_) => return Ok(mine),
-            Err(StoreError::Conflict { .. }) => continue,
-            Err(e) => return Err(e.into()),
-        }
+        break;
     }
-    Ok(None)
+    Ok(mine)
 }
 
 /// Write the token, then `authorized_keys` = the control plane's key + the holder's, in the
@@ -574,6 +814,17 @@ pub fn leases_for_pool(
                 && l.status()["phase"].as_str().is_none_or(|p| p == "Pending")
         })
         .map(|l| l.metadata.name.clone())
+        .collect()
+}
+
+/// Map a Vm change to the lease its member record names: the lease looks at its VM again (a
+/// VM gone makes it `Lost`). A removal is seen as a change of the last copy, so every change
+/// of a held member's VM is mapped (they are rare: a leased VM is steady).
+pub fn lease_of_vm(members: &boxery_controller::Cache, vm: &boxery_api::DynObject) -> Vec<String> {
+    members
+        .get(&vm.metadata.name)
+        .and_then(|m| m.status()["lease"].as_str().map(str::to_string))
+        .into_iter()
         .collect()
 }
 

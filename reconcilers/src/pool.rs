@@ -1,10 +1,13 @@
 //! The `Pool` reconciler: keeps a pool's members, captures each member's clean image, resets
-//! members after every lease, and keeps the member table leases are claimed from.
+//! members after every lease, removes members that leave, and keeps one `PoolMember` record
+//! per member, which leases are claimed from.
 //!
 //! # Guarantees
-//! - Every change to the member table is one `update_status` of the Pool with a
-//!   resourceVersion precondition; the Lease reconciler claims members the same way, so a
-//!   claim, a reset and a removal racing on one member have exactly one winner.
+//! - Each member has its own record (`PoolMember`, named after its VM, owned by the pool).
+//!   Every change to a member is one `update_status` of that record with a resourceVersion
+//!   precondition; the Lease reconciler claims members the same way, so a claim, a reset, a
+//!   replacement and a removal racing on one member have exactly one winner. A claim and a
+//!   fence check read and write one small record, never the whole pool.
 //! - Every state change of a member bumps its `generation`: a lease acts on a member only
 //!   while the member still carries the lease's uid and the generation it saw.
 //! - A reset revokes the lease's token first, then reimages the member from
@@ -12,11 +15,20 @@
 //!   fails marks the member Broken: excluded from claims, shown, repaired by `pool rm` + `pool add`.
 //! - Template updates (`updateStrategy: ReplaceWhenFree`): a template member made from an
 //!   older template is replaced only from Free (or instead of the reset that would free it
-//!   after a lease). It first leaves Free for `Replacing` in one status update (the same
+//!   after a lease). It first leaves Free for `Replacing` in one record update (the same
 //!   precondition, so a claim racing with it has one winner); its VM and clean image are
 //!   deleted only in a later pass, once that write has landed. The new VM is made only after
 //!   the old clean image is gone, so a member is never freed on its old image. At most
 //!   max(1, replicas/4) members are `Replacing` at once. Adopted members are never replaced.
+//! - Leaving (scaled down, taken out with `pool rm`, the pool deleted): a member leaves only
+//!   when not held. It first moves to `Removing` (fenced as above), then a template member's
+//!   VM and clean image are deleted (adopted VMs are unlabelled and kept), then its record
+//!   goes, with a `MemberRemoving` and a `MemberRemoved` event. A leased member leaves after
+//!   its lease ends (a template member is then deleted instead of reset).
+//! - A deleted Pool (finalizer `boxery.dev/pool`) stays until every member has left, so
+//!   deleting a pool with leased members waits for their leases to end. A deleted member VM
+//!   that a lease holds stays until the lease ends ([`hold_deletion`], called by the Vm
+//!   reconciler before it removes a VM).
 //!
 //! Member Vms made from the template are named `<pool>-<n>`, owned by the pool, labelled
 //! `boxery.dev/pool=<pool>` and annotated `boxery.dev/pool-template=<hash>` (the template they
@@ -24,27 +36,34 @@
 //! belong.
 //!
 //! # Assumptions
-//! - A member row's `template` (mirrored from its VM's annotation when the VM has one) says
-//!   which template it was made from. A row without one (written before boxery recorded it)
+//! - A member's `template` (mirrored from its VM's annotation when the VM has one) says
+//!   which template it was made from. A record without one (written before boxery recorded it)
 //!   is taken as made from the template current when it is first seen, and stamped so.
+//! - Pools stored before per-member records carry their member table in `status.members`:
+//!   the first reconcile moves it into records ([`migrate`]); until then leases on the pool
+//!   wait.
 //!
 //! # Caveats
 //! - The hash is over the template's stored JSON: a boxery upgrade that changed how a template
 //!   serializes (a new field written even when defaulted) would replace every free member.
 //!   New Vm spec fields must be skipped when defaulted.
+//! - The counts in the Pool's status follow claims with a delay of up to a second (a claim
+//!   writes its member's record, not the pool); `boxery pool ls` reads the records.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use boxery_api::conditions::{self, READY, reasons};
 use boxery_api::image::ImageSpec;
-use boxery_api::pool::{MemberState, MemberStatus, UpdateStrategy, VmTemplate};
+use boxery_api::pool::{
+    MemberState, MemberStatus, PoolMember, PoolMemberSpec, UpdateStrategy, VmTemplate,
+};
 use boxery_api::vm::Restore;
 use boxery_api::{
     ConditionStatus, Conditions, EventType, Image, ImagePhase, ImageSource, Lease, OwnerReference,
     Pool, Resource, Vm, now,
 };
-use boxery_controller::Action;
+use boxery_controller::{Action, Cache, ensure_finalizer, remove_finalizer};
 use boxery_store::StoreError;
 
 use boxery_store::{ObjectRef, ObjectStoreExt};
@@ -143,6 +162,8 @@ struct Pass {
     template: Option<String>,
     /// How many more members may start `Replacing` in this pass.
     replace_slots: usize,
+    /// Members that left: their records are deleted.
+    gone: Vec<String>,
 }
 
 impl Pass {
@@ -164,17 +185,34 @@ impl Pass {
     }
 }
 
-/// Reconcile one Pool: bring each member one step on (make or adopt its VM, capture its clean
-/// image, reset it after a lease), then write the member table and the counts in one status
-/// update with a resourceVersion precondition.
+/// Reconcile one Pool (under its finalizer, added by hand: a deleted pool stays until every
+/// member has left): bring each member one step on (make or adopt its VM, capture its clean
+/// image, reset it after a lease, remove it when it leaves), write each member's record that
+/// changed (one small `update_status` each, with a resourceVersion precondition), then the
+/// counts and conditions into the Pool's status.
 pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
-    if pool.metadata.is_deleting() {
-        return Ok(Action::await_change());
+    let deleting = pool.metadata.is_deleting();
+    match (deleting, pool.metadata.has_finalizer(FINALIZER)) {
+        (false, false) => {
+            ensure_finalizer(ctx.store.as_ref(), &*pool, FINALIZER).await?;
+            return Ok(Action::await_change());
+        }
+        (true, false) => return Ok(Action::await_change()),
+        _ => {}
     }
     let mut pool = (*pool).clone();
+    if !pool.status.members.is_empty() {
+        return migrate(&ctx, pool).await;
+    }
     let before = pool.status.clone();
-    let wanted = wanted(&pool);
-    let mut table = member_table(&mut pool, &wanted);
+    let wanted = if deleting { Vec::new() } else { wanted(&pool) };
+    let records = records(&ctx, pool.name()).await?;
+    let mut table = Vec::with_capacity(records.len());
+    let mut stored = std::collections::HashMap::with_capacity(records.len());
+    for r in records {
+        table.push(MemberStatus::of(&r));
+        stored.insert(r.metadata.name.clone(), r);
+    }
     let replacing = table
         .iter()
         .filter(|m| m.state == MemberState::Replacing)
@@ -184,11 +222,25 @@ pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
         replace_slots: replace_budget(&pool).saturating_sub(replacing),
         ..Pass::default()
     };
+    join(&ctx, &pool, &wanted, &mut table, &mut stored, &mut pass).await?;
     for m in table.iter_mut() {
         let in_spec = wanted.iter().any(|(n, _)| *n == m.name);
-        member(&ctx, &pool, in_spec, m, &mut pass).await?;
+        if in_spec {
+            member(&ctx, &pool, m, &mut pass).await?;
+        } else {
+            leave(&ctx, &pool, m, &mut pass).await?;
+        }
+    }
+    let conflicts = write_records(&ctx, &mut pool, &mut table, &stored, &pass).await?;
+    if conflicts {
+        // A claim (or a VM's deletion) changed a member meanwhile: look again at once.
+        pass.again.within(Duration::ZERO);
     }
     unlabel_departed(&ctx, &pool, &table).await?;
+    if deleting && table.is_empty() {
+        remove_finalizer(ctx.store.as_ref(), &pool, FINALIZER).await?;
+        return Ok(Action::await_change());
+    }
     summarize(&mut pool, table, &pass);
     if pool.status != before {
         ctx.store.update_status_as(&pool).await?;
@@ -196,50 +248,213 @@ pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
     Ok(pass.again.action())
 }
 
-/// The member table: members that left the spec go when free (held ones stay until their
-/// lease ends); members new in the spec join as Pending.
-fn member_table(pool: &mut Pool, wanted: &[(String, bool)]) -> Vec<MemberStatus> {
-    let mut table = std::mem::take(&mut pool.status.members);
-    table.retain(|m| {
-        let keep = wanted.iter().any(|(n, _)| *n == m.name)
-            || matches!(
-                m.state,
-                MemberState::Acquiring | MemberState::Leased | MemberState::Resetting
-            );
-        if !keep {
-            pool.status.epoch += 1;
-        }
-        keep
-    });
-    for (member, created) in wanted {
-        if !table.iter().any(|m| m.name == *member) {
-            table.push(MemberStatus {
-                name: member.clone(),
-                state: MemberState::Pending,
-                generation: 0,
-                lease: None,
-                lease_uid: None,
-                created: *created,
-                template: None,
-                reset_requested_at: None,
-                message: String::new(),
-            });
-        }
+/// The Pool finalizer.
+pub const FINALIZER: &str = boxery_api::meta::finalizers::POOL;
+
+/// The member records of pool `name`: from the member cache when the runtime keeps one (it
+/// holds this process's own writes at once; every write is fenced by a resourceVersion
+/// precondition, so a stale copy only costs a retry), else from the store.
+async fn records(ctx: &Ctx, name: &str) -> Result<Vec<PoolMember>> {
+    if let Some(c) = ctx.pool_caches()
+        && c.members.is_ready()
+    {
+        let mut out: Vec<PoolMember> = c
+            .members
+            .list()
+            .iter()
+            .filter(|o| o.spec()["pool"].as_str() == Some(name))
+            .filter_map(|o| o.to_typed().ok())
+            .collect();
+        out.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        return Ok(out);
     }
-    table
+    let selector = format!("{POOL_LABEL}={name}")
+        .parse()
+        .expect("a valid selector");
+    Ok(ctx
+        .store
+        .list_as::<PoolMember>(&selector)
+        .await?
+        .into_iter()
+        .filter(|m| m.spec.pool == name)
+        .collect())
 }
 
-/// One step for one member, by its state.
-async fn member(
+/// Members new in the spec get their record (Pending); a record of that name belonging to
+/// another pool blocks the member (a VM is in one pool at a time).
+async fn join(
     ctx: &Ctx,
     pool: &Pool,
-    in_spec: bool,
-    m: &mut MemberStatus,
+    wanted: &[(String, bool)],
+    table: &mut Vec<MemberStatus>,
+    stored: &mut std::collections::HashMap<String, PoolMember>,
     pass: &mut Pass,
 ) -> Result<()> {
+    for (name, created) in wanted {
+        if table.iter().any(|m| m.name == *name) {
+            continue;
+        }
+        let mut r = PoolMember::new(
+            name,
+            PoolMemberSpec {
+                pool: pool.name().into(),
+                created: *created,
+            },
+        );
+        r.metadata
+            .labels
+            .insert(POOL_LABEL.into(), pool.name().into());
+        r.metadata.owner_references.push(owner(pool));
+        r.status.message = "joining the pool".into();
+        match ctx.store.create_as(&r).await {
+            Ok(r) => {
+                table.push(MemberStatus::of(&r));
+                stored.insert(r.metadata.name.clone(), r);
+            }
+            Err(StoreError::AlreadyExists { .. }) => {
+                let other = ctx
+                    .store
+                    .get_as::<PoolMember>(name)
+                    .await?
+                    .map(|o| o.spec.pool)
+                    .unwrap_or_default();
+                if other != pool.name() {
+                    pass.blocked.push(name.clone());
+                    if ctx.first_report(&format!("member-conflict:{}:{name}", pool.name())) {
+                        ctx.event(
+                            pool,
+                            EventType::Warning,
+                            "MemberConflict",
+                            &format!(
+                                "VM {name} is a member of pool {other}: a VM is in one pool at a time (`boxery pool rm {other} {name}` first)"
+                            ),
+                        )
+                        .await;
+                    }
+                }
+                pass.again.within(Duration::from_secs(5));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Write every member record that changed, each with its own resourceVersion precondition
+/// (records whose member left are deleted instead). Returns whether a write lost a race.
+async fn write_records(
+    ctx: &Ctx,
+    pool: &mut Pool,
+    table: &mut Vec<MemberStatus>,
+    stored: &std::collections::HashMap<String, PoolMember>,
+    pass: &Pass,
+) -> Result<bool> {
+    let mut conflicts = false;
+    let mut kept = Vec::with_capacity(table.len());
+    for m in table.drain(..) {
+        let Some(r) = stored.get(&m.name) else {
+            continue;
+        };
+        if pass.gone.contains(&m.name) {
+            match ctx
+                .store
+                .delete(&ObjectRef::of::<PoolMember>(m.name.as_str()))
+                .await
+            {
+                Ok(_) | Err(StoreError::NotFound { .. }) => {
+                    pool.status.epoch += 1;
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let status = m.record();
+        if status == r.status {
+            kept.push(m);
+            continue;
+        }
+        let mut w = r.clone();
+        w.status = status;
+        match ctx.store.update_status_as(&w).await {
+            Ok(_) => kept.push(m),
+            Err(StoreError::Conflict { .. } | StoreError::NotFound { .. }) => {
+                // Someone else moved it first: this pass's step for it is void.
+                conflicts = true;
+                kept.push(MemberStatus::of(r));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    *table = kept;
+    Ok(conflicts)
+}
+
+/// Move a pool stored before per-member records to them: one `PoolMember` per row of
+/// `status.members` (its state, generation and lease kept, so a lease bound before the
+/// upgrade stays bound), then the table is emptied with the pool's resourceVersion as the
+/// precondition (a stale read is redone: the records are written again from the fresh one).
+async fn migrate(ctx: &Ctx, mut pool: Pool) -> Result<Action> {
+    for row in &pool.status.members {
+        let mut r = PoolMember::new(
+            &row.name,
+            PoolMemberSpec {
+                pool: pool.name().into(),
+                created: row.created,
+            },
+        );
+        r.metadata
+            .labels
+            .insert(POOL_LABEL.into(), pool.name().into());
+        r.metadata.owner_references.push(owner(&pool));
+        r.status = row.record();
+        match ctx.store.create_as(&r).await {
+            Ok(_) => {}
+            Err(StoreError::AlreadyExists { .. }) => {
+                let Some(mut cur) = ctx.store.get_as::<PoolMember>(&row.name).await? else {
+                    continue;
+                };
+                if cur.spec.pool == pool.name() && cur.status != r.status {
+                    cur.status = r.status;
+                    ctx.store.update_status_as(&cur).await?;
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let n = pool.status.members.len();
+    pool.status.members.clear();
+    ctx.store.update_status_as(&pool).await?;
+    tracing::info!(pool = %pool.name(), members = n, "member table moved to PoolMember records");
+    Ok(Action::requeue(Duration::ZERO))
+}
+
+/// One step for one member the spec wants, by its state.
+async fn member(ctx: &Ctx, pool: &Pool, m: &mut MemberStatus, pass: &mut Pass) -> Result<()> {
     let Some(vm) = ctx.store.get_as::<Vm>(&m.name).await? else {
-        return missing_vm(ctx, pool, in_spec, m, pass).await;
+        return missing_vm(ctx, pool, true, m, pass).await;
     };
+    if vm.metadata.is_deleting() {
+        // Someone deleted the member's VM: a held member keeps it until its lease ends (the
+        // Vm reconciler waits, [`hold_deletion`]); any other waits, out of the free set,
+        // until it is gone (then a template member is made again).
+        match m.state {
+            MemberState::Acquiring | MemberState::Leased => held(ctx, m).await?,
+            _ => {
+                if m.state != MemberState::Pending {
+                    if let Some(uid) = &m.lease_uid {
+                        crate::lease::revoke_token(ctx, &m.name, uid);
+                    }
+                    m.lease = None;
+                    m.lease_uid = None;
+                    m.reset_requested_at = None;
+                    set(m, MemberState::Pending, VM_DELETING);
+                }
+                m.message = VM_DELETING.into();
+                pass.again.within(Duration::from_secs(1));
+            }
+        }
+        return Ok(());
+    }
     if matches!(m.state, MemberState::Pending | MemberState::Replacing)
         && let Some(why) = not_ours(pool, m.created, &vm)
     {
@@ -254,7 +469,7 @@ async fn member(
         pass.again.within(Duration::from_secs(5));
         return Ok(());
     }
-    if in_spec && !vm.metadata.labels.contains_key(POOL_LABEL) {
+    if !vm.metadata.labels.contains_key(POOL_LABEL) {
         let mut v = vm.clone();
         v.metadata
             .labels
@@ -262,26 +477,123 @@ async fn member(
         ctx.store.update_as(&v).await?;
         return Ok(());
     }
-    if m.created && in_spec {
-        // Which template it was made from: its VM's annotation, else the row's record, else
-        // (a row from before boxery recorded it) the current one.
+    if m.created {
+        // Which template it was made from: its VM's annotation, else the record's, else
+        // (a record from before boxery recorded it) the current one.
         let made_from = vm.metadata.annotations.get(TEMPLATE_ANNOTATION).cloned();
         m.template = made_from.or(m.template.take()).or(pass.template.clone());
     }
     match m.state {
         MemberState::Pending => pending(ctx, pool, &vm, m, pass).await,
         MemberState::Acquiring | MemberState::Leased => held(ctx, m).await,
-        MemberState::Resetting => resetting(ctx, pool, in_spec, &vm, m, pass).await,
+        MemberState::Resetting => resetting(ctx, pool, true, &vm, m, pass).await,
         MemberState::Replacing => replacing(ctx, pool, &vm, m, pass).await,
         MemberState::Free => {
-            if pass.outdated(pool, in_spec, m) && pass.take_slot() {
+            if pass.outdated(pool, true, m) && pass.take_slot() {
                 start_replace(ctx, pool, m, "it is free").await;
                 pass.again.within(Duration::from_millis(200));
             }
             Ok(())
         }
+        // Back in the spec while leaving (a scale-down undone): it joins again.
+        MemberState::Removing => {
+            set(m, MemberState::Pending, "rejoining the pool");
+            pass.again.within(Duration::from_millis(200));
+            Ok(())
+        }
         MemberState::Broken => Ok(()),
     }
+}
+
+/// The message of a member whose VM is being deleted.
+const VM_DELETING: &str = "its VM is being deleted";
+
+/// One step for a member the spec no longer wants (scaled down, `pool rm`, the pool being
+/// deleted). A held member stays until its lease ends; an adopted member is reset first (the
+/// holder's files do not go back to its owner); then it moves to `Removing` (fenced), and in a
+/// later pass a template member's VM and clean image are deleted and, once the VM is gone,
+/// its record.
+async fn leave(ctx: &Ctx, pool: &Pool, m: &mut MemberStatus, pass: &mut Pass) -> Result<()> {
+    let vm = ctx.store.get_as::<Vm>(&m.name).await?;
+    match m.state {
+        MemberState::Acquiring | MemberState::Leased => {
+            m.message = "leaving the pool when its lease ends".into();
+            return held(ctx, m).await;
+        }
+        MemberState::Resetting if !m.created => {
+            if let Some(vm) = vm.filter(|v| !v.metadata.is_deleting()) {
+                return resetting(ctx, pool, false, &vm, m, pass).await;
+            }
+        }
+        MemberState::Removing => return removing(ctx, pool, vm.as_ref(), m, pass).await,
+        _ => {}
+    }
+    if let Some(uid) = &m.lease_uid {
+        crate::lease::revoke_token(ctx, &m.name, uid);
+    }
+    m.lease = None;
+    m.lease_uid = None;
+    m.reset_requested_at = None;
+    let why = if pool.metadata.is_deleting() {
+        "the pool is being deleted"
+    } else {
+        "the pool no longer asks for it"
+    };
+    let what = if m.created {
+        "deleting its VM and clean image"
+    } else {
+        "an adopted VM: kept, without the pool's label"
+    };
+    set(m, MemberState::Removing, &format!("leaving: {why}"));
+    ctx.event(
+        pool,
+        EventType::Normal,
+        "MemberRemoving",
+        &format!("{} leaves the pool ({why}): {what}", m.name),
+    )
+    .await;
+    pass.again.within(Duration::from_millis(200));
+    Ok(())
+}
+
+/// Removing (the move to it has landed): delete a template member's VM and clean image, and
+/// once the VM is gone, the record (an adopted VM is unlabelled by [`unlabel_departed`]).
+async fn removing(
+    ctx: &Ctx,
+    pool: &Pool,
+    vm: Option<&Vm>,
+    m: &mut MemberStatus,
+    pass: &mut Pass,
+) -> Result<()> {
+    let ours = vm.is_some_and(|v| {
+        v.metadata
+            .owner_references
+            .iter()
+            .any(|o| o.kind == "Pool" && Some(&o.uid) == pool.metadata.uid.as_ref())
+    });
+    if m.created && ours {
+        for key in [
+            ObjectRef::of::<Image>(clean_image(&m.name)),
+            ObjectRef::of::<Vm>(&m.name),
+        ] {
+            match ctx.store.delete(&key).await {
+                Ok(_) | Err(StoreError::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        m.message = "leaving: its VM is being deleted".into();
+        pass.again.within(Duration::from_secs(1));
+        return Ok(());
+    }
+    pass.gone.push(m.name.clone());
+    ctx.event(
+        pool,
+        EventType::Normal,
+        "MemberRemoved",
+        &format!("{} left the pool", m.name),
+    )
+    .await;
+    Ok(())
 }
 
 /// Take a member out of the free set to be made again from the current template. Only the
@@ -382,6 +694,12 @@ async fn missing_vm(
             Err(e) => return Err(e.into()),
         }
         m.template = Some(hash);
+        if let Some(uid) = &m.lease_uid {
+            crate::lease::revoke_token(ctx, &m.name, uid);
+        }
+        m.lease = None;
+        m.lease_uid = None;
+        m.reset_requested_at = None;
         if m.state == MemberState::Replacing {
             m.message = "creating the member VM from the current template".into();
         } else {
@@ -435,6 +753,9 @@ async fn pending(
             pass.again.within(Duration::from_secs(1));
         }
         Some(img) if img.status.phase == ImagePhase::Ready && !img.metadata.is_deleting() => {
+            m.lease = None;
+            m.lease_uid = None;
+            m.reset_requested_at = None;
             set(m, MemberState::Free, "");
             ctx.event(
                 pool,
@@ -452,19 +773,42 @@ async fn pending(
     Ok(())
 }
 
-/// Acquiring or Leased: the lease must still exist and be the one recorded; otherwise reset.
+/// Acquiring or Leased: the lease must still exist, be the one recorded and not have ended;
+/// otherwise reset.
 async fn held(ctx: &Ctx, m: &mut MemberStatus) -> Result<()> {
-    let lease = match &m.lease {
-        Some(l) => ctx.store.get_as::<Lease>(l).await?,
-        None => None,
+    let holds = match (&m.lease, &m.lease_uid) {
+        (Some(l), Some(uid)) => lease_holds(ctx, l, uid).await?,
+        _ => false,
     };
-    let holds = lease
-        .as_ref()
-        .is_some_and(|l| l.metadata.uid == m.lease_uid && !l.metadata.is_deleting());
     if !holds {
         start_reset(m, "its lease is gone");
     }
     Ok(())
+}
+
+/// Whether lease `name` (uid `uid`) still holds its member: it exists, is not being deleted
+/// and has not ended. Read from the lease cache when the runtime keeps one; a "no" is
+/// confirmed against the store before a member is taken from its lease.
+pub async fn lease_holds(ctx: &Ctx, name: &str, uid: &str) -> Result<bool> {
+    let holds = |l: &boxery_api::DynObject| {
+        l.metadata.uid.as_deref() == Some(uid)
+            && !l.metadata.is_deleting()
+            && !matches!(
+                l.status()["phase"].as_str(),
+                Some("Expired" | "Released" | "Lost")
+            )
+    };
+    if let Some(c) = ctx.pool_caches()
+        && c.leases.is_ready()
+        && c.leases.get(name).is_some_and(|l| holds(&l))
+    {
+        return Ok(true);
+    }
+    Ok(ctx
+        .store
+        .get(&ObjectRef::of::<Lease>(name))
+        .await?
+        .is_some_and(|l| holds(&l)))
 }
 
 /// Resetting: revoke the token, ask the Vm to reimage from the clean image, and once it has
@@ -588,6 +932,7 @@ fn summarize(pool: &mut Pool, table: Vec<MemberStatus>, pass: &Pass) {
     st.leased = count(MemberState::Leased) + count(MemberState::Acquiring);
     st.resetting = count(MemberState::Resetting);
     st.broken = count(MemberState::Broken);
+    st.removing = count(MemberState::Removing);
     st.ready = st.free + st.leased;
     let made = table.iter().filter(|m| m.created).count();
     st.updated = table
@@ -595,8 +940,8 @@ fn summarize(pool: &mut Pool, table: Vec<MemberStatus>, pass: &Pass) {
         .filter(|m| m.created && pass.template.is_some() && m.template == pass.template)
         .count() as u32;
     let replacing = count(MemberState::Replacing) > 0;
-    let progressing = replacing || table.iter().any(|m| m.state == MemberState::Pending);
-    st.members = table;
+    let progressing =
+        replacing || st.removing > 0 || table.iter().any(|m| m.state == MemberState::Pending);
     st.observed_generation = generation;
     let yes_no = |b: bool| {
         if b {
@@ -627,6 +972,8 @@ fn summarize(pool: &mut Pool, table: Vec<MemberStatus>, pass: &Pass) {
         yes_no(progressing),
         if replacing {
             reasons::MEMBERS_REPLACING
+        } else if st.removing > 0 {
+            reasons::MEMBERS_REMOVING
         } else if progressing {
             reasons::MEMBERS_PENDING
         } else {
@@ -714,7 +1061,7 @@ pub fn start_reset(m: &mut MemberStatus, why: &str) {
     m.reset_requested_at = None;
 }
 
-/// Map a Vm change to its pool (by label), and a Lease change to its pool.
+/// Map a Vm change to its pool (by label).
 pub fn pool_of_vm(vm: &boxery_api::DynObject) -> Vec<String> {
     vm.metadata
         .labels
@@ -725,13 +1072,13 @@ pub fn pool_of_vm(vm: &boxery_api::DynObject) -> Vec<String> {
 }
 
 /// Map a Lease change to its pool, only when the lease is ending (deleted, being deleted,
-/// expired): claims and binds update the member table themselves, so a pool reconcile per
+/// ended): claims and binds update the member records themselves, so a pool reconcile per
 /// lease change would only re-read every member for nothing.
 pub fn pool_of_ending_lease(lease: &boxery_api::DynObject) -> Vec<String> {
     let ending = lease.metadata.is_deleting()
         || matches!(
             lease.status()["phase"].as_str(),
-            Some("Expired" | "Released")
+            Some("Expired" | "Released" | "Lost")
         );
     if ending {
         lease.spec()["pool"]
@@ -744,12 +1091,159 @@ pub fn pool_of_ending_lease(lease: &boxery_api::DynObject) -> Vec<String> {
     }
 }
 
-/// Whether a Pool's member is Free.
-pub fn free_member(pool: &Pool) -> Option<&MemberStatus> {
-    pool.status
-        .members
-        .iter()
-        .find(|m| m.state == MemberState::Free)
+/// The caches the pool and lease reconcilers read when the runtime keeps them
+/// ([`crate::runtime::run`]): every member record, every lease. Without them they read the
+/// store.
+#[derive(Debug, Clone)]
+pub struct Caches {
+    /// Every `PoolMember`, kept by [`follow_members`] (and this process's writes at once).
+    pub members: Cache,
+    /// Every `Lease` (the Lease controller's cache).
+    pub leases: Cache,
+}
+
+/// What a member record's change asks of the controllers: which pool to look at (now, or
+/// soon: claims only move counts), and which leases to look at (a new holder binds; a member
+/// coming free lets the oldest waiting leases of its pool claim).
+fn member_change(
+    change: &boxery_controller::Change,
+    pools: &boxery_controller::Trigger,
+    leases: &boxery_controller::Trigger,
+    lease_cache: &Cache,
+) {
+    let state = |o: &Option<Arc<boxery_api::DynObject>>| {
+        o.as_ref()
+            .and_then(|o| o.status()["state"].as_str().map(str::to_string))
+    };
+    let holder = |o: &Option<Arc<boxery_api::DynObject>>| {
+        o.as_ref()
+            .and_then(|o| o.status()["lease"].as_str().map(str::to_string))
+    };
+    let Some(pool) = change
+        .new
+        .as_ref()
+        .or(change.old.as_ref())
+        .and_then(|o| o.spec()["pool"].as_str().map(str::to_string))
+    else {
+        return;
+    };
+    let (old, new) = (state(&change.old), state(&change.new));
+    let claim_only = matches!(
+        (old.as_deref(), new.as_deref()),
+        (Some("Free"), Some("Acquiring" | "Leased")) | (Some("Acquiring"), Some("Leased"))
+    );
+    if claim_only {
+        pools.enqueue_after(&pool, Duration::from_secs(1));
+    } else if old != new || change.new.is_none() {
+        pools.enqueue(&pool);
+    }
+    if let Some(l) = holder(&change.new)
+        && holder(&change.old) != Some(l.clone())
+    {
+        leases.enqueue(&l);
+    }
+    if new.as_deref() == Some("Free") && old.as_deref() != Some("Free") {
+        let mut waiting: Vec<Arc<boxery_api::DynObject>> = lease_cache
+            .list()
+            .into_iter()
+            .filter(|l| {
+                l.spec()["pool"].as_str() == Some(pool.as_str())
+                    && l.status()["phase"].as_str().is_none_or(|p| p == "Pending")
+                    && !l.metadata.is_deleting()
+            })
+            .collect();
+        waiting.sort_by(|a, b| {
+            (a.metadata.creation_timestamp, &a.metadata.name)
+                .cmp(&(b.metadata.creation_timestamp, &b.metadata.name))
+        });
+        for l in waiting.iter().take(4) {
+            leases.enqueue(&l.metadata.name);
+        }
+    }
+}
+
+/// Keep `cache` holding every `PoolMember` (list, then watch) and map each change to the
+/// pools and leases it concerns, until `shutdown`.
+pub async fn follow_members(
+    store: Arc<dyn boxery_store::ObjectStore>,
+    cache: Cache,
+    pools: boxery_controller::Trigger,
+    leases: boxery_controller::Trigger,
+    lease_cache: Cache,
+    shutdown: boxery_controller::CancellationToken,
+) {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let reflect = boxery_controller::reflector::reflect(
+        store,
+        cache,
+        tx,
+        boxery_controller::Backoff::default(),
+    );
+    let map = async {
+        while let Some(change) = rx.recv().await {
+            member_change(&change, &pools, &leases, &lease_cache);
+        }
+    };
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        _ = reflect => {}
+        _ = map => {}
+    }
+}
+
+/// Before the Vm reconciler removes a deleted VM: a VM that a lease holds stays until the
+/// lease ends (released, expired; `delete --force` ends it first). Returns the action to wait
+/// with, or `None` when the VM may go, in which case its member (if any) has been moved out
+/// of the free set first (fenced, so no claim can take a VM being removed).
+pub async fn hold_deletion(ctx: &Ctx, vm: &Vm) -> Result<Option<Action>> {
+    for _ in 0..10 {
+        let Some(mut rec) = ctx.store.get_as::<PoolMember>(vm.name()).await? else {
+            return Ok(None);
+        };
+        let st = &rec.status;
+        if let (MemberState::Acquiring | MemberState::Leased, Some(l), Some(uid)) =
+            (st.state, &st.lease, &st.lease_uid)
+            && lease_holds(ctx, l, uid).await?
+        {
+            if ctx.first_report(&format!(
+                "hold:{}:{uid}",
+                vm.metadata.uid.as_deref().unwrap_or_default()
+            )) {
+                ctx.event(
+                    vm,
+                    EventType::Normal,
+                    "WaitingForLease",
+                    &format!(
+                        "lease {l} holds {}: the VM is removed when the lease ends (`boxery lease release {l}`), or at once with `boxery delete vm {} --force`, which ends the lease",
+                        vm.name(),
+                        vm.name()
+                    ),
+                )
+                .await;
+            }
+            return Ok(Some(Action::requeue(Duration::from_secs(2))));
+        }
+        if matches!(st.state, MemberState::Removing)
+            || (st.state == MemberState::Pending && st.message == VM_DELETING)
+        {
+            return Ok(None);
+        }
+        let mut row = MemberStatus::of(&rec);
+        if let Some(uid) = &row.lease_uid {
+            crate::lease::revoke_token(ctx, &row.name, uid);
+        }
+        row.lease = None;
+        row.lease_uid = None;
+        row.reset_requested_at = None;
+        set(&mut row, MemberState::Pending, VM_DELETING);
+        rec.status = row.record();
+        match ctx.store.update_status_as(&rec).await {
+            Ok(_) | Err(StoreError::NotFound { .. }) => return Ok(None),
+            Err(StoreError::Conflict { .. }) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(Some(Action::requeue(Duration::from_millis(200))))
 }
 
 /// The kind's name, for wiring.

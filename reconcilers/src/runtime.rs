@@ -5,8 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use boxery_api::pool::PoolMember;
 use boxery_api::{Image, Lease, Pool, Resource, Vm};
-use boxery_controller::{CancellationToken, Controller, Manager, default_error_policy};
+use boxery_controller::{Cache, CancellationToken, Controller, Manager, default_error_policy};
 
 use crate::context::Ctx;
 use crate::{image, inventory, lease, pool, vm};
@@ -38,6 +39,21 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     };
     let (vm_cache, image_cache, lease_cache) =
         (vm_ctl.cache(), image_ctl.cache(), lease_ctl.cache());
+    // Every pool member's record, for the pool and lease reconcilers (claims read it).
+    let members = Cache::new(PoolMember::INFO.kind);
+    ctx.read_own_writes(members.clone());
+    ctx.keep_pool_caches(pool::Caches {
+        members: members.clone(),
+        leases: lease_ctl.cache(),
+    });
+    let follow = pool::follow_members(
+        ctx.store.clone(),
+        members.clone(),
+        pool_ctl.trigger(),
+        lease_ctl.trigger(),
+        lease_ctl.cache(),
+        shutdown.clone(),
+    );
 
     let mut m = Manager::new(shutdown);
     let token = m.token();
@@ -79,6 +95,7 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
         "lease",
         lease_ctl
             .watches_metadata::<Pool>(move |p| lease::leases_for_pool(&lease_cache, p))
+            .watches_metadata::<Vm>(move |v| lease::lease_of_vm(&members, v))
             .run(
                 lease::reconcile,
                 default_error_policy,
@@ -86,6 +103,7 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
                 token.clone(),
             ),
     );
+    m.add("poolmembers", follow);
     m.add(
         "inventory",
         inventory::run(ctx.clone(), caches, token.clone().cancelled_owned()),

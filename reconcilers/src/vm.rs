@@ -68,6 +68,12 @@ async fn save(ctx: &Ctx, vm: &Vm) -> Result<Vm> {
 /// Reconcile one Vm: the shared boilerplate ([`recorded::reconcile`]: backoff, finalizer,
 /// `Ready=Unknown` start, failures recorded in status) under the VM's lock, around one step.
 pub async fn reconcile(vm: Arc<Vm>, ctx: Arc<Ctx>) -> Result<Action> {
+    // A deleted VM that a lease holds stays until the lease ends (docs/pools.md).
+    if vm.metadata.is_deleting()
+        && let Some(wait) = crate::pool::hold_deletion(&ctx, &vm).await?
+    {
+        return Ok(wait);
+    }
     let lock = ctx.vm_lock(vm.name());
     recorded::reconcile(vm, &ctx, Some(lock), async |event| match event {
         FinalizerEvent::Apply(vm) => step((*vm).clone(), &ctx).await,

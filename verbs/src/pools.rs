@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use boxery_api::lease::{LeasePhase, LeaseSpec};
 use boxery_api::meta::LocalObjectReference;
-use boxery_api::pool::{MemberState, PoolSpec};
+use boxery_api::pool::{MemberState, PoolMember, PoolSpec};
 use boxery_api::{Lease, Name, Pool};
 use boxery_hands::keys::{forget_key, lease_dir, leases_root};
 use boxery_store::{ObjectRef, ObjectStore, ObjectStoreExt, StoreError};
@@ -112,14 +112,19 @@ pub async fn add(v: &Verbs, pool: &str, vm: &str) -> Result {
 
 /// `pool rm POOL VM`: take an adopted VM out of a pool (refused while it is leased).
 pub async fn remove(v: &Verbs, pool: &str, vm: &str) -> Result {
+    let held = v
+        .store()
+        .get_as::<PoolMember>(vm)
+        .await?
+        .filter(|m| {
+            m.spec.pool == pool
+                && matches!(m.status.state, MemberState::Acquiring | MemberState::Leased)
+        })
+        .and_then(|m| m.status.lease);
     edit_pool(v, pool, false, |p| {
-        if let Some(m) = p.status.members.iter().find(|m| m.name == vm)
-            && matches!(m.state, MemberState::Acquiring | MemberState::Leased)
-        {
+        if let Some(lease) = &held {
             return Err(VerbError::conflict(format!(
-                "{vm} is leased by {}: it leaves the pool only when free (`boxery lease release {}`)",
-                m.lease.clone().unwrap_or_default(),
-                m.lease.clone().unwrap_or_default()
+                "{vm} is leased by {lease}: it leaves the pool only when free (`boxery lease release {lease}`)"
             )));
         }
         if !p.spec.members.iter().any(|m| m.name == vm) {
@@ -355,9 +360,13 @@ pub async fn renew(v: &Verbs, name: &str, holder: Option<String>) -> Result<Leas
             l.spec.holder_identity
         )));
     }
-    if matches!(l.status.phase, LeasePhase::Expired | LeasePhase::Released) {
+    if l.status.phase.ended() {
+        let why = match l.status.phase {
+            LeasePhase::Lost => "was lost (its VM is gone)",
+            _ => "has expired",
+        };
         return Err(VerbError::conflict(format!(
-            "lease {name} has expired and cannot be renewed: release it and acquire a new one"
+            "lease {name} {why} and cannot be renewed: release it and acquire a new one"
         )));
     }
     Ok(set_renew_time(v.store(), name).await?)
@@ -380,6 +389,49 @@ pub async fn release(v: &Verbs, name: &Name) -> Result {
         ))),
         Err(e) => Err(e.into()),
     }
+}
+
+/// `delete --force` of a Vm or a Pool: first end every lease holding that VM (or a member of
+/// that pool), each `Lost` with reason `ForceDeleted` and a Warning event, its token revoked
+/// and its member moved on ([`boxery_reconcilers::lease::end_now`]). Returns the leases
+/// ended. Other kinds: nothing.
+pub async fn end_leases_for(v: &Verbs, kind: &str, name: &str) -> Result<Vec<String>> {
+    if kind != "Vm" && kind != "Pool" {
+        return Ok(Vec::new());
+    }
+    let leases = v.store().list_as::<Lease>(&Default::default()).await?;
+    let recorder = boxery_controller::Recorder::new(v.store_arc(), "boxery");
+    let mut ended = Vec::new();
+    for l in leases {
+        let hit = if kind == "Vm" {
+            l.status.vm.as_deref() == Some(name)
+        } else {
+            l.spec.pool == name
+        };
+        if !hit || l.status.phase.ended() || l.status.vm.is_none() {
+            continue;
+        }
+        let msg = format!(
+            "{} {name} was deleted with --force: the lease ended and holds nothing",
+            kind.to_ascii_lowercase()
+        );
+        if boxery_reconcilers::lease::end_now(
+            v.store(),
+            v.home(),
+            &recorder,
+            &l.metadata.name,
+            LeasePhase::Lost,
+            boxery_api::conditions::reasons::FORCE_DELETED,
+            &msg,
+        )
+        .await
+        .map_err(|e| {
+            VerbError::failed(format!("ending lease {}: {}", l.metadata.name, e.chain()))
+        })? {
+            ended.push(l.metadata.name);
+        }
+    }
+    Ok(ended)
 }
 
 /// Forget the key pair made here for a lease a session let go (the keeper released it).

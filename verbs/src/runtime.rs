@@ -256,6 +256,13 @@ impl Embedded {
 /// `delete --force`: drop boxery's finalizer once the backend confirms the VM or image is gone
 /// (removing it first when the backend can).
 pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
+    // A lease never outlives its VM silently: it ends first, with an event.
+    for l in crate::pools::end_leases_for(v, kind, name).await? {
+        eprintln!(
+            "lease/{l} ended: its {} was deleted with --force",
+            kind.to_ascii_lowercase()
+        );
+    }
     let store = v.local()?;
     let backend = v.env.backend_for(store).await?;
     let uid = store.get(kind, name)?.and_then(|o| o.metadata.uid);
