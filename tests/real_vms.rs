@@ -625,7 +625,10 @@ fn ssh_with_key(h: &RealHome, vm: &str, key: &Path) -> bool {
         .arg("-o")
         .arg(format!(
             "UserKnownHostsFile={}",
-            h.home.path().join("ssh/known_hosts").display()
+            h.home
+                .path()
+                .join(format!("ssh/vms/{vm}.known_hosts"))
+                .display()
         ))
         .arg("-o")
         .arg(format!("HostKeyAlias={vm}.boxery"))
