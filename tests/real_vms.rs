@@ -303,18 +303,19 @@ impl RealHome {
         std::thread::spawn(move || {
             let docs =
                 serde_json::Deserializer::from_reader(stdout).into_iter::<serde_json::Value>();
-            for doc in docs.map_while(Result::ok) {
-                // the first document is the list, then one object per change
-                let (objs, listed) = match doc.get("items").and_then(|i| i.as_array()) {
-                    Some(items) => (items.clone(), true),
-                    None => (vec![doc], false),
+            // the first document is the listing (a List, or the object when there is one),
+            // then one object per change
+            for (i, doc) in docs.map_while(Result::ok).enumerate() {
+                let objs = match doc.get("items").and_then(|i| i.as_array()) {
+                    Some(items) => items.clone(),
+                    None => vec![doc],
                 };
                 for o in objs {
                     if tx.send(Some(o)).is_err() {
                         return;
                     }
                 }
-                if listed && tx.send(None).is_err() {
+                if i == 0 && tx.send(None).is_err() {
                     return;
                 }
             }
