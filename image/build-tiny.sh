@@ -13,7 +13,14 @@
 # Cached by a hash of its inputs (these scripts, image/tiny/*, the package versions): a second
 # run with the same inputs returns at once. --force rebuilds. Needs root only for nothing but
 # reading the host's binaries; runs as any user who can write OUT_DIR and the .deb cache.
-# Env: BOXERY_DEB_CACHE (default /var/cache/boxery/debs), TINY_DISK_SIZE (default 1G).
+# Env: BOXERY_DEB_CACHE (default /var/cache/boxery/debs), TINY_DISK_SIZE (default 1G),
+# BOXERY_DEBIAN_MIRROR (default http://deb.debian.org/debian: where dropbear's source comes from).
+#
+# dropbear is built here, not copied from the host: bookworm's 2022.83 closes a new session
+# when another session of the same connection ends at that moment (mkj/dropbear#321), which
+# over a ControlMaster is any two commands that overlap: the second ssh exits 255 without a
+# word. Debian's source of the same version (its patches, its localoptions.h) plus upstream's
+# fix (image/tiny/dropbear-check-close.patch, commit 71521d1b of 2024.86), checked by hash.
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 
@@ -25,7 +32,13 @@ DISK_SIZE=${TINY_DISK_SIZE:-1G}
 CMDLINE="console=ttyS0 loglevel=4 panic=-1"
 MODS="virtio_pci virtio_blk virtio_net virtio_rng virtio_console isofs button evdev"
 require apt-get apt-cache dpkg-deb depmod modprobe cpio gzip mkfs.ext4 qemu-img sha256sum \
-  busybox dropbear dropbearconvert dropbearkey resize2fs ldd
+  busybox resize2fs ldd curl gcc make patch bzip2 xz
+[ -f /usr/include/zlib.h ] || die "zlib1g-dev is missing (dropbear is built here): run scripts/install-deps.sh"
+# dropbear's source: Debian bookworm's, pinned by hash (the .dsc's Checksums-Sha256)
+DB_V=2022.83 DB_DEB=1+deb12u3
+DB_ORIG="dropbear_$DB_V.orig.tar.bz2" DB_ORIG_SHA=bc5a121ffbc94b5171ad5ebe01be42746d50aa797c9549a4639894a16749443b
+DB_DEBIAN="dropbear_$DB_V-$DB_DEB.debian.tar.xz" DB_DEBIAN_SHA=74fb171a630f450430b771b2f781c420a4542881ae75fd2f75ca04c53a3eea93
+MIRROR=${BOXERY_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 [ -x /bin/busybox ] && file_is_static=$(ldd /bin/busybox 2>&1 | grep -c 'not a dynamic' || true)
 [ "${file_is_static:-0}" = 1 ] || die "/bin/busybox is not busybox-static: run scripts/install-deps.sh"
 
@@ -45,7 +58,8 @@ inst() { dpkg-query -W -f='${Version}' "$1"; }
 VERSIONS="kernel=$KPKG=$KPKG_V
 openssh-sftp-server=$SFTP_V
 busybox-static=$(inst busybox-static)
-dropbear-bin=$(inst dropbear-bin)
+dropbear-src=$DB_V-$DB_DEB+$(sha256sum < "$BOXERY_IMAGE_DIR/tiny/dropbear-check-close.patch" | cut -c1-16)
+zlib1g=$(inst zlib1g)
 e2fsprogs=$(inst e2fsprogs)
 disk_size=$DISK_SIZE
 cmdline=$CMDLINE
@@ -77,6 +91,30 @@ fetch() { # fetch PKG VERSION -> path of the .deb in the cache
 }
 KDEB=$(fetch "$KPKG" "$KPKG_V"); SDEB=$(fetch openssh-sftp-server "$SFTP_V")
 phase "packages: $(basename "$KDEB"), $(basename "$SDEB")"
+fetch_src() { # fetch_src FILE SHA256 -> path in the cache, downloaded once and checked
+  local f=$DEB_CACHE/$1
+  if [ ! -f "$f" ] || [ "$(sha256sum < "$f" | cut -d' ' -f1)" != "$2" ]; then
+    curl -fsSL --retry 3 --max-time 300 -o "$f.part" "$MIRROR/pool/main/d/dropbear/$1" \
+      || die "cannot download $MIRROR/pool/main/d/dropbear/$1 (set BOXERY_DEBIAN_MIRROR to a mirror that has it)"
+    [ "$(sha256sum < "$f.part" | cut -d' ' -f1)" = "$2" ] || { rm -f "$f.part"; die "$1: sha256 mismatch"; }
+    mv "$f.part" "$f"
+  fi
+  echo "$f"
+}
+# --- 1b. dropbear: Debian's source + the channel close fix, built with its bundled libtom -------
+DBS=$W/dropbear; mkdir -p "$DBS"
+tar -xjf "$(fetch_src "$DB_ORIG" "$DB_ORIG_SHA")" -C "$DBS" --strip-components=1
+tar -xJf "$(fetch_src "$DB_DEBIAN" "$DB_DEBIAN_SHA")" -C "$DBS"
+while read -r p; do
+  case $p in ''|'#'*) continue ;; esac
+  patch -d "$DBS" -p1 -s < "$DBS/debian/patches/$p" || die "Debian's patch $p does not apply"
+done < "$DBS/debian/patches/series"
+patch -d "$DBS" -p1 -s < "$BOXERY_IMAGE_DIR/tiny/dropbear-check-close.patch" || die "the dropbear fix does not apply"
+cp "$DBS/debian/localoptions.h" "$DBS/"
+(cd "$DBS" && ./configure -q --enable-bundled-libtom CFLAGS="-O2" >"$W/dropbear-build.log" 2>&1 \
+  && make -j"$(nproc)" PROGRAMS="dropbear dropbearkey dropbearconvert" >>"$W/dropbear-build.log" 2>&1) \
+  || { tail -20 "$W/dropbear-build.log" >&2; die "building dropbear failed"; }
+phase "dropbear $DB_V-$DB_DEB built with the channel close fix"
 
 dpkg-deb -x "$KDEB" "$W/kroot"
 dpkg-deb -x "$SDEB" "$W/sftp"
@@ -91,8 +129,8 @@ chmod 1777 "$R/tmp"
 cp /bin/busybox "$R/bin/busybox"
 for a in $(/bin/busybox --list); do [ -e "$R/bin/$a" ] || ln -s busybox "$R/bin/$a"; done
 ln -s bin/busybox "$R/init"
-cp /usr/sbin/dropbear "$R/sbin/dropbear"
-cp /usr/bin/dropbearconvert /usr/bin/dropbearkey "$R/bin/"
+cp "$DBS/dropbear" "$R/sbin/dropbear"
+cp "$DBS/dropbearconvert" "$DBS/dropbearkey" "$R/bin/"
 cp /sbin/mke2fs /sbin/resize2fs "$R/sbin/"
 cp "$W/sftp/usr/lib/openssh/sftp-server" "$R/usr/lib/sftp-server"   # dropbear's sftp path
 cp /etc/mke2fs.conf "$R/etc/"

@@ -14,10 +14,13 @@ set -euo pipefail
 
 # QEMU (from bookworm-backports): the emulator and qemu-img.
 QEMU_PKGS=(qemu-system-x86 qemu-utils)
-# Plain bookworm: seed ISOs (genisoimage), tiny guest (busybox-static, dropbear-bin, cpio, kmod
-# for depmod/modprobe --show-depends), full guest (debootstrap, e2fsprogs for mkfs.ext4 -d),
-# ssh-keygen/ssh (openssh-client), socat (QMP/serial helpers), keyring for debootstrap.
-BASE_PKGS=(genisoimage busybox-static dropbear-bin cpio kmod debootstrap e2fsprogs
+# Plain bookworm: seed ISOs (genisoimage), tiny guest (busybox-static, cpio, kmod for
+# depmod/modprobe --show-depends; gcc, make, zlib1g-dev, curl, patch, bzip2, xz-utils to build
+# its dropbear from Debian's source with a fix, see image/build-tiny.sh), full guest
+# (debootstrap, e2fsprogs for mkfs.ext4 -d), ssh-keygen/ssh (openssh-client), socat (QMP/serial
+# helpers), keyring for debootstrap.
+BASE_PKGS=(genisoimage busybox-static cpio kmod debootstrap e2fsprogs
+  gcc make libc6-dev zlib1g-dev curl patch bzip2 xz-utils
   openssh-client socat gzip debian-archive-keyring ca-certificates)
 
 SRC=/etc/apt/sources.list.d/boxery-bookworm-backports.sources

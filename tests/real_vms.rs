@@ -97,12 +97,25 @@ impl RealHome {
         }
         RealHome { home, kind, env }
     }
+    /// `boxery ARGS`, bounded: a command that outlives its own `--timeout` by two minutes (or
+    /// runs six minutes without one) is killed and the test fails saying which, with the
+    /// objects' state: a test here never waits without a bound.
     fn cmd(&self, args: &[&str]) -> std::process::Output {
         let mut c = self.home.cmd();
         c.env("BOXERY_BACKEND", self.kind.name())
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .args(args);
-        c.output().expect("run boxery")
+        let limit =
+            own_timeout(args).unwrap_or(Duration::from_secs(240)) + Duration::from_secs(120);
+        bounded(c, limit).unwrap_or_else(|partial| {
+            panic!(
+                "boxery {args:?} on {} did not finish within {limit:?} (killed):\nstdout: {}\nstderr: {}\n{}",
+                self.kind.name(),
+                String::from_utf8_lossy(&partial.stdout),
+                String::from_utf8_lossy(&partial.stderr),
+                self.state_report()
+            )
+        })
     }
     fn ok(&self, args: &[&str]) -> String {
         let o = self.cmd(args);
@@ -274,17 +287,11 @@ impl RealHome {
     fn pool_dir(&self) -> PathBuf {
         unreachable!("libvirt tests exist only with --features libvirt")
     }
-    /// Follow `boxery get KIND -o json --watch` (every stored revision of every object of the
-    /// kind, none missed, unlike polling) until `pred` holds for `name`; the matching object.
-    /// On timeout, panics with `what`, the objects last seen and serve's log.
-    fn watch_until(
-        &self,
-        kind: &str,
-        name: &str,
-        timeout: Duration,
-        what: &str,
-        pred: impl Fn(&serde_json::Value) -> bool,
-    ) -> serde_json::Value {
+    /// Start following `boxery get KIND -o json --watch` (every stored revision of every object
+    /// of the kind, none missed, unlike polling); returns once its first list is read,
+    /// so that every later revision is seen (start it before the change to watch for: a change
+    /// that is over before the watch starts shows only in the list, as its end state).
+    fn watch(&self, kind: &str) -> Watch<'_> {
         let mut c = self.home.cmd();
         c.env("BOXERY_BACKEND", self.kind.name())
             .envs(self.env.iter().map(|(k, v)| (k, v)))
@@ -296,43 +303,44 @@ impl RealHome {
         std::thread::spawn(move || {
             let docs =
                 serde_json::Deserializer::from_reader(stdout).into_iter::<serde_json::Value>();
-            for doc in docs.map_while(Result::ok) {
-                // the first document is the list, then one object per change
+            // the first document is the listing (a List, or the object when there is one),
+            // then one object per change
+            for (i, doc) in docs.map_while(Result::ok).enumerate() {
                 let objs = match doc.get("items").and_then(|i| i.as_array()) {
                     Some(items) => items.clone(),
                     None => vec![doc],
                 };
                 for o in objs {
-                    if tx.send(o).is_err() {
+                    if tx.send(Some(o)).is_err() {
                         return;
                     }
                 }
+                if i == 0 && tx.send(None).is_err() {
+                    return;
+                }
             }
         });
-        let deadline = std::time::Instant::now() + timeout;
-        let mut last = serde_json::Value::Null;
-        let found = loop {
+        let mut seen = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             match rx.recv_timeout(left) {
-                Ok(o) if o["metadata"]["name"] == name => {
-                    if pred(&o) {
-                        break Some(o);
-                    }
-                    last = o;
+                Ok(Some(o)) => seen.push(o),
+                Ok(None) => break,
+                Err(_) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!("`boxery get {kind} --watch` listed nothing within 60 s");
                 }
-                Ok(_) => {}
-                Err(_) => break None,
             }
-        };
-        let _ = child.kill();
-        let _ = child.wait();
-        found.unwrap_or_else(|| {
-            panic!(
-                "{what}: not seen in {timeout:?} on {}; {kind} {name} last seen: {last:#}\nserve.log:\n{}",
-                self.kind.name(),
-                std::fs::read_to_string(self.home.path().join("serve.log")).unwrap_or_default()
-            )
-        })
+        }
+        Watch {
+            h: self,
+            kind: kind.to_string(),
+            child,
+            rx,
+            seen,
+        }
     }
     fn vm_json(&self, vm: &str) -> serde_json::Value {
         serde_json::from_str(&self.ok(&["get", "vm", vm, "-o", "json"])).unwrap()
@@ -343,6 +351,65 @@ impl RealHome {
         let mut envs: Vec<(&str, &str)> = vec![("BOXERY_BACKEND", self.kind.name())];
         envs.extend(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         self.home.serve_env(&[], &envs)
+    }
+}
+
+/// A `boxery get KIND -o json --watch` under way ([`RealHome::watch`]); killed when dropped.
+struct Watch<'a> {
+    h: &'a RealHome,
+    kind: String,
+    child: std::process::Child,
+    rx: std::sync::mpsc::Receiver<Option<serde_json::Value>>,
+    /// What the first list held, checked first.
+    seen: Vec<serde_json::Value>,
+}
+
+impl Watch<'_> {
+    /// Until `pred` holds for `name` in the list or a later revision; the matching object. On
+    /// timeout, panics with `what`, the object last seen and serve's log.
+    fn until(
+        mut self,
+        name: &str,
+        timeout: Duration,
+        what: &str,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut last = serde_json::Value::Null;
+        let mut seen = std::mem::take(&mut self.seen).into_iter();
+        let found = loop {
+            let next = match seen.next() {
+                Some(o) => Ok(Some(o)),
+                None => self
+                    .rx
+                    .recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())),
+            };
+            match next {
+                Ok(Some(o)) if o["metadata"]["name"] == name => {
+                    if pred(&o) {
+                        break Some(o);
+                    }
+                    last = o;
+                }
+                Ok(_) => {}
+                Err(_) => break None,
+            }
+        };
+        found.unwrap_or_else(|| {
+            panic!(
+                "{what}: not seen in {timeout:?} on {}; {} {name} last seen: {last:#}\nserve.log:\n{}",
+                self.h.kind.name(),
+                self.kind,
+                std::fs::read_to_string(self.h.home.path().join("serve.log")).unwrap_or_default()
+            )
+        })
+    }
+}
+
+impl Drop for Watch<'_> {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -367,6 +434,98 @@ impl Drop for RealHome {
                 let _ = std::fs::remove_dir_all(self.pool_dir());
             }
         }
+    }
+}
+
+/// The `--timeout D` / `--timeout=D` a command was given (`s`, `m` units), if any.
+fn own_timeout(args: &[&str]) -> Option<Duration> {
+    let v = args.iter().enumerate().find_map(|(i, a)| {
+        a.strip_prefix("--timeout=").or_else(|| {
+            (*a == "--timeout")
+                .then(|| args.get(i + 1).copied())
+                .flatten()
+        })
+    })?;
+    let (n, unit) = v.split_at(v.find(|c: char| !c.is_ascii_digit())?);
+    let n: u64 = n.parse().ok()?;
+    match unit {
+        "s" => Some(Duration::from_secs(n)),
+        "m" => Some(Duration::from_secs(n * 60)),
+        "h" => Some(Duration::from_secs(n * 3600)),
+        _ => None,
+    }
+}
+
+/// Run `c` to the end, or kill it after `limit` (then `Err` with what it printed so far).
+fn bounded(
+    mut c: std::process::Command,
+    limit: Duration,
+) -> Result<std::process::Output, std::process::Output> {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = c
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run boxery");
+    let drain = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let out = drain(
+        child
+            .stdout
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
+    let err = drain(
+        child
+            .stderr
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
+    let deadline = std::time::Instant::now() + limit;
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait for boxery") {
+            break Some(st);
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // a killed command's children (ssh, a ControlMaster) may hold the pipes: never join them
+    // past the command's own end by more than a moment
+    let join = |h: std::thread::JoinHandle<Vec<u8>>| {
+        let t = std::time::Instant::now();
+        while !h.is_finished() && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if h.is_finished() {
+            h.join().unwrap_or_default()
+        } else {
+            Vec::new()
+        }
+    };
+    let (stdout, stderr) = (join(out), join(err));
+    match status {
+        Some(status) => Ok(std::process::Output {
+            status,
+            stdout,
+            stderr,
+        }),
+        None => Err(std::process::Output {
+            status: std::os::unix::process::ExitStatusExt::from_raw(9),
+            stdout,
+            stderr,
+        }),
     }
 }
 
@@ -487,8 +646,9 @@ fn crash_during_create_and_capture(kind: Kind) {
     h.ok(&["wait", "vm", "c1", "--for=condition=Ready", "--timeout=10m"]);
     // Kill during a create: as soon as the Create operation is recorded.
     let f = h.home.write("b.yaml", &tiny_vm("c2"));
+    let create = h.watch("vm");
     h.ok(&["apply", "-f", f.to_str().unwrap()]);
-    h.watch_until("vm", "c2", Duration::from_secs(180), "c2's create", |vm| {
+    create.until("c2", Duration::from_secs(180), "c2's create", |vm| {
         vm["status"]["operation"]["type"] == "Create"
     });
     std::thread::sleep(Duration::from_millis(300));
@@ -496,14 +656,12 @@ fn crash_during_create_and_capture(kind: Kind) {
     serve = h.serve();
     // Kill during a capture of the running c1.
     h.run("c1", "head -c 33554432 /dev/urandom > ~/blob && sync");
+    // the watch starts first: a small capture can be over before a watch started after it
+    let capture = h.watch("image");
     h.ok(&["snap", "c1", "s1"]);
-    h.watch_until(
-        "image",
-        "c1.s1",
-        Duration::from_secs(180),
-        "c1's capture",
-        |img| img["status"]["operation"]["type"] == "Capture",
-    );
+    capture.until("c1.s1", Duration::from_secs(180), "c1's capture", |img| {
+        img["status"]["operation"]["type"] == "Capture"
+    });
     serve.kill();
     let _serve = h.serve();
     h.ok(&["wait", "vm", "c2", "--for=condition=Ready", "--timeout=10m"]);
@@ -603,38 +761,54 @@ fn example_manifests(kind: Kind) {
 }
 
 /// ssh to `vm` with exactly one key (not the control plane's): does the guest accept it?
+/// Bounded: connect within 10 s, a silent server dropped after 15 s, the whole call killed
+/// after 60 s (the test then fails saying so).
 fn ssh_with_key(h: &RealHome, vm: &str, key: &Path) -> bool {
     let v = h.vm_json(vm);
     let endpoint = v["status"]["ssh"]["endpoint"].as_str().unwrap().to_string();
     let (host, port) = endpoint.rsplit_once(':').unwrap();
-    std::process::Command::new("ssh")
-        .args([
-            "-F",
-            "/dev/null",
-            "-o",
-            "BatchMode=yes",
-            "-o",
-            "StrictHostKeyChecking=yes",
-            "-o",
-            "IdentitiesOnly=yes",
-            "-o",
-            "ControlMaster=no",
-            "-o",
-            "ControlPath=none",
-        ])
-        .arg("-o")
-        .arg(format!(
-            "UserKnownHostsFile={}",
-            h.home.path().join("ssh/known_hosts").display()
-        ))
-        .arg("-o")
-        .arg(format!("HostKeyAlias={vm}.boxery"))
-        .arg("-i")
-        .arg(key)
-        .args(["-p", port, &format!("agent@{host}"), "true"])
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
+    let mut c = std::process::Command::new("ssh");
+    c.args([
+        "-F",
+        "/dev/null",
+        "-o",
+        "ConnectTimeout=10",
+        "-o",
+        "ServerAliveInterval=5",
+        "-o",
+        "ServerAliveCountMax=3",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "ControlMaster=no",
+        "-o",
+        "ControlPath=none",
+    ])
+    .arg("-o")
+    .arg(format!(
+        "UserKnownHostsFile={}",
+        h.home
+            .path()
+            .join(format!("ssh/vms/{vm}.known_hosts"))
+            .display()
+    ))
+    .arg("-o")
+    .arg(format!("HostKeyAlias={vm}.boxery"))
+    .arg("-i")
+    .arg(key)
+    .args(["-p", port, &format!("agent@{host}"), "true"])
+    .stdin(std::process::Stdio::null());
+    match bounded(c, Duration::from_secs(60)) {
+        Ok(o) => o.status.success(),
+        Err(_) => panic!(
+            "ssh to {vm} with {} did not finish within 60 s",
+            key.display()
+        ),
+    }
 }
 
 fn pool_leases(kind: Kind) {

@@ -28,15 +28,22 @@ pub fn forget_key(home: &Path, lease: &Name) {
     }
 }
 
-/// The private key of a lease this host holds on `vm`, if any.
+/// The private key of a lease this host holds on `vm`, if any. Only the leases with a key
+/// pair here are read (one store read each; none at all when this host holds no lease).
 pub fn held_key(home: &Path, store: &Store, vm: &str) -> Option<PathBuf> {
-    let leases = store.list_as::<Lease>(&Default::default()).ok()?;
-    leases
-        .iter()
-        .filter(|l| l.status.phase == LeasePhase::Bound && l.status.vm.as_deref() == Some(vm))
-        .find_map(|l| {
-            let name = Name::label(&l.metadata.name).ok()?;
-            let k = lease_dir(home, &name).join("id_ed25519");
-            k.exists().then_some(k)
-        })
+    let dir = std::fs::read_dir(leases_root(home)).ok()?;
+    let mut names: Vec<String> = dir
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(String::from))
+        .collect();
+    names.sort();
+    names.into_iter().find_map(|n| {
+        let name = Name::label(&n).ok()?;
+        let k = lease_dir(home, &name).join("id_ed25519");
+        if !k.exists() {
+            return None;
+        }
+        let l = store.get_as::<Lease>(&n).ok()??;
+        (l.status.phase == LeasePhase::Bound && l.status.vm.as_deref() == Some(vm)).then_some(k)
+    })
 }

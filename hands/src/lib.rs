@@ -1,6 +1,6 @@
-//! The hands: reaching VMs over OpenSSH with the generated ssh_config
-//! (`$BOXERY_HOME/ssh/config`: the pinned host key, one ControlMaster per VM so repeated calls
-//! reuse one connection), and `ssh`, `run` and `cp` on top of it. [`ssh`] holds the config,
+//! The hands: reaching VMs over OpenSSH with a generated ssh_config per VM
+//! (`$BOXERY_HOME/ssh/vms/NAME.conf`: the pinned host key, one ControlMaster per VM so repeated
+//! calls reuse one connection), and `ssh`, `run` and `cp` on top of it. [`ssh`] holds the config,
 //! keys and probes (the reconcilers use them too); [`keys`] the key pairs of the leases this
 //! host holds; [`reach`] is the one check that a VM can be reached, shared by the CLI and the
 //! MCP tools.
@@ -187,26 +187,29 @@ pub fn not_ready(v: &Vm, voice: Voice) -> Option<HandsError> {
     }))
 }
 
-/// Check that VM `vm` can be reached and write the ssh files; returns how to reach it (with
-/// the key of a lease this host holds on it). The one way both front ends get to a VM.
+/// Check that VM `vm` can be reached and write its ssh files; returns how to reach it (with
+/// the key of a lease this host holds on it). The one way both front ends get to a VM: one
+/// read of the VM (the others are listed only to say a name is not found), its own files
+/// written only when they changed.
 pub fn reach(home: &Path, store: &Store, vm: &str, voice: Voice) -> Result<Reach> {
-    let all = store.list_as::<Vm>(&Default::default())?;
-    let Some(v) = all.iter().find(|v| v.metadata.name == vm) else {
+    let Some(v) = store.get_as::<Vm>(vm)? else {
+        let all = store.list_as::<Vm>(&Default::default())?;
         let names: Vec<String> = all.into_iter().map(|v| v.metadata.name).collect();
         return Err(vm_not_found(vm, &names, voice));
     };
-    if let Some(e) = not_ready(v, voice) {
+    if let Some(e) = not_ready(&v, voice) {
         return Err(e);
     }
     let ssh = SshDir::new(home);
-    let targets: Vec<Target> = all.iter().filter_map(Target::of).collect();
-    ssh.write(&targets)
-        .map_err(|e| HandsError::Failed(format!("cannot write the ssh files: {e}")))?;
+    if let Some(t) = Target::of(&v) {
+        ssh.write(&t)
+            .map_err(|e| HandsError::Failed(format!("cannot write the ssh files: {e}")))?;
+    }
     Ok(Reach::new(home, store, ssh, vm))
 }
 
 /// How this host reaches one VM over ssh, shared by the CLI's hands and the tools:
-/// `ssh -F config [-i LEASE_KEY -o ControlPath=…] NAME.boxery`. A lease this host holds on the
+/// `ssh [-i LEASE_KEY -o ControlPath=…] -F vms/NAME.conf NAME.boxery`. A lease this host holds on the
 /// VM lends its key (the holder's access is what is exercised), with a ControlMaster of its
 /// own so a connection made with the control plane's key is never reused for it (nor the
 /// holder's for anyone else); else the control plane's key.
@@ -256,7 +259,7 @@ impl Reach {
                 .arg(format!("ControlPath={}", cm.display()));
         }
         c.arg("-F")
-            .arg(self.ssh.config())
+            .arg(self.ssh.vm_config(&self.vm))
             .arg(crate::ssh::alias(&self.vm));
         c
     }

@@ -3,15 +3,19 @@
 //! Everything lives in `$BOXERY_HOME/ssh/`:
 //! - `id_ed25519` (+ `.pub`): the control plane's key, generated once, put in every VM's
 //!   `authorized_keys` through its seed;
-//! - `config`: an ssh_config with one `Host NAME.boxery` block per VM (`HostName`, `Port`,
-//!   `HostKeyAlias`), `StrictHostKeyChecking yes`, and a ControlMaster per VM so repeated
-//!   calls reuse one connection (`ssh -F $BOXERY_HOME/ssh/config dev1.boxery` works by hand);
-//! - `known_hosts`: `NAME.boxery ssh-ed25519 …` for every VM, from `status.ssh.hostKey`, which
-//!   was generated on the host when the VM got its identity (never trust on first use);
+//! - `vms/NAME.conf`: one VM's whole ssh_config: a `Host NAME.boxery` block (`HostName`,
+//!   `Port`, `HostKeyAlias`, its own `UserKnownHostsFile`), `StrictHostKeyChecking yes`, and a
+//!   ControlMaster so repeated calls reuse one connection; boxery runs
+//!   `ssh -F vms/NAME.conf NAME.boxery`, so a call reads only its own VM's files;
+//! - `vms/NAME.known_hosts`: `NAME.boxery ssh-ed25519 …`, from `status.ssh.hostKey`, which was
+//!   generated on the host when the VM got its identity (never trust on first use);
+//! - `config`: `Include vms/*.conf`, for people: `ssh -F $BOXERY_HOME/ssh/config dev1.boxery`
+//!   works by hand (and an `Include` of it in `~/.ssh/config` makes `ssh dev1.boxery` work);
 //! - `cm/`: ControlMaster sockets.
 //!
-//! Both files are rewritten from the store (temp file + rename) before each use, so they
-//! always match the objects.
+//! A VM's two files are written from its object (temp file + rename, only when they changed)
+//! before each use of that VM: one call costs the same with one VM or a thousand. They are
+//! removed when the VM is deleted ([`SshDir::close`]).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -99,7 +103,13 @@ fn write_atomic(path: &Path, text: &str, mode: u32) -> Result<(), SshError> {
         path: path.display().to_string(),
         source,
     };
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    // Unique per process and per call: two threads (or tasks) of one process writing the same
+    // file must not share a temp file.
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp{}-{seq}", std::process::id()));
+    let tmp = path.with_file_name(name);
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
@@ -107,8 +117,26 @@ fn write_atomic(path: &Path, text: &str, mode: u32) -> Result<(), SshError> {
         .mode(mode)
         .open(&tmp)
         .map_err(err)?;
-    f.write_all(text.as_bytes()).map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)
+    let written = f
+        .write_all(text.as_bytes())
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(err)
+}
+
+/// Write `text` to `path` unless it already holds exactly that.
+fn write_if_changed(path: &Path, text: &str) -> Result<(), SshError> {
+    if std::fs::read(path).ok().as_deref() == Some(text.as_bytes()) {
+        return Ok(());
+    }
+    write_atomic(path, text, 0o600)
+}
+
+/// A path as one ssh_config argument (quoted: a home may hold spaces).
+fn arg(p: &Path) -> String {
+    format!("\"{}\"", p.display())
 }
 
 impl SshDir {
@@ -119,9 +147,19 @@ impl SshDir {
         }
     }
 
-    /// The config file.
+    /// The config file for people: it includes every VM's.
     pub fn config(&self) -> PathBuf {
         self.dir.join("config")
+    }
+
+    /// VM `vm`'s own ssh_config, the one boxery's ssh commands use (`-F`).
+    pub fn vm_config(&self, vm: &str) -> PathBuf {
+        self.dir.join("vms").join(format!("{vm}.conf"))
+    }
+
+    /// VM `vm`'s pinned host key, as a known_hosts file.
+    pub fn vm_known_hosts(&self, vm: &str) -> PathBuf {
+        self.dir.join("vms").join(format!("{vm}.known_hosts"))
     }
 
     /// The control plane's private key.
@@ -184,77 +222,100 @@ impl SshDir {
             .to_string())
     }
 
-    /// Rewrite `config` and `known_hosts` for these VMs.
-    pub fn write(&self, targets: &[Target]) -> Result<(), SshError> {
+    /// Write VM `t`'s ssh files (its config and known_hosts, and the shared `config` that
+    /// includes them), leaving unchanged files alone: what runs before each use of a VM.
+    /// Reads and writes only this VM's files, whatever the number of VMs.
+    pub fn write(&self, t: &Target) -> Result<(), SshError> {
+        // Only what reads back as an address and one key line reaches the files: a newline
+        // here would add ssh_config directives (ProxyCommand runs on this host).
+        let addr_ok = t.endpoint.parse::<std::net::SocketAddr>().is_ok();
+        let key_ok = boxery_api::lease::check_public_key(t.host_key.trim()).is_ok();
+        if !addr_ok || !key_ok || boxery_api::Name::label(&t.name).is_err() {
+            return Err(SshError::Unreachable {
+                vm: boxery_api::name::shown(&t.name),
+                reason: "its ssh endpoint or host key is not an address and one key line: it was left out of the ssh config".into(),
+            });
+        }
         self.public_key()?;
-        let d = self.dir.display();
-        let mut cfg =
-            String::from("# Generated by boxery from its store; rewritten before every use.\n");
-        let mut known = String::new();
-        for t in targets {
-            // Only what reads back as an address and one key line reaches the files: a
-            // newline here would add ssh_config directives (ProxyCommand runs on this host).
-            let addr_ok = t.endpoint.parse::<std::net::SocketAddr>().is_ok();
-            let key_ok = boxery_api::lease::check_public_key(t.host_key.trim()).is_ok();
-            if !addr_ok || !key_ok || boxery_api::Name::label(&t.name).is_err() {
-                tracing::warn!(vm = %boxery_api::name::shown(&t.name), "an ssh endpoint or host key that is not an address and one key line: left out of the ssh config");
-                continue;
-            }
-            let (host, port) = t.endpoint.rsplit_once(':').unwrap_or((&t.endpoint, "22"));
-            cfg.push_str(&format!(
-                "Host {}\n  HostName {host}\n  Port {port}\n  HostKeyAlias {}\n",
-                alias(&t.name),
-                alias(&t.name)
-            ));
-            known.push_str(&format!("{} {}\n", alias(&t.name), t.host_key.trim()));
+        let vms = self.dir.join("vms");
+        if !vms.is_dir() {
+            std::fs::create_dir_all(&vms).map_err(|source| SshError::Write {
+                path: vms.display().to_string(),
+                source,
+            })?;
         }
-        cfg.push_str(&format!(
-            "Host *.boxery\n  User {USER}\n  IdentityFile {d}/id_ed25519\n  IdentitiesOnly yes\n  \
-             StrictHostKeyChecking yes\n  UserKnownHostsFile {d}/known_hosts\n  GlobalKnownHostsFile /dev/null\n  \
-             CheckHostIP no\n  UpdateHostKeys no\n  PasswordAuthentication no\n  KbdInteractiveAuthentication no\n  \
-             ForwardAgent no\n  ForwardX11 no\n  ControlMaster auto\n  ControlPath {d}/cm/%C\n  ControlPersist 300\n  \
-             ConnectTimeout 10\n  ServerAliveInterval 15\n  ServerAliveCountMax 4\n  LogLevel ERROR\n"
-        ));
-        // Unchanged files are left alone (this runs before every `boxery run`).
-        for (path, text) in [
-            (self.dir.join("known_hosts"), &known),
-            (self.config(), &cfg),
-        ] {
-            if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
-                write_atomic(&path, text, 0o600)?;
-            }
-        }
-        Ok(())
+        write_if_changed(
+            &self.config(),
+            &format!(
+                "# Generated by boxery: each VM's settings are in vms/NAME.conf (boxery itself runs\n\
+                 # `ssh -F vms/NAME.conf NAME.boxery`); this file includes them all, for people:\n\
+                 # `ssh -F {} NAME.boxery`.\nInclude {}\n",
+                self.config().display(),
+                arg(&vms.join("*.conf"))
+            ),
+        )?;
+        let (host, port) = t.endpoint.rsplit_once(':').unwrap_or((&t.endpoint, "22"));
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let a = alias(&t.name);
+        write_if_changed(
+            &self.vm_known_hosts(&t.name),
+            &format!("{a} {}\n", t.host_key.trim()),
+        )?;
+        write_if_changed(
+            &self.vm_config(&t.name),
+            &format!(
+                "# Generated by boxery from Vm {name}; rewritten when it changes.\n\
+                 Host {a}\n  HostName {host}\n  Port {port}\n  HostKeyAlias {a}\n  \
+                 UserKnownHostsFile {known}\n  GlobalKnownHostsFile /dev/null\n  \
+                 StrictHostKeyChecking yes\n  CheckHostIP no\n  UpdateHostKeys no\n  \
+                 User {USER}\n  IdentityFile {key}\n  IdentitiesOnly yes\n  \
+                 PasswordAuthentication no\n  KbdInteractiveAuthentication no\n  \
+                 ForwardAgent no\n  ForwardX11 no\n  \
+                 ControlMaster auto\n  ControlPath {cm}\n  ControlPersist 300\n  \
+                 ConnectTimeout 10\n  ServerAliveInterval 15\n  ServerAliveCountMax 4\n  LogLevel ERROR\n",
+                name = t.name,
+                known = arg(&self.vm_known_hosts(&t.name)),
+                key = arg(&self.key()),
+                cm = arg(&self.dir.join("cm/%C")),
+            ),
+        )
     }
 
-    /// `ssh -F config NAME.boxery` plus `args`, as a command to finish and run.
+    /// `ssh -F vms/NAME.conf NAME.boxery`, as a command to finish and run.
     pub fn command(&self, vm: &str) -> Command {
         Command::from(self.std_command(vm))
     }
 
-    /// `ssh -F config NAME.boxery`, for `std::process`.
+    /// `ssh -F vms/NAME.conf NAME.boxery`, for `std::process`.
     pub fn std_command(&self, vm: &str) -> std::process::Command {
         let mut c = std::process::Command::new("ssh");
         c.args(debug_log_args())
             .arg("-F")
-            .arg(self.config())
+            .arg(self.vm_config(vm))
             .arg(alias(vm));
         c
     }
 
-    /// Close a VM's ControlMaster, if one runs (best effort).
+    /// The VM is gone: close its ControlMaster, if one runs, and remove its ssh files (best
+    /// effort).
     pub async fn close(&self, vm: &str) {
-        let _ = Command::new("ssh")
-            .args(debug_log_args())
-            .arg("-F")
-            .arg(self.config())
-            .args(["-O", "exit"])
-            .arg(alias(vm))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .await;
+        if self.vm_config(vm).exists() {
+            let _ = Command::new("ssh")
+                .args(debug_log_args())
+                .arg("-F")
+                .arg(self.vm_config(vm))
+                .args(["-O", "exit"])
+                .arg(alias(vm))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .await;
+        }
+        if boxery_api::Name::label(vm).is_ok() {
+            let _ = std::fs::remove_file(self.vm_config(vm));
+            let _ = std::fs::remove_file(self.vm_known_hosts(vm));
+        }
     }
 
     /// Whether the VM answers: its endpoint speaks SSH, then `true` runs with the pinned key
@@ -333,4 +394,142 @@ pub async fn banner(endpoint: &str, within: Duration) -> Result<(), String> {
     tokio::time::timeout(within, fut)
         .await
         .map_err(|_| format!("no SSH banner at {endpoint} within {within:.1?}"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: &str =
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl";
+
+    fn target(name: &str, port: u16) -> Target {
+        Target {
+            name: name.into(),
+            endpoint: format!("127.0.0.1:{port}"),
+            host_key: KEY.into(),
+        }
+    }
+
+    /// `ssh -G`: the settings ssh resolves for `host` with config `cfg`, as `key value` lines.
+    fn resolved(cfg: &Path, host: &str) -> String {
+        let o = std::process::Command::new("ssh")
+            .arg("-G")
+            .arg("-F")
+            .arg(cfg)
+            .arg(host)
+            .output()
+            .expect("ssh (openssh-client) is installed");
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8(o.stdout).unwrap()
+    }
+
+    /// One VM's files say how to reach it with its pinned key, both through its own config and
+    /// the shared one; writing one VM touches no other VM's files, and an unchanged VM's files
+    /// are not written again.
+    #[test]
+    fn each_vm_has_its_own_files() {
+        let home = tempfile::tempdir().unwrap();
+        let d = SshDir::new(home.path());
+        d.write(&target("a", 2201)).unwrap();
+        d.write(&target("b", 2202)).unwrap();
+        for (vm, port) in [("a", 2201), ("b", 2202)] {
+            let host = alias(vm);
+            for cfg in [d.vm_config(vm), d.config()] {
+                let g = resolved(&cfg, &host);
+                assert!(g.contains(&format!("\nport {port}\n")), "{g}");
+                assert!(g.contains("\nhostname 127.0.0.1\n"), "{g}");
+                assert!(g.contains(&format!("\nhostkeyalias {host}\n")), "{g}");
+                assert!(g.contains("\nstricthostkeychecking true\n"), "{g}");
+                assert!(g.contains("\ncontrolmaster auto\n"), "{g}");
+                let known = d.vm_known_hosts(vm).display().to_string();
+                assert!(
+                    g.contains(&format!("\nuserknownhostsfile {known}\n")),
+                    "{g}"
+                );
+            }
+            assert_eq!(
+                std::fs::read_to_string(d.vm_known_hosts(vm)).unwrap(),
+                format!("{host} {KEY}\n")
+            );
+        }
+        let ino = |p: PathBuf| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
+        let before = (
+            ino(d.vm_config("a")),
+            ino(d.vm_config("b")),
+            ino(d.config()),
+        );
+        d.write(&target("a", 2201)).unwrap();
+        assert_eq!(
+            (
+                ino(d.vm_config("a")),
+                ino(d.vm_config("b")),
+                ino(d.config())
+            ),
+            before,
+            "unchanged files were written again"
+        );
+        d.write(&target("a", 2203)).unwrap();
+        assert_ne!(ino(d.vm_config("a")), before.0);
+        assert_eq!(ino(d.vm_config("b")), before.1, "b's file was written");
+        assert!(resolved(&d.vm_config("a"), "a.boxery").contains("\nport 2203\n"));
+        // nothing else is left in the directory (no temp files)
+        let mut names: Vec<String> = std::fs::read_dir(home.path().join("ssh/vms"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            ["a.conf", "a.known_hosts", "b.conf", "b.known_hosts"]
+        );
+    }
+
+    /// What is not an address, one key line and a name never reaches an ssh_config.
+    #[test]
+    fn hostile_targets_write_nothing() {
+        let home = tempfile::tempdir().unwrap();
+        let d = SshDir::new(home.path());
+        for t in [
+            Target {
+                endpoint: "127.0.0.1:22\n  ProxyCommand touch /tmp/x".into(),
+                ..target("a", 22)
+            },
+            Target {
+                host_key: format!("{KEY}\nHost *\n  ProxyCommand x"),
+                ..target("a", 22)
+            },
+            target("../a", 22),
+        ] {
+            assert!(d.write(&t).is_err(), "{t:?}");
+        }
+        assert!(!d.vm_config("a").exists());
+    }
+
+    /// Many threads of one process writing the same VM's files: each write is whole (no two
+    /// share a temp file), and none is left behind.
+    #[test]
+    fn concurrent_writes_of_one_file_stay_whole() {
+        let home = tempfile::tempdir().unwrap();
+        let d = SshDir::new(home.path());
+        d.write(&target("a", 2200)).unwrap();
+        std::thread::scope(|s| {
+            for i in 0..8u16 {
+                let d = &d;
+                s.spawn(move || {
+                    for j in 0..50u16 {
+                        d.write(&target("a", 3000 + i * 100 + j)).unwrap();
+                    }
+                });
+            }
+        });
+        let g = resolved(&d.vm_config("a"), "a.boxery");
+        assert!(g.contains("\nport 3"), "{g}");
+        let left: Vec<_> = std::fs::read_dir(home.path().join("ssh/vms"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| n.to_string_lossy().contains(".tmp"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
 }

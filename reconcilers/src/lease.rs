@@ -775,8 +775,11 @@ async fn install(
     let Some(ssh) = &ctx.ssh else { return Ok(()) };
     let fail = |m: String| boxery_backends::BackendError::failed("install", m);
     let cp_key = ssh.public_key().map_err(|e| fail(e.to_string()))?;
-    ssh.write(&crate::vm::known_targets(ctx).await)
-        .map_err(|e| fail(e.to_string()))?;
+    // This VM's ssh files only (one read, O(1) in the number of VMs).
+    let v = ctx.store.get_as::<boxery_api::Vm>(vm).await.ok().flatten();
+    let target = v.as_ref().and_then(crate::ssh::Target::of);
+    let target = target.ok_or_else(|| fail(format!("VM {vm} has no ssh endpoint yet")))?;
+    ssh.write(&target).map_err(|e| fail(e.to_string()))?;
     let q = |s: &str| format!("'{}'", s.replace('\'', "'\\''"));
     let script = format!(
         "set -e; umask 077; mkdir -p ~/.boxery ~/.ssh; printf '%s\\n' {} > ~/.boxery/token.tmp; mv -f ~/.boxery/token.tmp ~/.boxery/token; \

@@ -296,9 +296,23 @@ async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     Ok(Action::await_change())
 }
 
-/// Check that a running VM answers over ssh with its pinned host key.
+/// Check that a running VM answers over ssh with its pinned host key. A VM found ready for
+/// this generation at this endpoint is not asked again: every start sets `Ready=False`, and
+/// every change that can restart the guest (a revert, a resize) is a new generation. So the
+/// probe runs while a VM boots, not on every later reconcile, where its session would
+/// overlap the first commands of whoever waited for Ready (and cost an ssh process each time).
 async fn probe(ctx: &Ctx, vm: &Vm, endpoint: &str) -> Result<(), String> {
     let Some(ssh) = &ctx.ssh else { return Ok(()) };
+    let ready = vm.status.conditions.get_condition(READY).is_some_and(|c| {
+        c.status == ConditionStatus::True
+            && c.reason == reasons::SSH_REACHABLE
+            && c.observed_generation == vm.metadata.generation
+    });
+    let same_endpoint =
+        vm.status.ssh.as_ref().and_then(|s| s.endpoint.as_deref()) == Some(endpoint);
+    if ready && same_endpoint {
+        return Ok(());
+    }
     let Some(host_key) = vm.status.ssh.as_ref().and_then(|s| s.host_key.clone()) else {
         return Err("no pinned host key is recorded for this VM (it was not made by boxery's identity step)".into());
     };
@@ -307,25 +321,11 @@ async fn probe(ctx: &Ctx, vm: &Vm, endpoint: &str) -> Result<(), String> {
         endpoint: endpoint.to_string(),
         host_key,
     };
-    let mut targets = known_targets(ctx).await;
-    targets.retain(|t| t.name != target.name);
-    targets.push(target.clone());
-    ssh.write(&targets).map_err(|e| e.to_string())?;
+    ssh.write(&target).map_err(|e| e.to_string())?;
     ssh.probe(&target).await.map_err(|e| match e {
         crate::ssh::SshError::Unreachable { reason, .. } => reason,
         e => e.to_string(),
     })
-}
-
-/// Every VM with an endpoint and a pinned key, from the store.
-pub async fn known_targets(ctx: &Ctx) -> Vec<crate::ssh::Target> {
-    ctx.store
-        .list_as::<Vm>(&Default::default())
-        .await
-        .unwrap_or_default()
-        .iter()
-        .filter_map(crate::ssh::Target::of)
-        .collect()
 }
 
 /// How ready a running VM is.
@@ -1040,3 +1040,81 @@ pub fn is_ready(vm: &Vm) -> bool {
 
 /// The kind info, re-exported for wiring.
 pub const KIND: &str = Vm::INFO.kind;
+
+#[cfg(test)]
+mod probe_tests {
+    use super::*;
+
+    const KEY: &str =
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl";
+
+    /// An endpoint that sends an SSH banner and hangs up: the banner check passes, the ssh
+    /// command fails at once. A probe that runs there fails; one that is skipped succeeds.
+    fn banner_then_close() -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        std::thread::spawn(move || {
+            for c in l.incoming().flatten() {
+                let mut c = c;
+                let _ = std::io::Write::write_all(&mut c, b"SSH-2.0-test\r\n");
+            }
+        });
+        addr
+    }
+
+    /// A VM Ready (ssh reachable) for this generation at this endpoint is not probed again:
+    /// no session of the control plane overlaps the first commands of whoever waited for it.
+    /// Another generation (a revert, a resize) or another endpoint is probed.
+    #[tokio::test]
+    async fn a_ready_vm_is_not_probed_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = boxery_store::Store::open(&dir.path().join("store.db")).unwrap();
+        let backend = Arc::new(boxery_backends::fake::FakeBackend::new(
+            dir.path().join("fake"),
+        ));
+        let mut ctx = Ctx::new(
+            Arc::new(store),
+            dir.path().to_path_buf(),
+            backend,
+            "test".into(),
+            Default::default(),
+        );
+        ctx.ssh = Some(crate::ssh::SshDir::new(dir.path()));
+        let endpoint = banner_then_close();
+        let mut vm: Vm = serde_json::from_value(serde_json::json!({
+            "apiVersion": "boxery.dev/v1alpha1", "kind": "Vm",
+            "metadata": {"name": "a", "generation": 2},
+            "spec": {"source": {"image": "tiny"}},
+            "status": {"ssh": {"endpoint": endpoint, "hostKey": KEY}},
+        }))
+        .unwrap();
+        let ready = |vm: &mut Vm, generation: i64| {
+            vm.status.conditions.set_condition(
+                READY,
+                ConditionStatus::True,
+                reasons::SSH_REACHABLE,
+                "",
+                Some(generation),
+            );
+        };
+        assert!(
+            probe(&ctx, &vm, &endpoint).await.is_err(),
+            "not Ready yet: probed"
+        );
+        ready(&mut vm, 2);
+        probe(&ctx, &vm, &endpoint)
+            .await
+            .expect("Ready for this generation and endpoint: not probed");
+        vm.metadata.generation = Some(3);
+        assert!(
+            probe(&ctx, &vm, &endpoint).await.is_err(),
+            "a new generation is probed"
+        );
+        ready(&mut vm, 3);
+        let other = banner_then_close();
+        assert!(
+            probe(&ctx, &vm, &other).await.is_err(),
+            "a new endpoint is probed"
+        );
+    }
+}
