@@ -484,6 +484,23 @@ fn finalizers_cannot_pin_an_object_and_force_tells_the_truth() {
         code(&home.run(&["apply", "-f", ev.to_str().unwrap()])),
         Some(2)
     );
+    // So are PoolMember records (a claim's fence): an agent writing or deleting one could
+    // hand a leased VM to a second holder. Refused, whoever asks, saying what to do instead.
+    let pm = home.write(
+        "pm.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: PoolMember\nmetadata: {name: v9}\nspec: {pool: agents}\n",
+    );
+    let o = home.run(&["apply", "-f", pm.to_str().unwrap()]);
+    assert_eq!(code(&o), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("boxery pool rm"), "{}", stderr(&o));
+    assert!(store.get("PoolMember", "v9").unwrap().is_none());
+    let o = home.run(&["delete", "poolmember", "v9"]);
+    assert_eq!(code(&o), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("controllers only"),
+        "{}",
+        stderr(&o)
+    );
     let v = home.write("v.yaml", &common::vm_yaml("p1"));
     home.ok(&["apply", "-f", v.to_str().unwrap()]);
     let o = home.run(&["apply", "-f", f.to_str().unwrap(), "--prune", "-l", ""]);

@@ -72,6 +72,7 @@ impl Resource for Event {
         short_names: &["ev"],
         dotted_names: true,
         description: "Something that happened to an object (shown by `describe` and `events`).",
+        controllers_only: Some("apply Vm, Image, Pool, Lease or Grant objects"),
     };
     fn meta(&self) -> &ObjectMeta {
         &self.metadata

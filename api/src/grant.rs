@@ -19,6 +19,7 @@ impl_resource!(
         short_names: &["grant"],
         dotted_names: false,
         description: "A credential route for one VM or lease (llm, http, env, file, github), applied after a person approves it. Not implemented yet: the store refuses Grants until the credential proxy lands (issue 13).",
+        controllers_only: None,
     },
     normalize = normalize_grant
 );

@@ -21,6 +21,7 @@ impl_resource!(
         short_names: &["img"],
         dotted_names: true,
         description: "A disk-only, independent image: a snapshot of a VM (`source.vm`), a built base (`source.build`) or an imported file (`source.file`).",
+        controllers_only: None,
     },
     normalize = normalize_image
 );

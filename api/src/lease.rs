@@ -19,6 +19,7 @@ impl_resource!(
         short_names: &["lease"],
         dotted_names: false,
         description: "An expiring claim on one free member of a pool; deleting it releases the VM, which is then reset.",
+        controllers_only: None,
     },
     normalize = normalize_lease
 );

@@ -22,6 +22,7 @@ impl_resource!(
         short_names: &["pool"],
         dotted_names: false,
         description: "A pool of VMs (made from a template and/or adopted) that agents lease one at a time.",
+        controllers_only: None,
     },
     normalize = normalize_pool
 );
@@ -247,6 +248,9 @@ impl_resource!(
         short_names: &["member", "pm"],
         dotted_names: false,
         description: "One member of a pool (named after its VM): its state and the lease holding it. Written by boxery's pool and lease controllers: read it, do not write it.",
+        controllers_only: Some(
+            "change the Pool (spec.replicas, spec.members) or its Leases; `boxery pool rm POOL VM` takes a VM out of its pool",
+        ),
     },
     normalize = normalize_member
 );

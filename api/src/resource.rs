@@ -25,6 +25,9 @@ pub struct KindInfo {
     pub dotted_names: bool,
     /// One line for `boxery explain` and `--help`.
     pub description: &'static str,
+    /// `Some(what to write instead)` when only boxery's controllers write objects of this kind
+    /// (`Event`, `PoolMember`): `apply` and `delete` refuse them, whoever asks, and say this.
+    pub controllers_only: Option<&'static str>,
 }
 
 /// A typed object kind.

@@ -21,6 +21,7 @@ impl_resource!(
         short_names: &["vm"],
         dotted_names: false,
         description: "A virtual machine: its source image or VM, resources, run strategy and revert requests.",
+        controllers_only: None,
     },
     normalize = normalize_vm
 );

@@ -73,10 +73,17 @@ pub(crate) fn apply_all(
                 errors: vec![FieldError::new(path, message)],
             })
         };
-        if o.kind == "Event" {
+        if let Some(instead) = boxery_api::validate::KINDS
+            .iter()
+            .find(|k| k.kind == o.kind)
+            .and_then(|k| k.controllers_only)
+        {
             return Err(invalid(
                 "kind",
-                "Events are written by boxery's controllers only: apply Vm, Image, Pool, Lease or Grant objects".into(),
+                format!(
+                    "{} objects are written by boxery's controllers only: {instead}",
+                    o.kind
+                ),
             ));
         }
         if let Some(f) = o

@@ -293,6 +293,12 @@ pub async fn delete(v: &Verbs, info: &'static KindInfo, names: &[String]) -> Res
     if names.is_empty() {
         return Err(VerbError::invalid("name at least one object to delete"));
     }
+    if let Some(instead) = info.controllers_only {
+        return Err(VerbError::invalid(format!(
+            "{} objects are written and deleted by boxery's controllers only: {instead}",
+            info.kind
+        )));
+    }
     for n in names {
         Name::for_kind(info, n).map_err(|e| match v.voice {
             Voice::Cli => VerbError::invalid(e.0),
