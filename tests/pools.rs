@@ -652,9 +652,16 @@ fn pruning_a_pool_waits_for_its_leases() {
     let p: Pool = home.store().get_as("pr").unwrap().expect("the pool waits");
     assert!(p.metadata.is_deleting());
     check(&home, "pr").unwrap();
+    let described = events_of(&home, "pool", "pr");
+    assert!(described.contains("MemberRemov"), "the removal is told");
+    // `describe pool` lists the members from their records: the held one, and who holds it.
+    let row = described
+        .lines()
+        .find(|l| l.trim_start().starts_with(held.as_str()))
+        .unwrap_or_else(|| panic!("no member row for {held}: {described}"));
     assert!(
-        events_of(&home, "pool", "pr").contains("MemberRemov"),
-        "the removal is told"
+        row.contains("Leased") && row.contains("held"),
+        "the member row names its state and lease: {row}"
     );
 
     // The lease ends: the member, its VM and the pool go; nothing is left behind.

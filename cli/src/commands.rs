@@ -235,6 +235,31 @@ pub async fn describe(verbs: &Verbs, kind_name: &str, name: &str) -> CliResult {
             &rows,
         ));
     }
+    if obj.kind == "Pool" {
+        let pool: boxery_api::Pool = obj.to_typed().map_err(boxery_verbs::VerbError::from)?;
+        let members = boxery_verbs::pools::members(verbs, &pool).await?;
+        if members.is_empty() {
+            out.push_str("Members:      <none>\n");
+        } else {
+            out.push_str("Members:\n");
+            let rows: Vec<Vec<String>> = members
+                .iter()
+                .map(|m| {
+                    vec![
+                        m.name.clone(),
+                        format!("{:?}", m.state),
+                        m.generation.to_string(),
+                        m.lease.clone().unwrap_or_default(),
+                        m.message.clone(),
+                    ]
+                })
+                .collect();
+            out.push_str(&indent_table(
+                &["VM", "STATE", "GENERATION", "LEASE", "MESSAGE"],
+                &rows,
+            ));
+        }
+    }
     let events = objects::events(verbs, Some((&obj.kind, name))).await?;
     if events.is_empty() {
         out.push_str("Events:       <none>\n");

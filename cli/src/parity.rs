@@ -20,6 +20,10 @@ const CLI_ONLY: &[(&str, &str)] = &[
     ("ssh", "an interactive terminal; agents use vm_bash"),
     ("serve", "runs the control plane (and serves MCP over HTTP)"),
     ("mcp", "is the MCP server"),
+    (
+        "service",
+        "installs a systemd unit on the host: the owner's decision, never an agent's",
+    ),
     ("help", "clap's help"),
     ("backends", "describes this build's backends, for operators"),
     (

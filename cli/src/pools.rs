@@ -124,22 +124,7 @@ pub async fn pool(v: &Verbs, cmd: PoolCmd) -> CliResult {
                         String::new()
                     }
                 );
-                let selector = format!(
-                    "{}={}",
-                    boxery_reconcilers::pool::POOL_LABEL,
-                    p.metadata.name
-                )
-                .parse()
-                .expect("a valid selector");
-                let members: Vec<boxery_api::pool::MemberStatus> = v
-                    .store()
-                    .list_as::<boxery_api::pool::PoolMember>(&selector)
-                    .await?
-                    .iter()
-                    .filter(|m| m.spec.pool == p.metadata.name)
-                    .map(boxery_api::pool::MemberStatus::of)
-                    .chain(s.members.iter().cloned())
-                    .collect();
+                let members = pools::members(v, &p).await?;
                 for m in &members {
                     let lease = m
                         .lease

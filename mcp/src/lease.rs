@@ -235,7 +235,7 @@ async fn acquire(
     if let Some(state) = state {
         session.let_go(&name);
         return Err(ToolError::Timeout(format!(
-            "no member of pool {pool} was free within {}s, so lease {name} was released again ({state}); try later, or vm_get {{kind: pool, name: {pool}}} to see its members",
+            "no member of pool {pool} was free within {}s, so lease {name} was released again ({state}); try later, or vm_describe {{kind: pool, name: {pool}}} to see its members",
             timeout.as_secs()
         )));
     }

@@ -276,7 +276,7 @@ pub fn tools() -> &'static [Tool] {
             ),
             tool(
                 "vm_describe",
-                "Show one object in detail: spec, status, conditions and recent events. Use it to see why a VM is not Ready.",
+                "Show one object in detail: spec, status, conditions and recent events (a pool: also its members and who leases them). Use it to see why a VM is not Ready.",
                 ro,
                 CliSide::Commands(&["describe", "events"]),
                 lifecycle::describe,

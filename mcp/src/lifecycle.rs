@@ -356,6 +356,11 @@ pub async fn describe(
         })
         .collect();
     value["events"] = Value::Array(events);
+    if o.kind == "Pool" {
+        let pool: boxery_api::Pool = o.to_typed().map_err(boxery_verbs::VerbError::from)?;
+        value["members"] = serde_json::to_value(boxery_verbs::pools::members(v, &pool).await?)
+            .map_err(boxery_verbs::VerbError::from)?;
+    }
     Ok(Output::with_data(
         format!(
             "{}\n{}",

@@ -170,8 +170,9 @@ async def lease_mode(binary):
             res, t = await call(s, "vm_lease", {"action": "list"})
             mine = [l for l in res.structured_content["leases"] if l["lease"] == lease]
             check(mine and mine[0]["bound"] and mine[0]["held_by_this_session"] and mine[0]["vm"] == vm, f"list: {t}")
-            _, t = await call(s, "vm_get", {"kind": "pool", "name": "agents"})
-            check("Leased" in t, f"the member is Leased: {t}")
+            res, t = await call(s, "vm_describe", {"kind": "pool", "name": "agents"})
+            held = [m for m in res.structured_content["members"] if m["name"] == vm]
+            check(held and held[0]["state"] == "Leased" and held[0]["lease"] == lease, f"the member is Leased: {t}")
             # The session renews by itself at a third of the TTL (20 s here).
             res, t = await call(s, "vm_get", {"kind": "lease", "name": lease})
             check("renewTime" not in t, f"renewed before its time: {t}")

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use boxery_api::lease::{LeasePhase, LeaseSpec};
 use boxery_api::meta::LocalObjectReference;
-use boxery_api::pool::{MemberState, PoolMember, PoolSpec};
+use boxery_api::pool::{MemberState, MemberStatus, PoolMember, PoolSpec};
 use boxery_api::{Lease, Name, Pool};
 use boxery_hands::keys::{forget_key, lease_dir, leases_root};
 use boxery_store::{ObjectRef, ObjectStore, ObjectStoreExt, StoreError};
@@ -108,6 +108,30 @@ pub async fn add(v: &Verbs, pool: &str, vm: &str) -> Result {
         Ok(())
     })
     .await
+}
+
+/// Pool `pool`'s members, by name: one row per `PoolMember` record, plus the rows of a member
+/// table stored before records that the pool's controller has not moved yet. What `pool ls`
+/// and `describe pool` (CLI and MCP) show.
+pub async fn members(v: &Verbs, pool: &Pool) -> Result<Vec<MemberStatus>> {
+    let selector = format!(
+        "{}={}",
+        boxery_reconcilers::pool::POOL_LABEL,
+        pool.metadata.name
+    )
+    .parse()
+    .map_err(|_| VerbError::invalid("a pool name that is not a label value"))?;
+    let mut out: Vec<MemberStatus> = v
+        .store()
+        .list_as::<PoolMember>(&selector)
+        .await?
+        .iter()
+        .filter(|m| m.spec.pool == pool.metadata.name)
+        .map(MemberStatus::of)
+        .chain(pool.status.members.iter().cloned())
+        .collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
 }
 
 /// `pool rm POOL VM`: take an adopted VM out of a pool (refused while it is leased).
