@@ -496,11 +496,7 @@ fn finalizers_cannot_pin_an_object_and_force_tells_the_truth() {
     assert!(store.get("PoolMember", "v9").unwrap().is_none());
     let o = home.run(&["delete", "poolmember", "v9"]);
     assert_eq!(code(&o), Some(2), "{}", stderr(&o));
-    assert!(
-        stderr(&o).contains("controllers only"),
-        "{}",
-        stderr(&o)
-    );
+    assert!(stderr(&o).contains("controllers only"), "{}", stderr(&o));
     let v = home.write("v.yaml", &common::vm_yaml("p1"));
     home.ok(&["apply", "-f", v.to_str().unwrap()]);
     let o = home.run(&["apply", "-f", f.to_str().unwrap(), "--prune", "-l", ""]);
