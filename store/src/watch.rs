@@ -105,6 +105,9 @@ pub(crate) fn stream(
             if s.done {
                 return None;
             }
+            // Drained: a burst's batch (up to BATCH objects, about 100 KiB) is not kept for a
+            // watcher that may then idle for hours.
+            s.buf.shrink_to(0);
             // Mark seen before reading: a commit after this read wakes the wait below.
             let known = *s.rx.borrow_and_update();
             if known > s.pos {
