@@ -232,6 +232,24 @@ impl Cache {
         entries.iter().filter_map(Entry::object).collect()
     }
 
+    /// The objects (in no particular order) whose cached JSON text holds `needle`, parsed:
+    /// a prefilter that spares parsing every object to find the few that can match (say, the
+    /// one naming a uid). A needle is a fragment as `serde_json` writes it; callers still
+    /// check the parsed fields. Metadata-only caches keep no text: every object is returned.
+    pub fn list_containing(&self, needle: &str) -> Vec<Arc<DynObject>> {
+        let entries: Vec<Entry> = self
+            .read()
+            .objects
+            .values()
+            .filter(|e| match &e.held {
+                Held::Json(j) => j.contains(needle),
+                Held::Meta(_) => true,
+            })
+            .cloned()
+            .collect();
+        entries.iter().filter_map(Entry::object).collect()
+    }
+
     /// Every object (in no particular order) that reads as `R`, parsed straight from the
     /// cached text.
     pub fn list_as<R: DeserializeOwned>(&self) -> Vec<R> {

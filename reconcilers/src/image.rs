@@ -416,8 +416,11 @@ fn original_state(op: &Operation) -> Option<PowerState> {
 /// Map a Vm change to the images waiting to capture it. Reads the Image cache.
 pub fn images_for_vm(images: &boxery_controller::Cache, vm: &boxery_api::DynObject) -> Vec<String> {
     let name = vm.metadata.name.as_str();
+    // Only images whose text names the VM are parsed: this runs on every Vm change, and a
+    // pool of a thousand members has a thousand clean images.
+    let needle = format!("\"vm\":{}", serde_json::to_string(name).unwrap_or_default());
     images
-        .list()
+        .list_containing(&needle)
         .iter()
         .filter(|i| {
             i.status()["phase"] != "Ready" && i.spec()["source"]["vm"].as_str() == Some(name)

@@ -140,9 +140,11 @@ async fn edit_member(
 /// crash): found in the member cache (or the store), confirmed against the store.
 async fn find_claim(ctx: &Ctx, pool: &str, uid: &str) -> Result<Option<PoolMember>> {
     let name = match ctx.pool_caches().filter(|c| c.members.is_ready()) {
+        // Only the records whose text names the uid are parsed: this runs on every
+        // reconcile of a pending lease, against every member of every pool.
         Some(c) => c
             .members
-            .list()
+            .list_containing(uid)
             .iter()
             .find(|o| {
                 o.status()["leaseUid"].as_str() == Some(uid)
@@ -168,7 +170,7 @@ async fn members(ctx: &Ctx, pool: &str) -> Result<Vec<PoolMember>> {
     if let Some(c) = ctx.pool_caches().filter(|c| c.members.is_ready()) {
         return Ok(c
             .members
-            .list()
+            .list_containing(&crate::pool::pool_needle(pool))
             .iter()
             .filter(|o| o.spec()["pool"].as_str() == Some(pool))
             .filter_map(|o| o.to_typed().ok())
@@ -555,7 +557,7 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
             // takes the lock assigns free members to the waiting leases, oldest first.
             let lock = ctx.vm_lock(&format!("pool:{pool_name}"));
             let _held = lock.lock().await;
-            match claim_batch(ctx, &pool, uid).await? {
+            match claim_batch(ctx, &pool, &l, uid).await? {
                 Some(m) => m,
                 None => {
                     let s = pool.status;
@@ -670,7 +672,7 @@ async fn waiting_leases(ctx: &Ctx, pool: &Pool) -> Result<Vec<Lease>> {
     let all: Vec<Lease> = match ctx.pool_caches().filter(|c| c.leases.is_ready()) {
         Some(c) => c
             .leases
-            .list()
+            .list_containing(&crate::pool::pool_needle(name))
             .iter()
             .filter(|o| {
                 o.spec()["pool"].as_str() == Some(name)
@@ -703,7 +705,12 @@ async fn waiting_leases(ctx: &Ctx, pool: &Pool) -> Result<Vec<Lease>> {
 /// update each (its resourceVersion the precondition: a member taken meanwhile is skipped);
 /// returns the member given to lease `uid` (if any). Backends without sshd have nothing to
 /// install, so their members go straight to Leased.
-async fn claim_batch(ctx: &Ctx, pool: &Pool, uid: &str) -> Result<Option<PoolMember>> {
+async fn claim_batch(
+    ctx: &Ctx,
+    pool: &Pool,
+    this: &Lease,
+    uid: &str,
+) -> Result<Option<PoolMember>> {
     if let Some(m) = find_claim(ctx, pool.name(), uid).await? {
         return Ok(Some(m));
     }
@@ -722,7 +729,7 @@ async fn claim_batch(ctx: &Ctx, pool: &Pool, uid: &str) -> Result<Option<PoolMem
         .iter()
         .filter_map(|m| m.status.lease_uid.as_deref())
         .collect();
-    let waiting: Vec<Lease> = waiting_leases(ctx, pool)
+    let mut waiting: Vec<Lease> = waiting_leases(ctx, pool)
         .await?
         .into_iter()
         .filter(|w| {
@@ -732,6 +739,21 @@ async fn claim_batch(ctx: &Ctx, pool: &Pool, uid: &str) -> Result<Option<PoolMem
                 .is_some_and(|u| !claimed.contains(u))
         })
         .collect();
+    // The lease being reconciled waits, whether or not the lease cache has seen it yet (a
+    // lease just written is reconciled before the cache of every lease may hold it): left
+    // out, it would find no member and wait for its next look.
+    if !waiting
+        .iter()
+        .any(|w| w.metadata.uid.as_deref() == Some(uid))
+    {
+        waiting.push(this.clone());
+        waiting.sort_by(|a, b| {
+            a.metadata
+                .creation_timestamp
+                .cmp(&b.metadata.creation_timestamp)
+                .then(a.metadata.name.cmp(&b.metadata.name))
+        });
+    }
     let mut mine = None;
     let mut free = free.into_iter();
     'leases: for w in &waiting {
@@ -804,17 +826,50 @@ async fn install(
     Ok(())
 }
 
-/// Map a Pool change to its pending leases.
+/// Map a Pool change to its pending leases: every one waiting on the pool itself (for it to
+/// exist, to finish moving its member table, or to allow its duration), and the four oldest
+/// waiting for a free member. Not every waiting lease: the pool's status changes with every
+/// claim, and waking a thousand waiting leases for each made claims quadratic. The oldest
+/// waiters' batch ([`claim_batch`]) assigns every free member to every waiting lease, oldest
+/// first; a member turning Free wakes the oldest too ([`crate::pool::follow_members`]); and
+/// each waiting lease looks again within 5 s.
 pub fn leases_for_pool(
     leases: &boxery_controller::Cache,
     pool: &boxery_api::DynObject,
 ) -> Vec<String> {
-    leases
-        .list()
-        .iter()
+    let on_the_pool = [
+        reasons::POOL_NOT_FOUND,
+        reasons::POOL_UPGRADING,
+        reasons::DURATION_TOO_LONG,
+    ];
+    let mut pending: Vec<Arc<boxery_api::DynObject>> = leases
+        .list_containing(&crate::pool::pool_needle(&pool.metadata.name))
+        .into_iter()
         .filter(|l| {
             l.spec()["pool"].as_str() == Some(pool.metadata.name.as_str())
                 && l.status()["phase"].as_str().is_none_or(|p| p == "Pending")
+        })
+        .collect();
+    pending.sort_by(|a, b| {
+        (a.metadata.creation_timestamp, &a.metadata.name)
+            .cmp(&(b.metadata.creation_timestamp, &b.metadata.name))
+    });
+    let mut oldest = 0;
+    pending
+        .iter()
+        .filter(|l| {
+            let on_pool = l.status()["conditions"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["type"] == READY))
+                .is_some_and(|c| {
+                    c["reason"]
+                        .as_str()
+                        .is_some_and(|r| on_the_pool.contains(&r))
+                });
+            on_pool || {
+                oldest += 1;
+                oldest <= 4
+            }
         })
         .map(|l| l.metadata.name.clone())
         .collect()

@@ -248,6 +248,15 @@ pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
     Ok(pass.again.action())
 }
 
+/// The text a cached object naming pool `name` in its spec holds (`"pool":"NAME"`): the
+/// prefilter of [`boxery_controller::Cache::list_containing`] for a pool's members and leases.
+pub(crate) fn pool_needle(name: &str) -> String {
+    format!(
+        "\"pool\":{}",
+        serde_json::to_string(name).unwrap_or_default()
+    )
+}
+
 /// The Pool finalizer.
 pub const FINALIZER: &str = boxery_api::meta::finalizers::POOL;
 
@@ -260,7 +269,7 @@ async fn records(ctx: &Ctx, name: &str) -> Result<Vec<PoolMember>> {
     {
         let mut out: Vec<PoolMember> = c
             .members
-            .list()
+            .list_containing(&pool_needle(name))
             .iter()
             .filter(|o| o.spec()["pool"].as_str() == Some(name))
             .filter_map(|o| o.to_typed().ok())
@@ -1144,7 +1153,7 @@ fn member_change(
     }
     if new.as_deref() == Some("Free") && old.as_deref() != Some("Free") {
         let mut waiting: Vec<Arc<boxery_api::DynObject>> = lease_cache
-            .list()
+            .list_containing(&pool_needle(&pool))
             .into_iter()
             .filter(|l| {
                 l.spec()["pool"].as_str() == Some(pool.as_str())

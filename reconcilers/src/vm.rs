@@ -1013,7 +1013,9 @@ pub fn vms_for_image(vms: &boxery_controller::Cache, image: &boxery_api::DynObje
         .filter(|o| o.kind == "Vm")
         .map(|o| o.name.clone())
         .collect();
-    for vm in vms.list() {
+    // Only Vms whose text names the image are parsed: this runs on every Image change.
+    let needle = serde_json::to_string(name).unwrap_or_default();
+    for vm in vms.list_containing(&needle) {
         let spec = vm.spec();
         let waiting = vm.status()["createdAt"].is_null()
             && spec["source"]
