@@ -115,13 +115,19 @@ fn cli_acquires(home: &std::path::Path, pool: &str, prefix: &str, n: u32) {
                 .env("BOXERY_HOME", home)
                 .env("BOXERY_BACKEND", "fake")
                 .stdout(Stdio::null())
-                .stderr(Stdio::null())
+                .stderr(Stdio::piped())
                 .spawn()
                 .unwrap()
         })
         .collect();
-    for mut c in children {
-        assert!(c.wait().unwrap().success());
+    for c in children {
+        let out = c.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "`boxery lease acquire` failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
