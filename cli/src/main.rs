@@ -786,10 +786,10 @@ async fn jobs_cmd(env: &Env, action: JobsCmd) -> CliResult<ExitCode> {
 /// that grows with every large block freed. `serve` allocates on the async workers and the
 /// blocking pool, so after a burst (1,000 Vms converging) it kept 35 MiB of heap for 10 MiB
 /// in use. One arena, and fixed thresholds (blocks of 64 KiB and more mapped on their own,
-/// free space above 128 KiB at the top returned), keep it near what is in use: idle RSS with
-/// 1,000 Vms went from 54 to about 30 MiB (docs/benchmarks.md, issue 12). The threads then
-/// share one arena lock; the per-thread caches of small blocks (tcache) still avoid it for
-/// most calls, and the convergence bench saw no slowdown.
+/// free space above 128 KiB at the top returned), with [`trim_heap`] for the free pages below
+/// the top, keep it near what is in use (docs/benchmarks.md, issue 12: idle `serve` with 1,000
+/// Vms at 28.6–31.5 MiB). The threads then share one arena lock; the per-thread caches of small
+/// blocks (tcache) still avoid it for most calls.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 fn tune_malloc() {
