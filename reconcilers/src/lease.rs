@@ -167,25 +167,7 @@ async fn find_claim(ctx: &Ctx, pool: &str, uid: &str) -> Result<Option<PoolMembe
 
 /// The member records of pool `pool` (the cache when kept, else the store).
 async fn members(ctx: &Ctx, pool: &str) -> Result<Vec<PoolMember>> {
-    if let Some(c) = ctx.pool_caches().filter(|c| c.members.is_ready()) {
-        return Ok(c
-            .members
-            .list_containing(&crate::pool::pool_needle(pool))
-            .iter()
-            .filter(|o| o.spec()["pool"].as_str() == Some(pool))
-            .filter_map(|o| o.to_typed().ok())
-            .collect());
-    }
-    let selector = format!("{}={pool}", crate::pool::POOL_LABEL)
-        .parse()
-        .expect("a valid selector");
-    Ok(ctx
-        .store
-        .list_as::<PoolMember>(&selector)
-        .await?
-        .into_iter()
-        .filter(|m| m.spec.pool == pool)
-        .collect())
+    crate::pool::records(ctx, pool).await
 }
 
 /// End a lease's hold on its member: revoke its token and reset the member, if the member is

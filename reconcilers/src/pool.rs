@@ -263,7 +263,7 @@ pub const FINALIZER: &str = boxery_api::meta::finalizers::POOL;
 /// The member records of pool `name`: from the member cache when the runtime keeps one (it
 /// holds this process's own writes at once; every write is fenced by a resourceVersion
 /// precondition, so a stale copy only costs a retry), else from the store.
-async fn records(ctx: &Ctx, name: &str) -> Result<Vec<PoolMember>> {
+pub(crate) async fn records(ctx: &Ctx, name: &str) -> Result<Vec<PoolMember>> {
     if let Some(c) = ctx.pool_caches()
         && c.members.is_ready()
     {
