@@ -894,6 +894,10 @@ async fn resetting(
             .as_ref()
             .map(|f| f.message.clone())
             .unwrap_or_else(|| "the VM is lost".into());
+        // The lease it was reset after has ended: a Broken member names no lease (its token
+        // was revoked when the reset began).
+        m.lease = None;
+        m.lease_uid = None;
         set(
             m,
             MemberState::Broken,
