@@ -257,6 +257,20 @@ pub(crate) fn pool_needle(name: &str) -> String {
     )
 }
 
+/// Delete a member's VM and its clean image (either may be gone already).
+async fn delete_member_vm(ctx: &Ctx, name: &str) -> Result<()> {
+    for key in [
+        ObjectRef::of::<Image>(clean_image(name)),
+        ObjectRef::of::<Vm>(name),
+    ] {
+        match ctx.store.delete(&key).await {
+            Ok(_) | Err(StoreError::NotFound { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
 /// The Pool finalizer.
 pub const FINALIZER: &str = boxery_api::meta::finalizers::POOL;
 
@@ -581,15 +595,7 @@ async fn removing(
             .any(|o| o.kind == "Pool" && Some(&o.uid) == pool.metadata.uid.as_ref())
     });
     if m.created && ours {
-        for key in [
-            ObjectRef::of::<Image>(clean_image(&m.name)),
-            ObjectRef::of::<Vm>(&m.name),
-        ] {
-            match ctx.store.delete(&key).await {
-                Ok(_) | Err(StoreError::NotFound { .. }) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
+        delete_member_vm(ctx, &m.name).await?;
         m.message = "leaving: its VM is being deleted".into();
         pass.again.within(Duration::from_secs(1));
         return Ok(());
@@ -648,15 +654,7 @@ async fn replacing(
     if current {
         return pending(ctx, pool, vm, m, pass).await;
     }
-    for key in [
-        ObjectRef::of::<Image>(clean_image(&m.name)),
-        ObjectRef::of::<Vm>(&m.name),
-    ] {
-        match ctx.store.delete(&key).await {
-            Ok(_) | Err(StoreError::NotFound { .. }) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
+    delete_member_vm(ctx, &m.name).await?;
     m.message = "deleting the VM made from the older template".into();
     pass.again.within(Duration::from_secs(1));
     Ok(())
