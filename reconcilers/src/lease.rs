@@ -151,7 +151,7 @@ async fn find_claim(ctx: &Ctx, pool: &str, uid: &str) -> Result<Option<PoolMembe
                     && o.spec()["pool"].as_str() == Some(pool)
             })
             .map(|o| o.metadata.name.clone()),
-        None => members(ctx, pool)
+        None => crate::pool::records(ctx, pool)
             .await?
             .into_iter()
             .find(|m| m.status.lease_uid.as_deref() == Some(uid))
@@ -163,11 +163,6 @@ async fn find_claim(ctx: &Ctx, pool: &str, uid: &str) -> Result<Option<PoolMembe
         .get_as::<PoolMember>(&name)
         .await?
         .filter(|m| m.status.lease_uid.as_deref() == Some(uid) && m.spec.pool == pool))
-}
-
-/// The member records of pool `pool` (the cache when kept, else the store).
-async fn members(ctx: &Ctx, pool: &str) -> Result<Vec<PoolMember>> {
-    crate::pool::records(ctx, pool).await
 }
 
 /// End a lease's hold on its member: revoke its token and reset the member, if the member is
@@ -697,7 +692,7 @@ async fn claim_batch(
         return Ok(Some(m));
     }
     let direct = ctx.ssh.is_none();
-    let records = members(ctx, pool.name()).await?;
+    let records = crate::pool::records(ctx, pool.name()).await?;
     let mut free: Vec<PoolMember> = records
         .iter()
         .filter(|m| m.status.state == MemberState::Free && !m.metadata.is_deleting())
