@@ -237,12 +237,23 @@ impl Cache {
     /// one naming a uid). A needle is a fragment as `serde_json` writes it; callers still
     /// check the parsed fields. Metadata-only caches keep no text: every object is returned.
     pub fn list_containing(&self, needle: &str) -> Vec<Arc<DynObject>> {
+        self.list_containing_all(&[needle])
+    }
+
+    /// The objects whose cached text holds every one of `needles` (see
+    /// [`Cache::list_containing`]), parsed: say, the members of one pool that are free.
+    pub fn list_containing_all(&self, needles: &[&str]) -> Vec<Arc<DynObject>> {
+        // A vectorised substring search, built once: this scans every object of the kind.
+        let finders: Vec<memchr::memmem::Finder<'_>> = needles
+            .iter()
+            .map(|n| memchr::memmem::Finder::new(n.as_bytes()))
+            .collect();
         let entries: Vec<Entry> = self
             .read()
             .objects
             .values()
             .filter(|e| match &e.held {
-                Held::Json(j) => j.contains(needle),
+                Held::Json(j) => finders.iter().all(|f| f.find(j.as_bytes()).is_some()),
                 Held::Meta(_) => true,
             })
             .cloned()
