@@ -21,10 +21,8 @@
 //! - Two recorders racing on one Event retry on `Conflict` a few times; past that the bump is
 //!   dropped (and logged).
 
-use boxery_api::selector::Requirement;
 use boxery_api::{
     API_VERSION, DynObject, Event, EventType, InvolvedObject, ObjectMeta, OwnerReference, Resource,
-    Selector,
 };
 use std::sync::Arc;
 
@@ -128,12 +126,17 @@ pub fn event_name(obj: &InvolvedObject, type_: EventType, reason: &str, message:
         EventType::Warning => "Warning",
     };
     let hash = fnv1a(&[&obj.kind, type_, reason, message]);
-    // Keep the whole name within 253 characters and valid (no `-` or `.` before the dot).
-    let mut prefix: &str = &obj.name;
-    if prefix.len() > 253 - 17 {
-        prefix = prefix[..253 - 17].trim_end_matches(['-', '.']);
+    format!("{}.{hash:016x}", event_name_prefix(&obj.name))
+}
+
+/// The part of an Event's name before its hash: the object's name, cut to keep the whole
+/// name within 253 characters and valid (no `-` or `.` before the dot).
+fn event_name_prefix(name: &str) -> &str {
+    if name.len() > 253 - 17 {
+        name[..253 - 17].trim_end_matches(['-', '.'])
+    } else {
+        name
     }
-    format!("{prefix}.{hash:016x}")
 }
 
 /// Writes Events. Cheap to clone.
@@ -308,13 +311,15 @@ impl Recorder {
 
     /// The Events about `obj`, oldest first.
     pub async fn events_of(&self, obj: &InvolvedObject) -> Result<Vec<Event>, EventsError> {
-        let selector = Selector(vec![
-            Requirement::Eq(INVOLVED_KIND.into(), obj.kind.clone()),
-            Requirement::Eq(INVOLVED_NAME.into(), obj.name.clone()),
-        ]);
-        let (found, _) = self
+        // An Event's name is its object's name (cut as in `event_name`), a dot and a hash: a
+        // range of names, read at a cost that follows the object's own events, not every
+        // Event in the store (each new Event prunes its object's old ones).
+        let found = self
             .store
-            .list(Event::INFO.kind, &selector)
+            .list_named_prefix(
+                Event::INFO.kind,
+                &format!("{}.", event_name_prefix(&obj.name)),
+            )
             .await
             .map_err(|source| EventsError::List {
                 kind: obj.kind.clone(),

@@ -114,6 +114,9 @@ impl ObjectStore for WriteThrough {
     async fn list(&self, kind: &str, selector: &Selector) -> Result<(Vec<DynObject>, u64)> {
         self.inner.list(kind, selector).await
     }
+    async fn list_named_prefix(&self, kind: &str, prefix: &str) -> Result<Vec<DynObject>> {
+        self.inner.list_named_prefix(kind, prefix).await
+    }
     async fn create(&self, obj: DynObject) -> Result<DynObject> {
         self.observed(self.inner.create(obj).await)
     }

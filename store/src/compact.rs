@@ -55,12 +55,14 @@ pub(crate) fn compact_batch(conn: &mut Connection, keep: u64) -> Result<(u64, bo
 }
 
 /// The upkeep thread: a passive WAL checkpoint when the file changed (so writers rarely pay
-/// for one), and auto-compaction when configured. Stops when the store's last handle is
-/// dropped.
+/// for one), auto-compaction when configured, and every [`crate::RELEASE_EVERY`] the idle
+/// memory of the store's connections given back ([`crate::Inner::release_memory`]). Stops when
+/// the store's last handle is dropped.
 pub(crate) fn spawn_upkeep(
     path: PathBuf,
     busy_timeout: Duration,
     auto: Option<AutoCompact>,
+    store: std::sync::Weak<crate::Inner>,
     stop: Receiver<()>,
 ) -> std::io::Result<()> {
     std::thread::Builder::new().name("boxery-upkeep".into()).spawn(move || {
@@ -74,10 +76,19 @@ pub(crate) fn spawn_upkeep(
         let tick = Duration::from_secs(1);
         let mut last_version: Option<i64> = None;
         let mut next_compact = auto.as_ref().map(|a| Instant::now() + a.every);
+        let mut next_release = Instant::now() + crate::RELEASE_EVERY;
         loop {
             match stop.recv_timeout(tick) {
                 Err(RecvTimeoutError::Timeout) => {}
                 _ => return,
+            }
+            if Instant::now() >= next_release {
+                next_release = Instant::now() + crate::RELEASE_EVERY;
+                match store.upgrade() {
+                    Some(inner) => inner.release_memory(),
+                    None => return,
+                }
+                let _ = conn.execute_batch("PRAGMA shrink_memory");
             }
             if let Ok(v) = conn.query_row("PRAGMA data_version", [], |r| r.get::<_, i64>(0))
                 && last_version != Some(v)

@@ -381,6 +381,12 @@ impl Default for StoreOptions {
 /// Readers kept open for reuse.
 const MAX_IDLE_READERS: usize = 8;
 
+/// Readers kept open through a quiet spell (see [`Inner::release_memory`]).
+const IDLE_READERS_KEPT: usize = 1;
+
+/// How often the upkeep thread releases the connections' idle memory.
+pub(crate) const RELEASE_EVERY: Duration = Duration::from_secs(10);
+
 /// The page cache of each reader, in KiB (the writer keeps `schema::connect`'s 512). Up to
 /// eight readers stay open; their reads are an object by key, the recent rows of the log, or a
 /// whole kind (more than any cache of this size holds), all served from the OS page cache
@@ -397,6 +403,9 @@ pub(crate) struct Inner {
     readers: Mutex<Vec<Connection>>,
     /// The newest revision known to this process (wakes watchers).
     pub(crate) revisions: tokio::sync::watch::Sender<u64>,
+    /// The newest revision of each kind, known for every revision up to a point: lets a
+    /// watcher of one kind skip reading the log when only other kinds changed.
+    pub(crate) kind_revs: Arc<Mutex<watch::KindRevs>>,
     /// Dropped with the last handle: stops the poller and upkeep threads.
     _stop: [mpsc::Sender<()>; 2],
 }
@@ -431,6 +440,25 @@ impl Inner {
         out
     }
 
+    /// Give back what the connections hold beyond their open state: idle readers past
+    /// [`IDLE_READERS_KEPT`] are closed, and the page caches of the rest and of the writer (when
+    /// no write is under way) are emptied (`PRAGMA shrink_memory`). The upkeep thread calls it
+    /// every [`RELEASE_EVERY`]; a read after it is served from the OS page cache.
+    pub(crate) fn release_memory(&self) {
+        let closed: Vec<Connection> = {
+            let mut idle = lock(&self.readers);
+            let extra = idle.len().saturating_sub(IDLE_READERS_KEPT);
+            idle.drain(..extra).collect()
+        };
+        drop(closed);
+        for c in lock(&self.readers).iter() {
+            let _ = c.execute_batch("PRAGMA shrink_memory");
+        }
+        if let Ok(w) = self.writer.try_lock() {
+            let _ = w.execute_batch("PRAGMA shrink_memory");
+        }
+    }
+
     /// Run `f` in one write transaction; commit when it succeeds (roll back when it fails or
     /// when `dry_run`), then wake watchers.
     fn write<T>(&self, dry_run: bool, f: impl FnOnce(&mut Tx<'_>) -> Result<T>) -> Result<T> {
@@ -440,8 +468,11 @@ impl Inner {
         if dry_run {
             tx.rollback()?;
         } else {
-            let rev = tx.commit()?;
-            watch::publish(&self.revisions, rev);
+            let done = tx.commit()?;
+            // Recorded before the writer lock is let go and before watchers wake, so a watcher
+            // woken by any later revision finds this one's kinds (see `watch::KindRevs`).
+            lock(&self.kind_revs).wrote(done.start, done.rev, &done.kinds);
+            watch::publish(&self.revisions, done.rev);
         }
         Ok(out)
     }
@@ -515,6 +546,7 @@ impl Store {
         let rev = schema::meta(&writer, "revision").map_err(open_db)?;
         let uid = schema::identity(&writer).map_err(open_db)?;
         let (revisions, _) = tokio::sync::watch::channel(rev);
+        let kind_revs = Arc::new(Mutex::new(watch::KindRevs::new(rev)));
         let (stop_poll, poll_rx) = mpsc::channel();
         let (stop_upkeep, upkeep_rx) = mpsc::channel();
         watch::spawn_poller(
@@ -522,27 +554,29 @@ impl Store {
             options.busy_timeout,
             options.poll_interval,
             revisions.clone(),
+            kind_revs.clone(),
             poll_rx,
         )
         .map_err(open_err)?;
+        let inner = Arc::new(Inner {
+            path: path.to_path_buf(),
+            uid,
+            busy_timeout: options.busy_timeout,
+            writer: Mutex::new(writer),
+            readers: Mutex::new(Vec::new()),
+            revisions,
+            kind_revs,
+            _stop: [stop_poll, stop_upkeep],
+        });
         compact::spawn_upkeep(
             path.to_path_buf(),
             options.busy_timeout,
             options.auto_compact.clone(),
+            Arc::downgrade(&inner),
             upkeep_rx,
         )
         .map_err(open_err)?;
-        Ok(Store {
-            inner: Arc::new(Inner {
-                path: path.to_path_buf(),
-                uid,
-                busy_timeout: options.busy_timeout,
-                writer: Mutex::new(writer),
-                readers: Mutex::new(Vec::new()),
-                revisions,
-                _stop: [stop_poll, stop_upkeep],
-            }),
-        })
+        Ok(Store { inner })
     }
 
     /// The file this store keeps.
@@ -617,7 +651,8 @@ impl Store {
                 for i in 0..needles.len() {
                     sql.push_str(&format!(" AND instr(json, ?{}) > 0", i + 2));
                 }
-                sql.push_str(" ORDER BY name");
+                // Sorted below, not by an `ORDER BY`: with one, SQLite re-prepared the
+                // statement on every run with other parameters (the watch module says more).
                 let mut stmt = tx.prepare_cached(&sql)?;
                 let params: Vec<&dyn rusqlite::ToSql> =
                     std::iter::once(&kind as &dyn rusqlite::ToSql)
@@ -634,7 +669,34 @@ impl Store {
                 }
             }
             tx.commit()?;
+            out.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
             Ok((out, rev))
+        })
+    }
+
+    /// The objects of a kind whose names start with `prefix`, sorted by name: a range of the
+    /// primary key, so its cost follows what it returns, not the size of the kind (the Events
+    /// of one object, whose names start with the object's name and a dot).
+    pub fn list_named_prefix(&self, kind: &str, prefix: &str) -> Result<Vec<DynObject>> {
+        // Every name that starts with `prefix` sorts at or after it and before `prefix`
+        // followed by the largest character (SQLite compares the UTF-8 bytes).
+        let upper = format!("{prefix}\u{10FFFF}");
+        self.inner.with_reader(|c| {
+            let mut stmt = c.prepare_cached(
+                // Sorted below, not by an `ORDER BY` (see `list`).
+                "SELECT json FROM objects WHERE kind = ?1 AND name >= ?2 AND name < ?3",
+            )?;
+            let mut rows = stmt.query(rusqlite::params![kind, prefix, upper])?;
+            let mut out = Vec::new();
+            while let Some(r) = rows.next()? {
+                let obj: DynObject =
+                    serde_json::from_str(r.get_ref(0)?.as_str().map_err(rusqlite::Error::from)?)?;
+                if obj.metadata.name.starts_with(prefix) {
+                    out.push(obj);
+                }
+            }
+            out.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+            Ok(out)
         })
     }
 
@@ -792,6 +854,28 @@ mod tests {
             .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
             .filter(|c| c.starts_with("boxery-poll") || c.starts_with("boxery-upkeep"))
             .count()
+    }
+
+    #[test]
+    fn released_memory_keeps_one_idle_reader_and_reads_go_on() {
+        let d = tempfile::tempdir().unwrap();
+        let s = Store::open(&d.path().join("s.db")).unwrap();
+        s.create(vm("a")).unwrap();
+        // Reads at once leave several idle readers behind.
+        std::thread::scope(|t| {
+            for _ in 0..6 {
+                t.spawn(|| {
+                    for _ in 0..50 {
+                        s.get("Vm", "a").unwrap().unwrap();
+                    }
+                });
+            }
+        });
+        s.inner.release_memory();
+        assert!(lock(&s.inner.readers).len() <= IDLE_READERS_KEPT);
+        assert_eq!(s.get("Vm", "a").unwrap().unwrap().metadata.name, "a");
+        s.create(vm("b")).unwrap();
+        assert_eq!(s.list("Vm", &Selector::default()).unwrap().0.len(), 2);
     }
 
     #[test]

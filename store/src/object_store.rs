@@ -93,6 +93,16 @@ pub trait ObjectStore: Send + Sync + std::fmt::Debug + 'static {
     /// they were read at.
     async fn list(&self, kind: &str, selector: &Selector) -> Result<(Vec<DynObject>, u64)>;
 
+    /// The objects of a kind whose names start with `prefix`, sorted by name. The default
+    /// reads the whole kind; a store with names in an ordered index reads only the range.
+    async fn list_named_prefix(&self, kind: &str, prefix: &str) -> Result<Vec<DynObject>> {
+        let (all, _) = self.list(kind, &Selector::default()).await?;
+        Ok(all
+            .into_iter()
+            .filter(|o| o.metadata.name.starts_with(prefix))
+            .collect())
+    }
+
     /// Create an object (validated, defaulted; the server fields set by the store).
     async fn create(&self, obj: DynObject) -> Result<DynObject>;
 
@@ -230,6 +240,10 @@ impl ObjectStore for Store {
     async fn list(&self, kind: &str, selector: &Selector) -> Result<(Vec<DynObject>, u64)> {
         let (kind, selector) = (kind.to_string(), selector.clone());
         blocking(self, move |s| s.list(&kind, &selector)).await
+    }
+    async fn list_named_prefix(&self, kind: &str, prefix: &str) -> Result<Vec<DynObject>> {
+        let (kind, prefix) = (kind.to_string(), prefix.to_string());
+        blocking(self, move |s| s.list_named_prefix(&kind, &prefix)).await
     }
     async fn create(&self, obj: DynObject) -> Result<DynObject> {
         blocking(self, move |s| s.create(obj)).await

@@ -299,6 +299,15 @@ fn init_once(conn: &mut Connection, path: &Path) -> Result<()> {
         path: path.display().to_string(),
         source,
     };
+    // A store already at this version (every open but the first after an upgrade) is only
+    // read: opening never takes the write lock, so a command that only reads never waits for
+    // writers, nor holds them up.
+    let current: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .map_err(open_db)?;
+    if current == SCHEMA_VERSION {
+        return Ok(());
+    }
     let tx = conn
         .transaction_with_behavior(TransactionBehavior::Immediate)
         .map_err(open_db)?;

@@ -34,6 +34,16 @@ pub(crate) struct Tx<'c> {
     tx: rusqlite::Transaction<'c>,
     start: u64,
     rev: u64,
+    /// The kind of each revision written, in order (for [`crate::watch::KindRevs`]).
+    kinds: std::cell::RefCell<Vec<(String, u64)>>,
+}
+
+/// What a committed transaction wrote: the revision it started from, its last revision, and
+/// the kind of each revision it wrote.
+pub(crate) struct Committed {
+    pub(crate) start: u64,
+    pub(crate) rev: u64,
+    pub(crate) kinds: Vec<(String, u64)>,
 }
 
 impl<'c> Tx<'c> {
@@ -46,16 +56,21 @@ impl<'c> Tx<'c> {
             tx,
             start: rev,
             rev,
+            kinds: Default::default(),
         })
     }
 
-    /// Commit; returns the last revision written (unchanged when nothing was written).
-    pub(crate) fn commit(self) -> Result<u64> {
+    /// Commit; returns what was written (`rev` unchanged from `start` when nothing was).
+    pub(crate) fn commit(self) -> Result<Committed> {
         if self.rev != self.start {
             set_meta(&self.tx, "revision", self.rev)?;
         }
         self.tx.commit()?;
-        Ok(self.rev)
+        Ok(Committed {
+            start: self.start,
+            rev: self.rev,
+            kinds: self.kinds.into_inner(),
+        })
     }
 
     /// Roll back (for dry runs).
@@ -81,12 +96,14 @@ impl<'c> Tx<'c> {
     pub(crate) fn load_kind(&self, kind: &str) -> Result<Vec<DynObject>> {
         let mut stmt = self
             .tx
-            .prepare_cached("SELECT json FROM objects WHERE kind = ?1 ORDER BY name")?;
+            .prepare_cached("SELECT json FROM objects WHERE kind = ?1")?;
         let rows = stmt.query_map([kind], |r| r.get::<_, String>(0))?;
-        let mut out = Vec::new();
+        let mut out: Vec<DynObject> = Vec::new();
         for j in rows {
             out.push(serde_json::from_str(&j?)?);
         }
+        // Sorted here, not by an `ORDER BY` (see `Store::list`).
+        out.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
         Ok(out)
     }
 
@@ -154,6 +171,7 @@ impl<'c> Tx<'c> {
                 "INSERT INTO log (rev, kind, name, type, json) VALUES (?1, ?2, ?3, ?4, ?5)",
             )?
             .execute(params![to_i64(rev), kind, name, ev.as_str(), json])?;
+        self.kinds.borrow_mut().push((kind.to_string(), rev));
         Ok(())
     }
 

@@ -69,6 +69,7 @@ macro_rules! suite {
             create_sets_server_fields_and_refuses_a_taken_name,
             get_is_none_for_absent_objects_and_impossible_names,
             list_is_sorted_filtered_and_returns_its_revision,
+            list_named_prefix_returns_exactly_the_names_that_start_with_it,
             generation_grows_with_spec_changes_only,
             a_stale_resource_version_conflicts_and_writes_nothing,
             an_update_without_resource_version_is_unconditional,
@@ -299,6 +300,35 @@ pub async fn list_is_sorted_filtered_and_returns_its_revision(imp: &dyn Implemen
     assert_eq!(at, rev(s).await, "the revision the list was read at");
     let typed: Vec<Vm> = s.list_as(&"team=web".parse().unwrap()).await.unwrap();
     assert_eq!(typed.len(), 2);
+}
+
+/// A name prefix selects exactly the names that start with it, of that kind only, sorted.
+pub async fn list_named_prefix_returns_exactly_the_names_that_start_with_it(
+    imp: &dyn Implementation,
+) {
+    let sub = imp.fresh();
+    let s = &sub.store;
+    for n in ["web", "web-a", "web-b", "web-2", "webz", "we", "x-web"] {
+        s.create(vm(n)).await.unwrap();
+    }
+    s.create(image("web-img")).await.unwrap();
+    let named = |p: &'static str| async move {
+        s.list_named_prefix("Vm", p)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|o| o.metadata.name)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(named("web-").await, ["web-2", "web-a", "web-b"]);
+    assert_eq!(
+        named("web").await,
+        ["web", "web-2", "web-a", "web-b", "webz"]
+    );
+    assert_eq!(named("").await.len(), 7);
+    assert!(named("nothing").await.is_empty());
+    let imgs = s.list_named_prefix("Image", "web-").await.unwrap();
+    assert_eq!(imgs.len(), 1);
 }
 
 /// `generation` grows by one on a spec change only; labels, annotations and status do not
