@@ -11,6 +11,7 @@
 
 pub mod exec;
 pub mod files;
+pub mod grant;
 pub mod jobs;
 pub mod lease;
 pub mod lifecycle;
@@ -262,7 +263,7 @@ pub fn tools() -> &'static [Tool] {
         vec![
             tool(
                 "vm_apply",
-                "Create or update objects (Vm, Image, Pool, Lease) from a YAML or JSON manifest, validated exactly as `boxery apply` validates it; all or nothing. Waits (bounded) until what it applied has settled (Vms and Images Ready, Pools with every member made, Leases Bound) and returns their state; with wait: false it says when no control plane runs. A Vm needs at least: apiVersion: boxery.dev/v1alpha1, kind: Vm, metadata.name, spec.source.image (e.g. debian-12 or tiny).",
+                "Create or update objects (Vm, Image, Pool, Lease, Grant) from a YAML or JSON manifest, validated exactly as `boxery apply` validates it; all or nothing. Waits (bounded) until what it applied has settled (Vms and Images Ready, Pools with every member made, Leases Bound, Grants seen by their controller) and returns their state; with wait: false it says when no control plane runs. A manifest's status is ignored: a Grant stays PendingApproval until a person approves it (`boxery grant approve NAME` in a terminal). A Vm needs at least: apiVersion: boxery.dev/v1alpha1, kind: Vm, metadata.name, spec.source.image (e.g. debian-12 or tiny).",
                 rw,
                 CliSide::Commands(&["apply"]),
                 lifecycle::apply,
@@ -308,6 +309,13 @@ pub fn tools() -> &'static [Tool] {
                 rw,
                 CliSide::Commands(&["lease"]),
                 lease::lease,
+            ),
+            tool(
+                "vm_grant",
+                "Ask for a credential for a VM (default: this session's VM) or a lease's VM: request (grant: llm:PROVIDER, http:HOST with header, github:OWNER/REPO, env:NAME or file:PATH; and where the control plane reads the value: from_env, from_file or from_command — never the value itself), list, revoke. A request is PendingApproval and NOT in force until a person approves it by running `boxery grant approve NAME` in a terminal; no tool can approve. Applied grants are recorded for boxery's credential proxy, which does not run yet in this version: nothing reaches the VM yet.",
+                destructive,
+                CliSide::Commands(&["grant"]),
+                grant::grant,
             ),
             tool(
                 "vm_use",
