@@ -216,7 +216,7 @@ async fn decide(v: &Verbs, name: &str, approve: bool, wait_for: bool) -> CliResu
 async fn finish(v: &Verbs, name: &str, wait_for: bool) -> CliResult<ExitCode> {
     if wait_for {
         boxery_verbs::objects::check_backend(v).await?;
-        wait::quiet(
+        wait::all(
             v,
             &[grants::object_ref(name)],
             &Until::JsonPath("{.status.phase}".into(), "Applied".into()),

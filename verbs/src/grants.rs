@@ -262,8 +262,8 @@ pub fn os_user() -> String {
 }
 
 /// Record a person's approval of the grant `shown` (as it was shown to them): refused when
-/// the grant changed since (`Conflict`), or when its value cannot be read here. `by` is who
-/// approved; `how` goes into the event (e.g. "typed yes").
+/// its spec changed since (`Conflict`: another uid or generation), or when its value cannot be
+/// read here. `by` is who approved; `how` goes into the event (e.g. "typed yes").
 pub async fn approve(v: &Verbs, shown: &Grant, by: &str, how: &str) -> Result<Grant> {
     if let Err(why) = boxery_reconcilers::grant::value_available(&shown.spec.value_from, v.home()) {
         return Err(VerbError::invalid(format!(
@@ -271,14 +271,15 @@ pub async fn approve(v: &Verbs, shown: &Grant, by: &str, how: &str) -> Result<Gr
             shown.name()
         )));
     }
-    let mut g = shown.clone();
-    g.status.approved_by = Some(by.to_string());
-    g.status.approved_at = Some(now());
-    g.status.approved_generation = g.metadata.generation;
-    g.status.denied_by = None;
-    g.status.denied_at = None;
-    g.status.denied_generation = None;
-    let g = decide(v, g).await?;
+    let g = decide(v, shown, |st, generation| {
+        st.approved_by = Some(by.to_string());
+        st.approved_at = Some(now());
+        st.approved_generation = generation;
+        st.denied_by = None;
+        st.denied_at = None;
+        st.denied_generation = None;
+    })
+    .await?;
     let msg = format!(
         "approved by {by} ({how}) for generation {}",
         g.metadata.generation.unwrap_or_default()
@@ -287,16 +288,17 @@ pub async fn approve(v: &Verbs, shown: &Grant, by: &str, how: &str) -> Result<Gr
     Ok(g)
 }
 
-/// Record a person's refusal of the grant `shown` (refused when it changed since).
+/// Record a person's refusal of the grant `shown` (refused when its spec changed since).
 pub async fn deny(v: &Verbs, shown: &Grant, by: &str, how: &str) -> Result<Grant> {
-    let mut g = shown.clone();
-    g.status.denied_by = Some(by.to_string());
-    g.status.denied_at = Some(now());
-    g.status.denied_generation = g.metadata.generation;
-    g.status.approved_by = None;
-    g.status.approved_at = None;
-    g.status.approved_generation = None;
-    let g = decide(v, g).await?;
+    let g = decide(v, shown, |st, generation| {
+        st.denied_by = Some(by.to_string());
+        st.denied_at = Some(now());
+        st.denied_generation = generation;
+        st.approved_by = None;
+        st.approved_at = None;
+        st.approved_generation = None;
+    })
+    .await?;
     let msg = format!(
         "denied by {by} ({how}) for generation {}",
         g.metadata.generation.unwrap_or_default()
@@ -305,20 +307,45 @@ pub async fn deny(v: &Verbs, shown: &Grant, by: &str, how: &str) -> Result<Grant
     Ok(g)
 }
 
-/// The status write of a decision, with the shown grant's resourceVersion as precondition.
-async fn decide(v: &Verbs, g: Grant) -> Result<Grant> {
-    match v.store().update_status_as(&g).await {
-        Ok(g) => Ok(g),
-        Err(StoreError::Conflict { .. }) => Err(VerbError::new(
+/// The status write of a decision on the grant as it is now, provided it is still the grant
+/// that was shown (same uid, generation and spec): the controller may have written its status
+/// meanwhile, which does not change what the person decided on. Each write carries the
+/// resourceVersion just read as precondition (re-read on a conflict).
+async fn decide(
+    v: &Verbs,
+    shown: &Grant,
+    change: impl Fn(&mut boxery_api::grant::GrantStatus, Option<i64>),
+) -> Result<Grant> {
+    let name = shown.name();
+    let changed = || {
+        VerbError::new(
             ErrorKind::Conflict,
             format!(
-                "grant {} changed while you were deciding (`boxery describe grant {}` shows it now): nothing was recorded; run the command again",
-                g.name(),
-                g.name()
+                "grant {name} changed while you were deciding (`boxery describe grant {name}` shows it now): nothing was recorded; run the command again"
             ),
-        )),
-        Err(e) => Err(e.into()),
+        )
+    };
+    for _ in 0..20 {
+        let Some(mut g) = v.store().get_as::<Grant>(name).await? else {
+            return Err(VerbError::not_found(format!(
+                "grant {name} was deleted while you were deciding"
+            )));
+        };
+        if g.metadata.uid != shown.metadata.uid
+            || g.metadata.generation != shown.metadata.generation
+            || g.spec != shown.spec
+            || g.metadata.is_deleting()
+        {
+            return Err(changed());
+        }
+        change(&mut g.status, shown.metadata.generation);
+        match v.store().update_status_as(&g).await {
+            Ok(g) => return Ok(g),
+            Err(StoreError::Conflict { .. }) => continue,
+            Err(e) => return Err(e.into()),
+        }
     }
+    Err(changed())
 }
 
 async fn event(v: &Verbs, g: &Grant, reason: &str, msg: &str) {
@@ -340,6 +367,62 @@ pub fn object_ref(name: &str) -> ObjectRef {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An approval binds to the spec the person saw: a change of spec (an agent's `apply`)
+    /// between the prompt and the answer makes it fail, and records nothing; a status write
+    /// by the controller meanwhile does not.
+    #[tokio::test]
+    async fn an_approval_is_of_the_spec_shown() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = crate::Env {
+            home: dir.path().join("home"),
+            backend_name: "fake".into(),
+        };
+        let v = Verbs::open(env, crate::Voice::Cli).unwrap();
+        let vm: Vm = serde_json::from_value(serde_json::json!({
+            "apiVersion": "boxery.dev/v1alpha1", "kind": "Vm", "metadata": {"name": "dev1"},
+            "spec": {"source": {"image": "tiny"}}}))
+        .unwrap();
+        v.store().create_as(&vm).await.unwrap();
+        let req = |from: &str| Request {
+            name: None,
+            vm: Some("dev1".into()),
+            lease: None,
+            what: "llm:anthropic".into(),
+            header: None,
+            value_from: ValueFrom::Env(from.into()),
+        };
+        let (shown, _) = request(&v, req("PATH")).await.unwrap();
+        // The controller writes status meanwhile: still the same grant.
+        let mut g = shown.clone();
+        g.status.observed_generation = Some(1);
+        v.store().update_status_as(&g).await.unwrap();
+        let ok = approve(&v, &shown, "me", "test").await.unwrap();
+        assert_eq!(ok.status.approved_generation, Some(1));
+        // The spec changes between the prompt and the answer: refused, nothing recorded.
+        let shown = for_decision(&v, shown.name()).await.unwrap();
+        let mut g = shown.clone();
+        g.spec.value_from = ValueFrom::Env("HOME".into());
+        let g = v.store().update_as(&g).await.unwrap();
+        assert_eq!(g.metadata.generation, Some(2));
+        let e = deny(&v, &shown, "me", "test").await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Conflict, "{e}");
+        let now: Grant = v.store().get_as(shown.name()).await.unwrap().unwrap();
+        assert!(now.status.denied_generation.is_none());
+        assert!(!now.status.approved_for(now.metadata.generation));
+        // An unreadable value is not approved.
+        let (bad, _) = request(
+            &v,
+            Request {
+                name: Some(Name::label("bad").unwrap()),
+                ..req("BOXERY_SURELY_UNSET_VARIABLE_X")
+            },
+        )
+        .await
+        .unwrap();
+        let e = approve(&v, &bad, "me", "test").await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
+    }
 
     #[test]
     fn default_names_are_labels_and_distinct() {
