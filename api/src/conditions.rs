@@ -115,6 +115,8 @@ pub mod reasons {
     pub const DENIED: &str = "Denied";
     /// A grant's VM was deleted (or replaced by another VM of its name).
     pub const VM_GONE: &str = "VmGone";
+    /// A grant's VM does not exist (and never did while the grant was watching).
+    pub const VM_NOT_FOUND: &str = "VmNotFound";
     /// A grant's lease ended or was deleted.
     pub const LEASE_ENDED: &str = "LeaseEnded";
     /// A lease's grant waits for its lease to hold a VM.

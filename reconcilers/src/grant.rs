@@ -344,8 +344,9 @@ enum Subject {
         uid: String,
         lease_uid: Option<String>,
     },
-    /// Not yet (a lease not bound yet): the reason and message.
-    Wait(&'static str, String),
+    /// Not yet (its VM or lease does not exist yet, a lease not bound yet): the reason, the
+    /// message, and the lease's uid once the lease exists (recorded: the grant is bound to it).
+    Wait(&'static str, String, Option<String>),
     /// Never again: revoke (reason, message).
     Gone(&'static str, String),
 }
@@ -360,6 +361,15 @@ async fn subject(ctx: &Ctx, g: &Grant) -> Result<Subject> {
     };
     if let Some(vm) = &g.spec.vm {
         let Some(v) = vm_of(vm).await? else {
+            // Bound to a VM that is gone: final. Never bound: the VM may come (a manifest
+            // applied before its VM's).
+            if g.status.vm_uid.is_none() {
+                return Ok(Subject::Wait(
+                    reasons::VM_NOT_FOUND,
+                    format!("VM {vm} does not exist (yet)"),
+                    None,
+                ));
+            }
             return Ok(Subject::Gone(
                 reasons::VM_GONE,
                 format!("VM {vm} is gone (or being deleted)"),
@@ -385,6 +395,13 @@ async fn subject(ctx: &Ctx, g: &Grant) -> Result<Subject> {
         .await?
         .filter(|l| !l.metadata.is_deleting())
     else {
+        if g.status.lease_uid.is_none() {
+            return Ok(Subject::Wait(
+                reasons::LEASE_NOT_BOUND,
+                format!("lease {lease} does not exist (yet)"),
+                None,
+            ));
+        }
         return Ok(Subject::Gone(
             reasons::LEASE_ENDED,
             format!("lease {lease} is gone (released)"),
@@ -407,12 +424,14 @@ async fn subject(ctx: &Ctx, g: &Grant) -> Result<Subject> {
         return Ok(Subject::Wait(
             reasons::LEASE_NOT_BOUND,
             format!("lease {lease} holds no VM yet"),
+            Some(luid),
         ));
     };
     let Some(v) = vm_of(vm).await? else {
         return Ok(Subject::Wait(
             reasons::LEASE_NOT_BOUND,
             format!("lease {lease}'s VM {vm} is gone; the lease ends"),
+            Some(luid),
         ));
     };
     Ok(Subject::Vm {
@@ -437,8 +456,11 @@ async fn step(mut g: Grant, ctx: &Ctx) -> Result<Action> {
     }
     let (vm, vm_uid, lease_uid) = match subject(ctx, &g).await? {
         Subject::Gone(reason, msg) => return revoke(g, ctx, reason, &msg).await,
-        Subject::Wait(reason, msg) => {
+        Subject::Wait(reason, msg, lease_uid) => {
             drop_entry(ctx, &g).await?;
+            if lease_uid.is_some() {
+                g.status.lease_uid = lease_uid;
+            }
             let msg = format!("{msg}; the grant applies once it does (if approved)");
             return settle(
                 g,

@@ -445,3 +445,29 @@ async fn no_value_reaches_the_store_and_unreadable_values_wait() {
         .is_err()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_waits_for_a_vm_that_does_not_exist_yet() {
+    let p = plane().await;
+    p.store
+        .create_as(&grant_for(
+            "early",
+            Some("later"),
+            None,
+            ValueFrom::Env("PATH".into()),
+        ))
+        .unwrap();
+    let g = phase(&p, "early", GrantPhase::PendingApproval).await;
+    let ready = g
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert_eq!(ready.reason, "VmNotFound");
+    approve(&p, "early");
+    vm(&p, "later").await;
+    let g = phase(&p, "early", GrantPhase::Applied).await;
+    assert!(g.status.vm_uid.is_some());
+    assert_eq!(entries(&p, "later"), ["early"]);
+}
