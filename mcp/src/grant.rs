@@ -1,8 +1,11 @@
-//! `vm_grant`: an agent asks for a credential for a VM (`boxery grant VM TYPE:TARGET …` without
-//! the approval), lists grants, revokes one. No action approves: a request stays
-//! `PendingApproval` until a person runs `boxery grant approve NAME` in a terminal, and the
-//! result says so. The value never passes through the tool: the agent names where the control
-//! plane reads it.
+//! `vm_grant`: an agent asks for a credential for a VM (`boxery grant VM TYPE:TARGET …`), lists
+//! grants, revokes one. No argument approves. When the MCP client supports elicitation, the
+//! request asks the client's person (the same summary `boxery grant approve` shows) and
+//! records their answer: approved, denied (an explicit no), or left pending (dismissed, no
+//! answer within 10 minutes). Without elicitation the grant stays `PendingApproval` until a
+//! person runs `boxery grant approve NAME` in a terminal, and the result says so. The owner's
+//! `grants: {confirm: false}` never applies here: the person is always asked. The value never
+//! passes through the tool: the agent names where the control plane reads it.
 
 use std::sync::Arc;
 
@@ -63,7 +66,7 @@ pub struct GrantArgs {
 }
 
 /// `vm_grant`.
-pub async fn grant(session: Arc<Session>, a: GrantArgs, _ct: CancellationToken) -> ToolResult {
+pub async fn grant(session: Arc<Session>, a: GrantArgs, ct: CancellationToken) -> ToolResult {
     let v = session.verbs()?;
     match a.action {
         GrantAction::Request => {
@@ -104,11 +107,37 @@ pub async fn grant(session: Arc<Session>, a: GrantArgs, _ct: CancellationToken) 
             )
             .await?;
             let name = g.metadata.name.clone();
-            let phase = g.status.phase;
-            let text = if phase == GrantPhase::Applied
-                && g.status.approved_for(g.metadata.generation)
-            {
-                format!("grant/{name} is already approved and in force")
+            let mut phase = g.status.phase;
+            let decided = g.status.approved_for(g.metadata.generation)
+                || g.status.denied_for(g.metadata.generation);
+            let asked = match session.asker() {
+                Some(peer) if !decided => Some(ask(&peer, &g, &ct).await),
+                _ => None,
+            };
+            let by = grants::os_user();
+            let how = "answered in the MCP client (elicitation)";
+            let text = if let Some(answer) = asked {
+                match answer {
+                    Ok(Answer::Approve) => {
+                        grants::approve(v, &g, &by, how).await?;
+                        phase = GrantPhase::Applied;
+                        format!(
+                            "grant/{name} was approved by the person at your MCP client: it is in force once the control plane applies it (vm_grant {{action: list}} shows Applied)"
+                        )
+                    }
+                    Ok(Answer::Deny) => {
+                        grants::deny(v, &g, &by, how).await?;
+                        phase = GrantPhase::Denied;
+                        format!("grant/{name} was denied by the person at your MCP client")
+                    }
+                    Ok(Answer::None(why)) | Err(why) => format!(
+                        "grant/{name} is PendingApproval: it is NOT in force ({why}). A person can approve it by running `boxery grant approve {name}` in a terminal on the control plane's host."
+                    ),
+                }
+            } else if g.status.approved_for(g.metadata.generation) {
+                format!("grant/{name} is already approved")
+            } else if g.status.denied_for(g.metadata.generation) {
+                format!("grant/{name} was denied by a person; ask them, or request something else")
             } else {
                 format!(
                     "grant/{name} {} and is PendingApproval: it is NOT in force. A person must approve it: \
@@ -180,6 +209,83 @@ pub async fn grant(session: Arc<Session>, a: GrantArgs, _ct: CancellationToken) 
             ))
         }
     }
+}
+
+/// What the person at the client answered.
+enum Answer {
+    /// Approve.
+    Approve,
+    /// Deny (an explicit no).
+    Deny,
+    /// No decision (dismissed, cancelled): why, in words.
+    None(String),
+}
+
+/// How long the person at the client has to answer.
+const ASK_FOR: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Ask the person at the MCP client whether to approve `g` (elicitation: a form with one
+/// boolean, `approve`). Accepted with `approve: true`: approve; accepted with false, or
+/// declined: deny; dismissed or unanswered: no decision. `Err`: the question could not be
+/// asked (said in words).
+async fn ask(
+    peer: &rmcp::Peer<rmcp::RoleServer>,
+    g: &boxery_api::Grant,
+    ct: &CancellationToken,
+) -> Result<Answer, String> {
+    use rmcp::model::{
+        ClientResult, ElicitRequest, ElicitRequestParams, ElicitationAction, ElicitationSchema,
+        ServerRequest,
+    };
+    let schema = ElicitationSchema::builder()
+        .required_bool("approve")
+        .build()
+        .map_err(|e| format!("the approval form could not be made: {e}"))?;
+    let message = format!(
+        "An agent asks for a credential. {}\nApprove it (approve: true)? The value is never shown to the agent or stored; the grant can be revoked with `boxery grant revoke {}`.",
+        grants::summary(g),
+        g.metadata.name
+    );
+    let req = ServerRequest::ElicitRequest(ElicitRequest::new(
+        ElicitRequestParams::FormElicitationParams {
+            meta: None,
+            message,
+            requested_schema: schema,
+        },
+    ));
+    let sent = tokio::select! {
+        r = tokio::time::timeout(ASK_FOR, peer.send_request(req)) => r,
+        _ = ct.cancelled() => return Err("the call was cancelled before the person answered".into()),
+    };
+    let result = match sent {
+        Err(_) => {
+            return Ok(Answer::None(
+                "the person did not answer within 10 minutes".into(),
+            ));
+        }
+        Ok(Err(e)) => return Err(format!("the MCP client could not ask its person: {e}")),
+        Ok(Ok(r)) => r,
+    };
+    let ClientResult::ElicitResult(r) = result else {
+        return Err("the MCP client answered the approval question with something else".into());
+    };
+    Ok(match r.action {
+        ElicitationAction::Accept => {
+            let yes = r
+                .content
+                .as_ref()
+                .and_then(|c| c.get("approve"))
+                .and_then(serde_json::Value::as_bool);
+            match yes {
+                Some(true) => Answer::Approve,
+                Some(false) => Answer::Deny,
+                None => Answer::None("the answer carried no `approve`".into()),
+            }
+        }
+        ElicitationAction::Decline => Answer::Deny,
+        ElicitationAction::Cancel => Answer::None("the person dismissed the question".into()),
+        _ => Answer::None("the person's answer was not understood".into()),
+    })
 }
 
 #[cfg(test)]
