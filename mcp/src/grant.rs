@@ -10,7 +10,6 @@
 use std::sync::Arc;
 
 use boxery_api::Name;
-use boxery_api::grant::GrantPhase;
 use boxery_verbs::grants::{self, Request};
 use boxery_verbs::objects::Deleted;
 use schemars::JsonSchema;
@@ -107,7 +106,8 @@ pub async fn grant(session: Arc<Session>, a: GrantArgs, ct: CancellationToken) -
             )
             .await?;
             let name = g.metadata.name.clone();
-            let mut phase = g.status.phase;
+            let phase = g.status.phase;
+            let mut decision = None;
             let decided = g.status.approved_for(g.metadata.generation)
                 || g.status.denied_for(g.metadata.generation);
             let asked = match session.asker() {
@@ -120,14 +120,14 @@ pub async fn grant(session: Arc<Session>, a: GrantArgs, ct: CancellationToken) -
                 match answer {
                     Ok(Answer::Approve) => {
                         grants::approve(v, &g, &by, how).await?;
-                        phase = GrantPhase::Applied;
+                        decision = Some("approved");
                         format!(
                             "grant/{name} was approved by the person at your MCP client: it is in force once the control plane applies it (vm_grant {{action: list}} shows Applied)"
                         )
                     }
                     Ok(Answer::Deny) => {
                         grants::deny(v, &g, &by, how).await?;
-                        phase = GrantPhase::Denied;
+                        decision = Some("denied");
                         format!("grant/{name} was denied by the person at your MCP client")
                     }
                     Ok(Answer::None(why)) | Err(why) => format!(
@@ -151,6 +151,7 @@ pub async fn grant(session: Arc<Session>, a: GrantArgs, ct: CancellationToken) -
                 json!({
                     "grant": name,
                     "phase": format!("{phase:?}"),
+                    "decision": decision,
                     "created": created,
                     "approve_with": format!("boxery grant approve {}", g.metadata.name),
                 }),
