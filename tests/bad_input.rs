@@ -199,8 +199,8 @@ fn bad_input_changes_nothing() {
     case(
         &home,
         "grant.yaml",
-        b"apiVersion: boxery.dev/v1alpha1\nkind: Grant\nmetadata:\n  name: g\nspec:\n  vm: dev1\n  type: env\n  target: TOKEN\n  valueFrom: {env: TOKEN}\n",
-        &["Grant/g", "not implemented yet"],
+        b"apiVersion: boxery.dev/v1alpha1\nkind: Grant\nmetadata:\n  name: g\nspec:\n  vm: dev1\n  type: http\n  target: api.example.com\n  valueFrom: {env: TOKEN}\n",
+        &["Grant/g", "spec.header", "names the header"],
     );
     let dup = format!("{}---\n{}", vm_yaml("dup"), vm_yaml("dup"));
     case(

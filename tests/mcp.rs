@@ -92,6 +92,20 @@ fn stdio_tools_schemas_and_bad_calls() {
     );
 }
 
+/// vm_grant through a client with elicitation: its person's yes approves (and the grant is
+/// applied), a no denies, a dismissal leaves it pending; without elicitation the result says
+/// to run `boxery grant approve`.
+#[test]
+fn stdio_grants_with_elicitation() {
+    let h = Home::new();
+    client(
+        &h,
+        "fake",
+        &["grants", common::bin()],
+        Duration::from_secs(180),
+    );
+}
+
 /// vm_lease on a fake pool of 2: acquire binds a member that becomes the session's default VM,
 /// the session renews it, release resets it to Free; closing stdin or SIGTERM releases too.
 #[test]

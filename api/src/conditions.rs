@@ -107,4 +107,21 @@ pub mod reasons {
     pub const FORCE_DELETED: &str = "ForceDeleted";
     /// A lease is waiting for a pool whose member table is being moved to `PoolMember`s.
     pub const POOL_UPGRADING: &str = "PoolUpgrading";
+    /// A grant waits for a person's approval of its current generation.
+    pub const PENDING_APPROVAL: &str = "PendingApproval";
+    /// A grant is approved and in force.
+    pub const APPLIED: &str = "Applied";
+    /// A person refused a grant.
+    pub const DENIED: &str = "Denied";
+    /// A grant's VM was deleted (or replaced by another VM of its name).
+    pub const VM_GONE: &str = "VmGone";
+    /// A grant's VM does not exist (and never did while the grant was watching).
+    pub const VM_NOT_FOUND: &str = "VmNotFound";
+    /// A grant's lease ended or was deleted.
+    pub const LEASE_ENDED: &str = "LeaseEnded";
+    /// A lease's grant waits for its lease to hold a VM.
+    pub const LEASE_NOT_BOUND: &str = "LeaseNotBound";
+    /// An approved grant whose value the control plane cannot read (variable unset, file
+    /// unreadable, program missing): it is not applied until it can.
+    pub const VALUE_UNAVAILABLE: &str = "ValueUnavailable";
 }

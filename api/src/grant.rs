@@ -1,4 +1,6 @@
-//! `Grant`: a human-approved credential route for a VM. Types and schema only.
+//! `Grant`: a human-approved credential route for a VM (or a lease's VM). The Grant reconciler
+//! (`reconcilers/src/grant.rs`) applies it once a person approved its current generation;
+//! the value itself never enters the store (`valueFrom` names where it comes from).
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -18,29 +20,185 @@ impl_resource!(
         singular: "grant",
         short_names: &["grant"],
         dotted_names: false,
-        description: "A credential route for one VM or lease (llm, http, env, file, github), applied after a person approves it. Not implemented yet: the store refuses Grants until the credential proxy lands (issue 13).",
+        description: "A credential route for one VM or lease (llm, http, env, file, github), applied only after a person approves it (`boxery grant approve NAME`, in a terminal); a spec change needs approval again. The value never enters the store: valueFrom names where the control plane reads it.",
         controllers_only: None,
     },
     normalize = normalize_grant
 );
 
-/// Check what the schema cannot: the VM and lease it names are object names.
+/// Check what the schema cannot: exactly one of `vm` and `lease`, names, the target's form for
+/// its type, the header (`http` only), and `valueFrom`'s form.
 fn normalize_grant(grant: &mut Grant) -> Result<(), Vec<crate::validate::FieldError>> {
+    use crate::validate::FieldError;
     let mut errs = Vec::new();
-    for (field, v) in [
-        ("spec.vm", &grant.spec.vm),
-        ("spec.lease", &grant.spec.lease),
-    ] {
+    let spec = &grant.spec;
+    match (&spec.vm, &spec.lease) {
+        (Some(_), Some(_)) => errs.push(FieldError::new(
+            "spec",
+            "name either `vm` or `lease`, not both".into(),
+        )),
+        (None, None) => errs.push(FieldError::new(
+            "spec",
+            "name the VM (`vm`) or the lease (`lease`) the grant is for".into(),
+        )),
+        _ => {}
+    }
+    for (field, v) in [("spec.vm", &spec.vm), ("spec.lease", &spec.lease)] {
         if let Some(n) = v
             && let Err(e) = crate::name::check_label_name(n)
         {
-            errs.push(crate::validate::FieldError::new(field, e));
+            errs.push(FieldError::new(field, e));
         }
     }
-    if let Err(e) = crate::name::check_text(&grant.spec.target, 2048) {
-        errs.push(crate::validate::FieldError::new("spec.target", e));
+    if let Err(e) = check_target(spec.type_, &spec.target) {
+        errs.push(FieldError::new("spec.target", e));
+    }
+    match (&spec.header, spec.type_) {
+        (None, GrantType::Http) => errs.push(FieldError::new(
+            "spec.header",
+            "an http grant names the header it adds (e.g. Authorization)".into(),
+        )),
+        (Some(h), GrantType::Http) => {
+            if let Err(e) = check_header(h) {
+                errs.push(FieldError::new("spec.header", e));
+            }
+        }
+        (Some(_), _) => errs.push(FieldError::new(
+            "spec.header",
+            "only http grants name a header".into(),
+        )),
+        (None, _) => {}
+    }
+    if let Err(e) = check_value_from(&spec.value_from) {
+        errs.push(FieldError::new("spec.valueFrom", e));
     }
     if errs.is_empty() { Ok(()) } else { Err(errs) }
+}
+
+/// Whether `name` is an environment variable name (`[A-Za-z_][A-Za-z0-9_]*`, at most 255).
+pub fn check_env_name(name: &str) -> Result<(), String> {
+    let mut chars = name.chars();
+    let ok = name.len() <= 255
+        && chars
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{}` is not an environment variable name: letters, digits and _, not starting with a digit",
+            crate::name::shown(name)
+        ))
+    }
+}
+
+/// Whether `h` is an HTTP header name (RFC 9110 token characters, at most 128).
+pub fn check_header(h: &str) -> Result<(), String> {
+    let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+    if h.is_empty() || h.len() > 128 || !h.chars().all(token) {
+        return Err(format!(
+            "`{}` is not an HTTP header name",
+            crate::name::shown(h)
+        ));
+    }
+    Ok(())
+}
+
+/// The form of a target for its type: a provider name (`llm`), a host name with an optional
+/// port (`http`), a variable name (`env`), a relative path of plain components (`file`: where
+/// the file goes under the guest's grant directory), `OWNER/REPO` (`github`).
+pub fn check_target(type_: GrantType, target: &str) -> Result<(), String> {
+    crate::name::check_text(target, 2048)?;
+    let shown = crate::name::shown(target);
+    let host_char = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.';
+    match type_ {
+        GrantType::Llm => crate::name::check_label_name(target)
+            .map_err(|_| format!("`{shown}` is not a provider name (e.g. anthropic, openai)")),
+        GrantType::Http => {
+            let (host, port) = target.split_once(':').unwrap_or((target, "1"));
+            let ok = !host.is_empty()
+                && host.len() <= 253
+                && host.chars().all(host_char)
+                && !host.starts_with(['-', '.'])
+                && !host.ends_with(['-', '.'])
+                && !host.contains("..")
+                && port.parse::<u16>().is_ok_and(|p| p > 0);
+            if ok {
+                Ok(())
+            } else {
+                Err(format!(
+                    "`{shown}` is not a host name (lowercase, e.g. api.example.com or registry.example.com:8443)"
+                ))
+            }
+        }
+        GrantType::Env => check_env_name(target),
+        GrantType::File => {
+            let ok = !target.is_empty()
+                && !target.starts_with('/')
+                && target
+                    .split('/')
+                    .all(|c| !c.is_empty() && c != "." && c != ".." && !c.starts_with('-'))
+                && target.len() <= 1024;
+            if ok {
+                Ok(())
+            } else {
+                Err(format!(
+                    "`{shown}` is not a relative path of plain names (e.g. npmrc or aws/credentials): it names where the file goes under the guest's grant directory"
+                ))
+            }
+        }
+        GrantType::Github => {
+            let part = |s: &str, dots: bool| {
+                !s.is_empty()
+                    && s.len() <= 100
+                    && !s.starts_with('.')
+                    && s.chars().all(|c| {
+                        c.is_ascii_alphanumeric() || c == '-' || c == '_' || (dots && c == '.')
+                    })
+            };
+            match target.split_once('/') {
+                Some((owner, repo)) if part(owner, false) && part(repo, true) => Ok(()),
+                _ => Err(format!("`{shown}` is not a repository: write OWNER/REPO")),
+            }
+        }
+    }
+}
+
+/// The form of `valueFrom`: an environment variable name, an absolute file path, or a command
+/// whose first word is a program (an absolute path, or a name looked up in `PATH`).
+pub fn check_value_from(v: &ValueFrom) -> Result<(), String> {
+    match v {
+        ValueFrom::Env(name) => check_env_name(name),
+        ValueFrom::File(path) => {
+            crate::name::check_text(path, 4096)?;
+            if !path.starts_with('/') {
+                return Err(format!(
+                    "file `{}` is not an absolute path",
+                    crate::name::shown(path)
+                ));
+            }
+            Ok(())
+        }
+        ValueFrom::Command(argv) => {
+            let Some(program) = argv.first() else {
+                return Err("command is empty: give the program and its arguments".into());
+            };
+            if program.is_empty() || program.starts_with('-') {
+                return Err(format!(
+                    "`{}` is not a program",
+                    crate::name::shown(program)
+                ));
+            }
+            if argv.len() > 64 {
+                return Err("command has more than 64 words".into());
+            }
+            for a in argv {
+                crate::name::check_text(a, 4096)?;
+            }
+            Ok(())
+        }
+    }
 }
 
 /// The desired state of a grant.
@@ -59,12 +217,15 @@ pub struct GrantSpec {
     /// What it grants: a provider (`llm`), a host (`http`), a variable name (`env`), a path
     /// (`file`), a repository (`github`).
     pub target: String,
+    /// `http` only: the header the proxy adds to requests to that host (e.g. `Authorization`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
     /// Where the value comes from on the control plane (never the value itself).
     pub value_from: ValueFrom,
 }
 
 /// Kinds of grants.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 pub enum GrantType {
     /// An LLM provider through the proxy.
     #[serde(rename = "llm")]
@@ -98,34 +259,116 @@ pub enum ValueFrom {
 /// A grant's phase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 pub enum GrantPhase {
-    /// Waiting for a person's approval.
+    /// Waiting for a person's approval of the current generation (or, approved, for its value
+    /// to be readable by the control plane: see the `Ready` condition).
     #[default]
     PendingApproval,
-    /// Approved and in force.
+    /// Approved for the current generation and in force.
     Applied,
-    /// Refused.
+    /// Refused by a person (for the current generation; a spec change asks again).
     Denied,
-    /// Revoked.
+    /// Its VM or lease is gone (or ended): final. Make a new grant for a new VM or lease.
     Revoked,
 }
 
-/// The observed state of a grant.
+/// The observed state of a grant. Written only by the Grant reconciler and by the approval
+/// path (`boxery grant approve|deny`): `apply` never writes status.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct GrantStatus {
     /// Phase.
     #[serde(default)]
     pub phase: GrantPhase,
-    /// Who approved it, and when.
+    /// The OS user who approved it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approved_by: Option<String>,
     /// When it was approved.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approved_at: Option<Time>,
+    /// The generation (spec) that was approved: the grant is in force only while it is the
+    /// current one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approved_generation: Option<i64>,
+    /// The OS user who denied it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub denied_by: Option<String>,
+    /// When it was denied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub denied_at: Option<Time>,
+    /// The generation that was denied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub denied_generation: Option<i64>,
+    /// The VM the grant is for (a lease's grant: the lease's VM), once known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm: Option<String>,
+    /// That VM's uid: the grant never passes to another VM that takes the name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_uid: Option<String>,
+    /// A lease's grant: the lease's uid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_uid: Option<String>,
     /// The generation last acted on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
     /// Observations.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+impl GrantStatus {
+    /// Whether a person approved generation `generation`.
+    pub fn approved_for(&self, generation: Option<i64>) -> bool {
+        self.approved_by.is_some()
+            && self.approved_generation.is_some()
+            && self.approved_generation == generation
+    }
+    /// Whether a person denied generation `generation`.
+    pub fn denied_for(&self, generation: Option<i64>) -> bool {
+        self.denied_generation.is_some() && self.denied_generation == generation
+    }
+}
+
+impl std::fmt::Display for GrantType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GrantType::Llm => "llm",
+            GrantType::Http => "http",
+            GrantType::Env => "env",
+            GrantType::File => "file",
+            GrantType::Github => "github",
+        })
+    }
+}
+
+impl std::str::FromStr for GrantType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "llm" => GrantType::Llm,
+            "http" => GrantType::Http,
+            "env" => GrantType::Env,
+            "file" => GrantType::File,
+            "github" => GrantType::Github,
+            _ => {
+                return Err(format!(
+                    "unknown grant type `{}`: use llm, http, github, env or file",
+                    crate::name::shown(s)
+                ));
+            }
+        })
+    }
+}
+
+impl ValueFrom {
+    /// Where the value comes from, in words (never the value).
+    pub fn describe(&self) -> String {
+        match self {
+            ValueFrom::Env(n) => format!("the control plane's environment variable {n}"),
+            ValueFrom::File(p) => format!("the file {p} on the control plane"),
+            ValueFrom::Command(argv) => format!(
+                "the output of the command `{}` run on the control plane",
+                argv.join(" ")
+            ),
+        }
+    }
 }

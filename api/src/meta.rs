@@ -97,8 +97,10 @@ pub mod finalizers {
     pub const LEASE: &str = "boxery.dev/lease";
     /// A Pool's: its members leave first (leased ones when their lease ends).
     pub const POOL: &str = "boxery.dev/pool";
+    /// A Grant's: it is revoked (its entry leaves the control plane's grant state) first.
+    pub const GRANT: &str = "boxery.dev/grant";
     /// All of them.
-    pub const ALL: [&str; 4] = [VM, IMAGE, LEASE, POOL];
+    pub const ALL: [&str; 5] = [VM, IMAGE, LEASE, POOL, GRANT];
 }
 
 /// A reference from an owned object to its owner.

@@ -57,13 +57,6 @@ pub fn unimplemented(obj: &crate::DynObject) -> Vec<FieldError> {
             .to_typed::<crate::Pool>()
             .map(|p| crate::pool::unimplemented(&p))
             .unwrap_or_default(),
-        // The kind's types and schema exist (so manifests can be written against them), but
-        // nothing approves or applies a Grant yet: storing one would promise a credential
-        // route that never comes.
-        k if k == Grant::INFO.kind => vec![not_implemented(
-            "spec",
-            "no controller approves or applies Grants in this version, so none is stored",
-        )],
         _ => Vec::new(),
     }
 }
@@ -363,11 +356,6 @@ mod tests {
                    "spec": {"template": {"spec": {"source": {"image": "tiny"}, "layers": ["x"]}}}}),
             "spec.template.spec.layers",
         );
-        refused(
-            json!({"apiVersion": API_VERSION, "kind": "Grant", "metadata": {"name": "g"},
-                   "spec": {"vm": "dev1", "type": "env", "target": "TOKEN", "valueFrom": {"env": "TOKEN"}}}),
-            "spec",
-        );
         // Their defaults, and saying them explicitly, are fine.
         let fine = |v: Value| assert_eq!(unimplemented(&normalize(v).unwrap()), vec![]);
         fine(vm(
@@ -376,6 +364,89 @@ mod tests {
         fine(
             json!({"apiVersion": API_VERSION, "kind": "Pool", "metadata": {"name": "p"},
                          "spec": {"lease": {"defaultTtlSeconds": 1800, "maxTtlSeconds": 600}}}),
+        );
+        // Grants are stored (issue 13): their reconciler waits for a person's approval.
+        fine(
+            json!({"apiVersion": API_VERSION, "kind": "Grant", "metadata": {"name": "g"},
+                   "spec": {"vm": "dev1", "type": "env", "target": "TOKEN", "valueFrom": {"env": "TOKEN"}}}),
+        );
+    }
+
+    #[test]
+    fn grants_are_checked_by_type() {
+        let grant = |spec: Value| {
+            normalize(json!({"apiVersion": API_VERSION, "kind": "Grant",
+                             "metadata": {"name": "g"}, "spec": spec}))
+        };
+        let ok = |spec: Value| grant(spec.clone()).unwrap_or_else(|e| panic!("{spec}: {e}"));
+        let bad = |spec: Value, path: &str| {
+            let e = grant(spec.clone()).expect_err(&spec.to_string());
+            assert!(e.errors.iter().any(|f| f.path == path), "{path}: {e}");
+        };
+        ok(json!({"vm": "a", "type": "llm", "target": "anthropic", "valueFrom": {"env": "K"}}));
+        ok(
+            json!({"lease": "l", "type": "http", "target": "api.example.com:8443",
+                  "header": "Authorization", "valueFrom": {"file": "/etc/token"}}),
+        );
+        ok(json!({"vm": "a", "type": "github", "target": "me/my.repo",
+                  "valueFrom": {"command": ["gh", "auth", "token"]}}));
+        ok(
+            json!({"vm": "a", "type": "file", "target": "aws/credentials", "valueFrom": {"file": "/x"}}),
+        );
+        ok(
+            json!({"vm": "a", "type": "env", "target": "NPM_TOKEN", "valueFrom": {"env": "NPM_TOKEN"}}),
+        );
+        bad(
+            json!({"type": "llm", "target": "anthropic", "valueFrom": {"env": "K"}}),
+            "spec",
+        );
+        bad(
+            json!({"vm": "a", "lease": "l", "type": "llm", "target": "x", "valueFrom": {"env": "K"}}),
+            "spec",
+        );
+        bad(
+            json!({"vm": "a", "type": "llm", "target": "Anthropic/..", "valueFrom": {"env": "K"}}),
+            "spec.target",
+        );
+        bad(
+            json!({"vm": "a", "type": "http", "target": "a.com", "valueFrom": {"env": "K"}}),
+            "spec.header",
+        );
+        bad(
+            json!({"vm": "a", "type": "llm", "target": "x", "header": "X", "valueFrom": {"env": "K"}}),
+            "spec.header",
+        );
+        bad(
+            json!({"vm": "a", "type": "file", "target": "../etc/passwd", "valueFrom": {"env": "K"}}),
+            "spec.target",
+        );
+        bad(
+            json!({"vm": "a", "type": "file", "target": "/etc/passwd", "valueFrom": {"env": "K"}}),
+            "spec.target",
+        );
+        bad(
+            json!({"vm": "a", "type": "github", "target": "noslash", "valueFrom": {"env": "K"}}),
+            "spec.target",
+        );
+        bad(
+            json!({"vm": "a", "type": "env", "target": "1X", "valueFrom": {"env": "K"}}),
+            "spec.target",
+        );
+        bad(
+            json!({"vm": "a", "type": "env", "target": "X", "valueFrom": {"env": "A=B"}}),
+            "spec.valueFrom",
+        );
+        bad(
+            json!({"vm": "a", "type": "env", "target": "X", "valueFrom": {"file": "rel"}}),
+            "spec.valueFrom",
+        );
+        bad(
+            json!({"vm": "a", "type": "env", "target": "X", "valueFrom": {"command": []}}),
+            "spec.valueFrom",
+        );
+        bad(
+            json!({"vm": "a", "type": "env", "target": "X", "valueFrom": {"value": "sekrit"}}),
+            "spec.valueFrom",
         );
     }
 

@@ -3,6 +3,7 @@
 mod args;
 mod commands;
 mod exit;
+mod grants;
 mod manifests;
 mod orphans;
 mod out;
@@ -273,6 +274,9 @@ enum Command {
     /// Leases on pool VMs: acquire (makes a key pair here), renew, release, list.
     #[command(subcommand)]
     Lease(pools::LeaseCmd),
+    /// Give a VM (or a lease's VM) a credential, approved by a person: `grant VM TYPE:TARGET
+    /// --from-env NAME` writes a Grant and asks you to approve it; approve, deny, ls, revoke.
+    Grant(grants::GrantArgs),
     /// Open a shell in a VM (or run a command with a terminal), with its pinned host key.
     Ssh {
         /// The VM.
@@ -545,6 +549,7 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         | Command::Events { .. }) => return object_command(v, command).await,
         Command::Pool(cmd) => pools::pool(v, cmd).await?,
         Command::Lease(cmd) => pools::lease(v, cmd).await?,
+        Command::Grant(a) => return grants::grant(v, a).await,
         Command::Orphans { cmd } => orphans::orphans(v, cmd).await?,
         Command::Ssh { vm, cmd } => return Ok(boxery_hands::ssh(v.home(), v.local()?, &vm, &cmd)?),
         Command::Run { vm, cmd } => return Ok(boxery_hands::run(v.home(), v.local()?, &vm, &cmd)?),

@@ -129,3 +129,45 @@ fn lease_actions_are_lease_commands() {
         );
     }
 }
+
+/// Every `vm_grant` action is a `boxery grant` form, and every `boxery grant` subcommand is an
+/// action or a person's alone (approve, deny: no tool approves or denies a grant).
+#[test]
+fn grant_actions_are_grant_commands() {
+    use boxery_mcp::grant::GrantAction;
+    // `request` is `boxery grant VM TYPE:TARGET …` itself (no subcommand).
+    let pairs = [(GrantAction::List, "ls"), (GrantAction::Revoke, "revoke")];
+    let person_only = ["approve", "deny"];
+    let schema = boxery_mcp::find("vm_grant").unwrap().schema.to_string();
+    let cli = crate::Cli::command();
+    let grant = cli.find_subcommand("grant").expect("grant");
+    assert!(
+        grant.get_arguments().any(|a| a.get_id() == "from_env"),
+        "`boxery grant VM TYPE:TARGET --from-env NAME` is vm_grant's request"
+    );
+    assert!(schema.contains("\"request\""));
+    let sub: Vec<&str> = grant.get_subcommands().map(|c| c.get_name()).collect();
+    for (action, cmd) in pairs {
+        let name = serde_json::to_value(action).unwrap();
+        assert!(
+            schema.contains(&name.to_string()),
+            "vm_grant's schema lacks {name}"
+        );
+        assert!(
+            sub.contains(&cmd),
+            "vm_grant {name} has no `boxery grant {cmd}`"
+        );
+    }
+    for c in sub {
+        assert!(
+            pairs.iter().any(|(_, cmd)| *cmd == c) || person_only.contains(&c),
+            "`boxery grant {c}` has no vm_grant action and is not listed as a person's"
+        );
+    }
+    for word in person_only {
+        assert!(
+            !schema.contains(&format!("\"{word}\"")),
+            "vm_grant must not offer {word}"
+        );
+    }
+}

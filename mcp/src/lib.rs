@@ -11,6 +11,7 @@
 
 pub mod exec;
 pub mod files;
+pub mod grant;
 pub mod jobs;
 pub mod lease;
 pub mod lifecycle;
@@ -262,7 +263,7 @@ pub fn tools() -> &'static [Tool] {
         vec![
             tool(
                 "vm_apply",
-                "Create or update objects (Vm, Image, Pool, Lease) from a YAML or JSON manifest, validated exactly as `boxery apply` validates it; all or nothing. Waits (bounded) until what it applied has settled (Vms and Images Ready, Pools with every member made, Leases Bound) and returns their state; with wait: false it says when no control plane runs. A Vm needs at least: apiVersion: boxery.dev/v1alpha1, kind: Vm, metadata.name, spec.source.image (e.g. debian-12 or tiny).",
+                "Create or update objects (Vm, Image, Pool, Lease, Grant) from a YAML or JSON manifest, validated exactly as `boxery apply` validates it; all or nothing. Waits (bounded) until what it applied has settled (Vms and Images Ready, Pools with every member made, Leases Bound, Grants seen by their controller) and returns their state; with wait: false it says when no control plane runs. A manifest's status is ignored: a Grant stays PendingApproval until a person approves it (`boxery grant approve NAME` in a terminal). A Vm needs at least: apiVersion: boxery.dev/v1alpha1, kind: Vm, metadata.name, spec.source.image (e.g. debian-12 or tiny).",
                 rw,
                 CliSide::Commands(&["apply"]),
                 lifecycle::apply,
@@ -308,6 +309,13 @@ pub fn tools() -> &'static [Tool] {
                 rw,
                 CliSide::Commands(&["lease"]),
                 lease::lease,
+            ),
+            tool(
+                "vm_grant",
+                "Ask for a credential for a VM (default: this session's VM) or a lease's VM: request (grant: llm:PROVIDER, http:HOST with header, github:OWNER/REPO, env:NAME or file:PATH; and where the control plane reads the value: from_env, from_file or from_command — never the value itself), list, revoke. A request is PendingApproval and NOT in force until a person approves it: in this MCP client when it supports elicitation (the person is asked; this call waits for the answer, at most 10 minutes), else by running `boxery grant approve NAME` in a terminal. No tool argument can approve. Applied grants are recorded for boxery's credential proxy, which does not run yet in this version: nothing reaches the VM yet.",
+                destructive,
+                CliSide::Commands(&["grant"]),
+                grant::grant,
             ),
             tool(
                 "vm_use",
@@ -383,6 +391,9 @@ pub struct Session {
     verbs: OnceLock<Verbs>,
     /// Leases this session keeps alive; dropping one (or the session) releases it.
     leases: Mutex<BTreeMap<String, lease::Kept>>,
+    /// The MCP client of the session (set by each tool call), for asking its person
+    /// (elicitation: `vm_grant`'s approval).
+    peer: Mutex<Option<rmcp::Peer<rmcp::RoleServer>>>,
 }
 
 impl Session {
@@ -396,7 +407,21 @@ impl Session {
             versions: Mutex::new(HashMap::new()),
             verbs: OnceLock::new(),
             leases: Mutex::new(BTreeMap::new()),
+            peer: Mutex::new(None),
         }
+    }
+
+    /// Remember the MCP client this session talks to (each tool call does).
+    pub fn set_peer(&self, peer: rmcp::Peer<rmcp::RoleServer>) {
+        *self.peer.lock().expect("poisoned") = Some(peer);
+    }
+
+    /// The MCP client, when it can ask its person a question (it advertised elicitation).
+    pub(crate) fn asker(&self) -> Option<rmcp::Peer<rmcp::RoleServer>> {
+        self.peer.lock().expect("poisoned").clone().filter(|p| {
+            p.peer_info()
+                .is_some_and(|i| i.capabilities.elicitation.is_some())
+        })
     }
 
     /// A session for one CLI command that runs a tool (`boxery read`, `write`, `edit`, `jobs`):

@@ -134,6 +134,8 @@ impl ServerHandler for BoxeryMcp {
             .into());
         };
         let args = serde_json::Value::Object(request.arguments.unwrap_or_default());
+        // A tool may ask the person at the client (vm_grant's approval, when it can elicit).
+        self.session.set_peer(context.peer.clone());
         // Run on its own task so a panicking runner is a tool error, not a dead server.
         let task = tokio::spawn(tool.run(self.session.clone(), args, context.ct.clone()));
         let r = match task.await {

@@ -179,6 +179,9 @@ async fn let_go(ctx: &Ctx, l: &Lease, why: &str) -> Result<()> {
         },
     };
     revoke_token(ctx, &vm, uid);
+    // Its grants' entries go before the reset starts (the Grant reconciler then marks them
+    // Revoked).
+    crate::grant::revoke_lease(ctx, &vm, uid).await?;
     let mine = |m: &MemberStatus| {
         m.lease_uid.as_deref() == Some(uid.as_str())
             && matches!(m.state, MemberState::Acquiring | MemberState::Leased)
@@ -430,6 +433,15 @@ pub async fn end_now(
             {
                 let _ = std::fs::remove_file(&f);
             }
+            // Its grants' entries too, before the member's reset.
+            crate::grant::remove_entries(home, vm, |e| e.lease_uid.as_deref() == Some(uid))
+                .map_err(|e| {
+                    ReconcileError::backend(
+                        "grant-state",
+                        format!("Lease/{name}"),
+                        boxery_backends::BackendError::io("revoking the lease's grants", e),
+                    )
+                })?;
             for _ in 0..20 {
                 let Some(mut rec) = store.get_as::<PoolMember>(vm).await? else {
                     break;

@@ -1,10 +1,11 @@
-//! boxery's reconcilers: one per kind (`Vm`, `Image`), the inventory resync, and `run`, which
+//! boxery's reconcilers: one per kind (`Vm`, `Image`, `Pool`, `Lease`, `Grant`), the inventory resync, and `run`, which
 //! starts them all on one store and backend (used by `boxery serve` and by the CLI's embedded
 //! mode).
 
 pub mod backoff;
 pub mod context;
 pub mod error;
+pub mod grant;
 pub mod image;
 pub mod inventory;
 pub mod lease;

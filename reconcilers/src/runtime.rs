@@ -1,16 +1,16 @@
-//! Running every reconciler on one store and backend: the Vm, Image, Pool and Lease
-//! controllers, the inventory resync and history compaction, on one [`Manager`]. Used by
+//! Running every reconciler on one store and backend: the Vm, Image, Pool, Lease and Grant
+//! controllers, the grant state rebuild, the inventory resync and history compaction, on one [`Manager`]. Used by
 //! `boxery serve` and the CLI's embedded mode.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use boxery_api::pool::PoolMember;
-use boxery_api::{Image, Lease, Pool, Resource, Vm};
+use boxery_api::{Grant, Image, Lease, Pool, Resource, Vm};
 use boxery_controller::{Cache, CancellationToken, Controller, Manager, default_error_policy};
 
 use crate::context::Ctx;
-use crate::{image, inventory, lease, pool, vm};
+use crate::{grant, image, inventory, lease, pool, vm};
 
 /// How many store revisions of history to keep for watchers.
 pub const KEEP_REVISIONS: u64 = 20_000;
@@ -32,6 +32,8 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     let image_ctl = controller::<Image>(&ctx);
     let pool_ctl = controller::<Pool>(&ctx);
     let lease_ctl = controller::<Lease>(&ctx);
+    let grant_ctl = controller::<Grant>(&ctx);
+    let (grants_a, grants_b) = (grant_ctl.cache(), grant_ctl.cache());
     // One full cache per kind (its controller's); the watches keep metadata only.
     let caches = inventory::Caches {
         vms: vm_ctl.cache(),
@@ -103,6 +105,19 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
                 token.clone(),
             ),
     );
+    m.add(
+        "grant",
+        grant_ctl
+            .watches_metadata::<Vm>(move |v| grant::grants_of_vm(&grants_a, v))
+            .watches_metadata::<Lease>(move |l| grant::grants_of_lease(&grants_b, l))
+            .run(
+                grant::reconcile,
+                default_error_policy,
+                ctx.clone(),
+                token.clone(),
+            ),
+    );
+    m.add("grant-state", grant::keep_state(ctx.clone(), token.clone()));
     m.add("poolmembers", follow);
     m.add(
         "inventory",

@@ -473,6 +473,11 @@ async fn finalize(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         vm = save(ctx, &vm).await?;
     }
     let obj = format!("Vm/{name}");
+    // Its grants leave the grant state before the VM goes (the Grant reconciler then marks
+    // them Revoked).
+    if let Some(uid) = vm.metadata.uid.as_deref() {
+        crate::grant::revoke_vm(ctx, &name, uid).await?;
+    }
     // Only remove what is ours: a backend VM with another object's mark is not this VM.
     match ctx.backend.get(&name).await {
         Ok(Some(info))

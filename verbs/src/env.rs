@@ -242,6 +242,30 @@ pub struct Config {
     /// Absolute paths.
     #[serde(default)]
     pub import_roots: Vec<PathBuf>,
+    /// Grants (`grants: {confirm: false}` turns off the typed `yes` of `grant approve|deny`).
+    #[serde(default)]
+    pub grants: GrantsConfig,
+}
+
+/// `grants:` in `config.yaml`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct GrantsConfig {
+    /// Whether `boxery grant approve|deny` (and the `grant` sugar) ask for a typed `yes` on
+    /// the terminal (default true). Only the owner's config turns it off: no flag, no
+    /// environment variable.
+    #[serde(default = "yes")]
+    pub confirm: bool,
+}
+
+impl Default for GrantsConfig {
+    fn default() -> Self {
+        GrantsConfig { confirm: true }
+    }
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Read `config.yaml` (all defaults when there is none).

@@ -7,6 +7,7 @@
 //! - [`objects`]: get, list, apply (with prune), diff, delete, watch, events;
 //! - [`vm`]: new, snap, revert, fork, start, stop, resize (rm is [`objects::delete`]);
 //! - [`pools`]: pool add/rm, lease acquire/renew/release and the [`pools::LeaseKeeper`];
+//! - [`grants`]: request, list and revoke grants, and a person's approve/deny;
 //! - [`wait`]: wait for a condition (bounded or not), running the controllers in this
 //!   process while nothing else leads the store ([`runtime`], embedded mode);
 //! - [`env`]: where the state lives and which backend runs VMs; [`render`]: the text forms
@@ -17,6 +18,7 @@
 
 pub mod env;
 pub mod error;
+pub mod grants;
 pub mod objects;
 pub mod orphans;
 pub mod pools;

@@ -36,7 +36,8 @@ pub fn selector(s: Option<&str>) -> Result<Selector> {
 /// What `apply --wait` waits for on an applied object, in turn: a Vm or Image `Ready` (phase
 /// `Stopped` when applied with `runStrategy: Stopped`); a Pool `Ready` (a member free) and then
 /// settled (`Progressing=False`: every member made and past its first boot); a Lease `Bound`;
-/// a Grant `Applied` (approved by a person).
+/// a Grant seen by its controller for this generation (it stays `PendingApproval` until a
+/// person approves it, which no wait should outlast).
 pub fn settled(obj: &DynObject) -> Vec<Until> {
     let phase = |p: &str| Until::JsonPath("{.status.phase}".into(), p.into());
     match obj.kind.as_str() {
@@ -50,7 +51,10 @@ pub fn settled(obj: &DynObject) -> Vec<Until> {
             ),
         ],
         "Lease" => vec![phase("Bound")],
-        "Grant" => vec![phase("Applied")],
+        "Grant" => vec![Until::JsonPath(
+            "{.status.observedGeneration}".into(),
+            obj.metadata.generation.unwrap_or(1).to_string(),
+        )],
         _ => Vec::new(),
     }
 }

@@ -189,10 +189,35 @@ pub fn columns(kind: &str, wide: bool) -> Vec<Column> {
             cols.push(("EXPIRES", |o| s(ptr(o, "/status/expireTime"))));
         }
         "Grant" => {
+            cols.push(("STATUS", |o| match ptr(o, "/status/phase").as_str() {
+                Some(p) => p.to_string(),
+                None => "PendingApproval".into(),
+            }));
+            cols.push(("VM", |o| {
+                let v = ptr(o, "/status/vm");
+                s(if v.is_null() { ptr(o, "/spec/vm") } else { v })
+            }));
+            cols.push(("LEASE", |o| s(ptr(o, "/spec/lease"))));
             cols.push(("TYPE", |o| s(ptr(o, "/spec/type"))));
             cols.push(("TARGET", |o| s(ptr(o, "/spec/target"))));
-            cols.push(("VM", |o| s(ptr(o, "/spec/vm"))));
-            cols.push(("STATUS", |o| s(ptr(o, "/status/phase"))));
+            if wide {
+                cols.push(("VALUE FROM", |o| {
+                    match ptr(o, "/spec/valueFrom").as_object() {
+                        Some(m) => m
+                            .iter()
+                            .map(|(k, v)| match v.as_array() {
+                                Some(a) => {
+                                    format!("{k}:{}", a.iter().map(s).collect::<Vec<_>>().join(" "))
+                                }
+                                None => format!("{k}:{}", s(v)),
+                            })
+                            .collect::<Vec<_>>()
+                            .join(","),
+                        None => "<none>".into(),
+                    }
+                }));
+                cols.push(("APPROVED BY", |o| s(ptr(o, "/status/approvedBy"))));
+            }
         }
         "Event" => {
             cols = vec![

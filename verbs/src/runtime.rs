@@ -320,6 +320,21 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
                 }
             }
         }
+        "Grant" => {
+            // Revoked first: its entry leaves the grant state before the object goes.
+            if let Some(g) = store.get_as::<boxery_api::Grant>(name)?
+                && let Some(uid) = g.metadata.uid.as_deref()
+            {
+                for vm in g.status.vm.iter().chain(g.spec.vm.iter()) {
+                    boxery_reconcilers::grant::remove_entries(&v.env.home, vm, |e| e.uid == uid)
+                        .map_err(|e| {
+                            VerbError::failed(format!(
+                                "cannot revoke grant {name} from the grant state ({e}); nothing was dropped"
+                            ))
+                        })?;
+                }
+            }
+        }
         _ => {}
     }
     // Every finalizer goes, boxery's and any other (a finalizer nothing removes would keep

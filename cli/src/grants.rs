@@ -1,0 +1,257 @@
+//! `boxery grant …`: ask for a grant (`grant VM TYPE:TARGET --from-…`, which then asks you to
+//! approve it), approve or deny one, list, revoke. Approval is a person's: it reads a typed
+//! `yes` from the terminal itself (`/dev/tty`, never stdin, so nothing piped in can answer),
+//! unless the owner turned confirmation off in `$BOXERY_HOME/config.yaml`
+//! (`grants: {confirm: false}`); with no terminal it exits 2 saying how to approve.
+
+use std::io::{BufRead, Write};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use boxery_api::grant::GrantPhase;
+use boxery_api::{Grant, Name};
+use boxery_verbs::Verbs;
+use boxery_verbs::grants::{self, Request};
+use boxery_verbs::objects::Deleted;
+use boxery_verbs::wait::Until;
+
+use crate::exit::{CliError, CliResult, Code};
+use crate::out::outln;
+use crate::wait;
+
+/// `boxery grant`: either a subcommand, or the request form `grant [VM] TYPE:TARGET --from-…`.
+#[derive(Debug, clap::Args)]
+#[command(
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true,
+    after_help = "Request form: boxery grant VM TYPE:TARGET --from-env NAME|--from-file PATH|--from-command CMD\n  \
+                  (or --lease LEASE TYPE:TARGET …). TYPE:TARGET is llm:PROVIDER, http:HOST (with --header NAME),\n  \
+                  github:OWNER/REPO, env:NAME or file:PATH. The grant is written PendingApproval and you are asked\n  \
+                  to approve it, as `boxery grant approve NAME` asks. A VM named like a subcommand (approve, deny,\n  \
+                  ls, revoke) is granted with `boxery apply` of a Grant instead."
+)]
+pub struct GrantArgs {
+    #[command(subcommand)]
+    cmd: Option<GrantCmd>,
+    /// The VM the grant is for (absent with --lease), then what to grant: TYPE:TARGET.
+    #[arg(value_name = "VM|TYPE:TARGET")]
+    first: Option<String>,
+    /// What to grant, when the VM came first: TYPE:TARGET.
+    #[arg(value_name = "TYPE:TARGET")]
+    second: Option<String>,
+    /// Grant it to a lease's VM instead (revoked when the lease ends).
+    #[arg(long, value_name = "LEASE", value_parser = crate::args::label)]
+    lease: Option<String>,
+    /// http grants: the header the proxy adds (e.g. Authorization).
+    #[arg(long, value_name = "NAME")]
+    header: Option<String>,
+    /// The value is this environment variable of the control plane.
+    #[arg(long, value_name = "NAME")]
+    from_env: Option<String>,
+    /// The value is this file's content (an absolute path on the control plane).
+    #[arg(long, value_name = "PATH")]
+    from_file: Option<String>,
+    /// The value is this command's output (words split on spaces; run on the control plane).
+    #[arg(long, value_name = "CMD")]
+    from_command: Option<String>,
+    /// The grant's name (default: VM-TYPE-TARGET).
+    #[arg(long, value_parser = crate::args::label)]
+    name: Option<String>,
+    /// After approving, wait until the grant is in force (Applied), running the controllers
+    /// here if no `boxery serve` runs.
+    #[arg(long)]
+    wait: bool,
+}
+
+/// `grant` subcommands.
+#[derive(Debug, clap::Subcommand)]
+enum GrantCmd {
+    /// Approve a grant: shows exactly what is granted to which VM and asks for a typed `yes`
+    /// on the terminal (exit 2 with no terminal; exit 1 if you type anything else).
+    Approve {
+        /// The grant.
+        #[arg(value_parser = crate::args::label)]
+        name: String,
+        /// Wait until it is in force (Applied).
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Deny a grant (for its current spec: a changed spec asks again), after a typed `yes`.
+    Deny {
+        /// The grant.
+        #[arg(value_parser = crate::args::label)]
+        name: String,
+    },
+    /// List grants: phase, VM or lease, type, target, age.
+    Ls,
+    /// Revoke a grant: it is deleted, and out of force before it goes.
+    Revoke {
+        /// The grant.
+        #[arg(value_parser = crate::args::label)]
+        name: String,
+    },
+}
+
+/// `grant …`.
+pub async fn grant(v: &Verbs, a: GrantArgs) -> CliResult<ExitCode> {
+    match a.cmd {
+        Some(GrantCmd::Approve { name, wait }) => decide(v, &name, true, wait).await,
+        Some(GrantCmd::Deny { name }) => decide(v, &name, false, false).await,
+        Some(GrantCmd::Ls) => {
+            let info = boxery_api::lookup_kind("grant").expect("a kind");
+            let (objs, _) = v.store().list("Grant", &Default::default()).await?;
+            if objs.is_empty() {
+                eprintln!("No grants found.");
+                return Ok(ExitCode::SUCCESS);
+            }
+            boxery_verbs::render::print(
+                info,
+                &objs,
+                &boxery_verbs::render::Format::Table,
+                &mut std::io::stdout().lock(),
+            )?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(GrantCmd::Revoke { name }) => {
+            match grants::revoke(v, &name).await? {
+                Deleted::Removed(n) => outln!("grant/{n} revoked"),
+                Deleted::Deleting(n) => {
+                    outln!("grant/{n} revoked (it leaves the grant state, then goes)")
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        None => request(v, a).await,
+    }
+}
+
+/// `grant [VM] TYPE:TARGET --from-…`: write the grant, then ask to approve it.
+async fn request(v: &Verbs, a: GrantArgs) -> CliResult<ExitCode> {
+    let usage = || {
+        CliError::invalid(
+            "write `boxery grant VM TYPE:TARGET --from-env NAME` (or --lease LEASE TYPE:TARGET …); `boxery grant --help` says more",
+        )
+    };
+    let (vm, what) = match (&a.lease, a.first, a.second) {
+        (Some(_), Some(what), None) => (None, what),
+        (None, Some(vm), Some(what)) => (
+            Some(crate::args::label(&vm).map_err(CliError::invalid)?),
+            what,
+        ),
+        _ => return Err(usage()),
+    };
+    let command = a
+        .from_command
+        .map(|c| c.split_whitespace().map(str::to_string).collect());
+    let value_from = grants::value_from(a.from_env, a.from_file, command)?;
+    let name = a
+        .name
+        .map(|n| Name::label(&n))
+        .transpose()
+        .map_err(|e| CliError::invalid(e.0))?;
+    let (g, created) = grants::request(
+        v,
+        Request {
+            name,
+            vm,
+            lease: a.lease,
+            what,
+            header: a.header,
+            value_from,
+        },
+    )
+    .await?;
+    let name = g.metadata.name.clone();
+    if created {
+        outln!("grant/{name} created (PendingApproval)");
+    } else if g.status.phase == GrantPhase::Applied && g.status.approved_for(g.metadata.generation)
+    {
+        outln!("grant/{name} is already in force");
+        return Ok(ExitCode::SUCCESS);
+    }
+    decide(v, &name, true, a.wait).await
+}
+
+/// Approve (or deny) grant `name` after showing it and reading a typed `yes` from the
+/// terminal (unless the owner's config turned confirmation off).
+async fn decide(v: &Verbs, name: &str, approve: bool, wait_for: bool) -> CliResult<ExitCode> {
+    let g = grants::for_decision(v, name).await?;
+    let generation = g.metadata.generation;
+    if approve && g.status.approved_for(generation) {
+        outln!(
+            "grant/{name} is already approved (generation {})",
+            generation.unwrap_or_default()
+        );
+        return finish(v, name, wait_for).await;
+    }
+    if !approve && g.status.denied_for(generation) {
+        outln!("grant/{name} is already denied");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let verb = if approve { "approve" } else { "deny" };
+    let by = grants::os_user();
+    let how = if grants::confirmation_required(v)? {
+        if !confirmed(&g, verb)? {
+            eprintln!("grant/{name}: not {verb}d (you did not type yes); nothing changed");
+            return Ok(ExitCode::from(Code::Failed as u8));
+        }
+        "typed yes on a terminal"
+    } else {
+        eprint!("{}", grants::summary(&g));
+        eprintln!("(confirmation is off: grants.confirm is false in $BOXERY_HOME/config.yaml)");
+        "confirmation off in config.yaml"
+    };
+    if approve {
+        grants::approve(v, &g, &by, how).await?;
+        outln!("grant/{name} approved by {by}");
+        finish(v, name, wait_for).await
+    } else {
+        grants::deny(v, &g, &by, how).await?;
+        outln!("grant/{name} denied by {by}");
+        Ok(ExitCode::SUCCESS)
+    }
+}
+
+/// With `--wait`: until the grant is in force. Without: say when nothing will apply it.
+async fn finish(v: &Verbs, name: &str, wait_for: bool) -> CliResult<ExitCode> {
+    if wait_for {
+        boxery_verbs::objects::check_backend(v).await?;
+        wait::all(
+            v,
+            &[grants::object_ref(name)],
+            &Until::JsonPath("{.status.phase}".into(), "Applied".into()),
+            Duration::from_secs(120),
+        )
+        .await?;
+        outln!("grant/{name} is in force");
+    } else if let Some(line) = boxery_verbs::runtime::unreconciled_note(v).await? {
+        eprintln!("{line}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Show the grant on the terminal and read the answer from it: true only for `yes`.
+fn confirmed(g: &Grant, verb: &str) -> CliResult<bool> {
+    let name = g.metadata.name.as_str();
+    let tty = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/tty")
+        .map_err(|e| {
+            CliError::invalid(format!(
+                "grant {name} needs a person to {verb} it at a terminal, and this command has none (/dev/tty: {e}). \
+                 Run `boxery grant {verb} {name}` yourself in a terminal; an agent cannot {verb} a grant"
+            ))
+        })?;
+    let mut w = &tty;
+    write!(
+        w,
+        "{}\nType yes to {verb} grant {} (anything else cancels): ",
+        grants::summary(g),
+        boxery_verbs::render::safe(name)
+    )?;
+    w.flush()?;
+    let mut line = String::new();
+    std::io::BufReader::new(&tty).read_line(&mut line)?;
+    Ok(line.trim() == "yes")
+}
