@@ -120,6 +120,77 @@ struct Watch {
     cache: Option<Cache>,
 }
 
+/// One metadata-only watch of a kind shared by several controllers: one cache and one watch
+/// stream however many controllers map its changes (each controller's own
+/// [`Controller::watches_metadata`] keeps a cache and a stream of its own). Each subscriber's
+/// mapper sees the object before and after every change, as with `watches_metadata`, and the
+/// names it returns are queued on its controller ([`Controller::trigger`]). Run it with
+/// [`SharedWatch::run`] beside the controllers.
+pub struct SharedWatch {
+    cache: Cache,
+    subscribers: Vec<(Trigger, Mapper)>,
+}
+
+impl SharedWatch {
+    /// A shared metadata-only watch of kind `O`.
+    pub fn metadata<O: Resource>() -> Self {
+        SharedWatch {
+            cache: Cache::metadata_only(O::INFO.kind),
+            subscribers: Vec::new(),
+        }
+    }
+
+    /// Queue on `controller` the names `mapper` returns for each change.
+    pub fn subscribe(
+        mut self,
+        controller: Trigger,
+        mapper: impl Fn(&DynObject) -> Vec<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.subscribers.push((controller, Arc::new(mapper)));
+        self
+    }
+
+    /// Reflect the kind and fan its changes out until `shutdown` is cancelled (or every
+    /// subscriber's controller has stopped).
+    pub fn run(
+        self,
+        store: Arc<dyn ObjectStore>,
+        shutdown: CancellationToken,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let SharedWatch { cache, subscribers } = self;
+        async move {
+            let backoff = Backoff {
+                max: Duration::from_secs(30),
+                ..Backoff::default()
+            };
+            let (changes_tx, mut changes) = mpsc::unbounded_channel::<Change>();
+            let fan_out = async move {
+                while let Some(change) = changes.recv().await {
+                    let mut live = false;
+                    for (trigger, mapper) in &subscribers {
+                        let mut keys = BTreeSet::new();
+                        for o in change.old.iter().chain(change.new.iter()) {
+                            keys.extend(mapper(o));
+                        }
+                        for key in keys {
+                            let _ = trigger.tx.send(Request::now(key));
+                        }
+                        live |= !trigger.tx.is_closed();
+                    }
+                    if !live {
+                        return;
+                    }
+                }
+            };
+            tokio::select! {
+                () = shutdown.cancelled() => {}
+                () = reflect(store, cache, changes_tx, backoff) => {}
+                () = fan_out => {}
+            }
+        }
+    }
+}
+
 /// A controller for objects of kind `R`. Build it, then [`Controller::run`] it.
 pub struct Controller<R: Resource> {
     store: Arc<dyn ObjectStore>,
@@ -691,6 +762,48 @@ mod tests {
         assert_eq!(ctx.runs_of("a"), [0.0, 5.0]);
         assert!(ctx.runs_of("unknown").is_empty(), "no object, no reconcile");
         stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_shared_watch_maps_each_change_for_every_subscriber() {
+        let src = FakeSource::new();
+        for n in ["a", "b", "c"] {
+            src.put(obj("Vm", n));
+        }
+        let store: Arc<dyn ObjectStore> = Arc::new(src.clone());
+        // Two controllers of Vms, one shared watch of Images: an Image labelled `for: X`
+        // queues X on the first, and `also: Y` queues Y on the second.
+        let one = Controller::<Vm>::new(store.clone());
+        let two = Controller::<Vm>::new(store.clone());
+        let label = |k: &'static str| {
+            move |img: &DynObject| img.metadata.labels.get(k).cloned().into_iter().collect()
+        };
+        let shared = SharedWatch::metadata::<boxery_api::Image>()
+            .subscribe(one.trigger(), label("for"))
+            .subscribe(two.trigger(), label("also"));
+        let (ctx1, stop1) = start(one, |_, _| Ok(Action::await_change()));
+        let (ctx2, stop2) = start(two, |_, _| Ok(Action::await_change()));
+        let stop = CancellationToken::new();
+        tokio::spawn(shared.run(store, stop.clone()));
+        sleep(1.0).await;
+        let mut img = obj("Image", "i");
+        img.metadata.labels.insert("for".into(), "b".into());
+        img.metadata.labels.insert("also".into(), "c".into());
+        src.put(img.clone());
+        sleep(1.0).await;
+        assert_eq!(ctx1.runs_of("b"), [0.0, 1.0]);
+        assert_eq!(ctx1.runs_of("c"), [0.0]);
+        assert_eq!(ctx2.runs_of("c"), [0.0, 1.0]);
+        assert_eq!(ctx2.runs_of("b"), [0.0]);
+        // A change away from a name queues the old one too (the object before the change).
+        img.metadata.labels.insert("for".into(), "a".into());
+        src.put(img);
+        sleep(1.0).await;
+        assert_eq!(ctx1.runs_of("a"), [0.0, 2.0]);
+        assert_eq!(ctx1.runs_of("b"), [0.0, 1.0, 2.0]);
+        stop.cancel();
+        stop1.cancel();
+        stop2.cancel();
     }
 
     #[tokio::test(start_paused = true)]

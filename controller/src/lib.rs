@@ -24,7 +24,7 @@ pub mod write_through;
 
 pub use action::{Action, ReconcileError};
 pub use backoff::Backoff;
-pub use controller::{Controller, Mapper, Trigger, default_error_policy, error_chain};
+pub use controller::{Controller, Mapper, SharedWatch, Trigger, default_error_policy, error_chain};
 pub use events::Recorder;
 pub use finalizer::{FinalizerEvent, ensure_finalizer, finalizer, remove_finalizer};
 pub use leader::{Leader, LeaderElector};

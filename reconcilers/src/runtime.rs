@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use boxery_api::pool::PoolMember;
 use boxery_api::{Grant, Image, Lease, Pool, Resource, Vm};
-use boxery_controller::{Cache, CancellationToken, Controller, Manager, default_error_policy};
+use boxery_controller::{
+    Cache, CancellationToken, Controller, Manager, SharedWatch, default_error_policy,
+};
 
 use crate::context::Ctx;
 use crate::{grant, image, inventory, lease, pool, vm};
@@ -57,8 +59,25 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
         shutdown.clone(),
     );
 
+    // Four controllers map Vm changes: one metadata watch of Vms for all of them.
+    let vm_metadata = SharedWatch::metadata::<Vm>()
+        .subscribe(image_ctl.trigger(), move |o| {
+            image::images_for_vm(&image_cache, o)
+        })
+        .subscribe(pool_ctl.trigger(), pool::pool_of_vm)
+        .subscribe(lease_ctl.trigger(), move |v| {
+            lease::lease_of_vm(&members, v)
+        })
+        .subscribe(grant_ctl.trigger(), move |v| {
+            grant::grants_of_vm(&grants_a, v)
+        });
+
     let mut m = Manager::new(shutdown);
     let token = m.token();
+    m.add(
+        "vm-metadata",
+        vm_metadata.run(ctx.store.clone(), token.clone()),
+    );
     m.add(
         "vm",
         vm_ctl
@@ -72,32 +91,26 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     );
     m.add(
         "image",
-        image_ctl
-            .watches_metadata::<Vm>(move |o| image::images_for_vm(&image_cache, o))
-            .run(
-                image::reconcile,
-                default_error_policy,
-                ctx.clone(),
-                token.clone(),
-            ),
+        image_ctl.run(
+            image::reconcile,
+            default_error_policy,
+            ctx.clone(),
+            token.clone(),
+        ),
     );
     m.add(
         "pool",
-        pool_ctl
-            .watches_metadata::<Vm>(pool::pool_of_vm)
-            .watches::<Lease>(pool::pool_of_ending_lease)
-            .run(
-                pool::reconcile,
-                default_error_policy,
-                ctx.clone(),
-                token.clone(),
-            ),
+        pool_ctl.watches::<Lease>(pool::pool_of_ending_lease).run(
+            pool::reconcile,
+            default_error_policy,
+            ctx.clone(),
+            token.clone(),
+        ),
     );
     m.add(
         "lease",
         lease_ctl
             .watches_metadata::<Pool>(move |p| lease::leases_for_pool(&lease_cache, p))
-            .watches_metadata::<Vm>(move |v| lease::lease_of_vm(&members, v))
             .run(
                 lease::reconcile,
                 default_error_policy,
@@ -108,7 +121,6 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     m.add(
         "grant",
         grant_ctl
-            .watches_metadata::<Vm>(move |v| grant::grants_of_vm(&grants_a, v))
             .watches_metadata::<Lease>(move |l| grant::grants_of_lease(&grants_b, l))
             .run(
                 grant::reconcile,
