@@ -122,12 +122,15 @@ fn main() {
         );
         std::thread::sleep(Duration::from_millis(20));
     };
-    // Idle: 3 s after the last Vm turned Ready, and again 8 s after (`serve` gives its heap's
-    // free pages back every 5 s, so one trim has run by then).
+    // Idle: 3 s after the last Vm turned Ready, 8 s after (`serve` gives its heap's free pages
+    // back every 5 s, so one trim has run by then), and 20 s after (the store has closed its
+    // idle readers and emptied its page caches, every 10 s, and a trim followed).
     std::thread::sleep(Duration::from_secs(3));
     let rss_settling = rss_kib(serve.0.id());
     std::thread::sleep(Duration::from_secs(5));
     let rss_loaded = rss_kib(serve.0.id());
+    std::thread::sleep(Duration::from_secs(12));
+    let rss_idle = rss_kib(serve.0.id());
     let objects = ["Vm", "Image", "Event"]
         .iter()
         .map(|k| store.list(k, &Default::default()).unwrap().0.len())
@@ -175,7 +178,11 @@ fn main() {
         rss_settling as f64 / 1024.0
     );
     println!(
-        "| `serve` RSS, idle, {objects} objects ({n} Vms + images + events), 8 s after converging | {:.1} MiB | ≤ 30 MiB |",
+        "| `serve` RSS, {objects} objects ({n} Vms + images + events), 8 s after converging | {:.1} MiB | |",
         rss_loaded as f64 / 1024.0
+    );
+    println!(
+        "| `serve` RSS, idle, {objects} objects ({n} Vms + images + events), 20 s after converging | {:.1} MiB | ≤ 30 MiB |",
+        rss_idle as f64 / 1024.0
     );
 }

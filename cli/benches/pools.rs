@@ -272,7 +272,7 @@ fn main() {
         100.0 * claims / (wps / writes_per_claim)
     );
     println!(
-        "| {cli} `boxery lease acquire` at once (500 processes) on {cli} free members → all Bound, end to end | {:.1} s = {:.0} leases/s (all written after {:.1} s) | |",
+        "| {cli} `boxery lease acquire` at once ({cli} processes) on {cli} free members → all Bound, end to end | {:.1} s = {:.0} leases/s (all written after {:.1} s) | |",
         cli_all.as_secs_f64(),
         f64::from(cli) / cli_all.as_secs_f64(),
         written.as_secs_f64()

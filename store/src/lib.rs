@@ -406,8 +406,13 @@ pub(crate) struct Inner {
     /// The newest revision of each kind, known for every revision up to a point: lets a
     /// watcher of one kind skip reading the log when only other kinds changed.
     pub(crate) kind_revs: Arc<Mutex<watch::KindRevs>>,
-    /// Dropped with the last handle: stops the poller and upkeep threads.
-    _stop: [mpsc::Sender<()>; 2],
+    /// How often the poller looks for other processes' commits.
+    poll_interval: Duration,
+    /// The poller, started by the first watch (a command that only reads or writes needs
+    /// none); dropped with the last handle, which stops it.
+    poller: std::sync::OnceLock<mpsc::Sender<()>>,
+    /// Dropped with the last handle: stops the upkeep thread.
+    _stop_upkeep: mpsc::Sender<()>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -438,6 +443,25 @@ impl Inner {
             idle.push(conn);
         }
         out
+    }
+
+    /// Start the poller if it is not running: from now on, other processes' commits wake
+    /// this process's watchers (and their kinds are recorded in `kind_revs`).
+    pub(crate) fn start_poller(&self) {
+        self.poller.get_or_init(|| {
+            let (stop, rx) = mpsc::channel();
+            if let Err(e) = watch::spawn_poller(
+                self.path.clone(),
+                self.busy_timeout,
+                self.poll_interval,
+                self.revisions.clone(),
+                self.kind_revs.clone(),
+                rx,
+            ) {
+                tracing::error!(error = %e, "cannot start the store's change poller; writes from other processes will not wake watchers");
+            }
+            stop
+        });
     }
 
     /// Give back what the connections hold beyond their open state: idle readers past
@@ -547,26 +571,18 @@ impl Store {
         let uid = schema::identity(&writer).map_err(open_db)?;
         let (revisions, _) = tokio::sync::watch::channel(rev);
         let kind_revs = Arc::new(Mutex::new(watch::KindRevs::new(rev)));
-        let (stop_poll, poll_rx) = mpsc::channel();
         let (stop_upkeep, upkeep_rx) = mpsc::channel();
-        watch::spawn_poller(
-            path.to_path_buf(),
-            options.busy_timeout,
-            options.poll_interval,
-            revisions.clone(),
-            kind_revs.clone(),
-            poll_rx,
-        )
-        .map_err(open_err)?;
         let inner = Arc::new(Inner {
             path: path.to_path_buf(),
             uid,
             busy_timeout: options.busy_timeout,
+            poll_interval: options.poll_interval,
             writer: Mutex::new(writer),
             readers: Mutex::new(Vec::new()),
             revisions,
             kind_revs,
-            _stop: [stop_poll, stop_upkeep],
+            poller: std::sync::OnceLock::new(),
+            _stop_upkeep: stop_upkeep,
         });
         compact::spawn_upkeep(
             path.to_path_buf(),
@@ -761,6 +777,7 @@ impl Store {
         kind: Option<&str>,
         from: u64,
     ) -> futures::stream::BoxStream<'static, Result<(u64, WatchEvent)>> {
+        self.inner.start_poller();
         watch::stream(self.inner.clone(), kind.map(str::to_string), from)
     }
 
@@ -890,6 +907,8 @@ mod tests {
             ..Default::default()
         };
         let s = Store::open_with(&d.path().join("s.db"), opts).unwrap();
+        // The poller starts with the first watch.
+        drop(s.watch(None, 0));
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         // A new thread names itself once it runs.
         while store_threads() < before + 2 {

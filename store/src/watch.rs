@@ -2,9 +2,9 @@
 //!
 //! Wake-ups come from a `tokio::sync::watch` channel that holds the newest revision known to
 //! this process. In-process writes publish their revision right after commit; writes from
-//! other processes are noticed by one poller thread per [`Store`](crate::Store), which reads
-//! `PRAGMA data_version` on its own connection every few milliseconds and, when it changed,
-//! publishes the file's revision. A watcher marks the channel seen *before* it reads, so a
+//! other processes are noticed by one poller thread per [`Store`](crate::Store) (started by its
+//! first watch), which reads `PRAGMA data_version` on its own connection every few
+//! milliseconds and, when it changed, publishes the file's revision. A watcher marks the channel seen *before* it reads, so a
 //! write that commits after its read always wakes it.
 //!
 //! A watcher of one kind reads the log only when its kind may have changed: [`KindRevs`]
