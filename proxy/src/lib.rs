@@ -195,6 +195,11 @@ impl Proxy {
         listener: tokio::net::TcpListener,
         stop: tokio_util::sync::CancellationToken,
     ) -> Result<(), ProxyError> {
+        use axum::serve::ListenerExt;
+        // No Nagle delay on small writes: an SSE event goes out when it arrives.
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(listener, self.router(None))
             .with_graceful_shutdown(stop.cancelled_owned())
             .await
