@@ -154,6 +154,8 @@ async fn bench() {
 
     // Time to the first streamed byte.
     let m = (n / 10).max(50);
+    let conns = || up.connections.load(std::sync::atomic::Ordering::Relaxed);
+    let c0 = conns();
     let (mut d, mut p) = (Vec::new(), Vec::new());
     for i in 0..m + 10 {
         for (base, out) in [(&direct, &mut d), (&via, &mut p)] {
@@ -178,6 +180,11 @@ async fn bench() {
         pct(&mut d, 0.99),
         pct(&mut p, 0.5),
         pct(&mut p, 0.99),
+    );
+    println!(
+        "first byte  upstream connections opened during {} stream pairs: {}",
+        m + 10,
+        conns() - c0
     );
     println!(
         "first byte  direct p50 {d50:.3} ms p99 {d99:.3} ms | proxy p50 {p50:.3} ms p99 {p99:.3} ms | added p50 {:.3} ms p99 {:.3} ms",

@@ -33,6 +33,8 @@ pub struct Upstream {
     pub addr: SocketAddr,
     pub seen: Arc<Mutex<Vec<Seen>>>,
     pub release: Arc<Notify>,
+    /// Connections accepted so far.
+    pub connections: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Upstream {
@@ -42,8 +44,15 @@ impl Upstream {
             addr: l.local_addr().unwrap(),
             seen: Arc::default(),
             release: Arc::new(Notify::new()),
+            connections: Arc::default(),
         };
         let app = axum::Router::new().fallback(record).with_state(up.clone());
+        let n = up.connections.clone();
+        use axum::serve::ListenerExt;
+        let l = l.tap_io(move |tcp| {
+            let _ = tcp.set_nodelay(true);
+            n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        });
         tokio::spawn(async move {
             axum::serve(l, app)
                 .with_graceful_shutdown(stop.cancelled_owned())
