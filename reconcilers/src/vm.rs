@@ -10,6 +10,10 @@
 //! - Deletion: the finalizer `boxery.dev/vm` stays until the backend has removed the VM; images
 //!   the VM owns are deleted by the store's ownerReference cascade.
 //! - A VM gone from the backend behind our back is marked `Lost`, never silently recreated.
+//! - Proxy tokens ([`crate::tokens`]): a VM outside any pool has its own token, written before
+//!   the backend creates it (the one its seed carries) and minted again by a later step if
+//!   the file is gone; a pool member has none of its own. Deletion removes the VM's grant
+//!   entries, then its token, before the backend removes the VM.
 
 use std::sync::Arc;
 use std::time::Duration;
