@@ -5,6 +5,7 @@
 
 pub mod codec;
 pub mod conditions;
+pub mod config;
 pub mod event;
 pub mod grant;
 pub mod image;

@@ -326,6 +326,10 @@ enum Command {
         /// reach; the bearer token is then the endpoint's only protection.
         #[arg(long, requires = "mcp_listen")]
         mcp_allow_remote: bool,
+        /// Where the credential proxy listens (docs/grants.md): ADDR, or `off`. The default
+        /// picks a free loopback port; the address taken is written to $BOXERY_HOME/proxy.addr.
+        #[arg(long, value_name = "ADDR|off", default_value = boxery_proxy::DEFAULT_LISTEN, value_parser = proxy_listen_arg)]
+        proxy_listen: ProxyListen,
     },
     /// Keep a control plane running (a systemd unit running `serve` for this home): install,
     /// uninstall, status. See docs/cli.md.
@@ -481,9 +485,10 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
             mcp_listen,
             mcp_allow_origin,
             mcp_allow_remote,
+            proxy_listen,
         } => {
             let listen = mcp_listen.map(|a| (a, mcp_allow_origin, mcp_allow_remote));
-            serve(&env, inventory_every, lease, listen).await?
+            serve(&env, inventory_every, lease, listen, proxy_listen).await?
         }
         Command::Mcp {
             tools_markdown: true,
@@ -665,8 +670,31 @@ async fn serve(
     inventory_every: Duration,
     lease: Duration,
     mcp_listen: Option<(std::net::SocketAddr, Vec<String>, bool)>,
+    proxy_listen: ProxyListen,
 ) -> CliResult {
     let stop = tokio_util::sync::CancellationToken::new();
+    // The credential proxy, bound before the controllers start (a taken port fails at once).
+    let proxy = match proxy_listen {
+        ProxyListen::Off => None,
+        ProxyListen::At(addr) => {
+            let config = boxery_verbs::env::read_config(&env.home)?.proxy;
+            let proxy = boxery_proxy::Proxy::new(&env.home, config)
+                .map_err(|e| CliError::new(exit::Code::Failed, e))?;
+            let listener = boxery_proxy::Proxy::bind(addr)
+                .await
+                .map_err(|e| CliError::new(exit::Code::Failed, e))?;
+            let bound = listener
+                .local_addr()
+                .map_err(|e| CliError::invalid(format!("the proxy's listener: {e}")))?;
+            let file = boxery_proxy::addr_file(&env.home);
+            let tmp = file.with_extension("addr.tmp");
+            std::fs::write(&tmp, format!("{bound}\n"))
+                .and_then(|()| std::fs::rename(&tmp, &file))
+                .map_err(|e| CliError::invalid(format!("cannot write {}: {e}", file.display())))?;
+            tracing::info!(addr = %bound, "credential proxy listening");
+            Some(tokio::spawn(proxy.serve(listener, stop.clone())))
+        }
+    };
     // Bound (or refused) before the controllers start, so a bad address or token file fails
     // `serve` at once.
     let http = match mcp_listen {
@@ -699,7 +727,41 @@ async fn serve(
     {
         eprintln!("error: {}", boxery_verbs::render::safe(&e.chain()));
     }
+    if let Some(h) = proxy {
+        if let Ok(Err(e)) = h.await {
+            eprintln!("error: {}", boxery_verbs::render::safe(&error_chain(&e)));
+        }
+        let _ = std::fs::remove_file(boxery_proxy::addr_file(&env.home));
+    }
     Ok(r?)
+}
+
+/// `--proxy-listen`: an address, or `off`.
+#[derive(Debug, Clone, Copy)]
+enum ProxyListen {
+    Off,
+    At(std::net::SocketAddr),
+}
+
+fn proxy_listen_arg(s: &str) -> Result<ProxyListen, String> {
+    if s == "off" {
+        return Ok(ProxyListen::Off);
+    }
+    s.parse()
+        .map(ProxyListen::At)
+        .map_err(|_| format!("`{s}` is not ADDR:PORT (e.g. 127.0.0.1:7390) or `off`"))
+}
+
+/// An error and its causes, one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
 }
 
 /// read, write, edit, jobs: the tools' runners, their results rendered for the terminal.

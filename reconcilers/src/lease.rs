@@ -49,40 +49,24 @@ pub fn boot_id() -> String {
     boxery_store::boot_id()
 }
 
-/// The token store: `$BOXERY_HOME/tokens/<vm>` holds `<lease uid> <token>` (0600) while a
-/// lease holds the VM. The proxy (a later issue) accepts only a token found here.
+/// The token store ([`crate::tokens`]): `$BOXERY_HOME/tokens/<vm>` holds `<lease uid> <token>`
+/// (0600) while a lease holds the VM. The proxy accepts only a token found here.
 pub fn token_file(ctx: &Ctx, vm: &str) -> std::path::PathBuf {
-    ctx.home.join("tokens").join(vm)
+    crate::tokens::file(&ctx.home, vm)
 }
 
-/// Whether `token` is the live token of `vm` (what the proxy will check).
+/// Whether `token` is the live token of `vm` (what the proxy checks; constant-time).
 pub fn token_valid(home: &std::path::Path, vm: &str, token: &str) -> bool {
-    std::fs::read_to_string(home.join("tokens").join(vm))
-        .is_ok_and(|s| s.split_whitespace().nth(1) == Some(token))
+    crate::tokens::matches(home, vm, token).is_some()
 }
 
 /// Revoke the token of the lease `lease_uid` on `vm` (no-op when another lease's token is there).
 pub fn revoke_token(ctx: &Ctx, vm: &str, lease_uid: &str) {
-    let f = token_file(ctx, vm);
-    if std::fs::read_to_string(&f).is_ok_and(|s| s.split_whitespace().next() == Some(lease_uid)) {
-        let _ = std::fs::remove_file(&f);
-    }
+    let _ = crate::tokens::revoke(&ctx.home, vm, lease_uid);
 }
 
 fn write_token(ctx: &Ctx, vm: &str, lease_uid: &str, token: &str) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = token_file(ctx, vm);
-    std::fs::create_dir_all(f.parent().expect("a parent"))?;
-    let tmp = f.with_extension("tmp");
-    let mut w = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    w.write_all(format!("{lease_uid} {token}\n").as_bytes())?;
-    std::fs::rename(tmp, f)
+    crate::tokens::write(&ctx.home, vm, lease_uid, token)
 }
 
 async fn save(ctx: &Ctx, l: &Lease) -> Result<Lease> {
@@ -427,12 +411,7 @@ pub async fn end_now(
             Err(e) => return Err(e.into()),
         };
         if let (Some(vm), Some(uid)) = (&l.status.vm, &l.metadata.uid) {
-            let f = home.join("tokens").join(vm);
-            if std::fs::read_to_string(&f)
-                .is_ok_and(|s| s.split_whitespace().next() == Some(uid.as_str()))
-            {
-                let _ = std::fs::remove_file(&f);
-            }
+            let _ = crate::tokens::revoke(home, vm, uid);
             // Its grants' entries too, before the member's reset.
             crate::grant::remove_entries(home, vm, |e| e.lease_uid.as_deref() == Some(uid))
                 .map_err(|e| {
@@ -606,9 +585,7 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
             l.status.member_generation = Some(g);
         }
         MemberState::Leased => {
-            if !std::fs::read_to_string(token_file(ctx, &vm))
-                .is_ok_and(|t| t.split_whitespace().next() == Some(uid))
-            {
+            if crate::tokens::read(&ctx.home, &vm).is_none_or(|(owner, _)| owner != uid) {
                 let token = boxery_backends::identity::proxy_token();
                 write_token(ctx, &vm, uid, &token).map_err(|e| token_error(&l, e))?;
             }

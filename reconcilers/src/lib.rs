@@ -12,6 +12,7 @@ pub mod lease;
 pub mod pool;
 pub mod recorded;
 pub mod runtime;
+pub mod tokens;
 pub use boxery_hands::ssh;
 pub mod vm;
 

@@ -10,6 +10,10 @@
 //! - Deletion: the finalizer `boxery.dev/vm` stays until the backend has removed the VM; images
 //!   the VM owns are deleted by the store's ownerReference cascade.
 //! - A VM gone from the backend behind our back is marked `Lost`, never silently recreated.
+//! - Proxy tokens ([`crate::tokens`]): a VM outside any pool has its own token, written before
+//!   the backend creates it (the one its seed carries) and minted again by a later step if
+//!   the file is gone; a pool member has none of its own. Deletion removes the VM's grant
+//!   entries, then its token, before the backend removes the VM.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -91,6 +95,7 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     if vm.status.created_at.is_none() {
         return create(vm, ctx).await;
     }
+    keep_token(&vm, ctx)?;
     if let Some(r) = vm.spec.restore.clone().filter(|r| {
         vm.status
             .last_restore
@@ -477,6 +482,7 @@ async fn finalize(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     // them Revoked).
     if let Some(uid) = vm.metadata.uid.as_deref() {
         crate::grant::revoke_vm(ctx, &name, uid).await?;
+        crate::tokens::revoke(&ctx.home, &name, uid).map_err(|e| token_error(&name, e))?;
     }
     // Only remove what is ours: a backend VM with another object's mark is not this VM.
     match ctx.backend.get(&name).await {
@@ -606,6 +612,37 @@ async fn recover_reimage(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action>
     let vm = save(ctx, &vm).await?;
     ctx.event(&vm, ty, reason, &msg).await;
     Ok(Action::requeue(Duration::ZERO))
+}
+
+/// Whether `vm` is a pool's member (its tokens are the leases').
+fn pool_member(vm: &Vm) -> bool {
+    vm.metadata.labels.contains_key(crate::pool::POOL_LABEL)
+}
+
+/// The VM's own proxy token: a VM outside any pool has one (minted here when it has none: a
+/// VM made before tokens were recorded, or whose file was lost); a pool member has none of
+/// its own (a VM that joined a pool loses it; its leases bring theirs).
+fn keep_token(vm: &Vm, ctx: &Ctx) -> Result<()> {
+    let (name, Some(uid)) = (vm.name(), vm.metadata.uid.as_deref()) else {
+        return Ok(());
+    };
+    let held = crate::tokens::read(&ctx.home, name);
+    if pool_member(vm) {
+        crate::tokens::revoke(&ctx.home, name, uid).map_err(|e| token_error(name, e))?;
+    } else if held.is_none_or(|(owner, _)| owner != uid) {
+        let token = boxery_backends::identity::proxy_token();
+        crate::tokens::write(&ctx.home, name, uid, &token).map_err(|e| token_error(name, e))?;
+        tracing::info!(vm = %name, "minted the VM's proxy token");
+    }
+    Ok(())
+}
+
+fn token_error(vm: &str, e: std::io::Error) -> ReconcileError {
+    ReconcileError::backend(
+        "token",
+        format!("Vm/{vm}"),
+        boxery_backends::BackendError::io("writing the token store", e),
+    )
 }
 
 /// A new VM's identity. Backends whose VMs run sshd get a host key made here (ssh-keygen)
@@ -851,7 +888,19 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     // A fresh identity, made on the host: a new host key (pinned in status before the VM
     // exists, so no ssh ever trusts on first use), machine-id and token, and the control
     // plane's key as the only authorized key.
-    let identity = new_identity(ctx, &name).await?;
+    let mut identity = new_identity(ctx, &name).await?;
+    // A VM outside any pool has its own proxy token from birth (the one in its seed); a pool
+    // member gets one per lease instead, so its clean image carries none that works.
+    if !pool_member(&vm)
+        && let Some(uid) = vm.metadata.uid.clone()
+    {
+        let token = identity
+            .proxy_token
+            .get_or_insert_with(boxery_backends::identity::proxy_token);
+        crate::tokens::write(&ctx.home, &name, &uid, token).map_err(|e| token_error(&name, e))?;
+    } else {
+        identity.proxy_token = None;
+    }
     vm.status.ssh = Some(SshStatus {
         endpoint: None,
         host_key: identity

@@ -471,3 +471,88 @@ async fn a_grant_waits_for_a_vm_that_does_not_exist_yet() {
     assert!(g.status.vm_uid.is_some());
     assert_eq!(entries(&p, "later"), ["early"]);
 }
+
+/// The token store the proxy checks: a VM outside a pool has its own token from creation
+/// (owned by its uid) until it is deleted; a free pool member has none; a lease's token is
+/// owned by the lease and gone when the lease ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_follow_vms_and_leases() {
+    use boxery_reconcilers::tokens;
+    let p = plane().await;
+    vm(&p, "dev1").await;
+    let uid = p
+        .store
+        .get_as::<Vm>("dev1")
+        .unwrap()
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
+    let (owner, token) = tokens::read(p.home(), "dev1").expect("a VM has a token from creation");
+    assert_eq!(owner, uid);
+    assert!(token.starts_with("bxt_") && token.len() == 68);
+    assert_eq!(
+        tokens::matches(p.home(), "dev1", &token).as_deref(),
+        Some(uid.as_str())
+    );
+    // A lost token file is minted again (a new token) on the next reconcile.
+    std::fs::remove_file(tokens::file(p.home(), "dev1")).unwrap();
+    let mut v: Vm = p.store.get_as("dev1").unwrap().unwrap();
+    v.metadata.labels.insert("touch".into(), "1".into());
+    p.store.update_as(&v).unwrap();
+    let (_, again) = until("a new token", || tokens::read(p.home(), "dev1")).await;
+    assert_ne!(again, token);
+    p.store.delete("Vm", "dev1").unwrap();
+    until("dev1 gone", || {
+        p.store
+            .get_as::<Vm>("dev1")
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    assert!(
+        tokens::read(p.home(), "dev1").is_none(),
+        "rm revokes the token"
+    );
+
+    let pool = serde_json::from_value(json!({
+        "apiVersion": "boxery.dev/v1alpha1", "kind": "Pool", "metadata": {"name": "pool"},
+        "spec": {"replicas": 1, "template": {"spec": {"source": {"image": "tiny"}}}},
+    }))
+    .unwrap();
+    p.store.create(pool).unwrap();
+    until("a free member", || {
+        let pl: boxery_api::Pool = p.store.get_as("pool").unwrap()?;
+        (pl.status.free == 1).then_some(())
+    })
+    .await;
+    assert!(
+        tokens::read(p.home(), "pool-0").is_none(),
+        "a free member has no token"
+    );
+    let lease: Lease = serde_json::from_value(json!({
+        "apiVersion": "boxery.dev/v1alpha1", "kind": "Lease", "metadata": {"name": "l1"},
+        "spec": {"pool": "pool", "holderIdentity": "me",
+                 "publicKey": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIC3dGVzdHRlc3R0ZXN0dGVzdHRlc3R0ZXN0dGVzdA me"},
+    }))
+    .unwrap();
+    p.store.create_as(&lease).unwrap();
+    let (vm, luid) = until("the lease to bind", || {
+        let l: Lease = p.store.get_as("l1").unwrap()?;
+        (l.status.phase == LeasePhase::Bound).then(|| {
+            (
+                l.status.vm.clone().unwrap(),
+                l.metadata.uid.clone().unwrap(),
+            )
+        })
+    })
+    .await;
+    let (owner, _) = tokens::read(p.home(), &vm).expect("a bound lease has a token");
+    assert_eq!(owner, luid);
+    p.store.delete("Lease", "l1").unwrap();
+    until("the lease's token gone", || {
+        tokens::read(p.home(), &vm).is_none().then_some(())
+    })
+    .await;
+}

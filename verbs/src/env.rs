@@ -245,6 +245,9 @@ pub struct Config {
     /// Grants (`grants: {confirm: false}` turns off the typed `yes` of `grant approve|deny`).
     #[serde(default)]
     pub grants: GrantsConfig,
+    /// The credential proxy (`proxy: {upstreams: {NAME: URL}, hosts: {HOST: URL}, limits: …}`).
+    #[serde(default)]
+    pub proxy: boxery_api::config::ProxyConfig,
 }
 
 /// `grants:` in `config.yaml`.

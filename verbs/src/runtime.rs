@@ -282,6 +282,18 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
                     "the backend's VM {name} was made for another object than this Vm: nothing was removed or dropped; `boxery orphans` shows it"
                 )));
             }
+            // Out of force first, as the Vm finalizer does: its grants' entries, then its token.
+            if let Some(uid) = uid.as_deref() {
+                boxery_reconcilers::grant::remove_entries(&v.env.home, name, |e| e.vm_uid == uid)
+                    .and_then(|()| {
+                        boxery_reconcilers::tokens::revoke(&v.env.home, name, uid).map(drop)
+                    })
+                    .map_err(|e| {
+                        VerbError::failed(format!(
+                            "cannot revoke VM {name}'s grants and token ({e}); nothing was dropped"
+                        ))
+                    })?;
+            }
             if let Err(e) = backend.remove(name).await {
                 tracing::warn!(error = %e.chain(), "remove failed");
             }

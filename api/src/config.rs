@@ -1,0 +1,40 @@
+//! Sections of the owner's `$BOXERY_HOME/config.yaml` that more than one crate reads. The
+//! file itself is read by `boxery_verbs::env::read_config`; the credential proxy gets its
+//! section from there.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// `proxy:` in `config.yaml`: where the credential proxy sends each route, and its limits.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ProxyConfig {
+    /// LLM providers by name: base URLs (`anthropic: http://127.0.0.1:8080`). Overrides the
+    /// defaults for `anthropic`, `openai`, `ollama`; any other name adds an OpenAI-compatible
+    /// provider at `/llm/NAME`.
+    #[serde(default)]
+    pub upstreams: BTreeMap<String, String>,
+    /// Where `/edge/HOST/…` goes for a host (`github.com: http://127.0.0.1:9000`): a self-hosted
+    /// mirror or a test server. Default: `https://HOST`.
+    #[serde(default)]
+    pub hosts: BTreeMap<String, String>,
+    /// Limits applied to every route (defaults in the proxy's docs).
+    #[serde(default)]
+    pub limits: ProxyLimits,
+}
+
+/// `proxy: {limits: …}`. Unset fields take the proxy's defaults.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ProxyLimits {
+    /// The largest request body, in bytes.
+    #[serde(default)]
+    pub max_body_bytes: Option<u64>,
+    /// The longest a request may take, response stream included, in seconds.
+    #[serde(default)]
+    pub timeout_seconds: Option<u64>,
+    /// How many requests one VM may have in flight at once.
+    #[serde(default)]
+    pub concurrency_per_vm: Option<usize>,
+}
