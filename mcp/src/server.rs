@@ -295,8 +295,17 @@ struct Gate {
     body_read: Duration,
 }
 
+/// A refusal made before the request's body was read: the connection is closed after it
+/// (hyper cannot reuse a connection whose request body is left unread), and the response says
+/// so, or a client that sends its next request on it meets a closed socket instead of an
+/// answer (seen: "Server disconnected without sending a response" after a 401).
 fn refuse(code: StatusCode, msg: &str) -> Response {
-    (code, format!("{msg}\n")).into_response()
+    (
+        code,
+        [(axum::http::header::CONNECTION, "close")],
+        format!("{msg}\n"),
+    )
+        .into_response()
 }
 
 fn body_too_large() -> Response {
