@@ -274,7 +274,7 @@ impl Reach {
                         return Ok(match outcome {
                             // `exit()` keeps the low 8 bits, as ssh's does.
                             mux::Outcome::Exit(code) => code as u8,
-                            mux::Outcome::Lost => 255,
+                            mux::Outcome::Lost | mux::Outcome::ReaderGone => 255,
                         });
                     }
                     Err(e @ mux::Error::Broken(_)) => {
@@ -321,6 +321,20 @@ fn line_of(cmd: &[String]) -> String {
             .collect::<Vec<_>>()
             .join(" ")
     }
+}
+
+/// Whether this process's stdout is a pipe whose reader has left (`boxery run VM -- yes | head
+/// -1`): a 255 then is the remote command stopped by SIGPIPE (ssh exits 255 when the session
+/// ends without a status), not ssh failing, and says nothing.
+fn stdout_reader_gone() -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let out = std::io::stdout();
+    let mut fds = [PollFd::new(&out, PollFlags::OUT)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    poll(&mut fds, Some(&now)).is_ok() && fds[0].revents().contains(PollFlags::ERR)
 }
 
 /// With `BOXERY_SSH_LOG=FILE`, a line about the ControlMaster session there (beside ssh's own
@@ -370,7 +384,7 @@ pub fn run(home: &Path, store: &Store, vm: &str, cmd: &[String]) -> Result<ExitC
         ));
     }
     let code = reach(home, store, vm, Voice::Cli)?.run_line(&line_of(cmd))?;
-    if code == 255 {
+    if code == 255 && !stdout_reader_gone() {
         eprintln!(
             "boxery: ssh to {vm} failed (exit 255); `boxery describe vm {vm}` shows its state"
         );

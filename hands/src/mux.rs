@@ -20,8 +20,9 @@
 //!   the master closed the socket without one (the command was killed by a signal, or the
 //!   connection dropped): `ssh` exits 255 then.
 //! - The command's stdio are this process's own descriptors, passed to the master: it reads
-//!   and writes them directly, so a reader that goes away early (`| head -1`) is seen by the
-//!   master as it would be by `ssh`.
+//!   and writes them directly. When the reader of a stdout pipe goes away early (`| head -1`),
+//!   the session is closed ([`Outcome::ReaderGone`]) rather than left running: the master
+//!   only asks the server to stop the output (`eow@openssh.com`), which dropbear ignores.
 //!
 //! # Assumptions
 //! - The master is OpenSSH's, speaking version 4 (every release since 5.6).
@@ -81,6 +82,9 @@ pub enum Outcome {
     Exit(u32),
     /// The master closed the session without an exit status (`ssh` exits 255).
     Lost,
+    /// This process's stdout is a pipe whose reader left: the session was closed (its
+    /// command's input and output shut) without waiting for its status.
+    ReaderGone,
 }
 
 /// A connection to a master that has said hello.
@@ -164,6 +168,9 @@ impl Session {
         // output is written: read to the end, so that nothing is cut off.
         let mut exit = None;
         loop {
+            if !self.wait() {
+                return Ok(Outcome::ReaderGone);
+            }
             let msg = match self.recv() {
                 Ok(m) => m,
                 Err(_) => break, // closed (or broken): the session is over
@@ -182,6 +189,37 @@ impl Session {
             }
         }
         Ok(exit.map_or(Outcome::Lost, Outcome::Exit))
+    }
+
+    /// Wait until the master says something (`true`), or until this process's stdout is a
+    /// pipe whose reader left (`false`): then nobody reads the command's output, and leaving
+    /// closes the session, as the end of a local pipeline's reader stops its writer. (The
+    /// master alone would not stop it: it tells the server with `eow@openssh.com`, which
+    /// dropbear ignores, and keeps discarding the output.)
+    fn wait(&self) -> bool {
+        use rustix::event::{PollFd, PollFlags, poll};
+        let out = std::io::stdout();
+        let mut watch_out = true;
+        loop {
+            let mut fds = [
+                PollFd::new(&self.sock, PollFlags::IN),
+                PollFd::new(&out, PollFlags::empty()),
+            ];
+            let n = if watch_out { 2 } else { 1 };
+            match poll(&mut fds[..n], None) {
+                Ok(_) => {}
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(_) => return true, // the read says what is wrong
+            }
+            if !fds[0].revents().is_empty() {
+                return true;
+            }
+            if fds[1].revents().contains(PollFlags::ERR) {
+                return false;
+            }
+            // Hung up or not open: nothing to watch there.
+            watch_out = fds[1].revents().is_empty();
+        }
     }
 
     fn send(&mut self, body: &[u8]) -> std::io::Result<()> {
