@@ -170,6 +170,23 @@ impl RealHome {
         }
         String::from_utf8_lossy(&o.stdout).trim().to_string()
     }
+    /// `bash -c SCRIPT` in this home's environment, with `$BOXERY` the binary (bounded).
+    fn shell(&self, script: &str) -> std::process::Output {
+        let base = self.home.cmd();
+        let mut c = std::process::Command::new("bash");
+        c.arg("-c").arg(script).env("BOXERY", base.get_program());
+        for (k, v) in base.get_envs() {
+            match v {
+                Some(v) => c.env(k, v),
+                None => c.env_remove(k),
+            };
+        }
+        c.env("BOXERY_BACKEND", self.kind.name())
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdin(std::process::Stdio::null());
+        bounded(c, Duration::from_secs(120))
+            .unwrap_or_else(|p| panic!("bash -c {script:?} did not finish in 2 min: {p:?}"))
+    }
     fn ssh_log(&self) -> PathBuf {
         self.home.path().join("ssh-debug.log")
     }
@@ -987,6 +1004,119 @@ fn host_reboot(kind: Kind) {
     );
 }
 
+/// `boxery run` over a live ControlMaster speaks its mux protocol itself (no `ssh` process:
+/// ssh's client would log `Reading configuration data` to `BOXERY_SSH_LOG`; the mux client
+/// logs `boxery mux: ran over …`): stdout, stderr and the exit code come back, stdin is
+/// passed, a reader that leaves early ends it quietly; without a live master (`ssh -O exit`,
+/// or its socket removed) it falls back to `ssh`, which starts a master again.
+fn run_over_the_control_master(kind: Kind) {
+    let h = RealHome::new(kind);
+    let f = h.home.write("vm.yaml", &tiny_vm("m1"));
+    h.ok(&[
+        "apply",
+        "-f",
+        f.to_str().unwrap(),
+        "--wait",
+        "--timeout",
+        "10m",
+    ]);
+    h.run("m1", "true"); // a master runs (the probe or this started it)
+    let log = h.ssh_log();
+    // What one command logged: the mux client's line, or ssh's own (a client reads its config;
+    // a master only logs sessions).
+    let took = |f: &dyn Fn() -> std::process::Output| {
+        std::fs::write(&log, "").unwrap();
+        let o = f();
+        let l = std::fs::read_to_string(&log).unwrap_or_default();
+        let mux = l.contains("boxery mux: ran over");
+        let ssh = l.contains("Reading configuration data");
+        assert!(mux != ssh, "neither or both ways taken: {l}");
+        (o, if mux { "mux" } else { "ssh" })
+    };
+    let three = || {
+        h.cmd(&[
+            "run",
+            "m1",
+            "--",
+            "sh",
+            "-c",
+            "echo out; echo err >&2; exit 7",
+        ])
+    };
+    let check = |o: &std::process::Output| {
+        assert_eq!(o.status.code(), Some(7), "{o:?}");
+        assert_eq!(String::from_utf8_lossy(&o.stdout), "out\n");
+        assert_eq!(String::from_utf8_lossy(&o.stderr), "err\n");
+    };
+    let (o, way) = took(&three);
+    assert_eq!(way, "mux");
+    check(&o);
+    // `boxery ssh VM -- CMD` without a terminal goes the same way.
+    let (o, way) = took(&|| {
+        h.cmd(&[
+            "ssh",
+            "m1",
+            "--",
+            "sh",
+            "-c",
+            "echo out; echo err >&2; exit 7",
+        ])
+    });
+    assert_eq!(way, "mux");
+    check(&o);
+    // stdin is passed; a closed stdout ends the command quietly.
+    let (o, way) = took(&|| h.shell(r#"printf abc | "$BOXERY" run m1 -- cat"#));
+    assert_eq!(way, "mux");
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "abc", "{o:?}");
+    assert!(o.status.success(), "{o:?}");
+    let t = std::time::Instant::now();
+    let (o, way) = took(&|| h.shell(r#""$BOXERY" run m1 -- yes | head -1"#));
+    assert_eq!(way, "mux");
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "y\n", "{o:?}");
+    assert_eq!(String::from_utf8_lossy(&o.stderr), "", "{o:?}");
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+
+    // No master: ssh runs (and starts one), the next command takes the mux again.
+    let conf = h.home.path().join("ssh/vms/m1.conf");
+    let ssh = |args: &[&str]| {
+        std::process::Command::new("ssh")
+            .arg("-F")
+            .arg(&conf)
+            .args(args)
+            .arg("m1.boxery")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let o = ssh(&["-O", "exit"]);
+    assert!(o.status.success(), "{o:?}");
+    let (o, way) = took(&three);
+    assert_eq!(way, "ssh");
+    check(&o);
+    let (o, way) = took(&three);
+    assert_eq!(way, "mux");
+    check(&o);
+    // The socket removed (its master still runs, unreachable): ssh again.
+    let g = String::from_utf8(ssh(&["-G"]).stdout).unwrap();
+    let cm = g
+        .lines()
+        .find_map(|l| l.strip_prefix("controlpath "))
+        .unwrap()
+        .to_string();
+    std::fs::remove_file(&cm).unwrap();
+    let (o, way) = took(&three);
+    assert_eq!(way, "ssh");
+    check(&o);
+    let (_, way) = took(&three);
+    assert_eq!(way, "mux");
+    h.ok(&["rm", "m1", "--wait", "--timeout", "3m"]);
+    assert!(
+        h.running().is_empty(),
+        "VMs left running: {:?}",
+        h.running()
+    );
+}
+
 /// The same tests on each real backend.
 macro_rules! on_backend {
     ($kind:expr) => {
@@ -1011,6 +1141,11 @@ macro_rules! on_backend {
 
 mod qemu {
     on_backend!(super::Kind::Qemu);
+
+    #[test]
+    fn run_over_the_control_master() {
+        super::run_over_the_control_master(super::Kind::Qemu)
+    }
 
     #[test]
     fn host_reboot_brings_vms_back_and_voids_leases() {

@@ -15,6 +15,7 @@ use boxery_store::Store;
 use crate::ssh::{SshDir, Target};
 
 pub mod keys;
+pub mod mux;
 pub mod ssh;
 mod unpack;
 pub use unpack::{Kind, Top, UnpackError, filter};
@@ -200,12 +201,13 @@ pub fn reach(home: &Path, store: &Store, vm: &str, voice: Voice) -> Result<Reach
     if let Some(e) = not_ready(&v, voice) {
         return Err(e);
     }
+    // `not_ready` passed: it has an endpoint and a pinned key.
+    let t = Target::of(&v)
+        .ok_or_else(|| HandsError::NotReady(format!("VM {} has no ssh endpoint", safe(vm))))?;
     let ssh = SshDir::new(home);
-    if let Some(t) = Target::of(&v) {
-        ssh.write(&t)
-            .map_err(|e| HandsError::Failed(format!("cannot write the ssh files: {e}")))?;
-    }
-    Ok(Reach::new(home, store, ssh, vm))
+    ssh.write(&t)
+        .map_err(|e| HandsError::Failed(format!("cannot write the ssh files: {e}")))?;
+    Ok(Reach::new(home, store, ssh, &t))
 }
 
 /// How this host reaches one VM over ssh, shared by the CLI's hands and the tools:
@@ -218,15 +220,18 @@ pub struct Reach {
     ssh: SshDir,
     vm: String,
     key: Option<PathBuf>,
+    cm: PathBuf,
 }
 
 impl Reach {
-    /// How to reach `vm` with the ssh files in `ssh` (looks up a lease this host holds on it).
-    pub fn new(home: &Path, store: &Store, ssh: SshDir, vm: &str) -> Reach {
+    /// How to reach VM `t` with the ssh files in `ssh` (looks up a lease this host holds on it).
+    pub fn new(home: &Path, store: &Store, ssh: SshDir, t: &Target) -> Reach {
+        let key = keys::held_key(home, store, &t.name);
         Reach {
-            key: keys::held_key(home, store, vm),
+            cm: ssh.control_path(t, key.as_deref()),
+            key,
             ssh,
-            vm: vm.to_string(),
+            vm: t.name.clone(),
         }
     }
 
@@ -235,33 +240,61 @@ impl Reach {
         &self.vm
     }
 
+    /// The ControlMaster socket [`Reach::std_command`] uses (a lease's key has its own).
+    pub fn control_path(&self) -> &Path {
+        &self.cm
+    }
+
     /// The ssh command, to finish with arguments (`std::process`).
     pub fn std_command(&self) -> std::process::Command {
         let mut c = std::process::Command::new("ssh");
         c.args(crate::ssh::debug_log_args());
         if let Some(key) = &self.key {
-            // A short, stable name per key: socket paths are limited to ~100 bytes.
-            let tag = key
-                .as_os_str()
-                .as_encoded_bytes()
-                .iter()
-                .fold(0xcbf29ce484222325u64, |h, b| {
-                    (h ^ u64::from(*b)).wrapping_mul(0x100000001b3)
-                });
-            let cm = self
-                .ssh
-                .config()
-                .with_file_name("cm")
-                .join(format!("%C-{:08x}", tag as u32));
-            c.arg("-i")
-                .arg(key)
-                .arg("-o")
-                .arg(format!("ControlPath={}", cm.display()));
+            let mut cp = std::ffi::OsString::from("ControlPath=");
+            cp.push(&self.cm);
+            c.arg("-i").arg(key).arg("-o").arg(cp);
         }
         c.arg("-F")
             .arg(self.ssh.vm_config(&self.vm))
             .arg(crate::ssh::alias(&self.vm));
         c
+    }
+
+    /// Run `line` (one line for the remote shell) without a tty, with this process's stdio,
+    /// and return its exit status as `ssh` would (255: ssh failed, or the session was lost).
+    /// Over the VM's live ControlMaster, when one answers, without running `ssh` ([`mux`]);
+    /// else `ssh -T -o BatchMode=yes` (which also starts the master).
+    pub fn run_line(&self, line: &str) -> Result<u8> {
+        match mux::open(&self.cm) {
+            Ok(s) => {
+                let term = std::env::var("TERM").unwrap_or_default();
+                match s.run(line, &term) {
+                    Ok(outcome) => {
+                        mux_log(&format!("ran over {}: {outcome:?}", self.cm.display()));
+                        return Ok(match outcome {
+                            // `exit()` keeps the low 8 bits, as ssh's does.
+                            mux::Outcome::Exit(code) => code as u8,
+                            mux::Outcome::Lost | mux::Outcome::ReaderGone => 255,
+                        });
+                    }
+                    Err(e @ mux::Error::Broken(_)) => {
+                        eprintln!("boxery: {e}");
+                        return Ok(255);
+                    }
+                    Err(e) => mux_log(&e.to_string()),
+                }
+            }
+            Err(e) => mux_log(&e.to_string()),
+        }
+        let status = self
+            .std_command()
+            .args(["-T", "-o", "BatchMode=yes", "--", line])
+            .status()
+            .map_err(|e| HandsError::Failed(format!("cannot run ssh: {e}")))?;
+        Ok(match status.code() {
+            Some(c) => c.clamp(0, 255) as u8,
+            None => 128 + 9,
+        })
     }
 
     /// The ssh command, to finish with arguments (`tokio::process`).
@@ -277,20 +310,66 @@ fn exit_of(status: std::process::ExitStatus) -> ExitCode {
     }
 }
 
+/// One remote shell line for a command's words: one word is the line itself (`run VM -- 'a |
+/// b'`), several are quoted each.
+fn line_of(cmd: &[String]) -> String {
+    if cmd.len() == 1 {
+        cmd[0].clone()
+    } else {
+        cmd.iter()
+            .map(|w| shell_quote(w))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+/// Whether this process's stdout is a pipe whose reader has left (`boxery run VM -- yes | head
+/// -1`): a 255 then is the remote command stopped by SIGPIPE (ssh exits 255 when the session
+/// ends without a status), not ssh failing, and says nothing.
+fn stdout_reader_gone() -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let out = std::io::stdout();
+    let mut fds = [PollFd::new(&out, PollFlags::OUT)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    poll(&mut fds, Some(&now)).is_ok() && fds[0].revents().contains(PollFlags::ERR)
+}
+
+/// With `BOXERY_SSH_LOG=FILE`, a line about the ControlMaster session there (beside ssh's own
+/// log): which way a command went.
+fn mux_log(what: &str) {
+    if let Some(f) = std::env::var_os("BOXERY_SSH_LOG").filter(|f| !f.is_empty()) {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(f)
+        {
+            let _ = writeln!(f, "boxery mux: {what}");
+        }
+    }
+}
+
 /// `boxery ssh VM [-- CMD…]`: an interactive shell (or a command), with the pinned key.
+/// A command without a terminal runs as `boxery run` does.
 pub fn ssh(home: &Path, store: &Store, vm: &str, cmd: &[String]) -> Result<ExitCode> {
-    let mut c = reach(home, store, vm, Voice::Cli)?.std_command();
-    if std::io::IsTerminal::is_terminal(&std::io::stdin()) {
-        c.arg("-t");
-    }
-    if !cmd.is_empty() {
-        c.arg("--").arg(
-            cmd.iter()
-                .map(|w| shell_quote(w))
-                .collect::<Vec<_>>()
-                .join(" "),
-        );
-    }
+    let reach = reach(home, store, vm, Voice::Cli)?;
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stdin());
+    let line = (!cmd.is_empty()).then(|| {
+        cmd.iter()
+            .map(|w| shell_quote(w))
+            .collect::<Vec<_>>()
+            .join(" ")
+    });
+    let mut c = reach.std_command();
+    match line {
+        Some(line) if !tty => return Ok(ExitCode::from(reach.run_line(&line)?)),
+        Some(line) => c.args(["-t", "--", &line]),
+        None if tty => c.arg("-t"),
+        None => &mut c,
+    };
     let status = c
         .status()
         .map_err(|e| HandsError::Failed(format!("cannot run ssh: {e}")))?;
@@ -304,26 +383,13 @@ pub fn run(home: &Path, store: &Store, vm: &str, cmd: &[String]) -> Result<ExitC
             "give a command: boxery run VM -- CMD [ARGS…]".into(),
         ));
     }
-    let ssh = reach(home, store, vm, Voice::Cli)?;
-    let line = if cmd.len() == 1 {
-        cmd[0].clone()
-    } else {
-        cmd.iter()
-            .map(|w| shell_quote(w))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let status = ssh
-        .std_command()
-        .args(["-T", "-o", "BatchMode=yes", "--", &line])
-        .status()
-        .map_err(|e| HandsError::Failed(format!("cannot run ssh: {e}")))?;
-    if status.code() == Some(255) {
+    let code = reach(home, store, vm, Voice::Cli)?.run_line(&line_of(cmd))?;
+    if code == 255 && !stdout_reader_gone() {
         eprintln!(
             "boxery: ssh to {vm} failed (exit 255); `boxery describe vm {vm}` shows its state"
         );
     }
-    Ok(exit_of(status))
+    Ok(ExitCode::from(code))
 }
 
 /// A `cp` operand: a local path or `VM:path`.
@@ -687,36 +753,53 @@ mod tests {
         assert_eq!(Place::parse("file.txt"), Place::Local("file.txt".into()));
     }
 
-    /// A held lease's key goes first, with a ControlMaster of its own; otherwise plain.
+    /// A held lease's key goes first, with a ControlMaster of its own; otherwise plain, with
+    /// the config's (the path the mux client connects to is the one ssh is given).
     #[test]
     fn lease_keys_get_their_own_connection() {
         let home = tempfile::tempdir().unwrap();
-        let args = |key: Option<PathBuf>| -> Vec<String> {
-            Reach {
-                ssh: SshDir::new(home.path()),
-                vm: "a".into(),
-                key,
-            }
-            .std_command()
-            .get_args()
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect()
+        let ssh = SshDir::new(home.path());
+        let t = Target {
+            name: "a".into(),
+            endpoint: "127.0.0.1:2222".into(),
+            host_key: "ssh-ed25519 AAAA".into(),
         };
-        let plain = args(None);
+        let reach = |key: Option<PathBuf>| Reach {
+            cm: ssh.control_path(&t, key.as_deref()),
+            ssh: ssh.clone(),
+            vm: "a".into(),
+            key,
+        };
+        let args = |r: &Reach| -> Vec<String> {
+            r.std_command()
+                .get_args()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect()
+        };
+        let plain = args(&reach(None));
         assert_eq!(plain[0], "-F");
         assert_eq!(plain.last().unwrap(), "a.boxery");
-        let leased = args(Some(home.path().join("leases/l1/id_ed25519")));
+        let r = reach(Some(home.path().join("leases/l1/id_ed25519")));
+        let leased = args(&r);
         assert_eq!(leased[0], "-i");
         assert!(leased[1].ends_with("leases/l1/id_ed25519"));
         assert_eq!(leased[2], "-o");
         let cm = leased[3].strip_prefix("ControlPath=").unwrap();
+        assert_eq!(Path::new(cm), r.control_path());
         assert!(
-            cm.starts_with(&home.path().join("ssh/cm/%C-").display().to_string()),
+            cm.starts_with(&home.path().join("ssh/cm/").display().to_string()),
             "{cm}"
         );
-        let other = args(Some(home.path().join("leases/l2/id_ed25519")));
+        assert_ne!(r.control_path(), reach(None).control_path());
+        let other = args(&reach(Some(home.path().join("leases/l2/id_ed25519"))));
         assert_ne!(other[3], leased[3], "two leases share a ControlMaster");
         assert_eq!(&leased[4..], &plain[..]);
+        // Another endpoint, another master.
+        let moved = Target {
+            endpoint: "127.0.0.1:2223".into(),
+            ..t.clone()
+        };
+        assert_ne!(ssh.control_path(&moved, None), ssh.control_path(&t, None));
     }
 
     /// Run a remote script the way a guest does (`sh -c`, in its home), with `stdin`.

@@ -11,7 +11,9 @@
 //!   generated on the host when the VM got its identity (never trust on first use);
 //! - `config`: `Include vms/*.conf`, for people: `ssh -F $BOXERY_HOME/ssh/config dev1.boxery`
 //!   works by hand (and an `Include` of it in `~/.ssh/config` makes `ssh dev1.boxery` work);
-//! - `cm/`: ControlMaster sockets.
+//! - `cm/`: ControlMaster sockets, one per VM endpoint, host key and login key
+//!   ([`SshDir::control_path`]: boxery names them itself, not with ssh's `%C`, so that it can
+//!   talk to a live master without running `ssh`: [`crate::mux`]).
 //!
 //! A VM's two files are written from its object (temp file + rename, only when they changed)
 //! before each use of that VM: one call costs the same with one VM or a thousand. They are
@@ -276,9 +278,33 @@ impl SshDir {
                 name = t.name,
                 known = arg(&self.vm_known_hosts(&t.name)),
                 key = arg(&self.key()),
-                cm = arg(&self.dir.join("cm/%C")),
+                cm = arg(&self.control_path(t, None)),
             ),
         )
+    }
+
+    /// The ControlMaster socket for reaching `t` with the control plane's key (`key: None`,
+    /// the one its config names) or with a lease's `key` (given with `-o ControlPath=`): a
+    /// hash of the VM's name, endpoint and pinned host key, so a VM that comes back elsewhere
+    /// or with another identity never reuses a connection to the old one (what ssh's `%C` did),
+    /// and of the key, so one holder's connection is never reused for another. Short: socket
+    /// paths are limited to ~100 bytes.
+    pub fn control_path(&self, t: &Target, key: Option<&Path>) -> PathBuf {
+        let mut h = Fnv::default();
+        for part in [&t.name, &t.endpoint, t.host_key.trim(), USER] {
+            h.write(part.as_bytes());
+            h.write(&[0]);
+        }
+        let base = format!("{:016x}", h.0);
+        let name = match key {
+            None => base,
+            Some(k) => {
+                let mut tag = Fnv::default();
+                tag.write(k.as_os_str().as_encoded_bytes());
+                format!("{base}-{:08x}", tag.0 as u32)
+            }
+        };
+        self.dir.join("cm").join(name)
     }
 
     /// `ssh -F vms/NAME.conf NAME.boxery`, as a command to finish and run.
@@ -363,6 +389,23 @@ impl SshDir {
     }
 }
 
+/// FNV-1a (64 bits): a stable hash for names of files, the same in every build.
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf29ce484222325)
+    }
+}
+
+impl Fnv {
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100000001b3);
+        }
+    }
+}
+
 /// With `BOXERY_SSH_LOG=FILE`: `-E FILE -o LogLevel=DEBUG1`, so ssh appends its own log there
 /// (a client's, and that of a ControlMaster it starts) instead of staying silent at `ERROR`:
 /// for a connection that fails (exit 255) without a word. Empty otherwise.
@@ -442,6 +485,12 @@ mod tests {
                 assert!(g.contains(&format!("\nhostkeyalias {host}\n")), "{g}");
                 assert!(g.contains("\nstricthostkeychecking true\n"), "{g}");
                 assert!(g.contains("\ncontrolmaster auto\n"), "{g}");
+                // The socket ssh uses is the one the mux client connects to.
+                let cm = d.control_path(&target(vm, port), None);
+                assert!(
+                    g.contains(&format!("\ncontrolpath {}\n", cm.display())),
+                    "{g}"
+                );
                 let known = d.vm_known_hosts(vm).display().to_string();
                 assert!(
                     g.contains(&format!("\nuserknownhostsfile {known}\n")),
