@@ -293,6 +293,28 @@ pub struct Capabilities {
     pub ssh: bool,
 }
 
+/// How a VM's guest reaches the control plane's credential proxy (docs/grants.md, "The guest
+/// side"): the address the guest uses, and where the control plane must serve the proxy for
+/// it. The guest reaches nothing else of the host through it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestProxy {
+    /// The proxy's base URL as the guest sees it (`http://10.0.2.100`), without a trailing `/`.
+    pub url: String,
+    /// Where the control plane serves the proxy for this guest.
+    pub listen: ProxyListen,
+}
+
+/// Where the control plane serves the credential proxy for a guest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProxyListen {
+    /// A unix socket that carries this one VM's connections (qemu's `guestfwd`): the channel
+    /// names the VM, and a token of any other VM is refused on it.
+    Unix(PathBuf),
+    /// A TCP address on the guests' network, shared by the backend's VMs (libvirt's bridge
+    /// address): the token alone names the VM.
+    Tcp(std::net::SocketAddr),
+}
+
 /// Progress reports for long work (image builds).
 pub type Progress = Arc<dyn Fn(&str) + Send + Sync>;
 
@@ -361,6 +383,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         image: &str,
         original: Option<PowerState>,
     ) -> Result<()>;
+    /// How `name`'s guest reaches the credential proxy; `None` when it cannot (the fake
+    /// backend's VMs have no guest).
+    fn guest_proxy(&self, name: &str) -> Option<GuestProxy> {
+        let _ = name;
+        None
+    }
     /// How VMs are accelerated, in one sentence for status and events ("TCG (emulation,
     /// slow): …" or "KVM"), where the backend knows.
     fn accelerator(&self) -> Option<String> {
