@@ -365,8 +365,13 @@ impl RealHome {
     /// `boxery serve` on this home's backend and environment (the common helper, whose
     /// `fake` default these override).
     fn serve(&self) -> common::Serve {
+        self.serve_with(&[])
+    }
+    /// [`RealHome::serve`] with `extra` in its environment.
+    fn serve_with(&self, extra: &[(&str, &str)]) -> common::Serve {
         let mut envs: Vec<(&str, &str)> = vec![("BOXERY_BACKEND", self.kind.name())];
         envs.extend(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        envs.extend_from_slice(extra);
         self.home.serve_env(&[], &envs)
     }
 }
@@ -865,6 +870,10 @@ fn pool_leases(kind: Kind) {
     );
     h.run("rp-0", "echo secret > ~/during-lease && sync");
     let token = h.run("rp-0", "cat ~/.boxery/token");
+    if kind == Kind::Qemu {
+        // Pushed before Bound: the holder's shells carry the lease's token.
+        assert_eq!(h.run("rp-0", "echo \"$BOXERY_TOKEN\""), token);
+    }
     assert!(
         boxery_reconcilers::lease::token_valid(h.home.path(), "rp-0", &token),
         "the lease's token is live"
@@ -1117,6 +1126,154 @@ fn run_over_the_control_master(kind: Kind) {
     );
 }
 
+/// Grants from inside a real guest (docs/grants.md, "The guest side"): the guest reaches the
+/// credential proxy at `$BOXERY_PROXY` with its own token, an `llm` grant's call reaches a
+/// stand-in upstream with the real key, which is nowhere in the guest (environment, files,
+/// processes) nor on its disk; `env` and `file` grants are pushed to tmpfs (0400) and taken
+/// away on revoke; a login shell has the variables; a wrong token is refused.
+fn guest_uses_grants(kind: Kind) {
+    const KEY: &str = "sk-canary-guest-5b1f0e";
+    const ENV_VALUE: &str = "env-canary-3a9d";
+    const FILE_VALUE: &str = "file-canary-7c2e";
+    let up = common::upstream::Upstream::start();
+    let h = RealHome::new(kind);
+    h.home.write(
+        "config.yaml",
+        &format!(
+            "grants: {{confirm: false}}\nproxy: {{upstreams: {{anthropic: 'http://127.0.0.1:{}'}}}}\n",
+            up.port
+        ),
+    );
+    // Outside $BOXERY_HOME (files under it are never granted).
+    let outside = tempfile::tempdir().unwrap();
+    let value_file = outside.path().join("app.conf");
+    std::fs::write(&value_file, format!("{FILE_VALUE}\n")).unwrap();
+    // The values live in the control plane's environment only (and the approver checks it can
+    // read them too).
+    let values = [("GRANT_TEST_KEY", KEY), ("GRANT_TEST_ENV", ENV_VALUE)];
+    let mut serve = h.serve_with(&values);
+    serve.wait_leading();
+    let f = h.home.write("vm.yaml", &tiny_vm("g1"));
+    h.apply_file(&f, "10m");
+    let o = h.shell(&format!(
+        "export GRANT_TEST_KEY={KEY} GRANT_TEST_ENV={ENV_VALUE}; set -e
+         \"$BOXERY\" grant g1 llm:anthropic --from-env GRANT_TEST_KEY --wait
+         \"$BOXERY\" grant g1 env:APP_SECRET --from-env GRANT_TEST_ENV --wait
+         \"$BOXERY\" grant g1 file:app/app.conf --from-file {} --wait",
+        value_file.display()
+    ));
+    assert!(o.status.success(), "grants: {o:?}");
+    // Pushed within a few seconds of being applied.
+    let pushed = common::eventually(Duration::from_secs(60), || {
+        let o = h.cmd(&["run", "g1", "--", "echo \"${APP_SECRET:-unset}\""]);
+        (String::from_utf8_lossy(&o.stdout).trim() == ENV_VALUE).then_some(())
+    });
+    assert!(
+        pushed.is_some(),
+        "the env grant reaches the guest\n{}",
+        h.state_report()
+    );
+    assert_eq!(
+        h.run("g1", "echo \"$BOXERY_PROXY $ANTHROPIC_BASE_URL\""),
+        "http://10.0.2.100 http://10.0.2.100/llm/anthropic"
+    );
+    let token = h.run("g1", "echo \"$BOXERY_TOKEN\"");
+    assert!(token.starts_with("bxt_"), "{token}");
+    assert_eq!(
+        h.run("g1", "echo \"$ANTHROPIC_API_KEY\""),
+        token,
+        "the key variable holds the token"
+    );
+    // A login shell with nothing inherited has them too (/etc/profile.d/boxery.sh).
+    assert_eq!(
+        h.run(
+            "g1",
+            "env -i HOME=/home/agent PATH=/bin:/usr/bin sh -l -c 'echo \"$BOXERY_PROXY\"'"
+        ),
+        "http://10.0.2.100"
+    );
+    // The guest's call reaches the upstream with the real key, never the token.
+    let call = "wget -q -O - --header \"x-api-key: $ANTHROPIC_API_KEY\" --header 'content-type: application/json' --post-data '{}' \"$ANTHROPIC_BASE_URL/v1/messages\"";
+    assert_eq!(h.run("g1", call), "{\"ok\":true}");
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert!(
+        seen[0].contains(&format!("x-api-key: {KEY}")),
+        "{}",
+        seen[0]
+    );
+    assert!(
+        !seen[0].contains(&token),
+        "the token never reaches the upstream"
+    );
+    // A wrong token is refused, and the upstream sees nothing.
+    let wrong = h.run(
+        "g1",
+        "wget -q -O - --header 'x-api-key: bxt_0000' --post-data '{}' \"$ANTHROPIC_BASE_URL/v1/messages\" 2>&1; echo \" rc=$?\"",
+    );
+    assert!(wrong.contains("401") && !wrong.ends_with("rc=0"), "{wrong}");
+    assert_eq!(up.seen().len(), 1);
+    // The file grant: in tmpfs, 0400.
+    assert_eq!(
+        h.run("g1", "cat /run/boxery/files/app/app.conf; stat -c %a /run/boxery/files/app/app.conf /run/boxery/env"),
+        format!("{FILE_VALUE}\n400\n400")
+    );
+    // The real key is nowhere in the guest: environment, processes, files.
+    let everywhere = h.run(
+        "g1",
+        // (the key spelled in two halves, so this command line does not hold it)
+        &format!(
+            "k={}; env; ps -o pid,args 2>/dev/null || ps; grep -rl \"$k{}\" /run /home /etc /tmp /root 2>/dev/null; echo end",
+            &KEY[..8],
+            &KEY[8..]
+        ),
+    );
+    assert!(
+        !everywhere.contains(KEY),
+        "the key is in the guest: {everywhere}"
+    );
+    // Nor on its disk, nor in a snapshot of it; and the pushed values are not on disk either.
+    h.run("g1", "sync");
+    h.ok(&["snap", "g1", "s1", "--wait", "--timeout", "5m"]);
+    let mut disks: Vec<PathBuf> = std::fs::read_dir(h.qemu_dir().join("vms/g1"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "qcow2"))
+        .collect();
+    disks.push(h.qemu_dir().join("images/g1.s1.qcow2"));
+    for d in &disks {
+        let bytes = std::fs::read(d).unwrap_or_else(|e| panic!("{}: {e}", d.display()));
+        for canary in [KEY, ENV_VALUE, FILE_VALUE] {
+            assert!(
+                !bytes.windows(canary.len()).any(|w| w == canary.as_bytes()),
+                "{canary} is on the disk {}",
+                d.display()
+            );
+        }
+    }
+    // Revoking the env grant takes it out of the guest.
+    let name = h
+        .ok(&["grant", "ls"])
+        .lines()
+        .find(|l| l.contains("APP_SECRET"))
+        .and_then(|l| l.split_whitespace().next().map(str::to_string))
+        .expect("the env grant is listed");
+    h.ok(&["grant", "revoke", &name]);
+    let gone = common::eventually(Duration::from_secs(60), || {
+        let o = h.cmd(&["run", "g1", "--", "echo \"${APP_SECRET:-unset}\""]);
+        (String::from_utf8_lossy(&o.stdout).trim() == "unset").then_some(())
+    });
+    assert!(gone.is_some(), "a revoked env grant leaves the guest");
+    assert_eq!(
+        h.run("g1", "cat /run/boxery/files/app/app.conf"),
+        FILE_VALUE
+    );
+    h.ok(&["delete", "vm", "g1", "--wait", "--timeout", "3m"]);
+    assert!(!h.qemu_dir().join("vms/g1/proxy.sock").exists() || kind != Kind::Qemu);
+    serve.kill();
+}
+
 /// The same tests on each real backend.
 macro_rules! on_backend {
     ($kind:expr) => {
@@ -1145,6 +1302,11 @@ mod qemu {
     #[test]
     fn run_over_the_control_master() {
         super::run_over_the_control_master(super::Kind::Qemu)
+    }
+
+    #[test]
+    fn guest_uses_grants_through_the_proxy() {
+        super::guest_uses_grants(super::Kind::Qemu)
     }
 
     #[test]

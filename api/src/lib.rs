@@ -7,6 +7,7 @@ pub mod codec;
 pub mod conditions;
 pub mod config;
 pub mod event;
+pub mod fnv;
 pub mod grant;
 pub mod image;
 pub mod lease;

@@ -305,7 +305,7 @@ pub struct GuestProxy {
 }
 
 /// Where the control plane serves the credential proxy for a guest.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum ProxyListen {
     /// A unix socket that carries this one VM's connections (qemu's `guestfwd`): the channel
     /// names the VM, and a token of any other VM is refused on it.

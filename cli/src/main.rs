@@ -674,8 +674,8 @@ async fn serve(
 ) -> CliResult {
     let stop = tokio_util::sync::CancellationToken::new();
     // The credential proxy, bound before the controllers start (a taken port fails at once).
-    let proxy = match proxy_listen {
-        ProxyListen::Off => None,
+    let (proxy, guest_proxy) = match proxy_listen {
+        ProxyListen::Off => (None, None),
         ProxyListen::At(addr) => {
             let config = boxery_verbs::env::read_config(&env.home)?.proxy;
             let proxy = boxery_proxy::Proxy::new(&env.home, config)
@@ -692,7 +692,11 @@ async fn serve(
                 .and_then(|()| std::fs::rename(&tmp, &file))
                 .map_err(|e| CliError::invalid(format!("cannot write {}: {e}", file.display())))?;
             tracing::info!(addr = %bound, "credential proxy listening");
-            Some(tokio::spawn(proxy.serve(listener, stop.clone())))
+            let guests = proxy.clone();
+            (
+                Some(tokio::spawn(proxy.serve(listener, stop.clone()))),
+                Some(guests),
+            )
         }
     };
     // Bound (or refused) before the controllers start, so a bad address or token file fails
@@ -719,7 +723,7 @@ async fn serve(
             }
         }
     });
-    let r = runtime::serve(env, inventory_every, lease).await;
+    let r = runtime::serve(env, inventory_every, lease, guest_proxy).await;
     stop.cancel();
     let _ = trim.await;
     if let Some(h) = http

@@ -136,13 +136,7 @@ fn unit_name(home: &Path) -> String {
     if default.as_deref() == Some(home) {
         return "boxery.service".into();
     }
-    let h = home
-        .as_os_str()
-        .as_encoded_bytes()
-        .iter()
-        .fold(0xcbf29ce484222325u64, |h, b| {
-            (h ^ u64::from(*b)).wrapping_mul(0x100000001b3)
-        });
+    let h = boxery_api::fnv::fnv1a(home.as_os_str().as_encoded_bytes());
     format!("boxery-{:08x}.service", h as u32)
 }
 

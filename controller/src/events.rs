@@ -107,16 +107,14 @@ pub fn involved_dyn(obj: &DynObject) -> InvolvedObject {
     }
 }
 
-/// FNV-1a, 64 bits: small, and fixed forever (names must not change between builds).
+/// FNV-1a of each part followed by a zero byte: fixed forever (names must not change between
+/// builds).
 fn fnv1a(parts: &[&str]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut h = boxery_api::fnv::Fnv::default();
     for part in parts {
-        for b in part.bytes().chain([0u8]) {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
+        h.part(part.as_bytes());
     }
-    h
+    h.finish()
 }
 
 /// The name of the Event for this object, type, reason and message.

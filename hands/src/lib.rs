@@ -68,6 +68,21 @@ pub enum Voice {
     Tool,
 }
 
+/// What the control plane pushes into a guest (the reconcilers' `guest` module writes it):
+/// tmpfs, so never in a disk image, and gone at the guest's next boot.
+pub mod guest {
+    /// The directory (0700, the login user's).
+    pub const DIR: &str = "/run/boxery";
+    /// The shell file of variables: `BOXERY_PROXY`, `BOXERY_TOKEN`, the providers' and the
+    /// `env` grants' (0400).
+    pub const ENV: &str = "/run/boxery/env";
+    /// `file` grants, each at its target path below this (0400).
+    pub const FILES: &str = "/run/boxery/files";
+    /// What a remote command line starts with so it sees those variables as a login shell
+    /// does (`boxery run`, `boxery ssh VM -- CMD`, MCP `vm_bash`).
+    pub const SOURCE: &str = "[ -r /run/boxery/env ] && . /run/boxery/env; ";
+}
+
 /// Quote one word for the remote shell.
 pub fn shell_quote(s: &str) -> String {
     if !s.is_empty()
@@ -358,10 +373,8 @@ pub fn ssh(home: &Path, store: &Store, vm: &str, cmd: &[String]) -> Result<ExitC
     let reach = reach(home, store, vm, Voice::Cli)?;
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdin());
     let line = (!cmd.is_empty()).then(|| {
-        cmd.iter()
-            .map(|w| shell_quote(w))
-            .collect::<Vec<_>>()
-            .join(" ")
+        let words: Vec<String> = cmd.iter().map(|w| shell_quote(w)).collect();
+        format!("{}{}", guest::SOURCE, words.join(" "))
     });
     let mut c = reach.std_command();
     match line {
@@ -383,7 +396,8 @@ pub fn run(home: &Path, store: &Store, vm: &str, cmd: &[String]) -> Result<ExitC
             "give a command: boxery run VM -- CMD [ARGS…]".into(),
         ));
     }
-    let code = reach(home, store, vm, Voice::Cli)?.run_line(&line_of(cmd))?;
+    let line = format!("{}{}", guest::SOURCE, line_of(cmd));
+    let code = reach(home, store, vm, Voice::Cli)?.run_line(&line)?;
     if code == 255 && !stdout_reader_gone() {
         eprintln!(
             "boxery: ssh to {vm} failed (exit 255); `boxery describe vm {vm}` shows its state"

@@ -24,6 +24,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use boxery_api::Vm;
+use boxery_api::fnv::Fnv;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 
@@ -292,16 +293,14 @@ impl SshDir {
     pub fn control_path(&self, t: &Target, key: Option<&Path>) -> PathBuf {
         let mut h = Fnv::default();
         for part in [&t.name, &t.endpoint, t.host_key.trim(), USER] {
-            h.write(part.as_bytes());
-            h.write(&[0]);
+            h.part(part.as_bytes());
         }
-        let base = format!("{:016x}", h.0);
+        let base = format!("{:016x}", h.finish());
         let name = match key {
             None => base,
             Some(k) => {
-                let mut tag = Fnv::default();
-                tag.write(k.as_os_str().as_encoded_bytes());
-                format!("{base}-{:08x}", tag.0 as u32)
+                let tag = boxery_api::fnv::fnv1a(k.as_os_str().as_encoded_bytes());
+                format!("{base}-{:08x}", tag as u32)
             }
         };
         self.dir.join("cm").join(name)
@@ -385,23 +384,6 @@ impl SshDir {
             )),
             Ok(Err(e)) => Err(SshError::Spawn(e)),
             Err(_) => Err(unreachable("ssh did not answer within 15 s".into())),
-        }
-    }
-}
-
-/// FNV-1a (64 bits): a stable hash for names of files, the same in every build.
-struct Fnv(u64);
-
-impl Default for Fnv {
-    fn default() -> Self {
-        Fnv(0xcbf29ce484222325)
-    }
-}
-
-impl Fnv {
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100000001b3);
         }
     }
 }

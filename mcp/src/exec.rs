@@ -234,7 +234,11 @@ pub fn bash_script(id: &str, command: &str, cwd: Option<&str>) -> String {
         ),
         None => String::new(),
     };
-    format!("export {CALL_TAG}={id}; {cd}eval {}", shell_quote(command))
+    format!(
+        "{}export {CALL_TAG}={id}; {cd}eval {}",
+        boxery_hands::guest::SOURCE,
+        shell_quote(command)
+    )
 }
 
 /// The remote script that kills every process of a `vm_bash` call: the shell (its command

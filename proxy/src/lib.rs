@@ -38,6 +38,7 @@
 //! - Config (`proxy:` in `config.yaml`) is read when `serve` starts.
 
 pub mod audit;
+pub mod channels;
 pub mod routes;
 pub mod secret;
 

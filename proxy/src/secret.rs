@@ -1,6 +1,6 @@
-//! Resolving a grant's `valueFrom` at request time: a variable of this process's
-//! environment, a file (never one under `$BOXERY_HOME`), or a command's stdout (run at most
-//! once a minute per command; the result kept in memory only). The value is never logged,
+//! Resolving a grant's `valueFrom` at request time ([`boxery_reconcilers::values`]): a
+//! variable of this process's environment, a file (never one under `$BOXERY_HOME`), or a
+//! command's stdout (run at most once a minute per command; the result kept in memory only). The value is never logged,
 //! put in an error, or written anywhere; errors say which grant and why, not what.
 
 use std::collections::HashMap;
@@ -10,13 +10,10 @@ use std::time::{Duration, Instant};
 
 use axum::http::HeaderValue;
 use boxery_api::grant::ValueFrom;
+use boxery_reconcilers::values::read_text;
 
 /// How long a command's output is reused.
 pub const COMMAND_TTL: Duration = Duration::from_secs(60);
-/// How long a command may run.
-pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
-/// The largest value read.
-const MAX_VALUE: usize = 64 * 1024;
 
 /// Resolves values, caching command outputs.
 #[derive(Debug)]
@@ -37,61 +34,20 @@ impl Secrets {
     /// The value `v` names, as a header value marked sensitive. `Err`: why it is not
     /// available (never the value).
     pub async fn resolve(&self, v: &ValueFrom) -> Result<HeaderValue, String> {
-        let raw = match v {
-            ValueFrom::Env(name) => std::env::var(name)
-                .ok()
-                .filter(|s| !s.is_empty())
-                .ok_or_else(|| {
-                    format!("the environment variable {name} is not set in the control plane")
-                })?,
-            ValueFrom::File(path) => {
-                boxery_reconcilers::grant::value_available(v, &self.home)?;
-                let bytes = tokio::fs::read(path)
-                    .await
-                    .map_err(|e| format!("cannot read {path}: {}", e.kind()))?;
-                if bytes.len() > MAX_VALUE {
-                    return Err(format!("{path} is larger than {MAX_VALUE} bytes"));
-                }
-                String::from_utf8(bytes).map_err(|_| format!("{path} is not UTF-8 text"))?
-            }
-            ValueFrom::Command(argv) => return self.command(argv).await,
+        let ValueFrom::Command(argv) = v else {
+            return header(&read_text(v, &self.home).await?);
         };
-        header(raw.trim())
-    }
-
-    async fn command(&self, argv: &[String]) -> Result<HeaderValue, String> {
         if let Some((at, v)) = self.commands.lock().expect("not poisoned").get(argv)
             && at.elapsed() < COMMAND_TTL
         {
             return Ok(v.clone());
         }
-        let program = argv.first().ok_or("the command is empty")?;
-        let mut cmd = tokio::process::Command::new(program);
-        cmd.args(&argv[1..])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .kill_on_drop(true);
-        let out = tokio::time::timeout(COMMAND_TIMEOUT, cmd.output())
-            .await
-            .map_err(|_| format!("the command {program} took longer than {COMMAND_TIMEOUT:?}"))?
-            .map_err(|e| format!("cannot run {program}: {}", e.kind()))?;
-        if !out.status.success() {
-            return Err(format!("the command {program} failed ({})", out.status));
-        }
-        if out.stdout.len() > MAX_VALUE {
-            return Err(format!(
-                "the command {program} printed more than {MAX_VALUE} bytes"
-            ));
-        }
-        let text = String::from_utf8(out.stdout)
-            .map_err(|_| format!("the command {program} printed something other than UTF-8"))?;
-        let v = header(text.trim())?;
+        let value = header(&read_text(v, &self.home).await?)?;
         self.commands
             .lock()
             .expect("not poisoned")
-            .insert(argv.to_vec(), (Instant::now(), v.clone()));
-        Ok(v)
+            .insert(argv.to_vec(), (Instant::now(), value.clone()));
+        Ok(value)
     }
 }
 

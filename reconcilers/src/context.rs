@@ -53,6 +53,8 @@ pub struct Ctx {
     pub settings: Settings,
     /// The ssh files, when the backend's VMs run sshd.
     pub ssh: Option<crate::ssh::SshDir>,
+    /// What was pushed to each guest ([`crate::guest`]).
+    pub(crate) guest: crate::guest::Pushed,
     writes: Arc<WriteThrough>,
     pool_caches: std::sync::OnceLock<crate::pool::Caches>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -115,6 +117,7 @@ impl Ctx {
             holder,
             settings,
             ssh,
+            guest: Default::default(),
             pool_caches: std::sync::OnceLock::new(),
             locks: Mutex::new(HashMap::new()),
             reported: Mutex::new(Default::default()),

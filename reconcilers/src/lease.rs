@@ -789,6 +789,12 @@ async fn install(
             String::from_utf8_lossy(&out.stderr).trim()
         )));
     }
+    // The proxy's address, the lease's token and the lease's grants, before `Bound`.
+    if let Some(v) = &v {
+        crate::guest::sync(ctx, v)
+            .await
+            .map_err(|e| fail(format!("pushing the lease's grants to {vm} failed: {e}")))?;
+    }
     Ok(())
 }
 

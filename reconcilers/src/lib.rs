@@ -6,6 +6,7 @@ pub mod backoff;
 pub mod context;
 pub mod error;
 pub mod grant;
+pub mod guest;
 pub mod image;
 pub mod inventory;
 pub mod lease;
@@ -13,6 +14,7 @@ pub mod pool;
 pub mod recorded;
 pub mod runtime;
 pub mod tokens;
+pub mod values;
 pub use boxery_hands::ssh;
 pub mod vm;
 

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod invariants;
+pub mod upstream;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

@@ -73,7 +73,14 @@ pub fn context(
 /// `serve`: wait to lead, run the controllers, exit when interrupted or when leadership is lost.
 /// `inventory_every` and `lease` must lie in [`INVENTORY_EVERY`] and [`LEASE`] (their value
 /// parsers check that; this refuses anything else too).
-pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> Result {
+/// `proxy`: the credential proxy, served where each guest reaches it while this process leads
+/// (`None`: `--proxy-listen off`).
+pub async fn serve(
+    env: &Env,
+    inventory_every: Duration,
+    lease: Duration,
+    proxy: Option<boxery_proxy::Proxy>,
+) -> Result {
     for (what, d, (min, max)) in [
         ("--inventory-every", inventory_every, INVENTORY_EVERY),
         ("--lease", lease, LEASE),
@@ -152,6 +159,13 @@ pub async fn serve(env: &Env, inventory_every: Duration, lease: Duration) -> Res
         ..Settings::default()
     };
     let ctx = context(&store, &env.home, backend.clone(), settings, &me.id);
+    if let Some(p) = proxy {
+        tokio::spawn(boxery_proxy::channels::keep(
+            p,
+            backend.clone(),
+            shutdown.child_token(),
+        ));
+    }
     let run = boxery_reconcilers::runtime::run(ctx, shutdown.child_token());
     tokio::select! {
         _ = run => {}
@@ -235,6 +249,17 @@ impl Embedded {
             }
         }
         let shutdown = CancellationToken::new();
+        // The guests' side of the credential proxy runs wherever the controllers do.
+        match boxery_proxy::Proxy::new(&env.home, crate::env::read_config(&env.home)?.proxy) {
+            Ok(p) => {
+                tokio::spawn(boxery_proxy::channels::keep(
+                    p,
+                    backend.clone(),
+                    shutdown.clone(),
+                ));
+            }
+            Err(e) => tracing::warn!(error = %e, "no credential proxy for the guests"),
+        }
         let task = tokio::spawn(boxery_reconcilers::runtime::run(ctx, shutdown.clone()));
         Ok(Started::Here(Embedded {
             shutdown,

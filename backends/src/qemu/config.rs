@@ -8,6 +8,7 @@
 //! | `BOXERY_QEMU_PORTS` | `22000-22999` | loopback ports for the VMs' sshd |
 //! | `BOXERY_QEMU_POWERDOWN_TIMEOUT` | `60` | seconds a guest gets to power off before `quit` |
 //! | `BOXERY_QEMU_TB_SIZE` | `64` | TCG translation cache in MiB (`default`: QEMU's) |
+//! | `BOXERY_SOCAT` | `socat` | carries each guest connection to the credential proxy (`guestfwd`) |
 //! | `BOXERY_QEMU_SANDBOX` | on | `off` drops QEMU's seccomp sandbox (`-sandbox on,…`) |
 //! | `BOXERY_IMAGE_DIR`, `BOXERY_IMAGE_CACHE` | | image storage's ([`StorageConfig`]) |
 
@@ -35,6 +36,8 @@ pub struct QemuConfig {
     pub tcg_tb_size_mib: Option<u32>,
     /// Confine each QEMU with its seccomp sandbox.
     pub sandbox: bool,
+    /// `socat`, run by QEMU for each guest connection to the credential proxy.
+    pub socat: PathBuf,
     /// `qemu-img`, `genisoimage`, the image builders (shared with the other drivers).
     pub storage: StorageConfig,
 }
@@ -73,6 +76,7 @@ impl QemuConfig {
                 None => Some(64),
             },
             sandbox: env("BOXERY_QEMU_SANDBOX").as_deref() != Some("off"),
+            socat: env("BOXERY_SOCAT").unwrap_or_else(|| "socat".into()).into(),
             storage: StorageConfig::from_env(),
         }
     }

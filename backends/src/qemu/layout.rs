@@ -10,7 +10,8 @@
 //!   vms/<name>/         one VM: config.json (the commit point), disk-<gen>.qcow2 (its own
 //!                       overlays; the highest generation is the active one), layer-<gen>.qcow2
 //!                       (an image hard-linked in, read-only, until streamed up), seed.iso and
-//!                       seed/, known_hosts, qemu.pid, qmp.sock, qga.sock, serial.log, qemu.log,
+//!                       seed/, known_hosts, qemu.pid, qmp.sock, qga.sock, proxy.sock (the credential
+//!                       proxy's channel, served by the control plane), serial.log, qemu.log,
 //!                       qemu-run.log
 //!   ports/<port>        a loopback port reserved for a VM (holds its name)
 //!   locks/vm-<name>.lock, locks/image-<name>.lock, locks/base-<id>.lock
@@ -105,6 +106,11 @@ impl Layout {
     /// `vms/<name>/qga.sock` (the guest agent's channel).
     pub fn vm_qga(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("qga.sock")
+    }
+    /// `vms/<name>/proxy.sock`: the credential proxy's channel for this VM, served by the
+    /// control plane (`guestfwd` connects to it).
+    pub fn vm_proxy(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("proxy.sock")
     }
     /// `vms/<name>/serial.log`.
     pub fn vm_serial(&self, name: &str) -> PathBuf {

@@ -41,6 +41,8 @@ impl Inner {
             accel: self.config.accel.accel,
             tcg_tb_size_mib: self.config.tcg_tb_size_mib,
             sandbox: self.config.sandbox,
+            proxy: self.layout.vm_proxy(name),
+            socat: self.config.socat.clone(),
         }
     }
 
@@ -268,6 +270,12 @@ impl Inner {
         }
         if !runs(Path::new("ssh-keygen"), "-?") && !Path::new("/usr/bin/ssh-keygen").exists() {
             missing.push("ssh-keygen (package openssh-client)".into());
+        }
+        if !runs(&self.config.socat, "-V") {
+            missing.push(format!(
+                "{} (package socat: it carries the guest's credential proxy channel)",
+                self.config.socat.display()
+            ));
         }
         if missing.is_empty() {
             let _ = self.tools_ok.set(());

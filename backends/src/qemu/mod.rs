@@ -247,6 +247,17 @@ impl Inner {
 
 #[async_trait]
 impl Backend for QemuBackend {
+    fn guest_proxy(&self, name: &str) -> Option<crate::GuestProxy> {
+        self.inner.check_name("VM", name).ok()?;
+        Some(crate::GuestProxy {
+            url: format!(
+                "http://{}",
+                process::GUEST_PROXY_ADDR.trim_end_matches(":80")
+            ),
+            listen: crate::ProxyListen::Unix(self.inner.layout.vm_proxy(name)),
+        })
+    }
+
     fn accelerator(&self) -> Option<String> {
         let a = self.accel();
         Some(format!("{:?}: {}", a.accel, a.reason))
@@ -262,6 +273,7 @@ impl Backend for QemuBackend {
                 "qemu-utils",
                 "genisoimage",
                 "openssh-client",
+                "socat",
             ],
             resize: true,
             live_capture: true,

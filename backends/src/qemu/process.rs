@@ -136,7 +136,16 @@ pub struct LaunchSpec {
     pub tcg_tb_size_mib: Option<u32>,
     /// Confine QEMU with its seccomp filter (`-sandbox`).
     pub sandbox: bool,
+    /// The credential proxy's channel: a guest connection to [`GUEST_PROXY_ADDR`] runs
+    /// `socat` to this host unix socket (slirp `guestfwd`, one process per connection).
+    pub proxy: PathBuf,
+    /// The `socat` that carries it.
+    pub socat: PathBuf,
 }
+
+/// Where a qemu guest reaches the credential proxy: an address inside slirp's network that
+/// nothing else answers on (`guestfwd`).
+pub const GUEST_PROXY_ADDR: &str = "10.0.2.100:80";
 
 /// The name of the node the base is opened as (every stream job names it as its base).
 pub const BASE_NODE: &str = "base";
@@ -260,9 +269,21 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
         "-device",
         "virtio-blk-pci,drive=seed,id=seed",
     ]);
+    // The proxy's channel: each guest connection to GUEST_PROXY_ADDR spawns socat to the
+    // VM's own socket (a chardev would carry one connection only). The netdev option parser
+    // splits on commas (the state directory has none: `init` refuses it); the command is
+    // split like a shell's words, hence the quotes.
+    let guestfwd = format!(
+        "guestfwd=tcp:{GUEST_PROXY_ADDR}-cmd:{} STDIO UNIX-CONNECT:{}",
+        shell_word(&p(&spec.socat)),
+        shell_word(&p(&spec.proxy)),
+    );
     push(&[
         "-netdev",
-        &format!("user,id=n0,hostfwd=tcp:127.0.0.1:{}-:22", spec.port),
+        &format!(
+            "user,id=n0,hostfwd=tcp:127.0.0.1:{}-:22,{guestfwd}",
+            spec.port
+        ),
         "-device",
         &format!("virtio-net-pci,netdev=n0,mac={},romfile=", spec.mac),
         "-device",
@@ -272,6 +293,17 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
 }
 
 pub use crate::storage::files::tail;
+
+/// `s` as one word for the shell-like splitting of a slirp `cmd:` (single-quoted unless plain).
+fn shell_word(s: &str) -> String {
+    if !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_./=@%+".contains(&b))
+    {
+        return s.to_string();
+    }
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
 
 /// Launch QEMU for `spec`, daemonized; returns its PID once it has finished starting.
 /// Its stderr goes to `log`.
@@ -530,6 +562,8 @@ mod tests {
             accel: Accel::Tcg,
             tcg_tb_size_mib: None,
             sandbox: true,
+            proxy: dir.join("proxy.sock"),
+            socat: "/usr/bin/socat".into(),
             dir,
         }
     }
@@ -554,6 +588,11 @@ mod tests {
         assert!(joined.contains("-accel tcg -cpu max"));
         assert!(joined.contains("mac=52:54:00:12:34:56"));
         assert!(!joined.contains("-daemonize"));
+        assert!(
+            joined.contains(",guestfwd=tcp:10.0.2.100:80-cmd:/usr/bin/socat STDIO UNIX-CONNECT:/state/qemu/vms/dev1/proxy.sock"),
+            "{joined}"
+        );
+        assert_eq!(shell_word("/a b/it's"), "'/a b/it'\\''s'");
         assert!(args.iter().any(|a| a.contains("/state/qemu/vms/dev1/")));
     }
 

@@ -61,9 +61,7 @@ impl Storage {
             .or(m.disk_sha256.clone())
             .unwrap_or_else(|| {
                 // no hash: the manifest's own bytes identify the build
-                let digest: u64 = text.iter().fold(0xcbf29ce484222325, |h, b| {
-                    (h ^ u64::from(*b)).wrapping_mul(0x100000001b3)
-                });
+                let digest = boxery_api::fnv::fnv1a(&text);
                 format!("{digest:016x}")
             });
         let id = base_id(manifest_path, &m.name, &hash)?;

@@ -1,0 +1,550 @@
+//! What a guest holds of the control plane, pushed over ssh into tmpfs (`/run/boxery`, see
+//! [`boxery_hands::guest`]): the credential proxy's address as the guest reaches it
+//! ([`Backend::guest_proxy`](boxery_backends::Backend::guest_proxy)), the VM's current token,
+//! the provider variables of its `llm` grants (`ANTHROPIC_BASE_URL`/`ANTHROPIC_API_KEY`, …:
+//! the key variables hold the token, never a key), git settings for its `github` grants, npm's
+//! for an `http` grant on the npm registry, the values of its `env` grants and the files of its
+//! `file` grants; and, once, `/etc/profile.d/boxery.sh` so login shells read it.
+//!
+//! # Guarantees
+//! - Pushed on every change of what the guest should hold: the token (a VM made, a lease
+//!   bound), the grants in force for the token's owner (approved, revoked, spec changed), and
+//!   each new boot (the `Ready` condition turning true: start, revert, reset, reboot). Checked
+//!   every [`EVERY`]; the lease reconciler also pushes before a lease is `Bound`.
+//! - A push replaces the whole set: an `env`/`file` grant revoked is gone from the guest at
+//!   the next push, and every boot starts empty (tmpfs). Nothing is written to the guest's
+//!   disk but the static profile hook (no value), so no value is ever in an image.
+//! - Values travel on ssh's stdin (base64 in a here-document), never on a command line, and
+//!   are never logged or kept on the host; the guest files are 0400 in a 0700 directory of
+//!   the login user.
+//! - Only the grants of the token's owner are pushed: a lease's grants while it holds the VM,
+//!   the VM's own grants otherwise.
+//!
+//! # Caveats
+//! - A value is read when it is pushed. A value that changes on the host later reaches a
+//!   running guest at its next boot or when the grant's spec changes.
+//! - A value that cannot be read is left out (the grant reconciler reports it as
+//!   `ValueUnavailable`) and the push is tried again after [`RETRY`].
+//! - A reboot from inside the guest that boxery does not see (no `Ready` change) leaves
+//!   `/run/boxery` empty until the next change or boot boxery sees.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use boxery_api::conditions::READY;
+use boxery_api::grant::GrantType;
+use boxery_api::{ConditionStatus, Conditions, Vm};
+use boxery_controller::{Cache, CancellationToken};
+use futures::StreamExt;
+
+use crate::context::Ctx;
+use crate::grant::Entry;
+
+/// How often every VM's guest state is compared with what it should hold.
+pub const EVERY: Duration = Duration::from_secs(2);
+/// How long a failed push waits before it is tried again.
+pub const RETRY: Duration = Duration::from_secs(20);
+/// Pushes at once.
+const CONCURRENCY: usize = 8;
+/// The npm registry: an `http` grant on it makes npm use the proxy.
+const NPM_REGISTRY: &str = "registry.npmjs.org";
+
+/// What the guest of one VM should hold, as references (no value): its revision names it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The proxy's base URL as the guest reaches it.
+    pub url: String,
+    /// The VM's token.
+    pub token: String,
+    /// The grants in force for the token's owner, by name.
+    pub grants: Vec<Entry>,
+}
+
+impl Plan {
+    /// What `vm`'s guest should hold now: `None` when it has no token (a free pool member, a
+    /// VM being removed) or no way to the proxy.
+    pub fn of(ctx: &Ctx, vm: &str) -> Option<Plan> {
+        let url = ctx.backend.guest_proxy(vm)?.url;
+        let (owner, token) = crate::tokens::read(&ctx.home, vm)?;
+        let grants = crate::grant::read_state(&ctx.home, vm)
+            .into_iter()
+            .filter(|e| match &e.lease_uid {
+                Some(lease) => *lease == owner,
+                None => e.vm_uid == owner,
+            })
+            .collect();
+        Some(Plan { url, token, grants })
+    }
+
+    /// The revision of this plan on the boot `boot` (a hash; the same in every build).
+    pub fn rev(&self, boot: &str) -> String {
+        let mut h = boxery_api::fnv::Fnv::default();
+        h.part(boot.as_bytes())
+            .part(self.url.as_bytes())
+            .part(self.token.as_bytes());
+        for e in &self.grants {
+            h.part(e.name.as_bytes())
+                .part(e.uid.as_bytes())
+                .part(e.generation.to_string().as_bytes());
+        }
+        format!("{:016x}", h.finish())
+    }
+}
+
+/// The guest files of a plan, values read.
+#[derive(Debug, Default)]
+pub struct Files {
+    /// `/run/boxery/env`.
+    pub env: String,
+    /// `/run/boxery/npmrc`, when npm goes through the proxy.
+    pub npmrc: Option<String>,
+    /// `file` grants: (target, bytes).
+    pub files: Vec<(String, Vec<u8>)>,
+    /// Grants left out: (grant, why).
+    pub unavailable: Vec<(String, String)>,
+}
+
+fn q(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+/// The guest files for `plan`, reading the values of its `env` and `file` grants.
+pub async fn files(plan: &Plan, home: &Path) -> Files {
+    let (url, token) = (&plan.url, &plan.token);
+    let mut out = Files::default();
+    let mut env = format!(
+        "# Written by boxery's control plane (docs/grants.md): the credential proxy, this VM's\n\
+         # token, and what its grants give. Replaced at every change; gone at reboot.\n\
+         export BOXERY_PROXY={} BOXERY_TOKEN={}\n",
+        q(url),
+        q(token)
+    );
+    let mut git: Vec<(String, String)> = Vec::new();
+    for e in &plan.grants {
+        let comment = format!("# {}:{} (grant {})\n", e.type_, e.target, e.name);
+        match e.type_ {
+            GrantType::Llm => {
+                let (base, key) = match e.target.as_str() {
+                    "anthropic" => (format!("{url}/llm/anthropic"), "ANTHROPIC"),
+                    "openai" => (format!("{url}/llm/openai/v1"), "OPENAI"),
+                    // Ollama's and other providers' clients take a base URL argument:
+                    // $BOXERY_PROXY/llm/NAME (docs/grants.md).
+                    _ => continue,
+                };
+                env.push_str(&comment);
+                env.push_str(&format!(
+                    "export {key}_BASE_URL={} {key}_API_KEY={}\n",
+                    q(&base),
+                    q(token)
+                ));
+            }
+            GrantType::Github => {
+                if git.is_empty() {
+                    git.push((
+                        format!("url.{url}/edge/github.com/.insteadOf"),
+                        "https://github.com/".into(),
+                    ));
+                    git.push((
+                        format!("http.{url}/edge/.extraHeader"),
+                        format!("x-boxery-token: {token}"),
+                    ));
+                }
+            }
+            GrantType::Http if e.target == NPM_REGISTRY => {
+                let host = url
+                    .trim_start_matches("http://")
+                    .trim_start_matches("https://");
+                out.npmrc = Some(format!(
+                    "registry={url}/edge/{NPM_REGISTRY}/\n//{host}/edge/{NPM_REGISTRY}/:_authToken=${{BOXERY_TOKEN}}\n"
+                ));
+                env.push_str(&comment);
+                env.push_str("export NPM_CONFIG_USERCONFIG=/run/boxery/npmrc\n");
+            }
+            GrantType::Http => {}
+            GrantType::Env => match crate::values::read_text(&e.value_from, home).await {
+                Ok(v) => {
+                    env.push_str(&comment);
+                    env.push_str(&format!("export {}={}\n", e.target, q(&v)));
+                }
+                Err(why) => out.unavailable.push((e.name.clone(), why)),
+            },
+            GrantType::File => match crate::values::read(&e.value_from, home).await {
+                Ok(v) => out.files.push((e.target.clone(), v)),
+                Err(why) => out.unavailable.push((e.name.clone(), why)),
+            },
+        }
+    }
+    if !git.is_empty() {
+        env.push_str(
+            "# github grants: git clone https://github.com/OWNER/REPO goes through the proxy\n",
+        );
+        env.push_str(&format!("export GIT_CONFIG_COUNT={}", git.len()));
+        for (i, (k, v)) in git.iter().enumerate() {
+            env.push_str(&format!(
+                " GIT_CONFIG_KEY_{i}={} GIT_CONFIG_VALUE_{i}={}",
+                q(k),
+                q(v)
+            ));
+        }
+        env.push('\n');
+    }
+    out.env = env;
+    out
+}
+
+/// The hook login shells run (static: no value).
+const PROFILE_HOOK: &str = "# boxery: the credential proxy's address, this VM's token and its grants, pushed by the\n\
+# control plane to tmpfs (docs/grants.md).\n\
+if [ -r /run/boxery/env ]; then . /run/boxery/env; fi\n";
+
+/// The remote script (for `sh -s`, on stdin) that installs `f` as revision `rev`.
+pub fn script(f: &Files, rev: &str) -> String {
+    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+    let mut s = String::from(
+        "set -eu\numask 077\nd=/run/boxery\n\
+         if [ ! -d \"$d\" ] || [ ! -w \"$d\" ] || [ ! -O \"$d\" ]; then sudo -n install -d -m 0700 -o \"$(id -u)\" -g \"$(id -g)\" \"$d\"; fi\n\
+         chmod 0700 \"$d\"\nn=\"$d/.new\"\nrm -rf \"$n\"\nmkdir -p \"$n/files\"\n",
+    );
+    let mut put = |path: &str, bytes: &[u8]| {
+        if let Some((dir, _)) = path.rsplit_once('/') {
+            s.push_str(&format!("mkdir -p \"$n\"/{}\n", q(dir)));
+        }
+        s.push_str(&format!(
+            "base64 -d > \"$n\"/{} <<'BOXERY_B64'\n{}\nBOXERY_B64\nchmod 0400 \"$n\"/{}\n",
+            q(path),
+            b64(bytes),
+            q(path)
+        ));
+    };
+    put("env", f.env.as_bytes());
+    if let Some(npmrc) = &f.npmrc {
+        put("npmrc", npmrc.as_bytes());
+    }
+    for (target, bytes) in &f.files {
+        put(&format!("files/{target}"), bytes);
+    }
+    s.push_str(&format!(
+        "rm -rf \"$d/files.old\"\n[ ! -e \"$d/files\" ] || mv \"$d/files\" \"$d/files.old\"\n\
+         mv \"$n/files\" \"$d/files\"\nrm -f \"$d/npmrc\"\n[ ! -e \"$n/npmrc\" ] || mv -f \"$n/npmrc\" \"$d/npmrc\"\n\
+         mv -f \"$n/env\" \"$d/env\"\nrm -rf \"$d/files.old\" \"$n\"\nprintf '%s\\n' {rev} > \"$d/rev\"\n"
+    ));
+    s.push_str(&format!(
+        "if ! grep -qs 'boxery/env' /etc/profile.d/boxery.sh; then sudo -n mkdir -p /etc/profile.d; printf '%s' {} | sudo -n tee /etc/profile.d/boxery.sh >/dev/null; sudo -n chmod 0644 /etc/profile.d/boxery.sh; fi\n\
+         if ! grep -qs 'profile\\.d' /etc/profile; then printf '%s\\n' 'for f in /etc/profile.d/*.sh; do [ -r \"$f\" ] && . \"$f\"; done' | sudo -n tee -a /etc/profile >/dev/null; fi\n",
+        q(PROFILE_HOOK)
+    ));
+    s
+}
+
+/// The revisions pushed to each VM's guest (in this process), and when a push last failed.
+#[derive(Debug, Default)]
+pub struct Pushed {
+    revs: Mutex<HashMap<String, Result<String, Instant>>>,
+}
+
+impl Pushed {
+    fn due(&self, vm: &str, rev: &str) -> bool {
+        match self.revs.lock().unwrap_or_else(|e| e.into_inner()).get(vm) {
+            Some(Ok(r)) => r != rev,
+            Some(Err(at)) => at.elapsed() >= RETRY,
+            None => true,
+        }
+    }
+    fn set(&self, vm: &str, r: Result<String, Instant>) {
+        self.revs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(vm.to_string(), r);
+    }
+    fn keep_only(&self, vms: &std::collections::HashSet<String>) {
+        self.revs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|k, _| vms.contains(k));
+    }
+}
+
+/// What names one boot of a ready VM: when `Ready` last turned true, and where its sshd is.
+/// `None` when it is not ready (nothing can be pushed).
+pub fn boot_of(v: &Vm) -> Option<String> {
+    let ready = v.status.conditions.get_condition(READY)?;
+    if ready.status != ConditionStatus::True {
+        return None;
+    }
+    let endpoint = crate::ssh::Target::of(v)?.endpoint;
+    let at = ready
+        .last_transition_time
+        .map(|t| t.to_rfc3339())
+        .unwrap_or_default();
+    Some(format!("{at} {endpoint}"))
+}
+
+/// Push what `v`'s guest should hold if it has changed since the last push. `Ok(false)`:
+/// nothing to do.
+pub async fn sync(ctx: &Ctx, v: &Vm) -> Result<bool, String> {
+    let name = v.metadata.name.as_str();
+    let (Some(ssh), Some(boot)) = (&ctx.ssh, boot_of(v)) else {
+        return Ok(false);
+    };
+    let Some(plan) = Plan::of(ctx, name) else {
+        return Ok(false);
+    };
+    let rev = plan.rev(&boot);
+    if !ctx.guest.due(name, &rev) {
+        return Ok(false);
+    }
+    let files = files(&plan, &ctx.home).await;
+    let r = push(ssh, v, &files, &rev).await;
+    match &r {
+        Ok(()) if files.unavailable.is_empty() => ctx.guest.set(name, Ok(rev)),
+        Ok(()) => {
+            for (grant, why) in &files.unavailable {
+                tracing::warn!(
+                    vm = name,
+                    grant,
+                    why,
+                    "a grant's value was left out of the guest"
+                );
+            }
+            ctx.guest.set(name, Err(Instant::now()));
+        }
+        Err(e) => {
+            tracing::warn!(vm = name, error = %e, "pushing the guest's grants failed; retrying");
+            ctx.guest.set(name, Err(Instant::now()));
+        }
+    }
+    r.map(|()| true)
+}
+
+/// Run the push script on `v` over ssh.
+async fn push(ssh: &crate::ssh::SshDir, v: &Vm, files: &Files, rev: &str) -> Result<(), String> {
+    use tokio::io::AsyncWriteExt;
+    let name = v.metadata.name.as_str();
+    let target = crate::ssh::Target::of(v).ok_or("no ssh endpoint")?;
+    ssh.write(&target).map_err(|e| e.to_string())?;
+    let mut child = ssh
+        .command(name)
+        .args(["-T", "-o", "BatchMode=yes", "--", "sh -s"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("cannot run ssh: {e}"))?;
+    let script = script(files, rev);
+    let mut stdin = child.stdin.take().ok_or("no stdin")?;
+    let write = async move {
+        stdin.write_all(script.as_bytes()).await?;
+        stdin.shutdown().await
+    };
+    let (w, out) = tokio::time::timeout(Duration::from_secs(60), async {
+        let w = write.await;
+        (w, child.wait_with_output().await)
+    })
+    .await
+    .map_err(|_| "ssh took longer than 60 s".to_string())?;
+    let out = out.map_err(|e| format!("ssh: {e}"))?;
+    if !out.status.success() {
+        // The script's errors name paths and commands, never values.
+        return Err(format!(
+            "the guest's push script failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    w.map_err(|e| format!("writing to ssh: {e}"))
+}
+
+/// Keep every ready VM's guest in step until `shutdown`.
+pub async fn keep(ctx: Arc<Ctx>, vms: Cache, shutdown: CancellationToken) {
+    if ctx.ssh.is_none() {
+        return;
+    }
+    let mut tick = tokio::time::interval(EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let all: Vec<Vm> = vms
+            .list_as::<Vm>()
+            .into_iter()
+            .filter(|v| !v.metadata.is_deleting())
+            .collect();
+        ctx.guest
+            .keep_only(&all.iter().map(|v| v.metadata.name.clone()).collect());
+        futures::stream::iter(all)
+            .for_each_concurrent(CONCURRENCY, |v| {
+                let ctx = ctx.clone();
+                async move {
+                    let _ = sync(&ctx, &v).await;
+                }
+            })
+            .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use boxery_api::grant::ValueFrom;
+
+    fn entry(name: &str, type_: GrantType, target: &str, value_from: ValueFrom) -> Entry {
+        Entry {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            generation: 1,
+            type_,
+            target: target.into(),
+            header: None,
+            value_from,
+            vm_uid: "vm-uid".into(),
+            lease: None,
+            lease_uid: None,
+        }
+    }
+
+    /// `sh` sourcing `env`, then printing each of `vars` on its own line.
+    fn sourced(env: &str, vars: &[&str]) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("env");
+        std::fs::write(&f, env).unwrap();
+        let print: Vec<String> = vars
+            .iter()
+            .map(|v| format!("printf '%s\\n' \"${v}\""))
+            .collect();
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!(". {}; {}", f.display(), print.join("; ")))
+            .env_clear()
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    #[tokio::test]
+    async fn the_env_file_gives_the_proxy_the_token_and_the_grants_and_quotes_values() {
+        let home = tempfile::tempdir().unwrap();
+        let outside = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(outside.path(), b"line1\nline2 'q' $(x)\n").unwrap();
+        // A hostile value: quotes, command substitution, a newline: it stays one literal value.
+        let hostile = "a'b\"c$(touch /tmp/boxery-pwned)`id`\nx";
+        let plan = Plan {
+            url: "http://10.0.2.100".into(),
+            token: "bxt_abc".into(),
+            grants: vec![
+                entry(
+                    "g-llm",
+                    GrantType::Llm,
+                    "anthropic",
+                    ValueFrom::Env("UNUSED".into()),
+                ),
+                entry(
+                    "g-oai",
+                    GrantType::Llm,
+                    "openai",
+                    ValueFrom::Env("UNUSED".into()),
+                ),
+                entry(
+                    "g-gh",
+                    GrantType::Github,
+                    "me/repo",
+                    ValueFrom::Env("UNUSED".into()),
+                ),
+                entry(
+                    "g-env",
+                    GrantType::Env,
+                    "APP_SECRET",
+                    ValueFrom::Command(vec!["printf".into(), "%s".into(), hostile.into()]),
+                ),
+                entry(
+                    "g-missing",
+                    GrantType::Env,
+                    "NOPE",
+                    ValueFrom::Env("BOXERY_GUEST_TEST_UNSET".into()),
+                ),
+                entry(
+                    "g-file",
+                    GrantType::File,
+                    "cfg/app.conf",
+                    ValueFrom::File(outside.path().display().to_string()),
+                ),
+            ],
+        };
+        let f = files(&plan, home.path()).await;
+        let got = sourced(
+            &f.env,
+            &[
+                "BOXERY_PROXY",
+                "BOXERY_TOKEN",
+                "ANTHROPIC_BASE_URL",
+                "ANTHROPIC_API_KEY",
+                "OPENAI_BASE_URL",
+                "OPENAI_API_KEY",
+                "GIT_CONFIG_COUNT",
+                "GIT_CONFIG_KEY_0",
+                "GIT_CONFIG_VALUE_0",
+                "GIT_CONFIG_KEY_1",
+                "GIT_CONFIG_VALUE_1",
+                "APP_SECRET",
+            ],
+        );
+        let want = [
+            "http://10.0.2.100",
+            "bxt_abc",
+            "http://10.0.2.100/llm/anthropic",
+            "bxt_abc",
+            "http://10.0.2.100/llm/openai/v1",
+            "bxt_abc",
+            "2",
+            "url.http://10.0.2.100/edge/github.com/.insteadOf",
+            "https://github.com/",
+            "http.http://10.0.2.100/edge/.extraHeader",
+            "x-boxery-token: bxt_abc",
+            hostile,
+        ]
+        .join("\n")
+            + "\n";
+        assert_eq!(got, want);
+        assert!(!std::path::Path::new("/tmp/boxery-pwned").exists());
+        assert_eq!(
+            f.files,
+            vec![(
+                "cfg/app.conf".to_string(),
+                b"line1\nline2 'q' $(x)\n".to_vec()
+            )]
+        );
+        assert_eq!(f.unavailable.len(), 1);
+        assert_eq!(f.unavailable[0].0, "g-missing");
+        assert!(!f.unavailable[0].1.contains(hostile));
+        // The script carries values in base64 only: no value in clear text.
+        let s = script(&f, "r1");
+        assert!(!s.contains("bxt_abc") && !s.contains("touch /tmp"), "{s}");
+    }
+
+    #[test]
+    fn a_revision_changes_with_the_token_the_grants_and_the_boot() {
+        let plan = Plan {
+            url: "http://10.0.2.100".into(),
+            token: "bxt_1".into(),
+            grants: vec![entry("g", GrantType::Env, "A", ValueFrom::Env("A".into()))],
+        };
+        let r = plan.rev("boot1");
+        assert_eq!(r, plan.rev("boot1"));
+        assert_ne!(r, plan.rev("boot2"));
+        let mut other = plan.clone();
+        other.token = "bxt_2".into();
+        assert_ne!(r, other.rev("boot1"));
+        let mut other = plan.clone();
+        other.grants[0].generation = 2;
+        assert_ne!(r, other.rev("boot1"));
+        let mut other = plan;
+        other.grants.clear();
+        assert_ne!(r, other.rev("boot1"));
+    }
+}
