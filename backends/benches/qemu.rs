@@ -113,6 +113,8 @@ async fn raw_boot(env: &Env, run: usize, tb_size: Option<u32>) -> (f64, f64, (u6
         accel: env.backend.accel().accel,
         tcg_tb_size_mib: tb_size,
         sandbox: env.backend.config().sandbox,
+        proxy: dir.join("proxy.sock"),
+        socat: env.backend.config().socat.clone(),
     };
     let t = Instant::now();
     let st = tokio::process::Command::new("qemu-system-x86_64")

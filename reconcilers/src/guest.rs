@@ -361,7 +361,8 @@ async fn push(ssh: &crate::ssh::SshDir, v: &Vm, files: &Files, rev: &str) -> Res
 /// Keep every ready VM's guest in step until `shutdown`.
 pub async fn keep(ctx: Arc<Ctx>, vms: Cache, shutdown: CancellationToken) {
     if ctx.ssh.is_none() {
-        return;
+        // No guests to reach (the fake backend): nothing to keep, until shutdown.
+        return shutdown.cancelled().await;
     }
     let mut tick = tokio::time::interval(EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
