@@ -1269,6 +1269,23 @@ fn guest_uses_grants(kind: Kind) {
         h.run("g1", "cat /run/boxery/files/app/app.conf"),
         FILE_VALUE
     );
+    // A SIGKILL of serve: after the restart the channel answers again, the guest holds what
+    // the store says (the revoked grant stays out), and the call still works.
+    serve.kill();
+    let mut serve = h.serve_with(&values);
+    serve.wait_leading();
+    let back = common::eventually(Duration::from_secs(60), || {
+        let o = h.cmd(&["run", "g1", "--", call]);
+        (String::from_utf8_lossy(&o.stdout).trim() == "{\"ok\":true}").then_some(())
+    });
+    assert!(back.is_some(), "the channel is served again after a restart");
+    assert_eq!(
+        h.run(
+            "g1",
+            "echo \"${APP_SECRET:-unset}\"; cat /run/boxery/files/app/app.conf"
+        ),
+        format!("unset\n{FILE_VALUE}")
+    );
     h.ok(&["delete", "vm", "g1", "--wait", "--timeout", "3m"]);
     assert!(!h.qemu_dir().join("vms/g1/proxy.sock").exists() || kind != Kind::Qemu);
     serve.kill();
