@@ -674,8 +674,8 @@ async fn serve(
 ) -> CliResult {
     let stop = tokio_util::sync::CancellationToken::new();
     // The credential proxy, bound before the controllers start (a taken port fails at once).
-    let (proxy, guest_proxy) = match proxy_listen {
-        ProxyListen::Off => (None, None),
+    let (proxy, guest_proxy, bound) = match proxy_listen {
+        ProxyListen::Off => (None, None, None),
         ProxyListen::At(addr) => {
             let config = boxery_verbs::env::read_config(&env.home)?.proxy;
             let proxy = boxery_proxy::Proxy::new(&env.home, config)
@@ -696,6 +696,7 @@ async fn serve(
             (
                 Some(tokio::spawn(proxy.serve(listener, stop.clone()))),
                 Some(guests),
+                Some(bound),
             )
         }
     };
@@ -735,7 +736,13 @@ async fn serve(
         if let Ok(Err(e)) = h.await {
             eprintln!("error: {}", boxery_verbs::render::safe(&error_chain(&e)));
         }
-        let _ = std::fs::remove_file(boxery_proxy::addr_file(&env.home));
+        // Only our own address: another serve on this home (a standby) may have written its
+        // own since, and its proxy answers alike.
+        let file = boxery_proxy::addr_file(&env.home);
+        let ours = bound.map(|b| format!("{b}\n"));
+        if std::fs::read_to_string(&file).ok() == ours {
+            let _ = std::fs::remove_file(file);
+        }
     }
     Ok(r?)
 }
