@@ -1278,7 +1278,10 @@ fn guest_uses_grants(kind: Kind) {
         let o = h.cmd(&["run", "g1", "--", call]);
         (String::from_utf8_lossy(&o.stdout).trim() == "{\"ok\":true}").then_some(())
     });
-    assert!(back.is_some(), "the channel is served again after a restart");
+    assert!(
+        back.is_some(),
+        "the channel is served again after a restart"
+    );
     assert_eq!(
         h.run(
             "g1",

@@ -119,6 +119,8 @@ pub mod reasons {
     pub const VM_NOT_FOUND: &str = "VmNotFound";
     /// A grant's lease ended or was deleted.
     pub const LEASE_ENDED: &str = "LeaseEnded";
+    /// A VM's grant on a pool member: a member uses only its leases' grants.
+    pub const POOL_MEMBER: &str = "PoolMember";
     /// A lease's grant waits for its lease to hold a VM.
     pub const LEASE_NOT_BOUND: &str = "LeaseNotBound";
     /// An approved grant whose value the control plane cannot read (variable unset, file

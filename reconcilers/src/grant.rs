@@ -382,6 +382,22 @@ async fn subject(ctx: &Ctx, g: &Grant) -> Result<Subject> {
                 format!("VM {vm} was deleted; the VM now called {vm} is another one"),
             ));
         }
+        // A pool member's token is its lease's: a VM grant there would never be used.
+        if let Some(pool) = v
+            .metadata
+            .owner_references
+            .iter()
+            .find(|o| o.kind == "Pool")
+        {
+            return Ok(Subject::Wait(
+                reasons::POOL_MEMBER,
+                format!(
+                    "VM {vm} is a member of pool {}, whose VMs use only their leases' grants: grant the lease instead (`boxery grant --lease LEASE TYPE:TARGET …`); this grant is in force only if the VM leaves the pool",
+                    pool.name
+                ),
+                None,
+            ));
+        }
         return Ok(Subject::Vm {
             name: vm.clone(),
             uid,
@@ -461,7 +477,11 @@ async fn step(mut g: Grant, ctx: &Ctx) -> Result<Action> {
             if lease_uid.is_some() {
                 g.status.lease_uid = lease_uid;
             }
-            let msg = format!("{msg}; the grant applies once it does (if approved)");
+            let msg = if reason == reasons::POOL_MEMBER {
+                msg
+            } else {
+                format!("{msg}; the grant applies once it does (if approved)")
+            };
             return settle(
                 g,
                 &original,

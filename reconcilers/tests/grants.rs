@@ -302,6 +302,15 @@ async fn deleting_the_vm_or_the_grant_revokes() {
     assert!(!grant::state_file(p.home(), "dev2").exists());
 }
 
+/// Approve `name` once the reconciler has seen it.
+async fn approve_when_pending(p: &Plane, name: &str) {
+    until("the grant to be seen", || {
+        get(p, name).and_then(|g| g.status.conditions.first().map(|_| ()))
+    })
+    .await;
+    approve(p, name);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_grant_dies_with_its_lease() {
     let p = plane().await;
@@ -340,6 +349,29 @@ async fn a_lease_grant_dies_with_its_lease() {
     approve(&p, "lg");
     let g = phase(&p, "lg", GrantPhase::Applied).await;
     assert_eq!(g.status.vm.as_deref(), Some(vm.as_str()));
+    // A VM grant on the member stays out of force, saying to grant the lease.
+    p.store
+        .create_as(&grant_for(
+            "vg",
+            Some(&vm),
+            None,
+            ValueFrom::Env("PATH".into()),
+        ))
+        .unwrap();
+    approve_when_pending(&p, "vg").await;
+    let why = until("the member's VM grant to say why it waits", || {
+        let g = get(&p, "vg")?;
+        let c = g.status.conditions.iter().find(|c| c.type_ == "Ready")?;
+        (c.reason == "PoolMember").then(|| c.message.clone())
+    })
+    .await;
+    assert!(why.contains("--lease"), "{why}");
+    assert_eq!(
+        get(&p, "vg").unwrap().status.phase,
+        GrantPhase::PendingApproval
+    );
+    p.store.delete("Grant", "vg").unwrap();
+    until("grant vg gone", || get(&p, "vg").is_none().then_some(())).await;
     let e = grant::read_state(p.home(), &vm);
     assert_eq!(e.len(), 1);
     assert_eq!(e[0].lease.as_deref(), Some("l1"));
