@@ -573,10 +573,18 @@ async fn step(mut g: Grant, ctx: &Ctx) -> Result<Action> {
     let entry = entry_of(&g).expect("a stored grant has a uid and generation; vm_uid is set");
     let lock = ctx.vm_lock(&format!("grants:{vm}"));
     let _held = lock.lock().await;
-    edit_state_locked(&ctx.home, &vm, |es| {
+    let changed = edit_state_locked(&ctx.home, &vm, |es| {
         es.retain(|e| e.uid != entry.uid);
         es.push(entry.clone());
     })?;
+    // Into the guest before the grant says Applied (the guest loop would within seconds; a
+    // failure here is left to it). Still under the lock: a push is bounded (guest::PUSH_TIMEOUT).
+    if changed
+        && let Some(v) = ctx.store.get_as::<Vm>(&vm).await?
+        && let Err(e) = crate::guest::sync(ctx, &v).await
+    {
+        tracing::warn!(vm = %vm, grant = %name, error = %e, "the guest push failed; retrying");
+    }
     let msg = format!(
         "in force for VM {vm}: approved by {}",
         g.status.approved_by.clone().unwrap_or_default()

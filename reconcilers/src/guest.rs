@@ -10,7 +10,8 @@
 //! - Pushed on every change of what the guest should hold: the token (a VM made, a lease
 //!   bound), the grants in force for the token's owner (approved, revoked, spec changed), and
 //!   each new boot (the `Ready` condition turning true: start, revert, reset, reboot). Checked
-//!   every [`EVERY`]; the lease reconciler also pushes before a lease is `Bound`.
+//!   every [`EVERY`]; the lease reconciler also pushes before a lease is `Bound`, and the
+//!   grant reconciler before a grant is `Applied`.
 //! - A push replaces the whole set: an `env`/`file` grant revoked is gone from the guest at
 //!   the next push, and every boot starts empty (tmpfs). Nothing is written to the guest's
 //!   disk but the static profile hook (no value), so no value is ever in an image.
@@ -47,6 +48,8 @@ use crate::grant::Entry;
 pub const EVERY: Duration = Duration::from_secs(2);
 /// How long a failed push waits before it is tried again.
 pub const RETRY: Duration = Duration::from_secs(20);
+/// The longest one push may take.
+pub const PUSH_TIMEOUT: Duration = Duration::from_secs(30);
 /// Pushes at once.
 const CONCURRENCY: usize = 8;
 /// The npm registry: an `http` grant on it makes npm use the proxy.
@@ -340,12 +343,12 @@ async fn push(ssh: &crate::ssh::SshDir, v: &Vm, files: &Files, rev: &str) -> Res
         stdin.write_all(script.as_bytes()).await?;
         stdin.shutdown().await
     };
-    let (w, out) = tokio::time::timeout(Duration::from_secs(60), async {
+    let (w, out) = tokio::time::timeout(PUSH_TIMEOUT, async {
         let w = write.await;
         (w, child.wait_with_output().await)
     })
     .await
-    .map_err(|_| "ssh took longer than 60 s".to_string())?;
+    .map_err(|_| format!("ssh took longer than {PUSH_TIMEOUT:?}"))?;
     let out = out.map_err(|e| format!("ssh: {e}"))?;
     if !out.status.success() {
         // The script's errors name paths and commands, never values.
