@@ -745,8 +745,22 @@ fn crash_during_create_and_capture(kind: Kind) {
 /// `snapshot.yaml` (a capture of it running) and `fork.yaml` (two VMs from its disk).
 fn example_manifests(kind: Kind) {
     let h = RealHome::new(kind);
+    let _serve = h.serve();
     let example = |f: &str| repo().join("manifests/examples").join(f);
     h.apply_file(&example("vm.yaml"), "20m");
+    // The Debian guest reaches the credential proxy with curl and its own token (pushed within
+    // seconds of Ready): no grant yet, so a 403 from the proxy itself.
+    let probe = "curl -s -o /dev/null -w '%{http_code}' -H \"x-api-key: $BOXERY_TOKEN\" \"$BOXERY_PROXY/llm/anthropic/v1/models\"";
+    let answered = common::eventually(Duration::from_secs(120), || {
+        let o = h.cmd(&["run", "dev1", "--", probe]);
+        (String::from_utf8_lossy(&o.stdout).trim() == "403").then_some(())
+    });
+    assert!(
+        answered.is_some(),
+        "the guest reaches the proxy: {:?}\n{}",
+        h.cmd(&["run", "dev1", "--", &format!("cat /run/boxery/env; {probe}")]),
+        h.state_report()
+    );
     let out = h.run(
         "dev1",
         "uname -a; id -un; cat /etc/boxery/build-info; sudo -n true && echo sudo-ok",
@@ -1180,7 +1194,7 @@ fn guest_uses_grants(kind: Kind) {
         token,
         "the key variable holds the token"
     );
-    // A login shell with nothing inherited has them too (/etc/profile.d/boxery.sh).
+    // A login shell with nothing inherited has them too (/etc/profile.d/boxery-env.sh).
     assert_eq!(
         h.run(
             "g1",

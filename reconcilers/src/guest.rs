@@ -4,7 +4,8 @@
 //! the provider variables of its `llm` grants (`ANTHROPIC_BASE_URL`/`ANTHROPIC_API_KEY`, …:
 //! the key variables hold the token, never a key), git settings for its `github` grants, npm's
 //! for an `http` grant on the npm registry, the values of its `env` grants and the files of its
-//! `file` grants; and, once, `/etc/profile.d/boxery.sh` so login shells read it.
+//! `file` grants; and, once, `/etc/profile.d/boxery-env.sh` so login shells read it (beside the
+//! image's own `boxery.sh`, which it leaves alone).
 //!
 //! # Guarantees
 //! - Pushed on every change of what the guest should hold: the token (a VM made, a lease
@@ -235,7 +236,7 @@ pub fn script(f: &Files, rev: &str) -> String {
          mv -f \"$n/env\" \"$d/env\"\nrm -rf \"$d/files.old\" \"$n\"\nprintf '%s\\n' {rev} > \"$d/rev\"\n"
     ));
     s.push_str(&format!(
-        "if ! grep -qs 'boxery/env' /etc/profile.d/boxery.sh; then sudo -n mkdir -p /etc/profile.d; printf '%s' {} | sudo -n tee /etc/profile.d/boxery.sh >/dev/null; sudo -n chmod 0644 /etc/profile.d/boxery.sh; fi\n\
+        "if ! grep -qs 'boxery/env' /etc/profile.d/boxery-env.sh; then sudo -n mkdir -p /etc/profile.d; printf '%s' {} | sudo -n tee /etc/profile.d/boxery-env.sh >/dev/null; sudo -n chmod 0644 /etc/profile.d/boxery-env.sh; fi\n\
          if ! grep -qs 'profile\\.d' /etc/profile; then printf '%s\\n' 'for f in /etc/profile.d/*.sh; do [ -r \"$f\" ] && . \"$f\"; done' | sudo -n tee -a /etc/profile >/dev/null; fi\n",
         q(PROFILE_HOOK)
     ));
