@@ -675,3 +675,45 @@ fn service_unit_and_status() {
         );
     }
 }
+
+/// `wait --for` as a kubectl user types it: a condition's type in any case, `jsonpath=` with and
+/// without braces, with a value or alone (the path has a value), and a timeout that says what
+/// the path holds instead of "to be Stopped: it is Stopped".
+#[test]
+fn wait_for_takes_kubectl_forms() {
+    let home = Home::new();
+    home.ok(&["new", "w1", "--from", "tiny", "--stopped", "--wait"]);
+    for f in [
+        "--for=jsonpath={.status.phase}=Stopped",
+        "--for=jsonpath=.status.phase=Stopped",
+        "--for=jsonpath={.status.phase}",
+        "--for=condition=ready=false",
+        "--for=condition=READY=False",
+    ] {
+        home.ok(&["wait", "vm", "w1", f, "--timeout", "5s"]);
+    }
+    let o = home.run(&[
+        "wait",
+        "vm",
+        "w1",
+        "--for=jsonpath={.status.phase}=Running",
+        "--timeout",
+        "1s",
+    ]);
+    assert_eq!(o.status.code(), Some(4), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("{.status.phase} to be \"Running\"")
+            && err.contains("{.status.phase} is \"Stopped\""),
+        "{err}"
+    );
+    let o = home.run(&[
+        "wait",
+        "vm",
+        "w1",
+        "--for=jsonpath={.status.phase",
+        "--timeout",
+        "1s",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+}

@@ -758,7 +758,12 @@ fn example_manifests(kind: Kind) {
     assert!(
         answered.is_some(),
         "the guest reaches the proxy: {:?}\n{}",
-        h.cmd(&["run", "dev1", "--", &format!("cat /run/boxery/env; {probe}")]),
+        h.cmd(&[
+            "run",
+            "dev1",
+            "--",
+            &format!("cat /run/boxery/env; {probe}")
+        ]),
         h.state_report()
     );
     let out = h.run(

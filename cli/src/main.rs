@@ -144,7 +144,8 @@ enum Command {
         kind: String,
         /// The name.
         name: String,
-        /// condition=Ready[=True|False], delete, or jsonpath={.status.phase}=Stopped.
+        /// condition=Ready[=True|False] (any case), delete, jsonpath={.status.phase}=Stopped, or
+        /// jsonpath={.status.vm} (the path has a value).
         #[arg(long = "for")]
         until: String,
         /// How long to wait (at most 7days).

@@ -61,6 +61,8 @@ pub enum Until {
     Deleted,
     /// A JSONPath's value equals this.
     JsonPath(String, String),
+    /// A JSONPath has a value (not empty): `--for=jsonpath={.status.vm}`.
+    Exists(String),
 }
 
 impl std::str::FromStr for Until {
@@ -84,13 +86,44 @@ impl std::str::FromStr for Until {
             return Ok(Until::Condition(t.to_string(), st));
         }
         if let Some(j) = s.strip_prefix("jsonpath=") {
-            let (p, v) = j
-                .rsplit_once('=')
-                .ok_or_else(|| VerbError::invalid("--for=jsonpath={.path}=VALUE needs a value"))?;
-            return Ok(Until::JsonPath(p.to_string(), v.to_string()));
+            // As kubectl: `{.status.phase}=Stopped`, or the path alone (it has a value); the
+            // braces may be left out (`.status.phase=Stopped`).
+            let (path, value) = match j.strip_prefix('{') {
+                Some(inner) => {
+                    let end = inner.find('}').ok_or_else(|| {
+                        VerbError::invalid(format!("--for=jsonpath={j}: no closing `}}`"))
+                    })?;
+                    let rest = &inner[end + 1..];
+                    let value = match rest.strip_prefix('=') {
+                        Some(v) => Some(v),
+                        None if rest.is_empty() => None,
+                        None => {
+                            return Err(VerbError::invalid(format!(
+                                "--for=jsonpath={j}: write {{.path}}=VALUE, or {{.path}} alone"
+                            )));
+                        }
+                    };
+                    (&inner[..end], value)
+                }
+                None => match j.split_once('=') {
+                    Some((p, v)) => (p, Some(v)),
+                    None => (j, None),
+                },
+            };
+            let path = path.trim();
+            if !path.starts_with('.') {
+                return Err(VerbError::invalid(format!(
+                    "--for=jsonpath={j}: the path starts with `.` (e.g. {{.status.phase}}=Stopped)"
+                )));
+            }
+            let path = format!("{{{path}}}");
+            return Ok(match value {
+                Some(v) => Until::JsonPath(path, v.trim_matches(['\'', '"']).to_string()),
+                None => Until::Exists(path),
+            });
         }
         Err(VerbError::invalid(format!(
-            "--for={s}: use condition=NAME[=True|False], delete, or jsonpath={{.path}}=VALUE"
+            "--for={s}: use condition=NAME[=True|False], delete, or jsonpath={{.path}}[=VALUE]"
         )))
     }
 }
@@ -111,12 +144,15 @@ pub fn holds(until: &Until, obj: Option<&DynObject>) -> Result<bool> {
     Ok(match until {
         Until::Deleted => false,
         // A Ready seen before the host rebooted is void until a control plane looks again.
-        Until::Condition(t, _) if t == READY && rebooted_since(obj) => false,
+        // Condition types match case-insensitively, as kubectl's do (`condition=ready`).
+        Until::Condition(t, _) if t.eq_ignore_ascii_case(READY) && rebooted_since(obj) => false,
         Until::Condition(t, want) => {
             let generation = obj.metadata.generation;
             obj.status()["conditions"].as_array().is_some_and(|cs| {
                 cs.iter().any(|c| {
-                    c["type"].as_str() == Some(t)
+                    c["type"]
+                        .as_str()
+                        .is_some_and(|x| x.eq_ignore_ascii_case(t))
                         && c["status"].as_str() == Some(&want.to_string())
                         && (generation.is_none() || c["observedGeneration"].as_i64() >= generation)
                 })
@@ -125,6 +161,10 @@ pub fn holds(until: &Until, obj: Option<&DynObject>) -> Result<bool> {
         Until::JsonPath(p, v) => {
             let val: Value = serde_json::to_value(obj)?;
             crate::render::jsonpath(p, &val)? == *v
+        }
+        Until::Exists(p) => {
+            let val: Value = serde_json::to_value(obj)?;
+            !crate::render::jsonpath(p, &val)?.is_empty()
         }
     })
 }
@@ -319,8 +359,17 @@ async fn wait_inner(
                 let mut lines = Vec::new();
                 for t in &pending {
                     let obj = store.get(t).await?;
+                    // What the path holds now, so the message never reads as met.
+                    let now = match (until, obj.as_ref()) {
+                        (Until::JsonPath(p, _) | Until::Exists(p), Some(o)) => {
+                            let val: Value = serde_json::to_value(o)?;
+                            let got = crate::render::jsonpath(p, &val).unwrap_or_default();
+                            format!("{p} is {got:?}; ")
+                        }
+                        _ => String::new(),
+                    };
                     lines.push(format!(
-                        "{} {}: {}",
+                        "{} {}: {now}{}",
                         t.kind,
                         t.name,
                         describe_state(obj.as_ref())
@@ -414,13 +463,47 @@ fn describe_until(u: &Until) -> String {
     match u {
         Until::Deleted => "deletion".into(),
         Until::Condition(t, s) => format!("condition {t}={s}"),
-        Until::JsonPath(p, v) => format!("{p} to be {v}"),
+        Until::JsonPath(p, v) => format!("{p} to be {v:?}"),
+        Until::Exists(p) => format!("{p} to have a value"),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn for_parses_as_kubectl_does() {
+        let j = |p: &str, v: &str| Until::JsonPath(p.into(), v.into());
+        let parse = |s: &str| s.parse::<Until>();
+        assert_eq!(
+            parse("jsonpath={.status.phase}=Stopped").unwrap(),
+            j("{.status.phase}", "Stopped")
+        );
+        assert_eq!(
+            parse("jsonpath=.status.phase=Stopped").unwrap(),
+            j("{.status.phase}", "Stopped")
+        );
+        assert_eq!(
+            parse("jsonpath={.status.phase}='Stopped'").unwrap(),
+            j("{.status.phase}", "Stopped")
+        );
+        assert_eq!(
+            parse("jsonpath={.status.vm}").unwrap(),
+            Until::Exists("{.status.vm}".into())
+        );
+        assert_eq!(
+            parse("jsonpath=.status.vm").unwrap(),
+            Until::Exists("{.status.vm}".into())
+        );
+        assert!(parse("jsonpath={.status.phase").is_err());
+        assert!(parse("jsonpath={.status.phase}x").is_err());
+        assert!(parse("jsonpath=status=1").is_err());
+        assert_eq!(
+            parse("condition=ready").unwrap(),
+            Until::Condition("ready".into(), ConditionStatus::True)
+        );
+    }
 
     #[test]
     fn timeouts_are_bounded_when_parsed() {
