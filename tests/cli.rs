@@ -717,3 +717,64 @@ fn wait_for_takes_kubectl_forms() {
     ]);
     assert_eq!(o.status.code(), Some(2), "{o:?}");
 }
+
+/// Discovery as a kubectl user reaches for it: `api-resources`, `version`, `completion`, and
+/// `exec` pointing at `run`.
+#[test]
+fn discovery_commands() {
+    let home = Home::new();
+    let kinds = home.ok(&["api-resources"]);
+    let mut lines = kinds.lines();
+    let head: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        head,
+        [
+            "NAME",
+            "SHORTNAMES",
+            "APIVERSION",
+            "NAMESPACED",
+            "KIND",
+            "VERBS"
+        ]
+    );
+    let vms: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        &vms[..5],
+        ["vms", "vm", "boxery.dev/v1alpha1", "false", "Vm"]
+    );
+    assert!(
+        kinds
+            .lines()
+            .any(|l| l.starts_with("events ") && l.ends_with("get,list,watch,describe"))
+    );
+    assert_eq!(kinds.lines().count(), 1 + boxery_api::validate::KINDS.len());
+    let v = home.ok(&["version"]);
+    assert!(
+        v.contains(&format!("Client Version: {}", env!("CARGO_PKG_VERSION"))),
+        "{v}"
+    );
+    assert!(
+        v.contains(&format!("Store Schema:   {}", boxery_store::SCHEMA_VERSION)),
+        "{v}"
+    );
+    assert!(v.contains("Backend:        fake"), "{v}");
+    {
+        let serve = home.serve(&[]);
+        serve.wait_leading();
+        let v = home.ok(&["version"]);
+        assert!(v.contains("(leading the store)"), "{v}");
+    }
+    for shell in ["bash", "zsh", "fish"] {
+        let s = home.ok(&["completion", shell]);
+        assert!(
+            s.contains("api-resources") && s.contains("boxery"),
+            "{shell}"
+        );
+    }
+    let o = home.run(&["exec", "dev1", "--", "true"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("boxery run dev1 -- CMD"),
+        "{o:?}"
+    );
+}

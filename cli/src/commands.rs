@@ -591,6 +591,61 @@ pub fn schema(kind_name: Option<&str>) -> CliResult {
 
 /// The backend support table, from each backend's own `capabilities()` (the one source of
 /// truth; docs/backends.md holds a copy a test keeps equal).
+/// `api-resources`: every kind, as `kubectl api-resources` lists them.
+pub fn api_resources() -> String {
+    let mut rows = vec![
+        [
+            "NAME",
+            "SHORTNAMES",
+            "APIVERSION",
+            "NAMESPACED",
+            "KIND",
+            "VERBS",
+        ]
+        .map(String::from)
+        .to_vec(),
+    ];
+    for k in boxery_api::validate::KINDS {
+        let verbs = if k.controllers_only.is_some() {
+            "get,list,watch,describe"
+        } else {
+            "apply,delete,describe,diff,get,list,wait,watch"
+        };
+        rows.push(vec![
+            k.plural.to_string(),
+            k.short_names.join(","),
+            boxery_api::API_VERSION.to_string(),
+            "false".into(),
+            k.kind.to_string(),
+            verbs.into(),
+        ]);
+    }
+    boxery_verbs::render::aligned(rows)
+}
+
+/// `version`: this build, the store's schema, the backend, and who leads the store.
+pub fn version(env: &boxery_verbs::env::Env) -> CliResult {
+    let store = env.home.join("store.db");
+    let leader = if store.exists() {
+        match env.store()?.leader(boxery_verbs::runtime::LOCK)? {
+            Some(h) => format!("{h} (leading the store)"),
+            None => "none leading (commands run the controllers themselves)".into(),
+        }
+    } else {
+        "none (no store yet)".into()
+    };
+    let backend = boxery_backends::by_name(&env.backend_name, &env.home)
+        .map(|b| format!("{} ({:?})", env.backend_name, b.capabilities().stability))
+        .unwrap_or_else(|_| env.backend_name.clone());
+    out!(
+        "Client Version: {}\nStore Schema:   {} ({})\nBackend:        {backend}\nControl Plane:  {leader}\n",
+        env!("CARGO_PKG_VERSION"),
+        boxery_store::SCHEMA_VERSION,
+        store.display()
+    );
+    Ok(())
+}
+
 pub fn backends_table(home: &std::path::Path) -> String {
     let yes = |b: bool| if b { "yes" } else { "no" };
     let mut out = String::from(

@@ -166,6 +166,22 @@ enum Command {
     },
     /// The backends this build has and what each offers (from their own declarations).
     Backends,
+    /// The kinds boxery serves: names, short names, API version and verbs (as kubectl's).
+    ApiResources,
+    /// This build's version, the store's schema, the backend, and the control plane leading
+    /// the store (if any).
+    Version,
+    /// Print a shell completion script: `source <(boxery completion bash)`.
+    Completion {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// (kubectl's `exec`: boxery's is `run VM -- CMD`.)
+    #[command(hide = true)]
+    Exec {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Print the JSON Schema of a kind (or of all kinds).
     Schema {
         /// The kind.
@@ -375,7 +391,7 @@ enum Command {
         /// The file.
         path: String,
         /// Only if the file is still at this version (from `read --version`), or `absent`.
-        #[arg(long = "if-version")]
+        #[arg(long = "if-version", id = "if_version")]
         version: Option<String>,
     },
     /// Replace text in a file in a VM: OLD must occur exactly COUNT times; atomic.
@@ -395,7 +411,7 @@ enum Command {
         #[arg(long)]
         count: Option<usize>,
         /// Only if the file is still at this version.
-        #[arg(long = "if-version")]
+        #[arg(long = "if-version", id = "if_version")]
         version: Option<String>,
     },
 }
@@ -478,6 +494,20 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
     match cli.command {
         Command::Service { cmd } => service::service(&env, selected.as_deref(), cmd).await?,
         Command::Backends => out!("{}", commands::backends_table(&env.home)),
+        Command::ApiResources => out!("{}", commands::api_resources()),
+        Command::Version => commands::version(&env)?,
+        Command::Completion { shell } => {
+            use clap::CommandFactory;
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "boxery", &mut out);
+            out!("{}", String::from_utf8_lossy(&out));
+        }
+        Command::Exec { args } => {
+            let vm = args.first().map_or("VM", String::as_str);
+            return Err(CliError::invalid(format!(
+                "boxery has no `exec`: `boxery run {vm} -- CMD` runs a command in a VM, `boxery ssh {vm}` opens a shell"
+            )));
+        }
         Command::Explain { path } => commands::explain(&path)?,
         Command::Schema { kind } => commands::schema(kind.as_deref())?,
         Command::Serve {

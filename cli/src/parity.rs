@@ -27,6 +27,19 @@ const CLI_ONLY: &[(&str, &str)] = &[
     ("help", "clap's help"),
     ("backends", "describes this build's backends, for operators"),
     (
+        "api-resources",
+        "reference for humans; tools/list names the kinds each tool takes",
+    ),
+    (
+        "version",
+        "for humans and bug reports; the MCP handshake carries the server's version",
+    ),
+    (
+        "completion",
+        "a shell completion script, for a person's shell",
+    ),
+    ("exec", "hidden: says to use run (vm_bash for agents)"),
+    (
         "orphans",
         "settling what a lost or rolled-back store left in the backend is the owner's decision, never an agent's",
     ),

@@ -38,6 +38,8 @@ mod compact;
 mod leader;
 mod object_store;
 mod schema;
+/// The store schema version this build writes (`PRAGMA user_version`).
+pub use schema::SCHEMA_VERSION;
 mod watch;
 mod write;
 

@@ -23,7 +23,7 @@ use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
 use crate::{Result, StoreError};
 
 /// The schema version this code reads and writes.
-pub(crate) const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 2;
 
 const SCHEMA: &str = r#"
 CREATE TABLE IF NOT EXISTS meta (

@@ -253,7 +253,14 @@ pub fn table(kind: &str, objs: &[Value], wide: bool, headers: bool) -> String {
         // the edge: every cell, whatever column computed it, is made safe here
         rows.push(cols.iter().map(|(_, f)| safe(&f(o)).into_owned()).collect());
     }
-    let mut widths = vec![0; cols.len()];
+    aligned(rows)
+}
+
+/// Rows of cells as a plain table: columns padded to their widest cell, three spaces apart,
+/// no trailing blanks (as kubectl prints).
+pub fn aligned(rows: Vec<Vec<String>>) -> String {
+    let cols = rows.first().map_or(0, Vec::len);
+    let mut widths = vec![0; cols];
     for r in &rows {
         for (i, c) in r.iter().enumerate() {
             widths[i] = widths[i].max(c.chars().count());
