@@ -576,7 +576,6 @@ impl Inner {
             .list_all_domains(LIST_ALL)
             .map_err(|e| unreachable(format!("listing domains: {e}")))?;
         let prefix = self.domain_name("");
-        let want = xml::filterref(&proxy.ip().to_string(), proxy.port());
         let port_param = format!("<parameter name='PROXY_PORT' value='{}'/>", proxy.port());
         for dom in doms {
             if !dom.name().is_ok_and(|n| n.starts_with(&prefix)) {
@@ -589,6 +588,10 @@ impl Inner {
             let Ok(live) = d.dom.xml_desc(0) else {
                 continue;
             };
+            // with the guest's address given, libvirt applies the whole filter at once (no
+            // unfiltered moment while it learns the address again); the next start learns it
+            let lease = Self::lease_address(&d);
+            let want = xml::filterref(&proxy.ip().to_string(), proxy.port(), lease.as_deref());
             for nic in xml::interfaces(&live) {
                 let stale = match xml::filter_of(nic) {
                     Some(xml::FILTER) => true,

@@ -99,7 +99,7 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
         "<cpu mode='maximum'/>"
     };
     let filter = if s.isolation {
-        filterref(s.gateway, s.proxy_port)
+        filterref(s.gateway, s.proxy_port, None)
     } else {
         String::new()
     };
@@ -150,9 +150,15 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
 }
 
 /// The `<filterref>` of a guest's NIC: [`GUEST_FILTER`] with the gateway and the proxy port.
-pub fn filterref(gateway: &str, proxy_port: u16) -> String {
+/// `ip`: the guest's address when it is known (a running guest's lease): libvirt then applies
+/// the whole filter at once, where it otherwise leaves the guest's IPv4 unfiltered until it has
+/// learned the address from the guest's next packet.
+pub fn filterref(gateway: &str, proxy_port: u16, ip: Option<&str>) -> String {
+    let ip = ip
+        .map(|ip| format!("<parameter name='IP' value='{}'/>", escape(ip)))
+        .unwrap_or_default();
     format!(
-        "<filterref filter='{GUEST_FILTER}'><parameter name='GATEWAY' value='{gw}'/><parameter name='DHCPSERVER' value='{gw}'/><parameter name='PROXY_PORT' value='{proxy_port}'/><parameter name='CTRL_IP_LEARNING' value='any'/></filterref>",
+        "<filterref filter='{GUEST_FILTER}'><parameter name='GATEWAY' value='{gw}'/><parameter name='DHCPSERVER' value='{gw}'/><parameter name='PROXY_PORT' value='{proxy_port}'/>{ip}<parameter name='CTRL_IP_LEARNING' value='any'/></filterref>",
         gw = escape(gateway)
     )
 }
@@ -484,7 +490,12 @@ mod tests {
         assert_eq!(ifs.len(), 2);
         assert_eq!(filter_of(ifs[0]), Some(FILTER));
         assert_eq!(filter_of(ifs[1]), Some("other"));
-        let new = with_filterref(ifs[0], &filterref("192.168.122.1", 24001)).unwrap();
+        let new = with_filterref(
+            ifs[0],
+            &filterref("192.168.122.1", 24001, Some("192.168.122.7")),
+        )
+        .unwrap();
+        assert!(new.contains("<parameter name='IP' value='192.168.122.7'/>"));
         assert_eq!(filter_of(&new), Some(GUEST_FILTER));
         assert!(new.contains("<parameter name='PROXY_PORT' value='24001'/>"));
         for kept in [
