@@ -70,8 +70,8 @@
 //! - The filter has no `IP` of the guest at a start (`CTRL_IP_LEARNING=any`): libvirt learns
 //!   it from the guest's first packet and, until then, applies only its layer-2 rules. Seen
 //!   live after a filter change without `IP` (`guest_reaches_the_proxy_port_only`: the guest
-//!   reached the host for about two seconds); the same mechanism runs at every start. Not
-//!   addressed here.
+//!   reached the host for about two seconds); libvirt learns the same way at every start
+//!   (not measured there). Not addressed here.
 
 pub mod xml;
 
