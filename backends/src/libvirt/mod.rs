@@ -595,17 +595,30 @@ impl Inner {
             let Ok(live) = d.dom.xml_desc(0) else {
                 continue;
             };
-            // with the guest's address given, libvirt applies the whole filter at once (no
-            // unfiltered moment while it learns the address again); the next start learns it
-            let lease = Self::lease_address(&d);
-            let want = xml::filterref(&proxy.ip().to_string(), proxy.port(), lease.as_deref());
-            for nic in xml::interfaces(&live) {
-                let stale = match xml::filter_of(nic) {
+            let stale: Vec<&str> = xml::interfaces(&live)
+                .into_iter()
+                .filter(|nic| match xml::filter_of(nic) {
                     Some(xml::FILTER) => true,
                     Some(xml::GUEST_FILTER) => !nic.contains(&port_param),
                     _ => false,
-                };
-                let Some(new) = xml::with_filterref(nic, &want).filter(|_| stale) else {
+                })
+                .collect();
+            if stale.is_empty() {
+                continue;
+            }
+            // with the guest's address given, libvirt applies the whole filter at once; without
+            // it, it would leave the guest's IPv4 unfiltered until it learned the address again
+            // from the guest's next packet: no lease known, no live change (the next start)
+            let Some(lease) = Self::lease_address(&d) else {
+                info!(
+                    vm = d.cfg.name.as_str(),
+                    "the guest's NIC filter is older, and it has no lease: the current one applies at its next start"
+                );
+                continue;
+            };
+            let want = xml::filterref(&proxy.ip().to_string(), proxy.port(), Some(&lease));
+            for nic in stale {
+                let Some(new) = xml::with_filterref(nic, &want) else {
                     continue;
                 };
                 match d.dom.update_device_flags(&new, AFFECT_LIVE) {
