@@ -234,7 +234,7 @@ async fn lifecycle_capture_reimage_fork_resize_remove() {
     );
     if std::env::var("BOXERY_NET_ISOLATION").as_deref() != Ok("off") {
         assert!(
-            xml.contains("filter='boxery-guest-isolation'"),
+            xml.contains("filter='boxery-guest'"),
             "the filter is on the NIC"
         );
     }
@@ -583,10 +583,10 @@ async fn isolation_filter_holds() {
     let xml = |n: &str| {
         String::from_utf8_lossy(&virsh(&["dumpxml", &b.domain_name(n)]).stdout).to_string()
     };
-    assert!(xml("i1").contains("filter='boxery-guest-isolation'"));
-    assert!(xml("i2").contains("filter='boxery-guest-isolation'"));
+    assert!(xml("i1").contains("filter='boxery-guest'"));
+    assert!(xml("i2").contains("filter='boxery-guest'"));
     assert!(
-        !xml("o1").contains("boxery-guest-isolation"),
+        !xml("o1").contains("boxery-guest"),
         "the control has no filter"
     );
     let ip_of = |ep: String| ep.rsplit_once(':').unwrap().0.to_string();
@@ -757,6 +757,262 @@ async fn isolation_filter_holds() {
         b.remove(n).await.unwrap();
     }
     assert!(env.domains().is_empty(), "no domain left");
+}
+
+/// A TCP listener of the test's own on the host, answering every connection with a small
+/// HTTP response naming it; counts connections; closed when dropped (also on a failure).
+struct Listener {
+    addr: std::net::SocketAddr,
+    hits: Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Listener {
+    async fn bind(addr: std::net::SocketAddr, body: &'static str) -> Listener {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .unwrap_or_else(|e| panic!("bind {addr}: {e}"));
+        let addr = l.local_addr().unwrap();
+        let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let h = hits.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                h.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 2048];
+                    let _ = s.read(&mut buf).await;
+                    let r = format!(
+                        "HTTP/1.0 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = s.write_all(r.as_bytes()).await;
+                });
+            }
+        });
+        Listener { addr, hits, task }
+    }
+    fn hits(&self) -> usize {
+        self.hits.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The guest side of the credential proxy: `guest_proxy` names the network's gateway and this
+/// home's port; from inside a filtered guest a listener there answers, while a listener on
+/// another port of the gateway gets no connection. A domain running with the filter of an
+/// older version (the isolation filter alone, no `PROXY_PORT`) keeps working while the filters
+/// change, and gets the current filter live from `init`; one defined that way starts (the
+/// start defines it afresh). One guest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guest_reaches_the_proxy_port_only() {
+    use boxery_backends::libvirt::{PROXY_PORTS, xml};
+    use boxery_backends::{GuestProxy, ProxyListen};
+    let env = Env::new().await;
+    let b = &env.backend;
+    let gp = b.guest_proxy("p1").expect("a guest proxy once init ran");
+    let ProxyListen::Tcp(addr) = gp.listen else {
+        panic!("a TCP listener: {gp:?}")
+    };
+    assert_eq!(
+        gp,
+        GuestProxy {
+            url: format!("http://{addr}"),
+            listen: ProxyListen::Tcp(addr)
+        }
+    );
+    let net = String::from_utf8_lossy(&virsh(&["net-dumpxml", "default"]).stdout).to_string();
+    assert_eq!(
+        Some(addr.ip().to_string()),
+        xml::network_gateway(&net),
+        "the gateway"
+    );
+    if std::env::var("BOXERY_LIBVIRT_PROXY_PORT").is_err() {
+        assert!(PROXY_PORTS.contains(&addr.port()), "{addr}");
+        let kept = std::fs::read_to_string(env.tmp.path().join("libvirt/proxy-port")).unwrap();
+        assert_eq!(kept.trim(), addr.port().to_string(), "the port is kept");
+    }
+    // the same home again (another process): the same port
+    let again =
+        LibvirtBackend::with_config(env.tmp.path().join("libvirt"), LibvirtConfig::from_env());
+    again.init().await.unwrap();
+    assert_eq!(again.guest_proxy("p1"), Some(gp.clone()));
+
+    let proxy = Listener::bind(addr, "proxy\n").await;
+    let other = Listener::bind(std::net::SocketAddr::new(addr.ip(), 0), "other\n").await;
+    // the listeners answer (from the host)
+    for l in [&proxy, &other] {
+        let mut s = std::net::TcpStream::connect(l.addr).unwrap();
+        std::io::Write::write_all(&mut s, b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        let mut r = String::new();
+        std::io::Read::read_to_string(&mut s, &mut r).unwrap();
+        assert!(r.starts_with("HTTP/1.0 200"), "{r}");
+    }
+    let before = other.hits();
+
+    b.create(&env.vm("p1", "tiny")).await.unwrap();
+    let dom = b.domain_name("p1");
+    let dumpxml = |flags: &[&str]| {
+        let mut a = vec!["dumpxml", dom.as_str()];
+        a.extend_from_slice(flags);
+        String::from_utf8_lossy(&virsh(&a).stdout).to_string()
+    };
+    let port_param = format!("<parameter name='PROXY_PORT' value='{}'/>", addr.port());
+    let x = dumpxml(&[]);
+    assert_eq!(
+        xml::filter_of(xml::interfaces(&x)[0]),
+        Some(xml::GUEST_FILTER),
+        "{x}"
+    );
+    assert!(x.contains(&port_param), "{x}");
+
+    // An HTTP request to the gateway's PORT from the guest (busybox `nc`; the tiny guest's
+    // busybox `wget` crashes): the listener's answer, or `dropped`.
+    let fetch = |port: u16, tries: u32| {
+        format!(
+            "i=0; while :; do r=$(printf 'GET / HTTP/1.0\\r\\n\\r\\n' | timeout 8 nc -w 5 {ip} {port} 2>/dev/null | tail -n 1); \
+             if [ -n \"$r\" ]; then echo \"$r\"; break; fi; \
+             i=$((i+1)); [ $i -ge {tries} ] && {{ echo dropped; break; }}; sleep 2; done",
+            ip = addr.ip()
+        )
+    };
+    assert_eq!(
+        env.run("p1", &fetch(addr.port(), 10)).await,
+        "proxy",
+        "the guest reaches the proxy port"
+    );
+    assert_eq!(
+        env.run("p1", &fetch(other.addr.port(), 1)).await,
+        "dropped",
+        "another port of the gateway is dropped"
+    );
+    assert_eq!(other.hits(), before, "the other listener saw no connection");
+
+    // The host before this version: the isolation filter without its gateway rule, and a
+    // domain started then, whose NIC references the isolation filter alone (no PROXY_PORT).
+    let gw_rule =
+        "<rule action='drop' direction='out' priority='190'><all dstipaddr='$GATEWAY'/></rule>";
+    let filter_xml =
+        || String::from_utf8_lossy(&virsh(&["nwfilter-dumpxml", xml::FILTER]).stdout).to_string();
+    let uuid = filter_xml()
+        .split("<uuid>")
+        .nth(1)
+        .and_then(|u| u.split("</uuid>").next())
+        .expect("the filter has a uuid")
+        .to_string();
+    let old_filter = xml::isolation_filter(Some(&uuid)).replace(gw_rule, "");
+    let f = env.tmp.path().join("old-filter.xml");
+    std::fs::write(&f, &old_filter).unwrap();
+    let o = virsh(&["nwfilter-define", f.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!filter_xml().contains("priority='190'"));
+    let old_ref = format!(
+        "<filterref filter='{}'><parameter name='GATEWAY' value='{gw}'/><parameter name='DHCPSERVER' value='{gw}'/><parameter name='CTRL_IP_LEARNING' value='any'/></filterref>",
+        xml::FILTER,
+        gw = addr.ip()
+    );
+    let old_nic = |x: &str| xml::with_filterref(xml::interfaces(x)[0], &old_ref).unwrap();
+    let f = env.tmp.path().join("old-nic.xml");
+    std::fs::write(&f, old_nic(&dumpxml(&[]))).unwrap();
+    let o = virsh(&["update-device", &dom, f.to_str().unwrap(), "--live"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        xml::filter_of(xml::interfaces(&dumpxml(&[]))[0]),
+        Some(xml::FILTER)
+    );
+    // (libvirt re-learns the guest's address after the change: its IPv4 is unfiltered until
+    // the guest's next packet, a second or two; the old version's start had the same moment)
+    assert_eq!(env.run("p1", "hostname").await, "p1");
+    let t = Instant::now();
+    while env.run("p1", &fetch(addr.port(), 1)).await != "dropped" {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the old filter: no proxy (still reached after 60 s)"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let proxy_hits = proxy.hits();
+
+    // Another home's init (this version) changes the filters while that domain runs: libvirt
+    // accepts (the isolation filter needs no variable the old domain lacks); the domain, not
+    // that home's, keeps its filter and its network.
+    let tmp2 = tempfile::Builder::new()
+        .prefix("bxl")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let home2 = Cleanup(LibvirtBackend::with_config(
+        tmp2.path().join("libvirt"),
+        LibvirtConfig::from_env(),
+    ));
+    home2.0.init().await.expect("another home's init");
+    assert!(filter_xml().contains("priority='190'"), "{}", filter_xml());
+    assert_eq!(
+        xml::filter_of(xml::interfaces(&dumpxml(&[]))[0]),
+        Some(xml::FILTER),
+        "another home leaves the domain alone"
+    );
+    drop(home2);
+    assert_eq!(
+        env.run("p1", "hostname").await,
+        "p1",
+        "the old domain keeps its network"
+    );
+    assert_eq!(env.run("p1", &fetch(addr.port(), 1)).await, "dropped");
+    assert_eq!(proxy.hits(), proxy_hits, "the proxy saw nothing of it");
+
+    // This home's init gives its running domain the current filter, live, with the guest's
+    // address: in force at once (another port of the gateway dropped on the first try).
+    b.init().await.unwrap();
+    let x = dumpxml(&[]);
+    assert_eq!(
+        xml::filter_of(xml::interfaces(&x)[0]),
+        Some(xml::GUEST_FILTER)
+    );
+    assert!(x.contains(&port_param), "{x}");
+    let ep = env.endpoint("p1", Duration::from_secs(10)).await;
+    let guest_ip = ep.rsplit_once(':').unwrap().0;
+    assert!(
+        x.contains(&format!("<parameter name='IP' value='{guest_ip}'/>")),
+        "{x}"
+    );
+    assert_eq!(env.run("p1", &fetch(other.addr.port(), 1)).await, "dropped");
+    assert_eq!(other.hits(), before, "the other listener saw no connection");
+    assert_eq!(
+        env.run("p1", &fetch(addr.port(), 10)).await,
+        "proxy",
+        "reached after init, without a restart"
+    );
+
+    // Stopped with a definition of the older version: the start defines it afresh.
+    b.stop("p1").await.unwrap();
+    let f = env.tmp.path().join("old-domain.xml");
+    let inactive = dumpxml(&["--inactive"]);
+    let nic = xml::interfaces(&inactive)[0].to_string();
+    std::fs::write(&f, inactive.replace(&nic, &old_nic(&inactive))).unwrap();
+    let o = virsh(&["define", f.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!dumpxml(&["--inactive"]).contains("PROXY_PORT"));
+    b.start("p1").await.unwrap();
+    assert!(dumpxml(&[]).contains(&port_param));
+    assert_eq!(env.run("p1", &fetch(addr.port(), 10)).await, "proxy");
+    assert_eq!(env.run("p1", &fetch(other.addr.port(), 1)).await, "dropped");
+    assert_eq!(other.hits(), before, "the other listener saw no connection");
+
+    b.remove("p1").await.unwrap();
+    assert!(env.domains().is_empty(), "no domain left");
+}
+
+/// Every domain and the pool of a home made in a test, removed when dropped.
+struct Cleanup(LibvirtBackend);
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        libvirt_support::clean(&self.0);
+    }
 }
 
 struct Guard(Vec<String>);

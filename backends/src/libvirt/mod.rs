@@ -24,10 +24,33 @@
 //! - **New VM from an image, reimage**: a copy (`cp --reflink=auto`) of the image's overlay,
 //!   so the VM never depends on the image.
 //! - **Network**: one NIC on the libvirt network `BOXERY_LIBVIRT_NETWORK` (`default`, NAT) with
-//!   the nwfilter `boxery-guest-isolation` ([`xml::isolation_filter`]). ssh goes from the host
-//!   to the guest's DHCP address on that network (`VmInfo.ssh` = `192.168.122.x:22`), the only
-//!   inbound connection the filter allows. No user-mode (passt/slirp) NIC: passt maps the
-//!   gateway to the host's loopback, which would route around the filter.
+//!   the nwfilter `boxery-guest` ([`xml::guest_filter`]: the isolation filter
+//!   `boxery-guest-isolation`, [`xml::isolation_filter`], plus one port of the host). ssh goes
+//!   from the host to the guest's DHCP address on that network (`VmInfo.ssh` =
+//!   `192.168.122.x:22`), the only inbound connection the filter allows. No user-mode
+//!   (passt/slirp) NIC: passt maps the gateway to the host's loopback, which would route around
+//!   the filter.
+//! - **Credential proxy** ([`Backend::guest_proxy`]): the guest reaches it at the network's
+//!   gateway (`192.168.122.1`) on this home's **proxy port**, the one port of the host its
+//!   filter accepts (TCP out to `$GATEWAY:$PROXY_PORT` and the replies; the rest of the
+//!   gateway is dropped). The control plane serves the proxy there, one listener for the
+//!   home's VMs (the token names the VM). The port is `BOXERY_LIBVIRT_PROXY_PORT`, else picked
+//!   once per home from [`PROXY_PORTS`] (24000–24999: a start given by the namespace, so homes
+//!   sharing a host and a network start apart, then the first port free on the gateway) and
+//!   kept in `<state dir>/proxy-port`. It reaches the domain as the `PROXY_PORT` parameter of
+//!   its `<filterref>`, like `GATEWAY`; `guest_proxy` answers from what `init` read (the
+//!   gateway, the port), `None` before.
+//! - **Filters change without breaking older domains.** libvirt refuses to change a filter
+//!   when a running domain that references it lacks one of its variables, and refuses to start
+//!   such a domain. So the proxy's rule is in a filter of its own that only domains with
+//!   `PROXY_PORT` reference, and `boxery-guest-isolation` keeps to the variables every boxery
+//!   domain has had (`GATEWAY`, `DHCPSERVER`, `CTRL_IP_LEARNING`): a domain defined by an older
+//!   version (its NIC on `boxery-guest-isolation` alone, no `PROXY_PORT`) keeps its network
+//!   when `init` redefines the filters (it does at every start; libvirt leaves unchanged ones
+//!   alone), even while running. `init` then moves this home's running ones to `boxery-guest`
+//!   live (`virDomainUpdateDeviceFlags`, their guests reach the proxy without a restart), with
+//!   the guest's lease address as the filter's `IP`, and every start defines the domain
+//!   afresh (without `IP`: libvirt learns it).
 //!
 //! - **Storage** (bases, images, seeds, builds) is the storage module's ([`crate::storage`]),
 //!   shared with the qemu backend; this module keeps the domain XML and the libvirt calls.
@@ -36,9 +59,23 @@
 //!
 //! # Caveats
 //! - A running VM captured N times runs on a chain N+1 deep until its next cold start.
+//! - Two homes that pick a proxy port at the same moment, neither serving yet, get the same
+//!   one only if their namespaces give the same start (1 in 1000); the second `serve` then
+//!   cannot bind it: set `BOXERY_LIBVIRT_PROXY_PORT` (or remove `proxy-port`) in one of them.
+//! - The filter keeps a guest from every address of the host on its network but the proxy
+//!   port; an address of the host that is not private (a public address on another
+//!   interface) is reached like the rest of the internet, services listening there included.
+//! - Homes of different boxery versions on one host redefine the shared filters to their own
+//!   versions at each `init`.
+//! - The filter has no `IP` of the guest at a start (`CTRL_IP_LEARNING=any`): libvirt learns
+//!   it from the guest's first packet and, until then, applies only its layer-2 rules. Seen
+//!   live after a filter change without `IP` (`guest_reaches_the_proxy_port_only`: the guest
+//!   reached the host for about two seconds); libvirt learns the same way at every start
+//!   (not measured there). Not addressed here.
 
 pub mod xml;
 
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -54,8 +91,8 @@ use crate::storage::files::{FileLock, remove_file_if_exists, remove_temps, valid
 use crate::storage::records::{BaseRecord, VmConfig};
 use crate::storage::{BasePlaces, Places, Storage, StorageConfig, seed};
 use crate::{
-    Backend, BackendError, Capabilities, Identity, ImageInfo, NewVm, PowerState, Progress, Result,
-    Stability, VmInfo, VmSize, io,
+    Backend, BackendError, Capabilities, GuestProxy, Identity, ImageInfo, NewVm, PowerState,
+    Progress, ProxyListen, Result, Stability, VmInfo, VmSize, io,
 };
 
 const BACKEND: &str = "libvirt";
@@ -72,6 +109,12 @@ const ADDR_SRC_LEASE: u32 = 0; // VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE
 const BLOCK_RESIZE_BYTES: u32 = 1;
 const LIST_ALL: u32 = 0;
 
+/// The ports a home's credential proxy port is picked from (below Linux's ephemeral range, so
+/// an outgoing connection of the host never holds one).
+pub const PROXY_PORTS: std::ops::RangeInclusive<u16> = 24000..=24999;
+/// The file under the state directory that keeps the port picked for this home.
+const PROXY_PORT_FILE: &str = "proxy-port";
+
 /// The libvirt backend's settings (environment).
 #[derive(Debug, Clone)]
 pub struct LibvirtConfig {
@@ -85,6 +128,9 @@ pub struct LibvirtConfig {
     pub isolation: bool,
     /// Seconds a guest gets to power off on the ACPI button (`BOXERY_LIBVIRT_POWERDOWN_TIMEOUT`).
     pub powerdown_timeout: Duration,
+    /// The credential proxy's port on the network's gateway (`BOXERY_LIBVIRT_PROXY_PORT`);
+    /// `None`: one picked for this home from [`PROXY_PORTS`] and kept in `proxy-port`.
+    pub proxy_port: Option<u16>,
     /// Domain type: `kvm` when KVM really works, else `qemu` (`BOXERY_LIBVIRT_ACCEL` =
     /// `kvm`/`tcg`/`auto`, the same detection as the qemu backend's).
     pub kind: &'static str,
@@ -109,6 +155,9 @@ impl LibvirtConfig {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(60),
             ),
+            proxy_port: var("BOXERY_LIBVIRT_PROXY_PORT")
+                .and_then(|v| v.trim().parse().ok())
+                .filter(|p| *p != 0),
             kind: if accel.accel == Accel::Kvm {
                 "kvm"
             } else {
@@ -137,6 +186,9 @@ struct Inner {
     storage: Storage,
     /// One connection for every call, opened on first use and again after it dropped.
     conn: Mutex<Option<Connect>>,
+    /// Where the guests reach the credential proxy (gateway, port), known once `init` or a
+    /// domain definition has read the network.
+    proxy: Mutex<Option<SocketAddr>>,
 }
 
 fn unreachable(message: impl Into<String>) -> BackendError {
@@ -216,6 +268,7 @@ impl LibvirtBackend {
                 config,
                 storage,
                 conn: Mutex::new(None),
+                proxy: Mutex::new(None),
             }),
         }
     }
@@ -430,9 +483,161 @@ impl Inner {
         })
     }
 
+    /// Where this home's guests reach the credential proxy: the network's gateway and this
+    /// home's port (kept for [`Backend::guest_proxy`]). Blocking.
+    fn proxy_addr(&self, conn: &Connect) -> Result<SocketAddr> {
+        let gw = self.gateway(conn)?;
+        let ip: IpAddr = gw.parse().map_err(|_| {
+            BackendError::Invalid(format!(
+                "libvirt network {} has the address {gw}, not an IP address",
+                self.config.network
+            ))
+        })?;
+        let addr = SocketAddr::new(ip, self.proxy_port(ip)?);
+        *self.proxy.lock().unwrap_or_else(|p| p.into_inner()) = Some(addr);
+        Ok(addr)
+    }
+
+    /// This home's proxy port: the configured one, else the one kept in `proxy-port`, else one
+    /// picked now ([`pick_port`]) and kept (the first of two processes picking at once wins).
+    fn proxy_port(&self, gateway: IpAddr) -> Result<u16> {
+        if let Some(p) = self.config.proxy_port {
+            return Ok(p);
+        }
+        let file = self.dir.join(PROXY_PORT_FILE);
+        if let Some(p) = read_port(&file)? {
+            return Ok(p);
+        }
+        let port = pick_port(&self.ns, |p| {
+            match std::net::TcpListener::bind((gateway, p)) {
+                Ok(_) => true,
+                Err(e) => e.kind() != std::io::ErrorKind::AddrInUse,
+            }
+        });
+        std::fs::create_dir_all(&self.dir)
+            .map_err(io(format!("creating {}", self.dir.display())))?;
+        let tmp = self
+            .dir
+            .join(format!(".{PROXY_PORT_FILE}.tmp-{}", std::process::id()));
+        std::fs::write(&tmp, format!("{port}\n"))
+            .map_err(io(format!("writing {}", tmp.display())))?;
+        let linked = std::fs::hard_link(&tmp, &file);
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => {
+                info!(
+                    port,
+                    "picked the credential proxy's port on the libvirt network"
+                );
+                Ok(port)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => read_port(&file)?
+                .ok_or_else(|| BackendError::io(format!("reading {}", file.display()), e)),
+            Err(e) => Err(BackendError::io(format!("writing {}", file.display()), e)),
+        }
+    }
+
+    /// Define (or update) the two nwfilters: the isolation filter, then the guest filter that
+    /// references it. A filter that exists and cannot be changed (libvirt refuses a change it
+    /// cannot apply to every running guest) stays as it is, with a warning.
+    fn define_filters(&self, conn: &Connect) -> Result<()> {
+        for name in [xml::FILTER, xml::GUEST_FILTER] {
+            let uuid = conn
+                .lookup_nwfilter_by_name(name)
+                .ok()
+                .and_then(|f| f.uuid_string().ok());
+            let def = if name == xml::FILTER {
+                xml::isolation_filter(uuid.as_deref())
+            } else {
+                xml::guest_filter(uuid.as_deref())
+            };
+            match conn.define_nwfilter_xml(&def) {
+                Ok(_) => {}
+                // another home defined it at the same moment
+                Err(_) if uuid.is_none() && conn.lookup_nwfilter_by_name(name).is_ok() => {}
+                Err(e) if uuid.is_none() => {
+                    return Err(BackendError::failed(
+                        format!("define the nwfilter {name}"),
+                        e,
+                    ));
+                }
+                Err(e) => warn!(
+                    filter = name,
+                    error = %e,
+                    "could not update the nwfilter; the one defined stays"
+                ),
+            }
+        }
+        Ok(())
+    }
+
+    /// Give this home's running domains whose NIC references an older filter (the isolation
+    /// filter alone, from before the proxy) or another proxy port the current filter, live: their
+    /// guests reach the proxy without a restart. A failure is a warning; the next start
+    /// defines the domain afresh anyway.
+    fn update_running_filters(&self, conn: &Connect, proxy: SocketAddr) -> Result<()> {
+        if !self.config.isolation {
+            return Ok(());
+        }
+        let doms = conn
+            .list_all_domains(LIST_ALL)
+            .map_err(|e| unreachable(format!("listing domains: {e}")))?;
+        let prefix = self.domain_name("");
+        let port_param = format!("<parameter name='PROXY_PORT' value='{}'/>", proxy.port());
+        for dom in doms {
+            if !dom.name().is_ok_and(|n| n.starts_with(&prefix)) {
+                continue; // not ours: never read further
+            }
+            let Some(d) = self.ours(dom) else { continue };
+            if !Self::is_running(&d) {
+                continue; // its next start defines it afresh
+            }
+            let Ok(live) = d.dom.xml_desc(0) else {
+                continue;
+            };
+            let stale: Vec<&str> = xml::interfaces(&live)
+                .into_iter()
+                .filter(|nic| match xml::filter_of(nic) {
+                    Some(xml::FILTER) => true,
+                    Some(xml::GUEST_FILTER) => !nic.contains(&port_param),
+                    _ => false,
+                })
+                .collect();
+            if stale.is_empty() {
+                continue;
+            }
+            // with the guest's address given, libvirt applies the whole filter at once; without
+            // it, it would leave the guest's IPv4 unfiltered until it learned the address again
+            // from the guest's next packet: no lease known, no live change (the next start)
+            let Some(lease) = Self::lease_address(&d) else {
+                info!(
+                    vm = d.cfg.name.as_str(),
+                    "the guest's NIC filter is older, and it has no lease: the current one applies at its next start"
+                );
+                continue;
+            };
+            let want = xml::filterref(&proxy.ip().to_string(), proxy.port(), Some(&lease));
+            for nic in stale {
+                let Some(new) = xml::with_filterref(nic, &want) else {
+                    continue;
+                };
+                match d.dom.update_device_flags(&new, AFFECT_LIVE) {
+                    Ok(()) => info!(vm = d.cfg.name.as_str(), "the guest's NIC filter updated"),
+                    Err(e) => warn!(
+                        vm = d.cfg.name.as_str(),
+                        error = %e,
+                        "could not update the guest's NIC filter; it applies at its next start"
+                    ),
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn domain_xml(&self, conn: &Connect, cfg: &VmConfig, disk: &Path) -> Result<String> {
         let base = self.storage.load_base(&cfg.base)?;
-        let gw = self.gateway(conn)?;
+        let proxy = self.proxy_addr(conn)?;
+        let gw = proxy.ip().to_string();
         let boot = self.storage.base_boot(&base);
         let p = |p: &Option<PathBuf>| {
             p.as_ref()
@@ -453,6 +658,7 @@ impl Inner {
             serial: &self.vm_serial(&cfg.name).to_string_lossy(),
             network: &self.config.network,
             gateway: &gw,
+            proxy_port: proxy.port(),
             isolation: self.config.isolation,
         }))
     }
@@ -883,18 +1089,9 @@ impl Backend for LibvirtBackend {
                     return Err(BackendError::failed("start the storage pool", e));
                 }
                 let _ = pool.set_autostart(true);
-                // the filter, defined when missing; redefining it while guests run
-                // re-instantiates every guest's rules, so a changed filter is applied by
-                // `virsh nwfilter-define` on purpose
-                if conn.lookup_nwfilter_by_name(xml::FILTER).is_err()
-                    && let Err(e) = conn.define_nwfilter_xml(&xml::isolation_filter(None))
-                    && conn.lookup_nwfilter_by_name(xml::FILTER).is_err()
-                {
-                    return Err(BackendError::failed(
-                        "define the nwfilter boxery-guest-isolation",
-                        e,
-                    ));
-                }
+                // the filters, defined when missing and updated when changed (libvirt
+                // compares: an unchanged definition touches no guest)
+                me.define_filters(conn)?;
                 // the network
                 let net = conn.lookup_network_by_name(&me.config.network).map_err(|e| {
                     BackendError::Invalid(format!("libvirt network {} does not exist ({e}): define it (`virsh net-define`) or set BOXERY_LIBVIRT_NETWORK", me.config.network))
@@ -909,7 +1106,10 @@ impl Backend for LibvirtBackend {
                     ));
                 }
                 let _ = net.set_autostart(true);
-                Ok(())
+                // the credential proxy's address, for guest_proxy; running guests of an
+                // older filter get the current one
+                let proxy = me.proxy_addr(conn)?;
+                me.update_running_filters(conn, proxy)
             })
             .await
     }
@@ -1303,6 +1503,46 @@ impl Backend for LibvirtBackend {
         let path = Path::new(DOMAIN_LOG_DIR).join(format!("{}.log", self.domain_name(name)));
         domain_log_last_words(&std::fs::read_to_string(path).ok()?)
     }
+
+    /// The network's gateway and this home's port, one listener for every VM of the home
+    /// (the nwfilter lets each guest reach that one port of the host). `None` until `init` (or
+    /// a domain definition) has read the network.
+    fn guest_proxy(&self, name: &str) -> Option<GuestProxy> {
+        if !valid_name(name) {
+            return None;
+        }
+        let addr = (*self.inner.proxy.lock().unwrap_or_else(|p| p.into_inner()))?;
+        Some(GuestProxy {
+            url: format!("http://{addr}"),
+            listen: ProxyListen::Tcp(addr),
+        })
+    }
+}
+
+/// The port kept in `file`, `None` when there is none yet.
+fn read_port(file: &Path) -> Result<Option<u16>> {
+    match std::fs::read_to_string(file) {
+        Ok(s) => match s.trim().parse::<u16>() {
+            Ok(p) if p != 0 => Ok(Some(p)),
+            _ => Err(BackendError::Invalid(format!(
+                "{} holds no port ({:?}): remove it (a port is picked again) or set BOXERY_LIBVIRT_PROXY_PORT",
+                file.display(),
+                s.trim()
+            ))),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(BackendError::io(format!("reading {}", file.display()), e)),
+    }
+}
+
+/// A port of [`PROXY_PORTS`] for namespace `ns`: the first that `free` accepts, starting at a
+/// place given by the namespace (homes sharing a host start apart), else that first place.
+fn pick_port(ns: &str, free: impl Fn(u16) -> bool) -> u16 {
+    let (lo, hi) = (*PROXY_PORTS.start(), *PROXY_PORTS.end());
+    let n = u32::from(hi - lo) + 1;
+    let start = u32::from_str_radix(ns, 16).unwrap_or(0) % n;
+    let at = |i: u32| lo + ((start + i) % n) as u16;
+    (0..n).map(at).find(|p| free(*p)).unwrap_or(at(0))
 }
 
 /// Where libvirtd (system instance) keeps each QEMU domain's log.
@@ -1336,7 +1576,28 @@ fn domain_log_last_words(log: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::domain_log_last_words;
+    use super::{PROXY_PORTS, domain_log_last_words, pick_port, read_port};
+
+    #[test]
+    fn a_proxy_port_per_home() {
+        let a = pick_port("0000002a", |_| true);
+        assert_eq!(a, PROXY_PORTS.start() + 42);
+        assert_ne!(a, pick_port("0000002b", |_| true), "homes start apart");
+        // taken ports are skipped, the range wraps, and with none free the first place stays
+        assert_eq!(pick_port("0000002a", |p| p > a + 1), a + 2);
+        assert_eq!(
+            pick_port("000003e7", |p| p != *PROXY_PORTS.end()),
+            *PROXY_PORTS.start()
+        );
+        assert_eq!(pick_port("0000002a", |_| false), a);
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("proxy-port");
+        assert_eq!(read_port(&f).unwrap(), None);
+        std::fs::write(&f, "24007\n").unwrap();
+        assert_eq!(read_port(&f).unwrap(), Some(24007));
+        std::fs::write(&f, "x").unwrap();
+        assert!(read_port(&f).is_err());
+    }
 
     const START: &str = "2026-11-30 07:25:59.948+0000: starting up libvirt version: 11.3.0, package: 11.3.0-2~bpo12+1 (Debian)\nLC_ALL=C \\\nHOME=/var/lib/libvirt/qemu/domain-26-x \\\n/usr/bin/qemu-system-x86_64 \\\n-name guest=x,debug-threads=on \\\n-msg timestamp=on\n";
 

@@ -5,8 +5,12 @@ use crate::storage::records::VmConfig;
 
 /// The XML namespace of boxery's domain metadata.
 pub const META_URI: &str = "https://boxery.dev/xmlns/libvirt/vm/1";
-/// The nwfilter on every guest interface.
+/// The isolation nwfilter: what a guest may reach, with the host reduced to DHCP and DNS.
+/// Domains defined before the credential proxy reference it directly.
 pub const FILTER: &str = "boxery-guest-isolation";
+/// The nwfilter on every guest interface: [`FILTER`] plus the credential proxy's port on the
+/// host ([`guest_filter`]).
+pub const GUEST_FILTER: &str = "boxery-guest";
 
 /// `s` with XML's five special characters escaped.
 pub fn escape(s: &str) -> String {
@@ -81,6 +85,8 @@ pub struct DomainSpec<'a> {
     pub network: &'a str,
     /// The network's gateway address (the host on that network), for the filter.
     pub gateway: &'a str,
+    /// The credential proxy's port on the gateway, the one port of the host the guest reaches.
+    pub proxy_port: u16,
     /// Reference the isolation filter.
     pub isolation: bool,
 }
@@ -93,10 +99,7 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
         "<cpu mode='maximum'/>"
     };
     let filter = if s.isolation {
-        format!(
-            "<filterref filter='{FILTER}'><parameter name='GATEWAY' value='{gw}'/><parameter name='DHCPSERVER' value='{gw}'/><parameter name='CTRL_IP_LEARNING' value='any'/></filterref>",
-            gw = escape(s.gateway)
-        )
+        filterref(s.gateway, s.proxy_port, None)
     } else {
         String::new()
     };
@@ -146,6 +149,60 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
     )
 }
 
+/// The `<filterref>` of a guest's NIC: [`GUEST_FILTER`] with the gateway and the proxy port.
+/// `ip`: the guest's address when it is known (a running guest's lease): libvirt then applies
+/// the whole filter at once, where it otherwise leaves the guest's IPv4 unfiltered until it has
+/// learned the address from the guest's next packet.
+pub fn filterref(gateway: &str, proxy_port: u16, ip: Option<&str>) -> String {
+    let ip = ip
+        .map(|ip| format!("<parameter name='IP' value='{}'/>", escape(ip)))
+        .unwrap_or_default();
+    format!(
+        "<filterref filter='{GUEST_FILTER}'><parameter name='GATEWAY' value='{gw}'/><parameter name='DHCPSERVER' value='{gw}'/><parameter name='PROXY_PORT' value='{proxy_port}'/>{ip}<parameter name='CTRL_IP_LEARNING' value='any'/></filterref>",
+        gw = escape(gateway)
+    )
+}
+
+/// The `<interface>` elements of a domain's XML, whole.
+pub fn interfaces(xml: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = xml;
+    while let Some(at) = rest.find("<interface ") {
+        let Some(len) = rest[at..].find("</interface>") else {
+            break;
+        };
+        let end = at + len + "</interface>".len();
+        out.push(&rest[at..end]);
+        rest = &rest[end..];
+    }
+    out
+}
+
+/// The name of the filter an `<interface>` element references, if any.
+pub fn filter_of(interface: &str) -> Option<&str> {
+    let at = interface.find("<filterref filter=")? + "<filterref filter=".len();
+    let q = interface[at..].chars().next()?;
+    let rest = &interface[at + 1..];
+    Some(&rest[..rest.find(q)?])
+}
+
+/// `interface` with its `<filterref>` (self-closing or not) replaced by `filterref`.
+pub fn with_filterref(interface: &str, filterref: &str) -> Option<String> {
+    let start = interface.find("<filterref ")?;
+    let tail = &interface[start..];
+    let open_end = tail.find('>')?;
+    let end = if tail[..open_end].ends_with('/') {
+        open_end + 1
+    } else {
+        tail.find("</filterref>")? + "</filterref>".len()
+    };
+    Some(format!(
+        "{}{filterref}{}",
+        &interface[..start],
+        &tail[end..]
+    ))
+}
+
 /// A `dir` storage pool at `path`.
 pub fn pool(name: &str, path: &str) -> String {
     format!(
@@ -165,9 +222,13 @@ pub fn disk_snapshot(file: &str) -> String {
 
 /// The isolation filter (seed 000's `boxery-guest-isolation`): no MAC, IP or ARP spoofing (the
 /// guest's address is learned by DHCP snooping), DHCP and DNS only with the host (`$GATEWAY`),
-/// ssh into the guest only from the host, private, shared, link-local, loopback and multicast
+/// ssh into the guest only from the host, everything else to the host's address on the network
+/// dropped (whatever that address is), private, shared, link-local, loopback and multicast
 /// destinations dropped (the host, other guests, the LAN, metadata services), the rest of the
 /// internet allowed with connection tracking, IPv6 and every other layer-2 protocol dropped.
+/// It uses only the variables every boxery domain has passed since the first version
+/// (`GATEWAY`, `DHCPSERVER`, `CTRL_IP_LEARNING`): libvirt refuses a filter change that a
+/// running domain lacks a variable for, so a new variable goes in [`guest_filter`].
 /// `uuid` keeps the filter's identity when it is redefined.
 pub fn isolation_filter(uuid: Option<&str>) -> String {
     let uuid = uuid
@@ -205,8 +266,26 @@ pub fn isolation_filter(uuid: Option<&str>) -> String {
   <rule action='accept' direction='out' priority='110'><udp dstipaddr='$GATEWAY' dstportstart='53'/></rule>
   <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='53'/></rule>
   <rule action='accept' direction='in' priority='120'><tcp srcipaddr='$GATEWAY' dstportstart='22'/></rule>
+  <rule action='drop' direction='out' priority='190'><all dstipaddr='$GATEWAY'/></rule>
 {drops}  <rule action='accept' direction='out' priority='300'><all/></rule>
   <rule action='drop' direction='inout' priority='400'><all/></rule>
+</filter>
+"
+    )
+}
+
+/// The filter on every guest NIC ([`GUEST_FILTER`]): the isolation filter, plus TCP from the
+/// guest to the credential proxy on the host (`$GATEWAY:$PROXY_PORT`) and its replies, accepted
+/// before the isolation filter's drops (libvirt orders the rules of a filter and the filters it
+/// references by priority). `uuid` keeps the filter's identity when it is redefined.
+pub fn guest_filter(uuid: Option<&str>) -> String {
+    let uuid = uuid
+        .map(|u| format!("<uuid>{}</uuid>", escape(u)))
+        .unwrap_or_default();
+    format!(
+        "<filter name='{GUEST_FILTER}' chain='root'>{uuid}
+  <filterref filter='{FILTER}'/>
+  <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/></rule>
 </filter>
 "
     )
@@ -296,11 +375,16 @@ mod tests {
             serial: "/s.log",
             network: "default",
             gateway: "192.168.122.1",
+            proxy_port: 24123,
             isolation: true,
         });
         assert!(x.contains("<domain type='qemu'>"));
         assert!(x.contains("<mac address='52:54:00:01:02:03'/>"));
-        assert!(x.contains(&format!("<filterref filter='{FILTER}'>")));
+        assert!(x.contains(&format!("<filterref filter='{GUEST_FILTER}'>")));
+        assert!(x.contains("<parameter name='GATEWAY' value='192.168.122.1'/>"));
+        assert!(x.contains("<parameter name='PROXY_PORT' value='24123'/>"));
+        assert_eq!(interfaces(&x).len(), 1);
+        assert_eq!(filter_of(interfaces(&x)[0]), Some(GUEST_FILTER));
         assert!(x.contains("<readonly/>"));
         assert!(x.contains("discard='unmap'"));
         assert_eq!(vda_source(&x).as_deref(), Some("/p/vm-dev1-1.qcow2"));
@@ -323,5 +407,112 @@ mod tests {
             assert!(f.contains(&format!("dstipaddr='{r}'")));
         }
         assert!(f.contains("no-arp-spoofing"));
+    }
+
+    /// The priority of the first rule of `f` that contains `what`.
+    fn priority(f: &str, what: &str) -> i32 {
+        let line = f.lines().find(|l| l.contains(what)).unwrap_or_else(|| {
+            panic!("no rule with {what} in {f}");
+        });
+        let at = line.find("priority='").unwrap() + 10;
+        line[at..at + line[at..].find('\'').unwrap()]
+            .parse()
+            .unwrap()
+    }
+
+    #[test]
+    fn the_host_is_reached_only_on_dhcp_dns_and_the_proxy_port() {
+        let iso = isolation_filter(None);
+        // everything to the gateway is dropped, after DHCP, DNS and the proxy's accepts and
+        // before the accept-all (also when the gateway is not a private address)
+        let drop_gw = priority(&iso, "<all dstipaddr='$GATEWAY'/>");
+        assert!(iso.contains(
+            "<rule action='drop' direction='out' priority='190'><all dstipaddr='$GATEWAY'/>"
+        ));
+        assert!(drop_gw < priority(&iso, "<all/></rule>"));
+        assert!(priority(&iso, "dstportstart='53'") < drop_gw);
+        assert!(priority(&iso, "dstportstart='67'") < drop_gw);
+        let guest = guest_filter(Some("u-2"));
+        assert!(guest.contains("<uuid>u-2</uuid>"));
+        assert!(guest.contains(&format!("<filterref filter='{FILTER}'/>")));
+        let proxy = "<tcp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/>";
+        assert!(guest.contains(proxy));
+        assert!(
+            priority(&guest, proxy) < drop_gw,
+            "accepted before the drop"
+        );
+        assert!(priority(&guest, proxy) < priority(&iso, "dstipaddr='192.168.0.0'"));
+        assert!(
+            !guest.contains("statematch"),
+            "replies come back (connection tracking)"
+        );
+    }
+
+    /// libvirt refuses to change a filter that a running domain has no value for: the filter
+    /// older domains reference uses only the variables they were defined with.
+    #[test]
+    fn the_isolation_filter_needs_no_new_variable() {
+        let iso = isolation_filter(None);
+        let mut vars: Vec<&str> = iso
+            .split('$')
+            .skip(1)
+            .map(|v| {
+                &v[..v
+                    .find(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+                    .unwrap()]
+            })
+            .collect();
+        vars.sort_unstable();
+        vars.dedup();
+        assert_eq!(vars, ["GATEWAY"]);
+    }
+
+    #[test]
+    fn filterref_of_a_live_interface_is_replaced() {
+        // as libvirt shows a running domain's NIC, defined by an older boxery
+        let live = "<domain><devices><disk/>
+    <interface type='network'>
+      <mac address='52:54:00:01:02:03'/>
+      <source network='default' portid='x' bridge='virbr0'/>
+      <target dev='vnet3'/>
+      <model type='virtio'/>
+      <filterref filter='boxery-guest-isolation'>
+        <parameter name='CTRL_IP_LEARNING' value='any'/>
+        <parameter name='DHCPSERVER' value='192.168.122.1'/>
+        <parameter name='GATEWAY' value='192.168.122.1'/>
+      </filterref>
+      <alias name='net0'/>
+      <address type='pci' domain='0x0000' bus='0x01' slot='0x00' function='0x0'/>
+    </interface>
+    <interface type='network'><mac address='52:54:00:09:09:09'/><filterref filter='other'/></interface>
+  </devices></domain>";
+        let ifs = interfaces(live);
+        assert_eq!(ifs.len(), 2);
+        assert_eq!(filter_of(ifs[0]), Some(FILTER));
+        assert_eq!(filter_of(ifs[1]), Some("other"));
+        let new = with_filterref(
+            ifs[0],
+            &filterref("192.168.122.1", 24001, Some("192.168.122.7")),
+        )
+        .unwrap();
+        assert!(new.contains("<parameter name='IP' value='192.168.122.7'/>"));
+        assert_eq!(filter_of(&new), Some(GUEST_FILTER));
+        assert!(new.contains("<parameter name='PROXY_PORT' value='24001'/>"));
+        for kept in [
+            "<target dev='vnet3'/>",
+            "<alias name='net0'/>",
+            "slot='0x00'",
+            "portid='x'",
+        ] {
+            assert!(new.contains(kept), "{kept} kept: {new}");
+        }
+        assert!(!new.contains("boxery-guest-isolation"));
+        let short = with_filterref(ifs[1], "<filterref filter='b'/>").unwrap();
+        assert_eq!(
+            short,
+            "<interface type='network'><mac address='52:54:00:09:09:09'/><filterref filter='b'/></interface>"
+        );
+        assert_eq!(with_filterref("<interface></interface>", "x"), None);
+        assert_eq!(filter_of("<interface></interface>"), None);
     }
 }
