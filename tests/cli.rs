@@ -778,3 +778,36 @@ fn discovery_commands() {
         "{o:?}"
     );
 }
+
+/// A list as kubectl prints it: `-o json`/`-o yaml` of a list query are one `kind: List` (even
+/// of one item) that `apply -f` takes back, and `-o jsonpath` applies to the List
+/// (`{.items[*].metadata.name}`); one named object prints as itself.
+#[test]
+fn lists_print_as_kubectl_lists() {
+    let home = Home::new();
+    home.ok(&["new", "l1", "--from", "tiny", "--stopped", "--wait"]);
+    let one: serde_json::Value =
+        serde_json::from_str(&home.ok(&["get", "vms", "-o", "json"])).unwrap();
+    assert_eq!(one["kind"], "List");
+    assert_eq!(one["items"].as_array().unwrap().len(), 1);
+    let named: serde_json::Value =
+        serde_json::from_str(&home.ok(&["get", "vm", "l1", "-o", "json"])).unwrap();
+    assert_eq!(named["kind"], "Vm");
+    home.ok(&["new", "l2", "--from", "tiny", "--stopped", "--wait"]);
+    assert_eq!(
+        home.ok(&["get", "vms", "-o", "jsonpath={.items[*].metadata.name}"])
+            .trim(),
+        "l1 l2"
+    );
+    let yaml = home.ok(&["get", "vms", "-o", "yaml"]);
+    assert!(
+        yaml.contains("kind: List") && !yaml.contains("---"),
+        "{yaml}"
+    );
+    let f = home.write("list.yaml", &yaml);
+    let applied = home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    assert!(
+        applied.contains("vm/l1") && applied.contains("vm/l2"),
+        "{applied}"
+    );
+}

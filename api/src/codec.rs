@@ -186,10 +186,24 @@ pub fn parse_documents(source: &str, bytes: &[u8]) -> Result<Vec<(usize, Value)>
             err(source, doc, format!("invalid YAML: {first}"))
         })?
     };
+    // A `kind: List` (what `get -o yaml|json` prints for a list, as kubectl's) stands for its
+    // items, each keeping the List's document number.
     let out: Vec<(usize, Value)> = docs
         .into_iter()
         .enumerate()
         .filter(|(_, v)| !v.is_null())
+        .flat_map(|(i, v)| match v {
+            Value::Object(mut m)
+                if m.get("kind").and_then(Value::as_str) == Some("List")
+                    && m.get("items").is_some_and(Value::is_array) =>
+            {
+                let Some(Value::Array(items)) = m.remove("items") else {
+                    unreachable!("checked above")
+                };
+                items.into_iter().map(|item| (i, item)).collect::<Vec<_>>()
+            }
+            v => vec![(i, v)],
+        })
         .collect();
     if out.is_empty() {
         return Err(err(
@@ -268,6 +282,11 @@ mod tests {
         let e = parse_manifests("x.yaml", bad.as_bytes()).unwrap_err();
         assert_eq!(e.document, Some(1), "{e}");
         assert!(e.to_string().contains("x.yaml, document 1"), "{e}");
+        // A List stands for its items (what `get -o yaml` prints for a list).
+        let list = b"apiVersion: boxery.dev/v1alpha1\nkind: List\nitems:\n- {kind: Vm, metadata: {name: a}}\n- {kind: Vm, metadata: {name: b}}\n";
+        let docs = parse_documents("l.yaml", list).unwrap();
+        assert_eq!(docs.len(), 2);
+        assert_eq!(docs[1].1["metadata"]["name"], "b");
         let e = parse_manifests("y.yaml", b"a: [1, 2\nb: c").unwrap_err();
         assert!(e.to_string().starts_with("y.yaml"), "{e}");
         assert!(

@@ -106,7 +106,12 @@ pub async fn get(
     let sel = objects::selector(sel)?;
     let (objs, rev) = objects::get(v, info, names, &sel).await?;
     let mut out = std::io::stdout().lock();
-    output::print(info, &objs, &format, &mut out)?;
+    // A watch prints objects one by one (YAML documents separated by `---`), as kubectl's.
+    if names.len() == 1 || watch {
+        output::print(info, &objs, &format, &mut out)?;
+    } else {
+        output::print_list(info, &objs, &format, &mut out)?;
+    }
     out.flush()?;
     drop(out);
     if !watch {

@@ -376,9 +376,39 @@ pub fn to_yaml(v: &Value) -> Result<String> {
 }
 
 /// Print objects of one kind in a format, to stdout or anything else (`-o jsonpath` escapes
-/// values when stdout is a terminal).
+/// values when stdout is a terminal): each object on its own (`-o jsonpath` applies to each;
+/// `-o json` of several is a List).
 pub fn print(info: &KindInfo, objs: &[DynObject], format: &Format, out: &mut impl Write) -> Result {
     print_for(info, objs, format, out, std::io::stdout().is_terminal())
+}
+
+/// Print the answer to a list query (`get vms`, `get vm a b`) as kubectl does: `-o json` and
+/// `-o yaml` are one `kind: List` (however many items; `apply -f` takes it back), and
+/// `-o jsonpath` applies to that List (`{.items[*].metadata.name}`). Tables and names as
+/// [`print`].
+pub fn print_list(
+    info: &KindInfo,
+    objs: &[DynObject],
+    format: &Format,
+    out: &mut impl Write,
+) -> Result {
+    let list = || {
+        let items: Vec<Value> = objs.iter().map(display_value).collect();
+        serde_json::json!({"apiVersion": boxery_api::API_VERSION, "kind": "List", "items": items})
+    };
+    match format {
+        Format::Json => writeln!(out, "{}", serde_json::to_string_pretty(&list())?)?,
+        Format::Yaml => write!(out, "{}", to_yaml(&list())?)?,
+        Format::JsonPath(expr) => {
+            let terminal = std::io::stdout().is_terminal();
+            write!(out, "{}", jsonpath_with(expr, &list(), terminal)?)?;
+            if !expr.contains("\\n") {
+                writeln!(out)?;
+            }
+        }
+        _ => print(info, objs, format, out)?,
+    }
+    Ok(())
 }
 
 /// [`print`], saying whether a person reads `out` (`terminal`): then `-o jsonpath` values are
