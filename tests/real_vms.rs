@@ -1220,11 +1220,13 @@ fn guest_uses_grants(kind: Kind) {
         proxy
     );
     // The guest's call reaches the upstream with the real key, never the token. (HTTP by
-    // hand over busybox nc: the tiny guest's busybox wget crashes on libvirt's CPU model.)
+    // hand over busybox nc: the tiny guest's busybox wget crashes on libvirt's CPU model. Its
+    // input stays open until the answer is in: a client that shuts its sending side before the
+    // answer gets none (docs/grants.md, "Listening").)
     let post = |key: &str| {
         format!(
             "hp=${{BOXERY_PROXY#http://}}; h=${{hp%:*}}; p=${{hp##*:}}; [ \"$p\" != \"$hp\" ] || p=80; \
-             printf 'POST /llm/anthropic/v1/messages HTTP/1.1\\r\\nhost: %s\\r\\nx-api-key: %s\\r\\ncontent-type: application/json\\r\\ncontent-length: 2\\r\\nconnection: close\\r\\n\\r\\n{{}}' \"$h\" \"{key}\" \
+             {{ printf 'POST /llm/anthropic/v1/messages HTTP/1.1\\r\\nhost: %s\\r\\nx-api-key: %s\\r\\ncontent-type: application/json\\r\\ncontent-length: 2\\r\\nconnection: close\\r\\n\\r\\n{{}}' \"$h\" \"{key}\"; sleep 2; }} \
              | nc \"$h\" \"$p\" | tr -d '\\r'"
         )
     };
@@ -1232,7 +1234,8 @@ fn guest_uses_grants(kind: Kind) {
     let answer = h.run("g1", &call);
     assert!(
         answer.starts_with("HTTP/1.1 200") && answer.ends_with("{\"ok\":true}"),
-        "{answer}"
+        "{answer:?} from {call}: {}",
+        h.run("g1", &format!("set -x; {call} 2>&1; echo rc=$?"))
     );
     let seen = up.seen();
     assert_eq!(seen.len(), 1, "{seen:?}");
