@@ -632,3 +632,51 @@ async fn a_value_that_cannot_be_read_is_a_503_naming_the_grant() {
     );
     assert_eq!(f.upstream.count(), 0);
 }
+
+/// A per-VM channel (what a qemu guest's `guestfwd` reaches) serves its own VM only: another
+/// VM's token, valid and with a grant of its own, is refused there and reaches no upstream.
+#[tokio::test]
+async fn a_channel_serves_its_own_vm_only() {
+    let (f, t1) = dev1().await;
+    let t2 = f.token("dev2", "vmuid-dev2");
+    f.grant(
+        "dev2",
+        "dev2-llm-anthropic",
+        GrantType::Llm,
+        "anthropic",
+        None,
+        "vmuid-dev2",
+        false,
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let channel = format!("http://{}", l.local_addr().unwrap());
+    let router = f.server.router(Some("dev1".into()));
+    let stop = f.stop.clone();
+    tokio::spawn(async move {
+        axum::serve(l, router)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await
+    });
+    let call = |t: &str| {
+        client()
+            .post(format!("{channel}/llm/anthropic/v1/messages"))
+            .header("x-api-key", t)
+            .body("{}")
+            .send()
+    };
+    assert_eq!(call(&t1).await.unwrap().status(), 200);
+    let before = f.upstream.count();
+    let (status, why) = reason(call(&t2).await.unwrap()).await;
+    assert_eq!(status, 401, "{why}");
+    assert!(why.contains("channel"), "{why}");
+    assert_eq!(f.upstream.count(), before, "the upstream saw nothing");
+    // On the shared listener dev2's token carries dev2's grant.
+    let r = post(
+        &f,
+        "/llm/anthropic/v1/messages",
+        Some(("x-api-key", &t2)),
+        "{}",
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+}

@@ -126,6 +126,8 @@ pub struct Fixture {
     pub secrets: tempfile::TempDir,
     pub upstream: Upstream,
     pub proxy: String,
+    /// The proxy itself (for more listeners: a per-VM channel).
+    pub server: boxery_proxy::Proxy,
     pub stop: CancellationToken,
 }
 
@@ -159,12 +161,14 @@ impl Fixture {
             .await
             .unwrap();
         let addr = l.local_addr().unwrap();
+        let server = proxy.clone();
         tokio::spawn(proxy.serve(l, stop.clone()));
         Fixture {
             home,
             secrets,
             upstream,
             proxy: format!("http://{addr}"),
+            server,
             stop,
         }
     }
