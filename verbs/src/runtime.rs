@@ -96,6 +96,8 @@ pub async fn serve(
     }
     let store = env.store()?;
     let backend = env.backend_for(&store).await?;
+    // Read before leading: an error after it would leave the leadership to time out.
+    let import_roots = crate::env::read_config(&env.home)?.import_roots;
     let me = this_process();
     let elector = LeaderElector::new(Arc::new(store.clone()), LOCK, me.clone(), lease);
     let shutdown = CancellationToken::new();
@@ -155,7 +157,7 @@ pub async fn serve(
     );
     let settings = Settings {
         inventory_every,
-        import_roots: crate::env::read_config(&env.home)?.import_roots,
+        import_roots,
         ..Settings::default()
     };
     let ctx = context(&store, &env.home, backend.clone(), settings, &me.id);
@@ -202,6 +204,8 @@ pub enum Started {
 impl Embedded {
     /// Start the controllers here if nothing leads the store.
     pub async fn start_if_needed(env: &Env, store: &Store) -> Result<Started> {
+        // Read before leading: an error after it would leave the leadership to time out.
+        let config = crate::env::read_config(&env.home)?;
         let me = this_process();
         let ttl = Duration::from_secs(4);
         match store.try_lead(LOCK, &me, ttl)? {
@@ -222,7 +226,7 @@ impl Embedded {
         };
         let settings = Settings {
             inventory_every: Duration::from_secs(5),
-            import_roots: crate::env::read_config(&env.home)?.import_roots,
+            import_roots: config.import_roots.clone(),
             ..Settings::default()
         };
         let ctx = context(store, &env.home, backend.clone(), settings, &me.id);
@@ -250,7 +254,7 @@ impl Embedded {
         }
         let shutdown = CancellationToken::new();
         // The guests' side of the credential proxy runs wherever the controllers do.
-        match boxery_proxy::Proxy::new(&env.home, crate::env::read_config(&env.home)?.proxy) {
+        match boxery_proxy::Proxy::new(&env.home, config.proxy) {
             Ok(p) => {
                 tokio::spawn(boxery_proxy::channels::keep(
                     p,
