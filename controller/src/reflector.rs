@@ -19,6 +19,9 @@
 //!   (a write of this process, see [`crate::write_through`]) is replaced only by a newer one,
 //!   and an object [`Cache::observe_removed`] took out stays out until a newer revision of
 //!   it arrives.
+//! - The first list emits every object the cache then holds, also those put in by
+//!   [`Cache::observe`] before it (an object created while its controller starts is
+//!   reconciled at once, not at the next resync).
 //!
 //! # Assumptions
 //! - The store's watch delivers every change after its start revision, in order, once (every
@@ -351,6 +354,10 @@ impl Cache {
     /// differences. Objects observed at a newer revision than the list are kept.
     pub(crate) fn replace(&self, objects: Vec<DynObject>, rev: u64) -> Vec<Change> {
         let mut changes = Vec::new();
+        // Before the first list, what the cache holds came from this process's writes
+        // (`observe`), never as a change: every object listed (or kept) then is a change, or an
+        // object created by a write that raced the first list would never be reconciled.
+        let first = !*self.ready.borrow();
         {
             let mut state = self.write();
             let mut old = std::mem::take(&mut state.objects);
@@ -372,6 +379,12 @@ impl Cache {
                     if let Some(b) = before {
                         state.objects.insert(name, b);
                     }
+                    if first {
+                        changes.push(Change {
+                            old: None,
+                            new: Some(self.as_admitted(obj)),
+                        });
+                    }
                 } else {
                     state.objects.insert(name, self.admit(&obj));
                     changes.push(Change {
@@ -383,6 +396,12 @@ impl Cache {
             // Written since the list by this process: still there.
             let (kept, mut gone): (Vec<_>, Vec<_>) = old.into_iter().partition(|(_, o)| o.rv > rev);
             for (name, o) in kept {
+                if first && let Some(obj) = o.object() {
+                    changes.push(Change {
+                        old: None,
+                        new: Some(obj),
+                    });
+                }
                 state.objects.insert(name, o);
             }
             state.removed = removed.into_iter().filter(|(_, r)| *r > rev).collect();
@@ -779,6 +798,31 @@ pub(crate) mod tests {
         assert_eq!(next(&mut rx).await, ("b".into(), true, false));
         assert_eq!(cache.names(), ["a"]);
         task.abort();
+    }
+
+    /// A write of this process that lands in a cache before its first list (a reconciler of
+    /// another kind creating the object while this controller starts) is still a change of
+    /// that list, at the same revision or newer: nothing is left unreconciled until a resync.
+    /// A later list does not repeat what the cache already delivered.
+    #[test]
+    fn writes_observed_before_the_first_list_are_changes_of_it() {
+        let src = FakeSource::new();
+        let a = src.put(obj("Image", "a"));
+        let b = src.put(obj("Image", "b"));
+        let c = Cache::new("Image");
+        c.observe(&a);
+        c.observe(&b);
+        // The list was taken after a's write, before b's.
+        let changes = c.replace(vec![a.clone()], a.metadata.rv());
+        let mut names: Vec<&str> = changes.iter().map(|ch| ch.name()).collect();
+        names.sort();
+        assert_eq!(names, ["a", "b"]);
+        assert!(c.get("a").is_some() && c.get("b").is_some());
+        // A relist with nothing new says nothing.
+        assert!(
+            c.replace(vec![a.clone(), b.clone()], b.metadata.rv())
+                .is_empty()
+        );
     }
 
     #[test]

@@ -27,6 +27,21 @@ async fn dev1() -> (Fixture, String) {
     (f, t)
 }
 
+/// dev2 beside dev1: its own token and its own Applied llm grant for anthropic.
+fn dev2(f: &Fixture) -> String {
+    let t = f.token("dev2", "vmuid-dev2");
+    f.grant(
+        "dev2",
+        "dev2-llm-anthropic",
+        GrantType::Llm,
+        "anthropic",
+        None,
+        "vmuid-dev2",
+        false,
+    );
+    t
+}
+
 async fn post(
     f: &Fixture,
     path: &str,
@@ -549,16 +564,7 @@ async fn concurrency_is_limited_per_vm() {
         VM_UID,
         false,
     );
-    let t2 = f.token("dev2", "vmuid-dev2");
-    f.grant(
-        "dev2",
-        "dev2-llm-anthropic",
-        GrantType::Llm,
-        "anthropic",
-        None,
-        "vmuid-dev2",
-        false,
-    );
+    let t2 = dev2(&f);
     // One stream held open.
     let mut held = post(
         &f,
@@ -638,16 +644,7 @@ async fn a_value_that_cannot_be_read_is_a_503_naming_the_grant() {
 #[tokio::test]
 async fn a_channel_serves_its_own_vm_only() {
     let (f, t1) = dev1().await;
-    let t2 = f.token("dev2", "vmuid-dev2");
-    f.grant(
-        "dev2",
-        "dev2-llm-anthropic",
-        GrantType::Llm,
-        "anthropic",
-        None,
-        "vmuid-dev2",
-        false,
-    );
+    let t2 = dev2(&f);
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let channel = format!("http://{}", l.local_addr().unwrap());
     let router = f.server.router(Some("dev1".into()));
