@@ -46,8 +46,9 @@
 //!   `PROXY_PORT` reference, and `boxery-guest-isolation` keeps to the variables every boxery
 //!   domain has had (`GATEWAY`, `DHCPSERVER`, `CTRL_IP_LEARNING`): a domain defined by an older
 //!   version (its NIC on `boxery-guest-isolation` alone, no `PROXY_PORT`) keeps its network
-//!   when `init` redefines the filters (it does at every start; libvirt leaves unchanged ones
-//!   alone), even while running. `init` then moves this home's running ones to `boxery-guest`
+//!   when `init` redefines the filters (only a filter without this version's mark,
+//!   [`xml::filter_is_current`]: a redefinition rebuilds every running guest's rules), even
+//!   while running. `init` then moves this home's running ones to `boxery-guest`
 //!   live (`virDomainUpdateDeviceFlags`, their guests reach the proxy without a restart), with
 //!   the guest's lease address as the filter's `IP`, and every start defines the domain
 //!   afresh (without `IP`: libvirt learns it).
@@ -65,8 +66,8 @@
 //! - The filter keeps a guest from every address of the host on its network but the proxy
 //!   port; an address of the host that is not private (a public address on another
 //!   interface) is reached like the rest of the internet, services listening there included.
-//! - Homes of different boxery versions on one host redefine the shared filters to their own
-//!   versions at each `init`.
+//! - Homes of an older boxery version on one host redefine the shared filters to their own
+//!   version at each `init`; this version puts its own back at its next `init`.
 //! - The filter has no `IP` of the guest at a start (`CTRL_IP_LEARNING=any`): libvirt learns
 //!   it from the guest's first packet and, until then, applies only its layer-2 rules. Seen
 //!   live after a filter change without `IP` (`guest_reaches_the_proxy_port_only`: the guest
@@ -538,14 +539,24 @@ impl Inner {
     }
 
     /// Define (or update) the two nwfilters: the isolation filter, then the guest filter that
-    /// references it. A filter that exists and cannot be changed (libvirt refuses a change it
-    /// cannot apply to every running guest) stays as it is, with a warning.
+    /// references it. A filter already at this version ([`xml::filter_is_current`]) is left
+    /// alone: redefining a filter makes libvirt rebuild the rules of every running guest on
+    /// the host that uses it, and each guest's IPv4 is unfiltered until libvirt has learnt its
+    /// address again (a second or two), so a redefinition on every `init` (every command of
+    /// every home) kept reopening that window. A filter that exists and cannot be changed
+    /// (libvirt refuses a change it cannot apply to every running guest) stays as it is, with
+    /// a warning.
     fn define_filters(&self, conn: &Connect) -> Result<()> {
         for name in [xml::FILTER, xml::GUEST_FILTER] {
-            let uuid = conn
-                .lookup_nwfilter_by_name(name)
-                .ok()
-                .and_then(|f| f.uuid_string().ok());
+            let defined = conn.lookup_nwfilter_by_name(name).ok();
+            if defined
+                .as_ref()
+                .and_then(|f| f.xml_desc(0).ok())
+                .is_some_and(|x| xml::filter_is_current(name, &x))
+            {
+                continue;
+            }
+            let uuid = defined.and_then(|f| f.uuid_string().ok());
             let def = if name == xml::FILTER {
                 xml::isolation_filter(uuid.as_deref())
             } else {

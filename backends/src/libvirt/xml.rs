@@ -291,6 +291,19 @@ pub fn guest_filter(uuid: Option<&str>) -> String {
     )
 }
 
+/// Whether filter `name` as libvirt holds it (`xml`, its dump) is this version's: it has the
+/// rule this version added last. **A change to either filter changes its mark here**, or hosts
+/// that have the filter keep the old one.
+pub fn filter_is_current(name: &str, xml: &str) -> bool {
+    match name {
+        // the explicit drop of the rest of the host's address
+        FILTER => xml.contains("priority='190'"),
+        // the credential proxy's port
+        GUEST_FILTER => xml.contains("$PROXY_PORT"),
+        _ => false,
+    }
+}
+
 /// The first `<ip address='…'` of a network's XML (its gateway on the bridge).
 pub fn network_gateway(xml: &str) -> Option<String> {
     let at = xml.find("<ip ")?;
@@ -316,6 +329,19 @@ pub fn vda_source(xml: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn this_versions_filters_are_current_and_older_ones_are_not() {
+        assert!(filter_is_current(FILTER, &isolation_filter(Some("u"))));
+        assert!(filter_is_current(GUEST_FILTER, &guest_filter(None)));
+        let old = isolation_filter(None).replace(
+            "<rule action='drop' direction='out' priority='190'><all dstipaddr='$GATEWAY'/></rule>",
+            "",
+        );
+        assert!(!filter_is_current(FILTER, &old));
+        assert!(!filter_is_current("other", &guest_filter(None)));
+    }
+
     use super::*;
 
     fn cfg() -> VmConfig {
