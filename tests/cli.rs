@@ -811,3 +811,36 @@ fn lists_print_as_kubectl_lists() {
         "{applied}"
     );
 }
+
+/// `get`'s table flags as kubectl's: `--no-headers`, `--show-labels`, `-L KEY`, `--sort-by`.
+#[test]
+fn get_table_flags() {
+    let home = Home::new();
+    let f = home.write(
+        "vms.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {name: zz, labels: {team: web, app: a}}\nspec: {source: {image: tiny}, resources: {cpus: 1}}\n---\napiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {name: aa, labels: {team: db}}\nspec: {source: {image: tiny}, resources: {cpus: 2}}\n",
+    );
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    let t = home.ok(&["get", "vms", "--no-headers"]);
+    assert!(!t.contains("NAME") && t.lines().count() == 2, "{t}");
+    let t = home.ok(&["get", "vms", "--show-labels"]);
+    let head: Vec<&str> = t.lines().next().unwrap().split_whitespace().collect();
+    assert_eq!(head.last(), Some(&"LABELS"), "{t}");
+    assert!(
+        t.lines()
+            .any(|l| l.starts_with("zz ") && l.ends_with("app=a,team=web")),
+        "{t}"
+    );
+    let t = home.ok(&["get", "vms", "-L", "team"]);
+    let head: Vec<&str> = t.lines().next().unwrap().split_whitespace().collect();
+    assert_eq!(head.last(), Some(&"TEAM"), "{t}");
+    assert!(
+        t.lines()
+            .any(|l| l.starts_with("aa ") && l.ends_with(" db")),
+        "{t}"
+    );
+    // Sorted by a number, then by a name, as kubectl's --sort-by.
+    let by = |path: &str| home.ok(&["get", "vms", "--sort-by", path, "-o", "name"]);
+    assert_eq!(by("{.spec.resources.cpus}"), "vm/zz\nvm/aa\n");
+    assert_eq!(by(".metadata.name"), "vm/aa\nvm/zz\n");
+}

@@ -93,6 +93,19 @@ pub async fn diff(v: &Verbs, files: &[String]) -> CliResult<bool> {
     Ok(differs)
 }
 
+/// `get`'s table and order flags (kubectl's).
+#[derive(Debug, Clone, Default)]
+pub struct GetOptions {
+    /// Not `--no-headers`.
+    pub headers: bool,
+    /// `--show-labels`.
+    pub show_labels: bool,
+    /// `-L KEY`.
+    pub label_columns: Vec<String>,
+    /// `--sort-by JSONPATH`.
+    pub sort_by: Option<String>,
+}
+
 /// `get`.
 pub async fn get(
     v: &Verbs,
@@ -101,13 +114,30 @@ pub async fn get(
     format: Format,
     sel: Option<&str>,
     watch: bool,
+    opts: &GetOptions,
 ) -> CliResult {
     let info = kind(kind_name)?;
     let sel = objects::selector(sel)?;
-    let (objs, rev) = objects::get(v, info, names, &sel).await?;
+    let (mut objs, rev) = objects::get(v, info, names, &sel).await?;
+    if let Some(path) = &opts.sort_by {
+        output::sort_by(&mut objs, path)?;
+    }
+    let table = |wide: bool| output::TableOptions {
+        wide,
+        headers: opts.headers,
+        show_labels: opts.show_labels,
+        label_columns: opts.label_columns.clone(),
+    };
     let mut out = std::io::stdout().lock();
-    // A watch prints objects one by one (YAML documents separated by `---`), as kubectl's.
-    if names.len() == 1 || watch {
+    if matches!(format, Format::Table | Format::Wide) && !objs.is_empty() {
+        let values: Vec<Value> = objs.iter().map(output::display_value).collect();
+        write!(
+            out,
+            "{}",
+            output::table_with(info.kind, &values, &table(format == Format::Wide))
+        )?;
+    } else if names.len() == 1 || watch {
+        // A watch prints objects one by one (YAML documents separated by `---`), as kubectl's.
         output::print(info, &objs, &format, &mut out)?;
     } else {
         output::print_list(info, &objs, &format, &mut out)?;
@@ -127,11 +157,9 @@ pub async fn get(
                 if deleted {
                     v["status"]["printableStatus"] = Value::String("Deleted".into());
                 }
-                write!(
-                    out,
-                    "{}",
-                    output::table(info.kind, &[v], format == Format::Wide, false)
-                )?;
+                let mut t = table(format == Format::Wide);
+                t.headers = false;
+                write!(out, "{}", output::table_with(info.kind, &[v], &t))?;
             }
             f => output::print(info, std::slice::from_ref(&obj), f, &mut out)?,
         }

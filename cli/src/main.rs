@@ -58,6 +58,28 @@ struct Cli {
     command: Command,
 }
 
+/// `get`'s table flags, as kubectl's.
+#[derive(Debug, Clone, clap::Args)]
+struct TableArgs {
+    /// Print the table without its header row.
+    #[arg(long)]
+    no_headers: bool,
+    /// Add a LABELS column with every label.
+    #[arg(long)]
+    show_labels: bool,
+    /// Add a column for each of these label keys (repeat, or KEY1,KEY2).
+    #[arg(
+        short = 'L',
+        long = "label-columns",
+        value_delimiter = ',',
+        value_name = "KEY"
+    )]
+    label_columns: Vec<String>,
+    /// Sort by the value at this JSONPath (e.g. {.metadata.creationTimestamp}).
+    #[arg(long, value_name = "JSONPATH")]
+    sort_by: Option<String>,
+}
+
 /// `--wait` and `--timeout`, shared.
 #[derive(Debug, Clone, clap::Args)]
 struct WaitArgs {
@@ -111,6 +133,8 @@ enum Command {
         /// Keep watching and print changes.
         #[arg(short, long)]
         watch: bool,
+        #[command(flatten)]
+        table: TableArgs,
     },
     /// Show one object in detail: spec, status, conditions, recent events.
     Describe {
@@ -614,9 +638,16 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
             output,
             selector,
             watch,
+            table,
         } => {
             let format = output.parse()?;
-            commands::get(v, &kind, &names, format, selector.as_deref(), watch).await?;
+            let opts = commands::GetOptions {
+                headers: !table.no_headers,
+                show_labels: table.show_labels,
+                label_columns: table.label_columns,
+                sort_by: table.sort_by,
+            };
+            commands::get(v, &kind, &names, format, selector.as_deref(), watch, &opts).await?;
         }
         Command::Describe { kind, name } => commands::describe(v, &kind, &name).await?,
         Command::Delete {

@@ -244,16 +244,99 @@ pub fn columns(kind: &str, wide: bool) -> Vec<Column> {
 
 /// A plain, aligned table (no borders, as kubectl prints).
 pub fn table(kind: &str, objs: &[Value], wide: bool, headers: bool) -> String {
-    let cols = columns(kind, wide);
+    table_with(
+        kind,
+        objs,
+        &TableOptions {
+            wide,
+            headers,
+            ..TableOptions::default()
+        },
+    )
+}
+
+/// How `get` draws a table (kubectl's flags).
+#[derive(Debug, Clone, Default)]
+pub struct TableOptions {
+    /// `-o wide`.
+    pub wide: bool,
+    /// Not `--no-headers`.
+    pub headers: bool,
+    /// `--show-labels`: a LABELS column (`k=v,…`).
+    pub show_labels: bool,
+    /// `-L KEY`: a column per label key, headed by the key in capitals.
+    pub label_columns: Vec<String>,
+}
+
+/// [`table`] with kubectl's table flags.
+pub fn table_with(kind: &str, objs: &[Value], o: &TableOptions) -> String {
+    let cols = columns(kind, o.wide);
     let mut rows: Vec<Vec<String>> = Vec::new();
-    if headers {
-        rows.push(cols.iter().map(|(h, _)| h.to_string()).collect());
+    if o.headers {
+        let mut head: Vec<String> = cols.iter().map(|(h, _)| h.to_string()).collect();
+        head.extend(
+            o.label_columns
+                .iter()
+                .map(|k| safe(&k.to_uppercase()).into_owned()),
+        );
+        if o.show_labels {
+            head.push("LABELS".into());
+        }
+        rows.push(head);
     }
-    for o in objs {
+    for v in objs {
         // the edge: every cell, whatever column computed it, is made safe here
-        rows.push(cols.iter().map(|(_, f)| safe(&f(o)).into_owned()).collect());
+        let mut row: Vec<String> = cols.iter().map(|(_, f)| safe(&f(v)).into_owned()).collect();
+        let labels = v["metadata"]["labels"].as_object();
+        for k in &o.label_columns {
+            let cell = labels
+                .and_then(|l| l.get(k))
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            row.push(safe(cell).into_owned());
+        }
+        if o.show_labels {
+            let all: Vec<String> = labels
+                .map(|l| {
+                    l.iter()
+                        .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            row.push(if all.is_empty() {
+                "<none>".into()
+            } else {
+                safe(&all.join(",")).into_owned()
+            });
+        }
+        rows.push(row);
     }
     aligned(rows)
+}
+
+/// Sort objects by the value of a kubectl-style JSONPath (`{.metadata.creationTimestamp}`, or
+/// `.spec.resources.cpus`), numbers as numbers, as `kubectl get --sort-by` does.
+pub fn sort_by(objs: &mut [DynObject], path: &str) -> Result {
+    let path = if path.starts_with('{') {
+        path.to_string()
+    } else {
+        format!("{{{path}}}")
+    };
+    let mut keyed: Vec<(String, DynObject)> = Vec::with_capacity(objs.len());
+    for o in objs.iter() {
+        let v = serde_json::to_value(o)?;
+        keyed.push((jsonpath(&path, &v)?, o.clone()));
+    }
+    keyed.sort_by(
+        |(a, _), (b, _)| match (a.parse::<f64>(), b.parse::<f64>()) {
+            (Ok(x), Ok(y)) => x.total_cmp(&y),
+            _ => a.cmp(b),
+        },
+    );
+    for (slot, (_, o)) in objs.iter_mut().zip(keyed) {
+        *slot = o;
+    }
+    Ok(())
 }
 
 /// Rows of cells as a plain table: columns padded to their widest cell, three spaces apart,

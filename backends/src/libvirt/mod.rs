@@ -215,11 +215,7 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 
 /// 8 hex digits of FNV-1a over `s`: a stable namespace id for a state directory.
 pub fn namespace_of(s: &str) -> String {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in s.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x100000001b3);
-    }
+    let h = boxery_api::fnv::fnv1a(s.as_bytes());
     format!("{:08x}", (h ^ (h >> 32)) as u32)
 }
 
