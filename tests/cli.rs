@@ -844,3 +844,51 @@ fn get_table_flags() {
     assert_eq!(by("{.spec.resources.cpus}"), "vm/zz\nvm/aa\n");
     assert_eq!(by(".metadata.name"), "vm/aa\nvm/zz\n");
 }
+
+/// Selection as kubectl's: `KIND/NAME` wherever a kind and a name are taken, several kinds at
+/// once (`vms,images`, `all`), and one kind per command.
+#[test]
+fn kind_slash_name_and_several_kinds() {
+    let home = Home::new();
+    home.ok(&["new", "s1", "--from", "tiny", "--stopped", "--wait"]);
+    home.ok(&["new", "s2", "--from", "tiny", "--stopped", "--wait"]);
+    assert_eq!(home.ok(&["get", "vm/s1", "-o", "name"]), "vm/s1\n");
+    assert_eq!(
+        home.ok(&["get", "vm/s1", "vms/s2", "-o", "name"]),
+        "vm/s1\nvm/s2\n"
+    );
+    assert!(home.ok(&["describe", "vm/s1"]).contains("Name:         s1"));
+    home.ok(&[
+        "wait",
+        "vm/s2",
+        "--for=jsonpath={.status.phase}=Stopped",
+        "--timeout",
+        "5s",
+    ]);
+    let t = home.ok(&["get", "vms,images"]);
+    assert!(t.contains("vm/s1") && t.contains("image/tiny"), "{t}");
+    assert_eq!(
+        t.lines().filter(|l| l.starts_with("NAME")).count(),
+        2,
+        "{t}"
+    );
+    let names = home.ok(&["get", "all", "-o", "name"]);
+    assert!(
+        names.contains("vm/s2\n") && names.contains("image/tiny\n"),
+        "{names}"
+    );
+    let list: serde_json::Value =
+        serde_json::from_str(&home.ok(&["get", "vms,images", "-o", "json"])).unwrap();
+    assert_eq!(list["kind"], "List");
+    assert!(list["items"].as_array().unwrap().len() >= 3);
+    for bad in [
+        vec!["get", "vm/s1", "image/tiny"],
+        vec!["get", "vm", "vm/s1"],
+        vec!["describe", "vm"],
+        vec!["get", "vms,images", "s1"],
+    ] {
+        assert_eq!(home.run(&bad).status.code(), Some(2), "{bad:?}");
+    }
+    home.ok(&["delete", "vm/s1", "vm/s2", "--wait"]);
+    assert_eq!(home.ok(&["get", "vms", "-o", "name"]), "");
+}

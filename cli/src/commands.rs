@@ -23,6 +23,77 @@ pub fn kind(name: &str) -> CliResult<&'static KindInfo> {
     Ok(objects::kind(name)?)
 }
 
+/// `get`'s kinds: one, several (`vms,images`), or `all` (the kinds people write: Vm, Image,
+/// Pool, Lease, Grant), as kubectl's.
+pub fn kinds(spec: &str) -> CliResult<Vec<&'static KindInfo>> {
+    if spec == "all" {
+        return Ok(boxery_api::validate::KINDS
+            .iter()
+            .filter(|k| k.controllers_only.is_none())
+            .collect());
+    }
+    let mut out: Vec<&'static KindInfo> = Vec::new();
+    for k in spec.split(',') {
+        let info = kind(k)?;
+        if !out.iter().any(|o| o.kind == info.kind) {
+            out.push(info);
+        }
+    }
+    Ok(out)
+}
+
+/// `KIND/NAME [KIND/NAME…]` or `KIND [NAME…]`, as kubectl takes them: the kind and the names.
+/// Every `KIND/NAME` names the same kind.
+pub fn kind_and_names(kind_arg: &str, names: &[String]) -> CliResult<(String, Vec<String>)> {
+    let Some((k, first)) = kind_arg.split_once('/') else {
+        if let Some(n) = names.iter().find(|n| n.contains('/')) {
+            return Err(CliError::invalid(format!(
+                "`{}` after a kind: give names alone (`{} NAME`), or every object as KIND/NAME",
+                boxery_api::name::shown(n),
+                boxery_api::name::shown(kind_arg)
+            )));
+        }
+        return Ok((kind_arg.to_string(), names.to_vec()));
+    };
+    let info = kind(k)?;
+    let mut out = vec![first.to_string()];
+    for n in names {
+        let Some((k2, name)) = n.split_once('/') else {
+            return Err(CliError::invalid(format!(
+                "`{}`: after {kind_arg}, give every object as KIND/NAME",
+                boxery_api::name::shown(n)
+            )));
+        };
+        if kind(k2)?.kind != info.kind {
+            return Err(CliError::invalid(format!(
+                "{kind_arg} and {}: one kind per command",
+                boxery_api::name::shown(n)
+            )));
+        }
+        out.push(name.to_string());
+    }
+    if out.iter().any(String::is_empty) {
+        return Err(CliError::invalid(format!(
+            "`{}`: KIND/NAME needs a name",
+            boxery_api::name::shown(kind_arg)
+        )));
+    }
+    Ok((k.to_string(), out))
+}
+
+/// [`kind_and_names`] for commands of one object (`describe`, `wait`).
+pub fn kind_and_name(kind_arg: &str, name: Option<String>) -> CliResult<(String, String)> {
+    let names: Vec<String> = name.into_iter().collect();
+    let (kind, mut names) = kind_and_names(kind_arg, &names)?;
+    match names.len() {
+        1 => Ok((kind, names.remove(0))),
+        0 => Err(CliError::invalid(format!(
+            "name the object: `{kind} NAME` or `{kind}/NAME`"
+        ))),
+        _ => Err(CliError::invalid("one object: KIND NAME or KIND/NAME")),
+    }
+}
+
 /// `apply -f`.
 pub async fn apply(
     v: &Verbs,
@@ -91,6 +162,66 @@ pub async fn diff(v: &Verbs, files: &[String]) -> CliResult<bool> {
         }
     }
     Ok(differs)
+}
+
+/// `get` of several kinds (`vms,images`, `all`): a table per kind with objects (names as
+/// `kind/name`, as kubectl shows them), or one List of them all (`-o json|yaml|jsonpath`).
+pub async fn get_kinds(
+    v: &Verbs,
+    kinds: &[&'static KindInfo],
+    names: &[String],
+    format: Format,
+    sel: Option<&str>,
+    watch: bool,
+    opts: &GetOptions,
+) -> CliResult {
+    if !names.is_empty() || watch {
+        return Err(CliError::invalid(
+            "names and --watch take one kind: `boxery get KIND NAME…` or `get KIND/NAME`",
+        ));
+    }
+    let sel = objects::selector(sel)?;
+    let mut all = Vec::new();
+    let mut out = std::io::stdout().lock();
+    let mut first = true;
+    for info in kinds {
+        let (mut objs, _) = objects::get(v, info, &[], &sel).await?;
+        if let Some(path) = &opts.sort_by {
+            output::sort_by(&mut objs, path)?;
+        }
+        match format {
+            Format::Table | Format::Wide if !objs.is_empty() => {
+                let mut values: Vec<Value> = objs.iter().map(output::display_value).collect();
+                for val in &mut values {
+                    let name = val["metadata"]["name"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string();
+                    val["metadata"]["name"] = Value::String(format!("{}/{name}", info.singular));
+                }
+                if !first {
+                    writeln!(out)?;
+                }
+                first = false;
+                let t = output::TableOptions {
+                    wide: format == Format::Wide,
+                    headers: opts.headers,
+                    show_labels: opts.show_labels,
+                    label_columns: opts.label_columns.clone(),
+                };
+                write!(out, "{}", output::table_with(info.kind, &values, &t))?;
+            }
+            Format::Name => output::print(info, &objs, &format, &mut out)?,
+            _ => all.extend(objs),
+        }
+    }
+    match format {
+        Format::Table | Format::Wide if first => eprintln!("No resources found."),
+        Format::Table | Format::Wide | Format::Name => {}
+        _ => output::print_list(kinds[0], &all, &format, &mut out)?,
+    }
+    out.flush()?;
+    Ok(())
 }
 
 /// `get`'s table and order flags (kubectl's).

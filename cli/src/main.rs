@@ -138,14 +138,14 @@ enum Command {
     },
     /// Show one object in detail: spec, status, conditions, recent events.
     Describe {
-        /// The kind.
+        /// The kind, or KIND/NAME.
         kind: String,
-        /// The name.
-        name: String,
+        /// The name (unless given as KIND/NAME).
+        name: Option<String>,
     },
     /// Delete objects. Their controllers clean up first (the VM is removed from the backend).
     Delete {
-        /// The kind.
+        /// The kind, or KIND/NAME.
         kind: String,
         /// Names.
         names: Vec<String>,
@@ -164,10 +164,10 @@ enum Command {
     },
     /// Wait for a condition on an object.
     Wait {
-        /// The kind.
+        /// The kind, or KIND/NAME.
         kind: String,
-        /// The name.
-        name: String,
+        /// The name (unless given as KIND/NAME).
+        name: Option<String>,
         /// condition=Ready[=True|False] (any case), delete, jsonpath={.status.phase}=Stopped, or
         /// jsonpath={.status.vm} (the path has a value).
         #[arg(long = "for")]
@@ -647,15 +647,29 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
                 label_columns: table.label_columns,
                 sort_by: table.sort_by,
             };
-            commands::get(v, &kind, &names, format, selector.as_deref(), watch, &opts).await?;
+            let (kind, names) = commands::kind_and_names(&kind, &names)?;
+            let kinds = commands::kinds(&kind)?;
+            if kinds.len() == 1 {
+                let kind = kinds[0].plural;
+                commands::get(v, kind, &names, format, selector.as_deref(), watch, &opts).await?;
+            } else {
+                commands::get_kinds(v, &kinds, &names, format, selector.as_deref(), watch, &opts)
+                    .await?;
+            }
         }
-        Command::Describe { kind, name } => commands::describe(v, &kind, &name).await?,
+        Command::Describe { kind, name } => {
+            let (kind, name) = commands::kind_and_name(&kind, name)?;
+            commands::describe(v, &kind, &name).await?
+        }
         Command::Delete {
             kind,
             names,
             force,
             wait,
-        } => commands::delete(v, &kind, &names, wait.wait_for(), force).await?,
+        } => {
+            let (kind, names) = commands::kind_and_names(&kind, &names)?;
+            commands::delete(v, &kind, &names, wait.wait_for(), force).await?
+        }
         Command::Diff { files } => {
             return match commands::diff(v, &files).await {
                 Ok(true) => Ok(ExitCode::from(1)),
@@ -672,6 +686,7 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
             until,
             timeout,
         } => {
+            let (kind, name) = commands::kind_and_name(&kind, name)?;
             let info = commands::kind(&kind)?;
             let target = boxery_store::ObjectRef::new(info.kind, name);
             wait::all(v, &[target], &until.parse()?, timeout).await?;
