@@ -362,7 +362,9 @@ fn mux_log(what: &str) {
             .create(true)
             .open(f)
         {
-            let _ = writeln!(f, "boxery mux: {what}");
+            // One write of the whole line: ssh's own processes append to the same file, and
+            // `writeln!` would write the line in pieces that theirs can land between.
+            let _ = f.write_all(format!("boxery mux: {what}\n").as_bytes());
         }
     }
 }
