@@ -1351,7 +1351,6 @@ fn guest_uses_grants(kind: Kind) {
         format!("unset\n{FILE_VALUE}")
     );
     h.ok(&["delete", "vm", "g1", "--wait", "--timeout", "3m"]);
-    assert!(!h.qemu_dir().join("vms/g1/proxy.sock").exists() || kind != Kind::Qemu);
     serve.kill();
 }
 

@@ -203,12 +203,7 @@ pub async fn get_kinds(
                     writeln!(out)?;
                 }
                 first = false;
-                let t = output::TableOptions {
-                    wide: format == Format::Wide,
-                    headers: opts.headers,
-                    show_labels: opts.show_labels,
-                    label_columns: opts.label_columns.clone(),
-                };
+                let t = opts.table(format == Format::Wide);
                 write!(out, "{}", output::table_with(info.kind, &values, &t))?;
             }
             Format::Name => output::print(info, &objs, &format, &mut out)?,
@@ -237,6 +232,18 @@ pub struct GetOptions {
     pub sort_by: Option<String>,
 }
 
+impl GetOptions {
+    /// The table these flags draw (`wide`: `-o wide`).
+    fn table(&self, wide: bool) -> output::TableOptions {
+        output::TableOptions {
+            wide,
+            headers: self.headers,
+            show_labels: self.show_labels,
+            label_columns: self.label_columns.clone(),
+        }
+    }
+}
+
 /// `get`.
 pub async fn get(
     v: &Verbs,
@@ -253,12 +260,7 @@ pub async fn get(
     if let Some(path) = &opts.sort_by {
         output::sort_by(&mut objs, path)?;
     }
-    let table = |wide: bool| output::TableOptions {
-        wide,
-        headers: opts.headers,
-        show_labels: opts.show_labels,
-        label_columns: opts.label_columns.clone(),
-    };
+    let table = |wide: bool| opts.table(wide);
     let mut out = std::io::stdout().lock();
     if matches!(format, Format::Table | Format::Wide) && !objs.is_empty() {
         let values: Vec<Value> = objs.iter().map(output::display_value).collect();

@@ -40,6 +40,7 @@ use boxery_api::conditions::READY;
 use boxery_api::grant::GrantType;
 use boxery_api::{ConditionStatus, Conditions, Vm};
 use boxery_controller::{Cache, CancellationToken};
+use boxery_hands::shell_quote;
 use futures::StreamExt;
 
 use crate::context::Ctx;
@@ -111,10 +112,6 @@ pub struct Files {
     pub unavailable: Vec<(String, String)>,
 }
 
-fn q(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "'\\''"))
-}
-
 /// The guest files for `plan`, reading the values of its `env` and `file` grants.
 pub async fn files(plan: &Plan, home: &Path) -> Files {
     let (url, token) = (&plan.url, &plan.token);
@@ -123,8 +120,8 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
         "# Written by boxery's control plane (docs/grants.md): the credential proxy, this VM's\n\
          # token, and what its grants give. Replaced at every change; gone at reboot.\n\
          export BOXERY_PROXY={} BOXERY_TOKEN={}\n",
-        q(url),
-        q(token)
+        shell_quote(url),
+        shell_quote(token)
     );
     let mut git: Vec<(String, String)> = Vec::new();
     for e in &plan.grants {
@@ -141,8 +138,8 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
                 env.push_str(&comment);
                 env.push_str(&format!(
                     "export {key}_BASE_URL={} {key}_API_KEY={}\n",
-                    q(&base),
-                    q(token)
+                    shell_quote(&base),
+                    shell_quote(token)
                 ));
             }
             GrantType::Github => {
@@ -171,7 +168,7 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
             GrantType::Env => match crate::values::read_text(&e.value_from, home).await {
                 Ok(v) => {
                     env.push_str(&comment);
-                    env.push_str(&format!("export {}={}\n", e.target, q(&v)));
+                    env.push_str(&format!("export {}={}\n", e.target, shell_quote(&v)));
                 }
                 Err(why) => out.unavailable.push((e.name.clone(), why)),
             },
@@ -189,8 +186,8 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
         for (i, (k, v)) in git.iter().enumerate() {
             env.push_str(&format!(
                 " GIT_CONFIG_KEY_{i}={} GIT_CONFIG_VALUE_{i}={}",
-                q(k),
-                q(v)
+                shell_quote(k),
+                shell_quote(v)
             ));
         }
         env.push('\n');
@@ -214,13 +211,13 @@ pub fn script(f: &Files, rev: &str) -> String {
     );
     let mut put = |path: &str, bytes: &[u8]| {
         if let Some((dir, _)) = path.rsplit_once('/') {
-            s.push_str(&format!("mkdir -p \"$n\"/{}\n", q(dir)));
+            s.push_str(&format!("mkdir -p \"$n\"/{}\n", shell_quote(dir)));
         }
         s.push_str(&format!(
             "base64 -d > \"$n\"/{} <<'BOXERY_B64'\n{}\nBOXERY_B64\nchmod 0400 \"$n\"/{}\n",
-            q(path),
+            shell_quote(path),
             b64(bytes),
-            q(path)
+            shell_quote(path)
         ));
     };
     put("env", f.env.as_bytes());
@@ -238,7 +235,7 @@ pub fn script(f: &Files, rev: &str) -> String {
     s.push_str(&format!(
         "if ! grep -qs 'boxery/env' /etc/profile.d/boxery-env.sh; then sudo -n mkdir -p /etc/profile.d; printf '%s' {} | sudo -n tee /etc/profile.d/boxery-env.sh >/dev/null; sudo -n chmod 0644 /etc/profile.d/boxery-env.sh; fi\n\
          if ! grep -qs 'profile\\.d' /etc/profile; then printf '%s\\n' 'for f in /etc/profile.d/*.sh; do [ -r \"$f\" ] && . \"$f\"; done' | sudo -n tee -a /etc/profile >/dev/null; fi\n",
-        q(PROFILE_HOOK)
+        shell_quote(PROFILE_HOOK)
     ));
     s
 }
