@@ -14,7 +14,7 @@ use boxery_backends::libvirt::{LibvirtBackend, LibvirtConfig};
 use boxery_backends::{Backend, BackendError, DiskSource, NewVm, PowerState, VmSize, identity};
 
 mod libvirt_support;
-use libvirt_support::{need_libvirtd, virsh};
+use libvirt_support::{filter_state, need_libvirtd, virsh};
 
 /// QEMU 10.0's assertion when multi-threaded TCG races a memory-map update (upstream bug).
 const KNOWN_TCG_RACE: &str = "iotlb_to_section: Assertion";
@@ -709,9 +709,10 @@ async fn isolation_filter_holds() {
     env.run("i1", &claim("192.168.122.247")).await;
     assert!(
         !host_neigh(&ip2).contains(&mac_i1) && !host_neigh("192.168.122.247").contains(&mac_i1),
-        "ARP spoofing: the host never maps another address to i1's MAC: {} / {}",
+        "ARP spoofing: the host never maps another address to i1's MAC ({mac_i1}; i2 {ip2}): {} / {}\nthe filter in force:\n{}",
         host_neigh(&ip2),
-        host_neigh("192.168.122.247")
+        host_neigh("192.168.122.247"),
+        filter_state(&b.domain_name("i1"))
     );
     assert_eq!(
         env.run("i2", "hostname").await,
@@ -886,10 +887,12 @@ async fn guest_reaches_the_proxy_port_only() {
         "proxy",
         "the guest reaches the proxy port"
     );
+    let got = env.run("p1", &fetch(other.addr.port(), 1)).await;
     assert_eq!(
-        env.run("p1", &fetch(other.addr.port(), 1)).await,
+        got,
         "dropped",
-        "another port of the gateway is dropped"
+        "another port of the gateway is dropped; the filter in force:\n{}",
+        filter_state(&dom)
     );
     assert_eq!(other.hits(), before, "the other listener saw no connection");
 

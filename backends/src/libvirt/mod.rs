@@ -69,10 +69,9 @@
 //! - Homes of an older boxery version on one host redefine the shared filters to their own
 //!   version at each `init`; this version puts its own back at its next `init`.
 //! - The filter has no `IP` of the guest at a start (`CTRL_IP_LEARNING=any`): libvirt learns
-//!   it from the guest's first packet and, until then, applies only its layer-2 rules. Seen
-//!   live after a filter change without `IP` (`guest_reaches_the_proxy_port_only`: the guest
-//!   reached the host for about two seconds); libvirt learns the same way at every start
-//!   (not measured there). Not addressed here.
+//!   it from the guest's traffic and, until it has, applies only its layer-2 rules. The backend
+//!   gives the filter the lease address live before it reports the guest reachable
+//!   (`Inner::pin_address`): what is left is the guest's own boot.
 
 pub mod xml;
 
@@ -190,6 +189,9 @@ struct Inner {
     /// Where the guests reach the credential proxy (gateway, port), known once `init` or a
     /// domain definition has read the network.
     proxy: Mutex<Option<SocketAddr>>,
+    /// The running domains whose NIC filter holds their guest's address (`IP`), by name: the
+    /// domain's id (one per start) and that address. See `Inner::pin_address`.
+    pinned: Mutex<std::collections::HashMap<String, (u32, String)>>,
 }
 
 fn unreachable(message: impl Into<String>) -> BackendError {
@@ -266,6 +268,7 @@ impl LibvirtBackend {
                 storage,
                 conn: Mutex::new(None),
                 proxy: Mutex::new(None),
+                pinned: Mutex::new(Default::default()),
             }),
         }
     }
@@ -887,6 +890,60 @@ impl Inner {
             .map(|a| a.addr.clone())
     }
 
+    /// Give the running guest's NIC filter its address (`IP`, from its DHCP lease), live, unless
+    /// it has it: whether it has it now. The address is reported (and the VM can turn Ready)
+    /// only then.
+    ///
+    /// A domain starts without `IP` (the address is not known before DHCP), and libvirt then
+    /// learns it from the guest's traffic (`CTRL_IP_LEARNING=any`), applying only its layer-2
+    /// rules until it has and the whole filter is instantiated: under load that took long
+    /// enough for a guest to reach another port of the host well after its boot (seen in CI,
+    /// `guest_reaches_the_proxy_port_only`). With `IP` given, libvirt applies the whole filter
+    /// in the call, before it returns. (`CTRL_IP_LEARNING=dhcp`, tried instead, let a guest
+    /// ping another guest in the isolation test: not used.)
+    fn pin_address(&self, d: &Dom, addr: &str) -> bool {
+        if !self.config.isolation {
+            return true;
+        }
+        let id = d.dom.id().unwrap_or(0);
+        let key = (id, addr.to_string());
+        let mut pinned = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
+        if pinned.get(&d.cfg.name) == Some(&key) {
+            return true;
+        }
+        let Ok(live) = d.dom.xml_desc(0) else {
+            return false;
+        };
+        let ip_param = format!("<parameter name='IP' value='{}'/>", xml::escape(addr));
+        let nics: Vec<&str> = xml::interfaces(&live)
+            .into_iter()
+            .filter(|nic| xml::filter_of(nic) == Some(xml::GUEST_FILTER))
+            .collect();
+        let proxy = *self.proxy.lock().unwrap_or_else(|p| p.into_inner());
+        for nic in nics {
+            if nic.contains(&ip_param) {
+                continue;
+            }
+            let Some(proxy) = proxy else {
+                return false; // init has not read the network yet
+            };
+            let want = xml::filterref(&proxy.ip().to_string(), proxy.port(), Some(addr));
+            let Some(new) = xml::with_filterref(nic, &want) else {
+                return false;
+            };
+            if let Err(e) = d.dom.update_device_flags(&new, AFFECT_LIVE) {
+                warn!(vm = d.cfg.name.as_str(), error = %e, "could not give the guest's NIC filter its address; it is not reported reachable yet");
+                return false;
+            }
+            info!(
+                vm = d.cfg.name.as_str(),
+                addr, "the guest's NIC filter holds its address"
+            );
+        }
+        pinned.insert(d.cfg.name.clone(), key);
+        true
+    }
+
     /// The inventory row of `d`, `None` when its disk is gone (Lost to the reconciler).
     fn info(&self, d: &Dom) -> Option<VmInfo> {
         if !Self::active_disk(d).map(|p| p.exists()).unwrap_or(false) {
@@ -915,6 +972,7 @@ impl Inner {
             ssh: running
                 .then(|| Self::lease_address(d))
                 .flatten()
+                .filter(|a| self.pin_address(d, a))
                 .map(|a| format!("{a}:22")),
             disk_used_bytes: Some(used),
         })

@@ -152,7 +152,8 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
 /// The `<filterref>` of a guest's NIC: [`GUEST_FILTER`] with the gateway and the proxy port.
 /// `ip`: the guest's address when it is known (a running guest's lease): libvirt then applies
 /// the whole filter at once, where it otherwise leaves the guest's IPv4 unfiltered until it has
-/// learned the address from the guest's next packet.
+/// learned the address from the guest's traffic: the backend gives it the lease address as
+/// soon as it knows it, before it reports the guest reachable (`Inner::pin_address` in mod.rs).
 pub fn filterref(gateway: &str, proxy_port: u16, ip: Option<&str>) -> String {
     let ip = ip
         .map(|ip| format!("<parameter name='IP' value='{}'/>", escape(ip)))

@@ -73,3 +73,35 @@ pub fn clean(backend: &LibvirtBackend) {
     virsh(&["pool-undefine", &pool]);
     let _ = std::fs::remove_dir_all(backend.pool_dir());
 }
+
+/// What the host's firewall holds for a domain's NICs (its `vnetN` chains in ebtables and
+/// iptables, as libvirt's nwfilter instantiated them) and the tail of libvirtd's log: for the
+/// message of an isolation assertion that failed, so a failure in CI says which rules were in
+/// force (the whole filter, or only the layer-2 rules of an address not learned yet).
+pub fn filter_state(domain: &str) -> String {
+    let nics = String::from_utf8_lossy(&virsh(&["domiflist", domain]).stdout).to_string();
+    let vnets: Vec<String> = nics
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with("vnet"))
+        .map(str::to_string)
+        .collect();
+    let run = |cmd: &str| {
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(cmd)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+            .unwrap_or_else(|e| format!("({cmd}: {e})"))
+    };
+    let mut out = format!("NICs of {domain}: {vnets:?}\n");
+    for v in &vnets {
+        out += &run(&format!(
+            "ebtables -t nat -L 2>/dev/null | grep -A3 -- '{v}'; iptables-save 2>/dev/null | grep -- '{v}' | head -40"
+        ));
+    }
+    let log =
+        std::env::var("BOXERY_LIBVIRTD_RUN").unwrap_or_else(|_| "/run/boxery-libvirtd".into());
+    out += &run(&format!("tail -n 5 {log}/libvirtd.log 2>/dev/null"));
+    out
+}
