@@ -899,8 +899,9 @@ impl Inner {
     /// rules until it has and the whole filter is instantiated: under load that took long
     /// enough for a guest to reach another port of the host well after its boot (seen in CI,
     /// `guest_reaches_the_proxy_port_only`). With `IP` given, libvirt applies the whole filter
-    /// in the call, before it returns. (`CTRL_IP_LEARNING=dhcp`, tried instead, let a guest
-    /// ping another guest in the isolation test: not used.)
+    /// in the call, before it returns, and a later rebuild of the rules (a filter redefined by
+    /// another home) needs no learning either. (`CTRL_IP_LEARNING=dhcp` was tried instead: the
+    /// isolation test failed with it, alongside the test that puts older filters on the host.)
     fn pin_address(&self, d: &Dom, addr: &str) -> bool {
         if !self.config.isolation {
             return true;
