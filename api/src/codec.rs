@@ -218,11 +218,27 @@ pub fn parse_documents(source: &str, bytes: &[u8]) -> Result<Vec<(usize, Value)>
 /// Parse and validate every document of a source. The first bad document fails the whole
 /// source, so callers can apply all or nothing.
 pub fn parse_manifests(source: &str, bytes: &[u8]) -> Result<Vec<Manifest>, ManifestError> {
+    let (ok, mut errors) = parse_manifests_all(source, bytes);
+    match errors.is_empty() {
+        true => Ok(ok),
+        false => Err(errors.remove(0)),
+    }
+}
+
+/// [`parse_manifests`], going on past a bad document: the good ones, and an error for each bad
+/// one (or one for the whole source when it is not YAML at all), so that a person fixing a
+/// directory sees every problem at once.
+pub fn parse_manifests_all(source: &str, bytes: &[u8]) -> (Vec<Manifest>, Vec<ManifestError>) {
     let mut out = Vec::new();
-    for (index, value) in parse_documents(source, bytes)? {
+    let mut errors = Vec::new();
+    let documents = match parse_documents(source, bytes) {
+        Ok(d) => d,
+        Err(e) => return (out, vec![e]),
+    };
+    for (index, value) in documents {
         let size = serde_json::to_vec(&value).map(|v| v.len()).unwrap_or(0);
         if size > MAX_OBJECT_BYTES {
-            return Err(err(
+            errors.push(err(
                 source,
                 Some(index),
                 format!(
@@ -231,23 +247,31 @@ pub fn parse_manifests(source: &str, bytes: &[u8]) -> Result<Vec<Manifest>, Mani
                     MAX_OBJECT_BYTES >> 10
                 ),
             ));
+            continue;
         }
-        let object = normalize(value).map_err(|e| ManifestError {
-            source_name: source.to_string(),
-            document: Some(index),
-            object: Some(printable(&e.object)),
-            errors: e.errors.into_iter().map(printable_error).collect(),
-        })?;
+        let object = match normalize(value) {
+            Ok(o) => o,
+            Err(e) => {
+                errors.push(ManifestError {
+                    source_name: source.to_string(),
+                    document: Some(index),
+                    object: Some(printable(&e.object)),
+                    errors: e.errors.into_iter().map(printable_error).collect(),
+                });
+                continue;
+            }
+        };
         // A manifest is what someone asks for now: a field nothing implements is refused here,
         // with the file's name (the store refuses it too, but lets objects stored before keep it).
         let unimplemented = crate::validate::unimplemented(&object);
         if !unimplemented.is_empty() {
-            return Err(ManifestError {
+            errors.push(ManifestError {
                 source_name: source.to_string(),
                 document: Some(index),
                 object: Some(printable(&object.key())),
                 errors: unimplemented.into_iter().map(printable_error).collect(),
             });
+            continue;
         }
         out.push(Manifest {
             source_name: source.to_string(),
@@ -255,7 +279,7 @@ pub fn parse_manifests(source: &str, bytes: &[u8]) -> Result<Vec<Manifest>, Mani
             object,
         });
     }
-    Ok(out)
+    (out, errors)
 }
 
 #[cfg(test)]

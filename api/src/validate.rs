@@ -163,6 +163,197 @@ fn dotted(pointer: &str) -> String {
 
 pub use crate::name::{check_label_name, check_subdomain_name};
 
+/// A schema error in words a person can act on: an unknown field with the nearest known one
+/// (`cpu`: did you mean `cpus`?) and the fields there are; a value outside a set with the
+/// values allowed, instead of the raw "not valid under any of the schemas listed in the
+/// 'oneOf' keyword"; a wrong type as the type wanted.
+fn explained(e: &jsonschema::ValidationError<'_>, root: &Value) -> String {
+    use jsonschema::error::{TypeKind, ValidationErrorKind as K};
+    // the schema object holding the failed keyword (its path without the keyword)
+    let at = e.schema_path().as_str();
+    let holder = at.rsplit_once('/').map_or("", |(h, _)| h);
+    let node = root.pointer(holder).map(|n| deref(root, n));
+    match e.kind() {
+        K::AdditionalProperties { unexpected } => {
+            let known: Vec<&str> = node
+                .and_then(|n| n.get("properties"))
+                .and_then(Value::as_object)
+                .map(|p| p.keys().map(String::as_str).collect())
+                .unwrap_or_default();
+            let each: Vec<String> = unexpected
+                .iter()
+                .map(|u| match nearest(u, &known) {
+                    Some(m) => format!(
+                        "unknown field `{}`: did you mean `{m}`?",
+                        crate::name::shown(u)
+                    ),
+                    None => format!("unknown field `{}`", crate::name::shown(u)),
+                })
+                .collect();
+            if known.is_empty() {
+                each.join("; ")
+            } else {
+                format!("{} (fields here: {})", each.join("; "), known.join(", "))
+            }
+        }
+        K::OneOfNotValid { .. } | K::AnyOf { .. } | K::Enum { .. } => {
+            let allowed = node.map(|n| allowed_values(root, n)).unwrap_or_default();
+            let got = short(e.instance());
+            if allowed.is_empty() {
+                // not a set of constants: what each accepted form is, in the schema's words
+                let forms: Vec<String> = node
+                    .into_iter()
+                    .flat_map(|n| ["oneOf", "anyOf"].map(|k| n.get(k)))
+                    .flatten()
+                    .filter_map(Value::as_array)
+                    .flatten()
+                    .map(|sub| deref(root, sub))
+                    .filter(|sub| sub.get("type") != Some(&Value::from("null")))
+                    .filter_map(|sub| sub.get("description").and_then(Value::as_str))
+                    .map(str::to_string)
+                    .collect();
+                return if forms.is_empty() {
+                    format!("{got} is not accepted here ({e})")
+                } else {
+                    format!("{got} is not valid: {}", forms.join(" Or: "))
+                };
+            }
+            let hint = match e.instance().as_str().and_then(|s| {
+                let names: Vec<&str> = allowed.iter().map(String::as_str).collect();
+                nearest(s, &names)
+            }) {
+                Some(m) => format!(": did you mean `{m}`?"),
+                None => String::new(),
+            };
+            format!("{got} is not one of {}{hint}", allowed.join(", "))
+        }
+        K::Type { kind } => {
+            let name = |t: &jsonschema::JsonType| match t.to_string().as_str() {
+                "integer" => "an integer".to_string(),
+                "number" => "a number".to_string(),
+                "string" => "a string".to_string(),
+                "boolean" => "true or false".to_string(),
+                "object" => "a mapping (key: value)".to_string(),
+                "array" => "a list".to_string(),
+                other => other.to_string(),
+            };
+            let wanted: Vec<String> = match kind {
+                TypeKind::Single(t) => vec![name(t)],
+                TypeKind::Multiple(ts) => ts
+                    .iter()
+                    .filter(|t| t.to_string() != "null")
+                    .map(|t| name(&t))
+                    .collect(),
+            };
+            format!(
+                "expected {}, got {}",
+                wanted.join(" or "),
+                short(e.instance())
+            )
+        }
+        _ => e.to_string(),
+    }
+}
+
+/// `node`, or what its `$ref` (`#/$defs/X`) points at.
+fn deref<'a>(root: &'a Value, node: &'a Value) -> &'a Value {
+    node.get("$ref")
+        .and_then(Value::as_str)
+        .and_then(|r| r.strip_prefix('#'))
+        .and_then(|p| root.pointer(p))
+        .unwrap_or(node)
+}
+
+/// The values a `oneOf`/`anyOf`/`enum` at `node` accepts, when they are a set of constants.
+fn allowed_values(root: &Value, node: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut add = |v: &Value| {
+        let s = match v {
+            Value::String(s) => s.clone(),
+            Value::Null => return,
+            other => other.to_string(),
+        };
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    };
+    for v in node
+        .get("enum")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        add(v);
+    }
+    if let Some(c) = node.get("const") {
+        add(c);
+    }
+    for key in ["oneOf", "anyOf"] {
+        for sub in node
+            .get(key)
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let sub = deref(root, sub);
+            for v in sub
+                .get("enum")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                add(v);
+            }
+            if let Some(c) = sub.get("const") {
+                add(c);
+            }
+        }
+    }
+    out
+}
+
+/// A value as a message shows it: short, one line, a string in backquotes.
+fn short(v: &Value) -> String {
+    let s = match v {
+        Value::String(s) => format!("`{}`", crate::name::shown(s)),
+        other => crate::name::shown(&other.to_string()).to_string(),
+    };
+    if s.chars().count() > 40 {
+        format!("{}…", s.chars().take(40).collect::<String>())
+    } else {
+        s.to_string()
+    }
+}
+
+/// The candidate nearest to `word` (case-insensitive edit distance at most a third of its
+/// length, and at least 1 allowed), if one is that near.
+pub fn nearest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    let w = word.to_lowercase();
+    let limit = (w.chars().count() / 3).max(1);
+    candidates
+        .iter()
+        .map(|c| (edit_distance(&w, &c.to_lowercase()), *c))
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}
+
+/// Levenshtein distance between two strings, in characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
 fn normalize_typed<R: Resource>(value: Value, label: &str) -> Result<DynObject, ValidationError> {
     let fail = |errors| ValidationError {
         object: label.to_string(),
@@ -267,9 +458,10 @@ pub fn normalize(value: Value) -> Result<DynObject, ValidationError> {
         return Err(fail("kind", msg));
     };
     let validator = &validators()[info.kind];
+    let root = schema_of(info.kind).expect("every kind has a schema");
     let errors: Vec<FieldError> = validator
         .iter_errors(&value)
-        .map(|e| FieldError::new(dotted(e.instance_path().as_str()), e.to_string()))
+        .map(|e| FieldError::new(dotted(e.instance_path().as_str()), explained(&e, &root)))
         .collect();
     if !errors.is_empty() {
         return Err(ValidationError {

@@ -24,7 +24,7 @@ use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use boxery_api::codec::{MAX_FILE_BYTES, MAX_OBJECT_BYTES, Manifest, parse_manifests};
+use boxery_api::codec::{MAX_FILE_BYTES, MAX_OBJECT_BYTES, Manifest, parse_manifests_all};
 
 use crate::exit::{CliError, CliResult};
 
@@ -157,6 +157,12 @@ fn walk(root: &Path, root_meta: &std::fs::Metadata) -> CliResult<Walk> {
                         p.display()
                     ));
                 }
+            } else if is_manifest(&p) && KUSTOMIZATION.contains(&name) {
+                out.notes.push(format!(
+                    "skipping {}: a kustomization; `-k {}` builds it (with kubectl kustomize)",
+                    p.display(),
+                    dir.display()
+                ));
             } else if is_manifest(&p) {
                 if meta.is_file() {
                     out.files.push(p);
@@ -170,6 +176,69 @@ fn walk(root: &Path, root_meta: &std::fs::Metadata) -> CliResult<Walk> {
         }
         stack.extend(subdirs.into_iter().rev());
     }
+    Ok(out)
+}
+
+/// The names of a kustomization file (kustomize's own list).
+const KUSTOMIZATION: &[&str] = &["kustomization.yaml", "kustomization.yml", "Kustomization"];
+
+/// `-k DIR`: the manifests a kustomization builds, by `kubectl kustomize DIR` (kustomize's
+/// own semantics, from the kubectl every Kubernetes user has), read as one source.
+pub fn kustomize(dir: &str) -> CliResult<Vec<Manifest>> {
+    let o = std::process::Command::new("kubectl")
+        .args(["kustomize", dir])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| {
+            CliError::invalid(format!(
+                "-k {dir}: builds the kustomization with `kubectl kustomize`, and kubectl cannot be run ({e}): install kubectl, or build it elsewhere and pipe it in (`kustomize build {dir} | boxery apply -f -`)"
+            ))
+        })?;
+    if !o.status.success() {
+        return Err(CliError::invalid(format!(
+            "-k {dir}: kubectl kustomize failed: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )));
+    }
+    if o.stdout.len() > MAX_FILE_BYTES {
+        return Err(too_large(&format!("kustomize {dir}")));
+    }
+    let (ok, errors) = parse_manifests_all(&format!("kustomize {dir}"), &o.stdout);
+    refuse_all(errors)?;
+    Ok(ok)
+}
+
+/// Every refused document, each on a line of its own (`error: FILE, document N (…): …`), and
+/// one error that says how many: a person fixing a directory sees every problem at once.
+fn refuse_all(mut errors: Vec<boxery_api::codec::ManifestError>) -> CliResult {
+    match errors.len() {
+        0 => Ok(()),
+        1 => Err(CliError::invalid(errors.remove(0))),
+        n => {
+            for e in &errors {
+                eprintln!("error: {}", boxery_verbs::render::safe(&e.to_string()));
+            }
+            Err(CliError::invalid(format!(
+                "{n} documents are invalid (each is shown above); nothing was done"
+            )))
+        }
+    }
+}
+
+/// `-f` sources and `-k` kustomizations together, refused when one object is named twice.
+pub fn read_sources(files: &[String], kustomizations: &[String]) -> CliResult<Vec<Manifest>> {
+    if kustomizations.is_empty() {
+        return read_all(files);
+    }
+    let mut out = if files.is_empty() {
+        Vec::new()
+    } else {
+        read_all(files)?
+    };
+    for k in kustomizations {
+        out.extend(kustomize(k)?);
+    }
+    check_unique(&out)?;
     Ok(out)
 }
 
@@ -187,6 +256,7 @@ fn read_all_from(files: &[String], stdin: &mut dyn Read) -> CliResult<Vec<Manife
         ));
     }
     let mut out: Vec<Manifest> = Vec::new();
+    let mut errors = Vec::new();
     let mut total = 0usize;
     let mut count = |name: &str, bytes: &[u8]| -> CliResult {
         total += bytes.len();
@@ -242,9 +312,18 @@ fn read_all_from(files: &[String], stdin: &mut dyn Read) -> CliResult<Vec<Manife
             }
         };
         for (name, bytes) in sources {
-            out.extend(parse_manifests(&name, &bytes).map_err(CliError::invalid)?);
+            let (ok, errs) = parse_manifests_all(&name, &bytes);
+            out.extend(ok);
+            errors.extend(errs);
         }
     }
+    refuse_all(errors)?;
+    check_unique(&out)?;
+    Ok(out)
+}
+
+/// Refuse two manifests of one object.
+fn check_unique(out: &[Manifest]) -> CliResult {
     for (i, a) in out.iter().enumerate() {
         if let Some(b) = out[..i].iter().find(|b| {
             b.object.kind == a.object.kind && b.object.metadata.name == a.object.metadata.name
@@ -260,7 +339,7 @@ fn read_all_from(files: &[String], stdin: &mut dyn Read) -> CliResult<Vec<Manife
             )));
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 #[cfg(test)]
