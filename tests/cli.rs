@@ -884,11 +884,457 @@ fn kind_slash_name_and_several_kinds() {
     for bad in [
         vec!["get", "vm/s1", "image/tiny"],
         vec!["get", "vm", "vm/s1"],
-        vec!["describe", "vm"],
         vec!["get", "vms,images", "s1"],
     ] {
         assert_eq!(home.run(&bad).status.code(), Some(2), "{bad:?}");
     }
     home.ok(&["delete", "vm/s1", "vm/s2", "--wait"]);
     assert_eq!(home.ok(&["get", "vms", "-o", "name"]), "");
+}
+
+/// `edit` as kubectl's: `$EDITOR` on the YAML, what changed applied on save (a field a
+/// controller wrote meanwhile kept), a refused change reopening the file with the reason, the
+/// same refused text saved again ending it (exit 2), an unchanged file a no-op; status and the
+/// controllers' metadata refused. The guest verb is `file edit` now.
+#[test]
+fn edit_opens_the_editor_and_applies_on_save() {
+    let home = Home::new();
+    home.ok(&["new", "e1", "--from", "tiny", "--stopped", "--wait"]);
+    let edit = |editor: &str, args: &[&str]| {
+        let mut c = home.cmd();
+        c.env("EDITOR", editor).env_remove("KUBE_EDITOR").args(args);
+        c.output().unwrap()
+    };
+    // (the spec's cpus, not the status's)
+    let o = edit(
+        "sed -i '/^spec:/,/^status:/s/cpus: 1/cpus: 2/'",
+        &["edit", "vm", "e1"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "vm/e1 edited\n");
+    assert_eq!(
+        home.ok(&["get", "vm", "e1", "-o", "jsonpath={.spec.resources.cpus}"]),
+        "2\n"
+    );
+    // KUBE_EDITOR wins over EDITOR, as kubectl's
+    let mut c = home.cmd();
+    c.env("EDITOR", "false")
+        .env("KUBE_EDITOR", "true")
+        .args(["edit", "vm/e1"]);
+    let o = c.output().unwrap();
+    assert!(o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no changes"));
+
+    // refused, reopened with the reason, fixed on the second try
+    let script = home.write(
+        "ed.sh",
+        "#!/bin/sh\nif grep -q 'The change was refused' \"$1\"; then sed -i 's/cpus: many/cpus: 3/' \"$1\"; else sed -i '/^spec:/,/^status:/s/cpus: 2/cpus: many/' \"$1\"; fi\n",
+    );
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let o = edit(script.to_str().unwrap(), &["edit", "vm", "e1"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("expected an integer, got `many`"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(
+        home.ok(&["get", "vm", "e1", "-o", "jsonpath={.spec.resources.cpus}"]),
+        "3\n"
+    );
+    // the same refused text again: stops, exit 2, nothing changed
+    for (editor, says) in [
+        (
+            "sed -i '/^spec:/,/^status:/s/cpus: 3/cpus: many/'",
+            "same refused change",
+        ),
+        ("sed -i 's/name: e1/name: e2/'", "metadata.name"),
+        (
+            "sed -i 's/phase: Stopped/phase: Running/'",
+            "status cannot be changed",
+        ),
+    ] {
+        let o = edit(editor, &["edit", "vm", "e1"]);
+        assert_eq!(o.status.code(), Some(2), "{editor}");
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains(says),
+            "{editor}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    assert_eq!(
+        home.ok(&["get", "vm", "e1", "-o", "jsonpath={.spec.resources.cpus}"]),
+        "3\n"
+    );
+    // the guest verb moved: `file edit` (the old `edit VM PATH --old --new` form is refused)
+    let help = home.ok(&["file", "--help"]);
+    assert!(
+        help.contains("edit") && help.contains("read") && help.contains("write"),
+        "{help}"
+    );
+    assert_eq!(
+        code(
+            &home,
+            &["edit", "e1", "/etc/hostname", "--old", "a", "--new", "b"]
+        ),
+        2
+    );
+}
+
+/// `patch --type merge|json`, `label`/`annotate` (KEY-, --overwrite, -l), `scale pool`.
+#[test]
+fn patch_label_annotate_scale() {
+    let home = Home::new();
+    home.ok(&["new", "p1", "--from", "tiny", "--stopped", "--wait"]);
+    home.ok(&["new", "p2", "--from", "tiny", "--stopped", "--wait"]);
+    let get = |path: &str| home.ok(&["get", "vm", "p1", "-o", &format!("jsonpath={path}")]);
+    assert_eq!(
+        home.ok(&[
+            "patch",
+            "vm",
+            "p1",
+            "-p",
+            r#"{"spec":{"resources":{"cpus":2}}}"#
+        ]),
+        "vm/p1 patched\n"
+    );
+    assert_eq!(
+        home.ok(&["patch", "vm/p1", "-p", "spec: {resources: {cpus: 2}}"]),
+        "vm/p1 patched (no change)\n",
+        "YAML patches too, and no change is said"
+    );
+    home.ok(&[
+        "patch",
+        "vm",
+        "p1",
+        "--type",
+        "json",
+        "-p",
+        r#"[{"op":"replace","path":"/spec/resources/cpus","value":4}]"#,
+    ]);
+    assert_eq!(get("{.spec.resources.cpus}"), "4\n");
+    for (bad, exit) in [
+        (
+            vec![
+                "patch",
+                "vm",
+                "p1",
+                "-p",
+                r#"{"spec":{"resources":{"cpus":"x"}}}"#,
+            ],
+            2,
+        ),
+        (
+            vec![
+                "patch",
+                "vm",
+                "p1",
+                "--type",
+                "json",
+                "-p",
+                r#"[{"op":"remove","path":"/spec/nothing"}]"#,
+            ],
+            2,
+        ),
+        (
+            vec![
+                "patch",
+                "vm",
+                "p1",
+                "-p",
+                r#"{"metadata":{"finalizers":["x"]}}"#,
+            ],
+            2,
+        ),
+        (
+            vec![
+                "patch",
+                "vm",
+                "p1",
+                "-p",
+                r#"{"status":{"phase":"Running"}}"#,
+            ],
+            2,
+        ),
+        (
+            vec![
+                "patch",
+                "vm",
+                "p1",
+                "-p",
+                r#"{"metadata":{"resourceVersion":"1"}}"#,
+            ],
+            5,
+        ),
+        (vec!["patch", "vm", "p1", "--type", "xml", "-p", "{}"], 2),
+        (vec!["patch", "vm", "nope", "-p", "{}"], 3),
+    ] {
+        assert_eq!(code(&home, &bad), exit, "{bad:?}");
+    }
+    assert_eq!(
+        get("{.spec.resources.cpus}"),
+        "4\n",
+        "refused patches changed nothing"
+    );
+
+    // label: set, refuse a different value without --overwrite (as kubectl), remove with KEY-
+    assert_eq!(
+        home.ok(&["label", "vm", "p1", "p2", "team=web"]),
+        "vm/p1 labeled\nvm/p2 labeled\n"
+    );
+    assert_eq!(code(&home, &["label", "vm", "p1", "team=api"]), 5);
+    home.ok(&["label", "vm/p1", "team=api", "--overwrite"]);
+    assert_eq!(
+        home.ok(&["get", "vms", "-l", "team=web", "-o", "name"]),
+        "vm/p2\n"
+    );
+    home.ok(&["label", "vm", "-l", "team", "tier=db"]);
+    assert_eq!(
+        home.ok(&["get", "vms", "-l", "tier=db", "-o", "name"]),
+        "vm/p1\nvm/p2\n"
+    );
+    home.ok(&["label", "vm", "--all", "tier-"]);
+    assert_eq!(code(&home, &["get", "vms", "-l", "tier", "-o", "name"]), 0);
+    assert_eq!(home.ok(&["get", "vms", "-l", "tier", "-o", "name"]), "");
+    assert_eq!(code(&home, &["label", "vm", "p1"]), 2, "no change named");
+    assert_eq!(
+        code(&home, &["label", "vm", "p1", "boxery.dev/x=1"]),
+        2,
+        "the system's keys"
+    );
+    // annotate
+    home.ok(&["annotate", "vm", "p1", "owner=ana"]);
+    assert_eq!(get("{.metadata.annotations.owner}"), "ana\n");
+    home.ok(&["annotate", "vm", "p1", "owner-"]);
+    assert!(
+        !home
+            .ok(&["get", "vm", "p1", "-o", "json"])
+            .contains("\"owner\"")
+    );
+
+    // scale: the pool's replicas, --current-replicas as a precondition, only pools
+    home.ok(&["apply", "-f", home.write("pool.yaml", "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: sp}\nspec: {replicas: 1, template: {spec: {source: {image: tiny}}}}\n").to_str().unwrap()]);
+    assert_eq!(
+        home.ok(&["scale", "pool", "sp", "--replicas", "3"]),
+        "pool/sp scaled\n"
+    );
+    assert_eq!(
+        home.ok(&["get", "pool", "sp", "-o", "jsonpath={.spec.replicas}"]),
+        "3\n"
+    );
+    assert_eq!(
+        code(
+            &home,
+            &[
+                "scale",
+                "pool/sp",
+                "--replicas",
+                "0",
+                "--current-replicas",
+                "2"
+            ]
+        ),
+        5
+    );
+    home.ok(&[
+        "scale",
+        "pool/sp",
+        "--replicas",
+        "0",
+        "--current-replicas",
+        "3",
+    ]);
+    assert_eq!(code(&home, &["scale", "vm", "p1", "--replicas", "2"]), 2);
+}
+
+/// Selection as kubectl's: `delete -f FILE|DIR`, `-k DIR`, `-l`, `--all`, `--ignore-not-found`;
+/// `describe -l` and `describe KIND`; `wait -l`/`--all`.
+#[test]
+fn selection_by_file_label_and_all() {
+    let home = Home::new();
+    let dir = home.path().join("m");
+    std::fs::create_dir_all(&dir).unwrap();
+    for n in ["d1", "d2"] {
+        std::fs::write(
+            dir.join(format!("{n}.yaml")),
+            vm_yaml(n).replace("debian-12", "tiny"),
+        )
+        .unwrap();
+    }
+    std::fs::write(
+        dir.join("kustomization.yaml"),
+        "resources: [d1.yaml, d2.yaml]\ncommonLabels: {app: k}\n",
+    )
+    .unwrap();
+    let d = dir.to_str().unwrap();
+    let o = home.run(&["apply", "-f", d]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("kustomization.yaml: a kustomization"),
+        "a kustomization in a directory is skipped with a note"
+    );
+    // -k builds it with kubectl kustomize (its labels are there); kubectl is needed for this
+    let have_kubectl = std::process::Command::new("kubectl")
+        .arg("version")
+        .arg("--client")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        have_kubectl,
+        "kubectl is not installed: `-k` builds kustomizations with `kubectl kustomize` (scripts/install-deps.sh installs it)"
+    );
+    home.ok(&["apply", "-k", d]);
+    assert_eq!(
+        home.ok(&["get", "vms", "-l", "app=k", "-o", "name"]),
+        "vm/d1\nvm/d2\n"
+    );
+    assert_eq!(home.ok(&["diff", "-k", d]), "");
+
+    home.ok(&["new", "x1", "--from", "tiny", "--stopped"]);
+    home.ok(&["label", "vm", "x1", "team=web"]);
+    assert!(
+        home.ok(&["describe", "vm", "-l", "team=web"])
+            .contains("Name:         x1")
+    );
+    let all = home.ok(&["describe", "vms"]);
+    assert_eq!(all.matches("\nKind:").count(), 3, "{all}");
+    home.ok(&[
+        "wait",
+        "vm",
+        "--all",
+        "--for=jsonpath={.metadata.name}",
+        "--timeout",
+        "5s",
+    ]);
+    home.ok(&[
+        "wait",
+        "vm",
+        "-l",
+        "app=k",
+        "--for=jsonpath={.kind}=Vm",
+        "--timeout",
+        "5s",
+    ]);
+
+    assert_eq!(
+        home.ok(&["delete", "-f", d, "--wait"]),
+        "vm/d1 deleting\nvm/d2 deleting\nvm/d1 deleted\nvm/d2 deleted\n"
+    );
+    assert_eq!(
+        code(&home, &["delete", "-f", d]),
+        3,
+        "gone now: not found, as kubectl"
+    );
+    assert_eq!(home.ok(&["delete", "-f", d, "--ignore-not-found"]), "");
+    assert_eq!(home.ok(&["delete", "vm", "zz", "--ignore-not-found"]), "");
+    assert_eq!(code(&home, &["delete", "vm", "zz"]), 3);
+    home.ok(&["new", "x2", "--from", "tiny", "--stopped"]);
+    assert_eq!(
+        home.ok(&["delete", "vm", "-l", "team=web"]),
+        "vm/x1 deleting\n"
+    );
+    home.ok(&["wait", "vm/x1", "--for=delete", "--timeout", "60s"]);
+    assert_eq!(home.ok(&["delete", "vm", "--all"]), "vm/x2 deleting\n");
+    assert_eq!(
+        code(&home, &["delete", "vm"]),
+        2,
+        "a kind alone deletes nothing"
+    );
+    assert_eq!(code(&home, &["delete", "vm", "x", "-f", d]), 2);
+}
+
+/// Manifests as a kubectl user writes them: every bad document reported (not the first only),
+/// typos answered with the nearest field or value, `--dry-run=client|server` with `-o yaml`.
+#[test]
+fn manifest_errors_and_dry_runs() {
+    let home = Home::new();
+    let dir = home.path().join("m");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("a.yaml"),
+        vm_yaml("a1").replace("source:", "resources: {cpu: 2}\n  source:"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("b.yaml"),
+        vm_yaml("b1").replace("source:", "runStrategy: running\n  source:"),
+    )
+    .unwrap();
+    std::fs::write(dir.join("c.yaml"), "# only a comment\n").unwrap();
+    let o = home.run(&["apply", "-f", dir.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("unknown field `cpu`: did you mean `cpus`?"),
+        "{err}"
+    );
+    assert!(
+        err.contains("`running` is not one of Running, Stopped: did you mean `Running`?"),
+        "{err}"
+    );
+    assert!(err.contains("2 documents are invalid"), "{err}");
+    assert!(err.contains("c.yaml: it holds no document"), "{err}");
+    assert!(
+        home.ok(&["get", "vms", "-o", "name"]).is_empty(),
+        "nothing applied"
+    );
+
+    std::fs::remove_file(dir.join("a.yaml")).unwrap();
+    std::fs::write(
+        dir.join("b.yaml"),
+        vm_yaml("b1").replace("debian-12", "tiny"),
+    )
+    .unwrap();
+    let d = dir.to_str().unwrap();
+    assert_eq!(
+        home.ok(&["apply", "-f", d, "--dry-run=client"]),
+        "vm/b1 created (dry run)\n"
+    );
+    let y = home.ok(&["apply", "-f", d, "--dry-run=server", "-o", "yaml"]);
+    assert!(
+        y.contains("kind: Vm") && y.contains("cpus: 1"),
+        "server dry run shows the defaults: {y}"
+    );
+    assert!(
+        home.ok(&["get", "vms", "-o", "name"]).is_empty(),
+        "dry runs write nothing"
+    );
+    assert_eq!(home.ok(&["apply", "-f", d, "-o", "name"]), "vm/b1\n");
+    assert_eq!(
+        home.ok(&["apply", "-f", d, "--dry-run=client"]),
+        "vm/b1 unchanged (dry run)\n"
+    );
+    assert_eq!(code(&home, &["apply", "-f", d, "--dry-run=maybe"]), 2);
+}
+
+/// `kubectl boxery …`: the binary linked as `kubectl-boxery` on PATH is a kubectl plugin.
+#[test]
+fn works_as_a_kubectl_plugin() {
+    let home = Home::new();
+    let bin_dir = home.path().join("bin");
+    std::fs::create_dir_all(&bin_dir).unwrap();
+    std::os::unix::fs::symlink(common::bin(), bin_dir.join("kubectl-boxery")).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let run = |args: &[&str]| {
+        std::process::Command::new("kubectl")
+            .args(args)
+            .env("PATH", &path)
+            .env("BOXERY_HOME", home.path())
+            .env("BOXERY_BACKEND", "fake")
+            .output()
+            .expect("kubectl is installed (the plugin test needs it)")
+    };
+    let o = run(&["plugin", "list"]);
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("kubectl-boxery"),
+        "{o:?}"
+    );
+    home.ok(&["new", "k1", "--from", "tiny", "--stopped"]);
+    let o = run(&["boxery", "get", "vms", "-o", "name"]);
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "vm/k1\n");
 }

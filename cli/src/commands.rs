@@ -94,27 +94,141 @@ pub fn kind_and_name(kind_arg: &str, name: Option<String>) -> CliResult<(String,
     }
 }
 
-/// `apply -f`.
+/// `apply --dry-run=…`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DryRun {
+    /// Write.
+    None,
+    /// Check the manifests here and compare them with what is stored; nothing is written.
+    Client,
+    /// The real write path, rolled back.
+    Server,
+}
+
+/// `apply -f|-k`.
 pub async fn apply(
     v: &Verbs,
-    files: &[String],
-    dry_run: bool,
+    manifests: Vec<boxery_api::codec::Manifest>,
+    dry: DryRun,
+    output: Option<Format>,
     prune: Option<&str>,
     wait_for: Option<Duration>,
 ) -> CliResult {
-    let manifests = crate::manifests::read_all(files)?;
     let prune = prune.map(|p| objects::selector(Some(p))).transpose()?;
-    let objs = manifests.into_iter().map(|m| m.object).collect();
-    let applied = objects::apply(v, objs, dry_run, prune).await?;
-    for line in applied.lines() {
-        outln!("{line}");
+    let objs: Vec<DynObject> = manifests.into_iter().map(|m| m.object).collect();
+    let (lines, objects, waits) = if dry == DryRun::Client {
+        client_dry_run(v, objs, prune.as_ref()).await?
+    } else {
+        let applied = objects::apply(v, objs, dry == DryRun::Server, prune).await?;
+        let objects = applied
+            .results
+            .iter()
+            .filter(|(a, _)| *a != boxery_store::ApplyAction::Pruned)
+            .map(|(_, o)| o.clone())
+            .collect();
+        (applied.lines(), objects, applied.waits)
+    };
+    match &output {
+        None => {
+            for line in &lines {
+                outln!("{line}");
+            }
+        }
+        Some(Format::Name) => {
+            for o in &objects {
+                outln!("{}/{}", singular(&o.kind), o.metadata.name);
+            }
+        }
+        Some(f @ (Format::Yaml | Format::Json)) => print_objects(&objects, f)?,
+        Some(_) => {
+            return Err(CliError::invalid("apply -o takes yaml, json or name"));
+        }
     }
-    if let (Some(timeout), false) = (wait_for, dry_run) {
-        for (until, targets) in &applied.waits {
+    if let (Some(timeout), DryRun::None) = (wait_for, dry) {
+        for (until, targets) in &waits {
             wait::all(v, targets, until, timeout).await?;
         }
     }
     Ok(())
+}
+
+/// The singular name of a kind (`Vm` → `vm`).
+fn singular(kind: &str) -> &str {
+    boxery_api::lookup_kind(kind).map_or(kind, |k| k.singular)
+}
+
+/// Objects of any kinds as YAML or JSON: one object alone, several as a `kind: List`.
+fn print_objects(objects: &[DynObject], f: &Format) -> CliResult {
+    let values: Vec<Value> = objects.iter().map(output::display_value).collect();
+    let v = match values.len() {
+        1 => values[0].clone(),
+        _ => {
+            serde_json::json!({"apiVersion": boxery_api::API_VERSION, "kind": "List", "items": values})
+        }
+    };
+    match f {
+        Format::Json => outln!(
+            "{}",
+            serde_json::to_string_pretty(&v)
+                .map_err(|e| CliError::new(crate::exit::Code::Failed, e))?
+        ),
+        _ => out!("{}", output::to_yaml(&v)?),
+    }
+    Ok(())
+}
+
+/// `apply --dry-run=client`: what apply would do to each object, told from what is stored
+/// (read only); the manifests were checked when read. With prune, the objects it would delete.
+async fn client_dry_run(
+    v: &Verbs,
+    objs: Vec<DynObject>,
+    prune: Option<&boxery_api::Selector>,
+) -> CliResult<(Vec<String>, Vec<DynObject>, Vec<(Until, Vec<ObjectRef>)>)> {
+    let mut lines = Vec::new();
+    for o in &objs {
+        let live = v.store().get(&ObjectRef::to(o)).await?;
+        let word = match &live {
+            None => "created",
+            Some(l) if strip_for_diff(l) == strip_for_diff(o) => "unchanged",
+            Some(_) => "configured",
+        };
+        lines.push(format!(
+            "{}/{} {word} (dry run)",
+            singular(&o.kind),
+            o.metadata.name
+        ));
+    }
+    if let Some(sel) = prune {
+        for (kind, name) in prunable(v, &objs, sel).await? {
+            lines.push(format!("{}/{name} pruned (dry run)", singular(&kind)));
+        }
+    }
+    Ok((lines, objs, Vec::new()))
+}
+
+/// What `apply --prune -l SEL` of `objs` would delete: objects of the kinds in the set that
+/// match, were made by apply (they carry its record) and are not in the set.
+async fn prunable(
+    v: &Verbs,
+    objs: &[DynObject],
+    sel: &boxery_api::Selector,
+) -> CliResult<Vec<(String, String)>> {
+    let mut kinds: Vec<&str> = objs.iter().map(|o| o.kind.as_str()).collect();
+    kinds.sort();
+    kinds.dedup();
+    let mut out = Vec::new();
+    for k in kinds {
+        let (live, _) = v.store().list(k, sel).await?;
+        for l in live {
+            let named = objs
+                .iter()
+                .any(|o| o.kind == l.kind && o.metadata.name == l.metadata.name);
+            if !named && l.metadata.annotations.contains_key(LAST_APPLIED) {
+                out.push((l.kind.clone(), l.metadata.name.clone()));
+            }
+        }
+    }
+    Ok(out)
 }
 
 fn strip_for_diff(o: &DynObject) -> Value {
@@ -136,9 +250,9 @@ fn strip_for_diff(o: &DynObject) -> Value {
     v
 }
 
-/// `diff -f`: what `apply` would change. Returns whether anything differs.
-pub async fn diff(v: &Verbs, files: &[String]) -> CliResult<bool> {
-    let manifests = crate::manifests::read_all(files)?;
+/// `diff -f|-k`: what `apply` would change. Returns whether anything differs. (What `apply
+/// --prune` would delete is `apply --prune -l SEL --dry-run`'s to say: diff has no selector.)
+pub async fn diff(v: &Verbs, manifests: Vec<boxery_api::codec::Manifest>) -> CliResult<bool> {
     let objs = manifests.into_iter().map(|m| m.object).collect();
     let pairs = objects::diff(v, objs).await?;
     let mut differs = false;
@@ -499,24 +613,56 @@ pub async fn events(v: &Verbs, kind_name: Option<&str>, name: Option<&str>) -> C
     )?)
 }
 
+/// How `delete` deletes.
+#[derive(Debug, Clone)]
+pub struct DeleteOptions {
+    /// Wait (this long at most) until the objects are gone.
+    pub wait_for: Option<Duration>,
+    /// `--force`: see `delete --help`.
+    pub force: bool,
+    /// `--ignore-not-found`: a missing object is skipped in silence.
+    pub ignore_not_found: bool,
+}
+
 /// `delete` (and `rm`).
 pub async fn delete(
     v: &Verbs,
     kind_name: &str,
     names: &[String],
-    wait_for: Option<Duration>,
-    force: bool,
+    how: &DeleteOptions,
 ) -> CliResult {
     let info = kind(kind_name)?;
-    if force && !names.is_empty() {
-        // before anything is marked: --force acts on the backend at once
+    let mut names = names.to_vec();
+    if how.ignore_not_found {
+        let mut present = Vec::new();
         for n in names {
+            boxery_api::Name::for_kind(info, &n).map_err(|e| CliError::invalid(e.0))?;
+            if v.store()
+                .get(&ObjectRef::new(info.kind, &n))
+                .await?
+                .is_some()
+            {
+                present.push(n);
+            }
+        }
+        names = present;
+        if names.is_empty() {
+            return Ok(());
+        }
+    }
+    if names.is_empty() {
+        eprintln!("No {} found.", info.plural);
+        return Ok(());
+    }
+    if how.force {
+        // before anything is marked: --force acts on the backend at once
+        for n in &names {
             boxery_api::Name::for_kind(info, n).map_err(|e| CliError::invalid(e.0))?;
         }
         objects::check_backend(v).await?;
     }
     let mut targets = Vec::new();
-    for d in objects::delete(v, info, names).await? {
+    for d in objects::delete(v, info, &names).await? {
         match d {
             Deleted::Removed(n) => outln!("{}/{n} deleted", info.singular),
             Deleted::Deleting(n) => {
@@ -525,18 +671,51 @@ pub async fn delete(
             }
         }
     }
-    if force {
+    if how.force {
         for t in &targets {
             boxery_verbs::runtime::force_delete(v, &t.kind, &t.name).await?;
             outln!("{}/{} deleted (forced)", info.singular, t.name);
         }
         return Ok(());
     }
-    if let Some(t) = wait_for {
+    if let Some(t) = how.wait_for {
         wait::quiet(v, &targets, &Until::Deleted, t).await?;
         for t in &targets {
             outln!("{}/{} deleted", info.singular, t.name);
         }
+    }
+    Ok(())
+}
+
+/// `delete -f|-k`: the objects the manifests name, kind by kind in the manifests' order. A
+/// missing one is reported and the others are still deleted (exit 3), unless
+/// `--ignore-not-found`.
+pub async fn delete_manifests(
+    v: &Verbs,
+    manifests: &[boxery_api::codec::Manifest],
+    how: &DeleteOptions,
+) -> CliResult {
+    let mut missing = Vec::new();
+    let mut by_kind: Vec<(&str, Vec<String>)> = Vec::new();
+    for m in manifests {
+        let o = &m.object;
+        if v.store().get(&ObjectRef::to(o)).await?.is_none() {
+            missing.push(format!("{}/{}", singular(&o.kind), o.metadata.name));
+            continue;
+        }
+        match by_kind.iter_mut().find(|(k, _)| *k == o.kind) {
+            Some((_, names)) => names.push(o.metadata.name.clone()),
+            None => by_kind.push((o.kind.as_str(), vec![o.metadata.name.clone()])),
+        }
+    }
+    for (k, names) in &by_kind {
+        delete(v, k, names, how).await?;
+    }
+    if !missing.is_empty() && !how.ignore_not_found {
+        return Err(CliError::not_found(format!(
+            "not found: {} (--ignore-not-found skips them)",
+            missing.join(", ")
+        )));
     }
     Ok(())
 }

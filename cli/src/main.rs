@@ -1,6 +1,7 @@
 //! `boxery`: VMs as hands for coding agents, declaratively.
 
 mod args;
+mod changes;
 mod commands;
 mod exit;
 mod grants;
@@ -80,6 +81,17 @@ struct TableArgs {
     sort_by: Option<String>,
 }
 
+/// Where manifests come from: `-f` and `-k`, as kubectl's.
+#[derive(Debug, Clone, clap::Args)]
+struct Sources {
+    /// A manifest file, a directory (read recursively), or - for stdin. Repeatable.
+    #[arg(short = 'f', long = "filename", required_unless_present = "kustomize")]
+    files: Vec<String>,
+    /// A directory with a kustomization, built by `kubectl kustomize DIR`. Repeatable.
+    #[arg(short = 'k', long = "kustomize", value_name = "DIR")]
+    kustomize: Vec<String>,
+}
+
 /// `--wait` and `--timeout`, shared.
 #[derive(Debug, Clone, clap::Args)]
 struct WaitArgs {
@@ -100,15 +112,21 @@ impl WaitArgs {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Create or update objects from YAML/JSON manifests (files, directories, or - for stdin).
-    /// One apply is all or nothing: a bad document changes nothing.
+    /// Create or update objects from YAML/JSON manifests (files, directories, or - for stdin)
+    /// or a kustomization (-k DIR). One apply is all or nothing: a bad document changes
+    /// nothing, and every bad document is reported.
     Apply {
-        /// A manifest file, a directory (read recursively), or - for stdin. Repeatable.
-        #[arg(short = 'f', long = "filename", required = true)]
-        files: Vec<String>,
-        /// Validate and show what would happen; write nothing.
-        #[arg(long)]
-        dry_run: bool,
+        #[command(flatten)]
+        sources: Sources,
+        /// Show what would happen and write nothing: `server` (also the bare flag) runs the
+        /// real write path (validation, defaults, conflicts) and rolls it back; `client`
+        /// checks the manifests here and compares them with what is stored.
+        #[arg(long, value_name = "client|server", num_args = 0..=1, require_equals = true, default_missing_value = "server", value_parser = ["client", "server", "none"])]
+        dry_run: Option<String>,
+        /// Print the applied objects (as stored, or as they would be with --dry-run): yaml,
+        /// json or name.
+        #[arg(short, long, value_name = "FORMAT")]
+        output: Option<String>,
         /// Delete objects matching -l that an earlier apply created and this one no longer names.
         #[arg(long, requires = "selector")]
         prune: bool,
@@ -136,19 +154,40 @@ enum Command {
         #[command(flatten)]
         table: TableArgs,
     },
-    /// Show one object in detail: spec, status, conditions, recent events.
+    /// Show objects in detail: spec, status, conditions, recent events. With no name, every
+    /// object of the kind (or those matching -l), as kubectl's.
     Describe {
         /// The kind, or KIND/NAME.
         kind: String,
-        /// The name (unless given as KIND/NAME).
-        name: Option<String>,
+        /// Names (unless given as KIND/NAME).
+        names: Vec<String>,
+        /// Describe the objects of the kind matching this label selector.
+        #[arg(short = 'l', long = "selector")]
+        selector: Option<String>,
     },
-    /// Delete objects. Their controllers clean up first (the VM is removed from the backend).
+    /// Delete objects: by name (`vm dev1`, `vm/dev1`), by label (`vm -l team=web`), every one
+    /// of a kind (`vm --all`), or those in manifests (`-f FILE|DIR`, `-k DIR`). Their
+    /// controllers clean up first (the VM is removed from the backend).
     Delete {
-        /// The kind, or KIND/NAME.
-        kind: String,
+        /// The kind, or KIND/NAME (none with -f/-k).
+        kind: Option<String>,
         /// Names.
         names: Vec<String>,
+        /// Delete the objects these manifests name (files, directories, or -).
+        #[arg(short = 'f', long = "filename", conflicts_with_all = ["kind", "selector", "all"])]
+        files: Vec<String>,
+        /// Delete the objects this kustomization builds (`kubectl kustomize DIR`).
+        #[arg(short = 'k', long = "kustomize", value_name = "DIR", conflicts_with_all = ["kind", "selector", "all"])]
+        kustomize: Vec<String>,
+        /// Delete every object of the kind matching this label selector.
+        #[arg(short = 'l', long = "selector", conflicts_with = "all")]
+        selector: Option<String>,
+        /// Delete every object of the kind.
+        #[arg(long)]
+        all: bool,
+        /// An object that does not exist is not an error.
+        #[arg(long)]
+        ignore_not_found: bool,
         /// Drop boxery's finalizer once the backend confirms the VM or image is gone (for a
         /// delete stuck on a broken backend).
         #[arg(long)]
@@ -158,16 +197,21 @@ enum Command {
     },
     /// Show what `apply` would change. Exit 0: no difference; 1: differences; 2+: error.
     Diff {
-        /// Manifest files or directories.
-        #[arg(short = 'f', long = "filename", required = true)]
-        files: Vec<String>,
+        #[command(flatten)]
+        sources: Sources,
     },
-    /// Wait for a condition on an object.
+    /// Wait for a condition on objects: named, matching -l, or --all of a kind.
     Wait {
         /// The kind, or KIND/NAME.
         kind: String,
-        /// The name (unless given as KIND/NAME).
-        name: Option<String>,
+        /// Names (unless given as KIND/NAME).
+        names: Vec<String>,
+        /// Wait for every object of the kind matching this label selector (as it is now).
+        #[arg(short = 'l', long = "selector")]
+        selector: Option<String>,
+        /// Wait for every object of the kind (as it is now).
+        #[arg(long)]
+        all: bool,
         /// condition=Ready[=True|False] (any case), delete, jsonpath={.status.phase}=Stopped, or
         /// jsonpath={.status.vm} (the path has a value).
         #[arg(long = "for")]
@@ -393,31 +437,131 @@ enum Command {
         #[command(subcommand)]
         action: JobsCmd,
     },
-    /// Print a text file in a VM (or a line range of it).
+    /// Files in a VM: read, write, and replace text in them (the vm_read, vm_write and
+    /// vm_edit tools).
+    File {
+        #[command(subcommand)]
+        cmd: FileCmd,
+    },
+    /// (`file read`, kept for scripts that call it by its old name.)
+    #[command(hide = true)]
     Read {
-        /// The VM.
-        #[arg(value_parser = args::label)]
-        vm: String,
-        /// The file.
-        path: String,
-        /// First line (from 1).
-        #[arg(long)]
-        offset: Option<u64>,
-        /// How many lines.
-        #[arg(long)]
-        limit: Option<u64>,
+        #[command(flatten)]
+        args: FileRead,
     },
-    /// Write stdin to a file in a VM, atomically (temp file + rename).
+    /// (`file write`, kept for scripts that call it by its old name.)
+    #[command(hide = true)]
     Write {
-        /// The VM.
-        #[arg(value_parser = args::label)]
-        vm: String,
-        /// The file.
-        path: String,
-        /// Only if the file is still at this version (from `read --version`), or `absent`.
-        #[arg(long = "if-version", id = "if_version")]
-        version: Option<String>,
+        #[command(flatten)]
+        args: FileWrite,
     },
+    /// Edit an object in your editor ($KUBE_EDITOR, $EDITOR or vi) as YAML; saving applies what
+    /// you changed, and a refused change reopens the file with the reason. (Text in a file in a
+    /// VM: `boxery file edit`.)
+    Edit {
+        /// The kind, or KIND/NAME.
+        kind: String,
+        /// The name (unless given as KIND/NAME).
+        name: Option<String>,
+    },
+    /// Change an object with a JSON merge patch (`--type merge`, the default; `strategic` is
+    /// taken as merge) or a JSON patch (`--type json`), e.g. `patch vm dev1 -p
+    /// '{"spec":{"resources":{"cpus":2}}}'`.
+    Patch {
+        /// The kind, or KIND/NAME.
+        kind: String,
+        /// The name (unless given as KIND/NAME).
+        name: Option<String>,
+        /// merge (RFC 7386) or json (RFC 6902).
+        #[arg(long = "type", default_value = "merge", value_parser = patch_type_arg)]
+        patch_type: boxery_verbs::edit::PatchType,
+        /// The patch, JSON or YAML.
+        #[arg(short = 'p', long = "patch", conflicts_with = "patch_file")]
+        patch: Option<String>,
+        /// A file holding the patch.
+        #[arg(long, value_name = "FILE")]
+        patch_file: Option<PathBuf>,
+    },
+    /// Set (KEY=VALUE) or remove (KEY-) labels: `label vm dev1 team=web tier-`.
+    Label {
+        #[command(flatten)]
+        args: MetaArgs,
+    },
+    /// Set (KEY=VALUE) or remove (KEY-) annotations: `annotate vm dev1 owner=ana`.
+    Annotate {
+        #[command(flatten)]
+        args: MetaArgs,
+    },
+    /// Set a pool's replicas: `scale pool web --replicas 5`.
+    Scale {
+        /// The kind (pool), or pool/NAME.
+        kind: String,
+        /// Pool names (unless given as pool/NAME).
+        names: Vec<String>,
+        /// The number of members wanted.
+        #[arg(long)]
+        replicas: u32,
+        /// Only if the pool has this many now.
+        #[arg(long, value_name = "N")]
+        current_replicas: Option<u32>,
+    },
+}
+
+/// `label`/`annotate`'s arguments, as kubectl's.
+#[derive(Debug, Clone, clap::Args)]
+struct MetaArgs {
+    /// The kind, or KIND/NAME.
+    kind: String,
+    /// Names (unless given as KIND/NAME), then the changes: KEY=VALUE sets, KEY- removes.
+    #[arg(required = true, value_name = "NAME… KEY=VALUE… KEY-")]
+    args: Vec<String>,
+    /// Replace a key that already has another value.
+    #[arg(long)]
+    overwrite: bool,
+    /// Change every object of the kind matching this label selector.
+    #[arg(short = 'l', long = "selector")]
+    selector: Option<String>,
+    /// Change every object of the kind.
+    #[arg(long)]
+    all: bool,
+}
+
+/// `file read`.
+#[derive(Debug, Clone, clap::Args)]
+struct FileRead {
+    /// The VM.
+    #[arg(value_parser = args::label)]
+    vm: String,
+    /// The file.
+    path: String,
+    /// First line (from 1).
+    #[arg(long)]
+    offset: Option<u64>,
+    /// How many lines.
+    #[arg(long)]
+    limit: Option<u64>,
+}
+
+/// `file write`.
+#[derive(Debug, Clone, clap::Args)]
+struct FileWrite {
+    /// The VM.
+    #[arg(value_parser = args::label)]
+    vm: String,
+    /// The file.
+    path: String,
+    /// Only if the file is still at this version (from `file read`), or `absent`.
+    #[arg(long = "if-version", id = "if_version")]
+    version: Option<String>,
+}
+
+/// `boxery file …`.
+#[derive(Debug, Subcommand)]
+enum FileCmd {
+    /// Print a text file in a VM (or a line range of it); its version goes to stderr.
+    Read(FileRead),
+    /// Write stdin to a file in a VM, atomically (temp file + rename).
+    Write(FileWrite),
     /// Replace text in a file in a VM: OLD must occur exactly COUNT times; atomic.
     Edit {
         /// The VM.
@@ -438,6 +582,10 @@ enum Command {
         #[arg(long = "if-version", id = "if_version")]
         version: Option<String>,
     },
+}
+
+fn patch_type_arg(s: &str) -> Result<boxery_verbs::edit::PatchType, String> {
+    s.parse()
 }
 
 /// `boxery jobs …`.
@@ -552,7 +700,7 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
         Command::Mcp { vm, .. } => mcp::stdio(&env, vm).await?,
         command @ (Command::Read { .. }
         | Command::Write { .. }
-        | Command::Edit { .. }
+        | Command::File { .. }
         | Command::Jobs { .. }) => return tool_command(&env, command).await,
         command => {
             let v = Verbs::open(env, Voice::Cli)?;
@@ -565,7 +713,10 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
 /// The `--wait` of a command that writes, if it has one.
 fn write_wait(command: &Command) -> Option<&WaitArgs> {
     match command {
-        Command::Apply { wait, dry_run, .. } => (!dry_run).then_some(wait),
+        Command::Apply { wait, dry_run, .. } => dry_run
+            .as_deref()
+            .is_none_or(|d| d == "none")
+            .then_some(wait),
         Command::Delete { wait, .. }
         | Command::New { wait, .. }
         | Command::Snap { wait, .. }
@@ -607,6 +758,46 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         | Command::Diff { .. }
         | Command::Wait { .. }
         | Command::Events { .. }) => return object_command(v, command).await,
+        Command::Edit { kind, name } => changes::edit(v, &kind, name).await?,
+        Command::Patch {
+            kind,
+            name,
+            patch_type,
+            patch,
+            patch_file,
+        } => changes::patch(v, &kind, name, patch_type, patch, patch_file).await?,
+        Command::Label { args: a } => {
+            let map = boxery_verbs::edit::MetaMap::Labels;
+            changes::set_meta(
+                v,
+                map,
+                &a.kind,
+                &a.args,
+                a.overwrite,
+                a.selector.as_deref(),
+                a.all,
+            )
+            .await?
+        }
+        Command::Annotate { args: a } => {
+            let map = boxery_verbs::edit::MetaMap::Annotations;
+            changes::set_meta(
+                v,
+                map,
+                &a.kind,
+                &a.args,
+                a.overwrite,
+                a.selector.as_deref(),
+                a.all,
+            )
+            .await?
+        }
+        Command::Scale {
+            kind,
+            names,
+            replicas,
+            current_replicas,
+        } => changes::scale(v, &kind, &names, replicas, current_replicas).await?,
         Command::Pool(cmd) => pools::pool(v, cmd).await?,
         Command::Lease(cmd) => pools::lease(v, cmd).await?,
         Command::Grant(a) => return grants::grant(v, a).await,
@@ -623,14 +814,22 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
 async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
     match command {
         Command::Apply {
-            files,
+            sources,
             dry_run,
+            output,
             prune,
             selector,
             wait,
         } => {
             let prune = if prune { selector.as_deref() } else { None };
-            commands::apply(v, &files, dry_run, prune, wait.wait_for()).await?;
+            let dry = match dry_run.as_deref() {
+                None | Some("none") => commands::DryRun::None,
+                Some("client") => commands::DryRun::Client,
+                _ => commands::DryRun::Server,
+            };
+            let output = output.map(|o| o.parse()).transpose()?;
+            let manifests = manifests::read_sources(&sources.files, &sources.kustomize)?;
+            commands::apply(v, manifests, dry, output, prune, wait.wait_for()).await?;
         }
         Command::Get {
             kind,
@@ -657,21 +856,57 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
                     .await?;
             }
         }
-        Command::Describe { kind, name } => {
-            let (kind, name) = commands::kind_and_name(&kind, name)?;
-            commands::describe(v, &kind, &name).await?
+        Command::Describe {
+            kind,
+            names,
+            selector,
+        } => {
+            let all = names.is_empty() && selector.is_none() && !kind.contains('/');
+            let (info, names) =
+                changes::targets(v, &kind, &names, selector.as_deref(), all).await?;
+            if names.is_empty() {
+                eprintln!("No {} found.", info.plural);
+            }
+            for (i, n) in names.iter().enumerate() {
+                if i > 0 {
+                    outln!("");
+                }
+                commands::describe(v, info.singular, n).await?;
+            }
         }
         Command::Delete {
             kind,
             names,
+            files,
+            kustomize,
+            selector,
+            all,
+            ignore_not_found,
             force,
             wait,
         } => {
-            let (kind, names) = commands::kind_and_names(&kind, &names)?;
-            commands::delete(v, &kind, &names, wait.wait_for(), force).await?
+            let how = commands::DeleteOptions {
+                wait_for: wait.wait_for(),
+                force,
+                ignore_not_found,
+            };
+            if !files.is_empty() || !kustomize.is_empty() {
+                let manifests = manifests::read_sources(&files, &kustomize)?;
+                commands::delete_manifests(v, &manifests, &how).await?
+            } else {
+                let Some(kind) = kind else {
+                    return Err(CliError::invalid(
+                        "what to delete: KIND NAME, KIND/NAME, KIND -l SELECTOR, KIND --all, or -f FILE",
+                    ));
+                };
+                let (info, names) =
+                    changes::targets(v, &kind, &names, selector.as_deref(), all).await?;
+                commands::delete(v, info.singular, &names, &how).await?
+            }
         }
-        Command::Diff { files } => {
-            return match commands::diff(v, &files).await {
+        Command::Diff { sources } => {
+            let manifests = manifests::read_sources(&sources.files, &sources.kustomize)?;
+            return match commands::diff(v, manifests).await {
                 Ok(true) => Ok(ExitCode::from(1)),
                 Ok(false) => Ok(ExitCode::SUCCESS),
                 Err(e) if e.code == exit::Code::Failed => {
@@ -682,14 +917,26 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
         }
         Command::Wait {
             kind,
-            name,
+            names,
+            selector,
+            all,
             until,
             timeout,
         } => {
-            let (kind, name) = commands::kind_and_name(&kind, name)?;
-            let info = commands::kind(&kind)?;
-            let target = boxery_store::ObjectRef::new(info.kind, name);
-            wait::all(v, &[target], &until.parse()?, timeout).await?;
+            let until = until.parse()?;
+            let (info, names) =
+                changes::targets(v, &kind, &names, selector.as_deref(), all).await?;
+            if names.is_empty() {
+                return Err(CliError::not_found(format!(
+                    "no {} to wait for",
+                    info.plural
+                )));
+            }
+            let targets: Vec<_> = names
+                .into_iter()
+                .map(|n| boxery_store::ObjectRef::new(info.kind, n))
+                .collect();
+            wait::all(v, &targets, &until, timeout).await?;
         }
         Command::Events { kind, name } => {
             commands::events(v, kind.as_deref(), name.as_deref()).await?
@@ -726,7 +973,12 @@ async fn vm_command(v: &Verbs, command: Command) -> CliResult {
         }
         Command::Resize { name, size, wait } => vms::resize(v, &name, &size, wait.wait_for()).await,
         Command::Rm { names, force, wait } => {
-            commands::delete(v, "vm", &names, wait.wait_for(), force).await
+            let how = commands::DeleteOptions {
+                wait_for: wait.wait_for(),
+                force,
+                ignore_not_found: false,
+            };
+            commands::delete(v, "vm", &names, &how).await
         }
         _ => unreachable!("vm_command is called for VM commands only"),
     }
@@ -852,23 +1104,33 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// read, write, edit, jobs: the tools' runners, their results rendered for the terminal.
+/// file read|write|edit, jobs: the tools' runners, their results rendered for the terminal.
 async fn tool_command(env: &Env, command: Command) -> CliResult<ExitCode> {
     match command {
-        Command::Jobs { action } => return jobs_cmd(env, action).await,
-        Command::Read {
+        Command::Jobs { action } => jobs_cmd(env, action).await,
+        Command::Read { args } => file_cmd(env, FileCmd::Read(args)).await,
+        Command::Write { args } => file_cmd(env, FileCmd::Write(args)).await,
+        Command::File { cmd } => file_cmd(env, cmd).await,
+        _ => unreachable!("tool_command is called for tool commands only"),
+    }
+}
+
+/// `file read|write|edit`: the vm_read, vm_write and vm_edit tools.
+async fn file_cmd(env: &Env, cmd: FileCmd) -> CliResult<ExitCode> {
+    match cmd {
+        FileCmd::Read(FileRead {
             vm,
             path,
             offset,
             limit,
-        } => {
+        }) => {
             let args = json!({"vm": vm, "path": path, "offset": offset, "limit": limit});
             let out = boxery_mcp::run_cli(env, "vm_read", args).await?;
             let data = out.data.unwrap_or_default();
             eprintln!("{}", out.text.lines().next().unwrap_or(""));
             out!("{}", data["content"].as_str().unwrap_or(""));
         }
-        Command::Write { vm, path, version } => {
+        FileCmd::Write(FileWrite { vm, path, version }) => {
             let mut content = String::new();
             std::io::Read::read_to_string(&mut std::io::stdin(), &mut content)
                 .map_err(|e| CliError::invalid(format!("stdin is not UTF-8 text: {e}")))?;
@@ -876,7 +1138,7 @@ async fn tool_command(env: &Env, command: Command) -> CliResult<ExitCode> {
             let out = boxery_mcp::run_cli(env, "vm_write", args).await?;
             outln!("{}", out.text);
         }
-        Command::Edit {
+        FileCmd::Edit {
             vm,
             path,
             old,
@@ -888,7 +1150,6 @@ async fn tool_command(env: &Env, command: Command) -> CliResult<ExitCode> {
             let out = boxery_mcp::run_cli(env, "vm_edit", args).await?;
             outln!("{}", out.text);
         }
-        _ => unreachable!("tool_command is called for tool commands only"),
     }
     Ok(ExitCode::SUCCESS)
 }

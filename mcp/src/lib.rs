@@ -1,7 +1,7 @@
 //! boxery's MCP server and its `vm_*` tool table: every tool's name, description, input JSON
 //! Schema (generated from the Rust argument type by schemars), annotations and runner, in one
 //! place. The server ([`server`]: stdio and streamable HTTP) lists and runs tools from it; the
-//! CLI's `read`, `write`, `edit`, `jobs` and VM-to-VM `cp` commands run the same runners
+//! CLI's `file read|write|edit`, `jobs` and VM-to-VM `cp` commands run the same runners
 //! ([`run_cli`]); the CLI's parity test maps every tool to its CLI command and back. The
 //! tools call the verbs (`boxery-verbs`) and the hands (`boxery-hands`) and render their
 //! results as tool results.
@@ -335,21 +335,21 @@ pub fn tools() -> &'static [Tool] {
                 "vm_read",
                 "Read a text file in the VM, optionally a line range. Returns the lines and the file's version (a hash); pass it to vm_edit to make sure nobody changed the file in between. Binary files are refused.",
                 ro,
-                CliSide::Commands(&["read"]),
+                CliSide::Commands(&["file read"]),
                 files::read,
             ),
             tool(
                 "vm_write",
                 "Write a whole file in the VM atomically (temp file + rename; parent directories are made). Returns the new version.",
                 destructive,
-                CliSide::Commands(&["write"]),
+                CliSide::Commands(&["file write"]),
                 files::write,
             ),
             tool(
                 "vm_edit",
                 "Replace text in a file in the VM: `old` must occur exactly `count` times (default 1). Atomic, and refused when the file changed since this session last read or wrote it (or since `version`).",
                 destructive,
-                CliSide::Commands(&["edit"]),
+                CliSide::Commands(&["file edit"]),
                 files::edit,
             ),
             tool(
@@ -424,7 +424,7 @@ impl Session {
         })
     }
 
-    /// A session for one CLI command that runs a tool (`boxery read`, `write`, `edit`, `jobs`):
+    /// A session for one CLI command that runs a tool (`boxery file read|write|edit`, `jobs`):
     /// local files allowed, errors in the CLI's words.
     pub fn for_cli(env: Env) -> Self {
         let mut s = Session::new(env, None, true);

@@ -5,6 +5,7 @@
 //! whose [`ErrorKind`] the front end maps (to an exit code, to a tool error).
 //!
 //! - [`objects`]: get, list, apply (with prune), diff, delete, watch, events;
+//! - [`edit`]: a person's changes to one object: edit, patch, label, annotate, scale;
 //! - [`vm`]: new, snap, revert, fork, start, stop, resize (rm is [`objects::delete`]);
 //! - [`pools`]: pool add/rm, lease acquire/renew/release and the [`pools::LeaseKeeper`];
 //! - [`grants`]: request, list and revoke grants, and a person's approve/deny;
@@ -16,6 +17,7 @@
 //! Messages name what the reader can run next, in the [`Voice`] of the front end: `boxery …`
 //! commands or `vm_*` tools.
 
+pub mod edit;
 pub mod env;
 pub mod error;
 pub mod grants;
