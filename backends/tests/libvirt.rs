@@ -648,12 +648,12 @@ async fn isolation_filter_holds() {
         )
     };
     assert_eq!(
-        env.run("o1", &from_spoofed("192.168.122.249")).await,
+        env.run("o1", &from_spoofed(&free_address())).await,
         "dns",
         "control: DNS from a second address works without the filter"
     );
     assert_eq!(
-        env.run("i1", &from_spoofed("192.168.122.250")).await,
+        env.run("i1", &from_spoofed(&free_address())).await,
         "nodns",
         "IP spoofing: a packet from an address not the guest's own is dropped"
     );
@@ -699,19 +699,21 @@ async fn isolation_filter_holds() {
              sudo ip addr del {ip}/32 dev eth0; echo done"
         )
     };
-    env.run("o1", &claim("192.168.122.248")).await;
+    let claimed = free_address();
+    env.run("o1", &claim(&claimed)).await;
     assert!(
-        host_neigh("192.168.122.248").contains(&mac_o1),
+        host_neigh(&claimed).contains(&mac_o1),
         "control: the host learns a claimed address without the filter: {}",
-        host_neigh("192.168.122.248")
+        host_neigh(&claimed)
     );
     env.run("i1", &claim(&ip2)).await;
-    env.run("i1", &claim("192.168.122.247")).await;
+    let free = free_address();
+    env.run("i1", &claim(&free)).await;
     assert!(
-        !host_neigh(&ip2).contains(&mac_i1) && !host_neigh("192.168.122.247").contains(&mac_i1),
+        !host_neigh(&ip2).contains(&mac_i1) && !host_neigh(&free).contains(&mac_i1),
         "ARP spoofing: the host never maps another address to i1's MAC ({mac_i1}; i2 {ip2}): {} / {}\nthe filter in force:\n{}",
         host_neigh(&ip2),
-        host_neigh("192.168.122.247"),
+        host_neigh(&free),
         filter_state(&b.domain_name("i1"))
     );
     assert_eq!(
@@ -801,6 +803,35 @@ impl Listener {
 impl Drop for Listener {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// An address of the default network that no guest holds now (no DHCP lease, no neighbour
+/// entry on the host), for the spoofing probes: a fixed one collided with another test's guest
+/// in CI (dnsmasq spreads its leases over the whole range), and a control probe from it got
+/// no answer. Picked from the top of the range at the moment of use, never the same twice in
+/// one process.
+fn free_address() -> String {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    static NEXT: AtomicU8 = AtomicU8::new(250);
+    let leases =
+        String::from_utf8_lossy(&virsh(&["net-dhcp-leases", "default"]).stdout).to_string();
+    let neigh = std::process::Command::new("ip")
+        .args(["neigh", "show"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+        .unwrap_or_default();
+    loop {
+        let n = NEXT.fetch_sub(1, Ordering::SeqCst);
+        assert!(n > 100, "no free address left in 192.168.122.101-250");
+        let ip = format!("192.168.122.{n}");
+        let used = |text: &str| {
+            text.split(|c: char| c.is_whitespace() || c == '/')
+                .any(|w| w == ip)
+        };
+        if !used(&leases) && !used(&neigh) {
+            return ip;
+        }
     }
 }
 
