@@ -1189,6 +1189,31 @@ fn selection_by_file_label_and_all() {
         "vm/d1\nvm/d2\n"
     );
     assert_eq!(home.ok(&["diff", "-k", d]), "");
+    // diff --prune: what apply --prune would delete, shown as going away
+    std::fs::remove_file(dir.join("d2.yaml")).unwrap();
+    std::fs::write(
+        dir.join("kustomization.yaml"),
+        "resources: [d1.yaml]\ncommonLabels: {app: k}\n",
+    )
+    .unwrap();
+    let o = home.run(&["diff", "-k", d, "--prune", "-l", "app=k"]);
+    assert_eq!(o.status.code(), Some(1), "differences");
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("+++ pruned/vm/d2") && !text.contains("vm/d1"),
+        "{text}"
+    );
+    std::fs::write(
+        dir.join("d2.yaml"),
+        vm_yaml("d2").replace("debian-12", "tiny"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("kustomization.yaml"),
+        "resources: [d1.yaml, d2.yaml]\ncommonLabels: {app: k}\n",
+    )
+    .unwrap();
+    assert_eq!(home.ok(&["diff", "-k", d, "--prune", "-l", "app=k"]), "");
 
     home.ok(&["new", "x1", "--from", "tiny", "--stopped"]);
     home.ok(&["label", "vm", "x1", "team=web"]);
@@ -1337,4 +1362,152 @@ fn works_as_a_kubectl_plugin() {
     let o = run(&["boxery", "get", "vms", "-o", "name"]);
     assert!(o.status.success(), "{o:?}");
     assert_eq!(String::from_utf8_lossy(&o.stdout), "vm/k1\n");
+}
+
+/// `explain` as kubectl's: types in its words (no raw `["integer","null"]`), whole
+/// descriptions, lists and variants walked into, `--recursive`, a typo answered.
+#[test]
+fn explain_reads_as_kubectl() {
+    let home = Home::new();
+    let spec = home.ok(&["explain", "vm.spec"]);
+    for want in [
+        "resources\t<Object>",
+        "runStrategy\t<string>",
+        "headless\t<boolean>",
+        "source\t<Object> -required-",
+    ] {
+        assert!(spec.contains(want), "{want}: {spec}");
+    }
+    assert!(!spec.contains("null"), "{spec}");
+    let res = home.ok(&["explain", "vm.spec.resources"]);
+    assert!(
+        res.contains("cpus\t<integer>") && res.contains("memory\t<string>"),
+        "{res}"
+    );
+    // a variant's field, and a list's item fields
+    let img = home.ok(&["explain", "vm.spec.source.image"]);
+    assert!(
+        img.contains("FIELD:    Vm.spec.source.image <string>"),
+        "{img}"
+    );
+    let conds = home.ok(&["explain", "vm.status.conditions"]);
+    assert!(
+        conds.contains("<[]Object>") && conds.contains("reason\t<string>"),
+        "{conds}"
+    );
+    home.ok(&["explain", "vm.status.conditions.lastTransitionTime"]);
+    // every line of a description (the layers field's is two sentences over two lines)
+    let layers = home.ok(&["explain", "vm.spec.layers"]);
+    let schema: serde_json::Value = serde_json::from_str(&home.ok(&["schema", "vm"])).unwrap();
+    let full = schema
+        .pointer("/properties/spec")
+        .map(|_| ())
+        .and_then(|()| {
+            let defs = &schema["$defs"];
+            defs.as_object()?.values().find_map(|d| {
+                d.pointer("/properties/layers/description")?
+                    .as_str()
+                    .map(str::to_string)
+            })
+        })
+        .expect("the layers field has a description");
+    for l in full.lines() {
+        assert!(layers.contains(l.trim()), "{l}: {layers}");
+    }
+    let rec = home.ok(&["explain", "vm.spec", "--recursive"]);
+    assert!(
+        rec.contains("   resources\t<Object>") && rec.contains("     cpus\t<integer>"),
+        "{rec}"
+    );
+    let o = home.run(&["explain", "vm.spec.resources.cpu"]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("did you mean `cpus`?"));
+}
+
+/// `get -w` as kubectl users want it: `--watch-only`, `-o custom-columns`, a row only when the
+/// object's row changed, columns that stay put; `-o yaml` documents separated by `---`.
+#[test]
+fn get_watch_without_duplicates() {
+    use std::io::Read;
+    let home = Home::new();
+    home.ok(&["new", "w1", "--from", "tiny", "--stopped"]);
+    let read_until = |child: &mut std::process::Child, want: &'static str| {
+        let mut stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            let mut all = String::new();
+            while let Ok(n) = stdout.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                all.push_str(&String::from_utf8_lossy(&buf[..n]));
+                let _ = tx.send(all.clone());
+            }
+        });
+        move |until: &str| -> String {
+            let t = Instant::now();
+            let mut last = String::new();
+            while t.elapsed() < Duration::from_secs(10) {
+                if let Ok(s) = rx.recv_timeout(Duration::from_millis(200)) {
+                    last = s;
+                }
+                if last.contains(until) {
+                    return last;
+                }
+            }
+            panic!("waited for {until:?} ({want}); got {last:?}");
+        }
+    };
+    let mut child = home
+        .cmd()
+        .args([
+            "get",
+            "vm",
+            "-w",
+            "--watch-only",
+            "-o",
+            "custom-columns=NAME:.metadata.name,CPUS:.spec.resources.cpus",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let next = read_until(&mut child, "custom columns");
+    let head = next("NAME");
+    assert!(!head.contains("w1"), "--watch-only: {head}");
+    home.ok(&["annotate", "vm", "w1", "note=x"]); // its row does not change
+    home.ok(&["new", "a-much-longer-name", "--from", "tiny", "--stopped"]);
+    home.ok(&["patch", "vm", "w1", "-p", "spec: {resources: {cpus: 2}}"]);
+    let got = next("w1 ");
+    let _ = child.kill();
+    let _ = child.wait();
+    let lines: Vec<&str> = got.lines().collect();
+    assert_eq!(
+        lines.len(),
+        3,
+        "the header, the new VM, w1's change once: {got}"
+    );
+    assert!(lines[1].starts_with("a-much-longer-name   1"), "{got}");
+    assert_eq!(
+        lines[2],
+        format!("{:<18}   2", "w1"),
+        "columns stay put: {got}"
+    );
+
+    let mut child = home
+        .cmd()
+        .args(["get", "vm", "w1", "-w", "-o", "yaml"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let next = read_until(&mut child, "yaml");
+    next("name: w1");
+    home.ok(&["patch", "vm", "w1", "-p", "spec: {resources: {cpus: 3}}"]);
+    let got = next("cpus: 3");
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        got.contains("\n---\napiVersion"),
+        "documents separated by ---: {got}"
+    );
 }

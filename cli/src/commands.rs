@@ -5,7 +5,6 @@ use crate::out::{out, outln};
 use std::io::Write;
 use std::time::Duration;
 
-use boxery_api::name::shown;
 use boxery_api::{DynObject, KindInfo};
 use boxery_store::{LAST_APPLIED, ObjectRef};
 use boxery_verbs::Verbs;
@@ -250,11 +249,25 @@ fn strip_for_diff(o: &DynObject) -> Value {
     v
 }
 
-/// `diff -f|-k`: what `apply` would change. Returns whether anything differs. (What `apply
-/// --prune` would delete is `apply --prune -l SEL --dry-run`'s to say: diff has no selector.)
-pub async fn diff(v: &Verbs, manifests: Vec<boxery_api::codec::Manifest>) -> CliResult<bool> {
-    let objs = manifests.into_iter().map(|m| m.object).collect();
+/// `diff -f|-k [--prune -l SEL]`: what `apply` would change, and with `prune` what it would
+/// delete (each shown going from live to nothing). Returns whether anything differs.
+pub async fn diff(
+    v: &Verbs,
+    manifests: Vec<boxery_api::codec::Manifest>,
+    prune: Option<&str>,
+) -> CliResult<bool> {
+    let objs: Vec<DynObject> = manifests.into_iter().map(|m| m.object).collect();
+    let pruned = match prune {
+        Some(p) => prunable(v, &objs, &objects::selector(Some(p))?).await?,
+        None => Vec::new(),
+    };
     let pairs = objects::diff(v, objs).await?;
+    let mut gone = Vec::new();
+    for (kind, name) in pruned {
+        if let Some(live) = v.store().get(&ObjectRef::new(&kind, &name)).await? {
+            gone.push(live);
+        }
+    }
     let mut differs = false;
     let mut out = std::io::stdout().lock();
     for (live, after) in &pairs {
@@ -274,6 +287,18 @@ pub async fn diff(v: &Verbs, manifests: Vec<boxery_api::codec::Manifest>) -> Cli
                     .header(&format!("live/{label}"), &format!("applied/{label}"))
             )?;
         }
+    }
+    for live in &gone {
+        differs = true;
+        let label = format!("{}/{}", live.kind.to_lowercase(), live.metadata.name);
+        let before_text = output::to_yaml(&strip_for_diff(live))?;
+        let d = similar::TextDiff::from_lines(before_text.as_str(), "");
+        write!(
+            out,
+            "{}",
+            d.unified_diff()
+                .header(&format!("live/{label}"), &format!("pruned/{label}"))
+        )?;
     }
     Ok(differs)
 }
@@ -303,8 +328,8 @@ pub async fn get_kinds(
         if let Some(path) = &opts.sort_by {
             output::sort_by(&mut objs, path)?;
         }
-        match format {
-            Format::Table | Format::Wide if !objs.is_empty() => {
+        match &format {
+            f if f.is_table() && !objs.is_empty() => {
                 let mut values: Vec<Value> = objs.iter().map(output::display_value).collect();
                 for val in &mut values {
                     let name = val["metadata"]["name"]
@@ -317,16 +342,17 @@ pub async fn get_kinds(
                     writeln!(out)?;
                 }
                 first = false;
-                let t = opts.table(format == Format::Wide);
+                let t = opts.table(&format);
                 write!(out, "{}", output::table_with(info.kind, &values, &t))?;
             }
             Format::Name => output::print(info, &objs, &format, &mut out)?,
             _ => all.extend(objs),
         }
     }
-    match format {
-        Format::Table | Format::Wide if first => eprintln!("No resources found."),
-        Format::Table | Format::Wide | Format::Name => {}
+    match &format {
+        f if f.is_table() && first => eprintln!("No resources found."),
+        f if f.is_table() => {}
+        Format::Name => {}
         _ => output::print_list(kinds[0], &all, &format, &mut out)?,
     }
     out.flush()?;
@@ -344,21 +370,30 @@ pub struct GetOptions {
     pub label_columns: Vec<String>,
     /// `--sort-by JSONPATH`.
     pub sort_by: Option<String>,
+    /// `--watch-only`: changes only, not the objects as they are first.
+    pub watch_only: bool,
 }
 
 impl GetOptions {
-    /// The table these flags draw (`wide`: `-o wide`).
-    fn table(&self, wide: bool) -> output::TableOptions {
+    /// The table these flags draw in `format` (`-o wide`, `-o custom-columns=…`).
+    fn table(&self, format: &Format) -> output::TableOptions {
         output::TableOptions {
-            wide,
+            wide: *format == Format::Wide,
             headers: self.headers,
             show_labels: self.show_labels,
             label_columns: self.label_columns.clone(),
+            custom: match format {
+                Format::CustomColumns(c) => Some(c.clone()),
+                _ => None,
+            },
         }
     }
 }
 
-/// `get`.
+/// `get`. With `watch`: then every change, as kubectl's `-w`: a table row per change whose
+/// row differs from the one last printed for that object (a status write that changes no
+/// column prints nothing), in columns kept where the first rows put them (they only widen);
+/// YAML documents separated by `---`; `--watch-only` skips the objects as they are first.
 pub async fn get(
     v: &Verbs,
     kind_name: &str,
@@ -369,23 +404,39 @@ pub async fn get(
     opts: &GetOptions,
 ) -> CliResult {
     let info = kind(kind_name)?;
+    if opts.watch_only && !watch {
+        return Err(CliError::invalid("--watch-only goes with -w (--watch)"));
+    }
     let sel = objects::selector(sel)?;
     let (mut objs, rev) = objects::get(v, info, names, &sel).await?;
     if let Some(path) = &opts.sort_by {
         output::sort_by(&mut objs, path)?;
     }
-    let table = |wide: bool| opts.table(wide);
+    let table = opts.table(&format);
+    let mut widths: Vec<usize> = Vec::new();
+    let mut last_row: std::collections::HashMap<String, Vec<String>> = Default::default();
+    let mut printed = false;
     let mut out = std::io::stdout().lock();
-    if matches!(format, Format::Table | Format::Wide) && !objs.is_empty() {
+    if format.is_table() {
         let values: Vec<Value> = objs.iter().map(output::display_value).collect();
-        write!(
-            out,
-            "{}",
-            output::table_with(info.kind, &values, &table(format == Format::Wide))
-        )?;
+        let mut rows = output::rows(info.kind, &values, &table);
+        let header = table.headers.then(|| rows.remove(0));
+        for (o, r) in objs.iter().zip(&rows) {
+            last_row.insert(o.metadata.name.clone(), r.clone());
+        }
+        let shown: Vec<Vec<String>> = if opts.watch_only { Vec::new() } else { rows };
+        if !shown.is_empty() || (watch && header.is_some()) {
+            let all: Vec<Vec<String>> = header.into_iter().chain(shown).collect();
+            write!(out, "{}", output::aligned_to(all, &mut widths))?;
+        } else if objs.is_empty() && !watch {
+            eprintln!("No {} found.", info.plural);
+        }
+    } else if opts.watch_only {
+        // nothing until the first change
     } else if names.len() == 1 || watch {
         // A watch prints objects one by one (YAML documents separated by `---`), as kubectl's.
         output::print(info, &objs, &format, &mut out)?;
+        printed = !objs.is_empty();
     } else {
         output::print_list(info, &objs, &format, &mut out)?;
     }
@@ -398,17 +449,34 @@ pub async fn get(
     while let Some(change) = changes.next().await {
         let (obj, deleted) = change?;
         let mut out = std::io::stdout().lock();
-        match &format {
-            Format::Table | Format::Wide => {
-                let mut v = output::display_value(&obj);
-                if deleted {
-                    v["status"]["printableStatus"] = Value::String("Deleted".into());
-                }
-                let mut t = table(format == Format::Wide);
-                t.headers = false;
-                write!(out, "{}", output::table_with(info.kind, &[v], &t))?;
+        if format.is_table() {
+            let mut v = output::display_value(&obj);
+            if deleted {
+                v["status"]["printableStatus"] = Value::String("Deleted".into());
             }
-            f => output::print(info, std::slice::from_ref(&obj), f, &mut out)?,
+            let mut t = table.clone();
+            t.headers = false;
+            let row = output::rows(info.kind, &[v], &t).remove(0);
+            let name = obj.metadata.name.clone();
+            if last_row.get(&name) == Some(&row) && !deleted {
+                continue;
+            }
+            write!(
+                out,
+                "{}",
+                output::aligned_to(vec![row.clone()], &mut widths)
+            )?;
+            if deleted {
+                last_row.remove(&name);
+            } else {
+                last_row.insert(name, row);
+            }
+        } else {
+            if printed && format == Format::Yaml {
+                writeln!(out, "---")?;
+            }
+            output::print(info, std::slice::from_ref(&obj), &format, &mut out)?;
+            printed = true;
         }
         out.flush()?;
     }
@@ -717,192 +785,6 @@ pub async fn delete_manifests(
             missing.join(", ")
         )));
     }
-    Ok(())
-}
-
-/// `explain Vm.spec.resources`.
-pub fn explain(path: &str) -> CliResult {
-    let mut parts = path.split('.');
-    let info = kind(parts.next().unwrap_or(""))?;
-    let schema = boxery_api::validate::schema_of(info.kind).expect("every kind has a schema");
-    let defs = schema.get("$defs").cloned().unwrap_or(Value::Null);
-    let resolve = |s: &Value| -> Value {
-        let mut cur = s.clone();
-        for _ in 0..8 {
-            let r = cur
-                .get("$ref")
-                .and_then(Value::as_str)
-                .map(str::to_string)
-                .or_else(|| {
-                    cur.get("allOf")
-                        .and_then(|a| a.get(0))
-                        .and_then(|a| a.get("$ref"))
-                        .and_then(Value::as_str)
-                        .map(str::to_string)
-                })
-                .or_else(|| {
-                    cur.get("anyOf").and_then(Value::as_array).and_then(|a| {
-                        a.iter()
-                            .find_map(|x| x.get("$ref").and_then(Value::as_str).map(str::to_string))
-                    })
-                });
-            match r {
-                Some(r) => {
-                    let name = r.trim_start_matches("#/$defs/");
-                    let desc = cur.get("description").cloned();
-                    cur = defs.get(name).cloned().unwrap_or(Value::Null);
-                    if let (Some(d), Some(m)) = (desc, cur.as_object_mut()) {
-                        m.insert("description".into(), d);
-                    }
-                }
-                None => break,
-            }
-        }
-        cur
-    };
-    let mut node = schema.clone();
-    let mut walked = vec![info.kind.to_string()];
-    for p in parts {
-        let props = resolve(&node)
-            .get("properties")
-            .cloned()
-            .unwrap_or(Value::Null);
-        let Some(next) = props.get(p) else {
-            let fields: Vec<String> = props
-                .as_object()
-                .map(|m| m.keys().cloned().collect())
-                .unwrap_or_default();
-            return Err(CliError::not_found(format!(
-                "{} has no field `{}`{}",
-                walked.join("."),
-                shown(p),
-                if fields.is_empty() {
-                    String::new()
-                } else {
-                    format!(": its fields are {}", fields.join(", "))
-                }
-            )));
-        };
-        node = next.clone();
-        walked.push(p.to_string());
-    }
-    let desc = node
-        .get("description")
-        .and_then(Value::as_str)
-        .map(str::to_string);
-    let r = resolve(&node);
-    let ty = r
-        .get("type")
-        .map(|t| t.to_string().trim_matches('"').to_string())
-        .unwrap_or_else(|| match r.get("oneOf").and_then(Value::as_array) {
-            Some(alts)
-                if alts
-                    .iter()
-                    .all(|a| a.get("const").is_some() || a.get("enum").is_some()) =>
-            {
-                "string".into()
-            }
-            Some(_) => "exactly one of".into(),
-            None => "object".into(),
-        });
-    let mut out = format!(
-        "KIND:     {}\nVERSION:  {}\n\nFIELD:    {} <{}>\n\nDESCRIPTION:\n",
-        info.kind,
-        boxery_api::API_VERSION,
-        walked.join("."),
-        ty
-    );
-    let d = desc
-        .or_else(|| {
-            r.get("description")
-                .and_then(Value::as_str)
-                .map(str::to_string)
-        })
-        .unwrap_or_else(|| info.description.to_string());
-    for l in d.lines() {
-        out.push_str(&format!("     {l}\n"));
-    }
-    let mut values: Vec<String> = r
-        .get("enum")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_str)
-                .map(str::to_string)
-                .collect()
-        })
-        .unwrap_or_default();
-    for alt in r
-        .get("oneOf")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-    {
-        let d = alt.get("description").and_then(Value::as_str).unwrap_or("");
-        let consts = alt.get("const").into_iter().chain(
-            alt.get("enum")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten(),
-        );
-        for c in consts.filter_map(Value::as_str) {
-            values.push(if d.is_empty() {
-                c.to_string()
-            } else {
-                format!("{c}: {d}")
-            });
-        }
-    }
-    if !values.is_empty() {
-        out.push_str("\nVALUES:\n");
-        for v in &values {
-            out.push_str(&format!("   {v}\n"));
-        }
-    }
-    let mut fields: Vec<(String, Value)> = r
-        .get("properties")
-        .and_then(Value::as_object)
-        .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-        .unwrap_or_default();
-    if let Some(one) = r.get("oneOf").and_then(Value::as_array) {
-        for alt in one {
-            if let Some(m) = alt.get("properties").and_then(Value::as_object) {
-                for (k, v) in m {
-                    fields.push((k.clone(), v.clone()));
-                }
-            }
-        }
-    }
-    if !fields.is_empty() {
-        let required: Vec<&str> = r
-            .get("required")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
-        out.push_str("\nFIELDS:\n");
-        for (k, v) in fields {
-            let rv = resolve(&v);
-            let t = rv
-                .get("type")
-                .map(|t| t.to_string().trim_matches('"').to_string())
-                .unwrap_or_else(|| "object".into());
-            let req = if required.contains(&k.as_str()) {
-                " -required-"
-            } else {
-                ""
-            };
-            out.push_str(&format!("   {k}\t<{t}>{req}\n"));
-            let d = v
-                .get("description")
-                .or(rv.get("description"))
-                .and_then(Value::as_str)
-                .unwrap_or("");
-            if let Some(first) = d.lines().next() {
-                out.push_str(&format!("     {first}\n"));
-            }
-        }
-    }
-    out!("{out}");
     Ok(())
 }
 

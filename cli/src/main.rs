@@ -4,6 +4,7 @@ mod args;
 mod changes;
 mod commands;
 mod exit;
+mod explain;
 mod grants;
 mod manifests;
 mod orphans;
@@ -142,7 +143,7 @@ enum Command {
         kind: String,
         /// Names (all when none).
         names: Vec<String>,
-        /// Output: wide, yaml, json, name, jsonpath=EXPR.
+        /// Output: wide, yaml, json, name, jsonpath=EXPR, custom-columns=HEADER:JSONPATH,….
         #[arg(short, long, default_value = "")]
         output: String,
         /// Label selector (team=web,tier!=db).
@@ -151,6 +152,9 @@ enum Command {
         /// Keep watching and print changes.
         #[arg(short, long)]
         watch: bool,
+        /// With -w: print the changes only, not the objects as they are first.
+        #[arg(long, requires = "watch")]
+        watch_only: bool,
         #[command(flatten)]
         table: TableArgs,
     },
@@ -199,6 +203,12 @@ enum Command {
     Diff {
         #[command(flatten)]
         sources: Sources,
+        /// Also show what `apply --prune -l SEL` would delete.
+        #[arg(long, requires = "selector")]
+        prune: bool,
+        /// Label selector for --prune.
+        #[arg(short = 'l', long = "selector")]
+        selector: Option<String>,
     },
     /// Wait for a condition on objects: named, matching -l, or --all of a kind.
     Wait {
@@ -220,10 +230,13 @@ enum Command {
         #[arg(long, default_value = "60s", value_parser = timeout_arg)]
         timeout: Duration,
     },
-    /// Describe a kind or field from its schema (e.g. Vm.spec.resources).
+    /// Describe a kind or field from its schema (e.g. vm.spec.resources), as kubectl's.
     Explain {
         /// KIND[.field[.field…]].
         path: String,
+        /// Show every field below, at every level (names and types).
+        #[arg(long)]
+        recursive: bool,
     },
     /// List events, or the events of one object.
     Events {
@@ -680,7 +693,7 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
                 "boxery has no `exec`: `boxery run {vm} -- CMD` runs a command in a VM, `boxery ssh {vm}` opens a shell"
             )));
         }
-        Command::Explain { path } => commands::explain(&path)?,
+        Command::Explain { path, recursive } => explain::explain(&path, recursive)?,
         Command::Schema { kind } => commands::schema(kind.as_deref())?,
         Command::Serve {
             inventory_every,
@@ -837,6 +850,7 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
             output,
             selector,
             watch,
+            watch_only,
             table,
         } => {
             let format = output.parse()?;
@@ -845,6 +859,7 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
                 show_labels: table.show_labels,
                 label_columns: table.label_columns,
                 sort_by: table.sort_by,
+                watch_only,
             };
             let (kind, names) = commands::kind_and_names(&kind, &names)?;
             let kinds = commands::kinds(&kind)?;
@@ -904,9 +919,14 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
                 commands::delete(v, info.singular, &names, &how).await?
             }
         }
-        Command::Diff { sources } => {
+        Command::Diff {
+            sources,
+            prune,
+            selector,
+        } => {
             let manifests = manifests::read_sources(&sources.files, &sources.kustomize)?;
-            return match commands::diff(v, manifests).await {
+            let prune = if prune { selector.as_deref() } else { None };
+            return match commands::diff(v, manifests, prune).await {
                 Ok(true) => Ok(ExitCode::from(1)),
                 Ok(false) => Ok(ExitCode::SUCCESS),
                 Err(e) if e.code == exit::Code::Failed => {

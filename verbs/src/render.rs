@@ -30,6 +30,18 @@ pub enum Format {
     Name,
     /// A JSONPath expression (`{.status.phase}`), per object.
     JsonPath(String),
+    /// kubectl's `custom-columns=HEADER:JSONPATH,…`: a table of these columns.
+    CustomColumns(Vec<(String, String)>),
+}
+
+impl Format {
+    /// Whether it prints a table (a row per object).
+    pub fn is_table(&self) -> bool {
+        matches!(
+            self,
+            Format::Table | Format::Wide | Format::CustomColumns(_)
+        )
+    }
 }
 
 impl std::str::FromStr for Format {
@@ -41,17 +53,48 @@ impl std::str::FromStr for Format {
             "yaml" => Format::Yaml,
             "json" => Format::Json,
             "name" => Format::Name,
-            _ => match s.strip_prefix("jsonpath=") {
-                Some(expr) => Format::JsonPath(expr.to_string()),
-                None => {
+            _ => match (
+                s.strip_prefix("jsonpath="),
+                s.strip_prefix("custom-columns="),
+            ) {
+                (Some(expr), _) => Format::JsonPath(expr.to_string()),
+                (_, Some(spec)) => Format::CustomColumns(custom_columns(spec)?),
+                _ => {
                     return Err(VerbError::invalid(format!(
-                        "unknown output format `{}`: use wide, yaml, json, name or jsonpath=EXPR",
+                        "unknown output format `{}`: use wide, yaml, json, name, jsonpath=EXPR or custom-columns=HEADER:JSONPATH,…",
                         shown(s)
                     )));
                 }
             },
         })
     }
+}
+
+/// `custom-columns=NAME:.metadata.name,CPUS:.spec.resources.cpus` (the paths with or without
+/// braces, as kubectl takes them).
+fn custom_columns(spec: &str) -> Result<Vec<(String, String)>> {
+    let bad = || {
+        VerbError::invalid(format!(
+            "custom-columns=`{}`: give HEADER:JSONPATH pairs separated by commas, e.g. custom-columns=NAME:.metadata.name,CPUS:.spec.resources.cpus",
+            shown(spec)
+        ))
+    };
+    let mut out = Vec::new();
+    for col in spec.split(',') {
+        let (h, p) = col.split_once(':').ok_or_else(bad)?;
+        if h.is_empty() || p.is_empty() {
+            return Err(bad());
+        }
+        let path = if p.starts_with('{') {
+            p.to_string()
+        } else {
+            format!("{{{p}}}")
+        };
+        // checked now: a bad path fails before anything is printed
+        jsonpath(&path, &Value::Null)?;
+        out.push((h.to_string(), path));
+    }
+    Ok(out)
 }
 
 /// Age of a timestamp, as kubectl prints it (`5s`, `3m`, `2h`, `4d`).
@@ -266,10 +309,36 @@ pub struct TableOptions {
     pub show_labels: bool,
     /// `-L KEY`: a column per label key, headed by the key in capitals.
     pub label_columns: Vec<String>,
+    /// `-o custom-columns=…`: these columns (header, JSONPath) instead of the kind's.
+    pub custom: Option<Vec<(String, String)>>,
 }
 
 /// [`table`] with kubectl's table flags.
 pub fn table_with(kind: &str, objs: &[Value], o: &TableOptions) -> String {
+    aligned(rows(kind, objs, o))
+}
+
+/// The cells of [`table_with`] (the header row first, unless `--no-headers`), for a caller that
+/// aligns them itself (`get -w` keeps its columns where the first rows put them).
+pub fn rows(kind: &str, objs: &[Value], o: &TableOptions) -> Vec<Vec<String>> {
+    if let Some(custom) = &o.custom {
+        let mut rows: Vec<Vec<String>> = Vec::new();
+        if o.headers {
+            rows.push(custom.iter().map(|(h, _)| safe(h).into_owned()).collect());
+        }
+        for v in objs {
+            rows.push(
+                custom
+                    .iter()
+                    .map(|(_, p)| match jsonpath(p, v) {
+                        Ok(t) if !t.is_empty() => safe(&t).into_owned(),
+                        _ => "<none>".to_string(),
+                    })
+                    .collect(),
+            );
+        }
+        return rows;
+    }
     let cols = columns(kind, o.wide);
     let mut rows: Vec<Vec<String>> = Vec::new();
     if o.headers {
@@ -311,7 +380,7 @@ pub fn table_with(kind: &str, objs: &[Value], o: &TableOptions) -> String {
         }
         rows.push(row);
     }
-    aligned(rows)
+    rows
 }
 
 /// Sort objects by the value of a kubectl-style JSONPath (`{.metadata.creationTimestamp}`, or
@@ -342,8 +411,16 @@ pub fn sort_by(objs: &mut [DynObject], path: &str) -> Result {
 /// Rows of cells as a plain table: columns padded to their widest cell, three spaces apart,
 /// no trailing blanks (as kubectl prints).
 pub fn aligned(rows: Vec<Vec<String>>) -> String {
+    aligned_to(rows, &mut Vec::new())
+}
+
+/// [`aligned`], with columns at least `widths` wide; `widths` grows to what these rows need
+/// (a watch passes the same `widths` for every row it prints, so its columns stay put).
+pub fn aligned_to(rows: Vec<Vec<String>>, widths: &mut Vec<usize>) -> String {
     let cols = rows.first().map_or(0, Vec::len);
-    let mut widths = vec![0; cols];
+    if widths.len() < cols {
+        widths.resize(cols, 0);
+    }
     for r in &rows {
         for (i, c) in r.iter().enumerate() {
             widths[i] = widths[i].max(c.chars().count());
@@ -505,6 +582,18 @@ pub fn print_for(
 ) -> Result {
     let values: Vec<Value> = objs.iter().map(display_value).collect();
     match format {
+        Format::CustomColumns(c) => {
+            let o = TableOptions {
+                headers: true,
+                custom: Some(c.clone()),
+                ..TableOptions::default()
+            };
+            if values.is_empty() {
+                eprintln!("No {} found.", info.plural);
+            } else {
+                write!(out, "{}", table_with(info.kind, &values, &o))?;
+            }
+        }
         Format::Table | Format::Wide => {
             if values.is_empty() {
                 eprintln!("No {} found.", info.plural);
