@@ -806,6 +806,21 @@ impl Drop for Listener {
     }
 }
 
+/// Puts this version's isolation filter back on the host when dropped (a test that installed
+/// an older one and failed must not leave it to the tests after it).
+struct RestoreFilters(String);
+
+impl Drop for RestoreFilters {
+    fn drop(&mut self) {
+        let f = std::env::temp_dir().join(format!("boxery-filter-{}.xml", std::process::id()));
+        let xml = boxery_backends::libvirt::xml::isolation_filter(Some(&self.0));
+        if std::fs::write(&f, xml).is_ok() {
+            let _ = virsh(&["nwfilter-define", f.to_str().unwrap_or_default()]);
+            let _ = std::fs::remove_file(&f);
+        }
+    }
+}
+
 /// An address of the default network that no guest holds now (no DHCP lease, no neighbour
 /// entry on the host), for the spoofing probes: a fixed one collided with another test's guest
 /// in CI (dnsmasq spreads its leases over the whole range), and a control probe from it got
@@ -944,6 +959,8 @@ async fn guest_reaches_the_proxy_port_only() {
     std::fs::write(&f, &old_filter).unwrap();
     let o = virsh(&["nwfilter-define", f.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // whatever happens from here, the host gets the current filters back
+    let _restore = RestoreFilters(uuid.clone());
     assert!(!filter_xml().contains("priority='190'"));
     let old_ref = format!(
         "<filterref filter='{}'><parameter name='GATEWAY' value='{gw}'/><parameter name='DHCPSERVER' value='{gw}'/><parameter name='CTRL_IP_LEARNING' value='any'/></filterref>",
