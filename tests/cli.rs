@@ -1511,3 +1511,50 @@ fn get_watch_without_duplicates() {
         "documents separated by ---: {got}"
     );
 }
+
+/// Completion of object names (bash, as a person's shell runs it): after `get vm`, and as
+/// KIND/NAME; nothing from a home that does not exist, which is not created.
+#[test]
+fn completion_offers_object_names() {
+    let home = Home::new();
+    home.ok(&["new", "dev1", "--from", "tiny", "--stopped"]);
+    home.ok(&["new", "dev2", "--from", "tiny", "--stopped"]);
+    let script = home.write("boxery.bash", &home.ok(&["completion", "bash"]));
+    let bin_dir = std::path::Path::new(common::bin())
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let complete = |words: &str| {
+        let o = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                "source {}; COMP_WORDS=({words}); COMP_CWORD=$((${{#COMP_WORDS[@]}} - 1)); _boxery_with_names; printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+                script.display()
+            ))
+            .env("PATH", format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap_or_default()))
+            .env("BOXERY_HOME", home.path())
+            .env("BOXERY_BACKEND", "fake")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    assert_eq!(complete("boxery get vm d"), "dev1\ndev2\n");
+    assert_eq!(complete("boxery describe vm dev2"), "dev2\n");
+    assert_eq!(complete("boxery get vm/dev1"), "vm/dev1\n");
+    assert_eq!(complete("boxery delete images x"), "\n", "no image x");
+    // a home that does not exist: nothing, and it is not made
+    let none = home.path().join("none");
+    let o = home
+        .cmd()
+        .env("BOXERY_HOME", &none)
+        .args(["__complete-names", "vm"])
+        .output()
+        .unwrap();
+    assert!(o.status.success() && o.stdout.is_empty(), "{o:?}");
+    assert!(!none.exists(), "completion made a home");
+    assert!(
+        home.ok(&["completion", "fish"])
+            .contains("__complete-names")
+    );
+}

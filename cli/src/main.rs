@@ -3,6 +3,7 @@
 mod args;
 mod changes;
 mod commands;
+mod completion;
 mod exit;
 mod explain;
 mod grants;
@@ -252,10 +253,17 @@ enum Command {
     /// This build's version, the store's schema, the backend, and the control plane leading
     /// the store (if any).
     Version,
-    /// Print a shell completion script: `source <(boxery completion bash)`.
+    /// Print a shell completion script: `source <(boxery completion bash)`. In bash and fish it
+    /// completes object names too (`boxery get vm <TAB>`, `describe vm/<TAB>`).
     Completion {
         /// bash, zsh, fish, elvish or powershell.
         shell: clap_complete::Shell,
+    },
+    /// (For the completion scripts: the names of a kind's objects, one per line.)
+    #[command(name = "__complete-names", hide = true)]
+    CompleteNames {
+        /// The kind.
+        kind: String,
     },
     /// (kubectl's `exec`: boxery's is `run VM -- CMD`.)
     #[command(hide = true)]
@@ -683,10 +691,9 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
         Command::Version => commands::version(&env)?,
         Command::Completion { shell } => {
             use clap::CommandFactory;
-            let mut out = Vec::new();
-            clap_complete::generate(shell, &mut Cli::command(), "boxery", &mut out);
-            out!("{}", String::from_utf8_lossy(&out));
+            out!("{}", completion::script(shell, &mut Cli::command()));
         }
+        Command::CompleteNames { kind } => completion::names(env, &kind).await?,
         Command::Exec { args } => {
             let vm = args.first().map_or("VM", String::as_str);
             return Err(CliError::invalid(format!(

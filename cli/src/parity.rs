@@ -40,6 +40,10 @@ const CLI_ONLY: &[(&str, &str)] = &[
     ),
     ("exec", "hidden: says to use run (vm_bash for agents)"),
     (
+        "__complete-names",
+        "hidden: object names for the shell completion scripts",
+    ),
+    (
         "orphans",
         "settling what a lost or rolled-back store left in the backend is the owner's decision, never an agent's",
     ),
