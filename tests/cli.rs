@@ -379,12 +379,26 @@ fn get_watch_streams_changes() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut stdout = child.stdout.take().unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    let next = output_until(&mut child, "the watch");
+    next("w1");
     home.ok(&["new", "w2"]);
+    let got = next("w2");
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(got.contains("w1") && got.contains("w2"), "{got}");
+}
+
+/// What a child prints on stdout, read on a thread: the returned function waits (10 s at most)
+/// until the output so far contains a text, and returns it all (`what` names the child in the
+/// panic message).
+fn output_until(
+    child: &mut std::process::Child,
+    what: &'static str,
+) -> impl Fn(&str) -> String + use<> {
+    use std::io::Read;
+    let mut stdout = child.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        use std::io::Read;
         let mut buf = [0u8; 4096];
         let mut all = String::new();
         while let Ok(n) = stdout.read(&mut buf) {
@@ -392,17 +406,22 @@ fn get_watch_streams_changes() {
                 break;
             }
             all.push_str(&String::from_utf8_lossy(&buf[..n]));
-            if all.contains("w2") {
-                let _ = tx.send(all.clone());
-                break;
-            }
+            let _ = tx.send(all.clone());
         }
     });
-    let got = rx.recv_timeout(Duration::from_secs(5));
-    let _ = child.kill();
-    let _ = child.wait();
-    let got = got.expect("get -w printed the new VM");
-    assert!(got.contains("w1") && got.contains("w2"), "{got}");
+    let last = std::cell::RefCell::new(String::new());
+    move |until: &str| -> String {
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(10) {
+            if let Ok(s) = rx.recv_timeout(Duration::from_millis(200)) {
+                *last.borrow_mut() = s;
+            }
+            if last.borrow().contains(until) {
+                return last.borrow().clone();
+            }
+        }
+        panic!("waited for {until:?} from {what}; got {:?}", last.borrow());
+    }
 }
 
 #[test]
@@ -1428,37 +1447,8 @@ fn explain_reads_as_kubectl() {
 /// object's row changed, columns that stay put; `-o yaml` documents separated by `---`.
 #[test]
 fn get_watch_without_duplicates() {
-    use std::io::Read;
     let home = Home::new();
     home.ok(&["new", "w1", "--from", "tiny", "--stopped"]);
-    let read_until = |child: &mut std::process::Child, want: &'static str| {
-        let mut stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            let mut all = String::new();
-            while let Ok(n) = stdout.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                all.push_str(&String::from_utf8_lossy(&buf[..n]));
-                let _ = tx.send(all.clone());
-            }
-        });
-        move |until: &str| -> String {
-            let t = Instant::now();
-            let mut last = String::new();
-            while t.elapsed() < Duration::from_secs(10) {
-                if let Ok(s) = rx.recv_timeout(Duration::from_millis(200)) {
-                    last = s;
-                }
-                if last.contains(until) {
-                    return last;
-                }
-            }
-            panic!("waited for {until:?} ({want}); got {last:?}");
-        }
-    };
     let mut child = home
         .cmd()
         .args([
@@ -1472,7 +1462,7 @@ fn get_watch_without_duplicates() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let next = read_until(&mut child, "custom columns");
+    let next = output_until(&mut child, "custom columns");
     let head = next("NAME");
     assert!(!head.contains("w1"), "--watch-only: {head}");
     home.ok(&["annotate", "vm", "w1", "note=x"]); // its row does not change
@@ -1500,7 +1490,7 @@ fn get_watch_without_duplicates() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let next = read_until(&mut child, "yaml");
+    let next = output_until(&mut child, "yaml");
     next("name: w1");
     home.ok(&["patch", "vm", "w1", "-p", "spec: {resources: {cpus: 3}}"]);
     let got = next("cpus: 3");

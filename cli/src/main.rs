@@ -786,31 +786,15 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
             patch,
             patch_file,
         } => changes::patch(v, &kind, name, patch_type, patch, patch_file).await?,
-        Command::Label { args: a } => {
-            let map = boxery_verbs::edit::MetaMap::Labels;
-            changes::set_meta(
-                v,
-                map,
-                &a.kind,
-                &a.args,
-                a.overwrite,
-                a.selector.as_deref(),
-                a.all,
-            )
-            .await?
-        }
-        Command::Annotate { args: a } => {
-            let map = boxery_verbs::edit::MetaMap::Annotations;
-            changes::set_meta(
-                v,
-                map,
-                &a.kind,
-                &a.args,
-                a.overwrite,
-                a.selector.as_deref(),
-                a.all,
-            )
-            .await?
+        command @ (Command::Label { .. } | Command::Annotate { .. }) => {
+            use boxery_verbs::edit::MetaMap;
+            let (map, a) = match command {
+                Command::Label { args } => (MetaMap::Labels, args),
+                Command::Annotate { args } => (MetaMap::Annotations, args),
+                _ => unreachable!("matched above"),
+            };
+            let sel = a.selector.as_deref();
+            changes::set_meta(v, map, &a.kind, &a.args, a.overwrite, sel, a.all).await?
         }
         Command::Scale {
             kind,
