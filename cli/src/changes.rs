@@ -29,7 +29,8 @@ pub async fn targets(
         (false, None, false) => Ok((info, names)),
         (true, Some(_), false) | (true, None, true) => {
             let sel = boxery_verbs::objects::selector(selector)?;
-            Ok((info, edit::names_matching(v, info, &sel).await?))
+            let (objs, _) = boxery_verbs::objects::get(v, info, &[], &sel).await?;
+            Ok((info, objs.into_iter().map(|o| o.metadata.name).collect()))
         }
         (true, None, false) => Err(CliError::invalid(format!(
             "name the objects: `{k} NAME`, `{k}/NAME`, `-l SELECTOR` or `--all`"

@@ -198,36 +198,17 @@ async fn client_dry_run(
         ));
     }
     if let Some(sel) = prune {
-        for (kind, name) in prunable(v, &objs, sel).await? {
-            lines.push(format!("{}/{name} pruned (dry run)", singular(&kind)));
+        // the store's own prune rule, in a rolled-back transaction
+        let d = objects::diff(v, objs.clone(), Some(sel.clone())).await?;
+        for o in d.pruned {
+            lines.push(format!(
+                "{}/{} pruned (dry run)",
+                singular(&o.kind),
+                o.metadata.name
+            ));
         }
     }
     Ok((lines, objs, Vec::new()))
-}
-
-/// What `apply --prune -l SEL` of `objs` would delete: objects of the kinds in the set that
-/// match, were made by apply (they carry its record) and are not in the set.
-async fn prunable(
-    v: &Verbs,
-    objs: &[DynObject],
-    sel: &boxery_api::Selector,
-) -> CliResult<Vec<(String, String)>> {
-    let mut kinds: Vec<&str> = objs.iter().map(|o| o.kind.as_str()).collect();
-    kinds.sort();
-    kinds.dedup();
-    let mut out = Vec::new();
-    for k in kinds {
-        let (live, _) = v.store().list(k, sel).await?;
-        for l in live {
-            let named = objs
-                .iter()
-                .any(|o| o.kind == l.kind && o.metadata.name == l.metadata.name);
-            if !named && l.metadata.annotations.contains_key(LAST_APPLIED) {
-                out.push((l.kind.clone(), l.metadata.name.clone()));
-            }
-        }
-    }
-    Ok(out)
 }
 
 fn strip_for_diff(o: &DynObject) -> Value {
@@ -257,47 +238,35 @@ pub async fn diff(
     prune: Option<&str>,
 ) -> CliResult<bool> {
     let objs: Vec<DynObject> = manifests.into_iter().map(|m| m.object).collect();
-    let pruned = match prune {
-        Some(p) => prunable(v, &objs, &objects::selector(Some(p))?).await?,
-        None => Vec::new(),
-    };
-    let pairs = objects::diff(v, objs).await?;
-    let mut gone = Vec::new();
-    for (kind, name) in pruned {
-        if let Some(live) = v.store().get(&ObjectRef::new(&kind, &name)).await? {
-            gone.push(live);
-        }
-    }
+    let prune = prune.map(|p| objects::selector(Some(p))).transpose()?;
+    let d = objects::diff(v, objs, prune).await?;
     let mut differs = false;
     let mut out = std::io::stdout().lock();
-    for (live, after) in &pairs {
-        let before_text = match live {
-            Some(l) => output::to_yaml(&strip_for_diff(l))?,
-            None => String::new(),
+    let gone = d.pruned.iter().map(|l| (Some(l), None, "pruned"));
+    let applied = d
+        .changed
+        .iter()
+        .map(|(l, a)| (l.as_ref(), Some(a), "applied"));
+    for (live, after, side) in applied.chain(gone) {
+        let text = |o: Option<&DynObject>| -> CliResult<String> {
+            Ok(match o {
+                Some(o) => output::to_yaml(&strip_for_diff(o))?,
+                None => String::new(),
+            })
         };
-        let after_text = output::to_yaml(&strip_for_diff(after))?;
-        if before_text != after_text {
-            differs = true;
-            let label = format!("{}/{}", after.kind.to_lowercase(), after.metadata.name);
-            let d = similar::TextDiff::from_lines(&before_text, &after_text);
-            write!(
-                out,
-                "{}",
-                d.unified_diff()
-                    .header(&format!("live/{label}"), &format!("applied/{label}"))
-            )?;
+        let (before_text, after_text) = (text(live)?, text(after)?);
+        if before_text == after_text {
+            continue;
         }
-    }
-    for live in &gone {
         differs = true;
-        let label = format!("{}/{}", live.kind.to_lowercase(), live.metadata.name);
-        let before_text = output::to_yaml(&strip_for_diff(live))?;
-        let d = similar::TextDiff::from_lines(before_text.as_str(), "");
+        let o = after.or(live).expect("one side is an object");
+        let label = format!("{}/{}", o.kind.to_lowercase(), o.metadata.name);
+        let d = similar::TextDiff::from_lines(&before_text, &after_text);
         write!(
             out,
             "{}",
             d.unified_diff()
-                .header(&format!("live/{label}"), &format!("pruned/{label}"))
+                .header(&format!("live/{label}"), &format!("{side}/{label}"))
         )?;
     }
     Ok(differs)

@@ -185,8 +185,14 @@ const KUSTOMIZATION: &[&str] = &["kustomization.yaml", "kustomization.yml", "Kus
 /// `-k DIR`: the manifests a kustomization builds, by `kubectl kustomize DIR` (kustomize's
 /// own semantics, from the kubectl every Kubernetes user has), read as one source.
 pub fn kustomize(dir: &str) -> CliResult<Vec<Manifest>> {
+    // a directory named like a flag (`-x`) is a directory to kubectl too
+    let path = if dir.starts_with('-') {
+        format!("./{dir}")
+    } else {
+        dir.to_string()
+    };
     let o = std::process::Command::new("kubectl")
-        .args(["kustomize", dir])
+        .args(["kustomize", &path])
         .stdin(std::process::Stdio::null())
         .output()
         .map_err(|e| {

@@ -11,7 +11,7 @@
 //! field named, never dropped in silence; `delete --force` is the way past a stuck finalizer.
 
 use boxery_api::name::shown;
-use boxery_api::{DynObject, KindInfo, Name, Selector};
+use boxery_api::{DynObject, KindInfo, Name};
 use boxery_store::{ObjectRef, StoreError};
 use serde_json::Value;
 
@@ -355,16 +355,6 @@ pub async fn scale(v: &Verbs, pool: &str, replicas: u32, current: Option<u32>) -
         Ok(())
     })
     .await
-}
-
-/// The names of `kind` matching `sel` (for `label -l`, `delete -l`, `describe -l`, …).
-pub async fn names_matching(
-    v: &Verbs,
-    info: &'static KindInfo,
-    sel: &Selector,
-) -> Result<Vec<String>> {
-    let (objs, _) = v.store().list(info.kind, sel).await?;
-    Ok(objs.into_iter().map(|o| o.metadata.name).collect())
 }
 
 /// Whether `new` would write nothing over `cur`.

@@ -147,17 +147,31 @@ fn invalid(e: StoreError) -> VerbError {
     }
 }
 
-/// `diff`: each object as it is now (`None`: absent) and as `apply` would make it.
-pub async fn diff(v: &Verbs, objs: Vec<DynObject>) -> Result<Vec<(Option<DynObject>, DynObject)>> {
+/// What [`diff`] found.
+#[derive(Debug, Clone, Default)]
+pub struct Diff {
+    /// Each object as it is now (`None`: absent) and as `apply` would make it.
+    pub changed: Vec<(Option<DynObject>, DynObject)>,
+    /// The objects (as they are now) that `apply` with this prune selector would delete.
+    pub pruned: Vec<DynObject>,
+}
+
+/// `diff`: what `apply` of `objs` (with `prune`) would do, from the store's own dry run, so
+/// that what it says would be pruned is what apply's prune rule prunes.
+pub async fn diff(v: &Verbs, objs: Vec<DynObject>, prune: Option<Selector>) -> Result<Diff> {
     let opts = ApplyOptions {
         dry_run: true,
-        prune: None,
+        prune,
     };
     let results = v.store().apply_all(objs, &opts).await.map_err(invalid)?;
-    let mut out = Vec::new();
-    for (_, after) in results {
+    let mut out = Diff::default();
+    for (action, after) in results {
         let live = v.store().get(&ObjectRef::to(&after)).await?;
-        out.push((live, after));
+        match (action, live) {
+            (ApplyAction::Pruned, Some(live)) => out.pruned.push(live),
+            (ApplyAction::Pruned, None) => {}
+            (_, live) => out.changed.push((live, after)),
+        }
     }
     Ok(out)
 }
