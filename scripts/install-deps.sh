@@ -22,6 +22,8 @@ QEMU_PKGS=(qemu-system-x86 qemu-utils)
 BASE_PKGS=(genisoimage busybox-static cpio kmod debootstrap e2fsprogs
   gcc make libc6-dev zlib1g-dev curl patch bzip2 xz-utils
   openssh-client socat gzip debian-archive-keyring ca-certificates)
+# zsh and fish: the completion tests drive them (tests/cli.rs).
+BASE_PKGS+=(zsh fish)
 # kubectl: `apply|diff|delete -k DIR` build kustomizations with `kubectl kustomize`, and boxery
 # works as a kubectl plugin (tests/cli.rs). Debian's kubernetes-client when none is on PATH.
 command -v kubectl >/dev/null 2>&1 || BASE_PKGS+=(kubernetes-client)

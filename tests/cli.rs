@@ -1166,6 +1166,142 @@ fn patch_label_annotate_scale() {
     assert_eq!(code(&home, &["scale", "vm", "p1", "--replicas", "2"]), 2);
 }
 
+/// `--dry-run[=server|client]` and `-o yaml|json|name` on patch, label, annotate and scale (as
+/// kubectl's), `-o` on edit: a dry run shows the result and writes nothing; server runs the
+/// store's checks, client the schema's.
+#[test]
+fn changes_dry_run_and_output() {
+    let home = Home::new();
+    home.ok(&["new", "d1", "--from", "tiny", "--stopped", "--wait"]);
+    let cpus = || home.ok(&["get", "vm", "d1", "-o", "jsonpath={.spec.resources.cpus}"]);
+    let rv = || {
+        home.ok(&[
+            "get",
+            "vm",
+            "d1",
+            "-o",
+            "jsonpath={.metadata.resourceVersion}",
+        ])
+    };
+    let before = rv();
+    let p = r#"{"spec":{"resources":{"cpus":3}}}"#;
+    for mode in ["--dry-run", "--dry-run=server", "--dry-run=client"] {
+        assert_eq!(
+            home.ok(&["patch", "vm", "d1", "-p", p, mode]),
+            "vm/d1 patched (dry run)\n",
+            "{mode}"
+        );
+        let yaml = home.ok(&["patch", "vm", "d1", "-p", p, mode, "-o", "yaml"]);
+        assert!(yaml.contains("cpus: 3"), "{mode}: {yaml}");
+        let bad = home.run(&[
+            "patch",
+            "vm",
+            "d1",
+            "-p",
+            r#"{"spec":{"resources":{"cpus":"x"}}}"#,
+            mode,
+        ]);
+        assert_eq!(
+            bad.status.code(),
+            Some(2),
+            "{mode}: an invalid change is refused"
+        );
+    }
+    assert_eq!(cpus(), "1\n", "dry runs wrote nothing");
+    assert_eq!(rv(), before, "not even a new revision");
+    // server: the store's own preconditions are checked
+    assert_eq!(
+        code(
+            &home,
+            &[
+                "patch",
+                "vm",
+                "d1",
+                "--dry-run",
+                "-p",
+                r#"{"metadata":{"resourceVersion":"1"}}"#
+            ]
+        ),
+        5
+    );
+    // -o on a real write prints the stored object
+    let json = home.ok(&["patch", "vm/d1", "-p", p, "-o", "json"]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["spec"]["resources"]["cpus"], 3);
+    assert_eq!(
+        v["metadata"]["resourceVersion"].as_str().unwrap(),
+        rv().trim()
+    );
+
+    // label / annotate
+    assert_eq!(
+        home.ok(&[
+            "label",
+            "vm",
+            "d1",
+            "team=web",
+            "--dry-run=client",
+            "-o",
+            "name"
+        ]),
+        "vm/d1\n"
+    );
+    assert_eq!(
+        home.ok(&["annotate", "vm", "d1", "owner=ana", "--dry-run"]),
+        "vm/d1 annotated (dry run)\n"
+    );
+    assert_eq!(home.ok(&["get", "vms", "-l", "team", "-o", "name"]), "");
+    assert!(
+        !home
+            .ok(&["get", "vm", "d1", "-o", "yaml"])
+            .contains("owner")
+    );
+
+    // scale
+    home.ok(&["apply", "-f", home.write("pool.yaml", "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: dp}\nspec: {replicas: 1, template: {spec: {source: {image: tiny}}}}\n").to_str().unwrap()]);
+    let yaml = home.ok(&[
+        "scale",
+        "pool/dp",
+        "--replicas",
+        "4",
+        "--dry-run",
+        "-o",
+        "yaml",
+    ]);
+    assert!(yaml.contains("replicas: 4"), "{yaml}");
+    assert_eq!(
+        home.ok(&["get", "pool", "dp", "-o", "jsonpath={.spec.replicas}"]),
+        "1\n"
+    );
+
+    // bad values: said, exit 2
+    let o = home.run(&["scale", "pool/dp", "--replicas", "4", "--dry-run=maybe"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("server"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let o = home.run(&["label", "vm", "d1", "a=b", "-o", "wide"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("[possible values: yaml, json, name]"));
+    assert_eq!(
+        home.ok(&["get", "vms", "-l", "a", "-o", "name"]),
+        "",
+        "refused before writing"
+    );
+
+    // edit -o name
+    let mut c = home.cmd();
+    c.env("EDITOR", "sed -i '/^spec:/,/^status:/s/cpus: 3/cpus: 2/'")
+        .env_remove("KUBE_EDITOR")
+        .args(["edit", "vm", "d1", "-o", "name"]);
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "vm/d1\n");
+    assert_eq!(cpus(), "2\n");
+}
+
 /// Selection as kubectl's: `delete -f FILE|DIR`, `-k DIR`, `-l`, `--all`, `--ignore-not-found`;
 /// `describe -l` and `describe KIND`; `wait -l`/`--all`.
 #[test]
@@ -1543,8 +1679,100 @@ fn completion_offers_object_names() {
         .unwrap();
     assert!(o.status.success() && o.stdout.is_empty(), "{o:?}");
     assert!(!none.exists(), "completion made a home");
-    assert!(
-        home.ok(&["completion", "fish"])
-            .contains("__complete-names")
+}
+
+/// A shell with this build's `boxery` first on PATH and the test's home.
+fn shell(home: &Home, sh: &str) -> std::process::Command {
+    let bin_dir = std::path::Path::new(common::bin())
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let mut c = std::process::Command::new(sh);
+    c.env(
+        "PATH",
+        format!(
+            "{}:{}",
+            bin_dir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        ),
+    )
+    .env("BOXERY_HOME", home.path())
+    .env("BOXERY_BACKEND", "fake");
+    c
+}
+
+/// zsh, as a person's interactive shell completes: `compinit` autoloads the script from
+/// `fpath` and TAB is pressed in a real zsh on a pseudo-terminal (zsh's zpty); the line it
+/// leaves is read back. Names after a kind and as KIND/NAME; commands and flags still clap's.
+#[test]
+fn completion_in_zsh_offers_object_names() {
+    let home = Home::new();
+    home.ok(&["new", "dev1", "--from", "tiny", "--stopped"]);
+    home.ok(&["new", "web7", "--from", "tiny", "--stopped"]);
+    let fpath = home.path().join("zfunc");
+    std::fs::create_dir_all(&fpath).unwrap();
+    std::fs::write(fpath.join("_boxery"), home.ok(&["completion", "zsh"])).unwrap();
+    // type the words and TAB, then keys that turn the line into `print LINE:…:END` and run it,
+    // then `print DONE` (typed as DO""NE, so its echo never matches): zle takes the keys in
+    // order, so no sleep is needed and the read ends when the shell has answered
+    let driver = home.write(
+        "complete.zsh",
+        r#"zmodload zsh/zpty
+zpty z "zsh -f -i"
+zpty -w z "PS1='> '; fpath=($1 \$fpath); autoload -U compinit && compinit -u -D"
+zpty -w -n z "$2"$'\t'$'\C-aprint -r -- LINE:\C-e:END\n'
+zpty -w z 'print DO""NE'
+zpty -r z out '*DONE*'
+zpty -d z
+print -r -- "$out"
+"#,
     );
+    let complete = |words: &str| -> String {
+        let o = shell(&home, "timeout")
+            .args(["60", "zsh", "-f"])
+            .arg(&driver)
+            .arg(&fpath)
+            .arg(words)
+            .output()
+            .expect("zsh runs (scripts/install-deps.sh installs it)");
+        let out = String::from_utf8_lossy(&o.stdout).replace('\r', "");
+        out.lines()
+            .find_map(|l| l.strip_prefix("LINE:"))
+            .and_then(|l| l.strip_suffix(":END"))
+            .unwrap_or_else(|| panic!("no completed line for `{words}`: {out:?}"))
+            .trim_end()
+            .to_string()
+    };
+    assert_eq!(complete("boxery describe vm w"), "boxery describe vm web7");
+    assert_eq!(complete("boxery get vm/d"), "boxery get vm/dev1");
+    assert_eq!(complete("boxery ge"), "boxery get", "commands: clap's");
+    assert_eq!(
+        complete("boxery get --show-la"),
+        "boxery get --show-labels",
+        "flags: clap's"
+    );
+}
+
+/// fish, through its own `complete -C`: names after a kind and as KIND/NAME.
+#[test]
+fn completion_in_fish_offers_object_names() {
+    let home = Home::new();
+    home.ok(&["new", "dev1", "--from", "tiny", "--stopped"]);
+    home.ok(&["new", "dev2", "--from", "tiny", "--stopped"]);
+    let script = home.write("boxery.fish", &home.ok(&["completion", "fish"]));
+    let complete = |words: &str| -> String {
+        let o = shell(&home, "fish")
+            .arg("-c")
+            .arg(format!(
+                "source {}; complete -C '{words}'",
+                script.display()
+            ))
+            .output()
+            .expect("fish runs (scripts/install-deps.sh installs it)");
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    assert_eq!(complete("boxery get vm d"), "dev1\ndev2\n");
+    assert_eq!(complete("boxery describe vm/d"), "vm/dev1\nvm/dev2\n");
+    assert!(complete("boxery get vm --show-l").starts_with("--show-labels"));
 }

@@ -2,17 +2,54 @@
 //! `annotate`, `scale`. The changes themselves are the verbs' ([`boxery_verbs::edit`]); here
 //! are the editor session, the argument forms and the one-line reports.
 
-use crate::out::outln;
 use std::path::{Path, PathBuf};
 
 use boxery_api::KindInfo;
 use boxery_api::name::shown;
 use boxery_verbs::Verbs;
 use boxery_verbs::edit::{self, Changed, MetaChange, MetaMap, PatchType};
+use boxery_verbs::objects::DryRun;
+use boxery_verbs::render::Format;
 use serde_json::Value;
 
-use crate::commands::{kind, kind_and_names};
+use crate::commands::{kind, kind_and_names, print_written};
 use crate::exit::{CliError, CliResult, Code};
+
+/// `--dry-run` and `-o` of the commands that write (apply, patch, label, annotate, scale).
+#[derive(Debug, Clone, clap::Args)]
+pub struct Written {
+    /// Show what would happen and write nothing: `server` (also the bare flag) runs the
+    /// store's real write path (validation, defaults, preconditions) and rolls it back;
+    /// `client` computes the result here from what is stored.
+    #[arg(long, value_name = "client|server", num_args = 0..=1, require_equals = true, default_missing_value = "server")]
+    dry_run: Option<DryRun>,
+    /// Print the written objects (as stored, or as they would be with --dry-run).
+    #[arg(short, long, value_name = "FORMAT", value_parser = WRITTEN_FORMATS)]
+    output: Option<String>,
+}
+
+/// The `-o` forms of the commands that write (checked before anything is written).
+pub const WRITTEN_FORMATS: [&str; 3] = ["yaml", "json", "name"];
+
+impl Written {
+    /// `--dry-run` (none when not given).
+    pub fn dry(&self) -> DryRun {
+        self.dry_run.unwrap_or_default()
+    }
+    /// `-o`.
+    pub fn format(&self) -> Option<Format> {
+        self.output.as_deref().map(written_format)
+    }
+}
+
+/// One of [`WRITTEN_FORMATS`] as a format.
+pub fn written_format(s: &str) -> Format {
+    match s {
+        "json" => Format::Json,
+        "name" => Format::Name,
+        _ => Format::Yaml,
+    }
+}
 
 /// The objects a command of change acts on: `KIND NAME…`, `KIND/NAME…`, `KIND -l SEL` or
 /// `KIND --all`.
@@ -66,6 +103,15 @@ pub fn split_changes(args: &[String]) -> CliResult<(Vec<String>, Vec<MetaChange>
     Ok((names, changes))
 }
 
+/// How `label`/`annotate` choose objects besides names: `-l SELECTOR` or `--all`.
+#[derive(Debug, Clone, Copy)]
+pub struct Selection<'a> {
+    /// `-l`.
+    pub selector: Option<&'a str>,
+    /// `--all`.
+    pub all: bool,
+}
+
 /// `label` and `annotate`.
 pub async fn set_meta(
     v: &Verbs,
@@ -73,20 +119,31 @@ pub async fn set_meta(
     kind_arg: &str,
     args: &[String],
     overwrite: bool,
-    selector: Option<&str>,
-    all: bool,
+    sel: Selection<'_>,
+    w: &Written,
 ) -> CliResult {
     let (names, changes) = split_changes(args)?;
-    let (info, names) = targets(v, kind_arg, &names, selector, all).await?;
+    let (info, names) = targets(v, kind_arg, &names, sel.selector, sel.all).await?;
     let (done, same) = match map {
         MetaMap::Labels => ("labeled", "not labeled"),
         MetaMap::Annotations => ("annotated", "not annotated"),
     };
+    let mut out = Vec::new();
     for n in &names {
-        let c = edit::set_meta(v, info, n, map, &changes, overwrite).await?;
-        report(info, n, &c, done, same)?;
+        out.push(edit::set_meta(v, info, n, map, &changes, overwrite, w.dry()).await?);
     }
-    Ok(())
+    report(info, &out, w.format().as_ref(), done, same)
+}
+
+/// `patch`'s patch: its type and where it is.
+#[derive(Debug, Clone)]
+pub struct PatchArgs {
+    /// `--type`.
+    pub ty: PatchType,
+    /// `-p`.
+    pub patch: Option<String>,
+    /// `--patch-file`.
+    pub patch_file: Option<PathBuf>,
 }
 
 /// `patch KIND NAME --type merge|json -p PATCH` (or `--patch-file FILE`).
@@ -94,13 +151,12 @@ pub async fn patch(
     v: &Verbs,
     kind_arg: &str,
     name: Option<String>,
-    ty: PatchType,
-    patch: Option<String>,
-    patch_file: Option<PathBuf>,
+    p: PatchArgs,
+    w: &Written,
 ) -> CliResult {
     let (k, name) = crate::commands::kind_and_name(kind_arg, name)?;
     let info = kind(&k)?;
-    let text = match (patch, patch_file) {
+    let text = match (p.patch, p.patch_file) {
         (Some(p), None) => p,
         (None, Some(f)) => std::fs::read_to_string(&f)
             .map_err(|e| CliError::invalid(format!("cannot read {}: {e}", f.display())))?,
@@ -110,17 +166,23 @@ pub async fn patch(
             ));
         }
     };
-    let c = edit::patch(v, info, &name, ty, &text).await?;
-    report(info, &name, &c, "patched", "patched (no change)")
+    let c = edit::patch(v, info, &name, p.ty, &text, w.dry()).await?;
+    report(
+        info,
+        &[c],
+        w.format().as_ref(),
+        "patched",
+        "patched (no change)",
+    )
 }
 
-/// `scale pool NAME --replicas N`.
+/// `scale pool NAME --replicas N [--current-replicas M]`: `to` is (N, M).
 pub async fn scale(
     v: &Verbs,
     kind_arg: &str,
     names: &[String],
-    replicas: u32,
-    current: Option<u32>,
+    to: (u32, Option<u32>),
+    w: &Written,
 ) -> CliResult {
     let (k, names) = kind_and_names(kind_arg, names)?;
     let info = kind(&k)?;
@@ -135,17 +197,37 @@ pub async fn scale(
             "name the pool: `scale pool NAME --replicas N`",
         ));
     }
+    let mut out = Vec::new();
     for n in &names {
-        let c = edit::scale(v, n, replicas, current).await?;
-        report(info, n, &c, "scaled", "scaled (no change)")?;
+        out.push(edit::scale(v, n, to.0, to.1, w.dry()).await?);
     }
-    Ok(())
+    report(
+        info,
+        &out,
+        w.format().as_ref(),
+        "scaled",
+        "scaled (no change)",
+    )
 }
 
-fn report(info: &KindInfo, name: &str, c: &Changed, done: &str, same: &str) -> CliResult {
-    let word = if c.changed { done } else { same };
-    outln!("{}/{name} {word}", info.singular);
-    Ok(())
+/// Print what the changes did: `vm/dev1 labeled` (`… (dry run)`), or the objects with `-o`.
+fn report(
+    info: &KindInfo,
+    changed: &[Changed],
+    format: Option<&Format>,
+    done: &str,
+    same: &str,
+) -> CliResult {
+    let lines: Vec<String> = changed
+        .iter()
+        .map(|c| {
+            let word = if c.changed { done } else { same };
+            let dry = if c.dry_run { " (dry run)" } else { "" };
+            format!("{}/{} {word}{dry}", info.singular, c.object.metadata.name)
+        })
+        .collect();
+    let objects: Vec<_> = changed.iter().map(|c| c.object.clone()).collect();
+    print_written(&lines, &objects, format)
 }
 
 /// The header of the file `edit` opens.
@@ -160,7 +242,12 @@ const HEADER: &str = "\
 /// `edit KIND NAME`: the object as YAML in `$KUBE_EDITOR`, `$EDITOR` or `vi`; what was changed
 /// is applied on save; a refused change reopens the file with the reason, and saving the same
 /// refused text again stops (the file is kept).
-pub async fn edit(v: &Verbs, kind_arg: &str, name: Option<String>) -> CliResult {
+pub async fn edit(
+    v: &Verbs,
+    kind_arg: &str,
+    name: Option<String>,
+    format: Option<&Format>,
+) -> CliResult {
     let (k, name) = crate::commands::kind_and_name(kind_arg, name)?;
     let info = kind(&k)?;
     let shown_obj = boxery_verbs::objects::get_one(v, info, &name).await?;
@@ -208,11 +295,13 @@ pub async fn edit(v: &Verbs, kind_arg: &str, name: Option<String>) -> CliResult 
         }
         let refused = match serde_saphyr::from_str::<Value>(&body) {
             Err(e) => format!("the file is not valid YAML: {e}"),
-            Ok(edited) => match edit::apply_edit(v, info, &shown_obj, &edited).await {
-                Ok(c) => return report(info, &name, &c, "edited", "edited (no change)"),
-                Err(e) if e.kind() == boxery_verbs::ErrorKind::NotFound => return Err(e.into()),
-                Err(e) => e.chain(),
-            },
+            Ok(edited) => {
+                match edit::apply_edit(v, info, &shown_obj, &edited, DryRun::None).await {
+                    Ok(c) => return report(info, &[c], format, "edited", "edited (no change)"),
+                    Err(e) if e.kind() == boxery_verbs::ErrorKind::NotFound => return Err(e.into()),
+                    Err(e) => e.chain(),
+                }
+            }
         };
         eprintln!("error: {}", boxery_verbs::render::safe(&refused));
         let reason: String = refused

@@ -8,7 +8,7 @@ use std::time::Duration;
 use boxery_api::{DynObject, KindInfo};
 use boxery_store::{LAST_APPLIED, ObjectRef};
 use boxery_verbs::Verbs;
-use boxery_verbs::objects::{self, Deleted};
+use boxery_verbs::objects::{self, Deleted, DryRun};
 use boxery_verbs::render::{self as output, Format};
 use boxery_verbs::wait::Until;
 use futures::StreamExt;
@@ -93,17 +93,6 @@ pub fn kind_and_name(kind_arg: &str, name: Option<String>) -> CliResult<(String,
     }
 }
 
-/// `apply --dry-run=…`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DryRun {
-    /// Write.
-    None,
-    /// Check the manifests here and compare them with what is stored; nothing is written.
-    Client,
-    /// The real write path, rolled back.
-    Server,
-}
-
 /// `apply -f|-k`.
 pub async fn apply(
     v: &Verbs,
@@ -127,22 +116,7 @@ pub async fn apply(
             .collect();
         (applied.lines(), objects, applied.waits)
     };
-    match &output {
-        None => {
-            for line in &lines {
-                outln!("{line}");
-            }
-        }
-        Some(Format::Name) => {
-            for o in &objects {
-                outln!("{}/{}", singular(&o.kind), o.metadata.name);
-            }
-        }
-        Some(f @ (Format::Yaml | Format::Json)) => print_objects(&objects, f)?,
-        Some(_) => {
-            return Err(CliError::invalid("apply -o takes yaml, json or name"));
-        }
-    }
+    print_written(&lines, &objects, output.as_ref())?;
     if let (Some(timeout), DryRun::None) = (wait_for, dry) {
         for (until, targets) in &waits {
             wait::all(v, targets, until, timeout).await?;
@@ -157,6 +131,30 @@ fn singular(kind: &str) -> &str {
 }
 
 /// Objects of any kinds as YAML or JSON: one object alone, several as a `kind: List`.
+/// What a command that writes prints: one line per object (`vm/dev1 created`), or with `-o`
+/// the objects as stored (or as they would be, with a dry run) as yaml, json or their names.
+pub fn print_written(
+    lines: &[String],
+    objects: &[DynObject],
+    output: Option<&Format>,
+) -> CliResult {
+    match output {
+        None => {
+            for line in lines {
+                outln!("{line}");
+            }
+        }
+        Some(Format::Name) => {
+            for o in objects {
+                outln!("{}/{}", singular(&o.kind), o.metadata.name);
+            }
+        }
+        Some(f @ (Format::Yaml | Format::Json)) => print_objects(objects, f)?,
+        Some(_) => return Err(CliError::invalid("-o takes yaml, json or name here")),
+    }
+    Ok(())
+}
+
 fn print_objects(objects: &[DynObject], f: &Format) -> CliResult {
     let values: Vec<Value> = objects.iter().map(output::display_value).collect();
     let v = match values.len() {

@@ -120,15 +120,8 @@ enum Command {
     Apply {
         #[command(flatten)]
         sources: Sources,
-        /// Show what would happen and write nothing: `server` (also the bare flag) runs the
-        /// real write path (validation, defaults, conflicts) and rolls it back; `client`
-        /// checks the manifests here and compares them with what is stored.
-        #[arg(long, value_name = "client|server", num_args = 0..=1, require_equals = true, default_missing_value = "server", value_parser = ["client", "server", "none"])]
-        dry_run: Option<String>,
-        /// Print the applied objects (as stored, or as they would be with --dry-run): yaml,
-        /// json or name.
-        #[arg(short, long, value_name = "FORMAT")]
-        output: Option<String>,
+        #[command(flatten)]
+        written: changes::Written,
         /// Delete objects matching -l that an earlier apply created and this one no longer names.
         #[arg(long, requires = "selector")]
         prune: bool,
@@ -484,6 +477,9 @@ enum Command {
         kind: String,
         /// The name (unless given as KIND/NAME).
         name: Option<String>,
+        /// Print the edited object as stored.
+        #[arg(short, long, value_name = "FORMAT", value_parser = changes::WRITTEN_FORMATS)]
+        output: Option<String>,
     },
     /// Change an object with a JSON merge patch (`--type merge`, the default; `strategic` is
     /// taken as merge) or a JSON patch (`--type json`), e.g. `patch vm dev1 -p
@@ -502,6 +498,8 @@ enum Command {
         /// A file holding the patch.
         #[arg(long, value_name = "FILE")]
         patch_file: Option<PathBuf>,
+        #[command(flatten)]
+        written: changes::Written,
     },
     /// Set (KEY=VALUE) or remove (KEY-) labels: `label vm dev1 team=web tier-`.
     Label {
@@ -525,6 +523,8 @@ enum Command {
         /// Only if the pool has this many now.
         #[arg(long, value_name = "N")]
         current_replicas: Option<u32>,
+        #[command(flatten)]
+        written: changes::Written,
     },
 }
 
@@ -545,6 +545,8 @@ struct MetaArgs {
     /// Change every object of the kind.
     #[arg(long)]
     all: bool,
+    #[command(flatten)]
+    written: changes::Written,
 }
 
 /// `file read`.
@@ -733,10 +735,7 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
 /// The `--wait` of a command that writes, if it has one.
 fn write_wait(command: &Command) -> Option<&WaitArgs> {
     match command {
-        Command::Apply { wait, dry_run, .. } => dry_run
-            .as_deref()
-            .is_none_or(|d| d == "none")
-            .then_some(wait),
+        Command::Apply { wait, written, .. } => (!written.dry().is_dry()).then_some(wait),
         Command::Delete { wait, .. }
         | Command::New { wait, .. }
         | Command::Snap { wait, .. }
@@ -778,14 +777,25 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         | Command::Diff { .. }
         | Command::Wait { .. }
         | Command::Events { .. }) => return object_command(v, command).await,
-        Command::Edit { kind, name } => changes::edit(v, &kind, name).await?,
+        Command::Edit { kind, name, output } => {
+            let format = output.as_deref().map(changes::written_format);
+            changes::edit(v, &kind, name, format.as_ref()).await?
+        }
         Command::Patch {
             kind,
             name,
             patch_type,
             patch,
             patch_file,
-        } => changes::patch(v, &kind, name, patch_type, patch, patch_file).await?,
+            written,
+        } => {
+            let p = changes::PatchArgs {
+                ty: patch_type,
+                patch,
+                patch_file,
+            };
+            changes::patch(v, &kind, name, p, &written).await?
+        }
         command @ (Command::Label { .. } | Command::Annotate { .. }) => {
             use boxery_verbs::edit::MetaMap;
             let (map, a) = match command {
@@ -793,15 +803,22 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
                 Command::Annotate { args } => (MetaMap::Annotations, args),
                 _ => unreachable!("matched above"),
             };
-            let sel = a.selector.as_deref();
-            changes::set_meta(v, map, &a.kind, &a.args, a.overwrite, sel, a.all).await?
+            let sel = changes::Selection {
+                selector: a.selector.as_deref(),
+                all: a.all,
+            };
+            changes::set_meta(v, map, &a.kind, &a.args, a.overwrite, sel, &a.written).await?
         }
         Command::Scale {
             kind,
             names,
             replicas,
             current_replicas,
-        } => changes::scale(v, &kind, &names, replicas, current_replicas).await?,
+            written,
+        } => {
+            let to = (replicas, current_replicas);
+            changes::scale(v, &kind, &names, to, &written).await?
+        }
         Command::Pool(cmd) => pools::pool(v, cmd).await?,
         Command::Lease(cmd) => pools::lease(v, cmd).await?,
         Command::Grant(a) => return grants::grant(v, a).await,
@@ -819,19 +836,13 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
     match command {
         Command::Apply {
             sources,
-            dry_run,
-            output,
+            written,
             prune,
             selector,
             wait,
         } => {
             let prune = if prune { selector.as_deref() } else { None };
-            let dry = match dry_run.as_deref() {
-                None | Some("none") => commands::DryRun::None,
-                Some("client") => commands::DryRun::Client,
-                _ => commands::DryRun::Server,
-            };
-            let output = output.map(|o| o.parse()).transpose()?;
+            let (dry, output) = (written.dry(), written.format());
             let manifests = manifests::read_sources(&sources.files, &sources.kustomize)?;
             commands::apply(v, manifests, dry, output, prune, wait.wait_for()).await?;
         }

@@ -684,6 +684,9 @@ pub(crate) mod tests {
         async fn update(&self, obj: DynObject) -> Result<DynObject, StoreError> {
             Ok(self.put(obj))
         }
+        async fn update_dry_run(&self, _: DynObject) -> Result<DynObject, StoreError> {
+            unsupported("dry-run updates")
+        }
         async fn update_status(&self, obj: DynObject) -> Result<DynObject, StoreError> {
             Ok(self.put(obj))
         }

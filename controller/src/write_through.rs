@@ -126,6 +126,9 @@ impl ObjectStore for WriteThrough {
     async fn update(&self, obj: DynObject) -> Result<DynObject> {
         self.observed(self.inner.update(obj).await)
     }
+    async fn update_dry_run(&self, obj: DynObject) -> Result<DynObject> {
+        self.inner.update_dry_run(obj).await
+    }
     async fn update_status(&self, obj: DynObject) -> Result<DynObject> {
         self.observed(self.inner.update_status(obj).await)
     }

@@ -731,6 +731,13 @@ impl Store {
         self.inner.write(false, |tx| tx.update(obj))
     }
 
+    /// [`Store::update`] inside a transaction that is rolled back: the object as the update
+    /// would store it (validated, defaulted, preconditions checked), nothing written.
+    pub fn update_dry_run(&self, obj: DynObject) -> Result<DynObject> {
+        let obj = boxery_api::normalize(serde_json::to_value(&obj)?)?;
+        self.inner.write(true, |tx| tx.update(obj))
+    }
+
     /// Replace only `status` (with the same `resourceVersion` precondition as `update`);
     /// never bumps `generation`. Kinds without a status (`Event`) are refused as `Invalid`.
     pub fn update_status(&self, obj: DynObject) -> Result<DynObject> {

@@ -113,6 +113,9 @@ pub trait ObjectStore: Send + Sync + std::fmt::Debug + 'static {
     /// Replace everything but status (a `resourceVersion` in `obj` is a precondition).
     async fn update(&self, obj: DynObject) -> Result<DynObject>;
 
+    /// What `update` would store, validated and checked, with nothing written.
+    async fn update_dry_run(&self, obj: DynObject) -> Result<DynObject>;
+
     /// Replace only status (same precondition); never bumps `generation`.
     async fn update_status(&self, obj: DynObject) -> Result<DynObject>;
 
@@ -254,6 +257,9 @@ impl ObjectStore for Store {
     }
     async fn update(&self, obj: DynObject) -> Result<DynObject> {
         blocking(self, move |s| s.update(obj)).await
+    }
+    async fn update_dry_run(&self, obj: DynObject) -> Result<DynObject> {
+        blocking(self, move |s| s.update_dry_run(obj)).await
     }
     async fn update_status(&self, obj: DynObject) -> Result<DynObject> {
         blocking(self, move |s| s.update_status(obj)).await

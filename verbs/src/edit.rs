@@ -17,6 +17,7 @@ use serde_json::Value;
 
 use crate::Verbs;
 use crate::error::{Result, VerbError};
+use crate::objects::DryRun;
 
 /// Annotations with this prefix are the system's.
 const SYSTEM_PREFIX: &str = "boxery.dev/";
@@ -51,10 +52,12 @@ impl std::str::FromStr for PatchType {
 /// What a change did to one object.
 #[derive(Debug, Clone)]
 pub struct Changed {
-    /// The object as stored now.
+    /// The object as stored now (with a dry run: as it would be stored).
     pub object: DynObject,
     /// Whether anything changed (kubectl's "patched" against "patched (no change)").
     pub changed: bool,
+    /// Whether nothing was written (`--dry-run`).
+    pub dry_run: bool,
 }
 
 /// The object `kind/name`, which must exist and be a kind people may change.
@@ -82,32 +85,41 @@ async fn load(v: &Verbs, info: &'static KindInfo, name: &str) -> Result<DynObjec
 }
 
 /// Read `kind/name`, let `f` change a copy, and write it with the precondition; read again and
-/// redo `f` when the object moved on. `f` returns an error to refuse the change.
+/// redo `f` when the object moved on. `f` returns an error to refuse the change. With a dry
+/// run nothing is written: `Server` runs the store's write path and rolls it back, `Client`
+/// stops after the checks made here.
 pub async fn modify(
     v: &Verbs,
     info: &'static KindInfo,
     name: &str,
+    dry: DryRun,
     f: impl Fn(&mut DynObject) -> Result<()>,
 ) -> Result<Changed> {
+    let done = |object, changed| Changed {
+        object,
+        changed,
+        dry_run: dry.is_dry(),
+    };
     for _ in 0..RETRIES {
         let cur = load(v, info, name).await?;
         let mut new = cur.clone();
         f(&mut new)?;
         check_owned_fields(&cur, &new)?;
         if same_as_stored(&cur, &new) {
-            return Ok(Changed {
-                object: cur,
-                changed: false,
-            });
+            return Ok(done(cur, false));
         }
         new.metadata.resource_version = cur.metadata.resource_version.clone();
-        match v.store().update(new).await {
-            Ok(object) => {
-                return Ok(Changed {
-                    object,
-                    changed: true,
-                });
+        let wrote = match dry {
+            DryRun::Client => {
+                let value = serde_json::to_value(&new).map_err(VerbError::failed)?;
+                boxery_api::normalize(value).map_err(VerbError::invalid)?;
+                return Ok(done(new, true));
             }
+            DryRun::Server => v.store().update_dry_run(new).await,
+            DryRun::None => v.store().update(new).await,
+        };
+        match wrote {
+            Ok(object) => return Ok(done(object, true)),
             Err(StoreError::Conflict { .. }) => continue,
             Err(e) => return Err(invalid(e)),
         }
@@ -127,6 +139,7 @@ pub async fn apply_edit(
     info: &'static KindInfo,
     shown: &DynObject,
     edited: &Value,
+    dry: DryRun,
 ) -> Result<Changed> {
     let before = serde_json::to_value(shown).map_err(VerbError::failed)?;
     if !edited.is_object() {
@@ -147,7 +160,7 @@ pub async fn apply_edit(
         )));
     }
     let patch = merge_patch(&before, edited);
-    modify(v, info, &shown.metadata.name, |obj| {
+    modify(v, info, &shown.metadata.name, dry, |obj| {
         let mut doc = serde_json::to_value(&*obj).map_err(VerbError::failed)?;
         json_patch::merge(&mut doc, &patch);
         *obj = patched_object(obj, doc)?;
@@ -212,6 +225,7 @@ pub async fn patch(
     name: &str,
     ty: PatchType,
     patch: &str,
+    dry: DryRun,
 ) -> Result<Changed> {
     let p: Value = serde_saphyr::from_str(patch)
         .map_err(|e| VerbError::invalid(format!("the patch is not JSON or YAML: {e}")))?;
@@ -228,7 +242,7 @@ pub async fn patch(
         }
         PatchType::Merge => None,
     };
-    modify(v, info, name, |obj| {
+    modify(v, info, name, dry, |obj| {
         let mut doc = serde_json::to_value(&*obj).map_err(VerbError::failed)?;
         match &ops {
             Some(ops) => json_patch::patch(&mut doc, ops)
@@ -286,6 +300,7 @@ pub async fn set_meta(
     map: MetaMap,
     changes: &[MetaChange],
     overwrite: bool,
+    dry: DryRun,
 ) -> Result<Changed> {
     if changes.is_empty() {
         return Err(VerbError::invalid(
@@ -304,7 +319,7 @@ pub async fn set_meta(
         MetaMap::Labels => "label",
         MetaMap::Annotations => "annotation",
     };
-    modify(v, info, name, |obj| {
+    modify(v, info, name, dry, |obj| {
         let m = match map {
             MetaMap::Labels => &mut obj.metadata.labels,
             MetaMap::Annotations => &mut obj.metadata.annotations,
@@ -336,9 +351,15 @@ pub async fn set_meta(
 
 /// `scale`: set a Pool's `spec.replicas` (the path a person or an autoscaler takes). With
 /// `current`, only if the pool is at that many now (kubectl's `--current-replicas`).
-pub async fn scale(v: &Verbs, pool: &str, replicas: u32, current: Option<u32>) -> Result<Changed> {
+pub async fn scale(
+    v: &Verbs,
+    pool: &str,
+    replicas: u32,
+    current: Option<u32>,
+    dry: DryRun,
+) -> Result<Changed> {
     let info = crate::objects::kind("pool")?;
-    modify(v, info, pool, |obj| {
+    modify(v, info, pool, dry, |obj| {
         let spec = obj
             .rest
             .entry("spec")

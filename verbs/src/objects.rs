@@ -26,6 +26,41 @@ pub fn kind(name: &str) -> Result<&'static KindInfo> {
     })
 }
 
+/// `--dry-run` of the commands that write (kubectl's values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DryRun {
+    /// Write.
+    #[default]
+    None,
+    /// Compute the result here, from what is stored, without the store's write path; nothing
+    /// is written.
+    Client,
+    /// The store's real write path (validation, defaults, preconditions), rolled back.
+    Server,
+}
+
+impl DryRun {
+    /// Whether nothing is written.
+    pub fn is_dry(self) -> bool {
+        self != DryRun::None
+    }
+}
+
+impl std::str::FromStr for DryRun {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" => Ok(DryRun::None),
+            "client" => Ok(DryRun::Client),
+            "server" => Ok(DryRun::Server),
+            _ => Err(format!(
+                "`{}` is not a dry-run mode: use server (the default of a bare --dry-run), client or none",
+                shown(s)
+            )),
+        }
+    }
+}
+
 /// A label selector (`team=web,tier!=db`; none: everything).
 pub fn selector(s: Option<&str>) -> Result<Selector> {
     s.unwrap_or("")
