@@ -57,13 +57,6 @@ const CLI_ONLY: &[(&str, &str)] = &[
         "edit",
         "opens a person's editor; an agent writes the whole object with vm_apply",
     ),
-    ("patch", "an agent writes the whole object with vm_apply"),
-    ("label", "an agent writes the object's labels with vm_apply"),
-    (
-        "annotate",
-        "an agent writes the object's annotations with vm_apply",
-    ),
-    ("scale", "an agent writes the Pool's replicas with vm_apply"),
 ];
 
 #[test]

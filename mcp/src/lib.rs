@@ -276,6 +276,13 @@ pub fn tools() -> &'static [Tool] {
                 lifecycle::get,
             ),
             tool(
+                "vm_patch",
+                "Change fields of one stored object without rewriting it: labels and annotations, a Pool's replicas, a Vm's resources or runStrategy. A JSON merge patch (default; {\"spec\": {\"replicas\": 3}}, null removes a field) or a JSON patch (type: json). Validated as vm_apply validates; status and the controllers' metadata cannot be changed. dry_run returns the result and writes nothing. Returns at once: follow the change with vm_wait.",
+                rw,
+                CliSide::Commands(&["patch", "label", "annotate", "scale"]),
+                lifecycle::patch,
+            ),
+            tool(
                 "vm_describe",
                 "Show one object in detail: spec, status, conditions and recent events (a pool: also its members and who leases them). Use it to see why a VM is not Ready.",
                 ro,

@@ -150,6 +150,29 @@ pub struct DescribeArgs {
     pub name: Option<String>,
 }
 
+/// `vm_patch` arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PatchArgs {
+    /// The kind: vm (default), image, pool, lease or grant.
+    #[serde(default)]
+    pub kind: Option<String>,
+    /// The object's name (a vm: default the session's VM).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The change, as JSON or YAML. A merge patch (the default type) is an object holding
+    /// only what changes, `null` removing a field: {"metadata": {"labels": {"team": "web"}}},
+    /// {"spec": {"replicas": 3}}, {"spec": {"resources": {"cpus": 2}}}. A JSON patch (type
+    /// json) is a list of operations: [{"op": "replace", "path": "/spec/replicas", "value": 3}].
+    pub patch: String,
+    /// merge (default) or json.
+    #[serde(default, rename = "type")]
+    pub patch_type: Option<String>,
+    /// Validate through the real write path and return the result; write nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
 /// `vm_delete` arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -369,6 +392,43 @@ pub async fn describe(
         ),
         value,
     ))
+}
+
+/// `vm_patch`: the verbs' `patch` (CLI `patch`, `label`, `annotate`, `scale`), which refuses
+/// changes to status and the controllers' metadata and retries on a concurrent write.
+pub async fn patch(session: Arc<Session>, a: PatchArgs, _ct: CancellationToken) -> ToolResult {
+    let info = kind_of(a.kind.as_deref())?;
+    let name = match a.name {
+        Some(n) => n,
+        None if info.kind == "Vm" => session.resolve_vm(None).await?,
+        None => return Err(ToolError::Invalid("give the object's `name`".into())),
+    };
+    let ty = match a.patch_type.as_deref() {
+        None => boxery_verbs::edit::PatchType::Merge,
+        Some(t) => t.parse().map_err(ToolError::Invalid)?,
+    };
+    let dry = if a.dry_run {
+        objects::DryRun::Server
+    } else {
+        objects::DryRun::None
+    };
+    let v = session.verbs()?;
+    let c = boxery_verbs::edit::patch(v, info, &name, ty, &a.patch, dry).await?;
+    let word = match (c.changed, c.dry_run) {
+        (false, _) => "patched (no change)",
+        (true, false) => "patched",
+        (true, true) => "patched (dry run: nothing written)",
+    };
+    let value = render::display_value(&c.object);
+    let mut text = format!("{}/{name} {word}\n", info.singular);
+    if c.changed && !c.dry_run {
+        text.push_str(&wait::describe_state(Some(&c.object)));
+        text.push_str(
+            "\n(the controllers converge on the change: vm_wait or vm_get to follow it)\n",
+        );
+    }
+    text.push_str(&render::to_yaml(&value)?);
+    Ok(Output::with_data(text, value))
 }
 
 async fn delete_objects(

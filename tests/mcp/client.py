@@ -52,7 +52,7 @@ async def tools_mode(binary):
             names = {t.name for t in listed}
             for want in ["vm_apply", "vm_get", "vm_describe", "vm_delete", "vm_wait", "vm_manage",
                          "vm_lease", "vm_bash", "vm_read", "vm_write", "vm_edit", "vm_copy",
-                         "vm_jobs", "vm_use", "vm_grant"]:
+                         "vm_jobs", "vm_use", "vm_grant", "vm_patch"]:
                 check(want in names, f"tool {want} missing from {sorted(names)}")
             for t in listed:
                 schema = t.input_schema
@@ -100,6 +100,22 @@ async def tools_mode(binary):
             check("PendingApproval" in t and "Applied" not in t.split("grant/forged")[-1].split("\n")[0], f"vm_apply of a forged approval: {t}")
             _, t = await call(s, "vm_grant", {"action": "list"})
             check("forged" in t and "PendingApproval" in t and "Applied" not in t, f"vm_grant list: {t}")
+            # vm_patch: labels and resources of the session's VM; a dry run writes nothing; status
+            # and the controllers' metadata are refused (the CLI's patch, label and scale verbs).
+            _, t = await call(s, "vm_patch", {"patch": '{"metadata": {"labels": {"team": "web"}}}'})
+            check("vm/f1 patched" in t and "team: web" in t, f"vm_patch labels: {t}")
+            _, t = await call(s, "vm_patch", {"patch": "spec: {resources: {cpus: 3}}", "dry_run": True})
+            check("dry run" in t and "cpus: 3" in t, f"vm_patch dry run: {t}")
+            _, t = await call(s, "vm_get", {"name": "f1"})
+            check("cpus: 1" in t, f"the dry run wrote nothing: {t}")
+            _, t = await call(s, "vm_patch", {"type": "json", "patch": '[{"op": "replace", "path": "/spec/resources/cpus", "value": 2}]'})
+            check("vm/f1 patched" in t and "cpus: 2" in t, f"vm_patch json: {t}")
+            _, t = await call(s, "vm_patch", {"patch": '{"status": {"phase": "Stopped"}}'}, ok=False)
+            check("status cannot be changed" in t, f"vm_patch of status: {t}")
+            _, t = await call(s, "vm_patch", {"patch": '{"metadata": {"finalizers": []}}'}, ok=False)
+            check("finalizers" in t, f"vm_patch of finalizers: {t}")
+            _, t = await call(s, "vm_patch", {"type": "xml", "patch": "{}"}, ok=False)
+            check("merge" in t and "json" in t, f"vm_patch with a bad type: {t}")
             _, t = await call(s, "vm_manage", {"action": "stop", "timeout_seconds": 60})
             check("Stopped" in t, f"stop: {t}")
             _, t = await call(s, "vm_bash", {"command": "true"}, ok=False)
