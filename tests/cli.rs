@@ -1646,20 +1646,13 @@ fn completion_offers_object_names() {
     home.ok(&["new", "dev1", "--from", "tiny", "--stopped"]);
     home.ok(&["new", "dev2", "--from", "tiny", "--stopped"]);
     let script = home.write("boxery.bash", &home.ok(&["completion", "bash"]));
-    let bin_dir = std::path::Path::new(common::bin())
-        .parent()
-        .unwrap()
-        .to_path_buf();
     let complete = |words: &str| {
-        let o = std::process::Command::new("bash")
+        let o = shell(&home, "bash")
             .arg("-c")
             .arg(format!(
                 "source {}; COMP_WORDS=({words}); COMP_CWORD=$((${{#COMP_WORDS[@]}} - 1)); _boxery_with_names; printf '%s\\n' \"${{COMPREPLY[@]}}\"",
                 script.display()
             ))
-            .env("PATH", format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap_or_default()))
-            .env("BOXERY_HOME", home.path())
-            .env("BOXERY_BACKEND", "fake")
             .output()
             .unwrap();
         assert!(o.status.success(), "{o:?}");
