@@ -41,7 +41,9 @@ pub fn matches(home: &Path, vm: &str, token: &str) -> Option<String> {
     bool::from(live.as_bytes().ct_eq(token.as_bytes())).then_some(owner)
 }
 
-/// Write `vm`'s token for `owner` (replacing any other), atomically, 0600.
+/// Write `vm`'s token for `owner` (replacing any other), atomically, 0600. Not fsynced: a
+/// token outlives a crash of `serve` in the page cache, and one lost with the host's power is
+/// void anyway (every lease from before a reboot is void and its token removed).
 pub fn write(home: &Path, vm: &str, owner: &str, token: &str) -> std::io::Result<()> {
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -56,7 +58,6 @@ pub fn write(home: &Path, vm: &str, owner: &str, token: &str) -> std::io::Result
         .mode(0o600)
         .open(&tmp)?;
     w.write_all(format!("{owner} {token}\n").as_bytes())?;
-    w.sync_all()?;
     std::fs::rename(tmp, f)
 }
 
