@@ -342,13 +342,27 @@ fn short(v: &Value) -> String {
     }
 }
 
+/// The longest word [`nearest`] looks at: names and values are short, and a long string (an
+/// agent's, say) costs length × candidates to compare, for no useful suggestion.
+const NEAREST_MAX: usize = 64;
+
 /// The candidate nearest to `word` (case-insensitive edit distance at most a third of its
-/// length, and at least 1 allowed), if one is that near.
+/// length, and at least 1 allowed), if one is that near. Words over [`NEAREST_MAX`]
+/// characters get none, and candidates whose length alone puts them out of reach are not
+/// compared.
 pub fn nearest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    if word.len() > NEAREST_MAX * 4 {
+        return None;
+    }
     let w = word.to_lowercase();
-    let limit = (w.chars().count() / 3).max(1);
+    let len = w.chars().count();
+    if len > NEAREST_MAX {
+        return None;
+    }
+    let limit = (len / 3).max(1);
     candidates
         .iter()
+        .filter(|c| c.chars().count().abs_diff(len) <= limit)
         .map(|c| (edit_distance(&w, &c.to_lowercase()), *c))
         .filter(|(d, _)| *d <= limit)
         .min_by_key(|(d, _)| *d)
@@ -505,6 +519,22 @@ mod tests {
 
     fn vm(spec: Value) -> Value {
         json!({"apiVersion": API_VERSION, "kind": "Vm", "metadata": {"name": "dev1"}, "spec": spec})
+    }
+
+    #[test]
+    fn nearest_suggests_close_words_only() {
+        assert_eq!(nearest("cpu", &["cpus", "memory", "disk"]), Some("cpus"));
+        assert_eq!(
+            nearest("Memroy", &["cpus", "memory", "disk"]),
+            Some("memory")
+        );
+        assert_eq!(nearest("network", &["cpus", "memory", "disk"]), None);
+        // a long word (an agent's, say) gets no suggestion, nor a candidate of a length out
+        // of reach
+        let long = "cpus".repeat(1 << 18);
+        assert_eq!(nearest(&long, &["cpus", "memory"]), None);
+        assert_eq!(nearest(&"a".repeat(NEAREST_MAX + 1), &["a"]), None);
+        assert_eq!(nearest("ab", &["abcdefgh"]), None);
     }
 
     #[test]
