@@ -13,6 +13,8 @@
 //!   each new boot (the `Ready` condition turning true: start, revert, reset, reboot). Checked
 //!   every [`EVERY`]; the lease reconciler also pushes before a lease is `Bound`, and the
 //!   grant reconciler before a grant is `Applied`.
+//! - Pushes to one VM are serialised in this process, each planned after the previous one
+//!   ended, so a push never lands after one planned later than it.
 //! - A push replaces the whole set: an `env`/`file` grant revoked is gone from the guest at
 //!   the next push, and every boot starts empty (tmpfs). Nothing is written to the guest's
 //!   disk but the static profile hook (no value), so no value is ever in an image.
@@ -290,6 +292,12 @@ pub async fn sync(ctx: &Ctx, v: &Vm) -> Result<bool, String> {
     let (Some(ssh), Some(boot)) = (&ctx.ssh, boot_of(v)) else {
         return Ok(false);
     };
+    // One push per VM at a time, each planned after the last one ended: otherwise a push
+    // planned before a grant changed (the guest loop's) could land after the one planned
+    // after it (the grant reconciler's), putting back what a revoke took away, or taking
+    // away what a grant marked Applied had just pushed.
+    let lock = ctx.vm_lock(&format!("guest-push:{name}"));
+    let _one = lock.lock().await;
     let Some(plan) = Plan::of(ctx, name) else {
         return Ok(false);
     };
