@@ -84,6 +84,7 @@ macro_rules! suite {
             apply_refuses_objects_being_deleted,
             prune_deletes_only_applied_objects_of_the_sets_kinds,
             dry_run_reports_and_writes_nothing,
+            an_update_dry_run_checks_everything_and_writes_nothing,
             watch_is_ordered_exactly_once_and_resumable,
             a_dropped_watch_resumes_without_loss_or_repeat,
             a_kind_filtered_watch_is_not_held_back_by_other_kinds,
@@ -406,6 +407,46 @@ pub async fn a_stale_resource_version_conflicts_and_writes_nothing(imp: &dyn Imp
     assert!(matches!(err, StoreError::NotFound { .. }), "{err}");
     let err = s.delete(&key("Vm", "ghost")).await.unwrap_err();
     assert!(matches!(err, StoreError::NotFound { .. }), "{err}");
+}
+
+/// `update_dry_run` returns what `update` would store (validated, defaulted, the generation
+/// bumped for a spec change, the precondition checked) and writes nothing: no object, no
+/// revision, no watch event.
+pub async fn an_update_dry_run_checks_everything_and_writes_nothing(imp: &dyn Implementation) {
+    let sub = imp.fresh();
+    let s = &sub.store;
+    let v = s.create(vm("dev1")).await.unwrap();
+    let at = rev(s).await;
+    let would = s.update_dry_run(v.clone().cpus(4)).await.unwrap();
+    assert_eq!(would.spec()["resources"]["cpus"], 4);
+    assert_eq!(
+        would.metadata.generation,
+        Some(2),
+        "as update would bump it"
+    );
+    assert_eq!(rev(s).await, at, "no revision");
+    assert_eq!(
+        get(s, "Vm", "dev1").await,
+        Some(v.clone()),
+        "nothing stored"
+    );
+    // the real update path's refusals
+    let mut bad = v.clone().cpus(4);
+    bad.rest.get_mut("spec").expect("spec")["resources"]["cpus"] = json!("many");
+    assert!(matches!(
+        s.update_dry_run(bad).await.unwrap_err(),
+        StoreError::Invalid(_)
+    ));
+    let v2 = s.update(v.clone().label("a", "1")).await.unwrap();
+    assert!(matches!(
+        s.update_dry_run(v.clone().cpus(2)).await.unwrap_err(),
+        StoreError::Conflict { .. }
+    ));
+    assert!(matches!(
+        s.update_dry_run(vm("ghost")).await.unwrap_err(),
+        StoreError::NotFound { .. }
+    ));
+    assert_eq!(get(s, "Vm", "dev1").await, Some(v2));
 }
 
 /// Without a `resourceVersion` an update is unconditional: it replaces what it replaces.
