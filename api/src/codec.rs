@@ -49,6 +49,12 @@ fn yaml_options() -> serde_saphyr::Options {
     }
 }
 
+/// One YAML (or JSON) document as a value, under the same budgets as a manifest: for any other
+/// YAML an agent or a person hands boxery (a patch, an edited object).
+pub fn yaml_value(text: &str) -> Result<Value, serde_saphyr::Error> {
+    serde_saphyr::from_str_with_options(text, yaml_options())
+}
+
 /// A manifest that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub struct ManifestError {
@@ -285,6 +291,23 @@ pub fn parse_manifests_all(source: &str, bytes: &[u8]) -> (Vec<Manifest>, Vec<Ma
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn yaml_values_have_the_manifests_budgets() {
+        assert_eq!(yaml_value("spec: {cpus: 2}").unwrap()["spec"]["cpus"], 2);
+        // an alias bomb (a patch from an agent, say) is refused, not expanded: 100,000 replayed
+        // events, within serde-saphyr's defaults (a million) but over the manifests' budget
+        let mut bomb = String::from("a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n");
+        for i in 1..5 {
+            let p = i - 1;
+            bomb.push_str(&format!(
+                "a{i}: &a{i} [*a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}]\n"
+            ));
+        }
+        assert!(yaml_value(&bomb).is_err());
+        let deep = format!("{}{}", "[".repeat(MAX_DEPTH + 1), "]".repeat(MAX_DEPTH + 1));
+        assert!(yaml_value(&deep).is_err());
+    }
 
     const VM: &str = "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {name: a}\nspec: {source: {image: debian-12}}\n";
 

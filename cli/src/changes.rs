@@ -10,7 +10,6 @@ use boxery_verbs::Verbs;
 use boxery_verbs::edit::{self, Changed, MetaChange, MetaMap, PatchType};
 use boxery_verbs::objects::DryRun;
 use boxery_verbs::render::Format;
-use serde_json::Value;
 
 use crate::commands::{kind, kind_and_names, print_written};
 use crate::exit::{CliError, CliResult, Code};
@@ -293,7 +292,7 @@ pub async fn edit(
                 }
             )));
         }
-        let refused = match serde_saphyr::from_str::<Value>(&body) {
+        let refused = match boxery_api::codec::yaml_value(&body) {
             Err(e) => format!("the file is not valid YAML: {e}"),
             Ok(edited) => {
                 match edit::apply_edit(v, info, &shown_obj, &edited, DryRun::None).await {

@@ -227,7 +227,7 @@ pub async fn patch(
     patch: &str,
     dry: DryRun,
 ) -> Result<Changed> {
-    let p: Value = serde_saphyr::from_str(patch)
+    let p: Value = boxery_api::codec::yaml_value(patch)
         .map_err(|e| VerbError::invalid(format!("the patch is not JSON or YAML: {e}")))?;
     let ops: Option<json_patch::Patch> = match ty {
         PatchType::Json => Some(serde_json::from_value(p.clone()).map_err(|e| {
