@@ -1102,6 +1102,12 @@ fn patch_label_annotate_scale() {
         "vm/p1 labeled\nvm/p2 labeled\n"
     );
     assert_eq!(code(&home, &["label", "vm", "p1", "team=api"]), 5);
+    // several objects, one refused: what changed before it is said, then the error
+    home.ok(&["label", "vm", "p1", "x=2"]);
+    let o = home.run(&["label", "vm", "p2", "p1", "x=1"]);
+    assert_eq!(o.status.code(), Some(5));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "vm/p2 labeled\n");
+    home.ok(&["label", "vm", "p1", "p2", "x-"]);
     home.ok(&["label", "vm/p1", "team=api", "--overwrite"]);
     assert_eq!(
         home.ok(&["get", "vms", "-l", "team=web", "-o", "name"]),

@@ -129,7 +129,10 @@ pub async fn set_meta(
     };
     let mut out = Vec::new();
     for n in &names {
-        out.push(edit::set_meta(v, info, n, map, &changes, overwrite, w.dry()).await?);
+        match edit::set_meta(v, info, n, map, &changes, overwrite, w.dry()).await {
+            Ok(c) => out.push(c),
+            Err(e) => return done_then(report(info, &out, w.format().as_ref(), done, same), e),
+        }
     }
     report(info, &out, w.format().as_ref(), done, same)
 }
@@ -198,7 +201,19 @@ pub async fn scale(
     }
     let mut out = Vec::new();
     for n in &names {
-        out.push(edit::scale(v, n, to.0, to.1, w.dry()).await?);
+        match edit::scale(v, n, to.0, to.1, w.dry()).await {
+            Ok(c) => out.push(c),
+            Err(e) => {
+                let said = report(
+                    info,
+                    &out,
+                    w.format().as_ref(),
+                    "scaled",
+                    "scaled (no change)",
+                );
+                return done_then(said, e);
+            }
+        }
     }
     report(
         info,
@@ -207,6 +222,13 @@ pub async fn scale(
         "scaled",
         "scaled (no change)",
     )
+}
+
+/// A command over several objects that failed on one: what it changed before is said first
+/// (those writes stand), then the error.
+fn done_then(said: CliResult, e: boxery_verbs::VerbError) -> CliResult {
+    said?;
+    Err(e.into())
 }
 
 /// Print what the changes did: `vm/dev1 labeled` (`… (dry run)`), or the objects with `-o`.
