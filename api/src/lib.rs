@@ -24,7 +24,10 @@ pub use event::{Event, EventType, InvolvedObject};
 pub use grant::Grant;
 pub use image::{Image, ImagePhase, ImageSource};
 pub use lease::Lease;
-pub use meta::{Condition, ConditionStatus, Conditions, ObjectMeta, OwnerReference, Time, now};
+pub use meta::{
+    Condition, ConditionStatus, Conditions, ManagedFieldsEntry, ManagedFieldsOperation, ObjectMeta,
+    OwnerReference, Time, now,
+};
 pub use name::{InvalidName, Name};
 pub use pool::{Pool, PoolMember};
 pub use quantity::Quantity;

@@ -56,6 +56,45 @@ pub struct ObjectMeta {
     /// Objects this one belongs to; deleting an owner deletes what it owns.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub owner_references: Vec<OwnerReference>,
+    /// Which manager set which fields (`apply`, `sync`, `stop`, a tool, ...), as Kubernetes
+    /// records them: kept by the store, never written by clients. `apply` removes only the
+    /// fields its own manager set before and reports a conflict when it would change a field
+    /// another manager set (docs/gitops.md, Field ownership).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub managed_fields: Vec<ManagedFieldsEntry>,
+}
+
+/// The fields one manager set, by one kind of operation (Kubernetes' `ManagedFieldsEntry`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ManagedFieldsEntry {
+    /// Who set them: `boxery-apply`, `boxery-sync.SOURCE`, `boxery-stop`, `mcp-patch`, ...
+    pub manager: String,
+    /// `Apply` (a manifest applied: the fields it names) or `Update` (a change: the fields it
+    /// changed).
+    pub operation: ManagedFieldsOperation,
+    /// The API version of the fields (`boxery.dev/v1alpha1`).
+    #[serde(default)]
+    pub api_version: String,
+    /// When this entry last changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time: Option<Time>,
+    /// `FieldsV1`.
+    #[serde(default)]
+    pub fields_type: String,
+    /// The fields, as Kubernetes' FieldsV1 tree: `{"f:spec": {"f:runStrategy": {}}}`.
+    #[serde(default)]
+    #[schemars(with = "serde_json::Map<String, serde_json::Value>")]
+    pub fields_v1: serde_json::Value,
+}
+
+/// The operation of a [`ManagedFieldsEntry`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ManagedFieldsOperation {
+    /// A manifest applied (`boxery apply`, `boxery sync`).
+    Apply,
+    /// Any other write (`stop`, `patch`, a tool, a controller).
+    Update,
 }
 
 impl ObjectMeta {

@@ -675,16 +675,16 @@ pub(crate) mod tests {
             Ok((objs, s.rev))
         }
 
-        async fn create(&self, obj: DynObject) -> Result<DynObject, StoreError> {
+        async fn create_by(&self, obj: DynObject, _: &str) -> Result<DynObject, StoreError> {
             Ok(self.put(obj))
         }
         async fn adopt(&self, _: DynObject, _: &str) -> Result<DynObject, StoreError> {
             unsupported("adopt")
         }
-        async fn update(&self, obj: DynObject) -> Result<DynObject, StoreError> {
+        async fn update_by(&self, obj: DynObject, _: &str) -> Result<DynObject, StoreError> {
             Ok(self.put(obj))
         }
-        async fn update_dry_run(&self, _: DynObject) -> Result<DynObject, StoreError> {
+        async fn update_dry_run_by(&self, _: DynObject, _: &str) -> Result<DynObject, StoreError> {
             unsupported("dry-run updates")
         }
         async fn update_status(&self, obj: DynObject) -> Result<DynObject, StoreError> {

@@ -117,17 +117,17 @@ impl ObjectStore for WriteThrough {
     async fn list_named_prefix(&self, kind: &str, prefix: &str) -> Result<Vec<DynObject>> {
         self.inner.list_named_prefix(kind, prefix).await
     }
-    async fn create(&self, obj: DynObject) -> Result<DynObject> {
-        self.observed(self.inner.create(obj).await)
+    async fn create_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
+        self.observed(self.inner.create_by(obj, manager).await)
     }
     async fn adopt(&self, obj: DynObject, uid: &str) -> Result<DynObject> {
         self.observed(self.inner.adopt(obj, uid).await)
     }
-    async fn update(&self, obj: DynObject) -> Result<DynObject> {
-        self.observed(self.inner.update(obj).await)
+    async fn update_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
+        self.observed(self.inner.update_by(obj, manager).await)
     }
-    async fn update_dry_run(&self, obj: DynObject) -> Result<DynObject> {
-        self.inner.update_dry_run(obj).await
+    async fn update_dry_run_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
+        self.inner.update_dry_run_by(obj, manager).await
     }
     async fn update_status(&self, obj: DynObject) -> Result<DynObject> {
         self.observed(self.inner.update_status(obj).await)

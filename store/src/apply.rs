@@ -7,7 +7,8 @@ use boxery_api::validate::FieldError;
 use boxery_api::{DynObject, ValidationError};
 use serde_json::Value;
 
-use crate::write::{EventType, Tx, replace_spec};
+use crate::fields;
+use crate::write::{EventType, Tx};
 use crate::{ApplyAction, ApplyOptions, DeleteOutcome, LAST_APPLIED, Result, StoreError};
 
 /// Annotations with this prefix belong to the system: apply keeps the stored ones.
@@ -26,6 +27,7 @@ pub(crate) fn last_applied(obj: &DynObject) -> Result<Value> {
                 "generation",
                 "creationTimestamp",
                 "deletionTimestamp",
+                "managedFields",
             ] {
                 m.remove(k);
             }
@@ -111,10 +113,18 @@ pub(crate) fn apply_all(
             )],
         }));
     }
-    let kinds: BTreeSet<String> = objs.iter().map(|o| o.kind.clone()).collect();
+    let mut kinds: BTreeSet<String> = objs.iter().map(|o| o.kind.clone()).collect();
+    if opts.prune_all_kinds {
+        kinds.extend(
+            boxery_api::validate::KINDS
+                .iter()
+                .filter(|k| k.controllers_only.is_none())
+                .map(|k| k.kind.to_string()),
+        );
+    }
     let mut out = Vec::with_capacity(objs.len());
     for obj in objs {
-        out.push(apply_one(tx, obj)?);
+        out.push(apply_one(tx, obj, opts)?);
     }
     if let Some(selector) = &opts.prune {
         for kind in &kinds {
@@ -136,7 +146,12 @@ pub(crate) fn apply_all(
     Ok(out)
 }
 
-fn apply_one(tx: &mut Tx<'_>, obj: DynObject) -> Result<(ApplyAction, DynObject)> {
+fn apply_one(
+    tx: &mut Tx<'_>,
+    obj: DynObject,
+    opts: &ApplyOptions,
+) -> Result<(ApplyAction, DynObject)> {
+    let applier = opts.manager();
     let mut manifest = last_applied(&obj)?;
     let record = manifest.to_string();
     if let Some(m) = manifest.get_mut("metadata").and_then(Value::as_object_mut) {
@@ -144,12 +159,15 @@ fn apply_one(tx: &mut Tx<'_>, obj: DynObject) -> Result<(ApplyAction, DynObject)
             .entry("annotations")
             .or_insert_with(|| Value::Object(Default::default()));
         if let Some(a) = ann.as_object_mut() {
-            a.insert(LAST_APPLIED.into(), Value::String(record));
+            a.insert(LAST_APPLIED.into(), Value::String(record.clone()));
         }
     }
-    let n = boxery_api::normalize(manifest)?;
-    let Some(cur) = tx.load(&n.kind, &n.metadata.name)? else {
-        return Ok((ApplyAction::Created, tx.create(n)?));
+    let desired = boxery_api::normalize(manifest.clone())?;
+    let given: DynObject = serde_json::from_value(manifest)?;
+    let Some(cur) = tx.load(&desired.kind, &desired.metadata.name)? else {
+        let mut created = desired;
+        fields::own_applied(&mut created, &given, applier);
+        return Ok((ApplyAction::Created, tx.insert(created)?));
     };
     if cur.metadata.is_deleting() {
         return Err(StoreError::BeingDeleted {
@@ -157,24 +175,45 @@ fn apply_one(tx: &mut Tx<'_>, obj: DynObject) -> Result<(ApplyAction, DynObject)
             name: cur.metadata.name,
         });
     }
-    let mut new = cur.clone();
-    let spec_changed = replace_spec(&mut new.rest, &n.rest);
+    let merged = fields::merge(&cur, &given, &desired, applier, opts.force_conflicts);
+    if !merged.conflicts.is_empty() {
+        return Err(StoreError::FieldConflicts {
+            object: cur.key(),
+            applier: applier.to_string(),
+            conflicts: merged.conflicts,
+        });
+    }
+    let mut new = merged.object;
+    // The system's annotations are not owned by anyone: the manifest's are set as given.
+    for (k, v) in &desired.metadata.annotations {
+        if k.starts_with(SYSTEM_PREFIX) {
+            new.metadata.annotations.insert(k.clone(), v.clone());
+        }
+    }
+    new.metadata.annotations.insert(LAST_APPLIED.into(), record);
+    let mut new = boxery_api::normalize(serde_json::to_value(&new)?)?;
+    let spec_changed = !same_spec(&cur, &new);
     if spec_changed {
         crate::write::refuse_unimplemented(Some(&cur), &new)?;
-    }
-    let m = &mut new.metadata;
-    m.labels = n.metadata.labels;
-    m.annotations
-        .retain(|k, _| k.starts_with(SYSTEM_PREFIX) && k != LAST_APPLIED);
-    m.annotations.extend(n.metadata.annotations);
-    if spec_changed {
-        m.generation = Some(cur.metadata.generation.unwrap_or(0) + 1);
+        new.metadata.generation = Some(cur.metadata.generation.unwrap_or(0) + 1);
     }
     if new == cur {
         return Ok((ApplyAction::Unchanged, cur));
     }
     tx.put(&mut new, EventType::Modified, Some(&cur))?;
     Ok((ApplyAction::Configured, new))
+}
+
+/// Whether two objects have the same fields other than metadata and status.
+fn same_spec(a: &DynObject, b: &DynObject) -> bool {
+    let spec = |o: &DynObject| {
+        o.rest
+            .iter()
+            .filter(|(k, _)| k.as_str() != "status")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect::<Vec<_>>()
+    };
+    spec(a) == spec(b)
 }
 
 #[cfg(test)]

@@ -35,6 +35,7 @@
 
 mod apply;
 mod compact;
+mod fields;
 mod leader;
 mod object_store;
 mod schema;
@@ -51,6 +52,7 @@ use std::time::Duration;
 use boxery_api::{DynObject, Resource, Selector};
 use rusqlite::{Connection, OptionalExtension};
 
+pub use crate::fields::{APPLY_MANAGER, FieldConflict, UNNAMED_MANAGER};
 pub use crate::leader::boot_id;
 pub use crate::object_store::{ObjectRef, ObjectStore, ObjectStoreExt, WatchStream};
 use crate::schema::connect;
@@ -86,6 +88,24 @@ fn label_needles(selector: &Selector) -> Result<Vec<String>> {
             ))
         })
         .collect()
+}
+
+fn field_conflicts_message(object: &str, applier: &str, conflicts: &[FieldConflict]) -> String {
+    let n = conflicts.len();
+    let mut s = format!(
+        "{object}: apply by {applier} would change {n} field{} another manager set:",
+        if n == 1 { "" } else { "s" }
+    );
+    for c in conflicts {
+        s.push_str(&format!(
+            "\n  {}: {} set {}, the manifest sets {}",
+            c.field, c.manager, c.current, c.applied
+        ));
+    }
+    s.push_str(
+        "\nleave these fields out of the manifest to keep them as they are, or apply with --force-conflicts to take them over",
+    );
+    s
 }
 
 /// Store errors.
@@ -149,6 +169,17 @@ pub enum StoreError {
         owner: String,
         /// The owner's uid as the reference gives it.
         uid: String,
+    },
+    /// An apply would change fields another manager set (`stop`, `scale`, another source):
+    /// nothing was applied.
+    #[error("{}", field_conflicts_message(object, applier, conflicts))]
+    FieldConflicts {
+        /// `Vm/dev1`.
+        object: String,
+        /// The applier (`boxery-apply`, `boxery-sync.NAME`).
+        applier: String,
+        /// Each field, with the manager that set it and both values.
+        conflicts: Vec<FieldConflict>,
     },
     /// A watch asked for revisions that were compacted away.
     #[error(
@@ -304,6 +335,21 @@ pub struct ApplyOptions {
     pub dry_run: bool,
     /// Delete objects that match this selector, carry a last-applied record, and are not in the set.
     pub prune: Option<Selector>,
+    /// Prune among every kind people write, not only the kinds in the set (an apply set,
+    /// whose source may have dropped a kind entirely).
+    pub prune_all_kinds: bool,
+    /// The applier whose fields these manifests set ([`APPLY_MANAGER`] when `None`).
+    pub field_manager: Option<String>,
+    /// Take over fields another manager set to other values instead of refusing the apply
+    /// with `FieldConflicts`.
+    pub force_conflicts: bool,
+}
+
+impl ApplyOptions {
+    /// The applier's name.
+    pub fn manager(&self) -> &str {
+        self.field_manager.as_deref().unwrap_or(APPLY_MANAGER)
+    }
 }
 
 /// Who is trying to lead.
@@ -625,8 +671,13 @@ impl Store {
     /// `AlreadyExists` when the name is taken; `OwnerGone` when an ownerReference names a uid
     /// no current object has (the object would never be garbage-collected).
     pub fn create(&self, obj: DynObject) -> Result<DynObject> {
+        self.create_by(obj, UNNAMED_MANAGER)
+    }
+
+    /// [`Store::create`] by a named field manager, which owns the fields it set.
+    pub fn create_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
         let obj = boxery_api::normalize(serde_json::to_value(&obj)?)?;
-        self.inner.write(false, |tx| tx.create(obj))
+        self.inner.write(false, |tx| tx.create(obj, manager))
     }
 
     /// Create an object again with the uid it was made with (`boxery orphans adopt`: a VM or
@@ -727,15 +778,26 @@ impl Store {
     /// An update that changes nothing writes nothing and returns the stored object. A new
     /// ownerReference must name a current object's uid (`OwnerGone` otherwise).
     pub fn update(&self, obj: DynObject) -> Result<DynObject> {
+        self.update_by(obj, UNNAMED_MANAGER)
+    }
+
+    /// [`Store::update`] by a named field manager: the fields it changes become its own
+    /// (`metadata.managedFields`; docs/gitops.md, Field ownership).
+    pub fn update_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
         let obj = boxery_api::normalize(serde_json::to_value(&obj)?)?;
-        self.inner.write(false, |tx| tx.update(obj))
+        self.inner.write(false, |tx| tx.update(obj, manager))
     }
 
     /// [`Store::update`] inside a transaction that is rolled back: the object as the update
     /// would store it (validated, defaulted, preconditions checked), nothing written.
     pub fn update_dry_run(&self, obj: DynObject) -> Result<DynObject> {
+        self.update_dry_run_by(obj, UNNAMED_MANAGER)
+    }
+
+    /// [`Store::update_dry_run`] by a named field manager.
+    pub fn update_dry_run_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
         let obj = boxery_api::normalize(serde_json::to_value(&obj)?)?;
-        self.inner.write(true, |tx| tx.update(obj))
+        self.inner.write(true, |tx| tx.update(obj, manager))
     }
 
     /// Replace only `status` (with the same `resourceVersion` precondition as `update`);

@@ -104,17 +104,34 @@ pub trait ObjectStore: Send + Sync + std::fmt::Debug + 'static {
     }
 
     /// Create an object (validated, defaulted; the server fields set by the store).
-    async fn create(&self, obj: DynObject) -> Result<DynObject>;
+    async fn create(&self, obj: DynObject) -> Result<DynObject> {
+        self.create_by(obj, crate::UNNAMED_MANAGER).await
+    }
+
+    /// [`ObjectStore::create`] by a named field manager, which owns the fields it set
+    /// (`metadata.managedFields`).
+    async fn create_by(&self, obj: DynObject, manager: &str) -> Result<DynObject>;
 
     /// Create an object again with the uid it was made with (adopting an orphan); refused
     /// when a current object has the uid or the store removed the object that had it.
     async fn adopt(&self, obj: DynObject, uid: &str) -> Result<DynObject>;
 
     /// Replace everything but status (a `resourceVersion` in `obj` is a precondition).
-    async fn update(&self, obj: DynObject) -> Result<DynObject>;
+    async fn update(&self, obj: DynObject) -> Result<DynObject> {
+        self.update_by(obj, crate::UNNAMED_MANAGER).await
+    }
+
+    /// [`ObjectStore::update`] by a named field manager: the fields it changes become its own,
+    /// the ones it removes leave every manager (`metadata.managedFields`).
+    async fn update_by(&self, obj: DynObject, manager: &str) -> Result<DynObject>;
 
     /// What `update` would store, validated and checked, with nothing written.
-    async fn update_dry_run(&self, obj: DynObject) -> Result<DynObject>;
+    async fn update_dry_run(&self, obj: DynObject) -> Result<DynObject> {
+        self.update_dry_run_by(obj, crate::UNNAMED_MANAGER).await
+    }
+
+    /// [`ObjectStore::update_dry_run`] by a named field manager.
+    async fn update_dry_run_by(&self, obj: DynObject, manager: &str) -> Result<DynObject>;
 
     /// Replace only status (same precondition); never bumps `generation`.
     async fn update_status(&self, obj: DynObject) -> Result<DynObject>;
@@ -248,18 +265,21 @@ impl ObjectStore for Store {
         let (kind, prefix) = (kind.to_string(), prefix.to_string());
         blocking(self, move |s| s.list_named_prefix(&kind, &prefix)).await
     }
-    async fn create(&self, obj: DynObject) -> Result<DynObject> {
-        blocking(self, move |s| s.create(obj)).await
+    async fn create_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
+        let manager = manager.to_string();
+        blocking(self, move |s| s.create_by(obj, &manager)).await
     }
     async fn adopt(&self, obj: DynObject, uid: &str) -> Result<DynObject> {
         let uid = uid.to_string();
         blocking(self, move |s| s.adopt(obj, &uid)).await
     }
-    async fn update(&self, obj: DynObject) -> Result<DynObject> {
-        blocking(self, move |s| s.update(obj)).await
+    async fn update_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
+        let manager = manager.to_string();
+        blocking(self, move |s| s.update_by(obj, &manager)).await
     }
-    async fn update_dry_run(&self, obj: DynObject) -> Result<DynObject> {
-        blocking(self, move |s| s.update_dry_run(obj)).await
+    async fn update_dry_run_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
+        let manager = manager.to_string();
+        blocking(self, move |s| s.update_dry_run_by(obj, &manager)).await
     }
     async fn update_status(&self, obj: DynObject) -> Result<DynObject> {
         blocking(self, move |s| s.update_status(obj)).await

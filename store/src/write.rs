@@ -266,8 +266,15 @@ impl<'c> Tx<'c> {
         }
     }
 
-    /// Create a new object: server fields set, Added logged. `obj` must be normalized.
-    pub(crate) fn create(&mut self, mut obj: DynObject) -> Result<DynObject> {
+    /// Create a new object: server fields set, Added logged, its fields owned by `manager`.
+    /// `obj` must be normalized.
+    pub(crate) fn create(&mut self, mut obj: DynObject, manager: &str) -> Result<DynObject> {
+        crate::fields::record_update(None, &mut obj, manager);
+        self.insert(obj)
+    }
+
+    /// Create `obj` with the managedFields it carries. `obj` must be normalized.
+    pub(crate) fn insert(&mut self, mut obj: DynObject) -> Result<DynObject> {
         refuse_unimplemented(None, &obj)?;
         if self.exists(&obj.kind, &obj.metadata.name)? {
             return Err(StoreError::AlreadyExists {
@@ -329,8 +336,8 @@ impl<'c> Tx<'c> {
     }
 
     /// Replace the user-owned parts of an object (everything but `status` and the server's
-    /// metadata). `obj` must be normalized.
-    pub(crate) fn update(&mut self, obj: DynObject) -> Result<DynObject> {
+    /// metadata), recording what `manager` changed. `obj` must be normalized.
+    pub(crate) fn update(&mut self, obj: DynObject, manager: &str) -> Result<DynObject> {
         let cur = self.load_for_write(&obj)?;
         if cur.metadata.is_deleting() {
             let added: Vec<&String> = obj
@@ -363,6 +370,7 @@ impl<'c> Tx<'c> {
         if spec_changed {
             m.generation = Some(cur.metadata.generation.unwrap_or(0) + 1);
         }
+        crate::fields::record_update(Some(&cur), &mut new, manager);
         self.finish_update(cur, new)
     }
 

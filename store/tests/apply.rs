@@ -63,7 +63,7 @@ fn creates_configures_and_leaves_unchanged() {
     s.update(a2).unwrap();
 
     // Spec change: Configured, generation bumps, status/finalizers/system annotations kept,
-    // user annotations replaced by the manifest's.
+    // the manifest's annotations set, another manager's kept.
     let mut manifest = vm("a").cpus(2);
     manifest
         .metadata
@@ -91,7 +91,12 @@ fn creates_configures_and_leaves_unchanged() {
             .map(String::as_str),
         Some("x")
     );
-    assert_eq!(a.metadata.annotations.get("note"), None);
+    // Set by another manager (the update above), so the manifest, which never named it,
+    // leaves it alone (field ownership).
+    assert_eq!(
+        a.metadata.annotations.get("note").map(String::as_str),
+        Some("by hand")
+    );
     assert_eq!(a.metadata.annotations["owner"], "me");
     assert!(a.metadata.annotations[LAST_APPLIED].contains("\"cpus\":2"));
     assert!(!a.metadata.annotations[LAST_APPLIED].contains("status"));
@@ -219,6 +224,7 @@ fn dry_run_reports_and_writes_nothing() {
     let opts = ApplyOptions {
         dry_run: true,
         prune: Some("app=x".parse().unwrap()),
+        ..Default::default()
     };
     let out = actions(&s.apply_all(vec![vm("a").cpus(2), vm("c")], &opts).unwrap());
     assert_eq!(

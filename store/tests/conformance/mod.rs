@@ -82,6 +82,10 @@ macro_rules! suite {
             apply_creates_configures_and_records_last_applied,
             apply_is_all_or_nothing,
             apply_refuses_objects_being_deleted,
+            apply_sets_its_fields_and_leaves_other_managers_fields,
+            two_appliers_conflict_on_a_field_and_share_an_equal_one,
+            a_forced_apply_takes_a_field_over,
+            prune_of_an_apply_set_reaches_kinds_it_no_longer_holds,
             prune_deletes_only_applied_objects_of_the_sets_kinds,
             dry_run_reports_and_writes_nothing,
             an_update_dry_run_checks_everything_and_writes_nothing,
@@ -840,7 +844,12 @@ pub async fn apply_creates_configures_and_records_last_applied(imp: &dyn Impleme
     );
     assert_eq!(a.metadata.finalizers, ["boxery.dev/vm"]);
     assert_eq!(a.metadata.annotations["boxery.dev/printed"], "x");
-    assert_eq!(a.metadata.annotations.get("note"), None);
+    // Set by another manager (the update above), so the manifest, which never named it,
+    // leaves it alone (field ownership).
+    assert_eq!(
+        a.metadata.annotations.get("note").map(String::as_str),
+        Some("by hand")
+    );
     assert_eq!(a.metadata.annotations["owner"], "me");
     let record = &a.metadata.annotations[LAST_APPLIED];
     assert!(record.contains("\"cpus\":2"), "{record}");
@@ -859,6 +868,219 @@ pub async fn apply_creates_configures_and_records_last_applied(imp: &dyn Impleme
 
 /// One invalid object, or a key twice in a set, and nothing of the set is written: no
 /// object, no revision, no event.
+fn with_spec(mut o: DynObject, field: &str, value: serde_json::Value) -> DynObject {
+    o.rest.get_mut("spec").unwrap()[field] = value;
+    o
+}
+
+fn by(manager: &str) -> ApplyOptions {
+    ApplyOptions {
+        field_manager: Some(manager.into()),
+        ..Default::default()
+    }
+}
+
+/// The fields `manager` owns on `o`, dotted (`spec.runStrategy`).
+fn owned(o: &DynObject, manager: &str) -> Vec<String> {
+    fn go(v: &serde_json::Value, path: &mut Vec<String>, out: &mut Vec<String>) {
+        let m = v.as_object().unwrap();
+        if m.is_empty() {
+            out.push(path.join("."));
+        }
+        for (k, c) in m {
+            path.push(k.trim_start_matches("f:").to_string());
+            go(c, path, out);
+            path.pop();
+        }
+    }
+    let mut out = Vec::new();
+    for e in o
+        .metadata
+        .managed_fields
+        .iter()
+        .filter(|e| e.manager == manager)
+    {
+        go(&e.fields_v1, &mut Vec::new(), &mut out);
+    }
+    out.sort();
+    out
+}
+
+/// Field ownership: an apply sets what its manifest names, removes what it named before and
+/// no longer does, and leaves what another manager set (`stop`'s runStrategy, a hand-made
+/// label); setting such a field to another value is a conflict naming the other manager.
+pub async fn apply_sets_its_fields_and_leaves_other_managers_fields(imp: &dyn Implementation) {
+    let sub = imp.fresh();
+    let s = &sub.store;
+    let first = vm("a").cpus(2).label("team", "web");
+    s.apply_all(vec![first.clone()], &apply_opts())
+        .await
+        .unwrap();
+    let a = get(s, "Vm", "a").await.unwrap();
+    assert_eq!(
+        owned(&a, "boxery-apply"),
+        [
+            "metadata.labels.team",
+            "spec.resources.cpus",
+            "spec.source.image"
+        ],
+        "the applier owns what the manifest names, not the defaults"
+    );
+    // Another manager stops it and labels it.
+    let mut stopped = with_spec(a.clone(), "runStrategy", json!("Stopped"));
+    stopped.metadata.labels.insert("owner".into(), "me".into());
+    let stopped = s.update_by(stopped, "boxery-stop").await.unwrap();
+    assert_eq!(
+        owned(&stopped, "boxery-stop"),
+        ["metadata.labels.owner", "spec.runStrategy"]
+    );
+    // The same manifest again: nothing to do, nothing written.
+    let at = rev(s).await;
+    let out = s
+        .apply_all(vec![first.clone()], &apply_opts())
+        .await
+        .unwrap();
+    assert_eq!(actions(&out), [(ApplyAction::Unchanged, "a".into())]);
+    assert_eq!(rev(s).await, at);
+    // The manifest drops cpus: the applier's field is removed (its default comes back), the
+    // stop and the hand-made label stay.
+    let out = s
+        .apply_all(vec![vm("a").label("team", "web")], &apply_opts())
+        .await
+        .unwrap();
+    assert_eq!(actions(&out), [(ApplyAction::Configured, "a".into())]);
+    let a = get(s, "Vm", "a").await.unwrap();
+    assert_eq!(a.rest["spec"]["runStrategy"], "Stopped");
+    assert_eq!(a.metadata.labels["owner"], "me");
+    assert_eq!(a.rest["spec"]["resources"]["cpus"], 1, "the default again");
+    assert_eq!(a.metadata.generation, Some(3));
+    // Setting the stopped field to another value: a conflict, nothing written.
+    let at = rev(s).await;
+    let err = s
+        .apply_all(
+            vec![with_spec(vm("a"), "runStrategy", json!("Running")), vm("b")],
+            &apply_opts(),
+        )
+        .await
+        .unwrap_err();
+    match &err {
+        StoreError::FieldConflicts {
+            object,
+            applier,
+            conflicts,
+        } => {
+            assert_eq!(
+                (object.as_str(), applier.as_str()),
+                ("Vm/a", "boxery-apply")
+            );
+            assert_eq!(conflicts.len(), 1);
+            assert_eq!(conflicts[0].field, "spec.runStrategy");
+            assert_eq!(conflicts[0].manager, "boxery-stop");
+        }
+        other => panic!("expected FieldConflicts, got {other:?}"),
+    }
+    let text = err.to_string();
+    assert!(
+        text.contains("boxery-stop") && text.contains("--force-conflicts"),
+        "{text}"
+    );
+    assert_eq!(rev(s).await, at, "a conflict writes nothing");
+    assert!(get(s, "Vm", "b").await.is_none());
+}
+
+/// Two appliers: a field both set to one value is shared; another value is a conflict.
+pub async fn two_appliers_conflict_on_a_field_and_share_an_equal_one(imp: &dyn Implementation) {
+    let sub = imp.fresh();
+    let s = &sub.store;
+    s.apply_all(vec![vm("a").cpus(2)], &by("git-one"))
+        .await
+        .unwrap();
+    s.apply_all(vec![vm("a").cpus(2)], &by("git-two"))
+        .await
+        .unwrap();
+    let a = get(s, "Vm", "a").await.unwrap();
+    assert_eq!(owned(&a, "git-one"), owned(&a, "git-two"));
+    let err = s
+        .apply_all(vec![vm("a").cpus(4)], &by("git-two"))
+        .await
+        .unwrap_err();
+    let StoreError::FieldConflicts { conflicts, .. } = err else {
+        panic!("expected a conflict, got {err:?}")
+    };
+    assert_eq!(
+        (conflicts[0].field.as_str(), conflicts[0].manager.as_str()),
+        ("spec.resources.cpus", "git-one")
+    );
+    // git-one drops the field: git-two still names it, so it stays.
+    s.apply_all(vec![vm("a")], &by("git-one")).await.unwrap();
+    let a = get(s, "Vm", "a").await.unwrap();
+    assert_eq!(a.rest["spec"]["resources"]["cpus"], 2);
+    assert!(
+        owned(&a, "git-one")
+            .iter()
+            .all(|f| f != "spec.resources.cpus")
+    );
+}
+
+/// `force_conflicts`: the applier takes the field; the other manager loses it.
+pub async fn a_forced_apply_takes_a_field_over(imp: &dyn Implementation) {
+    let sub = imp.fresh();
+    let s = &sub.store;
+    s.apply_all(vec![vm("a")], &apply_opts()).await.unwrap();
+    let a = get(s, "Vm", "a").await.unwrap();
+    s.update_by(with_spec(a, "runStrategy", json!("Stopped")), "boxery-stop")
+        .await
+        .unwrap();
+    let opts = ApplyOptions {
+        force_conflicts: true,
+        ..Default::default()
+    };
+    s.apply_all(
+        vec![with_spec(vm("a"), "runStrategy", json!("Running"))],
+        &opts,
+    )
+    .await
+    .unwrap();
+    let a = get(s, "Vm", "a").await.unwrap();
+    assert_eq!(a.rest["spec"]["runStrategy"], "Running");
+    assert!(owned(&a, "boxery-stop").is_empty());
+    assert!(owned(&a, "boxery-apply").contains(&"spec.runStrategy".to_string()));
+}
+
+/// An apply set's prune (`prune_all_kinds`) reaches a kind the set no longer holds at all,
+/// and never an object outside the set.
+pub async fn prune_of_an_apply_set_reaches_kinds_it_no_longer_holds(imp: &dyn Implementation) {
+    let sub = imp.fresh();
+    let s = &sub.store;
+    let set = "boxery.dev/applyset";
+    s.apply_all(
+        vec![vm("a").label(set, "one"), image("img").label(set, "one")],
+        &apply_opts(),
+    )
+    .await
+    .unwrap();
+    s.apply_all(vec![image("mine")], &apply_opts())
+        .await
+        .unwrap();
+    let opts = ApplyOptions {
+        prune: Some(format!("{set}=one").parse().unwrap()),
+        prune_all_kinds: true,
+        ..Default::default()
+    };
+    let out = s
+        .apply_all(vec![vm("a").label(set, "one")], &opts)
+        .await
+        .unwrap();
+    assert_eq!(
+        actions(&out),
+        [
+            (ApplyAction::Unchanged, "a".into()),
+            (ApplyAction::Pruned, "img".into())
+        ]
+    );
+    assert!(get(s, "Image", "mine").await.is_some());
+}
+
 pub async fn apply_is_all_or_nothing(imp: &dyn Implementation) {
     let sub = imp.fresh();
     let s = &sub.store;
@@ -980,6 +1202,7 @@ pub async fn dry_run_reports_and_writes_nothing(imp: &dyn Implementation) {
     let opts = ApplyOptions {
         dry_run: true,
         prune: Some("app=x".parse().unwrap()),
+        ..Default::default()
     };
     let out = s
         .apply_all(vec![vm("a").cpus(2), vm("c")], &opts)
