@@ -99,15 +99,15 @@ pub async fn apply(
     manifests: Vec<boxery_api::codec::Manifest>,
     dry: DryRun,
     output: Option<Format>,
-    prune: Option<&str>,
+    mut opts: boxery_store::ApplyOptions,
     wait_for: Option<Duration>,
 ) -> CliResult {
-    let prune = prune.map(|p| objects::selector(Some(p))).transpose()?;
     let objs: Vec<DynObject> = manifests.into_iter().map(|m| m.object).collect();
     let (lines, objects, waits) = if dry == DryRun::Client {
-        client_dry_run(v, objs, prune.as_ref()).await?
+        client_dry_run(v, objs, &opts).await?
     } else {
-        let applied = objects::apply(v, objs, dry == DryRun::Server, prune).await?;
+        opts.dry_run = dry == DryRun::Server;
+        let applied = objects::apply(v, objs, opts).await?;
         let objects = applied
             .results
             .iter()
@@ -179,7 +179,7 @@ fn print_objects(objects: &[DynObject], f: &Format) -> CliResult {
 async fn client_dry_run(
     v: &Verbs,
     objs: Vec<DynObject>,
-    prune: Option<&boxery_api::Selector>,
+    opts: &boxery_store::ApplyOptions,
 ) -> CliResult<(Vec<String>, Vec<DynObject>, Vec<(Until, Vec<ObjectRef>)>)> {
     let mut lines = Vec::new();
     for o in &objs {
@@ -195,9 +195,9 @@ async fn client_dry_run(
             o.metadata.name
         ));
     }
-    if let Some(sel) = prune {
+    if opts.prune.is_some() {
         // the store's own prune rule, in a rolled-back transaction
-        let d = objects::diff(v, objs.clone(), Some(sel.clone())).await?;
+        let d = objects::diff(v, objs.clone(), opts.clone()).await?;
         for o in d.pruned {
             lines.push(format!(
                 "{}/{} pruned (dry run)",
@@ -212,7 +212,13 @@ async fn client_dry_run(
 fn strip_for_diff(o: &DynObject) -> Value {
     let mut v = output::display_value(o);
     if let Some(m) = v.get_mut("metadata").and_then(Value::as_object_mut) {
-        for k in ["resourceVersion", "generation", "creationTimestamp", "uid"] {
+        for k in [
+            "resourceVersion",
+            "generation",
+            "creationTimestamp",
+            "uid",
+            "managedFields",
+        ] {
             m.remove(k);
         }
         if let Some(a) = m.get_mut("annotations").and_then(Value::as_object_mut) {
@@ -233,11 +239,10 @@ fn strip_for_diff(o: &DynObject) -> Value {
 pub async fn diff(
     v: &Verbs,
     manifests: Vec<boxery_api::codec::Manifest>,
-    prune: Option<&str>,
+    opts: boxery_store::ApplyOptions,
 ) -> CliResult<bool> {
     let objs: Vec<DynObject> = manifests.into_iter().map(|m| m.object).collect();
-    let prune = prune.map(|p| objects::selector(Some(p))).transpose()?;
-    let d = objects::diff(v, objs, prune).await?;
+    let d = objects::diff(v, objs, opts).await?;
     let mut differs = false;
     let mut out = std::io::stdout().lock();
     let gone = d.pruned.iter().map(|l| (Some(l), None, "pruned"));
@@ -507,6 +512,21 @@ pub async fn describe(verbs: &Verbs, kind_name: &str, name: &str) -> CliResult {
             safe(&o.kind.to_lowercase()),
             safe(&o.name)
         ));
+    }
+    if !m.managed_fields.is_empty() {
+        out.push_str("Managed fields:\n");
+        for e in &m.managed_fields {
+            let fields = boxery_store::entry_fields(e);
+            out.push_str(&format!(
+                "  {} ({:?}{}): {}\n",
+                safe(&e.manager),
+                e.operation,
+                e.time
+                    .map(|t| format!(", {}", t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)))
+                    .unwrap_or_default(),
+                safe(&fields.join(", "))
+            ));
+        }
     }
     if let Some(st) = obj.status()["printableStatus"].as_str() {
         out.push_str(&format!("Status:       {}\n", safe(st)));

@@ -94,6 +94,30 @@ struct Sources {
     kustomize: Vec<String>,
 }
 
+/// Field ownership options of `apply` and `diff`, as kubectl's server-side apply.
+#[derive(Debug, Clone, clap::Args)]
+struct Ownership {
+    /// The applier these manifests are applied as: fields it set before and the manifests no
+    /// longer name are removed; fields other managers set are left alone.
+    #[arg(long, value_name = "NAME", default_value = boxery_store::APPLY_MANAGER)]
+    field_manager: String,
+    /// Take over fields another manager (boxery-stop, boxery-scale, another applier) set to
+    /// other values, instead of refusing the apply with a conflict.
+    #[arg(long)]
+    force_conflicts: bool,
+}
+
+impl Ownership {
+    fn options(&self, prune: Option<boxery_api::Selector>) -> boxery_store::ApplyOptions {
+        boxery_store::ApplyOptions {
+            prune,
+            field_manager: Some(self.field_manager.clone()),
+            force_conflicts: self.force_conflicts,
+            ..Default::default()
+        }
+    }
+}
+
 /// `--wait` and `--timeout`, shared.
 #[derive(Debug, Clone, clap::Args)]
 struct WaitArgs {
@@ -122,6 +146,8 @@ enum Command {
         sources: Sources,
         #[command(flatten)]
         written: changes::Written,
+        #[command(flatten)]
+        ownership: Ownership,
         /// Delete objects matching -l that an earlier apply created and this one no longer names.
         #[arg(long, requires = "selector")]
         prune: bool,
@@ -197,6 +223,8 @@ enum Command {
     Diff {
         #[command(flatten)]
         sources: Sources,
+        #[command(flatten)]
+        ownership: Ownership,
         /// Also show what `apply --prune -l SEL` would delete.
         #[arg(long, requires = "selector")]
         prune: bool,
@@ -837,14 +865,19 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
         Command::Apply {
             sources,
             written,
+            ownership,
             prune,
             selector,
             wait,
         } => {
             let prune = if prune { selector.as_deref() } else { None };
+            let prune = prune
+                .map(|p| boxery_verbs::objects::selector(Some(p)))
+                .transpose()?;
             let (dry, output) = (written.dry(), written.format());
             let manifests = manifests::read_sources(&sources.files, &sources.kustomize)?;
-            commands::apply(v, manifests, dry, output, prune, wait.wait_for()).await?;
+            let opts = ownership.options(prune);
+            commands::apply(v, manifests, dry, output, opts, wait.wait_for()).await?;
         }
         Command::Get {
             kind,
@@ -923,12 +956,16 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
         }
         Command::Diff {
             sources,
+            ownership,
             prune,
             selector,
         } => {
             let manifests = manifests::read_sources(&sources.files, &sources.kustomize)?;
             let prune = if prune { selector.as_deref() } else { None };
-            return match commands::diff(v, manifests, prune).await {
+            let prune = prune
+                .map(|p| boxery_verbs::objects::selector(Some(p)))
+                .transpose()?;
+            return match commands::diff(v, manifests, ownership.options(prune)).await {
                 Ok(true) => Ok(ExitCode::from(1)),
                 Ok(false) => Ok(ExitCode::SUCCESS),
                 Err(e) if e.code == exit::Code::Failed => {

@@ -115,6 +115,10 @@ pub struct ApplyArgs {
     /// Validate and show what would change; write nothing.
     #[serde(default)]
     pub dry_run: bool,
+    /// Take over fields another manager (a person's `boxery stop`, another source) set to
+    /// other values, instead of failing with a conflict that names them.
+    #[serde(default)]
+    pub force_conflicts: bool,
     /// Wait until Vms and Images are Ready (default true).
     #[serde(default)]
     pub wait: Option<bool>,
@@ -279,7 +283,12 @@ pub async fn apply(session: Arc<Session>, a: ApplyArgs, ct: CancellationToken) -
     let manifests = boxery_api::codec::parse_manifests("manifest", a.manifest.as_bytes())
         .map_err(|e| ToolError::Invalid(format!("{e}")))?;
     let objs = manifests.into_iter().map(|m| m.object).collect();
-    let applied = objects::apply(session.verbs()?, objs, a.dry_run, None).await?;
+    let opts = boxery_store::ApplyOptions {
+        dry_run: a.dry_run,
+        force_conflicts: a.force_conflicts,
+        ..Default::default()
+    };
+    let applied = objects::apply(session.verbs()?, objs, opts).await?;
     let mut text: String = applied.lines().iter().map(|l| format!("{l}\n")).collect();
     if a.dry_run {
         return Ok(Output::with_data(text, json!({"dry_run": true})));

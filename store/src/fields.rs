@@ -205,6 +205,14 @@ pub(crate) fn dotted(path: &[String]) -> String {
     path.join(".")
 }
 
+/// The fields of a managedFields entry, dotted (`spec.runStrategy`), for people to read.
+pub fn entry_fields(entry: &ManagedFieldsEntry) -> Vec<String> {
+    from_fields_v1(&entry.fields_v1)
+        .iter()
+        .map(|p| dotted(p))
+        .collect()
+}
+
 /// Whether two fields overlap: the same, or one inside the other.
 fn overlaps(a: &[String], b: &[String]) -> bool {
     a.starts_with(b) || b.starts_with(a)

@@ -52,7 +52,7 @@ use std::time::Duration;
 use boxery_api::{DynObject, Resource, Selector};
 use rusqlite::{Connection, OptionalExtension};
 
-pub use crate::fields::{APPLY_MANAGER, FieldConflict, UNNAMED_MANAGER};
+pub use crate::fields::{APPLY_MANAGER, FieldConflict, UNNAMED_MANAGER, entry_fields};
 pub use crate::leader::boot_id;
 pub use crate::object_store::{ObjectRef, ObjectStore, ObjectStoreExt, WatchStream};
 use crate::schema::connect;
@@ -103,7 +103,7 @@ fn field_conflicts_message(object: &str, applier: &str, conflicts: &[FieldConfli
         ));
     }
     s.push_str(
-        "\nleave these fields out of the manifest to keep them as they are, or apply with --force-conflicts to take them over",
+        "\nleave these fields out of the manifest to keep them as they are, or force the apply to take them over (--force-conflicts)",
     );
     s
 }

@@ -201,6 +201,22 @@ pub trait ObjectStoreExt: ObjectStore {
         Ok(self.update(DynObject::from_typed(obj)?).await?.to_typed()?)
     }
 
+    /// [`ObjectStore::create_by`], typed.
+    async fn create_as_by<R: Resource>(&self, obj: &R, manager: &str) -> Result<R> {
+        Ok(self
+            .create_by(DynObject::from_typed(obj)?, manager)
+            .await?
+            .to_typed()?)
+    }
+
+    /// [`ObjectStore::update_by`], typed.
+    async fn update_as_by<R: Resource>(&self, obj: &R, manager: &str) -> Result<R> {
+        Ok(self
+            .update_by(DynObject::from_typed(obj)?, manager)
+            .await?
+            .to_typed()?)
+    }
+
     /// [`ObjectStore::update_status`], typed.
     async fn update_status_as<R: Resource>(&self, obj: &R) -> Result<R> {
         Ok(self

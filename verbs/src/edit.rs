@@ -93,8 +93,10 @@ pub async fn modify(
     info: &'static KindInfo,
     name: &str,
     dry: DryRun,
+    verb: &str,
     f: impl Fn(&mut DynObject) -> Result<()>,
 ) -> Result<Changed> {
+    let manager = v.manager(verb);
     let done = |object, changed| Changed {
         object,
         changed,
@@ -115,8 +117,8 @@ pub async fn modify(
                 boxery_api::normalize(value).map_err(VerbError::invalid)?;
                 return Ok(done(new, true));
             }
-            DryRun::Server => v.store().update_dry_run(new).await,
-            DryRun::None => v.store().update(new).await,
+            DryRun::Server => v.store().update_dry_run_by(new, &manager).await,
+            DryRun::None => v.store().update_by(new, &manager).await,
         };
         match wrote {
             Ok(object) => return Ok(done(object, true)),
@@ -160,7 +162,7 @@ pub async fn apply_edit(
         )));
     }
     let patch = merge_patch(&before, edited);
-    modify(v, info, &shown.metadata.name, dry, |obj| {
+    modify(v, info, &shown.metadata.name, dry, "edit", |obj| {
         let mut doc = serde_json::to_value(&*obj).map_err(VerbError::failed)?;
         json_patch::merge(&mut doc, &patch);
         *obj = patched_object(obj, doc)?;
@@ -242,7 +244,7 @@ pub async fn patch(
         }
         PatchType::Merge => None,
     };
-    modify(v, info, name, dry, |obj| {
+    modify(v, info, name, dry, "patch", |obj| {
         let mut doc = serde_json::to_value(&*obj).map_err(VerbError::failed)?;
         match &ops {
             Some(ops) => json_patch::patch(&mut doc, ops)
@@ -319,7 +321,7 @@ pub async fn set_meta(
         MetaMap::Labels => "label",
         MetaMap::Annotations => "annotation",
     };
-    modify(v, info, name, dry, |obj| {
+    modify(v, info, name, dry, what, |obj| {
         let m = match map {
             MetaMap::Labels => &mut obj.metadata.labels,
             MetaMap::Annotations => &mut obj.metadata.annotations,
@@ -359,7 +361,7 @@ pub async fn scale(
     dry: DryRun,
 ) -> Result<Changed> {
     let info = crate::objects::kind("pool")?;
-    modify(v, info, pool, dry, |obj| {
+    modify(v, info, pool, dry, "scale", |obj| {
         let spec = obj
             .rest
             .entry("spec")

@@ -119,7 +119,9 @@ impl VerbError {
         match e {
             StoreError::NotFound { .. } => ErrorKind::NotFound,
             StoreError::Invalid(_) | StoreError::AlreadyExists { .. } => ErrorKind::Invalid,
-            StoreError::Conflict { .. } | StoreError::BeingDeleted { .. } => ErrorKind::Conflict,
+            StoreError::Conflict { .. }
+            | StoreError::BeingDeleted { .. }
+            | StoreError::FieldConflicts { .. } => ErrorKind::Conflict,
             _ => ErrorKind::Failed,
         }
     }

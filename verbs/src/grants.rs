@@ -136,7 +136,7 @@ pub async fn request(v: &Verbs, r: Request) -> Result<(Grant, bool)> {
         value_from: r.value_from.clone(),
     };
     let g = Grant::new(&name, spec.clone());
-    match v.store().create_as(&g).await {
+    match v.store().create_as_by(&g, &v.manager("grant")).await {
         Ok(g) => Ok((g, true)),
         Err(StoreError::AlreadyExists { .. }) => {
             let existing: Grant =

@@ -89,6 +89,16 @@ impl Verbs {
         }
     }
 
+    /// The field manager of a write `verb` makes (`metadata.managedFields`): `boxery-stop`
+    /// from the CLI, `mcp-stop` from an agent's tool call, so that `apply` and `sync` can tell
+    /// a person's or an agent's change from their own.
+    pub fn manager(&self, verb: &str) -> String {
+        match self.voice {
+            Voice::Cli => format!("boxery-{verb}"),
+            Voice::Tool => format!("mcp-{verb}"),
+        }
+    }
+
     /// The store.
     pub fn store(&self) -> &dyn ObjectStore {
         &*self.store

@@ -141,19 +141,25 @@ impl Applied {
     }
 }
 
-/// `apply`: create or update `objs` in one transaction (all or nothing); with `prune`, delete
-/// the objects matching it that an earlier apply made and these no longer name.
-pub async fn apply(
-    v: &Verbs,
-    objs: Vec<DynObject>,
-    dry_run: bool,
-    prune: Option<Selector>,
-) -> Result<Applied> {
+/// `apply`: create or update `objs` in one transaction (all or nothing), as server-side apply:
+/// each manifest sets the fields it names and removes the ones its applier set before and no
+/// longer names; a field another manager set to another value is a conflict (unless
+/// `force_conflicts`). With `prune`, delete the objects matching it that an earlier apply made
+/// and these no longer name. The applier is `opts.field_manager`, else this front end's
+/// (`boxery-apply`, `mcp-apply`).
+pub async fn apply(v: &Verbs, objs: Vec<DynObject>, mut opts: ApplyOptions) -> Result<Applied> {
     if objs.is_empty() && v.voice == Voice::Tool {
         return Err(VerbError::invalid("the manifest holds no documents"));
     }
-    let opts = ApplyOptions { dry_run, prune };
-    let results = v.store().apply_all(objs, &opts).await.map_err(invalid)?;
+    if opts.field_manager.is_none() {
+        opts.field_manager = Some(v.manager("apply"));
+    }
+    let dry_run = opts.dry_run;
+    let results = v
+        .store()
+        .apply_all(objs, &opts)
+        .await
+        .map_err(|e| refused(v, e))?;
     let mut waits: Vec<(Until, Vec<ObjectRef>)> = vec![(crate::vm::stopped(), Vec::new())];
     for (action, obj) in &results {
         if *action == ApplyAction::Pruned {
@@ -174,10 +180,18 @@ pub async fn apply(
     })
 }
 
-/// A manifest that does not validate is invalid input, whatever the store calls it.
-fn invalid(e: StoreError) -> VerbError {
+/// A manifest that does not validate is invalid input, whatever the store calls it; a field
+/// conflict says how to force it in the front end's words.
+fn refused(v: &Verbs, e: StoreError) -> VerbError {
     match e {
-        StoreError::Invalid(v) => VerbError::invalid(v),
+        StoreError::Invalid(e) => VerbError::invalid(e),
+        e @ StoreError::FieldConflicts { .. } => {
+            let text = e.to_string();
+            VerbError::conflict(match v.voice {
+                Voice::Cli => text,
+                Voice::Tool => text.replace("(--force-conflicts)", "(force_conflicts: true)"),
+            })
+        }
         other => other.into(),
     }
 }
@@ -191,14 +205,18 @@ pub struct Diff {
     pub pruned: Vec<DynObject>,
 }
 
-/// `diff`: what `apply` of `objs` (with `prune`) would do, from the store's own dry run, so
-/// that what it says would be pruned is what apply's prune rule prunes.
-pub async fn diff(v: &Verbs, objs: Vec<DynObject>, prune: Option<Selector>) -> Result<Diff> {
-    let opts = ApplyOptions {
-        dry_run: true,
-        prune,
-    };
-    let results = v.store().apply_all(objs, &opts).await.map_err(invalid)?;
+/// `diff`: what `apply` of `objs` with `opts` would do, from the store's own dry run, so that
+/// what it says would be changed or pruned is what apply's rules (field ownership, prune) do.
+pub async fn diff(v: &Verbs, objs: Vec<DynObject>, mut opts: ApplyOptions) -> Result<Diff> {
+    opts.dry_run = true;
+    if opts.field_manager.is_none() {
+        opts.field_manager = Some(v.manager("apply"));
+    }
+    let results = v
+        .store()
+        .apply_all(objs, &opts)
+        .await
+        .map_err(|e| refused(v, e))?;
     let mut out = Diff::default();
     for (action, after) in results {
         let live = v.store().get(&ObjectRef::to(&after)).await?;

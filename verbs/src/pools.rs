@@ -49,9 +49,15 @@ async fn edit_pool(v: &Verbs, name: &str, create: bool, f: impl Fn(&mut Pool) ->
         };
         f(&mut pool)?;
         let r = if exists {
-            v.store().update_as(&pool).await.map(drop)
+            v.store()
+                .update_as_by(&pool, &v.manager("pool"))
+                .await
+                .map(drop)
         } else {
-            v.store().create_as(&pool).await.map(drop)
+            v.store()
+                .create_as_by(&pool, &v.manager("pool"))
+                .await
+                .map(drop)
         };
         match r {
             Ok(()) => return Ok(()),
@@ -286,7 +292,11 @@ pub async fn acquire(v: &Verbs, input: AcquireInput) -> Result<Acquired> {
         renew_time: None,
         public_key: public,
     };
-    if let Err(e) = v.store().create_as(&Lease::new(&name, spec)).await {
+    if let Err(e) = v
+        .store()
+        .create_as_by(&Lease::new(&name, spec), &v.manager("lease"))
+        .await
+    {
         if !matches!(e, StoreError::AlreadyExists { .. }) {
             forget_key(home, &name);
         }

@@ -513,10 +513,12 @@ pub fn display_value(o: &DynObject) -> Value {
     let mut m = serde_json::Map::new();
     m.insert("apiVersion".into(), Value::String(o.api_version.clone()));
     m.insert("kind".into(), Value::String(o.kind.clone()));
-    m.insert(
-        "metadata".into(),
-        serde_json::to_value(&o.metadata).unwrap_or(Value::Null),
-    );
+    // managedFields are bookkeeping, hidden as kubectl hides them; `describe` lists them.
+    let mut meta = serde_json::to_value(&o.metadata).unwrap_or(Value::Null);
+    if let Some(meta) = meta.as_object_mut() {
+        meta.remove("managedFields");
+    }
+    m.insert("metadata".into(), meta);
     for k in ["spec", "status"] {
         if let Some(v) = o.rest.get(k) {
             m.insert(k.into(), v.clone());

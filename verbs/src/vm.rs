@@ -91,15 +91,17 @@ pub async fn get_vm(v: &Verbs, name: &str) -> Result<Vm> {
     }
 }
 
-/// Read-modify-write a Vm with the resourceVersion precondition, retrying on conflicts.
-pub async fn edit_vm(v: &Verbs, name: &str, f: impl Fn(&mut Vm)) -> Result<Vm> {
+/// Read-modify-write a Vm with the resourceVersion precondition, retrying on conflicts; the
+/// fields changed become `verb`'s ([`Verbs::manager`]).
+pub async fn edit_vm(v: &Verbs, name: &str, verb: &str, f: impl Fn(&mut Vm)) -> Result<Vm> {
+    let manager = v.manager(verb);
     for _ in 0..10 {
         let mut vm = get_vm(v, name).await?;
         if vm.metadata.is_deleting() {
             return Err(VerbError::conflict(format!("VM {name} is being deleted")));
         }
         f(&mut vm);
-        match v.store().update_as(&vm).await {
+        match v.store().update_as_by(&vm, &manager).await {
             Ok(vm) => return Ok(vm),
             Err(StoreError::Conflict { .. }) => continue,
             Err(e) => return Err(e.into()),
@@ -111,13 +113,14 @@ pub async fn edit_vm(v: &Verbs, name: &str, f: impl Fn(&mut Vm)) -> Result<Vm> {
     }))
 }
 
-/// Create an object; one that exists already is said in the front end's words (`what`).
+/// Create an object as `verb`; one that exists already is said in the front end's words.
 async fn create<R: boxery_api::Resource>(
     v: &Verbs,
     obj: &R,
+    verb: &str,
     exists: impl FnOnce() -> VerbError,
 ) -> Result {
-    match v.store().create_as(obj).await {
+    match v.store().create_as_by(obj, &v.manager(verb)).await {
         Ok(_) => Ok(()),
         Err(StoreError::AlreadyExists { .. }) => Err(exists()),
         Err(e) => Err(e.into()),
@@ -125,9 +128,9 @@ async fn create<R: boxery_api::Resource>(
 }
 
 /// `create` for a VM: the store's own words on the CLI, "pick another name" for a tool.
-async fn create_vm(v: &Verbs, vm: &Vm) -> Result {
+async fn create_vm(v: &Verbs, vm: &Vm, verb: &str) -> Result {
     let name = vm.name().to_string();
-    create(v, vm, || match v.voice {
+    create(v, vm, verb, || match v.voice {
         Voice::Cli => StoreError::AlreadyExists {
             kind: "Vm".into(),
             name: name.clone(),
@@ -180,7 +183,7 @@ pub async fn new(v: &Verbs, input: NewVm) -> Result<Plan> {
         },
         restore: None,
     };
-    create_vm(v, &Vm::new(&input.name, spec)).await?;
+    create_vm(v, &Vm::new(&input.name, spec), "new").await?;
     let until = if input.stopped { stopped() } else { ready() };
     Ok(Plan::vms(&[input.name], vec![until]))
 }
@@ -206,7 +209,7 @@ pub async fn snap(v: &Verbs, vm: &str, label: &str) -> Result<(String, Plan)> {
         uid: owner.metadata.uid.clone().unwrap_or_default(),
         controller: Some(false),
     });
-    create(v, &img, || match v.voice {
+    create(v, &img, "snap", || match v.voice {
         Voice::Cli => VerbError::invalid(format!(
             "image {name} already exists: pick another label, or `boxery delete image {name}` first"
         )),
@@ -235,7 +238,7 @@ pub async fn revert(v: &Verbs, vm: &str, label: &str) -> Result<(String, Plan)> 
         }));
     }
     let at = now();
-    edit_vm(v, vm, |vm| {
+    edit_vm(v, vm, "revert", |vm| {
         vm.spec.restore = Some(Restore {
             image: image.clone(),
             requested_at: at,
@@ -270,15 +273,19 @@ pub async fn fork(v: &Verbs, src: &str, names: &[String], size: &Size) -> Result
         };
         let mut vm = Vm::new(n, spec);
         vm.metadata.labels = s.metadata.labels.clone();
-        create_vm(v, &vm).await?;
+        create_vm(v, &vm, "fork").await?;
     }
     Ok(Plan::vms(names, vec![ready()]))
 }
 
 /// `start` / `stop`: set `runStrategy`.
 pub async fn power(v: &Verbs, names: &[String], run: RunStrategy) -> Result<Plan> {
+    let verb = match run {
+        RunStrategy::Running => "start",
+        RunStrategy::Stopped => "stop",
+    };
     for n in names {
-        edit_vm(v, n, |vm| vm.spec.run_strategy = run).await?;
+        edit_vm(v, n, verb, |vm| vm.spec.run_strategy = run).await?;
     }
     let until = match run {
         RunStrategy::Running => ready(),
@@ -296,7 +303,7 @@ pub async fn resize(v: &Verbs, name: &str, size: &Size) -> Result<Plan> {
             Voice::Tool => "give cpus, memory and/or disk",
         }));
     }
-    let vm = edit_vm(v, name, |vm| {
+    let vm = edit_vm(v, name, "resize", |vm| {
         vm.spec.resources = size.over(vm.spec.resources.clone());
     })
     .await?;
