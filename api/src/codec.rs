@@ -97,6 +97,10 @@ pub struct Manifest {
     pub document: usize,
     /// The object, validated and with defaults.
     pub object: DynObject,
+    /// The object as written, without defaults (its apiVersion, kind and name as in
+    /// `object`): what an applier sets and owns, so that a field the manifest leaves out is
+    /// not taken from whoever set it (`apply`, field ownership).
+    pub given: DynObject,
 }
 
 fn err(source: &str, document: Option<usize>, message: String) -> ManifestError {
@@ -255,6 +259,7 @@ pub fn parse_manifests_all(source: &str, bytes: &[u8]) -> (Vec<Manifest>, Vec<Ma
             ));
             continue;
         }
+        let raw = value.clone();
         let object = match normalize(value) {
             Ok(o) => o,
             Err(e) => {
@@ -279,10 +284,20 @@ pub fn parse_manifests_all(source: &str, bytes: &[u8]) -> (Vec<Manifest>, Vec<Ma
             });
             continue;
         }
+        let given = match serde_json::from_value::<DynObject>(raw) {
+            Ok(mut g) => {
+                g.api_version.clone_from(&object.api_version);
+                g.kind.clone_from(&object.kind);
+                g.metadata.name.clone_from(&object.metadata.name);
+                g
+            }
+            Err(_) => object.clone(),
+        };
         out.push(Manifest {
             source_name: source.to_string(),
             document: index,
             object,
+            given,
         });
     }
     (out, errors)

@@ -17,6 +17,7 @@ pub mod pool;
 pub mod quantity;
 pub mod resource;
 pub mod selector;
+pub mod source;
 pub mod validate;
 pub mod vm;
 
@@ -33,5 +34,6 @@ pub use pool::{Pool, PoolMember};
 pub use quantity::Quantity;
 pub use resource::{API_VERSION, DynObject, KindInfo, Resource};
 pub use selector::Selector;
+pub use source::{Source, SourcePhase, SourceSpec, SourceStatus, SourceType};
 pub use validate::{KINDS, ValidationError, lookup_kind, normalize};
 pub use vm::{RunStrategy, Vm, VmPhase, VmSource};

@@ -73,6 +73,11 @@ pub struct PoolSpec {
     /// default: free members are replaced, a few at a time; `OnCreate`: nothing).
     #[serde(default)]
     pub update_strategy: UpdateStrategy,
+    /// With `ReplaceWhenFree`: at most this many members are being replaced at once (default
+    /// max(1, replicas/4)), so the rest of the pool stays leasable during a template change.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_unavailable: Option<u32>,
 }
 
 /// A template for member VMs.

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::pool::PoolMember;
 use crate::resource::{API_VERSION, DynObject, KindInfo, Resource};
-use crate::{Event, Grant, Image, Lease, Pool, Vm};
+use crate::{Event, Grant, Image, Lease, Pool, Source, Vm};
 
 /// One problem with one field.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,13 +100,14 @@ impl fmt::Display for ValidationError {
 }
 
 /// Every kind, in the order `boxery get` lists them.
-pub const KINDS: [KindInfo; 7] = [
+pub const KINDS: [KindInfo; 8] = [
     Vm::INFO,
     Image::INFO,
     Pool::INFO,
     PoolMember::INFO,
     Lease::INFO,
     Grant::INFO,
+    Source::INFO,
     Event::INFO,
 ];
 
@@ -147,6 +148,7 @@ fn generate_schema(kind: &str) -> Value {
         "PoolMember" => schemars::schema_for!(PoolMember),
         "Lease" => schemars::schema_for!(Lease),
         "Grant" => schemars::schema_for!(Grant),
+        "Source" => schemars::schema_for!(Source),
         "Event" => schemars::schema_for!(Event),
         _ => unreachable!("KINDS and this match list the same kinds"),
     };
@@ -507,6 +509,7 @@ pub fn normalize(value: Value) -> Result<DynObject, ValidationError> {
         "PoolMember" => normalize_typed::<PoolMember>(value, &label),
         "Lease" => normalize_typed::<Lease>(value, &label),
         "Grant" => normalize_typed::<Grant>(value, &label),
+        "Source" => normalize_typed::<Source>(value, &label),
         "Event" => normalize_typed::<Event>(value, &label),
         _ => unreachable!("KINDS and this match list the same kinds"),
     }

@@ -102,7 +102,7 @@ pub async fn apply(
     mut opts: boxery_store::ApplyOptions,
     wait_for: Option<Duration>,
 ) -> CliResult {
-    let objs: Vec<DynObject> = manifests.into_iter().map(|m| m.object).collect();
+    let objs: Vec<DynObject> = manifests.into_iter().map(|m| m.given).collect();
     let (lines, objects, waits) = if dry == DryRun::Client {
         client_dry_run(v, objs, &opts).await?
     } else {
@@ -182,6 +182,16 @@ async fn client_dry_run(
     opts: &boxery_store::ApplyOptions,
 ) -> CliResult<(Vec<String>, Vec<DynObject>, Vec<(Until, Vec<ObjectRef>)>)> {
     let mut lines = Vec::new();
+    // As given (without defaults) for the prune check below; compared with defaults, as stored.
+    let given = objs.clone();
+    let objs = objs
+        .into_iter()
+        .map(|o| {
+            let value = serde_json::to_value(&o)
+                .map_err(|e| CliError::new(crate::exit::Code::Failed, e))?;
+            boxery_api::normalize(value).map_err(CliError::invalid)
+        })
+        .collect::<CliResult<Vec<DynObject>>>()?;
     for o in &objs {
         let live = v.store().get(&ObjectRef::to(o)).await?;
         let word = match &live {
@@ -197,7 +207,7 @@ async fn client_dry_run(
     }
     if opts.prune.is_some() {
         // the store's own prune rule, in a rolled-back transaction
-        let d = objects::diff(v, objs.clone(), opts.clone()).await?;
+        let d = objects::diff(v, given, opts.clone()).await?;
         for o in d.pruned {
             lines.push(format!(
                 "{}/{} pruned (dry run)",
@@ -241,7 +251,7 @@ pub async fn diff(
     manifests: Vec<boxery_api::codec::Manifest>,
     opts: boxery_store::ApplyOptions,
 ) -> CliResult<bool> {
-    let objs: Vec<DynObject> = manifests.into_iter().map(|m| m.object).collect();
+    let objs: Vec<DynObject> = manifests.into_iter().map(|m| m.given).collect();
     let d = objects::diff(v, objs, opts).await?;
     let mut differs = false;
     let mut out = std::io::stdout().lock();

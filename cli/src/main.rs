@@ -6,6 +6,7 @@ mod commands;
 mod completion;
 mod exit;
 mod explain;
+mod git;
 mod grants;
 mod manifests;
 mod orphans;
@@ -14,6 +15,7 @@ mod out;
 mod parity;
 mod pools;
 mod service;
+mod sync;
 mod vms;
 mod wait;
 
@@ -219,6 +221,10 @@ enum Command {
         #[command(flatten)]
         wait: WaitArgs,
     },
+    /// Apply a directory or git repository of manifests as one set, once or following it
+    /// (--watch); what it applied and no longer holds is pruned. `boxery get sources` shows
+    /// each source's revision and last error (docs/gitops.md).
+    Sync(sync::SyncArgs),
     /// Show what `apply` would change. Exit 0: no difference; 1: differences; 2+: error.
     Diff {
         #[command(flatten)]
@@ -851,6 +857,7 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         Command::Lease(cmd) => pools::lease(v, cmd).await?,
         Command::Grant(a) => return grants::grant(v, a).await,
         Command::Orphans { cmd } => orphans::orphans(v, cmd).await?,
+        Command::Sync(args) => sync::sync(v, args).await?,
         Command::Ssh { vm, cmd } => return Ok(boxery_hands::ssh(v.home(), v.local()?, &vm, &cmd)?),
         Command::Run { vm, cmd } => return Ok(boxery_hands::run(v.home(), v.local()?, &vm, &cmd)?),
         Command::Cp { src, dst } => return cp(v, &src, &dst).await,

@@ -231,6 +231,75 @@ fn refuse_all(mut errors: Vec<boxery_api::codec::ManifestError>) -> CliResult {
     }
 }
 
+/// Every manifest file under the directory `p` (see [`walk`]) and its bytes, files that hold
+/// no document skipped (with a note); names relative to `p` when `relative`. A directory with
+/// no file holding an object is an error.
+pub fn read_directory(
+    p: &Path,
+    meta: &std::fs::Metadata,
+    relative: bool,
+) -> CliResult<Vec<(String, Vec<u8>)>> {
+    let found = walk(p, meta)?;
+    for n in &found.notes {
+        eprintln!("boxery: {n}");
+    }
+    let mut sources = Vec::new();
+    for file in found.files {
+        let name = match file.strip_prefix(p) {
+            Ok(rel) if relative => rel.display().to_string(),
+            _ => file.display().to_string(),
+        };
+        // No symlink is followed here that the walk did not check; a file replaced by a FIFO
+        // in between does not block.
+        let bytes = open_no_wait(&file, false)
+            .map_err(|e| CliError::invalid(format!("cannot read {name}: {e}")))
+            .and_then(|f| read_bounded(f, &name))?;
+        if holds_no_document(&bytes) {
+            eprintln!("boxery: skipping {name}: it holds no document");
+            continue;
+        }
+        sources.push((name, bytes));
+    }
+    if sources.is_empty() {
+        return Err(CliError::invalid(format!(
+            "{}: the directory holds no .yaml, .yml or .json files with objects in them",
+            p.display()
+        )));
+    }
+    Ok(sources)
+}
+
+/// Parse and validate named sources (a name, its bytes) all or nothing: every bad document is
+/// reported (file, document, field), and two objects of one kind and name are refused.
+pub fn parse_sources(sources: &[(String, Vec<u8>)]) -> CliResult<Vec<Manifest>> {
+    let total: usize = sources.iter().map(|(_, b)| b.len()).sum();
+    if total > MAX_TOTAL_BYTES {
+        return Err(CliError::invalid(format!(
+            "the manifests may hold at most {} MiB in all; these hold {} MiB",
+            MAX_TOTAL_BYTES >> 20,
+            total >> 20
+        )));
+    }
+    let mut out = Vec::new();
+    let mut errors = Vec::new();
+    for (name, bytes) in sources {
+        if bytes.len() > MAX_FILE_BYTES {
+            return Err(too_large(name));
+        }
+        let (ok, errs) = parse_manifests_all(name, bytes);
+        out.extend(ok);
+        errors.extend(errs);
+    }
+    refuse_all(errors)?;
+    check_unique(&out)?;
+    Ok(out)
+}
+
+/// Whether a path names a manifest file (`.yaml`, `.yml`, `.json`) with no hidden component.
+pub fn is_manifest_path(path: &str) -> bool {
+    is_manifest(Path::new(path)) && !path.split('/').any(|c| c.starts_with('.'))
+}
+
 /// `-f` sources and `-k` kustomizations together, refused when one object is named twice.
 pub fn read_sources(files: &[String], kustomizations: &[String]) -> CliResult<Vec<Manifest>> {
     if kustomizations.is_empty() {
@@ -284,29 +353,9 @@ fn read_all_from(files: &[String], stdin: &mut dyn Read) -> CliResult<Vec<Manife
             let meta = std::fs::metadata(p)
                 .map_err(|e| CliError::invalid(format!("cannot read {f}: {e}")))?;
             if meta.is_dir() {
-                let found = walk(p, &meta)?;
-                for n in &found.notes {
-                    eprintln!("boxery: {n}");
-                }
-                let mut sources = Vec::new();
-                for p in found.files {
-                    let name = p.display().to_string();
-                    // No symlink is followed here that the walk did not check; a file replaced
-                    // by a FIFO in between does not block.
-                    let bytes = open_no_wait(&p, false)
-                        .map_err(|e| CliError::invalid(format!("cannot read {name}: {e}")))
-                        .and_then(|file| read_bounded(file, &name))?;
-                    if holds_no_document(&bytes) {
-                        eprintln!("boxery: skipping {name}: it holds no document");
-                        continue;
-                    }
-                    count(&name, &bytes)?;
-                    sources.push((name, bytes));
-                }
-                if sources.is_empty() {
-                    return Err(CliError::invalid(format!(
-                        "{f}: the directory holds no .yaml, .yml or .json files with objects in them"
-                    )));
+                let sources = read_directory(p, &meta, false)?;
+                for (name, bytes) in &sources {
+                    count(name, bytes)?;
                 }
                 sources
             } else {

@@ -282,7 +282,7 @@ pub struct UseArgs {
 pub async fn apply(session: Arc<Session>, a: ApplyArgs, ct: CancellationToken) -> ToolResult {
     let manifests = boxery_api::codec::parse_manifests("manifest", a.manifest.as_bytes())
         .map_err(|e| ToolError::Invalid(format!("{e}")))?;
-    let objs = manifests.into_iter().map(|m| m.object).collect();
+    let objs = manifests.into_iter().map(|m| m.given).collect();
     let opts = boxery_store::ApplyOptions {
         dry_run: a.dry_run,
         force_conflicts: a.force_conflicts,

@@ -19,7 +19,7 @@
 //!   precondition, so a claim racing with it has one winner); its VM and clean image are
 //!   deleted only in a later pass, once that write has landed. The new VM is made only after
 //!   the old clean image is gone, so a member is never freed on its old image. At most
-//!   max(1, replicas/4) members are `Replacing` at once. Adopted members are never replaced.
+//!   `spec.maxUnavailable` (default max(1, replicas/4)) members are `Replacing` at once. Adopted members are never replaced.
 //! - Leaving (scaled down, taken out with `pool rm`, the pool deleted): a member leaves only
 //!   when not held. It first moves to `Removing` (fenced as above), then a template member's
 //!   VM and clean image are deleted (adopted VMs are unlabelled and kept), then its record
@@ -88,9 +88,12 @@ pub fn template_hash(t: &VmTemplate) -> String {
     format!("{h:016x}")
 }
 
-/// How many members may be `Replacing` at once: max(1, replicas/4).
+/// How many members may be `Replacing` at once: `spec.maxUnavailable`, else max(1, replicas/4).
 pub fn replace_budget(pool: &Pool) -> usize {
-    (pool.spec.replicas as usize / 4).max(1)
+    match pool.spec.max_unavailable {
+        Some(n) => (n as usize).max(1),
+        None => (pool.spec.replicas as usize / 4).max(1),
+    }
 }
 
 type Result<T, E = ReconcileError> = std::result::Result<T, E>;
@@ -1340,6 +1343,13 @@ mod tests {
         assert!(p.take_slot());
         assert!(p.take_slot());
         assert!(!p.take_slot());
+        assert!(!p.take_slot());
+        // spec.maxUnavailable says otherwise.
+        let mut three = pool("ReplaceWhenFree", 8, 1);
+        three.spec.max_unavailable = Some(3);
+        assert_eq!(replace_budget(&three), 3);
+        let mut p = pass(&three);
+        assert!(p.take_slot() && p.take_slot() && p.take_slot());
         assert!(!p.take_slot());
     }
 }

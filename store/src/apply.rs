@@ -55,7 +55,10 @@ pub(crate) fn apply_all(
 ) -> Result<Vec<(ApplyAction, DynObject)>> {
     let mut seen = HashSet::new();
     for o in &objs {
-        if !seen.insert((o.kind.clone(), o.metadata.name.clone())) {
+        // The kind as stored (`vm` in a manifest is `Vm`), so that prune never takes an
+        // object of the set for one that left it.
+        let kind = boxery_api::lookup_kind(&o.kind).map_or(o.kind.as_str(), |k| k.kind);
+        if !seen.insert((kind.to_string(), o.metadata.name.clone())) {
             return Err(StoreError::Invalid(ValidationError {
                 object: o.key(),
                 errors: vec![FieldError::new(
@@ -113,7 +116,7 @@ pub(crate) fn apply_all(
             )],
         }));
     }
-    let mut kinds: BTreeSet<String> = objs.iter().map(|o| o.kind.clone()).collect();
+    let mut kinds: BTreeSet<String> = seen.iter().map(|(kind, _)| kind.clone()).collect();
     if opts.prune_all_kinds {
         kinds.extend(
             boxery_api::validate::KINDS

@@ -92,20 +92,28 @@ fn label_needles(selector: &Selector) -> Result<Vec<String>> {
 
 fn field_conflicts_message(object: &str, applier: &str, conflicts: &[FieldConflict]) -> String {
     let n = conflicts.len();
-    let mut s = format!(
-        "{object}: apply by {applier} would change {n} field{} another manager set:",
-        if n == 1 { "" } else { "s" }
-    );
-    for c in conflicts {
-        s.push_str(&format!(
-            "\n  {}: {} set {}, the manifest sets {}",
-            c.field, c.manager, c.current, c.applied
-        ));
-    }
-    s.push_str(
-        "\nleave these fields out of the manifest to keep them as they are, or force the apply to take them over (--force-conflicts)",
-    );
-    s
+    let fields: Vec<String> = conflicts
+        .iter()
+        .map(|c| {
+            format!(
+                "{} ({} set {}, the manifest sets {})",
+                c.field, c.manager, c.current, c.applied
+            )
+        })
+        .collect();
+    format!(
+        "{object}: apply by {applier} would change {n} field{} another manager set: {}; leave {} out of the manifest to keep {} as {} set it, or force the apply to take {} over (--force-conflicts)",
+        if n == 1 { "" } else { "s" },
+        fields.join(", "),
+        if n == 1 { "it" } else { "them" },
+        if n == 1 { "it" } else { "them" },
+        if n == 1 {
+            "that manager"
+        } else {
+            "those managers"
+        },
+        if n == 1 { "it" } else { "them" },
+    )
 }
 
 /// Store errors.

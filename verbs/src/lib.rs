@@ -26,6 +26,7 @@ pub mod orphans;
 pub mod pools;
 pub mod render;
 pub mod runtime;
+pub mod sync;
 pub mod vm;
 pub mod wait;
 

@@ -37,6 +37,7 @@ async fn edit_pool(v: &Verbs, name: &str, create: bool, f: impl Fn(&mut Pool) ->
                         members: vec![],
                         lease: Default::default(),
                         update_strategy: Default::default(),
+                        max_unavailable: None,
                     },
                 ),
                 false,

@@ -224,6 +224,20 @@ pub fn columns(kind: &str, wide: bool) -> Vec<Column> {
             cols.push(("LEASED", |o| s(ptr(o, "/status/leased"))));
             cols.push(("BROKEN", |o| s(ptr(o, "/status/broken"))));
         }
+        "Source" => {
+            cols.push(("STATUS", |o| s(ptr(o, "/status/phase"))));
+            cols.push(("REVISION", |o| {
+                let r = s(ptr(o, "/status/revision"));
+                r.chars().take(12).collect()
+            }));
+            cols.push(("OBJECTS", |o| s(ptr(o, "/status/objects"))));
+            cols.push(("URL", |o| s(ptr(o, "/spec/url"))));
+            if wide {
+                cols.push(("REF", |o| s(ptr(o, "/spec/ref"))));
+                cols.push(("PATH", |o| s(ptr(o, "/spec/path"))));
+                cols.push(("ERROR", |o| s(ptr(o, "/status/error"))));
+            }
+        }
         "Lease" => {
             cols.push(("POOL", |o| s(ptr(o, "/spec/pool"))));
             cols.push(("HOLDER", |o| s(ptr(o, "/spec/holderIdentity"))));
