@@ -10,6 +10,10 @@ use boxery_mcp::{CliSide, tools};
 const CLI_ONLY: &[(&str, &str)] = &[
     ("diff", "vm_apply {dry_run: true} shows what would change"),
     (
+        "sync",
+        "follows a directory or repository as a service, an operator's choice; agents apply objects with vm_apply",
+    ),
+    (
         "explain",
         "reference for humans; tool schemas and errors carry the field docs",
     ),

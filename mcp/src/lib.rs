@@ -263,7 +263,7 @@ pub fn tools() -> &'static [Tool] {
         vec![
             tool(
                 "vm_apply",
-                "Create or update objects (Vm, Image, Pool, Lease, Grant) from a YAML or JSON manifest, validated exactly as `boxery apply` validates it; all or nothing. Waits (bounded) until what it applied has settled (Vms and Images Ready, Pools with every member made, Leases Bound, Grants seen by their controller) and returns their state; with wait: false it says when no control plane runs. A manifest's status is ignored: a Grant stays PendingApproval until a person approves it (`boxery grant approve NAME` in a terminal). A Vm needs at least: apiVersion: boxery.dev/v1alpha1, kind: Vm, metadata.name, spec.source.image (e.g. debian-12 or tiny).",
+                "Create or update objects (Vm, Image, Pool, Lease, Grant) from a YAML or JSON manifest, validated exactly as `boxery apply` validates it; all or nothing. Sets the fields the manifest names and leaves the rest: a field someone else set (a person's `boxery stop`, a sync source) to another value is a conflict naming them, unless force_conflicts. Waits (bounded) until what it applied has settled (Vms and Images Ready, Pools with every member made, Leases Bound, Grants seen by their controller) and returns their state; with wait: false it says when no control plane runs. A manifest's status is ignored: a Grant stays PendingApproval until a person approves it (`boxery grant approve NAME` in a terminal). A Vm needs at least: apiVersion: boxery.dev/v1alpha1, kind: Vm, metadata.name, spec.source.image (e.g. debian-12 or tiny).",
                 rw,
                 CliSide::Commands(&["apply"]),
                 lifecycle::apply,
