@@ -299,15 +299,39 @@ fn kills_during_acquire_expiry_and_reset_converge() {
     let ok = common::eventually(Duration::from_secs(90), || {
         let p: Pool = home.store().get_as("k").unwrap()?;
         last = format!(
-            "{:?}",
+            "members {:?}; leases {:?}",
             members(&home, "k")
                 .iter()
-                .map(|m| (m.name.clone(), m.state))
+                .map(|m| (m.name.clone(), m.state, m.lease.clone(), m.message.clone()))
+                .collect::<Vec<_>>(),
+            leases(&home)
+                .iter()
+                .map(|l| (
+                    l.metadata.name.clone(),
+                    l.status.phase,
+                    l.status.vm.clone(),
+                    l.metadata.deletion_timestamp.is_some()
+                ))
                 .collect::<Vec<_>>()
         );
         (p.status.free == 4 && leases(&home).is_empty()).then_some(())
     });
-    assert!(ok.is_some(), "members not all free: {last}");
+    if ok.is_none() {
+        let log = std::fs::read_to_string(&serve.log).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(40).collect();
+        let keep = std::env::temp_dir().join("boxery-kills-failed");
+        let _ = std::fs::remove_dir_all(&keep);
+        let _ = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(home.path())
+            .arg(&keep)
+            .status();
+        panic!(
+            "members not all free: {last}\nserve log, last lines first:\n{}\n(home kept in {})",
+            tail.join("\n"),
+            keep.display()
+        );
+    }
 }
 
 #[test]

@@ -471,6 +471,16 @@ pub(crate) struct Inner {
     _stop_upkeep: mpsc::Sender<()>,
 }
 
+/// The store files open in this process (device, inode), and the stores that have them.
+type OpenFiles = Vec<((u64, u64), std::sync::Weak<Inner>)>;
+static OPEN_FILES: Mutex<OpenFiles> = Mutex::new(Vec::new());
+
+/// A file's identity, from `stat` (no descriptor opened).
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic inside a transaction rolled it back (rusqlite's Transaction drops with a
     // rollback); the connection is usable.
@@ -589,8 +599,21 @@ impl Store {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(open_err)?;
         }
+        // Held until this store is registered (below): no other open in this process is
+        // between its check and its own registration.
+        let mut open_here = lock(&OPEN_FILES);
         schema::create_new(path)?;
-        schema::probe(path)?;
+        let id = file_id(path);
+        open_here.retain(|(_, w)| w.strong_count() > 0);
+        // `probe` reads the header through a file descriptor of its own, and closing any
+        // descriptor of a file drops every POSIX lock this process holds on it: the shared
+        // lock another store's SQLite connections keep on the file in WAL mode. Without it,
+        // another process's last connection takes the file as unused, checkpoints and
+        // deletes the WAL under this one: a corrupted store. A file a store in this process
+        // has open was probed when that store opened it.
+        if !id.is_some_and(|id| open_here.iter().any(|(i, _)| *i == id)) {
+            schema::probe(path)?;
+        }
         // The store is its owner's alone (SQLite gives its -wal and -shm the same mode).
         {
             use std::os::unix::fs::PermissionsExt;
@@ -648,6 +671,9 @@ impl Store {
             upkeep_rx,
         )
         .map_err(open_err)?;
+        if let Some(id) = id {
+            open_here.push((id, Arc::downgrade(&inner)));
+        }
         Ok(Store { inner })
     }
 
