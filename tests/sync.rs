@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use boxery_api::lease::LeasePhase;
 use boxery_api::{Lease, Pool, Source, SourcePhase, Vm};
-use boxery_store::ObjectStore as _;
 use common::{Home, vm_yaml};
 
 /// A git repository made by the test.
@@ -556,4 +555,59 @@ fn a_killed_watch_leaves_all_of_a_revision_or_none() {
         );
     }
     assert_eq!(source(&home, "desk").status.phase, SourcePhase::Synced);
+}
+
+#[test]
+fn the_example_repository_syncs_and_rolls() {
+    let home = Home::new();
+    let _serve = home.serve(&[]);
+    let repo = Repo::new(&home);
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/gitops-example");
+    for f in ["images/golden.yaml", "pools/agents.yaml", "README.md"] {
+        repo.write(f, &std::fs::read_to_string(example.join(f)).unwrap());
+    }
+    repo.commit("the example");
+    let out = home.ok(&["sync", repo.url(), "--name", "example"]);
+    assert!(
+        out.contains("pool/agents created") && out.contains("image/golden.v1 created"),
+        "{out}"
+    );
+    common::eventually(Duration::from_secs(90), || {
+        let p: Pool = home.store().get_as("agents").unwrap()?;
+        (p.status.free == 3).then_some(())
+    })
+    .expect("the example's pool has 3 free members");
+
+    // A template change in git rolls the pool, at most maxUnavailable (1) member at a time.
+    let pool = std::fs::read_to_string(example.join("pools/agents.yaml"))
+        .unwrap()
+        .replace("cpus: 1, memory: 256Mi", "cpus: 2, memory: 256Mi");
+    repo.write("pools/agents.yaml", &pool);
+    repo.commit("bigger agents");
+    home.ok(&["sync", "--name", "example"]);
+    let mut most = 0;
+    common::eventually(Duration::from_secs(120), || {
+        let p: Pool = home.store().get_as("agents").unwrap()?;
+        let replacing = home
+            .store()
+            .list_as::<boxery_api::PoolMember>(&Default::default())
+            .unwrap()
+            .iter()
+            .filter(|m| m.status.state == boxery_api::pool::MemberState::Replacing)
+            .count();
+        most = most.max(replacing);
+        let seen = p.status.observed_generation >= p.metadata.generation;
+        let made = ["agents-0", "agents-1", "agents-2"]
+            .iter()
+            .all(|n| vm(&home, n).is_some_and(|v| v.spec.resources.cpus == Some(2)));
+        (seen && made && p.status.updated == 3 && p.status.free == 3).then_some(())
+    })
+    .expect("every member is made from the new template");
+    assert!(
+        most <= 1,
+        "{most} members were replaced at once; maxUnavailable is 1"
+    );
+    for n in ["agents-0", "agents-1", "agents-2"] {
+        assert_eq!(vm(&home, n).unwrap().spec.resources.cpus, Some(2), "{n}");
+    }
 }

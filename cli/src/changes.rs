@@ -272,9 +272,8 @@ pub async fn edit(
     let (k, name) = crate::commands::kind_and_name(kind_arg, name)?;
     let info = kind(&k)?;
     let shown_obj = boxery_verbs::objects::get_one(v, info, &name).await?;
-    let yaml = boxery_verbs::render::to_yaml(
-        &serde_json::to_value(&shown_obj).map_err(|e| CliError::new(Code::Failed, e))?,
-    )?;
+    // As `get -o yaml` shows it: managedFields left out, as kubectl's edit does.
+    let yaml = boxery_verbs::render::to_yaml(&boxery_verbs::render::display_value(&shown_obj))?;
     let dir = tempfile::Builder::new()
         .prefix("boxery-edit-")
         .tempdir()

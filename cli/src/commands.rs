@@ -23,7 +23,7 @@ pub fn kind(name: &str) -> CliResult<&'static KindInfo> {
 }
 
 /// `get`'s kinds: one, several (`vms,images`), or `all` (the kinds people write: Vm, Image,
-/// Pool, Lease, Grant), as kubectl's.
+/// Pool, Lease, Grant, Source), as kubectl's.
 pub fn kinds(spec: &str) -> CliResult<Vec<&'static KindInfo>> {
     if spec == "all" {
         return Ok(boxery_api::validate::KINDS

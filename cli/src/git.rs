@@ -12,22 +12,24 @@ use boxery_api::codec::MAX_FILE_BYTES;
 use crate::exit::{CliError, CliResult, Code};
 use crate::manifests::{MAX_TOTAL_BYTES, is_manifest_path};
 
-/// A `git` command with a fixed environment: no prompt for credentials (a sync must never
-/// hang on a terminal), no system or global config (hooks, aliases, `url.*.insteadOf`), and
-/// only the ordinary transports.
+/// A `git` command as the user runs git (their config, credential helpers and ssh keys), but
+/// never waiting on a person: no terminal prompt for a password, ssh in batch mode (a key
+/// that needs a passphrase fails instead of hanging), only the ordinary transports, and no
+/// repository picked up from the environment.
 fn git(dir: Option<&Path>) -> Command {
     let mut c = Command::new("git");
     if let Some(d) = dir {
         c.arg("-C").arg(d);
     }
     c.env("GIT_TERMINAL_PROMPT", "0")
-        .env("GIT_CONFIG_NOSYSTEM", "1")
-        .env("GIT_CONFIG_GLOBAL", "/dev/null")
         .env("GIT_PROTOCOL_FROM_USER", "0")
         .env("GIT_ALLOW_PROTOCOL", "file:git:http:https:ssh")
         .env_remove("GIT_DIR")
         .env_remove("GIT_WORK_TREE")
         .stdin(Stdio::null());
+    if std::env::var_os("GIT_SSH_COMMAND").is_none() {
+        c.env("GIT_SSH_COMMAND", "ssh -o BatchMode=yes");
+    }
     c
 }
 

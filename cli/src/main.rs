@@ -159,7 +159,7 @@ enum Command {
         #[command(flatten)]
         wait: WaitArgs,
     },
-    /// List objects of a kind (vm, vms, image, img, pool, lease, grant, event).
+    /// List objects of a kind (vm, vms, image, img, pool, lease, grant, source, event).
     Get {
         /// The kind.
         kind: String,

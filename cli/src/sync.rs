@@ -202,7 +202,7 @@ fn read(v: &Verbs, s: &Source) -> CliResult<Revision> {
                 h.part(name.as_bytes()).part(bytes);
             }
             Ok(Revision {
-                id: format!("dir-{:016x}", h.finish()),
+                id: format!("{:016x}", h.finish()),
                 sources,
             })
         }

@@ -270,7 +270,7 @@ pub fn tools() -> &'static [Tool] {
             ),
             tool(
                 "vm_get",
-                "List objects of a kind (vm, image, pool, lease, grant, event) with their status, or show named ones as YAML.",
+                "List objects of a kind (vm, image, pool, lease, grant, source, event) with their status, or show named ones as YAML.",
                 ro,
                 CliSide::Commands(&["get"]),
                 lifecycle::get,

@@ -131,7 +131,7 @@ pub struct ApplyArgs {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct GetArgs {
-    /// The kind: vm (default), image, pool, lease, grant, event.
+    /// The kind: vm (default), image, pool, lease, grant, source, event.
     #[serde(default)]
     pub kind: Option<String>,
     /// One name (all when absent).

@@ -143,7 +143,8 @@ pub async fn apply_edit(
     edited: &Value,
     dry: DryRun,
 ) -> Result<Changed> {
-    let before = serde_json::to_value(shown).map_err(VerbError::failed)?;
+    // What the person was shown (managedFields are not: leaving them out changes nothing).
+    let before = crate::render::display_value(shown);
     if !edited.is_object() {
         return Err(VerbError::invalid("the edited document is not an object"));
     }
@@ -416,6 +417,12 @@ fn check_owned_fields(cur: &DynObject, new: &DynObject) -> Result<()> {
     }
     if a.owner_references != b.owner_references {
         return refuse("metadata.ownerReferences", "they are the controllers'");
+    }
+    if a.managed_fields != b.managed_fields {
+        return refuse(
+            "metadata.managedFields",
+            "the store records who set which field (`boxery describe` lists them)",
+        );
     }
     let system = |m: &std::collections::BTreeMap<String, String>| {
         m.iter()
