@@ -24,6 +24,9 @@ BASE_PKGS=(genisoimage busybox-static cpio kmod debootstrap e2fsprogs
   openssh-client socat gzip debian-archive-keyring ca-certificates)
 # zsh and fish: the completion tests drive them (tests/cli.rs).
 BASE_PKGS+=(zsh fish)
+# git: `boxery sync` reads repositories with it (tests/sync.rs, the gitops bench); python3:
+# store/tests/locks.rs checks SQLite's lock from another process with it.
+BASE_PKGS+=(git python3)
 # kubectl: `apply|diff|delete -k DIR` build kustomizations with `kubectl kustomize`, and boxery
 # works as a kubectl plugin (tests/cli.rs). Debian's kubernetes-client when none is on PATH.
 command -v kubectl >/dev/null 2>&1 || BASE_PKGS+=(kubernetes-client)
