@@ -105,6 +105,15 @@ fn replicas(home: &Home, pool: &str) -> u32 {
     p.spec.replicas
 }
 
+/// Wait until pool `pool` has `n` free members.
+fn wait_free(home: &Home, pool: &str, n: u32, within: Duration) {
+    common::eventually(within, || {
+        let p: Pool = home.store().get_as(pool).unwrap()?;
+        (p.status.free == n).then_some(())
+    })
+    .unwrap_or_else(|| panic!("pool {pool} never had {n} free members"));
+}
+
 fn stderr(o: &std::process::Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -350,11 +359,7 @@ fn leased_members_survive_a_scale_down_from_git() {
     repo.write("pool.yaml", &pool_yaml("g", Some(3)));
     repo.commit("three");
     home.ok(&["sync", repo.url(), "--name", "fleet"]);
-    common::eventually(Duration::from_secs(60), || {
-        let p: Pool = home.store().get_as("g").unwrap()?;
-        (p.status.free == 3).then_some(())
-    })
-    .expect("3 free members");
+    wait_free(&home, "g", 3, Duration::from_secs(60));
     home.ok(&[
         "lease",
         "acquire",
@@ -572,11 +577,7 @@ fn the_example_repository_syncs_and_rolls() {
         out.contains("pool/agents created") && out.contains("image/golden.v1 created"),
         "{out}"
     );
-    common::eventually(Duration::from_secs(90), || {
-        let p: Pool = home.store().get_as("agents").unwrap()?;
-        (p.status.free == 3).then_some(())
-    })
-    .expect("the example's pool has 3 free members");
+    wait_free(&home, "agents", 3, Duration::from_secs(90));
 
     // A template change in git rolls the pool, at most maxUnavailable (1) member at a time.
     let pool = std::fs::read_to_string(example.join("pools/agents.yaml"))

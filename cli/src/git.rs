@@ -56,8 +56,10 @@ pub fn mirror(home: &Path, name: &str) -> PathBuf {
     home.join("sync").join(format!("{name}.git"))
 }
 
-/// Bring the mirror of `url` up to date (made on first use): every branch and tag.
-pub fn fetch(home: &Path, name: &str, url: &str) -> CliResult<PathBuf> {
+/// Bring the mirror of `url` up to date (made on first use): every branch and tag, and the
+/// repository's HEAD when `head` (no `--ref` given: a repository whose HEAD names no branch
+/// yet can still be read at a branch or tag).
+pub fn fetch(home: &Path, name: &str, url: &str, head: bool) -> CliResult<PathBuf> {
     let m = mirror(home, name);
     if !m.join("HEAD").exists() {
         std::fs::create_dir_all(&m)
@@ -69,11 +71,10 @@ pub fn fetch(home: &Path, name: &str, url: &str) -> CliResult<PathBuf> {
     let mut c = git(Some(&m));
     c.args(["fetch", "--quiet", "--prune", "--force", "--no-tags", "--"])
         .arg(url)
-        .args([
-            "+HEAD:refs/remote-head",
-            "+refs/heads/*:refs/heads/*",
-            "+refs/tags/*:refs/tags/*",
-        ]);
+        .args(["+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*"]);
+    if head {
+        c.arg("+HEAD:refs/remote-head");
+    }
     run(c, &format!("cannot fetch {url}"))?;
     Ok(m)
 }

@@ -207,7 +207,12 @@ fn read(v: &Verbs, s: &Source) -> CliResult<Revision> {
             })
         }
         SourceType::Git => {
-            let m = git::fetch(v.home(), &s.metadata.name, &s.spec.url)?;
+            let m = git::fetch(
+                v.home(),
+                &s.metadata.name,
+                &s.spec.url,
+                s.spec.git_ref.is_none(),
+            )?;
             let commit = git::resolve(&m, s.spec.git_ref.as_deref())?;
             let sources = git::read(&m, &commit, s.spec.path.as_deref())?;
             Ok(Revision {
