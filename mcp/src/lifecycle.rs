@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use boxery_api::{Name, Quantity, RunStrategy, Vm};
+use boxery_api::{Name, Quantity, Resource, RunStrategy, Vm};
 use boxery_store::{ObjectRef, ObjectStoreExt};
 use boxery_verbs::objects::{self, Deleted};
 use boxery_verbs::render;
@@ -282,7 +282,10 @@ pub struct UseArgs {
 pub async fn apply(session: Arc<Session>, a: ApplyArgs, ct: CancellationToken) -> ToolResult {
     let manifests = boxery_api::codec::parse_manifests("manifest", a.manifest.as_bytes())
         .map_err(|e| ToolError::Invalid(format!("{e}")))?;
-    let objs = manifests.into_iter().map(|m| m.given).collect();
+    let objs: Vec<_> = manifests.into_iter().map(|m| m.given).collect();
+    if objs.iter().any(|o| o.kind == boxery_api::Source::INFO.kind) {
+        return Err(ToolError::Invalid(SOURCES_ARE_PEOPLES.into()));
+    }
     let opts = boxery_store::ApplyOptions {
         dry_run: a.dry_run,
         force_conflicts: a.force_conflicts,
@@ -405,8 +408,14 @@ pub async fn describe(
 
 /// `vm_patch`: the verbs' `patch` (CLI `patch`, `label`, `annotate`, `scale`), which refuses
 /// changes to status and the controllers' metadata and retries on a concurrent write.
+/// Why a tool never writes a `Source`.
+const SOURCES_ARE_PEOPLES: &str = "Source objects say which repositories a person's `boxery sync` follows and prunes from: only a person writes them (`boxery sync` in a terminal); apply the objects themselves instead";
+
 pub async fn patch(session: Arc<Session>, a: PatchArgs, _ct: CancellationToken) -> ToolResult {
     let info = kind_of(a.kind.as_deref())?;
+    if info.kind == boxery_api::Source::INFO.kind {
+        return Err(ToolError::Invalid(SOURCES_ARE_PEOPLES.into()));
+    }
     let name = match a.name {
         Some(n) => n,
         None if info.kind == "Vm" => session.resolve_vm(None).await?,

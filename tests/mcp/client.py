@@ -114,6 +114,12 @@ async def tools_mode(binary):
             check("status cannot be changed" in t, f"vm_patch of status: {t}")
             _, t = await call(s, "vm_patch", {"patch": '{"metadata": {"finalizers": []}}'}, ok=False)
             check("finalizers" in t, f"vm_patch of finalizers: {t}")
+            # A Source (what a person's `boxery sync` follows and prunes from) is never an agent's.
+            src = "apiVersion: boxery.dev/v1alpha1\nkind: Source\nmetadata: {name: evil}\nspec: {url: /tmp/evil}\n"
+            _, t = await call(s, "vm_apply", {"manifest": src}, ok=False)
+            check("only a person" in t, f"vm_apply of a Source: {t}")
+            _, t = await call(s, "vm_patch", {"kind": "source", "name": "x", "patch": "{}"}, ok=False)
+            check("only a person" in t, f"vm_patch of a Source: {t}")
             _, t = await call(s, "vm_patch", {"type": "xml", "patch": "{}"}, ok=False)
             check("merge" in t and "json" in t, f"vm_patch with a bad type: {t}")
             _, t = await call(s, "vm_manage", {"action": "stop", "timeout_seconds": 60})
