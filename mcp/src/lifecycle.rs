@@ -406,11 +406,11 @@ pub async fn describe(
     ))
 }
 
-/// `vm_patch`: the verbs' `patch` (CLI `patch`, `label`, `annotate`, `scale`), which refuses
-/// changes to status and the controllers' metadata and retries on a concurrent write.
 /// Why a tool never writes a `Source`.
 const SOURCES_ARE_PEOPLES: &str = "Source objects say which repositories a person's `boxery sync` follows and prunes from: only a person writes them (`boxery sync` in a terminal); apply the objects themselves instead";
 
+/// `vm_patch`: the verbs' `patch` (CLI `patch`, `label`, `annotate`, `scale`), which refuses
+/// changes to status and the controllers' metadata and retries on a concurrent write.
 pub async fn patch(session: Arc<Session>, a: PatchArgs, _ct: CancellationToken) -> ToolResult {
     let info = kind_of(a.kind.as_deref())?;
     if info.kind == boxery_api::Source::INFO.kind {
