@@ -201,8 +201,21 @@ fn remove_in(m: &mut Map<String, Value>, path: &[String]) -> bool {
 }
 
 /// `spec.runStrategy`, `metadata.labels.team`.
+/// A key that holds a dot or a slash (`boxery.dev/applyset`) is bracketed, so the path reads
+/// one way: `metadata.labels[boxery.dev/applyset]`.
 pub(crate) fn dotted(path: &[String]) -> String {
-    path.join(".")
+    let mut out = String::new();
+    for (i, k) in path.iter().enumerate() {
+        if k.contains(['.', '/', '[', ']']) {
+            out.push_str(&format!("[{k}]"));
+        } else {
+            if i > 0 {
+                out.push('.');
+            }
+            out.push_str(k);
+        }
+    }
+    out
 }
 
 /// The fields of a managedFields entry, dotted (`spec.runStrategy`), for people to read.
@@ -505,6 +518,16 @@ mod tests {
             .flat_map(|e| from_fields_v1(&e.fields_v1))
             .map(|p| dotted(&p))
             .collect()
+    }
+
+    #[test]
+    fn dotted_paths_bracket_keys_with_dots() {
+        let p = |v: &[&str]| dotted(&v.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(p(&["spec", "runStrategy"]), "spec.runStrategy");
+        assert_eq!(
+            p(&["metadata", "labels", "boxery.dev/applyset"]),
+            "metadata.labels[boxery.dev/applyset]"
+        );
     }
 
     #[test]
