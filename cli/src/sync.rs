@@ -262,22 +262,16 @@ async fn once(v: &Verbs, s: &Source, force: sync::Force, loud: bool) -> CliResul
                 ),
             )
         })?;
-    if loud || synced.changed() {
-        for (line, (action, _)) in synced.applied.lines().iter().zip(&synced.applied.results) {
-            if *action != boxery_store::ApplyAction::Unchanged {
-                outln!("{line}");
-            }
+    let changes = synced.changes();
+    if loud || !changes.is_empty() {
+        for line in &changes {
+            outln!("{line}");
         }
-        let total = synced.applied.results.len();
-        let changed = synced
-            .applied
-            .results
-            .iter()
-            .filter(|(a, _)| *a != boxery_store::ApplyAction::Unchanged)
-            .count();
         outln!(
-            "source {name}: revision {} applied ({total} objects, {changed} changed)",
-            sync::short(&rev.id)
+            "source {name}: revision {} applied ({} objects, {} changed)",
+            sync::short(&rev.id),
+            synced.applied.results.len(),
+            changes.len()
         );
     }
     Ok(rev.id)

@@ -7,12 +7,9 @@ use boxery_api::validate::FieldError;
 use boxery_api::{DynObject, ValidationError};
 use serde_json::Value;
 
-use crate::fields;
+use crate::fields::{self, SYSTEM_PREFIX};
 use crate::write::{EventType, Tx};
 use crate::{ApplyAction, ApplyOptions, DeleteOutcome, LAST_APPLIED, Result, StoreError};
-
-/// Annotations with this prefix belong to the system: apply keeps the stored ones.
-const SYSTEM_PREFIX: &str = "boxery.dev/";
 
 /// The manifest as recorded in `LAST_APPLIED`: as given, without status, the server's
 /// metadata fields, or the record itself.
@@ -209,14 +206,10 @@ fn apply_one(
 
 /// Whether two objects have the same fields other than metadata and status.
 fn same_spec(a: &DynObject, b: &DynObject) -> bool {
-    let spec = |o: &DynObject| {
-        o.rest
-            .iter()
-            .filter(|(k, _)| k.as_str() != "status")
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect::<Vec<_>>()
-    };
-    spec(a) == spec(b)
+    fn spec(o: &DynObject) -> impl Iterator<Item = (&String, &Value)> {
+        o.rest.iter().filter(|(k, _)| k.as_str() != "status")
+    }
+    spec(a).eq(spec(b))
 }
 
 #[cfg(test)]

@@ -29,8 +29,9 @@ pub const UNNAMED_MANAGER: &str = "boxery";
 /// The applier `apply` uses unless told otherwise (`--field-manager`).
 pub const APPLY_MANAGER: &str = "boxery-apply";
 
-/// Annotations under this prefix are the system's and carry no ownership.
-const SYSTEM_PREFIX: &str = "boxery.dev/";
+/// Annotations under this prefix are the system's: they carry no ownership, and apply keeps
+/// the stored ones.
+pub(crate) const SYSTEM_PREFIX: &str = "boxery.dev/";
 
 /// A field: the keys from the object's top down (`["spec", "runStrategy"]`,
 /// `["metadata", "labels", "team"]`).

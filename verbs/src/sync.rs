@@ -77,12 +77,15 @@ pub struct Synced {
 }
 
 impl Synced {
-    /// Whether anything was written.
-    pub fn changed(&self) -> bool {
+    /// One line per object the sync changed (`vm/dev1 configured`, `pool/p pruned`).
+    pub fn changes(&self) -> Vec<String> {
         self.applied
-            .results
-            .iter()
-            .any(|(a, _)| *a != ApplyAction::Unchanged)
+            .lines()
+            .into_iter()
+            .zip(&self.applied.results)
+            .filter(|(_, (a, _))| *a != ApplyAction::Unchanged)
+            .map(|(l, _)| l)
+            .collect()
     }
 }
 
@@ -148,15 +151,8 @@ pub async fn apply_revision(
 /// Record a sync that applied `synced`: written only when something differs from what the
 /// Source says already (a no-op sync writes nothing).
 async fn record_success(v: &Verbs, name: &str, synced: &Synced, count: usize) -> Result {
-    let changes: Vec<String> = synced
-        .applied
-        .lines()
-        .into_iter()
-        .zip(&synced.applied.results)
-        .filter(|(_, (a, _))| *a != ApplyAction::Unchanged)
-        .map(|(l, _)| l)
-        .take(MAX_CHANGES)
-        .collect();
+    let mut changes = synced.changes();
+    changes.truncate(MAX_CHANGES);
     let message = if changes.is_empty() {
         format!(
             "revision {} applied: nothing to change",
