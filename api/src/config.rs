@@ -22,6 +22,24 @@ pub struct ProxyConfig {
     /// Limits applied to every route (defaults in the proxy's docs).
     #[serde(default)]
     pub limits: ProxyLimits,
+    /// The egress proxy (docs/egress.md).
+    #[serde(default)]
+    pub egress: EgressConfig,
+}
+
+/// `proxy: {egress: …}`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct EgressConfig {
+    /// Names the egress proxy answers itself, before DNS (`mirror.internal.example:
+    /// 203.0.113.10`), like `/etc/hosts` for guests' connections. Each address is still
+    /// checked against the forbidden ranges.
+    #[serde(default)]
+    pub resolve: BTreeMap<String, std::net::IpAddr>,
+    /// Connections (tunnels and requests) one VM may have open through the egress proxy at
+    /// once (default 256).
+    #[serde(default)]
+    pub connections_per_vm: Option<usize>,
 }
 
 /// `proxy: {limits: …}`. Unset fields take the proxy's defaults.

@@ -13,6 +13,7 @@ pub mod image;
 pub mod lease;
 pub mod meta;
 pub mod name;
+pub mod network;
 pub mod pool;
 pub mod quantity;
 pub mod resource;

@@ -4,6 +4,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::meta::{Condition, Time};
+use crate::network::Network;
 use crate::quantity::Quantity;
 use crate::resource::{KindInfo, impl_resource, resource};
 use crate::validate::FieldError;
@@ -56,6 +57,9 @@ pub struct VmSpec {
     /// A revert request: replace the disk with that image's, once per `requestedAt`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore: Option<Restore>,
+    /// Where the guest may connect out (docs/egress.md). Default: `egress: {policy: Public}`.
+    #[serde(default, skip_serializing_if = "Network::is_default")]
+    pub network: Network,
 }
 
 fn yes() -> bool {
@@ -372,6 +376,7 @@ fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
     {
         errs.push(FieldError::new("spec.restore.image", e));
     }
+    errs.extend(vm.spec.network.egress.check("spec.network.egress"));
     // Defaults are written into the object, so an upgrade never changes a stored VM's size.
     let eff = vm.spec.resources.effective();
     vm.spec.resources.cpus = Some(eff.cpus);

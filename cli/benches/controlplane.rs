@@ -28,6 +28,7 @@ fn vms(n: usize) -> Vec<DynObject> {
                 layers: vec![],
                 run_strategy: RunStrategy::Running,
                 restore: None,
+                network: Default::default(),
             };
             DynObject::from_typed(&Vm::new(format!("vm-{i:04}"), spec)).unwrap()
         })

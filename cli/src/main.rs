@@ -4,6 +4,7 @@ mod args;
 mod changes;
 mod commands;
 mod completion;
+mod drill;
 mod exit;
 mod explain;
 mod git;
@@ -428,6 +429,21 @@ enum Command {
         /// (`boxery run dev1 -- 'cd /tmp && ls'`); several are quoted one by one.
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
+    },
+    /// Probe a running VM's isolation live (docs/egress.md): from inside it, connections to
+    /// listeners the drill opens on the host's loopback and other address, another VM's sshd,
+    /// stand-ins for a LAN, a metadata service and the internet (on a dummy interface it
+    /// makes: run as root), IPv6, names through the egress policy, and the credential proxy
+    /// with and without a token. Each blocked probe has a control that shows the probe works.
+    /// Exit 0 only when every probe matched.
+    Drill {
+        /// The VM (running).
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The other VM whose sshd and name are probed (default: another ready VM on the same
+        /// backend).
+        #[arg(long, value_parser = args::label)]
+        sibling: Option<String>,
     },
     /// Copy files or directories between this host and a VM (`VM:PATH` names the VM side),
     /// streamed through tar over ssh.
@@ -860,10 +876,42 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         Command::Sync(args) => sync::sync(v, args).await?,
         Command::Ssh { vm, cmd } => return Ok(boxery_hands::ssh(v.home(), v.local()?, &vm, &cmd)?),
         Command::Run { vm, cmd } => return Ok(boxery_hands::run(v.home(), v.local()?, &vm, &cmd)?),
+        Command::Drill { vm, sibling } => return drill_command(v, &vm, sibling.as_deref()),
         Command::Cp { src, dst } => return cp(v, &src, &dst).await,
         command => vm_command(v, command).await?,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `drill VM`: the table, and exit 0 only when every probe matched.
+fn drill_command(v: &Verbs, vm: &str, sibling: Option<&str>) -> CliResult<ExitCode> {
+    let started = std::time::Instant::now();
+    let rows = drill::run(v.home(), v.local()?, vm, sibling)?;
+    let mut t = comfy_table::Table::new();
+    t.load_preset(comfy_table::presets::NOTHING);
+    t.set_header(["", "PROBE", "EXPECTED", "RESULT", "CONTROL"]);
+    for r in &rows {
+        t.add_row([
+            if r.ok { "ok" } else { "FAIL" }.to_string(),
+            r.probe.clone(),
+            r.expected.clone(),
+            r.result.clone(),
+            r.control.clone(),
+        ]);
+    }
+    outln!("{}", t.trim_fmt());
+    let failed = rows.iter().filter(|r| !r.ok).count();
+    let secs = started.elapsed().as_secs_f64();
+    if failed == 0 {
+        outln!("drill of VM {vm}: all {} probes matched ({secs:.1} s)", rows.len());
+        Ok(ExitCode::SUCCESS)
+    } else {
+        eprintln!(
+            "boxery: drill of VM {vm}: {failed} of {} rows did not match ({secs:.1} s)",
+            rows.len()
+        );
+        Ok(ExitCode::FAILURE)
+    }
 }
 
 /// apply, get, describe, delete, diff, wait, events.

@@ -22,6 +22,10 @@ const CLI_ONLY: &[(&str, &str)] = &[
         "reference for editors; the tools' input schemas are in tools/list",
     ),
     ("ssh", "an interactive terminal; agents use vm_bash"),
+    (
+        "drill",
+        "an operator's isolation check that makes host interfaces (as root); an agent must not probe the host",
+    ),
     ("serve", "runs the control plane (and serves MCP over HTTP)"),
     ("mcp", "is the MCP server"),
     (

@@ -39,6 +39,7 @@
 
 pub mod audit;
 pub mod channels;
+pub mod egress;
 pub mod routes;
 pub mod secret;
 
@@ -124,6 +125,22 @@ struct Inner {
     secrets: Secrets,
     audit: Audit,
     in_flight: Mutex<HashMap<String, Arc<Semaphore>>>,
+    egress_connections: usize,
+    local: egress::Local,
+}
+
+impl Inner {
+    /// One of `cap` permits under `key` (a VM's requests, its egress connections), if free.
+    fn permit(&self, key: &str, cap: usize) -> Option<OwnedSemaphorePermit> {
+        self.in_flight
+            .lock()
+            .expect("not poisoned")
+            .entry(key.to_string())
+            .or_insert_with(|| Arc::new(Semaphore::new(cap)))
+            .clone()
+            .try_acquire_owned()
+            .ok()
+    }
 }
 
 impl Proxy {
@@ -157,13 +174,19 @@ impl Proxy {
         Ok(Proxy {
             inner: Arc::new(Inner {
                 home: home.to_path_buf(),
-                config,
                 limits,
                 client,
                 tokens: TokenIndex::new(home),
                 secrets: Secrets::new(home),
                 audit: Audit::new(home),
                 in_flight: Mutex::default(),
+                egress_connections: config
+                    .egress
+                    .connections_per_vm
+                    .unwrap_or(egress::CONNECTIONS)
+                    .max(1),
+                local: egress::Local::default(),
+                config,
             }),
         })
     }
@@ -541,6 +564,9 @@ fn host_of(url: &str) -> String {
 
 /// Every request: admit, limit, forward, stream back, audit.
 async fn handle(State(s): State<Served>, req: Request) -> Response {
+    if egress::is_egress(&req) {
+        return egress::handle(s, req).await;
+    }
     let started = Instant::now();
     let p = s.proxy.inner.clone();
     let mut rec = Record {
@@ -561,14 +587,7 @@ async fn handle(State(s): State<Served>, req: Request) -> Response {
         Ok(plan) => plan,
         Err(r) => return done(rec, r),
     };
-    let sem = p
-        .in_flight
-        .lock()
-        .expect("not poisoned")
-        .entry(plan.vm.clone())
-        .or_insert_with(|| Arc::new(Semaphore::new(p.limits.concurrency)))
-        .clone();
-    let Ok(permit) = sem.try_acquire_owned() else {
+    let Some(permit) = p.permit(&plan.vm, p.limits.concurrency) else {
         let r = refuse(
             StatusCode::TOO_MANY_REQUESTS,
             format!(
@@ -667,6 +686,7 @@ async fn handle(State(s): State<Served>, req: Request) -> Response {
         rec,
         started,
         bytes: Arc::new(AtomicU64::new(0)),
+        bytes_in: None,
         _permit: permit,
     };
     let counter = guard.bytes.clone();
@@ -693,12 +713,17 @@ struct Finish {
     rec: Record,
     started: Instant,
     bytes: Arc<AtomicU64>,
+    /// Request body bytes, when they are counted as they stream (the egress proxy's).
+    bytes_in: Option<Arc<AtomicU64>>,
     _permit: OwnedSemaphorePermit,
 }
 
 impl Drop for Finish {
     fn drop(&mut self) {
         self.rec.bytes_out = self.bytes.load(Ordering::Relaxed);
+        if let Some(b) = &self.bytes_in {
+            self.rec.bytes_in = b.load(Ordering::Relaxed);
+        }
         self.rec.ms = self.started.elapsed().as_millis() as u64;
         self.audit.audit.write(&self.rec);
     }

@@ -64,6 +64,10 @@ const NPM_REGISTRY: &str = "registry.npmjs.org";
 pub struct Plan {
     /// The proxy's base URL as the guest reaches it.
     pub url: String,
+    /// Whether the guest's channel names the VM (qemu's per-VM socket): its egress proxy
+    /// URL then carries no token. On a shared listener (libvirt's bridge) the token is the
+    /// proxy password.
+    pub channel: bool,
     /// The VM's token.
     pub token: String,
     /// The grants in force for the token's owner, by name.
@@ -74,7 +78,11 @@ impl Plan {
     /// What `vm`'s guest should hold now: `None` when it has no token (a free pool member, a
     /// VM being removed) or no way to the proxy.
     pub fn of(ctx: &Ctx, vm: &str) -> Option<Plan> {
-        let url = ctx.backend.guest_proxy(vm)?.url;
+        let g = ctx.backend.guest_proxy(vm)?;
+        let (url, channel) = (
+            g.url,
+            matches!(g.listen, boxery_backends::ProxyListen::Unix(_)),
+        );
         let (owner, token) = crate::tokens::read(&ctx.home, vm)?;
         let grants = crate::grant::read_state(&ctx.home, vm)
             .into_iter()
@@ -83,7 +91,12 @@ impl Plan {
                 None => e.vm_uid == owner,
             })
             .collect();
-        Some(Plan { url, token, grants })
+        Some(Plan {
+            url,
+            channel,
+            token,
+            grants,
+        })
     }
 
     /// The revision of this plan on the boot `boot` (a hash; the same in every build).
@@ -91,6 +104,7 @@ impl Plan {
         let mut h = boxery_api::fnv::Fnv::default();
         h.part(boot.as_bytes())
             .part(self.url.as_bytes())
+            .part(if self.channel { b"c" } else { b"s" })
             .part(self.token.as_bytes());
         for e in &self.grants {
             h.part(e.name.as_bytes())
@@ -112,6 +126,29 @@ pub struct Files {
     pub files: Vec<(String, Vec<u8>)>,
     /// Grants left out: (grant, why).
     pub unavailable: Vec<(String, String)>,
+    /// The egress proxy URL for system tools (apt, sudo), when it holds no token and may be
+    /// written to the guest's disk (a per-VM channel).
+    pub system_proxy: Option<String>,
+}
+
+/// The guest's egress proxy URL for `plan` (docs/egress.md): the credential proxy's address,
+/// with the VM's token as the proxy password on a shared listener.
+pub fn egress_url(plan: &Plan) -> String {
+    let hostport = plan
+        .url
+        .trim_start_matches("http://")
+        .trim_end_matches('/');
+    if plan.channel {
+        // Port 80 spelled out: some clients want one in a proxy URL.
+        let hp = if hostport.contains(':') {
+            hostport.to_string()
+        } else {
+            format!("{hostport}:80")
+        };
+        format!("http://{hp}")
+    } else {
+        format!("http://boxery:{}@{hostport}", plan.token)
+    }
 }
 
 /// The guest files for `plan`, reading the values of its `env` and `file` grants.
@@ -125,6 +162,24 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
         shell_quote(url),
         shell_quote(token)
     );
+    // The egress proxy: the guest's only way out on qemu, the policy's way on libvirt.
+    let egress = egress_url(plan);
+    let host = url
+        .trim_start_matches("http://")
+        .split([':', '/'])
+        .next()
+        .unwrap_or_default();
+    env.push_str(&format!(
+        "# egress (docs/egress.md): everything goes through the control plane's egress proxy
+         export http_proxy={e} https_proxy={e} HTTP_PROXY={e} HTTPS_PROXY={e} \
+           no_proxy={n} NO_PROXY={n}
+",
+        e = shell_quote(&egress),
+        n = shell_quote(&format!("{host},localhost,127.0.0.1,::1")),
+    ));
+    if plan.channel {
+        out.system_proxy = Some(egress);
+    }
     let mut git: Vec<(String, String)> = Vec::new();
     for e in &plan.grants {
         let comment = format!("# {}:{} (grant {})\n", e.type_, e.target, e.name);
@@ -239,6 +294,23 @@ pub fn script(f: &Files, rev: &str) -> String {
          if ! grep -qs 'profile\\.d' /etc/profile; then printf '%s\\n' 'for f in /etc/profile.d/*.sh; do [ -r \"$f\" ] && . \"$f\"; done' | sudo -n tee -a /etc/profile >/dev/null; fi\n",
         shell_quote(PROFILE_HOOK)
     ));
+    if let Some(proxy) = &f.system_proxy {
+        // apt and sudo do not read the login shell's variables: static files (no token).
+        let apt = format!(
+            "// boxery (docs/egress.md): the guest's way out is the control plane's egress proxy\n\
+             Acquire::http::Proxy \"{proxy}\";\nAcquire::https::Proxy \"{proxy}\";\n"
+        );
+        let sudoers = "# boxery (docs/egress.md): sudo keeps the egress proxy variables\n\
+             Defaults env_keep += \"http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY\"\n";
+        s.push_str(&format!(
+            "a=/etc/apt/apt.conf.d/90boxery-proxy\n\
+             if [ -d /etc/apt/apt.conf.d ] && [ \"$(cat \"$a\" 2>/dev/null)\" != \"$(printf '%s' {apt})\" ]; then printf '%s' {apt} | sudo -n tee \"$a\" >/dev/null; fi\n\
+             u=/etc/sudoers.d/boxery-proxy\n\
+             if [ -d /etc/sudoers.d ] && command -v visudo >/dev/null && ! sudo -n test -f \"$u\"; then printf '%s' {su} | sudo -n tee \"$u.new\" >/dev/null && sudo -n chmod 0440 \"$u.new\" && if sudo -n visudo -cqf \"$u.new\"; then sudo -n mv \"$u.new\" \"$u\"; else sudo -n rm -f \"$u.new\"; fi; fi\n",
+            apt = shell_quote(&apt),
+            su = shell_quote(sudoers),
+        ));
+    }
     s
 }
 
@@ -446,6 +518,7 @@ mod tests {
         let hostile = "a'b\"c$(touch /tmp/boxery-pwned)`id`\nx";
         let plan = Plan {
             url: "http://10.0.2.100".into(),
+            channel: true,
             token: "bxt_abc".into(),
             grants: vec![
                 entry(
@@ -532,8 +605,24 @@ mod tests {
         assert_eq!(f.unavailable.len(), 1);
         assert_eq!(f.unavailable[0].0, "g-missing");
         assert!(!f.unavailable[0].1.contains(hostile));
+        // Egress goes through the proxy: a per-VM channel needs no token in the proxy URL, so
+        // apt and sudo get it too (static files).
+        assert!(
+            f.env.contains("http_proxy=http://10.0.2.100:80 https_proxy=http://10.0.2.100:80")
+                && f.env.contains("no_proxy=10.0.2.100,localhost,127.0.0.1,::1"),
+            "{}",
+            f.env
+        );
+        assert_eq!(f.system_proxy.as_deref(), Some("http://10.0.2.100:80"));
+        let shared = Plan {
+            url: "http://192.168.122.1:8099".into(),
+            channel: false,
+            ..plan.clone()
+        };
+        assert_eq!(egress_url(&shared), "http://boxery:bxt_abc@192.168.122.1:8099");
         // The script carries values in base64 only: no value in clear text.
         let s = script(&f, "r1");
+        assert!(s.contains("Acquire::http::Proxy"), "{s}");
         assert!(!s.contains("bxt_abc") && !s.contains("touch /tmp"), "{s}");
     }
 
@@ -541,6 +630,7 @@ mod tests {
     fn a_revision_changes_with_the_token_the_grants_and_the_boot() {
         let plan = Plan {
             url: "http://10.0.2.100".into(),
+            channel: true,
             token: "bxt_1".into(),
             grants: vec![entry("g", GrantType::Env, "A", ValueFrom::Env("A".into()))],
         };

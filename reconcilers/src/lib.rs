@@ -4,6 +4,7 @@
 
 pub mod backoff;
 pub mod context;
+pub mod egress;
 pub mod error;
 pub mod grant;
 pub mod guest;

@@ -89,6 +89,10 @@ pub async fn reconcile(vm: Arc<Vm>, ctx: Arc<Ctx>) -> Result<Action> {
 /// One step towards the spec, the first that applies: recover an interrupted operation,
 /// create, revert, notice a loss, resize, start or stop, then report readiness.
 async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
+    // The egress policy is in force before the VM first runs, and follows each spec change
+    // while it runs (the proxy reads it per connection).
+    crate::egress::write(&ctx.home, vm.name(), &vm.spec.network.egress)
+        .map_err(|e| state_error("egress", vm.name(), "writing the egress policy", e))?;
     if let Some(op) = vm.status.operation.clone() {
         return recover(vm, op, ctx).await;
     }
@@ -484,6 +488,8 @@ async fn finalize(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         crate::grant::revoke_vm(ctx, &name, uid).await?;
         crate::tokens::revoke(&ctx.home, &name, uid).map_err(|e| token_error(&name, e))?;
     }
+    crate::egress::remove(&ctx.home, &name)
+        .map_err(|e| state_error("egress", &name, "removing the egress policy", e))?;
     // Only remove what is ours: a backend VM with another object's mark is not this VM.
     match ctx.backend.get(&name).await {
         Ok(Some(info))
@@ -638,11 +644,17 @@ fn keep_token(vm: &Vm, ctx: &Ctx) -> Result<()> {
 }
 
 fn token_error(vm: &str, e: std::io::Error) -> ReconcileError {
-    ReconcileError::backend(
-        "token",
-        format!("Vm/{vm}"),
-        boxery_backends::BackendError::io("writing the token store", e),
-    )
+    state_error("token", vm, "writing the token store", e)
+}
+
+/// A control-plane state file (`$BOXERY_HOME/tokens`, `egress`) could not be written.
+fn state_error(
+    step: &'static str,
+    vm: &str,
+    what: &'static str,
+    e: std::io::Error,
+) -> ReconcileError {
+    ReconcileError::backend(step, format!("Vm/{vm}"), boxery_backends::BackendError::io(what, e))
 }
 
 /// A new VM's identity. Backends whose VMs run sshd get a host key made here (ssh-keygen)

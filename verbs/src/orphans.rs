@@ -187,6 +187,7 @@ async fn write_again(v: &Verbs, kind: &str, name: &str, uid: &str) -> Result {
                     boxery_api::RunStrategy::Stopped
                 },
                 restore: None,
+                network: Default::default(),
             },
         );
         vm.status.created_at = Some(boxery_api::now());

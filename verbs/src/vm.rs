@@ -182,6 +182,7 @@ pub async fn new(v: &Verbs, input: NewVm) -> Result<Plan> {
             RunStrategy::Running
         },
         restore: None,
+        network: Default::default(),
     };
     create_vm(v, &Vm::new(&input.name, spec), "new").await?;
     let until = if input.stopped { stopped() } else { ready() };
@@ -270,6 +271,7 @@ pub async fn fork(v: &Verbs, src: &str, names: &[String], size: &Size) -> Result
             layers: s.spec.layers.clone(),
             run_strategy: RunStrategy::Running,
             restore: None,
+            network: Default::default(),
         };
         let mut vm = Vm::new(n, spec);
         vm.metadata.labels = s.metadata.labels.clone();

@@ -269,6 +269,9 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
         "-device",
         "virtio-blk-pci,drive=seed,id=seed",
     ]);
+    // The guest's only way out (docs/egress.md): `restrict=on` drops every connection the
+    // guest opens but the guestfwd (DNS and 10.0.2.2 included: the host's loopback is out of
+    // reach), `ipv6=off` leaves no uncovered IPv6 path; the hostfwd still carries sshd in.
     // The proxy's channel: each guest connection to GUEST_PROXY_ADDR spawns socat to the
     // VM's own socket (a chardev would carry one connection only). The netdev option parser
     // splits on commas (the state directory has none: `init` refuses it); the command is
@@ -281,7 +284,7 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
     push(&[
         "-netdev",
         &format!(
-            "user,id=n0,hostfwd=tcp:127.0.0.1:{}-:22,{guestfwd}",
+            "user,id=n0,restrict=on,ipv6=off,hostfwd=tcp:127.0.0.1:{}-:22,{guestfwd}",
             spec.port
         ),
         "-device",

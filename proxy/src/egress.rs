@@ -1,0 +1,440 @@
+//! The egress proxy: a guest's way out to the network, on the same channel as the credential
+//! proxy (docs/egress.md). A guest sends `CONNECT host:port` (a tunnel: HTTPS, ssh with a
+//! `ProxyCommand`, any TCP) or an absolute-form request (`GET http://host/path`), as every
+//! client does with `http_proxy`/`https_proxy`; the proxy decides by the VM's egress policy
+//! (`$BOXERY_HOME/egress/<vm>`, read per connection) and connects for it.
+//!
+//! # Guarantees
+//! - The VM is the channel's (a per-VM socket) or, on a shared listener, the one whose token
+//!   came in `Proxy-Authorization` (Basic with the token as password, or Bearer); no token:
+//!   407 and nothing is resolved or connected.
+//! - The policy is checked on the name the guest asked for ([`Egress::allows_name`]); then
+//!   the name is resolved *here* (config `proxy.egress.resolve`, then the host's resolver),
+//!   every address is checked against [`forbidden`] and the host's own addresses (any range:
+//!   a public address on the host's NIC too), and the connection goes to a checked
+//!   address itself: a name that resolves (or re-resolves) to a private, loopback,
+//!   link-local or metadata address is refused, whatever the policy (no DNS rebinding).
+//! - A refusal is `403` with `x-boxery-egress: denied` and says why; an upstream that cannot
+//!   be reached is `502` with `x-boxery-egress: failed`. Either way nothing was sent.
+//! - `Proxy-Authorization`, `Proxy-Connection` and hop-by-hop headers never go upstream.
+//! - Every connection is audited (VM, method, host, port or path, status, bytes; no headers,
+//!   no bodies) when it ends.
+//! - A VM has at most `connections_per_vm` connections open through it (default
+//!   [`CONNECTIONS`]); more get 429.
+//!
+//! # Caveats
+//! - Tunnels have no time limit (a long download is legitimate); they end when either side
+//!   closes.
+//! - Plain-HTTP requests are carried one upstream connection per request (no pooling).
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use boxery_api::network::{Egress, forbidden};
+use futures::StreamExt;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use crate::audit::Record;
+use crate::{Finish, Inner, Refusal, Served, refuse};
+
+/// Default connections one VM may have open through the egress proxy.
+pub const CONNECTIONS: usize = 256;
+/// How long resolving a name may take.
+pub const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long connecting to an upstream may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The response header that tells a policy refusal (`denied`) from an unreachable upstream
+/// (`failed`).
+pub const HEADER: &str = "x-boxery-egress";
+
+/// How long the host's own addresses are cached.
+const LOCAL_EVERY: Duration = Duration::from_secs(1);
+
+/// The host's own addresses (every interface's), refreshed at most every [`LOCAL_EVERY`]:
+/// a guest never reaches the host through the egress proxy, whatever range its addresses are
+/// in (a public address on the host's NIC included).
+#[derive(Debug, Default)]
+pub(crate) struct Local {
+    cached: std::sync::Mutex<Option<(Instant, Vec<IpAddr>)>>,
+}
+
+impl Local {
+    /// Whether `ip` is one of this host's addresses. When the interfaces cannot be read, every
+    /// address counts as the host's (fail closed).
+    pub(crate) fn contains(&self, ip: IpAddr) -> bool {
+        let ip = ip.to_canonical();
+        let mut c = self.cached.lock().expect("not poisoned");
+        if c.as_ref().is_none_or(|(at, _)| at.elapsed() >= LOCAL_EVERY) {
+            match if_addrs::get_if_addrs() {
+                Ok(all) => *c = Some((Instant::now(), all.iter().map(|i| i.ip()).collect())),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot list the host's addresses; refusing egress");
+                    return true;
+                }
+            }
+        }
+        c.as_ref().is_some_and(|(_, all)| all.contains(&ip))
+    }
+}
+
+/// Why `ip` is out of every guest's reach: a forbidden range, or an address of this host.
+fn refused(p: &Inner, ip: IpAddr) -> Option<&'static str> {
+    forbidden(ip).or_else(|| p.local.contains(ip).then_some("this host's own"))
+}
+
+/// Headers never forwarded upstream by the egress proxy.
+const HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-authorization",
+    "proxy-connection",
+    "proxy-authenticate",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Whether `req` is for the egress proxy: `CONNECT`, or an absolute-form URI.
+pub(crate) fn is_egress(req: &Request) -> bool {
+    req.method() == Method::CONNECT || req.uri().scheme().is_some()
+}
+
+/// A refusal or failure, marked so a client (the drill) can tell them apart.
+fn answer(r: Refusal, mark: &'static str) -> Response {
+    let status = r.status;
+    let mut resp = r.into_response();
+    resp.headers_mut()
+        .insert(HEADER, HeaderValue::from_static(mark));
+    if status == StatusCode::PROXY_AUTHENTICATION_REQUIRED {
+        resp.headers_mut().insert(
+            header::PROXY_AUTHENTICATE,
+            HeaderValue::from_static("Basic realm=\"boxery\""),
+        );
+    }
+    resp
+}
+
+/// The token in `Proxy-Authorization` (Basic with the token as password, or Bearer).
+fn proxy_token(h: &HeaderMap) -> Option<String> {
+    let v = h.get(header::PROXY_AUTHORIZATION)?.to_str().ok()?.trim();
+    let (scheme, rest) = v.split_once(' ')?;
+    if scheme.eq_ignore_ascii_case("bearer") {
+        return Some(rest.trim().to_string());
+    }
+    if scheme.eq_ignore_ascii_case("basic") {
+        use base64::Engine;
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(rest.trim())
+            .ok()?;
+        let text = String::from_utf8(raw).ok()?;
+        return text.split_once(':').map(|(_, p)| p.to_string());
+    }
+    None
+}
+
+/// Where the guest wants to go: (host as asked, port).
+fn target(req: &Request) -> Result<(String, u16), Refusal> {
+    let uri = req.uri();
+    if req.method() == Method::CONNECT {
+        let a = uri.authority().ok_or_else(|| {
+            refuse(StatusCode::BAD_REQUEST, "CONNECT needs host:port")
+        })?;
+        let port = a.port_u16().ok_or_else(|| {
+            refuse(StatusCode::BAD_REQUEST, "CONNECT needs host:port")
+        })?;
+        return Ok((bare(a.host()).to_string(), port));
+    }
+    if uri.scheme_str() != Some("http") {
+        return Err(refuse(
+            StatusCode::BAD_REQUEST,
+            "only http:// URLs are forwarded as requests; https goes through CONNECT (https_proxy)",
+        ));
+    }
+    let host = uri
+        .host()
+        .ok_or_else(|| refuse(StatusCode::BAD_REQUEST, "the URL has no host"))?;
+    Ok((bare(host).to_string(), uri.port_u16().unwrap_or(80)))
+}
+
+/// A host without the brackets of an IPv6 literal.
+fn bare(host: &str) -> &str {
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+}
+
+/// Decide and resolve: the addresses `host` may be reached at under `policy`.
+async fn admit(
+    p: &Inner,
+    vm: &str,
+    policy: &Egress,
+    host: &str,
+    port: u16,
+) -> Result<Vec<SocketAddr>, Response> {
+    let denied = |msg: String| answer(refuse(StatusCode::FORBIDDEN, msg), "denied");
+    let literal = host.parse::<IpAddr>().ok();
+    if !policy.allows_name(host) {
+        let why = match policy.policy {
+            boxery_api::network::EgressPolicy::Deny => format!(
+                "VM {vm}'s egress policy is Deny: nothing goes out but its grants through \
+                 $BOXERY_PROXY (change spec.network.egress to allow {host})"
+            ),
+            _ if literal.is_some() => format!(
+                "VM {vm}'s egress policy is Allowlist, which lists names, not addresses: \
+                 ask for {host} by name"
+            ),
+            _ => format!(
+                "{host} is not in VM {vm}'s egress allow list (spec.network.egress.allow)"
+            ),
+        };
+        return Err(denied(why));
+    }
+    let addrs: Vec<SocketAddr> = if let Some(ip) = literal {
+        vec![SocketAddr::new(ip, port)]
+    } else if let Some(ip) = p
+        .config
+        .egress
+        .resolve
+        .get(&host.trim_end_matches('.').to_ascii_lowercase())
+    {
+        vec![SocketAddr::new(*ip, port)]
+    } else {
+        match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port))).await
+        {
+            Ok(Ok(a)) => a.collect(),
+            Ok(Err(_)) | Err(_) => {
+                return Err(answer(
+                    refuse(
+                        StatusCode::BAD_GATEWAY,
+                        format!("{host} could not be resolved"),
+                    ),
+                    "failed",
+                ));
+            }
+        }
+    };
+    let (ok, bad): (Vec<SocketAddr>, Vec<SocketAddr>) =
+        addrs.into_iter().partition(|a| refused(p, a.ip()).is_none());
+    if ok.is_empty() {
+        let (addr, range) = bad
+            .first()
+            .map(|a| (a.ip().to_string(), refused(p, a.ip()).unwrap_or("forbidden")))
+            .unwrap_or_default();
+        return Err(denied(format!(
+            "{host} is {addr}, a {range} address: no guest reaches it through boxery"
+        )));
+    }
+    Ok(ok)
+}
+
+async fn connect(addrs: &[SocketAddr]) -> std::io::Result<TcpStream> {
+    let mut last = std::io::Error::other("no address");
+    for a in addrs {
+        match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(a)).await {
+            Ok(Ok(s)) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Ok(Err(e)) => last = e,
+            Err(_) => last = std::io::ErrorKind::TimedOut.into(),
+        }
+    }
+    Err(last)
+}
+
+/// Serve one egress request.
+pub(crate) async fn handle(s: Served, mut req: Request) -> Response {
+    let started = Instant::now();
+    let p = s.proxy.inner.clone();
+    let mut rec = Record {
+        time: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+        route: Some("egress".into()),
+        method: req.method().to_string(),
+        ..Default::default()
+    };
+    let done = |mut rec: Record, r: Response| {
+        rec.status = r.status().as_u16();
+        rec.ms = started.elapsed().as_millis() as u64;
+        if rec.reason.is_none() {
+            rec.reason = Some(r.status().canonical_reason().unwrap_or("").to_string());
+        }
+        p.audit.write(&rec);
+        r
+    };
+    let (host, port) = match target(&req) {
+        Ok(t) => t,
+        Err(r) => return done(rec, answer(r, "denied")),
+    };
+    rec.host = Some(format!("{host}:{port}"));
+    rec.path = if req.method() == Method::CONNECT {
+        String::new()
+    } else {
+        req.uri().path().to_string()
+    };
+    let vm = match &s.channel {
+        Some(ch) => ch.to_string(),
+        None => match proxy_token(req.headers()).and_then(|t| p.tokens.lookup(&t)) {
+            Some((vm, _)) => vm,
+            None => {
+                return done(
+                    rec,
+                    answer(
+                        refuse(
+                            StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+                            "no or wrong token: send the VM's boxery token as the proxy password \
+                             (http://boxery:$BOXERY_TOKEN@HOST:PORT)",
+                        ),
+                        "denied",
+                    ),
+                );
+            }
+        },
+    };
+    rec.vm = Some(vm.clone());
+    let policy = boxery_reconcilers::egress::read(&p.home, &vm);
+    let addrs = match admit(&p, &vm, &policy, &host, port).await {
+        Ok(a) => a,
+        Err(r) => return done(rec, r),
+    };
+    let Some(permit) = p.permit(&format!("egress {vm}"), p.egress_connections) else {
+        let r = refuse(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "VM {vm} already has {} connections open through the egress proxy",
+                p.egress_connections
+            ),
+        );
+        return done(rec, answer(r, "failed"));
+    };
+    let upstream = match connect(&addrs).await {
+        Ok(t) => t,
+        Err(e) => {
+            let r = refuse(
+                StatusCode::BAD_GATEWAY,
+                format!("{host}:{port} could not be reached: {}", e.kind()),
+            );
+            return done(rec, answer(r, "failed"));
+        }
+    };
+    rec.status = 200;
+    let bytes_in = Arc::new(AtomicU64::new(0));
+    if req.method() == Method::CONNECT {
+        let upgrade = hyper::upgrade::on(&mut req);
+        let audit = p.clone();
+        tokio::spawn(async move {
+            let mut up = upstream;
+            let mut fin = Finish {
+                audit,
+                rec,
+                started,
+                bytes: Arc::new(AtomicU64::new(0)),
+                bytes_in: None,
+                _permit: permit,
+            };
+            match upgrade.await {
+                Ok(io) => {
+                    let mut io = TokioIo::new(io);
+                    if let Ok((sent, got)) = tokio::io::copy_bidirectional(&mut io, &mut up).await
+                    {
+                        fin.rec.bytes_in = sent;
+                        fin.bytes.store(got, Ordering::Relaxed);
+                    }
+                }
+                Err(_) => fin.rec.reason = Some("the client went away before the tunnel".into()),
+            }
+        });
+        return Response::new(Body::empty());
+    }
+    // A plain-HTTP request: sent upstream in origin form, on its own connection.
+    let (parts, body) = req.into_parts();
+    let authority = parts
+        .uri
+        .authority()
+        .map(|a| a.as_str().to_string())
+        .unwrap_or_default();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/")
+        .to_string();
+    let mut out = axum::http::Request::builder()
+        .method(parts.method.clone())
+        .uri(path);
+    for (n, v) in &parts.headers {
+        if !HOP.contains(&n.as_str()) && *n != header::HOST {
+            out = out.header(n, v);
+        }
+    }
+    out = out.header(header::HOST, authority);
+    let counted = bytes_in.clone();
+    let body = Body::from_stream(body.into_data_stream().map(move |c| {
+        if let Ok(b) = &c {
+            counted.fetch_add(b.len() as u64, Ordering::Relaxed);
+        }
+        c
+    }));
+    let Ok(out) = out.body(body) else {
+        return done(
+            rec,
+            answer(refuse(StatusCode::BAD_REQUEST, "the request is malformed"), "denied"),
+        );
+    };
+    let sent = async {
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(upstream)).await?;
+        tokio::spawn(conn);
+        sender.send_request(out).await
+    };
+    let resp = match tokio::time::timeout(p.limits.timeout, sent).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) | Err(_) => {
+            let r = refuse(
+                StatusCode::BAD_GATEWAY,
+                format!("{host}:{port} did not answer the request"),
+            );
+            return done(rec, answer(r, "failed"));
+        }
+    };
+    let (rparts, rbody) = resp.into_parts();
+    let mut back = Response::builder().status(rparts.status);
+    for (n, v) in &rparts.headers {
+        if !HOP.contains(&n.as_str()) {
+            back = back.header(n, v);
+        }
+    }
+    rec.status = rparts.status.as_u16();
+    let guard = Finish {
+        audit: p.clone(),
+        rec,
+        started,
+        bytes: Arc::new(AtomicU64::new(0)),
+        bytes_in: Some(bytes_in),
+        _permit: permit,
+    };
+    let counter = guard.bytes.clone();
+    let stream = http_body_util::BodyExt::into_data_stream(rbody).map(move |chunk| {
+        let _held = &guard;
+        if let Ok(b) = &chunk {
+            counter.fetch_add(b.len() as u64, Ordering::Relaxed);
+        }
+        chunk
+    });
+    back.body(Body::from_stream(stream)).unwrap_or_else(|_| {
+        answer(
+            refuse(
+                StatusCode::BAD_GATEWAY,
+                "the upstream's response headers are invalid",
+            ),
+            "failed",
+        )
+    })
+}
