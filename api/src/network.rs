@@ -49,9 +49,7 @@ pub struct Egress {
 }
 
 /// What a guest may reach.
-#[derive(
-    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema,
-)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 pub enum EgressPolicy {
     /// The public internet: every address outside the forbidden ranges.
     #[default]
@@ -130,6 +128,41 @@ impl Egress {
     }
 }
 
+impl Egress {
+    /// How `self` lets more through than `old`, in words (`policy Deny → Public`, `allow
+    /// adds github.com`), or `None` when it lets through nothing `old` did not.
+    pub fn looser_than(&self, old: &Egress) -> Option<String> {
+        let rank = |p: EgressPolicy| match p {
+            EgressPolicy::Deny => 0,
+            EgressPolicy::Allowlist => 1,
+            EgressPolicy::Public => 2,
+        };
+        if rank(self.policy) > rank(old.policy) {
+            return Some(format!("policy {} → {}", old.policy, self.policy));
+        }
+        if self.policy != EgressPolicy::Allowlist || old.policy != EgressPolicy::Allowlist {
+            return None;
+        }
+        // Every name the new list lets through must be one the old list did: an exact name
+        // covered by an old entry; a suffix only by the same or a wider old suffix.
+        let added: Vec<&str> = self
+            .allow
+            .iter()
+            .filter(|a| match a.strip_prefix("*.") {
+                Some(suffix) => !old.allow.iter().any(|o| {
+                    o.strip_prefix("*.").is_some_and(|os| {
+                        let (s, os) = (canonical(suffix), canonical(os));
+                        s == os || s.ends_with(&format!(".{os}"))
+                    })
+                }),
+                None => !old.allows_name(a),
+            })
+            .map(String::as_str)
+            .collect();
+        (!added.is_empty()).then(|| format!("allow adds {}", added.join(", ")))
+    }
+}
+
 /// A name lower-cased, without one trailing dot.
 fn canonical(s: &str) -> String {
     s.strip_suffix('.').unwrap_or(s).to_ascii_lowercase()
@@ -187,7 +220,11 @@ pub fn forbidden(ip: IpAddr) -> Option<&'static str> {
 pub const FORBIDDEN_V4: &[(Ipv4Addr, u8, &str)] = &[
     (Ipv4Addr::new(0, 0, 0, 0), 8, "this network (0.0.0.0/8)"),
     (Ipv4Addr::new(10, 0, 0, 0), 8, "private (10.0.0.0/8)"),
-    (Ipv4Addr::new(100, 64, 0, 0), 10, "shared/CGNAT (100.64.0.0/10)"),
+    (
+        Ipv4Addr::new(100, 64, 0, 0),
+        10,
+        "shared/CGNAT (100.64.0.0/10)",
+    ),
     (Ipv4Addr::new(127, 0, 0, 0), 8, "loopback (127.0.0.0/8)"),
     (
         Ipv4Addr::new(169, 254, 0, 0),
@@ -195,9 +232,21 @@ pub const FORBIDDEN_V4: &[(Ipv4Addr, u8, &str)] = &[
         "link-local/metadata (169.254.0.0/16)",
     ),
     (Ipv4Addr::new(172, 16, 0, 0), 12, "private (172.16.0.0/12)"),
-    (Ipv4Addr::new(192, 0, 0, 0), 24, "IETF protocol (192.0.0.0/24)"),
-    (Ipv4Addr::new(192, 168, 0, 0), 16, "private (192.168.0.0/16)"),
-    (Ipv4Addr::new(198, 18, 0, 0), 15, "benchmarking (198.18.0.0/15)"),
+    (
+        Ipv4Addr::new(192, 0, 0, 0),
+        24,
+        "IETF protocol (192.0.0.0/24)",
+    ),
+    (
+        Ipv4Addr::new(192, 168, 0, 0),
+        16,
+        "private (192.168.0.0/16)",
+    ),
+    (
+        Ipv4Addr::new(198, 18, 0, 0),
+        15,
+        "benchmarking (198.18.0.0/15)",
+    ),
     (
         Ipv4Addr::new(224, 0, 0, 0),
         3,
@@ -278,6 +327,41 @@ mod tests {
     }
 
     #[test]
+    fn looser_is_more_policy_or_more_names() {
+        use EgressPolicy::*;
+        let e = |p, a: &[&str]| egress(p, a);
+        assert_eq!(
+            e(Public, &[]).looser_than(&e(Deny, &[])).unwrap(),
+            "policy Deny → Public"
+        );
+        assert!(
+            e(Allowlist, &["a.com"])
+                .looser_than(&e(Deny, &[]))
+                .is_some()
+        );
+        assert!(e(Deny, &[]).looser_than(&e(Public, &[])).is_none());
+        assert!(
+            e(Allowlist, &["a.com"])
+                .looser_than(&e(Public, &[]))
+                .is_none()
+        );
+        let old = e(Allowlist, &["a.com", "*.pypi.org"]);
+        assert!(e(Allowlist, &["a.com"]).looser_than(&old).is_none());
+        assert!(
+            e(Allowlist, &["files.pypi.org", "*.x.pypi.org"])
+                .looser_than(&old)
+                .is_none()
+        );
+        assert_eq!(
+            e(Allowlist, &["b.com", "*.org"]).looser_than(&old).unwrap(),
+            "allow adds b.com, *.org"
+        );
+        assert!(e(Allowlist, &["*.a.com"]).looser_than(&old).is_some());
+        // Deny keeps its list, unused: what it would allow later does not count now.
+        assert!(e(Deny, &["z.com"]).looser_than(&old).is_none());
+    }
+
+    #[test]
     fn allow_lists_take_names_only() {
         let e = egress(
             EgressPolicy::Allowlist,
@@ -303,7 +387,11 @@ mod tests {
                 .map(|i| format!("spec.network.egress.allow[{i}]"))
                 .collect::<Vec<_>>()
         );
-        assert!(errs[0].message.contains("is an address"), "{}", errs[0].message);
+        assert!(
+            errs[0].message.contains("is an address"),
+            "{}",
+            errs[0].message
+        );
         assert!(errs[2].message.contains("top-level"), "{}", errs[2].message);
         assert!(errs[6].message.contains("twice"), "{}", errs[6].message);
     }
@@ -334,7 +422,10 @@ mod tests {
             "::10.0.0.1",
         ];
         for a in no {
-            assert!(forbidden(a.parse().unwrap()).is_some(), "{a} should be forbidden");
+            assert!(
+                forbidden(a.parse().unwrap()).is_some(),
+                "{a} should be forbidden"
+            );
         }
         let yes = [
             "1.1.1.1",

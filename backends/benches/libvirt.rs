@@ -72,6 +72,7 @@ fn new_vm(name: &str, image: &str, public: &str) -> NewVm {
         disk_gib: 1,
         start: true,
         identity: identity::generate(name, &[public.to_string()]).unwrap(),
+        egress: boxery_api::network::EgressPolicy::Public,
     }
 }
 

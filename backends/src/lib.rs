@@ -37,6 +37,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use boxery_api::network::EgressPolicy;
 use serde::{Deserialize, Serialize};
 
 /// Backend errors: one variant per kind of failure the reconcilers treat differently.
@@ -206,6 +207,10 @@ pub struct NewVm {
     pub start: bool,
     /// Its identity.
     pub identity: Identity,
+    /// Its egress policy (`spec.network.egress.policy`), in force from its first boot where the
+    /// backend enforces it on the VM's network ([`Backend::set_egress`]).
+    #[serde(default)]
+    pub egress: EgressPolicy,
 }
 
 /// Whether a VM runs.
@@ -383,6 +388,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         image: &str,
         original: Option<PowerState>,
     ) -> Result<()>;
+    /// Make VM `name`'s network enforcement match `policy`, live, without a reboot, and so that
+    /// it holds across restarts; a no-op when it already does. Backends that enforce egress on
+    /// the control plane (qemu: its proxy; the fake backend: no guest) do nothing. Called by
+    /// the reconciler on every step of an existing VM, so it must be cheap when nothing
+    /// changes. `Unsupported` when the backend cannot enforce `policy` as configured.
+    async fn set_egress(&self, name: &str, policy: EgressPolicy) -> Result<()> {
+        let _ = (name, policy);
+        Ok(())
+    }
     /// How `name`'s guest reaches the credential proxy; `None` when it cannot (the fake
     /// backend's VMs have no guest).
     fn guest_proxy(&self, name: &str) -> Option<GuestProxy> {

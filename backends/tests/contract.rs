@@ -135,6 +135,7 @@ fn request(name: &str, image: &str, identity: Identity) -> NewVm {
         disk_gib: 1,
         start: true,
         identity,
+        egress: boxery_api::network::EgressPolicy::Public,
     }
 }
 

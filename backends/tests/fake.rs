@@ -43,6 +43,7 @@ fn new_vm(name: &str, uid: &str, image: &str) -> NewVm {
             authorized_keys: vec!["ssh-ed25519 AAAA test".into()],
             proxy_token: Some(format!("token-{name}")),
         },
+        egress: boxery_api::network::EgressPolicy::Public,
     }
 }
 

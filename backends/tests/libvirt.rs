@@ -73,6 +73,7 @@ impl Env {
             disk_gib: 1,
             start: true,
             identity: identity::generate(name, std::slice::from_ref(&self.public)).unwrap(),
+            egress: boxery_api::network::EgressPolicy::Public,
         }
     }
 
@@ -918,16 +919,7 @@ async fn guest_reaches_the_proxy_port_only() {
     );
     assert!(x.contains(&port_param), "{x}");
 
-    // An HTTP request to the gateway's PORT from the guest (busybox `nc`; the tiny guest's
-    // busybox `wget` crashes): the listener's answer, or `dropped`.
-    let fetch = |port: u16, tries: u32| {
-        format!(
-            "i=0; while :; do r=$(printf 'GET / HTTP/1.0\\r\\n\\r\\n' | timeout 8 nc -w 5 {ip} {port} 2>/dev/null | tail -n 1); \
-             if [ -n \"$r\" ]; then echo \"$r\"; break; fi; \
-             i=$((i+1)); [ $i -ge {tries} ] && {{ echo dropped; break; }}; sleep 2; done",
-            ip = addr.ip()
-        )
-    };
+    let fetch = |port: u16, tries: u32| fetch(addr.ip(), port, tries);
     assert_eq!(
         env.run("p1", &fetch(addr.port(), 10)).await,
         "proxy",
@@ -1055,6 +1047,158 @@ async fn guest_reaches_the_proxy_port_only() {
     assert_eq!(other.hits(), before, "the other listener saw no connection");
 
     b.remove("p1").await.unwrap();
+    assert!(env.domains().is_empty(), "no domain left");
+}
+
+/// A guest's command for an HTTP request to `ip:port` (busybox `nc`; the tiny guest's busybox
+/// `wget` crashes), tried up to `tries` times 2 s apart: prints the listener's answer (its last
+/// line), or `dropped`.
+fn fetch(ip: std::net::IpAddr, port: u16, tries: u32) -> String {
+    format!(
+        "i=0; while :; do r=$(printf 'GET / HTTP/1.0\\r\\n\\r\\n' | timeout 8 nc -w 5 {ip} {port} 2>/dev/null | tail -n 1); \
+         if [ -n \"$r\" ]; then echo \"$r\"; break; fi; \
+         i=$((i+1)); [ $i -ge {tries} ] && {{ echo dropped; break; }}; sleep 2; done"
+    )
+}
+
+/// Egress `Allowlist`/`Deny` on libvirt, live: `set_egress` moves a running guest's NIC to the
+/// confined filter, without a restart. Under it the guest's DNS to the host goes unanswered
+/// (answered under `Public` just before: the probe works) while the proxy port (the host's own
+/// listener here) still answers and another port of the host does not; ssh from the host keeps
+/// working. The NIC keeps its parameters (the guest's pinned address among them), the change
+/// is in the definition too (a stop and start keep it confined), a second call changes
+/// nothing, and moved back to `Public` the guest has DNS again. One guest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn set_egress_confines_a_running_guest_and_lets_it_go() {
+    use boxery_api::network::EgressPolicy;
+    use boxery_backends::ProxyListen;
+    use boxery_backends::libvirt::xml;
+    let env = Env::new().await;
+    let b = &env.backend;
+    let ProxyListen::Tcp(addr) = b
+        .guest_proxy("e1")
+        .expect("a guest proxy after init")
+        .listen
+    else {
+        panic!("a TCP proxy listener")
+    };
+    let proxy = Listener::bind(addr, "proxy\n").await;
+    let other = Listener::bind(std::net::SocketAddr::new(addr.ip(), 0), "other\n").await;
+    b.create(&env.vm("e1", "tiny")).await.unwrap();
+    let dom = b.domain_name("e1");
+    let dumpxml = |flags: &[&str]| {
+        let mut a = vec!["dumpxml", dom.as_str()];
+        a.extend_from_slice(flags);
+        String::from_utf8_lossy(&virsh(&a).stdout).to_string()
+    };
+    let filter = |flags: &[&str]| {
+        let x = dumpxml(flags);
+        xml::filter_of(xml::interfaces(&x)[0]).map(str::to_string)
+    };
+    let (live, defined) = (&[][..], &["--inactive"][..]);
+    assert_eq!(filter(live).as_deref(), Some(xml::GUEST_FILTER));
+    // a VM created confined is defined so, before its first boot
+    b.create(&NewVm {
+        egress: EgressPolicy::Deny,
+        start: false,
+        ..env.vm("e2", "tiny")
+    })
+    .await
+    .unwrap();
+    let x = String::from_utf8_lossy(&virsh(&["dumpxml", &b.domain_name("e2")]).stdout).to_string();
+    assert_eq!(
+        xml::filter_of(xml::interfaces(&x)[0]),
+        Some(xml::CONFINED_FILTER),
+        "{x}"
+    );
+    b.remove("e2").await.unwrap();
+    let gw = addr.ip();
+    let dns = format!(
+        "if timeout 8 nslookup localhost {gw} >/dev/null 2>&1; then echo dns; else echo nodns; fi"
+    );
+    // Public: the control
+    assert_eq!(
+        env.run("e1", &dns).await,
+        "dns",
+        "control: DNS to the host under Public"
+    );
+    assert_eq!(env.run("e1", &fetch(gw, addr.port(), 10)).await, "proxy");
+    let ep = env.endpoint("e1", Duration::from_secs(10)).await;
+    let ip_param = format!(
+        "<parameter name='IP' value='{}'/>",
+        ep.rsplit_once(':').unwrap().0
+    );
+    assert!(dumpxml(live).contains(&ip_param), "the address is pinned");
+
+    // Deny, live
+    let other_before = other.hits();
+    b.set_egress("e1", EgressPolicy::Deny).await.unwrap();
+    assert_eq!(filter(live).as_deref(), Some(xml::CONFINED_FILTER), "live");
+    assert_eq!(
+        filter(defined).as_deref(),
+        Some(xml::CONFINED_FILTER),
+        "in the definition"
+    );
+    let x = dumpxml(live);
+    for kept in [
+        ip_param.clone(),
+        format!("<parameter name='PROXY_PORT' value='{}'/>", addr.port()),
+        format!("<parameter name='GATEWAY' value='{gw}'/>"),
+    ] {
+        assert!(x.contains(&kept), "{kept} kept: {x}");
+    }
+    let before = dumpxml(live);
+    b.set_egress("e1", EgressPolicy::Allowlist).await.unwrap();
+    assert_eq!(
+        dumpxml(live),
+        before,
+        "Allowlist is confined too: nothing to change"
+    );
+    assert_eq!(
+        env.run("e1", &dns).await,
+        "nodns",
+        "confined: no DNS to the host; the filter in force:\n{}",
+        filter_state(&dom)
+    );
+    assert_eq!(
+        env.run("e1", &fetch(gw, addr.port(), 10)).await,
+        "proxy",
+        "confined: the proxy port answers"
+    );
+    assert_eq!(
+        env.run("e1", &fetch(gw, other.addr.port(), 1)).await,
+        "dropped",
+        "confined: another port of the host is dropped"
+    );
+    assert_eq!(
+        other.hits(),
+        other_before,
+        "the other listener saw no connection"
+    );
+
+    // a stop and a start (the domain defined afresh) keep it confined
+    b.stop("e1").await.unwrap();
+    b.start("e1").await.unwrap();
+    assert_eq!(
+        filter(live).as_deref(),
+        Some(xml::CONFINED_FILTER),
+        "after a restart"
+    );
+    assert_eq!(env.run("e1", &dns).await, "nodns", "after a restart");
+    assert_eq!(env.run("e1", &fetch(gw, addr.port(), 10)).await, "proxy");
+
+    // Public again, live
+    b.set_egress("e1", EgressPolicy::Public).await.unwrap();
+    assert_eq!(filter(live).as_deref(), Some(xml::GUEST_FILTER));
+    assert_eq!(filter(defined).as_deref(), Some(xml::GUEST_FILTER));
+    assert_eq!(env.run("e1", &dns).await, "dns", "Public: DNS again");
+    assert_eq!(env.run("e1", &fetch(gw, addr.port(), 10)).await, "proxy");
+    assert!(
+        proxy.hits() >= 4,
+        "the proxy listener saw the guest's requests"
+    );
+
+    b.remove("e1").await.unwrap();
     assert!(env.domains().is_empty(), "no domain left");
 }
 

@@ -38,6 +38,8 @@ pub const NETNS: &str = "boxery-drill";
 pub const INTERNET: &str = "203.0.113.10";
 /// The IPv6 internet stand-in (documentation range).
 pub const INTERNET6: &str = "2001:db8:77::10";
+/// The host side of the veth pair.
+pub const HOST_SIDE: &str = "198.51.100.1";
 /// The LAN stand-in.
 pub const LAN: &str = "10.255.77.10";
 /// The metadata stand-in (link-local, like 169.254.169.254, which the drill leaves alone).
@@ -148,10 +150,18 @@ fn serve(l: TcpListener, reply: Vec<u8>) {
             let Ok(mut c) = c else { continue };
             let reply = reply.clone();
             std::thread::spawn(move || {
-                let _ = c.set_read_timeout(Some(Duration::from_millis(300)));
-                let _ = c.write_all(&reply);
+                // The request first (every probe sends one): an HTTP client that gets its
+                // answer before it has sent its request may call that an error.
+                let _ = c.set_read_timeout(Some(Duration::from_secs(2)));
+                let mut seen = Vec::new();
                 let mut buf = [0u8; 4096];
-                let _ = c.read(&mut buf);
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") && seen.len() < 16384 {
+                    match c.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = c.write_all(&reply);
             });
         }
     });
@@ -198,12 +208,24 @@ impl Standins {
         run(&["-n", NETNS, "link", "set", "lo", "up"])?;
         run(&["-n", NETNS, "link", "set", &peer, "up"])?;
         run(&["link", "set", VETH, "up"])?;
+        // The host's side has an address of its own (TEST-NET-2), so traffic NATed from a
+        // guest network (libvirt) has a source to take on the way in.
+        run(&["addr", "add", &format!("{HOST_SIDE}/32"), "dev", VETH])?;
         for a in [INTERNET, LAN, METADATA] {
             run(&["-n", NETNS, "addr", "add", &format!("{a}/32"), "dev", &peer])?;
             run(&["route", "add", &format!("{a}/32"), "dev", VETH])?;
         }
         run(&["-n", NETNS, "route", "add", "default", "dev", &peer])?;
-        d.v6 = run(&["-6", "addr", "add", "2001:db8:77::1/64", "dev", VETH, "nodad"]).is_ok()
+        d.v6 = run(&[
+            "-6",
+            "addr",
+            "add",
+            "2001:db8:77::1/64",
+            "dev",
+            VETH,
+            "nodad",
+        ])
+        .is_ok()
             && run(&[
                 "-n",
                 NETNS,
@@ -298,10 +320,9 @@ fn script(probes: &[Probe], proxy: &str, gateway: &str) -> String {
     let _ = gateway;
     for (i, p) in probes.iter().enumerate() {
         let cmd = match &p.how {
-            How::Direct(h, port) => format!(
-                "tcp {} {port} 'GET / HTTP/1.0\\r\\n\\r\\n'",
-                shell_quote(h)
-            ),
+            How::Direct(h, port) => {
+                format!("tcp {} {port} 'GET / HTTP/1.0\\r\\n\\r\\n'", shell_quote(h))
+            }
             How::Get(h, port) => {
                 let hp = hostport(h, *port);
                 format!(
@@ -385,9 +406,7 @@ fn outcome(out: &str, nonce: &str, how: &How) -> Expect {
         }
         _ if out.contains(&format!("boxery-drill-{nonce}")) => Expect::Reached,
         How::Get(..) | How::Connect(..)
-            if out
-                .to_ascii_lowercase()
-                .contains("x-boxery-egress: denied") =>
+            if out.to_ascii_lowercase().contains("x-boxery-egress: denied") =>
         {
             Expect::Denied
         }
@@ -445,7 +464,13 @@ pub fn run(home: &Path, store: &Store, vm: &str, sibling: Option<&str>) -> Resul
         _ => split_hostport(&proxy).0.to_string(),
     };
     let direct_public = backend != "qemu" && policy.policy == EgressPolicy::Public;
-    let via = |allowed: bool| if allowed { Expect::Reached } else { Expect::Denied };
+    let via = |allowed: bool| {
+        if allowed {
+            Expect::Reached
+        } else {
+            Expect::Denied
+        }
+    };
     let mut probes: Vec<Probe> = Vec::new();
     let mut skipped: Vec<(String, String)> = Vec::new();
 
@@ -466,7 +491,10 @@ pub fn run(home: &Path, store: &Store, vm: &str, sibling: Option<&str>) -> Resul
         control: Control::Host(lo, false),
     });
     probes.push(Probe {
-        name: format!("localhost:{} (a name that resolves to loopback), proxy", lo.port()),
+        name: format!(
+            "localhost:{} (a name that resolves to loopback), proxy",
+            lo.port()
+        ),
         key: "rebind",
         how: How::Get("localhost".into(), lo.port()),
         expect: Expect::Denied,
@@ -499,11 +527,14 @@ pub fn run(home: &Path, store: &Store, vm: &str, sibling: Option<&str>) -> Resul
     // Another guest's sshd.
     let sib = match sibling {
         Some(s) => store.get_as::<Vm>(s)?.filter(|s| s.metadata.name != vm),
-        None => store.list_as::<Vm>(&Default::default())?.into_iter().find(|s| {
-            s.metadata.name != vm
-                && s.status.backend.as_deref() == Some(backend.as_str())
-                && boxery_hands::not_ready(s, Voice::Cli).is_none()
-        }),
+        None => store
+            .list_as::<Vm>(&Default::default())?
+            .into_iter()
+            .find(|s| {
+                s.metadata.name != vm
+                    && s.status.backend.as_deref() == Some(backend.as_str())
+                    && boxery_hands::not_ready(s, Voice::Cli).is_none()
+            }),
     };
     match sib.as_ref().and_then(|s| {
         boxery_hands::ssh::Target::of(s).map(|t| (s.metadata.name.clone(), t.endpoint))
@@ -624,9 +655,9 @@ pub fn run(home: &Path, store: &Store, vm: &str, sibling: Option<&str>) -> Resul
                 skipped.push(("IPv6".into(), "the host has IPv6 off".into()));
             }
             // Names through the policy.
-            let allowed = policy.allow.iter().find_map(|a| match a.strip_prefix("*.") {
-                Some(s) => Some(format!("drill.{s}")),
-                None => Some(a.clone()),
+            let allowed = policy.allow.first().map(|a| match a.strip_prefix("*.") {
+                Some(s) => format!("drill.{s}"),
+                None => a.clone(),
             });
             if policy.policy == EgressPolicy::Allowlist {
                 match allowed {
@@ -637,10 +668,9 @@ pub fn run(home: &Path, store: &Store, vm: &str, sibling: Option<&str>) -> Resul
                         expect: Expect::Passed,
                         control: Control::None,
                     }),
-                    None => skipped.push((
-                        "a listed name".into(),
-                        "the allow list is empty".into(),
-                    )),
+                    None => {
+                        skipped.push(("a listed name".into(), "the allow list is empty".into()))
+                    }
                 }
             }
             probes.push(Probe {
@@ -683,14 +713,10 @@ pub fn run(home: &Path, store: &Store, vm: &str, sibling: Option<&str>) -> Resul
     // Run every guest probe at once.
     let script = script(&probes, &proxy, &gateway);
     let mut c = reach.std_command();
-    c.args([
-        "-T",
-        "--",
-        &format!("{}sh -s", boxery_hands::guest::SOURCE),
-    ])
-    .stdin(Stdio::piped())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
+    c.args(["-T", "--", &format!("{}sh -s", boxery_hands::guest::SOURCE)])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     let mut child = c.spawn().context("cannot run ssh")?;
     child
         .stdin
@@ -735,10 +761,7 @@ pub fn run(home: &Path, store: &Store, vm: &str, sibling: Option<&str>) -> Resul
             Control::Host(a, ssh) => {
                 let ok = host_reaches(*a, *ssh, &nonce);
                 (
-                    format!(
-                        "host → {a}: {}",
-                        if ok { "reached" } else { "NOT reached" }
-                    ),
+                    format!("host → {a}: {}", if ok { "reached" } else { "NOT reached" }),
                     ok,
                 )
             }
@@ -780,7 +803,10 @@ fn home_proxy_url(reach: &boxery_hands::Reach, vm: &str) -> Result<String> {
         .args([
             "-T",
             "--",
-            &format!("{}printf '%s' \"${{BOXERY_PROXY:-}}\"", boxery_hands::guest::SOURCE),
+            &format!(
+                "{}printf '%s' \"${{BOXERY_PROXY:-}}\"",
+                boxery_hands::guest::SOURCE
+            ),
         ])
         .stdin(Stdio::null())
         .output()

@@ -903,7 +903,10 @@ fn drill_command(v: &Verbs, vm: &str, sibling: Option<&str>) -> CliResult<ExitCo
     let failed = rows.iter().filter(|r| !r.ok).count();
     let secs = started.elapsed().as_secs_f64();
     if failed == 0 {
-        outln!("drill of VM {vm}: all {} probes matched ({secs:.1} s)", rows.len());
+        outln!(
+            "drill of VM {vm}: all {} probes matched ({secs:.1} s)",
+            rows.len()
+        );
         Ok(ExitCode::SUCCESS)
     } else {
         eprintln!(

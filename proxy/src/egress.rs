@@ -50,6 +50,8 @@ pub const CONNECTIONS: usize = 256;
 pub const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long connecting to an upstream may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The buffer of each direction of a tunnel.
+const TUNNEL_BUF: usize = 256 * 1024;
 /// The response header that tells a policy refusal (`denied`) from an unreachable upstream
 /// (`failed`).
 pub const HEADER: &str = "x-boxery-egress";
@@ -110,7 +112,9 @@ pub(crate) fn is_egress(req: &Request) -> bool {
 /// A refusal or failure, marked so a client (the drill) can tell them apart.
 fn answer(r: Refusal, mark: &'static str) -> Response {
     let status = r.status;
+    let why = r.message.clone();
     let mut resp = r.into_response();
+    resp.extensions_mut().insert(Why(why));
     resp.headers_mut()
         .insert(HEADER, HeaderValue::from_static(mark));
     if status == StatusCode::PROXY_AUTHENTICATION_REQUIRED {
@@ -121,6 +125,10 @@ fn answer(r: Refusal, mark: &'static str) -> Response {
     }
     resp
 }
+
+/// Why a response refused, for the audit record.
+#[derive(Clone)]
+struct Why(String);
 
 /// The token in `Proxy-Authorization` (Basic with the token as password, or Bearer).
 fn proxy_token(h: &HeaderMap) -> Option<String> {
@@ -144,12 +152,12 @@ fn proxy_token(h: &HeaderMap) -> Option<String> {
 fn target(req: &Request) -> Result<(String, u16), Refusal> {
     let uri = req.uri();
     if req.method() == Method::CONNECT {
-        let a = uri.authority().ok_or_else(|| {
-            refuse(StatusCode::BAD_REQUEST, "CONNECT needs host:port")
-        })?;
-        let port = a.port_u16().ok_or_else(|| {
-            refuse(StatusCode::BAD_REQUEST, "CONNECT needs host:port")
-        })?;
+        let a = uri
+            .authority()
+            .ok_or_else(|| refuse(StatusCode::BAD_REQUEST, "CONNECT needs host:port"))?;
+        let port = a
+            .port_u16()
+            .ok_or_else(|| refuse(StatusCode::BAD_REQUEST, "CONNECT needs host:port"))?;
         return Ok((bare(a.host()).to_string(), port));
     }
     if uri.scheme_str() != Some("http") {
@@ -191,9 +199,9 @@ async fn admit(
                 "VM {vm}'s egress policy is Allowlist, which lists names, not addresses: \
                  ask for {host} by name"
             ),
-            _ => format!(
-                "{host} is not in VM {vm}'s egress allow list (spec.network.egress.allow)"
-            ),
+            _ => {
+                format!("{host} is not in VM {vm}'s egress allow list (spec.network.egress.allow)")
+            }
         };
         return Err(denied(why));
     }
@@ -207,8 +215,7 @@ async fn admit(
     {
         vec![SocketAddr::new(*ip, port)]
     } else {
-        match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port))).await
-        {
+        match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port))).await {
             Ok(Ok(a)) => a.collect(),
             Ok(Err(_)) | Err(_) => {
                 return Err(answer(
@@ -221,12 +228,18 @@ async fn admit(
             }
         }
     };
-    let (ok, bad): (Vec<SocketAddr>, Vec<SocketAddr>) =
-        addrs.into_iter().partition(|a| refused(p, a.ip()).is_none());
+    let (ok, bad): (Vec<SocketAddr>, Vec<SocketAddr>) = addrs
+        .into_iter()
+        .partition(|a| refused(p, a.ip()).is_none());
     if ok.is_empty() {
         let (addr, range) = bad
             .first()
-            .map(|a| (a.ip().to_string(), refused(p, a.ip()).unwrap_or("forbidden")))
+            .map(|a| {
+                (
+                    a.ip().to_string(),
+                    refused(p, a.ip()).unwrap_or("forbidden"),
+                )
+            })
             .unwrap_or_default();
         return Err(denied(format!(
             "{host} is {addr}, a {range} address: no guest reaches it through boxery"
@@ -264,7 +277,7 @@ pub(crate) async fn handle(s: Served, mut req: Request) -> Response {
         rec.status = r.status().as_u16();
         rec.ms = started.elapsed().as_millis() as u64;
         if rec.reason.is_none() {
-            rec.reason = Some(r.status().canonical_reason().unwrap_or("").to_string());
+            rec.reason = r.extensions().get::<Why>().map(|w| w.0.clone());
         }
         p.audit.write(&rec);
         r
@@ -342,8 +355,12 @@ pub(crate) async fn handle(s: Served, mut req: Request) -> Response {
             match upgrade.await {
                 Ok(io) => {
                     let mut io = TokioIo::new(io);
-                    if let Ok((sent, got)) = tokio::io::copy_bidirectional(&mut io, &mut up).await
-                    {
+                    // Large buffers: tokio's default (8 KiB) halves a bulk download's rate.
+                    let copied = tokio::io::copy_bidirectional_with_sizes(
+                        &mut io, &mut up, TUNNEL_BUF, TUNNEL_BUF,
+                    )
+                    .await;
+                    if let Ok((sent, got)) = copied {
                         fin.rec.bytes_in = sent;
                         fin.bytes.store(got, Ordering::Relaxed);
                     }
@@ -385,7 +402,10 @@ pub(crate) async fn handle(s: Served, mut req: Request) -> Response {
     let Ok(out) = out.body(body) else {
         return done(
             rec,
-            answer(refuse(StatusCode::BAD_REQUEST, "the request is malformed"), "denied"),
+            answer(
+                refuse(StatusCode::BAD_REQUEST, "the request is malformed"),
+                "denied",
+            ),
         );
     };
     let sent = async {

@@ -134,10 +134,7 @@ pub struct Files {
 /// The guest's egress proxy URL for `plan` (docs/egress.md): the credential proxy's address,
 /// with the VM's token as the proxy password on a shared listener.
 pub fn egress_url(plan: &Plan) -> String {
-    let hostport = plan
-        .url
-        .trim_start_matches("http://")
-        .trim_end_matches('/');
+    let hostport = plan.url.trim_start_matches("http://").trim_end_matches('/');
     if plan.channel {
         // Port 80 spelled out: some clients want one in a proxy URL.
         let hp = if hostport.contains(':') {
@@ -608,8 +605,10 @@ mod tests {
         // Egress goes through the proxy: a per-VM channel needs no token in the proxy URL, so
         // apt and sudo get it too (static files).
         assert!(
-            f.env.contains("http_proxy=http://10.0.2.100:80 https_proxy=http://10.0.2.100:80")
-                && f.env.contains("no_proxy=10.0.2.100,localhost,127.0.0.1,::1"),
+            f.env
+                .contains("http_proxy=http://10.0.2.100:80 https_proxy=http://10.0.2.100:80")
+                && f.env
+                    .contains("no_proxy=10.0.2.100,localhost,127.0.0.1,::1"),
             "{}",
             f.env
         );
@@ -619,7 +618,10 @@ mod tests {
             channel: false,
             ..plan.clone()
         };
-        assert_eq!(egress_url(&shared), "http://boxery:bxt_abc@192.168.122.1:8099");
+        assert_eq!(
+            egress_url(&shared),
+            "http://boxery:bxt_abc@192.168.122.1:8099"
+        );
         // The script carries values in base64 only: no value in clear text.
         let s = script(&f, "r1");
         assert!(s.contains("Acquire::http::Proxy"), "{s}");

@@ -126,6 +126,12 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         )
         .await;
     }
+    // The VM's network follows its egress policy, live (libvirt: the NIC's nwfilter; a no-op
+    // where the control plane's proxy enforces it), before it is resized, started or stopped.
+    ctx.backend
+        .set_egress(&name, vm.spec.network.egress.policy)
+        .await
+        .map_err(|e| ReconcileError::backend("set_egress", format!("Vm/{name}"), e))?;
     // A disk cannot shrink: that part of the spec is refused (said in a condition, and the VM
     // is not counted as converged); the rest of it is still carried out.
     let want = size_of(&vm);
@@ -654,7 +660,11 @@ fn state_error(
     what: &'static str,
     e: std::io::Error,
 ) -> ReconcileError {
-    ReconcileError::backend(step, format!("Vm/{vm}"), boxery_backends::BackendError::io(what, e))
+    ReconcileError::backend(
+        step,
+        format!("Vm/{vm}"),
+        boxery_backends::BackendError::io(what, e),
+    )
 }
 
 /// A new VM's identity. Backends whose VMs run sshd get a host key made here (ssh-keygen)
@@ -942,6 +952,7 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         disk_gib: size.disk_gib,
         start: vm.spec.run_strategy == RunStrategy::Running,
         identity,
+        egress: vm.spec.network.egress.policy,
     };
     if let Err(e) = ctx.backend.create(&req).await {
         // Leave nothing half made; the operation is cleared so the next try starts clean.

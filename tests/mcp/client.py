@@ -114,6 +114,21 @@ async def tools_mode(binary):
             check("status cannot be changed" in t, f"vm_patch of status: {t}")
             _, t = await call(s, "vm_patch", {"patch": '{"metadata": {"finalizers": []}}'}, ok=False)
             check("finalizers" in t, f"vm_patch of finalizers: {t}")
+            # Egress: an agent may tighten its VM's policy, never loosen it (a person does).
+            _, t = await call(s, "vm_patch", {"patch": '{"spec": {"network": {"egress": {"policy": "Allowlist", "allow": ["github.com", "*.pypi.org"]}}}}'})
+            check("vm/f1 patched" in t and "Allowlist" in t, f"vm_patch tightens egress: {t}")
+            _, t = await call(s, "vm_patch", {"patch": '{"spec": {"network": {"egress": {"allow": ["github.com"]}}}}'})
+            check("vm/f1 patched" in t, f"vm_patch drops an allowed name: {t}")
+            _, t = await call(s, "vm_patch", {"patch": '{"spec": {"network": {"egress": {"allow": ["github.com", "evil.example"]}}}}'}, ok=False)
+            check("cannot loosen" in t and "allow adds evil.example" in t and "boxery patch vm f1" in t, f"vm_patch adds a name: {t}")
+            _, t = await call(s, "vm_patch", {"patch": '{"spec": {"network": {"egress": {"policy": "Public"}}}}'}, ok=False)
+            check("cannot loosen" in t and "Allowlist → Public" in t, f"vm_patch loosens the policy: {t}")
+            loose = ("apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata:\n  name: f1\nspec:\n  source:\n    image: debian-12\n"
+                     "  network:\n    egress:\n      policy: Public\n")
+            _, t = await call(s, "vm_apply", {"manifest": loose, "force_conflicts": True}, ok=False)
+            check("cannot loosen" in t, f"vm_apply loosens the policy: {t}")
+            _, t = await call(s, "vm_get", {"name": "f1"})
+            check("Allowlist" in t and "evil.example" not in t, f"egress unchanged: {t}")
             # A Source (what a person's `boxery sync` follows and prunes from) is never an agent's.
             src = "apiVersion: boxery.dev/v1alpha1\nkind: Source\nmetadata: {name: evil}\nspec: {url: /tmp/evil}\n"
             _, t = await call(s, "vm_apply", {"manifest": src}, ok=False)

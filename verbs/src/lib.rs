@@ -18,6 +18,7 @@
 //! commands or `vm_*` tools.
 
 pub mod edit;
+pub mod egress;
 pub mod env;
 pub mod error;
 pub mod grants;

@@ -155,6 +155,29 @@ pub async fn apply(v: &Verbs, objs: Vec<DynObject>, mut opts: ApplyOptions) -> R
         opts.field_manager = Some(v.manager("apply"));
     }
     let dry_run = opts.dry_run;
+    if v.voice == Voice::Tool {
+        // What the apply would make, against what is stored: an agent never loosens an
+        // egress policy (crate::egress), whichever field manager owns it.
+        let would = v
+            .store()
+            .apply_all(
+                objs.clone(),
+                &ApplyOptions {
+                    dry_run: true,
+                    ..opts.clone()
+                },
+            )
+            .await
+            .map_err(|e| refused(v, e))?;
+        for (_, new) in &would {
+            if crate::egress::of(new).is_none() {
+                continue;
+            }
+            if let Some(cur) = v.store().get(&ObjectRef::to(new)).await? {
+                crate::egress::check(v, &cur, new)?;
+            }
+        }
+    }
     let results = v
         .store()
         .apply_all(objs, &opts)

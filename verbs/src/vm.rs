@@ -254,7 +254,7 @@ pub async fn revert(v: &Verbs, vm: &str, label: &str) -> Result<(String, Plan)> 
 }
 
 /// `fork SRC NEW…`: new VMs whose source is SRC's disk as it is now, with SRC's size (or
-/// `size`), layers and labels.
+/// `size`), layers, egress policy and labels.
 pub async fn fork(v: &Verbs, src: &str, names: &[String], size: &Size) -> Result<Plan> {
     let s = get_vm(v, src).await?;
     if names.is_empty() {
@@ -271,7 +271,8 @@ pub async fn fork(v: &Verbs, src: &str, names: &[String], size: &Size) -> Result
             layers: s.spec.layers.clone(),
             run_strategy: RunStrategy::Running,
             restore: None,
-            network: Default::default(),
+            // A fork of a confined VM is as confined (docs/egress.md).
+            network: s.spec.network.clone(),
         };
         let mut vm = Vm::new(n, spec);
         vm.metadata.labels = s.metadata.labels.clone();

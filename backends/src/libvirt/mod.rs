@@ -30,6 +30,15 @@
 //!   `192.168.122.x:22`), the only inbound connection the filter allows. No user-mode
 //!   (passt/slirp) NIC: passt maps the gateway to the host's loopback, which would route around
 //!   the filter.
+//! - **Egress** (`spec.network.egress.policy`, [`Backend::set_egress`]): `Public` is the NIC
+//!   on `boxery-guest` (above). `Allowlist` and `Deny` put it on `boxery-guest-confined`
+//!   ([`xml::confined_filter`], a complete filter): DHCP with the host, ssh from the host and
+//!   the proxy port, nothing else (no DNS, nothing NAT'd out); the guest's HTTP(S) goes through
+//!   the egress proxy on that port, where the control plane applies the policy. The two
+//!   filters take the same parameters, so libvirt switches a running NIC between them
+//!   (`virDomainUpdateDeviceFlags`, live and in the definition). The policy lives in the
+//!   domain's definition (which filter its NIC references): `create` defines the domain with
+//!   it before the first boot, and every redefinition (start, resize, reimage) keeps it.
 //! - **Credential proxy** ([`Backend::guest_proxy`]): the guest reaches it at the network's
 //!   gateway (`192.168.122.1`) on this home's **proxy port**, the one port of the host its
 //!   filter accepts (TCP out to `$GATEWAY:$PROXY_PORT` and the replies; the rest of the
@@ -68,6 +77,8 @@
 //!   interface) is reached like the rest of the internet, services listening there included.
 //! - Homes of an older boxery version on one host redefine the shared filters to their own
 //!   version at each `init`; this version puts its own back at its next `init`.
+//! - A guest switched to the confined filter before its first DHCP lease has no `IP` on its
+//!   filter yet (below).
 //! - The filter has no `IP` of the guest at a start (`CTRL_IP_LEARNING=any`): libvirt learns
 //!   it from the guest's traffic and, until it has, applies only its layer-2 rules. The backend
 //!   gives the filter the lease address live before it reports the guest reachable
@@ -81,6 +92,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use boxery_api::network::EgressPolicy;
 use tracing::{info, warn};
 use virt::connect::Connect;
 use virt::domain::Domain;
@@ -100,6 +112,8 @@ const BACKEND: &str = "libvirt";
 // libvirt flag values (libvirt-domain.h), named here because virt 0.5 takes raw u32s
 const META_ELEMENT: i32 = 2; // VIR_DOMAIN_METADATA_ELEMENT
 const AFFECT_LIVE: u32 = 1; // VIR_DOMAIN_AFFECT_LIVE
+const AFFECT_CONFIG: u32 = 2; // VIR_DOMAIN_AFFECT_CONFIG
+const XML_INACTIVE: u32 = 2; // VIR_DOMAIN_XML_INACTIVE
 const META_KEY: &str = "boxery"; // the namespace prefix of our metadata element
 const SNAP_NO_METADATA: u32 = 1 << 2;
 const SNAP_DISK_ONLY: u32 = 1 << 4;
@@ -537,16 +551,16 @@ impl Inner {
         }
     }
 
-    /// Define (or update) the two nwfilters: the isolation filter, then the guest filter that
-    /// references it. A filter already at this version ([`xml::filter_is_current`]) is left
-    /// alone: redefining a filter makes libvirt rebuild the rules of every running guest on
-    /// the host that uses it, and each guest's IPv4 is unfiltered until libvirt has learnt its
-    /// address again (a second or two), so a redefinition on every `init` (every command of
-    /// every home) kept reopening that window. A filter that exists and cannot be changed
-    /// (libvirt refuses a change it cannot apply to every running guest) stays as it is, with
-    /// a warning.
+    /// Define (or update) the three nwfilters: the isolation filter, then the guest filter that
+    /// references it, then the confined filter (complete on its own). A filter already at this
+    /// version ([`xml::filter_is_current`]) is left alone: redefining a filter makes libvirt
+    /// rebuild the rules of every running guest on the host that uses it, and each guest's IPv4
+    /// is unfiltered until libvirt has learnt its address again (a second or two), so a
+    /// redefinition on every `init` (every command of every home) kept reopening that window. A
+    /// filter that exists and cannot be changed (libvirt refuses a change it cannot apply to
+    /// every running guest) stays as it is, with a warning.
     fn define_filters(&self, conn: &Connect) -> Result<()> {
-        for name in [xml::FILTER, xml::GUEST_FILTER] {
+        for name in [xml::FILTER, xml::GUEST_FILTER, xml::CONFINED_FILTER] {
             let defined = conn.lookup_nwfilter_by_name(name).ok();
             if defined
                 .as_ref()
@@ -556,10 +570,10 @@ impl Inner {
                 continue;
             }
             let uuid = defined.and_then(|f| f.uuid_string().ok());
-            let def = if name == xml::FILTER {
-                xml::isolation_filter(uuid.as_deref())
-            } else {
-                xml::guest_filter(uuid.as_deref())
+            let def = match name {
+                xml::FILTER => xml::isolation_filter(uuid.as_deref()),
+                xml::GUEST_FILTER => xml::guest_filter(uuid.as_deref()),
+                _ => xml::confined_filter(uuid.as_deref()),
             };
             match conn.define_nwfilter_xml(&def) {
                 Ok(_) => {}
@@ -583,8 +597,10 @@ impl Inner {
 
     /// Give this home's running domains whose NIC references an older filter (the isolation
     /// filter alone, from before the proxy) or another proxy port the current filter, live: their
-    /// guests reach the proxy without a restart. A failure is a warning; the next start
-    /// defines the domain afresh anyway.
+    /// guests reach the proxy without a restart. A confined NIC stays confined (only its port
+    /// changes); one on the isolation filter alone gets the guest filter (the set_egress of
+    /// the VM's next reconcile confines it if its policy says so). A failure is a warning; the
+    /// next start defines the domain afresh anyway.
     fn update_running_filters(&self, conn: &Connect, proxy: SocketAddr) -> Result<()> {
         if !self.config.isolation {
             return Ok(());
@@ -609,7 +625,7 @@ impl Inner {
                 .into_iter()
                 .filter(|nic| match xml::filter_of(nic) {
                     Some(xml::FILTER) => true,
-                    Some(xml::GUEST_FILTER) => !nic.contains(&port_param),
+                    Some(f) if xml::is_guest_filter(f) => !nic.contains(&port_param),
                     _ => false,
                 })
                 .collect();
@@ -626,8 +642,14 @@ impl Inner {
                 );
                 continue;
             };
-            let want = xml::filterref(&proxy.ip().to_string(), proxy.port(), Some(&lease));
             for nic in stale {
+                let confined = xml::filter_of(nic) == Some(xml::CONFINED_FILTER);
+                let want = xml::filterref(
+                    confined,
+                    &proxy.ip().to_string(),
+                    proxy.port(),
+                    Some(&lease),
+                );
                 let Some(new) = xml::with_filterref(nic, &want) else {
                     continue;
                 };
@@ -644,7 +666,14 @@ impl Inner {
         Ok(())
     }
 
-    fn domain_xml(&self, conn: &Connect, cfg: &VmConfig, disk: &Path) -> Result<String> {
+    /// The domain XML of `cfg` on `disk`; its NIC on the confined filter when `confined`.
+    fn domain_xml(
+        &self,
+        conn: &Connect,
+        cfg: &VmConfig,
+        disk: &Path,
+        confined: bool,
+    ) -> Result<String> {
         let base = self.storage.load_base(&cfg.base)?;
         let proxy = self.proxy_addr(conn)?;
         let gw = proxy.ip().to_string();
@@ -670,11 +699,21 @@ impl Inner {
             gateway: &gw,
             proxy_port: proxy.port(),
             isolation: self.config.isolation,
+            confined,
         }))
     }
 
-    fn define(&self, conn: &Connect, cfg: &VmConfig, disk: &Path) -> Result<Domain> {
-        let x = self.domain_xml(conn, cfg, disk)?;
+    /// Define (or redefine) the domain of `cfg` on `disk`; `confined`: its NIC on the confined
+    /// filter (a redefinition passes what the definition had, [`Inner::is_confined`], so the
+    /// egress policy set by `set_egress` outlives every regeneration of the XML).
+    fn define(
+        &self,
+        conn: &Connect,
+        cfg: &VmConfig,
+        disk: &Path,
+        confined: bool,
+    ) -> Result<Domain> {
+        let x = self.domain_xml(conn, cfg, disk, confined)?;
         conn.define_domain_xml(&x)
             .map_err(|e| BackendError::failed(format!("define the domain of VM {}", cfg.name), e))
     }
@@ -740,10 +779,11 @@ impl Inner {
             return Ok(());
         }
         let active = self.flatten(d).await?;
-        let cfg = d.cfg.clone();
+        let dd = d.clone();
         self.call(move |me, conn| {
-            let dom = me.define(conn, &cfg, &active)?;
-            Self::start_domain(&Dom { dom, cfg })
+            let confined = Self::is_confined(&dd)?;
+            let dom = me.define(conn, &dd.cfg, &active, confined)?;
+            Self::start_domain(&Dom { dom, cfg: dd.cfg })
         })
         .await
     }
@@ -863,8 +903,9 @@ impl Inner {
             22,
         );
         let start = vm.start;
+        let confined = vm.egress != EgressPolicy::Public;
         self.call(move |me, conn| {
-            let dom = me.define(conn, &cfg, &disk)?;
+            let dom = me.define(conn, &cfg, &disk, confined)?;
             if let Ok(p) = conn.lookup_storage_pool_by_name(&me.pool_name()) {
                 let _ = p.refresh(0);
             }
@@ -918,7 +959,7 @@ impl Inner {
         let ip_param = format!("<parameter name='IP' value='{}'/>", xml::escape(addr));
         let nics: Vec<&str> = xml::interfaces(&live)
             .into_iter()
-            .filter(|nic| xml::filter_of(nic) == Some(xml::GUEST_FILTER))
+            .filter(|nic| xml::filter_of(nic).is_some_and(xml::is_guest_filter))
             .collect();
         let proxy = *self.proxy.lock().unwrap_or_else(|p| p.into_inner());
         for nic in nics {
@@ -928,7 +969,9 @@ impl Inner {
             let Some(proxy) = proxy else {
                 return false; // init has not read the network yet
             };
-            let want = xml::filterref(&proxy.ip().to_string(), proxy.port(), Some(addr));
+            // the filter the NIC has (the VM's egress: set_egress's to change)
+            let confined = xml::filter_of(nic) == Some(xml::CONFINED_FILTER);
+            let want = xml::filterref(confined, &proxy.ip().to_string(), proxy.port(), Some(addr));
             let Some(new) = xml::with_filterref(nic, &want) else {
                 return false;
             };
@@ -943,6 +986,88 @@ impl Inner {
         }
         pinned.insert(d.cfg.name.clone(), key);
         true
+    }
+
+    /// Whether `d`'s persistent definition puts its NIC on the confined filter: the VM's egress
+    /// as the backend keeps it (`set_egress` writes it there, and every redefinition of the
+    /// domain reads it back). Blocking.
+    fn is_confined(d: &Dom) -> Result<bool> {
+        let x = Self::xml_of(d, XML_INACTIVE)?;
+        Ok(xml::interfaces(&x)
+            .iter()
+            .any(|nic| xml::filter_of(nic) == Some(xml::CONFINED_FILTER)))
+    }
+
+    /// `d`'s XML: live (`flags` 0; the definition when it is stopped) or its definition
+    /// (`XML_INACTIVE`). Blocking.
+    fn xml_of(d: &Dom, flags: u32) -> Result<String> {
+        d.dom.xml_desc(flags).map_err(|e| {
+            BackendError::failed(format!("read the domain XML of VM {}", d.cfg.name), e)
+        })
+    }
+
+    /// Whether `d`'s NICs are on the filter of its egress (`confined`), live when it runs and
+    /// in its definition. Blocking.
+    fn egress_holds(d: &Dom, confined: bool) -> Result<bool> {
+        if Self::is_running(d) && !xml::egress_mismatches(&Self::xml_of(d, 0)?, confined).is_empty()
+        {
+            return Ok(false);
+        }
+        Ok(xml::egress_mismatches(&Self::xml_of(d, XML_INACTIVE)?, confined).is_empty())
+    }
+
+    /// Move `d`'s NICs to the filter of its egress (`confined`), their other parameters kept:
+    /// live first when it runs (with the guest's lease address when the NIC has none, so
+    /// libvirt applies the new filter whole at once), then in its definition (what its next
+    /// start defines it from). Does nothing where they already are. Blocking; the caller holds
+    /// the VM's lock.
+    fn apply_egress(&self, conn: &Connect, d: &Dom, confined: bool) -> Result<()> {
+        let filter = xml::guest_filter_name(confined);
+        let vm = d.cfg.name.as_str();
+        let mut proxy = None;
+        let mut move_nics = |x: &str, lease: Option<&str>, flags: u32| -> Result<()> {
+            for nic in xml::egress_mismatches(x, confined) {
+                let p = match proxy {
+                    Some(p) => p,
+                    None => *proxy.insert(self.proxy_addr(conn)?),
+                };
+                let gw = p.ip().to_string();
+                let new = xml::with_guest_filter(nic, confined, &gw, p.port(), lease).ok_or_else(
+                    || {
+                        BackendError::failed(
+                            format!("move the NIC of VM {vm} to the nwfilter {filter}"),
+                            format!("libvirt's <interface> element is not understood: {nic}"),
+                        )
+                    },
+                )?;
+                d.dom.update_device_flags(&new, flags).map_err(|e| {
+                    let what = if flags == AFFECT_LIVE {
+                        "running"
+                    } else {
+                        "defined"
+                    };
+                    BackendError::failed(
+                        format!("move the {what} NIC of VM {vm} to the nwfilter {filter}"),
+                        e,
+                    )
+                })?;
+                info!(
+                    vm,
+                    filter,
+                    live = flags == AFFECT_LIVE,
+                    "the guest's NIC filter follows its egress policy"
+                );
+            }
+            Ok(())
+        };
+        if Self::is_running(d) {
+            let live = Self::xml_of(d, 0)?;
+            if !xml::egress_mismatches(&live, confined).is_empty() {
+                let lease = Self::lease_address(d);
+                move_nics(&live, lease.as_deref(), AFFECT_LIVE)?;
+            }
+        }
+        move_nics(&Self::xml_of(d, XML_INACTIVE)?, None, AFFECT_CONFIG)
     }
 
     /// The inventory row of `d`, `None` when its disk is gone (Lost to the reconciler).
@@ -983,7 +1108,7 @@ impl Inner {
         // the persistent definition carries the record; a running domain gets the new metadata
         // live too (the rest applies at its next cold start)
         let active = Self::active_disk(d)?;
-        self.define(conn, cfg, &active)?;
+        self.define(conn, cfg, &active, Self::is_confined(d)?)?;
         if Self::is_running(d) {
             d.dom
                 .set_metadata(
@@ -1183,6 +1308,10 @@ impl Backend for LibvirtBackend {
     async fn create(&self, vm: &NewVm) -> Result<()> {
         let inner = &self.inner;
         inner.storage.check_name("VM", &vm.name)?;
+        let confined = vm.egress != EgressPolicy::Public;
+        if confined && !inner.config.isolation {
+            return Err(unconfinable(vm.egress));
+        }
         crate::host::check_size(vm.cpus, vm.memory_mib)?;
         let _lock = inner.lock(&format!("vm-{}", vm.name)).await?;
         let name = vm.name.clone();
@@ -1205,6 +1334,13 @@ impl Backend for LibvirtBackend {
                         "a VM named {} already exists in the libvirt backend for another object (uid {}): pick another name",
                         vm.name, d.cfg.mark
                     )));
+                }
+                // a create retried: the domain takes the request's egress before it boots
+                if inner.config.isolation {
+                    let dd = d.clone();
+                    inner
+                        .call(move |me, conn| me.apply_egress(conn, &dd, confined))
+                        .await?;
                 }
                 if vm.start {
                     inner.boot(&d).await?;
@@ -1431,7 +1567,7 @@ impl Backend for LibvirtBackend {
         cfg.disk_gib = cfg.disk_gib.max(rec.virtual_size.div_ceil(GIB));
         inner
             .call(move |me, conn| {
-                me.define(conn, &cfg, &disk)?;
+                me.define(conn, &cfg, &disk, Inner::is_confined(&d)?)?;
                 me.remove_stale_generations(&cfg.name, &disk)?;
                 let d = me.require(conn, &cfg.name)?;
                 Inner::start_domain(&d)
@@ -1554,6 +1690,39 @@ impl Backend for LibvirtBackend {
         Ok(())
     }
 
+    /// Moves the VM's NIC between the guest filter (`Public`) and the confined filter
+    /// (`Allowlist`, `Deny`: DHCP, ssh from the host and the proxy's port only), live when it
+    /// runs and in its definition, so a restart keeps it. Takes no lock and changes nothing
+    /// when the NIC is already on the right filter (every reconcile). `Unsupported` for
+    /// `Allowlist` and `Deny` with isolation off (`BOXERY_NET_ISOLATION=off`: no filter).
+    async fn set_egress(&self, name: &str, policy: EgressPolicy) -> Result<()> {
+        let inner = &self.inner;
+        let confined = policy != EgressPolicy::Public;
+        if !inner.config.isolation {
+            return if confined {
+                Err(unconfinable(policy))
+            } else {
+                Ok(())
+            };
+        }
+        inner.storage.check_name("VM", name)?;
+        let n = name.to_string();
+        let holds = inner
+            .call(move |me, conn| Inner::egress_holds(&me.require(conn, &n)?, confined))
+            .await?;
+        if holds {
+            return Ok(());
+        }
+        let _lock = inner.lock(&format!("vm-{name}")).await?;
+        let n = name.to_string();
+        inner
+            .call(move |me, conn| {
+                let d = me.require(conn, &n)?;
+                me.apply_egress(conn, &d, confined)
+            })
+            .await
+    }
+
     /// The pinned key recorded when the seed was written (the seed reaches the guest through
     /// the hypervisor, which the guest cannot spoof).
     async fn host_key(&self, name: &str) -> Result<Option<String>> {
@@ -1582,6 +1751,18 @@ impl Backend for LibvirtBackend {
             url: format!("http://{addr}"),
             listen: ProxyListen::Tcp(addr),
         })
+    }
+}
+
+/// The error of a confined egress policy on a backend whose isolation is off: its guests have
+/// no filter, so nothing would confine them.
+fn unconfinable(policy: EgressPolicy) -> BackendError {
+    BackendError::Unsupported {
+        backend: BACKEND.into(),
+        what: format!(
+            "enforce egress policy {policy} with BOXERY_NET_ISOLATION=off (its guests have no \
+             nwfilter): unset BOXERY_NET_ISOLATION, or set spec.network.egress.policy to Public"
+        ),
     }
 }
 

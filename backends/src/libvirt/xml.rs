@@ -1,5 +1,5 @@
 //! The XML boxery gives libvirt: the domain (with boxery's metadata mark), the storage pool and
-//! the isolation nwfilter. Pure functions, unit-tested without a daemon.
+//! the nwfilters. Pure functions, unit-tested without a daemon.
 
 use crate::storage::records::VmConfig;
 
@@ -8,9 +8,29 @@ pub const META_URI: &str = "https://boxery.dev/xmlns/libvirt/vm/1";
 /// The isolation nwfilter: what a guest may reach, with the host reduced to DHCP and DNS.
 /// Domains defined before the credential proxy reference it directly.
 pub const FILTER: &str = "boxery-guest-isolation";
-/// The nwfilter on every guest interface: [`FILTER`] plus the credential proxy's port on the
-/// host ([`guest_filter`]).
+/// The nwfilter on the interface of a guest whose egress policy is `Public`: [`FILTER`] plus
+/// the credential proxy's port on the host ([`guest_filter`]).
 pub const GUEST_FILTER: &str = "boxery-guest";
+/// The nwfilter on the interface of a guest whose egress policy is `Allowlist` or `Deny`: DHCP
+/// with the host, ssh from the host and the credential proxy's port, nothing else
+/// ([`confined_filter`]).
+pub const CONFINED_FILTER: &str = "boxery-guest-confined";
+
+/// The filter a guest's interface references: [`CONFINED_FILTER`] when its egress is confined
+/// (`Allowlist`, `Deny`), else [`GUEST_FILTER`].
+pub fn guest_filter_name(confined: bool) -> &'static str {
+    if confined {
+        CONFINED_FILTER
+    } else {
+        GUEST_FILTER
+    }
+}
+
+/// Whether `name` is one of the two filters this version puts on a guest's interface (both
+/// take the same parameters, so libvirt accepts a live switch between them).
+pub fn is_guest_filter(name: &str) -> bool {
+    name == GUEST_FILTER || name == CONFINED_FILTER
+}
 
 /// `s` with XML's five special characters escaped.
 pub fn escape(s: &str) -> String {
@@ -87,8 +107,10 @@ pub struct DomainSpec<'a> {
     pub gateway: &'a str,
     /// The credential proxy's port on the gateway, the one port of the host the guest reaches.
     pub proxy_port: u16,
-    /// Reference the isolation filter.
+    /// Reference a filter at all (`BOXERY_NET_ISOLATION`).
     pub isolation: bool,
+    /// Reference [`CONFINED_FILTER`] rather than [`GUEST_FILTER`] (egress `Allowlist`, `Deny`).
+    pub confined: bool,
 }
 
 /// The domain XML.
@@ -99,7 +121,7 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
         "<cpu mode='maximum'/>"
     };
     let filter = if s.isolation {
-        filterref(s.gateway, s.proxy_port, None)
+        filterref(s.confined, s.gateway, s.proxy_port, None)
     } else {
         String::new()
     };
@@ -149,17 +171,19 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
     )
 }
 
-/// The `<filterref>` of a guest's NIC: [`GUEST_FILTER`] with the gateway and the proxy port.
+/// The `<filterref>` of a guest's NIC: [`CONFINED_FILTER`] when `confined`, else
+/// [`GUEST_FILTER`], with the gateway and the proxy port (the same parameters for both).
 /// `ip`: the guest's address when it is known (a running guest's lease): libvirt then applies
 /// the whole filter at once, where it otherwise leaves the guest's IPv4 unfiltered until it has
 /// learned the address from the guest's traffic: the backend gives it the lease address as
 /// soon as it knows it, before it reports the guest reachable (`Inner::pin_address` in mod.rs).
-pub fn filterref(gateway: &str, proxy_port: u16, ip: Option<&str>) -> String {
+pub fn filterref(confined: bool, gateway: &str, proxy_port: u16, ip: Option<&str>) -> String {
     let ip = ip
         .map(|ip| format!("<parameter name='IP' value='{}'/>", escape(ip)))
         .unwrap_or_default();
+    let filter = guest_filter_name(confined);
     format!(
-        "<filterref filter='{GUEST_FILTER}'><parameter name='GATEWAY' value='{gw}'/><parameter name='DHCPSERVER' value='{gw}'/><parameter name='PROXY_PORT' value='{proxy_port}'/>{ip}<parameter name='CTRL_IP_LEARNING' value='any'/></filterref>",
+        "<filterref filter='{filter}'><parameter name='GATEWAY' value='{gw}'/><parameter name='DHCPSERVER' value='{gw}'/><parameter name='PROXY_PORT' value='{proxy_port}'/>{ip}<parameter name='CTRL_IP_LEARNING' value='any'/></filterref>",
         gw = escape(gateway)
     )
 }
@@ -187,6 +211,39 @@ pub fn filter_of(interface: &str) -> Option<&str> {
     Some(&rest[..rest.find(q)?])
 }
 
+/// The value of the filter parameter `name` of an `<interface>` element (`GATEWAY`, `IP`), as
+/// libvirt shows it (either quote style).
+pub fn filter_param(interface: &str, name: &str) -> Option<String> {
+    let start = interface.find("<filterref ")?;
+    let tail = &interface[start..];
+    let body = &tail[..tail.find("</filterref>").unwrap_or(tail.len())];
+    body.split("<parameter ").skip(1).find_map(|p| {
+        let p = &p[..p.find('>')?];
+        if attr(p, "name")? != name {
+            return None;
+        }
+        attr(p, "value").map(|v| unescape(&v))
+    })
+}
+
+/// The value of attribute `name` in the element text `elem` (either quote style), raw.
+fn attr(elem: &str, name: &str) -> Option<String> {
+    let mut rest = elem;
+    loop {
+        let at = rest.find(name)?;
+        let before = rest[..at].chars().next_back();
+        let after = &rest[at + name.len()..];
+        if before.is_none_or(char::is_whitespace)
+            && let Some(v) = after.strip_prefix('=')
+            && let Some(q) = v.chars().next().filter(|c| *c == '\'' || *c == '"')
+        {
+            let v = &v[1..];
+            return Some(v[..v.find(q)?].to_string());
+        }
+        rest = after;
+    }
+}
+
 /// `interface` with its `<filterref>` (self-closing or not) replaced by `filterref`.
 pub fn with_filterref(interface: &str, filterref: &str) -> Option<String> {
     let start = interface.find("<filterref ")?;
@@ -202,6 +259,50 @@ pub fn with_filterref(interface: &str, filterref: &str) -> Option<String> {
         &interface[..start],
         &tail[end..]
     ))
+}
+
+/// `interface` with its `<filterref>` replaced by `filterref`, or `filterref` added as its
+/// last child when it has none.
+pub fn set_filterref(interface: &str, filterref: &str) -> Option<String> {
+    if interface.contains("<filterref ") {
+        return with_filterref(interface, filterref);
+    }
+    let end = interface.rfind("</interface>")?;
+    Some(format!(
+        "{}{filterref}{}",
+        &interface[..end],
+        &interface[end..]
+    ))
+}
+
+/// `interface`, a guest's NIC, moved to the filter of its egress (`confined`,
+/// [`guest_filter_name`]), its other parameters kept: its `GATEWAY` and `PROXY_PORT` (`gateway`
+/// and `proxy_port` when it has none: a NIC of an older version, or none at all), its `IP`,
+/// else `ip` (the guest's lease, when known: libvirt then applies the new filter whole at once).
+pub fn with_guest_filter(
+    interface: &str,
+    confined: bool,
+    gateway: &str,
+    proxy_port: u16,
+    ip: Option<&str>,
+) -> Option<String> {
+    let gw = filter_param(interface, "GATEWAY").unwrap_or_else(|| gateway.to_string());
+    let port = filter_param(interface, "PROXY_PORT")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(proxy_port);
+    let ip = filter_param(interface, "IP").or_else(|| ip.map(str::to_string));
+    set_filterref(interface, &filterref(confined, &gw, port, ip.as_deref()))
+}
+
+/// The `<interface>` elements of domain XML `xml` that are not on the filter of a VM's egress
+/// (`confined`: its policy is `Allowlist` or `Deny`), which `set_egress` moves: when confined,
+/// every NIC not on [`CONFINED_FILTER`] (also one on an older filter, or on none); else those
+/// on [`CONFINED_FILTER`] (a NIC on an older filter is `init`'s to update, and the next start's).
+pub fn egress_mismatches(xml: &str, confined: bool) -> Vec<&str> {
+    interfaces(xml)
+        .into_iter()
+        .filter(|nic| (filter_of(nic) == Some(CONFINED_FILTER)) != confined)
+        .collect()
 }
 
 /// A `dir` storage pool at `path`.
@@ -292,15 +393,55 @@ pub fn guest_filter(uuid: Option<&str>) -> String {
     )
 }
 
+/// The filter on the NIC of a guest whose egress is confined ([`CONFINED_FILTER`]; policy
+/// `Allowlist` or `Deny`, where its HTTP(S) goes through the egress proxy on the credential
+/// proxy's port): a complete filter, not the isolation filter's rules with exceptions. The same
+/// anti-spoofing and layer-2 rules (ARP and IPv4 only, so no IPv6); DHCP with the host
+/// (`$GATEWAY`); TCP from the guest to the credential proxy on the host
+/// (`$GATEWAY:$PROXY_PORT`) and ssh into the guest from the host, with their replies
+/// (connection tracking); everything else dropped: no DNS (so the guest cannot ask dnsmasq for
+/// other guests' names), nothing NAT'd out, nothing of the LAN or of other guests. It takes the
+/// same parameters as [`GUEST_FILTER`], so libvirt accepts a live switch between the two
+/// (`Backend::set_egress`). `uuid` keeps the filter's identity when it is redefined.
+pub fn confined_filter(uuid: Option<&str>) -> String {
+    let uuid = uuid
+        .map(|u| format!("<uuid>{}</uuid>", escape(u)))
+        .unwrap_or_default();
+    format!(
+        "<filter name='{CONFINED_FILTER}' chain='root'>{uuid}
+  <filterref filter='no-mac-spoofing'/>
+  <filterref filter='no-ip-spoofing'/>
+  <filterref filter='no-arp-spoofing'/>
+  <rule action='accept' direction='inout' priority='-500'><mac protocolid='arp'/></rule>
+  <rule action='accept' direction='inout' priority='-500'><mac protocolid='ipv4'/></rule>
+  <rule action='drop' direction='inout' priority='-400'/>
+  <rule action='accept' direction='out' priority='100'><udp srcipaddr='0.0.0.0' dstipaddr='255.255.255.255' srcportstart='68' dstportstart='67' statematch='false'/></rule>
+  <rule action='accept' direction='out' priority='100'><udp dstipaddr='$GATEWAY' srcportstart='68' dstportstart='67' statematch='false'/></rule>
+  <rule action='accept' direction='in' priority='100'><udp srcipaddr='$GATEWAY' srcportstart='67' dstportstart='68' statematch='false'/></rule>
+  <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/></rule>
+  <rule action='accept' direction='in' priority='120'><tcp srcipaddr='$GATEWAY' dstportstart='22'/></rule>
+  <rule action='drop' direction='inout' priority='400'><all/></rule>
+</filter>
+"
+    )
+}
+
 /// Whether filter `name` as libvirt holds it (`xml`, its dump) is this version's: it has the
-/// rule this version added last. **A change to either filter changes its mark here**, or hosts
-/// that have the filter keep the old one.
+/// rule this version added last. **A change to any of the filters changes its mark here**, or
+/// hosts that have the filter keep the old one.
 pub fn filter_is_current(name: &str, xml: &str) -> bool {
     match name {
         // the explicit drop of the rest of the host's address
         FILTER => xml.contains("priority='190'"),
         // the credential proxy's port
         GUEST_FILTER => xml.contains("$PROXY_PORT"),
+        // its first version: the proxy's port and ssh from the host, without the isolation
+        // filter (a complete filter of its own)
+        CONFINED_FILTER => {
+            xml.contains("$PROXY_PORT")
+                && xml.contains("dstportstart='22'")
+                && !xml.contains(&format!("filter='{FILTER}'"))
+        }
         _ => false,
     }
 }
@@ -341,6 +482,14 @@ mod tests {
         );
         assert!(!filter_is_current(FILTER, &old));
         assert!(!filter_is_current("other", &guest_filter(None)));
+        assert!(filter_is_current(
+            CONFINED_FILTER,
+            &confined_filter(Some("u"))
+        ));
+        assert!(
+            !filter_is_current(CONFINED_FILTER, &guest_filter(None)),
+            "the guest filter is not the confined one"
+        );
     }
 
     use super::*;
@@ -404,6 +553,7 @@ mod tests {
             gateway: "192.168.122.1",
             proxy_port: 24123,
             isolation: true,
+            confined: false,
         });
         assert!(x.contains("<domain type='qemu'>"));
         assert!(x.contains("<mac address='52:54:00:01:02:03'/>"));
@@ -519,7 +669,7 @@ mod tests {
         assert_eq!(filter_of(ifs[1]), Some("other"));
         let new = with_filterref(
             ifs[0],
-            &filterref("192.168.122.1", 24001, Some("192.168.122.7")),
+            &filterref(false, "192.168.122.1", 24001, Some("192.168.122.7")),
         )
         .unwrap();
         assert!(new.contains("<parameter name='IP' value='192.168.122.7'/>"));
@@ -541,5 +691,246 @@ mod tests {
         );
         assert_eq!(with_filterref("<interface></interface>", "x"), None);
         assert_eq!(filter_of("<interface></interface>"), None);
+    }
+
+    /// The `$VARIABLES` filter `f` uses, sorted, once each.
+    fn variables(f: &str) -> Vec<&str> {
+        let mut vars: Vec<&str> = f
+            .split('$')
+            .skip(1)
+            .map(|v| {
+                &v[..v
+                    .find(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+                    .unwrap()]
+            })
+            .collect();
+        vars.sort_unstable();
+        vars.dedup();
+        vars
+    }
+
+    #[test]
+    fn the_confined_filter_reaches_the_host_on_dhcp_and_the_proxy_port_only() {
+        let f = confined_filter(Some("u-3"));
+        assert!(f.contains("<uuid>u-3</uuid>"));
+        assert!(f.starts_with(&format!("<filter name='{CONFINED_FILTER}' chain='root'>")));
+        for spoof in ["no-mac-spoofing", "no-ip-spoofing", "no-arp-spoofing"] {
+            assert!(
+                f.contains(&format!("<filterref filter='{spoof}'/>")),
+                "{spoof}"
+            );
+        }
+        assert!(
+            !f.contains(&format!("<filterref filter='{FILTER}'/>")),
+            "a complete filter: the isolation filter's accept-all would let everything out"
+        );
+        // layer 2: ARP and IPv4, nothing else (no IPv6)
+        assert!(f.contains(
+            "<rule action='accept' direction='inout' priority='-500'><mac protocolid='arp'/></rule>"
+        ));
+        assert!(f.contains("<rule action='accept' direction='inout' priority='-500'><mac protocolid='ipv4'/></rule>"));
+        assert!(f.contains("<rule action='drop' direction='inout' priority='-400'/>"));
+        // the accepts: DHCP (3 rules), the proxy's port out, ssh in from the host
+        let accepts: Vec<&str> = f
+            .lines()
+            .filter(|l| l.contains("action='accept'") && !l.contains("<mac "))
+            .collect();
+        assert_eq!(accepts.len(), 5, "{accepts:#?}");
+        assert_eq!(
+            accepts
+                .iter()
+                .filter(|l| l.contains("dstportstart='67'") || l.contains("dstportstart='68'"))
+                .count(),
+            3
+        );
+        let proxy = "<tcp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/>";
+        assert!(f.contains(&format!(
+            "<rule action='accept' direction='out' priority='110'>{proxy}</rule>"
+        )));
+        assert!(f.contains(
+            "<rule action='accept' direction='in' priority='120'><tcp srcipaddr='$GATEWAY' dstportstart='22'/></rule>"
+        ));
+        assert!(!f.contains("dstportstart='53'"), "no DNS");
+        assert!(f.ends_with(
+            "<rule action='drop' direction='inout' priority='400'><all/></rule>\n</filter>\n"
+        ));
+        let last = priority(&f, "<all/></rule>");
+        assert_eq!(last, 400, "everything else dropped, last");
+        assert!(
+            !f.contains("action='accept' direction='out' priority='300'"),
+            "no accept-all"
+        );
+        assert!(priority(&f, proxy) < last);
+        assert!(
+            !accepts
+                .iter()
+                .any(|l| l.contains("<tcp") && l.contains("statematch")),
+            "replies of the proxy's and ssh's connections come back (connection tracking)"
+        );
+    }
+
+    /// libvirt accepts a live switch between two filters only when the domain has a value for
+    /// every variable of the new one: the confined filter needs no variable the guest filter
+    /// does not.
+    #[test]
+    fn the_confined_filter_needs_the_guest_filters_variables_only() {
+        let guest = format!("{}{}", guest_filter(None), isolation_filter(None));
+        let confined = confined_filter(None);
+        assert_eq!(variables(&confined), ["GATEWAY", "PROXY_PORT"]);
+        for v in variables(&confined) {
+            assert!(variables(&guest).contains(&v), "{v}");
+        }
+        // and the filterref gives the same parameters to both
+        let names = |r: &str| -> Vec<String> {
+            r.split("<parameter name='")
+                .skip(1)
+                .map(|p| p[..p.find('\'').unwrap()].to_string())
+                .collect()
+        };
+        let (a, b) = (
+            filterref(false, "192.168.122.1", 24001, Some("192.168.122.7")),
+            filterref(true, "192.168.122.1", 24001, Some("192.168.122.7")),
+        );
+        assert_eq!(names(&a), names(&b));
+        assert_eq!(
+            filter_of(&format!("<interface>{a}</interface>")),
+            Some(GUEST_FILTER)
+        );
+        assert_eq!(
+            filter_of(&format!("<interface>{b}</interface>")),
+            Some(CONFINED_FILTER)
+        );
+        assert!(is_guest_filter(GUEST_FILTER) && is_guest_filter(CONFINED_FILTER));
+        assert!(!is_guest_filter(FILTER) && !is_guest_filter("other"));
+    }
+
+    #[test]
+    fn a_confined_domain_references_the_confined_filter() {
+        let c = cfg();
+        let spec = |confined| DomainSpec {
+            domain: "bx-ab12-dev1",
+            kind: "qemu",
+            ns: "ab12",
+            cfg: &c,
+            disk: "/p/d.qcow2",
+            seed: "/p/s.iso",
+            kernel: "/p/k",
+            initrd: "/p/i",
+            cmdline: "",
+            machine: "q35",
+            serial: "/s.log",
+            network: "default",
+            gateway: "192.168.122.1",
+            proxy_port: 24123,
+            isolation: true,
+            confined,
+        };
+        let x = domain(&spec(true));
+        assert_eq!(filter_of(interfaces(&x)[0]), Some(CONFINED_FILTER));
+        assert!(x.contains("<parameter name='PROXY_PORT' value='24123'/>"));
+        assert_eq!(
+            filter_of(interfaces(&domain(&spec(false)))[0]),
+            Some(GUEST_FILTER)
+        );
+        let open = domain(&DomainSpec {
+            isolation: false,
+            ..spec(true)
+        });
+        assert_eq!(
+            filter_of(interfaces(&open)[0]),
+            None,
+            "isolation off: no filter"
+        );
+    }
+
+    #[test]
+    fn a_nic_moves_between_the_guest_filters_with_its_parameters() {
+        // as libvirt shows a running guest's NIC, its address pinned
+        let live = "<interface type='network'>
+      <mac address='52:54:00:01:02:03'/>
+      <source network='default' portid='x' bridge='virbr0'/>
+      <target dev='vnet3'/>
+      <filterref filter='boxery-guest'>
+        <parameter name='CTRL_IP_LEARNING' value='any'/>
+        <parameter name='DHCPSERVER' value='192.168.122.1'/>
+        <parameter name='GATEWAY' value='192.168.122.1'/>
+        <parameter name='IP' value='192.168.122.7'/>
+        <parameter name='PROXY_PORT' value='24001'/>
+      </filterref>
+      <alias name='net0'/>
+    </interface>";
+        assert_eq!(filter_param(live, "IP").as_deref(), Some("192.168.122.7"));
+        assert_eq!(filter_param(live, "PROXY_PORT").as_deref(), Some("24001"));
+        assert_eq!(filter_param(live, "NOPE"), None);
+        assert_eq!(
+            filter_param(
+                "<interface><filterref filter=\"f\"><parameter value=\"1.2.3.4\" name=\"IP\"/></filterref></interface>",
+                "IP"
+            )
+            .as_deref(),
+            Some("1.2.3.4"),
+            "either quote style, any order"
+        );
+        // the home's values and the lease are only the fallbacks: the NIC's own are kept
+        let confined =
+            with_guest_filter(live, true, "10.9.9.9", 24999, Some("192.168.122.99")).unwrap();
+        assert_eq!(filter_of(&confined), Some(CONFINED_FILTER));
+        for kept in [
+            "<parameter name='GATEWAY' value='192.168.122.1'/>",
+            "<parameter name='DHCPSERVER' value='192.168.122.1'/>",
+            "<parameter name='PROXY_PORT' value='24001'/>",
+            "<parameter name='IP' value='192.168.122.7'/>",
+            "<parameter name='CTRL_IP_LEARNING' value='any'/>",
+            "<target dev='vnet3'/>",
+            "<alias name='net0'/>",
+        ] {
+            assert!(confined.contains(kept), "{kept} kept: {confined}");
+        }
+        let public = with_guest_filter(&confined, false, "10.9.9.9", 24999, None).unwrap();
+        assert_eq!(filter_of(&public), Some(GUEST_FILTER));
+        assert!(public.contains("<parameter name='IP' value='192.168.122.7'/>"));
+        // a NIC of an older version (no PROXY_PORT, no IP): the home's port and the lease
+        let old = "<interface type='network'><mac address='52:54:00:01:02:03'/><filterref filter='boxery-guest-isolation'><parameter name='GATEWAY' value='192.168.122.1'/></filterref></interface>";
+        let moved = with_guest_filter(old, true, "10.9.9.9", 24999, Some("192.168.122.8")).unwrap();
+        assert_eq!(filter_of(&moved), Some(CONFINED_FILTER));
+        assert!(moved.contains("<parameter name='GATEWAY' value='192.168.122.1'/>"));
+        assert!(moved.contains("<parameter name='PROXY_PORT' value='24999'/>"));
+        assert!(moved.contains("<parameter name='IP' value='192.168.122.8'/>"));
+        // a NIC without a filter gets one
+        let bare = "<interface type='network'><mac address='52:54:00:01:02:03'/></interface>";
+        let added = with_guest_filter(bare, true, "192.168.122.1", 24000, None).unwrap();
+        assert_eq!(filter_of(&added), Some(CONFINED_FILTER));
+        assert!(added.starts_with("<interface type='network'><mac address='52:54:00:01:02:03'/><filterref filter='boxery-guest-confined'>"));
+        assert!(added.ends_with("</filterref></interface>"));
+        assert!(
+            !added.contains("name='IP'"),
+            "no address known, none made up"
+        );
+    }
+
+    #[test]
+    fn the_nics_set_egress_moves() {
+        let dom = |f: &str| {
+            format!(
+                "<domain><devices><interface type='network'><mac address='52:54:00:01:02:03'/>{f}</interface></devices></domain>"
+            )
+        };
+        let on = |name: &str| dom(&format!("<filterref filter='{name}'/>"));
+        for (x, confined, moved) in [
+            (on(GUEST_FILTER), true, 1),
+            (on(GUEST_FILTER), false, 0),
+            (on(CONFINED_FILTER), true, 0),
+            (on(CONFINED_FILTER), false, 1),
+            (on(FILTER), true, 1),
+            (on(FILTER), false, 0),
+            (dom(""), true, 1),
+            (dom(""), false, 0),
+        ] {
+            assert_eq!(
+                egress_mismatches(&x, confined).len(),
+                moved,
+                "confined {confined}: {x}"
+            );
+        }
     }
 }

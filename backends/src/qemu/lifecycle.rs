@@ -43,6 +43,7 @@ impl Inner {
             sandbox: self.config.sandbox,
             proxy: self.layout.vm_proxy(name),
             socat: self.config.socat.clone(),
+            relay: self.config.relay.clone(),
         }
     }
 
@@ -271,7 +272,14 @@ impl Inner {
         if !runs(Path::new("ssh-keygen"), "-?") && !Path::new("/usr/bin/ssh-keygen").exists() {
             missing.push("ssh-keygen (package openssh-client)".into());
         }
-        if !runs(&self.config.socat, "-V") {
+        if let Some(r) = &self.config.relay {
+            if !r.is_file() {
+                missing.push(format!(
+                    "{} (BOXERY_RELAY: it carries the guest's proxy channel)",
+                    r.display()
+                ));
+            }
+        } else if !runs(&self.config.socat, "-V") {
             missing.push(format!(
                 "{} (package socat: it carries the guest's credential proxy channel)",
                 self.config.socat.display()

@@ -139,8 +139,10 @@ pub struct LaunchSpec {
     /// The credential proxy's channel: a guest connection to [`GUEST_PROXY_ADDR`] runs
     /// `socat` to this host unix socket (slirp `guestfwd`, one process per connection).
     pub proxy: PathBuf,
-    /// The `socat` that carries it.
+    /// The `socat` that carries it when there is no relay.
     pub socat: PathBuf,
+    /// `boxery-relay`, which carries it when given (`relay SOCKET`).
+    pub relay: Option<PathBuf>,
 }
 
 /// Where a qemu guest reaches the credential proxy: an address inside slirp's network that
@@ -276,11 +278,18 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
     // VM's own socket (a chardev would carry one connection only). The netdev option parser
     // splits on commas (the state directory has none: `init` refuses it); the command is
     // split like a shell's words, hence the quotes.
-    let guestfwd = format!(
-        "guestfwd=tcp:{GUEST_PROXY_ADDR}-cmd:{} STDIO UNIX-CONNECT:{}",
-        shell_word(&p(&spec.socat)),
-        shell_word(&p(&spec.proxy)),
-    );
+    let guestfwd = match &spec.relay {
+        Some(relay) => format!(
+            "guestfwd=tcp:{GUEST_PROXY_ADDR}-cmd:{} {}",
+            shell_word(&p(relay)),
+            shell_word(&p(&spec.proxy)),
+        ),
+        None => format!(
+            "guestfwd=tcp:{GUEST_PROXY_ADDR}-cmd:{} STDIO UNIX-CONNECT:{}",
+            shell_word(&p(&spec.socat)),
+            shell_word(&p(&spec.proxy)),
+        ),
+    };
     push(&[
         "-netdev",
         &format!(
@@ -567,6 +576,7 @@ mod tests {
             sandbox: true,
             proxy: dir.join("proxy.sock"),
             socat: "/usr/bin/socat".into(),
+            relay: None,
             dir,
         }
     }
@@ -595,7 +605,22 @@ mod tests {
             joined.contains(",guestfwd=tcp:10.0.2.100:80-cmd:/usr/bin/socat STDIO UNIX-CONNECT:/state/qemu/vms/dev1/proxy.sock"),
             "{joined}"
         );
+        assert!(
+            joined.contains("restrict=on,ipv6=off,hostfwd="),
+            "the guest opens no connection of its own: {joined}"
+        );
         assert_eq!(shell_word("/a b/it's"), "'/a b/it'\\''s'");
+        let mut relayed = spec();
+        relayed.relay = Some("/opt/boxery/boxery-relay".into());
+        let joined = command_line(&relayed)
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert!(
+            joined.contains(",guestfwd=tcp:10.0.2.100:80-cmd:/opt/boxery/boxery-relay /state/qemu/vms/dev1/proxy.sock"),
+            "{joined}"
+        );
         assert!(args.iter().any(|a| a.contains("/state/qemu/vms/dev1/")));
     }
 

@@ -93,6 +93,7 @@ impl Env {
             disk_gib: 1,
             start: true,
             identity: identity::generate(name, std::slice::from_ref(&self.public)).unwrap(),
+            egress: boxery_api::network::EgressPolicy::Public,
         }
     }
 
