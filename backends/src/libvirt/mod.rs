@@ -84,6 +84,7 @@
 //!   gives the filter the lease address live before it reports the guest reachable
 //!   (`Inner::pin_address`): what is left is the guest's own boot.
 
+mod hostguard;
 pub mod xml;
 
 use std::net::{IpAddr, SocketAddr};
@@ -1297,6 +1298,17 @@ impl Backend for LibvirtBackend {
                     ));
                 }
                 let _ = net.set_autostart(true);
+                // no host address but the gateway's, whatever its range (hostguard.rs)
+                if me.config.isolation {
+                    let x = net
+                        .xml_desc(0)
+                        .map_err(|e| BackendError::failed("read the network", e))?;
+                    if let (Some(bridge), Some(gw)) =
+                        (xml::network_bridge(&x), xml::network_gateway(&x))
+                    {
+                        hostguard::ensure(&bridge, &gw)?;
+                    }
+                }
                 // the credential proxy's address, for guest_proxy; running guests of an
                 // older filter get the current one
                 let proxy = me.proxy_addr(conn)?;

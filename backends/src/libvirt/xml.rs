@@ -458,6 +458,18 @@ pub fn network_gateway(xml: &str) -> Option<String> {
     Some(rest[a.0..end].to_string())
 }
 
+/// The bridge of a network's XML (`<bridge name='virbr0' …/>`).
+pub fn network_bridge(xml: &str) -> Option<String> {
+    let at = xml.find("<bridge ")?;
+    let rest = &xml[at..xml[at..].find('>').map_or(xml.len(), |e| at + e)];
+    let a = rest
+        .find("name='")
+        .map(|i| (i + 6, '\''))
+        .or_else(|| rest.find("name=\"").map(|i| (i + 6, '"')))?;
+    let end = a.0 + rest[a.0..].find(a.1)?;
+    Some(rest[a.0..end].to_string())
+}
+
 /// The `<source file='…'/>` of disk `vda` in a domain's XML: the disk's own source, not the
 /// sources of its `<backingStore>` (a running domain lists its whole chain).
 pub fn vda_source(xml: &str) -> Option<String> {
@@ -642,6 +654,17 @@ mod tests {
         vars.sort_unstable();
         vars.dedup();
         assert_eq!(vars, ["GATEWAY"]);
+    }
+
+    #[test]
+    fn a_networks_bridge() {
+        let x = "<network><name>default</name><forward mode='nat'/><bridge name='virbr0' stp='on' delay='0'/><ip address='192.168.122.1' netmask='255.255.255.0'/></network>";
+        assert_eq!(network_bridge(x).as_deref(), Some("virbr0"));
+        assert_eq!(
+            network_bridge("<network><bridge stp='on'/></network>"),
+            None
+        );
+        assert_eq!(network_bridge("<network/>"), None);
     }
 
     #[test]
