@@ -634,6 +634,18 @@ fn egress_drill(kind: Kind) {
             .map(|c| c["lastTransitionTime"].clone())
     };
     assert_eq!(ready(&before), ready(&after), "the VM was not restarted");
+    // With no control plane serving it, a qemu guest's way out says what to run.
+    if kind == Kind::Qemu {
+        drop(serve);
+        let out = h.run(
+            "e1",
+            "wget -q -O - http://203.0.113.10/ 2>&1; nc -w 3 10.0.2.100 80 </dev/null 2>&1 | tail -1",
+        );
+        assert!(
+            out.contains("503") && out.contains("boxery serve"),
+            "no control plane: {out}"
+        );
+    }
 }
 
 fn lifecycle(kind: Kind) {

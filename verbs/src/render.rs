@@ -195,6 +195,12 @@ pub fn columns(kind: &str, wide: bool) -> Vec<Column> {
                 cols.push(("RUN", |o| s(ptr(o, "/spec/runStrategy"))));
                 cols.push(("SSH", |o| s(ptr(o, "/status/ssh/endpoint"))));
                 cols.push(("BACKEND", |o| s(ptr(o, "/status/backend"))));
+                cols.push(("EGRESS", |o| {
+                    ptr(o, "/spec/network/egress/policy")
+                        .as_str()
+                        .unwrap_or("Public")
+                        .to_string()
+                }));
                 cols.push(("GEN", |o| {
                     format!(
                         "{}/{}",

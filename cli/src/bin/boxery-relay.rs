@@ -6,7 +6,8 @@
 //!
 //! Guest → socket until the guest's side ends (then the socket's write side is shut, so the
 //! proxy sees the end of the request), socket → guest until the proxy closes: a response is
-//! never cut short after the guest half-closes. Exit 1 when the socket cannot be reached.
+//! never cut short after the guest half-closes. When the socket cannot be reached (no control
+//! plane leads), the guest gets a `503` saying to run `boxery serve`, and the relay exits 1.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -18,8 +19,18 @@ fn main() {
     };
     let sock = match UnixStream::connect(&path) {
         Ok(s) => s,
-        Err(e) => {
-            eprintln!("boxery-relay: {}: {e}", path.to_string_lossy());
+        Err(_) => {
+            // The guest's client (curl, apt, pip: through http_proxy) shows this, instead of
+            // a bare reset, and its person learns what to run.
+            let body = "boxery: no control plane serves this VM's proxy and egress: run `boxery serve` on the host (or `boxery service install`)\n";
+            let _ = write!(
+                std::io::stdout(),
+                "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n\
+                 x-boxery-egress: failed\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            // Nothing on stderr: slirp hands the relay the guest's connection as stderr too,
+            // and the guest is not told the host's paths.
             std::process::exit(1);
         }
     };
