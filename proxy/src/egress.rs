@@ -132,20 +132,7 @@ struct Why(String);
 
 /// The token in `Proxy-Authorization` (Basic with the token as password, or Bearer).
 fn proxy_token(h: &HeaderMap) -> Option<String> {
-    let v = h.get(header::PROXY_AUTHORIZATION)?.to_str().ok()?.trim();
-    let (scheme, rest) = v.split_once(' ')?;
-    if scheme.eq_ignore_ascii_case("bearer") {
-        return Some(rest.trim().to_string());
-    }
-    if scheme.eq_ignore_ascii_case("basic") {
-        use base64::Engine;
-        let raw = base64::engine::general_purpose::STANDARD
-            .decode(rest.trim())
-            .ok()?;
-        let text = String::from_utf8(raw).ok()?;
-        return text.split_once(':').map(|(_, p)| p.to_string());
-    }
-    None
+    crate::credential(h.get(header::PROXY_AUTHORIZATION)?.to_str().ok()?)
 }
 
 /// Where the guest wants to go: (host as asked, port).

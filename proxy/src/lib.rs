@@ -313,8 +313,12 @@ fn token_of(h: &HeaderMap) -> Option<String> {
     if let Some(t) = get("x-boxery-token").or_else(|| get("x-api-key")) {
         return Some(t.to_string());
     }
-    let auth = get("authorization")?;
-    let (scheme, rest) = auth.split_once(' ')?;
+    credential(get("authorization")?)
+}
+
+/// The token in an `Authorization`-style value: `Bearer T`, or the password of `Basic`.
+fn credential(value: &str) -> Option<String> {
+    let (scheme, rest) = value.trim().split_once(' ')?;
     if scheme.eq_ignore_ascii_case("bearer") {
         return Some(rest.trim().to_string());
     }

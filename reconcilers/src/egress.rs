@@ -8,8 +8,6 @@
 //!   when the VM is deleted, with its token.
 //! - [`read`] fails closed: a VM with no file, or an unreadable one, has `Deny`.
 
-use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use boxery_api::network::{Egress, EgressPolicy};
@@ -41,19 +39,7 @@ pub fn write(home: &Path, vm: &str, egress: &Egress) -> std::io::Result<bool> {
     if std::fs::read(file(home, vm)).is_ok_and(|old| old == text) {
         return Ok(false);
     }
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir(home))?;
-    let tmp = dir(home).join(format!(".{vm}.tmp"));
-    let mut w = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    w.write_all(&text)?;
-    std::fs::rename(tmp, file(home, vm))?;
+    crate::private::write(&file(home, vm), &text, false)?;
     Ok(true)
 }
 

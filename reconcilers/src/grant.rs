@@ -127,8 +127,6 @@ pub fn read_state(home: &Path, vm: &str) -> Vec<Entry> {
 
 /// Write `vm`'s entries (sorted by name), atomically and 0600; no entries: no file.
 fn write_state(home: &Path, vm: &str, mut entries: Vec<Entry>) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     let file = state_file(home, vm);
     if entries.is_empty() {
         return match std::fs::remove_file(&file) {
@@ -137,24 +135,12 @@ fn write_state(home: &Path, vm: &str, mut entries: Vec<Entry>) -> std::io::Resul
         };
     }
     entries.sort_by(|a, b| a.name.cmp(&b.name));
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(state_dir(home))?;
-    let tmp = file.with_extension("json.tmp");
-    let mut w = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
     let state = StateFile {
         vm: vm.to_string(),
         grants: entries,
     };
-    w.write_all(&serde_json::to_vec_pretty(&state).map_err(std::io::Error::other)?)?;
-    w.sync_all()?;
-    std::fs::rename(tmp, file)
+    let bytes = serde_json::to_vec_pretty(&state).map_err(std::io::Error::other)?;
+    crate::private::write(&file, &bytes, true)
 }
 
 /// Change `vm`'s entries with `f` under the VM's grant lock; writes only when they changed.

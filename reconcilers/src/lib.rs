@@ -12,6 +12,7 @@ pub mod image;
 pub mod inventory;
 pub mod lease;
 pub mod pool;
+pub mod private;
 pub mod recorded;
 pub mod runtime;
 pub mod tokens;

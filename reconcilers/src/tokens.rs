@@ -12,8 +12,6 @@
 //! - [`revoke`] removes the file only when it is still the given owner's, so a late revoke of
 //!   an old lease never removes the next holder's token.
 
-use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 /// `$BOXERY_HOME/tokens`.
@@ -45,20 +43,11 @@ pub fn matches(home: &Path, vm: &str, token: &str) -> Option<String> {
 /// token outlives a crash of `serve` in the page cache, and one lost with the host's power is
 /// void anyway (every lease from before a reboot is void and its token removed).
 pub fn write(home: &Path, vm: &str, owner: &str, token: &str) -> std::io::Result<()> {
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir(home))?;
-    let f = file(home, vm);
-    let tmp = dir(home).join(format!(".{vm}.tmp"));
-    let mut w = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    w.write_all(format!("{owner} {token}\n").as_bytes())?;
-    std::fs::rename(tmp, f)
+    crate::private::write(
+        &file(home, vm),
+        format!("{owner} {token}\n").as_bytes(),
+        false,
+    )
 }
 
 /// Remove `vm`'s token if `owner` owns it. Returns whether a token was removed.

@@ -322,6 +322,19 @@ pub fn disk_snapshot(file: &str) -> String {
     )
 }
 
+/// The rules both complete filters start with: no MAC, IP or ARP spoofing, ARP and IPv4 only
+/// at layer 2, DHCP with the host (`$GATEWAY`).
+const GUARDS: &str = "  <filterref filter='no-mac-spoofing'/>
+  <filterref filter='no-ip-spoofing'/>
+  <filterref filter='no-arp-spoofing'/>
+  <rule action='accept' direction='inout' priority='-500'><mac protocolid='arp'/></rule>
+  <rule action='accept' direction='inout' priority='-500'><mac protocolid='ipv4'/></rule>
+  <rule action='drop' direction='inout' priority='-400'/>
+  <rule action='accept' direction='out' priority='100'><udp srcipaddr='0.0.0.0' dstipaddr='255.255.255.255' srcportstart='68' dstportstart='67' statematch='false'/></rule>
+  <rule action='accept' direction='out' priority='100'><udp dstipaddr='$GATEWAY' srcportstart='68' dstportstart='67' statematch='false'/></rule>
+  <rule action='accept' direction='in' priority='100'><udp srcipaddr='$GATEWAY' srcportstart='67' dstportstart='68' statematch='false'/></rule>
+";
+
 /// The isolation filter (seed 000's `boxery-guest-isolation`): no MAC, IP or ARP spoofing (the
 /// guest's address is learned by DHCP snooping), DHCP and DNS only with the host (`$GATEWAY`),
 /// ssh into the guest only from the host, everything else to the host's address on the network
@@ -356,16 +369,7 @@ pub fn isolation_filter(uuid: Option<&str>) -> String {
         .collect();
     format!(
         "<filter name='{FILTER}' chain='root'>{uuid}
-  <filterref filter='no-mac-spoofing'/>
-  <filterref filter='no-ip-spoofing'/>
-  <filterref filter='no-arp-spoofing'/>
-  <rule action='accept' direction='inout' priority='-500'><mac protocolid='arp'/></rule>
-  <rule action='accept' direction='inout' priority='-500'><mac protocolid='ipv4'/></rule>
-  <rule action='drop' direction='inout' priority='-400'/>
-  <rule action='accept' direction='out' priority='100'><udp srcipaddr='0.0.0.0' dstipaddr='255.255.255.255' srcportstart='68' dstportstart='67' statematch='false'/></rule>
-  <rule action='accept' direction='out' priority='100'><udp dstipaddr='$GATEWAY' srcportstart='68' dstportstart='67' statematch='false'/></rule>
-  <rule action='accept' direction='in' priority='100'><udp srcipaddr='$GATEWAY' srcportstart='67' dstportstart='68' statematch='false'/></rule>
-  <rule action='accept' direction='out' priority='110'><udp dstipaddr='$GATEWAY' dstportstart='53'/></rule>
+{GUARDS}  <rule action='accept' direction='out' priority='110'><udp dstipaddr='$GATEWAY' dstportstart='53'/></rule>
   <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='53'/></rule>
   <rule action='accept' direction='in' priority='120'><tcp srcipaddr='$GATEWAY' dstportstart='22'/></rule>
   <rule action='drop' direction='out' priority='190'><all dstipaddr='$GATEWAY'/></rule>
@@ -409,16 +413,7 @@ pub fn confined_filter(uuid: Option<&str>) -> String {
         .unwrap_or_default();
     format!(
         "<filter name='{CONFINED_FILTER}' chain='root'>{uuid}
-  <filterref filter='no-mac-spoofing'/>
-  <filterref filter='no-ip-spoofing'/>
-  <filterref filter='no-arp-spoofing'/>
-  <rule action='accept' direction='inout' priority='-500'><mac protocolid='arp'/></rule>
-  <rule action='accept' direction='inout' priority='-500'><mac protocolid='ipv4'/></rule>
-  <rule action='drop' direction='inout' priority='-400'/>
-  <rule action='accept' direction='out' priority='100'><udp srcipaddr='0.0.0.0' dstipaddr='255.255.255.255' srcportstart='68' dstportstart='67' statematch='false'/></rule>
-  <rule action='accept' direction='out' priority='100'><udp dstipaddr='$GATEWAY' srcportstart='68' dstportstart='67' statematch='false'/></rule>
-  <rule action='accept' direction='in' priority='100'><udp srcipaddr='$GATEWAY' srcportstart='67' dstportstart='68' statematch='false'/></rule>
-  <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/></rule>
+{GUARDS}  <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/></rule>
   <rule action='accept' direction='in' priority='120'><tcp srcipaddr='$GATEWAY' dstportstart='22'/></rule>
   <rule action='drop' direction='inout' priority='400'><all/></rule>
 </filter>
