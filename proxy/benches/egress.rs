@@ -11,118 +11,18 @@
 //! as the policy requires. Needs root. `cargo bench -p boxery-proxy --bench egress`
 //! (`BOXERY_BENCH_N`: connection pairs, default 500; `BOXERY_BENCH_MIB`: download size).
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::time::Instant;
 
 use boxery_api::network::{Egress, EgressPolicy};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-const NETNS: &str = "boxery-bench-egress";
-const VETH: &str = "bxbench0";
+#[path = "standin/mod.rs"]
+mod standin;
+
+use standin::Net;
+
 const INTERNET: &str = "203.0.113.20";
-
-fn ip(args: &[&str]) -> bool {
-    std::process::Command::new("ip")
-        .args(args)
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// The namespace with the stand-in, removed on drop.
-struct Net;
-
-impl Net {
-    fn make() -> Net {
-        let _ = ip(&["link", "del", VETH]);
-        let _ = ip(&["netns", "del", NETNS]);
-        let peer = format!("{VETH}p");
-        let net = Net;
-        for a in [
-            vec!["netns", "add", NETNS],
-            vec![
-                "link", "add", VETH, "type", "veth", "peer", "name", &peer, "netns", NETNS,
-            ],
-            vec!["-n", NETNS, "link", "set", "lo", "up"],
-            vec!["-n", NETNS, "link", "set", &peer, "up"],
-            vec!["link", "set", VETH, "up"],
-            vec!["addr", "add", "198.51.100.21/32", "dev", VETH],
-            vec!["-n", NETNS, "addr", "add", "203.0.113.20/32", "dev", &peer],
-            vec!["route", "add", "203.0.113.20/32", "dev", VETH],
-            vec!["-n", NETNS, "route", "add", "default", "dev", &peer],
-        ] {
-            assert!(
-                ip(&a),
-                "ip {} failed: the egress bench needs root (a network namespace)",
-                a.join(" ")
-            );
-        }
-        net
-    }
-
-    /// A listener inside the namespace: `GET /N` answers N bytes.
-    fn serve(&self) -> SocketAddr {
-        let l = std::thread::spawn(|| {
-            use std::os::fd::AsFd;
-            let f = std::fs::File::open(format!("/run/netns/{NETNS}")).unwrap();
-            rustix::thread::move_into_link_name_space(
-                f.as_fd(),
-                Some(rustix::thread::LinkNameSpaceType::Network),
-            )
-            .unwrap();
-            TcpListener::bind((INTERNET, 0)).unwrap()
-        })
-        .join()
-        .unwrap();
-        let at = l.local_addr().unwrap();
-        std::thread::spawn(move || {
-            for c in l.incoming() {
-                let Ok(mut c) = c else { continue };
-                std::thread::spawn(move || {
-                    let _ = c.set_nodelay(true);
-                    let mut seen = Vec::new();
-                    let mut buf = [0u8; 4096];
-                    while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match c.read(&mut buf) {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => seen.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    let line = String::from_utf8_lossy(&seen);
-                    let n: usize = line
-                        .split_whitespace()
-                        .nth(1)
-                        .and_then(|p| p.rsplit('/').next())
-                        .and_then(|n| n.parse().ok())
-                        .unwrap_or(0);
-                    let _ = c.write_all(
-                        format!(
-                            "HTTP/1.1 200 OK\r\nContent-Length: {n}\r\nConnection: close\r\n\r\n"
-                        )
-                        .as_bytes(),
-                    );
-                    let chunk = vec![b'x'; 256 * 1024];
-                    let mut left = n;
-                    while left > 0 {
-                        let k = left.min(chunk.len());
-                        if c.write_all(&chunk[..k]).is_err() {
-                            return;
-                        }
-                        left -= k;
-                    }
-                });
-            }
-        });
-        at
-    }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        let _ = ip(&["link", "del", VETH]);
-        let _ = ip(&["netns", "del", NETNS]);
-    }
-}
 
 fn pct(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -281,7 +181,7 @@ async fn bench() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(100);
-    let net = Net::make();
+    let net = Net::make("boxery-bench-egress", "bxbench0", INTERNET, "198.51.100.21");
     let to = net.serve();
     let home = tempfile::Builder::new()
         .prefix("boxery-egress-bench-")
