@@ -79,6 +79,17 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// `serve`, killed and reaped when dropped.
+struct Serve(std::process::Child);
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The hand-started QEMU (daemonized: only its pid is known), killed when dropped.
 struct Killed(u32);
 
 impl Drop for Killed {
@@ -107,13 +118,13 @@ fn main() {
         home: tmp.path().join("home"),
     };
     std::fs::create_dir_all(&h.home).unwrap();
-    let serve = h
-        .cmd(&["serve"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let _serve = Killed(serve.id());
+    let _serve = Serve(
+        h.cmd(&["serve"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     for vm in ["e-on", "e-off"] {
         let f = h.home.join(format!("{vm}.yaml"));
         std::fs::write(&f, format!("apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {{name: {vm}}}\nspec:\n  source: {{image: tiny}}\n  resources: {{cpus: 1, memory: 256Mi, disk: 1Gi}}\n")).unwrap();
