@@ -371,6 +371,9 @@ impl FakeBackend {
             })?;
             let name = entry.file_name().to_string_lossy().into_owned();
             if !name.starts_with('.') {
+                // A writer killed mid-write left its temp file: the inventory's pass is the
+                // ordinary path that clears it.
+                fsutil::sweep_dead_temps(&entry.path());
                 names.push(name);
             }
         }

@@ -24,6 +24,29 @@ pub(crate) fn temp_beside(path: &Path) -> PathBuf {
     ))
 }
 
+/// Remove the temp files in `dir` ([`temp_beside`]'s `.NAME.tmp-PID-…`) whose writer is
+/// dead: a process killed between writing one and renaming it into place. Another live
+/// process's temp is left alone.
+pub(crate) fn sweep_dead_temps(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix('.')
+            .and_then(|n| n.split_once(".tmp-"))
+            .and_then(|(_, rest)| rest.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 /// Write `bytes` to `path` atomically.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = temp_beside(path);
@@ -116,4 +139,25 @@ pub(crate) fn remove_file(path: &Path) -> Result<bool> {
 /// Whether `path` exists (errors read as "no").
 pub(crate) fn exists(path: &Path) -> bool {
     std::fs::symlink_metadata(path).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn temps_of_dead_writers_go_and_live_ones_stay() {
+        let d = tempfile::tempdir().unwrap();
+        // a pid above the kernel's maximum is never alive
+        let dead = d.path().join(".vm.json.tmp-4194305-abc");
+        let mine = temp_beside(&d.path().join("vm.json"));
+        let other = d.path().join(".notes");
+        for f in [&dead, &mine, &other] {
+            std::fs::write(f, b"x").unwrap();
+        }
+        std::fs::write(d.path().join("vm.json"), b"{}").unwrap();
+        sweep_dead_temps(d.path());
+        assert!(!dead.exists());
+        assert!(mine.exists() && other.exists() && d.path().join("vm.json").exists());
+    }
 }
