@@ -432,7 +432,7 @@ enum Command {
     },
     /// Probe a running VM's isolation live (docs/egress.md): from inside it, connections to
     /// listeners the drill opens on the host's loopback and other address, another VM's sshd,
-    /// stand-ins for a LAN, a metadata service and the internet (on a dummy interface it
+    /// stand-ins for a LAN, a metadata service and the internet (in a network namespace it
     /// makes: run as root), IPv6, names through the egress policy, and the credential proxy
     /// with and without a token. Each blocked probe has a control that shows the probe works.
     /// Exit 0 only when every probe matched.

@@ -325,7 +325,6 @@ pub(crate) async fn handle(s: Served, mut req: Request) -> Response {
         }
     };
     rec.status = 200;
-    let bytes_in = Arc::new(AtomicU64::new(0));
     if req.method() == Method::CONNECT {
         let upgrade = hyper::upgrade::on(&mut req);
         let audit = p.clone();
@@ -359,11 +358,13 @@ pub(crate) async fn handle(s: Served, mut req: Request) -> Response {
     }
     // A plain-HTTP request: sent upstream in origin form, on its own connection.
     let (parts, body) = req.into_parts();
-    let authority = parts
-        .uri
-        .authority()
-        .map(|a| a.as_str().to_string())
-        .unwrap_or_default();
+    // Host from what was checked, never the URL's userinfo.
+    let authority = match (host.contains(':'), parts.uri.port_u16()) {
+        (true, Some(p)) => format!("[{host}]:{p}"),
+        (true, None) => format!("[{host}]"),
+        (false, Some(p)) => format!("{host}:{p}"),
+        (false, None) => host.clone(),
+    };
     let path = parts
         .uri
         .path_and_query()
@@ -379,6 +380,7 @@ pub(crate) async fn handle(s: Served, mut req: Request) -> Response {
         }
     }
     out = out.header(header::HOST, authority);
+    let bytes_in = Arc::new(AtomicU64::new(0));
     let counted = bytes_in.clone();
     let body = Body::from_stream(body.into_data_stream().map(move |c| {
         if let Ok(b) = &c {
