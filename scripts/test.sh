@@ -24,11 +24,12 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   runner=(cargo test)
 fi
 
-step "python MCP SDK (for tests/mcp.rs)"
-# The official MCP client drives `boxery mcp` in tests/mcp.rs; kept in a venv under target/.
-if ! target/mcp-venv/bin/python -c 'import mcp, jsonschema' 2>/dev/null; then
+step "python clients (for tests/mcp.rs and tests/api.rs)"
+# The official MCP client drives `boxery mcp` in tests/mcp.rs, the official Kubernetes client
+# drives `serve --api-listen` in tests/api.rs; kept in a venv under target/.
+if ! target/mcp-venv/bin/python -c 'import mcp, jsonschema, kubernetes' 2>/dev/null; then
   python3 -m venv target/mcp-venv
-  target/mcp-venv/bin/pip install -q --disable-pip-version-check mcp jsonschema
+  target/mcp-venv/bin/pip install -q --disable-pip-version-check mcp jsonschema kubernetes
 fi
 
 step "format and lints"

@@ -9,6 +9,7 @@ mod exit;
 mod explain;
 mod git;
 mod grants;
+mod kubeconfig;
 mod manifests;
 mod orphans;
 mod out;
@@ -479,7 +480,16 @@ enum Command {
         /// picks a free loopback port; the address taken is written to $BOXERY_HOME/proxy.addr.
         #[arg(long, value_name = "ADDR|off", default_value = boxery_proxy::DEFAULT_LISTEN, value_parser = proxy_listen_arg)]
         proxy_listen: ProxyListen,
+        /// Also serve the Kubernetes-compatible API at https://ADDR (e.g. 127.0.0.1:6443, or
+        /// 0.0.0.0:6443 for other machines): kubectl and the Kubernetes clients work against
+        /// it with a kubeconfig from `boxery kubeconfig`. Always TLS, always a token. See
+        /// docs/api.md.
+        #[arg(long, value_name = "ADDR")]
+        api_listen: Option<std::net::SocketAddr>,
     },
+    /// Print a kubeconfig for the API `serve --api-listen` serves, with a new token of a
+    /// scope (read, full, lease:NAME); --list and --revoke manage the tokens. See docs/api.md.
+    Kubeconfig(kubeconfig::KubeconfigArgs),
     /// Keep a control plane running (a systemd unit running `serve` for this home): install,
     /// uninstall, status. See docs/cli.md.
     Service {
@@ -761,10 +771,20 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
             mcp_allow_origin,
             mcp_allow_remote,
             proxy_listen,
+            api_listen,
         } => {
             let listen = mcp_listen.map(|a| (a, mcp_allow_origin, mcp_allow_remote));
-            serve(&env, inventory_every, lease, listen, proxy_listen).await?
+            serve(
+                &env,
+                inventory_every,
+                lease,
+                listen,
+                proxy_listen,
+                api_listen,
+            )
+            .await?
         }
+        Command::Kubeconfig(args) => out!("{}", kubeconfig::run(&env.home, args)?),
         Command::Mcp {
             tools_markdown: true,
             ..
@@ -1117,6 +1137,7 @@ async fn serve(
     lease: Duration,
     mcp_listen: Option<(std::net::SocketAddr, Vec<String>, bool)>,
     proxy_listen: ProxyListen,
+    api_listen: Option<std::net::SocketAddr>,
 ) -> CliResult {
     let stop = tokio_util::sync::CancellationToken::new();
     // The credential proxy, bound before the controllers start (a taken port fails at once).
@@ -1155,6 +1176,24 @@ async fn serve(
         }
         None => None,
     };
+    // The API, bound (and its certificate made) before the controllers start.
+    let api = match api_listen {
+        Some(addr) => {
+            let verbs = Verbs::open(env.clone(), Voice::Cli)?;
+            let server = boxery_apiserver::ApiServer::bind(verbs, addr, Default::default())
+                .await
+                .map_err(|e| CliError::new(exit::Code::Failed, e))?;
+            let bound = server.local_addr();
+            let file = boxery_apiserver::tls::dir(&env.home).join("addr");
+            let tmp = file.with_extension("tmp");
+            std::fs::write(&tmp, format!("{bound}\n"))
+                .and_then(|()| std::fs::rename(&tmp, &file))
+                .map_err(|e| CliError::invalid(format!("cannot write {}: {e}", file.display())))?;
+            eprintln!("boxery serve: API at https://{bound} (a kubeconfig: boxery kubeconfig)");
+            Some((tokio::spawn(server.run(stop.clone())), file, bound))
+        }
+        None => None,
+    };
     let trim = tokio::spawn({
         let stop = stop.clone();
         async move {
@@ -1173,6 +1212,12 @@ async fn serve(
     let r = runtime::serve(env, inventory_every, lease, guest_proxy).await;
     stop.cancel();
     let _ = trim.await;
+    if let Some((task, file, bound)) = api {
+        let _ = task.await;
+        if std::fs::read_to_string(&file).ok() == Some(format!("{bound}\n")) {
+            let _ = std::fs::remove_file(file);
+        }
+    }
     if let Some(h) = http
         && let Ok(Err(e)) = h.await
     {

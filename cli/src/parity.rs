@@ -27,6 +27,10 @@ const CLI_ONLY: &[(&str, &str)] = &[
         "an operator's isolation check that makes host interfaces (as root); an agent must not probe the host",
     ),
     ("serve", "runs the control plane (and serves MCP over HTTP)"),
+    (
+        "kubeconfig",
+        "mints API tokens: a person's grant of access to the whole home, never an agent's",
+    ),
     ("mcp", "is the MCP server"),
     (
         "service",

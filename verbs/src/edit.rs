@@ -20,7 +20,7 @@ use crate::error::{Result, VerbError};
 use crate::objects::DryRun;
 
 /// Annotations with this prefix are the system's.
-const SYSTEM_PREFIX: &str = "boxery.dev/";
+pub const SYSTEM_PREFIX: &str = "boxery.dev/";
 
 /// How many times a change is read and applied again when the object moved on under it.
 const RETRIES: usize = 10;
@@ -449,8 +449,6 @@ fn check_owned_fields(cur: &DynObject, new: &DynObject) -> Result<()> {
 
 /// A change the store refuses as invalid is invalid input.
 fn invalid(e: StoreError) -> VerbError {
-    match e {
-        StoreError::Invalid(v) => VerbError::invalid(v),
-        other => other.into(),
-    }
+    // Kept whole: a front end may name each field (the API's 422 causes).
+    e.into()
 }

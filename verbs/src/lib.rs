@@ -53,6 +53,9 @@ pub struct Verbs {
     /// ssh hands and the lease keeper still take (the controller runtime and the reconcilers'
     /// context are bound to it until they take the trait).
     local: Option<Store>,
+    /// The field manager every write is recorded as, when the caller names one (the API's
+    /// `fieldManager`); else [`Verbs::manager`] names it by voice and verb.
+    manager: Option<String>,
 }
 
 impl Verbs {
@@ -80,6 +83,15 @@ impl Verbs {
             voice,
             store,
             local,
+            manager: None,
+        }
+    }
+
+    /// The same verbs, recording every write as field manager `name`.
+    pub fn as_manager(&self, name: &str) -> Verbs {
+        Verbs {
+            manager: Some(name.to_string()),
+            ..self.clone()
         }
     }
 
@@ -95,6 +107,9 @@ impl Verbs {
     /// from the CLI, `mcp-stop` from an agent's tool call, so that `apply` and `sync` can tell
     /// a person's or an agent's change from their own.
     pub fn manager(&self, verb: &str) -> String {
+        if let Some(m) = &self.manager {
+            return m.clone();
+        }
         match self.voice {
             Voice::Cli => format!("boxery-{verb}"),
             Voice::Tool => format!("mcp-{verb}"),

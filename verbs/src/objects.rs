@@ -203,19 +203,15 @@ pub async fn apply(v: &Verbs, objs: Vec<DynObject>, mut opts: ApplyOptions) -> R
     })
 }
 
-/// A manifest that does not validate is invalid input, whatever the store calls it; a field
-/// conflict says how to force it in the front end's words.
+/// The store's refusal, kept whole (a front end may name each field: the API's 422 and 409
+/// causes); a field conflict says how to force it in a tool's words.
 fn refused(v: &Verbs, e: StoreError) -> VerbError {
-    match e {
-        StoreError::Invalid(e) => VerbError::invalid(e),
-        e @ StoreError::FieldConflicts { .. } => {
-            let text = e.to_string();
-            VerbError::conflict(match v.voice {
-                Voice::Cli => text,
-                Voice::Tool => text.replace("(--force-conflicts)", "(force_conflicts: true)"),
-            })
-        }
-        other => other.into(),
+    match (e, v.voice) {
+        (e @ StoreError::FieldConflicts { .. }, Voice::Tool) => VerbError::conflict(
+            e.to_string()
+                .replace("(--force-conflicts)", "(force_conflicts: true)"),
+        ),
+        (other, _) => other.into(),
     }
 }
 

@@ -1,0 +1,337 @@
+//! boxery's Kubernetes-compatible API (`boxery serve --api-listen ADDR`): the
+//! `boxery.dev/v1alpha1` kinds served the way the Kubernetes API serves custom resources, so
+//! `kubectl`, the official client libraries and GitOps tools work against a boxery home
+//! unchanged. Always over TLS ([`tls`]), always with a bearer token of a named scope
+//! ([`tokens`], [`scope`]); reads and writes go through the same verbs and store as the CLI
+//! and the MCP tools ([`resources`], [`watch`]), and errors are Kubernetes `Status` bodies
+//! ([`status`]). What is served, and what is not, is in `docs/api.md`.
+
+pub mod discovery;
+pub mod events;
+pub mod query;
+pub mod resources;
+pub mod scope;
+pub mod status;
+pub mod tls;
+pub mod tokens;
+pub mod watch;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use boxery_verbs::Verbs;
+use tokio_util::sync::CancellationToken;
+
+use crate::resources::json_reply;
+use crate::status::Failure;
+use crate::tokens::Tokens;
+
+/// The API group.
+pub const GROUP: &str = "boxery.dev";
+/// The version served.
+pub const VERSION: &str = "v1alpha1";
+/// `boxery.dev/v1alpha1`.
+pub const GROUP_VERSION: &str = "boxery.dev/v1alpha1";
+
+/// The API's limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// A request body's size, at most (413 over it): 3 MiB, as the Kubernetes API.
+    pub body_bytes: usize,
+    /// Watches one token holds at once (429 over it).
+    pub watches_per_token: usize,
+    /// Requests per second one token may make, on average (429 over it, with Retry-After).
+    pub rate_per_token: f64,
+    /// Requests one token may make in a burst above the rate.
+    pub burst_per_token: f64,
+    /// Connections open at once.
+    pub connections: usize,
+    /// How long a connection may take to finish its TLS handshake and send a request's
+    /// headers.
+    pub header_read: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            body_bytes: 3 * 1024 * 1024,
+            watches_per_token: 256,
+            rate_per_token: 500.0,
+            burst_per_token: 1000.0,
+            connections: 512,
+            header_read: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A token's request budget (a token bucket).
+#[derive(Debug)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+/// What every handler shares.
+#[derive(Debug)]
+pub struct Shared {
+    /// The verbs (the CLI's voice; a lease token's writes speak as a tool).
+    pub verbs: Verbs,
+    tokens: Tokens,
+    /// The limits.
+    pub limits: Limits,
+    /// Open watches per token name.
+    watches: Mutex<HashMap<String, usize>>,
+    buckets: Mutex<HashMap<String, Bucket>>,
+}
+
+impl Shared {
+    /// The state of an API over `verbs`' home and store.
+    pub fn new(verbs: Verbs, limits: Limits) -> Shared {
+        Shared {
+            tokens: Tokens::new(verbs.home()),
+            verbs,
+            limits,
+            watches: Mutex::new(HashMap::new()),
+            buckets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Take one request from `token`'s budget; `Err(seconds to wait)` when it is spent.
+    fn spend(&self, token: &str) -> Result<(), u64> {
+        let mut b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let (rate, burst) = (self.limits.rate_per_token, self.limits.burst_per_token);
+        let e = b.entry(token.to_string()).or_insert(Bucket {
+            tokens: burst,
+            at: now,
+        });
+        e.tokens = (e.tokens + now.duration_since(e.at).as_secs_f64() * rate).min(burst);
+        e.at = now;
+        if e.tokens >= 1.0 {
+            e.tokens -= 1.0;
+            Ok(())
+        } else {
+            Err(((1.0 - e.tokens) / rate).ceil().max(1.0) as u64)
+        }
+    }
+}
+
+/// Check the bearer token, the scope's existence and the token's rate; put the [`tokens::Caller`]
+/// in the request.
+async fn authenticate(State(sh): State<Arc<Shared>>, mut req: Request, next: Next) -> Response {
+    let secret = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|h| h.to_str().ok())
+        .and_then(|h| {
+            h.strip_prefix("Bearer ")
+                .or_else(|| h.strip_prefix("bearer "))
+        })
+        .map(str::trim)
+        .map(String::from);
+    let caller = secret.as_deref().and_then(|s| sh.tokens.check(s));
+    let Some(caller) = caller else {
+        let why = if secret.is_some() {
+            "Unauthorized: the bearer token is not one of this home's (revoked, or from another home); `boxery kubeconfig` on the VM host makes one"
+        } else {
+            "Unauthorized: send a bearer token (`boxery kubeconfig` on the VM host prints a kubeconfig with one)"
+        };
+        return Failure::new(StatusCode::UNAUTHORIZED, "Unauthorized", why).into_response();
+    };
+    if let Err(wait) = sh.spend(&caller.name) {
+        let mut r = Failure::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "TooManyRequests",
+            format!(
+                "token {} made more than {} requests a second: retry in {wait} s",
+                caller.name, sh.limits.rate_per_token
+            ),
+        )
+        .into_response();
+        r.headers_mut().insert(
+            header::RETRY_AFTER,
+            wait.to_string().parse().expect("digits"),
+        );
+        return r;
+    }
+    req.extensions_mut().insert(caller);
+    next.run(req).await
+}
+
+/// The API's routes.
+pub fn router(sh: Arc<Shared>) -> Router {
+    let gv = format!("/apis/{GROUP_VERSION}");
+    let authed = Router::new()
+        .route(
+            "/version",
+            get(|| async { json_reply(StatusCode::OK, &discovery::version()) }),
+        )
+        .route(
+            "/api",
+            get(|| async { json_reply(StatusCode::OK, &discovery::core_versions()) }),
+        )
+        .route(
+            "/api/v1",
+            get(|| async { json_reply(StatusCode::OK, &discovery::core_resources()) }),
+        )
+        .route("/api/v1/events", get(events::list))
+        .route("/api/v1/namespaces/{ns}/events", get(events::list))
+        .route(
+            "/apis",
+            get(|| async { json_reply(StatusCode::OK, &discovery::groups()) }),
+        )
+        .route(
+            &format!("/apis/{GROUP}"),
+            get(|| async { json_reply(StatusCode::OK, &discovery::group_doc()) }),
+        )
+        .route(
+            &gv,
+            get(|| async { json_reply(StatusCode::OK, &discovery::resources()) }),
+        )
+        .route(
+            "/openapi/v3",
+            get(|| async { json_reply(StatusCode::OK, &discovery::openapi_root()) }),
+        )
+        .route(
+            &format!("/openapi/v3/apis/{GROUP_VERSION}"),
+            get(|| async { json_reply(StatusCode::OK, discovery::openapi_group()) }),
+        )
+        .route(
+            &format!("{gv}/{{plural}}"),
+            get(resources::list)
+                .post(resources::create)
+                .delete(resources::delete_collection),
+        )
+        .route(
+            &format!("{gv}/{{plural}}/{{name}}"),
+            get(resources::get)
+                .put(resources::replace)
+                .patch(resources::patch)
+                .delete(resources::delete),
+        )
+        .route(
+            &format!("{gv}/{{plural}}/{{name}}/{{sub}}"),
+            get(resources::get_status)
+                .put(resources::write_status)
+                .patch(resources::write_status)
+                .post(resources::write_status)
+                .delete(resources::write_status),
+        )
+        .fallback(|| async {
+            Failure::new(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                "the server could not find the requested resource",
+            )
+        })
+        .layer(middleware::from_fn_with_state(sh.clone(), authenticate))
+        .layer(DefaultBodyLimit::max(sh.limits.body_bytes))
+        .with_state(sh);
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/livez", get(|| async { "ok" }))
+        .route("/readyz", get(|| async { "ok" }))
+        .merge(authed)
+}
+
+/// The API, bound and with its certificate, not serving yet.
+pub struct ApiServer {
+    listener: tokio::net::TcpListener,
+    local: SocketAddr,
+    tls: Arc<rustls::ServerConfig>,
+    shared: Arc<Shared>,
+}
+
+impl ApiServer {
+    /// Bind `addr` and make (or load) the certificate for it.
+    pub async fn bind(
+        verbs: Verbs,
+        addr: SocketAddr,
+        limits: Limits,
+    ) -> std::io::Result<ApiServer> {
+        let home = verbs.home().to_path_buf();
+        let tls = tokio::task::spawn_blocking(move || tls::server_identity(&home, addr))
+            .await
+            .map_err(std::io::Error::other)??;
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("cannot listen on {addr} for the API: {e}"),
+            )
+        })?;
+        let local = listener.local_addr()?;
+        Ok(ApiServer {
+            listener,
+            local,
+            tls,
+            shared: Arc::new(Shared::new(verbs, limits)),
+        })
+    }
+
+    /// Where it listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// Serve until `shutdown`.
+    pub async fn run(self, shutdown: CancellationToken) {
+        use hyper_util::rt::{TokioIo, TokioTimer};
+        use hyper_util::service::TowerToHyperService;
+        let app = router(self.shared.clone());
+        let acceptor = tokio_rustls::TlsAcceptor::from(self.tls);
+        let limits = self.shared.limits;
+        let sockets = Arc::new(tokio::sync::Semaphore::new(limits.connections));
+        let mut tasks = tokio::task::JoinSet::new();
+        loop {
+            let permit = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                p = sockets.clone().acquire_owned() => p.expect("never closed"),
+            };
+            let (stream, _peer) = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
+                r = self.listener.accept() => match r {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "API: accepting a connection failed");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        continue;
+                    }
+                },
+            };
+            let _ = stream.set_nodelay(true);
+            let acceptor = acceptor.clone();
+            let service = TowerToHyperService::new(app.clone());
+            let stop = shutdown.clone();
+            tasks.spawn(async move {
+                let _permit = permit;
+                let tls =
+                    match tokio::time::timeout(limits.header_read, acceptor.accept(stream)).await {
+                        Ok(Ok(s)) => s,
+                        _ => return,
+                    };
+                let mut http = hyper::server::conn::http1::Builder::new();
+                http.timer(TokioTimer::new())
+                    .header_read_timeout(limits.header_read);
+                let conn = http.serve_connection(TokioIo::new(tls), service);
+                tokio::pin!(conn);
+                tokio::select! {
+                    _ = conn.as_mut() => {}
+                    _ = stop.cancelled() => {
+                        conn.as_mut().graceful_shutdown();
+                        let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
+                    }
+                }
+            });
+        }
+        tasks.shutdown().await;
+    }
+}

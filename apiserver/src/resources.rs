@@ -1,0 +1,627 @@
+//! The `boxery.dev/v1alpha1` kinds over HTTP: list, get, create, update, patch (merge, JSON,
+//! strategic as merge, and server-side apply), delete, deletecollection, the `status`
+//! subresource (read-only) and watch, each through the verbs and the store every other front
+//! end uses.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Extension, Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use boxery_api::{DynObject, KindInfo, Selector};
+use boxery_store::{ApplyOptions, ObjectRef, StoreError, WatchEvent};
+use boxery_verbs::edit::PatchType;
+use boxery_verbs::objects::{Deleted, DryRun};
+use boxery_verbs::render::{display_value, safe};
+use boxery_verbs::{Verbs, Voice};
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+use crate::query::{FieldSelector, Params, wants_table};
+use crate::scope::{self, Access};
+use crate::status::{Failure, success};
+use crate::tokens::Caller;
+use crate::{GROUP_VERSION, Shared};
+
+/// A handler's result.
+pub type Reply = Result<Response, Failure>;
+
+/// The kind served at `plural`.
+pub fn kind_of(plural: &str) -> Result<&'static KindInfo, Failure> {
+    boxery_api::KINDS
+        .iter()
+        .find(|k| k.plural == plural)
+        .ok_or_else(|| {
+            Failure::new(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                format!("the server could not find the requested resource ({plural})"),
+            )
+        })
+}
+
+/// A JSON response.
+pub fn json_reply(code: StatusCode, v: &Value) -> Response {
+    (
+        code,
+        [(header::CONTENT_TYPE, "application/json")],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+/// The verbs a caller's writes go through: an agent's lease token speaks as a tool (so an
+/// egress policy may only tighten), a person's token as the CLI; the field manager is the
+/// request's `fieldManager`, else the client's name from its User-Agent.
+fn verbs_for(sh: &Shared, caller: &Caller, p: &Params, headers: &HeaderMap) -> Verbs {
+    let v = match caller.scope {
+        crate::tokens::Scope::Lease(_) => sh.verbs.in_voice(Voice::Tool),
+        _ => sh.verbs.clone(),
+    };
+    let manager = p
+        .field_manager
+        .clone()
+        .filter(|m| !m.is_empty() && m.len() <= 128 && m.chars().all(|c| c.is_ascii_graphic()))
+        .or_else(|| {
+            headers
+                .get(header::USER_AGENT)
+                .and_then(|u| u.to_str().ok())
+                .and_then(|u| u.split('/').next())
+                .filter(|u| {
+                    !u.is_empty() && u.len() <= 64 && u.chars().all(|c| c.is_ascii_graphic())
+                })
+                .map(String::from)
+        })
+        .unwrap_or_else(|| "api".to_string());
+    v.as_manager(&manager)
+}
+
+/// A request body (JSON, or YAML for apply) as a value.
+fn body_value(body: &Bytes) -> Result<Value, Failure> {
+    if let Ok(v) = serde_json::from_slice::<Value>(body) {
+        return Ok(v);
+    }
+    let text = std::str::from_utf8(body)
+        .map_err(|_| Failure::bad_request("the body is not UTF-8 JSON or YAML"))?;
+    boxery_api::codec::yaml_value(text)
+        .map_err(|e| Failure::bad_request(format!("the body is not JSON or YAML: {e}")))
+}
+
+/// The object of a create or update: its kind and name must be the path's; `status` is the
+/// controllers' and dropped.
+fn object_in(info: &KindInfo, name: Option<&str>, mut v: Value) -> Result<DynObject, Failure> {
+    let Some(m) = v.as_object_mut() else {
+        return Err(Failure::bad_request("the body is not an object"));
+    };
+    m.remove("status");
+    if m.get("kind").and_then(Value::as_str) != Some(info.kind) {
+        return Err(Failure::bad_request(format!(
+            "the body's kind is {}, the path's {}",
+            m.get("kind").cloned().unwrap_or(Value::Null),
+            info.kind
+        )));
+    }
+    if let Some(meta) = m.get_mut("metadata").and_then(Value::as_object_mut) {
+        meta.remove("managedFields");
+        // cluster-scoped: a namespace a client adds out of habit means nothing here
+        meta.remove("namespace");
+    }
+    if let Some(n) = name
+        && v["metadata"]["name"].as_str() != Some(n)
+    {
+        return Err(Failure::bad_request(format!(
+            "the body's metadata.name is {}, the path's {n}",
+            v["metadata"]["name"]
+        )));
+    }
+    boxery_api::normalize(v).map_err(|e| Failure::from_store(&StoreError::Invalid(e)))
+}
+
+fn writable(info: &KindInfo) -> Result<(), Failure> {
+    match info.controllers_only {
+        Some(instead) => Err(Failure::method_not_allowed(format!(
+            "{} objects are written by boxery's controllers only: {instead}",
+            info.kind
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// How an object is served in a list or a Table row (`includeObject`).
+fn served(o: &DynObject) -> Value {
+    display_value(o)
+}
+
+/// The Table of `objs`: the columns `boxery get` prints (the `-o wide` ones at priority 1).
+pub fn table(kind: &str, objs: &[Value], rv: &str, include: Option<&str>) -> Value {
+    let narrow: Vec<&str> = boxery_verbs::render::columns(kind, false)
+        .iter()
+        .map(|(h, _)| *h)
+        .collect();
+    let wide = boxery_verbs::render::columns(kind, true);
+    let defs: Vec<Value> = wide
+        .iter()
+        .map(|(h, _)| {
+            json!({
+                "name": h,
+                "type": "string",
+                "format": if *h == "NAME" { "name" } else { "" },
+                "description": "",
+                "priority": if narrow.contains(h) { 0 } else { 1 },
+            })
+        })
+        .collect();
+    let rows: Vec<Value> = objs
+        .iter()
+        .map(|o| {
+            let cells: Vec<String> = wide.iter().map(|(_, f)| safe(&f(o)).into_owned()).collect();
+            let object = match include {
+                Some("None") => Value::Null,
+                Some("Object") => o.clone(),
+                _ => json!({
+                    "kind": "PartialObjectMetadata",
+                    "apiVersion": "meta.k8s.io/v1",
+                    "metadata": o["metadata"],
+                }),
+            };
+            json!({"cells": cells, "object": object})
+        })
+        .collect();
+    json!({
+        "kind": "Table",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": {"resourceVersion": rv},
+        "columnDefinitions": defs,
+        "rows": rows,
+    })
+}
+
+/// `includeObject` of a Table request.
+fn include_of(
+    headers: &HeaderMap,
+    q: &std::collections::HashMap<String, String>,
+) -> Option<String> {
+    let _ = headers;
+    q.get("includeObject").cloned()
+}
+
+/// GET of a collection: a list, a Table, or a watch.
+pub async fn list(
+    State(sh): State<Arc<Shared>>,
+    Extension(caller): Extension<Caller>,
+    Path(plural): Path<String>,
+    Query(p): Query<Params>,
+    Query(raw): Query<std::collections::HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Reply {
+    let info = kind_of(&plural)?;
+    scope::allow(&sh, &caller, Access::Read, info, None).await?;
+    if p.is_watch() {
+        return crate::watch::serve(
+            sh,
+            caller,
+            info,
+            p,
+            wants_table(&headers),
+            include_of(&headers, &raw),
+        )
+        .await;
+    }
+    let (objs, rev) = read_list(&sh, &caller, info, &p.labels()?, &p.fields()?).await?;
+    let values: Vec<Value> = objs.iter().map(served).collect();
+    let rv = rev.to_string();
+    if wants_table(&headers) {
+        return Ok(json_reply(
+            StatusCode::OK,
+            &table(
+                info.kind,
+                &values,
+                &rv,
+                include_of(&headers, &raw).as_deref(),
+            ),
+        ));
+    }
+    Ok(json_reply(
+        StatusCode::OK,
+        &json!({
+            "apiVersion": GROUP_VERSION,
+            "kind": format!("{}List", info.kind),
+            "metadata": {"resourceVersion": rv},
+            "items": values,
+        }),
+    ))
+}
+
+/// The objects of a kind a caller may see, matching the selectors, and the revision read at.
+pub async fn read_list(
+    sh: &Shared,
+    caller: &Caller,
+    info: &'static KindInfo,
+    labels: &Selector,
+    fields: &FieldSelector,
+) -> Result<(Vec<DynObject>, u64), Failure> {
+    let store = sh.verbs.store();
+    let (mut objs, rev) = match fields.name() {
+        Some(n) => {
+            let rev = store.revision().await?;
+            let one = store.get(&ObjectRef::new(info.kind, n)).await?;
+            (
+                one.into_iter()
+                    .filter(|o| labels.matches(&o.metadata.labels))
+                    .collect(),
+                rev,
+            )
+        }
+        None => store.list(info.kind, labels).await?,
+    };
+    let visible = scope::visible(sh, caller).await?;
+    objs.retain(|o| fields.matches(&served(o)) && scope::sees(&visible, o));
+    Ok((objs, rev))
+}
+
+/// GET of one object (and of its `status`).
+pub async fn get(
+    State(sh): State<Arc<Shared>>,
+    Extension(caller): Extension<Caller>,
+    Path((plural, name)): Path<(String, String)>,
+    headers: HeaderMap,
+    Query(raw): Query<std::collections::HashMap<String, String>>,
+) -> Reply {
+    let info = kind_of(&plural)?;
+    scope::allow(&sh, &caller, Access::Read, info, Some(&name)).await?;
+    let o = sh
+        .verbs
+        .store()
+        .get(&ObjectRef::new(info.kind, &name))
+        .await?
+        .ok_or_else(|| Failure::not_found(info.plural, &name))?;
+    let v = served(&o);
+    if wants_table(&headers) {
+        let rv = o.metadata.resource_version.clone().unwrap_or_default();
+        return Ok(json_reply(
+            StatusCode::OK,
+            &table(info.kind, &[v], &rv, include_of(&headers, &raw).as_deref()),
+        ));
+    }
+    Ok(json_reply(StatusCode::OK, &v))
+}
+
+/// GET of `…/NAME/status`.
+pub async fn get_status(
+    st: State<Arc<Shared>>,
+    caller: Extension<Caller>,
+    Path((plural, name, sub)): Path<(String, String, String)>,
+    headers: HeaderMap,
+    raw: Query<std::collections::HashMap<String, String>>,
+) -> Reply {
+    if sub != "status" {
+        return Err(Failure::not_found(&format!("{plural}/{sub}"), &name));
+    }
+    get(st, caller, Path((plural, name)), headers, raw).await
+}
+
+/// PUT or PATCH of `…/NAME/status`: refused, whoever asks.
+pub async fn write_status(Path((plural, name, sub)): Path<(String, String, String)>) -> Reply {
+    if sub != "status" {
+        return Err(Failure::not_found(&format!("{plural}/{sub}"), &name));
+    }
+    Err(Failure::method_not_allowed(format!(
+        "the status of {plural}/{name} is written by boxery's controllers only (a Grant is approved by a person at a terminal: `boxery grant approve NAME`)"
+    ))
+    .about(&plural, &name))
+}
+
+/// POST to a collection: create.
+pub async fn create(
+    State(sh): State<Arc<Shared>>,
+    Extension(caller): Extension<Caller>,
+    Path(plural): Path<String>,
+    Query(p): Query<Params>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Reply {
+    let info = kind_of(&plural)?;
+    writable(info)?;
+    let obj = object_in(info, None, body_value(&body)?)?;
+    scope::allow(&sh, &caller, Access::Create, info, Some(&obj.metadata.name)).await?;
+    let v = verbs_for(&sh, &caller, &p, &headers);
+    let key = ObjectRef::to(&obj);
+    if v.store().get(&key).await?.is_some() {
+        return Err(Failure::from_store(&StoreError::AlreadyExists {
+            kind: obj.kind.clone(),
+            name: obj.metadata.name.clone(),
+        }));
+    }
+    let made = if p.dry()? {
+        let opts = ApplyOptions {
+            dry_run: true,
+            field_manager: Some(v.manager("create")),
+            ..ApplyOptions::default()
+        };
+        v.store()
+            .apply_all(vec![obj], &opts)
+            .await?
+            .into_iter()
+            .next()
+            .map(|(_, o)| o)
+            .ok_or_else(|| Failure::bad_request("nothing to create"))?
+    } else {
+        v.store().create_by(obj, &v.manager("create")).await?
+    };
+    Ok(json_reply(StatusCode::CREATED, &served(&made)))
+}
+
+/// PUT of one object: its labels, annotations and spec (the rest is the store's and the
+/// controllers'), with its `resourceVersion` as a precondition when it carries one.
+pub async fn replace(
+    State(sh): State<Arc<Shared>>,
+    Extension(caller): Extension<Caller>,
+    Path((plural, name)): Path<(String, String)>,
+    Query(p): Query<Params>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Reply {
+    let info = kind_of(&plural)?;
+    writable(info)?;
+    scope::allow(&sh, &caller, Access::Write, info, Some(&name)).await?;
+    let new = object_in(info, Some(&name), body_value(&body)?)?;
+    let v = verbs_for(&sh, &caller, &p, &headers);
+    let dry = if p.dry()? {
+        DryRun::Server
+    } else {
+        DryRun::None
+    };
+    let changed = boxery_verbs::edit::modify(&v, info, &name, dry, "update", |cur| {
+        if let Some(rv) = &new.metadata.resource_version
+            && Some(rv) != cur.metadata.resource_version.as_ref()
+        {
+            return Err(boxery_verbs::VerbError::Store(StoreError::Conflict {
+                kind: cur.kind.clone(),
+                name: cur.metadata.name.clone(),
+                expected: rv.clone(),
+                actual: cur.metadata.resource_version.clone().unwrap_or_default(),
+            }));
+        }
+        cur.metadata.labels = new.metadata.labels.clone();
+        // boxery's own annotations stay as they are; the rest are the caller's
+        let system: Vec<(String, String)> = cur
+            .metadata
+            .annotations
+            .iter()
+            .filter(|(k, _)| k.starts_with(boxery_verbs::edit::SYSTEM_PREFIX))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        cur.metadata.annotations = new
+            .metadata
+            .annotations
+            .iter()
+            .filter(|(k, _)| !k.starts_with(boxery_verbs::edit::SYSTEM_PREFIX))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .chain(system)
+            .collect();
+        let status = cur.rest.remove("status");
+        cur.rest = new.rest.clone();
+        cur.rest.remove("status");
+        if let Some(s) = status {
+            cur.rest.insert("status".into(), s);
+        }
+        Ok(())
+    })
+    .await?;
+    Ok(json_reply(StatusCode::OK, &served(&changed.object)))
+}
+
+/// PATCH of one object.
+pub async fn patch(
+    State(sh): State<Arc<Shared>>,
+    Extension(caller): Extension<Caller>,
+    Path((plural, name)): Path<(String, String)>,
+    Query(p): Query<Params>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Reply {
+    let info = kind_of(&plural)?;
+    writable(info)?;
+    let ctype = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|c| c.to_str().ok())
+        .unwrap_or("")
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    let v = verbs_for(&sh, &caller, &p, &headers);
+    let dry = p.dry()?;
+    if ctype == "application/apply-patch+yaml" || ctype == "application/apply-patch+json" {
+        if p.field_manager.as_deref().unwrap_or("").is_empty() {
+            return Err(Failure::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Invalid",
+                "fieldManager is required for apply requests",
+            ));
+        }
+        let obj = object_in(info, Some(&name), body_value(&body)?)?;
+        let exists = v.store().get(&ObjectRef::to(&obj)).await?.is_some();
+        let access = if exists {
+            Access::Write
+        } else {
+            Access::Create
+        };
+        scope::allow(&sh, &caller, access, info, Some(&name)).await?;
+        let applied = boxery_verbs::objects::apply(
+            &v,
+            vec![obj],
+            ApplyOptions {
+                dry_run: dry,
+                field_manager: Some(v.manager("apply")),
+                force_conflicts: p.forced(),
+                ..ApplyOptions::default()
+            },
+        )
+        .await?;
+        let o = applied
+            .results
+            .into_iter()
+            .next()
+            .map(|(_, o)| o)
+            .ok_or_else(|| Failure::bad_request("nothing to apply"))?;
+        let code = if exists {
+            StatusCode::OK
+        } else {
+            StatusCode::CREATED
+        };
+        return Ok(json_reply(code, &served(&o)));
+    }
+    let ty = match ctype.as_str() {
+        "application/merge-patch+json" | "application/strategic-merge-patch+json" => {
+            PatchType::Merge
+        }
+        "application/json-patch+json" => PatchType::Json,
+        other => {
+            return Err(Failure::unsupported(format!(
+                "the patch's Content-Type `{other}` is not one of application/merge-patch+json, application/strategic-merge-patch+json (applied as a merge patch), application/json-patch+json, application/apply-patch+yaml"
+            )));
+        }
+    };
+    scope::allow(&sh, &caller, Access::Write, info, Some(&name)).await?;
+    let text = without_status(ty, &body)?;
+    let dry = if dry { DryRun::Server } else { DryRun::None };
+    let changed = boxery_verbs::edit::patch(&v, info, &name, ty, &text, dry).await?;
+    Ok(json_reply(StatusCode::OK, &served(&changed.object)))
+}
+
+/// The patch without what it says of `status`: as with the Kubernetes API's status
+/// subresource, the main resource ignores status changes (`kubectl edit` sends the status it
+/// was shown, changed or not), and the status is the controllers' alone.
+fn without_status(ty: PatchType, body: &Bytes) -> Result<String, Failure> {
+    let mut p = body_value(body)?;
+    match (ty, &mut p) {
+        (PatchType::Merge, Value::Object(m)) => {
+            m.remove("status");
+        }
+        (PatchType::Json, Value::Array(ops)) => ops.retain(|op| {
+            let path = op["path"].as_str().unwrap_or("");
+            let from = op["from"].as_str().unwrap_or("");
+            !(path == "/status"
+                || path.starts_with("/status/")
+                || from == "/status"
+                || from.starts_with("/status/"))
+        }),
+        _ => {}
+    }
+    Ok(p.to_string())
+}
+
+/// DELETE of one object: gone (a success Status), or marked while its finalizers run (the
+/// object, with its deletionTimestamp).
+pub async fn delete(
+    State(sh): State<Arc<Shared>>,
+    Extension(caller): Extension<Caller>,
+    Path((plural, name)): Path<(String, String)>,
+    Query(p): Query<Params>,
+    headers: HeaderMap,
+) -> Reply {
+    let info = kind_of(&plural)?;
+    writable(info)?;
+    scope::allow(&sh, &caller, Access::Delete, info, Some(&name)).await?;
+    let v = verbs_for(&sh, &caller, &p, &headers);
+    let key = ObjectRef::new(info.kind, &name);
+    let Some(before) = v.store().get(&key).await? else {
+        return Err(Failure::not_found(info.plural, &name));
+    };
+    if p.dry()? {
+        return Ok(json_reply(StatusCode::OK, &served(&before)));
+    }
+    match boxery_verbs::objects::delete(&v, info, std::slice::from_ref(&name))
+        .await?
+        .pop()
+    {
+        Some(Deleted::Deleting(_)) => match v.store().get(&key).await? {
+            Some(o) => Ok(json_reply(StatusCode::OK, &served(&o))),
+            None => Ok(json_reply(
+                StatusCode::OK,
+                &success(info.plural, &name, before.metadata.uid.as_deref()),
+            )),
+        },
+        _ => Ok(json_reply(
+            StatusCode::OK,
+            &success(info.plural, &name, before.metadata.uid.as_deref()),
+        )),
+    }
+}
+
+/// DELETE of a collection: every object matching the selectors.
+pub async fn delete_collection(
+    State(sh): State<Arc<Shared>>,
+    Extension(caller): Extension<Caller>,
+    Path(plural): Path<String>,
+    Query(p): Query<Params>,
+    headers: HeaderMap,
+) -> Reply {
+    let info = kind_of(&plural)?;
+    writable(info)?;
+    scope::allow(&sh, &caller, Access::Delete, info, None).await?;
+    let (objs, rev) = read_list(&sh, &caller, info, &p.labels()?, &p.fields()?).await?;
+    let v = verbs_for(&sh, &caller, &p, &headers);
+    let names: Vec<String> = objs.iter().map(|o| o.metadata.name.clone()).collect();
+    if !names.is_empty() && !p.dry()? {
+        boxery_verbs::objects::delete(&v, info, &names).await?;
+    }
+    let values: Vec<Value> = objs.iter().map(served).collect();
+    Ok(json_reply(
+        StatusCode::OK,
+        &json!({
+            "apiVersion": GROUP_VERSION,
+            "kind": format!("{}List", info.kind),
+            "metadata": {"resourceVersion": rev.to_string()},
+            "items": values,
+        }),
+    ))
+}
+
+/// One watch event's line.
+pub fn event_line(
+    kind: &str,
+    ev: &WatchEvent,
+    table_of: Option<&str>,
+    include: Option<&str>,
+) -> Bytes {
+    let (ty, o) = match ev {
+        WatchEvent::Added(o) => ("ADDED", o),
+        WatchEvent::Modified(o) => ("MODIFIED", o),
+        WatchEvent::Deleted(o) => ("DELETED", o),
+    };
+    let v = served(o);
+    let object = match table_of {
+        Some(rv) => table(kind, std::slice::from_ref(&v), rv, include),
+        None => v,
+    };
+    let mut line = json!({"type": ty, "object": object}).to_string();
+    line.push('\n');
+    Bytes::from(line)
+}
+
+/// How long a watch runs at most when the client names no `timeoutSeconds`.
+pub const WATCH_MAX: Duration = Duration::from_secs(30 * 60);
+
+/// A body of lines from a channel.
+pub fn line_body(rx: tokio::sync::mpsc::Receiver<Bytes>) -> Body {
+    Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    }))
+}
+
+/// Whether a store watch stream's error is "too old".
+pub fn too_old(e: &StoreError) -> bool {
+    matches!(e, StoreError::TooOld { .. })
+}
+
+/// The store's watch of `kind` from `from`, as a stream.
+pub fn store_watch(sh: &Shared, kind: &str, from: u64) -> boxery_store::WatchStream {
+    sh.verbs.store().watch(Some(kind), from).boxed()
+}

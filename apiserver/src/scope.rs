@@ -1,0 +1,116 @@
+//! What a token's scope lets it do: `read` reads everything, `full` does everything, and
+//! `lease:NAME` reaches only its lease and the VM the lease holds, while the lease is Bound.
+
+use boxery_api::{KindInfo, Lease, Resource};
+use boxery_store::ObjectStoreExt;
+
+use crate::Shared;
+use crate::status::Failure;
+use crate::tokens::{Caller, Scope};
+
+/// What a request does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// get, list, watch.
+    Read,
+    /// create.
+    Create,
+    /// update, patch.
+    Write,
+    /// delete.
+    Delete,
+}
+
+/// The objects a caller may see: `None` for all, else `(kind, name)` pairs.
+pub async fn visible(
+    sh: &Shared,
+    caller: &Caller,
+) -> Result<Option<Vec<(String, String)>>, Failure> {
+    match &caller.scope {
+        Scope::Read | Scope::Full => Ok(None),
+        Scope::Lease(l) => Ok(Some(lease_objects(sh, caller, l).await?)),
+    }
+}
+
+/// Whether an object is among `visible` (an Event: when what it is about is).
+pub fn sees(visible: &Option<Vec<(String, String)>>, o: &boxery_api::DynObject) -> bool {
+    let Some(v) = visible else {
+        return true;
+    };
+    let (kind, name) = if o.kind == "Event" {
+        let about = &o.rest["involvedObject"];
+        (
+            about["kind"].as_str().unwrap_or_default(),
+            about["name"].as_str().unwrap_or_default(),
+        )
+    } else {
+        (o.kind.as_str(), o.metadata.name.as_str())
+    };
+    v.iter().any(|(k, n)| k == kind && n == name)
+}
+
+/// The lease and its VM, or 403 when the lease is gone or not Bound.
+async fn lease_objects(
+    sh: &Shared,
+    caller: &Caller,
+    lease: &str,
+) -> Result<Vec<(String, String)>, Failure> {
+    let l: Option<Lease> = sh.verbs.store().get_as::<Lease>(lease).await?;
+    let Some(l) = l else {
+        return Err(Failure::forbidden(format!(
+            "token {} is scoped to lease {lease}, which does not exist (any more)",
+            caller.name
+        )));
+    };
+    let mut out = vec![(Lease::INFO.kind.to_string(), lease.to_string())];
+    let phase = l.status.phase;
+    if phase.ended() {
+        return Err(Failure::forbidden(format!(
+            "token {} is scoped to lease {lease}, which has ended ({phase:?})",
+            caller.name
+        )));
+    }
+    if let Some(vm) = l.status.vm.clone() {
+        out.push(("Vm".to_string(), vm));
+    }
+    Ok(out)
+}
+
+/// Whether `caller` may do `access` to `info` (`name`: one object; `None`: the collection).
+pub async fn allow(
+    sh: &Shared,
+    caller: &Caller,
+    access: Access,
+    info: &KindInfo,
+    name: Option<&str>,
+) -> Result<(), Failure> {
+    match &caller.scope {
+        Scope::Full => Ok(()),
+        Scope::Read if access == Access::Read => Ok(()),
+        Scope::Read => Err(Failure::forbidden(format!(
+            "token {} has scope read: it may get, list and watch, not change anything (a person makes a full token with `boxery kubeconfig --scope full`)",
+            caller.name
+        ))),
+        Scope::Lease(l) => {
+            let mine = lease_objects(sh, caller, l).await?;
+            let ok = match (access, name) {
+                // a collection: read it, filtered to what the lease reaches
+                (Access::Read, None) => {
+                    info.kind == "Vm" || info.kind == "Lease" || info.kind == "Event"
+                }
+                (Access::Read | Access::Write, Some(n)) => {
+                    mine.iter().any(|(k, m)| k == info.kind && m == n)
+                }
+                _ => false,
+            };
+            if ok {
+                Ok(())
+            } else {
+                Err(Failure::forbidden(format!(
+                    "token {} is scoped to lease {l}: it reaches the lease and its VM only, and cannot create or delete objects",
+                    caller.name
+                )))
+            }
+        }
+    }
+}

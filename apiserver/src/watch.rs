@@ -1,0 +1,176 @@
+//! `?watch=1`: a stream of `{"type", "object"}` lines from the store's watch. Without a
+//! `resourceVersion` (or with `0`) the current objects come first as ADDED; from a revision
+//! the store compacted away the stream is one ERROR event with a `410 Expired` Status, so the
+//! client lists again. With `allowWatchBookmarks` a BOOKMARK line carries the last revision
+//! every [`BOOKMARK_EVERY`]. A token holds at most [`crate::Limits::watches_per_token`]
+//! watches at once.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use boxery_api::KindInfo;
+use boxery_store::WatchEvent;
+use futures::StreamExt;
+use serde_json::json;
+
+use crate::query::Params;
+use crate::resources::{Reply, event_line, line_body, read_list, store_watch, too_old};
+use crate::status::Failure;
+use crate::tokens::Caller;
+use crate::{GROUP_VERSION, Shared};
+
+/// How often a bookmark is sent when asked for.
+pub const BOOKMARK_EVERY: Duration = Duration::from_secs(10);
+
+/// A watch slot of a token, given back when the watch ends.
+struct Slot {
+    sh: Arc<Shared>,
+    token: String,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut w = self.sh.watches.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = w.get_mut(&self.token) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+fn slot(sh: &Arc<Shared>, caller: &Caller) -> Result<Slot, Failure> {
+    let mut w = sh.watches.lock().unwrap_or_else(|e| e.into_inner());
+    let n = w.entry(caller.name.clone()).or_default();
+    if *n >= sh.limits.watches_per_token {
+        return Err(Failure::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "TooManyRequests",
+            format!(
+                "token {} holds {} watches, the most one token may: end one first",
+                caller.name, n
+            ),
+        ));
+    }
+    *n += 1;
+    Ok(Slot {
+        sh: sh.clone(),
+        token: caller.name.clone(),
+    })
+}
+
+/// Serve a watch.
+pub async fn serve(
+    sh: Arc<Shared>,
+    caller: Caller,
+    info: &'static KindInfo,
+    p: Params,
+    table: bool,
+    include: Option<String>,
+) -> Reply {
+    let labels = p.labels()?;
+    let fields = p.fields()?;
+    let slot = slot(&sh, &caller)?;
+    let (initial, from) = match p.resource_version.as_deref() {
+        None | Some("") | Some("0") => {
+            let (objs, rev) = read_list(&sh, &caller, info, &labels, &fields).await?;
+            (objs, rev)
+        }
+        Some(rv) => {
+            let from: u64 = rv.parse().map_err(|_| {
+                Failure::bad_request(format!("resourceVersion `{rv}` is not a revision"))
+            })?;
+            (Vec::new(), from)
+        }
+    };
+    let visible = crate::scope::visible(&sh, &caller).await?;
+    let timeout = p
+        .timeout_seconds
+        .map(Duration::from_secs)
+        .unwrap_or(crate::resources::WATCH_MAX)
+        .min(crate::resources::WATCH_MAX);
+    let bookmarks = p.bookmarks();
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let kind = info.kind;
+    let floor = sh.verbs.store().compacted().await?;
+    let mut stream = store_watch(&sh, kind, from);
+    tokio::spawn(async move {
+        let _slot = slot;
+        let rv_now = from.to_string();
+        let table_rv = |rv: &str| table.then(|| rv.to_string());
+        if from < floor {
+            let f = Failure::new(
+                StatusCode::GONE,
+                "Expired",
+                format!("too old resource version: {from} ({floor})"),
+            );
+            let line = format!("{}\n", json!({"type": "ERROR", "object": f.body()}));
+            let _ = tx.send(line.into()).await;
+            return;
+        }
+        for o in initial {
+            let line = event_line(
+                kind,
+                &WatchEvent::Added(o),
+                table_rv(&rv_now).as_deref(),
+                include.as_deref(),
+            );
+            if tx.send(line).await.is_err() {
+                return;
+            }
+        }
+        let mut last = from;
+        let mut tick = tokio::time::interval(BOOKMARK_EVERY);
+        tick.reset();
+        let end = tokio::time::sleep(timeout);
+        tokio::pin!(end);
+        loop {
+            tokio::select! {
+                () = tx.closed() => return,
+                () = &mut end => break,
+                _ = tick.tick(), if bookmarks => {
+                    let b = json!({"type": "BOOKMARK", "object": {
+                        "kind": kind, "apiVersion": GROUP_VERSION,
+                        "metadata": {"resourceVersion": last.to_string()},
+                    }});
+                    if tx.send(format!("{b}\n").into()).await.is_err() {
+                        return;
+                    }
+                }
+                ev = stream.next() => match ev {
+                    None => break,
+                    Some(Err(e)) => {
+                        let f = if too_old(&e) {
+                            Failure::new(StatusCode::GONE, "Expired", e.to_string())
+                        } else {
+                            Failure::from_store(&e)
+                        };
+                        let line = format!("{}\n", json!({"type": "ERROR", "object": f.body()}));
+                        let _ = tx.send(line.into()).await;
+                        return;
+                    }
+                    Some(Ok((rev, ev))) => {
+                        last = rev;
+                        let o = ev.object();
+                        if !labels.matches(&o.metadata.labels)
+                            || !fields.matches(&boxery_verbs::render::display_value(o))
+                            || !crate::scope::sees(&visible, o)
+                        {
+                            continue;
+                        }
+                        let line = event_line(kind, &ev, table_rv(&rev.to_string()).as_deref(), include.as_deref());
+                        if tx.send(line).await.is_err() {
+                            return;
+                        }
+                    }
+                },
+            }
+        }
+    });
+    Ok((
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        line_body(rx),
+    )
+        .into_response())
+}

@@ -1,0 +1,400 @@
+//! The Kubernetes-compatible API (`serve --api-listen`) driven by clients we did not write:
+//! kubectl 1.32 and the official Python `kubernetes` client, on the fake backend. A missing
+//! kubectl or client is a failure that says how to install it, never a silent pass.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use common::{Home, Serve, eventually};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// A home with `serve --api-listen` running and a full-scope kubeconfig.
+struct Api {
+    home: Home,
+    _serve: Serve,
+    kubeconfig: PathBuf,
+}
+
+impl Api {
+    fn start() -> Api {
+        assert!(
+            Command::new("kubectl")
+                .arg("version")
+                .arg("--client")
+                .output()
+                .is_ok_and(|o| o.status.success()),
+            "kubectl is missing: scripts/install-deps.sh installs Debian's kubernetes-client"
+        );
+        let home = Home::new();
+        let serve = home.serve(&["--api-listen", "127.0.0.1:0"]);
+        serve.wait_leading();
+        let addr = home.path().join("api/addr");
+        eventually(Duration::from_secs(20), || addr.exists().then_some(()))
+            .expect("serve wrote api/addr");
+        let kc = home.ok(&["kubeconfig", "--name", "test"]);
+        let kubeconfig = home.write("kubeconfig.yaml", &kc);
+        Api {
+            home,
+            _serve: serve,
+            kubeconfig,
+        }
+    }
+
+    fn kubectl_with(&self, kubeconfig: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+        Command::new("kubectl")
+            .args(args)
+            .env("KUBECONFIG", kubeconfig)
+            .env("HOME", self.home.path())
+            .envs(env.iter().copied())
+            .output()
+            .expect("run kubectl")
+    }
+
+    fn kubectl(&self, args: &[&str]) -> Output {
+        self.kubectl_with(&self.kubeconfig, args, &[])
+    }
+
+    /// kubectl that must succeed; its stdout.
+    fn k(&self, args: &[&str]) -> String {
+        let o = self.kubectl(args);
+        assert!(
+            o.status.success(),
+            "kubectl {args:?} failed: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// kubectl that must fail; its stderr.
+    fn k_err(&self, args: &[&str]) -> String {
+        let o = self.kubectl(args);
+        assert!(
+            !o.status.success(),
+            "kubectl {args:?} succeeded: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    }
+}
+
+fn vm(name: &str, cpus: u32) -> String {
+    format!(
+        "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata:\n  name: {name}\n  labels: {{team: a}}\nspec:\n  resources: {{cpus: {cpus}, memory: 512Mi, disk: 1Gi}}\n  source: {{image: tiny}}\n"
+    )
+}
+
+#[test]
+fn kubectl_drives_boxery() {
+    let api = Api::start();
+    // discovery and OpenAPI
+    let res = api.k(&["api-resources", "--api-group", "boxery.dev"]);
+    for kind in ["vms", "images", "pools", "leases", "grants"] {
+        assert!(res.contains(kind), "api-resources lacks {kind}: {res}");
+    }
+    let explain = api.k(&["explain", "vm.spec.resources"]);
+    assert!(
+        explain.contains("cpus") && explain.contains("memory"),
+        "{explain}"
+    );
+
+    // client-side apply, then server-side apply of a change
+    let f = api.home.write("vm.yaml", &vm("dev1", 1));
+    let out = api.k(&["apply", "-f", f.to_str().unwrap()]);
+    assert!(out.contains("vm.boxery.dev/dev1 created"), "{out}");
+    api.k(&["wait", "--for=condition=Ready", "vm/dev1", "--timeout=30s"]);
+    let f2 = api.home.write("vm2.yaml", &vm("dev2", 1));
+    api.k(&["apply", "--server-side", "-f", f2.to_str().unwrap()]);
+    let f2b = api.home.write("vm2b.yaml", &vm("dev2", 2));
+    api.k(&["apply", "--server-side", "-f", f2b.to_str().unwrap()]);
+    assert_eq!(
+        api.k(&["get", "vm", "dev2", "-o", "jsonpath={.spec.resources.cpus}"]),
+        "2"
+    );
+
+    // the same columns as `boxery get vms`
+    let table = api.k(&["get", "vms"]);
+    let header = table
+        .lines()
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect::<Vec<_>>();
+    let ours = api.home.ok(&["get", "vms"]);
+    let our_header = ours
+        .lines()
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect::<Vec<_>>();
+    assert_eq!(header, our_header, "kubectl:\n{table}\nboxery:\n{ours}");
+    assert!(api.k(&["get", "vms", "-o", "wide"]).contains("EGRESS"));
+    let y = api.k(&["get", "vm", "dev1", "-o", "yaml"]);
+    assert!(y.contains("kind: Vm") && y.contains("uid:"), "{y}");
+
+    // patch (merge and JSON), label, edit with a scripted editor
+    api.k(&[
+        "patch",
+        "vm",
+        "dev1",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"resources":{"cpus":3}}}"#,
+    ]);
+    api.k(&[
+        "patch",
+        "vm",
+        "dev1",
+        "--type=json",
+        "-p",
+        r#"[{"op":"replace","path":"/spec/resources/cpus","value":4}]"#,
+    ]);
+    api.k(&["label", "vm", "dev1", "env=x"]);
+    assert_eq!(
+        api.k(&[
+            "get",
+            "vm",
+            "dev1",
+            "-o",
+            "jsonpath={.spec.resources.cpus} {.metadata.labels.env}"
+        ]),
+        "4 x"
+    );
+    let editor = api.home.write(
+        "editor.sh",
+        "#!/bin/sh\nsed -i 's/cpus: 4/cpus: 1/' \"$1\"\n",
+    );
+    std::fs::set_permissions(&editor, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let o = api.kubectl_with(
+        &api.kubeconfig,
+        &["edit", "vm", "dev1"],
+        &[("KUBE_EDITOR", editor.to_str().unwrap())],
+    );
+    assert!(
+        o.status.success(),
+        "edit: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(
+        api.k(&["get", "vm", "dev1", "-o", "jsonpath={.spec.resources.cpus}"]),
+        "1"
+    );
+
+    // a change made with boxery reaches `kubectl get -w`
+    let mut w = Command::new("kubectl")
+        .args(["get", "vms", "dev1", "-w", "--output-watch-events"])
+        .env("KUBECONFIG", &api.kubeconfig)
+        .env("HOME", api.home.path())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    api.home.ok(&["stop", "dev1"]);
+    std::thread::sleep(Duration::from_secs(3));
+    w.kill().unwrap();
+    let watched = String::from_utf8_lossy(&w.wait_with_output().unwrap().stdout).into_owned();
+    assert!(
+        watched
+            .lines()
+            .any(|l| l.contains("MODIFIED") && l.contains("Stopped")),
+        "{watched}"
+    );
+
+    // describe shows the events
+    let d = api.k(&["describe", "vm", "dev1"]);
+    assert!(d.contains("Events:") && d.contains("Created"), "{d}");
+
+    // a stale update: 409; a bad manifest: 422 naming the field
+    let mut cur = api.k(&["get", "vm", "dev1", "-o", "yaml"]);
+    let rv = cur
+        .lines()
+        .find(|l| l.contains("resourceVersion:"))
+        .unwrap()
+        .to_string();
+    cur = cur.replace(&rv, "  resourceVersion: \"2\"");
+    let stale = api.home.write("stale.yaml", &cur);
+    let e = api.k_err(&["replace", "-f", stale.to_str().unwrap()]);
+    assert!(e.contains("Conflict") && e.contains("stale"), "{e}");
+    let bad = api
+        .home
+        .write("bad.yaml", &vm("bad", 1).replace("cpus:", "cpu:"));
+    let e = api.k_err(&["apply", "-f", bad.to_str().unwrap()]);
+    assert!(
+        e.contains("is invalid") && e.contains("spec.resources") && e.contains("cpus"),
+        "{e}"
+    );
+
+    // delete --wait: gone when it returns
+    api.k(&["delete", "vm", "dev2", "--wait", "--timeout=60s"]);
+    let e = api.k_err(&["get", "vm", "dev2"]);
+    assert!(e.contains("NotFound") && e.contains("dev2"), "{e}");
+}
+
+#[test]
+fn tokens_and_scopes() {
+    let api = Api::start();
+    let addr = std::fs::read_to_string(api.home.path().join("api/addr")).unwrap();
+    // no token: 401, over TLS with the home's CA
+    let ca = api.home.path().join("api/ca.crt");
+    let o = Command::new("curl")
+        .args([
+            "-s",
+            "--cacert",
+            ca.to_str().unwrap(),
+            &format!("https://{}/apis/boxery.dev/v1alpha1/vms", addr.trim()),
+        ])
+        .output()
+        .expect("curl");
+    let body = String::from_utf8_lossy(&o.stdout);
+    assert!(body.contains("\"code\":401"), "{body}");
+    // read-only: reads, and gets 403 on writes
+    let ro = api
+        .home
+        .ok(&["kubeconfig", "--scope", "read", "--name", "ro"]);
+    let ro = api.home.write("ro.yaml", &ro);
+    let f = api.home.write("vm.yaml", &vm("r1", 1));
+    let o = api.kubectl_with(&ro, &["apply", "-f", f.to_str().unwrap()], &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("Forbidden") && err.contains("scope read"),
+        "{err}"
+    );
+    assert!(api.kubectl_with(&ro, &["get", "vms"], &[]).status.success());
+    // a status write is refused to everyone (a Grant is approved by a person at a terminal)
+    api.k(&["apply", "-f", f.to_str().unwrap()]);
+    let e = api.k_err(&[
+        "patch",
+        "vm",
+        "r1",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        r#"{"status":{"phase":"Running"}}"#,
+    ]);
+    assert!(e.contains("controllers only"), "{e}");
+    // revoked: 401 on the next request
+    api.home.ok(&["kubeconfig", "--revoke", "ro"]);
+    let o = api.kubectl_with(&ro, &["get", "vms"], &[]);
+    assert!(!o.status.success(), "a revoked token still reads");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("Unauthorized"));
+    // a lease-scoped token: its lease only (the lease does not exist: 403)
+    let l = api
+        .home
+        .ok(&["kubeconfig", "--scope", "lease:nope", "--name", "l"]);
+    let l = api.home.write("l.yaml", &l);
+    let o = api.kubectl_with(&l, &["get", "vms"], &[]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("Forbidden"));
+}
+
+#[test]
+fn the_python_client_lists_watches_creates_and_patches() {
+    let api = Api::start();
+    let python = std::env::var_os("BOXERY_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target/mcp-venv/bin/python"));
+    let has = Command::new(&python)
+        .args(["-c", "import kubernetes"])
+        .output();
+    assert!(
+        has.is_ok_and(|o| o.status.success()),
+        "no python with the kubernetes client at {}: scripts/test.sh installs it into target/mcp-venv (pip install kubernetes)",
+        python.display()
+    );
+    let o = Command::new(&python)
+        .arg(root().join("tests/api/k8s_client.py"))
+        .arg(&api.kubeconfig)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for line in [
+        "create again: 409",
+        "bad patch: 422",
+        "watch live: label seen",
+        "delete: py1",
+    ] {
+        assert!(out.contains(line), "{out}");
+    }
+}
+
+#[test]
+fn a_lease_token_reaches_its_lease_and_vm_only() {
+    let api = Api::start();
+    let pool = api.home.write(
+        "pool.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: p}\nspec:\n  replicas: 2\n  template:\n    spec:\n      source: {image: tiny}\n",
+    );
+    api.home.ok(&["apply", "-f", pool.to_str().unwrap()]);
+    api.home
+        .ok(&["lease", "acquire", "p", "--name", "mine", "--wait"]);
+    let held = eventually(Duration::from_secs(60), || {
+        let l: boxery_api::Lease = api.home.store().get_as("mine").ok()??;
+        l.status.vm.clone()
+    })
+    .expect("lease mine holds a VM");
+    let kc = api
+        .home
+        .ok(&["kubeconfig", "--scope", "lease:mine", "--name", "agent"]);
+    let kc = api.home.write("agent.yaml", &kc);
+    let as_agent = |args: &[&str]| api.kubectl_with(&kc, args, &[]);
+    // its VM: listed alone, read and changed
+    let o = as_agent(&["get", "vms", "-o", "name"]);
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        format!("vm.boxery.dev/{held}")
+    );
+    let o = as_agent(&["label", "vm", &held, "agent=yes"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // another VM of the pool, a create, a delete: 403
+    let all = api.home.ok(&["get", "vms", "-o", "name"]);
+    let other = all
+        .lines()
+        .map(|l| l.trim_start_matches("vm/"))
+        .find(|n| *n != held)
+        .expect("a second member");
+    for args in [vec!["get", "vm", other], vec!["delete", "vm", &held]] {
+        let o = as_agent(&args);
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains("Forbidden"),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    // an agent's token tightens egress, never loosens it
+    let o = as_agent(&[
+        "patch",
+        "vm",
+        &held,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"network":{"egress":{"policy":"Deny"}}}}"#,
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = as_agent(&[
+        "patch",
+        "vm",
+        &held,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"network":{"egress":{"policy":"Public"}}}}"#,
+    ]);
+    assert!(!o.status.success(), "an agent loosened egress");
+    // released: the token reaches nothing
+    api.home.ok(&["lease", "release", "mine"]);
+    let o = as_agent(&["get", "vm", &held]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("Forbidden") && (e.contains("has ended") || e.contains("does not exist")),
+        "{e}"
+    );
+}
