@@ -398,3 +398,68 @@ fn a_lease_token_reaches_its_lease_and_vm_only() {
         "{e}"
     );
 }
+
+/// A raw watch over HTTPS with the home's CA and a token: its lines, until `want` lines or
+/// `secs` seconds.
+fn watch_lines(api: &Api, query: &str, want: usize, secs: u64) -> Vec<serde_json::Value> {
+    let addr = std::fs::read_to_string(api.home.path().join("api/addr")).unwrap();
+    let token = std::fs::read_to_string(&api.kubeconfig)
+        .unwrap()
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("token: ").map(String::from))
+        .expect("a token in the kubeconfig");
+    let o = Command::new("curl")
+        .args([
+            "-sN",
+            "--max-time",
+            &secs.to_string(),
+            "--cacert",
+            api.home.path().join("api/ca.crt").to_str().unwrap(),
+            "-H",
+            &format!("Authorization: Bearer {token}"),
+            &format!("https://{}/apis/boxery.dev/v1alpha1/vms?watch=1&{query}", addr.trim()),
+        ])
+        .output()
+        .expect("curl");
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .take(want)
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+#[test]
+fn a_watch_from_a_compacted_revision_is_gone_and_bookmarks_carry_the_revision() {
+    let api = Api::start();
+    for i in 0..5 {
+        let f = api.home.write("v.yaml", &vm(&format!("w{i}"), 1));
+        api.home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    }
+    let store = api.home.store();
+    let now = store.revision().unwrap();
+    store.compact(1).unwrap();
+    assert!(store.compacted().unwrap() > 2, "nothing was compacted");
+    let lines = watch_lines(&api, "resourceVersion=1", 1, 5);
+    assert_eq!(lines[0]["type"], "ERROR", "{lines:?}");
+    assert_eq!(lines[0]["object"]["code"], 410, "{lines:?}");
+    assert_eq!(lines[0]["object"]["reason"], "Expired");
+    // from the current revision with bookmarks: the controllers' changes, then a bookmark at
+    // the last revision sent
+    let lines = watch_lines(
+        &api,
+        &format!("resourceVersion={now}&allowWatchBookmarks=true&timeoutSeconds=12"),
+        10_000,
+        13,
+    );
+    let b = lines
+        .iter()
+        .position(|l| l["type"] == "BOOKMARK")
+        .unwrap_or_else(|| panic!("no bookmark in {} lines", lines.len()));
+    let rv: u64 = lines[b]["object"]["metadata"]["resourceVersion"].as_str().unwrap().parse().unwrap();
+    let sent = lines[..b]
+        .iter()
+        .map(|l| l["object"]["metadata"]["resourceVersion"].as_str().unwrap().parse::<u64>().unwrap())
+        .max()
+        .unwrap_or(now);
+    assert!(rv >= now && rv >= sent, "bookmark {rv}, from {now}, sent up to {sent}");
+}
