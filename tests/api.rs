@@ -417,7 +417,10 @@ fn watch_lines(api: &Api, query: &str, want: usize, secs: u64) -> Vec<serde_json
             api.home.path().join("api/ca.crt").to_str().unwrap(),
             "-H",
             &format!("Authorization: Bearer {token}"),
-            &format!("https://{}/apis/boxery.dev/v1alpha1/vms?watch=1&{query}", addr.trim()),
+            &format!(
+                "https://{}/apis/boxery.dev/v1alpha1/vms?watch=1&{query}",
+                addr.trim()
+            ),
         ])
         .output()
         .expect("curl");
@@ -455,11 +458,24 @@ fn a_watch_from_a_compacted_revision_is_gone_and_bookmarks_carry_the_revision() 
         .iter()
         .position(|l| l["type"] == "BOOKMARK")
         .unwrap_or_else(|| panic!("no bookmark in {} lines", lines.len()));
-    let rv: u64 = lines[b]["object"]["metadata"]["resourceVersion"].as_str().unwrap().parse().unwrap();
+    let rv: u64 = lines[b]["object"]["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     let sent = lines[..b]
         .iter()
-        .map(|l| l["object"]["metadata"]["resourceVersion"].as_str().unwrap().parse::<u64>().unwrap())
+        .map(|l| {
+            l["object"]["metadata"]["resourceVersion"]
+                .as_str()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        })
         .max()
         .unwrap_or(now);
-    assert!(rv >= now && rv >= sent, "bookmark {rv}, from {now}, sent up to {sent}");
+    assert!(
+        rv >= now && rv >= sent,
+        "bookmark {rv}, from {now}, sent up to {sent}"
+    );
 }

@@ -106,6 +106,11 @@ impl FieldSelector {
         Ok(FieldSelector(terms))
     }
 
+    /// Whether it selects everything.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
     /// Whether `obj` (as served) matches.
     pub fn matches(&self, obj: &Value) -> bool {
         self.0.iter().all(|(path, eq, want)| {

@@ -129,13 +129,59 @@ fn writable(info: &KindInfo) -> Result<(), Failure> {
     }
 }
 
-/// How an object is served in a list or a Table row (`includeObject`).
+/// An object as served, as a value (for selectors and Table cells).
 fn served(o: &DynObject) -> Value {
     display_value(o)
 }
 
+/// An object as served, as JSON text: written straight from the object, `managedFields` left
+/// out (boxery's entries are its own form; kubectl hides them anyway).
+fn served_bytes(o: &mut DynObject, out: &mut Vec<u8>) {
+    let managed = std::mem::take(&mut o.metadata.managed_fields);
+    serde_json::to_writer(&mut *out, &*o).expect("an object serializes");
+    o.metadata.managed_fields = managed;
+}
+
+/// A JSON response of bytes already written.
+fn bytes_reply(code: StatusCode, body: Vec<u8>) -> Response {
+    (code, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// One object's response.
+fn object_reply(code: StatusCode, mut o: DynObject) -> Response {
+    let mut b = Vec::with_capacity(2048);
+    served_bytes(&mut o, &mut b);
+    bytes_reply(code, b)
+}
+
+/// A `KindList` response, written object by object.
+fn list_reply(info: &KindInfo, rev: u64, objs: &mut [DynObject]) -> Response {
+    let mut b = Vec::with_capacity(objs.len() * 2048 + 128);
+    b.extend_from_slice(
+        format!(
+            r#"{{"apiVersion":"{GROUP_VERSION}","kind":"{}List","metadata":{{"resourceVersion":"{rev}"}},"items":["#,
+            info.kind
+        )
+        .as_bytes(),
+    );
+    for (i, o) in objs.iter_mut().enumerate() {
+        if i > 0 {
+            b.push(b',');
+        }
+        served_bytes(o, &mut b);
+    }
+    b.extend_from_slice(b"]}");
+    bytes_reply(StatusCode::OK, b)
+}
+
 /// The Table of `objs`: the columns `boxery get` prints (the `-o wide` ones at priority 1).
 pub fn table(kind: &str, objs: &[Value], rv: &str, include: Option<&str>) -> Value {
+    serde_json::from_slice(&table_bytes(kind, objs, rv, include)).expect("a table is JSON")
+}
+
+/// [`table`] as JSON text, written row by row (a Table of 1,000 Vms is what `kubectl get vms`
+/// asks for).
+pub fn table_bytes(kind: &str, objs: &[Value], rv: &str, include: Option<&str>) -> Vec<u8> {
     let narrow: Vec<&str> = boxery_verbs::render::columns(kind, false)
         .iter()
         .map(|(h, _)| *h)
@@ -153,29 +199,47 @@ pub fn table(kind: &str, objs: &[Value], rv: &str, include: Option<&str>) -> Val
             })
         })
         .collect();
-    let rows: Vec<Value> = objs
-        .iter()
-        .map(|o| {
-            let cells: Vec<String> = wide.iter().map(|(_, f)| safe(&f(o)).into_owned()).collect();
-            let object = match include {
-                Some("None") => Value::Null,
-                Some("Object") => o.clone(),
-                _ => json!({
-                    "kind": "PartialObjectMetadata",
-                    "apiVersion": "meta.k8s.io/v1",
-                    "metadata": o["metadata"],
-                }),
-            };
-            json!({"cells": cells, "object": object})
-        })
-        .collect();
-    json!({
+    let mut b = Vec::with_capacity(objs.len() * 512 + 1024);
+    let head = json!({
         "kind": "Table",
         "apiVersion": "meta.k8s.io/v1",
         "metadata": {"resourceVersion": rv},
         "columnDefinitions": defs,
-        "rows": rows,
     })
+    .to_string();
+    b.extend_from_slice(&head.as_bytes()[..head.len() - 1]);
+    b.extend_from_slice(br#","rows":["#);
+    let mut cells: Vec<String> = Vec::with_capacity(wide.len());
+    for (i, o) in objs.iter().enumerate() {
+        if i > 0 {
+            b.push(b',');
+        }
+        cells.clear();
+        cells.extend(wide.iter().map(|(_, f)| {
+            let c = f(o);
+            match safe(&c) {
+                std::borrow::Cow::Borrowed(_) => c,
+                std::borrow::Cow::Owned(s) => s,
+            }
+        }));
+        b.extend_from_slice(br#"{"cells":"#);
+        serde_json::to_writer(&mut b, &cells).expect("strings serialize");
+        b.extend_from_slice(br#","object":"#);
+        match include {
+            Some("None") => b.extend_from_slice(b"null"),
+            Some("Object") => serde_json::to_writer(&mut b, o).expect("a value serializes"),
+            _ => {
+                b.extend_from_slice(
+                    br#"{"kind":"PartialObjectMetadata","apiVersion":"meta.k8s.io/v1","metadata":"#,
+                );
+                serde_json::to_writer(&mut b, &o["metadata"]).expect("a value serializes");
+                b.push(b'}');
+            }
+        }
+        b.push(b'}');
+    }
+    b.extend_from_slice(b"]}");
+    b
 }
 
 /// `includeObject` of a Table request.
@@ -209,29 +273,14 @@ pub async fn list(
         )
         .await;
     }
-    let (objs, rev) = read_list(&sh, &caller, info, &p.labels()?, &p.fields()?).await?;
-    let values: Vec<Value> = objs.iter().map(served).collect();
-    let rv = rev.to_string();
+    let (mut objs, rev) = read_list(&sh, &caller, info, &p.labels()?, &p.fields()?).await?;
     if wants_table(&headers) {
-        return Ok(json_reply(
-            StatusCode::OK,
-            &table(
-                info.kind,
-                &values,
-                &rv,
-                include_of(&headers, &raw).as_deref(),
-            ),
-        ));
+        let values: Vec<Value> = objs.iter().map(served).collect();
+        let include = include_of(&headers, &raw);
+        let t = table_bytes(info.kind, &values, &rev.to_string(), include.as_deref());
+        return Ok(bytes_reply(StatusCode::OK, t));
     }
-    Ok(json_reply(
-        StatusCode::OK,
-        &json!({
-            "apiVersion": GROUP_VERSION,
-            "kind": format!("{}List", info.kind),
-            "metadata": {"resourceVersion": rv},
-            "items": values,
-        }),
-    ))
+    Ok(list_reply(info, rev, &mut objs))
 }
 
 /// The objects of a kind a caller may see, matching the selectors, and the revision read at.
@@ -257,7 +306,7 @@ pub async fn read_list(
         None => store.list(info.kind, labels).await?,
     };
     let visible = scope::visible(sh, caller).await?;
-    objs.retain(|o| fields.matches(&served(o)) && scope::sees(&visible, o));
+    objs.retain(|o| scope::sees(&visible, o) && (fields.is_empty() || fields.matches(&served(o))));
     Ok((objs, rev))
 }
 
@@ -277,15 +326,13 @@ pub async fn get(
         .get(&ObjectRef::new(info.kind, &name))
         .await?
         .ok_or_else(|| Failure::not_found(info.plural, &name))?;
-    let v = served(&o);
     if wants_table(&headers) {
         let rv = o.metadata.resource_version.clone().unwrap_or_default();
-        return Ok(json_reply(
-            StatusCode::OK,
-            &table(info.kind, &[v], &rv, include_of(&headers, &raw).as_deref()),
-        ));
+        let include = include_of(&headers, &raw);
+        let t = table(info.kind, &[served(&o)], &rv, include.as_deref());
+        return Ok(json_reply(StatusCode::OK, &t));
     }
-    Ok(json_reply(StatusCode::OK, &v))
+    Ok(object_reply(StatusCode::OK, o))
 }
 
 /// GET of `…/NAME/status`.
@@ -350,7 +397,7 @@ pub async fn create(
     } else {
         v.store().create_by(obj, &v.manager("create")).await?
     };
-    Ok(json_reply(StatusCode::CREATED, &served(&made)))
+    Ok(object_reply(StatusCode::CREATED, made))
 }
 
 /// PUT of one object: its labels, annotations and spec (the rest is the store's and the
@@ -410,7 +457,7 @@ pub async fn replace(
         Ok(())
     })
     .await?;
-    Ok(json_reply(StatusCode::OK, &served(&changed.object)))
+    Ok(object_reply(StatusCode::OK, changed.object))
 }
 
 /// PATCH of one object.
@@ -473,7 +520,7 @@ pub async fn patch(
         } else {
             StatusCode::CREATED
         };
-        return Ok(json_reply(code, &served(&o)));
+        return Ok(object_reply(code, o));
     }
     let ty = match ctype.as_str() {
         "application/merge-patch+json" | "application/strategic-merge-patch+json" => {
@@ -490,7 +537,7 @@ pub async fn patch(
     let text = without_status(ty, &body)?;
     let dry = if dry { DryRun::Server } else { DryRun::None };
     let changed = boxery_verbs::edit::patch(&v, info, &name, ty, &text, dry).await?;
-    Ok(json_reply(StatusCode::OK, &served(&changed.object)))
+    Ok(object_reply(StatusCode::OK, changed.object))
 }
 
 /// The patch without what it says of `status`: as with the Kubernetes API's status
@@ -533,14 +580,14 @@ pub async fn delete(
         return Err(Failure::not_found(info.plural, &name));
     };
     if p.dry()? {
-        return Ok(json_reply(StatusCode::OK, &served(&before)));
+        return Ok(object_reply(StatusCode::OK, before));
     }
     match boxery_verbs::objects::delete(&v, info, std::slice::from_ref(&name))
         .await?
         .pop()
     {
         Some(Deleted::Deleting(_)) => match v.store().get(&key).await? {
-            Some(o) => Ok(json_reply(StatusCode::OK, &served(&o))),
+            Some(o) => Ok(object_reply(StatusCode::OK, o)),
             None => Ok(json_reply(
                 StatusCode::OK,
                 &success(info.plural, &name, before.metadata.uid.as_deref()),

@@ -153,7 +153,7 @@ pub async fn serve(
                         last = rev;
                         let o = ev.object();
                         if !labels.matches(&o.metadata.labels)
-                            || !fields.matches(&boxery_verbs::render::display_value(o))
+                            || !(fields.is_empty() || fields.matches(&boxery_verbs::render::display_value(o)))
                             || !crate::scope::sees(&visible, o)
                         {
                             continue;
