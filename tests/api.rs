@@ -403,11 +403,7 @@ fn a_lease_token_reaches_its_lease_and_vm_only() {
 /// `secs` seconds.
 fn watch_lines(api: &Api, query: &str, want: usize, secs: u64) -> Vec<serde_json::Value> {
     let addr = std::fs::read_to_string(api.home.path().join("api/addr")).unwrap();
-    let token = std::fs::read_to_string(&api.kubeconfig)
-        .unwrap()
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("token: ").map(String::from))
-        .expect("a token in the kubeconfig");
+    let token = token_of(&std::fs::read_to_string(&api.kubeconfig).unwrap());
     let o = Command::new("curl")
         .args([
             "-sN",
@@ -477,5 +473,45 @@ fn a_watch_from_a_compacted_revision_is_gone_and_bookmarks_carry_the_revision() 
     assert!(
         rv >= now && rv >= sent,
         "bookmark {rv}, from {now}, sent up to {sent}"
+    );
+}
+
+/// The secret of a kubeconfig `boxery kubeconfig` printed.
+fn token_of(kubeconfig: &str) -> String {
+    kubeconfig
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("token: ").map(String::from))
+        .expect("a token in the kubeconfig")
+}
+
+#[test]
+fn mcp_is_served_behind_the_api_tokens() {
+    let api = Api::start();
+    let python = std::env::var_os("BOXERY_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target/mcp-venv/bin/python"));
+    let has = Command::new(&python).args(["-c", "import mcp"]).output();
+    assert!(
+        has.is_ok_and(|o| o.status.success()),
+        "no python with the MCP SDK at {}: scripts/test.sh installs it into target/mcp-venv",
+        python.display()
+    );
+    let addr = std::fs::read_to_string(api.home.path().join("api/addr")).unwrap();
+    let full = token_of(&std::fs::read_to_string(&api.kubeconfig).unwrap());
+    let read = token_of(
+        &api.home
+            .ok(&["kubeconfig", "--scope", "read", "--name", "r"]),
+    );
+    let o = Command::new(&python)
+        .arg(root().join("tests/mcp/client.py"))
+        .args(["api", &format!("https://{}/mcp", addr.trim()), &full, &read])
+        .arg(api.home.path().join("api/ca.crt"))
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("api: ok"),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
     );
 }

@@ -1402,6 +1402,18 @@ fn selection_by_file_label_and_all() {
         "5s",
     ]);
 
+    // Reconciled first, so each carries its finalizer and `delete` marks it (the jsonpath
+    // waits above hold at once: whether their embedded controllers got to the VMs before
+    // exiting is a race, and a VM no controller has seen is removed outright).
+    home.ok(&[
+        "wait",
+        "vm",
+        "d1",
+        "d2",
+        "--for=condition=Ready",
+        "--timeout",
+        "60s",
+    ]);
     assert_eq!(
         home.ok(&["delete", "-f", d, "--wait"]),
         "vm/d1 deleting\nvm/d2 deleting\nvm/d1 deleted\nvm/d2 deleted\n"

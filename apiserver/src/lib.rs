@@ -166,9 +166,33 @@ async fn authenticate(State(sh): State<Arc<Shared>>, mut req: Request, next: Nex
     next.run(req).await
 }
 
-/// The API's routes.
-pub fn router(sh: Arc<Shared>) -> Router {
+/// `/mcp` through the API: a full token only (an MCP session can do everything the tools
+/// can; read-only and lease-scoped sessions are not built), and never from a browser page
+/// (a request with an `Origin`).
+async fn mcp_gate(req: Request, next: Next) -> Response {
+    let full = req
+        .extensions()
+        .get::<tokens::Caller>()
+        .is_some_and(|c| c.scope == tokens::Scope::Full);
+    if !full {
+        return Failure::forbidden(
+            "MCP through the API needs a token of scope full (`boxery kubeconfig --scope full`); read-only and lease-scoped MCP sessions are not served",
+        )
+        .into_response();
+    }
+    if req.headers().contains_key(header::ORIGIN) {
+        return Failure::forbidden(
+            "MCP through the API is not served to browser pages (a request with an Origin)",
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// The API's routes; `mcp`: the MCP service to serve at `/mcp` behind the same tokens.
+pub fn router(sh: Arc<Shared>, mcp: Option<Router>) -> Router {
     let gv = format!("/apis/{GROUP_VERSION}");
+    let mcp = mcp.unwrap_or_default().layer(middleware::from_fn(mcp_gate));
     let authed = Router::new()
         .route(
             "/version",
@@ -232,9 +256,10 @@ pub fn router(sh: Arc<Shared>) -> Router {
                 "the server could not find the requested resource",
             )
         })
-        .layer(middleware::from_fn_with_state(sh.clone(), authenticate))
         .layer(DefaultBodyLimit::max(sh.limits.body_bytes))
-        .with_state(sh);
+        .with_state(sh.clone())
+        .merge(mcp)
+        .layer(middleware::from_fn_with_state(sh, authenticate));
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/livez", get(|| async { "ok" }))
@@ -285,7 +310,12 @@ impl ApiServer {
     pub async fn run(self, shutdown: CancellationToken) {
         use hyper_util::rt::{TokioIo, TokioTimer};
         use hyper_util::service::TowerToHyperService;
-        let app = router(self.shared.clone());
+        let mcp = boxery_mcp::server::McpService::new(
+            &self.shared.verbs.env,
+            Some(Vec::new()),
+            &shutdown,
+        );
+        let app = router(self.shared.clone(), Some(mcp.router()));
         let acceptor = tokio_rustls::TlsAcceptor::from(self.tls);
         let limits = self.shared.limits;
         let sockets = Arc::new(tokio::sync::Semaphore::new(limits.connections));
@@ -333,5 +363,6 @@ impl ApiServer {
             });
         }
         tasks.shutdown().await;
+        mcp.release_leases();
     }
 }

@@ -625,25 +625,62 @@ impl HttpServer {
     }
 
     async fn run_within(self, limits: Limits, shutdown: CancellationToken) -> VerbResult {
-        use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
-        use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
         let local = self.local;
         let mut allowed = vec![
             format!("http://{local}"),
             format!("http://localhost:{}", local.port()),
         ];
         allowed.extend(self.origins);
+        let hosts = if local.ip().is_loopback() {
+            None
+        } else {
+            Some(vec![local.ip().to_string(), local.to_string()])
+        };
+        let mcp = McpService::new(&self.env, hosts, &shutdown);
+        let g = Gate {
+            token: Arc::new(self.token),
+            origins: Arc::new(allowed),
+            body_read: limits.body_read,
+        };
+        let app = mcp
+            .router()
+            .layer(axum::middleware::from_fn_with_state(g, gate));
+        eprintln!(
+            "boxery serve: MCP at http://{local}/mcp (bearer token in {})",
+            self.env.home.join("mcp-token").display()
+        );
+        serve_connections(self.listener, app, limits, shutdown).await;
+        mcp.release_leases();
+        Ok(())
+    }
+}
+
+/// The streamable HTTP MCP service at `/mcp`, without a gate: `serve --mcp-listen` puts its
+/// token gate in front, the API (`serve --api-listen`) its own tokens.
+#[derive(Clone)]
+pub struct McpService {
+    router: axum::Router,
+    sessions: Arc<std::sync::Mutex<Vec<std::sync::Weak<Session>>>>,
+}
+
+impl McpService {
+    /// The service for `env`'s home. `hosts`: the Host names rmcp accepts beside the loopback
+    /// ones (`Some(vec![])`: any, for a listener whose clients authenticate anyway).
+    pub fn new(env: &Env, hosts: Option<Vec<String>>, shutdown: &CancellationToken) -> McpService {
+        use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+        use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
         let mut cfg = StreamableHttpServerConfig::default();
         cfg.cancellation_token = shutdown.child_token();
         // rmcp's own cap (4 MiB by default) must not undercut ours: the gate enforces it.
         cfg.max_request_body_bytes = BODY_CAP;
-        if !local.ip().is_loopback() {
-            cfg.allowed_hosts.push(local.ip().to_string());
-            cfg.allowed_hosts.push(local.to_string());
+        match hosts {
+            None => {}
+            Some(h) if h.is_empty() => cfg.allowed_hosts.clear(),
+            Some(h) => cfg.allowed_hosts.extend(h),
         }
-        let env2 = self.env.clone();
+        let env2 = env.clone();
         // Sessions end (and release their leases) when the client deletes them, when they
-        // idle out (rmcp's keep-alive), or when the server shuts down (below).
+        // idle out (rmcp's keep-alive), or when the server shuts down ([`Self::release_leases`]).
         let sessions: Arc<std::sync::Mutex<Vec<std::sync::Weak<Session>>>> = Default::default();
         let sessions2 = sessions.clone();
         let service = StreamableHttpService::new(
@@ -657,20 +694,21 @@ impl HttpServer {
             Arc::new(LocalSessionManager::default()),
             cfg,
         );
-        let g = Gate {
-            token: Arc::new(self.token),
-            origins: Arc::new(allowed),
-            body_read: limits.body_read,
-        };
-        let app = axum::Router::new()
-            .nest_service("/mcp", service)
-            .layer(axum::middleware::from_fn_with_state(g, gate));
-        eprintln!(
-            "boxery serve: MCP at http://{local}/mcp (bearer token in {})",
-            self.env.home.join("mcp-token").display()
-        );
-        serve_connections(self.listener, app, limits, shutdown).await;
-        let live: Vec<Arc<Session>> = sessions
+        McpService {
+            router: axum::Router::new().nest_service("/mcp", service),
+            sessions,
+        }
+    }
+
+    /// The router serving `/mcp`.
+    pub fn router(&self) -> axum::Router {
+        self.router.clone()
+    }
+
+    /// Release the leases of the sessions still open (the server is stopping).
+    pub fn release_leases(&self) {
+        let live: Vec<Arc<Session>> = self
+            .sessions
             .lock()
             .expect("poisoned")
             .iter()
@@ -679,7 +717,6 @@ impl HttpServer {
         for s in live {
             s.release_leases();
         }
-        Ok(())
     }
 }
 

@@ -432,6 +432,43 @@ async def grants_mode(binary):
     print("grants: ok")
 
 
+async def api_mode(url, full_token, read_token, ca):
+    """MCP behind the Kubernetes-compatible API (`serve --api-listen`): over TLS with the
+    home's CA, with the API's tokens: none 401, read-only 403, a browser Origin 403; a full
+    token gets the tools, as a remote client (local paths refused)."""
+    import ssl
+
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
+
+    ctx = ssl.create_default_context(cafile=ca)
+    body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}
+    hdr = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+    async with httpx2.AsyncClient(verify=ctx) as c:
+        r = await c.post(url, json=body, headers=hdr)
+        check(r.status_code == 401, f"no token: {r.status_code}")
+        r = await c.post(url, json=body, headers={**hdr, "Authorization": f"Bearer {read_token}"})
+        check(r.status_code == 403, f"read-only token: {r.status_code}")
+        r = await c.post(url, json=body, headers={**hdr, "Authorization": f"Bearer {full_token}",
+                                                   "Origin": "https://evil.example"})
+        check(r.status_code == 403, f"an Origin: {r.status_code}")
+    client = httpx2.AsyncClient(verify=ctx, headers={"Authorization": f"Bearer {full_token}"},
+                                timeout=httpx2.Timeout(30.0, read=300.0))
+    async with client:
+        async with streamable_http_client(url, http_client=client) as streams:
+            async with ClientSession(streams[0], streams[1]) as s:
+                await s.initialize()
+                names = {t.name for t in (await s.list_tools()).tools}
+                check("vm_bash" in names, f"tools through the API: {names}")
+                _, t = await call(s, "vm_get", {})
+                check("no vms" in t or "NAME" in t, f"vm_get through the API: {t}")
+                _, t = await call(s, "vm_copy", {"src": "local:/etc/passwd", "dst": "x:/tmp/"}, ok=False)
+                check("refused over HTTP" in t, f"local paths through the API: {t}")
+    print("api: ok")
+
+
 def main():
     mode = sys.argv[1]
     started = time.time()
@@ -439,6 +476,8 @@ def main():
         asyncio.run(tools_mode(sys.argv[2]))
     elif mode == "http":
         asyncio.run(http_mode(sys.argv[2], sys.argv[3]))
+    elif mode == "api":
+        asyncio.run(api_mode(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]))
     elif mode == "grants":
         asyncio.run(grants_mode(sys.argv[2]))
     elif mode == "lease":
