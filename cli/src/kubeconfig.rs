@@ -68,7 +68,23 @@ pub fn run(home: &Path, a: KubeconfigArgs) -> CliResult<String> {
                     file.display()
                 ))
             })?;
-            format!("https://{}", addr.trim())
+            let addr: std::net::SocketAddr = addr.trim().parse().map_err(|_| {
+                CliError::invalid(format!(
+                    "{} does not hold an address: give --server https://HOST:PORT",
+                    file.display()
+                ))
+            })?;
+            if addr.ip().is_unspecified() {
+                // Listening everywhere: this host reaches it on loopback; another machine
+                // needs the host's name, which only the person knows.
+                eprintln!(
+                    "the API listens on every address ({addr}): this kubeconfig uses 127.0.0.1; for another machine, run again with --server https://HOST:{}",
+                    addr.port()
+                );
+                format!("https://127.0.0.1:{}", addr.port())
+            } else {
+                format!("https://{addr}")
+            }
         }
     };
     boxery_apiserver::tls::ensure_ca(home).map_err(failed)?;
