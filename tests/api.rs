@@ -14,6 +14,21 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The python with `module`: $BOXERY_TEST_PYTHON, else target/mcp-venv (scripts/test.sh
+/// installs the MCP SDK and the kubernetes client there); a missing one fails, saying so.
+fn python_with(module: &str) -> PathBuf {
+    let python = std::env::var_os("BOXERY_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target/mcp-venv/bin/python"));
+    let has = Command::new(&python).args(["-c", &format!("import {module}")]).output();
+    assert!(
+        has.is_ok_and(|o| o.status.success()),
+        "no python with `{module}` at {}: scripts/test.sh installs it into target/mcp-venv (pip install mcp jsonschema kubernetes)",
+        python.display()
+    );
+    python
+}
+
 /// A home with `serve --api-listen` running and a full-scope kubeconfig.
 struct Api {
     home: Home,
@@ -295,17 +310,7 @@ fn tokens_and_scopes() {
 #[test]
 fn the_python_client_lists_watches_creates_and_patches() {
     let api = Api::start();
-    let python = std::env::var_os("BOXERY_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target/mcp-venv/bin/python"));
-    let has = Command::new(&python)
-        .args(["-c", "import kubernetes"])
-        .output();
-    assert!(
-        has.is_ok_and(|o| o.status.success()),
-        "no python with the kubernetes client at {}: scripts/test.sh installs it into target/mcp-venv (pip install kubernetes)",
-        python.display()
-    );
+    let python = python_with("kubernetes");
     let o = Command::new(&python)
         .arg(root().join("tests/api/k8s_client.py"))
         .arg(&api.kubeconfig)
@@ -487,15 +492,7 @@ fn token_of(kubeconfig: &str) -> String {
 #[test]
 fn mcp_is_served_behind_the_api_tokens() {
     let api = Api::start();
-    let python = std::env::var_os("BOXERY_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target/mcp-venv/bin/python"));
-    let has = Command::new(&python).args(["-c", "import mcp"]).output();
-    assert!(
-        has.is_ok_and(|o| o.status.success()),
-        "no python with the MCP SDK at {}: scripts/test.sh installs it into target/mcp-venv",
-        python.display()
-    );
+    let python = python_with("mcp");
     let addr = std::fs::read_to_string(api.home.path().join("api/addr")).unwrap();
     let full = token_of(&std::fs::read_to_string(&api.kubeconfig).unwrap());
     let read = token_of(

@@ -2,19 +2,15 @@
 //! which is where `kubectl describe` looks for them (with a field selector on
 //! `involvedObject`). Read-only: the controllers write them.
 
-use std::collections::HashMap;
-use std::sync::Arc;
-
-use axum::extract::{Extension, Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use serde_json::{Value, json};
 
-use crate::query::{FieldSelector, Params, wants_table};
+use crate::call::Call;
+use crate::query::{FieldSelector, wants_table};
 use crate::resources::{Reply, json_reply, read_list, table};
 use crate::scope::{self, Access};
 use crate::status::Failure;
-use crate::tokens::Caller;
-use crate::{GROUP_VERSION, Shared};
+use crate::GROUP_VERSION;
 
 /// The namespace events appear in (every boxery kind is cluster-scoped; Kubernetes keeps such
 /// objects' events in `default`).
@@ -38,12 +34,9 @@ pub fn core(e: &Value) -> Value {
 
 /// GET `/api/v1/events` and `/api/v1/namespaces/NS/events`.
 pub async fn list(
-    State(sh): State<Arc<Shared>>,
-    Extension(caller): Extension<Caller>,
-    Query(p): Query<Params>,
-    Query(raw): Query<HashMap<String, String>>,
-    headers: HeaderMap,
+    c: Call,
 ) -> Reply {
+    let Call { sh, caller, p, include, headers } = c;
     let info = boxery_api::lookup_kind("Event").expect("Event is a kind");
     scope::allow(&sh, &caller, Access::Read, info, None).await?;
     if p.is_watch() {
@@ -72,7 +65,7 @@ pub async fn list(
                 "Event",
                 &items,
                 &rv,
-                raw.get("includeObject").map(String::as_str),
+                include.as_deref(),
             ),
         ));
     }

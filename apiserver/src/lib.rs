@@ -6,6 +6,7 @@
 //! and the MCP tools ([`resources`], [`watch`]), and errors are Kubernetes `Status` bodies
 //! ([`status`]). What is served, and what is not, is in `docs/api.md`.
 
+pub mod call;
 pub mod discovery;
 pub mod events;
 pub mod query;

@@ -3,11 +3,10 @@
 //! subresource (read-only) and watch, each through the verbs and the store every other front
 //! end uses.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Extension, Path, Query, State};
+use axum::extract::Path;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use boxery_api::{DynObject, KindInfo, Selector};
@@ -23,6 +22,7 @@ use crate::query::{FieldSelector, Params, wants_table};
 use crate::scope::{self, Access};
 use crate::status::{Failure, success};
 use crate::tokens::Caller;
+use crate::call::Call;
 use crate::{GROUP_VERSION, Shared};
 
 /// A handler's result.
@@ -242,24 +242,13 @@ pub fn table_bytes(kind: &str, objs: &[Value], rv: &str, include: Option<&str>) 
     b
 }
 
-/// `includeObject` of a Table request.
-fn include_of(
-    headers: &HeaderMap,
-    q: &std::collections::HashMap<String, String>,
-) -> Option<String> {
-    let _ = headers;
-    q.get("includeObject").cloned()
-}
 
 /// GET of a collection: a list, a Table, or a watch.
 pub async fn list(
-    State(sh): State<Arc<Shared>>,
-    Extension(caller): Extension<Caller>,
+    c: Call,
     Path(plural): Path<String>,
-    Query(p): Query<Params>,
-    Query(raw): Query<std::collections::HashMap<String, String>>,
-    headers: HeaderMap,
 ) -> Reply {
+    let Call { sh, caller, p, include, headers } = c;
     let info = kind_of(&plural)?;
     scope::allow(&sh, &caller, Access::Read, info, None).await?;
     if p.is_watch() {
@@ -269,14 +258,14 @@ pub async fn list(
             info,
             p,
             wants_table(&headers),
-            include_of(&headers, &raw),
+            include.clone(),
         )
         .await;
     }
     let (mut objs, rev) = read_list(&sh, &caller, info, &p.labels()?, &p.fields()?).await?;
     if wants_table(&headers) {
         let values: Vec<Value> = objs.iter().map(served).collect();
-        let include = include_of(&headers, &raw);
+        let include = include.clone();
         let t = table_bytes(info.kind, &values, &rev.to_string(), include.as_deref());
         return Ok(bytes_reply(StatusCode::OK, t));
     }
@@ -312,12 +301,10 @@ pub async fn read_list(
 
 /// GET of one object (and of its `status`).
 pub async fn get(
-    State(sh): State<Arc<Shared>>,
-    Extension(caller): Extension<Caller>,
+    c: Call,
     Path((plural, name)): Path<(String, String)>,
-    headers: HeaderMap,
-    Query(raw): Query<std::collections::HashMap<String, String>>,
 ) -> Reply {
+    let Call { sh, caller, include, headers, .. } = c;
     let info = kind_of(&plural)?;
     scope::allow(&sh, &caller, Access::Read, info, Some(&name)).await?;
     let o = sh
@@ -328,7 +315,7 @@ pub async fn get(
         .ok_or_else(|| Failure::not_found(info.plural, &name))?;
     if wants_table(&headers) {
         let rv = o.metadata.resource_version.clone().unwrap_or_default();
-        let include = include_of(&headers, &raw);
+        let include = include.clone();
         let t = table(info.kind, &[served(&o)], &rv, include.as_deref());
         return Ok(json_reply(StatusCode::OK, &t));
     }
@@ -337,16 +324,13 @@ pub async fn get(
 
 /// GET of `…/NAME/status`.
 pub async fn get_status(
-    st: State<Arc<Shared>>,
-    caller: Extension<Caller>,
+    c: Call,
     Path((plural, name, sub)): Path<(String, String, String)>,
-    headers: HeaderMap,
-    raw: Query<std::collections::HashMap<String, String>>,
 ) -> Reply {
     if sub != "status" {
         return Err(Failure::not_found(&format!("{plural}/{sub}"), &name));
     }
-    get(st, caller, Path((plural, name)), headers, raw).await
+    get(c, Path((plural, name))).await
 }
 
 /// PUT or PATCH of `…/NAME/status`: refused, whoever asks.
@@ -362,13 +346,11 @@ pub async fn write_status(Path((plural, name, sub)): Path<(String, String, Strin
 
 /// POST to a collection: create.
 pub async fn create(
-    State(sh): State<Arc<Shared>>,
-    Extension(caller): Extension<Caller>,
+    c: Call,
     Path(plural): Path<String>,
-    Query(p): Query<Params>,
-    headers: HeaderMap,
     body: Bytes,
 ) -> Reply {
+    let Call { sh, caller, p, headers, .. } = c;
     let info = kind_of(&plural)?;
     writable(info)?;
     let obj = object_in(info, None, body_value(&body)?)?;
@@ -403,13 +385,11 @@ pub async fn create(
 /// PUT of one object: its labels, annotations and spec (the rest is the store's and the
 /// controllers'), with its `resourceVersion` as a precondition when it carries one.
 pub async fn replace(
-    State(sh): State<Arc<Shared>>,
-    Extension(caller): Extension<Caller>,
+    c: Call,
     Path((plural, name)): Path<(String, String)>,
-    Query(p): Query<Params>,
-    headers: HeaderMap,
     body: Bytes,
 ) -> Reply {
+    let Call { sh, caller, p, headers, .. } = c;
     let info = kind_of(&plural)?;
     writable(info)?;
     scope::allow(&sh, &caller, Access::Write, info, Some(&name)).await?;
@@ -462,13 +442,11 @@ pub async fn replace(
 
 /// PATCH of one object.
 pub async fn patch(
-    State(sh): State<Arc<Shared>>,
-    Extension(caller): Extension<Caller>,
+    c: Call,
     Path((plural, name)): Path<(String, String)>,
-    Query(p): Query<Params>,
-    headers: HeaderMap,
     body: Bytes,
 ) -> Reply {
+    let Call { sh, caller, p, headers, .. } = c;
     let info = kind_of(&plural)?;
     writable(info)?;
     let ctype = headers
@@ -565,12 +543,10 @@ fn without_status(ty: PatchType, body: &Bytes) -> Result<String, Failure> {
 /// DELETE of one object: gone (a success Status), or marked while its finalizers run (the
 /// object, with its deletionTimestamp).
 pub async fn delete(
-    State(sh): State<Arc<Shared>>,
-    Extension(caller): Extension<Caller>,
+    c: Call,
     Path((plural, name)): Path<(String, String)>,
-    Query(p): Query<Params>,
-    headers: HeaderMap,
 ) -> Reply {
+    let Call { sh, caller, p, headers, .. } = c;
     let info = kind_of(&plural)?;
     writable(info)?;
     scope::allow(&sh, &caller, Access::Delete, info, Some(&name)).await?;
@@ -602,12 +578,10 @@ pub async fn delete(
 
 /// DELETE of a collection: every object matching the selectors.
 pub async fn delete_collection(
-    State(sh): State<Arc<Shared>>,
-    Extension(caller): Extension<Caller>,
+    c: Call,
     Path(plural): Path<String>,
-    Query(p): Query<Params>,
-    headers: HeaderMap,
 ) -> Reply {
+    let Call { sh, caller, p, headers, .. } = c;
     let info = kind_of(&plural)?;
     writable(info)?;
     scope::allow(&sh, &caller, Access::Delete, info, None).await?;
