@@ -20,7 +20,9 @@ fn python_with(module: &str) -> PathBuf {
     let python = std::env::var_os("BOXERY_TEST_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| root().join("target/mcp-venv/bin/python"));
-    let has = Command::new(&python).args(["-c", &format!("import {module}")]).output();
+    let has = Command::new(&python)
+        .args(["-c", &format!("import {module}")])
+        .output();
     assert!(
         has.is_ok_and(|o| o.status.success()),
         "no python with `{module}` at {}: scripts/test.sh installs it into target/mcp-venv (pip install mcp jsonschema kubernetes)",

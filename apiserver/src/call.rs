@@ -42,7 +42,8 @@ impl FromRequestParts<Arc<Shared>> for Call {
             Failure::bad_request(format!("the query: {e}"))
         };
         let Query(p) = Query::<Params>::try_from_uri(&parts.uri).map_err(bad)?;
-        let Query(mut raw) = Query::<HashMap<String, String>>::try_from_uri(&parts.uri).map_err(bad)?;
+        let Query(mut raw) =
+            Query::<HashMap<String, String>>::try_from_uri(&parts.uri).map_err(bad)?;
         Ok(Call {
             sh: sh.clone(),
             caller,

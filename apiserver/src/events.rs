@@ -5,12 +5,12 @@
 use axum::http::StatusCode;
 use serde_json::{Value, json};
 
+use crate::GROUP_VERSION;
 use crate::call::Call;
 use crate::query::{FieldSelector, wants_table};
 use crate::resources::{Reply, json_reply, read_list, table};
 use crate::scope::{self, Access};
 use crate::status::Failure;
-use crate::GROUP_VERSION;
 
 /// The namespace events appear in (every boxery kind is cluster-scoped; Kubernetes keeps such
 /// objects' events in `default`).
@@ -33,10 +33,8 @@ pub fn core(e: &Value) -> Value {
 }
 
 /// GET `/api/v1/events` and `/api/v1/namespaces/NS/events`.
-pub async fn list(
-    c: Call,
-) -> Reply {
-    let Call { sh, caller, p, include, headers } = c;
+pub async fn list(c: Call) -> Reply {
+    let (sh, caller, p, include, headers) = (c.sh, c.caller, c.p, c.include, c.headers);
     let info = boxery_api::lookup_kind("Event").expect("Event is a kind");
     scope::allow(&sh, &caller, Access::Read, info, None).await?;
     if p.is_watch() {
@@ -61,12 +59,7 @@ pub async fn list(
     if wants_table(&headers) {
         return Ok(json_reply(
             StatusCode::OK,
-            &table(
-                "Event",
-                &items,
-                &rv,
-                include.as_deref(),
-            ),
+            &table("Event", &items, &rv, include.as_deref()),
         ));
     }
     Ok(json_reply(

@@ -18,11 +18,11 @@ use boxery_verbs::{Verbs, Voice};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
+use crate::call::Call;
 use crate::query::{FieldSelector, Params, wants_table};
 use crate::scope::{self, Access};
 use crate::status::{Failure, success};
 use crate::tokens::Caller;
-use crate::call::Call;
 use crate::{GROUP_VERSION, Shared};
 
 /// A handler's result.
@@ -242,25 +242,14 @@ pub fn table_bytes(kind: &str, objs: &[Value], rv: &str, include: Option<&str>) 
     b
 }
 
-
 /// GET of a collection: a list, a Table, or a watch.
-pub async fn list(
-    c: Call,
-    Path(plural): Path<String>,
-) -> Reply {
-    let Call { sh, caller, p, include, headers } = c;
+pub async fn list(c: Call, Path(plural): Path<String>) -> Reply {
+    let (sh, caller, p, include, headers) = (c.sh, c.caller, c.p, c.include, c.headers);
     let info = kind_of(&plural)?;
     scope::allow(&sh, &caller, Access::Read, info, None).await?;
     if p.is_watch() {
-        return crate::watch::serve(
-            sh,
-            caller,
-            info,
-            p,
-            wants_table(&headers),
-            include.clone(),
-        )
-        .await;
+        return crate::watch::serve(sh, caller, info, p, wants_table(&headers), include.clone())
+            .await;
     }
     let (mut objs, rev) = read_list(&sh, &caller, info, &p.labels()?, &p.fields()?).await?;
     if wants_table(&headers) {
@@ -300,11 +289,8 @@ pub async fn read_list(
 }
 
 /// GET of one object (and of its `status`).
-pub async fn get(
-    c: Call,
-    Path((plural, name)): Path<(String, String)>,
-) -> Reply {
-    let Call { sh, caller, include, headers, .. } = c;
+pub async fn get(c: Call, Path((plural, name)): Path<(String, String)>) -> Reply {
+    let (sh, caller, include, headers) = (c.sh, c.caller, c.include, c.headers);
     let info = kind_of(&plural)?;
     scope::allow(&sh, &caller, Access::Read, info, Some(&name)).await?;
     let o = sh
@@ -345,12 +331,8 @@ pub async fn write_status(Path((plural, name, sub)): Path<(String, String, Strin
 }
 
 /// POST to a collection: create.
-pub async fn create(
-    c: Call,
-    Path(plural): Path<String>,
-    body: Bytes,
-) -> Reply {
-    let Call { sh, caller, p, headers, .. } = c;
+pub async fn create(c: Call, Path(plural): Path<String>, body: Bytes) -> Reply {
+    let (sh, caller, p, headers) = (c.sh, c.caller, c.p, c.headers);
     let info = kind_of(&plural)?;
     writable(info)?;
     let obj = object_in(info, None, body_value(&body)?)?;
@@ -384,12 +366,8 @@ pub async fn create(
 
 /// PUT of one object: its labels, annotations and spec (the rest is the store's and the
 /// controllers'), with its `resourceVersion` as a precondition when it carries one.
-pub async fn replace(
-    c: Call,
-    Path((plural, name)): Path<(String, String)>,
-    body: Bytes,
-) -> Reply {
-    let Call { sh, caller, p, headers, .. } = c;
+pub async fn replace(c: Call, Path((plural, name)): Path<(String, String)>, body: Bytes) -> Reply {
+    let (sh, caller, p, headers) = (c.sh, c.caller, c.p, c.headers);
     let info = kind_of(&plural)?;
     writable(info)?;
     scope::allow(&sh, &caller, Access::Write, info, Some(&name)).await?;
@@ -441,12 +419,8 @@ pub async fn replace(
 }
 
 /// PATCH of one object.
-pub async fn patch(
-    c: Call,
-    Path((plural, name)): Path<(String, String)>,
-    body: Bytes,
-) -> Reply {
-    let Call { sh, caller, p, headers, .. } = c;
+pub async fn patch(c: Call, Path((plural, name)): Path<(String, String)>, body: Bytes) -> Reply {
+    let (sh, caller, p, headers) = (c.sh, c.caller, c.p, c.headers);
     let info = kind_of(&plural)?;
     writable(info)?;
     let ctype = headers
@@ -542,11 +516,8 @@ fn without_status(ty: PatchType, body: &Bytes) -> Result<String, Failure> {
 
 /// DELETE of one object: gone (a success Status), or marked while its finalizers run (the
 /// object, with its deletionTimestamp).
-pub async fn delete(
-    c: Call,
-    Path((plural, name)): Path<(String, String)>,
-) -> Reply {
-    let Call { sh, caller, p, headers, .. } = c;
+pub async fn delete(c: Call, Path((plural, name)): Path<(String, String)>) -> Reply {
+    let (sh, caller, p, headers) = (c.sh, c.caller, c.p, c.headers);
     let info = kind_of(&plural)?;
     writable(info)?;
     scope::allow(&sh, &caller, Access::Delete, info, Some(&name)).await?;
@@ -577,11 +548,8 @@ pub async fn delete(
 }
 
 /// DELETE of a collection: every object matching the selectors.
-pub async fn delete_collection(
-    c: Call,
-    Path(plural): Path<String>,
-) -> Reply {
-    let Call { sh, caller, p, headers, .. } = c;
+pub async fn delete_collection(c: Call, Path(plural): Path<String>) -> Reply {
+    let (sh, caller, p, headers) = (c.sh, c.caller, c.p, c.headers);
     let info = kind_of(&plural)?;
     writable(info)?;
     scope::allow(&sh, &caller, Access::Delete, info, None).await?;
