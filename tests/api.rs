@@ -203,7 +203,7 @@ fn kubectl_drives_boxery() {
         "1"
     );
 
-    // a change made with boxery reaches `kubectl get -w`
+    // a change made with boxery reaches `kubectl get -w` (read as it comes, up to a minute)
     let mut w = Command::new("kubectl")
         .args(["get", "vms", "dev1", "-w", "--output-watch-events"])
         .env("KUBECONFIG", &api.kubeconfig)
@@ -211,17 +211,35 @@ fn kubectl_drives_boxery() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_secs(2));
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let out = w.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    // the watch is up once its first row (the current state) is printed
+    let first = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("kubectl get -w printed a row");
     api.home.ok(&["stop", "dev1"]);
-    std::thread::sleep(Duration::from_secs(3));
+    let mut watched = vec![first];
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !watched
+        .iter()
+        .any(|l| l.contains("MODIFIED") && l.contains("Stopped"))
+    {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => watched.push(l),
+            Err(_) => panic!("no MODIFIED … Stopped row within a minute: {watched:?}"),
+        }
+    }
     w.kill().unwrap();
-    let watched = String::from_utf8_lossy(&w.wait_with_output().unwrap().stdout).into_owned();
-    assert!(
-        watched
-            .lines()
-            .any(|l| l.contains("MODIFIED") && l.contains("Stopped")),
-        "{watched}"
-    );
+    let _ = w.wait();
 
     // describe shows the events
     let d = api.k(&["describe", "vm", "dev1"]);
