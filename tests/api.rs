@@ -414,8 +414,27 @@ fn a_lease_token_reaches_its_lease_and_vm_only() {
         r#"{"spec":{"network":{"egress":{"policy":"Public"}}}}"#,
     ]);
     assert!(!o.status.success(), "an agent loosened egress");
-    // released: the token reaches nothing
+    // released: the token reaches nothing, and a watch it holds ends with a 403
+    let mut watch = watch_vms(
+        &api,
+        &token_of(&std::fs::read_to_string(&kc).unwrap()),
+        "",
+        60,
+    );
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(watch.stdout.take().unwrap()));
+    let first = lines.next().expect("the watch's first line").unwrap();
+    assert!(
+        first.contains(r#""type":"ADDED""#) && first.contains(&held),
+        "{first}"
+    );
     api.home.ok(&["lease", "release", "mine"]);
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let _ = watch.wait();
+    assert!(
+        rest.last()
+            .is_some_and(|l| l.contains(r#""type":"ERROR""#) && l.contains(r#""code":403"#)),
+        "the lease's watch went on after its release: {rest:?}"
+    );
     let o = as_agent(&["get", "vm", &held]);
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -424,12 +443,11 @@ fn a_lease_token_reaches_its_lease_and_vm_only() {
     );
 }
 
-/// A raw watch over HTTPS with the home's CA and a token: its lines, until `want` lines or
-/// `secs` seconds.
-fn watch_lines(api: &Api, query: &str, want: usize, secs: u64) -> Vec<serde_json::Value> {
+/// A raw watch of `vms` over HTTPS with the home's CA and `token`, as a running curl whose
+/// stdout gives the event lines; it ends after `secs` seconds at most.
+fn watch_vms(api: &Api, token: &str, query: &str, secs: u64) -> std::process::Child {
     let addr = std::fs::read_to_string(api.home.path().join("api/addr")).unwrap();
-    let token = token_of(&std::fs::read_to_string(&api.kubeconfig).unwrap());
-    let o = Command::new("curl")
+    Command::new("curl")
         .args([
             "-sN",
             "--max-time",
@@ -443,7 +461,16 @@ fn watch_lines(api: &Api, query: &str, want: usize, secs: u64) -> Vec<serde_json
                 addr.trim()
             ),
         ])
-        .output()
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("curl")
+}
+
+/// The lines of a watch with the full token, until `want` lines or `secs` seconds.
+fn watch_lines(api: &Api, query: &str, want: usize, secs: u64) -> Vec<serde_json::Value> {
+    let token = token_of(&std::fs::read_to_string(&api.kubeconfig).unwrap());
+    let o = watch_vms(api, &token, query, secs)
+        .wait_with_output()
         .expect("curl");
     String::from_utf8_lossy(&o.stdout)
         .lines()

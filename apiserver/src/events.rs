@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 use crate::GROUP_VERSION;
 use crate::call::Call;
 use crate::query::{FieldSelector, wants_table};
-use crate::resources::{Reply, json_reply, read_list, table};
+use crate::resources::{Reply, bytes_reply, json_reply, read_list, table_bytes};
 use crate::scope::{self, Access};
 use crate::status::Failure;
 
@@ -57,10 +57,8 @@ pub async fn list(c: Call) -> Reply {
     });
     let rv = rev.to_string();
     if wants_table(&headers) {
-        return Ok(json_reply(
-            StatusCode::OK,
-            &table("Event", &items, &rv, include.as_deref()),
-        ));
+        let t = table_bytes("Event", &items, &rv, include.as_deref());
+        return Ok(bytes_reply(StatusCode::OK, t));
     }
     Ok(json_reply(
         StatusCode::OK,

@@ -73,6 +73,9 @@ impl Default for Limits {
     }
 }
 
+/// How long open connections get to finish when the server stops.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 /// A token's request budget (a token bucket).
 #[derive(Debug)]
 struct Bucket {
@@ -132,11 +135,7 @@ async fn authenticate(State(sh): State<Arc<Shared>>, mut req: Request, next: Nex
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|h| h.to_str().ok())
-        .and_then(|h| {
-            h.strip_prefix("Bearer ")
-                .or_else(|| h.strip_prefix("bearer "))
-        })
-        .map(str::trim)
+        .and_then(boxery_mcp::server::bearer)
         .map(String::from);
     let caller = secret.as_deref().and_then(|s| sh.tokens.check(s));
     let Some(caller) = caller else {
@@ -358,12 +357,21 @@ impl ApiServer {
                     _ = conn.as_mut() => {}
                     _ = stop.cancelled() => {
                         conn.as_mut().graceful_shutdown();
-                        let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
+                        let _ = tokio::time::timeout(SHUTDOWN_GRACE, conn).await;
                     }
                 }
             });
         }
-        tasks.shutdown().await;
+        // Open connections got the stop too and finish their requests (watches end); what has
+        // not finished within the grace is cut.
+        drop(self.listener);
+        let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+            while tasks.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            tasks.shutdown().await;
+        }
         mcp.release_leases();
     }
 }

@@ -52,30 +52,46 @@ pub fn json_reply(code: StatusCode, v: &Value) -> Response {
         .into_response()
 }
 
+/// A field manager's name as the Kubernetes API takes it: 1 to 128 printable ASCII characters.
+fn manager_name(m: &str) -> bool {
+    (1..=128).contains(&m.len()) && m.chars().all(|c| c.is_ascii_graphic())
+}
+
 /// The verbs a caller's writes go through: an agent's lease token speaks as a tool (so an
 /// egress policy may only tighten), a person's token as the CLI; the field manager is the
-/// request's `fieldManager`, else the client's name from its User-Agent.
-fn verbs_for(sh: &Shared, caller: &Caller, p: &Params, headers: &HeaderMap) -> Verbs {
+/// request's `fieldManager` (422 when malformed), else the client's name from its User-Agent.
+fn verbs_for(
+    sh: &Shared,
+    caller: &Caller,
+    p: &Params,
+    headers: &HeaderMap,
+) -> Result<Verbs, Failure> {
     let v = match caller.scope {
         crate::tokens::Scope::Lease(_) => sh.verbs.in_voice(Voice::Tool),
         _ => sh.verbs.clone(),
     };
+    if let Some(m) = p.field_manager.as_deref()
+        && !manager_name(m)
+    {
+        return Err(Failure::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Invalid",
+            "fieldManager: 1 to 128 printable ASCII characters",
+        ));
+    }
     let manager = p
         .field_manager
         .clone()
-        .filter(|m| !m.is_empty() && m.len() <= 128 && m.chars().all(|c| c.is_ascii_graphic()))
         .or_else(|| {
             headers
                 .get(header::USER_AGENT)
                 .and_then(|u| u.to_str().ok())
                 .and_then(|u| u.split('/').next())
-                .filter(|u| {
-                    !u.is_empty() && u.len() <= 64 && u.chars().all(|c| c.is_ascii_graphic())
-                })
+                .filter(|u| manager_name(u))
                 .map(String::from)
         })
         .unwrap_or_else(|| "api".to_string());
-    v.as_manager(&manager)
+    Ok(v.as_manager(&manager))
 }
 
 /// A request body (JSON, or YAML for apply) as a value.
@@ -143,7 +159,7 @@ fn served_bytes(o: &mut DynObject, out: &mut Vec<u8>) {
 }
 
 /// A JSON response of bytes already written.
-fn bytes_reply(code: StatusCode, body: Vec<u8>) -> Response {
+pub(crate) fn bytes_reply(code: StatusCode, body: Vec<u8>) -> Response {
     (code, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
@@ -174,13 +190,8 @@ fn list_reply(info: &KindInfo, rev: u64, objs: &mut [DynObject]) -> Response {
     bytes_reply(StatusCode::OK, b)
 }
 
-/// The Table of `objs`: the columns `boxery get` prints (the `-o wide` ones at priority 1).
-pub fn table(kind: &str, objs: &[Value], rv: &str, include: Option<&str>) -> Value {
-    serde_json::from_slice(&table_bytes(kind, objs, rv, include)).expect("a table is JSON")
-}
-
-/// [`table`] as JSON text, written row by row (a Table of 1,000 Vms is what `kubectl get vms`
-/// asks for).
+/// The Table of `objs` as JSON text: the columns `boxery get` prints (the `-o wide` ones at
+/// priority 1), written row by row (a Table of 1,000 Vms is what `kubectl get vms` asks for).
 pub fn table_bytes(kind: &str, objs: &[Value], rv: &str, include: Option<&str>) -> Vec<u8> {
     let narrow: Vec<&str> = boxery_verbs::render::columns(kind, false)
         .iter()
@@ -248,13 +259,11 @@ pub async fn list(c: Call, Path(plural): Path<String>) -> Reply {
     let info = kind_of(&plural)?;
     scope::allow(&sh, &caller, Access::Read, info, None).await?;
     if p.is_watch() {
-        return crate::watch::serve(sh, caller, info, p, wants_table(&headers), include.clone())
-            .await;
+        return crate::watch::serve(sh, caller, info, p, wants_table(&headers), include).await;
     }
     let (mut objs, rev) = read_list(&sh, &caller, info, &p.labels()?, &p.fields()?).await?;
     if wants_table(&headers) {
         let values: Vec<Value> = objs.iter().map(served).collect();
-        let include = include.clone();
         let t = table_bytes(info.kind, &values, &rev.to_string(), include.as_deref());
         return Ok(bytes_reply(StatusCode::OK, t));
     }
@@ -301,9 +310,8 @@ pub async fn get(c: Call, Path((plural, name)): Path<(String, String)>) -> Reply
         .ok_or_else(|| Failure::not_found(info.plural, &name))?;
     if wants_table(&headers) {
         let rv = o.metadata.resource_version.clone().unwrap_or_default();
-        let include = include.clone();
-        let t = table(info.kind, &[served(&o)], &rv, include.as_deref());
-        return Ok(json_reply(StatusCode::OK, &t));
+        let t = table_bytes(info.kind, &[served(&o)], &rv, include.as_deref());
+        return Ok(bytes_reply(StatusCode::OK, t));
     }
     Ok(object_reply(StatusCode::OK, o))
 }
@@ -337,15 +345,15 @@ pub async fn create(c: Call, Path(plural): Path<String>, body: Bytes) -> Reply {
     writable(info)?;
     let obj = object_in(info, None, body_value(&body)?)?;
     scope::allow(&sh, &caller, Access::Create, info, Some(&obj.metadata.name)).await?;
-    let v = verbs_for(&sh, &caller, &p, &headers);
-    let key = ObjectRef::to(&obj);
-    if v.store().get(&key).await?.is_some() {
-        return Err(Failure::from_store(&StoreError::AlreadyExists {
-            kind: obj.kind.clone(),
-            name: obj.metadata.name.clone(),
-        }));
-    }
+    let v = verbs_for(&sh, &caller, &p, &headers)?;
     let made = if p.dry()? {
+        // apply would update a taken name: say what create would
+        if v.store().get(&ObjectRef::to(&obj)).await?.is_some() {
+            return Err(Failure::from_store(&StoreError::AlreadyExists {
+                kind: obj.kind.clone(),
+                name: obj.metadata.name.clone(),
+            }));
+        }
         let opts = ApplyOptions {
             dry_run: true,
             field_manager: Some(v.manager("create")),
@@ -372,7 +380,7 @@ pub async fn replace(c: Call, Path((plural, name)): Path<(String, String)>, body
     writable(info)?;
     scope::allow(&sh, &caller, Access::Write, info, Some(&name)).await?;
     let new = object_in(info, Some(&name), body_value(&body)?)?;
-    let v = verbs_for(&sh, &caller, &p, &headers);
+    let v = verbs_for(&sh, &caller, &p, &headers)?;
     let dry = if p.dry()? {
         DryRun::Server
     } else {
@@ -406,9 +414,9 @@ pub async fn replace(c: Call, Path((plural, name)): Path<(String, String)>, body
             .map(|(k, v)| (k.clone(), v.clone()))
             .chain(system)
             .collect();
+        // `new` has no status (object_in drops it): the stored one stays
         let status = cur.rest.remove("status");
         cur.rest = new.rest.clone();
-        cur.rest.remove("status");
         if let Some(s) = status {
             cur.rest.insert("status".into(), s);
         }
@@ -432,7 +440,7 @@ pub async fn patch(c: Call, Path((plural, name)): Path<(String, String)>, body: 
         .unwrap_or("")
         .trim()
         .to_ascii_lowercase();
-    let v = verbs_for(&sh, &caller, &p, &headers);
+    let v = verbs_for(&sh, &caller, &p, &headers)?;
     let dry = p.dry()?;
     if ctype == "application/apply-patch+yaml" || ctype == "application/apply-patch+json" {
         if p.field_manager.as_deref().unwrap_or("").is_empty() {
@@ -521,7 +529,7 @@ pub async fn delete(c: Call, Path((plural, name)): Path<(String, String)>) -> Re
     let info = kind_of(&plural)?;
     writable(info)?;
     scope::allow(&sh, &caller, Access::Delete, info, Some(&name)).await?;
-    let v = verbs_for(&sh, &caller, &p, &headers);
+    let v = verbs_for(&sh, &caller, &p, &headers)?;
     let key = ObjectRef::new(info.kind, &name);
     let Some(before) = v.store().get(&key).await? else {
         return Err(Failure::not_found(info.plural, &name));
@@ -553,10 +561,11 @@ pub async fn delete_collection(c: Call, Path(plural): Path<String>) -> Reply {
     let info = kind_of(&plural)?;
     writable(info)?;
     scope::allow(&sh, &caller, Access::Delete, info, None).await?;
+    let dry = p.dry()?;
     let (objs, rev) = read_list(&sh, &caller, info, &p.labels()?, &p.fields()?).await?;
-    let v = verbs_for(&sh, &caller, &p, &headers);
+    let v = verbs_for(&sh, &caller, &p, &headers)?;
     let names: Vec<String> = objs.iter().map(|o| o.metadata.name.clone()).collect();
-    if !names.is_empty() && !p.dry()? {
+    if !names.is_empty() && !dry {
         boxery_verbs::objects::delete(&v, info, &names).await?;
     }
     let values: Vec<Value> = objs.iter().map(served).collect();
@@ -571,26 +580,26 @@ pub async fn delete_collection(c: Call, Path(plural): Path<String>) -> Reply {
     ))
 }
 
-/// One watch event's line.
+/// One watch event's line; `table_of`: as a one-row Table at this revision.
 pub fn event_line(
     kind: &str,
-    ev: &WatchEvent,
+    ev: WatchEvent,
     table_of: Option<&str>,
     include: Option<&str>,
 ) -> Bytes {
-    let (ty, o) = match ev {
+    let (ty, mut o) = match ev {
         WatchEvent::Added(o) => ("ADDED", o),
         WatchEvent::Modified(o) => ("MODIFIED", o),
         WatchEvent::Deleted(o) => ("DELETED", o),
     };
-    let v = served(o);
-    let object = match table_of {
-        Some(rv) => table(kind, std::slice::from_ref(&v), rv, include),
-        None => v,
-    };
-    let mut line = json!({"type": ty, "object": object}).to_string();
-    line.push('\n');
-    Bytes::from(line)
+    let mut b = Vec::with_capacity(2048);
+    b.extend_from_slice(format!(r#"{{"type":"{ty}","object":"#).as_bytes());
+    match table_of {
+        Some(rv) => b.extend(table_bytes(kind, &[served(&o)], rv, include)),
+        None => served_bytes(&mut o, &mut b),
+    }
+    b.extend_from_slice(b"}\n");
+    Bytes::from(b)
 }
 
 /// How long a watch runs at most when the client names no `timeoutSeconds`.

@@ -169,16 +169,16 @@ impl FileLock {
     }
 }
 
-/// The tokens as the server checks them: read again when the file's modification time or size
-/// changes.
+/// The tokens as the server checks them: read again when the file changes (every write is a
+/// new file renamed into place, so its inode changes even within one clock tick).
 #[derive(Debug)]
 pub struct Tokens {
     home: PathBuf,
     cache: Mutex<(Option<Stamp>, Vec<Entry>)>,
 }
 
-/// A file's modification time and size: when either changes, it is read again.
-type Stamp = (SystemTime, u64);
+/// A file's inode, modification time and size: when any changes, it is read again.
+type Stamp = (u64, SystemTime, u64);
 
 impl Tokens {
     /// The tokens of `home`.
@@ -191,9 +191,10 @@ impl Tokens {
 
     /// Who presents `secret`, if anyone. A file that cannot be read admits no one.
     pub fn check(&self, secret: &str) -> Option<Caller> {
-        let stamp = std::fs::metadata(file(&self.home))
-            .ok()
-            .and_then(|m| Some((m.modified().ok()?, m.len())));
+        let stamp = std::fs::metadata(file(&self.home)).ok().and_then(|m| {
+            use std::os::unix::fs::MetadataExt;
+            Some((m.ino(), m.modified().ok()?, m.len()))
+        });
         let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         if c.0 != stamp || stamp.is_none() {
             match read(&self.home) {

@@ -83,7 +83,10 @@ pub async fn serve(
             (Vec::new(), from)
         }
     };
-    let visible = crate::scope::visible(&sh, &caller).await?;
+    let mut visible = crate::scope::visible(&sh, &caller).await?;
+    // A lease's token sees its objects while the lease holds them: asked again at every event
+    // and every BOOKMARK_EVERY, so its watch ends (403) when the lease does.
+    let leased = matches!(caller.scope, crate::tokens::Scope::Lease(_));
     let timeout = p
         .timeout_seconds
         .map(Duration::from_secs)
@@ -94,6 +97,7 @@ pub async fn serve(
     let kind = info.kind;
     let floor = sh.verbs.store().compacted().await?;
     let mut stream = store_watch(&sh, kind, from);
+    let forbidden = |f: Failure| format!("{}\n", json!({"type": "ERROR", "object": f.body()}));
     tokio::spawn(async move {
         let _slot = slot;
         let rv_now = from.to_string();
@@ -111,7 +115,7 @@ pub async fn serve(
         for o in initial {
             let line = event_line(
                 kind,
-                &WatchEvent::Added(o),
+                WatchEvent::Added(o),
                 table_rv(&rv_now).as_deref(),
                 include.as_deref(),
             );
@@ -128,7 +132,14 @@ pub async fn serve(
             tokio::select! {
                 () = tx.closed() => return,
                 () = &mut end => break,
-                _ = tick.tick(), if bookmarks => {
+                _ = tick.tick(), if bookmarks || leased => {
+                    if leased && let Err(f) = crate::scope::visible(&sh, &caller).await {
+                        let _ = tx.send(forbidden(f).into()).await;
+                        return;
+                    }
+                    if !bookmarks {
+                        continue;
+                    }
                     let b = json!({"type": "BOOKMARK", "object": {
                         "kind": kind, "apiVersion": GROUP_VERSION,
                         "metadata": {"resourceVersion": last.to_string()},
@@ -151,6 +162,15 @@ pub async fn serve(
                     }
                     Some(Ok((rev, ev))) => {
                         last = rev;
+                        if leased {
+                            match crate::scope::visible(&sh, &caller).await {
+                                Ok(v) => visible = v,
+                                Err(f) => {
+                                    let _ = tx.send(forbidden(f).into()).await;
+                                    return;
+                                }
+                            }
+                        }
                         let o = ev.object();
                         if !labels.matches(&o.metadata.labels)
                             || !(fields.is_empty() || fields.matches(&boxery_verbs::render::display_value(o)))
@@ -158,7 +178,7 @@ pub async fn serve(
                         {
                             continue;
                         }
-                        let line = event_line(kind, &ev, table_rv(&rev.to_string()).as_deref(), include.as_deref());
+                        let line = event_line(kind, ev, table_rv(&rev.to_string()).as_deref(), include.as_deref());
                         if tx.send(line).await.is_err() {
                             return;
                         }

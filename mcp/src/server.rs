@@ -325,7 +325,7 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 
 /// The credentials of an `Authorization: Bearer TOKEN` header. The scheme is
 /// case-insensitive (RFC 7235 §2.1): `bearer`, `BEARER` and `Bearer` are one.
-fn bearer(value: &str) -> Option<&str> {
+pub fn bearer(value: &str) -> Option<&str> {
     let (scheme, rest) = value.trim().split_once([' ', '\t'])?;
     scheme.eq_ignore_ascii_case("bearer").then_some(rest.trim())
 }
