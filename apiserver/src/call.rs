@@ -1,7 +1,6 @@
 //! What every resource handler starts from: the shared state, the authenticated caller, the
 //! query's parameters and the headers, taken from a request in one extractor.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::extract::{FromRequestParts, Query};
@@ -41,14 +40,12 @@ impl FromRequestParts<Arc<Shared>> for Call {
         let bad = |e: axum::extract::rejection::QueryRejection| {
             Failure::bad_request(format!("the query: {e}"))
         };
-        let Query(p) = Query::<Params>::try_from_uri(&parts.uri).map_err(bad)?;
-        let Query(mut raw) =
-            Query::<HashMap<String, String>>::try_from_uri(&parts.uri).map_err(bad)?;
+        let Query(mut p) = Query::<Params>::try_from_uri(&parts.uri).map_err(bad)?;
         Ok(Call {
             sh: sh.clone(),
             caller,
+            include: p.include_object.take(),
             p,
-            include: raw.remove("includeObject"),
             headers: parts.headers.clone(),
         })
     }

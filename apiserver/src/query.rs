@@ -31,6 +31,8 @@ pub struct Params {
     pub field_manager: Option<String>,
     /// `force` (apply).
     pub force: Option<String>,
+    /// `includeObject` of a Table request (`None`, `Metadata`, `Object`).
+    pub include_object: Option<String>,
 }
 
 fn truthy(v: &Option<String>) -> bool {

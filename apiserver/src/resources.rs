@@ -3,9 +3,7 @@
 //! subresource (read-only) and watch, each through the verbs and the store every other front
 //! end uses.
 
-use std::time::Duration;
-
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::Path;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -15,7 +13,6 @@ use boxery_verbs::edit::PatchType;
 use boxery_verbs::objects::{Deleted, DryRun};
 use boxery_verbs::render::{display_value, safe};
 use boxery_verbs::{Verbs, Voice};
-use futures::StreamExt;
 use serde_json::{Value, json};
 
 use crate::call::Call;
@@ -600,26 +597,4 @@ pub fn event_line(
     }
     b.extend_from_slice(b"}\n");
     Bytes::from(b)
-}
-
-/// How long a watch runs at most when the client names no `timeoutSeconds`.
-pub const WATCH_MAX: Duration = Duration::from_secs(30 * 60);
-
-/// A body of lines from a channel.
-pub fn line_body(rx: tokio::sync::mpsc::Receiver<Bytes>) -> Body {
-    Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
-    }))
-}
-
-/// Whether a store watch stream's error is "too old".
-pub fn too_old(e: &StoreError) -> bool {
-    matches!(e, StoreError::TooOld { .. })
-}
-
-/// The store's watch of `kind` from `from`, as a stream.
-pub fn store_watch(sh: &Shared, kind: &str, from: u64) -> boxery_store::WatchStream {
-    sh.verbs.store().watch(Some(kind), from).boxed()
 }

@@ -79,17 +79,21 @@ fn validity(p: &mut CertificateParams, days: i64) -> chrono::DateTime<chrono::Ut
     end
 }
 
+/// This host's name, when it has one.
+pub fn hostname() -> Option<String> {
+    let h = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
+    let h = h.trim();
+    (!h.is_empty()).then(|| h.to_string())
+}
+
 /// The names the server certificate must carry for a listener on `listen`.
 fn names_for(listen: SocketAddr) -> BTreeSet<String> {
     let mut names: BTreeSet<String> = ["localhost", "127.0.0.1", "::1"]
         .into_iter()
         .map(String::from)
         .collect();
-    if let Ok(h) = std::fs::read_to_string("/proc/sys/kernel/hostname") {
-        let h = h.trim();
-        if !h.is_empty() {
-            names.insert(h.to_string());
-        }
+    if let Some(h) = hostname() {
+        names.insert(h);
     }
     if listen.ip().is_unspecified() {
         for i in if_addrs::get_if_addrs().unwrap_or_default() {

@@ -16,10 +16,15 @@ use futures::StreamExt;
 use serde_json::json;
 
 use crate::query::Params;
-use crate::resources::{Reply, event_line, line_body, read_list, store_watch, too_old};
+use crate::resources::{Reply, event_line, read_list};
 use crate::status::Failure;
 use crate::tokens::Caller;
 use crate::{GROUP_VERSION, Shared};
+use axum::body::{Body, Bytes};
+use boxery_store::StoreError;
+
+/// How long a watch runs at most when the client names no `timeoutSeconds`.
+pub const WATCH_MAX: Duration = Duration::from_secs(30 * 60);
 
 /// How often a bookmark is sent when asked for.
 pub const BOOKMARK_EVERY: Duration = Duration::from_secs(10);
@@ -90,8 +95,8 @@ pub async fn serve(
     let timeout = p
         .timeout_seconds
         .map(Duration::from_secs)
-        .unwrap_or(crate::resources::WATCH_MAX)
-        .min(crate::resources::WATCH_MAX);
+        .unwrap_or(WATCH_MAX)
+        .min(WATCH_MAX);
     let bookmarks = p.bookmarks();
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let kind = info.kind;
@@ -193,4 +198,23 @@ pub async fn serve(
         line_body(rx),
     )
         .into_response())
+}
+
+/// A body of lines from a channel.
+fn line_body(rx: tokio::sync::mpsc::Receiver<Bytes>) -> Body {
+    Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    }))
+}
+
+/// Whether a store watch stream's error is "too old".
+fn too_old(e: &StoreError) -> bool {
+    matches!(e, StoreError::TooOld { .. })
+}
+
+/// The store's watch of `kind` from `from`, as a stream.
+fn store_watch(sh: &Shared, kind: &str, from: u64) -> boxery_store::WatchStream {
+    sh.verbs.store().watch(Some(kind), from).boxed()
 }

@@ -39,14 +39,13 @@ fn failed(e: impl std::fmt::Display) -> CliError {
 /// Run `kubeconfig`.
 pub fn run(home: &Path, a: KubeconfigArgs) -> CliResult<String> {
     if a.list {
-        let mut out = String::from("NAME\tSCOPE\tCREATED\n");
-        for e in tokens::read(home).map_err(failed)? {
-            out.push_str(&format!("{}\t{}\t{}\n", e.name, e.scope, e.created));
-        }
+        let head = vec!["NAME".into(), "SCOPE".into(), "CREATED".into()];
+        let rows = tokens::read(home)
+            .map_err(failed)?
+            .into_iter()
+            .map(|e| vec![e.name, e.scope, e.created]);
         return Ok(boxery_verbs::render::aligned(
-            out.lines()
-                .map(|l| l.split('\t').map(String::from).collect())
-                .collect(),
+            std::iter::once(head).chain(rows).collect(),
         ));
     }
     if let Some(name) = a.revoke {
@@ -110,9 +109,7 @@ pub fn run(home: &Path, a: KubeconfigArgs) -> CliResult<String> {
         std::io::ErrorKind::AlreadyExists => CliError::invalid(e.to_string()),
         _ => failed(e),
     })?;
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .unwrap_or_else(|_| "host".into());
+    let host = boxery_apiserver::tls::hostname().unwrap_or_else(|| "host".into());
     let cluster = format!("boxery-{host}");
     let user = format!("{cluster}-{name}");
     let cfg = json!({

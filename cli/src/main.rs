@@ -1153,11 +1153,7 @@ async fn serve(
             let bound = listener
                 .local_addr()
                 .map_err(|e| CliError::invalid(format!("the proxy's listener: {e}")))?;
-            let file = boxery_proxy::addr_file(&env.home);
-            let tmp = file.with_extension("addr.tmp");
-            std::fs::write(&tmp, format!("{bound}\n"))
-                .and_then(|()| std::fs::rename(&tmp, &file))
-                .map_err(|e| CliError::invalid(format!("cannot write {}: {e}", file.display())))?;
+            write_addr(&boxery_proxy::addr_file(&env.home), bound)?;
             tracing::info!(addr = %bound, "credential proxy listening");
             let guests = proxy.clone();
             (
@@ -1185,10 +1181,7 @@ async fn serve(
                 .map_err(|e| CliError::new(exit::Code::Failed, e))?;
             let bound = server.local_addr();
             let file = boxery_apiserver::tls::dir(&env.home).join("addr");
-            let tmp = file.with_extension("tmp");
-            std::fs::write(&tmp, format!("{bound}\n"))
-                .and_then(|()| std::fs::rename(&tmp, &file))
-                .map_err(|e| CliError::invalid(format!("cannot write {}: {e}", file.display())))?;
+            write_addr(&file, bound)?;
             eprintln!("boxery serve: API at https://{bound} (a kubeconfig: boxery kubeconfig)");
             Some((tokio::spawn(server.run(stop.clone())), file, bound))
         }
@@ -1214,9 +1207,7 @@ async fn serve(
     let _ = trim.await;
     if let Some((task, file, bound)) = api {
         let _ = task.await;
-        if std::fs::read_to_string(&file).ok() == Some(format!("{bound}\n")) {
-            let _ = std::fs::remove_file(file);
-        }
+        remove_addr_if_ours(&file, bound);
     }
     if let Some(h) = http
         && let Ok(Err(e)) = h.await
@@ -1227,15 +1218,27 @@ async fn serve(
         if let Ok(Err(e)) = h.await {
             eprintln!("error: {}", boxery_verbs::render::safe(&error_chain(&e)));
         }
-        // Only our own address: another serve on this home (a standby) may have written its
-        // own since, and its proxy answers alike.
-        let file = boxery_proxy::addr_file(&env.home);
-        let ours = bound.map(|b| format!("{b}\n"));
-        if std::fs::read_to_string(&file).ok() == ours {
-            let _ = std::fs::remove_file(file);
+        if let Some(b) = bound {
+            remove_addr_if_ours(&boxery_proxy::addr_file(&env.home), b);
         }
     }
     Ok(r?)
+}
+
+/// Record the address a listener took (`proxy.addr`, `api/addr`), whole or not at all.
+fn write_addr(file: &std::path::Path, bound: std::net::SocketAddr) -> CliResult {
+    let tmp = file.with_extension("tmp");
+    std::fs::write(&tmp, format!("{bound}\n"))
+        .and_then(|()| std::fs::rename(&tmp, file))
+        .map_err(|e| CliError::invalid(format!("cannot write {}: {e}", file.display())))
+}
+
+/// Remove an address file when it still holds our address: another `serve` on this home (a
+/// standby) may have written its own since, and its listener answers alike.
+fn remove_addr_if_ours(file: &std::path::Path, bound: std::net::SocketAddr) {
+    if std::fs::read_to_string(file).ok() == Some(format!("{bound}\n")) {
+        let _ = std::fs::remove_file(file);
+    }
 }
 
 /// `--proxy-listen`: an address, or `off`.
