@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::str::FromStr;
 
 /// One requirement of a selector.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Requirement {
     /// `key=value` or `key==value`.
     Eq(String, String),
@@ -21,7 +21,7 @@ pub enum Requirement {
 }
 
 /// A conjunction of requirements; the empty selector matches everything.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Selector(pub Vec<Requirement>);
 
 /// A selector that does not parse; holds the input as [`shown`](crate::name::shown): escaped

@@ -13,7 +13,7 @@ use crate::resource::{API_VERSION, DynObject, KindInfo, Resource};
 use crate::{Event, Grant, Image, Lease, Pool, Source, Vm};
 
 /// One problem with one field.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FieldError {
     /// Dotted path (`spec.resources.cpus`, `metadata.name`); empty for the whole object.
     pub path: String,
@@ -78,7 +78,7 @@ impl fmt::Display for FieldError {
 }
 
 /// An object that failed validation.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub struct ValidationError {
     /// `Vm/dev1`, or what is known of it.
     pub object: String,

@@ -38,7 +38,7 @@ pub(crate) const SYSTEM_PREFIX: &str = "boxery.dev/";
 pub(crate) type FieldPath = Vec<String>;
 
 /// One field another manager owns that an apply would change.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FieldConflict {
     /// The field, dotted (`spec.runStrategy`, `metadata.labels.team`).
     pub field: String,

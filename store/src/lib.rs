@@ -42,6 +42,7 @@ mod schema;
 /// The store schema version this build writes (`PRAGMA user_version`).
 pub use schema::SCHEMA_VERSION;
 mod watch;
+pub mod wire;
 mod write;
 
 use std::path::{Path, PathBuf};
