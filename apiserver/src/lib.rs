@@ -7,12 +7,14 @@
 //! ([`status`]). What is served, and what is not, is in `docs/api.md`.
 
 pub mod call;
+pub mod connect;
 pub mod discovery;
 pub mod events;
 pub mod query;
 pub mod resources;
 pub mod scope;
 pub mod status;
+pub mod store_rpc;
 pub mod tls;
 pub mod tokens;
 pub mod watch;
@@ -249,6 +251,16 @@ pub fn router(sh: Arc<Shared>, mcp: Option<Router>) -> Router {
                 .post(resources::write_status)
                 .delete(resources::write_status),
         )
+        .route(
+            boxery_store::wire::CALL_PATH,
+            axum::routing::post(store_rpc::call),
+        )
+        .route(boxery_store::wire::WATCH_PATH, get(store_rpc::watch))
+        .route(boxery_store::wire::CONNECT_ROUTE, get(connect::connect))
+        .route(
+            boxery_store::wire::AUTHORIZE_ROUTE,
+            axum::routing::post(connect::authorize),
+        )
         .fallback(|| async {
             Failure::new(
                 StatusCode::NOT_FOUND,
@@ -351,7 +363,9 @@ impl ApiServer {
                 let mut http = hyper::server::conn::http1::Builder::new();
                 http.timer(TokioTimer::new())
                     .header_read_timeout(limits.header_read);
-                let conn = http.serve_connection(TokioIo::new(tls), service);
+                let conn = http
+                    .serve_connection(TokioIo::new(tls), service)
+                    .with_upgrades();
                 tokio::pin!(conn);
                 tokio::select! {
                     _ = conn.as_mut() => {}

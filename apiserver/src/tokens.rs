@@ -137,7 +137,8 @@ pub fn mint(home: &Path, name: &str, scope: &Scope) -> std::io::Result<String> {
     Ok(secret)
 }
 
-/// Remove the token named `name`; whether it existed.
+/// Remove the token named `name`, and the ssh keys it logged in to VMs from the keys every
+/// new VM gets; whether it existed.
 pub fn revoke(home: &Path, name: &str) -> std::io::Result<bool> {
     let _lock = FileLock::take(home)?;
     let mut entries = read(home)?;
@@ -147,7 +148,15 @@ pub fn revoke(home: &Path, name: &str) -> std::io::Result<bool> {
         return Ok(false);
     }
     write(home, &entries)?;
+    boxery_hands::ssh::SshDir::new(home)
+        .remove_remote_keys(&key_comment(name))
+        .map_err(std::io::Error::other)?;
     Ok(true)
+}
+
+/// The comment of the ssh keys token `name` logs in to VMs (`boxery connect`).
+pub fn key_comment(name: &str) -> String {
+    format!("boxery-api:{name}")
 }
 
 /// Serialises writers of the tokens file (two `kubeconfig` runs at once).

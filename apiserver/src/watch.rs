@@ -30,7 +30,7 @@ pub const WATCH_MAX: Duration = Duration::from_secs(30 * 60);
 pub const BOOKMARK_EVERY: Duration = Duration::from_secs(10);
 
 /// A watch slot of a token, given back when the watch ends.
-struct Slot {
+pub(crate) struct Slot {
     sh: Arc<Shared>,
     token: String,
 }
@@ -44,7 +44,7 @@ impl Drop for Slot {
     }
 }
 
-fn slot(sh: &Arc<Shared>, caller: &Caller) -> Result<Slot, Failure> {
+pub(crate) fn slot(sh: &Arc<Shared>, caller: &Caller) -> Result<Slot, Failure> {
     let mut w = sh.watches.lock().unwrap_or_else(|e| e.into_inner());
     let n = w.entry(caller.name.clone()).or_default();
     if *n >= sh.limits.watches_per_token {
