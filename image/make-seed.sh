@@ -52,7 +52,8 @@ bootcmd:
   - [cloud-init-per, instance, boxery-machine-id, sh, -c, "rm -f /etc/machine-id /var/lib/dbus/machine-id && systemd-machine-id-setup"]
 ssh_authorized_keys:
 EOU
-grep -Ev '^[[:space:]]*(#|$)' "$AK" | sed 's/^/  - /'
+# each key double-quoted (backslash and quote escaped) so no comment can break the YAML
+grep -Ev '^[[:space:]]*(#|$)' "$AK" | sed 's/\\/\\\\/g; s/"/\\"/g; s/^/  - "/; s/$/"/'
 cat <<EOU
 write_files:
   - path: /etc/ssh/boxery_host_ed25519_key

@@ -126,6 +126,17 @@ pub fn vm_not_found(vm: &str, names: &[String], voice: Voice) -> HandsError {
 /// The status text comes from controllers and backends, some of it from the guest: it is
 /// made [`safe`].
 pub fn not_ready(v: &Vm, voice: Voice) -> Option<HandsError> {
+    not_ready_from(v, voice, true)
+}
+
+/// [`not_ready`] asked from another machine than the VM host (a context).
+pub fn not_ready_remote(v: &Vm, voice: Voice) -> Option<HandsError> {
+    not_ready_from(v, voice, false)
+}
+
+/// [`not_ready`], asked on the VM host itself (`on_host`: its boot id is compared with the
+/// VM's last sighting) or from another machine (whose boot says nothing of the VM host's).
+fn not_ready_from(v: &Vm, voice: Voice, on_host: bool) -> Option<HandsError> {
     let vm = v.metadata.name.as_str();
     // A VM being deleted still answers: the CLI reaches it until it is gone, a tool does not.
     let deleting = voice == Voice::Tool && v.metadata.is_deleting();
@@ -134,7 +145,7 @@ pub fn not_ready(v: &Vm, voice: Voice) -> Option<HandsError> {
         .status
         .boot_id
         .as_deref()
-        .is_some_and(|b| b != boxery_store::boot_id());
+        .is_some_and(|b| on_host && b != boxery_store::boot_id());
     if rebooted && !deleting {
         return Some(HandsError::NotReady(format!(
             "VM {vm} has not been seen since the host rebooted: a control plane brings it back \
@@ -204,25 +215,38 @@ pub fn not_ready(v: &Vm, voice: Voice) -> Option<HandsError> {
 }
 
 /// Check that VM `vm` can be reached and write its ssh files; returns how to reach it (with
-/// the key of a lease this host holds on it). The one way both front ends get to a VM: one
-/// read of the VM (the others are listed only to say a name is not found), its own files
-/// written only when they changed.
+/// the key of a lease this host holds on it). The one way both front ends get to a VM in
+/// this home's store: one read of the VM (the others are listed only to say a name is not
+/// found), its own files written only when they changed.
 pub fn reach(home: &Path, store: &Store, vm: &str, voice: Voice) -> Result<Reach> {
     let Some(v) = store.get_as::<Vm>(vm)? else {
         let all = store.list_as::<Vm>(&Default::default())?;
         let names: Vec<String> = all.into_iter().map(|v| v.metadata.name).collect();
         return Err(vm_not_found(vm, &names, voice));
     };
-    if let Some(e) = not_ready(&v, voice) {
+    let key = keys::held_key(home, store, vm);
+    reach_vm(SshDir::new(home), &v, key, voice)
+}
+
+/// [`reach`] for a VM already read (from any store: a remote one's VMs are reached through
+/// `ssh`'s [`ssh::Via`]): check it can be reached, write its ssh files in `ssh`, and log in with
+/// `key` (a lease's) or the files' own key.
+pub fn reach_vm(ssh: SshDir, v: &Vm, key: Option<PathBuf>, voice: Voice) -> Result<Reach> {
+    if let Some(e) = not_ready_from(v, voice, !ssh.is_via()) {
         return Err(e);
     }
     // `not_ready` passed: it has an endpoint and a pinned key.
-    let t = Target::of(&v)
-        .ok_or_else(|| HandsError::NotReady(format!("VM {} has no ssh endpoint", safe(vm))))?;
-    let ssh = SshDir::new(home);
+    let t = Target::of(v).ok_or_else(|| {
+        HandsError::NotReady(format!("VM {} has no ssh endpoint", safe(&v.metadata.name)))
+    })?;
     ssh.write(&t)
         .map_err(|e| HandsError::Failed(format!("cannot write the ssh files: {e}")))?;
-    Ok(Reach::new(home, store, ssh, &t))
+    Ok(Reach {
+        cm: ssh.control_path(&t, key.as_deref()),
+        key,
+        ssh,
+        vm: t.name.clone(),
+    })
 }
 
 /// How this host reaches one VM over ssh, shared by the CLI's hands and the tools:
@@ -239,17 +263,6 @@ pub struct Reach {
 }
 
 impl Reach {
-    /// How to reach VM `t` with the ssh files in `ssh` (looks up a lease this host holds on it).
-    pub fn new(home: &Path, store: &Store, ssh: SshDir, t: &Target) -> Reach {
-        let key = keys::held_key(home, store, &t.name);
-        Reach {
-            cm: ssh.control_path(t, key.as_deref()),
-            key,
-            ssh,
-            vm: t.name.clone(),
-        }
-    }
-
     /// The VM.
     pub fn vm(&self) -> &str {
         &self.vm
@@ -371,8 +384,7 @@ fn mux_log(what: &str) {
 
 /// `boxery ssh VM [-- CMD…]`: an interactive shell (or a command), with the pinned key.
 /// A command without a terminal runs as `boxery run` does.
-pub fn ssh(home: &Path, store: &Store, vm: &str, cmd: &[String]) -> Result<ExitCode> {
-    let reach = reach(home, store, vm, Voice::Cli)?;
+pub fn ssh(reach: &Reach, cmd: &[String]) -> Result<ExitCode> {
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdin());
     let line = (!cmd.is_empty()).then(|| {
         let words: Vec<String> = cmd.iter().map(|w| shell_quote(w)).collect();
@@ -392,14 +404,15 @@ pub fn ssh(home: &Path, store: &Store, vm: &str, cmd: &[String]) -> Result<ExitC
 }
 
 /// `boxery run VM -- CMD…`: run a command, stream its output, exit with its code.
-pub fn run(home: &Path, store: &Store, vm: &str, cmd: &[String]) -> Result<ExitCode> {
+pub fn run(reach: &Reach, cmd: &[String]) -> Result<ExitCode> {
     if cmd.is_empty() {
         return Err(HandsError::Invalid(
             "give a command: boxery run VM -- CMD [ARGS…]".into(),
         ));
     }
     let line = format!("{}{}", guest::SOURCE, line_of(cmd));
-    let code = reach(home, store, vm, Voice::Cli)?.run_line(&line)?;
+    let vm = reach.vm();
+    let code = reach.run_line(&line)?;
     if code == 255 && !stdout_reader_gone() {
         eprintln!(
             "boxery: ssh to {vm} failed (exit 255); `boxery describe vm {vm}` shows its state"
@@ -625,11 +638,12 @@ impl Landing {
     }
 }
 
-/// `boxery cp SRC DST`: local ⇄ VM, files or directories, streamed through tar over ssh.
-pub fn cp(home: &Path, store: &Store, src: &str, dst: &str) -> Result<ExitCode> {
+/// `boxery cp SRC DST`: local ⇄ VM, files or directories, streamed through tar over ssh;
+/// `reach` gives the way to the VM named in `src` or `dst`.
+pub fn cp(reach: impl FnOnce(&str) -> Result<Reach>, src: &str, dst: &str) -> Result<ExitCode> {
     match (Place::parse(src), Place::parse(dst)) {
         (Place::Local(l), Place::Vm(vm, path)) => {
-            let ssh = reach(home, store, &vm, Voice::Cli)?;
+            let ssh = reach(&vm)?;
             let lp = Path::new(&l);
             let meta = std::fs::metadata(lp)
                 .map_err(|e| HandsError::NotFound(format!("{}: {e}", safe(&l))))?;
@@ -689,7 +703,7 @@ pub fn cp(home: &Path, store: &Store, src: &str, dst: &str) -> Result<ExitCode> 
             Ok(ExitCode::SUCCESS)
         }
         (Place::Vm(vm, path), Place::Local(l)) => {
-            let ssh = reach(home, store, &vm, Voice::Cli)?;
+            let ssh = reach(&vm)?;
             let (remote, top) = send_script(&path);
             let shown = format!("{vm}:{}", safe(&path));
             let landing = Landing::new(Path::new(&l), top)?;

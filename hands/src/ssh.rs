@@ -93,10 +93,22 @@ impl Target {
     }
 }
 
-/// The ssh files of one `$BOXERY_HOME`.
+/// The ssh files of one `$BOXERY_HOME` (or of one context of it, for a control plane on
+/// another machine).
 #[derive(Debug, Clone)]
 pub struct SshDir {
     dir: PathBuf,
+    via: Option<Via>,
+}
+
+/// How the VMs of a control plane on another machine are reached: ssh runs `proxy_command`
+/// (`boxery --context NAME connect VM`: the VM's sshd, carried through that machine's API)
+/// and logs in with this dir's own key, which that control plane put in the VM's
+/// `authorized_keys`. The host key is still the pinned one from the VM's object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Via {
+    /// The command, as ssh_config's `ProxyCommand` takes it (run by `/bin/sh`; `%` doubled).
+    pub proxy_command: String,
 }
 
 fn write_atomic(path: &Path, text: &str, mode: u32) -> Result<(), SshError> {
@@ -147,7 +159,26 @@ impl SshDir {
     pub fn new(home: &Path) -> Self {
         SshDir {
             dir: home.join("ssh"),
+            via: None,
         }
+    }
+
+    /// The ssh files of a home whose VMs are reached `via` another machine.
+    pub fn via(home: &Path, via: Via) -> Self {
+        SshDir {
+            dir: home.join("ssh"),
+            via: Some(via),
+        }
+    }
+
+    /// Whether its VMs are reached through another machine's API.
+    pub fn is_via(&self) -> bool {
+        self.via.is_some()
+    }
+
+    /// The ssh dir itself.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     /// The config file for people: it includes every VM's.
@@ -165,20 +196,93 @@ impl SshDir {
         self.dir.join("vms").join(format!("{vm}.known_hosts"))
     }
 
-    /// The control plane's private key.
+    /// The control plane's private key (of a context's folder: this machine's key for it).
     pub fn key(&self) -> PathBuf {
         self.dir.join("id_ed25519")
     }
 
+    /// The keys of `boxery` on other machines (contexts with a full token) that every VM's
+    /// `authorized_keys` also holds: one line each, `TYPE BASE64 boxery-api:TOKEN`.
+    pub fn remote_keys(&self) -> PathBuf {
+        self.dir.join("remote_keys")
+    }
+
+    /// What every VM's `authorized_keys` holds: the control plane's key (made on first use)
+    /// and the keys of [`SshDir::remote_keys`].
+    pub fn authorized_lines(&self) -> Result<Vec<String>, SshError> {
+        let mut lines = vec![self.public_key()?];
+        lines.extend(self.read_remote_keys());
+        Ok(lines)
+    }
+
+    fn read_remote_keys(&self) -> Vec<String> {
+        std::fs::read_to_string(self.remote_keys())
+            .unwrap_or_default()
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .map(String::from)
+            .collect()
+    }
+
+    /// Add `public_key` (one OpenSSH public key line; its comment is replaced by `comment`) to
+    /// [`SshDir::remote_keys`], once: the line as VMs hold it.
+    pub fn add_remote_key(&self, public_key: &str, comment: &str) -> Result<String, SshError> {
+        let mut words = public_key.split_whitespace();
+        let (Some(ty), Some(body)) = (words.next(), words.next()) else {
+            return Err(SshError::Key {
+                dir: self.dir.display().to_string(),
+                source: std::io::Error::other("not a public key line"),
+            });
+        };
+        let line = format!("{ty} {body} {comment}");
+        let mut lines = self.read_remote_keys();
+        let same_key = |l: &String| l.split_whitespace().nth(1) == Some(body);
+        if !lines.iter().any(|l| l == &line) {
+            lines.retain(|l| !same_key(l));
+            lines.push(line.clone());
+            self.public_key()?;
+            write_atomic(&self.remote_keys(), &(lines.join("\n") + "\n"), 0o600)?;
+        }
+        Ok(line)
+    }
+
+    /// Remove the keys added with `comment` (a token revoked): VMs made from now on do not
+    /// hold them. Returns how many were removed.
+    pub fn remove_remote_keys(&self, comment: &str) -> Result<usize, SshError> {
+        let lines = self.read_remote_keys();
+        let kept: Vec<String> = lines
+            .iter()
+            .filter(|l| l.split_whitespace().nth(2) != Some(comment))
+            .cloned()
+            .collect();
+        let removed = lines.len() - kept.len();
+        if removed > 0 {
+            let text = if kept.is_empty() {
+                String::new()
+            } else {
+                kept.join("\n") + "\n"
+            };
+            write_atomic(&self.remote_keys(), &text, 0o600)?;
+        }
+        Ok(removed)
+    }
+
     /// The control plane's public key line, generating the pair on first use.
     pub fn public_key(&self) -> Result<String, SshError> {
+        self.keypair(&self.key(), "boxery-control-plane")
+    }
+
+    /// The public key line of the ed25519 pair at `key` (and `key.pub`), generated with
+    /// `comment` on first use.
+    fn keypair(&self, key: &Path, comment: &str) -> Result<String, SshError> {
         let key_err = |source| SshError::Key {
             dir: self.dir.display().to_string(),
             source,
         };
-        let pubf = self.dir.join("id_ed25519.pub");
+        let pubf = PathBuf::from(format!("{}.pub", key.display()));
         if let Ok(p) = std::fs::read_to_string(&pubf)
-            && self.key().exists()
+            && key.exists()
         {
             return Ok(p.trim().to_string());
         }
@@ -187,22 +291,12 @@ impl SshDir {
         std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(0o700))
             .map_err(key_err)?;
         // Generate beside, then rename: two processes racing each keep a complete pair.
-        let tmp = self
-            .dir
-            .join(format!("id_ed25519.tmp{}", std::process::id()));
+        let tmp = PathBuf::from(format!("{}.tmp{}", key.display(), std::process::id()));
+        let tmp_pub = PathBuf::from(format!("{}.pub", tmp.display()));
         let _ = std::fs::remove_file(&tmp);
-        let _ = std::fs::remove_file(tmp.with_extension(format!("tmp{}.pub", std::process::id())));
+        let _ = std::fs::remove_file(&tmp_pub);
         let out = std::process::Command::new("ssh-keygen")
-            .args([
-                "-q",
-                "-t",
-                "ed25519",
-                "-N",
-                "",
-                "-C",
-                "boxery-control-plane",
-                "-f",
-            ])
+            .args(["-q", "-t", "ed25519", "-N", "", "-C", comment, "-f"])
             .arg(&tmp)
             .output()
             .map_err(key_err)?;
@@ -211,9 +305,8 @@ impl SshDir {
                 String::from_utf8_lossy(&out.stderr).trim().to_string(),
             )));
         }
-        let tmp_pub = PathBuf::from(format!("{}.pub", tmp.display()));
-        if !self.key().exists() {
-            std::fs::rename(&tmp, self.key()).map_err(key_err)?;
+        if !key.exists() {
+            std::fs::rename(&tmp, key).map_err(key_err)?;
             std::fs::rename(&tmp_pub, &pubf).map_err(key_err)?;
         } else {
             let _ = std::fs::remove_file(&tmp);
@@ -264,11 +357,21 @@ impl SshDir {
             &self.vm_known_hosts(&t.name),
             &format!("{a} {}\n", t.host_key.trim()),
         )?;
+        let via = match &self.via {
+            None => String::new(),
+            Some(v) if v.proxy_command.contains(['\n', '\r']) => {
+                return Err(SshError::Unreachable {
+                    vm: t.name.clone(),
+                    reason: "the proxy command spans several lines".into(),
+                });
+            }
+            Some(v) => format!("  ProxyCommand {}\n", v.proxy_command),
+        };
         write_if_changed(
             &self.vm_config(&t.name),
             &format!(
                 "# Generated by boxery from Vm {name}; rewritten when it changes.\n\
-                 Host {a}\n  HostName {host}\n  Port {port}\n  HostKeyAlias {a}\n  \
+                 Host {a}\n  HostName {host}\n  Port {port}\n{via}  HostKeyAlias {a}\n  \
                  UserKnownHostsFile {known}\n  GlobalKnownHostsFile /dev/null\n  \
                  StrictHostKeyChecking yes\n  CheckHostIP no\n  UpdateHostKeys no\n  \
                  User {USER}\n  IdentityFile {key}\n  IdentitiesOnly yes\n  \

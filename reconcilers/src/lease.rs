@@ -752,7 +752,8 @@ async fn claim_batch(
     Ok(mine)
 }
 
-/// Write the token, then `authorized_keys` = the control plane's key + the holder's, in the
+/// Write the token, then `authorized_keys` = the control plane's lines (its key and user
+/// certificate authority) + the holder's key, in the
 /// guest (over ssh with the pinned key). Backends without sshd (fake) have nothing to install.
 async fn install(
     ctx: &Ctx,
@@ -762,7 +763,7 @@ async fn install(
 ) -> Result<(), boxery_backends::BackendError> {
     let Some(ssh) = &ctx.ssh else { return Ok(()) };
     let fail = |m: String| boxery_backends::BackendError::failed("install", m);
-    let cp_key = ssh.public_key().map_err(|e| fail(e.to_string()))?;
+    let cp_lines = ssh.authorized_lines().map_err(|e| fail(e.to_string()))?;
     // This VM's ssh files only (one read, O(1) in the number of VMs).
     let v = ctx.store.get_as::<boxery_api::Vm>(vm).await.ok().flatten();
     let target = v.as_ref().and_then(crate::ssh::Target::of);
@@ -773,7 +774,11 @@ async fn install(
         "set -e; umask 077; mkdir -p ~/.boxery ~/.ssh; printf '%s\\n' {} > ~/.boxery/token.tmp; mv -f ~/.boxery/token.tmp ~/.boxery/token; \
          printf '%s\\n' {} {} > ~/.ssh/authorized_keys.tmp; mv -f ~/.ssh/authorized_keys.tmp ~/.ssh/authorized_keys",
         q(token),
-        q(cp_key.trim()),
+        cp_lines
+            .iter()
+            .map(|l| q(l.trim()))
+            .collect::<Vec<_>>()
+            .join(" "),
         q(holder_key.trim())
     );
     let out = ssh

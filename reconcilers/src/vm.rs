@@ -678,8 +678,8 @@ async fn new_identity(ctx: &Ctx, name: &str) -> Result<boxery_backends::Identity
     };
     let vm = name.to_string();
     let made = tokio::task::spawn_blocking(move || -> Result<boxery_backends::Identity, String> {
-        let key = ssh.public_key().map_err(|e| e.to_string())?;
-        boxery_backends::identity::generate(&vm, &[key]).map_err(|e| e.to_string())
+        let keys = ssh.authorized_lines().map_err(|e| e.to_string())?;
+        boxery_backends::identity::generate(&vm, &keys).map_err(|e| e.to_string())
     })
     .await
     .map_err(|e| e.to_string())

@@ -235,7 +235,8 @@ pub fn user_data(name: &str, identity: &Identity) -> Result<String, SeedError> {
         if key.contains('\n') {
             return Err(bad("an authorized key spans several lines"));
         }
-        s.push_str(&format!("  - {key}\n"));
+        // quoted (JSON is YAML): no key comment can break the document
+        s.push_str(&format!("  - {}\n", serde_json::Value::from(key)));
     }
     let public_file = format!("{}\n", public.trim());
     let file = |path: &str, perm: &str, owner: Option<&str>, content: &[u8]| {
@@ -371,7 +372,7 @@ mod tests {
         let u = user_data("dev1", &identity()).unwrap();
         assert!(u.starts_with("#cloud-config\n"));
         assert!(u.contains("hostname: dev1\n"));
-        assert!(u.contains("ssh_authorized_keys:\n  - ssh-ed25519 BBBB me@laptop\n"));
+        assert!(u.contains("ssh_authorized_keys:\n  - \"ssh-ed25519 BBBB me@laptop\"\n"));
         assert!(u.contains("  - path: /etc/ssh/boxery_host_ed25519_key\n    permissions: '0600'\n    encoding: b64\n"));
         assert!(u.contains(&format!("content: {}\n", base64(b"bxt_1"))));
         assert!(u.contains("    owner: agent:agent\n"));
@@ -394,10 +395,11 @@ mod tests {
                 .output()
                 .is_ok_and(|o| o.status.success())
         };
-        if !script.exists() || !have("genisoimage") {
-            eprintln!("skipped: image/make-seed.sh or genisoimage missing");
-            return;
-        }
+        assert!(script.exists(), "{} is missing", script.display());
+        assert!(
+            have("genisoimage"),
+            "genisoimage is missing: scripts/install-deps.sh installs it"
+        );
         let d = tempfile::tempdir().unwrap();
         let id = crate::identity::generate("dev1", &["ssh-ed25519 BBBB me@laptop".into()]).unwrap();
         let (private, public) = id.host_key.clone().unwrap();
