@@ -355,14 +355,24 @@ pub async fn copy(session: Arc<Session>, a: CopyArgs, _ct: CancellationToken) ->
             Place::Local(_) => {}
         }
     }
-    let home = session.env.home.clone();
-    let store = session.verbs()?.local()?.clone();
     let (s2, d2) = (a.src.clone(), a.dst.clone());
     let res = tokio::task::spawn_blocking(move || match (&src, &dst) {
         (Place::Vm(sv, sp), Place::Vm(dv, dp)) => vm_to_vm(&reach[0], &reach[1], sv, sp, dv, dp),
-        _ => boxery_hands::cp(&home, &store, &s2, &d2)
+        _ => {
+            // one side is a VM: its way was found above
+            let mut ways = reach.into_iter();
+            boxery_hands::cp(
+                |_| {
+                    ways.next().ok_or_else(|| {
+                        boxery_hands::HandsError::Invalid("name a VM on one side".into())
+                    })
+                },
+                &s2,
+                &d2,
+            )
             .map(|_| ())
-            .map_err(ToolError::from),
+            .map_err(ToolError::from)
+        }
     })
     .await
     .map_err(|e| ToolError::Failed(format!("the copy task failed: {e}")))?;

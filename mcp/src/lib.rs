@@ -439,6 +439,13 @@ impl Session {
         s
     }
 
+    /// The session, working on `verbs`' store (another machine's, through a context) instead of
+    /// opening its home's.
+    pub fn with_verbs(self, verbs: &Verbs) -> Self {
+        let _ = self.verbs.set(verbs.in_voice(self.voice));
+        self
+    }
+
     /// The verbs, in the session's voice, over the store (opened once per session).
     pub fn verbs(&self) -> Result<&Verbs, ToolError> {
         if let Some(v) = self.verbs.get() {
@@ -608,13 +615,7 @@ impl Session {
     /// Check the VM can be reached over ssh and write the ssh files; returns how to reach it
     /// (with the key of a lease this host holds on it, like `boxery run`).
     pub(crate) async fn ssh_to(&self, vm: &str) -> Result<Reach, ToolError> {
-        // reach reads the store and writes the ssh files: off the async workers.
-        let store = self.verbs()?.local()?.clone();
-        let (home, vm, voice) = (self.env.home.clone(), vm.to_string(), self.voice);
-        tokio::task::spawn_blocking(move || boxery_hands::reach(&home, &store, &vm, voice))
-            .await
-            .map_err(|e| ToolError::Failed(format!("the ssh check failed: {e}")))?
-            .map_err(ToolError::from)
+        Ok(self.verbs()?.reach(vm).await?)
     }
 }
 
@@ -625,10 +626,11 @@ impl Drop for Session {
     }
 }
 
-/// Run a tool from the CLI: print its text (stdout) and map its error to an exit code.
-pub async fn run_cli(env: &Env, name: &str, args: Value) -> Result<Output, ToolError> {
+/// Run a tool from the CLI on `verbs`' store: print its text (stdout) and map its error to an
+/// exit code.
+pub async fn run_cli(verbs: &Verbs, name: &str, args: Value) -> Result<Output, ToolError> {
     let t = find(name).expect("the CLI only runs tools of the table");
-    let session = Arc::new(Session::for_cli(env.clone()));
+    let session = Arc::new(Session::for_cli(verbs.env.clone()).with_verbs(verbs));
     t.run(session, args, CancellationToken::new()).await
 }
 

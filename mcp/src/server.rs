@@ -195,9 +195,21 @@ async fn terminated() -> i32 {
 
 /// `boxery mcp`: serve MCP on stdin/stdout until the client goes away (stdin closes) or a
 /// SIGINT/SIGTERM; either way the session's leases are released.
-pub async fn stdio(env: &Env, vm: Option<String>) -> VerbResult {
-    let controllers = embed_controllers(env.clone());
-    let session = Arc::new(Session::new(env.clone(), vm, true));
+pub async fn stdio(
+    env: &Env,
+    vm: Option<String>,
+    remote: Option<&boxery_verbs::Verbs>,
+) -> VerbResult {
+    // Another machine's control plane (a context) runs its own controllers.
+    let controllers = match remote {
+        Some(_) => tokio::spawn(async {}),
+        None => embed_controllers(env.clone()),
+    };
+    let mut session = Session::new(env.clone(), vm, true);
+    if let Some(v) = remote {
+        session = session.with_verbs(v);
+    }
+    let session = Arc::new(session);
     let server = BoxeryMcp::new(session.clone());
     let signalled = terminated();
     tokio::pin!(signalled);

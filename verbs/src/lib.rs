@@ -35,7 +35,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use boxery_hands::Voice;
-use boxery_store::{ObjectStore, Store};
+use boxery_store::{ObjectStore, ObjectStoreExt, Store};
 
 pub use crate::env::Env;
 pub use crate::error::{ErrorKind, Result, VerbError};
@@ -56,6 +56,20 @@ pub struct Verbs {
     /// The field manager every write is recorded as, when the caller names one (the API's
     /// `fieldManager`); else [`Verbs::manager`] names it by voice and verb.
     manager: Option<String>,
+    /// The control plane on another machine whose store `store` is, when it is one: how its
+    /// VMs are reached.
+    remote: Option<Arc<dyn Remote>>,
+}
+
+/// A control plane on another machine (a context), as the verbs need it beyond its store:
+/// the way to its VMs.
+#[async_trait::async_trait]
+pub trait Remote: Send + Sync + std::fmt::Debug {
+    /// How ssh reaches VM `vm` of it from this machine: a proxy command through its API, with
+    /// this machine's key in the VM's `authorized_keys` (put there on first use).
+    async fn via(&self, vm: &boxery_api::Vm) -> Result<boxery_hands::ssh::Via>;
+    /// Its name, for messages (`context NAME (https://…)`).
+    fn describe(&self) -> String;
 }
 
 impl Verbs {
@@ -84,7 +98,62 @@ impl Verbs {
             store,
             local,
             manager: None,
+            remote: None,
         }
+    }
+
+    /// The verbs over the store of a control plane on another machine: `home` holds only what
+    /// this machine keeps for it (its ssh files, the keys of leases taken from here).
+    pub fn remote(
+        env: Env,
+        voice: Voice,
+        store: Arc<dyn ObjectStore>,
+        remote: Arc<dyn Remote>,
+    ) -> Verbs {
+        Verbs {
+            remote: Some(remote),
+            ..Verbs::with_store(env, voice, store, None)
+        }
+    }
+
+    /// The control plane on another machine these verbs work on, if they do.
+    pub fn remote_plane(&self) -> Option<&Arc<dyn Remote>> {
+        self.remote.as_ref()
+    }
+
+    /// Check that VM `vm` can be reached over ssh and write its ssh files: how to reach it.
+    /// In this home, with the key of a lease this host holds on it; on another machine's
+    /// control plane, through its API ([`Remote::via`]).
+    pub async fn reach(&self, vm: &str) -> Result<boxery_hands::Reach> {
+        if let Some(store) = &self.local {
+            // reads the store and writes the ssh files: off the async workers
+            let (home, store) = (self.env.home.clone(), store.clone());
+            let (vm, voice) = (vm.to_string(), self.voice);
+            return tokio::task::spawn_blocking(move || {
+                boxery_hands::reach(&home, &store, &vm, voice)
+            })
+            .await
+            .map_err(|e| VerbError::failed(format!("the ssh check failed: {e}")))?
+            .map_err(VerbError::from);
+        }
+        let Some(remote) = &self.remote else {
+            return Err(VerbError::failed(
+                "reaching a VM needs boxery's own store on this host, or a context",
+            ));
+        };
+        let Some(v) = self.store.get_as::<boxery_api::Vm>(vm).await? else {
+            return Err(self.vm_not_found(vm).await);
+        };
+        if let Some(e) = boxery_hands::not_ready_remote(&v, self.voice) {
+            return Err(e.into());
+        }
+        let via = remote.via(&v).await?;
+        let ssh = boxery_hands::ssh::SshDir::via(&self.env.home, via);
+        let voice = self.voice;
+        tokio::task::spawn_blocking(move || boxery_hands::reach_vm(ssh, &v, None, voice))
+            .await
+            .map_err(|e| VerbError::failed(format!("the ssh check failed: {e}")))?
+            .map_err(VerbError::from)
     }
 
     /// The same verbs, recording every write as field manager `name`.
