@@ -4,6 +4,7 @@ mod args;
 mod changes;
 mod commands;
 mod completion;
+mod contexts;
 mod drill;
 mod exit;
 mod explain;
@@ -58,6 +59,10 @@ struct Cli {
     /// else the platform's default.
     #[arg(long, global = true, env = "BOXERY_BACKEND", value_name = "NAME")]
     backend: Option<String>,
+    /// Work on the control plane of another machine: a context of `boxery config` (`local`:
+    /// this home's own store). Default: the current context, else this home. See docs/api.md.
+    #[arg(long, global = true, env = "BOXERY_CONTEXT", value_name = "NAME")]
+    context: Option<String>,
     /// Log more (repeat for even more); logs go to stderr.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     verbose: u8,
@@ -487,6 +492,18 @@ enum Command {
         #[arg(long, value_name = "ADDR")]
         api_listen: Option<std::net::SocketAddr>,
     },
+    /// The contexts: control planes on other machines this one works on (add-context,
+    /// use-context, get-contexts, current-context, delete-context). See docs/api.md.
+    Config {
+        #[command(subcommand)]
+        cmd: contexts::ConfigCmd,
+    },
+    /// Carry stdin and stdout to a VM's sshd through a context's API: the `ProxyCommand` of
+    /// the ssh files boxery writes for a context's VMs (`ssh`, `run`, `cp` use it).
+    Connect {
+        /// The VM (or its ssh alias, NAME.boxery).
+        vm: String,
+    },
     /// Print a kubeconfig for the API `serve --api-listen` serves, with a new token of a
     /// scope (read, full, lease:NAME); --list and --revoke manage the tokens. See docs/api.md.
     Kubeconfig(kubeconfig::KubeconfigArgs),
@@ -747,6 +764,107 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
     let selected = cli.backend.clone();
     let env = Env::resolve(cli.home, cli.backend)?;
     match cli.command {
+        Command::Config { cmd } => {
+            contexts::config(&env.home, cmd)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        command => {
+            if let Some(ctx) = boxery_remote::context::resolve(&env.home, cli.context.as_deref())?
+                && !works_here(&command)
+            {
+                return remote_command(&env, &ctx, command).await;
+            }
+            dispatch_here(env, selected, command).await
+        }
+    }
+}
+
+/// Whether a command works on this machine whatever the context: it reads no store.
+fn works_here(command: &Command) -> bool {
+    matches!(
+        command,
+        Command::Backends
+            | Command::ApiResources
+            | Command::Version
+            | Command::Completion { .. }
+            | Command::Explain { .. }
+            | Command::Schema { .. }
+            | Command::Exec { .. }
+            | Command::Mcp {
+                tools_markdown: true,
+                ..
+            }
+    )
+}
+
+/// A command on the control plane of context `ctx` (another machine's `serve --api-listen`).
+async fn remote_command(
+    env: &Env,
+    ctx: &boxery_remote::Context,
+    command: Command,
+) -> CliResult<ExitCode> {
+    let name = &ctx.name;
+    let here_only = |what: &str, why: &str| {
+        Err(CliError::invalid(format!(
+            "`boxery {what}` {why}: it does not work through context {name}; run it on the VM host (or with `--context local` here)"
+        )))
+    };
+    match &command {
+        Command::Serve { .. } => return here_only("serve", "runs a control plane on this machine"),
+        Command::Kubeconfig(_) => {
+            return here_only("kubeconfig", "mints the tokens of this home's API");
+        }
+        Command::Service { .. } => return here_only("service", "installs a unit on this machine"),
+        Command::Orphans { .. } => return here_only("orphans", "reads the VM host's backends"),
+        Command::Drill { .. } => return here_only("drill", "makes interfaces on the VM host"),
+        // completion of names reads no remote store: nothing to offer
+        Command::CompleteNames { .. } => return Ok(ExitCode::SUCCESS),
+        _ => {}
+    }
+    let backend = env.backend_name.clone();
+    if let Command::Connect { vm } = &command {
+        let code = match boxery_remote::connect::tunnel(ctx, vm).await {
+            Ok(()) => 0,
+            Err(e) => {
+                let e = CliError::from(e);
+                eprintln!(
+                    "error: {}",
+                    boxery_verbs::render::safe(&format!("{:#}", e.error))
+                );
+                e.code as i32
+            }
+        };
+        // Leave now: tokio's stdin reader is a blocking thread the runtime would wait on, and
+        // ssh (and its ControlMaster) wait for this process to end.
+        std::process::exit(code);
+    }
+    let v = boxery_remote::verbs(ctx, backend, Voice::Cli).await?;
+    match command {
+        Command::Mcp { vm, .. } => {
+            mcp::stdio(&v.env, vm, Some(&v)).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        command @ (Command::Read { .. }
+        | Command::Write { .. }
+        | Command::File { .. }
+        | Command::Jobs { .. }) => tool_command(&v, command).await,
+        command => verb_command(&v, command).await,
+    }
+}
+
+/// A command on this home's own store (no context).
+async fn dispatch_here(
+    env: Env,
+    selected: Option<String>,
+    command: Command,
+) -> CliResult<ExitCode> {
+    match command {
+        Command::Config { .. } => unreachable!("handled in dispatch"),
+        Command::Connect { .. } => {
+            return Err(CliError::invalid(
+                "`boxery connect` carries ssh to a VM of another machine's control plane: name a context (`--context NAME`; `boxery config get-contexts` lists them)",
+            ));
+        }
         Command::Service { cmd } => service::service(&env, selected.as_deref(), cmd).await?,
         Command::Backends => out!("{}", commands::backends_table(&env.home)),
         Command::ApiResources => out!("{}", commands::api_resources()),
@@ -789,11 +907,14 @@ async fn dispatch(cli: Cli) -> CliResult<ExitCode> {
             tools_markdown: true,
             ..
         } => out!("{}", boxery_mcp::markdown()),
-        Command::Mcp { vm, .. } => mcp::stdio(&env, vm).await?,
+        Command::Mcp { vm, .. } => mcp::stdio(&env, vm, None).await?,
         command @ (Command::Read { .. }
         | Command::Write { .. }
         | Command::File { .. }
-        | Command::Jobs { .. }) => return tool_command(&env, command).await,
+        | Command::Jobs { .. }) => {
+            let v = Verbs::open(env, Voice::Cli)?;
+            return tool_command(&v, command).await;
+        }
         command => {
             let v = Verbs::open(env, Voice::Cli)?;
             return verb_command(&v, command).await;
@@ -894,8 +1015,8 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         Command::Grant(a) => return grants::grant(v, a).await,
         Command::Orphans { cmd } => orphans::orphans(v, cmd).await?,
         Command::Sync(args) => sync::sync(v, args).await?,
-        Command::Ssh { vm, cmd } => return Ok(boxery_hands::ssh(v.home(), v.local()?, &vm, &cmd)?),
-        Command::Run { vm, cmd } => return Ok(boxery_hands::run(v.home(), v.local()?, &vm, &cmd)?),
+        Command::Ssh { vm, cmd } => return Ok(boxery_hands::ssh(&v.reach(&vm).await?, &cmd)?),
+        Command::Run { vm, cmd } => return Ok(boxery_hands::run(&v.reach(&vm).await?, &cmd)?),
         Command::Drill { vm, sibling } => return drill_command(v, &vm, sibling.as_deref()),
         Command::Cp { src, dst } => return cp(v, &src, &dst).await,
         command => vm_command(v, command).await?,
@@ -1124,10 +1245,25 @@ async fn vm_command(v: &Verbs, command: Command) -> CliResult {
 /// `cp`: local ⇄ VM through the hands; VM ⇄ VM through the `vm_copy` tool.
 async fn cp(v: &Verbs, src: &str, dst: &str) -> CliResult<ExitCode> {
     if let (Place::Vm(..), Place::Vm(..)) = (Place::parse(src), Place::parse(dst)) {
-        boxery_mcp::run_cli(&v.env, "vm_copy", json!({"src": src, "dst": dst})).await?;
+        boxery_mcp::run_cli(v, "vm_copy", json!({"src": src, "dst": dst})).await?;
         return Ok(ExitCode::SUCCESS);
     }
-    Ok(boxery_hands::cp(v.home(), v.local()?, src, dst)?)
+    let vm = match (Place::parse(src), Place::parse(dst)) {
+        (Place::Vm(vm, _), _) | (_, Place::Vm(vm, _)) => Some(vm),
+        _ => None,
+    };
+    let reach = match vm {
+        Some(vm) => Some(v.reach(&vm).await?),
+        None => None,
+    };
+    let given = move |_: &str| {
+        reach.ok_or_else(|| {
+            boxery_hands::HandsError::Invalid(
+                "name a VM on one side: boxery cp LOCAL VM:PATH, or VM:PATH LOCAL".into(),
+            )
+        })
+    };
+    Ok(boxery_hands::cp(given, src, dst)?)
 }
 
 /// `serve`, with the MCP endpoint when `--mcp-listen` is given.
@@ -1139,6 +1275,8 @@ async fn serve(
     proxy_listen: ProxyListen,
     api_listen: Option<std::net::SocketAddr>,
 ) -> CliResult {
+    // A fresh home: made (0700) before the listeners write their address files into it.
+    env.ensure_home()?;
     let stop = tokio_util::sync::CancellationToken::new();
     // The credential proxy, bound before the controllers start (a taken port fails at once).
     let (proxy, guest_proxy, bound) = match proxy_listen {
@@ -1270,7 +1408,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// file read|write|edit, jobs: the tools' runners, their results rendered for the terminal.
-async fn tool_command(env: &Env, command: Command) -> CliResult<ExitCode> {
+async fn tool_command(env: &Verbs, command: Command) -> CliResult<ExitCode> {
     match command {
         Command::Jobs { action } => jobs_cmd(env, action).await,
         Command::Read { args } => file_cmd(env, FileCmd::Read(args)).await,
@@ -1281,7 +1419,7 @@ async fn tool_command(env: &Env, command: Command) -> CliResult<ExitCode> {
 }
 
 /// `file read|write|edit`: the vm_read, vm_write and vm_edit tools.
-async fn file_cmd(env: &Env, cmd: FileCmd) -> CliResult<ExitCode> {
+async fn file_cmd(env: &Verbs, cmd: FileCmd) -> CliResult<ExitCode> {
     match cmd {
         FileCmd::Read(FileRead {
             vm,
@@ -1320,7 +1458,7 @@ async fn file_cmd(env: &Env, cmd: FileCmd) -> CliResult<ExitCode> {
 }
 
 /// `jobs …`: the `vm_jobs` tool; `jobs wait` exits with the job's code.
-async fn jobs_cmd(env: &Env, action: JobsCmd) -> CliResult<ExitCode> {
+async fn jobs_cmd(env: &Verbs, action: JobsCmd) -> CliResult<ExitCode> {
     let args = match &action {
         JobsCmd::Start { vm, cwd, cmd } => {
             let line = if cmd.len() == 1 {

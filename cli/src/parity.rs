@@ -33,6 +33,14 @@ const CLI_ONLY: &[(&str, &str)] = &[
     ),
     ("mcp", "is the MCP server"),
     (
+        "config",
+        "chooses which machine's control plane this boxery works on: a person's setting, never an agent's",
+    ),
+    (
+        "connect",
+        "ssh's ProxyCommand for a context's VMs; agents reach VMs with vm_bash",
+    ),
+    (
         "service",
         "installs a systemd unit on the host: the owner's decision, never an agent's",
     ),
