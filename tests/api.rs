@@ -559,3 +559,127 @@ fn mcp_is_served_behind_the_api_tokens() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// A second home that holds only a context (`boxery config add-context`) works on the first
+/// home's `serve` with boxery's own verbs: apply with --wait, get (the same columns), label,
+/// stop and a wait that sees it, delete; a read-only context reads and is refused writes;
+/// commands that need the VM host say so; a revoked token and a stopped serve are errors that
+/// name the context. The second home never gets a store or any of the first's keys.
+#[test]
+fn a_context_drives_another_home_with_boxerys_own_verbs() {
+    let api = Api::start();
+    let laptop = Home::new();
+    let kc = api.kubeconfig.to_str().unwrap();
+    let err_of = |o: &Output| String::from_utf8_lossy(&o.stderr).into_owned();
+    let o = laptop.run(&["config", "add-context", "vmhost", "-f", kc, "--use"]);
+    assert!(o.status.success(), "{}", err_of(&o));
+    assert!(err_of(&o).contains("(current)"), "{}", err_of(&o));
+    let listed = laptop.ok(&["config", "get-contexts"]);
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.trim_start().starts_with("* ") && l.contains("vmhost")),
+        "{listed}"
+    );
+    assert_eq!(laptop.ok(&["config", "current-context"]).trim(), "vmhost");
+
+    let f = laptop.write("vm.yaml", &vm("c1", 1));
+    laptop.ok(&[
+        "apply",
+        "-f",
+        f.to_str().unwrap(),
+        "--wait",
+        "--timeout",
+        "60s",
+    ]);
+    // the same store: the VM host sees it, and both print the same table
+    assert!(api.home.ok(&["get", "vm", "c1"]).contains("c1"));
+    let here = api.home.ok(&["get", "vms"]);
+    let there = laptop.ok(&["get", "vms"]);
+    assert_eq!(
+        here.lines().next(),
+        there.lines().next(),
+        "the columns differ"
+    );
+    laptop.ok(&["label", "vm", "c1", "tier=web"]);
+    assert!(
+        laptop
+            .ok(&["get", "vms", "-l", "tier=web", "-o", "name"])
+            .contains("vm/c1")
+    );
+    // a change made on the VM host is seen by a wait through the context
+    api.home.ok(&["stop", "c1"]);
+    laptop.ok(&[
+        "wait",
+        "vm",
+        "c1",
+        "--for=jsonpath={.status.phase}=Stopped",
+        "--timeout",
+        "60s",
+    ]);
+    let d = laptop.ok(&["describe", "vm", "c1"]);
+    assert!(d.contains("Stopped"), "{d}");
+
+    // read-only: reads; writes refused, naming the scope
+    let ro = api
+        .home
+        .ok(&["kubeconfig", "--scope", "read", "--name", "ro"]);
+    let ro = laptop.write("ro.yaml", &ro);
+    laptop.ok(&["config", "add-context", "ro", "-f", ro.to_str().unwrap()]);
+    assert!(laptop.ok(&["--context", "ro", "get", "vms"]).contains("c1"));
+    let o = laptop.run(&["--context", "ro", "delete", "vm", "c1"]);
+    assert!(
+        !o.status.success() && err_of(&o).contains("scope read"),
+        "{}",
+        err_of(&o)
+    );
+
+    // what needs the VM host says so
+    let o = laptop.run(&["orphans"]);
+    assert_eq!(o.status.code(), Some(2), "{}", err_of(&o));
+    assert!(
+        err_of(&o).contains("through context vmhost"),
+        "{}",
+        err_of(&o)
+    );
+    // ssh to a VM that runs no guest (the fake backend): the VM host's reason
+    let o = laptop.run(&["run", "c1", "--", "true"]);
+    assert!(
+        !o.status.success() && err_of(&o).contains("c1"),
+        "{}",
+        err_of(&o)
+    );
+
+    laptop.ok(&["delete", "vm", "c1", "--wait", "--timeout", "60s"]);
+    assert!(!api.home.ok(&["get", "vms", "-o", "name"]).contains("c1"));
+
+    // nothing of the VM host's lives here: no store, no keys but this machine's own
+    assert!(!laptop.path().join("store.db").exists());
+    assert!(!laptop.path().join("ssh").exists());
+    let contexts = std::fs::read_to_string(laptop.path().join("contexts.yaml")).unwrap();
+    assert!(contexts.contains("current-context: vmhost"), "{contexts}");
+
+    // a revoked token: the next command says why, naming the context
+    api.home.ok(&["kubeconfig", "--revoke", "test"]);
+    let o = laptop.run(&["get", "vms"]);
+    assert!(
+        !o.status.success() && err_of(&o).contains("vmhost") && err_of(&o).contains("401"),
+        "{}",
+        err_of(&o)
+    );
+    // `local` is this home's own store
+    assert!(laptop.ok(&["--context", "local", "get", "vms"]).is_empty());
+    laptop.ok(&["config", "use-context", "local"]);
+    laptop.ok(&["config", "delete-context", "vmhost"]);
+    assert_eq!(laptop.ok(&["config", "current-context"]).trim(), "local");
+    // a serve that is gone: the error says where it looked
+    let ro_ctx = laptop.run(&["--context", "ro", "get", "vms"]);
+    assert!(ro_ctx.status.success());
+    drop(api);
+    let o = laptop.run(&["--context", "ro", "get", "vms"]);
+    assert!(
+        !o.status.success() && err_of(&o).contains("cannot reach the API of context ro"),
+        "{}",
+        err_of(&o)
+    );
+}

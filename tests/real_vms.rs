@@ -369,10 +369,14 @@ impl RealHome {
     }
     /// [`RealHome::serve`] with `extra` in its environment.
     fn serve_with(&self, extra: &[(&str, &str)]) -> common::Serve {
+        self.serve_args(&[], extra)
+    }
+    /// [`RealHome::serve`] with `args` and `extra` in its environment.
+    fn serve_args(&self, args: &[&str], extra: &[(&str, &str)]) -> common::Serve {
         let mut envs: Vec<(&str, &str)> = vec![("BOXERY_BACKEND", self.kind.name())];
         envs.extend(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         envs.extend_from_slice(extra);
-        self.home.serve_env(&[], &envs)
+        self.home.serve_env(args, &envs)
     }
 }
 
@@ -1128,6 +1132,141 @@ fn host_reboot(kind: Kind) {
 /// logs `boxery mux: ran over …`): stdout, stderr and the exit code come back, stdin is
 /// passed, a reader that leaves early ends it quietly; without a live master (`ssh -O exit`,
 /// or its socket removed) it falls back to `ssh`, which starts a master again.
+/// The processes whose command line mentions `needle` (a home's path): what a test must not
+/// leave behind.
+fn processes_with(needle: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if cmd.contains(needle) {
+            found.push(format!("{}: {cmd}", e.file_name().to_string_lossy()));
+        }
+    }
+    found
+}
+
+/// A second home that holds only a context for this one (no store, none of its keys) drives
+/// a real guest through the API alone: applies it, `run`s commands in it (ssh carried by
+/// `boxery connect`, the host key pinned from the VM's object), copies a file both ways, and
+/// an MCP client through `boxery mcp` with the context does the same with the tools. When the
+/// VM is deleted, nothing of the second home keeps running.
+fn remote_context(kind: Kind) {
+    let h = RealHome::new(kind);
+    let _serve = h.serve_args(&["--api-listen", "127.0.0.1:0"], &[]);
+    let addr = h.home.path().join("api/addr");
+    common::eventually(Duration::from_secs(30), || addr.exists().then_some(()))
+        .expect("serve wrote api/addr");
+    let kc = h
+        .home
+        .write("kc.yaml", &h.ok(&["kubeconfig", "--name", "laptop"]));
+    let laptop = Home::new();
+    let lap = |args: &[&str]| -> std::process::Output {
+        let mut c = laptop.cmd();
+        c.env("BOXERY_CONTEXT", "vmhost")
+            .env("BOXERY_SSH_LOG", laptop.path().join("ssh.log"))
+            .args(args);
+        bounded(c, Duration::from_secs(600))
+            .unwrap_or_else(|p| panic!("boxery {args:?} (laptop) did not finish in 10 min: {p:?}"))
+    };
+    let lap_ok = |args: &[&str]| -> String {
+        let o = lap(args);
+        assert!(
+            o.status.success(),
+            "boxery {args:?} (laptop) failed ({:?}):\nstdout: {}\nstderr: {}\nssh log: {}\n{}",
+            o.status.code(),
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr),
+            std::fs::read_to_string(laptop.path().join("ssh.log")).unwrap_or_default(),
+            h.state_report()
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    lap_ok(&[
+        "config",
+        "add-context",
+        "vmhost",
+        "-f",
+        kc.to_str().unwrap(),
+    ]);
+    let f = laptop.write("vm.yaml", &tiny_vm("far1"));
+    lap_ok(&[
+        "apply",
+        "-f",
+        f.to_str().unwrap(),
+        "--wait",
+        "--timeout",
+        "10m",
+    ]);
+    assert_eq!(lap_ok(&["run", "far1", "--", "hostname"]).trim(), "far1");
+    let o = lap(&["run", "far1", "--", "exit 7"]);
+    assert_eq!(o.status.code(), Some(7), "the exit code comes through");
+    // a file both ways
+    let src = laptop.write("in.txt", "from the laptop\n");
+    lap_ok(&["cp", src.to_str().unwrap(), "far1:in.txt"]);
+    assert_eq!(h.run("far1", "cat in.txt"), "from the laptop");
+    let back = laptop.path().join("back.txt");
+    lap_ok(&["cp", "far1:in.txt", back.to_str().unwrap()]);
+    assert_eq!(std::fs::read_to_string(&back).unwrap(), "from the laptop\n");
+    // the ssh config pins the VM's host key and goes through the API
+    let conf =
+        std::fs::read_to_string(laptop.path().join("contexts/vmhost/ssh/vms/far1.conf")).unwrap();
+    assert!(
+        conf.contains("connect %n") && conf.contains("StrictHostKeyChecking yes"),
+        "{conf}"
+    );
+    let known = std::fs::read_to_string(
+        laptop
+            .path()
+            .join("contexts/vmhost/ssh/vms/far1.known_hosts"),
+    )
+    .unwrap();
+    let pinned = h.vm_json("far1")["status"]["ssh"]["hostKey"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(known.contains(pinned.trim()), "{known}");
+    // MCP through the context (the official SDK)
+    let out = laptop.path().join("mcp-out");
+    std::fs::create_dir_all(&out).unwrap();
+    let mut py = std::process::Command::new(repo().join("target/mcp-venv/bin/python"));
+    py.arg(repo().join("tests/mcp/client.py"))
+        .args(["remote", common::bin(), "far1"])
+        .arg(&out)
+        .env("BOXERY_HOME", laptop.path())
+        .env("BOXERY_CONTEXT", "vmhost");
+    let o = bounded(py, Duration::from_secs(300)).expect("the MCP client finished");
+    assert!(
+        o.status.success(),
+        "MCP through the context: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // nothing of the VM host's lives in the second home
+    let top: Vec<String> = std::fs::read_dir(laptop.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        !top.iter().any(|n| n == "store.db" || n == "ssh"),
+        "{top:?}"
+    );
+    lap_ok(&["delete", "vm", "far1", "--wait", "--timeout", "5m"]);
+    let needle = laptop.path().display().to_string();
+    let left = common::eventually(Duration::from_secs(30), || {
+        let p = processes_with(&needle);
+        p.is_empty().then_some(())
+    });
+    assert!(
+        left.is_some(),
+        "left running after the VM was deleted: {:?}",
+        processes_with(&needle)
+    );
+}
+
 fn run_over_the_control_master(kind: Kind) {
     let h = RealHome::new(kind);
     let f = h.home.write("vm.yaml", &tiny_vm("m1"));
@@ -1484,6 +1623,11 @@ macro_rules! on_backend {
 
 mod qemu {
     on_backend!(super::Kind::Qemu);
+
+    #[test]
+    fn a_context_on_another_home_reaches_a_real_vm() {
+        super::remote_context(super::Kind::Qemu)
+    }
 
     #[test]
     fn run_over_the_control_master() {

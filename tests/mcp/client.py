@@ -4,6 +4,8 @@
     python client.py http  URL TOKEN_FILE      # streamable HTTP: auth, Origin, a tool call
     python client.py vm    BOXERY_BIN OUTDIR   # stdio, qemu backend: a real VM end to end
     python client.py lease BOXERY_BIN          # stdio, fake backend: vm_lease on a pool of 2
+    python client.py remote BOXERY_BIN VM OUTDIR  # stdio through a context (BOXERY_CONTEXT):
+                                               # a real VM on another home's serve
 
 BOXERY_HOME and BOXERY_BACKEND come from the environment. Exits non-zero with the reason on
 the first failed check.
@@ -469,6 +471,30 @@ async def api_mode(url, full_token, read_token, ca):
     print("api: ok")
 
 
+async def remote_mode(binary, vm, outdir):
+    """`boxery mcp` whose store and VMs are another home's (BOXERY_CONTEXT names it)."""
+    async with stdio_client(stdio_params(binary)) as (r, w):
+        async with ClientSession(r, w) as s:
+            await s.initialize()
+            _, t = await call(s, "vm_get", {"kind": "vm"})
+            check(vm in t, f"the context's VMs are listed: {t}")
+            await call(s, "vm_use", {"vm": vm})
+            res, t = await call(s, "vm_bash", {"command": "hostname; exit 4"})
+            sc = res.structured_content
+            check(sc["exit_code"] == 4 and sc["stdout"] == f"{vm}\n", f"vm_bash: {sc}")
+            await call(s, "vm_write", {"path": "~/remote.txt", "content": "from the laptop\n"})
+            res, t = await call(s, "vm_read", {"path": "~/remote.txt"})
+            check(res.structured_content["content"] == "from the laptop\n", f"vm_read: {t}")
+            dst = os.path.join(outdir, "remote.txt")
+            await call(s, "vm_copy", {"src": f"{vm}:remote.txt", "dst": f"local:{dst}"})
+            check(open(dst).read() == "from the laptop\n", f"copied: {open(dst).read()!r}")
+            res, t = await call(s, "vm_jobs", {"action": "start", "command": "exit 6"})
+            jid = res.structured_content["id"]
+            res, t = await call(s, "vm_jobs", {"action": "wait", "id": jid, "timeout_seconds": 60})
+            check(res.structured_content["exit_code"] == 6, f"job: {t}")
+    print("remote: ok")
+
+
 def main():
     mode = sys.argv[1]
     started = time.time()
@@ -484,6 +510,8 @@ def main():
         asyncio.run(lease_mode(sys.argv[2]))
     elif mode == "vm":
         asyncio.run(vm_mode(sys.argv[2], sys.argv[3]))
+    elif mode == "remote":
+        asyncio.run(remote_mode(sys.argv[2], sys.argv[3], sys.argv[4]))
     else:
         raise SystemExit(f"unknown mode {mode}")
     print(f"{mode}: {time.time() - started:.1f}s")
