@@ -38,3 +38,17 @@ pub use selector::Selector;
 pub use source::{Source, SourcePhase, SourceSpec, SourceStatus, SourceType};
 pub use validate::{KINDS, ValidationError, lookup_kind, normalize};
 pub use vm::{RunStrategy, Vm, VmPhase, VmSource};
+
+/// An error and all its causes on one line, `outer: cause: root cause`: the one renderer of
+/// error chains (errors keep their causes as `source()`, never in their message, so printing
+/// only `Display` loses them).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}

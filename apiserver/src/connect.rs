@@ -67,12 +67,7 @@ async fn open(
             "connect is an upgrade: send `Connection: upgrade` and `Upgrade: {CONNECT_PROTOCOL}` (`boxery connect VM` does)"
         )));
     }
-    let vm = sh
-        .verbs
-        .store()
-        .get_as::<Vm>(name)
-        .await?
-        .ok_or_else(|| Failure::not_found(Vm::INFO.plural, name))?;
+    let vm = vm_named(sh, name).await?;
     if let Some(e) = boxery_hands::not_ready(&vm, boxery_hands::Voice::Cli) {
         return Err(Failure::new(
             StatusCode::CONFLICT,
@@ -129,6 +124,15 @@ async fn open(
     Ok(r)
 }
 
+/// The Vm object `name`, or 404.
+async fn vm_named(sh: &Shared, name: &str) -> Result<Vm, Failure> {
+    sh.verbs
+        .store()
+        .get_as::<Vm>(name)
+        .await?
+        .ok_or_else(|| Failure::not_found(Vm::INFO.plural, name))
+}
+
 fn unavailable(vm: &str, why: &str) -> Failure {
     Failure::new(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -167,12 +171,7 @@ async fn put_key(
     let key = ask.public_key.trim().to_string();
     boxery_api::lease::check_public_key(&key)
         .map_err(|e| Failure::bad_request(format!("publicKey: {e}")))?;
-    let vm = sh
-        .verbs
-        .store()
-        .get_as::<Vm>(name)
-        .await?
-        .ok_or_else(|| Failure::not_found(Vm::INFO.plural, name))?;
+    let vm = vm_named(sh, name).await?;
     // every VM made from now on holds it (seeds, lease resets); this one gets it now
     let ssh = SshDir::new(sh.verbs.home());
     let comment = crate::tokens::key_comment(&caller.name);

@@ -141,19 +141,7 @@ impl BackendError {
     }
 }
 
-/// An error and all its causes on one line, `outer: cause: root cause`: the one renderer of
-/// error chains in this crate (errors keep their causes as `source()`, never in their
-/// message, so printing only `Display` loses them).
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+pub use boxery_api::error_chain;
 
 /// A closure for `map_err` turning an I/O error into [`BackendError::Io`] with `context`.
 #[cfg_attr(not(any(feature = "qemu", feature = "libvirt")), allow(dead_code))]

@@ -23,6 +23,7 @@ mod vms;
 mod wait;
 
 use crate::out::{out, outln};
+use boxery_api::error_chain;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -1393,18 +1394,6 @@ fn proxy_listen_arg(s: &str) -> Result<ProxyListen, String> {
     s.parse()
         .map(ProxyListen::At)
         .map_err(|_| format!("`{s}` is not ADDR:PORT (e.g. 127.0.0.1:7390) or `off`"))
-}
-
-/// An error and its causes, one line.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cause = c.source();
-    }
-    s
 }
 
 /// file read|write|edit, jobs: the tools' runners, their results rendered for the terminal.

@@ -84,17 +84,7 @@ pub fn default_error_policy<R, E: ReconcileError, Ctx>(
     }
 }
 
-/// The whole chain of an error, `outer: cause: root cause`, for logs.
-pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = error.to_string();
-    let mut source = error.source();
-    while let Some(e) = source {
-        out.push_str(": ");
-        out.push_str(&e.to_string());
-        source = e.source();
-    }
-    out
-}
+pub use boxery_api::error_chain;
 
 /// A handle that enqueues keys into a controller from outside (a timer, a backend event).
 #[derive(Debug, Clone)]

@@ -4,6 +4,7 @@
 //! and come back as the same [`StoreError`] variant (a database or file error of the server
 //! arrives as `Unavailable`, with its message).
 
+use boxery_api::error_chain;
 use std::time::Duration;
 
 use boxery_api::{DynObject, Selector};
@@ -505,18 +506,6 @@ impl StoreError {
             _ => return None,
         })
     }
-}
-
-/// An error and its causes, one line.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 impl From<WireError> for StoreError {
