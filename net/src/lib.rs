@@ -5,7 +5,10 @@
 //! connection (docs/research/egress-connection-cost.md: +4.6 ms per connection, 0 here).
 //!
 //! - [`slirp`]: the hand-written FFI to libslirp and a safe wrapper around one stack.
+//! - [`helper`]: the helper's options, set-up and poll loop.
 //!
 //! Only this crate links libslirp: `boxery` itself does not need it.
 
+pub mod helper;
 pub mod slirp;
+mod sys;

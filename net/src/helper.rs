@@ -1,0 +1,526 @@
+//! The helper's life: set up slirp and the socket QEMU connects to, then one single-threaded
+//! `poll(2)` loop until SIGTERM or SIGINT.
+//!
+//! Each round of the loop (as the C prototype `docs/research/slirpd/slirpd-batch.c`):
+//! 1. [`Slirp::wait`]: `slirp_pollfds_fill` adds slirp's sockets after ours (the signalfd, and
+//!    QEMU's connection, or the listening socket while no QEMU is attached) and lowers the
+//!    timeout (TCP timers, slirp's own timers); then one `poll`.
+//! 2. A stop signal ends the loop. The listener: accept QEMU. QEMU's connection: one read,
+//!    every whole frame in the buffer to `slirp_input` (frames: a 4-byte big-endian length,
+//!    then the ethernet frame).
+//! 3. [`Slirp::dispatch`]: `slirp_pollfds_poll` (host sockets: hostfwd, unix forward, guest
+//!    connections) then the expired timers.
+//! 4. The frames slirp produced during the round, already length-prefixed in one buffer, go
+//!    to QEMU in one `write` (batching: measured ~95 % of QEMU's in-process slirp bulk
+//!    throughput, against ~89 % with a write per frame).
+//!
+//! # Guarantees
+//! - The socket is created mode 0600 (umask), a stale one (nothing listening) is replaced, a
+//!   live one or a non-socket at the path is an error. On a stop signal, and on an error once
+//!   the socket exists, the socket and the pidfile are removed if they are still this
+//!   process's (same inode; the pidfile holds our pid).
+//! - The pidfile is written (atomically) only once everything listens: its presence means
+//!   ready.
+//! - QEMU going away is not an end: slirp's state (leases, forwards) is kept and the next
+//!   connection (QEMU's `reconnect-ms`) is accepted. Guest TCP connections open through slirp
+//!   stay open if QEMU comes back before they time out.
+//! - The connection to QEMU is non-blocking: a guest that stops taking frames (paused VM)
+//!   never blocks the loop; past [`OUTBOX_MAX`] pending bytes new frames are dropped (TCP
+//!   retransmits), as QEMU's own queue does.
+//!
+//! # Caveats
+//! - The helper does not watch QEMU's life: it waits for a reconnect until it is stopped.
+//! - While QEMU is away, frames for the guest are dropped.
+//! - A probe of a live socket at the path (to tell it from a stale one) is one connection the
+//!   live helper accepts and sees close at once.
+
+use std::io::{self, Read, Write};
+use std::net::Ipv4Addr;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+
+use crate::slirp::{Guest, Network, Slirp, SlirpError};
+use crate::sys::{StopSignals, with_umask};
+
+/// The guest address whose port [`PROXY_PORT`] reaches the proxy's unix socket.
+pub const PROXY_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 100);
+/// The guest port of the proxy.
+pub const PROXY_PORT: u16 = 80;
+/// The guest's sshd port the host forward reaches.
+pub const GUEST_SSH_PORT: u16 = 22;
+/// The largest frame QEMU's stream netdev sends or takes (its `NET_BUFSIZE`).
+pub const MAX_FRAME: usize = 4096 + 65536;
+/// Bytes of frames for QEMU kept while it does not read; beyond, frames are dropped.
+pub const OUTBOX_MAX: usize = 4 << 20;
+/// Longest unix socket path (`sun_path` less its NUL).
+const MAX_SOCK_PATH: usize = 107;
+/// The loop's longest sleep (slirp lowers it when it has timers to run).
+const MAX_SLEEP_MS: u32 = 1000;
+
+/// What the helper is asked to do.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The unix socket QEMU's `-netdev stream` connects to.
+    pub net_sock: PathBuf,
+    /// The host loopback port forwarded to the guest's sshd.
+    pub ssh_port: u16,
+    /// The unix socket guest connections to 10.0.2.100:80 are connected to.
+    pub proxy_sock: PathBuf,
+    /// Where to write the helper's pid once it is ready.
+    pub pidfile: Option<PathBuf>,
+}
+
+/// Why the helper could not start or stopped early.
+#[derive(Debug, thiserror::Error)]
+pub enum HelperError {
+    /// The stop signals could not be set up.
+    #[error("cannot set up SIGTERM/SIGINT handling")]
+    Signals(#[source] io::Error),
+    /// A socket path longer than `sun_path` takes.
+    #[error("{path} is {len} bytes long: a unix socket path takes at most {MAX_SOCK_PATH}")]
+    PathTooLong {
+        /// The path.
+        path: PathBuf,
+        /// Its length.
+        len: usize,
+    },
+    /// The socket's directory is missing.
+    #[error("cannot listen on {path}: its directory {dir} does not exist")]
+    NoDirectory {
+        /// The socket path.
+        path: PathBuf,
+        /// Its directory.
+        dir: PathBuf,
+    },
+    /// Something listens on the socket path already.
+    #[error(
+        "{path} is in use: another process (a running boxery-net?) listens on it; stop it first"
+    )]
+    InUse {
+        /// The socket path.
+        path: PathBuf,
+    },
+    /// The socket path is taken by something that is not a socket.
+    #[error("{path} exists and is not a socket: not replacing it")]
+    NotASocket {
+        /// The path.
+        path: PathBuf,
+    },
+    /// Binding or listening failed.
+    #[error("cannot listen on {path}")]
+    Listen {
+        /// The socket path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// Setting up slirp or a forward failed.
+    #[error(transparent)]
+    Slirp(#[from] SlirpError),
+    /// The pidfile could not be written.
+    #[error("cannot write the pidfile {path}")]
+    Pidfile {
+        /// The pidfile.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// `poll` failed.
+    #[error("poll failed")]
+    Poll(#[source] io::Error),
+}
+
+/// The frames for QEMU: slirp appends during a round, the loop writes them at its end.
+#[derive(Debug, Default)]
+struct Outbox {
+    /// Length-prefixed frames; `buf[sent..]` is still to write.
+    buf: Vec<u8>,
+    sent: usize,
+    /// QEMU is connected (else frames are dropped).
+    attached: bool,
+    /// Frames dropped because the outbox was full.
+    dropped: u64,
+}
+
+impl Guest for Outbox {
+    fn send(&mut self, frame: &[u8]) {
+        if !self.attached {
+            return; // no guest: TCP retransmits, ARP and DHCP ask again
+        }
+        if self.buf.len() - self.sent + 4 + frame.len() > OUTBOX_MAX {
+            self.dropped += 1;
+            return;
+        }
+        self.buf
+            .extend_from_slice(&(frame.len() as u32).to_be_bytes());
+        self.buf.extend_from_slice(frame);
+    }
+}
+
+impl Outbox {
+    fn pending(&self) -> bool {
+        self.sent < self.buf.len()
+    }
+
+    /// Start or end a connection: a frame half-written to the last one is not continued.
+    fn reset(&mut self, attached: bool) {
+        self.buf.clear();
+        self.sent = 0;
+        self.attached = attached;
+    }
+
+    /// Write what is pending (one write, unless the socket takes only part of it).
+    fn flush(&mut self, to: &mut impl Write) -> io::Result<()> {
+        while self.pending() {
+            match to.write(&self.buf[self.sent..]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => self.sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if !self.pending() {
+            self.buf.clear();
+            self.sent = 0;
+        } else if self.sent > self.buf.len() / 2 {
+            self.buf.drain(..self.sent);
+            self.sent = 0;
+        }
+        Ok(())
+    }
+}
+
+/// What starts a stream buffer: a whole frame, a part of one, or a length QEMU never sends.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// A whole frame of this many bytes follows the 4-byte length.
+    Whole(usize),
+    /// More bytes are needed.
+    Partial,
+    /// A length over [`MAX_FRAME`]: the stream is out of step.
+    Bad(u32),
+}
+
+/// Parse the frame at the start of `buf` (4-byte big-endian length, then the frame).
+pub fn frame_at(buf: &[u8]) -> Frame {
+    let Some(len) = buf.get(..4) else {
+        return Frame::Partial;
+    };
+    let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]);
+    if len as usize > MAX_FRAME {
+        return Frame::Bad(len);
+    }
+    if buf.len() - 4 < len as usize {
+        Frame::Partial
+    } else {
+        Frame::Whole(len as usize)
+    }
+}
+
+/// Removes the socket and the pidfile when dropped, if they are still this process's.
+struct Cleanup {
+    socket: Option<(PathBuf, u64, u64)>,
+    pidfile: Option<PathBuf>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if let Some((path, dev, ino)) = &self.socket
+            && std::fs::symlink_metadata(path).is_ok_and(|m| m.dev() == *dev && m.ino() == *ino)
+        {
+            let _ = std::fs::remove_file(path);
+        }
+        if let Some(path) = &self.pidfile
+            && std::fs::read_to_string(path)
+                .is_ok_and(|s| s.trim() == std::process::id().to_string())
+        {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+fn check_sock_path(path: &Path) -> Result<(), HelperError> {
+    let len = path.as_os_str().len();
+    if len > MAX_SOCK_PATH {
+        return Err(HelperError::PathTooLong {
+            path: path.into(),
+            len,
+        });
+    }
+    Ok(())
+}
+
+/// Make way for the socket: nothing there, or a stale socket (removed). A live socket or any
+/// other file is an error.
+fn clear_stale(path: &Path) -> Result<(), HelperError> {
+    let listen_err = |source| HelperError::Listen {
+        path: path.into(),
+        source,
+    };
+    let dir = match path.parent() {
+        Some(d) if d.as_os_str().is_empty() => Path::new("."),
+        Some(d) => d,
+        None => Path::new("/"),
+    };
+    if !dir.is_dir() {
+        return Err(HelperError::NoDirectory {
+            path: path.into(),
+            dir: dir.into(),
+        });
+    }
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(listen_err(e)),
+        Ok(m) if !m.file_type().is_socket() => Err(HelperError::NotASocket { path: path.into() }),
+        Ok(_) => match UnixStream::connect(path) {
+            Ok(_) => Err(HelperError::InUse { path: path.into() }),
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                std::fs::remove_file(path).map_err(listen_err)
+            }
+            Err(e) => Err(listen_err(e)),
+        },
+    }
+}
+
+fn write_pidfile(path: &Path) -> io::Result<()> {
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    std::fs::write(&tmp, format!("{}\n", std::process::id()))?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+/// Run the helper until SIGTERM or SIGINT; returns the signal that stopped it.
+pub fn run(opts: &Options) -> Result<i32, HelperError> {
+    // first, while this is the only thread: the blocked mask is per thread
+    let signals = StopSignals::new().map_err(HelperError::Signals)?;
+    check_sock_path(&opts.net_sock)?;
+    check_sock_path(&opts.proxy_sock)?;
+
+    let mut slirp = Slirp::new(&Network::default(), Outbox::default())?;
+    slirp.add_hostfwd(Ipv4Addr::LOCALHOST, opts.ssh_port, GUEST_SSH_PORT)?;
+    slirp.add_unix(&opts.proxy_sock, PROXY_ADDR, PROXY_PORT)?;
+
+    clear_stale(&opts.net_sock)?;
+    let listen_err = |source| HelperError::Listen {
+        path: opts.net_sock.clone(),
+        source,
+    };
+    let listener = with_umask(0o177, || UnixListener::bind(&opts.net_sock)).map_err(listen_err)?;
+    let meta = std::fs::symlink_metadata(&opts.net_sock).map_err(listen_err)?;
+    let mut cleanup = Cleanup {
+        socket: Some((opts.net_sock.clone(), meta.dev(), meta.ino())),
+        pidfile: None,
+    };
+    std::fs::set_permissions(&opts.net_sock, std::fs::Permissions::from_mode(0o600))
+        .map_err(listen_err)?;
+    listener.set_nonblocking(true).map_err(listen_err)?;
+    if let Some(path) = &opts.pidfile {
+        write_pidfile(path).map_err(|source| HelperError::Pidfile {
+            path: path.clone(),
+            source,
+        })?;
+        cleanup.pidfile = Some(path.clone());
+    }
+    eprintln!(
+        "boxery-net: libslirp {}, listening on {} for QEMU; host 127.0.0.1:{} -> guest :{GUEST_SSH_PORT}; guest {PROXY_ADDR}:{PROXY_PORT} -> {}",
+        crate::slirp::version(),
+        opts.net_sock.display(),
+        opts.ssh_port,
+        opts.proxy_sock.display()
+    );
+    let signal = serve(&mut slirp, &listener, &signals)?;
+    drop(cleanup);
+    Ok(signal)
+}
+
+/// The poll loop (see the module docs).
+fn serve(
+    slirp: &mut Slirp<Outbox>,
+    listener: &UnixListener,
+    signals: &StopSignals,
+) -> Result<i32, HelperError> {
+    let mut qemu: Option<UnixStream> = None;
+    let mut inbuf = vec![0u8; 2 * (4 + MAX_FRAME)];
+    let mut have = 0;
+    loop {
+        let pending = slirp.guest().pending();
+        let link = match &qemu {
+            Some(c) => (
+                c.as_fd(),
+                libc::POLLIN | if pending { libc::POLLOUT } else { 0 },
+            ),
+            None => (listener.as_fd(), libc::POLLIN),
+        };
+        let [sig, q] = match slirp.wait([(signals.as_fd(), libc::POLLIN), link], MAX_SLEEP_MS) {
+            Ok(r) => r,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => [0, 0],
+            Err(e) => return Err(HelperError::Poll(e)),
+        };
+        if sig != 0
+            && let Some(signal) = signals.take()
+        {
+            return Ok(signal);
+        }
+        let mut gone: Option<String> = None;
+        if q != 0 {
+            match &mut qemu {
+                None => match listener.accept() {
+                    Ok((c, _)) => match c.set_nonblocking(true) {
+                        Ok(()) => {
+                            eprintln!("boxery-net: QEMU connected");
+                            qemu = Some(c);
+                            have = 0;
+                            slirp.guest().reset(true);
+                        }
+                        Err(e) => eprintln!("boxery-net: QEMU's connection refused: {e}"),
+                    },
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => eprintln!("boxery-net: accepting QEMU's connection failed: {e}"),
+                },
+                Some(c) if q & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 => {
+                    match c.read(&mut inbuf[have..]) {
+                        Ok(0) => gone = Some("closed the connection".into()),
+                        Ok(n) => {
+                            have += n;
+                            gone = feed(slirp, &mut inbuf, &mut have);
+                        }
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                            ) => {}
+                        Err(e) => gone = Some(format!("read failed: {e}")),
+                    }
+                }
+                Some(_) => {}
+            }
+        }
+        slirp.dispatch();
+        if gone.is_none()
+            && let Some(c) = &mut qemu
+            && let Err(e) = slirp.guest().flush(c)
+        {
+            gone = Some(format!("write failed: {e}"));
+        }
+        if let Some(why) = gone {
+            let dropped = std::mem::take(&mut slirp.guest().dropped);
+            eprintln!(
+                "boxery-net: QEMU disconnected ({why}){}; waiting for it to reconnect",
+                if dropped > 0 {
+                    format!(", {dropped} frames dropped while it did not read")
+                } else {
+                    String::new()
+                }
+            );
+            qemu = None;
+            have = 0;
+            slirp.guest().reset(false);
+        }
+    }
+}
+
+/// Give slirp every whole frame at the start of `buf[..have]` and keep the rest; `Some(why)`
+/// when the stream is out of step.
+fn feed(slirp: &mut Slirp<Outbox>, buf: &mut [u8], have: &mut usize) -> Option<String> {
+    let mut off = 0;
+    let bad = loop {
+        match frame_at(&buf[off..*have]) {
+            Frame::Whole(len) => {
+                if len > 0 {
+                    slirp.input(&buf[off + 4..off + 4 + len]);
+                }
+                off += 4 + len;
+            }
+            Frame::Partial => break None,
+            Frame::Bad(len) => break Some(format!("a frame length of {len} bytes")),
+        }
+    };
+    buf.copy_within(off..*have, 0);
+    *have -= off;
+    bad
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_are_parsed_from_a_stream() {
+        assert_eq!(frame_at(&[]), Frame::Partial);
+        assert_eq!(frame_at(&[0, 0, 0]), Frame::Partial);
+        assert_eq!(frame_at(&[0, 0, 0, 3, 1, 2]), Frame::Partial);
+        assert_eq!(frame_at(&[0, 0, 0, 3, 1, 2, 3, 9]), Frame::Whole(3));
+        assert_eq!(frame_at(&[0, 0, 0, 0]), Frame::Whole(0));
+        let too_long = (MAX_FRAME as u32 + 1).to_be_bytes();
+        assert_eq!(frame_at(&too_long), Frame::Bad(MAX_FRAME as u32 + 1));
+    }
+
+    /// A writer that takes at most `room` bytes, then would block.
+    struct Slow {
+        got: Vec<u8>,
+        room: usize,
+    }
+    impl Write for Slow {
+        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+            if self.room == 0 {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            let n = b.len().min(self.room);
+            self.room -= n;
+            self.got.extend_from_slice(&b[..n]);
+            Ok(n)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_outbox_batches_keeps_what_qemu_did_not_take_and_drops_when_detached() {
+        let mut out = Outbox::default();
+        out.send(b"lost");
+        assert!(!out.pending(), "no QEMU: dropped");
+        out.reset(true);
+        out.send(b"abc");
+        out.send(b"de");
+        let mut w = Slow {
+            got: vec![],
+            room: 5,
+        };
+        out.flush(&mut w).unwrap();
+        assert!(out.pending());
+        w.room = 100;
+        out.flush(&mut w).unwrap();
+        assert!(!out.pending());
+        assert_eq!(w.got, b"\0\0\0\x03abc\0\0\0\x02de");
+        // full: new frames are dropped and counted
+        out.send(&vec![0; OUTBOX_MAX - 4]);
+        out.send(b"x");
+        assert_eq!(out.dropped, 1);
+        out.reset(false);
+        assert!(!out.pending());
+    }
+
+    #[test]
+    fn a_missing_directory_and_a_live_socket_are_clear_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = clear_stale(&dir.path().join("nope/net.sock")).unwrap_err();
+        assert!(matches!(e, HelperError::NoDirectory { .. }), "{e}");
+        let path = dir.path().join("net.sock");
+        let live = UnixListener::bind(&path).unwrap();
+        let e = clear_stale(&path).unwrap_err();
+        assert!(matches!(e, HelperError::InUse { .. }), "{e}");
+        drop(live); // the file stays: stale now
+        clear_stale(&path).unwrap();
+        assert!(!path.exists(), "a stale socket is removed");
+        std::fs::write(&path, "x").unwrap();
+        let e = clear_stale(&path).unwrap_err();
+        assert!(matches!(e, HelperError::NotASocket { .. }), "{e}");
+    }
+}
