@@ -28,8 +28,11 @@
 //!   never blocks the loop; past [`OUTBOX_MAX`] pending bytes new frames are dropped (TCP
 //!   retransmits), as QEMU's own queue does.
 //!
+//! - Given QEMU's pidfile, the helper ends (exit 0, socket and pidfile removed) within a
+//!   second of that QEMU's exit, or when no live QEMU is named there within a minute: a VM's
+//!   network never outlives its QEMU, whoever ended it.
+//!
 //! # Caveats
-//! - The helper does not watch QEMU's life: it waits for a reconnect until it is stopped.
 //! - While QEMU is away, frames for the guest are dropped.
 //! - A probe of a live socket at the path (to tell it from a stale one) is one connection the
 //!   live helper accepts and sees close at once.
@@ -40,6 +43,7 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use crate::slirp::{Guest, Network, Slirp, SlirpError};
 use crate::sys::{StopSignals, with_umask};
@@ -70,6 +74,77 @@ pub struct Options {
     pub proxy_sock: PathBuf,
     /// Where to write the helper's pid once it is ready.
     pub pidfile: Option<PathBuf>,
+    /// QEMU's pidfile: the helper ends when the QEMU it names has exited (or when none has
+    /// started within [`QEMU_START_TIMEOUT`]), so a VM's network never outlives its QEMU.
+    pub qemu_pidfile: Option<PathBuf>,
+}
+
+/// How long a helper given `qemu_pidfile` waits for a live QEMU to be named in it.
+pub const QEMU_START_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often QEMU's life is checked.
+const QEMU_CHECK_EVERY: Duration = Duration::from_millis(500);
+
+/// Whether the QEMU that the helper serves is still there.
+#[derive(Debug)]
+struct QemuWatch {
+    pidfile: PathBuf,
+    started: Instant,
+    last_check: Instant,
+    /// The last live pid read from the pidfile.
+    seen: Option<i32>,
+}
+
+impl QemuWatch {
+    fn new(pidfile: PathBuf) -> Self {
+        let now = Instant::now();
+        QemuWatch {
+            pidfile,
+            started: now,
+            // the first round checks
+            last_check: now.checked_sub(QEMU_CHECK_EVERY).unwrap_or(now),
+            seen: None,
+        }
+    }
+
+    /// `Some(why)` when the helper has no QEMU to serve any more (checked every
+    /// [`QEMU_CHECK_EVERY`]): the pidfile names no live process after one did, or none did
+    /// within [`QEMU_START_TIMEOUT`].
+    fn ended(&mut self) -> Option<String> {
+        if self.last_check.elapsed() < QEMU_CHECK_EVERY {
+            return None;
+        }
+        self.last_check = Instant::now();
+        let pid = std::fs::read_to_string(&self.pidfile)
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok())
+            .filter(|p| *p > 0);
+        match (pid.filter(|p| alive(*p)), self.seen) {
+            (Some(p), seen) => {
+                if seen != Some(p) {
+                    eprintln!("boxery-net: serving QEMU pid {p}");
+                }
+                self.seen = Some(p);
+                None
+            }
+            (None, Some(p)) => Some(format!("QEMU (pid {p}) has exited")),
+            (None, None) if self.started.elapsed() > QEMU_START_TIMEOUT => Some(format!(
+                "no QEMU named in {} within {} s",
+                self.pidfile.display(),
+                QEMU_START_TIMEOUT.as_secs()
+            )),
+            (None, None) => None,
+        }
+    }
+}
+
+/// Whether `pid` is a process that has not exited (a zombie has).
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        // the state follows the command name's closing parenthesis
+        s.rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| state != 'Z' && state != 'X')
+    })
 }
 
 /// Why the helper could not start or stopped early.
@@ -295,8 +370,26 @@ fn write_pidfile(path: &Path) -> io::Result<()> {
     })
 }
 
-/// Run the helper until SIGTERM or SIGINT; returns the signal that stopped it.
-pub fn run(opts: &Options) -> Result<i32, HelperError> {
+/// Why the helper stopped without an error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stopped {
+    /// SIGTERM or SIGINT (the number).
+    Signal(i32),
+    /// The QEMU it served has gone for good (why).
+    QemuGone(String),
+}
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stopped::Signal(s) => write!(f, "stopped by signal {s}"),
+            Stopped::QemuGone(why) => write!(f, "stopped: {why}"),
+        }
+    }
+}
+
+/// Run the helper until SIGTERM or SIGINT, or until its QEMU has gone (`qemu_pidfile`).
+pub fn run(opts: &Options) -> Result<Stopped, HelperError> {
     // first, while this is the only thread: the blocked mask is per thread
     let signals = StopSignals::new().map_err(HelperError::Signals)?;
     check_sock_path(&opts.net_sock)?;
@@ -334,9 +427,10 @@ pub fn run(opts: &Options) -> Result<i32, HelperError> {
         opts.ssh_port,
         opts.proxy_sock.display()
     );
-    let signal = serve(&mut slirp, &listener, &signals)?;
+    let mut watch = opts.qemu_pidfile.clone().map(QemuWatch::new);
+    let stopped = serve(&mut slirp, &listener, &signals, watch.as_mut())?;
     drop(cleanup);
-    Ok(signal)
+    Ok(stopped)
 }
 
 /// The poll loop (see the module docs).
@@ -344,7 +438,8 @@ fn serve(
     slirp: &mut Slirp<Outbox>,
     listener: &UnixListener,
     signals: &StopSignals,
-) -> Result<i32, HelperError> {
+    mut watch: Option<&mut QemuWatch>,
+) -> Result<Stopped, HelperError> {
     let mut qemu: Option<UnixStream> = None;
     let mut inbuf = vec![0u8; 2 * (4 + MAX_FRAME)];
     let mut have = 0;
@@ -365,7 +460,12 @@ fn serve(
         if sig != 0
             && let Some(signal) = signals.take()
         {
-            return Ok(signal);
+            return Ok(Stopped::Signal(signal));
+        }
+        if let Some(w) = watch.as_deref_mut()
+            && let Some(why) = w.ended()
+        {
+            return Ok(Stopped::QemuGone(why));
         }
         let mut gone: Option<String> = None;
         if q != 0 {
@@ -449,6 +549,34 @@ fn feed(slirp: &mut Slirp<Outbox>, buf: &mut [u8], have: &mut usize) -> Option<S
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_qemu_watch_ends_when_the_named_process_has_exited() {
+        let dir = tempfile::tempdir().unwrap();
+        let pidfile = dir.path().join("qemu.pid");
+        let mut w = QemuWatch::new(pidfile.clone());
+        w.last_check -= QEMU_CHECK_EVERY;
+        assert_eq!(w.ended(), None, "not started yet, within the start timeout");
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        std::fs::write(&pidfile, format!("{}\n", child.id())).unwrap();
+        w.last_check -= QEMU_CHECK_EVERY;
+        assert_eq!(w.ended(), None, "alive");
+        assert_eq!(w.seen, Some(child.id() as i32));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(w.ended(), None, "checked at most every QEMU_CHECK_EVERY");
+        w.last_check -= QEMU_CHECK_EVERY;
+        let why = w.ended().expect("gone");
+        assert!(why.contains("has exited"), "{why}");
+        // never started
+        let mut w = QemuWatch::new(dir.path().join("never.pid"));
+        w.started -= QEMU_START_TIMEOUT + Duration::from_secs(1);
+        w.last_check -= QEMU_CHECK_EVERY;
+        assert!(w.ended().expect("timed out").contains("within 60 s"));
+    }
 
     #[test]
     fn frames_are_parsed_from_a_stream() {

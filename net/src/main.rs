@@ -1,7 +1,7 @@
 //! `boxery-net`: one VM's network, slirp outside QEMU.
 //!
 //! ```text
-//! boxery-net --net-sock PATH --ssh-port PORT --proxy-sock PATH [--pidfile PATH]
+//! boxery-net --net-sock PATH --ssh-port PORT --proxy-sock PATH [--pidfile PATH] [--qemu-pidfile PATH]
 //! ```
 //! Listens on the unix socket `--net-sock` (mode 0600; a stale socket there is replaced) for
 //! QEMU started with
@@ -11,8 +11,9 @@
 //! - host `127.0.0.1:PORT` → the guest's sshd (port 22);
 //! - guest `10.0.2.100:80` → a `connect()` to the unix socket `--proxy-sock`, per connection.
 //!
-//! When QEMU disconnects the helper waits for it to reconnect. SIGTERM or SIGINT stop it: the
-//! socket and the pidfile are removed, exit status 0. Errors go to stderr, exit status 1.
+//! When QEMU disconnects the helper waits for it to reconnect. SIGTERM or SIGINT stop it, and
+//! so does the exit of the QEMU named in `--qemu-pidfile`: the socket and the pidfile are
+//! removed, exit status 0. Errors go to stderr, exit status 1.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -26,8 +27,8 @@ use clap::Parser;
 /// 10.0.2.15, DNS 10.0.2.3, IPv6 off) with two forwards only: host 127.0.0.1:SSH_PORT to the
 /// guest's port 22, and the guest's 10.0.2.100:80 to the unix socket PROXY_SOCK. Start QEMU
 /// with `-netdev stream,id=n0,server=off,addr.type=unix,addr.path=NET_SOCK,reconnect-ms=200`.
-/// When QEMU disconnects, boxery-net waits for it to reconnect. SIGTERM or SIGINT stop it and
-/// remove NET_SOCK and the pidfile.
+/// When QEMU disconnects, boxery-net waits for it to reconnect. SIGTERM or SIGINT stop it, as
+/// does the exit of the QEMU named in --qemu-pidfile; NET_SOCK and the pidfile are removed.
 #[derive(Debug, Parser)]
 #[command(name = "boxery-net", version)]
 struct Args {
@@ -44,6 +45,10 @@ struct Args {
     /// Write the pid here once ready (everything listening); removed on exit
     #[arg(long, value_name = "PATH")]
     pidfile: Option<PathBuf>,
+    /// QEMU's pidfile: exit (status 0) once the QEMU named there has exited, or when no live
+    /// QEMU is named there within 60 s
+    #[arg(long, value_name = "PATH")]
+    qemu_pidfile: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -53,10 +58,11 @@ fn main() -> ExitCode {
         ssh_port: args.ssh_port,
         proxy_sock: args.proxy_sock,
         pidfile: args.pidfile,
+        qemu_pidfile: args.qemu_pidfile,
     };
     match helper::run(&opts) {
-        Ok(signal) => {
-            eprintln!("boxery-net: stopped by signal {signal}");
+        Ok(stopped) => {
+            eprintln!("boxery-net: {stopped}");
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -6,7 +6,7 @@
 //! ways, then a 32 MiB download through it; (c) restricted: the guest cannot reach a host loopback listener the host itself
 //! reaches; (d) boxery-net killed (SIGKILL, its socket left behind) and started again on the
 //! same socket: QEMU reconnects and ssh works again within seconds; then SIGTERM stops it
-//! cleanly (exit 0, socket and pidfile removed).
+//! cleanly (exit 0, socket and pidfile removed), and so does the exit of its QEMU.
 //!
 //! Needs qemu-system-x86_64, qemu-img, ssh, ssh-keygen, genisoimage and what build-tiny.sh
 //! needs (scripts/install-deps.sh): a missing one fails the test with its name, never skips.
@@ -210,6 +210,8 @@ impl World {
             .arg(self.path("proxy.sock"))
             .arg("--pidfile")
             .arg(self.path("net.pid"))
+            .arg("--qemu-pidfile")
+            .arg(self.path("qemu.pid"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -291,6 +293,7 @@ impl World {
             .stderr(log)
             .spawn()
             .expect("starting qemu-system-x86_64");
+        std::fs::write(self.path("qemu.pid"), format!("{}\n", child.id())).unwrap();
         self.qemu = Some(Proc {
             name: "qemu",
             child,
@@ -551,5 +554,45 @@ fn a_guest_behind_boxery_net() {
     assert!(status.success(), "exit status after SIGTERM: {status}");
     assert!(!w.path("net.sock").exists(), "the socket is removed");
     assert!(!w.path("net.pid").exists(), "the pidfile is removed");
+
+    // the QEMU named in --qemu-pidfile exits: so does its helper (the VM's network never
+    // outlives it), cleanly
+    w.start_net();
+    let t = Instant::now();
+    while !std::fs::read_to_string(w.path("net.log")).is_ok_and(|l| {
+        l.rsplit("listening on")
+            .next()
+            .is_some_and(|last| last.contains("serving QEMU pid"))
+    }) {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "boxery-net did not name its QEMU: {}",
+            tail(&w.path("net.log"), 5)
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    let mut net = w.net.take().unwrap();
+    let mut qemu = w.qemu.take().unwrap();
+    qemu.child.kill().unwrap();
+    qemu.child.wait().unwrap();
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = net.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "boxery-net still runs 5 s after its QEMU exited: {}",
+            tail(&w.path("net.log"), 5)
+        );
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "exit status after QEMU's exit: {status}");
+    assert!(
+        tail(&w.path("net.log"), 3).contains("has exited"),
+        "{}",
+        tail(&w.path("net.log"), 5)
+    );
+    assert!(!w.path("net.sock").exists(), "the socket is removed");
     eprintln!("whole test: {:.1?}", t0.elapsed());
 }
