@@ -297,18 +297,18 @@ pub fn frame_at(buf: &[u8]) -> Frame {
     }
 }
 
-/// Removes the socket and the pidfile when dropped, if they are still this process's.
+/// Removes the sockets and the pidfile when dropped, if they are still this process's.
 struct Cleanup {
-    socket: Option<(PathBuf, u64, u64)>,
+    sockets: Vec<(PathBuf, u64, u64)>,
     pidfile: Option<PathBuf>,
 }
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        if let Some((path, dev, ino)) = &self.socket
-            && std::fs::symlink_metadata(path).is_ok_and(|m| m.dev() == *dev && m.ino() == *ino)
-        {
-            let _ = std::fs::remove_file(path);
+        for (path, dev, ino) in &self.sockets {
+            if std::fs::symlink_metadata(path).is_ok_and(|m| m.dev() == *dev && m.ino() == *ino) {
+                let _ = std::fs::remove_file(path);
+            }
         }
         if let Some(path) = &self.pidfile
             && std::fs::read_to_string(path)
@@ -362,6 +362,109 @@ fn clear_stale(path: &Path) -> Result<(), HelperError> {
     }
 }
 
+/// Listen on the unix socket `path` (mode 0600, a stale one replaced, non-blocking); removed
+/// by `cleanup`.
+fn listen(path: &Path, cleanup: &mut Cleanup) -> Result<UnixListener, HelperError> {
+    clear_stale(path)?;
+    let listen_err = |source| HelperError::Listen {
+        path: path.into(),
+        source,
+    };
+    let listener = with_umask(0o177, || UnixListener::bind(path)).map_err(listen_err)?;
+    let meta = std::fs::symlink_metadata(path).map_err(listen_err)?;
+    cleanup.sockets.push((path.into(), meta.dev(), meta.ino()));
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(listen_err)?;
+    listener.set_nonblocking(true).map_err(listen_err)?;
+    Ok(listener)
+}
+
+/// The helper's own socket that answers the guest when no control plane serves the proxy:
+/// beside the net socket, `NAME.503.sock` for `NAME.sock`.
+pub fn refusal_path(net_sock: &Path) -> PathBuf {
+    net_sock.with_extension("503.sock")
+}
+
+/// What a guest connection to the proxy gets while no control plane serves it (the same
+/// words `boxery-relay` writes): its client (curl, apt, pip through `http_proxy`) shows it
+/// instead of a bare reset, and its person learns what to run.
+pub const NO_CONTROL_PLANE: &str = "boxery: no control plane serves this VM's proxy and egress: run `boxery serve` on the host (or `boxery service install`)\n";
+
+/// How often the proxy's socket is looked for.
+const PROXY_CHECK_EVERY: Duration = Duration::from_millis(500);
+
+/// Where guest connections to the proxy's address go: the proxy's socket while it exists,
+/// else the helper's refusal socket ([`NO_CONTROL_PLANE`]). The control plane removes its
+/// socket when it stops and makes it when it starts; a socket left by a control plane that
+/// crashed refuses the connection (the guest sees a reset).
+#[derive(Debug)]
+struct ProxyRoute {
+    proxy: PathBuf,
+    refusal: PathBuf,
+    /// The route in place: `Some(true)` to the proxy.
+    to_proxy: Option<bool>,
+    last_check: Instant,
+}
+
+impl ProxyRoute {
+    fn new(proxy: PathBuf, refusal: PathBuf) -> Self {
+        ProxyRoute {
+            proxy,
+            refusal,
+            to_proxy: None,
+            last_check: Instant::now(),
+        }
+    }
+
+    /// Route to the proxy's socket if it is there, else to the refusal (a change only).
+    fn route(&mut self, slirp: &mut Slirp<Outbox>) -> Result<(), SlirpError> {
+        self.last_check = Instant::now();
+        let there = std::fs::symlink_metadata(&self.proxy).is_ok_and(|m| m.file_type().is_socket());
+        if self.to_proxy == Some(there) {
+            return Ok(());
+        }
+        if self.to_proxy.is_some() {
+            slirp.remove_unix(PROXY_ADDR, PROXY_PORT);
+        }
+        let to = if there { &self.proxy } else { &self.refusal };
+        slirp.add_unix(to, PROXY_ADDR, PROXY_PORT)?;
+        if self.to_proxy.is_some() || !there {
+            eprintln!(
+                "boxery-net: guest {PROXY_ADDR}:{PROXY_PORT} -> {}",
+                if there {
+                    "the control plane's proxy"
+                } else {
+                    "503 (no control plane serves the proxy)"
+                }
+            );
+        }
+        self.to_proxy = Some(there);
+        Ok(())
+    }
+
+    fn due(&self) -> bool {
+        self.last_check.elapsed() >= PROXY_CHECK_EVERY
+    }
+}
+
+/// Answer every pending connection on the refusal socket with [`NO_CONTROL_PLANE`].
+fn refuse(refusal: &UnixListener) {
+    loop {
+        match refusal.accept() {
+            Ok((mut c, _)) => {
+                // a few hundred bytes into a new socket's empty buffer: never blocks
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n\
+                     x-boxery-egress: failed\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{NO_CONTROL_PLANE}",
+                    NO_CONTROL_PLANE.len()
+                );
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}
+
 fn write_pidfile(path: &Path) -> io::Result<()> {
     let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
     std::fs::write(&tmp, format!("{}\n", std::process::id()))?;
@@ -395,24 +498,20 @@ pub fn run(opts: &Options) -> Result<Stopped, HelperError> {
     check_sock_path(&opts.net_sock)?;
     check_sock_path(&opts.proxy_sock)?;
 
+    let refusal_sock = refusal_path(&opts.net_sock);
+    check_sock_path(&refusal_sock)?;
+
     let mut slirp = Slirp::new(&Network::default(), Outbox::default())?;
     slirp.add_hostfwd(Ipv4Addr::LOCALHOST, opts.ssh_port, GUEST_SSH_PORT)?;
-    slirp.add_unix(&opts.proxy_sock, PROXY_ADDR, PROXY_PORT)?;
 
-    clear_stale(&opts.net_sock)?;
-    let listen_err = |source| HelperError::Listen {
-        path: opts.net_sock.clone(),
-        source,
-    };
-    let listener = with_umask(0o177, || UnixListener::bind(&opts.net_sock)).map_err(listen_err)?;
-    let meta = std::fs::symlink_metadata(&opts.net_sock).map_err(listen_err)?;
     let mut cleanup = Cleanup {
-        socket: Some((opts.net_sock.clone(), meta.dev(), meta.ino())),
+        sockets: Vec::new(),
         pidfile: None,
     };
-    std::fs::set_permissions(&opts.net_sock, std::fs::Permissions::from_mode(0o600))
-        .map_err(listen_err)?;
-    listener.set_nonblocking(true).map_err(listen_err)?;
+    let listener = listen(&opts.net_sock, &mut cleanup)?;
+    let refusal = listen(&refusal_sock, &mut cleanup)?;
+    let mut proxy = ProxyRoute::new(opts.proxy_sock.clone(), refusal_sock);
+    proxy.route(&mut slirp)?;
     if let Some(path) = &opts.pidfile {
         write_pidfile(path).map_err(|source| HelperError::Pidfile {
             path: path.clone(),
@@ -428,7 +527,14 @@ pub fn run(opts: &Options) -> Result<Stopped, HelperError> {
         opts.proxy_sock.display()
     );
     let mut watch = opts.qemu_pidfile.clone().map(QemuWatch::new);
-    let stopped = serve(&mut slirp, &listener, &signals, watch.as_mut())?;
+    let stopped = serve(
+        &mut slirp,
+        &listener,
+        &refusal,
+        &mut proxy,
+        &signals,
+        watch.as_mut(),
+    )?;
     drop(cleanup);
     Ok(stopped)
 }
@@ -437,6 +543,8 @@ pub fn run(opts: &Options) -> Result<Stopped, HelperError> {
 fn serve(
     slirp: &mut Slirp<Outbox>,
     listener: &UnixListener,
+    refusal: &UnixListener,
+    proxy: &mut ProxyRoute,
     signals: &StopSignals,
     mut watch: Option<&mut QemuWatch>,
 ) -> Result<Stopped, HelperError> {
@@ -452,11 +560,24 @@ fn serve(
             ),
             None => (listener.as_fd(), libc::POLLIN),
         };
-        let [sig, q] = match slirp.wait([(signals.as_fd(), libc::POLLIN), link], MAX_SLEEP_MS) {
+        let own = [
+            (signals.as_fd(), libc::POLLIN),
+            link,
+            (refusal.as_fd(), libc::POLLIN),
+        ];
+        let [sig, q, r] = match slirp.wait(own, MAX_SLEEP_MS) {
             Ok(r) => r,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => [0, 0],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => [0, 0, 0],
             Err(e) => return Err(HelperError::Poll(e)),
         };
+        if r != 0 {
+            refuse(refusal);
+        }
+        if proxy.due()
+            && let Err(e) = proxy.route(slirp)
+        {
+            eprintln!("boxery-net: cannot route the proxy's address: {e}");
+        }
         if sig != 0
             && let Some(signal) = signals.take()
         {

@@ -218,6 +218,13 @@ pub mod ffi {
             guest_addr: *mut libc::in_addr,
             guest_port: c_int,
         ) -> c_int;
+        /// Remove the guest forward of `guest_addr:guest_port` (`slirp_add_unix`'s among
+        /// them; connections already open stay). 0, or -1 when there was none.
+        pub fn slirp_remove_guestfwd(
+            slirp: *mut Slirp,
+            guest_addr: libc::in_addr,
+            guest_port: c_int,
+        ) -> c_int;
         /// The library's version, e.g. "4.7.0".
         pub fn slirp_version_string() -> *const c_char;
     }
@@ -627,6 +634,15 @@ impl<G: Guest> Slirp<G> {
                 port,
                 path: path.display().to_string(),
             })
+        }
+    }
+
+    /// Remove the forward of `guest:port` made by [`Slirp::add_unix`]; `false` when there was
+    /// none. Connections it carries stay open.
+    pub fn remove_unix(&mut self, guest: Ipv4Addr, port: u16) -> bool {
+        // SAFETY: raw is live; slirp only reads the address.
+        unsafe {
+            ffi::slirp_remove_guestfwd(self.raw.as_ptr(), in_addr(guest), c_int::from(port)) == 0
         }
     }
 

@@ -6,7 +6,8 @@
 //! ways, then a 32 MiB download through it; (c) restricted: the guest cannot reach a host loopback listener the host itself
 //! reaches; (d) boxery-net killed (SIGKILL, its socket left behind) and started again on the
 //! same socket: QEMU reconnects and ssh works again within seconds; then SIGTERM stops it
-//! cleanly (exit 0, socket and pidfile removed), and so does the exit of its QEMU.
+//! cleanly (exit 0, socket and pidfile removed), and so does the exit of its QEMU. With the
+//! proxy's socket gone, the guest gets a 503 saying what to run; back, it is reached again.
 //!
 //! Needs qemu-system-x86_64, qemu-img, ssh, ssh-keygen, genisoimage and what build-tiny.sh
 //! needs (scripts/install-deps.sh): a missing one fails the test with its name, never skips.
@@ -483,6 +484,38 @@ fn a_guest_behind_boxery_net() {
     assert_eq!(bulk, BULK.to_string(), "the whole download arrived");
     let received = server.join().unwrap().expect("the proxy listener");
     assert_eq!(received, 300_000, "the listener got all the guest sent");
+
+    // (b2) no control plane (its socket removed, as `serve` does when it stops): the guest
+    // gets the 503 that says what to run; the socket back, the guest reaches it again
+    std::fs::remove_file(w.path("proxy.sock")).unwrap();
+    let routed = |to: &str| {
+        let t = Instant::now();
+        while !std::fs::read_to_string(w.path("net.log"))
+            .is_ok_and(|l| l.lines().last().is_some_and(|last| last.contains(to)))
+        {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "not routed to {to}: {}",
+                tail(&w.path("net.log"), 5)
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    };
+    routed("503");
+    let out = w.guest("timeout 20 nc -w 5 10.0.2.100 80 </dev/null");
+    assert!(
+        out.contains("503 Service Unavailable") && out.contains("run `boxery serve`"),
+        "no control plane: {out}"
+    );
+    let proxy = UnixListener::bind(w.path("proxy.sock")).unwrap();
+    routed("the control plane's proxy");
+    let server = thread::spawn(move || {
+        let mut c = accept_within(&proxy, Duration::from_secs(30))?;
+        c.write_all(b"back\n")
+    });
+    let out = w.guest("timeout 20 nc -w 5 10.0.2.100 80 </dev/null");
+    server.join().unwrap().expect("the proxy listener again");
+    assert_eq!(out.trim(), "back", "the proxy's socket is reached again");
 
     // (c) restricted: a host loopback listener the host reaches, the guest does not
     let host = TcpListener::bind("127.0.0.1:0").unwrap();
