@@ -21,7 +21,7 @@ command -v cargo >/dev/null || {
   exit 1
 }
 step "build boxery (release)"
-cargo build --release -p boxery
+cargo build --release -p boxery -p boxery-net  # boxery-net: each VM's network (beside boxery)
 bin_dir=$HOME/.local/bin
 [ "$(id -u)" = 0 ] && bin_dir=/usr/local/bin
 mkdir -p "$bin_dir"

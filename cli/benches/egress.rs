@@ -1,10 +1,11 @@
 //! The egress policy's cost inside a guest (docs/benchmarks.md, "Egress (issue 14)"), qemu
 //! backend, tiny guests under TCG, in the same run:
-//! - `on`: a VM as boxery runs it (`restrict=on`, policy `Public`): its HTTP goes through the
-//!   control plane's egress proxy (`http_proxy`, a relay spawned by slirp per connection);
-//! - `off` (the limit): a second VM's very QEMU command line started by hand without
-//!   `restrict=on` (and with its own pidfile and sockets, so the control plane leaves it alone):
-//!   slirp NATs its connections straight to the listener.
+//! - `on`: a VM as boxery runs it (restricted slirp in its `boxery-net`, policy `Public`): its
+//!   HTTP goes through the control plane's egress proxy (`http_proxy`, each connection
+//!   connected to the VM's proxy socket by the helper);
+//! - `off` (the limit): a second VM's very QEMU command line started by hand with QEMU's own
+//!   slirp, unrestricted, in place of its network (and with its own pidfile and sockets, so the
+//!   control plane leaves it alone): slirp NATs its connections straight to the listener.
 //!
 //! In each guest, interleaved: a 100 MiB download (busybox `time wget`), and 50 sequential
 //! one-byte requests, each on a new connection. The "internet" is a listener at 203.0.113.40
@@ -149,12 +150,18 @@ fn main() {
         .filter(|a| !a.is_empty())
         .map(|a| String::from_utf8_lossy(a).into_owned())
         .collect();
+    let endpoint = h.ok(&["get", "vm", "e-off", "-o", "jsonpath={.status.ssh.endpoint}"]);
+    let port = endpoint.trim().rsplit(':').next().unwrap().to_string();
     h.ok(&["stop", "e-off", "--wait"]);
     let d = dir.display().to_string();
     let t = tmp.path().display().to_string();
     let args: Vec<String> = args
         .into_iter()
         .map(|a| {
+            // boxery-net runs the VM's network: QEMU's own slirp instead, unrestricted
+            if a.starts_with("stream,id=n0,") {
+                return format!("user,id=n0,ipv6=off,hostfwd=tcp:127.0.0.1:{port}-:22");
+            }
             a.replace("restrict=on,", "")
                 .replace(&format!("{d}/qemu.pid"), &format!("{t}/off.pid"))
                 .replace(&format!("{d}/qmp.sock"), &format!("{t}/off-qmp.sock"))

@@ -8,6 +8,7 @@
 //! | `BOXERY_QEMU_PORTS` | `22000-22999` | loopback ports for the VMs' sshd |
 //! | `BOXERY_QEMU_POWERDOWN_TIMEOUT` | `60` | seconds a guest gets to power off before `quit` |
 //! | `BOXERY_QEMU_TB_SIZE` | `64` | TCG translation cache in MiB (`default`: QEMU's) |
+//! | `BOXERY_NET` | `boxery-net` beside the running program, else `off` | the VM's network outside QEMU (one helper per VM; no process per guest connection to the proxy); `off`: QEMU's own slirp with `guestfwd` and the relay |
 //! | `BOXERY_RELAY` | `boxery-relay` beside the running program, else socat | carries each guest connection to the control plane's proxy (`guestfwd`); `socat` forces socat |
 //! | `BOXERY_SOCAT` | `socat` | the socat used when there is no relay |
 //! | `BOXERY_QEMU_SANDBOX` | on | `off` drops QEMU's seccomp sandbox (`-sandbox on,…`) |
@@ -43,6 +44,10 @@ pub struct QemuConfig {
     /// `boxery-relay`, run instead of `socat` (it starts in a third of the time): the one
     /// beside the running program, or `BOXERY_RELAY`. `None`: socat.
     pub relay: Option<PathBuf>,
+    /// `boxery-net`, which runs each VM's network outside QEMU: the one beside the running
+    /// program, or `BOXERY_NET`. `None` (`BOXERY_NET=off`, or none built): QEMU's own slirp,
+    /// with the proxy's channel spawned per connection ([`QemuConfig::relay`]).
+    pub net: Option<PathBuf>,
     /// `qemu-img`, `genisoimage`, the image builders (shared with the other drivers).
     pub storage: StorageConfig,
 }
@@ -89,6 +94,14 @@ impl QemuConfig {
                     .ok()
                     .map(|e| e.with_file_name("boxery-relay"))
                     .filter(|r| r.is_file()),
+            },
+            net: match env("BOXERY_NET").as_deref() {
+                Some("off") => None,
+                Some(path) => Some(path.into()),
+                None => std::env::current_exe()
+                    .ok()
+                    .map(|e| e.with_file_name("boxery-net"))
+                    .filter(|n| n.is_file()),
             },
             storage: StorageConfig::from_env(),
         }

@@ -11,8 +11,9 @@
 //!                       overlays; the highest generation is the active one), layer-<gen>.qcow2
 //!                       (an image hard-linked in, read-only, until streamed up), seed.iso and
 //!                       seed/, known_hosts, qemu.pid, qmp.sock, qga.sock, proxy.sock (the credential
-//!                       proxy's channel, served by the control plane), serial.log, qemu.log,
-//!                       qemu-run.log
+//!                       proxy's channel, served by the control plane), net.sock, net.pid and
+//!                       net.log (the VM's boxery-net, when it carries the network), serial.log,
+//!                       qemu.log, qemu-run.log
 //!   ports/<port>        a loopback port reserved for a VM (holds its name)
 //!   locks/vm-<name>.lock, locks/image-<name>.lock, locks/base-<id>.lock
 //!                       flocks, each held for the length of a mutating operation
@@ -111,6 +112,18 @@ impl Layout {
     /// control plane (`guestfwd` connects to it).
     pub fn vm_proxy(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("proxy.sock")
+    }
+    /// `vms/<name>/net.sock`: where QEMU's stream netdev reaches the VM's `boxery-net`.
+    pub fn vm_net_sock(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("net.sock")
+    }
+    /// `vms/<name>/net.pid`: the VM's `boxery-net`.
+    pub fn vm_net_pidfile(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("net.pid")
+    }
+    /// `vms/<name>/net.log`: what the VM's `boxery-net` says.
+    pub fn vm_net_log(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("net.log")
     }
     /// `vms/<name>/serial.log`.
     pub fn vm_serial(&self, name: &str) -> PathBuf {

@@ -44,6 +44,24 @@ impl Inner {
             proxy: self.layout.vm_proxy(name),
             socat: self.config.socat.clone(),
             relay: self.config.relay.clone(),
+            net: self
+                .config
+                .net
+                .as_ref()
+                .map(|_| self.layout.vm_net_sock(name)),
+        }
+    }
+
+    /// What the VM's `boxery-net` is given.
+    fn net_spec(&self, name: &str, port: u16) -> super::net::NetSpec {
+        super::net::NetSpec {
+            dir: self.vm_dir(name),
+            sock: self.layout.vm_net_sock(name),
+            pidfile: self.layout.vm_net_pidfile(name),
+            log: self.layout.vm_net_log(name),
+            qemu_pidfile: self.layout.vm_pidfile(name),
+            proxy: self.layout.vm_proxy(name),
+            port,
         }
     }
 
@@ -76,14 +94,26 @@ impl Inner {
         }
         let spec = self.launch_spec(cfg, &base, &chain);
         let t = Instant::now();
-        let pid = process::launch(
+        if let Some(bin) = &self.config.net {
+            // the old QEMU's pidfile must not be taken for the new one's
+            let _ = remove_file_if_exists(&spec.pidfile);
+            let net = self.net_spec(name, cfg.port);
+            let helper = super::net::start(bin, &net, Duration::from_secs(10))
+                .await
+                .map_err(|e| BackendError::failed(format!("start the network of VM {name}"), e))?;
+            debug!(vm = name.as_str(), pid = helper, "boxery-net started");
+        }
+        let launched = process::launch(
             &self.config.qemu,
             &spec,
             &self.layout.vm_log(name),
             self.config.start_timeout,
         )
-        .await
-        .map_err(|e| match e {
+        .await;
+        if launched.is_err() {
+            self.stop_net(name).await;
+        }
+        let pid = launched.map_err(|e| match e {
             process::ProcessError::Missing { .. } | process::ProcessError::Start { .. } => {
                 BackendError::Invalid(format!(
                     "{} ({})",
@@ -110,7 +140,7 @@ impl Inner {
     pub(super) async fn shutdown(&self, name: &str, graceful: bool) -> Result<()> {
         let dir = self.vm_dir(name);
         let Some(pid) = self.pid(name) else {
-            self.clear_runtime_files(name);
+            self.after_exit(name).await;
             return Ok(());
         };
         let acpi = match self.load_vm(name)? {
@@ -127,7 +157,7 @@ impl Inner {
         {
             drop(q);
             if process::wait_gone(pid, self.config.powerdown_timeout).await {
-                self.clear_runtime_files(name);
+                self.after_exit(name).await;
                 return Ok(());
             }
             warn!(vm = name, timeout = ?self.config.powerdown_timeout, "the guest did not power off on the ACPI button; quitting QEMU");
@@ -136,15 +166,27 @@ impl Inner {
             let _ = q.quit().await;
             drop(q);
             if process::wait_gone(pid, Duration::from_secs(10)).await {
-                self.clear_runtime_files(name);
+                self.after_exit(name).await;
                 return Ok(());
             }
         }
         process::terminate(pid, &dir, Duration::from_secs(5))
             .await
             .map_err(|e| BackendError::failed(format!("stop VM {name}"), e))?;
-        self.clear_runtime_files(name);
+        self.after_exit(name).await;
         Ok(())
+    }
+
+    /// End the VM's `boxery-net`, if one runs (it ends by itself once QEMU has; this makes
+    /// it now, before the VM's directory changes).
+    pub(super) async fn stop_net(&self, name: &str) {
+        super::net::stop(&self.layout.vm_net_pidfile(name), &self.vm_dir(name)).await;
+    }
+
+    /// QEMU has exited: its network helper goes too, then the runtime files.
+    async fn after_exit(&self, name: &str) {
+        self.stop_net(name).await;
+        self.clear_runtime_files(name);
     }
 
     pub(super) fn clear_runtime_files(&self, name: &str) {
@@ -236,6 +278,7 @@ impl Inner {
         if self.pid(name).is_some() {
             self.shutdown(name, false).await?;
         }
+        self.stop_net(name).await;
         remove_dir_if_exists(&self.vm_dir(name))
             .map_err(io(format!("removing {}", self.vm_dir(name).display())))?;
         self.release_ports(name)
@@ -271,6 +314,14 @@ impl Inner {
         }
         if !runs(Path::new("ssh-keygen"), "-?") && !Path::new("/usr/bin/ssh-keygen").exists() {
             missing.push("ssh-keygen (package openssh-client)".into());
+        }
+        if let Some(n) = &self.config.net
+            && !n.is_file()
+        {
+            missing.push(format!(
+                "{} (BOXERY_NET: it runs the VMs' network; BOXERY_NET=off uses QEMU's own)",
+                n.display()
+            ));
         }
         if let Some(r) = &self.config.relay {
             if !r.is_file() {

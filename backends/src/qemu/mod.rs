@@ -38,6 +38,7 @@ mod chain;
 pub mod config;
 pub mod layout;
 mod lifecycle;
+pub mod net;
 pub mod process;
 pub mod qmp;
 

@@ -143,6 +143,9 @@ pub struct LaunchSpec {
     pub socat: PathBuf,
     /// `boxery-relay`, which carries it when given (`relay SOCKET`).
     pub relay: Option<PathBuf>,
+    /// The VM's `boxery-net` socket, when that helper runs its network instead of QEMU's
+    /// own slirp (`-netdev stream`; the helper forwards the port and the proxy's channel).
+    pub net: Option<PathBuf>,
 }
 
 /// Where a qemu guest reaches the credential proxy: an address inside slirp's network that
@@ -278,6 +281,22 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
     // VM's own socket (a chardev would carry one connection only). The netdev option parser
     // splits on commas (the state directory has none: `init` refuses it); the command is
     // split like a shell's words, hence the quotes.
+    if let Some(sock) = &spec.net {
+        // the same network, run by boxery-net (super::net): restricted slirp, the ssh
+        // forward and the proxy's channel there; QEMU reconnects if the helper restarts
+        push(&[
+            "-netdev",
+            &format!(
+                "stream,id=n0,server=off,addr.type=unix,addr.path={},reconnect-ms=200",
+                p(sock)
+            ),
+            "-device",
+            &format!("virtio-net-pci,netdev=n0,mac={},romfile=", spec.mac),
+            "-device",
+            "virtio-rng-pci",
+        ]);
+        return a;
+    }
     let guestfwd = match &spec.relay {
         Some(relay) => format!(
             "guestfwd=tcp:{GUEST_PROXY_ADDR}-cmd:{} {}",
@@ -577,8 +596,29 @@ mod tests {
             proxy: dir.join("proxy.sock"),
             socat: "/usr/bin/socat".into(),
             relay: None,
+            net: None,
             dir,
         }
+    }
+
+    #[test]
+    fn with_boxery_net_qemu_has_no_network_of_its_own() {
+        let mut s = spec();
+        s.net = Some("/state/qemu/vms/dev1/net.sock".into());
+        let joined = command_line(&s)
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert!(
+            joined.contains("-netdev stream,id=n0,server=off,addr.type=unix,addr.path=/state/qemu/vms/dev1/net.sock,reconnect-ms=200 -device virtio-net-pci,netdev=n0,mac=52:54:00:12:34:56,romfile="),
+            "{joined}"
+        );
+        assert!(
+            !joined.contains("user,") && !joined.contains("hostfwd") && !joined.contains("guestfwd"),
+            "no slirp in QEMU: {joined}"
+        );
+        assert!(joined.contains("virtio-rng-pci"));
     }
 
     #[test]

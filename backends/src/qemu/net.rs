@@ -1,0 +1,166 @@
+//! A VM's network outside QEMU: `boxery-net` (crate `net/`), one helper per running VM.
+//!
+//! QEMU's own slirp spawns a process (glib forks the whole QEMU twice) for every guest
+//! connection to the credential proxy's `guestfwd`, ~+6 ms each under TCG
+//! (docs/research/egress-connection-cost.md). The helper runs the same restricted slirp
+//! network as its own small process behind QEMU's `-netdev stream` on `vms/NAME/net.sock`,
+//! forwards `127.0.0.1:PORT` to the guest's sshd and connects each guest connection to
+//! `10.0.2.100:80` to the VM's `proxy.sock` in its own loop: no process per connection.
+//!
+//! Its life follows QEMU's: started just before QEMU (ready once its pidfile names it), it
+//! ends by itself within a second of the exit of the QEMU named in `qemu.pid`, however that
+//! QEMU ended; `stop` ends it at once (shutdown, destroy, a failed launch). A control-plane
+//! restart leaves both running. A helper that dies while its QEMU runs leaves the guest
+//! without network until the VM is started again (QEMU reconnects to a new helper on the same
+//! socket within a fraction of a second).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::process::{is_alive, read_pid};
+use crate::storage::files::tail;
+
+/// What one VM's helper is given.
+#[derive(Debug, Clone)]
+pub struct NetSpec {
+    /// The VM's directory (every path below is in it; how a helper is told to be ours).
+    pub dir: PathBuf,
+    /// The socket QEMU's stream netdev connects to.
+    pub sock: PathBuf,
+    /// The helper's pidfile (written once it listens).
+    pub pidfile: PathBuf,
+    /// Its stderr (appended).
+    pub log: PathBuf,
+    /// QEMU's pidfile: the helper ends when that QEMU has.
+    pub qemu_pidfile: PathBuf,
+    /// The credential proxy's channel (the VM's `proxy.sock`).
+    pub proxy: PathBuf,
+    /// The loopback port forwarded to the guest's sshd.
+    pub port: u16,
+}
+
+/// Why a helper did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// The binary could not be run.
+    #[error("cannot run {binary} (build it: cargo build --release -p boxery-net; or BOXERY_NET=off)")]
+    Spawn {
+        /// The helper binary.
+        binary: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// It exited before it was ready.
+    #[error("boxery-net exited at start ({status}): {log}")]
+    Exited {
+        /// Its exit status.
+        status: String,
+        /// The end of its log.
+        log: String,
+    },
+    /// It was not ready in time.
+    #[error("boxery-net was not ready within {timeout:?}: {log}")]
+    NotReady {
+        /// How long it was given.
+        timeout: Duration,
+        /// The end of its log.
+        log: String,
+    },
+}
+
+/// Start the helper (after ending one left from an earlier run); its pid once it listens.
+pub async fn start(binary: &Path, spec: &NetSpec, timeout: Duration) -> Result<i32, NetError> {
+    stop(&spec.pidfile, &spec.dir).await;
+    let spawn_err = |source| NetError::Spawn {
+        binary: binary.display().to_string(),
+        source,
+    };
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&spec.log)
+        .map_err(spawn_err)?;
+    let mut child = tokio::process::Command::new(binary)
+        .arg("--net-sock")
+        .arg(&spec.sock)
+        .arg("--ssh-port")
+        .arg(spec.port.to_string())
+        .arg("--proxy-sock")
+        .arg(&spec.proxy)
+        .arg("--pidfile")
+        .arg(&spec.pidfile)
+        .arg("--qemu-pidfile")
+        .arg(&spec.qemu_pidfile)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        // its own process group: a ^C at the terminal of a `boxery` that booted the VM does
+        // not reach it; dropped below, it outlives this process (tokio reaps it if not)
+        .process_group(0)
+        .spawn()
+        .map_err(spawn_err)?;
+    let pid = child.id().unwrap_or_default() as i32;
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if read_pid(&spec.pidfile) == Some(pid) {
+            return Ok(pid);
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(NetError::Exited {
+                status: status.to_string(),
+                log: tail(&spec.log, 6),
+            });
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let _ = child.kill().await;
+            return Err(NetError::NotReady {
+                timeout,
+                log: tail(&spec.log, 6),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// End the VM's helper, if one runs and is ours (SIGTERM, then SIGKILL after 2 s), and wait
+/// until it has gone.
+pub async fn stop(pidfile: &Path, dir: &Path) {
+    let Some(pid) = read_pid(pidfile).filter(|p| is_our_helper(*p, dir)) else {
+        return;
+    };
+    let Some(p) = rustix::process::Pid::from_raw(pid) else {
+        return;
+    };
+    let _ = rustix::process::kill_process(p, rustix::process::Signal::TERM);
+    for _ in 0..200 {
+        if !is_alive(pid) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+    for _ in 0..100 {
+        if !is_alive(pid) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Whether `pid` is a live `boxery-net` whose command line names `dir`.
+pub fn is_our_helper(pid: i32, dir: &Path) -> bool {
+    let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let mut args = raw.split(|b| *b == 0).filter(|a| !a.is_empty());
+    let Some(argv0) = args.next() else {
+        return false;
+    };
+    let exe = String::from_utf8_lossy(argv0);
+    if exe.rsplit('/').next() != Some("boxery-net") {
+        return false;
+    }
+    let needle = format!("{}/", dir.display());
+    args.any(|a| String::from_utf8_lossy(a).contains(&needle))
+}
