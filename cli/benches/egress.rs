@@ -150,7 +150,13 @@ fn main() {
         .filter(|a| !a.is_empty())
         .map(|a| String::from_utf8_lossy(a).into_owned())
         .collect();
-    let endpoint = h.ok(&["get", "vm", "e-off", "-o", "jsonpath={.status.ssh.endpoint}"]);
+    let endpoint = h.ok(&[
+        "get",
+        "vm",
+        "e-off",
+        "-o",
+        "jsonpath={.status.ssh.endpoint}",
+    ]);
     let port = endpoint.trim().rsplit(':').next().unwrap().to_string();
     h.ok(&["stop", "e-off", "--wait"]);
     let d = dir.display().to_string();

@@ -43,7 +43,9 @@ pub struct NetSpec {
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {
     /// The binary could not be run.
-    #[error("cannot run {binary} (build it: cargo build --release -p boxery-net; or BOXERY_NET=off)")]
+    #[error(
+        "cannot run {binary} (build it: cargo build --release -p boxery-net; or BOXERY_NET=off)"
+    )]
     Spawn {
         /// The helper binary.
         binary: String,

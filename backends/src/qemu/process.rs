@@ -615,7 +615,9 @@ mod tests {
             "{joined}"
         );
         assert!(
-            !joined.contains("user,") && !joined.contains("hostfwd") && !joined.contains("guestfwd"),
+            !joined.contains("user,")
+                && !joined.contains("hostfwd")
+                && !joined.contains("guestfwd"),
             "no slirp in QEMU: {joined}"
         );
         assert!(joined.contains("virtio-rng-pci"));
