@@ -641,6 +641,27 @@ fn egress_drill(kind: Kind) {
     // With no control plane serving it, a qemu guest's way out says what to run.
     if kind == Kind::Qemu {
         drop(serve);
+        // the VM's boxery-net routes the proxy's address to its 503 within half a second of
+        // seeing no listener on the proxy's socket (the killed serve left the file behind)
+        let net_log = h.home.path().join("qemu/vms/e1/net.log");
+        assert!(
+            net_log.exists(),
+            "the VM's network is its boxery-net's (built beside boxery by `cargo build -p boxery-net`; the workspace's tests build it)"
+        );
+        common::eventually(Duration::from_secs(5), || {
+            std::fs::read_to_string(&net_log)
+                .ok()?
+                .lines()
+                .last()?
+                .contains("503")
+                .then_some(())
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "boxery-net did not route to its 503: {}",
+                std::fs::read_to_string(&net_log).unwrap_or_default()
+            )
+        });
         let out = h.run(
             "e1",
             "wget -q -O - http://203.0.113.10/ 2>&1; nc -w 3 10.0.2.100 80 </dev/null 2>&1 | tail -1",

@@ -40,6 +40,7 @@
 use std::io::{self, Read, Write};
 use std::net::Ipv4Addr;
 use std::os::fd::AsFd;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -392,10 +393,10 @@ pub const NO_CONTROL_PLANE: &str = "boxery: no control plane serves this VM's pr
 /// How often the proxy's socket is looked for.
 const PROXY_CHECK_EVERY: Duration = Duration::from_millis(500);
 
-/// Where guest connections to the proxy's address go: the proxy's socket while it exists,
-/// else the helper's refusal socket ([`NO_CONTROL_PLANE`]). The control plane removes its
-/// socket when it stops and makes it when it starts; a socket left by a control plane that
-/// crashed refuses the connection (the guest sees a reset).
+/// Where guest connections to the proxy's address go: the proxy's socket while a process
+/// listens on it, else the helper's refusal socket ([`NO_CONTROL_PLANE`]). The control plane
+/// removes its socket when it stops and makes it when it starts; one left behind by a control
+/// plane that crashed has no listener, which [`listening`] tells without connecting.
 #[derive(Debug)]
 struct ProxyRoute {
     proxy: PathBuf,
@@ -418,7 +419,8 @@ impl ProxyRoute {
     /// Route to the proxy's socket if it is there, else to the refusal (a change only).
     fn route(&mut self, slirp: &mut Slirp<Outbox>) -> Result<(), SlirpError> {
         self.last_check = Instant::now();
-        let there = std::fs::symlink_metadata(&self.proxy).is_ok_and(|m| m.file_type().is_socket());
+        let there = std::fs::symlink_metadata(&self.proxy).is_ok_and(|m| m.file_type().is_socket())
+            && listening(&self.proxy);
         if self.to_proxy == Some(there) {
             return Ok(());
         }
@@ -445,6 +447,24 @@ impl ProxyRoute {
         self.last_check.elapsed() >= PROXY_CHECK_EVERY
     }
 }
+
+/// Whether a process listens on the unix socket `path` (in this network namespace), read from
+/// `/proc/net/unix` (`Num RefCount Protocol Flags Type St Inode Path`; a listener's flags are
+/// `00010000`): no connection is made to find out. When that table cannot be read, a socket
+/// file counts as listened on.
+pub fn listening(path: &Path) -> bool {
+    let Ok(table) = std::fs::read(PROC_NET_UNIX) else {
+        return true;
+    };
+    let want = path.as_os_str().as_bytes();
+    table.split(|b| *b == b'\n').skip(1).any(|line| {
+        let mut f = line.splitn(8, |b| *b == b' ');
+        let flags = f.nth(3);
+        flags == Some(b"00010000".as_slice()) && f.nth(3) == Some(want)
+    })
+}
+
+const PROC_NET_UNIX: &str = "/proc/net/unix";
 
 /// Answer every pending connection on the refusal socket with [`NO_CONTROL_PLANE`].
 fn refuse(refusal: &UnixListener) {
@@ -697,6 +717,22 @@ mod tests {
         w.started -= QEMU_START_TIMEOUT + Duration::from_secs(1);
         w.last_check -= QEMU_CHECK_EVERY;
         assert!(w.ended().expect("timed out").contains("within 60 s"));
+    }
+
+    #[test]
+    fn a_listener_is_told_from_a_socket_file_left_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("proxy with space.sock");
+        assert!(!listening(&path));
+        let l = UnixListener::bind(&path).unwrap();
+        assert!(listening(&path));
+        assert!(
+            !listening(&dir.path().join("proxy")),
+            "a prefix is not the path"
+        );
+        drop(l);
+        assert!(path.exists(), "the file stays");
+        assert!(!listening(&path), "no listener: left behind");
     }
 
     #[test]

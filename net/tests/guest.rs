@@ -485,9 +485,13 @@ fn a_guest_behind_boxery_net() {
     let received = server.join().unwrap().expect("the proxy listener");
     assert_eq!(received, 300_000, "the listener got all the guest sent");
 
-    // (b2) no control plane (its socket removed, as `serve` does when it stops): the guest
-    // gets the 503 that says what to run; the socket back, the guest reaches it again
-    std::fs::remove_file(w.path("proxy.sock")).unwrap();
+    // (b2) no control plane (its socket left behind with no listener, as a crashed `serve`
+    // leaves it): the guest gets the 503 that says what to run; a listener back, the guest
+    // reaches it again
+    assert!(
+        w.path("proxy.sock").exists(),
+        "the file stays: nothing listens on it"
+    );
     let routed = |to: &str| {
         let t = Instant::now();
         while !std::fs::read_to_string(w.path("net.log"))
@@ -507,6 +511,7 @@ fn a_guest_behind_boxery_net() {
         out.contains("503 Service Unavailable") && out.contains("run `boxery serve`"),
         "no control plane: {out}"
     );
+    std::fs::remove_file(w.path("proxy.sock")).unwrap();
     let proxy = UnixListener::bind(w.path("proxy.sock")).unwrap();
     routed("the control plane's proxy");
     let server = thread::spawn(move || {
