@@ -11,7 +11,9 @@
 //! one-byte requests, each on a new connection. The "internet" is a listener at 203.0.113.40
 //! in a network namespace (`proxy/benches/standin`). Needs root.
 //!
-//! `cargo bench -p boxery --bench egress` (release). `BOXERY_BENCH_RUNS=N` rounds (default 3).
+//! `cargo build --release -p boxery-net && cargo bench -p boxery --bench egress` (release; the
+//! `on` VM's network is its `boxery-net`, found beside `boxery`). `BOXERY_BENCH_RUNS=N` rounds
+//! (default 3).
 
 #[path = "../../proxy/benches/standin/mod.rs"]
 mod standin;
@@ -100,6 +102,12 @@ impl Drop for Killed {
 }
 
 fn main() {
+    let helper = std::path::Path::new(env!("CARGO_BIN_EXE_boxery")).with_file_name("boxery-net");
+    assert!(
+        helper.is_file(),
+        "{} is missing: cargo build --release -p boxery-net (the VMs' network)",
+        helper.display()
+    );
     let runs: usize = std::env::var("BOXERY_BENCH_RUNS")
         .ok()
         .and_then(|s| s.parse().ok())
