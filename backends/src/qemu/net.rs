@@ -17,7 +17,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::process::{is_alive, read_pid};
+use super::process::{is_alive, read_pid, runs_for};
 use crate::storage::files::tail;
 
 /// What one VM's helper is given.
@@ -152,17 +152,38 @@ pub async fn stop(pidfile: &Path, dir: &Path) {
 
 /// Whether `pid` is a live `boxery-net` whose command line names `dir`.
 pub fn is_our_helper(pid: i32, dir: &Path) -> bool {
-    let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-        return false;
-    };
-    let mut args = raw.split(|b| *b == 0).filter(|a| !a.is_empty());
-    let Some(argv0) = args.next() else {
-        return false;
-    };
-    let exe = String::from_utf8_lossy(argv0);
-    if exe.rsplit('/').next() != Some("boxery-net") {
-        return false;
+    runs_for(pid, dir, |exe| exe == "boxery-net")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_boxery_net_naming_the_vms_directory_is_ours() {
+        let dir = tempfile::tempdir().unwrap();
+        let arg = dir.path().join("net.sock");
+        // a shell that waits on its stdin, with the path as an argument (and no child)
+        let mut other = std::process::Command::new("sh")
+            .args(["-c", "read x", "sh"])
+            .arg(&arg)
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = other.id() as i32;
+        // spawn returns once exec has begun, before the new command line is readable
+        let t = std::time::Instant::now();
+        while !std::fs::read(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|c| c.ends_with(b"net.sock\0"))
+        {
+            assert!(t.elapsed() < Duration::from_secs(5), "sh never started");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(runs_for(pid, dir.path(), |e| e == "sh"));
+        assert!(!is_our_helper(pid, dir.path()), "not boxery-net");
+        assert!(!runs_for(pid, Path::new("/elsewhere"), |e| e == "sh"));
+        other.kill().unwrap();
+        other.wait().unwrap();
+        assert!(!runs_for(pid, dir.path(), |e| e == "sh"), "gone");
     }
-    let needle = format!("{}/", dir.display());
-    args.any(|a| String::from_utf8_lossy(a).contains(&needle))
 }

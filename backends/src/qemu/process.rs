@@ -423,6 +423,13 @@ pub fn read_pid(pidfile: &Path) -> Option<i32> {
 
 /// Whether `pid` is a live QEMU whose command line names `dir`.
 pub fn is_our_qemu(pid: i32, dir: &Path) -> bool {
+    runs_for(pid, dir, |exe| exe.starts_with("qemu-system"))
+}
+
+/// Whether `pid` is a live process whose program's file name passes `exe` and whose command
+/// line names a path in `dir` (how a process is told to be this VM's, not another's that
+/// took its PID).
+pub fn runs_for(pid: i32, dir: &Path, exe: impl Fn(&str) -> bool) -> bool {
     let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
         return false;
     };
@@ -431,9 +438,8 @@ pub fn is_our_qemu(pid: i32, dir: &Path) -> bool {
     let Some(argv0) = args.next() else {
         return false;
     };
-    let exe = String::from_utf8_lossy(argv0);
-    let base = exe.rsplit('/').next().unwrap_or(&exe);
-    if !base.starts_with("qemu-system") {
+    let argv0 = String::from_utf8_lossy(argv0);
+    if !exe(argv0.rsplit('/').next().unwrap_or(&argv0)) {
         return false;
     }
     let needle = format!("{}/", dir.display());
