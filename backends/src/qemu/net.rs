@@ -98,7 +98,7 @@ pub async fn start(binary: &Path, spec: &NetSpec, timeout: Duration) -> Result<i
         .stdout(std::process::Stdio::null())
         .stderr(log)
         // its own process group: a ^C at the terminal of a `boxery` that booted the VM does
-        // not reach it; dropped below, it outlives this process (tokio reaps it if not)
+        // not reach it; it outlives this process if this one exits first
         .process_group(0)
         .spawn()
         .map_err(spawn_err)?;
@@ -106,6 +106,10 @@ pub async fn start(binary: &Path, spec: &NetSpec, timeout: Duration) -> Result<i
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         if read_pid(&spec.pidfile) == Some(pid) {
+            // reaped the moment it exits (no zombie left in a long-running `serve`)
+            tokio::spawn(async move {
+                let _ = child.wait().await;
+            });
             return Ok(pid);
         }
         if let Ok(Some(status)) = child.try_wait() {
