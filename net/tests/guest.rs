@@ -19,7 +19,7 @@ use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -37,6 +37,22 @@ impl Proc {
     }
 
     /// Whether it still runs (reaps it if not).
+    /// Its exit status, once it exits within `timeout` (else a panic saying `when`).
+    fn exit_within(&mut self, timeout: Duration, when: impl Fn() -> String) -> ExitStatus {
+        let t = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(
+                t.elapsed() < timeout,
+                "{} still runs {timeout:?} {}",
+                self.name,
+                when()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
     fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
@@ -578,17 +594,7 @@ fn a_guest_behind_boxery_net() {
     // SIGTERM: a clean stop, socket and pidfile removed
     let mut net = w.net.take().unwrap();
     run(Command::new("kill").args(["-TERM", &net.pid().to_string()]));
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = net.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(5),
-            "no exit 5 s after SIGTERM"
-        );
-        thread::sleep(Duration::from_millis(20));
-    };
+    let status = net.exit_within(Duration::from_secs(5), || "after SIGTERM".into());
     assert!(status.success(), "exit status after SIGTERM: {status}");
     assert!(!w.path("net.sock").exists(), "the socket is removed");
     assert!(!w.path("net.pid").exists(), "the pidfile is removed");
@@ -613,18 +619,9 @@ fn a_guest_behind_boxery_net() {
     let mut qemu = w.qemu.take().unwrap();
     qemu.child.kill().unwrap();
     qemu.child.wait().unwrap();
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = net.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(5),
-            "boxery-net still runs 5 s after its QEMU exited: {}",
-            tail(&w.path("net.log"), 5)
-        );
-        thread::sleep(Duration::from_millis(20));
-    };
+    let status = net.exit_within(Duration::from_secs(5), || {
+        format!("after its QEMU exited: {}", tail(&w.path("net.log"), 5))
+    });
     assert!(status.success(), "exit status after QEMU's exit: {status}");
     assert!(
         tail(&w.path("net.log"), 3).contains("has exited"),
