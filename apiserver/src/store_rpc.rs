@@ -13,6 +13,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use boxery_api::{Grant, Resource as _};
 use boxery_store::StoreError;
 use boxery_store::wire::{self, Call, WatchLine, WireError};
 use futures::StreamExt;
@@ -64,6 +65,17 @@ pub async fn call(
     };
     if let Err(f) = allowed(&caller, call.reads_only()) {
         return f.into_response();
+    }
+    if let Call::UpdateStatus { obj } = &call
+        && obj.kind == Grant::INFO.kind
+    {
+        // as on the Kubernetes API (no status writes): a bearer token, which an agent may
+        // hold, never decides a grant; a person does, at the VM host's terminal
+        return Failure::forbidden(format!(
+            "grant {} is approved or denied by a person at the VM host's terminal (`boxery grant approve {}` there), never through the API",
+            obj.metadata.name, obj.metadata.name
+        ))
+        .into_response();
     }
     match wire::dispatch(sh.verbs.store(), call).await {
         Ok(v) => crate::resources::json_reply(StatusCode::OK, &v),

@@ -63,6 +63,14 @@ pub struct GrantArgs {
     wait: bool,
 }
 
+/// Whether `a` decides a grant (approve or deny): a person's act at the VM host's terminal.
+pub fn decides(a: &GrantArgs) -> bool {
+    matches!(
+        a.cmd,
+        Some(GrantCmd::Approve { .. } | GrantCmd::Deny { .. })
+    )
+}
+
 /// `grant` subcommands.
 #[derive(Debug, clap::Subcommand)]
 enum GrantCmd {

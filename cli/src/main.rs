@@ -818,6 +818,12 @@ async fn remote_command(
         Command::Service { .. } => return here_only("service", "installs a unit on this machine"),
         Command::Orphans { .. } => return here_only("orphans", "reads the VM host's backends"),
         Command::Drill { .. } => return here_only("drill", "makes interfaces on the VM host"),
+        Command::Grant(a) if grants::decides(a) => {
+            return here_only(
+                "grant approve/deny",
+                "is a person's decision at the VM host's terminal (the API refuses it to any token)",
+            );
+        }
         // completion of names reads no remote store: nothing to offer
         Command::CompleteNames { .. } => return Ok(ExitCode::SUCCESS),
         _ => {}

@@ -118,6 +118,8 @@ impl Hands {
         .map_err(|e| VerbError::failed(format!("making this machine's ssh key: {e}")))?
         .map_err(|e| VerbError::failed(format!("cannot make this machine's ssh key: {e}")))?;
         let name = vm.metadata.name.as_str();
+        // the VM host's answer names a file here: only a name a Vm can have
+        boxery_store::check_name("Vm", name).map_err(VerbError::from)?;
         let uid = vm.metadata.uid.clone().unwrap_or_default();
         let file = self.authorized_file(name);
         let body = public

@@ -408,6 +408,8 @@ pub fn resolve(home: &Path, named: Option<&str>) -> Result<Option<Context>> {
     if name == LOCAL {
         return Ok(None);
     }
+    // the name goes into ssh's ProxyCommand and a folder: a hand-edited file is checked too
+    check_name(&name)?;
     let c = k
         .contexts
         .iter()
@@ -482,6 +484,13 @@ mod tests {
         assert_eq!(again.current_context.as_deref(), Some("vmhost"));
         let e = resolve(home.path(), Some("other")).unwrap_err().to_string();
         assert!(e.contains("known: vmhost, and local"), "{e}");
+        // a name edited into the file by hand that no command would take (it reaches ssh's
+        // ProxyCommand) is refused when used
+        let text = std::fs::read_to_string(file(home.path())).unwrap();
+        std::fs::write(file(home.path()), text.replace("vmhost", "vm;touch x")).unwrap();
+        let e = resolve(home.path(), None).unwrap_err().to_string();
+        assert!(e.contains("vm;touch x"), "{e}");
+        std::fs::write(file(home.path()), text).unwrap();
         remove(home.path(), "vmhost").unwrap();
         assert!(resolve(home.path(), None).unwrap().is_none());
     }

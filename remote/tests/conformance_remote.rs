@@ -147,3 +147,37 @@ async fn connect_checks_the_token_and_reads_the_identity() {
         .to_string();
     assert!(e.contains("401") && e.contains("stranger"), "{e}");
 }
+
+/// A Grant's status (its approval) is never written through the API, even with a full token:
+/// refused before the store is touched, with what to do instead; another kind's status is.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grants_status_is_not_written_through_the_api() {
+    let sub = Remote.fresh();
+    let obj = |kind: &str| {
+        serde_json::from_value::<boxery_api::DynObject>(serde_json::json!({
+            "apiVersion": "boxery.dev/v1alpha1", "kind": kind,
+            "metadata": {"name": "g1"}, "status": {"phase": "Approved"}
+        }))
+        .unwrap()
+    };
+    let e = sub
+        .store
+        .update_status(obj("Grant"))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("403") && e.contains("terminal") && e.contains("boxery grant approve g1"),
+        "{e}"
+    );
+    // the control: the same call for a Vm reaches the store, which judges it (invalid: a
+    // Vm's status has no phase Approved)
+    let e = sub.store.update_status(obj("Vm")).await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            boxery_store::StoreError::Invalid(_) | boxery_store::StoreError::NotFound { .. }
+        ),
+        "{e}"
+    );
+}
