@@ -257,35 +257,12 @@ if [ -r /run/boxery/env ]; then . /run/boxery/env; fi\n";
 
 /// The remote script (for `sh -s`, on stdin) that installs `f` as revision `rev`.
 pub fn script(f: &Files, rev: &str) -> String {
-    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
     let mut s = String::from(
         "set -eu\numask 077\nd=/run/boxery\n\
          if [ ! -d \"$d\" ] || [ ! -w \"$d\" ] || [ ! -O \"$d\" ]; then sudo -n install -d -m 0700 -o \"$(id -u)\" -g \"$(id -g)\" \"$d\"; fi\n\
-         chmod 0700 \"$d\"\nn=\"$d/.new\"\nrm -rf \"$n\"\nmkdir -p \"$n/files\"\n",
+         chmod 0700 \"$d\"\n",
     );
-    let mut put = |path: &str, bytes: &[u8]| {
-        if let Some((dir, _)) = path.rsplit_once('/') {
-            s.push_str(&format!("mkdir -p \"$n\"/{}\n", shell_quote(dir)));
-        }
-        s.push_str(&format!(
-            "base64 -d > \"$n\"/{} <<'BOXERY_B64'\n{}\nBOXERY_B64\nchmod 0400 \"$n\"/{}\n",
-            shell_quote(path),
-            b64(bytes),
-            shell_quote(path)
-        ));
-    };
-    put("env", f.env.as_bytes());
-    if let Some(npmrc) = &f.npmrc {
-        put("npmrc", npmrc.as_bytes());
-    }
-    for (target, bytes) in &f.files {
-        put(&format!("files/{target}"), bytes);
-    }
-    s.push_str(&format!(
-        "rm -rf \"$d/files.old\"\n[ ! -e \"$d/files\" ] || mv \"$d/files\" \"$d/files.old\"\n\
-         mv \"$n/files\" \"$d/files\"\nrm -f \"$d/npmrc\"\n[ ! -e \"$n/npmrc\" ] || mv -f \"$n/npmrc\" \"$d/npmrc\"\n\
-         mv -f \"$n/env\" \"$d/env\"\nrm -rf \"$d/files.old\" \"$n\"\nprintf '%s\\n' {rev} > \"$d/rev\"\n"
-    ));
+    s.push_str(&tree(f, rev));
     s.push_str(&format!(
         "if ! grep -qs 'boxery/env' /etc/profile.d/boxery-env.sh; then sudo -n mkdir -p /etc/profile.d; printf '%s' {} | sudo -n tee /etc/profile.d/boxery-env.sh >/dev/null; sudo -n chmod 0644 /etc/profile.d/boxery-env.sh; fi\n\
          if ! grep -qs 'profile\\.d' /etc/profile; then printf '%s\\n' 'for f in /etc/profile.d/*.sh; do [ -r \"$f\" ] && . \"$f\"; done' | sudo -n tee -a /etc/profile >/dev/null; fi\n",
@@ -308,6 +285,50 @@ pub fn script(f: &Files, rev: &str) -> String {
             su = shell_quote(sudoers),
         ));
     }
+    s
+}
+
+/// The part of [`script`] that installs `f` under `$d` (set, existing, the caller's), each
+/// file replaced atomically, so a reader in the guest sees the old revision or the new one,
+/// never a missing file: `env` and `npmrc` are renamed over, and `files` is a symlink to one
+/// of two trees (`.files.a`, `.files.b`), the new one filled beside the live one and the
+/// link renamed over (the shape of a Kubernetes ConfigMap volume's `..data`).
+fn tree(f: &Files, rev: &str) -> String {
+    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+    let mut s = String::from(
+        "n=\"$d/.new\"\nrm -rf \"$n\"\nmkdir -p \"$n\"\n\
+         if [ \"$(readlink \"$d/files\" 2>/dev/null || true)\" = .files.a ]; then g=.files.b; else g=.files.a; fi\n\
+         rm -rf \"${d:?}/$g\"\nmkdir -p \"$d/$g\"\n",
+    );
+    let mut put = |dest: &str, path: &str, bytes: &[u8]| {
+        if let Some((dir, _)) = path.rsplit_once('/') {
+            s.push_str(&format!("mkdir -p \"{dest}\"/{}\n", shell_quote(dir)));
+        }
+        s.push_str(&format!(
+            "base64 -d > \"{dest}\"/{} <<'BOXERY_B64'\n{}\nBOXERY_B64\nchmod 0400 \"{dest}\"/{}\n",
+            shell_quote(path),
+            b64(bytes),
+            shell_quote(path)
+        ));
+    };
+    put("$n", "env", f.env.as_bytes());
+    if let Some(npmrc) = &f.npmrc {
+        put("$n", "npmrc", npmrc.as_bytes());
+    }
+    for (target, bytes) in &f.files {
+        put("$d/$g", target, bytes);
+    }
+    s.push_str(&format!(
+        // A `files` left a real directory by an older boxery is moved aside once (the only
+        // swap that is not atomic); `mv -T` renames the new link over the old one.
+        "ln -s \"$g\" \"$n/files\"\n\
+         if [ -d \"$d/files\" ] && [ ! -L \"$d/files\" ]; then rm -rf \"$d/files.old\"; mv \"$d/files\" \"$d/files.old\"; fi\n\
+         mv -fT \"$n/files\" \"$d/files\"\n\
+         if [ -e \"$n/npmrc\" ]; then mv -f \"$n/npmrc\" \"$d/npmrc\"; else rm -f \"$d/npmrc\"; fi\n\
+         mv -f \"$n/env\" \"$d/env\"\n\
+         for o in .files.a .files.b; do [ \"$o\" = \"$g\" ] || rm -rf \"${{d:?}}/$o\"; done\n\
+         rm -rf \"$d/files.old\" \"$n\"\nprintf '%s\\n' {rev} > \"$d/rev\"\n"
+    ));
     s
 }
 
@@ -626,6 +647,85 @@ mod tests {
         let s = script(&f, "r1");
         assert!(s.contains("Acquire::http::Proxy"), "{s}");
         assert!(!s.contains("bxt_abc") && !s.contains("touch /tmp"), "{s}");
+    }
+
+    /// Re-installing the guest's files never leaves a reader without one: a reader looping
+    /// over the env file and a file grant while the tree is installed again and again (as a
+    /// restarted control plane does) always reads a whole value. And the tree installs over
+    /// the shape an older boxery left (`files` a real directory).
+    #[test]
+    fn a_push_replaces_every_file_atomically() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().join("boxery");
+        std::fs::create_dir_all(d.join("files/app")).unwrap();
+        std::fs::write(d.join("files/app/app.conf"), "old\n").unwrap();
+        std::fs::write(d.join("files/app/stale"), "x").unwrap();
+        let files = |v: &str| Files {
+            env: format!("export A={v}\n"),
+            npmrc: Some(format!("//r/:_authToken={v}\n")),
+            files: vec![("app/app.conf".into(), format!("{v}\n").into_bytes())],
+            ..Files::default()
+        };
+        let install = |f: &Files, rev: &str| {
+            let out = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!(
+                    "set -eu\numask 077\nd='{}'\n{}",
+                    d.display(),
+                    tree(f, rev)
+                ))
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{out:?}");
+        };
+        install(&files("v0"), "r0");
+        let read = |p: &str| std::fs::read_to_string(d.join(p)).unwrap();
+        assert_eq!(read("files/app/app.conf"), "v0\n");
+        assert!(!d.join("files/app/stale").exists() && !d.join("files.old").exists());
+        assert_eq!(read("rev"), "r0\n");
+        // A reader in a thread while the installs run.
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reader = {
+            let (d, stop) = (d.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut reads = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    for p in ["files/app/app.conf", "env", "npmrc"] {
+                        let v = std::fs::read_to_string(d.join(p))
+                            .unwrap_or_else(|e| panic!("{p} was missing during a push: {e}"));
+                        assert!(v.ends_with('\n'), "{p} read part-written: {v:?}");
+                    }
+                    reads += 1;
+                }
+                reads
+            })
+        };
+        for i in 1..=40 {
+            install(&files(&format!("v{i}")), &format!("r{i}"));
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let reads = reader.join().expect("the reader always found every file");
+        assert!(
+            reads > 40,
+            "the reader ran alongside the pushes ({reads} rounds)"
+        );
+        assert_eq!(read("files/app/app.conf"), "v40\n");
+        assert_eq!(read("env"), "export A=v40\n");
+        // One tree live, the other gone; no npmrc once npm no longer goes through the proxy.
+        let trees: Vec<_> = [".files.a", ".files.b"]
+            .into_iter()
+            .filter(|t| d.join(t).exists())
+            .collect();
+        assert_eq!(trees.len(), 1, "{trees:?}");
+        install(
+            &Files {
+                npmrc: None,
+                ..files("v41")
+            },
+            "r41",
+        );
+        assert!(!d.join("npmrc").exists());
+        assert!(!d.join(".new").exists());
     }
 
     #[test]
