@@ -1,9 +1,12 @@
 //! The API's cost against the store's own, in the same run (docs/benchmarks.md, issue 16).
 //!
-//! `cargo bench -p boxery-apiserver --bench api`. One process: a store in a temporary home
-//! holding `BOXERY_BENCH_OBJECTS` Vms (default 1,000), the API on loopback over TLS (no
-//! controllers, so nothing else moves), and a rustls client with a kept-alive connection.
-//! - GET of one object over the API, against `ObjectStore::get` of the same object;
+//! `cargo bench -p boxery-apiserver --bench api` (`BOXERY_BENCH_ONLY=get`: the GETs alone,
+//! for a profiler). One process: a store in a temporary home holding `BOXERY_BENCH_OBJECTS`
+//! Vms (default 1,000), the API on loopback over TLS (no controllers, so nothing else moves).
+//! - the floor of any request here: a 64-byte TCP ping-pong between two tasks on loopback;
+//! - GET of one object over one kept-alive TLS connection driven by the measuring task (no
+//!   client pool), interleaved with `ObjectStore::get` of the same object and `GET /version`;
+//! - the same GET through reqwest (a pooled client, as most programs use);
 //! - LIST of every Vm (JSON, then a Table), against `ObjectStore::list`;
 //! - watch delivery: 100 watchers of `vms`; each of 50 PATCHes over the API (one every
 //!   100 ms) is timed from before the PATCH is sent to each watcher's receipt of its event.
@@ -19,6 +22,72 @@ use futures::StreamExt;
 fn pct(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// The thinnest HTTP/1.1 client: one kept-alive TLS connection, driven in the caller's task
+/// (no pool, no connection task), so a timing holds the server's cost and little else.
+struct Raw {
+    tls: tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    buf: Vec<u8>,
+}
+
+impl Raw {
+    async fn connect(addr: std::net::SocketAddr, ca_pem: &[u8]) -> Raw {
+        let mut roots = rustls::RootCertStore::empty();
+        let der = <rustls::pki_types::CertificateDer as rustls::pki_types::pem::PemObject>::from_pem_slice(ca_pem).unwrap();
+        roots.add(der).unwrap();
+        let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        tcp.set_nodelay(true).unwrap();
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+            .connect(name, tcp)
+            .await
+            .unwrap();
+        Raw {
+            tls,
+            buf: Vec::with_capacity(16 << 10),
+        }
+    }
+
+    /// GET `path`; the status and the body.
+    async fn get(&mut self, path: &str, auth: &str) -> (u16, Vec<u8>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let req =
+            format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nauthorization: {auth}\r\n\r\n");
+        self.tls.write_all(req.as_bytes()).await.unwrap();
+        self.tls.flush().await.unwrap();
+        self.buf.clear();
+        let mut chunk = [0u8; 16 << 10];
+        loop {
+            let mut headers = [httparse::EMPTY_HEADER; 32];
+            let mut resp = httparse::Response::new(&mut headers);
+            if let httparse::Status::Complete(at) = resp.parse(&self.buf).unwrap() {
+                let len: usize = resp
+                    .headers
+                    .iter()
+                    .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+                    .map(|h| std::str::from_utf8(h.value).unwrap().parse().unwrap())
+                    .expect("a content-length");
+                let code = resp.code.unwrap();
+                while self.buf.len() < at + len {
+                    let n = self.tls.read(&mut chunk).await.unwrap();
+                    assert!(n > 0, "the server closed the connection");
+                    self.buf.extend_from_slice(&chunk[..n]);
+                }
+                return (code, self.buf[at..at + len].to_vec());
+            }
+            let n = self.tls.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "the server closed the connection");
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
 }
 
 fn vm(i: usize) -> DynObject {
@@ -62,7 +131,8 @@ async fn main() {
     )
     .await
     .unwrap();
-    let base = format!("https://{}", server.local_addr());
+    let server_addr = server.local_addr();
+    let base = format!("https://{server_addr}");
     let stop = tokio_util::sync::CancellationToken::new();
     tokio::spawn(server.run(stop.clone()));
     let token =
@@ -78,8 +148,79 @@ async fn main() {
     let gv = format!("{base}/apis/boxery.dev/v1alpha1");
     let os: &dyn ObjectStore = &store;
 
-    // GET
+    // The machine's floor for any request over loopback: a 64-byte TCP ping-pong between two
+    // tasks of this runtime (no TLS, no HTTP, no store).
+    let tcp_floor = {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            s.set_nodelay(true).unwrap();
+            let mut b = [0u8; 64];
+            while s.read_exact(&mut b).await.is_ok() {
+                if s.write_all(&b).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let mut c = tokio::net::TcpStream::connect(at).await.unwrap();
+        c.set_nodelay(true).unwrap();
+        let mut b = [7u8; 64];
+        let mut v = Vec::new();
+        for i in 0..2200 {
+            let t = Instant::now();
+            c.write_all(&b).await.unwrap();
+            c.read_exact(&mut b).await.unwrap();
+            if i >= 200 {
+                v.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        pct(&mut v, 0.5)
+    };
+    println!(
+        "loopback TCP round trip between two tasks (the floor of any request): p50 {tcp_floor:.3} ms"
+    );
+
+    // GET, through the thinnest client, interleaved with the direct store read
     let key = ObjectRef::new("Vm", "vm0500");
+    let path = "/apis/boxery.dev/v1alpha1/vms/vm0500";
+    let mut raw = Raw::connect(server_addr, &ca).await;
+    let (mut raw_get, mut raw_store, mut raw_floor) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..2200 {
+        let t = Instant::now();
+        let (code, body) = raw.get(path, &auth).await;
+        let a = t.elapsed().as_secs_f64() * 1e3;
+        assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
+        let t = Instant::now();
+        let o = os.get(&key).await.unwrap();
+        let s = t.elapsed().as_secs_f64() * 1e3;
+        assert!(o.is_some());
+        let t = Instant::now();
+        let (code, _) = raw.get("/version", &auth).await;
+        let f = t.elapsed().as_secs_f64() * 1e3;
+        assert_eq!(code, 200);
+        if i >= 200 {
+            raw_get.push(a);
+            raw_store.push(s);
+            raw_floor.push(f);
+        }
+    }
+    let (ag, sg) = (pct(&mut raw_get, 0.5), pct(&mut raw_store, 0.5));
+    println!(
+        "GET one Vm, one kept-alive TLS connection: API p50 {ag:.3} ms (p99 {:.3} ms); store get p50 {sg:.3} ms; ratio {:.1}x",
+        pct(&mut raw_get, 0.99),
+        ag / sg,
+    );
+    println!(
+        "  the API's own cost above the loopback round trip: {:.3} ms ({:.1}x a store get); GET against round trip + store get: {:.2}x; GET /version p50 {:.3} ms",
+        ag - tcp_floor,
+        (ag - tcp_floor) / sg,
+        ag / (tcp_floor + sg),
+        pct(&mut raw_floor, 0.5),
+    );
+
+    // GET through reqwest (a pooled client: its connection task adds a hop each way)
     let (mut api_get, mut store_get) = (Vec::new(), Vec::new());
     for i in 0..1200 {
         let t = Instant::now();
@@ -122,10 +263,16 @@ async fn main() {
     );
     let (ag, sg) = (pct(&mut api_get, 0.5), pct(&mut store_get, 0.5));
     println!(
-        "GET one Vm: API p50 {ag:.3} ms (p99 {:.3} ms); store get p50 {sg:.3} ms; ratio {:.1}x",
+        "GET one Vm through reqwest: API p50 {ag:.3} ms (p99 {:.3} ms); store get p50 {sg:.3} ms; ratio {:.1}x",
         pct(&mut api_get, 0.99),
         ag / sg
     );
+
+    if std::env::var("BOXERY_BENCH_ONLY").as_deref() == Ok("get") {
+        // (for profiling the GET path alone: `perf record … target/release/deps/api-…`)
+        stop.cancel();
+        return;
+    }
 
     // LIST
     let (mut api_list, mut table_list, mut store_list) = (Vec::new(), Vec::new(), Vec::new());
