@@ -1616,6 +1616,58 @@ fn guest_uses_grants(kind: Kind) {
     serve.kill();
 }
 
+/// A VM's network helper killed under its running guest (qemu): the inventory pass marks the
+/// Vm `Degraded`, its controller starts a new `boxery-net`, QEMU reconnects to it, and the
+/// same boot of the guest answers over ssh again, with no restart.
+fn network_helper_repaired() {
+    let h = RealHome::new(Kind::Qemu);
+    let serve = h.serve_args(&["--inventory-every", "1s"], &[]);
+    serve.wait_leading();
+    let f = h.home.write("vm.yaml", &tiny_vm("n1"));
+    h.ok(&[
+        "apply",
+        "-f",
+        f.to_str().unwrap(),
+        "--wait",
+        "--timeout",
+        "10m",
+    ]);
+    let boot_id = "cat /proc/sys/kernel/random/boot_id";
+    let boot = h.run("n1", boot_id);
+    let pidfile = h.qemu_dir().join("vms/n1/net.pid");
+    let pid_of = || -> Option<i32> { std::fs::read_to_string(&pidfile).ok()?.trim().parse().ok() };
+    let old = pid_of().expect("the VM runs on its boxery-net (the workspace's tests build it)");
+    let pid = rustix::process::Pid::from_raw(old).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
+    // The guest has no network now; within the inventory period and a repair, it has again.
+    let back = common::eventually(Duration::from_secs(60), || {
+        let new = pid_of().filter(|p| *p != old)?;
+        let o = h.cmd(&["run", "n1", "--", boot_id]);
+        (o.status.success() && String::from_utf8_lossy(&o.stdout).trim() == boot).then_some(new)
+    });
+    let new =
+        back.unwrap_or_else(|| panic!("the VM's network was not repaired:\n{}", h.state_report()));
+    let vm_dir = h.qemu_dir().join("vms/n1");
+    assert!(
+        std::fs::read_to_string(format!("/proc/{new}/cmdline"))
+            .is_ok_and(|c| c.contains("boxery-net") && c.contains(&*vm_dir.to_string_lossy())),
+        "the new helper is the VM's boxery-net"
+    );
+    h.ok(&["wait", "vm/n1", "--for=condition=Ready", "--timeout", "2m"]);
+    let d = h.ok(&["describe", "vm", "n1"]);
+    assert!(
+        d.contains("Degraded") && d.contains("Repaired"),
+        "the events say what happened:\n{d}"
+    );
+    h.ok(&["delete", "vm", "n1", "--wait", "--timeout", "3m"]);
+    assert!(
+        !std::path::Path::new(&format!("/proc/{new}")).exists()
+            || std::fs::read_to_string(format!("/proc/{new}/cmdline")).is_ok_and(|c| c.is_empty()),
+        "the repaired helper ends with its VM"
+    );
+    drop(serve);
+}
+
 /// The same tests on each real backend.
 macro_rules! on_backend {
     ($kind:expr) => {
@@ -1663,6 +1715,11 @@ mod qemu {
     #[test]
     fn host_reboot_brings_vms_back_and_voids_leases() {
         super::host_reboot(super::Kind::Qemu)
+    }
+
+    #[test]
+    fn a_dead_network_helper_is_repaired_under_a_running_guest() {
+        super::network_helper_repaired()
     }
 }
 

@@ -176,6 +176,73 @@ fn a_vm_that_stops_on_its_own_is_started_again() {
     assert_eq!(events.matches("Restarted").count(), 1, "{events}");
 }
 
+/// A running VM the backend reports degraded (as qemu does when a VM's network helper died):
+/// the inventory pass marks it `Degraded` (`Ready=False`, a Warning event), its controller
+/// repairs it without a restart, and it is Ready again. A failed repair is retried.
+#[test]
+fn a_degraded_vm_is_repaired_without_a_restart() {
+    let home = Home::new();
+    let fake = home.fake();
+    let serve = home.serve(&[]);
+    serve.wait_leading();
+    home.ok(&["new", "d1"]);
+    home.ok(&["wait", "vm", "d1", "--for=condition=Ready", "--timeout=30s"]);
+    // The first repair fails (the retry is the controller's ordinary backoff).
+    fake.set_faults(&FaultConfig::rules([FaultRule::new(
+        "repair",
+        FaultAction::Fail,
+    )
+    .times(1)]))
+        .unwrap();
+    fake.degrade("d1", "its network helper is not running")
+        .unwrap();
+    common::eventually(Duration::from_secs(20), || {
+        home.ok(&["events", "vm", "d1"])
+            .contains("Repaired")
+            .then_some(())
+    })
+    .expect("a Repaired event within a few inventory passes");
+    let events = home.ok(&["events", "vm", "d1"]);
+    assert!(
+        events.contains("Degraded") && events.contains("its network helper is not running"),
+        "{events}"
+    );
+    assert!(
+        !events.contains("Restarted"),
+        "repaired, not restarted: {events}"
+    );
+    assert_eq!(
+        fake.fault_counts().unwrap().get("repair").copied(),
+        Some(2),
+        "one failure, then the repair"
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let info = rt.block_on(fake.get("d1")).unwrap().unwrap();
+    assert_eq!((info.state, info.degraded), (PowerState::Running, None));
+    home.ok(&["wait", "vm", "d1", "--for=condition=Ready", "--timeout=30s"]);
+    let ops: Vec<_> = fake
+        .journal()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.name == "d1")
+        .map(|e| e.op)
+        .collect();
+    assert_eq!(
+        ops.iter()
+            .filter(|o| **o == boxery_backends::fake::JournalOp::Repair)
+            .count(),
+        1,
+        "{ops:?}"
+    );
+    assert!(
+        !ops.contains(&boxery_backends::fake::JournalOp::Stop),
+        "never stopped: {ops:?}"
+    );
+}
+
 #[test]
 fn lost_vms_and_orphans() {
     let home = Home::new();

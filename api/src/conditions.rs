@@ -41,6 +41,9 @@ pub mod reasons {
     pub const STOPPED: &str = "Stopped";
     /// A Vm meant to run stopped on its own; it is started again.
     pub const EXITED: &str = "Exited";
+    /// `Ready=False`: running, but a part the backend runs beside it is down (qemu: its
+    /// network helper); being repaired.
+    pub const DEGRADED: &str = "Degraded";
     /// The object is gone from the backend (`Ready`).
     pub const LOST: &str = "Lost";
     /// The object is gone from the backend (`Lost`).

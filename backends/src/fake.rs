@@ -109,6 +109,9 @@ pub struct VmRecord {
     /// The image its disk was last replaced with by `reimage`.
     #[serde(default)]
     pub reimaged_from: Option<String>,
+    /// Why the running VM is degraded ([`FakeBackend::degrade`]); `repair` and `stop` clear it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub degraded: Option<String>,
 }
 
 /// A fake image's record: `images/<name>/image.json`.
@@ -251,6 +254,7 @@ impl FakeBackend {
             state: rec.state,
             size: rec.size,
             disk_used_bytes: used,
+            degraded: rec.degraded.filter(|_| rec.state == PowerState::Running),
         }
     }
 
@@ -459,7 +463,16 @@ impl FakeBackend {
             mac: new_mac(),
             created: boxery_api::now(),
             reimaged_from: None,
+            degraded: None,
         })
+    }
+
+    /// Say the running VM `name` is degraded (`why`), as a qemu VM whose network helper died
+    /// is (no faults, no journal): `get` reports it until `repair` (or `stop`).
+    pub fn degrade(&self, name: &str, why: &str) -> Result<()> {
+        let mut rec = self.require_vm(name)?;
+        rec.degraded = Some(why.into());
+        self.write_vm(&rec)
     }
 
     /// Add a complete image without capturing (no faults, no journal); its disk holds
@@ -646,6 +659,7 @@ impl Backend for FakeBackend {
             mac: new_mac(),
             created: boxery_api::now(),
             reimaged_from: None,
+            degraded: None,
         })?;
         self.record(JournalOp::Create, &vm.name, Some(&vm.uid), Some(image))?;
         self.step("create.done").await
@@ -685,11 +699,22 @@ impl Backend for FakeBackend {
         Ok(())
     }
 
+    async fn repair(&self, name: &str) -> Result<()> {
+        self.step("repair").await?;
+        let mut rec = self.require_vm(name)?;
+        if rec.degraded.take().is_some() {
+            self.write_vm(&rec)?;
+            self.record(JournalOp::Repair, name, rec.mark.as_deref(), None)?;
+        }
+        Ok(())
+    }
+
     async fn stop(&self, name: &str) -> Result<()> {
         self.step("stop").await?;
         let mut rec = self.require_vm(name)?;
         if rec.state != PowerState::Stopped {
             rec.state = PowerState::Stopped;
+            rec.degraded = None;
             self.write_vm(&rec)?;
             self.record(JournalOp::Stop, name, rec.mark.as_deref(), None)?;
         }

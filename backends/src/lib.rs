@@ -236,6 +236,11 @@ pub struct VmInfo {
     pub ssh: Option<String>,
     /// Bytes its own disk takes (a shared base not counted), when known.
     pub disk_used_bytes: Option<u64>,
+    /// Running, but a part the backend runs beside the hypervisor is down (qemu: the VM's
+    /// `boxery-net`, so the guest has no network): why, in one sentence. [`Backend::repair`]
+    /// brings it back. `None` when nothing is down (and always for a stopped VM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub degraded: Option<String>,
 }
 
 /// One image as the backend sees it.
@@ -383,6 +388,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// changes. `Unsupported` when the backend cannot enforce `policy` as configured.
     async fn set_egress(&self, name: &str, policy: EgressPolicy) -> Result<()> {
         let _ = (name, policy);
+        Ok(())
+    }
+    /// Bring back what [`VmInfo::degraded`] reported down on the running VM `name` (qemu:
+    /// start its `boxery-net` again; QEMU reconnects to it), without restarting the guest. A
+    /// no-op when nothing is down or the VM is not running. Called by the reconciler on a step
+    /// that finds the VM degraded.
+    async fn repair(&self, name: &str) -> Result<()> {
+        let _ = name;
         Ok(())
     }
     /// How `name`'s guest reaches the credential proxy; `None` when it cannot (the fake

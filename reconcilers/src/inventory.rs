@@ -7,6 +7,9 @@
 //! - A VM last seen running, meant to run, that the backend reports stopped (guest power-off,
 //!   hypervisor crash) gets `Ready=False` (`Exited`); that write wakes its controller, which
 //!   starts it again. Without this, it would wait for the periodic resync.
+//! - A running VM the backend reports degraded (qemu: its `boxery-net` died, so the guest has
+//!   no network) gets `Ready=False` (`Degraded`) and a Warning event; that write wakes its
+//!   controller, which repairs it without restarting the guest.
 //! - A backend VM or image with no object is removed only when its mark names this store and
 //!   an object this store remembers removing (a tombstone). Everything else is quarantined: left
 //!   alone, logged, reported once as an `Orphaned` Warning event and listed by `boxery
@@ -43,6 +46,8 @@ pub struct Report {
     /// VMs found stopped that were running and are meant to run (started again by their
     /// controller).
     pub exited: Vec<String>,
+    /// Running VMs found degraded (repaired by their controller).
+    pub degraded: Vec<String>,
     /// Orphans removed from the backend: made for an object this store deleted.
     pub removed: Vec<String>,
     /// Orphans left alone and reported: marked by another store, by this store for an object
@@ -276,6 +281,22 @@ async fn check_vm(
             report.exited.push(vm.metadata.name.clone());
         }
     }
+    let degraded_here = info
+        .filter(|i| i.state == PowerState::Running)
+        .and_then(|i| i.degraded.as_deref());
+    if settled && runs(&vm) && degraded_here.is_some() && !marked_degraded(&vm) {
+        // Its controller may be repairing it (under the lock) right now.
+        let Some((guard, mut cur, now)) = recheck(ctx, &vm.metadata.name).await? else {
+            return Ok(());
+        };
+        if let Some(why) = now.and_then(|i| i.degraded).filter(|_| runs(&cur)) {
+            _held = Some(guard);
+            mark_degraded(ctx, &mut cur, &why).await;
+            vm = cur;
+            changed = true;
+            report.degraded.push(vm.metadata.name.clone());
+        }
+    }
     if changed {
         match ctx.store.update_status_as(&vm).await {
             Ok(_)
@@ -328,6 +349,30 @@ fn mark_exited(vm: &mut Vm) {
         generation,
     );
     vm.status.printable_status = Some("Exited".into());
+}
+
+/// Whether `vm` already says it is degraded.
+fn marked_degraded(vm: &Vm) -> bool {
+    vm.status
+        .conditions
+        .get_condition(READY)
+        .is_some_and(|c| c.status == ConditionStatus::False && c.reason == reasons::DEGRADED)
+}
+
+/// A running VM with a part down: `Ready=False` (`Degraded`) and a Warning event. The status
+/// write wakes the Vm controller, which repairs it.
+async fn mark_degraded(ctx: &Ctx, vm: &mut Vm, why: &str) {
+    let generation = vm.metadata.generation;
+    let msg = format!("the VM runs, but {why}; it is being repaired");
+    vm.status.conditions.set_condition(
+        READY,
+        ConditionStatus::False,
+        reasons::DEGRADED,
+        &msg,
+        generation,
+    );
+    vm.status.printable_status = Some("Degraded".into());
+    ctx.event(&*vm, EventType::Warning, "Degraded", &msg).await;
 }
 
 /// A ready image the backend no longer has: `Lost`.

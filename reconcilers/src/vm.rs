@@ -150,8 +150,29 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     match (vm.spec.run_strategy, info.state) {
         (RunStrategy::Running, PowerState::Stopped) => start(vm, ctx).await,
         (RunStrategy::Stopped, PowerState::Running) => stop(vm, ctx).await,
+        (_, PowerState::Running) if info.degraded.is_some() => repair(vm, &info, ctx).await,
         _ => settle(vm, &info, ctx).await,
     }
+}
+
+/// A running VM with a part down (qemu: its network helper died): bring that part back
+/// without restarting the guest. `settle` then probes it again (ssh with the pinned key)
+/// before it is `Ready` again.
+async fn repair(vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
+    let why = info.degraded.as_deref().unwrap_or("a part is down");
+    ctx.backend
+        .repair(&name)
+        .await
+        .map_err(|e| ReconcileError::backend("repair", format!("Vm/{name}"), e))?;
+    ctx.event(
+        &vm,
+        EventType::Normal,
+        "Repaired",
+        &format!("repaired without restarting the guest (it was degraded: {why})"),
+    )
+    .await;
+    Ok(Action::requeue(Duration::ZERO))
 }
 
 /// Say that the spec's disk is smaller than the VM's (a disk cannot shrink): `Resized=False`

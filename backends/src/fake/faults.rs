@@ -50,6 +50,7 @@ pub const STEPS: &[&str] = &[
     "ssh_endpoint",
     "start",
     "stop",
+    "repair",
     "resize",
     "remove",
     "remove.done",

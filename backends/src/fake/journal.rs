@@ -25,6 +25,8 @@ pub enum JournalOp {
     Start,
     /// A running VM was stopped.
     Stop,
+    /// A degraded running VM was repaired.
+    Repair,
     /// A VM's size changed.
     Resize,
     /// A VM (complete or partial) was removed by `remove`.

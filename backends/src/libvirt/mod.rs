@@ -1102,6 +1102,7 @@ impl Inner {
                 .filter(|a| self.pin_address(d, a))
                 .map(|a| format!("{a}:22")),
             disk_used_bytes: Some(used),
+            degraded: None,
         })
     }
 

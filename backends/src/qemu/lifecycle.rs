@@ -177,6 +177,49 @@ impl Inner {
         Ok(())
     }
 
+    /// Why the running VM `name` (its QEMU `qemu`) has no network: that QEMU was started on
+    /// a `boxery-net` (its netdev names the VM's `net.sock`) and no helper of this VM runs.
+    /// `None` when one does, or when the VM is on QEMU's own network.
+    pub(super) fn net_down(&self, name: &str, qemu: i32) -> Option<String> {
+        let sock = self.layout.vm_net_sock(name);
+        if !process::names_path(qemu, &sock) {
+            return None;
+        }
+        let helper = process::read_pid(&self.layout.vm_net_pidfile(name));
+        if helper.is_some_and(|p| super::net::is_our_helper(p, &self.vm_dir(name))) {
+            return None;
+        }
+        Some("its network helper (boxery-net) is not running, so the guest has no network".into())
+    }
+
+    /// Start the network helper of a running VM whose helper died (lock held): QEMU's stream
+    /// netdev reconnects to the new one within a fraction of a second; connections that went
+    /// through the old one (an ssh session) are lost, the guest keeps running.
+    pub(super) async fn restart_net(&self, cfg: &VmConfig) -> Result<()> {
+        let name = &cfg.name;
+        let Some(qemu) = self.pid(name) else {
+            return Ok(());
+        };
+        if self.net_down(name, qemu).is_none() {
+            return Ok(());
+        }
+        let step = || format!("start the network of VM {name} again");
+        let Some(bin) = &self.config.net else {
+            return Err(BackendError::failed(
+                step(),
+                "this control plane runs without boxery-net (BOXERY_NET=off, or the binary is not beside boxery): build it (cargo build --release -p boxery-net) or stop and start the VM to put it on QEMU's own network",
+            ));
+        };
+        let pid = super::net::start(bin, &self.net_spec(name, cfg.port), Duration::from_secs(10))
+            .await
+            .map_err(|e| BackendError::failed(step(), e))?;
+        info!(
+            vm = name.as_str(),
+            pid, qemu, "boxery-net started again under the running VM"
+        );
+        Ok(())
+    }
+
     /// End the VM's `boxery-net`, if one runs (it ends by itself once QEMU has; this makes
     /// it now, before the VM's directory changes).
     pub(super) async fn stop_net(&self, name: &str) {

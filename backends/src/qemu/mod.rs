@@ -366,8 +366,10 @@ impl Backend for QemuBackend {
             // its disk is gone: it is Lost to the reconciler
             return Ok(None);
         }
-        let running = inner.pid(name).is_some();
+        let pid = inner.pid(name);
+        let running = pid.is_some();
         Ok(Some(VmInfo {
+            degraded: pid.and_then(|p| inner.net_down(name, p)),
             name: cfg.name.clone(),
             mark: Some(cfg.mark.clone()),
             state: if running {
@@ -431,6 +433,16 @@ impl Backend for QemuBackend {
             .load_vm(name)?
             .ok_or_else(|| not_found(format!("VM {name}")))?;
         inner.boot(&cfg).await
+    }
+
+    async fn repair(&self, name: &str) -> Result<()> {
+        let inner = &self.inner;
+        inner.check_name("VM", name)?;
+        let _lock = inner.lock_vm(name).await?;
+        let cfg = inner
+            .load_vm(name)?
+            .ok_or_else(|| not_found(format!("VM {name}")))?;
+        inner.restart_net(&cfg).await
     }
 
     async fn stop(&self, name: &str) -> Result<()> {

@@ -10,9 +10,10 @@
 //! Its life follows QEMU's: started just before QEMU (ready once its pidfile names it), it
 //! ends by itself within a second of the exit of the QEMU named in `qemu.pid`, however that
 //! QEMU ended; `stop` ends it at once (shutdown, destroy, a failed launch). A control-plane
-//! restart leaves both running. A helper that dies while its QEMU runs leaves the guest
-//! without network until the VM is started again (QEMU reconnects to a new helper on the same
-//! socket within a fraction of a second).
+//! restart leaves both running. A helper that dies while its QEMU runs is drift like any
+//! other: `get` reports the VM degraded, and `repair` starts a new helper on the same socket,
+//! to which QEMU reconnects within a fraction of a second (the guest keeps running; the
+//! connections through the old helper are lost).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -430,20 +430,34 @@ pub fn is_our_qemu(pid: i32, dir: &Path) -> bool {
 /// line names a path in `dir` (how a process is told to be this VM's, not another's that
 /// took its PID).
 pub fn runs_for(pid: i32, dir: &Path, exe: impl Fn(&str) -> bool) -> bool {
-    let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+    let Some(args) = cmdline(pid) else {
         return false;
     };
-    // a zombie has an empty cmdline
-    let mut args = raw.split(|b| *b == 0).filter(|a| !a.is_empty());
-    let Some(argv0) = args.next() else {
-        return false;
-    };
-    let argv0 = String::from_utf8_lossy(argv0);
-    if !exe(argv0.rsplit('/').next().unwrap_or(&argv0)) {
+    let argv0 = &args[0];
+    if !exe(argv0.rsplit('/').next().unwrap_or(argv0)) {
         return false;
     }
     let needle = format!("{}/", dir.display());
-    args.any(|a| String::from_utf8_lossy(a).contains(&needle))
+    args[1..].iter().any(|a| a.contains(&needle))
+}
+
+/// Whether an argument of live process `pid` names `path` (a QEMU's netdev naming the
+/// VM's `net.sock`, say).
+pub fn names_path(pid: i32, path: &Path) -> bool {
+    let needle = path.display().to_string();
+    cmdline(pid).is_some_and(|args| args[1..].iter().any(|a| a.contains(&needle)))
+}
+
+/// The arguments of live process `pid`, its program first; `None` when it is gone or a
+/// zombie (whose cmdline is empty).
+fn cmdline(pid: i32) -> Option<Vec<String>> {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let args: Vec<String> = raw
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    (!args.is_empty()).then_some(args)
 }
 
 /// The PID of the VM's running QEMU, from its pidfile, when that process is alive and ours.
