@@ -1623,15 +1623,7 @@ fn network_helper_repaired() {
     let h = RealHome::new(Kind::Qemu);
     let serve = h.serve_args(&["--inventory-every", "1s"], &[]);
     serve.wait_leading();
-    let f = h.home.write("vm.yaml", &tiny_vm("n1"));
-    h.ok(&[
-        "apply",
-        "-f",
-        f.to_str().unwrap(),
-        "--wait",
-        "--timeout",
-        "10m",
-    ]);
+    h.apply_file(&h.home.write("vm.yaml", &tiny_vm("n1")), "10m");
     let boot_id = "cat /proc/sys/kernel/random/boot_id";
     let boot = h.run("n1", boot_id);
     let pidfile = h.qemu_dir().join("vms/n1/net.pid");

@@ -207,6 +207,16 @@ impl Inner {
         )))
     }
 
+    /// VM `name`'s lock, held, and its configuration (`NotFound` when it has none).
+    async fn locked(&self, name: &str) -> Result<(FileLock, VmConfig)> {
+        self.check_name("VM", name)?;
+        let lock = self.lock_vm(name).await?;
+        let cfg = self
+            .load_vm(name)?
+            .ok_or_else(|| not_found(format!("VM {name}")))?;
+        Ok((lock, cfg))
+    }
+
     async fn lock_vm(&self, name: &str) -> Result<FileLock> {
         self.ensure_layout()?;
         self.storage.lock(&format!("vm-{name}")).await
@@ -426,23 +436,13 @@ impl Backend for QemuBackend {
     }
 
     async fn start(&self, name: &str) -> Result<()> {
-        let inner = &self.inner;
-        inner.check_name("VM", name)?;
-        let _lock = inner.lock_vm(name).await?;
-        let cfg = inner
-            .load_vm(name)?
-            .ok_or_else(|| not_found(format!("VM {name}")))?;
-        inner.boot(&cfg).await
+        let (_lock, cfg) = self.inner.locked(name).await?;
+        self.inner.boot(&cfg).await
     }
 
     async fn repair(&self, name: &str) -> Result<()> {
-        let inner = &self.inner;
-        inner.check_name("VM", name)?;
-        let _lock = inner.lock_vm(name).await?;
-        let cfg = inner
-            .load_vm(name)?
-            .ok_or_else(|| not_found(format!("VM {name}")))?;
-        inner.restart_net(&cfg).await
+        let (_lock, cfg) = self.inner.locked(name).await?;
+        self.inner.restart_net(&cfg).await
     }
 
     async fn stop(&self, name: &str) -> Result<()> {
