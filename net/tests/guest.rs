@@ -36,7 +36,6 @@ impl Proc {
         self.child.id()
     }
 
-    /// Whether it still runs (reaps it if not).
     /// Its exit status, once it exits within `timeout` (else a panic saying `when`).
     fn exit_within(&mut self, timeout: Duration, when: impl Fn() -> String) -> ExitStatus {
         let t = Instant::now();
@@ -53,6 +52,7 @@ impl Proc {
             thread::sleep(Duration::from_millis(20));
         }
     }
+    /// Whether it still runs (reaps it if not).
     fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }

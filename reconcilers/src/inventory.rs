@@ -281,10 +281,9 @@ async fn check_vm(
             report.exited.push(vm.metadata.name.clone());
         }
     }
-    let degraded_here = info
-        .filter(|i| i.state == PowerState::Running)
-        .and_then(|i| i.degraded.as_deref());
-    if settled && runs(&vm) && degraded_here.is_some() && !marked_degraded(&vm) {
+    let degraded_here =
+        info.is_some_and(|i| i.state == PowerState::Running && i.degraded.is_some());
+    if settled && runs(&vm) && degraded_here && !marked_degraded(&vm) {
         // Its controller may be repairing it (under the lock) right now.
         let Some((guard, mut cur, now)) = recheck(ctx, &vm.metadata.name).await? else {
             return Ok(());
