@@ -319,7 +319,7 @@ pub fn tools() -> &'static [Tool] {
             ),
             tool(
                 "vm_grant",
-                "Ask for a credential for a VM (default: this session's VM) or a lease's VM: request (grant: llm:PROVIDER, http:HOST with header, github:OWNER/REPO, env:NAME or file:PATH; and where the control plane reads the value: from_env, from_file or from_command — never the value itself), list, revoke. A request is PendingApproval and NOT in force until a person approves it: in this MCP client when it supports elicitation (the person is asked; this call waits for the answer, at most 10 minutes), else by running `boxery grant approve NAME` in a terminal. No tool argument can approve. Applied grants are recorded for boxery's credential proxy, which does not run yet in this version: nothing reaches the VM yet.",
+                "Ask for a credential for a VM (default: this session's VM) or a lease's VM: request (grant: llm:PROVIDER, http:HOST with header, github:OWNER/REPO, env:NAME or file:PATH; and where the control plane reads the value: from_env, from_file or from_command — never the value itself), list, revoke. A request is PendingApproval and NOT in force until a person approves it: in this MCP client when it supports elicitation (the person is asked; this call waits for the answer, at most 10 minutes), else by running `boxery grant approve NAME` in a terminal. No tool argument can approve. Once Applied, the control plane's credential proxy adds the real value to the VM's llm, http and github calls (the value never enters the VM), and env and file grants are pushed into the VM's tmpfs (/run/boxery).",
                 destructive,
                 CliSide::Commands(&["grant"]),
                 grant::grant,
