@@ -346,6 +346,9 @@ fn the_python_client_lists_watches_creates_and_patches() {
         "create again: 409",
         "bad patch: 422",
         "watch live: label seen",
+        "delete dry run: kept",
+        "delete stale preconditions: 409",
+        "delete unsupported options: 422",
         "delete: py1",
     ] {
         assert!(out.contains(line), "{out}");
@@ -682,4 +685,127 @@ fn a_context_drives_another_home_with_boxerys_own_verbs() {
         "{}",
         err_of(&o)
     );
+}
+
+/// A request with the full token (curl over HTTPS with the home's CA): the answer's JSON.
+fn call(api: &Api, method: &str, path: &str, body: Option<&str>) -> serde_json::Value {
+    let addr = std::fs::read_to_string(api.home.path().join("api/addr")).unwrap();
+    let token = token_of(&std::fs::read_to_string(&api.kubeconfig).unwrap());
+    let mut c = Command::new("curl");
+    c.args([
+        "-s",
+        "-X",
+        method,
+        "--cacert",
+        api.home.path().join("api/ca.crt").to_str().unwrap(),
+        "-H",
+        &format!("Authorization: Bearer {token}"),
+    ]);
+    if let Some(b) = body {
+        c.args(["-H", "Content-Type: application/json", "--data-binary", b]);
+    }
+    let o = c
+        .arg(format!("https://{}{path}", addr.trim()))
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&o.stdout);
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path}: {e}: {text}"))
+}
+
+/// The names `kubectl get vms -o name` lists.
+fn vm_names(api: &Api) -> Vec<String> {
+    api.k(&["get", "vms", "-o", "name"])
+        .lines()
+        .map(|l| l.trim_start_matches("vm.boxery.dev/").to_string())
+        .collect()
+}
+
+/// kubectl's delete options travel in a DeleteOptions body: a server dry run (of a delete, of
+/// `--all`, of apply's prune) deletes nothing; stale preconditions are a 409; what boxery
+/// cannot carry out (orphaning, a grace period) is refused, naming what is served.
+#[test]
+fn delete_options_in_the_body_are_honoured() {
+    let api = Api::start();
+    for n in ["d1", "d2"] {
+        let f = api.home.write(&format!("{n}.yaml"), &vm(n, 1));
+        api.k(&["apply", "-f", f.to_str().unwrap()]);
+    }
+    let both = vec!["d1".to_string(), "d2".to_string()];
+    let out = api.k(&["delete", "vm", "d1", "--dry-run=server"]);
+    assert!(out.contains("server dry run"), "{out}");
+    let out = api.k(&["delete", "vms", "--all", "--dry-run=server"]);
+    assert!(out.contains("d2") && out.contains("server dry run"), "{out}");
+    assert_eq!(vm_names(&api), both, "a server dry run deleted");
+    // apply --prune --dry-run=server: d2 would be pruned, and is not
+    let d1 = api.home.path().join("d1.yaml");
+    let out = api.k(&[
+        "apply",
+        "--prune",
+        "-l",
+        "team=a",
+        "--prune-allowlist=boxery.dev/v1alpha1/Vm",
+        "--dry-run=server",
+        "-f",
+        d1.to_str().unwrap(),
+    ]);
+    assert!(out.contains("d2 pruned (server dry run)"), "{out}");
+    assert_eq!(vm_names(&api), both, "a server dry run pruned");
+    // a deletecollection with a dry run in its body
+    let listed = call(
+        &api,
+        "DELETE",
+        "/apis/boxery.dev/v1alpha1/vms",
+        Some(r#"{"kind":"DeleteOptions","apiVersion":"v1","dryRun":["All"]}"#),
+    );
+    assert_eq!(listed["items"].as_array().map(Vec::len), Some(2), "{listed}");
+    assert_eq!(vm_names(&api), both, "a dry-run deletecollection deleted");
+
+    // preconditions: a stale resourceVersion or another uid is a 409, and nothing is deleted
+    let cur = call(&api, "GET", "/apis/boxery.dev/v1alpha1/vms/d1", None);
+    let uid = cur["metadata"]["uid"].as_str().unwrap().to_string();
+    for pre in [
+        r#"{"resourceVersion":"1"}"#.to_string(),
+        format!(r#"{{"uid":"{uid}x"}}"#),
+    ] {
+        let s = call(
+            &api,
+            "DELETE",
+            "/apis/boxery.dev/v1alpha1/vms/d1",
+            Some(&format!(r#"{{"preconditions":{pre}}}"#)),
+        );
+        assert_eq!(s["code"], 409, "{pre}: {s}");
+        assert!(
+            s["message"]
+                .as_str()
+                .unwrap()
+                .contains("Precondition failed"),
+            "{s}"
+        );
+    }
+    assert_eq!(vm_names(&api), both, "a stale precondition deleted");
+
+    // what boxery cannot do is refused, saying what it can
+    for (args, says) in [
+        (vec!["delete", "vm", "d1", "--cascade=orphan"], "cannot orphan"),
+        (vec!["delete", "vm", "d1", "--grace-period=30"], "only 0 or 1"),
+        (vec!["delete", "vms", "--all", "--cascade=orphan"], "cannot orphan"),
+    ] {
+        let e = api.k_err(&args);
+        assert!(e.contains(says) && e.contains("not supported"), "{args:?}: {e}");
+    }
+    assert_eq!(vm_names(&api), both, "a refused delete deleted");
+
+    // and what it can is done: the right uid, foreground, now
+    let s = call(
+        &api,
+        "DELETE",
+        "/apis/boxery.dev/v1alpha1/vms/d1",
+        Some(&format!(
+            r#"{{"preconditions":{{"uid":"{uid}"}},"propagationPolicy":"Foreground"}}"#
+        )),
+    );
+    assert!(s["code"].is_null(), "{s}");
+    api.k(&["delete", "vm", "d2", "--now", "--wait", "--timeout=60s"]);
+    api.k(&["wait", "--for=delete", "vm/d1", "--timeout=60s"]);
+    assert!(vm_names(&api).is_empty());
 }

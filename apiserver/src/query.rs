@@ -33,6 +33,12 @@ pub struct Params {
     pub force: Option<String>,
     /// `includeObject` of a Table request (`None`, `Metadata`, `Object`).
     pub include_object: Option<String>,
+    /// `propagationPolicy` of a delete (also in a DeleteOptions body: [`crate::options`]).
+    pub propagation_policy: Option<String>,
+    /// `gracePeriodSeconds` of a delete.
+    pub grace_period_seconds: Option<String>,
+    /// `orphanDependents` of a delete (deprecated: propagationPolicy).
+    pub orphan_dependents: Option<String>,
 }
 
 fn truthy(v: &Option<String>) -> bool {

@@ -490,6 +490,14 @@ pub async fn patch(c: Call, Path((plural, name)): Path<(String, String)>, body: 
             )));
         }
     };
+    if p.force.is_some() {
+        // as the Kubernetes API: force takes fields over in an apply, and means nothing else
+        return Err(Failure::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Invalid",
+            "force is for server-side apply only (Content-Type application/apply-patch+yaml, kubectl apply --server-side --force-conflicts): drop it from this patch",
+        ));
+    }
     scope::allow(&sh, &caller, Access::Write, info, Some(&name)).await?;
     let text = without_status(ty, &body)?;
     let dry = if dry { DryRun::Server } else { DryRun::None };
@@ -520,18 +528,22 @@ fn without_status(ty: PatchType, body: &Bytes) -> Result<String, Failure> {
 }
 
 /// DELETE of one object: gone (a success Status), or marked while its finalizers run (the
-/// object, with its deletionTimestamp).
-pub async fn delete(c: Call, Path((plural, name)): Path<(String, String)>) -> Reply {
+/// object, with its deletionTimestamp). Its options come from the query and the
+/// `DeleteOptions` body ([`crate::options`]): a dry run writes nothing, stale preconditions
+/// are a 409.
+pub async fn delete(c: Call, Path((plural, name)): Path<(String, String)>, body: Bytes) -> Reply {
     let (sh, caller, p, headers) = (c.sh, c.caller, c.p, c.headers);
     let info = kind_of(&plural)?;
     writable(info)?;
     scope::allow(&sh, &caller, Access::Delete, info, Some(&name)).await?;
+    let opts = crate::options::delete_options(&p, &body)?;
     let v = verbs_for(&sh, &caller, &p, &headers)?;
     let key = ObjectRef::new(info.kind, &name);
     let Some(before) = v.store().get(&key).await? else {
         return Err(Failure::not_found(info.plural, &name));
     };
-    if p.dry()? {
+    opts.check(&before, info.plural)?;
+    if opts.dry {
         return Ok(object_reply(StatusCode::OK, before));
     }
     match boxery_verbs::objects::delete(&v, info, std::slice::from_ref(&name))
@@ -552,13 +564,22 @@ pub async fn delete(c: Call, Path((plural, name)): Path<(String, String)>) -> Re
     }
 }
 
-/// DELETE of a collection: every object matching the selectors.
-pub async fn delete_collection(c: Call, Path(plural): Path<String>) -> Reply {
+/// DELETE of a collection: every object matching the selectors, with the options of
+/// [`delete`] (preconditions name one object: refused here).
+pub async fn delete_collection(c: Call, Path(plural): Path<String>, body: Bytes) -> Reply {
     let (sh, caller, p, headers) = (c.sh, c.caller, c.p, c.headers);
     let info = kind_of(&plural)?;
     writable(info)?;
     scope::allow(&sh, &caller, Access::Delete, info, None).await?;
-    let dry = p.dry()?;
+    let opts = crate::options::delete_options(&p, &body)?;
+    if opts.has_preconditions() {
+        return Err(Failure::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Invalid",
+            "preconditions name one object (its uid, its resourceVersion): delete it by name",
+        ));
+    }
+    let dry = opts.dry;
     let (objs, rev) = read_list(&sh, &caller, info, &p.labels()?, &p.fields()?).await?;
     let v = verbs_for(&sh, &caller, &p, &headers)?;
     let names: Vec<String> = objs.iter().map(|o| o.metadata.name.clone()).collect();

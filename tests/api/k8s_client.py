@@ -79,7 +79,32 @@ def main():
     assert got.is_set(), "the live change did not arrive"
     print("watch live: label seen")
 
-    api.delete_cluster_custom_object(G, V, P, "py1")
+    # DeleteOptions in the body, as the client sends them: a dry run deletes nothing, stale
+    # preconditions are a 409, an option boxery cannot carry out is refused
+    cur = api.get_cluster_custom_object(G, V, P, "py1")
+    api.delete_cluster_custom_object(G, V, P, "py1", body=client.V1DeleteOptions(dry_run=["All"]))
+    api.delete_cluster_custom_object(G, V, P, "py1", dry_run="All")
+    assert api.get_cluster_custom_object(G, V, P, "py1")["metadata"]["uid"] == cur["metadata"]["uid"]
+    print("delete dry run: kept")
+    for pre in [client.V1Preconditions(resource_version="1"), client.V1Preconditions(uid="not-its-uid")]:
+        try:
+            api.delete_cluster_custom_object(G, V, P, "py1", body=client.V1DeleteOptions(preconditions=pre))
+            raise SystemExit(f"a delete with stale preconditions {pre} was not refused")
+        except ApiException as e:
+            assert e.status == 409 and "Precondition failed" in e.body, (e.status, e.body)
+    print("delete stale preconditions: 409")
+    for kw in [{"propagation_policy": "Orphan"}, {"body": client.V1DeleteOptions(propagation_policy="Orphan")},
+               {"grace_period_seconds": 30}]:
+        try:
+            api.delete_cluster_custom_object(G, V, P, "py1", **kw)
+            raise SystemExit(f"a delete with {kw} was not refused")
+        except ApiException as e:
+            assert e.status == 422 and "not supported" in e.body, (e.status, e.body)
+    print("delete unsupported options: 422")
+
+    # (the uid alone: the controllers may write the status, and so the resourceVersion, meanwhile)
+    api.delete_cluster_custom_object(G, V, P, "py1", body=client.V1DeleteOptions(
+        preconditions=client.V1Preconditions(uid=cur["metadata"]["uid"]), propagation_policy="Foreground"))
     print("delete: py1")
 
 
