@@ -274,6 +274,147 @@ fn a_repository_is_followed_and_prunes_only_what_it_applied() {
     assert!(stderr(&o).contains("--name"), "{}", stderr(&o));
 }
 
+/// The repro of issue 30: a hand-made VM of the same name as a committed manifest is never
+/// taken in (and so never pruned) unless `--adopt` says so; nor is another source's object.
+#[test]
+fn sync_never_takes_in_what_it_did_not_make() {
+    let home = Home::new();
+    let repo = Repo::new(&home);
+    home.ok(&["new", "handmade"]);
+    let before = vm(&home, "handmade").unwrap();
+    repo.write("handmade.yaml", &vm_yaml("handmade"));
+    repo.write("web.yaml", &vm_yaml("web"));
+    let commit = repo.commit("a manifest named like the hand-made VM");
+    let o = home.run(&["sync", repo.url(), "--name", "lab"]);
+    assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("vm/handmade (made by hand)")
+            && err.contains("boxery.dev/applyset=lab")
+            && err.contains("boxery sync --name lab --adopt")
+            && err.contains("nothing applied"),
+        "{err}"
+    );
+    // Nothing of the revision was applied, the VM is as it was, and the Source says why.
+    assert!(
+        vm(&home, "web").is_none(),
+        "nothing of the revision applied"
+    );
+    let after = vm(&home, "handmade").unwrap();
+    assert_eq!(
+        after.metadata.resource_version,
+        before.metadata.resource_version
+    );
+    assert!(!after.metadata.labels.contains_key("boxery.dev/applyset"));
+    let s = source(&home, "lab");
+    assert_eq!(s.status.phase, SourcePhase::Failed);
+    assert_eq!(
+        s.status.last_attempted_revision.as_deref(),
+        Some(commit.as_str())
+    );
+    assert!(
+        s.status.error.as_deref().unwrap().contains("vm/handmade"),
+        "{:?}",
+        s.status.error
+    );
+    let events = home.ok(&["events", "source", "lab"]);
+    assert!(
+        events.contains("SyncFailed") && events.contains("vm/handmade"),
+        "{events}"
+    );
+
+    // The file goes: the sync applies, and the hand-made VM stays.
+    repo.remove("handmade.yaml");
+    repo.commit("no handmade");
+    let out = home.ok(&["sync", "--name", "lab"]);
+    assert!(!out.contains("handmade"), "{out}");
+    assert!(vm(&home, "handmade").is_some(), "never pruned");
+
+    // Another source's object is refused the same way, naming that source.
+    let other = home.path().join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("web.yaml"), vm_yaml("web")).unwrap();
+    let o = home.run(&["sync", other.to_str().unwrap(), "--name", "other"]);
+    assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("vm/web (applied by source lab)"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        vm(&home, "web").unwrap().metadata.labels["boxery.dev/applyset"],
+        "lab"
+    );
+
+    // Adopted on purpose: the source owns it now, and prunes it when its file goes.
+    repo.write("handmade.yaml", &vm_yaml("handmade"));
+    repo.commit("adopt handmade");
+    let out = home.ok(&["sync", "--name", "lab", "--adopt"]);
+    assert!(out.contains("vm/handmade configured"), "{out}");
+    assert_eq!(
+        vm(&home, "handmade").unwrap().metadata.labels["boxery.dev/applyset"],
+        "lab"
+    );
+    repo.remove("handmade.yaml");
+    repo.commit("drop handmade");
+    let out = home.ok(&["sync", "--name", "lab"]);
+    assert!(out.contains("vm/handmade pruned"), "{out}");
+}
+
+/// `apply --prune -l` has the same rule: an object outside the pruned set (made by hand) is
+/// refused unless `--adopt`, so a later apply never prunes what no apply made.
+#[test]
+fn apply_prune_never_takes_in_what_it_did_not_make() {
+    let home = Home::new();
+    home.ok(&["new", "handmade"]);
+    let labelled = |n: &str| {
+        vm_yaml(n).replacen(
+            &format!("name: {n}"),
+            &format!("name: {n}\n  labels: {{team: web}}"),
+            1,
+        )
+    };
+    let set = home.write(
+        "set.yaml",
+        &format!("{}---\n{}", labelled("web1"), labelled("handmade")),
+    );
+    let set = set.to_str().unwrap();
+    let o = home.run(&["apply", "-f", set, "--prune", "-l", "team=web"]);
+    assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("vm/handmade (made by hand)") && stderr(&o).contains("--adopt"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(vm(&home, "web1").is_none(), "nothing applied");
+    assert!(
+        !vm(&home, "handmade")
+            .unwrap()
+            .metadata
+            .labels
+            .contains_key("team")
+    );
+    // The dry runs say the same.
+    for dry in ["--dry-run=server", "--dry-run=client"] {
+        let o = home.run(&["apply", "-f", set, "--prune", "-l", "team=web", dry]);
+        assert_eq!(o.status.code(), Some(5), "{dry}: {}", stderr(&o));
+    }
+    // Without --prune nothing is pruned later, so plain apply is unchanged; with --adopt it
+    // is taken in, and pruned when it leaves the set.
+    let out = home.ok(&["apply", "-f", set, "--prune", "-l", "team=web", "--adopt"]);
+    assert!(out.contains("vm/handmade configured"), "{out}");
+    let only = home.write("only.yaml", &labelled("web1"));
+    let out = home.ok(&[
+        "apply",
+        "-f",
+        only.to_str().unwrap(),
+        "--prune",
+        "-l",
+        "team=web",
+    ]);
+    assert!(out.contains("vm/handmade pruned"), "{out}");
+}
+
 #[test]
 fn fields_set_by_people_are_theirs_until_forced() {
     let home = Home::new();

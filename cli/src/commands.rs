@@ -93,16 +93,29 @@ pub fn kind_and_name(kind_arg: &str, name: Option<String>) -> CliResult<(String,
     }
 }
 
-/// `apply -f|-k`.
+/// `apply -f|-k`. With prune, an object of the same name outside the pruned set is refused
+/// unless `adopt` ([`objects::outsiders`]).
+#[allow(clippy::too_many_arguments)]
 pub async fn apply(
     v: &Verbs,
     manifests: Vec<boxery_api::codec::Manifest>,
     dry: DryRun,
     output: Option<Format>,
     mut opts: boxery_store::ApplyOptions,
+    adopt: bool,
     wait_for: Option<Duration>,
 ) -> CliResult {
     let objs: Vec<DynObject> = manifests.into_iter().map(|m| m.given).collect();
+    if let (Some(set), false) = (opts.prune.clone(), adopt) {
+        // what prune deletes later is what this set holds: never take in what others made
+        let outsiders = objects::outsiders(v, &objs, &set, &opts).await?;
+        objects::refuse_outsiders(
+            "apply --prune",
+            "the set this --prune -l selects (objects an apply made, matching -l)",
+            &outsiders,
+            "--adopt",
+        )?;
+    }
     let (lines, objects, waits) = if dry == DryRun::Client {
         client_dry_run(v, objs, &opts).await?
     } else {

@@ -164,6 +164,11 @@ enum Command {
         /// Label selector for --prune.
         #[arg(short = 'l', long = "selector")]
         selector: Option<String>,
+        /// With --prune: take objects of the same name that exist outside the pruned set
+        /// (made by hand, or by an apply outside -l) into it; without it, such an object fails
+        /// the apply (exit 5), since a later `apply --prune` would delete what no apply made.
+        #[arg(long, requires = "prune")]
+        adopt: bool,
         #[command(flatten)]
         wait: WaitArgs,
     },
@@ -1074,6 +1079,7 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
             ownership,
             prune,
             selector,
+            adopt,
             wait,
         } => {
             let prune = if prune { selector.as_deref() } else { None };
@@ -1083,7 +1089,7 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
             let (dry, output) = (written.dry(), written.format());
             let manifests = manifests::read_sources(&sources.files, &sources.kustomize)?;
             let opts = ownership.options(prune);
-            commands::apply(v, manifests, dry, output, opts, wait.wait_for()).await?;
+            commands::apply(v, manifests, dry, output, opts, adopt, wait.wait_for()).await?;
         }
         Command::Get {
             kind,

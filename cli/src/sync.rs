@@ -67,6 +67,11 @@ pub struct SyncArgs {
     /// without it, such an object stays until its lease ends.
     #[arg(long)]
     pub force: bool,
+    /// Take objects of the same name made outside this source (by hand, by `boxery apply`,
+    /// by another source) into its apply set, so that the source owns them and prunes them
+    /// when their files go. Without it, such an object fails the sync (exit 5).
+    #[arg(long)]
+    pub adopt: bool,
 }
 
 /// `--type`.
@@ -84,6 +89,7 @@ pub async fn sync(v: &Verbs, args: SyncArgs) -> CliResult {
     let force = sync::Force {
         conflicts: args.force_conflicts,
         leases: args.force,
+        adopt: args.adopt,
     };
     if !args.watch {
         return once(v, &source, force, true).await.map(drop);

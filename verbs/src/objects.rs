@@ -203,6 +203,109 @@ pub async fn apply(v: &Verbs, objs: Vec<DynObject>, mut opts: ApplyOptions) -> R
     })
 }
 
+/// An object that applying a set would take in from outside it: it exists, is not a member of
+/// the set (a member matches the set's selector and carries a last-applied record, which is
+/// what prune deletes), and would be one once applied. Prune would later delete what someone
+/// else made, so an apply set refuses it unless told to adopt it.
+#[derive(Debug, Clone)]
+pub struct Outsider {
+    /// `vm/handmade`.
+    pub object: String,
+    /// Its `boxery.dev/applyset` label, when another source applied it.
+    pub applyset: Option<String>,
+    /// Whether an apply made it (it has a last-applied record).
+    pub applied: bool,
+}
+
+/// The objects of `objs` that applying them with `opts` would take into the apply set `set`
+/// from outside it ([`Outsider`]), from the store's own dry run (so "would match" is what the
+/// apply's label merge gives). Read before the apply's transaction: an object made in between
+/// is not seen.
+pub async fn outsiders(
+    v: &Verbs,
+    objs: &[DynObject],
+    set: &Selector,
+    opts: &ApplyOptions,
+) -> Result<Vec<Outsider>> {
+    let would = v
+        .store()
+        .apply_all(
+            objs.to_vec(),
+            // forced: a field another manager holds (another source's label) is the apply's
+            // own refusal, after this one
+            &ApplyOptions {
+                dry_run: true,
+                prune: None,
+                force_conflicts: true,
+                ..opts.clone()
+            },
+        )
+        .await
+        .map_err(|e| refused(v, e))?;
+    let mut out = Vec::new();
+    for (action, after) in &would {
+        if *action == ApplyAction::Created || !set.matches(&after.metadata.labels) {
+            continue;
+        }
+        let Some(live) = v.store().get(&ObjectRef::to(after)).await? else {
+            continue;
+        };
+        let applied = live
+            .metadata
+            .annotations
+            .contains_key(boxery_store::LAST_APPLIED);
+        if applied && set.matches(&live.metadata.labels) {
+            continue;
+        }
+        let singular = lookup_kind(&live.kind).map_or("object", |k| k.singular);
+        out.push(Outsider {
+            object: format!("{singular}/{}", live.metadata.name),
+            applyset: live
+                .metadata
+                .labels
+                .get(boxery_api::source::APPLY_SET_LABEL)
+                .cloned(),
+            applied,
+        });
+    }
+    Ok(out)
+}
+
+/// Refuse an apply set that would take in `outsiders`: a conflict naming each, what `who` (the
+/// command) never does, and `adopt_with` (how to take them on purpose).
+pub fn refuse_outsiders(who: &str, set: &str, outsiders: &[Outsider], adopt_with: &str) -> Result {
+    if outsiders.is_empty() {
+        return Ok(());
+    }
+    let each: Vec<String> = outsiders
+        .iter()
+        .take(20)
+        .map(|o| {
+            let whose = match (&o.applyset, o.applied) {
+                (Some(s), _) => format!("applied by source {}", shown(s)),
+                (None, true) => "applied outside this set".to_string(),
+                (None, false) => "made by hand".to_string(),
+            };
+            format!("{} ({whose})", o.object)
+        })
+        .collect();
+    let more = outsiders.len().saturating_sub(each.len());
+    let more = if more > 0 {
+        format!(" and {more} more")
+    } else {
+        String::new()
+    };
+    let (verb, it) = if outsiders.len() == 1 {
+        ("exists", "it")
+    } else {
+        ("exist", "them")
+    };
+    Err(VerbError::conflict(format!(
+        "{}{more} {verb} outside {set}: {who} never takes in an object it did not make, since dropping it from the manifests later would delete it. Rename {it} in the manifests, or take {it} into the set on purpose with {adopt_with}",
+        each.join(", ")
+    )))
+}
+
 /// The store's refusal, kept whole (a front end may name each field: the API's 422 and 409
 /// causes); a field conflict says how to force it in a tool's words.
 fn refused(v: &Verbs, e: StoreError) -> VerbError {

@@ -6,7 +6,9 @@
 //! prunes the members of that set the revision no longer holds, among every kind (never an
 //! object outside the set). A revision that cannot be applied (a bad manifest, a field
 //! conflict) applies nothing; [`record_failure`] says why on the Source, whose `revision`
-//! stays the last one applied. A sync that changes nothing writes nothing, not even the
+//! stays the last one applied. An object of the same name outside the set (made by hand, by
+//! `boxery apply`, by another source) fails the sync unless [`Force::adopt`]: otherwise
+//! removing its file would prune what the source never made. A sync that changes nothing writes nothing, not even the
 //! Source's status.
 
 use boxery_api::source::APPLY_SET_LABEL;
@@ -97,6 +99,10 @@ pub struct Force {
     /// A pruned Pool or Vm that a lease holds goes at once: the lease ends (`Lost`,
     /// `ForceDeleted`) instead of the object waiting for it.
     pub leases: bool,
+    /// Take into the apply set objects of the same name that exist outside it (made by hand,
+    /// by `boxery apply`, by another source). Without it such an object fails the sync: the
+    /// source's prune would later delete what it never made.
+    pub adopt: bool,
 }
 
 /// Apply `objs` (the manifests of `revision`, as written) as `source`'s apply set, then record
@@ -114,9 +120,7 @@ pub async fn apply_revision(
             .labels
             .insert(APPLY_SET_LABEL.into(), name.clone());
     }
-    let selector = format!("{APPLY_SET_LABEL}={name}")
-        .parse()
-        .map_err(|e| VerbError::invalid(format!("source name {name}: {e}")))?;
+    let selector = selector_of(&name)?;
     let opts = ApplyOptions {
         prune: source.spec.prune.then_some(selector),
         prune_all_kinds: true,
@@ -125,7 +129,20 @@ pub async fn apply_revision(
         ..Default::default()
     };
     let count = objs.len();
-    match crate::objects::apply(v, objs, opts).await {
+    let applied = async {
+        if !force.adopt {
+            let set = selector_of(&name)?;
+            let outsiders = crate::objects::outsiders(v, &objs, &set, &opts).await?;
+            crate::objects::refuse_outsiders(
+                "sync",
+                &format!("source {name}'s apply set ({APPLY_SET_LABEL}={name})"),
+                &outsiders,
+                &format!("`boxery sync --name {name} --adopt` (once)"),
+            )?;
+        }
+        crate::objects::apply(v, objs, opts).await
+    };
+    match applied.await {
         Ok(applied) => {
             if force.leases {
                 for (action, o) in &applied.results {
@@ -146,6 +163,13 @@ pub async fn apply_revision(
             Err(e)
         }
     }
+}
+
+/// The selector of source `name`'s apply set.
+fn selector_of(name: &str) -> Result<boxery_api::Selector> {
+    format!("{APPLY_SET_LABEL}={name}")
+        .parse()
+        .map_err(|e| VerbError::invalid(format!("source name {name}: {e}")))
 }
 
 /// Record a sync that applied `synced`: written only when something differs from what the
