@@ -75,22 +75,7 @@ async fn open(
             e.to_string(),
         ));
     }
-    // the address the VM's object holds (written by its backend), never one from the caller
-    let endpoint = vm
-        .status
-        .ssh
-        .as_ref()
-        .and_then(|s| s.endpoint.as_deref())
-        .and_then(|e| e.parse::<std::net::SocketAddr>().ok())
-        .ok_or_else(|| {
-            Failure::new(
-                StatusCode::CONFLICT,
-                "Conflict",
-                format!(
-                    "VM {name} has no ssh endpoint: `boxery describe vm {name}` shows its state"
-                ),
-            )
-        })?;
+    let endpoint = observed_endpoint(sh, &vm).await?;
     let tcp = tokio::time::timeout(DIAL, tokio::net::TcpStream::connect(endpoint))
         .await
         .map_err(|_| unavailable(name, "its sshd did not answer within 10 s"))?
@@ -122,6 +107,46 @@ async fn open(
     r.headers_mut()
         .insert(header::UPGRADE, HeaderValue::from_static(CONNECT_PROTOCOL));
     Ok(r)
+}
+
+/// Where VM `vm`'s sshd is, as its backend observes it now: never an address the caller
+/// names, nor one read from the object alone (a status is the controllers', but the tunnel
+/// does not rest on that: it dials only what the backend reports for the VM made for this
+/// object, and only when the object agrees).
+async fn observed_endpoint(sh: &Shared, vm: &Vm) -> Result<std::net::SocketAddr, Failure> {
+    let name = vm.metadata.name.as_str();
+    let none = |why: &str| {
+        Failure::new(
+            StatusCode::CONFLICT,
+            "Conflict",
+            format!("VM {name} {why}: `boxery describe vm {name}` shows its state"),
+        )
+    };
+    let backend = sh
+        .verbs
+        .env
+        .backend()
+        .map_err(|e| unavailable(name, &e.chain()))?;
+    let info = backend
+        .get(name)
+        .await
+        .map_err(|e| unavailable(name, &e.to_string()))?
+        .filter(|i| {
+            boxery_backends::mark::Mark::is_for(i.mark.as_deref(), vm.metadata.uid.as_deref())
+        })
+        .ok_or_else(|| none("is not in its backend"))?;
+    let seen = info
+        .ssh
+        .as_deref()
+        .and_then(|e| e.parse::<std::net::SocketAddr>().ok())
+        .ok_or_else(|| none("has no ssh endpoint in its backend (is it running?)"))?;
+    let recorded = vm.status.ssh.as_ref().and_then(|s| s.endpoint.as_deref());
+    if recorded != info.ssh.as_deref() {
+        return Err(none(
+            "is not where its object says (its controller has not caught up yet): try again in a moment",
+        ));
+    }
+    Ok(seen)
 }
 
 /// The Vm object `name`, or 404.

@@ -54,8 +54,9 @@ fn manager_name(m: &str) -> bool {
     (1..=128).contains(&m.len()) && m.chars().all(|c| c.is_ascii_graphic())
 }
 
-/// The verbs a caller's writes go through: an agent's lease token speaks as a tool (so an
-/// egress policy may only tighten), a person's token as the CLI; the field manager is the
+/// The verbs a caller's writes go through, under the write rules of [`boxery_store::guard`]:
+/// an agent's lease token speaks as a tool (so an egress policy may only tighten), a person's
+/// token as the CLI; the field manager is the
 /// request's `fieldManager` (422 when malformed), else the client's name from its User-Agent.
 fn verbs_for(
     sh: &Shared,
@@ -63,9 +64,13 @@ fn verbs_for(
     p: &Params,
     headers: &HeaderMap,
 ) -> Result<Verbs, Failure> {
-    let v = match caller.scope {
-        crate::tokens::Scope::Lease(_) => sh.verbs.in_voice(Voice::Tool),
-        _ => sh.verbs.clone(),
+    use boxery_store::guard::Writer;
+    let v = match &caller.scope {
+        crate::tokens::Scope::Lease(l) => sh
+            .verbs
+            .in_voice(Voice::Tool)
+            .guarded(Writer::Lease(l.clone())),
+        _ => sh.verbs.guarded(Writer::Kubernetes),
     };
     if let Some(m) = p.field_manager.as_deref()
         && !manager_name(m)

@@ -1,5 +1,6 @@
-//! What a token's scope lets it do: `read` reads everything, `full` does everything, and
+//! What a token's scope lets it reach: `read` reads everything, `full` does everything, and
 //! `lease:NAME` reaches only its lease and the VM the lease holds, while the lease is Bound.
+//! Which fields a reached object's writer may change is `boxery_store::guard`'s table.
 
 use boxery_api::{KindInfo, Lease, Resource};
 use boxery_store::ObjectStoreExt;
@@ -101,13 +102,15 @@ pub async fn allow(
                 (Access::Read | Access::Write, Some(n)) => {
                     mine.iter().any(|(k, m)| k == info.kind && m == n)
                 }
+                // its own lease: a release
+                (Access::Delete, Some(n)) => info.kind == Lease::INFO.kind && n == l,
                 _ => false,
             };
             if ok {
                 Ok(())
             } else {
                 Err(Failure::forbidden(format!(
-                    "token {} is scoped to lease {l}: it reaches the lease and its VM only, and cannot create or delete objects",
+                    "token {} is scoped to lease {l}: it reaches the lease and its VM only, creates nothing and deletes nothing but its lease (a release); what it may change on them is in docs/api.md",
                     caller.name
                 )))
             }

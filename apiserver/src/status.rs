@@ -155,6 +155,7 @@ impl Failure {
                 f
             }
             StoreError::TooOld { .. } => Failure::new(StatusCode::GONE, "Expired", message),
+            StoreError::Forbidden { .. } => Failure::forbidden(message),
             _ => Failure::new(StatusCode::INTERNAL_SERVER_ERROR, "InternalError", message),
         }
     }

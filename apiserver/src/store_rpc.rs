@@ -3,8 +3,9 @@
 //! (`boxery --context NAME …`, the `boxery-remote` crate). Every
 //! [`ObjectStore`](boxery_store::ObjectStore) method, with the wire form of
 //! [`boxery_store::wire`]; the verbs then run in the caller's process, on this home's store,
-//! with its validation. A full token makes every call, a read token the calls that only read;
-//! a lease token is refused (its reach is the Kubernetes resources and `connect`).
+//! with its validation. A full token makes every call, under the write rules of
+//! [`boxery_store::guard`] ([`Writer::Remote`]); a read token the calls that only read; a
+//! lease token is refused (its reach is the Kubernetes resources and `connect`).
 
 use std::sync::Arc;
 
@@ -13,8 +14,8 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use boxery_api::{Grant, Resource as _};
 use boxery_store::StoreError;
+use boxery_store::guard::{Guarded, Writer};
 use boxery_store::wire::{self, Call, WatchLine, WireError};
 use futures::StreamExt;
 use serde::Deserialize;
@@ -49,6 +50,7 @@ fn code(e: &StoreError) -> StatusCode {
         | StoreError::FieldConflicts { .. } => StatusCode::CONFLICT,
         StoreError::Invalid(_) | StoreError::OwnerGone { .. } => StatusCode::UNPROCESSABLE_ENTITY,
         StoreError::TooOld { .. } => StatusCode::GONE,
+        StoreError::Forbidden { .. } => StatusCode::FORBIDDEN,
         _ => StatusCode::SERVICE_UNAVAILABLE,
     }
 }
@@ -66,18 +68,11 @@ pub async fn call(
     if let Err(f) = allowed(&caller, call.reads_only()) {
         return f.into_response();
     }
-    if let Call::UpdateStatus { obj } = &call
-        && obj.kind == Grant::INFO.kind
-    {
-        // as on the Kubernetes API (no status writes): a bearer token, which an agent may
-        // hold, never decides a grant; a person does, at the VM host's terminal
-        return Failure::forbidden(format!(
-            "grant {} is approved or denied by a person at the VM host's terminal (`boxery grant approve {}` there), never through the API",
-            obj.metadata.name, obj.metadata.name
-        ))
-        .into_response();
-    }
-    match wire::dispatch(sh.verbs.store(), call).await {
+    // every write passes the one table of who may write what (`boxery_store::guard`): a token,
+    // which an agent may hold, never writes status (a grant's approval above all), adopts,
+    // leads or compacts
+    let store = Guarded::new(sh.verbs.store_arc(), Writer::Remote);
+    match wire::dispatch(&store, call).await {
         Ok(v) => crate::resources::json_reply(StatusCode::OK, &v),
         Err(e) => crate::resources::json_reply(
             code(&e),

@@ -846,6 +846,16 @@ async fn resetting(
         // Ask the Vm to reimage from its clean image.
         let at = now();
         let mut v = vm.clone();
+        // and to be its template's again: what a holder changed through its lease token
+        // (size, power, egress, labels) ends with the lease, as its files do
+        if m.created
+            && vm.metadata.annotations.get(TEMPLATE_ANNOTATION) == pass.template.as_ref()
+            && let Some(t) = &pool.spec.template
+        {
+            v.spec = t.spec.clone();
+            v.metadata.labels = t.labels.clone();
+            v.metadata.labels.insert(POOL_LABEL.into(), name.into());
+        }
         v.spec.restore = Some(Restore {
             image: clean_image(&m.name),
             requested_at: at,

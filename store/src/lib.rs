@@ -36,6 +36,7 @@
 mod apply;
 mod compact;
 mod fields;
+pub mod guard;
 mod leader;
 mod object_store;
 mod schema;
@@ -189,6 +190,12 @@ pub enum StoreError {
         applier: String,
         /// Each field, with the manager that set it and both values.
         conflicts: Vec<FieldConflict>,
+    },
+    /// The writer may not make this write ([`guard`]): the message says who may.
+    #[error("{why}")]
+    Forbidden {
+        /// Who may do it instead.
+        why: String,
     },
     /// A watch asked for revisions that were compacted away.
     #[error(

@@ -436,6 +436,9 @@ pub enum WireError {
     Unavailable {
         why: String,
     },
+    Forbidden {
+        why: String,
+    },
 }
 
 impl From<&StoreError> for WireError {
@@ -503,6 +506,7 @@ impl StoreError {
                 floor: *floor,
             },
             StoreError::Unavailable { why } => WireError::Unavailable { why: why.clone() },
+            StoreError::Forbidden { why } => WireError::Forbidden { why: why.clone() },
             _ => return None,
         })
     }
@@ -550,6 +554,7 @@ impl From<WireError> for StoreError {
             },
             WireError::TooOld { requested, floor } => StoreError::TooOld { requested, floor },
             WireError::Unavailable { why } => StoreError::Unavailable { why },
+            WireError::Forbidden { why } => StoreError::Forbidden { why },
         }
     }
 }

@@ -118,7 +118,9 @@ impl VerbError {
     fn kind_of_store(e: &StoreError) -> ErrorKind {
         match e {
             StoreError::NotFound { .. } => ErrorKind::NotFound,
-            StoreError::Invalid(_) | StoreError::AlreadyExists { .. } => ErrorKind::Invalid,
+            StoreError::Invalid(_)
+            | StoreError::AlreadyExists { .. }
+            | StoreError::Forbidden { .. } => ErrorKind::Invalid,
             StoreError::Conflict { .. }
             | StoreError::BeingDeleted { .. }
             | StoreError::FieldConflicts { .. } => ErrorKind::Conflict,

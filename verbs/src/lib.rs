@@ -164,6 +164,15 @@ impl Verbs {
         }
     }
 
+    /// The same verbs, writing for `writer` ([`boxery_store::guard`]): what an API token's
+    /// requests run as.
+    pub fn guarded(&self, writer: boxery_store::guard::Writer) -> Verbs {
+        Verbs {
+            store: Arc::new(boxery_store::guard::Guarded::new(self.store.clone(), writer)),
+            ..self.clone()
+        }
+    }
+
     /// The same verbs, speaking in another voice.
     pub fn in_voice(&self, voice: Voice) -> Verbs {
         Verbs {
