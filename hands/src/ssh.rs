@@ -275,47 +275,88 @@ impl SshDir {
 
     /// The public key line of the ed25519 pair at `key` (and `key.pub`), generated with
     /// `comment` on first use.
+    ///
+    /// Two processes (or threads) on a fresh home (`boxery serve &` and `boxery apply --wait`
+    /// right after it) both find no key: the check and the creation are one step under an
+    /// exclusive lock on `key.lock`, and the check is made again once the lock is held, so
+    /// one of them makes the pair and the other reads it. The pair is generated beside under
+    /// a name of this call's own and renamed into place private half first; a public half
+    /// missing beside a private one (a crash between the two renames) is derived from the
+    /// private key, never made anew, so the two halves always belong together.
     fn keypair(&self, key: &Path, comment: &str) -> Result<String, SshError> {
         let key_err = |source| SshError::Key {
             dir: self.dir.display().to_string(),
             source,
         };
         let pubf = PathBuf::from(format!("{}.pub", key.display()));
-        if let Ok(p) = std::fs::read_to_string(&pubf)
-            && key.exists()
-        {
-            return Ok(p.trim().to_string());
+        let read_pair = || -> Option<String> {
+            let p = std::fs::read_to_string(&pubf).ok()?;
+            (key.exists() && !p.trim().is_empty()).then(|| p.trim().to_string())
+        };
+        if let Some(p) = read_pair() {
+            return Ok(p);
         }
         std::fs::create_dir_all(self.dir.join("cm")).map_err(key_err)?;
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(0o700))
             .map_err(key_err)?;
-        // Generate beside, then rename: two processes racing each keep a complete pair.
-        let tmp = PathBuf::from(format!("{}.tmp{}", key.display(), std::process::id()));
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(PathBuf::from(format!("{}.lock", key.display())))
+            .map_err(key_err)?;
+        lock.lock().map_err(key_err)?;
+        // Made by whoever held the lock before.
+        if let Some(p) = read_pair() {
+            return Ok(p);
+        }
+        let keygen = |args: &[&str], path: &Path| -> Result<Vec<u8>, SshError> {
+            let out = std::process::Command::new("ssh-keygen")
+                .args(args)
+                .arg(path)
+                .stdin(std::process::Stdio::null())
+                .output()
+                .map_err(key_err)?;
+            if !out.status.success() {
+                return Err(key_err(std::io::Error::other(
+                    String::from_utf8_lossy(&out.stderr).trim().to_string(),
+                )));
+            }
+            Ok(out.stdout)
+        };
+        if key.exists() {
+            // The private half without its public one: derive it.
+            let line = keygen(&["-y", "-f"], key)?;
+            let line = String::from_utf8_lossy(&line).trim().to_string();
+            write_atomic(&pubf, &format!("{line} {comment}\n"), 0o644)?;
+            return Ok(read_pair().unwrap_or(line));
+        }
+        // Unique per process and per call (under the lock one call runs at a time, but a
+        // temp file a crashed run left is never reused).
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = PathBuf::from(format!("{}.tmp{}-{seq}", key.display(), std::process::id()));
         let tmp_pub = PathBuf::from(format!("{}.pub", tmp.display()));
         let _ = std::fs::remove_file(&tmp);
         let _ = std::fs::remove_file(&tmp_pub);
-        let out = std::process::Command::new("ssh-keygen")
-            .args(["-q", "-t", "ed25519", "-N", "", "-C", comment, "-f"])
-            .arg(&tmp)
-            .output()
-            .map_err(key_err)?;
-        if !out.status.success() {
-            return Err(key_err(std::io::Error::other(
-                String::from_utf8_lossy(&out.stderr).trim().to_string(),
-            )));
-        }
-        if !key.exists() {
-            std::fs::rename(&tmp, key).map_err(key_err)?;
-            std::fs::rename(&tmp_pub, &pubf).map_err(key_err)?;
-        } else {
+        let made = keygen(
+            &["-q", "-t", "ed25519", "-N", "", "-C", comment, "-f"],
+            &tmp,
+        )
+        .and_then(|_| std::fs::rename(&tmp, key).map_err(key_err))
+        .and_then(|()| std::fs::rename(&tmp_pub, &pubf).map_err(key_err));
+        if made.is_err() {
             let _ = std::fs::remove_file(&tmp);
             let _ = std::fs::remove_file(&tmp_pub);
         }
-        Ok(std::fs::read_to_string(&pubf)
-            .map_err(key_err)?
-            .trim()
-            .to_string())
+        made?;
+        read_pair().ok_or_else(|| {
+            key_err(std::io::Error::other(format!(
+                "{} is empty after it was made",
+                pubf.display()
+            )))
+        })
     }
 
     /// Write VM `t`'s ssh files (its config and known_hosts, and the shared `config` that
@@ -638,6 +679,112 @@ mod tests {
             assert!(d.write(&t).is_err(), "{t:?}");
         }
         assert!(!d.vm_config("a").exists());
+    }
+
+    /// The body of an OpenSSH public key line (its type and key, without the comment).
+    fn key_body(line: &str) -> String {
+        line.split_whitespace()
+            .take(2)
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// Two processes on a fresh home (`boxery serve &` then `boxery apply --wait`, as the
+    /// README's own sequence does), here four processes of eight threads each, all making the
+    /// control plane's key pair at once: one pair is made, everyone gets its public key, and
+    /// that key is the private key's (`ssh-keygen -y`). Before, the halves of two runs could
+    /// end up side by side, and no VM made after could be reached.
+    #[test]
+    fn concurrent_first_uses_make_one_matching_pair() {
+        const CHILD: &str = "BOXERY_TEST_KEYPAIR_HOME";
+        let race = |home: &Path| -> Vec<String> {
+            let barrier = std::sync::Barrier::new(8);
+            std::thread::scope(|s| {
+                let hs: Vec<_> = (0..8)
+                    .map(|_| {
+                        let barrier = &barrier;
+                        s.spawn(move || {
+                            barrier.wait();
+                            SshDir::new(home).public_key().unwrap()
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        };
+        if let Some(home) = std::env::var_os(CHILD) {
+            for line in race(Path::new(&home)) {
+                println!("KEY {line}");
+            }
+            return;
+        }
+        for round in 0..3 {
+            let home = tempfile::tempdir().unwrap();
+            let children: Vec<_> = (0..4)
+                .map(|_| {
+                    std::process::Command::new(std::env::current_exe().unwrap())
+                        .args([
+                            "--exact",
+                            "ssh::tests::concurrent_first_uses_make_one_matching_pair",
+                            "--nocapture",
+                        ])
+                        .env(CHILD, home.path())
+                        .stdout(std::process::Stdio::piped())
+                        .spawn()
+                        .unwrap()
+                })
+                .collect();
+            let mut seen: Vec<String> = race(home.path());
+            for c in children {
+                let out = c.wait_with_output().unwrap();
+                assert!(out.status.success(), "a child failed");
+                let text = String::from_utf8_lossy(&out.stdout).into_owned();
+                let keys: Vec<String> = text
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("KEY ").map(String::from))
+                    .collect();
+                assert_eq!(keys.len(), 8, "{text}");
+                seen.extend(keys);
+            }
+            let d = SshDir::new(home.path());
+            let on_disk = std::fs::read_to_string(format!("{}.pub", d.key().display())).unwrap();
+            let derived = std::process::Command::new("ssh-keygen")
+                .arg("-y")
+                .arg("-f")
+                .arg(d.key())
+                .output()
+                .unwrap();
+            assert!(derived.status.success());
+            let derived = String::from_utf8_lossy(&derived.stdout).into_owned();
+            assert_eq!(
+                key_body(&derived),
+                key_body(&on_disk),
+                "round {round}: the public key is not the private key's"
+            );
+            for k in &seen {
+                assert_eq!(key_body(k), key_body(&on_disk), "round {round}");
+            }
+            let left: Vec<_> = std::fs::read_dir(d.dir())
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .filter(|n| n.to_string_lossy().contains(".tmp"))
+                .collect();
+            assert!(left.is_empty(), "{left:?}");
+        }
+    }
+
+    /// A private key whose public half is missing (a crash between the two renames) gets its
+    /// own public half back, not a new pair.
+    #[test]
+    fn a_missing_public_half_is_derived_not_remade() {
+        let home = tempfile::tempdir().unwrap();
+        let d = SshDir::new(home.path());
+        let first = d.public_key().unwrap();
+        let private = std::fs::read(d.key()).unwrap();
+        std::fs::remove_file(format!("{}.pub", d.key().display())).unwrap();
+        let again = d.public_key().unwrap();
+        assert_eq!(key_body(&again), key_body(&first));
+        assert_eq!(std::fs::read(d.key()).unwrap(), private);
     }
 
     /// Many threads of one process writing the same VM's files: each write is whole (no two
