@@ -343,6 +343,7 @@ fn the_python_client_lists_watches_creates_and_patches() {
         String::from_utf8_lossy(&o.stderr)
     );
     for line in [
+        "version: v1.32",
         "create again: 409",
         "bad patch: 422",
         "watch live: label seen",
@@ -694,6 +695,8 @@ fn call(api: &Api, method: &str, path: &str, body: Option<&str>) -> serde_json::
     let mut c = Command::new("curl");
     c.args([
         "-s",
+        "--max-time",
+        "30",
         "-X",
         method,
         "--cacert",
@@ -734,7 +737,10 @@ fn delete_options_in_the_body_are_honoured() {
     let out = api.k(&["delete", "vm", "d1", "--dry-run=server"]);
     assert!(out.contains("server dry run"), "{out}");
     let out = api.k(&["delete", "vms", "--all", "--dry-run=server"]);
-    assert!(out.contains("d2") && out.contains("server dry run"), "{out}");
+    assert!(
+        out.contains("d2") && out.contains("server dry run"),
+        "{out}"
+    );
     assert_eq!(vm_names(&api), both, "a server dry run deleted");
     // apply --prune --dry-run=server: d2 would be pruned, and is not
     let d1 = api.home.path().join("d1.yaml");
@@ -757,7 +763,11 @@ fn delete_options_in_the_body_are_honoured() {
         "/apis/boxery.dev/v1alpha1/vms",
         Some(r#"{"kind":"DeleteOptions","apiVersion":"v1","dryRun":["All"]}"#),
     );
-    assert_eq!(listed["items"].as_array().map(Vec::len), Some(2), "{listed}");
+    assert_eq!(
+        listed["items"].as_array().map(Vec::len),
+        Some(2),
+        "{listed}"
+    );
     assert_eq!(vm_names(&api), both, "a dry-run deletecollection deleted");
 
     // preconditions: a stale resourceVersion or another uid is a 409, and nothing is deleted
@@ -786,12 +796,24 @@ fn delete_options_in_the_body_are_honoured() {
 
     // what boxery cannot do is refused, saying what it can
     for (args, says) in [
-        (vec!["delete", "vm", "d1", "--cascade=orphan"], "cannot orphan"),
-        (vec!["delete", "vm", "d1", "--grace-period=30"], "only 0 or 1"),
-        (vec!["delete", "vms", "--all", "--cascade=orphan"], "cannot orphan"),
+        (
+            vec!["delete", "vm", "d1", "--cascade=orphan"],
+            "cannot orphan",
+        ),
+        (
+            vec!["delete", "vm", "d1", "--grace-period=30"],
+            "only 0 or 1",
+        ),
+        (
+            vec!["delete", "vms", "--all", "--cascade=orphan"],
+            "cannot orphan",
+        ),
     ] {
         let e = api.k_err(&args);
-        assert!(e.contains(says) && e.contains("not supported"), "{args:?}: {e}");
+        assert!(
+            e.contains(says) && e.contains("not supported"),
+            "{args:?}: {e}"
+        );
     }
     assert_eq!(vm_names(&api), both, "a refused delete deleted");
 
@@ -808,4 +830,219 @@ fn delete_options_in_the_body_are_honoured() {
     api.k(&["delete", "vm", "d2", "--now", "--wait", "--timeout=60s"]);
     api.k(&["wait", "--for=delete", "vm/d1", "--timeout=60s"]);
     assert!(vm_names(&api).is_empty());
+}
+
+/// `method` of `path` on the API with `token` (curl, the home's CA): the status and body.
+fn curl_api(
+    api: &Api,
+    token: &str,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    body: &str,
+) -> (u16, String) {
+    let addr = std::fs::read_to_string(api.home.path().join("api/addr")).unwrap();
+    let o = Command::new("curl")
+        .args(["-s", "--max-time", "60", "-X", method, "--cacert"])
+        .arg(api.home.path().join("api/ca.crt"))
+        .args(["-H", &format!("Authorization: Bearer {token}")])
+        .args(["-H", &format!("Content-Type: {content_type}")])
+        .args(["--data-binary", body, "-w", "\n%{http_code}"])
+        .arg(format!("https://{}{path}", addr.trim()))
+        .output()
+        .expect("curl");
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let (body, code) = out.rsplit_once('\n').unwrap_or(("", &out));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// Small input, unbounded work: the reported 3 KB JSON patch from a `lease:` token, whose
+/// `copy` operations double its VM at each step, is refused (422) while it is applied, and
+/// the same `serve` answers the next request; the VM is unchanged.
+#[test]
+fn a_self_copying_patch_from_a_lease_token_is_refused_and_serve_lives() {
+    let api = Api::start();
+    let pool = api.home.write(
+        "pool.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: p}\nspec:\n  replicas: 1\n  template:\n    spec:\n      source: {image: tiny}\n",
+    );
+    api.home.ok(&["apply", "-f", pool.to_str().unwrap()]);
+    api.home
+        .ok(&["lease", "acquire", "p", "--name", "mine", "--wait"]);
+    let held = eventually(Duration::from_secs(60), || {
+        let l: boxery_api::Lease = api.home.store().get_as("mine").ok()??;
+        l.status.vm.clone()
+    })
+    .expect("lease mine holds a VM");
+    let kc = api
+        .home
+        .ok(&["kubeconfig", "--scope", "lease:mine", "--name", "agent"]);
+    let token = token_of(&kc);
+    let ops: Vec<serde_json::Value> = (0..48)
+        .map(|i| {
+            serde_json::json!({"op": "copy", "from": "/metadata", "path": format!("/metadata/labels/x{i}")})
+        })
+        .collect();
+    let patch = serde_json::Value::Array(ops).to_string();
+    assert!(patch.len() < 4096, "{} bytes", patch.len());
+    let vm_path = format!("/apis/boxery.dev/v1alpha1/vms/{held}");
+    let before = api.k(&["get", "vm", &held, "-o", "jsonpath={.metadata}"]);
+    let (code, body) = curl_api(
+        &api,
+        &token,
+        "PATCH",
+        &vm_path,
+        "application/json-patch+json",
+        &patch,
+    );
+    assert_eq!(code, 422, "{body}");
+    assert!(body.contains("at most 1024 KiB"), "{body}");
+    // the same serve answers, with the VM as it was
+    let (code, body) = curl_api(&api, &token, "GET", &vm_path, "application/json", "");
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(
+        api.k(&["get", "vm", &held, "-o", "jsonpath={.metadata}"]),
+        before
+    );
+}
+
+/// Revoking a token ends the watches it holds, on both watch endpoints (the Kubernetes watch
+/// and the store's), within the re-check period, with a last line that says why.
+#[test]
+fn a_revoked_tokens_watches_end() {
+    let api = Api::start();
+    api.home.ok(&["new", "w1"]);
+    let kc = api
+        .home
+        .ok(&["kubeconfig", "--scope", "read", "--name", "watcher"]);
+    let token = token_of(&kc);
+    let addr = std::fs::read_to_string(api.home.path().join("api/addr")).unwrap();
+    let store_watch = Command::new("curl")
+        .args(["-sN", "--max-time", "60", "--cacert"])
+        .arg(api.home.path().join("api/ca.crt"))
+        .args(["-H", &format!("Authorization: Bearer {token}")])
+        .arg(format!(
+            "https://{}/boxery/v1/store/watch?from=0",
+            addr.trim()
+        ))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("curl");
+    let kube_watch = watch_vms(&api, &token, "", 60);
+    let mut streams = Vec::new();
+    for (what, mut child) in [("store", store_watch), ("kubernetes", kube_watch)] {
+        let mut lines =
+            std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+        let first = lines.next().expect("the watch's first line").unwrap();
+        assert!(first.contains("w1"), "{what}: {first}");
+        streams.push((what, child, lines));
+    }
+    let revoked = std::time::Instant::now();
+    api.home.ok(&["kubeconfig", "--revoke", "watcher"]);
+    for (what, mut child, lines) in streams {
+        let rest: Vec<String> = lines.map_while(Result::ok).collect();
+        let _ = child.wait();
+        let took = revoked.elapsed();
+        assert!(
+            took < Duration::from_secs(20),
+            "the {what} watch went on {took:?} after its token was revoked"
+        );
+        let last = rest.last().cloned().unwrap_or_default();
+        assert!(last.contains("revoked"), "{what}: {rest:?}");
+    }
+}
+
+/// Server-side apply owns the fields a manifest names, not the defaults it left out: after
+/// `boxery stop` (runStrategy) and `boxery scale` (replicas), applying the same manifest again
+/// is no conflict and keeps what they set, as `boxery apply` of the same file does.
+#[test]
+fn server_side_apply_owns_only_what_the_manifest_names() {
+    let api = Api::start();
+    let f = api.home.write("s1.yaml", &vm("s1", 1));
+    let f = f.to_str().unwrap();
+    api.k(&["apply", "--server-side", "-f", f]);
+    api.home.ok(&["stop", "s1"]);
+    let out = api.k(&["apply", "--server-side", "-f", f]);
+    assert!(out.contains("serverside-applied"), "{out}");
+    assert_eq!(
+        api.k(&["get", "vm", "s1", "-o", "jsonpath={.spec.runStrategy}"]),
+        "Stopped"
+    );
+    let pool = api.home.write(
+        "p.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: p}\nspec:\n  template:\n    spec:\n      source: {image: tiny}\n",
+    );
+    let pool = pool.to_str().unwrap();
+    api.k(&["apply", "--server-side", "-f", pool]);
+    api.home.ok(&["scale", "pool/p", "--replicas", "1"]);
+    api.k(&["apply", "--server-side", "-f", pool]);
+    assert_eq!(
+        api.k(&["get", "pool", "p", "-o", "jsonpath={.spec.replicas}"]),
+        "1"
+    );
+    // what the manifest does name stays a conflict with whoever set it last
+    let running = api.home.write(
+        "s1r.yaml",
+        &vm("s1", 1).replace("spec:\n", "spec:\n  runStrategy: Running\n"),
+    );
+    let e = api.k_err(&["apply", "--server-side", "-f", running.to_str().unwrap()]);
+    assert!(e.contains("conflict") && e.contains("runStrategy"), "{e}");
+}
+
+/// What the API answers as Kubernetes does: discovery with a trailing slash, a namespace in a
+/// body refused as `boxery apply` refuses it, a watch or list from a revision the store has
+/// not reached answered (504 "Too large resource version") instead of hanging.
+#[test]
+fn discovery_slashes_namespaces_and_revisions_ahead() {
+    let api = Api::start();
+    for (path, key) in [
+        ("/version/", "gitVersion"),
+        ("/apis/", "groups"),
+        ("/api/", "versions"),
+    ] {
+        let v = call(&api, "GET", path, None);
+        assert!(v.get(key).is_some(), "{path}: {v}");
+    }
+    // a namespace: refused by the API and by `boxery apply` alike, naming the field
+    let namespaced = vm("ns1", 1).replace("  name: ns1\n", "  name: ns1\n  namespace: default\n");
+    let f = api.home.write("ns1.yaml", &namespaced);
+    let body = r#"{"apiVersion":"boxery.dev/v1alpha1","kind":"Vm","metadata":{"name":"ns1","namespace":"default"},"spec":{"source":{"image":"tiny"}}}"#;
+    let s = call(&api, "POST", "/apis/boxery.dev/v1alpha1/vms", Some(body));
+    assert_eq!(s["code"], 422, "{s}");
+    assert_eq!(
+        s["details"]["causes"][0]["field"], "metadata.namespace",
+        "{s}"
+    );
+    let o = api.home.run(&["apply", "-f", f.to_str().unwrap()]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && e.contains("namespace"), "{e}");
+    assert!(vm_names(&api).is_empty());
+    // a revision ahead of the store's
+    let now = api.home.store().revision().unwrap();
+    let ahead = now + 1_000_000;
+    for q in [
+        format!("watch=1&resourceVersion={ahead}"),
+        format!("resourceVersion={ahead}"),
+    ] {
+        let started = std::time::Instant::now();
+        let s = call(
+            &api,
+            "GET",
+            &format!("/apis/boxery.dev/v1alpha1/vms?{q}"),
+            None,
+        );
+        assert_eq!(s["code"], 504, "{q}: {s}");
+        assert!(
+            s["message"]
+                .as_str()
+                .unwrap()
+                .contains("Too large resource version"),
+            "{s}"
+        );
+        assert_eq!(
+            s["details"]["causes"][0]["reason"],
+            "ResourceVersionTooLarge"
+        );
+        assert!(started.elapsed() < Duration::from_secs(20), "{q} hung");
+    }
 }

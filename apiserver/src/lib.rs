@@ -201,6 +201,20 @@ pub fn router(sh: Arc<Shared>, mcp: Option<Router>) -> Router {
             "/version",
             get(|| async { json_reply(StatusCode::OK, &discovery::version()) }),
         )
+        // the discovery paths answer with a trailing slash too, as Kubernetes' do (the
+        // Python client's VersionApi asks for `/version/`)
+        .route(
+            "/version/",
+            get(|| async { json_reply(StatusCode::OK, &discovery::version()) }),
+        )
+        .route(
+            "/api/",
+            get(|| async { json_reply(StatusCode::OK, &discovery::core_versions()) }),
+        )
+        .route(
+            "/apis/",
+            get(|| async { json_reply(StatusCode::OK, &discovery::groups()) }),
+        )
         .route(
             "/api",
             get(|| async { json_reply(StatusCode::OK, &discovery::core_versions()) }),

@@ -107,9 +107,10 @@ fn body_value(body: &Bytes) -> Result<Value, Failure> {
         .map_err(|e| Failure::bad_request(format!("the body is not JSON or YAML: {e}")))
 }
 
-/// The object of a create or update: its kind and name must be the path's; `status` is the
-/// controllers' and dropped.
-fn object_in(info: &KindInfo, name: Option<&str>, mut v: Value) -> Result<DynObject, Failure> {
+/// The body of a create, update or apply, checked: its kind and name must be the path's;
+/// `status` is the controllers' and dropped (as is `managedFields`, the server's); a
+/// `metadata.namespace` is refused, as `boxery apply` refuses it.
+fn body_in(info: &KindInfo, name: Option<&str>, mut v: Value) -> Result<Value, Failure> {
     let Some(m) = v.as_object_mut() else {
         return Err(Failure::bad_request("the body is not an object"));
     };
@@ -123,8 +124,16 @@ fn object_in(info: &KindInfo, name: Option<&str>, mut v: Value) -> Result<DynObj
     }
     if let Some(meta) = m.get_mut("metadata").and_then(Value::as_object_mut) {
         meta.remove("managedFields");
-        // cluster-scoped: a namespace a client adds out of habit means nothing here
-        meta.remove("namespace");
+        if meta.contains_key("namespace") {
+            let e = boxery_api::ValidationError {
+                object: format!("{}/{}", info.kind, meta.get("name").and_then(Value::as_str).unwrap_or("")),
+                errors: vec![boxery_api::validate::FieldError::new(
+                    "metadata.namespace",
+                    "boxery's kinds are cluster-scoped (a home has one set of names): remove metadata.namespace".into(),
+                )],
+            };
+            return Err(Failure::from_store(&StoreError::Invalid(e)));
+        }
     }
     if let Some(n) = name
         && v["metadata"]["name"].as_str() != Some(n)
@@ -134,7 +143,29 @@ fn object_in(info: &KindInfo, name: Option<&str>, mut v: Value) -> Result<DynObj
             v["metadata"]["name"]
         )));
     }
+    Ok(v)
+}
+
+/// The object of a create or update, checked and with its defaults.
+fn object_in(info: &KindInfo, name: Option<&str>, v: Value) -> Result<DynObject, Failure> {
+    let v = body_in(info, name, v)?;
     boxery_api::normalize(v).map_err(|e| Failure::from_store(&StoreError::Invalid(e)))
+}
+
+/// The manifest of a server-side apply: checked (with its defaults, as [`object_in`]) but
+/// given as sent, as `boxery apply` gives the store its manifests, so the applier owns the
+/// fields it names and not the defaults it left out (a `runStrategy` `boxery stop` set, a
+/// `replicas` `boxery scale` set).
+fn manifest_in(info: &KindInfo, name: &str, v: Value) -> Result<DynObject, Failure> {
+    let raw = body_in(info, Some(name), v)?;
+    let checked = boxery_api::normalize(raw.clone())
+        .map_err(|e| Failure::from_store(&StoreError::Invalid(e)))?;
+    let mut given: DynObject = serde_json::from_value(raw)
+        .map_err(|e| Failure::bad_request(format!("the manifest: {e}")))?;
+    given.api_version.clone_from(&checked.api_version);
+    given.kind.clone_from(&checked.kind);
+    given.metadata.name.clone_from(&checked.metadata.name);
+    Ok(given)
 }
 
 fn writable(info: &KindInfo) -> Result<(), Failure> {
@@ -260,6 +291,7 @@ pub async fn list(c: Call, Path(plural): Path<String>) -> Reply {
     let (sh, caller, p, include, headers) = (c.sh, c.caller, c.p, c.include, c.headers);
     let info = kind_of(&plural)?;
     scope::allow(&sh, &caller, Access::Read, info, None).await?;
+    not_ahead(&sh, &p).await?;
     if p.is_watch() {
         return crate::watch::serve(sh, caller, info, p, wants_table(&headers), include).await;
     }
@@ -270,6 +302,58 @@ pub async fn list(c: Call, Path(plural): Path<String>) -> Reply {
         return Ok(bytes_reply(StatusCode::OK, t));
     }
     Ok(list_reply(info, rev, &mut objs))
+}
+
+/// How long a list or watch from a revision the store has not reached waits for it, as the
+/// Kubernetes API's watch cache does (`resourceVersionTooHighRetrySeconds`).
+pub const AHEAD_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// A list or watch from a `resourceVersion` ahead of the store's: wait up to [`AHEAD_WAIT`]
+/// for the store to reach it, then answer as the Kubernetes API does, 504 `Timeout` "Too large
+/// resource version" with a `ResourceVersionTooLarge` cause and `retryAfterSeconds`, rather
+/// than a watch that waits, silent, for a revision that may never come.
+async fn not_ahead(sh: &Shared, p: &Params) -> Result<(), Failure> {
+    let Some(want) = p
+        .resource_version
+        .as_deref()
+        .and_then(|rv| rv.parse::<u64>().ok())
+    else {
+        return Ok(());
+    };
+    let store = sh.verbs.store();
+    let now = store.revision().await?;
+    if want <= now {
+        return Ok(());
+    }
+    let mut events = store.watch(None, now);
+    let reached = tokio::time::timeout(AHEAD_WAIT, async {
+        use futures::StreamExt;
+        while let Some(ev) = events.next().await {
+            match ev {
+                Ok((rev, _)) if rev >= want => return true,
+                Ok(_) => {}
+                Err(_) => return false,
+            }
+        }
+        false
+    })
+    .await;
+    if reached == Ok(true) {
+        return Ok(());
+    }
+    let now = store.revision().await.unwrap_or(now);
+    let mut f = Failure::new(
+        StatusCode::GATEWAY_TIMEOUT,
+        "Timeout",
+        format!(
+            "Too large resource version: {want}, current: {now}: the store has not reached that revision (list again, or watch from the list's resourceVersion)"
+        ),
+    );
+    f.details = Some(json!({
+        "causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+        "retryAfterSeconds": 1,
+    }));
+    Err(f)
 }
 
 /// The objects of a kind a caller may see, matching the selectors, and the revision read at.
@@ -452,7 +536,7 @@ pub async fn patch(c: Call, Path((plural, name)): Path<(String, String)>, body: 
                 "fieldManager is required for apply requests",
             ));
         }
-        let obj = object_in(info, Some(&name), body_value(&body)?)?;
+        let obj = manifest_in(info, &name, body_value(&body)?)?;
         let exists = v.store().get(&ObjectRef::to(&obj)).await?.is_some();
         let access = if exists {
             Access::Write

@@ -24,6 +24,8 @@ def vm(name, cpus=1):
 
 def main():
     config.load_kube_config(config_file=sys.argv[1])
+    # VersionApi asks for /version/ (a trailing slash)
+    print("version:", client.VersionApi().get_code().git_version)
     api = client.CustomObjectsApi()
     listed = api.list_cluster_custom_object(G, V, P)
     rv = listed["metadata"]["resourceVersion"]
