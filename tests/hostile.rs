@@ -219,6 +219,9 @@ fn hostile_names_through_mcp_touch_nothing() {
     let mut mcp = Mcp::start(&home);
     let mut names: Vec<String> = HOSTILE.iter().map(|n| n.to_string()).collect();
     names.push(outside);
+    // empty and blank: never "not given" (the default or only VM)
+    names.push(String::new());
+    names.push("  ".into());
     for n in &names {
         let n = n.as_str();
         let calls = [
@@ -274,6 +277,124 @@ fn hostile_names_through_mcp_touch_nothing() {
         .is_empty(),
         "a delete with one bad name deleted the good one"
     );
+}
+
+/// Every tool refuses every argument given as an empty or blank string (or a list holding
+/// one), the name arguments first: the repro was `vm_manage {"action":"rm","vm":""}`
+/// deleting the only VM. Each tool's schema is walked (so a tool or argument added later is
+/// covered), each action of a tool with actions, and the VM is untouched after it all.
+#[test]
+fn empty_names_through_mcp_touch_nothing() {
+    let home = Home::new();
+    home.ok(&["new", "only"]);
+    // what a write would change (the controllers may fill in its status meanwhile)
+    let written = || {
+        let vm: boxery_api::Vm = home.store().get_as("only").unwrap().expect("the VM exists");
+        (
+            vm.metadata.uid.clone(),
+            vm.metadata.generation,
+            vm.metadata.deletion_timestamp.is_some(),
+            serde_json::to_value(&vm.spec).unwrap(),
+        )
+    };
+    let before = written();
+    let mut mcp = Mcp::start(&home);
+    let (err, text) = mcp.call("vm_use", json!({"vm": "only"}));
+    assert!(!err, "{text}");
+    // Text whose emptiness means something (a file written empty, a replacement that
+    // deletes, an argument of a command line); everything else must be refused blank.
+    let may_be_empty = ["content", "new", "from_command"];
+    let tools = mcp.request("tools/list", json!({}));
+    let tools = tools["result"]["tools"].as_array().unwrap().clone();
+    assert!(tools.len() >= 16, "{tools:?}");
+    let mut refused = 0;
+    for t in &tools {
+        let tool = t["name"].as_str().unwrap();
+        let props = t["inputSchema"]["properties"].as_object().unwrap();
+        let actions: Vec<Value> = ["action"]
+            .iter()
+            .filter_map(|_| props.get("action"))
+            .flat_map(|a| enum_values(a, &t["inputSchema"]))
+            .collect();
+        let actions = if actions.is_empty() {
+            vec![Value::Null]
+        } else {
+            actions
+        };
+        for (prop, schema) in props {
+            if may_be_empty.contains(&prop.as_str()) {
+                continue;
+            }
+            let texty = |s: &Value| {
+                let ty = &s["type"];
+                ty == "string"
+                    || ty.as_array().is_some_and(|a| a.contains(&json!("string")))
+                    || s["items"]["type"] == "string"
+                    || s.get("$ref").is_some()
+                    || s.get("anyOf").is_some()
+                    || s.get("oneOf").is_some()
+            };
+            if !texty(schema) {
+                continue;
+            }
+            let list = schema["type"] == "array"
+                || schema["type"]
+                    .as_array()
+                    .is_some_and(|a| a.contains(&json!("array")));
+            for blank in ["", "  "] {
+                let value = if list { json!([blank]) } else { json!(blank) };
+                for action in &actions {
+                    let mut args = json!({prop.as_str(): value});
+                    if !action.is_null() && prop != "action" {
+                        args["action"] = action.clone();
+                    }
+                    let (err, text) = mcp.call(tool, args.clone());
+                    assert!(err, "{tool} {args} succeeded: {text}");
+                    assert!(
+                        text.contains(&format!("`{prop}`")) && text.contains("empty or blank"),
+                        "{tool} {args}: not refused as blank: {text}"
+                    );
+                    refused += 1;
+                }
+            }
+        }
+    }
+    assert!(refused > 100, "only {refused} calls were tried");
+    // The repro, and its kin that destroy or take: none touched the only VM.
+    for args in [
+        json!({"action": "rm", "vm": ""}),
+        json!({"action": "rm", "vm": "  "}),
+        json!({"action": "stop", "vm": ""}),
+        json!({"action": "revert", "vm": "", "label": "x"}),
+    ] {
+        let (err, text) = mcp.call("vm_manage", args.clone());
+        assert!(err, "vm_manage {args} succeeded: {text}");
+    }
+    let (err, text) = mcp.call("vm_delete", json!({"kind": "vm", "names": [""]}));
+    assert!(err, "{text}");
+    assert_eq!(written(), before, "an empty name touched the only VM");
+}
+
+/// The values of an enum property (inline, or behind a `$ref` into `$defs`).
+fn enum_values(prop: &Value, schema: &Value) -> Vec<Value> {
+    let resolved = match prop["$ref"].as_str() {
+        Some(r) => {
+            let name = r.rsplit('/').next().unwrap();
+            schema["$defs"][name].clone()
+        }
+        None => prop.clone(),
+    };
+    if let Some(e) = resolved["enum"].as_array() {
+        return e.clone();
+    }
+    resolved["oneOf"]
+        .as_array()
+        .map(|alts| {
+            alts.iter()
+                .filter_map(|a| a.get("const").or_else(|| a["enum"].get(0)).cloned())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// A lease is released only by its holder session, and releasing one that does not exist

@@ -249,8 +249,41 @@ fn check_args(args: &Value) -> Result<(), ToolError> {
                 )));
             }
         }
+        for (k, v) in m {
+            refuse_blank(k, v)?;
+        }
     }
     Ok(())
+}
+
+/// The arguments whose empty value means something: a file written empty, a replacement that
+/// deletes the text, an argument of a command line.
+const MAY_BE_EMPTY: &[&str] = &["content", "new", "from_command"];
+
+/// Refuse an argument given as an empty or blank string (or a list holding one): an explicit
+/// `""` is never read as "not given" (`vm_manage {action: rm, vm: ""}` would otherwise mean
+/// the default or only VM). Every tool's arguments pass here, whatever the tool.
+fn refuse_blank(k: &str, v: &Value) -> Result<(), ToolError> {
+    if MAY_BE_EMPTY.contains(&k) {
+        return Ok(());
+    }
+    let blank = |v: &Value| v.as_str().is_some_and(|s| s.trim().is_empty());
+    let in_list = v.as_array().is_some_and(|items| items.iter().any(blank));
+    if !blank(v) && !in_list {
+        return Ok(());
+    }
+    let what = if in_list {
+        format!("`{k}` holds an empty or blank name")
+    } else {
+        format!("`{k}` is empty or blank")
+    };
+    let instead = match k {
+        "vm" => "name the VM, or leave `vm` out to mean this session's default VM (vm_use)",
+        _ => "give a value, or leave the argument out",
+    };
+    Err(ToolError::Invalid(format!(
+        "{what}: an empty argument is never taken as one not given; {instead}"
+    )))
 }
 
 /// The table, built once.
@@ -585,7 +618,8 @@ impl Session {
 
     /// Which VM a call means: the explicit one, else the default, else the only VM.
     pub async fn resolve_vm(&self, vm: Option<String>) -> Result<String, ToolError> {
-        if let Some(v) = vm.filter(|v| !v.is_empty()) {
+        if let Some(v) = vm {
+            // an empty name is refused (check_args, and Name here), never the default VM
             return boxery_api::Name::label(&v)
                 .map(boxery_api::Name::into_string)
                 .map_err(|e| ToolError::Invalid(format!("vm: {e}")));
@@ -707,6 +741,26 @@ mod tests {
         let e = check_args(&serde_json::json!({"command": big})).unwrap_err();
         assert!(e.to_string().contains("too large"), "{e}");
         assert!(check_args(&serde_json::json!({"content": "x".repeat(STRING_CAP + 1)})).is_ok());
+    }
+
+    #[test]
+    fn empty_and_blank_arguments_are_refused_for_every_tool() {
+        for blank in ["", "  ", "\t\n"] {
+            for args in [
+                serde_json::json!({"vm": blank}),
+                serde_json::json!({"name": blank, "kind": "vm"}),
+                serde_json::json!({"names": ["ok", blank]}),
+                serde_json::json!({"action": "release", "lease": blank}),
+            ] {
+                let e = check_args(&args).unwrap_err();
+                assert!(matches!(e, ToolError::Invalid(_)), "{args}: {e}");
+                assert!(e.to_string().contains("empty or blank"), "{args}: {e}");
+            }
+        }
+        // What may be empty: a file's content, a replacement, an argument of a command.
+        assert!(check_args(&serde_json::json!({"vm": "a", "path": "/x", "content": ""})).is_ok());
+        assert!(check_args(&serde_json::json!({"old": "x", "new": ""})).is_ok());
+        assert!(check_args(&serde_json::json!({"from_command": ["printf", ""]})).is_ok());
     }
 
     #[test]
