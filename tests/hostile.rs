@@ -800,3 +800,41 @@ fn fork_cycles_say_so() {
     .expect("the cycle is reported");
     assert!(d.contains("ca → cb → ca"), "{d}");
 }
+
+/// A JSON patch of a few KB whose `copy` operations double the object each time (the
+/// reported 3 KB patch that made `boxery mcp` abort with "memory allocation failed").
+fn doubling_patch() -> String {
+    let ops: Vec<Value> = std::iter::once(
+        json!({"op": "add", "path": "/metadata/labels", "value": {}}),
+    )
+    .chain((0..48).map(
+        |i| json!({"op": "copy", "from": "/metadata", "path": format!("/metadata/labels/x{i}")}),
+    ))
+    .collect();
+    Value::Array(ops).to_string()
+}
+
+/// Small input, unbounded work: the doubling patch through MCP `vm_patch` is refused while it
+/// is applied, at the object limit, and the same `boxery mcp` answers the next call; the VM
+/// is unchanged.
+#[test]
+fn a_self_copying_patch_through_mcp_is_refused_and_mcp_lives() {
+    let home = Home::new();
+    home.ok(&["new", "v1"]);
+    let mut mcp = Mcp::start(&home);
+    let patch = doubling_patch();
+    assert!(patch.len() < 4096, "{} bytes", patch.len());
+    let (err, text) = mcp.call(
+        "vm_patch",
+        json!({"name": "v1", "type": "json", "patch": patch}),
+    );
+    assert!(err, "the patch applied: {text}");
+    assert!(text.contains("at most 1024 KiB"), "{text}");
+    let (err, text) = mcp.call("vm_get", json!({"kind": "vm", "name": "v1"}));
+    assert!(
+        !err && text.contains("v1"),
+        "mcp did not answer after: {text}"
+    );
+    let labels = home.ok(&["get", "vm", "v1", "-o", "jsonpath={.metadata.labels}"]);
+    assert_eq!(labels.trim(), "", "the refused patch changed the VM");
+}
