@@ -957,3 +957,36 @@ fn a_member_table_from_before_moves_to_records() {
     })
     .expect("the released member is free again");
 }
+
+/// Issue 30: a Pool asking for `replicas` with no template to make them from was accepted
+/// and said Ready and Healthy with no member. It is refused wherever it would be written
+/// (apply, scale), saying what to add; a pool of adopted members only (replicas 0) is fine.
+#[test]
+fn a_pool_without_a_template_cannot_ask_for_replicas() {
+    let home = Home::new();
+    let f = home.write(
+        "p.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: p}\nspec:\n  replicas: 2\n",
+    );
+    let o = home.run(&["apply", "-f", f.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("spec.replicas") && err.contains("add spec.template"),
+        "{err}"
+    );
+    assert!(home.store().get_as::<Pool>("p").unwrap().is_none());
+    // Adopted members only, then scaled: refused the same way; the pool stays as it was.
+    home.ok(&["new", "pet"]);
+    let f = home.write(
+        "q.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: q}\nspec:\n  members: [{name: pet}]\n",
+    );
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    let o = home.run(&["scale", "pool", "q", "--replicas", "2"]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("add spec.template"), "{err}");
+    let q: Pool = home.store().get_as("q").unwrap().unwrap();
+    assert_eq!(q.spec.replicas, 0);
+}

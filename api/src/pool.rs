@@ -236,7 +236,26 @@ pub(crate) fn unimplemented(pool: &Pool) -> Vec<crate::validate::FieldError> {
     if let Some(t) = &pool.spec.template {
         errs.extend(crate::vm::unimplemented(&t.spec, "spec.template.spec."));
     }
+    if let Some(e) = replicas_without_template(&pool.spec) {
+        errs.push(e);
+    }
     errs
+}
+
+/// `replicas` above 0 and no `template`: nothing could ever make those members (an adopted VM in
+/// `members` is not one of them), so the pool would say `Ready` with none. Refused here, with
+/// the unimplemented fields, so that a pool stored before this check can still have its status
+/// written and be deleted (and scaled to 0), while no write makes one anew.
+fn replicas_without_template(spec: &PoolSpec) -> Option<crate::validate::FieldError> {
+    (spec.replicas > 0 && spec.template.is_none()).then(|| {
+        crate::validate::FieldError::new(
+            "spec.replicas",
+            format!(
+                "{} replicas are members made from spec.template, and this pool has no template: add spec.template (the VM each member is made from), or set replicas to 0 and name existing VMs in spec.members",
+                spec.replicas
+            ),
+        )
+    })
 }
 
 resource!(

@@ -614,6 +614,38 @@ mod tests {
         );
     }
 
+    /// Issue 30: a pool asking for members from a template it does not have said Ready and
+    /// Healthy with none. Refused as the unimplemented fields are (ratcheted by the store).
+    #[test]
+    fn a_pool_needs_a_template_for_its_replicas() {
+        let pool = |spec: Value| {
+            unimplemented(
+                &normalize(json!({"apiVersion": API_VERSION, "kind": "Pool",
+                                  "metadata": {"name": "p"}, "spec": spec}))
+                .unwrap(),
+            )
+        };
+        for spec in [
+            json!({"replicas": 2}),
+            json!({"replicas": 1, "members": [{"name": "pet"}]}),
+        ] {
+            let errors = pool(spec.clone());
+            assert!(
+                errors.iter().any(|f| f.path == "spec.replicas"
+                    && f.message.contains("add spec.template")
+                    && f.message.contains("spec.members")),
+                "{spec}: {errors:?}"
+            );
+        }
+        for spec in [
+            json!({}),
+            json!({"replicas": 0, "members": [{"name": "pet"}]}),
+            json!({"replicas": 2, "template": {"spec": {"source": {"image": "tiny"}}}}),
+        ] {
+            assert_eq!(pool(spec.clone()), vec![], "{spec}");
+        }
+    }
+
     #[test]
     fn grants_are_checked_by_type() {
         let grant = |spec: Value| {
