@@ -4,6 +4,12 @@
 //! host's name and addresses and the listen address; it is made again (by the same CA, so
 //! kubeconfigs stay valid) when a name it must carry is missing or it is within 30 days of
 //! its end. `ca.crt` is what a kubeconfig carries.
+//!
+//! Two processes on a fresh home (`serve --api-listen` and `boxery kubeconfig`, or two
+//! `serve`s) check and make these files under one exclusive lock (`api/tls.lock`), checking
+//! again once it is held: one makes the CA (and the server certificate), the other reads
+//! them, so a kubeconfig's CA is always the one that signed the server's certificate and a
+//! server key is never beside another run's certificate.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
@@ -109,10 +115,22 @@ fn io(e: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::other(e.to_string())
 }
 
-/// The CA's key, made (with its certificate) when there is none.
-fn ca(home: &Path) -> std::io::Result<KeyPair> {
+/// The lock every check-and-make of the TLS files holds (released when dropped).
+fn lock(home: &Path) -> std::io::Result<std::fs::File> {
     let d = dir(home);
     private_dir(&d)?;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(d.join("tls.lock"))?;
+    f.lock()?;
+    Ok(f)
+}
+
+/// The CA's key, made (with its certificate) when there is none; the caller holds [`lock`].
+fn ca(home: &Path) -> std::io::Result<KeyPair> {
+    let d = dir(home);
     let key_file = d.join("ca.key");
     if let (Ok(pem), true) = (std::fs::read_to_string(&key_file), ca_file(home).exists()) {
         return KeyPair::from_pem(&pem).map_err(io);
@@ -206,6 +224,71 @@ fn config(d: &Path) -> std::io::Result<Arc<rustls::ServerConfig>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `openssl ARGS` succeeds; its stdout.
+    fn openssl(args: &[&str]) -> String {
+        let o = std::process::Command::new("openssl")
+            .args(args)
+            .output()
+            .expect("openssl");
+        assert!(
+            o.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// Many first uses at once on a fresh home (`serve --api-listen` and `boxery kubeconfig`
+    /// racing): one CA is made, the server certificate is that CA's, and the server key is
+    /// the certificate's.
+    #[test]
+    fn concurrent_first_uses_make_one_consistent_set() {
+        for round in 0..3 {
+            let d = tempfile::tempdir().unwrap();
+            let a: SocketAddr = "127.0.0.1:0".parse().unwrap();
+            let barrier = std::sync::Barrier::new(8);
+            let cas: Vec<Vec<u8>> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..8)
+                    .map(|i| {
+                        let (barrier, home) = (&barrier, d.path());
+                        s.spawn(move || {
+                            barrier.wait();
+                            if i % 2 == 0 {
+                                ensure_ca(home).unwrap();
+                            } else {
+                                server_identity(home, a).unwrap();
+                            }
+                            std::fs::read(ca_file(home)).unwrap()
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let f = |n: &str| dir(d.path()).join(n).display().to_string();
+            for ca in &cas {
+                assert_eq!(
+                    ca,
+                    &std::fs::read(ca_file(d.path())).unwrap(),
+                    "round {round}"
+                );
+            }
+            let verified = openssl(&["verify", "-CAfile", &f("ca.crt"), &f("server.crt")]);
+            assert!(verified.contains("OK"), "round {round}: {verified}");
+            let cert_key = openssl(&["x509", "-noout", "-pubkey", "-in", &f("server.crt")]);
+            let key = openssl(&["pkey", "-pubout", "-in", &f("server.key")]);
+            assert_eq!(
+                cert_key, key,
+                "round {round}: the server key is not the certificate's"
+            );
+            let ca_cert_key = openssl(&["x509", "-noout", "-pubkey", "-in", &f("ca.crt")]);
+            let ca_key = openssl(&["pkey", "-pubout", "-in", &f("ca.key")]);
+            assert_eq!(
+                ca_cert_key, ca_key,
+                "round {round}: the CA key is not the CA's"
+            );
+        }
+    }
 
     #[test]
     fn made_once_and_again_for_a_new_address() {
