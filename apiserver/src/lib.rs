@@ -13,6 +13,7 @@ pub mod events;
 pub mod options;
 pub mod query;
 pub mod resources;
+pub mod scale;
 pub mod scope;
 pub mod status;
 pub mod store_rpc;
@@ -56,8 +57,12 @@ pub struct Limits {
     pub rate_per_token: f64,
     /// Requests one token may make in a burst above the rate.
     pub burst_per_token: f64,
-    /// Connections open at once.
+    /// Connections open at once. At this cap (or `per_peer`), the oldest connection that has
+    /// not shown a valid token is closed to make room (`boxery_mcp::conns`, as the MCP
+    /// listener does); when every one has shown one, the new connection is closed.
     pub connections: usize,
+    /// Connections open at once from one address.
+    pub per_peer: usize,
     /// How long a connection may take to finish its TLS handshake and send a request's
     /// headers.
     pub header_read: Duration,
@@ -71,6 +76,7 @@ impl Default for Limits {
             rate_per_token: 500.0,
             burst_per_token: 1000.0,
             connections: 512,
+            per_peer: 256,
             header_read: Duration::from_secs(10),
         }
     }
@@ -141,6 +147,12 @@ async fn authenticate(State(sh): State<Arc<Shared>>, mut req: Request, next: Nex
         .and_then(boxery_mcp::server::bearer)
         .map(String::from);
     let caller = secret.as_deref().and_then(|s| sh.tokens.check(s));
+    if caller.is_some()
+        && let Some(p) = req.extensions().get::<boxery_mcp::conns::Proven>()
+    {
+        // this connection is a token holder's: not among the first closed when full
+        p.prove();
+    }
     let Some(caller) = caller else {
         let why = if secret.is_some() {
             "Unauthorized: the bearer token is not one of this home's (revoked, or from another home); `boxery kubeconfig` on the VM host makes one"
@@ -238,6 +250,17 @@ pub fn router(sh: Arc<Shared>, mcp: Option<Router>) -> Router {
             get(|| async { json_reply(StatusCode::OK, &discovery::resources()) }),
         )
         .route(
+            "/openapi/v2",
+            get(|headers: axum::http::HeaderMap| async move {
+                let protobuf = headers
+                    .get(header::ACCEPT)
+                    .and_then(|a| a.to_str().ok())
+                    .is_some_and(|a| a.contains("protobuf"));
+                let (ty, body) = discovery::openapi_v2(protobuf);
+                (StatusCode::OK, [(header::CONTENT_TYPE, ty)], body)
+            }),
+        )
+        .route(
             "/openapi/v3",
             get(|| async { json_reply(StatusCode::OK, &discovery::openapi_root()) }),
         )
@@ -257,6 +280,10 @@ pub fn router(sh: Arc<Shared>, mcp: Option<Router>) -> Router {
                 .put(resources::replace)
                 .patch(resources::patch)
                 .delete(resources::delete),
+        )
+        .route(
+            &format!("{gv}/pools/{{name}}/scale"),
+            get(scale::get).put(scale::put).patch(scale::patch),
         )
         .route(
             &format!("{gv}/{{plural}}/{{name}}/{{sub}}"),
@@ -337,6 +364,7 @@ impl ApiServer {
     pub async fn run(self, shutdown: CancellationToken) {
         use hyper_util::rt::{TokioIo, TokioTimer};
         use hyper_util::service::TowerToHyperService;
+        use tower::Layer as _;
         let mcp = boxery_mcp::server::McpService::new(
             &self.shared.verbs.env,
             Some(Vec::new()),
@@ -345,14 +373,18 @@ impl ApiServer {
         let app = router(self.shared.clone(), Some(mcp.router()));
         let acceptor = tokio_rustls::TlsAcceptor::from(self.tls);
         let limits = self.shared.limits;
-        let sockets = Arc::new(tokio::sync::Semaphore::new(limits.connections));
+        let conns = Arc::new(boxery_mcp::conns::Conns::default());
+        // Sockets, not table entries, are what run out: a connection closed to make room
+        // holds its descriptor until its task has run, so nothing more is accepted until one
+        // permit (of the cap, plus one for the connection being decided on) is free again.
+        let sockets = Arc::new(tokio::sync::Semaphore::new(limits.connections + 1));
         let mut tasks = tokio::task::JoinSet::new();
         loop {
             let permit = tokio::select! {
                 _ = shutdown.cancelled() => break,
                 p = sockets.clone().acquire_owned() => p.expect("never closed"),
             };
-            let (stream, _peer) = tokio::select! {
+            let (stream, peer) = tokio::select! {
                 _ = shutdown.cancelled() => break,
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
                 r = self.listener.accept() => match r {
@@ -364,17 +396,32 @@ impl ApiServer {
                     }
                 },
             };
+            let Some(boxery_mcp::conns::Admitted {
+                slot,
+                proven,
+                evict,
+            }) = conns.admit(peer.ip(), limits.connections, limits.per_peer)
+            else {
+                tracing::debug!(%peer, open = conns.len(), "API: too many connections: refused");
+                drop(stream);
+                continue;
+            };
             let _ = stream.set_nodelay(true);
             let acceptor = acceptor.clone();
-            let service = TowerToHyperService::new(app.clone());
+            let service = TowerToHyperService::new(axum::Extension(proven).layer(app.clone()));
             let stop = shutdown.clone();
             tasks.spawn(async move {
+                // Dropped in reverse: the socket first, then its place and its permit.
                 let _permit = permit;
-                let tls =
-                    match tokio::time::timeout(limits.header_read, acceptor.accept(stream)).await {
+                let _slot = slot;
+                let handshake = tokio::time::timeout(limits.header_read, acceptor.accept(stream));
+                let tls = tokio::select! {
+                    r = handshake => match r {
                         Ok(Ok(s)) => s,
                         _ => return,
-                    };
+                    },
+                    _ = evict.cancelled() => return,
+                };
                 let mut http = hyper::server::conn::http1::Builder::new();
                 http.timer(TokioTimer::new())
                     .header_read_timeout(limits.header_read);
@@ -384,6 +431,7 @@ impl ApiServer {
                 tokio::pin!(conn);
                 tokio::select! {
                     _ = conn.as_mut() => {}
+                    _ = evict.cancelled() => {}
                     _ = stop.cancelled() => {
                         conn.as_mut().graceful_shutdown();
                         let _ = tokio::time::timeout(SHUTDOWN_GRACE, conn).await;

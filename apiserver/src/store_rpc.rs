@@ -105,19 +105,40 @@ pub async fn watch(
         Err(f) => return f.into_response(),
     };
     let stream = sh.verbs.store().watch(q.kind.as_deref(), q.from);
-    // the line of each item; the stream ends after the first error
-    let lines = futures::stream::unfold((stream, Some(slot)), |(mut stream, slot)| async move {
-        slot.as_ref()?;
-        let (line, slot) = match stream.next().await? {
-            Ok((rev, ev)) => (WatchLine::event(rev, ev), slot),
-            Err(e) => (WatchLine::error(&e), None),
-        };
-        let mut text = serde_json::to_vec(&line).unwrap_or_default();
-        text.push(b'\n');
-        Some((
-            Ok::<_, std::convert::Infallible>(Bytes::from(text)),
-            (stream, slot),
-        ))
+    let mut recheck = tokio::time::interval(crate::watch::RECHECK_EVERY);
+    recheck.reset();
+    // the line of each item; the stream ends after the first error, and with an error line
+    // once the token is revoked (looked up again at every event and every RECHECK_EVERY)
+    let state = (stream, Some(slot), recheck);
+    let lines = futures::stream::unfold(state, move |(mut stream, slot, mut recheck)| {
+        let (sh, caller) = (sh.clone(), caller.clone());
+        async move {
+            slot.as_ref()?;
+            let revoked = || StoreError::Unavailable {
+                why: crate::watch::revoked(&caller).message,
+            };
+            let item = loop {
+                tokio::select! {
+                    ev = stream.next() => match ev? {
+                        Ok(_) if !sh.tokens.holds(&caller) => break Err(revoked()),
+                        ev => break ev,
+                    },
+                    _ = recheck.tick() => if !sh.tokens.holds(&caller) {
+                        break Err(revoked());
+                    },
+                }
+            };
+            let (line, slot) = match item {
+                Ok((rev, ev)) => (WatchLine::event(rev, ev), slot),
+                Err(e) => (WatchLine::error(&e), None),
+            };
+            let mut text = serde_json::to_vec(&line).unwrap_or_default();
+            text.push(b'\n');
+            Some((
+                Ok::<_, std::convert::Infallible>(Bytes::from(text)),
+                (stream, slot, recheck),
+            ))
+        }
     });
     (
         StatusCode::OK,

@@ -75,6 +75,9 @@ pub struct Caller {
     pub name: String,
     /// What it may do.
     pub scope: Scope,
+    /// The SHA-256 of its secret: which token it is ([`Tokens::holds`]), even when one of
+    /// the same name is made after this one was revoked.
+    hash: String,
 }
 
 /// Where the tokens file is.
@@ -200,6 +203,36 @@ impl Tokens {
 
     /// Who presents `secret`, if anyone. A file that cannot be read admits no one.
     pub fn check(&self, secret: &str) -> Option<Caller> {
+        let h = hash(secret);
+        self.with_entries(|entries| {
+            let e = entries.iter().find(|e| e.sha256 == h)?;
+            Some(Caller {
+                name: e.name.clone(),
+                scope: Scope::parse(&e.scope).ok()?,
+                hash: h.clone(),
+            })
+        })
+    }
+
+    /// Whether `caller`'s token still exists, with the same scope: what a stream that
+    /// outlives its request (a watch) asks again, so that revoking a token ends it.
+    pub fn holds(&self, caller: &Caller) -> bool {
+        self.with_entries(|entries| {
+            entries
+                .iter()
+                .any(|e| {
+                    e.sha256 == caller.hash
+                        && e.name == caller.name
+                        && Scope::parse(&e.scope).is_ok_and(|s| s == caller.scope)
+                })
+                .then_some(())
+        })
+        .is_some()
+    }
+
+    /// `f` of the entries as the file holds them now (read again when it changed); `None`
+    /// when the file cannot be read.
+    fn with_entries<T>(&self, f: impl FnOnce(&[Entry]) -> Option<T>) -> Option<T> {
         let stamp = std::fs::metadata(file(&self.home)).ok().and_then(|m| {
             use std::os::unix::fs::MetadataExt;
             Some((m.ino(), m.modified().ok()?, m.len()))
@@ -215,12 +248,7 @@ impl Tokens {
                 }
             }
         }
-        let h = hash(secret);
-        let e = c.1.iter().find(|e| e.sha256 == h)?;
-        Some(Caller {
-            name: e.name.clone(),
-            scope: Scope::parse(&e.scope).ok()?,
-        })
+        f(&c.1)
     }
 }
 
@@ -241,9 +269,14 @@ mod tests {
         assert!(mint(d.path(), "ro", &Scope::Full).is_err());
         let l = mint(d.path(), "l1", &Scope::Lease("a".into())).unwrap();
         assert_eq!(t.check(&l).unwrap().scope, Scope::Lease("a".into()));
+        let ro = t.check(&s).unwrap();
+        assert!(t.holds(&ro));
         assert!(revoke(d.path(), "ro").unwrap());
         assert_eq!(t.check(&s), None);
+        assert!(!t.holds(&ro), "a revoked token is not held");
         assert!(!revoke(d.path(), "ro").unwrap());
+        mint(d.path(), "ro", &Scope::Read).unwrap();
+        assert!(!t.holds(&ro), "nor when another of its name is made");
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(file(d.path()))
             .unwrap()

@@ -3,7 +3,10 @@
 //! the store compacted away the stream is one ERROR event with a `410 Expired` Status, so the
 //! client lists again. With `allowWatchBookmarks` a BOOKMARK line carries the last revision
 //! every [`BOOKMARK_EVERY`]. A token holds at most [`crate::Limits::watches_per_token`]
-//! watches at once.
+//! watches at once, and only while it exists: every [`RECHECK_EVERY`] and at every event the
+//! token is looked up again (and a lease token's lease), so a revoked token's watches end with
+//! an ERROR line (401) within that period, on this watch and on the store's
+//! (`/boxery/v1/store/watch`, [`crate::store_rpc::watch`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +31,34 @@ pub const WATCH_MAX: Duration = Duration::from_secs(30 * 60);
 
 /// How often a bookmark is sent when asked for.
 pub const BOOKMARK_EVERY: Duration = Duration::from_secs(10);
+
+/// How often an open watch asks again whether its token (and a lease token's lease) still
+/// holds.
+pub const RECHECK_EVERY: Duration = Duration::from_secs(5);
+
+/// Why `caller`'s stream may not go on: its token was revoked (401), or a lease token's lease
+/// ended (403).
+pub(crate) async fn still_allowed(sh: &Shared, caller: &Caller) -> Result<(), Failure> {
+    if !sh.tokens.holds(caller) {
+        return Err(revoked(caller));
+    }
+    if matches!(caller.scope, crate::tokens::Scope::Lease(_)) {
+        crate::scope::visible(sh, caller).await?;
+    }
+    Ok(())
+}
+
+/// The end of a revoked token's stream.
+pub(crate) fn revoked(caller: &Caller) -> Failure {
+    Failure::new(
+        StatusCode::UNAUTHORIZED,
+        "Unauthorized",
+        format!(
+            "token {} was revoked: its watch ends (`boxery kubeconfig` on the VM host makes a new one)",
+            caller.name
+        ),
+    )
+}
 
 /// A watch slot of a token, given back when the watch ends.
 pub(crate) struct Slot {
@@ -89,8 +120,9 @@ pub async fn serve(
         }
     };
     let mut visible = crate::scope::visible(&sh, &caller).await?;
-    // A lease's token sees its objects while the lease holds them: asked again at every event
-    // and every BOOKMARK_EVERY, so its watch ends (403) when the lease does.
+    // A token watches while it exists, and a lease's token sees its objects while the lease
+    // holds them: asked again at every event and every RECHECK_EVERY, so its watch ends (401)
+    // when the token is revoked, (403) when the lease ends.
     let leased = matches!(caller.scope, crate::tokens::Scope::Lease(_));
     let timeout = p
         .timeout_seconds
@@ -131,20 +163,21 @@ pub async fn serve(
         let mut last = from;
         let mut tick = tokio::time::interval(BOOKMARK_EVERY);
         tick.reset();
+        let mut recheck = tokio::time::interval(RECHECK_EVERY);
+        recheck.reset();
         let end = tokio::time::sleep(timeout);
         tokio::pin!(end);
         loop {
             tokio::select! {
                 () = tx.closed() => return,
                 () = &mut end => break,
-                _ = tick.tick(), if bookmarks || leased => {
-                    if leased && let Err(f) = crate::scope::visible(&sh, &caller).await {
+                _ = recheck.tick() => {
+                    if let Err(f) = still_allowed(&sh, &caller).await {
                         let _ = tx.send(forbidden(f).into()).await;
                         return;
                     }
-                    if !bookmarks {
-                        continue;
-                    }
+                }
+                _ = tick.tick(), if bookmarks => {
                     let b = json!({"type": "BOOKMARK", "object": {
                         "kind": kind, "apiVersion": GROUP_VERSION,
                         "metadata": {"resourceVersion": last.to_string()},
@@ -167,6 +200,10 @@ pub async fn serve(
                     }
                     Some(Ok((rev, ev))) => {
                         last = rev;
+                        if !sh.tokens.holds(&caller) {
+                            let _ = tx.send(forbidden(revoked(&caller)).into()).await;
+                            return;
+                        }
                         if leased {
                             match crate::scope::visible(&sh, &caller).await {
                                 Ok(v) => visible = v,

@@ -9,6 +9,7 @@
 //! Guarantees: a runner never prints to stdout (stdout is the MCP stdio transport), never
 //! waits without a bound, and turns every failure into a [`ToolError`] a model can act on.
 
+pub mod conns;
 pub mod exec;
 pub mod files;
 pub mod grant;

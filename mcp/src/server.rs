@@ -17,8 +17,8 @@
 //! - At most [`Limits::connections`] connections are open (a quarter of `ulimit -n`), and
 //!   [`Limits::per_peer`] from one address. At a cap, the oldest connection that has not
 //!   shown the token is closed to make room; when all have shown it, the new one is closed
-//!   at once. So idle sockets cannot take the descriptors the controllers need, nor keep the
-//!   token holder out.
+//!   at once ([`crate::conns`], shared with the Kubernetes API's listener). So idle sockets
+//!   cannot take the descriptors the controllers need, nor keep the token holder out.
 //!
 //! Caveats: on loopback every local client (and, on the qemu backend, every guest: see
 //! docs/security.md) has the same address, so the per-peer cap separates nobody there; what
@@ -31,7 +31,6 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::extract::{Request, State};
@@ -50,6 +49,7 @@ use tokio_util::sync::CancellationToken;
 use boxery_verbs::runtime::Started;
 use boxery_verbs::{Env, Result as VerbResult, VerbError};
 
+use crate::conns::{Admitted, Conns, Proven};
 use crate::{self as tools, Session};
 
 /// The cap on an HTTP request body: the argument cap plus room for the envelope.
@@ -357,7 +357,7 @@ async fn gate(State(g): State<Gate>, headers: HeaderMap, req: Request, next: Nex
     // This connection has shown the token: it is no longer the first to be closed when the
     // listener is full.
     if let Some(p) = req.extensions().get::<Proven>() {
-        p.0.store(true, Ordering::Relaxed);
+        p.prove();
     }
     if let Some(o) = headers.get("origin") {
         let o = o.to_str().unwrap_or("");
@@ -424,83 +424,6 @@ impl Limits {
     }
 }
 
-/// Set on a connection once one of its requests showed the token.
-#[derive(Clone, Default)]
-struct Proven(Arc<AtomicBool>);
-
-/// One open connection.
-struct Live {
-    peer: IpAddr,
-    proven: Proven,
-    evict: CancellationToken,
-}
-
-/// The open connections, oldest first.
-#[derive(Default)]
-struct Conns {
-    table: std::sync::Mutex<(u64, std::collections::BTreeMap<u64, Live>)>,
-}
-
-/// A connection's place in [`Conns`], given back when dropped.
-struct Slot {
-    conns: Arc<Conns>,
-    id: u64,
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        let mut t = self.conns.table.lock().unwrap_or_else(|e| e.into_inner());
-        t.1.remove(&self.id);
-    }
-}
-
-impl Conns {
-    /// Admit a connection from `peer`. At a cap, the oldest connection that has not shown the
-    /// token (from this peer, when the peer's cap is the one reached) is closed to make room;
-    /// when every connection has shown it, the new one is refused (`None`).
-    fn admit(
-        self: &Arc<Self>,
-        peer: IpAddr,
-        limits: &Limits,
-    ) -> Option<(Slot, Proven, CancellationToken)> {
-        let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        let (next, live) = &mut *t;
-        let peer_full = live.values().filter(|l| l.peer == peer).count() >= limits.per_peer;
-        if peer_full || live.len() >= limits.connections {
-            let victim = live
-                .iter()
-                .find(|(_, l)| {
-                    !l.proven.0.load(Ordering::Relaxed) && (!peer_full || l.peer == peer)
-                })
-                .map(|(id, _)| *id)?;
-            if let Some(l) = live.remove(&victim) {
-                l.evict.cancel();
-            }
-        }
-        let id = *next;
-        *next += 1;
-        let live_one = Live {
-            peer,
-            proven: Proven::default(),
-            evict: CancellationToken::new(),
-        };
-        let out = (live_one.proven.clone(), live_one.evict.clone());
-        live.insert(id, live_one);
-        Some((
-            Slot {
-                conns: self.clone(),
-                id,
-            },
-            out.0,
-            out.1,
-        ))
-    }
-
-    fn len(&self) -> usize {
-        self.table.lock().unwrap_or_else(|e| e.into_inner()).1.len()
-    }
-}
-
 /// How long open connections get to finish when the server stops.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
@@ -549,7 +472,12 @@ async fn serve_connections(
                 }
             },
         };
-        let Some((slot, proven, evict)) = conns.admit(peer.ip(), &limits) else {
+        let Some(Admitted {
+            slot,
+            proven,
+            evict,
+        }) = conns.admit(peer.ip(), limits.connections, limits.per_peer)
+        else {
             tracing::debug!(%peer, open = conns.len(), "MCP: too many connections: refused");
             drop(stream);
             continue;
@@ -810,39 +738,6 @@ mod tests {
             connections,
             per_peer,
         }
-    }
-
-    #[test]
-    fn at_a_cap_the_oldest_connection_without_the_token_makes_room() {
-        let conns = Arc::new(Conns::default());
-        let l = limits(3, 2);
-        let a: IpAddr = "10.0.0.1".parse().unwrap();
-        let b: IpAddr = "10.0.0.2".parse().unwrap();
-        let (s1, _p1, e1) = conns.admit(a, &l).unwrap();
-        let (_s2, _p2, e2) = conns.admit(a, &l).unwrap();
-        // a is at its cap: its oldest unproven connection (1) goes.
-        let (_s3, _p3, e3) = conns.admit(a, &l).unwrap();
-        assert!(e1.is_cancelled() && !e2.is_cancelled());
-        drop(s1); // its task ends; the slot was already given back
-        assert_eq!(conns.len(), 2);
-        // b fills the total; then another b finds only a's connections unproven: not its own.
-        let (_s4, p4, _e4) = conns.admit(b, &l).unwrap();
-        p4.0.store(true, Ordering::Relaxed);
-        let (_s5, _p5, _e5) = conns.admit(b, &l).unwrap();
-        assert!(
-            e2.is_cancelled(),
-            "the total cap closes the oldest unproven anywhere"
-        );
-        assert!(
-            conns.admit(b, &l).is_some(),
-            "b's unproven one makes room for b"
-        );
-        assert!(!e3.is_cancelled());
-        // Every connection proven: refused.
-        let full = Arc::new(Conns::default());
-        let (_x, px, _) = full.admit(a, &limits(1, 1)).unwrap();
-        px.0.store(true, Ordering::Relaxed);
-        assert!(full.admit(a, &limits(1, 1)).is_none());
     }
 
     /// A minimal HTTP/1.1 exchange: the response's status code.
