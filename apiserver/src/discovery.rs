@@ -105,6 +105,18 @@ pub fn resources() -> Value {
             "kind": k.kind,
             "verbs": ["get"],
         }));
+        if k.kind == "Pool" {
+            // kubectl scale finds the subresource here (crate::scale)
+            list.push(json!({
+                "name": "pools/scale",
+                "singularName": "",
+                "namespaced": false,
+                "group": "autoscaling",
+                "version": "v1",
+                "kind": "Scale",
+                "verbs": ["get", "patch", "update"],
+            }));
+        }
     }
     json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": GROUP_VERSION, "resources": list})
 }
@@ -295,6 +307,35 @@ pub fn openapi_hash() -> &'static str {
     })
 }
 
+/// The media type of OpenAPI v2 in protobuf, which kubectl asks `/openapi/v2` for.
+pub const OPENAPI_V2_PROTOBUF: &str = "application/com.github.proto-openapi.spec.v2@v1.0+protobuf";
+
+/// `/openapi/v2`: a Swagger 2.0 document with no definitions. kubectl reads it only to check
+/// what OpenAPI v3 cannot route, a `kind: List` (`kubectl get -o yaml | kubectl apply -f -`):
+/// with no definitions it leaves the items to the server, which validates each with the
+/// schemas of `/openapi/v3` (strictly, always). As JSON, or as the protobuf (gnostic's
+/// `openapi_v2.Document`: `swagger` = 1, `info` = 2 with `title` = 1, `version` = 2) kubectl
+/// asks for.
+pub fn openapi_v2(protobuf: bool) -> (&'static str, Vec<u8>) {
+    let (title, version) = ("boxery", VERSION);
+    if !protobuf {
+        let doc = json!({"swagger": "2.0", "info": {"title": title, "version": version}, "paths": {}, "definitions": {}});
+        return ("application/json", doc.to_string().into_bytes());
+    }
+    fn field(out: &mut Vec<u8>, number: u8, bytes: &[u8]) {
+        out.push(number << 3 | 2); // length-delimited
+        out.push(u8::try_from(bytes.len()).expect("short fields only"));
+        out.extend_from_slice(bytes);
+    }
+    let mut info = Vec::new();
+    field(&mut info, 1, title.as_bytes());
+    field(&mut info, 2, version.as_bytes());
+    let mut doc = Vec::new();
+    field(&mut doc, 1, b"2.0");
+    field(&mut doc, 2, &info);
+    (OPENAPI_V2_PROTOBUF, doc)
+}
+
 /// `/openapi/v3`: where each group-version's document is.
 pub fn openapi_root() -> Value {
     json!({
@@ -309,6 +350,23 @@ pub fn openapi_root() -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn openapi_v2_protobuf_is_a_swagger_document() {
+        let (ty, b) = openapi_v2(true);
+        assert_eq!(ty, OPENAPI_V2_PROTOBUF);
+        // swagger = "2.0", then info { title = "boxery", version = "v1alpha1" }
+        let mut want = vec![0x0a, 3];
+        want.extend_from_slice(b"2.0");
+        want.extend_from_slice(&[0x12, 18, 0x0a, 6]);
+        want.extend_from_slice(b"boxery");
+        want.extend_from_slice(&[0x12, 8]);
+        want.extend_from_slice(b"v1alpha1");
+        assert_eq!(b, want);
+        let (_, j) = openapi_v2(false);
+        let v: Value = serde_json::from_slice(&j).unwrap();
+        assert_eq!(v["swagger"], "2.0");
+    }
 
     #[test]
     fn every_ref_points_into_components() {

@@ -58,7 +58,7 @@ fn manager_name(m: &str) -> bool {
 /// an agent's lease token speaks as a tool (so an egress policy may only tighten), a person's
 /// token as the CLI; the field manager is the
 /// request's `fieldManager` (422 when malformed), else the client's name from its User-Agent.
-fn verbs_for(
+pub(crate) fn verbs_for(
     sh: &Shared,
     caller: &Caller,
     p: &Params,
@@ -408,15 +408,28 @@ pub async fn get_status(
     Path((plural, name, sub)): Path<(String, String, String)>,
 ) -> Reply {
     if sub != "status" {
-        return Err(Failure::not_found(&format!("{plural}/{sub}"), &name));
+        return Err(no_subresource(&plural, &sub));
     }
     get(c, Path((plural, name))).await
+}
+
+/// The 404 of a subresource that is not served: it says which are, not that the object is
+/// missing.
+fn no_subresource(plural: &str, sub: &str) -> Failure {
+    Failure::new(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        format!(
+            "the server could not find the requested resource: {plural} has no subresource `{}` (served: status, and scale of pools)",
+            safe(sub)
+        ),
+    )
 }
 
 /// PUT or PATCH of `…/NAME/status`: refused, whoever asks.
 pub async fn write_status(Path((plural, name, sub)): Path<(String, String, String)>) -> Reply {
     if sub != "status" {
-        return Err(Failure::not_found(&format!("{plural}/{sub}"), &name));
+        return Err(no_subresource(&plural, &sub));
     }
     Err(Failure::method_not_allowed(format!(
         "the status of {plural}/{name} is written by boxery's controllers only (a Grant is approved by a person at a terminal: `boxery grant approve NAME`)"
