@@ -990,3 +990,36 @@ fn a_pool_without_a_template_cannot_ask_for_replicas() {
     let q: Pool = home.store().get_as("q").unwrap().unwrap();
     assert_eq!(q.spec.replicas, 0);
 }
+
+/// `pool ls` prints the pool's counts and its members: a claim shows in the counts within a
+/// couple of seconds, as in the member list (issue 30, class 1: the counts lagged a minute).
+#[test]
+fn pool_counts_follow_a_claim_within_seconds() {
+    let home = Home::new();
+    let _serve = home.serve(&[]);
+    make_pool(&home, "p", 1);
+    home.ok(&["lease", "acquire", "p", "--holder", "h", "--name", "l1"]);
+    let start = std::time::Instant::now();
+    let seen = common::eventually(Duration::from_secs(5), || {
+        let ls = home.ok(&["pool", "ls"]);
+        (ls.contains("1 members, 0 free, 1 leased") && ls.contains("Leased")).then_some(ls)
+    });
+    let ls = home.ok(&["pool", "ls"]);
+    assert!(
+        seen.is_some(),
+        "the counts never followed the claim within 5 s: {ls}"
+    );
+    eprintln!("counts right after {:?}", start.elapsed());
+    // Released: the member is reset and free again, and the counts say so.
+    home.ok(&["lease", "release", "l1"]);
+    common::eventually(Duration::from_secs(10), || {
+        let ls = home.ok(&["pool", "ls"]);
+        (ls.contains("1 members, 1 free, 0 leased") && ls.contains("Free")).then_some(())
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "the counts never followed the release: {}",
+            home.ok(&["pool", "ls"])
+        )
+    });
+}

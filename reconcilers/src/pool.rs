@@ -1126,32 +1126,78 @@ pub struct Caches {
     pub leases: Cache,
 }
 
+/// What each member record was when [`follow_members`] last mapped it: its pool, state and
+/// holder. Transitions are judged against this, not against the change's `old`: this
+/// process's own writes (a claim by the Lease reconciler, a reset by the Pool reconciler) go
+/// into the members cache before the watch brings them (`Ctx::read_own_writes`), so the
+/// watch's change then shows the new record as both old and new, and a claim compared that
+/// way woke no pool (its counts waited for the resync, a minute; issue 30, class 1).
+#[derive(Debug, Default)]
+struct Seen(std::collections::HashMap<String, MemberSeen>);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct MemberSeen {
+    pool: String,
+    state: Option<String>,
+    holder: Option<String>,
+}
+
+impl MemberSeen {
+    fn of(o: &boxery_api::DynObject) -> Option<MemberSeen> {
+        Some(MemberSeen {
+            pool: o.spec()["pool"].as_str()?.to_string(),
+            state: o.status()["state"].as_str().map(str::to_string),
+            holder: o.status()["lease"].as_str().map(str::to_string),
+        })
+    }
+}
+
 /// What a member record's change asks of the controllers: which pool to look at (now, or
 /// soon: claims only move counts), and which leases to look at (a new holder binds; a member
 /// coming free lets the oldest waiting leases of its pool claim).
 fn member_change(
     change: &boxery_controller::Change,
+    seen: &mut Seen,
     pools: &boxery_controller::Trigger,
     leases: &boxery_controller::Trigger,
     lease_cache: &Cache,
 ) {
-    let state = |o: &Option<Arc<boxery_api::DynObject>>| {
-        o.as_ref()
-            .and_then(|o| o.status()["state"].as_str().map(str::to_string))
-    };
-    let holder = |o: &Option<Arc<boxery_api::DynObject>>| {
-        o.as_ref()
-            .and_then(|o| o.status()["lease"].as_str().map(str::to_string))
-    };
-    let Some(pool) = change
+    let Some(name) = change
         .new
         .as_ref()
         .or(change.old.as_ref())
-        .and_then(|o| o.spec()["pool"].as_str().map(str::to_string))
+        .map(|o| o.metadata.name.clone())
     else {
         return;
     };
-    let (old, new) = (state(&change.old), state(&change.new));
+    let now = change.new.as_ref().and_then(|o| MemberSeen::of(o));
+    // A record not seen before is new here (its `old`, if any, may be this very write).
+    let before = match &now {
+        Some(n) => seen.0.insert(name, n.clone()),
+        None => seen.0.remove(&name),
+    };
+    let Some(pool) = now
+        .as_ref()
+        .or(before.as_ref())
+        .map(|m| m.pool.clone())
+        .or_else(|| {
+            change
+                .old
+                .as_ref()
+                .and_then(|o| MemberSeen::of(o))
+                .map(|m| m.pool)
+        })
+    else {
+        return;
+    };
+    let (old, new) = (
+        before.as_ref().and_then(|m| m.state.clone()),
+        now.as_ref().and_then(|m| m.state.clone()),
+    );
+    let (old_holder, new_holder) = (
+        before.as_ref().and_then(|m| m.holder.clone()),
+        now.as_ref().and_then(|m| m.holder.clone()),
+    );
     let claim_only = matches!(
         (old.as_deref(), new.as_deref()),
         (Some("Free"), Some("Acquiring" | "Leased")) | (Some("Acquiring"), Some("Leased"))
@@ -1161,8 +1207,8 @@ fn member_change(
     } else if old != new || change.new.is_none() {
         pools.enqueue(&pool);
     }
-    if let Some(l) = holder(&change.new)
-        && holder(&change.old) != Some(l.clone())
+    if let Some(l) = new_holder
+        && old_holder.as_ref() != Some(&l)
     {
         leases.enqueue(&l);
     }
@@ -1204,8 +1250,9 @@ pub async fn follow_members(
         boxery_controller::Backoff::default(),
     );
     let map = async {
+        let mut seen = Seen::default();
         while let Some(change) = rx.recv().await {
-            member_change(&change, &pools, &leases, &lease_cache);
+            member_change(&change, &mut seen, &pools, &leases, &lease_cache);
         }
     };
     tokio::select! {
