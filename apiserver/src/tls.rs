@@ -147,6 +147,7 @@ fn ca(home: &Path) -> std::io::Result<KeyPair> {
 
 /// Make the CA when this home has none (a kubeconfig carries its certificate).
 pub fn ensure_ca(home: &Path) -> std::io::Result<()> {
+    let _lock = lock(home)?;
     ca(home).map(drop)
 }
 
@@ -156,6 +157,7 @@ pub fn server_identity(
     listen: SocketAddr,
 ) -> std::io::Result<Arc<rustls::ServerConfig>> {
     let d = dir(home);
+    let _lock = lock(home)?;
     let ca_key = ca(home)?;
     let need = names_for(listen);
     let made: Option<Made> = std::fs::read(d.join("server.json"))
