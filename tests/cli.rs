@@ -1787,3 +1787,45 @@ fn completion_in_fish_offers_object_names() {
     assert_eq!(complete("boxery describe vm/d"), "vm/dev1\nvm/dev2\n");
     assert!(complete("boxery get vm --show-l").starts_with("--show-labels"));
 }
+
+/// `-o jsonpath` takes kubectl's template language (`{range}…{end}`, quoted literals with
+/// `\n`, filters); anything it cannot do is an error (exit 2) naming it, with nothing on
+/// stdout (issue 30, class 2: `{range}` printed garbage with exit 0).
+#[test]
+fn jsonpath_ranges_and_unsupported_templates() {
+    let home = Home::new();
+    home.ok(&["new", "r1", "--from", "tiny", "--stopped", "--wait"]);
+    home.ok(&["new", "r2", "--from", "tiny", "--stopped", "--wait"]);
+    assert_eq!(
+        home.ok(&[
+            "get",
+            "vms",
+            "-o",
+            r#"jsonpath={range .items[*]}{.metadata.name}{"\n"}{end}"#,
+        ]),
+        "r1\nr2\n"
+    );
+    assert_eq!(
+        home.ok(&[
+            "get",
+            "vms",
+            "-o",
+            r#"jsonpath={range .items[?(@.metadata.name=="r2")]}{.metadata.name}{"\t"}{.status.phase}{"\n"}{end}"#,
+        ]),
+        "r2\tStopped\n"
+    );
+    for (bad, says) in [
+        (
+            "jsonpath={range .items[*]}{.metadata.name}",
+            "without its `{end}`",
+        ),
+        ("jsonpath={.metadata.name}{end}", "without a `{range"),
+        ("jsonpath={if .a}x{end}", "not supported"),
+    ] {
+        let o = home.run(&["get", "vms", "-o", bad]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{bad}: {err}");
+        assert!(o.stdout.is_empty(), "{bad}: printed {:?}", o.stdout);
+        assert!(err.contains(says), "{bad}: {err}");
+    }
+}

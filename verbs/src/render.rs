@@ -57,7 +57,11 @@ impl std::str::FromStr for Format {
                 s.strip_prefix("jsonpath="),
                 s.strip_prefix("custom-columns="),
             ) {
-                (Some(expr), _) => Format::JsonPath(expr.to_string()),
+                (Some(expr), _) => {
+                    // checked now: an unsupported template fails before anything is printed
+                    check_jsonpath(expr)?;
+                    Format::JsonPath(expr.to_string())
+                }
                 (_, Some(spec)) => Format::CustomColumns(custom_columns(spec)?),
                 _ => {
                     return Err(VerbError::invalid(format!(
@@ -471,61 +475,320 @@ pub fn jsonpath(expr: &str, obj: &Value) -> Result<String> {
 
 /// [`jsonpath`], with the values (not the expression's literals) made [`safe`] when `escape`.
 fn jsonpath_with(expr: &str, obj: &Value, escape: bool) -> Result<String> {
+    let template = Template::parse(expr)?;
     let mut out = String::new();
-    let mut rest = expr;
-    while !rest.is_empty() {
-        match rest.find('{') {
-            None => {
-                out.push_str(rest);
+    template.eval(obj, escape, &mut out);
+    Ok(out)
+}
+
+/// Check a kubectl JSONPath template without evaluating it: what `-o jsonpath=` does before
+/// anything is printed, so an unsupported template fails (exit 2) and never prints half.
+pub fn check_jsonpath(expr: &str) -> Result {
+    Template::parse(expr).map(|_| ())
+}
+
+/// A kubectl JSONPath template (`kubectl get -o jsonpath=…`, as kubectl's
+/// `k8s.io/client-go/util/jsonpath` reads it): text, `{PATH}`, `{"literal"}` (with `\n`, `\t`,
+/// `\r`, `\\`, `\"`), and `{range PATH}…{end}` (nested too), whose paths inside are relative
+/// to each item (`{.metadata.name}`, `{@.metadata.name}`; `{$.…}` is the root). Paths are
+/// RFC 9535 (serde_json_path) with kubectl's spellings: `$` optional, filters
+/// `[?(@.a=="b")]`, field names with `-` or `/` (`.metadata.labels.app-name`), `\.` for a dot
+/// in a name (`.metadata.labels.boxery\.dev/pool`). Anything else is an error naming it
+/// (never a partial or garbled output).
+#[derive(Debug, Clone)]
+struct Template(Vec<Piece>);
+
+#[derive(Debug, Clone)]
+enum Piece {
+    /// Printed as it is (text outside braces, or a quoted literal).
+    Text(String),
+    /// Every value of the path, joined by spaces; from the root or from the current item.
+    Path(Query),
+    /// The body once per value of the path.
+    Range(Query, Vec<Piece>),
+}
+
+#[derive(Debug, Clone)]
+struct Query {
+    from_root: bool,
+    path: serde_json_path::JsonPath,
+}
+
+/// How deep `{range}`s may nest.
+const MAX_RANGE_DEPTH: usize = 16;
+
+impl Template {
+    fn parse(expr: &str) -> Result<Template> {
+        let bad = |what: String| {
+            VerbError::invalid(format!(
+                "jsonpath `{}`: {what} (supported: text, {{PATH}}, {{\"literal\"}} with \\n \\t, {{range PATH}}…{{end}}, filters [?(@.a==\"b\")])",
+                shown(expr)
+            ))
+        };
+        // The pieces of each open `{range}` (the outermost first), and their paths.
+        let mut stack: Vec<(Option<Query>, Vec<Piece>)> = vec![(None, Vec::new())];
+        let mut rest = expr;
+        while !rest.is_empty() {
+            let Some(i) = rest.find('{') else {
+                push_text(&mut stack, rest);
                 break;
-            }
-            Some(i) => {
-                out.push_str(&rest[..i]);
-                let end = rest[i..].find('}').ok_or_else(|| {
-                    VerbError::invalid(format!("unclosed `{{` in jsonpath `{}`", shown(expr)))
-                })?;
-                let inner = rest[i + 1..i + end].trim();
-                rest = &rest[i + end + 1..];
-                if let Some(lit) = inner.strip_prefix('"').and_then(|l| l.strip_suffix('"')) {
-                    out.push_str(&lit.replace("\\n", "\n").replace("\\t", "\t"));
-                    continue;
+            };
+            push_text(&mut stack, &rest[..i]);
+            let end = closing_brace(&rest[i + 1..]).ok_or_else(|| bad("an unclosed `{`".into()))?;
+            let inner = rest[i + 1..i + 1 + end].trim();
+            rest = &rest[i + 1 + end + 1..];
+            let word = inner
+                .split(|c: char| c.is_whitespace())
+                .next()
+                .unwrap_or_default();
+            if inner.is_empty() {
+                return Err(bad("an empty `{}`".into()));
+            } else if inner.starts_with('"') || inner.starts_with('\'') {
+                let lit = unquote(inner).map_err(bad)?;
+                push_text(&mut stack, &lit);
+            } else if inner == "end" {
+                if stack.len() == 1 {
+                    return Err(bad("`{end}` without a `{range …}`".into()));
                 }
-                let path = format!(
-                    "${}",
-                    if inner.starts_with('.') || inner.starts_with('[') {
-                        inner.to_string()
-                    } else {
-                        format!(".{inner}")
-                    }
-                );
-                let p = serde_json_path::JsonPath::parse(&path).map_err(|e| {
-                    VerbError::invalid(format!(
-                        "invalid jsonpath `{}`: {}",
-                        shown(inner),
-                        safe(&e.to_string())
-                    ))
-                })?;
-                let vals: Vec<String> = p
-                    .query(obj)
-                    .all()
-                    .into_iter()
-                    .map(|v| {
-                        let text = match v {
-                            Value::String(s) => s.clone(),
-                            other => other.to_string(),
-                        };
-                        if escape {
-                            safe(&text).into_owned()
-                        } else {
-                            text
-                        }
-                    })
-                    .collect();
-                out.push_str(&vals.join(" "));
+                let (q, body) = stack.pop().expect("an open range");
+                let q = q.expect("a range has a path");
+                stack
+                    .last_mut()
+                    .expect("the top")
+                    .1
+                    .push(Piece::Range(q, body));
+            } else if word == "range" {
+                let path = inner["range".len()..].trim();
+                if path.is_empty() {
+                    return Err(bad("`{range}` needs a path, e.g. {range .items[*]}".into()));
+                }
+                if stack.len() > MAX_RANGE_DEPTH {
+                    return Err(bad(format!(
+                        "more than {MAX_RANGE_DEPTH} nested `{{range}}`s"
+                    )));
+                }
+                stack.push((Some(query(path).map_err(bad)?), Vec::new()));
+            } else if word.len() < inner.len()
+                && word.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            {
+                // `{if …}`, `{else}`-like words: not kubectl's template language.
+                return Err(bad(format!("`{{{}…}}` is not supported", shown(word))));
+            } else {
+                let q = query(inner).map_err(bad)?;
+                stack.last_mut().expect("the top").1.push(Piece::Path(q));
             }
+        }
+        if stack.len() > 1 {
+            return Err(bad("a `{range …}` without its `{end}`".into()));
+        }
+        Ok(Template(stack.pop().expect("the top").1))
+    }
+
+    fn eval(&self, root: &Value, escape: bool, out: &mut String) {
+        eval(&self.0, root, root, escape, out);
+    }
+}
+
+fn push_text(stack: &mut [(Option<Query>, Vec<Piece>)], text: &str) {
+    if text.is_empty() {
+        return;
+    }
+    let body = &mut stack.last_mut().expect("the top").1;
+    if let Some(Piece::Text(t)) = body.last_mut() {
+        t.push_str(text);
+    } else {
+        body.push(Piece::Text(text.to_string()));
+    }
+}
+
+/// Where the `}` that closes an action is in `text` (after its `{`): the first one outside
+/// quotes (a filter's string may hold a `}`).
+fn closing_brace(text: &str) -> Option<usize> {
+    let mut quote: Option<char> = None;
+    let mut escaped = false;
+    for (i, c) in text.char_indices() {
+        match quote {
+            Some(_) if escaped => escaped = false,
+            Some(_) if c == '\\' => escaped = true,
+            Some(q) if c == q => quote = None,
+            Some(_) => {}
+            None if c == '"' || c == '\'' => quote = Some(c),
+            None if c == '}' => return Some(i),
+            None => {}
+        }
+    }
+    None
+}
+
+/// A quoted literal, `"…"` or `'…'`, with its escapes.
+fn unquote(inner: &str) -> std::result::Result<String, String> {
+    let q = inner.chars().next().unwrap_or('"');
+    let body = inner
+        .strip_prefix(q)
+        .and_then(|b| b.strip_suffix(q))
+        .filter(|_| inner.len() >= 2)
+        .ok_or_else(|| format!("the literal `{}` is not closed", shown(inner)))?;
+    let mut out = String::with_capacity(body.len());
+    let mut chars = body.chars();
+    while let Some(c) = chars.next() {
+        if c == q {
+            return Err(format!(
+                "the literal `{}` holds an unescaped {q}",
+                shown(inner)
+            ));
+        }
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => out.push('\n'),
+            Some('t') => out.push('\t'),
+            Some('r') => out.push('\r'),
+            Some('\\') => out.push('\\'),
+            Some(c @ ('"' | '\'')) => out.push(c),
+            Some(c) => {
+                return Err(format!(
+                    "the escape `\\{}` in a literal is not supported (\\n \\t \\r \\\\ \\\" are)",
+                    shown(&c.to_string())
+                ));
+            }
+            None => return Err(format!("the literal `{}` ends in `\\`", shown(inner))),
         }
     }
     Ok(out)
+}
+
+/// A path as kubectl writes it, made RFC 9535 (`$` first; `@` for the current item; field
+/// names that are not plain identifiers, or hold `\.`, bracketed).
+fn query(text: &str) -> std::result::Result<Query, String> {
+    let (from_root, rest) = if let Some(r) = text.strip_prefix('$') {
+        (true, r)
+    } else if let Some(r) = text.strip_prefix('@') {
+        (false, r)
+    } else {
+        (false, text)
+    };
+    let mut path = String::from("$");
+    if !(rest.is_empty() || rest.starts_with('.') || rest.starts_with('[')) {
+        path.push('.');
+    }
+    let chars: Vec<char> = rest.chars().collect();
+    let mut i = 0;
+    let mut depth = 0usize;
+    let mut quote: Option<char> = None;
+    while i < chars.len() {
+        let c = chars[i];
+        if let Some(q) = quote {
+            path.push(c);
+            if c == '\\' && i + 1 < chars.len() {
+                path.push(chars[i + 1]);
+                i += 1;
+            } else if c == q {
+                quote = None;
+            }
+            i += 1;
+            continue;
+        }
+        match c {
+            '"' | '\'' if depth > 0 => {
+                quote = Some(c);
+                path.push(c);
+                i += 1;
+            }
+            '[' | '(' => {
+                depth += 1;
+                path.push(c);
+                i += 1;
+            }
+            ']' | ')' => {
+                depth = depth.saturating_sub(1);
+                path.push(c);
+                i += 1;
+            }
+            '.' if depth == 0 => {
+                let mut dots = ".";
+                i += 1;
+                if chars.get(i) == Some(&'.') {
+                    dots = "..";
+                    i += 1;
+                }
+                let mut name = String::new();
+                while i < chars.len() && chars[i] != '.' && chars[i] != '[' {
+                    if chars[i] == '\\' && chars.get(i + 1) == Some(&'.') {
+                        name.push('.');
+                        i += 2;
+                    } else {
+                        name.push(chars[i]);
+                        i += 1;
+                    }
+                }
+                path.push_str(dots);
+                let plain = name == "*"
+                    || name
+                        .chars()
+                        .next()
+                        .is_some_and(|c| c.is_alphabetic() || c == '_')
+                        && name.chars().all(|c| c.is_alphanumeric() || c == '_');
+                if name.is_empty() || plain {
+                    path.push_str(&name);
+                } else {
+                    if dots == "." {
+                        path.pop();
+                    }
+                    path.push_str(&format!(
+                        "[{}]",
+                        serde_json::to_string(&name).unwrap_or_default()
+                    ));
+                }
+            }
+            _ => {
+                path.push(c);
+                i += 1;
+            }
+        }
+    }
+    let parsed = serde_json_path::JsonPath::parse(&path).map_err(|e| {
+        format!(
+            "the path `{}` is not supported: {}",
+            shown(text),
+            safe(&e.to_string())
+        )
+    })?;
+    Ok(Query {
+        from_root,
+        path: parsed,
+    })
+}
+
+fn eval(pieces: &[Piece], root: &Value, current: &Value, escape: bool, out: &mut String) {
+    let show = |v: &Value| {
+        let text = match v {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        if escape {
+            safe(&text).into_owned()
+        } else {
+            text
+        }
+    };
+    for p in pieces {
+        match p {
+            Piece::Text(t) => out.push_str(t),
+            Piece::Path(q) => {
+                let on = if q.from_root { root } else { current };
+                let vals: Vec<String> = q.path.query(on).all().into_iter().map(show).collect();
+                out.push_str(&vals.join(" "));
+            }
+            Piece::Range(q, body) => {
+                let on = if q.from_root { root } else { current };
+                for v in q.path.query(on).all() {
+                    eval(body, root, v, escape, out);
+                }
+            }
+        }
+    }
 }
 
 /// The object as shown to users: keys in a stable order (apiVersion, kind, metadata, spec, status, rest).
@@ -771,5 +1034,71 @@ mod tests {
         assert!(!e.chain().contains('\u{1b}'));
         let e = jsonpath("{.a\u{1b}[2J", &json!({})).unwrap_err();
         assert!(!e.chain().contains('\u{1b}'));
+    }
+
+    /// kubectl's template language (issue 30, class 2): `{range}…{end}` was read as a path
+    /// and printed nothing useful, with exit 0.
+    #[test]
+    fn jsonpath_templates_as_kubectl() {
+        let list = json!({"kind": "List", "items": [
+            {"metadata": {"name": "a", "labels": {"boxery.dev/pool": "p", "app-name": "x"}},
+             "status": {"phase": "Running", "ips": ["10.0.0.1", "10.0.0.2"]}},
+            {"metadata": {"name": "b", "labels": {}}, "status": {"phase": "Stopped", "ips": []}},
+        ]});
+        let j = |e: &str| jsonpath(e, &list);
+        assert_eq!(
+            j("{range .items[*]}{.metadata.name}{\"\\n\"}{end}").unwrap(),
+            "a\nb\n"
+        );
+        assert_eq!(
+            j("{range .items[*]}{@.metadata.name}{'\\t'}{.status.phase}{\"\\n\"}{end}").unwrap(),
+            "a\tRunning\nb\tStopped\n"
+        );
+        // Nested ranges, the root from inside one, text between actions.
+        assert_eq!(
+            j("{range .items[*]}{.metadata.name}:{range .status.ips[*]} {@}{end};{end}{$.kind}")
+                .unwrap(),
+            "a: 10.0.0.1 10.0.0.2;b:;List"
+        );
+        assert_eq!(
+            j("{.items[?(@.status.phase==\"Running\")].metadata.name}").unwrap(),
+            "a"
+        );
+        assert_eq!(
+            j("{.items[?(@.status.phase=='Stopped')].metadata.name}").unwrap(),
+            "b"
+        );
+        assert_eq!(
+            j("{.items[0].metadata.labels.boxery\\.dev/pool}").unwrap(),
+            "p"
+        );
+        assert_eq!(j("{.items[0].metadata.labels.app-name}").unwrap(), "x");
+        assert_eq!(j("{.items[*].metadata.name}").unwrap(), "a b");
+        assert_eq!(j("{items[1].metadata.name}").unwrap(), "b");
+        assert_eq!(j("{ .items[*].status.ips[0] }").unwrap(), "10.0.0.1");
+        assert_eq!(j("{\"}\"}{.kind}").unwrap(), "}List");
+        // Anything else is an error that says what, never output.
+        for (bad, says) in [
+            ("{range .items[*]}{.metadata.name}", "without its `{end}`"),
+            ("{.metadata.name}{end}", "`{end}` without"),
+            ("{range}{end}", "needs a path"),
+            ("{range .items[*]", "unclosed"),
+            ("{}", "empty"),
+            ("{if .a}x{end}", "`{if…}` is not supported"),
+            ("{\"\\x\"}", "escape `\\x`"),
+            ("{\"a}", "unclosed"),
+            ("{\"a\"b}", "not closed"),
+            ("{.items[?(@.a=~\"x\")]}", "not supported"),
+        ] {
+            let e = j(bad).unwrap_err();
+            assert_eq!(e.kind(), crate::error::ErrorKind::Invalid, "{bad}");
+            assert!(e.chain().contains(says), "{bad}: {}", e.chain());
+        }
+        // Checked when the format is read: nothing is printed first.
+        assert!(
+            "jsonpath={range .items[*]}{.metadata.name}"
+                .parse::<Format>()
+                .is_err()
+        );
     }
 }
