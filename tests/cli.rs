@@ -1829,3 +1829,52 @@ fn jsonpath_ranges_and_unsupported_templates() {
         assert!(err.contains(says), "{bad}: {err}");
     }
 }
+
+/// A home path is written into the unit as systemd reads it: `%` as `%%` (a specifier
+/// otherwise), spaces and `$` kept inside the quoted `Environment=` value, and a path with a
+/// newline refused with nothing written (it would start a new setting: `ExecStartPre=`) (issue
+/// 30, class 4).
+#[test]
+fn service_unit_escapes_the_home_path_and_refuses_newlines() {
+    let home = Home::new();
+    let odd = home.path().join("a%h b$X");
+    let o = home
+        .cmd()
+        .env("BOXERY_HOME", &odd)
+        .args(["service", "install", "--user", "--print"])
+        .output()
+        .unwrap();
+    let unit = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let h = home.path().display().to_string();
+    for want in [
+        format!("Environment=\"BOXERY_HOME={h}/a%%h b$X\"\n"),
+        format!("Description=boxery control plane for {h}/a%%h b$X\n"),
+    ] {
+        assert!(unit.contains(&want), "the unit lacks {want:?}:\n{unit}");
+    }
+    assert!(!unit.contains("a%h"), "an unescaped specifier:\n{unit}");
+
+    let evil = home.path().join("x\nExecStartPre=/bin/touch /tmp/pwned\n#");
+    for extra in [&[][..], &["--print"][..]] {
+        let o = home
+            .cmd()
+            .env("BOXERY_HOME", &evil)
+            .args(["service", "install", "--user"])
+            .args(extra)
+            .env("XDG_CONFIG_HOME", home.path().join("config"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(err.contains("holds a newline"), "{err}");
+        assert!(
+            !String::from_utf8_lossy(&o.stdout).contains("ExecStartPre"),
+            "{extra:?}: printed a unit"
+        );
+        assert!(
+            !home.path().join("config/systemd").exists(),
+            "a unit was written"
+        );
+    }
+}

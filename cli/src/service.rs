@@ -145,9 +145,20 @@ fn has_systemd() -> bool {
     Path::new("/run/systemd/system").is_dir()
 }
 
-/// A value for a unit's `Environment=`/`ExecStart=`: quoted, with `\`, `"`, `%` and `$`
-/// escaped (systemd expands `%` specifiers and `$` variables).
+/// A word of a unit's `ExecStart=`: quoted, with `\\`, `"`, `%` and `$` escaped (systemd
+/// expands `%` specifiers and `$` variables there; systemd.service(5), "Command lines").
 fn quoted(s: &str) -> String {
+    quote_unit(s, true)
+}
+
+/// A value of a unit's `Environment=`: quoted, with `\\`, `"` and `%` escaped. `$` stays as it
+/// is: `Environment=` expands specifiers but not variables (systemd.exec(5)), so `$$` there
+/// would be two dollars in the value.
+fn quoted_env(s: &str) -> String {
+    quote_unit(s, false)
+}
+
+fn quote_unit(s: &str, exec: bool) -> String {
     let mut q = String::from("\"");
     for c in s.chars() {
         match c {
@@ -156,12 +167,38 @@ fn quoted(s: &str) -> String {
                 q.push(c);
             }
             '%' => q.push_str("%%"),
-            '$' => q.push_str("$$"),
+            '$' if exec => q.push_str("$$"),
             _ => q.push(c),
         }
     }
     q.push('"');
     q
+}
+
+/// Free text in a unit (`Description=`): specifiers escaped (`%` → `%%`), nothing else
+/// interpreted there.
+fn unit_text_value(s: &str) -> String {
+    s.replace('%', "%%")
+}
+
+/// Refuse a value that cannot be written into a unit file: a unit is line-based, so a newline
+/// (or a carriage return) would end the setting and start another one (`ExecStartPre=…` from a
+/// home path); other control characters are refused with them, as they have no place in a
+/// path or an argument and would reach a terminal through `systemctl status`.
+fn check_unit_value(what: &str, s: &str) -> CliResult {
+    if let Some(c) = s.chars().find(|c| c.is_control()) {
+        return Err(CliError::invalid(format!(
+            "cannot write a systemd unit: {what} `{}` holds {} (a unit file is line-based; \
+             nothing was written): use a {what} without control characters",
+            boxery_verbs::render::safe(s),
+            match c {
+                '\n' => "a newline".to_string(),
+                '\r' => "a carriage return".to_string(),
+                c => format!("the control character U+{:04X}", u32::from(c)),
+            }
+        )));
+    }
+    Ok(())
 }
 
 /// The command that runs this home's control plane, for a person or another supervisor.
@@ -188,14 +225,28 @@ fn command_line(exe: &Path, env: &Env, backend: Option<&str>, serve_args: &[Stri
     line
 }
 
-/// The unit's text.
+/// The unit's text; refused when a value holds a newline or another control character.
 fn unit_text(
     exe: &Path,
     env: &Env,
     backend: Option<&str>,
     serve_args: &[String],
     system: bool,
-) -> String {
+) -> CliResult<String> {
+    let home = env.home.to_str().ok_or_else(|| {
+        CliError::invalid(format!(
+            "cannot write a systemd unit: the home path {} is not UTF-8",
+            boxery_verbs::render::safe(&env.home.to_string_lossy())
+        ))
+    })?;
+    check_unit_value("home path", home)?;
+    check_unit_value("boxery path", &exe.to_string_lossy())?;
+    if let Some(b) = backend {
+        check_unit_value("backend", b)?;
+    }
+    for a in serve_args {
+        check_unit_value("serve argument", a)?;
+    }
     let mut exec = quoted(&exe.to_string_lossy());
     exec.push_str(" serve");
     for a in serve_args {
@@ -204,15 +255,15 @@ fn unit_text(
     }
     let mut envs = format!(
         "Environment={}\n",
-        quoted(&format!("BOXERY_HOME={}", env.home.display()))
+        quoted_env(&format!("BOXERY_HOME={home}"))
     );
     if let Some(b) = backend {
         envs.push_str(&format!(
             "Environment={}\n",
-            quoted(&format!("BOXERY_BACKEND={b}"))
+            quoted_env(&format!("BOXERY_BACKEND={b}"))
         ));
     }
-    format!(
+    Ok(format!(
         "# Written by `boxery service install`; `boxery service uninstall` removes it.\n\
          [Unit]\n\
          Description=boxery control plane for {home}\n\
@@ -230,13 +281,13 @@ fn unit_text(
          \n\
          [Install]\n\
          WantedBy={target}\n",
-        home = env.home.display(),
+        home = unit_text_value(home),
         target = if system {
             "multi-user.target"
         } else {
             "default.target"
         },
-    )
+    ))
 }
 
 /// Check the `serve` arguments parse, so a bad one fails now rather than in a restart loop.
@@ -284,7 +335,7 @@ fn install(
     let exe = std::env::current_exe()
         .map_err(|e| CliError::new(Code::Failed, anyhow::anyhow!("cannot find boxery: {e}")))?;
     let unit = Unit::for_home(env, scope)?;
-    let text = unit_text(&exe, env, backend, serve_args, unit.system);
+    let text = unit_text(&exe, env, backend, serve_args, unit.system)?;
     if print {
         crate::out::out!("{text}");
         return Ok(());
@@ -393,5 +444,16 @@ mod tests {
     #[test]
     fn unit_values_are_quoted_against_specifiers_and_variables() {
         assert_eq!(quoted(r#"a "b" %h $X \"#), r#""a \"b\" %%h $$X \\""#);
+        assert_eq!(quoted_env(r#"a "b" %h $X \"#), r#""a \"b\" %%h $X \\""#);
+        assert!(check_unit_value("home path", "/a b/%h/$x/\u{e9}").is_ok());
+        for bad in [
+            "/a\nExecStartPre=/bin/sh",
+            "/a\rb",
+            "/a\u{1b}[2J",
+            "/a\u{7f}",
+            "/a\u{85}",
+        ] {
+            assert!(check_unit_value("home path", bad).is_err(), "{bad:?}");
+        }
     }
 }
