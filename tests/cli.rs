@@ -1830,6 +1830,75 @@ fn jsonpath_ranges_and_unsupported_templates() {
     }
 }
 
+/// What `config` prints from a kubeconfig or contexts.yaml (a server, a context's name) goes
+/// through the sanitiser: a hostile file's terminal escapes are shown, not run (issue 30,
+/// class 3).
+#[test]
+fn config_contexts_print_no_raw_escapes_from_files() {
+    let home = Home::new();
+    let kc = home.write(
+        "hostile.kubeconfig",
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: \"https://h.example:7443/\\e]52;c;cm0gLXJmIH4K\\a\\e[2J\"\n    certificate-authority-data: UEVN\nusers:\n- name: u\n  user:\n    token: secret\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: u\ncurrent-context: c\n",
+    );
+    let o = home.run(&[
+        "config",
+        "add-context",
+        "vmhost",
+        "-f",
+        kc.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
+    assert!(err.contains("\\u{1b}]52"), "{err}");
+    // contexts.yaml edited by hand: a context's name, its server and current-context with
+    // escapes too.
+    let n = "\"vm\\e[31mhost\"";
+    std::fs::write(
+        home.path().join("contexts.yaml"),
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: {n}\n  cluster:\n    server: \"https://x\\e[2J:1\"\n    certificate-authority-data: UEVN\nusers:\n- name: {n}\n  user:\n    token: secret\ncontexts:\n- name: {n}\n  context:\n    cluster: {n}\n    user: {n}\ncurrent-context: {n}\n"
+        ),
+    )
+    .unwrap();
+    for args in [
+        &["config", "get-contexts"][..],
+        &["config", "current-context"],
+    ] {
+        let o = home.run(args);
+        let all = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(
+            !all.contains('\u{1b}') && !all.contains('\u{7}'),
+            "{args:?}: {all:?}"
+        );
+        assert!(all.contains("\\u{1b}["), "{args:?}: {all}");
+    }
+    // The store's leader is text another process wrote: `version` and `service status` show it
+    // escaped too.
+    home.ok(&["config", "use-context", "local"]);
+    let _lead = home
+        .store()
+        .try_lead(
+            boxery_verbs::runtime::LOCK,
+            &boxery_store::Candidate::current("evil\u{1b}]52;c;eA==\u{7}\u{1b}[2J"),
+            Duration::from_secs(120),
+        )
+        .unwrap();
+    for args in [&["version"][..], &["service", "status", "--user"]] {
+        let o = home.run(args);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            !out.contains('\u{1b}') && !out.contains('\u{7}'),
+            "{args:?}: {out:?}"
+        );
+        assert!(out.contains("evil\\u{1b}]52"), "{args:?}: {out}");
+    }
+}
+
 /// A home path is written into the unit as systemd reads it: `%` as `%%` (a specifier
 /// otherwise), spaces and `$` kept inside the quoted `Environment=` value, and a path with a
 /// newline refused with nothing written (it would start a new setting: `ExecStartPre=`) (issue

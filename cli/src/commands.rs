@@ -865,7 +865,7 @@ pub fn version(env: &boxery_verbs::env::Env) -> CliResult {
     let store = env.home.join("store.db");
     let leader = if store.exists() {
         match env.store()?.leader(boxery_verbs::runtime::LOCK)? {
-            Some(h) => format!("{h} (leading the store)"),
+            Some(h) => format!("{} (leading the store)", boxery_verbs::render::safe(&h)),
             None => "none leading (commands run the controllers themselves)".into(),
         }
     } else {

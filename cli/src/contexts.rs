@@ -7,6 +7,8 @@ use std::path::Path;
 use boxery_remote::context::{self, LOCAL};
 use clap::Subcommand;
 
+use boxery_verbs::render::safe;
+
 use crate::out::outln;
 
 use crate::exit::{CliError, CliResult};
@@ -64,6 +66,9 @@ pub fn config(home: &Path, cmd: ConfigCmd) -> CliResult {
             if make_current {
                 context::use_context(home, &name)?;
             }
+            // The server is the kubeconfig's text, the name the command line's: both reach the
+            // terminal only through `safe` (a hostile file's escapes are shown, not run).
+            let (name, server) = (safe(&name), safe(&server));
             eprintln!(
                 "context {name} added: {server}{}",
                 if make_current {
@@ -77,7 +82,7 @@ pub fn config(home: &Path, cmd: ConfigCmd) -> CliResult {
         }
         ConfigCmd::UseContext { name } => {
             context::use_context(home, &name)?;
-            eprintln!("current context: {name}");
+            eprintln!("current context: {}", safe(&name));
         }
         ConfigCmd::GetContexts => {
             let k = context::load(home)?;
@@ -95,7 +100,7 @@ pub fn config(home: &Path, cmd: ConfigCmd) -> CliResult {
             t.add_row([
                 if current.is_none() { "*" } else { "" },
                 LOCAL,
-                &format!("this home ({})", home.display()),
+                &format!("this home ({})", safe(&home.display().to_string())),
             ]);
             for c in &k.contexts {
                 let server = k
@@ -104,17 +109,23 @@ pub fn config(home: &Path, cmd: ConfigCmd) -> CliResult {
                     .find(|x| x.name == c.value.cluster)
                     .map(|x| x.value.server.as_str())
                     .unwrap_or("?");
-                t.add_row([mark(&c.name), &c.name, server]);
+                // contexts.yaml is a file anyone may have edited: names and servers are shown
+                // through `safe`, as every string from a file or a server.
+                t.add_row([
+                    mark(&c.name).to_string(),
+                    safe(&c.name).into_owned(),
+                    safe(server).into_owned(),
+                ]);
             }
             outln!("{}", t.trim_fmt());
         }
         ConfigCmd::CurrentContext => {
             let k = context::load(home)?;
-            outln!("{}", k.current_context.as_deref().unwrap_or(LOCAL));
+            outln!("{}", safe(k.current_context.as_deref().unwrap_or(LOCAL)));
         }
         ConfigCmd::DeleteContext { name } => {
             context::remove(home, &name)?;
-            eprintln!("context {name} deleted");
+            eprintln!("context {} deleted", safe(&name));
         }
     }
     Ok(())

@@ -430,7 +430,11 @@ async fn status(env: &Env, scope: &Scope) -> CliResult {
     outln!(
         "control plane: {}",
         match leader {
-            Some(h) => format!("running ({h} leads the store)"),
+            // The holder is text from the store's file: shown through the sanitiser.
+            Some(h) => format!(
+                "running ({} leads the store)",
+                boxery_verbs::render::safe(&h)
+            ),
             None => "none: nothing reconciles this home (`boxery serve`)".into(),
         }
     );
