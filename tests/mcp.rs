@@ -199,3 +199,105 @@ fn real_vm_through_the_python_sdk() {
         Duration::from_secs(1500),
     );
 }
+
+/// `vm_patch` of an approved grant's spec answers with the state after the controller's
+/// reaction: the changed grant is PendingApproval and NOT in force until a person approves it
+/// again, never "Applied" from the status of the generation that was approved (issue 30,
+/// class 5). Driven over stdio JSON-RPC with `boxery mcp`, a `serve` leading.
+#[test]
+fn patching_an_approved_grant_says_it_needs_approval_again() {
+    use std::io::{BufRead, BufReader, Write};
+    let home = Home::new();
+    let serve = home.serve_env(&[], &[("GRANT_TEST_KEY", "v1"), ("GRANT_TEST_KEY2", "v2")]);
+    serve.wait_leading();
+    home.ok(&["new", "dev1", "--from", "tiny", "--wait"]);
+    let g = home.write(
+        "g1.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Grant\nmetadata: {name: g1}\nspec:\n  vm: dev1\n  type: llm\n  target: anthropic\n  valueFrom: {env: GRANT_TEST_KEY}\n",
+    );
+    home.ok(&["apply", "-f", g.to_str().unwrap()]);
+    // A person's approval of generation 1, as `grant approve` writes it.
+    let store = home.store();
+    common::eventually(Duration::from_secs(20), || {
+        let mut obj = store.get("Grant", "g1").unwrap().unwrap();
+        let generation = obj.metadata.generation.unwrap();
+        obj.rest.insert(
+            "status".into(),
+            serde_json::json!({"phase": "PendingApproval", "approvedBy": "root",
+                "approvedGeneration": generation, "approvedAt": "2026-01-01T00:00:00Z"}),
+        );
+        // The controller writes the status too: again on a conflict.
+        store.update_status(obj).ok()
+    })
+    .expect("the approval written");
+    common::eventually(Duration::from_secs(20), || {
+        let g: boxery_api::Grant = home.store().get_as("g1").unwrap()?;
+        (g.status.phase == boxery_api::grant::GrantPhase::Applied).then_some(())
+    })
+    .expect("the approved grant is Applied");
+
+    let mut child = home
+        .cmd()
+        .arg("mcp")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut stdin = child.stdin.take().unwrap();
+    let mut request = |id: u64, method: &str, params: serde_json::Value| {
+        let msg =
+            serde_json::json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
+        writeln!(stdin, "{msg}").unwrap();
+        if method == "initialize" {
+            writeln!(
+                stdin,
+                "{}",
+                serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized"})
+            )
+            .unwrap();
+        }
+        stdin.flush().unwrap();
+        loop {
+            let mut line = String::new();
+            assert!(out.read_line(&mut line).unwrap() > 0, "mcp closed");
+            let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+            if v["id"] == serde_json::json!(id) {
+                return v;
+            }
+        }
+    };
+    request(
+        1,
+        "initialize",
+        serde_json::json!({"protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "class5", "version": "0"}}),
+    );
+    let r = request(
+        2,
+        "tools/call",
+        serde_json::json!({"name": "vm_patch", "arguments": {"kind": "grant", "name": "g1",
+            "patch": "{\"spec\": {\"valueFrom\": {\"env\": \"GRANT_TEST_KEY2\"}}}"}}),
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = r["result"]["content"][0]["text"]
+        .as_str()
+        .unwrap_or_default();
+    eprintln!("vm_patch answered:\n{text}");
+    assert_ne!(r["result"]["isError"], serde_json::json!(true), "{r}");
+    assert!(
+        !text.contains("it is Applied"),
+        "vm_patch said the changed grant is Applied:\n{text}"
+    );
+    assert!(
+        text.contains("it is PendingApproval") && text.contains("NOT in force"),
+        "vm_patch did not say the change awaits approval:\n{text}"
+    );
+    let g: boxery_api::Grant = home.store().get_as("g1").unwrap().unwrap();
+    assert_eq!(
+        g.status.phase,
+        boxery_api::grant::GrantPhase::PendingApproval
+    );
+}

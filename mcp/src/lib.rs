@@ -311,7 +311,7 @@ pub fn tools() -> &'static [Tool] {
             ),
             tool(
                 "vm_patch",
-                "Change fields of one stored object without rewriting it: labels and annotations, a Pool's replicas, a Vm's resources or runStrategy. A JSON merge patch (default; {\"spec\": {\"replicas\": 3}}, null removes a field) or a JSON patch (type: json). Validated as vm_apply validates; status and the controllers' metadata cannot be changed. dry_run returns the result and writes nothing. Returns at once: follow the change with vm_wait.",
+                "Change fields of one stored object without rewriting it: labels and annotations, a Pool's replicas, a Vm's resources or runStrategy. A JSON merge patch (default; {\"spec\": {\"replicas\": 3}}, null removes a field) or a JSON patch (type: json). Validated as vm_apply validates; status and the controllers' metadata cannot be changed. dry_run returns the result and writes nothing. Returns once the controller has acted on the change (at most 5 s), with where the object stands then: a status still from an older generation says so, and a Grant whose changed spec no person approved is PendingApproval and NOT in force until `boxery grant approve`. Follow it further with vm_wait.",
                 rw,
                 CliSide::Commands(&["patch", "label", "annotate", "scale"]),
                 lifecycle::patch,

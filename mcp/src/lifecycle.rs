@@ -36,6 +36,81 @@ pub(super) async fn bounded_wait(
     Ok(wait::bounded(session.verbs()?, targets, until, timeout, ct.cancelled()).await?)
 }
 
+/// Where an object stands, as [`wait::describe_state`], never claiming more than its status
+/// shows: a status written for an older generation (`status.observedGeneration` behind
+/// `metadata.generation`: the controllers have not acted on the latest spec yet) says so, and
+/// a Grant whose current spec no person approved says it is NOT in force, whatever its
+/// (older) phase says (issue 30, class 5: `vm_patch` of an approved grant answered "Applied").
+pub(crate) fn describe_now(o: &boxery_api::DynObject) -> String {
+    let mut text = wait::describe_state(Some(o));
+    let generation = o.metadata.generation;
+    let observed = o.status()["observedGeneration"].as_i64();
+    if let (Some(g), Some(seen)) = (generation, observed)
+        && seen < g
+    {
+        text.push_str(&format!(
+            " (that status is from generation {seen}: the controllers have not acted on generation {g}, the current spec, yet)"
+        ));
+    }
+    if o.kind == boxery_api::Grant::INFO.kind {
+        let st = o.status();
+        let approved_for_now = st["approvedBy"].is_string()
+            && st["approvedGeneration"].as_i64().is_some()
+            && st["approvedGeneration"].as_i64() == generation;
+        if !approved_for_now {
+            let name = &o.metadata.name;
+            let was = st["approvedGeneration"]
+                .as_i64()
+                .map(|a| {
+                    format!(
+                        "the approval of generation {a} does not hold for generation {}: ",
+                        generation.unwrap_or_default()
+                    )
+                })
+                .unwrap_or_default();
+            text.push_str(&format!(
+                "; grant/{name} is NOT in force: {was}a person must approve it (`boxery grant approve {name}` in a terminal on the control plane's host; no tool can approve)"
+            ));
+        }
+    }
+    text
+}
+
+/// After a write that changed an object's spec: wait (at most `within`) until its controller
+/// has acted on the new generation (`status.observedGeneration`), and return the object as it
+/// is then. Objects without an observed generation, or that nothing reconciles, are returned
+/// as they are once the time is up.
+async fn after_reaction(
+    session: &Session,
+    o: boxery_api::DynObject,
+    within: Duration,
+) -> Result<boxery_api::DynObject, ToolError> {
+    let Some(g) = o.metadata.generation else {
+        return Ok(o);
+    };
+    let store = session.verbs()?.store();
+    let key = ObjectRef::new(&o.kind, o.metadata.name.clone());
+    let deadline = tokio::time::Instant::now() + within;
+    let mut last = o;
+    loop {
+        if last.status()["observedGeneration"]
+            .as_i64()
+            .is_some_and(|seen| seen >= g)
+            || last.metadata.generation != Some(g)
+        {
+            return Ok(last);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(last);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        match store.get(&key).await? {
+            Some(o) => last = o,
+            None => return Ok(last),
+        }
+    }
+}
+
 /// One line per object: `kind/name STATUS (Ready=…: message)`.
 async fn state_lines(
     session: &Session,
@@ -51,7 +126,7 @@ async fn state_lines(
             "{}/{n}: {}\n",
             k.to_lowercase(),
             match &o {
-                Some(o) => wait::describe_state(Some(o)),
+                Some(o) => describe_now(o),
                 None => "deleted".into(),
             }
         ));
@@ -397,11 +472,7 @@ pub async fn describe(
             .map_err(boxery_verbs::VerbError::from)?;
     }
     Ok(Output::with_data(
-        format!(
-            "{}\n{}",
-            wait::describe_state(Some(&o)),
-            render::to_yaml(&value)?
-        ),
+        format!("{}\n{}", describe_now(&o), render::to_yaml(&value)?),
         value,
     ))
 }
@@ -437,14 +508,25 @@ pub async fn patch(session: Arc<Session>, a: PatchArgs, _ct: CancellationToken) 
         (true, false) => "patched",
         (true, true) => "patched (dry run: nothing written)",
     };
-    let value = render::display_value(&c.object);
     let mut text = format!("{}/{name} {word}\n", info.singular);
-    if c.changed && !c.dry_run {
-        text.push_str(&wait::describe_state(Some(&c.object)));
+    let object = if c.changed && !c.dry_run {
+        // The state is read after the controller's reaction to the new generation (bounded),
+        // not from the status written for the old one.
+        let gen_before = c.object.metadata.generation;
+        let now = after_reaction(&session, c.object, Duration::from_secs(5)).await?;
+        text.push_str(&describe_now(&now));
+        if gen_before != now.metadata.generation {
+            text.push_str("\n(changed again meanwhile: vm_get shows the latest)");
+        }
         text.push_str(
             "\n(the controllers converge on the change: vm_wait or vm_get to follow it)\n",
         );
-    }
+        text.push_str(&unreconciled(&session).await?);
+        now
+    } else {
+        c.object
+    };
+    let value = render::display_value(&object);
     text.push_str(&render::to_yaml(&value)?);
     Ok(Output::with_data(text, value))
 }
