@@ -430,6 +430,9 @@ pub fn run(home: &Path, store: &Store, vm: &str, sibling: Option<&str>) -> Resul
     let backend = v.status.backend.clone().unwrap_or_default();
     let reach = boxery_hands::reach(home, store, vm, Voice::Cli)?;
     let policy = v.spec.network.egress.clone();
+    // The guest side: where it reaches the host and the proxy (waited for, bounded, before
+    // the host-wide lock is taken).
+    let proxy = home_proxy_url(&reach, vm)?;
     // Drills on one host take turns: the stand-ins are host-wide.
     std::fs::create_dir_all("/run/lock").ok();
     let lock = std::fs::OpenOptions::new()
@@ -456,8 +459,6 @@ pub fn run(home: &Path, store: &Store, vm: &str, sibling: Option<&str>) -> Resul
         Ok(at)
     };
     let standins = Standins::make();
-    // The guest side: where it reaches the host and the proxy.
-    let proxy = home_proxy_url(&reach, vm)?;
     let gateway = match backend.as_str() {
         "qemu" => "10.0.2.2".to_string(),
         _ => split_hostport(&proxy).0.to_string(),
@@ -793,27 +794,153 @@ pub fn run(home: &Path, store: &Store, vm: &str, sibling: Option<&str>) -> Resul
     Ok(rows)
 }
 
-/// The credential proxy's base URL as the guest sees it, read from the guest's own env.
+/// How long a drill waits for the guest's settings (`BOXERY_PROXY`, pushed by the control
+/// plane a few seconds after the VM is ready): a drill right after `apply --wait` waits
+/// instead of failing (issue 30, class 6).
+const SETTINGS_WAIT: Duration = Duration::from_secs(90);
+
+/// The credential proxy's base URL as the guest sees it, read from the guest's own env; waits
+/// (at most [`SETTINGS_WAIT`], saying so on stderr) until the control plane has pushed it.
 fn home_proxy_url(reach: &boxery_hands::Reach, vm: &str) -> Result<String> {
-    let out = reach
-        .std_command()
-        .args([
-            "-T",
-            "--",
-            &format!(
-                "{}printf '%s' \"${{BOXERY_PROXY:-}}\"",
-                boxery_hands::guest::SOURCE
-            ),
-        ])
-        .stdin(Stdio::null())
-        .output()
-        .context("cannot run ssh")?;
-    let url = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    if url.is_empty() {
-        bail!(
-            "VM {vm}'s guest has no BOXERY_PROXY yet: the control plane pushes it a few seconds \
-             after the VM is ready (is `boxery serve` running?); try again"
-        );
+    let mut last_ssh_error = String::new();
+    let mut next_note = Duration::from_secs(15);
+    let read = |last_ssh_error: &mut String| -> Result<Option<String>> {
+        let out = reach
+            .std_command()
+            .args([
+                "-T",
+                "--",
+                &format!(
+                    "{}printf '%s' \"${{BOXERY_PROXY:-}}\"",
+                    boxery_hands::guest::SOURCE
+                ),
+            ])
+            .stdin(Stdio::null())
+            .output()
+            .context("cannot run ssh")?;
+        if !out.status.success() {
+            *last_ssh_error = String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or_default()
+                .to_string();
+        }
+        let url = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        Ok((!url.is_empty()).then_some(url))
+    };
+    let found = poll_until(
+        SETTINGS_WAIT,
+        Duration::from_secs(1),
+        || read(&mut last_ssh_error),
+        |waited| {
+            if waited.is_zero() {
+                eprintln!(
+                    "drill: waiting for VM {vm}'s guest settings (BOXERY_PROXY) from the control plane (at most {} s)…",
+                    SETTINGS_WAIT.as_secs()
+                );
+            } else if waited >= next_note {
+                eprintln!(
+                    "drill: still waiting for VM {vm}'s guest settings ({} s)",
+                    waited.as_secs()
+                );
+                next_note += Duration::from_secs(15);
+            }
+        },
+    )?;
+    match found {
+        Some(url) => Ok(url),
+        None => bail!(
+            "VM {vm}'s guest still has no BOXERY_PROXY after {} s: the control plane pushes it once \
+             the VM is ready; is a control plane running (`boxery service status`)?{}",
+            SETTINGS_WAIT.as_secs(),
+            if last_ssh_error.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " (last ssh error: {})",
+                    boxery_verbs::render::safe(&last_ssh_error)
+                )
+            }
+        ),
     }
-    Ok(url)
+}
+
+/// Call `probe` until it gives a value or `timeout` has passed (then `Ok(None)`), every
+/// `every`; `waiting` is told how long it has waited before each pause (zero the first
+/// time). A probe's error ends the wait at once.
+fn poll_until<T>(
+    timeout: Duration,
+    every: Duration,
+    mut probe: impl FnMut() -> Result<Option<T>>,
+    mut waiting: impl FnMut(Duration),
+) -> Result<Option<T>> {
+    let start = std::time::Instant::now();
+    let mut first = true;
+    loop {
+        if let Some(v) = probe()? {
+            return Ok(Some(v));
+        }
+        let waited = start.elapsed();
+        if waited >= timeout {
+            return Ok(None);
+        }
+        waiting(if first { Duration::ZERO } else { waited });
+        first = false;
+        std::thread::sleep(every.min(timeout - waited));
+    }
+}
+
+#[cfg(test)]
+mod wait_tests {
+    use super::*;
+
+    /// A drill right after `apply --wait` waits for the guest's settings that come a little
+    /// later, saying so once at the start, rather than failing at the first look; it gives up
+    /// (None) only after its bound, and a probe's error ends it at once (issue 30, class 6).
+    #[test]
+    fn the_settings_wait_polls_until_they_come_bounded() {
+        let mut calls = 0;
+        let mut notes = Vec::new();
+        let got = poll_until(
+            Duration::from_secs(5),
+            Duration::from_millis(10),
+            || {
+                calls += 1;
+                Ok((calls == 4).then(|| "http://10.0.2.2:7391".to_string()))
+            },
+            |w| notes.push(w),
+        )
+        .unwrap();
+        assert_eq!(got.as_deref(), Some("http://10.0.2.2:7391"));
+        assert_eq!(calls, 4);
+        assert_eq!(notes.len(), 3);
+        assert!(notes[0].is_zero() && !notes[1].is_zero(), "{notes:?}");
+
+        let start = std::time::Instant::now();
+        let none: Option<String> = poll_until(
+            Duration::from_millis(200),
+            Duration::from_millis(20),
+            || Ok(None),
+            |_| {},
+        )
+        .unwrap();
+        assert!(none.is_none());
+        let took = start.elapsed();
+        assert!(
+            took >= Duration::from_millis(200) && took < Duration::from_secs(2),
+            "{took:?}"
+        );
+
+        let mut n = 0;
+        let e = poll_until::<String>(
+            Duration::from_secs(5),
+            Duration::from_millis(10),
+            || {
+                n += 1;
+                bail!("cannot run ssh")
+            },
+            |_| {},
+        );
+        assert!(e.is_err() && n == 1);
+    }
 }
