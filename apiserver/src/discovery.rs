@@ -307,8 +307,11 @@ pub fn openapi_hash() -> &'static str {
     })
 }
 
-/// The media type of OpenAPI v2 in protobuf, which kubectl asks `/openapi/v2` for.
-pub const OPENAPI_V2_PROTOBUF: &str = "application/com.github.proto-openapi.spec.v2@v1.0+protobuf";
+/// The media type of OpenAPI v2 in protobuf as served: kubectl asks for
+/// `application/com.github.proto-openapi.spec.v2@v1.0+protobuf`, but an `@` is not allowed in
+/// a `Content-Type` (client-go parses it and fails: "mime: unexpected content after media
+/// subtype"), so the answer says `.v1.0`, as kube-openapi's does.
+pub const OPENAPI_V2_PROTOBUF: &str = "application/com.github.proto-openapi.spec.v2.v1.0+protobuf";
 
 /// `/openapi/v2`: a Swagger 2.0 document with no definitions. kubectl reads it only to check
 /// what OpenAPI v3 cannot route, a `kind: List` (`kubectl get -o yaml | kubectl apply -f -`):
