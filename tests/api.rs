@@ -1100,3 +1100,62 @@ fn kubectl_scales_pools_and_reapplies_what_it_got() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// A snippet run by the official Python client against the API, `api` a `CustomObjectsApi`
+/// and `G, V` boxery's group and version; its stdout (a failure shows its stderr).
+fn py(api: &Api, snippet: &str) -> String {
+    let python = python_with("kubernetes");
+    let script = format!(
+        "import sys\nfrom kubernetes import client, config\nconfig.load_kube_config(sys.argv[1])\napi = client.CustomObjectsApi()\nG, V = 'boxery.dev', 'v1alpha1'\n{snippet}"
+    );
+    let o = Command::new(&python)
+        .arg("-c")
+        .arg(&script)
+        .arg(&api.kubeconfig)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
+/// `metadata.managedFields` are served in Kubernetes' shape: kubectl shows them when asked
+/// (`--show-managed-fields`) and hides them otherwise; the Python client reads them.
+#[test]
+fn managed_fields_are_served() {
+    let api = Api::start();
+    let f = api.home.write("m1.yaml", &vm("m1", 1));
+    api.k(&["apply", "--server-side", "-f", f.to_str().unwrap()]);
+    api.k(&["label", "vm", "m1", "env=x"]);
+    let y = api.k(&["get", "vm", "m1", "-o", "yaml", "--show-managed-fields"]);
+    for want in [
+        "managedFields:",
+        "manager: kubectl",
+        "operation: Apply",
+        "operation: Update",
+        "fieldsType: FieldsV1",
+        "f:spec:",
+        "f:cpus: {}",
+        "f:env: {}",
+        "apiVersion: boxery.dev/v1alpha1",
+        "time: \"20",
+    ] {
+        assert!(y.contains(want), "no {want:?} in:\n{y}");
+    }
+    let plain = api.k(&["get", "vm", "m1", "-o", "yaml"]);
+    assert!(!plain.contains("managedFields"), "{plain}");
+    let out = py(
+        &api,
+        "o = api.get_cluster_custom_object(G, V, 'vms', 'm1')\nfor e in o['metadata']['managedFields']:\n    print(e['manager'], e['operation'], e['fieldsType'], sorted(e['fieldsV1']))",
+    );
+    assert!(
+        out.contains("kubectl Apply FieldsV1 ['f:metadata', 'f:spec']")
+            && out.contains("Update FieldsV1 ['f:metadata']"),
+        "{out}"
+    );
+}
+

@@ -10,6 +10,7 @@ pub mod call;
 pub mod connect;
 pub mod discovery;
 pub mod events;
+pub mod managed;
 pub mod options;
 pub mod query;
 pub mod resources;

@@ -183,12 +183,12 @@ fn served(o: &DynObject) -> Value {
     display_value(o)
 }
 
-/// An object as served, as JSON text: written straight from the object, `managedFields` left
-/// out (boxery's entries are its own form; kubectl hides them anyway).
+/// An object as served, as JSON text: written straight from the object, with its
+/// `managedFields` as Kubernetes serves them ([`crate::managed::complete`]; kubectl hides them
+/// unless asked, `--show-managed-fields`).
 fn served_bytes(o: &mut DynObject, out: &mut Vec<u8>) {
-    let managed = std::mem::take(&mut o.metadata.managed_fields);
+    crate::managed::complete(&mut o.metadata.managed_fields);
     serde_json::to_writer(&mut *out, &*o).expect("an object serializes");
-    o.metadata.managed_fields = managed;
 }
 
 /// A JSON response of bytes already written.
