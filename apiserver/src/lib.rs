@@ -12,6 +12,7 @@ pub mod discovery;
 pub mod events;
 pub mod managed;
 pub mod options;
+pub mod paging;
 pub mod query;
 pub mod resources;
 pub mod scale;

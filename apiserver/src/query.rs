@@ -39,6 +39,11 @@ pub struct Params {
     pub grace_period_seconds: Option<String>,
     /// `orphanDependents` of a delete (deprecated: propagationPolicy).
     pub orphan_dependents: Option<String>,
+    /// `limit` of a list: at most this many items a page ([`crate::paging`]).
+    pub limit: Option<i64>,
+    /// `continue`: the token of the page to list ([`crate::paging`]).
+    #[serde(rename = "continue")]
+    pub continue_: Option<String>,
 }
 
 fn truthy(v: &Option<String>) -> bool {

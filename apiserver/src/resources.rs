@@ -16,6 +16,7 @@ use boxery_verbs::{Verbs, Voice};
 use serde_json::{Value, json};
 
 use crate::call::Call;
+use crate::paging::{Cut, Page};
 use crate::query::{FieldSelector, Params, wants_table};
 use crate::scope::{self, Access};
 use crate::status::{Failure, success};
@@ -203,17 +204,28 @@ fn object_reply(code: StatusCode, mut o: DynObject) -> Response {
     bytes_reply(code, b)
 }
 
+/// A list's `metadata`: its revision, and the next page's token when more remain.
+fn list_meta(cut: &Cut) -> Value {
+    let mut m = json!({"resourceVersion": cut.rv.to_string()});
+    if let Some(c) = &cut.cont {
+        m["continue"] = json!(c);
+        m["remainingItemCount"] = json!(cut.remaining);
+    }
+    m
+}
+
 /// A `KindList` response, written object by object.
-fn list_reply(info: &KindInfo, rev: u64, objs: &mut [DynObject]) -> Response {
-    let mut b = Vec::with_capacity(objs.len() * 2048 + 128);
+fn list_reply(info: &KindInfo, cut: &mut Cut) -> Response {
+    let mut b = Vec::with_capacity(cut.items.len() * 2048 + 128);
     b.extend_from_slice(
         format!(
-            r#"{{"apiVersion":"{GROUP_VERSION}","kind":"{}List","metadata":{{"resourceVersion":"{rev}"}},"items":["#,
-            info.kind
+            r#"{{"apiVersion":"{GROUP_VERSION}","kind":"{}List","metadata":{},"items":["#,
+            info.kind,
+            list_meta(cut)
         )
         .as_bytes(),
     );
-    for (i, o) in objs.iter_mut().enumerate() {
+    for (i, o) in cut.items.iter_mut().enumerate() {
         if i > 0 {
             b.push(b',');
         }
@@ -226,6 +238,11 @@ fn list_reply(info: &KindInfo, rev: u64, objs: &mut [DynObject]) -> Response {
 /// The Table of `objs` as JSON text: the columns `boxery get` prints (the `-o wide` ones at
 /// priority 1), written row by row (a Table of 1,000 Vms is what `kubectl get vms` asks for).
 pub fn table_bytes(kind: &str, objs: &[Value], rv: &str, include: Option<&str>) -> Vec<u8> {
+    table_page(kind, objs, json!({"resourceVersion": rv}), include)
+}
+
+/// [`table_bytes`] with the list's `metadata` (a page's carries its `continue`).
+fn table_page(kind: &str, objs: &[Value], meta: Value, include: Option<&str>) -> Vec<u8> {
     let narrow: Vec<&str> = boxery_verbs::render::columns(kind, false)
         .iter()
         .map(|(h, _)| *h)
@@ -247,7 +264,7 @@ pub fn table_bytes(kind: &str, objs: &[Value], rv: &str, include: Option<&str>) 
     let head = json!({
         "kind": "Table",
         "apiVersion": "meta.k8s.io/v1",
-        "metadata": {"resourceVersion": rv},
+        "metadata": meta,
         "columnDefinitions": defs,
     })
     .to_string();
@@ -291,17 +308,20 @@ pub async fn list(c: Call, Path(plural): Path<String>) -> Reply {
     let (sh, caller, p, include, headers) = (c.sh, c.caller, c.p, c.include, c.headers);
     let info = kind_of(&plural)?;
     scope::allow(&sh, &caller, Access::Read, info, None).await?;
-    not_ahead(&sh, &p).await?;
     if p.is_watch() {
+        not_ahead(&sh, &p).await?;
         return crate::watch::serve(sh, caller, info, p, wants_table(&headers), include).await;
     }
-    let (mut objs, rev) = read_list(&sh, &caller, info, &p.labels()?, &p.fields()?).await?;
+    let page = Page::of(&sh, info, &p).await?;
+    not_ahead(&sh, &p).await?;
+    let (objs, rev) = read_list(&sh, &caller, info, &p.labels()?, &p.fields()?).await?;
+    let mut cut = page.cut(objs, rev);
     if wants_table(&headers) {
-        let values: Vec<Value> = objs.iter().map(served).collect();
-        let t = table_bytes(info.kind, &values, &rev.to_string(), include.as_deref());
+        let values: Vec<Value> = cut.items.iter().map(served).collect();
+        let t = table_page(info.kind, &values, list_meta(&cut), include.as_deref());
         return Ok(bytes_reply(StatusCode::OK, t));
     }
-    Ok(list_reply(info, rev, &mut objs))
+    Ok(list_reply(info, &mut cut))
 }
 
 /// How long a list or watch from a revision the store has not reached waits for it, as the
