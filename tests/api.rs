@@ -1231,3 +1231,105 @@ fn lists_are_paged_with_limit_and_continue() {
     );
 }
 
+/// `kubectl auth can-i` answers from the token's scope, as the requests themselves are
+/// answered: a full token may write but not a status, a read token only reads, a lease token
+/// reaches its lease and its VM; `--list` lists the same.
+#[test]
+fn kubectl_auth_can_i_answers_from_the_tokens_scope() {
+    let api = Api::start();
+    let can = |kc: &Path, args: &[&str]| {
+        let mut all = vec!["auth", "can-i"];
+        all.extend_from_slice(args);
+        let o = api.kubectl_with(kc, &all, &[]);
+        let out = String::from_utf8_lossy(&o.stdout).trim().to_string();
+        assert_eq!(
+            o.status.success(),
+            out == "yes",
+            "{args:?}: {out} {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        out
+    };
+    let full = api.kubeconfig.clone();
+    assert_eq!(can(&full, &["create", "vms"]), "yes");
+    assert_eq!(can(&full, &["delete", "pools/p"]), "yes");
+    assert_eq!(
+        can(&full, &["patch", "pools/p", "--subresource=scale"]),
+        "yes"
+    );
+    let no = can(&full, &["update", "vms/x", "--subresource=status"]);
+    assert!(no.starts_with("no") && no.contains("controllers"), "{no}");
+    assert!(can(&full, &["create", "events.boxery.dev"]).starts_with("no"));
+    assert!(can(&full, &["get", "pods"]).starts_with("no"));
+    assert_eq!(can(&full, &["list", "events"]), "yes");
+    let ro = api
+        .home
+        .ok(&["kubeconfig", "--scope", "read", "--name", "ro"]);
+    let ro = api.home.write("ro.yaml", &ro);
+    assert_eq!(can(&ro, &["get", "vms"]), "yes");
+    assert_eq!(can(&ro, &["watch", "leases"]), "yes");
+    let no = can(&ro, &["create", "vms"]);
+    assert!(no.starts_with("no") && no.contains("scope read"), "{no}");
+    assert!(can(&ro, &["delete", "vms/x"]).starts_with("no"));
+    // a lease token: its lease and VM
+    let pool = api.home.write(
+        "pool.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: p}\nspec:\n  replicas: 2\n  template:\n    spec:\n      source: {image: tiny}\n",
+    );
+    api.home.ok(&["apply", "-f", pool.to_str().unwrap()]);
+    api.home
+        .ok(&["lease", "acquire", "p", "--name", "mine", "--wait"]);
+    let held = eventually(Duration::from_secs(60), || {
+        let l: boxery_api::Lease = api.home.store().get_as("mine").ok()??;
+        l.status.vm.clone()
+    })
+    .expect("lease mine holds a VM");
+    let kc = api
+        .home
+        .ok(&["kubeconfig", "--scope", "lease:mine", "--name", "agent"]);
+    let kc = api.home.write("agent.yaml", &kc);
+    assert_eq!(can(&kc, &["get", &format!("vm/{held}")]), "yes");
+    assert_eq!(can(&kc, &["patch", &format!("vm/{held}")]), "yes");
+    assert_eq!(can(&kc, &["list", "vms"]), "yes");
+    assert_eq!(can(&kc, &["delete", "lease/mine"]), "yes");
+    assert!(can(&kc, &["delete", &format!("vm/{held}")]).starts_with("no"));
+    assert!(can(&kc, &["get", "vm/someone-else"]).starts_with("no"));
+    assert!(can(&kc, &["create", "vms"]).starts_with("no"));
+    assert!(can(&kc, &["get", "pools/p"]).starts_with("no"));
+    // --list: the same answers as rules
+    let list = api.k(&["auth", "can-i", "--list"]);
+    let rule = |list: &str, res: &str| {
+        list.lines()
+            .find(|l| l.split_whitespace().next() == Some(res))
+            .map(|l| l.split_once('[').map_or("", |(_, r)| r).to_string())
+    };
+    assert!(
+        rule(&list, "vms.boxery.dev").is_some_and(
+            |r| r.ends_with("[get list watch create update patch delete deletecollection]")
+        ),
+        "{list}"
+    );
+    assert!(
+        rule(&list, "vms.boxery.dev/status").is_some_and(|r| r.ends_with("[get]")),
+        "{list}"
+    );
+    let o = api.kubectl_with(&kc, &["auth", "can-i", "--list"], &[]);
+    let list = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        list.lines().any(|l| l.starts_with("vms.boxery.dev")
+            && l.contains(&format!("[{held}]"))
+            && l.contains("patch")),
+        "{list}"
+    );
+    assert!(
+        !list.lines().any(|l| l.contains("pools.boxery.dev")),
+        "{list}"
+    );
+    // the Python client asks the same
+    let out = py(
+        &api,
+        "a = client.AuthorizationV1Api()\nfor verb in ['create', 'escalate']:\n    r = a.create_self_subject_access_review(client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec(resource_attributes=client.V1ResourceAttributes(group=G, resource='vms', verb=verb))))\n    print(verb, r.status.allowed)",
+    );
+    assert_eq!(out.trim(), "create True\nescalate False");
+}
+

@@ -72,9 +72,10 @@ fn group() -> Value {
     })
 }
 
-/// `/apis`.
+/// `/apis`: boxery's group, and `authorization.k8s.io` for `kubectl auth can-i`
+/// ([`crate::access_review`]).
 pub fn groups() -> Value {
-    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [group()]})
+    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [group(), crate::access_review::group()]})
 }
 
 /// `/apis/boxery.dev`.

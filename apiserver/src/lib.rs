@@ -6,6 +6,7 @@
 //! and the MCP tools ([`resources`], [`watch`]), and errors are Kubernetes `Status` bodies
 //! ([`status`]). What is served, and what is not, is in `docs/api.md`.
 
+pub mod access_review;
 pub mod call;
 pub mod connect;
 pub mod discovery;
@@ -13,6 +14,7 @@ pub mod events;
 pub mod managed;
 pub mod options;
 pub mod paging;
+pub mod protobuf;
 pub mod query;
 pub mod resources;
 pub mod scale;
@@ -242,6 +244,33 @@ pub fn router(sh: Arc<Shared>, mcp: Option<Router>) -> Router {
         .route(
             "/apis",
             get(|| async { json_reply(StatusCode::OK, &discovery::groups()) }),
+        )
+        .route(
+            &format!("/apis/{}", access_review::AUTHZ_GROUP),
+            get(|| async {
+                let mut g = access_review::group();
+                g["kind"] = serde_json::json!("APIGroup");
+                g["apiVersion"] = serde_json::json!("v1");
+                json_reply(StatusCode::OK, &g)
+            }),
+        )
+        .route(
+            &format!("/apis/{}", access_review::AUTHZ_GROUP_VERSION),
+            get(|| async { json_reply(StatusCode::OK, &access_review::resources()) }),
+        )
+        .route(
+            &format!(
+                "/apis/{}/selfsubjectaccessreviews",
+                access_review::AUTHZ_GROUP_VERSION
+            ),
+            axum::routing::post(access_review::access_review),
+        )
+        .route(
+            &format!(
+                "/apis/{}/selfsubjectrulesreviews",
+                access_review::AUTHZ_GROUP_VERSION
+            ),
+            axum::routing::post(access_review::rules_review),
         )
         .route(
             &format!("/apis/{GROUP}"),
