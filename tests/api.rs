@@ -1333,3 +1333,54 @@ fn kubectl_auth_can_i_answers_from_the_tokens_scope() {
     assert_eq!(out.trim(), "create True\nescalate False");
 }
 
+/// `metadata.generateName`: a create without a name gets the prefix and 5 random characters,
+/// as Kubernetes names it (kubectl create -f, the Python client).
+#[test]
+fn generate_name_names_a_created_object() {
+    let api = Api::start();
+    let f = api.home.write(
+        "g.yaml",
+        &vm("x", 1).replace("  name: x\n", "  generateName: gen-\n"),
+    );
+    let mut names = Vec::new();
+    for _ in 0..2 {
+        let out = api.k(&["create", "-f", f.to_str().unwrap(), "-o", "name"]);
+        let name = out.trim().trim_start_matches("vm.boxery.dev/").to_string();
+        assert!(
+            name.len() == 9
+                && name.starts_with("gen-")
+                && name[4..]
+                    .chars()
+                    .all(|c| "bcdfghjklmnpqrstvwxz2456789".contains(c)),
+            "{out}"
+        );
+        names.push(name);
+    }
+    assert_ne!(names[0], names[1]);
+    assert_eq!(
+        api.k(&[
+            "get",
+            "vm",
+            &names[0],
+            "-o",
+            "jsonpath={.spec.resources.cpus}"
+        ]),
+        "1"
+    );
+    // a prefix that cannot make a valid name is a 422 naming the field
+    let bad = api.home.write(
+        "b.yaml",
+        &vm("x", 1).replace("  name: x\n", "  generateName: Bad_\n"),
+    );
+    let e = api.k_err(&["create", "-f", bad.to_str().unwrap()]);
+    assert!(e.contains("metadata.generateName"), "{e}");
+    let out = py(
+        &api,
+        "o = api.create_cluster_custom_object(G, V, 'vms', {'apiVersion': G + '/' + V, 'kind': 'Vm', 'metadata': {'generateName': 'py-'}, 'spec': {'resources': {'cpus': 1, 'memory': '512Mi', 'disk': '1Gi'}, 'source': {'image': 'tiny'}}})\nprint(o['metadata']['name'])",
+    );
+    assert!(
+        out.trim().starts_with("py-") && out.trim().len() == 8,
+        "{out}"
+    );
+}
+

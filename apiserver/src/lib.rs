@@ -11,6 +11,7 @@ pub mod call;
 pub mod connect;
 pub mod discovery;
 pub mod events;
+pub mod generate_name;
 pub mod managed;
 pub mod options;
 pub mod paging;

@@ -125,6 +125,8 @@ fn body_in(info: &KindInfo, name: Option<&str>, mut v: Value) -> Result<Value, F
     }
     if let Some(meta) = m.get_mut("metadata").and_then(Value::as_object_mut) {
         meta.remove("managedFields");
+        // a name given wins over a prefix (create names from one first: generate_name)
+        meta.remove("generateName");
         if meta.contains_key("namespace") {
             let e = boxery_api::ValidationError {
                 object: format!("{}/{}", info.kind, meta.get("name").and_then(Value::as_str).unwrap_or("")),
@@ -457,38 +459,66 @@ pub async fn write_status(Path((plural, name, sub)): Path<(String, String, Strin
     .about(&plural, &name))
 }
 
-/// POST to a collection: create.
+/// POST to a collection: create; a body without a name and with `metadata.generateName` is
+/// named from it ([`crate::generate_name`]).
 pub async fn create(c: Call, Path(plural): Path<String>, body: Bytes) -> Reply {
     let (sh, caller, p, headers) = (c.sh, c.caller, c.p, c.headers);
     let info = kind_of(&plural)?;
     writable(info)?;
-    let obj = object_in(info, None, body_value(&body)?)?;
-    scope::allow(&sh, &caller, Access::Create, info, Some(&obj.metadata.name)).await?;
-    let v = verbs_for(&sh, &caller, &p, &headers)?;
-    let made = if p.dry()? {
-        // apply would update a taken name: say what create would
-        if v.store().get(&ObjectRef::to(&obj)).await?.is_some() {
-            return Err(Failure::from_store(&StoreError::AlreadyExists {
-                kind: obj.kind.clone(),
-                name: obj.metadata.name.clone(),
-            }));
+    let mut value = body_value(&body)?;
+    let prefix = crate::generate_name::prefix_of(&mut value);
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        if let Some(prefix) = &prefix
+            && let Some(meta) = value.get_mut("metadata").and_then(Value::as_object_mut)
+        {
+            meta.insert(
+                "name".into(),
+                Value::String(crate::generate_name::make(info, prefix)?),
+            );
         }
-        let opts = ApplyOptions {
-            dry_run: true,
-            field_manager: Some(v.manager("create")),
-            ..ApplyOptions::default()
-        };
-        v.store()
-            .apply_all(vec![obj], &opts)
-            .await?
-            .into_iter()
-            .next()
-            .map(|(_, o)| o)
-            .ok_or_else(|| Failure::bad_request("nothing to create"))?
-    } else {
-        v.store().create_by(obj, &v.manager("create")).await?
+        let obj = object_in(info, None, value.clone())?;
+        scope::allow(&sh, &caller, Access::Create, info, Some(&obj.metadata.name)).await?;
+        let v = verbs_for(&sh, &caller, &p, &headers)?;
+        match create_one(&v, obj, p.dry()?).await {
+            Err(StoreError::AlreadyExists { .. })
+                if prefix.is_some() && attempt < crate::generate_name::ATTEMPTS =>
+            {
+                continue;
+            }
+            Err(e) => return Err(Failure::from_store(&e)),
+            Ok(made) => return Ok(object_reply(StatusCode::CREATED, made)),
+        }
+    }
+}
+
+/// Create `obj` (or say what a create would make, `dry`).
+async fn create_one(v: &Verbs, obj: DynObject, dry: bool) -> Result<DynObject, StoreError> {
+    if !dry {
+        return v.store().create_by(obj, &v.manager("create")).await;
+    }
+    // apply would update a taken name: say what create would
+    if v.store().get(&ObjectRef::to(&obj)).await?.is_some() {
+        return Err(StoreError::AlreadyExists {
+            kind: obj.kind.clone(),
+            name: obj.metadata.name.clone(),
+        });
+    }
+    let opts = ApplyOptions {
+        dry_run: true,
+        field_manager: Some(v.manager("create")),
+        ..ApplyOptions::default()
     };
-    Ok(object_reply(StatusCode::CREATED, made))
+    v.store()
+        .apply_all(vec![obj], &opts)
+        .await?
+        .into_iter()
+        .next()
+        .map(|(_, o)| o)
+        .ok_or_else(|| StoreError::Unavailable {
+            why: "the dry run made nothing".into(),
+        })
 }
 
 /// PUT of one object: its labels, annotations and spec (the rest is the store's and the
