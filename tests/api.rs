@@ -1384,3 +1384,24 @@ fn generate_name_names_a_created_object() {
     );
 }
 
+/// `kubectl explain` walks every field, the variants of an enum (`vm.spec.source.image`) and
+/// lists an enum's values: the OpenAPI schemas served are structural.
+#[test]
+fn kubectl_explain_walks_variants_and_enums() {
+    let api = Api::start();
+    let source = api.k(&["explain", "vm.spec.source"]);
+    assert!(
+        source.contains("image") && source.contains("Exactly one of"),
+        "{source}"
+    );
+    let image = api.k(&["explain", "vm.spec.source.image"]);
+    assert!(image.contains("FIELD: image"), "{image}");
+    let strategy = api.k(&["explain", "vm.spec.runStrategy"]);
+    assert!(
+        strategy.contains("ENUM") && strategy.contains("Stopped"),
+        "{strategy}"
+    );
+    let all = api.k(&["explain", "vm", "--recursive"]);
+    assert!(all.contains("image"), "{all}");
+}
+

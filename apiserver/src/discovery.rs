@@ -206,10 +206,12 @@ pub fn openapi_group() -> &'static Value {
             {
                 for (name, mut d) in defs {
                     rewrite_refs(&mut d);
+                    crate::structural::make_structural(&mut d);
                     schemas.insert(component(&name), d);
                 }
             }
             rewrite_refs(&mut root);
+            crate::structural::make_structural(&mut root);
             let gvk = json!([{"group": GROUP, "version": VERSION, "kind": k.kind}]);
             root["x-kubernetes-group-version-kind"] = gvk.clone();
             schemas.insert(component(k.kind), root);
@@ -289,6 +291,7 @@ pub fn openapi_group() -> &'static Value {
                 }),
             );
         }
+        crate::structural::inline_enums(&mut schemas);
         json!({
             "openapi": "3.0.0",
             "info": {"title": "boxery", "version": VERSION},

@@ -22,6 +22,7 @@ pub mod scale;
 pub mod scope;
 pub mod status;
 pub mod store_rpc;
+pub mod structural;
 pub mod tls;
 pub mod tokens;
 pub mod watch;
