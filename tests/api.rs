@@ -1405,3 +1405,69 @@ fn kubectl_explain_walks_variants_and_enums() {
     assert!(all.contains("image"), "{all}");
 }
 
+/// A server-side apply (forced or not) or an update that would add a finalizer or an owner
+/// reference, which are boxery's controllers', is refused naming the field, and the object is
+/// unchanged: never `serverside-applied` while the addition is dropped.
+#[test]
+fn an_apply_of_a_refused_field_says_so() {
+    let api = Api::start();
+    let plain = vm("s1", 1);
+    let f = api.home.write("s1.yaml", &plain);
+    api.k(&["apply", "--server-side", "-f", f.to_str().unwrap()]);
+    let rv = || {
+        api.k(&[
+            "get",
+            "vm",
+            "s1",
+            "-o",
+            "jsonpath={.metadata.resourceVersion}",
+        ])
+    };
+    let before = rv();
+    for (meta, field) in [
+        ("  finalizers: [boxery.dev/pool]\n", "metadata.finalizers"),
+        (
+            "  ownerReferences: [{apiVersion: boxery.dev/v1alpha1, kind: Pool, name: p, uid: abc}]\n",
+            "metadata.ownerReferences",
+        ),
+    ] {
+        let m = api.home.write(
+            "s1m.yaml",
+            &plain.replace("  name: s1\n", &format!("  name: s1\n{meta}")),
+        );
+        let m = m.to_str().unwrap();
+        let e = api.k_err(&["apply", "--server-side", "--force-conflicts", "-f", m]);
+        assert!(
+            e.contains(field) && e.contains("nothing was changed"),
+            "{e}"
+        );
+        let e = api.k_err(&["replace", "-f", m]);
+        assert!(e.contains(field), "{e}");
+        assert_eq!(rv(), before, "the object changed");
+    }
+    // leaving them out, or naming the ones it has, is no change to them
+    let same = api.home.write(
+        "s1s.yaml",
+        &vm("s1", 2).replace(
+            "  name: s1\n",
+            "  name: s1\n  finalizers: [boxery.dev/vm]\n",
+        ),
+    );
+    api.k(&[
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "-f",
+        same.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        api.k(&[
+            "get",
+            "vm",
+            "s1",
+            "-o",
+            "jsonpath={.spec.resources.cpus} {.metadata.finalizers}"
+        ]),
+        r#"2 ["boxery.dev/vm"]"#
+    );
+}

@@ -9,6 +9,7 @@
 pub mod access_review;
 pub mod call;
 pub mod connect;
+pub mod controllers_metadata;
 pub mod discovery;
 pub mod events;
 pub mod generate_name;

@@ -535,6 +535,9 @@ pub async fn replace(c: Call, Path((plural, name)): Path<(String, String)>, body
     } else {
         DryRun::None
     };
+    if let Some(cur) = v.store().get(&ObjectRef::new(info.kind, &name)).await? {
+        crate::controllers_metadata::no_additions(&cur, &new)?;
+    }
     let changed = boxery_verbs::edit::modify(&v, info, &name, dry, "update", |cur| {
         if let Some(rv) = &new.metadata.resource_version
             && Some(rv) != cur.metadata.resource_version.as_ref()
@@ -600,7 +603,11 @@ pub async fn patch(c: Call, Path((plural, name)): Path<(String, String)>, body: 
             ));
         }
         let obj = manifest_in(info, &name, body_value(&body)?)?;
-        let exists = v.store().get(&ObjectRef::to(&obj)).await?.is_some();
+        let stored = v.store().get(&ObjectRef::to(&obj)).await?;
+        if let Some(cur) = &stored {
+            crate::controllers_metadata::no_additions(cur, &obj)?;
+        }
+        let exists = stored.is_some();
         let access = if exists {
             Access::Write
         } else {
