@@ -1086,7 +1086,15 @@ fn kubectl_scales_pools_and_reapplies_what_it_got() {
             .contains("no subresource `scale`"),
         "{s}"
     );
-    // a List got with -o yaml applies again
+    // a List got with -o yaml applies again, once the pool has settled (kubectl's patch of
+    // what it got carries its resourceVersion: a status the controllers write meanwhile is a
+    // 409, as in Kubernetes)
+    api.k(&[
+        "wait",
+        "--for=jsonpath={.status.conditions[?(@.type==\"Progressing\")].reason}=Settled",
+        "pool/p",
+        "--timeout=60s",
+    ]);
     let o = Command::new("sh")
         .args(["-c", "kubectl get vms,pools -o yaml | kubectl apply -f -"])
         .env("KUBECONFIG", &api.kubeconfig)
