@@ -40,6 +40,7 @@ pub mod guard;
 mod leader;
 mod object_store;
 mod schema;
+mod snapshot;
 /// The store schema version this build writes (`PRAGMA user_version`).
 pub use schema::SCHEMA_VERSION;
 mod watch;

@@ -17,6 +17,8 @@
 //! - `watch(kind, from)` yields every change after `from` in order, exactly once, from this
 //!   process or another; `TooOld` when `from` is below the compaction floor (list again).
 //! - `list` returns the revision it was read at: a watch from it misses nothing.
+//! - `list_at(kind, rev)`, when it answers, is the list as it was at `rev` (a paged list's
+//!   later pages); a store may answer `None` (it cannot read its past), never another list.
 //!
 //! # Caveats
 //! - A call's future may be dropped after the store started the work: a write may then have
@@ -101,6 +103,20 @@ pub trait ObjectStore: Send + Sync + std::fmt::Debug + 'static {
             .into_iter()
             .filter(|o| o.metadata.name.starts_with(prefix))
             .collect())
+    }
+
+    /// The objects of a kind whose labels match `selector` as they were at revision `rev`,
+    /// sorted by name (a paged list's later pages), when the store can read its past; `None`
+    /// when it cannot (the default, and a store whose history no longer holds the version);
+    /// `TooOld` when `rev` is below the compaction floor.
+    async fn list_at(
+        &self,
+        kind: &str,
+        selector: &Selector,
+        rev: u64,
+    ) -> Result<Option<Vec<DynObject>>> {
+        let _ = (kind, selector, rev);
+        Ok(None)
     }
 
     /// Create an object (validated, defaulted; the server fields set by the store).
@@ -280,6 +296,15 @@ impl ObjectStore for Store {
     async fn list_named_prefix(&self, kind: &str, prefix: &str) -> Result<Vec<DynObject>> {
         let (kind, prefix) = (kind.to_string(), prefix.to_string());
         blocking(self, move |s| s.list_named_prefix(&kind, &prefix)).await
+    }
+    async fn list_at(
+        &self,
+        kind: &str,
+        selector: &Selector,
+        rev: u64,
+    ) -> Result<Option<Vec<DynObject>>> {
+        let (kind, selector) = (kind.to_string(), selector.clone());
+        blocking(self, move |s| s.list_at(&kind, &selector, rev)).await
     }
     async fn create_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
         let manager = manager.to_string();

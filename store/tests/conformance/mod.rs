@@ -70,6 +70,7 @@ macro_rules! suite {
             get_is_none_for_absent_objects_and_impossible_names,
             list_is_sorted_filtered_and_returns_its_revision,
             list_named_prefix_returns_exactly_the_names_that_start_with_it,
+            list_at_reads_the_past_or_says_it_cannot,
             generation_grows_with_spec_changes_only,
             a_stale_resource_version_conflicts_and_writes_nothing,
             an_update_without_resource_version_is_unconditional,
@@ -1443,6 +1444,41 @@ pub async fn list_then_watch_misses_nothing_under_concurrent_writers(imp: &dyn I
 /// Compaction trims history: a watch from below the floor gets `TooOld` (first and alone;
 /// the stream then ends), a lagging watcher gets what it can in order and then `TooOld` (or
 /// everything), objects are untouched, and a relist then watch recovers.
+/// `list_at` (a paged list's later pages): when a store answers, it is the list as it was at
+/// the revision, whatever changed since (a change, a delete, a create); a store may say it
+/// cannot (`None`); below the compaction floor it is `TooOld` or `None`, never a wrong list.
+pub async fn list_at_reads_the_past_or_says_it_cannot(imp: &dyn Implementation) {
+    let sub = imp.fresh();
+    let s = &sub.store;
+    for n in ["a", "b", "c"] {
+        s.create(image(n)).await.unwrap();
+    }
+    let all = Selector::default();
+    let (before, r) = s.list("Image", &all).await.unwrap();
+    let mut b = get(s, "Image", "b").await.unwrap();
+    b.metadata.labels.insert("changed".into(), "yes".into());
+    s.update(b).await.unwrap();
+    s.delete(&key("Image", "c")).await.unwrap();
+    s.create(image("d")).await.unwrap();
+    let then = |objs: Vec<DynObject>| -> Vec<(String, Option<String>)> {
+        objs.into_iter()
+            .map(|o| (o.metadata.name, o.metadata.resource_version))
+            .collect()
+    };
+    if let Some(at) = s.list_at("Image", &all, r).await.unwrap() {
+        assert_eq!(then(at), then(before.clone()), "the list at {r}");
+        let team: Selector = "changed=yes".parse().unwrap();
+        assert_eq!(s.list_at("Image", &team, r).await.unwrap(), Some(vec![]));
+    }
+    // (a store a client may not compact, a remote one, refuses to)
+    if s.compact(0).await.is_ok() {
+        match s.list_at("Image", &all, r).await {
+            Err(StoreError::TooOld { .. }) | Ok(None) => {}
+            other => panic!("below the floor: {other:?}"),
+        }
+    }
+}
+
 pub async fn compaction_makes_old_watches_too_old_and_a_relist_recovers(imp: &dyn Implementation) {
     let sub = imp.fresh();
     let s = &sub.store;
