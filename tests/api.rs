@@ -1200,17 +1200,30 @@ fn lists_are_paged_with_limit_and_continue() {
     assert_eq!(p1["items"].as_array().unwrap().len(), 2, "{p1}");
     assert_eq!(p1["metadata"]["remainingItemCount"], 3, "{p1}");
     let token = p1["metadata"]["continue"].as_str().unwrap().to_string();
+    // changes while the client pages: the later pages are still the list at the first's
+    // revision (one snapshot, read back from the store's history)
     let f = api.home.write("v.yaml", &vm("pg9", 1));
     api.home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    api.k(&["label", "vm", "pg2", "late=yes"]);
+    let names = |page: &serde_json::Value| -> Vec<String> {
+        page["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| o["metadata"]["name"].as_str().unwrap().to_string())
+            .collect()
+    };
     let p2 = call(&api, "GET", &format!("{base}&continue={token}"), None);
     assert_eq!(p2["metadata"]["resourceVersion"], rv, "{p2}");
-    let names: Vec<&str> = p2["items"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|o| o["metadata"]["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(names, ["pg2", "pg3"], "{p2}");
+    assert_eq!(names(&p2), ["pg2", "pg3"], "{p2}");
+    assert!(
+        p2["items"][0]["metadata"]["labels"]["late"].is_null(),
+        "{p2}"
+    );
+    let t2 = p2["metadata"]["continue"].as_str().unwrap();
+    let p3 = call(&api, "GET", &format!("{base}&continue={t2}"), None);
+    assert_eq!(names(&p3), ["pg4"], "{p3}");
+    assert!(p3["metadata"]["continue"].is_null(), "{p3}");
     // the Python client pages too
     let out = py(
         &api,

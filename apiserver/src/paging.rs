@@ -6,13 +6,16 @@
 //! # What a paged list guarantees
 //! - Items come in name order; each name at most once over the pages; an object that exists
 //!   from the first page to the last is on exactly one page.
-//! - Every page carries the first page's `resourceVersion`: a watch from it misses nothing
-//!   (it may replay a change a later page already showed, which clients take as an update).
-//! - Each later page is read at the store's current revision: an object created, changed or
-//!   deleted while a client pages may be missing, or shown as it is now, rather than as it was
-//!   at the first page's revision. The store keeps one version of each object and a history
-//!   whose compaction removes old versions, so it cannot read an older snapshot (the
-//!   Kubernetes API, on etcd, can while the revision is not compacted).
+//! - Every page carries the first page's `resourceVersion`, and a later page is the list as
+//!   it was at that revision whenever the store can still read it there
+//!   (`ObjectStore::list_at`: the SQLite store reads each changed object's version from its
+//!   history): the pages are one snapshot, as on the Kubernetes API.
+//! - When it cannot (an object changed since, and its version at that revision was compacted
+//!   away while it stayed unchanged; a store that keeps no history), the page is read at the
+//!   current revision: an object created, changed or deleted while the client paged may then
+//!   be missing or shown as it is now. It still carries the first page's revision, so a watch
+//!   from it misses nothing (it may replay a change a page already showed, which clients take
+//!   as an update).
 //! - A token whose revision the store compacted away is a `410 Expired` Status, as in
 //!   Kubernetes: list again from the start. A token that is not one of ours (or another
 //!   kind's) is a 400.
@@ -117,6 +120,11 @@ impl Page {
         page.after = Some(t.s);
         page.rv = Some(t.rv);
         Ok(page)
+    }
+
+    /// The revision a later page is read at: the first page's.
+    pub fn at(&self) -> Option<u64> {
+        self.rv
     }
 
     /// This page of `objs` (sorted by name, as the store lists them), read at `rev`.

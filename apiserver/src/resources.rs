@@ -316,7 +316,8 @@ pub async fn list(c: Call, Path(plural): Path<String>) -> Reply {
     }
     let page = Page::of(&sh, info, &p).await?;
     not_ahead(&sh, &p).await?;
-    let (objs, rev) = read_list(&sh, &caller, info, &p.labels()?, &p.fields()?).await?;
+    let (labels, fields) = (p.labels()?, p.fields()?);
+    let (objs, rev) = read_list_at(&sh, &caller, info, &labels, &fields, page.at()).await?;
     let mut cut = page.cut(objs, rev);
     if wants_table(&headers) {
         let values: Vec<Value> = cut.items.iter().map(served).collect();
@@ -386,9 +387,27 @@ pub async fn read_list(
     labels: &Selector,
     fields: &FieldSelector,
 ) -> Result<(Vec<DynObject>, u64), Failure> {
+    read_list_at(sh, caller, info, labels, fields, None).await
+}
+
+/// [`read_list`] as it was at revision `at` when the store can still read it there (a paged
+/// list's later pages: [`crate::paging`]), else as it is now.
+pub async fn read_list_at(
+    sh: &Shared,
+    caller: &Caller,
+    info: &'static KindInfo,
+    labels: &Selector,
+    fields: &FieldSelector,
+    at: Option<u64>,
+) -> Result<(Vec<DynObject>, u64), Failure> {
     let store = sh.verbs.store();
-    let (mut objs, rev) = match fields.name() {
-        Some(n) => {
+    let past = match at {
+        Some(r) => store.list_at(info.kind, labels, r).await?.map(|o| (o, r)),
+        None => None,
+    };
+    let (mut objs, rev) = match (past, fields.name()) {
+        (Some(p), _) => p,
+        (None, Some(n)) => {
             let rev = store.revision().await?;
             let one = store.get(&ObjectRef::new(info.kind, n)).await?;
             (
@@ -398,7 +417,7 @@ pub async fn read_list(
                 rev,
             )
         }
-        None => store.list(info.kind, labels).await?,
+        (None, None) => store.list(info.kind, labels).await?,
     };
     let visible = scope::visible(sh, caller).await?;
     objs.retain(|o| scope::sees(&visible, o) && (fields.is_empty() || fields.matches(&served(o))));
