@@ -1947,3 +1947,88 @@ fn service_unit_escapes_the_home_path_and_refuses_newlines() {
         );
     }
 }
+
+/// `grant approve --wait` says "in force" only once the controller applied the generation just
+/// approved: a status still saying `Applied` for the spec approved before it changed does not
+/// end the wait (issue 30, class 5: state reported from a stale status).
+#[test]
+fn grant_approve_wait_does_not_take_a_stale_applied() {
+    const PTY: &str = r#"
+import os, pty, sys, select, time
+args = sys.argv[1:]
+pid, fd = pty.fork()
+if pid == 0:
+    os.execv(args[0], args)
+out = b""; sent = False; deadline = time.time() + 120
+while time.time() < deadline:
+    r, _, _ = select.select([fd], [], [], 0.2)
+    if r:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        out += data
+        if not sent and b"Type yes" in out:
+            os.write(fd, b"yes\n"); sent = True
+_, status = os.waitpid(pid, 0)
+sys.stdout.write(out.decode(errors="replace"))
+sys.exit(os.waitstatus_to_exitcode(status))
+"#;
+    let home = Home::new();
+    home.ok(&["new", "dev1", "--from", "tiny", "--wait"]);
+    let f = home.write(
+        "g1.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Grant\nmetadata: {name: g1}\nspec:\n  vm: dev1\n  type: llm\n  target: anthropic\n  valueFrom: {env: STALE_TEST_KEY}\n",
+    );
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    // Generation 1 approved and applied, then the spec changed with nothing reconciling: the
+    // status still says Applied (for generation 1).
+    let store = home.store();
+    let mut g = store.get("Grant", "g1").unwrap().unwrap();
+    g.rest.insert(
+        "status".into(),
+        serde_json::json!({"phase": "Applied", "approvedBy": "root", "approvedGeneration": 1,
+            "approvedAt": "2026-01-01T00:00:00Z", "observedGeneration": 1, "vm": "dev1",
+            "conditions": [{"type": "Ready", "status": "True", "reason": "Applied",
+                "message": "in force", "observedGeneration": 1,
+                "lastTransitionTime": "2026-01-01T00:00:00Z"}]}),
+    );
+    store.update_status(g).unwrap();
+    let mut g = store.get("Grant", "g1").unwrap().unwrap();
+    g.rest.get_mut("spec").unwrap()["target"] = serde_json::json!("openai");
+    let g = store.update(g).unwrap();
+    assert_eq!(g.metadata.generation, Some(2));
+    assert_eq!(g.status()["phase"], "Applied");
+
+    let driver = home.write("pty_driver.py", PTY);
+    let o = std::process::Command::new("python3")
+        .arg(driver)
+        .arg(common::bin())
+        .args(["grant", "approve", "g1", "--wait"])
+        .env("BOXERY_HOME", home.path())
+        .env("BOXERY_BACKEND", "fake")
+        .env("STALE_TEST_KEY", "v")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{shown}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(shown.contains("grant/g1 is in force"), "{shown}");
+    let g: boxery_api::Grant = home.store().get_as("g1").unwrap().unwrap();
+    assert_eq!(
+        (
+            g.status.phase,
+            g.status.observed_generation,
+            g.status.approved_generation
+        ),
+        (boxery_api::grant::GrantPhase::Applied, Some(2), Some(2)),
+        "it said in force before the controller applied generation 2: {shown}"
+    );
+}

@@ -172,7 +172,9 @@ async fn request(v: &Verbs, a: GrantArgs) -> CliResult<ExitCode> {
     let name = g.metadata.name.clone();
     if created {
         outln!("grant/{name} created (PendingApproval)");
-    } else if g.status.phase == GrantPhase::Applied && g.status.approved_for(g.metadata.generation)
+    } else if g.status.phase == GrantPhase::Applied
+        && g.status.approved_for(g.metadata.generation)
+        && g.status.observed_generation == g.metadata.generation
     {
         outln!("grant/{name} is already in force");
         return Ok(ExitCode::SUCCESS);
@@ -227,7 +229,13 @@ async fn finish(v: &Verbs, name: &str, wait_for: bool) -> CliResult<ExitCode> {
         wait::all(
             v,
             &[grants::object_ref(name)],
-            &Until::JsonPath("{.status.phase}".into(), "Applied".into()),
+            // Ready=True computed for the current generation, not `phase: Applied`, which
+            // may still be the status of an older spec (approved before it changed): "in force"
+            // only once the controller has applied the generation just approved.
+            &Until::Condition(
+                boxery_api::conditions::READY.into(),
+                boxery_api::ConditionStatus::True,
+            ),
             Duration::from_secs(120),
         )
         .await?;
