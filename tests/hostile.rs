@@ -838,3 +838,57 @@ fn a_self_copying_patch_through_mcp_is_refused_and_mcp_lives() {
     let labels = home.ok(&["get", "vm", "v1", "-o", "jsonpath={.metadata.labels}"]);
     assert_eq!(labels.trim(), "", "the refused patch changed the VM");
 }
+
+/// boxery's own labels (`boxery.dev/pool`, `boxery.dev/applyset`) are the controllers' and
+/// apply's, whoever patches: an agent's MCP `vm_patch` (merge or JSON patch) and a person's
+/// `boxery patch`/`edit` path cannot remove or change them, as `boxery label` cannot; the
+/// refusal names the field, and other labels still change.
+#[test]
+fn patches_keep_boxerys_own_labels() {
+    let home = Home::new();
+    home.ok(&["new", "v1"]);
+    let store = home.store();
+    let mut vm = store.get("Vm", "v1").unwrap().unwrap();
+    vm.metadata
+        .labels
+        .insert("boxery.dev/pool".into(), "pa".into());
+    store.update(vm).unwrap();
+    let label = || home.ok(&["get", "vm", "v1", "-o", "jsonpath={.metadata.labels}"]);
+    let before = label();
+    let mut mcp = Mcp::start(&home);
+    for (ty, patch) in [
+        (
+            "merge",
+            r#"{"metadata":{"labels":{"boxery.dev/pool":null}}}"#,
+        ),
+        (
+            "merge",
+            r#"{"metadata":{"labels":{"boxery.dev/pool":"pb"}}}"#,
+        ),
+        (
+            "merge",
+            r#"{"metadata":{"labels":{"boxery.dev/applyset":"x"}}}"#,
+        ),
+        (
+            "json",
+            r#"[{"op":"remove","path":"/metadata/labels/boxery.dev~1pool"}]"#,
+        ),
+    ] {
+        let (err, text) = mcp.call(
+            "vm_patch",
+            json!({"name": "v1", "type": ty, "patch": patch}),
+        );
+        assert!(err, "MCP {patch} applied: {text}");
+        assert!(text.contains("metadata.labels"), "{patch}: {text}");
+        let o = home.run(&["patch", "vm", "v1", "--type", ty, "-p", patch]);
+        assert_eq!(code(&o), Some(2), "CLI {patch}: {}", stderr(&o));
+        assert!(stderr(&o).contains("metadata.labels"), "{}", stderr(&o));
+        assert_eq!(label(), before, "{patch} changed the labels");
+    }
+    let (err, text) = mcp.call(
+        "vm_patch",
+        json!({"name": "v1", "type": "merge", "patch": r#"{"metadata":{"labels":{"team":"web"}}}"#}),
+    );
+    assert!(!err, "{text}");
+    assert!(label().contains("\"team\":\"web\"") && label().contains("boxery.dev/pool"));
+}

@@ -7,7 +7,7 @@
 //!
 //! What a person may change here is what `apply` may: `spec` (validated by the store's write
 //! path), labels and annotations. The controllers' metadata (finalizers, owner references,
-//! `boxery.dev/` annotations) and `status` are theirs: a change to them is refused with the
+//! `boxery.dev/` labels and annotations) and `status` are theirs: a change to them is refused with the
 //! field named, never dropped in silence; `delete --force` is the way past a stuck finalizer.
 
 use boxery_api::codec::MAX_OBJECT_BYTES;
@@ -695,6 +695,12 @@ fn check_owned_fields(cur: &DynObject, new: &DynObject) -> Result<()> {
         return refuse(
             "metadata.annotations",
             "keys under boxery.dev/ are boxery's own",
+        );
+    }
+    if system(&a.labels) != system(&b.labels) {
+        return refuse(
+            "metadata.labels",
+            "keys under boxery.dev/ are boxery's own (a pool's membership, an apply set)",
         );
     }
     let status = |o: &DynObject| o.rest.get("status").cloned();
