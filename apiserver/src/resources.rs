@@ -419,7 +419,7 @@ pub async fn read_list_at(
         }
         (None, None) => store.list(info.kind, labels).await?,
     };
-    let visible = scope::visible(sh, caller).await?;
+    let visible = scope::visible_in_list(sh, caller, info.kind).await?;
     objs.retain(|o| scope::sees(&visible, o) && (fields.is_empty() || fields.matches(&served(o))));
     Ok((objs, rev))
 }

@@ -50,6 +50,28 @@ pub fn sees(visible: &Option<Vec<(String, String)>>, o: &boxery_api::DynObject) 
     v.iter().any(|(k, n)| k == kind && n == name)
 }
 
+/// The objects a caller may list of `kind`: as [`visible`], but a lease token whose lease is
+/// gone lists no leases (its own is deleted: an empty list, as Kubernetes answers after a
+/// delete, so `kubectl delete lease NAME` sees it gone and returns) rather than a 403.
+pub async fn visible_in_list(
+    sh: &Shared,
+    caller: &Caller,
+    kind: &str,
+) -> Result<Option<Vec<(String, String)>>, Failure> {
+    if kind == Lease::INFO.kind && own_lease_gone(sh, caller).await? {
+        return Ok(Some(Vec::new()));
+    }
+    visible(sh, caller).await
+}
+
+/// Whether `caller` is a lease token whose lease no longer exists.
+async fn own_lease_gone(sh: &Shared, caller: &Caller) -> Result<bool, Failure> {
+    let Scope::Lease(l) = &caller.scope else {
+        return Ok(false);
+    };
+    Ok(sh.verbs.store().get_as::<Lease>(l).await?.is_none())
+}
+
 /// The lease and its VM, or 403 when the lease is gone or not Bound.
 async fn lease_objects(
     sh: &Shared,
@@ -93,6 +115,15 @@ pub async fn allow(
             caller.name
         ))),
         Scope::Lease(l) => {
+            // Its own lease, deleted (released): reading it finds it gone (404, an empty
+            // list), as after any delete, rather than a 403; everything else is refused.
+            if access == Access::Read
+                && info.kind == Lease::INFO.kind
+                && name.is_none_or(|n| n == l)
+                && own_lease_gone(sh, caller).await?
+            {
+                return Ok(());
+            }
             let mine = lease_objects(sh, caller, l).await?;
             let ok = match (access, name) {
                 // a collection: read it, filtered to what the lease reaches
