@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{Home, Serve, eventually};
+use common::api::{Api, token_of};
+use common::{Home, eventually};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -29,76 +30,6 @@ fn python_with(module: &str) -> PathBuf {
         python.display()
     );
     python
-}
-
-/// A home with `serve --api-listen` running and a full-scope kubeconfig.
-struct Api {
-    home: Home,
-    _serve: Serve,
-    kubeconfig: PathBuf,
-}
-
-impl Api {
-    fn start() -> Api {
-        assert!(
-            Command::new("kubectl")
-                .arg("version")
-                .arg("--client")
-                .output()
-                .is_ok_and(|o| o.status.success()),
-            "kubectl is missing: scripts/install-deps.sh installs Debian's kubernetes-client"
-        );
-        let home = Home::new();
-        let serve = home.serve(&["--api-listen", "127.0.0.1:0"]);
-        serve.wait_leading();
-        let addr = home.path().join("api/addr");
-        eventually(Duration::from_secs(20), || addr.exists().then_some(()))
-            .expect("serve wrote api/addr");
-        let kc = home.ok(&["kubeconfig", "--name", "test"]);
-        let kubeconfig = home.write("kubeconfig.yaml", &kc);
-        Api {
-            home,
-            _serve: serve,
-            kubeconfig,
-        }
-    }
-
-    fn kubectl_with(&self, kubeconfig: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-        Command::new("kubectl")
-            .args(args)
-            .env("KUBECONFIG", kubeconfig)
-            .env("HOME", self.home.path())
-            .envs(env.iter().copied())
-            .output()
-            .expect("run kubectl")
-    }
-
-    fn kubectl(&self, args: &[&str]) -> Output {
-        self.kubectl_with(&self.kubeconfig, args, &[])
-    }
-
-    /// kubectl that must succeed; its stdout.
-    fn k(&self, args: &[&str]) -> String {
-        let o = self.kubectl(args);
-        assert!(
-            o.status.success(),
-            "kubectl {args:?} failed: {}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        String::from_utf8_lossy(&o.stdout).into_owned()
-    }
-
-    /// kubectl that must fail; its stderr.
-    fn k_err(&self, args: &[&str]) -> String {
-        let o = self.kubectl(args);
-        assert!(
-            !o.status.success(),
-            "kubectl {args:?} succeeded: {}",
-            String::from_utf8_lossy(&o.stdout)
-        );
-        String::from_utf8_lossy(&o.stderr).into_owned()
-    }
 }
 
 fn vm(name: &str, cpus: u32) -> String {
@@ -530,14 +461,6 @@ fn a_watch_from_a_compacted_revision_is_gone_and_bookmarks_carry_the_revision() 
         rv >= now && rv >= sent,
         "bookmark {rv}, from {now}, sent up to {sent}"
     );
-}
-
-/// The secret of a kubeconfig `boxery kubeconfig` printed.
-fn token_of(kubeconfig: &str) -> String {
-    kubeconfig
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("token: ").map(String::from))
-        .expect("a token in the kubeconfig")
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! and a `boxery serve` child process that is always killed (by PID) when dropped.
 #![allow(dead_code)]
 
+pub mod api;
 pub mod invariants;
 pub mod upstream;
 
