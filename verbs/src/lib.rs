@@ -168,7 +168,10 @@ impl Verbs {
     /// requests run as.
     pub fn guarded(&self, writer: boxery_store::guard::Writer) -> Verbs {
         Verbs {
-            store: Arc::new(boxery_store::guard::Guarded::new(self.store.clone(), writer)),
+            store: Arc::new(boxery_store::guard::Guarded::new(
+                self.store.clone(),
+                writer,
+            )),
             ..self.clone()
         }
     }
