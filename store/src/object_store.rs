@@ -1,9 +1,10 @@
 //! The object store as an async trait: what the controller runtime, the reconcilers and the
 //! verbs need from a store, whatever keeps the objects. [`Store`] (SQLite) implements it and
-//! does its blocking work on tokio's blocking pool, so async workers never wait on SQLite; an
-//! etcd-backed store or a remote HTTP API are the next implementations, and
-//! `store/tests/conformance/mod.rs` is the suite every implementation must pass unchanged
-//! (`store/tests/conformance_sqlite.rs` runs it for [`Store`]).
+//! does its blocking work on tokio's blocking pool, so async workers never wait on SQLite;
+//! `boxery_remote::RemoteStore` (a home's store through its API, for contexts) is another, an
+//! etcd-backed store is not built yet. `store/tests/conformance/mod.rs` is the suite every
+//! implementation must pass unchanged (`store/tests/conformance_sqlite.rs` runs it for
+//! [`Store`], `remote/tests/conformance_remote.rs` for the remote store).
 //!
 //! # Guarantees every implementation gives
 //! - One global, increasing revision; each changed object's `resourceVersion` is the revision
