@@ -64,7 +64,9 @@ impl RemoteStore {
             .headers()
             .get(reqwest::header::CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
-        if is_json && code.as_u16() != 401 && code.as_u16() != 403 && code.as_u16() != 429 {
+        // a 403 is the store's own (`Forbidden`: who may write what) when it carries a store
+        // error, the token's scope's (a Kubernetes Status) otherwise
+        if is_json && code.as_u16() != 401 && code.as_u16() != 429 {
             let bytes = r.bytes().await.map_err(|e| self.client.unreachable(&e))?;
             #[derive(serde::Deserialize)]
             struct Wrapped {
@@ -73,7 +75,12 @@ impl RemoteStore {
             if let Ok(w) = serde_json::from_slice::<Wrapped>(&bytes) {
                 return Err(w.error.into());
             }
-            let message = String::from_utf8_lossy(&bytes)
+            // a Kubernetes Status says what it is in its message
+            let status: Option<String> = serde_json::from_slice::<serde_json::Value>(&bytes)
+                .ok()
+                .and_then(|v| v["message"].as_str().map(String::from));
+            let message = status
+                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned())
                 .chars()
                 .take(300)
                 .collect::<String>();

@@ -107,6 +107,7 @@ impl Implementation for Remote {
         let store: Arc<dyn ObjectStore> = self.open(&address);
         Subject {
             store,
+            control: self.open_control(&address),
             address,
             keep: Box::new(Server {
                 _dir: dir,
@@ -119,6 +120,13 @@ impl Implementation for Remote {
     fn open(&self, address: &str) -> Arc<dyn ObjectStore> {
         let (client, uid) = client(address);
         Arc::new(RemoteStore::with_uid(client, uid))
+    }
+
+    /// The store behind the server, opened as its control plane does: a context's token may
+    /// not write status, adopt, lead or compact (`a_context_makes_no_control_plane_call`).
+    fn open_control(&self, address: &str) -> Arc<dyn ObjectStore> {
+        let home = address.split(' ').nth(1).expect("home");
+        Arc::new(common::open(&PathBuf::from(home).join("store.db")))
     }
 }
 
@@ -148,36 +156,101 @@ async fn connect_checks_the_token_and_reads_the_identity() {
     assert!(e.contains("401") && e.contains("stranger"), "{e}");
 }
 
-/// A Grant's status (its approval) is never written through the API, even with a full token:
-/// refused before the store is touched, with what to do instead; another kind's status is.
+/// A context (a full token through the store calls) makes none of the control plane's calls:
+/// no status write of any kind (a Grant's is its approval, at the VM host's terminal), no
+/// adoption, leadership or compaction, no PoolMember or Event; each is `Forbidden` (403)
+/// saying who does it, and writes nothing. A create keeps no status it is sent. The control:
+/// the same store's own handle makes each of them.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_grants_status_is_not_written_through_the_api() {
+async fn a_context_makes_no_control_plane_call() {
+    use boxery_store::{Candidate, StoreError};
     let sub = Remote.fresh();
-    let obj = |kind: &str| {
-        serde_json::from_value::<boxery_api::DynObject>(serde_json::json!({
-            "apiVersion": "boxery.dev/v1alpha1", "kind": kind,
-            "metadata": {"name": "g1"}, "status": {"phase": "Approved"}
-        }))
-        .unwrap()
+    let obj = |kind: &str, name: &str, status: serde_json::Value| {
+        let mut o = common::vm(name);
+        o.kind = kind.into();
+        if !status.is_null() {
+            o.rest.insert("status".into(), status);
+        }
+        o
     };
-    let e = sub
-        .store
-        .update_status(obj("Grant"))
+    let s = &sub.store;
+    let vm = s
+        .create(obj("Vm", "v1", serde_json::json!({"phase": "Running"})))
         .await
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("403") && e.contains("terminal") && e.contains("boxery grant approve g1"),
-        "{e}"
+        .unwrap();
+    assert_ne!(
+        vm.rest["status"]["phase"], "Running",
+        "a create keeps no status it is sent"
     );
-    // the control: the same call for a Vm reaches the store, which judges it (invalid: a
-    // Vm's status has no phase Approved)
-    let e = sub.store.update_status(obj("Vm")).await.unwrap_err();
-    assert!(
-        matches!(
-            e,
-            boxery_store::StoreError::Invalid(_) | boxery_store::StoreError::NotFound { .. }
-        ),
-        "{e}"
+    let grant = serde_json::from_value::<boxery_api::DynObject>(serde_json::json!({
+        "apiVersion": "boxery.dev/v1alpha1", "kind": "Grant", "metadata": {"name": "g1"},
+        "spec": {"vm": "v1", "type": "env", "env": {"name": "K", "valueFrom": {"command": ["id"]}}},
+        "status": {"phase": "Applied", "approvedBy": "root", "approvedGeneration": 1}
+    }))
+    .unwrap();
+    if let Ok(g) = s.create(grant).await {
+        assert_eq!(g.rest["status"].get("approvedBy"), None, "{g:?}");
+    }
+    let at = s.list("Vm", &Default::default()).await.unwrap().1;
+    let forbidden = |what: &str, r: Result<(), StoreError>| match r {
+        Err(StoreError::Forbidden { why }) => why,
+        other => panic!("{what}: want Forbidden, got {other:?}"),
+    };
+    let me = Candidate::current("intruder");
+    let ttl = std::time::Duration::from_secs(60);
+    let why = forbidden(
+        "grant status",
+        s.update_status(obj(
+            "Grant",
+            "g1",
+            serde_json::json!({"phase": "Applied", "approvedBy": "x"}),
+        ))
+        .await
+        .map(drop),
     );
+    assert!(
+        why.contains("terminal") && why.contains("boxery grant approve"),
+        "{why}"
+    );
+    let mut running = vm.clone();
+    running
+        .rest
+        .insert("status".into(), serde_json::json!({"phase": "Running"}));
+    forbidden(
+        "vm status",
+        s.update_status(running.clone()).await.map(drop),
+    );
+    forbidden(
+        "adopt",
+        s.adopt(
+            obj("Vm", "v2", serde_json::Value::Null),
+            "1b8a3c1e-5d6f-4a7b-9c8d-1e2f3a4b5c6d",
+        )
+        .await
+        .map(drop),
+    );
+    forbidden("compact", s.compact(0).await.map(drop));
+    forbidden(
+        "lead",
+        s.try_lead("boxery-controllers", &me, ttl).await.map(drop),
+    );
+    forbidden("resign", s.resign("boxery-controllers", &me).await);
+    forbidden(
+        "pool member",
+        s.create(obj("PoolMember", "m", serde_json::Value::Null))
+            .await
+            .map(drop),
+    );
+    assert_eq!(
+        s.list("Vm", &Default::default()).await.unwrap().1,
+        at,
+        "nothing was written"
+    );
+    // the control: the store's own handle makes them
+    let c = &sub.control;
+    c.update_status(running).await.unwrap();
+    assert!(matches!(
+        c.try_lead("boxery-controllers", &me, ttl).await.unwrap(),
+        boxery_store::Leadership::Leader { .. }
+    ));
 }

@@ -16,8 +16,10 @@ impl Implementation for Sqlite {
     fn fresh(&self) -> Subject {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("store.db");
+        let store: Arc<dyn ObjectStore> = Arc::new(common::open(&path));
         Subject {
-            store: Arc::new(common::open(&path)),
+            control: store.clone(),
+            store,
             address: path.display().to_string(),
             keep: Box::new(dir),
         }

@@ -70,3 +70,54 @@ fn a_second_open_in_one_process_keeps_the_first_ones_lock() {
         "the check itself can see a free file"
     );
 }
+
+/// An SQLite connection of this process that no open store owns (a dropped store's background
+/// thread closing its own, another library's): opening the store must not drop its lock
+/// either. The store's header check used to read the file through a descriptor of its own
+/// whenever no open store had the file, and closing it dropped the lock of every connection.
+#[test]
+fn opening_a_store_keeps_the_lock_of_a_connection_no_store_owns() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store.db");
+    drop(Store::open(&path).unwrap());
+    let other = rusqlite::Connection::open(&path).unwrap();
+    other
+        .query_row("SELECT count(*) FROM objects", [], |r| r.get::<_, i64>(0))
+        .unwrap();
+    assert_eq!(others_see(&path), "locked", "a connection holds its lock");
+    let s = Store::open(&path).unwrap();
+    s.revision().unwrap();
+    assert_eq!(
+        others_see(&path),
+        "locked",
+        "opening the store dropped the lock of this process's connection"
+    );
+    drop(other);
+    s.revision().unwrap();
+    assert_eq!(others_see(&path), "locked", "the store holds the lock");
+}
+
+/// A store opened again right after the last handle of another was dropped, as a test or a
+/// command that opens the store for each read does: the dropped store's background thread
+/// may still be closing its connection then. Each new store must hold the lock.
+#[test]
+fn a_store_opened_right_after_another_was_dropped_holds_the_lock() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store.db");
+    let mut lost = 0;
+    for _ in 0..40 {
+        let first = Store::open(&path).unwrap();
+        first.revision().unwrap();
+        drop(first);
+        let second = Store::open(&path).unwrap();
+        second.revision().unwrap();
+        // The first store's threads are gone by now; the second store's connections must
+        // still hold the lock.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        second.revision().unwrap();
+        if others_see(&path) != "locked" {
+            lost += 1;
+        }
+    }
+    assert_eq!(lost, 0, "stores opened without holding the lock, of 40");
+}

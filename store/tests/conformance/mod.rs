@@ -42,6 +42,12 @@ pub struct Subject {
     pub store: Arc<dyn ObjectStore>,
     /// What [`Implementation::open`] needs to reach the same store (a path, a URL).
     pub address: String,
+    /// The handle with the control plane's rights (status writes, adoption, leadership,
+    /// compaction): `store` itself for a store the control plane opens; for a client of a
+    /// guarded surface (a context through the API, which refuses those calls:
+    /// `store::guard`), the store behind it. Checks make the control plane's writes here and
+    /// observe them through `store`.
+    pub control: Arc<dyn ObjectStore>,
     /// Whatever keeps the store alive (a temp dir, a server); dropped after `store`.
     pub keep: Box<dyn std::any::Any + Send + Sync>,
 }
@@ -54,6 +60,10 @@ pub trait Implementation: Send + Sync + 'static {
     /// A second, independent handle on the store at `address`: its own connections, as
     /// another process opens it. Also called in a child process.
     fn open(&self, address: &str) -> Arc<dyn ObjectStore>;
+    /// A second handle with the control plane's rights (see [`Subject::control`]).
+    fn open_control(&self, address: &str) -> Arc<dyn ObjectStore> {
+        self.open(address)
+    }
 }
 
 /// Generate the tests: one per check, for the implementation `$imp` (an expression of a type
@@ -354,7 +364,8 @@ pub async fn generation_grows_with_spec_changes_only(imp: &dyn Implementation) {
     let v4 = s.update(v3.clone().cpus(4)).await.unwrap();
     assert_eq!(v4.metadata.generation, Some(2), "spec");
     assert_eq!(v4.spec()["resources"]["cpus"], 4);
-    let v5 = s
+    let v5 = sub
+        .control
         .update_status(with_status(v4.clone(), json!({"phase": "Running"})))
         .await
         .unwrap();
@@ -396,7 +407,8 @@ pub async fn a_stale_resource_version_conflicts_and_writes_nothing(imp: &dyn Imp
         other => panic!("want Conflict, got {other}"),
     }
     assert!(err.to_string().contains("read it again"), "{err}");
-    let err = s
+    let err = sub
+        .control
         .update_status(with_status(v.clone(), json!({"phase": "Running"})))
         .await
         .unwrap_err();
@@ -408,7 +420,7 @@ pub async fn a_stale_resource_version_conflicts_and_writes_nothing(imp: &dyn Imp
 
     let err = s.update(vm("ghost")).await.unwrap_err();
     assert!(matches!(err, StoreError::NotFound { .. }), "{err}");
-    let err = s.update_status(vm("ghost")).await.unwrap_err();
+    let err = sub.control.update_status(vm("ghost")).await.unwrap_err();
     assert!(matches!(err, StoreError::NotFound { .. }), "{err}");
     let err = s.delete(&key("Vm", "ghost")).await.unwrap_err();
     assert!(matches!(err, StoreError::NotFound { .. }), "{err}");
@@ -463,7 +475,8 @@ pub async fn an_update_without_resource_version_is_unconditional(imp: &dyn Imple
     let out = s.update(unconditional(v.label("b", "2"))).await.unwrap();
     assert_eq!(out.metadata.labels.get("a"), None, "labels replaced");
     assert_eq!(out.metadata.labels["b"], "2");
-    let st = s
+    let st = sub
+        .control
         .update_status(unconditional(with_status(
             out.clone(),
             json!({"phase": "Running"}),
@@ -531,7 +544,8 @@ pub async fn writes_that_change_nothing_write_nothing(imp: &dyn Implementation) 
         .await
         .unwrap();
     let v = s.create(vm("dev1").label("a", "1")).await.unwrap();
-    let v = s
+    let v = sub
+        .control
         .update_status(with_status(v, json!({"phase": "Running"})))
         .await
         .unwrap();
@@ -544,7 +558,7 @@ pub async fn writes_that_change_nothing_write_nothing(imp: &dyn Implementation) 
 
     assert_eq!(s.update(v.clone()).await.unwrap(), v);
     assert_eq!(s.update(unconditional(v.clone())).await.unwrap(), v);
-    assert_eq!(s.update_status(v.clone()).await.unwrap(), v);
+    assert_eq!(sub.control.update_status(v.clone()).await.unwrap(), v);
     let out = s
         .apply_all(vec![vm("applied")], &apply_opts())
         .await
@@ -570,13 +584,13 @@ pub async fn update_status_never_bumps_generation_and_is_refused_for_events(
     imp: &dyn Implementation,
 ) {
     let sub = imp.fresh();
-    let s = &sub.store;
+    let s = &sub.control;
     let v = s.create(vm("dev1")).await.unwrap();
     let w = with_status(
         v.clone().cpus(8).label("x", "y"),
         json!({"phase": "Running", "observedGeneration": 1}),
     );
-    let out = s.update_status(w).await.unwrap();
+    let out = sub.control.update_status(w).await.unwrap();
     assert_eq!(out.status()["phase"], "Running");
     assert_eq!(out.metadata.generation, Some(1));
     assert!(out.metadata.rv() > v.metadata.rv());
@@ -590,13 +604,13 @@ pub async fn update_status_never_bumps_generation_and_is_refused_for_events(
 
     let at = rev(s).await;
     let bad = with_status(out2.clone(), json!({"phase": "Dancing"}));
-    let err = s.update_status(bad).await.unwrap_err();
+    let err = sub.control.update_status(bad).await.unwrap_err();
     assert!(matches!(err, StoreError::Invalid(_)), "{err}");
     assert_eq!(rev(s).await, at);
 
     let mut typed: Vm = out2.to_typed().unwrap();
     typed.status.observed_generation = Some(2);
-    let t2 = s.update_status_as(&typed).await.unwrap();
+    let t2 = sub.control.update_status_as(&typed).await.unwrap();
     assert_eq!(t2.status.observed_generation, Some(2));
     assert_eq!(t2.metadata.generation, Some(2));
 
@@ -609,7 +623,7 @@ pub async fn update_status_never_bumps_generation_and_is_refused_for_events(
         "an Event's fields change through update"
     );
     let at = rev(s).await;
-    let err = s.update_status(e2).await.unwrap_err();
+    let err = sub.control.update_status(e2).await.unwrap_err();
     assert!(matches!(err, StoreError::Invalid(_)), "{err}");
     assert_eq!(rev(s).await, at);
 }
@@ -807,7 +821,8 @@ pub async fn apply_creates_configures_and_records_last_applied(imp: &dyn Impleme
     );
 
     // The controller writes status, a finalizer, a system annotation; a user one more.
-    let a = s
+    let a = sub
+        .control
         .update_status(with_status(a, json!({"phase": "Running"})))
         .await
         .unwrap();
@@ -1353,7 +1368,7 @@ pub async fn a_kind_filtered_watch_is_not_held_back_by_other_kinds(imp: &dyn Imp
         s.create(image(&format!("j{i}"))).await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(30)).await;
-    assert!(s.compact(10).await.unwrap() > 0);
+    assert!(sub.control.compact(10).await.unwrap() > 0);
     let v = s.create(vm("after")).await.unwrap();
     let got = tokio::time::timeout(PATIENCE, waiting)
         .await
@@ -1471,7 +1486,7 @@ pub async fn list_at_reads_the_past_or_says_it_cannot(imp: &dyn Implementation) 
         assert_eq!(s.list_at("Image", &team, r).await.unwrap(), Some(vec![]));
     }
     // (a store a client may not compact, a remote one, refuses to)
-    if s.compact(0).await.is_ok() {
+    if sub.control.compact(0).await.is_ok() {
         match s.list_at("Image", &all, r).await {
             Err(StoreError::TooOld { .. }) | Ok(None) => {}
             other => panic!("below the floor: {other:?}"),
@@ -1489,11 +1504,15 @@ pub async fn compaction_makes_old_watches_too_old_and_a_relist_recovers(imp: &dy
     let head = rev(s).await;
     let mut lagging = s.watch(None, r0);
     let (first, _) = next(&mut lagging).await.unwrap();
-    let removed = s.compact(100).await.unwrap();
+    let removed = sub.control.compact(100).await.unwrap();
     assert!(removed >= 1300, "{removed} entries removed");
     let floor = s.compacted().await.unwrap();
     assert_eq!(floor, head - 100, "history keeps the newest 100 revisions");
-    assert_eq!(s.compact(100).await.unwrap(), 0, "nothing left to trim");
+    assert_eq!(
+        sub.control.compact(100).await.unwrap(),
+        0,
+        "nothing left to trim"
+    );
 
     let mut old = s.watch(None, floor - 1);
     match next(&mut old).await {
@@ -1629,8 +1648,8 @@ pub async fn watch_sees_writes_from_another_process(imp: &dyn Implementation) {
 /// nothing); locks are independent; none of it is a revision.
 pub async fn leader_lock_follows_expires_resigns_and_fences_by_epoch(imp: &dyn Implementation) {
     let sub = imp.fresh();
-    let s = &sub.store;
-    let other = imp.open(&sub.address);
+    let s = &sub.control;
+    let other = imp.open_control(&sub.address);
     let a = Candidate::current("a");
     let b = Candidate::current("b");
     let ttl = Duration::from_millis(400);
@@ -1725,7 +1744,7 @@ pub async fn removed_uids_are_remembered_and_the_identity_is_stable(imp: &dyn Im
 /// uid or the store removed the object that had it, and `AlreadyExists` for a taken name.
 pub async fn adopt_recreates_an_object_with_its_uid(imp: &dyn Implementation) {
     let sub = imp.fresh();
-    let s = &sub.store;
+    let s = &sub.control;
     let uid = "0b8a3c1e-5d6f-4a7b-9c8d-1e2f3a4b5c6d";
     let at = rev(s).await;
     let a = s.adopt(vm("orphan"), uid).await.unwrap();
