@@ -614,12 +614,9 @@ impl Store {
         schema::create_new(path)?;
         let id = file_id(path);
         open_here.retain(|(_, w)| w.strong_count() > 0);
-        // `probe` reads the header through a file descriptor of its own, and closing any
-        // descriptor of a file drops every POSIX lock this process holds on it: the shared
-        // lock another store's SQLite connections keep on the file in WAL mode. Without it,
-        // another process's last connection takes the file as unused, checkpoints and
-        // deletes the WAL under this one: a corrupted store. A file a store in this process
-        // has open was probed when that store opened it.
+        // A file a store in this process has open was probed when that store opened it.
+        // (`probe` reads through SQLite only: a descriptor of its own, once closed, would
+        // drop the locks this process's connections hold on the file; see `probe`.)
         if !id.is_some_and(|id| open_here.iter().any(|(i, _)| *i == id)) {
             schema::probe(path)?;
         }

@@ -220,38 +220,49 @@ pub(crate) fn create_new(path: &Path) -> Result<bool> {
 /// Refuse, before writing a byte to it, a file that cannot be a boxery store: an empty file,
 /// one without SQLite's header, or an SQLite database whose schema version is 0 (another
 /// program's, or one whose header was lost).
+///
+/// The file is read through SQLite only, never through a descriptor of this function's own:
+/// closing any descriptor of a file drops every POSIX lock this process holds on it. Among
+/// them: the shared lock each SQLite connection keeps on the file in WAL mode (SQLite takes it
+/// once per process and counts its users, so connections opened after such a close never take
+/// it again), and the exclusive lock the last connection of all holds while it checkpoints and
+/// deletes the WAL and the shared-memory index. Without them another process opens the WAL and
+/// index just before they are deleted, or deletes them under this process: each side goes on
+/// with a WAL of its own, reading frames through an index that is not theirs (garbled rows)
+/// and checkpointing them into the file (a corrupted store). An open store is not the only
+/// holder: a store dropped a moment ago still has its background threads closing their
+/// connections (the last of them the one that deletes the WAL). The size comes from `stat`,
+/// which opens nothing.
 pub(crate) fn probe(path: &Path) -> Result<()> {
-    use std::io::Read;
     let not_a_store = |why: &str| StoreError::NotAStore {
         path: path.display().to_string(),
         why: why.to_string(),
     };
-    let mut head = [0u8; 16];
-    let n = std::fs::File::open(path)
-        .and_then(|mut f| f.read(&mut head))
+    let size = std::fs::metadata(path)
         .map_err(|source| StoreError::Open {
             path: path.display().to_string(),
             source,
-        })?;
-    if n == 0 {
+        })?
+        .len();
+    if size == 0 {
         return Err(not_a_store(
             "the file is empty (0 bytes): it was truncated or replaced",
         ));
     }
-    if n < head.len() || &head != b"SQLite format 3\0" {
-        return Err(not_a_store(
-            "the file is not an SQLite database: it is corrupted or was replaced",
-        ));
-    }
     let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    if let Ok(c) = Connection::open_with_flags(path, flags)
-        && let Ok(0) = c.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))
-    {
-        return Err(not_a_store(
+    let Ok(c) = Connection::open_with_flags(path, flags) else {
+        // Opening it read-write says why (`connect`).
+        return Ok(());
+    };
+    match c.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0)) {
+        Ok(0) => Err(not_a_store(
             "the file is an SQLite database without boxery's schema",
-        ));
+        )),
+        Err(rusqlite::Error::SqliteFailure(e, _)) if e.code == ErrorCode::NotADatabase => Err(
+            not_a_store("the file is not an SQLite database: it is corrupted or was replaced"),
+        ),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// Create what is missing of the schema, an identity if there is none, and the version.
