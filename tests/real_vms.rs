@@ -1224,6 +1224,27 @@ fn remote_context(kind: Kind) {
     assert_eq!(lap_ok(&["run", "far1", "--", "hostname"]).trim(), "far1");
     let o = lap(&["run", "far1", "--", "exit 7"]);
     assert_eq!(o.status.code(), Some(7), "the exit code comes through");
+    // connect dials only what the backend observes: an endpoint written into the VM's status
+    // (the reported SSRF: a token rewrote it to a host-loopback service) is never dialled
+    {
+        let bait = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        bait.set_nonblocking(true).unwrap();
+        let store = h.home.store();
+        let write_endpoint = |e: serde_json::Value| {
+            let mut v = store.get("Vm", "far1").unwrap().unwrap();
+            let real = v.rest["status"]["ssh"]["endpoint"].clone();
+            v.rest.get_mut("status").unwrap()["ssh"]["endpoint"] = e;
+            store.update_status(v).unwrap();
+            real
+        };
+        let real = write_endpoint(serde_json::json!(bait.local_addr().unwrap().to_string()));
+        let _ = lap(&["run", "far1", "--", "true"]);
+        assert!(
+            matches!(bait.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "connect dialled the endpoint written in the VM's status"
+        );
+        write_endpoint(real);
+    }
     // a file both ways
     let src = laptop.write("in.txt", "from the laptop\n");
     lap_ok(&["cp", src.to_str().unwrap(), "far1:in.txt"]);
