@@ -102,7 +102,13 @@ fn vm_home() -> Home {
 /// Nothing of the value in the store's files, the grant state, or what the CLI shows.
 fn assert_no_value(home: &Home) {
     for f in ["store.db", "store.db-wal", "grants/dev1.json"] {
-        let bytes = std::fs::read(home.path().join(f)).unwrap_or_default();
+        // Read by another process: closing a descriptor of store.db here would drop the
+        // SQLite locks this process's store connections hold on it (docs/store.md).
+        let bytes = Command::new("cat")
+            .arg(home.path().join(f))
+            .output()
+            .map(|o| o.stdout)
+            .unwrap_or_default();
         assert!(
             !bytes.windows(CANARY.len()).any(|w| w == CANARY.as_bytes()),
             "the value is in {f}"
