@@ -56,27 +56,24 @@ impl Server {
             .spawn()
             .unwrap();
         let token_file = home.path().join("mcp-token");
+        // held before the wait: a serve that does not come up is killed too, by its Drop
+        let mut server = Server {
+            child,
+            addr,
+            token: String::new(),
+            log: log.clone(),
+        };
         let up = eventually(Duration::from_secs(30), || {
             let log = std::fs::read_to_string(&log).unwrap_or_default();
             (log.contains("leading") && log.contains("MCP at"))
                 .then(|| std::fs::read_to_string(&token_file).ok())
                 .flatten()
         });
-        let token = up
-            .unwrap_or_else(|| {
-                panic!(
-                    "serve did not come up: {}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                )
-            })
+        server.token = up
+            .unwrap_or_else(|| panic!("serve did not come up: {}", server.log()))
             .trim()
             .to_string();
-        Server {
-            child,
-            addr,
-            token,
-            log,
-        }
+        server
     }
 
     fn log(&self) -> String {
@@ -357,4 +354,69 @@ fn an_idle_connection_flood_keeps_no_api_client_out() {
     }
     stop.store(true, Ordering::Relaxed);
     flood.join().unwrap();
+}
+
+/// A refused request that came with a body is answered with `Connection: close`: the server
+/// does not read that body, so the connection cannot carry the client's next request (a
+/// client that reused it saw "Server disconnected without sending a response", now and then).
+#[test]
+fn a_refused_request_with_a_body_closes_its_connection() {
+    let home = Home::new();
+    let (_serve, addr, ca, token) = api_serve(&home);
+    let vm = r#"{"apiVersion":"boxery.dev/v1alpha1","kind":"Vm","metadata":{"name":"v1"},"spec":{"source":{"image":"tiny"}}}"#;
+    let headers = |auth: Option<&str>| {
+        let mut c = Command::new("curl");
+        c.args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-D",
+            "-",
+            "--max-time",
+            "10",
+            "--cacert",
+        ])
+        .arg(&ca)
+        .args(["-X", "POST", "-H", "Content-Type: application/json"])
+        .args(["--data-binary", vm]);
+        if let Some(t) = auth {
+            c.args(["-H", &format!("Authorization: Bearer {t}")]);
+        }
+        let o = c
+            .arg(format!("https://{addr}/apis/boxery.dev/v1alpha1/vms"))
+            .output()
+            .expect("curl");
+        String::from_utf8_lossy(&o.stdout).to_ascii_lowercase()
+    };
+    let h = headers(None);
+    assert!(h.starts_with("http/1.1 401"), "{h}");
+    assert!(h.contains("connection: close"), "{h}");
+    // the control: an answer that is not a refusal keeps the connection
+    let h = headers(Some(&token));
+    assert!(h.starts_with("http/1.1 201"), "{h}");
+    assert!(!h.contains("connection: close"), "{h}");
+    // the MCP listener's refusal too
+    let other = Home::new();
+    let mcp = Server::start(&other, 1024);
+    let o = Command::new("curl")
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-D",
+            "-",
+            "--max-time",
+            "10",
+            "-X",
+            "POST",
+        ])
+        .args(["-H", "Content-Type: application/json", "--data-binary", vm])
+        .arg(format!("http://{}/mcp", mcp.addr))
+        .output()
+        .expect("curl");
+    let h = String::from_utf8_lossy(&o.stdout).to_ascii_lowercase();
+    assert!(
+        h.starts_with("http/1.1 401") && h.contains("connection: close"),
+        "{h}"
+    );
 }

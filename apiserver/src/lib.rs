@@ -347,7 +347,8 @@ pub fn router(sh: Arc<Shared>, mcp: Option<Router>) -> Router {
         .layer(DefaultBodyLimit::max(sh.limits.body_bytes))
         .with_state(sh.clone())
         .merge(mcp)
-        .layer(middleware::from_fn_with_state(sh, authenticate));
+        .layer(middleware::from_fn_with_state(sh, authenticate))
+        .layer(middleware::from_fn(boxery_mcp::conns::close_after_refusal));
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/livez", get(|| async { "ok" }))

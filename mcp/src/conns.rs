@@ -1,6 +1,7 @@
 //! The open connections of boxery's HTTP listeners (the MCP endpoint's, [`crate::server`], and
 //! the Kubernetes API's, `boxery_apiserver`), oldest first, so that idle and unauthenticated
-//! sockets can never keep a token holder out.
+//! sockets can never keep a token holder out, and the rule both use to end a connection whose
+//! request body was left unread ([`close_after_refusal`]).
 //!
 //! Guarantees: at most `connections` are admitted at once, and `per_peer` from one address.
 //! At a cap, the oldest connection that has not shown a token ([`Proven::prove`]) is closed
@@ -127,6 +128,32 @@ impl Conns {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// A refusal of a request that came with a body (401 before the token, 403, 413, …) is
+/// answered without reading that body, so the connection cannot carry another request: the
+/// answer says `Connection: close`, and the client opens a new one rather than sending its
+/// next request on a connection the server is closing (which it sees as "disconnected
+/// without a response").
+pub async fn close_after_refusal(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::http::header;
+    let has_body = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+        .is_some_and(|n| n > 0)
+        || req.headers().contains_key(header::TRANSFER_ENCODING);
+    let mut r = next.run(req).await;
+    if has_body && (r.status().is_client_error() || r.status().is_server_error()) {
+        r.headers_mut().insert(
+            header::CONNECTION,
+            header::HeaderValue::from_static("close"),
+        );
+    }
+    r
 }
 
 #[cfg(test)]

@@ -584,7 +584,8 @@ impl HttpServer {
         };
         let app = mcp
             .router()
-            .layer(axum::middleware::from_fn_with_state(g, gate));
+            .layer(axum::middleware::from_fn_with_state(g, gate))
+            .layer(axum::middleware::from_fn(crate::conns::close_after_refusal));
         eprintln!(
             "boxery serve: MCP at http://{local}/mcp (bearer token in {})",
             self.env.home.join("mcp-token").display()
