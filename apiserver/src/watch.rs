@@ -107,7 +107,13 @@ pub async fn serve(
     let labels = p.labels()?;
     let fields = p.fields()?;
     let slot = slot(&sh, &caller)?;
+    // `0` is Kubernetes' "from any point": the current objects, then their changes. But a
+    // list of a store never written yet answers revision 0 too, and a client resuming from it
+    // must see every change since: while nothing is compacted, `0` replays the whole history
+    // (which ends in the current objects, so it is a valid "any" as well).
+    let floor = sh.verbs.store().compacted().await?;
     let (initial, from) = match p.resource_version.as_deref() {
+        Some("0") if floor == 0 => (Vec::new(), 0),
         None | Some("") | Some("0") => {
             let (objs, rev) = read_list(&sh, &caller, info, &labels, &fields).await?;
             (objs, rev)
@@ -132,7 +138,6 @@ pub async fn serve(
     let bookmarks = p.bookmarks();
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let kind = info.kind;
-    let floor = sh.verbs.store().compacted().await?;
     let mut stream = store_watch(&sh, kind, from);
     let forbidden = |f: Failure| format!("{}\n", json!({"type": "ERROR", "object": f.body()}));
     tokio::spawn(async move {
