@@ -10,11 +10,9 @@ use boxery_api::DynObject;
 use boxery_api::validate::FieldError;
 use boxery_store::StoreError;
 
-use crate::status::Failure;
-
 /// Refused when `given` (an apply's manifest, an update's body) names a finalizer or an owner
 /// reference `cur` (the stored object) lacks.
-pub fn no_additions(cur: &DynObject, given: &DynObject) -> Result<(), Failure> {
+pub fn no_additions(cur: &DynObject, given: &DynObject) -> Result<(), StoreError> {
     let mut errors = Vec::new();
     let what = format!("{}/{}", cur.kind, cur.metadata.name);
     for f in &given.metadata.finalizers {
@@ -49,12 +47,10 @@ pub fn no_additions(cur: &DynObject, given: &DynObject) -> Result<(), Failure> {
     if errors.is_empty() {
         return Ok(());
     }
-    Err(Failure::from_store(&StoreError::Invalid(
-        boxery_api::ValidationError {
-            object: what,
-            errors,
-        },
-    )))
+    Err(StoreError::Invalid(boxery_api::ValidationError {
+        object: what,
+        errors,
+    }))
 }
 
 #[cfg(test)]
@@ -78,11 +74,13 @@ mod tests {
         let cur = vm(json!({"finalizers": ["boxery.dev/vm"]}));
         assert!(no_additions(&cur, &vm(json!({}))).is_ok());
         assert!(no_additions(&cur, &vm(json!({"finalizers": ["boxery.dev/vm"]}))).is_ok());
-        let e = no_additions(&cur, &vm(json!({"finalizers": ["boxery.dev/pool"]}))).unwrap_err();
+        let refused =
+            |given| crate::status::Failure::from_store(&no_additions(&cur, &given).unwrap_err());
+        let e = refused(vm(json!({"finalizers": ["boxery.dev/pool"]})));
         assert_eq!(e.code, 422);
         assert!(e.message.contains("metadata.finalizers"), "{}", e.message);
         let owner = json!({"ownerReferences": [{"apiVersion": "boxery.dev/v1alpha1", "kind": "Pool", "name": "p", "uid": "u"}]});
-        let e = no_additions(&cur, &vm(owner.clone())).unwrap_err();
+        let e = refused(vm(owner.clone()));
         assert!(
             e.message.contains("metadata.ownerReferences"),
             "{}",

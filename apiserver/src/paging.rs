@@ -127,12 +127,16 @@ impl Page {
         self.rv
     }
 
-    /// This page of `objs` (sorted by name, as the store lists them), read at `rev`.
+    /// The last name the previous page served: this page's objects come after it.
+    pub fn after(&self) -> Option<&str> {
+        self.after.as_deref()
+    }
+
+    /// This page of `objs` (sorted by name, as the store lists them, and already past
+    /// [`Page::after`]: `read_list_at` drops the earlier ones before it matches fields), read
+    /// at `rev`.
     pub fn cut(&self, mut objs: Vec<DynObject>, rev: u64) -> Cut {
         let rv = self.rv.unwrap_or(rev);
-        if let Some(after) = &self.after {
-            objs.retain(|o| o.metadata.name.as_str() > after.as_str());
-        }
         let Some(limit) = self.limit.filter(|l| *l < objs.len()) else {
             return Cut {
                 items: objs,
@@ -175,13 +179,20 @@ mod tests {
     #[test]
     fn pages_follow_one_another_and_tokens_are_checked() {
         let all: Vec<DynObject> = ["a", "b", "c", "d", "e"].into_iter().map(obj).collect();
+        // what the list reads for a page: the names after the previous page's last
+        let rest = |p: &Page| -> Vec<DynObject> {
+            all.iter()
+                .filter(|o| p.after().is_none_or(|a| o.metadata.name.as_str() > a))
+                .cloned()
+                .collect()
+        };
         let first = Page {
             plural: "images",
             limit: Some(2),
             after: None,
             rv: None,
         };
-        let c = first.cut(all.clone(), 7);
+        let c = first.cut(rest(&first), 7);
         assert_eq!(c.items.len(), 2);
         assert_eq!(c.remaining, 3);
         let t = decode(c.cont.as_deref().unwrap()).unwrap();
@@ -193,7 +204,7 @@ mod tests {
             rv: Some(t.rv),
         };
         // read later: the revision reported is the first page's
-        let c = next.cut(all.clone(), 9);
+        let c = next.cut(rest(&next), 9);
         let names: Vec<&str> = c.items.iter().map(|o| o.metadata.name.as_str()).collect();
         assert_eq!((names, c.rv, c.remaining), (vec!["c", "d"], 7, 1));
         let last = Page {
@@ -202,7 +213,7 @@ mod tests {
             after: Some("d".into()),
             rv: Some(7),
         };
-        let c = last.cut(all, 9);
+        let c = last.cut(rest(&last), 9);
         assert_eq!((c.items.len(), c.cont, c.remaining), (1, None, 0));
         assert!(decode("nonsense").is_none());
         assert!(decode(&base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b"{}")).is_none());

@@ -317,7 +317,16 @@ pub async fn list(c: Call, Path(plural): Path<String>) -> Reply {
     let page = Page::of(&sh, info, &p).await?;
     not_ahead(&sh, &p).await?;
     let (labels, fields) = (p.labels()?, p.fields()?);
-    let (objs, rev) = read_list_at(&sh, &caller, info, &labels, &fields, page.at()).await?;
+    let (objs, rev) = read_list_at(
+        &sh,
+        &caller,
+        info,
+        &labels,
+        &fields,
+        page.at(),
+        page.after(),
+    )
+    .await?;
     let mut cut = page.cut(objs, rev);
     if wants_table(&headers) {
         let values: Vec<Value> = cut.items.iter().map(served).collect();
@@ -387,11 +396,12 @@ pub async fn read_list(
     labels: &Selector,
     fields: &FieldSelector,
 ) -> Result<(Vec<DynObject>, u64), Failure> {
-    read_list_at(sh, caller, info, labels, fields, None).await
+    read_list_at(sh, caller, info, labels, fields, None, None).await
 }
 
 /// [`read_list`] as it was at revision `at` when the store can still read it there (a paged
-/// list's later pages: [`crate::paging`]), else as it is now.
+/// list's later pages: [`crate::paging`]), else as it is now; only names after `after` (the
+/// last one a previous page served).
 pub async fn read_list_at(
     sh: &Shared,
     caller: &Caller,
@@ -399,6 +409,7 @@ pub async fn read_list_at(
     labels: &Selector,
     fields: &FieldSelector,
     at: Option<u64>,
+    after: Option<&str>,
 ) -> Result<(Vec<DynObject>, u64), Failure> {
     let store = sh.verbs.store();
     let past = match at {
@@ -420,7 +431,12 @@ pub async fn read_list_at(
         (None, None) => store.list(info.kind, labels).await?,
     };
     let visible = scope::visible_in_list(sh, caller, info.kind).await?;
-    objs.retain(|o| scope::sees(&visible, o) && (fields.is_empty() || fields.matches(&served(o))));
+    // names a previous page served first: cheap, and before the served form is made
+    objs.retain(|o| {
+        after.is_none_or(|a| o.metadata.name.as_str() > a)
+            && scope::sees(&visible, o)
+            && (fields.is_empty() || fields.matches(&served(o)))
+    });
     Ok((objs, rev))
 }
 
@@ -554,10 +570,10 @@ pub async fn replace(c: Call, Path((plural, name)): Path<(String, String)>, body
     } else {
         DryRun::None
     };
-    if let Some(cur) = v.store().get(&ObjectRef::new(info.kind, &name)).await? {
-        crate::controllers_metadata::no_additions(&cur, &new)?;
-    }
     let changed = boxery_verbs::edit::modify(&v, info, &name, dry, "update", |cur| {
+        // checked against the object this write replaces, read once by `modify`
+        crate::controllers_metadata::no_additions(cur, &new)
+            .map_err(boxery_verbs::VerbError::Store)?;
         if let Some(rv) = &new.metadata.resource_version
             && Some(rv) != cur.metadata.resource_version.as_ref()
         {

@@ -58,18 +58,12 @@ pub async fn visible_in_list(
     caller: &Caller,
     kind: &str,
 ) -> Result<Option<Vec<(String, String)>>, Failure> {
-    if kind == Lease::INFO.kind && own_lease_gone(sh, caller).await? {
-        return Ok(Some(Vec::new()));
+    match &caller.scope {
+        Scope::Lease(l) if kind == Lease::INFO.kind => {
+            Ok(Some(lease_reach(sh, caller, l).await?.unwrap_or_default()))
+        }
+        _ => visible(sh, caller).await,
     }
-    visible(sh, caller).await
-}
-
-/// Whether `caller` is a lease token whose lease no longer exists.
-async fn own_lease_gone(sh: &Shared, caller: &Caller) -> Result<bool, Failure> {
-    let Scope::Lease(l) = &caller.scope else {
-        return Ok(false);
-    };
-    Ok(sh.verbs.store().get_as::<Lease>(l).await?.is_none())
 }
 
 /// The lease and its VM, or 403 when the lease is gone or not Bound.
@@ -78,14 +72,28 @@ async fn lease_objects(
     caller: &Caller,
     lease: &str,
 ) -> Result<Vec<(String, String)>, Failure> {
-    let l: Option<Lease> = sh.verbs.store().get_as::<Lease>(lease).await?;
-    let Some(l) = l else {
-        return Err(Failure::forbidden(format!(
-            "token {} is scoped to lease {lease}, which does not exist (any more)",
-            caller.name
-        )));
+    lease_reach(sh, caller, lease)
+        .await?
+        .ok_or_else(|| gone(caller, lease))
+}
+
+/// The 403 of a lease token whose lease no longer exists.
+fn gone(caller: &Caller, lease: &str) -> Failure {
+    Failure::forbidden(format!(
+        "token {} is scoped to lease {lease}, which does not exist (any more)",
+        caller.name
+    ))
+}
+
+/// The lease and its VM; `None` when the lease does not exist (any more), 403 when it ended.
+async fn lease_reach(
+    sh: &Shared,
+    caller: &Caller,
+    lease: &str,
+) -> Result<Option<Vec<(String, String)>>, Failure> {
+    let Some(l) = sh.verbs.store().get_as::<Lease>(lease).await? else {
+        return Ok(None);
     };
-    let mut out = vec![(Lease::INFO.kind.to_string(), lease.to_string())];
     let phase = l.status.phase;
     if phase.ended() {
         return Err(Failure::forbidden(format!(
@@ -93,10 +101,11 @@ async fn lease_objects(
             caller.name
         )));
     }
-    if let Some(vm) = l.status.vm.clone() {
+    let mut out = vec![(Lease::INFO.kind.to_string(), lease.to_string())];
+    if let Some(vm) = l.status.vm {
         out.push(("Vm".to_string(), vm));
     }
-    Ok(out)
+    Ok(Some(out))
 }
 
 /// Whether `caller` may do `access` to `info` (`name`: one object; `None`: the collection).
@@ -115,16 +124,14 @@ pub async fn allow(
             caller.name
         ))),
         Scope::Lease(l) => {
-            // Its own lease, deleted (released): reading it finds it gone (404, an empty
-            // list), as after any delete, rather than a 403; everything else is refused.
-            if access == Access::Read
-                && info.kind == Lease::INFO.kind
-                && name.is_none_or(|n| n == l)
-                && own_lease_gone(sh, caller).await?
-            {
-                return Ok(());
-            }
-            let mine = lease_objects(sh, caller, l).await?;
+            let Some(mine) = lease_reach(sh, caller, l).await? else {
+                // Its own lease, deleted (released): reading it finds it gone (404, an empty
+                // list), as after any delete, rather than a 403; everything else is refused.
+                let own = access == Access::Read
+                    && info.kind == Lease::INFO.kind
+                    && name.is_none_or(|n| n == l);
+                return if own { Ok(()) } else { Err(gone(caller, l)) };
+            };
             let ok = match (access, name) {
                 // a collection: read it, filtered to what the lease reaches
                 (Access::Read, None) => {
