@@ -52,12 +52,11 @@ pub(crate) fn describe_now(o: &boxery_api::DynObject) -> String {
             " (that status is from generation {seen}: the controllers have not acted on generation {g}, the current spec, yet)"
         ));
     }
-    if o.kind == boxery_api::Grant::INFO.kind {
+    if o.kind == boxery_api::Grant::INFO.kind
+        && let Ok(grant) = o.to_typed::<boxery_api::Grant>()
+    {
         let st = o.status();
-        let approved_for_now = st["approvedBy"].is_string()
-            && st["approvedGeneration"].as_i64().is_some()
-            && st["approvedGeneration"].as_i64() == generation;
-        if !approved_for_now {
+        if !grant.status.approved_for(generation) {
             let name = &o.metadata.name;
             let was = st["approvedGeneration"]
                 .as_i64()
