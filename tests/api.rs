@@ -613,29 +613,12 @@ fn a_context_drives_another_home_with_boxerys_own_verbs() {
 
 /// A request with the full token (curl over HTTPS with the home's CA): the answer's JSON.
 fn call(api: &Api, method: &str, path: &str, body: Option<&str>) -> serde_json::Value {
-    let addr = std::fs::read_to_string(api.home.path().join("api/addr")).unwrap();
-    let token = token_of(&std::fs::read_to_string(&api.kubeconfig).unwrap());
-    let mut c = Command::new("curl");
-    c.args([
-        "-s",
-        "--max-time",
-        "30",
-        "-X",
-        method,
-        "--cacert",
-        api.home.path().join("api/ca.crt").to_str().unwrap(),
-        "-H",
-        &format!("Authorization: Bearer {token}"),
-    ]);
-    if let Some(b) = body {
-        c.args(["-H", "Content-Type: application/json", "--data-binary", b]);
-    }
-    let o = c
-        .arg(format!("https://{}{path}", addr.trim()))
-        .output()
-        .expect("curl");
-    let text = String::from_utf8_lossy(&o.stdout);
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path}: {e}: {text}"))
+    let (_, v) = api.request(&api.kubeconfig, method, path, body);
+    assert!(
+        !v.is_string(),
+        "{method} {path}: the answer is not JSON: {v}"
+    );
+    v
 }
 
 /// The names `kubectl get vms -o name` lists.

@@ -1953,29 +1953,6 @@ fn service_unit_escapes_the_home_path_and_refuses_newlines() {
 /// end the wait (issue 30, class 5: state reported from a stale status).
 #[test]
 fn grant_approve_wait_does_not_take_a_stale_applied() {
-    const PTY: &str = r#"
-import os, pty, sys, select, time
-args = sys.argv[1:]
-pid, fd = pty.fork()
-if pid == 0:
-    os.execv(args[0], args)
-out = b""; sent = False; deadline = time.time() + 120
-while time.time() < deadline:
-    r, _, _ = select.select([fd], [], [], 0.2)
-    if r:
-        try:
-            data = os.read(fd, 4096)
-        except OSError:
-            break
-        if not data:
-            break
-        out += data
-        if not sent and b"Type yes" in out:
-            os.write(fd, b"yes\n"); sent = True
-_, status = os.waitpid(pid, 0)
-sys.stdout.write(out.decode(errors="replace"))
-sys.exit(os.waitstatus_to_exitcode(status))
-"#;
     let home = Home::new();
     home.ok(&["new", "dev1", "--from", "tiny", "--wait"]);
     let f = home.write(
@@ -2002,17 +1979,12 @@ sys.exit(os.waitstatus_to_exitcode(status))
     assert_eq!(g.metadata.generation, Some(2));
     assert_eq!(g.status()["phase"], "Applied");
 
-    let driver = home.write("pty_driver.py", PTY);
-    let o = std::process::Command::new("python3")
-        .arg(driver)
-        .arg(common::bin())
-        .args(["grant", "approve", "g1", "--wait"])
-        .env("BOXERY_HOME", home.path())
-        .env("BOXERY_BACKEND", "fake")
-        .env("STALE_TEST_KEY", "v")
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
+    let o = common::on_a_terminal(
+        &home,
+        "yes",
+        &["grant", "approve", "g1", "--wait"],
+        &[("STALE_TEST_KEY", "v")],
+    );
     let shown = String::from_utf8_lossy(&o.stdout);
     assert_eq!(
         o.status.code(),

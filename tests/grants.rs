@@ -13,48 +13,11 @@ use boxery_api::Grant;
 use boxery_api::grant::GrantPhase;
 use common::Home;
 
-/// Drives a command on a pseudo-terminal (python's `pty`): answers `ANSWER` once the prompt
-/// asks for `yes`; prints what the terminal showed; exits with the command's code.
-const PTY_DRIVER: &str = r#"
-import os, pty, sys, select, time
-answer = sys.argv[1]; args = sys.argv[2:]
-pid, fd = pty.fork()
-if pid == 0:
-    os.execv(args[0], args)
-out = b""; sent = False; deadline = time.time() + 120
-while time.time() < deadline:
-    r, _, _ = select.select([fd], [], [], 0.2)
-    if r:
-        try:
-            data = os.read(fd, 4096)
-        except OSError:
-            break
-        if not data:
-            break
-        out += data
-        if not sent and b"Type yes" in out:
-            os.write(fd, (answer + "\n").encode()); sent = True
-_, status = os.waitpid(pid, 0)
-sys.stdout.write(out.decode(errors="replace"))
-sys.exit(os.waitstatus_to_exitcode(status))
-"#;
-
 const CANARY: &str = "canary-value-7f3a-never-stored";
 
 /// Run `boxery ARGS` on a pseudo-terminal, typing `answer` at the prompt.
 fn on_a_terminal(home: &Home, answer: &str, args: &[&str]) -> Output {
-    let driver = home.write("pty_driver.py", PTY_DRIVER);
-    Command::new("python3")
-        .arg(driver)
-        .arg(answer)
-        .arg(common::bin())
-        .args(args)
-        .env("BOXERY_HOME", home.path())
-        .env("BOXERY_BACKEND", "fake")
-        .env("GRANT_TEST_KEY", CANARY)
-        .stdin(Stdio::null())
-        .output()
-        .expect("python3 runs the pty driver")
+    common::on_a_terminal(home, answer, args, &[("GRANT_TEST_KEY", CANARY)])
 }
 
 /// Run `boxery ARGS` with no controlling terminal (a new session), `yes` on stdin.

@@ -364,57 +364,32 @@ fn a_refused_request_with_a_body_closes_its_connection() {
     let home = Home::new();
     let (_serve, addr, ca, token) = api_serve(&home);
     let vm = r#"{"apiVersion":"boxery.dev/v1alpha1","kind":"Vm","metadata":{"name":"v1"},"spec":{"source":{"image":"tiny"}}}"#;
-    let headers = |auth: Option<&str>| {
+    // the response headers of a POST of `vm` to `url`, with `auth` when given
+    let headers = |url: &str, auth: Option<&str>| {
         let mut c = Command::new("curl");
-        c.args([
-            "-s",
-            "-o",
-            "/dev/null",
-            "-D",
-            "-",
-            "--max-time",
-            "10",
-            "--cacert",
-        ])
-        .arg(&ca)
-        .args(["-X", "POST", "-H", "Content-Type: application/json"])
-        .args(["--data-binary", vm]);
+        c.args(["-s", "-o", "/dev/null", "-D", "-", "--max-time", "10"])
+            .arg("--cacert")
+            .arg(&ca)
+            .args(["-X", "POST", "-H", "Content-Type: application/json"])
+            .args(["--data-binary", vm]);
         if let Some(t) = auth {
             c.args(["-H", &format!("Authorization: Bearer {t}")]);
         }
-        let o = c
-            .arg(format!("https://{addr}/apis/boxery.dev/v1alpha1/vms"))
-            .output()
-            .expect("curl");
+        let o = c.arg(url).output().expect("curl");
         String::from_utf8_lossy(&o.stdout).to_ascii_lowercase()
     };
-    let h = headers(None);
+    let vms = format!("https://{addr}/apis/boxery.dev/v1alpha1/vms");
+    let h = headers(&vms, None);
     assert!(h.starts_with("http/1.1 401"), "{h}");
     assert!(h.contains("connection: close"), "{h}");
     // the control: an answer that is not a refusal keeps the connection
-    let h = headers(Some(&token));
+    let h = headers(&vms, Some(&token));
     assert!(h.starts_with("http/1.1 201"), "{h}");
     assert!(!h.contains("connection: close"), "{h}");
     // the MCP listener's refusal too
     let other = Home::new();
     let mcp = Server::start(&other, 1024);
-    let o = Command::new("curl")
-        .args([
-            "-s",
-            "-o",
-            "/dev/null",
-            "-D",
-            "-",
-            "--max-time",
-            "10",
-            "-X",
-            "POST",
-        ])
-        .args(["-H", "Content-Type: application/json", "--data-binary", vm])
-        .arg(format!("http://{}/mcp", mcp.addr))
-        .output()
-        .expect("curl");
-    let h = String::from_utf8_lossy(&o.stdout).to_ascii_lowercase();
+    let h = headers(&format!("http://{}/mcp", mcp.addr), None);
     assert!(
         h.starts_with("http/1.1 401") && h.contains("connection: close"),
         "{h}"

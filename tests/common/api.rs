@@ -100,6 +100,8 @@ impl Api {
         let mut c = Command::new("curl");
         c.args([
             "-s",
+            "--max-time",
+            "30",
             "-w",
             "\n%{http_code}",
             "-X",

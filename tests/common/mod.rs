@@ -169,3 +169,51 @@ pub const VM_YAML: &str = "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata:\
 pub fn vm_yaml(name: &str) -> String {
     VM_YAML.replace("NAME", name)
 }
+
+/// Drives a command on a pseudo-terminal (python's `pty`): answers `ANSWER` once the prompt
+/// asks for `yes`; prints what the terminal showed; exits with the command's code.
+const PTY_DRIVER: &str = r#"
+import os, pty, sys, select, time
+answer = sys.argv[1]; args = sys.argv[2:]
+pid, fd = pty.fork()
+if pid == 0:
+    os.execv(args[0], args)
+out = b""; sent = False; deadline = time.time() + 120
+while time.time() < deadline:
+    r, _, _ = select.select([fd], [], [], 0.2)
+    if r:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        out += data
+        if not sent and b"Type yes" in out:
+            os.write(fd, (answer + "\n").encode()); sent = True
+_, status = os.waitpid(pid, 0)
+sys.stdout.write(out.decode(errors="replace"))
+sys.exit(os.waitstatus_to_exitcode(status))
+"#;
+
+/// Run `boxery ARGS` on a pseudo-terminal (the fake backend, `envs` set), typing `answer` at
+/// the prompt that asks for `yes`: what the terminal showed is the output's stdout.
+pub fn on_a_terminal(
+    home: &Home,
+    answer: &str,
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> std::process::Output {
+    let driver = home.write("pty_driver.py", PTY_DRIVER);
+    std::process::Command::new("python3")
+        .arg(driver)
+        .arg(answer)
+        .arg(bin())
+        .args(args)
+        .env("BOXERY_HOME", home.path())
+        .env("BOXERY_BACKEND", "fake")
+        .envs(envs.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("python3 runs the pty driver")
+}
