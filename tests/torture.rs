@@ -14,7 +14,7 @@ use std::time::Duration;
 use boxery_backends::fake::{FaultAction, FaultConfig, FaultRule};
 use common::{Home, invariants};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 
 mod model {
     #[derive(Debug, Clone, Default)]

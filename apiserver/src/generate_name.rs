@@ -9,7 +9,7 @@
 
 use boxery_api::KindInfo;
 use boxery_api::name::Name;
-use rand::Rng as _;
+use rand::RngExt as _;
 use serde_json::Value;
 
 use crate::status::Failure;

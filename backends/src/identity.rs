@@ -12,7 +12,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use rand::RngCore;
+use rand::Rng;
 
 use crate::{BackendError, Identity};
 

@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use rand::Rng;
+use rand::RngExt;
 
 /// An exponential backoff policy.
 #[derive(Debug, Clone, Copy, PartialEq)]
