@@ -478,6 +478,9 @@ pub(crate) struct Inner {
     poller: std::sync::OnceLock<mpsc::Sender<()>>,
     /// Dropped with the last handle: stops the upkeep thread.
     _stop_upkeep: mpsc::Sender<()>,
+    /// A store in memory ([`Store::open_in_memory`]): the writer's connection is the only
+    /// one, and serves the reads too.
+    in_memory: bool,
 }
 
 /// The store files open in this process (device, inode), and the stores that have them.
@@ -497,8 +500,51 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Inner {
-    /// Run `f` on an idle reader connection (opening one if none is idle).
+    /// A store's shared state around its writer connection, at the revision `writer` reads;
+    /// with the receiver that tells the upkeep thread the last handle went.
+    fn new(
+        path: PathBuf,
+        writer: Connection,
+        options: &StoreOptions,
+        in_memory: bool,
+    ) -> Result<(Arc<Inner>, mpsc::Receiver<()>)> {
+        let open_db = |source| StoreError::OpenDb {
+            path: path.display().to_string(),
+            source,
+        };
+        let rev = schema::meta(&writer, "revision").map_err(open_db)?;
+        let uid = schema::identity(&writer).map_err(open_db)?;
+        let (revisions, _) = tokio::sync::watch::channel(rev);
+        let kind_revs = Arc::new(Mutex::new(watch::KindRevs::new(rev)));
+        let (stop_upkeep, upkeep_rx) = mpsc::channel();
+        let inner = Arc::new(Inner {
+            path,
+            uid,
+            busy_timeout: options.busy_timeout,
+            poll_interval: options.poll_interval,
+            writer: Mutex::new(writer),
+            readers: Mutex::new(Vec::new()),
+            revisions,
+            kind_revs,
+            poller: std::sync::OnceLock::new(),
+            _stop_upkeep: stop_upkeep,
+            in_memory,
+        });
+        Ok((inner, upkeep_rx))
+    }
+
+    /// Run `f` on an idle reader connection (opening one if none is idle); in memory, on the
+    /// one connection, when no write holds it.
     pub(crate) fn with_reader<T>(&self, f: impl FnOnce(&mut Connection) -> Result<T>) -> Result<T> {
+        if self.in_memory {
+            let mut conn = lock(&self.writer);
+            let out = f(&mut conn);
+            if !conn.is_autocommit() {
+                // A failed read left its transaction open: end it (the one connection stays).
+                let _ = conn.execute_batch("ROLLBACK");
+            }
+            return out;
+        }
         let idle = lock(&self.readers).pop();
         let mut conn = match idle {
             Some(c) => c,
@@ -523,6 +569,10 @@ impl Inner {
     /// Start the poller if it is not running: from now on, other processes' commits wake
     /// this process's watchers (and their kinds are recorded in `kind_revs`).
     pub(crate) fn start_poller(&self) {
+        if self.in_memory {
+            // Only this store's own writes reach its memory, and they wake watchers.
+            return;
+        }
         self.poller.get_or_init(|| {
             let (stop, rx) = mpsc::channel();
             if let Err(e) = watch::spawn_poller(
@@ -648,27 +698,7 @@ impl Store {
         };
         let mut writer = connect(path, options.busy_timeout).map_err(not_a_db)?;
         schema::init(&mut writer, path, options.busy_timeout).map_err(not_a_db)?;
-        let open_db = |source| StoreError::OpenDb {
-            path: path.display().to_string(),
-            source,
-        };
-        let rev = schema::meta(&writer, "revision").map_err(open_db)?;
-        let uid = schema::identity(&writer).map_err(open_db)?;
-        let (revisions, _) = tokio::sync::watch::channel(rev);
-        let kind_revs = Arc::new(Mutex::new(watch::KindRevs::new(rev)));
-        let (stop_upkeep, upkeep_rx) = mpsc::channel();
-        let inner = Arc::new(Inner {
-            path: path.to_path_buf(),
-            uid,
-            busy_timeout: options.busy_timeout,
-            poll_interval: options.poll_interval,
-            writer: Mutex::new(writer),
-            readers: Mutex::new(Vec::new()),
-            revisions,
-            kind_revs,
-            poller: std::sync::OnceLock::new(),
-            _stop_upkeep: stop_upkeep,
-        });
+        let (inner, upkeep_rx) = Inner::new(path.to_path_buf(), writer, &options, false)?;
         compact::spawn_upkeep(
             path.to_path_buf(),
             options.busy_timeout,
@@ -683,7 +713,30 @@ impl Store {
         Ok(Store { inner })
     }
 
-    /// The file this store keeps.
+    /// A new, empty store in memory, for tests (a reconciler's decisions, a verb's checks):
+    /// the same store as a file's (the same SQL, so the same revisions, generations, field
+    /// ownership, finalizers, cascade, watch and leader rows) on one private SQLite
+    /// connection, which serves reads as well as writes, one call at a time.
+    ///
+    /// Unlike a file's: nothing else can open it ([`Store::path`] is a name, `memory:<uuid>`,
+    /// not a file; a second handle is a clone); no background thread (no poller: no other
+    /// process writes; no upkeep: no WAL, and the log is compacted only by
+    /// [`Store::compact`]). It is gone with its last handle.
+    pub fn open_in_memory() -> Result<Store> {
+        let path = PathBuf::from(format!("memory:{}", uuid::Uuid::new_v4().simple()));
+        let writer = schema::memory().map_err(|source| StoreError::OpenDb {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let options = StoreOptions {
+            auto_compact: None,
+            ..Default::default()
+        };
+        let (inner, _no_upkeep) = Inner::new(path, writer, &options, true)?;
+        Ok(Store { inner })
+    }
+
+    /// The file this store keeps (for a store in memory, its name).
     pub fn path(&self) -> &Path {
         &self.inner.path
     }
@@ -982,6 +1035,31 @@ mod tests {
             .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
             .filter(|c| c.starts_with("boxery-poll") || c.starts_with("boxery-upkeep"))
             .count()
+    }
+
+    /// A store in memory is its own: two never share an object, it touches no file and
+    /// starts no thread, and a watch of it is woken by its writes (no poller).
+    #[tokio::test]
+    async fn stores_in_memory_are_separate_and_start_no_threads() {
+        use futures::StreamExt;
+        let before = store_threads();
+        let (a, b) = (
+            Store::open_in_memory().unwrap(),
+            Store::open_in_memory().unwrap(),
+        );
+        assert_ne!(a.uid(), b.uid());
+        assert_ne!(a.path(), b.path());
+        assert!(!a.path().exists(), "no file: {}", a.path().display());
+        let mut w = a.watch(Some("Vm"), 0);
+        let made = a.create(vm("x")).unwrap();
+        assert_eq!(b.get("Vm", "x").unwrap(), None);
+        let (rev, seen) = tokio::time::timeout(Duration::from_secs(5), w.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!((rev, seen), (made.metadata.rv(), WatchEvent::Added(made)));
+        assert_eq!(store_threads(), before);
     }
 
     #[test]

@@ -278,6 +278,17 @@ fn write_schema(tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<()> {
     tx.pragma_update(None, "user_version", SCHEMA_VERSION)
 }
 
+/// A new store in memory: one private connection, with the schema and a fresh identity
+/// written as [`create_new`] writes them into a new file.
+pub(crate) fn memory() -> rusqlite::Result<Connection> {
+    let mut conn = Connection::open_in_memory()?;
+    conn.set_prepared_statement_cache_capacity(64);
+    let tx = conn.transaction()?;
+    write_schema(&tx)?;
+    tx.commit()?;
+    Ok(conn)
+}
+
 /// The store's identity (its `uid`).
 pub(crate) fn identity(conn: &Connection) -> rusqlite::Result<String> {
     conn.query_row("SELECT value FROM identity WHERE key = 'uid'", [], |r| {

@@ -14,7 +14,9 @@
 //!
 //! which makes one test per check (on a multi-thread runtime, so work an implementation moves
 //! off the async workers is exercised; a few also on a current-thread runtime), plus the
-//! `conformance_child` entry point the cross-process check runs in a second OS process.
+//! `conformance_child` entry point the cross-process check runs in a second OS process. A store
+//! no other process can reach (one in memory) says so: `conformance::suite!(MyStore,
+//! in_one_process)` makes every check but the cross-process one.
 //!
 //! Checks assume nothing an implementation may do differently: revisions are compared with
 //! each other, never with fixed numbers, and leader epochs only grow.
@@ -76,6 +78,12 @@ macro_rules! suite {
             $crate::conformance::child(&$imp);
         }
         $crate::conformance::suite!(@each $imp, "multi_thread";
+            watch_sees_writes_from_another_process,
+        );
+        $crate::conformance::suite!($imp, in_one_process);
+    };
+    ($imp:expr, in_one_process) => {
+        $crate::conformance::suite!(@each $imp, "multi_thread";
             create_sets_server_fields_and_refuses_a_taken_name,
             get_is_none_for_absent_objects_and_impossible_names,
             list_is_sorted_filtered_and_returns_its_revision,
@@ -106,7 +114,6 @@ macro_rules! suite {
             list_then_watch_misses_nothing_under_concurrent_writers,
             compaction_makes_old_watches_too_old_and_a_relist_recovers,
             watch_sees_writes_from_another_handle,
-            watch_sees_writes_from_another_process,
             leader_lock_follows_expires_resigns_and_fences_by_epoch,
             removed_uids_are_remembered_and_the_identity_is_stable,
             adopt_recreates_an_object_with_its_uid,
