@@ -751,7 +751,7 @@ pub async fn delete(
     }
     if how.force {
         for t in &targets {
-            boxery_verbs::runtime::force_delete(v, &t.kind, &t.name).await?;
+            boxery_verbs::force::force_delete(v, &t.kind, &t.name).await?;
             outln!("{}/{} deleted (forced)", info.singular, t.name);
         }
         return Ok(());

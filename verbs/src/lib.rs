@@ -21,6 +21,7 @@ pub mod edit;
 pub mod egress;
 pub mod env;
 pub mod error;
+pub mod force;
 pub mod grants;
 pub mod objects;
 pub mod orphans;

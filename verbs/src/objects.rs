@@ -515,7 +515,7 @@ pub async fn delete(v: &Verbs, info: &'static KindInfo, names: &[String]) -> Res
 }
 
 /// Check that the store's objects live on the selected backend: before `delete --force` (which
-/// asks the backend whether each VM or image is gone, see [`crate::runtime::force_delete`]) and
+/// asks the backend whether each VM or image is gone, see [`crate::force::force_delete`]) and
 /// before a write that waits (whose wait may run the controllers here).
 pub async fn check_backend(v: &Verbs) -> Result {
     if v.remote_plane().is_some() {
