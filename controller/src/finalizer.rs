@@ -102,6 +102,33 @@ fn to_dyn<R: Resource>(obj: &R) -> Result<DynObject, FinalizerError> {
     })
 }
 
+/// Which finalizer write failed.
+#[derive(Clone, Copy)]
+enum Write {
+    Add,
+    Remove,
+}
+
+/// The error of a store call made to add or remove `finalizer` on `key`.
+fn failed(write: Write, key: String, finalizer: &str) -> impl FnOnce(StoreError) -> FinalizerError {
+    let finalizer = finalizer.to_string();
+    move |source| {
+        let source = Box::new(source);
+        match write {
+            Write::Add => FinalizerError::Add {
+                key,
+                finalizer,
+                source,
+            },
+            Write::Remove => FinalizerError::Remove {
+                key,
+                finalizer,
+                source,
+            },
+        }
+    }
+}
+
 /// Add `finalizer` to `obj` unless it has it or is being deleted. Returns whether it wrote.
 /// Fails with `Conflict` inside when `obj` is stale.
 pub async fn ensure_finalizer<R: Resource>(
@@ -118,11 +145,7 @@ pub async fn ensure_finalizer<R: Resource>(
     store
         .update(d)
         .await
-        .map_err(|source| FinalizerError::Add {
-            source: Box::new(source),
-            key: key(obj),
-            finalizer: finalizer.into(),
-        })?;
+        .map_err(failed(Write::Add, key(obj), finalizer))?;
     Ok(true)
 }
 
@@ -142,11 +165,7 @@ pub async fn remove_finalizer<R: Resource>(
     store
         .update(d)
         .await
-        .map_err(|source| FinalizerError::Remove {
-            source: Box::new(source),
-            key: key(obj),
-            finalizer: finalizer.into(),
-        })?;
+        .map_err(failed(Write::Remove, key(obj), finalizer))?;
     Ok(true)
 }
 
@@ -219,21 +238,13 @@ where
             let current = store
                 .get(&ObjectRef::of::<R>(obj.name()))
                 .await
-                .map_err(|source| FinalizerError::Remove {
-                    source: Box::new(source),
-                    key: key(&*obj),
-                    finalizer: name.into(),
-                })?;
+                .map_err(failed(Write::Remove, key(&*obj), name))?;
             if let Some(mut current) = current.filter(|c| c.metadata.has_finalizer(name)) {
                 current.metadata.finalizers.retain(|f| f != name);
                 store
                     .update(current)
                     .await
-                    .map_err(|source| FinalizerError::Remove {
-                        source: Box::new(source),
-                        key: key(&*obj),
-                        finalizer: name.into(),
-                    })?;
+                    .map_err(failed(Write::Remove, key(&*obj), name))?;
             }
             Ok(action)
         }

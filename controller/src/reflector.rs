@@ -778,19 +778,31 @@ pub(crate) mod tests {
         (c.name().to_string(), c.old.is_some(), c.new.is_some())
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn lists_then_follows_the_watch() {
-        let src = FakeSource::new();
-        src.put(obj("Vm", "a"));
-        src.put(obj("Image", "i"));
+    /// A reflector of `src`'s Vms into a new cache, running: the cache, its changes, the task.
+    fn reflect_vms(
+        src: &FakeSource,
+    ) -> (
+        Cache,
+        mpsc::UnboundedReceiver<Change>,
+        tokio::task::JoinHandle<()>,
+    ) {
         let cache = Cache::new("Vm");
-        let (tx, mut rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::unbounded_channel();
         let task = tokio::spawn(reflect(
             Arc::new(src.clone()),
             cache.clone(),
             tx,
             Backoff::default(),
         ));
+        (cache, rx, task)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lists_then_follows_the_watch() {
+        let src = FakeSource::new();
+        src.put(obj("Vm", "a"));
+        src.put(obj("Image", "i"));
+        let (cache, mut rx, task) = reflect_vms(&src);
         assert_eq!(next(&mut rx).await, ("a".into(), false, true));
         assert!(cache.is_ready());
         src.put(obj("Vm", "b"));
@@ -866,14 +878,7 @@ pub(crate) mod tests {
         let src = FakeSource::new();
         src.put(obj("Vm", "a"));
         src.put(obj("Vm", "b"));
-        let cache = Cache::new("Vm");
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(reflect(
-            Arc::new(src.clone()),
-            cache.clone(),
-            tx,
-            Backoff::default(),
-        ));
+        let (cache, mut rx, task) = reflect_vms(&src);
         next(&mut rx).await;
         next(&mut rx).await;
         // While the watch is broken: b vanishes, c appears, a stays as it was.
@@ -895,14 +900,7 @@ pub(crate) mod tests {
     async fn errors_back_off_before_relisting() {
         let src = FakeSource::new();
         src.put(obj("Vm", "a"));
-        let cache = Cache::new("Vm");
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let task = tokio::spawn(reflect(
-            Arc::new(src.clone()),
-            cache.clone(),
-            tx,
-            Backoff::default(),
-        ));
+        let (_cache, mut rx, task) = reflect_vms(&src);
         next(&mut rx).await;
         let t0 = tokio::time::Instant::now();
         src.break_watches(|| StoreError::Json(serde_json::from_str::<u8>("x").unwrap_err()));

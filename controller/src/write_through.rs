@@ -31,10 +31,9 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use boxery_api::{DynObject, Selector};
+use boxery_api::DynObject;
 use boxery_store::{
-    ApplyAction, ApplyOptions, Candidate, DeleteOutcome, Leadership, ObjectRef, ObjectStore,
-    Result, WatchStream,
+    ApplyAction, ApplyOptions, Candidate, DeleteOutcome, Leadership, ObjectRef, ObjectStore, Result,
 };
 
 use crate::reflector::Cache;
@@ -105,18 +104,7 @@ impl WriteThrough {
 
 #[async_trait]
 impl ObjectStore for WriteThrough {
-    fn uid(&self) -> &str {
-        self.inner.uid()
-    }
-    async fn get(&self, key: &ObjectRef) -> Result<Option<DynObject>> {
-        self.inner.get(key).await
-    }
-    async fn list(&self, kind: &str, selector: &Selector) -> Result<(Vec<DynObject>, u64)> {
-        self.inner.list(kind, selector).await
-    }
-    async fn list_named_prefix(&self, kind: &str, prefix: &str) -> Result<Vec<DynObject>> {
-        self.inner.list_named_prefix(kind, prefix).await
-    }
+    boxery_store::reads_from!(inner);
     async fn create_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
         self.observed(self.inner.create_by(obj, manager).await)
     }
@@ -153,29 +141,14 @@ impl ObjectStore for WriteThrough {
         }
         Ok(out)
     }
-    async fn revision(&self) -> Result<u64> {
-        self.inner.revision().await
-    }
-    fn watch(&self, kind: Option<&str>, from: u64) -> WatchStream {
-        self.inner.watch(kind, from)
-    }
     async fn compact(&self, keep_revisions: u64) -> Result<u64> {
         self.inner.compact(keep_revisions).await
-    }
-    async fn compacted(&self) -> Result<u64> {
-        self.inner.compacted().await
-    }
-    async fn was_removed(&self, uid: &str) -> Result<bool> {
-        self.inner.was_removed(uid).await
     }
     async fn try_lead(&self, lock: &str, me: &Candidate, ttl: Duration) -> Result<Leadership> {
         self.inner.try_lead(lock, me, ttl).await
     }
     async fn resign(&self, lock: &str, me: &Candidate) -> Result<()> {
         self.inner.resign(lock, me).await
-    }
-    async fn leader(&self, lock: &str) -> Result<Option<String>> {
-        self.inner.leader(lock).await
     }
 }
 

@@ -31,12 +31,12 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use boxery_api::{DynObject, Selector};
+use boxery_api::DynObject;
 use serde_json::Value;
 
 use crate::{
     ApplyAction, ApplyOptions, Candidate, DeleteOutcome, Leadership, ObjectRef, ObjectStore,
-    Result, StoreError, WatchStream,
+    Result, StoreError,
 };
 
 /// The prefix of the labels and annotations that are boxery's own.
@@ -305,21 +305,7 @@ impl<S: ObjectStore + ?Sized> Guarded<S> {
 
 #[async_trait]
 impl<S: ObjectStore + ?Sized> ObjectStore for Guarded<S> {
-    fn uid(&self) -> &str {
-        self.inner.uid()
-    }
-
-    async fn get(&self, key: &ObjectRef) -> Result<Option<DynObject>> {
-        self.inner.get(key).await
-    }
-
-    async fn list(&self, kind: &str, selector: &Selector) -> Result<(Vec<DynObject>, u64)> {
-        self.inner.list(kind, selector).await
-    }
-
-    async fn list_named_prefix(&self, kind: &str, prefix: &str) -> Result<Vec<DynObject>> {
-        self.inner.list_named_prefix(kind, prefix).await
-    }
+    crate::reads_from!(inner);
 
     async fn create_by(&self, mut obj: DynObject, manager: &str) -> Result<DynObject> {
         writable_kind(&self.writer, &obj.kind)?;
@@ -392,24 +378,8 @@ impl<S: ObjectStore + ?Sized> ObjectStore for Guarded<S> {
         self.inner.apply_all(objs, opts).await
     }
 
-    async fn revision(&self) -> Result<u64> {
-        self.inner.revision().await
-    }
-
-    fn watch(&self, kind: Option<&str>, from: u64) -> WatchStream {
-        self.inner.watch(kind, from)
-    }
-
     async fn compact(&self, _keep_revisions: u64) -> Result<u64> {
         Err(self.host_only("compact the store's history"))
-    }
-
-    async fn compacted(&self) -> Result<u64> {
-        self.inner.compacted().await
-    }
-
-    async fn was_removed(&self, uid: &str) -> Result<bool> {
-        self.inner.was_removed(uid).await
     }
 
     async fn try_lead(&self, _lock: &str, _me: &Candidate, _ttl: Duration) -> Result<Leadership> {
@@ -418,10 +388,6 @@ impl<S: ObjectStore + ?Sized> ObjectStore for Guarded<S> {
 
     async fn resign(&self, _lock: &str, _me: &Candidate) -> Result<()> {
         Err(self.host_only("give up the controllers' leadership"))
-    }
-
-    async fn leader(&self, lock: &str) -> Result<Option<String>> {
-        self.inner.leader(lock).await
     }
 }
 

@@ -39,6 +39,12 @@ mod fields;
 pub mod guard;
 mod leader;
 mod object_store;
+/// What [`reads_from!`] names, for the crates that use it.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::object_store::Boxed;
+    pub use boxery_api::{DynObject, Selector};
+}
 mod schema;
 mod snapshot;
 /// The store schema version this build writes (`PRAGMA user_version`).

@@ -245,6 +245,99 @@ pub trait ObjectStoreExt: ObjectStore {
 
 impl<S: ObjectStore + ?Sized> ObjectStoreExt for S {}
 
+/// The future an [`ObjectStore`] method returns, as `async_trait` makes it (for
+/// [`reads_from!`](crate::reads_from)).
+#[doc(hidden)]
+pub type Boxed<'t, T> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<T>> + Send + 't>>;
+
+/// The read half of [`ObjectStore`] in a wrapper that only checks or follows writes (the
+/// store's `guard::Guarded`, the controllers' `WriteThrough`): `uid`, `get`, `list`,
+/// `list_named_prefix`, `revision`, `watch`, `compacted`, `was_removed` and `leader`,
+/// answered by the wrapped store in the field `$inner`, unchanged. Written inside the
+/// wrapper's `#[async_trait] impl ObjectStore`, beside its own methods; it spells the boxed
+/// futures `async_trait` makes of the trait's `async fn`s, as the macro is expanded after it.
+#[macro_export]
+macro_rules! reads_from {
+    ($inner:ident) => {
+        fn uid(&self) -> &str {
+            self.$inner.uid()
+        }
+        fn get<'s, 'k, 't>(
+            &'s self,
+            key: &'k $crate::ObjectRef,
+        ) -> $crate::__private::Boxed<'t, Option<$crate::__private::DynObject>>
+        where
+            's: 't,
+            'k: 't,
+            Self: 't,
+        {
+            self.$inner.get(key)
+        }
+        fn list<'s, 'k, 'l, 't>(
+            &'s self,
+            kind: &'k str,
+            selector: &'l $crate::__private::Selector,
+        ) -> $crate::__private::Boxed<'t, (Vec<$crate::__private::DynObject>, u64)>
+        where
+            's: 't,
+            'k: 't,
+            'l: 't,
+            Self: 't,
+        {
+            self.$inner.list(kind, selector)
+        }
+        fn list_named_prefix<'s, 'k, 'p, 't>(
+            &'s self,
+            kind: &'k str,
+            prefix: &'p str,
+        ) -> $crate::__private::Boxed<'t, Vec<$crate::__private::DynObject>>
+        where
+            's: 't,
+            'k: 't,
+            'p: 't,
+            Self: 't,
+        {
+            self.$inner.list_named_prefix(kind, prefix)
+        }
+        fn revision<'s, 't>(&'s self) -> $crate::__private::Boxed<'t, u64>
+        where
+            's: 't,
+            Self: 't,
+        {
+            self.$inner.revision()
+        }
+        fn watch(&self, kind: Option<&str>, from: u64) -> $crate::WatchStream {
+            self.$inner.watch(kind, from)
+        }
+        fn compacted<'s, 't>(&'s self) -> $crate::__private::Boxed<'t, u64>
+        where
+            's: 't,
+            Self: 't,
+        {
+            self.$inner.compacted()
+        }
+        fn was_removed<'s, 'u, 't>(&'s self, uid: &'u str) -> $crate::__private::Boxed<'t, bool>
+        where
+            's: 't,
+            'u: 't,
+            Self: 't,
+        {
+            self.$inner.was_removed(uid)
+        }
+        fn leader<'s, 'l, 't>(
+            &'s self,
+            lock: &'l str,
+        ) -> $crate::__private::Boxed<'t, Option<String>>
+        where
+            's: 't,
+            'l: 't,
+            Self: 't,
+        {
+            self.$inner.leader(lock)
+        }
+    };
+}
+
 /// Run blocking store work on tokio's blocking pool when a multi-thread runtime is current
 /// (so async workers never wait on SQLite's locks or disk), inline otherwise (a plain thread,
 /// `futures::executor`, a current-thread runtime). Used by every [`ObjectStore`] method of
@@ -270,6 +363,17 @@ pub(crate) async fn off_workers<T: Send + 'static>(
         // may have no blocking pool to spare: run inline.
         _ => f(),
     }
+}
+
+/// [`blocking`] for a write of `obj` with one string argument (a field manager, a uid).
+async fn write_with(
+    store: &Store,
+    obj: DynObject,
+    arg: &str,
+    write: fn(&Store, DynObject, &str) -> Result<DynObject>,
+) -> Result<DynObject> {
+    let arg = arg.to_string();
+    blocking(store, move |s| write(s, obj, &arg)).await
 }
 
 /// [`off_workers`] for a call on a clone of `store`.
@@ -308,20 +412,16 @@ impl ObjectStore for Store {
         blocking(self, move |s| s.list_at(&kind, &selector, rev)).await
     }
     async fn create_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
-        let manager = manager.to_string();
-        blocking(self, move |s| s.create_by(obj, &manager)).await
+        write_with(self, obj, manager, Store::create_by).await
     }
     async fn adopt(&self, obj: DynObject, uid: &str) -> Result<DynObject> {
-        let uid = uid.to_string();
-        blocking(self, move |s| s.adopt(obj, &uid)).await
+        write_with(self, obj, uid, Store::adopt).await
     }
     async fn update_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
-        let manager = manager.to_string();
-        blocking(self, move |s| s.update_by(obj, &manager)).await
+        write_with(self, obj, manager, Store::update_by).await
     }
     async fn update_dry_run_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
-        let manager = manager.to_string();
-        blocking(self, move |s| s.update_dry_run_by(obj, &manager)).await
+        write_with(self, obj, manager, Store::update_dry_run_by).await
     }
     async fn update_status(&self, obj: DynObject) -> Result<DynObject> {
         blocking(self, move |s| s.update_status(obj)).await
