@@ -1883,7 +1883,7 @@ fn config_contexts_print_no_raw_escapes_from_files() {
     let _lead = home
         .store()
         .try_lead(
-            boxery_verbs::runtime::LOCK,
+            boxery_verbs::control::LOCK,
             &boxery_store::Candidate::current("evil\u{1b}]52;c;eA==\u{7}\u{1b}[2J"),
             Duration::from_secs(120),
         )

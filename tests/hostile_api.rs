@@ -112,7 +112,7 @@ fn a_full_token_writes_no_status_and_makes_no_host_call() {
     a.rest.get_mut("status").unwrap()["ssh"]["endpoint"] = json!("127.0.0.1:1");
     let calls = [
         json!({"op": "updateStatus", "obj": a}),
-        json!({"op": "tryLead", "lock": boxery_verbs::runtime::LOCK, "ttl_ms": 60000,
+        json!({"op": "tryLead", "lock": boxery_verbs::control::LOCK, "ttl_ms": 60000,
                "me": {"id": "intruder", "pid": 1, "bootId": "x"}}),
         json!({"op": "compact", "keep_revisions": 1}),
         json!({"op": "createBy", "manager": "x", "obj": {"apiVersion": "boxery.dev/v1alpha1",
@@ -139,7 +139,7 @@ fn a_full_token_writes_no_status_and_makes_no_host_call() {
     let leader = api
         .home
         .store()
-        .leader(boxery_verbs::runtime::LOCK)
+        .leader(boxery_verbs::control::LOCK)
         .unwrap();
     assert!(
         leader.is_some_and(|l| !l.contains("intruder")),

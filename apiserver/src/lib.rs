@@ -406,50 +406,20 @@ impl ApiServer {
             &shutdown,
         );
         let app = router(self.shared.clone(), Some(mcp.router()));
-        let acceptor = tokio_rustls::TlsAcceptor::from(self.tls);
+        let tls_acceptor = tokio_rustls::TlsAcceptor::from(self.tls);
         let limits = self.shared.limits;
-        let conns = Arc::new(boxery_mcp::conns::Conns::default());
-        // Sockets, not table entries, are what run out: a connection closed to make room
-        // holds its descriptor until its task has run, so nothing more is accepted until one
-        // permit (of the cap, plus one for the connection being decided on) is free again.
-        let sockets = Arc::new(tokio::sync::Semaphore::new(limits.connections + 1));
-        let mut tasks = tokio::task::JoinSet::new();
-        loop {
-            let permit = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                p = sockets.clone().acquire_owned() => p.expect("never closed"),
-            };
-            let (stream, peer) = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
-                r = self.listener.accept() => match r {
-                    Ok(c) => c,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "API: accepting a connection failed");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                        continue;
-                    }
-                },
-            };
-            let Some(boxery_mcp::conns::Admitted {
-                slot,
-                proven,
-                evict,
-            }) = conns.admit(peer.ip(), limits.connections, limits.per_peer)
-            else {
-                tracing::debug!(%peer, open = conns.len(), "API: too many connections: refused");
-                drop(stream);
-                continue;
-            };
-            let _ = stream.set_nodelay(true);
-            let acceptor = acceptor.clone();
-            let service = TowerToHyperService::new(axum::Extension(proven).layer(app.clone()));
-            let stop = shutdown.clone();
-            tasks.spawn(async move {
+        let mut acceptor =
+            boxery_mcp::conns::Acceptor::new("API", limits.connections, limits.per_peer);
+        while let Some(a) = acceptor.next(&self.listener, &shutdown).await {
+            let tls_acceptor = tls_acceptor.clone();
+            let service = TowerToHyperService::new(axum::Extension(a.proven).layer(app.clone()));
+            let (stream, evict, stop) = (a.stream, a.evict, shutdown.clone());
+            let held = a.held;
+            acceptor.spawn(async move {
                 // Dropped in reverse: the socket first, then its place and its permit.
-                let _permit = permit;
-                let _slot = slot;
-                let handshake = tokio::time::timeout(limits.header_read, acceptor.accept(stream));
+                let _held = held;
+                let handshake =
+                    tokio::time::timeout(limits.header_read, tls_acceptor.accept(stream));
                 let tls = tokio::select! {
                     r = handshake => match r {
                         Ok(Ok(s)) => s,
@@ -477,13 +447,7 @@ impl ApiServer {
         // Open connections got the stop too and finish their requests (watches end); what has
         // not finished within the grace is cut.
         drop(self.listener);
-        let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
-            while tasks.join_next().await.is_some() {}
-        })
-        .await;
-        if drained.is_err() {
-            tasks.shutdown().await;
-        }
+        acceptor.drain(SHUTDOWN_GRACE).await;
         mcp.release_leases();
     }
 }

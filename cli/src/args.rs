@@ -1,8 +1,20 @@
-//! Value parsers for names given on the command line: every name is checked here, before a
-//! command does anything, so `boxery fork v1 ok1 Bad_Name` fails before `ok1` is made and
-//! `boxery lease release ..` never reaches the filesystem.
+//! The command line, declared: `Cli`, every command and its arguments (clap derive), and the
+//! value parsers for names given on it. What each command is (where it runs, whether it writes
+//! and waits) is [`crate::table`]; what it does is [`crate::dispatch`].
+//!
+//! Value parsers for names: every name is checked here, before a command does anything, so
+//! `boxery fork v1 ok1 Bad_Name` fails before `ok1` is made and `boxery lease release ..`
+//! never reaches the filesystem.
+
+use std::path::PathBuf;
+use std::time::Duration;
 
 use boxery_api::Name;
+use boxery_verbs::wait::timeout_arg;
+use clap::{Parser, Subcommand};
+
+use crate::args;
+use crate::{changes, contexts, grants, kubeconfig, orphans, pools, service, sync, vms};
 
 /// A Vm, Pool, Lease or Grant name (a DNS-1123 label).
 pub fn label(s: &str) -> Result<String, String> {
@@ -12,4 +24,715 @@ pub fn label(s: &str) -> Result<String, String> {
 /// An Image name (dot-separated labels), or any object name when the kind is not known yet.
 pub fn any_name(s: &str) -> Result<String, String> {
     Name::new(s).map(Name::into_string).map_err(|e| e.0)
+}
+
+/// boxery gives coding agents VMs as their hands. You write desired state (Vm, Image, Pool,
+/// Lease, Grant objects) and boxery's controllers make the world match.
+///
+/// Exit codes: 0 success; 1 failure (diff: differences found); 2 invalid input; 3 not found;
+/// 4 timed out waiting; 5 conflict.
+#[derive(Debug, Parser)]
+#[command(
+    name = "boxery",
+    version,
+    propagate_version = true,
+    max_term_width = 100
+)]
+pub(crate) struct Cli {
+    /// Where boxery keeps its state (the store, backend files). Default: $XDG_DATA_HOME/boxery
+    /// or ~/.local/share/boxery.
+    #[arg(long, global = true, env = "BOXERY_HOME", value_name = "DIR")]
+    pub(crate) home: Option<PathBuf>,
+    /// The backend that runs VMs (`fake`, …). Default: `backend:` in $BOXERY_HOME/config.yaml,
+    /// else the platform's default.
+    #[arg(long, global = true, env = "BOXERY_BACKEND", value_name = "NAME")]
+    pub(crate) backend: Option<String>,
+    /// Work on the control plane of another machine: a context of `boxery config` (`local`:
+    /// this home's own store). Default: the current context, else this home. See docs/api.md.
+    #[arg(long, global = true, env = "BOXERY_CONTEXT", value_name = "NAME")]
+    pub(crate) context: Option<String>,
+    /// Log more (repeat for even more); logs go to stderr.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub(crate) verbose: u8,
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+/// `get`'s table flags, as kubectl's.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct TableArgs {
+    /// Print the table without its header row.
+    #[arg(long)]
+    pub(crate) no_headers: bool,
+    /// Add a LABELS column with every label.
+    #[arg(long)]
+    pub(crate) show_labels: bool,
+    /// Add a column for each of these label keys (repeat, or KEY1,KEY2).
+    #[arg(
+        short = 'L',
+        long = "label-columns",
+        value_delimiter = ',',
+        value_name = "KEY"
+    )]
+    pub(crate) label_columns: Vec<String>,
+    /// Sort by the value at this JSONPath (e.g. {.metadata.creationTimestamp}).
+    #[arg(long, value_name = "JSONPATH")]
+    pub(crate) sort_by: Option<String>,
+}
+
+/// Where manifests come from: `-f` and `-k`, as kubectl's.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct Sources {
+    /// A manifest file, a directory (read recursively), or - for stdin. Repeatable.
+    #[arg(short = 'f', long = "filename", required_unless_present = "kustomize")]
+    pub(crate) files: Vec<String>,
+    /// A directory with a kustomization, built by `kubectl kustomize DIR`. Repeatable.
+    #[arg(short = 'k', long = "kustomize", value_name = "DIR")]
+    pub(crate) kustomize: Vec<String>,
+}
+
+/// Field ownership options of `apply` and `diff`, as kubectl's server-side apply.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct Ownership {
+    /// The applier these manifests are applied as: fields it set before and the manifests no
+    /// longer name are removed; fields other managers set are left alone.
+    #[arg(long, value_name = "NAME", default_value = boxery_store::APPLY_MANAGER)]
+    pub(crate) field_manager: String,
+    /// Take over fields another manager (boxery-stop, boxery-scale, another applier) set to
+    /// other values, instead of refusing the apply with a conflict.
+    #[arg(long)]
+    pub(crate) force_conflicts: bool,
+}
+
+impl Ownership {
+    pub(crate) fn options(
+        &self,
+        prune: Option<boxery_api::Selector>,
+    ) -> boxery_store::ApplyOptions {
+        boxery_store::ApplyOptions {
+            prune,
+            field_manager: Some(self.field_manager.clone()),
+            force_conflicts: self.force_conflicts,
+            ..Default::default()
+        }
+    }
+}
+
+/// `--wait` and `--timeout`, shared.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct WaitArgs {
+    /// Wait until the objects are ready (or deleted), running the controllers in this process if
+    /// no `boxery serve` is running.
+    #[arg(long)]
+    pub(crate) wait: bool,
+    /// How long --wait waits (e.g. 90s, 5m; at most 7days).
+    #[arg(long, default_value = "5m", value_parser = timeout_arg)]
+    pub(crate) timeout: Duration,
+}
+
+impl WaitArgs {
+    pub(crate) fn wait_for(&self) -> Option<Duration> {
+        self.wait.then_some(self.timeout)
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Create or update objects from YAML/JSON manifests (files, directories, or - for stdin)
+    /// or a kustomization (-k DIR). One apply is all or nothing: a bad document changes
+    /// nothing, and every bad document is reported.
+    Apply {
+        #[command(flatten)]
+        sources: Sources,
+        #[command(flatten)]
+        written: changes::Written,
+        #[command(flatten)]
+        ownership: Ownership,
+        /// Delete objects matching -l that an earlier apply created and this one no longer names.
+        #[arg(long, requires = "selector")]
+        prune: bool,
+        /// Label selector for --prune.
+        #[arg(short = 'l', long = "selector")]
+        selector: Option<String>,
+        /// With --prune: take objects of the same name that exist outside the pruned set
+        /// (made by hand, or by an apply outside -l) into it; without it, such an object fails
+        /// the apply (exit 5), since a later `apply --prune` would delete what no apply made.
+        #[arg(long, requires = "prune")]
+        adopt: bool,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// List objects of a kind (vm, vms, image, img, pool, lease, grant, source, event).
+    Get {
+        /// The kind.
+        kind: String,
+        /// Names (all when none).
+        names: Vec<String>,
+        /// Output: wide, yaml, json, name, jsonpath=EXPR, custom-columns=HEADER:JSONPATH,….
+        #[arg(short, long, default_value = "")]
+        output: String,
+        /// Label selector (team=web,tier!=db).
+        #[arg(short = 'l', long = "selector")]
+        selector: Option<String>,
+        /// Keep watching and print changes.
+        #[arg(short, long)]
+        watch: bool,
+        /// With -w: print the changes only, not the objects as they are first.
+        #[arg(long, requires = "watch")]
+        watch_only: bool,
+        #[command(flatten)]
+        table: TableArgs,
+    },
+    /// Show objects in detail: spec, status, conditions, recent events. With no name, every
+    /// object of the kind (or those matching -l), as kubectl's.
+    Describe {
+        /// The kind, or KIND/NAME.
+        kind: String,
+        /// Names (unless given as KIND/NAME).
+        names: Vec<String>,
+        /// Describe the objects of the kind matching this label selector.
+        #[arg(short = 'l', long = "selector")]
+        selector: Option<String>,
+    },
+    /// Delete objects: by name (`vm dev1`, `vm/dev1`), by label (`vm -l team=web`), every one
+    /// of a kind (`vm --all`), or those in manifests (`-f FILE|DIR`, `-k DIR`). Their
+    /// controllers clean up first (the VM is removed from the backend).
+    Delete {
+        /// The kind, or KIND/NAME (none with -f/-k).
+        kind: Option<String>,
+        /// Names.
+        names: Vec<String>,
+        /// Delete the objects these manifests name (files, directories, or -).
+        #[arg(short = 'f', long = "filename", conflicts_with_all = ["kind", "selector", "all"])]
+        files: Vec<String>,
+        /// Delete the objects this kustomization builds (`kubectl kustomize DIR`).
+        #[arg(short = 'k', long = "kustomize", value_name = "DIR", conflicts_with_all = ["kind", "selector", "all"])]
+        kustomize: Vec<String>,
+        /// Delete every object of the kind matching this label selector.
+        #[arg(short = 'l', long = "selector", conflicts_with = "all")]
+        selector: Option<String>,
+        /// Delete every object of the kind.
+        #[arg(long)]
+        all: bool,
+        /// An object that does not exist is not an error.
+        #[arg(long)]
+        ignore_not_found: bool,
+        /// Drop boxery's finalizer once the backend confirms the VM or image is gone (for a
+        /// delete stuck on a broken backend).
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Apply a directory or git repository of manifests as one set, once or following it
+    /// (--watch); what it applied and no longer holds is pruned. `boxery get sources` shows
+    /// each source's revision and last error (docs/gitops.md).
+    Sync(sync::SyncArgs),
+    /// Show what `apply` would change. Exit 0: no difference; 1: differences; 2+: error.
+    Diff {
+        #[command(flatten)]
+        sources: Sources,
+        #[command(flatten)]
+        ownership: Ownership,
+        /// Also show what `apply --prune -l SEL` would delete.
+        #[arg(long, requires = "selector")]
+        prune: bool,
+        /// Label selector for --prune.
+        #[arg(short = 'l', long = "selector")]
+        selector: Option<String>,
+    },
+    /// Wait for a condition on objects: named, matching -l, or --all of a kind.
+    Wait {
+        /// The kind, or KIND/NAME.
+        kind: String,
+        /// Names (unless given as KIND/NAME).
+        names: Vec<String>,
+        /// Wait for every object of the kind matching this label selector (as it is now).
+        #[arg(short = 'l', long = "selector")]
+        selector: Option<String>,
+        /// Wait for every object of the kind (as it is now).
+        #[arg(long)]
+        all: bool,
+        /// condition=Ready[=True|False] (any case), delete, jsonpath={.status.phase}=Stopped, or
+        /// jsonpath={.status.vm} (the path has a value).
+        #[arg(long = "for")]
+        until: String,
+        /// How long to wait (at most 7days).
+        #[arg(long, default_value = "60s", value_parser = timeout_arg)]
+        timeout: Duration,
+    },
+    /// Describe a kind or field from its schema (e.g. vm.spec.resources), as kubectl's.
+    Explain {
+        /// KIND[.field[.field…]].
+        path: String,
+        /// Show every field below, at every level (names and types).
+        #[arg(long)]
+        recursive: bool,
+    },
+    /// List events, or the events of one object.
+    Events {
+        /// The kind.
+        kind: Option<String>,
+        /// The name.
+        name: Option<String>,
+    },
+    /// The backends this build has and what each offers (from their own declarations).
+    Backends,
+    /// The kinds boxery serves: names, short names, API version and verbs (as kubectl's).
+    ApiResources,
+    /// This build's version, the store's schema, the backend, and the control plane leading
+    /// the store (if any).
+    Version,
+    /// Print a shell completion script: `source <(boxery completion bash)`. In bash and fish it
+    /// completes object names too (`boxery get vm <TAB>`, `describe vm/<TAB>`).
+    Completion {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// (For the completion scripts: the names of a kind's objects, one per line.)
+    #[command(name = "__complete-names", hide = true)]
+    CompleteNames {
+        /// The kind.
+        kind: String,
+    },
+    /// (kubectl's `exec`: boxery's is `run VM -- CMD`.)
+    #[command(hide = true)]
+    Exec {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Print the JSON Schema of a kind (or of all kinds).
+    Schema {
+        /// The kind.
+        kind: Option<String>,
+    },
+    /// Make a VM (writes a Vm object). Default source: the stock image debian-12.
+    New {
+        /// The VM's name.
+        #[arg(value_parser = args::label)]
+        name: String,
+        /// Make it from this image.
+        #[arg(long, value_name = "IMAGE", value_parser = args::any_name)]
+        from: Option<String>,
+        /// Make it from another VM's disk as it is now.
+        #[arg(long, value_name = "VM", value_parser = args::label)]
+        fork: Option<String>,
+        #[command(flatten)]
+        size: vms::SizeArgs,
+        /// Create it stopped.
+        #[arg(long)]
+        stopped: bool,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Snapshot a VM's disk into the image VM.LABEL (works while it runs).
+    Snap {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The label.
+        #[arg(value_parser = args::label)]
+        label: String,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Replace a VM's disk with its image VM.LABEL (sets spec.restore).
+    Revert {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The label (or a full image name).
+        #[arg(value_parser = args::any_name)]
+        label: String,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Make new VMs from a VM's disk as it is now.
+    Fork {
+        /// The source VM.
+        #[arg(value_parser = args::label)]
+        src: String,
+        /// New VM names.
+        #[arg(required = true, value_parser = args::label)]
+        names: Vec<String>,
+        #[command(flatten)]
+        size: vms::SizeArgs,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Start VMs (runStrategy: Running).
+    Start {
+        /// VM names.
+        #[arg(required = true, value_parser = args::label)]
+        names: Vec<String>,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Stop VMs (runStrategy: Stopped).
+    Stop {
+        /// VM names.
+        #[arg(required = true, value_parser = args::label)]
+        names: Vec<String>,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Change a VM's CPUs, memory or disk.
+    Resize {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        name: String,
+        #[command(flatten)]
+        size: vms::SizeArgs,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Delete VMs (and the images they own).
+    Rm {
+        /// VM names.
+        #[arg(required = true, value_parser = args::label)]
+        names: Vec<String>,
+        /// See `delete --force`.
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// VMs and images in the backend that no object here owns (after a store was emptied,
+    /// replaced or restored from an older backup): list them, adopt them, or delete them.
+    /// boxery never deletes them by itself.
+    Orphans {
+        #[command(subcommand)]
+        cmd: Option<orphans::OrphansCmd>,
+    },
+    /// Pools of VMs that agents lease: add, remove, list members.
+    #[command(subcommand)]
+    Pool(pools::PoolCmd),
+    /// Leases on pool VMs: acquire (makes a key pair here), renew, release, list.
+    #[command(subcommand)]
+    Lease(pools::LeaseCmd),
+    /// Give a VM (or a lease's VM) a credential, approved by a person: `grant VM TYPE:TARGET
+    /// --from-env NAME` writes a Grant and asks you to approve it; approve, deny, ls, revoke.
+    Grant(grants::GrantArgs),
+    /// Open a shell in a VM (or run a command with a terminal), with its pinned host key.
+    Ssh {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// A command instead of a shell.
+        #[arg(last = true)]
+        cmd: Vec<String>,
+    },
+    /// Run a command in a VM: output is streamed, and boxery exits with the command's code.
+    Run {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The command and its arguments (after `--`). One word is run by the shell as is
+        /// (`boxery run dev1 -- 'cd /tmp && ls'`); several are quoted one by one.
+        #[arg(last = true, required = true)]
+        cmd: Vec<String>,
+    },
+    /// Probe a running VM's isolation live (docs/egress.md): from inside it, connections to
+    /// listeners the drill opens on the host's loopback and other address, another VM's sshd,
+    /// stand-ins for a LAN, a metadata service and the internet (in a network namespace it
+    /// makes: run as root), IPv6, names through the egress policy, and the credential proxy
+    /// with and without a token. Each blocked probe has a control that shows the probe works.
+    /// Exit 0 only when every probe matched.
+    Drill {
+        /// The VM (running).
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The other VM whose sshd and name are probed (default: another ready VM on the same
+        /// backend).
+        #[arg(long, value_parser = args::label)]
+        sibling: Option<String>,
+    },
+    /// Copy files or directories between this host and a VM (`VM:PATH` names the VM side),
+    /// streamed through tar over ssh.
+    Cp {
+        /// Source: a local path or VM:PATH.
+        src: String,
+        /// Destination: a local path or VM:PATH.
+        dst: String,
+    },
+    /// Run the control plane: the controllers, until interrupted. A second `serve` on the same
+    /// store stands by and takes over when the first dies.
+    Serve {
+        /// Time between inventory comparisons with the backend (1s to 1day).
+        #[arg(long, default_value = "10s", value_parser = boxery_daemon::inventory_every_arg)]
+        inventory_every: Duration,
+        /// Leader lease duration (1s to 5m): a standby takes over this long (and a third)
+        /// after the leader dies.
+        #[arg(long, default_value = "4s", value_parser = boxery_daemon::lease_arg)]
+        lease: Duration,
+        /// Also serve MCP (streamable HTTP) at http://ADDR/mcp, e.g. 127.0.0.1:7380. Clients
+        /// need the bearer token in $BOXERY_HOME/mcp-token. A non-loopback ADDR is refused
+        /// unless --mcp-allow-remote is given. See docs/mcp.md.
+        #[arg(long, value_name = "ADDR")]
+        mcp_listen: Option<std::net::SocketAddr>,
+        /// An extra browser Origin allowed to call /mcp (repeatable).
+        #[arg(long, value_name = "ORIGIN", requires = "mcp_listen")]
+        mcp_allow_origin: Vec<String>,
+        /// Allow --mcp-listen on an address other machines (and the VMs' networks) can
+        /// reach; the bearer token is then the endpoint's only protection.
+        #[arg(long, requires = "mcp_listen")]
+        mcp_allow_remote: bool,
+        /// Where the credential proxy listens (docs/grants.md): ADDR, or `off`. The default
+        /// picks a free loopback port; the address taken is written to $BOXERY_HOME/proxy.addr.
+        #[arg(long, value_name = "ADDR|off", default_value = boxery_proxy::DEFAULT_LISTEN, value_parser = boxery_daemon::proxy_listen_arg)]
+        proxy_listen: boxery_daemon::ProxyListen,
+        /// Also serve the Kubernetes-compatible API at https://ADDR (e.g. 127.0.0.1:6443, or
+        /// 0.0.0.0:6443 for other machines): kubectl and the Kubernetes clients work against
+        /// it with a kubeconfig from `boxery kubeconfig`. Always TLS, always a token. See
+        /// docs/api.md.
+        #[arg(long, value_name = "ADDR")]
+        api_listen: Option<std::net::SocketAddr>,
+    },
+    /// The contexts: control planes on other machines this one works on (add-context,
+    /// use-context, get-contexts, current-context, delete-context). See docs/api.md.
+    Config {
+        #[command(subcommand)]
+        cmd: contexts::ConfigCmd,
+    },
+    /// Carry stdin and stdout to a VM's sshd through a context's API: the `ProxyCommand` of
+    /// the ssh files boxery writes for a context's VMs (`ssh`, `run`, `cp` use it).
+    Connect {
+        /// The VM (or its ssh alias, NAME.boxery).
+        vm: String,
+    },
+    /// Print a kubeconfig for the API `serve --api-listen` serves, with a new token of a
+    /// scope (read, full, lease:NAME); --list and --revoke manage the tokens. See docs/api.md.
+    Kubeconfig(kubeconfig::KubeconfigArgs),
+    /// Keep a control plane running (a systemd unit running `serve` for this home): install,
+    /// uninstall, status. See docs/cli.md.
+    Service {
+        #[command(subcommand)]
+        cmd: service::ServiceCmd,
+    },
+    /// Serve the vm_* tools over MCP on stdin/stdout, for Claude Code, Codex, Cursor… Runs
+    /// the controllers while no `boxery serve` does. See docs/mcp.md.
+    Mcp {
+        /// The session's default VM.
+        #[arg(long)]
+        vm: Option<String>,
+        /// Print the tool table as markdown and exit.
+        #[arg(long)]
+        tools_markdown: bool,
+    },
+    /// Background jobs in a VM that outlive the command (start, list, logs, wait, kill).
+    Jobs {
+        #[command(subcommand)]
+        action: JobsCmd,
+    },
+    /// Files in a VM: read, write, and replace text in them (the vm_read, vm_write and
+    /// vm_edit tools).
+    File {
+        #[command(subcommand)]
+        cmd: FileCmd,
+    },
+    /// (`file read`, kept for scripts that call it by its old name.)
+    #[command(hide = true)]
+    Read {
+        #[command(flatten)]
+        args: FileRead,
+    },
+    /// (`file write`, kept for scripts that call it by its old name.)
+    #[command(hide = true)]
+    Write {
+        #[command(flatten)]
+        args: FileWrite,
+    },
+    /// Edit an object in your editor ($KUBE_EDITOR, $EDITOR or vi) as YAML; saving applies what
+    /// you changed, and a refused change reopens the file with the reason. (Text in a file in a
+    /// VM: `boxery file edit`.)
+    Edit {
+        /// The kind, or KIND/NAME.
+        kind: String,
+        /// The name (unless given as KIND/NAME).
+        name: Option<String>,
+        /// Print the edited object as stored.
+        #[arg(short, long, value_name = "FORMAT", value_parser = changes::WRITTEN_FORMATS)]
+        output: Option<String>,
+    },
+    /// Change an object with a JSON merge patch (`--type merge`, the default; `strategic` is
+    /// taken as merge) or a JSON patch (`--type json`), e.g. `patch vm dev1 -p
+    /// '{"spec":{"resources":{"cpus":2}}}'`.
+    Patch {
+        /// The kind, or KIND/NAME.
+        kind: String,
+        /// The name (unless given as KIND/NAME).
+        name: Option<String>,
+        /// merge (RFC 7386) or json (RFC 6902).
+        #[arg(long = "type", default_value = "merge", value_parser = patch_type_arg)]
+        patch_type: boxery_verbs::edit::PatchType,
+        /// The patch, JSON or YAML.
+        #[arg(short = 'p', long = "patch", conflicts_with = "patch_file")]
+        patch: Option<String>,
+        /// A file holding the patch.
+        #[arg(long, value_name = "FILE")]
+        patch_file: Option<PathBuf>,
+        #[command(flatten)]
+        written: changes::Written,
+    },
+    /// Set (KEY=VALUE) or remove (KEY-) labels: `label vm dev1 team=web tier-`.
+    Label {
+        #[command(flatten)]
+        args: MetaArgs,
+    },
+    /// Set (KEY=VALUE) or remove (KEY-) annotations: `annotate vm dev1 owner=ana`.
+    Annotate {
+        #[command(flatten)]
+        args: MetaArgs,
+    },
+    /// Set a pool's replicas: `scale pool web --replicas 5`.
+    Scale {
+        /// The kind (pool), or pool/NAME.
+        kind: String,
+        /// Pool names (unless given as pool/NAME).
+        names: Vec<String>,
+        /// The number of members wanted.
+        #[arg(long)]
+        replicas: u32,
+        /// Only if the pool has this many now.
+        #[arg(long, value_name = "N")]
+        current_replicas: Option<u32>,
+        #[command(flatten)]
+        written: changes::Written,
+    },
+}
+
+/// `label`/`annotate`'s arguments, as kubectl's.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct MetaArgs {
+    /// The kind, or KIND/NAME.
+    pub(crate) kind: String,
+    /// Names (unless given as KIND/NAME), then the changes: KEY=VALUE sets, KEY- removes.
+    #[arg(required = true, value_name = "NAME… KEY=VALUE… KEY-")]
+    pub(crate) args: Vec<String>,
+    /// Replace a key that already has another value.
+    #[arg(long)]
+    pub(crate) overwrite: bool,
+    /// Change every object of the kind matching this label selector.
+    #[arg(short = 'l', long = "selector")]
+    pub(crate) selector: Option<String>,
+    /// Change every object of the kind.
+    #[arg(long)]
+    pub(crate) all: bool,
+    #[command(flatten)]
+    pub(crate) written: changes::Written,
+}
+
+/// `file read`.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct FileRead {
+    /// The VM.
+    #[arg(value_parser = args::label)]
+    pub(crate) vm: String,
+    /// The file.
+    pub(crate) path: String,
+    /// First line (from 1).
+    #[arg(long)]
+    pub(crate) offset: Option<u64>,
+    /// How many lines.
+    #[arg(long)]
+    pub(crate) limit: Option<u64>,
+}
+
+/// `file write`.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct FileWrite {
+    /// The VM.
+    #[arg(value_parser = args::label)]
+    pub(crate) vm: String,
+    /// The file.
+    pub(crate) path: String,
+    /// Only if the file is still at this version (from `file read`), or `absent`.
+    #[arg(long = "if-version", id = "if_version")]
+    pub(crate) version: Option<String>,
+}
+
+/// `boxery file …`.
+#[derive(Debug, Subcommand)]
+pub(crate) enum FileCmd {
+    /// Print a text file in a VM (or a line range of it); its version goes to stderr.
+    Read(FileRead),
+    /// Write stdin to a file in a VM, atomically (temp file + rename).
+    Write(FileWrite),
+    /// Replace text in a file in a VM: OLD must occur exactly COUNT times; atomic.
+    Edit {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The file.
+        path: String,
+        /// The exact text to replace.
+        #[arg(long)]
+        old: String,
+        /// The replacement.
+        #[arg(long)]
+        new: String,
+        /// How many times OLD must occur.
+        #[arg(long)]
+        count: Option<usize>,
+        /// Only if the file is still at this version.
+        #[arg(long = "if-version", id = "if_version")]
+        version: Option<String>,
+    },
+}
+
+pub(crate) fn patch_type_arg(s: &str) -> Result<boxery_verbs::edit::PatchType, String> {
+    s.parse()
+}
+
+/// `boxery jobs …`.
+#[derive(Debug, Subcommand)]
+pub(crate) enum JobsCmd {
+    /// Start a command in the background (its own process group); prints the job id.
+    Start {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// Working directory.
+        #[arg(long)]
+        cwd: Option<String>,
+        /// The command (after `--`).
+        #[arg(last = true, required = true)]
+        cmd: Vec<String>,
+    },
+    /// List the VM's jobs.
+    List {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+    },
+    /// Print a job's output.
+    Logs {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The job.
+        id: String,
+        /// From this byte on (default: the last 64 KiB).
+        #[arg(long)]
+        offset: Option<u64>,
+    },
+    /// Wait until a job ends; exits with its exit code (4 if still running at the timeout).
+    Wait {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The job.
+        id: String,
+        /// How long to wait (0s to 30m).
+        #[arg(long, default_value = "60s", value_parser = boxery_verbs::wait::tool_timeout_arg)]
+        timeout: Duration,
+    },
+    /// Kill a job's process group.
+    Kill {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The job.
+        id: String,
+    },
 }

@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command as Process;
 
-use boxery_verbs::{Env, runtime};
+use boxery_verbs::{Env, control};
 
 use crate::exit::{CliError, CliResult, Code};
 use crate::out::outln;
@@ -426,7 +426,7 @@ async fn status(env: &Env, scope: &Scope) -> CliResult {
         outln!("active:        {}", unit.word("is-active"));
     }
     let store = env.store()?;
-    let leader = store.leader(runtime::LOCK)?;
+    let leader = store.leader(control::LOCK)?;
     outln!(
         "control plane: {}",
         match leader {

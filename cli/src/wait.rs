@@ -6,7 +6,7 @@ use std::time::Duration;
 use boxery_store::ObjectRef;
 use boxery_verbs::Verbs;
 use boxery_verbs::vm::Plan;
-use boxery_verbs::wait::{Progress, Quiet, Until, wait_all};
+use boxery_verbs::wait::{Progress, Until, wait_all};
 
 use crate::exit::CliResult;
 
@@ -22,6 +22,18 @@ impl Progress for Printed {
     fn state(&self, line: &str) {
         eprintln!("{line}");
     }
+    fn note(&self, line: &str) {
+        eprintln!("{line}");
+    }
+}
+
+/// Says only the notes about the wait itself, on stderr.
+struct Notes;
+
+impl Progress for Notes {
+    fn note(&self, line: &str) {
+        eprintln!("{line}");
+    }
 }
 
 /// Wait, saying each object's progress.
@@ -29,14 +41,14 @@ pub async fn all(v: &Verbs, targets: &[ObjectRef], until: &Until, timeout: Durat
     Ok(wait_all(v, targets, until, timeout, &Printed).await?)
 }
 
-/// Wait, saying nothing.
+/// Wait, saying nothing but the notes about the wait itself.
 pub async fn quiet(
     v: &Verbs,
     targets: &[ObjectRef],
     until: &Until,
     timeout: Duration,
 ) -> CliResult {
-    Ok(wait_all(v, targets, until, timeout, &Quiet).await?)
+    Ok(wait_all(v, targets, until, timeout, &Notes).await?)
 }
 
 /// With `--wait`: wait for each step of a verb's plan in turn.

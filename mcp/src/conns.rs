@@ -16,9 +16,10 @@
 //! client's new connection (it retries).
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
@@ -127,6 +128,125 @@ impl Conns {
     /// Whether none is.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// The accepting side of a listener: sockets taken within the cap, each admitted into
+/// [`Conns`] or closed, and the connections' tasks, drained at the end.
+pub struct Acceptor {
+    /// For the log lines (`MCP`, `API`).
+    what: &'static str,
+    connections: usize,
+    per_peer: usize,
+    conns: Arc<Conns>,
+    /// Sockets, not table entries, are what run out: a connection closed to make room holds
+    /// its descriptor until its task has run, so nothing more is accepted until one permit
+    /// (of the cap, plus one for the connection being decided on) is free again.
+    sockets: Arc<tokio::sync::Semaphore>,
+    tasks: tokio::task::JoinSet<()>,
+}
+
+/// A connection accepted and admitted.
+pub struct Accepted {
+    /// The socket.
+    pub stream: tokio::net::TcpStream,
+    /// Its peer.
+    pub peer: SocketAddr,
+    /// Its place and its socket permit: hold it as long as the connection (drop the socket
+    /// first).
+    pub held: Held,
+    /// Prove it when a request shows a valid token.
+    pub proven: Proven,
+    /// Cancelled when it is closed to make room.
+    pub evict: CancellationToken,
+}
+
+/// A connection's place in [`Conns`] and its socket permit, given back when dropped.
+pub struct Held {
+    _slot: Slot,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Acceptor {
+    /// An acceptor admitting `connections` in all and `per_peer` from one address.
+    pub fn new(what: &'static str, connections: usize, per_peer: usize) -> Acceptor {
+        Acceptor {
+            what,
+            connections,
+            per_peer,
+            conns: Arc::new(Conns::default()),
+            sockets: Arc::new(tokio::sync::Semaphore::new(connections + 1)),
+            tasks: tokio::task::JoinSet::new(),
+        }
+    }
+
+    /// The next connection admitted from `listener` (those refused are closed here), or
+    /// `None` once `shutdown` is cancelled.
+    pub async fn next(
+        &mut self,
+        listener: &tokio::net::TcpListener,
+        shutdown: &CancellationToken,
+    ) -> Option<Accepted> {
+        loop {
+            let permit = tokio::select! {
+                _ = shutdown.cancelled() => return None,
+                p = self.sockets.clone().acquire_owned() => p.expect("never closed"),
+            };
+            let (stream, peer) = tokio::select! {
+                _ = shutdown.cancelled() => return None,
+                Some(_) = self.tasks.join_next(), if !self.tasks.is_empty() => continue,
+                r = listener.accept() => match r {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // EMFILE and the like: say so and let descriptors free up.
+                        tracing::warn!(error = %e, "{}: accepting a connection failed", self.what);
+                        tokio::select! {
+                            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                            _ = shutdown.cancelled() => return None,
+                        }
+                        continue;
+                    }
+                },
+            };
+            let Some(Admitted {
+                slot,
+                proven,
+                evict,
+            }) = self.conns.admit(peer.ip(), self.connections, self.per_peer)
+            else {
+                tracing::debug!(%peer, open = self.conns.len(), "{}: too many connections: refused", self.what);
+                drop(stream);
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            return Some(Accepted {
+                stream,
+                peer,
+                held: Held {
+                    _slot: slot,
+                    _permit: permit,
+                },
+                proven,
+                evict,
+            });
+        }
+    }
+
+    /// Run a connection's task.
+    pub fn spawn(&mut self, task: impl Future<Output = ()> + Send + 'static) {
+        self.tasks.spawn(task);
+    }
+
+    /// Wait up to `grace` for the connections' tasks to finish (they got the stop too and
+    /// finish their requests); what has not finished by then is cut.
+    pub async fn drain(mut self, grace: Duration) {
+        let drained = tokio::time::timeout(grace, async {
+            while self.tasks.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            self.tasks.shutdown().await;
+        }
     }
 }
 

@@ -46,10 +46,10 @@ use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler, ServiceExt};
 use tokio_util::sync::CancellationToken;
 
-use boxery_verbs::runtime::Started;
+use boxery_verbs::control::Started;
 use boxery_verbs::{Env, Result as VerbResult, VerbError};
 
-use crate::conns::{Admitted, Conns, Proven};
+use crate::conns::{Acceptor, Proven};
 use crate::{self as tools, Session};
 
 /// The cap on an HTTP request body: the argument cap plus room for the envelope.
@@ -96,7 +96,7 @@ pub fn to_result(r: tools::ToolResult) -> CallToolResult {
             res.structured_content = out.data;
             res
         }
-        Err(e) => CallToolResult::error(vec![ContentBlock::text(e.to_string())]),
+        Err(e) => CallToolResult::error(vec![ContentBlock::text(e.chain())]),
     }
 }
 
@@ -140,7 +140,7 @@ impl ServerHandler for BoxeryMcp {
         let task = tokio::spawn(tool.run(self.session.clone(), args, context.ct.clone()));
         let r = match task.await {
             Ok(r) => r,
-            Err(e) => Err(tools::ToolError::Failed(format!(
+            Err(e) => Err(boxery_verbs::VerbError::failed(format!(
                 "{} failed inside boxery ({e}); this is a bug: please report it",
                 tool.name
             ))),
@@ -150,14 +150,17 @@ impl ServerHandler for BoxeryMcp {
 }
 
 /// Keep the controllers running in this process while nothing else leads the store, so
-/// `vm_apply` converges without a `boxery serve`.
+/// `vm_apply` converges without a `boxery serve` (when `env` can run them: its `control`).
 fn embed_controllers(env: Env) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
+        let Some(control) = env.control.clone() else {
+            return;
+        };
         let Ok(store) = env.store() else { return };
         let mut embedded = None;
         loop {
             if embedded.is_none() {
-                match boxery_verbs::runtime::Embedded::start_if_needed(&env, &store).await {
+                match control.start_if_needed(&env, &store).await {
                     Ok(Started::Here(e)) => {
                         tracing::info!("boxery mcp: running the controllers (no serve leads)");
                         embedded = Some(e);
@@ -445,50 +448,14 @@ async fn serve_connections(
     use hyper_util::rt::{TokioIo, TokioTimer};
     use hyper_util::service::TowerToHyperService;
     use tower::Layer as _;
-    let conns = Arc::new(Conns::default());
-    // Sockets, not table entries, are what run out: a connection closed to make room holds
-    // its descriptor until its task has run, so nothing more is accepted until one permit
-    // (of the cap, plus one for the connection being decided on) is free again.
-    let sockets = Arc::new(tokio::sync::Semaphore::new(limits.connections + 1));
-    let mut tasks = tokio::task::JoinSet::new();
-    loop {
-        let permit = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            p = sockets.clone().acquire_owned() => p.expect("never closed"),
-        };
-        let (stream, peer) = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
-            r = listener.accept() => match r {
-                Ok(c) => c,
-                Err(e) => {
-                    // EMFILE and the like: say so and let descriptors free up.
-                    tracing::warn!(error = %e, "MCP: accepting a connection failed");
-                    tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-                        _ = shutdown.cancelled() => break,
-                    }
-                    continue;
-                }
-            },
-        };
-        let Some(Admitted {
-            slot,
-            proven,
-            evict,
-        }) = conns.admit(peer.ip(), limits.connections, limits.per_peer)
-        else {
-            tracing::debug!(%peer, open = conns.len(), "MCP: too many connections: refused");
-            drop(stream);
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(axum::Extension(proven).layer(app.clone()));
-        let stop = shutdown.clone();
-        tasks.spawn(async move {
+    let mut acceptor = Acceptor::new("MCP", limits.connections, limits.per_peer);
+    while let Some(a) = acceptor.next(&listener, &shutdown).await {
+        let service = TowerToHyperService::new(axum::Extension(a.proven).layer(app.clone()));
+        let (stream, evict, stop) = (a.stream, a.evict, shutdown.clone());
+        let held = a.held;
+        acceptor.spawn(async move {
             // Dropped in reverse: the socket first, then its place and its permit.
-            let _permit = permit;
-            let _slot = slot;
+            let _held = held;
             let mut http = hyper::server::conn::http1::Builder::new();
             http.timer(TokioTimer::new())
                 .header_read_timeout(limits.header_read);
@@ -504,14 +471,10 @@ async fn serve_connections(
             }
         });
     }
+    // Open connections got the stop too and finish their requests; what has not finished
+    // within the grace is cut.
     drop(listener);
-    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
-        while tasks.join_next().await.is_some() {}
-    })
-    .await;
-    if drained.is_err() {
-        tasks.shutdown().await;
-    }
+    acceptor.drain(SHUTDOWN_GRACE).await;
 }
 
 /// The MCP endpoint, bound and checked, not serving yet.

@@ -30,10 +30,7 @@ pub async fn verbs(
 ) -> boxery_verbs::Result<boxery_verbs::Verbs> {
     let client = Client::new(ctx)?;
     let store = RemoteStore::connect(client.clone()).await?;
-    let env = boxery_verbs::Env {
-        home: ctx.home.clone(),
-        backend_name: backend,
-    };
+    let env = boxery_verbs::Env::new(ctx.home.clone(), backend);
     let hands = connect::Hands::new(client, ctx);
     Ok(boxery_verbs::Verbs::remote(
         env,

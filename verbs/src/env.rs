@@ -18,7 +18,7 @@ use crate::error::{ErrorKind, Result, VerbError};
 static OPENED_HOMES: std::sync::Mutex<std::collections::BTreeSet<PathBuf>> =
     std::sync::Mutex::new(std::collections::BTreeSet::new());
 
-/// Say `line` on stderr once per home in this process.
+/// Say `line` ([`crate::notes::say`]) once per home in this process.
 fn note_once(home: &Path, line: String) {
     static SAID: std::sync::Mutex<std::collections::BTreeSet<PathBuf>> =
         std::sync::Mutex::new(std::collections::BTreeSet::new());
@@ -27,7 +27,7 @@ fn note_once(home: &Path, line: String) {
         .unwrap_or_else(|e| e.into_inner())
         .insert(home.to_path_buf())
     {
-        eprintln!("{line}");
+        crate::notes::say(&line);
     }
 }
 
@@ -44,9 +44,30 @@ pub struct Env {
     pub home: PathBuf,
     /// The backend's name.
     pub backend_name: String,
+    /// How to run the controllers in this process while nothing leads the store (a wait's
+    /// embedded mode): given by the composition root; `None` waits on the store only.
+    pub control: Option<Arc<dyn crate::control::ControlPlane>>,
 }
 
 impl Env {
+    /// The environment of home `home` and backend `backend_name`, with no
+    /// [`control`](Env::control) (see [`Env::with_control`]).
+    pub fn new(home: PathBuf, backend_name: impl Into<String>) -> Env {
+        Env {
+            home,
+            backend_name: backend_name.into(),
+            control: None,
+        }
+    }
+
+    /// This environment, able to run the controllers here through `control`.
+    pub fn with_control(self, control: Arc<dyn crate::control::ControlPlane>) -> Env {
+        Env {
+            control: Some(control),
+            ..self
+        }
+    }
+
     /// Resolve from flags, environment and config.
     pub fn resolve(home: Option<PathBuf>, backend: Option<String>) -> Result<Env> {
         let home = match home {
@@ -74,7 +95,7 @@ impl Env {
                 boxery_backends::BACKENDS.join(", ")
             )));
         }
-        Ok(Env { home, backend_name })
+        Ok(Env::new(home, backend_name))
     }
 
     /// Open (creating if needed) the store. A home this process already opened and that is
@@ -89,7 +110,7 @@ impl Env {
             )));
         }
         self.ensure_home()?;
-        let store = Store::open(&self.home.join("store.db"))?;
+        let store = Store::open(&boxery_home::layout::store(&self.home))?;
         opened.insert(self.home.clone());
         Ok(store)
     }
@@ -273,7 +294,7 @@ fn yes() -> bool {
 
 /// Read `config.yaml` (all defaults when there is none).
 pub fn read_config(home: &Path) -> Result<Config> {
-    let path = home.join("config.yaml");
+    let path = boxery_home::layout::config(home);
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Config::default()),
@@ -307,10 +328,7 @@ mod tests {
     #[test]
     fn a_home_removed_under_the_process_is_not_created_again() {
         let dir = tempfile::tempdir().unwrap();
-        let env = Env {
-            home: dir.path().join("home"),
-            backend_name: "fake".into(),
-        };
+        let env = Env::new(dir.path().join("home"), "fake");
         drop(env.store().expect("a new home is created"));
         drop(env.store().expect("and opened again"));
         std::fs::remove_dir_all(&env.home).unwrap();

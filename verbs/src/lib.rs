@@ -4,30 +4,39 @@
 //! [`ObjectStore`](boxery_store::ObjectStore), never prints, and fails with a [`VerbError`]
 //! whose [`ErrorKind`] the front end maps (to an exit code, to a tool error).
 //!
-//! - [`objects`]: get, list, apply (with prune), diff, delete, watch, events;
+//! - [`objects`]: get, list, apply (with prune), diff, delete, watch, events; [`describe`]:
+//!   one object in detail (spec, status, conditions, members, events), for every front end;
 //! - [`edit`]: a person's changes to one object: edit, patch, label, annotate, scale;
 //! - [`vm`]: new, snap, revert, fork, start, stop, resize (rm is [`objects::delete`]);
 //! - [`pools`]: pool add/rm, lease acquire/renew/release and the [`pools::LeaseKeeper`];
 //! - [`grants`]: request, list and revoke grants, and a person's approve/deny;
+//! - [`guest`]: what is done inside a VM: run a command, read, write and edit files,
+//!   background jobs, copies local ⇄ VM and VM ⇄ VM;
 //! - [`wait`]: wait for a condition (bounded or not), running the controllers in this
-//!   process while nothing else leads the store ([`runtime`], embedded mode);
+//!   process while nothing else leads the store (embedded mode, through the
+//!   [`control::ControlPlane`] the composition root puts in [`Env`]);
+//! - [`control`]: whether a control plane leads the store, and the embedded mode's trait;
+//!   [`notes`]: where the verbs' notes for a person go (they never print);
 //! - [`env`]: where the state lives and which backend runs VMs; [`render`]: the text forms
 //!   of objects both front ends print (tables, YAML, JSONPath, [`render::safe`]).
 //!
 //! Messages name what the reader can run next, in the [`Voice`] of the front end: `boxery …`
 //! commands or `vm_*` tools.
 
+pub mod control;
+pub mod describe;
 pub mod edit;
 pub mod egress;
 pub mod env;
 pub mod error;
 pub mod force;
 pub mod grants;
+pub mod notes;
+pub mod guest;
 pub mod objects;
 pub mod orphans;
 pub mod pools;
 pub mod render;
-pub mod runtime;
 pub mod sync;
 pub mod vm;
 pub mod wait;

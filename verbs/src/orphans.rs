@@ -31,13 +31,13 @@ pub struct Orphan {
 pub async fn list(v: &Verbs) -> Result<Vec<Orphan>> {
     let store = v.local()?;
     let backend = v.env.backend_for(store).await?;
-    let ctx = crate::runtime::context(
-        store,
-        &v.env.home,
+    let ctx = std::sync::Arc::new(boxery_reconcilers::Ctx::new(
+        std::sync::Arc::new(store.clone()),
+        v.env.home.clone(),
         backend.clone(),
+        "boxery-orphans".to_string(),
         Default::default(),
-        "boxery-orphans",
-    );
+    ));
     let vms = backend
         .list()
         .await

@@ -15,8 +15,8 @@ use serde_json::Value;
 use boxery_store::{ObjectRef, ObjectStore};
 
 use crate::Verbs;
+use crate::control::{Running, Started};
 use crate::error::{ErrorKind, Result, VerbError};
-use crate::runtime::Started;
 
 /// The longest any wait may last (`--timeout` on `wait`, `--wait` and `jobs wait`): 7 days.
 /// Longer values are refused when parsed; [`wait_all`] clamps what other callers pass.
@@ -202,23 +202,26 @@ pub fn describe_state(obj: Option<&DynObject>) -> String {
     format!("it is {word}{ready}")
 }
 
-/// What a wait tells its caller while it runs. Every method has a default: [`Quiet`] says
-/// only the notes (on stderr, which is never the MCP transport).
+/// What a wait tells its caller while it runs. The verbs never print: the front end says
+/// each of these where its reader looks.
 pub trait Progress: Sync {
     /// `target` satisfies the condition now.
     fn met(&self, _target: &ObjectRef) {}
     /// Where a pending object stands changed (`kind/name STATUS: message`).
     fn state(&self, _line: &str) {}
     /// Something about the wait itself (the controllers taken over, an unreachable backend).
-    fn note(&self, line: &str) {
-        eprintln!("{line}");
-    }
+    fn note(&self, line: &str);
 }
 
-/// A wait that reports nothing but its notes.
+/// A wait that reports nothing but its notes, and those to the log (`tracing`): what the
+/// tools wait with (their stdout may be the MCP transport).
 #[derive(Debug, Clone, Copy)]
 pub struct Quiet;
-impl Progress for Quiet {}
+impl Progress for Quiet {
+    fn note(&self, line: &str) {
+        tracing::info!("{line}");
+    }
+}
 
 /// Wait until every target satisfies `until`, or `timeout` (at most [`MAX_WAIT`]: a longer
 /// one is cut to it) passes (a `Timeout` error saying where each pending object stands).
@@ -292,31 +295,29 @@ async fn lead_if_needed(
     said_unreachable: &mut bool,
     taking_over: bool,
     progress: &dyn Progress,
-) -> Result<Option<crate::runtime::Embedded>> {
-    let Ok(store) = v.local() else {
+) -> Result<Option<Box<dyn Running>>> {
+    let (Ok(store), Some(control)) = (v.local(), v.env.control.as_ref()) else {
         return Ok(None);
     };
-    Ok(
-        match crate::runtime::Embedded::start_if_needed(&v.env, store).await? {
-            Started::Here(e) => {
-                if taking_over {
-                    progress.note(
-                        "boxery: no control plane leads the store any more; running the controllers here",
-                    );
-                }
-                Some(e)
+    Ok(match control.start_if_needed(&v.env, store).await? {
+        Started::Here(e) => {
+            if taking_over {
+                progress.note(
+                    "boxery: no control plane leads the store any more; running the controllers here",
+                );
             }
-            Started::Elsewhere => None,
-            Started::Unreachable(why) => {
-                // Keep waiting: the condition may be the unreachable one, or a `serve` may lead.
-                if !*said_unreachable {
-                    progress.note(&format!("boxery: {why}; waiting on the store only"));
-                    *said_unreachable = true;
-                }
-                None
+            Some(e)
+        }
+        Started::Elsewhere => None,
+        Started::Unreachable(why) => {
+            // Keep waiting: the condition may be the unreachable one, or a `serve` may lead.
+            if !*said_unreachable {
+                progress.note(&format!("boxery: {why}; waiting on the store only"));
+                *said_unreachable = true;
             }
-        },
-    )
+            None
+        }
+    })
 }
 
 async fn wait_inner(
