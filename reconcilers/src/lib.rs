@@ -15,6 +15,9 @@ pub mod pool;
 pub mod private;
 pub mod recorded;
 pub mod runtime;
+/// The harness of the reconcilers' decision tests (a store in memory, the fake backend).
+#[doc(hidden)]
+pub mod testing;
 pub mod tokens;
 pub mod values;
 pub use boxery_hands::ssh;

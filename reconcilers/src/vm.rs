@@ -401,35 +401,38 @@ fn finish_status(
             "the VM is stopped (runStrategy: Stopped)".to_string(),
         ),
     };
-    vm.status.phase = phase;
-    vm.status
-        .conditions
-        .set_condition(READY, ready, reason, &msg, generation);
     // A part of the spec the backend refused: not converged, whatever the power state. Ready
-    // says why and the observed generation stays at the last one carried out in full.
+    // says why and the observed generation stays at the last one carried out in full. (Ready
+    // is set once: set to True and back, its lastTransitionTime would change on every
+    // reconcile, and so would the status, each write waking the next reconcile.)
     let refused = vm
         .status
         .conditions
         .get_condition(conditions::RESIZED)
         .filter(|c| c.status == ConditionStatus::False)
         .map(|c| (c.reason.clone(), c.message.clone()));
+    vm.status.phase = phase;
+    match &refused {
+        Some((reason, msg)) => vm.status.conditions.set_condition(
+            READY,
+            ConditionStatus::False,
+            reason,
+            msg,
+            generation,
+        ),
+        None => vm
+            .status
+            .conditions
+            .set_condition(READY, ready, reason, &msg, generation),
+    };
     vm.status.boot_id = Some(boxery_store::boot_id());
     let host_key = vm.status.ssh.as_ref().and_then(|s| s.host_key.clone());
     vm.status.ssh = (ssh.is_some() || host_key.is_some()).then_some(SshStatus {
         endpoint: ssh,
         host_key,
     });
-    match refused {
-        Some((reason, msg)) => {
-            vm.status.conditions.set_condition(
-                READY,
-                ConditionStatus::False,
-                &reason,
-                &msg,
-                generation,
-            );
-        }
-        None => vm.status.observed_generation = generation,
+    if refused.is_none() {
+        vm.status.observed_generation = generation;
     }
     vm.status.printable_status = Some(printable(vm));
 }

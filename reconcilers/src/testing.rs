@@ -1,0 +1,265 @@
+//! A harness for a reconciler's decision tests, in the manner of kube-runtime's stub
+//! watcher: a [`Ctx`] over a store in memory ([`Store::open_in_memory`]: the same SQLite
+//! store as `serve`'s, so the same revisions, finalizers, conflicts and cascade) and the fake
+//! backend, with no controller running. A test puts objects in, calls one reconcile function
+//! once (or until it settles), and asserts on what it decided: the [`Action`] returned, the
+//! status and conditions written, the events recorded, the backend calls made (the fake's
+//! journal). Each test takes milliseconds.
+//!
+//! ```ignore
+//! let h = Harness::new();
+//! h.put(&Vm::test("a"));
+//! let next = h.settle(vm::reconcile, "a").await.unwrap();
+//! assert!(next.is_await_change());
+//! assert_eq!(h.get::<Vm>("a").status.phase, VmPhase::Running);
+//! assert_eq!(h.reasons::<Vm>("a"), ["BuildingImage", "Created", "Started"]);
+//! ```
+//!
+//! For tests only (`#[doc(hidden)]`); `reconcilers/tests/decisions_*.rs` are the examples,
+//! `docs/testing.md` the how-to.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use boxery_api::{Event, EventType, Resource};
+use boxery_backends::fake::{FakeBackend, FaultAction, FaultConfig, FaultRule, JournalOp};
+use boxery_controller::Action;
+use boxery_controller::events::{INVOLVED_KIND, INVOLVED_NAME};
+use boxery_store::Store;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::{Ctx, ReconcileError, Settings};
+
+/// How many reconciles [`Harness::settle`] runs at most before it calls the object unsettled.
+pub const SETTLE_LIMIT: usize = 30;
+
+/// A control plane with no controllers: the store in memory, the fake backend and
+/// `$BOXERY_HOME` in a temporary directory (removed on drop), and the [`Ctx`] the reconcilers
+/// get.
+pub struct Harness {
+    /// The store, unwrapped (the reconcilers write through [`Ctx::store`]; both reach the same
+    /// rows).
+    pub store: Store,
+    /// The fake backend the reconcilers drive.
+    pub backend: Arc<FakeBackend>,
+    /// What a reconcile gets.
+    pub ctx: Arc<Ctx>,
+    dir: TempDir,
+}
+
+impl Default for Harness {
+    fn default() -> Self {
+        Harness::new()
+    }
+}
+
+impl Harness {
+    /// An empty control plane.
+    pub fn new() -> Harness {
+        let dir = TempDir::new();
+        let home = dir.0.join("home");
+        std::fs::create_dir_all(&home).expect("a home in the temp dir");
+        let store = Store::open_in_memory().expect("a store in memory");
+        let backend = Arc::new(FakeBackend::new(dir.0.join("fake")));
+        let ctx = Arc::new(Ctx::new(
+            Arc::new(store.clone()),
+            home,
+            backend.clone(),
+            "test".into(),
+            Settings::default(),
+        ));
+        Harness {
+            store,
+            backend,
+            ctx,
+            dir,
+        }
+    }
+
+    /// The temporary directory (`home/` and `fake/` are in it).
+    pub fn dir(&self) -> &Path {
+        &self.dir.0
+    }
+
+    /// Create `obj` in the store (its status kept as given); returns it as stored.
+    pub fn put<R: Resource + Serialize + DeserializeOwned>(&self, obj: &R) -> R {
+        self.store.create_as(obj).expect("the object is created")
+    }
+
+    /// The object `name` of kind `R` as stored now (panics when there is none).
+    pub fn get<R: Resource + DeserializeOwned>(&self, name: &str) -> R {
+        self.find(name)
+            .unwrap_or_else(|| panic!("{} {name} is not in the store", R::INFO.kind))
+    }
+
+    /// The object `name` of kind `R` as stored now, if any.
+    pub fn find<R: Resource + DeserializeOwned>(&self, name: &str) -> Option<R> {
+        self.store.get_as(name).expect("the store reads")
+    }
+
+    /// Change the stored object's status with `change` (one `update_status`, as another part
+    /// of boxery would).
+    pub fn edit_status<R: Resource + Serialize + DeserializeOwned>(
+        &self,
+        name: &str,
+        change: impl FnOnce(&mut R),
+    ) -> R {
+        let mut obj: R = self.get(name);
+        change(&mut obj);
+        self.store
+            .update_status_as(&obj)
+            .expect("the status is written")
+    }
+
+    /// Change the stored object's metadata or spec with `change` (one `update`, as a person's
+    /// edit would).
+    pub fn edit<R: Resource + Serialize + DeserializeOwned>(
+        &self,
+        name: &str,
+        change: impl FnOnce(&mut R),
+    ) -> R {
+        let mut obj: R = self.get(name);
+        change(&mut obj);
+        self.store.update_as(&obj).expect("the object is written")
+    }
+
+    /// Ask for the deletion of `name` (its finalizers keep it, marked, until they go).
+    pub fn delete<R: Resource>(&self, name: &str) {
+        self.store
+            .delete(R::INFO.kind, name)
+            .expect("the deletion is recorded");
+    }
+
+    /// One reconcile of `name` by `reconcile`, on the object as stored now.
+    pub async fn reconcile<R, F, Fut>(
+        &self,
+        reconcile: F,
+        name: &str,
+    ) -> Result<Action, ReconcileError>
+    where
+        R: Resource + DeserializeOwned,
+        F: FnOnce(Arc<R>, Arc<Ctx>) -> Fut,
+        Fut: Future<Output = Result<Action, ReconcileError>>,
+    {
+        let obj: R = self.get(name);
+        reconcile(Arc::new(obj), self.ctx.clone()).await
+    }
+
+    /// Reconcile `name` as the controller would while nothing else happens: again while the
+    /// last reconcile wrote the object (its write would wake the controller) or asked to be
+    /// requeued at once, until it waits (for a change, or a requeue later), fails, or the
+    /// object is gone. Returns the last outcome; panics after [`SETTLE_LIMIT`] reconciles.
+    pub async fn settle<R, F, Fut>(
+        &self,
+        reconcile: F,
+        name: &str,
+    ) -> Result<Action, ReconcileError>
+    where
+        R: Resource + DeserializeOwned,
+        F: Fn(Arc<R>, Arc<Ctx>) -> Fut,
+        Fut: Future<Output = Result<Action, ReconcileError>>,
+    {
+        for _ in 0..SETTLE_LIMIT {
+            let Some(obj) = self.find::<R>(name) else {
+                return Ok(Action::await_change());
+            };
+            let before = obj.meta().resource_version.clone();
+            let next = reconcile(Arc::new(obj), self.ctx.clone()).await?;
+            let after = self
+                .find::<R>(name)
+                .and_then(|o| o.meta().resource_version.clone());
+            if after.is_none() || (after == before && next.requeue_after() != Some(Duration::ZERO))
+            {
+                return Ok(next);
+            }
+        }
+        panic!(
+            "{} {name} did not settle in {SETTLE_LIMIT} reconciles",
+            R::INFO.kind
+        )
+    }
+
+    /// The events recorded about `name`, oldest first.
+    pub fn events<R: Resource>(&self, name: &str) -> Vec<Event> {
+        let selector = format!("{INVOLVED_KIND}={},{INVOLVED_NAME}={name}", R::INFO.kind)
+            .parse()
+            .expect("a valid selector");
+        let mut events: Vec<Event> = self.store.list_as(&selector).expect("the store lists");
+        events.sort_by_key(|e| e.metadata.rv());
+        events
+    }
+
+    /// The reasons of the events recorded about `name`, oldest first.
+    pub fn reasons<R: Resource>(&self, name: &str) -> Vec<String> {
+        self.events::<R>(name)
+            .into_iter()
+            .map(|e| e.reason)
+            .collect()
+    }
+
+    /// The reasons of the Warning events recorded about `name`, oldest first.
+    pub fn warnings<R: Resource>(&self, name: &str) -> Vec<String> {
+        self.events::<R>(name)
+            .into_iter()
+            .filter(|e| e.type_ == EventType::Warning)
+            .map(|e| e.reason)
+            .collect()
+    }
+
+    /// The backend calls that changed something, oldest first: the fake's journal as
+    /// `(operation, name)`.
+    pub fn calls(&self) -> Vec<(JournalOp, String)> {
+        self.backend
+            .journal()
+            .expect("the fake's journal reads")
+            .into_iter()
+            .map(|e| (e.op, e.name))
+            .collect()
+    }
+
+    /// Make every call of the backend's `step` (one of the fake's steps, `create`,
+    /// `start`, …) fail from now on.
+    pub fn fail(&self, step: &str) {
+        self.backend
+            .set_faults(&FaultConfig {
+                latency_ms: 0,
+                rules: vec![FaultRule::new(step, FaultAction::Fail)],
+            })
+            .expect("the fault is set");
+    }
+
+    /// Take back every fault [`Harness::fail`] set.
+    pub fn heal(&self) {
+        self.backend.clear_faults().expect("the faults are cleared");
+    }
+}
+
+/// A directory removed with everything in it when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> TempDir {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or_default();
+        let dir = std::env::temp_dir().join(format!(
+            "boxery-harness-{}-{}-{nanos}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).expect("a temp dir");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

@@ -1,0 +1,170 @@
+//! The Image reconciler's decisions, one reconcile at a time, on a store in memory and the
+//! fake backend (`boxery_reconcilers::testing`).
+
+use std::time::Duration;
+
+use boxery_api::conditions::{READY, reasons};
+use boxery_api::vm::{Operation, OperationType};
+use boxery_api::{ConditionStatus, Conditions, Image, ImagePhase, Vm, now};
+use boxery_backends::fake::JournalOp;
+use boxery_reconcilers::testing::Harness;
+use boxery_reconcilers::{image, vm};
+use serde_json::json;
+
+fn image_of(name: &str, source: serde_json::Value) -> Image {
+    serde_json::from_value(json!({
+        "apiVersion": "boxery.dev/v1alpha1", "kind": "Image", "metadata": {"name": name},
+        "spec": {"source": source},
+    }))
+    .unwrap()
+}
+
+fn ready(img: &Image) -> (ConditionStatus, String) {
+    let c = img.status.conditions.get_condition(READY).unwrap();
+    (c.status.clone(), c.reason.clone())
+}
+
+#[tokio::test]
+async fn a_stock_image_is_built_and_ready() {
+    let h = Harness::new();
+    h.put(&image_of("tiny", json!({"build": {"base": "tiny"}})));
+    let next = h.settle(image::reconcile, "tiny").await.unwrap();
+    assert!(next.is_await_change());
+    let img: Image = h.get("tiny");
+    assert_eq!(img.status.phase, ImagePhase::Ready);
+    assert_eq!(ready(&img), (ConditionStatus::True, reasons::READY.into()));
+    assert_eq!(img.status.operation, None);
+    assert_eq!(h.calls(), [(JournalOp::Build, "tiny".to_string())]);
+    assert_eq!(h.reasons::<Image>("tiny"), ["Building", "Ready"]);
+}
+
+#[tokio::test]
+async fn a_capture_waits_for_its_source_vm() {
+    let h = Harness::new();
+    h.put(&image_of("snap", json!({"vm": "dev1"})));
+    let next = h.settle(image::reconcile, "snap").await.unwrap();
+    assert_eq!(next.requeue_after(), Some(Duration::from_secs(2)));
+    assert_eq!(
+        ready(&h.get("snap")),
+        (ConditionStatus::False, reasons::SOURCE_VM_NOT_FOUND.into())
+    );
+    assert!(h.calls().is_empty());
+}
+
+#[tokio::test]
+async fn a_capture_of_a_made_vm_copies_its_disk() {
+    let h = Harness::new();
+    h.put(&image_of("tiny", json!({"build": {"base": "tiny"}})));
+    h.settle(image::reconcile, "tiny").await.unwrap();
+    let dev: Vm = serde_json::from_value(json!({
+        "apiVersion": "boxery.dev/v1alpha1", "kind": "Vm", "metadata": {"name": "dev1"},
+        "spec": {"source": {"image": "tiny"}},
+    }))
+    .unwrap();
+    h.put(&dev);
+    h.settle(vm::reconcile, "dev1").await.unwrap();
+    h.backend.write_disk("dev1", b"work\n").unwrap();
+    h.put(&image_of("snap", json!({"vm": "dev1"})));
+    h.settle(image::reconcile, "snap").await.unwrap();
+    assert_eq!(h.get::<Image>("snap").status.phase, ImagePhase::Ready);
+    assert_eq!(
+        h.calls().last().unwrap(),
+        &(JournalOp::Capture, "snap".into())
+    );
+    assert_eq!(h.backend.read_image_disk("snap").unwrap(), b"work\n");
+}
+
+#[tokio::test]
+async fn a_ready_image_never_changes_and_says_so_once() {
+    let h = Harness::new();
+    h.put(&image_of("tiny", json!({"build": {"base": "tiny"}})));
+    h.settle(image::reconcile, "tiny").await.unwrap();
+    h.edit::<Image>("tiny", |i| {
+        i.spec.source = boxery_api::ImageSource::Vm("dev1".into())
+    });
+    h.settle(image::reconcile, "tiny").await.unwrap();
+    h.settle(image::reconcile, "tiny").await.unwrap();
+    let img: Image = h.get("tiny");
+    assert_eq!(img.status.phase, ImagePhase::Ready);
+    assert_eq!(img.status.observed_generation, img.metadata.generation);
+    assert_eq!(h.warnings::<Image>("tiny"), ["Immutable"]);
+    assert_eq!(h.calls().len(), 1, "nothing made again");
+}
+
+#[tokio::test]
+async fn a_failed_build_is_recorded_cleaned_up_and_backs_off() {
+    let h = Harness::new();
+    h.put(&image_of("tiny", json!({"build": {"base": "tiny"}})));
+    h.fail("build.commit");
+    let next = h.settle(image::reconcile, "tiny").await.unwrap();
+    let wait = next.requeue_after().expect("a requeue");
+    assert!(wait > Duration::ZERO && wait <= boxery_reconcilers::backoff::BASE);
+    let img: Image = h.get("tiny");
+    assert_eq!(
+        (img.status.phase, img.status.failures),
+        (ImagePhase::Failed, 1)
+    );
+    assert_eq!(img.status.operation, None, "cleaned up");
+    assert_eq!(
+        ready(&img),
+        (ConditionStatus::False, reasons::STEP_FAILED.into())
+    );
+    assert_eq!(h.warnings::<Image>("tiny"), ["StepFailed"]);
+    assert!(h.backend.leftovers().unwrap().is_empty(), "nothing partial");
+    // Within the backoff nothing is tried; after it, the build goes again and succeeds.
+    let calls = h.backend.fault_counts().unwrap()["build.commit"];
+    assert!(
+        h.reconcile(image::reconcile, "tiny")
+            .await
+            .unwrap()
+            .requeue_after()
+            .is_some()
+    );
+    assert_eq!(h.backend.fault_counts().unwrap()["build.commit"], calls);
+    h.heal();
+    tokio::time::sleep(boxery_reconcilers::backoff::BASE).await;
+    h.settle(image::reconcile, "tiny").await.unwrap();
+    let img: Image = h.get("tiny");
+    assert_eq!(
+        (img.status.phase, img.status.failures),
+        (ImagePhase::Ready, 0)
+    );
+}
+
+#[tokio::test]
+async fn an_interrupted_build_is_cleaned_up_and_retried() {
+    let h = Harness::new();
+    h.put(&image_of("tiny", json!({"build": {"base": "tiny"}})));
+    h.reconcile(image::reconcile, "tiny").await.unwrap();
+    h.edit_status::<Image>("tiny", |i| {
+        i.status.phase = ImagePhase::Capturing;
+        i.status.operation = Some(Operation {
+            type_: OperationType::Build,
+            image: Some("tiny".into()),
+            original_state: None,
+            started_at: now(),
+            holder: "a crashed control plane".into(),
+        })
+    });
+    h.backend.add_partial_image("tiny").unwrap();
+    h.settle(image::reconcile, "tiny").await.unwrap();
+    let ops: Vec<JournalOp> = h.calls().into_iter().map(|c| c.0).collect();
+    assert_eq!(ops, [JournalOp::CleanupImage, JournalOp::Build]);
+    assert_eq!(h.reasons::<Image>("tiny")[0], "Recovered");
+    assert_eq!(h.get::<Image>("tiny").status.phase, ImagePhase::Ready);
+}
+
+#[tokio::test]
+async fn deletion_removes_the_image_from_the_backend_then_the_finalizer() {
+    let h = Harness::new();
+    h.put(&image_of("tiny", json!({"build": {"base": "tiny"}})));
+    h.settle(image::reconcile, "tiny").await.unwrap();
+    h.delete::<Image>("tiny");
+    h.reconcile(image::reconcile, "tiny").await.unwrap();
+    assert!(h.find::<Image>("tiny").is_none());
+    assert!(h.backend.image_record("tiny").unwrap().is_none());
+    assert!(
+        h.calls()
+            .contains(&(JournalOp::RemoveImage, "tiny".to_string()))
+    );
+}

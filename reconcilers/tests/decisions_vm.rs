@@ -1,0 +1,400 @@
+//! The Vm reconciler's decisions, one reconcile at a time, on a store in memory and the fake
+//! backend (`boxery_reconcilers::testing`): no controller runs, so each test says exactly
+//! which reconcile made which decision.
+
+use std::time::Duration;
+
+use boxery_api::conditions::{self, READY, reasons};
+use boxery_api::vm::{Operation, OperationType};
+use boxery_api::{ConditionStatus, Conditions, Image, ImagePhase, Vm, VmPhase, now};
+use boxery_backends::fake::JournalOp;
+use boxery_backends::{Backend, PowerState};
+use boxery_reconcilers::testing::Harness;
+use boxery_reconcilers::vm::{self, FINALIZER};
+use serde_json::json;
+
+fn vm_from(name: &str, image: &str) -> Vm {
+    serde_json::from_value(json!({
+        "apiVersion": "boxery.dev/v1alpha1", "kind": "Vm", "metadata": {"name": name},
+        "spec": {"source": {"image": image}},
+    }))
+    .unwrap()
+}
+
+/// An Image `name`, ready in the store and in the backend.
+fn ready_image(h: &Harness, name: &str) {
+    let img: Image = serde_json::from_value(json!({
+        "apiVersion": "boxery.dev/v1alpha1", "kind": "Image", "metadata": {"name": name},
+        "spec": {"source": {"build": {"base": "tiny"}}},
+        "status": {"phase": "Ready"},
+    }))
+    .unwrap();
+    h.put(&img);
+    h.backend.add_image(name, None).unwrap();
+}
+
+fn condition(vm: &Vm, type_: &str) -> (ConditionStatus, String) {
+    let c = vm
+        .status
+        .conditions
+        .get_condition(type_)
+        .unwrap_or_else(|| panic!("no {type_} condition in {:?}", vm.status.conditions));
+    (c.status.clone(), c.reason.clone())
+}
+
+/// A VM made from image `base` and settled: running, Ready.
+async fn running(h: &Harness, name: &str) -> Vm {
+    ready_image(h, "base");
+    h.put(&vm_from(name, "base"));
+    let next = h.settle(vm::reconcile, name).await.unwrap();
+    assert!(next.is_await_change(), "{next:?}");
+    h.get(name)
+}
+
+#[tokio::test]
+async fn the_first_reconcile_adds_the_finalizer_and_nothing_else() {
+    let h = Harness::new();
+    h.put(&vm_from("a", "base"));
+    let next = h.reconcile(vm::reconcile, "a").await.unwrap();
+    assert!(next.is_await_change(), "the write wakes it: {next:?}");
+    let a: Vm = h.get("a");
+    assert_eq!(a.metadata.finalizers, [FINALIZER]);
+    assert!(a.status.conditions.is_empty(), "no step yet");
+    assert!(h.calls().is_empty());
+}
+
+#[tokio::test]
+async fn a_stock_image_is_made_on_first_use_and_the_vm_waits_for_it() {
+    let h = Harness::new();
+    h.put(&vm_from("a", "tiny"));
+    let next = h.settle(vm::reconcile, "a").await.unwrap();
+    assert_eq!(next.requeue_after(), Some(Duration::from_secs(5)));
+    let a: Vm = h.get("a");
+    assert_eq!(a.status.phase, VmPhase::Pending);
+    assert_eq!(
+        condition(&a, conditions::IMAGE_AVAILABLE),
+        (ConditionStatus::False, reasons::IMAGE_NOT_READY.into())
+    );
+    assert!(
+        h.find::<Image>("tiny").is_some(),
+        "the stock image's object"
+    );
+    assert_eq!(h.reasons::<Vm>("a"), ["BuildingImage"]);
+    assert!(h.calls().is_empty(), "no backend call before the image");
+}
+
+#[tokio::test]
+async fn a_missing_image_is_said_once_and_nothing_is_made() {
+    let h = Harness::new();
+    h.put(&vm_from("a", "nosuch"));
+    h.settle(vm::reconcile, "a").await.unwrap();
+    h.settle(vm::reconcile, "a").await.unwrap();
+    let a: Vm = h.get("a");
+    assert_eq!(
+        condition(&a, READY),
+        (ConditionStatus::False, reasons::IMAGE_NOT_FOUND.into())
+    );
+    assert_eq!(h.warnings::<Vm>("a"), ["ImageNotFound"]);
+    assert!(h.find::<Image>("nosuch").is_none());
+    assert!(h.calls().is_empty());
+}
+
+#[tokio::test]
+async fn a_vm_is_created_from_a_ready_image_and_reported_running() {
+    let h = Harness::new();
+    let a = running(&h, "a").await;
+    assert_eq!(h.calls(), [(JournalOp::Create, "a".to_string())]);
+    assert_eq!(a.status.phase, VmPhase::Running);
+    assert_eq!(
+        condition(&a, READY),
+        (ConditionStatus::True, reasons::RUNNING.into())
+    );
+    assert_eq!(a.status.operation, None, "the intent is cleared");
+    assert_eq!(a.status.source_image.as_deref(), Some("base"));
+    assert_eq!(a.status.observed_generation, a.metadata.generation);
+    assert_eq!(h.reasons::<Vm>("a"), ["Created"]);
+    let rec = h.backend.vm_record("a").unwrap().unwrap();
+    assert_eq!(rec.state, PowerState::Running);
+    assert_eq!(rec.mark.as_deref(), Some(h.ctx.mark(&a.metadata).as_str()));
+    // Settled: another reconcile changes nothing and calls nothing.
+    let rv = a.metadata.resource_version.clone();
+    assert!(
+        h.reconcile(vm::reconcile, "a")
+            .await
+            .unwrap()
+            .is_await_change()
+    );
+    assert_eq!(h.get::<Vm>("a").metadata.resource_version, rv);
+    assert_eq!(h.calls().len(), 1);
+}
+
+#[tokio::test]
+async fn a_vm_gone_from_the_backend_is_lost_and_never_made_again() {
+    let h = Harness::new();
+    running(&h, "a").await;
+    std::fs::remove_dir_all(h.backend.dir().join("vms/a")).unwrap();
+    let next = h.settle(vm::reconcile, "a").await.unwrap();
+    assert!(next.is_await_change());
+    let a: Vm = h.get("a");
+    assert_eq!(a.status.phase, VmPhase::Lost);
+    assert_eq!(
+        condition(&a, conditions::LOST),
+        (ConditionStatus::True, reasons::NOT_IN_BACKEND.into())
+    );
+    assert_eq!(h.warnings::<Vm>("a"), ["Lost"]);
+    assert_eq!(h.calls(), [(JournalOp::Create, "a".to_string())]);
+}
+
+#[tokio::test]
+async fn a_vm_that_stopped_on_its_own_is_started_with_a_warning() {
+    let h = Harness::new();
+    running(&h, "a").await;
+    h.backend.stop("a").await.unwrap();
+    let next = h.reconcile(vm::reconcile, "a").await.unwrap();
+    assert_eq!(next.requeue_after(), Some(Duration::ZERO));
+    let a: Vm = h.get("a");
+    assert_eq!(
+        condition(&a, READY),
+        (ConditionStatus::False, reasons::BOOTING.into()),
+        "the old Ready is gone with the old guest"
+    );
+    assert_eq!(h.warnings::<Vm>("a"), ["Restarted"]);
+    assert_eq!(h.calls().last().unwrap().0, JournalOp::Start);
+    h.settle(vm::reconcile, "a").await.unwrap();
+    assert!(vm::is_ready(&h.get("a")));
+}
+
+#[tokio::test]
+async fn run_strategy_stopped_stops_the_vm() {
+    let h = Harness::new();
+    running(&h, "a").await;
+    h.edit::<Vm>("a", |a| {
+        a.spec.run_strategy = boxery_api::RunStrategy::Stopped
+    });
+    h.settle(vm::reconcile, "a").await.unwrap();
+    let a: Vm = h.get("a");
+    assert_eq!(a.status.phase, VmPhase::Stopped);
+    assert_eq!(
+        condition(&a, READY),
+        (ConditionStatus::False, reasons::STOPPED.into())
+    );
+    assert_eq!(h.calls().last().unwrap().0, JournalOp::Stop);
+    assert!(h.reasons::<Vm>("a").contains(&"Stopped".to_string()));
+}
+
+#[tokio::test]
+async fn a_degraded_vm_is_repaired_without_a_restart() {
+    let h = Harness::new();
+    running(&h, "a").await;
+    h.backend.degrade("a", "its network helper exited").unwrap();
+    let next = h.reconcile(vm::reconcile, "a").await.unwrap();
+    assert_eq!(next.requeue_after(), Some(Duration::ZERO));
+    let ops: Vec<JournalOp> = h.calls().into_iter().map(|c| c.0).collect();
+    assert_eq!(ops, [JournalOp::Create, JournalOp::Repair]);
+    assert!(h.reasons::<Vm>("a").contains(&"Repaired".to_string()));
+    assert!(
+        h.backend
+            .vm_record("a")
+            .unwrap()
+            .unwrap()
+            .degraded
+            .is_none()
+    );
+}
+
+#[tokio::test]
+async fn a_bigger_spec_resizes_and_a_smaller_disk_is_refused() {
+    let h = Harness::new();
+    running(&h, "a").await;
+    h.edit::<Vm>("a", |a| a.spec.resources.cpus = Some(4));
+    h.settle(vm::reconcile, "a").await.unwrap();
+    assert_eq!(h.calls().last().unwrap().0, JournalOp::Resize);
+    assert_eq!(h.backend.vm_record("a").unwrap().unwrap().size.cpus, 4);
+    let disk = h.backend.vm_record("a").unwrap().unwrap().size.disk_gib;
+    assert!(disk > 1, "a disk that can be asked smaller: {disk}Gi");
+    h.edit::<Vm>("a", |a| {
+        a.spec.resources.disk = Some(boxery_api::Quantity::gib(disk - 1))
+    });
+    let calls = h.calls().len();
+    h.settle(vm::reconcile, "a").await.unwrap();
+    let a: Vm = h.get("a");
+    assert_eq!(
+        condition(&a, conditions::RESIZED),
+        (ConditionStatus::False, reasons::DISK_SHRINK_REFUSED.into())
+    );
+    assert_eq!(
+        condition(&a, READY).1,
+        reasons::DISK_SHRINK_REFUSED,
+        "not converged"
+    );
+    assert_ne!(a.status.observed_generation, a.metadata.generation);
+    assert_eq!(h.warnings::<Vm>("a"), ["DiskShrinkRefused"]);
+    assert_eq!(h.calls().len(), calls, "nothing shrinks");
+}
+
+#[tokio::test]
+async fn deletion_removes_the_backend_vm_then_the_finalizer() {
+    let h = Harness::new();
+    running(&h, "a").await;
+    h.delete::<Vm>("a");
+    assert_eq!(
+        h.get::<Vm>("a").metadata.finalizers,
+        [FINALIZER],
+        "held by its finalizer"
+    );
+    let next = h.reconcile(vm::reconcile, "a").await.unwrap();
+    assert!(next.is_await_change());
+    assert!(h.find::<Vm>("a").is_none(), "the finalizer went");
+    assert!(h.backend.vm_record("a").unwrap().is_none());
+    assert_eq!(h.calls().last().unwrap(), &(JournalOp::Remove, "a".into()));
+}
+
+#[tokio::test]
+async fn deletion_leaves_a_backend_vm_made_for_another_object() {
+    let h = Harness::new();
+    running(&h, "a").await;
+    std::fs::remove_dir_all(h.backend.dir().join("vms/a")).unwrap();
+    h.backend
+        .add_vm("a", Some("someone-else"), PowerState::Running)
+        .unwrap();
+    h.delete::<Vm>("a");
+    h.reconcile(vm::reconcile, "a").await.unwrap();
+    assert!(h.find::<Vm>("a").is_none());
+    assert!(
+        h.backend.vm_record("a").unwrap().is_some(),
+        "not ours: kept"
+    );
+    assert_eq!(h.calls().len(), 1, "no remove");
+}
+
+#[tokio::test]
+async fn a_failed_create_is_recorded_and_backs_off() {
+    let h = Harness::new();
+    ready_image(&h, "base");
+    h.put(&vm_from("a", "base"));
+    h.fail("create");
+    let next = h.settle(vm::reconcile, "a").await.unwrap();
+    let wait = next.requeue_after().expect("a requeue");
+    assert!(
+        wait > Duration::ZERO && wait <= boxery_reconcilers::backoff::BASE,
+        "what is left of the first backoff: {wait:?}"
+    );
+    let a: Vm = h.get("a");
+    assert_eq!(a.status.failures, 1);
+    assert_eq!(a.status.phase, VmPhase::Failed);
+    assert_eq!(
+        a.status.operation, None,
+        "nothing half made is left recorded"
+    );
+    assert_eq!(
+        condition(&a, READY),
+        (ConditionStatus::False, reasons::STEP_FAILED.into())
+    );
+    assert_eq!(h.warnings::<Vm>("a"), ["StepFailed"]);
+    // Within the backoff, a reconcile (the wake-up of the status write) waits and calls
+    // nothing.
+    let next = h.reconcile(vm::reconcile, "a").await.unwrap();
+    let left = next.requeue_after().expect("a requeue");
+    assert!(left > Duration::ZERO && left <= boxery_reconcilers::backoff::BASE);
+    assert_eq!(h.backend.fault_counts().unwrap()["create"], 1);
+    assert_eq!(h.get::<Vm>("a").status.failures, 1);
+    // A new generation goes ahead at once, and success clears the failures.
+    h.heal();
+    h.edit::<Vm>("a", |a| a.spec.resources.cpus = Some(2));
+    h.settle(vm::reconcile, "a").await.unwrap();
+    let a: Vm = h.get("a");
+    assert_eq!((a.status.failures, a.status.phase), (0, VmPhase::Running));
+    assert_eq!(h.calls(), [(JournalOp::Create, "a".to_string())]);
+}
+
+#[tokio::test]
+async fn an_interrupted_create_is_adopted_when_the_backend_finished_it() {
+    let h = Harness::new();
+    ready_image(&h, "base");
+    let a = h.put(&vm_from("a", "base"));
+    h.reconcile(vm::reconcile, "a").await.unwrap();
+    h.edit_status::<Vm>("a", |a| {
+        a.status.operation = Some(Operation {
+            type_: OperationType::Create,
+            image: Some("base".into()),
+            original_state: None,
+            started_at: now(),
+            holder: "a crashed control plane".into(),
+        })
+    });
+    h.backend
+        .add_vm("a", Some(&h.ctx.mark(&a.metadata)), PowerState::Running)
+        .unwrap();
+    h.settle(vm::reconcile, "a").await.unwrap();
+    let a: Vm = h.get("a");
+    assert_eq!(a.status.operation, None);
+    assert!(a.status.created_at.is_some());
+    assert_eq!(a.status.phase, VmPhase::Running);
+    assert_eq!(h.reasons::<Vm>("a")[0], "Recovered");
+    assert!(
+        !h.calls().iter().any(|c| c.0 == JournalOp::Create),
+        "adopted, not made again: {:?}",
+        h.calls()
+    );
+}
+
+#[tokio::test]
+async fn an_interrupted_create_is_cleaned_up_and_made_again() {
+    let h = Harness::new();
+    ready_image(&h, "base");
+    let a = h.put(&vm_from("a", "base"));
+    h.reconcile(vm::reconcile, "a").await.unwrap();
+    h.edit_status::<Vm>("a", |a| {
+        a.status.operation = Some(Operation {
+            type_: OperationType::Create,
+            image: Some("base".into()),
+            original_state: None,
+            started_at: now(),
+            holder: "a crashed control plane".into(),
+        })
+    });
+    h.backend
+        .add_partial_vm("a", &h.ctx.mark(&a.metadata))
+        .unwrap();
+    h.settle(vm::reconcile, "a").await.unwrap();
+    let ops: Vec<JournalOp> = h.calls().into_iter().map(|c| c.0).collect();
+    assert_eq!(ops, [JournalOp::CleanupNew, JournalOp::Create]);
+    assert_eq!(h.reasons::<Vm>("a"), ["Recovered", "Created"]);
+    assert!(h.backend.leftovers().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_revert_reimages_from_a_ready_image_and_waits_for_one_that_is_not() {
+    let h = Harness::new();
+    running(&h, "a").await;
+    let revert = |image: &str| {
+        let image = image.to_string();
+        move |a: &mut Vm| {
+            a.spec.restore = Some(boxery_api::vm::Restore {
+                image,
+                requested_at: now(),
+            })
+        }
+    };
+    h.edit::<Vm>("a", revert("nosuch"));
+    let next = h.reconcile(vm::reconcile, "a").await.unwrap();
+    assert_eq!(next.requeue_after(), Some(Duration::from_secs(5)));
+    assert_eq!(
+        condition(&h.get("a"), conditions::REVERTED),
+        (ConditionStatus::False, reasons::IMAGE_NOT_READY.into())
+    );
+    assert_eq!(h.warnings::<Vm>("a"), ["RevertWaiting"]);
+    h.edit::<Vm>("a", revert("base"));
+    h.settle(vm::reconcile, "a").await.unwrap();
+    let a: Vm = h.get("a");
+    assert_eq!(
+        condition(&a, conditions::REVERTED),
+        (ConditionStatus::True, reasons::REVERTED.into())
+    );
+    assert_eq!(a.status.last_restore, a.spec.restore);
+    assert_eq!(h.calls().last().unwrap(), &(JournalOp::Reimage, "a".into()));
+    assert_eq!(
+        h.find::<Image>("base").unwrap().status.phase,
+        ImagePhase::Ready
+    );
+}
