@@ -390,21 +390,9 @@ impl Inner {
         }
     }
 
-    pub(super) async fn write_seed(
-        &self,
-        name: &str,
-        instance_id: &str,
-        identity: &Identity,
-    ) -> Result<()> {
-        self.storage
-            .write_seed(
-                name,
-                instance_id,
-                identity,
-                &self.vm_dir(name).join("seed"),
-                &self.layout.vm_seed(name),
-            )
-            .await
+    /// VM `name`'s seed: the directory of its loose files and the ISO.
+    pub(super) fn seed_files(&self, name: &str) -> (PathBuf, PathBuf) {
+        (self.vm_dir(name).join("seed"), self.layout.vm_seed(name))
     }
 
     pub(super) fn write_known_hosts(&self, cfg: &VmConfig) -> Result<()> {
@@ -454,19 +442,11 @@ impl Inner {
         }
         let port = self.reserve_port(name)?;
         self.attach_image(name, image, 1, want).await?;
-        // a request without a host key still gets one: every VM is pinned
-        let identity = seed::complete_identity(name, &vm.identity)?;
-        let instance_id = seed::new_instance_id();
-        self.write_seed(name, &instance_id, &identity).await?;
-        let cfg = seed::new_vm_record(
-            vm,
-            &identity,
-            instance_id,
-            image,
-            &base.id,
-            vm.disk_gib,
-            port,
-        );
+        let (work, iso) = self.seed_files(name);
+        let cfg = self
+            .storage
+            .seed_new_vm(vm, &base.id, vm.disk_gib, port, &work, &iso)
+            .await?;
         self.write_known_hosts(&cfg)?;
         self.save_vm(&cfg)?;
         info!(

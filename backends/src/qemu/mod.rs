@@ -583,7 +583,11 @@ impl Backend for QemuBackend {
         inner.remove_unused(vm, &keep)?;
         // the identity stays: a new seed only when the caller passes a different host key
         if let Some(id) = seed::reseed(vm, &mut cfg, identity)? {
-            inner.write_seed(vm, &cfg.instance_id, &id).await?;
+            let (work, iso) = inner.seed_files(vm);
+            inner
+                .storage
+                .write_seed(vm, &cfg.instance_id, &id, &work, &iso)
+                .await?;
         }
         cfg.base = rec.base.clone();
         cfg.image = image.into();

@@ -44,7 +44,7 @@ pub(crate) fn complete_identity(name: &str, identity: &Identity) -> crate::Resul
 }
 
 /// The record of a new VM made from `vm` with the completed `identity`: a new UUID and MAC.
-pub(crate) fn new_vm_record(
+fn new_vm_record(
     vm: &NewVm,
     identity: &Identity,
     instance_id: String,
@@ -98,6 +98,35 @@ pub(crate) fn reseed(
 }
 
 impl Storage {
+    /// New VM `vm`'s seed ISO `iso` written (loose files in `work`), and its record
+    /// ([`new_vm_record`]) on base `base` with a `disk_gib` disk and ssh port `port`: the
+    /// request's identity completed (one without a host key still gets one: every VM is
+    /// pinned) and a new instance-id.
+    pub(crate) async fn seed_new_vm(
+        &self,
+        vm: &NewVm,
+        base: &str,
+        disk_gib: u64,
+        port: u16,
+        work: &Path,
+        iso: &Path,
+    ) -> crate::Result<VmConfig> {
+        let crate::DiskSource::Image(image) = &vm.source;
+        let identity = complete_identity(&vm.name, &vm.identity)?;
+        let instance_id = new_instance_id();
+        self.write_seed(&vm.name, &instance_id, &identity, work, iso)
+            .await?;
+        Ok(new_vm_record(
+            vm,
+            &identity,
+            instance_id,
+            image,
+            base,
+            disk_gib,
+            port,
+        ))
+    }
+
     /// Write VM `name`'s seed ISO `iso` for `identity` (loose files in `work`). An identity
     /// that cannot be seeded is `Invalid`.
     pub async fn write_seed(

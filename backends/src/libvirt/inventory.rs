@@ -1,0 +1,122 @@
+//! What the backend observes of a VM: its inventory row, and what QEMU said last.
+
+use super::*;
+
+impl Inner {
+    /// The inventory row of `d`, `None` when its disk is gone (Lost to the reconciler).
+    pub(super) fn info(&self, d: &Dom) -> Option<VmInfo> {
+        if !Self::active_disk(d).map(|p| p.exists()).unwrap_or(false) {
+            return None;
+        }
+        let running = Self::is_running(d);
+        let used = self
+            .generations(&d.cfg.name)
+            .unwrap_or_default()
+            .iter()
+            .map(|g| allocated_bytes(&self.vm_disk(&d.cfg.name, *g)))
+            .sum();
+        Some(VmInfo {
+            name: d.cfg.name.clone(),
+            mark: Some(d.cfg.mark.clone()),
+            state: if running {
+                PowerState::Running
+            } else {
+                PowerState::Stopped
+            },
+            size: VmSize {
+                cpus: d.cfg.cpus,
+                memory_mib: d.cfg.memory_mib,
+                disk_gib: d.cfg.disk_gib,
+            },
+            ssh: running
+                .then(|| Self::lease_address(d))
+                .flatten()
+                .filter(|a| self.pin_address(d, a))
+                .map(|a| format!("{a}:22")),
+            disk_used_bytes: Some(used),
+            degraded: None,
+        })
+    }
+
+    pub(super) async fn list(self: &Arc<Self>) -> Result<Vec<VmInfo>> {
+        self.call(|me, conn| {
+            let doms = conn
+                .list_all_domains(LIST_ALL)
+                .map_err(|e| unreachable(format!("listing domains: {e}")))?;
+            let prefix = me.domain_name("");
+            let mut out = Vec::new();
+            for dom in doms {
+                let Ok(n) = dom.name() else { continue };
+                if !n.starts_with(&prefix) {
+                    continue; // not ours: never read further
+                }
+                if let Some(info) = me.ours(dom).and_then(|d| me.info(&d)) {
+                    out.push(info);
+                }
+            }
+            if !conn.is_alive().unwrap_or(false) {
+                return Err(unreachable(
+                    "the connection to libvirtd dropped while listing",
+                ));
+            }
+            out.sort_by(|a, b| a.name.cmp(&b.name));
+            Ok(out)
+        })
+        .await
+    }
+}
+
+/// Where libvirtd (system instance) keeps each QEMU domain's log.
+pub(super) const DOMAIN_LOG_DIR: &str = "/var/log/libvirt/qemu";
+
+/// From a libvirt domain log: what QEMU printed after the last start (its command line and
+/// environment excluded), else the reason libvirt recorded for the shutdown.
+pub(super) fn domain_log_last_words(log: &str) -> Option<String> {
+    let start = log.rfind(": starting up libvirt version")?;
+    let run = &log[start..];
+    // After the "starting up" line: the environment and command line, one per line, each
+    // but the last ending in `\`; then what QEMU said.
+    let mut lines = run.lines().skip(1);
+    for l in lines.by_ref() {
+        if !l.ends_with('\\') {
+            break;
+        }
+    }
+    let said = lines
+        .filter(|l| !l.starts_with("char device redirected"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    crate::last_words(&said).or_else(|| {
+        let reason = run
+            .lines()
+            .rev()
+            .find_map(|l| l.split("shutting down, reason=").nth(1))?;
+        Some(format!("libvirt: shut down, reason {}", reason.trim()))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::domain_log_last_words;
+
+    const START: &str = "2026-11-30 07:25:59.948+0000: starting up libvirt version: 11.3.0, package: 11.3.0-2~bpo12+1 (Debian)\nLC_ALL=C \\\nHOME=/var/lib/libvirt/qemu/domain-26-x \\\n/usr/bin/qemu-system-x86_64 \\\n-name guest=x,debug-threads=on \\\n-msg timestamp=on\n";
+
+    #[test]
+    fn what_qemu_said_after_the_last_start() {
+        let crashed = format!(
+            "{START}qemu-system-x86_64: earlier run\n2026-11-30 07:25:50.000+0000: shutting down, reason=destroyed\n{START}qemu-system-x86_64: system/physmem.c:2678: iotlb_to_section: Assertion `x' failed.\n2026-11-30 07:26:03.802+0000: shutting down, reason=crashed\n"
+        );
+        assert_eq!(
+            domain_log_last_words(&crashed).unwrap(),
+            "qemu-system-x86_64: system/physmem.c:2678: iotlb_to_section: Assertion `x' failed."
+        );
+        // SIGKILL: QEMU says nothing; libvirt's reason is what there is
+        let killed =
+            format!("{START}2026-11-30 07:26:03.802+0000: shutting down, reason=crashed\n");
+        assert_eq!(
+            domain_log_last_words(&killed).unwrap(),
+            "libvirt: shut down, reason crashed"
+        );
+        assert_eq!(domain_log_last_words("no start line"), None);
+    }
+}
