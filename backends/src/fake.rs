@@ -243,6 +243,24 @@ impl FakeBackend {
         write_json(&self.vm_dir(&rec.name).join(VM_JSON), rec)
     }
 
+    /// Fault point `step`, then VM `name`'s record changed by `change`: written and journalled
+    /// as `op` only when `change` says it changed something (a power change is idempotent).
+    async fn change_vm(
+        &self,
+        step: &str,
+        op: JournalOp,
+        name: &str,
+        change: impl FnOnce(&mut VmRecord) -> bool,
+    ) -> Result<()> {
+        self.step(step).await?;
+        let mut rec = self.require_vm(name)?;
+        if change(&mut rec) {
+            self.write_vm(&rec)?;
+            self.record(op, name, rec.mark.as_deref(), None)?;
+        }
+        Ok(())
+    }
+
     fn vm_info(&self, rec: VmRecord) -> VmInfo {
         let used = std::fs::metadata(self.vm_dir(&rec.name).join(DISK))
             .ok()
@@ -689,36 +707,29 @@ impl Backend for FakeBackend {
     }
 
     async fn start(&self, name: &str) -> Result<()> {
-        self.step("start").await?;
-        let mut rec = self.require_vm(name)?;
-        if rec.state != PowerState::Running {
-            rec.state = PowerState::Running;
-            self.write_vm(&rec)?;
-            self.record(JournalOp::Start, name, rec.mark.as_deref(), None)?;
-        }
-        Ok(())
+        self.change_vm("start", JournalOp::Start, name, |rec| {
+            std::mem::replace(&mut rec.state, PowerState::Running) != PowerState::Running
+        })
+        .await
     }
 
     async fn repair(&self, name: &str) -> Result<()> {
-        self.step("repair").await?;
-        let mut rec = self.require_vm(name)?;
-        if rec.degraded.take().is_some() {
-            self.write_vm(&rec)?;
-            self.record(JournalOp::Repair, name, rec.mark.as_deref(), None)?;
-        }
-        Ok(())
+        self.change_vm("repair", JournalOp::Repair, name, |rec| {
+            rec.degraded.take().is_some()
+        })
+        .await
     }
 
     async fn stop(&self, name: &str) -> Result<()> {
-        self.step("stop").await?;
-        let mut rec = self.require_vm(name)?;
-        if rec.state != PowerState::Stopped {
+        self.change_vm("stop", JournalOp::Stop, name, |rec| {
+            if rec.state == PowerState::Stopped {
+                return false;
+            }
             rec.state = PowerState::Stopped;
             rec.degraded = None;
-            self.write_vm(&rec)?;
-            self.record(JournalOp::Stop, name, rec.mark.as_deref(), None)?;
-        }
-        Ok(())
+            true
+        })
+        .await
     }
 
     async fn remove(&self, name: &str) -> Result<()> {

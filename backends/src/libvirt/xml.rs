@@ -346,9 +346,6 @@ const GUARDS: &str = "  <filterref filter='no-mac-spoofing'/>
 /// running domain lacks a variable for, so a new variable goes in [`guest_filter`].
 /// `uuid` keeps the filter's identity when it is redefined.
 pub fn isolation_filter(uuid: Option<&str>) -> String {
-    let uuid = uuid
-        .map(|u| format!("<uuid>{}</uuid>", escape(u)))
-        .unwrap_or_default();
     let private = [
         ("10.0.0.0", 8),
         ("172.16.0.0", 12),
@@ -367,17 +364,16 @@ pub fn isolation_filter(uuid: Option<&str>) -> String {
             )
         })
         .collect();
-    format!(
-        "<filter name='{FILTER}' chain='root'>{uuid}
-{GUARDS}  <rule action='accept' direction='out' priority='110'><udp dstipaddr='$GATEWAY' dstportstart='53'/></rule>
+    let rules = format!(
+        "{GUARDS}  <rule action='accept' direction='out' priority='110'><udp dstipaddr='$GATEWAY' dstportstart='53'/></rule>
   <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='53'/></rule>
   <rule action='accept' direction='in' priority='120'><tcp srcipaddr='$GATEWAY' dstportstart='22'/></rule>
   <rule action='drop' direction='out' priority='190'><all dstipaddr='$GATEWAY'/></rule>
 {drops}  <rule action='accept' direction='out' priority='300'><all/></rule>
   <rule action='drop' direction='inout' priority='400'><all/></rule>
-</filter>
 "
-    )
+    );
+    nwfilter(FILTER, uuid, &rules)
 }
 
 /// The filter on every guest NIC ([`GUEST_FILTER`]): the isolation filter, plus TCP from the
@@ -385,16 +381,12 @@ pub fn isolation_filter(uuid: Option<&str>) -> String {
 /// before the isolation filter's drops (libvirt orders the rules of a filter and the filters it
 /// references by priority). `uuid` keeps the filter's identity when it is redefined.
 pub fn guest_filter(uuid: Option<&str>) -> String {
-    let uuid = uuid
-        .map(|u| format!("<uuid>{}</uuid>", escape(u)))
-        .unwrap_or_default();
-    format!(
-        "<filter name='{GUEST_FILTER}' chain='root'>{uuid}
-  <filterref filter='{FILTER}'/>
+    let rules = format!(
+        "  <filterref filter='{FILTER}'/>
   <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/></rule>
-</filter>
 "
-    )
+    );
+    nwfilter(GUEST_FILTER, uuid, &rules)
 }
 
 /// The filter on the NIC of a guest whose egress is confined ([`CONFINED_FILTER`]; policy
@@ -408,17 +400,22 @@ pub fn guest_filter(uuid: Option<&str>) -> String {
 /// same parameters as [`GUEST_FILTER`], so libvirt accepts a live switch between the two
 /// (`Backend::set_egress`). `uuid` keeps the filter's identity when it is redefined.
 pub fn confined_filter(uuid: Option<&str>) -> String {
+    let rules = format!(
+        "{GUARDS}  <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/></rule>
+  <rule action='accept' direction='in' priority='120'><tcp srcipaddr='$GATEWAY' dstportstart='22'/></rule>
+  <rule action='drop' direction='inout' priority='400'><all/></rule>
+"
+    );
+    nwfilter(CONFINED_FILTER, uuid, &rules)
+}
+
+/// The nwfilter `name` of `rules` (lines, each ending in a newline), with `uuid` (a filter's
+/// identity, kept when it is redefined).
+fn nwfilter(name: &str, uuid: Option<&str>, rules: &str) -> String {
     let uuid = uuid
         .map(|u| format!("<uuid>{}</uuid>", escape(u)))
         .unwrap_or_default();
-    format!(
-        "<filter name='{CONFINED_FILTER}' chain='root'>{uuid}
-{GUARDS}  <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/></rule>
-  <rule action='accept' direction='in' priority='120'><tcp srcipaddr='$GATEWAY' dstportstart='22'/></rule>
-  <rule action='drop' direction='inout' priority='400'><all/></rule>
-</filter>
-"
-    )
+    format!("<filter name='{name}' chain='root'>{uuid}\n{rules}</filter>\n")
 }
 
 /// Whether filter `name` as libvirt holds it (`xml`, its dump) is this version's: it has the

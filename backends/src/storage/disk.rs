@@ -217,36 +217,31 @@ impl Disks {
     /// Pull everything between `path` and `base` into `path` and make `base` its backing file
     /// (a safe rebase: the guest sees the same data). Offline only.
     pub async fn rebase(&self, path: &Path, base: &Path) -> Result<(), DiskError> {
-        self.run(
-            &self.qemu_img,
-            "qemu-img rebase",
-            path,
-            &[
-                "rebase".as_ref(),
-                "-q".as_ref(),
-                "-f".as_ref(),
-                "qcow2".as_ref(),
-                "-F".as_ref(),
-                "qcow2".as_ref(),
-                "-b".as_ref(),
-                base.as_os_str(),
-                path.as_os_str(),
-            ],
-        )
-        .await
-        .map(drop)
+        self.rebase_with(path, base, "qemu-img rebase", "-q").await
     }
 
     /// Point `path`'s header at `base` without copying data (`rebase -u`): only correct when
     /// `base` holds the same data as the old backing file.
     pub async fn rebase_unsafe(&self, path: &Path, base: &Path) -> Result<(), DiskError> {
+        self.rebase_with(path, base, "qemu-img rebase -u", "-u")
+            .await
+    }
+
+    /// `qemu-img rebase MODE` of qcow2 `path` onto qcow2 `base` (`what` names it in errors).
+    async fn rebase_with(
+        &self,
+        path: &Path,
+        base: &Path,
+        what: &str,
+        mode: &str,
+    ) -> Result<(), DiskError> {
         self.run(
             &self.qemu_img,
-            "qemu-img rebase -u",
+            what,
             path,
             &[
                 "rebase".as_ref(),
-                "-u".as_ref(),
+                mode.as_ref(),
                 "-f".as_ref(),
                 "qcow2".as_ref(),
                 "-F".as_ref(),
