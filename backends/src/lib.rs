@@ -291,6 +291,33 @@ pub struct Capabilities {
     pub ssh: bool,
 }
 
+/// How a guest reaches the host on its network, as its backend wires it: what the isolation
+/// drill (`boxery drill`) probes against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GuestNetwork {
+    /// The address the guest sees the host at, its gateway (qemu's user network: `10.0.2.2`;
+    /// libvirt: the network's gateway, where the credential proxy listens).
+    pub gateway: std::net::IpAddr,
+    /// Whether VMs' ssh endpoints (`VmInfo.ssh`) are ports of the host's loopback forwarded
+    /// into their guests (qemu), which another guest would try at [`Self::gateway`]; else
+    /// they are the guests' own addresses on a network they share (libvirt).
+    pub ssh_on_host_loopback: bool,
+    /// Whether a guest whose egress policy is `Public` reaches the internet directly (raw
+    /// TCP, libvirt's NAT), not only through the egress proxy (qemu).
+    pub direct_public: bool,
+}
+
+impl GuestNetwork {
+    /// Where a guest connects to reach the ssh endpoint `ssh` of another VM directly.
+    pub fn ssh_target(&self, ssh: std::net::SocketAddr) -> std::net::SocketAddr {
+        if self.ssh_on_host_loopback {
+            std::net::SocketAddr::new(self.gateway, ssh.port())
+        } else {
+            ssh
+        }
+    }
+}
+
 /// How a VM's guest reaches the control plane's credential proxy (docs/grants.md, "The guest
 /// side"): the address the guest uses, and where the control plane must serve the proxy for
 /// it. The guest reaches nothing else of the host through it.
@@ -403,6 +430,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn guest_proxy(&self, name: &str) -> Option<GuestProxy> {
         let _ = name;
         None
+    }
+    /// How `name`'s guest reaches the host on its network; `None` when it has none (the fake
+    /// backend's VMs have no guest).
+    async fn guest_network(&self, name: &str) -> Result<Option<GuestNetwork>> {
+        let _ = name;
+        Ok(None)
     }
     /// How VMs are accelerated, in one sentence for status and events ("TCG (emulation,
     /// slow): …" or "KVM"), where the backend knows.

@@ -111,8 +111,8 @@ use crate::storage::files::{FileLock, remove_file_if_exists, remove_temps, valid
 use crate::storage::records::{BaseRecord, VmConfig};
 use crate::storage::{BasePlaces, Places, Storage, seed};
 use crate::{
-    Backend, BackendError, Capabilities, GuestProxy, Identity, ImageInfo, NewVm, PowerState,
-    Progress, ProxyListen, Result, Stability, VmInfo, VmSize, io,
+    Backend, BackendError, Capabilities, GuestNetwork, GuestProxy, Identity, ImageInfo, NewVm,
+    PowerState, Progress, ProxyListen, Result, Stability, VmInfo, VmSize, io,
 };
 pub use config::LibvirtConfig;
 use conn::blocking;
@@ -433,6 +433,20 @@ impl Backend for LibvirtBackend {
     async fn last_exit(&self, name: &str) -> Option<String> {
         let path = Path::new(DOMAIN_LOG_DIR).join(format!("{}.log", self.domain_name(name)));
         domain_log_last_words(&std::fs::read_to_string(path).ok()?)
+    }
+
+    /// The network's gateway; ssh endpoints are the guests' addresses on it; a `Public`
+    /// guest is NAT'd out directly.
+    async fn guest_network(&self, name: &str) -> Result<Option<GuestNetwork>> {
+        if !valid_name(name) {
+            return Ok(None);
+        }
+        let gateway = self.inner.call(|me, conn| me.gateway_ip(conn)).await?;
+        Ok(Some(GuestNetwork {
+            gateway,
+            ssh_on_host_loopback: false,
+            direct_public: true,
+        }))
     }
 
     /// The network's gateway and this home's port, one listener for every VM of the home

@@ -269,6 +269,19 @@ impl Backend for QemuBackend {
         })
     }
 
+    /// slirp's gateway; ssh endpoints are forwarded host loopback ports; no direct way out.
+    async fn guest_network(&self, name: &str) -> Result<Option<crate::GuestNetwork>> {
+        Ok(self
+            .inner
+            .check_name("VM", name)
+            .ok()
+            .map(|()| crate::GuestNetwork {
+                gateway: process::GUEST_GATEWAY.into(),
+                ssh_on_host_loopback: true,
+                direct_public: false,
+            }))
+    }
+
     fn accelerator(&self) -> Option<String> {
         let a = self.accel();
         Some(format!("{:?}: {}", a.accel, a.reason))

@@ -151,6 +151,9 @@ pub struct LaunchSpec {
 /// Where a qemu guest reaches the credential proxy: an address inside slirp's network that
 /// nothing else answers on (`guestfwd`).
 pub const GUEST_PROXY_ADDR: &str = "10.0.2.100:80";
+/// Where a qemu guest sees the host: slirp's gateway (`restrict=on`: the host's loopback is
+/// reached there only through what is forwarded).
+pub const GUEST_GATEWAY: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 0, 2, 2);
 
 /// The name of the node the base is opened as (every stream job names it as its base).
 pub const BASE_NODE: &str = "base";
