@@ -478,14 +478,14 @@ pub async fn get(
     Ok(())
 }
 
-/// `describe`. Every value shown comes from the store, which agents write: each goes through
-/// [`output::safe`] (in `indent_table` for the tables), so no control character reaches the
-/// terminal.
+/// `describe`: [`boxery_verbs::describe`] as text. Every value shown comes from the store,
+/// which agents write: each goes through [`output::safe`] (in `indent_table` for the tables),
+/// so no control character reaches the terminal.
 pub async fn describe(verbs: &Verbs, kind_name: &str, name: &str) -> CliResult {
     use output::safe;
-    let info = kind(kind_name)?;
-    let obj = objects::get_one(verbs, info, name).await?;
-    let v = output::display_value(&obj);
+    let d = boxery_verbs::describe::describe(verbs, kind(kind_name)?, name).await?;
+    let obj = &d.object;
+    let v = output::display_value(obj);
     let mut out = String::new();
     let m = &obj.metadata;
     out.push_str(&format!(
@@ -554,27 +554,16 @@ pub async fn describe(verbs: &Verbs, kind_name: &str, name: &str) -> CliResult {
     if let Some(st) = obj.status()["printableStatus"].as_str() {
         out.push_str(&format!("Status:       {}\n", safe(st)));
     }
-    if let Some(spec) = obj.rest.get("spec") {
-        out.push_str("Spec:\n");
-        for line in output::to_yaml(spec)?.lines() {
-            out.push_str(&format!("  {}\n", safe(line)));
-        }
-    }
-    let status = obj.status().clone();
-    if let Some(s) = status.as_object() {
-        let mut rest = s.clone();
-        for k in ["conditions", "printableStatus"] {
-            rest.remove(k);
-        }
-        if !rest.is_empty() {
-            out.push_str("Observed:\n");
-            for line in output::to_yaml(&Value::Object(rest))?.lines() {
+    for (title, value) in [("Spec", d.spec().cloned()), ("Observed", d.observed())] {
+        if let Some(value) = value {
+            out.push_str(&format!("{title}:\n"));
+            for line in output::to_yaml(&value)?.lines() {
                 out.push_str(&format!("  {}\n", safe(line)));
             }
         }
     }
     let text = |v: &Value| v.as_str().unwrap_or("").to_string();
-    if let Some(conds) = status["conditions"].as_array() {
+    if let Some(conds) = d.conditions() {
         out.push_str("Conditions:\n");
         let rows: Vec<Vec<String>> = conds
             .iter()
@@ -593,55 +582,42 @@ pub async fn describe(verbs: &Verbs, kind_name: &str, name: &str) -> CliResult {
             &rows,
         ));
     }
-    if obj.kind == "Pool" {
-        let pool: boxery_api::Pool = obj.to_typed().map_err(boxery_verbs::VerbError::from)?;
-        let members = boxery_verbs::pools::members(verbs, &pool).await?;
-        if members.is_empty() {
-            out.push_str("Members:      <none>\n");
-        } else {
-            out.push_str("Members:\n");
-            let rows: Vec<Vec<String>> = members
-                .iter()
-                .map(|m| {
-                    vec![
-                        m.name.clone(),
-                        format!("{:?}", m.state),
-                        m.generation.to_string(),
-                        m.lease.clone().unwrap_or_default(),
-                        m.message.clone(),
-                    ]
-                })
-                .collect();
-            out.push_str(&indent_table(
-                &["VM", "STATE", "GENERATION", "LEASE", "MESSAGE"],
-                &rows,
-            ));
-        }
+    if let Some(members) = &d.members {
+        let rows = members.iter().map(|m| {
+            vec![
+                m.name.clone(),
+                format!("{:?}", m.state),
+                m.generation.to_string(),
+                m.lease.clone().unwrap_or_default(),
+                m.message.clone(),
+            ]
+        });
+        let headers = ["VM", "STATE", "GENERATION", "LEASE", "MESSAGE"];
+        section(&mut out, "Members", &headers, rows.collect());
     }
-    let events = objects::events(verbs, Some((&obj.kind, name))).await?;
-    if events.is_empty() {
-        out.push_str("Events:       <none>\n");
-    } else {
-        out.push_str("Events:\n");
-        let rows: Vec<Vec<String>> = events
-            .iter()
-            .map(|e| {
-                vec![
-                    text(&e.rest["type"]),
-                    text(&e.rest["reason"]),
-                    output::age(&e.rest["lastTimestamp"]),
-                    e.rest["count"].to_string(),
-                    text(&e.rest["message"]),
-                ]
-            })
-            .collect();
-        out.push_str(&indent_table(
-            &["TYPE", "REASON", "AGE", "COUNT", "MESSAGE"],
-            &rows,
-        ));
-    }
+    let rows = d.events.iter().map(|e| {
+        vec![
+            text(&e.rest["type"]),
+            text(&e.rest["reason"]),
+            output::age(&e.rest["lastTimestamp"]),
+            e.rest["count"].to_string(),
+            text(&e.rest["message"]),
+        ]
+    });
+    let headers = ["TYPE", "REASON", "AGE", "COUNT", "MESSAGE"];
+    section(&mut out, "Events", &headers, rows.collect());
     out!("{out}");
     Ok(())
+}
+
+/// A titled table of `describe` (`Title:` and the table), or `Title:  <none>`.
+fn section(out: &mut String, title: &str, headers: &[&str], rows: Vec<Vec<String>>) {
+    if rows.is_empty() {
+        out.push_str(&format!("{:<14}<none>\n", format!("{title}:")));
+    } else {
+        out.push_str(&format!("{title}:\n"));
+        out.push_str(&indent_table(headers, &rows));
+    }
 }
 
 /// Rows under headers, indented, aligned; every cell made [`output::safe`] first.
@@ -673,6 +649,18 @@ fn indent_table(headers: &[&str], rows: &[Vec<String>]) -> String {
         out.push_str(&line(r));
     }
     out
+}
+
+/// `grant ls`, `lease ls`: every object of a kind as `get`'s table; `if_none` (to stderr)
+/// instead of an empty one, when given.
+pub async fn ls(v: &Verbs, kind_name: &str, if_none: Option<&str>) -> CliResult {
+    let info = kind(kind_name)?;
+    let (objs, _) = objects::get(v, info, &[], &Default::default()).await?;
+    match if_none {
+        Some(none) if objs.is_empty() => eprintln!("{none}"),
+        _ => output::print(info, &objs, &Format::Table, &mut std::io::stdout().lock())?,
+    }
+    Ok(())
 }
 
 /// `events [KIND NAME]`.
@@ -864,7 +852,7 @@ pub fn api_resources() -> String {
 pub fn version(env: &boxery_verbs::env::Env) -> CliResult {
     let store = env.home.join("store.db");
     let leader = if store.exists() {
-        match env.store()?.leader(boxery_verbs::runtime::LOCK)? {
+        match env.store()?.leader(boxery_verbs::control::LOCK)? {
             Some(h) => format!("{} (leading the store)", boxery_verbs::render::safe(&h)),
             None => "none leading (commands run the controllers themselves)".into(),
         }

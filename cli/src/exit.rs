@@ -93,12 +93,6 @@ impl From<boxery_hands::HandsError> for CliError {
     }
 }
 
-impl From<boxery_mcp::ToolError> for CliError {
-    fn from(e: boxery_mcp::ToolError) -> Self {
-        CliError::new(e.kind().into(), anyhow::anyhow!("{e}"))
-    }
-}
-
 impl From<anyhow::Error> for CliError {
     fn from(e: anyhow::Error) -> Self {
         CliError::new(Code::Failed, e)

@@ -8,10 +8,10 @@ use std::io::{BufRead, Write};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use boxery_api::Grant;
 use boxery_api::grant::GrantPhase;
-use boxery_api::{Grant, Name};
 use boxery_verbs::Verbs;
-use boxery_verbs::grants::{self, Request};
+use boxery_verbs::grants;
 use boxery_verbs::objects::Deleted;
 use boxery_verbs::wait::Until;
 
@@ -106,18 +106,7 @@ pub async fn grant(v: &Verbs, a: GrantArgs) -> CliResult<ExitCode> {
         Some(GrantCmd::Approve { name, wait }) => decide(v, &name, true, wait).await,
         Some(GrantCmd::Deny { name }) => decide(v, &name, false, false).await,
         Some(GrantCmd::Ls) => {
-            let info = boxery_api::lookup_kind("grant").expect("a kind");
-            let (objs, _) = v.store().list("Grant", &Default::default()).await?;
-            if objs.is_empty() {
-                eprintln!("No grants found.");
-                return Ok(ExitCode::SUCCESS);
-            }
-            boxery_verbs::render::print(
-                info,
-                &objs,
-                &boxery_verbs::render::Format::Table,
-                &mut std::io::stdout().lock(),
-            )?;
+            crate::commands::ls(v, "grant", Some("No grants found.")).await?;
             Ok(ExitCode::SUCCESS)
         }
         Some(GrantCmd::Revoke { name }) => {
@@ -148,27 +137,17 @@ async fn request(v: &Verbs, a: GrantArgs) -> CliResult<ExitCode> {
         ),
         _ => return Err(usage()),
     };
-    let command = a
-        .from_command
-        .map(|c| c.split_whitespace().map(str::to_string).collect());
-    let value_from = grants::value_from(a.from_env, a.from_file, command)?;
-    let name = a
-        .name
-        .map(|n| Name::label(&n))
-        .transpose()
-        .map_err(|e| CliError::invalid(e.0))?;
-    let (g, created) = grants::request(
-        v,
-        Request {
-            name,
-            vm,
-            lease: a.lease,
-            what,
-            header: a.header,
-            value_from,
-        },
-    )
-    .await?;
+    let asked = grants::Asked {
+        what: Some(what),
+        vm,
+        lease: a.lease,
+        header: a.header,
+        from_env: a.from_env,
+        from_file: a.from_file,
+        from_command: (a.from_command).map(|c| c.split_whitespace().map(str::to_string).collect()),
+        name: a.name,
+    };
+    let (g, created) = grants::ask(v, asked).await?;
     let name = g.metadata.name.clone();
     if created {
         outln!("grant/{name} created (PendingApproval)");
@@ -240,7 +219,7 @@ async fn finish(v: &Verbs, name: &str, wait_for: bool) -> CliResult<ExitCode> {
         )
         .await?;
         outln!("grant/{name} is in force");
-    } else if let Some(line) = boxery_verbs::runtime::unreconciled_note(v).await? {
+    } else if let Some(line) = boxery_verbs::control::unreconciled_note(v).await? {
         eprintln!("{line}");
     }
     Ok(ExitCode::SUCCESS)

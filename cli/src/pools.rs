@@ -215,16 +215,7 @@ pub async fn lease(v: &Verbs, cmd: LeaseCmd) -> CliResult {
                 .await?;
             }
         }
-        LeaseCmd::Ls => {
-            let info = boxery_api::lookup_kind("lease").expect("a kind");
-            let (objs, _) = v.store().list("Lease", &Default::default()).await?;
-            boxery_verbs::render::print(
-                info,
-                &objs,
-                &boxery_verbs::render::Format::Table,
-                &mut std::io::stdout().lock(),
-            )?;
-        }
+        LeaseCmd::Ls => crate::commands::ls(v, "lease", None).await?,
     }
     Ok(())
 }

@@ -638,9 +638,10 @@ impl Landing {
     }
 }
 
-/// `boxery cp SRC DST`: local ⇄ VM, files or directories, streamed through tar over ssh;
-/// `reach` gives the way to the VM named in `src` or `dst`.
-pub fn cp(reach: impl FnOnce(&str) -> Result<Reach>, src: &str, dst: &str) -> Result<ExitCode> {
+/// `boxery cp SRC DST` and `vm_copy`: local ⇄ VM or VM ⇄ VM, files or directories, streamed
+/// through tar over ssh; `reach` gives the way to each VM named in `src` or `dst` (the
+/// source's first).
+pub fn cp(mut reach: impl FnMut(&str) -> Result<Reach>, src: &str, dst: &str) -> Result<()> {
     match (Place::parse(src), Place::parse(dst)) {
         (Place::Local(l), Place::Vm(vm, path)) => {
             let ssh = reach(&vm)?;
@@ -677,13 +678,7 @@ pub fn cp(reach: impl FnOnce(&str) -> Result<Reach>, src: &str, dst: &str) -> Re
                 .spawn()
                 .map_err(|e| HandsError::Failed(format!("cannot run tar: {e}")))?;
             let out = tar.stdout.take().expect("piped");
-            let mut sshc = ssh
-                .std_command()
-                .args(["-T", "-o", "BatchMode=yes", "--", &remote])
-                .stdin(out)
-                .stderr(Stdio::piped())
-                .spawn()
-                .map_err(|e| HandsError::Failed(format!("cannot run ssh: {e}")))?;
+            let mut sshc = spawn_ssh(&ssh, &remote, out.into(), Stdio::inherit())?;
             let relay = relay_stderr(sshc.stderr.take());
             let status = sshc.wait()?;
             if let Some(r) = relay {
@@ -700,20 +695,14 @@ pub fn cp(reach: impl FnOnce(&str) -> Result<Reach>, src: &str, dst: &str) -> Re
                     status.code()
                 )));
             }
-            Ok(ExitCode::SUCCESS)
+            Ok(())
         }
         (Place::Vm(vm, path), Place::Local(l)) => {
             let ssh = reach(&vm)?;
             let (remote, top) = send_script(&path);
             let shown = format!("{vm}:{}", safe(&path));
             let landing = Landing::new(Path::new(&l), top)?;
-            let mut sshc = ssh
-                .std_command()
-                .args(["-T", "-o", "BatchMode=yes", "--", &remote])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .map_err(|e| HandsError::Failed(format!("cannot run ssh: {e}")))?;
+            let mut sshc = spawn_ssh(&ssh, &remote, Stdio::null(), Stdio::piped())?;
             let relay = relay_stderr(sshc.stderr.take());
             let mut out = sshc.stdout.take().expect("piped");
             let unpacked = landing.unpack(&mut out);
@@ -741,15 +730,105 @@ pub fn cp(reach: impl FnOnce(&str) -> Result<Reach>, src: &str, dst: &str) -> Re
                 )));
             }
             landing.place(kind)?;
-            Ok(ExitCode::SUCCESS)
+            Ok(())
         }
-        (Place::Vm(..), Place::Vm(..)) => Err(HandsError::Invalid(
-            "copying from one VM to another is not supported yet: copy to a local path first"
-                .into(),
-        )),
+        (Place::Vm(sv, sp), Place::Vm(dv, dp)) => {
+            let from = reach(&sv)?;
+            vm_to_vm(&from, &reach(&dv)?, (&sv, &sp), (&dv, &dp))
+        }
         (Place::Local(_), Place::Local(_)) => Err(HandsError::Invalid(
             "one side must be a VM: write VM:PATH (e.g. dev1:/home/agent/file)".into(),
         )),
+    }
+}
+
+/// Run `script` in a VM by `ssh -T` (batch mode), its stderr piped.
+fn spawn_ssh(
+    ssh: &Reach,
+    script: &str,
+    stdin: Stdio,
+    stdout: Stdio,
+) -> Result<std::process::Child> {
+    ssh.std_command()
+        .args(["-T", "-o", "BatchMode=yes", "--", script])
+        .stdin(stdin)
+        .stdout(stdout)
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| HandsError::Failed(format!("cannot run ssh: {e}")))
+}
+
+/// Read at most 64 KiB of a child's stderr, in a thread (so a chatty child never blocks).
+fn stderr_of(e: Option<std::process::ChildStderr>) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        use std::io::Read;
+        let mut buf = Vec::new();
+        if let Some(e) = e {
+            let _ = e.take(64 << 10).read_to_end(&mut buf);
+        }
+        safe(String::from_utf8_lossy(&buf).trim()).into_owned()
+    })
+}
+
+/// Stream a copy from one VM into another, through this host and never to disk. The source
+/// guest is not trusted by the destination: its archive is checked and re-written here
+/// ([`filter`]: one top, no path out, no special files, no link out), and the destination
+/// lands it with the rules of `boxery cp` (a fresh directory beside it, a directory never
+/// merged into an existing one, nothing unless the whole archive passed).
+fn vm_to_vm(from: &Reach, to: &Reach, (sv, sp): (&str, &str), (dv, dp): (&str, &str)) -> Result {
+    let (src_script, top) = send_script(sp);
+    let dst_script = receive_script(dp, &top, &format!("{dv}:{dp}"));
+    let (src_shown, dst_shown) = (format!("{sv}:{}", safe(sp)), format!("{dv}:{}", safe(dp)));
+    let mut a = spawn_ssh(from, &src_script, Stdio::null(), Stdio::piped())?;
+    let mut b = match spawn_ssh(to, &dst_script, Stdio::piped(), Stdio::null()) {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = a.kill();
+            let _ = a.wait();
+            return Err(e);
+        }
+    };
+    let (a_err, b_err) = (stderr_of(a.stderr.take()), stderr_of(b.stderr.take()));
+    let mut a_out = a.stdout.take().expect("piped");
+    let b_in = b.stdin.take().expect("piped");
+    let filtered = filter(&mut a_out, top, b_in);
+    if filtered.is_err() || !drain(&mut a_out) {
+        let _ = a.kill();
+    }
+    drop(a_out);
+    let waited = |e| HandsError::Failed(format!("waiting for ssh failed: {e}"));
+    let a_status = a.wait().map_err(waited)?;
+    let b_status = b.wait().map_err(waited)?;
+    let (a_msg, b_msg) = (
+        a_err.join().unwrap_or_default(),
+        b_err.join().unwrap_or_default(),
+    );
+    if a_status.code() == Some(3) {
+        return Err(HandsError::NotFound(format!(
+            "{src_shown}: no such file or directory in the VM"
+        )));
+    }
+    // the destination stopped reading: its own message says why
+    let dst_gave_up = !b_status.success() && matches!(&filtered, Err(UnpackError::Write { .. }));
+    if let Err(e) = filtered
+        && !dst_gave_up
+    {
+        return Err(HandsError::Copy {
+            what: format!("copying {src_shown}"),
+            source: e,
+        });
+    }
+    if !a_status.success() {
+        return Err(HandsError::Failed(format!(
+            "reading {src_shown} failed: {a_msg}"
+        )));
+    }
+    match b_status.code() {
+        Some(0) => Ok(()),
+        Some(5) => Err(HandsError::Conflict(b_msg)),
+        _ => Err(HandsError::Failed(format!(
+            "writing {dst_shown} failed: {b_msg}"
+        ))),
     }
 }
 

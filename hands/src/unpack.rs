@@ -257,6 +257,26 @@ fn mtime_of(h: &tar::Header) -> Option<SystemTime> {
         .and_then(|s| SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(s)))
 }
 
+/// An entry of an archive as [`Admit`] takes it: the entry, its path, where it lands under
+/// the top and what it is.
+type Admitted<'a, R> = (tar::Entry<'a, R>, PathBuf, PathBuf, Member);
+
+/// Read `entry` and pass it through `admit`: `None` for a member it skips.
+fn admitted<'a, R: Read>(
+    entry: io::Result<tar::Entry<'a, R>>,
+    admit: &mut Admit,
+) -> Result<Option<Admitted<'a, R>>, UnpackError> {
+    let entry = entry.map_err(UnpackError::Read)?;
+    let path = entry.path().map_err(UnpackError::Read)?.into_owned();
+    let link = entry
+        .link_name()
+        .map_err(UnpackError::Read)?
+        .map(|l| l.into_owned());
+    let kind = entry.header().entry_type();
+    let admitted = admit.admit(&path, kind, link.as_deref())?;
+    Ok(admitted.map(|(rel, member)| (entry, path, rel, member)))
+}
+
 /// Read the archive the VM sends on `r`, check every member, and make the copy at
 /// `staging/`[`TOP`]; `staging` is an empty directory this process just made. Returns what the
 /// copy is; on error, what was made stays in `staging` for its owner to remove.
@@ -265,14 +285,7 @@ pub fn unpack(r: impl Read, top: Top, staging: &Path) -> Result<Kind, UnpackErro
     let mut admit = Admit::new(top);
     let mut archive = tar::Archive::new(r);
     for entry in archive.entries().map_err(UnpackError::Read)? {
-        let mut entry = entry.map_err(UnpackError::Read)?;
-        let path = entry.path().map_err(UnpackError::Read)?.into_owned();
-        let link = entry
-            .link_name()
-            .map_err(UnpackError::Read)?
-            .map(|l| l.into_owned());
-        let kind = entry.header().entry_type();
-        let Some((rel, member)) = admit.admit(&path, kind, link.as_deref())? else {
+        let Some((mut entry, path, rel, member)) = admitted(entry, &mut admit)? else {
             continue;
         };
         let mode = entry.header().mode().unwrap_or(0o644) & 0o777;
@@ -319,14 +332,7 @@ pub fn filter(r: impl Read, top: Top, w: impl Write) -> Result<Kind, UnpackError
         source: e,
     };
     for entry in archive.entries().map_err(UnpackError::Read)? {
-        let mut entry = entry.map_err(UnpackError::Read)?;
-        let path = entry.path().map_err(UnpackError::Read)?.into_owned();
-        let link = entry
-            .link_name()
-            .map_err(UnpackError::Read)?
-            .map(|l| l.into_owned());
-        let kind = entry.header().entry_type();
-        let Some((rel, member)) = admit.admit(&path, kind, link.as_deref())? else {
+        let Some((mut entry, _, rel, member)) = admitted(entry, &mut admit)? else {
             continue;
         };
         let name = under_top(&rel);
@@ -395,6 +401,26 @@ mod tests {
 
     /// One member of a hand-made archive: path, type, link target, content.
     type Raw<'a> = (&'a str, tar::EntryType, &'a str, &'a str);
+
+    /// A member written `KIND PATH [LINK or DATA]` (see `hostile_archives_are_refused`).
+    fn member(m: &str) -> Raw<'_> {
+        use tar::EntryType as E;
+        let mut w = m.splitn(3, ' ');
+        let (k, path, rest) = (w.next().unwrap(), w.next().unwrap(), w.next().unwrap_or(""));
+        let kind = match k {
+            "f" => E::Regular,
+            "d" => E::Directory,
+            "s" => E::Symlink,
+            "h" => E::Link,
+            "c" => E::Char,
+            "p" => E::Fifo,
+            _ => panic!("no member kind {k}"),
+        };
+        match k {
+            "s" | "h" => (path, kind, rest, ""),
+            _ => (path, kind, "", rest),
+        }
+    }
 
     /// A hand-made archive.
     fn archive(members: &[Raw]) -> Vec<u8> {
@@ -492,99 +518,42 @@ mod tests {
     /// nothing lands outside the staging directory.
     #[test]
     fn hostile_archives_are_refused() {
-        use tar::EntryType as E;
-        let cases: &[(&str, Vec<Raw>)] = &[
-            ("another name", vec![(".bashrc", E::Regular, "", "pwned")]),
+        // One case a line, `WHAT: MEMBERS`; a member is `KIND PATH [LINK or DATA]`: f a file
+        // (and its data), d a directory, s a symlink, h a hard link, c a device, p a fifo.
+        const CASES: &str = "another name: f .bashrc pwned
+            a second top: f report.txt ok, f .bashrc pwned
+            a directory claimed, holding dotfiles, and a sibling: d report.txt/, f report.txt/.bashrc pwned, f x/../.bashrc pwned
+            dot-dot: f report.txt/../../.bashrc pwned
+            absolute: f /tmp/pwned pwned
+            absolute symlink then a write through it: d report.txt/, s report.txt/l /tmp, f report.txt/l/pwned pwned
+            relative symlink out: d report.txt/, s report.txt/l ../..
+            dot-dot after a name: d report.txt/, s report.txt/l a/../../x
+            write through an inside symlink: d report.txt/, d report.txt/d/, s report.txt/l d, f report.txt/l/f x
+            the same name twice (file over symlink): d report.txt/, s report.txt/l ., f report.txt/l x
+            a hard link to a host file: d report.txt/, h report.txt/h /etc/passwd
+            a hard link to a directory: d report.txt/, h report.txt/h report.txt
+            a device: c report.txt
+            a fifo: p report.txt
+            the top a symlink: s report.txt /
+            a child before its directory: f report.txt/a/b x
+            nothing: ";
+        let cases = CASES.lines().map(|l| {
+            let (what, members) = l.trim().split_once(':').expect("WHAT: MEMBERS");
             (
-                "a second top",
-                vec![
-                    ("report.txt", E::Regular, "", "ok"),
-                    (".bashrc", E::Regular, "", "pwned"),
-                ],
-            ),
-            (
-                "a directory claimed, holding dotfiles, and a sibling",
-                vec![
-                    ("report.txt/", E::Directory, "", ""),
-                    ("report.txt/.bashrc", E::Regular, "", "pwned"),
-                    ("x/../.bashrc", E::Regular, "", "pwned"),
-                ],
-            ),
-            (
-                "dot-dot",
-                vec![("report.txt/../../.bashrc", E::Regular, "", "pwned")],
-            ),
-            ("absolute", vec![("/tmp/pwned", E::Regular, "", "pwned")]),
-            (
-                "absolute symlink then a write through it",
-                vec![
-                    ("report.txt/", E::Directory, "", ""),
-                    ("report.txt/l", E::Symlink, "/tmp", ""),
-                    ("report.txt/l/pwned", E::Regular, "", "pwned"),
-                ],
-            ),
-            (
-                "relative symlink out",
-                vec![
-                    ("report.txt/", E::Directory, "", ""),
-                    ("report.txt/l", E::Symlink, "../..", ""),
-                ],
-            ),
-            (
-                "dot-dot after a name",
-                vec![
-                    ("report.txt/", E::Directory, "", ""),
-                    ("report.txt/l", E::Symlink, "a/../../x", ""),
-                ],
-            ),
-            (
-                "write through an inside symlink",
-                vec![
-                    ("report.txt/", E::Directory, "", ""),
-                    ("report.txt/d/", E::Directory, "", ""),
-                    ("report.txt/l", E::Symlink, "d", ""),
-                    ("report.txt/l/f", E::Regular, "", "x"),
-                ],
-            ),
-            (
-                "the same name twice (file over symlink)",
-                vec![
-                    ("report.txt/", E::Directory, "", ""),
-                    ("report.txt/l", E::Symlink, ".", ""),
-                    ("report.txt/l", E::Regular, "", "x"),
-                ],
-            ),
-            (
-                "a hard link to a host file",
-                vec![
-                    ("report.txt/", E::Directory, "", ""),
-                    ("report.txt/h", E::Link, "/etc/passwd", ""),
-                ],
-            ),
-            (
-                "a hard link to a directory",
-                vec![
-                    ("report.txt/", E::Directory, "", ""),
-                    ("report.txt/h", E::Link, "report.txt", ""),
-                ],
-            ),
-            ("a device", vec![("report.txt", E::Char, "", "")]),
-            ("a fifo", vec![("report.txt", E::Fifo, "", "")]),
-            (
-                "the top a symlink",
-                vec![("report.txt", E::Symlink, "/", "")],
-            ),
-            (
-                "a child before its directory",
-                vec![("report.txt/a/b", E::Regular, "", "x")],
-            ),
-            ("nothing", vec![]),
-        ];
+                what,
+                members
+                    .trim()
+                    .split(", ")
+                    .filter(|m| !m.is_empty())
+                    .map(member)
+                    .collect::<Vec<_>>(),
+            )
+        });
         for (what, members) in cases {
             let base = tempfile::tempdir().unwrap();
             let staging = base.path().join("staging");
             std::fs::create_dir(&staging).unwrap();
-            let tar = archive(members);
+            let tar = archive(&members);
             let r = unpack(&tar[..], Top::Name("report.txt".into()), &staging);
             assert!(r.is_err(), "{what}: admitted ({r:?})");
             let f = filter(&tar[..], Top::Name("report.txt".into()), Vec::new());

@@ -9,15 +9,15 @@
 
 use std::sync::Arc;
 
-use boxery_api::Name;
-use boxery_verbs::grants::{self, Request};
+use boxery_verbs::grants;
 use boxery_verbs::objects::Deleted;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::{Output, Session, ToolError, ToolResult};
+use super::{Output, Session, ToolResult};
+use boxery_verbs::VerbError;
 
 /// A `vm_grant` action (each is a `boxery grant` form).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
@@ -33,35 +33,12 @@ pub enum GrantAction {
 
 /// `vm_grant` arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct GrantArgs {
     /// request, list or revoke.
     pub action: GrantAction,
-    /// request: what to grant, TYPE:TARGET: llm:PROVIDER (e.g. llm:anthropic), http:HOST (with
-    /// `header`), github:OWNER/REPO, env:NAME, file:PATH.
-    #[serde(default)]
-    pub grant: Option<String>,
-    /// request: the VM it is for (default: this session's VM), unless `lease` is given.
-    #[serde(default)]
-    pub vm: Option<String>,
-    /// request: a lease instead of a VM (the grant is revoked when the lease ends).
-    #[serde(default)]
-    pub lease: Option<String>,
-    /// request, http grants: the header the proxy adds (e.g. Authorization).
-    #[serde(default)]
-    pub header: Option<String>,
-    /// request: the value is this environment variable of the control plane (never the value).
-    #[serde(default)]
-    pub from_env: Option<String>,
-    /// request: the value is this file on the control plane (an absolute path).
-    #[serde(default)]
-    pub from_file: Option<String>,
-    /// request: the value is this command's output on the control plane (program and arguments).
-    #[serde(default)]
-    pub from_command: Option<Vec<String>>,
-    /// request: the grant's name (default VM-TYPE-TARGET); revoke: the grant to revoke.
-    #[serde(default)]
-    pub name: Option<String>,
+    /// The request (`name` also names the grant to revoke).
+    #[serde(flatten)]
+    pub asked: grants::Asked,
 }
 
 /// `vm_grant`.
@@ -69,42 +46,17 @@ pub async fn grant(session: Arc<Session>, a: GrantArgs, ct: CancellationToken) -
     let v = session.verbs()?;
     match a.action {
         GrantAction::Request => {
-            let what = a.grant.filter(|g| !g.is_empty()).ok_or_else(|| {
-                ToolError::Invalid(
-                    "request needs `grant`: TYPE:TARGET, e.g. llm:anthropic or github:OWNER/REPO"
-                        .into(),
-                )
-            })?;
-            let vm = match &a.lease {
+            let mut asked = a.asked;
+            if asked.what.as_deref().is_none_or(str::is_empty) {
+                return Err(VerbError::invalid(
+                    "request needs `grant`: TYPE:TARGET, e.g. llm:anthropic or github:OWNER/REPO",
+                ));
+            }
+            asked.vm = match &asked.lease {
                 Some(_) => None,
-                None => Some(session.resolve_vm(a.vm).await?),
+                None => Some(session.resolve_vm(asked.vm).await?),
             };
-            let name = a
-                .name
-                .map(|n| Name::label(&n))
-                .transpose()
-                .map_err(|e| ToolError::Invalid(format!("name: {e}")))?;
-            let value_from =
-                grants::value_from(a.from_env, a.from_file, a.from_command).map_err(|e| {
-                    ToolError::Invalid(
-                        e.to_string()
-                            .replace("--from-env", "from_env")
-                            .replace("--from-file", "from_file")
-                            .replace("--from-command", "from_command"),
-                    )
-                })?;
-            let (g, created) = grants::request(
-                v,
-                Request {
-                    name,
-                    vm,
-                    lease: a.lease,
-                    what,
-                    header: a.header,
-                    value_from,
-                },
-            )
-            .await?;
+            let (g, created) = grants::ask(v, asked).await?;
             let name = g.metadata.name.clone();
             let phase = g.status.phase;
             let mut decision = None;
@@ -159,22 +111,11 @@ pub async fn grant(session: Arc<Session>, a: GrantArgs, ct: CancellationToken) -
         }
         GrantAction::List => {
             let gs = grants::list(v).await?;
-            let info = boxery_api::lookup_kind("grant").expect("a kind");
             let objs: Vec<boxery_api::DynObject> = gs
                 .iter()
                 .filter_map(|g| boxery_api::DynObject::from_typed(g).ok())
                 .collect();
-            let mut out = Vec::new();
-            if objs.is_empty() {
-                out.extend_from_slice(b"no grants\n");
-            } else {
-                boxery_verbs::render::print(
-                    info,
-                    &objs,
-                    &boxery_verbs::render::Format::Table,
-                    &mut out,
-                )?;
-            }
+            let text = super::table("grant", &objs, "no grants\n")?;
             let items: Vec<_> = gs
                 .iter()
                 .map(|g| {
@@ -188,16 +129,11 @@ pub async fn grant(session: Arc<Session>, a: GrantArgs, ct: CancellationToken) -
                     })
                 })
                 .collect();
-            Ok(Output::with_data(
-                String::from_utf8_lossy(&out).into_owned(),
-                json!({"grants": items}),
-            ))
+            Ok(Output::with_data(text, json!({"grants": items})))
         }
         GrantAction::Revoke => {
-            let name = a.name.filter(|n| !n.is_empty()).ok_or_else(|| {
-                ToolError::Invalid(
-                    "revoke needs `name` (vm_grant {action: list} lists them)".into(),
-                )
+            let name = a.asked.name.filter(|n| !n.is_empty()).ok_or_else(|| {
+                VerbError::invalid("revoke needs `name` (vm_grant {action: list} lists them)")
             })?;
             let text = match grants::revoke(v, &name).await? {
                 Deleted::Removed(n) | Deleted::Deleting(n) => {
@@ -296,10 +232,7 @@ mod tests {
 
     fn session() -> (tempfile::TempDir, Arc<Session>) {
         let dir = tempfile::tempdir().unwrap();
-        let env = boxery_verbs::Env {
-            home: dir.path().join("home"),
-            backend_name: "fake".into(),
-        };
+        let env = boxery_verbs::Env::new(dir.path().join("home"), "fake");
         (dir, Arc::new(Session::new(env, None, false)))
     }
 
@@ -352,7 +285,7 @@ mod tests {
         )
         .await
         .unwrap_err();
-        assert!(matches!(e, ToolError::Invalid(_)), "{e}");
+        assert_eq!(e.kind(), boxery_verbs::ErrorKind::Invalid, "{e}");
         let schema = crate::find("vm_grant").unwrap().schema.to_string();
         for word in ["approve", "deny", "confirm"] {
             assert!(
@@ -398,7 +331,7 @@ mod tests {
         )
         .await
         .unwrap_err();
-        assert!(matches!(other, ToolError::Conflict(_)), "{other}");
+        assert_eq!(other.kind(), boxery_verbs::ErrorKind::Conflict, "{other}");
         // Bad requests name the field.
         let e = call(
             &s,
@@ -415,7 +348,7 @@ mod tests {
         )
         .await
         .unwrap_err();
-        assert!(matches!(e, ToolError::NotFound(_)), "{e}");
+        assert_eq!(e.kind(), boxery_verbs::ErrorKind::NotFound, "{e}");
         let list = call(&s, "vm_grant", json!({"action": "list"}))
             .await
             .unwrap();

@@ -22,7 +22,8 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use super::lifecycle::bounded_wait;
-use super::{Output, Session, ToolError, ToolResult, clamp_timeout};
+use super::{Output, Session, ToolResult, clamp_timeout};
+use boxery_verbs::VerbError;
 
 /// A `vm_lease` verb (each is a `boxery lease` subcommand).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
@@ -46,20 +47,15 @@ pub struct LeaseArgs {
     /// acquire, renew, release or list.
     pub action: LeaseAction,
     /// The pool (acquire).
-    #[serde(default)]
     pub pool: Option<String>,
     /// The lease (renew, release; default: this session's only lease).
-    #[serde(default)]
     pub lease: Option<String>,
     /// How long the lease lasts unless renewed, in seconds (acquire; 60..28800; default: the
     /// pool's spec.lease.defaultTtlSeconds, 1800 unless the pool sets it).
-    #[serde(default)]
     pub ttl_seconds: Option<u64>,
     /// Who holds it (acquire, renew; default $USER@hostname).
-    #[serde(default)]
     pub holder: Option<String>,
     /// How long to wait for a free member (acquire) or for the release (default 300 s).
-    #[serde(default)]
     pub timeout_seconds: Option<u64>,
 }
 
@@ -86,12 +82,12 @@ impl Kept {
 
 /// The lease a renew or release names: one this session holds. A session never renews or
 /// releases another session's (or a person's) lease: `boxery lease release` does that.
-fn which_lease(session: &Session, lease: Option<String>) -> Result<String, ToolError> {
+fn which_lease(session: &Session, lease: Option<String>) -> Result<String, VerbError> {
     let held = session.held_leases();
     if let Some(l) = lease.filter(|l| !l.is_empty()) {
-        let name = Name::label(&l).map_err(|e| ToolError::Invalid(format!("lease: {e}")))?;
+        let name = Name::label(&l).map_err(|e| VerbError::invalid(format!("lease: {e}")))?;
         if !held.iter().any(|h| *h == *name) {
-            return Err(ToolError::Invalid(format!(
+            return Err(VerbError::invalid(format!(
                 "lease {name} is not held by this session: a session renews and releases only the leases it acquired (its holder can run `boxery lease release {name}`)"
             )));
         }
@@ -99,10 +95,10 @@ fn which_lease(session: &Session, lease: Option<String>) -> Result<String, ToolE
     }
     match held.as_slice() {
         [one] => Ok(one.clone()),
-        [] => Err(ToolError::Invalid(
-            "which lease? name it with `lease` (vm_lease {action: list} lists them)".into(),
+        [] => Err(VerbError::invalid(
+            "which lease? name it with `lease` (vm_lease {action: list} lists them)",
         )),
-        many => Err(ToolError::Invalid(format!(
+        many => Err(VerbError::invalid(format!(
             "which lease? this session holds {}",
             many.join(", ")
         ))),
@@ -151,21 +147,9 @@ pub async fn lease(session: Arc<Session>, a: LeaseArgs, ct: CancellationToken) -
             Ok(Output::with_data(text, json!({"lease": name, "vm": vm})))
         }
         LeaseAction::List => {
-            let info = boxery_api::lookup_kind("lease").expect("a kind");
             let store = session.verbs()?.store();
             let (objs, _) = store.list("Lease", &Default::default()).await?;
-            let mut out = Vec::new();
-            if objs.is_empty() {
-                out.extend_from_slice(b"no leases\n");
-            } else {
-                boxery_verbs::render::print(
-                    info,
-                    &objs,
-                    &boxery_verbs::render::Format::Table,
-                    &mut out,
-                )?;
-            }
-            let mut text = String::from_utf8_lossy(&out).into_owned();
+            let mut text = super::table("lease", &objs, "no leases\n")?;
             let held = session.held_leases();
             if !held.is_empty() {
                 text.push_str(&format!("held by this session: {}\n", held.join(", ")));
@@ -200,9 +184,9 @@ async fn acquire(
 ) -> ToolResult {
     let v = session.verbs()?;
     let pool = a.pool.filter(|p| !p.is_empty()).ok_or_else(|| {
-        ToolError::Invalid("acquire needs `pool` (vm_get {kind: pool} lists pools)".into())
+        VerbError::invalid("acquire needs `pool` (vm_get {kind: pool} lists pools)")
     })?;
-    let pool = Name::label(&pool).map_err(|e| ToolError::Invalid(format!("pool: {e}")))?;
+    let pool = Name::label(&pool).map_err(|e| VerbError::invalid(format!("pool: {e}")))?;
     pools::require_pool(v, &pool).await?;
     let input = pools::AcquireInput {
         pool: pool.clone(),
@@ -234,14 +218,17 @@ async fn acquire(
     };
     if let Some(state) = state {
         session.let_go(&name);
-        return Err(ToolError::Timeout(format!(
-            "no member of pool {pool} was free within {}s, so lease {name} was released again ({state}); try later, or vm_describe {{kind: pool, name: {pool}}} to see its members",
-            timeout.as_secs()
-        )));
+        return Err(VerbError::new(
+            boxery_verbs::ErrorKind::Timeout,
+            format!(
+                "no member of pool {pool} was free within {}s, so lease {name} was released again ({state}); try later, or vm_describe {{kind: pool, name: {pool}}} to see its members",
+                timeout.as_secs()
+            ),
+        ));
     }
     let l: Lease =
         v.store().get_as(&name).await?.ok_or_else(|| {
-            ToolError::Failed(format!("lease {name} vanished right after binding"))
+            VerbError::failed(format!("lease {name} vanished right after binding"))
         })?;
     let vm = l.status.vm.clone().unwrap_or_default();
     session.set_default_vm(Some(vm.clone()));

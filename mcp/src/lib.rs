@@ -1,13 +1,14 @@
 //! boxery's MCP server and its `vm_*` tool table: every tool's name, description, input JSON
 //! Schema (generated from the Rust argument type by schemars), annotations and runner, in one
 //! place. The server ([`server`]: stdio and streamable HTTP) lists and runs tools from it; the
-//! CLI's `file read|write|edit`, `jobs` and VM-to-VM `cp` commands run the same runners
-//! ([`run_cli`]); the CLI's parity test maps every tool to its CLI command and back. The
-//! tools call the verbs (`boxery-verbs`) and the hands (`boxery-hands`) and render their
-//! results as tool results.
+//! CLI's parity test maps every tool to its CLI command and back. A runner is a thin adapter:
+//! it parses its arguments, chooses the VM (the session's default), calls one verb
+//! (`boxery-verbs`: the guest actions are `boxery_verbs::guest`, the same calls the CLI makes)
+//! and renders its typed result as a tool result.
 //!
 //! Guarantees: a runner never prints to stdout (stdout is the MCP stdio transport), never
-//! waits without a bound, and turns every failure into a [`ToolError`] a model can act on.
+//! waits without a bound, and fails with the verbs' [`VerbError`], whose message a model can
+//! act on.
 
 pub mod conns;
 pub mod exec;
@@ -23,8 +24,8 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use boxery_api::Vm;
-use boxery_hands::{Reach, Voice};
-use boxery_verbs::{Env, ErrorKind, VerbError, Verbs};
+use boxery_hands::Voice;
+use boxery_verbs::{Env, VerbError, Verbs};
 use futures::future::BoxFuture;
 use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
@@ -32,81 +33,15 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 /// The cap on text a tool returns (command output, file contents, job logs): 1 MiB.
-pub const OUTPUT_CAP: usize = 1 << 20;
+pub use boxery_verbs::guest::OUTPUT_CAP;
 /// The cap on a tool call's arguments, serialized (a `vm_write` content included): 8 MiB.
 pub const ARGS_CAP: usize = 8 << 20;
 /// The cap on any one string argument other than file content and manifests: 64 KiB.
 pub const STRING_CAP: usize = 64 << 10;
 /// The longest a tool may wait (`timeout_seconds` is clamped to this): 30 minutes.
-pub const MAX_WAIT_SECS: u64 = boxery_verbs::wait::TOOL_MAX_WAIT_SECS;
-
-/// A tool failed; the message says what to do next.
-#[derive(Debug, thiserror::Error)]
-pub enum ToolError {
-    /// The arguments are wrong.
-    #[error("{0}")]
-    Invalid(String),
-    /// A VM, object, file or job does not exist.
-    #[error("{0}")]
-    NotFound(String),
-    /// The VM exists but cannot be reached now.
-    #[error("{0}")]
-    NotReady(String),
-    /// Something changed under the call (a file edited since it was read, an object updated).
-    #[error("{0}")]
-    Conflict(String),
-    /// A bounded wait ran out.
-    #[error("{0}")]
-    Timeout(String),
-    /// The call was cancelled by the client.
-    #[error("cancelled")]
-    Cancelled,
-    /// Anything else.
-    #[error("{0}")]
-    Failed(String),
-}
-
-impl ToolError {
-    /// The kind of failure (the CLI maps it to its exit code).
-    pub fn kind(&self) -> ErrorKind {
-        match self {
-            ToolError::Invalid(_) => ErrorKind::Invalid,
-            ToolError::NotFound(_) => ErrorKind::NotFound,
-            ToolError::NotReady(_) => ErrorKind::NotReady,
-            ToolError::Conflict(_) => ErrorKind::Conflict,
-            ToolError::Timeout(_) => ErrorKind::Timeout,
-            ToolError::Cancelled => ErrorKind::Cancelled,
-            ToolError::Failed(_) => ErrorKind::Failed,
-        }
-    }
-}
-
-impl From<VerbError> for ToolError {
-    fn from(e: VerbError) -> Self {
-        let msg = e.chain();
-        match e.kind() {
-            ErrorKind::Invalid => ToolError::Invalid(msg),
-            ErrorKind::NotFound => ToolError::NotFound(msg),
-            ErrorKind::NotReady => ToolError::NotReady(msg),
-            ErrorKind::Timeout => ToolError::Timeout(msg),
-            ErrorKind::Conflict => ToolError::Conflict(msg),
-            ErrorKind::Cancelled => ToolError::Cancelled,
-            ErrorKind::Failed => ToolError::Failed(msg),
-        }
-    }
-}
-
-impl From<boxery_store::StoreError> for ToolError {
-    fn from(e: boxery_store::StoreError) -> Self {
-        VerbError::from(e).into()
-    }
-}
-
-impl From<boxery_hands::HandsError> for ToolError {
-    fn from(e: boxery_hands::HandsError) -> Self {
-        VerbError::from(e).into()
-    }
-}
+pub use boxery_verbs::guest::MAX_WAIT_SECS;
+/// Clamp a user-given timeout.
+pub use boxery_verbs::guest::clamp_timeout;
 
 /// What a tool returns: text for the model, and the same facts as JSON.
 #[derive(Debug, Clone, Default)]
@@ -125,10 +60,17 @@ impl Output {
             data: Some(data),
         }
     }
+
+    /// Text, and a verb's typed result as the data.
+    pub fn of(text: impl Into<String>, result: &impl serde::Serialize) -> Self {
+        // the verbs' results are plain data: they always serialize
+        Output::with_data(text, serde_json::to_value(result).unwrap_or_default())
+    }
 }
 
-/// The result of a runner.
-pub type ToolResult = Result<Output, ToolError>;
+/// The result of a runner: its failure is the verbs' error, shown to the model whole
+/// ([`VerbError::chain`]); its kind is what the CLI's exit code would be.
+pub type ToolResult = Result<Output, VerbError>;
 
 /// The CLI side of a tool.
 #[derive(Debug, Clone, Copy)]
@@ -187,8 +129,17 @@ fn schema_of<A: JsonSchema>() -> Value {
         if !m.contains_key("properties") {
             m.insert("properties".into(), Value::Object(Default::default()));
         }
+        // Unknown arguments are refused (`Tool::run`), flattened argument types included.
+        m.insert("additionalProperties".into(), Value::Bool(false));
     }
     v
+}
+
+/// The argument names a schema lists, for serde's "unknown field" message.
+fn fields_of(schema: &Value) -> &'static [&'static str] {
+    let names = schema["properties"].as_object().into_iter().flatten();
+    let names: Vec<&'static str> = names.map(|(k, _)| &*k.clone().leak()).collect();
+    names.leak()
 }
 
 fn tool<A, F, Fut>(
@@ -203,36 +154,52 @@ where
     F: Fn(Arc<Session>, A, CancellationToken) -> Fut + Send + Sync + Copy + 'static,
     Fut: Future<Output = ToolResult> + Send + 'static,
 {
+    let schema = schema_of::<A>();
+    let fields = fields_of(&schema);
     Tool {
         name,
         description,
         read_only,
         destructive,
         cli,
-        schema: schema_of::<A>(),
-        run: Box::new(move |s, args, ct| {
-            let parsed = check_args(&args).and_then(|()| {
-                serde_json::from_value::<A>(args).map_err(|e| {
-                    ToolError::Invalid(format!(
-                        "invalid arguments for {name}: {e}; the tool's input schema lists the fields"
-                    ))
-                })
-            });
-            match parsed {
-                Ok(a) => Box::pin(f(s, a, ct)),
-                Err(e) => Box::pin(async move { Err(e) }),
-            }
+        schema,
+        run: Box::new(move |s, args, ct| match parse::<A>(name, fields, args) {
+            Ok(a) => Box::pin(f(s, a, ct)),
+            Err(e) => Box::pin(async move { Err(e) }),
         }),
     }
 }
 
+/// Tool `name`'s arguments, checked (sizes, blanks) and parsed; an argument not among
+/// `fields` is refused.
+fn parse<A: DeserializeOwned>(
+    name: &str,
+    fields: &'static [&'static str],
+    args: Value,
+) -> Result<A, VerbError> {
+    check_args(&args)?;
+    let unknown = args
+        .as_object()
+        .and_then(|m| m.keys().find(|k| !fields.contains(&k.as_str())).cloned());
+    let parsed = serde_json::from_value::<A>(args).and_then(|a| match unknown {
+        // serde refuses these itself, but not beside a flattened struct
+        Some(k) => Err(serde::de::Error::unknown_field(&k, fields)),
+        None => Ok(a),
+    });
+    parsed.map_err(|e| {
+        VerbError::invalid(format!(
+            "invalid arguments for {name}: {e}; the tool's input schema lists the fields"
+        ))
+    })
+}
+
 /// Refuse arguments over the size bounds.
-fn check_args(args: &Value) -> Result<(), ToolError> {
+fn check_args(args: &Value) -> Result<(), VerbError> {
     let size = serde_json::to_vec(args)
         .map(|v| v.len())
         .unwrap_or(usize::MAX);
     if size > ARGS_CAP {
-        return Err(ToolError::Invalid(format!(
+        return Err(VerbError::invalid(format!(
             "arguments too large: {size} bytes (the limit is {ARGS_CAP}); write big files with vm_copy"
         )));
     }
@@ -244,7 +211,7 @@ fn check_args(args: &Value) -> Result<(), ToolError> {
             if let Some(s) = v.as_str()
                 && s.len() > STRING_CAP
             {
-                return Err(ToolError::Invalid(format!(
+                return Err(VerbError::invalid(format!(
                     "argument `{k}` is too large: {} bytes (the limit is {STRING_CAP})",
                     s.len()
                 )));
@@ -264,7 +231,7 @@ const MAY_BE_EMPTY: &[&str] = &["content", "new", "from_command"];
 /// Refuse an argument given as an empty or blank string (or a list holding one): an explicit
 /// `""` is never read as "not given" (`vm_manage {action: rm, vm: ""}` would otherwise mean
 /// the default or only VM). Every tool's arguments pass here, whatever the tool.
-fn refuse_blank(k: &str, v: &Value) -> Result<(), ToolError> {
+fn refuse_blank(k: &str, v: &Value) -> Result<(), VerbError> {
     if MAY_BE_EMPTY.contains(&k) {
         return Ok(());
     }
@@ -282,7 +249,7 @@ fn refuse_blank(k: &str, v: &Value) -> Result<(), ToolError> {
         "vm" => "name the VM, or leave `vm` out to mean this session's default VM (vm_use)",
         _ => "give a value, or leave the argument out",
     };
-    Err(ToolError::Invalid(format!(
+    Err(VerbError::invalid(format!(
         "{what}: an empty argument is never taken as one not given; {instead}"
     )))
 }
@@ -424,9 +391,6 @@ pub struct Session {
     /// Whether tools may touch the local file system (false over HTTP: "local" would be the
     /// server's disk, not the agent's).
     pub allow_local: bool,
-    /// Whose words errors use: the tools' (`vm_wait {…}`), or the CLI's when a command runs a
-    /// tool (`boxery read`: `boxery wait vm …`).
-    voice: Voice,
     default_vm: Mutex<Option<String>>,
     versions: Mutex<HashMap<(String, String), String>>,
     verbs: OnceLock<Verbs>,
@@ -443,7 +407,6 @@ impl Session {
         Session {
             env,
             allow_local,
-            voice: Voice::Tool,
             default_vm: Mutex::new(default_vm),
             versions: Mutex::new(HashMap::new()),
             verbs: OnceLock::new(),
@@ -465,27 +428,19 @@ impl Session {
         })
     }
 
-    /// A session for one CLI command that runs a tool (`boxery file read|write|edit`, `jobs`):
-    /// local files allowed, errors in the CLI's words.
-    pub fn for_cli(env: Env) -> Self {
-        let mut s = Session::new(env, None, true);
-        s.voice = Voice::Cli;
-        s
-    }
-
     /// The session, working on `verbs`' store (another machine's, through a context) instead of
     /// opening its home's.
     pub fn with_verbs(self, verbs: &Verbs) -> Self {
-        let _ = self.verbs.set(verbs.in_voice(self.voice));
+        let _ = self.verbs.set(verbs.in_voice(Voice::Tool));
         self
     }
 
-    /// The verbs, in the session's voice, over the store (opened once per session).
-    pub fn verbs(&self) -> Result<&Verbs, ToolError> {
+    /// The verbs, in the tools' voice, over the store (opened once per session).
+    pub fn verbs(&self) -> Result<&Verbs, VerbError> {
         if let Some(v) = self.verbs.get() {
             return Ok(v);
         }
-        let v = Verbs::open(self.env.clone(), self.voice)?;
+        let v = Verbs::open(self.env.clone(), Voice::Tool)?;
         Ok(self.verbs.get_or_init(|| v))
     }
 
@@ -618,12 +573,12 @@ impl Session {
     }
 
     /// Which VM a call means: the explicit one, else the default, else the only VM.
-    pub async fn resolve_vm(&self, vm: Option<String>) -> Result<String, ToolError> {
+    pub async fn resolve_vm(&self, vm: Option<String>) -> Result<String, VerbError> {
         if let Some(v) = vm {
             // an empty name is refused (check_args, and Name here), never the default VM
             return boxery_api::Name::label(&v)
                 .map(boxery_api::Name::into_string)
-                .map_err(|e| ToolError::Invalid(format!("vm: {e}")));
+                .map_err(|e| VerbError::invalid(format!("vm: {e}")));
         }
         if let Some(v) = self.default_vm() {
             return Ok(v);
@@ -632,10 +587,10 @@ impl Session {
         names.truncate(30);
         match names.as_slice() {
             [one] => Ok(one.clone()),
-            [] => Err(ToolError::NotFound(
-                "no VM named and there are no VMs: make one with vm_manage {action: new, vm: NAME} or vm_apply".into(),
+            [] => Err(VerbError::not_found(
+                "no VM named and there are no VMs: make one with vm_manage {action: new, vm: NAME} or vm_apply",
             )),
-            many => Err(ToolError::Invalid(format!(
+            many => Err(VerbError::invalid(format!(
                 "which VM? name one with `vm`, or set a default with vm_use; known VMs: {}",
                 many.join(", ")
             ))),
@@ -643,14 +598,8 @@ impl Session {
     }
 
     /// A not-found error that lists the known VMs.
-    pub async fn unknown_vm(&self, vm: &str) -> ToolError {
-        boxery_hands::vm_not_found(vm, &self.vm_names().await, self.voice).into()
-    }
-
-    /// Check the VM can be reached over ssh and write the ssh files; returns how to reach it
-    /// (with the key of a lease this host holds on it, like `boxery run`).
-    pub(crate) async fn ssh_to(&self, vm: &str) -> Result<Reach, ToolError> {
-        Ok(self.verbs()?.reach(vm).await?)
+    pub async fn unknown_vm(&self, vm: &str) -> VerbError {
+        boxery_hands::vm_not_found(vm, &self.vm_names().await, Voice::Tool).into()
     }
 }
 
@@ -661,12 +610,20 @@ impl Drop for Session {
     }
 }
 
-/// Run a tool from the CLI on `verbs`' store: print its text (stdout) and map its error to an
-/// exit code.
-pub async fn run_cli(verbs: &Verbs, name: &str, args: Value) -> Result<Output, ToolError> {
-    let t = find(name).expect("the CLI only runs tools of the table");
-    let session = Arc::new(Session::for_cli(verbs.env.clone()).with_verbs(verbs));
-    t.run(session, args, CancellationToken::new()).await
+/// Objects of a kind as `boxery get`'s table, or `none` when there are none: a list's text.
+pub(crate) fn table(
+    kind: &str,
+    objs: &[boxery_api::DynObject],
+    none: &str,
+) -> Result<String, VerbError> {
+    if objs.is_empty() {
+        return Ok(none.to_string());
+    }
+    let info = boxery_verbs::objects::kind(kind)?;
+    let mut out = Vec::new();
+    let table = boxery_verbs::render::Format::Table;
+    boxery_verbs::render::print(info, objs, &table, &mut out)?;
+    Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
 /// The tool list as markdown (the table in docs/mcp.md is this text).
@@ -695,32 +652,6 @@ pub fn markdown() -> String {
     s
 }
 
-/// Clamp a user-given timeout.
-pub fn clamp_timeout(secs: Option<u64>, default: u64) -> std::time::Duration {
-    std::time::Duration::from_secs(secs.unwrap_or(default).clamp(1, MAX_WAIT_SECS))
-}
-
-/// Whether a process group has live (non-zombie) members, polling for up to 2 s.
-#[cfg(test)]
-pub fn group_alive(pgid: u32) -> bool {
-    for _ in 0..40 {
-        let live = std::fs::read_dir("/proc")
-            .unwrap()
-            .flatten()
-            .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
-            .any(|st| {
-                let rest = st.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-                let f: Vec<&str> = rest.split_whitespace().collect();
-                f.len() > 3 && f[0] != "Z" && f[2] == pgid.to_string()
-            });
-        if !live {
-            return false;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    true
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -734,6 +665,26 @@ mod tests {
             assert!(t.name.starts_with("vm_"));
             assert!(!(t.read_only && t.destructive), "{}", t.name);
         }
+    }
+
+    #[test]
+    fn unknown_arguments_are_refused_beside_flattened_ones_too() {
+        for t in ["vm_wait", "vm_describe", "vm_patch", "vm_read"] {
+            let schema = &find(t).unwrap().schema;
+            assert_eq!(schema["additionalProperties"], false, "{t}: {schema}");
+            assert!(
+                schema["properties"]["kind"].is_object() || t == "vm_read",
+                "{t}"
+            );
+        }
+        let fields = fields_of(&find("vm_wait").unwrap().schema);
+        let args = serde_json::json!({"name": "a", "timeout_seconds": 1, "nope": 1});
+        let e = parse::<lifecycle::WaitArgs>("vm_wait", fields, args).unwrap_err();
+        assert_eq!(e.kind(), boxery_verbs::ErrorKind::Invalid, "{e}");
+        assert!(e.to_string().contains("unknown field `nope`"), "{e}");
+        let ok = serde_json::json!({"name": "a", "for": "delete"});
+        let a = parse::<lifecycle::WaitArgs>("vm_wait", fields, ok).unwrap();
+        assert_eq!(a.object.name.as_deref(), Some("a"));
     }
 
     #[test]
@@ -754,7 +705,7 @@ mod tests {
                 serde_json::json!({"action": "release", "lease": blank}),
             ] {
                 let e = check_args(&args).unwrap_err();
-                assert!(matches!(e, ToolError::Invalid(_)), "{args}: {e}");
+                assert_eq!(e.kind(), boxery_verbs::ErrorKind::Invalid, "{args}: {e}");
                 assert!(e.to_string().contains("empty or blank"), "{args}: {e}");
             }
         }

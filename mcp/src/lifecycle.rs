@@ -19,10 +19,11 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use super::{Output, Session, ToolError, ToolResult, clamp_timeout};
+use super::{Output, Session, ToolResult, clamp_timeout};
+use boxery_verbs::VerbError;
 
-fn kind_of(name: Option<&str>) -> Result<&'static boxery_api::KindInfo, ToolError> {
-    Ok(objects::kind(name.unwrap_or("vm"))?)
+fn kind_of(name: Option<&str>) -> Result<&'static boxery_api::KindInfo, VerbError> {
+    objects::kind(name.unwrap_or("vm"))
 }
 
 /// Wait (bounded); `Ok(None)` when it held, `Ok(Some(state))` when the time ran out.
@@ -32,8 +33,8 @@ pub(super) async fn bounded_wait(
     until: &Until,
     timeout: Duration,
     ct: &CancellationToken,
-) -> Result<Option<String>, ToolError> {
-    Ok(wait::bounded(session.verbs()?, targets, until, timeout, ct.cancelled()).await?)
+) -> Result<Option<String>, VerbError> {
+    wait::bounded(session.verbs()?, targets, until, timeout, ct.cancelled()).await
 }
 
 /// Where an object stands, as [`wait::describe_state`], never claiming more than its status
@@ -83,7 +84,7 @@ async fn after_reaction(
     session: &Session,
     o: boxery_api::DynObject,
     within: Duration,
-) -> Result<boxery_api::DynObject, ToolError> {
+) -> Result<boxery_api::DynObject, VerbError> {
     let Some(g) = o.metadata.generation else {
         return Ok(o);
     };
@@ -114,7 +115,7 @@ async fn after_reaction(
 async fn state_lines(
     session: &Session,
     targets: &[ObjectRef],
-) -> Result<(String, Vec<Value>), ToolError> {
+) -> Result<(String, Vec<Value>), VerbError> {
     let store = session.verbs()?.store();
     let mut text = String::new();
     let mut data = Vec::new();
@@ -139,8 +140,8 @@ async fn state_lines(
 
 /// A line saying nothing reconciles the store, when nothing does (else empty): a write that
 /// did not wait stays Pending until a control plane runs.
-async fn unreconciled(session: &Session) -> Result<String, ToolError> {
-    let note = boxery_verbs::runtime::unreconciled_note(session.verbs()?).await?;
+async fn unreconciled(session: &Session) -> Result<String, VerbError> {
+    let note = boxery_verbs::control::unreconciled_note(session.verbs()?).await?;
     Ok(note.map(|n| format!("{n}\n")).unwrap_or_default())
 }
 
@@ -194,10 +195,8 @@ pub struct ApplyArgs {
     #[serde(default)]
     pub force_conflicts: bool,
     /// Wait until Vms and Images are Ready (default true).
-    #[serde(default)]
     pub wait: Option<bool>,
     /// How long to wait (default 600 s, at most 1800).
-    #[serde(default)]
     pub timeout_seconds: Option<u64>,
 }
 
@@ -206,45 +205,53 @@ pub struct ApplyArgs {
 #[serde(deny_unknown_fields)]
 pub struct GetArgs {
     /// The kind: vm (default), image, pool, lease, grant, source, event.
-    #[serde(default)]
     pub kind: Option<String>,
     /// One name (all when absent).
-    #[serde(default)]
     pub name: Option<String>,
     /// A label selector (team=web,tier!=db).
-    #[serde(default)]
     pub selector: Option<String>,
 }
 
-/// `vm_describe` arguments.
+/// One object: `vm_describe`'s arguments, and the first of `vm_patch`'s and `vm_wait`'s
+/// (unknown fields are refused by the tool table, which serde cannot do for a flattened
+/// struct).
 #[derive(Debug, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct DescribeArgs {
     /// The kind (default vm).
-    #[serde(default)]
     pub kind: Option<String>,
     /// The name (default: the session's VM).
-    #[serde(default)]
     pub name: Option<String>,
+}
+
+impl DescribeArgs {
+    /// The kind, and the name (a Vm's: default the session's VM).
+    async fn resolve(
+        self,
+        session: &Session,
+    ) -> Result<(&'static boxery_api::KindInfo, String), VerbError> {
+        let info = kind_of(self.kind.as_deref())?;
+        let name = match self.name {
+            Some(n) => n,
+            None if info.kind == "Vm" => session.resolve_vm(None).await?,
+            None => return Err(VerbError::invalid("give the object's `name`")),
+        };
+        Ok((info, name))
+    }
 }
 
 /// `vm_patch` arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct PatchArgs {
-    /// The kind: vm (default), image, pool, lease or grant.
-    #[serde(default)]
-    pub kind: Option<String>,
-    /// The object's name (a vm: default the session's VM).
-    #[serde(default)]
-    pub name: Option<String>,
+    /// The object: vm (default), image, pool, lease or grant, and its name.
+    #[serde(flatten)]
+    pub object: DescribeArgs,
     /// The change, as JSON or YAML. A merge patch (the default type) is an object holding
     /// only what changes, `null` removing a field: {"metadata": {"labels": {"team": "web"}}},
     /// {"spec": {"replicas": 3}}, {"spec": {"resources": {"cpus": 2}}}. A JSON patch (type
     /// json) is a list of operations: [{"op": "replace", "path": "/spec/replicas", "value": 3}].
     pub patch: String,
     /// merge (default) or json.
-    #[serde(default, rename = "type")]
+    #[serde(rename = "type")]
     pub patch_type: Option<String>,
     /// Validate through the real write path and return the result; write nothing.
     #[serde(default)]
@@ -256,33 +263,25 @@ pub struct PatchArgs {
 #[serde(deny_unknown_fields)]
 pub struct DeleteArgs {
     /// The kind (default vm).
-    #[serde(default)]
     pub kind: Option<String>,
     /// The names.
     pub names: Vec<String>,
     /// Wait until they are gone (default true).
-    #[serde(default)]
     pub wait: Option<bool>,
     /// How long to wait (default 120 s).
-    #[serde(default)]
     pub timeout_seconds: Option<u64>,
 }
 
 /// `vm_wait` arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct WaitArgs {
-    /// The kind (default vm).
-    #[serde(default)]
-    pub kind: Option<String>,
-    /// The name (default: the session's VM).
-    #[serde(default)]
-    pub name: Option<String>,
+    /// The object.
+    #[serde(flatten)]
+    pub object: DescribeArgs,
     /// condition=Ready (default), condition=Ready=False, delete, or jsonpath={.status.phase}=Stopped.
-    #[serde(default, rename = "for")]
+    #[serde(rename = "for")]
     pub until: Option<String>,
     /// How long to wait (default 300 s, at most 1800).
-    #[serde(default)]
     pub timeout_seconds: Option<u64>,
 }
 
@@ -315,31 +314,23 @@ pub struct ManageArgs {
     /// new, snap, revert, fork, start, stop, resize or rm.
     pub action: Action,
     /// The VM (for new: the new VM's name; default: the session's VM).
-    #[serde(default)]
     pub vm: Option<String>,
     /// new: the image to make it from (default debian-12; `tiny` boots in seconds).
-    #[serde(default)]
     pub from: Option<String>,
     /// snap/revert: the snapshot's label (image VM.LABEL).
-    #[serde(default)]
     pub label: Option<String>,
     /// fork: the new VMs' names.
     #[serde(default)]
     pub names: Vec<String>,
     /// new/fork/resize: virtual CPUs.
-    #[serde(default)]
     pub cpus: Option<u32>,
     /// new/fork/resize: memory, e.g. 512Mi, 4Gi.
-    #[serde(default)]
     pub memory: Option<String>,
     /// new/fork/resize: disk size, e.g. 20Gi (disks only grow).
-    #[serde(default)]
     pub disk: Option<String>,
     /// Wait for the result (default true).
-    #[serde(default)]
     pub wait: Option<bool>,
     /// How long to wait (default 600 s, at most 1800).
-    #[serde(default)]
     pub timeout_seconds: Option<u64>,
 }
 
@@ -348,17 +339,16 @@ pub struct ManageArgs {
 #[serde(deny_unknown_fields)]
 pub struct UseArgs {
     /// The VM to make this session's default (absent: show the current default).
-    #[serde(default)]
     pub vm: Option<String>,
 }
 
 /// `vm_apply`.
 pub async fn apply(session: Arc<Session>, a: ApplyArgs, ct: CancellationToken) -> ToolResult {
     let manifests = boxery_api::codec::parse_manifests("manifest", a.manifest.as_bytes())
-        .map_err(|e| ToolError::Invalid(format!("{e}")))?;
+        .map_err(|e| VerbError::invalid(format!("{e}")))?;
     let objs: Vec<_> = manifests.into_iter().map(|m| m.given).collect();
     if objs.iter().any(|o| o.kind == boxery_api::Source::INFO.kind) {
-        return Err(ToolError::Invalid(SOURCES_ARE_PEOPLES.into()));
+        return Err(VerbError::invalid(SOURCES_ARE_PEOPLES));
     }
     let opts = boxery_store::ApplyOptions {
         dry_run: a.dry_run,
@@ -421,7 +411,7 @@ pub async fn get(session: Arc<Session>, a: GetArgs, _ct: CancellationToken) -> T
     let info = kind_of(a.kind.as_deref())?;
     let v = session.verbs()?;
     let sel = objects::selector(a.selector.as_deref())
-        .map_err(|e| ToolError::Invalid(format!("bad selector: {e}")))?;
+        .map_err(|e| VerbError::invalid(format!("bad selector: {e}")))?;
     if let Some(n) = &a.name {
         let (objs, _) = objects::get(v, info, std::slice::from_ref(n), &Default::default()).await?;
         let value = objs.first().map(render::display_value).unwrap_or_default();
@@ -443,35 +433,22 @@ pub async fn describe(
     a: DescribeArgs,
     _ct: CancellationToken,
 ) -> ToolResult {
-    let info = kind_of(a.kind.as_deref())?;
-    let name = match a.name {
-        Some(n) => n,
-        None if info.kind == "Vm" => session.resolve_vm(None).await?,
-        None => return Err(ToolError::Invalid("give the object's `name`".into())),
-    };
-    let v = session.verbs()?;
-    let o = objects::get_one(v, info, &name).await?;
-    let mut value = render::display_value(&o);
-    let events: Vec<Value> = objects::events(v, Some((info.kind, &name)))
-        .await?
-        .iter()
-        .rev()
-        .take(20)
-        .map(|e| {
-            json!({
-                "type": e.rest["type"], "reason": e.rest["reason"], "message": e.rest["message"],
-                "count": e.rest["count"], "lastTimestamp": e.rest["lastTimestamp"],
-            })
+    let (info, name) = a.resolve(&session).await?;
+    let d = boxery_verbs::describe::describe(session.verbs()?, info, &name).await?;
+    let mut value = render::display_value(&d.object);
+    let events = d.events.iter().rev().take(20).map(|e| {
+        json!({
+            "type": e.rest["type"], "reason": e.rest["reason"], "message": e.rest["message"],
+            "count": e.rest["count"], "lastTimestamp": e.rest["lastTimestamp"],
         })
-        .collect();
-    value["events"] = Value::Array(events);
-    if o.kind == "Pool" {
-        let pool: boxery_api::Pool = o.to_typed().map_err(boxery_verbs::VerbError::from)?;
-        value["members"] = serde_json::to_value(boxery_verbs::pools::members(v, &pool).await?)
-            .map_err(boxery_verbs::VerbError::from)?;
+    });
+    value["events"] = Value::Array(events.collect());
+    if let Some(members) = &d.members {
+        value["members"] = serde_json::to_value(members).map_err(VerbError::from)?;
     }
+    let o = &d.object;
     Ok(Output::with_data(
-        format!("{}\n{}", describe_now(&o), render::to_yaml(&value)?),
+        format!("{}\n{}", describe_now(o), render::to_yaml(&value)?),
         value,
     ))
 }
@@ -482,18 +459,13 @@ const SOURCES_ARE_PEOPLES: &str = "Source objects say which repositories a perso
 /// `vm_patch`: the verbs' `patch` (CLI `patch`, `label`, `annotate`, `scale`), which refuses
 /// changes to status and the controllers' metadata and retries on a concurrent write.
 pub async fn patch(session: Arc<Session>, a: PatchArgs, _ct: CancellationToken) -> ToolResult {
-    let info = kind_of(a.kind.as_deref())?;
-    if info.kind == boxery_api::Source::INFO.kind {
-        return Err(ToolError::Invalid(SOURCES_ARE_PEOPLES.into()));
+    if kind_of(a.object.kind.as_deref())?.kind == boxery_api::Source::INFO.kind {
+        return Err(VerbError::invalid(SOURCES_ARE_PEOPLES));
     }
-    let name = match a.name {
-        Some(n) => n,
-        None if info.kind == "Vm" => session.resolve_vm(None).await?,
-        None => return Err(ToolError::Invalid("give the object's `name`".into())),
-    };
+    let (info, name) = a.object.resolve(&session).await?;
     let ty = match a.patch_type.as_deref() {
         None => boxery_verbs::edit::PatchType::Merge,
-        Some(t) => t.parse().map_err(ToolError::Invalid)?,
+        Some(t) => t.parse().map_err(VerbError::invalid)?,
     };
     let dry = if a.dry_run {
         objects::DryRun::Server
@@ -575,8 +547,8 @@ pub async fn delete(session: Arc<Session>, a: DeleteArgs, ct: CancellationToken)
 
 /// `vm_wait`.
 pub async fn wait(session: Arc<Session>, a: WaitArgs, ct: CancellationToken) -> ToolResult {
-    let info = kind_of(a.kind.as_deref())?;
-    let name = match a.name {
+    let info = kind_of(a.object.kind.as_deref())?;
+    let name = match a.object.name {
         Some(n) => n,
         None => session.resolve_vm(None).await?,
     };
@@ -594,22 +566,23 @@ pub async fn wait(session: Arc<Session>, a: WaitArgs, ct: CancellationToken) -> 
                 json!({"met": true, "objects": data}),
             ))
         }
-        Some(why) => Err(ToolError::Timeout(format!(
-            "{why}; call vm_wait again to keep waiting, or vm_describe to see why"
-        ))),
+        Some(why) => Err(VerbError::new(
+            boxery_verbs::ErrorKind::Timeout,
+            format!("{why}; call vm_wait again to keep waiting, or vm_describe to see why"),
+        )),
     }
 }
 
-fn quantity(s: &Option<String>, what: &str) -> Result<Option<Quantity>, ToolError> {
+fn quantity(s: &Option<String>, what: &str) -> Result<Option<Quantity>, VerbError> {
     s.as_deref()
         .map(|q| {
             q.parse::<Quantity>()
-                .map_err(|e| ToolError::Invalid(format!("{what} `{q}`: {e} (e.g. 512Mi, 4Gi)")))
+                .map_err(|e| VerbError::invalid(format!("{what} `{q}`: {e} (e.g. 512Mi, 4Gi)")))
         })
         .transpose()
 }
 
-fn size(a: &ManageArgs) -> Result<Size, ToolError> {
+fn size(a: &ManageArgs) -> Result<Size, VerbError> {
     Ok(Size {
         cpus: a.cpus,
         memory: quantity(&a.memory, "memory")?,
@@ -619,8 +592,8 @@ fn size(a: &ManageArgs) -> Result<Size, ToolError> {
 
 /// Every name `vm_manage` was given, checked before it does anything (so a fork with one bad
 /// name makes none of the others).
-fn check_names(a: &ManageArgs) -> Result<(), ToolError> {
-    let bad = |field: &str, e: boxery_api::InvalidName| ToolError::Invalid(format!("{field}: {e}"));
+fn check_names(a: &ManageArgs) -> Result<(), VerbError> {
+    let bad = |field: &str, e: boxery_api::InvalidName| VerbError::invalid(format!("{field}: {e}"));
     let given = |v: &Option<String>| v.clone().filter(|s| !s.is_empty());
     if let Some(v) = given(&a.vm) {
         Name::label(&v).map_err(|e| bad("vm", e))?;
@@ -664,11 +637,11 @@ pub async fn manage(session: Arc<Session>, a: ManageArgs, ct: CancellationToken)
     finish(&session, text, plan, wait_for, &ct).await
 }
 
-async fn manage_new(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+async fn manage_new(session: &Session, a: &ManageArgs) -> Result<(String, Plan), VerbError> {
     let name =
         a.vm.clone()
             .filter(|v| !v.is_empty())
-            .ok_or_else(|| ToolError::Invalid("give the new VM's name in `vm`".into()))?;
+            .ok_or_else(|| VerbError::invalid("give the new VM's name in `vm`"))?;
     let input = verbs_vm::NewVm {
         name: name.clone(),
         from: a.from.clone(),
@@ -683,28 +656,28 @@ async fn manage_new(session: &Session, a: &ManageArgs) -> Result<(String, Plan),
     ))
 }
 
-fn label_of(a: &ManageArgs) -> Result<String, ToolError> {
+fn label_of(a: &ManageArgs) -> Result<String, VerbError> {
     a.label
         .clone()
         .filter(|l| !l.is_empty())
-        .ok_or_else(|| ToolError::Invalid("give the snapshot's `label`".into()))
+        .ok_or_else(|| VerbError::invalid("give the snapshot's `label`"))
 }
 
-async fn manage_snap(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+async fn manage_snap(session: &Session, a: &ManageArgs) -> Result<(String, Plan), VerbError> {
     let vm = session.resolve_vm(a.vm.clone()).await?;
     let label = label_of(a)?;
     let (image, plan) = verbs_vm::snap(session.verbs()?, &vm, &label).await?;
     Ok((format!("image/{image} created\n"), plan))
 }
 
-async fn manage_revert(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+async fn manage_revert(session: &Session, a: &ManageArgs) -> Result<(String, Plan), VerbError> {
     let vm = session.resolve_vm(a.vm.clone()).await?;
     let label = label_of(a)?;
     let (image, plan) = verbs_vm::revert(session.verbs()?, &vm, &label).await?;
     Ok((format!("vm/{vm} reverting to {image}\n"), plan))
 }
 
-async fn manage_fork(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+async fn manage_fork(session: &Session, a: &ManageArgs) -> Result<(String, Plan), VerbError> {
     let src = session.resolve_vm(a.vm.clone()).await?;
     let plan = verbs_vm::fork(session.verbs()?, &src, &a.names, &size(a)?).await?;
     let text = a
@@ -719,7 +692,7 @@ async fn manage_power(
     session: &Session,
     a: &ManageArgs,
     run: RunStrategy,
-) -> Result<(String, Plan), ToolError> {
+) -> Result<(String, Plan), VerbError> {
     let vm = session.resolve_vm(a.vm.clone()).await?;
     let plan = verbs_vm::power(session.verbs()?, std::slice::from_ref(&vm), run).await?;
     let word = if run == RunStrategy::Running {
@@ -730,7 +703,7 @@ async fn manage_power(
     Ok((format!("vm/{vm} {word}\n"), plan))
 }
 
-async fn manage_resize(session: &Session, a: &ManageArgs) -> Result<(String, Plan), ToolError> {
+async fn manage_resize(session: &Session, a: &ManageArgs) -> Result<(String, Plan), VerbError> {
     let vm = session.resolve_vm(a.vm.clone()).await?;
     let plan = verbs_vm::resize(session.verbs()?, &vm, &size(a)?).await?;
     Ok((format!("vm/{vm} resizing\n"), plan))

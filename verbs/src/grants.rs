@@ -33,6 +33,60 @@ pub struct Request {
     pub value_from: ValueFrom,
 }
 
+/// A request in a front end's words: `boxery grant …`'s arguments, and `vm_grant`'s (this is
+/// that tool's input schema for them). [`ask`] checks them.
+#[derive(Debug, Clone, Default, serde::Deserialize, schemars::JsonSchema)]
+pub struct Asked {
+    /// request: what to grant, TYPE:TARGET: llm:PROVIDER (e.g. llm:anthropic), http:HOST (with
+    /// `header`), github:OWNER/REPO, env:NAME, file:PATH.
+    #[serde(rename = "grant")]
+    pub what: Option<String>,
+    /// request: the VM it is for (default: this session's VM), unless `lease` is given.
+    pub vm: Option<String>,
+    /// request: a lease instead of a VM (the grant is revoked when the lease ends).
+    pub lease: Option<String>,
+    /// request, http grants: the header the proxy adds (e.g. Authorization).
+    pub header: Option<String>,
+    /// request: the value is this environment variable of the control plane (never the value).
+    pub from_env: Option<String>,
+    /// request: the value is this file on the control plane (an absolute path).
+    pub from_file: Option<String>,
+    /// request: the value is this command's output on the control plane (program and arguments).
+    pub from_command: Option<Vec<String>>,
+    /// request: the grant's name (default VM-TYPE-TARGET); revoke: the grant to revoke.
+    pub name: Option<String>,
+}
+
+/// [`request`] what a front end was asked: the name and where the value comes from checked
+/// first, their errors in the words of `v`'s voice (`--from-env` or `from_env`).
+pub async fn ask(v: &Verbs, a: Asked) -> Result<(Grant, bool)> {
+    let tool = v.voice == crate::Voice::Tool;
+    let name = a
+        .name
+        .map(|n| Name::label(&n))
+        .transpose()
+        .map_err(|e| VerbError::invalid(if tool { format!("name: {e}") } else { e.0 }))?;
+    let value_from =
+        value_from(a.from_env, a.from_file, a.from_command).map_err(|e| match tool {
+            true => VerbError::invalid(
+                e.to_string()
+                    .replace("--from-env", "from_env")
+                    .replace("--from-file", "from_file")
+                    .replace("--from-command", "from_command"),
+            ),
+            false => e,
+        })?;
+    let r = Request {
+        name,
+        vm: a.vm,
+        lease: a.lease,
+        what: a.what.unwrap_or_default(),
+        header: a.header,
+        value_from,
+    };
+    request(v, r).await
+}
+
 /// Parse `TYPE:TARGET`.
 pub fn parse_what(what: &str) -> Result<(GrantType, String)> {
     let (t, target) = what.split_once(':').ok_or_else(|| {
