@@ -497,22 +497,30 @@ impl FakeBackend {
     /// `"<name>\n"`.
     pub fn add_image(&self, name: &str, mark: Option<&str>) -> Result<()> {
         check_name("image", name)?;
-        let staging = self.staging_dir(name);
+        let staging = self.stage_image(name, mark, None)?;
+        self.publish(&staging, name)
+    }
+
+    /// Stage image `image` afresh (marked `mark`; `stock`: the stock image it is built as),
+    /// its disk holding `"<stock or image>\n"`: the staging directory, for [`Self::publish`].
+    fn stage_image(&self, image: &str, mark: Option<&str>, stock: Option<&str>) -> Result<PathBuf> {
+        let staging = self.staging_dir(image);
         remove_tree(&staging)?;
         mkdirs(&staging)?;
-        write_atomic(&staging.join(DISK), format!("{name}\n").as_bytes())?;
+        let disk = format!("{}\n", stock.unwrap_or(image));
+        write_atomic(&staging.join(DISK), disk.as_bytes())?;
         write_json(
             &staging.join(IMAGE_JSON),
             &ImageRecord {
-                name: name.into(),
+                name: image.into(),
                 mark: mark.map(str::to_string),
                 created: boxery_api::now(),
                 source_vm: None,
-                stock: None,
+                stock: stock.map(str::to_string),
                 disk_gib: STOCK_DISK_GIB,
             },
         )?;
-        self.publish(&staging, name)
+        Ok(staging)
     }
 
     /// Leave what a create killed after its disk copy leaves: a VM dir with a mark and a
@@ -899,21 +907,7 @@ impl Backend for FakeBackend {
             progress(&format!("image {image} is already built"));
             return Ok(());
         }
-        let staging = self.staging_dir(image);
-        remove_tree(&staging)?;
-        mkdirs(&staging)?;
-        write_atomic(&staging.join(DISK), format!("{name}\n").as_bytes())?;
-        write_json(
-            &staging.join(IMAGE_JSON),
-            &ImageRecord {
-                name: image.into(),
-                mark: Some(uid.into()),
-                created: boxery_api::now(),
-                source_vm: None,
-                stock: Some(name.into()),
-                disk_gib: STOCK_DISK_GIB,
-            },
-        )?;
+        let staging = self.stage_image(image, Some(uid), Some(name))?;
         self.step("build.commit").await?;
         self.publish(&staging, image)?;
         self.record(JournalOp::Build, image, Some(uid), Some(name))?;

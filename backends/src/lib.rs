@@ -362,8 +362,10 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     async fn get(&self, name: &str) -> Result<Option<VmInfo>>;
     /// Every VM in boxery's namespace (marked or not; never another tool's).
     async fn list(&self) -> Result<Vec<VmInfo>>;
-    /// Where the VM's sshd is, now.
-    async fn ssh_endpoint(&self, name: &str) -> Result<Option<String>>;
+    /// Where the VM's sshd is, now (by default: what [`Backend::get`] reports).
+    async fn ssh_endpoint(&self, name: &str) -> Result<Option<String>> {
+        Ok(self.get(name).await?.and_then(|i| i.ssh))
+    }
     /// Boot a stopped VM (no-op when running).
     async fn start(&self, name: &str) -> Result<()>;
     /// Stop a running VM (no-op when stopped).

@@ -315,10 +315,6 @@ impl Backend for LibvirtBackend {
         self.inner.list().await
     }
 
-    async fn ssh_endpoint(&self, name: &str) -> Result<Option<String>> {
-        Ok(self.get(name).await?.and_then(|i| i.ssh))
-    }
-
     async fn start(&self, name: &str) -> Result<()> {
         let (_lock, d) = self.inner.lock_domain(name).await?;
         self.inner.boot(&d).await

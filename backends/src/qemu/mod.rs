@@ -444,10 +444,6 @@ impl Backend for QemuBackend {
         Ok(out)
     }
 
-    async fn ssh_endpoint(&self, name: &str) -> Result<Option<String>> {
-        Ok(self.get(name).await?.and_then(|i| i.ssh))
-    }
-
     async fn start(&self, name: &str) -> Result<()> {
         let (_lock, cfg) = self.inner.locked(name).await?;
         self.inner.boot(&cfg).await
