@@ -640,10 +640,7 @@ mod tests {
     fn token_file_is_private_and_stable() {
         use std::os::unix::fs::PermissionsExt;
         let d = tempfile::tempdir().unwrap();
-        let env = Env {
-            home: d.path().to_path_buf(),
-            backend_name: "fake".into(),
-        };
+        let env = Env::new(d.path().to_path_buf(), "fake");
         let a = token(&env).unwrap();
         assert_eq!(a, token(&env).unwrap());
         let mode = std::fs::metadata(d.path().join("mcp-token"))
@@ -665,10 +662,7 @@ mod tests {
 
     fn home() -> (tempfile::TempDir, Env) {
         let d = tempfile::tempdir().unwrap();
-        let env = Env {
-            home: d.path().to_path_buf(),
-            backend_name: "fake".into(),
-        };
+        let env = Env::new(d.path().to_path_buf(), "fake");
         (d, env)
     }
 
