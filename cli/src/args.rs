@@ -96,7 +96,7 @@ pub(crate) struct Sources {
 pub(crate) struct Ownership {
     /// The applier these manifests are applied as: fields it set before and the manifests no
     /// longer name are removed; fields other managers set are left alone.
-    #[arg(long, value_name = "NAME", default_value = boxery_store::APPLY_MANAGER)]
+    #[arg(long, value_name = "NAME", default_value = boxery_verbs::APPLY_MANAGER)]
     pub(crate) field_manager: String,
     /// Take over fields another manager (boxery-stop, boxery-scale, another applier) set to
     /// other values, instead of refusing the apply with a conflict.
@@ -108,8 +108,8 @@ impl Ownership {
     pub(crate) fn options(
         &self,
         prune: Option<boxery_api::Selector>,
-    ) -> boxery_store::ApplyOptions {
-        boxery_store::ApplyOptions {
+    ) -> boxery_verbs::ApplyOptions {
+        boxery_verbs::ApplyOptions {
             prune,
             field_manager: Some(self.field_manager.clone()),
             force_conflicts: self.force_conflicts,

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use boxery_api::{DynObject, KindInfo};
-use boxery_store::{LAST_APPLIED, ObjectRef};
+use boxery_verbs::{LAST_APPLIED, ObjectRef};
 use boxery_verbs::Verbs;
 use boxery_verbs::objects::{self, Deleted, DryRun};
 use boxery_verbs::render::{self as output, Format};
@@ -101,7 +101,7 @@ pub async fn apply(
     manifests: Vec<boxery_api::codec::Manifest>,
     dry: DryRun,
     output: Option<Format>,
-    mut opts: boxery_store::ApplyOptions,
+    mut opts: boxery_verbs::ApplyOptions,
     adopt: bool,
     wait_for: Option<Duration>,
 ) -> CliResult {
@@ -124,7 +124,7 @@ pub async fn apply(
         let objects = applied
             .results
             .iter()
-            .filter(|(a, _)| *a != boxery_store::ApplyAction::Pruned)
+            .filter(|(a, _)| *a != boxery_verbs::ApplyAction::Pruned)
             .map(|(_, o)| o.clone())
             .collect();
         (applied.lines(), objects, applied.waits)
@@ -192,7 +192,7 @@ fn print_objects(objects: &[DynObject], f: &Format) -> CliResult {
 async fn client_dry_run(
     v: &Verbs,
     objs: Vec<DynObject>,
-    opts: &boxery_store::ApplyOptions,
+    opts: &boxery_verbs::ApplyOptions,
 ) -> CliResult<(Vec<String>, Vec<DynObject>, Vec<(Until, Vec<ObjectRef>)>)> {
     let mut lines = Vec::new();
     // As given (without defaults) for the prune check below; compared with defaults, as stored.
@@ -206,7 +206,7 @@ async fn client_dry_run(
         })
         .collect::<CliResult<Vec<DynObject>>>()?;
     for o in &objs {
-        let live = v.store().get(&ObjectRef::to(o)).await?;
+        let live = v.read(&ObjectRef::to(o)).await?;
         let word = match &live {
             None => "created",
             Some(l) if strip_for_diff(l) == strip_for_diff(o) => "unchanged",
@@ -262,7 +262,7 @@ fn strip_for_diff(o: &DynObject) -> Value {
 pub async fn diff(
     v: &Verbs,
     manifests: Vec<boxery_api::codec::Manifest>,
-    opts: boxery_store::ApplyOptions,
+    opts: boxery_verbs::ApplyOptions,
 ) -> CliResult<bool> {
     let objs: Vec<DynObject> = manifests.into_iter().map(|m| m.given).collect();
     let d = objects::diff(v, objs, opts).await?;
@@ -539,7 +539,7 @@ pub async fn describe(verbs: &Verbs, kind_name: &str, name: &str) -> CliResult {
     if !m.managed_fields.is_empty() {
         out.push_str("Managed fields:\n");
         for e in &m.managed_fields {
-            let fields = boxery_store::entry_fields(e);
+            let fields = boxery_verbs::entry_fields(e);
             out.push_str(&format!(
                 "  {} ({:?}{}): {}\n",
                 safe(&e.manager),
@@ -703,11 +703,7 @@ pub async fn delete(
         let mut present = Vec::new();
         for n in names {
             boxery_api::Name::for_kind(info, &n).map_err(|e| CliError::invalid(e.0))?;
-            if v.store()
-                .get(&ObjectRef::new(info.kind, &n))
-                .await?
-                .is_some()
-            {
+            if v.exists(&ObjectRef::new(info.kind, &n)).await? {
                 present.push(n);
             }
         }
@@ -765,7 +761,7 @@ pub async fn delete_manifests(
     let mut by_kind: Vec<(&str, Vec<String>)> = Vec::new();
     for m in manifests {
         let o = &m.object;
-        if v.store().get(&ObjectRef::to(o)).await?.is_none() {
+        if !v.exists(&ObjectRef::to(o)).await? {
             missing.push(format!("{}/{}", singular(&o.kind), o.metadata.name));
             continue;
         }
@@ -852,7 +848,7 @@ pub fn api_resources() -> String {
 pub fn version(env: &boxery_verbs::env::Env) -> CliResult {
     let store = env.home.join("store.db");
     let leader = if store.exists() {
-        match env.store()?.leader(boxery_verbs::control::LOCK)? {
+        match boxery_verbs::typed::leader(env)? {
             Some(h) => format!("{} (leading the store)", boxery_verbs::render::safe(&h)),
             None => "none leading (commands run the controllers themselves)".into(),
         }
@@ -865,7 +861,7 @@ pub fn version(env: &boxery_verbs::env::Env) -> CliResult {
     out!(
         "Client Version: {}\nStore Schema:   {} ({})\nBackend:        {backend}\nControl Plane:  {leader}\n",
         env!("CARGO_PKG_VERSION"),
-        boxery_store::SCHEMA_VERSION,
+        boxery_verbs::SCHEMA_VERSION,
         store.display()
     );
     Ok(())

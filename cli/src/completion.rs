@@ -125,14 +125,10 @@ pub async fn names(env: boxery_verbs::Env, kind: &str) -> CliResult {
         return Ok(());
     };
     let v = Verbs::open(env, Voice::Cli)?;
-    let (objs, _) = v
-        .store()
-        .list(info.kind, &boxery_api::Selector::default())
-        .await?;
     let mut text = String::new();
-    for o in objs {
+    for name in v.names(info.kind).await? {
         // names are validated on write (no whitespace or control characters), so one per line
-        text.push_str(&o.metadata.name);
+        text.push_str(&name);
         text.push('\n');
     }
     out!("{text}");

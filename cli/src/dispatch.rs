@@ -414,7 +414,7 @@ async fn object_command(v: &Verbs, command: Command) -> CliResult<ExitCode> {
             }
             let targets: Vec<_> = names
                 .into_iter()
-                .map(|n| boxery_store::ObjectRef::new(info.kind, n))
+                .map(|n| boxery_verbs::ObjectRef::new(info.kind, n))
                 .collect();
             wait::all(v, &targets, &until, timeout).await?;
         }

@@ -81,12 +81,6 @@ impl From<boxery_verbs::VerbError> for CliError {
     }
 }
 
-impl From<boxery_store::StoreError> for CliError {
-    fn from(e: boxery_store::StoreError) -> Self {
-        boxery_verbs::VerbError::from(e).into()
-    }
-}
-
 impl From<boxery_hands::HandsError> for CliError {
     fn from(e: boxery_hands::HandsError) -> Self {
         boxery_verbs::VerbError::from(e).into()

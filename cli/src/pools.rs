@@ -5,7 +5,7 @@ use crate::out::outln;
 use std::time::Duration;
 
 use boxery_api::{Lease, Name, Pool};
-use boxery_store::{ObjectRef, ObjectStoreExt};
+use boxery_verbs::ObjectRef;
 use boxery_verbs::Verbs;
 use boxery_verbs::pools::{self, AcquireInput};
 use boxery_verbs::wait::Until;
@@ -103,7 +103,7 @@ pub async fn pool(v: &Verbs, cmd: PoolCmd) -> CliResult {
             outln!("pool/{pool}: {vm} removed");
         }
         PoolCmd::Ls => {
-            let pools = v.store().list_as::<Pool>(&Default::default()).await?;
+            let pools = v.list_as::<Pool>(&Default::default()).await?;
             if pools.is_empty() {
                 eprintln!("No pools found.");
             }
@@ -181,7 +181,7 @@ pub async fn lease(v: &Verbs, cmd: LeaseCmd) -> CliResult {
                     timeout,
                 )
                 .await?;
-                let l: Lease = v.store().get_as(&name).await?.expect("just bound");
+                let l: Lease = v.get_as(&name).await?.expect("just bound");
                 let vm = l.status.vm.unwrap_or_default();
                 outln!(
                     "lease/{name} bound: {vm} until {}",

@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command as Process;
 
-use boxery_verbs::{Env, control};
+use boxery_verbs::Env;
 
 use crate::exit::{CliError, CliResult, Code};
 use crate::out::outln;
@@ -425,8 +425,7 @@ async fn status(env: &Env, scope: &Scope) -> CliResult {
         outln!("enabled:       {}", unit.word("is-enabled"));
         outln!("active:        {}", unit.word("is-active"));
     }
-    let store = env.store()?;
-    let leader = store.leader(control::LOCK)?;
+    let leader = boxery_verbs::typed::leader(env)?;
     outln!(
         "control plane: {}",
         match leader {

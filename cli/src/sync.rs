@@ -113,7 +113,7 @@ async fn declare(v: &Verbs, args: &SyncArgs) -> CliResult<Source> {
                 "give a directory or git repository to sync, or --name of a Source in the store (`boxery get sources` lists them)",
             ));
         };
-        return match boxery_store::ObjectStoreExt::get_as::<Source>(v.store(), name).await? {
+        return match v.get_as::<Source>(name).await? {
             Some(s) => Ok(s),
             None => Err(CliError::not_found(format!(
                 "source {name} not found: `boxery get sources` lists them; `boxery sync DIR|REPO --name {name}` makes it"

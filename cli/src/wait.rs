@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use boxery_store::ObjectRef;
+use boxery_verbs::ObjectRef;
 use boxery_verbs::Verbs;
 use boxery_verbs::vm::Plan;
 use boxery_verbs::wait::{Progress, Until, wait_all};

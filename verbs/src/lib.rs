@@ -38,6 +38,7 @@ pub mod orphans;
 pub mod pools;
 pub mod render;
 pub mod sync;
+pub mod typed;
 pub mod vm;
 pub mod wait;
 
@@ -47,6 +48,11 @@ use std::sync::Arc;
 pub use boxery_hands::Voice;
 use boxery_store::{ObjectStore, ObjectStoreExt, Store};
 
+/// The store's vocabulary the front ends name (they reach the store through the verbs only).
+pub use boxery_store::{
+    APPLY_MANAGER, ApplyAction, ApplyOptions, LAST_APPLIED, ObjectRef, SCHEMA_VERSION,
+    entry_fields,
+};
 pub use crate::env::Env;
 pub use crate::error::{ErrorKind, Result, VerbError};
 
