@@ -20,8 +20,32 @@ command -v cargo >/dev/null || {
   echo "cargo is missing: install Rust 1.95 or newer (https://rustup.rs) and run this again" >&2
   exit 1
 }
+# The guest image is built beside boxery (it is mostly downloads and disk work, the build is
+# compiling): into the cache boxery reads, so the apply below finds it made. It is cached by a
+# hash of its inputs, so this is instant once it was built.
+image_pid=""
+image_log=""
+if [ "${BOXERY_BACKEND:-qemu}" != fake ] && [ "$(id -u)" = 0 ]; then
+  image_log=$(mktemp /tmp/boxery-image-build.XXXXXX.log)
+  step "the debian-12 guest image: building in the background (log: $image_log)"
+  image/build-debian.sh "${BOXERY_IMAGE_CACHE:-/var/cache/boxery/images}" >"$image_log" 2>&1 &
+  image_pid=$!
+  trap '[ -n "$image_pid" ] && kill -0 "$image_pid" 2>/dev/null && echo "setup: the image build goes on in the background (pid $image_pid, log $image_log)" >&2' EXIT
+fi
+
 step "build boxery (release)"
 cargo build --release -p boxery -p boxery-net  # boxery-net: each VM's network (beside boxery)
+if [ -n "$image_pid" ]; then
+  step "waiting for the debian-12 guest image"
+  if ! wait "$image_pid"; then
+    image_pid=""
+    tail -n 30 "$image_log" >&2
+    echo "setup: building the debian-12 image failed (the whole log: $image_log)" >&2
+    exit 1
+  fi
+  image_pid=""
+  tail -n 2 "$image_log"
+fi
 bin_dir=$HOME/.local/bin
 [ "$(id -u)" = 0 ] && bin_dir=/usr/local/bin
 mkdir -p "$bin_dir"
