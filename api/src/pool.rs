@@ -13,6 +13,9 @@ resource!(
     /// A pool of VMs that agents lease.
     Pool, PoolSpec, PoolStatus
 );
+/// The label on every member's Vm: its pool's name.
+pub const POOL_LABEL: &str = "boxery.dev/pool";
+
 impl_resource!(
     Pool,
     KindInfo {

@@ -34,7 +34,7 @@ pub fn scale_of(pool: &DynObject) -> Value {
         "spec": {"replicas": pool.rest["spec"]["replicas"].as_u64().unwrap_or(0)},
         "status": {
             "replicas": pool.rest["status"]["replicas"].as_u64().unwrap_or(0),
-            "selector": format!("{}={}", boxery_reconcilers::pool::POOL_LABEL, m.name),
+            "selector": format!("{}={}", boxery_api::pool::POOL_LABEL, m.name),
         },
     })
 }

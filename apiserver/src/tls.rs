@@ -16,6 +16,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use boxery_home::private;
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose, SanType,
@@ -24,26 +25,12 @@ use serde::{Deserialize, Serialize};
 
 /// The directory of the API's files.
 pub fn dir(home: &Path) -> PathBuf {
-    home.join("api")
+    boxery_home::layout::api(home)
 }
 
 /// The CA certificate (PEM) clients trust.
 pub fn ca_file(home: &Path) -> PathBuf {
     dir(home).join("ca.crt")
-}
-
-/// Create `dir` 0700 (and its parents).
-pub(crate) fn private_dir(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-}
-
-/// Replace `file` with `bytes`, 0600, whole or not at all.
-pub(crate) fn write_private(file: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    boxery_reconcilers::private::write(file, bytes, true)
 }
 
 /// What the server certificate was made for (`server.json`), so that it is made again only
@@ -118,7 +105,7 @@ fn io(e: impl std::fmt::Display) -> std::io::Error {
 /// The lock every check-and-make of the TLS files holds (released when dropped).
 fn lock(home: &Path) -> std::io::Result<std::fs::File> {
     let d = dir(home);
-    private_dir(&d)?;
+    private::dir(&d)?;
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -139,9 +126,9 @@ fn ca(home: &Path) -> std::io::Result<KeyPair> {
     let mut p = ca_params();
     validity(&mut p, 3650);
     let cert = p.self_signed(&key).map_err(io)?;
-    write_private(&key_file, key.serialize_pem().as_bytes())?;
+    private::write(&key_file, key.serialize_pem().as_bytes(), true)?;
     // Public, but written the same way: whole or not at all.
-    write_private(&ca_file(home), cert.pem().as_bytes())?;
+    private::write(&ca_file(home), cert.pem().as_bytes(), true)?;
     Ok(key)
 }
 
@@ -192,12 +179,13 @@ pub fn server_identity(
         let not_after = validity(&mut p, 365);
         let issuer = Issuer::new(ca_params(), ca_key);
         let cert = p.signed_by(&key, &issuer).map_err(io)?;
-        write_private(&d.join("server.key"), key.serialize_pem().as_bytes())?;
-        write_private(&d.join("server.crt"), cert.pem().as_bytes())?;
+        private::write(&d.join("server.key"), key.serialize_pem().as_bytes(), true)?;
+        private::write(&d.join("server.crt"), cert.pem().as_bytes(), true)?;
         let made = Made { names, not_after };
-        write_private(
+        private::write(
             &d.join("server.json"),
             &serde_json::to_vec_pretty(&made).map_err(io)?,
+            true,
         )?;
     }
     config(&d)

@@ -82,7 +82,7 @@ pub struct Caller {
 
 /// Where the tokens file is.
 pub fn file(home: &Path) -> PathBuf {
-    home.join("api").join("tokens.json")
+    boxery_home::layout::api_tokens(home)
 }
 
 fn hash(secret: &str) -> String {
@@ -107,9 +107,9 @@ pub fn read(home: &Path) -> std::io::Result<Vec<Entry>> {
 fn write(home: &Path, entries: &[Entry]) -> std::io::Result<()> {
     let path = file(home);
     let dir = path.parent().expect("tokens.json has a parent");
-    crate::tls::private_dir(dir)?;
+    boxery_home::private::dir(dir)?;
     let text = serde_json::to_vec_pretty(entries).map_err(std::io::Error::other)?;
-    crate::tls::write_private(&path, &text)
+    boxery_home::private::write(&path, &text, true)
 }
 
 /// Make a token named `name` (unique) with `scope`; the secret is returned, never kept.
@@ -169,8 +169,8 @@ struct FileLock {
 
 impl FileLock {
     fn take(home: &Path) -> std::io::Result<FileLock> {
-        let dir = home.join("api");
-        crate::tls::private_dir(&dir)?;
+        let dir = boxery_home::layout::api(home);
+        boxery_home::private::dir(&dir)?;
         let f = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)

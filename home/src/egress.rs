@@ -1,4 +1,4 @@
-//! The egress state: `$BOXERY_HOME/egress/<vm>` holds the VM's `spec.network.egress` as JSON
+//! The egress state: `$BOXERY_HOME/egress/<vm>` ([`layout::egress_policy`]) holds the VM's `spec.network.egress` as JSON
 //! (0600, directory 0700, written atomically), kept by the Vm reconciler and read by the
 //! egress proxy (`boxery-proxy`) on every connection, so a policy change takes effect on the
 //! guest's next connection, without a reboot.
@@ -8,23 +8,15 @@
 //!   when the VM is deleted, with its token.
 //! - [`read`] fails closed: a VM with no file, or an unreadable one, has `Deny`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use boxery_api::network::{Egress, EgressPolicy};
 
-/// `$BOXERY_HOME/egress`.
-pub fn dir(home: &Path) -> PathBuf {
-    home.join("egress")
-}
-
-/// `$BOXERY_HOME/egress/<vm>`.
-pub fn file(home: &Path, vm: &str) -> PathBuf {
-    dir(home).join(vm)
-}
+use crate::layout;
 
 /// `vm`'s egress policy as last written; `Deny` when there is none (fail closed).
 pub fn read(home: &Path, vm: &str) -> Egress {
-    std::fs::read(file(home, vm))
+    std::fs::read(layout::egress_policy(home, vm))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or(Egress {
@@ -36,19 +28,16 @@ pub fn read(home: &Path, vm: &str) -> Egress {
 /// Write `vm`'s policy if it differs from the file. Returns whether it wrote.
 pub fn write(home: &Path, vm: &str, egress: &Egress) -> std::io::Result<bool> {
     let text = serde_json::to_vec(egress).map_err(std::io::Error::other)?;
-    if std::fs::read(file(home, vm)).is_ok_and(|old| old == text) {
+    if std::fs::read(layout::egress_policy(home, vm)).is_ok_and(|old| old == text) {
         return Ok(false);
     }
-    crate::private::write(&file(home, vm), &text, false)?;
+    crate::private::write(&layout::egress_policy(home, vm), &text, false)?;
     Ok(true)
 }
 
 /// Remove `vm`'s policy (a later connection is denied).
 pub fn remove(home: &Path, vm: &str) -> std::io::Result<()> {
-    match std::fs::remove_file(file(home, vm)) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
-    }
+    crate::private::remove(&layout::egress_policy(home, vm)).map(drop)
 }
 
 #[cfg(test)]
@@ -66,7 +55,7 @@ mod tests {
         assert!(write(home.path(), "a", &e).unwrap());
         assert!(!write(home.path(), "a", &e).unwrap());
         assert_eq!(read(home.path(), "a"), e);
-        std::fs::write(file(home.path(), "a"), b"{garbage").unwrap();
+        std::fs::write(layout::egress_policy(home.path(), "a"), b"{garbage").unwrap();
         assert_eq!(read(home.path(), "a").policy, EgressPolicy::Deny);
         remove(home.path(), "a").unwrap();
         remove(home.path(), "a").unwrap();

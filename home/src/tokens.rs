@@ -1,4 +1,4 @@
-//! The token store: `$BOXERY_HOME/tokens/<vm>` holds `<owner uid> <token>` (0600, directory
+//! The token store: `$BOXERY_HOME/tokens/<vm>` ([`layout::token`]) holds `<owner uid> <token>` (0600, directory
 //! 0700, written atomically). The owner is the lease whose holder has the VM (a pool member
 //! while leased) or the VM itself (a VM outside any pool: minted when it is created, or when
 //! it first lacks one, and removed when it is deleted). A pool member has no token file while
@@ -12,21 +12,13 @@
 //! - [`revoke`] removes the file only when it is still the given owner's, so a late revoke of
 //!   an old lease never removes the next holder's token.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-/// `$BOXERY_HOME/tokens`.
-pub fn dir(home: &Path) -> PathBuf {
-    home.join("tokens")
-}
-
-/// `$BOXERY_HOME/tokens/<vm>`.
-pub fn file(home: &Path, vm: &str) -> PathBuf {
-    dir(home).join(vm)
-}
+use crate::layout;
 
 /// `vm`'s token file: (owner uid, token), or `None` when it has none (or it is unreadable).
 pub fn read(home: &Path, vm: &str) -> Option<(String, String)> {
-    let text = std::fs::read_to_string(file(home, vm)).ok()?;
+    let text = std::fs::read_to_string(layout::token(home, vm)).ok()?;
     let mut words = text.split_whitespace();
     let (owner, token) = (words.next()?, words.next()?);
     Some((owner.to_string(), token.to_string()))
@@ -44,7 +36,7 @@ pub fn matches(home: &Path, vm: &str, token: &str) -> Option<String> {
 /// void anyway (every lease from before a reboot is void and its token removed).
 pub fn write(home: &Path, vm: &str, owner: &str, token: &str) -> std::io::Result<()> {
     crate::private::write(
-        &file(home, vm),
+        &layout::token(home, vm),
         format!("{owner} {token}\n").as_bytes(),
         false,
     )
@@ -53,18 +45,14 @@ pub fn write(home: &Path, vm: &str, owner: &str, token: &str) -> std::io::Result
 /// Remove `vm`'s token if `owner` owns it. Returns whether a token was removed.
 pub fn revoke(home: &Path, vm: &str, owner: &str) -> std::io::Result<bool> {
     match read(home, vm) {
-        Some((o, _)) if o == owner => match std::fs::remove_file(file(home, vm)) {
-            Ok(()) => Ok(true),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(e),
-        },
+        Some((o, _)) if o == owner => crate::private::remove(&layout::token(home, vm)),
         _ => Ok(false),
     }
 }
 
 /// Every VM with a token file (names only; temp files skipped).
 pub fn vms(home: &Path) -> Vec<String> {
-    std::fs::read_dir(dir(home))
+    std::fs::read_dir(layout::tokens(home))
         .into_iter()
         .flatten()
         .flatten()
@@ -84,7 +72,7 @@ mod tests {
         assert_eq!(matches(h, "a", "t1"), None);
         write(h, "a", "uid-1", "t1").unwrap();
         use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(file(h, "a"))
+        let mode = std::fs::metadata(layout::token(h, "a"))
             .unwrap()
             .permissions()
             .mode();

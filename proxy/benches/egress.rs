@@ -187,7 +187,7 @@ async fn bench() {
         .prefix("boxery-egress-bench-")
         .tempdir()
         .unwrap();
-    boxery_reconcilers::egress::write(
+    boxery_home::egress::write(
         home.path(),
         "dev1",
         &Egress {

@@ -78,25 +78,28 @@ async fn bench() {
     let key = secrets.path().join("key");
     std::fs::write(&key, "sk-bench").unwrap();
     let token = "bxt_bench_0123456789abcdef";
-    boxery_reconcilers::tokens::write(home.path(), "dev1", "vmuid", token).unwrap();
-    let state = boxery_reconcilers::grant::StateFile {
+    boxery_home::tokens::write(home.path(), "dev1", "vmuid", token).unwrap();
+    let state = boxery_home::grants::StateFile {
         vm: "dev1".into(),
-        grants: vec![boxery_reconcilers::grant::Entry {
+        grants: vec![boxery_home::grants::Entry {
             name: "dev1-llm-anthropic".into(),
             uid: "g".into(),
             generation: 1,
-            type_: GrantType::Llm,
-            target: "anthropic".into(),
-            header: None,
-            value_from: boxery_api::grant::ValueFrom::File(key.display().to_string()),
+            spec: boxery_api::grant::GrantSpec {
+                vm: Some("dev1".into()),
+                lease: None,
+                type_: GrantType::Llm,
+                target: "anthropic".into(),
+                header: None,
+                value_from: boxery_api::grant::ValueFrom::File(key.display().to_string()),
+            },
             vm_uid: "vmuid".into(),
-            lease: None,
             lease_uid: None,
         }],
     };
-    std::fs::create_dir_all(home.path().join("grants")).unwrap();
+    std::fs::create_dir_all(boxery_home::layout::grants(home.path())).unwrap();
     std::fs::write(
-        home.path().join("grants/dev1.json"),
+        boxery_home::layout::grant_state(home.path(), "dev1"),
         serde_json::to_vec(&state).unwrap(),
     )
     .unwrap();

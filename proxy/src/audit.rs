@@ -7,7 +7,7 @@
 //! `proxy.log.1` (replacing the previous one), so the log never takes more than twice that.
 
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -43,6 +43,17 @@ pub struct Record {
     pub reason: Option<String>,
 }
 
+impl Record {
+    /// A record of a request with `method` arriving now.
+    pub fn begin(method: &axum::http::Method) -> Self {
+        Record {
+            time: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            method: method.to_string(),
+            ..Default::default()
+        }
+    }
+}
+
 /// The size at which the audit log is rotated: 64 MiB.
 pub const MAX_BYTES: u64 = 64 * 1024 * 1024;
 
@@ -65,7 +76,7 @@ impl Audit {
     /// [`Audit::new`], rotated at `max` bytes.
     pub fn with_limit(home: &Path, max: u64) -> Self {
         Audit {
-            path: home.join("audit").join("proxy.log"),
+            path: boxery_home::layout::audit_log(home),
             max,
             file: Mutex::new(None),
         }
@@ -92,11 +103,8 @@ impl Audit {
             *f = None;
         }
         if f.is_none() {
-            let opened = std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(self.path.parent().expect("a parent"))
-                .and_then(|()| {
+            let opened =
+                boxery_home::private::dir(self.path.parent().expect("a parent")).and_then(|()| {
                     std::fs::OpenOptions::new()
                         .append(true)
                         .create(true)

@@ -48,7 +48,7 @@ pub async fn keep(proxy: Proxy, backend: Arc<dyn Backend>, stop: CancellationTok
         }
         // What should be served: each VM with a token, at the place its backend names.
         let mut want: HashMap<ProxyListen, Option<String>> = HashMap::new();
-        for vm in boxery_reconcilers::tokens::vms(&home) {
+        for vm in boxery_home::tokens::vms(&home) {
             if let Some(g) = backend.guest_proxy(&vm) {
                 let channel = matches!(g.listen, ProxyListen::Unix(_)).then_some(vm);
                 want.insert(g.listen, channel);

@@ -34,15 +34,15 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::Request;
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use boxery_api::network::{Egress, forbidden};
-use futures::StreamExt;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
 use crate::audit::Record;
-use crate::{Finish, Inner, Refusal, Served, refuse};
+use crate::forward::{Arrival, Finish, HOP, counted};
+use crate::{Inner, Refusal, Served, refuse};
 
 /// Default connections one VM may have open through the egress proxy.
 pub const CONNECTIONS: usize = 256;
@@ -91,18 +91,13 @@ fn refused(p: &Inner, ip: IpAddr) -> Option<&'static str> {
     forbidden(ip).or_else(|| p.local.contains(ip).then_some("this host's own"))
 }
 
-/// Headers never forwarded upstream by the egress proxy.
-const HOP: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-authorization",
-    "proxy-connection",
-    "proxy-authenticate",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
+/// Headers for this proxy alone, never passed on (besides [`HOP`]).
+const PROXY_ONLY: &[&str] = &["proxy-authorization", "proxy-authenticate"];
+
+/// Whether header `n` stops here: hop-by-hop, or for this proxy.
+fn hop(n: &HeaderName) -> bool {
+    HOP.contains(&n.as_str()) || PROXY_ONLY.contains(&n.as_str())
+}
 
 /// Whether `req` is for the egress proxy: `CONNECT`, or an absolute-form URI.
 pub(crate) fn is_egress(req: &Request) -> bool {
@@ -132,7 +127,7 @@ struct Why(String);
 
 /// The token in `Proxy-Authorization` (Basic with the token as password, or Bearer).
 fn proxy_token(h: &HeaderMap) -> Option<String> {
-    crate::credential(h.get(header::PROXY_AUTHORIZATION)?.to_str().ok()?)
+    crate::token::credential(h.get(header::PROXY_AUTHORIZATION)?.to_str().ok()?)
 }
 
 /// Where the guest wants to go: (host as asked, port).
@@ -250,60 +245,37 @@ async fn connect(addrs: &[SocketAddr]) -> std::io::Result<TcpStream> {
     Err(last)
 }
 
-/// Serve one egress request.
-pub(crate) async fn handle(s: Served, mut req: Request) -> Response {
-    let started = Instant::now();
-    let p = s.proxy.inner.clone();
-    let mut rec = Record {
-        time: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+/// Serve one egress request; a refusal or failure before any answer is audited here.
+pub(crate) async fn handle(s: Served, req: Request) -> Response {
+    let mut at = Arrival::new(Record {
         route: Some("egress".into()),
-        method: req.method().to_string(),
-        ..Default::default()
-    };
-    let done = |mut rec: Record, r: Response| {
-        rec.status = r.status().as_u16();
-        rec.ms = started.elapsed().as_millis() as u64;
-        if rec.reason.is_none() {
-            rec.reason = r.extensions().get::<Why>().map(|w| w.0.clone());
+        ..Record::begin(req.method())
+    });
+    match serve(&s, req, &mut at).await {
+        Ok(r) => r,
+        Err(r) => {
+            let why = r.extensions().get::<Why>().map(|w| w.0.clone());
+            at.ended(&s.proxy.inner, r.status(), why);
+            r
         }
-        p.audit.write(&rec);
-        r
-    };
-    let (host, port) = match target(&req) {
-        Ok(t) => t,
-        Err(r) => return done(rec, answer(r, "denied")),
-    };
-    rec.host = Some(format!("{host}:{port}"));
-    rec.path = if req.method() == Method::CONNECT {
+    }
+}
+
+/// Decide, connect, and tunnel or forward. `Err`: the refusal or failure to answer with,
+/// not audited yet; `Ok`: audited when it ends.
+async fn serve(s: &Served, req: Request, at: &mut Arrival) -> Result<Response, Response> {
+    let p = &s.proxy.inner;
+    let (host, port) = target(&req).map_err(|r| answer(r, "denied"))?;
+    at.rec.host = Some(format!("{host}:{port}"));
+    at.rec.path = if req.method() == Method::CONNECT {
         String::new()
     } else {
         req.uri().path().to_string()
     };
-    let vm = match &s.channel {
-        Some(ch) => ch.to_string(),
-        None => match proxy_token(req.headers()).and_then(|t| p.tokens.lookup(&t)) {
-            Some((vm, _)) => vm,
-            None => {
-                return done(
-                    rec,
-                    answer(
-                        refuse(
-                            StatusCode::PROXY_AUTHENTICATION_REQUIRED,
-                            "no or wrong token: send the VM's boxery token as the proxy password \
-                             (http://boxery:$BOXERY_TOKEN@HOST:PORT)",
-                        ),
-                        "denied",
-                    ),
-                );
-            }
-        },
-    };
-    rec.vm = Some(vm.clone());
-    let policy = boxery_reconcilers::egress::read(&p.home, &vm);
-    let addrs = match admit(&p, &vm, &policy, &host, port).await {
-        Ok(a) => a,
-        Err(r) => return done(rec, r),
-    };
+    let vm = vm_of(s, req.headers())?;
+    at.rec.vm = Some(vm.clone());
+    let policy = boxery_home::egress::read(&p.home, &vm);
+    let addrs = admit(p, &vm, &policy, &host, port).await?;
     let Some(permit) = p.permit(&format!("egress {vm}"), p.egress_connections) else {
         let r = refuse(
             StatusCode::TOO_MANY_REQUESTS,
@@ -312,90 +284,103 @@ pub(crate) async fn handle(s: Served, mut req: Request) -> Response {
                 p.egress_connections
             ),
         );
-        return done(rec, answer(r, "failed"));
+        return Err(answer(r, "failed"));
     };
-    let upstream = match connect(&addrs).await {
-        Ok(t) => t,
-        Err(e) => {
-            let r = refuse(
-                StatusCode::BAD_GATEWAY,
-                format!("{host}:{port} could not be reached: {}", e.kind()),
-            );
-            return done(rec, answer(r, "failed"));
-        }
-    };
-    rec.status = 200;
-    if req.method() == Method::CONNECT {
-        let upgrade = hyper::upgrade::on(&mut req);
-        let audit = p.clone();
-        tokio::spawn(async move {
-            let mut up = upstream;
-            let mut fin = Finish {
-                audit,
-                rec,
-                started,
-                bytes: Arc::new(AtomicU64::new(0)),
-                bytes_in: None,
-                _permit: permit,
-            };
-            match upgrade.await {
-                Ok(io) => {
-                    let mut io = TokioIo::new(io);
-                    // Large buffers: tokio's default (8 KiB) halves a bulk download's rate.
-                    let copied = tokio::io::copy_bidirectional_with_sizes(
-                        &mut io, &mut up, TUNNEL_BUF, TUNNEL_BUF,
-                    )
-                    .await;
-                    if let Ok((sent, got)) = copied {
-                        fin.rec.bytes_in = sent;
-                        fin.bytes.store(got, Ordering::Relaxed);
-                    }
-                }
-                Err(_) => fin.rec.reason = Some("the client went away before the tunnel".into()),
-            }
-        });
-        return Response::new(Body::empty());
-    }
-    // A plain-HTTP request: sent upstream in origin form, on its own connection.
-    let (parts, body) = req.into_parts();
-    // Host from what was checked, never the URL's userinfo.
-    let authority = match (host.contains(':'), parts.uri.port_u16()) {
-        (true, Some(p)) => format!("[{host}]:{p}"),
-        (true, None) => format!("[{host}]"),
-        (false, Some(p)) => format!("{host}:{p}"),
-        (false, None) => host.clone(),
-    };
-    let path = parts
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/")
-        .to_string();
-    let mut out = axum::http::Request::builder()
-        .method(parts.method.clone())
-        .uri(path);
-    for (n, v) in &parts.headers {
-        if !HOP.contains(&n.as_str()) && *n != header::HOST {
-            out = out.header(n, v);
-        }
-    }
-    out = out.header(header::HOST, authority);
-    let bytes_in = Arc::new(AtomicU64::new(0));
-    let counted = bytes_in.clone();
-    let body = Body::from_stream(body.into_data_stream().map(move |c| {
-        if let Ok(b) = &c {
-            counted.fetch_add(b.len() as u64, Ordering::Relaxed);
-        }
-        c
-    }));
-    let Ok(out) = out.body(body) else {
-        return done(
-            rec,
-            answer(
-                refuse(StatusCode::BAD_REQUEST, "the request is malformed"),
-                "denied",
-            ),
+    let upstream = connect(&addrs).await.map_err(|e| {
+        let r = refuse(
+            StatusCode::BAD_GATEWAY,
+            format!("{host}:{port} could not be reached: {}", e.kind()),
         );
+        answer(r, "failed")
+    })?;
+    at.rec.status = 200;
+    if req.method() == Method::CONNECT {
+        let fin = at.finish(p, None, permit);
+        return Ok(tunnel(req, upstream, fin));
+    }
+    let sent = plain(p, req, (&host, port), upstream, &mut at.rec).await?;
+    let fin = at.finish(p, Some(sent.bytes_in), permit);
+    Ok(sent.back.body(fin.body(sent.body)).unwrap_or_else(|_| {
+        answer(
+            refuse(
+                StatusCode::BAD_GATEWAY,
+                "the upstream's response headers are invalid",
+            ),
+            "failed",
+        )
+    }))
+}
+
+/// The VM asking: the channel's, or (on a shared listener) the one whose token came in
+/// `Proxy-Authorization`.
+fn vm_of(s: &Served, h: &HeaderMap) -> Result<String, Response> {
+    if let Some(ch) = &s.channel {
+        return Ok(ch.to_string());
+    }
+    match proxy_token(h).and_then(|t| s.proxy.inner.tokens.lookup(&t)) {
+        Some((vm, _)) => Ok(vm),
+        None => Err(answer(
+            refuse(
+                StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+                "no or wrong token: send the VM's boxery token as the proxy password \
+                 (http://boxery:$BOXERY_TOKEN@HOST:PORT)",
+            ),
+            "denied",
+        )),
+    }
+}
+
+/// `CONNECT`: answer 200 now and, once the client's connection is handed over, copy both
+/// ways until either side closes; `fin` audits it then.
+fn tunnel(mut req: Request, upstream: TcpStream, fin: Finish) -> Response {
+    let upgrade = hyper::upgrade::on(&mut req);
+    tokio::spawn(async move {
+        let (mut up, mut fin) = (upstream, fin);
+        match upgrade.await {
+            Ok(io) => {
+                let mut io = TokioIo::new(io);
+                // Large buffers: tokio's default (8 KiB) halves a bulk download's rate.
+                let copied = tokio::io::copy_bidirectional_with_sizes(
+                    &mut io, &mut up, TUNNEL_BUF, TUNNEL_BUF,
+                )
+                .await;
+                if let Ok((sent, got)) = copied {
+                    fin.rec.bytes_in = sent;
+                    fin.bytes.store(got, Ordering::Relaxed);
+                }
+            }
+            Err(_) => fin.rec.reason = Some("the client went away before the tunnel".into()),
+        }
+    });
+    Response::new(Body::empty())
+}
+
+/// A plain-HTTP request's answer from upstream, before its body is streamed back.
+struct Sent {
+    /// The response, its headers copied but for [`HOP`].
+    back: axum::http::response::Builder,
+    body: http_body_util::BodyDataStream<hyper::body::Incoming>,
+    /// The request body's bytes, counted as they stream.
+    bytes_in: Arc<AtomicU64>,
+}
+
+/// A plain-HTTP request: sent upstream in origin form, on its own connection. Sets `rec`'s
+/// status to the upstream's.
+async fn plain(
+    p: &Inner,
+    req: Request,
+    (host, port): (&str, u16),
+    upstream: TcpStream,
+    rec: &mut Record,
+) -> Result<Sent, Response> {
+    let (parts, body) = req.into_parts();
+    let bytes_in = Arc::new(AtomicU64::new(0));
+    let body = Body::from_stream(counted(body.into_data_stream(), bytes_in.clone()));
+    let Ok(out) = origin_request(&parts, host, body) else {
+        return Err(answer(
+            refuse(StatusCode::BAD_REQUEST, "the request is malformed"),
+            "denied",
+        ));
     };
     let sent = async {
         let (mut sender, conn) =
@@ -410,40 +395,50 @@ pub(crate) async fn handle(s: Served, mut req: Request) -> Response {
                 StatusCode::BAD_GATEWAY,
                 format!("{host}:{port} did not answer the request"),
             );
-            return done(rec, answer(r, "failed"));
+            return Err(answer(r, "failed"));
         }
     };
     let (rparts, rbody) = resp.into_parts();
     let mut back = Response::builder().status(rparts.status);
     for (n, v) in &rparts.headers {
-        if !HOP.contains(&n.as_str()) {
+        if !hop(n) {
             back = back.header(n, v);
         }
     }
     rec.status = rparts.status.as_u16();
-    let guard = Finish {
-        audit: p.clone(),
-        rec,
-        started,
-        bytes: Arc::new(AtomicU64::new(0)),
-        bytes_in: Some(bytes_in),
-        _permit: permit,
-    };
-    let counter = guard.bytes.clone();
-    let stream = http_body_util::BodyExt::into_data_stream(rbody).map(move |chunk| {
-        let _held = &guard;
-        if let Ok(b) = &chunk {
-            counter.fetch_add(b.len() as u64, Ordering::Relaxed);
-        }
-        chunk
-    });
-    back.body(Body::from_stream(stream)).unwrap_or_else(|_| {
-        answer(
-            refuse(
-                StatusCode::BAD_GATEWAY,
-                "the upstream's response headers are invalid",
-            ),
-            "failed",
-        )
+    Ok(Sent {
+        back,
+        body: http_body_util::BodyExt::into_data_stream(rbody),
+        bytes_in,
     })
+}
+
+/// The request in origin form for `host` (from what was checked, never the URL's userinfo),
+/// without hop-by-hop or proxy headers.
+fn origin_request(
+    parts: &axum::http::request::Parts,
+    host: &str,
+    body: Body,
+) -> axum::http::Result<axum::http::Request<Body>> {
+    let authority = match (host.contains(':'), parts.uri.port_u16()) {
+        (true, Some(p)) => format!("[{host}]:{p}"),
+        (true, None) => format!("[{host}]"),
+        (false, Some(p)) => format!("{host}:{p}"),
+        (false, None) => host.to_string(),
+    };
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/")
+        .to_string();
+    let mut out = axum::http::Request::builder()
+        .method(parts.method.clone())
+        .uri(path);
+    for (n, v) in &parts.headers {
+        if !hop(n) && *n != header::HOST {
+            out = out.header(n, v);
+        }
+    }
+    out.header(header::HOST, authority).body(body)
 }

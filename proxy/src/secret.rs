@@ -1,4 +1,4 @@
-//! Resolving a grant's `valueFrom` at request time ([`boxery_reconcilers::values`]): a
+//! Resolving a grant's `valueFrom` at request time ([`boxery_home::values`]): a
 //! variable of this process's environment, a file (never one under `$BOXERY_HOME`), or a
 //! command's stdout (run at most once a minute per command; the result kept in memory only). The value is never logged,
 //! put in an error, or written anywhere; errors say which grant and why, not what.
@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use axum::http::HeaderValue;
 use boxery_api::grant::ValueFrom;
-use boxery_reconcilers::values::read_text;
+use boxery_home::values::read_text;
 
 /// How long a command's output is reused.
 pub const COMMAND_TTL: Duration = Duration::from_secs(60);

@@ -49,7 +49,7 @@ fn status(resp: &str) -> u16 {
 }
 
 fn policy(f: &Fixture, vm: &str, p: EgressPolicy, allow: &[&str]) {
-    boxery_reconcilers::egress::write(
+    boxery_home::egress::write(
         f.home(),
         vm,
         &Egress {
@@ -146,7 +146,7 @@ async fn the_policy_is_read_on_every_connection() {
     let r = raw(&f, connect("example.com:443", &t)).await;
     assert_eq!(status(&r), 403, "{r}");
     // Audited, never with the token.
-    let audit = std::fs::read_to_string(f.home().join("audit/proxy.log")).unwrap();
+    let audit = std::fs::read_to_string(boxery_home::layout::audit_log(f.home())).unwrap();
     assert!(audit.contains("\"route\":\"egress\""), "{audit}");
     assert!(audit.contains("unlisted.invalid:80"), "{audit}");
     assert!(!audit.contains(&t), "the token is in the audit log");

@@ -128,7 +128,7 @@ async fn a_granted_request_reaches_the_upstream_with_the_real_key_and_without_th
     assert_eq!(first["bytes_out"], 11);
     assert!(!audit.contains(KEY) && !audit.contains(&t) && !audit.contains("beta=true"));
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(f.home().join("audit/proxy.log"))
+    let mode = std::fs::metadata(boxery_home::layout::audit_log(f.home()))
         .unwrap()
         .permissions()
         .mode();
@@ -349,7 +349,7 @@ async fn refused_requests_never_reach_the_upstream() {
         "{msg}"
     );
     // A released lease: its token file goes (the lease reconciler revokes it before the reset).
-    boxery_reconcilers::tokens::revoke(f.home(), "pool-0", "lease-uid-1").unwrap();
+    boxery_home::tokens::revoke(f.home(), "pool-0", "lease-uid-1").unwrap();
     let (s, _) = reason(
         post(
             &f,
@@ -375,7 +375,7 @@ async fn refused_requests_never_reach_the_upstream() {
     .await;
     assert_eq!(s, 403, "a lease's grant is only for that lease's token");
     // The VM's own token: a VM deleted (token removed) is refused.
-    std::fs::remove_file(boxery_reconcilers::tokens::file(f.home(), "dev2")).unwrap();
+    std::fs::remove_file(boxery_home::layout::token(f.home(), "dev2")).unwrap();
     let (s, _) = reason(
         post(
             &f,

@@ -74,7 +74,7 @@ impl Ctx {
     /// The directories an Image may import a file from: `$BOXERY_HOME/imports` and the
     /// owner's `importRoots`.
     pub fn import_roots(&self) -> Vec<PathBuf> {
-        let mut roots = vec![self.home.join("imports")];
+        let mut roots = vec![boxery_home::layout::imports(&self.home)];
         roots.extend(self.settings.import_roots.iter().cloned());
         roots
     }

@@ -37,17 +37,17 @@
 //! - `valueFrom.env` names a variable of the control plane's environment (`boxery serve`, or
 //!   the command running the controllers embedded), which may differ from the approver's.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use boxery_api::conditions::{READY, reasons};
-use boxery_api::grant::{GrantPhase, GrantStatus, GrantType, ValueFrom};
+use boxery_api::grant::{GrantPhase, GrantStatus};
 use boxery_api::lease::LeasePhase;
 use boxery_api::{ConditionStatus, Conditions, EventType, Grant, Lease, Resource, Vm};
 use boxery_controller::{Action, CancellationToken, FinalizerEvent, finalizer};
+use boxery_home::grants::{self, Entry};
 use boxery_store::ObjectStoreExt;
-use serde::{Deserialize, Serialize};
 
 use crate::context::Ctx;
 use crate::error::ReconcileError;
@@ -63,85 +63,9 @@ pub const STATE_EVERY: Duration = Duration::from_secs(30);
 
 type Result<T, E = ReconcileError> = std::result::Result<T, E>;
 
-/// One grant in force on a VM, as the proxy will read it: what is granted and where its value
-/// comes from (never the value).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Entry {
-    /// The Grant's name.
-    pub name: String,
-    /// The Grant's uid.
-    pub uid: String,
-    /// The approved generation.
-    pub generation: i64,
-    /// What kind of credential.
-    #[serde(rename = "type")]
-    pub type_: GrantType,
-    /// What it grants.
-    pub target: String,
-    /// `http`: the header to add.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub header: Option<String>,
-    /// Where the control plane reads the value.
-    pub value_from: ValueFrom,
-    /// The uid of the VM it is bound to.
-    pub vm_uid: String,
-    /// A lease's grant: the lease's name.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lease: Option<String>,
-    /// A lease's grant: the lease's uid (the proxy honours the grant only with that lease's
-    /// token).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lease_uid: Option<String>,
-}
-
-/// A VM's grant state file.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct StateFile {
-    /// The VM.
-    pub vm: String,
-    /// Its grants in force, by name.
-    pub grants: Vec<Entry>,
-}
-
-/// `$BOXERY_HOME/grants`: the control plane's grant state (0700; files 0600).
-pub fn state_dir(home: &Path) -> PathBuf {
-    home.join("grants")
-}
-
-/// `$BOXERY_HOME/grants/<vm>.json`.
-pub fn state_file(home: &Path, vm: &str) -> PathBuf {
-    state_dir(home).join(format!("{vm}.json"))
-}
-
-/// The entries in force on `vm` (none when there is no file; an unreadable file counts as
-/// none: it is rewritten from the store).
-pub fn read_state(home: &Path, vm: &str) -> Vec<Entry> {
-    std::fs::read(state_file(home, vm))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<StateFile>(&b).ok())
-        .map(|s| s.grants)
-        .unwrap_or_default()
-}
-
-/// Write `vm`'s entries (sorted by name), atomically and 0600; no entries: no file.
-fn write_state(home: &Path, vm: &str, mut entries: Vec<Entry>) -> std::io::Result<()> {
-    let file = state_file(home, vm);
-    if entries.is_empty() {
-        return match std::fs::remove_file(&file) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-            _ => Ok(()),
-        };
-    }
-    entries.sort_by(|a, b| a.name.cmp(&b.name));
-    let state = StateFile {
-        vm: vm.to_string(),
-        grants: entries,
-    };
-    let bytes = serde_json::to_vec_pretty(&state).map_err(std::io::Error::other)?;
-    crate::private::write(&file, &bytes, true)
-}
+/// The grant state files themselves (`$BOXERY_HOME/grants/<vm>.json`) are
+/// `boxery_home::grants`; `remove_entries` is here too for `delete --force`.
+pub use boxery_home::grants::remove_entries;
 
 /// Change `vm`'s entries with `f` under the VM's grant lock; writes only when they changed.
 async fn edit_state(ctx: &Ctx, vm: &str, f: impl FnOnce(&mut Vec<Entry>)) -> Result<bool> {
@@ -151,17 +75,7 @@ async fn edit_state(ctx: &Ctx, vm: &str, f: impl FnOnce(&mut Vec<Entry>)) -> Res
 }
 
 fn edit_state_locked(home: &Path, vm: &str, f: impl FnOnce(&mut Vec<Entry>)) -> Result<bool> {
-    let before = read_state(home, vm);
-    let mut after = before.clone();
-    f(&mut after);
-    after.sort_by(|a, b| a.name.cmp(&b.name));
-    let mut sorted = before;
-    sorted.sort_by(|a, b| a.name.cmp(&b.name));
-    if after == sorted && (state_file(home, vm).exists() || after.is_empty()) {
-        return Ok(false);
-    }
-    write_state(home, vm, after).map_err(|e| state_error(vm, e))?;
-    Ok(true)
+    grants::edit(home, vm, f).map_err(|e| state_error(vm, e))
 }
 
 fn state_error(vm: &str, e: std::io::Error) -> ReconcileError {
@@ -190,90 +104,14 @@ pub async fn revoke_vm(ctx: &Ctx, vm: &str, vm_uid: &str) -> Result<()> {
     Ok(())
 }
 
-/// Remove the entries `drop` picks from `vm`'s state file, from outside the controllers
-/// (`delete --force` of a Grant, a lease ended by [`crate::lease::end_now`]). Best effort
-/// against a concurrent control plane: see the module's caveats.
-pub fn remove_entries(home: &Path, vm: &str, drop: impl Fn(&Entry) -> bool) -> std::io::Result<()> {
-    let mut es = read_state(home, vm);
-    let n = es.len();
-    es.retain(|e| !drop(e));
-    if es.len() == n {
-        return Ok(());
-    }
-    write_state(home, vm, es)
-}
-
-/// Whether the control plane can read the value `v` names, without reading it: the variable
-/// is set (non-empty) in this process's environment, the file can be opened (and is not one of
-/// boxery's own files under `home`), the program exists and is executable. `Err` says why
-/// not. Never returns or logs the value.
-pub fn value_available(v: &ValueFrom, home: &Path) -> std::result::Result<(), String> {
-    match v {
-        ValueFrom::Env(name) => {
-            if std::env::var_os(name).is_some_and(|v| !v.is_empty()) {
-                Ok(())
-            } else {
-                Err(format!("the environment variable {name} is not set here"))
-            }
-        }
-        ValueFrom::File(path) => {
-            let p = Path::new(path);
-            let real = p
-                .canonicalize()
-                .map_err(|e| format!("cannot read {path}: {e}"))?;
-            if let Ok(h) = home.canonicalize()
-                && real.starts_with(&h)
-            {
-                return Err(format!(
-                    "{path} is inside boxery's home ({}): the control plane's own keys and tokens are never granted",
-                    h.display()
-                ));
-            }
-            if !real.is_file() {
-                return Err(format!("{path} is not a regular file"));
-            }
-            std::fs::File::open(&real)
-                .map(drop)
-                .map_err(|e| format!("cannot read {path}: {e}"))
-        }
-        ValueFrom::Command(argv) => {
-            let program = argv.first().map(String::as_str).unwrap_or("");
-            let found = if program.contains('/') {
-                Some(PathBuf::from(program))
-            } else {
-                std::env::var_os("PATH").and_then(|paths| {
-                    std::env::split_paths(&paths)
-                        .map(|d| d.join(program))
-                        .find(|p| executable(p))
-                })
-            };
-            match found {
-                Some(p) if executable(&p) => Ok(()),
-                _ => Err(format!(
-                    "the program {program} is not found or not executable here"
-                )),
-            }
-        }
-    }
-}
-
-fn executable(p: &Path) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-}
-
 /// The entry a grant in force has.
 fn entry_of(g: &Grant) -> Option<Entry> {
     Some(Entry {
         name: g.metadata.name.clone(),
         uid: g.metadata.uid.clone()?,
         generation: g.metadata.generation?,
-        type_: g.spec.type_,
-        target: g.spec.target.clone(),
-        header: g.spec.header.clone(),
-        value_from: g.spec.value_from.clone(),
+        spec: g.spec.clone(),
         vm_uid: g.status.vm_uid.clone()?,
-        lease: g.spec.lease.clone(),
         lease_uid: g.status.lease_uid.clone(),
     })
 }
@@ -337,85 +175,125 @@ enum Subject {
     Gone(&'static str, String),
 }
 
-async fn subject(ctx: &Ctx, g: &Grant) -> Result<Subject> {
-    let vm_of = async |name: &str| -> Result<Option<Vm>> {
-        Ok(ctx
-            .store
-            .get_as::<Vm>(name)
-            .await?
-            .filter(|v| !v.metadata.is_deleting()))
-    };
-    if let Some(vm) = &g.spec.vm {
-        let Some(v) = vm_of(vm).await? else {
-            // Bound to a VM that is gone: final. Never bound: the VM may come (a manifest
-            // applied before its VM's).
-            if g.status.vm_uid.is_none() {
-                return Ok(Subject::Wait(
-                    reasons::VM_NOT_FOUND,
-                    format!("VM {vm} does not exist (yet)"),
-                    None,
-                ));
-            }
-            return Ok(Subject::Gone(
-                reasons::VM_GONE,
-                format!("VM {vm} is gone (or being deleted)"),
-            ));
-        };
-        let uid = v.metadata.uid.clone().unwrap_or_default();
-        if g.status.vm_uid.as_ref().is_some_and(|u| *u != uid) {
-            return Ok(Subject::Gone(
-                reasons::VM_GONE,
-                format!("VM {vm} was deleted; the VM now called {vm} is another one"),
-            ));
-        }
-        // A pool member's token is its lease's: a VM grant there would never be used.
-        if let Some(pool) = v
-            .metadata
-            .owner_references
-            .iter()
-            .find(|o| o.kind == "Pool")
-        {
-            return Ok(Subject::Wait(
-                reasons::POOL_MEMBER,
-                format!(
-                    "VM {vm} is a member of pool {}, whose VMs use only their leases' grants: grant the lease instead (`boxery grant --lease LEASE TYPE:TARGET …`); this grant is in force only if the VM leaves the pool",
-                    pool.name
-                ),
+/// What a grant names (its VM or its lease), for [`bound`]'s messages.
+struct Named<'a> {
+    /// "VM" or "lease".
+    kind: &'static str,
+    name: &'a str,
+    /// The uid the grant is bound to, once it is.
+    bound: Option<&'a String>,
+    /// The reason while it does not exist yet, and once it is gone.
+    waiting: &'static str,
+    gone: &'static str,
+    /// How it went: "or being deleted" / "released"; "deleted" / "released".
+    gone_how: &'static str,
+    replaced_how: &'static str,
+}
+
+/// The object a grant names and its uid, when it lives (`found`) and is the one the grant
+/// is bound to (or the grant is not bound yet); else what the grant waits for, or that it is
+/// gone for good (bound to one that is gone, or to one since replaced under its name).
+fn bound<T: Resource>(n: &Named, found: Option<T>) -> std::result::Result<(T, String), Subject> {
+    let (kind, name) = (n.kind, n.name);
+    let Some(found) = found else {
+        // Never bound: it may come (a manifest applied before its VM's or lease's).
+        return Err(match n.bound {
+            None => Subject::Wait(
+                n.waiting,
+                format!("{kind} {name} does not exist (yet)"),
                 None,
-            ));
-        }
-        return Ok(Subject::Vm {
-            name: vm.clone(),
-            uid,
-            lease_uid: None,
+            ),
+            Some(_) => Subject::Gone(n.gone, format!("{kind} {name} is gone ({})", n.gone_how)),
         });
+    };
+    let uid = found.meta().uid.clone().unwrap_or_default();
+    if n.bound.is_some_and(|u| *u != uid) {
+        return Err(Subject::Gone(
+            n.gone,
+            format!(
+                "{kind} {name} was {}; the {kind} now called {name} is another one",
+                n.replaced_how
+            ),
+        ));
     }
+    Ok((found, uid))
+}
+
+/// A VM that lives (not being deleted).
+async fn live_vm(ctx: &Ctx, name: &str) -> Result<Option<Vm>> {
+    Ok(ctx
+        .store
+        .get_as::<Vm>(name)
+        .await?
+        .filter(|v| !v.metadata.is_deleting()))
+}
+
+async fn subject(ctx: &Ctx, g: &Grant) -> Result<Subject> {
+    match &g.spec.vm {
+        Some(vm) => vm_subject(ctx, g, vm).await,
+        None => lease_subject(ctx, g).await,
+    }
+}
+
+/// A VM's grant: the VM, unless it is a pool member (whose token is its lease's).
+async fn vm_subject(ctx: &Ctx, g: &Grant, vm: &str) -> Result<Subject> {
+    let named = Named {
+        kind: "VM",
+        name: vm,
+        bound: g.status.vm_uid.as_ref(),
+        waiting: reasons::VM_NOT_FOUND,
+        gone: reasons::VM_GONE,
+        gone_how: "or being deleted",
+        replaced_how: "deleted",
+    };
+    let (v, uid) = match bound(&named, live_vm(ctx, vm).await?) {
+        Ok(found) => found,
+        Err(s) => return Ok(s),
+    };
+    // A pool member's token is its lease's: a VM grant there would never be used.
+    if let Some(pool) = v
+        .metadata
+        .owner_references
+        .iter()
+        .find(|o| o.kind == "Pool")
+    {
+        return Ok(Subject::Wait(
+            reasons::POOL_MEMBER,
+            format!(
+                "VM {vm} is a member of pool {}, whose VMs use only their leases' grants: grant the lease instead (`boxery grant --lease LEASE TYPE:TARGET …`); this grant is in force only if the VM leaves the pool",
+                pool.name
+            ),
+            None,
+        ));
+    }
+    Ok(Subject::Vm {
+        name: vm.to_string(),
+        uid,
+        lease_uid: None,
+    })
+}
+
+/// A lease's grant: the lease's VM while the lease is bound to it.
+async fn lease_subject(ctx: &Ctx, g: &Grant) -> Result<Subject> {
     let lease = g.spec.lease.clone().unwrap_or_default();
-    let Some(l) = ctx
+    let l = ctx
         .store
         .get_as::<Lease>(&lease)
         .await?
-        .filter(|l| !l.metadata.is_deleting())
-    else {
-        if g.status.lease_uid.is_none() {
-            return Ok(Subject::Wait(
-                reasons::LEASE_NOT_BOUND,
-                format!("lease {lease} does not exist (yet)"),
-                None,
-            ));
-        }
-        return Ok(Subject::Gone(
-            reasons::LEASE_ENDED,
-            format!("lease {lease} is gone (released)"),
-        ));
+        .filter(|l| !l.metadata.is_deleting());
+    let named = Named {
+        kind: "lease",
+        name: &lease,
+        bound: g.status.lease_uid.as_ref(),
+        waiting: reasons::LEASE_NOT_BOUND,
+        gone: reasons::LEASE_ENDED,
+        gone_how: "released",
+        replaced_how: "released",
     };
-    let luid = l.metadata.uid.clone().unwrap_or_default();
-    if g.status.lease_uid.as_ref().is_some_and(|u| *u != luid) {
-        return Ok(Subject::Gone(
-            reasons::LEASE_ENDED,
-            format!("lease {lease} was released; the lease now called {lease} is another one"),
-        ));
-    }
+    let (l, luid) = match bound(&named, l) {
+        Ok(found) => found,
+        Err(s) => return Ok(s),
+    };
     if l.status.phase.ended() {
         return Ok(Subject::Gone(
             reasons::LEASE_ENDED,
@@ -429,7 +307,7 @@ async fn subject(ctx: &Ctx, g: &Grant) -> Result<Subject> {
             Some(luid),
         ));
     };
-    let Some(v) = vm_of(vm).await? else {
+    let Some(v) = live_vm(ctx, vm).await? else {
         return Ok(Subject::Wait(
             reasons::LEASE_NOT_BOUND,
             format!("lease {lease}'s VM {vm} is gone; the lease ends"),
@@ -468,16 +346,7 @@ async fn step(mut g: Grant, ctx: &Ctx) -> Result<Action> {
             } else {
                 format!("{msg}; the grant applies once it does (if approved)")
             };
-            return settle(
-                g,
-                &original,
-                ctx,
-                GrantPhase::PendingApproval,
-                reason,
-                &msg,
-                None,
-            )
-            .await;
+            return settle(g, &original, ctx, Verdict::Waiting(reason), &msg).await;
         }
         Subject::Vm {
             name,
@@ -496,17 +365,7 @@ async fn step(mut g: Grant, ctx: &Ctx) -> Result<Action> {
             "denied by {}: a spec change asks again",
             g.status.denied_by.clone().unwrap_or_default()
         );
-        let ev = (EventType::Normal, "Denied");
-        return settle(
-            g,
-            &original,
-            ctx,
-            GrantPhase::Denied,
-            reasons::DENIED,
-            &msg,
-            Some(ev),
-        )
-        .await;
+        return settle(g, &original, ctx, Verdict::Denied, &msg).await;
     }
     if !g.status.approved_for(generation) {
         drop_entry(ctx, &g).await?;
@@ -522,36 +381,14 @@ async fn step(mut g: Grant, ctx: &Ctx) -> Result<Action> {
             );
             ctx.event(&g, EventType::Normal, "SpecChanged", &m).await;
         }
-        let ev = (EventType::Normal, "ApprovalNeeded");
-        let reason = reasons::PENDING_APPROVAL;
-        return settle(
-            g,
-            &original,
-            ctx,
-            GrantPhase::PendingApproval,
-            reason,
-            &msg,
-            Some(ev),
-        )
-        .await;
+        return settle(g, &original, ctx, Verdict::ApprovalNeeded, &msg).await;
     }
-    if let Err(why) = value_available(&g.spec.value_from, &ctx.home) {
+    if let Err(why) = boxery_home::values::available(&g.spec.value_from, &ctx.home) {
         drop_entry(ctx, &g).await?;
         let msg = format!(
             "approved, but the control plane cannot read the value ({why}): it applies once it can"
         );
-        let ev = (EventType::Warning, "ValueUnavailable");
-        let reason = reasons::VALUE_UNAVAILABLE;
-        settle(
-            g,
-            &original,
-            ctx,
-            GrantPhase::PendingApproval,
-            reason,
-            &msg,
-            Some(ev),
-        )
-        .await?;
+        settle(g, &original, ctx, Verdict::ValueUnavailable, &msg).await?;
         return Ok(Action::requeue(Duration::from_secs(30)));
     }
     // In force: the entry first, then the status that says so (both under the VM's lock, so
@@ -575,30 +412,54 @@ async fn step(mut g: Grant, ctx: &Ctx) -> Result<Action> {
         "in force for VM {vm}: approved by {}",
         g.status.approved_by.clone().unwrap_or_default()
     );
-    let ev = (EventType::Normal, "Applied");
-    settle(
-        g,
-        &original,
-        ctx,
-        GrantPhase::Applied,
-        reasons::APPLIED,
-        &msg,
-        Some(ev),
-    )
-    .await
+    settle(g, &original, ctx, Verdict::Applied, &msg).await
 }
 
-/// Write `phase` and `Ready` (True only for `Applied`) for the current generation, with an
-/// event when the condition changed.
+/// Where a step leaves a grant.
+#[derive(Debug, Clone, Copy)]
+enum Verdict {
+    /// Pending, no event: waiting for its VM or lease (or on a pool member); the reason.
+    Waiting(&'static str),
+    Denied,
+    ApprovalNeeded,
+    ValueUnavailable,
+    Applied,
+    /// Revoked for good: the reason.
+    Revoked(&'static str),
+}
+
+impl Verdict {
+    /// Its phase, `Ready`'s reason, and the event recorded when `Ready` changes.
+    fn parts(self) -> (GrantPhase, &'static str, Option<(EventType, &'static str)>) {
+        use EventType::{Normal, Warning};
+        use GrantPhase::{Applied, Denied, PendingApproval, Revoked};
+        match self {
+            Verdict::Waiting(why) => (PendingApproval, why, None),
+            Verdict::Denied => (Denied, reasons::DENIED, Some((Normal, "Denied"))),
+            Verdict::ApprovalNeeded => {
+                let event = Some((Normal, "ApprovalNeeded"));
+                (PendingApproval, reasons::PENDING_APPROVAL, event)
+            }
+            Verdict::ValueUnavailable => {
+                let event = Some((Warning, "ValueUnavailable"));
+                (PendingApproval, reasons::VALUE_UNAVAILABLE, event)
+            }
+            Verdict::Applied => (Applied, reasons::APPLIED, Some((Normal, "Applied"))),
+            Verdict::Revoked(why) => (Revoked, why, Some((Normal, "Revoked"))),
+        }
+    }
+}
+
+/// Write the verdict's phase and `Ready` (True only for `Applied`) for the current
+/// generation, with its event when the condition changed.
 async fn settle(
     mut g: Grant,
     original: &GrantStatus,
     ctx: &Ctx,
-    phase: GrantPhase,
-    reason: &str,
+    to: Verdict,
     msg: &str,
-    event: Option<(EventType, &str)>,
 ) -> Result<Action> {
+    let (phase, reason, event) = to.parts();
     let generation = g.metadata.generation;
     let status = if phase == GrantPhase::Applied {
         ConditionStatus::True
@@ -621,29 +482,29 @@ async fn settle(
 }
 
 /// Its VM or lease is gone: the entry goes first, then `Revoked` (final) with an event.
-async fn revoke(g: Grant, ctx: &Ctx, reason: &str, msg: &str) -> Result<Action> {
+async fn revoke(g: Grant, ctx: &Ctx, reason: &'static str, msg: &str) -> Result<Action> {
     drop_entry(ctx, &g).await?;
     let original = g.status.clone();
     let msg = format!("revoked: {msg}");
-    let ev = Some((EventType::Normal, "Revoked"));
-    settle(g, &original, ctx, GrantPhase::Revoked, reason, &msg, ev).await
+    settle(g, &original, ctx, Verdict::Revoked(reason), &msg).await
 }
 
 /// Rebuild every VM's grant state file from the store: the entries of the grants whose
 /// status says they are in force, nothing else. Returns the VMs whose file changed.
 pub async fn sweep(ctx: &Ctx) -> Result<Vec<String>> {
-    let mut vms: std::collections::BTreeSet<String> = std::fs::read_dir(state_dir(&ctx.home))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            e.file_name()
-                .to_str()
-                .and_then(|n| n.strip_suffix(".json"))
-                .filter(|n| boxery_api::name::check_label_name(n).is_ok())
-                .map(str::to_string)
-        })
-        .collect();
+    let mut vms: std::collections::BTreeSet<String> =
+        std::fs::read_dir(boxery_home::layout::grants(&ctx.home))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                e.file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_suffix(".json"))
+                    .filter(|n| boxery_api::name::check_label_name(n).is_ok())
+                    .map(str::to_string)
+            })
+            .collect();
     let grants = ctx.store.list_as::<Grant>(&Default::default()).await?;
     vms.extend(
         grants

@@ -46,7 +46,7 @@ use boxery_hands::shell_quote;
 use futures::StreamExt;
 
 use crate::context::Ctx;
-use crate::grant::Entry;
+use boxery_home::grants::Entry;
 
 /// How often every VM's guest state is compared with what it should hold.
 pub const EVERY: Duration = Duration::from_secs(2);
@@ -83,13 +83,10 @@ impl Plan {
             g.url,
             matches!(g.listen, boxery_backends::ProxyListen::Unix(_)),
         );
-        let (owner, token) = crate::tokens::read(&ctx.home, vm)?;
-        let grants = crate::grant::read_state(&ctx.home, vm)
+        let (owner, token) = boxery_home::tokens::read(&ctx.home, vm)?;
+        let grants = boxery_home::grants::read_state(&ctx.home, vm)
             .into_iter()
-            .filter(|e| match &e.lease_uid {
-                Some(lease) => *lease == owner,
-                None => e.vm_uid == owner,
-            })
+            .filter(|e| e.owner() == owner)
             .collect();
         Some(Plan {
             url,
@@ -179,10 +176,10 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
     }
     let mut git: Vec<(String, String)> = Vec::new();
     for e in &plan.grants {
-        let comment = format!("# {}:{} (grant {})\n", e.type_, e.target, e.name);
-        match e.type_ {
+        let comment = format!("# {}:{} (grant {})\n", e.spec.type_, e.spec.target, e.name);
+        match e.spec.type_ {
             GrantType::Llm => {
-                let (base, key) = match e.target.as_str() {
+                let (base, key) = match e.spec.target.as_str() {
                     "anthropic" => (format!("{url}/llm/anthropic"), "ANTHROPIC"),
                     "openai" => (format!("{url}/llm/openai/v1"), "OPENAI"),
                     // Ollama's and other providers' clients take a base URL argument:
@@ -208,7 +205,7 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
                     ));
                 }
             }
-            GrantType::Http if e.target == NPM_REGISTRY => {
+            GrantType::Http if e.spec.target == NPM_REGISTRY => {
                 let host = url
                     .trim_start_matches("http://")
                     .trim_start_matches("https://");
@@ -219,15 +216,17 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
                 env.push_str("export NPM_CONFIG_USERCONFIG=/run/boxery/npmrc\n");
             }
             GrantType::Http => {}
-            GrantType::Env => match crate::values::read_text(&e.value_from, home).await {
-                Ok(v) => {
-                    env.push_str(&comment);
-                    env.push_str(&format!("export {}={}\n", e.target, shell_quote(&v)));
+            GrantType::Env => {
+                match boxery_home::values::read_text(&e.spec.value_from, home).await {
+                    Ok(v) => {
+                        env.push_str(&comment);
+                        env.push_str(&format!("export {}={}\n", e.spec.target, shell_quote(&v)));
+                    }
+                    Err(why) => out.unavailable.push((e.name.clone(), why)),
                 }
-                Err(why) => out.unavailable.push((e.name.clone(), why)),
-            },
-            GrantType::File => match crate::values::read(&e.value_from, home).await {
-                Ok(v) => out.files.push((e.target.clone(), v)),
+            }
+            GrantType::File => match boxery_home::values::read(&e.spec.value_from, home).await {
+                Ok(v) => out.files.push((e.spec.target.clone(), v)),
                 Err(why) => out.unavailable.push((e.name.clone(), why)),
             },
         }
@@ -498,12 +497,15 @@ mod tests {
             name: name.into(),
             uid: format!("uid-{name}"),
             generation: 1,
-            type_,
-            target: target.into(),
-            header: None,
-            value_from,
+            spec: boxery_api::grant::GrantSpec {
+                vm: Some("dev1".into()),
+                lease: None,
+                type_,
+                target: target.into(),
+                header: None,
+                value_from,
+            },
             vm_uid: "vm-uid".into(),
-            lease: None,
             lease_uid: None,
         }
     }

@@ -49,24 +49,24 @@ pub fn boot_id() -> String {
     boxery_store::boot_id()
 }
 
-/// The token store ([`crate::tokens`]): `$BOXERY_HOME/tokens/<vm>` holds `<lease uid> <token>`
+/// The token store ([`boxery_home::tokens`]): `$BOXERY_HOME/tokens/<vm>` holds `<lease uid> <token>`
 /// (0600) while a lease holds the VM. The proxy accepts only a token found here.
 pub fn token_file(ctx: &Ctx, vm: &str) -> std::path::PathBuf {
-    crate::tokens::file(&ctx.home, vm)
+    boxery_home::layout::token(&ctx.home, vm)
 }
 
 /// Whether `token` is the live token of `vm` (what the proxy checks; constant-time).
 pub fn token_valid(home: &std::path::Path, vm: &str, token: &str) -> bool {
-    crate::tokens::matches(home, vm, token).is_some()
+    boxery_home::tokens::matches(home, vm, token).is_some()
 }
 
 /// Revoke the token of the lease `lease_uid` on `vm` (no-op when another lease's token is there).
 pub fn revoke_token(ctx: &Ctx, vm: &str, lease_uid: &str) {
-    let _ = crate::tokens::revoke(&ctx.home, vm, lease_uid);
+    let _ = boxery_home::tokens::revoke(&ctx.home, vm, lease_uid);
 }
 
 fn write_token(ctx: &Ctx, vm: &str, lease_uid: &str, token: &str) -> std::io::Result<()> {
-    crate::tokens::write(&ctx.home, vm, lease_uid, token)
+    boxery_home::tokens::write(&ctx.home, vm, lease_uid, token)
 }
 
 async fn save(ctx: &Ctx, l: &Lease) -> Result<Lease> {
@@ -411,9 +411,9 @@ pub async fn end_now(
             Err(e) => return Err(e.into()),
         };
         if let (Some(vm), Some(uid)) = (&l.status.vm, &l.metadata.uid) {
-            let _ = crate::tokens::revoke(home, vm, uid);
+            let _ = boxery_home::tokens::revoke(home, vm, uid);
             // Its grants' entries too, before the member's reset.
-            crate::grant::remove_entries(home, vm, |e| e.lease_uid.as_deref() == Some(uid))
+            boxery_home::grants::remove_entries(home, vm, |e| e.lease_uid.as_deref() == Some(uid))
                 .map_err(|e| {
                     ReconcileError::backend(
                         "grant-state",
@@ -585,7 +585,7 @@ async fn acquire(mut l: Lease, ctx: &Ctx, uid: &str) -> Result<Action> {
             l.status.member_generation = Some(g);
         }
         MemberState::Leased => {
-            if crate::tokens::read(&ctx.home, &vm).is_none_or(|(owner, _)| owner != uid) {
+            if boxery_home::tokens::read(&ctx.home, &vm).is_none_or(|(owner, _)| owner != uid) {
                 let token = boxery_backends::identity::proxy_token();
                 write_token(ctx, &vm, uid, &token).map_err(|e| token_error(&l, e))?;
             }

@@ -4,7 +4,6 @@
 
 pub mod backoff;
 pub mod context;
-pub mod egress;
 pub mod error;
 pub mod grant;
 pub mod guest;
@@ -12,15 +11,14 @@ pub mod image;
 pub mod inventory;
 pub mod lease;
 pub mod pool;
-pub mod private;
 pub mod recorded;
 pub mod runtime;
 /// The harness of the reconcilers' decision tests (a store in memory, the fake backend).
 #[doc(hidden)]
 pub mod testing;
-pub mod tokens;
-pub mod values;
 pub use boxery_hands::ssh;
+/// The token store, re-exported from `boxery_home` for the verbs (`delete --force`).
+pub use boxery_home::tokens;
 pub mod vm;
 
 pub use context::{Ctx, Settings};

@@ -56,7 +56,7 @@ use std::time::Duration;
 use boxery_api::conditions::{self, READY, reasons};
 use boxery_api::image::ImageSpec;
 use boxery_api::pool::{
-    MemberState, MemberStatus, PoolMember, PoolMemberSpec, UpdateStrategy, VmTemplate,
+    MemberState, MemberStatus, POOL_LABEL, PoolMember, PoolMemberSpec, UpdateStrategy, VmTemplate,
 };
 use boxery_api::vm::Restore;
 use boxery_api::{
@@ -71,8 +71,6 @@ use boxery_store::{ObjectRef, ObjectStoreExt};
 use crate::context::Ctx;
 use crate::error::ReconcileError;
 
-/// The label on every member.
-pub const POOL_LABEL: &str = "boxery.dev/pool";
 /// The annotation on every template member's Vm: the [`template_hash`] it was made from.
 pub const TEMPLATE_ANNOTATION: &str = "boxery.dev/pool-template";
 /// How many reset attempts before a member is Broken.

@@ -10,7 +10,7 @@
 //! - Deletion: the finalizer `boxery.dev/vm` stays until the backend has removed the VM; images
 //!   the VM owns are deleted by the store's ownerReference cascade.
 //! - A VM gone from the backend behind our back is marked `Lost`, never silently recreated.
-//! - Proxy tokens ([`crate::tokens`]): a VM outside any pool has its own token, written before
+//! - Proxy tokens ([`boxery_home::tokens`]): a VM outside any pool has its own token, written before
 //!   the backend creates it (the one its seed carries) and minted again by a later step if
 //!   the file is gone; a pool member has none of its own. Deletion removes the VM's grant
 //!   entries, then its token, before the backend removes the VM.
@@ -91,7 +91,7 @@ pub async fn reconcile(vm: Arc<Vm>, ctx: Arc<Ctx>) -> Result<Action> {
 async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     // The egress policy is in force before the VM first runs, and follows each spec change
     // while it runs (the proxy reads it per connection).
-    crate::egress::write(&ctx.home, vm.name(), &vm.spec.network.egress)
+    boxery_home::egress::write(&ctx.home, vm.name(), &vm.spec.network.egress)
         .map_err(|e| state_error("egress", vm.name(), "writing the egress policy", e))?;
     if let Some(op) = vm.status.operation.clone() {
         return recover(vm, op, ctx).await;
@@ -516,9 +516,9 @@ async fn finalize(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     // them Revoked).
     if let Some(uid) = vm.metadata.uid.as_deref() {
         crate::grant::revoke_vm(ctx, &name, uid).await?;
-        crate::tokens::revoke(&ctx.home, &name, uid).map_err(|e| token_error(&name, e))?;
+        boxery_home::tokens::revoke(&ctx.home, &name, uid).map_err(|e| token_error(&name, e))?;
     }
-    crate::egress::remove(&ctx.home, &name)
+    boxery_home::egress::remove(&ctx.home, &name)
         .map_err(|e| state_error("egress", &name, "removing the egress policy", e))?;
     // Only remove what is ours: a backend VM with another object's mark is not this VM.
     match ctx.backend.get(&name).await {
@@ -652,7 +652,9 @@ async fn recover_reimage(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action>
 
 /// Whether `vm` is a pool's member (its tokens are the leases').
 fn pool_member(vm: &Vm) -> bool {
-    vm.metadata.labels.contains_key(crate::pool::POOL_LABEL)
+    vm.metadata
+        .labels
+        .contains_key(boxery_api::pool::POOL_LABEL)
 }
 
 /// The VM's own proxy token: a VM outside any pool has one (minted here when it has none: a
@@ -662,12 +664,13 @@ fn keep_token(vm: &Vm, ctx: &Ctx) -> Result<()> {
     let (name, Some(uid)) = (vm.name(), vm.metadata.uid.as_deref()) else {
         return Ok(());
     };
-    let held = crate::tokens::read(&ctx.home, name);
+    let held = boxery_home::tokens::read(&ctx.home, name);
     if pool_member(vm) {
-        crate::tokens::revoke(&ctx.home, name, uid).map_err(|e| token_error(name, e))?;
+        boxery_home::tokens::revoke(&ctx.home, name, uid).map_err(|e| token_error(name, e))?;
     } else if held.is_none_or(|(owner, _)| owner != uid) {
         let token = boxery_backends::identity::proxy_token();
-        crate::tokens::write(&ctx.home, name, uid, &token).map_err(|e| token_error(name, e))?;
+        boxery_home::tokens::write(&ctx.home, name, uid, &token)
+            .map_err(|e| token_error(name, e))?;
         tracing::info!(vm = %name, "minted the VM's proxy token");
     }
     Ok(())
@@ -943,7 +946,8 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         let token = identity
             .proxy_token
             .get_or_insert_with(boxery_backends::identity::proxy_token);
-        crate::tokens::write(&ctx.home, &name, &uid, token).map_err(|e| token_error(&name, e))?;
+        boxery_home::tokens::write(&ctx.home, &name, &uid, token)
+            .map_err(|e| token_error(&name, e))?;
     } else {
         identity.proxy_token = None;
     }

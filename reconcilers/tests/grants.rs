@@ -158,7 +158,7 @@ fn reasons(p: &Plane, name: &str) -> Vec<String> {
 }
 
 fn entries(p: &Plane, vm: &str) -> Vec<String> {
-    grant::read_state(p.home(), vm)
+    boxery_home::grants::read_state(p.home(), vm)
         .into_iter()
         .map(|e| e.name)
         .collect()
@@ -214,14 +214,14 @@ async fn phases_events_and_spec_changes() {
         (entries(&p, "dev1") == ["g1"]).then_some(())
     })
     .await;
-    let file = grant::state_file(p.home(), "dev1");
+    let file = boxery_home::layout::grant_state(p.home(), "dev1");
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(
         std::fs::metadata(&file).unwrap().permissions().mode() & 0o777,
         0o600
     );
-    let e = &grant::read_state(p.home(), "dev1")[0];
-    assert_eq!(e.value_from, ValueFrom::Env("PATH".into()));
+    let e = &boxery_home::grants::read_state(p.home(), "dev1")[0];
+    assert_eq!(e.spec.value_from, ValueFrom::Env("PATH".into()));
     assert_eq!(e.generation, 1);
     until("Applied event", || {
         reasons(&p, "g1").contains(&"Applied".into()).then_some(())
@@ -248,9 +248,9 @@ async fn phases_events_and_spec_changes() {
     approve(&p, "g1");
     phase(&p, "g1", GrantPhase::Applied).await;
     until("the entry again", || {
-        grant::read_state(p.home(), "dev1")
+        boxery_home::grants::read_state(p.home(), "dev1")
             .first()
-            .is_some_and(|e| e.generation == 2 && e.target == "openai")
+            .is_some_and(|e| e.generation == 2 && e.spec.target == "openai")
             .then_some(())
     })
     .await;
@@ -289,7 +289,7 @@ async fn deleting_the_vm_or_the_grant_revokes() {
         .find(|c| c.type_ == "Ready")
         .unwrap();
     assert_eq!(ready.reason, "VmGone");
-    assert!(!grant::state_file(p.home(), "dev1").exists());
+    assert!(!boxery_home::layout::grant_state(p.home(), "dev1").exists());
     // A new VM of the same name does not inherit it.
     vm(&p, "dev1").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -299,7 +299,7 @@ async fn deleting_the_vm_or_the_grant_revokes() {
     p.store.delete("Grant", "b").unwrap();
     until("grant b gone", || get(&p, "b").is_none().then_some(())).await;
     assert!(entries(&p, "dev2").is_empty());
-    assert!(!grant::state_file(p.home(), "dev2").exists());
+    assert!(!boxery_home::layout::grant_state(p.home(), "dev2").exists());
 }
 
 /// Approve `name` once the reconciler has seen it.
@@ -372,9 +372,9 @@ async fn a_lease_grant_dies_with_its_lease() {
     );
     p.store.delete("Grant", "vg").unwrap();
     until("grant vg gone", || get(&p, "vg").is_none().then_some(())).await;
-    let e = grant::read_state(p.home(), &vm);
+    let e = boxery_home::grants::read_state(p.home(), &vm);
     assert_eq!(e.len(), 1);
-    assert_eq!(e[0].lease.as_deref(), Some("l1"));
+    assert_eq!(e[0].spec.lease.as_deref(), Some("l1"));
     // Release: the entry goes (before the reset), the grant turns Revoked.
     p.store.delete("Lease", "l1").unwrap();
     let g = phase(&p, "lg", GrantPhase::Revoked).await;
@@ -403,20 +403,28 @@ async fn a_state_file_that_disagrees_with_the_store_is_rebuilt() {
     phase(&p, "g1", GrantPhase::PendingApproval).await;
     approve(&p, "g1");
     phase(&p, "g1", GrantPhase::Applied).await;
-    let good = std::fs::read(grant::state_file(p.home(), "dev1")).unwrap();
+    let good = std::fs::read(boxery_home::layout::grant_state(p.home(), "dev1")).unwrap();
     // As a crash could leave it (or a hand): the real entry missing, a stranger in its place,
     // and a file for a VM that has no grant at all.
     let mut forged: serde_json::Value = serde_json::from_slice(&good).unwrap();
     forged["grants"][0]["name"] = json!("forged");
     forged["grants"][0]["uid"] = json!("00000000-0000-0000-0000-000000000000");
-    std::fs::write(grant::state_file(p.home(), "dev1"), forged.to_string()).unwrap();
-    std::fs::write(grant::state_file(p.home(), "ghost"), forged.to_string()).unwrap();
+    std::fs::write(
+        boxery_home::layout::grant_state(p.home(), "dev1"),
+        forged.to_string(),
+    )
+    .unwrap();
+    std::fs::write(
+        boxery_home::layout::grant_state(p.home(), "ghost"),
+        forged.to_string(),
+    )
+    .unwrap();
     let fixed = grant::sweep(&p.ctx).await.unwrap();
     assert_eq!(fixed, ["dev1", "ghost"]);
     assert_eq!(entries(&p, "dev1"), ["g1"]);
-    assert!(!grant::state_file(p.home(), "ghost").exists());
+    assert!(!boxery_home::layout::grant_state(p.home(), "ghost").exists());
     // A file lost entirely comes back.
-    std::fs::remove_file(grant::state_file(p.home(), "dev1")).unwrap();
+    std::fs::remove_file(boxery_home::layout::grant_state(p.home(), "dev1")).unwrap();
     grant::sweep(&p.ctx).await.unwrap();
     assert_eq!(entries(&p, "dev1"), ["g1"]);
     assert!(
@@ -453,7 +461,8 @@ async fn no_value_reaches_the_store_and_unreadable_values_wait() {
         let hit = bytes.windows(CANARY.len()).any(|w| w == CANARY.as_bytes());
         assert!(!hit, "the value is in {f}");
     }
-    let state = std::fs::read_to_string(grant::state_file(p.home(), "dev1")).unwrap();
+    let state =
+        std::fs::read_to_string(boxery_home::layout::grant_state(p.home(), "dev1")).unwrap();
     assert!(!state.contains(CANARY) && state.contains(&file), "{state}");
 
     // Approved, but the value cannot be read here: not in force, says why.
@@ -476,7 +485,7 @@ async fn no_value_reaches_the_store_and_unreadable_values_wait() {
     assert_eq!(entries(&p, "dev1"), ["g1"]);
     // A grant file under boxery's home is never readable as a value.
     assert!(
-        grant::value_available(
+        boxery_home::values::available(
             &ValueFrom::File(p.home().join("store.db").to_str().unwrap().into()),
             p.home()
         )
@@ -534,7 +543,7 @@ async fn tokens_follow_vms_and_leases() {
         Some(uid.as_str())
     );
     // A lost token file is minted again (a new token) on the next reconcile.
-    std::fs::remove_file(tokens::file(p.home(), "dev1")).unwrap();
+    std::fs::remove_file(boxery_home::layout::token(p.home(), "dev1")).unwrap();
     let mut v: Vm = p.store.get_as("dev1").unwrap().unwrap();
     v.metadata.labels.insert("touch".into(), "1".into());
     p.store.update_as(&v).unwrap();

@@ -319,7 +319,7 @@ pub fn os_user() -> String {
 /// its spec changed since (`Conflict`: another uid or generation), or when its value cannot be
 /// read here. `by` is who approved; `how` goes into the event (e.g. "typed yes").
 pub async fn approve(v: &Verbs, shown: &Grant, by: &str, how: &str) -> Result<Grant> {
-    if let Err(why) = boxery_reconcilers::grant::value_available(&shown.spec.value_from, v.home()) {
+    if let Err(why) = boxery_home::values::available(&shown.spec.value_from, v.home()) {
         return Err(VerbError::invalid(format!(
             "not approved: {why}. Grant {} needs a value the control plane can read",
             shown.name()

@@ -79,7 +79,7 @@ pub async fn add(v: &Verbs, pool: &str, vm: &str) -> Result {
         )));
     };
     // A VM is in one pool at a time: two pools would lease it to two holders.
-    let label = boxery_reconcilers::pool::POOL_LABEL;
+    let label = boxery_api::pool::POOL_LABEL;
     let mut elsewhere = member
         .metadata
         .labels
@@ -123,7 +123,7 @@ pub async fn add(v: &Verbs, pool: &str, vm: &str) -> Result {
 pub async fn members(v: &Verbs, pool: &Pool) -> Result<Vec<MemberStatus>> {
     let selector = format!(
         "{}={}",
-        boxery_reconcilers::pool::POOL_LABEL,
+        boxery_api::pool::POOL_LABEL,
         pool.metadata.name
     )
     .parse()

@@ -12,8 +12,8 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
-use boxery_api::grant::{GrantType, ValueFrom};
-use boxery_reconcilers::grant::{Entry, StateFile};
+use boxery_api::grant::{GrantSpec, GrantType, ValueFrom};
+use boxery_home::grants::{Entry, StateFile};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -184,7 +184,7 @@ impl Fixture {
     /// Give `vm` a token owned by `owner`; returns it.
     pub fn token(&self, vm: &str, owner: &str) -> String {
         let t = format!("bxt_{vm}_{owner}_{}", uuid_ish());
-        boxery_reconcilers::tokens::write(self.home(), vm, owner, &t).unwrap();
+        boxery_home::tokens::write(self.home(), vm, owner, &t).unwrap();
         t
     }
 
@@ -206,16 +206,19 @@ impl Fixture {
             name: name.into(),
             uid: format!("uid-{name}"),
             generation: 1,
-            type_,
-            target: target.into(),
-            header: header.map(str::to_string),
-            value_from: ValueFrom::File(self.key_file().display().to_string()),
+            spec: GrantSpec {
+                vm: (!lease).then(|| vm.to_string()),
+                lease: lease.then(|| "l1".to_string()),
+                type_,
+                target: target.into(),
+                header: header.map(str::to_string),
+                value_from: ValueFrom::File(self.key_file().display().to_string()),
+            },
             vm_uid: if lease {
                 format!("vmuid-{vm}")
             } else {
                 owner.into()
             },
-            lease: lease.then(|| "l1".to_string()),
             lease_uid: lease.then(|| owner.to_string()),
         });
         self.write_state(vm, &state);
@@ -229,7 +232,7 @@ impl Fixture {
     }
 
     fn state(&self, vm: &str) -> StateFile {
-        std::fs::read(boxery_reconcilers::grant::state_file(self.home(), vm))
+        std::fs::read(boxery_home::layout::grant_state(self.home(), vm))
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok())
             .unwrap_or(StateFile {
@@ -239,9 +242,9 @@ impl Fixture {
     }
 
     fn write_state(&self, vm: &str, s: &StateFile) {
-        std::fs::create_dir_all(boxery_reconcilers::grant::state_dir(self.home())).unwrap();
+        std::fs::create_dir_all(boxery_home::layout::grants(self.home())).unwrap();
         std::fs::write(
-            boxery_reconcilers::grant::state_file(self.home(), vm),
+            boxery_home::layout::grant_state(self.home(), vm),
             serde_json::to_vec(s).unwrap(),
         )
         .unwrap();
@@ -249,7 +252,7 @@ impl Fixture {
 
     /// The audit log's text.
     pub fn audit(&self) -> String {
-        std::fs::read_to_string(self.home().join("audit/proxy.log")).unwrap_or_default()
+        std::fs::read_to_string(boxery_home::layout::audit_log(self.home())).unwrap_or_default()
     }
 }
 
