@@ -313,61 +313,77 @@ mod tests {
         assert!(opts("gracePeriodSeconds=0", r#"{"gracePeriodSeconds":0}"#).is_ok());
     }
 
+    /// `opts(query, body)` is refused with `code` and a message that `says`.
+    fn refused(query: &str, body: &str, code: u16, says: &str) {
+        let f = opts(query, body).expect_err(&format!("{query} {body} was accepted"));
+        assert_eq!(f.code.as_u16(), code, "{query} {body}: {}", f.message);
+        assert!(f.message.contains(says), "{query} {body}: {}", f.message);
+    }
+
     #[test]
     fn what_is_not_carried_out_is_refused() {
-        for (q, b, code, says) in [
-            ("", r#"{"dryRun":["Some"]}"#, 422, "the only dry run is All"),
-            ("dryRun=Some", "", 400, "the only dry run is All"),
+        // An option refused wherever it comes from: (name, as a query, as JSON, the status
+        // as a query, as a body, what the message says).
+        for (name, value, json, query_code, body_code, says) in [
             (
-                "",
-                r#"{"propagationPolicy":"Orphan"}"#,
+                "dryRun",
+                "Some",
+                r#"["Some"]"#,
+                400,
+                422,
+                "the only dry run is All",
+            ),
+            (
+                "propagationPolicy",
+                "Orphan",
+                r#""Orphan""#,
+                422,
                 422,
                 "cannot orphan",
             ),
-            ("propagationPolicy=Orphan", "", 422, "cannot orphan"),
-            ("propagationPolicy=Sideways", "", 422, "Background"),
-            ("orphanDependents=true", "", 422, "cannot orphan"),
-            ("", r#"{"orphanDependents":true}"#, 422, "cannot orphan"),
-            ("", r#"{"gracePeriodSeconds":30}"#, 422, "only 0 or 1"),
-            ("gracePeriodSeconds=30", "", 422, "only 0 or 1"),
-            ("gracePeriodSeconds=-5", "", 422, "only 0 or 1"),
             (
-                "",
+                "orphanDependents",
+                "true",
+                "true",
+                422,
+                422,
+                "cannot orphan",
+            ),
+            ("gracePeriodSeconds", "30", "30", 422, 422, "only 0 or 1"),
+        ] {
+            refused(&format!("{name}={value}"), "", query_code, says);
+            refused("", &format!(r#"{{"{name}":{json}}}"#), body_code, says);
+        }
+        refused("propagationPolicy=Sideways", "", 422, "Background");
+        refused("gracePeriodSeconds=-5", "", 422, "only 0 or 1");
+        let body_only = [
+            (
                 r#"{"ignoreStoreReadErrorWithClusterBreakingPotential":true}"#,
                 422,
                 "not supported",
             ),
+            (r#"{"preconditions":{"name":"x"}}"#, 400, "unknown field"),
+            (r#"{"bogus":1}"#, 400, "unknown field `bogus`"),
+            (r#"{"kind":"Vm"}"#, 400, "send a DeleteOptions"),
+            ("not json", 400, "not a JSON DeleteOptions"),
             (
-                "",
-                r#"{"preconditions":{"name":"x"}}"#,
-                400,
-                "unknown field",
-            ),
-            ("", r#"{"bogus":1}"#, 400, "unknown field `bogus`"),
-            ("", r#"{"kind":"Vm"}"#, 400, "send a DeleteOptions"),
-            ("", "not json", 400, "not a JSON DeleteOptions"),
-            (
-                "propagationPolicy=Background",
-                r#"{"propagationPolicy":"Foreground"}"#,
-                400,
-                "give it once",
-            ),
-            (
-                "gracePeriodSeconds=0",
-                r#"{"gracePeriodSeconds":1}"#,
-                400,
-                "give it once",
-            ),
-            (
-                "",
                 r#"{"propagationPolicy":"Background","orphanDependents":false}"#,
                 422,
                 "cannot both be set",
             ),
+        ];
+        for (body, code, says) in body_only {
+            refused("", body, code, says);
+        }
+        // Given in both places, differently.
+        for (query, body) in [
+            (
+                "propagationPolicy=Background",
+                r#"{"propagationPolicy":"Foreground"}"#,
+            ),
+            ("gracePeriodSeconds=0", r#"{"gracePeriodSeconds":1}"#),
         ] {
-            let f = opts(q, b).expect_err(&format!("{q} {b} was accepted"));
-            assert_eq!(f.code.as_u16(), code, "{q} {b}: {}", f.message);
-            assert!(f.message.contains(says), "{q} {b}: {}", f.message);
+            refused(query, body, 400, "give it once");
         }
     }
 
