@@ -309,28 +309,13 @@ async fn check_vm(
 
 /// A settled VM the backend no longer has: `Lost` (never recreated silently).
 async fn mark_lost(ctx: &Ctx, vm: &mut Vm) {
-    let generation = vm.metadata.generation;
     vm.status
         .conditions
         .remove_condition(conditions::BACKEND_REACHABLE);
-    vm.status.conditions.set_condition(conditions::LOST, ConditionStatus::True, reasons::NOT_IN_BACKEND, "the backend no longer has this VM: delete it (`boxery rm NAME`) and create it again, or revert it from an image", generation);
-    vm.status.conditions.set_condition(
-        READY,
-        ConditionStatus::False,
-        reasons::LOST,
-        "the VM is gone from the backend",
-        generation,
-    );
-    vm.status.phase = VmPhase::Lost;
+    crate::vm::set_lost(vm);
     vm.status.ssh = None;
     vm.status.printable_status = Some("Lost".into());
-    ctx.event(
-        &*vm,
-        EventType::Warning,
-        "Lost",
-        "the VM is missing from the backend",
-    )
-    .await;
+    crate::vm::lost_event(ctx, vm).await;
 }
 
 /// A VM meant to run that stopped on its own: `Ready=False` (`Exited`). The status write

@@ -761,17 +761,8 @@ async fn pending(
             pass.again.within(Duration::from_secs(1));
         }
         Some(img) if img.status.phase == ImagePhase::Ready && !img.metadata.is_deleting() => {
-            m.lease = None;
-            m.lease_uid = None;
-            m.reset_requested_at = None;
-            set(m, MemberState::Free, "");
-            ctx.event(
-                pool,
-                EventType::Normal,
-                "MemberReady",
-                &format!("{} is clean and free", m.name),
-            )
-            .await;
+            let msg = format!("{} is clean and free", m.name);
+            free(ctx, pool, m, "MemberReady", &msg).await;
         }
         Some(_) => {
             m.message = "capturing the member's clean image".into();
@@ -779,6 +770,15 @@ async fn pending(
         }
     }
     Ok(())
+}
+
+/// The member is clean and holds no lease: Free, with a Normal event `reason` on the pool.
+async fn free(ctx: &Ctx, pool: &Pool, m: &mut MemberStatus, reason: &str, msg: &str) {
+    m.lease = None;
+    m.lease_uid = None;
+    m.reset_requested_at = None;
+    set(m, MemberState::Free, "");
+    ctx.event(pool, EventType::Normal, reason, msg).await;
 }
 
 /// Acquiring or Leased: the lease must still exist, be the one recorded and not have ended;
@@ -885,17 +885,8 @@ async fn resetting(
         .get_condition(conditions::LOST)
         .is_some_and(|c| c.status == ConditionStatus::True);
     if served && crate::vm::is_ready(vm) && reverted_ok {
-        m.lease = None;
-        m.lease_uid = None;
-        m.reset_requested_at = None;
-        set(m, MemberState::Free, "");
-        ctx.event(
-            pool,
-            EventType::Normal,
-            "MemberReset",
-            &format!("{} was reset to its clean image and is free", m.name),
-        )
-        .await;
+        let msg = format!("{} was reset to its clean image and is free", m.name);
+        free(ctx, pool, m, "MemberReset", &msg).await;
     } else if vm.status.failures >= RESET_ATTEMPTS || lost {
         let why = vm
             .status

@@ -77,23 +77,31 @@ pub trait Recorded: Resource + Clone + Send + Sync + 'static {
     fn refresh_printable(&mut self);
 }
 
+/// The accessors of [`Recorded`] that read the same status fields in every recorded kind
+/// (`failures`, `lastFailure`, `observedGeneration`, `conditions`).
+macro_rules! status_fields {
+    () => {
+        fn failures(&self) -> u32 {
+            self.status.failures
+        }
+        fn last_failure(&self) -> Option<&Failure> {
+            self.status.last_failure.as_ref()
+        }
+        fn observed_generation(&self) -> Option<i64> {
+            self.status.observed_generation
+        }
+        fn conditions(&self) -> &Vec<Condition> {
+            &self.status.conditions
+        }
+        fn conditions_mut(&mut self) -> &mut Vec<Condition> {
+            &mut self.status.conditions
+        }
+    };
+}
+
 impl Recorded for Vm {
     const FINALIZER: &'static str = boxery_api::meta::finalizers::VM;
-    fn failures(&self) -> u32 {
-        self.status.failures
-    }
-    fn last_failure(&self) -> Option<&Failure> {
-        self.status.last_failure.as_ref()
-    }
-    fn observed_generation(&self) -> Option<i64> {
-        self.status.observed_generation
-    }
-    fn conditions(&self) -> &Vec<Condition> {
-        &self.status.conditions
-    }
-    fn conditions_mut(&mut self) -> &mut Vec<Condition> {
-        &mut self.status.conditions
-    }
+    status_fields!();
     fn count_failure(&mut self, failure: Failure) {
         self.status.failures += 1;
         self.status.last_failure = Some(failure);
@@ -109,21 +117,7 @@ impl Recorded for Vm {
 
 impl Recorded for Image {
     const FINALIZER: &'static str = boxery_api::meta::finalizers::IMAGE;
-    fn failures(&self) -> u32 {
-        self.status.failures
-    }
-    fn last_failure(&self) -> Option<&Failure> {
-        self.status.last_failure.as_ref()
-    }
-    fn observed_generation(&self) -> Option<i64> {
-        self.status.observed_generation
-    }
-    fn conditions(&self) -> &Vec<Condition> {
-        &self.status.conditions
-    }
-    fn conditions_mut(&mut self) -> &mut Vec<Condition> {
-        &mut self.status.conditions
-    }
+    status_fields!();
     fn count_failure(&mut self, failure: Failure) {
         self.status.failures += 1;
         self.status.last_failure = Some(failure);

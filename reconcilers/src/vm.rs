@@ -468,7 +468,9 @@ pub fn printable(vm: &Vm) -> String {
     format!("{:?}", vm.status.phase)
 }
 
-async fn lost(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
+/// The VM is gone from the backend: `Lost=True` (saying what to do), `Ready=False`, phase
+/// `Lost`. Returns whether `Lost` is new. The Vm reconciler and the inventory both mark it so.
+pub(crate) fn set_lost(vm: &mut Vm) -> bool {
     let generation = vm.metadata.generation;
     let changed = vm.status.conditions.set_condition(
         conditions::LOST,
@@ -485,19 +487,29 @@ async fn lost(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         generation,
     );
     vm.status.phase = VmPhase::Lost;
+    changed
+}
+
+/// The Warning event of a VM found gone from the backend.
+pub(crate) async fn lost_event(ctx: &Ctx, vm: &Vm) {
+    ctx.event(
+        vm,
+        EventType::Warning,
+        "Lost",
+        "the VM is missing from the backend",
+    )
+    .await;
+}
+
+async fn lost(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
+    let changed = set_lost(&mut vm);
     if let Some(ssh) = vm.status.ssh.as_mut() {
         ssh.endpoint = None;
     }
     vm.status.printable_status = Some(printable(&vm));
     if changed {
         let vm = save(ctx, &vm).await?;
-        ctx.event(
-            &vm,
-            EventType::Warning,
-            "Lost",
-            "the VM is missing from the backend",
-        )
-        .await;
+        lost_event(ctx, &vm).await;
     }
     Ok(Action::await_change())
 }

@@ -230,6 +230,14 @@ async fn a_bigger_spec_resizes_and_a_smaller_disk_is_refused() {
     assert_ne!(a.status.observed_generation, a.metadata.generation);
     assert_eq!(h.warnings::<Vm>("a"), ["DiskShrinkRefused"]);
     assert_eq!(h.calls().len(), calls, "nothing shrinks");
+    // Settled: a later reconcile writes nothing (Ready is not set True and back, which would
+    // give it a new lastTransitionTime, and so a write, on every reconcile).
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    h.reconcile(vm::reconcile, "a").await.unwrap();
+    assert_eq!(
+        h.get::<Vm>("a").metadata.resource_version,
+        a.metadata.resource_version
+    );
 }
 
 #[tokio::test]
