@@ -3,8 +3,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::columns::{self, Cell, Column};
 use crate::meta::{ObjectMeta, Time};
-use crate::resource::{KindInfo, Resource};
+use crate::resource::{ForceDelete, KindInfo, NOT_AWAITED, Resource, Typed};
 
 /// Something that happened to an object. Repeats of the same reason and message on the same
 /// object bump `count` instead of adding a new Event.
@@ -73,6 +74,23 @@ impl Resource for Event {
         dotted_names: true,
         description: "Something that happened to an object (shown by `describe` and `events`).",
         controllers_only: Some("apply Vm, Image, Pool, Lease or Grant objects"),
+        columns: &[
+            Column::new("LAST SEEN", Cell::Age("/lastTimestamp")),
+            Column::new("TYPE", Cell::Field("/type")),
+            Column::new("REASON", Cell::Field("/reason")),
+            Column::new(
+                "OBJECT",
+                Cell::Computed(&["/involvedObject/kind", "/involvedObject/name"], |v| {
+                    let kind = columns::text(v[0]).to_lowercase();
+                    format!("{kind}/{}", columns::text(v[1]))
+                }),
+            ),
+            Column::new("COUNT", Cell::Field("/count")),
+            Column::new("MESSAGE", Cell::Field("/message")),
+        ],
+        settled: NOT_AWAITED,
+        force_delete: ForceDelete::Finalizers,
+        typed: Typed::of::<Event>(),
     };
     fn meta(&self) -> &ObjectMeta {
         &self.metadata

@@ -5,8 +5,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::columns::{self, Cell, Column};
 use crate::meta::{Condition, Time};
-use crate::resource::{KindInfo, impl_resource, resource};
+use crate::resource::{ForceDelete, KindInfo, Settled, Typed, impl_resource, resource};
 
 resource!(
     /// A credential a VM may use, approved by a person; the value never enters the store.
@@ -22,6 +23,41 @@ impl_resource!(
         dotted_names: false,
         description: "A credential route for one VM or lease (llm, http, env, file, github), applied only after a person approves it (`boxery grant approve NAME`, in a terminal); a spec change needs approval again. The value never enters the store: valueFrom names where the control plane reads it.",
         controllers_only: None,
+        columns: &[
+            columns::NAME,
+            Column::new("STATUS", Cell::FieldOr("/status/phase", "PendingApproval")),
+            Column::new(
+                "VM",
+                Cell::Computed(&["/status/vm", "/spec/vm"], |v| {
+                    columns::text(if v[0].is_null() { v[1] } else { v[0] })
+                }),
+            ),
+            Column::new("LEASE", Cell::Field("/spec/lease")),
+            Column::new("TYPE", Cell::Field("/spec/type")),
+            Column::new("TARGET", Cell::Field("/spec/target")),
+            Column::wide(
+                "VALUE FROM",
+                Cell::Computed(&["/spec/valueFrom"], |v| match v[0].as_object() {
+                    Some(m) => m
+                        .iter()
+                        .map(|(k, v)| match v.as_array() {
+                            Some(a) => {
+                                let words: Vec<String> = a.iter().map(columns::text).collect();
+                                format!("{k}:{}", words.join(" "))
+                            }
+                            None => format!("{k}:{}", columns::text(v)),
+                        })
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    None => "<none>".into(),
+                }),
+            ),
+            Column::wide("APPROVED BY", Cell::Field("/status/approvedBy")),
+            columns::AGE,
+        ],
+        settled: |_| &[Settled::Observed],
+        force_delete: ForceDelete::GrantState,
+        typed: Typed::of::<Grant>(),
     },
     normalize = normalize_grant
 );

@@ -3,10 +3,12 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::meta::{Condition, Time};
-use crate::resource::{KindInfo, impl_resource, resource};
+use crate::columns::{self, Cell, Column};
+use crate::meta::Time;
+use crate::quantity::Quantity;
+use crate::resource::{ForceDelete, KindInfo, READY, Typed, impl_resource, resource};
 use crate::validate::FieldError;
-use crate::vm::{Failure, Operation};
+use crate::vm::Operation;
 
 resource!(
     /// A disk image: a snapshot of a VM, a built base, or an imported file.
@@ -22,8 +24,27 @@ impl_resource!(
         dotted_names: true,
         description: "A disk-only, independent image: a snapshot of a VM (`source.vm`), a built base (`source.build`) or an imported file (`source.file`).",
         controllers_only: None,
+        columns: &[
+            columns::NAME,
+            columns::STATUS,
+            columns::SOURCE,
+            Column::new(
+                "SIZE",
+                Cell::Computed(&["/status/sizeBytes"], |v| match v[0].as_u64() {
+                    Some(b) => Quantity::from_bytes(b.div_ceil(1 << 20) << 20).to_string(),
+                    None => "<none>".into(),
+                }),
+            ),
+            Column::wide("BACKEND", Cell::Field("/status/backend")),
+            Column::wide("OWNER", Cell::Field("/metadata/ownerReferences/0/name")),
+            columns::AGE,
+        ],
+        settled: |_| &[READY],
+        force_delete: ForceDelete::BackendImage,
+        typed: Typed::of::<Image>(),
     },
-    normalize = normalize_image
+    normalize = normalize_image,
+    unimplemented = unimplemented
 );
 
 /// The desired state of an image. Images are immutable: the source is read once.
@@ -76,44 +97,25 @@ pub enum ImagePhase {
     Terminating,
 }
 
-/// The observed state of an image.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ImageStatus {
-    /// Phase.
-    #[serde(default)]
-    pub phase: ImagePhase,
-    /// One word for `boxery get`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub printable_status: Option<String>,
-    /// The generation last acted on.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub observed_generation: Option<i64>,
-    /// Observations (`Ready`, `SourceAvailable`, …).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub conditions: Vec<Condition>,
-    /// The backend that holds it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub backend: Option<String>,
-    /// When it became ready.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub created_at: Option<Time>,
-    /// Bytes it takes on the host (its own data, not a shared base).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub size_bytes: Option<u64>,
-    /// The side effect under way.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub operation: Option<Operation>,
-    /// Consecutive failures.
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub failures: u32,
-    /// The last failure.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_failure: Option<Failure>,
-}
-
-fn is_zero(n: &u32) -> bool {
-    *n == 0
+crate::vm::recorded_status! {
+    /// The observed state of an image. Its conditions: `Ready`, `SourceAvailable`, ….
+    #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct ImageStatus {
+        /// Phase.
+        #[serde(default)]
+        pub phase: ImagePhase,
+    } then {
+        /// When it became ready.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub created_at: Option<Time>,
+        /// Bytes it takes on the host (its own data, not a shared base).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub size_bytes: Option<u64>,
+        /// The side effect under way.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub operation: Option<Operation>,
+    }
 }
 
 fn normalize_image(img: &mut Image) -> Result<(), Vec<FieldError>> {

@@ -3,8 +3,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::columns::{self, Cell, Column};
 use crate::meta::{Condition, Time};
-use crate::resource::{KindInfo, impl_resource, resource};
+use crate::resource::{ForceDelete, KindInfo, Settled, Typed, impl_resource, resource};
 
 resource!(
     /// An agent's expiring claim on one member of a pool (after coordination.k8s.io Lease).
@@ -20,6 +21,18 @@ impl_resource!(
         dotted_names: false,
         description: "An expiring claim on one free member of a pool; deleting it releases the VM, which is then reset.",
         controllers_only: None,
+        columns: &[
+            columns::NAME,
+            Column::new("POOL", Cell::Field("/spec/pool")),
+            Column::new("HOLDER", Cell::Field("/spec/holderIdentity")),
+            Column::new("STATUS", Cell::Field("/status/phase")),
+            Column::new("VM", Cell::Field("/status/vm")),
+            Column::new("EXPIRES", Cell::Field("/status/expireTime")),
+            columns::AGE,
+        ],
+        settled: |_| &[Settled::Phase("Bound")],
+        force_delete: ForceDelete::Finalizers,
+        typed: Typed::of::<Lease>(),
     },
     normalize = normalize_lease
 );

@@ -207,8 +207,17 @@ pub struct Condition {
 
 /// Helpers on a list of conditions.
 pub trait Conditions {
+    /// The conditions.
+    fn condition_list(&self) -> &[Condition];
+
+    /// The conditions, to change.
+    fn condition_list_mut(&mut self) -> &mut Vec<Condition>;
+
     /// The condition of that type.
-    fn get_condition(&self, type_: &str) -> Option<&Condition>;
+    fn get_condition(&self, type_: &str) -> Option<&Condition> {
+        self.condition_list().iter().find(|c| c.type_ == type_)
+    }
+
     /// Set a condition; `lastTransitionTime` changes only when `status` does. Returns whether
     /// anything changed.
     fn set_condition(
@@ -218,28 +227,9 @@ pub trait Conditions {
         reason: &str,
         message: &str,
         generation: Option<i64>,
-    ) -> bool;
-    /// Remove a condition; returns whether it was there.
-    fn remove_condition(&mut self, type_: &str) -> bool;
-    /// Whether the condition is `True` and was computed for `generation` (a stale one does
-    /// not count).
-    fn is_true_for(&self, type_: &str, generation: Option<i64>) -> bool;
-}
-
-impl Conditions for Vec<Condition> {
-    fn get_condition(&self, type_: &str) -> Option<&Condition> {
-        self.iter().find(|c| c.type_ == type_)
-    }
-
-    fn set_condition(
-        &mut self,
-        type_: &str,
-        status: ConditionStatus,
-        reason: &str,
-        message: &str,
-        generation: Option<i64>,
     ) -> bool {
-        if let Some(c) = self.iter_mut().find(|c| c.type_ == type_) {
+        let all = self.condition_list_mut();
+        if let Some(c) = all.iter_mut().find(|c| c.type_ == type_) {
             let changed = c.status != status
                 || c.reason != reason
                 || c.message != message
@@ -253,7 +243,7 @@ impl Conditions for Vec<Condition> {
             c.observed_generation = generation;
             changed
         } else {
-            self.push(Condition {
+            all.push(Condition {
                 type_: type_.to_string(),
                 status,
                 reason: reason.to_string(),
@@ -265,17 +255,31 @@ impl Conditions for Vec<Condition> {
         }
     }
 
+    /// Remove a condition; returns whether it was there.
     fn remove_condition(&mut self, type_: &str) -> bool {
-        let before = self.len();
-        self.retain(|c| c.type_ != type_);
-        before != self.len()
+        let all = self.condition_list_mut();
+        let before = all.len();
+        all.retain(|c| c.type_ != type_);
+        before != all.len()
     }
 
+    /// Whether the condition is `True` and was computed for `generation` (a stale one does
+    /// not count).
     fn is_true_for(&self, type_: &str, generation: Option<i64>) -> bool {
         self.get_condition(type_).is_some_and(|c| {
             c.status == ConditionStatus::True
                 && (generation.is_none() || c.observed_generation >= generation)
         })
+    }
+}
+
+impl Conditions for Vec<Condition> {
+    fn condition_list(&self) -> &[Condition] {
+        self
+    }
+
+    fn condition_list_mut(&mut self) -> &mut Vec<Condition> {
+        self
     }
 }
 

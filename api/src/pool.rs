@@ -5,17 +5,21 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::columns::{self, Cell, Column};
+use crate::meta::ConditionStatus;
 use crate::meta::{Condition, LocalObjectReference};
-use crate::resource::{KindInfo, impl_resource, resource};
+use crate::resource::{
+    ForceDelete, KindInfo, NOT_AWAITED, READY, Settled, Typed, impl_resource, resource,
+};
 use crate::vm::VmSpec;
+
+/// The label on every member's Vm: its pool's name.
+pub const POOL_LABEL: &str = "boxery.dev/pool";
 
 resource!(
     /// A pool of VMs that agents lease.
     Pool, PoolSpec, PoolStatus
 );
-/// The label on every member's Vm: its pool's name.
-pub const POOL_LABEL: &str = "boxery.dev/pool";
-
 impl_resource!(
     Pool,
     KindInfo {
@@ -26,8 +30,27 @@ impl_resource!(
         dotted_names: false,
         description: "A pool of VMs (made from a template and/or adopted) that agents lease one at a time.",
         controllers_only: None,
+        columns: &[
+            columns::NAME,
+            Column::new("REPLICAS", Cell::Field("/spec/replicas")),
+            Column::new("READY", Cell::Field("/status/ready")),
+            Column::new("UP-TO-DATE", Cell::Field("/status/updated")),
+            Column::new("FREE", Cell::Field("/status/free")),
+            Column::new("LEASED", Cell::Field("/status/leased")),
+            Column::new("BROKEN", Cell::Field("/status/broken")),
+            columns::AGE,
+        ],
+        settled: |_| {
+            &[
+                READY,
+                Settled::Condition(crate::conditions::PROGRESSING, ConditionStatus::False),
+            ]
+        },
+        force_delete: ForceDelete::Finalizers,
+        typed: Typed::of::<Pool>(),
     },
-    normalize = normalize_pool
+    normalize = normalize_pool,
+    unimplemented = unimplemented
 );
 
 /// Check what the schema cannot: member names, and the template as a Vm spec (its defaults
@@ -278,6 +301,10 @@ impl_resource!(
         controllers_only: Some(
             "change the Pool (spec.replicas, spec.members) or its Leases; `boxery pool rm POOL VM` takes a VM out of its pool",
         ),
+        columns: columns::DEFAULT,
+        settled: NOT_AWAITED,
+        force_delete: ForceDelete::Finalizers,
+        typed: Typed::of::<PoolMember>(),
     },
     normalize = normalize_member
 );

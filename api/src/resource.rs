@@ -1,17 +1,22 @@
-//! The `Resource` trait every kind implements, the table of kinds, and `DynObject`, the
-//! untyped form the store keeps.
+//! The `Resource` trait every kind implements, `KindInfo` (what is known about a kind), and
+//! `DynObject`, the untyped form the store keeps.
 
-use schemars::JsonSchema;
+use schemars::{JsonSchema, Schema};
 use serde::{Serialize, de::DeserializeOwned};
 use serde_json::{Map, Value};
 
-use crate::meta::ObjectMeta;
+use crate::columns::Column;
+use crate::conditions;
+use crate::meta::{ConditionStatus, ObjectMeta};
+use crate::validate::{FieldError, ValidationError};
 
 /// The API group and version of every boxery object.
 pub const API_VERSION: &str = "boxery.dev/v1alpha1";
 
-/// What the store and the CLI know about a kind.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Everything boxery knows about a kind, in one place: each kind's file defines its
+/// `KindInfo` (as `Resource::INFO`) and the registry in `lib.rs` lists it once; the store,
+/// the verbs, the front ends and the API read it from [`KINDS`](crate::KINDS).
+#[derive(Debug, Clone, Copy)]
 pub struct KindInfo {
     /// `Vm`.
     pub kind: &'static str,
@@ -28,6 +33,93 @@ pub struct KindInfo {
     /// `Some(what to write instead)` when only boxery's controllers write objects of this kind
     /// (`Event`, `PoolMember`): `apply` and `delete` refuse them, whoever asks, and say this.
     pub controllers_only: Option<&'static str>,
+    /// The columns of `boxery get` and of the API's Table output, in order
+    /// ([`columns::DEFAULT`](crate::columns::DEFAULT): NAME and AGE).
+    pub columns: &'static [Column],
+    /// What `apply --wait` waits for on an object of this kind, in turn (none: it is not
+    /// waited for).
+    pub settled: fn(&DynObject) -> &'static [Settled],
+    /// What `delete --force` must see gone outside the store before it drops the object's
+    /// finalizers.
+    pub force_delete: ForceDelete,
+    /// The functions of its Rust type: `Typed::of::<ITS TYPE>()`.
+    pub typed: Typed,
+}
+
+/// Kinds are the same kind when they have the same name.
+impl PartialEq for KindInfo {
+    fn eq(&self, other: &KindInfo) -> bool {
+        self.kind == other.kind
+    }
+}
+
+impl Eq for KindInfo {}
+
+/// A condition `apply --wait` waits for (the verbs' `Until`, as a kind states it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// A condition of this type has this status, computed for the object's generation.
+    Condition(&'static str, ConditionStatus),
+    /// `status.phase` is this.
+    Phase(&'static str),
+    /// Its controller has seen the object's generation (`status.observedGeneration`).
+    Observed,
+}
+
+/// The `settled` of a kind that `apply --wait` does not wait for.
+pub const NOT_AWAITED: fn(&DynObject) -> &'static [Settled] = |_| &[];
+
+/// `Ready=True`: what most kinds settle at.
+pub const READY: Settled = Settled::Condition(conditions::READY, ConditionStatus::True);
+
+/// What `delete --force` undoes outside the store before dropping an object's finalizers
+/// (its controller's cleanup, when the controller cannot run it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForceDelete {
+    /// Nothing: the finalizers are dropped.
+    Finalizers,
+    /// The backend's VM of the same name (only one made for this object), after the VM's
+    /// grants and token are revoked; dropped only once the backend confirms it is gone.
+    BackendVm,
+    /// The backend's image of the same name; dropped only once the backend confirms it is
+    /// gone.
+    BackendImage,
+    /// Its entries in the grant state (the grant is revoked first).
+    GrantState,
+}
+
+/// The functions of a kind's Rust type, for code that has only its name.
+#[derive(Debug, Clone, Copy)]
+pub struct Typed {
+    /// Its JSON Schema, generated from the type.
+    pub schema: fn() -> Schema,
+    /// Read an object of this kind (that passed its schema), check its name, labels,
+    /// annotations and what [`Resource::normalize`] checks, and write its defaults;
+    /// `label` names it in errors.
+    pub normalize: fn(Value, &str) -> Result<DynObject, ValidationError>,
+    /// The fields it sets that nothing implements yet ([`Resource::unimplemented`]).
+    pub unimplemented: fn(&DynObject) -> Vec<FieldError>,
+}
+
+impl Typed {
+    /// The functions of `R`.
+    pub const fn of<R: Resource>() -> Typed {
+        Typed {
+            schema: schema_of::<R>,
+            normalize: crate::validate::normalize_typed::<R>,
+            unimplemented: unimplemented_of::<R>,
+        }
+    }
+}
+
+fn schema_of<R: Resource>() -> Schema {
+    schemars::schema_for!(R)
+}
+
+fn unimplemented_of<R: Resource>(obj: &DynObject) -> Vec<FieldError> {
+    obj.to_typed::<R>()
+        .map(|o| o.unimplemented())
+        .unwrap_or_default()
 }
 
 /// A typed object kind.
@@ -48,6 +140,11 @@ pub trait Resource:
     /// Errors carry a field path.
     fn normalize(&mut self) -> Result<(), Vec<crate::validate::FieldError>> {
         Ok(())
+    }
+    /// The fields it sets that validate but that nothing acts on yet
+    /// ([`crate::validate::unimplemented`]).
+    fn unimplemented(&self) -> Vec<FieldError> {
+        Vec::new()
     }
 }
 
@@ -89,7 +186,7 @@ pub(crate) use resource;
 
 /// Implements `Resource` for a kind made with `resource!` (normalize given separately).
 macro_rules! impl_resource {
-    ($name:ident, $info:expr $(, normalize = $norm:path)?) => {
+    ($name:ident, $info:expr $(, normalize = $norm:path)? $(, unimplemented = $unimpl:path)?) => {
         impl $crate::resource::Resource for $name {
             const INFO: $crate::resource::KindInfo = $info;
             fn meta(&self) -> &$crate::meta::ObjectMeta {
@@ -100,6 +197,9 @@ macro_rules! impl_resource {
             }
             $(fn normalize(&mut self) -> Result<(), Vec<$crate::validate::FieldError>> {
                 $norm(self)
+            })?
+            $(fn unimplemented(&self) -> Vec<$crate::validate::FieldError> {
+                $unimpl(self)
             })?
         }
     };
@@ -141,5 +241,83 @@ impl DynObject {
     /// `kind/name`, for messages.
     pub fn key(&self) -> String {
         format!("{}/{}", self.kind, self.metadata.name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use serde_json::Value;
+
+    use crate::KINDS;
+    use crate::validate::{lookup_kind, schema_ref};
+
+    /// Whether the JSON pointer `segments` leads somewhere in the schema `node` (of `root`):
+    /// through `properties`, `items` (a number), `additionalProperties`, `$ref`s and any
+    /// branch of `anyOf`/`oneOf`/`allOf`.
+    fn leads(root: &Value, node: &Value, segments: &[&str]) -> bool {
+        let node = match node.get("$ref").and_then(Value::as_str) {
+            Some(r) => root
+                .pointer(r.trim_start_matches('#'))
+                .expect("a $ref resolves"),
+            None => node,
+        };
+        let Some((first, rest)) = segments.split_first() else {
+            return true;
+        };
+        let branches = ["anyOf", "oneOf", "allOf"]
+            .iter()
+            .filter_map(|k| node.get(k).and_then(Value::as_array))
+            .flatten();
+        node.get("properties")
+            .and_then(|p| p.get(*first))
+            .is_some_and(|p| leads(root, p, rest))
+            || (first.parse::<usize>().is_ok()
+                && node.get("items").is_some_and(|i| leads(root, i, rest)))
+            || node
+                .get("additionalProperties")
+                .is_some_and(|a| a.is_object() && leads(root, a, rest))
+            || branches.into_iter().any(|b| leads(root, b, segments))
+    }
+
+    /// The registry is complete: every kind has its schema (titled with its type), its names
+    /// find it and no other kind, and every printer column reads fields its schema has.
+    #[test]
+    fn the_registry_is_complete() {
+        let mut names = HashSet::new();
+        for k in KINDS {
+            let schema = schema_ref(k.kind).unwrap_or_else(|| panic!("{}: no schema", k.kind));
+            assert_eq!(
+                schema["title"], k.kind,
+                "{}: the schema of another type",
+                k.kind
+            );
+            for name in [k.kind.to_ascii_lowercase().as_str(), k.plural, k.singular]
+                .into_iter()
+                .chain(k.short_names.iter().copied())
+            {
+                // a kind may repeat its own name as a short name (`vm`), never another's
+                if names.insert(name.to_string()) || lookup_kind(name) == Some(&k) {
+                    assert_eq!(lookup_kind(name).map(|f| f.kind), Some(k.kind), "{name}");
+                } else {
+                    panic!("{}: `{name}` names another kind too", k.kind);
+                }
+            }
+            assert!(!k.columns.is_empty(), "{}: no columns", k.kind);
+            let mut headers = HashSet::new();
+            for c in k.columns {
+                assert!(headers.insert(c.name), "{}: two {} columns", k.kind, c.name);
+                for path in c.cell.paths() {
+                    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+                    assert!(
+                        path.starts_with('/') && leads(schema, schema, &segments),
+                        "{}: column {} reads {path}, which its schema does not have",
+                        k.kind,
+                        c.name
+                    );
+                }
+            }
+        }
     }
 }

@@ -5,8 +5,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::columns::{self, Cell, Column};
 use crate::meta::{Condition, Time};
-use crate::resource::{KindInfo, impl_resource, resource};
+use crate::resource::{ForceDelete, KindInfo, NOT_AWAITED, Typed, impl_resource, resource};
 
 /// The label naming the Source an object was applied from (its apply set).
 pub const APPLY_SET_LABEL: &str = "boxery.dev/applyset";
@@ -26,6 +27,25 @@ impl_resource!(
         dotted_names: false,
         description: "A directory or git repository of manifests that `boxery sync` follows: its revision, what the last sync changed, and any error.",
         controllers_only: None,
+        columns: &[
+            columns::NAME,
+            Column::new("STATUS", Cell::Field("/status/phase")),
+            Column::new(
+                "REVISION",
+                Cell::Computed(&["/status/revision"], |v| {
+                    columns::text(v[0]).chars().take(12).collect()
+                }),
+            ),
+            Column::new("OBJECTS", Cell::Field("/status/objects")),
+            Column::new("URL", Cell::Field("/spec/url")),
+            Column::wide("REF", Cell::Field("/spec/ref")),
+            Column::wide("PATH", Cell::Field("/spec/path")),
+            Column::wide("ERROR", Cell::Field("/status/error")),
+            columns::AGE,
+        ],
+        settled: NOT_AWAITED,
+        force_delete: ForceDelete::Finalizers,
+        typed: Typed::of::<Source>(),
     },
     normalize = normalize_source
 );

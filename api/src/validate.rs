@@ -8,9 +8,7 @@ use std::sync::OnceLock;
 
 use serde_json::Value;
 
-use crate::pool::PoolMember;
 use crate::resource::{API_VERSION, DynObject, KindInfo, Resource};
-use crate::{Event, Grant, Image, Lease, Pool, Source, Vm};
 
 /// One problem with one field.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -43,22 +41,11 @@ impl FieldError {
 /// boxery can still have its status written, its finalizers removed and be deleted, and is
 /// refused only once a write would set such a field anew.
 pub fn unimplemented(obj: &crate::DynObject) -> Vec<FieldError> {
-    use crate::Resource;
-    match obj.kind.as_str() {
-        k if k == crate::Vm::INFO.kind => obj
-            .to_typed::<crate::Vm>()
-            .map(|v| crate::vm::unimplemented(&v.spec, "spec."))
-            .unwrap_or_default(),
-        k if k == crate::Image::INFO.kind => obj
-            .to_typed::<crate::Image>()
-            .map(|i| crate::image::unimplemented(&i))
-            .unwrap_or_default(),
-        k if k == crate::Pool::INFO.kind => obj
-            .to_typed::<crate::Pool>()
-            .map(|p| crate::pool::unimplemented(&p))
-            .unwrap_or_default(),
-        _ => Vec::new(),
-    }
+    KINDS
+        .iter()
+        .find(|k| k.kind == obj.kind)
+        .map(|k| (k.typed.unimplemented)(obj))
+        .unwrap_or_default()
 }
 
 /// A field that validates but that nothing acts on yet: refused, so that nobody's manifest
@@ -99,17 +86,7 @@ impl fmt::Display for ValidationError {
     }
 }
 
-/// Every kind, in the order `boxery get` lists them.
-pub const KINDS: [KindInfo; 8] = [
-    Vm::INFO,
-    Image::INFO,
-    Pool::INFO,
-    PoolMember::INFO,
-    Lease::INFO,
-    Grant::INFO,
-    Source::INFO,
-    Event::INFO,
-];
+pub use crate::KINDS;
 
 /// Find a kind by its name, plural, singular or short name (case-insensitive).
 pub fn lookup_kind(name: &str) -> Option<&'static KindInfo> {
@@ -134,25 +111,10 @@ pub fn schema_ref(kind: &str) -> Option<&'static Value> {
     S.get_or_init(|| {
         KINDS
             .iter()
-            .map(|k| (k.kind, generate_schema(k.kind)))
+            .map(|k| (k.kind, (k.typed.schema)().to_value()))
             .collect()
     })
     .get(kind)
-}
-
-fn generate_schema(kind: &str) -> Value {
-    let schema = match kind {
-        "Vm" => schemars::schema_for!(Vm),
-        "Image" => schemars::schema_for!(Image),
-        "Pool" => schemars::schema_for!(Pool),
-        "PoolMember" => schemars::schema_for!(PoolMember),
-        "Lease" => schemars::schema_for!(Lease),
-        "Grant" => schemars::schema_for!(Grant),
-        "Source" => schemars::schema_for!(Source),
-        "Event" => schemars::schema_for!(Event),
-        _ => unreachable!("KINDS and this match list the same kinds"),
-    };
-    schema.to_value()
 }
 
 fn validators() -> &'static HashMap<&'static str, jsonschema::Validator> {
@@ -387,7 +349,11 @@ fn edit_distance(a: &str, b: &str) -> usize {
     row[b.len()]
 }
 
-fn normalize_typed<R: Resource>(value: Value, label: &str) -> Result<DynObject, ValidationError> {
+/// [`crate::Typed::normalize`] of `R`.
+pub(crate) fn normalize_typed<R: Resource>(
+    value: Value,
+    label: &str,
+) -> Result<DynObject, ValidationError> {
     let fail = |errors| ValidationError {
         object: label.to_string(),
         errors,
@@ -502,17 +468,7 @@ pub fn normalize(value: Value) -> Result<DynObject, ValidationError> {
             errors,
         });
     }
-    match info.kind {
-        "Vm" => normalize_typed::<Vm>(value, &label),
-        "Image" => normalize_typed::<Image>(value, &label),
-        "Pool" => normalize_typed::<Pool>(value, &label),
-        "PoolMember" => normalize_typed::<PoolMember>(value, &label),
-        "Lease" => normalize_typed::<Lease>(value, &label),
-        "Grant" => normalize_typed::<Grant>(value, &label),
-        "Source" => normalize_typed::<Source>(value, &label),
-        "Event" => normalize_typed::<Event>(value, &label),
-        _ => unreachable!("KINDS and this match list the same kinds"),
-    }
+    (info.typed.normalize)(value, &label)
 }
 
 #[cfg(test)]
@@ -670,58 +626,54 @@ mod tests {
         ok(
             json!({"vm": "a", "type": "env", "target": "NPM_TOKEN", "valueFrom": {"env": "NPM_TOKEN"}}),
         );
-        bad(
-            json!({"type": "llm", "target": "anthropic", "valueFrom": {"env": "K"}}),
-            "spec",
-        );
-        bad(
-            json!({"vm": "a", "lease": "l", "type": "llm", "target": "x", "valueFrom": {"env": "K"}}),
-            "spec",
-        );
-        bad(
-            json!({"vm": "a", "type": "llm", "target": "Anthropic/..", "valueFrom": {"env": "K"}}),
-            "spec.target",
-        );
-        bad(
-            json!({"vm": "a", "type": "http", "target": "a.com", "valueFrom": {"env": "K"}}),
-            "spec.header",
-        );
-        bad(
-            json!({"vm": "a", "type": "llm", "target": "x", "header": "X", "valueFrom": {"env": "K"}}),
-            "spec.header",
-        );
-        bad(
-            json!({"vm": "a", "type": "file", "target": "../etc/passwd", "valueFrom": {"env": "K"}}),
-            "spec.target",
-        );
-        bad(
-            json!({"vm": "a", "type": "file", "target": "/etc/passwd", "valueFrom": {"env": "K"}}),
-            "spec.target",
-        );
-        bad(
-            json!({"vm": "a", "type": "github", "target": "noslash", "valueFrom": {"env": "K"}}),
-            "spec.target",
-        );
-        bad(
-            json!({"vm": "a", "type": "env", "target": "1X", "valueFrom": {"env": "K"}}),
-            "spec.target",
-        );
-        bad(
-            json!({"vm": "a", "type": "env", "target": "X", "valueFrom": {"env": "A=B"}}),
-            "spec.valueFrom",
-        );
-        bad(
-            json!({"vm": "a", "type": "env", "target": "X", "valueFrom": {"file": "rel"}}),
-            "spec.valueFrom",
-        );
-        bad(
-            json!({"vm": "a", "type": "env", "target": "X", "valueFrom": {"command": []}}),
-            "spec.valueFrom",
-        );
-        bad(
-            json!({"vm": "a", "type": "env", "target": "X", "valueFrom": {"value": "sekrit"}}),
-            "spec.valueFrom",
-        );
+        // Refused: a Grant of VM a for env X from env K, changed so (a merge patch: null
+        // removes), with the field its error names.
+        for (path, change) in [
+            (
+                "spec",
+                json!({"vm": null, "type": "llm", "target": "anthropic"}),
+            ),
+            ("spec", json!({"lease": "l", "type": "llm", "target": "x"})),
+            (
+                "spec.target",
+                json!({"type": "llm", "target": "Anthropic/.."}),
+            ),
+            ("spec.header", json!({"type": "http", "target": "a.com"})),
+            (
+                "spec.header",
+                json!({"type": "llm", "target": "x", "header": "X"}),
+            ),
+            (
+                "spec.target",
+                json!({"type": "file", "target": "../etc/passwd"}),
+            ),
+            (
+                "spec.target",
+                json!({"type": "file", "target": "/etc/passwd"}),
+            ),
+            (
+                "spec.target",
+                json!({"type": "github", "target": "noslash"}),
+            ),
+            ("spec.target", json!({"target": "1X"})),
+            ("spec.valueFrom", json!({"valueFrom": {"env": "A=B"}})),
+            ("spec.valueFrom", json!({"valueFrom": {"file": "rel"}})),
+            ("spec.valueFrom", json!({"valueFrom": {"command": []}})),
+            ("spec.valueFrom", json!({"valueFrom": {"value": "sekrit"}})),
+        ] {
+            let mut spec =
+                json!({"vm": "a", "type": "env", "target": "X", "valueFrom": {"env": "K"}});
+            for (k, v) in change.as_object().expect("a mapping") {
+                match v {
+                    Value::Null => spec.as_object_mut().expect("a mapping").remove(k),
+                    v => spec
+                        .as_object_mut()
+                        .expect("a mapping")
+                        .insert(k.clone(), v.clone()),
+                };
+            }
+            bad(spec, path);
+        }
     }
 
     #[test]

@@ -3,10 +3,11 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::meta::{Condition, Time};
+use crate::columns::{self, Cell, Column};
+use crate::meta::Time;
 use crate::network::Network;
 use crate::quantity::Quantity;
-use crate::resource::{KindInfo, impl_resource, resource};
+use crate::resource::{ForceDelete, KindInfo, READY, Settled, Typed, impl_resource, resource};
 use crate::validate::FieldError;
 
 resource!(
@@ -23,8 +24,42 @@ impl_resource!(
         dotted_names: false,
         description: "A virtual machine: its source image or VM, resources, run strategy and revert requests.",
         controllers_only: None,
+        columns: &[
+            columns::NAME,
+            columns::STATUS,
+            Column::new("READY", Cell::Ready),
+            Column::new("CPUS", Cell::Field("/spec/resources/cpus")),
+            Column::new("MEMORY", Cell::Field("/spec/resources/memory")),
+            Column::new("DISK", Cell::Field("/spec/resources/disk")),
+            columns::SOURCE,
+            Column::wide("RUN", Cell::Field("/spec/runStrategy")),
+            Column::wide("SSH", Cell::Field("/status/ssh/endpoint")),
+            Column::wide("BACKEND", Cell::Field("/status/backend")),
+            Column::wide(
+                "EGRESS",
+                Cell::FieldOr("/spec/network/egress/policy", "Public")
+            ),
+            Column::wide(
+                "GEN",
+                Cell::Computed(
+                    &["/status/observedGeneration", "/metadata/generation"],
+                    |v| format!("{}/{}", columns::text(v[0]), columns::text(v[1])),
+                ),
+            ),
+            columns::AGE,
+        ],
+        settled: |vm| {
+            if vm.spec()["runStrategy"] == "Stopped" {
+                &[Settled::Phase("Stopped")]
+            } else {
+                &[READY]
+            }
+        },
+        force_delete: ForceDelete::BackendVm,
+        typed: Typed::of::<Vm>(),
     },
-    normalize = normalize_vm
+    normalize = normalize_vm,
+    unimplemented = unimplemented_vm
 );
 
 /// The default stock image, built on first use.
@@ -197,61 +232,83 @@ pub enum VmPhase {
     Terminating,
 }
 
-/// The observed state of a VM.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct VmStatus {
-    /// Lifecycle phase.
-    #[serde(default)]
-    pub phase: VmPhase,
-    /// One word for `boxery get` (`Running`, `ImageNotFound`, `Lost`, …).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub printable_status: Option<String>,
-    /// The generation the controller last acted on.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub observed_generation: Option<i64>,
-    /// Observations (`Ready`, `Created`, `ImageAvailable`, `Lost`, `BackendReachable`, …).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub conditions: Vec<Condition>,
-    /// The backend that holds the VM.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub backend: Option<String>,
-    /// How the VM is accelerated (`Kvm`, or `Tcg` with the reason KVM is not used), as the
-    /// backend said when it created the VM.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub acceleration: Option<String>,
-    /// The image the VM's disk was made from.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub source_image: Option<String>,
-    /// When the VM was created in the backend.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub created_at: Option<Time>,
-    /// The size the backend has now.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub size: Option<Size>,
-    /// The host's boot id when the control plane last saw the VM: a `Ready` from another boot
-    /// (the host rebooted since) is void until a control plane looks again.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub boot_id: Option<String>,
-    /// How to reach the VM's sshd.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ssh: Option<SshStatus>,
-    /// The side effect under way, recorded before it starts.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub operation: Option<Operation>,
-    /// The last revert served (its `requestedAt`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_restore: Option<Restore>,
-    /// Consecutive failures of the current step (reset on success).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub failures: u32,
-    /// The last failure, for `describe`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_failure: Option<Failure>,
+/// Defines the status of a kind `reconcilers::recorded` reconciles (Vm, Image): its phase
+/// (the first group of fields), then what every such status has (`printableStatus`,
+/// `observedGeneration`, `conditions`, `backend`), its own fields (the second group), and the
+/// failure record (`failures`, `lastFailure`).
+macro_rules! recorded_status {
+    (
+        $(#[$attr:meta])*
+        pub struct $name:ident { $($phase:tt)* } then { $($own:tt)* }
+    ) => {
+        $(#[$attr])*
+        pub struct $name {
+            $($phase)*
+            /// One word for `boxery get`: the phase, or what stands in its way.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub printable_status: Option<String>,
+            /// The generation the controller last acted on.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub observed_generation: Option<i64>,
+            /// Observations: `Ready` and the others this status's description names.
+            #[serde(default, skip_serializing_if = "Vec::is_empty")]
+            pub conditions: Vec<crate::meta::Condition>,
+            /// The backend that holds it.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub backend: Option<String>,
+            $($own)*
+            /// Consecutive failures of the current step (reset on success).
+            #[serde(default, skip_serializing_if = "crate::vm::is_zero")]
+            pub failures: u32,
+            /// The last failure, for `describe`.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub last_failure: Option<crate::vm::Failure>,
+        }
+    };
+}
+pub(crate) use recorded_status;
+
+pub(crate) fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
-fn is_zero(n: &u32) -> bool {
-    *n == 0
+recorded_status! {
+    /// The observed state of a VM. Its conditions: `Ready`, `Created`, `ImageAvailable`,
+    /// `Lost`, `BackendReachable`, ….
+    #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct VmStatus {
+        /// Lifecycle phase.
+        #[serde(default)]
+        pub phase: VmPhase,
+    } then {
+        /// How the VM is accelerated (`Kvm`, or `Tcg` with the reason KVM is not used), as the
+        /// backend said when it created the VM.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub acceleration: Option<String>,
+        /// The image the VM's disk was made from.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub source_image: Option<String>,
+        /// When the VM was created in the backend.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub created_at: Option<Time>,
+        /// The size the backend has now.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub size: Option<Size>,
+        /// The host's boot id when the control plane last saw the VM: a `Ready` from another boot
+        /// (the host rebooted since) is void until a control plane looks again.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub boot_id: Option<String>,
+        /// How to reach the VM's sshd.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub ssh: Option<SshStatus>,
+        /// The side effect under way, recorded before it starts.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub operation: Option<Operation>,
+        /// The last revert served (its `requestedAt`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub last_restore: Option<Restore>,
+    }
 }
 
 /// How to reach a VM's sshd.
@@ -383,6 +440,11 @@ fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
     vm.spec.resources.memory = Some(eff.memory);
     vm.spec.resources.disk = Some(eff.disk);
     if errs.is_empty() { Ok(()) } else { Err(errs) }
+}
+
+/// The fields of a Vm that validate but that nothing acts on yet.
+fn unimplemented_vm(vm: &Vm) -> Vec<FieldError> {
+    unimplemented(&vm.spec, "spec.")
 }
 
 /// The fields of a Vm spec that validate but that nothing acts on yet (`prefix` is where the

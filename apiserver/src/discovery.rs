@@ -9,7 +9,7 @@
 
 use std::sync::OnceLock;
 
-use boxery_api::{KINDS, KindInfo};
+use boxery_api::{Event, KINDS, KindInfo, Resource};
 use serde_json::{Map, Value, json};
 
 use crate::{GROUP, GROUP_VERSION, VERSION};
@@ -58,8 +58,8 @@ pub fn core_resources() -> Value {
         "kind": "APIResourceList",
         "groupVersion": "v1",
         "resources": [{
-            "name": "events", "singularName": "event", "namespaced": true, "kind": "Event",
-            "verbs": ["get", "list"], "shortNames": ["ev"],
+            "name": Event::INFO.plural, "singularName": Event::INFO.singular, "namespaced": true,
+            "kind": Event::INFO.kind, "verbs": ["get", "list"], "shortNames": Event::INFO.short_names,
         }],
     })
 }

@@ -245,20 +245,16 @@ pub fn table_bytes(kind: &str, objs: &[Value], rv: &str, include: Option<&str>) 
 
 /// [`table_bytes`] with the list's `metadata` (a page's carries its `continue`).
 fn table_page(kind: &str, objs: &[Value], meta: Value, include: Option<&str>) -> Vec<u8> {
-    let narrow: Vec<&str> = boxery_verbs::render::columns(kind, false)
-        .iter()
-        .map(|(h, _)| *h)
-        .collect();
     let wide = boxery_verbs::render::columns(kind, true);
     let defs: Vec<Value> = wide
         .iter()
-        .map(|(h, _)| {
+        .map(|c| {
             json!({
-                "name": h,
+                "name": c.name,
                 "type": "string",
-                "format": if *h == "NAME" { "name" } else { "" },
+                "format": if c.name == "NAME" { "name" } else { "" },
                 "description": "",
-                "priority": if narrow.contains(h) { 0 } else { 1 },
+                "priority": u8::from(c.wide),
             })
         })
         .collect();
@@ -278,8 +274,8 @@ fn table_page(kind: &str, objs: &[Value], meta: Value, include: Option<&str>) ->
             b.push(b',');
         }
         cells.clear();
-        cells.extend(wide.iter().map(|(_, f)| {
-            let c = f(o);
+        cells.extend(wide.iter().map(|column| {
+            let c = boxery_verbs::render::cell(column, o);
             match safe(&c) {
                 std::borrow::Cow::Borrowed(_) => c,
                 std::borrow::Cow::Owned(s) => s,

@@ -340,7 +340,9 @@ pub async fn get_kinds(
                 let t = opts.table(&format);
                 write!(out, "{}", output::table_with(info.kind, &values, &t))?;
             }
-            Format::Name => output::print(info, &objs, &format, &mut out)?,
+            Format::Name => {
+                output::print(info, &objs, &format, &mut out)?;
+            }
             _ => all.extend(objs),
         }
     }
@@ -348,7 +350,9 @@ pub async fn get_kinds(
         f if f.is_table() && first => eprintln!("No resources found."),
         f if f.is_table() => {}
         Format::Name => {}
-        _ => output::print_list(kinds[0], &all, &format, &mut out)?,
+        _ => {
+            output::print_list(kinds[0], &all, &format, &mut out)?;
+        }
     }
     out.flush()?;
     Ok(())
@@ -658,7 +662,13 @@ pub async fn ls(v: &Verbs, kind_name: &str, if_none: Option<&str>) -> CliResult 
     let (objs, _) = objects::get(v, info, &[], &Default::default()).await?;
     match if_none {
         Some(none) if objs.is_empty() => eprintln!("{none}"),
-        _ => output::print(info, &objs, &Format::Table, &mut std::io::stdout().lock())?,
+        _ => {
+            let printed =
+                output::print(info, &objs, &Format::Table, &mut std::io::stdout().lock())?;
+            if let Some(note) = printed.note() {
+                eprintln!("{note}");
+            }
+        }
     }
     Ok(())
 }
@@ -671,12 +681,11 @@ pub async fn events(v: &Verbs, kind_name: Option<&str>, name: Option<&str>) -> C
         _ => objects::events(v, None).await?,
     };
     let info = kind("Event")?;
-    Ok(output::print(
-        info,
-        &evs,
-        &Format::Table,
-        &mut std::io::stdout().lock(),
-    )?)
+    let printed = output::print(info, &evs, &Format::Table, &mut std::io::stdout().lock())?;
+    if let Some(note) = printed.note() {
+        eprintln!("{note}");
+    }
+    Ok(())
 }
 
 /// How `delete` deletes.

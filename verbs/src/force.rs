@@ -1,10 +1,13 @@
 //! `delete --force`: what is left of an object whose controller cannot finish deleting it,
 //! dropped once the backend confirms the thing it stood for is gone.
 
+use boxery_api::ForceDelete;
+
 use crate::error::{Result, VerbError};
 
 /// `delete --force`: drop boxery's finalizer once the backend confirms the VM or image is gone
-/// (removing it first when the backend can).
+/// (removing it first when the backend can): what the kind's controller would have undone,
+/// [`KindInfo::force_delete`](boxery_api::KindInfo::force_delete).
 pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
     // A lease never outlives its VM silently: it ends first, with an event.
     for l in crate::pools::end_leases_for(v, kind, name).await? {
@@ -16,8 +19,12 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
     let store = v.local()?;
     let backend = v.env.backend_for(store).await?;
     let uid = store.get(kind, name)?.and_then(|o| o.metadata.uid);
-    match kind {
-        "Vm" => {
+    let undo = boxery_api::KINDS
+        .iter()
+        .find(|k| k.kind == kind)
+        .map_or(ForceDelete::Finalizers, |k| k.force_delete);
+    match undo {
+        ForceDelete::BackendVm => {
             // Only what was made for this object: a VM of this name with another object's
             // mark is not removed (and the object is not dropped while it stands).
             let mine = match backend.get(name).await {
@@ -63,7 +70,7 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
             }
             let _ = backend.cleanup_new(name).await;
         }
-        "Image" => {
+        ForceDelete::BackendImage => {
             if let Err(e) = backend.remove_image(name).await {
                 tracing::warn!(error = %e.chain(), "remove_image failed");
             }
@@ -82,7 +89,7 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
                 }
             }
         }
-        "Grant" => {
+        ForceDelete::GrantState => {
             // Revoked first: its entry leaves the grant state before the object goes.
             if let Some(g) = store.get_as::<boxery_api::Grant>(name)?
                 && let Some(uid) = g.metadata.uid.as_deref()
@@ -97,7 +104,7 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
                 }
             }
         }
-        _ => {}
+        ForceDelete::Finalizers => {}
     }
     // Every finalizer goes, boxery's and any other (a finalizer nothing removes would keep
     // the object forever); the ones boxery does not own are named.

@@ -2,7 +2,7 @@
 //! names are resolved here ([`kind`]) and every name is checked before anything is written.
 
 use boxery_api::name::shown;
-use boxery_api::{DynObject, KindInfo, Name, Selector, lookup_kind};
+use boxery_api::{DynObject, KindInfo, Name, Selector, Settled, lookup_kind};
 use boxery_store::{ApplyAction, ApplyOptions, DeleteOutcome, ObjectRef, StoreError, WatchEvent};
 use futures::StreamExt;
 use futures::stream::BoxStream;
@@ -68,30 +68,27 @@ pub fn selector(s: Option<&str>) -> Result<Selector> {
         .map_err(VerbError::invalid)
 }
 
-/// What `apply --wait` waits for on an applied object, in turn: a Vm or Image `Ready` (phase
-/// `Stopped` when applied with `runStrategy: Stopped`); a Pool `Ready` (a member free) and then
-/// settled (`Progressing=False`: every member made and past its first boot); a Lease `Bound`;
-/// a Grant seen by its controller for this generation (it stays `PendingApproval` until a
-/// person approves it, which no wait should outlast).
+/// What `apply --wait` waits for on an applied object, in turn: what its kind settles at
+/// ([`KindInfo::settled`]). A Vm or Image `Ready` (phase `Stopped` when applied with
+/// `runStrategy: Stopped`); a Pool `Ready` (a member free) and then settled
+/// (`Progressing=False`: every member made and past its first boot); a Lease `Bound`; a Grant
+/// seen by its controller for this generation (it stays `PendingApproval` until a person
+/// approves it, which no wait should outlast).
 pub fn settled(obj: &DynObject) -> Vec<Until> {
-    let phase = |p: &str| Until::JsonPath("{.status.phase}".into(), p.into());
-    match obj.kind.as_str() {
-        "Vm" | "Image" if obj.spec()["runStrategy"] == "Stopped" => vec![crate::vm::stopped()],
-        "Vm" | "Image" => vec![crate::vm::ready()],
-        "Pool" => vec![
-            crate::vm::ready(),
-            Until::Condition(
-                boxery_api::conditions::PROGRESSING.into(),
-                boxery_api::ConditionStatus::False,
+    let Some(info) = boxery_api::KINDS.iter().find(|k| k.kind == obj.kind) else {
+        return Vec::new();
+    };
+    (info.settled)(obj)
+        .iter()
+        .map(|s| match *s {
+            Settled::Condition(type_, status) => Until::Condition(type_.into(), status),
+            Settled::Phase(phase) => Until::JsonPath("{.status.phase}".into(), phase.into()),
+            Settled::Observed => Until::JsonPath(
+                "{.status.observedGeneration}".into(),
+                obj.metadata.generation.unwrap_or(1).to_string(),
             ),
-        ],
-        "Lease" => vec![phase("Bound")],
-        "Grant" => vec![Until::JsonPath(
-            "{.status.observedGeneration}".into(),
-            obj.metadata.generation.unwrap_or(1).to_string(),
-        )],
-        _ => Vec::new(),
-    }
+        })
+        .collect()
 }
 
 /// What [`apply`] did.

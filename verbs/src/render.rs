@@ -8,6 +8,7 @@
 
 use std::io::{IsTerminal, Write};
 
+use boxery_api::columns::{Cell, Column, at as ptr, text as s};
 pub use boxery_api::name::safe;
 use boxery_api::name::shown;
 use boxery_api::{DynObject, KindInfo};
@@ -120,18 +121,7 @@ pub fn age(v: &Value) -> String {
     }
 }
 
-fn s(v: &Value) -> String {
-    match v {
-        Value::Null => "<none>".into(),
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
-}
-
-fn ptr<'a>(o: &'a Value, p: &str) -> &'a Value {
-    o.pointer(p).unwrap_or(&Value::Null)
-}
-
+/// The cell of [`Cell::Ready`].
 fn ready(o: &Value) -> String {
     let generation = ptr(o, "/metadata/generation").as_i64();
     let conds = ptr(o, "/status/conditions")
@@ -157,156 +147,30 @@ fn ready(o: &Value) -> String {
         .unwrap_or_else(|| "Unknown".into())
 }
 
-fn status_word(o: &Value) -> String {
-    match ptr(o, "/status/printableStatus") {
-        Value::String(s) => s.clone(),
-        _ => match ptr(o, "/metadata/deletionTimestamp") {
-            Value::Null => match ptr(o, "/status/phase") {
-                Value::Null => "Pending".into(),
-                v => s(v),
-            },
-            _ => "Terminating".into(),
-        },
+/// A column's cell for one object (as [`display_value`] shows it), not yet made [`safe`].
+pub fn cell(column: &Column, o: &Value) -> String {
+    match column.cell {
+        Cell::Field(p) => s(ptr(o, p)),
+        Cell::FieldOr(p, or) => ptr(o, p).as_str().unwrap_or(or).to_string(),
+        Cell::Age(p) => age(ptr(o, p)),
+        Cell::Ready => ready(o),
+        Cell::Computed(paths, f) => {
+            let values: Vec<&Value> = paths.iter().map(|p| ptr(o, p)).collect();
+            f(&values)
+        }
     }
 }
 
-fn source(o: &Value) -> String {
-    match ptr(o, "/spec/source")
-        .as_object()
-        .and_then(|m| m.iter().next())
-    {
-        Some((k, v)) if v.is_string() => format!("{k}:{}", v.as_str().unwrap_or("")),
-        Some((k, v)) => format!("{k}:{}", v.get("base").map(s).unwrap_or_default()),
-        None => "<none>".into(),
-    }
-}
-
-/// A printer column: its header and how to compute a cell.
-pub type Column = (&'static str, fn(&Value) -> String);
-
-/// Column headers and cells for a kind.
-pub fn columns(kind: &str, wide: bool) -> Vec<Column> {
-    let mut cols: Vec<Column> = vec![("NAME", |o| s(ptr(o, "/metadata/name")))];
-    match kind {
-        "Vm" => {
-            cols.push(("STATUS", status_word));
-            cols.push(("READY", ready));
-            cols.push(("CPUS", |o| s(ptr(o, "/spec/resources/cpus"))));
-            cols.push(("MEMORY", |o| s(ptr(o, "/spec/resources/memory"))));
-            cols.push(("DISK", |o| s(ptr(o, "/spec/resources/disk"))));
-            cols.push(("SOURCE", source));
-            if wide {
-                cols.push(("RUN", |o| s(ptr(o, "/spec/runStrategy"))));
-                cols.push(("SSH", |o| s(ptr(o, "/status/ssh/endpoint"))));
-                cols.push(("BACKEND", |o| s(ptr(o, "/status/backend"))));
-                cols.push(("EGRESS", |o| {
-                    ptr(o, "/spec/network/egress/policy")
-                        .as_str()
-                        .unwrap_or("Public")
-                        .to_string()
-                }));
-                cols.push(("GEN", |o| {
-                    format!(
-                        "{}/{}",
-                        s(ptr(o, "/status/observedGeneration")),
-                        s(ptr(o, "/metadata/generation"))
-                    )
-                }));
-            }
-        }
-        "Image" => {
-            cols.push(("STATUS", status_word));
-            cols.push(("SOURCE", source));
-            cols.push(("SIZE", |o| match ptr(o, "/status/sizeBytes").as_u64() {
-                Some(b) => boxery_api::Quantity::from_bytes(b.div_ceil(1 << 20) << 20).to_string(),
-                None => "<none>".into(),
-            }));
-            if wide {
-                cols.push(("BACKEND", |o| s(ptr(o, "/status/backend"))));
-                cols.push(("OWNER", |o| s(ptr(o, "/metadata/ownerReferences/0/name"))));
-            }
-        }
-        "Pool" => {
-            cols.push(("REPLICAS", |o| s(ptr(o, "/spec/replicas"))));
-            cols.push(("READY", |o| s(ptr(o, "/status/ready"))));
-            cols.push(("UP-TO-DATE", |o| s(ptr(o, "/status/updated"))));
-            cols.push(("FREE", |o| s(ptr(o, "/status/free"))));
-            cols.push(("LEASED", |o| s(ptr(o, "/status/leased"))));
-            cols.push(("BROKEN", |o| s(ptr(o, "/status/broken"))));
-        }
-        "Source" => {
-            cols.push(("STATUS", |o| s(ptr(o, "/status/phase"))));
-            cols.push(("REVISION", |o| {
-                let r = s(ptr(o, "/status/revision"));
-                r.chars().take(12).collect()
-            }));
-            cols.push(("OBJECTS", |o| s(ptr(o, "/status/objects"))));
-            cols.push(("URL", |o| s(ptr(o, "/spec/url"))));
-            if wide {
-                cols.push(("REF", |o| s(ptr(o, "/spec/ref"))));
-                cols.push(("PATH", |o| s(ptr(o, "/spec/path"))));
-                cols.push(("ERROR", |o| s(ptr(o, "/status/error"))));
-            }
-        }
-        "Lease" => {
-            cols.push(("POOL", |o| s(ptr(o, "/spec/pool"))));
-            cols.push(("HOLDER", |o| s(ptr(o, "/spec/holderIdentity"))));
-            cols.push(("STATUS", |o| s(ptr(o, "/status/phase"))));
-            cols.push(("VM", |o| s(ptr(o, "/status/vm"))));
-            cols.push(("EXPIRES", |o| s(ptr(o, "/status/expireTime"))));
-        }
-        "Grant" => {
-            cols.push(("STATUS", |o| match ptr(o, "/status/phase").as_str() {
-                Some(p) => p.to_string(),
-                None => "PendingApproval".into(),
-            }));
-            cols.push(("VM", |o| {
-                let v = ptr(o, "/status/vm");
-                s(if v.is_null() { ptr(o, "/spec/vm") } else { v })
-            }));
-            cols.push(("LEASE", |o| s(ptr(o, "/spec/lease"))));
-            cols.push(("TYPE", |o| s(ptr(o, "/spec/type"))));
-            cols.push(("TARGET", |o| s(ptr(o, "/spec/target"))));
-            if wide {
-                cols.push(("VALUE FROM", |o| {
-                    match ptr(o, "/spec/valueFrom").as_object() {
-                        Some(m) => m
-                            .iter()
-                            .map(|(k, v)| match v.as_array() {
-                                Some(a) => {
-                                    format!("{k}:{}", a.iter().map(s).collect::<Vec<_>>().join(" "))
-                                }
-                                None => format!("{k}:{}", s(v)),
-                            })
-                            .collect::<Vec<_>>()
-                            .join(","),
-                        None => "<none>".into(),
-                    }
-                }));
-                cols.push(("APPROVED BY", |o| s(ptr(o, "/status/approvedBy"))));
-            }
-        }
-        "Event" => {
-            cols = vec![
-                ("LAST SEEN", |o| age(ptr(o, "/lastTimestamp"))),
-                ("TYPE", |o| s(ptr(o, "/type"))),
-                ("REASON", |o| s(ptr(o, "/reason"))),
-                ("OBJECT", |o| {
-                    format!(
-                        "{}/{}",
-                        s(ptr(o, "/involvedObject/kind")).to_lowercase(),
-                        s(ptr(o, "/involvedObject/name"))
-                    )
-                }),
-                ("COUNT", |o| s(ptr(o, "/count"))),
-                ("MESSAGE", |o| s(ptr(o, "/message"))),
-            ];
-            return cols;
-        }
-        _ => {}
-    }
-    cols.push(("AGE", |o| age(ptr(o, "/metadata/creationTimestamp"))));
-    cols
+/// The columns of kind `kind` ([`boxery_api::KindInfo::columns`]), the `-o wide` ones with
+/// `wide`; NAME and AGE for a kind boxery does not know.
+pub fn columns(kind: &str, wide: bool) -> Vec<&'static Column> {
+    boxery_api::KINDS
+        .iter()
+        .find(|k| k.kind == kind)
+        .map_or(boxery_api::columns::DEFAULT, |k| k.columns)
+        .iter()
+        .filter(|c| wide || !c.wide)
+        .collect()
 }
 
 /// A plain, aligned table (no borders, as kubectl prints).
@@ -366,7 +230,7 @@ pub fn rows(kind: &str, objs: &[Value], o: &TableOptions) -> Vec<Vec<String>> {
     let cols = columns(kind, o.wide);
     let mut rows: Vec<Vec<String>> = Vec::new();
     if o.headers {
-        let mut head: Vec<String> = cols.iter().map(|(h, _)| h.to_string()).collect();
+        let mut head: Vec<String> = cols.iter().map(|c| c.name.to_string()).collect();
         head.extend(
             o.label_columns
                 .iter()
@@ -379,7 +243,10 @@ pub fn rows(kind: &str, objs: &[Value], o: &TableOptions) -> Vec<Vec<String>> {
     }
     for v in objs {
         // the edge: every cell, whatever column computed it, is made safe here
-        let mut row: Vec<String> = cols.iter().map(|(_, f)| safe(&f(v)).into_owned()).collect();
+        let mut row: Vec<String> = cols
+            .iter()
+            .map(|c| safe(&cell(c, v)).into_owned())
+            .collect();
         let labels = v["metadata"]["labels"].as_object();
         for k in &o.label_columns {
             let cell = labels
@@ -820,10 +687,36 @@ pub fn to_yaml(v: &Value) -> Result<String> {
     serde_saphyr::to_string(v).map_err(|e| VerbError::failed(format!("cannot print YAML: {e}")))
 }
 
+/// What [`print`] did besides writing: a table of no objects writes nothing and has a note
+/// for the reader (`No vms found.`), which the CLI prints to stderr, as kubectl does. Verbs
+/// never print.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Printed {
+    /// The objects were written.
+    Written,
+    /// A table of none: nothing was written, and this says so.
+    NoneFound(String),
+}
+
+impl Printed {
+    /// The note for the reader, if there is one.
+    pub fn note(&self) -> Option<&str> {
+        match self {
+            Printed::Written => None,
+            Printed::NoneFound(note) => Some(note),
+        }
+    }
+}
+
 /// Print objects of one kind in a format, to stdout or anything else (`-o jsonpath` escapes
 /// values when stdout is a terminal): each object on its own (`-o jsonpath` applies to each;
 /// `-o json` of several is a List).
-pub fn print(info: &KindInfo, objs: &[DynObject], format: &Format, out: &mut impl Write) -> Result {
+pub fn print(
+    info: &KindInfo,
+    objs: &[DynObject],
+    format: &Format,
+    out: &mut impl Write,
+) -> Result<Printed> {
     print_for(info, objs, format, out, std::io::stdout().is_terminal())
 }
 
@@ -836,7 +729,7 @@ pub fn print_list(
     objs: &[DynObject],
     format: &Format,
     out: &mut impl Write,
-) -> Result {
+) -> Result<Printed> {
     let list = || {
         let items: Vec<Value> = objs.iter().map(display_value).collect();
         serde_json::json!({"apiVersion": boxery_api::API_VERSION, "kind": "List", "items": items})
@@ -851,9 +744,9 @@ pub fn print_list(
                 writeln!(out)?;
             }
         }
-        _ => print(info, objs, format, out)?,
+        _ => return print(info, objs, format, out),
     }
-    Ok(())
+    Ok(Printed::Written)
 }
 
 /// [`print`], saying whether a person reads `out` (`terminal`): then `-o jsonpath` values are
@@ -864,7 +757,7 @@ pub fn print_for(
     format: &Format,
     out: &mut impl Write,
     terminal: bool,
-) -> Result {
+) -> Result<Printed> {
     let values: Vec<Value> = objs.iter().map(display_value).collect();
     match format {
         Format::CustomColumns(c) => {
@@ -874,21 +767,19 @@ pub fn print_for(
                 ..TableOptions::default()
             };
             if values.is_empty() {
-                eprintln!("No {} found.", info.plural);
-            } else {
-                write!(out, "{}", table_with(info.kind, &values, &o))?;
+                return Ok(none_found(info));
             }
+            write!(out, "{}", table_with(info.kind, &values, &o))?;
         }
         Format::Table | Format::Wide => {
             if values.is_empty() {
-                eprintln!("No {} found.", info.plural);
-            } else {
-                write!(
-                    out,
-                    "{}",
-                    table(info.kind, &values, *format == Format::Wide, true)
-                )?;
+                return Ok(none_found(info));
             }
+            write!(
+                out,
+                "{}",
+                table(info.kind, &values, *format == Format::Wide, true)
+            )?;
         }
         Format::Yaml => {
             for (i, v) in values.iter().enumerate() {
@@ -925,7 +816,12 @@ pub fn print_for(
             }
         }
     }
-    Ok(())
+    Ok(Printed::Written)
+}
+
+/// kubectl's note for a table of no objects of a kind.
+pub fn none_found(info: &KindInfo) -> Printed {
+    Printed::NoneFound(format!("No {} found.", info.plural))
 }
 
 #[cfg(test)]
@@ -986,6 +882,26 @@ mod tests {
             assert_eq!(t.lines().count(), 2, "{kind}: a newline made a row: {t}");
             assert!(t.contains("\\u{1b}]52"), "{kind}: {t}");
         }
+    }
+
+    /// A table of nothing writes nothing and returns kubectl's note for the front end to
+    /// show (the CLI: on stderr); verbs never print.
+    #[test]
+    fn an_empty_table_is_a_note_not_output() {
+        let info = boxery_api::lookup_kind("lease").unwrap();
+        for format in [
+            Format::Table,
+            Format::Wide,
+            "custom-columns=N:.metadata.name".parse().unwrap(),
+        ] {
+            let mut out = Vec::new();
+            let printed = print_for(info, &[], &format, &mut out, false).unwrap();
+            assert_eq!(printed.note(), Some("No leases found."), "{format:?}");
+            assert!(out.is_empty(), "{format:?}");
+        }
+        let mut out = Vec::new();
+        let printed = print_for(info, &[], &Format::Yaml, &mut out, false).unwrap();
+        assert_eq!(printed, Printed::Written);
     }
 
     #[test]
