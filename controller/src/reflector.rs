@@ -778,14 +778,19 @@ pub(crate) mod tests {
         (c.name().to_string(), c.old.is_some(), c.new.is_some())
     }
 
-    /// A reflector of `src`'s Vms into a new cache, running: the cache, its changes, the task.
+    /// A source holding `objects`, and a reflector of its Vms into a new cache, running.
     fn reflect_vms(
-        src: &FakeSource,
+        objects: impl IntoIterator<Item = DynObject>,
     ) -> (
+        FakeSource,
         Cache,
         mpsc::UnboundedReceiver<Change>,
         tokio::task::JoinHandle<()>,
     ) {
+        let src = FakeSource::new();
+        for o in objects {
+            src.put(o);
+        }
         let cache = Cache::new("Vm");
         let (tx, rx) = mpsc::unbounded_channel();
         let task = tokio::spawn(reflect(
@@ -794,15 +799,12 @@ pub(crate) mod tests {
             tx,
             Backoff::default(),
         ));
-        (cache, rx, task)
+        (src, cache, rx, task)
     }
 
     #[tokio::test(start_paused = true)]
     async fn lists_then_follows_the_watch() {
-        let src = FakeSource::new();
-        src.put(obj("Vm", "a"));
-        src.put(obj("Image", "i"));
-        let (cache, mut rx, task) = reflect_vms(&src);
+        let (src, cache, mut rx, task) = reflect_vms([obj("Vm", "a"), obj("Image", "i")]);
         assert_eq!(next(&mut rx).await, ("a".into(), false, true));
         assert!(cache.is_ready());
         src.put(obj("Vm", "b"));
@@ -875,10 +877,7 @@ pub(crate) mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn too_old_relists_and_emits_only_differences() {
-        let src = FakeSource::new();
-        src.put(obj("Vm", "a"));
-        src.put(obj("Vm", "b"));
-        let (cache, mut rx, task) = reflect_vms(&src);
+        let (src, cache, mut rx, task) = reflect_vms([obj("Vm", "a"), obj("Vm", "b")]);
         next(&mut rx).await;
         next(&mut rx).await;
         // While the watch is broken: b vanishes, c appears, a stays as it was.
@@ -898,9 +897,7 @@ pub(crate) mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn errors_back_off_before_relisting() {
-        let src = FakeSource::new();
-        src.put(obj("Vm", "a"));
-        let (_cache, mut rx, task) = reflect_vms(&src);
+        let (src, _cache, mut rx, task) = reflect_vms([obj("Vm", "a")]);
         next(&mut rx).await;
         let t0 = tokio::time::Instant::now();
         src.break_watches(|| StoreError::Json(serde_json::from_str::<u8>("x").unwrap_err()));

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use boxery_api::vm::{Operation, OperationType};
 use boxery_api::{Event, EventType, Resource};
 use boxery_backends::fake::{FakeBackend, FaultAction, FaultConfig, FaultRule, JournalOp};
 use boxery_controller::Action;
@@ -135,16 +136,11 @@ impl Harness {
     }
 
     /// One reconcile of `name` by `reconcile`, on the object as stored now.
-    pub async fn reconcile<R, F, Fut>(
+    pub async fn reconcile<R: Resource + DeserializeOwned>(
         &self,
-        reconcile: F,
+        reconcile: impl Reconciler<R>,
         name: &str,
-    ) -> Result<Action, ReconcileError>
-    where
-        R: Resource + DeserializeOwned,
-        F: FnOnce(Arc<R>, Arc<Ctx>) -> Fut,
-        Fut: Future<Output = Result<Action, ReconcileError>>,
-    {
+    ) -> Result<Action, ReconcileError> {
         let obj: R = self.get(name);
         reconcile(Arc::new(obj), self.ctx.clone()).await
     }
@@ -153,26 +149,20 @@ impl Harness {
     /// last reconcile wrote the object (its write would wake the controller) or asked to be
     /// requeued at once, until it waits (for a change, or a requeue later), fails, or the
     /// object is gone. Returns the last outcome; panics after [`SETTLE_LIMIT`] reconciles.
-    pub async fn settle<R, F, Fut>(
+    pub async fn settle<R: Resource + DeserializeOwned>(
         &self,
-        reconcile: F,
+        reconcile: impl Reconciler<R>,
         name: &str,
-    ) -> Result<Action, ReconcileError>
-    where
-        R: Resource + DeserializeOwned,
-        F: Fn(Arc<R>, Arc<Ctx>) -> Fut,
-        Fut: Future<Output = Result<Action, ReconcileError>>,
-    {
+    ) -> Result<Action, ReconcileError> {
+        let version = |h: &Harness| h.find::<R>(name).map(|o| o.meta().resource_version.clone());
         for _ in 0..SETTLE_LIMIT {
-            let Some(obj) = self.find::<R>(name) else {
+            let Some(before) = version(self) else {
                 return Ok(Action::await_change());
             };
-            let before = obj.meta().resource_version.clone();
-            let next = reconcile(Arc::new(obj), self.ctx.clone()).await?;
-            let after = self
-                .find::<R>(name)
-                .and_then(|o| o.meta().resource_version.clone());
-            if after.is_none() || (after == before && next.requeue_after() != Some(Duration::ZERO))
+            let next = self.reconcile(&reconcile, name).await?;
+            let after = version(self);
+            if after.is_none()
+                || (after == Some(before) && next.requeue_after() != Some(Duration::ZERO))
             {
                 return Ok(next);
             }
@@ -235,6 +225,32 @@ impl Harness {
     /// Take back every fault [`Harness::fail`] set.
     pub fn heal(&self) {
         self.backend.clear_faults().expect("the faults are cleared");
+    }
+}
+
+/// A reconcile function of kind `R` (`vm::reconcile`, `pool::reconcile`, …).
+pub trait Reconciler<R>: Fn(Arc<R>, Arc<Ctx>) -> Self::Step {
+    /// Its future.
+    type Step: Future<Output = Result<Action, ReconcileError>>;
+}
+
+impl<R, F, Fut> Reconciler<R> for F
+where
+    F: Fn(Arc<R>, Arc<Ctx>) -> Fut,
+    Fut: Future<Output = Result<Action, ReconcileError>>,
+{
+    type Step = Fut;
+}
+
+/// An operation (`status.operation`) of type `type_` on `image`, as a control plane that
+/// crashed in the middle of it left it: what a recovery test puts in status.
+pub fn interrupted(type_: OperationType, image: &str) -> Operation {
+    Operation {
+        type_,
+        image: Some(image.into()),
+        original_state: None,
+        started_at: boxery_api::now(),
+        holder: "a control plane that crashed".into(),
     }
 }
 

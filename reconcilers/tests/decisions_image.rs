@@ -4,10 +4,10 @@
 use std::time::Duration;
 
 use boxery_api::conditions::{READY, reasons};
-use boxery_api::vm::{Operation, OperationType};
-use boxery_api::{ConditionStatus, Conditions, Image, ImagePhase, Vm, now};
+use boxery_api::vm::OperationType;
+use boxery_api::{ConditionStatus, Conditions, Image, ImagePhase, Vm};
 use boxery_backends::fake::JournalOp;
-use boxery_reconcilers::testing::Harness;
+use boxery_reconcilers::testing::{Harness, interrupted};
 use boxery_reconcilers::{image, vm};
 use serde_json::json;
 
@@ -19,6 +19,17 @@ fn image_of(name: &str, source: serde_json::Value) -> Image {
     .unwrap()
 }
 
+/// The stock image `tiny`, to build.
+fn tiny() -> Image {
+    image_of("tiny", json!({"build": {"base": "tiny"}}))
+}
+
+/// `tiny`, built: ready.
+async fn built_tiny(h: &Harness) {
+    h.put(&tiny());
+    h.settle(image::reconcile, "tiny").await.unwrap();
+}
+
 fn ready(img: &Image) -> (ConditionStatus, String) {
     let c = img.status.conditions.get_condition(READY).unwrap();
     (c.status.clone(), c.reason.clone())
@@ -27,7 +38,7 @@ fn ready(img: &Image) -> (ConditionStatus, String) {
 #[tokio::test]
 async fn a_stock_image_is_built_and_ready() {
     let h = Harness::new();
-    h.put(&image_of("tiny", json!({"build": {"base": "tiny"}})));
+    h.put(&tiny());
     let next = h.settle(image::reconcile, "tiny").await.unwrap();
     assert!(next.is_await_change());
     let img: Image = h.get("tiny");
@@ -54,8 +65,7 @@ async fn a_capture_waits_for_its_source_vm() {
 #[tokio::test]
 async fn a_capture_of_a_made_vm_copies_its_disk() {
     let h = Harness::new();
-    h.put(&image_of("tiny", json!({"build": {"base": "tiny"}})));
-    h.settle(image::reconcile, "tiny").await.unwrap();
+    built_tiny(&h).await;
     let dev: Vm = serde_json::from_value(json!({
         "apiVersion": "boxery.dev/v1alpha1", "kind": "Vm", "metadata": {"name": "dev1"},
         "spec": {"source": {"image": "tiny"}},
@@ -77,8 +87,7 @@ async fn a_capture_of_a_made_vm_copies_its_disk() {
 #[tokio::test]
 async fn a_ready_image_never_changes_and_says_so_once() {
     let h = Harness::new();
-    h.put(&image_of("tiny", json!({"build": {"base": "tiny"}})));
-    h.settle(image::reconcile, "tiny").await.unwrap();
+    built_tiny(&h).await;
     h.edit::<Image>("tiny", |i| {
         i.spec.source = boxery_api::ImageSource::Vm("dev1".into())
     });
@@ -94,7 +103,7 @@ async fn a_ready_image_never_changes_and_says_so_once() {
 #[tokio::test]
 async fn a_failed_build_is_recorded_cleaned_up_and_backs_off() {
     let h = Harness::new();
-    h.put(&image_of("tiny", json!({"build": {"base": "tiny"}})));
+    h.put(&tiny());
     h.fail("build.commit");
     let next = h.settle(image::reconcile, "tiny").await.unwrap();
     let wait = next.requeue_after().expect("a requeue");
@@ -134,17 +143,11 @@ async fn a_failed_build_is_recorded_cleaned_up_and_backs_off() {
 #[tokio::test]
 async fn an_interrupted_build_is_cleaned_up_and_retried() {
     let h = Harness::new();
-    h.put(&image_of("tiny", json!({"build": {"base": "tiny"}})));
+    h.put(&tiny());
     h.reconcile(image::reconcile, "tiny").await.unwrap();
     h.edit_status::<Image>("tiny", |i| {
         i.status.phase = ImagePhase::Capturing;
-        i.status.operation = Some(Operation {
-            type_: OperationType::Build,
-            image: Some("tiny".into()),
-            original_state: None,
-            started_at: now(),
-            holder: "a crashed control plane".into(),
-        })
+        i.status.operation = Some(interrupted(OperationType::Build, "tiny"))
     });
     h.backend.add_partial_image("tiny").unwrap();
     h.settle(image::reconcile, "tiny").await.unwrap();
@@ -157,8 +160,7 @@ async fn an_interrupted_build_is_cleaned_up_and_retried() {
 #[tokio::test]
 async fn deletion_removes_the_image_from_the_backend_then_the_finalizer() {
     let h = Harness::new();
-    h.put(&image_of("tiny", json!({"build": {"base": "tiny"}})));
-    h.settle(image::reconcile, "tiny").await.unwrap();
+    built_tiny(&h).await;
     h.delete::<Image>("tiny");
     h.reconcile(image::reconcile, "tiny").await.unwrap();
     assert!(h.find::<Image>("tiny").is_none());

@@ -84,6 +84,20 @@ async fn free_pool(h: &Harness, replicas: u32) {
     );
 }
 
+/// Pool `p` with one member, held by lease `l1` (600 s).
+async fn bound(h: &Harness) {
+    free_pool(h, 1).await;
+    h.put(&lease_of("l1", 600));
+    h.settle(lease::reconcile, "l1").await.unwrap();
+}
+
+/// Lease `l1`'s time runs out (its expiry a second ago).
+fn run_out(h: &Harness) {
+    h.edit_status::<Lease>("l1", |l| {
+        l.status.expire_time = Some(now() - chrono::Duration::seconds(1))
+    });
+}
+
 #[tokio::test]
 async fn the_first_reconcile_adds_the_finalizer_and_nothing_else() {
     let h = Harness::new();
@@ -156,9 +170,8 @@ async fn a_deleted_pool_stays_until_every_member_left() {
 #[tokio::test]
 async fn a_lease_claims_a_free_member_and_binds() {
     let h = Harness::new();
-    free_pool(&h, 1).await;
-    h.put(&lease_of("l1", 600));
-    let next = h.settle(lease::reconcile, "l1").await.unwrap();
+    bound(&h).await;
+    let next = h.reconcile(lease::reconcile, "l1").await.unwrap();
     let l: Lease = h.get("l1");
     assert_eq!(l.status.phase, LeasePhase::Bound);
     assert_eq!(l.status.vm.as_deref(), Some("p-0"));
@@ -209,12 +222,8 @@ async fn a_lease_waits_for_a_free_member_its_pool_or_a_shorter_duration() {
 #[tokio::test]
 async fn an_expired_lease_ends_revokes_its_token_and_its_member_is_reset() {
     let h = Harness::new();
-    free_pool(&h, 1).await;
-    h.put(&lease_of("l1", 600));
-    h.settle(lease::reconcile, "l1").await.unwrap();
-    h.edit_status::<Lease>("l1", |l| {
-        l.status.expire_time = Some(now() - chrono::Duration::seconds(1))
-    });
+    bound(&h).await;
+    run_out(&h);
     let next = h.settle(lease::reconcile, "l1").await.unwrap();
     assert!(next.is_await_change());
     let l: Lease = h.get("l1");
@@ -237,18 +246,14 @@ async fn an_expired_lease_ends_revokes_its_token_and_its_member_is_reset() {
 #[tokio::test]
 async fn a_renewal_extends_a_bound_lease_and_one_after_the_end_is_refused() {
     let h = Harness::new();
-    free_pool(&h, 1).await;
-    h.put(&lease_of("l1", 600));
-    h.settle(lease::reconcile, "l1").await.unwrap();
+    bound(&h).await;
     let before = h.get::<Lease>("l1").status.expire_time.unwrap();
     h.edit::<Lease>("l1", |l| l.spec.renew_time = Some(now()));
     h.settle(lease::reconcile, "l1").await.unwrap();
     let l: Lease = h.get("l1");
     assert!(l.status.expire_time.unwrap() > before, "extended");
     assert_eq!(l.status.renewed, l.spec.renew_time);
-    h.edit_status::<Lease>("l1", |l| {
-        l.status.expire_time = Some(now() - chrono::Duration::seconds(1))
-    });
+    run_out(&h);
     h.settle(lease::reconcile, "l1").await.unwrap();
     h.edit::<Lease>("l1", |l| l.spec.renew_time = Some(now()));
     h.settle(lease::reconcile, "l1").await.unwrap();
@@ -267,9 +272,7 @@ async fn a_renewal_extends_a_bound_lease_and_one_after_the_end_is_refused() {
 #[tokio::test]
 async fn a_released_lease_lets_its_member_go_before_it_is_removed() {
     let h = Harness::new();
-    free_pool(&h, 1).await;
-    h.put(&lease_of("l1", 600));
-    h.settle(lease::reconcile, "l1").await.unwrap();
+    bound(&h).await;
     h.delete::<Lease>("l1");
     h.reconcile(lease::reconcile, "l1").await.unwrap();
     assert!(h.find::<Lease>("l1").is_none());
@@ -280,9 +283,7 @@ async fn a_released_lease_lets_its_member_go_before_it_is_removed() {
 #[tokio::test]
 async fn a_leased_member_leaves_a_scaled_down_pool_only_after_its_lease() {
     let h = Harness::new();
-    free_pool(&h, 1).await;
-    h.put(&lease_of("l1", 600));
-    h.settle(lease::reconcile, "l1").await.unwrap();
+    bound(&h).await;
     h.edit::<Pool>("p", |p| p.spec.replicas = 0);
     rounds(&h, 3, |_| false).await;
     assert_eq!(state(&h, "p-0"), MemberState::Leased, "held while leased");

@@ -5,11 +5,11 @@
 use std::time::Duration;
 
 use boxery_api::conditions::{self, READY, reasons};
-use boxery_api::vm::{Operation, OperationType};
+use boxery_api::vm::OperationType;
 use boxery_api::{ConditionStatus, Conditions, Image, ImagePhase, Vm, VmPhase, now};
 use boxery_backends::fake::JournalOp;
 use boxery_backends::{Backend, PowerState};
-use boxery_reconcilers::testing::Harness;
+use boxery_reconcilers::testing::{Harness, interrupted};
 use boxery_reconcilers::vm::{self, FINALIZER};
 use serde_json::json;
 
@@ -40,6 +40,17 @@ fn condition(vm: &Vm, type_: &str) -> (ConditionStatus, String) {
         .get_condition(type_)
         .unwrap_or_else(|| panic!("no {type_} condition in {:?}", vm.status.conditions));
     (c.status.clone(), c.reason.clone())
+}
+
+/// VM `a`, which a crashed control plane left in the middle of its create from `base`.
+async fn interrupted_create(h: &Harness) -> Vm {
+    ready_image(h, "base");
+    let a = h.put(&vm_from("a", "base"));
+    h.reconcile(vm::reconcile, "a").await.unwrap();
+    h.edit_status::<Vm>("a", |a| {
+        a.status.operation = Some(interrupted(OperationType::Create, "base"))
+    });
+    a
 }
 
 /// A VM made from image `base` and settled: running, Ready.
@@ -318,18 +329,7 @@ async fn a_failed_create_is_recorded_and_backs_off() {
 #[tokio::test]
 async fn an_interrupted_create_is_adopted_when_the_backend_finished_it() {
     let h = Harness::new();
-    ready_image(&h, "base");
-    let a = h.put(&vm_from("a", "base"));
-    h.reconcile(vm::reconcile, "a").await.unwrap();
-    h.edit_status::<Vm>("a", |a| {
-        a.status.operation = Some(Operation {
-            type_: OperationType::Create,
-            image: Some("base".into()),
-            original_state: None,
-            started_at: now(),
-            holder: "a crashed control plane".into(),
-        })
-    });
+    let a = interrupted_create(&h).await;
     h.backend
         .add_vm("a", Some(&h.ctx.mark(&a.metadata)), PowerState::Running)
         .unwrap();
@@ -349,18 +349,7 @@ async fn an_interrupted_create_is_adopted_when_the_backend_finished_it() {
 #[tokio::test]
 async fn an_interrupted_create_is_cleaned_up_and_made_again() {
     let h = Harness::new();
-    ready_image(&h, "base");
-    let a = h.put(&vm_from("a", "base"));
-    h.reconcile(vm::reconcile, "a").await.unwrap();
-    h.edit_status::<Vm>("a", |a| {
-        a.status.operation = Some(Operation {
-            type_: OperationType::Create,
-            image: Some("base".into()),
-            original_state: None,
-            started_at: now(),
-            holder: "a crashed control plane".into(),
-        })
-    });
+    let a = interrupted_create(&h).await;
     h.backend
         .add_partial_vm("a", &h.ctx.mark(&a.metadata))
         .unwrap();

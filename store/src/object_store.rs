@@ -262,78 +262,30 @@ macro_rules! reads_from {
         fn uid(&self) -> &str {
             self.$inner.uid()
         }
-        fn get<'s, 'k, 't>(
-            &'s self,
-            key: &'k $crate::ObjectRef,
-        ) -> $crate::__private::Boxed<'t, Option<$crate::__private::DynObject>>
-        where
-            's: 't,
-            'k: 't,
-            Self: 't,
-        {
-            self.$inner.get(key)
-        }
-        fn list<'s, 'k, 'l, 't>(
-            &'s self,
-            kind: &'k str,
-            selector: &'l $crate::__private::Selector,
-        ) -> $crate::__private::Boxed<'t, (Vec<$crate::__private::DynObject>, u64)>
-        where
-            's: 't,
-            'k: 't,
-            'l: 't,
-            Self: 't,
-        {
-            self.$inner.list(kind, selector)
-        }
-        fn list_named_prefix<'s, 'k, 'p, 't>(
-            &'s self,
-            kind: &'k str,
-            prefix: &'p str,
-        ) -> $crate::__private::Boxed<'t, Vec<$crate::__private::DynObject>>
-        where
-            's: 't,
-            'k: 't,
-            'p: 't,
-            Self: 't,
-        {
-            self.$inner.list_named_prefix(kind, prefix)
-        }
-        fn revision<'s, 't>(&'s self) -> $crate::__private::Boxed<'t, u64>
-        where
-            's: 't,
-            Self: 't,
-        {
-            self.$inner.revision()
-        }
         fn watch(&self, kind: Option<&str>, from: u64) -> $crate::WatchStream {
             self.$inner.watch(kind, from)
         }
-        fn compacted<'s, 't>(&'s self) -> $crate::__private::Boxed<'t, u64>
+        $crate::reads_from!(@read $inner, get<'k>(key: &'k $crate::ObjectRef)
+            -> Option<$crate::__private::DynObject>);
+        $crate::reads_from!(@read $inner, list<'k, 'l>(kind: &'k str,
+            selector: &'l $crate::__private::Selector) -> (Vec<$crate::__private::DynObject>, u64));
+        $crate::reads_from!(@read $inner, list_named_prefix<'k, 'p>(kind: &'k str,
+            prefix: &'p str) -> Vec<$crate::__private::DynObject>);
+        $crate::reads_from!(@read $inner, revision<>() -> u64);
+        $crate::reads_from!(@read $inner, compacted<>() -> u64);
+        $crate::reads_from!(@read $inner, was_removed<'u>(uid: &'u str) -> bool);
+        $crate::reads_from!(@read $inner, leader<'l>(lock: &'l str) -> Option<String>);
+    };
+    // One method, with the lifetimes `async_trait` gives it: one per reference, and `'t`,
+    // the future's, which they all outlive.
+    (@read $inner:ident, $name:ident<$($l:lifetime),*>($($arg:ident: $t:ty),*) -> $out:ty) => {
+        fn $name<'s, $($l,)* 't>(&'s self, $($arg: $t),*) -> $crate::__private::Boxed<'t, $out>
         where
             's: 't,
+            $($l: 't,)*
             Self: 't,
         {
-            self.$inner.compacted()
-        }
-        fn was_removed<'s, 'u, 't>(&'s self, uid: &'u str) -> $crate::__private::Boxed<'t, bool>
-        where
-            's: 't,
-            'u: 't,
-            Self: 't,
-        {
-            self.$inner.was_removed(uid)
-        }
-        fn leader<'s, 'l, 't>(
-            &'s self,
-            lock: &'l str,
-        ) -> $crate::__private::Boxed<'t, Option<String>>
-        where
-            's: 't,
-            'l: 't,
-            Self: 't,
-        {
-            self.$inner.leader(lock)
+            self.$inner.$name($($arg),*)
         }
     };
 }
