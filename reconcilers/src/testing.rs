@@ -109,11 +109,7 @@ impl Harness {
         name: &str,
         change: impl FnOnce(&mut R),
     ) -> R {
-        let mut obj: R = self.get(name);
-        change(&mut obj);
-        self.store
-            .update_status_as(&obj)
-            .expect("the status is written")
+        self.write(name, change, Store::update_status_as)
     }
 
     /// Change the stored object's metadata or spec with `change` (one `update`, as a person's
@@ -123,9 +119,18 @@ impl Harness {
         name: &str,
         change: impl FnOnce(&mut R),
     ) -> R {
+        self.write(name, change, Store::update_as)
+    }
+
+    fn write<R: Resource + DeserializeOwned>(
+        &self,
+        name: &str,
+        change: impl FnOnce(&mut R),
+        write: fn(&Store, &R) -> boxery_store::Result<R>,
+    ) -> R {
         let mut obj: R = self.get(name);
         change(&mut obj);
-        self.store.update_as(&obj).expect("the object is written")
+        write(&self.store, &obj).expect("the object is written")
     }
 
     /// Ask for the deletion of `name` (its finalizers keep it, marked, until they go).
@@ -133,6 +138,16 @@ impl Harness {
         self.store
             .delete(R::INFO.kind, name)
             .expect("the deletion is recorded");
+    }
+
+    /// Ask for the deletion of `name`, then reconcile it once (its finalizer's cleanup).
+    pub async fn delete_and_reconcile<R: Resource + DeserializeOwned>(
+        &self,
+        reconcile: impl Reconciler<R>,
+        name: &str,
+    ) -> Result<Action, ReconcileError> {
+        self.delete::<R>(name);
+        self.reconcile(reconcile, name).await
     }
 
     /// One reconcile of `name` by `reconcile`, on the object as stored now.

@@ -161,8 +161,9 @@ async fn an_interrupted_build_is_cleaned_up_and_retried() {
 async fn deletion_removes_the_image_from_the_backend_then_the_finalizer() {
     let h = Harness::new();
     built_tiny(&h).await;
-    h.delete::<Image>("tiny");
-    h.reconcile(image::reconcile, "tiny").await.unwrap();
+    h.delete_and_reconcile(image::reconcile, "tiny")
+        .await
+        .unwrap();
     assert!(h.find::<Image>("tiny").is_none());
     assert!(h.backend.image_record("tiny").unwrap().is_none());
     assert!(

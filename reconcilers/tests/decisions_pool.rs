@@ -273,8 +273,9 @@ async fn a_renewal_extends_a_bound_lease_and_one_after_the_end_is_refused() {
 async fn a_released_lease_lets_its_member_go_before_it_is_removed() {
     let h = Harness::new();
     bound(&h).await;
-    h.delete::<Lease>("l1");
-    h.reconcile(lease::reconcile, "l1").await.unwrap();
+    h.delete_and_reconcile(lease::reconcile, "l1")
+        .await
+        .unwrap();
     assert!(h.find::<Lease>("l1").is_none());
     assert!(!lease::token_file(&h.ctx, "p-0").exists());
     assert_eq!(state(&h, "p-0"), MemberState::Resetting);
@@ -288,8 +289,9 @@ async fn a_leased_member_leaves_a_scaled_down_pool_only_after_its_lease() {
     rounds(&h, 3, |_| false).await;
     assert_eq!(state(&h, "p-0"), MemberState::Leased, "held while leased");
     assert!(h.find::<Vm>("p-0").is_some());
-    h.delete::<Lease>("l1");
-    h.reconcile(lease::reconcile, "l1").await.unwrap();
+    h.delete_and_reconcile(lease::reconcile, "l1")
+        .await
+        .unwrap();
     assert!(rounds(&h, 10, |h| h.find::<PoolMember>("p-0").is_none()).await);
     assert!(h.find::<Vm>("p-0").is_none());
 }

@@ -276,8 +276,7 @@ async fn deletion_leaves_a_backend_vm_made_for_another_object() {
     h.backend
         .add_vm("a", Some("someone-else"), PowerState::Running)
         .unwrap();
-    h.delete::<Vm>("a");
-    h.reconcile(vm::reconcile, "a").await.unwrap();
+    h.delete_and_reconcile(vm::reconcile, "a").await.unwrap();
     assert!(h.find::<Vm>("a").is_none());
     assert!(
         h.backend.vm_record("a").unwrap().is_some(),
