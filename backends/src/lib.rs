@@ -472,7 +472,7 @@ pub(crate) fn last_words(log: &str) -> Option<String> {
 
 /// Where a backend keeps its state: `$BOXERY_HOME/<backend>/`.
 pub fn state_dir(home: &std::path::Path, backend: &str) -> PathBuf {
-    home.join(backend)
+    boxery_home::layout::backend(home, backend)
 }
 
 /// Names of the backends this build has.

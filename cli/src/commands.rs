@@ -855,7 +855,7 @@ pub fn api_resources() -> String {
 
 /// `version`: this build, the store's schema, the backend, and who leads the store.
 pub fn version(env: &boxery_verbs::env::Env) -> CliResult {
-    let store = env.home.join("store.db");
+    let store = boxery_home::layout::store(&env.home);
     let leader = if store.exists() {
         match boxery_verbs::typed::leader(env)? {
             Some(h) => format!("{} (leading the store)", boxery_verbs::render::safe(&h)),

@@ -118,7 +118,7 @@ complete -F _boxery_with_names -o nosort -o bashdefault -o default boxery
 /// `__complete-names KIND`: the names of the kind's objects, one per line; nothing when the home
 /// has no store yet (completion never creates a home) or the kind is unknown.
 pub async fn names(env: boxery_verbs::Env, kind: &str) -> CliResult {
-    if !Path::new(&env.home).join("store.db").exists() {
+    if !boxery_home::layout::store(Path::new(&env.home)).exists() {
         return Ok(());
     }
     let Ok(info) = boxery_verbs::objects::kind(kind) else {

@@ -53,7 +53,7 @@ fn run(mut c: Command, what: &str) -> CliResult<Vec<u8>> {
 
 /// The mirror of source `name`.
 pub fn mirror(home: &Path, name: &str) -> PathBuf {
-    home.join("sync").join(format!("{name}.git"))
+    boxery_home::layout::sync_mirror(home, name)
 }
 
 /// Bring the mirror of `url` up to date (made on first use): every branch and tag, and the

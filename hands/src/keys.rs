@@ -11,7 +11,7 @@ use boxery_store::Store;
 
 /// The directory holding the key pairs of the leases this host holds.
 pub fn leases_root(home: &Path) -> PathBuf {
-    home.join("leases")
+    boxery_home::layout::leases(home)
 }
 
 /// Where a lease's key pair lives on this host.

@@ -158,7 +158,7 @@ impl SshDir {
     /// The ssh dir of a boxery home.
     pub fn new(home: &Path) -> Self {
         SshDir {
-            dir: home.join("ssh"),
+            dir: boxery_home::layout::ssh(home),
             via: None,
         }
     }
@@ -166,7 +166,7 @@ impl SshDir {
     /// The ssh files of a home whose VMs are reached `via` another machine.
     pub fn via(home: &Path, via: Via) -> Self {
         SshDir {
-            dir: home.join("ssh"),
+            dir: boxery_home::layout::ssh(home),
             via: Some(via),
         }
     }

@@ -245,7 +245,7 @@ const TOKEN_FILE_CAP: u64 = 4096;
 pub fn token(env: &Env) -> VerbResult<String> {
     use std::io::{Read, Write};
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
-    let path = env.home.join("mcp-token");
+    let path = boxery_home::layout::mcp_token(&env.home);
     let shown = path.display();
     match std::fs::symlink_metadata(&path) {
         Ok(m) => {
@@ -504,7 +504,7 @@ impl HttpServer {
             }
             eprintln!(
                 "boxery serve: WARNING: MCP listens on {addr}, which other machines and the VMs' networks may reach; the bearer token in {} is its only protection (no TLS: it crosses the network in clear text)",
-                env.home.join("mcp-token").display()
+                boxery_home::layout::mcp_token(&env.home).display()
             );
         }
         let token = token(env)?;
@@ -551,7 +551,7 @@ impl HttpServer {
             .layer(axum::middleware::from_fn(crate::conns::close_after_refusal));
         eprintln!(
             "boxery serve: MCP at http://{local}/mcp (bearer token in {})",
-            self.env.home.join("mcp-token").display()
+            boxery_home::layout::mcp_token(&self.env.home).display()
         );
         serve_connections(self.listener, app, limits, shutdown).await;
         mcp.release_leases();

@@ -17,12 +17,12 @@ pub const LOCAL: &str = "local";
 
 /// The file.
 pub fn file(home: &Path) -> PathBuf {
-    home.join("contexts.yaml")
+    boxery_home::layout::contexts(home)
 }
 
 /// A context's folder.
 pub fn dir(home: &Path, name: &str) -> PathBuf {
-    home.join("contexts").join(name)
+    boxery_home::layout::context(home, name)
 }
 
 /// A kubeconfig, as far as boxery reads and writes it.

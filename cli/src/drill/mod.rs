@@ -131,7 +131,7 @@ fn take_turns(home: &Path) -> Result<std::fs::File> {
             .open(p)
     };
     let lock = open(Path::new("/run/lock/boxery-drill.lock"))
-        .or_else(|_| open(&home.join("drill.lock")))
+        .or_else(|_| open(&boxery_home::layout::drill_lock(home)))
         .context("cannot open the drill's lock")?;
     lock.lock().context("cannot take the drill's lock")?;
     Ok(lock)
