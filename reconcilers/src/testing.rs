@@ -102,35 +102,22 @@ impl Harness {
         self.store.get_as(name).expect("the store reads")
     }
 
-    /// Change the stored object's status with `change` (one `update_status`, as another part
-    /// of boxery would).
-    pub fn edit_status<R: Resource + Serialize + DeserializeOwned>(
-        &self,
-        name: &str,
-        change: impl FnOnce(&mut R),
-    ) -> R {
-        self.write(name, change, Store::update_status_as)
-    }
-
-    /// Change the stored object's metadata or spec with `change` (one `update`, as a person's
-    /// edit would).
+    /// Change the stored object with `change`, and write `part` of it: its metadata and spec
+    /// (one `update`, as a person's edit would) or its status (one `update_status`, as
+    /// another part of boxery would).
     pub fn edit<R: Resource + Serialize + DeserializeOwned>(
         &self,
         name: &str,
+        part: Part,
         change: impl FnOnce(&mut R),
-    ) -> R {
-        self.write(name, change, Store::update_as)
-    }
-
-    fn write<R: Resource + DeserializeOwned>(
-        &self,
-        name: &str,
-        change: impl FnOnce(&mut R),
-        write: fn(&Store, &R) -> boxery_store::Result<R>,
     ) -> R {
         let mut obj: R = self.get(name);
         change(&mut obj);
-        write(&self.store, &obj).expect("the object is written")
+        match part {
+            Part::Spec => self.store.update_as(&obj),
+            Part::Status => self.store.update_status_as(&obj),
+        }
+        .expect("the object is written")
     }
 
     /// Ask for the deletion of `name` (its finalizers keep it, marked, until they go).
@@ -140,14 +127,24 @@ impl Harness {
             .expect("the deletion is recorded");
     }
 
-    /// Ask for the deletion of `name`, then reconcile it once (its finalizer's cleanup).
-    pub async fn delete_and_reconcile<R: Resource + DeserializeOwned>(
+    /// Ask for the deletion of `name`, then reconcile it once: its finalizer's cleanup runs
+    /// and the finalizer goes. Panics when the object is still there after.
+    pub async fn remove<R: Resource + DeserializeOwned>(
         &self,
         reconcile: impl Reconciler<R>,
         name: &str,
-    ) -> Result<Action, ReconcileError> {
+    ) -> Action {
         self.delete::<R>(name);
-        self.reconcile(reconcile, name).await
+        let next = self
+            .reconcile(reconcile, name)
+            .await
+            .expect("the cleanup succeeds");
+        assert!(
+            self.find::<R>(name).is_none(),
+            "{} {name} is still there",
+            R::INFO.kind
+        );
+        next
     }
 
     /// One reconcile of `name` by `reconcile`, on the object as stored now.
@@ -241,6 +238,15 @@ impl Harness {
     pub fn heal(&self) {
         self.backend.clear_faults().expect("the faults are cleared");
     }
+}
+
+/// What [`Harness::edit`] writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// Metadata and spec (`update`).
+    Spec,
+    /// Status (`update_status`).
+    Status,
 }
 
 /// A reconcile function of kind `R` (`vm::reconcile`, `pool::reconcile`, …).

@@ -7,7 +7,7 @@ use boxery_api::conditions::{READY, reasons};
 use boxery_api::vm::OperationType;
 use boxery_api::{ConditionStatus, Conditions, Image, ImagePhase, Vm};
 use boxery_backends::fake::JournalOp;
-use boxery_reconcilers::testing::{Harness, interrupted};
+use boxery_reconcilers::testing::{Harness, Part, interrupted};
 use boxery_reconcilers::{image, vm};
 use serde_json::json;
 
@@ -88,7 +88,7 @@ async fn a_capture_of_a_made_vm_copies_its_disk() {
 async fn a_ready_image_never_changes_and_says_so_once() {
     let h = Harness::new();
     built_tiny(&h).await;
-    h.edit::<Image>("tiny", |i| {
+    h.edit::<Image>("tiny", Part::Spec, |i| {
         i.spec.source = boxery_api::ImageSource::Vm("dev1".into())
     });
     h.settle(image::reconcile, "tiny").await.unwrap();
@@ -145,7 +145,7 @@ async fn an_interrupted_build_is_cleaned_up_and_retried() {
     let h = Harness::new();
     h.put(&tiny());
     h.reconcile(image::reconcile, "tiny").await.unwrap();
-    h.edit_status::<Image>("tiny", |i| {
+    h.edit::<Image>("tiny", Part::Status, |i| {
         i.status.phase = ImagePhase::Capturing;
         i.status.operation = Some(interrupted(OperationType::Build, "tiny"))
     });
@@ -161,10 +161,7 @@ async fn an_interrupted_build_is_cleaned_up_and_retried() {
 async fn deletion_removes_the_image_from_the_backend_then_the_finalizer() {
     let h = Harness::new();
     built_tiny(&h).await;
-    h.delete_and_reconcile(image::reconcile, "tiny")
-        .await
-        .unwrap();
-    assert!(h.find::<Image>("tiny").is_none());
+    h.remove(image::reconcile, "tiny").await;
     assert!(h.backend.image_record("tiny").unwrap().is_none());
     assert!(
         h.calls()

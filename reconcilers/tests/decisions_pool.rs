@@ -10,7 +10,7 @@ use boxery_api::lease::LeasePhase;
 use boxery_api::pool::{MemberState, PoolMember};
 use boxery_api::{Conditions, Image, ImagePhase, Lease, Pool, Vm, now};
 use boxery_reconcilers::pool::{self, TEMPLATE_ANNOTATION, clean_image};
-use boxery_reconcilers::testing::Harness;
+use boxery_reconcilers::testing::{Harness, Part};
 use boxery_reconcilers::{image, lease, vm};
 use serde_json::json;
 
@@ -93,7 +93,7 @@ async fn bound(h: &Harness) {
 
 /// Lease `l1`'s time runs out (its expiry a second ago).
 fn run_out(h: &Harness) {
-    h.edit_status::<Lease>("l1", |l| {
+    h.edit::<Lease>("l1", Part::Status, |l| {
         l.status.expire_time = Some(now() - chrono::Duration::seconds(1))
     });
 }
@@ -142,7 +142,7 @@ async fn members_are_made_from_the_template_captured_and_freed() {
 async fn scale_down_removes_the_last_member_its_vm_and_its_record() {
     let h = Harness::new();
     free_pool(&h, 2).await;
-    h.edit::<Pool>("p", |p| p.spec.replicas = 1);
+    h.edit::<Pool>("p", Part::Spec, |p| p.spec.replicas = 1);
     let gone = |h: &Harness| h.find::<PoolMember>("p-1").is_none() && h.find::<Vm>("p-1").is_none();
     assert!(rounds(&h, 10, gone).await);
     assert_eq!(state(&h, "p-0"), MemberState::Free, "the other stays");
@@ -201,7 +201,7 @@ async fn a_lease_waits_for_a_free_member_its_pool_or_a_shorter_duration() {
     };
     assert_eq!(ready("early"), reasons::POOL_NOT_FOUND);
     free_pool(&h, 1).await;
-    h.edit::<Pool>("p", |p| p.spec.lease.max_ttl_seconds = 3600);
+    h.edit::<Pool>("p", Part::Spec, |p| p.spec.lease.max_ttl_seconds = 3600);
     h.put(&lease_of("long", 7200));
     assert!(
         h.settle(lease::reconcile, "long")
@@ -248,14 +248,14 @@ async fn a_renewal_extends_a_bound_lease_and_one_after_the_end_is_refused() {
     let h = Harness::new();
     bound(&h).await;
     let before = h.get::<Lease>("l1").status.expire_time.unwrap();
-    h.edit::<Lease>("l1", |l| l.spec.renew_time = Some(now()));
+    h.edit::<Lease>("l1", Part::Spec, |l| l.spec.renew_time = Some(now()));
     h.settle(lease::reconcile, "l1").await.unwrap();
     let l: Lease = h.get("l1");
     assert!(l.status.expire_time.unwrap() > before, "extended");
     assert_eq!(l.status.renewed, l.spec.renew_time);
     run_out(&h);
     h.settle(lease::reconcile, "l1").await.unwrap();
-    h.edit::<Lease>("l1", |l| l.spec.renew_time = Some(now()));
+    h.edit::<Lease>("l1", Part::Spec, |l| l.spec.renew_time = Some(now()));
     h.settle(lease::reconcile, "l1").await.unwrap();
     let l: Lease = h.get("l1");
     assert_eq!(l.status.phase, LeasePhase::Expired, "not brought back");
@@ -273,10 +273,7 @@ async fn a_renewal_extends_a_bound_lease_and_one_after_the_end_is_refused() {
 async fn a_released_lease_lets_its_member_go_before_it_is_removed() {
     let h = Harness::new();
     bound(&h).await;
-    h.delete_and_reconcile(lease::reconcile, "l1")
-        .await
-        .unwrap();
-    assert!(h.find::<Lease>("l1").is_none());
+    h.remove(lease::reconcile, "l1").await;
     assert!(!lease::token_file(&h.ctx, "p-0").exists());
     assert_eq!(state(&h, "p-0"), MemberState::Resetting);
 }
@@ -285,13 +282,11 @@ async fn a_released_lease_lets_its_member_go_before_it_is_removed() {
 async fn a_leased_member_leaves_a_scaled_down_pool_only_after_its_lease() {
     let h = Harness::new();
     bound(&h).await;
-    h.edit::<Pool>("p", |p| p.spec.replicas = 0);
+    h.edit::<Pool>("p", Part::Spec, |p| p.spec.replicas = 0);
     rounds(&h, 3, |_| false).await;
     assert_eq!(state(&h, "p-0"), MemberState::Leased, "held while leased");
     assert!(h.find::<Vm>("p-0").is_some());
-    h.delete_and_reconcile(lease::reconcile, "l1")
-        .await
-        .unwrap();
+    h.remove(lease::reconcile, "l1").await;
     assert!(rounds(&h, 10, |h| h.find::<PoolMember>("p-0").is_none()).await);
     assert!(h.find::<Vm>("p-0").is_none());
 }

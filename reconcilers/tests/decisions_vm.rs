@@ -9,7 +9,7 @@ use boxery_api::vm::OperationType;
 use boxery_api::{ConditionStatus, Conditions, Image, ImagePhase, Vm, VmPhase, now};
 use boxery_backends::fake::JournalOp;
 use boxery_backends::{Backend, PowerState};
-use boxery_reconcilers::testing::{Harness, interrupted};
+use boxery_reconcilers::testing::{Harness, Part, interrupted};
 use boxery_reconcilers::vm::{self, FINALIZER};
 use serde_json::json;
 
@@ -47,7 +47,7 @@ async fn interrupted_create(h: &Harness) -> Vm {
     ready_image(h, "base");
     let a = h.put(&vm_from("a", "base"));
     h.reconcile(vm::reconcile, "a").await.unwrap();
-    h.edit_status::<Vm>("a", |a| {
+    h.edit::<Vm>("a", Part::Status, |a| {
         a.status.operation = Some(interrupted(OperationType::Create, "base"))
     });
     a
@@ -179,7 +179,7 @@ async fn a_vm_that_stopped_on_its_own_is_started_with_a_warning() {
 async fn run_strategy_stopped_stops_the_vm() {
     let h = Harness::new();
     running(&h, "a").await;
-    h.edit::<Vm>("a", |a| {
+    h.edit::<Vm>("a", Part::Spec, |a| {
         a.spec.run_strategy = boxery_api::RunStrategy::Stopped
     });
     h.settle(vm::reconcile, "a").await.unwrap();
@@ -217,13 +217,13 @@ async fn a_degraded_vm_is_repaired_without_a_restart() {
 async fn a_bigger_spec_resizes_and_a_smaller_disk_is_refused() {
     let h = Harness::new();
     running(&h, "a").await;
-    h.edit::<Vm>("a", |a| a.spec.resources.cpus = Some(4));
+    h.edit::<Vm>("a", Part::Spec, |a| a.spec.resources.cpus = Some(4));
     h.settle(vm::reconcile, "a").await.unwrap();
     assert_eq!(h.calls().last().unwrap().0, JournalOp::Resize);
     assert_eq!(h.backend.vm_record("a").unwrap().unwrap().size.cpus, 4);
     let disk = h.backend.vm_record("a").unwrap().unwrap().size.disk_gib;
     assert!(disk > 1, "a disk that can be asked smaller: {disk}Gi");
-    h.edit::<Vm>("a", |a| {
+    h.edit::<Vm>("a", Part::Spec, |a| {
         a.spec.resources.disk = Some(boxery_api::Quantity::gib(disk - 1))
     });
     let calls = h.calls().len();
@@ -276,8 +276,7 @@ async fn deletion_leaves_a_backend_vm_made_for_another_object() {
     h.backend
         .add_vm("a", Some("someone-else"), PowerState::Running)
         .unwrap();
-    h.delete_and_reconcile(vm::reconcile, "a").await.unwrap();
-    assert!(h.find::<Vm>("a").is_none());
+    h.remove(vm::reconcile, "a").await;
     assert!(
         h.backend.vm_record("a").unwrap().is_some(),
         "not ours: kept"
@@ -318,7 +317,7 @@ async fn a_failed_create_is_recorded_and_backs_off() {
     assert_eq!(h.get::<Vm>("a").status.failures, 1);
     // A new generation goes ahead at once, and success clears the failures.
     h.heal();
-    h.edit::<Vm>("a", |a| a.spec.resources.cpus = Some(2));
+    h.edit::<Vm>("a", Part::Spec, |a| a.spec.resources.cpus = Some(2));
     h.settle(vm::reconcile, "a").await.unwrap();
     let a: Vm = h.get("a");
     assert_eq!((a.status.failures, a.status.phase), (0, VmPhase::Running));
@@ -372,7 +371,7 @@ async fn a_revert_reimages_from_a_ready_image_and_waits_for_one_that_is_not() {
             })
         }
     };
-    h.edit::<Vm>("a", revert("nosuch"));
+    h.edit::<Vm>("a", Part::Spec, revert("nosuch"));
     let next = h.reconcile(vm::reconcile, "a").await.unwrap();
     assert_eq!(next.requeue_after(), Some(Duration::from_secs(5)));
     assert_eq!(
@@ -380,7 +379,7 @@ async fn a_revert_reimages_from_a_ready_image_and_waits_for_one_that_is_not() {
         (ConditionStatus::False, reasons::IMAGE_NOT_READY.into())
     );
     assert_eq!(h.warnings::<Vm>("a"), ["RevertWaiting"]);
-    h.edit::<Vm>("a", revert("base"));
+    h.edit::<Vm>("a", Part::Spec, revert("base"));
     h.settle(vm::reconcile, "a").await.unwrap();
     let a: Vm = h.get("a");
     assert_eq!(
