@@ -222,37 +222,58 @@ pub enum MemberState {
     Removing,
 }
 
-/// One row of a pool's member table as stored before per-member records (`status.members`
-/// of an older Pool): read once, to make its `PoolMember`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct MemberStatus {
-    /// The member Vm.
-    pub name: String,
-    /// Its state.
-    pub state: MemberState,
-    /// Bumped on every state change: the fence a lease holds.
-    #[serde(default)]
-    pub generation: u64,
-    /// The lease holding it (name).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lease: Option<String>,
-    /// The lease holding it (uid): a new lease with the same name is not the holder.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lease_uid: Option<String>,
-    /// Whether the pool made it from its template (else it was adopted).
-    #[serde(default)]
-    pub created: bool,
-    /// The template it was made from (a hash; template members only). Rows written before
-    /// boxery recorded it have none, which is taken as the template current when first seen.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub template: Option<String>,
-    /// When its current reset was asked for (the Vm's `spec.restore.requestedAt`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reset_requested_at: Option<crate::meta::Time>,
-    /// Why it is Broken or Pending.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub message: String,
+/// Defines a struct of where a pool member stands, as a `PoolMember`'s status and a row of
+/// the old member table both hold it: the first group of fields (its state), the lease fence
+/// (`generation`, `lease`, `leaseUid`), the second group, then `template`, `resetRequestedAt`
+/// and `message`.
+macro_rules! member_state {
+    (
+        $(#[$attr:meta])*
+        pub struct $name:ident { $($state:tt)* } then { $($own:tt)* }
+    ) => {
+        $(#[$attr])*
+        pub struct $name {
+            $($state)*
+            /// Bumped on every state change: the fence a lease holds.
+            #[serde(default)]
+            pub generation: u64,
+            /// The lease holding it (name).
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub lease: Option<String>,
+            /// The lease holding it (uid): a new lease with the same name is not the holder.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub lease_uid: Option<String>,
+            $($own)*
+            /// The template it was made from (a hash; template members only). Rows of the old
+            /// member table written before boxery recorded it have none, which is taken as the
+            /// template current when first seen.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub template: Option<String>,
+            /// When its current reset was asked for (the Vm's `spec.restore.requestedAt`).
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub reset_requested_at: Option<crate::meta::Time>,
+            /// Why it is Broken, Pending or Removing.
+            #[serde(default, skip_serializing_if = "String::is_empty")]
+            pub message: String,
+        }
+    };
+}
+
+member_state! {
+    /// One row of a pool's member table as stored before per-member records (`status.members`
+    /// of an older Pool): read once, to make its `PoolMember`.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct MemberStatus {
+        /// The member Vm.
+        pub name: String,
+        /// Its state.
+        pub state: MemberState,
+    } then {
+        /// Whether the pool made it from its template (else it was adopted).
+        #[serde(default)]
+        pub created: bool,
+    }
 }
 
 /// The fields of a Pool spec that validate but that nothing acts on yet (its template's
@@ -327,33 +348,17 @@ pub struct PoolMemberSpec {
     pub created: bool,
 }
 
-/// Where a member stands. Every change is one `update_status` of this object with a
-/// resourceVersion precondition: of a claim, a reset, a replacement and a removal racing on
-/// one member exactly one lands.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct PoolMemberStatus {
-    /// Its state.
-    #[serde(default)]
-    pub state: MemberState,
-    /// Bumped on every state change: the fence a lease holds.
-    #[serde(default)]
-    pub generation: u64,
-    /// The lease holding it (name).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lease: Option<String>,
-    /// The lease holding it (uid): a new lease with the same name is not the holder.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lease_uid: Option<String>,
-    /// The template it was made from (a hash; template members only).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub template: Option<String>,
-    /// When its current reset was asked for (the Vm's `spec.restore.requestedAt`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reset_requested_at: Option<crate::meta::Time>,
-    /// Why it is Broken, Pending or Removing.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub message: String,
+member_state! {
+    /// Where a member stands. Every change is one `update_status` of this object with a
+    /// resourceVersion precondition: of a claim, a reset, a replacement and a removal racing
+    /// on one member exactly one lands.
+    #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct PoolMemberStatus {
+        /// Its state.
+        #[serde(default)]
+        pub state: MemberState,
+    } then {}
 }
 
 impl MemberStatus {
