@@ -181,9 +181,27 @@ async fn finish(
     ))
 }
 
+/// Whether and how long a tool that writes waits for the result (flattened into its
+/// arguments).
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct Waiting {
+    /// Wait for the result: what was applied settled, a VM verb done, deleted objects gone
+    /// (default true).
+    pub wait: Option<bool>,
+    /// How long to wait (default 600 s, vm_delete 120 s; at most 1800).
+    pub timeout_seconds: Option<u64>,
+}
+
+impl Waiting {
+    /// How long to wait (`default` seconds unless given), or `None` when not waiting.
+    fn bound(&self, default: u64) -> Option<Duration> {
+        let t = clamp_timeout(self.timeout_seconds, default);
+        self.wait.unwrap_or(true).then_some(t)
+    }
+}
+
 /// `vm_apply` arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct ApplyArgs {
     /// One or more YAML documents (separated by `---`) or a JSON object.
     pub manifest: String,
@@ -194,10 +212,9 @@ pub struct ApplyArgs {
     /// other values, instead of failing with a conflict that names them.
     #[serde(default)]
     pub force_conflicts: bool,
-    /// Wait until Vms and Images are Ready (default true).
-    pub wait: Option<bool>,
-    /// How long to wait (default 600 s, at most 1800).
-    pub timeout_seconds: Option<u64>,
+    /// Whether and how long to wait until what was applied settled.
+    #[serde(flatten)]
+    pub waiting: Waiting,
 }
 
 /// `vm_get` arguments.
@@ -260,16 +277,14 @@ pub struct PatchArgs {
 
 /// `vm_delete` arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct DeleteArgs {
     /// The kind (default vm).
     pub kind: Option<String>,
     /// The names.
     pub names: Vec<String>,
-    /// Wait until they are gone (default true).
-    pub wait: Option<bool>,
-    /// How long to wait (default 120 s).
-    pub timeout_seconds: Option<u64>,
+    /// Whether and how long to wait until they are gone.
+    #[serde(flatten)]
+    pub waiting: Waiting,
 }
 
 /// `vm_wait` arguments.
@@ -309,7 +324,6 @@ pub enum Action {
 
 /// `vm_manage` arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct ManageArgs {
     /// new, snap, revert, fork, start, stop, resize or rm.
     pub action: Action,
@@ -328,10 +342,9 @@ pub struct ManageArgs {
     pub memory: Option<String>,
     /// new/fork/resize: disk size, e.g. 20Gi (disks only grow).
     pub disk: Option<String>,
-    /// Wait for the result (default true).
-    pub wait: Option<bool>,
-    /// How long to wait (default 600 s, at most 1800).
-    pub timeout_seconds: Option<u64>,
+    /// Whether and how long to wait for the result.
+    #[serde(flatten)]
+    pub waiting: Waiting,
 }
 
 /// `vm_use` arguments.
@@ -370,10 +383,7 @@ pub async fn apply(session: Arc<Session>, a: ApplyArgs, ct: CancellationToken) -
         session.set_default_vm(Some(one.to_string()));
         text.push_str(&format!("(VM {one} is this session's default VM now)\n"));
     }
-    let wait_for = a
-        .wait
-        .unwrap_or(true)
-        .then(|| clamp_timeout(a.timeout_seconds, 600));
+    let wait_for = a.waiting.bound(600);
     let all = applied.waited_on();
     let converged = match wait_for {
         Some(t) => {
@@ -538,10 +548,7 @@ async fn delete_objects(
 /// `vm_delete`.
 pub async fn delete(session: Arc<Session>, a: DeleteArgs, ct: CancellationToken) -> ToolResult {
     let info = kind_of(a.kind.as_deref())?;
-    let wait_for = a
-        .wait
-        .unwrap_or(true)
-        .then(|| clamp_timeout(a.timeout_seconds, 120));
+    let wait_for = a.waiting.bound(120);
     delete_objects(&session, info, &a.names, wait_for, &ct).await
 }
 
@@ -617,10 +624,7 @@ fn check_names(a: &ManageArgs) -> Result<(), VerbError> {
 /// `vm_manage`: one verb per action.
 pub async fn manage(session: Arc<Session>, a: ManageArgs, ct: CancellationToken) -> ToolResult {
     check_names(&a)?;
-    let wait_for = a
-        .wait
-        .unwrap_or(true)
-        .then(|| clamp_timeout(a.timeout_seconds, 600));
+    let wait_for = a.waiting.bound(600);
     let (text, plan) = match a.action {
         Action::New => manage_new(&session, &a).await?,
         Action::Snap => manage_snap(&session, &a).await?,
