@@ -272,7 +272,7 @@ async fn serve(s: &Served, req: Request, at: &mut Arrival) -> Result<Response, R
     } else {
         req.uri().path().to_string()
     };
-    let vm = vm_of(s, req.headers())?;
+    let vm = vm_of(s, req.headers()).map_err(|r| answer(r, "denied"))?;
     at.rec.vm = Some(vm.clone());
     let policy = boxery_home::egress::read(&p.home, &vm);
     let addrs = admit(p, &vm, &policy, &host, port).await?;
@@ -313,19 +313,16 @@ async fn serve(s: &Served, req: Request, at: &mut Arrival) -> Result<Response, R
 
 /// The VM asking: the channel's, or (on a shared listener) the one whose token came in
 /// `Proxy-Authorization`.
-fn vm_of(s: &Served, h: &HeaderMap) -> Result<String, Response> {
+fn vm_of(s: &Served, h: &HeaderMap) -> Result<String, Refusal> {
     if let Some(ch) = &s.channel {
         return Ok(ch.to_string());
     }
     match proxy_token(h).and_then(|t| s.proxy.inner.tokens.lookup(&t)) {
         Some((vm, _)) => Ok(vm),
-        None => Err(answer(
-            refuse(
-                StatusCode::PROXY_AUTHENTICATION_REQUIRED,
-                "no or wrong token: send the VM's boxery token as the proxy password \
-                 (http://boxery:$BOXERY_TOKEN@HOST:PORT)",
-            ),
-            "denied",
+        None => Err(refuse(
+            StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+            "no or wrong token: send the VM's boxery token as the proxy password \
+             (http://boxery:$BOXERY_TOKEN@HOST:PORT)",
         )),
     }
 }
