@@ -8,15 +8,24 @@
 //!
 //! ```ignore
 //! let h = Harness::new();
-//! h.put(&Vm::test("a"));
+//! h.put(&vm); // Vm `a`, made from Image `base`, which is Ready (in the store and the fake)
 //! let next = h.settle(vm::reconcile, "a").await.unwrap();
 //! assert!(next.is_await_change());
 //! assert_eq!(h.get::<Vm>("a").status.phase, VmPhase::Running);
-//! assert_eq!(h.reasons::<Vm>("a"), ["BuildingImage", "Created", "Started"]);
+//! assert_eq!(h.reasons::<Vm>("a"), ["Created"]);
+//! assert_eq!(h.calls(), [(JournalOp::Create, "a".to_string())]);
 //! ```
 //!
-//! For tests only (`#[doc(hidden)]`); `reconcilers/tests/decisions_*.rs` are the examples,
-//! `docs/testing.md` the how-to.
+//! For tests only (`#[doc(hidden)]`); `reconcilers/tests/decisions_*.rs` are the examples.
+//! A decision test: build the objects with `serde_json::from_value` (the manifest as the
+//! user writes it) and [`Harness::put`] them; call [`Harness::reconcile`] for one decision, or
+//! [`Harness::settle`] to run it as the controller would until it waits; make what happens
+//! elsewhere happen by hand ([`Harness::edit`] for a person's or another controller's write,
+//! the fake's own helpers for the backend: `add_vm`, `degrade`, a removed directory,
+//! [`Harness::fail`] for a failing step); then assert on the returned `Action`, the stored
+//! status, [`Harness::reasons`]/[`Harness::warnings`] and [`Harness::calls`]. Other
+//! reconcilers do not run unless the test calls them (a pool's members need the Vm and
+//! Image reconcilers: `decisions_pool.rs`'s `rounds`).
 
 use std::future::Future;
 use std::path::{Path, PathBuf};

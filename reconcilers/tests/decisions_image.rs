@@ -32,7 +32,7 @@ async fn built_tiny(h: &Harness) {
 
 fn ready(img: &Image) -> (ConditionStatus, String) {
     let c = img.status.conditions.get_condition(READY).unwrap();
-    (c.status.clone(), c.reason.clone())
+    (c.status, c.reason.clone())
 }
 
 #[tokio::test]

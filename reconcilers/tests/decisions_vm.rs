@@ -39,7 +39,7 @@ fn condition(vm: &Vm, type_: &str) -> (ConditionStatus, String) {
         .conditions
         .get_condition(type_)
         .unwrap_or_else(|| panic!("no {type_} condition in {:?}", vm.status.conditions));
-    (c.status.clone(), c.reason.clone())
+    (c.status, c.reason.clone())
 }
 
 /// VM `a`, which a crashed control plane left in the middle of its create from `base`.
