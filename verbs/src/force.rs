@@ -11,10 +11,10 @@ use crate::error::{Result, VerbError};
 pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
     // A lease never outlives its VM silently: it ends first, with an event.
     for l in crate::pools::end_leases_for(v, kind, name).await? {
-        eprintln!(
+        crate::notes::say(&format!(
             "lease/{l} ended: its {} was deleted with --force",
             kind.to_ascii_lowercase()
-        );
+        ));
     }
     let store = v.local()?;
     let backend = v.env.backend_for(store).await?;
@@ -123,10 +123,10 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
         match store.update(obj) {
             Ok(_) | Err(boxery_store::StoreError::NotFound { .. }) => {
                 if !foreign.is_empty() {
-                    eprintln!(
+                    crate::notes::say(&format!(
                         "{kind}/{name}: dropped finalizers boxery does not own: {}",
                         foreign.join(", ")
-                    );
+                    ));
                 }
                 if store.get(kind, name)?.is_some() {
                     return Err(VerbError::failed(format!(
