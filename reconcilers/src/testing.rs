@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use boxery_api::vm::{Operation, OperationType};
-use boxery_api::{Event, EventType, Resource};
+use boxery_api::{Event, EventType, Image, Resource, Vm};
 use boxery_backends::fake::{FakeBackend, FaultAction, FaultConfig, FaultRule, JournalOp};
 use boxery_controller::Action;
 use boxery_controller::events::{INVOLVED_KIND, INVOLVED_NAME};
@@ -98,6 +98,20 @@ impl Harness {
     /// Create `obj` in the store (its status kept as given); returns it as stored.
     pub fn put<R: Resource + Serialize + DeserializeOwned>(&self, obj: &R) -> R {
         self.store.create_as(obj).expect("the object is created")
+    }
+
+    /// Image `name`, Ready: in the store (a `tiny` build, its status Ready) and in the fake
+    /// backend, for VMs to be made from.
+    pub fn ready_image(&self, name: &str) {
+        let img: Image = serde_json::from_value(serde_json::json!({
+            "apiVersion": boxery_api::API_VERSION, "kind": "Image", "metadata": {"name": name},
+            "spec": {"source": {"build": {"base": "tiny"}}}, "status": {"phase": "Ready"},
+        }))
+        .expect("an Image");
+        self.put(&img);
+        self.backend
+            .add_image(name, None)
+            .expect("the image is in the fake");
     }
 
     /// The object `name` of kind `R` as stored now (panics when there is none).
@@ -270,6 +284,15 @@ where
     Fut: Future<Output = Result<Action, ReconcileError>>,
 {
     type Step = Fut;
+}
+
+/// Vm `name` made from image `image`, as a user writes it (the store fills in the defaults).
+pub fn vm(name: &str, image: &str) -> Vm {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": boxery_api::API_VERSION, "kind": "Vm", "metadata": {"name": name},
+        "spec": {"source": {"image": image}},
+    }))
+    .expect("a Vm")
 }
 
 /// An operation (`status.operation`) of type `type_` on `image`, as a control plane that

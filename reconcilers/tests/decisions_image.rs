@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use boxery_api::conditions::{READY, reasons};
 use boxery_api::vm::OperationType;
-use boxery_api::{ConditionStatus, Conditions, Image, ImagePhase, Vm};
+use boxery_api::{ConditionStatus, Conditions, Image, ImagePhase};
 use boxery_backends::fake::JournalOp;
-use boxery_reconcilers::testing::{Harness, Part, interrupted};
+use boxery_reconcilers::testing::{self, Harness, Part, interrupted};
 use boxery_reconcilers::{image, vm};
 use serde_json::json;
 
@@ -66,12 +66,7 @@ async fn a_capture_waits_for_its_source_vm() {
 async fn a_capture_of_a_made_vm_copies_its_disk() {
     let h = Harness::new();
     built_tiny(&h).await;
-    let dev: Vm = serde_json::from_value(json!({
-        "apiVersion": "boxery.dev/v1alpha1", "kind": "Vm", "metadata": {"name": "dev1"},
-        "spec": {"source": {"image": "tiny"}},
-    }))
-    .unwrap();
-    h.put(&dev);
+    h.put(&testing::vm("dev1", "tiny"));
     h.settle(vm::reconcile, "dev1").await.unwrap();
     h.backend.write_disk("dev1", b"work\n").unwrap();
     h.put(&image_of("snap", json!({"vm": "dev1"})));

@@ -16,13 +16,7 @@ use serde_json::json;
 
 /// Pool `p` of `replicas` members made from image `base` (ready in the store and backend).
 fn pool_of(h: &Harness, replicas: u32) {
-    let img: Image = serde_json::from_value(json!({
-        "apiVersion": "boxery.dev/v1alpha1", "kind": "Image", "metadata": {"name": "base"},
-        "spec": {"source": {"build": {"base": "tiny"}}}, "status": {"phase": "Ready"},
-    }))
-    .unwrap();
-    h.put(&img);
-    h.backend.add_image("base", None).unwrap();
+    h.ready_image("base");
     let p: Pool = serde_json::from_value(json!({
         "apiVersion": "boxery.dev/v1alpha1", "kind": "Pool", "metadata": {"name": "p"},
         "spec": {"template": {"spec": {"source": {"image": "base"}}}, "replicas": replicas},

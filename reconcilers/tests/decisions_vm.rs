@@ -9,29 +9,8 @@ use boxery_api::vm::OperationType;
 use boxery_api::{ConditionStatus, Conditions, Image, ImagePhase, Vm, VmPhase, now};
 use boxery_backends::fake::JournalOp;
 use boxery_backends::{Backend, PowerState};
-use boxery_reconcilers::testing::{Harness, Part, interrupted};
+use boxery_reconcilers::testing::{self, Harness, Part, interrupted};
 use boxery_reconcilers::vm::{self, FINALIZER};
-use serde_json::json;
-
-fn vm_from(name: &str, image: &str) -> Vm {
-    serde_json::from_value(json!({
-        "apiVersion": "boxery.dev/v1alpha1", "kind": "Vm", "metadata": {"name": name},
-        "spec": {"source": {"image": image}},
-    }))
-    .unwrap()
-}
-
-/// An Image `name`, ready in the store and in the backend.
-fn ready_image(h: &Harness, name: &str) {
-    let img: Image = serde_json::from_value(json!({
-        "apiVersion": "boxery.dev/v1alpha1", "kind": "Image", "metadata": {"name": name},
-        "spec": {"source": {"build": {"base": "tiny"}}},
-        "status": {"phase": "Ready"},
-    }))
-    .unwrap();
-    h.put(&img);
-    h.backend.add_image(name, None).unwrap();
-}
 
 fn condition(vm: &Vm, type_: &str) -> (ConditionStatus, String) {
     let c = vm
@@ -44,8 +23,8 @@ fn condition(vm: &Vm, type_: &str) -> (ConditionStatus, String) {
 
 /// VM `a`, which a crashed control plane left in the middle of its create from `base`.
 async fn interrupted_create(h: &Harness) -> Vm {
-    ready_image(h, "base");
-    let a = h.put(&vm_from("a", "base"));
+    h.ready_image("base");
+    let a = h.put(&testing::vm("a", "base"));
     h.reconcile(vm::reconcile, "a").await.unwrap();
     h.edit::<Vm>("a", Part::Status, |a| {
         a.status.operation = Some(interrupted(OperationType::Create, "base"))
@@ -55,8 +34,8 @@ async fn interrupted_create(h: &Harness) -> Vm {
 
 /// A VM made from image `base` and settled: running, Ready.
 async fn running(h: &Harness, name: &str) -> Vm {
-    ready_image(h, "base");
-    h.put(&vm_from(name, "base"));
+    h.ready_image("base");
+    h.put(&testing::vm(name, "base"));
     let next = h.settle(vm::reconcile, name).await.unwrap();
     assert!(next.is_await_change(), "{next:?}");
     h.get(name)
@@ -65,7 +44,7 @@ async fn running(h: &Harness, name: &str) -> Vm {
 #[tokio::test]
 async fn the_first_reconcile_adds_the_finalizer_and_nothing_else() {
     let h = Harness::new();
-    h.put(&vm_from("a", "base"));
+    h.put(&testing::vm("a", "base"));
     let next = h.reconcile(vm::reconcile, "a").await.unwrap();
     assert!(next.is_await_change(), "the write wakes it: {next:?}");
     let a: Vm = h.get("a");
@@ -77,7 +56,7 @@ async fn the_first_reconcile_adds_the_finalizer_and_nothing_else() {
 #[tokio::test]
 async fn a_stock_image_is_made_on_first_use_and_the_vm_waits_for_it() {
     let h = Harness::new();
-    h.put(&vm_from("a", "tiny"));
+    h.put(&testing::vm("a", "tiny"));
     let next = h.settle(vm::reconcile, "a").await.unwrap();
     assert_eq!(next.requeue_after(), Some(Duration::from_secs(5)));
     let a: Vm = h.get("a");
@@ -97,7 +76,7 @@ async fn a_stock_image_is_made_on_first_use_and_the_vm_waits_for_it() {
 #[tokio::test]
 async fn a_missing_image_is_said_once_and_nothing_is_made() {
     let h = Harness::new();
-    h.put(&vm_from("a", "nosuch"));
+    h.put(&testing::vm("a", "nosuch"));
     h.settle(vm::reconcile, "a").await.unwrap();
     h.settle(vm::reconcile, "a").await.unwrap();
     let a: Vm = h.get("a");
@@ -287,8 +266,8 @@ async fn deletion_leaves_a_backend_vm_made_for_another_object() {
 #[tokio::test]
 async fn a_failed_create_is_recorded_and_backs_off() {
     let h = Harness::new();
-    ready_image(&h, "base");
-    h.put(&vm_from("a", "base"));
+    h.ready_image("base");
+    h.put(&testing::vm("a", "base"));
     h.fail("create");
     let next = h.settle(vm::reconcile, "a").await.unwrap();
     let wait = next.requeue_after().expect("a requeue");
