@@ -7,7 +7,7 @@
 //! grant is bound to (a lease's grant with that lease's token; a VM's grant with the VM's).
 //!
 //! # Guarantees
-//! - [`matches`] compares in constant time and reads the file on every call: a removed or
+//! - [`matches()`] compares in constant time and reads the file on every call: a removed or
 //!   replaced token stops working at once.
 //! - [`revoke`] removes the file only when it is still the given owner's, so a late revoke of
 //!   an old lease never removes the next holder's token.
