@@ -6,11 +6,11 @@ use std::io::Write;
 use std::time::Duration;
 
 use boxery_api::{DynObject, KindInfo};
-use boxery_verbs::{LAST_APPLIED, ObjectRef};
 use boxery_verbs::Verbs;
 use boxery_verbs::objects::{self, Deleted, DryRun};
 use boxery_verbs::render::{self as output, Format};
 use boxery_verbs::wait::Until;
+use boxery_verbs::{LAST_APPLIED, ObjectRef};
 use futures::StreamExt;
 use serde_json::Value;
 

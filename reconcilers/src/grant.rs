@@ -63,9 +63,8 @@ pub const STATE_EVERY: Duration = Duration::from_secs(30);
 
 type Result<T, E = ReconcileError> = std::result::Result<T, E>;
 
-/// The grant state files themselves (`$BOXERY_HOME/grants/<vm>.json`) are
-/// `boxery_home::grants`; `remove_entries` is here too for `delete --force`.
-pub use boxery_home::grants::remove_entries;
+// The grant state files themselves (`$BOXERY_HOME/grants/<vm>.json`) are
+// `boxery_home::grants`.
 
 /// Change `vm`'s entries with `f` under the VM's grant lock; writes only when they changed.
 async fn edit_state(ctx: &Ctx, vm: &str, f: impl FnOnce(&mut Vec<Entry>)) -> Result<bool> {

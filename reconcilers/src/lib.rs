@@ -17,8 +17,6 @@ pub mod runtime;
 #[doc(hidden)]
 pub mod testing;
 pub use boxery_hands::ssh;
-/// The token store, re-exported from `boxery_home` for the verbs (`delete --force`).
-pub use boxery_home::tokens;
 pub mod vm;
 
 pub use context::{Ctx, Settings};

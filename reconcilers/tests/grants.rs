@@ -524,7 +524,7 @@ async fn a_grant_waits_for_a_vm_that_does_not_exist_yet() {
 /// owned by the lease and gone when the lease ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_follow_vms_and_leases() {
-    use boxery_reconcilers::tokens;
+    use boxery_home::tokens;
     let p = plane().await;
     vm(&p, "dev1").await;
     let uid = p

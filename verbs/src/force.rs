@@ -41,10 +41,8 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
             }
             // Out of force first, as the Vm finalizer does: its grants' entries, then its token.
             if let Some(uid) = uid.as_deref() {
-                boxery_reconcilers::grant::remove_entries(&v.env.home, name, |e| e.vm_uid == uid)
-                    .and_then(|()| {
-                        boxery_reconcilers::tokens::revoke(&v.env.home, name, uid).map(drop)
-                    })
+                boxery_home::grants::remove_entries(&v.env.home, name, |e| e.vm_uid == uid)
+                    .and_then(|()| boxery_home::tokens::revoke(&v.env.home, name, uid).map(drop))
                     .map_err(|e| {
                         VerbError::failed(format!(
                             "cannot revoke VM {name}'s grants and token ({e}); nothing was dropped"
@@ -95,7 +93,7 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
                 && let Some(uid) = g.metadata.uid.as_deref()
             {
                 for vm in g.status.vm.iter().chain(g.spec.vm.iter()) {
-                    boxery_reconcilers::grant::remove_entries(&v.env.home, vm, |e| e.uid == uid)
+                    boxery_home::grants::remove_entries(&v.env.home, vm, |e| e.uid == uid)
                         .map_err(|e| {
                             VerbError::failed(format!(
                                 "cannot revoke grant {name} from the grant state ({e}); nothing was dropped"

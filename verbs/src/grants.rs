@@ -428,10 +428,7 @@ mod tests {
     #[tokio::test]
     async fn an_approval_is_of_the_spec_shown() {
         let dir = tempfile::tempdir().unwrap();
-        let env = crate::Env {
-            home: dir.path().join("home"),
-            backend_name: "fake".into(),
-        };
+        let env = crate::Env::new(dir.path().join("home"), "fake");
         let v = Verbs::open(env, crate::Voice::Cli).unwrap();
         let vm: Vm = serde_json::from_value(serde_json::json!({
             "apiVersion": "boxery.dev/v1alpha1", "kind": "Vm", "metadata": {"name": "dev1"},

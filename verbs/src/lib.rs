@@ -31,8 +31,8 @@ pub mod env;
 pub mod error;
 pub mod force;
 pub mod grants;
-pub mod notes;
 pub mod guest;
+pub mod notes;
 pub mod objects;
 pub mod orphans;
 pub mod pools;
@@ -48,13 +48,12 @@ use std::sync::Arc;
 pub use boxery_hands::Voice;
 use boxery_store::{ObjectStore, ObjectStoreExt, Store};
 
-/// The store's vocabulary the front ends name (they reach the store through the verbs only).
-pub use boxery_store::{
-    APPLY_MANAGER, ApplyAction, ApplyOptions, LAST_APPLIED, ObjectRef, SCHEMA_VERSION,
-    entry_fields,
-};
 pub use crate::env::Env;
 pub use crate::error::{ErrorKind, Result, VerbError};
+/// The store's vocabulary the front ends name (they reach the store through the verbs only).
+pub use boxery_store::{
+    APPLY_MANAGER, ApplyAction, ApplyOptions, LAST_APPLIED, ObjectRef, SCHEMA_VERSION, entry_fields,
+};
 
 /// What the verbs work on: the store, the home and backend, and the voice messages speak in.
 /// Cheap to clone.

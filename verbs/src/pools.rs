@@ -121,13 +121,9 @@ pub async fn add(v: &Verbs, pool: &str, vm: &str) -> Result {
 /// table stored before records that the pool's controller has not moved yet. What `pool ls`
 /// and `describe pool` (CLI and MCP) show.
 pub async fn members(v: &Verbs, pool: &Pool) -> Result<Vec<MemberStatus>> {
-    let selector = format!(
-        "{}={}",
-        boxery_api::pool::POOL_LABEL,
-        pool.metadata.name
-    )
-    .parse()
-    .map_err(|_| VerbError::invalid("a pool name that is not a label value"))?;
+    let selector = format!("{}={}", boxery_api::pool::POOL_LABEL, pool.metadata.name)
+        .parse()
+        .map_err(|_| VerbError::invalid("a pool name that is not a label value"))?;
     let mut out: Vec<MemberStatus> = v
         .store()
         .list_as::<PoolMember>(&selector)
