@@ -14,8 +14,10 @@ use boxery_api::vm::{Resources, VmSpec};
 use boxery_api::{DynObject, RunStrategy, Vm, VmSource};
 use boxery_store::{ApplyOptions, Store};
 
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_boxery")
+/// The binary measured: this build's, or `BOXERY_BENCH_BIN` (another build of the same commit,
+/// e.g. another release profile, measured by the same driver in the same run).
+fn bin() -> String {
+    std::env::var("BOXERY_BENCH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_boxery").to_string())
 }
 
 fn vms(n: usize) -> Vec<DynObject> {
