@@ -224,7 +224,14 @@ async fn main() {
     l.backend.init().await.unwrap();
     let p: boxery_backends::Progress = Arc::new(|_l: &str| {});
     l.backend
-        .build_image("tiny", "tiny", "uid-tiny", p)
+        .build_image(
+            boxery_backends::Stock {
+                name: "tiny",
+                image: "tiny",
+                uid: "uid-tiny",
+            },
+            p,
+        )
         .await
         .unwrap();
     let mut lf = Figures::default();

@@ -61,7 +61,7 @@ pub use journal::{JOURNAL_FILE, JournalEntry, JournalOp};
 
 use crate::{
     Backend, BackendError, Capabilities, DiskSource, Identity, ImageInfo, NewVm, PowerState,
-    Progress, Result, Stability, VmInfo, VmSize,
+    Progress, Result, Stability, Stock, VmInfo, VmSize,
 };
 use faults::{Decision, Faults};
 use fsutil::{
@@ -887,13 +887,8 @@ impl Backend for FakeBackend {
         self.step("reimage.done").await
     }
 
-    async fn build_image(
-        &self,
-        name: &str,
-        image: &str,
-        uid: &str,
-        progress: Progress,
-    ) -> Result<()> {
+    async fn build_image(&self, stock: Stock<'_>, progress: Progress) -> Result<()> {
+        let Stock { name, image, uid } = stock;
         self.step("build").await?;
         check_name("image", image)?;
         if !STOCK_IMAGES.contains(&name) {

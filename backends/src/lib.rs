@@ -343,6 +343,18 @@ pub enum ProxyListen {
 /// Progress reports for long work (image builds).
 pub type Progress = Arc<dyn Fn(&str) + Send + Sync>;
 
+/// A stock image to build ([`Backend::build_image`]): which one, as which image, for which
+/// object (named, not three strings in a row).
+#[derive(Debug, Clone, Copy)]
+pub struct Stock<'a> {
+    /// The stock image (`debian-12`, `tiny`).
+    pub name: &'a str,
+    /// The image to make of it.
+    pub image: &'a str,
+    /// The uid of the Image object it is made for (its mark).
+    pub uid: &'a str,
+}
+
 /// A hypervisor backend.
 #[async_trait]
 pub trait Backend: Send + Sync + std::fmt::Debug {
@@ -382,14 +394,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     async fn remove_image(&self, image: &str) -> Result<()>;
     /// Replace a VM's disk with a copy of `image`, keeping its identity; ends running.
     async fn reimage(&self, vm: &str, image: &str, identity: &Identity) -> Result<()>;
-    /// Build the stock image `name` (`debian-12`) as image `image` marked `uid`.
-    async fn build_image(
-        &self,
-        name: &str,
-        image: &str,
-        uid: &str,
-        progress: Progress,
-    ) -> Result<()>;
+    /// Build stock image `stock.name` (`debian-12`) as image `stock.image` marked `stock.uid`.
+    async fn build_image(&self, stock: Stock<'_>, progress: Progress) -> Result<()>;
     /// Import a disk file as image `image`.
     async fn import_image(&self, path: &std::path::Path, image: &str, uid: &str) -> Result<()> {
         let _ = (path, image, uid);

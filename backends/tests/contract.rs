@@ -208,17 +208,38 @@ async fn contract(s: Subject) {
 
     step("the stock image");
     if caps.build_stock_image {
-        b.build_image(s.stock, "stock", "uid-stock", progress())
-            .await
-            .unwrap_or_else(|e| panic!("{name}: building {} failed: {}", s.stock, e.chain()));
+        b.build_image(
+            boxery_backends::Stock {
+                name: s.stock,
+                image: "stock",
+                uid: "uid-stock",
+            },
+            progress(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{name}: building {} failed: {}", s.stock, e.chain()));
         // idempotent for its object, refused for another
-        b.build_image(s.stock, "stock", "uid-stock", progress())
-            .await
-            .unwrap();
+        b.build_image(
+            boxery_backends::Stock {
+                name: s.stock,
+                image: "stock",
+                uid: "uid-stock",
+            },
+            progress(),
+        )
+        .await
+        .unwrap();
         assert!(
-            b.build_image(s.stock, "stock", "uid-other", progress())
-                .await
-                .is_err(),
+            b.build_image(
+                boxery_backends::Stock {
+                    name: s.stock,
+                    image: "stock",
+                    uid: "uid-other"
+                },
+                progress()
+            )
+            .await
+            .is_err(),
             "{name}: an image name taken by another object"
         );
     } else {

@@ -51,9 +51,16 @@ fn new_vm(name: &str, uid: &str, image: &str) -> NewVm {
 async fn with_stock() -> (tempfile::TempDir, FakeBackend) {
     let (home, b) = fake();
     b.init().await.unwrap();
-    b.build_image("debian-12", STOCK, STOCK_UID, no_progress())
-        .await
-        .unwrap();
+    b.build_image(
+        boxery_backends::Stock {
+            name: "debian-12",
+            image: STOCK,
+            uid: STOCK_UID,
+        },
+        no_progress(),
+    )
+    .await
+    .unwrap();
     (home, b)
 }
 
@@ -97,9 +104,16 @@ async fn build_reports_progress_and_makes_a_marked_image() {
     let progress: Progress = Arc::new(move |_: &str| {
         s.fetch_add(1, Ordering::SeqCst);
     });
-    b.build_image("debian-12", STOCK, STOCK_UID, progress.clone())
-        .await
-        .unwrap();
+    b.build_image(
+        boxery_backends::Stock {
+            name: "debian-12",
+            image: STOCK,
+            uid: STOCK_UID,
+        },
+        progress.clone(),
+    )
+    .await
+    .unwrap();
     assert!(seen.load(Ordering::SeqCst) >= 1);
     assert_eq!(b.read_image_disk(STOCK).unwrap(), b"debian-12\n");
     let images = b.images().await.unwrap();
@@ -109,17 +123,39 @@ async fn build_reports_progress_and_makes_a_marked_image() {
     assert!(images[0].created.is_some());
     assert_eq!(images[0].size_bytes, Some(10));
     // Idempotent for the same uid, refused for another, unknown stock images invalid.
-    b.build_image("debian-12", STOCK, STOCK_UID, progress)
-        .await
-        .unwrap();
+    b.build_image(
+        boxery_backends::Stock {
+            name: "debian-12",
+            image: STOCK,
+            uid: STOCK_UID,
+        },
+        progress,
+    )
+    .await
+    .unwrap();
     assert_eq!(count(&b, JournalOp::Build), 1);
     assert!(matches!(
-        b.build_image("debian-12", STOCK, "other", no_progress())
-            .await,
+        b.build_image(
+            boxery_backends::Stock {
+                name: "debian-12",
+                image: STOCK,
+                uid: "other"
+            },
+            no_progress()
+        )
+        .await,
         Err(BackendError::Failed { .. })
     ));
     assert!(matches!(
-        b.build_image("windows-95", "w", "u", no_progress()).await,
+        b.build_image(
+            boxery_backends::Stock {
+                name: "windows-95",
+                image: "w",
+                uid: "u"
+            },
+            no_progress()
+        )
+        .await,
         Err(BackendError::Invalid(_))
     ));
 }

@@ -52,7 +52,14 @@ impl Env {
             .to_string();
         let p: boxery_backends::Progress = Arc::new(|_l: &str| {});
         backend
-            .build_image("tiny", "tiny", "uid-tiny", p)
+            .build_image(
+                boxery_backends::Stock {
+                    name: "tiny",
+                    image: "tiny",
+                    uid: "uid-tiny",
+                },
+                p,
+            )
             .await
             .expect("the tiny image builds (image/build-tiny.sh)");
         Env {

@@ -598,9 +598,16 @@ async fn debian_end_to_end() {
     let b = &env.backend;
     let progress: boxery_backends::Progress =
         std::sync::Arc::new(|line: &str| eprintln!("build: {line}"));
-    b.build_image("debian-12", "debian-12", "uid-debian", progress)
-        .await
-        .unwrap();
+    b.build_image(
+        boxery_backends::Stock {
+            name: "debian-12",
+            image: "debian-12",
+            uid: "uid-debian",
+        },
+        progress,
+    )
+    .await
+    .unwrap();
     let mut vm = env.vm("deb1", "debian-12");
     vm.cpus = 2;
     vm.memory_mib = 1024;

@@ -279,7 +279,14 @@ async fn run(img: &Image, ctx: &Ctx) -> Result<()> {
             .await;
             let built = ctx
                 .backend
-                .build_image(&b.base, &name, &uid, progress.progress.clone())
+                .build_image(
+                    boxery_backends::Stock {
+                        name: &b.base,
+                        image: &name,
+                        uid: &uid,
+                    },
+                    progress.progress.clone(),
+                )
                 .await
                 .map_err(|e| ReconcileError::backend("build", &obj, e));
             progress.finish().await;

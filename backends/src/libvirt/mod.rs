@@ -112,7 +112,7 @@ use crate::storage::records::{BaseRecord, VmConfig};
 use crate::storage::{BasePlaces, Places, Storage, seed};
 use crate::{
     Backend, BackendError, Capabilities, GuestNetwork, GuestProxy, Identity, ImageInfo, NewVm,
-    PowerState, Progress, ProxyListen, Result, Stability, VmInfo, VmSize, io,
+    PowerState, Progress, ProxyListen, Result, Stability, Stock, VmInfo, VmSize, io,
 };
 pub use config::LibvirtConfig;
 use conn::blocking;
@@ -355,18 +355,9 @@ impl Backend for LibvirtBackend {
         self.inner.reimage(vm, image, identity).await
     }
 
-    async fn build_image(
-        &self,
-        name: &str,
-        image: &str,
-        uid: &str,
-        progress: Progress,
-    ) -> Result<()> {
+    async fn build_image(&self, stock: Stock<'_>, progress: Progress) -> Result<()> {
         self.inner.ensure_dirs()?;
-        self.inner
-            .storage
-            .build_image(name, image, uid, progress)
-            .await?;
+        self.inner.storage.build_image(stock, progress).await?;
         self.inner.refresh_pool().await;
         Ok(())
     }

@@ -55,7 +55,7 @@ use crate::storage::records::{BaseRecord, VmConfig};
 use crate::storage::{BasePlaces, Places, Storage, seed};
 use crate::{
     Backend, BackendError, Capabilities, Identity, ImageInfo, NewVm, PowerState, Progress, Result,
-    Stability, VmInfo, VmSize, error_chain, io,
+    Stability, Stock, VmInfo, VmSize, error_chain, io,
 };
 use chain::disk_generation;
 use config::QemuConfig;
@@ -608,18 +608,9 @@ impl Backend for QemuBackend {
         Ok(())
     }
 
-    async fn build_image(
-        &self,
-        name: &str,
-        image: &str,
-        uid: &str,
-        progress: Progress,
-    ) -> Result<()> {
+    async fn build_image(&self, stock: Stock<'_>, progress: Progress) -> Result<()> {
         self.inner.ensure_layout()?;
-        self.inner
-            .storage
-            .build_image(name, image, uid, progress)
-            .await
+        self.inner.storage.build_image(stock, progress).await
     }
 
     async fn import_image(&self, path: &Path, image: &str, uid: &str) -> Result<()> {

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use super::Storage;
 use super::files::{remove_file_if_exists, tail};
-use crate::{BackendError, Progress, Result, io};
+use crate::{BackendError, Progress, Result, Stock, io};
 
 /// Which builder script makes stock image `name`.
 fn builder_script(name: &str) -> Option<&'static str> {
@@ -18,16 +18,11 @@ fn builder_script(name: &str) -> Option<&'static str> {
 }
 
 impl Storage {
-    /// Build stock image `name` as image `image` marked `uid`: run its builder into
+    /// Build stock image `stock.name` as image `stock.image` marked `stock.uid`: run its builder into
     /// `BOXERY_IMAGE_CACHE`, forwarding every line it prints as it prints it, register the
     /// output as a base (once per input hash) and make the image an overlay on it.
-    pub async fn build_image(
-        &self,
-        name: &str,
-        image: &str,
-        uid: &str,
-        progress: Progress,
-    ) -> Result<()> {
+    pub async fn build_image(&self, stock: Stock<'_>, progress: Progress) -> Result<()> {
+        let Stock { name, image, uid } = stock;
         self.check_name("image", image)?;
         let script = builder_script(name).ok_or_else(|| {
             BackendError::Invalid(format!(

@@ -77,7 +77,14 @@ impl Env {
     pub async fn tiny_image(&self, name: &str) {
         let progress: boxery_backends::Progress = Arc::new(|_line: &str| {});
         self.backend
-            .build_image("tiny", name, &format!("uid-{name}"), progress)
+            .build_image(
+                boxery_backends::Stock {
+                    name: "tiny",
+                    image: name,
+                    uid: &format!("uid-{name}"),
+                },
+                progress,
+            )
             .await
             .unwrap_or_else(|e| panic!("building the tiny image failed: {e}"));
     }
