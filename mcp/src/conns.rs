@@ -16,7 +16,7 @@
 //! client's new connection (it retries).
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -150,8 +150,6 @@ pub struct Acceptor {
 pub struct Accepted {
     /// The socket.
     pub stream: tokio::net::TcpStream,
-    /// Its peer.
-    pub peer: SocketAddr,
     /// Its place and its socket permit: hold it as long as the connection (drop the socket
     /// first).
     pub held: Held,
@@ -221,7 +219,6 @@ impl Acceptor {
             let _ = stream.set_nodelay(true);
             return Some(Accepted {
                 stream,
-                peer,
                 held: Held {
                     _slot: slot,
                     _permit: permit,
