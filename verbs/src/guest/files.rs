@@ -116,11 +116,17 @@ impl FileText {
     }
 }
 
+/// The lines `read` asks for: from `from` (at least 1), `limit` of them (1 to 1,000,000),
+/// the last one at most `u64::MAX` (the caller chooses both).
+fn line_range(from: u64, limit: u64) -> (u64, u64) {
+    let from = from.max(1);
+    (from, from.saturating_add(limit.clamp(1, 1_000_000) - 1))
+}
+
 /// Read lines of a text file in a VM, with its version; a binary file is refused.
 pub async fn read(v: &Verbs, a: &ReadFile, ct: &CancellationToken) -> Result<FileText> {
-    let (vm, from) = (&a.vm, a.from.max(1));
-    let limit = a.limit.clamp(1, 1_000_000);
-    let to = from + limit - 1;
+    let vm = &a.vm;
+    let (from, to) = line_range(a.from, a.limit);
     let script = format!(
         "{}n1=$(head -c 8192 \"$f\" | wc -c); n2=$(head -c 8192 \"$f\" | tr -d '\\000' | wc -c); [ \"$n1\" = \"$n2\" ] || {{ printf '%s\\n' \"{}: binary file ($(wc -c < \"$f\") bytes): not readable as text; fetch it with vm_copy\" >&2; exit 4; }}; sha256sum < \"$f\" | cut -c1-64; wc -l < \"$f\"; sed -n '{from},{to}p' \"$f\"",
         check_file(&qpath(&a.path), &a.path),
@@ -148,10 +154,10 @@ pub async fn read(v: &Verbs, a: &ReadFile, ct: &CancellationToken) -> Result<Fil
     let total: u64 = parts.next().unwrap_or("0").trim().parse().unwrap_or(0);
     let content = parts.next().unwrap_or("").to_string();
     let n = content.lines().count() as u64;
-    let last = if n == 0 {
-        from.saturating_sub(1)
-    } else {
-        from + n - 1
+    // n is what the guest printed: it may claim more lines than asked for
+    let last = match n {
+        0 => from - 1,
+        n => from.saturating_add(n - 1),
     };
     Ok(FileText {
         vm: vm.clone(),
@@ -478,6 +484,16 @@ mod tests {
             assert!(err.ends_with(": no such file\n"), "{err:?}");
             assert!(!home.path().join("pwned").exists());
         }
+    }
+
+    /// An agent's `offset` and `limit` anywhere in u64 make a range, never an overflow.
+    #[test]
+    fn line_ranges_saturate() {
+        assert_eq!(line_range(0, 0), (1, 1));
+        assert_eq!(line_range(5, 10), (5, 14));
+        assert_eq!(line_range(1, u64::MAX), (1, 1_000_000));
+        assert_eq!(line_range(u64::MAX, 2000), (u64::MAX, u64::MAX));
+        assert_eq!(line_range(u64::MAX - 1, 2), (u64::MAX - 1, u64::MAX));
     }
 
     #[test]

@@ -339,7 +339,11 @@ pub fn kill_script(id: &str) -> String {
 
 fn logs_script(id: &str, offset: Option<u64>, tail: u64) -> String {
     let read = match offset {
-        Some(o) => format!("tail -c +{} \"$j/out\" | head -c {OUTPUT_CAP}", o + 1),
+        // tail counts from 1; the caller's offset may be anything
+        Some(o) => format!(
+            "tail -c +{} \"$j/out\" | head -c {OUTPUT_CAP}",
+            o.saturating_add(1)
+        ),
         None => format!("tail -c {} \"$j/out\"", tail.min(OUTPUT_CAP as u64)),
     };
     format!("{}wc -c < \"$j/out\"; {read}", need_job(id))
@@ -357,6 +361,14 @@ mod tests {
             .output()
             .unwrap();
         String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// An agent's `offset` anywhere in u64 makes a script, never an overflow.
+    #[test]
+    fn logs_from_any_offset() {
+        assert!(logs_script("ja", Some(0), 0).contains("tail -c +1 "));
+        let s = logs_script("ja", Some(u64::MAX), 0);
+        assert!(s.contains(&format!("tail -c +{} ", u64::MAX)), "{s}");
     }
 
     /// The guest scripts under the local sh: a job records its real exit code, survives the
