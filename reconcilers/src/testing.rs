@@ -28,9 +28,8 @@
 //! Image reconcilers: `decisions_pool.rs`'s `rounds`).
 
 use std::future::Future;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use boxery_api::vm::{Operation, OperationType};
@@ -58,7 +57,7 @@ pub struct Harness {
     pub backend: Arc<FakeBackend>,
     /// What a reconcile gets.
     pub ctx: Arc<Ctx>,
-    dir: TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Default for Harness {
@@ -70,11 +69,11 @@ impl Default for Harness {
 impl Harness {
     /// An empty control plane.
     pub fn new() -> Harness {
-        let dir = TempDir::new();
-        let home = dir.0.join("home");
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let home = dir.path().join("home");
         std::fs::create_dir_all(&home).expect("a home in the temp dir");
         let store = Store::open_in_memory().expect("a store in memory");
-        let backend = Arc::new(FakeBackend::new(dir.0.join("fake")));
+        let backend = Arc::new(FakeBackend::new(dir.path().join("fake")));
         let ctx = Arc::new(Ctx::new(
             Arc::new(store.clone()),
             home,
@@ -92,7 +91,7 @@ impl Harness {
 
     /// The temporary directory (`home/` and `fake/` are in it).
     pub fn dir(&self) -> &Path {
-        &self.dir.0
+        self.dir.path()
     }
 
     /// Create `obj` in the store (its status kept as given); returns it as stored.
@@ -304,31 +303,5 @@ pub fn interrupted(type_: OperationType, image: &str) -> Operation {
         original_state: None,
         started_at: boxery_api::now(),
         holder: "a control plane that crashed".into(),
-    }
-}
-
-/// A directory removed with everything in it when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> TempDir {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or_default();
-        let dir = std::env::temp_dir().join(format!(
-            "boxery-harness-{}-{}-{nanos}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).expect("a temp dir");
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
