@@ -208,38 +208,22 @@ async fn contract(s: Subject) {
 
     step("the stock image");
     if caps.build_stock_image {
-        b.build_image(
-            boxery_backends::Stock {
-                name: s.stock,
-                image: "stock",
-                uid: "uid-stock",
-            },
-            progress(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{name}: building {} failed: {}", s.stock, e.chain()));
-        // idempotent for its object, refused for another
-        b.build_image(
-            boxery_backends::Stock {
-                name: s.stock,
-                image: "stock",
-                uid: "uid-stock",
-            },
-            progress(),
-        )
-        .await
-        .unwrap();
-        assert!(
-            b.build_image(
-                boxery_backends::Stock {
-                    name: s.stock,
-                    image: "stock",
-                    uid: "uid-other"
-                },
-                progress()
-            )
+        let ours = boxery_backends::Stock {
+            name: s.stock,
+            image: "stock",
+            uid: "uid-stock",
+        };
+        b.build_image(ours, progress())
             .await
-            .is_err(),
+            .unwrap_or_else(|e| panic!("{name}: building {} failed: {}", s.stock, e.chain()));
+        // idempotent for its object, refused for another
+        b.build_image(ours, progress()).await.unwrap();
+        let another = boxery_backends::Stock {
+            uid: "uid-other",
+            ..ours
+        };
+        assert!(
+            b.build_image(another, progress()).await.is_err(),
             "{name}: an image name taken by another object"
         );
     } else {

@@ -11,11 +11,18 @@ use std::time::{Duration, Instant};
 
 use boxery_backends::fake::{FakeBackend, FaultAction, FaultConfig, FaultRule, JournalOp};
 use boxery_backends::{
-    Backend, BackendError, DiskSource, Identity, NewVm, PowerState, Progress, Stability, VmSize,
+    Backend, BackendError, DiskSource, Identity, NewVm, PowerState, Progress, Stability, Stock,
+    VmSize,
 };
 
 const STOCK: &str = "stock";
 const STOCK_UID: &str = "uid-stock";
+/// The stock image the tests build, as `STOCK` for `STOCK_UID`.
+const DEBIAN: Stock<'static> = Stock {
+    name: "debian-12",
+    image: STOCK,
+    uid: STOCK_UID,
+};
 
 fn fake() -> (tempfile::TempDir, FakeBackend) {
     let home = tempfile::tempdir().unwrap();
@@ -51,16 +58,7 @@ fn new_vm(name: &str, uid: &str, image: &str) -> NewVm {
 async fn with_stock() -> (tempfile::TempDir, FakeBackend) {
     let (home, b) = fake();
     b.init().await.unwrap();
-    b.build_image(
-        boxery_backends::Stock {
-            name: "debian-12",
-            image: STOCK,
-            uid: STOCK_UID,
-        },
-        no_progress(),
-    )
-    .await
-    .unwrap();
+    b.build_image(DEBIAN, no_progress()).await.unwrap();
     (home, b)
 }
 
@@ -104,16 +102,7 @@ async fn build_reports_progress_and_makes_a_marked_image() {
     let progress: Progress = Arc::new(move |_: &str| {
         s.fetch_add(1, Ordering::SeqCst);
     });
-    b.build_image(
-        boxery_backends::Stock {
-            name: "debian-12",
-            image: STOCK,
-            uid: STOCK_UID,
-        },
-        progress.clone(),
-    )
-    .await
-    .unwrap();
+    b.build_image(DEBIAN, progress.clone()).await.unwrap();
     assert!(seen.load(Ordering::SeqCst) >= 1);
     assert_eq!(b.read_image_disk(STOCK).unwrap(), b"debian-12\n");
     let images = b.images().await.unwrap();
@@ -123,23 +112,13 @@ async fn build_reports_progress_and_makes_a_marked_image() {
     assert!(images[0].created.is_some());
     assert_eq!(images[0].size_bytes, Some(10));
     // Idempotent for the same uid, refused for another, unknown stock images invalid.
-    b.build_image(
-        boxery_backends::Stock {
-            name: "debian-12",
-            image: STOCK,
-            uid: STOCK_UID,
-        },
-        progress,
-    )
-    .await
-    .unwrap();
+    b.build_image(DEBIAN, progress).await.unwrap();
     assert_eq!(count(&b, JournalOp::Build), 1);
     assert!(matches!(
         b.build_image(
-            boxery_backends::Stock {
-                name: "debian-12",
-                image: STOCK,
-                uid: "other"
+            Stock {
+                uid: "other",
+                ..DEBIAN
             },
             no_progress()
         )
@@ -148,7 +127,7 @@ async fn build_reports_progress_and_makes_a_marked_image() {
     ));
     assert!(matches!(
         b.build_image(
-            boxery_backends::Stock {
+            Stock {
                 name: "windows-95",
                 image: "w",
                 uid: "u"
