@@ -166,6 +166,27 @@ mod tests {
         );
     }
 
+    /// A file written before the entry carried the whole spec (no `vm`; `lease` the lease's
+    /// name beside `leaseUid`) reads as the same grants: the proxy honours them until the
+    /// reconcilers next rewrite it.
+    #[test]
+    fn a_file_from_before_the_spec_was_flattened_still_reads() {
+        let d = tempfile::tempdir().unwrap();
+        let h = d.path();
+        std::fs::create_dir_all(layout::grants(h)).unwrap();
+        let old = r#"{"vm": "dev1", "grants": [
+            {"name": "a", "uid": "uid-a", "generation": 1, "type": "llm",
+             "target": "anthropic", "valueFrom": {"env": "KEY"}, "vmUid": "vm-uid",
+             "lease": "l1", "leaseUid": "l-uid"},
+            {"name": "b", "uid": "uid-b", "generation": 1, "type": "llm",
+             "target": "anthropic", "valueFrom": {"env": "KEY"}, "vmUid": "vm-uid"}
+        ]}"#;
+        std::fs::write(layout::grant_state(h, "dev1"), old).unwrap();
+        let mut b = entry("b", None);
+        b.spec.vm = None;
+        assert_eq!(read_state(h, "dev1"), [entry("a", Some("l-uid")), b]);
+    }
+
     #[test]
     fn the_file_keeps_its_fields() {
         let text = serde_json::to_value(StateFile {
