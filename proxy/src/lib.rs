@@ -2,7 +2,7 @@
 //! its own token, and the proxy adds the real credential of a grant a person approved. It
 //! runs inside `boxery serve` (`--proxy-listen`) and reads two control-plane files the
 //! reconcilers keep: the token store (`boxery_home::tokens`) and the grant state
-//! (`boxery_home::grant`). It never writes either, and never opens the store.
+//! (`boxery_home::grants`). It never writes either, and never opens the store.
 //!
 //! Routes: `/llm/PROVIDER/PATH` (anthropic, openai, ollama, and any provider named in
 //! `config.yaml`'s `proxy: {upstreams: …}`) and `/edge/HOST/PATH` (`http` grants on that host;
