@@ -87,7 +87,10 @@ pub async fn read(v: &ValueFrom, home: &Path) -> Result<Vec<u8>, String> {
             }),
         ValueFrom::File(path) => {
             available(v, home)?;
-            let bytes = tokio::fs::read(path)
+            let file = tokio::fs::File::open(path)
+                .await
+                .map_err(|e| format!("cannot read {path}: {}", e.kind()))?;
+            let bytes = at_most(file)
                 .await
                 .map_err(|e| format!("cannot read {path}: {}", e.kind()))?;
             if bytes.len() > MAX_VALUE {
@@ -103,21 +106,42 @@ pub async fn read(v: &ValueFrom, home: &Path) -> Result<Vec<u8>, String> {
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::null())
                 .kill_on_drop(true);
-            let out = tokio::time::timeout(COMMAND_TIMEOUT, cmd.output())
+            let mut child = cmd
+                .spawn()
+                .map_err(|e| format!("cannot run {program}: {}", e.kind()))?;
+            let stdout = child.stdout.take().expect("stdout is piped");
+            // Past the largest value, stop reading: the command is killed (dropped), not waited for.
+            let run = async {
+                let out = at_most(stdout).await?;
+                if out.len() > MAX_VALUE {
+                    return Ok((out, None));
+                }
+                Ok::<_, std::io::Error>((out, Some(child.wait().await?)))
+            };
+            let (out, status) = tokio::time::timeout(COMMAND_TIMEOUT, run)
                 .await
                 .map_err(|_| format!("the command {program} took longer than {COMMAND_TIMEOUT:?}"))?
                 .map_err(|e| format!("cannot run {program}: {}", e.kind()))?;
-            if !out.status.success() {
-                return Err(format!("the command {program} failed ({})", out.status));
-            }
-            if out.stdout.len() > MAX_VALUE {
+            let Some(status) = status else {
                 return Err(format!(
                     "the command {program} printed more than {MAX_VALUE} bytes"
                 ));
+            };
+            if !status.success() {
+                return Err(format!("the command {program} failed ({status})"));
             }
-            Ok(out.stdout)
+            Ok(out)
         }
     }
+}
+
+/// What `r` gives, up to one byte more than [`MAX_VALUE`] (so that a larger value is known
+/// to be one without being held whole).
+async fn at_most(r: impl tokio::io::AsyncRead + Unpin) -> std::io::Result<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut out = Vec::new();
+    r.take(MAX_VALUE as u64 + 1).read_to_end(&mut out).await?;
+    Ok(out)
 }
 
 /// The value `v` names as one line of text (UTF-8, surrounding whitespace trimmed, not
@@ -130,4 +154,39 @@ pub async fn read_text(v: &ValueFrom, home: &Path) -> Result<String, String> {
         return Err("the value is empty".into());
     }
     Ok(text.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_file_value_is_read_up_to_the_largest() {
+        let d = tempfile::tempdir().unwrap();
+        let (home, file) = (d.path().join("home"), d.path().join("v"));
+        let v = ValueFrom::File(file.display().to_string());
+        std::fs::write(&file, vec![b'x'; MAX_VALUE]).unwrap();
+        assert_eq!(read(&v, &home).await.unwrap().len(), MAX_VALUE);
+        std::fs::write(&file, vec![b'x'; MAX_VALUE + 1]).unwrap();
+        let why = read(&v, &home).await.unwrap_err();
+        assert!(why.contains("is larger than"), "{why}");
+    }
+
+    /// A command that never stops printing is refused as soon as it has printed more than
+    /// the largest value, not held in memory until its time is up.
+    #[tokio::test]
+    async fn a_command_printing_too_much_is_cut_off() {
+        let home = tempfile::tempdir().unwrap();
+        let v = ValueFrom::Command(vec!["yes".into()]);
+        let why = tokio::time::timeout(COMMAND_TIMEOUT / 2, read(&v, home.path()))
+            .await
+            .expect("refused before its time is up")
+            .unwrap_err();
+        assert!(why.contains("printed more than"), "{why}");
+        let v = ValueFrom::Command(vec!["sh".into(), "-c".into(), "echo hi; exit 3".into()]);
+        let why = read(&v, home.path()).await.unwrap_err();
+        assert!(why.contains("failed"), "{why}");
+        let v = ValueFrom::Command(vec!["echo".into(), "hi".into()]);
+        assert_eq!(read(&v, home.path()).await.unwrap(), b"hi\n");
+    }
 }
