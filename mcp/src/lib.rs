@@ -687,6 +687,79 @@ mod tests {
         assert_eq!(a.object.name.as_deref(), Some("a"));
     }
 
+    /// A value `schema` accepts (of a required argument), `$ref`s resolved in `root`.
+    fn sample(root: &Value, schema: &Value) -> Value {
+        if let Some(r) = schema["$ref"].as_str() {
+            let def = r.rsplit('/').next().unwrap();
+            return sample(root, &root["$defs"][def]);
+        }
+        if let Some(e) = schema["enum"].as_array() {
+            return e[0].clone();
+        }
+        if let Some(c) = schema["const"].as_str() {
+            return Value::from(c);
+        }
+        if let Some(one) = schema["oneOf"].as_array().or(schema["anyOf"].as_array()) {
+            return sample(root, &one[0]);
+        }
+        match &schema["type"] {
+            Value::String(t) if t == "string" => Value::from("a"),
+            Value::String(t) if t == "integer" => Value::from(1),
+            Value::String(t) if t == "boolean" => Value::from(true),
+            Value::String(t) if t == "array" => serde_json::json!(["a"]),
+            t => panic!("no sample for {t}: {schema}"),
+        }
+    }
+
+    /// Every tool refuses an argument its schema does not list, before it runs, whether its
+    /// argument type flattens another (serde does not refuse those) or not.
+    #[tokio::test]
+    async fn every_tool_refuses_unknown_arguments() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = boxery_verbs::Env::new(dir.path().join("home"), "fake");
+        let session = Arc::new(Session::new(env, None, false));
+        for t in tools() {
+            let mut args = serde_json::Map::new();
+            for r in t.schema["required"].as_array().into_iter().flatten() {
+                let r = r.as_str().unwrap();
+                let value = sample(&t.schema, &t.schema["properties"][r]);
+                args.insert(r.to_string(), value);
+            }
+            let known = args.clone();
+            args.insert("zz_unknown".into(), Value::from(1));
+            let r = t.run(
+                session.clone(),
+                Value::Object(args),
+                CancellationToken::new(),
+            );
+            let e = r.await.err().unwrap_or_else(|| panic!("{}: ran", t.name));
+            assert_eq!(
+                e.kind(),
+                boxery_verbs::ErrorKind::Invalid,
+                "{}: {e}",
+                t.name
+            );
+            assert!(
+                e.to_string().contains("unknown field `zz_unknown`"),
+                "{}: {e}",
+                t.name
+            );
+            // the control: without it, the same arguments parse (whatever the tool then says)
+            let r = t.run(
+                session.clone(),
+                Value::Object(known),
+                CancellationToken::new(),
+            );
+            if let Err(e) = r.await {
+                assert!(
+                    !e.to_string().contains("invalid arguments for"),
+                    "{}: {e}",
+                    t.name
+                );
+            }
+        }
+    }
+
     #[test]
     fn oversized_arguments_are_refused() {
         let big = "x".repeat(STRING_CAP + 1);
