@@ -6,9 +6,6 @@ use std::time::Duration;
 use crate::host::{Accel, detect_accel};
 use crate::storage::StorageConfig;
 
-#[allow(unused_imports)] // for the doc link
-use super::PROXY_PORTS;
-
 /// The libvirt backend's settings (environment).
 #[derive(Debug, Clone)]
 pub struct LibvirtConfig {
@@ -23,7 +20,8 @@ pub struct LibvirtConfig {
     /// Seconds a guest gets to power off on the ACPI button (`BOXERY_LIBVIRT_POWERDOWN_TIMEOUT`).
     pub powerdown_timeout: Duration,
     /// The credential proxy's port on the network's gateway (`BOXERY_LIBVIRT_PROXY_PORT`);
-    /// `None`: one picked for this home from [`PROXY_PORTS`] and kept in `proxy-port`.
+    /// `None`: one picked for this home from [`PROXY_PORTS`](super::PROXY_PORTS) and kept in
+    /// `proxy-port`.
     pub proxy_port: Option<u16>,
     /// Domain type: `kvm` when KVM really works, else `qemu` (`BOXERY_LIBVIRT_ACCEL` =
     /// `kvm`/`tcg`/`auto`, the same detection as the qemu backend's).
