@@ -534,7 +534,7 @@ impl Session {
             let mut left = false;
             for n in &names {
                 let key = boxery_store::ObjectRef::new("Lease", n.clone());
-                left |= matches!(verbs.store().get(&key).await, Ok(Some(_)));
+                left |= matches!(verbs.exists(&key).await, Ok(true));
             }
             if !left {
                 break;
@@ -565,10 +565,8 @@ impl Session {
         let Ok(v) = self.verbs() else {
             return Vec::new();
         };
-        v.store()
-            .list(<Vm as boxery_api::Resource>::INFO.kind, &Default::default())
+        v.names(<Vm as boxery_api::Resource>::INFO.kind)
             .await
-            .map(|(objs, _)| objs.into_iter().map(|o| o.metadata.name).collect())
             .unwrap_or_default()
     }
 
