@@ -54,7 +54,7 @@ export PATH="$bin_dir:$PATH"
 export BOXERY_IMAGE_DIR="$repo/image"
 echo "boxery is $(command -v boxery) ($(boxery --version))"
 
-step "boot dev1 from manifests/examples/vm.yaml (builds the debian-12 image on first use)"
+step "boot dev1 from manifests/examples/vm.yaml"
 boxery apply -f manifests/examples/vm.yaml --wait --timeout 20m
 boxery get vm dev1 -o wide
 

@@ -341,7 +341,7 @@ pub async fn get_kinds(
                 write!(out, "{}", output::table_with(info.kind, &values, &t))?;
             }
             Format::Name => {
-                output::print(info, &objs, &format, &mut out)?;
+                noted(output::print(info, &objs, &format, &mut out)?);
             }
             _ => all.extend(objs),
         }
@@ -351,7 +351,7 @@ pub async fn get_kinds(
         f if f.is_table() => {}
         Format::Name => {}
         _ => {
-            output::print_list(kinds[0], &all, &format, &mut out)?;
+            noted(output::print_list(kinds[0], &all, &format, &mut out)?);
         }
     }
     out.flush()?;
@@ -434,10 +434,10 @@ pub async fn get(
         // nothing until the first change
     } else if names.len() == 1 || watch {
         // A watch prints objects one by one (YAML documents separated by `---`), as kubectl's.
-        output::print(info, &objs, &format, &mut out)?;
+        noted(output::print(info, &objs, &format, &mut out)?);
         printed = !objs.is_empty();
     } else {
-        output::print_list(info, &objs, &format, &mut out)?;
+        noted(output::print_list(info, &objs, &format, &mut out)?);
     }
     out.flush()?;
     drop(out);
@@ -474,7 +474,12 @@ pub async fn get(
             if printed && format == Format::Yaml {
                 writeln!(out, "---")?;
             }
-            output::print(info, std::slice::from_ref(&obj), &format, &mut out)?;
+            noted(output::print(
+                info,
+                std::slice::from_ref(&obj),
+                &format,
+                &mut out,
+            )?);
             printed = true;
         }
         out.flush()?;
@@ -663,11 +668,12 @@ pub async fn ls(v: &Verbs, kind_name: &str, if_none: Option<&str>) -> CliResult 
     match if_none {
         Some(none) if objs.is_empty() => eprintln!("{none}"),
         _ => {
-            let printed =
-                output::print(info, &objs, &Format::Table, &mut std::io::stdout().lock())?;
-            if let Some(note) = printed.note() {
-                eprintln!("{note}");
-            }
+            noted(output::print(
+                info,
+                &objs,
+                &Format::Table,
+                &mut std::io::stdout().lock(),
+            )?);
         }
     }
     Ok(())
@@ -681,10 +687,12 @@ pub async fn events(v: &Verbs, kind_name: Option<&str>, name: Option<&str>) -> C
         _ => objects::events(v, None).await?,
     };
     let info = kind("Event")?;
-    let printed = output::print(info, &evs, &Format::Table, &mut std::io::stdout().lock())?;
-    if let Some(note) = printed.note() {
-        eprintln!("{note}");
-    }
+    noted(output::print(
+        info,
+        &evs,
+        &Format::Table,
+        &mut std::io::stdout().lock(),
+    )?);
     Ok(())
 }
 
@@ -851,6 +859,13 @@ pub fn api_resources() -> String {
         ]);
     }
     boxery_verbs::render::aligned(rows)
+}
+
+/// Say a print's note for the reader (`No vms found.`) on stderr, as kubectl does.
+fn noted(printed: output::Printed) {
+    if let Some(note) = printed.note() {
+        eprintln!("{note}");
+    }
 }
 
 /// `version`: this build, the store's schema, the backend, and who leads the store.

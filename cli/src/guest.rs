@@ -82,14 +82,7 @@ async fn jobs_cmd(v: &Verbs, action: JobsCmd) -> CliResult<ExitCode> {
     let ct = CancellationToken::new();
     match action {
         JobsCmd::Start { vm, cwd, cmd } => {
-            let line = if cmd.len() == 1 {
-                cmd[0].clone()
-            } else {
-                cmd.iter()
-                    .map(|w| boxery_hands::shell_quote(w))
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            };
+            let line = boxery_hands::line_of(&cmd);
             let started = jobs::start(v, &vm, &line, cwd.as_deref(), &ct).await?;
             outln!("{}", started.id);
         }

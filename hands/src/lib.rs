@@ -340,7 +340,7 @@ fn exit_of(status: std::process::ExitStatus) -> ExitCode {
 
 /// One remote shell line for a command's words: one word is the line itself (`run VM -- 'a |
 /// b'`), several are quoted each.
-fn line_of(cmd: &[String]) -> String {
+pub fn line_of(cmd: &[String]) -> String {
     if cmd.len() == 1 {
         cmd[0].clone()
     } else {

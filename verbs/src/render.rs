@@ -690,6 +690,7 @@ pub fn to_yaml(v: &Value) -> Result<String> {
 /// What [`print`] did besides writing: a table of no objects writes nothing and has a note
 /// for the reader (`No vms found.`), which the CLI prints to stderr, as kubectl does. Verbs
 /// never print.
+#[must_use = "a table of no rows has a note for the reader: print `Printed::note`"]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Printed {
     /// The objects were written.
@@ -914,10 +915,10 @@ mod tests {
         }));
         let f = Format::JsonPath("{.metadata.annotations.a}{\"\\n\"}".into());
         let mut piped = Vec::new();
-        print_for(info, std::slice::from_ref(&o), &f, &mut piped, false).unwrap();
+        let _ = print_for(info, std::slice::from_ref(&o), &f, &mut piped, false).unwrap();
         assert_eq!(String::from_utf8(piped).unwrap(), format!("{HOSTILE}\n"));
         let mut tty = Vec::new();
-        print_for(info, std::slice::from_ref(&o), &f, &mut tty, true).unwrap();
+        let _ = print_for(info, std::slice::from_ref(&o), &f, &mut tty, true).unwrap();
         let tty = String::from_utf8(tty).unwrap();
         assert_eq!(
             tty,
