@@ -198,6 +198,11 @@ pub enum RunStrategy {
     Running,
     /// Keep it stopped.
     Stopped,
+    /// Keep its memory and device state on disk, its hypervisor gone and the host's RAM free
+    /// (docs/live-memory.md). Set back to `Running`, it resumes where it was: same processes,
+    /// open files and sessions, in about a second. A VM that is stopped stays stopped (there is
+    /// no memory to keep); `Stopped` discards a suspended VM's memory.
+    Suspended,
 }
 
 /// A revert request.
@@ -222,6 +227,8 @@ pub enum VmPhase {
     Running,
     /// Stopped.
     Stopped,
+    /// Its memory is on disk and its hypervisor gone (`runStrategy: Suspended`).
+    Suspended,
     /// Its disk is being replaced from an image.
     Restoring,
     /// A step failed and is being retried with backoff (see conditions and events).
@@ -308,7 +315,20 @@ recorded_status! {
         /// The last revert served (its `requestedAt`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub last_restore: Option<Restore>,
+        /// The memory saved while the VM is suspended: when and how much.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub memory: Option<SavedMemory>,
     }
+}
+
+/// A suspended VM's saved memory and device state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SavedMemory {
+    /// When it was saved.
+    pub saved_at: Time,
+    /// Bytes it takes on the host's disk.
+    pub bytes: u64,
 }
 
 /// How to reach a VM's sshd.

@@ -112,6 +112,10 @@ pub struct VmRecord {
     /// Why the running VM is degraded ([`FakeBackend::degrade`]); `repair` and `stop` clear it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub degraded: Option<String>,
+    /// The memory `suspend` saved (a quarter of its size, as a guest that touched that much);
+    /// `start` and `stop` drop it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<crate::SavedMemory>,
 }
 
 /// A fake image's record: `images/<name>/image.json`.
@@ -273,6 +277,7 @@ impl FakeBackend {
             size: rec.size,
             disk_used_bytes: used,
             degraded: rec.degraded.filter(|_| rec.state == PowerState::Running),
+            memory: rec.memory.filter(|_| rec.state == PowerState::Suspended),
         }
     }
 
@@ -482,6 +487,7 @@ impl FakeBackend {
             created: boxery_api::now(),
             reimaged_from: None,
             degraded: None,
+            memory: None,
         })
     }
 
@@ -490,6 +496,17 @@ impl FakeBackend {
     pub fn degrade(&self, name: &str, why: &str) -> Result<()> {
         let mut rec = self.require_vm(name)?;
         rec.degraded = Some(why.into());
+        self.write_vm(&rec)
+    }
+
+    /// Make the suspended VM `name`'s saved memory stale (`why`), as a qemu VM's is once QEMU
+    /// was upgraded (no faults, no journal): `start` refuses it until `stop` discards it.
+    pub fn stale_memory(&self, name: &str, why: &str) -> Result<()> {
+        let mut rec = self.require_vm(name)?;
+        let Some(m) = rec.memory.as_mut() else {
+            return Err(BackendError::Invalid(format!("VM {name} is not suspended")));
+        };
+        m.stale = Some(why.into());
         self.write_vm(&rec)
     }
 
@@ -596,6 +613,7 @@ impl Backend for FakeBackend {
             requirements: &[],
             resize: true,
             live_capture: true,
+            suspend: true,
             build_stock_image: true,
             host_key: false,
             ssh: false,
@@ -686,6 +704,7 @@ impl Backend for FakeBackend {
             created: boxery_api::now(),
             reimaged_from: None,
             degraded: None,
+            memory: None,
         })?;
         self.record(JournalOp::Create, &vm.name, Some(&vm.uid), Some(image))?;
         self.step("create.done").await
@@ -715,8 +734,38 @@ impl Backend for FakeBackend {
     }
 
     async fn start(&self, name: &str) -> Result<()> {
+        if let Some(why) = self
+            .vm_record(name)?
+            .and_then(|r| r.memory)
+            .and_then(|m| m.stale)
+        {
+            return Err(BackendError::stale_memory(name, &why));
+        }
         self.change_vm("start", JournalOp::Start, name, |rec| {
+            rec.memory = None;
             std::mem::replace(&mut rec.state, PowerState::Running) != PowerState::Running
+        })
+        .await
+    }
+
+    async fn suspend(&self, name: &str) -> Result<()> {
+        if self.require_vm(name)?.state == PowerState::Stopped {
+            return Err(BackendError::Invalid(format!(
+                "VM {name} is stopped: there is no memory to suspend"
+            )));
+        }
+        self.change_vm("suspend", JournalOp::Suspend, name, |rec| {
+            if rec.state == PowerState::Suspended {
+                return false;
+            }
+            rec.state = PowerState::Suspended;
+            rec.degraded = None;
+            rec.memory = Some(crate::SavedMemory {
+                bytes: rec.size.memory_mib * 1024 * 1024 / 4,
+                saved_at: boxery_api::now(),
+                stale: None,
+            });
+            true
         })
         .await
     }
@@ -735,6 +784,7 @@ impl Backend for FakeBackend {
             }
             rec.state = PowerState::Stopped;
             rec.degraded = None;
+            rec.memory = None;
             true
         })
         .await

@@ -120,6 +120,15 @@ impl BackendError {
             message: message.into(),
         }
     }
+    /// What `start` gives for a suspended VM whose saved memory cannot be restored (`why`,
+    /// [`SavedMemory::stale`]): `Invalid`, saying what to do, in the words every backend uses.
+    pub fn stale_memory(name: &str, why: &str) -> Self {
+        BackendError::Invalid(format!(
+            "the saved memory of VM {name} cannot be restored: {why}. It is kept; to boot the \
+             VM cold instead (its processes are lost), stop it (`boxery stop {name}` discards \
+             the memory), then start it"
+        ))
+    }
     /// This error and all its causes on one line (`outer: cause: root cause`): what a
     /// message for a person shows.
     pub fn chain(&self) -> String {
@@ -208,6 +217,23 @@ pub enum PowerState {
     Running,
     /// Stopped.
     Stopped,
+    /// Suspended: its memory and device state are on disk ([`VmInfo::memory`]), no hypervisor
+    /// process runs. [`Backend::start`] resumes it; [`Backend::stop`] discards the memory.
+    Suspended,
+}
+
+/// A suspended VM's saved memory, as the backend holds it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedMemory {
+    /// Bytes it takes on the host's disk.
+    pub bytes: u64,
+    /// When it was saved.
+    pub saved_at: boxery_api::Time,
+    /// Why it can no longer be restored (written by another hypervisor version, for another
+    /// machine or command line), in one sentence; `None` when it can. It is kept either way:
+    /// only [`Backend::stop`] discards it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stale: Option<String>,
 }
 
 /// A size as the backend applies it.
@@ -241,6 +267,9 @@ pub struct VmInfo {
     /// brings it back. `None` when nothing is down (and always for a stopped VM).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub degraded: Option<String>,
+    /// Its saved memory while it is [`PowerState::Suspended`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<SavedMemory>,
 }
 
 /// One image as the backend sees it.
@@ -282,6 +311,9 @@ pub struct Capabilities {
     pub resize: bool,
     /// Can capture a running VM.
     pub live_capture: bool,
+    /// Can suspend a running VM to disk and resume it with its processes
+    /// ([`Backend::suspend`]).
+    pub suspend: bool,
     /// Can build the stock image.
     pub build_stock_image: bool,
     /// Can read a guest's host key through the hypervisor.
@@ -378,10 +410,24 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     async fn ssh_endpoint(&self, name: &str) -> Result<Option<String>> {
         Ok(self.get(name).await?.and_then(|i| i.ssh))
     }
-    /// Boot a stopped VM (no-op when running).
+    /// Boot a stopped VM, or resume a suspended one from its saved memory (no-op when
+    /// running). A suspended VM whose memory is stale ([`SavedMemory::stale`]) is not booted:
+    /// `Invalid`, saying that `stop` discards it.
     async fn start(&self, name: &str) -> Result<()>;
-    /// Stop a running VM (no-op when stopped).
+    /// Stop a running VM; discard a suspended VM's saved memory (no-op when stopped).
     async fn stop(&self, name: &str) -> Result<()>;
+    /// Save a running VM's memory and device state to disk and end its hypervisor process
+    /// (no-op when suspended; `Invalid` when stopped: there is no memory to save). Either
+    /// the VM keeps running or the saved state is complete, also when the control plane or
+    /// the hypervisor is killed part way; [`Backend::repair`] finishes or rolls back an
+    /// interrupted suspend or resume ([`VmInfo::degraded`] says so).
+    async fn suspend(&self, name: &str) -> Result<()> {
+        let _ = name;
+        Err(BackendError::Unsupported {
+            backend: self.name().into(),
+            what: "suspend VMs".into(),
+        })
+    }
     /// Remove a VM (not its images). Succeeds when already gone.
     async fn remove(&self, name: &str) -> Result<()>;
     /// Apply a new size; leaves the VM running if it was, stopped if it was. Disks only grow.

@@ -27,6 +27,8 @@ pub enum JournalOp {
     Stop,
     /// A degraded running VM was repaired.
     Repair,
+    /// A running VM was suspended (its memory saved).
+    Suspend,
     /// A VM's size changed.
     Resize,
     /// A VM (complete or partial) was removed by `remove`.

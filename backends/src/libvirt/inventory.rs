@@ -35,6 +35,7 @@ impl Inner {
                 .map(|a| format!("{a}:22")),
             disk_used_bytes: Some(used),
             degraded: None,
+            memory: None,
         })
     }
 

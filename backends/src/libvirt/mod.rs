@@ -280,6 +280,7 @@ impl Backend for LibvirtBackend {
             ],
             resize: true,
             live_capture: true,
+            suspend: false,
             build_stock_image: true,
             host_key: true,
             ssh: true,

@@ -125,6 +125,19 @@ impl Layout {
     pub fn vm_net_log(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("net.log")
     }
+    /// `vms/<name>/memory.state`: a suspended VM's memory and device state (QEMU's
+    /// `mapped-ram` migration format, sparse).
+    pub fn vm_memory(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("memory.state")
+    }
+    /// `vms/<name>/.memory.state.part`: the state while QEMU writes it.
+    pub fn vm_memory_part(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join(".memory.state.part")
+    }
+    /// `vms/<name>/memory.json`: the saved state's record, its commit point (written last).
+    pub fn vm_memory_record(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("memory.json")
+    }
     /// `vms/<name>/serial.log`.
     pub fn vm_serial(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("serial.log")

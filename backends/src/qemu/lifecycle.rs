@@ -49,11 +49,12 @@ impl Inner {
                 .net
                 .as_ref()
                 .map(|_| self.layout.vm_net_sock(name)),
+            incoming: false,
         }
     }
 
     /// What the VM's `boxery-net` is given.
-    fn net_spec(&self, name: &str, port: u16) -> super::net::NetSpec {
+    pub(super) fn net_spec(&self, name: &str, port: u16) -> super::net::NetSpec {
         super::net::NetSpec {
             dir: self.vm_dir(name),
             sock: self.layout.vm_net_sock(name),
@@ -70,28 +71,18 @@ impl Inner {
     /// is streamed back to one overlay on its base in the background.
     pub(super) async fn boot(self: &Arc<Self>, cfg: &VmConfig) -> Result<()> {
         let name = &cfg.name;
+        self.memory_repair(name).await?;
         if self.pid(name).is_some() {
             return Ok(());
+        }
+        if let Some(rec) = self.load_memory(name)? {
+            return self.resume(cfg, rec).await;
         }
         let base = self.load_base(&cfg.base)?;
         let chain = self.offline_chain(cfg).await?;
         self.remove_unused(name, &chain)?;
         self.claim_port(name, cfg.port)?;
-        // a QEMU that has just exited may still be releasing it
-        let mut tries = 0;
-        while !process::port_free(cfg.port) && tries < 20 {
-            tries += 1;
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        if !process::port_free(cfg.port) {
-            return Err(BackendError::failed(
-                format!("start VM {name}"),
-                format!(
-                    "its ssh port 127.0.0.1:{} is taken by another process (not a boxery VM): free it (`ss -ltnp sport = :{}`) and retry",
-                    cfg.port, cfg.port
-                ),
-            ));
-        }
+        self.wait_port(name, cfg.port).await?;
         let spec = self.launch_spec(cfg, &base, &chain);
         let t = Instant::now();
         if let Some(bin) = &self.config.net {
@@ -137,8 +128,11 @@ impl Inner {
 
     /// Power a running VM off (lock held): ACPI button when the guest handles it, then `quit`,
     /// then signals.
+    /// A suspended VM's saved memory is discarded (it is off).
     pub(super) async fn shutdown(&self, name: &str, graceful: bool) -> Result<()> {
         let dir = self.vm_dir(name);
+        self.memory_repair(name).await?;
+        self.discard_memory(name)?;
         let Some(pid) = self.pid(name) else {
             self.after_exit(name).await;
             return Ok(());

@@ -38,6 +38,7 @@ mod chain;
 pub mod config;
 pub mod layout;
 mod lifecycle;
+mod memory;
 pub mod net;
 pub mod process;
 pub mod qmp;
@@ -301,6 +302,7 @@ impl Backend for QemuBackend {
             ],
             resize: true,
             live_capture: true,
+            suspend: true,
             build_stock_image: true,
             host_key: true,
             ssh: true,
@@ -391,15 +393,27 @@ impl Backend for QemuBackend {
         }
         let pid = inner.pid(name);
         let running = pid.is_some();
+        let memory = if running {
+            None
+        } else {
+            inner
+                .saved_memory(name)
+                .map_err(|e| unreachable(error_chain(&e)))?
+        };
         Ok(Some(VmInfo {
-            degraded: pid.and_then(|p| inner.net_down(name, p)),
+            degraded: pid.and_then(|p| {
+                inner
+                    .memory_in_flight(name)
+                    .or_else(|| inner.net_down(name, p))
+            }),
             name: cfg.name.clone(),
             mark: Some(cfg.mark.clone()),
-            state: if running {
-                PowerState::Running
-            } else {
-                PowerState::Stopped
+            state: match (running, &memory) {
+                (true, _) => PowerState::Running,
+                (false, Some(_)) => PowerState::Suspended,
+                (false, None) => PowerState::Stopped,
             },
+            memory,
             size: VmSize {
                 cpus: cfg.cpus,
                 memory_mib: cfg.memory_mib,
@@ -451,7 +465,13 @@ impl Backend for QemuBackend {
 
     async fn repair(&self, name: &str) -> Result<()> {
         let (_lock, cfg) = self.inner.locked(name).await?;
+        self.inner.memory_repair(name).await?;
         self.inner.restart_net(&cfg).await
+    }
+
+    async fn suspend(&self, name: &str) -> Result<()> {
+        let (_lock, _cfg) = self.inner.locked(name).await?;
+        self.inner.suspend(name).await
     }
 
     async fn stop(&self, name: &str) -> Result<()> {
@@ -486,6 +506,11 @@ impl Backend for QemuBackend {
         let Some(change) = cfg.resize_to(size)? else {
             return Ok(());
         };
+        if inner.pid(name).is_none() && inner.load_memory(name)?.is_some() {
+            return Err(BackendError::Invalid(format!(
+                "VM {name} is suspended: its saved memory holds its size; resume it first (or stop it, which discards the memory)"
+            )));
+        }
         let (machine_change, grow) = (change.machine, change.grow);
         let was_running = inner.pid(name).is_some();
         if was_running && !machine_change {

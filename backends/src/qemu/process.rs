@@ -146,6 +146,9 @@ pub struct LaunchSpec {
     /// The VM's `boxery-net` socket, when that helper runs its network instead of QEMU's
     /// own slirp (`-netdev stream`; the helper forwards the port and the proxy's channel).
     pub net: Option<PathBuf>,
+    /// Start paused, waiting for its memory to be loaded (`-incoming defer`): a resume
+    /// (super::memory). Not part of [`command_line`], which is what a saved state is tied to.
+    pub incoming: bool,
 }
 
 /// Where a qemu guest reaches the credential proxy: an address inside slirp's network that
@@ -189,6 +192,9 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
         &spec.memory_mib.to_string(),
     ]);
     push(&["-nodefaults", "-no-user-config", "-display", "none"]);
+    // a new generation id at every start: a guest resumed or forked from saved memory
+    // (Linux 5.18+) reseeds its random pool before anything can use the old one
+    push(&["-device", "vmgenid,guid=auto"]);
     // Daemonized QEMU points its stderr at the -D file instead of /dev/null: an abort's
     // message (an assertion) or the signal that ended it stays readable.
     push(&["-D", &p(&spec.run_log)]);
@@ -360,8 +366,11 @@ pub async fn launch(
         source,
     })?;
     let mut cmd = tokio::process::Command::new(binary);
-    cmd.args(command_line(spec))
-        .arg("-daemonize")
+    cmd.args(command_line(spec));
+    if spec.incoming {
+        cmd.args(["-incoming", "defer"]);
+    }
+    cmd.arg("-daemonize")
         .arg("-pidfile")
         .arg(&spec.pidfile)
         .stdin(std::process::Stdio::null())
@@ -449,6 +458,25 @@ pub fn runs_for(pid: i32, dir: &Path, exe: impl Fn(&str) -> bool) -> bool {
 pub fn names_path(pid: i32, path: &Path) -> bool {
     let needle = path.display().to_string();
     cmdline(pid).is_some_and(|args| args[1..].iter().any(|a| a.contains(&needle)))
+}
+
+/// The arguments live QEMU `pid` was launched with as [`command_line`] made them (its
+/// program, `-daemonize`, `-pidfile FILE` and `-incoming defer` left out): what a state
+/// saved from it is tied to.
+pub fn launched_args(pid: i32) -> Option<Vec<String>> {
+    let args = cmdline(pid)?;
+    let mut out = Vec::with_capacity(args.len());
+    let mut it = args.into_iter().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-daemonize" => {}
+            "-pidfile" | "-incoming" => {
+                it.next();
+            }
+            _ => out.push(a),
+        }
+    }
+    Some(out)
 }
 
 /// The arguments of live process `pid`, its program first; `None` when it is gone or a
@@ -620,6 +648,7 @@ mod tests {
             socat: "/usr/bin/socat".into(),
             relay: None,
             net: None,
+            incoming: false,
             dir,
         }
     }

@@ -172,6 +172,37 @@ pub struct StatusInfo {
     pub running: bool,
 }
 
+/// `query-migrate`: the last migration's state (QEMU keeps it after the migration ends, so a
+/// control plane that restarts mid-suspend can read how it went).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct MigrationInfo {
+    /// `none`, `setup`, `active`, `device`, `completed`, `failed`, `cancelled`, …; missing
+    /// when no migration ran.
+    #[serde(default)]
+    pub status: Option<String>,
+    /// Why it failed.
+    #[serde(default, rename = "error-desc")]
+    pub error_desc: Option<String>,
+}
+
+impl MigrationInfo {
+    /// Still under way.
+    pub fn in_progress(&self) -> bool {
+        matches!(
+            self.status.as_deref(),
+            Some(
+                "setup"
+                    | "active"
+                    | "device"
+                    | "pre-switchover"
+                    | "wait-unplug"
+                    | "cancelling"
+                    | "postcopy-active"
+            )
+        )
+    }
+}
+
 /// One entry of `query-block-jobs`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct BlockJobInfo {
@@ -337,6 +368,50 @@ impl Qmp {
                 self.events.push(v);
             }
         }
+    }
+
+    /// `query-migrate`.
+    pub async fn query_migrate(&mut self) -> Result<MigrationInfo, QmpError> {
+        self.typed("query-migrate", None).await
+    }
+
+    /// Set migration capabilities (`mapped-ram`, `multifd`) on or off.
+    pub async fn migrate_set_capabilities(
+        &mut self,
+        caps: &[(&str, bool)],
+    ) -> Result<(), QmpError> {
+        let capabilities: Vec<Value> = caps
+            .iter()
+            .map(|(c, on)| json!({ "capability": c, "state": on }))
+            .collect();
+        self.execute(
+            "migrate-set-capabilities",
+            Some(json!({ "capabilities": capabilities })),
+        )
+        .await
+        .map(drop)
+    }
+
+    /// Set migration parameters (`{"multifd-channels": 2}`).
+    pub async fn migrate_set_parameters(&mut self, params: Value) -> Result<(), QmpError> {
+        self.execute("migrate-set-parameters", Some(params))
+            .await
+            .map(drop)
+    }
+
+    /// Start an outgoing migration to `uri` (`file:/path`); it runs in QEMU, see
+    /// [`Qmp::query_migrate`].
+    pub async fn migrate(&mut self, uri: &str) -> Result<(), QmpError> {
+        self.execute("migrate", Some(json!({ "uri": uri })))
+            .await
+            .map(drop)
+    }
+
+    /// Start loading an incoming migration from `uri` (QEMU started with `-incoming defer`).
+    pub async fn migrate_incoming(&mut self, uri: &str) -> Result<(), QmpError> {
+        self.execute("migrate-incoming", Some(json!({ "uri": uri })))
+            .await
+            .map(drop)
     }
 
     /// `query-status`.
@@ -513,6 +588,22 @@ impl Qga {
             return Err(e);
         }
         Ok(reply.get("return").cloned().unwrap_or(Value::Null))
+    }
+
+    /// `guest-set-time`: set the guest's clock to `nanos` since the epoch (and its RTC).
+    pub async fn set_time(&mut self, nanos: i64) -> Result<(), QmpError> {
+        self.lines
+            .send(
+                "guest-set-time",
+                &json!({ "execute": "guest-set-time", "arguments": { "time": nanos } }),
+            )
+            .await?;
+        let deadline = tokio::time::Instant::now() + self.lines.timeout;
+        let reply = self.lines.read("guest-set-time", deadline).await?;
+        match error_of("guest-set-time", &reply) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// `guest-fsfreeze-freeze`: flush and freeze every guest filesystem; returns how many.

@@ -1,0 +1,203 @@
+//! Suspend and resume on the qemu backend against real QEMU (TCG) and the tiny guest: the
+//! same processes after a resume, nothing lost when a suspend or resume is cut short, a state
+//! that no longer matches kept and refused. These tests FAIL when QEMU is missing.
+//!
+//! Run: `cargo nextest run -p boxery-backends --features qemu --test qemu_memory`
+
+mod qemu_support;
+
+use std::time::{Duration, Instant};
+
+use boxery_backends::qemu::qmp::Qmp;
+use boxery_backends::{Backend, BackendError, PowerState};
+use qemu_support::Env;
+
+const BOOT: Duration = Duration::from_secs(180);
+
+/// A counter the guest runs in the background (one line a tenth of a second into
+/// ~/count); its PID.
+async fn start_counter(env: &Env, vm: &str) -> String {
+    env.run(
+        vm,
+        "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > $HOME/count; sleep 0.1; done' \
+         </dev/null >/dev/null 2>&1 & echo $!; sleep 1",
+    )
+    .await
+}
+
+async fn count(env: &Env, vm: &str) -> u64 {
+    env.run(vm, "cat $HOME/count").await.parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn suspend_keeps_processes_and_frees_qemu() {
+    let env = Env::new().await;
+    env.tiny_image("tiny").await;
+    env.backend.create(&env.vm("m1", "tiny")).await.unwrap();
+    env.wait_ssh("m1", BOOT).await;
+    let boot_id = env.run("m1", "cat /proc/sys/kernel/random/boot_id").await;
+    let pid = start_counter(&env, "m1").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = count(&env, "m1").await;
+    assert!(before > 0);
+
+    let t = Instant::now();
+    env.backend.suspend("m1").await.unwrap();
+    eprintln!("suspend: {:?}", t.elapsed());
+    let info = env.backend.get("m1").await.unwrap().unwrap();
+    assert_eq!(info.state, PowerState::Suspended);
+    assert_eq!(info.ssh, None);
+    let mem = info
+        .memory
+        .expect("a suspended VM reports its saved memory");
+    assert!(mem.bytes > 1 << 20, "the state holds the guest's memory");
+    assert_eq!(mem.stale, None);
+    assert!(env.qemu_pids().is_empty(), "no QEMU runs while suspended");
+    // suspending again is a no-op
+    env.backend.suspend("m1").await.unwrap();
+
+    let t = Instant::now();
+    env.backend.start("m1").await.unwrap();
+    eprintln!("resume (QEMU running the guest): {:?}", t.elapsed());
+    let info = env.backend.get("m1").await.unwrap().unwrap();
+    assert_eq!(info.state, PowerState::Running);
+    assert_eq!(info.memory, None);
+    assert_eq!(info.degraded, None);
+    env.wait_ssh("m1", Duration::from_secs(30)).await;
+    eprintln!("resume to ssh: {:?}", t.elapsed());
+    assert_eq!(
+        env.run("m1", "cat /proc/sys/kernel/random/boot_id").await,
+        boot_id,
+        "the same boot, not a new one"
+    );
+    assert_eq!(
+        env.run("m1", &format!("kill -0 {pid} && echo alive")).await,
+        "alive",
+        "the counter started before the suspend still runs"
+    );
+    let after = count(&env, "m1").await;
+    assert!(
+        after >= before,
+        "the counter went on from {before}: {after}"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(count(&env, "m1").await > after, "and keeps counting");
+    assert!(
+        !env.backend.layout().vm_memory("m1").exists(),
+        "the state is gone once the guest runs on"
+    );
+
+    // a stopped VM has no memory to suspend; stopping a suspended one discards its memory
+    env.backend.suspend("m1").await.unwrap();
+    env.backend.stop("m1").await.unwrap();
+    let info = env.backend.get("m1").await.unwrap().unwrap();
+    assert_eq!(info.state, PowerState::Stopped);
+    assert_eq!(info.memory, None);
+    assert!(!env.backend.layout().vm_memory("m1").exists());
+    let err = env.backend.suspend("m1").await.unwrap_err();
+    assert!(matches!(err, BackendError::Invalid(_)), "{err}");
+    // and it boots cold
+    env.backend.start("m1").await.unwrap();
+    env.wait_ssh("m1", BOOT).await;
+    assert_ne!(
+        env.run("m1", "cat /proc/sys/kernel/random/boot_id").await,
+        boot_id
+    );
+    env.backend.remove("m1").await.unwrap();
+    assert!(env.qemu_pids().is_empty());
+}
+
+/// A state whose QEMU command line no longer matches (boxery changed how it starts the VM) is
+/// kept and refused with what to do; a truncated state fails the resume and is kept; a
+/// suspend that its control plane left half way is finished by `repair`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn damaged_or_mismatched_states_are_kept_and_interrupted_suspends_settle() {
+    let env = Env::new().await;
+    env.tiny_image("tiny").await;
+    env.backend.create(&env.vm("m2", "tiny")).await.unwrap();
+    env.wait_ssh("m2", BOOT).await;
+    let pid = start_counter(&env, "m2").await;
+
+    // killed mid-suspend: QEMU was told to migrate, nothing committed; repair finishes it
+    let layout = env.backend.layout().clone();
+    let part = layout.vm_memory_part("m2");
+    {
+        let mut q = Qmp::connect(&layout.vm_qmp("m2"), Duration::from_secs(10))
+            .await
+            .unwrap();
+        q.stop().await.unwrap();
+        q.migrate_set_capabilities(&[("mapped-ram", true), ("multifd", true)])
+            .await
+            .unwrap();
+        q.migrate(&format!("file:{}", part.display()))
+            .await
+            .unwrap();
+    }
+    let info = env.backend.get("m2").await.unwrap().unwrap();
+    assert_eq!(info.state, PowerState::Running);
+    assert!(info.degraded.is_some(), "the half-done suspend shows");
+    env.backend.repair("m2").await.unwrap();
+    let info = env.backend.get("m2").await.unwrap().unwrap();
+    assert_eq!(info.state, PowerState::Suspended, "{info:?}");
+    assert!(!part.exists());
+    assert!(env.qemu_pids().is_empty());
+
+    // a state saved under another command line: kept, refused, reported stale
+    let record = layout.vm_memory_record("m2");
+    let saved = std::fs::read_to_string(&record).unwrap();
+    let mut rec: serde_json::Value = serde_json::from_str(&saved).unwrap();
+    rec["args"][0] = "-name-of-another-time".into();
+    std::fs::write(&record, rec.to_string()).unwrap();
+    let err = env.backend.start("m2").await.unwrap_err();
+    assert!(matches!(err, BackendError::Invalid(_)), "{err}");
+    assert!(err.to_string().contains("boxery stop m2"), "{err}");
+    let info = env.backend.get("m2").await.unwrap().unwrap();
+    assert_eq!(info.state, PowerState::Suspended);
+    assert!(info.memory.unwrap().stale.is_some());
+    assert!(env.qemu_pids().is_empty());
+    std::fs::write(&record, &saved).unwrap();
+
+    // a truncated state: the resume fails, nothing runs, the state is still there
+    let state = layout.vm_memory("m2");
+    let whole = std::fs::read(&state).unwrap();
+    std::fs::write(&state, &whole[..4096]).unwrap();
+    let err = env.backend.start("m2").await.unwrap_err();
+    eprintln!("truncated: {}", err.chain());
+    assert!(env.qemu_pids().is_empty(), "no half-made QEMU is left");
+    assert_eq!(
+        env.backend.get("m2").await.unwrap().unwrap().state,
+        PowerState::Suspended
+    );
+    // the whole state resumes
+    std::fs::write(&state, &whole).unwrap();
+    env.backend.start("m2").await.unwrap();
+    env.wait_ssh("m2", Duration::from_secs(30)).await;
+    assert_eq!(
+        env.run("m2", &format!("kill -0 {pid} && echo alive")).await,
+        "alive"
+    );
+
+    // killed mid-resume, before the guest ran: the paused QEMU goes, the state stays
+    env.backend.suspend("m2").await.unwrap();
+    let rec = std::fs::read_to_string(&record).unwrap();
+    let whole = std::fs::read(&state).unwrap();
+    env.backend.start("m2").await.unwrap();
+    // what a kill between load and `cont` leaves: a paused QEMU beside a whole state
+    Qmp::connect(&layout.vm_qmp("m2"), Duration::from_secs(10))
+        .await
+        .unwrap()
+        .stop()
+        .await
+        .unwrap();
+    std::fs::write(&record, &rec).unwrap();
+    std::fs::write(&state, &whole).unwrap();
+    let info = env.backend.get("m2").await.unwrap().unwrap();
+    assert!(info.degraded.is_some());
+    env.backend.repair("m2").await.unwrap();
+    assert_eq!(
+        env.backend.get("m2").await.unwrap().unwrap().state,
+        PowerState::Suspended
+    );
+    env.backend.remove("m2").await.unwrap();
+    assert!(env.qemu_pids().is_empty());
+}
