@@ -22,6 +22,9 @@ pub const PROGRESSING: &str = "Progressing";
 pub const MEMBERS_BLOCKED: &str = "MembersBlocked";
 /// A Pool with broken members.
 pub const DEGRADED: &str = "Degraded";
+/// Whether a suspended Vm's saved memory can be restored (`False`, reason `StaleMemory`,
+/// when it no longer matches what can restore it; present only while suspended).
+pub const MEMORY_RESTORABLE: &str = "MemoryRestorable";
 
 /// Condition reasons.
 pub mod reasons {
@@ -39,6 +42,12 @@ pub mod reasons {
     pub const RUNNING: &str = "Running";
     /// A Vm is stopped as asked.
     pub const STOPPED: &str = "Stopped";
+    /// A Vm is suspended as asked: its memory is on disk.
+    pub const SUSPENDED: &str = "Suspended";
+    /// A suspended Vm's saved memory can be restored.
+    pub const MEMORY_SAVED: &str = "MemorySaved";
+    /// A suspended Vm's saved memory no longer matches what can restore it.
+    pub const STALE_MEMORY: &str = "StaleMemory";
     /// A Vm meant to run stopped on its own; it is started again.
     pub const EXITED: &str = "Exited";
     /// `Ready=False`: running, but a part the backend runs beside it is down (qemu: its

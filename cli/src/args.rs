@@ -368,8 +368,25 @@ pub(crate) enum Command {
         #[command(flatten)]
         wait: WaitArgs,
     },
-    /// Stop VMs (runStrategy: Stopped).
+    /// Stop VMs (runStrategy: Stopped). A suspended VM's saved memory is discarded.
     Stop {
+        /// VM names.
+        #[arg(required = true, value_parser = args::label)]
+        names: Vec<String>,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Suspend running VMs (runStrategy: Suspended): memory to disk, hypervisor ended, host
+    /// RAM free. `resume` brings the same processes back (docs/live-memory.md).
+    Suspend {
+        /// VM names.
+        #[arg(required = true, value_parser = args::label)]
+        names: Vec<String>,
+        #[command(flatten)]
+        wait: WaitArgs,
+    },
+    /// Resume suspended VMs from their saved memory (runStrategy: Running; same as `start`).
+    Resume {
         /// VM names.
         #[arg(required = true, value_parser = args::label)]
         names: Vec<String>,

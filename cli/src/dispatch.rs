@@ -451,6 +451,12 @@ async fn vm_command(v: &Verbs, command: Command) -> CliResult {
         Command::Stop { names, wait } => {
             vms::power(v, &names, RunStrategy::Stopped, wait.wait_for()).await
         }
+        Command::Suspend { names, wait } => {
+            vms::power(v, &names, RunStrategy::Suspended, wait.wait_for()).await
+        }
+        Command::Resume { names, wait } => {
+            vms::power(v, &names, RunStrategy::Running, wait.wait_for()).await
+        }
         Command::Resize { name, size, wait } => vms::resize(v, &name, &size, wait.wait_for()).await,
         Command::Rm { names, force, wait } => {
             let how = commands::DeleteOptions {

@@ -99,6 +99,8 @@ pub fn row(command: &Command) -> Row<'_> {
         | Command::Fork { wait, .. }
         | Command::Start { wait, .. }
         | Command::Stop { wait, .. }
+        | Command::Suspend { wait, .. }
+        | Command::Resume { wait, .. }
         | Command::Resize { wait, .. } => Row::writes(wait),
         Command::Get { .. }
         | Command::Describe { .. }

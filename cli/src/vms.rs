@@ -87,7 +87,7 @@ pub async fn fork(
     wait::plan(v, &plan, wait_for).await
 }
 
-/// `start` / `stop`.
+/// `start` / `stop` / `suspend` / `resume`.
 pub async fn power(
     v: &Verbs,
     names: &[String],
@@ -95,10 +95,7 @@ pub async fn power(
     wait_for: Option<Duration>,
 ) -> CliResult {
     let plan = vm::power(v, names, run).await?;
-    let word = match run {
-        RunStrategy::Running => "starting",
-        RunStrategy::Stopped => "stopping",
-    };
+    let word = vm::power_word(run);
     for n in names {
         outln!("vm/{n} {word}");
     }

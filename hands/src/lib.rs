@@ -195,6 +195,9 @@ fn not_ready_from(v: &Vm, voice: Voice, on_host: bool) -> Option<HandsError> {
         Voice::Cli => {
             let why = match v.status.phase {
                 VmPhase::Stopped => format!("it is stopped: `boxery start {vm} --wait`"),
+                VmPhase::Suspended => format!(
+                    "it is suspended (its memory is on disk): `boxery resume {vm} --wait` brings it back in about a second"
+                ),
                 _ => format!(
                     "it is {status} ({}): wait for it with `boxery wait vm {vm} --for=condition=Ready`",
                     message.unwrap_or_default()
@@ -207,6 +210,9 @@ fn not_ready_from(v: &Vm, voice: Voice, on_host: bool) -> Option<HandsError> {
             let hint = match v.status.phase {
                 _ if deleting => "it is being deleted".to_string(),
                 VmPhase::Stopped => "start it with vm_manage {action: start}".to_string(),
+                VmPhase::Suspended => {
+                    "resume it with vm_manage {action: resume} (about a second; its processes carry on)".to_string()
+                }
                 _ => format!("wait with vm_wait {{kind: vm, name: {vm}}} (condition=Ready)"),
             };
             format!("VM {vm} is not ready: its status is {status}{msg}; {hint}")

@@ -314,8 +314,13 @@ pub enum Action {
     Fork,
     /// Start the VM.
     Start,
-    /// Stop the VM.
+    /// Stop the VM (a suspended VM's saved memory is discarded).
     Stop,
+    /// Suspend the running VM: its memory to disk, its hypervisor ended; resume brings the
+    /// same processes back in about a second.
+    Suspend,
+    /// Resume a suspended VM from its saved memory (same as start).
+    Resume,
     /// Change CPUs, memory or disk.
     Resize,
     /// Delete the VM (and the images it owns).
@@ -325,7 +330,7 @@ pub enum Action {
 /// `vm_manage` arguments.
 #[derive(Debug, Deserialize, JsonSchema)]
 pub struct ManageArgs {
-    /// new, snap, revert, fork, start, stop, resize or rm.
+    /// new, snap, revert, fork, start, stop, suspend, resume, resize or rm.
     pub action: Action,
     /// The VM (for new: the new VM's name; default: the session's VM).
     pub vm: Option<String>,
@@ -632,6 +637,8 @@ pub async fn manage(session: Arc<Session>, a: ManageArgs, ct: CancellationToken)
         Action::Fork => manage_fork(&session, &a).await?,
         Action::Start => manage_power(&session, &a, RunStrategy::Running).await?,
         Action::Stop => manage_power(&session, &a, RunStrategy::Stopped).await?,
+        Action::Suspend => manage_power(&session, &a, RunStrategy::Suspended).await?,
+        Action::Resume => manage_power(&session, &a, RunStrategy::Running).await?,
         Action::Resize => manage_resize(&session, &a).await?,
         Action::Rm => {
             let vm = session.resolve_vm(a.vm.clone()).await?;
@@ -699,12 +706,7 @@ async fn manage_power(
 ) -> Result<(String, Plan), VerbError> {
     let vm = session.resolve_vm(a.vm.clone()).await?;
     let plan = verbs_vm::power(session.verbs()?, std::slice::from_ref(&vm), run).await?;
-    let word = if run == RunStrategy::Running {
-        "starting"
-    } else {
-        "stopping"
-    };
-    Ok((format!("vm/{vm} {word}\n"), plan))
+    Ok((format!("vm/{vm} {}\n", verbs_vm::power_word(run)), plan))
 }
 
 async fn manage_resize(session: &Session, a: &ManageArgs) -> Result<(String, Plan), VerbError> {

@@ -144,12 +144,18 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     } else if vm.status.conditions.remove_condition(conditions::RESIZED) {
         vm = save(ctx, &vm).await?;
     }
-    if info.size != fits {
+    // a suspended VM's saved memory holds its size: a new size applies once it runs again
+    if info.size != fits && info.state != PowerState::Suspended {
         return resize(vm, fits, ctx).await;
     }
     match (vm.spec.run_strategy, info.state) {
-        (RunStrategy::Running, PowerState::Stopped) => start(vm, ctx).await,
-        (RunStrategy::Stopped, PowerState::Running) => stop(vm, ctx).await,
+        (RunStrategy::Running, PowerState::Stopped | PowerState::Suspended) => {
+            start(vm, &info, ctx).await
+        }
+        (RunStrategy::Stopped, PowerState::Running | PowerState::Suspended) => {
+            stop(vm, &info, ctx).await
+        }
+        (RunStrategy::Suspended, PowerState::Running) => suspend(vm, ctx).await,
         (_, PowerState::Running) if info.degraded.is_some() => repair(vm, &info, ctx).await,
         _ => settle(vm, &info, ctx).await,
     }
@@ -221,10 +227,54 @@ async fn resize(mut vm: Vm, want: VmSize, ctx: &Ctx) -> Result<Action> {
     Ok(Action::requeue(Duration::ZERO))
 }
 
-/// Start a VM meant to run. One last seen running that stopped without being asked (a
-/// power-off in the guest, its hypervisor exited or crashed) gets a `Restarted` warning.
-async fn start(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
+/// Save a running VM's memory to disk and end its hypervisor (`runStrategy: Suspended`).
+async fn suspend(vm: Vm, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name();
+    ctx.backend
+        .suspend(name)
+        .await
+        .map_err(|e| ReconcileError::backend("suspend", format!("Vm/{name}"), e))?;
+    let saved = ctx
+        .backend
+        .get(name)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|i| i.memory);
+    let msg = match saved {
+        Some(m) => format!(
+            "the VM was suspended: {} MiB of memory and device state saved, its hypervisor ended",
+            m.bytes.div_ceil(1 << 20)
+        ),
+        None => "the VM was suspended".into(),
+    };
+    ctx.event(&vm, EventType::Normal, "Suspended", &msg).await;
+    Ok(Action::requeue(Duration::ZERO))
+}
+
+/// Start a VM meant to run, or resume a suspended one from its memory. One last seen running
+/// that stopped without being asked (a power-off in the guest, its hypervisor exited or
+/// crashed) gets a `Restarted` warning.
+async fn start(vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     let name = vm.name().to_string();
+    if info.state == PowerState::Suspended {
+        let t = std::time::Instant::now();
+        ctx.backend
+            .start(&name)
+            .await
+            .map_err(|e| ReconcileError::backend("resume", format!("Vm/{name}"), e))?;
+        ctx.event(
+            &vm,
+            EventType::Normal,
+            "Resumed",
+            &format!(
+                "the VM was resumed from its saved memory in {:.2} s: its processes carry on",
+                t.elapsed().as_secs_f64()
+            ),
+        )
+        .await;
+        return booting(vm, "resumed: waiting for the guest to answer", ctx).await;
+    }
     // Last seen on a boot before the host's last reboot: it did not stop on its own.
     let rebooted = vm
         .status
@@ -263,6 +313,11 @@ async fn start(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         ctx.event(&vm, EventType::Normal, "Started", "the VM was started")
             .await;
     }
+    booting(vm, "started again: waiting for the guest to answer", ctx).await
+}
+
+/// After a start or a resume: `Ready=False` (`Booting`, `why`) until the guest answers.
+async fn booting(mut vm: Vm, why: &str, ctx: &Ctx) -> Result<Action> {
     // A Ready from before the stop describes a guest that is gone: until the new one
     // answers, nobody may take it as ready (a `wait --for=condition=Ready` would return
     // at once and the first command would meet a guest still booting). A conflict
@@ -272,7 +327,7 @@ async fn start(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         READY,
         ConditionStatus::False,
         reasons::BOOTING,
-        "started again: waiting for the guest to answer",
+        why,
         generation,
     );
     vm.status.printable_status = Some(printable(&vm));
@@ -284,15 +339,19 @@ async fn start(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     Ok(Action::requeue(Duration::ZERO))
 }
 
-/// Stop a VM meant to be stopped.
-async fn stop(vm: Vm, ctx: &Ctx) -> Result<Action> {
+/// Stop a VM meant to be stopped; a suspended one's saved memory is discarded.
+async fn stop(vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     let name = vm.name();
     ctx.backend
         .stop(name)
         .await
         .map_err(|e| ReconcileError::backend("stop", format!("Vm/{name}"), e))?;
-    ctx.event(&vm, EventType::Normal, "Stopped", "the VM was stopped")
-        .await;
+    let msg = if info.state == PowerState::Suspended {
+        "the VM was stopped: its saved memory was discarded (its processes are gone)"
+    } else {
+        "the VM was stopped"
+    };
+    ctx.event(&vm, EventType::Normal, "Stopped", msg).await;
     Ok(Action::requeue(Duration::ZERO))
 }
 
@@ -314,6 +373,7 @@ async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     };
     let before = vm.status.clone();
     vm.status.size = Some(api_size(info.size));
+    note_memory(&mut vm, info);
     finish_status(
         &mut vm,
         &info.state,
@@ -398,7 +458,20 @@ fn finish_status(
             VmPhase::Stopped,
             ConditionStatus::False,
             reasons::STOPPED,
-            "the VM is stopped (runStrategy: Stopped)".to_string(),
+            match vm.spec.run_strategy {
+                RunStrategy::Suspended => {
+                    "the VM is stopped: there is no memory to suspend (start it, then suspend it)"
+                }
+                _ => "the VM is stopped (runStrategy: Stopped)",
+            }
+            .to_string(),
+        ),
+        (PowerState::Suspended, _) => (
+            VmPhase::Suspended,
+            ConditionStatus::False,
+            reasons::SUSPENDED,
+            "the VM is suspended: its memory is on disk (runStrategy: Running resumes it)"
+                .to_string(),
         ),
     };
     // A part of the spec the backend refused: not converged, whatever the power state. Ready
@@ -437,6 +510,48 @@ fn finish_status(
     vm.status.printable_status = Some(printable(vm));
 }
 
+/// `status.memory` and the `MemoryRestorable` condition from what the backend reports:
+/// present while the VM is suspended, gone once it is not.
+fn note_memory(vm: &mut Vm, info: &VmInfo) {
+    let generation = vm.metadata.generation;
+    match &info.memory {
+        Some(m) => {
+            vm.status.memory = Some(boxery_api::vm::SavedMemory {
+                saved_at: m.saved_at,
+                bytes: m.bytes,
+            });
+            let (status, reason, msg) = match &m.stale {
+                Some(why) => (
+                    ConditionStatus::False,
+                    reasons::STALE_MEMORY,
+                    format!(
+                        "the saved memory cannot be restored: {why}; it is kept. To boot the VM cold instead (its processes are lost): `boxery stop {0}` (discards the memory), then `boxery start {0}`",
+                        vm.name()
+                    ),
+                ),
+                None => (
+                    ConditionStatus::True,
+                    reasons::MEMORY_SAVED,
+                    "the saved memory matches this host's hypervisor: a resume restores it".into(),
+                ),
+            };
+            vm.status.conditions.set_condition(
+                conditions::MEMORY_RESTORABLE,
+                status,
+                reason,
+                &msg,
+                generation,
+            );
+        }
+        None => {
+            vm.status.memory = None;
+            vm.status
+                .conditions
+                .remove_condition(conditions::MEMORY_RESTORABLE);
+        }
+    }
+}
+
 /// The one word `boxery get` shows.
 pub fn printable(vm: &Vm) -> String {
     if vm.metadata.is_deleting() {
@@ -457,6 +572,14 @@ pub fn printable(vm: &Vm) -> String {
         && c.status == ConditionStatus::False
     {
         return c.reason.clone();
+    }
+    if vm
+        .status
+        .conditions
+        .get_condition(conditions::MEMORY_RESTORABLE)
+        .is_some_and(|c| c.status == ConditionStatus::False)
+    {
+        return reasons::STALE_MEMORY.into();
     }
     if vm.status.phase == VmPhase::Failed {
         return if vm.status.last_failure.is_some() {

@@ -372,3 +372,135 @@ async fn a_revert_reimages_from_a_ready_image_and_waits_for_one_that_is_not() {
         ImagePhase::Ready
     );
 }
+
+#[tokio::test]
+async fn suspend_resume_and_stop_follow_run_strategy() {
+    use boxery_api::RunStrategy;
+    let h = Harness::new();
+    running(&h, "a").await;
+    h.edit::<Vm>("a", Part::Spec, |a| {
+        a.spec.run_strategy = RunStrategy::Suspended
+    });
+    h.settle(vm::reconcile, "a").await.unwrap();
+    let a: Vm = h.get("a");
+    assert_eq!(a.status.phase, VmPhase::Suspended);
+    assert_eq!(
+        condition(&a, READY),
+        (ConditionStatus::False, reasons::SUSPENDED.into())
+    );
+    assert_eq!(
+        condition(&a, conditions::MEMORY_RESTORABLE),
+        (ConditionStatus::True, reasons::MEMORY_SAVED.into())
+    );
+    let saved = a
+        .status
+        .memory
+        .clone()
+        .expect("status.memory while suspended");
+    assert!(saved.bytes > 0);
+    assert_eq!(vm::printable(&a), "Suspended");
+    assert_eq!(h.calls().last().unwrap().0, JournalOp::Suspend);
+    assert!(h.reasons::<Vm>("a").contains(&"Suspended".to_string()));
+
+    // a size change waits for the resume (the saved memory holds the size)
+    h.edit::<Vm>("a", Part::Spec, |a| a.spec.resources.cpus = Some(2));
+    h.settle(vm::reconcile, "a").await.unwrap();
+    assert_eq!(h.calls().last().unwrap().0, JournalOp::Suspend);
+
+    // Running resumes it: Ready again, no memory in status, no `Restarted` warning
+    h.edit::<Vm>("a", Part::Spec, |a| {
+        a.spec.run_strategy = RunStrategy::Running
+    });
+    h.settle(vm::reconcile, "a").await.unwrap();
+    let a: Vm = h.get("a");
+    assert_eq!(a.status.phase, VmPhase::Running);
+    assert!(vm::is_ready(&a));
+    assert_eq!(a.status.memory, None);
+    assert!(
+        a.status
+            .conditions
+            .get_condition(conditions::MEMORY_RESTORABLE)
+            .is_none()
+    );
+    assert!(h.reasons::<Vm>("a").contains(&"Resumed".to_string()));
+    assert!(
+        h.warnings::<Vm>("a").is_empty(),
+        "{:?}",
+        h.warnings::<Vm>("a")
+    );
+    let ops: Vec<JournalOp> = h.calls().into_iter().map(|c| c.0).collect();
+    assert_eq!(
+        &ops[ops.len() - 2..],
+        [JournalOp::Start, JournalOp::Resize],
+        "resumed, then resized: {ops:?}"
+    );
+
+    // Stopped discards a suspended VM's memory
+    h.edit::<Vm>("a", Part::Spec, |a| {
+        a.spec.run_strategy = RunStrategy::Suspended
+    });
+    h.settle(vm::reconcile, "a").await.unwrap();
+    h.edit::<Vm>("a", Part::Spec, |a| {
+        a.spec.run_strategy = RunStrategy::Stopped
+    });
+    h.settle(vm::reconcile, "a").await.unwrap();
+    let a: Vm = h.get("a");
+    assert_eq!(a.status.phase, VmPhase::Stopped);
+    assert_eq!(a.status.memory, None);
+    assert_eq!(
+        h.backend.get("a").await.unwrap().unwrap().state,
+        PowerState::Stopped
+    );
+}
+
+#[tokio::test]
+async fn a_stale_memory_is_kept_and_said_not_booted_over() {
+    use boxery_api::RunStrategy;
+    let h = Harness::new();
+    running(&h, "a").await;
+    h.edit::<Vm>("a", Part::Spec, |a| {
+        a.spec.run_strategy = RunStrategy::Suspended
+    });
+    h.settle(vm::reconcile, "a").await.unwrap();
+    h.backend
+        .stale_memory("a", "it was saved by QEMU 9 and this host runs QEMU 10")
+        .unwrap();
+    h.edit::<Vm>("a", Part::Spec, |a| {
+        a.spec.run_strategy = RunStrategy::Running
+    });
+    let _ = h.reconcile(vm::reconcile, "a").await;
+    let a: Vm = h.get("a");
+    let failure = a.status.last_failure.clone().expect("the resume failed");
+    assert!(failure.terminal, "retrying cannot help: {failure:?}");
+    assert!(
+        failure.message.contains("boxery stop a"),
+        "{}",
+        failure.message
+    );
+    assert_eq!(
+        h.backend.get("a").await.unwrap().unwrap().state,
+        PowerState::Suspended,
+        "the memory is kept"
+    );
+    // what the owner reads while suspended: the condition and the one word
+    h.edit::<Vm>("a", Part::Spec, |a| {
+        a.spec.run_strategy = RunStrategy::Suspended
+    });
+    h.settle(vm::reconcile, "a").await.unwrap();
+    let a: Vm = h.get("a");
+    assert_eq!(
+        condition(&a, conditions::MEMORY_RESTORABLE),
+        (ConditionStatus::False, reasons::STALE_MEMORY.into())
+    );
+    assert_eq!(vm::printable(&a), reasons::STALE_MEMORY);
+    // the owner says so: stop discards, start boots cold
+    h.edit::<Vm>("a", Part::Spec, |a| {
+        a.spec.run_strategy = RunStrategy::Stopped
+    });
+    h.settle(vm::reconcile, "a").await.unwrap();
+    h.edit::<Vm>("a", Part::Spec, |a| {
+        a.spec.run_strategy = RunStrategy::Running
+    });
+    h.settle(vm::reconcile, "a").await.unwrap();
+    assert!(vm::is_ready(&h.get("a")));
+}

@@ -57,6 +57,7 @@ pub async fn problems(home: &super::Home) -> Vec<String> {
                 let want = match vm.spec.run_strategy {
                     RunStrategy::Running => PowerState::Running,
                     RunStrategy::Stopped => PowerState::Stopped,
+                    RunStrategy::Suspended => PowerState::Suspended,
                 };
                 if b.state != want {
                     out.push(format!(
@@ -68,6 +69,7 @@ pub async fn problems(home: &super::Home) -> Vec<String> {
                     (want, st.phase),
                     (PowerState::Running, boxery_api::VmPhase::Running)
                         | (PowerState::Stopped, boxery_api::VmPhase::Stopped)
+                        | (PowerState::Suspended, boxery_api::VmPhase::Suspended)
                 );
                 if !phase_ok {
                     out.push(format!(

@@ -159,12 +159,12 @@ async fn write_again(v: &Verbs, kind: &str, name: &str, uid: &str) -> Result {
     let name = Name::for_kind(boxery_api::lookup_kind(kind).expect("Vm or Image"), name)
         .map_err(|e| VerbError::invalid(e.0))?;
     let obj = if kind == "Vm" {
+        use boxery_backends::PowerState as Power;
         let info = backend
             .get(&name)
             .await
             .map_err(|e| VerbError::failed(e.chain()))?
             .ok_or_else(|| VerbError::not_found(format!("VM {name} left the backend")))?;
-        let running = info.state == boxery_backends::PowerState::Running;
         let mut vm = Vm::new(
             name.as_str(),
             boxery_api::vm::VmSpec {
@@ -181,10 +181,11 @@ async fn write_again(v: &Verbs, kind: &str, name: &str, uid: &str) -> Result {
                 },
                 headless: true,
                 layers: vec![],
-                run_strategy: if running {
-                    boxery_api::RunStrategy::Running
-                } else {
-                    boxery_api::RunStrategy::Stopped
+                // a suspended orphan stays suspended: `Stopped` would discard its memory
+                run_strategy: match info.state {
+                    Power::Running => boxery_api::RunStrategy::Running,
+                    Power::Suspended => boxery_api::RunStrategy::Suspended,
+                    Power::Stopped => boxery_api::RunStrategy::Stopped,
                 },
                 restore: None,
                 network: Default::default(),
@@ -193,10 +194,10 @@ async fn write_again(v: &Verbs, kind: &str, name: &str, uid: &str) -> Result {
         vm.status.created_at = Some(boxery_api::now());
         vm.status.backend = Some(backend.name().to_string());
         vm.status.source_image = Some(ADOPTED.into());
-        vm.status.phase = if running {
-            boxery_api::VmPhase::Running
-        } else {
-            boxery_api::VmPhase::Stopped
+        vm.status.phase = match info.state {
+            Power::Running => boxery_api::VmPhase::Running,
+            Power::Suspended => boxery_api::VmPhase::Suspended,
+            Power::Stopped => boxery_api::VmPhase::Stopped,
         };
         boxery_api::DynObject::from_typed(&vm).map_err(VerbError::failed)?
     } else {

@@ -281,18 +281,47 @@ pub async fn fork(v: &Verbs, src: &str, names: &[String], size: &Size) -> Result
     Ok(Plan::vms(names, vec![ready()]))
 }
 
-/// `start` / `stop`: set `runStrategy`.
+/// What `power(run)` is doing, in one word for its first line (`vm/NAME starting`).
+pub fn power_word(run: RunStrategy) -> &'static str {
+    match run {
+        RunStrategy::Running => "starting",
+        RunStrategy::Stopped => "stopping",
+        RunStrategy::Suspended => "suspending",
+    }
+}
+
+/// `jsonpath={.status.phase}=Suspended`.
+pub fn suspended() -> Until {
+    Until::JsonPath("{.status.phase}".into(), "Suspended".into())
+}
+
+/// `start` / `stop` / `suspend` / `resume` (= `start`): set `runStrategy`. A stopped VM
+/// cannot be suspended (it has no memory to keep): refused before anything changes.
 pub async fn power(v: &Verbs, names: &[String], run: RunStrategy) -> Result<Plan> {
     let verb = match run {
         RunStrategy::Running => "start",
         RunStrategy::Stopped => "stop",
+        RunStrategy::Suspended => "suspend",
     };
+    if run == RunStrategy::Suspended {
+        for n in names {
+            let vm = get_vm(v, n).await?;
+            if vm.status.phase == boxery_api::VmPhase::Stopped
+                && vm.spec.run_strategy == RunStrategy::Stopped
+            {
+                return Err(VerbError::invalid(format!(
+                    "VM {n} is stopped: there is no memory to suspend (start it first)"
+                )));
+            }
+        }
+    }
     for n in names {
         edit_vm(v, n, verb, |vm| vm.spec.run_strategy = run).await?;
     }
     let until = match run {
         RunStrategy::Running => ready(),
         RunStrategy::Stopped => stopped(),
+        RunStrategy::Suspended => suspended(),
     };
     Ok(Plan::vms(names, vec![until]))
 }

@@ -51,6 +51,7 @@ pub const STEPS: &[&str] = &[
     "start",
     "stop",
     "repair",
+    "suspend",
     "resize",
     "remove",
     "remove.done",
