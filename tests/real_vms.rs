@@ -1681,6 +1681,70 @@ fn network_helper_repaired() {
     drop(serve);
 }
 
+/// Suspend and resume through the CLI (docs/live-memory.md): a counter started before the
+/// suspend still runs after the resume, on the same boot; while suspended the VM is
+/// `Suspended` with its saved memory in status, no hypervisor runs for it, a command is
+/// refused naming `resume`, and a control plane restarted meanwhile leaves it suspended.
+/// `stop` discards the memory; the next start boots cold.
+fn suspend_resume(kind: Kind) {
+    let h = RealHome::new(kind);
+    let mut serve = h.serve();
+    h.apply_file(&h.home.write("vm.yaml", &tiny_vm("s1")), "10m");
+    let boot_id = "cat /proc/sys/kernel/random/boot_id";
+    let boot = h.run("s1", boot_id);
+    let counter = h.run(
+        "s1",
+        "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > ~/count; sleep 0.1; done' \
+         </dev/null >/dev/null 2>&1 & echo $!; sleep 1",
+    );
+    let out = h.ok(&["suspend", "s1", "--wait", "--timeout", "2m"]);
+    assert!(out.contains("vm/s1 suspending"), "{out}");
+    let v = h.vm_json("s1");
+    assert_eq!(v["status"]["phase"], "Suspended", "{v}");
+    assert!(
+        v["status"]["memory"]["bytes"].as_u64().unwrap() > 1 << 20,
+        "{v}"
+    );
+    assert!(v["status"]["memory"]["savedAt"].is_string(), "{v}");
+    assert!(
+        h.running().is_empty(),
+        "no hypervisor while suspended: {:?}",
+        h.running()
+    );
+    let refused = h.cmd(&["run", "s1", "--", "true"]);
+    assert_eq!(refused.status.code(), Some(5));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("boxery resume s1"), "{err}");
+    // a control plane that restarts meanwhile leaves it as it is
+    serve.kill();
+    let _serve = h.serve();
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(h.vm_json("s1")["status"]["phase"], "Suspended");
+    assert!(h.running().is_empty(), "{:?}", h.running());
+
+    h.ok(&["resume", "s1", "--wait", "--timeout", "2m"]);
+    assert_eq!(h.run("s1", boot_id), boot, "the same boot");
+    assert_eq!(
+        h.run("s1", &format!("kill -0 {counter} && echo alive")),
+        "alive",
+        "the process started before the suspend runs on"
+    );
+    let v = h.vm_json("s1");
+    assert!(v["status"]["memory"].is_null(), "{v}");
+    let d = h.ok(&["describe", "vm", "s1"]);
+    assert!(d.contains("Suspended") && d.contains("Resumed"), "{d}");
+
+    // stop discards the memory; start boots cold
+    h.ok(&["suspend", "s1", "--wait", "--timeout", "2m"]);
+    h.ok(&["stop", "s1", "--wait", "--timeout", "2m"]);
+    h.ok(&["start", "s1", "--wait", "--timeout", "5m"]);
+    assert_ne!(h.run("s1", boot_id), boot, "a cold boot");
+    h.ok(&["rm", "s1", "--wait", "--timeout", "3m"]);
+    h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
+    assert!(h.running().is_empty());
+    assert!(h.leftovers().is_empty(), "left behind: {:?}", h.leftovers());
+}
+
 /// The same tests on each real backend.
 macro_rules! on_backend {
     ($kind:expr) => {
@@ -1733,6 +1797,11 @@ mod qemu {
     #[test]
     fn a_dead_network_helper_is_repaired_under_a_running_guest() {
         super::network_helper_repaired()
+    }
+
+    #[test]
+    fn suspend_and_resume_keep_the_guest_processes() {
+        super::suspend_resume(super::Kind::Qemu)
     }
 }
 

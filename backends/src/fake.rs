@@ -804,6 +804,11 @@ impl Backend for FakeBackend {
         self.step("resize").await?;
         let mut rec = self.require_vm(name)?;
         check_size(name, size)?;
+        if rec.state == PowerState::Suspended && size != rec.size {
+            return Err(BackendError::Invalid(format!(
+                "VM {name} is suspended: its saved memory holds its size; resume it first (or stop it, which discards the memory)"
+            )));
+        }
         if size.disk_gib < rec.size.disk_gib {
             return Err(BackendError::Invalid(format!(
                 "cannot shrink the disk of VM {name} from {} GiB to {} GiB: disks only grow",
@@ -929,6 +934,7 @@ impl Backend for FakeBackend {
                 .map_err(|e| BackendError::io(format!("cannot swap in {}", staged.display()), e))?;
         }
         rec.state = PowerState::Running;
+        rec.memory = None;
         rec.identity = identity.clone();
         rec.reimaged_from = Some(image.into());
         self.write_vm(&rec)?;

@@ -464,6 +464,69 @@ async fn contract(s: Subject) {
         assert_eq!(g.run("b", "cat /home/agent/f").await, "one");
     }
 
+    step("suspend and resume b where the backend claims it: the same boot, memory kept");
+    if caps.suspend {
+        let boot_id = match &guest {
+            Some(g) => Some(g.run("b", "cat /proc/sys/kernel/random/boot_id").await),
+            None => None,
+        };
+        b.suspend("b")
+            .await
+            .unwrap_or_else(|e| panic!("{name}: suspend b: {}", e.chain()));
+        let info = b.get("b").await.unwrap().unwrap();
+        assert_eq!(info.state, PowerState::Suspended, "{name}");
+        assert_eq!(info.ssh, None, "{name}: suspended: no endpoint");
+        let mem = info
+            .memory
+            .expect("a suspended VM reports its saved memory");
+        assert!(mem.bytes > 0 && mem.stale.is_none(), "{name}: {mem:?}");
+        b.suspend("b").await.unwrap(); // a no-op
+        assert!(
+            matches!(
+                b.resize(
+                    "b",
+                    VmSize {
+                        cpus: 2,
+                        memory_mib: 256,
+                        disk_gib: 1
+                    }
+                )
+                .await,
+                Err(BackendError::Invalid(_))
+            ),
+            "{name}: a suspended VM's size is held by its memory"
+        );
+        b.start("b")
+            .await
+            .unwrap_or_else(|e| panic!("{name}: resume b: {}", e.chain()));
+        let info = b.get("b").await.unwrap().unwrap();
+        assert_eq!(info.state, PowerState::Running, "{name}");
+        assert_eq!(info.memory, None, "{name}: the state is gone once it runs");
+        if let (Some(g), Some(boot_id)) = (&guest, boot_id) {
+            assert_eq!(
+                g.run("b", "cat /proc/sys/kernel/random/boot_id").await,
+                boot_id,
+                "{name}: resumed, not rebooted"
+            );
+        }
+        // stop discards a suspended VM's memory
+        b.suspend("b").await.unwrap();
+        b.stop("b").await.unwrap();
+        let info = b.get("b").await.unwrap().unwrap();
+        assert_eq!(info.state, PowerState::Stopped, "{name}");
+        assert_eq!(info.memory, None, "{name}");
+        assert!(
+            matches!(b.suspend("b").await, Err(BackendError::Invalid(_))),
+            "{name}: a stopped VM has no memory to suspend"
+        );
+        b.start("b").await.unwrap();
+    } else {
+        assert!(
+            matches!(b.suspend("b").await, Err(BackendError::Unsupported { .. })),
+            "{name}: a backend that does not claim suspend refuses it"
+        );
+    }
+
     step("stop a; capture and resize it stopped: it stays stopped");
     b.stop("a").await.unwrap();
     assert_eq!(state(b, "a").await, PowerState::Stopped);

@@ -827,8 +827,6 @@ pub fn schema(kind_name: Option<&str>) -> CliResult {
     Ok(())
 }
 
-/// The backend support table, from each backend's own `capabilities()` (the one source of
-/// truth; docs/backends.md holds a copy a test keeps equal).
 /// `api-resources`: every kind, as `kubectl api-resources` lists them.
 pub fn api_resources() -> String {
     let mut rows = vec![
@@ -891,10 +889,12 @@ pub fn version(env: &boxery_verbs::env::Env) -> CliResult {
     Ok(())
 }
 
+/// The backend support table, from each backend's own `capabilities()` (the one source of
+/// truth; docs/backends.md holds a copy a test keeps equal).
 pub fn backends_table(home: &std::path::Path) -> String {
     let yes = |b: bool| if b { "yes" } else { "no" };
     let mut out = String::from(
-        "| backend | stability | platforms | requires | resize | live capture | builds stock images | host key | sshd in guests |\n|---|---|---|---|---|---|---|---|---|\n",
+        "| backend | stability | platforms | requires | resize | live capture | suspend/resume | builds stock images | host key | sshd in guests |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for name in boxery_backends::BACKENDS {
         let Ok(b) = boxery_backends::by_name(name, home) else {
@@ -902,7 +902,7 @@ pub fn backends_table(home: &std::path::Path) -> String {
         };
         let c = b.capabilities();
         out.push_str(&format!(
-            "| `{}` | {:?} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| `{}` | {:?} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             c.name,
             c.stability,
             c.platforms.join(", "),
@@ -913,6 +913,7 @@ pub fn backends_table(home: &std::path::Path) -> String {
             },
             yes(c.resize),
             yes(c.live_capture),
+            yes(c.suspend),
             yes(c.build_stock_image),
             yes(c.host_key),
             yes(c.ssh)

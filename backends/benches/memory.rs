@@ -1,0 +1,107 @@
+//! Suspend and resume on the qemu backend against a cold boot of the same VM, measured in
+//! the same run (docs/live-memory.md; the tiny guest under TCG here).
+//!
+//! `cargo bench -p boxery-backends --features qemu --bench memory` (env `RUNS`, default 3;
+//! `MEMORY_MIB`, default 1024: the guest's memory; `TOUCH_MIB`, default 256: what the guest
+//! fills with random bytes before the suspend, in its RAM-backed root).
+//!
+//! | figure | limit beside it |
+//! |---|---|
+//! | resume → first ssh command | cold boot (start of the stopped VM) → first ssh command |
+//! | suspend of a MEMORY_MIB guest with TOUCH_MIB touched, s per GiB touched | target 4 s/GiB |
+//! | saved state on disk | the touched memory |
+
+#[path = "../tests/qemu_support/mod.rs"]
+mod qemu_support;
+
+use std::time::{Duration, Instant};
+
+use boxery_backends::Backend;
+use qemu_support::Env;
+
+const BOOT: Duration = Duration::from_secs(240);
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn stats(v: &[f64]) -> String {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    format!(
+        "median {:.2} (min {:.2}, max {:.2}, n={})",
+        s[s.len() / 2],
+        s[0],
+        s[s.len() - 1],
+        s.len()
+    )
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    s[s.len() / 2]
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let runs = env_u64("RUNS", 3) as usize;
+    let memory_mib = env_u64("MEMORY_MIB", 1024);
+    let touch_mib = env_u64("TOUCH_MIB", 256);
+    let env = Env::new().await;
+    env.tiny_image("tiny").await;
+    let (mut cold, mut resume, mut suspend, mut per_gib, mut state_mib) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    for run in 0..runs {
+        let name = format!("b{run}");
+        let mut req = env.vm(&name, "tiny");
+        req.memory_mib = memory_mib;
+        env.backend.create(&req).await.unwrap();
+        env.wait_ssh(&name, BOOT).await;
+        // the limit: a cold boot of the same VM (stopped, then started → first command)
+        env.backend.stop(&name).await.unwrap();
+        let t = Instant::now();
+        env.backend.start(&name).await.unwrap();
+        env.wait_ssh(&name, BOOT).await;
+        cold.push(t.elapsed().as_secs_f64());
+        // touch memory: random bytes (zero pages are not saved) in the RAM-backed root
+        env.run(
+            &name,
+            &format!("head -c {}M /dev/urandom > /tmp/fill && echo ok", touch_mib),
+        )
+        .await;
+        let t = Instant::now();
+        env.backend.suspend(&name).await.unwrap();
+        let s = t.elapsed().as_secs_f64();
+        suspend.push(s);
+        per_gib.push(s / (touch_mib as f64 / 1024.0));
+        let info = env.backend.get(&name).await.unwrap().unwrap();
+        state_mib.push(info.memory.unwrap().bytes as f64 / (1 << 20) as f64);
+        let t = Instant::now();
+        env.backend.start(&name).await.unwrap();
+        env.wait_ssh(&name, Duration::from_secs(60)).await;
+        resume.push(t.elapsed().as_secs_f64());
+        env.backend.remove(&name).await.unwrap();
+    }
+    let ratio = median(&cold) / median(&resume);
+    println!(
+        "# suspend/resume, tiny guest, {memory_mib} MiB, {touch_mib} MiB touched, {:?}",
+        env.backend.accel().accel
+    );
+    println!("| figure | seconds |\n|---|---|");
+    println!(
+        "| cold boot → first ssh command (the limit) | {} |",
+        stats(&cold)
+    );
+    println!("| resume → first ssh command | {} |", stats(&resume));
+    println!("| suspend | {} |", stats(&suspend));
+    println!("| suspend per GiB touched | {} |", stats(&per_gib));
+    println!("| saved state (MiB on disk) | {} |", stats(&state_mib));
+    println!(
+        "resume is {ratio:.1}× faster than a cold boot (target ≥ 20×, ≤ 1 s); suspend {:.2} s/GiB touched (target ≤ 4)",
+        median(&per_gib)
+    );
+}
