@@ -1209,6 +1209,191 @@ async fn set_egress_confines_a_running_guest_and_lets_it_go() {
     assert!(env.domains().is_empty(), "no domain left");
 }
 
+/// The PIDs of the QEMU processes running domain `dom` (its `-name guest=DOM,…`).
+fn qemu_of(dom: &str) -> Vec<u32> {
+    let want = format!("guest={dom},");
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.split(|b| *b == 0).any(|a| a.starts_with(want.as_bytes())))
+        })
+        .collect()
+}
+
+/// Suspend (libvirt's managed save) and resume: a counter the guest runs survives with its
+/// boot (same `boot_id`); while suspended the VM is `Suspended` with its saved memory, no QEMU
+/// runs for it, a resize is refused and an egress change waits for the resume; an image
+/// libvirt cannot restore (truncated) is refused and kept; `stop` discards the memory (the
+/// next start boots cold) and `remove` takes it along. Prints the times measured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn suspend_keeps_processes_and_frees_qemu() {
+    use boxery_api::network::EgressPolicy;
+    use boxery_backends::libvirt::xml;
+    let env = Env::new().await;
+    let b = &env.backend;
+    b.create(&env.vm("m", "tiny")).await.unwrap();
+    let dom = b.domain_name("m");
+    let image = PathBuf::from(format!("/var/lib/libvirt/qemu/save/{dom}.save"));
+    let boot_id = env.run("m", "cat /proc/sys/kernel/random/boot_id").await;
+    let pid = env
+        .run(
+            "m",
+            "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > $HOME/count; sleep 0.1; done' \
+             </dev/null >/dev/null 2>&1 & echo $!; sleep 1",
+        )
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let count = || env.run("m", "cat $HOME/count");
+    let before: u64 = count().await.parse().unwrap();
+    assert!(before > 0);
+    assert!(b.capabilities().suspend);
+
+    let t = Instant::now();
+    b.suspend("m").await.unwrap();
+    let suspend = t.elapsed();
+    eprintln!("suspend: {suspend:?}");
+    let info = b.get("m").await.unwrap().unwrap();
+    assert_eq!(info.state, PowerState::Suspended);
+    assert_eq!(info.ssh, None);
+    let mem = info
+        .memory
+        .expect("a suspended VM reports its saved memory");
+    assert!(mem.bytes > 1 << 20, "the image holds the guest's memory");
+    assert_eq!(mem.stale, None);
+    assert!(image.exists(), "libvirt's managed save image");
+    eprintln!("saved memory: {} MiB on disk", mem.bytes >> 20);
+    assert_eq!(
+        b.list().await.unwrap()[0].state,
+        PowerState::Suspended,
+        "list says so too"
+    );
+    assert!(qemu_of(&dom).is_empty(), "no QEMU runs while suspended");
+    // suspending again is a no-op; a resize waits for the resume
+    b.suspend("m").await.unwrap();
+    let err = b
+        .resize(
+            "m",
+            VmSize {
+                cpus: 1,
+                memory_mib: 320,
+                disk_gib: 1,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, BackendError::Invalid(m) if m.contains("resume it first")),
+        "{err}"
+    );
+
+    // an image libvirt cannot restore: refused, kept, nothing runs
+    let whole = std::fs::read(&image).unwrap();
+    std::fs::write(&image, &whole[..whole.len() / 2]).unwrap();
+    let err = b.start("m").await.unwrap_err();
+    eprintln!("truncated image: {}", err.chain());
+    assert!(
+        matches!(&err, BackendError::Invalid(m) if m.contains("boxery stop m")),
+        "{err}"
+    );
+    assert!(qemu_of(&dom).is_empty(), "no half-made QEMU is left");
+    assert_eq!(
+        b.get("m").await.unwrap().unwrap().state,
+        PowerState::Suspended
+    );
+    assert!(image.exists(), "the image is kept");
+    std::fs::write(&image, &whole).unwrap();
+
+    let t = Instant::now();
+    b.start("m").await.unwrap();
+    let resume = t.elapsed();
+    eprintln!("resume (QEMU running the guest): {resume:?}");
+    let info = b.get("m").await.unwrap().unwrap();
+    assert_eq!(info.state, PowerState::Running);
+    assert_eq!(info.memory, None);
+    assert!(!image.exists(), "the image is gone once the guest runs on");
+    assert_eq!(
+        env.run("m", "cat /proc/sys/kernel/random/boot_id").await,
+        boot_id,
+        "the same boot, not a new one"
+    );
+    eprintln!("resume to ssh: {:?}", t.elapsed());
+    assert_eq!(
+        env.run("m", &format!("kill -0 {pid} && echo alive")).await,
+        "alive",
+        "the counter started before the suspend still runs"
+    );
+    let after: u64 = count().await.parse().unwrap();
+    assert!(
+        after >= before,
+        "the counter went on from {before}: {after}"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        count().await.parse::<u64>().unwrap() > after,
+        "and keeps counting"
+    );
+    let t = Instant::now();
+    env.run("m", "true").await;
+    eprintln!("(one ssh command on the running guest: {:?})", t.elapsed());
+
+    // an egress policy set while suspended is in the definition only until the resume
+    if std::env::var("BOXERY_NET_ISOLATION").as_deref() != Ok("off") {
+        b.suspend("m").await.unwrap();
+        b.set_egress("m", EgressPolicy::Deny).await.unwrap();
+        b.start("m").await.unwrap();
+        let live = String::from_utf8_lossy(&virsh(&["dumpxml", &dom]).stdout).to_string();
+        assert_eq!(
+            xml::filter_of(xml::interfaces(&live)[0]),
+            Some(xml::CONFINED_FILTER),
+            "the resumed NIC follows the policy set while suspended"
+        );
+        b.set_egress("m", EgressPolicy::Public).await.unwrap();
+        assert_eq!(
+            env.run("m", &format!("kill -0 {pid} && echo alive")).await,
+            "alive"
+        );
+    }
+
+    // stop discards the memory; a stopped VM has none to suspend; the start is cold
+    b.suspend("m").await.unwrap();
+    b.stop("m").await.unwrap();
+    let info = b.get("m").await.unwrap().unwrap();
+    assert_eq!(info.state, PowerState::Stopped);
+    assert_eq!(info.memory, None);
+    assert!(!image.exists());
+    let err = b.suspend("m").await.unwrap_err();
+    assert!(matches!(err, BackendError::Invalid(_)), "{err}");
+    let t = Instant::now();
+    b.start("m").await.unwrap();
+    let cold = t.elapsed();
+    assert_ne!(
+        env.run("m", "cat /proc/sys/kernel/random/boot_id").await,
+        boot_id,
+        "a cold boot"
+    );
+    eprintln!(
+        "cold start (QEMU running the guest): {cold:?}; to ssh: {:?}",
+        t.elapsed()
+    );
+
+    // remove takes a suspended VM's memory along
+    b.suspend("m").await.unwrap();
+    assert!(image.exists());
+    b.remove("m").await.unwrap();
+    assert!(!image.exists(), "the image went with the domain");
+    assert!(env.domains().is_empty(), "no domain left");
+    assert!(qemu_of(&dom).is_empty());
+    eprintln!(
+        "measured: suspend {:.2} s, resume {:.2} s (a cold start {:.2} s)",
+        suspend.as_secs_f64(),
+        resume.as_secs_f64(),
+        cold.as_secs_f64()
+    );
+}
+
 /// Every domain and the pool of a home made in a test, removed when dropped.
 struct Cleanup(LibvirtBackend);
 impl Drop for Cleanup {

@@ -9,6 +9,7 @@ impl Inner {
             return None;
         }
         let running = Self::is_running(d);
+        let memory = if running { None } else { self.saved_memory(d) };
         let used = self
             .generations(&d.cfg.name)
             .unwrap_or_default()
@@ -18,10 +19,10 @@ impl Inner {
         Some(VmInfo {
             name: d.cfg.name.clone(),
             mark: Some(d.cfg.mark.clone()),
-            state: if running {
-                PowerState::Running
-            } else {
-                PowerState::Stopped
+            state: match (running, &memory) {
+                (true, _) => PowerState::Running,
+                (false, Some(_)) => PowerState::Suspended,
+                (false, None) => PowerState::Stopped,
             },
             size: VmSize {
                 cpus: d.cfg.cpus,
@@ -35,7 +36,7 @@ impl Inner {
                 .map(|a| format!("{a}:22")),
             disk_used_bytes: Some(used),
             degraded: None,
-            memory: None,
+            memory,
         })
     }
 

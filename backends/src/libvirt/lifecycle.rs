@@ -78,10 +78,18 @@ impl Inner {
     }
 
     /// Start a stopped VM: flatten its disk, regenerate its XML (filter, accel, size), start.
+    /// A suspended one is resumed as it was saved ([`Inner::resume`]).
     pub(super) async fn boot(self: &Arc<Self>, d: &Dom) -> Result<()> {
         let dd = d.clone();
-        if blocking(move || Self::is_running(&dd)).await {
+        let (running, saved) = blocking(move || {
+            Ok::<_, BackendError>((Self::is_running(&dd), Self::has_memory(&dd)?))
+        })
+        .await?;
+        if running {
             return Ok(());
+        }
+        if saved {
+            return self.resume(d).await;
         }
         let active = self.flatten(d).await?;
         let dd = d.clone();
@@ -93,10 +101,13 @@ impl Inner {
         .await
     }
 
+    /// Power a running VM off (ACPI button when `graceful`, then destroy); a suspended VM's
+    /// saved memory is discarded (it is off).
     pub(super) async fn shutdown(&self, d: &Dom, graceful: bool) -> Result<()> {
         let dd = d.clone();
         if !blocking(move || Self::is_running(&dd)).await {
-            return Ok(());
+            let dd = d.clone();
+            return blocking(move || Self::discard_memory(&dd)).await;
         }
         let dd = d.clone();
         if graceful && blocking(move || dd.dom.shutdown().is_ok()).await {
@@ -129,7 +140,7 @@ impl Inner {
             self.shutdown(&d, false).await?;
             blocking(move || {
                 d.dom
-                    .undefine()
+                    .undefine_flags(UNDEFINE_MANAGED_SAVE)
                     .or_else(|e| {
                         if is_code(&e, virt::error::ErrorNumber::NoDomain) {
                             Ok(())
@@ -289,6 +300,12 @@ impl Inner {
         let Some(change) = cfg.resize_to(size)? else {
             return Ok(());
         };
+        let dd = d.clone();
+        if !was_running && blocking(move || Self::has_memory(&dd)).await? {
+            return Err(BackendError::Invalid(format!(
+                "VM {name} is suspended: its saved memory holds its size; resume it first (or stop it, which discards the memory)"
+            )));
+        }
         if was_running && !change.machine {
             cfg.disk_gib = size.disk_gib;
             return self

@@ -21,6 +21,11 @@
 //!   rebased onto the base when it is deeper than one overlay). The VM runs on a two-deep chain
 //!   until its next cold start, which pulls the frozen layer's data into its overlay
 //!   (`qemu-img rebase`). **Stopped VM**: a copy of its overlay.
+//! - **Suspend** ([`Backend::suspend`]): libvirt's managed save (memory and device state in
+//!   libvirtd's save directory, the domain off, its QEMU gone); `start` restores it as saved
+//!   (no flattening, no redefinition), `stop`, `reimage` and `remove` discard it, `resize`
+//!   refuses until it is resumed or stopped. An image libvirt will not restore is kept and
+//!   reported ([`crate::BackendError::stale_memory`]). See the memory module.
 //! - **New VM from an image, reimage**: a copy (`cp --reflink=auto`) of the image's overlay,
 //!   so the VM never depends on the image.
 //! - **Network**: one NIC on the libvirt network `BOXERY_LIBVIRT_NETWORK` (`default`, NAT) with
@@ -92,6 +97,7 @@ mod egress;
 mod hostguard;
 mod inventory;
 mod lifecycle;
+mod memory;
 mod network;
 pub mod xml;
 
@@ -135,6 +141,7 @@ const SNAP_ATOMIC: u32 = 1 << 7;
 const ADDR_SRC_LEASE: u32 = 0; // VIR_DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE
 const BLOCK_RESIZE_BYTES: u32 = 1;
 const LIST_ALL: u32 = 0;
+const UNDEFINE_MANAGED_SAVE: u32 = 1; // VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
 
 /// The libvirt backend.
 #[derive(Debug, Clone)]
@@ -280,7 +287,7 @@ impl Backend for LibvirtBackend {
             ],
             resize: true,
             live_capture: true,
-            suspend: false,
+            suspend: true,
             build_stock_image: true,
             host_key: true,
             ssh: true,
@@ -321,9 +328,15 @@ impl Backend for LibvirtBackend {
         self.inner.boot(&d).await
     }
 
+    /// Discards a suspended VM's saved memory.
     async fn stop(&self, name: &str) -> Result<()> {
         let (_lock, d) = self.inner.lock_domain(name).await?;
         self.inner.shutdown(&d, true).await
+    }
+
+    /// libvirt's managed save (`virDomainManagedSave`): see the memory module.
+    async fn suspend(&self, name: &str) -> Result<()> {
+        self.inner.suspend(name).await
     }
 
     async fn remove(&self, name: &str) -> Result<()> {

@@ -66,7 +66,7 @@ pub fn domains(backend: &LibvirtBackend) -> Vec<String> {
 pub fn clean(backend: &LibvirtBackend) {
     for d in domains(backend) {
         virsh(&["destroy", &d]);
-        virsh(&["undefine", &d]);
+        virsh(&["undefine", "--managed-save", &d]);
     }
     let pool = backend.pool_name();
     virsh(&["pool-destroy", &pool]);
