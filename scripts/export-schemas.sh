@@ -3,7 +3,8 @@
 # modelines) from the Rust types. `cargo test` fails when they are stale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build -q -p boxery
+# the features the test suite builds with (scripts/test.sh): the same binary, no second build
+cargo build -q -p boxery --features boxery-backends/qemu,boxery-backends/libvirt,boxery/libvirt
 for kind in vm image pool lease grant; do
   target/debug/boxery schema "$kind" > "manifests/schemas/$kind.json"
 done

@@ -1738,7 +1738,43 @@ fn suspend_resume(kind: Kind) {
     h.ok(&["suspend", "s1", "--wait", "--timeout", "2m"]);
     h.ok(&["stop", "s1", "--wait", "--timeout", "2m"]);
     h.ok(&["start", "s1", "--wait", "--timeout", "5m"]);
-    assert_ne!(h.run("s1", boot_id), boot, "a cold boot");
+    let cold = h.run("s1", boot_id);
+    assert_ne!(cold, boot, "a cold boot");
+
+    // auto-suspend: unused for spec.idle.suspendAfter, suspended; the next command resumes
+    // it first (saying so on stderr) and runs on the same boot
+    h.ok(&[
+        "patch",
+        "vm",
+        "s1",
+        "-p",
+        r#"{"spec":{"idle":{"suspendAfter":"10s"}}}"#,
+    ]);
+    h.ok(&[
+        "wait",
+        "vm/s1",
+        "--for=jsonpath={.status.phase}=Suspended",
+        "--timeout",
+        "2m",
+    ]);
+    let v = h.vm_json("s1");
+    assert_eq!(v["spec"]["runStrategy"], "Running", "{v}");
+    assert!(v["status"]["idleSuspendedAt"].is_string(), "{v}");
+    assert!(h.running().is_empty(), "{:?}", h.running());
+    let woken = h.cmd(&["run", "s1", "--", boot_id]);
+    assert!(
+        woken.status.success(),
+        "{}",
+        String::from_utf8_lossy(&woken.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&woken.stdout).trim(), cold);
+    assert!(
+        String::from_utf8_lossy(&woken.stderr).contains("suspended while idle; resuming"),
+        "{}",
+        String::from_utf8_lossy(&woken.stderr)
+    );
+    let d = h.ok(&["describe", "vm", "s1"]);
+    assert!(d.contains("IdleSuspended"), "{d}");
     h.ok(&["rm", "s1", "--wait", "--timeout", "3m"]);
     h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
     assert!(h.running().is_empty());

@@ -95,6 +95,69 @@ pub struct VmSpec {
     /// Where the guest may connect out (docs/egress.md). Default: `egress: {policy: Public}`.
     #[serde(default, skip_serializing_if = "Network::is_default")]
     pub network: Network,
+    /// Suspend the VM when nobody has used it for a while; the next use resumes it
+    /// (docs/live-memory.md, "Auto-suspend"). Default: never.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle: Option<Idle>,
+}
+
+/// When an unused VM is suspended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Idle {
+    /// How long without a command, file or copy action, interactive session or proxied
+    /// request before the VM is suspended: a number and a unit, `s`, `m`, `h` or `d`, or
+    /// several (`10m`, `1h30m`); 10s to 30d.
+    #[schemars(regex(pattern = r"^([0-9]+[smhd])+$"))]
+    pub suspend_after: String,
+}
+
+/// The annotation a use writes on a VM suspended for being idle (RFC 3339, when): the write
+/// wakes its controller, which resumes it.
+pub const WOKEN_AT: &str = "boxery.dev/woken-at";
+
+/// Shortest and longest `spec.idle.suspendAfter`.
+pub const IDLE_RANGE: (u64, u64) = (10, 30 * 86_400);
+
+impl Idle {
+    /// `suspendAfter` as a duration, or why it is not one (in range).
+    pub fn after(&self) -> Result<std::time::Duration, String> {
+        let s = self.suspend_after.trim();
+        let mut total: u64 = 0;
+        let mut num = String::new();
+        for c in s.chars() {
+            if c.is_ascii_digit() {
+                num.push(c);
+                continue;
+            }
+            let unit = match c {
+                's' => 1,
+                'm' => 60,
+                'h' => 3600,
+                'd' => 86_400,
+                _ => {
+                    return Err(format!(
+                        "`{s}` is not a duration: use a number and s, m, h or d (`10m`, `1h30m`)"
+                    ));
+                }
+            };
+            let n: u64 = num.parse().map_err(|_| {
+                format!("`{s}` is not a duration: each unit needs a number before it (`10m`)")
+            })?;
+            total = total.saturating_add(n.saturating_mul(unit));
+            num.clear();
+        }
+        if !num.is_empty() || s.is_empty() {
+            return Err(format!(
+                "`{s}` is not a duration: end each number with s, m, h or d (`10m`)"
+            ));
+        }
+        let (min, max) = IDLE_RANGE;
+        if total < min || total > max {
+            return Err(format!("`{s}` is out of range: use 10s to 30d"));
+        }
+        Ok(std::time::Duration::from_secs(total))
+    }
 }
 
 fn yes() -> bool {
@@ -318,6 +381,10 @@ recorded_status! {
         /// The memory saved while the VM is suspended: when and how much.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub memory: Option<SavedMemory>,
+        /// When the controller suspended the VM because nobody had used it for
+        /// `spec.idle.suspendAfter`; its next use resumes it. Cleared once it runs again.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub idle_suspended_at: Option<Time>,
     }
 }
 
@@ -429,6 +496,11 @@ fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
             format!("{c} is out of range: use 1 to {MAX_CPUS}"),
         ));
     }
+    if let Some(idle) = &vm.spec.idle
+        && let Err(why) = idle.after()
+    {
+        errs.push(FieldError::new("spec.idle.suspendAfter", why));
+    }
     let src = vm.spec.source.name().to_string();
     let path = match vm.spec.source {
         VmSource::Image(_) => "spec.source.image",
@@ -485,4 +557,39 @@ pub(crate) fn unimplemented(spec: &VmSpec, prefix: &str) -> Vec<FieldError> {
         ));
     }
     errs
+}
+
+#[cfg(test)]
+mod idle_tests {
+    use super::Idle;
+    use std::time::Duration;
+
+    fn after(s: &str) -> Result<Duration, String> {
+        Idle {
+            suspend_after: s.into(),
+        }
+        .after()
+    }
+
+    #[test]
+    fn suspend_after_reads_units_and_sums_them_in_range() {
+        assert_eq!(after("10m"), Ok(Duration::from_secs(600)));
+        assert_eq!(after("1h30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(after("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(after("30d"), Ok(Duration::from_secs(30 * 86_400)));
+        for bad in [
+            "",
+            "10",
+            "m",
+            "5s",
+            "31d",
+            "10x",
+            "1.5h",
+            "-1m",
+            "99999999999999999999d",
+        ] {
+            let e = after(bad).unwrap_err();
+            assert!(e.contains("duration") || e.contains("range"), "{bad}: {e}");
+        }
+    }
 }

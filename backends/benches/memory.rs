@@ -3,7 +3,8 @@
 //!
 //! `cargo bench -p boxery-backends --features qemu --bench memory` (env `RUNS`, default 3;
 //! `MEMORY_MIB`, default 1024: the guest's memory; `TOUCH_MIB`, default 256: what the guest
-//! fills with random bytes before the suspend, in its RAM-backed root).
+//! fills with random bytes before the suspend, in its `/tmp`; `IMAGE`, `tiny` (default) or
+//! `debian-12`: the stock image, built or taken from the image cache).
 //!
 //! | figure | limit beside it |
 //! |---|---|
@@ -19,7 +20,7 @@ use std::time::{Duration, Instant};
 use boxery_backends::Backend;
 use qemu_support::Env;
 
-const BOOT: Duration = Duration::from_secs(240);
+const BOOT: Duration = Duration::from_secs(480);
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -51,14 +52,27 @@ async fn main() {
     let runs = env_u64("RUNS", 3) as usize;
     let memory_mib = env_u64("MEMORY_MIB", 1024);
     let touch_mib = env_u64("TOUCH_MIB", 256);
+    let image = std::env::var("IMAGE").unwrap_or_else(|_| "tiny".into());
     let env = Env::new().await;
-    env.tiny_image("tiny").await;
+    let progress: boxery_backends::Progress = std::sync::Arc::new(|_line: &str| {});
+    env.backend
+        .build_image(
+            boxery_backends::Stock {
+                name: &image,
+                image: &image,
+                uid: "uid-bench",
+            },
+            progress,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("building {image}: {}", e.chain()));
     let (mut cold, mut resume, mut suspend, mut per_gib, mut state_mib) =
         (vec![], vec![], vec![], vec![], vec![]);
     for run in 0..runs {
         let name = format!("b{run}");
-        let mut req = env.vm(&name, "tiny");
+        let mut req = env.vm(&name, &image);
         req.memory_mib = memory_mib;
+        req.disk_gib = if image == "tiny" { 1 } else { 4 };
         env.backend.create(&req).await.unwrap();
         env.wait_ssh(&name, BOOT).await;
         // the limit: a cold boot of the same VM (stopped, then started → first command)
@@ -70,7 +84,9 @@ async fn main() {
         // touch memory: random bytes (zero pages are not saved) in the RAM-backed root
         env.run(
             &name,
-            &format!("head -c {}M /dev/urandom > /tmp/fill && echo ok", touch_mib),
+            &format!(
+                "dd if=/dev/urandom of=/tmp/fill bs=1048576 count={touch_mib} 2>/dev/null && echo ok"
+            ),
         )
         .await;
         let t = Instant::now();
@@ -88,7 +104,7 @@ async fn main() {
     }
     let ratio = median(&cold) / median(&resume);
     println!(
-        "# suspend/resume, tiny guest, {memory_mib} MiB, {touch_mib} MiB touched, {:?}",
+        "# suspend/resume, {image} guest, {memory_mib} MiB, {touch_mib} MiB touched, {:?}",
         env.backend.accel().accel
     );
     println!("| figure | seconds |\n|---|---|");

@@ -590,7 +590,8 @@ async fn recovery_hooks_reattach_and_inventory_errors() {
 
 /// The full Debian 12 guest (image/build-debian.sh: ~2.5 min to build when not cached, 40–70 s
 /// to boot under TCG): create, ssh as agent with sudo, a live capture with the guest agent
-/// freezing the filesystems, a VM from that image, ACPI stop. Run with `--ignored`.
+/// freezing the filesystems, a VM from that image, suspend and resume with the clock set
+/// right, ACPI stop. Run with `--ignored`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "builds (or reuses) and boots the full Debian 12 image: minutes under TCG; run with --ignored"]
 async fn debian_end_to_end() {
@@ -640,6 +641,26 @@ async fn debian_end_to_end() {
     assert_eq!(env.run("deb2", "hostname; cat ~/f").await, "deb2\ndata");
     let ids = env.run("deb1", "cat /etc/machine-id").await;
     assert_ne!(ids, env.run("deb2", "cat /etc/machine-id").await);
+    // suspend and resume: the guest's clock stood still while suspended; its agent sets it
+    // right after the resume (docs/live-memory.md)
+    let t = std::time::Instant::now();
+    b.suspend("deb2").await.unwrap();
+    eprintln!("debian suspend (1 GiB): {:?}", t.elapsed());
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let t = std::time::Instant::now();
+    b.start("deb2").await.unwrap();
+    env.wait_ssh("deb2", Duration::from_secs(60)).await;
+    eprintln!("debian resume -> ssh: {:?}", t.elapsed());
+    let guest: i64 = env.run("deb2", "date +%s").await.parse().unwrap();
+    let host = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    assert!(
+        (guest - host).abs() <= 3,
+        "the resumed guest's clock is {} s off the host's",
+        guest - host
+    );
     let t = std::time::Instant::now();
     b.stop("deb2").await.unwrap();
     eprintln!("debian ACPI stop: {:?}", t.elapsed());

@@ -31,6 +31,7 @@ fn vms(n: usize) -> Vec<DynObject> {
                 run_strategy: RunStrategy::Running,
                 restore: None,
                 network: Default::default(),
+                idle: None,
             };
             DynObject::from_typed(&Vm::new(format!("vm-{i:04}"), spec)).unwrap()
         })

@@ -236,7 +236,15 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         Command::Grant(a) => return grants::grant(v, a).await,
         Command::Orphans { cmd } => orphans::orphans(v, cmd).await?,
         Command::Sync(args) => sync::sync(v, args).await?,
-        Command::Ssh { vm, cmd } => return Ok(boxery_hands::ssh(&v.reach(&vm).await?, &cmd)?),
+        Command::Ssh { vm, cmd } => {
+            let reach = v.reach(&vm).await?;
+            // a session is a use for as long as it lasts (spec.idle)
+            let _session = v
+                .local()
+                .is_ok()
+                .then(|| boxery_home::activity::Ticker::start(&v.env.home, &vm));
+            return Ok(boxery_hands::ssh(&reach, &cmd)?);
+        }
         Command::Run { vm, cmd } => return Ok(boxery_hands::run(&v.reach(&vm).await?, &cmd)?),
         Command::Drill { vm, sibling } => return drill_command(v, &vm, sibling.as_deref()).await,
         Command::Cp { src, dst } => return guest::cp(v, &src, &dst).await,

@@ -65,6 +65,16 @@ pub fn egress_policy(home: &Path, vm: &str) -> PathBuf {
     egress(home).join(vm)
 }
 
+/// `activity/`: when each VM was last used ([`crate::activity`]).
+pub fn activity(home: &Path) -> PathBuf {
+    home.join("activity")
+}
+
+/// `activity/<vm>`: VM `vm`'s last-use mark (its modification time).
+pub fn activity_mark(home: &Path, vm: &str) -> PathBuf {
+    activity(home).join(vm)
+}
+
 /// `audit/proxy.log`: the credential proxy's audit log.
 pub fn audit_log(home: &Path) -> PathBuf {
     home.join("audit").join("proxy.log")

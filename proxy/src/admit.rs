@@ -38,6 +38,9 @@ pub(crate) async fn admit(s: &Served, req: &Parts, rec: &mut Record) -> Result<P
     no_upgrade(&req.headers)?;
     let (vm, owner) = caller(s, &req.headers)?;
     rec.vm = Some(vm.clone());
+    // a request with the VM's own token is a use of the VM (spec.idle); a failed mark only
+    // makes it look idle sooner
+    let _ = boxery_home::activity::touch(&p.home, &vm);
     let entries = boxery_home::grants::read_state(&p.home, &vm)
         .into_iter()
         .filter(|e| e.owner() == owner)

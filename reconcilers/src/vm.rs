@@ -149,8 +149,26 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         return resize(vm, fits, ctx).await;
     }
     match (vm.spec.run_strategy, info.state) {
+        // suspended while idle: it sleeps until it is used
+        (RunStrategy::Running, PowerState::Suspended) if asleep(&vm, ctx) => {
+            settle(vm, &info, ctx).await
+        }
         (RunStrategy::Running, PowerState::Stopped | PowerState::Suspended) => {
             start(vm, &info, ctx).await
+        }
+        (RunStrategy::Running, PowerState::Running) if info.degraded.is_none() => {
+            match idle_for(&vm, ctx) {
+                Some(Idleness::Due(since)) => idle_suspend(vm, since, ctx).await,
+                Some(Idleness::In(left)) => {
+                    // look again when it would be due (a use in between moves that later)
+                    let next = settle(vm, &info, ctx).await?;
+                    Ok(match next.requeue_after() {
+                        Some(d) if d <= left => next,
+                        _ => Action::requeue(left),
+                    })
+                }
+                None => settle(vm, &info, ctx).await,
+            }
         }
         (RunStrategy::Stopped, PowerState::Running | PowerState::Suspended) => {
             stop(vm, &info, ctx).await
@@ -227,6 +245,97 @@ async fn resize(mut vm: Vm, want: VmSize, ctx: &Ctx) -> Result<Action> {
     Ok(Action::requeue(Duration::ZERO))
 }
 
+/// How long a running, ready VM with `spec.idle` has gone unused.
+enum Idleness {
+    /// Unused since then, for `suspendAfter` or longer: suspend it.
+    Due(std::time::SystemTime),
+    /// This long until it is due.
+    In(Duration),
+}
+
+/// When the VM was last used: its activity mark (`boxery_home::activity`), or when it became
+/// ready, whichever is later (a VM nobody has touched since it booted is idle from then).
+fn last_use(vm: &Vm, ctx: &Ctx) -> Option<std::time::SystemTime> {
+    let ready_since = vm
+        .status
+        .conditions
+        .get_condition(READY)
+        .and_then(|c| c.last_transition_time)
+        .map(std::time::SystemTime::from);
+    let mark = boxery_home::activity::last(&ctx.home, vm.name());
+    ready_since.max(mark)
+}
+
+/// Whether a running VM with `spec.idle` is due to be suspended (`None`: no `spec.idle`, not
+/// ready yet, or no time to measure from).
+fn idle_for(vm: &Vm, ctx: &Ctx) -> Option<Idleness> {
+    let after = vm.spec.idle.as_ref()?.after().ok()?;
+    if !is_ready(vm) {
+        return None;
+    }
+    let since = last_use(vm, ctx)?;
+    let idle = std::time::SystemTime::now()
+        .duration_since(since)
+        .unwrap_or_default();
+    Some(if idle >= after {
+        Idleness::Due(since)
+    } else {
+        // a little past the due time: the mark has a coarse clock on some filesystems
+        Idleness::In(after - idle + Duration::from_millis(200))
+    })
+}
+
+/// Whether a VM the controller suspended for being idle has not been used since (then it
+/// stays suspended although `runStrategy` is `Running`).
+fn asleep(vm: &Vm, ctx: &Ctx) -> bool {
+    let Some(at) = vm.status.idle_suspended_at else {
+        return false;
+    };
+    let at = std::time::SystemTime::from(at);
+    // woken by a use here (the activity mark) or through the store (a remote context's)
+    let woken = vm
+        .metadata
+        .annotations
+        .get(boxery_api::vm::WOKEN_AT)
+        .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+        .map(std::time::SystemTime::from);
+    let used = boxery_home::activity::last(&ctx.home, vm.name()).max(woken);
+    used.is_none_or(|used| used <= at)
+}
+
+/// Suspend a VM nobody has used for `spec.idle.suspendAfter` (last used `since`); its next
+/// use wakes it ([`asleep`]).
+async fn idle_suspend(mut vm: Vm, since: std::time::SystemTime, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
+    ctx.backend
+        .suspend(&name)
+        .await
+        .map_err(|e| ReconcileError::backend("suspend", format!("Vm/{name}"), e))?;
+    vm.status.idle_suspended_at = Some(now());
+    let after = vm
+        .spec
+        .idle
+        .as_ref()
+        .map(|i| i.suspend_after.clone())
+        .unwrap_or_default();
+    let since = boxery_api::Time::from(since).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    ctx.event(
+        &vm,
+        EventType::Normal,
+        "IdleSuspended",
+        &format!(
+            "nobody used the VM for {after} (last use {since}): suspended, its memory on disk; its next command, file or copy action, session, or `boxery resume`, resumes it"
+        ),
+    )
+    .await;
+    match save(ctx, &vm).await {
+        Ok(_) => {}
+        Err(e) if e.is_conflict() => {}
+        Err(e) => return Err(e),
+    }
+    Ok(Action::requeue(Duration::ZERO))
+}
+
 /// Save a running VM's memory to disk and end its hypervisor (`runStrategy: Suspended`).
 async fn suspend(vm: Vm, ctx: &Ctx) -> Result<Action> {
     let name = vm.name();
@@ -255,7 +364,7 @@ async fn suspend(vm: Vm, ctx: &Ctx) -> Result<Action> {
 /// Start a VM meant to run, or resume a suspended one from its memory. One last seen running
 /// that stopped without being asked (a power-off in the guest, its hypervisor exited or
 /// crashed) gets a `Restarted` warning.
-async fn start(vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
+async fn start(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     let name = vm.name().to_string();
     if info.state == PowerState::Suspended {
         let t = std::time::Instant::now();
@@ -263,12 +372,17 @@ async fn start(vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
             .start(&name)
             .await
             .map_err(|e| ReconcileError::backend("resume", format!("Vm/{name}"), e))?;
+        let why = if vm.status.idle_suspended_at.take().is_some() {
+            " on its first use since it was suspended for being idle"
+        } else {
+            ""
+        };
         ctx.event(
             &vm,
             EventType::Normal,
             "Resumed",
             &format!(
-                "the VM was resumed from its saved memory in {:.2} s: its processes carry on",
+                "the VM was resumed from its saved memory in {:.2} s{why}: its processes carry on",
                 t.elapsed().as_secs_f64()
             ),
         )
@@ -470,8 +584,12 @@ fn finish_status(
             VmPhase::Suspended,
             ConditionStatus::False,
             reasons::SUSPENDED,
-            "the VM is suspended: its memory is on disk (runStrategy: Running resumes it)"
-                .to_string(),
+            if vm.status.idle_suspended_at.is_some() {
+                "the VM is suspended because nobody used it for spec.idle.suspendAfter: its memory is on disk; its next use resumes it"
+            } else {
+                "the VM is suspended: its memory is on disk (runStrategy: Running resumes it)"
+            }
+            .to_string(),
         ),
     };
     // A part of the spec the backend refused: not converged, whatever the power state. Ready
@@ -549,6 +667,11 @@ fn note_memory(vm: &mut Vm, info: &VmInfo) {
                 .conditions
                 .remove_condition(conditions::MEMORY_RESTORABLE);
         }
+    }
+    // asleep only while suspended with runStrategy Running (a suspend or stop asked for
+    // since, or a resume, ends it)
+    if info.state != PowerState::Suspended || vm.spec.run_strategy != RunStrategy::Running {
+        vm.status.idle_suspended_at = None;
     }
 }
 
@@ -655,6 +778,7 @@ async fn finalize(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     }
     boxery_home::egress::remove(&ctx.home, &name)
         .map_err(|e| state_error("egress", &name, "removing the egress policy", e))?;
+    boxery_home::activity::forget(&ctx.home, &name);
     // Only remove what is ours: a backend VM with another object's mark is not this VM.
     match ctx.backend.get(&name).await {
         Ok(Some(info))

@@ -504,3 +504,97 @@ async fn a_stale_memory_is_kept_and_said_not_booted_over() {
     h.settle(vm::reconcile, "a").await.unwrap();
     assert!(vm::is_ready(&h.get("a")));
 }
+
+/// Put VM `a`'s last use `ago` in the past: its Ready since then, its activity mark too.
+fn used_ago(h: &Harness, ago: Duration) {
+    let then = std::time::SystemTime::now() - ago;
+    h.edit::<Vm>("a", Part::Status, |a| {
+        for c in a.status.conditions.iter_mut() {
+            if c.type_ == READY {
+                c.last_transition_time = Some(then.into());
+            }
+        }
+    });
+    let home = h.dir().join("home");
+    boxery_home::activity::touch(&home, "a").unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(boxery_home::layout::activity_mark(&home, "a"))
+        .unwrap()
+        .set_modified(then)
+        .unwrap();
+}
+
+#[tokio::test]
+async fn an_idle_vm_is_suspended_and_its_next_use_resumes_it() {
+    use boxery_api::RunStrategy;
+    use boxery_api::vm::Idle;
+    let h = Harness::new();
+    let mut a = testing::vm("a", "base");
+    a.spec.idle = Some(Idle {
+        suspend_after: "1m".into(),
+    });
+    h.ready_image("base");
+    h.put(&a);
+    h.settle(vm::reconcile, "a").await.unwrap();
+    assert!(vm::is_ready(&h.get("a")));
+
+    // used 30 s ago: not due; the controller looks again when it would be
+    used_ago(&h, Duration::from_secs(30));
+    let next = h.reconcile(vm::reconcile, "a").await.unwrap();
+    let left = next.requeue_after().expect("a look when it is due");
+    assert!(
+        left > Duration::from_secs(25) && left <= Duration::from_secs(31),
+        "{left:?}"
+    );
+    assert_ne!(h.calls().last().unwrap().0, JournalOp::Suspend);
+
+    // unused for more than a minute: suspended, runStrategy untouched
+    used_ago(&h, Duration::from_secs(90));
+    h.settle(vm::reconcile, "a").await.unwrap();
+    let a: Vm = h.get("a");
+    assert_eq!(a.status.phase, VmPhase::Suspended);
+    assert_eq!(a.spec.run_strategy, RunStrategy::Running);
+    assert!(a.status.idle_suspended_at.is_some());
+    assert_eq!(h.calls().last().unwrap().0, JournalOp::Suspend);
+    assert!(h.reasons::<Vm>("a").contains(&"IdleSuspended".to_string()));
+    // it sleeps: more reconciles leave it suspended
+    h.settle(vm::reconcile, "a").await.unwrap();
+    assert_eq!(h.calls().last().unwrap().0, JournalOp::Suspend);
+
+    // a use (the activity mark moves) wakes it
+    boxery_home::activity::touch(&h.dir().join("home"), "a").unwrap();
+    h.settle(vm::reconcile, "a").await.unwrap();
+    let a: Vm = h.get("a");
+    assert_eq!(a.status.phase, VmPhase::Running);
+    assert!(vm::is_ready(&a));
+    assert_eq!(a.status.idle_suspended_at, None);
+    assert_eq!(h.calls().last().unwrap().0, JournalOp::Start);
+    let resumed = h
+        .events::<Vm>("a")
+        .into_iter()
+        .rev()
+        .find(|e| e.reason == "Resumed")
+        .expect("a Resumed event");
+    assert!(resumed.message.contains("idle"), "{}", resumed.message);
+
+    // so does the wake annotation a use through another machine writes
+    used_ago(&h, Duration::from_secs(90));
+    h.settle(vm::reconcile, "a").await.unwrap();
+    assert_eq!(h.get::<Vm>("a").status.phase, VmPhase::Suspended);
+    h.edit::<Vm>("a", Part::Spec, |a| {
+        a.metadata.annotations.insert(
+            boxery_api::vm::WOKEN_AT.into(),
+            (now() + chrono::Duration::seconds(1)).to_rfc3339(),
+        );
+    });
+    h.settle(vm::reconcile, "a").await.unwrap();
+    assert_eq!(h.get::<Vm>("a").status.phase, VmPhase::Running);
+
+    // an explicit suspend is not an idle one: runStrategy Running resumes it at once
+    h.edit::<Vm>("a", Part::Spec, |a| {
+        a.spec.run_strategy = RunStrategy::Suspended
+    });
+    h.settle(vm::reconcile, "a").await.unwrap();
+    assert_eq!(h.get::<Vm>("a").status.idle_suspended_at, None);
+}

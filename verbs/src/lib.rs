@@ -140,6 +140,8 @@ impl Verbs {
     /// In this home, with the key of a lease this host holds on it; on another machine's
     /// control plane, through its API ([`Remote::via`]).
     pub async fn reach(&self, vm: &str) -> Result<boxery_hands::Reach> {
+        // a use: marked, and a VM suspended while idle is resumed first
+        crate::vm::use_vm(self, vm).await?;
         if let Some(store) = &self.local {
             // reads the store and writes the ssh files: off the async workers
             let (home, store) = (self.env.home.clone(), store.clone());

@@ -183,6 +183,7 @@ pub async fn new(v: &Verbs, input: NewVm) -> Result<Plan> {
         },
         restore: None,
         network: Default::default(),
+        idle: None,
     };
     create_vm(v, &Vm::new(&input.name, spec), "new").await?;
     let until = if input.stopped { stopped() } else { ready() };
@@ -273,12 +274,63 @@ pub async fn fork(v: &Verbs, src: &str, names: &[String], size: &Size) -> Result
             restore: None,
             // A fork of a confined VM is as confined (docs/egress.md).
             network: s.spec.network.clone(),
+            idle: s.spec.idle.clone(),
         };
         let mut vm = Vm::new(n, spec);
         vm.metadata.labels = s.metadata.labels.clone();
         create_vm(v, &vm, "fork").await?;
     }
     Ok(Plan::vms(names, vec![ready()]))
+}
+
+pub use boxery_api::vm::WOKEN_AT;
+
+/// How long a use waits for a VM suspended while idle to be resumed and answer.
+pub const WAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(180);
+
+/// Whether VM `vm` was suspended by its controller for being idle and not woken since.
+pub fn sleeps(vm: &Vm) -> bool {
+    vm.status.phase == boxery_api::VmPhase::Suspended
+        && vm.spec.run_strategy == RunStrategy::Running
+        && vm.status.idle_suspended_at.is_some()
+}
+
+/// A use of VM `name` (a command, a file or copy action, a session): mark it used in this
+/// home ([`boxery_home::activity`]) and, when it sleeps ([`sleeps`]), wake it and wait
+/// (bounded) until it answers again, saying so. Nothing for a VM that does not exist (the
+/// caller says that).
+pub async fn use_vm(v: &Verbs, name: &str) -> Result<()> {
+    if v.local().is_ok() {
+        let _ = boxery_home::activity::touch(&v.env.home, name);
+    }
+    let Some(vm) = v.store().get_as::<Vm>(name).await? else {
+        return Ok(());
+    };
+    if !sleeps(&vm) {
+        return Ok(());
+    }
+    crate::notes::say(&format!(
+        "boxery: vm/{name} was suspended while idle; resuming it (about a second)"
+    ));
+    wake(v, name).await?;
+    crate::wait::wait_all(
+        v,
+        &[ObjectRef::of::<Vm>(name.to_string())],
+        &ready(),
+        WAKE_TIMEOUT,
+        &crate::wait::Quiet,
+    )
+    .await
+}
+
+/// Wake VM `name`'s controller ([`WOKEN_AT`]): a store write it sees at once.
+async fn wake(v: &Verbs, name: &str) -> Result<()> {
+    let at = now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    edit_vm(v, name, "wake", |vm| {
+        vm.metadata.annotations.insert(WOKEN_AT.into(), at.clone());
+    })
+    .await
+    .map(drop)
 }
 
 /// What `power(run)` is doing, in one word for its first line (`vm/NAME starting`).
@@ -316,7 +368,14 @@ pub async fn power(v: &Verbs, names: &[String], run: RunStrategy) -> Result<Plan
         }
     }
     for n in names {
-        edit_vm(v, n, verb, |vm| vm.spec.run_strategy = run).await?;
+        let vm = edit_vm(v, n, verb, |vm| vm.spec.run_strategy = run).await?;
+        // `resume` of a VM suspended while idle: runStrategy was Running already
+        if run == RunStrategy::Running && sleeps(&vm) {
+            if v.local().is_ok() {
+                let _ = boxery_home::activity::touch(&v.env.home, n);
+            }
+            wake(v, n).await?;
+        }
     }
     let until = match run {
         RunStrategy::Running => ready(),

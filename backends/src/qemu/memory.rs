@@ -484,7 +484,9 @@ impl Inner {
             "resumed from saved memory"
         );
         if base.guest_agent {
-            self.sync_clock(name).await;
+            // in the background: the guest runs already, its agent answers within a second
+            let (inner, vm) = (Arc::clone(self), name.clone());
+            tokio::spawn(async move { inner.sync_clock(&vm).await });
         }
         if chain.len() > 2 {
             let mut q = self.qmp(name).await?;
