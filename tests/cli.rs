@@ -1467,7 +1467,9 @@ fn manifest_errors_and_dry_runs() {
         "{err}"
     );
     assert!(
-        err.contains("`running` is not one of Running, Stopped: did you mean `Running`?"),
+        err.contains(
+            "`running` is not one of Running, Stopped, Suspended: did you mean `Running`?"
+        ),
         "{err}"
     );
     assert!(err.contains("2 documents are invalid"), "{err}");

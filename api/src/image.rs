@@ -53,6 +53,13 @@ impl_resource!(
 pub struct ImageSpec {
     /// Where the image's disk comes from.
     pub source: ImageSource,
+    /// With `source: {vm}`: capture the running VM's memory and device state too, at the
+    /// same instant as its disk (the guest pauses for the copy), so a revert with memory
+    /// (`spec.restore.memory` on that VM) brings it back running where it was, processes
+    /// intact (docs/live-memory.md). Refused, not retried, when the VM is not running or its
+    /// backend cannot. Default `false`: the disk only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub memory: bool,
 }
 
 /// Where an image comes from: exactly one of `vm`, `build` or `file`.
@@ -112,6 +119,9 @@ crate::vm::recorded_status! {
         /// Bytes it takes on the host (its own data, not a shared base).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub size_bytes: Option<u64>,
+        /// Bytes its saved memory takes on the host (`spec.memory`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub memory_bytes: Option<u64>,
         /// The side effect under way.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub operation: Option<Operation>,
@@ -146,6 +156,12 @@ fn normalize_image(img: &mut Image) -> Result<(), Vec<FieldError>> {
                 ));
             }
         }
+    }
+    if img.spec.memory && !matches!(img.spec.source, ImageSource::Vm(_)) {
+        errs.push(FieldError::new(
+            "spec.memory",
+            "only an image of a running VM (`source: {vm: NAME}`) can carry memory".to_string(),
+        ));
     }
     if errs.is_empty() { Ok(()) } else { Err(errs) }
 }

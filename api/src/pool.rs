@@ -104,6 +104,29 @@ pub struct PoolSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1000))]
     pub max_unavailable: Option<u32>,
+    /// What each member's clean state holds (`Disk`, the default: its disk, and a reset
+    /// boots it; `Memory`: its disk and its memory, taken once it is Ready, and a lease's end
+    /// resets it to that instant running, in seconds instead of a boot; needs a backend with
+    /// memory snapshots: qemu). Members made before a change keep what they have until they
+    /// are replaced.
+    #[serde(default, skip_serializing_if = "CleanState::is_disk")]
+    pub clean_state: CleanState,
+}
+
+/// What a pool member's clean state holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum CleanState {
+    /// Its disk: a reset replaces the disk and boots.
+    #[default]
+    Disk,
+    /// Its disk and its memory: a reset comes back running from the clean instant.
+    Memory,
+}
+
+impl CleanState {
+    fn is_disk(&self) -> bool {
+        *self == CleanState::Disk
+    }
 }
 
 /// A template for member VMs.

@@ -276,6 +276,10 @@ pub struct Restore {
     pub image: String,
     /// When it was asked for; a new time asks again. Served once.
     pub requested_at: Time,
+    /// Also restore the memory the image holds (an Image with `memory: true` of this same
+    /// VM): the VM comes back running where it was when the image was taken.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub memory: bool,
 }
 
 /// A VM's lifecycle phase.

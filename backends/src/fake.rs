@@ -614,6 +614,7 @@ impl Backend for FakeBackend {
             resize: true,
             live_capture: true,
             suspend: true,
+            memory_snapshots: false,
             build_stock_image: true,
             host_key: false,
             ssh: false,
@@ -868,6 +869,7 @@ impl Backend for FakeBackend {
                 name: r.name,
                 mark: r.mark,
                 created: Some(r.created),
+                memory_bytes: None,
             })
             .collect())
     }

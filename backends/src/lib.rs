@@ -283,6 +283,9 @@ pub struct ImageInfo {
     pub created: Option<boxery_api::Time>,
     /// Bytes it takes on the host.
     pub size_bytes: Option<u64>,
+    /// Bytes of the memory it carries ([`Backend::capture_memory`]); `None`: a disk only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
 }
 
 /// How ready a backend is for use.
@@ -314,6 +317,9 @@ pub struct Capabilities {
     /// Can suspend a running VM to disk and resume it with its processes
     /// ([`Backend::suspend`]).
     pub suspend: bool,
+    /// Can capture a running VM's memory with its disk and revert the VM to both
+    /// ([`Backend::capture_memory`], [`Backend::reimage_memory`]).
+    pub memory_snapshots: bool,
     /// Can build the stock image.
     pub build_stock_image: bool,
     /// Can read a guest's host key through the hypervisor.
@@ -434,6 +440,27 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     async fn resize(&self, name: &str, size: VmSize) -> Result<()>;
     /// Copy a VM's disk into a new image `image` marked with `uid`.
     async fn capture(&self, vm: &str, image: &str, uid: &str) -> Result<()>;
+    /// [`Backend::capture`] of a running VM, its memory and device state with it, both from
+    /// one instant (the guest is paused for the copy and runs on after). `Invalid` when the
+    /// VM is not running. Never leaves a partial image, and leaves the VM running.
+    async fn capture_memory(&self, vm: &str, image: &str, uid: &str) -> Result<()> {
+        let _ = (vm, image, uid);
+        Err(BackendError::Unsupported {
+            backend: self.name().into(),
+            what: "capture a VM's memory".into(),
+        })
+    }
+    /// [`Backend::reimage`] with an image from [`Backend::capture_memory`] of this same VM: the
+    /// VM ends running from the image's memory, where it was when the image was taken.
+    /// `Unchanged` when the image carries no memory or its memory is another VM's (or no
+    /// longer loadable here), before anything changes.
+    async fn reimage_memory(&self, vm: &str, image: &str, identity: &Identity) -> Result<()> {
+        let _ = (vm, image, identity);
+        Err(BackendError::Unsupported {
+            backend: self.name().into(),
+            what: "restore a VM's memory from an image".into(),
+        })
+    }
     /// Every image in boxery's namespace.
     async fn images(&self) -> Result<Vec<ImageInfo>>;
     /// Delete an image; VMs made from it keep working. Succeeds when already gone.

@@ -527,6 +527,60 @@ async fn contract(s: Subject) {
         );
     }
 
+    step("a memory snapshot of b and a revert to it, where the backend claims them");
+    if caps.memory_snapshots {
+        let before = match &guest {
+            Some(g) => {
+                g.run("b", "echo snap > /home/agent/m && sync").await;
+                Some(g.run("b", "cat /proc/sys/kernel/random/boot_id").await)
+            }
+            None => None,
+        };
+        b.capture_memory("b", "b.mem", "uid-b-mem")
+            .await
+            .unwrap_or_else(|e| panic!("{name}: capture_memory b: {}", e.chain()));
+        assert_eq!(
+            state(b, "b").await,
+            PowerState::Running,
+            "{name}: b runs on"
+        );
+        let img = b
+            .images()
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|i| i.name == "b.mem");
+        assert!(
+            img.and_then(|i| i.memory_bytes).is_some_and(|m| m > 0),
+            "{name}: the image carries memory"
+        );
+        if let Some(g) = &guest {
+            g.run("b", "echo later > /home/agent/m && sync").await;
+        }
+        b.reimage_memory("b", "b.mem", &b_id)
+            .await
+            .unwrap_or_else(|e| panic!("{name}: reimage_memory b: {}", e.chain()));
+        assert_eq!(state(b, "b").await, PowerState::Running, "{name}");
+        if let (Some(g), Some(before)) = (&guest, before) {
+            assert_eq!(g.run("b", "cat /home/agent/m").await, "snap", "{name}");
+            assert_eq!(
+                g.run("b", "cat /proc/sys/kernel/random/boot_id").await,
+                before,
+                "{name}: back running from the snapshot's instant, not booted"
+            );
+        }
+        b.remove_image("b.mem").await.unwrap();
+    } else {
+        assert!(
+            matches!(
+                b.capture_memory("b", "b.mem", "uid-b-mem").await,
+                Err(BackendError::Unsupported { .. })
+            ),
+            "{name}: a backend that does not claim memory snapshots refuses them"
+        );
+        assert!(b.images().await.unwrap().iter().all(|i| i.name != "b.mem"));
+    }
+
     step("stop a; capture and resize it stopped: it stays stopped");
     b.stop("a").await.unwrap();
     assert_eq!(state(b, "a").await, PowerState::Stopped);

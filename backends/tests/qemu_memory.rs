@@ -201,3 +201,101 @@ async fn damaged_or_mismatched_states_are_kept_and_interrupted_suspends_settle()
     env.backend.remove("m2").await.unwrap();
     assert!(env.qemu_pids().is_empty());
 }
+
+/// A memory snapshot of a running VM, and a revert to it: the VM comes back running where it
+/// was (same boot, the counter from the snapshot's instant, the disk as it was then); the
+/// VM ran on after the snapshot. A stopped VM's memory cannot be taken, a disk-only image's
+/// memory cannot be restored, and deleting the image deletes its memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_snapshot_and_revert_come_back_running() {
+    let env = Env::new().await;
+    env.tiny_image("tiny").await;
+    let req = env.vm("m3", "tiny");
+    env.backend.create(&req).await.unwrap();
+    env.wait_ssh("m3", BOOT).await;
+    let boot_id = env.run("m3", "cat /proc/sys/kernel/random/boot_id").await;
+    let pid = start_counter(&env, "m3").await;
+    env.run("m3", "echo before > ~/marker && sync").await;
+
+    let t = Instant::now();
+    env.backend
+        .capture_memory("m3", "m3.s1", "uid-s1")
+        .await
+        .unwrap();
+    eprintln!("memory snapshot: {:?}", t.elapsed());
+    let img = env
+        .backend
+        .images()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|i| i.name == "m3.s1")
+        .expect("the image is listed");
+    assert!(img.memory_bytes.unwrap() > 1 << 20, "{img:?}");
+    assert_eq!(
+        env.backend.get("m3").await.unwrap().unwrap().state,
+        PowerState::Running,
+        "the VM runs on"
+    );
+    // the VM goes on after the snapshot
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    env.run("m3", "echo after > ~/marker && sync").await;
+    let later = count(&env, "m3").await;
+
+    let t = Instant::now();
+    env.backend
+        .reimage_memory("m3", "m3.s1", &req.identity)
+        .await
+        .unwrap();
+    env.wait_ssh("m3", Duration::from_secs(60)).await;
+    eprintln!("revert with memory → ssh: {:?}", t.elapsed());
+    assert_eq!(
+        env.run("m3", "cat /proc/sys/kernel/random/boot_id").await,
+        boot_id,
+        "the snapshot's boot, running"
+    );
+    assert_eq!(env.run("m3", "cat ~/marker").await, "before");
+    assert_eq!(
+        env.run("m3", &format!("kill -0 {pid} && echo alive")).await,
+        "alive"
+    );
+    let back = count(&env, "m3").await;
+    assert!(
+        back < later,
+        "the counter is back near the snapshot's instant: {back} (was {later})"
+    );
+
+    // refusals
+    env.backend
+        .capture("m3", "m3.disk", "uid-disk")
+        .await
+        .unwrap();
+    let err = env
+        .backend
+        .reimage_memory("m3", "m3.disk", &req.identity)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, BackendError::Unchanged(_)), "{err}");
+    env.backend.stop("m3").await.unwrap();
+    let err = env
+        .backend
+        .capture_memory("m3", "m3.s2", "uid-s2")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, BackendError::Invalid(_)), "{err}");
+    assert!(
+        env.backend
+            .images()
+            .await
+            .unwrap()
+            .iter()
+            .all(|i| i.name != "m3.s2"),
+        "no partial image"
+    );
+    let layout = env.backend.layout().clone();
+    env.backend.remove_image("m3.s1").await.unwrap();
+    assert!(!layout.image_memory("m3.s1").exists());
+    assert!(!layout.image_memory_record("m3.s1").exists());
+    env.backend.remove("m3").await.unwrap();
+    assert!(env.qemu_pids().is_empty());
+}

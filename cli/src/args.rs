@@ -333,6 +333,10 @@ pub(crate) enum Command {
         /// The label.
         #[arg(value_parser = args::label)]
         label: String,
+        /// Capture the running VM's memory too, at the same instant as its disk (the guest
+        /// pauses for the copy): `revert --memory` brings it back running where it was.
+        #[arg(long)]
+        memory: bool,
         #[command(flatten)]
         wait: WaitArgs,
     },
@@ -344,6 +348,10 @@ pub(crate) enum Command {
         /// The label (or a full image name).
         #[arg(value_parser = args::any_name)]
         label: String,
+        /// Restore the memory the image carries too (taken with `snap --memory` of this VM):
+        /// the VM comes back running where it was, its processes intact.
+        #[arg(long)]
+        memory: bool,
         #[command(flatten)]
         wait: WaitArgs,
     },

@@ -445,8 +445,18 @@ async fn vm_command(v: &Verbs, command: Command) -> CliResult {
             stopped,
             wait,
         } => vms::new(v, &name, from, fork, &size, stopped, wait.wait_for()).await,
-        Command::Snap { vm, label, wait } => vms::snap(v, &vm, &label, wait.wait_for()).await,
-        Command::Revert { vm, label, wait } => vms::revert(v, &vm, &label, wait.wait_for()).await,
+        Command::Snap {
+            vm,
+            label,
+            memory,
+            wait,
+        } => vms::snap(v, &vm, &label, memory, wait.wait_for()).await,
+        Command::Revert {
+            vm,
+            label,
+            memory,
+            wait,
+        } => vms::revert(v, &vm, &label, memory, wait.wait_for()).await,
         Command::Fork {
             src,
             names,

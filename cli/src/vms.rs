@@ -58,16 +58,28 @@ pub async fn new(
     wait::plan(v, &plan, wait_for).await
 }
 
-/// `snap VM LABEL`.
-pub async fn snap(v: &Verbs, name: &str, label: &str, wait_for: Option<Duration>) -> CliResult {
-    let (image, plan) = vm::snap(v, name, label).await?;
+/// `snap VM LABEL [--memory]`.
+pub async fn snap(
+    v: &Verbs,
+    name: &str,
+    label: &str,
+    memory: bool,
+    wait_for: Option<Duration>,
+) -> CliResult {
+    let (image, plan) = vm::snap(v, name, label, memory).await?;
     outln!("image/{image} created");
     wait::plan(v, &plan, wait_for).await
 }
 
-/// `revert VM LABEL`.
-pub async fn revert(v: &Verbs, name: &str, label: &str, wait_for: Option<Duration>) -> CliResult {
-    let (image, plan) = vm::revert(v, name, label).await?;
+/// `revert VM LABEL [--memory]`.
+pub async fn revert(
+    v: &Verbs,
+    name: &str,
+    label: &str,
+    memory: bool,
+    wait_for: Option<Duration>,
+) -> CliResult {
+    let (image, plan) = vm::revert(v, name, label, memory).await?;
     outln!("vm/{name} reverting to {image}");
     wait::plan(v, &plan, wait_for).await
 }

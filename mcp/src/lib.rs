@@ -306,7 +306,7 @@ pub fn tools() -> &'static [Tool] {
             ),
             tool(
                 "vm_manage",
-                "VM verbs that write specs and wait (bounded) for the result: new (make a VM from an image), snap (snapshot the disk into image VM.LABEL), revert (back to a snapshot), fork (new VMs from this VM's disk), start, stop, suspend (memory to disk, host RAM freed), resume (the same processes back in about a second), resize, rm. Returns the current state even when the wait runs out.",
+                "VM verbs that write specs and wait (bounded) for the result: new (make a VM from an image), snap (snapshot the disk into image VM.LABEL; with_memory: true also its memory, of a running VM), revert (back to a snapshot; with_memory: true comes back running where the snapshot was taken), fork (new VMs from this VM's disk), start, stop, suspend (memory to disk, host RAM freed), resume (the same processes back in about a second), resize, rm. Returns the current state even when the wait runs out.",
                 destructive,
                 CliSide::Commands(&[
                     "new", "snap", "revert", "fork", "start", "stop", "suspend", "resume", "resize",

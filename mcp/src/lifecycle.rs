@@ -338,6 +338,9 @@ pub struct ManageArgs {
     pub from: Option<String>,
     /// snap/revert: the snapshot's label (image VM.LABEL).
     pub label: Option<String>,
+    /// snap/revert: with the VM's memory (snap: of the running VM, the guest pauses for the
+    /// copy; revert: of such a snapshot, the VM comes back running where it was).
+    pub with_memory: Option<bool>,
     /// fork: the new VMs' names.
     #[serde(default)]
     pub names: Vec<String>,
@@ -677,14 +680,16 @@ fn label_of(a: &ManageArgs) -> Result<String, VerbError> {
 async fn manage_snap(session: &Session, a: &ManageArgs) -> Result<(String, Plan), VerbError> {
     let vm = session.resolve_vm(a.vm.clone()).await?;
     let label = label_of(a)?;
-    let (image, plan) = verbs_vm::snap(session.verbs()?, &vm, &label).await?;
+    let memory = a.with_memory.unwrap_or(false);
+    let (image, plan) = verbs_vm::snap(session.verbs()?, &vm, &label, memory).await?;
     Ok((format!("image/{image} created\n"), plan))
 }
 
 async fn manage_revert(session: &Session, a: &ManageArgs) -> Result<(String, Plan), VerbError> {
     let vm = session.resolve_vm(a.vm.clone()).await?;
     let label = label_of(a)?;
-    let (image, plan) = verbs_vm::revert(session.verbs()?, &vm, &label).await?;
+    let memory = a.with_memory.unwrap_or(false);
+    let (image, plan) = verbs_vm::revert(session.verbs()?, &vm, &label, memory).await?;
     Ok((format!("vm/{vm} reverting to {image}\n"), plan))
 }
 

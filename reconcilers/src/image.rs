@@ -263,6 +263,11 @@ async fn run(img: &Image, ctx: &Ctx) -> Result<()> {
     let (name, obj) = (img.name().to_string(), key(img));
     let uid = ctx.mark(&img.metadata);
     match &img.spec.source {
+        ImageSource::Vm(v) if img.spec.memory => ctx
+            .backend
+            .capture_memory(v, &name, &uid)
+            .await
+            .map_err(|e| ReconcileError::backend("capture", &obj, e)),
         ImageSource::Vm(v) => ctx
             .backend
             .capture(v, &name, &uid)
@@ -307,13 +312,14 @@ async fn run(img: &Image, ctx: &Ctx) -> Result<()> {
 async fn ready(mut img: Image, ctx: &Ctx) -> Result<Action> {
     let name = img.name().to_string();
     let generation = img.metadata.generation;
-    let size = ctx
+    let info = ctx
         .backend
         .images()
         .await
         .ok()
-        .and_then(|list| list.into_iter().find(|i| i.name == name))
-        .and_then(|i| i.size_bytes);
+        .and_then(|list| list.into_iter().find(|i| i.name == name));
+    let size = info.as_ref().and_then(|i| i.size_bytes);
+    img.status.memory_bytes = info.and_then(|i| i.memory_bytes);
     img.status.operation = None;
     img.status.phase = ImagePhase::Ready;
     img.status.created_at = Some(now());

@@ -747,6 +747,7 @@ async fn pending(
                 &img_name,
                 ImageSpec {
                     source: ImageSource::Vm(m.name.clone()),
+                    memory: pool.spec.clean_state == boxery_api::pool::CleanState::Memory,
                 },
             );
             img.metadata
@@ -854,9 +855,12 @@ async fn resetting(
             v.metadata.labels = t.labels.clone();
             v.metadata.labels.insert(POOL_LABEL.into(), name.into());
         }
+        // back running from the clean instant when the clean image holds its memory
+        let clean = ctx.store.get_as::<Image>(&clean_image(&m.name)).await?;
         v.spec.restore = Some(Restore {
             image: clean_image(&m.name),
             requested_at: at,
+            memory: clean.is_some_and(|i| i.spec.memory),
         });
         match ctx.store.update_as(&v).await {
             Ok(_) => {

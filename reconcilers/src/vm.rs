@@ -888,7 +888,18 @@ async fn recover_reimage(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action>
     let obj = format!("Vm/{name}");
     let image = op.image.clone().unwrap_or_default();
     let identity = identity_for(&vm);
-    let (ty, reason, msg) = match ctx.backend.reimage(&name, &image, &identity).await {
+    // with memory when the revert in the spec asked for it
+    let memory = vm
+        .spec
+        .restore
+        .as_ref()
+        .is_some_and(|r| r.memory && r.image == image);
+    let reimaged = if memory {
+        ctx.backend.reimage_memory(&name, &image, &identity).await
+    } else {
+        ctx.backend.reimage(&name, &image, &identity).await
+    };
+    let (ty, reason, msg) = match reimaged {
         Ok(()) => (
             EventType::Normal,
             "Reverted",
@@ -1099,6 +1110,7 @@ async fn fork_source(vm: &mut Vm, src: &str, ctx: &Ctx) -> Result<Option<String>
             &img,
             ImageSpec {
                 source: ImageSource::Vm(src.to_string()),
+                memory: false,
             },
         );
         image
@@ -1123,6 +1135,7 @@ async fn build_stock(vm: &mut Vm, image_name: &str, ctx: &Ctx) -> Result<()> {
                 base: image_name.to_string(),
                 layers: vec![],
             }),
+            memory: false,
         },
     );
     match ctx.store.create_as(&image).await {
@@ -1327,11 +1340,16 @@ async fn restore(mut vm: Vm, r: boxery_api::vm::Restore, ctx: &Ctx) -> Result<Ac
     vm.status.phase = VmPhase::Restoring;
     vm.status.printable_status = Some("Restoring".into());
     vm = save(ctx, &vm).await?;
-    match ctx
-        .backend
-        .reimage(&name, &r.image, &identity_for(&vm))
-        .await
-    {
+    let reimaged = if r.memory {
+        ctx.backend
+            .reimage_memory(&name, &r.image, &identity_for(&vm))
+            .await
+    } else {
+        ctx.backend
+            .reimage(&name, &r.image, &identity_for(&vm))
+            .await
+    };
+    match reimaged {
         Ok(()) => {
             vm.status.operation = None;
             vm.status.last_restore = Some(r.clone());

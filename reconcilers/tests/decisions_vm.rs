@@ -347,6 +347,7 @@ async fn a_revert_reimages_from_a_ready_image_and_waits_for_one_that_is_not() {
             a.spec.restore = Some(boxery_api::vm::Restore {
                 image,
                 requested_at: now(),
+                memory: false,
             })
         }
     };

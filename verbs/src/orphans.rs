@@ -218,7 +218,13 @@ async fn write_again(v: &Verbs, kind: &str, name: &str, uid: &str) -> Result {
                 )));
             }
         };
-        let mut img = Image::new(name.as_str(), boxery_api::image::ImageSpec { source });
+        let mut img = Image::new(
+            name.as_str(),
+            boxery_api::image::ImageSpec {
+                source,
+                memory: false,
+            },
+        );
         img.status.phase = ImagePhase::Ready;
         img.status.observed_generation = Some(1);
         img.status.backend = Some(backend.name().to_string());

@@ -38,6 +38,7 @@ async fn edit_pool(v: &Verbs, name: &str, create: bool, f: impl Fn(&mut Pool) ->
                         lease: Default::default(),
                         update_strategy: Default::default(),
                         max_unavailable: None,
+                        clean_state: Default::default(),
                     },
                 ),
                 false,

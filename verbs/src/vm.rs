@@ -190,15 +190,22 @@ pub async fn new(v: &Verbs, input: NewVm) -> Result<Plan> {
     Ok(Plan::vms(&[input.name], vec![until]))
 }
 
-/// `snap VM LABEL`: an Image of the VM's disk (`VM.LABEL`), owned by the VM (it goes with
-/// it). Returns the image's name.
-pub async fn snap(v: &Verbs, vm: &str, label: &str) -> Result<(String, Plan)> {
+/// `snap VM LABEL [--memory]`: an Image of the VM's disk (`VM.LABEL`; with `memory`, of its
+/// memory too: the VM must run), owned by the VM (it goes with it). Returns the image's name.
+pub async fn snap(v: &Verbs, vm: &str, label: &str, memory: bool) -> Result<(String, Plan)> {
     let owner = get_vm(v, vm).await?;
+    if memory && owner.status.phase != boxery_api::VmPhase::Running {
+        return Err(VerbError::invalid(format!(
+            "VM {vm} is {:?}: its memory can be captured only while it runs (resume or start it, or snapshot its disk without memory)",
+            owner.status.phase
+        )));
+    }
     let name = image_name(vm, label);
     let mut img = Image::new(
         &name,
         ImageSpec {
             source: ImageSource::Vm(vm.into()),
+            memory,
         },
     );
     img.metadata
@@ -227,16 +234,27 @@ pub async fn snap(v: &Verbs, vm: &str, label: &str) -> Result<(String, Plan)> {
     Ok((name, plan))
 }
 
-/// `revert VM LABEL`: set `spec.restore` to the image `VM.LABEL`. The plan waits for the
+/// `revert VM LABEL [--memory]`: set `spec.restore` to the image `VM.LABEL` (with `memory`:
+/// its memory too, so the VM comes back running where it was). The plan waits for the
 /// restore to be served, then for Ready. Returns the image's name.
-pub async fn revert(v: &Verbs, vm: &str, label: &str) -> Result<(String, Plan)> {
+pub async fn revert(v: &Verbs, vm: &str, label: &str, memory: bool) -> Result<(String, Plan)> {
     let image = image_name(vm, label);
-    if v.store().get_as::<Image>(&image).await?.is_none() {
+    let Some(img) = v.store().get_as::<Image>(&image).await? else {
         return Err(VerbError::not_found(match v.voice {
             Voice::Cli => format!("image {image} not found: `boxery get images` lists them"),
             Voice::Tool => {
                 format!("image {image} not found: vm_get {{kind: image}} lists snapshots")
             }
+        }));
+    };
+    if memory && !img.spec.memory {
+        return Err(VerbError::invalid(match v.voice {
+            Voice::Cli => format!(
+                "image {image} carries no memory (it was taken without --memory): revert without --memory"
+            ),
+            Voice::Tool => format!(
+                "image {image} carries no memory (it was taken without memory): revert without memory"
+            ),
         }));
     }
     let at = now();
@@ -244,6 +262,7 @@ pub async fn revert(v: &Verbs, vm: &str, label: &str) -> Result<(String, Plan)> 
         vm.spec.restore = Some(Restore {
             image: image.clone(),
             requested_at: at,
+            memory,
         });
     })
     .await?;

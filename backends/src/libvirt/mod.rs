@@ -288,6 +288,7 @@ impl Backend for LibvirtBackend {
             resize: true,
             live_capture: true,
             suspend: true,
+            memory_snapshots: false,
             build_stock_image: true,
             host_key: true,
             ssh: true,

@@ -1,6 +1,8 @@
 //! Capture: the live hand-off (guest-agent freeze, snapshot, the frozen overlay published as
-//! the image, a stream back to one overlay) or, for a stopped VM, a copy. Publishing and the
-//! rest of image storage are the storage module's.
+//! the image, a stream back to one overlay) or, for a stopped VM, a copy. With memory: the
+//! guest is paused instead of frozen, its memory saved beside the disk snapshot (both from
+//! that instant, `memory::save_image_memory`), then it runs on. Publishing and the rest of
+//! image storage are the storage module's.
 
 use super::*;
 
@@ -10,6 +12,7 @@ impl Inner {
         vm: &str,
         image: &str,
         uid: &str,
+        memory: bool,
     ) -> Result<()> {
         let cfg = self
             .load_vm(vm)?
@@ -52,7 +55,19 @@ impl Inner {
             }
             let next_gen = self.max_generation(vm)? + 1;
             let next = self.layout.vm_disk(vm, next_gen);
-            let frozen = self.freeze(&mut q, vm).await;
+            // with memory the guest is paused (one instant for disk and memory): no freeze
+            let paused = memory
+                && q.stop()
+                    .await
+                    .map_err(|e| BackendError::failed(format!("pause VM {vm}"), e))
+                    .is_ok();
+            if memory && !paused {
+                return Err(BackendError::failed(
+                    format!("capture the memory of VM {vm}"),
+                    "QEMU did not pause the guest",
+                ));
+            }
+            let frozen = !memory && self.freeze(&mut q, vm).await;
             let snap = q
                 .blockdev_snapshot_sync(&node, &next, &format!("ov{next_gen}"))
                 .await;
@@ -60,14 +75,38 @@ impl Inner {
                 self.thaw(vm).await;
             }
             if let Err(e) = snap {
+                if paused {
+                    let _ = q.cont().await;
+                }
                 let _ = remove_file_if_exists(&next);
                 return Err(BackendError::failed(
                     format!("snapshot the disk of VM {vm}"),
                     e,
                 ));
             }
+            let saved = if paused {
+                let pid = self.pid(vm).unwrap_or_default();
+                let saved = self.save_image_memory(&mut q, &cfg, pid, image).await;
+                // the guest runs on, whatever became of its memory's copy
+                q.cont()
+                    .await
+                    .map_err(|e| BackendError::failed(format!("resume VM {vm}"), e))?;
+                saved.map(Some)
+            } else {
+                Ok(None)
+            };
             let t_snap = t.elapsed();
             drop(q);
+            if let Err(e) = saved {
+                // the VM keeps its new overlay, streamed back to one as after any capture
+                let mut q = self.qmp(vm).await?;
+                let _ = q
+                    .block_stream(STREAM_JOB, &format!("ov{next_gen}"), BASE_NODE)
+                    .await;
+                drop(q);
+                self.settle_later(vm.to_string());
+                return Err(e);
+            }
             // the old overlay is frozen and one deep on the base: it becomes the image
             let _ = remove_file_if_exists(&part);
             std::fs::hard_link(&active, &part)
@@ -86,11 +125,16 @@ impl Inner {
                 vm,
                 image,
                 frozen,
+                memory_bytes = saved.ok().flatten(),
                 snapshot_secs = t_snap.as_secs_f64(),
                 secs = t.elapsed().as_secs_f64(),
                 "captured a running VM"
             );
             self.settle_later(vm.to_string());
+        } else if memory {
+            return Err(BackendError::Invalid(format!(
+                "VM {vm} is not running: its memory can be captured only while it runs (a snapshot without memory takes its disk)"
+            )));
         } else {
             self.settle(vm).await?;
             let generation = self

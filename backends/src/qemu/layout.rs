@@ -72,6 +72,23 @@ impl Layout {
     pub fn image_record(&self, name: &str) -> PathBuf {
         self.images().join(format!("{name}.json"))
     }
+    /// `image-memory/`: the memory images carry (`capture_memory`), beside `images/` (whose
+    /// `*.json` are image records only).
+    pub fn image_memories(&self) -> PathBuf {
+        self.root.join("image-memory")
+    }
+    /// `image-memory/<name>.state`: the memory image `name` carries.
+    pub fn image_memory(&self, name: &str) -> PathBuf {
+        self.image_memories().join(format!("{name}.state"))
+    }
+    /// `image-memory/<name>.json`: its record (written before the image's own record).
+    pub fn image_memory_record(&self, name: &str) -> PathBuf {
+        self.image_memories().join(format!("{name}.json"))
+    }
+    /// `image-memory/.<name>.state.part`: the memory while QEMU writes it.
+    pub fn image_memory_part(&self, name: &str) -> PathBuf {
+        self.image_memories().join(format!(".{name}.state.part"))
+    }
     /// `vms/`.
     pub fn vms(&self) -> PathBuf {
         self.root.join("vms")
@@ -181,6 +198,7 @@ impl Layout {
         for d in [
             self.bases(),
             self.images(),
+            self.image_memories(),
             self.vms(),
             self.ports(),
             self.locks(),

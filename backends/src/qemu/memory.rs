@@ -47,6 +47,10 @@ pub(super) struct MemoryRecord {
     /// Why it cannot be restored, once a resume found out (kept for `get`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stale: Option<String>,
+    /// The VM's pinned host key when it was saved (the guest holds that one): an image's
+    /// memory restored by a revert is pinned to it again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_key: Option<String>,
 }
 
 /// How long a migration to or from a file may take per GiB of guest memory (TCG on two busy
@@ -227,6 +231,143 @@ impl Inner {
         Ok(())
     }
 
+    /// Save the paused guest of VM `cfg` (its QEMU `pid`, QMP `q`) as image `image`'s memory:
+    /// `image-memory/.NAME.state.part`, synced, renamed, then `image-memory/NAME.json`
+    /// (written before the image's own record, the image's commit point). The caller pauses
+    /// the guest before and lets it run after; nothing of a failed attempt stays.
+    pub(super) async fn save_image_memory(
+        &self,
+        q: &mut Qmp,
+        cfg: &VmConfig,
+        pid: i32,
+        image: &str,
+    ) -> Result<u64> {
+        let vm = &cfg.name;
+        let part = self.layout.image_memory_part(image);
+        let state = self.layout.image_memory(image);
+        let step = || format!("save the memory of VM {vm} into image {image}");
+        let args = process::launched_args(pid)
+            .map(tie)
+            .ok_or_else(|| BackendError::failed(step(), "its QEMU exited"))?;
+        let qemu_version = self.qemu_version()?;
+        remove_file_if_exists(&part).map_err(io(format!("removing {}", part.display())))?;
+        let started: Result<(), qmp::QmpError> = async {
+            q.migrate_set_capabilities(CAPS).await?;
+            q.migrate_set_parameters(json!({"multifd-channels": 2, "max-bandwidth": 64u64 << 30}))
+                .await?;
+            q.migrate(&file_uri(&part)).await
+        }
+        .await;
+        let saved = match started {
+            Ok(()) => {
+                self.wait_migration(q, vm, migration_timeout(cfg.memory_mib))
+                    .await
+            }
+            Err(e) => Err(BackendError::failed(step(), e)),
+        };
+        let committed = saved.and_then(|()| {
+            std::fs::File::open(&part)
+                .and_then(|f| f.sync_all())
+                .map_err(io(format!("syncing {}", part.display())))?;
+            std::fs::rename(&part, &state).map_err(io(format!(
+                "moving {} to {}",
+                part.display(),
+                state.display()
+            )))?;
+            let bytes = allocated_bytes(&state);
+            crate::storage::files::write_json(
+                &self.layout.image_memory_record(image),
+                &MemoryRecord {
+                    saved_at: boxery_api::now(),
+                    bytes,
+                    qemu_version,
+                    args,
+                    memory_mib: cfg.memory_mib,
+                    stale: None,
+                    host_key: cfg.host_key.clone(),
+                },
+                0o600,
+            )
+            .map_err(io(format!("writing the memory record of image {image}")))?;
+            Ok(bytes)
+        });
+        if committed.is_err() {
+            let _ = self.remove_image_memory(image);
+        }
+        committed
+    }
+
+    /// Remove the memory an image carries (record first), and a partial one.
+    pub(super) fn remove_image_memory(&self, image: &str) -> Result<()> {
+        for p in [
+            self.layout.image_memory_record(image),
+            self.layout.image_memory(image),
+            self.layout.image_memory_part(image),
+        ] {
+            remove_file_if_exists(&p).map_err(io(format!("removing {}", p.display())))?;
+        }
+        Ok(())
+    }
+
+    /// The memory record of image `image`, if it carries memory.
+    pub(super) fn image_memory(&self, image: &str) -> Result<Option<MemoryRecord>> {
+        crate::storage::files::read_json(&self.layout.image_memory_record(image))
+            .map_err(io(format!("reading the memory record of image {image}")))
+    }
+
+    /// Why image `image`'s memory cannot become VM `cfg`'s (with `base`, the image's): it
+    /// carries none, another VM saved it, or another QEMU. `None`: it can.
+    pub(super) fn image_memory_refusal(
+        &self,
+        cfg: &VmConfig,
+        base: &BaseRecord,
+        image: &str,
+    ) -> Result<Option<String>> {
+        let Some(rec) = self.image_memory(image)? else {
+            return Ok(Some(format!(
+                "image {image} carries no memory (it was taken without it): revert without memory"
+            )));
+        };
+        let version = self.qemu_version()?;
+        if version != rec.qemu_version {
+            return Ok(Some(format!(
+                "image {image}'s memory {}: revert without memory",
+                version_changed(&rec.qemu_version, &version)
+            )));
+        }
+        // the block graph is not part of the tie: any chain stands in for it
+        let chain = [self.layout.vm_disk(&cfg.name, 1), self.base_disk(&base.id)];
+        let spec = self.launch_spec(cfg, base, &chain);
+        let args = tie(process::command_line(&spec)
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned()));
+        if args != rec.args {
+            return Ok(Some(format!(
+                "image {image}'s memory was saved from another VM (or under another QEMU command line): its memory can only return to the VM it was taken from; revert without memory"
+            )));
+        }
+        Ok(None)
+    }
+
+    /// Make image `image`'s memory the saved memory of VM `vm` (a hard link: the image's
+    /// file is only read by a resume), record last; the next boot resumes from it.
+    pub(super) fn install_image_memory(&self, vm: &str, image: &str) -> Result<()> {
+        let rec = self
+            .image_memory(image)?
+            .ok_or_else(|| not_found(format!("the memory of image {image}")))?;
+        self.discard_memory(vm)?;
+        let from = self.layout.image_memory(image);
+        let to = self.layout.vm_memory(vm);
+        if std::fs::hard_link(&from, &to).is_err() {
+            std::fs::copy(&from, &to).map_err(io(format!(
+                "copying {} to {}",
+                from.display(),
+                to.display()
+            )))?;
+        }
+        self.save_memory(vm, &rec)
+    }
+
     /// Wait until QEMU's migration ends: `Ok` when it completed.
     async fn wait_migration(&self, q: &mut Qmp, name: &str, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
@@ -286,6 +427,7 @@ impl Inner {
                 args,
                 memory_mib,
                 stale: None,
+                host_key: None,
             },
         )?;
         crate::storage::files::sync_dir(&state).map_err(io("fsync"))

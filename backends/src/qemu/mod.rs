@@ -186,6 +186,99 @@ impl QemuBackend {
             }
         }
     }
+
+    /// `reimage`, and with `memory` the image's memory installed as the VM's saved memory
+    /// before it boots (so it resumes from it).
+    async fn reimage_with(
+        &self,
+        vm: &str,
+        image: &str,
+        identity: &Identity,
+        memory: bool,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        inner.check_name("VM", vm)?;
+        if !valid_name(image) {
+            return Err(BackendError::Unchanged(format!(
+                "image name `{image}` is not valid"
+            )));
+        }
+        let _lock = inner.lock_vm(vm).await?;
+        let mut cfg = inner
+            .load_vm(vm)?
+            .ok_or_else(|| not_found(format!("VM {vm}")))?;
+        let unchanged = |e: BackendError| BackendError::Unchanged(e.chain());
+        let rec = inner
+            .storage
+            .load_image(image)
+            .map_err(unchanged)?
+            .ok_or_else(|| {
+                BackendError::Unchanged(format!("image {image} does not exist in the qemu backend"))
+            })?;
+        let base = inner.load_base(&rec.base).map_err(unchanged)?;
+        if memory {
+            let mut after = cfg.clone();
+            after.base = rec.base.clone();
+            if let Some(why) = inner
+                .image_memory_refusal(&after, &base, image)
+                .map_err(unchanged)?
+            {
+                return Err(BackendError::Unchanged(why));
+            }
+        }
+        if !inner.storage.image_disk(image).exists() {
+            return Err(BackendError::Unchanged(format!(
+                "image {image} has no disk in the qemu backend"
+            )));
+        }
+        let t = Instant::now();
+        // from here on the VM changes; a retry redoes every step: the highest `disk-N` is
+        // always either the old disk or the complete new one
+        inner.shutdown(vm, false).await?;
+        let generation = inner.max_generation(vm)? + 1;
+        let bytes = inner
+            .attach_image(vm, image, generation, cfg.disk_gib * GIB)
+            .await?;
+        let top = inner
+            .active_generation(vm)?
+            .map(|g| inner.layout.vm_disk(vm, g));
+        let mut keep = vec![inner.vm_dir(vm).join(format!("layer-{generation}.qcow2"))];
+        keep.extend(top);
+        crate::storage::files::sync_dir(&keep[0]).map_err(io("fsync"))?;
+        inner.remove_unused(vm, &keep)?;
+        if memory {
+            // the guest resumes with the identity it had at the snapshot (its host key is in
+            // its memory and on the image's disk): pin that one, write no new seed
+            if let Some(key) = inner.image_memory(image)?.and_then(|m| m.host_key) {
+                cfg.host_key = Some(key);
+            }
+        } else if let Some(id) = seed::reseed(vm, &mut cfg, identity)? {
+            // the identity stays: a new seed only when the caller passes a different host key
+            let (work, iso) = inner.seed_files(vm);
+            inner
+                .storage
+                .write_seed(vm, &cfg.instance_id, &id, &work, &iso)
+                .await?;
+        }
+        cfg.base = rec.base.clone();
+        cfg.image = image.into();
+        cfg.disk_gib = cfg.disk_gib.max(bytes.div_ceil(GIB));
+        inner.write_known_hosts(&cfg)?;
+        inner.save_vm(&cfg)?;
+        if memory {
+            // the boot below resumes from it
+            inner.install_image_memory(vm, image)?;
+        }
+        inner.boot(&cfg).await?;
+        info!(
+            vm,
+            image,
+            memory,
+            secs = t.elapsed().as_secs_f64(),
+            "reimaged"
+        );
+        Ok(())
+    }
 }
 
 impl Inner {
@@ -303,6 +396,7 @@ impl Backend for QemuBackend {
             resize: true,
             live_capture: true,
             suspend: true,
+            memory_snapshots: true,
             build_stock_image: true,
             host_key: true,
             ssh: true,
@@ -562,12 +656,47 @@ impl Backend for QemuBackend {
         inner.ensure_layout()?;
         inner
             .storage
-            .new_image(image, uid, inner.capture_inner(vm, image, uid))
+            .new_image(image, uid, inner.capture_inner(vm, image, uid, false))
             .await
     }
 
+    async fn capture_memory(&self, vm: &str, image: &str, uid: &str) -> Result<()> {
+        let inner = &self.inner;
+        inner.check_name("VM", vm)?;
+        inner.check_name("image", image)?;
+        let _vm_lock = inner.lock_vm(vm).await?;
+        inner.ensure_layout()?;
+        inner.memory_repair(vm).await?;
+        if inner.pid(vm).is_none() {
+            return Err(BackendError::Invalid(format!(
+                "VM {vm} is not running: its memory can be captured only while it runs (a snapshot without memory takes its disk)"
+            )));
+        }
+        let made = inner
+            .storage
+            .new_image(image, uid, inner.capture_inner(vm, image, uid, true))
+            .await;
+        if made.is_err() && inner.storage.load_image(image)?.is_none() {
+            inner.remove_image_memory(image)?;
+        }
+        made
+    }
+
+    async fn reimage_memory(&self, vm: &str, image: &str, identity: &Identity) -> Result<()> {
+        self.reimage_with(vm, image, identity, true).await
+    }
+
     async fn images(&self) -> Result<Vec<ImageInfo>> {
-        self.inner.storage.images()
+        let mut images = self.inner.storage.images()?;
+        for i in &mut images {
+            i.memory_bytes = self
+                .inner
+                .image_memory(&i.name)
+                .ok()
+                .flatten()
+                .map(|m| m.bytes);
+        }
+        Ok(images)
     }
 
     async fn remove_image(&self, image: &str) -> Result<()> {
@@ -575,62 +704,7 @@ impl Backend for QemuBackend {
     }
 
     async fn reimage(&self, vm: &str, image: &str, identity: &Identity) -> Result<()> {
-        let inner = &self.inner;
-        inner.check_name("VM", vm)?;
-        if !valid_name(image) {
-            return Err(BackendError::Unchanged(format!(
-                "image name `{image}` is not valid"
-            )));
-        }
-        let _lock = inner.lock_vm(vm).await?;
-        let mut cfg = inner
-            .load_vm(vm)?
-            .ok_or_else(|| not_found(format!("VM {vm}")))?;
-        let unchanged = |e: BackendError| BackendError::Unchanged(e.chain());
-        let rec = inner
-            .storage
-            .load_image(image)
-            .map_err(unchanged)?
-            .ok_or_else(|| {
-                BackendError::Unchanged(format!("image {image} does not exist in the qemu backend"))
-            })?;
-        inner.load_base(&rec.base).map_err(unchanged)?;
-        if !inner.storage.image_disk(image).exists() {
-            return Err(BackendError::Unchanged(format!(
-                "image {image} has no disk in the qemu backend"
-            )));
-        }
-        let t = Instant::now();
-        // from here on the VM changes; a retry redoes every step: the highest `disk-N` is
-        // always either the old disk or the complete new one
-        inner.shutdown(vm, false).await?;
-        let generation = inner.max_generation(vm)? + 1;
-        let bytes = inner
-            .attach_image(vm, image, generation, cfg.disk_gib * GIB)
-            .await?;
-        let top = inner
-            .active_generation(vm)?
-            .map(|g| inner.layout.vm_disk(vm, g));
-        let mut keep = vec![inner.vm_dir(vm).join(format!("layer-{generation}.qcow2"))];
-        keep.extend(top);
-        crate::storage::files::sync_dir(&keep[0]).map_err(io("fsync"))?;
-        inner.remove_unused(vm, &keep)?;
-        // the identity stays: a new seed only when the caller passes a different host key
-        if let Some(id) = seed::reseed(vm, &mut cfg, identity)? {
-            let (work, iso) = inner.seed_files(vm);
-            inner
-                .storage
-                .write_seed(vm, &cfg.instance_id, &id, &work, &iso)
-                .await?;
-        }
-        cfg.base = rec.base.clone();
-        cfg.image = image.into();
-        cfg.disk_gib = cfg.disk_gib.max(bytes.div_ceil(GIB));
-        inner.write_known_hosts(&cfg)?;
-        inner.save_vm(&cfg)?;
-        inner.boot(&cfg).await?;
-        info!(vm, image, secs = t.elapsed().as_secs_f64(), "reimaged");
-        Ok(())
+        self.reimage_with(vm, image, identity, false).await
     }
 
     async fn build_image(&self, stock: Stock<'_>, progress: Progress) -> Result<()> {
@@ -661,7 +735,8 @@ impl Backend for QemuBackend {
             return Ok(());
         }
         let _lock = inner.lock_image(image).await?;
-        inner.storage.remove_image_files(image)
+        inner.storage.remove_image_files(image)?;
+        inner.remove_image_memory(image)
     }
 
     async fn recover_capture(
@@ -702,9 +777,10 @@ impl Backend for QemuBackend {
                     BackendError::failed(format!("cancel block job {}", j.device), e)
                 })?;
             }
+            // paused by a capture (with memory: also `postmigrate` once its copy was made)
             if original == Some(PowerState::Running)
                 && let Ok(st) = q.query_status().await
-                && st.status == "paused"
+                && (st.status == "paused" || st.status == "postmigrate")
             {
                 q.cont()
                     .await
@@ -737,6 +813,7 @@ impl Backend for QemuBackend {
         let _image_lock = inner.lock_image(image).await?;
         if inner.storage.load_image(image)?.is_none() {
             inner.storage.remove_image_files(image)?;
+            inner.remove_image_memory(image)?;
         }
         Ok(())
     }

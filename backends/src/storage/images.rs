@@ -93,6 +93,7 @@ impl Storage {
                 mark: Some(rec.mark),
                 created: Some(rec.created),
                 size_bytes: Some(super::disk::allocated_bytes(&disk)),
+                memory_bytes: None,
             });
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));
