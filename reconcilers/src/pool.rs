@@ -743,11 +743,28 @@ async fn pending(
     let img_name = clean_image(&m.name);
     match ctx.store.get_as::<Image>(&img_name).await? {
         None => {
+            // a backend without memory snapshots keeps the disk only (and says so once per
+            // member): a reset then boots, as with `cleanState: Disk`
+            let wants_memory = pool.spec.clean_state == boxery_api::pool::CleanState::Memory;
+            let memory = wants_memory && ctx.backend.capabilities().memory_snapshots;
+            if wants_memory && !memory {
+                ctx.event(
+                    pool,
+                    EventType::Warning,
+                    "CleanStateOnDisk",
+                    &format!(
+                        "the {} backend cannot snapshot memory: {}'s clean state is its disk only, and its resets boot (cleanState: Memory needs qemu)",
+                        ctx.backend.name(),
+                        m.name
+                    ),
+                )
+                .await;
+            }
             let mut img = Image::new(
                 &img_name,
                 ImageSpec {
                     source: ImageSource::Vm(m.name.clone()),
-                    memory: pool.spec.clean_state == boxery_api::pool::CleanState::Memory,
+                    memory,
                 },
             );
             img.metadata

@@ -284,3 +284,29 @@ async fn a_leased_member_leaves_a_scaled_down_pool_only_after_its_lease() {
     assert!(rounds(&h, 10, |h| h.find::<PoolMember>("p-0").is_none()).await);
     assert!(h.find::<Vm>("p-0").is_none());
 }
+
+/// `cleanState: Memory` on a backend without memory snapshots (the fake, as libvirt): the
+/// members are still made and freed, their clean images hold the disk only, and the pool
+/// says so with a Warning per member.
+#[tokio::test]
+async fn clean_state_in_memory_falls_back_to_the_disk_where_the_backend_cannot() {
+    let h = Harness::new();
+    h.ready_image("base");
+    let p: Pool = serde_json::from_value(json!({
+        "apiVersion": "boxery.dev/v1alpha1", "kind": "Pool", "metadata": {"name": "p"},
+        "spec": {"template": {"spec": {"source": {"image": "base"}}}, "replicas": 1,
+                 "cleanState": "Memory"},
+    }))
+    .unwrap();
+    h.put(&p);
+    assert!(
+        rounds(&h, 12, free(1)).await,
+        "{:?}",
+        h.get::<Pool>("p").status
+    );
+    let vms: Vec<Vm> = h.store.list_as(&Default::default()).unwrap();
+    let clean: Image = h.get(&clean_image(&vms[0].metadata.name));
+    assert!(!clean.spec.memory, "the disk only");
+    assert_eq!(clean.status.phase, ImagePhase::Ready);
+    assert_eq!(h.warnings::<Pool>("p"), ["CleanStateOnDisk"]);
+}
