@@ -7,14 +7,27 @@
 //! A mark, not a log: writing it is one `utimes`, cheap enough for every request; a failure to
 //! write it only makes the VM look idle sooner, so it is ignored by the writers.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 use crate::layout;
 
-/// Mark VM `vm` used now.
+/// VM `vm`'s mark; `None` for a string that is not a VM name (callers pass what an agent or
+/// a remote caller typed: it must not reach the filesystem as a path).
+fn mark(home: &Path, vm: &str) -> Option<PathBuf> {
+    boxery_api::Name::label(vm)
+        .ok()
+        .map(|_| layout::activity_mark(home, vm))
+}
+
+/// Mark VM `vm` used now (`InvalidInput` when `vm` is not a VM name).
 pub fn touch(home: &Path, vm: &str) -> std::io::Result<()> {
-    let path = layout::activity_mark(home, vm);
+    let Some(path) = mark(home, vm) else {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("`{vm}` is not a VM name"),
+        ));
+    };
     let file = match std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -37,7 +50,7 @@ pub fn touch(home: &Path, vm: &str) -> std::io::Result<()> {
 
 /// When VM `vm` was last used, if it ever was (in this home).
 pub fn last(home: &Path, vm: &str) -> Option<SystemTime> {
-    std::fs::metadata(layout::activity_mark(home, vm))
+    std::fs::metadata(mark(home, vm)?)
         .and_then(|m| m.modified())
         .ok()
 }
@@ -80,7 +93,9 @@ impl Drop for Ticker {
 
 /// Forget VM `vm`'s mark (it was deleted).
 pub fn forget(home: &Path, vm: &str) {
-    let _ = std::fs::remove_file(layout::activity_mark(home, vm));
+    if let Some(path) = mark(home, vm) {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 #[cfg(test)]
@@ -99,5 +114,27 @@ mod tests {
         assert_eq!(last(home.path(), "b"), None, "per VM");
         forget(home.path(), "a");
         assert_eq!(last(home.path(), "a"), None);
+    }
+
+    #[test]
+    fn a_name_that_is_not_a_vm_name_never_reaches_the_filesystem() {
+        let home = tempfile::tempdir().unwrap();
+        let outside = home.path().join("outside");
+        std::fs::write(&outside, "").unwrap();
+        let before = std::fs::metadata(&outside).unwrap().modified().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        for bad in ["../outside", "a/../../outside", "..", "", "A", "/tmp/x"] {
+            let e = touch(home.path(), bad).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{bad}");
+            assert_eq!(last(home.path(), bad), None, "{bad}");
+            forget(home.path(), bad);
+        }
+        assert_eq!(
+            std::fs::metadata(&outside).unwrap().modified().unwrap(),
+            before,
+            "nothing outside activity/ was touched"
+        );
+        assert!(outside.exists());
+        assert!(!home.path().join("activity").exists());
     }
 }
