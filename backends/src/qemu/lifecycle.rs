@@ -66,24 +66,27 @@ impl Inner {
         }
     }
 
-    /// Boot a stopped VM (lock held). Errors a person must fix are `Invalid`. A disk still
-    /// more than one overlay deep (a linked image layer, a stream cut short) boots as it is and
-    /// is streamed back to one overlay on its base in the background.
+    /// Boot a stopped VM, or resume a suspended one (lock held). Errors a person must fix are
+    /// `Invalid`. A disk still more than one overlay deep (a linked image layer, a stream cut
+    /// short) boots as it is and is streamed back to one overlay on its base in the background.
     pub(super) async fn boot(self: &Arc<Self>, cfg: &VmConfig) -> Result<()> {
         let name = &cfg.name;
         self.memory_repair(name).await?;
         if self.pid(name).is_some() {
             return Ok(());
         }
-        if let Some(rec) = self.load_memory(name)? {
-            return self.resume(cfg, rec).await;
-        }
+        // suspended: the same QEMU command line, waiting for its memory (super::memory)
+        let saved = self.load_memory(name)?;
         let base = self.load_base(&cfg.base)?;
         let chain = self.offline_chain(cfg).await?;
         self.remove_unused(name, &chain)?;
+        let mut spec = self.launch_spec(cfg, &base, &chain);
+        if let Some(rec) = &saved {
+            self.check_restorable(cfg, rec, &spec)?;
+            spec.incoming = true;
+        }
         self.claim_port(name, cfg.port)?;
         self.wait_port(name, cfg.port).await?;
-        let spec = self.launch_spec(cfg, &base, &chain);
         let t = Instant::now();
         if let Some(bin) = &self.config.net {
             // the old QEMU's pidfile must not be taken for the new one's
@@ -114,7 +117,10 @@ impl Inner {
             }
             e => BackendError::failed(format!("start VM {name}"), e),
         })?;
-        info!(vm = name.as_str(), pid, port = cfg.port, accel = %self.config.accel.accel, depth = chain.len() - 1, secs = t.elapsed().as_secs_f64(), "QEMU started");
+        if saved.is_some() {
+            self.load_saved(cfg, pid, base.guest_agent).await?;
+        }
+        info!(vm = name.as_str(), pid, port = cfg.port, accel = %self.config.accel.accel, depth = chain.len() - 1, resumed = saved.is_some(), secs = t.elapsed().as_secs_f64(), "QEMU started");
         if chain.len() > 2 {
             let mut q = self.qmp(name).await?;
             q.block_stream(STREAM_JOB, &spec.disk_node, BASE_NODE)
@@ -124,6 +130,25 @@ impl Inner {
             self.settle_later(name.clone());
         }
         Ok(())
+    }
+
+    /// Wait (bounded) until the VM's ssh port is free: a QEMU that has just exited may still
+    /// be releasing it.
+    pub(super) async fn wait_port(&self, name: &str, port: u16) -> Result<()> {
+        let mut tries = 0;
+        while !process::port_free(port) && tries < 20 {
+            tries += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if process::port_free(port) {
+            return Ok(());
+        }
+        Err(BackendError::failed(
+            format!("start VM {name}"),
+            format!(
+                "its ssh port 127.0.0.1:{port} is taken by another process (not a boxery VM): free it (`ss -ltnp sport = :{port}`) and retry"
+            ),
+        ))
     }
 
     /// Power a running VM off (lock held): ACPI button when the guest handles it, then `quit`,

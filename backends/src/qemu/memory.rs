@@ -18,9 +18,11 @@
 //!   finishes or rolls back. A QEMU that outlives a killed control plane finishes its
 //!   migration by itself; QEMU remembers how it went (`query-migrate`), so it is committed or
 //!   rolled back from that.
-//! - The state is tied to what can restore it: the QEMU version and the exact command line
-//!   (machine, devices, disk chain). A state that no longer matches is kept and reported
-//!   ([`crate::SavedMemory::stale`]); only `stop` discards it.
+//! - The state is tied to what can restore it: the QEMU version and the command line
+//!   (machine, devices; the block graph aside, [`tie`]). A state that no longer matches is
+//!   kept and reported ([`crate::SavedMemory::stale`]); only `stop` discards it.
+//! - A VM's state (`vms/NAME/memory.*`) and an image's (`image-memory/NAME.*`) are the same
+//!   three files ([`StateFiles`]), written by one save ([`Inner::save_state`]).
 //! - A resume on a host with less available memory than the state holds, or a suspend on a
 //!   disk without room for it, fails before anything changes.
 
@@ -68,27 +70,112 @@ fn file_uri(path: &Path) -> String {
     format!("file:{}", path.display())
 }
 
-impl Inner {
-    pub(super) fn load_memory(&self, name: &str) -> Result<Option<MemoryRecord>> {
-        crate::storage::files::read_json(&self.layout.vm_memory_record(name))
-            .map_err(io(format!("reading the saved memory record of VM {name}")))
+/// A saved state's files: the part QEMU writes, the state once whole, and the record written
+/// last (the commit point: without it the others are partial).
+pub(super) struct StateFiles {
+    part: PathBuf,
+    state: PathBuf,
+    record: PathBuf,
+}
+
+impl StateFiles {
+    /// The record, when the state is complete.
+    pub(super) fn read(&self) -> Result<Option<MemoryRecord>> {
+        crate::storage::files::read_json(&self.record)
+            .map_err(io(format!("reading {}", self.record.display())))
     }
 
-    fn save_memory(&self, name: &str, rec: &MemoryRecord) -> Result<()> {
-        crate::storage::files::write_json(&self.layout.vm_memory_record(name), rec, 0o600)
-            .map_err(io(format!("writing the saved memory record of VM {name}")))
+    fn write(&self, rec: &MemoryRecord) -> Result<()> {
+        crate::storage::files::write_json(&self.record, rec, 0o600)
+            .map_err(io(format!("writing {}", self.record.display())))
     }
 
-    /// Remove the saved state (record first: without it the rest is partial).
-    pub(super) fn discard_memory(&self, name: &str) -> Result<()> {
-        for p in [
-            self.layout.vm_memory_record(name),
-            self.layout.vm_memory(name),
-            self.layout.vm_memory_part(name),
-        ] {
-            remove_file_if_exists(&p).map_err(io(format!("removing {}", p.display())))?;
+    /// Remove all three (the record first).
+    pub(super) fn remove(&self) -> Result<()> {
+        for p in [&self.record, &self.state, &self.part] {
+            remove_file_if_exists(p).map_err(io(format!("removing {}", p.display())))?;
         }
         Ok(())
+    }
+
+    /// The part is whole: sync it, move it in place, write `rec` with its size (the commit).
+    fn commit(&self, mut rec: MemoryRecord) -> Result<MemoryRecord> {
+        std::fs::File::open(&self.part)
+            .and_then(|f| f.sync_all())
+            .map_err(io(format!("syncing {}", self.part.display())))?;
+        std::fs::rename(&self.part, &self.state).map_err(io(format!(
+            "moving {} to {}",
+            self.part.display(),
+            self.state.display()
+        )))?;
+        rec.bytes = allocated_bytes(&self.state);
+        self.write(&rec)?;
+        crate::storage::files::sync_dir(&self.state).map_err(io("fsync"))?;
+        Ok(rec)
+    }
+}
+
+/// The arguments of launch spec `spec` a saved state is tied to ([`tie`]).
+fn tied_args(spec: &LaunchSpec) -> Vec<String> {
+    tie(process::command_line(spec)
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned()))
+}
+
+impl Inner {
+    /// VM `name`'s saved state: `vms/NAME/{.memory.state.part, memory.state, memory.json}`.
+    pub(super) fn vm_state(&self, name: &str) -> StateFiles {
+        StateFiles {
+            part: self.layout.vm_memory_part(name),
+            state: self.layout.vm_memory(name),
+            record: self.layout.vm_memory_record(name),
+        }
+    }
+
+    /// The memory image `image` carries: `image-memory/{.NAME.state.part, NAME.state,
+    /// NAME.json}`.
+    pub(super) fn image_state(&self, image: &str) -> StateFiles {
+        StateFiles {
+            part: self.layout.image_memory_part(image),
+            state: self.layout.image_memory(image),
+            record: self.layout.image_memory_record(image),
+        }
+    }
+
+    pub(super) fn load_memory(&self, name: &str) -> Result<Option<MemoryRecord>> {
+        self.vm_state(name).read()
+    }
+
+    /// Remove the VM's saved state.
+    pub(super) fn discard_memory(&self, name: &str) -> Result<()> {
+        self.vm_state(name).remove()
+    }
+
+    /// Why `rec` cannot be restored here: a reason found before, another QEMU version, or
+    /// (given the `args` a restore would run with) another command line. `None`: it can.
+    fn why_stale(&self, rec: &MemoryRecord, args: Option<&[String]>) -> Result<Option<String>> {
+        if let Some(why) = &rec.stale {
+            return Ok(Some(why.clone()));
+        }
+        let version = self.qemu_version()?;
+        if version != rec.qemu_version {
+            return Ok(Some(format!(
+                "it was saved by {} and this host runs {version}",
+                rec.qemu_version
+            )));
+        }
+        let Some(args) = args.filter(|a| *a != rec.args.as_slice()) else {
+            return Ok(None);
+        };
+        let first = args
+            .iter()
+            .zip(&rec.args)
+            .find(|(a, b)| a != b)
+            .map(|(a, b)| format!("`{b}` is now `{a}`"))
+            .unwrap_or_else(|| "arguments were added or removed".into());
+        Ok(Some(format!(
+            "it was saved under another QEMU command line ({first})"
+        )))
     }
 
     /// The saved memory as `get` reports it (`None` unless a complete state exists).
@@ -96,14 +183,10 @@ impl Inner {
         let Some(rec) = self.load_memory(name)? else {
             return Ok(None);
         };
-        let stale = rec.stale.clone().or_else(|| {
-            let now = self.qemu_version().ok()?;
-            (now != rec.qemu_version).then(|| version_changed(&rec.qemu_version, &now))
-        });
         Ok(Some(crate::SavedMemory {
             bytes: rec.bytes,
             saved_at: rec.saved_at,
-            stale,
+            stale: self.why_stale(&rec, None).ok().flatten(),
         }))
     }
 
@@ -145,6 +228,62 @@ impl Inner {
         Ok(v)
     }
 
+    /// What a state saved from QEMU `pid` of VM `cfg` is tied to (its size is the commit's).
+    fn record_of(&self, cfg: &VmConfig, pid: i32) -> Result<MemoryRecord> {
+        let args = process::launched_args(pid).map(tie).ok_or_else(|| {
+            BackendError::failed(
+                format!("save the memory of VM {}", cfg.name),
+                "its QEMU exited",
+            )
+        })?;
+        Ok(MemoryRecord {
+            saved_at: boxery_api::now(),
+            bytes: 0,
+            qemu_version: self.qemu_version()?,
+            args,
+            memory_mib: cfg.memory_mib,
+            stale: None,
+            host_key: cfg.host_key.clone(),
+        })
+    }
+
+    /// Save the paused guest of VM `cfg` (its QEMU `pid`, QMP `q`) into `files` and commit
+    /// it. Nothing of a failed attempt stays; the guest stays paused either way (the caller
+    /// lets it run, or ends its QEMU).
+    async fn save_state(
+        &self,
+        q: &mut Qmp,
+        cfg: &VmConfig,
+        pid: i32,
+        files: &StateFiles,
+    ) -> Result<MemoryRecord> {
+        let name = &cfg.name;
+        let rec = self.record_of(cfg, pid)?;
+        files.remove()?;
+        let started: Result<(), qmp::QmpError> = async {
+            q.migrate_set_capabilities(CAPS).await?;
+            q.migrate_set_parameters(json!({"multifd-channels": 2, "max-bandwidth": 64u64 << 30}))
+                .await?;
+            q.migrate(&file_uri(&files.part)).await
+        }
+        .await;
+        let saved = match started {
+            Ok(()) => {
+                self.wait_migration(q, name, migration_timeout(cfg.memory_mib))
+                    .await
+            }
+            Err(e) => Err(BackendError::failed(
+                format!("save the memory of VM {name}"),
+                e,
+            )),
+        };
+        let committed = saved.and_then(|()| files.commit(rec));
+        if committed.is_err() {
+            let _ = files.remove();
+        }
+        committed
+    }
+
     /// Suspend the running VM `name` (lock held).
     pub(super) async fn suspend(&self, name: &str) -> Result<()> {
         self.memory_repair(name).await?;
@@ -162,7 +301,6 @@ impl Inner {
         let t = Instant::now();
         // a capture's stream must not run under the migration
         self.wait_jobs(name, STREAM_WAIT).await?;
-        let part = self.layout.vm_memory_part(name);
         let room = free_bytes(&self.vm_dir(name));
         let need = cfg.memory_mib * 1024 * 1024 + 64 * 1024 * 1024;
         if let Some(room) = room
@@ -178,50 +316,28 @@ impl Inner {
                 ),
             ));
         }
-        let args = process::launched_args(pid).map(tie).ok_or_else(|| {
-            BackendError::failed(
-                format!("suspend VM {name}"),
-                "its QEMU exited as the suspend began",
-            )
-        })?;
-        let qemu_version = self.qemu_version()?;
-        remove_file_if_exists(&part).map_err(io(format!("removing {}", part.display())))?;
-        let step = || format!("save the memory of VM {name}");
         let mut q = self.qmp(name).await?;
+        let step = || format!("save the memory of VM {name}");
         let was_running = q
             .query_status()
             .await
             .map_err(|e| BackendError::failed(step(), e))?
             .running;
         // paused first: one pass over memory, no pages dirtied behind it
-        let saved: Result<()> = async {
-            q.stop().await?;
-            q.migrate_set_capabilities(CAPS).await?;
-            q.migrate_set_parameters(json!({"multifd-channels": 2, "max-bandwidth": 64u64 << 30}))
-                .await?;
-            q.migrate(&file_uri(&part)).await?;
-            Ok(())
-        }
-        .await
-        .map_err(|e: qmp::QmpError| BackendError::failed(step(), e));
-        let outcome = match saved {
-            Ok(()) => {
-                self.wait_migration(&mut q, name, migration_timeout(cfg.memory_mib))
-                    .await
-            }
-            Err(e) => Err(e),
-        };
-        if let Err(e) = outcome {
-            // the guest goes on as it was; nothing of the attempt stays
+        q.stop()
+            .await
+            .map_err(|e| BackendError::failed(step(), e))?;
+        if let Err(e) = self
+            .save_state(&mut q, &cfg, pid, &self.vm_state(name))
+            .await
+        {
+            // the guest goes on as it was
             if was_running {
                 let _ = q.cont().await;
             }
-            drop(q);
-            let _ = remove_file_if_exists(&part);
             return Err(e);
         }
         drop(q);
-        self.commit_memory(name, args, qemu_version, cfg.memory_mib)?;
         self.end_suspended(name, pid).await?;
         info!(
             vm = name,
@@ -231,10 +347,8 @@ impl Inner {
         Ok(())
     }
 
-    /// Save the paused guest of VM `cfg` (its QEMU `pid`, QMP `q`) as image `image`'s memory:
-    /// `image-memory/.NAME.state.part`, synced, renamed, then `image-memory/NAME.json`
-    /// (written before the image's own record, the image's commit point). The caller pauses
-    /// the guest before and lets it run after; nothing of a failed attempt stays.
+    /// Save the paused guest of VM `cfg` (its QEMU `pid`) as image `image`'s memory, before
+    /// the image's own record (its commit point) is written; returns its size.
     pub(super) async fn save_image_memory(
         &self,
         q: &mut Qmp,
@@ -242,77 +356,10 @@ impl Inner {
         pid: i32,
         image: &str,
     ) -> Result<u64> {
-        let vm = &cfg.name;
-        let part = self.layout.image_memory_part(image);
-        let state = self.layout.image_memory(image);
-        let step = || format!("save the memory of VM {vm} into image {image}");
-        let args = process::launched_args(pid)
-            .map(tie)
-            .ok_or_else(|| BackendError::failed(step(), "its QEMU exited"))?;
-        let qemu_version = self.qemu_version()?;
-        remove_file_if_exists(&part).map_err(io(format!("removing {}", part.display())))?;
-        let started: Result<(), qmp::QmpError> = async {
-            q.migrate_set_capabilities(CAPS).await?;
-            q.migrate_set_parameters(json!({"multifd-channels": 2, "max-bandwidth": 64u64 << 30}))
-                .await?;
-            q.migrate(&file_uri(&part)).await
-        }
-        .await;
-        let saved = match started {
-            Ok(()) => {
-                self.wait_migration(q, vm, migration_timeout(cfg.memory_mib))
-                    .await
-            }
-            Err(e) => Err(BackendError::failed(step(), e)),
-        };
-        let committed = saved.and_then(|()| {
-            std::fs::File::open(&part)
-                .and_then(|f| f.sync_all())
-                .map_err(io(format!("syncing {}", part.display())))?;
-            std::fs::rename(&part, &state).map_err(io(format!(
-                "moving {} to {}",
-                part.display(),
-                state.display()
-            )))?;
-            let bytes = allocated_bytes(&state);
-            crate::storage::files::write_json(
-                &self.layout.image_memory_record(image),
-                &MemoryRecord {
-                    saved_at: boxery_api::now(),
-                    bytes,
-                    qemu_version,
-                    args,
-                    memory_mib: cfg.memory_mib,
-                    stale: None,
-                    host_key: cfg.host_key.clone(),
-                },
-                0o600,
-            )
-            .map_err(io(format!("writing the memory record of image {image}")))?;
-            Ok(bytes)
-        });
-        if committed.is_err() {
-            let _ = self.remove_image_memory(image);
-        }
-        committed
-    }
-
-    /// Remove the memory an image carries (record first), and a partial one.
-    pub(super) fn remove_image_memory(&self, image: &str) -> Result<()> {
-        for p in [
-            self.layout.image_memory_record(image),
-            self.layout.image_memory(image),
-            self.layout.image_memory_part(image),
-        ] {
-            remove_file_if_exists(&p).map_err(io(format!("removing {}", p.display())))?;
-        }
-        Ok(())
-    }
-
-    /// The memory record of image `image`, if it carries memory.
-    pub(super) fn image_memory(&self, image: &str) -> Result<Option<MemoryRecord>> {
-        crate::storage::files::read_json(&self.layout.image_memory_record(image))
-            .map_err(io(format!("reading the memory record of image {image}")))
+        let rec = self
+            .save_state(q, cfg, pid, &self.image_state(image))
+            .await?;
+        Ok(rec.bytes)
     }
 
     /// Why image `image`'s memory cannot become VM `cfg`'s (with `base`, the image's): it
@@ -323,37 +370,28 @@ impl Inner {
         base: &BaseRecord,
         image: &str,
     ) -> Result<Option<String>> {
-        let Some(rec) = self.image_memory(image)? else {
+        let Some(rec) = self.image_state(image).read()? else {
             return Ok(Some(format!(
                 "image {image} carries no memory (it was taken without it): revert without memory"
             )));
         };
-        let version = self.qemu_version()?;
-        if version != rec.qemu_version {
-            return Ok(Some(format!(
-                "image {image}'s memory {}: revert without memory",
-                version_changed(&rec.qemu_version, &version)
-            )));
-        }
         // the block graph is not part of the tie: any chain stands in for it
         let chain = [self.layout.vm_disk(&cfg.name, 1), self.base_disk(&base.id)];
-        let spec = self.launch_spec(cfg, base, &chain);
-        let args = tie(process::command_line(&spec)
-            .iter()
-            .map(|a| a.to_string_lossy().into_owned()));
-        if args != rec.args {
-            return Ok(Some(format!(
-                "image {image}'s memory was saved from another VM (or under another QEMU command line): its memory can only return to the VM it was taken from; revert without memory"
-            )));
-        }
-        Ok(None)
+        let args = tied_args(&self.launch_spec(cfg, base, &chain));
+        Ok(self.why_stale(&rec, Some(&args))?.map(|why| {
+            format!(
+                "image {image}'s memory cannot return to VM {}: {why} (memory returns only to the VM it was taken from, under the same QEMU); revert without memory",
+                cfg.name
+            )
+        }))
     }
 
     /// Make image `image`'s memory the saved memory of VM `vm` (a hard link: the image's
     /// file is only read by a resume), record last; the next boot resumes from it.
     pub(super) fn install_image_memory(&self, vm: &str, image: &str) -> Result<()> {
         let rec = self
-            .image_memory(image)?
+            .image_state(image)
+            .read()?
             .ok_or_else(|| not_found(format!("the memory of image {image}")))?;
         self.discard_memory(vm)?;
         let from = self.layout.image_memory(image);
@@ -365,7 +403,7 @@ impl Inner {
                 to.display()
             )))?;
         }
-        self.save_memory(vm, &rec)
+        self.vm_state(vm).write(&rec)
     }
 
     /// Wait until QEMU's migration ends: `Ok` when it completed.
@@ -398,39 +436,6 @@ impl Inner {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-    }
-
-    /// The part file is complete: sync it, move it in place, write the record (the commit).
-    fn commit_memory(
-        &self,
-        name: &str,
-        args: Vec<String>,
-        qemu_version: String,
-        memory_mib: u64,
-    ) -> Result<()> {
-        let part = self.layout.vm_memory_part(name);
-        let state = self.layout.vm_memory(name);
-        std::fs::File::open(&part)
-            .and_then(|f| f.sync_all())
-            .map_err(io(format!("syncing {}", part.display())))?;
-        std::fs::rename(&part, &state).map_err(io(format!(
-            "moving {} to {}",
-            part.display(),
-            state.display()
-        )))?;
-        self.save_memory(
-            name,
-            &MemoryRecord {
-                saved_at: boxery_api::now(),
-                bytes: allocated_bytes(&state),
-                qemu_version,
-                args,
-                memory_mib,
-                stale: None,
-                host_key: None,
-            },
-        )?;
-        crate::storage::files::sync_dir(&state).map_err(io("fsync"))
     }
 
     /// The state is committed: end the paused QEMU `pid` and what runs beside it.
@@ -499,8 +504,7 @@ impl Inner {
         }
         if m.status.as_deref() == Some("completed") && !status.running {
             drop(q);
-            let args = process::launched_args(pid).map(tie).unwrap_or_default();
-            self.commit_memory(name, args, self.qemu_version()?, cfg.memory_mib)?;
+            self.vm_state(name).commit(self.record_of(&cfg, pid)?)?;
             warn!(
                 vm = name,
                 "finished a suspend its control plane left half way"
@@ -520,21 +524,23 @@ impl Inner {
         remove_file_if_exists(&part).map_err(io(format!("removing {}", part.display())))
     }
 
-    /// Resume the suspended VM `cfg` from its saved memory (lock held).
-    pub(super) async fn resume(self: &Arc<Self>, cfg: &VmConfig, rec: MemoryRecord) -> Result<()> {
+    /// Whether the saved state `rec` of VM `cfg` can be loaded by a QEMU launched as `spec`:
+    /// a stale one is recorded as such (kept, reported by `get`) and refused; so is a load
+    /// the host has not the memory for (retried: the state is kept).
+    pub(super) fn check_restorable(
+        &self,
+        cfg: &VmConfig,
+        rec: &MemoryRecord,
+        spec: &LaunchSpec,
+    ) -> Result<()> {
         let name = &cfg.name;
-        let stale = |why: String| -> Result<()> {
-            let mut rec = rec.clone();
-            rec.stale = Some(why.clone());
-            self.save_memory(name, &rec)?;
-            Err(BackendError::stale_memory(name, &why))
-        };
-        if let Some(why) = &rec.stale {
-            return Err(BackendError::stale_memory(name, why));
-        }
-        let version = self.qemu_version()?;
-        if version != rec.qemu_version {
-            return stale(version_changed(&rec.qemu_version, &version));
+        if let Some(why) = self.why_stale(rec, Some(&tied_args(spec)))? {
+            if rec.stale.is_none() {
+                let mut rec = rec.clone();
+                rec.stale = Some(why.clone());
+                self.vm_state(name).write(&rec)?;
+            }
+            return Err(BackendError::stale_memory(name, &why));
         }
         if let Some(avail) = available_memory()
             && avail < rec.bytes
@@ -548,47 +554,19 @@ impl Inner {
                 ),
             ));
         }
-        let base = self.load_base(&cfg.base)?;
-        let chain = self.offline_chain(cfg).await?;
-        let mut spec = self.launch_spec(cfg, &base, &chain);
-        let args = tie(process::command_line(&spec)
-            .iter()
-            .map(|a| a.to_string_lossy().into_owned()));
-        if args != rec.args {
-            let first = args
-                .iter()
-                .zip(&rec.args)
-                .find(|(a, b)| a != b)
-                .map(|(a, b)| format!("`{b}` is now `{a}`"))
-                .unwrap_or_else(|| "arguments were added or removed".into());
-            return stale(format!(
-                "it was saved under another QEMU command line ({first}): boxery or the VM's configuration changed since"
-            ));
-        }
-        self.claim_port(name, cfg.port)?;
-        self.wait_port(name, cfg.port).await?;
-        spec.incoming = true;
-        let t = Instant::now();
-        if let Some(bin) = &self.config.net {
-            let _ = remove_file_if_exists(&spec.pidfile);
-            super::net::start(bin, &self.net_spec(name, cfg.port), Duration::from_secs(10))
-                .await
-                .map_err(|e| BackendError::failed(format!("start the network of VM {name}"), e))?;
-        }
-        let launched = process::launch(
-            &self.config.qemu,
-            &spec,
-            &self.layout.vm_log(name),
-            self.config.start_timeout,
-        )
-        .await;
-        let pid = match launched {
-            Ok(pid) => pid,
-            Err(e) => {
-                self.stop_net(name).await;
-                return Err(BackendError::failed(format!("start VM {name}"), e));
-            }
-        };
+        Ok(())
+    }
+
+    /// Load VM `cfg`'s saved state into its new QEMU `pid` (launched with `-incoming defer`)
+    /// and let the guest run; the state is removed then (it describes the past). On failure
+    /// the half-made QEMU goes and the state stays. `guest_agent`: set its clock after.
+    pub(super) async fn load_saved(
+        self: &Arc<Self>,
+        cfg: &VmConfig,
+        pid: i32,
+        guest_agent: bool,
+    ) -> Result<()> {
+        let name = &cfg.name;
         let step = || format!("load the saved memory of VM {name}");
         let loaded: Result<()> = async {
             let mut q = self.qmp(name).await?;
@@ -609,7 +587,6 @@ impl Inner {
         }
         .await;
         if let Err(e) = loaded {
-            // the state stays as it was; the half-made QEMU goes
             if self.pid(name).is_some() {
                 let _ = process::terminate(pid, &self.vm_dir(name), Duration::from_secs(5)).await;
             }
@@ -617,26 +594,11 @@ impl Inner {
             self.clear_runtime_files(name);
             return Err(e);
         }
-        // from here the guest runs: the state describes the past
         self.discard_memory(name)?;
-        info!(
-            vm = name.as_str(),
-            pid,
-            secs = t.elapsed().as_secs_f64(),
-            "resumed from saved memory"
-        );
-        if base.guest_agent {
+        if guest_agent {
             // in the background: the guest runs already, its agent answers within a second
             let (inner, vm) = (Arc::clone(self), name.clone());
             tokio::spawn(async move { inner.sync_clock(&vm).await });
-        }
-        if chain.len() > 2 {
-            let mut q = self.qmp(name).await?;
-            q.block_stream(STREAM_JOB, &spec.disk_node, BASE_NODE)
-                .await
-                .map_err(|e| BackendError::failed(format!("stream the disk of VM {name}"), e))?;
-            drop(q);
-            self.settle_later(name.clone());
         }
         Ok(())
     }
@@ -707,25 +669,6 @@ impl Inner {
             }
         }
     }
-
-    /// Wait (bounded) until the VM's ssh port is free: a QEMU that has just exited may still
-    /// be releasing it.
-    pub(super) async fn wait_port(&self, name: &str, port: u16) -> Result<()> {
-        let mut tries = 0;
-        while !process::port_free(port) && tries < 20 {
-            tries += 1;
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        if process::port_free(port) {
-            return Ok(());
-        }
-        Err(BackendError::failed(
-            format!("start VM {name}"),
-            format!(
-                "its ssh port 127.0.0.1:{port} is taken by another process (not a boxery VM): free it (`ss -ltnp sport = :{port}`) and retry"
-            ),
-        ))
-    }
 }
 
 /// The part of a QEMU command line a saved state is tied to: all of it but the disk's block
@@ -744,10 +687,6 @@ fn tie(args: impl IntoIterator<Item = String>) -> Vec<String> {
         out.push(kept.join(","));
     }
     out
-}
-
-fn version_changed(then: &str, now: &str) -> String {
-    format!("it was saved by {then} and this host runs {now}")
 }
 
 /// `bin` as found on `PATH` when it has no `/`.

@@ -249,7 +249,7 @@ impl QemuBackend {
         if memory {
             // the guest resumes with the identity it had at the snapshot (its host key is in
             // its memory and on the image's disk): pin that one, write no new seed
-            if let Some(key) = inner.image_memory(image)?.and_then(|m| m.host_key) {
+            if let Some(key) = inner.image_state(image).read()?.and_then(|m| m.host_key) {
                 cfg.host_key = Some(key);
             }
         } else if let Some(id) = seed::reseed(vm, &mut cfg, identity)? {
@@ -677,7 +677,7 @@ impl Backend for QemuBackend {
             .new_image(image, uid, inner.capture_inner(vm, image, uid, true))
             .await;
         if made.is_err() && inner.storage.load_image(image)?.is_none() {
-            inner.remove_image_memory(image)?;
+            inner.image_state(image).remove()?;
         }
         made
     }
@@ -691,7 +691,8 @@ impl Backend for QemuBackend {
         for i in &mut images {
             i.memory_bytes = self
                 .inner
-                .image_memory(&i.name)
+                .image_state(&i.name)
+                .read()
                 .ok()
                 .flatten()
                 .map(|m| m.bytes);
@@ -736,7 +737,7 @@ impl Backend for QemuBackend {
         }
         let _lock = inner.lock_image(image).await?;
         inner.storage.remove_image_files(image)?;
-        inner.remove_image_memory(image)
+        inner.image_state(image).remove()
     }
 
     async fn recover_capture(
@@ -813,7 +814,7 @@ impl Backend for QemuBackend {
         let _image_lock = inner.lock_image(image).await?;
         if inner.storage.load_image(image)?.is_none() {
             inner.storage.remove_image_files(image)?;
-            inner.remove_image_memory(image)?;
+            inner.image_state(image).remove()?;
         }
         Ok(())
     }
