@@ -713,6 +713,40 @@ mod tests {
         }
     }
 
+    /// `vm_manage`'s `with_memory` is refused, before anything is done, by an action that does
+    /// not take it (it is not dropped silently), and taken by snap.
+    #[tokio::test]
+    async fn with_memory_is_refused_where_it_means_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = boxery_verbs::Env::new(dir.path().join("home"), "fake");
+        let session = Arc::new(Session::new(env, None, false));
+        let manage = tools().into_iter().find(|t| t.name == "vm_manage").unwrap();
+        for action in ["start", "stop", "suspend", "fork", "rm"] {
+            let e = manage
+                .run(
+                    session.clone(),
+                    serde_json::json!({"action": action, "vm": "a", "with_memory": true}),
+                    CancellationToken::new(),
+                )
+                .await
+                .err()
+                .unwrap_or_else(|| panic!("{action}: ran"));
+            assert_eq!(e.kind(), boxery_verbs::ErrorKind::Invalid, "{action}: {e}");
+            assert!(e.to_string().contains("with_memory"), "{action}: {e}");
+        }
+        // snap takes it: what stops it here is the VM that is not there
+        let e = manage
+            .run(
+                session.clone(),
+                serde_json::json!({"action": "snap", "vm": "a", "label": "s", "with_memory": true}),
+                CancellationToken::new(),
+            )
+            .await
+            .err()
+            .unwrap();
+        assert!(!e.to_string().contains("with_memory"), "{e}");
+    }
+
     /// Every tool refuses an argument its schema does not list, before it runs, whether its
     /// argument type flattens another (serde does not refuse those) or not.
     #[tokio::test]

@@ -626,6 +626,11 @@ fn check_names(a: &ManageArgs) -> Result<(), VerbError> {
     for n in &a.names {
         Name::label(n).map_err(|e| bad("names", e))?;
     }
+    if a.with_memory.is_some() && !matches!(a.action, Action::Snap | Action::Revert) {
+        return Err(VerbError::invalid(
+            "with_memory: only snap and revert take it (suspend keeps a VM's memory on its own)",
+        ));
+    }
     Ok(())
 }
 

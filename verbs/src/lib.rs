@@ -139,9 +139,25 @@ impl Verbs {
     /// Check that VM `vm` can be reached over ssh and write its ssh files: how to reach it.
     /// In this home, with the key of a lease this host holds on it; on another machine's
     /// control plane, through its API ([`Remote::via`]).
+    /// A use of the VM: marked in this home ([`boxery_home::activity`]); a VM its controller
+    /// suspended for being idle is woken first and reached once it answers. Only a VM that
+    /// cannot be reached costs the extra read that tells.
     pub async fn reach(&self, vm: &str) -> Result<boxery_hands::Reach> {
-        // a use: marked, and a VM suspended while idle is resumed first
-        crate::vm::use_vm(self, vm).await?;
+        let reach = match self.reach_now(vm).await {
+            Err(e) if crate::vm::wake_if_sleeping(self, vm).await? => {
+                tracing::debug!(vm, error = %e.chain(), "woken to be reached");
+                self.reach_now(vm).await?
+            }
+            r => r?,
+        };
+        if self.local.is_some() {
+            let _ = boxery_home::activity::touch(&self.env.home, vm);
+        }
+        Ok(reach)
+    }
+
+    /// [`Verbs::reach`] as the VM is now.
+    async fn reach_now(&self, vm: &str) -> Result<boxery_hands::Reach> {
         if let Some(store) = &self.local {
             // reads the store and writes the ssh files: off the async workers
             let (home, store) = (self.env.home.clone(), store.clone());

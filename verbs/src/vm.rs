@@ -314,19 +314,14 @@ pub fn sleeps(vm: &Vm) -> bool {
         && vm.status.idle_suspended_at.is_some()
 }
 
-/// A use of VM `name` (a command, a file or copy action, a session): mark it used in this
-/// home ([`boxery_home::activity`]) and, when it sleeps ([`sleeps`]), wake it and wait
-/// (bounded) until it answers again, saying so. Nothing for a VM that does not exist (the
-/// caller says that).
-pub async fn use_vm(v: &Verbs, name: &str) -> Result<()> {
-    if v.local().is_ok() {
-        let _ = boxery_home::activity::touch(&v.env.home, name);
-    }
+/// When VM `name` sleeps ([`sleeps`]): wake it and wait (bounded) until it answers again,
+/// saying so; `Ok(true)` then. `Ok(false)` for a VM that does not sleep, or does not exist.
+pub async fn wake_if_sleeping(v: &Verbs, name: &str) -> Result<bool> {
     let Some(vm) = v.store().get_as::<Vm>(name).await? else {
-        return Ok(());
+        return Ok(false);
     };
     if !sleeps(&vm) {
-        return Ok(());
+        return Ok(false);
     }
     crate::notes::say(&format!(
         "boxery: vm/{name} was suspended while idle; resuming it (about a second)"
@@ -339,7 +334,8 @@ pub async fn use_vm(v: &Verbs, name: &str) -> Result<()> {
         WAKE_TIMEOUT,
         &crate::wait::Quiet,
     )
-    .await
+    .await?;
+    Ok(true)
 }
 
 /// Wake VM `name`'s controller ([`WOKEN_AT`]): a store write it sees at once.
