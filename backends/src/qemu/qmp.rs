@@ -578,10 +578,16 @@ impl Qga {
         }
     }
 
-    async fn execute(&mut self, command: &str) -> Result<Value, QmpError> {
-        self.lines
-            .send(command, &json!({ "execute": command }))
-            .await?;
+    async fn execute(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+    ) -> Result<Value, QmpError> {
+        let mut msg = json!({ "execute": command });
+        if let Some(a) = arguments {
+            msg["arguments"] = a;
+        }
+        self.lines.send(command, &msg).await?;
         let deadline = tokio::time::Instant::now() + self.lines.timeout;
         let reply = self.lines.read(command, deadline).await?;
         if let Some(e) = error_of(command, &reply) {
@@ -592,24 +598,15 @@ impl Qga {
 
     /// `guest-set-time`: set the guest's clock to `nanos` since the epoch (and its RTC).
     pub async fn set_time(&mut self, nanos: i64) -> Result<(), QmpError> {
-        self.lines
-            .send(
-                "guest-set-time",
-                &json!({ "execute": "guest-set-time", "arguments": { "time": nanos } }),
-            )
-            .await?;
-        let deadline = tokio::time::Instant::now() + self.lines.timeout;
-        let reply = self.lines.read("guest-set-time", deadline).await?;
-        match error_of("guest-set-time", &reply) {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        self.execute("guest-set-time", Some(json!({ "time": nanos })))
+            .await
+            .map(drop)
     }
 
     /// `guest-fsfreeze-freeze`: flush and freeze every guest filesystem; returns how many.
     pub async fn fsfreeze_freeze(&mut self) -> Result<u64, QmpError> {
         Ok(self
-            .execute("guest-fsfreeze-freeze")
+            .execute("guest-fsfreeze-freeze", None)
             .await?
             .as_u64()
             .unwrap_or(0))
@@ -617,14 +614,14 @@ impl Qga {
     /// `guest-fsfreeze-thaw`.
     pub async fn fsfreeze_thaw(&mut self) -> Result<u64, QmpError> {
         Ok(self
-            .execute("guest-fsfreeze-thaw")
+            .execute("guest-fsfreeze-thaw", None)
             .await?
             .as_u64()
             .unwrap_or(0))
     }
     /// `guest-fsfreeze-status`.
     pub async fn fsfreeze_status(&mut self) -> Result<FreezeStatus, QmpError> {
-        let v = self.execute("guest-fsfreeze-status").await?;
+        let v = self.execute("guest-fsfreeze-status", None).await?;
         Ok(if v.as_str() == Some("frozen") {
             FreezeStatus::Frozen
         } else {
