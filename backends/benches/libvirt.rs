@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use boxery_backends::libvirt::{LibvirtBackend, LibvirtConfig};
 use boxery_backends::{Backend, DiskSource, NewVm, identity};
+use qemu_support::stats;
 
 const BOOT: Duration = Duration::from_secs(240);
 const URI: &str = "qemu:///system";
@@ -172,18 +173,6 @@ async fn round(b: &dyn Backend, dir: &Path, key: &Path, public: &str, n: usize, 
     b.remove_image(&img).await.unwrap();
 }
 
-fn stats(v: &[f64]) -> String {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    format!(
-        "{:.2} s (min {:.2}, max {:.2}, n={})",
-        s[s.len() / 2],
-        s[0],
-        s[s.len() - 1],
-        s.len()
-    )
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let runs: usize = std::env::var("RUNS")
@@ -246,23 +235,23 @@ async fn main() {
     println!("| | qemu | libvirt |\n|---|---|---|");
     println!(
         "| new → first ssh command | {} | {} |",
-        stats(&qf.new),
-        stats(&lf.new)
+        stats(&qf.new, " s"),
+        stats(&lf.new, " s")
     );
     println!(
         "| snapshot (capture of a running VM) | {} | {} |",
-        stats(&qf.snapshot),
-        stats(&lf.snapshot)
+        stats(&qf.snapshot, " s"),
+        stats(&lf.snapshot, " s")
     );
     println!(
         "| revert (reimage → first ssh command) | {} | {} |",
-        stats(&qf.revert),
-        stats(&lf.revert)
+        stats(&qf.revert, " s"),
+        stats(&lf.revert, " s")
     );
     println!(
         "| fork ×2 (2 from the image in parallel → both answer) | {} | {} |",
-        stats(&qf.fork2),
-        stats(&lf.fork2)
+        stats(&qf.fork2, " s"),
+        stats(&lf.fork2, " s")
     );
     println!(
         "\nloadavg after: {}",

@@ -19,7 +19,7 @@ mod qemu_support;
 use std::time::{Duration, Instant};
 
 use boxery_backends::Backend;
-use qemu_support::Env;
+use qemu_support::{Env, median, stats};
 
 const BOOT: Duration = Duration::from_secs(480);
 
@@ -28,24 +28,6 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-fn stats(v: &[f64]) -> String {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    format!(
-        "median {:.2} (min {:.2}, max {:.2}, n={})",
-        s[s.len() / 2],
-        s[0],
-        s[s.len() - 1],
-        s.len()
-    )
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    s[s.len() / 2]
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -135,23 +117,26 @@ async fn main() {
     println!("| figure | seconds |\n|---|---|");
     println!(
         "| cold boot → first ssh command (the limit) | {} |",
-        stats(&cold)
+        stats(&cold, " s")
     );
-    println!("| resume → first ssh command | {} |", stats(&resume));
-    println!("| suspend | {} |", stats(&suspend));
-    println!("| suspend per GiB touched | {} |", stats(&per_gib));
-    println!("| saved state (MiB on disk) | {} |", stats(&state_mib));
+    println!("| resume → first ssh command | {} |", stats(&resume, " s"));
+    println!("| suspend | {} |", stats(&suspend, " s"));
+    println!("| suspend per GiB touched | {} |", stats(&per_gib, " s"));
+    println!(
+        "| saved state (MiB on disk) | {} |",
+        stats(&state_mib, " MiB")
+    );
     println!(
         "| memory snapshot (guest paused, disk + memory) | {} |",
-        stats(&snapshot)
+        stats(&snapshot, " s")
     );
     println!(
         "| reset by reboot: reimage → first ssh command (the limit) | {} |",
-        stats(&reset_disk)
+        stats(&reset_disk, " s")
     );
     println!(
         "| reset by memory: reimage_memory → first ssh command | {} |",
-        stats(&reset_memory)
+        stats(&reset_memory, " s")
     );
     println!(
         "resume is {ratio:.1}× faster than a cold boot (target ≥ 20×, ≤ 1 s); suspend {:.2} s/GiB touched (target ≤ 4); a reset by memory is {:.1}× faster than by reboot (target ≤ 1.5 s)",

@@ -23,24 +23,12 @@ use boxery_backends::qemu::qmp::Qmp;
 use boxery_backends::storage::records::Boot;
 use boxery_backends::storage::seed;
 use boxery_backends::{Backend, identity};
-use qemu_support::{Env, wait_banner, wait_ssh};
+use qemu_support::{Env, stats, wait_banner, wait_ssh};
 
 const BOOT: Duration = Duration::from_secs(240);
 
 fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
-}
-
-fn stats(v: &[f64]) -> String {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let median = s[s.len() / 2];
-    format!(
-        "median {median:.2} s (min {:.2}, max {:.2}, n={})",
-        s[0],
-        s[s.len() - 1],
-        s.len()
-    )
 }
 
 /// Boot the tiny base with raw QEMU (the backend's own command line, no backend code around
@@ -203,23 +191,23 @@ async fn main() {
     println!("| | time |\n|---|---|");
     println!(
         "| raw QEMU: launch → sshd banner | {} |",
-        stats(&raw_banner)
+        stats(&raw_banner, " s")
     );
     println!(
         "| raw QEMU: launch → first ssh command (the limit) | {} |",
-        stats(&raw_first)
+        stats(&raw_first, " s")
     );
     println!(
         "| backend create() returns (disk copy, seed, QEMU daemonized) | {} |",
-        stats(&create_call)
+        stats(&create_call, " s")
     );
     println!(
         "| backend create() → sshd banner | {} |",
-        stats(&create_banner)
+        stats(&create_banner, " s")
     );
     println!(
         "| backend create() → first ssh command | {} |",
-        stats(&create_first)
+        stats(&create_first, " s")
     );
     let med = |v: &[f64]| {
         let mut s = v.to_vec();

@@ -280,3 +280,23 @@ pub async fn wait_ssh(
         "ssh to 127.0.0.1:{port} did not succeed within {timeout:?}: {last}"
     ))
 }
+
+/// The median of `v` (a benchmark's runs).
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[s.len() / 2]
+}
+
+/// `median M UNIT (min A, max B, n=N)`: a benchmark figure over its runs.
+pub fn stats(v: &[f64], unit: &str) -> String {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    format!(
+        "median {:.2}{unit} (min {:.2}, max {:.2}, n={})",
+        s[s.len() / 2],
+        s[0],
+        s[s.len() - 1],
+        s.len()
+    )
+}
