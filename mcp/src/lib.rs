@@ -720,7 +720,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let env = boxery_verbs::Env::new(dir.path().join("home"), "fake");
         let session = Arc::new(Session::new(env, None, false));
-        let manage = tools().into_iter().find(|t| t.name == "vm_manage").unwrap();
+        let manage = tools().iter().find(|t| t.name == "vm_manage").unwrap();
         for action in ["start", "stop", "suspend", "fork", "rm"] {
             let e = manage
                 .run(
