@@ -1726,6 +1726,75 @@ fn network_helper_repaired() {
 /// `Suspended` with its saved memory in status, no hypervisor runs for it, a command is
 /// refused naming `resume`, and a control plane restarted meanwhile leaves it suspended.
 /// `stop` discards the memory; the next start boots cold.
+/// `fork SRC A B --with-memory`: the children continue the source's boot and processes, each
+/// with its own hostname, machine-id, host key (pinned: `run` reaches it), MAC, token and
+/// random bytes; the source runs on; the fork's image is gone once both exist.
+fn fork_with_memory(kind: Kind) {
+    let h = RealHome::new(kind);
+    let _serve = h.serve();
+    h.apply_file(&h.home.write("vm.yaml", &tiny_vm("f0")), "10m");
+    let boot_id = "cat /proc/sys/kernel/random/boot_id";
+    let boot = h.run("f0", boot_id);
+    let counter = h.run(
+        "f0",
+        "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > ~/count; sleep 0.1; done' \
+         </dev/null >/dev/null 2>&1 & echo $!; sleep 1",
+    );
+    let t = std::time::Instant::now();
+    let out = h.ok(&[
+        "fork",
+        "f0",
+        "f1",
+        "f2",
+        "--with-memory",
+        "--wait",
+        "--timeout",
+        "5m",
+    ]);
+    eprintln!("fork x2 with memory -> both Ready: {:?}", t.elapsed());
+    assert!(
+        out.contains("vm/f1 created (fork of f0 with its memory)"),
+        "{out}"
+    );
+    let identity = "cat /etc/machine-id; hostname; cat /sys/class/net/eth0/address; \
+                    cat ~/.boxery/token; echo; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'";
+    let mut seen: Vec<Vec<String>> = Vec::new();
+    let mut keys = Vec::new();
+    for vm in ["f0", "f1", "f2"] {
+        assert_eq!(h.run(vm, boot_id), boot, "{vm} continues the source's boot");
+        assert_eq!(
+            h.run(vm, &format!("kill -0 {counter} && echo alive")),
+            "alive",
+            "{vm} runs the counter started before the fork"
+        );
+        let id: Vec<String> = h.run(vm, identity).lines().map(str::to_string).collect();
+        assert_eq!(id.len(), 5, "{vm}: {id:?}");
+        assert_eq!(id[1], vm, "{vm}'s hostname");
+        assert!(!id[3].is_empty(), "{vm} holds a token: {id:?}");
+        seen.push(id);
+        let v = h.vm_json(vm);
+        keys.push(v["status"]["ssh"]["hostKey"].as_str().unwrap().to_string());
+    }
+    for field in 0..5 {
+        let mut all: Vec<&String> = seen.iter().map(|id| &id[field]).collect();
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), 3, "field {field} differs in each VM: {seen:?}");
+    }
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 3, "each VM has its own pinned host key");
+    let d = h.ok(&["describe", "vm", "f1"]);
+    assert!(d.contains("memory, continuing from its instant"), "{d}");
+    let images = h.ok(&["get", "images"]);
+    assert!(
+        !images.contains("f0.fork-"),
+        "the fork's image is gone: {images}"
+    );
+    h.ok(&["rm", "f1", "f2", "f0", "--wait", "--timeout", "3m"]);
+    h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
+}
+
 fn suspend_resume(kind: Kind) {
     let h = RealHome::new(kind);
     let mut serve = h.serve();
@@ -1883,6 +1952,11 @@ mod qemu {
     #[test]
     fn pool_members_reset_from_memory() {
         super::pool_leases(super::Kind::Qemu, true)
+    }
+
+    #[test]
+    fn fork_with_memory_continues_with_fresh_identities() {
+        super::fork_with_memory(super::Kind::Qemu)
     }
 }
 

@@ -74,6 +74,7 @@ fn new_vm(name: &str, image: &str, public: &str) -> NewVm {
         start: true,
         identity: identity::generate(name, &[public.to_string()]).unwrap(),
         egress: boxery_api::network::EgressPolicy::Public,
+        memory: false,
     }
 }
 

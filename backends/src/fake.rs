@@ -278,6 +278,7 @@ impl FakeBackend {
             disk_used_bytes: used,
             degraded: rec.degraded.filter(|_| rec.state == PowerState::Running),
             memory: rec.memory.filter(|_| rec.state == PowerState::Suspended),
+            inherited: false,
         }
     }
 
@@ -637,6 +638,12 @@ impl Backend for FakeBackend {
     async fn create(&self, vm: &NewVm) -> Result<()> {
         self.step("create").await?;
         check_name("VM", &vm.name)?;
+        if vm.memory {
+            return Err(BackendError::Unsupported {
+                backend: "fake".into(),
+                what: "start a VM from memory".into(),
+            });
+        }
         check_size(
             &vm.name,
             VmSize {

@@ -208,6 +208,27 @@ pub struct NewVm {
     /// backend enforces it on the VM's network ([`Backend::set_egress`]).
     #[serde(default)]
     pub egress: EgressPolicy,
+    /// Start from the memory the image carries ([`Backend::capture_memory`] of another VM)
+    /// instead of booting: the guest continues from the image's instant and runs with that
+    /// VM's identity until it takes its own ([`Backend::inherited`]). Only when
+    /// [`Backend::memory_start_refusal`] said it can; `Invalid` otherwise, before anything
+    /// is made.
+    #[serde(default)]
+    pub memory: bool,
+}
+
+/// A VM started from another VM's memory ([`NewVm::memory`]) runs with that VM's identity
+/// (hostname, machine-id, host key, MAC, token file) until its guest is given its own over
+/// ssh; then [`Backend::identity_taken`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Inherited {
+    /// The public host key the guest answers with until then (the source VM's).
+    pub answers_with: String,
+    /// The identity it takes: the one its seed holds for a later cold boot.
+    pub identity: Identity,
+    /// Its own MAC address, where the backend gave it one (the source's is in the memory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
 }
 
 /// Whether a VM runs.
@@ -270,6 +291,10 @@ pub struct VmInfo {
     /// Its saved memory while it is [`PowerState::Suspended`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<SavedMemory>,
+    /// Started from another VM's memory and not yet given its own identity
+    /// ([`Backend::inherited`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub inherited: bool,
 }
 
 /// One image as the backend sees it.
@@ -460,6 +485,32 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
             backend: self.name().into(),
             what: "restore a VM's memory from an image".into(),
         })
+    }
+    /// Why a new VM of `cpus` and `memory_mib` cannot start from the memory image `image`
+    /// carries ([`NewVm::memory`]): it carries none, it was taken at another size or under
+    /// another hypervisor, or the backend cannot. `None`: it can.
+    async fn memory_start_refusal(
+        &self,
+        image: &str,
+        cpus: u32,
+        memory_mib: u64,
+    ) -> Result<Option<String>> {
+        let _ = (image, cpus, memory_mib);
+        Ok(Some(format!(
+            "the {} backend cannot start a VM from memory",
+            self.name()
+        )))
+    }
+    /// What VM `vm`, started from another VM's memory, must take to be itself, while it has
+    /// not ([`VmInfo::inherited`]). `None` for every other VM.
+    async fn inherited(&self, vm: &str) -> Result<Option<Inherited>> {
+        let _ = vm;
+        Ok(None)
+    }
+    /// VM `vm`'s guest now holds its own identity ([`Backend::inherited`]). Idempotent.
+    async fn identity_taken(&self, vm: &str) -> Result<()> {
+        let _ = vm;
+        Ok(())
     }
     /// Every image in boxery's namespace.
     async fn images(&self) -> Result<Vec<ImageInfo>>;

@@ -136,6 +136,7 @@ fn request(name: &str, image: &str, identity: Identity) -> NewVm {
         start: true,
         identity,
         egress: boxery_api::network::EgressPolicy::Public,
+        memory: false,
     }
 }
 

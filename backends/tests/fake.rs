@@ -51,6 +51,7 @@ fn new_vm(name: &str, uid: &str, image: &str) -> NewVm {
             proxy_token: Some(format!("token-{name}")),
         },
         egress: boxery_api::network::EgressPolicy::Public,
+        memory: false,
     }
 }
 

@@ -81,6 +81,7 @@ impl Env {
             start: true,
             identity: identity::generate(name, std::slice::from_ref(&self.public)).unwrap(),
             egress: boxery_api::network::EgressPolicy::Public,
+            memory: false,
         }
     }
 
@@ -1107,6 +1108,7 @@ async fn set_egress_confines_a_running_guest_and_lets_it_go() {
     // a VM created confined is defined so, before its first boot
     b.create(&NewVm {
         egress: EgressPolicy::Deny,
+        memory: false,
         start: false,
         ..env.vm("e2", "tiny")
     })

@@ -299,3 +299,119 @@ async fn memory_snapshot_and_revert_come_back_running() {
     env.backend.remove("m3").await.unwrap();
     assert!(env.qemu_pids().is_empty());
 }
+
+/// Pin `public` as VM `vm`'s host key in the backend's known_hosts (a VM started from another
+/// VM's memory answers with that VM's key until it is given its own).
+async fn pin(env: &Env, vm: &str, public: &str) {
+    let port = env.port(vm).await;
+    let line = boxery_backends::identity::known_hosts_line(&format!("[127.0.0.1]:{port}"), public);
+    std::fs::write(env.backend.layout().vm_known_hosts(vm), format!("{line}\n")).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_vms_start_from_another_vms_memory() {
+    let env = Env::new().await;
+    env.tiny_image("tiny").await;
+    let parent = env.vm("p1", "tiny");
+    let parent_key = parent.identity.host_key.clone().unwrap().1;
+    env.backend.create(&parent).await.unwrap();
+    env.wait_ssh("p1", BOOT).await;
+    let boot_id = env.run("p1", "cat /proc/sys/kernel/random/boot_id").await;
+    let pid = start_counter(&env, "p1").await;
+    env.backend
+        .capture_memory("p1", "p1.f", "uid-f")
+        .await
+        .unwrap();
+    env.backend.capture("p1", "p1.disk", "uid-d").await.unwrap();
+
+    // what can start from it, asked before anything is made
+    let b = &env.backend;
+    assert_eq!(b.memory_start_refusal("p1.f", 1, 256).await.unwrap(), None);
+    let other_size = b
+        .memory_start_refusal("p1.f", 2, 256)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(other_size.contains("1 CPUs and 256 MiB"), "{other_size}");
+    let disk_only = b
+        .memory_start_refusal("p1.disk", 1, 256)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(disk_only.contains("carries no memory"), "{disk_only}");
+    let mut big = env.vm("c3", "p1.f");
+    big.memory = true;
+    big.cpus = 2;
+    let err = b.create(&big).await.unwrap_err();
+    assert!(matches!(err, BackendError::Invalid(_)), "{err}");
+    b.cleanup_new("c3").await.unwrap();
+    assert!(
+        b.get("c3").await.unwrap().is_none(),
+        "nothing is left of a refused start"
+    );
+
+    let mut children = Vec::new();
+    for name in ["c1", "c2"] {
+        let mut req = env.vm(name, "p1.f");
+        req.memory = true;
+        let t = Instant::now();
+        b.create(&req).await.unwrap();
+        let info = b.get(name).await.unwrap().unwrap();
+        assert_eq!(info.state, PowerState::Running);
+        assert!(info.inherited, "it runs with its source's identity for now");
+        let inh = b.inherited(name).await.unwrap().expect("inherited");
+        assert_eq!(inh.answers_with.trim(), parent_key.trim());
+        assert_eq!(
+            inh.identity, req.identity,
+            "the identity it takes is its seed's"
+        );
+        let mac = inh.mac.clone().unwrap();
+        pin(&env, name, &parent_key).await;
+        env.wait_ssh(name, Duration::from_secs(60)).await;
+        eprintln!("{name}: start from memory → ssh: {:?}", t.elapsed());
+        children.push((name, mac));
+    }
+    for (name, _) in &children {
+        assert_eq!(
+            env.run(name, "cat /proc/sys/kernel/random/boot_id").await,
+            boot_id,
+            "{name} continues the source's boot"
+        );
+        assert_eq!(
+            env.run(name, &format!("kill -0 {pid} && echo alive")).await,
+            "alive",
+            "{name} runs the source's counter"
+        );
+    }
+    // the source runs on, and the children are independent of it and of each other
+    assert_eq!(
+        env.run("p1", &format!("kill -0 {pid} && echo alive")).await,
+        "alive"
+    );
+    env.run("c1", "echo c1 > ~/mine && sync").await;
+    assert_eq!(
+        env.run("c2", "cat ~/mine 2>/dev/null || echo none").await,
+        "none"
+    );
+    assert_eq!(
+        env.run("p1", "cat ~/mine 2>/dev/null || echo none").await,
+        "none"
+    );
+    assert_ne!(children[0].1, children[1].1, "each child has its own MAC");
+
+    b.identity_taken("c1").await.unwrap();
+    assert!(b.inherited("c1").await.unwrap().is_none());
+    assert!(!b.get("c1").await.unwrap().unwrap().inherited);
+    // a cold boot gives the guest its seed's identity: nothing is inherited after it
+    b.stop("c2").await.unwrap();
+    b.start("c2").await.unwrap();
+    assert!(b.inherited("c2").await.unwrap().is_none());
+
+    for vm in ["c1", "c2", "p1"] {
+        b.remove(vm).await.unwrap();
+    }
+    for img in ["p1.f", "p1.disk"] {
+        b.remove_image(img).await.unwrap();
+    }
+    assert!(env.qemu_pids().is_empty());
+}

@@ -335,7 +335,7 @@ pub(crate) enum Command {
         label: String,
         /// Capture the running VM's memory too, at the same instant as its disk (the guest
         /// pauses for the copy): `revert --memory` brings it back running where it was.
-        #[arg(long)]
+        #[arg(long, visible_alias = "with-memory")]
         memory: bool,
         #[command(flatten)]
         wait: WaitArgs,
@@ -350,12 +350,13 @@ pub(crate) enum Command {
         label: String,
         /// Restore the memory the image carries too (taken with `snap --memory` of this VM):
         /// the VM comes back running where it was, its processes intact.
-        #[arg(long)]
+        #[arg(long, visible_alias = "with-memory")]
         memory: bool,
         #[command(flatten)]
         wait: WaitArgs,
     },
-    /// Make new VMs from a VM's disk as it is now.
+    /// Make new VMs from a VM's disk as it is now (with --with-memory: from the running VM's
+    /// memory too).
     Fork {
         /// The source VM.
         #[arg(value_parser = args::label)]
@@ -365,6 +366,12 @@ pub(crate) enum Command {
         names: Vec<String>,
         #[command(flatten)]
         size: vms::SizeArgs,
+        /// Fork the running VM's memory too: the new VMs continue from this instant (its
+        /// processes, open files and shells), each given its own hostname, machine-id, host
+        /// key, MAC and token before it is Ready. The source pauses for the copy and runs on.
+        /// (`--memory SIZE` is the new VMs' memory size.)
+        #[arg(long)]
+        with_memory: bool,
         #[command(flatten)]
         wait: WaitArgs,
     },

@@ -461,8 +461,9 @@ async fn vm_command(v: &Verbs, command: Command) -> CliResult {
             src,
             names,
             size,
+            with_memory,
             wait,
-        } => vms::fork(v, &src, &names, &size, wait.wait_for()).await,
+        } => vms::fork(v, &src, &names, &size, with_memory, wait.wait_for()).await,
         Command::Start { names, wait } => {
             vms::power(v, &names, RunStrategy::Running, wait.wait_for()).await
         }

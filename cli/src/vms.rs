@@ -90,11 +90,13 @@ pub async fn fork(
     src: &str,
     names: &[String],
     size: &SizeArgs,
+    memory: bool,
     wait_for: Option<Duration>,
 ) -> CliResult {
-    let plan = vm::fork(v, src, names, &size.size()).await?;
+    let plan = vm::fork(v, src, names, &size.size(), memory).await?;
+    let how = if memory { " with its memory" } else { "" };
     for n in names {
-        outln!("vm/{n} created (fork of {src})");
+        outln!("vm/{n} created (fork of {src}{how})");
     }
     wait::plan(v, &plan, wait_for).await
 }

@@ -306,7 +306,7 @@ pub fn tools() -> &'static [Tool] {
             ),
             tool(
                 "vm_manage",
-                "VM verbs that write specs and wait (bounded) for the result: new (make a VM from an image), snap (snapshot the disk into image VM.LABEL; with_memory: true also its memory, of a running VM), revert (back to a snapshot; with_memory: true comes back running where the snapshot was taken), fork (new VMs from this VM's disk), start, stop, suspend (memory to disk, host RAM freed), resume (the same processes back in about a second), resize, rm. Returns the current state even when the wait runs out.",
+                "VM verbs that write specs and wait (bounded) for the result: new (make a VM from an image), snap (snapshot the disk into image VM.LABEL; with_memory: true also its memory, of a running VM), revert (back to a snapshot; with_memory: true comes back running where the snapshot was taken), fork (new VMs from this VM's disk; with_memory: true they continue from this instant of the running VM, processes and all, each with its own identity), start, stop, suspend (memory to disk, host RAM freed), resume (the same processes back in about a second), resize, rm. Returns the current state even when the wait runs out.",
                 destructive,
                 CliSide::Commands(&[
                     "new", "snap", "revert", "fork", "start", "stop", "suspend", "resume", "resize",
@@ -714,14 +714,14 @@ mod tests {
     }
 
     /// `vm_manage`'s `with_memory` is refused, before anything is done, by an action that does
-    /// not take it (it is not dropped silently), and taken by snap.
+    /// not take it (it is not dropped silently), and taken by snap (and revert and fork).
     #[tokio::test]
     async fn with_memory_is_refused_where_it_means_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let env = boxery_verbs::Env::new(dir.path().join("home"), "fake");
         let session = Arc::new(Session::new(env, None, false));
         let manage = tools().iter().find(|t| t.name == "vm_manage").unwrap();
-        for action in ["start", "stop", "suspend", "fork", "rm"] {
+        for action in ["start", "stop", "suspend", "rm"] {
             let e = manage
                 .run(
                     session.clone(),

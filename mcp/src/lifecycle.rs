@@ -338,8 +338,9 @@ pub struct ManageArgs {
     pub from: Option<String>,
     /// snap/revert: the snapshot's label (image VM.LABEL).
     pub label: Option<String>,
-    /// snap/revert: with the VM's memory (snap: of the running VM, the guest pauses for the
-    /// copy; revert: of such a snapshot, the VM comes back running where it was).
+    /// snap/revert/fork: with the VM's memory (snap: of the running VM, the guest pauses for
+    /// the copy; revert: of such a snapshot, the VM comes back running where it was; fork:
+    /// the new VMs continue from this instant of the running VM, each with its own identity).
     pub with_memory: Option<bool>,
     /// fork: the new VMs' names.
     #[serde(default)]
@@ -626,9 +627,10 @@ fn check_names(a: &ManageArgs) -> Result<(), VerbError> {
     for n in &a.names {
         Name::label(n).map_err(|e| bad("names", e))?;
     }
-    if a.with_memory.is_some() && !matches!(a.action, Action::Snap | Action::Revert) {
+    if a.with_memory.is_some() && !matches!(a.action, Action::Snap | Action::Revert | Action::Fork)
+    {
         return Err(VerbError::invalid(
-            "with_memory: only snap and revert take it (suspend keeps a VM's memory on its own)",
+            "with_memory: only snap, revert and fork take it (suspend keeps a VM's memory on its own)",
         ));
     }
     Ok(())
@@ -700,11 +702,13 @@ async fn manage_revert(session: &Session, a: &ManageArgs) -> Result<(String, Pla
 
 async fn manage_fork(session: &Session, a: &ManageArgs) -> Result<(String, Plan), VerbError> {
     let src = session.resolve_vm(a.vm.clone()).await?;
-    let plan = verbs_vm::fork(session.verbs()?, &src, &a.names, &size(a)?).await?;
+    let memory = a.with_memory.unwrap_or(false);
+    let plan = verbs_vm::fork(session.verbs()?, &src, &a.names, &size(a)?, memory).await?;
+    let how = if memory { " with its memory" } else { "" };
     let text = a
         .names
         .iter()
-        .map(|n| format!("vm/{n} created (fork of {src})\n"))
+        .map(|n| format!("vm/{n} created (fork of {src}{how})\n"))
         .collect();
     Ok((text, plan))
 }

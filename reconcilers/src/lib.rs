@@ -2,6 +2,7 @@
 //! starts them all on one store and backend (used by `boxery serve` and by the CLI's embedded
 //! mode).
 
+pub mod adopt;
 pub mod backoff;
 pub mod context;
 pub mod error;

@@ -474,6 +474,13 @@ async fn stop(vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
 async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     let generation = vm.metadata.generation;
     let readiness = match (&info.state, &info.ssh) {
+        // started from another VM's memory: its own identity first (crate::adopt)
+        (PowerState::Running, Some(endpoint)) if info.inherited => {
+            match crate::adopt::take(ctx, vm.name(), endpoint).await {
+                Ok(()) => Readiness::Booting("the guest took its own identity".into()),
+                Err(why) => Readiness::Booting(why),
+            }
+        }
         (PowerState::Running, Some(endpoint)) if ctx.backend.capabilities().ssh => {
             match probe(ctx, &vm, endpoint).await {
                 Ok(()) => Readiness::Ready(reasons::SSH_REACHABLE),
@@ -1126,6 +1133,70 @@ async fn fork_source(vm: &mut Vm, src: &str, ctx: &Ctx) -> Result<Option<String>
     Ok(Some(img))
 }
 
+/// Whether a new VM from `image` starts from the memory the image carries: when it carries
+/// some, the VM is to run (or stay suspended), and the backend can at this size. When it
+/// cannot, a Normal event says why and the VM boots from the image's disk.
+async fn start_from_memory(vm: &Vm, image: &str, size: VmSize, ctx: &Ctx) -> Result<bool> {
+    if vm.spec.run_strategy == RunStrategy::Stopped {
+        return Ok(false);
+    }
+    let carries = ctx
+        .store
+        .get_as::<Image>(image)
+        .await?
+        .is_some_and(|i| i.spec.memory && i.status.memory_bytes.is_some());
+    if !carries {
+        return Ok(false);
+    }
+    let refusal = ctx
+        .backend
+        .memory_start_refusal(image, size.cpus, size.memory_mib)
+        .await
+        .map_err(|e| {
+            ReconcileError::backend("memory_start_refusal", format!("Vm/{}", vm.name()), e)
+        })?;
+    match refusal {
+        None => Ok(true),
+        Some(why) => {
+            ctx.event(
+                vm,
+                EventType::Normal,
+                "BootsCold",
+                &format!("{why}; the VM boots from the image's disk instead"),
+            )
+            .await;
+            Ok(false)
+        }
+    }
+}
+
+/// A fork's memory image ([`boxery_api::image::MEMORY_FORK_LABEL`]) is deleted once every VM made from it
+/// exists: each VM's memory is its own copy from then on.
+async fn forget_fork_image(image: &str, ctx: &Ctx) -> Result<()> {
+    let Some(img) = ctx.store.get_as::<Image>(image).await? else {
+        return Ok(());
+    };
+    if !img
+        .metadata
+        .labels
+        .contains_key(boxery_api::image::MEMORY_FORK_LABEL)
+        || img.metadata.is_deleting()
+    {
+        return Ok(());
+    }
+    let vms: Vec<Vm> = ctx.store.list_as::<Vm>(&Default::default()).await?;
+    let waiting = vms.iter().any(|v| {
+        matches!(&v.spec.source, VmSource::Image(i) if i == image) && v.status.created_at.is_none()
+    });
+    if waiting {
+        return Ok(());
+    }
+    match ctx.store.delete(&ObjectRef::of::<Image>(image)).await {
+        Ok(_) | Err(StoreError::NotFound { .. }) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// A stock image (`debian-12`, `tiny`) is built on first use: its Image is made here.
 async fn build_stock(vm: &mut Vm, image_name: &str, ctx: &Ctx) -> Result<()> {
     let image = Image::new(
@@ -1243,6 +1314,7 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     vm = save(ctx, &vm).await?;
 
     let size = size_of(&vm);
+    let memory = start_from_memory(&vm, &image, size, ctx).await?;
     let req = NewVm {
         name: name.clone(),
         uid: ctx.mark(&vm.metadata),
@@ -1253,6 +1325,7 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         start: vm.spec.run_strategy == RunStrategy::Running,
         identity,
         egress: vm.spec.network.egress.policy,
+        memory,
     };
     if let Err(e) = ctx.backend.create(&req).await {
         // Leave nothing half made; the operation is cleared so the next try starts clean.
@@ -1274,16 +1347,24 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     // A revert requested before the VM existed is moot: the disk is fresh.
     vm.status.last_restore = vm.spec.restore.clone();
     let vm = save(ctx, &vm).await?;
+    let how = if memory {
+        format!("created from image {image}'s memory, continuing from its instant")
+    } else {
+        format!("created from image {image}")
+    };
     ctx.event(
         &vm,
         EventType::Normal,
         "Created",
         &match &vm.status.acceleration {
-            Some(a) => format!("created from image {image}; {a}"),
-            None => format!("created from image {image}"),
+            Some(a) => format!("{how}; {a}"),
+            None => how,
         },
     )
     .await;
+    if memory {
+        forget_fork_image(&image, ctx).await?;
+    }
     if matches!(vm.spec.source, VmSource::Vm(_)) {
         // The fork's capture is not needed any more: images are independent.
         match ctx

@@ -275,7 +275,13 @@ pub async fn revert(v: &Verbs, vm: &str, label: &str, memory: bool) -> Result<(S
 
 /// `fork SRC NEW…`: new VMs whose source is SRC's disk as it is now, with SRC's size (or
 /// `size`), layers, egress policy and labels.
-pub async fn fork(v: &Verbs, src: &str, names: &[String], size: &Size) -> Result<Plan> {
+pub async fn fork(
+    v: &Verbs,
+    src: &str,
+    names: &[String],
+    size: &Size,
+    memory: bool,
+) -> Result<Plan> {
     let s = get_vm(v, src).await?;
     if names.is_empty() {
         return Err(VerbError::invalid(match v.voice {
@@ -283,9 +289,14 @@ pub async fn fork(v: &Verbs, src: &str, names: &[String], size: &Size) -> Result
             Voice::Tool => "give the new VMs' `names`",
         }));
     }
+    let source = if memory {
+        VmSource::Image(memory_fork_image(v, &s, size).await?)
+    } else {
+        VmSource::Vm(src.into())
+    };
     for n in names {
         let spec = VmSpec {
-            source: VmSource::Vm(src.into()),
+            source: source.clone(),
             resources: size.over(s.spec.resources.clone()),
             headless: s.spec.headless,
             layers: s.spec.layers.clone(),
@@ -300,6 +311,51 @@ pub async fn fork(v: &Verbs, src: &str, names: &[String], size: &Size) -> Result
         create_vm(v, &vm, "fork").await?;
     }
     Ok(Plan::vms(names, vec![ready()]))
+}
+
+/// A fork with memory: one image of VM `s` with its memory (`SRC.fork-MILLIS`, labelled
+/// [`boxery_api::image::MEMORY_FORK_LABEL`], owned by `s`), from which every child starts at
+/// the same instant; the Vm controller deletes it once every child exists.
+async fn memory_fork_image(v: &Verbs, s: &Vm, size: &Size) -> Result<String> {
+    let src = s.name();
+    if size.cpus.is_some() || size.memory.is_some() {
+        return Err(VerbError::invalid(
+            "a fork with memory has its source's CPUs and memory (the memory holds them): drop the size options, or fork without memory",
+        ));
+    }
+    if s.status.phase != boxery_api::VmPhase::Running {
+        return Err(VerbError::invalid(format!(
+            "VM {src} is {:?}: a fork with memory needs it running (resume or start it, or fork its disk without memory)",
+            s.status.phase
+        )));
+    }
+    let millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or_default();
+    let name = format!("{src}.fork-{millis}");
+    let mut img = Image::new(
+        &name,
+        ImageSpec {
+            source: ImageSource::Vm(src.into()),
+            memory: true,
+        },
+    );
+    img.metadata
+        .labels
+        .insert(boxery_api::image::MEMORY_FORK_LABEL.into(), src.into());
+    img.metadata.owner_references.push(OwnerReference {
+        api_version: boxery_api::API_VERSION.into(),
+        kind: "Vm".into(),
+        name: src.into(),
+        uid: s.metadata.uid.clone().unwrap_or_default(),
+        controller: Some(false),
+    });
+    create(v, &img, "fork", || {
+        VerbError::conflict(format!("image {name} already exists: fork again"))
+    })
+    .await?;
+    Ok(name)
 }
 
 pub use boxery_api::vm::WOKEN_AT;

@@ -37,6 +37,7 @@ impl Inner {
             disk_used_bytes: Some(used),
             degraded: None,
             memory,
+            inherited: false,
         })
     }
 

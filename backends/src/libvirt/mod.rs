@@ -307,6 +307,12 @@ impl Backend for LibvirtBackend {
     }
 
     async fn create(&self, vm: &NewVm) -> Result<()> {
+        if vm.memory {
+            return Err(BackendError::Unsupported {
+                backend: "libvirt".into(),
+                what: "start a VM from another VM's memory".into(),
+            });
+        }
         self.inner.create(vm).await
     }
 

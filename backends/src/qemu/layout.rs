@@ -155,6 +155,11 @@ impl Layout {
     pub fn vm_memory_record(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("memory.json")
     }
+    /// `vms/<name>/inherited.json`: a VM started from another VM's memory, until its guest
+    /// has taken its own identity ([`crate::Inherited`]; 0600, it holds a private key).
+    pub fn vm_inherited(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("inherited.json")
+    }
     /// `vms/<name>/serial.log`.
     pub fn vm_serial(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("serial.log")

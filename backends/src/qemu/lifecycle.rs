@@ -84,6 +84,9 @@ impl Inner {
         if let Some(rec) = &saved {
             self.check_restorable(cfg, rec, &spec)?;
             spec.incoming = true;
+        } else {
+            // a cold boot: the seed gives the guest its own identity
+            self.forget_inherited(name)?;
         }
         self.claim_port(name, cfg.port)?;
         self.wait_port(name, cfg.port).await?;
@@ -466,6 +469,26 @@ impl Inner {
             .storage
             .seed_new_vm(vm, &base.id, vm.disk_gib, port, &work, &iso)
             .await?;
+        if vm.memory {
+            // the guest continues from the image's instant with its source's identity: it
+            // is given its own over ssh (`inherited`); its seed holds that one for a cold boot
+            if let Some(why) = self.start_memory_refusal(&cfg, &base, image)? {
+                return Err(BackendError::Invalid(why));
+            }
+            let rec = self
+                .image_state(image)
+                .read()?
+                .ok_or_else(|| not_found(format!("the memory of image {image}")))?;
+            let inherited = crate::Inherited {
+                answers_with: rec.host_key.clone().unwrap_or_default(),
+                identity: vm.identity.clone(),
+                mac: Some(cfg.mac.clone()),
+            };
+            let path = self.layout.vm_inherited(name);
+            crate::storage::files::write_json(&path, &inherited, 0o600)
+                .map_err(io(format!("writing {}", path.display())))?;
+            self.install_image_memory(name, image, Some(self.own_tied_args(&cfg, &base)))?;
+        }
         self.write_known_hosts(&cfg)?;
         self.save_vm(&cfg)?;
         info!(

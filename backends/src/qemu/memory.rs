@@ -53,6 +53,32 @@ pub(super) struct MemoryRecord {
     /// memory restored by a revert is pinned to it again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_key: Option<String>,
+    /// [`Self::args`] with what is the saved VM's own (its name, directory, uuid, MAC, port)
+    /// replaced by placeholders ([`portable`]): what another VM started from this memory must
+    /// repeat. Empty in a record written before boxery could start VMs from memory.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub portable: Vec<String>,
+    /// Virtual CPUs (0 in a record written before it was kept).
+    #[serde(default)]
+    pub cpus: u32,
+}
+
+/// `args`, tied arguments of VM `cfg`'s QEMU ([`tie`]), with the VM's own values (its
+/// directory, name, uuid, MAC, ssh port) replaced by placeholders: equal for two VMs of the
+/// same image, size and QEMU, so one's memory can start the other.
+fn portable(args: &[String], cfg: &VmConfig, dir: &Path) -> Vec<String> {
+    let dir = dir.display().to_string();
+    let port = format!("127.0.0.1:{}-", cfg.port);
+    let name = format!("guest={},", cfg.name);
+    args.iter()
+        .map(|a| {
+            a.replace(&dir, "{dir}")
+                .replace(&name, "guest={name},")
+                .replace(&cfg.uuid, "{uuid}")
+                .replace(&cfg.mac, "{mac}")
+                .replace(&port, "127.0.0.1:{port}-")
+        })
+        .collect()
 }
 
 /// How long a migration to or from a file may take per GiB of guest memory (TCG on two busy
@@ -240,10 +266,12 @@ impl Inner {
             saved_at: boxery_api::now(),
             bytes: 0,
             qemu_version: self.qemu_version()?,
+            portable: portable(&args, cfg, &self.vm_dir(&cfg.name)),
             args,
             memory_mib: cfg.memory_mib,
             stale: None,
             host_key: cfg.host_key.clone(),
+            cpus: cfg.cpus,
         })
     }
 
@@ -376,8 +404,7 @@ impl Inner {
             )));
         };
         // the block graph is not part of the tie: any chain stands in for it
-        let chain = [self.layout.vm_disk(&cfg.name, 1), self.base_disk(&base.id)];
-        let args = tied_args(&self.launch_spec(cfg, base, &chain));
+        let args = self.own_tied_args(cfg, base);
         Ok(self.why_stale(&rec, Some(&args))?.map(|why| {
             format!(
                 "image {image}'s memory cannot return to VM {}: {why} (memory returns only to the VM it was taken from, under the same QEMU); revert without memory",
@@ -386,13 +413,104 @@ impl Inner {
         }))
     }
 
+    /// Why image `image`'s memory cannot start a new VM of `cpus` and `memory_mib`, from
+    /// what its record says (the command line is compared when the VM is made:
+    /// [`Self::start_memory_refusal`]). `None`: it can.
+    pub(super) fn memory_fits(
+        &self,
+        image: &str,
+        cpus: u32,
+        memory_mib: u64,
+    ) -> Result<Option<String>> {
+        let Some(rec) = self.image_state(image).read()? else {
+            return Ok(Some(format!("image {image} carries no memory")));
+        };
+        if let Some(why) = self.portable_refusal(&rec, image) {
+            return Ok(Some(why));
+        }
+        if let Some(why) = self.why_stale(&rec, None)? {
+            return Ok(Some(format!(
+                "image {image}'s memory cannot be loaded: {why}"
+            )));
+        }
+        if (rec.cpus, rec.memory_mib) != (cpus, memory_mib) {
+            return Ok(Some(format!(
+                "image {image}'s memory was taken from a VM of {} CPUs and {} MiB, and this VM asks for {cpus} and {memory_mib} MiB: give it that size to start it from the memory",
+                rec.cpus, rec.memory_mib
+            )));
+        }
+        Ok(None)
+    }
+
+    /// Why a record cannot start another VM at all: written before boxery kept what that
+    /// needs.
+    fn portable_refusal(&self, rec: &MemoryRecord, image: &str) -> Option<String> {
+        (rec.portable.is_empty() || rec.cpus == 0 || rec.host_key.is_none()).then(|| {
+            format!(
+                "image {image}'s memory was taken before boxery could start other VMs from it: take it again (`boxery snap VM NAME --memory`)"
+            )
+        })
+    }
+
+    /// Why image `image`'s memory cannot start the new VM `cfg` (its disk made from the image,
+    /// `base` the image's base): the checks of [`Self::memory_fits`] and the command line a
+    /// start would run, compared without what is each VM's own ([`portable`]).
+    pub(super) fn start_memory_refusal(
+        &self,
+        cfg: &VmConfig,
+        base: &BaseRecord,
+        image: &str,
+    ) -> Result<Option<String>> {
+        if let Some(why) = self.memory_fits(image, cfg.cpus, cfg.memory_mib)? {
+            return Ok(Some(why));
+        }
+        let Some(mut rec) = self.image_state(image).read()? else {
+            return Ok(Some(format!("image {image} carries no memory")));
+        };
+        let args = portable(&self.own_tied_args(cfg, base), cfg, &self.vm_dir(&cfg.name));
+        rec.args = std::mem::take(&mut rec.portable);
+        Ok(self
+            .why_stale(&rec, Some(&args))?
+            .map(|why| format!("image {image}'s memory cannot start VM {}: {why}", cfg.name)))
+    }
+
+    /// The arguments VM `cfg`'s QEMU is tied to ([`tie`]; the block graph is not part of it,
+    /// so any chain stands in for it).
+    pub(super) fn own_tied_args(&self, cfg: &VmConfig, base: &BaseRecord) -> Vec<String> {
+        let chain = [self.layout.vm_disk(&cfg.name, 1), self.base_disk(&base.id)];
+        tied_args(&self.launch_spec(cfg, base, &chain))
+    }
+
+    /// What VM `name` must still take to be itself (it started from another VM's memory).
+    pub(super) fn inherited(&self, name: &str) -> Result<Option<crate::Inherited>> {
+        let path = self.layout.vm_inherited(name);
+        crate::storage::files::read_json(&path).map_err(io(format!("reading {}", path.display())))
+    }
+
+    /// VM `name` holds its own identity (or boots cold, and its seed gives it): nothing is
+    /// inherited any more.
+    pub(super) fn forget_inherited(&self, name: &str) -> Result<()> {
+        let path = self.layout.vm_inherited(name);
+        remove_file_if_exists(&path).map_err(io(format!("removing {}", path.display())))
+    }
+
     /// Make image `image`'s memory the saved memory of VM `vm` (a hard link: the image's
     /// file is only read by a resume), record last; the next boot resumes from it.
-    pub(super) fn install_image_memory(&self, vm: &str, image: &str) -> Result<()> {
-        let rec = self
+    /// A new VM started from it ([`Self::start_memory_refusal`] passed) gives the arguments
+    /// its own QEMU is tied to as `args`: the record is its from then on.
+    pub(super) fn install_image_memory(
+        &self,
+        vm: &str,
+        image: &str,
+        args: Option<Vec<String>>,
+    ) -> Result<()> {
+        let mut rec = self
             .image_state(image)
             .read()?
             .ok_or_else(|| not_found(format!("the memory of image {image}")))?;
+        if let Some(args) = args {
+            rec.args = args;
+        }
         self.discard_memory(vm)?;
         let from = self.layout.image_memory(image);
         let to = self.layout.vm_memory(vm);

@@ -267,7 +267,7 @@ impl QemuBackend {
         inner.save_vm(&cfg)?;
         if memory {
             // the boot below resumes from it
-            inner.install_image_memory(vm, image)?;
+            inner.install_image_memory(vm, image, None)?;
         }
         inner.boot(&cfg).await?;
         info!(
@@ -508,6 +508,7 @@ impl Backend for QemuBackend {
                 (false, None) => PowerState::Stopped,
             },
             memory,
+            inherited: inner.layout.vm_inherited(name).exists(),
             size: VmSize {
                 cpus: cfg.cpus,
                 memory_mib: cfg.memory_mib,
@@ -684,6 +685,34 @@ impl Backend for QemuBackend {
 
     async fn reimage_memory(&self, vm: &str, image: &str, identity: &Identity) -> Result<()> {
         self.reimage_with(vm, image, identity, true).await
+    }
+
+    async fn memory_start_refusal(
+        &self,
+        image: &str,
+        cpus: u32,
+        memory_mib: u64,
+    ) -> Result<Option<String>> {
+        if !valid_name(image) {
+            return Err(BackendError::Invalid(format!(
+                "image name `{image}` is not valid"
+            )));
+        }
+        self.inner.memory_fits(image, cpus, memory_mib)
+    }
+
+    async fn inherited(&self, vm: &str) -> Result<Option<crate::Inherited>> {
+        if !valid_name(vm) {
+            return Ok(None);
+        }
+        self.inner.inherited(vm)
+    }
+
+    async fn identity_taken(&self, vm: &str) -> Result<()> {
+        let inner = &self.inner;
+        inner.check_name("VM", vm)?;
+        let _lock = inner.lock_vm(vm).await?;
+        inner.forget_inherited(vm)
     }
 
     async fn images(&self) -> Result<Vec<ImageInfo>> {

@@ -101,6 +101,7 @@ impl Env {
             start: true,
             identity: identity::generate(name, std::slice::from_ref(&self.public)).unwrap(),
             egress: boxery_api::network::EgressPolicy::Public,
+            memory: false,
         }
     }
 

@@ -1,0 +1,263 @@
+//! A VM started from another VM's memory (a fork with memory, a VM made from a memory image,
+//! a warm pool's member) continues that VM's processes with that VM's identity. Before it
+//! is `Ready`, its guest is given its own over ssh: hostname, machine-id, ssh host key (then
+//! pinned), MAC address and token file. The kernel's random pool was reseeded already, by the
+//! VM's generation id, when the memory was loaded (docs/live-memory.md, "Fork").
+//!
+//! # Guarantees
+//! - The VM is not `Ready` (and so not handed to a lease, and no command of a caller waiting
+//!   for it runs) until its guest holds its own identity: its status pins the new host key
+//!   from birth, which the guest does not answer with until then.
+//! - Idempotent: a step cut short (the control plane killed, the ssh connection dropped by the
+//!   MAC change) is run again whole until the backend records it done
+//!   ([`Backend::identity_taken`](boxery_backends::Backend::identity_taken)).
+//! - Values travel on ssh's stdin, base64 in the script, never on a command line; every
+//!   value that is not base64 in the script (hostname, machine-id, MAC) is checked first.
+//!
+//! # Caveats
+//! - Between the memory's load and this step (about a second) the guest runs with its
+//!   source's hostname, machine-id and host key; nothing outside can reach it meanwhile but
+//!   boxery, which pins the source's key for this step only.
+//! - What applications keep in memory (their own keys, sessions, caches) is the source's.
+
+use std::time::Duration;
+
+use base64::Engine;
+use boxery_backends::Inherited;
+
+use crate::context::Ctx;
+
+/// The longest the step may take.
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Why an inherited identity cannot be turned into a script.
+fn check(inh: &Inherited) -> Result<(), String> {
+    let id = &inh.identity;
+    let h = &id.hostname;
+    if h.is_empty()
+        || h.len() > 63
+        || h.starts_with('-')
+        || !h.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-')
+    {
+        return Err(format!("hostname `{h}` is not a DNS label"));
+    }
+    if id.machine_id.len() != 32 || !id.machine_id.bytes().all(|c| c.is_ascii_hexdigit()) {
+        return Err("the machine-id is not 32 hex digits".into());
+    }
+    if let Some(mac) = &inh.mac {
+        let parts: Vec<&str> = mac.split(':').collect();
+        if parts.len() != 6
+            || !parts
+                .iter()
+                .all(|p| p.len() == 2 && p.bytes().all(|c| c.is_ascii_hexdigit()))
+        {
+            return Err(format!("`{mac}` is not a MAC address"));
+        }
+    }
+    if id.host_key.is_none() {
+        return Err("it has no host key".into());
+    }
+    Ok(())
+}
+
+/// The script (for `sh -s`, as the login user, root through `sudo -n` where needed) that gives
+/// the guest the identity `inh` holds. Works on Debian (OpenSSH, which reads its host keys
+/// per connection) and the tiny guest (dropbear, restarted by init with the new key).
+pub fn script(inh: &Inherited) -> Result<String, String> {
+    check(inh)?;
+    let b64 = |v: &[u8]| base64::engine::general_purpose::STANDARD.encode(v);
+    let id = &inh.identity;
+    let (private, public) = id.host_key.as_ref().ok_or("it has no host key")?;
+    let token = id.proxy_token.as_deref().map(|t| b64(t.as_bytes()));
+    let mut s = String::from(
+        "set -e\n\
+         b() { printf '%s' \"$1\" | base64 -d; }\n\
+         S=; [ \"$(id -u)\" = 0 ] || S='sudo -n'\n",
+    );
+    // hostname
+    s.push_str(&format!(
+        "h={h}\n\
+         $S hostname \"$h\"\n\
+         printf '%s\\n' \"$h\" | $S tee /etc/hostname >/dev/null\n\
+         if grep -q '^127\\.0\\.1\\.1' /etc/hosts 2>/dev/null; then $S sed -i \"s/^127\\.0\\.1\\.1[[:space:]].*/127.0.1.1 $h/\" /etc/hosts; fi\n",
+        h = id.hostname
+    ));
+    // machine-id (the tiny guest keeps its own copy on its disk)
+    s.push_str(&format!(
+        "m={m}\n\
+         printf '%s\\n' \"$m\" | $S tee /etc/machine-id >/dev/null\n\
+         if [ -d /home/.boxery-guest ]; then printf '%s\\n' \"$m\" | $S tee /home/.boxery-guest/machine-id >/dev/null; fi\n\
+         if [ -f /var/lib/dbus/machine-id ] && [ ! -L /var/lib/dbus/machine-id ]; then printf '%s\\n' \"$m\" | $S tee /var/lib/dbus/machine-id >/dev/null; fi\n",
+        m = id.machine_id.to_ascii_lowercase()
+    ));
+    // ssh host key: OpenSSH reads it for each new connection; dropbear is started again
+    // (busybox init respawns it; open sessions are its children and stay)
+    s.push_str(&format!(
+        "k=/etc/ssh/boxery_host_ed25519_key\n\
+         $S mkdir -p /etc/ssh\n\
+         b {private} | $S tee \"$k.new\" >/dev/null\n\
+         $S chmod 600 \"$k.new\"\n\
+         $S mv \"$k.new\" \"$k\"\n\
+         b {public} | $S tee \"$k.pub\" >/dev/null\n\
+         if [ -f /run/dropbear.pid ] && command -v dropbearconvert >/dev/null 2>&1; then\n\
+         \x20 $S dropbearconvert openssh dropbear \"$k\" /etc/dropbear/boxery_ed25519.new >/dev/null 2>&1\n\
+         \x20 $S mv /etc/dropbear/boxery_ed25519.new /etc/dropbear/boxery_ed25519\n\
+         \x20 echo /etc/dropbear/boxery_ed25519 | $S tee /run/boxery/hostkey >/dev/null\n\
+         \x20 $S kill \"$(cat /run/dropbear.pid)\"\n\
+         elif command -v systemctl >/dev/null 2>&1; then\n\
+         \x20 $S systemctl reload ssh >/dev/null 2>&1 || true\n\
+         fi\n",
+        private = b64(private.as_bytes()),
+        public = b64(format!("{}\n", public.trim()).as_bytes()),
+    ));
+    // the token file the seed writes (the live one is pushed to /run/boxery once Ready)
+    match token {
+        Some(t) => s.push_str(&format!(
+            "mkdir -p \"$HOME/.boxery\"\n\
+             (umask 077; b {t} > \"$HOME/.boxery/token.new\")\n\
+             mv \"$HOME/.boxery/token.new\" \"$HOME/.boxery/token\"\n"
+        )),
+        None => s.push_str("rm -f \"$HOME/.boxery/token\"\n"),
+    }
+    // MAC last: the change may drop this connection (the step is then run again, and finds
+    // it done); a gratuitous ARP tells the VM's network the new address at once
+    if let Some(mac) = &inh.mac {
+        s.push_str(&format!(
+            "a={mac}\n\
+             d=$(ip route show default 2>/dev/null | awk '{{for (i = 1; i < NF; i++) if ($i == \"dev\") {{ print $(i+1); exit }}}}')\n\
+             [ -n \"$d\" ] || d=$(ls /sys/class/net | grep -v '^lo$' | head -n 1)\n\
+             if [ -n \"$d\" ] && [ \"$(cat /sys/class/net/$d/address)\" != \"$a\" ]; then\n\
+             \x20 echo 1 | $S tee /proc/sys/net/ipv4/conf/$d/arp_notify >/dev/null 2>&1 || true\n\
+             \x20 $S ip link set dev \"$d\" address \"$a\"\n\
+             fi\n",
+            mac = mac.to_ascii_lowercase()
+        ));
+    }
+    Ok(s)
+}
+
+/// Give running VM `vm` (at ssh `endpoint`) its own identity when it still runs with the one
+/// it inherited from another VM's memory; `Ok` when it holds its own (or never inherited).
+/// The error says why not, for the `Ready` condition; the next reconcile tries again.
+pub async fn take(ctx: &Ctx, vm: &str, endpoint: &str) -> Result<(), String> {
+    let inh = ctx.backend.inherited(vm).await.map_err(|e| e.chain())?;
+    let Some(inh) = inh else { return Ok(()) };
+    if let Some(ssh) = &ctx.ssh {
+        let target = crate::ssh::Target {
+            name: vm.to_string(),
+            endpoint: endpoint.to_string(),
+            host_key: inh.answers_with.trim().to_string(),
+        };
+        let script = script(&inh)?;
+        ssh.write(&target).map_err(|e| e.to_string())?;
+        let ran = tokio::time::timeout(TIMEOUT, run(ssh, vm, &script))
+            .await
+            .unwrap_or_else(|_| Err(format!("ssh took longer than {TIMEOUT:?}")));
+        // the connection that ran it was made with the inherited key: the next one checks
+        // the new key
+        ssh.close(vm).await;
+        ran.map_err(|e| format!("giving the guest its own identity: {e}"))?;
+    }
+    ctx.backend
+        .identity_taken(vm)
+        .await
+        .map_err(|e| e.chain())?;
+    tracing::info!(vm, "the guest took its own identity");
+    Ok(())
+}
+
+async fn run(ssh: &crate::ssh::SshDir, vm: &str, script: &str) -> Result<(), String> {
+    use tokio::io::AsyncWriteExt;
+    let mut child = ssh
+        .command(vm)
+        .args([
+            "-T",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ControlPath=none",
+            "--",
+            "sh -s",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("cannot run ssh: {e}"))?;
+    let mut stdin = child.stdin.take().ok_or("no stdin")?;
+    let body = script.to_string();
+    let write = async move {
+        stdin.write_all(body.as_bytes()).await?;
+        stdin.shutdown().await
+    };
+    let (w, out) = tokio::join!(write, child.wait_with_output());
+    let out = out.map_err(|e| format!("ssh: {e}"))?;
+    if !out.status.success() {
+        // the script's errors name paths and commands, never values
+        return Err(format!(
+            "the script failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    w.map_err(|e| format!("writing to ssh: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use boxery_backends::Identity;
+
+    fn inherited() -> Inherited {
+        Inherited {
+            answers_with: "ssh-ed25519 AAAA parent".into(),
+            identity: Identity {
+                hostname: "child-1".into(),
+                machine_id: "0123456789abcdef0123456789abcdef".into(),
+                host_key: Some((
+                    "-----BEGIN-----\n$(reboot)\n".into(),
+                    "ssh-ed25519 AAAB c".into(),
+                )),
+                authorized_keys: vec![],
+                proxy_token: Some("bxt_'; rm -rf /".into()),
+            },
+            mac: Some("52:54:00:AB:cd:01".into()),
+        }
+    }
+
+    #[test]
+    fn values_travel_as_base64_or_checked_words() {
+        let s = script(&inherited()).unwrap();
+        assert!(s.contains("h=child-1\n"));
+        assert!(s.contains("a=52:54:00:ab:cd:01\n"));
+        assert!(!s.contains("$(reboot)"), "the key is base64 in the script");
+        assert!(!s.contains("rm -rf"), "the token is base64 in the script");
+        assert!(s.contains("umask 077"));
+    }
+
+    #[test]
+    fn hostile_words_are_refused() {
+        let bad = |f: fn(&mut Inherited)| {
+            let mut i = inherited();
+            f(&mut i);
+            script(&i).unwrap_err()
+        };
+        assert!(bad(|i| i.identity.hostname = "a;reboot".into()).contains("hostname"));
+        assert!(bad(|i| i.identity.hostname = "-x".into()).contains("hostname"));
+        assert!(bad(|i| i.identity.machine_id = "$(id)".into()).contains("machine-id"));
+        assert!(bad(|i| i.mac = Some("52:54:00:12:34:5$".into())).contains("MAC"));
+        assert!(bad(|i| i.identity.host_key = None).contains("host key"));
+    }
+
+    #[test]
+    fn no_token_removes_the_inherited_one() {
+        let mut i = inherited();
+        i.identity.proxy_token = None;
+        assert!(
+            script(&i)
+                .unwrap()
+                .contains("rm -f \"$HOME/.boxery/token\"")
+        );
+    }
+}
