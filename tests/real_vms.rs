@@ -1082,6 +1082,33 @@ fn pool_leases(kind: Kind, clean_memory: bool) {
             "reset from memory: the clean instant resumed, not a boot:\n{serial}\n{}",
             h.ok(&["describe", "vm", "rp-0"])
         );
+        // a warm pool grows by forking a clean member's memory: the new member continues
+        // that instant (no boot on its console) with its own name and host key
+        let t = std::time::Instant::now();
+        h.ok(&["scale", "pool/rp", "--replicas", "2"]);
+        h.ok(&[
+            "wait",
+            "pool/rp",
+            "--for=jsonpath={.status.free}=1",
+            "--timeout",
+            "3m",
+        ]);
+        eprintln!("scale-up by fork -> the new member Free: {:?}", t.elapsed());
+        let d = h.ok(&["describe", "vm", "rp-1"]);
+        assert!(
+            d.contains("image rp-0.boxery-clean's memory, continuing from its instant"),
+            "{d}"
+        );
+        let serial = std::fs::read_to_string(h.qemu_dir().join("vms/rp-1/serial.log")).unwrap();
+        assert!(
+            !serial.contains("] start ("),
+            "forked, not booted:\n{serial}"
+        );
+        assert_eq!(h.run("rp-1", "hostname"), "rp-1");
+        assert_ne!(
+            h.run("rp-1", "cat /etc/machine-id"),
+            h.run("rp-0", "cat /etc/machine-id")
+        );
     } else {
         assert_ne!(h.run("rp-0", boot_id), leased_boot, "reset by disk: a boot");
     }
@@ -1089,6 +1116,7 @@ fn pool_leases(kind: Kind, clean_memory: bool) {
     h.ok(&["delete", "pool", "rp", "--wait", "--timeout", "3m"]);
     // the pool waits for its members to leave (its finalizer), each VM through its own
     h.ok(&["wait", "vm", "rp-0", "--for=delete", "--timeout=3m"]);
+    h.ok(&["wait", "vm", "rp-1", "--for=delete", "--timeout=3m"]);
     h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
     assert!(h.running().is_empty());
     assert!(h.leftovers().is_empty(), "left behind: {:?}", h.leftovers());

@@ -116,6 +116,12 @@ pub struct Idle {
 /// wakes its controller, which resumes it.
 pub const WOKEN_AT: &str = "boxery.dev/woken-at";
 
+/// The annotation that asks a Vm not yet made to start from the memory of the Image it names
+/// (a warm pool's member forked from a clean member) rather than boot from `spec.source`.
+/// Used only when that image is ready and its memory fits the VM; otherwise the VM is made
+/// from `spec.source` as usual.
+pub const START_FROM_MEMORY: &str = "boxery.dev/start-from-memory";
+
 /// Shortest and longest `spec.idle.suspendAfter`.
 pub const IDLE_RANGE: (u64, u64) = (10, 30 * 86_400);
 

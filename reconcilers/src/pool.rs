@@ -661,6 +661,47 @@ async fn replacing(
     Ok(())
 }
 
+/// Where a new member of a warm pool (`cleanState: Memory`) starts from: the clean memory
+/// image of a member made from the same template (`template`, its hash), when one is ready
+/// and the backend can start VMs from memory. The new member then continues that member's
+/// clean instant with its own identity (crate::adopt) instead of booting; `None`: it boots.
+async fn warm_source(ctx: &Ctx, pool: &Pool, template: &str) -> Result<Option<String>> {
+    if pool.spec.clean_state != boxery_api::pool::CleanState::Memory
+        || !ctx.backend.capabilities().memory_snapshots
+    {
+        return Ok(None);
+    }
+    let selector = format!("{POOL_LABEL}={}", pool.name())
+        .parse()
+        .expect("a valid selector");
+    let mut images = ctx.store.list_as::<Image>(&selector).await?;
+    images.sort_by(|a, b| a.name().cmp(b.name()));
+    for img in images {
+        let usable = img.status.phase == ImagePhase::Ready
+            && !img.metadata.is_deleting()
+            && img.spec.memory
+            && img.status.memory_bytes.is_some();
+        let Some(member) = img.name().strip_suffix(".boxery-clean") else {
+            continue;
+        };
+        if !usable || clean_image(member) != img.name() {
+            continue;
+        }
+        let same_template = ctx.store.get_as::<Vm>(member).await?.is_some_and(|vm| {
+            vm.metadata
+                .annotations
+                .get(TEMPLATE_ANNOTATION)
+                .map(String::as_str)
+                == Some(template)
+                && !vm.metadata.is_deleting()
+        });
+        if same_template {
+            return Ok(Some(img.name().to_string()));
+        }
+    }
+    Ok(None)
+}
+
 /// A member without its VM: make it from the template, or (an adopted one) mark it Broken.
 async fn missing_vm(
     ctx: &Ctx,
@@ -691,6 +732,12 @@ async fn missing_vm(
             .expect("created members come from the template");
         let hash = template_hash(template);
         let mut v = Vm::new(&m.name, template.spec.clone());
+        if let Some(img) = warm_source(ctx, pool, &hash).await? {
+            // a warm pool grows by forking a clean member's memory, not by booting
+            v.metadata
+                .annotations
+                .insert(boxery_api::vm::START_FROM_MEMORY.into(), img);
+        }
         v.metadata.labels = template.labels.clone();
         v.metadata.labels.insert(POOL_LABEL.into(), name.into());
         v.metadata

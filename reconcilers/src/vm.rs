@@ -1170,6 +1170,24 @@ async fn start_from_memory(vm: &Vm, image: &str, size: VmSize, ctx: &Ctx) -> Res
     }
 }
 
+/// The image named by the VM's [`boxery_api::vm::START_FROM_MEMORY`] annotation, when it
+/// exists, is ready and not being deleted.
+async fn warm_image(vm: &Vm, ctx: &Ctx) -> Result<Option<String>> {
+    let Some(name) = vm
+        .metadata
+        .annotations
+        .get(boxery_api::vm::START_FROM_MEMORY)
+    else {
+        return Ok(None);
+    };
+    let ready = ctx
+        .store
+        .get_as::<Image>(name)
+        .await?
+        .is_some_and(|i| i.status.phase == ImagePhase::Ready && !i.metadata.is_deleting());
+    Ok(ready.then(|| name.clone()))
+}
+
 /// A fork's memory image ([`boxery_api::image::MEMORY_FORK_LABEL`]) is deleted once every VM made from it
 /// exists: each VM's memory is its own copy from then on.
 async fn forget_fork_image(image: &str, ctx: &Ctx) -> Result<()> {
@@ -1270,6 +1288,15 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         // Image changes wake us (the controller watches Images); poll slowly as a fallback.
         return Ok(Action::requeue(Duration::from_secs(5)));
     };
+    // a warm pool's member continues a clean member's memory where it can
+    let size = size_of(&vm);
+    let (image, memory) = match warm_image(&vm, ctx).await? {
+        Some(warm) if start_from_memory(&vm, &warm, size, ctx).await? => (warm, true),
+        _ => {
+            let memory = start_from_memory(&vm, &image, size, ctx).await?;
+            (image, memory)
+        }
+    };
     vm.status.conditions.set_condition(
         conditions::IMAGE_AVAILABLE,
         ConditionStatus::True,
@@ -1313,8 +1340,6 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     vm.status.printable_status = Some("Creating".into());
     vm = save(ctx, &vm).await?;
 
-    let size = size_of(&vm);
-    let memory = start_from_memory(&vm, &image, size, ctx).await?;
     let req = NewVm {
         name: name.clone(),
         uid: ctx.mark(&vm.metadata),
