@@ -234,7 +234,7 @@ async fn lead_and_run(
     let store = env.store()?;
     let backend = env.backend_for(&store).await?;
     // Read before leading: an error after it would leave the leadership to time out.
-    let import_roots = boxery_verbs::env::read_config(&env.home)?.import_roots;
+    let config = boxery_verbs::env::read_config(&env.home)?;
     let me = this_process();
     let elector = LeaderElector::new(Arc::new(store.clone()), LOCK, me.clone(), lease);
     let shutdown = on_signal();
@@ -256,7 +256,8 @@ async fn lead_and_run(
     );
     let settings = Settings {
         inventory_every,
-        import_roots,
+        import_roots: config.import_roots,
+        memory_quota: config.memory.quota.map(|q| q.bytes()),
         ..Settings::default()
     };
     let ctx = context(&store, &env.home, backend.clone(), settings, &me.id);

@@ -24,6 +24,9 @@ pub struct Settings {
     /// Directories an Image's `source.file` may import from, besides `$BOXERY_HOME/imports`
     /// (`importRoots` in `$BOXERY_HOME/config.yaml`).
     pub import_roots: Vec<std::path::PathBuf>,
+    /// The most bytes memory files may take (`memory: {quota: …}` in config.yaml; `None`: no
+    /// limit): [`crate::quota`].
+    pub memory_quota: Option<u64>,
 }
 
 impl Default for Settings {
@@ -33,6 +36,7 @@ impl Default for Settings {
             resync_every: Duration::from_secs(60),
             concurrency: 16,
             import_roots: Vec::new(),
+            memory_quota: None,
         }
     }
 }

@@ -263,11 +263,28 @@ async fn run(img: &Image, ctx: &Ctx) -> Result<()> {
     let (name, obj) = (img.name().to_string(), key(img));
     let uid = ctx.mark(&img.metadata);
     match &img.spec.source {
-        ImageSource::Vm(v) if img.spec.memory => ctx
-            .backend
-            .capture_memory(v, &name, &uid)
-            .await
-            .map_err(|e| ReconcileError::backend("capture", &obj, e)),
+        ImageSource::Vm(v) if img.spec.memory => {
+            let need = match ctx.backend.get(v).await {
+                Ok(Some(info)) => info.size.memory_mib << 20,
+                _ => 0,
+            };
+            let what = format!("a snapshot of VM {v}'s memory");
+            let refused =
+                crate::quota::refusal(ctx.backend.as_ref(), ctx.settings.memory_quota, &what, need)
+                    .await
+                    .map_err(|e| ReconcileError::backend("quota", &obj, e))?;
+            if let Some(why) = refused {
+                return Err(ReconcileError::backend(
+                    "capture",
+                    &obj,
+                    boxery_backends::BackendError::failed("capture the memory", why),
+                ));
+            }
+            ctx.backend
+                .capture_memory(v, &name, &uid)
+                .await
+                .map_err(|e| ReconcileError::backend("capture", &obj, e))
+        }
         ImageSource::Vm(v) => ctx
             .backend
             .capture(v, &name, &uid)

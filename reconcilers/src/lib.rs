@@ -12,6 +12,7 @@ pub mod image;
 pub mod inventory;
 pub mod lease;
 pub mod pool;
+pub mod quota;
 pub mod recorded;
 pub mod runtime;
 /// The harness of the reconcilers' decision tests (a store in memory, the fake backend).

@@ -69,6 +69,11 @@ impl Default for Harness {
 impl Harness {
     /// An empty control plane.
     pub fn new() -> Harness {
+        Harness::with_settings(Settings::default())
+    }
+
+    /// An empty control plane with these settings.
+    pub fn with_settings(settings: Settings) -> Harness {
         let dir = tempfile::tempdir().expect("a temp dir");
         let home = dir.path().join("home");
         std::fs::create_dir_all(&home).expect("a home in the temp dir");
@@ -79,7 +84,7 @@ impl Harness {
             home,
             backend.clone(),
             "test".into(),
-            Settings::default(),
+            settings,
         ));
         Harness {
             store,

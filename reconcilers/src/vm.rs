@@ -307,6 +307,18 @@ fn asleep(vm: &Vm, ctx: &Ctx) -> bool {
 /// use wakes it ([`asleep`]).
 async fn idle_suspend(mut vm: Vm, since: std::time::SystemTime, ctx: &Ctx) -> Result<Action> {
     let name = vm.name().to_string();
+    if let Some(why) = quota_refusal(&vm, ctx).await? {
+        // it runs on; looked at again after another idle period
+        ctx.event(&vm, EventType::Warning, "IdleSuspendRefused", &why)
+            .await;
+        let again = vm
+            .spec
+            .idle
+            .as_ref()
+            .and_then(|i| i.after().ok())
+            .unwrap_or(Duration::from_secs(600));
+        return Ok(Action::requeue(again));
+    }
     ctx.backend
         .suspend(&name)
         .await
@@ -339,6 +351,17 @@ async fn idle_suspend(mut vm: Vm, since: std::time::SystemTime, ctx: &Ctx) -> Re
 /// Save a running VM's memory to disk and end its hypervisor (`runStrategy: Suspended`).
 async fn suspend(vm: Vm, ctx: &Ctx) -> Result<Action> {
     let name = vm.name();
+    if let Some(why) = quota_refusal(&vm, ctx).await? {
+        return Err(ReconcileError::backend(
+            "suspend",
+            format!("Vm/{name}"),
+            // not terminal: room made elsewhere lets a later try through
+            BackendError::failed(
+                format!("suspend VM {name}"),
+                format!("{why} (the VM runs on)"),
+            ),
+        ));
+    }
     ctx.backend
         .suspend(name)
         .await
@@ -359,6 +382,19 @@ async fn suspend(vm: Vm, ctx: &Ctx) -> Result<Action> {
     };
     ctx.event(&vm, EventType::Normal, "Suspended", &msg).await;
     Ok(Action::requeue(Duration::ZERO))
+}
+
+/// Why saving VM `vm`'s memory would break the owner's quota on memory files.
+async fn quota_refusal(vm: &Vm, ctx: &Ctx) -> Result<Option<String>> {
+    let need = size_of(vm).memory_mib << 20;
+    crate::quota::refusal(
+        ctx.backend.as_ref(),
+        ctx.settings.memory_quota,
+        &format!("suspending VM {}", vm.name()),
+        need,
+    )
+    .await
+    .map_err(|e| ReconcileError::backend("quota", format!("Vm/{}", vm.name()), e))
 }
 
 /// Start a VM meant to run, or resume a suspended one from its memory. One last seen running

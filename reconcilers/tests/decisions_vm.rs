@@ -374,6 +374,61 @@ async fn a_revert_reimages_from_a_ready_image_and_waits_for_one_that_is_not() {
     );
 }
 
+/// The owner's quota on memory files (`memory.quota`): a suspend that could take the total
+/// past it is refused before anything is saved, saying what takes the room; the VM runs on.
+#[tokio::test]
+async fn a_suspend_past_the_memory_quota_is_refused_and_the_vm_runs_on() {
+    use boxery_api::RunStrategy;
+    let probe = Harness::new();
+    let need = running(&probe, "x")
+        .await
+        .spec
+        .resources
+        .effective()
+        .memory
+        .bytes();
+    // room for one whole VM's memory, not for a second beside the first's saved quarter
+    let h = Harness::with_settings(boxery_reconcilers::Settings {
+        memory_quota: Some(need + need / 8),
+        ..Default::default()
+    });
+    running(&h, "a").await;
+    h.put(&testing::vm("b", "base"));
+    h.settle(vm::reconcile, "b").await.unwrap();
+    for vm in ["a", "b"] {
+        h.edit::<Vm>(vm, Part::Spec, |v| {
+            v.spec.run_strategy = RunStrategy::Suspended
+        });
+    }
+    h.settle(vm::reconcile, "a").await.unwrap();
+    assert_eq!(h.get::<Vm>("a").status.phase, VmPhase::Suspended);
+    h.settle(vm::reconcile, "b").await.unwrap();
+    let b: Vm = h.get("b");
+    let err = b
+        .status
+        .last_failure
+        .clone()
+        .expect("the suspend failed")
+        .message;
+    assert_eq!(b.status.phase, VmPhase::Running);
+    assert!(err.contains("memory.quota in config.yaml"), "{err}");
+    assert!(err.contains("by suspended VMs"), "{err}");
+    assert!(err.contains("the VM runs on"), "{err}");
+    assert_eq!(
+        h.backend.get("b").await.unwrap().unwrap().state,
+        boxery_backends::PowerState::Running
+    );
+    // room made (a runs again, its memory gone): b suspends at its next try (after the
+    // first failure's 200 ms backoff)
+    h.edit::<Vm>("a", Part::Spec, |v| {
+        v.spec.run_strategy = RunStrategy::Running
+    });
+    h.settle(vm::reconcile, "a").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    h.settle(vm::reconcile, "b").await.unwrap();
+    assert_eq!(h.get::<Vm>("b").status.phase, VmPhase::Suspended);
+}
+
 #[tokio::test]
 async fn suspend_resume_and_stop_follow_run_strategy() {
     use boxery_api::RunStrategy;

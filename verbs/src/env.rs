@@ -269,6 +269,19 @@ pub struct Config {
     /// The credential proxy (`proxy: {upstreams: {NAME: URL}, hosts: {HOST: URL}, limits: …}`).
     #[serde(default)]
     pub proxy: boxery_api::config::ProxyConfig,
+    /// Memory files (`memory: {quota: 20Gi}`: the most the saved memory of suspended VMs and
+    /// memory images may take together; docs/live-memory.md).
+    #[serde(default)]
+    pub memory: MemoryConfig,
+}
+
+/// `memory:` in `config.yaml`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MemoryConfig {
+    /// The most bytes memory files may take (`20Gi`); none: no limit.
+    #[serde(default)]
+    pub quota: Option<boxery_api::Quantity>,
 }
 
 /// `grants:` in `config.yaml`.
