@@ -894,7 +894,7 @@ pub fn version(env: &boxery_verbs::env::Env) -> CliResult {
 pub fn backends_table(home: &std::path::Path) -> String {
     let yes = |b: bool| if b { "yes" } else { "no" };
     let mut out = String::from(
-        "| backend | stability | platforms | requires | resize | live capture | suspend/resume | memory snapshots | builds stock images | host key | sshd in guests |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| backend | stability | platforms | requires | resize | live capture | suspend/resume | memory snapshots, forks with memory | builds stock images | host key | sshd in guests |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for name in boxery_backends::BACKENDS {
         let Ok(b) = boxery_backends::by_name(name, home) else {
