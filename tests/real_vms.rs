@@ -1026,6 +1026,14 @@ fn pool_leases(kind: Kind, clean_memory: bool) {
             clean.contains("\"memoryBytes\""),
             "the clean image holds memory: {clean}"
         );
+        // in its shared form (RAM file + device state), which resets and new members map
+        let dir = h.qemu_dir().join("image-memory");
+        assert!(
+            dir.join("rp-0.boxery-clean.ram").exists()
+                && dir.join("rp-0.boxery-clean.dev").exists(),
+            "{:?}",
+            std::fs::read_dir(&dir).unwrap().collect::<Vec<_>>()
+        );
     }
     // Release: the VM is reset; Bob gets it; Alice's key and token are dead, her files gone.
     let t = std::time::Instant::now();

@@ -107,6 +107,8 @@ async fn raw_boot(env: &Env, run: usize, tb_size: Option<u32>) -> (f64, f64, (u6
         // the limit: QEMU alone, its own slirp
         net: None,
         incoming: false,
+        ram: None,
+        frozen: false,
     };
     let t = Instant::now();
     let st = tokio::process::Command::new("qemu-system-x86_64")

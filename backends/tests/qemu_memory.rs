@@ -323,6 +323,14 @@ async fn new_vms_start_from_another_vms_memory() {
         .await
         .unwrap();
     env.backend.capture("p1", "p1.disk", "uid-d").await.unwrap();
+    // the memory image is in its shared form: a raw RAM file and the device state
+    let layout = env.backend.layout().clone();
+    assert!(layout.image_memory_ram("p1.f").exists());
+    assert!(layout.image_memory_dev("p1.f").exists());
+    assert!(
+        !layout.image_memory("p1.f").exists(),
+        "the first form is gone"
+    );
 
     // what can start from it, asked before anything is made
     let b = &env.backend;
@@ -369,6 +377,15 @@ async fn new_vms_start_from_another_vms_memory() {
         pin(&env, name, &parent_key).await;
         env.wait_ssh(name, Duration::from_secs(60)).await;
         eprintln!("{name}: start from memory → ssh: {:?}", t.elapsed());
+        // its RAM is the image's RAM file, mapped privately (the link in the VM's directory
+        // is gone once it runs; the mapping keeps the file)
+        let pid = b.pid(name).unwrap();
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+        assert!(
+            maps.lines().any(|l| l.contains("memory.ram")),
+            "{name}'s RAM is mapped from the image's file"
+        );
+        assert!(!layout.vm_memory_ram(name).exists());
         children.push((name, mac));
     }
     for (name, _) in &children {

@@ -131,6 +131,10 @@ impl Inner {
                 "captured a running VM"
             );
             self.settle_later(vm.to_string());
+            if memory {
+                // the VM runs on meanwhile; the image is ready once this is done
+                self.share_image_memory(&cfg, image).await;
+            }
         } else if memory {
             return Err(BackendError::Invalid(format!(
                 "VM {vm} is not running: its memory can be captured only while it runs (a snapshot without memory takes its disk)"

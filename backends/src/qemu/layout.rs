@@ -85,6 +85,19 @@ impl Layout {
     pub fn image_memory_record(&self, name: &str) -> PathBuf {
         self.image_memories().join(format!("{name}.json"))
     }
+    /// `image-memory/<name>.ram`: the guest RAM of a memory image in shared form (a raw
+    /// file VMs started from it map privately: their unwritten pages stay shared).
+    pub fn image_memory_ram(&self, name: &str) -> PathBuf {
+        self.image_memories().join(format!("{name}.ram"))
+    }
+    /// `image-memory/<name>.dev`: the device state beside [`Self::image_memory_ram`].
+    pub fn image_memory_dev(&self, name: &str) -> PathBuf {
+        self.image_memories().join(format!("{name}.dev"))
+    }
+    /// `image-memory/.<name>.convert/`: where a memory image is turned into its shared form.
+    pub fn image_memory_scratch(&self, name: &str) -> PathBuf {
+        self.image_memories().join(format!(".{name}.convert"))
+    }
     /// `image-memory/.<name>.state.part`: the memory while QEMU writes it.
     pub fn image_memory_part(&self, name: &str) -> PathBuf {
         self.image_memories().join(format!(".{name}.state.part"))
@@ -154,6 +167,15 @@ impl Layout {
     /// `vms/<name>/memory.json`: the saved state's record, its commit point (written last).
     pub fn vm_memory_record(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("memory.json")
+    }
+    /// `vms/<name>/memory.ram` and `memory.dev`: a memory image in shared form installed for
+    /// the VM's next start (links to the image's files).
+    pub fn vm_memory_ram(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("memory.ram")
+    }
+    /// See [`Self::vm_memory_ram`].
+    pub fn vm_memory_dev(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("memory.dev")
     }
     /// `vms/<name>/inherited.json`: a VM started from another VM's memory, until its guest
     /// has taken its own identity ([`crate::Inherited`]; 0600, it holds a private key).

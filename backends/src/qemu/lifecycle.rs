@@ -50,6 +50,8 @@ impl Inner {
                 .as_ref()
                 .map(|_| self.layout.vm_net_sock(name)),
             incoming: false,
+            ram: None,
+            frozen: false,
         }
     }
 
@@ -84,6 +86,9 @@ impl Inner {
         if let Some(rec) = &saved {
             self.check_restorable(cfg, rec, &spec)?;
             spec.incoming = true;
+            if rec.shared_ram {
+                spec.ram = Some(process::RamFile::Private(self.layout.vm_memory_ram(name)));
+            }
         } else {
             // a cold boot: the seed gives the guest its own identity
             self.forget_inherited(name)?;
@@ -120,8 +125,8 @@ impl Inner {
             }
             e => BackendError::failed(format!("start VM {name}"), e),
         })?;
-        if saved.is_some() {
-            self.load_saved(cfg, pid, base.guest_agent).await?;
+        if let Some(rec) = &saved {
+            self.load_saved(cfg, rec, pid, base.guest_agent).await?;
         }
         info!(vm = name.as_str(), pid, port = cfg.port, accel = %self.config.accel.accel, depth = chain.len() - 1, resumed = saved.is_some(), secs = t.elapsed().as_secs_f64(), "QEMU started");
         if chain.len() > 2 {

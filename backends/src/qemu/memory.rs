@@ -61,6 +61,11 @@ pub(super) struct MemoryRecord {
     /// Virtual CPUs (0 in a record written before it was kept).
     #[serde(default)]
     pub cpus: u32,
+    /// The shared form ([`Inner::share_image_memory`]): the guest's RAM in a raw file and the
+    /// device state beside it, instead of one `mapped-ram` state. A VM starts from it by
+    /// mapping the RAM file privately and loading the device state alone.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shared_ram: bool,
 }
 
 /// `args`, tied arguments of VM `cfg`'s QEMU ([`tie`]), with the VM's own values (its
@@ -92,6 +97,14 @@ fn migration_timeout(memory_mib: u64) -> Duration {
 /// The capabilities both sides of a file migration set (they must match).
 const CAPS: &[(&str, bool)] = &[("mapped-ram", true), ("multifd", true)];
 
+/// The capabilities of a migration of the device state alone, the RAM being in a file both
+/// sides map (the shared form).
+const DEVICE_CAPS: &[(&str, bool)] = &[
+    ("mapped-ram", false),
+    ("multifd", false),
+    ("x-ignore-shared", true),
+];
+
 fn file_uri(path: &Path) -> String {
     format!("file:{}", path.display())
 }
@@ -102,6 +115,9 @@ pub(super) struct StateFiles {
     part: PathBuf,
     state: PathBuf,
     record: PathBuf,
+    /// The shared form's RAM and device state ([`MemoryRecord::shared_ram`]).
+    ram: PathBuf,
+    dev: PathBuf,
 }
 
 impl StateFiles {
@@ -116,9 +132,9 @@ impl StateFiles {
             .map_err(io(format!("writing {}", self.record.display())))
     }
 
-    /// Remove all three (the record first).
+    /// Remove them all (the record first).
     pub(super) fn remove(&self) -> Result<()> {
-        for p in [&self.record, &self.state, &self.part] {
+        for p in [&self.record, &self.state, &self.part, &self.ram, &self.dev] {
             remove_file_if_exists(p).map_err(io(format!("removing {}", p.display())))?;
         }
         Ok(())
@@ -155,6 +171,8 @@ impl Inner {
             part: self.layout.vm_memory_part(name),
             state: self.layout.vm_memory(name),
             record: self.layout.vm_memory_record(name),
+            ram: self.layout.vm_memory_ram(name),
+            dev: self.layout.vm_memory_dev(name),
         }
     }
 
@@ -165,6 +183,8 @@ impl Inner {
             part: self.layout.image_memory_part(image),
             state: self.layout.image_memory(image),
             record: self.layout.image_memory_record(image),
+            ram: self.layout.image_memory_ram(image),
+            dev: self.layout.image_memory_dev(image),
         }
     }
 
@@ -272,6 +292,7 @@ impl Inner {
             stale: None,
             host_key: cfg.host_key.clone(),
             cpus: cfg.cpus,
+            shared_ram: false,
         })
     }
 
@@ -512,16 +533,156 @@ impl Inner {
             rec.args = args;
         }
         self.discard_memory(vm)?;
-        let from = self.layout.image_memory(image);
-        let to = self.layout.vm_memory(vm);
-        if std::fs::hard_link(&from, &to).is_err() {
-            std::fs::copy(&from, &to).map_err(io(format!(
-                "copying {} to {}",
+        let (from, to) = (self.image_state(image), self.vm_state(vm));
+        let pairs = if rec.shared_ram {
+            vec![(&from.ram, &to.ram), (&from.dev, &to.dev)]
+        } else {
+            vec![(&from.state, &to.state)]
+        };
+        for (from, to) in pairs {
+            if std::fs::hard_link(from, to).is_err() {
+                std::fs::copy(from, to).map_err(io(format!(
+                    "copying {} to {}",
+                    from.display(),
+                    to.display()
+                )))?;
+            }
+        }
+        to.write(&rec)
+    }
+
+    /// Turn image `image`'s memory (a `mapped-ram` state of VM `cfg`) into its shared form: a
+    /// QEMU that never runs the guest (`-S`) loads the state into a RAM file it writes through
+    /// to, then saves the device state alone beside it (`x-ignore-shared`). VMs started from
+    /// the image then map that file privately: each holds only the pages it writes, and a
+    /// fork's children share the rest. The state stays whole in its first form until the
+    /// shared one is committed (the record rewritten); a conversion that fails leaves it so
+    /// (the image works, its VMs load their memory) and says why in the log.
+    pub(super) async fn share_image_memory(self: &Arc<Self>, cfg: &VmConfig, image: &str) {
+        let t = Instant::now();
+        match self.share_inner(cfg, image).await {
+            Ok(()) => info!(
+                image,
+                secs = t.elapsed().as_secs_f64(),
+                "memory image in shared form"
+            ),
+            Err(e) => warn!(
+                image,
+                error = %e.chain(),
+                "the memory image stays in its first form (its VMs load it whole)"
+            ),
+        }
+        let _ = std::fs::remove_dir_all(self.layout.image_memory_scratch(image));
+    }
+
+    async fn share_inner(self: &Arc<Self>, cfg: &VmConfig, image: &str) -> Result<()> {
+        let files = self.image_state(image);
+        let Some(mut rec) = files.read()? else {
+            return Ok(());
+        };
+        if rec.shared_ram {
+            return Ok(());
+        }
+        let scratch = self.layout.image_memory_scratch(image);
+        let _ = std::fs::remove_dir_all(&scratch);
+        std::fs::create_dir_all(&scratch).map_err(io(format!("creating {}", scratch.display())))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&scratch, std::fs::Permissions::from_mode(0o700))
+                .map_err(io(format!("chmod {}", scratch.display())))?;
+        }
+        let base = self.load_base(&cfg.base)?;
+        // the devices the state holds, its own sockets and files: nothing of the running VM's
+        let disk = scratch.join("disk.qcow2");
+        let base_disk = self.base_disk(&base.id);
+        self.disks()
+            .create_overlay(&disk, &base_disk, None)
+            .await
+            .map_err(|e| BackendError::failed("make a scratch disk", e))?;
+        let mut spec = self.launch_spec(cfg, &base, &[disk, base_disk]);
+        spec.dir = scratch.clone();
+        spec.qmp = scratch.join("qmp.sock");
+        spec.qga = scratch.join("qga.sock");
+        spec.serial = scratch.join("serial.log");
+        spec.run_log = scratch.join("qemu-run.log");
+        spec.pidfile = scratch.join("qemu.pid");
+        spec.proxy = scratch.join("proxy.sock");
+        // the VM's kind of network (its state is in the saved state), reaching nothing: a
+        // stream netdev to a socket nobody serves, or QEMU's slirp on a port of its own
+        if spec.net.is_some() {
+            spec.net = Some(scratch.join("net.sock"));
+        } else {
+            spec.port = 0;
+        }
+        spec.incoming = true;
+        spec.frozen = true;
+        let (ram, dev) = (scratch.join("ram"), scratch.join("dev"));
+        spec.ram = Some(process::RamFile::Shared(ram.clone()));
+        let pid = process::launch(
+            &self.config.qemu,
+            &spec,
+            &scratch.join("qemu.log"),
+            self.config.start_timeout,
+        )
+        .await
+        .map_err(|e| BackendError::failed("start QEMU to convert it", e))?;
+        let step = |what: &str| format!("{what} the memory of image {image}");
+        let converted: Result<()> = async {
+            let timeout = migration_timeout(cfg.memory_mib);
+            let mut q = Qmp::connect(&spec.qmp, Duration::from_secs(10))
+                .await
+                .map_err(|e| BackendError::failed(step("load"), e))?;
+            q.migrate_set_capabilities(CAPS)
+                .await
+                .map_err(|e| BackendError::failed(step("load"), e))?;
+            q.migrate_set_parameters(json!({"multifd-channels": 2}))
+                .await
+                .map_err(|e| BackendError::failed(step("load"), e))?;
+            q.migrate_incoming(&file_uri(&files.state))
+                .await
+                .map_err(|e| BackendError::failed(step("load"), e))?;
+            self.wait_incoming(&mut q, &cfg.name, pid, timeout).await?;
+            q.migrate_set_capabilities(DEVICE_CAPS)
+                .await
+                .map_err(|e| BackendError::failed(step("save"), e))?;
+            q.migrate(&file_uri(&dev))
+                .await
+                .map_err(|e| BackendError::failed(step("save"), e))?;
+            self.wait_migration(&mut q, &cfg.name, timeout).await?;
+            let _ = q.quit().await;
+            Ok(())
+        }
+        .await;
+        let _ = process::terminate(pid, &scratch, Duration::from_secs(5)).await;
+        converted.map_err(|e| {
+            BackendError::failed(
+                step("convert"),
+                format!(
+                    "{}; QEMU said: {}",
+                    e.chain(),
+                    process::tail(&spec.run_log, 6)
+                ),
+            )
+        })?;
+        for f in [&ram, &dev] {
+            std::fs::File::open(f)
+                .and_then(|f| f.sync_all())
+                .map_err(io(format!("syncing {}", f.display())))?;
+        }
+        for (from, to) in [(&ram, &files.ram), (&dev, &files.dev)] {
+            std::fs::rename(from, to).map_err(io(format!(
+                "moving {} to {}",
                 from.display(),
                 to.display()
             )))?;
         }
-        self.vm_state(vm).write(&rec)
+        rec.shared_ram = true;
+        rec.bytes = allocated_bytes(&files.ram) + allocated_bytes(&files.dev);
+        // the commit: from here on the shared form is the image's memory
+        files.write(&rec)?;
+        crate::storage::files::sync_dir(&files.record).map_err(io("fsync"))?;
+        remove_file_if_exists(&files.state)
+            .map_err(io(format!("removing {}", files.state.display())))
     }
 
     /// Wait until QEMU's migration ends: `Ok` when it completed.
@@ -662,6 +823,7 @@ impl Inner {
         }
         if let Some(avail) = available_memory()
             && avail < rec.bytes
+            && !rec.shared_ram
         {
             return Err(BackendError::failed(
                 format!("resume VM {name}"),
@@ -681,6 +843,7 @@ impl Inner {
     pub(super) async fn load_saved(
         self: &Arc<Self>,
         cfg: &VmConfig,
+        rec: &MemoryRecord,
         pid: i32,
         guest_agent: bool,
     ) -> Result<()> {
@@ -688,13 +851,23 @@ impl Inner {
         let step = || format!("load the saved memory of VM {name}");
         let loaded: Result<()> = async {
             let mut q = self.qmp(name).await?;
-            q.migrate_set_capabilities(CAPS)
-                .await
-                .map_err(|e| BackendError::failed(step(), e))?;
-            q.migrate_set_parameters(json!({"multifd-channels": 2}))
-                .await
-                .map_err(|e| BackendError::failed(step(), e))?;
-            q.migrate_incoming(&file_uri(&self.layout.vm_memory(name)))
+            let files = self.vm_state(name);
+            let from = if rec.shared_ram {
+                // the RAM is mapped from its file already: the device state alone
+                q.migrate_set_capabilities(DEVICE_CAPS)
+                    .await
+                    .map_err(|e| BackendError::failed(step(), e))?;
+                files.dev
+            } else {
+                q.migrate_set_capabilities(CAPS)
+                    .await
+                    .map_err(|e| BackendError::failed(step(), e))?;
+                q.migrate_set_parameters(json!({"multifd-channels": 2}))
+                    .await
+                    .map_err(|e| BackendError::failed(step(), e))?;
+                files.state
+            };
+            q.migrate_incoming(&file_uri(&from))
                 .await
                 .map_err(|e| BackendError::failed(step(), e))?;
             self.wait_incoming(&mut q, name, pid, migration_timeout(cfg.memory_mib))

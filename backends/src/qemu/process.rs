@@ -149,6 +149,42 @@ pub struct LaunchSpec {
     /// Start paused, waiting for its memory to be loaded (`-incoming defer`): a resume
     /// (super::memory). Not part of [`command_line`], which is what a saved state is tied to.
     pub incoming: bool,
+    /// Where the guest's RAM lives when not in QEMU's own memory (super::memory). Not part
+    /// of [`command_line`]: where RAM lives is not part of the guest's state.
+    pub ram: Option<RamFile>,
+    /// Never run the guest (`-S`; a conversion of saved memory, which only loads and saves).
+    pub frozen: bool,
+}
+
+/// A file that holds the guest's RAM (`-object memory-backend-file,id=pc.ram`, the id of the
+/// machine's own RAM, so saved states name the same RAM block either way).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RamFile {
+    /// Mapped privately from a memory image's RAM file, which is never written: the pages
+    /// the guest does not write stay shared with every VM mapping the same file.
+    Private(PathBuf),
+    /// Written through to the file.
+    Shared(PathBuf),
+}
+
+/// The id of the RAM object [`RamFile`] makes.
+const RAM_ID: &str = "pc.ram";
+
+/// The arguments that put the guest's RAM in `ram`.
+fn ram_args(memory_mib: u64, ram: &RamFile) -> [String; 4] {
+    let (path, how) = match ram {
+        RamFile::Private(p) => (p, "share=off,readonly=on,rom=off"),
+        RamFile::Shared(p) => (p, "share=on"),
+    };
+    [
+        "-object".into(),
+        format!(
+            "memory-backend-file,id={RAM_ID},size={memory_mib}M,mem-path={},{how}",
+            path.display()
+        ),
+        "-machine".into(),
+        format!("memory-backend={RAM_ID}"),
+    ]
 }
 
 /// Where a qemu guest reaches the credential proxy: an address inside slirp's network that
@@ -370,6 +406,12 @@ pub async fn launch(
     if spec.incoming {
         cmd.args(["-incoming", "defer"]);
     }
+    if let Some(ram) = &spec.ram {
+        cmd.args(ram_args(spec.memory_mib, ram));
+    }
+    if spec.frozen {
+        cmd.arg("-S");
+    }
     cmd.arg("-daemonize")
         .arg("-pidfile")
         .arg(&spec.pidfile)
@@ -461,22 +503,36 @@ pub fn names_path(pid: i32, path: &Path) -> bool {
 }
 
 /// The arguments live QEMU `pid` was launched with as [`command_line`] made them (its
-/// program, `-daemonize`, `-pidfile FILE` and `-incoming defer` left out): what a state
-/// saved from it is tied to.
+/// program, `-daemonize`, `-S`, `-pidfile FILE`, `-incoming defer` and where its RAM lives
+/// left out): what a state saved from it is tied to.
 pub fn launched_args(pid: i32) -> Option<Vec<String>> {
-    let args = cmdline(pid)?;
-    let mut out = Vec::with_capacity(args.len());
-    let mut it = args.into_iter().skip(1);
+    Some(as_launched(cmdline(pid)?.into_iter().skip(1)))
+}
+
+fn as_launched(args: impl IntoIterator<Item = String>) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut it = args.into_iter().peekable();
     while let Some(a) = it.next() {
+        let ram_object = |next: Option<&String>| {
+            next.is_some_and(|n| n.starts_with(&format!("memory-backend-file,id={RAM_ID},")))
+        };
         match a.as_str() {
-            "-daemonize" => {}
+            "-daemonize" | "-S" => {}
             "-pidfile" | "-incoming" => {
+                it.next();
+            }
+            "-object" if ram_object(it.peek()) => {
+                it.next();
+            }
+            "-machine"
+                if it.peek().map(String::as_str) == Some(&format!("memory-backend={RAM_ID}")) =>
+            {
                 it.next();
             }
             _ => out.push(a),
         }
     }
-    Some(out)
+    out
 }
 
 /// The arguments of live process `pid`, its program first; `None` when it is gone or a
@@ -649,8 +705,34 @@ mod tests {
             relay: None,
             net: None,
             incoming: false,
+            ram: None,
+            frozen: false,
             dir,
         }
+    }
+
+    #[test]
+    fn where_ram_lives_is_not_part_of_the_launched_arguments() {
+        let mut s = spec();
+        let plain = command_line(&s)
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>();
+        s.ram = Some(RamFile::Private("/x/memory.ram".into()));
+        let mut launched = plain.clone();
+        launched.extend(["-incoming".to_string(), "defer".into(), "-S".into()]);
+        launched.extend(ram_args(s.memory_mib, s.ram.as_ref().unwrap()));
+        launched.extend([
+            "-daemonize".to_string(),
+            "-pidfile".into(),
+            "/x/qemu.pid".into(),
+        ]);
+        assert_eq!(as_launched(launched.clone()), plain);
+        assert!(
+            launched
+                .iter()
+                .any(|a| a.contains("share=off,readonly=on,rom=off"))
+        );
     }
 
     #[test]
