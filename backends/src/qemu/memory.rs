@@ -86,6 +86,40 @@ fn portable(args: &[String], cfg: &VmConfig, dir: &Path) -> Vec<String> {
         .collect()
 }
 
+/// Where a conversion loads a memory image's RAM before it goes to disk: a file in
+/// `/dev/shm` when that and the host's memory have room for `bytes`, else `fallback` itself.
+/// Removed when dropped.
+struct Staged {
+    path: PathBuf,
+}
+
+impl Staged {
+    fn new(fallback: &Path, bytes: u64) -> Staged {
+        let shm = Path::new("/dev/shm");
+        let room = free_bytes(shm)
+            .unwrap_or(0)
+            .min(available_memory().unwrap_or(0));
+        let path = if shm.is_dir() && room > bytes.saturating_add(256 << 20) {
+            shm.join(format!(
+                "boxery-{}-{:016x}.ram",
+                std::process::id(),
+                rand::random::<u64>()
+            ))
+        } else {
+            fallback.to_path_buf()
+        };
+        Staged { path }
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if self.path.starts_with("/dev/shm") {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
 /// How long a migration to or from a file may take per GiB of guest memory (TCG on two busy
 /// cores writes well over 100 MiB/s), on top of a fixed minute.
 const MIGRATION_PER_GIB: Duration = Duration::from_secs(60);
@@ -617,7 +651,10 @@ impl Inner {
         spec.incoming = true;
         spec.frozen = true;
         let (ram, dev) = (scratch.join("ram"), scratch.join("dev"));
-        spec.ram = Some(process::RamFile::Shared(ram.clone()));
+        // loaded in memory (tmpfs: a page written into a file on disk costs a block
+        // allocation each), then copied to the disk in runs
+        let staged = Staged::new(&ram, cfg.memory_mib << 20);
+        spec.ram = Some(process::RamFile::Shared(staged.path.clone()));
         let pid = process::launch(
             &self.config.qemu,
             &spec,
@@ -664,6 +701,14 @@ impl Inner {
                 ),
             )
         })?;
+        if staged.path != ram {
+            crate::storage::files::copy_sparse(&staged.path, &ram).map_err(io(format!(
+                "copying {} to {}",
+                staged.path.display(),
+                ram.display()
+            )))?;
+        }
+        drop(staged);
         for f in [&ram, &dev] {
             std::fs::File::open(f)
                 .and_then(|f| f.sync_all())

@@ -102,6 +102,47 @@ pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> std::io::Result
     }
 }
 
+/// Copy `from` to the new file `to` (mode 0600, synced), holes left as holes: only the runs
+/// of data are read and written (`SEEK_DATA`/`SEEK_HOLE`). Returns the bytes copied.
+pub fn copy_sparse(from: &Path, to: &Path) -> std::io::Result<u64> {
+    use rustix::fs::{SeekFrom, seek};
+    use std::os::unix::fs::FileExt;
+    let src = std::fs::File::open(from)?;
+    let len = src.metadata()?.len();
+    let dst = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(to)?;
+    dst.set_len(len)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0u64;
+    let mut copied = 0u64;
+    while at < len {
+        // the next run of data, or none left (ENXIO past the last one)
+        let start = match seek(&src, SeekFrom::Data(at)) {
+            Ok(o) => o,
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let end = seek(&src, SeekFrom::Hole(start))?.min(len);
+        let mut off = start;
+        while off < end {
+            let want = ((end - off) as usize).min(buf.len());
+            let n = src.read_at(&mut buf[..want], off)?;
+            if n == 0 {
+                break;
+            }
+            dst.write_all_at(&buf[..n], off)?;
+            off += n as u64;
+            copied += n as u64;
+        }
+        at = end;
+    }
+    dst.sync_all()?;
+    Ok(copied)
+}
+
 /// fsync the directory holding `path`, so a rename in it survives a crash.
 pub fn sync_dir(path: &Path) -> std::io::Result<()> {
     if let Some(dir) = path.parent() {
@@ -259,5 +300,23 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
+    }
+
+    #[test]
+    fn copy_sparse_keeps_holes_and_data() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        let f = std::fs::File::create(&a).unwrap();
+        f.set_len(64 << 20).unwrap();
+        f.write_all_at(&[7u8; 5000], 3 << 20).unwrap();
+        f.write_all_at(b"end", (64 << 20) - 3).unwrap();
+        drop(f);
+        let copied = copy_sparse(&a, &b).unwrap();
+        assert!(copied < 1 << 20, "only the runs of data: {copied}");
+        assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+        let allocated = crate::storage::disk::allocated_bytes(&b);
+        assert!(allocated < 4 << 20, "holes stay holes: {allocated}");
+        assert!(copy_sparse(&a, &b).is_err(), "never over an existing file");
     }
 }
