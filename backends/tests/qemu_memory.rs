@@ -432,3 +432,26 @@ async fn new_vms_start_from_another_vms_memory() {
     }
     assert!(env.qemu_pids().is_empty());
 }
+
+/// A conversion cut short by a killed control plane (its scratch directory, a staging file in
+/// /dev/shm whose control plane is gone) is cleaned up when the backend starts again.
+#[tokio::test]
+async fn conversions_cut_short_are_cleaned_up_at_init() {
+    let env = Env::new().await;
+    let layout = env.backend.layout().clone();
+    let scratch = layout.image_memory_scratch("gone");
+    std::fs::create_dir_all(&scratch).unwrap();
+    std::fs::write(scratch.join("ram"), b"x").unwrap();
+    let mut dead = std::process::Command::new("true").spawn().unwrap();
+    let pid = dead.id();
+    dead.wait().unwrap();
+    std::fs::write(scratch.join("qemu.pid"), pid.to_string()).unwrap();
+    let staged = std::path::PathBuf::from(format!("/dev/shm/boxery-{pid}-00000000000000aa.ram"));
+    std::fs::write(&staged, b"x").unwrap();
+    env.backend.init().await.unwrap();
+    assert!(!scratch.exists(), "the scratch directory is gone");
+    assert!(
+        !staged.exists(),
+        "the staging file of a gone control plane is gone"
+    );
+}

@@ -609,6 +609,51 @@ impl Inner {
         let _ = std::fs::remove_dir_all(self.layout.image_memory_scratch(image));
     }
 
+    /// Conversions a killed control plane left (`image-memory/.NAME.convert/`: its QEMU,
+    /// paused for good, and its files; a `/dev/shm` staging file whose control plane is gone):
+    /// ended and removed. The image keeps its first form. Each waits for the image's lock, so
+    /// a conversion under way is not touched.
+    pub(super) async fn end_cut_conversions(&self) {
+        let dir = self.layout.image_memories();
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let file = e.file_name().to_string_lossy().into_owned();
+            let Some(image) = file
+                .strip_prefix('.')
+                .and_then(|f| f.strip_suffix(".convert"))
+            else {
+                continue;
+            };
+            let Ok(_lock) = self.lock_image(image).await else {
+                continue;
+            };
+            let scratch = e.path();
+            if let Some(pid) = process::running_pid(&scratch.join("qemu.pid"), &scratch) {
+                let _ = process::terminate(pid, &scratch, Duration::from_secs(5)).await;
+            }
+            let _ = std::fs::remove_dir_all(&scratch);
+            warn!(
+                image,
+                "ended a conversion of its memory that a stop cut short"
+            );
+        }
+        let Ok(shm) = std::fs::read_dir("/dev/shm") else {
+            return;
+        };
+        for e in shm.flatten() {
+            let file = e.file_name().to_string_lossy().into_owned();
+            let owner = file
+                .strip_prefix("boxery-")
+                .and_then(|f| f.split('-').next())
+                .and_then(|p| p.parse::<i32>().ok());
+            if file.ends_with(".ram") && owner.is_some_and(|p| !process::is_alive(p)) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+
     async fn share_inner(self: &Arc<Self>, cfg: &VmConfig, image: &str) -> Result<()> {
         let files = self.image_state(image);
         let Some(mut rec) = files.read()? else {

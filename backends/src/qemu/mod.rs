@@ -418,7 +418,9 @@ impl Backend for QemuBackend {
         self.inner.layout.ensure().map_err(io(format!(
             "creating the state directory {}",
             root.display()
-        )))
+        )))?;
+        self.inner.end_cut_conversions().await;
+        Ok(())
     }
 
     async fn create(&self, vm: &NewVm) -> Result<()> {
