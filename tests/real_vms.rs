@@ -1757,11 +1757,11 @@ fn network_helper_repaired() {
     drop(serve);
 }
 
-/// Suspend and resume through the CLI (docs/live-memory.md): a counter started before the
-/// suspend still runs after the resume, on the same boot; while suspended the VM is
-/// `Suspended` with its saved memory in status, no hypervisor runs for it, a command is
-/// refused naming `resume`, and a control plane restarted meanwhile leaves it suspended.
-/// `stop` discards the memory; the next start boots cold.
+/// A counter the guest runs in the background (a line a tenth of a second into ~/count),
+/// detached from the session; prints its PID.
+const COUNTER: &str = "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > ~/count; sleep 0.1; done' \
+     </dev/null >/dev/null 2>&1 & echo $!; sleep 1";
+
 /// `fork SRC A B --with-memory`: the children continue the source's boot and processes, each
 /// with its own hostname, machine-id, host key (pinned: `run` reaches it), MAC, token and
 /// random bytes; the source runs on; the fork's image is gone once both exist.
@@ -1771,11 +1771,7 @@ fn fork_with_memory(kind: Kind) {
     h.apply_file(&h.home.write("vm.yaml", &tiny_vm("f0")), "10m");
     let boot_id = "cat /proc/sys/kernel/random/boot_id";
     let boot = h.run("f0", boot_id);
-    let counter = h.run(
-        "f0",
-        "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > ~/count; sleep 0.1; done' \
-         </dev/null >/dev/null 2>&1 & echo $!; sleep 1",
-    );
+    let counter = h.run("f0", COUNTER);
     let t = std::time::Instant::now();
     let out = h.ok(&[
         "fork",
@@ -1831,17 +1827,18 @@ fn fork_with_memory(kind: Kind) {
     h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
 }
 
+/// Suspend and resume through the CLI (docs/live-memory.md): a counter started before the
+/// suspend still runs after the resume, on the same boot; while suspended the VM is
+/// `Suspended` with its saved memory in status, no hypervisor runs for it, a command is
+/// refused naming `resume`, and a control plane restarted meanwhile leaves it suspended.
+/// `stop` discards the memory; the next start boots cold.
 fn suspend_resume(kind: Kind) {
     let h = RealHome::new(kind);
     let mut serve = h.serve();
     h.apply_file(&h.home.write("vm.yaml", &tiny_vm("s1")), "10m");
     let boot_id = "cat /proc/sys/kernel/random/boot_id";
     let boot = h.run("s1", boot_id);
-    let counter = h.run(
-        "s1",
-        "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > ~/count; sleep 0.1; done' \
-         </dev/null >/dev/null 2>&1 & echo $!; sleep 1",
-    );
+    let counter = h.run("s1", COUNTER);
     let out = h.ok(&["suspend", "s1", "--wait", "--timeout", "2m"]);
     assert!(out.contains("vm/s1 suspending"), "{out}");
     let v = h.vm_json("s1");

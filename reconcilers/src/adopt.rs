@@ -150,11 +150,10 @@ pub async fn take(ctx: &Ctx, vm: &str, endpoint: &str) -> Result<(), String> {
         };
         let script = script(&inh)?;
         ssh.write(&target).map_err(|e| e.to_string())?;
-        let ran = tokio::time::timeout(TIMEOUT, run(ssh, vm, &script))
-            .await
-            .unwrap_or_else(|_| Err(format!("ssh took longer than {TIMEOUT:?}")));
-        // the connection that ran it was made with the inherited key: the next one checks
-        // the new key
+        // no ControlMaster: the next connection checks the new key
+        let opts = ["-o", "ControlPath=none"];
+        let ran = crate::guest::run_script(ssh, vm, &opts, &script, TIMEOUT).await;
+        // the files pinning the inherited key go; the probe writes the new key's
         ssh.close(vm).await;
         ran.map_err(|e| format!("giving the guest its own identity: {e}"))?;
     }
@@ -164,44 +163,6 @@ pub async fn take(ctx: &Ctx, vm: &str, endpoint: &str) -> Result<(), String> {
         .map_err(|e| e.chain())?;
     tracing::info!(vm, "the guest took its own identity");
     Ok(())
-}
-
-async fn run(ssh: &crate::ssh::SshDir, vm: &str, script: &str) -> Result<(), String> {
-    use tokio::io::AsyncWriteExt;
-    let mut child = ssh
-        .command(vm)
-        .args([
-            "-T",
-            "-o",
-            "BatchMode=yes",
-            "-o",
-            "ControlPath=none",
-            "--",
-            "sh -s",
-        ])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| format!("cannot run ssh: {e}"))?;
-    let mut stdin = child.stdin.take().ok_or("no stdin")?;
-    let body = script.to_string();
-    let write = async move {
-        stdin.write_all(body.as_bytes()).await?;
-        stdin.shutdown().await
-    };
-    let (w, out) = tokio::join!(write, child.wait_with_output());
-    let out = out.map_err(|e| format!("ssh: {e}"))?;
-    if !out.status.success() {
-        // the script's errors name paths and commands, never values
-        return Err(format!(
-            "the script failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    w.map_err(|e| format!("writing to ssh: {e}"))
 }
 
 #[cfg(test)]

@@ -419,36 +419,56 @@ pub async fn sync(ctx: &Ctx, v: &Vm) -> Result<bool, String> {
 
 /// Run the push script on `v` over ssh.
 async fn push(ssh: &crate::ssh::SshDir, v: &Vm, files: &Files, rev: &str) -> Result<(), String> {
-    use tokio::io::AsyncWriteExt;
-    let name = v.metadata.name.as_str();
     let target = crate::ssh::Target::of(v).ok_or("no ssh endpoint")?;
     ssh.write(&target).map_err(|e| e.to_string())?;
+    run_script(
+        ssh,
+        &v.metadata.name,
+        &[],
+        &script(files, rev),
+        PUSH_TIMEOUT,
+    )
+    .await
+    .map_err(|e| format!("the guest's push script: {e}"))
+}
+
+/// Run `script` on VM `vm` as its login user (`sh -s`: the script travels on ssh's stdin,
+/// never on a command line), with the ssh options `opts`, within `timeout`. The error holds
+/// the script's stderr, which names paths and commands, never values.
+pub(crate) async fn run_script(
+    ssh: &crate::ssh::SshDir,
+    vm: &str,
+    opts: &[&str],
+    script: &str,
+    timeout: Duration,
+) -> Result<(), String> {
+    use tokio::io::AsyncWriteExt;
     let mut child = ssh
-        .command(name)
-        .args(["-T", "-o", "BatchMode=yes", "--", "sh -s"])
+        .command(vm)
+        .args(["-T", "-o", "BatchMode=yes"])
+        .args(opts)
+        .args(["--", "sh -s"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| format!("cannot run ssh: {e}"))?;
-    let script = script(files, rev);
     let mut stdin = child.stdin.take().ok_or("no stdin")?;
+    let body = script.to_string();
     let write = async move {
-        stdin.write_all(script.as_bytes()).await?;
+        stdin.write_all(body.as_bytes()).await?;
         stdin.shutdown().await
     };
-    let (w, out) = tokio::time::timeout(PUSH_TIMEOUT, async {
-        let w = write.await;
-        (w, child.wait_with_output().await)
+    let (w, out) = tokio::time::timeout(timeout, async {
+        tokio::join!(write, child.wait_with_output())
     })
     .await
-    .map_err(|_| format!("ssh took longer than {PUSH_TIMEOUT:?}"))?;
+    .map_err(|_| format!("ssh took longer than {timeout:?}"))?;
     let out = out.map_err(|e| format!("ssh: {e}"))?;
     if !out.status.success() {
-        // The script's errors name paths and commands, never values.
         return Err(format!(
-            "the guest's push script failed ({}): {}",
+            "failed ({}): {}",
             out.status,
             String::from_utf8_lossy(&out.stderr).trim()
         ));

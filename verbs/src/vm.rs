@@ -201,23 +201,10 @@ pub async fn snap(v: &Verbs, vm: &str, label: &str, memory: bool) -> Result<(Str
         )));
     }
     let name = image_name(vm, label);
-    let mut img = Image::new(
-        &name,
-        ImageSpec {
-            source: ImageSource::Vm(vm.into()),
-            memory,
-        },
-    );
+    let mut img = snapshot_of(&owner, &name, memory);
     img.metadata
         .labels
         .insert("boxery.dev/vm".into(), vm.into());
-    img.metadata.owner_references.push(OwnerReference {
-        api_version: boxery_api::API_VERSION.into(),
-        kind: "Vm".into(),
-        name: vm.into(),
-        uid: owner.metadata.uid.clone().unwrap_or_default(),
-        controller: Some(false),
-    });
     create(v, &img, "snap", || match v.voice {
         Voice::Cli => VerbError::invalid(format!(
             "image {name} already exists: pick another label, or `boxery delete image {name}` first"
@@ -313,6 +300,26 @@ pub async fn fork(
     Ok(Plan::vms(names, vec![ready()]))
 }
 
+/// Image `name` of VM `vm`'s disk (and memory, with `memory`), owned by the VM: deleted with
+/// it.
+fn snapshot_of(vm: &Vm, name: &str, memory: bool) -> Image {
+    let mut img = Image::new(
+        name,
+        ImageSpec {
+            source: ImageSource::Vm(vm.name().into()),
+            memory,
+        },
+    );
+    img.metadata.owner_references.push(OwnerReference {
+        api_version: boxery_api::API_VERSION.into(),
+        kind: "Vm".into(),
+        name: vm.name().into(),
+        uid: vm.metadata.uid.clone().unwrap_or_default(),
+        controller: Some(false),
+    });
+    img
+}
+
 /// A fork with memory: one image of VM `s` with its memory (`SRC.fork-MILLIS`, labelled
 /// [`boxery_api::image::MEMORY_FORK_LABEL`], owned by `s`), from which every child starts at
 /// the same instant; the Vm controller deletes it once every child exists.
@@ -334,23 +341,10 @@ async fn memory_fork_image(v: &Verbs, s: &Vm, size: &Size) -> Result<String> {
         .map(|d| d.as_millis())
         .unwrap_or_default();
     let name = format!("{src}.fork-{millis}");
-    let mut img = Image::new(
-        &name,
-        ImageSpec {
-            source: ImageSource::Vm(src.into()),
-            memory: true,
-        },
-    );
+    let mut img = snapshot_of(s, &name, true);
     img.metadata
         .labels
         .insert(boxery_api::image::MEMORY_FORK_LABEL.into(), src.into());
-    img.metadata.owner_references.push(OwnerReference {
-        api_version: boxery_api::API_VERSION.into(),
-        kind: "Vm".into(),
-        name: src.into(),
-        uid: s.metadata.uid.clone().unwrap_or_default(),
-        controller: Some(false),
-    });
     create(v, &img, "fork", || {
         VerbError::conflict(format!("image {name} already exists: fork again"))
     })
