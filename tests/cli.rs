@@ -93,6 +93,23 @@ fn lifecycle_in_embedded_mode() {
     home.ok(&["revert", "dev1", "s1", "--wait", "--timeout", "30s"]);
     assert_eq!(fake.read_disk("dev1").unwrap(), b"before");
 
+    // A backend without memory snapshots refuses them up front, saying what it lacks;
+    // nothing is made.
+    for args in [
+        &["snap", "dev1", "m1", "--memory"][..],
+        &["fork", "dev1", "devm", "--with-memory"][..],
+    ] {
+        let out = home.run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("the fake backend, which cannot snapshot or fork a VM's memory"),
+            "{err}"
+        );
+    }
+    assert!(!home.ok(&["get", "images"]).contains("dev1.m1"));
+    assert!(!home.ok(&["get", "images"]).contains("dev1.fork-"));
+
     // Fork into two: each has the source's disk as it was.
     fake.write_disk("dev1", b"forked").unwrap();
     home.ok(&["fork", "dev1", "dev2", "dev3", "--wait", "--timeout", "30s"]);

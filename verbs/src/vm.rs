@@ -200,6 +200,9 @@ pub async fn snap(v: &Verbs, vm: &str, label: &str, memory: bool) -> Result<(Str
             owner.status.phase
         )));
     }
+    if memory {
+        can_snapshot_memory(v, &owner)?;
+    }
     let name = image_name(vm, label);
     let mut img = snapshot_of(&owner, &name, memory);
     img.metadata
@@ -300,6 +303,25 @@ pub async fn fork(
     Ok(Plan::vms(names, vec![ready()]))
 }
 
+/// Refused up front when the backend running VM `vm` cannot snapshot memory (so cannot fork
+/// with it): the Image would fail and whatever waits on it with it.
+fn can_snapshot_memory(v: &Verbs, vm: &Vm) -> Result<()> {
+    let Some(backend) = vm.status.backend.as_deref() else {
+        return Ok(());
+    };
+    // the backend's capabilities (one source of truth); nothing is opened
+    let Ok(b) = boxery_backends::by_name(backend, &v.env.home) else {
+        return Ok(());
+    };
+    if b.capabilities().memory_snapshots {
+        return Ok(());
+    }
+    Err(VerbError::invalid(format!(
+        "VM {} runs on the {backend} backend, which cannot snapshot or fork a VM's memory (`boxery backends` lists what each backend offers): leave out the memory option to take its disk only",
+        vm.name()
+    )))
+}
+
 /// Image `name` of VM `vm`'s disk (and memory, with `memory`), owned by the VM: deleted with
 /// it.
 fn snapshot_of(vm: &Vm, name: &str, memory: bool) -> Image {
@@ -330,6 +352,7 @@ async fn memory_fork_image(v: &Verbs, s: &Vm, size: &Size) -> Result<String> {
             "a fork with memory has its source's CPUs and memory (the memory holds them): drop the size options, or fork without memory",
         ));
     }
+    can_snapshot_memory(v, s)?;
     if s.status.phase != boxery_api::VmPhase::Running {
         return Err(VerbError::invalid(format!(
             "VM {src} is {:?}: a fork with memory needs it running (resume or start it, or fork its disk without memory)",
