@@ -150,8 +150,16 @@ pub async fn take(ctx: &Ctx, vm: &str, endpoint: &str) -> Result<(), String> {
         };
         let script = script(&inh)?;
         ssh.write(&target).map_err(|e| e.to_string())?;
-        // no ControlMaster: the next connection checks the new key
-        let opts = ["-o", "ControlPath=none"];
+        // no ControlMaster: the next connection checks the new key; a connection the MAC
+        // change cuts is given up within seconds (the step is run again, and finds it done)
+        let opts = [
+            "-o",
+            "ControlPath=none",
+            "-o",
+            "ServerAliveInterval=2",
+            "-o",
+            "ServerAliveCountMax=4",
+        ];
         let ran = crate::guest::run_script(ssh, vm, &opts, &script, TIMEOUT).await;
         // the files pinning the inherited key go; the probe writes the new key's
         ssh.close(vm).await;

@@ -93,6 +93,9 @@ impl Inner {
             // a cold boot: the seed gives the guest its own identity
             self.forget_inherited(name)?;
         }
+        // a network helper left by a boot cut short (a killed control plane) holds the
+        // VM's port with no QEMU behind it: it goes (a new one is started below)
+        self.stop_net(name).await;
         self.claim_port(name, cfg.port)?;
         self.wait_port(name, cfg.port).await?;
         let t = Instant::now();
