@@ -90,8 +90,9 @@ pub fn script(inh: &Inherited) -> Result<String, String> {
          if [ -f /var/lib/dbus/machine-id ] && [ ! -L /var/lib/dbus/machine-id ]; then printf '%s\\n' \"$m\" | $S tee /var/lib/dbus/machine-id >/dev/null; fi\n",
         m = id.machine_id.to_ascii_lowercase()
     ));
-    // ssh host key: OpenSSH reads it for each new connection; dropbear is started again
-    // (busybox init respawns it; open sessions are its children and stay)
+    // ssh host key: OpenSSH reads it for each new connection (it re-executes itself for
+    // each); dropbear is started again (busybox init respawns it; open sessions are its
+    // children and stay)
     s.push_str(&format!(
         "k=/etc/ssh/boxery_host_ed25519_key\n\
          $S mkdir -p /etc/ssh\n\
@@ -104,20 +105,25 @@ pub fn script(inh: &Inherited) -> Result<String, String> {
          \x20 $S mv /etc/dropbear/boxery_ed25519.new /etc/dropbear/boxery_ed25519\n\
          \x20 echo /etc/dropbear/boxery_ed25519 | $S tee /run/boxery/hostkey >/dev/null\n\
          \x20 $S kill \"$(cat /run/dropbear.pid)\"\n\
-         elif command -v systemctl >/dev/null 2>&1; then\n\
-         \x20 $S systemctl reload ssh >/dev/null 2>&1 || true\n\
          fi\n",
         private = b64(private.as_bytes()),
         public = b64(format!("{}\n", public.trim()).as_bytes()),
     ));
     // the token file the seed writes (the live one is pushed to /run/boxery once Ready)
+    // (in the login user's home: the script may run as root through sudo)
+    s.push_str(
+        "if [ -n \"$SUDO_USER\" ]; then u=$SUDO_USER; bx=$(awk -F: -v u=\"$u\" '$1 == u { print $6 }' /etc/passwd)/.boxery\n\
+         else u=$(id -u); bx=$HOME/.boxery; fi\n",
+    );
     match token {
         Some(t) => s.push_str(&format!(
-            "mkdir -p \"$HOME/.boxery\"\n\
-             (umask 077; b {t} > \"$HOME/.boxery/token.new\")\n\
-             mv \"$HOME/.boxery/token.new\" \"$HOME/.boxery/token\"\n"
+            "mkdir -p \"$bx\"\n\
+             chmod 700 \"$bx\"\n\
+             (umask 077; b {t} > \"$bx/token.new\")\n\
+             chown \"$u:\" \"$bx\" \"$bx/token.new\" 2>/dev/null || true\n\
+             mv \"$bx/token.new\" \"$bx/token\"\n"
         )),
-        None => s.push_str("rm -f \"$HOME/.boxery/token\"\n"),
+        None => s.push_str("rm -f \"$bx/token\"\n"),
     }
     // MAC last: the change may drop this connection (the step is then run again, and finds
     // it done); a gratuitous ARP tells the VM's network the new address at once
@@ -143,27 +149,44 @@ pub async fn take(ctx: &Ctx, vm: &str, endpoint: &str) -> Result<(), String> {
     let inh = ctx.backend.inherited(vm).await.map_err(|e| e.chain())?;
     let Some(inh) = inh else { return Ok(()) };
     if let Some(ssh) = &ctx.ssh {
-        let target = crate::ssh::Target {
-            name: vm.to_string(),
-            endpoint: endpoint.to_string(),
-            host_key: inh.answers_with.trim().to_string(),
-        };
         let script = script(&inh)?;
-        ssh.write(&target).map_err(|e| e.to_string())?;
-        // no ControlMaster: the next connection checks the new key; a connection the MAC
-        // change cuts is given up within seconds (the step is run again, and finds it done)
-        let opts = [
-            "-o",
-            "ControlPath=none",
-            "-o",
-            "ServerAliveInterval=2",
-            "-o",
-            "ServerAliveCountMax=4",
-        ];
-        let ran = crate::guest::run_script(ssh, vm, &opts, &script, TIMEOUT).await;
-        // the files pinning the inherited key go; the probe writes the new key's
-        ssh.close(vm).await;
+        let t = std::time::Instant::now();
+        let ran = run_with_key(
+            ssh,
+            vm,
+            endpoint,
+            &inh.answers_with,
+            "sudo -n sh -s",
+            &script,
+        )
+        .await;
+        let ran = match ran {
+            // the guest answers with its new key already: a step that ran whole before a
+            // crash kept it from being recorded; done if the guest holds its own identity
+            Err(e) if e.contains("Host key verification failed") => {
+                let new = inh
+                    .identity
+                    .host_key
+                    .as_ref()
+                    .map(|(_, p)| p.as_str())
+                    .unwrap_or("");
+                run_with_key(ssh, vm, endpoint, new, "sh -s", &holds(&inh)?)
+                    .await
+                    .map_err(|c| format!("{e}; with its new key: {c}"))
+            }
+            r => r,
+        };
+        let secs = t.elapsed().as_secs_f64();
+        if let Err(e) = &ran {
+            tracing::info!(
+                vm,
+                secs,
+                error = e.as_str(),
+                "the identity step failed; it is run again"
+            );
+        }
         ran.map_err(|e| format!("giving the guest its own identity: {e}"))?;
+        tracing::info!(vm, secs, "the identity script ran");
     }
     ctx.backend
         .identity_taken(vm)
@@ -171,6 +194,50 @@ pub async fn take(ctx: &Ctx, vm: &str, endpoint: &str) -> Result<(), String> {
         .map_err(|e| e.chain())?;
     tracing::info!(vm, "the guest took its own identity");
     Ok(())
+}
+
+/// Run `script` with `shell` on VM `vm` at `endpoint`, pinning `host_key` for this one
+/// connection (no ControlMaster; a connection the MAC change cuts is given up within seconds).
+async fn run_with_key(
+    ssh: &crate::ssh::SshDir,
+    vm: &str,
+    endpoint: &str,
+    host_key: &str,
+    shell: &str,
+    script: &str,
+) -> Result<(), String> {
+    let target = crate::ssh::Target {
+        name: vm.to_string(),
+        endpoint: endpoint.to_string(),
+        host_key: host_key.trim().to_string(),
+    };
+    ssh.write(&target).map_err(|e| e.to_string())?;
+    let opts = [
+        "-o",
+        "ControlPath=none",
+        "-o",
+        "ServerAliveInterval=1",
+        "-o",
+        "ServerAliveCountMax=3",
+    ];
+    let ran = crate::guest::run_script(ssh, vm, &opts, shell, script, TIMEOUT).await;
+    // the files pinning this key go; the probe writes those of the key in status
+    ssh.close(vm).await;
+    ran
+}
+
+/// The script that succeeds when the guest holds the identity `inh` gives it (its hostname
+/// and, where it has one, its MAC); the values checked as for [`script`].
+fn holds(inh: &Inherited) -> Result<String, String> {
+    check(inh)?;
+    let mut s = format!("[ \"$(hostname)\" = {} ]\n", inh.identity.hostname);
+    if let Some(mac) = &inh.mac {
+        s.push_str(&format!(
+            "grep -qix {} /sys/class/net/*/address\n",
+            mac.to_ascii_lowercase()
+        ));
+    }
+    Ok(s)
 }
 
 #[cfg(test)]
@@ -223,10 +290,6 @@ mod tests {
     fn no_token_removes_the_inherited_one() {
         let mut i = inherited();
         i.identity.proxy_token = None;
-        assert!(
-            script(&i)
-                .unwrap()
-                .contains("rm -f \"$HOME/.boxery/token\"")
-        );
+        assert!(script(&i).unwrap().contains("rm -f \"$bx/token\""));
     }
 }

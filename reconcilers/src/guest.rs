@@ -425,6 +425,7 @@ async fn push(ssh: &crate::ssh::SshDir, v: &Vm, files: &Files, rev: &str) -> Res
         ssh,
         &v.metadata.name,
         &[],
+        "sh -s",
         &script(files, rev),
         PUSH_TIMEOUT,
     )
@@ -432,13 +433,15 @@ async fn push(ssh: &crate::ssh::SshDir, v: &Vm, files: &Files, rev: &str) -> Res
     .map_err(|e| format!("the guest's push script: {e}"))
 }
 
-/// Run `script` on VM `vm` as its login user (`sh -s`: the script travels on ssh's stdin,
-/// never on a command line), with the ssh options `opts`, within `timeout`. The error holds
-/// the script's stderr, which names paths and commands, never values.
+/// Run `script` on VM `vm` with `shell` (`sh -s` as its login user, `sudo -n sh -s` as root:
+/// the script travels on ssh's stdin, never on a command line), with the ssh options `opts`,
+/// within `timeout`. The error holds the script's stderr, which names paths and commands,
+/// never values.
 pub(crate) async fn run_script(
     ssh: &crate::ssh::SshDir,
     vm: &str,
     opts: &[&str],
+    shell: &str,
     script: &str,
     timeout: Duration,
 ) -> Result<(), String> {
@@ -447,7 +450,7 @@ pub(crate) async fn run_script(
         .command(vm)
         .args(["-T", "-o", "BatchMode=yes"])
         .args(opts)
-        .args(["--", "sh -s"])
+        .args(["--", shell])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
