@@ -143,6 +143,23 @@ impl Lines {
     }
 }
 
+/// The message that runs `command` (with `arguments`), as QMP and the guest agent take it.
+fn request(command: &str, arguments: Option<Value>) -> Value {
+    let mut msg = json!({ "execute": command });
+    if let Some(a) = arguments {
+        msg["arguments"] = a;
+    }
+    msg
+}
+
+/// A reply's `return` value, or its error.
+fn returned(command: &str, reply: &Value) -> Result<Value, QmpError> {
+    match error_of(command, reply) {
+        Some(e) => Err(e),
+        None => Ok(reply.get("return").cloned().unwrap_or(Value::Null)),
+    }
+}
+
 fn error_of(command: &str, reply: &Value) -> Option<QmpError> {
     let err = reply.get("error")?;
     Some(QmpError::Command {
@@ -306,11 +323,9 @@ impl Qmp {
         command: &str,
         arguments: Option<Value>,
     ) -> Result<Value, QmpError> {
-        let mut msg = json!({ "execute": command });
-        if let Some(a) = arguments {
-            msg["arguments"] = a;
-        }
-        self.lines.send(command, &msg).await?;
+        self.lines
+            .send(command, &request(command, arguments))
+            .await?;
         let deadline = tokio::time::Instant::now() + self.lines.timeout;
         loop {
             let reply = self.lines.read(command, deadline).await?;
@@ -318,10 +333,7 @@ impl Qmp {
                 self.events.push(reply);
                 continue;
             }
-            if let Some(e) = error_of(command, &reply) {
-                return Err(e);
-            }
-            return Ok(reply.get("return").cloned().unwrap_or(Value::Null));
+            return returned(command, &reply);
         }
     }
 
@@ -583,17 +595,12 @@ impl Qga {
         command: &str,
         arguments: Option<Value>,
     ) -> Result<Value, QmpError> {
-        let mut msg = json!({ "execute": command });
-        if let Some(a) = arguments {
-            msg["arguments"] = a;
-        }
-        self.lines.send(command, &msg).await?;
+        self.lines
+            .send(command, &request(command, arguments))
+            .await?;
         let deadline = tokio::time::Instant::now() + self.lines.timeout;
         let reply = self.lines.read(command, deadline).await?;
-        if let Some(e) = error_of(command, &reply) {
-            return Err(e);
-        }
-        Ok(reply.get("return").cloned().unwrap_or(Value::Null))
+        returned(command, &reply)
     }
 
     /// `guest-set-time`: set the guest's clock to `nanos` since the epoch (and its RTC).
