@@ -480,13 +480,7 @@ impl Inner {
         if vm.memory {
             // the guest continues from the image's instant with its source's identity: it
             // is given its own over ssh (`inherited`); its seed holds that one for a cold boot
-            if let Some(why) = self.start_memory_refusal(&cfg, &base, image)? {
-                return Err(BackendError::Invalid(why));
-            }
-            let rec = self
-                .image_state(image)
-                .read()?
-                .ok_or_else(|| not_found(format!("the memory of image {image}")))?;
+            let rec = self.memory_to_start(&cfg, &base, image)?;
             let inherited = crate::Inherited {
                 answers_with: rec.host_key.clone().unwrap_or_default(),
                 identity: vm.identity.clone(),
@@ -495,7 +489,7 @@ impl Inner {
             let path = self.layout.vm_inherited(name);
             crate::storage::files::write_json(&path, &inherited, 0o600)
                 .map_err(io(format!("writing {}", path.display())))?;
-            self.install_image_memory(name, image, Some(self.own_tied_args(&cfg, &base)))?;
+            self.install_image_memory(name, image, &rec)?;
         }
         self.write_known_hosts(&cfg)?;
         self.save_vm(&cfg)?;

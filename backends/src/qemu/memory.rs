@@ -470,20 +470,34 @@ impl Inner {
 
     /// Why image `image`'s memory cannot start a new VM of `cpus` and `memory_mib`, from
     /// what its record says (the command line is compared when the VM is made:
-    /// [`Self::start_memory_refusal`]). `None`: it can.
+    /// [`Self::memory_to_start`]). `None`: it can.
     pub(super) fn memory_fits(
         &self,
         image: &str,
         cpus: u32,
         memory_mib: u64,
     ) -> Result<Option<String>> {
-        let Some(rec) = self.image_state(image).read()? else {
-            return Ok(Some(format!("image {image} carries no memory")));
-        };
-        if let Some(why) = self.portable_refusal(&rec, image) {
-            return Ok(Some(why));
+        match self.image_state(image).read()? {
+            None => Ok(Some(format!("image {image} carries no memory"))),
+            Some(rec) => self.fit_refusal(&rec, image, cpus, memory_mib),
         }
-        if let Some(why) = self.why_stale(&rec, None)? {
+    }
+
+    /// Why `rec`, image `image`'s memory, cannot start a new VM of `cpus` and `memory_mib`:
+    /// written before boxery kept what that needs, saved by another QEMU, another size.
+    fn fit_refusal(
+        &self,
+        rec: &MemoryRecord,
+        image: &str,
+        cpus: u32,
+        memory_mib: u64,
+    ) -> Result<Option<String>> {
+        if rec.portable.is_empty() || rec.cpus == 0 || rec.host_key.is_none() {
+            return Ok(Some(format!(
+                "image {image}'s memory was taken before boxery could start other VMs from it: take it again (`boxery snap VM NAME --memory`)"
+            )));
+        }
+        if let Some(why) = self.why_stale(rec, None)? {
             return Ok(Some(format!(
                 "image {image}'s memory cannot be loaded: {why}"
             )));
@@ -497,36 +511,40 @@ impl Inner {
         Ok(None)
     }
 
-    /// Why a record cannot start another VM at all: written before boxery kept what that
-    /// needs.
-    fn portable_refusal(&self, rec: &MemoryRecord, image: &str) -> Option<String> {
-        (rec.portable.is_empty() || rec.cpus == 0 || rec.host_key.is_none()).then(|| {
-            format!(
-                "image {image}'s memory was taken before boxery could start other VMs from it: take it again (`boxery snap VM NAME --memory`)"
-            )
-        })
-    }
-
-    /// Why image `image`'s memory cannot start the new VM `cfg` (its disk made from the image,
-    /// `base` the image's base): the checks of [`Self::memory_fits`] and the command line a
-    /// start would run, compared without what is each VM's own ([`portable`]).
-    pub(super) fn start_memory_refusal(
+    /// Image `image`'s memory as the saved memory of the new VM `cfg` (its disk made from the
+    /// image, `base` the image's base), tied to the VM's own command line: the checks of
+    /// [`Self::memory_fits`], and the command line a start would run compared without what is
+    /// each VM's own ([`portable`]). `Invalid`, saying why, when it cannot start the VM.
+    pub(super) fn memory_to_start(
         &self,
         cfg: &VmConfig,
         base: &BaseRecord,
         image: &str,
-    ) -> Result<Option<String>> {
-        if let Some(why) = self.memory_fits(image, cfg.cpus, cfg.memory_mib)? {
-            return Ok(Some(why));
+    ) -> Result<MemoryRecord> {
+        let refused = |why: String| BackendError::Invalid(why);
+        let mut rec = self
+            .image_state(image)
+            .read()?
+            .ok_or_else(|| refused(format!("image {image} carries no memory")))?;
+        if let Some(why) = self.fit_refusal(&rec, image, cfg.cpus, cfg.memory_mib)? {
+            return Err(refused(why));
         }
-        let Some(mut rec) = self.image_state(image).read()? else {
-            return Ok(Some(format!("image {image} carries no memory")));
+        let own = self.own_tied_args(cfg, base);
+        let theirs = MemoryRecord {
+            args: std::mem::take(&mut rec.portable),
+            ..rec.clone()
         };
-        let args = portable(&self.own_tied_args(cfg, base), cfg, &self.vm_dir(&cfg.name));
-        rec.args = std::mem::take(&mut rec.portable);
-        Ok(self
-            .why_stale(&rec, Some(&args))?
-            .map(|why| format!("image {image}'s memory cannot start VM {}: {why}", cfg.name)))
+        if let Some(why) =
+            self.why_stale(&theirs, Some(&portable(&own, cfg, &self.vm_dir(&cfg.name))))?
+        {
+            return Err(refused(format!(
+                "image {image}'s memory cannot start VM {}: {why}",
+                cfg.name
+            )));
+        }
+        rec.portable = theirs.args;
+        rec.args = own;
+        Ok(rec)
     }
 
     /// The arguments VM `cfg`'s QEMU is tied to ([`tie`]; the block graph is not part of it,
@@ -549,23 +567,15 @@ impl Inner {
         remove_file_if_exists(&path).map_err(io(format!("removing {}", path.display())))
     }
 
-    /// Make image `image`'s memory the saved memory of VM `vm` (a hard link: the image's
-    /// file is only read by a resume), record last; the next boot resumes from it.
-    /// A new VM started from it ([`Self::start_memory_refusal`] passed) gives the arguments
-    /// its own QEMU is tied to as `args`: the record is its from then on.
+    /// Make image `image`'s memory, `rec` (its record, or [`Self::memory_to_start`]'s for a
+    /// new VM), the saved memory of VM `vm`: hard links (the image's files are only read by a
+    /// resume), record last; the next boot resumes from it.
     pub(super) fn install_image_memory(
         &self,
         vm: &str,
         image: &str,
-        args: Option<Vec<String>>,
+        rec: &MemoryRecord,
     ) -> Result<()> {
-        let mut rec = self
-            .image_state(image)
-            .read()?
-            .ok_or_else(|| not_found(format!("the memory of image {image}")))?;
-        if let Some(args) = args {
-            rec.args = args;
-        }
         self.discard_memory(vm)?;
         let (from, to) = (self.image_state(image), self.vm_state(vm));
         let pairs = if rec.shared_ram {
@@ -582,7 +592,7 @@ impl Inner {
                 )))?;
             }
         }
-        to.write(&rec)
+        to.write(rec)
     }
 
     /// Turn image `image`'s memory (a `mapped-ram` state of VM `cfg`) into its shared form: a
@@ -623,6 +633,7 @@ impl Inner {
             let Some(image) = file
                 .strip_prefix('.')
                 .and_then(|f| f.strip_suffix(".convert"))
+                .filter(|i| valid_name(i))
             else {
                 continue;
             };

@@ -246,11 +246,20 @@ impl QemuBackend {
         keep.extend(top);
         crate::storage::files::sync_dir(&keep[0]).map_err(io("fsync"))?;
         inner.remove_unused(vm, &keep)?;
-        if memory {
+        let saved_memory = match memory {
+            true => Some(
+                inner
+                    .image_state(image)
+                    .read()?
+                    .ok_or_else(|| not_found(format!("the memory of image {image}")))?,
+            ),
+            false => None,
+        };
+        if let Some(saved) = &saved_memory {
             // the guest resumes with the identity it had at the snapshot (its host key is in
             // its memory and on the image's disk): pin that one, write no new seed
-            if let Some(key) = inner.image_state(image).read()?.and_then(|m| m.host_key) {
-                cfg.host_key = Some(key);
+            if let Some(key) = &saved.host_key {
+                cfg.host_key = Some(key.clone());
             }
         } else if let Some(id) = seed::reseed(vm, &mut cfg, identity)? {
             // the identity stays: a new seed only when the caller passes a different host key
@@ -265,9 +274,9 @@ impl QemuBackend {
         cfg.disk_gib = cfg.disk_gib.max(bytes.div_ceil(GIB));
         inner.write_known_hosts(&cfg)?;
         inner.save_vm(&cfg)?;
-        if memory {
+        if let Some(saved) = &saved_memory {
             // the boot below resumes from it
-            inner.install_image_memory(vm, image, None)?;
+            inner.install_image_memory(vm, image, saved)?;
         }
         inner.boot(&cfg).await?;
         info!(
