@@ -47,8 +47,9 @@ impl_resource!(
     unimplemented = unimplemented
 );
 
-/// The label on an Image made for a fork with memory (`boxery fork --memory`), naming its
-/// source VM. The Vm controller deletes it once every VM made from it exists.
+/// The label on an Image made for a fork with memory (`boxery fork --with-memory`), naming
+/// its source VM (`spec.source.vm`). The Vm controller deletes it once every VM made from it
+/// exists.
 pub const MEMORY_FORK_LABEL: &str = "boxery.dev/memory-fork-of";
 
 /// The desired state of an image. Images are immutable: the source is read once.

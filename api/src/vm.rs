@@ -116,10 +116,11 @@ pub struct Idle {
 /// wakes its controller, which resumes it.
 pub const WOKEN_AT: &str = "boxery.dev/woken-at";
 
-/// The annotation that asks a Vm not yet made to start from the memory of the Image it names
-/// (a warm pool's member forked from a clean member) rather than boot from `spec.source`.
-/// Used only when that image is ready and its memory fits the VM; otherwise the VM is made
-/// from `spec.source` as usual.
+/// The annotation the pool controller puts on a new member of a warm pool: start from the
+/// memory of the Image it names (another member's clean image) rather than boot from
+/// `spec.source`. Honoured only for the clean image of a member of the VM's own pool
+/// (`boxery.dev/pool`), ready, whose memory fits the VM; otherwise the VM is made from
+/// `spec.source` as usual.
 pub const START_FROM_MEMORY: &str = "boxery.dev/start-from-memory";
 
 /// Shortest and longest `spec.idle.suspendAfter`.

@@ -2,7 +2,8 @@
 //! a warm pool's member) continues that VM's processes with that VM's identity. Before it
 //! is `Ready`, its guest is given its own over ssh: hostname, machine-id, ssh host key (then
 //! pinned), MAC address and token file. The kernel's random pool was reseeded already, by the
-//! VM's generation id, when the memory was loaded (docs/live-memory.md, "Fork").
+//! VM's generation id, when the memory was loaded (docs/live-memory.md, "New VMs from memory,
+//! and fork").
 //!
 //! # Guarantees
 //! - The VM is not `Ready` (and so not handed to a lease, and no command of a caller waiting
@@ -15,9 +16,10 @@
 //!   value that is not base64 in the script (hostname, machine-id, MAC) is checked first.
 //!
 //! # Caveats
-//! - Between the memory's load and this step (about a second) the guest runs with its
-//!   source's hostname, machine-id and host key; nothing outside can reach it meanwhile but
-//!   boxery, which pins the source's key for this step only.
+//! - Between the memory's load and the end of this step (about a second on the tiny guest,
+//!   8-14 s on an emulated Debian, most of it the network's pause after the MAC change) the
+//!   guest runs with its source's hostname, machine-id and host key; nothing outside can
+//!   reach it meanwhile but boxery, which pins the source's key for this step only.
 //! - What applications keep in memory (their own keys, sessions, caches) is the source's.
 
 use std::time::Duration;
@@ -33,13 +35,9 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 /// Why an inherited identity cannot be turned into a script.
 fn check(inh: &Inherited) -> Result<(), String> {
     let id = &inh.identity;
-    let h = &id.hostname;
-    if h.is_empty()
-        || h.len() > 63
-        || h.starts_with('-')
-        || !h.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-')
-    {
-        return Err(format!("hostname `{h}` is not a DNS label"));
+    // the hostname is the VM's name: a DNS label
+    if let Err(e) = boxery_api::Name::label(&id.hostname) {
+        return Err(format!("hostname `{}`: {e}", id.hostname));
     }
     if id.machine_id.len() != 32 || !id.machine_id.bytes().all(|c| c.is_ascii_hexdigit()) {
         return Err("the machine-id is not 32 hex digits".into());

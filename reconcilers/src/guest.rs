@@ -458,9 +458,8 @@ pub(crate) async fn run_script(
         .spawn()
         .map_err(|e| format!("cannot run ssh: {e}"))?;
     let mut stdin = child.stdin.take().ok_or("no stdin")?;
-    let body = script.to_string();
     let write = async move {
-        stdin.write_all(body.as_bytes()).await?;
+        stdin.write_all(script.as_bytes()).await?;
         stdin.shutdown().await
     };
     let (w, out) = tokio::time::timeout(timeout, async {

@@ -1169,20 +1169,24 @@ async fn fork_source(vm: &mut Vm, src: &str, ctx: &Ctx) -> Result<Option<String>
     Ok(Some(img))
 }
 
-/// Whether a new VM from `image` starts from the memory the image carries: when it carries
-/// some, the VM is to run (or stay suspended), and the backend can at this size. When it
-/// cannot, a Normal event says why and the VM boots from the image's disk.
-async fn start_from_memory(vm: &Vm, image: &str, size: VmSize, ctx: &Ctx) -> Result<bool> {
-    if vm.spec.run_strategy == RunStrategy::Stopped {
-        return Ok(false);
-    }
+/// Whether a new VM from an image starts from the memory the image carries.
+enum MemoryStart {
+    /// It does.
+    Yes,
+    /// No memory to start from: the image carries none, or the VM is to stay stopped.
+    None,
+    /// The image carries memory the backend cannot start this VM from: why.
+    Refused(String),
+}
+
+async fn memory_start(vm: &Vm, image: &str, size: VmSize, ctx: &Ctx) -> Result<MemoryStart> {
     let carries = ctx
         .store
         .get_as::<Image>(image)
         .await?
         .is_some_and(|i| i.spec.memory && i.status.memory_bytes.is_some());
-    if !carries {
-        return Ok(false);
+    if !carries || vm.spec.run_strategy == RunStrategy::Stopped {
+        return Ok(MemoryStart::None);
     }
     let refusal = ctx
         .backend
@@ -1191,9 +1195,23 @@ async fn start_from_memory(vm: &Vm, image: &str, size: VmSize, ctx: &Ctx) -> Res
         .map_err(|e| {
             ReconcileError::backend("memory_start_refusal", format!("Vm/{}", vm.name()), e)
         })?;
-    match refusal {
-        None => Ok(true),
-        Some(why) => {
+    Ok(refusal.map_or(MemoryStart::Yes, MemoryStart::Refused))
+}
+
+/// The image a new VM is made from, and whether it starts from that image's memory: a warm
+/// pool's member from the clean memory image of another member ([`warm_image`]) when it
+/// can, else `spec.source`'s image (`image`), from its memory when it carries some the VM
+/// can start from; when it cannot, a Normal event `BootsCold` says why.
+async fn start_from(vm: &Vm, image: String, size: VmSize, ctx: &Ctx) -> Result<(String, bool)> {
+    if let Some(warm) = warm_image(vm, ctx).await?
+        && let MemoryStart::Yes = memory_start(vm, &warm, size, ctx).await?
+    {
+        return Ok((warm, true));
+    }
+    match memory_start(vm, &image, size, ctx).await? {
+        MemoryStart::Yes => Ok((image, true)),
+        MemoryStart::None => Ok((image, false)),
+        MemoryStart::Refused(why) => {
             ctx.event(
                 vm,
                 EventType::Normal,
@@ -1201,27 +1219,32 @@ async fn start_from_memory(vm: &Vm, image: &str, size: VmSize, ctx: &Ctx) -> Res
                 &format!("{why}; the VM boots from the image's disk instead"),
             )
             .await;
-            Ok(false)
+            Ok((image, false))
         }
     }
 }
 
-/// The image named by the VM's [`boxery_api::vm::START_FROM_MEMORY`] annotation, when it
-/// exists, is ready and not being deleted.
+/// The image named by the VM's [`boxery_api::vm::START_FROM_MEMORY`] annotation, when it is
+/// the clean image of a member of the VM's own pool (the annotation is honoured for nothing
+/// else), ready and not being deleted.
 async fn warm_image(vm: &Vm, ctx: &Ctx) -> Result<Option<String>> {
-    let Some(name) = vm
-        .metadata
-        .annotations
-        .get(boxery_api::vm::START_FROM_MEMORY)
-    else {
+    let (Some(name), Some(pool)) = (
+        vm.metadata
+            .annotations
+            .get(boxery_api::vm::START_FROM_MEMORY),
+        vm.metadata.labels.get(boxery_api::pool::POOL_LABEL),
+    ) else {
         return Ok(None);
     };
-    let ready = ctx
-        .store
-        .get_as::<Image>(name)
-        .await?
-        .is_some_and(|i| i.status.phase == ImagePhase::Ready && !i.metadata.is_deleting());
-    Ok(ready.then(|| name.clone()))
+    if !name.ends_with(".boxery-clean") {
+        return Ok(None);
+    }
+    let usable = ctx.store.get_as::<Image>(name).await?.is_some_and(|i| {
+        i.metadata.labels.get(boxery_api::pool::POOL_LABEL) == Some(pool)
+            && i.status.phase == ImagePhase::Ready
+            && !i.metadata.is_deleting()
+    });
+    Ok(usable.then(|| name.clone()))
 }
 
 /// A fork's memory image ([`boxery_api::image::MEMORY_FORK_LABEL`]) is deleted once every VM made from it
@@ -1230,12 +1253,12 @@ async fn forget_fork_image(image: &str, ctx: &Ctx) -> Result<()> {
     let Some(img) = ctx.store.get_as::<Image>(image).await? else {
         return Ok(());
     };
-    if !img
-        .metadata
-        .labels
-        .contains_key(boxery_api::image::MEMORY_FORK_LABEL)
-        || img.metadata.is_deleting()
-    {
+    // only the image a fork made: labelled with its own source VM
+    let forked = matches!(
+        (&img.spec.source, img.metadata.labels.get(boxery_api::image::MEMORY_FORK_LABEL)),
+        (ImageSource::Vm(src), Some(of)) if src == of
+    );
+    if !forked || img.metadata.is_deleting() {
         return Ok(());
     }
     let vms: Vec<Vm> = ctx.store.list_as::<Vm>(&Default::default()).await?;
@@ -1326,13 +1349,7 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     };
     // a warm pool's member continues a clean member's memory where it can
     let size = size_of(&vm);
-    let (image, memory) = match warm_image(&vm, ctx).await? {
-        Some(warm) if start_from_memory(&vm, &warm, size, ctx).await? => (warm, true),
-        _ => {
-            let memory = start_from_memory(&vm, &image, size, ctx).await?;
-            (image, memory)
-        }
-    };
+    let (image, memory) = start_from(&vm, image, size, ctx).await?;
     vm.status.conditions.set_condition(
         conditions::IMAGE_AVAILABLE,
         ConditionStatus::True,
