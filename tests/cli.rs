@@ -126,6 +126,17 @@ fn lifecycle_in_embedded_mode() {
             "--timeout=30s",
         ]);
     }
+    // A fork with memory into a name taken is refused before anything is made (its image
+    // would otherwise stay, with no child to end it).
+    let out = home.run(&["fork", "dev1", "dev9", "dev2", "--with-memory"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("dev2") && err.contains("already exists"),
+        "{err}"
+    );
+    assert!(!home.ok(&["get", "vms"]).contains("dev9"));
+    assert!(!home.ok(&["get", "images"]).contains("dev1.fork-"));
 
     // Stop, start, resize.
     home.ok(&["stop", "dev2", "--wait", "--timeout", "30s"]);

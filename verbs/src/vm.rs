@@ -129,16 +129,20 @@ async fn create<R: boxery_api::Resource>(
 
 /// `create` for a VM: the store's own words on the CLI, "pick another name" for a tool.
 async fn create_vm(v: &Verbs, vm: &Vm, verb: &str) -> Result {
-    let name = vm.name().to_string();
-    create(v, vm, verb, || match v.voice {
+    create(v, vm, verb, || vm_exists(v, vm.name())).await
+}
+
+/// VM `name` exists already: the store's own words on the CLI, "pick another name" for a
+/// tool.
+fn vm_exists(v: &Verbs, name: &str) -> VerbError {
+    match v.voice {
         Voice::Cli => StoreError::AlreadyExists {
             kind: "Vm".into(),
-            name: name.clone(),
+            name: name.to_string(),
         }
         .into(),
         Voice::Tool => VerbError::conflict(format!("VM {name} already exists: pick another name")),
-    })
-    .await
+    }
 }
 
 /// `new`'s input.
@@ -278,6 +282,15 @@ pub async fn fork(
             Voice::Cli => "name at least one new VM",
             Voice::Tool => "give the new VMs' `names`",
         }));
+    }
+    if memory {
+        // refused before the fork's image is made: a child that cannot be made would leave
+        // it behind (the controller deletes it once every child exists)
+        for n in names {
+            if v.store().get_as::<Vm>(n).await?.is_some() {
+                return Err(vm_exists(v, n));
+            }
+        }
     }
     let source = if memory {
         VmSource::Image(memory_fork_image(v, &s, size).await?)
