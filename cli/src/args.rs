@@ -454,6 +454,28 @@ pub(crate) enum Command {
         #[arg(last = true)]
         cmd: Vec<String>,
     },
+    /// Forward ports between this machine and a VM until interrupted: `forward dev1 8080`
+    /// makes the guest's port 8080 (on its loopback or any address) reachable at
+    /// 127.0.0.1:8080 here; `-R` the other way.
+    #[command(after_help = "Examples:\n  \
+        boxery forward dev1 8080            # http://127.0.0.1:8080 here reaches port 8080 in dev1\n  \
+        boxery forward dev1 18080:8080      # port 18080 here\n  \
+        boxery forward dev1 :8080 :5432     # any free ports here (printed)\n  \
+        boxery forward dev1 -R 3000         # dev1's 127.0.0.1:3000 reaches port 3000 here")]
+    Forward {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// `REMOTE` (the same port here), `LOCAL:REMOTE`, or `:REMOTE` (any free port here).
+        #[arg(required = true, value_name = "[LOCAL:]REMOTE")]
+        ports: Vec<String>,
+        /// The other way: the guest's 127.0.0.1:REMOTE reaches LOCAL on --address here.
+        #[arg(short = 'R', long)]
+        reverse: bool,
+        /// The address here to listen on (or, with -R, to connect to).
+        #[arg(long, default_value = "127.0.0.1")]
+        address: std::net::IpAddr,
+    },
     /// Run a command in a VM: output is streamed, and boxery exits with the command's code.
     Run {
         /// The VM.

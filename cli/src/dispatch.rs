@@ -245,6 +245,12 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
                 .then(|| boxery_home::activity::Ticker::start(&v.env.home, &vm));
             return Ok(boxery_hands::ssh(&reach, &cmd)?);
         }
+        Command::Forward {
+            vm,
+            ports,
+            reverse,
+            address,
+        } => return guest::forward(v, &vm, &ports, reverse, address).await,
         Command::Run { vm, cmd } => return Ok(boxery_hands::run(&v.reach(&vm).await?, &cmd)?),
         Command::Drill { vm, sibling } => return drill_command(v, &vm, sibling.as_deref()).await,
         Command::Cp { src, dst } => return guest::cp(v, &src, &dst).await,

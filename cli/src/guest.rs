@@ -111,3 +111,31 @@ pub async fn cp(v: &Verbs, src: &str, dst: &str) -> CliResult<ExitCode> {
     copy::copy(v, src, dst).await?;
     Ok(ExitCode::SUCCESS)
 }
+
+/// `forward VM [LOCAL:]REMOTE…`: bind or start every pair, say where each is, and carry them
+/// until interrupted (or a reverse forward's connection ends). The session is a use of the VM
+/// for as long as it lasts (spec.idle).
+pub async fn forward(
+    v: &Verbs,
+    vm: &str,
+    pairs: &[String],
+    reverse: bool,
+    address: std::net::IpAddr,
+) -> CliResult<ExitCode> {
+    use boxery_verbs::guest::forward;
+    let f = forward::open(v, vm, pairs, reverse, address).await?;
+    for line in f.lines(address) {
+        outln!("{line}");
+    }
+    eprintln!("boxery: forwarding until interrupted (Ctrl-C)");
+    let _session = v
+        .local()
+        .is_ok()
+        .then(|| boxery_home::activity::Ticker::start(&v.env.home, vm));
+    let say: boxery_hands::forward::Say = std::sync::Arc::new(|line| eprintln!("{line}"));
+    tokio::select! {
+        r = forward::hold(f, say) => r?,
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -113,6 +113,7 @@ pub fn row(command: &Command) -> Row<'_> {
         | Command::Lease(_)
         | Command::Grant(_)
         | Command::Ssh { .. }
+        | Command::Forward { .. }
         | Command::Run { .. }
         | Command::Cp { .. }
         | Command::Mcp { .. }

@@ -14,6 +14,7 @@ use boxery_store::Store;
 
 use crate::ssh::{SshDir, Target};
 
+pub mod forward;
 pub mod keys;
 pub mod mux;
 pub mod ssh;
@@ -281,8 +282,22 @@ impl Reach {
 
     /// The ssh command, to finish with arguments (`std::process`).
     pub fn std_command(&self) -> std::process::Command {
+        self.build(false)
+    }
+
+    /// [`Reach::command`] on a connection of its own, never the VM's ControlMaster: for what
+    /// must end with the process (a reverse forward, which a master would keep).
+    pub fn alone_command(&self) -> tokio::process::Command {
+        tokio::process::Command::from(self.build(true))
+    }
+
+    fn build(&self, alone: bool) -> std::process::Command {
         let mut c = std::process::Command::new("ssh");
         c.args(crate::ssh::debug_log_args());
+        if alone {
+            // first on the line: ssh keeps the first value it reads of an option
+            c.args(["-S", "none", "-o", "ControlMaster=no"]);
+        }
         if let Some(key) = &self.key {
             let mut cp = std::ffi::OsString::from("ControlPath=");
             cp.push(&self.cm);
