@@ -1250,6 +1250,219 @@ fn processes_with(needle: &str) -> Vec<String> {
 /// `boxery connect`, the host key pinned from the VM's object), copies a file both ways, and
 /// an MCP client through `boxery mcp` with the context does the same with the tools. When the
 /// VM is deleted, nothing of the second home keeps running.
+/// A running `boxery forward`: its first line of stdout read (the address it names), killed
+/// and waited for on drop if the test did not stop it.
+struct Forwarding {
+    child: std::process::Child,
+    /// The lines it printed before carrying anything: one per pair.
+    lines: Vec<String>,
+    err: PathBuf,
+}
+
+impl Forwarding {
+    /// Start `c` (a `boxery forward …` command with `pairs` pairs) and read its line for each
+    /// pair (at most 2 minutes).
+    fn start(mut c: std::process::Command, pairs: usize, err: PathBuf) -> Forwarding {
+        use std::io::BufRead;
+        let mut child = c
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut lines = Vec::new();
+        while lines.len() < pairs {
+            match rx.recv_timeout(Duration::from_secs(120)) {
+                Ok(l) => lines.push(l.trim().to_string()),
+                Err(_) => break,
+            }
+        }
+        let f = Forwarding { child, lines, err };
+        assert!(
+            f.lines.len() == pairs && f.lines.iter().all(|l| l.starts_with("forwarding ")),
+            "boxery forward said {:?}; stderr: {}",
+            f.lines,
+            f.stderr()
+        );
+        f
+    }
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.err).unwrap_or_default()
+    }
+    /// The local address of pair `i`, a forward to the guest (`forwarding 127.0.0.1:P -> vm:R`).
+    fn local(&self, i: usize) -> String {
+        self.lines[i].split_whitespace().nth(1).unwrap().to_string()
+    }
+    /// Ctrl-C, as a person stops it; it exits 0.
+    fn interrupt(mut self) {
+        let pid = self.child.id().to_string();
+        assert!(
+            std::process::Command::new("kill")
+                .args(["-INT", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+        let mut waited = None;
+        for _ in 0..100 {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                waited = Some(s);
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let s = waited.expect("boxery forward ends on Ctrl-C");
+        assert!(s.success(), "{s:?}: {}", self.stderr());
+    }
+}
+
+impl Drop for Forwarding {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One HTTP/1.0 GET of `/` at `addr`: the whole answer.
+fn http_get(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+/// `boxery forward` both ways on VM `vm`: `forward` makes a `boxery forward` command (on this
+/// host's home or through a context), `run` runs a line in the guest.
+fn check_forwards(
+    forward: impl Fn(&[&str]) -> std::process::Command,
+    run: impl Fn(&str) -> String,
+    vm: &str,
+    scratch: &Path,
+) {
+    // a web server on the guest's loopback only
+    run(
+        "mkdir -p /tmp/www && echo hello-forward > /tmp/www/index.html && \
+         (setsid busybox httpd -f -p 127.0.0.1:8080 -h /tmp/www </dev/null >/dev/null 2>&1 &); true",
+    );
+    let f = Forwarding::start(forward(&[":8080", ":8081"]), 2, scratch.join("fwd.err"));
+    let addr = f.local(0);
+    assert!(addr.starts_with("127.0.0.1:"), "{:?}", f.lines);
+    assert!(
+        f.lines[0].ends_with(&format!("-> {vm}:8080")),
+        "{:?}",
+        f.lines
+    );
+    let page = common::eventually(Duration::from_secs(30), || {
+        let a = http_get(&addr);
+        a.contains("hello-forward").then_some(a)
+    });
+    assert!(
+        page.is_some(),
+        "the guest's page through {addr}: {}",
+        f.stderr()
+    );
+    // again (a second connection: a channel of the same master)
+    assert!(http_get(&addr).contains("hello-forward"));
+    // nothing listens on 8081 in the guest: the connection closes, and stderr says so
+    let closed = f.local(1);
+    let _ = http_get(&closed);
+    let said = common::eventually(Duration::from_secs(30), || {
+        let e = f.stderr();
+        e.contains(&format!("nothing listens on port 8081 in {vm}"))
+            .then_some(())
+    });
+    assert!(said.is_some(), "stderr: {}", f.stderr());
+    f.interrupt();
+    assert!(
+        std::net::TcpStream::connect(&addr).is_err(),
+        "{addr} still listens after Ctrl-C"
+    );
+    // the other way: the guest's 127.0.0.1:9090 reaches a listener here
+    let here = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = here.local_addr().unwrap().port();
+    let server = std::thread::spawn(move || {
+        use std::io::{BufRead, Write};
+        let (mut c, _) = here.accept().unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(c.try_clone().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        c.write_all(format!("from-host {}", line).as_bytes())
+            .unwrap();
+    });
+    let r = Forwarding::start(
+        forward(&["-R", &format!("{port}:9090")]),
+        1,
+        scratch.join("rev.err"),
+    );
+    assert!(
+        r.lines[0].contains(&format!("{vm}:127.0.0.1:9090 -> 127.0.0.1:{port}")),
+        "{:?}",
+        r.lines
+    );
+    assert_eq!(run("echo ping | nc -w 10 127.0.0.1 9090"), "from-host ping");
+    server.join().unwrap();
+    // a guest port that is taken is refused before anything is said to be forwarded
+    let mut c = forward(&["-R", &format!("{port}:9090")]);
+    c.stdin(std::process::Stdio::null());
+    let o = bounded(c, Duration::from_secs(120)).expect("finished");
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("port 9090 in"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        o.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    r.interrupt();
+    let gone = common::eventually(Duration::from_secs(30), || {
+        (run("nc -w 2 127.0.0.1 9090 </dev/null && echo open || echo closed") == "closed")
+            .then_some(())
+    });
+    assert!(
+        gone.is_some(),
+        "the guest's port 9090 still listens after Ctrl-C"
+    );
+}
+
+/// `boxery forward` on this VM host (the VM's own ssh and ControlMaster).
+fn forward_ports(kind: Kind) {
+    let h = RealHome::new(kind);
+    let _serve = h.serve();
+    let f = h.home.write("vm.yaml", &tiny_vm("fw1"));
+    h.apply_file(&f, "10m");
+    let scratch = tempfile::tempdir().unwrap();
+    check_forwards(
+        |args| {
+            let mut c = h.home.cmd();
+            c.env("BOXERY_BACKEND", h.kind.name())
+                .envs(h.env.iter().map(|(k, v)| (k, v)))
+                .args(["forward", "fw1"])
+                .args(args);
+            c
+        },
+        |line| h.run("fw1", line),
+        "fw1",
+        scratch.path(),
+    );
+    h.ok(&["delete", "vm", "fw1", "--wait", "--timeout", "3m"]);
+}
+
 fn remote_context(kind: Kind) {
     let h = RealHome::new(kind);
     let _serve = h.serve_args(&["--api-listen", "127.0.0.1:0"], &[]);
@@ -1321,6 +1534,19 @@ fn remote_context(kind: Kind) {
         );
         write_endpoint(real);
     }
+    // port forwards through the API tunnel
+    check_forwards(
+        |args| {
+            let mut c = laptop.cmd();
+            c.env("BOXERY_CONTEXT", "vmhost")
+                .args(["forward", "far1"])
+                .args(args);
+            c
+        },
+        |line| h.run("far1", line),
+        "far1",
+        laptop.path(),
+    );
     // a file both ways
     let src = laptop.write("in.txt", "from the laptop\n");
     lap_ok(&["cp", src.to_str().unwrap(), "far1:in.txt"]);
@@ -1600,6 +1826,23 @@ fn guest_uses_grants(kind: Kind) {
     let wrong = h.run("g1", &post("bxt_0000"));
     assert!(wrong.starts_with("HTTP/1.1 401"), "{wrong}");
     assert_eq!(up.seen().len(), 1);
+    // A client that ignores no_proxy sends the call to $http_proxy, in absolute form, for the
+    // proxy's own address: it is served as if sent directly (it used to be refused, 403, as a
+    // private address).
+    let absolute = "hp=${BOXERY_PROXY#http://}; h=${hp%:*}; p=${hp##*:}; [ \"$p\" != \"$hp\" ] || p=80; \
+         { printf 'POST %s/llm/anthropic/v1/messages HTTP/1.1\\r\\nhost: %s\\r\\nproxy-authorization: Bearer %s\\r\\nx-api-key: %s\\r\\ncontent-type: application/json\\r\\ncontent-length: 2\\r\\nconnection: close\\r\\n\\r\\n{}' \"$BOXERY_PROXY\" \"$hp\" \"$BOXERY_TOKEN\" \"$ANTHROPIC_API_KEY\"; sleep 2; } \
+         | nc \"$h\" \"$p\" | tr -d '\\r'"
+    .to_string();
+    let answer = h.run("g1", &absolute);
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && answer.ends_with("{\"ok\":true}"),
+        "{answer:?} from {absolute}"
+    );
+    assert_eq!(
+        up.seen().len(),
+        2,
+        "the upstream saw the absolute-form call"
+    );
     // The file grant: in tmpfs, 0400.
     assert_eq!(
         h.run("g1", "cat /run/boxery/files/app/app.conf; stat -c %a /run/boxery/files/app/app.conf /run/boxery/env"),
@@ -1989,6 +2232,11 @@ mod qemu {
     #[test]
     fn run_over_the_control_master() {
         super::run_over_the_control_master(super::Kind::Qemu)
+    }
+
+    #[test]
+    fn forward_ports_both_ways() {
+        super::forward_ports(super::Kind::Qemu)
     }
 
     #[test]

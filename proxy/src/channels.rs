@@ -47,11 +47,11 @@ pub async fn keep(proxy: Proxy, backend: Arc<dyn Backend>, stop: CancellationTok
             _ = tick.tick() => {}
         }
         // What should be served: each VM with a token, at the place its backend names.
-        let mut want: HashMap<ProxyListen, Option<String>> = HashMap::new();
+        let mut want: HashMap<ProxyListen, (Option<String>, String)> = HashMap::new();
         for vm in boxery_home::tokens::vms(&home) {
             if let Some(g) = backend.guest_proxy(&vm) {
                 let channel = matches!(g.listen, ProxyListen::Unix(_)).then_some(vm);
-                want.insert(g.listen, channel);
+                want.insert(g.listen, (channel, g.url));
             }
         }
         served.retain(|listen, s| {
@@ -63,11 +63,11 @@ pub async fn keep(proxy: Proxy, backend: Arc<dyn Backend>, stop: CancellationTok
             keep
         });
         failed.retain(|l| want.contains_key(l));
-        for (listen, channel) in want {
+        for (listen, (channel, url)) in want {
             if served.contains_key(&listen) {
                 continue;
             }
-            match start(&proxy, &listen, channel, stop.child_token()).await {
+            match start(&proxy, &listen, channel, &url, stop.child_token()).await {
                 Ok(s) => {
                     if failed.remove(&listen) {
                         tracing::info!(channel = ?listen, "credential proxy channel serving");
@@ -104,9 +104,10 @@ async fn start(
     proxy: &Proxy,
     listen: &ProxyListen,
     channel: Option<String>,
+    url: &str,
     stop: CancellationToken,
 ) -> std::io::Result<Served> {
-    let router = proxy.router(channel);
+    let router = proxy.router_seen_at(channel, Some(url));
     let done = stop.clone();
     match listen {
         ProxyListen::Unix(path) => {

@@ -104,6 +104,63 @@ pub(crate) fn is_egress(req: &Request) -> bool {
     req.method() == Method::CONNECT || req.uri().scheme().is_some()
 }
 
+/// Where a guest reaches the credential proxy (its guest URL's host and port).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Own {
+    host: String,
+    port: u16,
+}
+
+impl Own {
+    /// The host and port of a guest URL (`http://10.0.2.100`, `http://192.168.122.1:8431`).
+    pub(crate) fn of(url: &str) -> Option<Own> {
+        let uri: axum::http::Uri = url.parse().ok()?;
+        Some(Own {
+            host: bare(uri.host()?).to_ascii_lowercase(),
+            port: uri.port_u16().unwrap_or(80),
+        })
+    }
+}
+
+/// Whether `req` goes through the egress proxy to the credential proxy itself: a client that
+/// sends every request to `http_proxy` whatever `no_proxy` says (busybox `wget`, some SDKs).
+/// The guest address is this listener's own, so it is served here, never refused as private
+/// or connected to from the host.
+pub(crate) fn is_own(s: &Served, req: &Request) -> bool {
+    let (Some(own), Some(a)) = (&s.own, req.uri().authority()) else {
+        return false;
+    };
+    let absolute = req.method() == Method::CONNECT || req.uri().scheme_str() == Some("http");
+    absolute
+        && bare(a.host()).eq_ignore_ascii_case(&own.host)
+        && a.port_u16().unwrap_or(80) == own.port
+}
+
+/// An absolute-form request for this proxy, made origin-form (`GET /anthropic/v1/…`).
+pub(crate) fn to_origin_form(req: &mut Request) {
+    let pq = req
+        .uri()
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| axum::http::uri::PathAndQuery::from_static("/"));
+    *req.uri_mut() = pq.into();
+}
+
+/// `CONNECT` to this proxy's own guest address: answer 200 and serve the tunnel's requests
+/// here, on the same channel (so the same VM), each admitted and audited as any other.
+pub(crate) fn tunnel_to_own(s: Served, mut req: Request) -> Response {
+    let upgrade = hyper::upgrade::on(&mut req);
+    tokio::spawn(async move {
+        let Ok(conn) = upgrade.await else { return };
+        let svc = hyper_util::service::TowerToHyperService::new(s.router());
+        let _ = hyper::server::conn::http1::Builder::new()
+            .serve_connection(conn, svc)
+            .with_upgrades()
+            .await;
+    });
+    StatusCode::OK.into_response()
+}
+
 /// A refusal or failure, marked so a client (the drill) can tell them apart.
 fn answer(r: Refusal, mark: &'static str) -> Response {
     let status = r.status;

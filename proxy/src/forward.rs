@@ -49,7 +49,13 @@ const CLIENT: &[&str] = &[
 ];
 
 /// Every request: admit, limit, forward, stream back, audit.
-pub(crate) async fn handle(State(s): State<Served>, req: Request) -> Response {
+pub(crate) async fn handle(State(s): State<Served>, mut req: Request) -> Response {
+    if egress::is_own(&s, &req) {
+        if req.method() == axum::http::Method::CONNECT {
+            return egress::tunnel_to_own(s, req);
+        }
+        egress::to_origin_form(&mut req);
+    }
     if egress::is_egress(&req) {
         return egress::handle(s, req).await;
     }

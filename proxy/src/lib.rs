@@ -196,12 +196,20 @@ impl Proxy {
     /// socket, e.g. a qemu `guestfwd`): a token of any other VM is then refused. `None`: a
     /// shared listener, where the token alone says which VM.
     pub fn router(&self, channel: Option<String>) -> axum::Router {
-        axum::Router::new()
-            .fallback(forward::handle)
-            .with_state(Served {
-                proxy: self.clone(),
-                channel: channel.map(Arc::from),
-            })
+        self.router_seen_at(channel, None)
+    }
+
+    /// [`Proxy::router`] for a listener the guest reaches at `url` (its
+    /// [`GuestProxy`](boxery_backends::GuestProxy) URL): a request the guest sends to that
+    /// address through the egress proxy (a client that ignores `no_proxy`) is served by the
+    /// credential proxy, as if sent to it directly.
+    pub fn router_seen_at(&self, channel: Option<String>, url: Option<&str>) -> axum::Router {
+        Served {
+            proxy: self.clone(),
+            channel: channel.map(Arc::from),
+            own: url.and_then(egress::Own::of).map(Arc::new),
+        }
+        .router()
     }
 
     /// Bind `addr` (TCP).
@@ -238,6 +246,16 @@ pub fn addr_file(home: &Path) -> PathBuf {
 struct Served {
     proxy: Proxy,
     channel: Option<Arc<str>>,
+    /// Where the guest reaches this listener, when known.
+    own: Option<Arc<egress::Own>>,
+}
+
+impl Served {
+    fn router(self) -> axum::Router {
+        axum::Router::new()
+            .fallback(forward::handle)
+            .with_state(self)
+    }
 }
 
 /// A refusal: a status and a reason for the JSON body (never a secret).

@@ -677,3 +677,106 @@ async fn a_channel_serves_its_own_vm_only() {
     .await;
     assert_eq!(r.status(), 200);
 }
+
+/// A client that sends everything to `http_proxy`, ignoring `no_proxy` (busybox `wget`, some
+/// SDKs), asks the egress proxy for the credential proxy's own guest address: it is served
+/// here as if sent directly (absolute-form, and through a `CONNECT` tunnel), never refused as
+/// a private address, and still only for the channel's VM.
+#[tokio::test]
+async fn a_client_that_ignores_no_proxy_reaches_the_credential_proxy() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (f, t1) = dev1().await;
+    let t2 = dev2(&f);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    // the listener's own address stands for the guest's (10.0.2.100 under qemu)
+    let channel = format!("http://{addr}");
+    let router = f.server.router_seen_at(Some("dev1".into()), Some(&channel));
+    let stop = f.stop.clone();
+    tokio::spawn(async move {
+        axum::serve(l, router)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await
+    });
+    let via_proxy = |t: &str| {
+        reqwest::Client::builder()
+            .proxy(
+                reqwest::Proxy::all(&channel)
+                    .unwrap()
+                    .basic_auth("boxery", t),
+            )
+            .build()
+            .unwrap()
+    };
+    let before = f.upstream.count();
+    let r = via_proxy(&t1)
+        .post(format!("{channel}/llm/anthropic/v1/messages"))
+        .header("x-api-key", &t1)
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    assert_eq!(f.upstream.count(), before + 1, "the upstream saw it");
+    // another VM's token is refused on dev1's channel, this way too
+    let (status, why) = reason(
+        via_proxy(&t2)
+            .post(format!("{channel}/llm/anthropic/v1/messages"))
+            .header("x-api-key", &t2)
+            .body("{}")
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 401, "{why}");
+    // CONNECT to the proxy's own address: the tunnel's requests are served here
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "CONNECT {addr} HTTP/1.1\r\nHost: {addr}\r\n\r\n\
+         POST /llm/anthropic/v1/messages HTTP/1.1\r\nHost: {addr}\r\nx-api-key: {t1}\r\n\
+         content-length: 2\r\nConnection: close\r\n\r\n{{}}"
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(std::time::Duration::from_secs(10), s.read_to_end(&mut out))
+        .await
+        .unwrap()
+        .unwrap();
+    let out = String::from_utf8_lossy(&out);
+    let statuses: Vec<&str> = out.lines().filter(|l| l.starts_with("HTTP/1.1 ")).collect();
+    assert_eq!(statuses.len(), 2, "{out}");
+    assert!(statuses.iter().all(|l| l.contains(" 200")), "{out}");
+    assert_eq!(
+        f.upstream.count(),
+        before + 2,
+        "the upstream saw the tunnel's request"
+    );
+    // a listener that does not know its guest address still refuses the address (the
+    // egress proxy never connects to a private address for a guest)
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let plain = format!("http://{}", l.local_addr().unwrap());
+    let router = f.server.router(Some("dev1".into()));
+    let stop = f.stop.clone();
+    tokio::spawn(async move {
+        axum::serve(l, router)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await
+    });
+    let r = reqwest::Client::builder()
+        .proxy(
+            reqwest::Proxy::all(&plain)
+                .unwrap()
+                .basic_auth("boxery", &t1),
+        )
+        .build()
+        .unwrap()
+        .post(format!("{plain}/llm/anthropic/v1/messages"))
+        .header("x-api-key", &t1)
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    assert_eq!(f.upstream.count(), before + 2);
+}
