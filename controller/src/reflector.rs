@@ -92,6 +92,25 @@ impl Entry {
     }
 }
 
+/// What a metadata-only cache keeps of an object's metadata: all but its annotations and its
+/// managed fields (the field owners' sets, the larger part of the metadata of an applied
+/// object; issue 31 measured them at 2 MiB of an idle `serve` with 1,000 Vms).
+fn slim(m: &ObjectMeta) -> ObjectMeta {
+    ObjectMeta {
+        name: m.name.clone(),
+        uid: m.uid.clone(),
+        resource_version: m.resource_version.clone(),
+        generation: m.generation,
+        creation_timestamp: m.creation_timestamp,
+        deletion_timestamp: m.deletion_timestamp,
+        labels: m.labels.clone(),
+        annotations: Default::default(),
+        finalizers: m.finalizers.clone(),
+        owner_references: m.owner_references.clone(),
+        managed_fields: Vec::new(),
+    }
+}
+
 /// Parse a cached object's text, which this cache wrote from a `DynObject`: it reads back.
 fn parse<T: serde::de::DeserializeOwned>(json: &str) -> Option<T> {
     match serde_json::from_str(json) {
@@ -140,8 +159,8 @@ impl Cache {
     }
 
     /// An empty cache for `kind` that keeps only each object's metadata, without its
-    /// annotations (its `spec`, `status`, other fields and annotations are dropped on the way
-    /// in, from the changes it emits too): for kinds a controller watches only to map changes
+    /// annotations and managed fields (its `spec`, `status`, other fields, annotations and
+    /// `managedFields` are dropped on the way in, from the changes it emits too): for kinds a controller watches only to map changes
     /// to keys by name, labels or ownerReferences, at a fraction of the memory.
     pub fn metadata_only(kind: &str) -> Self {
         Cache {
@@ -159,10 +178,7 @@ impl Cache {
                 held: Held::Meta(Arc::new(DynObject {
                     api_version: obj.api_version.clone(),
                     kind: obj.kind.clone(),
-                    metadata: ObjectMeta {
-                        annotations: Default::default(),
-                        ..obj.metadata.clone()
-                    },
+                    metadata: slim(&obj.metadata),
                     rest: Default::default(),
                 })),
             };
@@ -192,10 +208,7 @@ impl Cache {
     fn as_admitted(&self, obj: DynObject) -> Arc<DynObject> {
         if self.metadata_only {
             Arc::new(DynObject {
-                metadata: ObjectMeta {
-                    annotations: Default::default(),
-                    ..obj.metadata
-                },
+                metadata: slim(&obj.metadata),
                 rest: Default::default(),
                 ..obj
             })
