@@ -1,5 +1,6 @@
 #!/bin/bash
-# build-debian.sh [--force] OUT_DIR — build boxery's Debian 12 guest from Debian's packages only.
+# build-debian.sh [--force] OUT_DIR — build boxery's Debian 12 guest from Debian's packages only
+# (and, with BOXERY_EXTRA_LAYERS=agents, the npm registry's packages that layer names).
 #
 #   1. debootstrap --variant=minbase bookworm into a folder, with systemd, openssh-server, sudo,
 #      cloud-init (NoCloud only), qemu-guest-agent, the cloud kernel and every layer's packages
@@ -17,7 +18,8 @@
 # Cached by a hash of its inputs (this script, lib.sh, the layers, the package list, suite,
 # mirror, disk size): a second run with the same inputs returns at once. --force rebuilds.
 # Runs as root (debootstrap, chroot). Needs network access to the Debian archive.
-# Env: BOXERY_MIRROR (default http://deb.debian.org/debian), DEBIAN_DISK_SIZE (default 4G),
+# Env: BOXERY_EXTRA_LAYERS (layers after plumbing and devtools: the output is debian-12+LAYER…),
+#      BOXERY_MIRROR (default http://deb.debian.org/debian), DEBIAN_DISK_SIZE (default 4G),
 #      BOXERY_DEBOOTSTRAP_CACHE (default /var/cache/boxery/debootstrap: downloaded .debs).
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
@@ -25,7 +27,10 @@ set -euo pipefail
 FORCE=0
 [ "${1:-}" = --force ] && { FORCE=1; shift; }
 OUT=${1:-$BOXERY_DEFAULT_OUT}
-NAME=debian-12
+# More layers on top of plumbing and devtools (an Image's spec.source.build.layers): the
+# output is then named debian-12+LAYER[+LAYER…], beside the plain one.
+EXTRA=$(echo ${BOXERY_EXTRA_LAYERS:-})
+NAME=debian-12${EXTRA:++${EXTRA// /+}}
 SUITE=bookworm
 MIRROR=${BOXERY_MIRROR:-http://deb.debian.org/debian}
 SECURITY_MIRROR=${BOXERY_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
@@ -33,7 +38,11 @@ DISK_SIZE=${DEBIAN_DISK_SIZE:-4G}
 DEB_CACHE=${BOXERY_DEBOOTSTRAP_CACHE:-/var/cache/boxery/debootstrap}
 CMDLINE="root=/dev/vda rw console=ttyS0 panic=-1"
 L=$BOXERY_IMAGE_DIR/layers
-LAYERS="plumbing devtools"
+LAYERS="plumbing devtools${EXTRA:+ $EXTRA}"
+for l in $EXTRA; do
+  case "$l" in *[!a-z0-9-]*|plumbing|devtools) die "bad extra layer '$l'" ;; esac
+  [ -f "$L/$l.sh" ] || die "no layer $L/$l.sh (layers: $(cd "$L" && ls *.sh | sed 's/\.sh$//' | grep -v provision | tr '\n' ' '))"
+done
 [ "$(id -u)" = 0 ] || die "build-debian.sh must run as root (debootstrap, chroot)"
 require debootstrap chroot mkfs.ext4 qemu-img sha256sum mount umount
 
@@ -56,6 +65,7 @@ disk_size=$DISK_SIZE
 include=$INCLUDE
 cmdline=$CMDLINE
 layers=$LAYERS
+npm_registry=${BOXERY_NPM_REGISTRY:-https://registry.npmjs.org}
 EOI
 )
 OUTPUTS=("$NAME.qcow2" "$NAME.vmlinuz" "$NAME.initrd" "$NAME.build-info")
@@ -160,9 +170,10 @@ install -m 0755 "$L"/*.sh "$ROOT/usr/local/lib/boxery/layers/"
 ln -sf /usr/local/lib/boxery/layers/provision.sh "$ROOT/usr/local/sbin/boxery-provision"
 echo "$LAYERS" > "$ROOT/etc/boxery-provision.tmp"; install -d "$ROOT/etc/boxery"
 mv "$ROOT/etc/boxery-provision.tmp" "$ROOT/etc/boxery/provision"
-chroot "$ROOT" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 BOXERY_IMAGE=$NAME \
+chroot "$ROOT" env -i PATH=/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 BOXERY_IMAGE=$NAME \
+  BOXERY_NPM_REGISTRY="${BOXERY_NPM_REGISTRY:-https://registry.npmjs.org}" \
   /usr/local/sbin/boxery-provision $LAYERS 2>&1 | while IFS= read -r line; do
-    case "$line" in boxery-provision:*|plumbing:*|devtools:*) phase "  $line" ;; esac
+    case "$line" in boxery-provision:*) phase "  $line" ;; *) for l in $LAYERS; do case "$line" in "$l:"*) phase "  $line" ;; esac; done ;; esac
   done || true
 [ -f "$ROOT/var/log/boxery-provision.ok" ] || { tail -40 "$ROOT/var/log/boxery-provision.log"; die "layers failed (log above)"; }
 

@@ -43,8 +43,7 @@ impl_resource!(
         force_delete: ForceDelete::BackendImage,
         typed: Typed::of::<Image>(),
     },
-    normalize = normalize_image,
-    unimplemented = unimplemented
+    normalize = normalize_image
 );
 
 /// The label on an Image made for a fork with memory (`boxery fork --with-memory`), naming
@@ -85,10 +84,91 @@ pub enum ImageSource {
 pub struct BuildSpec {
     /// The distribution to start from (`debian-12`).
     pub base: String,
-    /// Guest layers to apply, in order. Not implemented yet: a non-empty list is refused (a
-    /// stock image is built with its own layers).
+    /// Layers to build in on top of the base's own (`boxery images layers` lists them; e.g.
+    /// `[agents]`): the image is built once per base and set of layers, and shared by every
+    /// Image that asks for the same (`debian-12` only).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub layers: Vec<String>,
+}
+
+/// A guest layer: a script under `image/layers/` run as root at build time, one source of
+/// truth for what `spec.source.build.layers` accepts and what `boxery images layers` prints.
+#[derive(Debug, Clone, Copy)]
+pub struct Layer {
+    /// Its name.
+    pub name: &'static str,
+    /// What it installs.
+    pub installs: &'static str,
+    /// Whether every `debian-12` has it already (it cannot be asked for).
+    pub in_base: bool,
+}
+
+/// Every layer, in the order they are built.
+pub const LAYERS: &[Layer] = &[
+    Layer {
+        name: "plumbing",
+        installs: "the agent user (passwordless sudo), sshd settings, cloud-init's user, tmux, socat, qemu-guest-agent, security updates",
+        in_base: true,
+    },
+    Layer {
+        name: "devtools",
+        installs: "git, python3 (venv), jq, ripgrep, fd, curl, build-essential, pkg-config, unzip, xz, file",
+        in_base: true,
+    },
+    Layer {
+        name: "agents",
+        installs: "Node.js 22 and npm (from the npm registry), claude (Claude Code), codex (OpenAI Codex CLI), opencode; set up to reach their providers through boxery's credential proxy",
+        in_base: false,
+    },
+];
+
+/// The base that layers can be built on.
+pub const LAYERED_BASE: &str = "debian-12";
+
+/// The layers that can be asked for, for messages.
+fn askable() -> String {
+    LAYERS
+        .iter()
+        .filter(|l| !l.in_base)
+        .map(|l| l.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Check `layers` (for base `base`) and put them in build order without repeats: the one order a
+/// set of layers is built and cached in.
+pub fn normalize_layers(base: &str, layers: &[String]) -> Result<Vec<String>, String> {
+    if layers.is_empty() {
+        return Ok(Vec::new());
+    }
+    if base != LAYERED_BASE {
+        return Err(format!(
+            "only {LAYERED_BASE} is built with layers (`{base}` has none): use base {LAYERED_BASE}"
+        ));
+    }
+    for l in layers {
+        match LAYERS.iter().find(|k| k.name == l) {
+            None => {
+                return Err(format!(
+                    "no layer `{}`: the layers are {} (`boxery images layers`)",
+                    crate::name::shown(l),
+                    askable()
+                ));
+            }
+            Some(k) if k.in_base => {
+                return Err(format!(
+                    "every {LAYERED_BASE} has `{l}` already: remove it (the layers to ask for: {})",
+                    askable()
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(LAYERS
+        .iter()
+        .filter(|k| layers.iter().any(|l| l == k.name))
+        .map(|k| k.name.to_string())
+        .collect())
 }
 
 /// An image's phase.
@@ -135,13 +215,17 @@ crate::vm::recorded_status! {
 
 fn normalize_image(img: &mut Image) -> Result<(), Vec<FieldError>> {
     let mut errs = Vec::new();
-    match &img.spec.source {
+    match &mut img.spec.source {
         ImageSource::Vm(v) => {
             if let Err(e) = crate::validate::check_label_name(v) {
                 errs.push(FieldError::new("spec.source.vm", e));
             }
         }
         ImageSource::Build(b) => {
+            match normalize_layers(&b.base, &b.layers) {
+                Ok(l) => b.layers = l,
+                Err(e) => errs.push(FieldError::new("spec.source.build.layers", e)),
+            }
             if !crate::vm::STOCK_IMAGES.contains(&b.base.as_str()) {
                 errs.push(FieldError::new(
                     "spec.source.build.base",
@@ -169,15 +253,4 @@ fn normalize_image(img: &mut Image) -> Result<(), Vec<FieldError>> {
         ));
     }
     if errs.is_empty() { Ok(()) } else { Err(errs) }
-}
-
-/// The fields of an Image spec that validate but that nothing acts on yet.
-pub(crate) fn unimplemented(img: &Image) -> Vec<crate::validate::FieldError> {
-    match &img.spec.source {
-        ImageSource::Build(b) if !b.layers.is_empty() => vec![crate::validate::not_implemented(
-            "spec.source.build.layers",
-            "a stock image is built with its own layers (plumbing and devtools in debian-12); remove the field",
-        )],
-        _ => Vec::new(),
-    }
 }

@@ -545,11 +545,6 @@ mod tests {
             "spec.headless",
         );
         refused(
-            json!({"apiVersion": API_VERSION, "kind": "Image", "metadata": {"name": "i"},
-                   "spec": {"source": {"build": {"base": "debian-12", "layers": ["x"]}}}}),
-            "spec.source.build.layers",
-        );
-        refused(
             json!({"apiVersion": API_VERSION, "kind": "Pool", "metadata": {"name": "p"},
                    "spec": {"template": {"spec": {"source": {"image": "tiny"}, "layers": ["x"]}}}}),
             "spec.template.spec.layers",
@@ -568,6 +563,49 @@ mod tests {
             json!({"apiVersion": API_VERSION, "kind": "Grant", "metadata": {"name": "g"},
                    "spec": {"vm": "dev1", "type": "env", "target": "TOKEN", "valueFrom": {"env": "TOKEN"}}}),
         );
+    }
+
+    /// Issue 33: an Image's layers are checked against the layer table and put in its order;
+    /// a layer every base has, a base without layers, or an unknown name is refused by name.
+    #[test]
+    fn image_layers_are_known_ones_in_build_order() {
+        let image = |base: &str, layers: Value| {
+            normalize(
+                json!({"apiVersion": API_VERSION, "kind": "Image", "metadata": {"name": "i"},
+                             "spec": {"source": {"build": {"base": base, "layers": layers}}}}),
+            )
+        };
+        let ok = image("debian-12", json!(["agents", "agents"])).unwrap();
+        assert_eq!(
+            ok.rest["spec"]["source"]["build"]["layers"],
+            json!(["agents"])
+        );
+        assert_eq!(unimplemented(&ok), vec![]);
+        for (base, layers, says) in [
+            (
+                "debian-12",
+                json!(["desktopp"]),
+                "no layer `desktopp`: the layers are agents",
+            ),
+            (
+                "debian-12",
+                json!(["devtools"]),
+                "every debian-12 has `devtools` already",
+            ),
+            (
+                "tiny",
+                json!(["agents"]),
+                "only debian-12 is built with layers",
+            ),
+        ] {
+            let e = image(base, layers).unwrap_err();
+            assert!(
+                e.errors
+                    .iter()
+                    .any(|f| f.path == "spec.source.build.layers" && f.message.contains(says)),
+                "{e}"
+            );
+        }
     }
 
     /// Issue 30: a pool asking for members from a template it does not have said Ready and

@@ -216,6 +216,7 @@ async fn main() {
     l.backend
         .build_image(
             boxery_backends::Stock {
+                layers: &[],
                 name: "tiny",
                 image: "tiny",
                 uid: "uid-tiny",

@@ -49,6 +49,7 @@ async fn main() {
     env.backend
         .build_image(
             boxery_backends::Stock {
+                layers: &[],
                 name: &image,
                 image: &image,
                 uid: "uid-bench",

@@ -953,7 +953,9 @@ impl Backend for FakeBackend {
     }
 
     async fn build_image(&self, stock: Stock<'_>, progress: Progress) -> Result<()> {
-        let Stock { name, image, uid } = stock;
+        let Stock {
+            name, image, uid, ..
+        } = stock;
         self.step("build").await?;
         check_name("image", image)?;
         if !STOCK_IMAGES.contains(&name) {

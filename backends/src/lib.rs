@@ -412,6 +412,9 @@ pub type Progress = Arc<dyn Fn(&str) + Send + Sync>;
 pub struct Stock<'a> {
     /// The stock image (`debian-12`, `tiny`).
     pub name: &'a str,
+    /// Layers on top of the stock image's own, checked and in build order
+    /// ([`boxery_api::image::normalize_layers`]).
+    pub layers: &'a [String],
     /// The image to make of it.
     pub image: &'a str,
     /// The uid of the Image object it is made for (its mark).

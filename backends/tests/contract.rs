@@ -210,6 +210,7 @@ async fn contract(s: Subject) {
     step("the stock image");
     if caps.build_stock_image {
         let ours = boxery_backends::Stock {
+            layers: &[],
             name: s.stock,
             image: "stock",
             uid: "uid-stock",

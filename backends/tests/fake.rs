@@ -19,6 +19,7 @@ const STOCK: &str = "stock";
 const STOCK_UID: &str = "uid-stock";
 /// The stock image the tests build, as `STOCK` for `STOCK_UID`.
 const DEBIAN: Stock<'static> = Stock {
+    layers: &[],
     name: "debian-12",
     image: STOCK,
     uid: STOCK_UID,
@@ -129,6 +130,7 @@ async fn build_reports_progress_and_makes_a_marked_image() {
     assert!(matches!(
         b.build_image(
             Stock {
+                layers: &[],
                 name: "windows-95",
                 image: "w",
                 uid: "u"

@@ -54,6 +54,7 @@ impl Env {
         backend
             .build_image(
                 boxery_backends::Stock {
+                    layers: &[],
                     name: "tiny",
                     image: "tiny",
                     uid: "uid-tiny",

@@ -601,6 +601,7 @@ async fn debian_end_to_end() {
         std::sync::Arc::new(|line: &str| eprintln!("build: {line}"));
     b.build_image(
         boxery_backends::Stock {
+            layers: &[],
             name: "debian-12",
             image: "debian-12",
             uid: "uid-debian",

@@ -278,6 +278,9 @@ pub(crate) enum Command {
     },
     /// The backends this build has and what each offers (from their own declarations).
     Backends,
+    /// Facts about images: `images layers` lists the guest layers and what each installs.
+    #[command(subcommand)]
+    Images(ImagesCmd),
     /// The kinds boxery serves: names, short names, API version and verbs (as kubectl's).
     ApiResources,
     /// This build's version, the store's schema, the backend, and the control plane leading
@@ -475,6 +478,34 @@ pub(crate) enum Command {
         /// The address here to listen on (or, with -R, to connect to).
         #[arg(long, default_value = "127.0.0.1")]
         address: std::net::IpAddr,
+    },
+    /// Run a coding agent in a VM on a prompt, headless (`claude -p`, `codex exec`, `opencode
+    /// run`): its output is streamed and boxery exits with its exit code. The VM needs the
+    /// agents layer, and an `llm` grant for the agent's provider (docs/agents.md).
+    #[command(after_help = "Examples:\n  \
+        boxery prompt dev1 \"fix the failing test in ~/src and commit\"\n  \
+        boxery prompt dev1 --agent codex \"explain ~/src/main.rs\"\n  \
+        cat brief.md | boxery prompt dev1 -")]
+    Prompt {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The agent.
+        #[arg(long, default_value = "claude", value_parser = ["claude", "codex", "opencode"])]
+        agent: String,
+        /// The prompt (several words are joined with spaces); `-`: read it from stdin.
+        #[arg(required = true, value_name = "TEXT")]
+        text: Vec<String>,
+    },
+    /// Open the agent's terminal session in a VM (tmux session `agent`, made or rejoined):
+    /// detach with Ctrl-b d, and the agent runs on.
+    Attach {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The agent the session starts with when it is made.
+        #[arg(long, default_value = "claude", value_parser = ["claude", "codex", "opencode"])]
+        agent: String,
     },
     /// Run a command in a VM: output is streamed, and boxery exits with the command's code.
     Run {
@@ -789,4 +820,12 @@ pub(crate) enum JobsCmd {
         /// The job.
         id: String,
     },
+}
+
+/// `boxery images …`.
+#[derive(Debug, clap::Subcommand)]
+pub enum ImagesCmd {
+    /// The guest layers: those every debian-12 has, and those an Image can ask for in
+    /// `spec.source.build.layers` (e.g. `agents`), with what each installs.
+    Layers,
 }

@@ -891,6 +891,25 @@ pub fn version(env: &boxery_verbs::env::Env) -> CliResult {
 
 /// The backend support table, from each backend's own `capabilities()` (the one source of
 /// truth; docs/backends.md holds a copy a test keeps equal).
+/// `images layers`: the layer table ([`boxery_api::image::LAYERS`]).
+pub fn layers_table() -> String {
+    let mut t = comfy_table::Table::new();
+    t.load_preset(comfy_table::presets::NOTHING);
+    t.set_header(["LAYER", "IN", "INSTALLS"]);
+    for l in boxery_api::image::LAYERS {
+        t.add_row([
+            l.name.to_string(),
+            if l.in_base {
+                format!("every {}", boxery_api::image::LAYERED_BASE)
+            } else {
+                "spec.source.build.layers".to_string()
+            },
+            l.installs.to_string(),
+        ]);
+    }
+    format!("{}\n", t.trim_fmt())
+}
+
 pub fn backends_table(home: &std::path::Path) -> String {
     let yes = |b: bool| if b { "yes" } else { "no" };
     let mut out = String::from(

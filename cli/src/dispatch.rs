@@ -102,6 +102,7 @@ async fn dispatch_here(
         }
         Command::Service { cmd } => service::service(&env, selected.as_deref(), cmd).await?,
         Command::Backends => out!("{}", commands::backends_table(&env.home)),
+        Command::Images(crate::args::ImagesCmd::Layers) => out!("{}", commands::layers_table()),
         Command::ApiResources => out!("{}", commands::api_resources()),
         Command::Version => commands::version(&env)?,
         Command::Completion { shell } => {
@@ -251,6 +252,8 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
             reverse,
             address,
         } => return guest::forward(v, &vm, &ports, reverse, address).await,
+        Command::Prompt { vm, agent, text } => return guest::prompt(v, &vm, &agent, &text).await,
+        Command::Attach { vm, agent } => return guest::attach(v, &vm, &agent).await,
         Command::Run { vm, cmd } => return Ok(boxery_hands::run(&v.reach(&vm).await?, &cmd)?),
         Command::Drill { vm, sibling } => return drill_command(v, &vm, sibling.as_deref()).await,
         Command::Cp { src, dst } => return guest::cp(v, &src, &dst).await,

@@ -64,6 +64,7 @@ pub fn row(command: &Command) -> Row<'_> {
     use Runs::{Here, OnStore};
     match command {
         Command::Backends
+        | Command::Images(_)
         | Command::ApiResources
         | Command::Version
         | Command::Completion { .. }
@@ -114,6 +115,8 @@ pub fn row(command: &Command) -> Row<'_> {
         | Command::Grant(_)
         | Command::Ssh { .. }
         | Command::Forward { .. }
+        | Command::Prompt { .. }
+        | Command::Attach { .. }
         | Command::Run { .. }
         | Command::Cp { .. }
         | Command::Mcp { .. }

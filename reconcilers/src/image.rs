@@ -296,7 +296,11 @@ async fn run(img: &Image, ctx: &Ctx) -> Result<()> {
                 img,
                 EventType::Normal,
                 "Building",
-                &format!("building {}", b.base),
+                &if b.layers.is_empty() {
+                    format!("building {}", b.base)
+                } else {
+                    format!("building {} with {}", b.base, b.layers.join(", "))
+                },
             )
             .await;
             let built = ctx
@@ -304,6 +308,7 @@ async fn run(img: &Image, ctx: &Ctx) -> Result<()> {
                 .build_image(
                     boxery_backends::Stock {
                         name: &b.base,
+                        layers: &b.layers,
                         image: &name,
                         uid: &uid,
                     },

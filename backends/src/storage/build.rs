@@ -22,7 +22,12 @@ impl Storage {
     /// `BOXERY_IMAGE_CACHE`, forwarding every line it prints as it prints it, register the
     /// output as a base (once per input hash) and make the image an overlay on it.
     pub async fn build_image(&self, stock: Stock<'_>, progress: Progress) -> Result<()> {
-        let Stock { name, image, uid } = stock;
+        let Stock {
+            name,
+            layers,
+            image,
+            uid,
+        } = stock;
         self.check_name("image", image)?;
         let script = builder_script(name).ok_or_else(|| {
             BackendError::Invalid(format!(
@@ -56,9 +61,15 @@ impl Storage {
         let stderr_path = state.join(format!(".build-{image}.log"));
         let stderr = std::fs::File::create(&stderr_path)
             .map_err(io(format!("creating {}", stderr_path.display())))?;
+        // the builder names a layered output NAME+LAYER…, beside the plain one
+        let built = std::iter::once(name)
+            .chain(layers.iter().map(String::as_str))
+            .collect::<Vec<_>>()
+            .join("+");
         let mut child = tokio::process::Command::new("bash")
             .arg(&script_path)
             .arg(&out)
+            .env("BOXERY_EXTRA_LAYERS", layers.join(" "))
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(stderr)
@@ -85,10 +96,10 @@ impl Storage {
         }
         let _ = remove_file_if_exists(&stderr_path);
         let base = self
-            .register_base(&out.join(format!("{name}.json")))
+            .register_base(&out.join(format!("{built}.json")))
             .await?;
         progress(&format!("registered base {base}"));
-        self.image_from_base(image, uid, &base, &format!("build:{name}"))
+        self.image_from_base(image, uid, &base, &format!("build:{built}"))
             .await
     }
 

@@ -79,6 +79,7 @@ impl Env {
         self.backend
             .build_image(
                 boxery_backends::Stock {
+                    layers: &[],
                     name: "tiny",
                     image: name,
                     uid: &format!("uid-{name}"),
