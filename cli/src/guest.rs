@@ -139,3 +139,41 @@ pub async fn forward(
     }
     Ok(ExitCode::SUCCESS)
 }
+
+/// `prompt VM [--agent A] TEXT…`: the agent headless on the prompt, streamed; its exit code.
+pub async fn prompt(v: &Verbs, vm: &str, agent: &str, text: &[String]) -> CliResult<ExitCode> {
+    use boxery_verbs::guest::prompt;
+    let agent: prompt::Agent = agent.parse().map_err(CliError::invalid)?;
+    let text = if text == ["-"] {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+            .map_err(|e| CliError::invalid(format!("reading the prompt from stdin: {e}")))?;
+        s
+    } else {
+        text.join(" ")
+    };
+    prompt::check(&text)?;
+    let reach = v.reach(vm).await?;
+    let line = prompt::line(agent, &text);
+    Ok(boxery_hands::run(&reach, &[line])?)
+}
+
+/// `attach VM [--agent A]`: the agent's tmux session, made or rejoined, on this terminal.
+pub async fn attach(v: &Verbs, vm: &str, agent: &str) -> CliResult<ExitCode> {
+    use boxery_verbs::guest::prompt;
+    let agent: prompt::Agent = agent.parse().map_err(CliError::invalid)?;
+    if !std::io::IsTerminal::is_terminal(&std::io::stdin()) {
+        return Err(CliError::invalid(
+            "attach needs a terminal: run it in one (for a headless run: boxery prompt VM TEXT)",
+        ));
+    }
+    let reach = v.reach(vm).await?;
+    let _session = v
+        .local()
+        .is_ok()
+        .then(|| boxery_home::activity::Ticker::start(&v.env.home, vm));
+    Ok(boxery_hands::ssh_line(
+        &reach,
+        Some(&prompt::attach_line(agent)),
+    )?)
+}

@@ -406,11 +406,18 @@ fn mux_log(what: &str) {
 /// `boxery ssh VM [-- CMD…]`: an interactive shell (or a command), with the pinned key.
 /// A command without a terminal runs as `boxery run` does.
 pub fn ssh(reach: &Reach, cmd: &[String]) -> Result<ExitCode> {
-    let tty = std::io::IsTerminal::is_terminal(&std::io::stdin());
     let line = (!cmd.is_empty()).then(|| {
         let words: Vec<String> = cmd.iter().map(|w| shell_quote(w)).collect();
-        format!("{}{}", guest::SOURCE, words.join(" "))
+        words.join(" ")
     });
+    ssh_line(reach, line.as_deref())
+}
+
+/// [`ssh`] with one remote shell line (or none: a shell), run after the guest's variables are
+/// read ([`guest::SOURCE`]).
+pub fn ssh_line(reach: &Reach, line: Option<&str>) -> Result<ExitCode> {
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stdin());
+    let line = line.map(|l| format!("{}{l}", guest::SOURCE));
     let mut c = reach.std_command();
     match line {
         Some(line) if !tty => return Ok(ExitCode::from(reach.run_line(&line)?)),

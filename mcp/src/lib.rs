@@ -343,6 +343,13 @@ pub fn tools() -> &'static [Tool] {
                 exec::bash,
             ),
             tool(
+                "vm_prompt",
+                "Delegate a task to a coding agent inside the VM: run it headless on a prompt (claude -p by default; agent: codex or opencode) as user agent in its home, and return its output and exit code. The VM needs the agents layer (an Image built with layers: [agents]) and an llm grant for the agent's provider (vm_grant llm:anthropic or llm:openai): the agent reaches its model through boxery's credential proxy, never holding the key. The VM is its sandbox: the agent's own approval prompts are off. Bounded by timeout_seconds (default 600); on timeout or cancel everything it started is killed.",
+                destructive,
+                CliSide::Commands(&["prompt"]),
+                exec::prompt,
+            ),
+            tool(
                 "vm_read",
                 "Read a text file in the VM, optionally a line range. Returns the lines and the file's version (a hash); pass it to vm_edit to make sure nobody changed the file in between. Binary files are refused.",
                 ro,
