@@ -72,6 +72,10 @@ pub struct Plan {
     pub token: String,
     /// The grants in force for the token's owner, by name.
     pub grants: Vec<Entry>,
+    /// The VM.
+    pub vm: String,
+    /// Its egress policy, for the agents' context file.
+    pub egress: boxery_api::network::Egress,
 }
 
 impl Plan {
@@ -93,6 +97,8 @@ impl Plan {
             channel,
             token,
             grants,
+            vm: vm.to_string(),
+            egress: boxery_home::egress::read(&ctx.home, vm),
         })
     }
 
@@ -102,7 +108,12 @@ impl Plan {
         h.part(boot.as_bytes())
             .part(self.url.as_bytes())
             .part(if self.channel { b"c" } else { b"s" })
-            .part(self.token.as_bytes());
+            .part(self.token.as_bytes())
+            .part(self.vm.as_bytes())
+            .part(self.egress.policy.as_str().as_bytes());
+        for a in &self.egress.allow {
+            h.part(a.as_bytes());
+        }
         for e in &self.grants {
             h.part(e.name.as_bytes())
                 .part(e.uid.as_bytes())
@@ -119,6 +130,9 @@ pub struct Files {
     pub env: String,
     /// `/run/boxery/npmrc`, when npm goes through the proxy.
     pub npmrc: Option<String>,
+    /// `/run/boxery/AGENTS.md`: what a coding agent in the guest is told of where it is
+    /// ([`context`]).
+    pub context: String,
     /// `file` grants: (target, bytes).
     pub files: Vec<(String, Vec<u8>)>,
     /// Grants left out: (grant, why).
@@ -246,7 +260,90 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
         env.push('\n');
     }
     out.env = env;
+    out.context = context(plan);
     out
+}
+
+/// Where an agent in the guest finds [`context`]: links to `/run/boxery/AGENTS.md` in the
+/// login user's home, made once where no file of that name is (a file the user wrote is left
+/// alone). Claude Code reads `CLAUDE.md` up from its directory, Codex `~/.codex/AGENTS.md`,
+/// opencode `~/.config/opencode/AGENTS.md`, and others `AGENTS.md`.
+pub const CONTEXT_LINKS: &[&str] = &[
+    "AGENTS.md",
+    "CLAUDE.md",
+    ".codex/AGENTS.md",
+    ".config/opencode/AGENTS.md",
+];
+
+/// What a coding agent in the VM is told of where it is (`/run/boxery/AGENTS.md`): the VM, what
+/// its egress policy lets it reach, the grants it holds (never a value), and how to ask for
+/// more. Rewritten with every push, so it follows the policy and the grants.
+pub fn context(plan: &Plan) -> String {
+    use boxery_api::network::EgressPolicy;
+    let vm = &plan.vm;
+    let network = match plan.egress.policy {
+        EgressPolicy::Public => {
+            "Outbound connections go through boxery's egress proxy (already set: \
+             `http_proxy`, `https_proxy`, apt, git, pip and npm use it). Public internet hosts are \
+             reachable; private networks, this VM's host and cloud metadata services are not."
+                .to_string()
+        }
+        EgressPolicy::Allowlist => format!(
+            "Outbound connections go through boxery's egress proxy (already set: `http_proxy`, \
+             `https_proxy`), and only to these hosts: {}. Anything else is refused with a 403 \
+             that says so.",
+            if plan.egress.allow.is_empty() {
+                "none".to_string()
+            } else {
+                plan.egress
+                    .allow
+                    .iter()
+                    .map(|a| format!("`{}`", boxery_api::name::shown(a)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        ),
+        EgressPolicy::Deny => "There is no outbound network: only boxery's credential proxy \
+             (`$BOXERY_PROXY`) for the grants below."
+            .to_string(),
+    };
+    let mut grants = String::new();
+    for e in &plan.grants {
+        let what = match e.spec.type_ {
+            GrantType::Llm => match e.spec.target.as_str() {
+                "anthropic" => "Claude models: `$ANTHROPIC_BASE_URL`, with `$ANTHROPIC_API_KEY` (claude uses them)".to_string(),
+                "openai" => "OpenAI models: `$OPENAI_BASE_URL`, with `$OPENAI_API_KEY` (codex uses them)".to_string(),
+                other => format!("the `{}` provider at `$BOXERY_PROXY/llm/{}`", boxery_api::name::shown(other), boxery_api::name::shown(other)),
+            },
+            GrantType::Github => format!("GitHub `{}`: `git clone https://github.com/…` goes through the proxy", boxery_api::name::shown(&e.spec.target)),
+            GrantType::Http => format!("HTTP to `{}` through `$BOXERY_PROXY/edge/…`", boxery_api::name::shown(&e.spec.target)),
+            GrantType::Env => format!("the variable `${}`", boxery_api::name::shown(&e.spec.target)),
+            GrantType::File => format!("the file `/run/boxery/files/{}`", boxery_api::name::shown(&e.spec.target)),
+        };
+        grants.push_str(&format!(
+            "- `{}:{}`: {what}\n",
+            e.spec.type_,
+            boxery_api::name::shown(&e.spec.target)
+        ));
+    }
+    if grants.is_empty() {
+        grants.push_str("- none\n");
+    }
+    format!(
+        "# Where you are\n\n\
+         You are working in `{vm}`, a virtual machine that boxery gives coding agents as their hands. \
+         It is yours: install what you need (`sudo` needs no password), run servers, experiment. \
+         Nothing you do here reaches the machine of the person you work for, except through boxery.\n\n\
+         ## Network\n\n{network} Raw TCP or UDP that does not use the proxy fails: use HTTPS git remotes.\n\n\
+         ## Credentials\n\n\
+         This VM holds no real keys. Its grants, used through boxery's credential proxy, which adds \
+         the real credential on the way out (the `*_API_KEY` variables hold this VM's boxery token):\n\n{grants}\n\
+         ## Asking for more\n\n\
+         Ask the person you work for. They give this VM a credential with `boxery grant {vm} TYPE:TARGET \
+         --from-env NAME` (a person approves it), and widen its network in the VM's \
+         `spec.network.egress`. Do not look for keys elsewhere: there are none in this VM.\n\n\
+         (Written by boxery's control plane; it changes with this VM's grants and egress policy.)\n"
+    )
 }
 
 /// The hook login shells run (static: no value).
@@ -267,6 +364,12 @@ pub fn script(f: &Files, rev: &str) -> String {
          if ! grep -qs 'profile\\.d' /etc/profile; then printf '%s\\n' 'for f in /etc/profile.d/*.sh; do [ -r \"$f\" ] && . \"$f\"; done' | sudo -n tee -a /etc/profile >/dev/null; fi\n",
         shell_quote(PROFILE_HOOK)
     ));
+    for link in CONTEXT_LINKS {
+        s.push_str(&format!(
+            "l=\"$HOME\"/{l}; if [ ! -e \"$l\" ] && [ ! -L \"$l\" ]; then mkdir -p \"$(dirname \"$l\")\" && ln -s \"$d/AGENTS.md\" \"$l\"; fi\n",
+            l = shell_quote(link)
+        ));
+    }
     if let Some(proxy) = &f.system_proxy {
         // apt and sudo do not read the login shell's variables: static files (no token).
         let apt = format!(
@@ -311,6 +414,7 @@ fn tree(f: &Files, rev: &str) -> String {
         ));
     };
     put("$n", "env", f.env.as_bytes());
+    put("$n", "AGENTS.md", f.context.as_bytes());
     if let Some(npmrc) = &f.npmrc {
         put("$n", "npmrc", npmrc.as_bytes());
     }
@@ -324,6 +428,7 @@ fn tree(f: &Files, rev: &str) -> String {
          if [ -d \"$d/files\" ] && [ ! -L \"$d/files\" ]; then rm -rf \"$d/files.old\"; mv \"$d/files\" \"$d/files.old\"; fi\n\
          mv -fT \"$n/files\" \"$d/files\"\n\
          if [ -e \"$n/npmrc\" ]; then mv -f \"$n/npmrc\" \"$d/npmrc\"; else rm -f \"$d/npmrc\"; fi\n\
+         mv -f \"$n/AGENTS.md\" \"$d/AGENTS.md\"\n\
          mv -f \"$n/env\" \"$d/env\"\n\
          for o in .files.a .files.b; do [ \"$o\" = \"$g\" ] || rm -rf \"${{d:?}}/$o\"; done\n\
          rm -rf \"$d/files.old\" \"$n\"\nprintf '%s\\n' {rev} > \"$d/rev\"\n"
@@ -562,6 +667,8 @@ mod tests {
             url: "http://10.0.2.100".into(),
             channel: true,
             token: "bxt_abc".into(),
+            vm: "dev1".into(),
+            egress: Default::default(),
             grants: vec![
                 entry(
                     "g-llm",
@@ -758,6 +865,8 @@ mod tests {
             url: "http://10.0.2.100".into(),
             channel: true,
             token: "bxt_1".into(),
+            vm: "dev1".into(),
+            egress: Default::default(),
             grants: vec![entry("g", GrantType::Env, "A", ValueFrom::Env("A".into()))],
         };
         let r = plan.rev("boot1");
