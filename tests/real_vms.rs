@@ -1440,6 +1440,134 @@ fn check_forwards(
     );
 }
 
+/// The agents layer and `boxery prompt` (issue 33): an Image built with `layers: [agents]`
+/// (a second Image with the same layers reuses the build), a VM from it holding an
+/// `llm:anthropic` grant, and the real Claude Code CLI in the guest answering a prompt from a
+/// stand-in Messages API on this host: the upstream saw the real key, the guest never held it,
+/// and the agent's context file names the VM and its grant.
+fn agents_in_a_guest() {
+    const KEY: &str = "sk-canary-agents-41c7";
+    let up = common::upstream::Upstream::start();
+    let h = RealHome::new(Kind::Qemu);
+    h.home.write(
+        "config.yaml",
+        &format!(
+            "grants: {{confirm: false}}\nproxy: {{upstreams: {{anthropic: 'http://127.0.0.1:{}'}}}}\n",
+            up.port
+        ),
+    );
+    let values = [("AGENTS_TEST_KEY", KEY)];
+    let mut serve = h.serve_with(&values);
+    serve.wait_leading();
+    let started = std::time::Instant::now();
+    h.apply_file(&repo().join("manifests/examples/agents-image.yaml"), "45m");
+    let built = started.elapsed();
+    let layers = h.ok(&["images", "layers"]);
+    assert!(
+        layers.contains("agents") && layers.contains("claude"),
+        "{layers}"
+    );
+    // the same layers again: the built disk is reused
+    let again = h.home.write(
+        "again.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Image\nmetadata: {name: agents2}\n\
+         spec: {source: {build: {base: debian-12, layers: [agents]}}}\n",
+    );
+    let started = std::time::Instant::now();
+    h.apply_file(&again, "10m");
+    let reused = started.elapsed();
+    eprintln!("agents image: built in {built:?}, the same layers again in {reused:?}");
+    let vm = h.home.write(
+        "a1.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {name: a1}\n\
+         spec: {source: {image: agents}, resources: {cpus: 1, memory: 1Gi}}\n",
+    );
+    h.apply_file(&vm, "20m");
+    let o = h.shell(&format!(
+        "export AGENTS_TEST_KEY={KEY}; \"$BOXERY\" grant a1 llm:anthropic --from-env AGENTS_TEST_KEY --wait"
+    ));
+    assert!(o.status.success(), "grant: {o:?}");
+    let versions = h.run(
+        "a1",
+        "claude --version; codex --version; opencode --version; node --version",
+    );
+    eprintln!("agents in the guest: {versions}");
+    assert!(
+        versions.contains("Claude Code") && versions.contains("v22."),
+        "{versions}"
+    );
+    // the prompt, headless, through the credential proxy
+    let started = std::time::Instant::now();
+    let o = h.cmd(&["prompt", "a1", "say hi"]);
+    let took = started.elapsed();
+    assert!(
+        o.status.success(),
+        "boxery prompt: {o:?}\nstderr: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains(common::upstream::ANSWER),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    eprintln!("boxery prompt a1 'say hi' (claude -p): {took:?}");
+    let seen = up.seen();
+    assert!(!seen.is_empty(), "the upstream saw nothing");
+    assert!(
+        seen.iter()
+            .all(|s| s.contains(&format!("x-api-key: {KEY}"))),
+        "{seen:?}"
+    );
+    let token = h.run("a1", "echo \"$BOXERY_TOKEN\"");
+    assert!(
+        seen.iter().all(|s| !s.contains(&token)),
+        "the token reached the upstream"
+    );
+    // an agent that is not there, and a bad prompt, are clear errors
+    let o = h.cmd(&["prompt", "a1", "--agent", "opencode", ""]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("give a prompt"),
+        "{o:?}"
+    );
+    // what the agent is told
+    let told = h.run(
+        "a1",
+        "cat ~/CLAUDE.md; readlink ~/AGENTS.md ~/.codex/AGENTS.md",
+    );
+    assert!(
+        told.contains("`a1`")
+            && told.contains("llm:anthropic")
+            && told.contains("/run/boxery/AGENTS.md"),
+        "{told}"
+    );
+    assert!(!told.contains(KEY));
+    // the real key is nowhere in the guest
+    let everywhere = h.run(
+        "a1",
+        &format!(
+            "k={}; env; grep -rl \"$k{}\" /run /home /etc /tmp 2>/dev/null; echo end",
+            &KEY[..8],
+            &KEY[8..]
+        ),
+    );
+    assert!(
+        !everywhere.contains(KEY),
+        "the key is in the guest: {everywhere}"
+    );
+    h.ok(&["rm", "a1", "--wait", "--timeout", "5m"]);
+    h.ok(&[
+        "delete",
+        "image",
+        "agents",
+        "agents2",
+        "--wait",
+        "--timeout",
+        "2m",
+    ]);
+    serve.kill();
+}
+
 /// `boxery forward` on this VM host (the VM's own ssh and ControlMaster).
 fn forward_ports(kind: Kind) {
     let h = RealHome::new(kind);
@@ -2237,6 +2365,11 @@ mod qemu {
     #[test]
     fn forward_ports_both_ways() {
         super::forward_ports(super::Kind::Qemu)
+    }
+
+    #[test]
+    fn agents_in_a_guest_answer_a_prompt_through_the_proxy() {
+        super::agents_in_a_guest()
     }
 
     #[test]
