@@ -18,7 +18,7 @@
 # Cached by a hash of its inputs (this script, lib.sh, the layers, the package list, suite,
 # mirror, disk size): a second run with the same inputs returns at once. --force rebuilds.
 # Runs as root (debootstrap, chroot). Needs network access to the Debian archive.
-# Env: BOXERY_EXTRA_LAYERS (layers after plumbing and devtools: the output is debian-12+LAYER…),
+# Env: BOXERY_EXTRA_LAYERS (layers after plumbing and devtools: the output is debian-12-LAYER…),
 #      BOXERY_MIRROR (default http://deb.debian.org/debian), DEBIAN_DISK_SIZE (default 4G),
 #      BOXERY_DEBOOTSTRAP_CACHE (default /var/cache/boxery/debootstrap: downloaded .debs).
 set -euo pipefail
@@ -28,9 +28,9 @@ FORCE=0
 [ "${1:-}" = --force ] && { FORCE=1; shift; }
 OUT=${1:-$BOXERY_DEFAULT_OUT}
 # More layers on top of plumbing and devtools (an Image's spec.source.build.layers): the
-# output is then named debian-12+LAYER[+LAYER…], beside the plain one.
+# output is then named debian-12-LAYER[-LAYER…], beside the plain one.
 EXTRA=$(echo ${BOXERY_EXTRA_LAYERS:-})
-NAME=debian-12${EXTRA:++${EXTRA// /+}}
+NAME=debian-12${EXTRA:+-${EXTRA// /-}}
 SUITE=bookworm
 MIRROR=${BOXERY_MIRROR:-http://deb.debian.org/debian}
 SECURITY_MIRROR=${BOXERY_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
@@ -76,6 +76,14 @@ fi
 phase "building $NAME (input hash ${KEY:0:16}) into $OUT"
 
 mkdir -p "$OUT" "$DEB_CACHE"
+# Room first: a full disk fails a build late and without a word (even its log cannot be
+# written). The tree, the raw disk while it is made (sparse, up to DISK_SIZE) and the qcow2.
+case "$DISK_SIZE" in
+  *G) need_mib=$(( (${DISK_SIZE%G} + 2) * 1024 ))
+      avail_mib=$(( $(df --output=avail -k "$OUT" | tail -1) / 1024 ))
+      [ "$avail_mib" -ge "$need_mib" ] ||
+        die "$OUT has $avail_mib MiB free: building $NAME needs about $need_mib MiB (free some, or set BOXERY_IMAGE_CACHE elsewhere)" ;;
+esac
 W=$(mktemp -d "$OUT/.work-$NAME.XXXXXX")
 ROOT=$W/rootfs
 MOUNTS=()
@@ -165,6 +173,14 @@ mount --bind /dev "$ROOT/dev"; MOUNTS+=("$ROOT/dev")
 mount -t devpts devpts "$ROOT/dev/pts"; MOUNTS+=("$ROOT/dev/pts")
 # DNS for apt inside the chroot (the real resolv.conf link is made after)
 rm -f "$ROOT/etc/resolv.conf"; cp -L /etc/resolv.conf "$ROOT/etc/resolv.conf"
+# The build host's own CAs (/usr/local/share/ca-certificates: e.g. a TLS-intercepting proxy on
+# its network) are trusted for the layers' downloads (curl, npm: NODE_EXTRA_CA_CERTS below) and
+# taken out again before the disk is made: an image never trusts a build host's local CAs.
+BUILD_CAS=$ROOT/usr/local/share/ca-certificates/boxery-build-host
+if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
+  mkdir -p "$BUILD_CAS"; cp /usr/local/share/ca-certificates/*.crt "$BUILD_CAS/"
+  chroot "$ROOT" update-ca-certificates >/dev/null 2>&1 || true
+fi
 install -d "$ROOT/usr/local/lib/boxery/layers"
 install -m 0755 "$L"/*.sh "$ROOT/usr/local/lib/boxery/layers/"
 ln -sf /usr/local/lib/boxery/layers/provision.sh "$ROOT/usr/local/sbin/boxery-provision"
@@ -172,10 +188,15 @@ echo "$LAYERS" > "$ROOT/etc/boxery-provision.tmp"; install -d "$ROOT/etc/boxery"
 mv "$ROOT/etc/boxery-provision.tmp" "$ROOT/etc/boxery/provision"
 chroot "$ROOT" env -i PATH=/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 BOXERY_IMAGE=$NAME \
   BOXERY_NPM_REGISTRY="${BOXERY_NPM_REGISTRY:-https://registry.npmjs.org}" \
+  NODE_EXTRA_CA_CERTS=/etc/ssl/certs/ca-certificates.crt \
   /usr/local/sbin/boxery-provision $LAYERS 2>&1 | while IFS= read -r line; do
     case "$line" in boxery-provision:*) phase "  $line" ;; *) for l in $LAYERS; do case "$line" in "$l:"*) phase "  $line" ;; esac; done ;; esac
   done || true
-[ -f "$ROOT/var/log/boxery-provision.ok" ] || { tail -40 "$ROOT/var/log/boxery-provision.log"; die "layers failed (log above)"; }
+[ -f "$ROOT/var/log/boxery-provision.ok" ] || { tail -40 "$ROOT/var/log/boxery-provision.log" | tee /dev/stderr; die "layers failed (the provision log's end above)"; }
+
+if [ -d "$BUILD_CAS" ]; then
+  rm -rf "$BUILD_CAS"; chroot "$ROOT" update-ca-certificates --fresh >/dev/null 2>&1 || true
+fi
 
 # the kernel boots from outside the disk (direct kernel boot): keep only the newest, and hold it
 # so an upgrade inside a VM never removes the modules of the kernel the VM boots

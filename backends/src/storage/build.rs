@@ -61,11 +61,11 @@ impl Storage {
         let stderr_path = state.join(format!(".build-{image}.log"));
         let stderr = std::fs::File::create(&stderr_path)
             .map_err(io(format!("creating {}", stderr_path.display())))?;
-        // the builder names a layered output NAME+LAYER…, beside the plain one
+        // the builder names a layered output NAME-LAYER…, beside the plain one
         let built = std::iter::once(name)
             .chain(layers.iter().map(String::as_str))
             .collect::<Vec<_>>()
-            .join("+");
+            .join("-");
         let mut child = tokio::process::Command::new("bash")
             .arg(&script_path)
             .arg(&out)
