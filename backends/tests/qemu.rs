@@ -752,3 +752,61 @@ async fn import_registers_a_base_once_and_images_are_overlays() {
     }
     assert!(b.images().await.unwrap().is_empty());
 }
+
+/// A build dropped mid-way (`serve` stopping, the Image deleted) ends the builder's whole
+/// process group with TERM, so its trap runs (the real builder unmounts its chroot and removes
+/// its work directory there): with KILL, neither happened.
+#[tokio::test]
+async fn a_dropped_build_ends_the_builder_with_term() {
+    use boxery_backends::qemu::{QemuBackend, config::QemuConfig};
+    qemu_support::need_qemu();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("image");
+    let out = tmp.path().join("out");
+    std::fs::create_dir_all(&dir).unwrap();
+    // a builder whose foreground child runs long, as debootstrap does: bash runs its trap only
+    // once that child is gone, so the TERM must reach the child too (the group)
+    std::fs::write(
+        dir.join("build-tiny.sh"),
+        "#!/bin/bash\nmkdir -p \"$1\"\ntrap 'echo term > \"$1/term\"; exit 130' TERM\n\
+         echo $$ > \"$1/started\"\nsleep 300\necho done > \"$1/done\"\n",
+    )
+    .unwrap();
+    let mut config = QemuConfig::from_env();
+    config.storage.image_dir = Some(dir);
+    config.storage.image_cache = out.clone();
+    let backend = QemuBackend::with_config(tmp.path().join("qemu"), config);
+    backend.init().await.unwrap();
+    let progress: boxery_backends::Progress = std::sync::Arc::new(|_: &str| {});
+    let build = backend.build_image(
+        boxery_backends::Stock {
+            layers: &[],
+            name: "tiny",
+            image: "t1",
+            uid: "uid-t1",
+        },
+        progress,
+    );
+    let started = out.join("started");
+    let r = tokio::time::timeout(Duration::from_secs(20), async {
+        tokio::pin!(build);
+        loop {
+            tokio::select! {
+                r = &mut build => return Some(r),
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {
+                    if started.exists() { return None; }
+                }
+            }
+        }
+    })
+    .await
+    .expect("the builder started");
+    assert!(r.is_none(), "the build ended by itself: {r:?}");
+    // the build future is dropped here
+    let termed = (0..100).any(|_| {
+        std::thread::sleep(Duration::from_millis(50));
+        out.join("term").exists()
+    });
+    assert!(termed, "the builder's trap did not run");
+    assert!(!out.join("done").exists());
+}

@@ -73,9 +73,11 @@ impl Storage {
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(stderr)
-            .kill_on_drop(true)
+            // a group of its own, ended with TERM when this build is dropped (below)
+            .process_group(0)
             .spawn()
             .map_err(io(format!("running {}", script_path.display())))?;
+        let mut group = TermOnDrop(child.id());
         if let Some(stdout) = child.stdout.take() {
             use tokio::io::AsyncBufReadExt;
             let mut lines = tokio::io::BufReader::new(stdout).lines();
@@ -87,6 +89,7 @@ impl Storage {
             .wait()
             .await
             .map_err(io(format!("waiting for {}", script_path.display())))?;
+        group.0 = None;
         if !status.success() {
             let tail = tail(&stderr_path, 15);
             return Err(BackendError::failed(
@@ -123,5 +126,22 @@ impl Storage {
         let base = self.register_base(&manifest).await?;
         self.image_from_base(image, uid, &base, &format!("file:{}", path.display()))
             .await
+    }
+}
+
+/// A builder's process group, sent TERM when the build is dropped (`serve` stopping, the
+/// Image deleted mid-build): every process in it stops, and the builder's trap unmounts what
+/// its chroot mounted and removes its work directory. A KILL (what `kill_on_drop` sends)
+/// would leave both. Nothing is sent once the builder has exited (its group is gone).
+struct TermOnDrop(Option<u32>);
+
+impl Drop for TermOnDrop {
+    fn drop(&mut self) {
+        if let Some(pid) = self
+            .0
+            .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+        {
+            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::TERM);
+        }
     }
 }
