@@ -194,7 +194,7 @@ fn bad_input_changes_nothing() {
         &home,
         "build-layers.yaml",
         b"apiVersion: boxery.dev/v1alpha1\nkind: Image\nmetadata:\n  name: mine\nspec:\n  source:\n    build: {base: debian-12, layers: [desktop]}\n",
-        &["spec.source.build.layers", "not implemented yet"],
+        &["spec.source.build.layers", "no layer `desktop`", "boxery images layers"],
     );
     case(
         &home,

@@ -882,6 +882,12 @@ fn example_manifests(kind: Kind) {
         ]),
         h.state_report()
     );
+    // ssh to other hosts goes through the egress proxy (pushed with the proxy's variables)
+    let ssh_cfg = h.run("dev1", "ssh -G github.com | grep -i '^proxycommand'");
+    assert!(
+        ssh_cfg.contains("socat - PROXY:") && ssh_cfg.contains(":github.com:22,proxyport="),
+        "{ssh_cfg}"
+    );
     let out = h.run(
         "dev1",
         "uname -a; id -un; cat /etc/boxery/build-info; sudo -n true && echo sudo-ok",

@@ -23,6 +23,18 @@ const CLI_ONLY: &[(&str, &str)] = &[
     ),
     ("ssh", "an interactive terminal; agents use vm_bash"),
     (
+        "attach",
+        "an interactive terminal on the agent's tmux session; agents delegate with vm_prompt",
+    ),
+    (
+        "forward",
+        "holds a port open on the person's machine until interrupted; an agent reaches a guest's ports from inside it with vm_bash",
+    ),
+    (
+        "images",
+        "reference for operators (the guest layers); an agent asks for layers in an Image it writes with vm_apply",
+    ),
+    (
         "drill",
         "an operator's isolation check that makes host interfaces (as root); an agent must not probe the host",
     ),

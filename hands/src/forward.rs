@@ -175,22 +175,28 @@ async fn carry(reach: &Reach, conn: TcpStream, remote: u16) -> Result<(), String
     // ssh (at LogLevel ERROR) fails a refused channel with 255 and no word; an ssh that
     // cannot reach the VM at all says why
     let refused = line.is_empty() && status.is_some_and(|s| s.code() == Some(255));
-    Err(
-        if refused || line.contains("open failed") || line.contains("forwarding failed") {
-            format!(
-                "boxery forward: nothing listens on port {remote} in {vm} (the connection was closed)"
-            )
-        } else if line.is_empty() {
-            format!(
-                "boxery forward: the connection to port {remote} in {vm} ended with nothing sent"
-            )
-        } else {
-            format!(
-                "boxery forward: the connection to port {remote} in {vm} failed: {}",
-                crate::safe(line)
-            )
-        },
-    )
+    // over a master ssh says "Stdio forwarding request failed: Session open refused by peer"
+    let refused = refused
+        || [
+            "open failed",
+            "forwarding failed",
+            "forwarding request failed",
+            "refused by peer",
+        ]
+        .iter()
+        .any(|m| line.contains(m));
+    Err(if refused {
+        format!(
+            "boxery forward: nothing listens on port {remote} in {vm} (the connection was closed)"
+        )
+    } else if line.is_empty() {
+        format!("boxery forward: the connection to port {remote} in {vm} ended with nothing sent")
+    } else {
+        format!(
+            "boxery forward: the connection to port {remote} in {vm} failed: {}",
+            crate::safe(line)
+        )
+    })
 }
 
 /// A forward from a port in the guest to one here, established.

@@ -133,6 +133,8 @@ pub struct Files {
     /// `/run/boxery/AGENTS.md`: what a coding agent in the guest is told of where it is
     /// ([`context`]).
     pub context: String,
+    /// `/run/boxery/ssh_config`: ssh to other hosts through the egress proxy ([`ssh_config`]).
+    pub ssh_config: String,
     /// `file` grants: (target, bytes).
     pub files: Vec<(String, Vec<u8>)>,
     /// Grants left out: (grant, why).
@@ -261,7 +263,33 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
     }
     out.env = env;
     out.context = context(plan);
+    out.ssh_config = ssh_config(plan);
     out
+}
+
+/// The guest's ssh client settings (`/run/boxery/ssh_config`, included from
+/// `/etc/ssh/ssh_config.d/90-boxery.conf` where the guest has OpenSSH's client and socat):
+/// `ssh git@github.com` and `git clone git@github.com:…` go through the egress proxy's
+/// `CONNECT`, so the VM's policy decides them like any other connection. On a shared listener
+/// the proxy password is the VM's token (hence tmpfs, like `env`). A user's own `~/.ssh/config`
+/// is read first and wins.
+pub fn ssh_config(plan: &Plan) -> String {
+    let hostport = plan.url.trim_start_matches("http://").trim_end_matches('/');
+    let (host, port) = match hostport.rsplit_once(':') {
+        Some((h, p)) => (h, p),
+        None => (hostport, "80"),
+    };
+    let auth = if plan.channel {
+        String::new()
+    } else {
+        format!(",proxyauth=boxery:{}", plan.token)
+    };
+    format!(
+        "# Written by boxery's control plane (docs/egress.md): ssh to other hosts goes through the\n\
+         # egress proxy, so this VM's egress policy decides it. Replaced at every change.\n\
+         Host * !localhost !127.0.0.1 !::1\n  \
+         ProxyCommand socat - PROXY:{host}:%h:%p,proxyport={port}{auth}\n"
+    )
 }
 
 /// Where an agent in the guest finds [`context`]: links to `/run/boxery/AGENTS.md` in the
@@ -364,6 +392,11 @@ pub fn script(f: &Files, rev: &str) -> String {
          if ! grep -qs 'profile\\.d' /etc/profile; then printf '%s\\n' 'for f in /etc/profile.d/*.sh; do [ -r \"$f\" ] && . \"$f\"; done' | sudo -n tee -a /etc/profile >/dev/null; fi\n",
         shell_quote(PROFILE_HOOK)
     ));
+    // ssh through the egress proxy: a static line including the tmpfs file (no token on disk)
+    s.push_str(
+        "c=/etc/ssh/ssh_config.d/90-boxery.conf\n\
+         if [ -d /etc/ssh/ssh_config.d ] && command -v socat >/dev/null && ! grep -qs 'boxery/ssh_config' \"$c\"; then printf '%s\\n' '# boxery (docs/egress.md): ssh to other hosts goes through the egress proxy' 'Include /run/boxery/ssh_config' | sudo -n tee \"$c\" >/dev/null; fi\n",
+    );
     for link in CONTEXT_LINKS {
         s.push_str(&format!(
             "l=\"$HOME\"/{l}; if [ ! -e \"$l\" ] && [ ! -L \"$l\" ]; then mkdir -p \"$(dirname \"$l\")\" && ln -s \"$d/AGENTS.md\" \"$l\"; fi\n",
@@ -415,6 +448,7 @@ fn tree(f: &Files, rev: &str) -> String {
     };
     put("$n", "env", f.env.as_bytes());
     put("$n", "AGENTS.md", f.context.as_bytes());
+    put("$n", "ssh_config", f.ssh_config.as_bytes());
     if let Some(npmrc) = &f.npmrc {
         put("$n", "npmrc", npmrc.as_bytes());
     }
@@ -429,6 +463,7 @@ fn tree(f: &Files, rev: &str) -> String {
          mv -fT \"$n/files\" \"$d/files\"\n\
          if [ -e \"$n/npmrc\" ]; then mv -f \"$n/npmrc\" \"$d/npmrc\"; else rm -f \"$d/npmrc\"; fi\n\
          mv -f \"$n/AGENTS.md\" \"$d/AGENTS.md\"\n\
+         mv -f \"$n/ssh_config\" \"$d/ssh_config\"\n\
          mv -f \"$n/env\" \"$d/env\"\n\
          for o in .files.a .files.b; do [ \"$o\" = \"$g\" ] || rm -rf \"${{d:?}}/$o\"; done\n\
          rm -rf \"$d/files.old\" \"$n\"\nprintf '%s\\n' {rev} > \"$d/rev\"\n"
@@ -773,6 +808,20 @@ mod tests {
         assert_eq!(
             egress_url(&shared),
             "http://boxery:bxt_abc@192.168.122.1:8099"
+        );
+        // ssh goes through the egress proxy: on a channel without a password, on a shared
+        // listener with the token as one
+        assert!(
+            f.ssh_config
+                .contains("ProxyCommand socat - PROXY:10.0.2.100:%h:%p,proxyport=80\n"),
+            "{}",
+            f.ssh_config
+        );
+        assert!(
+            ssh_config(&shared)
+                .contains("PROXY:192.168.122.1:%h:%p,proxyport=8099,proxyauth=boxery:bxt_abc\n"),
+            "{}",
+            ssh_config(&shared)
         );
         // The script carries values in base64 only: no value in clear text.
         let s = script(&f, "r1");
