@@ -882,11 +882,27 @@ fn example_manifests(kind: Kind) {
         ]),
         h.state_report()
     );
-    // ssh to other hosts goes through the egress proxy (pushed with the proxy's variables)
-    let ssh_cfg = h.run("dev1", "ssh -G github.com | grep -i '^proxycommand'");
+    // ssh to other hosts goes through the egress proxy (the same push as the proxy's
+    // variables, a moment after them)
+    let via_proxy = common::eventually(Duration::from_secs(60), || {
+        let o = h.cmd(&[
+            "run",
+            "dev1",
+            "--",
+            "ssh -G github.com 2>/dev/null | grep -i '^proxycommand'",
+        ]);
+        let line = String::from_utf8_lossy(&o.stdout).trim().to_string();
+        (line.contains("socat - PROXY:") && line.contains(":%h:%p,proxyport=")).then_some(line)
+    });
     assert!(
-        ssh_cfg.contains("socat - PROXY:") && ssh_cfg.contains(":github.com:22,proxyport="),
-        "{ssh_cfg}"
+        via_proxy.is_some(),
+        "no ProxyCommand through the egress proxy: {:?}",
+        h.cmd(&[
+            "run",
+            "dev1",
+            "--",
+            "ls -la /etc/ssh/ssh_config.d /run/boxery; ssh -G github.com | grep -i proxy"
+        ])
     );
     let out = h.run(
         "dev1",

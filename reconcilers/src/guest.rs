@@ -395,7 +395,7 @@ pub fn script(f: &Files, rev: &str) -> String {
     // ssh through the egress proxy: a static line including the tmpfs file (no token on disk)
     s.push_str(
         "c=/etc/ssh/ssh_config.d/90-boxery.conf\n\
-         if [ -d /etc/ssh/ssh_config.d ] && command -v socat >/dev/null && ! grep -qs 'boxery/ssh_config' \"$c\"; then printf '%s\\n' '# boxery (docs/egress.md): ssh to other hosts goes through the egress proxy' 'Include /run/boxery/ssh_config' | sudo -n tee \"$c\" >/dev/null; fi\n",
+         if [ -d /etc/ssh/ssh_config.d ] && command -v socat >/dev/null && ! grep -qs 'boxery/ssh_config' \"$c\"; then printf '%s\\n' '# boxery (docs/egress.md): ssh to other hosts goes through the egress proxy' 'Include /run/boxery/ssh_config' | sudo -n tee \"$c\" >/dev/null; sudo -n chmod 0644 \"$c\"; fi\n",
     );
     for link in CONTEXT_LINKS {
         s.push_str(&format!(
