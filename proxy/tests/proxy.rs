@@ -645,15 +645,7 @@ async fn a_value_that_cannot_be_read_is_a_503_naming_the_grant() {
 async fn a_channel_serves_its_own_vm_only() {
     let (f, t1) = dev1().await;
     let t2 = dev2(&f);
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let channel = format!("http://{}", l.local_addr().unwrap());
-    let router = f.server.router(Some("dev1".into()));
-    let stop = f.stop.clone();
-    tokio::spawn(async move {
-        axum::serve(l, router)
-            .with_graceful_shutdown(stop.cancelled_owned())
-            .await
-    });
+    let channel = format!("http://{}", serve_channel(&f, |_| None).await);
     let call = |t: &str| {
         client()
             .post(format!("{channel}/llm/anthropic/v1/messages"))
@@ -687,27 +679,10 @@ async fn a_client_that_ignores_no_proxy_reaches_the_credential_proxy() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (f, t1) = dev1().await;
     let t2 = dev2(&f);
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
     // the listener's own address stands for the guest's (10.0.2.100 under qemu)
+    let addr = serve_channel(&f, |a| Some(format!("http://{a}"))).await;
     let channel = format!("http://{addr}");
-    let router = f.server.router_seen_at(Some("dev1".into()), Some(&channel));
-    let stop = f.stop.clone();
-    tokio::spawn(async move {
-        axum::serve(l, router)
-            .with_graceful_shutdown(stop.cancelled_owned())
-            .await
-    });
-    let via_proxy = |t: &str| {
-        reqwest::Client::builder()
-            .proxy(
-                reqwest::Proxy::all(&channel)
-                    .unwrap()
-                    .basic_auth("boxery", t),
-            )
-            .build()
-            .unwrap()
-    };
+    let via_proxy = |t: &str| proxied(&channel, t);
     let before = f.upstream.count();
     let r = via_proxy(&t1)
         .post(format!("{channel}/llm/anthropic/v1/messages"))
@@ -754,23 +729,8 @@ async fn a_client_that_ignores_no_proxy_reaches_the_credential_proxy() {
     );
     // a listener that does not know its guest address still refuses the address (the
     // egress proxy never connects to a private address for a guest)
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let plain = format!("http://{}", l.local_addr().unwrap());
-    let router = f.server.router(Some("dev1".into()));
-    let stop = f.stop.clone();
-    tokio::spawn(async move {
-        axum::serve(l, router)
-            .with_graceful_shutdown(stop.cancelled_owned())
-            .await
-    });
-    let r = reqwest::Client::builder()
-        .proxy(
-            reqwest::Proxy::all(&plain)
-                .unwrap()
-                .basic_auth("boxery", &t1),
-        )
-        .build()
-        .unwrap()
+    let plain = format!("http://{}", serve_channel(&f, |_| None).await);
+    let r = proxied(&plain, &t1)
         .post(format!("{plain}/llm/anthropic/v1/messages"))
         .header("x-api-key", &t1)
         .body("{}")
@@ -779,4 +739,37 @@ async fn a_client_that_ignores_no_proxy_reaches_the_credential_proxy() {
         .unwrap();
     assert_eq!(r.status(), 403);
     assert_eq!(f.upstream.count(), before + 2);
+}
+
+/// Serve dev1's channel on a loopback port until the fixture stops; `seen_at` names the guest
+/// address the listener is told, from its own address (`None`: none, as `Proxy::router` serves).
+async fn serve_channel(
+    f: &Fixture,
+    seen_at: impl FnOnce(std::net::SocketAddr) -> Option<String>,
+) -> std::net::SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let router = f
+        .server
+        .router_seen_at(Some("dev1".into()), seen_at(addr).as_deref());
+    let stop = f.stop.clone();
+    tokio::spawn(async move {
+        axum::serve(l, router)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await
+    });
+    addr
+}
+
+/// A client that sends everything to `proxy` (as `http_proxy`, ignoring `no_proxy`), with
+/// `token` as the proxy password.
+fn proxied(proxy: &str, token: &str) -> reqwest::Client {
+    reqwest::Client::builder()
+        .proxy(
+            reqwest::Proxy::all(proxy)
+                .unwrap()
+                .basic_auth("boxery", token),
+        )
+        .build()
+        .unwrap()
 }
