@@ -954,7 +954,10 @@ impl Backend for FakeBackend {
 
     async fn build_image(&self, stock: Stock<'_>, progress: Progress) -> Result<()> {
         let Stock {
-            name, image, uid, ..
+            name,
+            layers,
+            image,
+            uid,
         } = stock;
         self.step("build").await?;
         check_name("image", image)?;
@@ -964,7 +967,14 @@ impl Backend for FakeBackend {
                 STOCK_IMAGES.join(", ")
             )));
         }
-        progress(&format!("building {name} as image {image} (fake)"));
+        // no guest: the layers are only said (their names were checked when the Image was
+        // written)
+        let with = if layers.is_empty() {
+            String::new()
+        } else {
+            format!(" with {}", layers.join(", "))
+        };
+        progress(&format!("building {name}{with} as image {image} (fake)"));
         if self.image_done(image, uid, "build")? {
             progress(&format!("image {image} is already built"));
             return Ok(());
