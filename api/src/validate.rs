@@ -537,22 +537,22 @@ mod tests {
             );
         };
         refused(
-            vm(json!({"source": {"image": "debian-12"}, "layers": ["desktop"]})),
-            "spec.layers",
-        );
-        refused(
             vm(json!({"source": {"image": "debian-12"}, "headless": false})),
             "spec.headless",
         );
         refused(
             json!({"apiVersion": API_VERSION, "kind": "Pool", "metadata": {"name": "p"},
-                   "spec": {"template": {"spec": {"source": {"image": "tiny"}, "layers": ["x"]}}}}),
-            "spec.template.spec.layers",
+                   "spec": {"template": {"spec": {"source": {"image": "tiny"}, "headless": false}}}}),
+            "spec.template.spec.headless",
         );
         // Their defaults, and saying them explicitly, are fine.
         let fine = |v: Value| assert_eq!(unimplemented(&normalize(v).unwrap()), vec![]);
         fine(vm(
             json!({"source": {"image": "debian-12"}, "headless": true, "layers": []}),
+        ));
+        // Layers on a VM are built (issue 33).
+        fine(vm(
+            json!({"source": {"image": "debian-12"}, "layers": ["agents"]}),
         ));
         fine(
             json!({"apiVersion": API_VERSION, "kind": "Pool", "metadata": {"name": "p"},

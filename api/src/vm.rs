@@ -82,8 +82,11 @@ pub struct VmSpec {
     /// No desktop. Only `true` (the default) is accepted until desktops are implemented.
     #[serde(default = "yes")]
     pub headless: bool,
-    /// Extra guest layers to apply. Not implemented yet: a non-empty list is refused (a VM has
-    /// its image's layers, `plumbing` and `devtools` in `debian-12`).
+    /// Layers on top of the stock base's own (`boxery images layers` lists them; e.g.
+    /// `[agents]`), with `source: {image: debian-12}`: the VM is made from the Image built
+    /// from the base with these layers (`debian-12-agents`, made or reused). A layer added to
+    /// a running VM's list is copied into it in place from that build and recorded in
+    /// `status.layers`; a layer cannot be removed from a VM (docs/images.md).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub layers: Vec<String>,
     /// Whether the VM should run.
@@ -392,6 +395,14 @@ recorded_status! {
         /// The memory saved while the VM is suspended: when and how much.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub memory: Option<SavedMemory>,
+        /// The layers the VM has on top of its base's own: those it was made with, and those
+        /// added in place since (`spec.layers`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pub layers: Vec<String>,
+        /// What the guest was built with: its source image's record at creation, read back
+        /// from the guest's `/etc/boxery/build-info` after a layer is added in place.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub build_info: Option<crate::image::BuildInfo>,
         /// When the controller suspended the VM because nobody had used it for
         /// `spec.idle.suspendAfter`; its next use resumes it. Cleared once it runs again.
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -537,12 +548,39 @@ fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
         errs.push(FieldError::new("spec.restore.image", e));
     }
     errs.extend(vm.spec.network.egress.check("spec.network.egress"));
+    if let Err(e) = normalize_spec_layers(&mut vm.spec) {
+        errs.push(e);
+    }
     // Defaults are written into the object, so an upgrade never changes a stored VM's size.
     let eff = vm.spec.resources.effective();
     vm.spec.resources.cpus = Some(eff.cpus);
     vm.spec.resources.memory = Some(eff.memory);
     vm.spec.resources.disk = Some(eff.disk);
     if errs.is_empty() { Ok(()) } else { Err(errs) }
+}
+
+/// Check `spec.layers` and put them in build order ([`crate::image::normalize_layers`]): they
+/// are built on the stock base, so the source must be it.
+fn normalize_spec_layers(spec: &mut VmSpec) -> Result<(), FieldError> {
+    if spec.layers.is_empty() {
+        return Ok(());
+    }
+    let base = crate::image::LAYERED_BASE;
+    match &spec.source {
+        VmSource::Image(n) | VmSource::Base(n) if n == base => {}
+        other => {
+            return Err(FieldError::new(
+                "spec.layers",
+                format!(
+                    "layers are built on {base}: set spec.source to {{image: {base}}} (a VM made from `{}` has that image's layers, and layers cannot be added to it)",
+                    crate::name::shown(other.name())
+                ),
+            ));
+        }
+    }
+    spec.layers = crate::image::normalize_layers(base, &spec.layers)
+        .map_err(|e| FieldError::new("spec.layers", e))?;
+    Ok(())
 }
 
 /// The fields of a Vm that validate but that nothing acts on yet.
@@ -552,19 +590,13 @@ fn unimplemented_vm(vm: &Vm) -> Vec<FieldError> {
 
 /// The fields of a Vm spec that validate but that nothing acts on yet (`prefix` is where the
 /// spec sits: `spec.` in a Vm, `spec.template.spec.` in a Pool). Accepted only as what is
-/// built: no desktop, no extra layers.
+/// built: no desktop.
 pub(crate) fn unimplemented(spec: &VmSpec, prefix: &str) -> Vec<FieldError> {
     let mut errs = Vec::new();
     if !spec.headless {
         errs.push(crate::validate::not_implemented(
             &format!("{prefix}headless"),
             "every VM is headless (no desktop); remove the field or set it to true",
-        ));
-    }
-    if !spec.layers.is_empty() {
-        errs.push(crate::validate::not_implemented(
-            &format!("{prefix}layers"),
-            "a VM has its image's layers (plumbing and devtools in debian-12); remove the field",
         ));
     }
     errs
@@ -601,6 +633,58 @@ mod idle_tests {
         ] {
             let e = after(bad).unwrap_err();
             assert!(e.contains("duration") || e.contains("range"), "{bad}: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod layers_tests {
+    use super::*;
+
+    fn vm(source: serde_json::Value, layers: serde_json::Value) -> Vm {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": crate::API_VERSION, "kind": "Vm", "metadata": {"name": "a"},
+            "spec": {"source": source, "layers": layers},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn layers_are_checked_and_put_in_build_order_on_the_stock_base_only() {
+        let mut v = vm(
+            serde_json::json!({"image": "debian-12"}),
+            serde_json::json!(["agents", "agents"]),
+        );
+        normalize_vm(&mut v).unwrap();
+        assert_eq!(v.spec.layers, ["agents"]);
+        assert!(unimplemented_vm(&v).is_empty(), "layers are implemented");
+        let msg = |v: &mut Vm| {
+            let e = normalize_vm(v).unwrap_err();
+            format!("{}: {}", e[0].path, e[0].message)
+        };
+        let e = msg(&mut vm(
+            serde_json::json!({"image": "debian-12"}),
+            serde_json::json!(["desktop"]),
+        ));
+        assert!(
+            e.starts_with("spec.layers: no layer `desktop`") && e.contains("agents"),
+            "{e}"
+        );
+        let e = msg(&mut vm(
+            serde_json::json!({"image": "debian-12"}),
+            serde_json::json!(["devtools"]),
+        ));
+        assert!(e.contains("already"), "{e}");
+        for src in [
+            serde_json::json!({"image": "tiny"}),
+            serde_json::json!({"vm": "b"}),
+            serde_json::json!({"image": "snap1"}),
+        ] {
+            let e = msg(&mut vm(src, serde_json::json!(["agents"])));
+            assert!(
+                e.starts_with("spec.layers: layers are built on debian-12: set spec.source to {image: debian-12}"),
+                "{e}"
+            );
         }
     }
 }
