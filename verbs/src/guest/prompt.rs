@@ -2,7 +2,9 @@
 //! terminal session (`boxery attach`). The agents come with the `agents` layer
 //! (`boxery images layers`); they reach their providers through the credential proxy with the
 //! VM's token, from the variables the VM's `llm` grants push (`ANTHROPIC_BASE_URL`,
-//! `OPENAI_BASE_URL` and their keys), so no real key is ever in the guest.
+//! `OPENAI_BASE_URL` and their keys) and the agents' settings pushed with them (codex's
+//! provider, opencode's: `boxery_reconcilers::guest::agents`), so no real key is ever in the
+//! guest.
 //!
 //! Guarantees: the prompt reaches the agent as one argument, quoted for the remote shell
 //! (never interpreted by it), after `--` (a prompt that starts with `-` is not an option);
@@ -115,10 +117,11 @@ pub fn check(text: &str) -> Result {
     Ok(())
 }
 
-/// The remote line that runs `agent` headless on `text` (checked with [`check`]).
+/// The remote line that runs `agent` headless on `text` (checked with [`check`]). Its stdin is
+/// `/dev/null`: the agents read a piped stdin to its end as more prompt (ssh's would never end).
 pub fn line(agent: Agent, text: &str) -> String {
     format!(
-        "{}exec {} -- {}",
+        "{}exec {} -- {} </dev/null",
         preamble(agent),
         agent.headless(),
         shell_quote(text)
@@ -162,7 +165,7 @@ mod tests {
     fn the_prompt_is_one_quoted_argument_after_the_options() {
         let l = line(Agent::Claude, "-rf $(reboot) 'x'; echo `id`");
         assert!(
-            l.ends_with(r#"exec claude -p --dangerously-skip-permissions -- '-rf $(reboot) '\''x'\''; echo `id`'"#),
+            l.ends_with(r#"exec claude -p --dangerously-skip-permissions -- '-rf $(reboot) '\''x'\''; echo `id`' </dev/null"#),
             "{l}"
         );
         // run by a real shell, the agent gets exactly the text
@@ -177,6 +180,30 @@ mod tests {
             .output()
             .unwrap();
         assert_eq!(String::from_utf8_lossy(&out.stdout), "a 'b' $c \"d\"\n e");
+    }
+
+    /// The agents read a piped stdin as more prompt, to its end: theirs is `/dev/null`, not the
+    /// ssh channel (which would hold `codex exec` until the caller closed its own stdin).
+    #[test]
+    fn the_agent_reads_no_stdin() {
+        use std::io::Write;
+        let l = line(Agent::Codex, "the prompt")
+            .replace(
+                "exec codex exec --skip-git-repo-check --dangerously-bypass-approvals-and-sandbox",
+                "exec sh -c 'cat; printf %s \"$2\"' sh",
+            )
+            .replace("command -v codex", "command -v sh");
+        let mut c = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(&l)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // (a broken pipe is the line not reading it)
+        let _ = c.stdin.take().unwrap().write_all(b"from stdin\n");
+        let out = c.wait_with_output().unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "the prompt");
     }
 
     #[test]
