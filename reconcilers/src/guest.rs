@@ -4,8 +4,9 @@
 //! the provider variables of its `llm` grants (`ANTHROPIC_BASE_URL`/`ANTHROPIC_API_KEY`, …:
 //! the key variables hold the token, never a key), git settings for its `github` grants, npm's
 //! for an `http` grant on the npm registry, the values of its `env` grants and the files of its
-//! `file` grants; and, once, `/etc/profile.d/boxery-env.sh` so login shells read it (beside the
-//! image's own `boxery.sh`, which it leaves alone).
+//! `file` grants, and the coding agents' settings for the `llm` grants ([`agents`]); and, once,
+//! `/etc/profile.d/boxery-env.sh` so login shells read it (beside the image's own `boxery.sh`,
+//! which it leaves alone).
 //!
 //! # Guarantees
 //! - Pushed on every change of what the guest should hold: the token (a VM made, a lease
@@ -17,7 +18,8 @@
 //!   ended, so a push never lands after one planned later than it.
 //! - A push replaces the whole set: an `env`/`file` grant revoked is gone from the guest at
 //!   the next push, and every boot starts empty (tmpfs). Nothing is written to the guest's
-//!   disk but the static profile hook (no value), so no value is ever in an image.
+//!   disk but files that hold no value (the profile hook, the system proxy settings, codex's
+//!   provider at the proxy), so no value is ever in an image.
 //! - Values travel on ssh's stdin (base64 in a here-document), never on a command line, and
 //!   are never logged or kept on the host; the guest files are 0400 in a 0700 directory of
 //!   the login user.
@@ -142,6 +144,9 @@ pub struct Files {
     /// The egress proxy URL for system tools (apt, sudo), when it holds no token and may be
     /// written to the guest's disk (a per-VM channel).
     pub system_proxy: Option<String>,
+    /// codex's system-wide settings ([`CODEX_CONFIG`]), with an `llm:openai` grant
+    /// ([`agents`]).
+    pub codex: Option<String>,
 }
 
 /// The guest's egress proxy URL for `plan` (docs/egress.md): the credential proxy's address,
@@ -261,6 +266,9 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
         }
         env.push('\n');
     }
+    let agents = agents(plan);
+    env.push_str(&agents.env);
+    out.codex = agents.codex;
     out.env = env;
     out.context = context(plan);
     out.ssh_config = ssh_config(plan);
@@ -290,6 +298,101 @@ pub fn ssh_config(plan: &Plan) -> String {
          Host * !localhost !127.0.0.1 !::1\n  \
          ProxyCommand socat - PROXY:{host}:%h:%p,proxyport={port}{auth}\n"
     )
+}
+
+/// What the coding agents of the `agents` layer need, beyond `ANTHROPIC_*` and `OPENAI_*`, to
+/// reach their providers through the credential proxy with the VM's token (docs/agents.md).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Agents {
+    /// Lines for `/run/boxery/env`: opencode's providers (`OPENCODE_CONFIG_CONTENT`).
+    pub env: String,
+    /// codex's settings ([`CODEX_CONFIG`]), with an `llm:openai` grant.
+    pub codex: Option<String>,
+}
+
+/// Where codex reads system-wide settings: the user's `~/.codex/config.toml` overrides them.
+pub const CODEX_CONFIG: &str = "/etc/codex/config.toml";
+/// How the files boxery writes outside tmpfs begin: one that does not is the user's.
+const WRITTEN: &str = "# Written by boxery's control plane";
+
+/// The agents' settings for `plan`'s `llm` grants (no value: the keys stay in the
+/// `*_API_KEY` variables, which hold the VM's token).
+/// - Claude Code reads `ANTHROPIC_BASE_URL` and `ANTHROPIC_API_KEY` as they are.
+/// - codex 0.171 ignores `OPENAI_BASE_URL` and wants a login for its built-in `openai`
+///   provider: [`CODEX_CONFIG`] names a provider at the proxy, keyed by `$OPENAI_API_KEY`,
+///   over plain HTTP (the proxy refuses WebSocket upgrades, which codex tries first).
+/// - opencode's Anthropic client wants the base URL with `/v1` (claude's has none): its
+///   providers are given in `OPENCODE_CONFIG_CONTENT`, only the granted ones enabled, and its
+///   model catalog is the one it ships with (the catalog's host is not a provider).
+pub fn agents(plan: &Plan) -> Agents {
+    let url = &plan.url;
+    let granted = |p: &str| {
+        plan.grants
+            .iter()
+            .any(|e| e.spec.type_ == GrantType::Llm && e.spec.target == p)
+    };
+    let mut providers = serde_json::Map::new();
+    for p in ["anthropic", "openai"].into_iter().filter(|p| granted(p)) {
+        providers.insert(
+            p.to_string(),
+            serde_json::json!({"options": {"baseURL": format!("{url}/llm/{p}/v1")}}),
+        );
+    }
+    let mut out = Agents::default();
+    if providers.is_empty() {
+        return out;
+    }
+    let opencode = serde_json::json!({
+        "$schema": "https://opencode.ai/config.json",
+        "enabled_providers": providers.keys().collect::<Vec<_>>(),
+        "provider": providers,
+        "autoupdate": false,
+        "share": "disabled",
+    });
+    out.env = format!(
+        "# opencode: the granted providers through the proxy (docs/agents.md)\n\
+         export OPENCODE_CONFIG_CONTENT={} OPENCODE_DISABLE_MODELS_FETCH=1\n",
+        shell_quote(&opencode.to_string())
+    );
+    if granted("openai") {
+        // A JSON string is a TOML basic string.
+        let base = serde_json::Value::from(format!("{url}/llm/openai/v1"));
+        out.codex = Some(format!(
+            "{WRITTEN} (docs/agents.md): codex reaches OpenAI\n\
+             # through the credential proxy with this VM's token ($OPENAI_API_KEY). Your own\n\
+             # ~/.codex/config.toml overrides it. Removed when the VM's llm:openai grant goes.\n\
+             model_provider = \"boxery\"\n\
+             check_for_update_on_startup = false\n\n\
+             [model_providers.boxery]\n\
+             name = \"OpenAI through boxery's credential proxy\"\n\
+             base_url = {base}\n\
+             env_key = \"OPENAI_API_KEY\"\n\
+             wire_api = \"responses\"\n\
+             # the proxy refuses WebSocket upgrades: HTTP with server-sent events\n\
+             supports_websockets = false\n\n\
+             [analytics]\n\
+             enabled = false\n"
+        ));
+    }
+    out
+}
+
+/// The part of [`script`] that keeps `path` (codex's settings) in step: `codex` written when it
+/// differs, and removed when there is none; a file there that boxery did not write is left
+/// alone. World-readable (it holds no value) in a world-readable directory, whatever the
+/// push's umask.
+fn codex_script(codex: Option<&str>, path: &str) -> String {
+    let c = shell_quote(path);
+    let ours = format!("grep -qs {} \"$c\"", shell_quote(&format!("^{WRITTEN}")));
+    match codex {
+        Some(text) => format!(
+            "c={c}\n\
+             if {{ [ ! -e \"$c\" ] || {ours}; }} && [ \"$(cat \"$c\" 2>/dev/null)\" != \"$(printf '%s' {t})\" ]; then \
+             sudo -n install -d -m 0755 \"$(dirname \"$c\")\" && printf '%s' {t} | sudo -n tee \"$c\" >/dev/null && sudo -n chmod 0644 \"$c\"; fi\n",
+            t = shell_quote(text)
+        ),
+        None => format!("c={c}\nif {ours}; then sudo -n rm -f \"$c\"; fi\n"),
+    }
 }
 
 /// Where an agent in the guest finds [`context`]: links to `/run/boxery/AGENTS.md` in the
@@ -339,8 +442,8 @@ pub fn context(plan: &Plan) -> String {
     for e in &plan.grants {
         let what = match e.spec.type_ {
             GrantType::Llm => match e.spec.target.as_str() {
-                "anthropic" => "Claude models: `$ANTHROPIC_BASE_URL`, with `$ANTHROPIC_API_KEY` (claude uses them)".to_string(),
-                "openai" => "OpenAI models: `$OPENAI_BASE_URL`, with `$OPENAI_API_KEY` (codex uses them)".to_string(),
+                "anthropic" => "Claude models: `$ANTHROPIC_BASE_URL`, with `$ANTHROPIC_API_KEY` (claude and opencode use them)".to_string(),
+                "openai" => "OpenAI models: `$OPENAI_BASE_URL`, with `$OPENAI_API_KEY` (codex and opencode use them)".to_string(),
                 other => format!("the `{}` provider at `$BOXERY_PROXY/llm/{}`", boxery_api::name::shown(other), boxery_api::name::shown(other)),
             },
             GrantType::Github => format!("GitHub `{}`: `git clone https://github.com/…` goes through the proxy", boxery_api::name::shown(&e.spec.target)),
@@ -403,6 +506,7 @@ pub fn script(f: &Files, rev: &str) -> String {
             l = shell_quote(link)
         ));
     }
+    s.push_str(&codex_script(f.codex.as_deref(), CODEX_CONFIG));
     if let Some(proxy) = &f.system_proxy {
         // apt and sudo do not read the login shell's variables: static files (no token).
         let apt = format!(
@@ -906,6 +1010,149 @@ mod tests {
         );
         assert!(!d.join("npmrc").exists());
         assert!(!d.join(".new").exists());
+    }
+
+    #[tokio::test]
+    async fn the_agents_settings_follow_the_llm_grants_and_hold_no_value() {
+        let home = tempfile::tempdir().unwrap();
+        let llm = |target: &str| entry(target, GrantType::Llm, target, ValueFrom::Env("K".into()));
+        let plan = |grants: Vec<Entry>| Plan {
+            url: "http://10.0.2.100".into(),
+            channel: true,
+            token: "bxt_abc".into(),
+            vm: "dev1".into(),
+            egress: Default::default(),
+            grants,
+        };
+        // no llm grant: nothing for the agents
+        let none = plan(vec![entry(
+            "e",
+            GrantType::Env,
+            "A",
+            ValueFrom::Env("A".into()),
+        )]);
+        assert_eq!(agents(&none), Agents::default());
+        let opencode = |f: &Files| -> serde_json::Value {
+            let v = sourced(
+                &f.env,
+                &["OPENCODE_CONFIG_CONTENT", "OPENCODE_DISABLE_MODELS_FETCH"],
+            );
+            let (json, fetch) = v.trim_end().rsplit_once('\n').unwrap();
+            assert_eq!(fetch, "1");
+            assert!(!json.contains("bxt_abc"), "{json}");
+            serde_json::from_str(json).unwrap()
+        };
+        // only openai: codex has a provider at the proxy, opencode only OpenAI
+        let f = files(&plan(vec![llm("openai")]), home.path()).await;
+        let oc = opencode(&f);
+        assert_eq!(oc["enabled_providers"], serde_json::json!(["openai"]));
+        assert_eq!(
+            oc["provider"]["openai"]["options"]["baseURL"],
+            "http://10.0.2.100/llm/openai/v1"
+        );
+        assert_eq!(oc["autoupdate"], false);
+        let codex = f
+            .codex
+            .as_deref()
+            .expect("codex's settings with llm:openai");
+        for line in [
+            "model_provider = \"boxery\"",
+            "[model_providers.boxery]",
+            "base_url = \"http://10.0.2.100/llm/openai/v1\"",
+            "env_key = \"OPENAI_API_KEY\"",
+            "wire_api = \"responses\"",
+            "supports_websockets = false",
+            "check_for_update_on_startup = false",
+        ] {
+            assert!(codex.lines().any(|l| l == line), "{line:?} in {codex}");
+        }
+        assert!(
+            codex.starts_with(WRITTEN) && !codex.contains("bxt_abc"),
+            "{codex}"
+        );
+        // only anthropic: opencode's Anthropic client gets the `/v1` claude's does not; no codex
+        let f = files(&plan(vec![llm("anthropic")]), home.path()).await;
+        let oc = opencode(&f);
+        assert_eq!(oc["enabled_providers"], serde_json::json!(["anthropic"]));
+        assert_eq!(
+            oc["provider"]["anthropic"]["options"]["baseURL"],
+            "http://10.0.2.100/llm/anthropic/v1"
+        );
+        assert_eq!(f.codex, None);
+        // both, and a provider the agents do not know
+        let f = files(
+            &plan(vec![llm("anthropic"), llm("openai"), llm("ollama")]),
+            home.path(),
+        )
+        .await;
+        assert_eq!(
+            opencode(&f)["enabled_providers"],
+            serde_json::json!(["anthropic", "openai"])
+        );
+        assert!(f.codex.is_some());
+    }
+
+    /// codex's settings file is written when it differs, removed when the grant goes, and a
+    /// file of the user's at that path is left alone; readable by everyone under the push's
+    /// `umask 077`. (`sudo` is a stand-in that runs its command.)
+    #[test]
+    fn codex_settings_are_kept_in_step_and_a_users_own_left_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("bin");
+        std::fs::create_dir(&bin).unwrap();
+        std::fs::write(
+            bin.join("sudo"),
+            "#!/bin/sh\n[ \"$1\" = -n ] && shift\nexec \"$@\"\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(bin.join("sudo"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = dir.path().join("etc/codex/config.toml");
+        let run = |codex: Option<&str>| {
+            let out = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!(
+                    "set -eu\numask 077\n{}",
+                    codex_script(codex, path.to_str().unwrap())
+                ))
+                .env(
+                    "PATH",
+                    format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()),
+                )
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{out:?}");
+        };
+        let of = |url: &str| {
+            let plan = Plan {
+                url: url.into(),
+                channel: false,
+                token: "bxt_abc".into(),
+                vm: "dev1".into(),
+                egress: Default::default(),
+                grants: vec![entry(
+                    "o",
+                    GrantType::Llm,
+                    "openai",
+                    ValueFrom::Env("K".into()),
+                )],
+            };
+            agents(&plan).codex.unwrap()
+        };
+        let read = || std::fs::read_to_string(&path).unwrap();
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        run(Some(&of("http://10.0.2.100")));
+        assert_eq!(read(), of("http://10.0.2.100"));
+        assert_eq!((mode(&path), mode(path.parent().unwrap())), (0o644, 0o755));
+        run(Some(&of("http://192.168.122.1:8099")));
+        assert!(read().contains("base_url = \"http://192.168.122.1:8099/llm/openai/v1\""));
+        run(None);
+        assert!(!path.exists());
+        // the user's own file
+        std::fs::write(&path, "model = \"o3\"\n").unwrap();
+        run(Some(&of("http://10.0.2.100")));
+        run(None);
+        assert_eq!(read(), "model = \"o3\"\n");
     }
 
     #[test]
