@@ -177,13 +177,14 @@ fn bad_input_changes_nothing() {
         vm_with("  runStrategy: Sometimes\n").as_bytes(),
         &["spec.runStrategy"],
     );
-    // Fields that validate but that nothing implements yet are refused, never ignored.
+    // A layer nobody knows is refused naming the known ones (issue 33).
     case(
         &home,
         "layers.yaml",
         vm_with("  layers: [desktop]\n").as_bytes(),
-        &["spec.layers", "not implemented yet"],
+        &["spec.layers", "no layer `desktop`", "agents"],
     );
+    // Fields that validate but that nothing implements yet are refused, never ignored.
     case(
         &home,
         "desktop.yaml",

@@ -22,6 +22,9 @@ pub const PROGRESSING: &str = "Progressing";
 pub const MEMBERS_BLOCKED: &str = "MembersBlocked";
 /// A Pool with broken members.
 pub const DEGRADED: &str = "Degraded";
+/// Whether a Vm has the layers of its `spec.layers` (`False` while a layer is being built or
+/// added in place, or when one was removed from the list: a layer cannot be removed).
+pub const LAYERS_APPLIED: &str = "LayersApplied";
 /// Whether a suspended Vm's saved memory can be restored (`False`, reason `StaleMemory`,
 /// when it no longer matches what can restore it; present only while suspended).
 pub const MEMORY_RESTORABLE: &str = "MemoryRestorable";
@@ -75,6 +78,14 @@ pub mod reasons {
     pub const SOURCE_VM_NOT_FOUND: &str = "SourceVmNotFound";
     /// A capture's source VM is not created yet.
     pub const SOURCE_VM_NOT_READY: &str = "SourceVmNotReady";
+    /// A Vm has every layer of its `spec.layers`.
+    pub const LAYERS_APPLIED: &str = "LayersApplied";
+    /// A layer is being added to a running Vm in place.
+    pub const APPLYING_LAYERS: &str = "ApplyingLayers";
+    /// The layered image a layer added in place is copied from is not ready yet.
+    pub const LAYERED_IMAGE_NOT_READY: &str = "LayeredImageNotReady";
+    /// A layer was taken out of a Vm's `spec.layers`: it cannot be removed from the guest.
+    pub const LAYER_REMOVAL_REFUSED: &str = "LayerRemovalRefused";
     /// An image is being built (the message is the build's last progress line).
     pub const BUILDING: &str = "Building";
     /// An image is ready.

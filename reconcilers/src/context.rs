@@ -27,6 +27,11 @@ pub struct Settings {
     /// The most bytes memory files may take (`memory: {quota: …}` in config.yaml; `None`: no
     /// limit): [`crate::quota`].
     pub memory_quota: Option<u64>,
+    /// Where the image builders write (`BOXERY_IMAGE_CACHE`, default
+    /// `/var/cache/boxery/images`): a built image's `NAME.build-info` is read from here, and a
+    /// layer added to a running VM is copied in from the layered build's disk here
+    /// (docs/images.md). `None`: neither.
+    pub build_outputs: Option<std::path::PathBuf>,
 }
 
 impl Default for Settings {
@@ -37,6 +42,12 @@ impl Default for Settings {
             concurrency: 16,
             import_roots: Vec::new(),
             memory_quota: None,
+            build_outputs: Some(
+                std::env::var_os("BOXERY_IMAGE_CACHE")
+                    .filter(|v| !v.is_empty())
+                    .unwrap_or_else(|| "/var/cache/boxery/images".into())
+                    .into(),
+            ),
         }
     }
 }

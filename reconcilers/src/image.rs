@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use boxery_api::conditions::{READY, reasons};
+use boxery_api::image::{BuildInfo, layered_image_name};
 use boxery_api::vm::{Operation, OperationType};
 use boxery_api::{
     ConditionStatus, Conditions, EventType, Image, ImagePhase, ImageSource, Resource, Vm, now,
@@ -342,6 +343,7 @@ async fn ready(mut img: Image, ctx: &Ctx) -> Result<Action> {
         .and_then(|list| list.into_iter().find(|i| i.name == name));
     let size = info.as_ref().and_then(|i| i.size_bytes);
     img.status.memory_bytes = info.and_then(|i| i.memory_bytes);
+    img.status.build_info = build_record(&img, ctx).await?;
     img.status.operation = None;
     img.status.phase = ImagePhase::Ready;
     img.status.created_at = Some(now());
@@ -366,6 +368,62 @@ async fn ready(mut img: Image, ctx: &Ctx) -> Result<Action> {
     };
     ctx.event(&img, EventType::Normal, "Ready", &what).await;
     Ok(Action::await_change())
+}
+
+/// What a new image's guest was built with: a build's record from the builder's output
+/// (`NAME.build-info`), a capture's from its source VM's status (the record of the image it
+/// was made from, or what was read back from it after a layer was added in place); none for
+/// an import. A record that does not parse is left out, with a warning event.
+async fn build_record(img: &Image, ctx: &Ctx) -> Result<Option<BuildInfo>> {
+    match &img.spec.source {
+        ImageSource::Build(b) => {
+            let Some(dir) = &ctx.settings.build_outputs else {
+                return Ok(None);
+            };
+            let path = dir.join(format!(
+                "{}.build-info",
+                layered_image_name(&b.base, &b.layers)
+            ));
+            match read_bounded(&path) {
+                Ok(Some(bytes)) => match BuildInfo::parse(&bytes) {
+                    Ok(info) => Ok(Some(info)),
+                    Err(why) => {
+                        let msg =
+                            format!("the build record {} was left out: {why}", path.display());
+                        ctx.event(img, EventType::Warning, "BuildInfoRefused", &msg)
+                            .await;
+                        Ok(None)
+                    }
+                },
+                Ok(None) => Ok(None),
+                Err(e) => {
+                    tracing::warn!(image = img.name(), error = %e, "cannot read the build record");
+                    Ok(None)
+                }
+            }
+        }
+        ImageSource::Vm(v) => Ok(ctx
+            .store
+            .get_as::<Vm>(v)
+            .await?
+            .and_then(|vm| vm.status.build_info)),
+        ImageSource::File(_) => Ok(None),
+    }
+}
+
+/// A file's first [`boxery_api::image::BUILD_INFO_MAX_BYTES`] + 1 bytes (one more than a
+/// record may have, so that a longer one is refused by its parser); `None` when it is absent.
+fn read_bounded(path: &std::path::Path) -> std::io::Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    let f = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut bytes = Vec::new();
+    f.take(boxery_api::image::BUILD_INFO_MAX_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)?;
+    Ok(Some(bytes))
 }
 
 /// Build progress: each line is logged, and (at most once a second) written into the Image's

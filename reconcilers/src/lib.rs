@@ -10,6 +10,7 @@ pub mod grant;
 pub mod guest;
 pub mod image;
 pub mod inventory;
+pub mod layers;
 pub mod lease;
 pub mod pool;
 pub mod quota;

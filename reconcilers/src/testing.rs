@@ -69,7 +69,11 @@ impl Default for Harness {
 impl Harness {
     /// An empty control plane.
     pub fn new() -> Harness {
-        Harness::with_settings(Settings::default())
+        // the fake builds nothing: no builder's outputs to read
+        Harness::with_settings(Settings {
+            build_outputs: None,
+            ..Settings::default()
+        })
     }
 
     /// An empty control plane with these settings.

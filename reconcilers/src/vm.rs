@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use boxery_api::conditions::{self, READY, reasons};
-use boxery_api::image::{BuildSpec, ImageSpec};
+use boxery_api::image::{BuildSpec, ImageSpec, LAYERED_LABEL, layered_image_name};
 use boxery_api::vm::{Operation, OperationType, STOCK_IMAGES, SshStatus};
 use boxery_api::{
     ConditionStatus, Conditions, EventType, Image, ImagePhase, ImageSource, OwnerReference,
@@ -156,6 +156,11 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         (RunStrategy::Running, PowerState::Stopped | PowerState::Suspended) => {
             start(vm, &info, ctx).await
         }
+        (RunStrategy::Running, PowerState::Running)
+            if info.degraded.is_none() && layers_due(&vm) =>
+        {
+            layers(vm, &info, ctx).await
+        }
         (RunStrategy::Running, PowerState::Running) if info.degraded.is_none() => {
             match idle_for(&vm, ctx) {
                 Some(Idleness::Due(since)) => idle_suspend(vm, since, ctx).await,
@@ -177,6 +182,136 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         (_, PowerState::Running) if info.degraded.is_some() => repair(vm, &info, ctx).await,
         _ => settle(vm, &info, ctx).await,
     }
+}
+
+/// Whether a running VM's `spec.layers` differ from the layers it has, and it is ready for a
+/// layer to be added in place (its guest answers for this generation).
+fn layers_due(vm: &Vm) -> bool {
+    vm.spec.layers != vm.status.layers && is_ready(vm)
+}
+
+/// A running, ready VM whose `spec.layers` changed (docs/images.md, "Layers on a running VM"):
+/// a removed layer is refused (`LayersApplied=False`, what to do instead); an added one is
+/// copied in from the layered build ([`crate::layers`]), waiting for that build first, and
+/// recorded in `status.layers` and `status.buildInfo`.
+async fn layers(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
+    let generation = vm.metadata.generation;
+    let removed: Vec<String> = vm
+        .status
+        .layers
+        .iter()
+        .filter(|l| !vm.spec.layers.contains(l))
+        .cloned()
+        .collect();
+    if !removed.is_empty() {
+        let msg = format!(
+            "layer {} cannot be removed from a VM (what it installed stays in the guest): put it back in spec.layers, or make a new VM without it (`boxery rm {name}`, then apply it again)",
+            removed.join(", ")
+        );
+        if vm.status.conditions.set_condition(
+            conditions::LAYERS_APPLIED,
+            ConditionStatus::False,
+            reasons::LAYER_REMOVAL_REFUSED,
+            &msg,
+            generation,
+        ) {
+            vm = save(ctx, &vm).await?;
+            ctx.event(&vm, EventType::Warning, "LayerRemovalRefused", &msg)
+                .await;
+        }
+        return settle(vm, info, ctx).await;
+    }
+    let added: Vec<String> = vm
+        .spec
+        .layers
+        .iter()
+        .filter(|l| !vm.status.layers.contains(l))
+        .cloned()
+        .collect();
+    let what = added.join(", ");
+    // the layered build with every layer the VM is to have
+    let image = match layered_image(&vm, ctx).await? {
+        Ok(image) => ctx
+            .store
+            .get_as::<Image>(&image)
+            .await?
+            .ok_or_else(|| format!("waiting for image {image} to be made")),
+        Err(why) => Err(why),
+    };
+    let image = match image {
+        Ok(img) if img.status.phase == ImagePhase::Ready && !img.metadata.is_deleting() => img,
+        other => {
+            let msg = match other {
+                Ok(img) => format!(
+                    "adding {what} in place: waiting for image {}: {}",
+                    img.name(),
+                    img.status
+                        .conditions
+                        .get_condition(READY)
+                        .map(|c| c.message.clone())
+                        .filter(|m| !m.is_empty())
+                        .unwrap_or_else(|| format!("{:?}", img.status.phase))
+                ),
+                Err(why) => format!("adding {what} in place: {why}"),
+            };
+            if vm.status.conditions.set_condition(
+                conditions::LAYERS_APPLIED,
+                ConditionStatus::False,
+                reasons::LAYERED_IMAGE_NOT_READY,
+                &msg,
+                generation,
+            ) {
+                save(ctx, &vm).await?;
+            }
+            // Image changes wake us too (vms_for_image); poll slowly as a fallback
+            return Ok(Action::requeue(Duration::from_secs(5)));
+        }
+    };
+    let msg = format!("adding {what} in place from image {}", image.name());
+    vm.status.conditions.set_condition(
+        conditions::LAYERS_APPLIED,
+        ConditionStatus::False,
+        reasons::APPLYING_LAYERS,
+        &msg,
+        generation,
+    );
+    vm = save(ctx, &vm).await?;
+    ctx.event(&vm, EventType::Normal, "AddingLayers", &msg)
+        .await;
+    let t = std::time::Instant::now();
+    let record = match &ctx.ssh {
+        Some(ssh) => Some(
+            crate::layers::apply(ctx, ssh, &vm, &image, &added)
+                .await
+                .map_err(|e| {
+                    ReconcileError::backend(
+                        "layers",
+                        format!("Vm/{name}"),
+                        BackendError::failed(format!("add layer {what} in place"), e),
+                    )
+                })?,
+        ),
+        // no guest (the fake backend): the record is the layered build's
+        None => image.status.build_info.clone(),
+    };
+    let msg = format!(
+        "added {what} in place from image {} in {:.1} s",
+        image.name(),
+        t.elapsed().as_secs_f64()
+    );
+    vm.status.layers = vm.spec.layers.clone();
+    vm.status.build_info = record;
+    vm.status.conditions.set_condition(
+        conditions::LAYERS_APPLIED,
+        ConditionStatus::True,
+        reasons::LAYERS_APPLIED,
+        &msg,
+        generation,
+    );
+    let vm = save(ctx, &vm).await?;
+    ctx.event(&vm, EventType::Normal, "LayersAdded", &msg).await;
+    Ok(Action::requeue(Duration::ZERO))
 }
 
 /// A running VM with a part down (qemu: its network helper died): bring that part back
@@ -531,6 +666,22 @@ async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     let before = vm.status.clone();
     vm.status.size = Some(api_size(info.size));
     note_memory(&mut vm, info);
+    // a removed layer put back: nothing is refused any more
+    if vm.spec.layers == vm.status.layers
+        && vm
+            .status
+            .conditions
+            .get_condition(conditions::LAYERS_APPLIED)
+            .is_some_and(|c| c.status == ConditionStatus::False)
+    {
+        vm.status.conditions.set_condition(
+            conditions::LAYERS_APPLIED,
+            ConditionStatus::True,
+            reasons::LAYERS_APPLIED,
+            "the VM has the layers of spec.layers",
+            generation,
+        );
+    }
     finish_status(
         &mut vm,
         &info.state,
@@ -1071,6 +1222,15 @@ async fn fork_cycle(vm: &Vm, ctx: &Ctx) -> Result<Option<Vec<String>>> {
 /// Resolve the image a new VM is made from; `Ok(None)` means wait (status already written).
 async fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
     let (image_name, wait_msg) = match &vm.spec.source {
+        VmSource::Image(_) | VmSource::Base(_) if !vm.spec.layers.is_empty() => {
+            match layered_image(vm, ctx).await? {
+                Ok(img) => (img, None),
+                Err(msg) => {
+                    set_waiting(vm, reasons::IMAGE_NOT_FOUND, &msg, ctx).await?;
+                    return Ok(None);
+                }
+            }
+        }
         VmSource::Image(n) | VmSource::Base(n) => (n.clone(), None),
         VmSource::Vm(src) => {
             let src = src.clone();
@@ -1167,6 +1327,56 @@ async fn fork_source(vm: &mut Vm, src: &str, ctx: &Ctx) -> Result<Option<String>
         }
     }
     Ok(Some(img))
+}
+
+/// The Image a VM's `spec.layers` asks for: the stock base built with those layers
+/// (`debian-12-agents`), made here when it does not exist, shared by every VM that asks for the
+/// same and owned by none (labelled [`boxery_api::image::LAYERED_LABEL`]). `Err(why)` when an
+/// Image of that name is something else.
+async fn layered_image(vm: &Vm, ctx: &Ctx) -> Result<Result<String, String>> {
+    let base = vm.spec.source.name().to_string();
+    let layers = vm.spec.layers.clone();
+    let name = layered_image_name(&base, &layers);
+    let want = ImageSource::Build(BuildSpec {
+        base: base.clone(),
+        layers: layers.clone(),
+    });
+    match ctx.store.get_as::<Image>(&name).await? {
+        Some(img) if img.spec.source == want => return Ok(Ok(name)),
+        Some(_) => {
+            return Ok(Err(format!(
+                "spec.layers needs image {name} built from {base} with {}, but an image of that name is something else: delete or rename it (`boxery get image {name} -o yaml`)",
+                layers.join(", ")
+            )));
+        }
+        None => {}
+    }
+    let mut image = Image::new(
+        &name,
+        ImageSpec {
+            source: want,
+            memory: false,
+        },
+    );
+    image
+        .metadata
+        .labels
+        .insert(LAYERED_LABEL.into(), layers.join("."));
+    match ctx.store.create_as(&image).await {
+        Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
+        Err(e) => return Err(e.into()),
+    }
+    ctx.event(
+        vm,
+        EventType::Normal,
+        "BuildingImage",
+        &format!(
+            "image {name} ({base} with {}) is built for spec.layers, once for every VM that asks for the same",
+            layers.join(", ")
+        ),
+    )
+    .await;
+    Ok(Ok(name))
 }
 
 /// Whether a new VM from an image starts from the memory the image carries.
@@ -1417,6 +1627,13 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     vm.status.operation = None;
     vm.status.created_at = Some(now());
     vm.status.source_image = Some(image.clone());
+    // what the guest has: the layers it was made with and its image's build record
+    vm.status.layers = vm.spec.layers.clone();
+    vm.status.build_info = ctx
+        .store
+        .get_as::<Image>(&image)
+        .await?
+        .and_then(|i| i.status.build_info);
     vm.status.backend = Some(ctx.backend.name().to_string());
     vm.status.acceleration = ctx.backend.accelerator();
     vm.status.size = Some(api_size(size));
@@ -1556,7 +1773,12 @@ pub fn vms_for_image(vms: &boxery_controller::Cache, image: &boxery_api::DynObje
         .collect();
     // Only Vms whose text names the image are parsed: this runs on every Image change.
     let needle = serde_json::to_string(name).unwrap_or_default();
-    for vm in vms.list_containing(&needle) {
+    let mut candidates = vms.list_containing(&needle);
+    if image.metadata.labels.contains_key(LAYERED_LABEL) {
+        // made for spec.layers: the Vms asking for it name its base and layers, not it
+        candidates.extend(vms.list_containing("\"layers\":"));
+    }
+    for vm in candidates {
         let spec = vm.spec();
         let waiting = vm.status()["createdAt"].is_null()
             && spec["source"]
@@ -1565,7 +1787,19 @@ pub fn vms_for_image(vms: &boxery_controller::Cache, image: &boxery_api::DynObje
                 .and_then(|v| v.as_str())
                 == Some(name);
         let reverting = spec["restore"]["image"].as_str() == Some(name);
-        if waiting || reverting {
+        let layered = spec["layers"].as_array().is_some_and(|l| {
+            let layers: Vec<String> = l
+                .iter()
+                .filter_map(|x| x.as_str().map(String::from))
+                .collect();
+            let base = spec["source"]
+                .as_object()
+                .and_then(|m| m.values().next())
+                .and_then(|v| v.as_str())
+                .unwrap_or_default();
+            !layers.is_empty() && layered_image_name(base, &layers) == name
+        });
+        if waiting || reverting || layered {
             out.push(vm.metadata.name.clone());
         }
     }

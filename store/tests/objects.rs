@@ -333,21 +333,21 @@ fn open_creates_directories_and_reopens_with_data() {
 #[test]
 fn fields_nothing_implements_are_refused_only_when_set_anew() {
     let (_d, s) = common::store();
-    let with_layers = serde_json::json!({
+    let with_desktop = serde_json::json!({
         "apiVersion": boxery_api::API_VERSION, "kind": "Vm",
         "metadata": {"name": "old", "finalizers": ["boxery.dev/vm"]},
-        "spec": {"source": {"image": "debian-12"}, "layers": ["desktop"]}
+        "spec": {"source": {"image": "debian-12"}, "headless": false}
     });
     let e = s
-        .create(serde_json::from_value(with_layers.clone()).unwrap())
+        .create(serde_json::from_value(with_desktop.clone()).unwrap())
         .unwrap_err();
-    assert!(e.to_string().contains("spec.layers"), "{e}");
+    assert!(e.to_string().contains("spec.headless"), "{e}");
     assert!(e.to_string().contains("not implemented yet"), "{e}");
 
     // An object an older boxery stored with the field, written into the file directly.
     let clean = s.create(common::vm("old")).unwrap();
     let mut stored: serde_json::Value = serde_json::to_value(&clean).unwrap();
-    stored["spec"]["layers"] = serde_json::json!(["desktop"]);
+    stored["spec"]["headless"] = serde_json::json!(false);
     stored["metadata"]["finalizers"] = serde_json::json!(["boxery.dev/vm"]);
     let conn = rusqlite::Connection::open(s.path()).unwrap();
     conn.execute(
@@ -365,13 +365,15 @@ fn fields_nothing_implements_are_refused_only_when_set_anew() {
     st.rest
         .insert("status".into(), serde_json::json!({"phase": "Running"}));
     s.update_status(st).unwrap();
-    // A spec change that keeps the field as it was is accepted; one that sets another is not.
+    // A spec change that keeps the field as it was is accepted; a new object setting it is not.
     let mut o = s.get("Vm", "old").unwrap().unwrap();
     o.rest["spec"]["resources"] = serde_json::json!({"cpus": 2});
     s.update(o).unwrap();
-    let mut o = s.get("Vm", "old").unwrap().unwrap();
-    o.rest["spec"]["headless"] = serde_json::json!(false);
-    let e = s.update(o).unwrap_err();
+    let mut fresh = with_desktop.clone();
+    fresh["metadata"]["name"] = serde_json::json!("new");
+    let e = s
+        .create(serde_json::from_value(fresh).unwrap())
+        .unwrap_err();
     assert!(e.to_string().contains("spec.headless"), "{e}");
     // It can be deleted: the finalizer's removal goes through.
     assert!(matches!(

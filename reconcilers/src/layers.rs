@@ -1,0 +1,235 @@
+//! A layer added to a running VM's `spec.layers`, in place (docs/images.md, "Layers on a
+//! running VM"). The guest never fetches anything: its egress may be `Deny`, and a network
+//! that intercepts TLS is trusted by the build host only. What the layer installs
+//! ([`boxery_api::image::Layer::files`]) is taken from the layered build the host already made
+//! (the builder's disk in `BOXERY_IMAGE_CACHE`, `debian-12-agents.qcow2`), read with
+//! `qemu-img convert` and `debugfs` (no mount, no root-only kernel feature), packed once per
+//! build into `$BOXERY_HOME/layers/`, and unpacked in the guest as root over its ssh. Then the
+//! guest's `/etc/boxery/layers` and `/etc/boxery/build-info` say what it has, and the record is
+//! read back from the guest (parsed as hostile input, [`BuildInfo::parse`]).
+//!
+//! # Guarantees
+//! - Idempotent: unpacking the same files again changes nothing, so an apply cut short is
+//!   simply run again by the next reconcile.
+//! - A bundle is published by a rename once it is complete; a work directory left by a crash
+//!   is removed by the next staging of that bundle.
+//!
+//! # Caveats
+//! - A layer that changes services or the kernel would need a reboot; `agents` (files only)
+//!   does not, so none is made.
+//! - Files the layer removed at build time are not removed from the guest.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use boxery_api::image::{BuildInfo, ImageSource, LAYERS, layered_image_name};
+use boxery_api::{Image, Vm};
+
+use crate::context::Ctx;
+
+/// How long copying a layer's files into a guest may take.
+const PUSH_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+/// How long the small ssh steps (the record, reading it back) may take.
+const STEP_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Copy layers `added` into running VM `vm` from the layered build `image` (Ready, a build of
+/// the VM's base with every layer the VM is to have); returns the guest's build record after.
+pub async fn apply(
+    ctx: &Ctx,
+    ssh: &crate::ssh::SshDir,
+    vm: &Vm,
+    image: &Image,
+    added: &[String],
+) -> Result<BuildInfo, String> {
+    let ImageSource::Build(b) = &image.spec.source else {
+        return Err(format!("image {} is not a build", image.metadata.name));
+    };
+    let outputs = ctx.settings.build_outputs.as_deref().ok_or(
+        "the control plane has no image builders' outputs (BOXERY_IMAGE_CACHE) to copy the layer from",
+    )?;
+    let built = layered_image_name(&b.base, &b.layers);
+    let record = image.status.build_info.clone().unwrap_or_default();
+    let bundle = stage(ctx, outputs, &built, added, &record).await?;
+    let target = crate::ssh::Target::of(vm).ok_or("the VM has no ssh endpoint")?;
+    ssh.write(&target).map_err(|e| e.to_string())?;
+    let name = vm.metadata.name.as_str();
+    push(ssh, name, &bundle).await?;
+    // what the guest now has, said where boxery-provision says it
+    let mut info = record;
+    if info.layers.is_empty() {
+        info.layers = ["plumbing", "devtools"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain(b.layers.iter().cloned())
+            .collect();
+    }
+    info.patched_at = Some(boxery_api::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
+    let script = format!(
+        "set -e\nmkdir -p /etc/boxery\ncat > /etc/boxery/build-info.tmp <<'BOXERY_EOF'\n{}BOXERY_EOF\nmv /etc/boxery/build-info.tmp /etc/boxery/build-info\necho '{}' > /etc/boxery/layers\n",
+        info.render(),
+        info.layers.join(" ")
+    );
+    crate::guest::run_script(ssh, name, &[], "sudo -n sh -s", &script, STEP_TIMEOUT)
+        .await
+        .map_err(|e| format!("recording the layers in the guest: {e}"))?;
+    read_back(ssh, name).await
+}
+
+/// The files of layers `added` from the builder's disk `OUT/<built>.qcow2`, packed as
+/// `$BOXERY_HOME/layers/<built>.<layers>.<record hash>.tar` (made once per build).
+async fn stage(
+    ctx: &Ctx,
+    outputs: &Path,
+    built: &str,
+    added: &[String],
+    record: &BuildInfo,
+) -> Result<PathBuf, String> {
+    let files: Vec<&str> = LAYERS
+        .iter()
+        .filter(|l| added.iter().any(|a| a == l.name))
+        .flat_map(|l| l.files.iter().copied())
+        .collect();
+    if files.is_empty() {
+        return Err(format!(
+            "layer {} lists no files to copy in",
+            added.join(", ")
+        ));
+    }
+    let key = boxery_api::fnv::fnv1a(record.render().as_bytes());
+    let dir = ctx.home.join("layers");
+    let bundle = dir.join(format!("{built}.{}.{key:016x}.tar", added.join("-")));
+    if bundle.is_file() {
+        return Ok(bundle);
+    }
+    let disk = outputs.join(format!("{built}.qcow2"));
+    if !disk.is_file() {
+        return Err(format!(
+            "the layered build {} is missing: the image was made, but its builder's output is gone (delete image {built} so that it is built again)",
+            disk.display()
+        ));
+    }
+    let work = dir.join(format!(".work-{built}"));
+    let _ = std::fs::remove_dir_all(&work);
+    let made = async {
+        let root = work.join("root");
+        std::fs::create_dir_all(&root).map_err(|e| format!("creating {}: {e}", root.display()))?;
+        let raw = work.join("disk.raw");
+        run(tokio::process::Command::new(
+            std::env::var_os("BOXERY_QEMU_IMG").unwrap_or_else(|| "qemu-img".into()),
+        )
+        .args(["convert", "-O", "raw"])
+        .arg(&disk)
+        .arg(&raw))
+        .await?;
+        for f in &files {
+            let rel = f.trim_start_matches('/');
+            let parent = root.join(Path::new(rel).parent().unwrap_or(Path::new("")));
+            std::fs::create_dir_all(&parent)
+                .map_err(|e| format!("creating {}: {e}", parent.display()))?;
+            // rdump keeps owners, modes and symlinks; run in the destination so that no host
+            // path goes into debugfs's request line
+            run(tokio::process::Command::new("debugfs")
+                .arg("-R")
+                .arg(format!("rdump {f} ."))
+                .arg(&raw)
+                .current_dir(&parent))
+            .await?;
+            if std::fs::symlink_metadata(root.join(rel)).is_err() {
+                return Err(format!(
+                    "{f} is not in the layered build {} (debugfs could not copy it out)",
+                    disk.display()
+                ));
+            }
+        }
+        let _ = std::fs::remove_file(&raw);
+        let part = work.join("bundle.tar");
+        run(tokio::process::Command::new("tar")
+            .arg("-C")
+            .arg(&root)
+            .arg("-cf")
+            .arg(&part)
+            .args(files.iter().map(|f| f.trim_start_matches('/'))))
+        .await?;
+        std::fs::rename(&part, &bundle).map_err(|e| format!("publishing the bundle: {e}"))
+    }
+    .await;
+    let _ = std::fs::remove_dir_all(&work);
+    made.map(|()| bundle)
+}
+
+/// Run a host command; its stderr's tail is the error.
+async fn run(cmd: &mut tokio::process::Command) -> Result<(), String> {
+    let what = format!("{:?}", cmd.as_std().get_program());
+    let out = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .map_err(|e| format!("cannot run {what}: {e}"))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    let tail: Vec<&str> = err.lines().rev().take(5).collect();
+    Err(format!(
+        "{what} failed ({}): {}",
+        out.status,
+        tail.into_iter().rev().collect::<Vec<_>>().join("; ")
+    ))
+}
+
+/// Unpack `bundle` in VM `vm`'s `/` as root.
+async fn push(ssh: &crate::ssh::SshDir, vm: &str, bundle: &Path) -> Result<(), String> {
+    let file =
+        std::fs::File::open(bundle).map_err(|e| format!("opening {}: {e}", bundle.display()))?;
+    let child = ssh
+        .command(vm)
+        .args(["-T", "-o", "BatchMode=yes", "--", "sudo -n tar -xpf - -C /"])
+        .stdin(Stdio::from(file))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("cannot run ssh: {e}"))?;
+    let out = tokio::time::timeout(PUSH_TIMEOUT, child.wait_with_output())
+        .await
+        .map_err(|_| format!("copying the layer in took longer than {PUSH_TIMEOUT:?}"))?
+        .map_err(|e| format!("ssh: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "unpacking the layer in the guest failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
+
+/// The guest's `/etc/boxery/build-info`, at most one byte more than a record may have.
+async fn read_back(ssh: &crate::ssh::SshDir, vm: &str) -> Result<BuildInfo, String> {
+    let limit = boxery_api::image::BUILD_INFO_MAX_BYTES + 1;
+    let out = ssh
+        .command(vm)
+        .args(["-T", "-o", "BatchMode=yes", "--"])
+        .arg(format!("head -c {limit} /etc/boxery/build-info"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(STEP_TIMEOUT, out)
+        .await
+        .map_err(|_| "reading the guest's build record took too long".to_string())?
+        .map_err(|e| format!("ssh: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "reading /etc/boxery/build-info in the guest failed ({})",
+            out.status
+        ));
+    }
+    let bytes = &out.stdout[..out.stdout.len().min(limit)];
+    BuildInfo::parse(bytes).map_err(|why| format!("the guest's /etc/boxery/build-info: {why}"))
+}
