@@ -21,7 +21,7 @@ impl_resource!(
         singular: "grant",
         short_names: &["grant"],
         dotted_names: false,
-        description: "A credential route for one VM or lease (llm, http, env, file, github), applied only after a person approves it (`boxery grant approve NAME`, in a terminal); a spec change needs approval again. The value never enters the store: valueFrom names where the control plane reads it.",
+        description: "A credential route for one VM or lease (llm, http, env, file, github, ssh-agent), applied only after a person approves it (`boxery grant approve NAME`, in a terminal); a spec change needs approval again. The value never enters the store: valueFrom names where the control plane reads it.",
         controllers_only: None,
         columns: &[
             columns::NAME,
@@ -107,6 +107,10 @@ fn normalize_grant(grant: &mut Grant) -> Result<(), Vec<crate::validate::FieldEr
     }
     if let Err(e) = check_value_from(&spec.value_from) {
         errs.push(FieldError::new("spec.valueFrom", e));
+    } else if spec.type_ == GrantType::SshAgent
+        && let Err(e) = check_agent_socket(&spec.value_from)
+    {
+        errs.push(FieldError::new("spec.valueFrom", e));
     }
     if errs.is_empty() { Ok(()) } else { Err(errs) }
 }
@@ -141,9 +145,80 @@ pub fn check_header(h: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Where an `ssh-agent` grant's agent is in the guest (`SSH_AUTH_SOCK`).
+pub const AGENT_GUEST_SOCK: &str = "/run/boxery/ssh-agent.sock";
+
+/// The most keys an `ssh-agent` grant names by fingerprint.
+pub const MAX_AGENT_KEYS: usize = 16;
+
+/// An `ssh-agent` grant's target that lets the guest use every key the agent holds.
+pub const ALL_KEYS: &str = "all";
+
+/// Which keys of the agent an `ssh-agent` grant's target lets the guest use: `None` for
+/// [`ALL_KEYS`], else the fingerprints (`SHA256:` and 43 characters of unpadded base64, as
+/// `ssh-add -l` prints them). `Err` when the target is neither.
+pub fn agent_keys(target: &str) -> Result<Option<Vec<String>>, String> {
+    if target == ALL_KEYS {
+        return Ok(None);
+    }
+    let b64 = |c: char| c.is_ascii_alphanumeric() || c == '+' || c == '/';
+    let mut keys = Vec::new();
+    for fp in target.split(',') {
+        let ok = fp
+            .strip_prefix("SHA256:")
+            .is_some_and(|h| h.len() == 43 && h.chars().all(b64));
+        if !ok {
+            return Err(format!(
+                "`{}` is not `all` or a comma-separated list of key fingerprints as `ssh-add -l` prints them (SHA256:…, 43 characters after the colon)",
+                crate::name::shown(target)
+            ));
+        }
+        if !keys.iter().any(|k| k == fp) {
+            keys.push(fp.to_string());
+        }
+    }
+    if keys.len() > MAX_AGENT_KEYS {
+        return Err(format!(
+            "an ssh-agent grant names at most {MAX_AGENT_KEYS} keys"
+        ));
+    }
+    Ok(Some(keys))
+}
+
+/// Where an `ssh-agent` grant's agent is: its socket on the control plane, named by a
+/// variable of the control plane's environment (`{env: SSH_AUTH_SOCK}`) or as an absolute
+/// path of plain components (`{file: /run/user/1000/ssh-agent.socket}`: no `.`, `..` or empty
+/// component, so the path shown at approval is the one used). Never a command: an agent is a
+/// socket, not a value.
+pub fn check_agent_socket(v: &ValueFrom) -> Result<(), String> {
+    match v {
+        ValueFrom::Env(_) => Ok(()),
+        ValueFrom::File(path) => {
+            let plain = path.len() <= 4096
+                && path.starts_with('/')
+                && path[1..]
+                    .split('/')
+                    .all(|c| !c.is_empty() && c != "." && c != "..");
+            if plain {
+                Ok(())
+            } else {
+                Err(format!(
+                    "`{}` is not an absolute path of plain names (no `.`, `..` or `//`): name the agent's socket as `ssh-add -l` finds it in $SSH_AUTH_SOCK",
+                    crate::name::shown(path)
+                ))
+            }
+        }
+        ValueFrom::Command(_) => Err(
+            "an ssh-agent grant names the agent's socket (file: PATH, or env: SSH_AUTH_SOCK), not a command"
+                .into(),
+        ),
+    }
+}
+
 /// The form of a target for its type: a provider name (`llm`), a host name with an optional
 /// port (`http`), a variable name (`env`), a relative path of plain components (`file`: where
-/// the file goes under the guest's grant directory), `OWNER/REPO` (`github`).
+/// the file goes under the guest's grant directory), `OWNER/REPO` (`github`), `all` or key
+/// fingerprints (`ssh-agent`: [`agent_keys`]).
 pub fn check_target(type_: GrantType, target: &str) -> Result<(), String> {
     crate::name::check_text(target, 2048)?;
     let shown = crate::name::shown(target);
@@ -198,6 +273,7 @@ pub fn check_target(type_: GrantType, target: &str) -> Result<(), String> {
                 _ => Err(format!("`{shown}` is not a repository: write OWNER/REPO")),
             }
         }
+        GrantType::SshAgent => agent_keys(target).map(drop),
     }
 }
 
@@ -251,12 +327,14 @@ pub struct GrantSpec {
     #[serde(rename = "type")]
     pub type_: GrantType,
     /// What it grants: a provider (`llm`), a host (`http`), a variable name (`env`), a path
-    /// (`file`), a repository (`github`).
+    /// (`file`), a repository (`github`), the keys of an agent (`ssh-agent`: `all`, or
+    /// fingerprints `SHA256:…` separated by commas).
     pub target: String,
     /// `http` only: the header the proxy adds to requests to that host (e.g. `Authorization`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header: Option<String>,
-    /// Where the value comes from on the control plane (never the value itself).
+    /// Where the value comes from on the control plane (never the value itself); for
+    /// `ssh-agent`, the agent's socket there.
     pub value_from: ValueFrom,
 }
 
@@ -278,6 +356,10 @@ pub enum GrantType {
     /// A GitHub repository token.
     #[serde(rename = "github")]
     Github,
+    /// The owner's ssh-agent (some or all of its keys), forwarded into the guest: the guest
+    /// can sign with those keys while the grant is in force, never read them.
+    #[serde(rename = "ssh-agent")]
+    SshAgent,
 }
 
 /// Where a secret's value comes from: exactly one of `env`, `file`, `command`.
@@ -372,6 +454,7 @@ impl std::fmt::Display for GrantType {
             GrantType::Env => "env",
             GrantType::File => "file",
             GrantType::Github => "github",
+            GrantType::SshAgent => "ssh-agent",
         })
     }
 }
@@ -385,9 +468,10 @@ impl std::str::FromStr for GrantType {
             "env" => GrantType::Env,
             "file" => GrantType::File,
             "github" => GrantType::Github,
+            "ssh-agent" => GrantType::SshAgent,
             _ => {
                 return Err(format!(
-                    "unknown grant type `{}`: use llm, http, github, env or file",
+                    "unknown grant type `{}`: use llm, http, github, env, file or ssh-agent",
                     crate::name::shown(s)
                 ));
             }
@@ -406,5 +490,103 @@ impl ValueFrom {
                 argv.join(" ")
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FP: &str = "SHA256:uNiVztksCsDhcc0u9e8BujQXVUpKZIDTMczCvj3tD2s";
+
+    fn grant(target: &str, value_from: ValueFrom) -> Grant {
+        Grant::new(
+            "dev1-ssh-agent-all",
+            GrantSpec {
+                vm: Some("dev1".into()),
+                lease: None,
+                type_: GrantType::SshAgent,
+                target: target.into(),
+                header: None,
+                value_from,
+            },
+        )
+    }
+
+    fn errors(g: &mut Grant) -> String {
+        match normalize_grant(g) {
+            Ok(()) => String::new(),
+            Err(es) => es
+                .iter()
+                .map(|e| format!("{e:?}"))
+                .collect::<Vec<_>>()
+                .join("; "),
+        }
+    }
+
+    #[test]
+    fn an_agent_grant_names_all_keys_or_fingerprints() {
+        assert_eq!(agent_keys("all").unwrap(), None);
+        assert_eq!(agent_keys(FP).unwrap(), Some(vec![FP.to_string()]));
+        let two = format!("{FP},SHA256:{}", "A".repeat(43));
+        assert_eq!(agent_keys(&two).unwrap().unwrap().len(), 2);
+        // a repeat counts once
+        assert_eq!(agent_keys(&format!("{FP},{FP}")).unwrap().unwrap().len(), 1);
+        let too_many: Vec<String> = (0..=MAX_AGENT_KEYS)
+            .map(|i| format!("SHA256:{}{:02}", "A".repeat(41), i))
+            .collect();
+        assert!(agent_keys(&too_many.join(",")).is_err());
+        for bad in [
+            "",
+            "ALL",
+            "*",
+            "MD5:aa:bb",
+            "SHA256:short",
+            &format!("{FP},"),
+            &format!("{FP} "),
+            &format!("SHA256:{}", "-".repeat(43)),
+            "/home/me/.ssh/id_ed25519",
+        ] {
+            let e = check_target(GrantType::SshAgent, bad).unwrap_err();
+            assert!(
+                e.contains("fingerprints") || e.contains("bytes of text"),
+                "{bad}: {e}"
+            );
+        }
+        assert_eq!("ssh-agent".parse::<GrantType>(), Ok(GrantType::SshAgent));
+        assert_eq!(GrantType::SshAgent.to_string(), "ssh-agent");
+    }
+
+    #[test]
+    fn an_agent_grant_names_a_socket_by_a_plain_absolute_path_or_a_variable() {
+        for ok in [
+            ValueFrom::File("/run/user/1000/ssh-agent.socket".into()),
+            ValueFrom::File("/tmp/ssh-XXXX/agent.123".into()),
+            ValueFrom::Env("SSH_AUTH_SOCK".into()),
+        ] {
+            assert_eq!(errors(&mut grant("all", ok.clone())), "", "{ok:?}");
+        }
+        for bad in [
+            "/run/user/1000/../0/ssh-agent.socket",
+            "/run/./agent.sock",
+            "/run//agent.sock",
+            "/run/agent.sock/",
+            "/",
+            "relative/agent.sock",
+        ] {
+            let e = errors(&mut grant("all", ValueFrom::File(bad.into())));
+            assert!(e.contains("spec.valueFrom"), "{bad}: {e}");
+        }
+        let e = errors(&mut grant(
+            "all",
+            ValueFrom::Command(vec!["ssh-agent".into()]),
+        ));
+        assert!(e.contains("not a command"), "{e}");
+        let e = errors(&mut grant("keys", ValueFrom::Env("SSH_AUTH_SOCK".into())));
+        assert!(e.contains("spec.target"), "{e}");
+        // only http grants name a header
+        let mut g = grant("all", ValueFrom::Env("SSH_AUTH_SOCK".into()));
+        g.spec.header = Some("Authorization".into());
+        assert!(errors(&mut g).contains("spec.header"));
     }
 }

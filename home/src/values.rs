@@ -70,6 +70,60 @@ pub fn available(v: &ValueFrom, home: &Path) -> Result<(), String> {
     }
 }
 
+/// Whether grant `spec` can be used here, without reading its value: [`available`], or for
+/// an `ssh-agent` grant, [`agent_socket`].
+pub fn available_for(spec: &boxery_api::grant::GrantSpec, home: &Path) -> Result<(), String> {
+    match spec.type_ {
+        boxery_api::grant::GrantType::SshAgent => agent_socket(&spec.value_from, home).map(drop),
+        _ => available(&spec.value_from, home),
+    }
+}
+
+/// The ssh-agent socket an `ssh-agent` grant names (`{file: PATH}`, or `{env: NAME}`: the
+/// path in this process's variable), checked: an absolute path, not under boxery's `home`, a
+/// unix socket (not a symlink to one elsewhere: the path is the one approved), owned by this
+/// process's user (the control plane never forwards another user's agent). `Err` says why not.
+pub fn agent_socket(v: &ValueFrom, home: &Path) -> Result<std::path::PathBuf, String> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let path = match v {
+        ValueFrom::File(p) => p.clone(),
+        ValueFrom::Env(name) => std::env::var(name)
+            .ok()
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| format!("the environment variable {name} is not set here"))?,
+        ValueFrom::Command(_) => {
+            return Err("an ssh-agent grant names a socket, not a command".into());
+        }
+    };
+    boxery_api::grant::check_agent_socket(&ValueFrom::File(path.clone()))?;
+    let p = Path::new(&path);
+    let meta =
+        std::fs::symlink_metadata(p).map_err(|e| format!("no agent socket at {path}: {e}"))?;
+    if !meta.file_type().is_socket() {
+        return Err(format!(
+            "{path} is not a socket (an ssh-agent's socket, as $SSH_AUTH_SOCK names it)"
+        ));
+    }
+    if let (Ok(real), Ok(h)) = (p.canonicalize(), home.canonicalize())
+        && real.starts_with(&h)
+    {
+        return Err(format!(
+            "{path} is inside boxery's home ({}): boxery's own sockets are never granted",
+            h.display()
+        ));
+    }
+    let me = std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(u32::MAX);
+    if meta.uid() != me {
+        return Err(format!(
+            "{path} belongs to uid {}, not to the control plane's user (uid {me}): only your own agent is forwarded",
+            meta.uid()
+        ));
+    }
+    Ok(p.to_path_buf())
+}
+
 fn executable(p: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
@@ -159,6 +213,45 @@ pub async fn read_text(v: &ValueFrom, home: &Path) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_agent_socket_is_a_socket_of_ours_outside_the_home() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path().join("home");
+        std::fs::create_dir(&home).unwrap();
+        let sock = dir.path().join("agent.sock");
+        let _l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let file = |p: &Path| ValueFrom::File(p.display().to_string());
+        assert_eq!(agent_socket(&file(&sock), &home).unwrap(), sock);
+        // a regular file, a directory, nothing, a symlink to the socket: refused
+        let plain = dir.path().join("plain");
+        std::fs::write(&plain, b"x").unwrap();
+        let e = agent_socket(&file(&plain), &home).unwrap_err();
+        assert!(e.contains("not a socket"), "{e}");
+        let e = agent_socket(&file(dir.path()), &home).unwrap_err();
+        assert!(e.contains("not a socket"), "{e}");
+        let e = agent_socket(&file(&dir.path().join("none")), &home).unwrap_err();
+        assert!(e.contains("no agent socket"), "{e}");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&sock, &link).unwrap();
+        let e = agent_socket(&file(&link), &home).unwrap_err();
+        assert!(e.contains("not a socket"), "{e}");
+        // `..` is refused before anything is looked at
+        let dotted = format!("{}/home/../agent.sock", dir.path().display());
+        let e = agent_socket(&ValueFrom::File(dotted), &home).unwrap_err();
+        assert!(e.contains("plain names"), "{e}");
+        // a socket in the home (boxery's own)
+        let own = home.join("proxy.sock");
+        let _o = std::os::unix::net::UnixListener::bind(&own).unwrap();
+        let e = agent_socket(&file(&own), &home).unwrap_err();
+        assert!(e.contains("inside boxery's home"), "{e}");
+        // a command never names an agent; an unset variable says so
+        let e = agent_socket(&ValueFrom::Command(vec!["ssh-agent".into()]), &home).unwrap_err();
+        assert!(e.contains("not a command"), "{e}");
+        let e =
+            agent_socket(&ValueFrom::Env("BOXERY_TEST_NO_SUCH_SOCK".into()), &home).unwrap_err();
+        assert!(e.contains("not set"), "{e}");
+    }
 
     #[tokio::test]
     async fn a_file_value_is_read_up_to_the_largest() {
