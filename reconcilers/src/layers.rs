@@ -15,6 +15,7 @@
 //!   is removed by the next staging of that bundle.
 //!
 //! # Caveats
+//! - Identical large files are carried once and unpacked as hard links of each other.
 //! - A layer that changes services or the kernel would need a reboot; `agents` (files only)
 //!   does not, so none is made.
 //! - Files the layer removed at build time are not removed from the guest.
@@ -143,6 +144,16 @@ async fn stage(
             }
         }
         let _ = std::fs::remove_file(&raw);
+        let dedup = root.clone();
+        let saved = tokio::task::spawn_blocking(move || link_duplicates(&dedup))
+            .await
+            .map_err(|e| format!("linking duplicates: {e}"))?
+            .map_err(|e| format!("linking duplicates in {}: {e}", root.display()))?;
+        tracing::info!(
+            image = built,
+            saved_mib = saved >> 20,
+            "identical files in the layer bundle stored once"
+        );
         let part = work.join("bundle.tar");
         run(tokio::process::Command::new("tar")
             .arg("-C")
@@ -156,6 +167,75 @@ async fn stage(
     .await;
     let _ = std::fs::remove_dir_all(&work);
     made.map(|()| bundle)
+}
+
+/// Make identical regular files of 1 MiB or more under `root` (same bytes, mode and owner)
+/// hard links of the first of them, so that the bundle carries each once: the agents' npm
+/// packages ship the same native program two or three times (`claude` and `claude.exe`,
+/// opencode's baseline build). In the guest they are then one file with several names.
+/// Returns the bytes saved.
+fn link_duplicates(root: &Path) -> std::io::Result<u64> {
+    use std::collections::BTreeMap;
+    use std::os::unix::fs::MetadataExt;
+    let mut by_size: BTreeMap<(u64, u32, u32, u32), Vec<PathBuf>> = BTreeMap::new();
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let e = e?;
+            let t = e.file_type()?;
+            if t.is_dir() {
+                dirs.push(e.path());
+            } else if t.is_file() {
+                let m = e.metadata()?;
+                if m.len() >= 1 << 20 && m.nlink() == 1 {
+                    by_size
+                        .entry((m.len(), m.mode(), m.uid(), m.gid()))
+                        .or_default()
+                        .push(e.path());
+                }
+            }
+        }
+    }
+    let mut saved = 0;
+    for ((size, ..), mut paths) in by_size {
+        paths.sort();
+        let mut kept: Vec<PathBuf> = Vec::new();
+        for p in paths {
+            let mut twin = None;
+            for k in &kept {
+                if same_bytes(k, &p)? {
+                    twin = Some(k.clone());
+                    break;
+                }
+            }
+            match twin {
+                Some(k) => {
+                    std::fs::remove_file(&p)?;
+                    std::fs::hard_link(&k, &p)?;
+                    saved += size;
+                }
+                None => kept.push(p),
+            }
+        }
+    }
+    Ok(saved)
+}
+
+/// Whether two files of the same length hold the same bytes.
+fn same_bytes(a: &Path, b: &Path) -> std::io::Result<bool> {
+    use std::io::Read;
+    let (mut a, mut b) = (std::fs::File::open(a)?, std::fs::File::open(b)?);
+    let (mut x, mut y) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+    loop {
+        let n = a.read(&mut x)?;
+        if n == 0 {
+            return Ok(true);
+        }
+        b.read_exact(&mut y[..n])?;
+        if x[..n] != y[..n] {
+            return Ok(false);
+        }
+    }
 }
 
 /// Run a host command; its stderr's tail is the error.
@@ -232,4 +312,37 @@ async fn read_back(ssh: &crate::ssh::SshDir, vm: &str) -> Result<BuildInfo, Stri
     }
     let bytes = &out.stdout[..out.stdout.len().min(limit)];
     BuildInfo::parse(bytes).map_err(|why| format!("the guest's /etc/boxery/build-info: {why}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn identical_large_files_become_one_and_others_stay_apart() {
+        let d = tempfile::tempdir().unwrap();
+        let big = vec![7u8; 3 << 20];
+        let mut other = big.clone();
+        *other.last_mut().unwrap() = 8;
+        std::fs::create_dir_all(d.path().join("a/b")).unwrap();
+        for (p, bytes) in [
+            ("a/claude", &big),
+            ("a/b/claude.exe", &big),
+            ("z", &big),
+            ("a/near", &other),
+        ] {
+            std::fs::write(d.path().join(p), bytes).unwrap();
+        }
+        std::fs::write(d.path().join("small1"), b"x").unwrap();
+        std::fs::write(d.path().join("small2"), b"x").unwrap();
+        assert_eq!(link_duplicates(d.path()).unwrap(), 2 * (3 << 20));
+        let ino = |p: &str| std::fs::metadata(d.path().join(p)).unwrap().ino();
+        assert_eq!(ino("a/claude"), ino("a/b/claude.exe"));
+        assert_eq!(ino("a/claude"), ino("z"));
+        assert_ne!(ino("a/claude"), ino("a/near"), "one byte differs");
+        assert_ne!(ino("small1"), ino("small2"), "small files are left alone");
+        assert_eq!(std::fs::read(d.path().join("z")).unwrap(), big);
+        assert_eq!(link_duplicates(d.path()).unwrap(), 0, "once");
+    }
 }

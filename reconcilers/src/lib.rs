@@ -3,6 +3,7 @@
 //! mode).
 
 pub mod adopt;
+pub mod agent_forward;
 pub mod backoff;
 pub mod context;
 pub mod error;
