@@ -453,6 +453,11 @@ pub(crate) enum Command {
         /// The VM.
         #[arg(value_parser = args::label)]
         vm: String,
+        /// Use your ssh-agent in the VM: needs an ssh-agent grant in force on it (`boxery grant
+        /// VM ssh-agent:all`, approved by a person), and waits until the control plane's
+        /// forward is up. Without the grant, refused.
+        #[arg(short = 'A', long = "forward-agent")]
+        agent: bool,
         /// A command instead of a shell.
         #[arg(last = true)]
         cmd: Vec<String>,

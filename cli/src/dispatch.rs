@@ -237,8 +237,14 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         Command::Grant(a) => return grants::grant(v, a).await,
         Command::Orphans { cmd } => orphans::orphans(v, cmd).await?,
         Command::Sync(args) => sync::sync(v, args).await?,
-        Command::Ssh { vm, cmd } => {
+        Command::Ssh { vm, agent, cmd } => {
+            if agent {
+                boxery_verbs::grants::agent_grants(v, &vm).await?;
+            }
             let reach = v.reach(&vm).await?;
+            if agent {
+                grants::agent_forward_up(&reach)?;
+            }
             // a session is a use for as long as it lasts (spec.idle)
             let _session = v
                 .local()

@@ -26,7 +26,8 @@ use crate::wait;
     subcommand_negates_reqs = true,
     after_help = "Request form: boxery grant VM TYPE:TARGET --from-env NAME|--from-file PATH|--from-command CMD\n  \
                   (or --lease LEASE TYPE:TARGET …). TYPE:TARGET is llm:PROVIDER, http:HOST (with --header NAME),\n  \
-                  github:OWNER/REPO, env:NAME or file:PATH. The grant is written PendingApproval and you are asked\n  \
+                  github:OWNER/REPO, env:NAME, file:PATH, or ssh-agent:all (ssh-agent:SHA256:…,… for some keys; the\n  \
+                  agent is this shell's $SSH_AUTH_SOCK unless --from-file SOCKET). The grant is written PendingApproval and you are asked\n  \
                   to approve it, as `boxery grant approve NAME` asks. A VM named like a subcommand (approve, deny,\n  \
                   ls, revoke) is granted with `boxery apply` of a Grant instead."
 )]
@@ -137,13 +138,28 @@ async fn request(v: &Verbs, a: GrantArgs) -> CliResult<ExitCode> {
         ),
         _ => return Err(usage()),
     };
+    // An agent is the one this shell uses, unless told: its socket path, as approved.
+    let agent = what.starts_with("ssh-agent:");
+    let from_file = match a.from_file {
+        None if agent && a.from_env.is_none() && a.from_command.is_none() => Some(
+            std::env::var("SSH_AUTH_SOCK")
+                .ok()
+                .filter(|s| !s.is_empty())
+                .ok_or_else(|| {
+                    CliError::invalid(
+                        "SSH_AUTH_SOCK is not set in this shell: start an ssh-agent, or name its socket with --from-file PATH",
+                    )
+                })?,
+        ),
+        f => f,
+    };
     let asked = grants::Asked {
         what: Some(what),
         vm,
         lease: a.lease,
         header: a.header,
         from_env: a.from_env,
-        from_file: a.from_file,
+        from_file,
         from_command: (a.from_command).map(|c| c.split_whitespace().map(str::to_string).collect()),
         name: a.name,
     };
@@ -249,4 +265,35 @@ fn confirmed(g: &Grant, verb: &str) -> CliResult<bool> {
     let mut line = String::new();
     std::io::BufReader::new(&tty).read_line(&mut line)?;
     Ok(line.trim() == "yes")
+}
+
+/// How long `ssh -A` waits for the control plane's agent forward to be up in the guest.
+const AGENT_FORWARD_WAIT: u32 = 20;
+
+/// `ssh -A`, a grant in force: wait (up to [`AGENT_FORWARD_WAIT`] s) until the guest's
+/// `SSH_AUTH_SOCK` socket is there, or say why it is not.
+pub fn agent_forward_up(reach: &boxery_hands::Reach) -> CliResult<()> {
+    let sock = boxery_api::grant::AGENT_GUEST_SOCK;
+    let line = format!(
+        "i=0; while [ ! -S {sock} ]; do i=$((i+1)); [ $i -gt {AGENT_FORWARD_WAIT} ] && exit 3; sleep 1; done"
+    );
+    match reach.run_line(&line)? {
+        0 => Ok(()),
+        3 => Err(CliError::new(
+            Code::Failed,
+            anyhow::anyhow!(
+                "the ssh-agent grant on {} is in force, but the control plane's forward is not up in the guest after {AGENT_FORWARD_WAIT} s: \
+                 the control plane (`boxery serve`: is it running?) holds it, and the guest's sshd must be \
+                 OpenSSH (serve's log says why it failed)",
+                reach.vm()
+            ),
+        )),
+        c => Err(CliError::new(
+            Code::Failed,
+            anyhow::anyhow!(
+                "cannot check the ssh-agent forward in {} (ssh exit {c})",
+                reach.vm()
+            ),
+        )),
+    }
 }

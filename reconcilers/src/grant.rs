@@ -382,7 +382,7 @@ async fn step(mut g: Grant, ctx: &Ctx) -> Result<Action> {
         }
         return settle(g, &original, ctx, Verdict::ApprovalNeeded, &msg).await;
     }
-    if let Err(why) = boxery_home::values::available(&g.spec.value_from, &ctx.home) {
+    if let Err(why) = boxery_home::values::available_for(&g.spec, &ctx.home) {
         drop_entry(ctx, &g).await?;
         let msg = format!(
             "approved, but the control plane cannot read the value ({why}): it applies once it can"

@@ -12,7 +12,7 @@ use boxery_controller::{
 };
 
 use crate::context::Ctx;
-use crate::{grant, guest, image, inventory, lease, pool, vm};
+use crate::{agent_forward, grant, guest, image, inventory, lease, pool, vm};
 
 /// How many store revisions of history to keep for watchers.
 pub const KEEP_REVISIONS: u64 = 20_000;
@@ -37,6 +37,7 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     let grant_ctl = controller::<Grant>(&ctx);
     let (grants_a, grants_b) = (grant_ctl.cache(), grant_ctl.cache());
     let guest_vms = vm_ctl.cache();
+    let agent_vms = vm_ctl.cache();
     // One full cache per kind (its controller's); the watches keep metadata only.
     let caches = inventory::Caches {
         vms: vm_ctl.cache(),
@@ -132,6 +133,10 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     );
     m.add("grant-state", grant::keep_state(ctx.clone(), token.clone()));
     m.add("guest", guest::keep(ctx.clone(), guest_vms, token.clone()));
+    m.add(
+        "agent-forward",
+        agent_forward::keep(ctx.clone(), agent_vms, token.clone()),
+    );
     m.add("poolmembers", follow);
     m.add(
         "inventory",

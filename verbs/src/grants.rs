@@ -38,7 +38,8 @@ pub struct Request {
 #[derive(Debug, Clone, Default, serde::Deserialize, schemars::JsonSchema)]
 pub struct Asked {
     /// request: what to grant, TYPE:TARGET: llm:PROVIDER (e.g. llm:anthropic), http:HOST (with
-    /// `header`), github:OWNER/REPO, env:NAME, file:PATH.
+    /// `header`), github:OWNER/REPO, env:NAME, file:PATH, ssh-agent:all (or
+    /// ssh-agent:SHA256:… fingerprints, comma-separated; `from_file` names the agent's socket).
     #[serde(rename = "grant")]
     pub what: Option<String>,
     /// request: the VM it is for (default: this session's VM), unless `lease` is given.
@@ -91,7 +92,7 @@ pub async fn ask(v: &Verbs, a: Asked) -> Result<(Grant, bool)> {
 pub fn parse_what(what: &str) -> Result<(GrantType, String)> {
     let (t, target) = what.split_once(':').ok_or_else(|| {
         VerbError::invalid(format!(
-            "`{}` is not TYPE:TARGET: write llm:anthropic, http:HOST, github:OWNER/REPO, env:NAME or file:PATH",
+            "`{}` is not TYPE:TARGET: write llm:anthropic, http:HOST, github:OWNER/REPO, env:NAME, file:PATH or ssh-agent:all",
             boxery_api::name::shown(what)
         ))
     })?;
@@ -224,6 +225,49 @@ pub async fn revoke(v: &Verbs, name: &str) -> Result<Deleted> {
     Ok(done.pop().expect("one name, one result"))
 }
 
+/// The `ssh-agent` grants in force on VM `vm` (`boxery ssh -A`): Applied for their current
+/// generation, on this VM. `Err` (invalid) when there is none, saying how to ask for one.
+pub async fn agent_grants(v: &Verbs, vm: &str) -> Result<Vec<Grant>> {
+    let all = list(v).await?;
+    let on_vm = |g: &&Grant| {
+        g.spec.type_ == GrantType::SshAgent
+            && (g.status.vm.as_deref() == Some(vm) || g.spec.vm.as_deref() == Some(vm))
+    };
+    let in_force: Vec<Grant> = all
+        .iter()
+        .filter(on_vm)
+        .filter(|g| {
+            g.status.phase == GrantPhase::Applied
+                && g.status.approved_for(g.metadata.generation)
+                && g.status.vm.as_deref() == Some(vm)
+                && !g.metadata.is_deleting()
+        })
+        .cloned()
+        .collect();
+    if !in_force.is_empty() {
+        return Ok(in_force);
+    }
+    let waiting: Vec<String> = all
+        .iter()
+        .filter(on_vm)
+        .map(|g| format!("{} ({:?})", g.name(), g.status.phase))
+        .collect();
+    let vm = crate::render::safe(vm);
+    Err(VerbError::invalid(if waiting.is_empty() {
+        format!(
+            "VM {vm} may not use your ssh-agent: no ssh-agent grant is in force on it. Ask for one with \
+             `boxery grant {vm} ssh-agent:all` (your $SSH_AUTH_SOCK; or ssh-agent:SHA256:… for some keys, \
+             --from-file SOCKET for another agent), which a person approves in a terminal"
+        )
+    } else {
+        format!(
+            "VM {vm} may not use your ssh-agent yet: its ssh-agent grants are not in force: {}. \
+             `boxery grant approve NAME` in a terminal approves one; `boxery describe grant NAME` says why it waits",
+            waiting.join(", ")
+        )
+    }))
+}
+
 /// The grant a person is asked about: it must exist, and not be revoked or being deleted.
 pub async fn for_decision(v: &Verbs, name: &str) -> Result<Grant> {
     let name = Name::label(name).map_err(|e| VerbError::invalid(e.0))?;
@@ -274,16 +318,37 @@ pub fn summary(g: &Grant) -> String {
         GrantType::Github => "GitHub repository (through the proxy)",
         GrantType::Env => "environment variable pushed into the VM",
         GrantType::File => "file pushed into the VM",
+        GrantType::SshAgent => {
+            "ssh-agent forwarded into the VM (it can sign with the keys, not read them)"
+        }
     };
     out.push_str(&format!("  type:        {} — {what}\n", s.type_));
-    out.push_str(&format!("  target:      {}\n", safe(&s.target)));
+    if s.type_ == GrantType::SshAgent {
+        let keys = match boxery_api::grant::agent_keys(&s.target) {
+            Ok(None) => "every key the agent holds".to_string(),
+            _ => format!("only the keys {}", safe(&s.target)),
+        };
+        out.push_str(&format!("  keys:        {keys}\n"));
+    } else {
+        out.push_str(&format!("  target:      {}\n", safe(&s.target)));
+    }
     if let Some(h) = &s.header {
         out.push_str(&format!("  header:      {}\n", safe(h)));
     }
-    out.push_str(&format!(
-        "  value from:  {} (the value itself is never shown or stored)\n",
-        safe(&s.value_from.describe())
-    ));
+    if s.type_ == GrantType::SshAgent {
+        out.push_str(&format!(
+            "  agent:       the socket named by {}\n",
+            safe(&s.value_from.describe())
+        ));
+        out.push_str(
+            "  note:        while in force, code in the VM can sign with these keys (log in, push) wherever its network reaches; revoking ends it\n",
+        );
+    } else {
+        out.push_str(&format!(
+            "  value from:  {} (the value itself is never shown or stored)\n",
+            safe(&s.value_from.describe())
+        ));
+    }
     if matches!(s.type_, GrantType::Env | GrantType::File) {
         out.push_str(
             "  note:        the VM will hold this value: code in it can read, copy or send it\n",
@@ -319,7 +384,7 @@ pub fn os_user() -> String {
 /// its spec changed since (`Conflict`: another uid or generation), or when its value cannot be
 /// read here. `by` is who approved; `how` goes into the event (e.g. "typed yes").
 pub async fn approve(v: &Verbs, shown: &Grant, by: &str, how: &str) -> Result<Grant> {
-    if let Err(why) = boxery_home::values::available(&shown.spec.value_from, v.home()) {
+    if let Err(why) = boxery_home::values::available_for(&shown.spec, v.home()) {
         return Err(VerbError::invalid(format!(
             "not approved: {why}. Grant {} needs a value the control plane can read",
             shown.name()
