@@ -13,6 +13,8 @@
 //! libvirt ones fail when the binary was built without `--features libvirt`.
 
 mod common;
+#[path = "real_vms/ssh_agent.rs"]
+mod ssh_agent;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -2422,6 +2424,11 @@ mod qemu {
     #[test]
     fn fork_with_memory_continues_with_fresh_identities() {
         super::fork_with_memory(super::Kind::Qemu)
+    }
+
+    #[test]
+    fn ssh_agent_forwarded_with_approval() {
+        super::ssh_agent::ssh_agent_forwarded_with_approval()
     }
 }
 
