@@ -14,8 +14,9 @@
 //!   a public address on the host's NIC too), and the connection goes to a checked
 //!   address itself: a name that resolves (or re-resolves) to a private, loopback,
 //!   link-local or metadata address is refused, whatever the policy (no DNS rebinding).
-//! - A refusal is `403` with `x-boxery-egress: denied` and says why; an upstream that cannot
-//!   be reached is `502` with `x-boxery-egress: failed`. Either way nothing was sent.
+//! - A refusal is `403` with `x-boxery-egress: denied` and says why, in its body and in its
+//!   status line's reason phrase (what a `CONNECT` client shows); an upstream that cannot be
+//!   reached is `502` with `x-boxery-egress: failed`. Either way nothing was sent.
 //! - `Proxy-Authorization`, `Proxy-Connection` and hop-by-hop headers never go upstream.
 //! - Every connection is audited (VM, method, host, port or path, status, bytes; no headers,
 //!   no bodies) when it ends.
@@ -166,6 +167,9 @@ fn answer(r: Refusal, mark: &'static str) -> Response {
     let status = r.status;
     let why = r.message.clone();
     let mut resp = r.into_response();
+    if let Some(reason) = reason_phrase(status, &why) {
+        resp.extensions_mut().insert(reason);
+    }
     resp.extensions_mut().insert(Why(why));
     resp.headers_mut()
         .insert(HEADER, HeaderValue::from_static(mark));
@@ -176,6 +180,25 @@ fn answer(r: Refusal, mark: &'static str) -> Response {
         );
     }
     resp
+}
+
+/// The status line's reason phrase for a refusal: its status and why (`403 Forbidden: x is not
+/// in VM dev1's egress allow list …`). Many clients show only the status line of a refused
+/// `CONNECT`, never the body (socat under ssh's `ProxyCommand`, Python's "Tunnel connection
+/// failed" in pip): so they show why. Bytes a status line cannot hold become `?`.
+fn reason_phrase(status: StatusCode, why: &str) -> Option<hyper::ext::ReasonPhrase> {
+    let line: String = format!("{}: {why}", status.canonical_reason().unwrap_or("Refused"))
+        .chars()
+        .map(|c| {
+            if c == ' ' || c.is_ascii_graphic() {
+                c
+            } else {
+                '?'
+            }
+        })
+        .take(400)
+        .collect();
+    hyper::ext::ReasonPhrase::try_from(line).ok()
 }
 
 /// Why a response refused, for the audit record.

@@ -138,6 +138,13 @@ async fn the_policy_is_read_on_every_connection() {
     assert_eq!(status(&r), 403, "a suffix is matched whole: {r}");
     let r = raw(&f, connect("pypi.invalid:443", &t)).await;
     assert_eq!(status(&r), 403, "{r}");
+    // The status line says why: a CONNECT client (socat for ssh, pip) shows only that line.
+    assert!(
+        r.starts_with(
+            "HTTP/1.1 403 Forbidden: pypi.invalid is not in VM dev1's egress allow list (spec.network.egress.allow)\r\n"
+        ),
+        "{r}"
+    );
     policy(&f, "dev1", EgressPolicy::Public, &[]);
     let r = raw(&f, get("http://unlisted.invalid/", Some(&t))).await;
     assert_eq!(status(&r), 502, "Public passes the name: {r}");
