@@ -196,39 +196,20 @@ fn layers_due(vm: &Vm) -> bool {
 /// recorded in `status.layers` and `status.buildInfo`.
 async fn layers(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     let name = vm.name().to_string();
-    let generation = vm.metadata.generation;
-    let removed: Vec<String> = vm
-        .status
-        .layers
-        .iter()
-        .filter(|l| !vm.spec.layers.contains(l))
-        .cloned()
-        .collect();
+    let removed = missing_from(&vm.status.layers, &vm.spec.layers);
     if !removed.is_empty() {
         let msg = format!(
             "layer {} cannot be removed from a VM (what it installed stays in the guest): put it back in spec.layers, or make a new VM without it (`boxery rm {name}`, then apply it again)",
             removed.join(", ")
         );
-        if vm.status.conditions.set_condition(
-            conditions::LAYERS_APPLIED,
-            ConditionStatus::False,
-            reasons::LAYER_REMOVAL_REFUSED,
-            &msg,
-            generation,
-        ) {
+        if layers_condition(&mut vm, false, reasons::LAYER_REMOVAL_REFUSED, &msg) {
             vm = save(ctx, &vm).await?;
             ctx.event(&vm, EventType::Warning, "LayerRemovalRefused", &msg)
                 .await;
         }
         return settle(vm, info, ctx).await;
     }
-    let added: Vec<String> = vm
-        .spec
-        .layers
-        .iter()
-        .filter(|l| !vm.status.layers.contains(l))
-        .cloned()
-        .collect();
+    let added = missing_from(&vm.spec.layers, &vm.status.layers);
     let what = added.join(", ");
     // the layered build with every layer the VM is to have
     let image = match layered_image(&vm, ctx).await? {
@@ -246,22 +227,11 @@ async fn layers(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
                 Ok(img) => format!(
                     "adding {what} in place: waiting for image {}: {}",
                     img.name(),
-                    img.status
-                        .conditions
-                        .get_condition(READY)
-                        .map(|c| c.message.clone())
-                        .filter(|m| !m.is_empty())
-                        .unwrap_or_else(|| format!("{:?}", img.status.phase))
+                    image_progress(&img)
                 ),
                 Err(why) => format!("adding {what} in place: {why}"),
             };
-            if vm.status.conditions.set_condition(
-                conditions::LAYERS_APPLIED,
-                ConditionStatus::False,
-                reasons::LAYERED_IMAGE_NOT_READY,
-                &msg,
-                generation,
-            ) {
+            if layers_condition(&mut vm, false, reasons::LAYERED_IMAGE_NOT_READY, &msg) {
                 save(ctx, &vm).await?;
             }
             // Image changes wake us too (vms_for_image); poll slowly as a fallback
@@ -269,13 +239,7 @@ async fn layers(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
         }
     };
     let msg = format!("adding {what} in place from image {}", image.name());
-    vm.status.conditions.set_condition(
-        conditions::LAYERS_APPLIED,
-        ConditionStatus::False,
-        reasons::APPLYING_LAYERS,
-        &msg,
-        generation,
-    );
+    layers_condition(&mut vm, false, reasons::APPLYING_LAYERS, &msg);
     vm = save(ctx, &vm).await?;
     ctx.event(&vm, EventType::Normal, "AddingLayers", &msg)
         .await;
@@ -302,16 +266,39 @@ async fn layers(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     );
     vm.status.layers = vm.spec.layers.clone();
     vm.status.build_info = record;
-    vm.status.conditions.set_condition(
-        conditions::LAYERS_APPLIED,
-        ConditionStatus::True,
-        reasons::LAYERS_APPLIED,
-        &msg,
-        generation,
-    );
+    layers_condition(&mut vm, true, reasons::LAYERS_APPLIED, &msg);
     let vm = save(ctx, &vm).await?;
     ctx.event(&vm, EventType::Normal, "LayersAdded", &msg).await;
     Ok(Action::requeue(Duration::ZERO))
+}
+
+/// The layers of `a` that `b` does not have.
+fn missing_from(a: &[String], b: &[String]) -> Vec<String> {
+    a.iter().filter(|l| !b.contains(l)).cloned().collect()
+}
+
+/// Set `LayersApplied` for the VM's generation; whether it changed.
+fn layers_condition(vm: &mut Vm, applied: bool, reason: &str, msg: &str) -> bool {
+    let status = if applied {
+        ConditionStatus::True
+    } else {
+        ConditionStatus::False
+    };
+    let generation = vm.metadata.generation;
+    vm.status
+        .conditions
+        .set_condition(conditions::LAYERS_APPLIED, status, reason, msg, generation)
+}
+
+/// What an image not ready yet is doing: its `Ready` message (a build's progress), or its
+/// phase.
+fn image_progress(img: &Image) -> String {
+    img.status
+        .conditions
+        .get_condition(READY)
+        .map(|c| c.message.clone())
+        .filter(|m| !m.is_empty())
+        .unwrap_or_else(|| format!("{:?}", img.status.phase))
 }
 
 /// A running VM with a part down (qemu: its network helper died): bring that part back
@@ -674,12 +661,11 @@ async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
             .get_condition(conditions::LAYERS_APPLIED)
             .is_some_and(|c| c.status == ConditionStatus::False)
     {
-        vm.status.conditions.set_condition(
-            conditions::LAYERS_APPLIED,
-            ConditionStatus::True,
+        layers_condition(
+            &mut vm,
+            true,
             reasons::LAYERS_APPLIED,
             "the VM has the layers of spec.layers",
-            generation,
         );
     }
     finish_status(
@@ -1273,13 +1259,7 @@ async fn source_image(vm: &mut Vm, ctx: &Ctx) -> Result<Option<String>> {
         }
         Some(img) if img.status.phase != ImagePhase::Ready => {
             // Show the image's own progress (a build's phase, a capture) while waiting.
-            let progress = img
-                .status
-                .conditions
-                .get_condition(READY)
-                .map(|c| c.message.clone())
-                .filter(|m| !m.is_empty())
-                .unwrap_or_else(|| format!("{:?}", img.status.phase));
+            let progress = image_progress(&img);
             let msg = match wait_msg {
                 Some(w) => format!("{w}: {progress}"),
                 None => format!("waiting for image {image_name}: {progress}"),

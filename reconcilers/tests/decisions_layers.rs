@@ -36,6 +36,23 @@ fn layered_vm(name: &str, layers: &[&str]) -> Vm {
     .unwrap()
 }
 
+/// VM `name` with `spec.layers: [agents]`, made: its layered image built, then the VM.
+async fn made_with_agents(h: &Harness, name: &str) {
+    h.put(&layered_vm(name, &["agents"]));
+    h.settle(vm::reconcile, name).await.unwrap();
+    h.settle(image::reconcile, "debian-12-agents")
+        .await
+        .unwrap();
+    h.settle(vm::reconcile, name).await.unwrap();
+}
+
+/// `LayersApplied`'s status and reason, which must be these; returns its message.
+fn layers_applied(vm: &Vm, status: ConditionStatus, reason: &str) -> String {
+    let (s, r, msg) = condition(vm, conditions::LAYERS_APPLIED).expect("LayersApplied");
+    assert_eq!((s, r.as_str()), (status, reason), "{msg}");
+    msg
+}
+
 fn condition(vm: &Vm, type_: &str) -> Option<(ConditionStatus, String, String)> {
     vm.status
         .conditions
@@ -135,11 +152,7 @@ async fn a_layer_added_to_a_running_vm_waits_for_the_layered_build_then_is_recor
     let next = h.settle(vm::reconcile, "a").await.unwrap();
     assert_eq!(next.requeue_after(), Some(Duration::from_secs(5)));
     let a: Vm = h.get("a");
-    let (status, reason, msg) = condition(&a, conditions::LAYERS_APPLIED).unwrap();
-    assert_eq!(
-        (status, reason.as_str()),
-        (ConditionStatus::False, reasons::LAYERED_IMAGE_NOT_READY)
-    );
+    let msg = layers_applied(&a, ConditionStatus::False, reasons::LAYERED_IMAGE_NOT_READY);
     assert!(
         msg.starts_with("adding agents in place: waiting for image debian-12-agents"),
         "{msg}"
@@ -154,11 +167,7 @@ async fn a_layer_added_to_a_running_vm_waits_for_the_layered_build_then_is_recor
     assert!(next.is_await_change(), "{next:?}");
     let a: Vm = h.get("a");
     assert_eq!(a.status.layers, ["agents"]);
-    let (status, reason, msg) = condition(&a, conditions::LAYERS_APPLIED).unwrap();
-    assert_eq!(
-        (status, reason.as_str()),
-        (ConditionStatus::True, reasons::LAYERS_APPLIED)
-    );
+    let msg = layers_applied(&a, ConditionStatus::True, reasons::LAYERS_APPLIED);
     assert!(
         msg.starts_with("added agents in place from image debian-12-agents in "),
         "{msg}"
@@ -185,22 +194,13 @@ async fn a_layer_added_to_a_running_vm_waits_for_the_layered_build_then_is_recor
 #[tokio::test]
 async fn a_layer_removed_from_a_vm_is_refused_once_and_the_vm_runs_on() {
     let (h, _outputs) = harness(&[]);
-    h.put(&layered_vm("a", &["agents"]));
-    h.settle(vm::reconcile, "a").await.unwrap();
-    h.settle(image::reconcile, "debian-12-agents")
-        .await
-        .unwrap();
-    h.settle(vm::reconcile, "a").await.unwrap();
+    made_with_agents(&h, "a").await;
     h.edit::<Vm>("a", Part::Spec, |a| a.spec.layers.clear());
     let next = h.settle(vm::reconcile, "a").await.unwrap();
     assert!(next.is_await_change(), "{next:?}");
     h.reconcile(vm::reconcile, "a").await.unwrap();
     let a: Vm = h.get("a");
-    let (status, reason, msg) = condition(&a, conditions::LAYERS_APPLIED).unwrap();
-    assert_eq!(
-        (status, reason.as_str()),
-        (ConditionStatus::False, reasons::LAYER_REMOVAL_REFUSED)
-    );
+    let msg = layers_applied(&a, ConditionStatus::False, reasons::LAYER_REMOVAL_REFUSED);
     assert!(
         msg.contains("agents cannot be removed") && msg.contains("put it back in spec.layers"),
         "{msg}"
@@ -244,12 +244,7 @@ async fn a_hostile_build_record_is_left_out_with_a_warning() {
 #[tokio::test]
 async fn a_capture_carries_its_source_vms_record() {
     let (h, _outputs) = harness(&[("debian-12-agents.build-info", RECORD.as_bytes())]);
-    h.put(&layered_vm("a", &["agents"]));
-    h.settle(vm::reconcile, "a").await.unwrap();
-    h.settle(image::reconcile, "debian-12-agents")
-        .await
-        .unwrap();
-    h.settle(vm::reconcile, "a").await.unwrap();
+    made_with_agents(&h, "a").await;
     let snap: Image = serde_json::from_value(serde_json::json!({
         "apiVersion": boxery_api::API_VERSION, "kind": "Image", "metadata": {"name": "a.snap"},
         "spec": {"source": {"vm": "a"}},
