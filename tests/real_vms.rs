@@ -13,6 +13,8 @@
 //! libvirt ones fail when the binary was built without `--features libvirt`.
 
 mod common;
+#[path = "real_vms/layers.rs"]
+mod layers;
 #[path = "real_vms/ssh_agent.rs"]
 mod ssh_agent;
 
@@ -2429,6 +2431,11 @@ mod qemu {
     #[test]
     fn ssh_agent_forwarded_with_approval() {
         super::ssh_agent::ssh_agent_forwarded_with_approval()
+    }
+
+    #[test]
+    fn layers_added_to_a_running_vm_and_made_for_a_new_one() {
+        super::layers::layers_on_a_vm(super::Kind::Qemu)
     }
 }
 
