@@ -250,12 +250,6 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
                 Ok(v) => out.files.push((e.spec.target.clone(), v)),
                 Err(why) => out.unavailable.push((e.name.clone(), why)),
             },
-            // the socket the control plane forwards (crate::agent_forward); one for all
-            GrantType::SshAgent if !env.contains("SSH_AUTH_SOCK=") => env.push_str(&format!(
-                "{comment}export SSH_AUTH_SOCK={}\n",
-                crate::agent_forward::GUEST_SOCK
-            )),
-            GrantType::SshAgent => {}
         }
     }
     if !git.is_empty() {
@@ -285,11 +279,8 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
 /// `/etc/ssh/ssh_config.d/90-boxery.conf` where the guest has OpenSSH's client and socat):
 /// `ssh git@github.com` and `git clone git@github.com:…` go through the egress proxy's
 /// `CONNECT`, so the VM's policy decides them like any other connection. On a shared listener
-/// the proxy password is the VM's token (hence tmpfs, like `env`). A host seen for the first
-/// time is accepted and recorded in `~/.ssh/known_hosts` (`StrictHostKeyChecking accept-new`:
-/// an agent has no one to answer ssh's question, so it would otherwise fail with "Host key
-/// verification failed"); a host whose key changed is still refused. A user's own
-/// `~/.ssh/config` is read first and wins.
+/// the proxy password is the VM's token (hence tmpfs, like `env`). A user's own `~/.ssh/config`
+/// is read first and wins.
 pub fn ssh_config(plan: &Plan) -> String {
     let hostport = plan.url.trim_start_matches("http://").trim_end_matches('/');
     let (host, port) = match hostport.rsplit_once(':') {
@@ -305,8 +296,7 @@ pub fn ssh_config(plan: &Plan) -> String {
         "# Written by boxery's control plane (docs/egress.md): ssh to other hosts goes through the\n\
          # egress proxy, so this VM's egress policy decides it. Replaced at every change.\n\
          Host * !localhost !127.0.0.1 !::1\n  \
-         ProxyCommand socat - PROXY:{host}:%h:%p,proxyport={port}{auth}\n  \
-         StrictHostKeyChecking accept-new\n"
+         ProxyCommand socat - PROXY:{host}:%h:%p,proxyport={port}{auth}\n"
     )
 }
 
@@ -460,7 +450,6 @@ pub fn context(plan: &Plan) -> String {
             GrantType::Http => format!("HTTP to `{}` through `$BOXERY_PROXY/edge/…`", boxery_api::name::shown(&e.spec.target)),
             GrantType::Env => format!("the variable `${}`", boxery_api::name::shown(&e.spec.target)),
             GrantType::File => format!("the file `/run/boxery/files/{}`", boxery_api::name::shown(&e.spec.target)),
-            GrantType::SshAgent => "your person's ssh-agent at `$SSH_AUTH_SOCK` (ssh and git over ssh use it): you can sign with its keys, not read them".to_string(),
         };
         grants.push_str(&format!(
             "- `{}:{}`: {what}\n",
@@ -928,8 +917,7 @@ mod tests {
         // listener with the token as one
         assert!(
             f.ssh_config
-                .contains("ProxyCommand socat - PROXY:10.0.2.100:%h:%p,proxyport=80\n")
-                && f.ssh_config.contains("StrictHostKeyChecking accept-new\n"),
+                .contains("ProxyCommand socat - PROXY:10.0.2.100:%h:%p,proxyport=80\n"),
             "{}",
             f.ssh_config
         );
@@ -1054,19 +1042,20 @@ mod tests {
             assert!(!json.contains("bxt_abc"), "{json}");
             serde_json::from_str(json).unwrap()
         };
-        // only openai: codex has a provider at the proxy, opencode only OpenAI
-        let f = files(&plan(vec![llm("openai")]), home.path()).await;
-        let oc = opencode(&f);
-        assert_eq!(oc["enabled_providers"], serde_json::json!(["openai"]));
-        assert_eq!(
-            oc["provider"]["openai"]["options"]["baseURL"],
-            "http://10.0.2.100/llm/openai/v1"
-        );
-        assert_eq!(oc["autoupdate"], false);
-        let codex = f
-            .codex
-            .as_deref()
-            .expect("codex's settings with llm:openai");
+        // one provider: opencode has it alone, at the proxy with the `/v1` its Anthropic client
+        // wants (claude's has none); codex only with OpenAI
+        for (p, codex) in [("openai", true), ("anthropic", false)] {
+            let f = files(&plan(vec![llm(p)]), home.path()).await;
+            let oc = opencode(&f);
+            assert_eq!(oc["enabled_providers"], serde_json::json!([p]));
+            assert_eq!(
+                oc["provider"][p]["options"]["baseURL"],
+                format!("http://10.0.2.100/llm/{p}/v1").as_str()
+            );
+            assert_eq!(oc["autoupdate"], false);
+            assert_eq!(f.codex.is_some(), codex, "{p}");
+        }
+        let codex = agents(&plan(vec![llm("openai")])).codex.unwrap();
         for line in [
             "model_provider = \"boxery\"",
             "[model_providers.boxery]",
@@ -1082,15 +1071,6 @@ mod tests {
             codex.starts_with(WRITTEN) && !codex.contains("bxt_abc"),
             "{codex}"
         );
-        // only anthropic: opencode's Anthropic client gets the `/v1` claude's does not; no codex
-        let f = files(&plan(vec![llm("anthropic")]), home.path()).await;
-        let oc = opencode(&f);
-        assert_eq!(oc["enabled_providers"], serde_json::json!(["anthropic"]));
-        assert_eq!(
-            oc["provider"]["anthropic"]["options"]["baseURL"],
-            "http://10.0.2.100/llm/anthropic/v1"
-        );
-        assert_eq!(f.codex, None);
         // both, and a provider the agents do not know
         let f = files(
             &plan(vec![llm("anthropic"), llm("openai"), llm("ollama")]),
