@@ -22,6 +22,9 @@ QEMU_PKGS=(qemu-system-x86 qemu-utils)
 BASE_PKGS=(genisoimage busybox-static cpio kmod debootstrap e2fsprogs
   gcc make libc6-dev zlib1g-dev curl patch bzip2 xz-utils
   openssh-client socat gzip debian-archive-keyring ca-certificates)
+# fdisk (sfdisk), extlinux and syslinux-common (its MBR): image/build-cloud.sh makes a cloud
+# image that boots itself, for the bring-your-own-image test (tests/real_vms/cloud_image.rs).
+BASE_PKGS+=(fdisk extlinux syslinux-common)
 # zsh and fish: the completion tests drive them (tests/cli.rs).
 BASE_PKGS+=(zsh fish)
 # git: `boxery sync` reads repositories with it (tests/sync.rs, the gitops bench); python3:

@@ -12,6 +12,8 @@
 //! pool's lease cycle. These tests fail (never pass) when QEMU or libvirt is missing, and the
 //! libvirt ones fail when the binary was built without `--features libvirt`.
 
+#[path = "real_vms/cloud_image.rs"]
+mod cloud_image;
 mod common;
 #[path = "real_vms/layers.rs"]
 mod layers;
@@ -2391,6 +2393,11 @@ mod qemu {
     #[test]
     fn forward_ports_both_ways() {
         super::forward_ports(super::Kind::Qemu)
+    }
+
+    #[test]
+    fn a_cloud_image_brought_by_its_user_boots_with_boxerys_seed() {
+        super::cloud_image::cloud_image(super::Kind::Qemu)
     }
 
     #[test]

@@ -29,6 +29,10 @@ pub const LAYERS_APPLIED: &str = "LayersApplied";
 /// when it no longer matches what can restore it; present only while suspended).
 pub const MEMORY_RESTORABLE: &str = "MemoryRestorable";
 
+/// The reasons of a `Ready=False` that stays until someone changes the object: a wait for
+/// `Ready` ends on one of them with its message, rather than when its timeout runs out.
+pub const READY_WILL_NOT_COME: &[&str] = &[reasons::GUEST_NOT_ANSWERING];
+
 /// Condition reasons.
 pub mod reasons {
     /// `Ready=Unknown` on an object's first visit.
@@ -39,6 +43,9 @@ pub mod reasons {
     pub const INVALID_REQUEST: &str = "InvalidRequest";
     /// A Vm runs but does not answer yet.
     pub const BOOTING: &str = "Booting";
+    /// Running, and its console says it will not answer (no cloud-init, a kernel panic, no
+    /// ssh server): a wait for Ready ends on it ([`READY_WILL_NOT_COME`]).
+    pub const GUEST_NOT_ANSWERING: &str = "GuestNotAnswering";
     /// A Vm answers over ssh with its pinned key.
     pub const SSH_REACHABLE: &str = "SshReachable";
     /// A Vm runs (backends without sshd).

@@ -61,6 +61,7 @@ async fn raw_boot(env: &Env, run: usize, tb_size: Option<u32>) -> (f64, f64, (u6
         "raw",
         "raw-1",
         &id,
+        seed::Guest::Boxery,
         &dir.join(".seed"),
         &dir.join("seed.iso"),
     )

@@ -515,6 +515,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         let _ = vm;
         Ok(())
     }
+    /// What VM `vm`'s serial console printed since it last started (at most
+    /// 1 MiB: its beginning and its end), to say why a guest
+    /// does not answer. Guest-written text: for matching, never for showing whole. `None`
+    /// where the backend keeps no console.
+    async fn console(&self, vm: &str) -> Result<Option<String>> {
+        let _ = vm;
+        Ok(None)
+    }
     /// Every image in boxery's namespace.
     async fn images(&self) -> Result<Vec<ImageInfo>>;
     /// Delete an image; VMs made from it keep working. Succeeds when already gone.

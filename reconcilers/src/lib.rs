@@ -5,6 +5,7 @@
 pub mod adopt;
 pub mod agent_forward;
 pub mod backoff;
+pub mod boot;
 pub mod context;
 pub mod error;
 pub mod grant;

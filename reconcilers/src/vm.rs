@@ -642,7 +642,10 @@ async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
         (PowerState::Running, Some(endpoint)) if ctx.backend.capabilities().ssh => {
             match probe(ctx, &vm, endpoint).await {
                 Ok(()) => Readiness::Ready(reasons::SSH_REACHABLE),
-                Err(why) => Readiness::Booting(why),
+                Err(why) => match crate::boot::explain(ctx, &vm, why).await {
+                    crate::boot::Explained::Booting(why) => Readiness::Booting(why),
+                    crate::boot::Explained::NotAnswering(why) => Readiness::NotAnswering(why),
+                },
             }
         }
         (PowerState::Running, None) if ctx.backend.capabilities().ssh => {
@@ -680,8 +683,11 @@ async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     if vm.status != before {
         save(ctx, &vm).await?;
     }
-    if let Readiness::Booting(_) = readiness {
-        return Ok(Action::requeue(Duration::from_millis(100)));
+    match readiness {
+        Readiness::Booting(_) => return Ok(Action::requeue(Duration::from_millis(100))),
+        // its console says it will not answer: still looked at, less often
+        Readiness::NotAnswering(_) => return Ok(Action::requeue(Duration::from_secs(5))),
+        Readiness::Ready(_) => {}
     }
     Ok(Action::await_change())
 }
@@ -725,6 +731,8 @@ enum Readiness {
     Ready(&'static str),
     /// Running but not answering yet.
     Booting(String),
+    /// Running, and its console says it will not answer ([`crate::boot`]).
+    NotAnswering(String),
 }
 
 /// Phase, Ready, ssh, observedGeneration and the printable status after a successful step.
@@ -747,6 +755,12 @@ fn finish_status(
             ConditionStatus::False,
             reasons::BOOTING,
             format!("the VM is running but not reachable yet: {why}"),
+        ),
+        (PowerState::Running, Readiness::NotAnswering(why)) => (
+            VmPhase::Running,
+            ConditionStatus::False,
+            reasons::GUEST_NOT_ANSWERING,
+            format!("the VM is running but will not answer: {why}"),
         ),
         (PowerState::Stopped, _) => (
             VmPhase::Stopped,

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use boxery_api::conditions::READY;
+use boxery_api::conditions::{READY, READY_WILL_NOT_COME};
 use boxery_api::{ConditionStatus, DynObject};
 use futures::StreamExt;
 use serde_json::Value;
@@ -166,6 +166,34 @@ pub fn holds(until: &Until, obj: Option<&DynObject>) -> Result<bool> {
             let val: Value = serde_json::to_value(obj)?;
             !crate::render::jsonpath(p, &val)?.is_empty()
         }
+    })
+}
+
+/// Why `obj` will not satisfy `until` unless someone changes it: its current `Ready=False`
+/// has a reason of [`READY_WILL_NOT_COME`] (a guest whose console says it will not answer).
+/// Such a wait ends at once with that message, not when its timeout runs out.
+pub fn will_not_come(until: &Until, obj: Option<&DynObject>) -> Option<String> {
+    let Until::Condition(t, ConditionStatus::True) = until else {
+        return None;
+    };
+    let obj = obj?;
+    if !t.eq_ignore_ascii_case(READY) {
+        return None;
+    }
+    let generation = obj.metadata.generation;
+    let c = obj.status()["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == READY)?;
+    let current = generation.is_none() || c["observedGeneration"].as_i64() >= generation;
+    let reason = c["reason"].as_str()?;
+    (current && c["status"] == "False" && READY_WILL_NOT_COME.contains(&reason)).then(|| {
+        format!(
+            "{} {} will not become Ready ({reason}): {}",
+            obj.kind,
+            obj.metadata.name,
+            c["message"].as_str().unwrap_or("")
+        )
     })
 }
 
@@ -343,6 +371,8 @@ async fn wait_inner(
         }
         if holds(until, obj.as_ref())? {
             progress.met(t);
+        } else if let Some(why) = will_not_come(until, obj.as_ref()) {
+            return Err(VerbError::failed(why));
         } else {
             pending.push(t.clone());
         }
@@ -452,6 +482,8 @@ async fn recheck(
         let obj = store.get(&t).await?;
         if holds(until, obj.as_ref())? {
             progress.met(&t);
+        } else if let Some(why) = will_not_come(until, obj.as_ref()) {
+            return Err(VerbError::failed(why));
         } else {
             still.push(t);
         }
@@ -472,6 +504,43 @@ fn describe_until(u: &Until) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A guest whose console says it will not answer ends a wait for Ready at once; the same
+    /// reason on an older generation, or any other reason, does not.
+    #[test]
+    fn a_ready_that_will_not_come_ends_the_wait() {
+        let vm = |reason: &str, observed: i64| -> DynObject {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "boxery.dev/v1alpha1", "kind": "Vm",
+                "metadata": {"name": "c2", "generation": 2},
+                "spec": {},
+                "status": {"conditions": [{"type": "Ready", "status": "False",
+                    "reason": reason, "message": "cloud-init never ran",
+                    "observedGeneration": observed}]}
+            }))
+            .unwrap()
+        };
+        let ready: Until = "condition=Ready".parse().unwrap();
+        let why = will_not_come(&ready, Some(&vm("GuestNotAnswering", 2))).unwrap();
+        assert!(
+            why.contains("Vm c2 will not become Ready") && why.contains("cloud-init never ran"),
+            "{why}"
+        );
+        assert_eq!(
+            will_not_come(&ready, Some(&vm("GuestNotAnswering", 1))),
+            None
+        );
+        assert_eq!(will_not_come(&ready, Some(&vm("Booting", 2))), None);
+        assert_eq!(
+            will_not_come(&Until::Deleted, Some(&vm("GuestNotAnswering", 2))),
+            None
+        );
+        let not_ready: Until = "condition=Ready=false".parse().unwrap();
+        assert_eq!(
+            will_not_come(&not_ready, Some(&vm("GuestNotAnswering", 2))),
+            None
+        );
+    }
 
     #[test]
     fn for_parses_as_kubectl_does() {

@@ -392,7 +392,7 @@ impl Inner {
         if let Some(id) = seed::reseed(vm, &mut cfg, identity)? {
             let (work, iso) = (self.seed_work(vm), self.vm_seed(vm));
             self.storage
-                .write_seed(vm, &cfg.instance_id, &id, &work, &iso)
+                .write_seed(vm, &cfg.instance_id, &id, &rec.base, &work, &iso)
                 .await?;
         }
         cfg.base = rec.base.clone();

@@ -364,6 +364,11 @@ impl Backend for LibvirtBackend {
         self.inner.capture(vm, image, uid).await
     }
 
+    async fn console(&self, vm: &str) -> Result<Option<String>> {
+        crate::storage::files::console(&self.inner.vm_serial(vm))
+            .map_err(|e| BackendError::failed(format!("read the console of VM {vm}"), e))
+    }
+
     async fn images(&self) -> Result<Vec<ImageInfo>> {
         self.inner.storage.images()
     }

@@ -91,7 +91,8 @@ pub struct DomainSpec<'a> {
     pub disk: &'a str,
     /// The seed ISO.
     pub seed: &'a str,
-    /// Kernel, initrd, command line (direct kernel boot).
+    /// Kernel, initrd, command line (direct kernel boot); an empty kernel: the firmware
+    /// boots the disk (a cloud image).
     pub kernel: &'a str,
     /// Initrd.
     pub initrd: &'a str,
@@ -134,7 +135,7 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
   <memory unit='MiB'>{mem}</memory>
   <vcpu>{cpus}</vcpu>
   <os><type arch='x86_64' machine='{machine}'>hvm</type>
-    <kernel>{kernel}</kernel><initrd>{initrd}</initrd><cmdline>{cmdline}</cmdline></os>
+    {boot}</os>
   {cpu}
   <features><acpi/></features>
   <on_poweroff>destroy</on_poweroff><on_reboot>restart</on_reboot><on_crash>destroy</on_crash>
@@ -160,9 +161,17 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
         mem = s.cfg.memory_mib,
         cpus = s.cfg.cpus,
         machine = e(s.machine),
-        kernel = e(s.kernel),
-        initrd = e(s.initrd),
-        cmdline = e(s.cmdline),
+        boot = if s.kernel.is_empty() {
+            // a cloud image: the firmware boots the disk's own bootloader
+            "<boot dev='hd'/>".to_string()
+        } else {
+            format!(
+                "<kernel>{}</kernel><initrd>{}</initrd><cmdline>{}</cmdline>",
+                e(s.kernel),
+                e(s.initrd),
+                e(s.cmdline)
+            )
+        },
         disk = e(s.disk),
         seed = e(s.seed),
         mac = e(&s.cfg.mac),
@@ -541,7 +550,7 @@ mod tests {
     #[test]
     fn domain_xml_has_identity_filter_and_seed() {
         let c = cfg();
-        let x = domain(&DomainSpec {
+        let spec = DomainSpec {
             domain: "bx-ab12-dev1",
             kind: "qemu",
             ns: "ab12",
@@ -558,7 +567,8 @@ mod tests {
             proxy_port: 24123,
             isolation: true,
             confined: false,
-        });
+        };
+        let x = domain(&spec);
         assert!(x.contains("<domain type='qemu'>"));
         assert!(x.contains("<mac address='52:54:00:01:02:03'/>"));
         assert!(x.contains(&format!("<filterref filter='{GUEST_FILTER}'>")));
@@ -572,6 +582,21 @@ mod tests {
         let live = "<disk type='file' device='disk'><source file='/p/vm-2.qcow2'/><backingStore type='file'><source file='/p/vm-1.qcow2'/><backingStore type='file'><source file='/p/base.qcow2'/></backingStore></backingStore><target dev='vda' bus='virtio'/></disk>";
         assert_eq!(vda_source(live).as_deref(), Some("/p/vm-2.qcow2"));
         assert!(!x.contains("<x>"), "metadata is escaped");
+        assert!(x.contains(
+            "<kernel>/p/k</kernel><initrd>/p/i</initrd><cmdline>console=ttyS0</cmdline>"
+        ));
+        assert!(!x.contains("<boot dev="));
+        // a cloud image: no kernel, the firmware boots the disk
+        let y = domain(&DomainSpec {
+            kernel: "",
+            initrd: "",
+            cmdline: "",
+            ..spec
+        });
+        assert!(
+            y.contains("<boot dev='hd'/></os>") && !y.contains("<kernel>"),
+            "{y}"
+        );
     }
 
     #[test]

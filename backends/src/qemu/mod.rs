@@ -266,7 +266,7 @@ impl QemuBackend {
             let (work, iso) = inner.seed_files(vm);
             inner
                 .storage
-                .write_seed(vm, &cfg.instance_id, &id, &work, &iso)
+                .write_seed(vm, &cfg.instance_id, &id, &rec.base, &work, &iso)
                 .await?;
         }
         cfg.base = rec.base.clone();
@@ -724,6 +724,11 @@ impl Backend for QemuBackend {
         inner.check_name("VM", vm)?;
         let _lock = inner.lock_vm(vm).await?;
         inner.forget_inherited(vm)
+    }
+
+    async fn console(&self, vm: &str) -> Result<Option<String>> {
+        crate::storage::files::console(&self.inner.layout.vm_serial(vm))
+            .map_err(|e| BackendError::failed(format!("read the console of VM {vm}"), e))
     }
 
     async fn images(&self) -> Result<Vec<ImageInfo>> {

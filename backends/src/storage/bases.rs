@@ -119,6 +119,7 @@ impl Storage {
                 hash: hash.clone(),
                 virtual_size,
                 created: boxery_api::now(),
+                cloud_image: false,
             };
             self.publish_base(&id, &tmp, &rec)
         }
@@ -182,6 +183,96 @@ impl Storage {
             .map_err(|e| BackendError::failed("flatten the built disk", e))
     }
 
+    /// Register a distribution's cloud image `path` (a qcow2 or raw disk with its own
+    /// bootloader, cloud-init and sshd; no builder manifest) as a read-only base, once per
+    /// content (its id is `cloud-<sha256>`). It boots through the firmware, and its seed makes
+    /// the `agent` user (docs/images.md, "Bring your own image"). The file is untrusted: its
+    /// format is read once and then named to `qemu-img` (never probed again), and a disk
+    /// that points at other files (a backing file, a qcow2 data file) or has no boot sector
+    /// is refused before anything is copied.
+    pub async fn register_cloud_image(&self, path: &Path) -> Result<String> {
+        let shown = path.display();
+        let info = self
+            .disks
+            .info(path)
+            .await
+            .map_err(|e| BackendError::Invalid(format!("{shown} is not a disk image: {e}")))?;
+        let format = info.format.as_str();
+        if !matches!(format, "qcow2" | "raw") {
+            return Err(BackendError::Invalid(format!(
+                "{shown} is a {format} disk: import a qcow2 or raw cloud image (`qemu-img convert -O qcow2` makes one)"
+            )));
+        }
+        if info.backing().is_some() || info.data_file().is_some() {
+            return Err(BackendError::Invalid(format!(
+                "{shown} reads other files (a backing file or a data file): import a standalone disk (`qemu-img convert -O qcow2 {shown} standalone.qcow2`)"
+            )));
+        }
+        if info.virtual_size < MIN_CLOUD_DISK || info.virtual_size > MAX_CLOUD_DISK {
+            return Err(BackendError::Invalid(format!(
+                "{shown} is a {} MiB disk: a cloud image is 64 MiB to 2 TiB",
+                info.virtual_size >> 20
+            )));
+        }
+        let sector = self
+            .disks
+            .first_sector(path, format)
+            .await
+            .map_err(|e| BackendError::failed("read the disk's boot sector", e))?;
+        if !has_boot_signature(&sector) {
+            return Err(BackendError::Invalid(format!(
+                "{shown} has no boot sector and no image manifest beside it: boxery imports a distribution's cloud image (a disk with its own bootloader, cloud-init and sshd) as it is, or a builder's output with its manifest (docs/images.md, \"Bring your own image\")"
+            )));
+        }
+        let hash = sha256_file(path).await?;
+        let id = format!("cloud-{}", &hash[..12]);
+        let places = &self.places.bases;
+        if places.record(&id).exists() {
+            return Ok(id);
+        }
+        let _lock = self.lock(&format!("base-{id}")).await?;
+        if places.record(&id).exists() {
+            return Ok(id);
+        }
+        let t = Instant::now();
+        let tmp = places.staging(&id);
+        let _ = remove_dir_if_exists(&tmp);
+        std::fs::create_dir_all(&tmp).map_err(io(format!("creating {}", tmp.display())))?;
+        let result = async {
+            let [disk_name, _, _] = places.file_names(&id);
+            let disk = tmp.join(&disk_name);
+            self.disks
+                .convert_from(path, format, &disk)
+                .await
+                .map_err(|e| BackendError::failed("copy the cloud image", e))?;
+            files::make_read_only(&disk).map_err(io("chmod the base"))?;
+            let rec = BaseRecord {
+                id: id.clone(),
+                stock: "cloud".into(),
+                boot: Boot {
+                    kernel: None,
+                    initrd: None,
+                    cmdline: None,
+                    machine: None,
+                    acpi_shutdown: true,
+                },
+                guest_agent: false,
+                hash: hash.clone(),
+                virtual_size: info.virtual_size,
+                created: boxery_api::now(),
+                cloud_image: true,
+            };
+            self.publish_base(&id, &tmp, &rec)
+        }
+        .await;
+        if result.is_err() {
+            let _ = remove_dir_if_exists(&tmp);
+        }
+        result?;
+        info!(base = %id, from = %shown, took = ?t.elapsed(), "registered a cloud image");
+        Ok(id)
+    }
+
     /// Publish the staged base `tmp` with its record last (the commit point).
     fn publish_base(&self, id: &str, tmp: &Path, rec: &BaseRecord) -> Result<()> {
         match &self.places.bases {
@@ -206,6 +297,43 @@ impl Storage {
             }
         }
     }
+}
+
+/// The smallest and largest cloud image boxery imports.
+const MIN_CLOUD_DISK: u64 = 64 << 20;
+const MAX_CLOUD_DISK: u64 = 2 << 40;
+
+/// Whether a first sector ends in the boot signature `55 AA` (an MBR, or GPT's protective
+/// MBR): what a disk the firmware can boot starts with.
+fn has_boot_signature(sector: &[u8]) -> bool {
+    sector.len() >= 512 && sector[510] == 0x55 && sector[511] == 0xAA
+}
+
+/// The hex sha256 of a file's bytes (read on a blocking thread).
+async fn sha256_file(path: &Path) -> Result<String> {
+    use sha2::Digest;
+    let p = path.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        let mut f = std::fs::File::open(&p)?;
+        let mut h = sha2::Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = std::io::Read::read(&mut f, &mut buf)?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+        Ok::<_, std::io::Error>(
+            h.finalize()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>(),
+        )
+    })
+    .await
+    .map_err(|e| BackendError::failed("hash the cloud image", e))?
+    .map_err(io(format!("reading {}", path.display())))
 }
 
 /// The id of the base a builder manifest registers: `<name>-<12 of its hash>`, a valid name.

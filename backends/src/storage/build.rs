@@ -106,8 +106,9 @@ impl Storage {
             .await
     }
 
-    /// Import a builder's output as image `image`: `path` is its manifest, or a disk with the
-    /// manifest beside it (it says how the disk boots).
+    /// Import a disk file as image `image`: a builder's output (`path` is its manifest, or a
+    /// disk with the manifest beside it, which says how the disk boots), or else a
+    /// distribution's cloud image ([`Storage::register_cloud_image`]).
     pub async fn import_image(&self, path: &Path, image: &str, uid: &str) -> Result<()> {
         self.check_name("image", image)?;
         let manifest = if path.extension().is_some_and(|e| e == "json") {
@@ -115,15 +116,12 @@ impl Storage {
         } else {
             path.with_extension("json")
         };
-        if !manifest.is_file() {
-            return Err(BackendError::Invalid(format!(
-                "{} has no image manifest ({}): the {} backend imports builder outputs (docs/images.md), which say how the disk boots",
-                path.display(),
-                manifest.display(),
-                self.backend
-            )));
-        }
-        let base = self.register_base(&manifest).await?;
+        // No manifest: a distribution's cloud image, imported as it is.
+        let base = if manifest.is_file() {
+            self.register_base(&manifest).await?
+        } else {
+            self.register_cloud_image(path).await?
+        };
         self.image_from_base(image, uid, &base, &format!("file:{}", path.display()))
             .await
     }

@@ -59,9 +59,17 @@ pub struct DiskInfo {
     /// The backing file, resolved to a full path.
     #[serde(default)]
     pub full_backing_filename: Option<String>,
+    /// The format's own fields (qcow2: `{"type": "qcow2", "data": {"data-file": …}}`).
+    #[serde(default)]
+    pub format_specific: Option<serde_json::Value>,
 }
 
 impl DiskInfo {
+    /// The external data file a qcow2 header names (its clusters live in that file), if any.
+    pub fn data_file(&self) -> Option<&str> {
+        self.format_specific.as_ref()?["data"]["data-file"].as_str()
+    }
+
     /// The backing file's path (resolved), if any.
     pub fn backing(&self) -> Option<PathBuf> {
         self.full_backing_filename
@@ -272,6 +280,66 @@ impl Disks {
         )
         .await
         .map(drop)
+    }
+
+    /// Convert `src`, read as `format` (never probed: a raw disk whose bytes look like a
+    /// qcow2 header must not be read as one), into a standalone qcow2 `dst`.
+    pub async fn convert_from(
+        &self,
+        src: &Path,
+        format: &str,
+        dst: &Path,
+    ) -> Result<(), DiskError> {
+        self.run(
+            &self.qemu_img,
+            "qemu-img convert",
+            src,
+            &[
+                "convert".as_ref(),
+                "-q".as_ref(),
+                "-f".as_ref(),
+                format.as_ref(),
+                "-O".as_ref(),
+                "qcow2".as_ref(),
+                src.as_os_str(),
+                dst.as_os_str(),
+            ],
+        )
+        .await
+        .map(drop)
+    }
+
+    /// The first 512 bytes of the guest's view of `src`, read as `format`.
+    pub async fn first_sector(&self, src: &Path, format: &str) -> Result<Vec<u8>, DiskError> {
+        let tmp = tempfile::NamedTempFile::new().map_err(|e| DiskError::Failed {
+            op: "qemu-img dd".into(),
+            path: src.to_path_buf(),
+            stderr: e.to_string(),
+        })?;
+        let of = format!("of={}", tmp.path().display());
+        let ifile = format!("if={}", src.display());
+        self.run(
+            &self.qemu_img,
+            "qemu-img dd",
+            src,
+            &[
+                "dd".as_ref(),
+                "-f".as_ref(),
+                format.as_ref(),
+                "-O".as_ref(),
+                "raw".as_ref(),
+                "bs=512".as_ref(),
+                "count=1".as_ref(),
+                ifile.as_ref(),
+                of.as_ref(),
+            ],
+        )
+        .await?;
+        std::fs::read(tmp.path()).map_err(|e| DiskError::Failed {
+            op: "qemu-img dd".into(),
+            path: src.to_path_buf(),
+            stderr: e.to_string(),
+        })
     }
 
     /// Copy a file, sharing blocks where the filesystem can (`cp --reflink=auto`) and keeping

@@ -179,6 +179,32 @@ pub fn tail(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
+/// The most of a console log [`console`] reads.
+pub const CONSOLE_MAX: u64 = 1 << 20;
+
+/// A console log's text (lossy UTF-8), at most [`CONSOLE_MAX`] bytes: the whole file, or its
+/// first and last halves when it is longer. `None` when there is no log.
+pub fn console(path: &Path) -> std::io::Result<Option<String>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let len = f.metadata()?.len();
+    let mut buf = Vec::new();
+    if len <= CONSOLE_MAX {
+        f.read_to_end(&mut buf)?;
+    } else {
+        let half = CONSOLE_MAX / 2;
+        (&mut f).take(half).read_to_end(&mut buf)?;
+        buf.push(b'\n');
+        f.seek(SeekFrom::End(-(half as i64)))?;
+        f.take(half).read_to_end(&mut buf)?;
+    }
+    Ok(Some(String::from_utf8_lossy(&buf).into_owned()))
+}
+
 /// Set a file's permission bits.
 pub fn set_mode(path: &Path, mode: u32) -> std::io::Result<()> {
     fs::set_permissions(path, fs::Permissions::from_mode(mode))

@@ -124,6 +124,11 @@ pub struct BaseRecord {
     pub virtual_size: u64,
     /// When it was registered.
     pub created: boxery_api::Time,
+    /// A distribution's cloud image imported as it is (no builder manifest): it boots with
+    /// its own bootloader, and its seed makes the `agent` user (docs/images.md, "Bring your
+    /// own image").
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cloud_image: bool,
 }
 
 impl BaseRecord {

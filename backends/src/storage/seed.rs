@@ -114,7 +114,7 @@ impl Storage {
         let crate::DiskSource::Image(image) = &vm.source;
         let identity = complete_identity(&vm.name, &vm.identity)?;
         let instance_id = new_instance_id();
-        self.write_seed(&vm.name, &instance_id, &identity, work, iso)
+        self.write_seed(&vm.name, &instance_id, &identity, base, work, iso)
             .await?;
         Ok(new_vm_record(
             vm,
@@ -127,21 +127,29 @@ impl Storage {
         ))
     }
 
-    /// Write VM `name`'s seed ISO `iso` for `identity` (loose files in `work`). An identity
-    /// that cannot be seeded is `Invalid`.
+    /// Write VM `name`'s seed ISO `iso` for `identity` on base `base` (loose files in
+    /// `work`); a cloud image's seed also makes the `agent` user. An identity that cannot be
+    /// seeded is `Invalid`.
     pub async fn write_seed(
         &self,
         name: &str,
         instance_id: &str,
         identity: &Identity,
+        base: &str,
         work: &Path,
         iso: &Path,
     ) -> crate::Result<()> {
+        let guest = if self.load_base(base)?.cloud_image {
+            Guest::CloudImage
+        } else {
+            Guest::Boxery
+        };
         write_seed_iso(
             &self.config.genisoimage,
             name,
             instance_id,
             identity,
+            guest,
             work,
             iso,
         )
@@ -234,8 +242,19 @@ pub fn meta_data(instance_id: &str, hostname: &str) -> String {
     format!("instance-id: {instance_id}\nlocal-hostname: {hostname}\n")
 }
 
-/// `user-data` (cloud-config) for `identity`.
-pub fn user_data(name: &str, identity: &Identity) -> Result<String, SeedError> {
+/// What the seed can count on in the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Guest {
+    /// An image boxery built: the `agent` user is there (the plumbing layer), and cloud-init
+    /// gives the seed's keys to it.
+    Boxery,
+    /// A distribution's cloud image: the seed makes `agent` (passwordless sudo, keys only)
+    /// with the keys, and writes the token once the user exists.
+    CloudImage,
+}
+
+/// `user-data` (cloud-config) for `identity` in a `guest`.
+pub fn user_data(name: &str, identity: &Identity, guest: Guest) -> Result<String, SeedError> {
     let bad = |why: &str| SeedError::Identity {
         name: name.into(),
         why: why.into(),
@@ -253,9 +272,25 @@ pub fn user_data(name: &str, identity: &Identity) -> Result<String, SeedError> {
     s.push_str(
         "preserve_hostname: false\nmanage_etc_hosts: true\ndisable_root: true\nbootcmd:\n\
          \x20 - [cloud-init-per, instance, boxery-reset-authorized-keys, rm, -f, /home/agent/.ssh/authorized_keys]\n\
-         \x20 - [cloud-init-per, instance, boxery-machine-id, sh, -c, \"rm -f /etc/machine-id /var/lib/dbus/machine-id && systemd-machine-id-setup\"]\n\
-         ssh_authorized_keys:\n",
+         \x20 - [cloud-init-per, instance, boxery-machine-id, sh, -c, \"rm -f /etc/machine-id /var/lib/dbus/machine-id && systemd-machine-id-setup\"]\n",
     );
+    let indent = match guest {
+        Guest::Boxery => {
+            s.push_str("ssh_authorized_keys:\n");
+            "  "
+        }
+        Guest::CloudImage => {
+            // sshd presents only the seed's key: one fast host key of the image's own (an
+            // RSA key alone costs about 40 s under emulation)
+            s.push_str("ssh_deletekeys: true\nssh_genkeytypes: [ed25519]\n");
+            s.push_str(
+                "users:\n  - name: agent\n    gecos: boxery agent\n    shell: /bin/bash\n\
+                 \x20   sudo: \"ALL=(ALL) NOPASSWD:ALL\"\n    lock_passwd: true\n\
+                 \x20   ssh_authorized_keys:\n",
+            );
+            "      "
+        }
+    };
     for key in &identity.authorized_keys {
         let key = key.trim();
         if key.is_empty() || key.starts_with('#') {
@@ -265,7 +300,7 @@ pub fn user_data(name: &str, identity: &Identity) -> Result<String, SeedError> {
             return Err(bad("an authorized key spans several lines"));
         }
         // quoted (JSON is YAML): no key comment can break the document
-        s.push_str(&format!("  - {}\n", serde_json::Value::from(key)));
+        s.push_str(&format!("{indent}- {}\n", serde_json::Value::from(key)));
     }
     let public_file = format!("{}\n", public.trim());
     let file = |path: &str, perm: &str, owner: Option<&str>, content: &[u8]| {
@@ -298,12 +333,17 @@ pub fn user_data(name: &str, identity: &Identity) -> Result<String, SeedError> {
         None,
         b"HostKey /etc/ssh/boxery_host_ed25519_key\n",
     ));
-    s.push_str(&file(
+    let mut token_file = file(
         "/home/agent/.boxery/token",
         "0600",
         Some("agent:agent"),
         token.as_bytes(),
-    ));
+    );
+    if guest == Guest::CloudImage {
+        // written in cloud-init's final stage, once `users` has made agent
+        token_file.push_str("    defer: true\n");
+    }
+    s.push_str(&token_file);
     Ok(s)
 }
 
@@ -315,6 +355,7 @@ pub async fn write_seed_iso(
     name: &str,
     instance_id: &str,
     identity: &Identity,
+    guest: Guest,
     work: &Path,
     iso: &Path,
 ) -> Result<(), SeedError> {
@@ -323,7 +364,7 @@ pub async fn write_seed_iso(
         name: name.into(),
         source,
     };
-    let user = user_data(name, identity)?;
+    let user = user_data(name, identity, guest)?;
     let meta = meta_data(instance_id, &identity.hostname);
     let _ = std::fs::remove_dir_all(work);
     std::fs::create_dir_all(work).map_err(io)?;
@@ -398,7 +439,7 @@ mod tests {
 
     #[test]
     fn user_data_follows_the_contract() {
-        let u = user_data("dev1", &identity()).unwrap();
+        let u = user_data("dev1", &identity(), Guest::Boxery).unwrap();
         assert!(u.starts_with("#cloud-config\n"));
         assert!(u.contains("hostname: dev1\n"));
         assert!(u.contains("ssh_authorized_keys:\n  - \"ssh-ed25519 BBBB me@laptop\"\n"));
@@ -407,10 +448,43 @@ mod tests {
         assert!(u.contains("    owner: agent:agent\n"));
         let mut no_key = identity();
         no_key.host_key = None;
-        assert!(user_data("dev1", &no_key).is_err());
+        assert!(user_data("dev1", &no_key, Guest::Boxery).is_err());
         let mut bad_host = identity();
         bad_host.hostname = "a.b".into();
-        assert!(user_data("dev1", &bad_host).is_err());
+        assert!(user_data("dev1", &bad_host, Guest::Boxery).is_err());
+    }
+
+    /// A cloud image's seed makes `agent` with the keys (none at the top, where they would go
+    /// to the image's default user) and writes the token after the user exists.
+    #[test]
+    fn a_cloud_image_seed_makes_the_agent_user() {
+        let u = user_data("dev1", &identity(), Guest::CloudImage).unwrap();
+        let doc: serde_json::Value = serde_saphyr::from_str(&u).unwrap();
+        assert!(doc.get("ssh_authorized_keys").is_none(), "{u}");
+        let user = &doc["users"][0];
+        assert_eq!(user["name"], "agent");
+        assert_eq!(user["sudo"], "ALL=(ALL) NOPASSWD:ALL");
+        assert_eq!(user["lock_passwd"], true);
+        assert_eq!(doc["ssh_genkeytypes"][0], "ed25519");
+        assert_eq!(user["ssh_authorized_keys"][0], "ssh-ed25519 BBBB me@laptop");
+        let files = doc["write_files"].as_array().unwrap();
+        let token = files
+            .iter()
+            .find(|f| f["path"] == "/home/agent/.boxery/token")
+            .unwrap();
+        assert_eq!(token["defer"], true);
+        assert!(
+            files
+                .iter()
+                .filter(|f| f["path"] != "/home/agent/.boxery/token")
+                .all(|f| f.get("defer").is_none())
+        );
+        // a boxery image's seed is the reference's, with no users entry
+        let b: serde_json::Value =
+            serde_saphyr::from_str(&user_data("dev1", &identity(), Guest::Boxery).unwrap())
+                .unwrap();
+        assert!(b.get("users").is_none());
+        assert_eq!(b["ssh_authorized_keys"][0], "ssh-ed25519 BBBB me@laptop");
     }
 
     /// The same identity gives the same bytes as image/make-seed.sh (the reference).
@@ -454,7 +528,7 @@ mod tests {
             String::from_utf8_lossy(&out.stderr)
         );
         let reference = std::fs::read_to_string(d.path().join("seed/user-data")).unwrap();
-        assert_eq!(user_data("dev1", &id).unwrap(), reference);
+        assert_eq!(user_data("dev1", &id, Guest::Boxery).unwrap(), reference);
         assert_eq!(
             meta_data("iid-1", "dev1"),
             std::fs::read_to_string(d.path().join("seed/meta-data")).unwrap()
