@@ -34,15 +34,28 @@ const PUSH_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// How long the small ssh steps (the record, reading it back) may take.
 const STEP_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// What adding layers in place did.
+#[derive(Debug, Clone)]
+pub struct Applied {
+    /// The guest's build record, read back after.
+    pub record: BuildInfo,
+    /// How long staging the bundle took (zero when it was there from an earlier VM).
+    pub staged: Duration,
+    /// How long copying it into the guest took.
+    pub copied: Duration,
+    /// The bundle's bytes.
+    pub bytes: u64,
+}
+
 /// Copy layers `added` into running VM `vm` from the layered build `image` (Ready, a build of
-/// the VM's base with every layer the VM is to have); returns the guest's build record after.
+/// the VM's base with every layer the VM is to have).
 pub async fn apply(
     ctx: &Ctx,
     ssh: &crate::ssh::SshDir,
     vm: &Vm,
     image: &Image,
     added: &[String],
-) -> Result<BuildInfo, String> {
+) -> Result<Applied, String> {
     let ImageSource::Build(b) = &image.spec.source else {
         return Err(format!("image {} is not a build", image.metadata.name));
     };
@@ -51,11 +64,16 @@ pub async fn apply(
     )?;
     let built = layered_image_name(&b.base, &b.layers);
     let record = image.status.build_info.clone().unwrap_or_default();
+    let t = std::time::Instant::now();
     let bundle = stage(ctx, outputs, &built, added, &record).await?;
+    let staged = t.elapsed();
+    let bytes = std::fs::metadata(&bundle).map(|m| m.len()).unwrap_or(0);
     let target = crate::ssh::Target::of(vm).ok_or("the VM has no ssh endpoint")?;
     ssh.write(&target).map_err(|e| e.to_string())?;
     let name = vm.metadata.name.as_str();
+    let t = std::time::Instant::now();
     push(ssh, name, &bundle).await?;
+    let copied = t.elapsed();
     // what the guest now has, said where boxery-provision says it
     let mut info = record;
     if info.layers.is_empty() {
@@ -74,7 +92,12 @@ pub async fn apply(
     crate::guest::run_script(ssh, name, &[], "sudo -n sh -s", &script, STEP_TIMEOUT)
         .await
         .map_err(|e| format!("recording the layers in the guest: {e}"))?;
-    read_back(ssh, name).await
+    Ok(Applied {
+        record: read_back(ssh, name).await?,
+        staged,
+        copied,
+        bytes,
+    })
 }
 
 /// The files of layers `added` from the builder's disk `OUT/<built>.qcow2`, packed as

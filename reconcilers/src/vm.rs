@@ -244,9 +244,9 @@ async fn layers(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     ctx.event(&vm, EventType::Normal, "AddingLayers", &msg)
         .await;
     let t = std::time::Instant::now();
-    let record = match &ctx.ssh {
-        Some(ssh) => Some(
-            crate::layers::apply(ctx, ssh, &vm, &image, &added)
+    let (record, how) = match &ctx.ssh {
+        Some(ssh) => {
+            let done = crate::layers::apply(ctx, ssh, &vm, &image, &added)
                 .await
                 .map_err(|e| {
                     ReconcileError::backend(
@@ -254,13 +254,20 @@ async fn layers(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
                         format!("Vm/{name}"),
                         BackendError::failed(format!("add layer {what} in place"), e),
                     )
-                })?,
-        ),
+                })?;
+            let how = format!(
+                " (staged in {:.1} s, {} MiB copied in {:.1} s)",
+                done.staged.as_secs_f64(),
+                done.bytes >> 20,
+                done.copied.as_secs_f64()
+            );
+            (Some(done.record), how)
+        }
         // no guest (the fake backend): the record is the layered build's
-        None => image.status.build_info.clone(),
+        None => (image.status.build_info.clone(), String::new()),
     };
     let msg = format!(
-        "added {what} in place from image {} in {:.1} s",
+        "added {what} in place from image {} in {:.1} s{how}",
         image.name(),
         t.elapsed().as_secs_f64()
     );
