@@ -199,14 +199,12 @@ pub fn check_agent_socket(v: &ValueFrom) -> Result<(), String> {
                 && path[1..]
                     .split('/')
                     .all(|c| !c.is_empty() && c != "." && c != "..");
-            if plain {
-                Ok(())
-            } else {
-                Err(format!(
+            plain.then_some(()).ok_or_else(|| {
+                format!(
                     "`{}` is not an absolute path of plain names (no `.`, `..` or `//`): name the agent's socket as `ssh-add -l` finds it in $SSH_AUTH_SOCK",
                     crate::name::shown(path)
-                ))
-            }
+                )
+            })
         }
         ValueFrom::Command(_) => Err(
             "an ssh-agent grant names the agent's socket (file: PATH, or env: SSH_AUTH_SOCK), not a command"

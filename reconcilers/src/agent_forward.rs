@@ -92,7 +92,7 @@ impl Upstream {
             None => true,
             Some(fps) => {
                 let fp = fingerprint(blob);
-                fps.iter().any(|f| *f == fp)
+                fps.contains(&fp)
             }
         }
     }
@@ -450,13 +450,7 @@ pub async fn keep(ctx: Arc<Ctx>, vms: Cache, shutdown: CancellationToken) {
     }
     let mut running: HashMap<String, Forward> = HashMap::new();
     let mut failed: HashMap<String, Instant> = HashMap::new();
-    let mut tick = tokio::time::interval(EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
         let all: HashMap<String, Vm> = vms
             .list_as::<Vm>()
             .into_iter()
@@ -516,6 +510,11 @@ pub async fn keep(ctx: Arc<Ctx>, vms: Cache, shutdown: CancellationToken) {
                 }
             }
         }
+        // a pass, then EVERY (a slow start delays the next pass, never overlaps it)
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(EVERY) => {}
+        }
     }
 }
 
@@ -524,6 +523,9 @@ mod tests {
     use super::*;
     use boxery_api::grant::{GrantSpec, ValueFrom};
     use boxery_home::grants::Entry;
+
+    /// `ssh-keygen`'s arguments for a new key without a passphrase, up to its comment.
+    const KEYGEN: [&str; 6] = ["-q", "-t", "ed25519", "-N", "", "-C"];
 
     /// An `ssh-agent -D` this test started, killed (by its pid) when dropped.
     struct Agent(std::process::Child);
@@ -560,21 +562,8 @@ mod tests {
 
     fn key(dir: &Path, name: &str) -> (PathBuf, String) {
         let k = dir.join(name);
-        let (ok, out) = run(
-            "ssh-keygen",
-            &[
-                "-q",
-                "-t",
-                "ed25519",
-                "-N",
-                "",
-                "-C",
-                name,
-                "-f",
-                k.to_str().unwrap(),
-            ],
-            dir,
-        );
+        let args = [&KEYGEN[..], &[name, "-f", k.to_str().unwrap()]].concat();
+        let (ok, out) = run("ssh-keygen", &args, dir);
         assert!(ok, "{out}");
         let (ok, out) = run("ssh-keygen", &["-lf", &format!("{}.pub", k.display())], dir);
         assert!(ok, "{out}");
@@ -722,6 +711,38 @@ mod tests {
         let _ = filter.await;
         assert_eq!(list_on(&mut conn).await, None);
         drop(agent);
+    }
+
+    #[tokio::test]
+    async fn the_guest_gets_ssh_auth_sock_once_with_its_agent_grants_and_not_without() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("agent.sock");
+        let mut plan = crate::guest::Plan {
+            url: "http://10.0.2.100".into(),
+            channel: true,
+            token: "bxt_t".into(),
+            grants: vec![],
+            vm: "dev1".into(),
+            egress: Default::default(),
+        };
+        let export = format!("export SSH_AUTH_SOCK={GUEST_SOCK}\n");
+        let f = crate::guest::files(&plan, dir.path()).await;
+        assert!(!f.env.contains("SSH_AUTH_SOCK"), "{}", f.env);
+        // two grants (all keys of one agent, one key of it): one variable, the same socket
+        plan.grants = vec![
+            entry("all", &sock, None),
+            entry(&format!("SHA256:{}", "A".repeat(43)), &sock, None),
+        ];
+        let f = crate::guest::files(&plan, dir.path()).await;
+        assert_eq!(f.env.matches("SSH_AUTH_SOCK=").count(), 1, "{}", f.env);
+        assert!(f.env.contains(&export), "{}", f.env);
+        assert!(f.unavailable.is_empty());
+        // the agent is told what it holds: a socket to sign with, no key
+        assert!(
+            f.context.contains("`ssh-agent:all`") && f.context.contains("$SSH_AUTH_SOCK"),
+            "{}",
+            f.context
+        );
     }
 
     #[test]

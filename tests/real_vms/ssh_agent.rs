@@ -69,20 +69,9 @@ impl Drop for HostAgent {
 /// its fingerprint.
 fn agent_key(agent: &HostAgent, dir: &Path, name: &str) -> String {
     let k = dir.join(name);
-    let (ok, out) = agent.with(
-        "ssh-keygen",
-        &[
-            "-q",
-            "-t",
-            "ed25519",
-            "-N",
-            "",
-            "-C",
-            name,
-            "-f",
-            k.to_str().unwrap(),
-        ],
-    );
+    let new_key = ["-q", "-t", "ed25519", "-N", "", "-C"];
+    let args = [&new_key[..], &[name, "-f", k.to_str().unwrap()]].concat();
+    let (ok, out) = agent.with("ssh-keygen", &args);
     assert!(ok, "{out}");
     let (ok, out) = agent.with("ssh-add", &[k.to_str().unwrap()]);
     assert!(ok, "{out}");

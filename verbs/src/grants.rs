@@ -540,6 +540,76 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::Invalid, "{e}");
     }
 
+    /// `ssh -A`'s check: no grant says how to ask; a pending one says it waits; only one in
+    /// force on this VM passes. An approval of a socket that is not one is refused.
+    #[tokio::test]
+    async fn an_agent_needs_a_grant_in_force_on_the_vm() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = crate::Env::new(dir.path().join("home"), "fake");
+        let v = Verbs::open(env, crate::Voice::Cli).unwrap();
+        for name in ["dev1", "dev2"] {
+            let vm: Vm = serde_json::from_value(serde_json::json!({
+                "apiVersion": "boxery.dev/v1alpha1", "kind": "Vm", "metadata": {"name": name},
+                "spec": {"source": {"image": "tiny"}}}))
+            .unwrap();
+            v.store().create_as(&vm).await.unwrap();
+        }
+        let e = agent_grants(&v, "dev1").await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Invalid);
+        assert!(
+            e.to_string().contains("`boxery grant dev1 ssh-agent:all`"),
+            "{e}"
+        );
+        let sock = dir.path().join("agent.sock");
+        let _listening = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let (g, _) = request(
+            &v,
+            Request {
+                name: None,
+                vm: Some("dev1".into()),
+                lease: None,
+                what: "ssh-agent:all".into(),
+                header: None,
+                value_from: ValueFrom::File(sock.display().to_string()),
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(g.name(), "dev1-ssh-agent-all");
+        assert!(summary(&g).contains("every key the agent holds"));
+        let e = agent_grants(&v, "dev1").await.unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("dev1-ssh-agent-all (PendingApproval)"),
+            "{e}"
+        );
+        // approved and applied (the controller's part written by hand): in force on dev1 only
+        let mut g = approve(&v, &g, "me", "test").await.unwrap();
+        g.status.phase = GrantPhase::Applied;
+        g.status.vm = Some("dev1".into());
+        v.store().update_status_as(&g).await.unwrap();
+        assert_eq!(agent_grants(&v, "dev1").await.unwrap().len(), 1);
+        assert!(agent_grants(&v, "dev2").await.is_err());
+        // a file that is not a socket is not approved
+        let plain = dir.path().join("plain");
+        std::fs::write(&plain, b"x").unwrap();
+        let (bad, _) = request(
+            &v,
+            Request {
+                name: Some(Name::label("bad").unwrap()),
+                vm: Some("dev2".into()),
+                lease: None,
+                what: "ssh-agent:all".into(),
+                header: None,
+                value_from: ValueFrom::File(plain.display().to_string()),
+            },
+        )
+        .await
+        .unwrap();
+        let e = approve(&v, &bad, "me", "test").await.unwrap_err();
+        assert!(e.to_string().contains("not a socket"), "{e}");
+    }
+
     #[test]
     fn default_names_are_labels_and_distinct() {
         let cases = [
