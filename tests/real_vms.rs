@@ -2507,8 +2507,13 @@ mod libvirt {
     /// cut mid-run, the Vm gets `BackendReachable=False`, is neither deleted nor marked Lost,
     /// and its domain keeps running; reachable again, it is Ready, the same VM.
     #[test]
+    fn a_cloud_image_brought_by_its_user_boots_with_boxerys_seed() {
+        super::cloud_image::cloud_image(super::Kind::Libvirt)
+    }
+
+    #[test]
     fn guest_uses_grants_through_the_proxy() {
-        super::guest_uses_grants(Kind::Libvirt)
+        super::guest_uses_grants(super::Kind::Libvirt)
     }
 
     #[test]

@@ -649,14 +649,13 @@ async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
         (PowerState::Running, Some(endpoint)) if ctx.backend.capabilities().ssh => {
             match probe(ctx, &vm, endpoint).await {
                 Ok(()) => Readiness::Ready(reasons::SSH_REACHABLE),
-                Err(why) => match crate::boot::explain(ctx, &vm, why).await {
-                    crate::boot::Explained::Booting(why) => Readiness::Booting(why),
-                    crate::boot::Explained::NotAnswering(why) => Readiness::NotAnswering(why),
-                },
+                Err(why) => crate::boot::explain(ctx, &vm, why).await.into(),
             }
         }
+        // (a guest that never configures its network has no address, on libvirt no endpoint)
         (PowerState::Running, None) if ctx.backend.capabilities().ssh => {
-            Readiness::Booting("the backend reports no ssh endpoint yet".into())
+            let why = "the backend reports no ssh endpoint yet".to_string();
+            crate::boot::explain(ctx, &vm, why).await.into()
         }
         _ => Readiness::Ready(reasons::RUNNING),
     };
@@ -740,6 +739,15 @@ enum Readiness {
     Booting(String),
     /// Running, and its console says it will not answer ([`crate::boot`]).
     NotAnswering(String),
+}
+
+impl From<crate::boot::Explained> for Readiness {
+    fn from(e: crate::boot::Explained) -> Self {
+        match e {
+            crate::boot::Explained::Booting(why) => Readiness::Booting(why),
+            crate::boot::Explained::NotAnswering(why) => Readiness::NotAnswering(why),
+        }
+    }
 }
 
 /// Phase, Ready, ssh, observedGeneration and the printable status after a successful step.
