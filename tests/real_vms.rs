@@ -2503,9 +2503,6 @@ mod libvirt {
         }
     }
 
-    /// libvirtd out of reach: `serve` started while it is waits for it (rather than exit);
-    /// cut mid-run, the Vm gets `BackendReachable=False`, is neither deleted nor marked Lost,
-    /// and its domain keeps running; reachable again, it is Ready, the same VM.
     #[test]
     fn a_cloud_image_brought_by_its_user_boots_with_boxerys_seed() {
         super::cloud_image::cloud_image(super::Kind::Libvirt)
@@ -2513,9 +2510,12 @@ mod libvirt {
 
     #[test]
     fn guest_uses_grants_through_the_proxy() {
-        super::guest_uses_grants(super::Kind::Libvirt)
+        super::guest_uses_grants(Kind::Libvirt)
     }
 
+    /// libvirtd out of reach: `serve` started while it is waits for it (rather than exit);
+    /// cut mid-run, the Vm gets `BackendReachable=False`, is neither deleted nor marked Lost,
+    /// and its domain keeps running; reachable again, it is Ready, the same VM.
     #[test]
     fn unreachable_libvirtd_is_a_condition_not_a_deletion() {
         let dir = tempfile::tempdir().unwrap();
