@@ -26,6 +26,8 @@
 //!   VM's own otherwise), and no forward runs.
 //! - Only the keys a grant names (or all, for `all`), and only keys the owner's agent lists: a
 //!   sign request for any other key is refused without reaching the agent.
+//! - At most [`IN_FLIGHT`] requests of one VM reach the owner's agent at once; a message larger
+//!   than OpenSSH's limit (256 KiB) closes the connection.
 //! - In the guest, the socket is sshd's, created as the login user (`agent`) in `/run/boxery`
 //!   (0700, that user's) with sshd's `StreamLocalBindMask` (0177 by default): that user, and
 //!   root, reach it.
@@ -69,6 +71,8 @@ const LIST_TIMEOUT: Duration = Duration::from_secs(10);
 const SIGN_TIMEOUT: Duration = Duration::from_secs(120);
 /// The largest agent message (OpenSSH's `AGENT_MAX_LEN`).
 const MAX_MESSAGE: usize = 256 * 1024;
+/// Requests of one VM's guest answered at once (the others wait their turn).
+const IN_FLIGHT: usize = 8;
 /// What the forward's session prints once the guest's socket is linked.
 const READY: &str = "boxery-agent-ready";
 
@@ -269,9 +273,18 @@ pub async fn answer(ups: &[Upstream], request: &[u8]) -> Vec<u8> {
     }
 }
 
-/// Serve one guest connection: each request answered with the grants in force at that moment.
-async fn serve_connection(home: PathBuf, vm: String, mut conn: UnixStream) {
+/// Serve one guest connection: each request answered with the grants in force at that moment,
+/// at most [`IN_FLIGHT`] of the VM's at once (a guest cannot flood the owner's agent).
+async fn serve_connection(
+    home: PathBuf,
+    vm: String,
+    mut conn: UnixStream,
+    in_flight: Arc<tokio::sync::Semaphore>,
+) {
     while let Ok(Some(request)) = read_message(&mut conn).await {
+        let Ok(_permit) = in_flight.acquire().await else {
+            return;
+        };
         let ups = upstreams(&home, &vm);
         let reply = answer(&ups, &request).await;
         if write_message(&mut conn, &reply).await.is_err() {
@@ -283,11 +296,13 @@ async fn serve_connection(home: PathBuf, vm: String, mut conn: UnixStream) {
 /// Accept guest connections on `listener` until dropped (dropping it closes them all).
 async fn accept(listener: UnixListener, home: PathBuf, vm: String) {
     let mut conns = tokio::task::JoinSet::new();
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
     loop {
         tokio::select! {
             a = listener.accept() => match a {
                 Ok((conn, _)) => {
-                    conns.spawn(serve_connection(home.clone(), vm.clone(), conn));
+                    let f = serve_connection(home.clone(), vm.clone(), conn, in_flight.clone());
+                    conns.spawn(f);
                 }
                 Err(e) => {
                     tracing::warn!(vm = %vm, error = %e, "the agent filter's socket failed");
@@ -415,6 +430,19 @@ async fn start(ctx: &Ctx, v: &Vm, boot: &str) -> Result<Forward, String> {
     let mut lines = BufReader::new(out).lines();
     let ready = tokio::time::timeout(START_TIMEOUT, lines.next_line()).await;
     if matches!(&ready, Ok(Ok(Some(l))) if l.trim() == READY) {
+        // What the guest's side writes from now on is read and dropped: a full pipe never
+        // stalls the connection the forward rides on.
+        let err = fwd.ssh.stderr.take();
+        tokio::spawn(async move {
+            let mut out = lines.into_inner();
+            let (mut sink_a, mut sink_b) = (tokio::io::sink(), tokio::io::sink());
+            let drain_err = async {
+                if let Some(mut e) = err {
+                    let _ = tokio::io::copy(&mut e, &mut sink_b).await;
+                }
+            };
+            let _ = tokio::join!(tokio::io::copy(&mut out, &mut sink_a), drain_err);
+        });
         return Ok(fwd);
     }
     let _ = fwd.ssh.start_kill();

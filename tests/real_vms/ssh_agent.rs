@@ -158,6 +158,7 @@ pub fn ssh_agent_forwarded_with_approval() {
         agent.sock.display()
     ));
     assert!(o.status.success(), "grant: {o:?}");
+    let approved = Instant::now();
     let listed = common::eventually(Duration::from_secs(60), || {
         let o = h.cmd(&["ssh", "-A", "sa1", "--", "ssh-add", "-l"]);
         o.status
@@ -171,6 +172,16 @@ pub fn ssh_agent_forwarded_with_approval() {
             h.state_report()
         )
     });
+    eprintln!(
+        "ssh-agent: the granted key listed in the guest {:?} after `grant --wait` returned",
+        approved.elapsed()
+    );
+    let one_run = Instant::now();
+    h.run("sa1", "true");
+    eprintln!(
+        "ssh-agent: one `boxery run sa1 true` (for scale): {:?}",
+        one_run.elapsed()
+    );
     assert_eq!(listed.lines().count(), 1, "{listed}");
     assert!(listed.contains(&fp1) && !listed.contains(&fp2), "{listed}");
     // Plain `run` (the agent's own commands) has it too, from the pushed environment.
@@ -233,6 +244,19 @@ pub fn ssh_agent_forwarded_with_approval() {
     // Revoked: gone from the guest within a bounded time, the held connection closed.
     h.ok(&["grant", "revoke", "sa1-agent"]);
     let revoked = Instant::now();
+    // the host's side first (polled every 50 ms): the forward's ssh gone
+    let cleared = common::eventually(REVOKED_WITHIN, || {
+        forwards_on_host().is_empty().then(|| revoked.elapsed())
+    });
+    assert!(
+        cleared.is_some(),
+        "left on the host: {:?}",
+        forwards_on_host()
+    );
+    eprintln!(
+        "ssh-agent: the host's forward gone {:?} after `grant revoke` returned",
+        cleared.unwrap()
+    );
     let gone = common::eventually(REVOKED_WITHIN, || {
         (h.run("sa1", "ssh-add -l >/dev/null 2>&1; echo $?") != "0").then_some(())
     });
@@ -253,14 +277,6 @@ pub fn ssh_agent_forwarded_with_approval() {
     assert!(
         matches!(lines.get(1), Some(&"closed") | Some(&"0")),
         "the connection held open across the revocation still lists keys: {held}"
-    );
-    let cleared = common::eventually(REVOKED_WITHIN, || {
-        forwards_on_host().is_empty().then_some(())
-    });
-    assert!(
-        cleared.is_some(),
-        "left on the host: {:?}",
-        forwards_on_host()
     );
     let o = h.cmd(&["ssh", "-A", "sa1", "--", "true"]);
     assert_eq!(
