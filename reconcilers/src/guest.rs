@@ -250,6 +250,12 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
                 Ok(v) => out.files.push((e.spec.target.clone(), v)),
                 Err(why) => out.unavailable.push((e.name.clone(), why)),
             },
+            // the socket the control plane forwards (crate::agent_forward); one for all
+            GrantType::SshAgent if !env.contains("SSH_AUTH_SOCK=") => env.push_str(&format!(
+                "{comment}export SSH_AUTH_SOCK={}\n",
+                crate::agent_forward::GUEST_SOCK
+            )),
+            GrantType::SshAgent => {}
         }
     }
     if !git.is_empty() {
@@ -450,6 +456,7 @@ pub fn context(plan: &Plan) -> String {
             GrantType::Http => format!("HTTP to `{}` through `$BOXERY_PROXY/edge/…`", boxery_api::name::shown(&e.spec.target)),
             GrantType::Env => format!("the variable `${}`", boxery_api::name::shown(&e.spec.target)),
             GrantType::File => format!("the file `/run/boxery/files/{}`", boxery_api::name::shown(&e.spec.target)),
+            GrantType::SshAgent => "your person's ssh-agent at `$SSH_AUTH_SOCK` (ssh and git over ssh use it): you can sign with its keys, not read them".to_string(),
         };
         grants.push_str(&format!(
             "- `{}:{}`: {what}\n",
