@@ -30,6 +30,9 @@ BASE_PKGS+=(zsh fish)
 # git: `boxery sync` reads repositories with it (tests/sync.rs, the gitops bench); python3:
 # store/tests/locks.rs checks SQLite's lock from another process with it.
 BASE_PKGS+=(git python3)
+# openssh-server: the git-over-ssh stand-in of tests/real_vms/dev_traffic.rs runs /usr/sbin/sshd
+# with a config of its own in a network namespace it makes (the host's ssh service is not used).
+BASE_PKGS+=(openssh-server)
 # kubectl: `apply|diff|delete -k DIR` build kustomizations with `kubectl kustomize`, and boxery
 # works as a kubectl plugin (tests/cli.rs). Debian's kubernetes-client when none is on PATH.
 command -v kubectl >/dev/null 2>&1 || BASE_PKGS+=(kubernetes-client)

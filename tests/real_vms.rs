@@ -15,6 +15,8 @@
 #[path = "real_vms/cloud_image.rs"]
 mod cloud_image;
 mod common;
+#[path = "real_vms/dev_traffic.rs"]
+mod dev_traffic;
 #[path = "real_vms/layers.rs"]
 mod layers;
 #[path = "real_vms/ssh_agent.rs"]
@@ -2433,6 +2435,11 @@ mod qemu {
     #[test]
     fn fork_with_memory_continues_with_fresh_identities() {
         super::fork_with_memory(super::Kind::Qemu)
+    }
+
+    #[test]
+    fn developer_traffic_through_egress() {
+        super::dev_traffic::developer_traffic_through_egress()
     }
 
     #[test]
