@@ -285,8 +285,11 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
 /// `/etc/ssh/ssh_config.d/90-boxery.conf` where the guest has OpenSSH's client and socat):
 /// `ssh git@github.com` and `git clone git@github.com:…` go through the egress proxy's
 /// `CONNECT`, so the VM's policy decides them like any other connection. On a shared listener
-/// the proxy password is the VM's token (hence tmpfs, like `env`). A user's own `~/.ssh/config`
-/// is read first and wins.
+/// the proxy password is the VM's token (hence tmpfs, like `env`). A host seen for the first
+/// time is accepted and recorded in `~/.ssh/known_hosts` (`StrictHostKeyChecking accept-new`:
+/// an agent has no one to answer ssh's question, so it would otherwise fail with "Host key
+/// verification failed"); a host whose key changed is still refused. A user's own
+/// `~/.ssh/config` is read first and wins.
 pub fn ssh_config(plan: &Plan) -> String {
     let hostport = plan.url.trim_start_matches("http://").trim_end_matches('/');
     let (host, port) = match hostport.rsplit_once(':') {
@@ -302,7 +305,8 @@ pub fn ssh_config(plan: &Plan) -> String {
         "# Written by boxery's control plane (docs/egress.md): ssh to other hosts goes through the\n\
          # egress proxy, so this VM's egress policy decides it. Replaced at every change.\n\
          Host * !localhost !127.0.0.1 !::1\n  \
-         ProxyCommand socat - PROXY:{host}:%h:%p,proxyport={port}{auth}\n"
+         ProxyCommand socat - PROXY:{host}:%h:%p,proxyport={port}{auth}\n  \
+         StrictHostKeyChecking accept-new\n"
     )
 }
 
@@ -924,7 +928,8 @@ mod tests {
         // listener with the token as one
         assert!(
             f.ssh_config
-                .contains("ProxyCommand socat - PROXY:10.0.2.100:%h:%p,proxyport=80\n"),
+                .contains("ProxyCommand socat - PROXY:10.0.2.100:%h:%p,proxyport=80\n")
+                && f.ssh_config.contains("StrictHostKeyChecking accept-new\n"),
             "{}",
             f.ssh_config
         );
