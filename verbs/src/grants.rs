@@ -562,19 +562,15 @@ mod tests {
         );
         let sock = dir.path().join("agent.sock");
         let _listening = std::os::unix::net::UnixListener::bind(&sock).unwrap();
-        let (g, _) = request(
-            &v,
-            Request {
-                name: None,
-                vm: Some("dev1".into()),
-                lease: None,
-                what: "ssh-agent:all".into(),
-                header: None,
-                value_from: ValueFrom::File(sock.display().to_string()),
-            },
-        )
-        .await
-        .unwrap();
+        let agent = |vm: &str, socket: &std::path::Path| Request {
+            name: None,
+            vm: Some(vm.into()),
+            lease: None,
+            what: "ssh-agent:all".into(),
+            header: None,
+            value_from: ValueFrom::File(socket.display().to_string()),
+        };
+        let (g, _) = request(&v, agent("dev1", &sock)).await.unwrap();
         assert_eq!(g.name(), "dev1-ssh-agent-all");
         assert!(summary(&g).contains("every key the agent holds"));
         let e = agent_grants(&v, "dev1").await.unwrap_err();
@@ -593,19 +589,7 @@ mod tests {
         // a file that is not a socket is not approved
         let plain = dir.path().join("plain");
         std::fs::write(&plain, b"x").unwrap();
-        let (bad, _) = request(
-            &v,
-            Request {
-                name: Some(Name::label("bad").unwrap()),
-                vm: Some("dev2".into()),
-                lease: None,
-                what: "ssh-agent:all".into(),
-                header: None,
-                value_from: ValueFrom::File(plain.display().to_string()),
-            },
-        )
-        .await
-        .unwrap();
+        let (bad, _) = request(&v, agent("dev2", &plain)).await.unwrap();
         let e = approve(&v, &bad, "me", "test").await.unwrap_err();
         assert!(e.to_string().contains("not a socket"), "{e}");
     }
