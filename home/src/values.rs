@@ -99,6 +99,14 @@ pub fn agent_socket(v: &ValueFrom, home: &Path) -> Result<std::path::PathBuf, St
     let p = Path::new(&path);
     let meta =
         std::fs::symlink_metadata(p).map_err(|e| format!("no agent socket at {path}: {e}"))?;
+    if meta.file_type().is_symlink() {
+        let to = std::fs::read_link(p)
+            .map(|t| t.display().to_string())
+            .unwrap_or_default();
+        return Err(format!(
+            "{path} is a symbolic link (to {to}): name the socket itself, so that the path approved is the one used"
+        ));
+    }
     if !meta.file_type().is_socket() {
         return Err(format!(
             "{path} is not a socket (an ssh-agent's socket, as $SSH_AUTH_SOCK names it)"
@@ -235,7 +243,10 @@ mod tests {
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&sock, &link).unwrap();
         let e = agent_socket(&file(&link), &home).unwrap_err();
-        assert!(e.contains("not a socket"), "{e}");
+        assert!(
+            e.contains("symbolic link") && e.contains("agent.sock"),
+            "{e}"
+        );
         // `..` is refused before anything is looked at
         let dotted = format!("{}/home/../agent.sock", dir.path().display());
         let e = agent_socket(&ValueFrom::File(dotted), &home).unwrap_err();
