@@ -1603,16 +1603,9 @@ fn explain_reads_as_kubectl() {
     let layers = home.ok(&["explain", "vm.spec.layers"]);
     let schema: serde_json::Value = serde_json::from_str(&home.ok(&["schema", "vm"])).unwrap();
     let full = schema
-        .pointer("/properties/spec")
-        .map(|_| ())
-        .and_then(|()| {
-            let defs = &schema["$defs"];
-            defs.as_object()?.values().find_map(|d| {
-                d.pointer("/properties/layers/description")?
-                    .as_str()
-                    .map(str::to_string)
-            })
-        })
+        .pointer("/$defs/VmSpec/properties/layers/description")
+        .and_then(|d| d.as_str())
+        .map(str::to_string)
         .expect("the layers field has a description");
     for l in full.lines() {
         assert!(layers.contains(l.trim()), "{l}: {layers}");
