@@ -356,16 +356,24 @@ fn start_sshd(s: &mut Standins, host_key: &str, user: &str, git_shell: &str) {
     s.start("sshd", 22, "/usr/sbin/sshd", &["-D", "-e", "-f", &cfg]);
 }
 
-/// `boxery run VM -- CMD` that is expected to fail: its stdout and stderr together.
-fn run_failing(h: &RealHome, vm: &str, cmd: &str) -> String {
-    let o = h.cmd(&["run", vm, "--", cmd]);
+/// `boxery run d1 -- CMD`, which must fail: its stdout and stderr together, printed as `what`
+/// says (what the user sees).
+fn refused(h: &RealHome, what: &str, cmd: &str) -> String {
+    let o = h.cmd(&["run", "d1", "--", cmd]);
     let all = format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     );
     assert!(!o.status.success(), "{cmd:?} should have failed: {all}");
+    eprintln!("{what} says:\n{all}");
     all
+}
+
+/// `boxery run d1 -- CMD`, timed as `what`; it must print `want` (the stand-in's nonce).
+fn fetched(h: &RealHome, what: &str, cmd: &str, want: &str) {
+    let out = timed(what, || h.run("d1", cmd));
+    assert!(out.contains(want), "{what}: {out}");
 }
 
 /// A step's duration, printed for docs/benchmarks.md.
@@ -497,13 +505,12 @@ pub(super) fn developer_traffic_through_egress() {
     // git over ssh: the first connection to the host accepts its key (no one to answer ssh's
     // question) and records it.
     let url = format!("{user}@{GIT}:{repo}");
-    let out = timed("git clone over ssh through CONNECT", || {
-        h.run(
-            "d1",
-            &format!("git clone -q {url} ~/repo 2>&1 && cat ~/repo/README"),
-        )
-    });
-    assert!(out.contains(&nonce), "git clone over ssh: {out}");
+    fetched(
+        &h,
+        "git clone over ssh through CONNECT",
+        &format!("git clone -q {url} ~/repo 2>&1 && cat ~/repo/README"),
+        &nonce,
+    );
     let known = h.run("d1", &format!("ssh-keygen -F {GIT} -f ~/.ssh/known_hosts"));
     let host_pub = std::fs::read_to_string(s.path("host_key.pub")).unwrap();
     let host_pub = host_pub.split_whitespace().nth(1).unwrap();
@@ -511,65 +518,59 @@ pub(super) fn developer_traffic_through_egress() {
         known.contains(host_pub),
         "the stand-in's host key is recorded: {known}"
     );
-    let out = timed("git pull over ssh (host key known)", || {
-        h.run("d1", "cd ~/repo && git pull -q 2>&1 && echo pulled")
-    });
-    assert!(out.contains("pulled"), "{out}");
+    fetched(
+        &h,
+        "git pull over ssh (host key known)",
+        "cd ~/repo && git pull -q 2>&1 && cat README",
+        &nonce,
+    );
 
     // pip, in a venv (the image has python3-venv; Debian's pip is python3-pip), over HTTPS:
     // only the index and the test CA are the stand-in's.
-    timed("python3 -m venv (pip from the image, no network)", || {
-        h.run("d1", "python3 -m venv ~/venv")
-    });
-    let out = timed(
-        "pip install from the stand-in index (HTTPS, CONNECT)",
-        || {
-            h.run(
-                "d1",
-                &format!(
-                    "~/venv/bin/pip install -q --disable-pip-version-check --no-cache-dir \
-                 --index-url https://{PYPI}/simple/ --cert ~/standin-ca.pem hello-standin 2>&1 \
-                 && ~/venv/bin/python -c 'import hello_standin; print(hello_standin.GREETING)'"
-                ),
-            )
-        },
+    fetched(
+        &h,
+        "python3 -m venv (pip from the image, no network)",
+        "python3 -m venv ~/venv && echo made",
+        "made",
     );
-    assert!(out.contains(&nonce), "pip install: {out}");
+    fetched(
+        &h,
+        "pip install from the stand-in index (HTTPS, CONNECT)",
+        &format!(
+            "~/venv/bin/pip install -q --disable-pip-version-check --no-cache-dir \
+             --index-url https://{PYPI}/simple/ --cert ~/standin-ca.pem hello-standin 2>&1 \
+             && ~/venv/bin/python -c 'import hello_standin; print(hello_standin.GREETING)'"
+        ),
+        &nonce,
+    );
 
     // npm over HTTPS: the registry and the CA are the stand-in's; the proxy is boxery's.
-    let out = timed(
+    fetched(
+        &h,
         "npm install from the stand-in registry (HTTPS, CONNECT)",
-        || {
-            h.run(
-                "d1",
-                &format!(
-                    "mkdir -p ~/np && cd ~/np && npm install --no-audit --no-fund --loglevel=error \
-                 --registry https://{NPM}/ --cafile ~/standin-ca.pem standin-hello 2>&1 \
-                 && node -e 'console.log(require(\"standin-hello\"))'"
-                ),
-            )
-        },
+        &format!(
+            "mkdir -p ~/np && cd ~/np && npm install --no-audit --no-fund --loglevel=error \
+             --registry https://{NPM}/ --cafile ~/standin-ca.pem standin-hello 2>&1 \
+             && node -e 'console.log(require(\"standin-hello\"))'"
+        ),
+        &nonce,
     );
-    assert!(out.contains(&nonce), "npm install: {out}");
 
     // apt over plain HTTP (absolute-form requests), as Debian's own mirrors are reached: the
     // source line is the stand-in's; the proxy is apt's 90boxery-proxy.
-    let out = timed(
+    fetched(
+        &h,
         "apt-get update + install from the stand-in mirror (HTTP)",
-        || {
-            h.run(
-            "d1",
-            &format!(
-                "echo 'deb [trusted=yes] http://{APT}/debian/ ./' | sudo tee /etc/apt/sources.list.d/standin.list >/dev/null \
-                 && sudo apt-get update -q -o Dir::Etc::sourcelist=/etc/apt/sources.list.d/standin.list \
-                    -o Dir::Etc::sourceparts=- -o APT::Get::List-Cleanup=0 >/dev/null 2>&1 \
-                 && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q standin-hello >/dev/null 2>&1 \
-                 && cat /usr/share/standin-hello/nonce"
-            ),
-        )
-        },
+        &format!(
+            "echo 'deb [trusted=yes] http://{APT}/debian/ ./' \
+               | sudo tee /etc/apt/sources.list.d/standin.list >/dev/null \
+             && sudo apt-get update -q -o Dir::Etc::sourcelist=/etc/apt/sources.list.d/standin.list \
+                -o Dir::Etc::sourceparts=- -o APT::Get::List-Cleanup=0 >/dev/null 2>&1 \
+             && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q standin-hello >/dev/null 2>&1 \
+             && cat /usr/share/standin-hello/nonce"
+        ),
+        &nonce,
     );
-    assert!(out.contains(&nonce), "apt-get install: {out}");
 
     // The stand-ins saw each tool arrive by its name, through the proxy.
     let seen = s.log("https");
@@ -605,41 +606,49 @@ pub(super) fn developer_traffic_through_egress() {
     // refused CONNECT's status line).
     let why = format!("{UNLISTED} is not in VM d1's egress allow list");
     let out = timed("git over ssh to an unlisted host (refused)", || {
-        run_failing(&h, "d1", &format!("git ls-remote {user}@{UNLISTED}:{repo}"))
+        refused(
+            &h,
+            "git to an unlisted host",
+            &format!("git ls-remote {user}@{UNLISTED}:{repo}"),
+        )
     });
-    eprintln!("git to an unlisted host says:\n{out}");
     assert!(out.contains(&why), "git to an unlisted host: {out}");
     // pip says why in its retry warning (one retry: its last error is logged at debug level)
-    let out = run_failing(
+    let out = refused(
         &h,
-        "d1",
+        "pip to an unlisted host",
         &format!(
             "~/venv/bin/pip download --disable-pip-version-check --no-cache-dir --retries 1 \
              --index-url https://{UNLISTED}/simple/ --cert ~/standin-ca.pem -d ~/dl hello-standin"
         ),
     );
-    eprintln!("pip from an unlisted host says:\n{out}");
     assert!(out.contains(&why), "pip from an unlisted host: {out}");
-    let out = run_failing(
+    let out = refused(
         &h,
-        "d1",
+        "npm to an unlisted host",
         &format!(
             "mkdir -p ~/np2 && cd ~/np2 && npm install --no-audit --no-fund --fetch-retries=0 \
              --registry https://{UNLISTED}/ --cafile ~/standin-ca.pem standin-hello"
         ),
     );
-    eprintln!("npm from an unlisted host says:\n{out}");
     assert!(out.contains(&why), "npm from an unlisted host: {out}");
-    let out = run_failing(&h, "d1", &format!("curl -sS https://{UNLISTED}/"));
     // curl shows only the code ("CONNECT tunnel failed, response 403"); `curl -v` the line
-    eprintln!("curl to an unlisted host says:\n{out}");
+    let out = refused(
+        &h,
+        "curl to an unlisted host",
+        &format!("curl -sS https://{UNLISTED}/"),
+    );
     assert!(out.contains("403"), "curl to an unlisted host: {out}");
 
     // accept-new is not accept-all: the same host with another key is refused.
     s.stop("sshd");
     keygen(&s, "host_key2");
     start_sshd(&mut s, "host_key2", &user, &git_shell);
-    let out = run_failing(&h, "d1", "cd ~/repo && git pull -q");
+    let out = refused(
+        &h,
+        "git to the host with a changed key",
+        "cd ~/repo && git pull -q",
+    );
     assert!(
         out.contains("REMOTE HOST IDENTIFICATION HAS CHANGED")
             || out.contains("Host key verification failed"),
