@@ -65,19 +65,9 @@ impl Storage {
                 format!("{digest:016x}")
             });
         let id = base_id(manifest_path, &m.name, &hash)?;
-        let places = &self.places.bases;
-        if places.record(&id).exists() {
-            return Ok(id);
-        }
-        let _lock = self.lock(&format!("base-{id}")).await?;
-        if places.record(&id).exists() {
-            return Ok(id);
-        }
-        let t = Instant::now();
-        let tmp = places.staging(&id);
-        let _ = remove_dir_if_exists(&tmp);
-        std::fs::create_dir_all(&tmp).map_err(io(format!("creating {}", tmp.display())))?;
-        let result = async {
+        let key = id.clone();
+        self.register_once(&key, |tmp| async move {
+            let places = &self.places.bases;
             let [disk_name, kernel_name, initrd_name] = places.file_names(&id);
             let disk = tmp.join(&disk_name);
             self.stage_disk(manifest_path, &src_dir.join(&m.disk), &m.format, &disk)
@@ -121,19 +111,10 @@ impl Storage {
                 created: boxery_api::now(),
                 cloud_image: false,
             };
-            self.publish_base(&id, &tmp, &rec)
-        }
-        .await;
-        if result.is_err() {
-            let _ = remove_dir_if_exists(&tmp);
-        }
-        result?;
-        info!(
-            base = id.as_str(),
-            secs = t.elapsed().as_secs_f64(),
-            "registered a base"
-        );
-        Ok(id)
+            Ok(rec)
+        })
+        .await?;
+        Ok(key)
     }
 
     /// Put the built disk `src` at `dst` as a standalone qcow2: copied when it is one,
@@ -226,19 +207,9 @@ impl Storage {
         }
         let hash = sha256_file(path).await?;
         let id = format!("cloud-{}", &hash[..12]);
-        let places = &self.places.bases;
-        if places.record(&id).exists() {
-            return Ok(id);
-        }
-        let _lock = self.lock(&format!("base-{id}")).await?;
-        if places.record(&id).exists() {
-            return Ok(id);
-        }
-        let t = Instant::now();
-        let tmp = places.staging(&id);
-        let _ = remove_dir_if_exists(&tmp);
-        std::fs::create_dir_all(&tmp).map_err(io(format!("creating {}", tmp.display())))?;
-        let result = async {
+        let key = id.clone();
+        self.register_once(&key, |tmp| async move {
+            let places = &self.places.bases;
             let [disk_name, _, _] = places.file_names(&id);
             let disk = tmp.join(&disk_name);
             self.disks
@@ -262,15 +233,46 @@ impl Storage {
                 created: boxery_api::now(),
                 cloud_image: true,
             };
-            self.publish_base(&id, &tmp, &rec)
+            Ok(rec)
+        })
+        .await?;
+        Ok(key)
+    }
+
+    /// Register base `id` once: unless its record exists (checked again under the base's
+    /// lock), `stage` fills a staging directory and returns the record, which is published
+    /// last; a failed stage leaves nothing behind.
+    async fn register_once<F, Fut>(&self, id: &str, stage: F) -> Result<()>
+    where
+        F: FnOnce(PathBuf) -> Fut,
+        Fut: std::future::Future<Output = Result<BaseRecord>>,
+    {
+        let places = &self.places.bases;
+        if places.record(id).exists() {
+            return Ok(());
         }
-        .await;
+        let _lock = self.lock(&format!("base-{id}")).await?;
+        if places.record(id).exists() {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let tmp = places.staging(id);
+        let _ = remove_dir_if_exists(&tmp);
+        std::fs::create_dir_all(&tmp).map_err(io(format!("creating {}", tmp.display())))?;
+        let result = match stage(tmp.clone()).await {
+            Ok(rec) => self.publish_base(id, &tmp, &rec),
+            Err(e) => Err(e),
+        };
         if result.is_err() {
             let _ = remove_dir_if_exists(&tmp);
         }
         result?;
-        info!(base = %id, from = %shown, took = ?t.elapsed(), "registered a cloud image");
-        Ok(id)
+        info!(
+            base = id,
+            secs = t.elapsed().as_secs_f64(),
+            "registered a base"
+        );
+        Ok(())
     }
 
     /// Publish the staged base `tmp` with its record last (the commit point).

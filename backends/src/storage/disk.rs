@@ -265,21 +265,7 @@ impl Disks {
 
     /// Convert any image `src` into a standalone qcow2 `dst` (no backing file).
     pub async fn convert(&self, src: &Path, dst: &Path) -> Result<(), DiskError> {
-        self.run(
-            &self.qemu_img,
-            "qemu-img convert",
-            src,
-            &[
-                "convert".as_ref(),
-                "-q".as_ref(),
-                "-O".as_ref(),
-                "qcow2".as_ref(),
-                src.as_os_str(),
-                dst.as_os_str(),
-            ],
-        )
-        .await
-        .map(drop)
+        self.convert_as(src, None, dst).await
     }
 
     /// Convert `src`, read as `format` (never probed: a raw disk whose bytes look like a
@@ -290,23 +276,29 @@ impl Disks {
         format: &str,
         dst: &Path,
     ) -> Result<(), DiskError> {
-        self.run(
-            &self.qemu_img,
-            "qemu-img convert",
-            src,
-            &[
-                "convert".as_ref(),
-                "-q".as_ref(),
-                "-f".as_ref(),
-                format.as_ref(),
-                "-O".as_ref(),
-                "qcow2".as_ref(),
-                src.as_os_str(),
-                dst.as_os_str(),
-            ],
-        )
-        .await
-        .map(drop)
+        self.convert_as(src, Some(format), dst).await
+    }
+
+    async fn convert_as(
+        &self,
+        src: &Path,
+        format: Option<&str>,
+        dst: &Path,
+    ) -> Result<(), DiskError> {
+        use std::ffi::OsStr;
+        let mut args: Vec<&OsStr> = vec![OsStr::new("convert"), OsStr::new("-q")];
+        if let Some(f) = format {
+            args.extend([OsStr::new("-f"), OsStr::new(f)]);
+        }
+        args.extend([
+            OsStr::new("-O"),
+            OsStr::new("qcow2"),
+            src.as_os_str(),
+            dst.as_os_str(),
+        ]);
+        self.run(&self.qemu_img, "qemu-img convert", src, &args)
+            .await
+            .map(drop)
     }
 
     /// The first 512 bytes of the guest's view of `src`, read as `format`.
