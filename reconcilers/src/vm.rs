@@ -1371,20 +1371,11 @@ async fn layered_image(vm: &Vm, ctx: &Ctx) -> Result<Result<String, String>> {
         .metadata
         .labels
         .insert(LAYERED_LABEL.into(), layers.join("."));
-    match ctx.store.create_as(&image).await {
-        Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
-        Err(e) => return Err(e.into()),
-    }
-    ctx.event(
-        vm,
-        EventType::Normal,
-        "BuildingImage",
-        &format!(
-            "image {name} ({base} with {}) is built for spec.layers, once for every VM that asks for the same",
-            layers.join(", ")
-        ),
-    )
-    .await;
+    let why = format!(
+        "image {name} ({base} with {}) is built for spec.layers, once for every VM that asks for the same",
+        layers.join(", ")
+    );
+    build_for(vm, &image, &why, ctx).await?;
     Ok(Ok(name))
 }
 
@@ -1493,6 +1484,17 @@ async fn forget_fork_image(image: &str, ctx: &Ctx) -> Result<()> {
     }
 }
 
+/// Create the Image `image` (a build) that VM `vm` waits for, unless it exists already, and say
+/// so on the VM (`BuildingImage`, `why`).
+async fn build_for(vm: &Vm, image: &Image, why: &str, ctx: &Ctx) -> Result<()> {
+    match ctx.store.create_as(image).await {
+        Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
+        Err(e) => return Err(e.into()),
+    }
+    ctx.event(vm, EventType::Normal, "BuildingImage", why).await;
+    Ok(())
+}
+
 /// A stock image (`debian-12`, `tiny`) is built on first use: its Image is made here.
 async fn build_stock(vm: &mut Vm, image_name: &str, ctx: &Ctx) -> Result<()> {
     let image = Image::new(
@@ -1505,17 +1507,8 @@ async fn build_stock(vm: &mut Vm, image_name: &str, ctx: &Ctx) -> Result<()> {
             memory: false,
         },
     );
-    match ctx.store.create_as(&image).await {
-        Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
-        Err(e) => return Err(e.into()),
-    }
-    ctx.event(
-        vm,
-        EventType::Normal,
-        "BuildingImage",
-        &format!("the stock image {image_name} is built on first use"),
-    )
-    .await;
+    let why = format!("the stock image {image_name} is built on first use");
+    build_for(vm, &image, &why, ctx).await?;
     set_waiting(
         vm,
         reasons::IMAGE_NOT_READY,
