@@ -147,8 +147,16 @@ async fn recover(mut img: Image, op: Operation, ctx: &Ctx) -> Result<Action> {
     Ok(Action::requeue(Duration::ZERO))
 }
 
-/// A ready image never changes: a changed spec is reported, once per generation.
+/// A ready image never changes: a changed spec is reported, once per generation. A build made
+/// before build records were kept gets its record here.
 async fn immutable(mut img: Image, ctx: &Ctx) -> Result<Action> {
+    if img.status.build_info.is_none()
+        && matches!(img.spec.source, ImageSource::Build(_))
+        && let Some(record) = build_record(&img, ctx).await?
+    {
+        img.status.build_info = Some(record);
+        img = save(ctx, &img).await?;
+    }
     let generation = img.metadata.generation;
     if img.status.observed_generation != generation {
         img.status.observed_generation = generation;

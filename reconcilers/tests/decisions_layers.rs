@@ -258,3 +258,24 @@ async fn a_capture_carries_its_source_vms_record() {
     assert!(a.status.build_info.is_some());
     assert_eq!(snap.status.build_info, a.status.build_info);
 }
+
+#[tokio::test]
+async fn a_build_made_before_records_were_kept_gets_its_record() {
+    let (h, _outputs) = harness(&[("debian-12-agents.build-info", RECORD.as_bytes())]);
+    let old: Image = serde_json::from_value(serde_json::json!({
+        "apiVersion": boxery_api::API_VERSION, "kind": "Image",
+        "metadata": {"name": "agents", "finalizers": ["boxery.dev/image"]},
+        "spec": {"source": {"build": {"base": "debian-12", "layers": ["agents"]}}},
+        "status": {"phase": "Ready"},
+    }))
+    .unwrap();
+    h.put(&old);
+    h.settle(image::reconcile, "agents").await.unwrap();
+    let img: Image = h.get("agents");
+    assert_eq!(img.status.phase, ImagePhase::Ready);
+    assert_eq!(
+        img.status.build_info.map(|b| b.layers),
+        Some(vec!["plumbing".into(), "devtools".into(), "agents".into()])
+    );
+    assert!(h.calls().is_empty(), "nothing built again");
+}
