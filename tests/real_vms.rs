@@ -1477,16 +1477,20 @@ fn check_forwards(
 /// and the agent's context file names the VM and its grant.
 fn agents_in_a_guest() {
     const KEY: &str = "sk-canary-agents-41c7";
+    const OPENAI_KEY: &str = "sk-canary-openai-9d2e";
     let up = common::upstream::Upstream::start();
     let h = RealHome::new(Kind::Qemu);
     h.home.write(
         "config.yaml",
         &format!(
-            "grants: {{confirm: false}}\nproxy: {{upstreams: {{anthropic: 'http://127.0.0.1:{}'}}}}\n",
-            up.port
+            "grants: {{confirm: false}}\nproxy: {{upstreams: {{anthropic: 'http://127.0.0.1:{p}', openai: 'http://127.0.0.1:{p}'}}}}\n",
+            p = up.port
         ),
     );
-    let values = [("AGENTS_TEST_KEY", KEY)];
+    let values = [
+        ("AGENTS_TEST_KEY", KEY),
+        ("AGENTS_TEST_OPENAI_KEY", OPENAI_KEY),
+    ];
     let mut serve = h.serve_with(&values);
     serve.wait_leading();
     let started = std::time::Instant::now();
@@ -1510,48 +1514,126 @@ fn agents_in_a_guest() {
     let vm = h.home.write(
         "a1.yaml",
         "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {name: a1}\n\
-         spec: {source: {image: agents}, resources: {cpus: 1, memory: 1Gi}}\n",
+         spec: {source: {image: agents}, resources: {cpus: 1, memory: 2Gi}}\n",
     );
     h.apply_file(&vm, "20m");
     let o = h.shell(&format!(
         "export AGENTS_TEST_KEY={KEY}; \"$BOXERY\" grant a1 llm:anthropic --from-env AGENTS_TEST_KEY --wait"
     ));
     assert!(o.status.success(), "grant: {o:?}");
+    let o = h.shell(&format!(
+        "export AGENTS_TEST_OPENAI_KEY={OPENAI_KEY}; \"$BOXERY\" grant a1 llm:openai --from-env AGENTS_TEST_OPENAI_KEY --wait"
+    ));
+    assert!(o.status.success(), "grant: {o:?}");
     let versions = h.run(
         "a1",
-        "claude --version; codex --version; opencode --version; node --version",
+        // (not `opencode --version`: opencode takes minutes to start under TCG, below)
+        "claude --version; codex --version; command -v opencode; node --version",
     );
     eprintln!("agents in the guest: {versions}");
     assert!(
-        versions.contains("Claude Code") && versions.contains("v22."),
+        versions.contains("Claude Code")
+            && versions.contains("codex-cli 0.")
+            && versions.contains("/usr/local/bin/opencode")
+            && versions.contains("v22."),
         "{versions}"
     );
-    // the prompt, headless, through the credential proxy
-    let started = std::time::Instant::now();
-    let o = h.cmd(&["prompt", "a1", "say hi"]);
-    let took = started.elapsed();
-    assert!(
-        o.status.success(),
-        "boxery prompt: {o:?}\nstderr: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(
-        String::from_utf8_lossy(&o.stdout).contains(common::upstream::ANSWER),
-        "{}",
-        String::from_utf8_lossy(&o.stdout)
-    );
-    eprintln!("boxery prompt a1 'say hi' (claude -p): {took:?}");
-    let seen = up.seen();
-    assert!(!seen.is_empty(), "the upstream saw nothing");
-    assert!(
-        seen.iter()
-            .all(|s| s.contains(&format!("x-api-key: {KEY}"))),
-        "{seen:?}"
-    );
+    // each agent, headless, through the credential proxy: Claude Code calls the Messages API,
+    // codex the Responses API. opencode is not run here: under TCG it had not reached its
+    // first model call after 15 minutes (docs/benchmarks.md, "Issue 33"); its settings are
+    // checked below, and were run on a host against this stand-in (docs/agents.md).
     let token = h.run("a1", "echo \"$BOXERY_TOKEN\"");
+    assert!(token.trim().len() > 8, "no token in the guest: {token:?}");
+    for (agent, line, api) in [
+        ("claude", "claude -p", "/v1/messages"),
+        ("codex", "codex exec", "/v1/responses"),
+    ] {
+        let before = up.seen().len();
+        let calls = || -> Vec<String> {
+            up.seen()[before..]
+                .iter()
+                .filter_map(|s| s.lines().next().map(str::to_string))
+                .collect()
+        };
+        // `prompt` has no --timeout: bounded here, with what the guest holds if it runs over
+        let mut c = h.home.cmd();
+        c.env("BOXERY_BACKEND", h.kind.name())
+            .envs(h.env.iter().map(|(k, v)| (k, v)))
+            .args(["prompt", "a1", "--agent", agent, "say hi"]);
+        let limit = Duration::from_secs(900);
+        let started = std::time::Instant::now();
+        let o = bounded(c, limit).unwrap_or_else(|partial| {
+            panic!(
+                "boxery prompt --agent {agent} did not finish within {limit:?} (killed): {partial:?}\n\
+                 the upstream saw: {:?}\nin the guest: {}",
+                calls(),
+                h.run(
+                    "a1",
+                    "ps -eo pid,etime,rss,args | grep -v ' \\[' | tail -n 25; cat /etc/codex/config.toml"
+                )
+            )
+        });
+        let took = started.elapsed();
+        assert!(
+            o.status.success(),
+            "boxery prompt --agent {agent}: {o:?}\nstdout: {}\nstderr: {}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains(common::upstream::ANSWER),
+            "{agent}: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+        eprintln!("boxery prompt a1 --agent {agent} 'say hi' ({line}): {took:?}");
+        let calls = calls();
+        assert!(
+            calls.iter().any(|c| c.contains(api)),
+            "{agent} did not call {api} upstream: {calls:?}"
+        );
+    }
+    // the upstream saw the real keys, each in its provider's header, and never the token
+    let seen = up.seen();
+    let (anthropic, openai) = (
+        format!("x-api-key: {KEY}"),
+        format!("authorization: bearer {OPENAI_KEY}"),
+    );
+    for head in &seen {
+        let lower = head.to_ascii_lowercase();
+        let want = if lower.contains(" /v1/responses ") {
+            &openai
+        } else if lower.contains(" /v1/messages") {
+            &anthropic
+        } else {
+            // anything else (a model list): one of the two
+            if lower.contains(&openai) {
+                &openai
+            } else {
+                &anthropic
+            }
+        };
+        assert!(lower.contains(want.as_str()), "{want} not in {head}");
+        assert!(
+            !head.contains(token.trim()),
+            "the token reached the upstream: {head}"
+        );
+    }
+    // opencode's settings, as the guest's login shell has them: the granted providers at the
+    // proxy, with the `/v1` its Anthropic client wants
+    let opencode = h.run(
+        "a1",
+        "node -e 'const c = JSON.parse(process.env.OPENCODE_CONFIG_CONTENT); \
+         for (const p of c.enabled_providers) console.log(p, c.provider[p].options.baseURL)'; \
+         echo \"proxy $BOXERY_PROXY\"",
+    );
+    let proxy = opencode
+        .lines()
+        .find_map(|l| l.strip_prefix("proxy "))
+        .unwrap_or_else(|| panic!("{opencode}"));
     assert!(
-        seen.iter().all(|s| !s.contains(&token)),
-        "the token reached the upstream"
+        opencode.contains(&format!("anthropic {proxy}/llm/anthropic/v1\n"))
+            && opencode.contains(&format!("openai {proxy}/llm/openai/v1\n")),
+        "{opencode}"
     );
     // an agent that is not there, and a bad prompt, are clear errors
     let o = h.cmd(&["prompt", "a1", "--agent", "opencode", ""]);
@@ -1568,23 +1650,26 @@ fn agents_in_a_guest() {
     assert!(
         told.contains("`a1`")
             && told.contains("llm:anthropic")
+            && told.contains("llm:openai")
             && told.contains("/run/boxery/AGENTS.md"),
         "{told}"
     );
     assert!(!told.contains(KEY));
-    // the real key is nowhere in the guest
-    let everywhere = h.run(
-        "a1",
-        &format!(
-            "k={}; env; grep -rl \"$k{}\" /run /home /etc /tmp 2>/dev/null; echo end",
-            &KEY[..8],
-            &KEY[8..]
-        ),
-    );
-    assert!(
-        !everywhere.contains(KEY),
-        "the key is in the guest: {everywhere}"
-    );
+    // the real keys are nowhere in the guest (split, so the search does not find itself)
+    for key in [KEY, OPENAI_KEY] {
+        let everywhere = h.run(
+            "a1",
+            &format!(
+                "k={}; env; grep -rl \"$k{}\" /run /home /etc /tmp 2>/dev/null; echo end",
+                &key[..8],
+                &key[8..]
+            ),
+        );
+        assert!(
+            !everywhere.contains(key),
+            "the key is in the guest: {everywhere}"
+        );
+    }
     h.ok(&["rm", "a1", "--wait", "--timeout", "5m"]);
     h.ok(&[
         "delete",
