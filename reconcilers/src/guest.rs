@@ -476,7 +476,9 @@ pub fn context(plan: &Plan) -> String {
          You are working in `{vm}`, a virtual machine that boxery gives coding agents as their hands. \
          It is yours: install what you need (`sudo` needs no password), run servers, experiment. \
          Nothing you do here reaches the machine of the person you work for, except through boxery.\n\n\
-         ## Network\n\n{network} Raw TCP or UDP that does not use the proxy fails: use HTTPS git remotes.\n\n\
+         ## Network\n\n{network} Anything that does not go through the proxy fails: HTTP(S) clients use it by \
+         themselves (`http_proxy`, `https_proxy`), and so do `ssh` and git over ssh (`git@host:…`) to \
+         hosts the policy allows (the guest's ssh config); DNS and other raw TCP or UDP do not work.\n\n\
          ## Credentials\n\n\
          This VM holds no real keys. Its grants, used through boxery's credential proxy, which adds \
          the real credential on the way out (the `*_API_KEY` variables hold this VM's boxery token):\n\n{grants}\n\
