@@ -43,8 +43,8 @@ pub mod reasons {
     pub const INVALID_REQUEST: &str = "InvalidRequest";
     /// A Vm runs but does not answer yet.
     pub const BOOTING: &str = "Booting";
-    /// Running, and its console says it will not answer (no cloud-init, a kernel panic, no
-    /// ssh server): a wait for Ready ends on it ([`READY_WILL_NOT_COME`]).
+    /// Running, and its console says it will not answer (no cloud-init, no seed read, a
+    /// kernel panic): a wait for Ready ends on it ([`READY_WILL_NOT_COME`]).
     pub const GUEST_NOT_ANSWERING: &str = "GuestNotAnswering";
     /// A Vm answers over ssh with its pinned key.
     pub const SSH_REACHABLE: &str = "SshReachable";

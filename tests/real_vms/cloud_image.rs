@@ -58,6 +58,18 @@ fn vm_yaml(name: &str, image: &str) -> String {
     )
 }
 
+/// `boxery apply -f FILE --wait --timeout TIMEOUT`, for a caller that expects it to fail.
+fn apply_waiting(h: &RealHome, file: &std::path::Path, timeout: &str) -> std::process::Output {
+    h.cmd(&[
+        "apply",
+        "-f",
+        file.to_str().unwrap(),
+        "--wait",
+        "--timeout",
+        timeout,
+    ])
+}
+
 pub(super) fn cloud_image(kind: Kind) {
     let (good, bad) = build_cloud_images();
     let h = RealHome::new(kind);
@@ -83,14 +95,7 @@ pub(super) fn cloud_image(kind: Kind) {
         .unwrap();
     assert!(st.success());
     let f = h.home.write("blank.yaml", &image_yaml("blank", &blank));
-    let o = h.cmd(&[
-        "apply",
-        "-f",
-        f.to_str().unwrap(),
-        "--wait",
-        "--timeout",
-        "60s",
-    ]);
+    let o = apply_waiting(&h, &f, "60s");
     assert!(!o.status.success(), "a blank disk was imported");
     let said = h.ok(&["describe", "image", "blank"]);
     assert!(said.contains("has no boot sector"), "{said}");
@@ -138,17 +143,16 @@ pub(super) fn cloud_image(kind: Kind) {
     h.apply_file(&f, "10m");
     let f = h.home.write("c2.yaml", &vm_yaml("c2", "nci"));
     let started = Instant::now();
-    let o = h.cmd(&[
-        "apply",
-        "-f",
-        f.to_str().unwrap(),
-        "--wait",
-        "--timeout",
-        "6m",
-    ]);
-    assert!(!o.status.success(), "a VM without cloud-init became Ready");
+    let o = apply_waiting(&h, &f, "6m");
+    // the wait ends on the diagnosis (exit 1), not on its timeout (exit 4), whose message
+    // would quote the same condition
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("cloud-init never ran"), "{err}");
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("Vm c2 will not become Ready (GuestNotAnswering)")
+            && err.contains("cloud-init never ran"),
+        "{err}"
+    );
     let said = h.ok(&["describe", "vm", "c2"]);
     assert!(
         said.contains("cloud-init never ran") && said.contains("GuestNotAnswering"),
