@@ -152,18 +152,30 @@ pub struct Files {
 /// The guest's egress proxy URL for `plan` (docs/egress.md): the credential proxy's address,
 /// with the VM's token as the proxy password on a shared listener.
 pub fn egress_url(plan: &Plan) -> String {
-    let hostport = plan.url.trim_start_matches("http://").trim_end_matches('/');
+    let (host, port) = proxy_host_port(plan);
     if plan.channel {
         // Port 80 spelled out: some clients want one in a proxy URL.
-        let hp = if hostport.contains(':') {
-            hostport.to_string()
-        } else {
-            format!("{hostport}:80")
-        };
-        format!("http://{hp}")
+        format!("http://{host}:{port}")
     } else {
-        format!("http://boxery:{}@{hostport}", plan.token)
+        format!("http://boxery:{}@{}", plan.token, proxy_hostport(plan))
     }
+}
+
+/// `plan.url` without its scheme and trailing slash: `HOST[:PORT]`.
+fn proxy_hostport(plan: &Plan) -> &str {
+    plan.url.trim_start_matches("http://").trim_end_matches('/')
+}
+
+/// The credential proxy's host and port in `plan.url` (port 80 when it names none).
+fn proxy_host_port(plan: &Plan) -> (&str, &str) {
+    let hostport = proxy_hostport(plan);
+    hostport.rsplit_once(':').unwrap_or((hostport, "80"))
+}
+
+/// The base URL of provider `p`'s API through the credential proxy at `url`, with the `/v1`
+/// OpenAI's clients and opencode's Anthropic client want (Claude Code's has none).
+fn provider_v1(url: &str, p: &str) -> String {
+    format!("{url}/llm/{p}/v1")
 }
 
 /// The guest files for `plan`, reading the values of its `env` and `file` grants.
@@ -179,11 +191,7 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
     );
     // The egress proxy: the guest's only way out on qemu, the policy's way on libvirt.
     let egress = egress_url(plan);
-    let host = url
-        .trim_start_matches("http://")
-        .split([':', '/'])
-        .next()
-        .unwrap_or_default();
+    let host = proxy_host_port(plan).0;
     env.push_str(&format!(
         "# egress (docs/egress.md): everything goes through the control plane's egress proxy
          export http_proxy={e} https_proxy={e} HTTP_PROXY={e} HTTPS_PROXY={e} \
@@ -196,13 +204,14 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
         out.system_proxy = Some(egress);
     }
     let mut git: Vec<(String, String)> = Vec::new();
+    let mut agent_sock = false;
     for e in &plan.grants {
         let comment = format!("# {}:{} (grant {})\n", e.spec.type_, e.spec.target, e.name);
         match e.spec.type_ {
             GrantType::Llm => {
                 let (base, key) = match e.spec.target.as_str() {
                     "anthropic" => (format!("{url}/llm/anthropic"), "ANTHROPIC"),
-                    "openai" => (format!("{url}/llm/openai/v1"), "OPENAI"),
+                    "openai" => (provider_v1(url, "openai"), "OPENAI"),
                     // Ollama's and other providers' clients take a base URL argument:
                     // $BOXERY_PROXY/llm/NAME (docs/grants.md).
                     _ => continue,
@@ -251,10 +260,13 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
                 Err(why) => out.unavailable.push((e.name.clone(), why)),
             },
             // the socket the control plane forwards (crate::agent_forward); one for all
-            GrantType::SshAgent if !env.contains("SSH_AUTH_SOCK=") => env.push_str(&format!(
-                "{comment}export SSH_AUTH_SOCK={}\n",
-                crate::agent_forward::GUEST_SOCK
-            )),
+            GrantType::SshAgent if !agent_sock => {
+                agent_sock = true;
+                env.push_str(&format!(
+                    "{comment}export SSH_AUTH_SOCK={}\n",
+                    crate::agent_forward::GUEST_SOCK
+                ));
+            }
             GrantType::SshAgent => {}
         }
     }
@@ -291,11 +303,7 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
 /// verification failed"); a host whose key changed is still refused. A user's own
 /// `~/.ssh/config` is read first and wins.
 pub fn ssh_config(plan: &Plan) -> String {
-    let hostport = plan.url.trim_start_matches("http://").trim_end_matches('/');
-    let (host, port) = match hostport.rsplit_once(':') {
-        Some((h, p)) => (h, p),
-        None => (hostport, "80"),
-    };
+    let (host, port) = proxy_host_port(plan);
     let auth = if plan.channel {
         String::new()
     } else {
@@ -345,7 +353,7 @@ pub fn agents(plan: &Plan) -> Agents {
     for p in ["anthropic", "openai"].into_iter().filter(|p| granted(p)) {
         providers.insert(
             p.to_string(),
-            serde_json::json!({"options": {"baseURL": format!("{url}/llm/{p}/v1")}}),
+            serde_json::json!({"options": {"baseURL": provider_v1(url, p)}}),
         );
     }
     let mut out = Agents::default();
@@ -366,7 +374,7 @@ pub fn agents(plan: &Plan) -> Agents {
     );
     if granted("openai") {
         // A JSON string is a TOML basic string.
-        let base = serde_json::Value::from(format!("{url}/llm/openai/v1"));
+        let base = serde_json::Value::from(provider_v1(url, "openai"));
         out.codex = Some(format!(
             "{WRITTEN} (docs/agents.md): codex reaches OpenAI\n\
              # through the credential proxy with this VM's token ($OPENAI_API_KEY). Your own\n\
@@ -393,7 +401,11 @@ pub fn agents(plan: &Plan) -> Agents {
 /// push's umask.
 fn codex_script(codex: Option<&str>, path: &str) -> String {
     let c = shell_quote(path);
-    let ours = format!("grep -qs {} \"$c\"", shell_quote(&format!("^{WRITTEN}")));
+    // boxery's file is the one whose first line says so (docs/agents.md)
+    let ours = format!(
+        "head -n 1 \"$c\" 2>/dev/null | grep -qs {}",
+        shell_quote(&format!("^{WRITTEN}"))
+    );
     match codex {
         Some(text) => format!(
             "c={c}\n\
@@ -1069,6 +1081,14 @@ mod tests {
             assert_eq!(oc["autoupdate"], false);
             assert_eq!(f.codex.is_some(), codex, "{p}");
         }
+        // on a shared listener the egress URL carries the token: the agents' settings still
+        // hold none
+        let mut shared = plan(vec![llm("openai"), llm("anthropic")]);
+        shared.channel = false;
+        assert!(egress_url(&shared).contains("bxt_abc"));
+        let a = agents(&shared);
+        assert!(!a.env.contains("bxt_abc"), "{}", a.env);
+        assert!(!a.codex.unwrap().contains("bxt_abc"));
         let codex = agents(&plan(vec![llm("openai")])).codex.unwrap();
         for line in [
             "model_provider = \"boxery\"",
