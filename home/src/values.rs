@@ -120,9 +120,7 @@ pub fn agent_socket(v: &ValueFrom, home: &Path) -> Result<std::path::PathBuf, St
             h.display()
         ));
     }
-    let me = std::fs::metadata("/proc/self")
-        .map(|m| m.uid())
-        .unwrap_or(u32::MAX);
+    let me = rustix::process::geteuid().as_raw();
     if meta.uid() != me {
         return Err(format!(
             "{path} belongs to uid {}, not to the control plane's user (uid {me}): only your own agent is forwarded",

@@ -73,6 +73,8 @@ const SIGN_TIMEOUT: Duration = Duration::from_secs(120);
 const MAX_MESSAGE: usize = 256 * 1024;
 /// Requests of one VM's guest answered at once (the others wait their turn).
 const IN_FLIGHT: usize = 8;
+/// The most connections a VM has open to its filtering agent at once.
+const CONNECTIONS: usize = 32;
 /// What the forward's session prints once the guest's socket is linked.
 const READY: &str = "boxery-agent-ready";
 
@@ -130,11 +132,16 @@ pub fn fingerprint(blob: &[u8]) -> String {
     )
 }
 
-/// The host socket of `vm`'s filtering agent: short (a hash of the name), as socket paths
-/// must be.
+/// The host socket of `vm`'s filtering agent: short, as socket paths must be: 32 hex digits
+/// of the SHA-256 of the name (no two VMs' names meet there, where a 64-bit FNV hash's
+/// collisions are cheap to find).
 pub fn host_socket(home: &Path, vm: &str) -> PathBuf {
-    let h = boxery_api::fnv::fnv1a(vm.as_bytes());
-    home.join("agent").join(format!("{h:016x}"))
+    use sha2::Digest;
+    let h: String = sha2::Sha256::digest(vm.as_bytes())[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    home.join("agent").join(h)
 }
 
 // --- the wire: `u32 length, byte type, body` messages, strings as `u32 length, bytes` ---
@@ -211,6 +218,20 @@ async fn ask(socket: &Path, request: &[u8], within: Duration) -> Result<Vec<u8>,
         let mut s = UnixStream::connect(socket)
             .await
             .map_err(|e| format!("cannot reach the agent at {}: {e}", socket.display()))?;
+        // the socket was checked when the grant was read; what answers must still be our own
+        // user's (a path swapped since, under a directory someone else owns, is refused)
+        let me = rustix::process::geteuid().as_raw();
+        match s.peer_cred() {
+            Ok(c) if c.uid() == me => {}
+            Ok(c) => {
+                return Err(format!(
+                    "the agent at {} runs as uid {}, not as the control plane's user",
+                    socket.display(),
+                    c.uid()
+                ));
+            }
+            Err(e) => return Err(format!("the agent at {}: {e}", socket.display())),
+        }
         write_message(&mut s, request)
             .await
             .map_err(|e| e.to_string())?;
@@ -293,16 +314,26 @@ async fn serve_connection(
     }
 }
 
-/// Accept guest connections on `listener` until dropped (dropping it closes them all).
+/// Accept guest connections on `listener` until dropped (dropping it closes them all), at
+/// most [`CONNECTIONS`] open at once: more are closed as they come (each holds a task and up
+/// to [`MAX_MESSAGE`] bytes in this process, which serves every VM).
 async fn accept(listener: UnixListener, home: PathBuf, vm: String) {
     let mut conns = tokio::task::JoinSet::new();
     let in_flight = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
+    let open = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS));
     loop {
         tokio::select! {
             a = listener.accept() => match a {
                 Ok((conn, _)) => {
+                    let Ok(slot) = open.clone().try_acquire_owned() else {
+                        drop(conn);
+                        continue;
+                    };
                     let f = serve_connection(home.clone(), vm.clone(), conn, in_flight.clone());
-                    conns.spawn(f);
+                    conns.spawn(async move {
+                        f.await;
+                        drop(slot);
+                    });
                 }
                 Err(e) => {
                     tracing::warn!(vm = %vm, error = %e, "the agent filter's socket failed");
@@ -712,6 +743,35 @@ mod tests {
         let a: Vec<&str> = args.iter().map(String::as_str).collect();
         let (ok, out) = run_async("ssh-keygen", &a, &filter_sock).await;
         assert!(!ok, "k2 is not granted, yet it signed: {out}");
+        // ssh-keygen gives up when the key is not listed, so ask the filter to sign with k2
+        // directly (the owner's agent holds it): refused; the same request for k1 is signed
+        let raw_sign = |k: &Path| {
+            let line = std::fs::read_to_string(format!("{}.pub", k.display())).unwrap();
+            let blob = base64::engine::general_purpose::STANDARD
+                .decode(line.split_whitespace().nth(1).unwrap())
+                .unwrap();
+            let mut req = vec![SSH_AGENTC_SIGN_REQUEST];
+            put_string(&mut req, &blob);
+            put_string(&mut req, b"data to sign");
+            req.extend_from_slice(&0u32.to_be_bytes());
+            req
+        };
+        let mut conn = UnixStream::connect(&filter_sock).await.unwrap();
+        write_message(&mut conn, &raw_sign(&k2)).await.unwrap();
+        let reply = read_message(&mut conn).await.unwrap().unwrap();
+        assert_eq!(
+            reply,
+            vec![SSH_AGENT_FAILURE],
+            "k2 signed through the filter"
+        );
+        write_message(&mut conn, &raw_sign(&k1)).await.unwrap();
+        let reply = read_message(&mut conn).await.unwrap().unwrap();
+        assert_eq!(
+            reply.first(),
+            Some(&14),
+            "k1 did not sign (SSH_AGENT_SIGN_RESPONSE)"
+        );
+        drop(conn);
         // The guest cannot change the owner's agent: remove, add, lock are refused.
         for args in [
             vec!["-D"],
@@ -799,12 +859,22 @@ mod tests {
 
     #[tokio::test]
     async fn requests_other_than_list_and_sign_are_refused_without_an_agent() {
-        // no upstream is asked: the socket does not even exist
-        let ups = vec![Upstream {
-            socket: "/nonexistent/agent.sock".into(),
-            keys: None,
-        }];
-        for req in [vec![17u8], vec![18], vec![19], vec![22], vec![27], vec![]] {
+        // an upstream that would see any request passed on: it must see no connection
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("agent.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        let ups = vec![Upstream { socket, keys: None }];
+        // add, remove, remove all, lock, unlock, add constrained, extension, empty
+        for req in [
+            vec![17u8],
+            vec![18],
+            vec![19],
+            vec![22],
+            vec![23],
+            vec![25],
+            vec![27],
+            vec![],
+        ] {
             assert_eq!(answer(&ups, &req).await, vec![SSH_AGENT_FAILURE], "{req:?}");
         }
         // a sign request with a cut blob
@@ -812,5 +882,7 @@ mod tests {
             answer(&ups, &[13, 0, 0, 1, 0]).await,
             vec![SSH_AGENT_FAILURE]
         );
+        let asked = tokio::time::timeout(Duration::from_millis(100), listener.accept()).await;
+        assert!(asked.is_err(), "the upstream agent was asked");
     }
 }
