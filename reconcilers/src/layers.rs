@@ -120,29 +120,43 @@ async fn stage(
             added.join(", ")
         ));
     }
-    let key = boxery_api::fnv::fnv1a(record.render().as_bytes());
+    let disk = outputs.join(format!("{built}.qcow2"));
+    let Some(meta) = std::fs::metadata(&disk).ok().filter(|m| m.is_file()) else {
+        return Err(format!(
+            "the layered build {} is missing: the image was made, but its builder's output is gone (delete image {built} so that it is built again)",
+            disk.display()
+        ));
+    };
+    // the bundle is of this build: its record, and the disk's size and time (a rebuild with
+    // no record, or the same record, is still another bundle)
+    let modified = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let key = boxery_api::fnv::fnv1a(
+        format!("{}\n{}\n{modified}", record.render(), meta.len()).as_bytes(),
+    );
     let dir = ctx.home.join("layers");
     let bundle = dir.join(format!("{built}.{}.{key:016x}.tar", added.join("-")));
     if bundle.is_file() {
         return Ok(bundle);
     }
-    let disk = outputs.join(format!("{built}.qcow2"));
-    if !disk.is_file() {
-        return Err(format!(
-            "the layered build {} is missing: the image was made, but its builder's output is gone (delete image {built} so that it is built again)",
-            disk.display()
-        ));
-    }
-    let work = dir.join(format!(".work-{built}"));
-    let _ = std::fs::remove_dir_all(&work);
+    // a work directory of its own: two VMs adding the same layer at once stage side by side
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let work = tempfile::Builder::new()
+        .prefix(&format!(".work-{built}-"))
+        .tempdir_in(&dir)
+        .map_err(|e| format!("creating a work directory in {}: {e}", dir.display()))?;
     let made = async {
+        let work = work.path();
         let root = work.join("root");
         std::fs::create_dir_all(&root).map_err(|e| format!("creating {}: {e}", root.display()))?;
         let raw = work.join("disk.raw");
         run(tokio::process::Command::new(
             std::env::var_os("BOXERY_QEMU_IMG").unwrap_or_else(|| "qemu-img".into()),
         )
-        .args(["convert", "-O", "raw"])
+        .args(["convert", "-f", "qcow2", "-O", "raw"])
         .arg(&disk)
         .arg(&raw))
         .await?;
@@ -151,7 +165,7 @@ async fn stage(
             let parent = root.join(Path::new(rel).parent().unwrap_or(Path::new("")));
             std::fs::create_dir_all(&parent)
                 .map_err(|e| format!("creating {}: {e}", parent.display()))?;
-            // rdump keeps owners, modes and symlinks; run in the destination so that no host
+            // rdump keeps modes and symlinks; run in the destination so that no host
             // path goes into debugfs's request line
             run(tokio::process::Command::new("debugfs")
                 .arg("-R")
@@ -178,7 +192,10 @@ async fn stage(
             "identical files in the layer bundle stored once"
         );
         let part = work.join("bundle.tar");
+        // owned by root in the guest, whoever the control plane runs as here (rdump gives
+        // the files to the user that ran it)
         run(tokio::process::Command::new("tar")
+            .args(["--owner=0", "--group=0", "--numeric-owner"])
             .arg("-C")
             .arg(&root)
             .arg("-cf")
@@ -188,7 +205,7 @@ async fn stage(
         std::fs::rename(&part, &bundle).map_err(|e| format!("publishing the bundle: {e}"))
     }
     .await;
-    let _ = std::fs::remove_dir_all(&work);
+    drop(work);
     made.map(|()| bundle)
 }
 

@@ -162,18 +162,7 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
             layers(vm, &info, ctx).await
         }
         (RunStrategy::Running, PowerState::Running) if info.degraded.is_none() => {
-            match idle_for(&vm, ctx) {
-                Some(Idleness::Due(since)) => idle_suspend(vm, since, ctx).await,
-                Some(Idleness::In(left)) => {
-                    // look again when it would be due (a use in between moves that later)
-                    let next = settle(vm, &info, ctx).await?;
-                    Ok(match next.requeue_after() {
-                        Some(d) if d <= left => next,
-                        _ => Action::requeue(left),
-                    })
-                }
-                None => settle(vm, &info, ctx).await,
-            }
+            running(vm, &info, ctx).await
         }
         (RunStrategy::Stopped, PowerState::Running | PowerState::Suspended) => {
             stop(vm, &info, ctx).await
@@ -181,6 +170,22 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         (RunStrategy::Suspended, PowerState::Running) => suspend(vm, ctx).await,
         (_, PowerState::Running) if info.degraded.is_some() => repair(vm, &info, ctx).await,
         _ => settle(vm, &info, ctx).await,
+    }
+}
+
+/// A running VM with nothing to change: suspended when idle long enough, else settled.
+async fn running(vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
+    match idle_for(&vm, ctx) {
+        Some(Idleness::Due(since)) => idle_suspend(vm, since, ctx).await,
+        Some(Idleness::In(left)) => {
+            // look again when it would be due (a use in between moves that later)
+            let next = settle(vm, info, ctx).await?;
+            Ok(match next.requeue_after() {
+                Some(d) if d <= left => next,
+                _ => Action::requeue(left),
+            })
+        }
+        None => settle(vm, info, ctx).await,
     }
 }
 
@@ -207,7 +212,8 @@ async fn layers(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
             ctx.event(&vm, EventType::Warning, "LayerRemovalRefused", &msg)
                 .await;
         }
-        return settle(vm, info, ctx).await;
+        // refused, and otherwise a running VM like any other (idle suspend included)
+        return running(vm, info, ctx).await;
     }
     let added = missing_from(&vm.spec.layers, &vm.status.layers);
     let what = added.join(", ");
