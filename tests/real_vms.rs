@@ -1689,6 +1689,9 @@ fn forward_ports(kind: Kind) {
     let _serve = h.serve();
     let f = h.home.write("vm.yaml", &tiny_vm("fw1"));
     h.apply_file(&f, "10m");
+    h.run("fw1", "true"); // a master runs: each connection is a channel of it, no `ssh`
+    let log = h.ssh_log();
+    std::fs::write(&log, "").unwrap();
     let scratch = tempfile::tempdir().unwrap();
     check_forwards(
         |args| {
@@ -1703,6 +1706,14 @@ fn forward_ports(kind: Kind) {
         "fw1",
         scratch.path(),
     );
+    let l = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(l.contains("boxery mux: forwarded to 8080 over"), "{l}");
+    let refused = l
+        .find("boxery mux: forward to 8081 refused")
+        .unwrap_or_else(|| panic!("no refusal over the master: {l}"));
+    // ssh's client reads its config: no forwarded connection started one (the reverse
+    // forward, next, does: it has a connection of its own)
+    assert!(!l[..refused].contains("Reading configuration data"), "{l}");
     h.ok(&["delete", "vm", "fw1", "--wait", "--timeout", "3m"]);
 }
 

@@ -3,9 +3,10 @@
 //! the same tunnel through the API (the `ProxyCommand` of the context's ssh config).
 //!
 //! - **To the guest** ([`Local`]): this process listens on a local port (loopback unless told
-//!   otherwise) and carries each connection it accepts with `ssh -W 127.0.0.1:PORT` to the
-//!   guest's loopback, over the VM's ControlMaster when one is up (a connection then costs a
-//!   channel, not an ssh handshake).
+//!   otherwise) and carries each connection it accepts to the guest's loopback on a channel of
+//!   the VM's ControlMaster, opened over its socket ([`mux`]: a connection costs a channel, no
+//!   process and no handshake); with no master up, with `ssh -W 127.0.0.1:PORT`, which starts
+//!   one.
 //! - **From the guest** ([`Reverse`]): `ssh -R` on a connection of its own (never the shared
 //!   master, which would keep the forward after this process ends), so the guest's
 //!   `127.0.0.1:PORT` reaches a port here.
@@ -25,12 +26,13 @@
 //! - TCP only, one port per pair.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::fd::{AsFd, OwnedFd};
 use std::process::Stdio;
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::{HandsError, Reach, Result};
+use crate::{HandsError, Reach, Result, mux};
 
 /// One `[LOCAL:]REMOTE` pair: a port on this machine and one in the guest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,9 +137,30 @@ impl Local {
     }
 }
 
-/// One connection: `ssh -W 127.0.0.1:REMOTE`, its stdio joined to `conn`. `Err`: what to say.
+/// One connection, on a channel of the VM's ControlMaster when one is up ([`over_master`]),
+/// else with `ssh -W 127.0.0.1:REMOTE` (which also starts the master). `Err`: what to say.
 async fn carry(reach: &Reach, conn: TcpStream, remote: u16) -> Result<(), String> {
     let vm = reach.vm().to_string();
+    let nothing_listens = || {
+        format!(
+            "boxery forward: nothing listens on port {remote} in {vm} (the connection was closed)"
+        )
+    };
+    match over_master(reach.control_path().to_path_buf(), remote).await {
+        OverMaster::Open(channel) => {
+            crate::mux_log(&format!(
+                "forwarded to {remote} over {}",
+                reach.control_path().display()
+            ));
+            channel.join(conn).await;
+            return Ok(());
+        }
+        OverMaster::Refused(why) => {
+            crate::mux_log(&format!("forward to {remote} refused: {why}"));
+            return Err(nothing_listens());
+        }
+        OverMaster::NoMaster(why) => crate::mux_log(&why),
+    }
     let mut child = reach
         .command()
         .args(["-o", "BatchMode=yes", "-W"])
@@ -186,9 +209,7 @@ async fn carry(reach: &Reach, conn: TcpStream, remote: u16) -> Result<(), String
         .iter()
         .any(|m| line.contains(m));
     Err(if refused {
-        format!(
-            "boxery forward: nothing listens on port {remote} in {vm} (the connection was closed)"
-        )
+        nothing_listens()
     } else if line.is_empty() {
         format!("boxery forward: the connection to port {remote} in {vm} ended with nothing sent")
     } else {
@@ -197,6 +218,93 @@ async fn carry(reach: &Reach, conn: TcpStream, remote: u16) -> Result<(), String
             crate::safe(line)
         )
     })
+}
+
+/// How the VM's ControlMaster answered a forwarded connection.
+enum OverMaster {
+    /// The channel is open.
+    Open(Channel),
+    /// The guest refused it (nothing listens on the port): what the master said.
+    Refused(String),
+    /// No master took it (none is up, or it would not): why, for the debug log.
+    NoMaster(String),
+}
+
+/// A channel to the guest opened over the master ([`mux::Session::forward`]): the master reads
+/// what to send from one pipe and writes what comes back to another, so a connection costs a
+/// channel and no process.
+struct Channel {
+    to_vm: tokio::net::unix::pipe::Sender,
+    from_vm: tokio::net::unix::pipe::Receiver,
+    /// The master closes it once the channel has closed.
+    control: tokio::net::UnixStream,
+}
+
+/// Ask the master at `cm` for a channel to the guest's `127.0.0.1:remote`.
+async fn over_master(cm: std::path::PathBuf, remote: u16) -> OverMaster {
+    let opened = tokio::task::spawn_blocking(move || {
+        let no = |what: &str, e: std::io::Error| mux::Error::NoSession(format!("{what}: {e}"));
+        let (up_r, up_w) = std::io::pipe().map_err(|e| no("pipe", e))?;
+        let (down_r, down_w) = std::io::pipe().map_err(|e| no("pipe", e))?;
+        let answer = mux::open(&cm)?.forward("127.0.0.1", remote, up_r.as_fd(), down_w.as_fd())?;
+        // The master holds its own copies of `up_r` and `down_w` now; ours are dropped here,
+        // so that the ends of file it signals reach the other side.
+        Ok::<_, mux::Error>(match answer {
+            Ok(control) => {
+                control.set_nonblocking(true).map_err(|e| no("socket", e))?;
+                Ok((OwnedFd::from(up_w), OwnedFd::from(down_r), control))
+            }
+            Err(why) => Err(why),
+        })
+    })
+    .await;
+    let (to_vm, from_vm, control) = match opened {
+        Ok(Ok(Ok(open))) => open,
+        Ok(Ok(Err(why))) => return OverMaster::Refused(why),
+        Ok(Err(e)) => return OverMaster::NoMaster(e.to_string()),
+        Err(e) => return OverMaster::NoMaster(format!("the mux client failed: {e}")),
+    };
+    let wrap = || -> std::io::Result<Channel> {
+        Ok(Channel {
+            to_vm: tokio::net::unix::pipe::Sender::from_owned_fd(to_vm)?,
+            from_vm: tokio::net::unix::pipe::Receiver::from_owned_fd(from_vm)?,
+            control: tokio::net::UnixStream::from_std(control)?,
+        })
+    };
+    match wrap() {
+        Ok(c) => OverMaster::Open(c),
+        // the channel closes with the control socket, dropped here
+        Err(e) => OverMaster::NoMaster(format!("cannot wait on the channel: {e}")),
+    }
+}
+
+impl Channel {
+    /// Carry `conn` both ways until both sides have ended and the master has closed the
+    /// channel (or either side failed).
+    async fn join(self, conn: TcpStream) {
+        let Channel {
+            mut to_vm,
+            mut from_vm,
+            mut control,
+        } = self;
+        let _ = conn.set_nodelay(true);
+        let (mut rd, mut wr) = conn.into_split();
+        let up = async {
+            let _ = tokio::io::copy(&mut rd, &mut to_vm).await;
+            // the client is done sending: the master reads the end of file and says so
+            drop(to_vm);
+        };
+        let down = async {
+            let _ = tokio::io::copy(&mut from_vm, &mut wr).await;
+            let _ = wr.shutdown().await;
+        };
+        let closed = async {
+            // nothing is said on it; it ends when the channel does
+            let mut b = [0u8; 64];
+            while matches!(control.read(&mut b).await, Ok(n) if n > 0) {}
+        };
+        tokio::join!(up, down, closed);
+    }
 }
 
 /// A forward from a port in the guest to one here, established.

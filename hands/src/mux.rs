@@ -1,7 +1,8 @@
 //! A client of OpenSSH's ControlMaster multiplexing protocol, passenger mode only: run one
-//! command over a live master by talking to its unix socket, the way `ssh` itself does when it
-//! finds a master, without starting an `ssh` process (whose start is a good part of a warm
-//! command's cost; docs/benchmarks.md).
+//! command, or open one forwarding channel (`ssh -W`), over a live master by talking to its
+//! unix socket, the way `ssh` itself does when it finds a master, without starting an `ssh`
+//! process (whose start is a good part of a warm command's cost, and most of a forwarded
+//! connection's; docs/benchmarks.md).
 //!
 //! The wire format is OpenSSH's (`PROTOCOL.mux`, and `mux.c` where it differs: the flags of
 //! `MUX_C_NEW_SESSION` are u32, not bool): packets of `u32 length, u32 type, body`, big endian,
@@ -10,7 +11,10 @@
 //! `SCM_RIGHTS` message each with a one-byte payload; the master answers
 //! `MUX_S_SESSION_OPENED` (or `MUX_S_PERMISSION_DENIED` / `MUX_S_FAILURE`), later
 //! `MUX_S_EXIT_MESSAGE` with the remote status, and closes the socket once the session's
-//! output is written.
+//! output is written. A forward is `MUX_C_NEW_STDIO_FWD` and two descriptors (what to send,
+//! where to write what comes back), answered `MUX_S_SESSION_OPENED` or `MUX_S_FAILURE` once
+//! the server has opened or refused the channel; the master closes the socket when the channel
+//! closes.
 //!
 //! # Guarantees
 //! - Nothing ran in the VM when [`open`] or [`Session::run`] return [`Error::NoSession`]: the
@@ -47,6 +51,7 @@ use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 
 const MUX_MSG_HELLO: u32 = 0x0000_0001;
 const MUX_C_NEW_SESSION: u32 = 0x1000_0002;
+const MUX_C_NEW_STDIO_FWD: u32 = 0x1000_0008;
 const MUX_S_PERMISSION_DENIED: u32 = 0x8000_0002;
 const MUX_S_FAILURE: u32 = 0x8000_0003;
 const MUX_S_EXIT_MESSAGE: u32 = 0x8000_0004;
@@ -189,6 +194,52 @@ impl Session {
             }
         }
         Ok(exit.map_or(Outcome::Lost, Outcome::Exit))
+    }
+
+    /// Open a channel from the server to `host:port`, what `ssh -W host:port` does over a
+    /// master: the master reads what to send from `input` and writes what comes back to
+    /// `output` (it closes its copy of `output` at the far side's end of file), until both
+    /// sides have ended. Returns once the server has answered the channel's opening:
+    /// - `Ok(Ok(sock))`: open. Keep `sock` open while the channel is used: the master closes it
+    ///   once the channel has closed, and closing it first closes the channel.
+    /// - `Ok(Err(why))`: the server refused the channel (nothing listens at `host:port`, or it
+    ///   allows no forwarding): what the master said.
+    /// - [`Error::NoSession`]: the master did not take the request; nothing was opened.
+    pub fn forward(
+        mut self,
+        host: &str,
+        port: u16,
+        input: BorrowedFd<'_>,
+        output: BorrowedFd<'_>,
+    ) -> Result<Result<UnixStream, String>, Error> {
+        let no = |what: &str, e: std::io::Error| Error::NoSession(format!("{what}: {e}"));
+        let request = Packet::new(MUX_C_NEW_STDIO_FWD)
+            .u32(RID)
+            .string(b"") // reserved
+            .string(host.as_bytes())
+            .u32(u32::from(port))
+            .0;
+        self.send(&request).map_err(|e| no("send the request", e))?;
+        for fd in [input, output] {
+            send_fd(&self.sock, fd).map_err(|e| no("pass the descriptors", e))?;
+        }
+        // The master answers once the server has opened (or refused) the channel.
+        let reply = self.recv().map_err(|e| no("read the reply", e))?;
+        let mut r = Reader(&reply);
+        let (kind, rid) = (r.u32(), r.u32());
+        if rid != Some(RID) {
+            return Err(Error::NoSession(format!(
+                "reply {kind:?} to request {rid:?}, not {RID}"
+            )));
+        }
+        match kind {
+            Some(MUX_S_SESSION_OPENED) => Ok(Ok(self.sock)),
+            Some(MUX_S_FAILURE) => Ok(Err(r.text())),
+            Some(MUX_S_PERMISSION_DENIED) => {
+                Err(Error::NoSession(format!("refused: {}", r.text())))
+            }
+            other => Err(Error::NoSession(format!("unexpected reply {other:?}"))),
+        }
     }
 
     /// Wait until the master says something (`true`), or until this process's stdout is a
@@ -346,6 +397,63 @@ mod tests {
                 2, b'a', b'b'
             ]
         );
+    }
+
+    /// A forward's request as mux.c reads it (`host`, then the port as u32, two descriptors);
+    /// a refused channel is the master's message, an opened one the socket to hold.
+    #[test]
+    fn a_forward_is_asked_for_as_ssh_w_asks() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("cm");
+        let serve = |reply: Vec<u8>| {
+            let _ = std::fs::remove_file(&path);
+            let l = UnixListener::bind(&path).unwrap();
+            std::thread::spawn(move || {
+                let (mut s, _) = l.accept().unwrap();
+                s.write_all(&packet(&Packet::new(MUX_MSG_HELLO).u32(VERSION).0))
+                    .unwrap();
+                let _ = read_packet(&mut s);
+                let req = read_packet(&mut s);
+                let mut want = vec![0x10, 0, 0, 8, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 9];
+                want.extend_from_slice(b"127.0.0.1");
+                want.extend_from_slice(&8080u32.to_be_bytes());
+                assert_eq!(req, want);
+                let mut byte = [0u8; 2];
+                s.read_exact(&mut byte).unwrap(); // the two fds' payloads
+                s.write_all(&packet(&reply)).unwrap();
+                s // the channel lasts as long as the master keeps it
+            })
+        };
+        let (r, w) = std::io::pipe().unwrap();
+        let forward = || {
+            open(&path)
+                .unwrap()
+                .forward("127.0.0.1", 8080, r.as_fd(), w.as_fd())
+        };
+
+        let refused = Packet::new(MUX_S_FAILURE)
+            .u32(RID)
+            .string(b"Session open refused by peer")
+            .0;
+        let t = serve(refused);
+        assert_eq!(
+            forward().unwrap().unwrap_err(),
+            "Session open refused by peer"
+        );
+        t.join().unwrap();
+
+        let t = serve(Packet::new(MUX_S_SESSION_OPENED).u32(RID).u32(3).0);
+        let mut held = forward().unwrap().unwrap();
+        drop(t.join().unwrap()); // the master closes it: the channel is over
+        assert_eq!(held.read(&mut [0u8; 8]).unwrap(), 0);
+
+        let denied = Packet::new(MUX_S_PERMISSION_DENIED)
+            .u32(RID)
+            .string(b"no")
+            .0;
+        let t = serve(denied);
+        assert!(matches!(forward(), Err(Error::NoSession(_))));
+        t.join().unwrap();
     }
 
     /// A fake master: no socket and a wrong version are `NoSession` (the caller falls back);
