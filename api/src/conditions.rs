@@ -93,6 +93,9 @@ pub mod reasons {
     pub const LAYERED_IMAGE_NOT_READY: &str = "LayeredImageNotReady";
     /// A layer was taken out of a Vm's `spec.layers`: it cannot be removed from the guest.
     pub const LAYER_REMOVAL_REFUSED: &str = "LayerRemovalRefused";
+    /// A layer that cannot be added to a running VM (`docker`: packages and services) was put
+    /// in its `spec.layers`: the VM must be made with it.
+    pub const LAYER_NOT_IN_PLACE: &str = "LayerNotAddableInPlace";
     /// An image is being built (the message is the build's last progress line).
     pub const BUILDING: &str = "Building";
     /// An image is ready.

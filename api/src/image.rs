@@ -111,8 +111,23 @@ pub struct Layer {
     pub in_base: bool,
     /// What it puts in the guest's filesystem (directories and files): what a layer added to
     /// a running VM copies in from the layered build (docs/images.md, "Layers on a running
-    /// VM"). Empty for the base's layers.
+    /// VM"). Empty for the base's layers, and for a layer that cannot be added to a running VM
+    /// ([`Layer::in_place`]).
     pub files: &'static [&'static str],
+}
+
+impl Layer {
+    /// Whether it can be added to a running VM by copying its files in. A layer of Debian
+    /// packages and services (`docker`: users, groups, units, maintainer scripts) cannot: a VM
+    /// gets it by being made from the layered image.
+    pub fn in_place(&self) -> bool {
+        !self.files.is_empty()
+    }
+}
+
+/// The layer named `name`.
+pub fn layer(name: &str) -> Option<&'static Layer> {
+    LAYERS.iter().find(|l| l.name == name)
 }
 
 /// Every layer, in the order they are built.
@@ -139,6 +154,12 @@ pub const LAYERS: &[Layer] = &[
             "/usr/local/bin",
             "/etc/profile.d/boxery-agents.sh",
         ],
+    },
+    Layer {
+        name: "docker",
+        installs: "Docker (Debian's docker.io: dockerd, the docker CLI, containerd, runc), started at boot, the agent user in the docker group; its daemon goes out through boxery's egress proxy; not added to a running VM (make the VM with it)",
+        in_base: false,
+        files: &[],
     },
 ];
 

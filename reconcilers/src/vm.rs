@@ -216,6 +216,23 @@ async fn layers(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
         return running(vm, info, ctx).await;
     }
     let added = missing_from(&vm.spec.layers, &vm.status.layers);
+    let whole: Vec<&str> = added
+        .iter()
+        .filter(|l| boxery_api::image::layer(l).is_some_and(|k| !k.in_place()))
+        .map(String::as_str)
+        .collect();
+    if !whole.is_empty() {
+        let msg = format!(
+            "layer {} cannot be added to a running VM (it installs packages and services): take it out of spec.layers, or make a new VM with it (`boxery rm {name}`, then apply it again)",
+            whole.join(", ")
+        );
+        if layers_condition(&mut vm, false, reasons::LAYER_NOT_IN_PLACE, &msg) {
+            vm = save(ctx, &vm).await?;
+            ctx.event(&vm, EventType::Warning, "LayerNotAddableInPlace", &msg)
+                .await;
+        }
+        return running(vm, info, ctx).await;
+    }
     let what = added.join(", ");
     // the layered build with every layer the VM is to have
     let image = match layered_image(&vm, ctx).await? {

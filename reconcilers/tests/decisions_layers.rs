@@ -222,6 +222,38 @@ async fn a_layer_removed_from_a_vm_is_refused_once_and_the_vm_runs_on() {
     );
 }
 
+/// `docker` (packages and services) is not copied into a running VM: refused once, saying how
+/// to get it; the VM runs on, and no layered image is made for it.
+#[tokio::test]
+async fn a_layer_that_cannot_be_added_in_place_is_refused_once_and_the_vm_runs_on() {
+    let (h, _outputs) = harness(&[]);
+    h.ready_image("debian-12");
+    h.put(&layered_vm("a", &[]));
+    h.settle(vm::reconcile, "a").await.unwrap();
+    h.edit::<Vm>("a", Part::Spec, |a| a.spec.layers = vec!["docker".into()]);
+    let next = h.settle(vm::reconcile, "a").await.unwrap();
+    assert!(next.is_await_change(), "{next:?}");
+    h.reconcile(vm::reconcile, "a").await.unwrap();
+    let a: Vm = h.get("a");
+    let msg = layers_applied(&a, ConditionStatus::False, reasons::LAYER_NOT_IN_PLACE);
+    assert!(
+        msg.contains("docker cannot be added to a running VM")
+            && msg.contains("make a new VM with it (`boxery rm a`"),
+        "{msg}"
+    );
+    assert!(a.status.layers.is_empty());
+    assert_eq!(
+        h.warnings::<Vm>("a"),
+        ["LayerNotAddableInPlace"],
+        "said once"
+    );
+    assert!(vm::is_ready(&a), "it runs on");
+    assert!(
+        h.find::<Image>("debian-12-docker").is_none(),
+        "no image is made for it"
+    );
+}
+
 #[tokio::test]
 async fn a_hostile_build_record_is_left_out_with_a_warning() {
     let (h, _outputs) = harness(&[("tiny.build-info", b"kernel=6.1\x1b]0;pwned\x07\n")]);

@@ -1,0 +1,28 @@
+#!/bin/bash
+# docker layer (root, idempotent): Docker from Debian 12's packages (docker.io: dockerd, the
+# docker CLI, containerd, runc), enabled at boot, and the agent user in the `docker` group (its
+# docker commands need no sudo). Nothing is configured for a network: the control plane writes
+# the daemon's proxy settings at each boot when the VM's egress goes through boxery's proxy
+# (docs/egress.md, "Developer traffic"). Debian 12 packages only.
+# `docker.sh --print-packages` prints the packages.
+set -euo pipefail
+PACKAGES="docker.io"
+[ "${1:-}" = --print-packages ] && { echo $PACKAGES; exit 0; }
+[ "$(id -u)" = 0 ] || { echo "docker: run as root" >&2; exit 1; }
+export DEBIAN_FRONTEND=noninteractive
+if [ "$(dpkg-query -W -f='${db:Status-Abbrev}' docker.io 2>/dev/null | cut -c1-2)" != ii ]; then
+  echo "docker: installing $PACKAGES"
+  compgen -G "/var/lib/apt/lists/*_Packages" >/dev/null || apt-get update -q
+  apt-get install -y -q --no-install-recommends $PACKAGES
+fi
+getent group docker >/dev/null || groupadd --system docker
+if id agent >/dev/null 2>&1; then usermod -aG docker agent; fi
+# started at boot (the package enables it; a chroot build has no systemd to ask, so the links
+# are made the way `systemctl enable` makes them)
+for u in docker.service docker.socket containerd.service; do
+  [ -f "/lib/systemd/system/$u" ] || continue
+  case "$u" in *.socket) w=sockets.target.wants ;; *) w=multi-user.target.wants ;; esac
+  mkdir -p "/etc/systemd/system/$w"
+  ln -sf "/lib/systemd/system/$u" "/etc/systemd/system/$w/$u"
+done
+echo "docker: done ($(dpkg-query -W -f='docker.io ${Version}' docker.io))"
