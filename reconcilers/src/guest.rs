@@ -126,7 +126,7 @@ impl Plan {
 }
 
 /// The guest files of a plan, values read.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Files {
     /// `/run/boxery/env`.
     pub env: String,
@@ -147,6 +147,23 @@ pub struct Files {
     /// codex's system-wide settings ([`CODEX_CONFIG`]), with an `llm:openai` grant
     /// ([`agents`]).
     pub codex: Option<String>,
+    /// The Docker daemon's proxy settings, a systemd drop-in ([`docker_dropin`]): written
+    /// where the guest runs Docker.
+    pub docker: String,
+}
+
+/// Where the Docker daemon's proxy drop-in goes: on the disk when its proxy URL holds no token
+/// (a per-VM channel), else on tmpfs (`/run`, gone at reboot and written again at boot).
+const DOCKER_DROPIN: &str = "docker.service.d/90-boxery-proxy.conf";
+
+/// The Docker daemon's proxy settings (docs/egress.md, "Developer traffic"): `dockerd` pulls
+/// images itself and reads only its own environment, not a login shell's.
+fn docker_dropin(egress: &str, no_proxy: &str) -> String {
+    format!(
+        "# boxery (docs/egress.md): the Docker daemon's way out is the control plane's egress proxy\n\
+         [Service]\n\
+         Environment=\"HTTP_PROXY={egress}\" \"HTTPS_PROXY={egress}\" \"NO_PROXY={no_proxy}\"\n"
+    )
 }
 
 /// The guest's egress proxy URL for `plan` (docs/egress.md): the credential proxy's address,
@@ -192,13 +209,15 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
     // The egress proxy: the guest's only way out on qemu, the policy's way on libvirt.
     let egress = egress_url(plan);
     let host = proxy_host_port(plan).0;
+    let no_proxy = format!("{host},localhost,127.0.0.1,::1");
+    out.docker = docker_dropin(&egress, &no_proxy);
     env.push_str(&format!(
         "# egress (docs/egress.md): everything goes through the control plane's egress proxy
          export http_proxy={e} https_proxy={e} HTTP_PROXY={e} HTTPS_PROXY={e} \
            no_proxy={n} NO_PROXY={n}
 ",
         e = shell_quote(&egress),
-        n = shell_quote(&format!("{host},localhost,127.0.0.1,::1")),
+        n = shell_quote(&no_proxy),
     ));
     if plan.channel {
         out.system_proxy = Some(egress);
@@ -490,7 +509,7 @@ pub fn context(plan: &Plan) -> String {
          Nothing you do here reaches the machine of the person you work for, except through boxery.\n\n\
          ## Network\n\n{network} Anything that does not go through the proxy fails: HTTP(S) clients use it by \
          themselves (`http_proxy`, `https_proxy`), and so do `ssh` and git over ssh (`git@host:…`) to \
-         hosts the policy allows (the guest's ssh config); DNS and other raw TCP or UDP do not work.\n\n\
+         hosts the policy allows (the guest's ssh config), and Docker's daemon (`docker pull`) where the guest has Docker; DNS and other raw TCP or UDP do not work.\n\n\
          ## Credentials\n\n\
          This VM holds no real keys. Its grants, used through boxery's credential proxy, which adds \
          the real credential on the way out (the `*_API_KEY` variables hold this VM's boxery token):\n\n{grants}\n\
@@ -532,6 +551,22 @@ pub fn script(f: &Files, rev: &str) -> String {
         ));
     }
     s.push_str(&codex_script(f.codex.as_deref(), CODEX_CONFIG));
+    // Docker's daemon, where the guest has one: its drop-in, and a restart when it changed (at
+    // a VM's first boot; on tmpfs, at every boot), so that the VM is ready with it in force
+    let units = if f.system_proxy.is_some() {
+        "/etc/systemd/system"
+    } else {
+        "/run/systemd/system"
+    };
+    // (in base64: on a shared listener it holds the VM's token)
+    s.push_str(&format!(
+        "k={units}/{DOCKER_DROPIN}\n\
+         if [ -d /run/systemd/system ] && {{ [ -e /lib/systemd/system/docker.service ] || [ -e /usr/lib/systemd/system/docker.service ] || [ -e /etc/systemd/system/docker.service ]; }}; then \
+         c=$(printf '%s' {c} | base64 -d); \
+         if [ \"$(sudo -n cat \"$k\" 2>/dev/null)\" != \"$c\" ]; then \
+         sudo -n install -d -m 0755 \"$(dirname \"$k\")\" && printf '%s\\n' \"$c\" | sudo -n tee \"$k.new\" >/dev/null && sudo -n chmod 0600 \"$k.new\" && sudo -n mv \"$k.new\" \"$k\" && sudo -n systemctl daemon-reload && sudo -n systemctl try-restart docker.service; fi; fi\n",
+        c = base64::engine::general_purpose::STANDARD.encode(&f.docker)
+    ));
     if let Some(proxy) = &f.system_proxy {
         // apt and sudo do not read the login shell's variables: static files (no token).
         let apt = format!(
@@ -929,6 +964,19 @@ mod tests {
             f.env
         );
         assert_eq!(f.system_proxy.as_deref(), Some("http://10.0.2.100:80"));
+        // Docker's daemon reads only its unit's environment
+        assert!(
+            f.docker.contains(
+                "Environment=\"HTTP_PROXY=http://10.0.2.100:80\" \"HTTPS_PROXY=http://10.0.2.100:80\" \"NO_PROXY=10.0.2.100,localhost,127.0.0.1,::1\"\n"
+            ),
+            "{}",
+            f.docker
+        );
+        let sh = script(&f, "1");
+        assert!(
+            sh.contains("k=/etc/systemd/system/docker.service.d/90-boxery-proxy.conf"),
+            "on the disk: no token in it"
+        );
         let shared = Plan {
             url: "http://192.168.122.1:8099".into(),
             channel: false,
@@ -957,6 +1005,18 @@ mod tests {
         let s = script(&f, "r1");
         assert!(s.contains("Acquire::http::Proxy"), "{s}");
         assert!(!s.contains("bxt_abc") && !s.contains("touch /tmp"), "{s}");
+        // On a shared listener Docker's proxy URL holds the token: tmpfs, and base64 here
+        let on_shared = Files {
+            system_proxy: None,
+            docker: docker_dropin(&egress_url(&shared), "x"),
+            ..f.clone()
+        };
+        let s = script(&on_shared, "r1");
+        assert!(
+            s.contains("k=/run/systemd/system/docker.service.d/90-boxery-proxy.conf"),
+            "{s}"
+        );
+        assert!(!s.contains("bxt_abc"), "{s}");
     }
 
     /// Re-installing the guest's files never leaves a reader without one: a reader looping

@@ -1,14 +1,15 @@
 //! Developer traffic under egress (issue 33, docs/egress.md "Developer traffic"): in a real
-//! guest whose egress is an Allowlist, `git clone` over ssh, `pip install`, `npm install` and
-//! `apt-get install` reach stand-in servers with nothing set by the user but where to find the
-//! stand-in (the proxy settings are boxery's), and a host not on the list is refused with the
-//! proxy's reason in each tool's own error.
+//! guest whose egress is an Allowlist, `git clone` over ssh, `pip install`, `npm install`,
+//! `apt-get install` and `docker pull` (the `docker` layer's daemon) reach stand-in servers
+//! with nothing set by the user but where to find the stand-in (the proxy settings are
+//! boxery's), and a host not on the list is refused with the proxy's reason in each tool's own
+//! error.
 //!
 //! The stand-ins run in a network namespace the test makes (`boxery-devtraffic`, an
 //! "internet" address [`STANDIN`] routed from the host through a veth pair, as the drill's),
 //! bound only there: OpenSSH's sshd serving a bare git repository through `git-shell`, and
-//! one HTTPS server (a test CA the guest is given) for a PyPI simple index and an npm registry,
-//! one plain-HTTP server for an apt repository. The egress proxy reaches them by the names
+//! one HTTPS server (a test CA the guest is given) for a PyPI simple index, an npm registry and
+//! a Docker registry (API v2, read-only), one plain-HTTP server for an apt repository. The egress proxy reaches them by the names
 //! `config.yaml`'s `proxy.egress.resolve` gives them. The servers are killed by PID and the
 //! namespace removed on drop, also when the test fails. Needs root (`ip netns`), OpenSSH's
 //! server (`openssh-server`), `openssl`, `python3`, `git` and `dpkg-deb` on the host.
@@ -34,6 +35,7 @@ const GIT: &str = "git.standin.test";
 const PYPI: &str = "pypi.standin.test";
 const NPM: &str = "registry.standin.test";
 const APT: &str = "apt.standin.test";
+const DOCKER: &str = "docker.standin.test";
 const UNLISTED: &str = "unlisted.standin.test";
 
 /// `ip ARGS`, failing the test with its stderr.
@@ -219,17 +221,45 @@ release = "Origin: boxery-standin\nLabel: boxery-standin\nSuite: standin\nCodena
 for n in ["Packages"]:
     c = packages.encode(); release += " %s %d %s\n" % (hashlib.sha256(c).hexdigest(), len(c), n)
 put("http/debian/Release", release)
+# docker: standin/hello:1.0, one layer holding /nonce, as a registry serves it (API v2)
+buf = io.BytesIO()
+with tarfile.open(fileobj=buf, mode="w") as t:
+    b = (nonce + "\n").encode(); i = tarfile.TarInfo("nonce"); i.size = len(b); i.mode = 0o644; t.addfile(i, io.BytesIO(b))
+layer_tar = buf.getvalue()
+layer = gzip.compress(layer_tar, mtime=0)
+config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Cmd": ["/nonce"]},
+    "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(layer_tar).hexdigest()]}}).encode()
+sha = lambda b: "sha256:" + hashlib.sha256(b).hexdigest()
+manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+    "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "size": len(config), "digest": sha(config)},
+    "layers": [{"mediaType": "application/vnd.docker.image.rootfs.diff.tar.gzip", "size": len(layer), "digest": sha(layer)}]}).encode()
+r = "https/v2/standin/hello/"
+put(r + "blobs/" + sha(config), config)
+put(r + "blobs/" + sha(layer), layer)
+put(r + "manifests/1.0", manifest)
+put(r + "manifests/" + sha(manifest), manifest)
+put("docker-image-id", sha(config))
 "#;
 
 /// An HTTPS (`CERT KEY` given) or plain HTTP file server over `DIR` at `ADDR:PORT`, logging
-/// each request's Host and line to stderr.
+/// each request's Host and line to stderr. A manifest under `/v2/` is served as a Docker
+/// registry serves it (its media type, and its digest in `Docker-Content-Digest`).
 const SERVER: &str = r#"
-import http.server, os, ssl, sys
+import hashlib, http.server, os, ssl, sys
 d, addr, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 os.chdir(d)
 class H(http.server.SimpleHTTPRequestHandler):
     def log_message(self, fmt, *a):
         sys.stderr.write("%s %s\n" % (self.headers.get("Host"), fmt % a)); sys.stderr.flush()
+    def guess_type(self, path):
+        if "/v2/" in path and "/manifests/" in path:
+            return "application/vnd.docker.distribution.manifest.v2+json"
+        return super().guess_type(path)
+    def end_headers(self):
+        p = self.translate_path(self.path)
+        if "/v2/" in self.path and "/manifests/" in self.path and os.path.isfile(p):
+            self.send_header("Docker-Content-Digest", "sha256:" + hashlib.sha256(open(p, "rb").read()).hexdigest())
+        super().end_headers()
 srv = http.server.ThreadingHTTPServer((addr, port), H)
 if len(sys.argv) > 4:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); ctx.load_cert_chain(sys.argv[4], sys.argv[5])
@@ -275,7 +305,7 @@ fn certificates(s: &Standins) {
     std::fs::write(
         &ext,
         format!(
-            "subjectAltName=DNS:{PYPI},DNS:{NPM}\nbasicConstraints=CA:FALSE\n\
+            "subjectAltName=DNS:{PYPI},DNS:{NPM},DNS:{DOCKER}\nbasicConstraints=CA:FALSE\n\
              keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n\
              subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
         ),
@@ -458,13 +488,13 @@ pub(super) fn developer_traffic_through_egress() {
     );
     s.start("http", 80, &python, &["-c", SERVER, &http, STANDIN, "80"]);
 
-    // The control plane, with the stand-ins' names, and a VM of the agents image (git, python3
-    // with venv, node and npm) allowed only the stand-ins.
+    // The control plane, with the stand-ins' names, and a VM of the agents and docker layers
+    // (git, python3 with venv, node and npm, Docker) allowed only the stand-ins.
     let h = RealHome::new(Kind::Qemu);
     h.home.write(
         "config.yaml",
         &format!(
-            "proxy: {{egress: {{resolve: {{{GIT}: {STANDIN}, {PYPI}: {STANDIN}, {NPM}: {STANDIN}, {APT}: {STANDIN}, {UNLISTED}: {STANDIN}}}}}}}\n"
+            "proxy: {{egress: {{resolve: {{{GIT}: {STANDIN}, {PYPI}: {STANDIN}, {NPM}: {STANDIN}, {APT}: {STANDIN}, {DOCKER}: {STANDIN}, {UNLISTED}: {STANDIN}}}}}}}\n"
         ),
     );
     let serve = h.serve();
@@ -473,14 +503,14 @@ pub(super) fn developer_traffic_through_egress() {
         "dev.yaml",
         &format!(
             "apiVersion: boxery.dev/v1alpha1\nkind: Image\nmetadata: {{name: agents}}\n\
-             spec: {{source: {{build: {{base: debian-12, layers: [agents]}}}}}}\n---\n\
+             spec: {{source: {{build: {{base: debian-12, layers: [agents, docker]}}}}}}\n---\n\
              apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {{name: d1}}\n\
              spec:\n  source: {{image: agents}}\n  resources: {{cpus: 2, memory: 1Gi}}\n  \
-             network:\n    egress: {{policy: Allowlist, allow: [{GIT}, {PYPI}, {NPM}, {APT}]}}\n"
+             network:\n    egress: {{policy: Allowlist, allow: [{GIT}, {PYPI}, {NPM}, {APT}, {DOCKER}]}}\n"
         ),
     );
     timed(
-        "apply the agents image (cached build) and a VM on it, Ready",
+        "apply the agents+docker image (cached build) and a VM on it, Ready",
         || h.apply_file(&f, "30m"),
     );
     // The push: the proxy variables and ssh's include file.
@@ -572,6 +602,35 @@ pub(super) fn developer_traffic_through_egress() {
         &nonce,
     );
 
+    // docker pull: the daemon (not a login shell) pulls, with the proxy settings boxery wrote
+    // for it; the registry's certificate is the test CA's, given to Docker for that host only.
+    let env = h.run("d1", "systemctl show docker.service -p Environment");
+    assert!(
+        env.contains("HTTPS_PROXY=http://10.0.2.100:80"),
+        "the daemon's proxy drop-in is in force: {env}"
+    );
+    let image_id = std::fs::read_to_string(s.path("docker-image-id")).unwrap();
+    fetched(
+        &h,
+        "docker pull from the stand-in registry (HTTPS, CONNECT, by the daemon)",
+        &format!(
+            "sudo install -D -m 0644 ~/standin-ca.pem /etc/docker/certs.d/{DOCKER}/ca.crt \
+             && docker pull -q {DOCKER}/standin/hello:1.0 >/dev/null \
+             && docker image inspect --format '{{{{.Id}}}}' {DOCKER}/standin/hello:1.0"
+        ),
+        image_id.trim(),
+    );
+    // its layer is the stand-in's
+    fetched(
+        &h,
+        "the pulled image's file",
+        &format!(
+            "c=$(docker create {DOCKER}/standin/hello:1.0) && docker cp \"$c:/nonce\" - | tar -xO \
+             && docker rm -f \"$c\" >/dev/null"
+        ),
+        &nonce,
+    );
+
     // The stand-ins saw each tool arrive by its name, through the proxy.
     let seen = s.log("https");
     for want in [
@@ -579,6 +638,8 @@ pub(super) fn developer_traffic_through_egress() {
         format!("{PYPI} \"GET /files/hello_standin-1.0-py3-none-any.whl"),
         format!("{NPM} \"GET /standin-hello"),
         format!("{NPM} \"GET /tarballs/standin-hello-1.0.0.tgz"),
+        format!("{DOCKER} \"GET /v2/standin/hello/manifests/1.0"),
+        format!("{DOCKER} \"GET /v2/standin/hello/blobs/sha256:"),
     ] {
         assert!(
             seen.contains(&want),
@@ -598,6 +659,7 @@ pub(super) fn developer_traffic_through_egress() {
         format!("{PYPI}:443"),
         format!("{NPM}:443"),
         format!("{APT}:80"),
+        format!("{DOCKER}:443"),
     ] {
         assert!(audit.contains(&want), "audited: {want}: {audit}");
     }
@@ -639,6 +701,15 @@ pub(super) fn developer_traffic_through_egress() {
         &format!("curl -sS https://{UNLISTED}/"),
     );
     assert!(out.contains("403"), "curl to an unlisted host: {out}");
+    let out = refused(
+        &h,
+        "docker pull from an unlisted host",
+        &format!("docker pull {UNLISTED}/standin/hello:1.0"),
+    );
+    assert!(
+        out.contains(&why),
+        "docker pull from an unlisted host: {out}"
+    );
 
     // accept-new is not accept-all: the same host with another key is refused.
     s.stop("sshd");
