@@ -171,25 +171,16 @@ async fn carry(reach: &Reach, conn: TcpStream, remote: u16) -> Result<(), String
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| format!("boxery forward: cannot run ssh: {e}"))?;
-    let (mut to_vm, mut from_vm) = (
+    let (to_vm, mut from_vm) = (
         child.stdin.take().expect("piped"),
         child.stdout.take().expect("piped"),
     );
     let mut err = child.stderr.take().expect("piped");
-    let _ = conn.set_nodelay(true);
-    let (mut rd, mut wr) = conn.into_split();
-    let up = async {
-        let _ = tokio::io::copy(&mut rd, &mut to_vm).await;
-        // the client is done sending: say so to the guest's side
-        drop(to_vm);
-    };
-    let down = async {
-        let n = tokio::io::copy(&mut from_vm, &mut wr).await.unwrap_or(0);
-        let _ = wr.shutdown().await;
-        n
-    };
     let mut stderr = String::new();
-    let ((), sent, _) = tokio::join!(up, down, err.read_to_string(&mut stderr));
+    let (sent, _) = tokio::join!(
+        splice(conn, to_vm, &mut from_vm),
+        err.read_to_string(&mut stderr)
+    );
     let status = child.wait().await.ok();
     if sent > 0 || status.is_some_and(|s| s.success()) {
         return Ok(());
@@ -283,28 +274,39 @@ impl Channel {
     /// channel (or either side failed).
     async fn join(self, conn: TcpStream) {
         let Channel {
-            mut to_vm,
+            to_vm,
             mut from_vm,
             mut control,
         } = self;
-        let _ = conn.set_nodelay(true);
-        let (mut rd, mut wr) = conn.into_split();
-        let up = async {
-            let _ = tokio::io::copy(&mut rd, &mut to_vm).await;
-            // the client is done sending: the master reads the end of file and says so
-            drop(to_vm);
-        };
-        let down = async {
-            let _ = tokio::io::copy(&mut from_vm, &mut wr).await;
-            let _ = wr.shutdown().await;
-        };
         let closed = async {
             // nothing is said on it; it ends when the channel does
             let mut b = [0u8; 64];
             while matches!(control.read(&mut b).await, Ok(n) if n > 0) {}
         };
-        tokio::join!(up, down, closed);
+        tokio::join!(splice(conn, to_vm, &mut from_vm), closed);
     }
+}
+
+/// Carry `conn` both ways: what it sends goes to `to_vm`, which is dropped at the client's end
+/// of file (the other side reads it and says so to the guest); what `from_vm` gives back goes
+/// to `conn`, whose sending side is shut at its end. Returns the bytes given back.
+async fn splice(
+    conn: TcpStream,
+    mut to_vm: impl tokio::io::AsyncWrite + Unpin,
+    from_vm: &mut (impl tokio::io::AsyncRead + Unpin),
+) -> u64 {
+    let _ = conn.set_nodelay(true);
+    let (mut rd, mut wr) = conn.into_split();
+    let up = async {
+        let _ = tokio::io::copy(&mut rd, &mut to_vm).await;
+        drop(to_vm);
+    };
+    let down = async {
+        let n = tokio::io::copy(from_vm, &mut wr).await.unwrap_or(0);
+        let _ = wr.shutdown().await;
+        n
+    };
+    tokio::join!(up, down).1
 }
 
 /// A forward from a port in the guest to one here, established.

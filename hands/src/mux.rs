@@ -127,7 +127,6 @@ impl Session {
     /// Run `command` (one line for the remote shell) with this process's stdin, stdout and
     /// stderr, no tty; `term` is sent as `TERM`. Returns when the master closes the session.
     pub fn run(mut self, command: &str, term: &str) -> Result<Outcome, Error> {
-        let no = |what: &str, e: std::io::Error| Error::NoSession(format!("{what}: {e}"));
         let request = Packet::new(MUX_C_NEW_SESSION)
             .u32(RID)
             .string(b"") // reserved
@@ -139,22 +138,15 @@ impl Session {
             .string(term.as_bytes())
             .string(command.as_bytes())
             .0;
-        self.send(&request).map_err(|e| no("send the request", e))?;
-        for fd in [
-            std::io::stdin().as_fd(),
-            std::io::stdout().as_fd(),
-            std::io::stderr().as_fd(),
-        ] {
-            send_fd(&self.sock, fd).map_err(|e| no("pass stdio", e))?;
-        }
-        let reply = self.recv().map_err(|e| no("read the reply", e))?;
+        let (kind, reply) = self.ask(
+            &request,
+            &[
+                std::io::stdin().as_fd(),
+                std::io::stdout().as_fd(),
+                std::io::stderr().as_fd(),
+            ],
+        )?;
         let mut r = Reader(&reply);
-        let (kind, rid) = (r.u32(), r.u32());
-        if rid != Some(RID) {
-            return Err(Error::NoSession(format!(
-                "reply {kind:?} to request {rid:?}, not {RID}"
-            )));
-        }
         let sid = match kind {
             Some(MUX_S_SESSION_OPENED) => r
                 .u32()
@@ -212,26 +204,15 @@ impl Session {
         input: BorrowedFd<'_>,
         output: BorrowedFd<'_>,
     ) -> Result<Result<UnixStream, String>, Error> {
-        let no = |what: &str, e: std::io::Error| Error::NoSession(format!("{what}: {e}"));
         let request = Packet::new(MUX_C_NEW_STDIO_FWD)
             .u32(RID)
             .string(b"") // reserved
             .string(host.as_bytes())
             .u32(u32::from(port))
             .0;
-        self.send(&request).map_err(|e| no("send the request", e))?;
-        for fd in [input, output] {
-            send_fd(&self.sock, fd).map_err(|e| no("pass the descriptors", e))?;
-        }
         // The master answers once the server has opened (or refused) the channel.
-        let reply = self.recv().map_err(|e| no("read the reply", e))?;
+        let (kind, reply) = self.ask(&request, &[input, output])?;
         let mut r = Reader(&reply);
-        let (kind, rid) = (r.u32(), r.u32());
-        if rid != Some(RID) {
-            return Err(Error::NoSession(format!(
-                "reply {kind:?} to request {rid:?}, not {RID}"
-            )));
-        }
         match kind {
             Some(MUX_S_SESSION_OPENED) => Ok(Ok(self.sock)),
             Some(MUX_S_FAILURE) => Ok(Err(r.text())),
@@ -240,6 +221,29 @@ impl Session {
             }
             other => Err(Error::NoSession(format!("unexpected reply {other:?}"))),
         }
+    }
+
+    /// Send `request` and the descriptors it names, and read the reply to it: its type and
+    /// what follows the request id. [`Error::NoSession`] on any failure: nothing was opened.
+    fn ask(
+        &mut self,
+        request: &[u8],
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(Option<u32>, Vec<u8>), Error> {
+        let no = |what: &str, e: std::io::Error| Error::NoSession(format!("{what}: {e}"));
+        self.send(request).map_err(|e| no("send the request", e))?;
+        for fd in fds {
+            send_fd(&self.sock, *fd).map_err(|e| no("pass the descriptors", e))?;
+        }
+        let reply = self.recv().map_err(|e| no("read the reply", e))?;
+        let mut r = Reader(&reply);
+        let (kind, rid) = (r.u32(), r.u32());
+        if rid != Some(RID) {
+            return Err(Error::NoSession(format!(
+                "reply {kind:?} to request {rid:?}, not {RID}"
+            )));
+        }
+        Ok((kind, r.0.to_vec()))
     }
 
     /// Wait until the master says something (`true`), or until this process's stdout is a
