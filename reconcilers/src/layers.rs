@@ -13,6 +13,7 @@
 //!   simply run again by the next reconcile.
 //! - A bundle is published by a rename once it is complete; a work directory left by a crash
 //!   is removed by the next staging of that bundle.
+//! - One bundle per image and layers: making one removes those of earlier builds.
 //!
 //! # Caveats
 //! - Identical large files are carried once and unpacked as hard links of each other.
@@ -206,7 +207,46 @@ async fn stage(
     }
     .await;
     drop(work);
-    made.map(|()| bundle)
+    made?;
+    prune_older(&dir, &bundle);
+    Ok(bundle)
+}
+
+/// Remove the bundles of earlier builds of the same image and layers as `bundle` (its name
+/// but for the key): that build's disk is gone, replaced by the one `bundle` was made from,
+/// so nothing would use them again, and each is as large as the layer (about 1 GiB for
+/// `agents`). A push still reading one keeps its open file.
+fn prune_older(dir: &Path, bundle: &Path) {
+    let Some(name) = bundle.file_name().and_then(|n| n.to_str()) else {
+        return;
+    };
+    // `<built>.<layers>.<key:016x>.tar`: the same up to the key
+    let Some(stem) = name
+        .strip_suffix(".tar")
+        .and_then(|n| n.rsplit_once('.'))
+        .map(|(stem, _)| format!("{stem}."))
+    else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let n = e.file_name();
+        let Some(n) = n.to_str() else { continue };
+        let key = n.strip_prefix(&stem).and_then(|k| k.strip_suffix(".tar"));
+        if n != name
+            && key.is_some_and(|k| k.len() == 16 && k.bytes().all(|b| b.is_ascii_hexdigit()))
+        {
+            match std::fs::remove_file(e.path()) {
+                Ok(()) => tracing::info!(bundle = n, "an earlier build's layer bundle removed"),
+                Err(err) => tracing::warn!(
+                    bundle = n,
+                    "cannot remove an earlier build's layer bundle: {err}"
+                ),
+            }
+        }
+    }
 }
 
 /// Make identical regular files of 1 MiB or more under `root` (same bytes, mode and owner)
@@ -358,6 +398,33 @@ async fn read_back(ssh: &crate::ssh::SshDir, vm: &str) -> Result<BuildInfo, Stri
 mod tests {
     use super::*;
     use std::os::unix::fs::MetadataExt;
+
+    /// Only the same image's and layers' bundles of other builds go; other layers, other
+    /// images, work directories and files of other shapes stay.
+    #[test]
+    fn a_new_bundle_removes_the_earlier_builds_of_its_kind_only() {
+        let d = tempfile::tempdir().unwrap();
+        let names = [
+            "debian-12-agents.agents.00000000000000aa.tar",
+            "debian-12-agents.agents.00000000000000bb.tar",
+            "debian-12-agents-docker.agents.00000000000000aa.tar",
+            "debian-12-agents.agents-x.00000000000000aa.tar",
+            "debian-12-agents.agents.notakey.tar",
+            ".work-debian-12-agents-abc",
+        ];
+        for n in names {
+            std::fs::write(d.path().join(n), b"x").unwrap();
+        }
+        prune_older(d.path(), &d.path().join(names[1]));
+        let mut left: Vec<String> = std::fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        let mut want: Vec<String> = names[1..].iter().map(|n| n.to_string()).collect();
+        want.sort();
+        assert_eq!(left, want);
+    }
 
     #[test]
     fn identical_large_files_become_one_and_others_stay_apart() {
