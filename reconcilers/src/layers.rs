@@ -12,7 +12,7 @@
 //! - Idempotent: unpacking the same files again changes nothing, so an apply cut short is
 //!   simply run again by the next reconcile.
 //! - A bundle is published by a rename once it is complete; a work directory left by a crash
-//!   is removed by the next staging of that bundle.
+//!   (another process's) is removed by the next staging.
 //! - One bundle per image and layers: making one removes those of earlier builds.
 //!
 //! # Caveats
@@ -145,8 +145,9 @@ async fn stage(
     }
     // a work directory of its own: two VMs adding the same layer at once stage side by side
     std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    remove_stale_work(&dir);
     let work = tempfile::Builder::new()
-        .prefix(&format!(".work-{built}-"))
+        .prefix(&format!(".work-{built}-{}-", std::process::id()))
         .tempdir_in(&dir)
         .map_err(|e| format!("creating a work directory in {}: {e}", dir.display()))?;
     let made = async {
@@ -210,6 +211,33 @@ async fn stage(
     made?;
     prune_older(&dir, &bundle);
     Ok(bundle)
+}
+
+/// Remove the work directories under `dir` that another process made: one control plane
+/// leads a home, so they are what a crash or a kill left mid-staging (a raw disk of several
+/// GiB each). Those of this process are other stagings still running.
+fn remove_stale_work(dir: &Path) {
+    let ours = std::process::id().to_string();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let n = e.file_name();
+        let Some(n) = n.to_str() else { continue };
+        // `.work-<built>-<pid>-<random>`
+        let pid = n
+            .strip_prefix(".work-")
+            .and_then(|rest| rest.rsplit('-').nth(1));
+        if pid.is_some_and(|p| p != ours) {
+            match std::fs::remove_dir_all(e.path()) {
+                Ok(()) => tracing::info!(dir = n, "a layer staging left by an earlier run removed"),
+                Err(err) => tracing::warn!(
+                    dir = n,
+                    "cannot remove a layer staging left by an earlier run: {err}"
+                ),
+            }
+        }
+    }
 }
 
 /// Remove the bundles of earlier builds of the same image and layers as `bundle` (its name
@@ -424,6 +452,32 @@ mod tests {
         let mut want: Vec<String> = names[1..].iter().map(|n| n.to_string()).collect();
         want.sort();
         assert_eq!(left, want);
+    }
+
+    /// A staging left by another process goes; this process's stay (they are running).
+    #[test]
+    fn stagings_left_by_an_earlier_run_are_removed() {
+        let d = tempfile::tempdir().unwrap();
+        let ours = format!(".work-debian-12-agents-{}-Ab12", std::process::id());
+        let theirs = ".work-debian-12-agents-1-Xy34";
+        for n in [ours.as_str(), theirs] {
+            std::fs::create_dir_all(d.path().join(n).join("root")).unwrap();
+            std::fs::write(d.path().join(n).join("disk.raw"), b"x").unwrap();
+        }
+        std::fs::write(
+            d.path()
+                .join("debian-12-agents.agents.00000000000000aa.tar"),
+            b"x",
+        )
+        .unwrap();
+        remove_stale_work(d.path());
+        assert!(d.path().join(&ours).is_dir());
+        assert!(!d.path().join(theirs).exists());
+        assert!(
+            d.path()
+                .join("debian-12-agents.agents.00000000000000aa.tar")
+                .is_file()
+        );
     }
 
     #[test]
