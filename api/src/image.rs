@@ -161,6 +161,12 @@ pub const LAYERS: &[Layer] = &[
         in_base: false,
         files: &[],
     },
+    Layer {
+        name: "rust",
+        installs: "Rust and cargo (Debian's rustc-web and cargo-web: the toolchain Debian 12 keeps current, 1.96 with security updates); cargo goes out through boxery's egress proxy; not added to a running VM (make the VM with it)",
+        in_base: false,
+        files: &[],
+    },
 ];
 
 /// The name of the Image built from `base` with `layers` (in build order): `debian-12-agents`,

@@ -1,6 +1,7 @@
 //! Developer traffic under egress (issue 33, docs/egress.md "Developer traffic"): in a real
 //! guest whose egress is an Allowlist, `git clone` over ssh, `pip install`, `npm install`,
-//! `apt-get install` and `docker pull` (the `docker` layer's daemon) reach stand-in servers
+//! `cargo fetch` (the `rust` layer), `apt-get install` and `docker pull` (the `docker` layer's
+//! daemon) reach stand-in servers
 //! with nothing set by the user but where to find the stand-in (the proxy settings are
 //! boxery's), and a host not on the list is refused with the proxy's reason in each tool's own
 //! error.
@@ -8,8 +9,9 @@
 //! The stand-ins run in a network namespace the test makes (`boxery-devtraffic`, an
 //! "internet" address [`STANDIN`] routed from the host through a veth pair, as the drill's),
 //! bound only there: OpenSSH's sshd serving a bare git repository through `git-shell`, and
-//! one HTTPS server (a test CA the guest is given) for a PyPI simple index, an npm registry and
-//! a Docker registry (API v2, read-only), one plain-HTTP server for an apt repository. The egress proxy reaches them by the names
+//! one HTTPS server (a test CA the guest is given) for a PyPI simple index, an npm registry, a
+//! sparse cargo registry and a Docker registry (API v2, read-only), one plain-HTTP server for
+//! an apt repository. The egress proxy reaches them by the names
 //! `config.yaml`'s `proxy.egress.resolve` gives them. The servers are killed by PID and the
 //! namespace removed on drop, also when the test fails. Needs root (`ip netns`), OpenSSH's
 //! server (`openssh-server`), `openssl`, `python3`, `git` and `dpkg-deb` on the host.
@@ -36,6 +38,7 @@ const PYPI: &str = "pypi.standin.test";
 const NPM: &str = "registry.standin.test";
 const APT: &str = "apt.standin.test";
 const DOCKER: &str = "docker.standin.test";
+const CRATES: &str = "crates.standin.test";
 const UNLISTED: &str = "unlisted.standin.test";
 
 /// `ip ARGS`, failing the test with its stderr.
@@ -239,6 +242,18 @@ put(r + "blobs/" + sha(layer), layer)
 put(r + "manifests/1.0", manifest)
 put(r + "manifests/" + sha(manifest), manifest)
 put("docker-image-id", sha(config))
+# cargo: hello-standin 1.0.0 in a sparse registry (config.json and the crate's index file), its
+# .crate where config.json's dl says
+buf = io.BytesIO()
+with tarfile.open(fileobj=buf, mode="w:gz") as t:
+    for n, c in {"hello-standin-1.0.0/Cargo.toml": '[package]\nname = "hello-standin"\nversion = "1.0.0"\nedition = "2021"\n',
+                 "hello-standin-1.0.0/src/lib.rs": "pub const GREETING: &str = %s;\n" % json.dumps(nonce)}.items():
+        i = tarfile.TarInfo(n); b = c.encode(); i.size = len(b); i.mode = 0o644; t.addfile(i, io.BytesIO(b))
+crate = buf.getvalue()
+put("https/crates/dl/hello-standin/1.0.0/download", crate)
+put("https/crates/index/config.json", json.dumps({"dl": "https://crates.standin.test/crates/dl/{crate}/{version}/download"}))
+put("https/crates/index/he/ll/hello-standin", json.dumps({"name": "hello-standin", "vers": "1.0.0", "deps": [],
+    "cksum": hashlib.sha256(crate).hexdigest(), "features": {}, "yanked": False}) + "\n")
 "#;
 
 /// An HTTPS (`CERT KEY` given) or plain HTTP file server over `DIR` at `ADDR:PORT`, logging
@@ -305,7 +320,7 @@ fn certificates(s: &Standins) {
     std::fs::write(
         &ext,
         format!(
-            "subjectAltName=DNS:{PYPI},DNS:{NPM},DNS:{DOCKER}\nbasicConstraints=CA:FALSE\n\
+            "subjectAltName=DNS:{PYPI},DNS:{NPM},DNS:{DOCKER},DNS:{CRATES}\nbasicConstraints=CA:FALSE\n\
              keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n\
              subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
         ),
@@ -488,13 +503,13 @@ pub(super) fn developer_traffic_through_egress() {
     );
     s.start("http", 80, &python, &["-c", SERVER, &http, STANDIN, "80"]);
 
-    // The control plane, with the stand-ins' names, and a VM of the agents and docker layers
-    // (git, python3 with venv, node and npm, Docker) allowed only the stand-ins.
+    // The control plane, with the stand-ins' names, and a VM of the agents, docker and rust
+    // layers (git, python3 with venv, node and npm, Docker, cargo) allowed only the stand-ins.
     let h = RealHome::new(Kind::Qemu);
     h.home.write(
         "config.yaml",
         &format!(
-            "proxy: {{egress: {{resolve: {{{GIT}: {STANDIN}, {PYPI}: {STANDIN}, {NPM}: {STANDIN}, {APT}: {STANDIN}, {DOCKER}: {STANDIN}, {UNLISTED}: {STANDIN}}}}}}}\n"
+            "proxy: {{egress: {{resolve: {{{GIT}: {STANDIN}, {PYPI}: {STANDIN}, {NPM}: {STANDIN}, {APT}: {STANDIN}, {DOCKER}: {STANDIN}, {CRATES}: {STANDIN}, {UNLISTED}: {STANDIN}}}}}}}\n"
         ),
     );
     let serve = h.serve();
@@ -503,14 +518,14 @@ pub(super) fn developer_traffic_through_egress() {
         "dev.yaml",
         &format!(
             "apiVersion: boxery.dev/v1alpha1\nkind: Image\nmetadata: {{name: agents}}\n\
-             spec: {{source: {{build: {{base: debian-12, layers: [agents, docker]}}}}}}\n---\n\
+             spec: {{source: {{build: {{base: debian-12, layers: [agents, docker, rust]}}}}}}\n---\n\
              apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {{name: d1}}\n\
              spec:\n  source: {{image: agents}}\n  resources: {{cpus: 2, memory: 1Gi}}\n  \
-             network:\n    egress: {{policy: Allowlist, allow: [{GIT}, {PYPI}, {NPM}, {APT}, {DOCKER}]}}\n"
+             network:\n    egress: {{policy: Allowlist, allow: [{GIT}, {PYPI}, {NPM}, {APT}, {DOCKER}, {CRATES}]}}\n"
         ),
     );
     timed(
-        "apply the agents+docker image (cached build) and a VM on it, Ready",
+        "apply the agents+docker+rust image (cached build) and a VM on it, Ready",
         || h.apply_file(&f, "30m"),
     );
     // The push: the proxy variables and ssh's include file.
@@ -602,6 +617,21 @@ pub(super) fn developer_traffic_through_egress() {
         &nonce,
     );
 
+    // cargo, from a sparse registry over HTTPS: the registry (a project's .cargo/config.toml)
+    // and the CA are the stand-in's; the proxy is the variables'.
+    fetched(
+        &h,
+        "cargo fetch from the stand-in sparse registry (HTTPS, CONNECT)",
+        &format!(
+            "mkdir -p ~/rs && cd ~/rs && cargo init -q --lib --name rs \
+             && echo 'hello-standin = {{ version = \"1\", registry = \"standin\" }}' >> Cargo.toml \
+             && mkdir -p .cargo && printf '[registries.standin]\\nindex = \"sparse+https://{CRATES}/crates/index/\"\\n' > .cargo/config.toml \
+             && CARGO_HTTP_CAINFO=~/standin-ca.pem cargo fetch -q 2>&1 \
+             && cat ~/.cargo/registry/src/*/hello-standin-1.0.0/src/lib.rs"
+        ),
+        &nonce,
+    );
+
     // docker pull: the daemon (not a login shell) pulls, with the proxy settings boxery wrote
     // for it; the registry's certificate is the test CA's, given to Docker for that host only.
     let env = h.run("d1", "systemctl show docker.service -p Environment");
@@ -638,8 +668,11 @@ pub(super) fn developer_traffic_through_egress() {
         format!("{PYPI} \"GET /files/hello_standin-1.0-py3-none-any.whl"),
         format!("{NPM} \"GET /standin-hello"),
         format!("{NPM} \"GET /tarballs/standin-hello-1.0.0.tgz"),
-        format!("{DOCKER} \"GET /v2/standin/hello/manifests/1.0"),
+        // (the tag is looked up with HEAD or GET, as the daemon's version does it)
+        "/v2/standin/hello/manifests/1.0 HTTP/1.1\" 200".to_string(),
         format!("{DOCKER} \"GET /v2/standin/hello/blobs/sha256:"),
+        format!("{CRATES} \"GET /crates/index/he/ll/hello-standin"),
+        format!("{CRATES} \"GET /crates/dl/hello-standin/1.0.0/download"),
     ] {
         assert!(
             seen.contains(&want),
@@ -660,6 +693,7 @@ pub(super) fn developer_traffic_through_egress() {
         format!("{NPM}:443"),
         format!("{APT}:80"),
         format!("{DOCKER}:443"),
+        format!("{CRATES}:443"),
     ] {
         assert!(audit.contains(&want), "audited: {want}: {audit}");
     }
@@ -710,6 +744,24 @@ pub(super) fn developer_traffic_through_egress() {
         out.contains(&why),
         "docker pull from an unlisted host: {out}"
     );
+    // cargo (libcurl) shows only the code, as curl does
+    let out = refused(
+        &h,
+        "cargo to an unlisted host",
+        &format!(
+            "mkdir -p ~/rs2 && cd ~/rs2 && cargo init -q --lib --name rs2 \
+             && echo 'hello-standin = {{ version = \"1\", registry = \"standin\" }}' >> Cargo.toml \
+             && mkdir -p .cargo && printf '[registries.standin]\\nindex = \"sparse+https://{UNLISTED}/crates/index/\"\\n' > .cargo/config.toml \
+             && CARGO_HTTP_CAINFO=~/standin-ca.pem CARGO_NET_RETRY=0 cargo fetch"
+        ),
+    );
+    assert!(out.contains("403"), "cargo from an unlisted host: {out}");
+
+    // Name lookups answer nothing (docs/egress.md): the proxy resolves names, the guest does
+    // not; a lookup fails rather than hangs (timed for docs/benchmarks.md)
+    timed("a name lookup in the guest (fails)", || {
+        refused(&h, "a name lookup", &format!("getent hosts {PYPI}"))
+    });
 
     // accept-new is not accept-all: the same host with another key is refused.
     s.stop("sshd");
