@@ -28,6 +28,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
 use std::process::Stdio;
+use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -157,9 +158,22 @@ async fn carry(reach: &Reach, conn: TcpStream, remote: u16) -> Result<(), String
         }
         OverMaster::Refused(why) => {
             crate::mux_log(&format!("forward to {remote} refused: {why}"));
-            return Err(nothing_listens());
+            return Err(if why.contains("refused by peer") {
+                nothing_listens()
+            } else {
+                format!(
+                    "boxery forward: the connection to port {remote} in {vm} was refused: {why}"
+                )
+            });
         }
-        OverMaster::NoMaster(why) => crate::mux_log(&why),
+        OverMaster::Failed(why) => {
+            return Err(format!(
+                "boxery forward: the connection to port {remote} in {vm} failed: {why}"
+            ));
+        }
+        OverMaster::NoMaster(why) => {
+            crate::mux_log(&format!("forward to {remote} not over the master: {why}"))
+        }
     }
     let mut child = reach
         .command()
@@ -171,14 +185,14 @@ async fn carry(reach: &Reach, conn: TcpStream, remote: u16) -> Result<(), String
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| format!("boxery forward: cannot run ssh: {e}"))?;
-    let (to_vm, mut from_vm) = (
+    let (to_vm, from_vm) = (
         child.stdin.take().expect("piped"),
         child.stdout.take().expect("piped"),
     );
     let mut err = child.stderr.take().expect("piped");
     let mut stderr = String::new();
     let (sent, _) = tokio::join!(
-        splice(conn, to_vm, &mut from_vm),
+        splice(conn, to_vm, from_vm),
         err.read_to_string(&mut stderr)
     );
     let status = child.wait().await.ok();
@@ -217,11 +231,13 @@ enum OverMaster {
     Open(Channel),
     /// The guest refused it (nothing listens on the port): what the master said.
     Refused(String),
+    /// It was asked for and failed otherwise: why.
+    Failed(String),
     /// No master took it (none is up, or it would not): why, for the debug log.
     NoMaster(String),
 }
 
-/// A channel to the guest opened over the master ([`mux::Session::forward`]): the master reads
+/// A channel to the guest opened over the master ([`mux::Session::ask_forward`]): the master reads
 /// what to send from one pipe and writes what comes back to another, so a connection costs a
 /// channel and no process.
 struct Channel {
@@ -231,27 +247,29 @@ struct Channel {
     control: tokio::net::UnixStream,
 }
 
-/// Ask the master at `cm` for a channel to the guest's `127.0.0.1:remote`.
+/// How long the guest may take to open (or refuse) a forwarded connection's channel.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Ask the master at `cm` for a channel to the guest's `127.0.0.1:remote`. The request is made
+/// on a blocking thread (a local socket: hello and the request); the guest's answer is
+/// awaited here, so a slow guest holds no thread and an interrupted forward does not wait for
+/// it.
 async fn over_master(cm: std::path::PathBuf, remote: u16) -> OverMaster {
-    let opened = tokio::task::spawn_blocking(move || {
+    let asked = tokio::task::spawn_blocking(move || {
         let no = |what: &str, e: std::io::Error| mux::Error::NoSession(format!("{what}: {e}"));
         let (up_r, up_w) = std::io::pipe().map_err(|e| no("pipe", e))?;
         let (down_r, down_w) = std::io::pipe().map_err(|e| no("pipe", e))?;
-        let answer = mux::open(&cm)?.forward("127.0.0.1", remote, up_r.as_fd(), down_w.as_fd())?;
+        let mut session = mux::open(&cm)?;
+        session.ask_forward("127.0.0.1", remote, up_r.as_fd(), down_w.as_fd())?;
         // The master holds its own copies of `up_r` and `down_w` now; ours are dropped here,
         // so that the ends of file it signals reach the other side.
-        Ok::<_, mux::Error>(match answer {
-            Ok(control) => {
-                control.set_nonblocking(true).map_err(|e| no("socket", e))?;
-                Ok((OwnedFd::from(up_w), OwnedFd::from(down_r), control))
-            }
-            Err(why) => Err(why),
-        })
+        let control = session.into_socket();
+        control.set_nonblocking(true).map_err(|e| no("socket", e))?;
+        Ok::<_, mux::Error>((OwnedFd::from(up_w), OwnedFd::from(down_r), control))
     })
     .await;
-    let (to_vm, from_vm, control) = match opened {
-        Ok(Ok(Ok(open))) => open,
-        Ok(Ok(Err(why))) => return OverMaster::Refused(why),
+    let (to_vm, from_vm, control) = match asked {
+        Ok(Ok(asked)) => asked,
         Ok(Err(e)) => return OverMaster::NoMaster(e.to_string()),
         Err(e) => return OverMaster::NoMaster(format!("the mux client failed: {e}")),
     };
@@ -262,10 +280,23 @@ async fn over_master(cm: std::path::PathBuf, remote: u16) -> OverMaster {
             control: tokio::net::UnixStream::from_std(control)?,
         })
     };
-    match wrap() {
-        Ok(c) => OverMaster::Open(c),
-        // the channel closes with the control socket, dropped here
-        Err(e) => OverMaster::NoMaster(format!("cannot wait on the channel: {e}")),
+    // (an error drops the control socket, which closes whatever the master opened)
+    let mut channel = match wrap() {
+        Ok(c) => c,
+        Err(e) => return OverMaster::NoMaster(format!("cannot wait on the channel: {e}")),
+    };
+    let answer = tokio::time::timeout(OPEN_TIMEOUT, mux::read_packet(&mut channel.control)).await;
+    match answer {
+        Ok(Ok(body)) => match mux::forward_answer(&body) {
+            Ok(Ok(())) => OverMaster::Open(channel),
+            Ok(Err(why)) => OverMaster::Refused(why),
+            Err(e) => OverMaster::NoMaster(e.to_string()),
+        },
+        Ok(Err(e)) => OverMaster::NoMaster(format!("reading the master's answer: {e}")),
+        Err(_) => OverMaster::Failed(format!(
+            "the guest did not open the connection's channel within {} s",
+            OPEN_TIMEOUT.as_secs()
+        )),
     }
 }
 
@@ -275,7 +306,7 @@ impl Channel {
     async fn join(self, conn: TcpStream) {
         let Channel {
             to_vm,
-            mut from_vm,
+            from_vm,
             mut control,
         } = self;
         let closed = async {
@@ -283,17 +314,20 @@ impl Channel {
             let mut b = [0u8; 64];
             while matches!(control.read(&mut b).await, Ok(n) if n > 0) {}
         };
-        tokio::join!(splice(conn, to_vm, &mut from_vm), closed);
+        tokio::join!(splice(conn, to_vm, from_vm), closed);
     }
 }
 
 /// Carry `conn` both ways: what it sends goes to `to_vm`, which is dropped at the client's end
 /// of file (the other side reads it and says so to the guest); what `from_vm` gives back goes
-/// to `conn`, whose sending side is shut at its end. Returns the bytes given back.
+/// to `conn`, whose sending side is shut at its end. Each is dropped when its way ends, also
+/// on an error: a client that went away (a cancelled download) closes `from_vm`, so that the
+/// other side's writes fail and the channel closes instead of filling the pipe and hanging.
+/// Returns the bytes given back.
 async fn splice(
     conn: TcpStream,
     mut to_vm: impl tokio::io::AsyncWrite + Unpin,
-    from_vm: &mut (impl tokio::io::AsyncRead + Unpin),
+    mut from_vm: impl tokio::io::AsyncRead + Unpin,
 ) -> u64 {
     let _ = conn.set_nodelay(true);
     let (mut rd, mut wr) = conn.into_split();
@@ -302,7 +336,8 @@ async fn splice(
         drop(to_vm);
     };
     let down = async {
-        let n = tokio::io::copy(from_vm, &mut wr).await.unwrap_or(0);
+        let n = tokio::io::copy(&mut from_vm, &mut wr).await.unwrap_or(0);
+        drop(from_vm);
         let _ = wr.shutdown().await;
         n
     };

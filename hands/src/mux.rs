@@ -138,7 +138,7 @@ impl Session {
             .string(term.as_bytes())
             .string(command.as_bytes())
             .0;
-        let (kind, reply) = self.ask(
+        self.request(
             &request,
             &[
                 std::io::stdin().as_fd(),
@@ -146,7 +146,11 @@ impl Session {
                 std::io::stderr().as_fd(),
             ],
         )?;
-        let mut r = Reader(&reply);
+        let reply = self
+            .recv()
+            .map_err(|e| Error::NoSession(format!("read the reply: {e}")))?;
+        let (kind, reply) = reply_to(&reply)?;
+        let mut r = Reader(reply);
         let sid = match kind {
             Some(MUX_S_SESSION_OPENED) => r
                 .u32()
@@ -188,62 +192,45 @@ impl Session {
         Ok(exit.map_or(Outcome::Lost, Outcome::Exit))
     }
 
-    /// Open a channel from the server to `host:port`, what `ssh -W host:port` does over a
-    /// master: the master reads what to send from `input` and writes what comes back to
+    /// Ask for a channel from the server to `host:port`, what `ssh -W host:port` does over a
+    /// master: the master is to read what to send from `input` and write what comes back to
     /// `output` (it closes its copy of `output` at the far side's end of file), until both
-    /// sides have ended. Returns once the server has answered the channel's opening:
-    /// - `Ok(Ok(sock))`: open. Keep `sock` open while the channel is used: the master closes it
-    ///   once the channel has closed, and closing it first closes the channel.
-    /// - `Ok(Err(why))`: the server refused the channel (nothing listens at `host:port`, or it
-    ///   allows no forwarding): what the master said.
-    /// - [`Error::NoSession`]: the master did not take the request; nothing was opened.
-    pub fn forward(
-        mut self,
+    /// sides have ended. Only the request is sent: the master answers once the server has
+    /// opened or refused the channel, a round trip to the guest that the caller awaits as it
+    /// likes ([`Session::into_socket`], [`read_packet`], then [`forward_answer`]).
+    /// [`Error::NoSession`]: the request could not be made; nothing was opened.
+    pub fn ask_forward(
+        &mut self,
         host: &str,
         port: u16,
         input: BorrowedFd<'_>,
         output: BorrowedFd<'_>,
-    ) -> Result<Result<UnixStream, String>, Error> {
+    ) -> Result<(), Error> {
         let request = Packet::new(MUX_C_NEW_STDIO_FWD)
             .u32(RID)
             .string(b"") // reserved
             .string(host.as_bytes())
             .u32(u32::from(port))
             .0;
-        // The master answers once the server has opened (or refused) the channel.
-        let (kind, reply) = self.ask(&request, &[input, output])?;
-        let mut r = Reader(&reply);
-        match kind {
-            Some(MUX_S_SESSION_OPENED) => Ok(Ok(self.sock)),
-            Some(MUX_S_FAILURE) => Ok(Err(r.text())),
-            Some(MUX_S_PERMISSION_DENIED) => {
-                Err(Error::NoSession(format!("refused: {}", r.text())))
-            }
-            other => Err(Error::NoSession(format!("unexpected reply {other:?}"))),
-        }
+        self.request(&request, &[input, output])
     }
 
-    /// Send `request` and the descriptors it names, and read the reply to it: its type and
-    /// what follows the request id. [`Error::NoSession`] on any failure: nothing was opened.
-    fn ask(
-        &mut self,
-        request: &[u8],
-        fds: &[BorrowedFd<'_>],
-    ) -> Result<(Option<u32>, Vec<u8>), Error> {
+    /// The connection to the master. After [`Session::ask_forward`] and an open channel, keep it
+    /// open while the channel is used: the master closes it once the channel has closed, and
+    /// closing it first closes the channel.
+    pub fn into_socket(self) -> UnixStream {
+        self.sock
+    }
+
+    /// Send `request` and the descriptors it names. [`Error::NoSession`] on failure: nothing
+    /// was opened.
+    fn request(&mut self, request: &[u8], fds: &[BorrowedFd<'_>]) -> Result<(), Error> {
         let no = |what: &str, e: std::io::Error| Error::NoSession(format!("{what}: {e}"));
         self.send(request).map_err(|e| no("send the request", e))?;
         for fd in fds {
             send_fd(&self.sock, *fd).map_err(|e| no("pass the descriptors", e))?;
         }
-        let reply = self.recv().map_err(|e| no("read the reply", e))?;
-        let mut r = Reader(&reply);
-        let (kind, rid) = (r.u32(), r.u32());
-        if rid != Some(RID) {
-            return Err(Error::NoSession(format!(
-                "reply {kind:?} to request {rid:?}, not {RID}"
-            )));
-        }
-        Ok((kind, r.0.to_vec()))
+        Ok(())
     }
 
     /// Wait until the master says something (`true`), or until this process's stdout is a
@@ -296,6 +283,48 @@ impl Session {
         self.sock.read_exact(&mut body)?;
         Ok(body)
     }
+}
+
+/// The type of a reply to this connection's request, and what follows the request id.
+fn reply_to(body: &[u8]) -> Result<(Option<u32>, &[u8]), Error> {
+    let mut r = Reader(body);
+    let (kind, rid) = (r.u32(), r.u32());
+    if rid != Some(RID) {
+        return Err(Error::NoSession(format!(
+            "reply {kind:?} to request {rid:?}, not {RID}"
+        )));
+    }
+    Ok((kind, r.0))
+}
+
+/// The master's answer to [`Session::ask_forward`] (a packet's body): `Ok(Ok(()))` the channel
+/// is open; `Ok(Err(why))` the server refused it (nothing listens at the port, or it allows no
+/// forwarding: what the master said); [`Error::NoSession`] the master did not take it.
+pub fn forward_answer(body: &[u8]) -> Result<Result<(), String>, Error> {
+    let (kind, rest) = reply_to(body)?;
+    let mut r = Reader(rest);
+    match kind {
+        Some(MUX_S_SESSION_OPENED) => Ok(Ok(())),
+        Some(MUX_S_FAILURE) => Ok(Err(r.text())),
+        Some(MUX_S_PERMISSION_DENIED) => Err(Error::NoSession(format!("refused: {}", r.text()))),
+        other => Err(Error::NoSession(format!("unexpected reply {other:?}"))),
+    }
+}
+
+/// Read one packet's body from a master (async), refusing one larger than a master's reply.
+pub async fn read_packet(
+    sock: &mut (impl tokio::io::AsyncRead + Unpin),
+) -> std::io::Result<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut len = [0u8; 4];
+    sock.read_exact(&mut len).await?;
+    let len = u32::from_be_bytes(len) as usize;
+    if len > MAX_PACKET {
+        return Err(std::io::Error::other(format!("a {len}-byte packet")));
+    }
+    let mut body = vec![0u8; len];
+    sock.read_exact(&mut body).await?;
+    Ok(body)
 }
 
 /// Pass one descriptor as `mm_send_fd` does: one `SCM_RIGHTS` message, one zero byte.
@@ -429,10 +458,12 @@ mod tests {
             })
         };
         let (r, w) = std::io::pipe().unwrap();
-        let forward = || {
-            open(&path)
-                .unwrap()
-                .forward("127.0.0.1", 8080, r.as_fd(), w.as_fd())
+        let forward = || -> Result<Result<UnixStream, String>, Error> {
+            let mut s = open(&path)?;
+            s.ask_forward("127.0.0.1", 8080, r.as_fd(), w.as_fd())?;
+            let mut sock = s.into_socket();
+            let answer = forward_answer(&read_packet(&mut sock))?;
+            Ok(answer.map(|()| sock))
         };
 
         let refused = Packet::new(MUX_S_FAILURE)
