@@ -12,7 +12,7 @@
 //! - Idempotent: unpacking the same files again changes nothing, so an apply cut short is
 //!   simply run again by the next reconcile.
 //! - A bundle is published by a rename once it is complete; a work directory left by a crash
-//!   (another process's) is removed by the next staging.
+//!   (its lock free) is removed by the next staging.
 //! - One bundle per image and layers: making one removes those of earlier builds.
 //!
 //! # Caveats
@@ -145,11 +145,15 @@ async fn stage(
     }
     // a work directory of its own: two VMs adding the same layer at once stage side by side
     std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-    remove_stale_work(&dir);
+    let stale = dir.clone();
+    let _ = tokio::task::spawn_blocking(move || remove_stale_work(&stale)).await;
     let work = tempfile::Builder::new()
         .prefix(&format!(".work-{built}-{}-", std::process::id()))
         .tempdir_in(&dir)
         .map_err(|e| format!("creating a work directory in {}: {e}", dir.display()))?;
+    // held while this staging runs: what tells it from one a crash left
+    let _held = hold(work.path())
+        .map_err(|e| format!("locking the work directory {}: {e}", work.path().display()))?;
     let made = async {
         let work = work.path();
         let root = work.join("root");
@@ -213,22 +217,41 @@ async fn stage(
     Ok(bundle)
 }
 
-/// Remove the work directories under `dir` that another process made: one control plane
-/// leads a home, so they are what a crash or a kill left mid-staging (a raw disk of several
-/// GiB each). Those of this process are other stagings still running.
+/// The lock a running staging holds on its work directory (`lock` in it, `flock`): it goes
+/// with the process, whatever ends it.
+fn hold(work: &Path) -> std::io::Result<std::fs::File> {
+    let f = std::fs::File::create(work.join("lock"))?;
+    f.try_lock().map_err(std::io::Error::other)?;
+    Ok(f)
+}
+
+/// Whether the staging in `work` (named `.work-<built>-<pid>-<random>`) is over: its lock can
+/// be taken (its process ended, or a new leader took over from it), or, for a directory made
+/// just before its lock (or by an older boxery without one), another process made it.
+fn staging_over(work: &Path, name: &str) -> bool {
+    match std::fs::File::open(work.join("lock")) {
+        // a lock taken here is let go when `f` is dropped
+        Ok(f) => f.try_lock().is_ok(),
+        Err(_) => {
+            let pid = name
+                .strip_prefix(".work-")
+                .and_then(|rest| rest.rsplit('-').nth(1));
+            pid != Some(std::process::id().to_string().as_str())
+        }
+    }
+}
+
+/// Remove the work directories under `dir` whose staging is over ([`staging_over`]): what a
+/// crash or a kill left mid-staging (a raw disk of several GiB each). A running staging, of
+/// this process or of a control plane that led the home before this one, holds its lock.
 fn remove_stale_work(dir: &Path) {
-    let ours = std::process::id().to_string();
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
     for e in entries.flatten() {
         let n = e.file_name();
         let Some(n) = n.to_str() else { continue };
-        // `.work-<built>-<pid>-<random>`
-        let pid = n
-            .strip_prefix(".work-")
-            .and_then(|rest| rest.rsplit('-').nth(1));
-        if pid.is_some_and(|p| p != ours) {
+        if n.starts_with(".work-") && staging_over(&e.path(), n) {
             match std::fs::remove_dir_all(e.path()) {
                 Ok(()) => tracing::info!(dir = n, "a layer staging left by an earlier run removed"),
                 Err(err) => tracing::warn!(
@@ -454,16 +477,25 @@ mod tests {
         assert_eq!(left, want);
     }
 
-    /// A staging left by another process goes; this process's stay (they are running).
+    /// A staging whose lock is free goes, whichever process made it; one whose lock is held
+    /// stays, whichever process made it (a running staging, or an earlier leader's); one
+    /// without a lock goes unless this process made it (it is about to take its lock).
     #[test]
     fn stagings_left_by_an_earlier_run_are_removed() {
         let d = tempfile::tempdir().unwrap();
-        let ours = format!(".work-debian-12-agents-{}-Ab12", std::process::id());
+        let pid = std::process::id();
+        let ours = format!(".work-debian-12-agents-{pid}-Ab12");
         let theirs = ".work-debian-12-agents-1-Xy34";
-        for n in [ours.as_str(), theirs] {
+        let held = ".work-debian-12-agents-1-Held";
+        let ours_crashed = format!(".work-debian-12-agents-{pid}-Ol56");
+        for n in [ours.as_str(), theirs, held, ours_crashed.as_str()] {
             std::fs::create_dir_all(d.path().join(n).join("root")).unwrap();
             std::fs::write(d.path().join(n).join("disk.raw"), b"x").unwrap();
         }
+        let _running = hold(&d.path().join(held)).unwrap();
+        // a crash left its lock file behind, not the lock
+        drop(hold(&d.path().join(theirs)).unwrap());
+        drop(hold(&d.path().join(&ours_crashed)).unwrap());
         std::fs::write(
             d.path()
                 .join("debian-12-agents.agents.00000000000000aa.tar"),
@@ -471,8 +503,10 @@ mod tests {
         )
         .unwrap();
         remove_stale_work(d.path());
-        assert!(d.path().join(&ours).is_dir());
+        assert!(d.path().join(&ours).is_dir(), "about to be locked");
+        assert!(d.path().join(held).is_dir(), "running");
         assert!(!d.path().join(theirs).exists());
+        assert!(!d.path().join(&ours_crashed).exists(), "a pid used again");
         assert!(
             d.path()
                 .join("debian-12-agents.agents.00000000000000aa.tar")
