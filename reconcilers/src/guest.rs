@@ -552,7 +552,8 @@ pub fn script(f: &Files, rev: &str) -> String {
     }
     s.push_str(&codex_script(f.codex.as_deref(), CODEX_CONFIG));
     // Docker's daemon, where the guest has one: its drop-in, and a restart when it changed (at
-    // a VM's first boot; on tmpfs, at every boot), so that the VM is ready with it in force
+    // a VM's first boot; on tmpfs, at every boot), so that the VM is ready with it in force. A
+    // daemon that fails to restart is the guest's own trouble: said, and the rest goes on.
     let units = if f.system_proxy.is_some() {
         "/etc/systemd/system"
     } else {
@@ -564,7 +565,7 @@ pub fn script(f: &Files, rev: &str) -> String {
          if [ -d /run/systemd/system ] && {{ [ -e /lib/systemd/system/docker.service ] || [ -e /usr/lib/systemd/system/docker.service ] || [ -e /etc/systemd/system/docker.service ]; }}; then \
          c=$(printf '%s' {c} | base64 -d); \
          if [ \"$(sudo -n cat \"$k\" 2>/dev/null)\" != \"$c\" ]; then \
-         sudo -n install -d -m 0755 \"$(dirname \"$k\")\" && printf '%s\\n' \"$c\" | sudo -n tee \"$k.new\" >/dev/null && sudo -n chmod 0600 \"$k.new\" && sudo -n mv \"$k.new\" \"$k\" && sudo -n systemctl daemon-reload && sudo -n systemctl try-restart docker.service; fi; fi\n",
+         sudo -n install -d -m 0755 \"$(dirname \"$k\")\" && printf '%s\\n' \"$c\" | sudo -n tee \"$k.new\" >/dev/null && sudo -n chmod 0600 \"$k.new\" && sudo -n mv \"$k.new\" \"$k\" && sudo -n systemctl daemon-reload && {{ sudo -n systemctl try-restart docker.service || echo 'boxery: dockerd did not restart with the proxy settings (journalctl -u docker)' >&2; }}; fi; fi\n",
         c = base64::engine::general_purpose::STANDARD.encode(&f.docker)
     ));
     if let Some(proxy) = &f.system_proxy {
