@@ -1,19 +1,25 @@
 #!/bin/bash
 # docker layer (root, idempotent): Docker from Debian 12's packages (docker.io: dockerd, the
-# docker CLI, containerd, runc), enabled at boot, and the agent user in the `docker` group (its
-# docker commands need no sudo). Nothing is configured for a network: the control plane writes
+# docker CLI, containerd, runc; apparmor), enabled at boot, and the agent user in the `docker`
+# group (its docker commands need no sudo). Nothing is configured for a network: the control plane writes
 # the daemon's proxy settings at each boot when the VM's egress goes through boxery's proxy
 # (docs/egress.md, "Developer traffic"). Debian 12 packages only.
 # `docker.sh --print-packages` prints the packages.
 set -euo pipefail
-PACKAGES="docker.io"
+# apparmor: Debian 12's kernel has AppArmor on, and dockerd then loads its containers' profile
+# with apparmor_parser (a Recommends of docker.io): without it no container starts
+PACKAGES="docker.io apparmor"
 [ "${1:-}" = --print-packages ] && { echo $PACKAGES; exit 0; }
 [ "$(id -u)" = 0 ] || { echo "docker: run as root" >&2; exit 1; }
 export DEBIAN_FRONTEND=noninteractive
-if [ "$(dpkg-query -W -f='${db:Status-Abbrev}' docker.io 2>/dev/null | cut -c1-2)" != ii ]; then
-  echo "docker: installing $PACKAGES"
+missing=()
+for p in $PACKAGES; do
+  [ "$(dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | cut -c1-2)" = ii ] || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "docker: installing ${missing[*]}"
   compgen -G "/var/lib/apt/lists/*_Packages" >/dev/null || apt-get update -q
-  apt-get install -y -q --no-install-recommends $PACKAGES
+  apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 getent group docker >/dev/null || groupadd --system docker
 if id agent >/dev/null 2>&1; then usermod -aG docker agent; fi

@@ -14,7 +14,8 @@
 //! an apt repository. The egress proxy reaches them by the names
 //! `config.yaml`'s `proxy.egress.resolve` gives them. The servers are killed by PID and the
 //! namespace removed on drop, also when the test fails. Needs root (`ip netns`), OpenSSH's
-//! server (`openssh-server`), `openssl`, `python3`, `git` and `dpkg-deb` on the host.
+//! server (`openssh-server`), `openssl`, `python3`, `git`, `dpkg-deb` and a static `busybox`
+//! (`busybox-static`) on the host.
 
 use std::io::Write;
 use std::net::TcpStream;
@@ -224,10 +225,13 @@ release = "Origin: boxery-standin\nLabel: boxery-standin\nSuite: standin\nCodena
 for n in ["Packages"]:
     c = packages.encode(); release += " %s %d %s\n" % (hashlib.sha256(c).hexdigest(), len(c), n)
 put("http/debian/Release", release)
-# docker: standin/hello:1.0, one layer holding /nonce, as a registry serves it (API v2)
+# docker: standin/hello:1.0, one layer holding /nonce and a static busybox (the host's, to run
+# in a container), as a registry serves it (API v2)
+import shutil
 buf = io.BytesIO()
 with tarfile.open(fileobj=buf, mode="w") as t:
     b = (nonce + "\n").encode(); i = tarfile.TarInfo("nonce"); i.size = len(b); i.mode = 0o644; t.addfile(i, io.BytesIO(b))
+    b = open(shutil.which("busybox"), "rb").read(); i = tarfile.TarInfo("busybox"); i.size = len(b); i.mode = 0o755; t.addfile(i, io.BytesIO(b))
 layer_tar = buf.getvalue()
 layer = gzip.compress(layer_tar, mtime=0)
 config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Cmd": ["/nonce"]},
@@ -650,14 +654,11 @@ pub(super) fn developer_traffic_through_egress() {
         ),
         image_id.trim(),
     );
-    // its layer is the stand-in's
+    // and it runs: a container of it prints its file (the runtime, cgroups and AppArmor work)
     fetched(
         &h,
-        "the pulled image's file",
-        &format!(
-            "c=$(docker create {DOCKER}/standin/hello:1.0) && docker cp \"$c:/nonce\" - | tar -xO \
-             && docker rm -f \"$c\" >/dev/null"
-        ),
+        "docker run of the pulled image",
+        &format!("docker run --rm {DOCKER}/standin/hello:1.0 /busybox cat /nonce"),
         &nonce,
     );
 
