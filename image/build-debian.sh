@@ -40,8 +40,8 @@ CMDLINE="root=/dev/vda rw console=ttyS0 panic=-1"
 L=$BOXERY_IMAGE_DIR/layers
 LAYERS="plumbing devtools${EXTRA:+ $EXTRA}"
 for l in $EXTRA; do
-  case "$l" in *[!a-z0-9-]*|plumbing|devtools) die "bad extra layer '$l'" ;; esac
-  [ -f "$L/$l.sh" ] || die "no layer $L/$l.sh (layers: $(cd "$L" && ls *.sh | sed 's/\.sh$//' | grep -v provision | tr '\n' ' '))"
+  case "$l" in *[!a-z0-9-]*|plumbing|devtools|provision|lib) die "bad extra layer '$l'" ;; esac
+  [ -f "$L/$l.sh" ] || die "no layer $L/$l.sh (layers: $(cd "$L" && ls *.sh | sed 's/\.sh$//' | grep -vx 'provision\|lib' | tr '\n' ' '))"
 done
 [ "$(id -u)" = 0 ] || die "build-debian.sh must run as root (debootstrap, chroot)"
 require debootstrap chroot mkfs.ext4 qemu-img sha256sum mount umount
@@ -55,7 +55,7 @@ for l in $LAYERS; do LAYER_PKGS="$LAYER_PKGS $(bash "$L/$l.sh" --print-packages)
 INCLUDE=$(echo $BASE_PKGS $LAYER_PKGS | tr ' ' '\n' | awk 'NF && !seen[$0]++' | paste -sd,)
 
 phase "resolving inputs"
-INPUTS=("$BOXERY_IMAGE_DIR/build-debian.sh" "$BOXERY_IMAGE_DIR/lib.sh" "$L/provision.sh")
+INPUTS=("$BOXERY_IMAGE_DIR/build-debian.sh" "$BOXERY_IMAGE_DIR/lib.sh" "$L/provision.sh" "$L/lib.sh")
 for l in $LAYERS; do INPUTS+=("$L/$l.sh"); done
 KEY=$(sha256_of_inputs "${INPUTS[@]}" <<EOI
 suite=$SUITE

@@ -546,3 +546,26 @@ mod build_info_tests {
         assert_eq!(layered_image_name("debian-12", &[]), "debian-12");
     }
 }
+
+#[cfg(test)]
+mod layer_tests {
+    use super::*;
+
+    /// The table and the builder's scripts name the same layers: each has its
+    /// `image/layers/NAME.sh`, and each script there (but the runner and what the layers
+    /// share) is in the table.
+    #[test]
+    fn every_layer_has_its_script_and_every_script_its_layer() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../image/layers");
+        let mut scripts: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter_map(|n| n.strip_suffix(".sh").map(str::to_string))
+            .filter(|n| n != "provision" && n != "lib")
+            .collect();
+        scripts.sort();
+        let mut table: Vec<String> = LAYERS.iter().map(|l| l.name.to_string()).collect();
+        table.sort();
+        assert_eq!(scripts, table);
+    }
+}

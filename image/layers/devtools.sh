@@ -7,15 +7,8 @@ PACKAGES="git python3 python3-venv jq ripgrep fd-find curl build-essential pkg-c
 [ "${1:-}" = --print-packages ] && { echo $PACKAGES; exit 0; }
 [ "$(id -u)" = 0 ] || { echo "devtools: run as root" >&2; exit 1; }
 export DEBIAN_FRONTEND=noninteractive
-missing=()
-for p in $PACKAGES; do
-  [ "$(dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | cut -c1-2)" = ii ] || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "devtools: installing ${missing[*]}"
-  compgen -G "/var/lib/apt/lists/*_Packages" >/dev/null || apt-get update -q
-  apt-get install -y -q --no-install-recommends "${missing[@]}"
-fi
+. "$(dirname "$0")/lib.sh"
+install_missing devtools $PACKAGES
 # Debian names fd `fdfind`
 [ -e /usr/local/bin/fd ] || ln -s /usr/bin/fdfind /usr/local/bin/fd
 echo "devtools: done ($(git --version), $(python3 --version), rg $(rg --version | head -1 | cut -d' ' -f2))"

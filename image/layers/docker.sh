@@ -12,15 +12,8 @@ PACKAGES="docker.io apparmor"
 [ "${1:-}" = --print-packages ] && { echo $PACKAGES; exit 0; }
 [ "$(id -u)" = 0 ] || { echo "docker: run as root" >&2; exit 1; }
 export DEBIAN_FRONTEND=noninteractive
-missing=()
-for p in $PACKAGES; do
-  [ "$(dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | cut -c1-2)" = ii ] || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "docker: installing ${missing[*]}"
-  compgen -G "/var/lib/apt/lists/*_Packages" >/dev/null || apt-get update -q
-  apt-get install -y -q --no-install-recommends "${missing[@]}"
-fi
+. "$(dirname "$0")/lib.sh"
+install_missing docker $PACKAGES
 getent group docker >/dev/null || groupadd --system docker
 if id agent >/dev/null 2>&1; then usermod -aG docker agent; fi
 # started at boot (the package enables it; a chroot build has no systemd to ask, so the links

@@ -6,7 +6,8 @@
 # Writes: /etc/boxery/layers (the layers, one line), /etc/boxery/headless (when no desktop),
 #   /etc/boxery/build-info (key=value: built_at, image, layers, layers_hash, kernel),
 #   /var/log/boxery-provision.log, and /var/log/boxery-provision.ok when every layer succeeded.
-# layers_hash = sha256 of the output of `sha256sum provision.sh LAYER.sh...` run in LAYERS_DIR.
+# layers_hash = sha256 of the output of `sha256sum provision.sh lib.sh LAYER.sh...` run in
+# LAYERS_DIR (lib.sh: what the layers share, sourced by them).
 set -euo pipefail
 [ "$(id -u)" = 0 ] || { echo "boxery-provision: run as root" >&2; exit 1; }
 DIR=$(dirname "$(readlink -f "$0")")
@@ -14,7 +15,7 @@ if [ $# -gt 0 ]; then LAYERS="$*"
 elif [ -s /etc/boxery/provision ]; then LAYERS=$(tr -s ' \n' ' ' < /etc/boxery/provision | sed 's/ $//')
 else LAYERS="plumbing devtools"; fi
 for l in $LAYERS; do
-  case "$l" in *[!a-z0-9-]*) echo "boxery-provision: bad layer name '$l'" >&2; exit 1 ;; esac
+  case "$l" in *[!a-z0-9-]*|provision|lib) echo "boxery-provision: bad layer name '$l'" >&2; exit 1 ;; esac
   [ -f "$DIR/$l.sh" ] || { echo "boxery-provision: no layer $DIR/$l.sh" >&2; exit 1; }
 done
 mkdir -p /etc/boxery /var/log
@@ -29,7 +30,7 @@ for l in $LAYERS; do
 done
 echo "$LAYERS" > /etc/boxery/layers
 case " $LAYERS " in *" desktop "*) rm -f /etc/boxery/headless ;; *) : > /etc/boxery/headless ;; esac
-files=(provision.sh); for l in $LAYERS; do files+=("$l.sh"); done
+files=(provision.sh lib.sh); for l in $LAYERS; do files+=("$l.sh"); done
 HASH=$(cd "$DIR" && sha256sum "${files[@]}" | sha256sum | cut -d' ' -f1)
 KERNEL=$(ls /lib/modules 2>/dev/null | sort -V | tail -1)
 {

@@ -10,15 +10,8 @@ PACKAGES="rustc-web cargo-web"
 [ "${1:-}" = --print-packages ] && { echo $PACKAGES; exit 0; }
 [ "$(id -u)" = 0 ] || { echo "rust: run as root" >&2; exit 1; }
 export DEBIAN_FRONTEND=noninteractive
-missing=()
-for p in $PACKAGES; do
-  [ "$(dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | cut -c1-2)" = ii ] || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "rust: installing ${missing[*]}"
-  compgen -G "/var/lib/apt/lists/*_Packages" >/dev/null || apt-get update -q
-  apt-get install -y -q --no-install-recommends "${missing[@]}"
-fi
+. "$(dirname "$0")/lib.sh"
+install_missing rust $PACKAGES
 # The toolchain's libraries carry its version in their package names, so the security update
 # to a newer rustc-web installs beside the one debootstrap put in (libstd-rust-web-1.85,
 # libllvm19) instead of replacing it: hand those to apt as removable, and remove what nothing
