@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 use base64::Engine;
 use boxery_api::conditions::READY;
 use boxery_api::grant::GrantType;
-use boxery_api::{ConditionStatus, Conditions, EventType, Vm};
+use boxery_api::{ConditionStatus, Conditions, Vm};
 use boxery_controller::{Cache, CancellationToken};
 use boxery_hands::shell_quote;
 use futures::StreamExt;
@@ -278,21 +278,15 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
                 Ok(v) => out.files.push((e.spec.target.clone(), v)),
                 Err(why) => out.unavailable.push((e.name.clone(), why)),
             },
-            // the socket the control plane forwards (crate::agent_forward), one for all, when
-            // a grant's agent is there to forward (else it is left out and said, as a value)
-            GrantType::SshAgent => {
-                match boxery_home::values::agent_socket(&e.spec.value_from, home) {
-                    Ok(_) if !agent_sock => {
-                        agent_sock = true;
-                        env.push_str(&format!(
-                            "{comment}export SSH_AUTH_SOCK={}\n",
-                            crate::agent_forward::GUEST_SOCK
-                        ));
-                    }
-                    Ok(_) => {}
-                    Err(why) => out.unavailable.push((e.name.clone(), why)),
-                }
+            // the socket the control plane forwards (crate::agent_forward); one for all
+            GrantType::SshAgent if !agent_sock => {
+                agent_sock = true;
+                env.push_str(&format!(
+                    "{comment}export SSH_AUTH_SOCK={}\n",
+                    crate::agent_forward::GUEST_SOCK
+                ));
             }
+            GrantType::SshAgent => {}
         }
     }
     if !git.is_empty() {
@@ -717,16 +711,6 @@ pub async fn sync(ctx: &Ctx, v: &Vm) -> Result<bool, String> {
                     why,
                     "a grant's value was left out of the guest"
                 );
-                // on the VM too, where its user looks (`describe vm`): the same words count up
-                ctx.event(
-                    v,
-                    EventType::Warning,
-                    "GrantValueUnavailable",
-                    &format!(
-                        "grant {grant} is left out of the guest: {why} (the VM has its other grants; pushed again until it is there)"
-                    ),
-                )
-                .await;
             }
             ctx.guest.set(name, Err(Instant::now()));
         }
