@@ -126,7 +126,7 @@ impl Plan {
 }
 
 /// The guest files of a plan, values read.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct Files {
     /// `/run/boxery/env`.
     pub env: String,
@@ -1007,11 +1007,8 @@ mod tests {
         assert!(s.contains("Acquire::http::Proxy"), "{s}");
         assert!(!s.contains("bxt_abc") && !s.contains("touch /tmp"), "{s}");
         // On a shared listener Docker's proxy URL holds the token: tmpfs, and base64 here
-        let on_shared = Files {
-            system_proxy: None,
-            docker: docker_dropin(&egress_url(&shared), "x"),
-            ..f.clone()
-        };
+        let on_shared = files(&shared, home.path()).await;
+        assert!(on_shared.docker.contains("bxt_abc"), "{}", on_shared.docker);
         let s = script(&on_shared, "r1");
         assert!(
             s.contains("k=/run/systemd/system/docker.service.d/90-boxery-proxy.conf"),
