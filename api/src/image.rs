@@ -209,7 +209,7 @@ pub fn normalize_layers(base: &str, layers: &[String]) -> Result<Vec<String>, St
         ));
     }
     for l in layers {
-        match LAYERS.iter().find(|k| k.name == l) {
+        match layer(l) {
             None => {
                 return Err(format!(
                     "no layer `{}`: the layers are {} (`boxery images layers`)",

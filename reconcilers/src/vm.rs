@@ -207,13 +207,7 @@ async fn layers(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
             "layer {} cannot be removed from a VM (what it installed stays in the guest): put it back in spec.layers, or make a new VM without it (`boxery rm {name}`, then apply it again)",
             removed.join(", ")
         );
-        if layers_condition(&mut vm, false, reasons::LAYER_REMOVAL_REFUSED, &msg) {
-            vm = save(ctx, &vm).await?;
-            ctx.event(&vm, EventType::Warning, "LayerRemovalRefused", &msg)
-                .await;
-        }
-        // refused, and otherwise a running VM like any other (idle suspend included)
-        return running(vm, info, ctx).await;
+        return refuse_layers(vm, reasons::LAYER_REMOVAL_REFUSED, &msg, info, ctx).await;
     }
     let added = missing_from(&vm.spec.layers, &vm.status.layers);
     let whole: Vec<&str> = added
@@ -226,12 +220,7 @@ async fn layers(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
             "layer {} cannot be added to a running VM (it installs packages and services): take it out of spec.layers, or make a new VM with it (`boxery rm {name}`, then apply it again)",
             whole.join(", ")
         );
-        if layers_condition(&mut vm, false, reasons::LAYER_NOT_IN_PLACE, &msg) {
-            vm = save(ctx, &vm).await?;
-            ctx.event(&vm, EventType::Warning, "LayerNotAddableInPlace", &msg)
-                .await;
-        }
-        return running(vm, info, ctx).await;
+        return refuse_layers(vm, reasons::LAYER_NOT_IN_PLACE, &msg, info, ctx).await;
     }
     let what = added.join(", ");
     // the layered build with every layer the VM is to have
@@ -300,6 +289,23 @@ async fn layers(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     let vm = save(ctx, &vm).await?;
     ctx.event(&vm, EventType::Normal, "LayersAdded", &msg).await;
     Ok(Action::requeue(Duration::ZERO))
+}
+
+/// A change of `spec.layers` that cannot be made: `LayersApplied=False` with `reason` and
+/// `msg`, and a Warning of the same reason, once per generation; otherwise a running VM like
+/// any other (idle suspend included).
+async fn refuse_layers(
+    mut vm: Vm,
+    reason: &str,
+    msg: &str,
+    info: &VmInfo,
+    ctx: &Ctx,
+) -> Result<Action> {
+    if layers_condition(&mut vm, false, reason, msg) {
+        vm = save(ctx, &vm).await?;
+        ctx.event(&vm, EventType::Warning, reason, msg).await;
+    }
+    running(vm, info, ctx).await
 }
 
 /// The layers of `a` that `b` does not have.
