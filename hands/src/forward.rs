@@ -285,7 +285,7 @@ async fn over_master(cm: std::path::PathBuf, remote: u16) -> OverMaster {
         Ok(c) => c,
         Err(e) => return OverMaster::NoMaster(format!("cannot wait on the channel: {e}")),
     };
-    let answer = tokio::time::timeout(OPEN_TIMEOUT, mux::read_packet(&mut channel.control)).await;
+    let answer = tokio::time::timeout(OPEN_TIMEOUT, mux::read_reply(&mut channel.control)).await;
     match answer {
         Ok(Ok(body)) => match mux::forward_answer(&body) {
             Ok(Ok(())) => OverMaster::Open(channel),

@@ -197,7 +197,7 @@ impl Session {
     /// `output` (it closes its copy of `output` at the far side's end of file), until both
     /// sides have ended. Only the request is sent: the master answers once the server has
     /// opened or refused the channel, a round trip to the guest that the caller awaits as it
-    /// likes ([`Session::into_socket`], [`read_packet`], then [`forward_answer`]).
+    /// likes ([`Session::into_socket`], [`read_reply`], then [`forward_answer`]).
     /// [`Error::NoSession`]: the request could not be made; nothing was opened.
     pub fn ask_forward(
         &mut self,
@@ -275,14 +275,20 @@ impl Session {
     fn recv(&mut self) -> std::io::Result<Vec<u8>> {
         let mut len = [0u8; 4];
         self.sock.read_exact(&mut len)?;
-        let len = u32::from_be_bytes(len) as usize;
-        if len > MAX_PACKET {
-            return Err(std::io::Error::other(format!("a {len}-byte packet")));
-        }
-        let mut body = vec![0u8; len];
+        let mut body = vec![0u8; body_len(len)?];
         self.sock.read_exact(&mut body)?;
         Ok(body)
     }
+}
+
+/// A packet's body length from its length field, refusing more than a master's reply holds
+/// before anything is allocated for it.
+fn body_len(field: [u8; 4]) -> std::io::Result<usize> {
+    let len = u32::from_be_bytes(field) as usize;
+    if len > MAX_PACKET {
+        return Err(std::io::Error::other(format!("a {len}-byte packet")));
+    }
+    Ok(len)
 }
 
 /// The type of a reply to this connection's request, and what follows the request id.
@@ -311,18 +317,15 @@ pub fn forward_answer(body: &[u8]) -> Result<Result<(), String>, Error> {
     }
 }
 
-/// Read one packet's body from a master (async), refusing one larger than a master's reply.
-pub async fn read_packet(
+/// Read the master's reply (one packet's body) on a socket the runtime awaits, as
+/// [`Session`] reads its own blocking.
+pub async fn read_reply(
     sock: &mut (impl tokio::io::AsyncRead + Unpin),
 ) -> std::io::Result<Vec<u8>> {
     use tokio::io::AsyncReadExt;
     let mut len = [0u8; 4];
     sock.read_exact(&mut len).await?;
-    let len = u32::from_be_bytes(len) as usize;
-    if len > MAX_PACKET {
-        return Err(std::io::Error::other(format!("a {len}-byte packet")));
-    }
-    let mut body = vec![0u8; len];
+    let mut body = vec![0u8; body_len(len)?];
     sock.read_exact(&mut body).await?;
     Ok(body)
 }
