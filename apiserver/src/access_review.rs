@@ -192,6 +192,10 @@ async fn path_answer(sh: &Shared, caller: &Caller, path: &str, verb: &str) -> An
             matches!(caller.scope, Scope::Full | Scope::Read),
             "a lease token is not a boxery context",
         ),
+        ("/metrics", "get") => scope_says(
+            matches!(caller.scope, Scope::Full | Scope::Read),
+            "/metrics shows every VM: it needs a token of scope read or full",
+        ),
         _ => {
             if let Some(vm) = path
                 .strip_prefix("/boxery/v1/vms/")
@@ -342,10 +346,10 @@ pub async fn rules_review(c: Call, body: Bytes) -> Reply {
         Scope::Full => {
             paths.push(json!({"verbs": ["get", "post", "delete"], "nonResourceURLs": ["/mcp"]}));
             paths.push(json!({"verbs": ["post"], "nonResourceURLs": ["/boxery/v1/store", "/boxery/v1/vms/*/authorize"]}));
-            paths.push(json!({"verbs": ["get"], "nonResourceURLs": ["/boxery/v1/store/watch", "/boxery/v1/vms/*/connect"]}));
+            paths.push(json!({"verbs": ["get"], "nonResourceURLs": ["/boxery/v1/store/watch", "/boxery/v1/vms/*/connect", "/metrics"]}));
         }
         Scope::Read => {
-            paths.push(json!({"verbs": ["get"], "nonResourceURLs": ["/boxery/v1/store/watch"]}));
+            paths.push(json!({"verbs": ["get"], "nonResourceURLs": ["/boxery/v1/store/watch", "/metrics"]}));
         }
         Scope::Lease(_) => {
             if let Some((_, vm)) = named.iter().find(|(k, _)| k == "Vm") {

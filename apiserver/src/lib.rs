@@ -110,6 +110,8 @@ pub struct Shared {
     /// Open watches per token name.
     watches: Mutex<HashMap<String, usize>>,
     buckets: Mutex<HashMap<String, Bucket>>,
+    /// What `/metrics` serves (`serve` gives it; none elsewhere).
+    metrics: Option<boxery_metrics::Exposition>,
 }
 
 impl Shared {
@@ -121,6 +123,7 @@ impl Shared {
             limits,
             watches: Mutex::new(HashMap::new()),
             buckets: Mutex::new(HashMap::new()),
+            metrics: None,
         }
     }
 
@@ -209,6 +212,32 @@ async fn mcp_gate(req: Request, next: Next) -> Response {
         .into_response();
     }
     next.run(req).await
+}
+
+/// `/metrics` (docs/observability.md): to a token of scope read or full (a lease's token
+/// sees its own VM only, and the exposition is every VM's).
+async fn metrics(
+    State(sh): State<Arc<Shared>>,
+    axum::Extension(caller): axum::Extension<tokens::Caller>,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    if matches!(caller.scope, tokens::Scope::Lease(_)) {
+        return Failure::forbidden(
+            "/metrics shows every VM: it needs a token of scope read or full (`boxery kubeconfig --scope read`)",
+        )
+        .into_response();
+    }
+    let Some(e) = sh.metrics.clone() else {
+        return Failure::new(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            "this API serves no metrics (only `boxery serve --api-listen` does)",
+        )
+        .into_response();
+    };
+    let accept = headers.get(header::ACCEPT).and_then(|h| h.to_str().ok());
+    let (content_type, body) = e.respond(accept).await;
+    ([(header::CONTENT_TYPE, content_type)], body).into_response()
 }
 
 /// The API's routes; `mcp`: the MCP service to serve at `/mcp` behind the same tokens.
@@ -331,6 +360,7 @@ pub fn router(sh: Arc<Shared>, mcp: Option<Router>) -> Router {
             boxery_store::wire::CALL_PATH,
             axum::routing::post(store_rpc::call),
         )
+        .route("/metrics", get(metrics))
         .route(boxery_store::wire::WATCH_PATH, get(store_rpc::watch))
         .route(boxery_store::wire::CONNECT_ROUTE, get(connect::connect))
         .route(
@@ -388,6 +418,14 @@ impl ApiServer {
             tls,
             shared: Arc::new(Shared::new(verbs, limits)),
         })
+    }
+
+    /// Serve `exposition` at `/metrics` too.
+    pub fn with_metrics(mut self, exposition: boxery_metrics::Exposition) -> Self {
+        if let Some(sh) = Arc::get_mut(&mut self.shared) {
+            sh.metrics = Some(exposition);
+        }
+        self
     }
 
     /// Where it listens.

@@ -619,6 +619,7 @@ impl Backend for FakeBackend {
             build_stock_image: true,
             host_key: false,
             ssh: false,
+            usage: false,
         }
     }
 

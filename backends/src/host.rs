@@ -1,5 +1,5 @@
-//! Facts about this host every VM driver needs: which accelerator works, and how many CPUs
-//! and how much memory a VM may ask for.
+//! Facts about this host every VM driver needs: which accelerator works, how many CPUs and
+//! how much memory a VM may ask for, and what a hypervisor process uses.
 
 use std::path::Path;
 
@@ -113,5 +113,51 @@ mod tests {
         if Path::new("/sys/module/kvm_pvm").exists() {
             assert_eq!(detect_accel(None).accel, Accel::Tcg);
         }
+    }
+}
+
+/// What a process uses of the host now: its CPU seconds (user and system, all threads) and
+/// its resident memory in bytes, from `/proc/PID/stat` and `/proc/PID/statm`; `None` when
+/// it is gone.
+pub fn process_usage(pid: i32) -> Option<(f64, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    let ticks = parse_cpu_ticks(&stat)?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    let hz = rustix::param::clock_ticks_per_second().max(1) as f64;
+    Some((
+        ticks as f64 / hz,
+        pages.saturating_mul(rustix::param::page_size() as u64),
+    ))
+}
+
+/// `utime + stime` of a `/proc/PID/stat` line, in clock ticks. The command name, in
+/// parentheses, may hold spaces and parentheses itself: the fields are counted after its
+/// last `)`.
+fn parse_cpu_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // after the name: state (field 3) … utime (14), stime (15)
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some(utime + stime)
+}
+
+#[cfg(test)]
+mod usage_tests {
+    use super::*;
+
+    #[test]
+    fn cpu_ticks_are_read_past_a_name_with_spaces_and_parentheses() {
+        let line = "4242 (qemu (x) y) S 1 4242 4242 0 -1 4194560 100 0 0 0 730 270 0 0 20 0 3 0 100 1000 200 18446744073709551615";
+        assert_eq!(parse_cpu_ticks(line), Some(1000));
+        assert_eq!(parse_cpu_ticks("garbage"), None);
+    }
+
+    #[test]
+    fn this_process_has_usage_and_a_gone_one_has_none() {
+        let (cpu, rss) = process_usage(std::process::id() as i32).unwrap();
+        assert!(cpu >= 0.0 && rss > 1 << 20, "{cpu} {rss}");
+        assert_eq!(process_usage(i32::MAX), None);
     }
 }

@@ -352,6 +352,24 @@ pub struct Capabilities {
     /// Its VMs run a real sshd at the endpoint it reports (readiness is then checked over
     /// ssh, with the pinned host key; the fake backend's VMs have no sshd).
     pub ssh: bool,
+    /// Can tell what each running VM uses of the host ([`Backend::usage`]).
+    pub usage: bool,
+}
+
+/// What one running VM uses of the host, sampled now ([`Backend::usage`]): counters since
+/// its hypervisor started, and its memory now.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct VmUsage {
+    /// The VM.
+    pub name: String,
+    /// CPU seconds its hypervisor process used (user and system, every vCPU and thread).
+    pub cpu_seconds: f64,
+    /// Host memory its hypervisor process holds now (resident set).
+    pub rss_bytes: u64,
+    /// Bytes the guest received on its network, when the backend counts them.
+    pub network_rx_bytes: Option<u64>,
+    /// Bytes the guest sent on its network, when the backend counts them.
+    pub network_tx_bytes: Option<u64>,
 }
 
 /// How a guest reaches the host on its network, as its backend wires it: what the isolation
@@ -596,6 +614,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     async fn last_exit(&self, name: &str) -> Option<String> {
         let _ = name;
         None
+    }
+    /// What each running VM uses of the host now (its hypervisor's CPU time and memory, its
+    /// network bytes); empty where the backend cannot tell ([`Capabilities::usage`]). Reads
+    /// the host's process table and counters only: cheap enough to sample every few seconds.
+    async fn usage(&self) -> Result<Vec<VmUsage>> {
+        Ok(Vec::new())
     }
 }
 

@@ -577,6 +577,15 @@ pub(crate) enum Command {
         /// docs/api.md.
         #[arg(long, value_name = "ADDR")]
         api_listen: Option<std::net::SocketAddr>,
+        /// Also serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9390), plain
+        /// HTTP with no token; a non-loopback ADDR is refused unless --metrics-allow-remote is
+        /// given. The API serves them too, to a read token. See docs/observability.md.
+        #[arg(long, value_name = "ADDR")]
+        metrics_listen: Option<std::net::SocketAddr>,
+        /// Allow --metrics-listen on an address other machines can reach: anyone who reaches
+        /// it then reads every VM's name and usage.
+        #[arg(long, requires = "metrics_listen")]
+        metrics_allow_remote: bool,
     },
     /// The contexts: control planes on other machines this one works on (add-context,
     /// use-context, get-contexts, current-context, delete-context). See docs/api.md.

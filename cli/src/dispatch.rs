@@ -126,7 +126,13 @@ async fn dispatch_here(
             mcp_allow_remote,
             proxy_listen,
             api_listen,
+            metrics_listen,
+            metrics_allow_remote,
         } => {
+            let metrics_listen = metrics_listen.map(|addr| boxery_daemon::MetricsListen {
+                addr,
+                allow_remote: metrics_allow_remote,
+            });
             let mcp_listen = mcp_listen.map(|addr| boxery_daemon::McpListen {
                 addr,
                 origins: mcp_allow_origin,
@@ -138,6 +144,7 @@ async fn dispatch_here(
                 mcp_listen,
                 proxy_listen,
                 api_listen,
+                metrics_listen,
             };
             boxery_daemon::serve(&env, options).await?
         }

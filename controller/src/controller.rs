@@ -55,6 +55,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use boxery_api::{DynObject, Resource};
+use boxery_metrics::{KindLabel, METRICS, ReconcileLabels, Timer};
 use boxery_store::ObjectStore;
 use futures::FutureExt;
 use tokio::sync::mpsc;
@@ -389,11 +390,28 @@ impl<R: Resource> Controller<R> {
                 keys: Mutex::default(),
                 _kind: PhantomData::<fn() -> R>,
             });
-            runner::run(rx, concurrency, shutdown, move |key| {
-                let shared = shared.clone();
-                let span = tracing::info_span!("reconcile", kind = R::INFO.kind, name = %key);
-                async move { shared.reconcile_key(key).await }.instrument(span)
-            })
+            let kind = KindLabel {
+                kind: R::INFO.kind.to_string(),
+            };
+            let instruments = &METRICS.controllers;
+            let (depth, in_flight) = (
+                instruments.queue_depth.get_or_create_owned(&kind),
+                instruments.in_flight.get_or_create_owned(&kind),
+            );
+            runner::run_reporting(
+                rx,
+                concurrency,
+                shutdown,
+                move |key| {
+                    let shared = shared.clone();
+                    let span = tracing::info_span!("reconcile", kind = R::INFO.kind, name = %key);
+                    async move { shared.reconcile_key(key).await }.instrument(span)
+                },
+                |load| {
+                    depth.set(load.ready as i64);
+                    in_flight.set(load.in_flight as i64);
+                },
+            )
             .await;
             background.abort_all();
             while background.join_next().await.is_some() {}
@@ -495,9 +513,30 @@ where
                 return None;
             }
         };
-        let outcome = AssertUnwindSafe((self.reconcile)(obj.clone(), self.ctx.clone()))
-            .catch_unwind()
-            .await;
+        let outcome = {
+            let instruments = &METRICS.controllers;
+            let label = KindLabel {
+                kind: kind.to_string(),
+            };
+            let histogram = instruments.reconcile_duration.get_or_create_owned(&label);
+            let _timed = Timer::start(&histogram);
+            let outcome = AssertUnwindSafe((self.reconcile)(obj.clone(), self.ctx.clone()))
+                .catch_unwind()
+                .await;
+            let result = match &outcome {
+                Ok(Ok(_)) => "success",
+                Ok(Err(_)) => "error",
+                Err(_) => "panic",
+            };
+            instruments
+                .reconciles
+                .get_or_create(&ReconcileLabels {
+                    kind: label.kind,
+                    result,
+                })
+                .inc();
+            outcome
+        };
         match outcome {
             Ok(Ok(action)) => match action.0 {
                 Next::Requeue(d) => {

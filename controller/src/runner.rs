@@ -60,10 +60,33 @@ impl Request {
 /// Run jobs for the keys requested on `requests` until `shutdown` is cancelled (or the channel
 /// closes and everything has run). `job(key)` returns the key's requeue delay, if any.
 pub async fn run<F, Fut>(
+    requests: mpsc::UnboundedReceiver<Request>,
+    concurrency: usize,
+    shutdown: CancellationToken,
+    job: F,
+) where
+    F: FnMut(String) -> Fut,
+    Fut: Future<Output = Option<Duration>> + Send + 'static,
+{
+    run_reporting(requests, concurrency, shutdown, job, |_| {}).await
+}
+
+/// How busy a runner is, as [`run_reporting`] reports it after each change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Load {
+    /// Keys whose time has come, waiting for a free slot.
+    pub ready: usize,
+    /// Jobs running.
+    pub in_flight: usize,
+}
+
+/// [`run`], calling `report` with the runner's [`Load`] whenever it may have changed.
+pub async fn run_reporting<F, Fut>(
     mut requests: mpsc::UnboundedReceiver<Request>,
     concurrency: usize,
     shutdown: CancellationToken,
     mut job: F,
+    mut report: impl FnMut(Load),
 ) where
     F: FnMut(String) -> Fut,
     Fut: Future<Output = Option<Duration>> + Send + 'static,
@@ -82,6 +105,10 @@ pub async fn run<F, Fut>(
             let handle = tasks.spawn(job(key.clone()));
             keys.insert(handle.id(), key);
         }
+        report(Load {
+            ready: queue.ready(now),
+            in_flight: tasks.len(),
+        });
         if !open && tasks.is_empty() && queue.queued() == 0 {
             break;
         }
@@ -122,6 +149,10 @@ pub async fn run<F, Fut>(
     }
     tasks.abort_all();
     while tasks.join_next().await.is_some() {}
+    report(Load {
+        ready: 0,
+        in_flight: 0,
+    });
 }
 
 #[cfg(test)]

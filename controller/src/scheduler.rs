@@ -86,6 +86,16 @@ impl Scheduler {
         self.in_flight.len()
     }
 
+    /// How many queued keys' time has come at `now` and are not in flight: waiting for a
+    /// free slot (a runner's backlog).
+    pub fn ready(&self, now: Instant) -> usize {
+        self.order
+            .iter()
+            .take_while(|(at, _)| *at <= now)
+            .filter(|(_, key)| !self.in_flight.contains(key))
+            .count()
+    }
+
     /// How many keys are queued (in flight or not).
     pub fn queued(&self) -> usize {
         self.order.len()

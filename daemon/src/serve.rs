@@ -65,6 +65,15 @@ pub struct McpListen {
     pub allow_remote: bool,
 }
 
+/// `serve --metrics-listen` and its option.
+#[derive(Debug, Clone, Copy)]
+pub struct MetricsListen {
+    /// Where (plain HTTP, no token: loopback unless `allow_remote`).
+    pub addr: SocketAddr,
+    /// `--metrics-allow-remote`: a non-loopback address is allowed.
+    pub allow_remote: bool,
+}
+
 /// What `serve` runs.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -79,6 +88,8 @@ pub struct Options {
     pub proxy_listen: ProxyListen,
     /// The Kubernetes-compatible API, if any.
     pub api_listen: Option<SocketAddr>,
+    /// `/metrics` on a listener of its own, if any (the API serves it too).
+    pub metrics_listen: Option<MetricsListen>,
 }
 
 /// How often a running `serve` gives its heap's free pages back ([`crate::malloc::trim`]): a
@@ -94,6 +105,13 @@ pub async fn serve(env: &Env, options: Options) -> Result {
     env.ensure_home()?;
     let env = &env.clone().with_control(Arc::new(Embedder));
     let stop = CancellationToken::new();
+    // What /metrics serves: the instruments, and what the controllers observe once they run.
+    let observed = boxery_reconcilers::metrics::Observed::default();
+    let exposition = boxery_metrics::Exposition::new(observed.collectors());
+    let metrics = match options.metrics_listen {
+        Some(m) => Some(crate::metrics::bind(env, m, exposition.clone(), stop.clone()).await?),
+        None => None,
+    };
     // The credential proxy, bound before the controllers start (a taken port fails at once).
     let (proxy, guest_proxy, proxy_bound) = match options.proxy_listen {
         ProxyListen::Off => (None, None, None),
@@ -133,7 +151,8 @@ pub async fn serve(env: &Env, options: Options) -> Result {
             let verbs = Verbs::open(env.clone(), Voice::Cli)?;
             let server = boxery_apiserver::ApiServer::bind(verbs, addr, Default::default())
                 .await
-                .map_err(VerbError::failed)?;
+                .map_err(VerbError::failed)?
+                .with_metrics(exposition.clone());
             let bound = server.local_addr();
             let file = boxery_apiserver::tls::dir(&env.home).join("addr");
             write_addr(&file, bound)?;
@@ -143,9 +162,19 @@ pub async fn serve(env: &Env, options: Options) -> Result {
         None => None,
     };
     let trim = tokio::spawn(trim_every(TRIM_EVERY, stop.clone()));
-    let r = lead_and_run(env, options.inventory_every, options.lease, guest_proxy).await;
+    let r = lead_and_run(
+        env,
+        options.inventory_every,
+        options.lease,
+        guest_proxy,
+        observed,
+    )
+    .await;
     stop.cancel();
     let _ = trim.await;
+    if let Some(m) = metrics {
+        m.stopped().await;
+    }
     if let Some((task, file, bound)) = api {
         let _ = task.await;
         remove_addr_if_ours(&file, bound);
@@ -230,6 +259,7 @@ async fn lead_and_run(
     inventory_every: Duration,
     lease: Duration,
     proxy: Option<boxery_proxy::Proxy>,
+    observed: boxery_reconcilers::metrics::Observed,
 ) -> Result {
     let store = env.store()?;
     let backend = env.backend_for(&store).await?;
@@ -261,6 +291,7 @@ async fn lead_and_run(
         ..Settings::default()
     };
     let ctx = context(&store, &env.home, backend.clone(), settings, &me.id);
+    ctx.keep_observed(observed);
     if let Some(p) = proxy {
         tokio::spawn(boxery_proxy::channels::keep(
             p,
@@ -321,7 +352,7 @@ async fn backend_ready(
 }
 
 /// Record the address a listener took (`proxy.addr`, `api/addr`), whole or not at all.
-fn write_addr(file: &Path, bound: SocketAddr) -> Result {
+pub(crate) fn write_addr(file: &Path, bound: SocketAddr) -> Result {
     let tmp = file.with_extension("tmp");
     std::fs::write(&tmp, format!("{bound}\n"))
         .and_then(|()| std::fs::rename(&tmp, file))
@@ -330,7 +361,7 @@ fn write_addr(file: &Path, bound: SocketAddr) -> Result {
 
 /// Remove an address file when it still holds our address: another `serve` on this home (a
 /// standby) may have written its own since, and its listener answers alike.
-fn remove_addr_if_ours(file: &Path, bound: SocketAddr) {
+pub(crate) fn remove_addr_if_ours(file: &Path, bound: SocketAddr) {
     if std::fs::read_to_string(file).ok() == Some(format!("{bound}\n")) {
         let _ = std::fs::remove_file(file);
     }

@@ -11,6 +11,7 @@
 //!   egress/<vm>           a VM's egress policy (0600)            egress_policy (crate::egress)
 //!   audit/proxy.log       the credential proxy's audit log       audit_log
 //!   proxy.addr            where serve's proxy listens            proxy_addr
+//!   metrics.addr          where serve's /metrics listens         metrics_addr
 //!   api/                  the API's TLS files and tokens         api, api_tokens
 //!   mcp-token             the MCP listener's bearer token        mcp_token
 //!   ssh/                  ssh_config, pinned keys, ControlMasters ssh
@@ -83,6 +84,11 @@ pub fn audit_log(home: &Path) -> PathBuf {
 /// `proxy.addr`: where `serve`'s proxy listens (`127.0.0.1:PORT`).
 pub fn proxy_addr(home: &Path) -> PathBuf {
     home.join("proxy.addr")
+}
+
+/// `metrics.addr`: where `serve --metrics-listen` listens (`127.0.0.1:PORT`).
+pub fn metrics_addr(home: &Path) -> PathBuf {
+    home.join("metrics.addr")
 }
 
 /// `api/`: the API server's files (its CA and certificate, its tokens).

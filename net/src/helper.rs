@@ -78,6 +78,62 @@ pub struct Options {
     /// QEMU's pidfile: the helper ends when the QEMU it names has exited (or when none has
     /// started within [`QEMU_START_TIMEOUT`]), so a VM's network never outlives its QEMU.
     pub qemu_pidfile: Option<PathBuf>,
+    /// Where to write the guest's network byte counts ([`Counts`]), every
+    /// [`STATS_EVERY`] while they change.
+    pub stats: Option<PathBuf>,
+}
+
+/// How often the stats file is rewritten while the counts change.
+pub const STATS_EVERY: Duration = Duration::from_secs(2);
+
+/// The guest's network bytes since the helper started, as the stats file holds them: one
+/// line, what the guest received and what it sent (`rx 1234 tx 567\n`), Ethernet frames
+/// counted whole. `backends::qemu::net` reads it (`boxery_vm_network_*_bytes_total`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Bytes of frames the guest received.
+    pub rx: u64,
+    /// Bytes of frames the guest sent.
+    pub tx: u64,
+}
+
+/// The stats file's writer: whole or not at all (a rename), at most every [`STATS_EVERY`],
+/// and only when the counts changed.
+#[derive(Debug)]
+struct StatsFile {
+    path: PathBuf,
+    written: Option<Counts>,
+    last: Instant,
+}
+
+impl StatsFile {
+    fn new(path: PathBuf) -> Self {
+        StatsFile {
+            path,
+            written: None,
+            last: Instant::now() - STATS_EVERY,
+        }
+    }
+
+    fn update(&mut self, now: Counts) {
+        if self.written == Some(now) || self.last.elapsed() < STATS_EVERY {
+            return;
+        }
+        self.last = Instant::now();
+        let tmp = self.path.with_extension("tmp");
+        let wrote = std::fs::write(&tmp, format!("rx {} tx {}\n", now.rx, now.tx))
+            .and_then(|()| std::fs::rename(&tmp, &self.path));
+        match wrote {
+            Ok(()) => self.written = Some(now),
+            Err(e) => eprintln!("boxery-net: cannot write {}: {e}", self.path.display()),
+        }
+    }
+}
+
+impl Drop for StatsFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
 
 /// How long a helper given `qemu_pidfile` waits for a live QEMU to be named in it.
@@ -220,6 +276,8 @@ struct Outbox {
     attached: bool,
     /// Frames dropped because the outbox was full.
     dropped: u64,
+    /// Bytes of the frames taken for the guest (its received bytes), since the start.
+    to_guest: u64,
 }
 
 impl Guest for Outbox {
@@ -234,6 +292,7 @@ impl Guest for Outbox {
         self.buf
             .extend_from_slice(&(frame.len() as u32).to_be_bytes());
         self.buf.extend_from_slice(frame);
+        self.to_guest += frame.len() as u64;
     }
 }
 
@@ -547,6 +606,7 @@ pub fn run(opts: &Options) -> Result<Stopped, HelperError> {
         opts.proxy_sock.display()
     );
     let mut watch = opts.qemu_pidfile.clone().map(QemuWatch::new);
+    let mut stats = opts.stats.clone().map(StatsFile::new);
     let stopped = serve(
         &mut slirp,
         &listener,
@@ -554,6 +614,7 @@ pub fn run(opts: &Options) -> Result<Stopped, HelperError> {
         &mut proxy,
         &signals,
         watch.as_mut(),
+        stats.as_mut(),
     )?;
     drop(cleanup);
     Ok(stopped)
@@ -567,11 +628,19 @@ fn serve(
     proxy: &mut ProxyRoute,
     signals: &StopSignals,
     mut watch: Option<&mut QemuWatch>,
+    mut stats: Option<&mut StatsFile>,
 ) -> Result<Stopped, HelperError> {
     let mut qemu: Option<UnixStream> = None;
     let mut inbuf = vec![0u8; 2 * (4 + MAX_FRAME)];
     let mut have = 0;
+    let mut from_guest = 0u64;
     loop {
+        if let Some(s) = stats.as_deref_mut() {
+            s.update(Counts {
+                rx: slirp.guest().to_guest,
+                tx: from_guest,
+            });
+        }
         let pending = slirp.guest().pending();
         let link = match &qemu {
             Some(c) => (
@@ -629,7 +698,9 @@ fn serve(
                         Ok(0) => gone = Some("closed the connection".into()),
                         Ok(n) => {
                             have += n;
-                            gone = feed(slirp, &mut inbuf, &mut have);
+                            let (bad, bytes) = feed(slirp, &mut inbuf, &mut have);
+                            from_guest += bytes;
+                            gone = bad;
                         }
                         Err(e)
                             if matches!(
@@ -667,14 +738,16 @@ fn serve(
 }
 
 /// Give slirp every whole frame at the start of `buf[..have]` and keep the rest; `Some(why)`
-/// when the stream is out of step.
-fn feed(slirp: &mut Slirp<Outbox>, buf: &mut [u8], have: &mut usize) -> Option<String> {
+/// when the stream is out of step, and the bytes of the frames given.
+fn feed(slirp: &mut Slirp<Outbox>, buf: &mut [u8], have: &mut usize) -> (Option<String>, u64) {
     let mut off = 0;
+    let mut bytes = 0;
     let bad = loop {
         match frame_at(&buf[off..*have]) {
             Frame::Whole(len) => {
                 if len > 0 {
                     slirp.input(&buf[off + 4..off + 4 + len]);
+                    bytes += len as u64;
                 }
                 off += 4 + len;
             }
@@ -684,7 +757,7 @@ fn feed(slirp: &mut Slirp<Outbox>, buf: &mut [u8], have: &mut usize) -> Option<S
     };
     buf.copy_within(off..*have, 0);
     *have -= off;
-    bad
+    (bad, bytes)
 }
 
 #[cfg(test)]

@@ -49,6 +49,10 @@ struct Args {
     /// QEMU is named there within 60 s
     #[arg(long, value_name = "PATH")]
     qemu_pidfile: Option<PathBuf>,
+    /// Keep the guest's network byte counts here (`rx BYTES tx BYTES`, rewritten every 2 s
+    /// while they change); removed on exit
+    #[arg(long, value_name = "PATH")]
+    stats: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -59,6 +63,7 @@ fn main() -> ExitCode {
         proxy_sock: args.proxy_sock,
         pidfile: args.pidfile,
         qemu_pidfile: args.qemu_pidfile,
+        stats: args.stats,
     };
     match helper::run(&opts) {
         Ok(stopped) => {

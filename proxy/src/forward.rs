@@ -262,7 +262,7 @@ impl Arrival {
         if self.rec.reason.is_none() {
             self.rec.reason = reason;
         }
-        p.audit.write(&self.rec);
+        ended(&p.audit, &self.rec, self.started);
     }
 }
 
@@ -288,6 +288,27 @@ impl Drop for Finish {
             self.rec.bytes_in = b.load(Ordering::Relaxed);
         }
         self.rec.ms = self.started.elapsed().as_millis() as u64;
-        self.audit.audit.write(&self.rec);
+        ended(&self.audit.audit, &self.rec, self.started);
     }
+}
+
+/// A request that ended: appended to the audit log and counted in the proxy's metrics.
+fn ended(audit: &crate::audit::Audit, rec: &Record, started: Instant) {
+    audit.write(rec);
+    let route = match rec.route.as_deref() {
+        Some("llm") => "llm",
+        Some("edge") => "edge",
+        Some("egress") => "egress",
+        _ => "none",
+    };
+    boxery_metrics::METRICS
+        .proxy
+        .record(boxery_metrics::Transfer {
+            vm: rec.vm.as_deref(),
+            route,
+            code: rec.status,
+            bytes_in: rec.bytes_in,
+            bytes_out: rec.bytes_out,
+            seconds: started.elapsed().as_secs_f64(),
+        });
 }

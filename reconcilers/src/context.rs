@@ -72,6 +72,7 @@ pub struct Ctx {
     pub(crate) guest: crate::guest::Pushed,
     writes: Arc<WriteThrough>,
     pool_caches: std::sync::OnceLock<crate::pool::Caches>,
+    observed: std::sync::OnceLock<crate::metrics::Observed>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     reported: Mutex<std::collections::HashSet<String>>,
 }
@@ -134,6 +135,7 @@ impl Ctx {
             ssh,
             guest: Default::default(),
             pool_caches: std::sync::OnceLock::new(),
+            observed: std::sync::OnceLock::new(),
             locks: Mutex::new(HashMap::new()),
             reported: Mutex::new(Default::default()),
         }
@@ -155,6 +157,17 @@ impl Ctx {
     /// Give the pool and lease reconcilers the caches they read (once; `runtime::run` does).
     pub fn keep_pool_caches(&self, caches: crate::pool::Caches) {
         let _ = self.pool_caches.set(caches);
+    }
+
+    /// Let `/metrics` read what the controllers run on this context observe (once, before
+    /// [`crate::runtime::run`]; `serve` does).
+    pub fn keep_observed(&self, observed: crate::metrics::Observed) {
+        let _ = self.observed.set(observed);
+    }
+
+    /// What `/metrics` reads, when `serve` asked for it.
+    pub fn observed(&self) -> Option<&crate::metrics::Observed> {
+        self.observed.get()
     }
 
     /// The caches of member records and leases, when the runtime keeps them.

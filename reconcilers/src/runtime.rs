@@ -12,7 +12,7 @@ use boxery_controller::{
 };
 
 use crate::context::Ctx;
-use crate::{agent_forward, grant, guest, image, inventory, lease, pool, vm};
+use crate::{agent_forward, grant, guest, image, inventory, lease, metrics, pool, vm};
 
 /// How many store revisions of history to keep for watchers.
 pub const KEEP_REVISIONS: u64 = 20_000;
@@ -76,6 +76,21 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
 
     let mut m = Manager::new(shutdown);
     let token = m.token();
+    if let Some(observed) = ctx.observed() {
+        let samples = Arc::default();
+        observed.attach(metrics::Attached {
+            vms: vm_ctl.cache(),
+            images: image_ctl.cache(),
+            pools: pool_ctl.cache(),
+            leases: lease_ctl.cache(),
+            grants: grant_ctl.cache(),
+            samples: Arc::clone(&samples),
+        });
+        m.add(
+            "samples",
+            metrics::sample(ctx.clone(), vm_ctl.cache(), samples, token.clone()),
+        );
+    }
     m.add(
         "vm-metadata",
         vm_metadata.run(ctx.store.clone(), token.clone()),
@@ -145,6 +160,9 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     m.add("compaction", compact(ctx.clone(), token));
     if let Err(e) = m.run().await {
         tracing::error!(error = %boxery_controller::error_chain(&e), "the controllers stopped");
+    }
+    if let Some(observed) = ctx.observed() {
+        observed.detach();
     }
 }
 

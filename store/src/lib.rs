@@ -473,7 +473,7 @@ pub(crate) struct Inner {
     writer: Mutex<Connection>,
     readers: Mutex<Vec<Connection>>,
     /// The newest revision known to this process (wakes watchers).
-    pub(crate) revisions: tokio::sync::watch::Sender<u64>,
+    pub(crate) revisions: tokio::sync::watch::Sender<watch::Published>,
     /// The newest revision of each kind, known for every revision up to a point: lets a
     /// watcher of one kind skip reading the log when only other kinds changed.
     pub(crate) kind_revs: Arc<Mutex<watch::KindRevs>>,
@@ -520,7 +520,7 @@ impl Inner {
         };
         let rev = schema::meta(&writer, "revision").map_err(open_db)?;
         let uid = schema::identity(&writer).map_err(open_db)?;
-        let (revisions, _) = tokio::sync::watch::channel(rev);
+        let (revisions, _) = tokio::sync::watch::channel(watch::Published::now(rev));
         let kind_revs = Arc::new(Mutex::new(watch::KindRevs::new(rev)));
         let (stop_upkeep, upkeep_rx) = mpsc::channel();
         let inner = Arc::new(Inner {

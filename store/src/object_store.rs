@@ -328,6 +328,17 @@ async fn write_with(
     blocking(store, move |s| write(s, obj, &arg)).await
 }
 
+/// `write`, timed into the store's write latency (`boxery_store_write_duration_seconds`) as
+/// its caller waits for it: queueing for the blocking pool and the write lock included.
+async fn timed<T>(operation: &'static str, write: impl Future<Output = Result<T>>) -> Result<T> {
+    let histogram = boxery_metrics::METRICS
+        .store
+        .write_duration
+        .get_or_create_owned(&boxery_metrics::OperationLabel { operation });
+    let _timed = boxery_metrics::Timer::start(&histogram);
+    write.await
+}
+
 /// [`off_workers`] for a call on a clone of `store`.
 async fn blocking<T: Send + 'static>(
     store: &Store,
@@ -364,23 +375,31 @@ impl ObjectStore for Store {
         blocking(self, move |s| s.list_at(&kind, &selector, rev)).await
     }
     async fn create_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
-        write_with(self, obj, manager, Store::create_by).await
+        timed("create", write_with(self, obj, manager, Store::create_by)).await
     }
     async fn adopt(&self, obj: DynObject, uid: &str) -> Result<DynObject> {
-        write_with(self, obj, uid, Store::adopt).await
+        timed("adopt", write_with(self, obj, uid, Store::adopt)).await
     }
     async fn update_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
-        write_with(self, obj, manager, Store::update_by).await
+        timed("update", write_with(self, obj, manager, Store::update_by)).await
     }
     async fn update_dry_run_by(&self, obj: DynObject, manager: &str) -> Result<DynObject> {
         write_with(self, obj, manager, Store::update_dry_run_by).await
     }
     async fn update_status(&self, obj: DynObject) -> Result<DynObject> {
-        blocking(self, move |s| s.update_status(obj)).await
+        timed(
+            "update_status",
+            blocking(self, move |s| s.update_status(obj)),
+        )
+        .await
     }
     async fn delete(&self, key: &ObjectRef) -> Result<DeleteOutcome> {
         let key = key.clone();
-        blocking(self, move |s| s.delete(&key.kind, &key.name)).await
+        timed(
+            "delete",
+            blocking(self, move |s| s.delete(&key.kind, &key.name)),
+        )
+        .await
     }
     async fn apply_all(
         &self,
@@ -388,7 +407,7 @@ impl ObjectStore for Store {
         opts: &ApplyOptions,
     ) -> Result<Vec<(ApplyAction, DynObject)>> {
         let opts = opts.clone();
-        blocking(self, move |s| s.apply_all(objs, &opts)).await
+        timed("apply", blocking(self, move |s| s.apply_all(objs, &opts))).await
     }
     async fn revision(&self) -> Result<u64> {
         blocking(self, |s| s.revision()).await

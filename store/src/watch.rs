@@ -25,7 +25,7 @@ use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::stream::{self, BoxStream, StreamExt};
 use rusqlite::{Connection, params};
@@ -174,9 +174,12 @@ struct State {
     kind: Option<String>,
     /// Every change at or below this revision has been yielded (or did not match).
     pos: u64,
-    rx: watch::Receiver<u64>,
+    rx: watch::Receiver<Published>,
     buf: VecDeque<(u64, WatchEvent)>,
     done: bool,
+    /// Woken by a new revision (not the first read of a watch, which catches up from `from`):
+    /// its read counts into the watch lag.
+    woken: bool,
 }
 
 /// The stream behind `Store::watch`.
@@ -193,6 +196,7 @@ pub(crate) fn stream(
         rx,
         buf: VecDeque::new(),
         done: false,
+        woken: false,
     };
     stream::unfold(state, |mut s| async move {
         loop {
@@ -206,7 +210,8 @@ pub(crate) fn stream(
             // watcher that may then idle for hours.
             s.buf.shrink_to(0);
             // Mark seen before reading: a commit after this read wakes the wait below.
-            let known = *s.rx.borrow_and_update();
+            let Published { rev: known, at } = *s.rx.borrow_and_update();
+            let woken = std::mem::take(&mut s.woken);
             if known > s.pos
                 && let Some(kind) = &s.kind
                 && crate::lock(&s.inner.kind_revs).unchanged(kind, s.pos, known)
@@ -228,6 +233,12 @@ pub(crate) fn stream(
                         // this watcher back nor make it too old after a compaction.
                         s.pos = s.pos.max(end);
                         if !rows.is_empty() {
+                            if woken {
+                                boxery_metrics::METRICS
+                                    .store
+                                    .watch_lag
+                                    .observe(at.elapsed().as_secs_f64());
+                            }
                             s.buf.extend(rows);
                             continue;
                         }
@@ -245,6 +256,7 @@ pub(crate) fn stream(
             if s.rx.changed().await.is_err() {
                 return None;
             }
+            s.woken = true;
         }
     })
     // Polling again after the end is fine.
@@ -259,7 +271,7 @@ pub(crate) fn spawn_poller(
     path: PathBuf,
     busy_timeout: Duration,
     interval: Duration,
-    revisions: watch::Sender<u64>,
+    revisions: watch::Sender<Published>,
     kind_revs: Arc<std::sync::Mutex<KindRevs>>,
     stop: Receiver<()>,
 ) -> std::io::Result<()> {
@@ -303,11 +315,29 @@ pub(crate) fn spawn_poller(
     Ok(())
 }
 
+/// The newest revision known to this process, and when it became known here (its commit
+/// here, or the poller's notice of another process's commit).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Published {
+    pub(crate) rev: u64,
+    pub(crate) at: Instant,
+}
+
+impl Published {
+    /// `rev`, known now.
+    pub(crate) fn now(rev: u64) -> Self {
+        Published {
+            rev,
+            at: Instant::now(),
+        }
+    }
+}
+
 /// Raise the published revision to `rev` (never lower it).
-pub(crate) fn publish(revisions: &watch::Sender<u64>, rev: u64) {
+pub(crate) fn publish(revisions: &watch::Sender<Published>, rev: u64) {
     revisions.send_if_modified(|v| {
-        if rev > *v {
-            *v = rev;
+        if rev > v.rev {
+            *v = Published::now(rev);
             true
         } else {
             false

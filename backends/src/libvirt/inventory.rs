@@ -69,6 +69,57 @@ impl Inner {
     }
 }
 
+impl Inner {
+    /// What each of our running domains uses: libvirt's CPU time of the domain, the RSS of
+    /// its QEMU (its balloon-independent `rss` memory stat), and its NICs' byte counts.
+    pub(super) async fn usage(self: &Arc<Self>) -> Result<Vec<crate::VmUsage>> {
+        self.call(|me, conn| {
+            let doms = conn
+                .list_all_domains(virt::sys::VIR_CONNECT_LIST_DOMAINS_ACTIVE)
+                .map_err(|e| unreachable(format!("listing domains: {e}")))?;
+            let prefix = me.domain_name("");
+            let mut out = Vec::new();
+            for dom in doms {
+                let Ok(n) = dom.name() else { continue };
+                if !n.starts_with(&prefix) {
+                    continue; // not ours: never read further
+                }
+                let Some(d) = me.ours(dom) else { continue };
+                let Ok(info) = d.dom.info() else { continue };
+                let rss_kib = d
+                    .dom
+                    .memory_stats(0)
+                    .unwrap_or_default()
+                    .iter()
+                    .find(|m| m.tag == virt::sys::VIR_DOMAIN_MEMORY_STAT_RSS)
+                    .map_or(0, |m| m.val);
+                let (mut rx, mut tx, mut counted) = (0u64, 0u64, false);
+                if let Ok(text) = Self::xml_of(&d, 0) {
+                    for dev in xml::interfaces(&text)
+                        .into_iter()
+                        .filter_map(xml::target_of)
+                    {
+                        if let Ok(st) = d.dom.interface_stats(dev) {
+                            rx += st.rx_bytes.max(0) as u64;
+                            tx += st.tx_bytes.max(0) as u64;
+                            counted = true;
+                        }
+                    }
+                }
+                out.push(crate::VmUsage {
+                    name: d.cfg.name.clone(),
+                    cpu_seconds: info.cpu_time as f64 / 1e9,
+                    rss_bytes: rss_kib.saturating_mul(1024),
+                    network_rx_bytes: counted.then_some(rx),
+                    network_tx_bytes: counted.then_some(tx),
+                });
+            }
+            Ok(out)
+        })
+        .await
+    }
+}
+
 /// Where libvirtd (system instance) keeps each QEMU domain's log.
 pub(super) const DOMAIN_LOG_DIR: &str = "/var/log/libvirt/qemu";
 

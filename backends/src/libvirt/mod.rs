@@ -292,6 +292,7 @@ impl Backend for LibvirtBackend {
             build_stock_image: true,
             host_key: true,
             ssh: true,
+            usage: true,
         }
     }
 
@@ -328,6 +329,10 @@ impl Backend for LibvirtBackend {
 
     async fn list(&self) -> Result<Vec<VmInfo>> {
         self.inner.list().await
+    }
+
+    async fn usage(&self) -> Result<Vec<crate::VmUsage>> {
+        self.inner.usage().await
     }
 
     async fn start(&self, name: &str) -> Result<()> {

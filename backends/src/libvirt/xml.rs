@@ -212,6 +212,15 @@ pub fn interfaces(xml: &str) -> Vec<&str> {
     out
 }
 
+/// The host device an `<interface>` element of a running domain is attached by
+/// (`<target dev='vnet3'/>`), if any.
+pub fn target_of(interface: &str) -> Option<&str> {
+    let at = interface.find("<target dev=")? + "<target dev=".len();
+    let q = interface[at..].chars().next()?;
+    let rest = &interface[at + 1..];
+    Some(&rest[..rest.find(q)?])
+}
+
 /// The name of the filter an `<interface>` element references, if any.
 pub fn filter_of(interface: &str) -> Option<&str> {
     let at = interface.find("<filterref filter=")? + "<filterref filter=".len();

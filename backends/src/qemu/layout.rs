@@ -151,6 +151,10 @@ impl Layout {
     pub fn vm_net_pidfile(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("net.pid")
     }
+    /// `vms/<name>/net.stats`: the guest's network byte counts, kept by its `boxery-net`.
+    pub fn vm_net_stats(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("net.stats")
+    }
     /// `vms/<name>/net.log`: what the VM's `boxery-net` says.
     pub fn vm_net_log(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("net.log")

@@ -63,6 +63,7 @@ impl Inner {
             pidfile: self.layout.vm_net_pidfile(name),
             log: self.layout.vm_net_log(name),
             qemu_pidfile: self.layout.vm_pidfile(name),
+            stats: self.layout.vm_net_stats(name),
             proxy: self.layout.vm_proxy(name),
             port,
         }

@@ -385,6 +385,34 @@ impl Backend for QemuBackend {
             }))
     }
 
+    async fn usage(&self) -> Result<Vec<crate::VmUsage>> {
+        let inner = &self.inner;
+        let Ok(entries) = std::fs::read_dir(inner.layout.vms()) else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !valid_name(&name) {
+                continue;
+            }
+            let Some((cpu_seconds, rss_bytes)) =
+                inner.pid(&name).and_then(crate::host::process_usage)
+            else {
+                continue;
+            };
+            let net = net::read_counts(&inner.layout.vm_net_stats(&name));
+            out.push(crate::VmUsage {
+                name,
+                cpu_seconds,
+                rss_bytes,
+                network_rx_bytes: net.map(|n| n.0),
+                network_tx_bytes: net.map(|n| n.1),
+            });
+        }
+        Ok(out)
+    }
+
     fn accelerator(&self) -> Option<String> {
         let a = self.accel();
         Some(format!("{:?}: {}", a.accel, a.reason))
@@ -409,6 +437,7 @@ impl Backend for QemuBackend {
             build_stock_image: true,
             host_key: true,
             ssh: true,
+            usage: true,
         }
     }
 

@@ -34,6 +34,8 @@ pub struct NetSpec {
     pub log: PathBuf,
     /// QEMU's pidfile: the helper ends when that QEMU has.
     pub qemu_pidfile: PathBuf,
+    /// Where it keeps the guest's network byte counts ([`read_counts`]).
+    pub stats: PathBuf,
     /// The credential proxy's channel (the VM's `proxy.sock`).
     pub proxy: PathBuf,
     /// The loopback port forwarded to the guest's sshd.
@@ -95,6 +97,8 @@ pub async fn start(binary: &Path, spec: &NetSpec, timeout: Duration) -> Result<i
         .arg(&spec.pidfile)
         .arg("--qemu-pidfile")
         .arg(&spec.qemu_pidfile)
+        .arg("--stats")
+        .arg(&spec.stats)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(log)
@@ -158,6 +162,18 @@ pub async fn stop(pidfile: &Path, dir: &Path) {
 /// Whether `pid` is a live `boxery-net` whose command line names `dir`.
 pub fn is_our_helper(pid: i32, dir: &Path) -> bool {
     runs_for(pid, dir, |exe| exe == "boxery-net")
+}
+
+/// The guest's network bytes from a helper's stats file (`rx BYTES tx BYTES`, written by
+/// `boxery-net --stats`, net/src/helper.rs `Counts`): what it received, what it sent. `None`
+/// when there is no such file yet (no traffic counted, or a helper from before it kept one).
+pub fn read_counts(path: &Path) -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let mut f = text.split_whitespace();
+    match (f.next(), f.next(), f.next(), f.next()) {
+        (Some("rx"), Some(rx), Some("tx"), Some(tx)) => Some((rx.parse().ok()?, tx.parse().ok()?)),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
