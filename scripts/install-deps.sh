@@ -33,6 +33,10 @@ BASE_PKGS+=(git python3)
 # openssh-server: the git-over-ssh stand-in of tests/real_vms/dev_traffic.rs runs /usr/sbin/sshd
 # with a config of its own in a network namespace it makes (the host's ssh service is not used).
 BASE_PKGS+=(openssh-server)
+# prometheus (with promtool): tests/metrics.rs starts its own Prometheus on loopback to scrape
+# `serve --metrics-listen` and checks the exposition with `promtool check metrics`. The
+# package's own service is not wanted: a fresh install has it disabled again (below).
+BASE_PKGS+=(prometheus)
 # kubectl: `apply|diff|delete -k DIR` build kustomizations with `kubectl kustomize`, and boxery
 # works as a kubectl plugin (tests/cli.rs). Debian's kubernetes-client when none is on PATH.
 command -v kubectl >/dev/null 2>&1 || BASE_PKGS+=(kubernetes-client)
@@ -147,6 +151,11 @@ if [ -n "$MISS_BASE" ]; then
   say "installing from bookworm: $(echo $MISS_BASE)"
   # shellcheck disable=SC2086
   apt-get install -y -q --no-install-recommends $MISS_BASE
+  # Installed here for the tests' binaries, not as a service of this machine: the one the
+  # package started is stopped and disabled (a Prometheus installed before is left alone).
+  if echo "$MISS_BASE" | grep -qx prometheus && [ -d /run/systemd/system ]; then
+    systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
 fi
 
 left=$(missing "${QEMU_PKGS[@]}" "${BASE_PKGS[@]}")
