@@ -98,7 +98,10 @@ impl Prometheus {
         let log = std::fs::File::create(dir.join("prometheus.log")).unwrap();
         let child = Command::new("prometheus")
             .arg(format!("--config.file={}", config.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
             .arg(format!("--web.listen-address={addr}"))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -199,8 +202,10 @@ fn a_real_prometheus_scrapes_serve_and_counts_vms_and_proxy_requests() {
         .0
     };
     // The grant takes effect within a reconcile: the first 200 starts the count.
-    common::eventually(Duration::from_secs(20), || (call(&token) == 200).then_some(()))
-        .expect("the granted call goes through");
+    common::eventually(Duration::from_secs(20), || {
+        (call(&token) == 200).then_some(())
+    })
+    .expect("the granted call goes through");
     for _ in 0..2 {
         assert_eq!(call(&token), 200);
     }
@@ -228,6 +233,52 @@ fn a_real_prometheus_scrapes_serve_and_counts_vms_and_proxy_requests() {
     assert!(
         checked.status.success(),
         "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&checked.stdout),
+        String::from_utf8_lossy(&checked.stderr)
+    );
+    // Every metric is documented; the dashboard queries only metrics that exist.
+    let families: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.split_whitespace().next())
+        .collect();
+    assert!(families.len() > 20, "{families:?}");
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let doc = std::fs::read_to_string(repo.join("docs/observability.md")).unwrap();
+    for f in &families {
+        assert!(
+            doc.contains(&format!("| `{f}` |")),
+            "{f} is not in docs/observability.md's tables"
+        );
+    }
+    let dashboard =
+        std::fs::read_to_string(repo.join("manifests/monitoring/grafana-dashboard.json")).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&dashboard).unwrap();
+    let mut queried = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                if let Some(name) = word.strip_prefix("boxery_") {
+                    let name = format!("boxery_{}", name.trim_end_matches("_bucket"));
+                    assert!(
+                        families.contains(&name.as_str()),
+                        "the dashboard's panel {:?} queries {name}, which /metrics does not have",
+                        panel["title"]
+                    );
+                    queried += 1;
+                }
+            }
+        }
+    }
+    assert!(queried >= 10);
+    let checked = Command::new("promtool")
+        .args(["check", "config", "--syntax-only"])
+        .arg(repo.join("manifests/monitoring/prometheus.yml"))
+        .output()
+        .unwrap();
+    assert!(
+        checked.status.success(),
+        "{}{}",
         String::from_utf8_lossy(&checked.stdout),
         String::from_utf8_lossy(&checked.stderr)
     );
@@ -276,7 +327,10 @@ fn the_api_serves_metrics_to_read_and_full_tokens_only() {
     assert_eq!(status, 200, "{body}");
     let text = body.as_str().unwrap_or_default();
     assert!(text.contains("boxery_vm_info{vm=\"a1\""), "{text}");
-    assert!(text.contains("# TYPE boxery_reconcile_total counter"), "{text}");
+    assert!(
+        text.contains("# TYPE boxery_reconcile_total counter"),
+        "{text}"
+    );
     let (status, _) = api.request(&api.kubeconfig, "GET", "/metrics", None);
     assert_eq!(status, 200);
     // kubectl sees the same: `kubectl get --raw /metrics`.

@@ -21,6 +21,8 @@ mod dev_traffic;
 mod layers;
 #[path = "real_vms/ssh_agent.rs"]
 mod ssh_agent;
+#[path = "real_vms/usage.rs"]
+mod usage;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -2494,6 +2496,10 @@ macro_rules! on_backend {
         #[test]
         fn egress_drill_for_each_policy() {
             super::egress_drill($kind)
+        }
+        #[test]
+        fn metrics_sample_a_running_vm() {
+            super::usage::usage_samples($kind)
         }
     };
 }

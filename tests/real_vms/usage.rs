@@ -1,0 +1,92 @@
+//! What `/metrics` says of a real running VM (issue 36, docs/observability.md): its
+//! hypervisor's CPU seconds and resident memory, its disk, and its network bytes, sampled from
+//! the backend by `serve --metrics-listen`. A megabyte the guest writes to its ssh session is
+//! at least a megabyte of `boxery_vm_network_transmit_bytes_total`.
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use super::{Kind, RealHome, common, tiny_vm};
+
+/// GET `/metrics` at `addr`: the body.
+fn scrape(addr: &str) -> String {
+    let mut c = std::net::TcpStream::connect(addr).expect("the metrics listener answers");
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        c,
+        "GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = c.read_to_string(&mut out);
+    out
+}
+
+/// The value of the series `series` (name and labels, as the exposition writes them).
+fn value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+}
+
+pub(super) fn usage_samples(kind: Kind) {
+    let h = RealHome::new(kind);
+    let serve = h.serve_args(&["--metrics-listen", "127.0.0.1:0"], &[]);
+    serve.wait_leading();
+    let addr = std::fs::read_to_string(h.home.path().join("metrics.addr"))
+        .expect("serve wrote metrics.addr");
+    let addr = addr.trim();
+    let f = h.home.write("u.yaml", &tiny_vm("u1"));
+    h.apply_file(&f, "10m");
+    // A megabyte from the guest, over its network (the ssh session's output).
+    let out = h.run("u1", "head -c 1048576 /dev/zero | tr '\\0' x");
+    assert_eq!(out.len(), 1048576);
+    let vm = "{vm=\"u1\"}";
+    let text = common::eventually(Duration::from_secs(60), || {
+        let text = scrape(addr);
+        (value(
+            &text,
+            &format!("boxery_vm_network_transmit_bytes_total{vm}"),
+        )? >= 1048576.0)
+            .then_some(text)
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "no megabyte sent by u1 in the samples on {}:\n{}",
+            kind.name(),
+            scrape(addr)
+                .lines()
+                .filter(|l| l.starts_with("boxery_vm_"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        )
+    });
+    let cpu = value(&text, &format!("boxery_vm_cpu_seconds_total{vm}")).expect("CPU seconds");
+    let rss = value(&text, &format!("boxery_vm_memory_rss_bytes{vm}")).expect("RSS");
+    let disk = value(&text, &format!("boxery_vm_disk_used_bytes{vm}")).expect("disk");
+    let rx = value(&text, &format!("boxery_vm_network_receive_bytes_total{vm}")).expect("rx");
+    eprintln!(
+        "u1 on {}: {cpu:.1} CPU s, RSS {:.0} MiB, disk {:.1} MiB, rx {rx} B",
+        kind.name(),
+        rss / 1048576.0,
+        disk / 1048576.0
+    );
+    // A booted guest under emulation has used seconds of CPU and tens of MiB of host memory;
+    // its overlay holds at least what it wrote at boot; it received the command over ssh.
+    assert!(cpu >= 1.0, "{cpu}");
+    assert!(rss >= 32.0 * 1048576.0, "{rss}");
+    assert!(disk > 0.0, "{disk}");
+    assert!(rx > 0.0, "{rx}");
+    assert!(
+        text.contains("boxery_vm_status_phase{vm=\"u1\",phase=\"Running\"} 1"),
+        "{text}"
+    );
+    h.ok(&["rm", "u1", "--wait", "--timeout", "3m"]);
+    // Its samples leave with it.
+    common::eventually(Duration::from_secs(30), || {
+        (!scrape(addr).contains("vm=\"u1\"")).then_some(())
+    })
+    .expect("u1's series leave /metrics once it is removed");
+    drop(serve);
+    h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
+    assert!(h.leftovers().is_empty(), "left behind: {:?}", h.leftovers());
+}
