@@ -25,6 +25,28 @@ pub struct ProxyConfig {
     /// The egress proxy (docs/egress.md).
     #[serde(default)]
     pub egress: EgressConfig,
+    /// Dollars per million tokens by model, as the provider names it
+    /// (`claude-sonnet-4-5: {input: 3, output: 15}`): what `boxery usage` shows in dollars
+    /// and a grant's `dollarsPerMonth` counts.
+    #[serde(default)]
+    pub prices: BTreeMap<String, Price>,
+}
+
+/// A model's price, dollars per million tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    /// Per million input tokens.
+    pub input: f64,
+    /// Per million output tokens.
+    pub output: f64,
+}
+
+impl Price {
+    /// The dollars of `input` and `output` tokens.
+    pub fn of(self, input: u64, output: u64) -> f64 {
+        (input as f64 * self.input + output as f64 * self.output) / 1e6
+    }
 }
 
 /// `proxy: {egress: …}`.

@@ -105,6 +105,22 @@ fn normalize_grant(grant: &mut Grant) -> Result<(), Vec<crate::validate::FieldEr
         )),
         (None, _) => {}
     }
+    if let Some(l) = &spec.limits {
+        if spec.type_ != GrantType::Llm {
+            errs.push(FieldError::new(
+                "spec.limits",
+                "only llm grants have limits (tokens, requests and dollars of a provider)".into(),
+            ));
+        }
+        if l.dollars_per_month
+            .is_some_and(|d| !d.is_finite() || d < 0.0)
+        {
+            errs.push(FieldError::new(
+                "spec.limits.dollarsPerMonth",
+                "a number of dollars, 0 or more".into(),
+            ));
+        }
+    }
     if let Err(e) = check_value_from(&spec.value_from) {
         errs.push(FieldError::new("spec.valueFrom", e));
     } else if spec.type_ == GrantType::SshAgent
@@ -334,6 +350,29 @@ pub struct GrantSpec {
     /// Where the value comes from on the control plane (never the value itself); for
     /// `ssh-agent`, the agent's socket there.
     pub value_from: ValueFrom,
+    /// `llm` only: what the grant may use; past a limit the proxy answers 429 and the
+    /// provider sees nothing. Part of what a person approves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<GrantLimits>,
+}
+
+/// The limits of an `llm` grant (docs/grants.md, "Limits"). Days and months are UTC.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GrantLimits {
+    /// Input and output tokens per UTC day.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub tokens_per_day: Option<u64>,
+    /// Requests in any 60 seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub requests_per_minute: Option<u32>,
+    /// Dollars per UTC month, at the prices of `proxy: {prices: …}` in config.yaml (a model
+    /// with no price counts nothing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0))]
+    pub dollars_per_month: Option<f64>,
 }
 
 /// Kinds of grants.
@@ -501,6 +540,7 @@ mod tests {
         Grant::new(
             "dev1-ssh-agent-all",
             GrantSpec {
+                limits: None,
                 vm: Some("dev1".into()),
                 lease: None,
                 type_: GrantType::SshAgent,

@@ -276,6 +276,20 @@ pub(crate) enum Command {
         /// The name.
         name: Option<String>,
     },
+    /// What VMs, leases, holders, pools and grants used: LLM requests and tokens (and dollars
+    /// at the prices in config.yaml) through the proxy, and vCPU-hours, GiB-hours and CPU
+    /// seconds of running VMs, from this home's usage ledger. See docs/observability.md.
+    Usage {
+        /// Group by vm, lease, holder, grant or pool.
+        #[arg(long, default_value = "vm", value_parser = ["vm", "lease", "holder", "grant", "pool"])]
+        by: String,
+        /// From the start of the hour this long ago (1h to 400d).
+        #[arg(long, default_value = "24h", value_parser = usage_since)]
+        since: Duration,
+        /// table, json or csv.
+        #[arg(short, long, value_enum, default_value = "table")]
+        output: crate::usage::UsageOutput,
+    },
     /// The backends this build has and what each offers (from their own declarations).
     Backends,
     /// Facts about images: `images layers` lists the guest layers and what each installs.
@@ -842,4 +856,13 @@ pub enum ImagesCmd {
     /// The guest layers: those every debian-12 has, and those an Image can ask for in
     /// `spec.source.build.layers` (e.g. `agents`), with what each installs.
     Layers,
+}
+
+/// `usage --since`: 1 hour to 400 days.
+fn usage_since(s: &str) -> Result<Duration, String> {
+    boxery_verbs::wait::duration_in(
+        s,
+        Duration::from_secs(3600),
+        Duration::from_secs(400 * 86400),
+    )
 }

@@ -243,6 +243,7 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         Command::Lease(cmd) => pools::lease(v, cmd).await?,
         Command::Grant(a) => return grants::grant(v, a).await,
         Command::Orphans { cmd } => orphans::orphans(v, cmd).await?,
+        Command::Usage { by, since, output } => crate::usage::usage(v, &by, since, output)?,
         Command::Sync(args) => sync::sync(v, args).await?,
         Command::Ssh { vm, agent, cmd } => {
             if agent {

@@ -58,6 +58,17 @@ pub struct GrantArgs {
     /// The grant's name (default: VM-TYPE-TARGET).
     #[arg(long, value_parser = crate::args::label)]
     name: Option<String>,
+    /// llm grants: at most N input and output tokens a UTC day; past it the proxy answers
+    /// 429 until midnight UTC.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    tokens_per_day: Option<u64>,
+    /// llm grants: at most N requests in any minute.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=100000))]
+    requests_per_minute: Option<u32>,
+    /// llm grants: at most this many dollars a UTC month, at the prices under `proxy:
+    /// prices:` in config.yaml.
+    #[arg(long, value_name = "DOLLARS")]
+    dollars_per_month: Option<f64>,
     /// After approving, wait until the grant is in force (Applied), running the controllers
     /// here if no `boxery serve` runs.
     #[arg(long)]
@@ -162,6 +173,9 @@ async fn request(v: &Verbs, a: GrantArgs) -> CliResult<ExitCode> {
         from_file,
         from_command: (a.from_command).map(|c| c.split_whitespace().map(str::to_string).collect()),
         name: a.name,
+        tokens_per_day: a.tokens_per_day,
+        requests_per_minute: a.requests_per_minute,
+        dollars_per_month: a.dollars_per_month,
     };
     let (g, created) = grants::ask(v, asked).await?;
     let name = g.metadata.name.clone();

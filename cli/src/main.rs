@@ -28,6 +28,7 @@ mod pools;
 mod service;
 mod sync;
 mod table;
+mod usage;
 mod vms;
 mod wait;
 

@@ -80,6 +80,7 @@ pub fn row(command: &Command) -> Row<'_> {
         Command::Kubeconfig(_) => home_only("kubeconfig", "mints the tokens of this home's API"),
         Command::Service { .. } => home_only("service", "installs a unit on this machine"),
         Command::Orphans { .. } => home_only("orphans", "reads the VM host's backends"),
+        Command::Usage { .. } => home_only("usage", "reads the VM host's usage ledger"),
         Command::Drill { .. } => home_only("drill", "makes interfaces on the VM host"),
         Command::Grant(a) if grants::decides(a) => home_only(
             "grant approve/deny",

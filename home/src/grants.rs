@@ -118,6 +118,7 @@ mod tests {
             uid: format!("uid-{name}"),
             generation: 1,
             spec: GrantSpec {
+                limits: None,
                 vm: lease_uid.is_none().then(|| "dev1".into()),
                 lease: lease_uid.map(|_| "l1".into()),
                 type_: GrantType::Llm,

@@ -12,6 +12,7 @@
 //!   audit/proxy.log       the credential proxy's audit log       audit_log
 //!   proxy.addr            where serve's proxy listens            proxy_addr
 //!   metrics.addr          where serve's /metrics listens         metrics_addr
+//!   usage.db              the usage ledger (SQLite, 0600)        usage_db (crate::usage)
 //!   api/                  the API's TLS files and tokens         api, api_tokens
 //!   mcp-token             the MCP listener's bearer token        mcp_token
 //!   ssh/                  ssh_config, pinned keys, ControlMasters ssh
@@ -89,6 +90,11 @@ pub fn proxy_addr(home: &Path) -> PathBuf {
 /// `metrics.addr`: where `serve --metrics-listen` listens (`127.0.0.1:PORT`).
 pub fn metrics_addr(home: &Path) -> PathBuf {
     home.join("metrics.addr")
+}
+
+/// `usage.db`: the usage ledger ([`crate::usage`]).
+pub fn usage_db(home: &Path) -> PathBuf {
+    home.join("usage.db")
 }
 
 /// `api/`: the API server's files (its CA and certificate, its tokens).

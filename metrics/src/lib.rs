@@ -257,7 +257,27 @@ impl Exposition {
         let text = tokio::task::spawn_blocking(move || me.render(format))
             .await
             .unwrap_or_else(|e| Arc::new(format!("# boxery: the render failed: {e}\n")));
+        // Kept for the scrapes of the next second only: not between scrapes (a render of
+        // 1,000 VMs is most of a MiB).
+        let me = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(RENDER_MAX_AGE).await;
+            me.forget_old();
+        });
         (format.content_type(), bytes::Bytes::from_owner(Text(text)))
+    }
+
+    /// Drop the renders older than [`RENDER_MAX_AGE`].
+    pub fn forget_old(&self) {
+        let mut last = self.inner.last.lock().unwrap_or_else(|e| e.into_inner());
+        for slot in last.iter_mut() {
+            if slot
+                .as_ref()
+                .is_some_and(|(at, _)| at.elapsed() >= RENDER_MAX_AGE)
+            {
+                *slot = None;
+            }
+        }
     }
 
     /// The exposition in `format`: the last render when it is younger than
@@ -271,7 +291,7 @@ impl Exposition {
         {
             return text.clone();
         }
-        let mut text = String::with_capacity(slot.as_ref().map_or(4096, |(_, t)| t.len() + 1024));
+        let mut text = String::new();
         let encoded = match format {
             Format::Prometheus => prometheus_client::encoding::prometheus_text::encode(
                 &mut text,
@@ -285,6 +305,7 @@ impl Exposition {
             // Only a collector's own error reaches here (writing to a String cannot fail).
             text.push_str(&format!("# boxery: the exposition is incomplete: {e}\n"));
         }
+        text.shrink_to_fit();
         let text = Arc::new(text);
         *slot = Some((Instant::now(), text.clone()));
         text

@@ -86,6 +86,7 @@ async fn bench() {
             uid: "g".into(),
             generation: 1,
             spec: boxery_api::grant::GrantSpec {
+                limits: None,
                 vm: Some("dev1".into()),
                 lease: None,
                 type_: GrantType::Llm,

@@ -11,6 +11,7 @@ use boxery_home::grants::Entry;
 use crate::audit::Record;
 use crate::routes::{self, KeyHeader, Provider, Route};
 use crate::token::token_of;
+use crate::usage::Charge;
 use crate::{Inner, Refusal, Served, refuse, secret};
 
 /// What a request will do once admitted.
@@ -19,6 +20,8 @@ pub(crate) struct Plan {
     pub(crate) grants: String,
     pub(crate) url: String,
     pub(crate) inject: Vec<(HeaderName, HeaderValue)>,
+    /// An LLM request's charge: its response's usage is counted against it.
+    pub(crate) charge: Option<Charge>,
 }
 
 /// A request whose caller is known: its VM, the grants in force for its token's owner, and
@@ -27,6 +30,7 @@ struct Caller<'a> {
     p: &'a Inner,
     req: &'a Parts,
     vm: String,
+    owner: String,
     entries: Vec<Entry>,
     rest: String,
 }
@@ -49,6 +53,7 @@ pub(crate) async fn admit(s: &Served, req: &Parts, rec: &mut Record) -> Result<P
         p,
         req,
         vm,
+        owner: owner.clone(),
         entries,
         rest,
     };
@@ -122,6 +127,8 @@ async fn llm(c: Caller<'_>, rec: &mut Record, provider: String) -> Result<Plan, 
     };
     rec.grant = Some(grant.name.clone());
     llm_allows(&c.req.method, &prov, rest)?;
+    // Past a limit, nothing is resolved or sent.
+    c.p.accounting.admit(grant)?;
     let value = resolve(c.p, grant).await?;
     let inject = match prov.key {
         KeyHeader::XApiKey => (HeaderName::from_static("x-api-key"), value),
@@ -131,6 +138,13 @@ async fn llm(c: Caller<'_>, rec: &mut Record, provider: String) -> Result<Plan, 
         grants: grant.name.clone(),
         url: format!("{}{}", prov.upstream, with_query(rest, c.req)),
         inject: vec![inject],
+        charge: Some(Charge {
+            vm: c.vm.clone(),
+            owner: c.owner.clone(),
+            grant_uid: grant.uid.clone(),
+            grant: grant.name.clone(),
+            provider: provider.clone(),
+        }),
         vm: c.vm,
     })
 }
@@ -253,6 +267,7 @@ async fn edge(c: Caller<'_>, rec: &mut Record, host: String) -> Result<Plan, Ref
         grants: names.join(","),
         url: format!("{base}{}", with_query(rest, c.req)),
         inject,
+        charge: None,
     })
 }
 

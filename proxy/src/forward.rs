@@ -18,6 +18,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::admit::{Plan, admit};
 use crate::audit::Record;
+use crate::usage::{Charge, Meter};
 use crate::{Inner, Refusal, Served, egress, refuse};
 
 /// Hop-by-hop headers: never passed on, in either direction.
@@ -98,7 +99,19 @@ async fn forward(s: &Served, req: Request, at: &mut Arrival) -> Result<Response,
         }
     }
     at.rec.status = status.as_u16();
-    let fin = at.finish(p, None, permit);
+    let mut fin = at.finish(p, None, permit);
+    if let Some(charge) = plan.charge {
+        // what a successful answer says it used; any other answer uses nothing
+        let meter = status.is_success().then(|| {
+            let ct = up
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("");
+            Meter::new(ct)
+        });
+        fin.meter = Some(std::sync::Mutex::new((charge, meter)));
+    }
     Ok(resp.body(fin.body(up.bytes_stream())).unwrap_or_else(|_| {
         refuse(
             StatusCode::BAD_GATEWAY,
@@ -218,6 +231,8 @@ pub(crate) struct Finish {
     pub(crate) bytes: Arc<AtomicU64>,
     /// Request body bytes, when they are counted as they stream (the egress proxy's).
     bytes_in: Option<Arc<AtomicU64>>,
+    /// An LLM request's charge and the meter reading its answer (none for a failed answer).
+    pub(crate) meter: Option<std::sync::Mutex<(Charge, Option<Meter>)>>,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -250,6 +265,7 @@ impl Arrival {
             started: self.started,
             bytes: Arc::new(AtomicU64::new(0)),
             bytes_in,
+            meter: None,
             _permit: permit,
         }
     }
@@ -275,7 +291,12 @@ impl Finish {
     {
         let counter = self.bytes.clone();
         Body::from_stream(counted(s, counter).map(move |chunk| {
-            let _held = &self;
+            if let (Ok(b), Some(m)) = (&chunk, &self.meter) {
+                let mut m = m.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(meter) = m.1.as_mut() {
+                    meter.feed(b);
+                }
+            }
             chunk
         }))
     }
@@ -289,6 +310,11 @@ impl Drop for Finish {
         }
         self.rec.ms = self.started.elapsed().as_millis() as u64;
         ended(&self.audit.audit, &self.rec, self.started);
+        if let Some(m) = self.meter.take() {
+            let (charge, meter) = m.into_inner().unwrap_or_else(|e| e.into_inner());
+            let used = meter.map(Meter::finish).unwrap_or_default();
+            self.audit.accounting.record(&charge, used);
+        }
     }
 }
 

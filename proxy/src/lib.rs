@@ -45,6 +45,7 @@ mod forward;
 pub mod routes;
 pub mod secret;
 mod token;
+mod usage;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -123,6 +124,7 @@ struct Inner {
     in_flight: Mutex<HashMap<String, Arc<Semaphore>>>,
     egress_connections: usize,
     local: egress::Local,
+    accounting: usage::Accounting,
 }
 
 impl Inner {
@@ -182,6 +184,7 @@ impl Proxy {
                     .unwrap_or(egress::CONNECTIONS)
                     .max(1),
                 local: egress::Local::default(),
+                accounting: usage::Accounting::new(home, config.prices.clone()),
                 config,
             }),
         })
@@ -263,20 +266,30 @@ impl Served {
 struct Refusal {
     status: StatusCode,
     message: String,
+    /// Seconds the caller should wait (`Retry-After`), for a limit.
+    retry_after: Option<u64>,
 }
 
 fn refuse(status: StatusCode, message: impl Into<String>) -> Refusal {
     Refusal {
         status,
         message: message.into(),
+        retry_after: None,
     }
 }
 
 impl IntoResponse for Refusal {
     fn into_response(self) -> Response {
+        // A limit reads as the providers' own rate-limit error, which the agents' clients
+        // show and back off from.
+        let kind = if self.status == StatusCode::TOO_MANY_REQUESTS {
+            "rate_limit_error"
+        } else {
+            "boxery_proxy"
+        };
         let body = serde_json::json!({
             "type": "error",
-            "error": {"type": "boxery_proxy", "status": self.status.as_u16(), "message": self.message},
+            "error": {"type": kind, "status": self.status.as_u16(), "message": self.message},
         });
         let mut r = Response::new(Body::from(body.to_string()));
         *r.status_mut() = self.status;
@@ -284,6 +297,10 @@ impl IntoResponse for Refusal {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if let Some(s) = self.retry_after {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
         r
     }
 }

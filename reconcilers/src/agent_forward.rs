@@ -636,6 +636,7 @@ mod tests {
             uid: format!("uid-{target}"),
             generation: 1,
             spec: GrantSpec {
+                limits: None,
                 vm: Some("dev1".into()),
                 lease: None,
                 type_: GrantType::SshAgent,

@@ -825,6 +825,7 @@ mod tests {
             uid: format!("uid-{name}"),
             generation: 1,
             spec: boxery_api::grant::GrantSpec {
+                limits: None,
                 vm: Some("dev1".into()),
                 lease: None,
                 type_,

@@ -85,14 +85,25 @@ impl Observed {
     }
 }
 
-/// Sample every VM's runtime every [`SAMPLE_EVERY`] until `shutdown`, and drop the proxy's
-/// series of VMs that are gone.
+/// Sample every VM's runtime every [`SAMPLE_EVERY`] until `shutdown`: for `/metrics`, and
+/// into the usage ledger (each running VM's vCPU- and GiB-seconds since the last sample, and
+/// the CPU seconds its hypervisor used, charged to the lease holding it or to the VM); drop
+/// the proxy's series of VMs that are gone.
 pub(crate) async fn sample(
     ctx: Arc<Ctx>,
     vms: Cache,
+    leases: Cache,
     samples: Arc<RwLock<Samples>>,
     shutdown: CancellationToken,
 ) {
+    let ledger = match boxery_home::usage::Ledger::open(&ctx.home) {
+        Ok(l) => Some(Arc::new(l)),
+        Err(e) => {
+            tracing::error!(error = %e, "the usage ledger cannot be opened: compute use is not recorded");
+            None
+        }
+    };
+    let mut charged = Charged::default();
     let mut tick = tokio::time::interval(SAMPLE_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -107,6 +118,18 @@ pub(crate) async fn sample(
                 continue;
             }
         };
+        if let Some(l) = &ledger {
+            let (rows, owners) = charged.next(&usage, &vms, &leases);
+            let l = l.clone();
+            let wrote = tokio::task::spawn_blocking(move || {
+                l.note_owners(&owners)?;
+                l.add_compute(&rows)
+            })
+            .await;
+            if let Ok(Err(e)) = wrote {
+                tracing::warn!(error = %e, "recording compute use failed");
+            }
+        }
         let disk = match ctx.backend.list().await {
             Ok(list) => list
                 .into_iter()
@@ -120,6 +143,131 @@ pub(crate) async fn sample(
         boxery_metrics::METRICS
             .proxy
             .retain_vms(|vm| live.contains(vm));
+    }
+}
+
+/// What the last sample saw of each VM, for the next one's differences.
+#[derive(Debug, Default)]
+struct Charged {
+    last: Option<std::time::Instant>,
+    /// VM → its hypervisor's CPU seconds at the last sample.
+    cpu: HashMap<String, f64>,
+    /// Owners already noted in the ledger.
+    noted: std::collections::HashSet<String>,
+}
+
+/// A lease's fields the charge needs.
+#[derive(Debug, Deserialize)]
+struct LeaseRow {
+    metadata: Meta,
+    #[serde(default)]
+    spec: LeaseSpecRow,
+    #[serde(default)]
+    status: LeaseStatusRow,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LeaseSpecRow {
+    #[serde(default)]
+    pool: String,
+    #[serde(default)]
+    holder_identity: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct LeaseStatusRow {
+    #[serde(default)]
+    phase: Option<String>,
+    #[serde(default)]
+    vm: Option<String>,
+}
+
+impl Charged {
+    /// The compute rows since the last sample (none at the first, or after a gap of more than
+    /// two periods: a pause of `serve` is not charged), and the owners not noted yet.
+    fn next(
+        &mut self,
+        usage: &[VmUsage],
+        vms: &Cache,
+        leases: &Cache,
+    ) -> (
+        Vec<boxery_home::usage::ComputeUse>,
+        Vec<boxery_home::usage::Owner>,
+    ) {
+        use boxery_home::usage::{ComputeUse, Owner, this_hour};
+        let now = std::time::Instant::now();
+        let since = self.last.replace(now).map(|t| now.duration_since(t));
+        let mut owners = Vec::new();
+        // The lease holding each VM.
+        let mut held: HashMap<String, String> = HashMap::new();
+        for l in leases.list_as::<LeaseRow>() {
+            if l.status.phase.as_deref() != Some("Bound") {
+                continue;
+            }
+            let Some(vm) = l.status.vm else { continue };
+            if self.noted.insert(l.metadata.uid.clone()) {
+                owners.push(Owner {
+                    uid: l.metadata.uid.clone(),
+                    kind: "Lease".into(),
+                    name: l.metadata.name.clone(),
+                    holder: l.spec.holder_identity.clone(),
+                    pool: l.spec.pool.clone(),
+                });
+            }
+            held.insert(vm, l.metadata.uid);
+        }
+        let specs: HashMap<String, VmRow> = vms
+            .list_as::<VmRow>()
+            .into_iter()
+            .map(|v| (v.metadata.name.clone(), v))
+            .collect();
+        let mut rows = Vec::new();
+        let mut cpu_now = HashMap::new();
+        for u in usage {
+            let before = self.cpu.get(&u.name).copied();
+            cpu_now.insert(u.name.clone(), u.cpu_seconds);
+            let (Some(dt), Some(v)) = (since, specs.get(&u.name)) else {
+                continue;
+            };
+            if dt > SAMPLE_EVERY * 2 {
+                continue;
+            }
+            if self.noted.insert(v.metadata.uid.clone()) {
+                owners.push(Owner {
+                    uid: v.metadata.uid.clone(),
+                    kind: "Vm".into(),
+                    name: v.metadata.name.clone(),
+                    holder: String::new(),
+                    pool: String::new(),
+                });
+            }
+            let secs = dt.as_secs_f64();
+            let cpus = f64::from(v.spec.resources.cpus.unwrap_or(1));
+            let gib = v
+                .spec
+                .resources
+                .memory
+                .map_or(0.0, |m| m.bytes() as f64 / (1u64 << 30) as f64);
+            // A counter that went back is a hypervisor that started again: all of it is new.
+            let used = match before {
+                Some(b) if u.cpu_seconds >= b => u.cpu_seconds - b,
+                _ => u.cpu_seconds.min(secs * cpus),
+            };
+            rows.push(ComputeUse {
+                hour: this_hour(),
+                vm: u.name.clone(),
+                owner: held
+                    .get(&u.name)
+                    .cloned()
+                    .unwrap_or_else(|| v.metadata.uid.clone()),
+                vcpu_seconds: cpus * secs,
+                gib_seconds: gib * secs,
+                cpu_seconds: used,
+            });
+        }
+        self.cpu = cpu_now;
+        (rows, owners)
     }
 }
 

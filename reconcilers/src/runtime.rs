@@ -88,7 +88,13 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
         });
         m.add(
             "samples",
-            metrics::sample(ctx.clone(), vm_ctl.cache(), samples, token.clone()),
+            metrics::sample(
+                ctx.clone(),
+                vm_ctl.cache(),
+                lease_ctl.cache(),
+                samples,
+                token.clone(),
+            ),
         );
     }
     m.add(

@@ -91,6 +91,7 @@ fn grant_for(name: &str, vm: Option<&str>, lease: Option<&str>, value_from: Valu
     Grant::new(
         name,
         GrantSpec {
+            limits: None,
             vm: vm.map(str::to_string),
             lease: lease.map(str::to_string),
             type_: GrantType::Llm,

@@ -7,7 +7,7 @@
 //! the grant shown, so a grant changed between the prompt and the answer is refused
 //! (`Conflict`), and it records the generation approved, which any spec change voids.
 
-use boxery_api::grant::{GrantPhase, GrantSpec, GrantType, ValueFrom};
+use boxery_api::grant::{GrantLimits, GrantPhase, GrantSpec, GrantType, ValueFrom};
 use boxery_api::{Grant, Lease, Name, Resource, Vm, now};
 use boxery_store::{ObjectRef, ObjectStoreExt, StoreError};
 
@@ -31,6 +31,8 @@ pub struct Request {
     pub header: Option<String>,
     /// Where the value comes from.
     pub value_from: ValueFrom,
+    /// `llm`: its limits.
+    pub limits: Option<GrantLimits>,
 }
 
 /// A request in a front end's words: `boxery grant …`'s arguments, and `vm_grant`'s (this is
@@ -56,6 +58,13 @@ pub struct Asked {
     pub from_command: Option<Vec<String>>,
     /// request: the grant's name (default VM-TYPE-TARGET); revoke: the grant to revoke.
     pub name: Option<String>,
+    /// request, llm grants: at most this many input and output tokens a UTC day (past it
+    /// the proxy answers 429 until midnight UTC).
+    pub tokens_per_day: Option<u64>,
+    /// request, llm grants: at most this many requests in any minute.
+    pub requests_per_minute: Option<u32>,
+    /// request, llm grants: at most this many dollars a UTC month, at the owner's prices.
+    pub dollars_per_month: Option<f64>,
 }
 
 /// [`request`] what a front end was asked: the name and where the value comes from checked
@@ -77,6 +86,14 @@ pub async fn ask(v: &Verbs, a: Asked) -> Result<(Grant, bool)> {
             ),
             false => e,
         })?;
+    let limits = (a.tokens_per_day.is_some()
+        || a.requests_per_minute.is_some()
+        || a.dollars_per_month.is_some())
+    .then_some(GrantLimits {
+        tokens_per_day: a.tokens_per_day,
+        requests_per_minute: a.requests_per_minute,
+        dollars_per_month: a.dollars_per_month,
+    });
     let r = Request {
         name,
         vm: a.vm,
@@ -84,6 +101,7 @@ pub async fn ask(v: &Verbs, a: Asked) -> Result<(Grant, bool)> {
         what: a.what.unwrap_or_default(),
         header: a.header,
         value_from,
+        limits,
     };
     request(v, r).await
 }
@@ -183,6 +201,7 @@ pub async fn request(v: &Verbs, r: Request) -> Result<(Grant, bool)> {
         None => default_name(&subject, type_, &target),
     };
     let spec = GrantSpec {
+        limits: r.limits.clone(),
         vm: r.vm.clone(),
         lease: r.lease.clone(),
         type_,
@@ -334,6 +353,19 @@ pub fn summary(g: &Grant) -> String {
     }
     if let Some(h) = &s.header {
         out.push_str(&format!("  header:      {}\n", safe(h)));
+    }
+    if let Some(l) = &s.limits {
+        let mut said = Vec::new();
+        if let Some(n) = l.tokens_per_day {
+            said.push(format!("{n} tokens a day"));
+        }
+        if let Some(n) = l.requests_per_minute {
+            said.push(format!("{n} requests a minute"));
+        }
+        if let Some(d) = l.dollars_per_month {
+            said.push(format!("${d:.2} a month"));
+        }
+        out.push_str(&format!("  limits:      {}\n", said.join(", ")));
     }
     if s.type_ == GrantType::SshAgent {
         out.push_str(&format!(
@@ -501,6 +533,7 @@ mod tests {
         .unwrap();
         v.store().create_as(&vm).await.unwrap();
         let req = |from: &str| Request {
+            limits: None,
             name: None,
             vm: Some("dev1".into()),
             lease: None,
@@ -563,6 +596,7 @@ mod tests {
         let sock = dir.path().join("agent.sock");
         let _listening = std::os::unix::net::UnixListener::bind(&sock).unwrap();
         let agent = |vm: &str, socket: &std::path::Path| Request {
+            limits: None,
             name: None,
             vm: Some(vm.into()),
             lease: None,

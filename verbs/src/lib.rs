@@ -39,6 +39,7 @@ pub mod pools;
 pub mod render;
 pub mod sync;
 pub mod typed;
+pub mod usage;
 pub mod vm;
 pub mod wait;
 

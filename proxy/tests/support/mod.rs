@@ -207,6 +207,7 @@ impl Fixture {
             uid: format!("uid-{name}"),
             generation: 1,
             spec: GrantSpec {
+                limits: None,
                 vm: (!lease).then(|| vm.to_string()),
                 lease: lease.then(|| "l1".to_string()),
                 type_,

@@ -1,0 +1,481 @@
+//! LLM accounting and the grants' limits (docs/grants.md, "Limits"; docs/observability.md,
+//! "Usage").
+//!
+//! - [`Meter`] reads the usage a provider reports in its response as the response streams
+//!   past, untouched: a JSON body's `usage`, or the `usage` of the events of a stream
+//!   (Anthropic's `message_start` and `message_delta`, OpenAI's last chunk of a chat
+//!   completion and its Responses API's `response.completed`). Counts are cumulative in those
+//!   events, so the largest seen wins.
+//! - [`Accounting`] keeps each grant's counters for its limits in memory, loaded from the
+//!   ledger (`boxery_home::usage`) on first use, so they hold across restarts; each ended
+//!   request is added to them and to the ledger (a writer thread, off the response path).
+//! - [`Accounting::admit`] refuses a request past a limit with 429 before anything is sent
+//!   upstream, saying which limit and when it resets.
+//!
+//! # Caveats
+//! - Requests in flight are counted when they end: a grant can pass its token limit by what
+//!   its VM's requests in flight (at most the per-VM concurrency) use.
+//! - `requestsPerMinute` is kept in memory only: a restart of `serve` starts a new minute.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+use boxery_api::config::Price;
+use boxery_home::grants::Entry;
+use boxery_home::usage::{HOUR, Ledger, LlmUse, hour_of, now};
+use chrono::{Datelike, TimeZone, Utc};
+
+use crate::{Refusal, refuse};
+
+/// The largest JSON response body read for its usage (bigger ones pass uncounted).
+const JSON_MAX: usize = 16 << 20;
+/// The longest line of an event stream read for its usage.
+const LINE_MAX: usize = 1 << 20;
+
+/// What a response said it used.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Used {
+    pub(crate) model: String,
+    pub(crate) input: u64,
+    pub(crate) output: u64,
+}
+
+/// Reads a response's usage as its chunks pass.
+#[derive(Debug)]
+pub(crate) struct Meter {
+    stream: bool,
+    buf: Vec<u8>,
+    overflow: bool,
+    used: Used,
+}
+
+impl Meter {
+    /// A meter for a response with this `Content-Type`.
+    pub(crate) fn new(content_type: &str) -> Self {
+        Meter {
+            stream: content_type.starts_with("text/event-stream"),
+            buf: Vec::new(),
+            overflow: false,
+            used: Used::default(),
+        }
+    }
+
+    /// The next chunk of the body.
+    pub(crate) fn feed(&mut self, chunk: &[u8]) {
+        if self.overflow {
+            return;
+        }
+        if !self.stream {
+            if self.buf.len() + chunk.len() > JSON_MAX {
+                self.overflow = true;
+                self.buf = Vec::new();
+            } else {
+                self.buf.extend_from_slice(chunk);
+            }
+            return;
+        }
+        let mut rest = chunk;
+        while let Some(at) = rest.iter().position(|b| *b == b'\n') {
+            self.buf.extend_from_slice(&rest[..at]);
+            let line = std::mem::take(&mut self.buf);
+            self.line(&line);
+            rest = &rest[at + 1..];
+        }
+        if self.buf.len() + rest.len() > LINE_MAX {
+            // one enormous line: skip to its end
+            self.buf.clear();
+        } else {
+            self.buf.extend_from_slice(rest);
+        }
+    }
+
+    fn line(&mut self, line: &[u8]) {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if let Some(data) = line.strip_prefix(b"data:")
+            && let Ok(v) = serde_json::from_slice::<serde_json::Value>(data.trim_ascii_start())
+        {
+            self.absorb(&v);
+        }
+    }
+
+    /// The usage seen, when the body has ended.
+    pub(crate) fn finish(mut self) -> Used {
+        if self.stream {
+            let rest = std::mem::take(&mut self.buf);
+            self.line(&rest);
+        } else if !self.overflow
+            && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&self.buf)
+        {
+            self.absorb(&v);
+        }
+        self.used
+    }
+
+    /// Take what one JSON document (a body, an event) says: its model and usage, at the top
+    /// or under `message` (Anthropic's `message_start`) or `response` (OpenAI's Responses
+    /// API events).
+    fn absorb(&mut self, v: &serde_json::Value) {
+        for at in [v, &v["message"], &v["response"]] {
+            if let Some(m) = at["model"].as_str()
+                && self.used.model.is_empty()
+            {
+                self.used.model = m.chars().take(128).collect();
+            }
+            let u = &at["usage"];
+            if !u.is_object() {
+                continue;
+            }
+            let n = |k: &str| u[k].as_u64().unwrap_or(0);
+            // Anthropic counts cache reads and writes apart from `input_tokens`; OpenAI's
+            // `input_tokens` (`prompt_tokens`) already hold its cached ones.
+            let input = n("input_tokens")
+                + n("prompt_tokens")
+                + n("cache_creation_input_tokens")
+                + n("cache_read_input_tokens");
+            let output = n("output_tokens") + n("completion_tokens");
+            self.used.input = self.used.input.max(input);
+            self.used.output = self.used.output.max(output);
+        }
+    }
+}
+
+/// Who a metered request charges.
+#[derive(Debug, Clone)]
+pub(crate) struct Charge {
+    pub(crate) vm: String,
+    pub(crate) owner: String,
+    pub(crate) grant_uid: String,
+    pub(crate) grant: String,
+    pub(crate) provider: String,
+}
+
+/// A grant's counters for its limits.
+#[derive(Debug, Default)]
+struct Counters {
+    /// The first hour of the UTC day and month they count.
+    day: i64,
+    month: i64,
+    tokens_today: u64,
+    /// model → (input, output) this month.
+    month_by_model: HashMap<String, (u64, u64)>,
+    /// Requests admitted in the last minute.
+    minute: VecDeque<Instant>,
+}
+
+/// The first hour of the UTC day and of the UTC month `unix` falls in.
+fn periods(unix: i64) -> (i64, i64) {
+    let hour = hour_of(unix);
+    let day = hour - hour.rem_euclid(24);
+    let t = Utc.timestamp_opt(unix, 0).single().unwrap_or_default();
+    let month_start = Utc
+        .with_ymd_and_hms(t.year(), t.month(), 1, 0, 0, 0)
+        .single()
+        .map_or(day, |m| hour_of(m.timestamp()));
+    (day, month_start)
+}
+
+/// When the UTC month after the one starting at hour `month` starts, RFC 3339.
+fn next_month(month: i64) -> chrono::DateTime<Utc> {
+    let t = Utc
+        .timestamp_opt(month * HOUR, 0)
+        .single()
+        .unwrap_or_default();
+    let (y, m) = if t.month() == 12 {
+        (t.year() + 1, 1)
+    } else {
+        (t.year(), t.month() + 1)
+    };
+    Utc.with_ymd_and_hms(y, m, 1, 0, 0, 0)
+        .single()
+        .unwrap_or_default()
+}
+
+/// The accounting of one proxy.
+#[derive(Debug)]
+pub(crate) struct Accounting {
+    ledger: Option<Arc<Ledger>>,
+    prices: BTreeMap<String, Price>,
+    counters: Mutex<HashMap<String, Counters>>,
+    writer: Option<std::sync::mpsc::Sender<LlmUse>>,
+}
+
+impl Accounting {
+    /// Accounting into `home`'s ledger (none, logged, when it cannot be opened: requests are
+    /// then neither recorded nor limited by tokens or dollars, and `boxery usage` says so).
+    pub(crate) fn new(home: &std::path::Path, prices: BTreeMap<String, Price>) -> Self {
+        let ledger = match Ledger::open(home) {
+            Ok(l) => Some(Arc::new(l)),
+            Err(e) => {
+                tracing::error!(error = %e, "the usage ledger cannot be opened: LLM use is not recorded and token limits are not enforced");
+                None
+            }
+        };
+        let writer = ledger.clone().map(|l| {
+            let (tx, rx) = std::sync::mpsc::channel::<LlmUse>();
+            let spawned = std::thread::Builder::new()
+                .name("boxery-usage".into())
+                .spawn(move || {
+                    while let Ok(first) = rx.recv() {
+                        let mut batch = vec![first];
+                        batch.extend(rx.try_iter());
+                        if let Err(e) = l.add_llm(&batch) {
+                            tracing::error!(error = %e, rows = batch.len(), "recording LLM use failed");
+                        }
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::error!(error = %e, "cannot start the usage writer");
+            }
+            tx
+        });
+        Accounting {
+            ledger,
+            prices,
+            counters: Mutex::default(),
+            writer,
+        }
+    }
+
+    fn counters(&self) -> std::sync::MutexGuard<'_, HashMap<String, Counters>> {
+        self.counters.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `grant`'s counters for the periods of `unix`, (re)loaded from the ledger when they
+    /// are not this day's and month's.
+    fn current<'a>(
+        &self,
+        all: &'a mut HashMap<String, Counters>,
+        grant: &str,
+        unix: i64,
+    ) -> &'a mut Counters {
+        let (day, month) = periods(unix);
+        let c = all.entry(grant.to_string()).or_default();
+        if c.day != day || c.month != month {
+            let minute = std::mem::take(&mut c.minute);
+            *c = Counters {
+                day,
+                month,
+                minute,
+                ..Counters::default()
+            };
+            if let Some(l) = &self.ledger {
+                match (l.grant_use(grant, day), l.grant_use(grant, month)) {
+                    (Ok(d), Ok(m)) => {
+                        c.tokens_today = d.tokens();
+                        for (model, i, o) in m.by_model {
+                            let e = c.month_by_model.entry(model).or_default();
+                            e.0 += i;
+                            e.1 += o;
+                        }
+                    }
+                    (Err(e), _) | (_, Err(e)) => {
+                        tracing::error!(error = %e, grant, "reading a grant's use failed");
+                    }
+                }
+            }
+        }
+        c
+    }
+
+    /// Dollars of `by_model` at the configured prices (an unpriced model counts nothing).
+    fn dollars(&self, by_model: &HashMap<String, (u64, u64)>) -> f64 {
+        by_model
+            .iter()
+            .filter_map(|(m, (i, o))| Some(self.prices.get(m)?.of(*i, *o)))
+            .sum()
+    }
+
+    /// Admit a request under `grant`'s limits (counting it in the minute), or refuse it with
+    /// 429: which limit, how much is used, when it resets.
+    pub(crate) fn admit(&self, grant: &Entry) -> Result<(), Refusal> {
+        let Some(limits) = &grant.spec.limits else {
+            return Ok(());
+        };
+        let unix = now();
+        let mut all = self.counters();
+        let c = self.current(&mut all, &grant.uid, unix);
+        let name = &grant.name;
+        let over = |what: String, reset: chrono::DateTime<Utc>| {
+            let wait = (reset.timestamp() - unix).max(1) as u64;
+            let mut r = refuse(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!(
+                    "{what}; it resets at {} (boxery grant {name} on the control plane: a person may raise spec.limits)",
+                    reset.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+                ),
+            );
+            r.retry_after = Some(wait);
+            r
+        };
+        if let Some(max) = limits.tokens_per_day
+            && c.tokens_today >= max
+        {
+            let reset = Utc
+                .timestamp_opt((c.day + 24) * HOUR, 0)
+                .single()
+                .unwrap_or_default();
+            return Err(over(
+                format!(
+                    "grant {name} has used its tokensPerDay limit: {} of {max} tokens today (UTC)",
+                    c.tokens_today
+                ),
+                reset,
+            ));
+        }
+        if let Some(max) = limits.dollars_per_month {
+            let spent = self.dollars(&c.month_by_model);
+            if spent >= max {
+                return Err(over(
+                    format!(
+                        "grant {name} has used its dollarsPerMonth limit: ${spent:.2} of ${max:.2} this month (UTC)"
+                    ),
+                    next_month(c.month),
+                ));
+            }
+        }
+        if let Some(max) = limits.requests_per_minute {
+            let t = Instant::now();
+            while c
+                .minute
+                .front()
+                .is_some_and(|f| t.duration_since(*f) >= Duration::from_secs(60))
+            {
+                c.minute.pop_front();
+            }
+            if c.minute.len() >= max as usize {
+                let wait = c.minute.front().map_or(60, |f| {
+                    60u64.saturating_sub(t.duration_since(*f).as_secs()).max(1)
+                });
+                let mut r = refuse(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!(
+                        "grant {name} has made its requestsPerMinute limit of {max} requests in the last minute: retry in {wait} s"
+                    ),
+                );
+                r.retry_after = Some(wait);
+                return Err(r);
+            }
+            c.minute.push_back(t);
+        }
+        Ok(())
+    }
+
+    /// Count a request that ended, with what its response said it used.
+    pub(crate) fn record(&self, charge: &Charge, used: Used) {
+        let unix = now();
+        {
+            let mut all = self.counters();
+            let c = self.current(&mut all, &charge.grant_uid, unix);
+            c.tokens_today += used.input + used.output;
+            let m = c.month_by_model.entry(used.model.clone()).or_default();
+            m.0 += used.input;
+            m.1 += used.output;
+        }
+        if let Some(w) = &self.writer {
+            let _ = w.send(LlmUse {
+                hour: hour_of(unix),
+                vm: charge.vm.clone(),
+                owner: charge.owner.clone(),
+                grant_uid: charge.grant_uid.clone(),
+                grant: charge.grant.clone(),
+                provider: charge.provider.clone(),
+                model: used.model,
+                requests: 1,
+                input: used.input,
+                output: used.output,
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metered(content_type: &str, chunks: &[&str]) -> Used {
+        let mut m = Meter::new(content_type);
+        for c in chunks {
+            m.feed(c.as_bytes());
+        }
+        m.finish()
+    }
+
+    #[test]
+    fn usage_is_read_from_bodies_and_streams_of_each_api() {
+        // Anthropic Messages, whole, with cache tokens.
+        let u = metered(
+            "application/json",
+            &[
+                r#"{"model":"claude-x","usage":{"input_tokens":10,"cache_read_input_tokens":5,"#,
+                r#""output_tokens":7}}"#,
+            ],
+        );
+        assert_eq!((u.model.as_str(), u.input, u.output), ("claude-x", 15, 7));
+        // Anthropic streamed, split mid-line: message_start's input, message_delta's output.
+        let u = metered(
+            "text/event-stream",
+            &[
+                "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"model\":\"claude-x\",\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\nevent: content_block_delta\nda",
+                "ta: {\"type\":\"content_block_delta\"}\n\nevent: message_delta\r\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":42}}\r\n\r\n",
+            ],
+        );
+        assert_eq!((u.model.as_str(), u.input, u.output), ("claude-x", 25, 42));
+        // OpenAI chat, whole and streamed (usage in the last chunk).
+        let u = metered(
+            "application/json",
+            &[
+                r#"{"model":"gpt-y","usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#,
+            ],
+        );
+        assert_eq!((u.input, u.output), (3, 4));
+        let u = metered(
+            "text/event-stream; charset=utf-8",
+            &[
+                "data: {\"model\":\"gpt-y\",\"choices\":[]}\n\n",
+                "data: {\"model\":\"gpt-y\",\"choices\":[],\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":9}}\n\ndata: [DONE]\n\n",
+            ],
+        );
+        assert_eq!((u.model.as_str(), u.input, u.output), ("gpt-y", 8, 9));
+        // OpenAI Responses streamed: response.completed.
+        let u = metered(
+            "text/event-stream",
+            &[
+                "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"model\":\"gpt-z\",\"usage\":{\"input_tokens\":11,\"output_tokens\":12}}}",
+            ],
+        );
+        assert_eq!((u.model.as_str(), u.input, u.output), ("gpt-z", 11, 12));
+        // No usage, broken JSON: nothing counted.
+        assert_eq!(
+            metered("application/json", &["{\"usage\":"]),
+            Used::default()
+        );
+    }
+
+    #[test]
+    fn periods_are_utc_days_and_months() {
+        // 2026-12-06T05:30:00Z
+        let t = Utc
+            .with_ymd_and_hms(2026, 12, 6, 5, 30, 0)
+            .unwrap()
+            .timestamp();
+        let (day, month) = periods(t);
+        assert_eq!(
+            day * HOUR,
+            Utc.with_ymd_and_hms(2026, 12, 6, 0, 0, 0)
+                .unwrap()
+                .timestamp()
+        );
+        assert_eq!(
+            month * HOUR,
+            Utc.with_ymd_and_hms(2026, 12, 1, 0, 0, 0)
+                .unwrap()
+                .timestamp()
+        );
+        assert_eq!(
+            next_month(month),
+            Utc.with_ymd_and_hms(2027, 1, 1, 0, 0, 0).unwrap()
+        );
+    }
+}
