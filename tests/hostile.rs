@@ -7,11 +7,10 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::Stdio;
 use std::time::Duration;
 
 use common::Home;
+use common::mcp_stdio::Mcp;
 use serde_json::{Value, json};
 
 /// Names that must never reach the filesystem, a command line or the store.
@@ -134,78 +133,6 @@ fn hostile_names_on_every_verb_touch_nothing() {
         !v1.contains("deletionTimestamp"),
         "a delete with one bad name deleted v1"
     );
-}
-
-/// A newline-delimited JSON-RPC session with `boxery mcp` over stdio.
-struct Mcp {
-    child: std::process::Child,
-    out: BufReader<std::process::ChildStdout>,
-    id: u64,
-}
-
-impl Mcp {
-    fn start(home: &Home) -> Mcp {
-        let mut child = home
-            .cmd()
-            .arg("mcp")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        let mut m = Mcp { child, out, id: 0 };
-        m.request(
-            "initialize",
-            json!({"protocolVersion": "2025-06-18", "capabilities": {},
-                   "clientInfo": {"name": "hostile", "version": "0"}}),
-        );
-        m.send(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
-        m
-    }
-    fn send(&mut self, v: Value) {
-        let stdin = self.child.stdin.as_mut().unwrap();
-        writeln!(stdin, "{v}").unwrap();
-        stdin.flush().unwrap();
-    }
-    fn request(&mut self, method: &str, params: Value) -> Value {
-        self.id += 1;
-        let id = self.id;
-        self.send(json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}));
-        loop {
-            let mut line = String::new();
-            assert!(self.out.read_line(&mut line).unwrap() > 0, "mcp closed");
-            let v: Value = serde_json::from_str(&line).unwrap();
-            if v["id"] == json!(id) {
-                return v;
-            }
-        }
-    }
-    /// Call a tool; returns (is_error, text).
-    fn call(&mut self, tool: &str, args: Value) -> (bool, String) {
-        let r = self.request("tools/call", json!({"name": tool, "arguments": args}));
-        if let Some(e) = r.get("error") {
-            return (true, e.to_string());
-        }
-        let res = &r["result"];
-        let text = res["content"]
-            .as_array()
-            .map(|c| {
-                c.iter()
-                    .filter_map(|x| x["text"].as_str())
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            })
-            .unwrap_or_default();
-        (res["isError"] == json!(true), text)
-    }
-}
-
-impl Drop for Mcp {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// The same names through the MCP tools an agent reaches.

@@ -38,10 +38,16 @@ pub async fn connect(
     Path(name): Path<String>,
     mut req: Request,
 ) -> Response {
-    match open(&sh, &caller, &name, &mut req).await {
+    let r = match open(&sh, &caller, &name, &mut req).await {
         Ok(r) => r,
         Err(f) => f.into_response(),
-    }
+    };
+    // a shell session through the API (`boxery ssh`, `run`, `cp` of a context) starts here
+    sh.verbs
+        .acting_for(&format!("token:{}", caller.name), "api")
+        .doing("connect", Some(&name), "ssh")
+        .done(format!("HTTP {}", r.status().as_u16()), None);
+    r
 }
 
 async fn open(

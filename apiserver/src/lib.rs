@@ -191,6 +191,48 @@ async fn authenticate(State(sh): State<Arc<Shared>>, mut req: Request, next: Nex
     next.run(req).await
 }
 
+/// Every write through the API (a method other than GET, HEAD and OPTIONS), audited when its
+/// answer is made: who (its token), the method and path, the status. `/mcp` is audited per
+/// tool call by the MCP server, and the store calls per write by `store_rpc`.
+async fn audit_writes(State(sh): State<Arc<Shared>>, req: Request, next: Next) -> Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let writes = !matches!(
+        method,
+        axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS
+    ) && path != boxery_store::wire::CALL_PATH
+        && path != "/mcp";
+    let caller = req.extensions().get::<tokens::Caller>().cloned();
+    let started = Instant::now();
+    let r = next.run(req).await;
+    if writes && let Some(c) = caller {
+        let action = match method.as_str() {
+            "POST" => "create",
+            "PUT" => "update",
+            "PATCH" => "patch",
+            "DELETE" => "delete",
+            other => other,
+        };
+        // the VM a path names (`…/vms/NAME…`)
+        let vm = path
+            .split_once("/vms/")
+            .and_then(|(_, rest)| rest.split('/').next())
+            .filter(|n| !n.is_empty())
+            .map(str::to_string);
+        sh.verbs
+            .acting_for(&format!("token:{}", c.name), "api")
+            .record(boxery_verbs::audit::Action {
+                action: action.to_ascii_lowercase(),
+                vm,
+                what: path,
+                result: format!("HTTP {}", r.status().as_u16()),
+                ms: started.elapsed().as_millis() as u64,
+                ..Default::default()
+            });
+    }
+    r
+}
+
 /// `/mcp` through the API: a full token only (an MCP session can do everything the tools
 /// can; read-only and lease-scoped sessions are not built), and never from a browser page
 /// (a request with an `Origin`).
@@ -377,6 +419,7 @@ pub fn router(sh: Arc<Shared>, mcp: Option<Router>) -> Router {
         .layer(DefaultBodyLimit::max(sh.limits.body_bytes))
         .with_state(sh.clone())
         .merge(mcp)
+        .layer(middleware::from_fn_with_state(sh.clone(), audit_writes))
         .layer(middleware::from_fn_with_state(sh, authenticate))
         .layer(middleware::from_fn(boxery_mcp::conns::close_after_refusal));
     Router::new()

@@ -72,7 +72,39 @@ pub async fn call(
     // which an agent may hold, never writes status (a grant's approval above all), adopts,
     // leads or compacts
     let store = Guarded::new(sh.verbs.store_arc(), Writer::Remote);
-    match wire::dispatch(&store, call).await {
+    // a write is audited (a context's `boxery` on another machine writing here)
+    let audit = (!call.reads_only()).then(|| {
+        sh.verbs
+            .acting_for(&format!("token:{}", caller.name), "api")
+    });
+    let doing = audit.as_ref().map(|v| {
+        // the op and the object it names: `update Vm/dev1`
+        let j = serde_json::to_value(&call).unwrap_or_default();
+        let o = ["obj", "object", "key"]
+            .iter()
+            .map(|k| &j[*k])
+            .find(|o| o.is_object())
+            .unwrap_or(&j);
+        let kind = o["kind"].as_str().or(j["kind"].as_str()).unwrap_or("");
+        let name = o["metadata"]["name"]
+            .as_str()
+            .or(o["name"].as_str())
+            .or(j["name"].as_str())
+            .unwrap_or("");
+        let vm = (kind == "Vm").then_some(name);
+        v.doing("store", vm, format!("{} {kind}/{name}", call.name()))
+    });
+    let r = wire::dispatch(&store, call).await;
+    if let Some(d) = doing {
+        d.done(
+            match &r {
+                Ok(_) => "ok".to_string(),
+                Err(e) => format!("error: {e}"),
+            },
+            None,
+        );
+    }
+    match r {
         Ok(v) => crate::resources::json_reply(StatusCode::OK, &v),
         Err(e) => crate::resources::json_reply(
             code(&e),

@@ -290,6 +290,24 @@ pub(crate) enum Command {
         #[arg(short, long, value_enum, default_value = "table")]
         output: crate::usage::UsageOutput,
     },
+    /// What people and agents did on this home's VMs: commands run (`run`, vm_bash, jobs,
+    /// prompts), shell sessions, copies, file reads and writes, MCP tool calls and writes
+    /// through the API: who, through what, the command as given, the VM, when, the result.
+    /// See docs/observability.md.
+    Audit {
+        /// Only actions on this VM.
+        #[arg(long, value_parser = args::label)]
+        vm: Option<String>,
+        /// Only actions by this one: `user:NAME`, `mcp:NAME`, `token:NAME`, or the NAME alone.
+        #[arg(long, value_name = "WHO")]
+        holder: Option<String>,
+        /// Only actions that ended this long ago or since (e.g. 30m, 24h).
+        #[arg(long, value_parser = audit_since)]
+        since: Option<Duration>,
+        /// table or json (one object per line, as the log holds them).
+        #[arg(short, long, value_enum, default_value = "table")]
+        output: crate::audit::AuditOutput,
+    },
     /// The backends this build has and what each offers (from their own declarations).
     Backends,
     /// Facts about images: `images layers` lists the guest layers and what each installs.
@@ -865,4 +883,9 @@ fn usage_since(s: &str) -> Result<Duration, String> {
         Duration::from_secs(3600),
         Duration::from_secs(400 * 86400),
     )
+}
+
+/// `audit --since`: 1 second to 400 days.
+fn audit_since(s: &str) -> Result<Duration, String> {
+    boxery_verbs::wait::duration_in(s, Duration::from_secs(1), Duration::from_secs(400 * 86400))
 }

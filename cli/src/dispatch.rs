@@ -244,6 +244,12 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         Command::Grant(a) => return grants::grant(v, a).await,
         Command::Orphans { cmd } => orphans::orphans(v, cmd).await?,
         Command::Usage { by, since, output } => crate::usage::usage(v, &by, since, output)?,
+        Command::Audit {
+            vm,
+            holder,
+            since,
+            output,
+        } => crate::audit::audit(v, vm, holder, since, output)?,
         Command::Sync(args) => sync::sync(v, args).await?,
         Command::Ssh { vm, agent, cmd } => {
             if agent {
@@ -258,7 +264,16 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
                 .local()
                 .is_ok()
                 .then(|| boxery_home::activity::Ticker::start(&v.env.home, &vm));
-            return Ok(boxery_hands::ssh(&reach, &cmd)?);
+            let what = boxery_hands::line_of(&cmd);
+            v.doing("ssh", Some(&vm), what.clone())
+                .done("started", None);
+            let doing = v.doing("ssh-end", Some(&vm), what);
+            let code = boxery_hands::ssh_code(&reach, &cmd);
+            match &code {
+                Ok(c) => doing.done(format!("exit {c}"), None),
+                Err(e) => doing.done(format!("error: {e}"), None),
+            }
+            return Ok(std::process::ExitCode::from(code?));
         }
         Command::Forward {
             vm,
@@ -268,7 +283,18 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         } => return guest::forward(v, &vm, &ports, reverse, address).await,
         Command::Prompt { vm, agent, text } => return guest::prompt(v, &vm, &agent, &text).await,
         Command::Attach { vm, agent } => return guest::attach(v, &vm, &agent).await,
-        Command::Run { vm, cmd } => return Ok(boxery_hands::run(&v.reach(&vm).await?, &cmd)?),
+        Command::Run { vm, cmd } => {
+            let doing = v.doing("run", Some(&vm), boxery_hands::line_of(&cmd));
+            let code = match v.reach(&vm).await {
+                Ok(reach) => boxery_hands::run_code(&reach, &cmd).map_err(CliError::from),
+                Err(e) => Err(e.into()),
+            };
+            match &code {
+                Ok(c) => doing.done(format!("exit {c}"), None),
+                Err(e) => doing.done(format!("error: {:#}", e.error), None),
+            }
+            return Ok(std::process::ExitCode::from(code?));
+        }
         Command::Drill { vm, sibling } => return drill_command(v, &vm, sibling.as_deref()).await,
         Command::Cp { src, dst } => return guest::cp(v, &src, &dst).await,
         command => vm_command(v, command).await?,

@@ -7,6 +7,7 @@
 #[cfg(test)]
 mod architecture;
 mod args;
+mod audit;
 mod changes;
 mod commands;
 mod completion;

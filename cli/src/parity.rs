@@ -59,6 +59,14 @@ const CLI_ONLY: &[(&str, &str)] = &[
     ("help", "clap's help"),
     ("backends", "describes this build's backends, for operators"),
     (
+        "usage",
+        "the owner's account of what agents used, read on the VM host; an agent's own use shows in its grant's 429s",
+    ),
+    (
+        "audit",
+        "the owner's record of what agents did; an agent must not read or steer the record of itself",
+    ),
+    (
         "api-resources",
         "reference for humans; tools/list names the kinds each tool takes",
     ),

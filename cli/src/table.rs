@@ -81,6 +81,7 @@ pub fn row(command: &Command) -> Row<'_> {
         Command::Service { .. } => home_only("service", "installs a unit on this machine"),
         Command::Orphans { .. } => home_only("orphans", "reads the VM host's backends"),
         Command::Usage { .. } => home_only("usage", "reads the VM host's usage ledger"),
+        Command::Audit { .. } => home_only("audit", "reads the VM host's audit log"),
         Command::Drill { .. } => home_only("drill", "makes interfaces on the VM host"),
         Command::Grant(a) if grants::decides(a) => home_only(
             "grant approve/deny",

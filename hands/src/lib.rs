@@ -352,10 +352,11 @@ impl Reach {
     }
 }
 
-fn exit_of(status: std::process::ExitStatus) -> ExitCode {
+/// A child's exit code as a shell reports it (128 + 9 for one killed by a signal).
+fn code_of(status: std::process::ExitStatus) -> u8 {
     match status.code() {
-        Some(c) => ExitCode::from(c.clamp(0, 255) as u8),
-        None => ExitCode::from(128 + 9),
+        Some(c) => c.clamp(0, 255) as u8,
+        None => 128 + 9,
     }
 }
 
@@ -406,21 +407,30 @@ fn mux_log(what: &str) {
 /// `boxery ssh VM [-- CMD…]`: an interactive shell (or a command), with the pinned key.
 /// A command without a terminal runs as `boxery run` does.
 pub fn ssh(reach: &Reach, cmd: &[String]) -> Result<ExitCode> {
+    ssh_code(reach, cmd).map(ExitCode::from)
+}
+
+/// [`ssh`], its exit code as a number (for the audit).
+pub fn ssh_code(reach: &Reach, cmd: &[String]) -> Result<u8> {
     let line = (!cmd.is_empty()).then(|| {
         let words: Vec<String> = cmd.iter().map(|w| shell_quote(w)).collect();
         words.join(" ")
     });
-    ssh_line(reach, line.as_deref())
+    ssh_line_code(reach, line.as_deref())
 }
 
 /// [`ssh`] with one remote shell line (or none: a shell), run after the guest's variables are
 /// read ([`guest::SOURCE`]).
 pub fn ssh_line(reach: &Reach, line: Option<&str>) -> Result<ExitCode> {
+    ssh_line_code(reach, line).map(ExitCode::from)
+}
+
+fn ssh_line_code(reach: &Reach, line: Option<&str>) -> Result<u8> {
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdin());
     let line = line.map(|l| format!("{}{l}", guest::SOURCE));
     let mut c = reach.std_command();
     match line {
-        Some(line) if !tty => return Ok(ExitCode::from(reach.run_line(&line)?)),
+        Some(line) if !tty => return reach.run_line(&line),
         Some(line) => c.args(["-t", "--", &line]),
         None if tty => c.arg("-t"),
         None => &mut c,
@@ -428,11 +438,16 @@ pub fn ssh_line(reach: &Reach, line: Option<&str>) -> Result<ExitCode> {
     let status = c
         .status()
         .map_err(|e| HandsError::Failed(format!("cannot run ssh: {e}")))?;
-    Ok(exit_of(status))
+    Ok(code_of(status))
 }
 
 /// `boxery run VM -- CMD…`: run a command, stream its output, exit with its code.
 pub fn run(reach: &Reach, cmd: &[String]) -> Result<ExitCode> {
+    run_code(reach, cmd).map(ExitCode::from)
+}
+
+/// [`run`], its exit code as a number (for the audit).
+pub fn run_code(reach: &Reach, cmd: &[String]) -> Result<u8> {
     if cmd.is_empty() {
         return Err(HandsError::Invalid(
             "give a command: boxery run VM -- CMD [ARGS…]".into(),
@@ -446,7 +461,7 @@ pub fn run(reach: &Reach, cmd: &[String]) -> Result<ExitCode> {
             "boxery: ssh to {vm} failed (exit 255); `boxery describe vm {vm}` shows its state"
         );
     }
-    Ok(ExitCode::from(code))
+    Ok(code)
 }
 
 /// A `cp` operand: a local path or `VM:path`.

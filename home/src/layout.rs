@@ -10,6 +10,7 @@
 //!   grants/<vm>.json      the grants in force on a VM (0600)     grant_state (crate::grants)
 //!   egress/<vm>           a VM's egress policy (0600)            egress_policy (crate::egress)
 //!   audit/proxy.log       the credential proxy's audit log       audit_log
+//!   audit/actions.log     commands, sessions, files, tools, API  actions_log
 //!   proxy.addr            where serve's proxy listens            proxy_addr
 //!   metrics.addr          where serve's /metrics listens         metrics_addr
 //!   usage.db              the usage ledger (SQLite, 0600)        usage_db (crate::usage)
@@ -75,6 +76,12 @@ pub fn activity(home: &Path) -> PathBuf {
 /// `activity/<vm>`: VM `vm`'s last-use mark (its modification time).
 pub fn activity_mark(home: &Path, vm: &str) -> PathBuf {
     activity(home).join(vm)
+}
+
+/// `audit/actions.log`: what people and agents did (commands, sessions, copies, files, tool
+/// calls, API writes), kept by `boxery_verbs::audit`.
+pub fn actions_log(home: &Path) -> PathBuf {
+    home.join("audit").join("actions.log")
 }
 
 /// `audit/proxy.log`: the credential proxy's audit log.

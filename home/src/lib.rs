@@ -11,6 +11,7 @@
 pub mod activity;
 pub mod egress;
 pub mod grants;
+pub mod journal;
 pub mod layout;
 pub mod private;
 pub mod tokens;

@@ -134,6 +134,15 @@ impl ServerHandler for BoxeryMcp {
             .into());
         };
         let args = serde_json::Value::Object(request.arguments.unwrap_or_default());
+        // Every call is audited: the tool, the VM it names (or the session's), how it ended.
+        let vm = args["vm"]
+            .as_str()
+            .map(str::to_string)
+            .or_else(|| self.session.default_vm());
+        let audit = self.session.verbs().ok().cloned();
+        let doing = audit
+            .as_ref()
+            .map(|v| v.doing("tool", vm.as_deref(), tool.name));
         // A tool may ask the person at the client (vm_grant's approval, when it can elicit).
         self.session.set_peer(context.peer.clone());
         // Run on its own task so a panicking runner is a tool error, not a dead server.
@@ -145,6 +154,9 @@ impl ServerHandler for BoxeryMcp {
                 tool.name
             ))),
         };
+        if let Some(d) = doing {
+            d.ended(&r, None);
+        }
         Ok(to_result(r).into())
     }
 }

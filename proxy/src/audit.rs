@@ -3,14 +3,13 @@
 //! status, request and response bytes, milliseconds, and for a refusal its reason. Never a
 //! body, a header, a token or a value.
 //!
-//! Rotated by size: a line that would take the file past [`MAX_BYTES`] first renames it to
+//! Rotated by size and age ([`boxery_home::journal`]): a line that would take the file past
+//! [`MAX_BYTES`], or a file whose first line is older than [`MAX_AGE`], first renames it to
 //! `proxy.log.1` (replacing the previous one), so the log never takes more than twice that.
 
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::path::Path;
 
+use boxery_home::journal::Journal;
 use serde::Serialize;
 
 /// One request, as the audit log records it.
@@ -57,13 +56,13 @@ impl Record {
 /// The size at which the audit log is rotated: 64 MiB.
 pub const MAX_BYTES: u64 = 64 * 1024 * 1024;
 
-/// The audit log writer: one `write` per line on an `O_APPEND` file.
+/// The age at which the audit log is rotated: 30 days.
+pub const MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30 * 86400);
+
+/// The audit log writer: a [`Journal`] at `audit/proxy.log`.
 #[derive(Debug)]
 pub struct Audit {
-    path: PathBuf,
-    max: u64,
-    /// The open file and its size.
-    file: Mutex<Option<(std::fs::File, u64)>>,
+    journal: Journal,
 }
 
 impl Audit {
@@ -76,58 +75,18 @@ impl Audit {
     /// [`Audit::new`], rotated at `max` bytes.
     pub fn with_limit(home: &Path, max: u64) -> Self {
         Audit {
-            path: boxery_home::layout::audit_log(home),
-            max,
-            file: Mutex::new(None),
+            journal: Journal::new(boxery_home::layout::audit_log(home), max, MAX_AGE),
         }
     }
 
     /// Its path.
     pub fn path(&self) -> &Path {
-        &self.path
+        self.journal.path()
     }
 
-    /// Append `r` (a failure to write is logged, once per failure, and the request goes on).
+    /// Append `r` (a failure to write is logged, and the request goes on).
     pub fn write(&self, r: &Record) {
-        let mut line = serde_json::to_vec(r).expect("a record serialises");
-        line.push(b'\n');
-        let mut f = self.file.lock().expect("not poisoned");
-        if let Some((_, size)) = f.as_ref()
-            && *size > 0
-            && size + line.len() as u64 > self.max
-        {
-            let old = self.path.with_extension("log.1");
-            if let Err(e) = std::fs::rename(&self.path, &old) {
-                tracing::error!(path = %self.path.display(), error = %e, "cannot rotate the proxy's audit log");
-            }
-            *f = None;
-        }
-        if f.is_none() {
-            let opened =
-                boxery_home::private::dir(self.path.parent().expect("a parent")).and_then(|()| {
-                    std::fs::OpenOptions::new()
-                        .append(true)
-                        .create(true)
-                        .mode(0o600)
-                        .open(&self.path)
-                });
-            match opened.and_then(|file| Ok((file.metadata()?.len(), file))) {
-                Ok((size, file)) => *f = Some((file, size)),
-                Err(e) => {
-                    tracing::error!(path = %self.path.display(), error = %e, "cannot open the proxy's audit log");
-                    return;
-                }
-            }
-        }
-        if let Some((file, size)) = f.as_mut() {
-            match file.write_all(&line) {
-                Ok(()) => *size += line.len() as u64,
-                Err(e) => {
-                    tracing::error!(path = %self.path.display(), error = %e, "cannot append to the proxy's audit log");
-                    *f = None;
-                }
-            }
-        }
+        self.journal.append(r);
     }
 }
 

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod invariants;
+pub mod mcp_stdio;
 pub mod upstream;
 
 use std::path::{Path, PathBuf};

@@ -1,7 +1,9 @@
 //! What `/metrics` says of a real running VM (issue 36, docs/observability.md): its
 //! hypervisor's CPU seconds and resident memory, its disk, and its network bytes, sampled from
 //! the backend by `serve --metrics-listen`. A megabyte the guest writes to its ssh session is
-//! at least a megabyte of `boxery_vm_network_transmit_bytes_total`.
+//! at least a megabyte of `boxery_vm_network_transmit_bytes_total`. The same VM's commands
+//! (`run`, an agent's `vm_bash` through `boxery mcp`) are in `boxery audit` with their exit
+//! codes, and its vCPU-hours and CPU seconds in `boxery usage`.
 
 use std::io::{Read, Write};
 use std::time::Duration;
@@ -80,6 +82,48 @@ pub(super) fn usage_samples(kind: Kind) {
         text.contains("boxery_vm_status_phase{vm=\"u1\",phase=\"Running\"} 1"),
         "{text}"
     );
+
+    // An agent's vm_bash through `boxery mcp`, on this backend.
+    let mut env: Vec<(&str, &str)> = vec![("BOXERY_BACKEND", kind.name())];
+    env.extend(h.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    let mut mcp = common::mcp_stdio::Mcp::start_with(&h.home, &env);
+    let (err, out) = mcp.call(
+        "vm_bash",
+        serde_json::json!({"vm": "u1", "command": "echo from-mcp; exit 3"}),
+    );
+    assert!(!err && out.contains("from-mcp"), "{out}");
+    drop(mcp);
+    // The audit: the megabyte's `run`, then the tool call and its command, with exit codes.
+    let actions: Vec<serde_json::Value> = h
+        .ok(&["audit", "--vm", "u1", "-o", "json"])
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let find = |action: &str, what: &str| {
+        actions
+            .iter()
+            .position(|a| a["action"] == action && a["what"].as_str().unwrap_or("").contains(what))
+            .unwrap_or_else(|| panic!("no {action} {what} in {actions:#?}"))
+    };
+    let (run, tool, bash) = (
+        find("run", "head -c 1048576"),
+        find("tool", "vm_bash"),
+        find("bash", "echo from-mcp"),
+    );
+    assert!(run < tool && run < bash, "{actions:#?}");
+    assert_eq!(actions[run]["result"], "exit 0");
+    assert_eq!(actions[bash]["result"], "exit 3");
+    assert_eq!(actions[tool]["result"], "ok");
+
+    // The ledger: vCPU-hours and CPU seconds once two samples have passed.
+    let line = common::eventually(Duration::from_secs(60), || {
+        let out = h.ok(&["usage", "-o", "json"]);
+        let all: serde_json::Value = serde_json::from_str(&out).ok()?;
+        let l = all.as_array()?.iter().find(|l| l["name"] == "u1")?.clone();
+        (l["vcpuHours"].as_f64()? > 0.0 && l["cpuSeconds"].as_f64()? > 0.0).then_some(l)
+    })
+    .unwrap_or_else(|| panic!("no compute use of u1: {}", h.ok(&["usage", "-o", "json"])));
+    eprintln!("u1's usage on {}: {line}", kind.name());
     h.ok(&["rm", "u1", "--wait", "--timeout", "3m"]);
     // Its samples leave with it.
     common::eventually(Duration::from_secs(30), || {

@@ -23,6 +23,7 @@
 //! Messages name what the reader can run next, in the [`Voice`] of the front end: `boxery …`
 //! commands or `vm_*` tools.
 
+pub mod audit;
 pub mod control;
 pub mod describe;
 pub mod edit;
@@ -75,6 +76,11 @@ pub struct Verbs {
     /// The control plane on another machine whose store `store` is, when it is one: how its
     /// VMs are reached.
     remote: Option<Arc<dyn Remote>>,
+    /// Who acts, as the audit names them, when the front end says ([`Verbs::acting_for`]);
+    /// else the OS user in the voice's words ([`Verbs::actor`]).
+    actor: Option<String>,
+    /// Through what, when the front end says (`api`); else by voice.
+    via: Option<&'static str>,
 }
 
 /// A control plane on another machine (a context), as the verbs need it beyond its store:
@@ -115,6 +121,8 @@ impl Verbs {
             local,
             manager: None,
             remote: None,
+            actor: None,
+            via: None,
         }
     }
 

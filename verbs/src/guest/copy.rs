@@ -8,6 +8,19 @@ use crate::{Result, VerbError, Verbs};
 
 /// Copy `src` to `dst`, each `VM:PATH` or a local path (`local:PATH` to say so).
 pub async fn copy(v: &Verbs, src: &str, dst: &str) -> Result {
+    let vm = [Place::parse(src), Place::parse(dst)]
+        .into_iter()
+        .find_map(|p| match p {
+            Place::Vm(vm, _) => Some(vm),
+            _ => None,
+        });
+    let doing = v.doing("cp", vm.as_deref(), format!("{src} {dst}"));
+    let r = copy_unrecorded(v, src, dst).await;
+    doing.ended(&r, None);
+    r
+}
+
+async fn copy_unrecorded(v: &Verbs, src: &str, dst: &str) -> Result {
     let mut ways = Vec::new();
     for p in [Place::parse(src), Place::parse(dst)] {
         if let Place::Vm(vm, _) = p {

@@ -265,6 +265,24 @@ fn output_text(stdout: &str, stderr: &str, dropped: u64) -> String {
 /// Run a shell command in a VM (`vm_bash`), bounded by its timeout and [`OUTPUT_CAP`]; on
 /// timeout or cancellation everything it started in the guest is killed ([`kill_script`]).
 pub async fn bash(v: &Verbs, a: &Bash, ct: &CancellationToken) -> Result<BashRun> {
+    let doing = v.doing("bash", Some(&a.vm), a.command.clone());
+    let r = bash_unrecorded(v, a, ct).await;
+    match &r {
+        Ok(run) => doing.done(
+            format!("exit {}", run.exit_code),
+            Some((run.stdout.len() + run.stderr.len()) as u64),
+        ),
+        Err(_) => doing.ended(&r, None),
+    }
+    r
+}
+
+/// [`bash`], not recorded in the audit (its caller records what it was asked).
+pub(crate) async fn bash_unrecorded(
+    v: &Verbs,
+    a: &Bash,
+    ct: &CancellationToken,
+) -> Result<BashRun> {
     let ssh = v.reach(&a.vm).await?;
     let id = format!("b{}", uuid::Uuid::new_v4().simple());
     let script = bash_script(&id, &a.command, a.cwd.as_deref());

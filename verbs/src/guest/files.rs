@@ -125,6 +125,13 @@ fn line_range(from: u64, limit: u64) -> (u64, u64) {
 
 /// Read lines of a text file in a VM, with its version; a binary file is refused.
 pub async fn read(v: &Verbs, a: &ReadFile, ct: &CancellationToken) -> Result<FileText> {
+    let doing = v.doing("read", Some(&a.vm), a.path.clone());
+    let r = read_unrecorded(v, a, ct).await;
+    doing.ended(&r, None);
+    r
+}
+
+async fn read_unrecorded(v: &Verbs, a: &ReadFile, ct: &CancellationToken) -> Result<FileText> {
     let vm = &a.vm;
     let (from, to) = line_range(a.from, a.limit);
     let script = format!(
@@ -211,6 +218,14 @@ impl Written {
 /// Write a whole file in a VM atomically (temp file + rename), refused when it is not at the
 /// version given.
 pub async fn write(v: &Verbs, a: WriteFile, ct: &CancellationToken) -> Result<Written> {
+    let doing = v.doing("write", Some(&a.vm), a.path.clone());
+    let bytes = a.content.len() as u64;
+    let r = write_unrecorded(v, a, ct).await;
+    doing.ended(&r, Some(bytes));
+    r
+}
+
+async fn write_unrecorded(v: &Verbs, a: WriteFile, ct: &CancellationToken) -> Result<Written> {
     let expect = a
         .version
         .as_deref()
@@ -298,6 +313,13 @@ fn line_of(text: &str, byte: usize) -> usize {
 /// Replace text in a file in a VM: `old` must occur exactly `count` times; atomic, and
 /// refused when the file is no longer at the `base` version.
 pub async fn edit(v: &Verbs, a: EditFile, ct: &CancellationToken) -> Result<Edited> {
+    let doing = v.doing("edit", Some(&a.vm), a.path.clone());
+    let r = edit_unrecorded(v, a, ct).await;
+    doing.ended(&r, None);
+    r
+}
+
+async fn edit_unrecorded(v: &Verbs, a: EditFile, ct: &CancellationToken) -> Result<Edited> {
     let vm = &a.vm;
     if a.old.is_empty() {
         return Err(VerbError::invalid(

@@ -214,6 +214,22 @@ pub async fn start(
     cwd: Option<&str>,
     ct: &CancellationToken,
 ) -> Result<Started> {
+    let doing = v.doing("job", Some(vm), command);
+    let r = start_unrecorded(v, vm, command, cwd, ct).await;
+    match &r {
+        Ok(s) => doing.done(format!("started {}", s.id), None),
+        Err(_) => doing.ended(&r, None),
+    }
+    r
+}
+
+async fn start_unrecorded(
+    v: &Verbs,
+    vm: &str,
+    command: &str,
+    cwd: Option<&str>,
+    ct: &CancellationToken,
+) -> Result<Started> {
     if command.trim().is_empty() {
         return Err(VerbError::invalid("give the `command` to start"));
     }
@@ -291,8 +307,13 @@ pub async fn wait(
 
 /// Kill job `id`'s process group (TERM, then KILL).
 pub async fn kill(v: &Verbs, vm: &str, id: &str, ct: &CancellationToken) -> Result<Ended> {
-    job_dir(id)?;
-    ended(v, vm, id, &kill_script(id), SHORT, SHORT, ct).await
+    let doing = v.doing("job-kill", Some(vm), id);
+    let r = match job_dir(id) {
+        Ok(_) => ended(v, vm, id, &kill_script(id), SHORT, SHORT, ct).await,
+        Err(e) => Err(e),
+    };
+    doing.ended(&r, None);
+    r
 }
 
 async fn ended(

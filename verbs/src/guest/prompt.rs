@@ -154,7 +154,17 @@ pub async fn prompt(
         cwd: None,
         timeout,
     };
-    exec::bash(v, &input, ct).await
+    let doing = v.doing(
+        "prompt",
+        Some(vm),
+        format!("{}: {text}", format!("{agent:?}").to_lowercase()),
+    );
+    let r = exec::bash_unrecorded(v, &input, ct).await;
+    match &r {
+        Ok(run) => doing.done(format!("exit {}", run.exit_code), None),
+        Err(_) => doing.ended(&r, None),
+    }
+    r
 }
 
 #[cfg(test)]
