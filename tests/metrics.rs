@@ -7,8 +7,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::io::Write;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -18,25 +17,10 @@ use common::upstream::Upstream;
 
 const KEY: &str = "sk-canary-metrics-e2e-71c2";
 
-/// One HTTP/1.1 request over a fresh connection: the status and the body.
+/// One HTTP/1.1 request: the status and the body.
 fn http(addr: &str, method: &str, path: &str, headers: &str, body: &str) -> (u16, String) {
-    let mut c = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
-    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    write!(
-        c,
-        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\n{headers}content-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    let _ = c.read_to_string(&mut out);
-    let status = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no HTTP answer from {addr}{path}: {out:?}"));
-    let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    (status, body.to_string())
+    let (status, answer) = common::http::request(addr, method, path, headers, body);
+    (status, common::http::body(&answer).to_string())
 }
 
 /// A query string's value, percent-encoded.

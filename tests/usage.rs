@@ -86,29 +86,20 @@ fn answer(c: TcpStream, hits: &AtomicUsize) {
     );
 }
 
-/// POST a Messages call with the VM's token: the status, the head and the body.
+/// POST a Messages call with the VM's token: the status and the whole answer.
 fn call(proxy: &str, token: &str, streamed: bool) -> (u16, String) {
     let body = if streamed {
         r#"{"model":"claude-test","stream":true}"#
     } else {
         r#"{"model":"claude-test"}"#
     };
-    let mut c = TcpStream::connect(proxy).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    write!(
-        c,
-        "POST /llm/anthropic/v1/messages HTTP/1.1\r\nhost: x\r\nx-api-key: {token}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
+    common::http::request(
+        proxy,
+        "POST",
+        "/llm/anthropic/v1/messages",
+        &format!("x-api-key: {token}\r\ncontent-type: application/json\r\n"),
+        body,
     )
-    .unwrap();
-    let mut out = String::new();
-    let _ = c.read_to_string(&mut out);
-    let status = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no answer: {out:?}"));
-    (status, out)
 }
 
 fn addr(home: &Home, file: &str, stale: Option<&str>) -> String {
@@ -190,6 +181,36 @@ fn llm_use_is_counted_priced_and_limited_across_a_restart() {
         "the stream passes whole: {out}"
     );
     assert_eq!(call(&proxy, &t1, false).0, 200);
+    // 39 of 40: past 80 %, the grant warns (looked at on its next reconcile: a label poke).
+    let events_say = |reason: &str| {
+        common::eventually(Duration::from_secs(20), || {
+            let e = home.ok(&["events", "grant", "u1-llm-anthropic"]);
+            e.contains(reason).then_some(e)
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "no {reason} event: {}",
+                home.ok(&["events", "grant", "u1-llm-anthropic"])
+            )
+        })
+    };
+    common::eventually(Duration::from_secs(10), || {
+        let l = usage_of(&home, "grant", "u1-llm-anthropic");
+        (l["requests"] == 4).then_some(())
+    })
+    .expect("four requests recorded");
+    home.ok(&[
+        "label",
+        "grant",
+        "u1-llm-anthropic",
+        "poke=1",
+        "--overwrite",
+    ]);
+    let near = events_say("LimitNear");
+    assert!(
+        near.contains("over 80 % of its tokensPerDay limit (40 tokens)"),
+        "{near}"
+    );
     // 39 < 40: one more goes through and uses it up (46); the one after is refused, unsent.
     assert_eq!(call(&proxy, &t1, false).0, 200);
     let sent = up.hits();
@@ -207,6 +228,18 @@ fn llm_use_is_counted_priced_and_limited_across_a_restart() {
         "{refused}"
     );
     assert_eq!(up.hits(), sent, "the upstream never sees a refused request");
+    home.ok(&[
+        "label",
+        "grant",
+        "u1-llm-anthropic",
+        "poke=2",
+        "--overwrite",
+    ]);
+    let reached = events_say("LimitReached");
+    assert!(
+        reached.contains("refuses its requests with 429 until"),
+        "{reached}"
+    );
 
     // The exact sums: 4 whole answers (3 + 4 each) and one stream (7 + 11).
     let line = common::eventually(Duration::from_secs(10), || {

@@ -6,36 +6,21 @@
 //! `cargo bench -p boxery --bench controlplane` (release build). Prints a table; the figures
 //! go into docs/benchmarks.md with this command. `BOXERY_BENCH_VMS=N` changes the count.
 
+#[path = "support/fleet.rs"]
+mod fleet;
+
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use boxery_api::vm::{Resources, VmSpec};
-use boxery_api::{DynObject, RunStrategy, Vm, VmSource};
+use boxery_api::Vm;
 use boxery_store::{ApplyOptions, Store};
+use fleet::{Serve, rss_kib, vms};
 
 /// The binary measured: this build's, or `BOXERY_BENCH_BIN` (another build of the same commit,
 /// e.g. another release profile, measured by the same driver in the same run).
 fn bin() -> String {
     std::env::var("BOXERY_BENCH_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_boxery").to_string())
-}
-
-fn vms(n: usize) -> Vec<DynObject> {
-    (0..n)
-        .map(|i| {
-            let spec = VmSpec {
-                source: VmSource::Image("debian-12".into()),
-                resources: Resources::default(),
-                headless: true,
-                layers: vec![],
-                run_strategy: RunStrategy::Running,
-                restore: None,
-                network: Default::default(),
-                idle: None,
-            };
-            DynObject::from_typed(&Vm::new(format!("vm-{i:04}"), spec)).unwrap()
-        })
-        .collect()
 }
 
 fn pct(sorted: &[Duration], p: f64) -> Duration {
@@ -62,23 +47,6 @@ fn run_get(home: &Path, args: &[&str]) -> Duration {
         String::from_utf8_lossy(&out.stderr)
     );
     d
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    s.lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
-struct Serve(Child);
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn main() {

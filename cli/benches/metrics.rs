@@ -9,43 +9,18 @@
 //! `cargo bench -p boxery --bench metrics` (release build). Prints a table; the figures go
 //! into docs/benchmarks.md with this command. `BOXERY_BENCH_VMS=N` changes the count.
 
+#[path = "support/fleet.rs"]
+mod fleet;
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use boxery_api::vm::{Resources, VmSpec};
-use boxery_api::{DynObject, RunStrategy, Vm, VmSource};
+use boxery_api::Vm;
 use boxery_store::{ApplyOptions, Store};
+use fleet::{Serve, rss_kib, vms};
 
-fn vms(n: usize) -> Vec<DynObject> {
-    (0..n)
-        .map(|i| {
-            let spec = VmSpec {
-                source: VmSource::Image("debian-12".into()),
-                resources: Resources::default(),
-                headless: true,
-                layers: vec![],
-                run_strategy: RunStrategy::Running,
-                restore: None,
-                network: Default::default(),
-                idle: None,
-            };
-            DynObject::from_typed(&Vm::new(format!("vm-{i:04}"), spec)).unwrap()
-        })
-        .collect()
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    s.lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
-/// GET `path`: the time to the whole answer, and its size.
 fn get(addr: &str, path: &str) -> (Duration, usize) {
     let t = Instant::now();
     let mut c = TcpStream::connect(addr).unwrap();
@@ -67,14 +42,6 @@ fn pct(sorted: &[Duration], p: f64) -> Duration {
 
 fn ms(d: Duration) -> String {
     format!("{:.2} ms", d.as_secs_f64() * 1000.0)
-}
-
-struct Serve(Child);
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn main() {

@@ -153,6 +153,7 @@ fn main() {
         println!("| measure | boxery | limit (same run) | ratio p50 / p99 | target |");
         println!("|---|---|---|---|---|");
         println!("{}", warm_row(&mut run_rt, &mut ssh_rt));
+        println!("{}", audit_row(&mut run_rt));
         h.ok(&["rm", "b0", "--wait"]);
         drop(serve);
         return;
@@ -409,6 +410,42 @@ fn warm(h: &H, vm: &str, n: usize) -> (Vec<Duration>, Vec<Duration>) {
         }
     }
     (run_rt, ssh_rt)
+}
+
+/// What the audit line every `run` appends costs (the journal's append of a typical action,
+/// 1,000 times into a journal of its own), against the warm `run` measured in the same run.
+fn audit_row(run_rt: &mut [Duration]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let j = boxery_home::journal::Journal::new(
+        dir.path().join("audit/actions.log"),
+        boxery_verbs::audit::MAX_BYTES,
+        boxery_verbs::audit::MAX_AGE,
+    );
+    let a = boxery_verbs::audit::Action {
+        time: "2026-12-06T05:12:44.031Z".into(),
+        who: "user:root".into(),
+        via: "cli".into(),
+        action: "run".into(),
+        vm: Some("b0".into()),
+        what: "cargo test --workspace".into(),
+        result: "exit 0".into(),
+        bytes: None,
+        ms: 31,
+    };
+    let mut t: Vec<Duration> = (0..1000)
+        .map(|_| {
+            let s = Instant::now();
+            j.append(&a);
+            s.elapsed()
+        })
+        .collect();
+    let (a50, r50) = (pct(&mut t, 0.5), pct(run_rt, 0.5));
+    format!(
+        "| audit line appended per `run`, p50 (1,000 appends) | {:.1} µs | warm `boxery run` p50: {} | {:.2} % | ≤ 5 % |",
+        a50.as_secs_f64() * 1e6,
+        ms(r50),
+        100.0 * a50.as_secs_f64() / r50.as_secs_f64()
+    )
 }
 
 fn warm_row(run_rt: &mut [Duration], ssh_rt: &mut [Duration]) -> String {

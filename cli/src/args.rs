@@ -308,6 +308,17 @@ pub(crate) enum Command {
         #[arg(short, long, value_enum, default_value = "table")]
         output: crate::audit::AuditOutput,
     },
+    /// What each running VM uses of the host now, as kubectl top does: its hypervisor's CPU
+    /// (cores, over one second), host memory, and network bytes a second. See
+    /// docs/observability.md.
+    Top {
+        /// Again every two seconds, until interrupted.
+        #[arg(short, long)]
+        watch: bool,
+        /// One JSON list per sample.
+        #[arg(long)]
+        json: bool,
+    },
     /// The backends this build has and what each offers (from their own declarations).
     Backends,
     /// Facts about images: `images layers` lists the guest layers and what each installs.

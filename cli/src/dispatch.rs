@@ -250,6 +250,7 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
             since,
             output,
         } => crate::audit::audit(v, vm, holder, since, output)?,
+        Command::Top { watch, json } => crate::top::top(v, watch, json).await?,
         Command::Sync(args) => sync::sync(v, args).await?,
         Command::Ssh { vm, agent, cmd } => {
             if agent {

@@ -29,6 +29,7 @@ mod pools;
 mod service;
 mod sync;
 mod table;
+mod top;
 mod usage;
 mod vms;
 mod wait;

@@ -63,6 +63,10 @@ const CLI_ONLY: &[(&str, &str)] = &[
         "the owner's account of what agents used, read on the VM host; an agent's own use shows in its grant's 429s",
     ),
     (
+        "top",
+        "the owner's live view of the host; an agent sees its own VM from inside it with vm_bash",
+    ),
+    (
         "audit",
         "the owner's record of what agents did; an agent must not read or steer the record of itself",
     ),

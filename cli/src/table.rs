@@ -82,6 +82,7 @@ pub fn row(command: &Command) -> Row<'_> {
         Command::Orphans { .. } => home_only("orphans", "reads the VM host's backends"),
         Command::Usage { .. } => home_only("usage", "reads the VM host's usage ledger"),
         Command::Audit { .. } => home_only("audit", "reads the VM host's audit log"),
+        Command::Top { .. } => home_only("top", "reads the VM host's backend"),
         Command::Drill { .. } => home_only("drill", "makes interfaces on the VM host"),
         Command::Grant(a) if grants::decides(a) => home_only(
             "grant approve/deny",

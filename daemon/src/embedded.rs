@@ -85,6 +85,7 @@ async fn start_if_needed(env: &Env, store: &Store) -> Result<Started> {
         inventory_every: Duration::from_secs(5),
         import_roots: config.import_roots.clone(),
         memory_quota: config.memory.quota.map(|q| q.bytes()),
+        prices: config.proxy.prices.clone(),
         ..Settings::default()
     };
     let ctx = context(store, &env.home, backend.clone(), settings, &me.id);

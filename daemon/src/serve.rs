@@ -288,6 +288,7 @@ async fn lead_and_run(
         inventory_every,
         import_roots: config.import_roots,
         memory_quota: config.memory.quota.map(|q| q.bytes()),
+        prices: config.proxy.prices.clone(),
         ..Settings::default()
     };
     let ctx = context(&store, &env.home, backend.clone(), settings, &me.id);

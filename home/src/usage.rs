@@ -44,6 +44,37 @@ pub fn now() -> i64 {
         .map_or(0, |d| d.as_secs() as i64)
 }
 
+/// The first hour of the UTC day and of the UTC month `unix` falls in: the periods of a
+/// grant's `tokensPerDay` and `dollarsPerMonth`.
+pub fn periods(unix: i64) -> (i64, i64) {
+    use chrono::{Datelike, TimeZone, Utc};
+    let hour = hour_of(unix);
+    let day = hour - hour.rem_euclid(24);
+    let t = Utc.timestamp_opt(unix, 0).single().unwrap_or_default();
+    let month = Utc
+        .with_ymd_and_hms(t.year(), t.month(), 1, 0, 0, 0)
+        .single()
+        .map_or(day, |m| hour_of(m.timestamp()));
+    (day, month)
+}
+
+/// When the UTC month after the one starting at hour `month` starts.
+pub fn next_month(month: i64) -> chrono::DateTime<chrono::Utc> {
+    use chrono::{Datelike, TimeZone, Utc};
+    let t = Utc
+        .timestamp_opt(month * HOUR, 0)
+        .single()
+        .unwrap_or_default();
+    let (y, m) = if t.month() == 12 {
+        (t.year() + 1, 1)
+    } else {
+        (t.year(), t.month() + 1)
+    };
+    Utc.with_ymd_and_hms(y, m, 1, 0, 0, 0)
+        .single()
+        .unwrap_or_default()
+}
+
 /// LLM use of one request (or the sum of several with the same key).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LlmUse {

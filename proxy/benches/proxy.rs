@@ -1,6 +1,7 @@
 //! The credential proxy's overhead against calling the stand-in upstream directly, in the
 //! same run (docs/benchmarks.md, "Credential proxy (issue 13)"):
-//! - added latency per request (p50, p99) over keep-alive connections, sequential;
+//! - added latency per request (p50, p99) over keep-alive connections, sequential, and the
+//!   part of it the LLM accounting takes (limits, usage read from the answer, the count);
 //! - added time to the first streamed byte (an SSE response whose rest the upstream holds);
 //! - 500 concurrent streams held open through the proxy: the proxy's RSS growth per stream.
 //!
@@ -154,6 +155,16 @@ async fn bench() {
         "request  direct p50 {d50:.3} ms p99 {d99:.3} ms | proxy p50 {p50:.3} ms p99 {p99:.3} ms | added p50 {:.3} ms p99 {:.3} ms",
         p50 - d50,
         p99 - d99
+    );
+    // The accounting on each LLM request's path (limits check, the answer's usage read as it
+    // passes, the count), in this process, against the proxy's added latency just measured.
+    let ledger = tempfile::tempdir().unwrap();
+    let acct = boxery_proxy::bench_per_request(ledger.path(), 20_000).as_secs_f64() * 1e3;
+    let added = p50 - d50;
+    println!(
+        "accounting  {acct:.4} ms per request = {:.1} % of the proxy's added p50 without it ({:.3} ms)",
+        100.0 * acct / (added - acct),
+        added - acct
     );
 
     // Time to the first streamed byte.

@@ -47,6 +47,10 @@ pub mod secret;
 mod token;
 mod usage;
 
+/// The accounting's cost per request, for `cargo bench -p boxery-proxy`.
+#[doc(hidden)]
+pub use usage::bench_per_request;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

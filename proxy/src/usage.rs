@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use axum::http::StatusCode;
 use boxery_api::config::Price;
 use boxery_home::grants::Entry;
-use boxery_home::usage::{HOUR, Ledger, LlmUse, hour_of, now};
-use chrono::{Datelike, TimeZone, Utc};
+use boxery_home::usage::{HOUR, Ledger, LlmUse, hour_of, next_month, now, periods};
+use chrono::{TimeZone, Utc};
 
 use crate::{Refusal, refuse};
 
@@ -162,34 +162,6 @@ struct Counters {
     month_by_model: HashMap<String, (u64, u64)>,
     /// Requests admitted in the last minute.
     minute: VecDeque<Instant>,
-}
-
-/// The first hour of the UTC day and of the UTC month `unix` falls in.
-fn periods(unix: i64) -> (i64, i64) {
-    let hour = hour_of(unix);
-    let day = hour - hour.rem_euclid(24);
-    let t = Utc.timestamp_opt(unix, 0).single().unwrap_or_default();
-    let month_start = Utc
-        .with_ymd_and_hms(t.year(), t.month(), 1, 0, 0, 0)
-        .single()
-        .map_or(day, |m| hour_of(m.timestamp()));
-    (day, month_start)
-}
-
-/// When the UTC month after the one starting at hour `month` starts, RFC 3339.
-fn next_month(month: i64) -> chrono::DateTime<Utc> {
-    let t = Utc
-        .timestamp_opt(month * HOUR, 0)
-        .single()
-        .unwrap_or_default();
-    let (y, m) = if t.month() == 12 {
-        (t.year() + 1, 1)
-    } else {
-        (t.year(), t.month() + 1)
-    };
-    Utc.with_ymd_and_hms(y, m, 1, 0, 0, 0)
-        .single()
-        .unwrap_or_default()
 }
 
 /// The accounting of one proxy.
@@ -388,6 +360,57 @@ impl Accounting {
             });
         }
     }
+}
+
+/// The accounting work one LLM request costs on its path, for the proxy's benchmark: the
+/// limits check, reading a typical answer's usage as it streams past in two chunks, and the
+/// count (into `home`'s ledger, by the writer thread). The mean time per request over `n`.
+#[doc(hidden)]
+pub fn bench_per_request(home: &std::path::Path, n: u32) -> Duration {
+    let acct = Accounting::new(home, BTreeMap::new());
+    let grant = Entry {
+        name: "b-llm-anthropic".into(),
+        uid: "bench-grant".into(),
+        generation: 1,
+        spec: boxery_api::grant::GrantSpec {
+            vm: Some("b".into()),
+            lease: None,
+            type_: boxery_api::grant::GrantType::Llm,
+            target: "anthropic".into(),
+            header: None,
+            value_from: boxery_api::grant::ValueFrom::Env("K".into()),
+            limits: Some(boxery_api::grant::GrantLimits {
+                tokens_per_day: Some(u64::MAX),
+                requests_per_minute: Some(100_000),
+                dollars_per_month: None,
+            }),
+        },
+        vm_uid: "vm-b".into(),
+        lease_uid: None,
+    };
+    let charge = Charge {
+        vm: "b".into(),
+        owner: "vm-b".into(),
+        grant_uid: grant.uid.clone(),
+        grant: grant.name.clone(),
+        provider: "anthropic".into(),
+    };
+    let answer = format!(
+        r#"{{"id":"msg_1","type":"message","role":"assistant","model":"claude-bench","content":[{{"type":"text","text":"{}"}}],"stop_reason":"end_turn","usage":{{"input_tokens":812,"output_tokens":96}}}}"#,
+        "x".repeat(600)
+    );
+    let (a, b) = answer.as_bytes().split_at(answer.len() / 2);
+    let t = Instant::now();
+    for _ in 0..n {
+        if acct.admit(&grant).is_err() {
+            break;
+        }
+        let mut m = Meter::new("application/json");
+        m.feed(a);
+        m.feed(b);
+        acct.record(&charge, m.finish());
+    }
+    t.elapsed() / n.max(1)
 }
 
 #[cfg(test)]

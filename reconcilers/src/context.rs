@@ -32,6 +32,9 @@ pub struct Settings {
     /// layer added to a running VM is copied in from the layered build's disk here
     /// (docs/images.md). `None`: neither.
     pub build_outputs: Option<std::path::PathBuf>,
+    /// Dollars per million tokens by model (`proxy: {prices: …}` in config.yaml): what a
+    /// grant's `dollarsPerMonth` warnings count ([`crate::limits`]).
+    pub prices: std::collections::BTreeMap<String, boxery_api::config::Price>,
 }
 
 impl Default for Settings {
@@ -42,6 +45,7 @@ impl Default for Settings {
             concurrency: 16,
             import_roots: Vec::new(),
             memory_quota: None,
+            prices: Default::default(),
             build_outputs: Some(
                 std::env::var_os("BOXERY_IMAGE_CACHE")
                     .filter(|v| !v.is_empty())
@@ -73,6 +77,7 @@ pub struct Ctx {
     writes: Arc<WriteThrough>,
     pool_caches: std::sync::OnceLock<crate::pool::Caches>,
     observed: std::sync::OnceLock<crate::metrics::Observed>,
+    ledger: std::sync::OnceLock<Option<Arc<boxery_home::usage::Ledger>>>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     reported: Mutex<std::collections::HashSet<String>>,
 }
@@ -136,6 +141,7 @@ impl Ctx {
             guest: Default::default(),
             pool_caches: std::sync::OnceLock::new(),
             observed: std::sync::OnceLock::new(),
+            ledger: std::sync::OnceLock::new(),
             locks: Mutex::new(HashMap::new()),
             reported: Mutex::new(Default::default()),
         }
@@ -163,6 +169,19 @@ impl Ctx {
     /// [`crate::runtime::run`]; `serve` does).
     pub fn keep_observed(&self, observed: crate::metrics::Observed) {
         let _ = self.observed.set(observed);
+    }
+
+    /// This home's usage ledger, opened on first use (`None`, said once, when it cannot be).
+    pub fn ledger(&self) -> Option<Arc<boxery_home::usage::Ledger>> {
+        self.ledger
+            .get_or_init(|| match boxery_home::usage::Ledger::open(&self.home) {
+                Ok(l) => Some(Arc::new(l)),
+                Err(e) => {
+                    tracing::error!(error = %e, "the usage ledger cannot be opened: use is not recorded");
+                    None
+                }
+            })
+            .clone()
     }
 
     /// What `/metrics` reads, when `serve` asked for it.

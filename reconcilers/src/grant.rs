@@ -411,6 +411,7 @@ async fn step(mut g: Grant, ctx: &Ctx) -> Result<Action> {
         "in force for VM {vm}: approved by {}",
         g.status.approved_by.clone().unwrap_or_default()
     );
+    crate::limits::warn(ctx, &g).await;
     settle(g, &original, ctx, Verdict::Applied, &msg).await
 }
 

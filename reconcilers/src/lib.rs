@@ -14,6 +14,7 @@ pub mod image;
 pub mod inventory;
 pub mod layers;
 pub mod lease;
+pub mod limits;
 pub mod metrics;
 pub mod pool;
 pub mod quota;

@@ -96,13 +96,7 @@ pub(crate) async fn sample(
     samples: Arc<RwLock<Samples>>,
     shutdown: CancellationToken,
 ) {
-    let ledger = match boxery_home::usage::Ledger::open(&ctx.home) {
-        Ok(l) => Some(Arc::new(l)),
-        Err(e) => {
-            tracing::error!(error = %e, "the usage ledger cannot be opened: compute use is not recorded");
-            None
-        }
-    };
+    let ledger = ctx.ledger();
     let mut charged = Charged::default();
     let mut tick = tokio::time::interval(SAMPLE_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

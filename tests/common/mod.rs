@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod api;
+pub mod http;
 pub mod invariants;
 pub mod mcp_stdio;
 pub mod upstream;

@@ -124,6 +124,15 @@ pub(super) fn usage_samples(kind: Kind) {
     })
     .unwrap_or_else(|| panic!("no compute use of u1: {}", h.ok(&["usage", "-o", "json"])));
     eprintln!("u1's usage on {}: {line}", kind.name());
+    // `boxery top`: the running VM, its host memory and size.
+    let top: serde_json::Value = serde_json::from_str(&h.ok(&["top", "--json"])).unwrap();
+    let row = top
+        .as_array()
+        .and_then(|t| t.iter().find(|r| r["vm"] == "u1"))
+        .unwrap_or_else(|| panic!("u1 not in top: {top}"));
+    assert!(row["rssBytes"].as_u64().unwrap() > 32 << 20, "{row}");
+    assert_eq!(row["cpus"], 1);
+    assert!(row["cpuCores"].as_f64().unwrap() >= 0.0, "{row}");
     h.ok(&["rm", "u1", "--wait", "--timeout", "3m"]);
     // Its samples leave with it.
     common::eventually(Duration::from_secs(30), || {

@@ -65,3 +65,81 @@ pub fn report(v: &Verbs, by: By, since: std::time::Duration) -> Result<Vec<Usage
         })
         .collect())
 }
+
+/// One running VM in `boxery top`: what it uses of the host now.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TopRow {
+    /// The VM.
+    pub vm: String,
+    /// Host CPU it used over the sampling interval, in cores (1.0: one core busy).
+    pub cpu_cores: f64,
+    /// The vCPUs it has.
+    pub cpus: u32,
+    /// Host memory its hypervisor holds.
+    pub rss_bytes: u64,
+    /// Guest memory it was given.
+    pub memory_bytes: u64,
+    /// Network bytes a second received and sent over the interval, when the backend counts
+    /// them.
+    pub rx_per_second: Option<f64>,
+    /// See `rx_per_second`.
+    pub tx_per_second: Option<f64>,
+}
+
+/// What each running VM of this home uses now: two samples of the backend `interval` apart
+/// (CPU and network as rates over it), sorted by CPU.
+pub async fn top(v: &Verbs, interval: std::time::Duration) -> Result<Vec<TopRow>> {
+    let backend = v.env.backend_for(v.store()).await?;
+    if !backend.capabilities().usage {
+        return Err(VerbError::invalid(format!(
+            "the {} backend does not tell what its VMs use (`boxery backends`: usage samples)",
+            backend.name()
+        )));
+    }
+    let before = backend
+        .usage()
+        .await
+        .map_err(|e| VerbError::failed(e.chain()))?;
+    let t = std::time::Instant::now();
+    tokio::time::sleep(interval).await;
+    let after = backend
+        .usage()
+        .await
+        .map_err(|e| VerbError::failed(e.chain()))?;
+    let secs = t.elapsed().as_secs_f64().max(1e-3);
+    let sizes: std::collections::HashMap<String, (u32, u64)> = backend
+        .list()
+        .await
+        .map_err(|e| VerbError::failed(e.chain()))?
+        .into_iter()
+        .map(|i| (i.name, (i.size.cpus, i.size.memory_mib << 20)))
+        .collect();
+    let mut rows: Vec<TopRow> = after
+        .iter()
+        .map(|a| {
+            let b = before.iter().find(|b| b.name == a.name);
+            let rate = |now: Option<u64>, then: Option<u64>| match (now, then) {
+                (Some(n), Some(t)) if n >= t => Some((n - t) as f64 / secs),
+                _ => None,
+            };
+            let (cpus, memory_bytes) = sizes.get(&a.name).copied().unwrap_or_default();
+            TopRow {
+                vm: a.name.clone(),
+                cpu_cores: b.map_or(0.0, |b| (a.cpu_seconds - b.cpu_seconds).max(0.0) / secs),
+                cpus,
+                rss_bytes: a.rss_bytes,
+                memory_bytes,
+                rx_per_second: rate(a.network_rx_bytes, b.and_then(|b| b.network_rx_bytes)),
+                tx_per_second: rate(a.network_tx_bytes, b.and_then(|b| b.network_tx_bytes)),
+            }
+        })
+        .collect();
+    rows.sort_by(|x, y| {
+        y.cpu_cores
+            .partial_cmp(&x.cpu_cores)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then_with(|| x.vm.cmp(&y.vm))
+    });
+    Ok(rows)
+}
