@@ -60,21 +60,27 @@ fn commands_tool_calls_and_api_writes_are_audited_in_order() {
         a.iter().any(|x| x["via"] == "api").then_some(a)
     })
     .expect("the API's write is audited");
-    let seen: Vec<(String, String, String)> = all
+    let seen: Vec<(String, String, String, String)> = all
         .iter()
         .map(|a| {
             (
                 a["via"].as_str().unwrap().to_string(),
                 a["action"].as_str().unwrap().to_string(),
                 a["what"].as_str().unwrap().to_string(),
+                a["result"].as_str().unwrap().to_string(),
             )
         })
         .collect();
-    let pos = |via: &str, action: &str, what: &str| {
+    // The line that says how an action ended (a command's start is a line of its own).
+    let at = |via: &str, action: &str, what: &str, started: bool| {
         seen.iter()
-            .position(|(v, a, w)| v == via && a == action && w.contains(what))
+            .position(|(v, a, w, r)| {
+                v == via && a == action && w.contains(what) && (r == "started") == started
+            })
             .unwrap_or_else(|| panic!("no {via} {action} {what} in {seen:#?}"))
     };
+    let pos = |via: &str, action: &str, what: &str| at(via, action, what, false);
+    assert!(at("cli", "run", "echo hi", true) < pos("cli", "run", "echo hi"));
     let run = pos("cli", "run", "echo hi");
     let get = pos("mcp", "tool", "vm_get");
     let bash = pos("mcp", "bash", "uname -a");
@@ -101,10 +107,21 @@ fn commands_tool_calls_and_api_writes_are_audited_in_order() {
     std::thread::sleep(Duration::from_millis(2100));
     let _ = home.run(&["run", "a2", "--", "true"]);
     let recent = audit(home, &["--since", "2s"]);
-    assert_eq!(recent.len(), 1, "{recent:#?}");
+    assert_eq!(recent.len(), 2, "its start and its end: {recent:#?}");
     assert_eq!(
-        (recent[0]["vm"].as_str(), recent[0]["what"].as_str()),
+        (recent[1]["vm"].as_str(), recent[1]["what"].as_str()),
         (Some("a2"), Some("true"))
+    );
+
+    // A huge command is cut to a bounded line that still says what it was.
+    let huge = format!("echo {}", "z".repeat(100_000));
+    let _ = home.run(&["run", "a2", "--", &huge]);
+    let last = audit(home, &["--vm", "a2"]).pop().unwrap();
+    let what = last["what"].as_str().unwrap().to_string();
+    assert!(
+        what.len() < 5000 && what.contains("100005 bytes in all, sha256 "),
+        "{}",
+        &what[what.len().saturating_sub(80)..]
     );
     // The table shows the escape, not the terminal's reaction to it.
     let table = home.ok(&["audit", "--vm", "a1"]);

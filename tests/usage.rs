@@ -23,6 +23,8 @@ const KEY: &str = "sk-canary-usage-e2e-3f0a";
 struct Upstream {
     port: u16,
     hits: Arc<AtomicUsize>,
+    /// The head of the last request.
+    last: Arc<std::sync::Mutex<String>>,
 }
 
 impl Upstream {
@@ -30,28 +32,34 @@ impl Upstream {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
         let hits: Arc<AtomicUsize> = Arc::default();
-        let h = hits.clone();
+        let last: Arc<std::sync::Mutex<String>> = Arc::default();
+        let (h, l2) = (hits.clone(), last.clone());
         std::thread::spawn(move || {
             for c in l.incoming().flatten() {
-                let h = h.clone();
-                std::thread::spawn(move || answer(c, &h));
+                let (h, l2) = (h.clone(), l2.clone());
+                std::thread::spawn(move || answer(c, &h, &l2));
             }
         });
-        Upstream { port, hits }
+        Upstream { port, hits, last }
+    }
+    fn last_head(&self) -> String {
+        self.last.lock().unwrap().clone()
     }
     fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
     }
 }
 
-fn answer(c: TcpStream, hits: &AtomicUsize) {
+fn answer(c: TcpStream, hits: &AtomicUsize, last: &std::sync::Mutex<String>) {
     let mut r = BufReader::new(c.try_clone().unwrap());
     let mut len = 0usize;
+    let mut head = String::new();
     loop {
         let mut line = String::new();
         if r.read_line(&mut line).unwrap_or(0) == 0 {
             return;
         }
+        head.push_str(&line.to_ascii_lowercase());
         if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
             len = v.trim().parse().unwrap_or(0);
         }
@@ -61,6 +69,7 @@ fn answer(c: TcpStream, hits: &AtomicUsize) {
     }
     let mut body = vec![0; len];
     r.read_exact(&mut body).unwrap();
+    *last.lock().unwrap() = head;
     hits.fetch_add(1, Ordering::SeqCst);
     let (ct, out) = if String::from_utf8_lossy(&body).contains("\"stream\":true") {
         (
@@ -97,7 +106,9 @@ fn call(proxy: &str, token: &str, streamed: bool) -> (u16, String) {
         proxy,
         "POST",
         "/llm/anthropic/v1/messages",
-        &format!("x-api-key: {token}\r\ncontent-type: application/json\r\n"),
+        &format!(
+            "x-api-key: {token}\r\ncontent-type: application/json\r\naccept-encoding: gzip, br\r\n"
+        ),
         body,
     )
 }
@@ -172,6 +183,24 @@ fn llm_use_is_counted_priced_and_limited_across_a_restart() {
         (call(&proxy, &t1, false).0 == 200).then_some(())
     })
     .expect("the grant takes effect");
+    // Asked uncompressed, whatever the client accepts: the usage is read as it passes.
+    assert!(
+        up.last_head().contains("accept-encoding: identity\r\n"),
+        "{}",
+        up.last_head()
+    );
+    // A batch is not metered: a grant with limits refuses it, unsent.
+    let before = up.hits();
+    let (s, out) = common::http::request(
+        &proxy,
+        "POST",
+        "/llm/anthropic/v1/messages/batches",
+        &format!("x-api-key: {t1}\r\ncontent-type: application/json\r\n"),
+        "{}",
+    );
+    assert_eq!(s, 403, "{out}");
+    assert!(out.contains("batch requests are not metered"), "{out}");
+    assert_eq!(up.hits(), before);
     // 7 (the call above) + 7 + 18 + 7 = 39 tokens: under 40.
     assert_eq!(call(&proxy, &t1, false).0, 200);
     let (s, out) = call(&proxy, &t1, true);

@@ -42,6 +42,41 @@ pub struct Price {
     pub output: f64,
 }
 
+/// The price of `model` in `prices`: its own, else the longest configured name it starts with
+/// (`gpt-5` prices `gpt-5-2025-08-07`: providers answer with dated names).
+pub fn price_for(prices: &BTreeMap<String, Price>, model: &str) -> Option<Price> {
+    if let Some(p) = prices.get(model) {
+        return Some(*p);
+    }
+    prices
+        .iter()
+        .filter(|(name, _)| !name.is_empty() && model.starts_with(name.as_str()))
+        .max_by_key(|(name, _)| name.len())
+        .map(|(_, p)| *p)
+}
+
+/// The dearest of `prices` (each side's highest): what a model with no price of its own costs
+/// under a grant's `dollarsPerMonth`, so that an unpriced model cannot spend for nothing.
+pub fn dearest(prices: &BTreeMap<String, Price>) -> Option<Price> {
+    prices.values().copied().reduce(|a, b| Price {
+        input: a.input.max(b.input),
+        output: a.output.max(b.output),
+    })
+}
+
+/// What a grant spent: the dollars of tokens by model (`(model, input, output)`) at `prices`
+/// ([`price_for`]), a model with no price counted at the [`dearest`] (nothing when no price is
+/// configured at all).
+pub fn spent<'a>(
+    prices: &BTreeMap<String, Price>,
+    used: impl IntoIterator<Item = (&'a str, u64, u64)>,
+) -> f64 {
+    let fallback = dearest(prices);
+    used.into_iter()
+        .filter_map(|(m, i, o)| Some(price_for(prices, m).or(fallback)?.of(i, o)))
+        .sum()
+}
+
 impl Price {
     /// The dollars of `input` and `output` tokens.
     pub fn of(self, input: u64, output: u64) -> f64 {
@@ -77,4 +112,43 @@ pub struct ProxyLimits {
     /// How many requests one VM may have in flight at once.
     #[serde(default)]
     pub concurrency_per_vm: Option<usize>,
+}
+
+#[cfg(test)]
+mod price_tests {
+    use super::*;
+
+    #[test]
+    fn dated_model_names_take_their_family_price_and_unpriced_ones_the_dearest() {
+        let p: BTreeMap<String, Price> = [
+            (
+                "gpt-5".to_string(),
+                Price {
+                    input: 1.25,
+                    output: 10.0,
+                },
+            ),
+            (
+                "gpt-5-mini".to_string(),
+                Price {
+                    input: 0.25,
+                    output: 2.0,
+                },
+            ),
+            (
+                "claude-sonnet-4-5".to_string(),
+                Price {
+                    input: 3.0,
+                    output: 15.0,
+                },
+            ),
+        ]
+        .into();
+        assert_eq!(price_for(&p, "gpt-5-2025-08-07").unwrap().input, 1.25);
+        assert_eq!(price_for(&p, "gpt-5-mini-2025-08-07").unwrap().input, 0.25);
+        assert!(price_for(&p, "o3").is_none());
+        // a million in and out of an unpriced model, at the dearest of each side
+        assert_eq!(spent(&p, [("o3", 1_000_000, 1_000_000)]), 3.0 + 15.0);
+        assert_eq!(spent(&BTreeMap::new(), [("o3", 1_000_000, 0)]), 0.0);
+    }
 }

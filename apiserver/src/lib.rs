@@ -192,21 +192,22 @@ async fn authenticate(State(sh): State<Arc<Shared>>, mut req: Request, next: Nex
 }
 
 /// Every write through the API (a method other than GET, HEAD and OPTIONS), audited when its
-/// answer is made: who (its token), the method and path, the status. `/mcp` is audited per
-/// tool call by the MCP server, and the store calls per write by `store_rpc`.
+/// answer is made: who (its token), the method and path, the status. A request to `/mcp` is
+/// a line too (`mcp`: the token behind the session; the MCP server records each tool call), and
+/// the store calls are audited per write by `store_rpc`.
 async fn audit_writes(State(sh): State<Arc<Shared>>, req: Request, next: Next) -> Response {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let writes = !matches!(
         method,
         axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS
-    ) && path != boxery_store::wire::CALL_PATH
-        && path != "/mcp";
+    ) && path != boxery_store::wire::CALL_PATH;
     let caller = req.extensions().get::<tokens::Caller>().cloned();
     let started = Instant::now();
     let r = next.run(req).await;
     if writes && let Some(c) = caller {
         let action = match method.as_str() {
+            _ if path == "/mcp" => "mcp",
             "POST" => "create",
             "PUT" => "update",
             "PATCH" => "patch",

@@ -6,10 +6,12 @@
 //! - A line is serialised by serde_json, so a field cannot hold a raw newline or control
 //!   character: what a guest or an agent puts in a command or a path cannot start a line of
 //!   its own or forge another record.
-//! - Rotation renames the file to `NAME.1` (replacing the previous one) when a line would take
-//!   it past its size limit, or when its first line is older than its age limit: a journal
-//!   takes at most twice its size limit. Rotation holds an exclusive `flock` on the file, and
-//!   appends a shared one, so a line is never written into a file being renamed away.
+//! - Rotation renames the file to `NAME.1` (after moving `NAME.1` to `NAME.2` and so on, the
+//!   oldest of the files it keeps dropped) when a line would take it past its size limit, or
+//!   when its first line is older than its age limit: a journal keeping `k` rotated files takes
+//!   at most `k + 1` times its size limit. Rotation holds an exclusive `flock` on the file,
+//!   and an append a shared one on the file it checked is still the journal's, so a line is
+//!   never written into a file being renamed away.
 //! - A failure to write is logged (`tracing`), never an error of the action it records.
 
 use std::io::{BufRead, Write};
@@ -33,6 +35,8 @@ pub struct Journal {
     path: PathBuf,
     max_bytes: u64,
     max_age: Duration,
+    /// Rotated files kept: `NAME.1` (the newest) … `NAME.keep`.
+    keep: u32,
     file: Mutex<Option<Open>>,
 }
 
@@ -40,12 +44,27 @@ impl Journal {
     /// A journal at `path`, rotated at `max_bytes` or when older than `max_age` (opened on
     /// first use, so a removed file is made again).
     pub fn new(path: PathBuf, max_bytes: u64, max_age: Duration) -> Self {
+        Self::keeping(path, max_bytes, max_age, 1)
+    }
+
+    /// [`Journal::new`], keeping `keep` rotated files (at least one).
+    pub fn keeping(path: PathBuf, max_bytes: u64, max_age: Duration, keep: u32) -> Self {
         Journal {
             path,
             max_bytes,
             max_age,
+            keep: keep.max(1),
             file: Mutex::new(None),
         }
+    }
+
+    /// The `n`th rotated file (`NAME.n`).
+    fn rotated(&self, n: u32) -> PathBuf {
+        let ext = match self.path.extension().and_then(|e| e.to_str()) {
+            Some(e) => format!("{e}.{n}"),
+            None => n.to_string(),
+        };
+        self.path.with_extension(ext)
     }
 
     /// Its path.
@@ -99,21 +118,38 @@ impl Journal {
                     && (m.len() + line.len() as u64 > self.max_bytes || old)
             });
             if due {
-                std::fs::rename(
-                    &self.path,
-                    self.path.with_extension(rotated_ext(&self.path)),
-                )?;
+                for n in (1..self.keep).rev() {
+                    let _ = std::fs::rename(self.rotated(n), self.rotated(n + 1));
+                }
+                std::fs::rename(&self.path, self.rotated(1))?;
             }
             let _ = rustix::fs::flock(&o.file, rustix::fs::FlockOperation::Unlock);
             *f = Some(self.open()?);
         }
-        let o = f.as_mut().expect("opened");
+        let mut o = f.as_mut().expect("opened");
         rustix::fs::flock(&o.file, rustix::fs::FlockOperation::LockShared)?;
+        // Rotated by another process between the check above and the lock: the line goes
+        // into the new file, not the one renamed away.
+        if !self.is_current(&o.file) {
+            let _ = rustix::fs::flock(&o.file, rustix::fs::FlockOperation::Unlock);
+            *f = Some(self.open()?);
+            o = f.as_mut().expect("opened");
+            rustix::fs::flock(&o.file, rustix::fs::FlockOperation::LockShared)?;
+        }
         let wrote = o.file.write_all(line);
         let _ = rustix::fs::flock(&o.file, rustix::fs::FlockOperation::Unlock);
         wrote?;
         o.size += line.len() as u64;
         Ok(())
+    }
+
+    /// Whether `file` is the one at the journal's path now.
+    fn is_current(&self, file: &std::fs::File) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        match (std::fs::metadata(&self.path), file.metadata()) {
+            (Ok(p), Ok(f)) => p.ino() == f.ino() && p.dev() == f.dev(),
+            _ => false,
+        }
     }
 
     fn open(&self) -> std::io::Result<Open> {
@@ -136,26 +172,19 @@ impl Journal {
         })
     }
 
-    /// Every line, the rotated file's first, then the current file's.
+    /// Every line, the oldest rotated file's first, then the current file's.
     pub fn lines(&self) -> Vec<String> {
         let mut out = Vec::new();
-        for p in [
-            self.path.with_extension(rotated_ext(&self.path)),
-            self.path.clone(),
-        ] {
+        let files = (1..=self.keep)
+            .rev()
+            .map(|n| self.rotated(n))
+            .chain(std::iter::once(self.path.clone()));
+        for p in files {
             if let Ok(f) = std::fs::File::open(&p) {
                 out.extend(std::io::BufReader::new(f).lines().map_while(Result::ok));
             }
         }
         out
-    }
-}
-
-/// `log.1` for `NAME.log`.
-fn rotated_ext(path: &Path) -> String {
-    match path.extension().and_then(|e| e.to_str()) {
-        Some(e) => format!("{e}.1"),
-        None => "1".into(),
     }
 }
 

@@ -128,6 +128,16 @@ async fn llm(c: Caller<'_>, rec: &mut Record, provider: String) -> Result<Plan, 
     rec.grant = Some(grant.name.clone());
     llm_allows(&c.req.method, &prov, rest)?;
     // Past a limit, nothing is resolved or sent.
+    let limited = grant.spec.limits.is_some();
+    if limited && routes::batch_path(rest) {
+        return Err(refuse(
+            StatusCode::FORBIDDEN,
+            format!(
+                "{rest}: batch requests are not metered, so grant {} with limits refuses them (a grant without limits allows them)",
+                grant.name
+            ),
+        ));
+    }
     c.p.accounting.admit(grant)?;
     let value = resolve(c.p, grant).await?;
     let inject = match prov.key {
@@ -138,12 +148,14 @@ async fn llm(c: Caller<'_>, rec: &mut Record, provider: String) -> Result<Plan, 
         grants: grant.name.clone(),
         url: format!("{}{}", prov.upstream, with_query(rest, c.req)),
         inject: vec![inject],
-        charge: Some(Charge {
+        // What a POST makes is charged (a GET of a stored answer is not charged again).
+        charge: (c.req.method == axum::http::Method::POST).then(|| Charge {
             vm: c.vm.clone(),
             owner: c.owner.clone(),
             grant_uid: grant.uid.clone(),
             grant: grant.name.clone(),
             provider: provider.clone(),
+            limited,
         }),
         vm: c.vm,
     })

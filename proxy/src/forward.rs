@@ -108,7 +108,7 @@ async fn forward(s: &Served, req: Request, at: &mut Arrival) -> Result<Response,
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or("");
-            Meter::new(ct)
+            Meter::new(ct, fin.rec.bytes_in)
         });
         fin.meter = Some(std::sync::Mutex::new((charge, meter)));
     }
@@ -167,12 +167,27 @@ async fn read_body(
 }
 
 /// The headers sent upstream: the client's, but for [`CLIENT`] and [`HOP`], and the grants'.
-fn upstream_headers(sent: &HeaderMap, inject: &[(HeaderName, HeaderValue)]) -> HeaderMap {
+/// A metered request asks for its answer uncompressed (`identity`), so that its usage can be
+/// read as it passes.
+fn upstream_headers(
+    sent: &HeaderMap,
+    inject: &[(HeaderName, HeaderValue)],
+    metered: bool,
+) -> HeaderMap {
     let mut headers = HeaderMap::new();
     for (n, v) in sent {
-        if !CLIENT.contains(&n.as_str()) && !HOP.contains(&n.as_str()) {
+        let dropped = CLIENT.contains(&n.as_str())
+            || HOP.contains(&n.as_str())
+            || (metered && n == header::ACCEPT_ENCODING);
+        if !dropped {
             headers.append(n.clone(), v.clone());
         }
+    }
+    if metered {
+        headers.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
     }
     for (n, v) in inject {
         headers.insert(n.clone(), v.clone());
@@ -191,7 +206,11 @@ async fn send(
     let sent = p
         .client
         .request(parts.method.clone(), &plan.url)
-        .headers(upstream_headers(&parts.headers, &plan.inject))
+        .headers(upstream_headers(
+            &parts.headers,
+            &plan.inject,
+            plan.charge.is_some(),
+        ))
         .body(body)
         .timeout(p.limits.timeout)
         .send()

@@ -95,6 +95,13 @@ pub fn edge_method(m: &Method) -> bool {
     .contains(m)
 }
 
+/// Whether an LLM path is a batch API's (`/v1/messages/batches…`, `/v1/batches…`): its
+/// results are files, not answers the proxy can read usage from.
+pub fn batch_path(rest: &str) -> bool {
+    let path = rest.split('?').next().unwrap_or(rest);
+    path.split('/').any(|seg| seg == "batches")
+}
+
 /// Whether `path` is `prefix` or below it.
 pub fn under(path: &str, prefix: &str) -> bool {
     path.strip_prefix(prefix)

@@ -42,6 +42,11 @@ pub(crate) struct Used {
     pub(crate) output: u64,
 }
 
+/// Bytes per token when an answer says nothing of its usage (or ends before its last event
+/// says it): a generous estimate, so that hanging up early or asking for no usage report does
+/// not make calls free.
+pub(crate) const BYTES_PER_TOKEN: u64 = 3;
+
 /// Reads a response's usage as its chunks pass.
 #[derive(Debug)]
 pub(crate) struct Meter {
@@ -49,21 +54,32 @@ pub(crate) struct Meter {
     buf: Vec<u8>,
     overflow: bool,
     used: Used,
+    /// A usage report was seen, and the one that closes the answer (so the counts are whole).
+    reported: bool,
+    last: bool,
+    /// Bytes of the request and of the answer so far, for the estimate.
+    sent: u64,
+    got: u64,
 }
 
 impl Meter {
-    /// A meter for a response with this `Content-Type`.
-    pub(crate) fn new(content_type: &str) -> Self {
+    /// A meter for a response with this `Content-Type`, to a request of `sent` bytes.
+    pub(crate) fn new(content_type: &str, sent: u64) -> Self {
         Meter {
             stream: content_type.starts_with("text/event-stream"),
             buf: Vec::new(),
             overflow: false,
             used: Used::default(),
+            reported: false,
+            last: false,
+            sent,
+            got: 0,
         }
     }
 
     /// The next chunk of the body.
     pub(crate) fn feed(&mut self, chunk: &[u8]) {
+        self.got += chunk.len() as u64;
         if self.overflow {
             return;
         }
@@ -100,7 +116,9 @@ impl Meter {
         }
     }
 
-    /// The usage seen, when the body has ended.
+    /// The usage seen, when the body has ended. An answer that reported none is estimated
+    /// from its bytes and the request's ([`BYTES_PER_TOKEN`]); a stream that ended before its
+    /// closing report counts at least its bytes as output.
     pub(crate) fn finish(mut self) -> Used {
         if self.stream {
             let rest = std::mem::take(&mut self.buf);
@@ -109,6 +127,13 @@ impl Meter {
             && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&self.buf)
         {
             self.absorb(&v);
+            self.last = self.reported;
+        }
+        if !self.reported {
+            self.used.input = self.sent.div_ceil(BYTES_PER_TOKEN);
+        }
+        if !self.last {
+            self.used.output = self.used.output.max(self.got.div_ceil(BYTES_PER_TOKEN));
         }
         self.used
     }
@@ -117,6 +142,15 @@ impl Meter {
     /// or under `message` (Anthropic's `message_start`) or `response` (OpenAI's Responses
     /// API events).
     fn absorb(&mut self, v: &serde_json::Value) {
+        // The events whose usage is the answer's whole: Anthropic's `message_delta`, the
+        // Responses API's `response.completed`, a chat completion's chunk with usage.
+        let closing = matches!(
+            v["type"].as_str(),
+            Some("message_delta" | "message_stop" | "response.completed")
+        ) || (v.get("choices").is_some() && v["usage"].is_object());
+        if closing && (v["usage"].is_object() || v["response"]["usage"].is_object()) {
+            self.last = true;
+        }
         for at in [v, &v["message"], &v["response"]] {
             if let Some(m) = at["model"].as_str()
                 && self.used.model.is_empty()
@@ -135,6 +169,7 @@ impl Meter {
                 + n("cache_creation_input_tokens")
                 + n("cache_read_input_tokens");
             let output = n("output_tokens") + n("completion_tokens");
+            self.reported = true;
             self.used.input = self.used.input.max(input);
             self.used.output = self.used.output.max(output);
         }
@@ -149,7 +184,12 @@ pub(crate) struct Charge {
     pub(crate) grant_uid: String,
     pub(crate) grant: String,
     pub(crate) provider: String,
+    /// The grant has limits: its counters are kept.
+    pub(crate) limited: bool,
 }
+
+/// How long a grant's counters are trusted before they are read from the ledger again.
+const RELOAD_EVERY: Duration = Duration::from_secs(30);
 
 /// A grant's counters for its limits.
 #[derive(Debug, Default)]
@@ -157,6 +197,8 @@ struct Counters {
     /// The first hour of the UTC day and month they count.
     day: i64,
     month: i64,
+    /// When they were read from the ledger.
+    loaded: Option<Instant>,
     tokens_today: u64,
     /// model → (input, output) this month.
     month_by_model: HashMap<String, (u64, u64)>,
@@ -214,49 +256,53 @@ impl Accounting {
         self.counters.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// `grant`'s counters for the periods of `unix`, (re)loaded from the ledger when they
-    /// are not this day's and month's.
-    fn current<'a>(
-        &self,
-        all: &'a mut HashMap<String, Counters>,
-        grant: &str,
-        unix: i64,
-    ) -> &'a mut Counters {
+    /// `grant`'s counters, current: (re)loaded from the ledger when they are not this day's
+    /// and month's, or older than [`RELOAD_EVERY`] (another process, an embedded control
+    /// plane, may have counted since). The ledger is read without the counters' lock held.
+    fn refresh(&self, grant: &str, unix: i64) {
         let (day, month) = periods(unix);
+        let due = {
+            let all = self.counters();
+            all.get(grant).is_none_or(|c| {
+                c.day != day
+                    || c.month != month
+                    || c.loaded.is_none_or(|t| t.elapsed() >= RELOAD_EVERY)
+            })
+        };
+        if !due {
+            return;
+        }
+        let read = self.ledger.as_ref().map(|l| {
+            Ok::<_, std::io::Error>((l.grant_use(grant, day)?, l.grant_use(grant, month)?))
+        });
+        let mut all = self.counters();
         let c = all.entry(grant.to_string()).or_default();
-        if c.day != day || c.month != month {
-            let minute = std::mem::take(&mut c.minute);
-            *c = Counters {
-                day,
-                month,
-                minute,
-                ..Counters::default()
-            };
-            if let Some(l) = &self.ledger {
-                match (l.grant_use(grant, day), l.grant_use(grant, month)) {
-                    (Ok(d), Ok(m)) => {
-                        c.tokens_today = d.tokens();
-                        for (model, i, o) in m.by_model {
-                            let e = c.month_by_model.entry(model).or_default();
-                            e.0 += i;
-                            e.1 += o;
-                        }
-                    }
-                    (Err(e), _) | (_, Err(e)) => {
-                        tracing::error!(error = %e, grant, "reading a grant's use failed");
-                    }
-                }
+        c.day = day;
+        c.month = month;
+        c.loaded = Some(Instant::now());
+        match read {
+            Some(Ok((d, m))) => {
+                c.tokens_today = d.tokens();
+                c.month_by_model = m
+                    .by_model
+                    .into_iter()
+                    .map(|(model, i, o)| (model, (i, o)))
+                    .collect();
+            }
+            Some(Err(e)) => tracing::error!(error = %e, grant, "reading a grant's use failed"),
+            None => {
+                c.tokens_today = 0;
+                c.month_by_model.clear();
             }
         }
-        c
     }
 
-    /// Dollars of `by_model` at the configured prices (an unpriced model counts nothing).
+    /// Dollars of `by_model` at the configured prices ([`boxery_api::config::spent`]).
     fn dollars(&self, by_model: &HashMap<String, (u64, u64)>) -> f64 {
-        by_model
-            .iter()
-            .filter_map(|(m, (i, o))| Some(self.prices.get(m)?.of(*i, *o)))
-            .sum()
+        boxery_api::config::spent(
+            &self.prices,
+            by_model.iter().map(|(m, (i, o))| (m.as_str(), *i, *o)),
+        )
     }
 
     /// Admit a request under `grant`'s limits (counting it in the minute), or refuse it with
@@ -266,8 +312,9 @@ impl Accounting {
             return Ok(());
         };
         let unix = now();
+        self.refresh(&grant.uid, unix);
         let mut all = self.counters();
-        let c = self.current(&mut all, &grant.uid, unix);
+        let c = all.entry(grant.uid.clone()).or_default();
         let name = &grant.name;
         let over = |what: String, reset: chrono::DateTime<Utc>| {
             let wait = (reset.timestamp() - unix).max(1) as u64;
@@ -337,9 +384,11 @@ impl Accounting {
     /// Count a request that ended, with what its response said it used.
     pub(crate) fn record(&self, charge: &Charge, used: Used) {
         let unix = now();
-        {
+        // Counters are kept for the limits only: a grant without limits is written, not kept.
+        if charge.limited {
+            self.refresh(&charge.grant_uid, unix);
             let mut all = self.counters();
-            let c = self.current(&mut all, &charge.grant_uid, unix);
+            let c = all.entry(charge.grant_uid.clone()).or_default();
             c.tokens_today += used.input + used.output;
             let m = c.month_by_model.entry(used.model.clone()).or_default();
             m.0 += used.input;
@@ -394,6 +443,7 @@ pub fn bench_per_request(home: &std::path::Path, n: u32) -> Duration {
         grant_uid: grant.uid.clone(),
         grant: grant.name.clone(),
         provider: "anthropic".into(),
+        limited: true,
     };
     let answer = format!(
         r#"{{"id":"msg_1","type":"message","role":"assistant","model":"claude-bench","content":[{{"type":"text","text":"{}"}}],"stop_reason":"end_turn","usage":{{"input_tokens":812,"output_tokens":96}}}}"#,
@@ -405,7 +455,7 @@ pub fn bench_per_request(home: &std::path::Path, n: u32) -> Duration {
         if acct.admit(&grant).is_err() {
             break;
         }
-        let mut m = Meter::new("application/json");
+        let mut m = Meter::new("application/json", 900);
         m.feed(a);
         m.feed(b);
         acct.record(&charge, m.finish());
@@ -418,7 +468,7 @@ mod tests {
     use super::*;
 
     fn metered(content_type: &str, chunks: &[&str]) -> Used {
-        let mut m = Meter::new(content_type);
+        let mut m = Meter::new(content_type, 0);
         for c in chunks {
             m.feed(c.as_bytes());
         }
@@ -469,11 +519,30 @@ mod tests {
             ],
         );
         assert_eq!((u.model.as_str(), u.input, u.output), ("gpt-z", 11, 12));
-        // No usage, broken JSON: nothing counted.
-        assert_eq!(
-            metered("application/json", &["{\"usage\":"]),
-            Used::default()
+        // No usage, broken JSON: estimated from the bytes, never free.
+        let u = metered("application/json", &["{\"usage\":"]);
+        assert_eq!((u.input, u.output), (0, 3));
+    }
+
+    #[test]
+    fn answers_that_hide_their_usage_are_estimated_from_their_bytes() {
+        // Anthropic, the guest gone before message_delta: at least the bytes it got.
+        let head = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"model\":\"claude-x\",\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\n";
+        let body = format!(
+            "{head}event: content_block_delta\ndata: {{\"delta\":{{\"text\":\"{}\"}}}}\n\n",
+            "y".repeat(3000)
         );
+        let mut m = Meter::new("text/event-stream", 600);
+        m.feed(body.as_bytes());
+        let u = m.finish();
+        assert_eq!(u.input, 25, "the reported input holds");
+        assert!(u.output >= 1000, "{u:?}");
+        // An OpenAI chat stream without `include_usage`: estimated both ways.
+        let mut m = Meter::new("text/event-stream", 3000);
+        m.feed(b"data: {\"object\":\"chat.completion.chunk\",\"model\":\"gpt-y\",\"choices\":[{\"delta\":{\"content\":\"hello there\"}}]}\n\ndata: [DONE]\n\n");
+        let u = m.finish();
+        assert_eq!(u.input, 1000);
+        assert!(u.output > 30, "{u:?}");
     }
 
     #[test]

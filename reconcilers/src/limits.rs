@@ -29,11 +29,13 @@ pub(crate) async fn warn(ctx: &Ctx, g: &Grant) {
     let Ok(Ok((today, this_month))) = used else {
         return;
     };
-    let dollars: f64 = this_month
-        .by_model
-        .iter()
-        .filter_map(|(m, i, o)| Some(ctx.settings.prices.get(m)?.of(*i, *o)))
-        .sum();
+    let dollars = boxery_api::config::spent(
+        &ctx.settings.prices,
+        this_month
+            .by_model
+            .iter()
+            .map(|(m, i, o)| (m.as_str(), *i, *o)),
+    );
     for (limit, used, max, period, resets) in checks(limits, today.tokens(), dollars, day, month) {
         let name = g.metadata.name.as_str();
         let share = used / max;

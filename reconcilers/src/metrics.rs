@@ -114,14 +114,18 @@ pub(crate) async fn sample(
         };
         if let Some(l) = &ledger {
             let (rows, owners) = charged.next(&usage, &vms, &leases);
+            let uids: Vec<String> = owners.iter().map(|o| o.uid.clone()).collect();
             let l = l.clone();
             let wrote = tokio::task::spawn_blocking(move || {
                 l.note_owners(&owners)?;
                 l.add_compute(&rows)
             })
             .await;
-            if let Ok(Err(e)) = wrote {
-                tracing::warn!(error = %e, "recording compute use failed");
+            match wrote {
+                // noted once written: a failed write names them again next time
+                Ok(Ok(())) => charged.noted.extend(uids),
+                Ok(Err(e)) => tracing::warn!(error = %e, "recording compute use failed"),
+                Err(e) => tracing::warn!(error = %e, "recording compute use failed"),
             }
         }
         let disk = match ctx.backend.list().await {
@@ -200,7 +204,7 @@ impl Charged {
                 continue;
             }
             let Some(vm) = l.status.vm else { continue };
-            if self.noted.insert(l.metadata.uid.clone()) {
+            if !self.noted.contains(&l.metadata.uid) {
                 owners.push(Owner {
                     uid: l.metadata.uid.clone(),
                     kind: "Lease".into(),
@@ -227,7 +231,9 @@ impl Charged {
             if dt > SAMPLE_EVERY * 2 {
                 continue;
             }
-            if self.noted.insert(v.metadata.uid.clone()) {
+            if !self.noted.contains(&v.metadata.uid)
+                && !owners.iter().any(|o| o.uid == *v.metadata.uid)
+            {
                 owners.push(Owner {
                     uid: v.metadata.uid.clone(),
                     kind: "Vm".into(),

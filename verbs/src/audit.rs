@@ -32,6 +32,11 @@ use crate::{Verbs, Voice};
 pub const MAX_BYTES: u64 = 64 * 1024 * 1024;
 /// The age at which it is rotated: 30 days.
 pub const MAX_AGE: Duration = Duration::from_secs(30 * 86400);
+/// Rotated files kept: with [`MAX_BYTES`], 640 MiB of history at most.
+pub const KEEP: u32 = 9;
+/// The longest `what` kept whole; a longer one is cut, with its length and a hash of it all, so
+/// that a flood of huge commands cannot push the history out quickly.
+pub const WHAT_MAX: usize = 4096;
 
 /// One action, as a line of the log.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -71,10 +76,11 @@ fn journal(home: &Path) -> Arc<boxery_home::journal::Journal> {
         .unwrap_or_else(|e| e.into_inner());
     all.entry(home.to_path_buf())
         .or_insert_with(|| {
-            Arc::new(boxery_home::journal::Journal::new(
+            Arc::new(boxery_home::journal::Journal::keeping(
                 boxery_home::layout::actions_log(home),
                 MAX_BYTES,
                 MAX_AGE,
+                KEEP,
             ))
         })
         .clone()
@@ -90,21 +96,58 @@ pub struct Doing<'a> {
     started: Instant,
 }
 
+/// The actions that may run long or be cut short (a command, a session): their start is a
+/// line of its own (`result: started`), so a kill before they end still leaves their trace.
+const STARTED: &[&str] = &["run", "bash", "prompt", "job"];
+
+/// `what`, cut to at most [`WHAT_MAX`] bytes (on a character boundary) with its whole length
+/// and a SHA-256 of it when longer.
+fn bounded(what: String) -> String {
+    if what.len() <= WHAT_MAX {
+        return what;
+    }
+    // room for the note, so that the whole stays within WHAT_MAX (and bounding it again
+    // changes nothing)
+    let mut cut = WHAT_MAX - 80;
+    while !what.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(what.as_bytes());
+    let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}… [{} bytes in all, sha256 {hex}…]",
+        &what[..cut],
+        what.len()
+    )
+}
+
 impl Verbs {
-    /// Start recording `action` on `vm` (`what`: the command as given, the paths, …).
+    /// Start recording `action` on `vm` (`what`: the command as given, the paths, …); a
+    /// command or a session is recorded as started at once.
     pub fn doing(
         &self,
         action: &'static str,
         vm: Option<&str>,
         what: impl Into<String>,
     ) -> Doing<'_> {
-        Doing {
+        let d = Doing {
             v: self,
             action,
             vm: vm.map(str::to_string),
-            what: what.into(),
+            what: bounded(what.into()),
             started: Instant::now(),
+        };
+        if STARTED.contains(&action) {
+            self.record(Action {
+                action: action.into(),
+                vm: d.vm.clone(),
+                what: d.what.clone(),
+                result: "started".into(),
+                ..Action::default()
+            });
         }
+        d
     }
 
     /// Who acts through these verbs, as the audit names them.
@@ -150,6 +193,7 @@ impl Verbs {
         if a.time.is_empty() {
             a.time = now();
         }
+        a.what = bounded(std::mem::take(&mut a.what));
         journal(&self.env.home).append(&a);
     }
 }

@@ -45,7 +45,7 @@ pub fn report(v: &Verbs, by: By, since: std::time::Duration) -> Result<Vec<Usage
             let mut dollars = None;
             let mut unpriced = Vec::new();
             for (model, i, o) in &line.by_model {
-                match prices.get(model) {
+                match boxery_api::config::price_for(&prices, model) {
                     Some(p) => *dollars.get_or_insert(0.0) += p.of(*i, *o),
                     None if i + o > 0 => unpriced.push(if model.is_empty() {
                         "(no model named)".to_string()
