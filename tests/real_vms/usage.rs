@@ -102,7 +102,12 @@ pub(super) fn usage_samples(kind: Kind) {
     let find = |action: &str, what: &str| {
         actions
             .iter()
-            .position(|a| a["action"] == action && a["what"].as_str().unwrap_or("").contains(what))
+            // the line that says how it ended (a command's start is a line of its own)
+            .position(|a| {
+                a["action"] == action
+                    && a["result"] != "started"
+                    && a["what"].as_str().unwrap_or("").contains(what)
+            })
             .unwrap_or_else(|| panic!("no {action} {what} in {actions:#?}"))
     };
     let (run, tool, bash) = (
@@ -111,6 +116,12 @@ pub(super) fn usage_samples(kind: Kind) {
         find("bash", "echo from-mcp"),
     );
     assert!(run < tool && run < bash, "{actions:#?}");
+    assert!(
+        actions[..run]
+            .iter()
+            .any(|a| a["action"] == "run" && a["result"] == "started"),
+        "the run's start is recorded before its end: {actions:#?}"
+    );
     assert_eq!(actions[run]["result"], "exit 0");
     assert_eq!(actions[bash]["result"], "exit 3");
     assert_eq!(actions[tool]["result"], "ok");
