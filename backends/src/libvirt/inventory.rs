@@ -41,22 +41,27 @@ impl Inner {
         })
     }
 
+    /// Our domains among those libvirt lists with `flags` (a domain not named by our prefix is
+    /// never read further; one named so but not marked ours is skipped). Blocking.
+    fn our_domains(&self, conn: &Connect, flags: u32) -> Result<Vec<Dom>> {
+        let doms = conn
+            .list_all_domains(flags)
+            .map_err(|e| unreachable(format!("listing domains: {e}")))?;
+        let prefix = self.domain_name("");
+        Ok(doms
+            .into_iter()
+            .filter(|d| d.name().is_ok_and(|n| n.starts_with(&prefix)))
+            .filter_map(|d| self.ours(d))
+            .collect())
+    }
+
     pub(super) async fn list(self: &Arc<Self>) -> Result<Vec<VmInfo>> {
         self.call(|me, conn| {
-            let doms = conn
-                .list_all_domains(LIST_ALL)
-                .map_err(|e| unreachable(format!("listing domains: {e}")))?;
-            let prefix = me.domain_name("");
-            let mut out = Vec::new();
-            for dom in doms {
-                let Ok(n) = dom.name() else { continue };
-                if !n.starts_with(&prefix) {
-                    continue; // not ours: never read further
-                }
-                if let Some(info) = me.ours(dom).and_then(|d| me.info(&d)) {
-                    out.push(info);
-                }
-            }
+            let mut out: Vec<VmInfo> = me
+                .our_domains(conn, LIST_ALL)?
+                .iter()
+                .filter_map(|d| me.info(d))
+                .collect();
             if !conn.is_alive().unwrap_or(false) {
                 return Err(unreachable(
                     "the connection to libvirtd dropped while listing",
@@ -74,17 +79,8 @@ impl Inner {
     /// its QEMU (its balloon-independent `rss` memory stat), and its NICs' byte counts.
     pub(super) async fn usage(self: &Arc<Self>) -> Result<Vec<crate::VmUsage>> {
         self.call(|me, conn| {
-            let doms = conn
-                .list_all_domains(virt::sys::VIR_CONNECT_LIST_DOMAINS_ACTIVE)
-                .map_err(|e| unreachable(format!("listing domains: {e}")))?;
-            let prefix = me.domain_name("");
             let mut out = Vec::new();
-            for dom in doms {
-                let Ok(n) = dom.name() else { continue };
-                if !n.starts_with(&prefix) {
-                    continue; // not ours: never read further
-                }
-                let Some(d) = me.ours(dom) else { continue };
+            for d in me.our_domains(conn, virt::sys::VIR_CONNECT_LIST_DOMAINS_ACTIVE)? {
                 let Ok(info) = d.dom.info() else { continue };
                 let rss_kib = d
                     .dom
