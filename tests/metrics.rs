@@ -332,3 +332,20 @@ fn the_api_serves_metrics_to_read_and_full_tokens_only() {
     let said = String::from_utf8_lossy(&o.stdout);
     assert!(said.starts_with("no - /metrics shows every VM"), "{said}");
 }
+
+#[test]
+fn a_remote_metrics_listener_needs_an_explicit_flag() {
+    let home = Home::new();
+    let o = home
+        .cmd()
+        .args(["serve", "--metrics-listen", "0.0.0.0:0"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("is not a loopback address") && err.contains("--metrics-allow-remote"),
+        "{err}"
+    );
+    assert!(!home.path().join("metrics.addr").exists());
+}
