@@ -42,15 +42,23 @@ pub struct Price {
     pub output: f64,
 }
 
-/// The price of `model` in `prices`: its own, else the longest configured name it starts with
-/// (`gpt-5` prices `gpt-5-2025-08-07`: providers answer with dated names).
+/// The price of `model` in `prices`: its own, else that of the configured name it is a dated
+/// version of (`gpt-5` prices `gpt-5-2025-08-07`, `claude-sonnet-4-5` prices
+/// `claude-sonnet-4-5-20250929`: providers answer with dated names), never that of a name it
+/// merely starts with (`gpt-5` does not price `gpt-5-pro`).
 pub fn price_for(prices: &BTreeMap<String, Price>, model: &str) -> Option<Price> {
     if let Some(p) = prices.get(model) {
         return Some(*p);
     }
     prices
         .iter()
-        .filter(|(name, _)| !name.is_empty() && model.starts_with(name.as_str()))
+        .filter(|(name, _)| {
+            !name.is_empty()
+                && model.strip_prefix(name.as_str()).is_some_and(|rest| {
+                    rest.strip_prefix('-')
+                        .is_some_and(|d| d.starts_with(|c: char| c.is_ascii_digit()))
+                })
+        })
         .max_by_key(|(name, _)| name.len())
         .map(|(_, p)| *p)
 }
@@ -147,6 +155,14 @@ mod price_tests {
         assert_eq!(price_for(&p, "gpt-5-2025-08-07").unwrap().input, 1.25);
         assert_eq!(price_for(&p, "gpt-5-mini-2025-08-07").unwrap().input, 0.25);
         assert!(price_for(&p, "o3").is_none());
+        assert!(
+            price_for(&p, "gpt-5-pro").is_none(),
+            "a variant is not a version"
+        );
+        assert_eq!(
+            price_for(&p, "claude-sonnet-4-5-20250929").unwrap().output,
+            15.0
+        );
         // a million in and out of an unpriced model, at the dearest of each side
         assert_eq!(spent(&p, [("o3", 1_000_000, 1_000_000)]), 3.0 + 15.0);
         assert_eq!(spent(&BTreeMap::new(), [("o3", 1_000_000, 0)]), 0.0);

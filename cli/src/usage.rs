@@ -78,7 +78,7 @@ pub fn usage(v: &Verbs, by: &str, since: Duration, output: UsageOutput) -> CliRe
                 lines.iter().flat_map(|l| &l.unpriced).collect();
             if !unpriced.is_empty() {
                 eprintln!(
-                    "note: no price for {}: add them under proxy: prices: in config.yaml (dollars per million tokens)",
+                    "note: no price for {}: counted at the dearest configured price, as a grant's dollarsPerMonth counts them; add them under proxy: prices: in config.yaml (dollars per million tokens)",
                     unpriced.into_iter().cloned().collect::<Vec<_>>().join(", ")
                 );
             }

@@ -156,6 +156,7 @@ async fn llm(c: Caller<'_>, rec: &mut Record, provider: String) -> Result<Plan, 
             grant: grant.name.clone(),
             provider: provider.clone(),
             limited,
+            generates: crate::usage::generates(rest),
         }),
         vm: c.vm,
     })

@@ -108,7 +108,7 @@ async fn forward(s: &Served, req: Request, at: &mut Arrival) -> Result<Response,
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or("");
-            Meter::new(ct, fin.rec.bytes_in)
+            Meter::new(ct, fin.rec.bytes_in, charge.generates)
         });
         fin.meter = Some(std::sync::Mutex::new((charge, meter)));
     }

@@ -60,11 +60,16 @@ pub(crate) struct Meter {
     /// Bytes of the request and of the answer so far, for the estimate.
     sent: u64,
     got: u64,
+    /// The answer is a generation's (a message, a completion, a response): one that reports
+    /// no usage is estimated. Other answers (a token count, a model list) count what they
+    /// report, or nothing.
+    estimate: bool,
 }
 
 impl Meter {
-    /// A meter for a response with this `Content-Type`, to a request of `sent` bytes.
-    pub(crate) fn new(content_type: &str, sent: u64) -> Self {
+    /// A meter for a response with this `Content-Type`, to a request of `sent` bytes; `estimate`:
+    /// see [`generates`].
+    pub(crate) fn new(content_type: &str, sent: u64, estimate: bool) -> Self {
         Meter {
             stream: content_type.starts_with("text/event-stream"),
             buf: Vec::new(),
@@ -74,6 +79,7 @@ impl Meter {
             last: false,
             sent,
             got: 0,
+            estimate,
         }
     }
 
@@ -129,6 +135,9 @@ impl Meter {
             self.absorb(&v);
             self.last = self.reported;
         }
+        if !self.estimate {
+            return self.used;
+        }
         if !self.reported {
             self.used.input = self.sent.div_ceil(BYTES_PER_TOKEN);
         }
@@ -146,7 +155,13 @@ impl Meter {
         // Responses API's `response.completed`, a chat completion's chunk with usage.
         let closing = matches!(
             v["type"].as_str(),
-            Some("message_delta" | "message_stop" | "response.completed")
+            Some(
+                "message_delta"
+                    | "message_stop"
+                    | "response.completed"
+                    | "response.incomplete"
+                    | "response.failed"
+            )
         ) || (v.get("choices").is_some() && v["usage"].is_object());
         if closing && (v["usage"].is_object() || v["response"]["usage"].is_object()) {
             self.last = true;
@@ -176,6 +191,18 @@ impl Meter {
     }
 }
 
+/// Whether an LLM path makes a generation whose answer should report its usage (estimated
+/// when it does not): the Messages, Chat Completions, Completions and Responses APIs. A token
+/// count (`/v1/messages/count_tokens`, `/v1/responses/input_tokens`) or any other path is
+/// charged only what its answer reports.
+pub(crate) fn generates(rest: &str) -> bool {
+    let path = rest.split('?').next().unwrap_or(rest).trim_end_matches('/');
+    matches!(
+        path,
+        "/v1/messages" | "/v1/chat/completions" | "/v1/completions" | "/v1/responses"
+    )
+}
+
 /// Who a metered request charges.
 #[derive(Debug, Clone)]
 pub(crate) struct Charge {
@@ -186,6 +213,8 @@ pub(crate) struct Charge {
     pub(crate) provider: String,
     /// The grant has limits: its counters are kept.
     pub(crate) limited: bool,
+    /// The path makes a generation ([`generates`]).
+    pub(crate) generates: bool,
 }
 
 /// How long a grant's counters are trusted before they are read from the ledger again.
@@ -277,6 +306,13 @@ impl Accounting {
         });
         let mut all = self.counters();
         let c = all.entry(grant.to_string()).or_default();
+        if c.day != day || c.month != month {
+            // a new period starts from nothing, whatever the ledger says or fails to
+            c.tokens_today = if c.day == day { c.tokens_today } else { 0 };
+            if c.month != month {
+                c.month_by_model.clear();
+            }
+        }
         c.day = day;
         c.month = month;
         c.loaded = Some(Instant::now());
@@ -290,10 +326,8 @@ impl Accounting {
                     .collect();
             }
             Some(Err(e)) => tracing::error!(error = %e, grant, "reading a grant's use failed"),
-            None => {
-                c.tokens_today = 0;
-                c.month_by_model.clear();
-            }
+            // no ledger: what this process counted is all there is
+            None => {}
         }
     }
 
@@ -444,6 +478,7 @@ pub fn bench_per_request(home: &std::path::Path, n: u32) -> Duration {
         grant: grant.name.clone(),
         provider: "anthropic".into(),
         limited: true,
+        generates: true,
     };
     let answer = format!(
         r#"{{"id":"msg_1","type":"message","role":"assistant","model":"claude-bench","content":[{{"type":"text","text":"{}"}}],"stop_reason":"end_turn","usage":{{"input_tokens":812,"output_tokens":96}}}}"#,
@@ -455,7 +490,7 @@ pub fn bench_per_request(home: &std::path::Path, n: u32) -> Duration {
         if acct.admit(&grant).is_err() {
             break;
         }
-        let mut m = Meter::new("application/json", 900);
+        let mut m = Meter::new("application/json", 900, true);
         m.feed(a);
         m.feed(b);
         acct.record(&charge, m.finish());
@@ -468,7 +503,7 @@ mod tests {
     use super::*;
 
     fn metered(content_type: &str, chunks: &[&str]) -> Used {
-        let mut m = Meter::new(content_type, 0);
+        let mut m = Meter::new(content_type, 0, true);
         for c in chunks {
             m.feed(c.as_bytes());
         }
@@ -532,17 +567,25 @@ mod tests {
             "{head}event: content_block_delta\ndata: {{\"delta\":{{\"text\":\"{}\"}}}}\n\n",
             "y".repeat(3000)
         );
-        let mut m = Meter::new("text/event-stream", 600);
+        let mut m = Meter::new("text/event-stream", 600, true);
         m.feed(body.as_bytes());
         let u = m.finish();
         assert_eq!(u.input, 25, "the reported input holds");
         assert!(u.output >= 1000, "{u:?}");
         // An OpenAI chat stream without `include_usage`: estimated both ways.
-        let mut m = Meter::new("text/event-stream", 3000);
+        let mut m = Meter::new("text/event-stream", 3000, true);
         m.feed(b"data: {\"object\":\"chat.completion.chunk\",\"model\":\"gpt-y\",\"choices\":[{\"delta\":{\"content\":\"hello there\"}}]}\n\ndata: [DONE]\n\n");
         let u = m.finish();
         assert_eq!(u.input, 1000);
         assert!(u.output > 30, "{u:?}");
+        // A token count reports no usage, and is not a generation: nothing is charged.
+        assert!(generates("/v1/messages") && generates("/v1/responses?x=1"));
+        assert!(
+            !generates("/v1/messages/count_tokens") && !generates("/v1/responses/input_tokens")
+        );
+        let mut m = Meter::new("application/json", 600_000, false);
+        m.feed(br#"{"input_tokens":150000}"#);
+        assert_eq!(m.finish(), Used::default());
     }
 
     #[test]

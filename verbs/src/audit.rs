@@ -1,7 +1,7 @@
 //! The audit of what people and agents did (docs/observability.md, "Audit"):
 //! `$BOXERY_HOME/audit/actions.log`, one JSON line per action, appended by whichever process
 //! acts on this home (a command, `boxery mcp`, `serve`'s API) through a
-//! [`boxery_home::journal::Journal`] (rotated at 64 MiB or 30 days, one old file kept).
+//! [`boxery_home::journal::Journal`] (rotated at 64 MiB or 30 days, [`KEEP`] old files kept).
 //!
 //! Recorded: commands run in a VM (`run`, `vm_bash`, jobs, `prompt`), shell sessions (`ssh`,
 //! and the API's `connect`) with their end, copies and file reads, writes and edits (paths
@@ -194,6 +194,7 @@ impl Verbs {
             a.time = now();
         }
         a.what = bounded(std::mem::take(&mut a.what));
+        a.result = bounded(std::mem::take(&mut a.result));
         journal(&self.env.home).append(&a);
     }
 }

@@ -12,9 +12,10 @@ pub struct UsageLine {
     /// The group's use.
     #[serde(flatten)]
     pub line: boxery_home::usage::Line,
-    /// Dollars at the configured prices; `None` when no model it used has a price.
+    /// Dollars at the configured prices (a model with no price at the dearest, as a grant's
+    /// `dollarsPerMonth` counts it); `None` when no price is configured.
     pub dollars: Option<f64>,
-    /// Models it used that have no price.
+    /// Models it used that have no price (counted at the dearest).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub unpriced: Vec<String>,
 }
@@ -42,19 +43,27 @@ pub fn report(v: &Verbs, by: By, since: std::time::Duration) -> Result<Vec<Usage
     Ok(lines
         .into_iter()
         .map(|line| {
-            let mut dollars = None;
-            let mut unpriced = Vec::new();
-            for (model, i, o) in &line.by_model {
-                match boxery_api::config::price_for(&prices, model) {
-                    Some(p) => *dollars.get_or_insert(0.0) += p.of(*i, *o),
-                    None if i + o > 0 => unpriced.push(if model.is_empty() {
+            let unpriced: Vec<String> = line
+                .by_model
+                .iter()
+                .filter(|(m, i, o)| {
+                    i + o > 0 && boxery_api::config::price_for(&prices, m).is_none()
+                })
+                .map(|(m, _, _)| {
+                    if m.is_empty() {
                         "(no model named)".to_string()
                     } else {
-                        model.clone()
-                    }),
-                    None => {}
-                }
-            }
+                        m.clone()
+                    }
+                })
+                .collect();
+            let dollars = (!prices.is_empty()).then(|| {
+                boxery_api::config::spent(
+                    &prices,
+                    line.by_model.iter().map(|(m, i, o)| (m.as_str(), *i, *o)),
+                )
+            });
+            let mut unpriced = unpriced;
             unpriced.sort();
             unpriced.dedup();
             UsageLine {
