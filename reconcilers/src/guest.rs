@@ -592,7 +592,9 @@ pub fn script(f: &Files, rev: &str) -> String {
 /// file replaced atomically, so a reader in the guest sees the old revision or the new one,
 /// never a missing file: `env` and `npmrc` are renamed over, and `files` is a symlink to one
 /// of two trees (`.files.a`, `.files.b`), the new one filled beside the live one and the
-/// link renamed over (the shape of a Kubernetes ConfigMap volume's `..data`).
+/// link renamed over (the shape of a Kubernetes ConfigMap volume's `..data`). `AGENTS.md` is
+/// put in place last: an agent (or a script) that finds it finds the environment it describes
+/// already there.
 fn tree(f: &Files, rev: &str) -> String {
     let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
     let mut s = String::from(
@@ -627,9 +629,9 @@ fn tree(f: &Files, rev: &str) -> String {
          if [ -d \"$d/files\" ] && [ ! -L \"$d/files\" ]; then rm -rf \"$d/files.old\"; mv \"$d/files\" \"$d/files.old\"; fi\n\
          mv -fT \"$n/files\" \"$d/files\"\n\
          if [ -e \"$n/npmrc\" ]; then mv -f \"$n/npmrc\" \"$d/npmrc\"; else rm -f \"$d/npmrc\"; fi\n\
-         mv -f \"$n/AGENTS.md\" \"$d/AGENTS.md\"\n\
          mv -f \"$n/ssh_config\" \"$d/ssh_config\"\n\
          mv -f \"$n/env\" \"$d/env\"\n\
+         mv -f \"$n/AGENTS.md\" \"$d/AGENTS.md\"\n\
          for o in .files.a .files.b; do [ \"$o\" = \"$g\" ] || rm -rf \"${{d:?}}/$o\"; done\n\
          rm -rf \"$d/files.old\" \"$n\"\nprintf '%s\\n' {rev} > \"$d/rev\"\n"
     ));
@@ -816,6 +818,29 @@ pub async fn keep(ctx: Arc<Ctx>, vms: Cache, shutdown: CancellationToken) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_agents_file_is_put_in_place_after_what_it_describes() {
+        let f = Files {
+            env: "export A=1\n".into(),
+            context: "# Where you are\n".into(),
+            ssh_config: String::new(),
+            npmrc: Some("x".into()),
+            ..Files::default()
+        };
+        let s = tree(&f, "r1");
+        let at = |what: &str| s.find(what).unwrap_or_else(|| panic!("no {what} in {s}"));
+        let agents = at("mv -f \"$n/AGENTS.md\"");
+        for before in [
+            "mv -f \"$n/env\"",
+            "mv -f \"$n/ssh_config\"",
+            "mv -fT \"$n/files\"",
+            "mv -f \"$n/npmrc\"",
+        ] {
+            assert!(at(before) < agents, "{before} after AGENTS.md:\n{s}");
+        }
+    }
+
     use super::*;
     use boxery_api::grant::ValueFrom;
 
