@@ -291,6 +291,11 @@ fn llm_use_is_counted_priced_and_limited_across_a_restart() {
         table.contains("INPUT TOKENS") && table.contains("u1"),
         "{table}"
     );
+    // What docs/observability.md and docs/grants.md show (`--no-capture`).
+    eprintln!(
+        "--- boxery usage:\n{table}\n--- the 429:\n{}",
+        common::http::body(&refused)
+    );
 
     // SIGKILL serve; after a restart the day's count holds: still refused, still unsent.
     serve.kill();

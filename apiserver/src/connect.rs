@@ -45,7 +45,13 @@ pub async fn connect(
     // a shell session through the API (`boxery ssh`, `run`, `cp` of a context) starts here
     sh.verbs
         .acting_for(&format!("token:{}", caller.name), "api")
-        .doing("connect", Some(&name), "ssh")
+        .doing(
+            "connect",
+            boxery_api::name::check_label_name(&name)
+                .is_ok()
+                .then_some(name.as_str()),
+            "ssh",
+        )
         .done(format!("HTTP {}", r.status().as_u16()), None);
     r
 }

@@ -214,11 +214,11 @@ async fn audit_writes(State(sh): State<Arc<Shared>>, req: Request, next: Next) -
             "DELETE" => "delete",
             other => other,
         };
-        // the VM a path names (`…/vms/NAME…`)
+        // the VM a path names (`…/vms/NAME…`), when it is a VM name
         let vm = path
             .split_once("/vms/")
             .and_then(|(_, rest)| rest.split('/').next())
-            .filter(|n| !n.is_empty())
+            .filter(|n| boxery_api::name::check_label_name(n).is_ok())
             .map(str::to_string);
         sh.verbs
             .acting_for(&format!("token:{}", c.name), "api")
@@ -466,9 +466,9 @@ impl ApiServer {
 
     /// Serve `exposition` at `/metrics` too.
     pub fn with_metrics(mut self, exposition: boxery_metrics::Exposition) -> Self {
-        if let Some(sh) = Arc::get_mut(&mut self.shared) {
-            sh.metrics = Some(exposition);
-        }
+        Arc::get_mut(&mut self.shared)
+            .expect("a bound ApiServer's state is its own until it runs")
+            .metrics = Some(exposition);
         self
     }
 

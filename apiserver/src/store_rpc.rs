@@ -78,20 +78,9 @@ pub async fn call(
             .acting_for(&format!("token:{}", caller.name), "api")
     });
     let doing = audit.as_ref().map(|v| {
-        // the op and the object it names: `update Vm/dev1`
-        let j = serde_json::to_value(&call).unwrap_or_default();
-        let o = ["obj", "object", "key"]
-            .iter()
-            .map(|k| &j[*k])
-            .find(|o| o.is_object())
-            .unwrap_or(&j);
-        let kind = o["kind"].as_str().or(j["kind"].as_str()).unwrap_or("");
-        let name = o["metadata"]["name"]
-            .as_str()
-            .or(o["name"].as_str())
-            .or(j["name"].as_str())
-            .unwrap_or("");
-        let vm = (kind == "Vm").then_some(name);
+        // the op and the object it names: `update Vm/dev1` (the VM only when its name is one)
+        let (kind, name) = call.target().unwrap_or(("", ""));
+        let vm = (kind == "Vm" && boxery_api::name::check_label_name(name).is_ok()).then_some(name);
         v.doing("store", vm, format!("{} {kind}/{name}", call.name()))
     });
     let r = wire::dispatch(&store, call).await;

@@ -94,7 +94,8 @@ impl ProxyStats {
     }
 
     /// Requests counted for `vm` so far (all routes and codes).
-    pub fn requests_of(&self, vm: &str) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn requests_of(&self, vm: &str) -> u64 {
         let m = self.by_vm.lock().unwrap_or_else(|e| e.into_inner());
         m.iter()
             .filter(|((v, _, _), _)| v == vm)

@@ -142,6 +142,20 @@ impl Call {
         )
     }
 
+    /// The one object a call names, as (kind, name), when it names one (for the audit of a
+    /// write: no copy of the object is made).
+    pub fn target(&self) -> Option<(&str, &str)> {
+        match self {
+            Call::Get { kind, name } | Call::Delete { kind, name } => Some((kind, name)),
+            Call::CreateBy { obj, .. }
+            | Call::Adopt { obj, .. }
+            | Call::UpdateBy { obj, .. }
+            | Call::UpdateDryRunBy { obj, .. }
+            | Call::UpdateStatus { obj } => Some((&obj.kind, &obj.metadata.name)),
+            _ => None,
+        }
+    }
+
     /// The method's name, for messages.
     pub fn name(&self) -> &'static str {
         match self {
@@ -634,5 +648,7 @@ mod tests {
         assert_eq!(text, r#"{"op":"get","kind":"Vm","name":"a"}"#);
         assert!(c.reads_only());
         assert!(!Call::Compact { keep_revisions: 1 }.reads_only());
+        assert_eq!(c.target(), Some(("Vm", "a")));
+        assert_eq!(Call::Compact { keep_revisions: 1 }.target(), None);
     }
 }

@@ -125,6 +125,11 @@ pub(super) fn usage_samples(kind: Kind) {
     assert_eq!(actions[run]["result"], "exit 0");
     assert_eq!(actions[bash]["result"], "exit 3");
     assert_eq!(actions[tool]["result"], "ok");
+    eprintln!(
+        "--- the audit's vm_bash line on {}: {}",
+        kind.name(),
+        actions[bash]
+    );
 
     // The ledger: vCPU-hours and CPU seconds once two samples have passed.
     let line = common::eventually(Duration::from_secs(60), || {
@@ -135,6 +140,7 @@ pub(super) fn usage_samples(kind: Kind) {
     })
     .unwrap_or_else(|| panic!("no compute use of u1: {}", h.ok(&["usage", "-o", "json"])));
     eprintln!("u1's usage on {}: {line}", kind.name());
+    eprintln!("--- boxery top on {}:\n{}", kind.name(), h.ok(&["top"]));
     // `boxery top`: the running VM, its host memory and size.
     let top: serde_json::Value = serde_json::from_str(&h.ok(&["top", "--json"])).unwrap();
     let row = top
