@@ -14,6 +14,31 @@ step() { printf '\n== %s (%ss)\n' "$*" "$SECONDS"; }
 # Both real backends are tested: qemu (direct QEMU) and libvirt (a real libvirtd, started by
 # the tests through scripts/libvirtd.sh when none answers, and stopped again at the end).
 features=boxery-backends/qemu,boxery-backends/libvirt,boxery/libvirt
+
+step "disk space"
+# A full disk fails the real-VM tests one slow timeout at a time (a CI run once spent its 90
+# minutes that way), so say it first. A clean test build takes about 8 GiB in target/, the
+# guest images about 8 GiB in the image cache, the VMs' disks and images the tests make a few
+# GiB in the temporary directory; all on one filesystem here. BOXERY_TEST_MIN_FREE_GIB
+# overrides the estimate.
+images="${BOXERY_IMAGE_CACHE:-/var/cache/boxery/images}"
+need=6
+[ -e target/debug/boxery ] || need=$((need + 9))
+[ -e "$images/debian-12-agents-docker-rust.qcow2" ] || need=$((need + 8))
+need="${BOXERY_TEST_MIN_FREE_GIB:-$need}"
+mkdir -p "$images"
+for dir in . "$images" "${TMPDIR:-/tmp}"; do
+  free=$(df -Pk "$dir" | awk 'NR == 2 { print int($4 / 1048576) }')
+  if [ "$free" -lt "$need" ]; then
+    mount=$(df -Pk "$dir" | awk 'NR == 2 { print $6 }')
+    echo "only $free GiB free on $mount (holding $dir); the suite needs about $need GiB there." >&2
+    echo "Free some (\`cargo clean\` in other checkouts, old images in $images)," \
+      "or set BOXERY_TEST_MIN_FREE_GIB to run anyway." >&2
+    exit 1
+  fi
+done
+echo "enough free space (needs about $need GiB)"
+
 step "host packages"
 scripts/install-libvirt.sh
 
