@@ -2501,6 +2501,10 @@ macro_rules! on_backend {
         fn metrics_sample_a_running_vm() {
             super::usage::usage_samples($kind)
         }
+        #[test]
+        fn a_lease_past_its_budget_is_suspended_until_it_is_raised() {
+            super::usage::budget_suspends_a_leased_vm($kind)
+        }
     };
 }
 

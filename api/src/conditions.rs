@@ -28,6 +28,10 @@ pub const LAYERS_APPLIED: &str = "LayersApplied";
 /// Whether a suspended Vm's saved memory can be restored (`False`, reason `StaleMemory`,
 /// when it no longer matches what can restore it; present only while suspended).
 pub const MEMORY_RESTORABLE: &str = "MemoryRestorable";
+/// Whether a budget is used up (a Lease's or its Pool's, on the Lease, the Pool and the leased
+/// Vm, which is then held suspended or stopped): `True` with reason `LeaseBudget` or
+/// `PoolBudget` and what was used, `False` once it is not.
+pub const BUDGET_EXHAUSTED: &str = "BudgetExhausted";
 
 /// The reasons of a `Ready=False` that stays until someone changes the object: a wait for
 /// `Ready` ends on one of them with its message, rather than when its timeout runs out.
@@ -91,6 +95,12 @@ pub mod reasons {
     pub const APPLYING_LAYERS: &str = "ApplyingLayers";
     /// The layered image a layer added in place is copied from is not ready yet.
     pub const LAYERED_IMAGE_NOT_READY: &str = "LayeredImageNotReady";
+    /// `BudgetExhausted`: the lease's own budget (or its pool's `spec.lease.budget`).
+    pub const LEASE_BUDGET: &str = "LeaseBudget";
+    /// `BudgetExhausted`: the pool's monthly budget.
+    pub const POOL_BUDGET: &str = "PoolBudget";
+    /// `BudgetExhausted=False`: within its budgets.
+    pub const WITHIN_BUDGET: &str = "WithinBudget";
     /// A layer was taken out of a Vm's `spec.layers`: it cannot be removed from the guest.
     pub const LAYER_REMOVAL_REFUSED: &str = "LayerRemovalRefused";
     /// A layer that cannot be added to a running VM (`docker`: packages and services) was put

@@ -49,6 +49,9 @@ fn normalize_lease(lease: &mut Lease) -> Result<(), Vec<crate::validate::FieldEr
     if let Err(e) = check_public_key(&lease.spec.public_key) {
         errs.push(crate::validate::FieldError::new("spec.publicKey", e));
     }
+    if let Some(b) = &lease.spec.budget {
+        errs.extend(b.check("spec.budget"));
+    }
     if errs.is_empty() { Ok(()) } else { Err(errs) }
 }
 
@@ -99,6 +102,10 @@ pub struct LeaseSpec {
     pub renew_time: Option<Time>,
     /// The holder's ssh public key (the private key never enters the store).
     pub public_key: String,
+    /// What the lease may use over its life (vCPU-hours, LLM tokens); its pool's
+    /// `spec.lease.budget` when unset. Past it, its VM is suspended (docs/pools.md, "Budgets").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::usage::LeaseBudget>,
 }
 
 fn default_duration() -> u32 {
@@ -166,6 +173,9 @@ pub struct LeaseStatus {
     /// The last renewal served.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub renewed: Option<Time>,
+    /// What its VM used while it held it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::usage::Usage>,
     /// Observations.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,

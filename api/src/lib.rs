@@ -20,6 +20,7 @@ pub mod quantity;
 pub mod resource;
 pub mod selector;
 pub mod source;
+pub mod usage;
 pub mod validate;
 pub mod vm;
 

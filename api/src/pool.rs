@@ -66,6 +66,12 @@ fn normalize_pool(pool: &mut Pool) -> Result<(), Vec<crate::validate::FieldError
             ));
         }
     }
+    if let Some(b) = &pool.spec.budget {
+        errs.extend(b.check("spec.budget"));
+    }
+    if let Some(b) = &pool.spec.lease.budget {
+        errs.extend(b.check("spec.lease.budget"));
+    }
     if let Some(t) = pool.spec.template.as_mut() {
         let mut vm = crate::Vm::new("template", t.spec.clone());
         match vm.normalize() {
@@ -111,6 +117,11 @@ pub struct PoolSpec {
     /// are replaced.
     #[serde(default, skip_serializing_if = "CleanState::is_disk")]
     pub clean_state: CleanState,
+    /// What all its leases together may use per UTC month (vCPU-hours, LLM tokens). Past it,
+    /// every leased member is suspended until the month ends or the budget is raised
+    /// (docs/pools.md, "Budgets").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::usage::PoolBudget>,
 }
 
 /// What a pool member's clean state holds.
@@ -141,7 +152,7 @@ pub struct VmTemplate {
 }
 
 /// Lease defaults for a pool.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LeaseDefaults {
     /// A lease's duration when it names none (60..28800). Not implemented yet: only the
@@ -151,6 +162,9 @@ pub struct LeaseDefaults {
     /// The longest lease allowed (60..28800).
     #[schemars(range(min = 60, max = 28800))]
     pub max_ttl_seconds: u32,
+    /// The budget of each lease that sets none of its own (`Lease.spec.budget`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::usage::LeaseBudget>,
 }
 
 impl Default for LeaseDefaults {
@@ -158,6 +172,7 @@ impl Default for LeaseDefaults {
         LeaseDefaults {
             default_ttl_seconds: 1800,
             max_ttl_seconds: 28800,
+            budget: None,
         }
     }
 }
@@ -211,6 +226,9 @@ pub struct PoolStatus {
     /// Bumped whenever a member leaves (lease fencing).
     #[serde(default)]
     pub epoch: u64,
+    /// What its leases used this UTC month.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::usage::Usage>,
     /// Observations (`Ready`, `Progressing`, `Degraded`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,

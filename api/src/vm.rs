@@ -407,6 +407,9 @@ recorded_status! {
         /// `spec.idle.suspendAfter`; its next use resumes it. Cleared once it runs again.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub idle_suspended_at: Option<Time>,
+        /// What the VM used since it was made (whoever held it).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub usage: Option<crate::usage::Usage>,
     }
 }
 

@@ -83,6 +83,7 @@ fn lease(pool: &str, name: &str) -> Lease {
             lease_duration_seconds: 1800,
             renew_time: None,
             public_key: KEY.into(),
+            budget: None,
         },
     )
 }

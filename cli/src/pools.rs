@@ -57,6 +57,14 @@ pub enum LeaseCmd {
         /// The lease's name (default: generated).
         #[arg(long, value_parser = crate::args::label)]
         name: Option<String>,
+        /// Its budget of vCPU-hours (vCPUs × hours running): past it, its VM is suspended. It
+        /// can lower the pool's spec.lease.budget, not raise it.
+        #[arg(long, value_parser = vcpu_hours_arg)]
+        vcpu_hours: Option<f64>,
+        /// Its budget of LLM tokens through the proxy (input and output): past it, its VM is
+        /// suspended. It can lower the pool's spec.lease.budget, not raise it.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        tokens: Option<u64>,
         /// Wait until bound.
         #[arg(long)]
         wait: bool,
@@ -156,6 +164,8 @@ pub async fn lease(v: &Verbs, cmd: LeaseCmd) -> CliResult {
             ttl,
             holder,
             name,
+            vcpu_hours,
+            tokens,
             wait: w,
             timeout,
         } => {
@@ -164,11 +174,14 @@ pub async fn lease(v: &Verbs, cmd: LeaseCmd) -> CliResult {
                 .map(|n| Name::label(&n))
                 .transpose()
                 .map_err(|e| CliError::invalid(e.0))?;
+            let budget = (vcpu_hours.is_some() || tokens.is_some())
+                .then_some(boxery_api::usage::LeaseBudget { vcpu_hours, tokens });
             let input = AcquireInput {
                 pool,
                 ttl,
                 holder,
                 name,
+                budget,
             };
             let a = pools::acquire(v, input).await?;
             let (name, key) = (a.name, a.key);
@@ -218,4 +231,14 @@ pub async fn lease(v: &Verbs, cmd: LeaseCmd) -> CliResult {
         LeaseCmd::Ls => crate::commands::ls(v, "lease", None).await?,
     }
     Ok(())
+}
+
+/// A number of vCPU-hours (`--vcpu-hours`): finite, from 0 to 1e9.
+fn vcpu_hours_arg(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(h) if h.is_finite() && (0.0..=1e9).contains(&h) => Ok(h),
+        _ => Err(format!(
+            "`{s}` is not a number of hours from 0 to 1e9 (e.g. 0.5)"
+        )),
+    }
 }

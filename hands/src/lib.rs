@@ -157,6 +157,22 @@ fn not_ready_from(v: &Vm, voice: Voice, on_host: bool) -> Option<HandsError> {
             }
         )));
     }
+    // Held suspended or stopped for a lease's or pool's budget: no use brings it back.
+    if let Some(c) = v.status.conditions.iter().find(|c| {
+        c.type_ == boxery_api::conditions::BUDGET_EXHAUSTED
+            && c.status == boxery_api::ConditionStatus::True
+    }) && !deleting
+    {
+        return Some(HandsError::NotReady(format!(
+            "VM {vm} is held {}: {}",
+            if v.status.phase == VmPhase::Stopped {
+                "stopped"
+            } else {
+                "suspended"
+            },
+            safe(&c.message)
+        )));
+    }
     if Target::of(v).is_some() && !deleting {
         return None;
     }
@@ -903,6 +919,34 @@ mod tests {
         assert_eq!(Place::parse("/x:y"), Place::Local("/x:y".into()));
         assert_eq!(Place::parse("local:dev1:x"), Place::Local("dev1:x".into()));
         assert_eq!(Place::parse("file.txt"), Place::Local("file.txt".into()));
+    }
+
+    /// A VM held for a budget says so, and why, although it has an endpoint: no use wakes it.
+    #[test]
+    fn a_vm_held_for_a_budget_is_not_reached() {
+        use boxery_api::Conditions;
+        let mut v: Vm = serde_json::from_value(serde_json::json!({
+            "apiVersion": "boxery.dev/v1alpha1", "kind": "Vm", "metadata": {"name": "bp-0"},
+            "spec": {"source": {"image": "tiny"}},
+            "status": {"phase": "Suspended",
+                       "ssh": {"endpoint": "127.0.0.1:2222", "hostKey": "ssh-ed25519 AAAA"}}
+        }))
+        .unwrap();
+        assert!(Target::of(&v).is_some());
+        v.status.conditions.set_condition(
+            boxery_api::conditions::BUDGET_EXHAUSTED,
+            boxery_api::ConditionStatus::True,
+            "LeaseBudget",
+            "lease lb used its vcpuHours budget",
+            None,
+        );
+        let e = not_ready(&v, Voice::Tool)
+            .expect("not reachable")
+            .to_string();
+        assert!(
+            e.contains("VM bp-0 is held suspended: lease lb used its vcpuHours budget"),
+            "{e}"
+        );
     }
 
     /// A held lease's key goes first, with a ControlMaster of its own; otherwise plain, with

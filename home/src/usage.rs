@@ -186,6 +186,30 @@ impl GrantUse {
     }
 }
 
+/// Whose use [`Ledger::totals`] sums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope<'a> {
+    /// One owner uid's (a lease's, or a VM's outside any lease).
+    Owner(&'a str),
+    /// One VM's, whoever owned it.
+    Vm(&'a str),
+    /// The leases' of one pool.
+    Pool(&'a str),
+}
+
+/// The sums of one scope: compute, and LLM use per provider.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Totals {
+    /// vCPU-seconds.
+    pub vcpu_seconds: f64,
+    /// GiB-seconds.
+    pub gib_seconds: f64,
+    /// CPU seconds.
+    pub cpu_seconds: f64,
+    /// (provider, requests, input, output), sorted by provider.
+    pub llm: Vec<(String, u64, u64, u64)>,
+}
+
 /// The ledger: one SQLite connection.
 #[derive(Debug)]
 pub struct Ledger {
@@ -202,11 +226,15 @@ CREATE TABLE IF NOT EXISTS llm (
   output INTEGER NOT NULL DEFAULT 0,
   PRIMARY KEY (hour, vm, owner, grant_uid, provider, model)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS llm_grant ON llm (grant_uid, hour);
+CREATE INDEX IF NOT EXISTS llm_owner ON llm (owner, hour);
+CREATE INDEX IF NOT EXISTS llm_vm ON llm (vm, hour);
 CREATE TABLE IF NOT EXISTS compute (
   hour INTEGER NOT NULL, vm TEXT NOT NULL, owner TEXT NOT NULL,
   vcpu_seconds REAL NOT NULL DEFAULT 0, gib_seconds REAL NOT NULL DEFAULT 0,
   cpu_seconds REAL NOT NULL DEFAULT 0,
   PRIMARY KEY (hour, vm, owner)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS compute_owner ON compute (owner, hour);
+CREATE INDEX IF NOT EXISTS compute_vm ON compute (vm, hour);
 CREATE TABLE IF NOT EXISTS owners (
   uid TEXT PRIMARY KEY, kind TEXT NOT NULL, name TEXT NOT NULL,
   holder TEXT NOT NULL DEFAULT '', pool TEXT NOT NULL DEFAULT '');
@@ -358,6 +386,51 @@ impl Ledger {
             out.requests += requests.max(0) as u64;
             out.by_model
                 .push((model, input.max(0) as u64, output.max(0) as u64));
+        }
+        Ok(out)
+    }
+
+    /// The sums of `scope` from hour `since` on.
+    pub fn totals(&self, scope: Scope<'_>, since: i64) -> std::io::Result<Totals> {
+        let (filter, key) = match scope {
+            Scope::Owner(uid) => ("owner = ?1", uid),
+            Scope::Vm(vm) => ("vm = ?1", vm),
+            Scope::Pool(pool) => (
+                "owner IN (SELECT uid FROM owners WHERE kind = 'Lease' AND pool = ?1)",
+                pool,
+            ),
+        };
+        let conn = self.conn();
+        let mut out = Totals::default();
+        let mut st = conn
+            .prepare_cached(&format!(
+                "SELECT COALESCE(SUM(vcpu_seconds), 0), COALESCE(SUM(gib_seconds), 0),
+                   COALESCE(SUM(cpu_seconds), 0) FROM compute WHERE {filter} AND hour >= ?2"
+            ))
+            .map_err(sql)?;
+        (out.vcpu_seconds, out.gib_seconds, out.cpu_seconds) = st
+            .query_row(params![key, since], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })
+            .map_err(sql)?;
+        let mut st = conn
+            .prepare_cached(&format!(
+                "SELECT provider, SUM(requests), SUM(input), SUM(output) FROM llm
+                 WHERE {filter} AND hour >= ?2 GROUP BY provider ORDER BY provider"
+            ))
+            .map_err(sql)?;
+        let rows = st
+            .query_map(params![key, since], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, i64>(1)?.max(0) as u64,
+                    r.get::<_, i64>(2)?.max(0) as u64,
+                    r.get::<_, i64>(3)?.max(0) as u64,
+                ))
+            })
+            .map_err(sql)?;
+        for row in rows {
+            out.llm.push(row.map_err(sql)?);
         }
         Ok(out)
     }
@@ -525,6 +598,19 @@ mod tests {
         let by_lease = l.report(By::Lease, this_hour() - 24).unwrap();
         assert_eq!(by_lease[1].name, "x");
         assert_eq!(by_lease[1].input_tokens, 100);
+        let t = l.totals(Scope::Owner("lease-x"), 0).unwrap();
+        assert_eq!((t.vcpu_seconds, t.cpu_seconds), (7200.0, 12.5));
+        assert_eq!(t.llm, [("anthropic".to_string(), 1, 100, 50)]);
+        assert_eq!(l.totals(Scope::Pool("p"), 0).unwrap(), t);
+        assert_eq!(l.totals(Scope::Pool("q"), 0).unwrap(), Totals::default());
+        let a = l.totals(Scope::Vm("a"), this_hour()).unwrap();
+        assert_eq!((a.vcpu_seconds, a.llm[0].1, a.llm[0].2), (0.0, 2, 11));
+        assert!(
+            l.totals(Scope::Vm("a"), this_hour() + 1)
+                .unwrap()
+                .llm
+                .is_empty()
+        );
         let g = l.grant_use("uid-g1", this_hour()).unwrap();
         assert_eq!((g.requests, g.tokens()), (2, 18));
         assert_eq!(l.grant_use("uid-g1", this_hour() + 1).unwrap().tokens(), 0);

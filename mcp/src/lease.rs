@@ -193,6 +193,7 @@ async fn acquire(
         ttl: a.ttl_seconds.map(Duration::from_secs),
         holder: a.holder,
         name: None,
+        budget: None,
     };
     let got = pools::acquire(v, input).await?;
     let name = got.name.clone();

@@ -257,10 +257,13 @@ async fn bound(mut l: Lease, ctx: &Ctx) -> Result<Action> {
         )
         .await;
     }
+    // what it used, and its budgets (crate::budget)
+    let (changed, check) = crate::budget::lease(ctx, &mut l).await;
+    if changed {
+        save(ctx, &l).await?;
+    }
     Ok(Action::requeue(
-        left.to_std()
-            .unwrap_or(Duration::from_secs(1))
-            .min(Duration::from_secs(300)),
+        left.to_std().unwrap_or(Duration::from_secs(1)).min(check),
     ))
 }
 
@@ -364,6 +367,7 @@ async fn finish(
 ) -> Result<Action> {
     let generation = l.metadata.generation;
     let_go(ctx, &l, msg).await?;
+    crate::budget::lease_final(ctx, &mut l).await;
     l.status.phase = phase;
     l.status
         .conditions

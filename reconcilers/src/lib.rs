@@ -6,6 +6,7 @@ pub mod adopt;
 pub mod agent_forward;
 pub mod backoff;
 pub mod boot;
+pub mod budget;
 pub mod context;
 pub mod error;
 pub mod grant;

@@ -12,7 +12,7 @@ use boxery_controller::{
 };
 
 use crate::context::Ctx;
-use crate::{agent_forward, grant, guest, image, inventory, lease, metrics, pool, vm};
+use crate::{agent_forward, budget, grant, guest, image, inventory, lease, metrics, pool, vm};
 
 /// How many store revisions of history to keep for watchers.
 pub const KEEP_REVISIONS: u64 = 20_000;
@@ -105,6 +105,7 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
         "vm",
         vm_ctl
             .watches_metadata::<Image>(move |o| vm::vms_for_image(&vm_cache, o))
+            .watches::<Lease>(budget::vm_of_lease)
             .run(
                 vm::reconcile,
                 default_error_policy,

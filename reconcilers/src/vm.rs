@@ -148,6 +148,30 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     if info.size != fits && info.state != PowerState::Suspended {
         return resize(vm, fits, ctx).await;
     }
+    // a lease's or its pool's budget used up: held suspended or stopped (crate::budget)
+    let held = crate::budget::held(ctx, &vm);
+    let conditions_before = vm.status.conditions.clone();
+    let turned = crate::budget::mark_vm(&mut vm, held.as_ref());
+    if vm.status.conditions != conditions_before {
+        vm = save(ctx, &vm).await?;
+        if turned == Some(false) {
+            ctx.event(
+                &vm,
+                EventType::Normal,
+                "WithinBudget",
+                "its lease is within its budgets again: the VM runs",
+            )
+            .await;
+        }
+    }
+    if let Some((_, why)) = &held
+        && vm.spec.run_strategy == RunStrategy::Running
+    {
+        return match info.state {
+            PowerState::Running => budget_hold(vm, why, ctx).await,
+            _ => settle(vm, &info, ctx).await,
+        };
+    }
     match (vm.spec.run_strategy, info.state) {
         // suspended while idle: it sleeps until it is used
         (RunStrategy::Running, PowerState::Suspended) if asleep(&vm, ctx) => {
@@ -506,6 +530,35 @@ async fn idle_suspend(mut vm: Vm, since: std::time::SystemTime, ctx: &Ctx) -> Re
     Ok(Action::requeue(Duration::ZERO))
 }
 
+/// Hold a running VM whose lease's (or pool's) budget is used up: suspended where the backend
+/// can keep its memory (and the memory quota has room), else stopped; it runs again when the
+/// budget allows ([`crate::budget`]).
+async fn budget_hold(vm: Vm, why: &str, ctx: &Ctx) -> Result<Action> {
+    let name = vm.name().to_string();
+    let suspend = ctx.backend.capabilities().suspend && quota_refusal(&vm, ctx).await?.is_none();
+    let how = if suspend {
+        ctx.backend
+            .suspend(&name)
+            .await
+            .map_err(|e| ReconcileError::backend("suspend", format!("Vm/{name}"), e))?;
+        "suspended, its memory on disk: it resumes where it was when the budget allows"
+    } else {
+        ctx.backend
+            .stop(&name)
+            .await
+            .map_err(|e| ReconcileError::backend("stop", format!("Vm/{name}"), e))?;
+        "stopped (this backend keeps no memory, or the memory quota is full): it boots again when the budget allows"
+    };
+    ctx.event(
+        &vm,
+        EventType::Warning,
+        "BudgetExhausted",
+        &format!("{why}; the VM was {how}"),
+    )
+    .await;
+    Ok(Action::requeue(Duration::ZERO))
+}
+
 /// Save a running VM's memory to disk and end its hypervisor (`runStrategy: Suspended`).
 async fn suspend(vm: Vm, ctx: &Ctx) -> Result<Action> {
     let name = vm.name();
@@ -715,6 +768,7 @@ async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     );
     vm.status.failures = 0;
     vm.status.last_failure = None;
+    crate::budget::vm(ctx, &mut vm).await;
     if vm.status != before {
         save(ctx, &vm).await?;
     }
@@ -724,7 +778,14 @@ async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
         Readiness::NotAnswering(_) => return Ok(Action::requeue(Duration::from_secs(5))),
         Readiness::Ready(_) => {}
     }
-    Ok(Action::await_change())
+    Ok(
+        if info.state == PowerState::Running && ctx.backend.capabilities().usage {
+            // status.usage grows while it runs (the backend's use is sampled)
+            Action::requeue(crate::budget::VM_REFRESH_EVERY)
+        } else {
+            Action::await_change()
+        },
+    )
 }
 
 /// Check that a running VM answers over ssh with its pinned host key. A VM found ready for
@@ -779,6 +840,14 @@ impl From<crate::boot::Explained> for Readiness {
     }
 }
 
+/// The VM's `BudgetExhausted=True` condition, when it is held for a budget.
+fn budget_held(vm: &Vm) -> Option<&boxery_api::meta::Condition> {
+    vm.status
+        .conditions
+        .get_condition(conditions::BUDGET_EXHAUSTED)
+        .filter(|c| c.status == ConditionStatus::True)
+}
+
 /// Phase, Ready, ssh, observedGeneration and the printable status after a successful step.
 fn finish_status(
     vm: &mut Vm,
@@ -810,24 +879,27 @@ fn finish_status(
             VmPhase::Stopped,
             ConditionStatus::False,
             reasons::STOPPED,
-            match vm.spec.run_strategy {
-                RunStrategy::Suspended => {
+            match (budget_held(vm), vm.spec.run_strategy) {
+                (Some(c), RunStrategy::Running) => format!("the VM is held stopped: {}", c.message),
+                (_, RunStrategy::Suspended) => {
                     "the VM is stopped: there is no memory to suspend (start it, then suspend it)"
+                        .to_string()
                 }
-                _ => "the VM is stopped (runStrategy: Stopped)",
-            }
-            .to_string(),
+                _ => "the VM is stopped (runStrategy: Stopped)".to_string(),
+            },
         ),
         (PowerState::Suspended, _) => (
             VmPhase::Suspended,
             ConditionStatus::False,
             reasons::SUSPENDED,
-            if vm.status.idle_suspended_at.is_some() {
-                "the VM is suspended because nobody used it for spec.idle.suspendAfter: its memory is on disk; its next use resumes it"
+            if let Some(c) = budget_held(vm) {
+                format!("the VM is held suspended: {}", c.message)
+            } else if vm.status.idle_suspended_at.is_some() {
+                "the VM is suspended because nobody used it for spec.idle.suspendAfter: its memory is on disk; its next use resumes it".to_string()
             } else {
                 "the VM is suspended: its memory is on disk (runStrategy: Running resumes it)"
-            }
-            .to_string(),
+                    .to_string()
+            },
         ),
     };
     // A part of the spec the backend refused: not converged, whatever the power state. Ready

@@ -169,8 +169,11 @@ async fn a_lease_claims_a_free_member_and_binds() {
     let l: Lease = h.get("l1");
     assert_eq!(l.status.phase, LeasePhase::Bound);
     assert_eq!(l.status.vm.as_deref(), Some("p-0"));
-    let left = next.requeue_after().expect("a requeue for the expiry");
-    assert!(left > Duration::from_secs(290) && left <= Duration::from_secs(300));
+    // looked at again for its usage and budgets well before it expires
+    let left = next.requeue_after().expect("a requeue");
+    assert_eq!(left, boxery_reconcilers::budget::REFRESH_EVERY);
+    let expires = l.status.expire_time.unwrap() - boxery_api::now();
+    assert!(expires > chrono::Duration::seconds(60), "{expires}");
     let m: PoolMember = h.get("p-0");
     assert_eq!(m.status.state, MemberState::Leased, "no sshd: no Acquiring");
     assert_eq!(m.status.lease_uid, l.metadata.uid);
@@ -309,4 +312,191 @@ async fn clean_state_in_memory_falls_back_to_the_disk_where_the_backend_cannot()
     assert!(!clean.spec.memory, "the disk only");
     assert_eq!(clean.status.phase, ImagePhase::Ready);
     assert_eq!(h.warnings::<Pool>("p"), ["CleanStateOnDisk"]);
+}
+
+/// Charge `vcpu_seconds` and `tokens` to lease `l1` in the ledger (as the sampler and the proxy
+/// do), with its pool noted.
+fn charge(h: &Harness, vcpu_seconds: f64, tokens: u64) {
+    use boxery_home::usage::{ComputeUse, Ledger, LlmUse, Owner, this_hour};
+    let l: Lease = h.get("l1");
+    let uid = l.metadata.uid.clone().unwrap();
+    let ledger = Ledger::open(&h.dir().join("home")).unwrap();
+    ledger
+        .note_owners(&[Owner {
+            uid: uid.clone(),
+            kind: "Lease".into(),
+            name: "l1".into(),
+            holder: "alice".into(),
+            pool: "p".into(),
+        }])
+        .unwrap();
+    ledger
+        .add_compute(&[ComputeUse {
+            hour: this_hour(),
+            vm: "p-0".into(),
+            owner: uid.clone(),
+            vcpu_seconds,
+            gib_seconds: vcpu_seconds,
+            cpu_seconds: vcpu_seconds / 2.0,
+        }])
+        .unwrap();
+    ledger
+        .add_llm(&[LlmUse {
+            hour: this_hour(),
+            vm: "p-0".into(),
+            owner: uid,
+            grant_uid: "g".into(),
+            grant: "g".into(),
+            provider: "anthropic".into(),
+            model: "m".into(),
+            requests: 1,
+            input: tokens,
+            output: 0,
+        }])
+        .unwrap();
+}
+
+fn budget_condition<R: boxery_api::Resource + serde::de::DeserializeOwned>(
+    h: &Harness,
+    name: &str,
+) -> Option<(String, String)>
+where
+    R: HasConditions,
+{
+    let o: R = h.get(name);
+    o.conditions()
+        .get_condition(boxery_api::conditions::BUDGET_EXHAUSTED)
+        .map(|c| (format!("{:?}", c.status), c.reason.clone()))
+}
+
+trait HasConditions {
+    fn conditions(&self) -> &Vec<boxery_api::Condition>;
+}
+impl HasConditions for Lease {
+    fn conditions(&self) -> &Vec<boxery_api::Condition> {
+        &self.status.conditions
+    }
+}
+impl HasConditions for Pool {
+    fn conditions(&self) -> &Vec<boxery_api::Condition> {
+        &self.status.conditions
+    }
+}
+
+#[tokio::test]
+async fn a_lease_past_its_budget_is_exhausted_and_the_tighter_budget_wins() {
+    let h = Harness::new();
+    bound(&h).await;
+    // the pool allows 1 vCPU-hour; the lease asks for less tokens, and more hours than allowed
+    h.edit::<Pool>("p", Part::Spec, |p| {
+        p.spec.lease.budget = Some(boxery_api::usage::LeaseBudget {
+            vcpu_hours: Some(1.0),
+            tokens: None,
+        })
+    });
+    h.edit::<Lease>("l1", Part::Spec, |l| {
+        l.spec.budget = Some(boxery_api::usage::LeaseBudget {
+            vcpu_hours: Some(100.0),
+            tokens: Some(1000),
+        })
+    });
+    // nothing used: no usage shown, no condition, checked again soon
+    let next = h.reconcile(lease::reconcile, "l1").await.unwrap();
+    assert_eq!(
+        next.requeue_after(),
+        Some(boxery_reconcilers::budget::CHECK_EVERY)
+    );
+    let l: Lease = h.get("l1");
+    assert!(l.status.usage.is_none(), "{:?}", l.status.usage);
+    assert_eq!(budget_condition::<Lease>(&h, "l1"), None);
+    // 0.85 vCPU-hours: near the pool's 1, once
+    charge(&h, 0.85 * 3600.0, 10);
+    h.reconcile(lease::reconcile, "l1").await.unwrap();
+    h.reconcile(lease::reconcile, "l1").await.unwrap();
+    let near: Vec<String> = h
+        .warnings::<Lease>("l1")
+        .into_iter()
+        .filter(|w| w == "BudgetNear")
+        .collect();
+    assert_eq!(near.len(), 1, "{:?}", h.warnings::<Lease>("l1"));
+    let l: Lease = h.get("l1");
+    let u = l.status.usage.expect("usage once something was used");
+    assert!((u.vcpu_hours - 0.85).abs() < 1e-9, "{u:?}");
+    assert_eq!(u.tokens(), 10);
+    assert_eq!(budget_condition::<Lease>(&h, "l1"), None);
+    // past the pool's hour (the lease's own 100 does not raise it)
+    charge(&h, 0.2 * 3600.0, 0);
+    h.reconcile(lease::reconcile, "l1").await.unwrap();
+    assert_eq!(
+        budget_condition::<Lease>(&h, "l1"),
+        Some(("True".into(), "LeaseBudget".into()))
+    );
+    let l: Lease = h.get("l1");
+    assert!(l.status.usage.unwrap().vcpu_hours > 1.0, "written at once");
+    assert!(
+        h.warnings::<Lease>("l1")
+            .contains(&"BudgetExhausted".into())
+    );
+    // the owner raises the pool's budget: within it again
+    h.edit::<Pool>("p", Part::Spec, |p| {
+        p.spec.lease.budget.as_mut().unwrap().vcpu_hours = Some(2.0)
+    });
+    h.reconcile(lease::reconcile, "l1").await.unwrap();
+    assert_eq!(
+        budget_condition::<Lease>(&h, "l1"),
+        Some(("False".into(), "WithinBudget".into()))
+    );
+    // the lease's own token budget, tighter than the pool's none
+    charge(&h, 0.0, 2000);
+    h.reconcile(lease::reconcile, "l1").await.unwrap();
+    assert_eq!(
+        budget_condition::<Lease>(&h, "l1"),
+        Some(("True".into(), "LeaseBudget".into()))
+    );
+}
+
+#[tokio::test]
+async fn a_pool_past_its_monthly_budget_holds_each_bound_lease() {
+    let h = Harness::new();
+    bound(&h).await;
+    h.edit::<Pool>("p", Part::Spec, |p| {
+        p.spec.budget = Some(boxery_api::usage::PoolBudget {
+            vcpu_hours_per_month: None,
+            tokens_per_month: Some(500),
+        })
+    });
+    charge(&h, 60.0, 400);
+    h.settle(pool::reconcile, "p").await.unwrap();
+    let p: Pool = h.get("p");
+    assert_eq!(
+        p.status.usage.as_ref().unwrap().tokens(),
+        400,
+        "{:?}",
+        p.status
+    );
+    assert_eq!(budget_condition::<Pool>(&h, "p"), None);
+    assert!(h.warnings::<Pool>("p").contains(&"BudgetNear".into()));
+    charge(&h, 0.0, 100);
+    h.settle(pool::reconcile, "p").await.unwrap();
+    assert_eq!(
+        budget_condition::<Pool>(&h, "p"),
+        Some(("True".into(), "PoolBudget".into()))
+    );
+    // passed on to its bound lease, with the pool's words
+    h.reconcile(lease::reconcile, "l1").await.unwrap();
+    assert_eq!(
+        budget_condition::<Lease>(&h, "l1"),
+        Some(("True".into(), "PoolBudget".into()))
+    );
+    let l: Lease = h.get("l1");
+    let c = l
+        .status
+        .conditions
+        .get_condition(boxery_api::conditions::BUDGET_EXHAUSTED)
+        .unwrap();
+    assert!(
+        c.message.contains("pool p used its tokensPerMonth budget"),
+        "{}",
+        c.message
+    );
 }

@@ -164,3 +164,135 @@ pub(super) fn usage_samples(kind: Kind) {
     h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
     assert!(h.leftovers().is_empty(), "left behind: {:?}", h.leftovers());
 }
+
+/// A pool whose leases may run 0.02 vCPU-hours each (72 vCPU-seconds): a leased member is
+/// suspended once its lease has used that, with `BudgetExhausted` on the lease and the VM and
+/// a Warning; the lease's `status.usage` says what it used. Raising the pool's budget lets the
+/// VM run again, resumed where it was (same boot, same processes).
+pub(super) fn budget_suspends_a_leased_vm(kind: Kind) {
+    let h = RealHome::new(kind);
+    let _serve = h.serve();
+    let pool = |hours: &str| {
+        format!(
+            "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {{name: bp}}\nspec:\n  replicas: 1\n  lease:\n    defaultTtlSeconds: 1800\n    maxTtlSeconds: 28800\n    budget: {{vcpuHours: {hours}}}\n  template:\n    spec:\n      source: {{image: tiny}}\n      resources: {{cpus: 1, memory: 256Mi, disk: 1Gi}}\n"
+        )
+    };
+    let f = h.home.write("pool.yaml", &pool("0.02"));
+    h.ok(&["apply", "-f", f.to_str().unwrap()]);
+    h.ok(&[
+        "wait",
+        "pool",
+        "bp",
+        "--for=condition=Ready",
+        "--timeout=10m",
+    ]);
+    h.ok(&[
+        "lease",
+        "acquire",
+        "bp",
+        "--holder",
+        "agent-1",
+        "--name",
+        "lb",
+        "--wait",
+        "--timeout",
+        "5m",
+    ]);
+    // a process that lives through a suspend and resume
+    h.run(
+        "bp-0",
+        "nohup sleep 100000 >/dev/null 2>&1 & echo $! > /tmp/sleeper",
+    );
+    let boot = h.run("bp-0", "cat /proc/sys/kernel/random/boot_id");
+    let t = std::time::Instant::now();
+    h.ok(&[
+        "wait",
+        "lease",
+        "lb",
+        "--for=condition=BudgetExhausted",
+        "--timeout=5m",
+    ]);
+    let held = common::eventually(Duration::from_secs(120), || {
+        let vm: serde_json::Value =
+            serde_json::from_str(&h.ok(&["get", "vm", "bp-0", "-o", "json"])).ok()?;
+        (vm["status"]["phase"] == "Suspended").then_some(vm)
+    })
+    .unwrap_or_else(|| panic!("bp-0 not suspended: {}", h.ok(&["describe", "vm", "bp-0"])));
+    eprintln!(
+        "bp-0 on {} held suspended {:.0} s after the lease began to be charged",
+        kind.name(),
+        t.elapsed().as_secs_f64()
+    );
+    let cond = held["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "BudgetExhausted")
+        .unwrap_or_else(|| panic!("no BudgetExhausted on the VM: {held}"))
+        .clone();
+    assert_eq!(cond["status"], "True", "{cond}");
+    assert_eq!(cond["reason"], "LeaseBudget", "{cond}");
+    let lease: serde_json::Value =
+        serde_json::from_str(&h.ok(&["get", "lease", "lb", "-o", "json"])).unwrap();
+    let used = lease["status"]["usage"]["vcpuHours"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no status.usage on the lease: {lease}"));
+    assert!(used >= 0.02, "{lease}");
+    assert!(lease["status"]["usage"]["cpuSeconds"].as_f64().unwrap() > 0.0);
+    let described = h.ok(&["describe", "lease", "lb"]);
+    eprintln!("--- describe lease lb on {}:\n{described}", kind.name());
+    assert!(
+        described.contains("BudgetExhausted") && described.contains("vcpuHours"),
+        "{described}"
+    );
+    let events = h.ok(&["describe", "vm", "bp-0"]);
+    assert!(
+        events.contains("BudgetExhausted") && events.contains("suspended"),
+        "{events}"
+    );
+    // A use says why rather than waking it.
+    let o = h.cmd(&["run", "bp-0", "--", "true"]);
+    let refused = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && refused.contains("is held suspended: lease lb used its vcpuHours budget"),
+        "{refused}"
+    );
+    // A suspended VM is not charged: what the lease used stays put.
+    std::thread::sleep(Duration::from_secs(25));
+    let later: serde_json::Value =
+        serde_json::from_str(&h.ok(&["get", "lease", "lb", "-o", "json"])).unwrap();
+    let after = later["status"]["usage"]["vcpuHours"].as_f64().unwrap();
+    assert!(
+        after - used < 0.001,
+        "charged while suspended: {used} then {after}"
+    );
+
+    // The owner raises the pool's lease budget: the VM resumes where it was.
+    let f = h.home.write("pool.yaml", &pool("1"));
+    h.ok(&["apply", "-f", f.to_str().unwrap()]);
+    h.ok(&[
+        "wait",
+        "vm",
+        "bp-0",
+        "--for=condition=Ready",
+        "--timeout=5m",
+    ]);
+    assert_eq!(h.run("bp-0", "cat /proc/sys/kernel/random/boot_id"), boot);
+    h.run("bp-0", "kill -0 $(cat /tmp/sleeper)");
+    let lease: serde_json::Value =
+        serde_json::from_str(&h.ok(&["get", "lease", "lb", "-o", "json"])).unwrap();
+    let c = lease["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "BudgetExhausted")
+        .unwrap()
+        .clone();
+    assert_eq!(c["status"], "False", "{lease}");
+
+    h.ok(&["lease", "release", "lb", "--wait"]);
+    h.ok(&["delete", "pool", "bp", "--wait", "--timeout", "3m"]);
+    h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
+    assert!(h.leftovers().is_empty(), "left behind: {:?}", h.leftovers());
+}

@@ -39,6 +39,7 @@ async fn edit_pool(v: &Verbs, name: &str, create: bool, f: impl Fn(&mut Pool) ->
                         update_strategy: Default::default(),
                         max_unavailable: None,
                         clean_state: Default::default(),
+                        budget: None,
                     },
                 ),
                 false,
@@ -212,6 +213,8 @@ pub struct AcquireInput {
     pub holder: Option<String>,
     /// The lease's name (default: generated from the pool's).
     pub name: Option<Name>,
+    /// Its budget (it can lower the pool's `spec.lease.budget`, not raise it).
+    pub budget: Option<boxery_api::usage::LeaseBudget>,
 }
 
 /// `lease acquire`: make an ed25519 key pair on this host (the private key never leaves it)
@@ -289,6 +292,7 @@ pub async fn acquire(v: &Verbs, input: AcquireInput) -> Result<Acquired> {
         lease_duration_seconds: secs as u32,
         renew_time: None,
         public_key: public,
+        budget: input.budget,
     };
     if let Err(e) = v
         .store()
