@@ -226,15 +226,18 @@ CREATE TABLE IF NOT EXISTS llm (
   output INTEGER NOT NULL DEFAULT 0,
   PRIMARY KEY (hour, vm, owner, grant_uid, provider, model)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS llm_grant ON llm (grant_uid, hour);
-CREATE INDEX IF NOT EXISTS llm_owner ON llm (owner, hour);
-CREATE INDEX IF NOT EXISTS llm_vm ON llm (vm, hour);
+CREATE INDEX IF NOT EXISTS llm_owner_sums
+  ON llm (owner, hour, provider, requests, input, output);
+CREATE INDEX IF NOT EXISTS llm_vm_sums ON llm (vm, hour, provider, requests, input, output);
 CREATE TABLE IF NOT EXISTS compute (
   hour INTEGER NOT NULL, vm TEXT NOT NULL, owner TEXT NOT NULL,
   vcpu_seconds REAL NOT NULL DEFAULT 0, gib_seconds REAL NOT NULL DEFAULT 0,
   cpu_seconds REAL NOT NULL DEFAULT 0,
   PRIMARY KEY (hour, vm, owner)) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS compute_owner ON compute (owner, hour);
-CREATE INDEX IF NOT EXISTS compute_vm ON compute (vm, hour);
+CREATE INDEX IF NOT EXISTS compute_owner_sums
+  ON compute (owner, hour, vcpu_seconds, gib_seconds, cpu_seconds);
+CREATE INDEX IF NOT EXISTS compute_vm_sums
+  ON compute (vm, hour, vcpu_seconds, gib_seconds, cpu_seconds);
 CREATE TABLE IF NOT EXISTS owners (
   uid TEXT PRIMARY KEY, kind TEXT NOT NULL, name TEXT NOT NULL,
   holder TEXT NOT NULL DEFAULT '', pool TEXT NOT NULL DEFAULT '');

@@ -201,8 +201,10 @@ pub(super) fn budget_suspends_a_leased_vm(kind: Kind) {
     // a process that lives through a suspend and resume
     h.run(
         "bp-0",
-        "nohup sleep 100000 >/dev/null 2>&1 & echo $! > /tmp/sleeper",
+        "setsid sleep 100000 </dev/null >/dev/null 2>&1 & echo $! > /tmp/sleeper",
     );
+    // alive after the session that started it
+    h.run("bp-0", "kill -0 $(cat /tmp/sleeper)");
     let boot = h.run("bp-0", "cat /proc/sys/kernel/random/boot_id");
     let t = std::time::Instant::now();
     h.ok(&[
