@@ -162,7 +162,7 @@ pub struct LeaseDefaults {
     /// The longest lease allowed (60..28800).
     #[schemars(range(min = 60, max = 28800))]
     pub max_ttl_seconds: u32,
-    /// The budget of each lease that sets none of its own (`Lease.spec.budget`).
+    /// The budget of each lease: a lease's own `spec.budget` can lower it, never raise it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<crate::usage::LeaseBudget>,
 }

@@ -186,10 +186,58 @@ fn turn(
     }
 }
 
+/// [`turn`], and whether the conditions changed at all (a new generation, reason or message).
+fn turn_changed(
+    conds: &mut Vec<Condition>,
+    generation: Option<i64>,
+    reached: bool,
+    reason: &str,
+    msg: &str,
+) -> (bool, Option<bool>) {
+    let before = conds.clone();
+    let turned = turn(conds, generation, reached, reason, msg);
+    (*conds != before, turned)
+}
+
+/// Say a turn of `BudgetExhausted` in an event on `obj`.
+async fn announce<R: Resource>(ctx: &Ctx, obj: &R, turned: Option<bool>, msg: &str) {
+    match turned {
+        Some(true) => {
+            ctx.event(obj, EventType::Warning, "BudgetExhausted", msg)
+                .await
+        }
+        Some(false) => ctx.event(obj, EventType::Normal, "WithinBudget", msg).await,
+        None => {}
+    }
+}
+
+/// A Warning `BudgetNear` on `obj` for each limit in `near`, once per `key` and limit.
+async fn warn_near<R: Resource>(
+    ctx: &Ctx,
+    obj: &R,
+    key: &str,
+    near: &[Limit],
+    say: impl Fn(&Limit) -> String,
+) {
+    for n in near {
+        if ctx.first_report(&format!("{key}:{}:near", n.field)) {
+            ctx.event(obj, EventType::Warning, "BudgetNear", &say(n))
+                .await;
+        }
+    }
+}
+
 /// A bound lease: refresh its `status.usage` and judge its budget and its pool's. Returns
 /// whether the lease changed, and when to look again.
 pub(crate) async fn lease(ctx: &Ctx, l: &mut Lease) -> (bool, Duration) {
-    let pool = ctx.store.get_as::<Pool>(&l.spec.pool).await.ok().flatten();
+    let pool = match ctx.store.get_as::<Pool>(&l.spec.pool).await {
+        Ok(p) => p,
+        // not judged on what could not be read: the condition stays as it is
+        Err(e) => {
+            tracing::warn!(error = %e, lease = l.name(), "reading the lease's pool failed");
+            return (false, CHECK_EVERY);
+        }
+    };
     let budget = boxery_api::usage::LeaseBudget::tighter(
         l.spec.budget.as_ref(),
         pool.as_ref().and_then(|p| p.spec.lease.budget.as_ref()),
@@ -197,23 +245,25 @@ pub(crate) async fn lease(ctx: &Ctx, l: &mut Lease) -> (bool, Duration) {
     let since = l.status.acquire_time.unwrap_or_else(boxery_api::meta::now);
     let uid = l.metadata.uid.clone().unwrap_or_default();
     let fresh = read(ctx, Whose::Owner(uid.clone()), since).await;
+    if fresh.is_none() && budget.is_some() {
+        // the ledger could not be read: not judged, the condition stays as it is
+        return (false, CHECK_EVERY);
+    }
     let name = l.name().to_string();
     let vm = l.status.vm.clone().unwrap_or_default();
     let (reached, near) = match (&budget, &fresh) {
         (Some(b), Some(u)) => judge(&b.limits(u)),
         _ => (None, Vec::new()),
     };
-    for n in &near {
-        if ctx.first_report(&format!("budget:{uid}:{}:near", n.field)) {
-            let msg = format!(
-                "lease {name} has used over {:.0} % of its {} budget ({}): at the limit its VM {vm} is suspended",
-                NEAR * 100.0,
-                n.field,
-                n.shown()
-            );
-            ctx.event(l, EventType::Warning, "BudgetNear", &msg).await;
-        }
-    }
+    warn_near(ctx, l, &format!("budget:{uid}"), &near, |n| {
+        format!(
+            "lease {name} has used over {:.0} % of its {} budget ({}): at the limit its VM {vm} is suspended",
+            NEAR * 100.0,
+            n.field,
+            n.shown()
+        )
+    })
+    .await;
     // the pool's monthly budget, passed on
     let pool_out = pool.as_ref().and_then(|p| {
         p.status
@@ -239,23 +289,15 @@ pub(crate) async fn lease(ctx: &Ctx, l: &mut Lease) -> (bool, Duration) {
             format!("lease {name} is within its budgets: its VM {vm} runs"),
         ),
     };
-    let before = l.status.conditions.clone();
-    let turned = turn(
+    let generation = l.metadata.generation;
+    let (changed, turned) = turn_changed(
         &mut l.status.conditions,
-        l.metadata.generation,
+        generation,
         now_reached,
         reason,
         &msg,
     );
-    let changed = l.status.conditions != before;
-    match turned {
-        Some(true) => {
-            ctx.event(l, EventType::Warning, "BudgetExhausted", &msg)
-                .await
-        }
-        Some(false) => ctx.event(l, EventType::Normal, "WithinBudget", &msg).await,
-        None => {}
-    }
+    announce(ctx, l, turned, &msg).await;
     let wrote = keep(&mut l.status.usage, fresh, changed);
     let next = if budget.is_some() || pool.as_ref().is_some_and(|p| p.spec.budget.is_some()) {
         CHECK_EVERY
@@ -274,6 +316,15 @@ pub(crate) async fn lease_final(ctx: &Ctx, l: &mut Lease) {
     let uid = l.metadata.uid.clone().unwrap_or_default();
     let fresh = read(ctx, Whose::Owner(uid), since).await;
     keep(&mut l.status.usage, fresh, true);
+    // it holds no VM any more: nothing is held for it
+    let generation = l.metadata.generation;
+    turn(
+        &mut l.status.conditions,
+        generation,
+        false,
+        reasons::WITHIN_BUDGET,
+        "the lease ended: its VM is no longer held for a budget",
+    );
 }
 
 /// A pool: refresh its `status.usage` (this UTC month, its leases') and judge its monthly
@@ -283,6 +334,10 @@ pub(crate) async fn pool(ctx: &Ctx, p: &mut Pool) -> (bool, Duration) {
     let (_, month) = periods(unix);
     let start = chrono::DateTime::from_timestamp(month * HOUR, 0).unwrap_or_default();
     let fresh = read(ctx, Whose::Pool(p.name().to_string()), start).await;
+    if fresh.is_none() && p.spec.budget.is_some() {
+        // the ledger could not be read: not judged, the condition stays as it is
+        return (false, CHECK_EVERY);
+    }
     let name = p.name().to_string();
     let (reached, near) = match (&p.spec.budget, &fresh) {
         (Some(b), Some(u)) => judge(&b.limits(u)),
@@ -290,21 +345,19 @@ pub(crate) async fn pool(ctx: &Ctx, p: &mut Pool) -> (bool, Duration) {
     };
     let resets = next_month(month).to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
     let period = start.format("%Y-%m");
-    for n in &near {
-        if ctx.first_report(&format!(
-            "budget:{}:{}:{period}:near",
-            p.metadata.uid.as_deref().unwrap_or(&name),
-            n.field
-        )) {
-            let msg = format!(
-                "pool {name} has used over {:.0} % of its {} budget in {period} (UTC) ({}): at the limit its leased VMs are suspended until {resets}",
-                NEAR * 100.0,
-                n.field,
-                n.shown()
-            );
-            ctx.event(p, EventType::Warning, "BudgetNear", &msg).await;
-        }
-    }
+    let key = format!(
+        "budget:{}:{period}",
+        p.metadata.uid.as_deref().unwrap_or(&name)
+    );
+    warn_near(ctx, p, &key, &near, |n| {
+        format!(
+            "pool {name} has used over {:.0} % of its {} budget in {period} (UTC) ({}): at the limit its leased VMs are suspended until {resets}",
+            NEAR * 100.0,
+            n.field,
+            n.shown()
+        )
+    })
+    .await;
     let msg = match reached {
         Some(r) => format!(
             "pool {name} used its {} budget in {period} (UTC) ({}): its leased VMs are held suspended (stopped where the backend keeps no memory) until {resets} or until spec.budget is raised",
@@ -313,23 +366,15 @@ pub(crate) async fn pool(ctx: &Ctx, p: &mut Pool) -> (bool, Duration) {
         ),
         None => format!("pool {name} is within its budgets in {period} (UTC)"),
     };
-    let before = p.status.conditions.clone();
-    let turned = turn(
+    let generation = p.metadata.generation;
+    let (changed, turned) = turn_changed(
         &mut p.status.conditions,
-        p.metadata.generation,
+        generation,
         reached.is_some(),
         reasons::POOL_BUDGET,
         &msg,
     );
-    let changed = p.status.conditions != before;
-    match turned {
-        Some(true) => {
-            ctx.event(p, EventType::Warning, "BudgetExhausted", &msg)
-                .await
-        }
-        Some(false) => ctx.event(p, EventType::Normal, "WithinBudget", &msg).await,
-        None => {}
-    }
+    announce(ctx, p, turned, &msg).await;
     let wrote = keep(&mut p.status.usage, fresh, changed);
     let next = if p.spec.budget.is_some() {
         // and at the month's turn
@@ -346,6 +391,15 @@ pub(crate) async fn pool(ctx: &Ctx, p: &mut Pool) -> (bool, Duration) {
 pub(crate) fn held(ctx: &Ctx, vm: &Vm) -> Option<(String, String)> {
     vm.metadata.labels.get(boxery_api::pool::POOL_LABEL)?;
     let caches = ctx.pool_caches()?;
+    if !caches.members.is_ready() || !caches.leases.is_ready() {
+        // not known yet (a restart): what was held stays held
+        return vm
+            .status
+            .conditions
+            .get_condition(BUDGET_EXHAUSTED)
+            .filter(|c| c.status == ConditionStatus::True)
+            .map(|c| (c.reason.clone(), c.message.clone()));
+    }
     let member = caches
         .members
         .get_as::<boxery_api::PoolMember>(vm.name())?
@@ -400,7 +454,7 @@ pub(crate) fn mark_vm(vm: &mut Vm, held: Option<&(String, String)>) -> Option<bo
             vm.metadata.generation,
             false,
             reasons::WITHIN_BUDGET,
-            "its lease is within its budgets again: the VM runs",
+            "no longer held for a budget (raised, a new month, or its lease ended): the VM runs",
         ),
     }
 }

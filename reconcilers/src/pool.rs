@@ -243,11 +243,10 @@ pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
         return Ok(Action::await_change());
     }
     summarize(&mut pool, table, &pass);
-    if !deleting {
-        // what its leases used this month, and its budget (crate::budget)
-        let (_, check) = crate::budget::pool(&ctx, &mut pool).await;
-        pass.again.within(check);
-    }
+    // what its leases used this month, and its budget (crate::budget), while it has
+    // members (a pool being deleted keeps its leased members until their leases end)
+    let (_, check) = crate::budget::pool(&ctx, &mut pool).await;
+    pass.again.within(check);
     if pool.status != before {
         ctx.store.update_status_as(&pool).await?;
     }

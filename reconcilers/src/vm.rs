@@ -105,7 +105,9 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
             .last_restore
             .as_ref()
             .is_none_or(|l| l.requested_at != r.requested_at)
-    }) {
+    }) && crate::budget::held(ctx, &vm).is_none()
+    {
+        // (a VM held for a budget is not restored, which would boot it, until it is let go)
         return restore(vm, r, ctx).await;
     }
     let name = vm.name().to_string();
@@ -159,7 +161,7 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
                 &vm,
                 EventType::Normal,
                 "WithinBudget",
-                "its lease is within its budgets again: the VM runs",
+                "no longer held for a budget (raised, a new month, or its lease ended): the VM runs",
             )
             .await;
         }
@@ -535,12 +537,21 @@ async fn idle_suspend(mut vm: Vm, since: std::time::SystemTime, ctx: &Ctx) -> Re
 /// budget allows ([`crate::budget`]).
 async fn budget_hold(vm: Vm, why: &str, ctx: &Ctx) -> Result<Action> {
     let name = vm.name().to_string();
-    let suspend = ctx.backend.capabilities().suspend && quota_refusal(&vm, ctx).await?.is_none();
-    let how = if suspend {
-        ctx.backend
-            .suspend(&name)
-            .await
-            .map_err(|e| ReconcileError::backend("suspend", format!("Vm/{name}"), e))?;
+    let suspend =
+        ctx.backend.capabilities().suspend && matches!(quota_refusal(&vm, ctx).await, Ok(None));
+    let suspended = if suspend {
+        match ctx.backend.suspend(&name).await {
+            Ok(()) => true,
+            Err(e) => {
+                // held all the same: stopped
+                tracing::warn!(vm = %name, error = %e.chain(), "suspending a VM past its budget failed: stopping it");
+                false
+            }
+        }
+    } else {
+        false
+    };
+    let how = if suspended {
         "suspended, its memory on disk: it resumes where it was when the budget allows"
     } else {
         ctx.backend

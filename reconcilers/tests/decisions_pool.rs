@@ -356,12 +356,9 @@ fn charge(h: &Harness, vcpu_seconds: f64, tokens: u64) {
         .unwrap();
 }
 
-fn budget_condition<R: boxery_api::Resource + serde::de::DeserializeOwned>(
-    h: &Harness,
-    name: &str,
-) -> Option<(String, String)>
+fn budget_condition<R>(h: &Harness, name: &str) -> Option<(String, String)>
 where
-    R: HasConditions,
+    R: boxery_api::Resource + serde::de::DeserializeOwned + HasConditions,
 {
     let o: R = h.get(name);
     o.conditions()
@@ -452,6 +449,20 @@ async fn a_lease_past_its_budget_is_exhausted_and_the_tighter_budget_wins() {
     assert_eq!(
         budget_condition::<Lease>(&h, "l1"),
         Some(("True".into(), "LeaseBudget".into()))
+    );
+    // it runs out: it holds nothing, and nothing is held for it
+    run_out(&h);
+    h.reconcile(lease::reconcile, "l1").await.unwrap();
+    let l: Lease = h.get("l1");
+    assert_eq!(l.status.phase, LeasePhase::Expired);
+    assert_eq!(
+        budget_condition::<Lease>(&h, "l1"),
+        Some(("False".into(), "WithinBudget".into()))
+    );
+    assert_eq!(
+        l.status.usage.unwrap().tokens(),
+        2010,
+        "its last usage kept"
     );
 }
 
