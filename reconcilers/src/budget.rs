@@ -476,84 +476,23 @@ mod tests {
 
     #[test]
     fn the_condition_turns_once_each_way_and_is_absent_until_needed() {
-        let mut l = Lease::new(
-            "l",
-            boxery_api::lease::LeaseSpec {
-                pool: "p".into(),
-                holder_identity: "h".into(),
-                lease_duration_seconds: 60,
-                renew_time: None,
-                public_key: String::new(),
-                budget: None,
-            },
-        );
+        let mut c: Vec<Condition> = Vec::new();
+        let t =
+            |c: &mut Vec<Condition>, reached, reason, msg| turn(c, Some(1), reached, reason, msg);
+        assert_eq!(t(&mut c, false, "WithinBudget", "ok"), None);
+        assert!(c.is_empty());
+        assert_eq!(t(&mut c, true, "LeaseBudget", "out"), Some(true));
+        assert_eq!(t(&mut c, true, "LeaseBudget", "out, later"), None);
         assert_eq!(
-            turn(
-                &mut l.status.conditions,
-                Some(1),
-                false,
-                "WithinBudget",
-                "ok"
-            ),
-            None
-        );
-        assert!(l.status.conditions.is_empty());
-        assert_eq!(
-            turn(
-                &mut l.status.conditions,
-                Some(1),
-                true,
-                "LeaseBudget",
-                "out"
-            ),
-            Some(true)
-        );
-        assert_eq!(
-            turn(
-                &mut l.status.conditions,
-                Some(1),
-                true,
-                "LeaseBudget",
-                "out, later"
-            ),
-            None
-        );
-        assert_eq!(
-            l.status.conditions[0].message, "out",
+            c[0].message, "out",
             "the message of the moment it was reached stays"
         );
-        assert_eq!(
-            turn(
-                &mut l.status.conditions,
-                Some(1),
-                true,
-                "PoolBudget",
-                "pool"
-            ),
-            None
-        );
-        assert_eq!(l.status.conditions[0].reason, "PoolBudget");
-        assert_eq!(
-            turn(
-                &mut l.status.conditions,
-                Some(1),
-                false,
-                "WithinBudget",
-                "ok"
-            ),
-            Some(false)
-        );
-        assert_eq!(l.status.conditions[0].status, ConditionStatus::False);
-        assert_eq!(
-            turn(
-                &mut l.status.conditions,
-                Some(1),
-                false,
-                "WithinBudget",
-                "ok"
-            ),
-            None
-        );
+        assert_eq!(t(&mut c, true, "PoolBudget", "pool"), None);
+        assert_eq!(c[0].reason, "PoolBudget");
+        assert_eq!(t(&mut c, false, "WithinBudget", "ok"), Some(false));
+        assert_eq!(c[0].status, ConditionStatus::False);
+        assert_eq!(t(&mut c, false, "WithinBudget", "ok"), None);
+        assert_eq!(c[0].observed_generation, Some(1));
     }
 
     #[test]
