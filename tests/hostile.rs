@@ -819,3 +819,68 @@ fn patches_keep_boxerys_own_labels() {
     assert!(!err, "{text}");
     assert!(label().contains("\"team\":\"web\"") && label().contains("boxery.dev/pool"));
 }
+
+/// An agent (the MCP tools) may lower a pool's budgets, never raise or remove them, by a patch
+/// or by applying the pool again: the budgets are a person's limit on agents, like egress.
+#[test]
+fn an_agent_cannot_raise_or_remove_a_budget() {
+    let home = Home::new();
+    let pool = |lease_hours: &str, month_tokens: &str| {
+        format!(
+            "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {{name: bp}}\nspec:\n  replicas: 0\n  lease: {{defaultTtlSeconds: 1800, maxTtlSeconds: 28800, budget: {{vcpuHours: {lease_hours}}}}}\n  budget: {{tokensPerMonth: {month_tokens}}}\n"
+        )
+    };
+    let f = home.write("bp.yaml", &pool("1", "1000"));
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    let mut mcp = Mcp::start(&home);
+    let patch = |mcp: &mut Mcp, p: &str| {
+        mcp.call(
+            "vm_patch",
+            json!({"kind": "pool", "name": "bp", "patch": p}),
+        )
+    };
+    let budgets = || {
+        let p: boxery_api::Pool = home.store().get_as("bp").unwrap().unwrap();
+        (
+            p.spec.lease.budget.and_then(|b| b.vcpu_hours),
+            p.spec.budget.and_then(|b| b.tokens_per_month),
+        )
+    };
+    for p in [
+        r#"{"spec": {"lease": {"budget": {"vcpuHours": 5}}}}"#,
+        r#"{"spec": {"lease": {"budget": null}}}"#,
+        r#"{"spec": {"budget": {"tokensPerMonth": 5000}}}"#,
+        r#"{"spec": {"budget": null}}"#,
+    ] {
+        let (err, text) = patch(&mut mcp, p);
+        assert!(
+            err && text.contains("an agent cannot raise or remove"),
+            "{p}: {text}"
+        );
+        assert_eq!(budgets(), (Some(1.0), Some(1000)), "{p}");
+    }
+    // (taking the field over from the person's apply: the limit still holds)
+    let (err, text) = mcp.call(
+        "vm_apply",
+        json!({"manifest": pool("9", "1000"), "force_conflicts": true}),
+    );
+    assert!(err && text.contains("vcpuHours 1 → 9"), "{text}");
+    assert_eq!(budgets(), (Some(1.0), Some(1000)));
+    // lowering is allowed
+    let (err, text) = patch(
+        &mut mcp,
+        r#"{"spec": {"lease": {"budget": {"vcpuHours": 0.5}}}}"#,
+    );
+    assert!(!err, "{text}");
+    assert_eq!(budgets(), (Some(0.5), Some(1000)));
+    // a person raises it
+    home.ok(&[
+        "patch",
+        "pool",
+        "bp",
+        "--type=merge",
+        "-p",
+        r#"{"spec": {"budget": {"tokensPerMonth": 5000}}}"#,
+    ]);
+    assert_eq!(budgets(), (Some(0.5), Some(5000)));
+}

@@ -5,7 +5,7 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::meta::Time;
+use crate::meta::{Condition, ConditionStatus, Time};
 use crate::validate::FieldError;
 
 /// What an object used, from the usage ledger: compute while its VMs ran, LLM requests through
@@ -52,6 +52,14 @@ impl Usage {
             && near(self.cpu_seconds, other.cpu_seconds, 0.1)
             && self.llm == other.llm
     }
+}
+
+/// The `BudgetExhausted=True` condition among `conds` (a Vm held for a budget, a Lease or a
+/// Pool past one), if there is one.
+pub fn exhausted(conds: &[Condition]) -> Option<&Condition> {
+    conds.iter().find(|c| {
+        c.type_ == crate::conditions::BUDGET_EXHAUSTED && c.status == ConditionStatus::True
+    })
 }
 
 /// LLM use through one provider.
@@ -133,6 +141,62 @@ impl Limit {
     }
 }
 
+/// A budget's limits as (field, limit) pairs, tokens as numbers: the one list its checks,
+/// its limits and its comparisons read. A field naming tokens is counted in tokens, any other
+/// in vCPU-hours.
+type Fields = [(&'static str, Option<f64>); 2];
+
+/// Each limit of `fields` that is set, with what `u` used of it.
+fn limits_of(fields: Fields, u: &Usage) -> Vec<Limit> {
+    fields
+        .into_iter()
+        .filter_map(|(field, max)| {
+            let used = if field.starts_with("tokens") {
+                u.tokens() as f64
+            } else {
+                u.vcpu_hours
+            };
+            Some(Limit {
+                field,
+                max: max?,
+                used,
+            })
+        })
+        .collect()
+}
+
+/// How `new` lets more be used than `old` (a limit raised or removed), when it does; `None`
+/// is no budget (no limit at all).
+fn looser_of(new: Option<Fields>, old: Option<Fields>) -> Option<String> {
+    let old = old?;
+    let new = new.unwrap_or(old.map(|(f, _)| (f, None)));
+    let how: Vec<String> = old
+        .iter()
+        .zip(new.iter())
+        .filter_map(|((field, was), (_, now))| match (was, now) {
+            (Some(was), None) => Some(format!("{field} {was} removed")),
+            (Some(was), Some(now)) if now > was => Some(format!("{field} {was} → {now}")),
+            _ => None,
+        })
+        .collect();
+    (!how.is_empty()).then(|| how.join(", "))
+}
+
+/// Check what the schema cannot (finite hours), under `at`.
+fn check_of(fields: Fields, at: &str) -> Vec<FieldError> {
+    fields
+        .into_iter()
+        .filter(|(field, _)| !field.starts_with("tokens"))
+        .filter_map(|(field, v)| match v {
+            Some(h) if !h.is_finite() || !(0.0..=1e9).contains(&h) => Some(FieldError::new(
+                format!("{at}.{field}"),
+                format!("{h} is not a number of hours from 0 to 1e9"),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
 impl LeaseBudget {
     /// A lease's budget in force: each limit the tighter of the lease's own and its pool's
     /// `spec.lease.budget` (a holder can lower what the pool allows, never raise it).
@@ -153,69 +217,50 @@ impl LeaseBudget {
         (b.vcpu_hours.is_some() || b.tokens.is_some()).then_some(b)
     }
 
+    fn fields(&self) -> Fields {
+        [
+            ("vcpuHours", self.vcpu_hours),
+            ("tokens", self.tokens.map(|t| t as f64)),
+        ]
+    }
+
     /// Each limit set, with what `u` used of it.
     pub fn limits(&self, u: &Usage) -> Vec<Limit> {
-        let mut out = Vec::new();
-        if let Some(max) = self.vcpu_hours {
-            out.push(Limit {
-                field: "vcpuHours",
-                max,
-                used: u.vcpu_hours,
-            });
-        }
-        if let Some(max) = self.tokens {
-            out.push(Limit {
-                field: "tokens",
-                max: max as f64,
-                used: u.tokens() as f64,
-            });
-        }
-        out
+        limits_of(self.fields(), u)
     }
 
     /// Check what the schema cannot (a finite number), under `at`.
     pub fn check(&self, at: &str) -> Vec<FieldError> {
-        check_hours(self.vcpu_hours, &format!("{at}.vcpuHours"))
+        check_of(self.fields(), at)
+    }
+
+    /// How `new` allows more than `old` (a limit raised or removed), when it does.
+    pub fn looser(new: Option<&LeaseBudget>, old: Option<&LeaseBudget>) -> Option<String> {
+        looser_of(new.map(Self::fields), old.map(Self::fields))
     }
 }
 
 impl PoolBudget {
+    fn fields(&self) -> Fields {
+        [
+            ("vcpuHoursPerMonth", self.vcpu_hours_per_month),
+            ("tokensPerMonth", self.tokens_per_month.map(|t| t as f64)),
+        ]
+    }
+
     /// Each limit set, with what `u` (this month's) used of it.
     pub fn limits(&self, u: &Usage) -> Vec<Limit> {
-        let mut out = Vec::new();
-        if let Some(max) = self.vcpu_hours_per_month {
-            out.push(Limit {
-                field: "vcpuHoursPerMonth",
-                max,
-                used: u.vcpu_hours,
-            });
-        }
-        if let Some(max) = self.tokens_per_month {
-            out.push(Limit {
-                field: "tokensPerMonth",
-                max: max as f64,
-                used: u.tokens() as f64,
-            });
-        }
-        out
+        limits_of(self.fields(), u)
     }
 
     /// Check what the schema cannot (a finite number), under `at`.
     pub fn check(&self, at: &str) -> Vec<FieldError> {
-        check_hours(
-            self.vcpu_hours_per_month,
-            &format!("{at}.vcpuHoursPerMonth"),
-        )
+        check_of(self.fields(), at)
     }
-}
 
-fn check_hours(v: Option<f64>, at: &str) -> Vec<FieldError> {
-    match v {
-        Some(h) if !h.is_finite() || !(0.0..=1e9).contains(&h) => vec![FieldError::new(
-            at,
-            format!("{h} is not a number of hours from 0 to 1e9"),
-        )],
-        _ => Vec::new(),
+    /// How `new` allows more than `old` (a limit raised or removed), when it does.
+    pub fn looser(new: Option<&PoolBudget>, old: Option<&PoolBudget>) -> Option<String> {
+        looser_of(new.map(Self::fields), old.map(Self::fields))
     }
 }
 
@@ -284,6 +329,41 @@ mod tests {
             Some(b(Some(0.5), None))
         );
         assert_eq!(LeaseBudget::tighter(None, None), None);
+    }
+
+    #[test]
+    fn a_budget_raised_or_removed_is_looser_and_a_lower_one_is_not() {
+        let b = |v, t| LeaseBudget {
+            vcpu_hours: v,
+            tokens: t,
+        };
+        let old = b(Some(1.0), Some(100));
+        assert_eq!(
+            LeaseBudget::looser(Some(&b(Some(0.5), Some(100))), Some(&old)),
+            None
+        );
+        assert_eq!(
+            LeaseBudget::looser(Some(&b(Some(2.0), None)), Some(&old)).as_deref(),
+            Some("vcpuHours 1 → 2, tokens 100 removed")
+        );
+        assert_eq!(
+            LeaseBudget::looser(None, Some(&old)).as_deref(),
+            Some("vcpuHours 1 removed, tokens 100 removed")
+        );
+        assert_eq!(
+            LeaseBudget::looser(Some(&old), None),
+            None,
+            "a first budget"
+        );
+        assert_eq!(LeaseBudget::looser(None, None), None);
+        let p = |v| PoolBudget {
+            vcpu_hours_per_month: v,
+            tokens_per_month: None,
+        };
+        assert_eq!(
+            PoolBudget::looser(Some(&p(Some(11.0))), Some(&p(Some(10.0)))).as_deref(),
+            Some("vcpuHoursPerMonth 10 → 11")
+        );
     }
 
     #[test]

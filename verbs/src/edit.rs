@@ -108,7 +108,7 @@ pub async fn modify(
         let mut new = cur.clone();
         f(&mut new)?;
         check_owned_fields(&cur, &new)?;
-        crate::egress::check(v, &cur, &new)?;
+        crate::loosen::check(v, &cur, &new)?;
         if same_as_stored(&cur, &new) {
             return Ok(done(cur, false));
         }

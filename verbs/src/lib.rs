@@ -33,6 +33,7 @@ pub mod error;
 pub mod force;
 pub mod grants;
 pub mod guest;
+pub mod loosen;
 pub mod notes;
 pub mod objects;
 pub mod orphans;

@@ -154,7 +154,7 @@ pub async fn apply(v: &Verbs, objs: Vec<DynObject>, mut opts: ApplyOptions) -> R
     let dry_run = opts.dry_run;
     if v.voice == Voice::Tool {
         // What the apply would make, against what is stored: an agent never loosens an
-        // egress policy (crate::egress), whichever field manager owns it.
+        // egress policy or a budget (crate::loosen), whichever field manager owns it.
         let would = v
             .store()
             .apply_all(
@@ -167,11 +167,11 @@ pub async fn apply(v: &Verbs, objs: Vec<DynObject>, mut opts: ApplyOptions) -> R
             .await
             .map_err(|e| refused(v, e))?;
         for (_, new) in &would {
-            if crate::egress::of(new).is_none() {
+            if !crate::loosen::guarded(new) {
                 continue;
             }
             if let Some(cur) = v.store().get(&ObjectRef::to(new)).await? {
-                crate::egress::check(v, &cur, new)?;
+                crate::loosen::check(v, &cur, new)?;
             }
         }
     }
