@@ -158,10 +158,8 @@ fn not_ready_from(v: &Vm, voice: Voice, on_host: bool) -> Option<HandsError> {
         )));
     }
     // Held suspended or stopped for a lease's or pool's budget: no use brings it back.
-    if let Some(c) = v.status.conditions.iter().find(|c| {
-        c.type_ == boxery_api::conditions::BUDGET_EXHAUSTED
-            && c.status == boxery_api::ConditionStatus::True
-    }) && !deleting
+    if let Some(c) = boxery_api::usage::exhausted(&v.status.conditions)
+        && !deleting
     {
         return Some(HandsError::NotReady(format!(
             "VM {vm} is held {}: {}",

@@ -94,21 +94,21 @@ fn main() {
     let lease = time(500, || {
         i = (i + 1) % VMS;
         let t = ledger
-            .totals(Scope::Owner(&format!("lease-{i}")), 0)
+            .totals(&Scope::Owner(format!("lease-{i}")), 0)
             .unwrap();
         assert_eq!(t.vcpu_seconds, 3600.0 * HOURS as f64);
     });
     let vm = time(500, || {
         i = (i + 1) % VMS;
         let t = ledger
-            .totals(Scope::Vm(&format!("vm-{i}")), now - HOURS)
+            .totals(&Scope::Vm(format!("vm-{i}")), now - HOURS)
             .unwrap();
         assert_eq!(t.llm[0].1, 3 * HOURS as u64);
     });
     let pool = time(20, || {
         i = (i + 1) % POOLS;
         let t = ledger
-            .totals(Scope::Pool(&format!("p{i}")), now - HOURS)
+            .totals(&Scope::Pool(format!("p{i}")), now - HOURS)
             .unwrap();
         assert_eq!(
             t.vcpu_seconds,

@@ -187,14 +187,14 @@ impl GrantUse {
 }
 
 /// Whose use [`Ledger::totals`] sums.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scope<'a> {
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
     /// One owner uid's (a lease's, or a VM's outside any lease).
-    Owner(&'a str),
+    Owner(String),
     /// One VM's, whoever owned it.
-    Vm(&'a str),
+    Vm(String),
     /// The leases' of one pool.
-    Pool(&'a str),
+    Pool(String),
 }
 
 /// The sums of one scope: compute, and LLM use per provider.
@@ -394,7 +394,7 @@ impl Ledger {
     }
 
     /// The sums of `scope` from hour `since` on.
-    pub fn totals(&self, scope: Scope<'_>, since: i64) -> std::io::Result<Totals> {
+    pub fn totals(&self, scope: &Scope, since: i64) -> std::io::Result<Totals> {
         let (filter, key) = match scope {
             Scope::Owner(uid) => ("owner = ?1", uid),
             Scope::Vm(vm) => ("vm = ?1", vm),
@@ -601,15 +601,18 @@ mod tests {
         let by_lease = l.report(By::Lease, this_hour() - 24).unwrap();
         assert_eq!(by_lease[1].name, "x");
         assert_eq!(by_lease[1].input_tokens, 100);
-        let t = l.totals(Scope::Owner("lease-x"), 0).unwrap();
+        let t = l.totals(&Scope::Owner("lease-x".into()), 0).unwrap();
         assert_eq!((t.vcpu_seconds, t.cpu_seconds), (7200.0, 12.5));
         assert_eq!(t.llm, [("anthropic".to_string(), 1, 100, 50)]);
-        assert_eq!(l.totals(Scope::Pool("p"), 0).unwrap(), t);
-        assert_eq!(l.totals(Scope::Pool("q"), 0).unwrap(), Totals::default());
-        let a = l.totals(Scope::Vm("a"), this_hour()).unwrap();
+        assert_eq!(l.totals(&Scope::Pool("p".into()), 0).unwrap(), t);
+        assert_eq!(
+            l.totals(&Scope::Pool("q".into()), 0).unwrap(),
+            Totals::default()
+        );
+        let a = l.totals(&Scope::Vm("a".into()), this_hour()).unwrap();
         assert_eq!((a.vcpu_seconds, a.llm[0].1, a.llm[0].2), (0.0, 2, 11));
         assert!(
-            l.totals(Scope::Vm("a"), this_hour() + 1)
+            l.totals(&Scope::Vm("a".into()), this_hour() + 1)
                 .unwrap()
                 .llm
                 .is_empty()

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use boxery_api::conditions::{BUDGET_EXHAUSTED, reasons};
 use boxery_api::meta::{Condition, ConditionStatus, Conditions, Time};
-use boxery_api::usage::{Limit, LlmUsage, Usage};
+use boxery_api::usage::{Limit, LlmUsage, Usage, exhausted};
 use boxery_api::{EventType, Lease, Pool, Resource, Vm};
 use boxery_home::usage::{HOUR, Scope, hour_of, next_month, periods};
 use boxery_store::ObjectStoreExt;
@@ -43,34 +43,17 @@ pub const CHECK_EVERY: Duration = Duration::from_secs(15);
 /// The share of a limit past which `BudgetNear` is said.
 pub const NEAR: f64 = 0.8;
 
-/// Whose use, owned (the ledger's [`Scope`] borrows).
-#[derive(Debug, Clone)]
-enum Whose {
-    Owner(String),
-    Vm(String),
-    Pool(String),
-}
-
-/// What `whose` used from `since` (an instant: counted from its hour) on, from the ledger;
+/// What `scope` used from `since` (an instant: counted from its hour) on, from the ledger;
 /// `None` when there is no ledger or it cannot be read (said in the log).
-async fn read(ctx: &Ctx, whose: Whose, since: Time) -> Option<Usage> {
+async fn read(ctx: &Ctx, scope: Scope, since: Time) -> Option<Usage> {
     let ledger = ctx.ledger()?;
     let from = hour_of(since.timestamp());
-    let got = tokio::task::spawn_blocking(move || {
-        let scope = match &whose {
-            Whose::Owner(u) => Scope::Owner(u),
-            Whose::Vm(v) => Scope::Vm(v),
-            Whose::Pool(p) => Scope::Pool(p),
-        };
-        ledger.totals(scope, from)
-    })
-    .await;
-    let t = match got {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "reading usage failed");
-            return None;
-        }
+    let read = tokio::task::spawn_blocking(move || ledger.totals(&scope, from))
+        .await
+        .map_err(std::io::Error::other)
+        .and_then(|r| r);
+    let t = match read {
+        Ok(t) => t,
         Err(e) => {
             tracing::warn!(error = %e, "reading usage failed");
             return None;
@@ -129,7 +112,15 @@ pub(crate) async fn vm(ctx: &Ctx, vm: &mut Vm) -> bool {
     let Some(made) = vm.metadata.creation_timestamp else {
         return false;
     };
-    let fresh = read(ctx, Whose::Vm(vm.name().to_string()), made).await;
+    let fresh_enough = vm.status.usage.as_ref().is_some_and(|u| {
+        (boxery_api::meta::now() - u.update_time)
+            .to_std()
+            .is_ok_and(|d| d < REFRESH_EVERY)
+    });
+    if fresh_enough {
+        return false;
+    }
+    let fresh = read(ctx, Scope::Vm(vm.name().to_string()), made).await;
     keep(&mut vm.status.usage, fresh, false)
 }
 
@@ -146,57 +137,42 @@ fn judge(limits: &[Limit]) -> (Option<Limit>, Vec<Limit>) {
 
 /// Set `BudgetExhausted` in `conds` for the object's `generation`: `True` with `reason` and
 /// `msg` when `reached` (the message of the moment it was first reached is kept), `False` once
-/// it was there (absent until a budget is first reached). Returns whether it turned
-/// (`Some(true)`: now exhausted).
+/// it was there (absent until a budget is first reached). Returns whether the conditions
+/// changed at all, and whether it turned (`Some(true)`: now exhausted).
 fn turn(
     conds: &mut Vec<Condition>,
     generation: Option<i64>,
     reached: bool,
     reason: &str,
     msg: &str,
-) -> Option<bool> {
+) -> (bool, Option<bool>) {
     let old = conds.get_condition(BUDGET_EXHAUSTED).cloned();
-    let was = old
-        .as_ref()
-        .is_some_and(|c| c.status == ConditionStatus::True);
+    let was = exhausted(conds).is_some();
     if reached {
         let msg = match &old {
             Some(c) if was && c.reason == reason => c.message.clone(),
             _ => msg.to_string(),
         };
-        conds.set_condition(
+        let changed = conds.set_condition(
             BUDGET_EXHAUSTED,
             ConditionStatus::True,
             reason,
             &msg,
             generation,
         );
-        (!was).then_some(true)
+        (changed, (!was).then_some(true))
     } else if old.is_some() {
-        conds.set_condition(
+        let changed = conds.set_condition(
             BUDGET_EXHAUSTED,
             ConditionStatus::False,
             reasons::WITHIN_BUDGET,
             msg,
             generation,
         );
-        was.then_some(false)
+        (changed, was.then_some(false))
     } else {
-        None
+        (false, None)
     }
-}
-
-/// [`turn`], and whether the conditions changed at all (a new generation, reason or message).
-fn turn_changed(
-    conds: &mut Vec<Condition>,
-    generation: Option<i64>,
-    reached: bool,
-    reason: &str,
-    msg: &str,
-) -> (bool, Option<bool>) {
-    let before = conds.clone();
-    let turned = turn(conds, generation, reached, reason, msg);
-    (*conds != before, turned)
 }
 
 /// Say a turn of `BudgetExhausted` in an event on `obj`.
@@ -244,7 +220,7 @@ pub(crate) async fn lease(ctx: &Ctx, l: &mut Lease) -> (bool, Duration) {
     );
     let since = l.status.acquire_time.unwrap_or_else(boxery_api::meta::now);
     let uid = l.metadata.uid.clone().unwrap_or_default();
-    let fresh = read(ctx, Whose::Owner(uid.clone()), since).await;
+    let fresh = read(ctx, Scope::Owner(uid.clone()), since).await;
     if fresh.is_none() && budget.is_some() {
         // the ledger could not be read: not judged, the condition stays as it is
         return (false, CHECK_EVERY);
@@ -265,13 +241,10 @@ pub(crate) async fn lease(ctx: &Ctx, l: &mut Lease) -> (bool, Duration) {
     })
     .await;
     // the pool's monthly budget, passed on
-    let pool_out = pool.as_ref().and_then(|p| {
-        p.status
-            .conditions
-            .get_condition(BUDGET_EXHAUSTED)
-            .filter(|c| c.status == ConditionStatus::True)
-            .map(|c| c.message.clone())
-    });
+    let pool_out = pool
+        .as_ref()
+        .and_then(|p| exhausted(&p.status.conditions))
+        .map(|c| c.message.clone());
     let (now_reached, reason, msg) = match (reached, pool_out) {
         (Some(r), _) => (
             true,
@@ -290,7 +263,7 @@ pub(crate) async fn lease(ctx: &Ctx, l: &mut Lease) -> (bool, Duration) {
         ),
     };
     let generation = l.metadata.generation;
-    let (changed, turned) = turn_changed(
+    let (changed, turned) = turn(
         &mut l.status.conditions,
         generation,
         now_reached,
@@ -314,7 +287,7 @@ pub(crate) async fn lease_final(ctx: &Ctx, l: &mut Lease) {
     }
     let since = l.status.acquire_time.unwrap_or_else(boxery_api::meta::now);
     let uid = l.metadata.uid.clone().unwrap_or_default();
-    let fresh = read(ctx, Whose::Owner(uid), since).await;
+    let fresh = read(ctx, Scope::Owner(uid), since).await;
     keep(&mut l.status.usage, fresh, true);
     // it holds no VM any more: nothing is held for it
     let generation = l.metadata.generation;
@@ -328,15 +301,15 @@ pub(crate) async fn lease_final(ctx: &Ctx, l: &mut Lease) {
 }
 
 /// A pool: refresh its `status.usage` (this UTC month, its leases') and judge its monthly
-/// budget. Returns whether it changed, and when to look again.
-pub(crate) async fn pool(ctx: &Ctx, p: &mut Pool) -> (bool, Duration) {
-    let unix = chrono::Utc::now().timestamp();
-    let (_, month) = periods(unix);
+/// budget. Returns whether it changed, and when to look again (`None`: nothing can grow, no
+/// lease holds a member and no budget is set).
+pub(crate) async fn pool(ctx: &Ctx, p: &mut Pool) -> (bool, Option<Duration>) {
+    let (_, month) = periods(chrono::Utc::now().timestamp());
     let start = chrono::DateTime::from_timestamp(month * HOUR, 0).unwrap_or_default();
-    let fresh = read(ctx, Whose::Pool(p.name().to_string()), start).await;
+    let fresh = read(ctx, Scope::Pool(p.name().to_string()), start).await;
     if fresh.is_none() && p.spec.budget.is_some() {
         // the ledger could not be read: not judged, the condition stays as it is
-        return (false, CHECK_EVERY);
+        return (false, Some(CHECK_EVERY));
     }
     let name = p.name().to_string();
     let (reached, near) = match (&p.spec.budget, &fresh) {
@@ -367,7 +340,7 @@ pub(crate) async fn pool(ctx: &Ctx, p: &mut Pool) -> (bool, Duration) {
         None => format!("pool {name} is within its budgets in {period} (UTC)"),
     };
     let generation = p.metadata.generation;
-    let (changed, turned) = turn_changed(
+    let (changed, turned) = turn(
         &mut p.status.conditions,
         generation,
         reached.is_some(),
@@ -377,11 +350,9 @@ pub(crate) async fn pool(ctx: &Ctx, p: &mut Pool) -> (bool, Duration) {
     announce(ctx, p, turned, &msg).await;
     let wrote = keep(&mut p.status.usage, fresh, changed);
     let next = if p.spec.budget.is_some() {
-        // and at the month's turn
-        let left = (next_month(month).timestamp() - unix).max(1) as u64;
-        CHECK_EVERY.min(Duration::from_secs(left))
+        Some(CHECK_EVERY)
     } else {
-        REFRESH_EVERY
+        (p.status.leased > 0).then_some(REFRESH_EVERY)
     };
     (wrote || changed, next)
 }
@@ -393,12 +364,7 @@ pub(crate) fn held(ctx: &Ctx, vm: &Vm) -> Option<(String, String)> {
     let caches = ctx.pool_caches()?;
     if !caches.members.is_ready() || !caches.leases.is_ready() {
         // not known yet (a restart): what was held stays held
-        return vm
-            .status
-            .conditions
-            .get_condition(BUDGET_EXHAUSTED)
-            .filter(|c| c.status == ConditionStatus::True)
-            .map(|c| (c.reason.clone(), c.message.clone()));
+        return exhausted(&vm.status.conditions).map(|c| (c.reason.clone(), c.message.clone()));
     }
     let member = caches
         .members
@@ -410,12 +376,7 @@ pub(crate) fn held(ctx: &Ctx, vm: &Vm) -> Option<(String, String)> {
     if l.status.vm.as_deref() != Some(vm.name()) || l.status.phase.ended() {
         return None;
     }
-    let c = l
-        .status
-        .conditions
-        .get_condition(BUDGET_EXHAUSTED)
-        .filter(|c| c.status == ConditionStatus::True)?;
-    Some((c.reason.clone(), c.message.clone()))
+    exhausted(&l.status.conditions).map(|c| (c.reason.clone(), c.message.clone()))
 }
 
 /// Map a Lease change to its VM when the VM's hold may change: the lease has a
@@ -439,25 +400,20 @@ pub fn vm_of_lease(lease: &boxery_api::DynObject) -> Vec<String> {
         .collect()
 }
 
-/// Set the VM's own `BudgetExhausted` (held: `Some((reason, message))`); whether it turned.
-pub(crate) fn mark_vm(vm: &mut Vm, held: Option<&(String, String)>) -> Option<bool> {
-    match held {
-        Some((reason, msg)) => turn(
-            &mut vm.status.conditions,
-            vm.metadata.generation,
-            true,
-            reason,
-            msg,
-        ),
-        None => turn(
-            &mut vm.status.conditions,
-            vm.metadata.generation,
-            false,
-            reasons::WITHIN_BUDGET,
-            "no longer held for a budget (raised, a new month, or its lease ended): the VM runs",
-        ),
-    }
+/// Set the VM's own `BudgetExhausted` (held: `Some((reason, message))`); whether its
+/// conditions changed, and whether it turned (see [`turn`]).
+pub(crate) fn mark_vm(vm: &mut Vm, held: Option<&(String, String)>) -> (bool, Option<bool>) {
+    let generation = vm.metadata.generation;
+    let (reached, reason, msg) = match held {
+        Some((reason, msg)) => (true, reason.as_str(), msg.as_str()),
+        None => (false, reasons::WITHIN_BUDGET, UNHELD),
+    };
+    turn(&mut vm.status.conditions, generation, reached, reason, msg)
 }
+
+/// What a VM let go from a budget hold says.
+pub(crate) const UNHELD: &str =
+    "no longer held for a budget (raised, a new month, or its lease ended): the VM runs";
 
 #[cfg(test)]
 mod tests {
@@ -479,20 +435,25 @@ mod tests {
         let mut c: Vec<Condition> = Vec::new();
         let t =
             |c: &mut Vec<Condition>, reached, reason, msg| turn(c, Some(1), reached, reason, msg);
-        assert_eq!(t(&mut c, false, "WithinBudget", "ok"), None);
+        assert_eq!(t(&mut c, false, "WithinBudget", "ok"), (false, None));
         assert!(c.is_empty());
-        assert_eq!(t(&mut c, true, "LeaseBudget", "out"), Some(true));
-        assert_eq!(t(&mut c, true, "LeaseBudget", "out, later"), None);
+        assert_eq!(t(&mut c, true, "LeaseBudget", "out"), (true, Some(true)));
+        assert_eq!(t(&mut c, true, "LeaseBudget", "out, later"), (false, None));
         assert_eq!(
             c[0].message, "out",
             "the message of the moment it was reached stays"
         );
-        assert_eq!(t(&mut c, true, "PoolBudget", "pool"), None);
+        assert_eq!(t(&mut c, true, "PoolBudget", "pool"), (true, None));
         assert_eq!(c[0].reason, "PoolBudget");
-        assert_eq!(t(&mut c, false, "WithinBudget", "ok"), Some(false));
+        assert_eq!(t(&mut c, false, "WithinBudget", "ok"), (true, Some(false)));
         assert_eq!(c[0].status, ConditionStatus::False);
-        assert_eq!(t(&mut c, false, "WithinBudget", "ok"), None);
+        assert_eq!(t(&mut c, false, "WithinBudget", "ok"), (false, None));
         assert_eq!(c[0].observed_generation, Some(1));
+        assert_eq!(
+            turn(&mut c, Some(2), false, "WithinBudget", "ok"),
+            (true, None),
+            "a new generation is written, not turned"
+        );
     }
 
     #[test]

@@ -245,8 +245,9 @@ pub async fn reconcile(pool: Arc<Pool>, ctx: Arc<Ctx>) -> Result<Action> {
     summarize(&mut pool, table, &pass);
     // what its leases used this month, and its budget (crate::budget), while it has
     // members (a pool being deleted keeps its leased members until their leases end)
-    let (_, check) = crate::budget::pool(&ctx, &mut pool).await;
-    pass.again.within(check);
+    if let (_, Some(check)) = crate::budget::pool(&ctx, &mut pool).await {
+        pass.again.within(check);
+    }
     if pool.status != before {
         ctx.store.update_status_as(&pool).await?;
     }

@@ -100,14 +100,16 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         return create(vm, ctx).await;
     }
     keep_token(&vm, ctx)?;
+    // a lease's or its pool's budget used up: held suspended or stopped (crate::budget), and
+    // not restored (which would boot it) until it is let go
+    let held = crate::budget::held(ctx, &vm);
     if let Some(r) = vm.spec.restore.clone().filter(|r| {
         vm.status
             .last_restore
             .as_ref()
             .is_none_or(|l| l.requested_at != r.requested_at)
-    }) && crate::budget::held(ctx, &vm).is_none()
+    }) && held.is_none()
     {
-        // (a VM held for a budget is not restored, which would boot it, until it is let go)
         return restore(vm, r, ctx).await;
     }
     let name = vm.name().to_string();
@@ -150,18 +152,15 @@ async fn step(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     if info.size != fits && info.state != PowerState::Suspended {
         return resize(vm, fits, ctx).await;
     }
-    // a lease's or its pool's budget used up: held suspended or stopped (crate::budget)
-    let held = crate::budget::held(ctx, &vm);
-    let conditions_before = vm.status.conditions.clone();
-    let turned = crate::budget::mark_vm(&mut vm, held.as_ref());
-    if vm.status.conditions != conditions_before {
+    let (changed, turned) = crate::budget::mark_vm(&mut vm, held.as_ref());
+    if changed {
         vm = save(ctx, &vm).await?;
         if turned == Some(false) {
             ctx.event(
                 &vm,
                 EventType::Normal,
                 "WithinBudget",
-                "no longer held for a budget (raised, a new month, or its lease ended): the VM runs",
+                crate::budget::UNHELD,
             )
             .await;
         }
@@ -779,7 +778,10 @@ async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     );
     vm.status.failures = 0;
     vm.status.last_failure = None;
-    crate::budget::vm(ctx, &mut vm).await;
+    if matches!(readiness, Readiness::Ready(_)) {
+        // (not at each of a booting VM's polls)
+        crate::budget::vm(ctx, &mut vm).await;
+    }
     if vm.status != before {
         save(ctx, &vm).await?;
     }
@@ -851,14 +853,6 @@ impl From<crate::boot::Explained> for Readiness {
     }
 }
 
-/// The VM's `BudgetExhausted=True` condition, when it is held for a budget.
-fn budget_held(vm: &Vm) -> Option<&boxery_api::meta::Condition> {
-    vm.status
-        .conditions
-        .get_condition(conditions::BUDGET_EXHAUSTED)
-        .filter(|c| c.status == ConditionStatus::True)
-}
-
 /// Phase, Ready, ssh, observedGeneration and the printable status after a successful step.
 fn finish_status(
     vm: &mut Vm,
@@ -890,7 +884,10 @@ fn finish_status(
             VmPhase::Stopped,
             ConditionStatus::False,
             reasons::STOPPED,
-            match (budget_held(vm), vm.spec.run_strategy) {
+            match (
+                boxery_api::usage::exhausted(&vm.status.conditions),
+                vm.spec.run_strategy,
+            ) {
                 (Some(c), RunStrategy::Running) => format!("the VM is held stopped: {}", c.message),
                 (_, RunStrategy::Suspended) => {
                     "the VM is stopped: there is no memory to suspend (start it, then suspend it)"
@@ -903,7 +900,7 @@ fn finish_status(
             VmPhase::Suspended,
             ConditionStatus::False,
             reasons::SUSPENDED,
-            if let Some(c) = budget_held(vm) {
+            if let Some(c) = boxery_api::usage::exhausted(&vm.status.conditions) {
                 format!("the VM is held suspended: {}", c.message)
             } else if vm.status.idle_suspended_at.is_some() {
                 "the VM is suspended because nobody used it for spec.idle.suspendAfter: its memory is on disk; its next use resumes it".to_string()

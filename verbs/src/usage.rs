@@ -43,7 +43,7 @@ pub fn report(v: &Verbs, by: By, since: std::time::Duration) -> Result<Vec<Usage
     Ok(lines
         .into_iter()
         .map(|line| {
-            let unpriced: Vec<String> = line
+            let mut unpriced: Vec<String> = line
                 .by_model
                 .iter()
                 .filter(|(m, i, o)| {
@@ -63,7 +63,6 @@ pub fn report(v: &Verbs, by: By, since: std::time::Duration) -> Result<Vec<Usage
                     line.by_model.iter().map(|(m, i, o)| (m.as_str(), *i, *o)),
                 )
             });
-            let mut unpriced = unpriced;
             unpriced.sort();
             unpriced.dedup();
             UsageLine {
