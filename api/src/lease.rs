@@ -50,7 +50,7 @@ fn normalize_lease(lease: &mut Lease) -> Result<(), Vec<crate::validate::FieldEr
         errs.push(crate::validate::FieldError::new("spec.publicKey", e));
     }
     if let Some(b) = &lease.spec.budget {
-        errs.extend(b.check("spec.budget"));
+        errs.extend(crate::usage::Budget::check(b, "spec.budget"));
     }
     if errs.is_empty() { Ok(()) } else { Err(errs) }
 }

@@ -67,10 +67,10 @@ fn normalize_pool(pool: &mut Pool) -> Result<(), Vec<crate::validate::FieldError
         }
     }
     if let Some(b) = &pool.spec.budget {
-        errs.extend(b.check("spec.budget"));
+        errs.extend(crate::usage::Budget::check(b, "spec.budget"));
     }
     if let Some(b) = &pool.spec.lease.budget {
-        errs.extend(b.check("spec.lease.budget"));
+        errs.extend(crate::usage::Budget::check(b, "spec.lease.budget"));
     }
     if let Some(t) = pool.spec.template.as_mut() {
         let mut vm = crate::Vm::new("template", t.spec.clone());

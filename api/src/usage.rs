@@ -144,7 +144,7 @@ impl Limit {
 /// A budget's limits as (field, limit) pairs, tokens as numbers: the one list its checks,
 /// its limits and its comparisons read. A field naming tokens is counted in tokens, any other
 /// in vCPU-hours.
-type Fields = [(&'static str, Option<f64>); 2];
+pub type Fields = [(&'static str, Option<f64>); 2];
 
 /// Each limit of `fields` that is set, with what `u` used of it.
 fn limits_of(fields: Fields, u: &Usage) -> Vec<Limit> {
@@ -182,6 +182,27 @@ fn looser_of(new: Option<Fields>, old: Option<Fields>) -> Option<String> {
     (!how.is_empty()).then(|| how.join(", "))
 }
 
+/// A Lease's or a Pool's budget: its limits, checked, judged and compared the same way.
+pub trait Budget: Sized {
+    /// Its limits as (field, limit) pairs.
+    fn fields(&self) -> Fields;
+
+    /// Each limit set, with what `u` used of it (a pool's: this month's).
+    fn limits(&self, u: &Usage) -> Vec<Limit> {
+        limits_of(self.fields(), u)
+    }
+
+    /// Check what the schema cannot (finite hours), under `at`.
+    fn check(&self, at: &str) -> Vec<FieldError> {
+        check_of(self.fields(), at)
+    }
+
+    /// How `new` allows more than `old` (a limit raised or removed), when it does.
+    fn looser(new: Option<&Self>, old: Option<&Self>) -> Option<String> {
+        looser_of(new.map(Self::fields), old.map(Self::fields))
+    }
+}
+
 /// Check what the schema cannot (finite hours), under `at`.
 fn check_of(fields: Fields, at: &str) -> Vec<FieldError> {
     fields
@@ -216,51 +237,23 @@ impl LeaseBudget {
         };
         (b.vcpu_hours.is_some() || b.tokens.is_some()).then_some(b)
     }
+}
 
+impl Budget for LeaseBudget {
     fn fields(&self) -> Fields {
         [
             ("vcpuHours", self.vcpu_hours),
             ("tokens", self.tokens.map(|t| t as f64)),
         ]
     }
-
-    /// Each limit set, with what `u` used of it.
-    pub fn limits(&self, u: &Usage) -> Vec<Limit> {
-        limits_of(self.fields(), u)
-    }
-
-    /// Check what the schema cannot (a finite number), under `at`.
-    pub fn check(&self, at: &str) -> Vec<FieldError> {
-        check_of(self.fields(), at)
-    }
-
-    /// How `new` allows more than `old` (a limit raised or removed), when it does.
-    pub fn looser(new: Option<&LeaseBudget>, old: Option<&LeaseBudget>) -> Option<String> {
-        looser_of(new.map(Self::fields), old.map(Self::fields))
-    }
 }
 
-impl PoolBudget {
+impl Budget for PoolBudget {
     fn fields(&self) -> Fields {
         [
             ("vcpuHoursPerMonth", self.vcpu_hours_per_month),
             ("tokensPerMonth", self.tokens_per_month.map(|t| t as f64)),
         ]
-    }
-
-    /// Each limit set, with what `u` (this month's) used of it.
-    pub fn limits(&self, u: &Usage) -> Vec<Limit> {
-        limits_of(self.fields(), u)
-    }
-
-    /// Check what the schema cannot (a finite number), under `at`.
-    pub fn check(&self, at: &str) -> Vec<FieldError> {
-        check_of(self.fields(), at)
-    }
-
-    /// How `new` allows more than `old` (a limit raised or removed), when it does.
-    pub fn looser(new: Option<&PoolBudget>, old: Option<&PoolBudget>) -> Option<String> {
-        looser_of(new.map(Self::fields), old.map(Self::fields))
     }
 }
 

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use boxery_api::conditions::{BUDGET_EXHAUSTED, reasons};
 use boxery_api::meta::{Condition, ConditionStatus, Conditions, Time};
-use boxery_api::usage::{Limit, LlmUsage, Usage, exhausted};
+use boxery_api::usage::{Budget, Limit, LlmUsage, Usage, exhausted};
 use boxery_api::{EventType, Lease, Pool, Resource, Vm};
 use boxery_home::usage::{HOUR, Scope, hour_of, next_month, periods};
 use boxery_store::ObjectStoreExt;

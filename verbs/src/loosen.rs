@@ -5,7 +5,7 @@
 //! `Pool.spec.budget`, docs/pools.md "Budgets"). A person changes them with the CLI.
 
 use boxery_api::DynObject;
-use boxery_api::usage::{LeaseBudget, PoolBudget};
+use boxery_api::usage::{Budget, LeaseBudget, PoolBudget};
 use boxery_hands::Voice;
 
 use crate::{Result, VerbError, Verbs};
