@@ -620,6 +620,7 @@ impl Backend for FakeBackend {
             host_key: false,
             ssh: false,
             usage: false,
+            screen: false,
         }
     }
 

@@ -354,6 +354,64 @@ pub struct Capabilities {
     pub ssh: bool,
     /// Can tell what each running VM uses of the host ([`Backend::usage`]).
     pub usage: bool,
+    /// Its VMs have a screen the hypervisor draws and takes input for, with nothing in the
+    /// guest ([`Backend::screendump`], [`Backend::send_input`]): the console of a headless VM,
+    /// a guest stuck at boot.
+    pub screen: bool,
+}
+
+/// A VM's screen as its hypervisor draws it ([`Backend::screendump`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Screen {
+    /// The picture, PNG-encoded.
+    pub png: Vec<u8>,
+    /// Its width in pixels.
+    pub width: u32,
+    /// Its height in pixels.
+    pub height: u32,
+}
+
+/// A pointer button ([`InputEvent::Button`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PointerButton {
+    /// The left button.
+    Left,
+    /// The middle button.
+    Middle,
+    /// The right button.
+    Right,
+    /// The wheel turned up (one notch per press).
+    WheelUp,
+    /// The wheel turned down.
+    WheelDown,
+}
+
+/// One input event for a VM's hypervisor devices ([`Backend::send_input`]): a keyboard and
+/// an absolute pointer (a tablet), as QMP's `input-send-event` takes them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum InputEvent {
+    /// A key pressed (`down`) or released, by QEMU's key name (`qcode`: `a`, `ret`, `shift`,
+    /// `ctrl`, `f1`, …). Callers check it against their own table; the backend passes it on.
+    Key {
+        /// QEMU's name of the key.
+        qcode: String,
+        /// Pressed (`true`) or released.
+        down: bool,
+    },
+    /// The pointer moved to (`x`, `y`), in pixels of the screen [`Backend::screendump`] shows.
+    Move {
+        /// Pixels from the left.
+        x: u32,
+        /// Pixels from the top.
+        y: u32,
+    },
+    /// A pointer button pressed (`down`) or released.
+    Button {
+        /// Which.
+        button: PointerButton,
+        /// Pressed (`true`) or released.
+        down: bool,
+    },
 }
 
 /// What one running VM uses of the host, sampled now ([`Backend::usage`]): counters since
@@ -620,6 +678,27 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// the host's process table and counters only: cheap enough to sample every few seconds.
     async fn usage(&self) -> Result<Vec<VmUsage>> {
         Ok(Vec::new())
+    }
+    /// The running VM `name`'s screen as its hypervisor draws it (its text console, or
+    /// whatever the guest draws on its virtual display), where the backend has one
+    /// ([`Capabilities::screen`]); `Unsupported` otherwise, `Invalid` when the VM is not
+    /// running.
+    async fn screendump(&self, name: &str) -> Result<Screen> {
+        let _ = name;
+        Err(BackendError::Unsupported {
+            backend: self.name().into(),
+            what: "show a VM's screen".into(),
+        })
+    }
+    /// Send `events` to the running VM `name`'s keyboard and tablet, in order, as one batch
+    /// where the hypervisor allows ([`Capabilities::screen`]); `Unsupported` otherwise,
+    /// `Invalid` when the VM is not running.
+    async fn send_input(&self, name: &str, events: &[InputEvent]) -> Result<()> {
+        let _ = (name, events);
+        Err(BackendError::Unsupported {
+            backend: self.name().into(),
+            what: "send input to a VM's screen".into(),
+        })
     }
 }
 

@@ -293,6 +293,7 @@ impl Backend for LibvirtBackend {
             host_key: true,
             ssh: true,
             usage: true,
+            screen: false,
         }
     }
 

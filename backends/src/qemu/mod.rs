@@ -438,6 +438,7 @@ impl Backend for QemuBackend {
             host_key: true,
             ssh: true,
             usage: true,
+            screen: false,
         }
     }
 
