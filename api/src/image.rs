@@ -156,6 +156,12 @@ pub const LAYERS: &[Layer] = &[
         ],
     },
     Layer {
+        name: "desktop",
+        installs: "a virtual X display :0 (Xvfb, 1280x800 by default, its framebuffer readable as an XWD file) with the jwm window manager, started at boot as the agent user; xdotool, xterm, x11-utils, python3-tk, x11vnc (not started); not added to a running VM (make the VM with it)",
+        in_base: false,
+        files: &[],
+    },
+    Layer {
         name: "docker",
         installs: "Docker (Debian's docker.io: dockerd, the docker CLI, containerd, runc), started at boot, the agent user in the docker group; its daemon goes out through boxery's egress proxy; not added to a running VM (make the VM with it)",
         in_base: false,

@@ -384,6 +384,10 @@ pub enum PointerButton {
     WheelUp,
     /// The wheel turned down.
     WheelDown,
+    /// The wheel tilted left.
+    WheelLeft,
+    /// The wheel tilted right.
+    WheelRight,
 }
 
 /// One input event for a VM's hypervisor devices ([`Backend::send_input`]): a keyboard and

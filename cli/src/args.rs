@@ -527,6 +527,62 @@ pub(crate) enum Command {
         #[arg(long, default_value = "127.0.0.1")]
         address: std::net::IpAddr,
     },
+    /// Save a picture of a VM's screen as PNG: its desktop (a VM made with the desktop layer)
+    /// or its console (any other VM, or --console), at the screen's own size.
+    #[command(after_help = "Examples:\n  \
+        boxery screenshot dev1 dev1.png\n  \
+        boxery screenshot dev1 --console - > console.png   (the hypervisor's screen)")]
+    Screenshot {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// Where to write the PNG (`-`: standard output).
+        #[arg(value_name = "FILE")]
+        file: std::path::PathBuf,
+        /// The hypervisor's screen (the VM's console) even when the VM has a desktop.
+        #[arg(long)]
+        console: bool,
+    },
+    /// Drive a VM's screen with one computer-use action, as `vm_computer` does: the
+    /// coordinates are the screen's pixels (as `boxery screenshot` saves it).
+    #[command(after_help = "Actions and their arguments:\n  \
+        screenshot FILE                 a PNG of the screen (- for standard output)\n  \
+        left_click [X Y]                also right_click, middle_click, double_click, triple_click\n                                  (no X Y: where the pointer is; --hold shift: keys held)\n  \
+        mouse_move X Y\n  \
+        left_click_drag X0 Y0 X1 Y1\n  \
+        type TEXT...                    the words joined by spaces (newline is Return)\n  \
+        key KEYS...                     ctrl+s, Return, Page_Down: pressed in turn\n  \
+        scroll up|down|left|right [N]   N notches (default 3); --at X,Y to move there first\n  \
+        cursor_position\n  \
+        wait [SECONDS]                  then a screenshot to FILE with -o\n\n\
+        Examples:\n  \
+        boxery computer dev1 left_click 640 400\n  \
+        boxery computer dev1 type 'hello, world'\n  \
+        boxery computer dev1 key ctrl+s\n  \
+        boxery computer dev1 scroll down 5 --at 640,400")]
+    Computer {
+        /// The VM.
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The action (screenshot, left_click, right_click, middle_click, double_click,
+        /// triple_click, mouse_move, left_click_drag, type, key, scroll, cursor_position, wait).
+        action: String,
+        /// The action's arguments (see below).
+        #[arg(allow_hyphen_values = true, value_name = "ARG")]
+        args: Vec<String>,
+        /// Keys held during a click (shift, ctrl+alt).
+        #[arg(long, value_name = "KEYS")]
+        hold: Option<String>,
+        /// Where to scroll: X,Y.
+        #[arg(long, value_name = "X,Y")]
+        at: Option<String>,
+        /// Where a screenshot or wait writes its PNG (`-`: standard output).
+        #[arg(short = 'o', long, value_name = "FILE")]
+        output: Option<std::path::PathBuf>,
+        /// The hypervisor's screen (the VM's console) even when the VM has a desktop.
+        #[arg(long)]
+        console: bool,
+    },
     /// Run a coding agent in a VM on a prompt, headless (`claude -p`, `codex exec`, `opencode
     /// run`): its output is streamed and boxery exits with its exit code. The VM needs the
     /// agents layer, and an `llm` grant for the agent's provider (docs/agents.md).

@@ -284,6 +284,21 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         } => return guest::forward(v, &vm, &ports, reverse, address).await,
         Command::Prompt { vm, agent, text } => return guest::prompt(v, &vm, &agent, &text).await,
         Command::Attach { vm, agent } => return guest::attach(v, &vm, &agent).await,
+        Command::Screenshot { vm, file, console } => {
+            return guest::screenshot(v, &vm, &file, console).await;
+        }
+        Command::Computer {
+            vm,
+            action,
+            args,
+            hold,
+            at,
+            output,
+            console,
+        } => {
+            let action = guest::computer_action(&action, &args, hold, at.as_deref())?;
+            return guest::computer(v, &vm, &action, output.as_deref(), console).await;
+        }
         Command::Run { vm, cmd } => {
             let doing = v.doing("run", Some(&vm), boxery_hands::line_of(&cmd));
             let code = match v.reach(&vm).await {

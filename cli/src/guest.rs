@@ -177,3 +177,188 @@ pub async fn attach(v: &Verbs, vm: &str, agent: &str) -> CliResult<ExitCode> {
         Some(&prompt::attach_line(agent)),
     )?)
 }
+
+/// Write a PNG to `file` (`-`: stdout, refused on a terminal).
+fn save_png(file: &std::path::Path, png: &[u8]) -> CliResult {
+    use std::io::Write;
+    if file.as_os_str() == "-" {
+        let mut o = std::io::stdout().lock();
+        if std::io::IsTerminal::is_terminal(&o) {
+            return Err(CliError::invalid(
+                "stdout is a terminal: give a file name, or redirect (> screen.png)",
+            ));
+        }
+        return o
+            .write_all(png)
+            .and_then(|()| o.flush())
+            .map_err(CliError::from);
+    }
+    std::fs::write(file, png)
+        .map_err(|e| CliError::invalid(format!("writing {}: {e}", file.display())))
+}
+
+/// `screenshot VM FILE [--console]`: the screen at its own size.
+pub async fn screenshot(
+    v: &Verbs,
+    vm: &str,
+    file: &std::path::Path,
+    console: bool,
+) -> CliResult<ExitCode> {
+    use boxery_verbs::guest::computer;
+    let ct = CancellationToken::new();
+    let shot = tokio::select! {
+        r = computer::screenshot(v, vm, console, false, &ct) => r?,
+        _ = tokio::signal::ctrl_c() => { ct.cancel(); return Ok(ExitCode::from(130)); }
+    };
+    save_png(file, &shot.png)?;
+    if file.as_os_str() != "-" {
+        outln!(
+            "{} ({}×{}, {})",
+            file.display(),
+            shot.width,
+            shot.height,
+            shot.path.describe()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The action `computer VM ACTION ARGS…` names, from its words.
+pub fn computer_action(
+    name: &str,
+    args: &[String],
+    hold: Option<String>,
+    at: Option<&str>,
+) -> CliResult<boxery_verbs::guest::computer::Action> {
+    use boxery_verbs::guest::computer::Action;
+    let action = serde_json::from_value(serde_json::Value::String(name.into())).map_err(|_| {
+        CliError::invalid(format!(
+            "no action `{}`: screenshot, left_click, right_click, middle_click, double_click, triple_click, mouse_move, left_click_drag, type, key, scroll, cursor_position or wait",
+            boxery_api::name::shown(name)
+        ))
+    })?;
+    let mut a = Action {
+        action,
+        coordinate: None,
+        start_coordinate: None,
+        text: hold,
+        scroll_direction: None,
+        scroll_amount: None,
+        duration: None,
+    };
+    let int = |s: &str| {
+        s.trim().parse::<i64>().map_err(|_| {
+            CliError::invalid(format!(
+                "`{}` is not a whole number of pixels",
+                boxery_api::name::shown(s)
+            ))
+        })
+    };
+    let point = |x: &str, y: &str| -> CliResult<[i64; 2]> { Ok([int(x)?, int(y)?]) };
+    let wrong = |usage: &str| {
+        CliError::invalid(format!(
+            "{name} takes {usage} (boxery computer --help lists every action)"
+        ))
+    };
+    let words: Vec<&str> = args.iter().map(String::as_str).collect();
+    if at.is_some() && name != "scroll" {
+        return Err(CliError::invalid(
+            "--at is for scroll: other actions take X Y",
+        ));
+    }
+    match name {
+        "screenshot" | "cursor_position" if !words.is_empty() => {
+            return Err(wrong("no arguments (screenshot: -o FILE)"));
+        }
+        "left_click" | "right_click" | "middle_click" | "double_click" | "triple_click" => {
+            match words[..] {
+                [] => {}
+                [x, y] => a.coordinate = Some(point(x, y)?),
+                _ => return Err(wrong("X Y, or nothing (where the pointer is)")),
+            }
+        }
+        "mouse_move" => match words[..] {
+            [x, y] => a.coordinate = Some(point(x, y)?),
+            _ => return Err(wrong("X Y")),
+        },
+        "left_click_drag" => match words[..] {
+            [x0, y0, x1, y1] => {
+                a.start_coordinate = Some(point(x0, y0)?);
+                a.coordinate = Some(point(x1, y1)?);
+            }
+            _ => return Err(wrong("X0 Y0 X1 Y1")),
+        },
+        "type" | "key" if words.is_empty() => {
+            return Err(wrong(if name == "type" { "TEXT" } else { "KEYS" }));
+        }
+        "type" | "key" if a.text.is_some() => {
+            return Err(CliError::invalid("--hold is for clicks"));
+        }
+        "type" | "key" => a.text = Some(args.join(" ")),
+        "scroll" => {
+            let (dir, n) = match words[..] {
+                [d] => (d, None),
+                [d, n] => (d, Some(n)),
+                _ => return Err(wrong("up|down|left|right [NOTCHES]")),
+            };
+            a.scroll_direction = Some(
+                serde_json::from_value(serde_json::Value::String(dir.into()))
+                    .map_err(|_| wrong("up|down|left|right [NOTCHES]"))?,
+            );
+            if let Some(n) = n {
+                a.scroll_amount = Some(n.parse().map_err(|_| wrong("a whole number of notches"))?);
+            }
+            if let Some(at) = at {
+                let Some((x, y)) = at.split_once(',') else {
+                    return Err(CliError::invalid("--at takes X,Y"));
+                };
+                a.coordinate = Some(point(x, y)?);
+            }
+        }
+        "wait" => match words[..] {
+            [] => {}
+            [d] => {
+                a.duration = Some(d.parse().map_err(|_| wrong("SECONDS"))?);
+            }
+            _ => return Err(wrong("[SECONDS]")),
+        },
+        _ => {}
+    }
+    if a.text.is_some() && !name.ends_with("click") && name != "type" && name != "key" {
+        return Err(CliError::invalid("--hold is for clicks"));
+    }
+    Ok(a)
+}
+
+/// `computer VM ACTION …`: one action, in the screen's own pixels.
+pub async fn computer(
+    v: &Verbs,
+    vm: &str,
+    action: &boxery_verbs::guest::computer::Action,
+    output: Option<&std::path::Path>,
+    console: bool,
+) -> CliResult<ExitCode> {
+    use boxery_verbs::guest::computer::{self, ActionName};
+    let shoots = matches!(action.action, ActionName::Screenshot | ActionName::Wait);
+    if action.action == ActionName::Screenshot && output.is_none() {
+        return Err(CliError::invalid(
+            "screenshot needs -o FILE (or `boxery screenshot VM FILE`)",
+        ));
+    }
+    if output.is_some() && !shoots {
+        return Err(CliError::invalid("-o is for screenshot and wait"));
+    }
+    let ct = CancellationToken::new();
+    let done = tokio::select! {
+        r = computer::act(v, vm, action, console, false, &ct) => r?,
+        _ = tokio::signal::ctrl_c() => { ct.cancel(); return Ok(ExitCode::from(130)); }
+    };
+    if let (Some(file), Some(shot)) = (output, &done.shot) {
+        save_png(file, &shot.png)?;
+        if file.as_os_str() == "-" {
+            return Ok(ExitCode::SUCCESS);
+        }
+    }
+    outln!("{}", done.said);
+    Ok(ExitCode::SUCCESS)
+}

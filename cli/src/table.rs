@@ -120,6 +120,8 @@ pub fn row(command: &Command) -> Row<'_> {
         | Command::Forward { .. }
         | Command::Prompt { .. }
         | Command::Attach { .. }
+        | Command::Screenshot { .. }
+        | Command::Computer { .. }
         | Command::Run { .. }
         | Command::Cp { .. }
         | Command::Mcp { .. }

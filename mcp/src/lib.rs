@@ -10,6 +10,7 @@
 //! waits without a bound, and fails with the verbs' [`VerbError`], whose message a model can
 //! act on.
 
+pub mod computer;
 pub mod conns;
 pub mod exec;
 pub mod files;
@@ -50,6 +51,8 @@ pub struct Output {
     pub text: String,
     /// Structured result (`structuredContent` in MCP), when there is one.
     pub data: Option<Value>,
+    /// A PNG picture after the text (`vm_computer`'s screenshots), sent as image content.
+    pub png: Option<Vec<u8>>,
 }
 
 impl Output {
@@ -58,6 +61,7 @@ impl Output {
         Output {
             text: text.into(),
             data: Some(data),
+            png: None,
         }
     }
 
@@ -348,6 +352,13 @@ pub fn tools() -> &'static [Tool] {
                 destructive,
                 CliSide::Commands(&["prompt"]),
                 exec::prompt,
+            ),
+            tool(
+                "vm_computer",
+                "See and drive the VM's screen, with the computer-use actions: screenshot (returned as an image), left_click, right_click, middle_click, double_click, triple_click (at coordinate [x, y], or where the pointer is; text: modifiers held, e.g. shift), mouse_move, left_click_drag (start_coordinate to coordinate), type (text; newline is Return), key (text: xdotool key names, e.g. ctrl+s, Return, or several separated by spaces), scroll (scroll_direction, scroll_amount, at coordinate), cursor_position, wait (duration seconds, then a screenshot). Coordinates are pixels of the last screenshot (scaled for you: at most 1280×800 or 1366×768). A VM made with the desktop layer shows its desktop (X display :0: windows, a terminal, any app started there with DISPLAY=:0); any other VM shows its text console (keys only, ASCII text). console: true shows the hypervisor's screen even for a desktop VM (a guest stuck at boot). A bad action (off-screen coordinate, unknown key, control characters in text) is refused and sends nothing.",
+                destructive,
+                CliSide::Commands(&["computer", "screenshot"]),
+                computer::computer,
             ),
             tool(
                 "vm_read",

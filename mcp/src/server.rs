@@ -92,7 +92,13 @@ pub fn mcp_tools() -> Vec<Tool> {
 pub fn to_result(r: tools::ToolResult) -> CallToolResult {
     match r {
         Ok(out) => {
-            let mut res = CallToolResult::success(vec![ContentBlock::text(out.text)]);
+            let mut content = vec![ContentBlock::text(out.text)];
+            if let Some(png) = out.png {
+                use base64::Engine;
+                let data = base64::engine::general_purpose::STANDARD.encode(png);
+                content.push(ContentBlock::image(data, "image/png"));
+            }
+            let mut res = CallToolResult::success(content);
             res.structured_content = out.data;
             res
         }

@@ -12,6 +12,7 @@
 //! busybox in `tiny`). Caveats: a guest's messages (a helper script's stderr) are shown as
 //! the guest wrote them, escaped; a compromised guest can lie about its own files.
 
+pub mod computer;
 pub mod copy;
 pub mod exec;
 pub mod files;

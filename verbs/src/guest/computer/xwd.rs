@@ -1,0 +1,230 @@
+//! The desktop's screen as the guest's X server keeps it: Xvfb's `-fbdir` framebuffer, an
+//! XWD file (X Window Dump: a header of 32-bit fields, the window's name, a colour map, then
+//! the pixels). Read here on the host, so the guest runs no screenshot tool: it only `cat`s
+//! the file.
+//!
+//! Guarantees: the guest writes these bytes, so every field is checked before it is used (the
+//! format, a true-colour visual, sizes within [`MAX_SIDE`], rows that fit the data); a file
+//! that fails a check is an error that says so, never a panic or a read out of bounds.
+
+use crate::{Result, VerbError};
+
+/// The largest width or height read.
+pub const MAX_SIDE: u32 = 8192;
+
+/// A picture: `width × height` pixels of 8-bit RGB, row by row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rgb {
+    /// Pixels across.
+    pub width: u32,
+    /// Pixels down.
+    pub height: u32,
+    /// `width * height * 3` bytes.
+    pub pixels: Vec<u8>,
+}
+
+fn bad(why: impl std::fmt::Display) -> VerbError {
+    VerbError::failed(format!(
+        "the guest's screen is not a picture boxery can read ({why}): is its desktop the one the desktop layer installs?"
+    ))
+}
+
+/// The header's 25 fields, in file order.
+const FIELDS: usize = 25;
+const HEADER_SIZE: usize = 0;
+const VERSION: usize = 1;
+const FORMAT: usize = 2;
+const WIDTH: usize = 4;
+const HEIGHT: usize = 5;
+const BYTE_ORDER: usize = 7;
+const BITS_PER_PIXEL: usize = 11;
+const BYTES_PER_LINE: usize = 12;
+const VISUAL_CLASS: usize = 13;
+const RED_MASK: usize = 14;
+const GREEN_MASK: usize = 15;
+const BLUE_MASK: usize = 16;
+const NCOLORS: usize = 19;
+/// XWD's version 7, `ZPixmap`, `TrueColor`/`DirectColor`.
+const XWD_VERSION: u32 = 7;
+const ZPIXMAP: u32 = 2;
+const TRUE_COLOR: u32 = 4;
+const DIRECT_COLOR: u32 = 5;
+/// One colour map entry's bytes (what follows the header and is skipped: true colour).
+const COLOR_ENTRY: usize = 12;
+
+/// The bytes of the header's fields: what [`size`] reads.
+pub const HEADER: usize = FIELDS * 4;
+
+/// The screen's size from the start of its XWD file (at least [`HEADER`] bytes).
+pub fn size(data: &[u8]) -> Result<(u32, u32)> {
+    let (f, _) = fields(data)?;
+    Ok((f[WIDTH], f[HEIGHT]))
+}
+
+/// The header's fields in the right byte order, checked to be an XWD file's of a size read
+/// here; and whether it was big-endian.
+fn fields(data: &[u8]) -> Result<([u32; FIELDS], bool)> {
+    if data.len() < HEADER {
+        return Err(bad(format!("{} bytes, shorter than a header", data.len())));
+    }
+    // The header is written big-endian by xwd; read it the other way if that gives nonsense.
+    let field = |i: usize, big: bool| {
+        let b: [u8; 4] = data[i * 4..i * 4 + 4].try_into().expect("four bytes");
+        if big {
+            u32::from_be_bytes(b)
+        } else {
+            u32::from_le_bytes(b)
+        }
+    };
+    let big = field(VERSION, true) == XWD_VERSION;
+    let f: [u32; FIELDS] = std::array::from_fn(|i| field(i, big));
+    if f[VERSION] != XWD_VERSION {
+        return Err(bad("not XWD version 7"));
+    }
+    let (width, height) = (f[WIDTH], f[HEIGHT]);
+    if width == 0 || height == 0 || width > MAX_SIDE || height > MAX_SIDE {
+        return Err(bad(format!("{width}×{height} pixels")));
+    }
+    Ok((f, big))
+}
+
+/// Decode an XWD file of 24 or 32 bits per pixel, true colour.
+pub fn decode(data: &[u8]) -> Result<Rgb> {
+    let (fields, _) = fields(data)?;
+    let f = |i: usize| fields[i];
+    if data.len() < FIELDS * 4 {
+        return Err(bad(format!("{} bytes, shorter than a header", data.len())));
+    }
+    if f(FORMAT) != ZPIXMAP {
+        return Err(bad(format!("pixmap format {}, not ZPixmap", f(FORMAT))));
+    }
+    if !matches!(f(VISUAL_CLASS), TRUE_COLOR | DIRECT_COLOR) {
+        return Err(bad(format!(
+            "visual class {}, not true colour",
+            f(VISUAL_CLASS)
+        )));
+    }
+    let (width, height) = (f(WIDTH), f(HEIGHT));
+    let bpp = f(BITS_PER_PIXEL);
+    let step = match bpp {
+        24 => 3,
+        32 => 4,
+        _ => return Err(bad(format!("{bpp} bits per pixel"))),
+    };
+    let line = f(BYTES_PER_LINE) as usize;
+    if line < width as usize * step {
+        return Err(bad(format!("{line} bytes per line for {width} pixels")));
+    }
+    let start = (f(HEADER_SIZE) as usize)
+        .checked_add((f(NCOLORS) as usize).saturating_mul(COLOR_ENTRY))
+        .ok_or_else(|| bad("a header past the file's end"))?;
+    let need = line
+        .checked_mul(height as usize)
+        .and_then(|n| n.checked_add(start))
+        .ok_or_else(|| bad("sizes that overflow"))?;
+    if start < FIELDS * 4 || data.len() < need {
+        return Err(bad(format!(
+            "{} bytes where the header says {need}",
+            data.len()
+        )));
+    }
+    // pixels are in the image's own byte order: 0 least significant byte first
+    let little = f(BYTE_ORDER) == 0;
+    let masks = [f(RED_MASK), f(GREEN_MASK), f(BLUE_MASK)];
+    if masks.contains(&0) {
+        return Err(bad("a colour mask of 0"));
+    }
+    let shifts = masks.map(|m| m.trailing_zeros());
+    let maxes = masks.map(|m| m >> m.trailing_zeros());
+    let mut pixels = Vec::with_capacity(width as usize * height as usize * 3);
+    for row in data[start..need].chunks_exact(line) {
+        for px in row[..width as usize * step].chunks_exact(step) {
+            let v = match (step, little) {
+                (4, true) => u32::from_le_bytes([px[0], px[1], px[2], px[3]]),
+                (4, false) => u32::from_be_bytes([px[0], px[1], px[2], px[3]]),
+                (_, true) => u32::from_le_bytes([px[0], px[1], px[2], 0]),
+                (_, false) => u32::from_be_bytes([0, px[0], px[1], px[2]]),
+            };
+            for c in 0..3 {
+                let x = (v & masks[c]) >> shifts[c];
+                pixels.push(if maxes[c] == 255 {
+                    x as u8
+                } else {
+                    (x * 255 / maxes[c]) as u8
+                });
+            }
+        }
+    }
+    Ok(Rgb {
+        width,
+        height,
+        pixels,
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// An XWD file as Xvfb writes one: big-endian header, little-endian 32-bit pixels.
+    pub(crate) fn xwd(width: u32, height: u32, pixel: impl Fn(u32, u32) -> [u8; 3]) -> Vec<u8> {
+        let name = b"Xvfb main window\0";
+        let header_size = (FIELDS * 4 + name.len()) as u32;
+        let mut f = [0u32; FIELDS];
+        f[HEADER_SIZE] = header_size;
+        f[VERSION] = 7;
+        f[FORMAT] = 2;
+        f[3] = 24;
+        f[WIDTH] = width;
+        f[HEIGHT] = height;
+        f[BYTE_ORDER] = 0;
+        f[BITS_PER_PIXEL] = 32;
+        f[BYTES_PER_LINE] = width * 4;
+        f[VISUAL_CLASS] = TRUE_COLOR;
+        f[RED_MASK] = 0xff0000;
+        f[GREEN_MASK] = 0xff00;
+        f[BLUE_MASK] = 0xff;
+        f[NCOLORS] = 2;
+        let mut out: Vec<u8> = f.iter().flat_map(|v| v.to_be_bytes()).collect();
+        out.extend_from_slice(name);
+        out.extend(std::iter::repeat_n(0u8, 2 * COLOR_ENTRY));
+        for y in 0..height {
+            for x in 0..width {
+                let [r, g, b] = pixel(x, y);
+                out.extend_from_slice(&[b, g, r, 0]);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn an_xvfb_framebuffer_decodes_to_its_pixels() {
+        let file = xwd(3, 2, |x, y| [x as u8 * 100, y as u8 * 200, 7]);
+        let rgb = decode(&file).unwrap();
+        assert_eq!((rgb.width, rgb.height), (3, 2));
+        assert_eq!(&rgb.pixels[..9], &[0, 0, 7, 100, 0, 7, 200, 0, 7]);
+        assert_eq!(&rgb.pixels[9..12], &[0, 200, 7]);
+        assert_eq!(size(&file[..HEADER]).unwrap(), (3, 2));
+        assert!(size(&file[..HEADER - 1]).is_err());
+    }
+
+    #[test]
+    fn a_hostile_file_is_an_error_not_a_panic() {
+        let good = xwd(4, 4, |_, _| [1, 2, 3]);
+        // cut anywhere
+        for n in [0, 10, 99, 100, good.len() - 1] {
+            assert!(decode(&good[..n]).is_err(), "{n}");
+        }
+        // each field set to absurd values
+        for i in 0..FIELDS {
+            for v in [0u32, 1, 0xffff_ffff, 0x8000_0000, MAX_SIDE + 1] {
+                let mut f = good.clone();
+                f[i * 4..i * 4 + 4].copy_from_slice(&v.to_be_bytes());
+                let _ = decode(&f);
+            }
+        }
+        let mut huge = good.clone();
+        huge[WIDTH * 4..WIDTH * 4 + 4].copy_from_slice(&(MAX_SIDE + 1).to_be_bytes());
+        assert!(decode(&huge).is_err());
+    }
+}
