@@ -17,6 +17,8 @@ mod cloud_image;
 mod common;
 #[path = "real_vms/dev_traffic.rs"]
 mod dev_traffic;
+#[path = "real_vms/desktop.rs"]
+mod desktop;
 #[path = "real_vms/layers.rs"]
 mod layers;
 #[path = "real_vms/ssh_agent.rs"]
@@ -2579,6 +2581,11 @@ mod qemu {
     #[test]
     fn layers_added_to_a_running_vm_and_made_for_a_new_one() {
         super::layers::layers_on_a_vm(super::Kind::Qemu)
+    }
+
+    #[test]
+    fn desktop_driven_through_vm_computer() {
+        super::desktop::desktop_computer_use(super::Kind::Qemu)
     }
 }
 

@@ -546,7 +546,7 @@ pub(crate) enum Command {
     /// Drive a VM's screen with one computer-use action, as `vm_computer` does: the
     /// coordinates are the screen's pixels (as `boxery screenshot` saves it).
     #[command(after_help = "Actions and their arguments:\n  \
-        screenshot FILE                 a PNG of the screen (- for standard output)\n  \
+        screenshot -o FILE              a PNG of the screen (-o -: standard output)\n  \
         left_click [X Y]                also right_click, middle_click, double_click, triple_click\n                                  (no X Y: where the pointer is; --hold shift: keys held)\n  \
         mouse_move X Y\n  \
         left_click_drag X0 Y0 X1 Y1\n  \

@@ -6,6 +6,11 @@
     python client.py lease BOXERY_BIN          # stdio, fake backend: vm_lease on a pool of 2
     python client.py remote BOXERY_BIN VM OUTDIR  # stdio through a context (BOXERY_CONTEXT):
                                                # a real VM on another home's serve
+    python client.py computer BOXERY_BIN VM OUTDIR ACTIONS_JSON
+                                               # vm_computer: each action in turn (an action
+                                               # with "expect_error": true must fail); each
+                                               # image saved as OUTDIR/shot-N.png, the results
+                                               # as OUTDIR/results.json
 
 BOXERY_HOME and BOXERY_BACKEND come from the environment. Exits non-zero with the reason on
 the first failed check.
@@ -54,7 +59,7 @@ async def tools_mode(binary):
             names = {t.name for t in listed}
             for want in ["vm_apply", "vm_get", "vm_describe", "vm_delete", "vm_wait", "vm_manage",
                          "vm_lease", "vm_bash", "vm_read", "vm_write", "vm_edit", "vm_copy",
-                         "vm_jobs", "vm_use", "vm_grant", "vm_patch"]:
+                         "vm_jobs", "vm_use", "vm_grant", "vm_patch", "vm_computer"]:
                 check(want in names, f"tool {want} missing from {sorted(names)}")
             for t in listed:
                 schema = t.input_schema
@@ -495,6 +500,32 @@ async def remote_mode(binary, vm, outdir):
     print("remote: ok")
 
 
+async def computer_mode(binary, vm, outdir, actions_json):
+    import base64
+    results = []
+    async with stdio_client(stdio_params(binary)) as (r, w):
+        async with ClientSession(r, w) as s:
+            await s.initialize()
+            for i, a in enumerate(json.loads(actions_json)):
+                expect_error = a.pop("expect_error", False)
+                started = time.time()
+                res, t = await call(s, "vm_computer", {"vm": vm, **a}, ok=not expect_error)
+                took = time.time() - started
+                images = [c for c in res.content if getattr(c, "type", "") == "image"]
+                saved = None
+                for c in images:
+                    check(c.mimeType == "image/png", f"image content of {c.mimeType}")
+                    saved = os.path.join(outdir, f"shot-{i}.png")
+                    with open(saved, "wb") as f:
+                        f.write(base64.b64decode(c.data))
+                results.append({"action": a, "text": t, "error": res.is_error,
+                                "data": res.structured_content, "image": saved,
+                                "seconds": took})
+    with open(os.path.join(outdir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print("computer: ok")
+
+
 def main():
     mode = sys.argv[1]
     started = time.time()
@@ -512,6 +543,8 @@ def main():
         asyncio.run(vm_mode(sys.argv[2], sys.argv[3]))
     elif mode == "remote":
         asyncio.run(remote_mode(sys.argv[2], sys.argv[3], sys.argv[4]))
+    elif mode == "computer":
+        asyncio.run(computer_mode(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]))
     else:
         raise SystemExit(f"unknown mode {mode}")
     print(f"{mode}: {time.time() - started:.1f}s")

@@ -202,7 +202,7 @@ mod tests {
         }
         assert_eq!(lookup("Return").unwrap().qcode, "ret");
         assert_eq!(lookup("ENTER").unwrap().keysym, "Return");
-        assert_eq!(lookup("ctrl").unwrap().modifier, true);
+        assert!(lookup("ctrl").unwrap().modifier);
     }
 
     #[test]

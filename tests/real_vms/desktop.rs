@@ -1,0 +1,145 @@
+//! A desktop and computer use (issue 34, docs/desktop.md): a VM made with `headless: false`
+//! runs the desktop layer's X display; a small Tk app started in it is found in a screenshot
+//! (by its colours, not by asking the guest), clicked through `vm_computer` (the official MCP
+//! SDK as the client) so that it writes a file; `type` fills its text field exactly, unicode
+//! included; bad actions are refused and change nothing; `boxery screenshot` saves the same
+//! screen for a person.
+
+use std::path::Path;
+use std::time::Duration;
+
+use super::{Kind, RealHome, bounded, common, repo};
+
+/// The app: a text field (cyan) and a button (magenta) that saves the field's text to
+/// /tmp/clicked.txt (written whole, then renamed).
+const APP: &str = r##"import os, tkinter as tk
+root = tk.Tk()
+root.title("boxery-test")
+root.geometry("640x360+200+150")
+entry = tk.Entry(root, bg="#00ffff", font=("DejaVu Sans", 20))
+entry.pack(fill="x", padx=30, pady=30, ipady=12)
+def save():
+    with open("/tmp/clicked.tmp", "w", encoding="utf-8") as f:
+        f.write(entry.get())
+    os.replace("/tmp/clicked.tmp", "/tmp/clicked.txt")
+button = tk.Button(root, text="Save", bg="#ff00ff", activebackground="#ff00ff",
+                   font=("DejaVu Sans", 20), command=save)
+button.pack(fill="both", expand=True, padx=30, pady=30)
+root.mainloop()
+"##;
+
+/// What a test types: accents, a symbol, CJK.
+const TEXT: &str = "héllo wörld ✓ 日本 <&>";
+
+/// The centre of the pixels of exactly `rgb` in the PNG at `path`, and how many there are.
+fn find(path: &Path, rgb: [u8; 3]) -> Option<([i64; 2], usize)> {
+    let img = image::open(path).unwrap().into_rgb8();
+    let (mut x0, mut y0, mut x1, mut y1, mut n) = (u32::MAX, u32::MAX, 0, 0, 0usize);
+    for (x, y, p) in img.enumerate_pixels() {
+        if p.0 == rgb {
+            (x0, y0, x1, y1) = (x0.min(x), y0.min(y), x1.max(x), y1.max(y));
+            n += 1;
+        }
+    }
+    (n > 0).then(|| ([(x0 + x1) as i64 / 2, (y0 + y1) as i64 / 2], n))
+}
+
+/// Run `actions` through `vm_computer` with the official MCP SDK; the results, each with the
+/// path of its image.
+fn computer(h: &RealHome, vm: &str, out: &Path, actions: serde_json::Value) -> Vec<serde_json::Value> {
+    std::fs::create_dir_all(out).unwrap();
+    let mut py = std::process::Command::new(repo().join("target/mcp-venv/bin/python"));
+    py.arg(repo().join("tests/mcp/client.py"))
+        .args(["computer", common::bin(), vm])
+        .arg(out)
+        .arg(actions.to_string());
+    for (k, v) in h.home.cmd().get_envs() {
+        if let Some(v) = v {
+            py.env(k, v);
+        }
+    }
+    py.env("BOXERY_BACKEND", h.kind.name());
+    let o = bounded(py, Duration::from_secs(600)).expect("the MCP client finished");
+    assert!(
+        o.status.success(),
+        "vm_computer: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let r = std::fs::read_to_string(out.join("results.json")).unwrap();
+    serde_json::from_str(&r).unwrap()
+}
+
+/// The file the app saves, once it is there (at most 60 s).
+fn saved(h: &RealHome, vm: &str) -> String {
+    h.run(
+        vm,
+        "for i in $(seq 300); do [ -e /tmp/clicked.txt ] && break; sleep 0.2; done; cat /tmp/clicked.txt && rm /tmp/clicked.txt",
+    )
+}
+
+pub(super) fn desktop_computer_use(kind: Kind) {
+    let h = RealHome::new(kind);
+    let serve = h.serve();
+    serve.wait_leading();
+    // the example in docs/desktop.md, as it is: desk1
+    h.apply_file(&repo().join("manifests/examples/desktop-vm.yaml"), "45m");
+    // headless: false is the desktop layer
+    let layers = h.ok(&["get", "vm", "desk1", "-o", "jsonpath={.spec.layers}"]);
+    assert!(layers.contains("desktop"), "{layers}");
+    assert_eq!(h.run("desk1", "systemctl is-active boxery-desktop"), "active");
+    // the app, started as the agent user from an ssh session, on the desktop
+    let app = h.home.write("app.py", APP);
+    h.ok(&["cp", app.to_str().unwrap(), "desk1:/tmp/app.py"]);
+    h.run(
+        "desk1",
+        "(DISPLAY=:0 setsid nohup python3 /tmp/app.py >/tmp/app.log 2>&1 &); DISPLAY=:0 timeout 120 xdotool search --sync --onlyvisible --name boxery-test >/dev/null",
+    );
+    // a person's screenshot: the whole screen
+    let png = h.home.path().join("screen.png");
+    let said = h.ok(&["screenshot", "desk1", png.to_str().unwrap()]);
+    assert!(said.contains("1280×800") && said.contains("desktop"), "{said}");
+    let (button, _) = find(&png, [255, 0, 255]).expect("the button (magenta) is on the screen");
+    let (field, _) = find(&png, [0, 255, 255]).expect("the text field (cyan) is on the screen");
+    // an agent's: vm_computer finds the same, and clicks it
+    let out = h.home.path().join("mcp");
+    let r = computer(
+        &h,
+        "desk1",
+        &out.join("1"),
+        serde_json::json!([
+            {"action": "screenshot"},
+            {"action": "left_click", "coordinate": button},
+        ]),
+    );
+    let shot = Path::new(r[0]["image"].as_str().expect("the screenshot is image content"));
+    assert_eq!(r[0]["data"]["shot"]["width"], 1280, "{:?}", r[0]);
+    assert_eq!(r[0]["data"]["path"], "desktop", "{:?}", r[0]);
+    assert_eq!(find(shot, [255, 0, 255]).map(|f| f.0), Some(button));
+    assert_eq!(saved(&h, "desk1"), "", "the click saved the empty field");
+    // type fills the field exactly; bad actions are refused and send nothing
+    let r = computer(
+        &h,
+        "desk1",
+        &out.join("2"),
+        serde_json::json!([
+            {"action": "left_click", "coordinate": field},
+            {"action": "type", "text": TEXT},
+            {"action": "left_click", "coordinate": [1280, 10], "expect_error": true},
+            {"action": "key", "text": "ctrl+Bogus", "expect_error": true},
+            {"action": "type", "text": "no\u{1b}[2J", "expect_error": true},
+            {"action": "left_click", "coordinate": button},
+            {"action": "mouse_move", "coordinate": [640, 700]},
+            {"action": "cursor_position"},
+        ]),
+    );
+    assert!(r[2]["text"].as_str().unwrap().contains("off the screen"), "{:?}", r[2]);
+    assert!(r[3]["text"].as_str().unwrap().contains("no key `Bogus`"), "{:?}", r[3]);
+    assert!(r[4]["text"].as_str().unwrap().contains("U+001B"), "{:?}", r[4]);
+    assert_eq!(r[7]["data"]["cursor"], serde_json::json!([640, 700]), "{:?}", r[7]);
+    assert_eq!(saved(&h, "desk1"), TEXT);
+    let took: Vec<f64> = r.iter().map(|a| a["seconds"].as_f64().unwrap()).collect();
+    eprintln!("vm_computer actions took {took:?} s");
+    h.ok(&["delete", "vm", "desk1", "--wait", "--timeout", "5m"]);
+    drop(serve);
+}
