@@ -31,6 +31,8 @@ pub mod mark;
 #[cfg(feature = "qemu")]
 pub mod qemu;
 #[cfg(any(feature = "qemu", feature = "libvirt"))]
+pub mod screen;
+#[cfg(any(feature = "qemu", feature = "libvirt"))]
 pub mod storage;
 
 use std::path::PathBuf;
@@ -402,7 +404,9 @@ pub enum InputEvent {
         /// Pressed (`true`) or released.
         down: bool,
     },
-    /// The pointer moved to (`x`, `y`), in pixels of the screen [`Backend::screendump`] shows.
+    /// The pointer moved to (`x`, `y`), in pixels of the screen [`Backend::screendump`] shows
+    /// (the last one it showed: a position is a pixel of a picture the caller saw); a
+    /// position outside it is `Invalid`.
     Move {
         /// Pixels from the left.
         x: u32,
@@ -696,7 +700,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     }
     /// Send `events` to the running VM `name`'s keyboard and tablet, in order, as one batch
     /// where the hypervisor allows ([`Capabilities::screen`]); `Unsupported` otherwise,
-    /// `Invalid` when the VM is not running.
+    /// `Invalid` when the VM is not running, and for a batch that cannot be sent: a position
+    /// off the screen (before any of it is sent), a key name the hypervisor does not know
+    /// (the error says how many events before it were sent). A long batch may be paced
+    /// (QEMU: a few keys at a time, for the guest's keyboard to keep up), so it takes time in
+    /// proportion to its keys.
     async fn send_input(&self, name: &str, events: &[InputEvent]) -> Result<()> {
         let _ = (name, events);
         Err(BackendError::Unsupported {

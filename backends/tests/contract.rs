@@ -4,8 +4,9 @@
 //! only as `Arc<dyn Backend>`; what differs between backends is the fixture that makes one
 //! (a [`Subject`]) and the capabilities the backend declares, which the suite honours.
 //!
-//! One VM (`a`) goes through the whole life: create → start/stop → resize → capture (running,
-//! then stopped) → a clone from the capture (`b`, its own identity) → reimage → remove; the
+//! One VM (`a`) goes through the whole life: create → its screen → start/stop → resize →
+//! capture (running, then stopped) → a clone from the capture (`b`, its own identity) →
+//! reimage → remove; the
 //! image is deleted while the clone still uses it. Real backends boot two tiny guests under
 //! TCG for this. The real-VM tests FAIL with their reason (never skip) when QEMU or libvirt
 //! is missing, and their fixtures kill every QEMU / undefine every domain they made, also when
@@ -21,8 +22,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use boxery_backends::{
-    Backend, BackendError, DiskSource, Identity, NewVm, PowerState, Progress, VmSize,
+    Backend, BackendError, DiskSource, Identity, InputEvent, NewVm, PowerState, Progress, VmSize,
 };
+
+mod screen_support;
 
 /// One backend under test.
 struct Subject {
@@ -319,6 +322,52 @@ async fn contract(s: Subject) {
         assert!(b.ssh_endpoint("a").await.unwrap().is_some());
     }
 
+    step("the screen of a running VM where the backend has one, Unsupported where not");
+    if caps.screen {
+        let shown = b
+            .screendump("a")
+            .await
+            .unwrap_or_else(|e| panic!("{name}: screendump a: {}", e.chain()));
+        // a PNG of the size it reports (checked in decoding)
+        assert!(screen_support::colours(&shown) >= 1, "{name}");
+        b.send_input("a", &screen_support::keys("a"))
+            .await
+            .unwrap_or_else(|e| panic!("{name}: send_input a: {}", e.chain()));
+        let (w, h) = (shown.width, shown.height);
+        b.send_input("a", &[InputEvent::Move { x: w - 1, y: h - 1 }])
+            .await
+            .unwrap();
+        assert!(
+            matches!(
+                b.send_input("a", &[InputEvent::Move { x: w, y: h }]).await,
+                Err(BackendError::Invalid(_))
+            ),
+            "{name}: a position off the screen"
+        );
+        assert!(
+            matches!(
+                b.screendump("nope").await,
+                Err(BackendError::NotFound { .. })
+            ),
+            "{name}: the screen of a VM that does not exist"
+        );
+    } else {
+        assert!(
+            matches!(
+                b.screendump("a").await,
+                Err(BackendError::Unsupported { .. })
+            ),
+            "{name}: a backend without screens refuses screendump"
+        );
+        assert!(
+            matches!(
+                b.send_input("a", &screen_support::keys("a")).await,
+                Err(BackendError::Unsupported { .. })
+            ),
+            "{name}: a backend without screens refuses input"
+        );
+    }
+
     step("resize a while it runs: the disk grows, a keeps running; a shrink is Invalid");
     if caps.resize {
         let grown = VmSize {
@@ -583,9 +632,22 @@ async fn contract(s: Subject) {
         assert!(b.images().await.unwrap().iter().all(|i| i.name != "b.mem"));
     }
 
-    step("stop a; capture and resize it stopped: it stays stopped");
+    step("stop a; capture and resize it stopped: it stays stopped; it has no screen");
     b.stop("a").await.unwrap();
     assert_eq!(state(b, "a").await, PowerState::Stopped);
+    if caps.screen {
+        assert!(
+            matches!(b.screendump("a").await, Err(BackendError::Invalid(_))),
+            "{name}: a stopped VM has no screen"
+        );
+        assert!(
+            matches!(
+                b.send_input("a", &screen_support::keys("a")).await,
+                Err(BackendError::Invalid(_))
+            ),
+            "{name}: a stopped VM takes no input"
+        );
+    }
     b.capture("a", "img2", "uid-img2")
         .await
         .unwrap_or_else(|e| panic!("{name}: capture of a stopped VM: {}", e.chain()));

@@ -14,6 +14,7 @@ use boxery_backends::libvirt::{LibvirtBackend, LibvirtConfig};
 use boxery_backends::{Backend, BackendError, DiskSource, NewVm, PowerState, VmSize, identity};
 
 mod libvirt_support;
+mod screen_support;
 use libvirt_support::{filter_state, need_libvirtd, virsh};
 
 /// QEMU 10.0's assertion when multi-threaded TCG races a memory-map update (upstream bug).
@@ -1416,4 +1417,128 @@ impl Drop for Guard {
 }
 fn scopeguard(d: Vec<String>) -> Guard {
     Guard(d)
+}
+
+/// The host path (a VM's screen) on libvirt: the domain has a VGA and a virtio tablet and no
+/// `<graphics>` listener; a running VM's screendump (`virDomainScreenshot`) is a PNG of the
+/// size it reports, showing the console's text; keys typed (QMP through libvirt's monitor
+/// passthrough) reach the guest's console, none lost in a long batch, and change the screen;
+/// pointer events inside the screen are taken (a backend that has not seen it takes a
+/// screendump first), one outside it and an unknown key are `Invalid`; a stopped VM has no
+/// screen (`Invalid`).
+///
+/// The tiny guest runs no getty: the test puts a reader on tty1 over ssh
+/// ([`screen_support::CONSOLE_READER`]), whose line discipline echoes what is typed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn screen_shows_the_console_and_takes_keys_and_a_pointer() {
+    use boxery_backends::{InputEvent, PointerButton};
+    use screen_support::{CONSOLE_READER, colours, differing, keys};
+    let env = Env::new().await;
+    let b = &env.backend;
+    b.create(&env.vm("s1", "tiny")).await.unwrap();
+    let dom = b.domain_name("s1");
+    let xml = String::from_utf8_lossy(&virsh(&["dumpxml", &dom]).stdout).to_string();
+    assert!(
+        boxery_backends::libvirt::xml::has_screen(&xml),
+        "a VGA and a virtio tablet: {xml}"
+    );
+    assert!(!xml.contains("<graphics"), "no listener: {xml}");
+    assert_eq!(env.run("s1", CONSOLE_READER).await, "reading");
+
+    let before = b.screendump("s1").await.unwrap();
+    eprintln!(
+        "screen: {}x{}, {} bytes of PNG, {} colours",
+        before.width,
+        before.height,
+        before.png.len(),
+        colours(&before)
+    );
+    assert!(colours(&before) > 1, "the console shows text");
+    b.send_input("s1", &keys("abc\n")).await.unwrap();
+    let typed = |want: String| {
+        let env = &env;
+        async move {
+            let t = Instant::now();
+            loop {
+                let got = env.run("s1", "cat /tmp/typed").await;
+                if got == want || t.elapsed() > Duration::from_secs(30) {
+                    return got;
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+    };
+    assert_eq!(
+        typed("abc".into()).await,
+        "abc",
+        "the keys reached the console"
+    );
+    let after = b.screendump("s1").await.unwrap();
+    let changed = differing(&before, &after);
+    eprintln!("typing `abc⏎` changed {changed} pixels");
+    assert!(
+        changed > 30,
+        "the echo shows on the screen: {changed} pixels"
+    );
+
+    let long = "x".repeat(150);
+    b.send_input("s1", &keys(&format!("{long}\n")))
+        .await
+        .unwrap();
+    let want = format!("abc\n{long}");
+    assert_eq!(
+        typed(want.clone()).await,
+        want,
+        "every key of a long batch arrived"
+    );
+
+    let (w, h) = (after.width, after.height);
+    let fresh = LibvirtBackend::with_config(env.tmp.path().join("libvirt"), b.config().clone());
+    let button = |button, down| InputEvent::Button { button, down };
+    let pointer = [
+        InputEvent::Move { x: 0, y: 0 },
+        InputEvent::Move { x: w - 1, y: h - 1 },
+        button(PointerButton::Left, true),
+        button(PointerButton::Left, false),
+        button(PointerButton::WheelUp, true),
+        button(PointerButton::WheelUp, false),
+        button(PointerButton::WheelDown, true),
+        button(PointerButton::WheelDown, false),
+    ];
+    fresh.send_input("s1", &pointer).await.unwrap();
+    b.send_input("s1", &pointer).await.unwrap();
+    for backend in [b, &fresh] {
+        let e = backend
+            .send_input("s1", &[InputEvent::Move { x: 0, y: h }])
+            .await
+            .unwrap_err();
+        assert!(matches!(e, BackendError::Invalid(_)), "{e}");
+    }
+    let e = b
+        .send_input(
+            "s1",
+            &[InputEvent::Key {
+                qcode: "nosuchkey".into(),
+                down: true,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, BackendError::Invalid(m) if m.contains("nosuchkey")),
+        "{e}"
+    );
+
+    b.stop("s1").await.unwrap();
+    let e = b.screendump("s1").await.unwrap_err();
+    assert!(
+        matches!(&e, BackendError::Invalid(m) if m.contains("stopped")),
+        "{e}"
+    );
+    let e = b.send_input("s1", &keys("a")).await.unwrap_err();
+    assert!(matches!(e, BackendError::Invalid(_)), "{e}");
+    let e = b.screendump("nope").await.unwrap_err();
+    assert!(matches!(e, BackendError::NotFound { .. }), "{e}");
+    b.remove("s1").await.unwrap();
+    assert!(env.domains().is_empty());
 }

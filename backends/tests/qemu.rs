@@ -5,6 +5,7 @@
 //! Run: `cargo test -p boxery-backends --features qemu --test qemu`
 
 mod qemu_support;
+mod screen_support;
 
 use std::time::Duration;
 
@@ -809,4 +810,149 @@ async fn a_dropped_build_ends_the_builder_with_term() {
     });
     assert!(termed, "the builder's trap did not run");
     assert!(!out.join("done").exists());
+}
+
+/// The host path (a VM's screen): a running VM's screendump is a PNG of the size it reports,
+/// showing the VGA text console (the firmware's lines: more than one colour). Keys typed reach
+/// the guest's console, in order and none lost also in a batch QEMU takes in several
+/// commands, and the echo changes the screen; pointer events inside the screen are taken (a
+/// backend that has not seen the screen yet takes a screendump to learn its size), one outside
+/// it and an unknown key are `Invalid`. A stopped VM has no screen (`Invalid`), a missing one
+/// is `NotFound`, and no screendump file is left in the VM's directory.
+///
+/// The tiny guest runs no getty: the test puts a reader on tty1 over ssh
+/// ([`screen_support::CONSOLE_READER`]), whose line discipline echoes what is typed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn screen_shows_the_console_and_takes_keys_and_a_pointer() {
+    use boxery_backends::qemu::QemuBackend;
+    use boxery_backends::{BackendError, InputEvent, PointerButton};
+    use screen_support::{CONSOLE_READER, colours, differing, keys};
+    let env = Env::new().await;
+    env.tiny_image("tiny").await;
+    let b = &env.backend;
+    b.create(&env.vm("s1", "tiny")).await.unwrap();
+    env.wait_ssh("s1", BOOT).await;
+
+    let first = b.screendump("s1").await.unwrap();
+    eprintln!(
+        "screen: {}x{}, {} bytes of PNG, {} colours",
+        first.width,
+        first.height,
+        first.png.len(),
+        colours(&first)
+    );
+    assert!(first.width > 0 && first.height > 0);
+    assert!(colours(&first) > 1, "the console shows text");
+
+    assert_eq!(env.run("s1", CONSOLE_READER).await, "reading");
+    let before = b.screendump("s1").await.unwrap();
+    b.send_input("s1", &keys("abc\n")).await.unwrap();
+    let typed = |want: &'static str| {
+        let env = &env;
+        async move {
+            let t = std::time::Instant::now();
+            loop {
+                let got = env.run("s1", "cat /tmp/typed").await;
+                if got == want || t.elapsed() > Duration::from_secs(30) {
+                    return got;
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+    };
+    assert_eq!(typed("abc").await, "abc", "the keys reached the console");
+    let after = b.screendump("s1").await.unwrap();
+    let changed = differing(&before, &after);
+    eprintln!("typing `abc⏎` changed {changed} pixels");
+    assert!(
+        changed > 30,
+        "the echo shows on the screen: {changed} pixels"
+    );
+
+    // a long text: QEMU gets it in several commands, the guest loses no key
+    let long = "x".repeat(150);
+    let batch = keys(&format!("{long}\n"));
+    assert!(batch.len() > boxery_backends::screen::KEYS_PER_COMMAND * 10);
+    b.send_input("s1", &batch).await.unwrap();
+    let want: &'static str = Box::leak(format!("abc\n{long}").into_boxed_str());
+    assert_eq!(typed(want).await, want, "every key of a long batch arrived");
+
+    // the pointer: inside the screen taken, outside refused; a backend that has not seen
+    // the screen learns its size first
+    let (w, h) = (after.width, after.height);
+    let fresh = QemuBackend::with_config(b.layout().root().to_path_buf(), b.config().clone());
+    let pointer = [
+        InputEvent::Move { x: 0, y: 0 },
+        InputEvent::Move { x: w - 1, y: h - 1 },
+        InputEvent::Button {
+            button: PointerButton::Left,
+            down: true,
+        },
+        InputEvent::Button {
+            button: PointerButton::Left,
+            down: false,
+        },
+        InputEvent::Button {
+            button: PointerButton::WheelUp,
+            down: true,
+        },
+        InputEvent::Button {
+            button: PointerButton::WheelUp,
+            down: false,
+        },
+        InputEvent::Button {
+            button: PointerButton::WheelDown,
+            down: true,
+        },
+        InputEvent::Button {
+            button: PointerButton::WheelDown,
+            down: false,
+        },
+    ];
+    fresh.send_input("s1", &pointer).await.unwrap();
+    b.send_input("s1", &pointer).await.unwrap();
+    for backend in [b, &fresh] {
+        let e = backend
+            .send_input("s1", &[InputEvent::Move { x: w, y: 0 }])
+            .await
+            .unwrap_err();
+        assert!(matches!(e, BackendError::Invalid(_)), "{e}");
+    }
+    let e = b
+        .send_input(
+            "s1",
+            &[InputEvent::Key {
+                qcode: "nosuchkey".into(),
+                down: true,
+            }],
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, BackendError::Invalid(m) if m.contains("nosuchkey")),
+        "{e}"
+    );
+    b.send_input("s1", &[]).await.unwrap();
+
+    let dir = b.layout().vm_dir("s1");
+    let left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|f| f.contains("screen"))
+        .collect();
+    assert!(left.is_empty(), "screendump files left: {left:?}");
+
+    b.stop("s1").await.unwrap();
+    let e = b.screendump("s1").await.unwrap_err();
+    assert!(
+        matches!(&e, BackendError::Invalid(m) if m.contains("stopped")),
+        "{e}"
+    );
+    let e = b.send_input("s1", &keys("a")).await.unwrap_err();
+    assert!(matches!(e, BackendError::Invalid(_)), "{e}");
+    let e = b.screendump("nope").await.unwrap_err();
+    assert!(matches!(e, BackendError::NotFound { .. }), "{e}");
+    b.remove("s1").await.unwrap();
+    assert!(env.qemu_pids().is_empty());
 }

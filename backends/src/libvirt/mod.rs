@@ -67,6 +67,11 @@
 //!   the guest's lease address as the filter's `IP`, and every start defines the domain
 //!   afresh (without `IP`: libvirt learns it).
 //!
+//! - **Screen**: a VGA video device and a virtio tablet in every domain, no `<graphics>`
+//!   listener; `virDomainScreenshot` reads it, QMP's `input-send-event` through libvirt's
+//!   monitor passthrough drives it (the screen module). A domain gets them at its next cold
+//!   start (every start defines it afresh); one resumed from a managed save keeps the devices
+//!   it was saved with.
 //! - **Storage** (bases, images, seeds, builds) is the storage module's ([`crate::storage`]),
 //!   shared with the qemu backend; this module keeps the domain XML and the libvirt calls.
 //! - **Calls into libvirt** are synchronous: they run on tokio's blocking threads, never on an
@@ -99,6 +104,7 @@ mod inventory;
 mod lifecycle;
 mod memory;
 mod network;
+mod screen;
 pub mod xml;
 
 use std::net::{IpAddr, SocketAddr};
@@ -166,6 +172,9 @@ struct Inner {
     /// The running domains whose NIC filter holds their guest's address (`IP`), by name: the
     /// domain's id (one per start) and that address. See `Inner::pin_address`.
     pinned: Mutex<std::collections::HashMap<String, (u32, String)>>,
+    /// The size each VM's screen showed at its last screendump, by domain id (the screen
+    /// module).
+    screens: crate::screen::Sizes,
 }
 
 fn unreachable(message: impl Into<String>) -> BackendError {
@@ -234,6 +243,7 @@ impl LibvirtBackend {
                 conn: Mutex::new(None),
                 proxy: Mutex::new(None),
                 pinned: Mutex::new(Default::default()),
+                screens: Default::default(),
             }),
         }
     }
@@ -293,7 +303,7 @@ impl Backend for LibvirtBackend {
             host_key: true,
             ssh: true,
             usage: true,
-            screen: false,
+            screen: true,
         }
     }
 
@@ -466,6 +476,18 @@ impl Backend for LibvirtBackend {
             ssh_on_host_loopback: false,
             direct_public: true,
         }))
+    }
+
+    /// `virDomainScreenshot` (no `<graphics>` needed), as PNG.
+    async fn screendump(&self, name: &str) -> Result<crate::Screen> {
+        self.inner.screendump(name).await
+    }
+
+    /// QMP's `input-send-event` through libvirt's monitor passthrough; a pointer position is
+    /// scaled by the size the VM's last screendump showed (one is taken first when this
+    /// process has none of this run of the domain).
+    async fn send_input(&self, name: &str, events: &[crate::InputEvent]) -> Result<()> {
+        self.inner.send_input(name, events).await
     }
 
     /// The network's gateway and this home's port, one listener for every VM of the home

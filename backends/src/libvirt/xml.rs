@@ -150,6 +150,8 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
     <channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/></channel>
     <rng model='virtio'><backend model='random'>/dev/urandom</backend></rng>
     <memballoon model='none'/>
+    <input type='tablet' bus='virtio'/>
+    <video><model type='vga'/></video>
   </devices>
 </domain>
 ",
@@ -178,6 +180,29 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
         net = e(s.network),
         serial = e(s.serial),
     )
+}
+
+/// Whether a domain's XML (live or defined, either quote style) has the screen [`domain`]
+/// gives it: a VGA video device and a virtio tablet. A domain started from a definition
+/// older than that has none until it is started again.
+pub fn has_screen(xml: &str) -> bool {
+    // the opening tags named `tag`, up to their `>`
+    let heads = |tag: &'static str| {
+        xml.split(tag)
+            .skip(1)
+            .map(|rest| &rest[..rest.find('>').unwrap_or(rest.len())])
+    };
+    let vga = xml.split("<video>").skip(1).any(|video| {
+        let video = &video[..video.find("</video>").unwrap_or(video.len())];
+        video
+            .split("<model ")
+            .skip(1)
+            .any(|m| attr(&m[..m.find('>').unwrap_or(m.len())], "type").as_deref() == Some("vga"))
+    });
+    let tablet = heads("<input ").any(|h| {
+        attr(h, "type").as_deref() == Some("tablet") && attr(h, "bus").as_deref() == Some("virtio")
+    });
+    vga && tablet
 }
 
 /// The `<filterref>` of a guest's NIC: [`CONFINED_FILTER`] when `confined`, else
@@ -595,6 +620,13 @@ mod tests {
             "<kernel>/p/k</kernel><initrd>/p/i</initrd><cmdline>console=ttyS0</cmdline>"
         ));
         assert!(!x.contains("<boot dev="));
+        // a screen: VGA (text mode) and a virtio tablet, no window, no listener
+        assert!(has_screen(&x), "{x}");
+        assert!(!x.contains("<graphics"), "{x}");
+        assert!(
+            x.contains("<input type='tablet' bus='virtio'/>\n    <video><model type='vga'/></video>\n  </devices>"),
+            "{x}"
+        );
         // a cloud image: no kernel, the firmware boots the disk
         let y = domain(&DomainSpec {
             kernel: "",
@@ -606,6 +638,31 @@ mod tests {
             y.contains("<boot dev='hd'/></os>") && !y.contains("<kernel>"),
             "{y}"
         );
+    }
+
+    #[test]
+    fn a_screen_as_libvirt_shows_it_live() {
+        let live = r#"<domain type="qemu" id="3"><devices>
+    <input type="tablet" bus="virtio">
+      <alias name="input0"/>
+      <address type="pci" domain="0x0000" bus="0x06" slot="0x00" function="0x0"/>
+    </input>
+    <input type="mouse" bus="ps2"><alias name="input1"/></input>
+    <input type="keyboard" bus="ps2"><alias name="input2"/></input>
+    <video>
+      <model type="vga" vram="16384" heads="1" primary="yes"/>
+      <alias name="video0"/>
+    </video>
+  </devices></domain>"#;
+        assert!(has_screen(live));
+        assert!(has_screen(&live.replace('"', "'")));
+        // started before domains had a screen: libvirt's own PS/2 devices only
+        let old = "<domain><devices><input type='mouse' bus='ps2'/><input type='keyboard' bus='ps2'/></devices></domain>";
+        assert!(!has_screen(old));
+        assert!(!has_screen(
+            &live.replace("type=\"vga\"", "type=\"virtio\"")
+        ));
+        assert!(!has_screen(&live.replace("bus=\"virtio\"", "bus=\"usb\"")));
     }
 
     #[test]

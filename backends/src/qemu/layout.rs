@@ -13,7 +13,8 @@
 //!                       seed/, known_hosts, qemu.pid, qmp.sock, qga.sock, proxy.sock (the credential
 //!                       proxy's channel, served by the control plane), net.sock, net.pid and
 //!                       net.log (the VM's boxery-net, when it carries the network), serial.log,
-//!                       qemu.log, qemu-run.log
+//!                       qemu.log, qemu-run.log, .screen-PID-RANDOM.png (a screendump while it
+//!                       is read back)
 //!   ports/<port>        a loopback port reserved for a VM (holds its name)
 //!   locks/vm-<name>.lock, locks/image-<name>.lock, locks/base-<id>.lock
 //!                       flocks, each held for the length of a mutating operation

@@ -271,6 +271,14 @@ impl Inner {
         ] {
             let _ = remove_file_if_exists(&p);
         }
+        // screendumps a killed control plane did not get to remove
+        if let Ok(entries) = std::fs::read_dir(self.vm_dir(name)) {
+            for e in entries.flatten() {
+                if super::screen::is_dump_file(&e.file_name().to_string_lossy()) {
+                    let _ = remove_file_if_exists(&e.path());
+                }
+            }
+        }
     }
 
     /// Reserve a free loopback port for VM `name` (`ports/<port>` made with O_EXCL).

@@ -247,14 +247,9 @@ impl Inner {
         let Some(args) = args.filter(|a| *a != rec.args.as_slice()) else {
             return Ok(None);
         };
-        let first = args
-            .iter()
-            .zip(&rec.args)
-            .find(|(a, b)| a != b)
-            .map(|(a, b)| format!("`{b}` is now `{a}`"))
-            .unwrap_or_else(|| "arguments were added or removed".into());
         Ok(Some(format!(
-            "it was saved under another QEMU command line ({first})"
+            "it was saved under another QEMU command line ({})",
+            args_change(&rec.args, args)
         )))
     }
 
@@ -1081,6 +1076,60 @@ fn tie(args: impl IntoIterator<Item = String>) -> Vec<String> {
     out
 }
 
+/// What changed from command line `then` to `now`, in words: each option with its value
+/// (`-device VGA`) added or dropped, or the one that changed (`` `-m 256` is now `-m 512` ``).
+fn args_change(then: &[String], now: &[String]) -> String {
+    /// The arguments as options, each with its value when it has one.
+    fn options(args: &[String]) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut it = args.iter().peekable();
+        while let Some(a) = it.next() {
+            match it.peek() {
+                Some(v) if a.starts_with('-') && !v.starts_with('-') => {
+                    out.push(format!("{a} {v}"));
+                    it.next();
+                }
+                _ => out.push(a.clone()),
+            }
+        }
+        out
+    }
+    /// The options of `a` that `b` lacks (as many times as `a` has them more).
+    fn missing(a: &[String], b: &[String]) -> Vec<String> {
+        let mut b = b.to_vec();
+        a.iter()
+            .filter(|o| match b.iter().position(|x| x == *o) {
+                Some(i) => {
+                    b.swap_remove(i);
+                    false
+                }
+                None => true,
+            })
+            .cloned()
+            .collect()
+    }
+    fn listed(options: &[String]) -> String {
+        let mut words: Vec<String> = options.iter().take(3).map(|o| format!("`{o}`")).collect();
+        if options.len() > 3 {
+            words.push(format!("{} more", options.len() - 3));
+        }
+        words.join(", ")
+    }
+    let (then, now) = (options(then), options(now));
+    let (added, dropped) = (missing(&now, &then), missing(&then, &now));
+    match (added.as_slice(), dropped.as_slice()) {
+        ([], []) => "the same arguments in another order".into(),
+        ([new], [old]) => format!("`{old}` is now `{new}`"),
+        (added, []) => format!("added since: {}", listed(added)),
+        ([], dropped) => format!("dropped since: {}", listed(dropped)),
+        (added, dropped) => format!(
+            "added since: {}; dropped: {}",
+            listed(added),
+            listed(dropped)
+        ),
+    }
+}
+
 /// `bin` as found on `PATH` when it has no `/`.
 fn which(bin: &Path) -> PathBuf {
     if bin.components().count() > 1 {
@@ -1106,4 +1155,47 @@ fn available_memory() -> Option<u64> {
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(s: &str) -> Vec<String> {
+        s.split(' ').map(String::from).collect()
+    }
+
+    #[test]
+    fn a_changed_command_line_is_told_by_its_options() {
+        // a state saved before VMs had a screen, restored by a QEMU that gives them one
+        let then = words("-name guest=a -nodefaults -display none -device virtio-rng-pci");
+        let now = words(
+            "-name guest=a -nodefaults -display none -device virtio-rng-pci -device VGA -device virtio-tablet-pci",
+        );
+        assert_eq!(
+            args_change(&then, &now),
+            "added since: `-device VGA`, `-device virtio-tablet-pci`"
+        );
+        assert_eq!(
+            args_change(&now, &then),
+            "dropped since: `-device VGA`, `-device virtio-tablet-pci`"
+        );
+        assert_eq!(
+            args_change(&words("-m 256 -smp 1"), &words("-m 512 -smp 1")),
+            "`-m 256` is now `-m 512`"
+        );
+        assert_eq!(
+            args_change(&words("-m 256 -smp 1"), &words("-smp 1 -m 256")),
+            "the same arguments in another order"
+        );
+        assert_eq!(
+            args_change(&words("-a 1 -b 2"), &words("-c 3 -d 4 -e 5 -f 6")),
+            "added since: `-c 3`, `-d 4`, `-e 5`, 1 more; dropped: `-a 1`, `-b 2`"
+        );
+        // flags without values stay alone
+        assert_eq!(
+            args_change(&words("-S -m 1"), &words("-m 1")),
+            "dropped since: `-S`"
+        );
+    }
 }

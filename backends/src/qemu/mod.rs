@@ -18,6 +18,10 @@
 //! - **New VM from an image, reimage**: a copy of the image's overlay (same base, same header).
 //! - **Network**: QEMU user networking, sshd forwarded from one loopback port kept for the VM's
 //!   life.
+//! - **Screen**: a standard VGA (its text mode is what a guest without a graphics driver
+//!   shows), the machine's PS/2 keyboard and a virtio tablet, after every other device; no
+//!   window, no listener. Read with QMP `screendump`, driven with `input-send-event`
+//!   (`screen`).
 //!
 //! # Guarantees
 //! - A VM exists once `vms/<name>/config.json` exists; an image once `images/<name>.json`
@@ -42,6 +46,7 @@ mod memory;
 pub mod net;
 pub mod process;
 pub mod qmp;
+mod screen;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -87,6 +92,8 @@ struct Inner {
     storage: Storage,
     /// Set once the host tools were found (checked again until they are).
     tools_ok: std::sync::OnceLock<()>,
+    /// The size each VM's screen showed at its last screendump (super::screen).
+    screens: crate::screen::Sizes,
 }
 
 /// The qemu backend.
@@ -119,6 +126,7 @@ impl QemuBackend {
                 config,
                 storage,
                 tools_ok: std::sync::OnceLock::new(),
+                screens: Default::default(),
             }),
         }
     }
@@ -438,7 +446,7 @@ impl Backend for QemuBackend {
             host_key: true,
             ssh: true,
             usage: true,
-            screen: false,
+            screen: true,
         }
     }
 
@@ -929,6 +937,17 @@ impl Backend for QemuBackend {
                 e,
             )),
         }
+    }
+
+    /// QMP's `screendump` (PNG) into a file of the VM's directory, read back and removed.
+    async fn screendump(&self, name: &str) -> Result<crate::Screen> {
+        self.inner.screendump(name).await
+    }
+
+    /// QMP's `input-send-event`; a pointer position is scaled by the size the VM's last
+    /// screendump showed (one is taken first when this process has none of this run).
+    async fn send_input(&self, name: &str, events: &[crate::InputEvent]) -> Result<()> {
+        self.inner.send_input(name, events).await
     }
 
     /// The last line of `qemu-run.log` (QEMU's stderr since its last start).

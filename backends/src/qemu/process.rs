@@ -340,8 +340,26 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
             "-device",
             "virtio-rng-pci",
         ]);
-        return a;
+    } else {
+        user_network(spec, &mut a);
     }
+    a.extend(SCREEN_DEVICES.iter().map(os));
+    a
+}
+
+/// The VM's screen, added after every other device so theirs keep the PCI addresses they had
+/// before VMs had a screen (a guest names its NIC by its slot): a standard VGA, whose text
+/// mode is what a guest without a graphics driver shows (the tiny guest's and Debian's cloud
+/// kernels have VGA text consoles and no DRM), with QEMU's PS/2 keyboard (always on the
+/// machine) for keys, and a virtio tablet for an absolute pointer (a guest without its driver
+/// ignores it). No window and no listener (`-display none`): the screen is read with QMP's
+/// `screendump` and driven with `input-send-event` (super::screen).
+pub const SCREEN_DEVICES: [&str; 4] = ["-device", "VGA", "-device", "virtio-tablet-pci"];
+
+/// QEMU's own user network (slirp) for `spec`, into `a`.
+fn user_network(spec: &LaunchSpec, a: &mut Vec<OsString>) {
+    let p = |p: &Path| p.display().to_string();
+    let mut push = |items: &[&str]| a.extend(items.iter().map(os));
     let guestfwd = match &spec.relay {
         Some(relay) => format!(
             "guestfwd=tcp:{GUEST_PROXY_ADDR}-cmd:{} {}",
@@ -365,7 +383,6 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
         "-device",
         "virtio-rng-pci",
     ]);
-    a
 }
 
 pub use crate::storage::files::tail;
@@ -798,6 +815,53 @@ mod tests {
             "{joined}"
         );
         assert!(args.iter().any(|a| a.contains("/state/qemu/vms/dev1/")));
+    }
+
+    #[test]
+    fn the_screen_comes_after_every_other_device_and_shows_no_window() {
+        let mut on_slirp = spec();
+        on_slirp.relay = None;
+        let mut on_helper = spec();
+        on_helper.net = Some("/state/qemu/vms/dev1/net.sock".into());
+        for s in [on_slirp, on_helper] {
+            let args: Vec<String> = command_line(&s)
+                .into_iter()
+                .map(|a| a.into_string().unwrap())
+                .collect();
+            assert_eq!(
+                args[args.len() - 4..],
+                ["-device", "VGA", "-device", "virtio-tablet-pci"],
+                "{args:?}"
+            );
+            assert_eq!(
+                args.iter().filter(|a| a.as_str() == "VGA").count(),
+                1,
+                "{args:?}"
+            );
+            let joined = args.join(" ");
+            assert!(joined.contains("-nodefaults -no-user-config -display none"));
+            assert!(!joined.contains("-vnc") && !joined.contains("-spice"));
+            // the devices a VM had before keep their order, so their PCI slots
+            let devices: Vec<&str> = args
+                .windows(2)
+                .filter(|w| w[0] == "-device")
+                .map(|w| w[1].split(',').next().unwrap())
+                .collect();
+            assert_eq!(
+                devices,
+                [
+                    "vmgenid",
+                    "virtio-serial-pci",
+                    "virtserialport",
+                    "virtio-blk-pci",
+                    "virtio-blk-pci",
+                    "virtio-net-pci",
+                    "virtio-rng-pci",
+                    "VGA",
+                    "virtio-tablet-pci"
+                ]
+            );
+        }
     }
 
     #[test]

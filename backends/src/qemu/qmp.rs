@@ -543,6 +543,24 @@ impl Qmp {
             .await
             .map(drop)
     }
+    /// `screendump` of the VM's screen (its first graphic console) into `file`, as `format`
+    /// (`png`, `ppm`). QEMU writes the file itself, so it must be a path QEMU can write.
+    pub async fn screendump(&mut self, file: &Path, format: &str) -> Result<(), QmpError> {
+        self.execute(
+            "screendump",
+            Some(json!({ "filename": file, "format": format })),
+        )
+        .await
+        .map(drop)
+    }
+    /// `input-send-event`: `events` (QMP `InputEvent` objects: `key`, `btn`, `abs`) to the
+    /// VM's keyboard and pointer, in order, in one command (QEMU refuses the whole command
+    /// when one event is malformed).
+    pub async fn input_send_event(&mut self, events: &[Value]) -> Result<(), QmpError> {
+        self.execute("input-send-event", Some(json!({ "events": events })))
+            .await
+            .map(drop)
+    }
     /// `block_resize` of node `node` to `bytes` (the guest sees a capacity change).
     pub async fn block_resize(&mut self, node: &str, bytes: u64) -> Result<(), QmpError> {
         self.execute(
@@ -706,6 +724,48 @@ mod tests {
         assert_eq!(
             decode_base64("c3NoLWVkMjU1MTkgQUFBQQ=="),
             b"ssh-ed25519 AAAA"
+        );
+    }
+
+    /// The screen's two commands, as QEMU receives them.
+    #[tokio::test]
+    async fn screendump_and_input_send_event_on_the_wire() {
+        let d = tempfile::tempdir().unwrap();
+        let sock = d.path().join("qmp.sock");
+        let listener = UnixListener::bind(&sock).unwrap();
+        let server = tokio::spawn(async move {
+            let (s, _) = listener.accept().await.unwrap();
+            let (r, mut w) = s.into_split();
+            let mut r = BufReader::new(r);
+            w.write_all(b"{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n")
+                .await
+                .unwrap();
+            let mut seen = Vec::new();
+            for _ in 0..3 {
+                let mut line = String::new();
+                r.read_line(&mut line).await.unwrap();
+                seen.push(serde_json::from_str::<Value>(&line).unwrap());
+                w.write_all(b"{\"return\": {}}\n").await.unwrap();
+            }
+            seen
+        });
+        let mut q = Qmp::connect(&sock, Duration::from_secs(5)).await.unwrap();
+        q.screendump(Path::new("/vms/a/.screen-1-2.png"), "png")
+            .await
+            .unwrap();
+        let events = [
+            json!({"type": "key", "data": {"down": true, "key": {"type": "qcode", "data": "a"}}}),
+            json!({"type": "abs", "data": {"axis": "x", "value": 0}}),
+        ];
+        q.input_send_event(&events).await.unwrap();
+        let seen = server.await.unwrap();
+        assert_eq!(
+            seen[1],
+            json!({"execute": "screendump", "arguments": {"filename": "/vms/a/.screen-1-2.png", "format": "png"}})
+        );
+        assert_eq!(
+            seen[2],
+            json!({"execute": "input-send-event", "arguments": {"events": events}})
         );
     }
 
