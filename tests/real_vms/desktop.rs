@@ -110,8 +110,15 @@ pub(super) fn desktop_computer_use(kind: Kind) {
         serde_json::json!([
             {"action": "screenshot"},
             {"action": "left_click", "coordinate": button},
+            {"action": "screenshot", "console": true},
         ]),
     );
+    // the hypervisor's screen of the same VM: its text console
+    assert_eq!(r[2]["data"]["path"], "console", "{:?}", r[2]);
+    assert_eq!(r[2]["data"]["shot"]["width"], 720, "{:?}", r[2]);
+    let console = h.home.path().join("console.png");
+    let said = h.ok(&["screenshot", "desk1", "--console", console.to_str().unwrap()]);
+    assert!(said.contains("720×400") && said.contains("console"), "{said}");
     let shot = Path::new(r[0]["image"].as_str().expect("the screenshot is image content"));
     assert_eq!(r[0]["data"]["shot"]["width"], 1280, "{:?}", r[0]);
     assert_eq!(r[0]["data"]["path"], "desktop", "{:?}", r[0]);
