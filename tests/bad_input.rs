@@ -181,21 +181,21 @@ fn bad_input_changes_nothing() {
     case(
         &home,
         "layers.yaml",
-        vm_with("  layers: [desktop]\n").as_bytes(),
-        &["spec.layers", "no layer `desktop`", "agents"],
+        vm_with("  layers: [gpu]\n").as_bytes(),
+        &["spec.layers", "no layer `gpu`", "agents"],
     );
-    // Fields that validate but that nothing implements yet are refused, never ignored.
+    // A desktop VM below the memory its desktop needs is refused, saying what to set.
     case(
         &home,
         "desktop.yaml",
-        vm_with("  headless: false\n").as_bytes(),
-        &["spec.headless", "not implemented yet"],
+        vm_with("  headless: false\n  resources: {memory: 512Mi}\n").as_bytes(),
+        &["spec.resources.memory", "at least 1024Mi"],
     );
     case(
         &home,
         "build-layers.yaml",
-        b"apiVersion: boxery.dev/v1alpha1\nkind: Image\nmetadata:\n  name: mine\nspec:\n  source:\n    build: {base: debian-12, layers: [desktop]}\n",
-        &["spec.source.build.layers", "no layer `desktop`", "boxery images layers"],
+        b"apiVersion: boxery.dev/v1alpha1\nkind: Image\nmetadata:\n  name: mine\nspec:\n  source:\n    build: {base: debian-12, layers: [gpu]}\n",
+        &["spec.source.build.layers", "no layer `gpu`", "boxery images layers"],
     );
     case(
         &home,

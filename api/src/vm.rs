@@ -690,10 +690,10 @@ mod layers_tests {
         };
         let e = msg(&mut vm(
             serde_json::json!({"image": "debian-12"}),
-            serde_json::json!(["desktop"]),
+            serde_json::json!(["gpu"]),
         ));
         assert!(
-            e.starts_with("spec.layers: no layer `desktop`") && e.contains("agents"),
+            e.starts_with("spec.layers: no layer `gpu`") && e.contains("agents"),
             "{e}"
         );
         let e = msg(&mut vm(

@@ -16,8 +16,9 @@
 # for display 0, entries for other displays kept. ~/.Xauthority is where X clients look when
 # XAUTHORITY is unset, so `DISPLAY=:0 cmd` works as agent in every kind of session (login shell,
 # tmux, a non-login `ssh VM 'cmd'`, cron) with no environment to carry; other local users (system
-# services, a container given the socket) are refused. The server listens on its unix socket only
-# (-nolisten tcp; never TCP). Login shells get DISPLAY=:0 when it is unset (profile.d), so a program
+# services, a container given the socket, anything reaching Linux's abstract socket
+# @/tmp/.X11-unix/X0) are refused. The server listens on its unix sockets only (-nolisten tcp:
+# never TCP). Login shells get DISPLAY=:0 when it is unset (profile.d), so a program
 # an agent starts shows on the desktop; non-login ssh commands pass DISPLAY=:0 themselves.
 # Why jwm and not openbox: both decorate and manage Tk windows and speak EWMH (xdotool
 # windowactivate), but Debian's openbox pulls libimlib2 and with it ghostscript, x265, aom, urw
@@ -39,16 +40,17 @@ install -d -m 0755 "$D"
 cat > "$D/xvfb" <<'EOS'
 #!/bin/bash
 # Run by boxery-desktop.service as agent: Xvfb :0 with a new cookie (the desktop layer's header).
-# `xvfb --wait`: wait (15 s at most) until :0 answers (the unit's ExecStartPost: the WM unit,
-# ordered after it, starts once the display is up).
+# `xvfb --wait`: wait until :0 answers, 120 s at most (the unit's ExecStartPost: the WM unit,
+# ordered after it, starts once the display is up). Xvfb is up in about 1 s on an idle TCG
+# guest, but took 16 s while the guest was booting: a short limit would kill it in a loop.
 set -euo pipefail
 RUN=/run/boxery-desktop DEFAULT=1280x800
 if [ "${1:-}" = --wait ]; then
-  for _ in $(seq 150); do
+  while [ "$SECONDS" -lt 120 ]; do
     XAUTHORITY=$RUN/auth xdpyinfo -display :0 >/dev/null 2>&1 && exit 0
     sleep 0.1
   done
-  echo "boxery-desktop: display :0 not up after 15 s" >&2; exit 1
+  echo "boxery-desktop: display :0 not up after 120 s" >&2; exit 1
 fi
 size=${BOXERY_DISPLAY:-$DEFAULT}
 if ! [[ $size =~ ^([1-9][0-9]{2,3})x([1-9][0-9]{2,3})$ ]] || [ "${BASH_REMATCH[1]}" -gt 7680 ] ||
@@ -93,6 +95,102 @@ exec /usr/bin/Xvfb :0 -screen 0 "${size}x24" -fbdir "$RUN" -auth "$RUN/auth" -no
 EOS
 chmod 0755 "$D/xvfb"
 
+# --- typing any text exactly ------------------------------------------------------------------
+# `type TEXT` (as agent, DISPLAY=:0): types TEXT on the display exactly, any Unicode. xdotool's own
+# way with a character the keyboard map lacks (é, ✓, 日) is to rebind a spare key for it and
+# change it back at once, and Tk reads the map too late: characters are dropped or swapped (0 of
+# 3 exact at xdotool's default delay, measured). Here the missing characters are bound to spare
+# keycodes first and left bound (the spare ones are recorded at the first use in this display's
+# run directory, so they are reused, never a real key), then xdotool types text whose every
+# character has a key. Text needing more characters than there are spare keycodes is typed in
+# runs. Used by boxery's computer-use `type` (verbs/src/guest/computer).
+cat > "$D/type" <<'EOS'
+#!/usr/bin/python3
+"""type TEXT: type TEXT exactly on display :0 (the desktop layer's header says how)."""
+import ctypes, ctypes.util, os, subprocess, sys, time
+
+text = sys.argv[1]
+POOL = "/run/boxery-desktop/typing-keycodes"
+x = ctypes.cdll.LoadLibrary(ctypes.util.find_library("X11") or "libX11.so.6")
+x.XOpenDisplay.restype = ctypes.c_void_p
+x.XOpenDisplay.argtypes = [ctypes.c_char_p]
+x.XGetKeyboardMapping.restype = ctypes.POINTER(ctypes.c_ulong)
+x.XGetKeyboardMapping.argtypes = [ctypes.c_void_p, ctypes.c_ubyte, ctypes.c_int,
+                                  ctypes.POINTER(ctypes.c_int)]
+x.XChangeKeyboardMapping.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                     ctypes.POINTER(ctypes.c_ulong), ctypes.c_int]
+x.XDisplayKeycodes.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
+                               ctypes.POINTER(ctypes.c_int)]
+x.XSync.argtypes = [ctypes.c_void_p, ctypes.c_int]
+x.XFree.argtypes = [ctypes.c_void_p]
+d = x.XOpenDisplay(None)
+if not d:
+    sys.exit("cannot open display :0 (is boxery-desktop.service running?)")
+lo, hi = ctypes.c_int(), ctypes.c_int()
+x.XDisplayKeycodes(d, ctypes.byref(lo), ctypes.byref(hi))
+
+
+def mapping():
+    """{keycode: [keysyms]} of the whole keyboard."""
+    per = ctypes.c_int()
+    n = hi.value - lo.value + 1
+    m = x.XGetKeyboardMapping(d, lo.value, n, ctypes.byref(per))
+    out = {lo.value + i: [m[i * per.value + j] for j in range(per.value)] for i in range(n)}
+    x.XFree(m)
+    return out
+
+
+def keysym(c):
+    o = ord(c)
+    return o if 0x20 <= o <= 0x7E or 0xA0 <= o <= 0xFF else 0x01000000 + o
+
+
+keys = mapping()
+try:
+    pool = [int(k) for k in open(POOL).read().split()]
+except OSError:
+    pool = [k for k, syms in keys.items() if not any(syms)]
+    with open(POOL + ".new", "w") as f:
+        f.write(" ".join(map(str, pool)))
+    os.replace(POOL + ".new", POOL)
+# keysyms on real keys, and what each pool keycode holds now
+real = {s for k, syms in keys.items() if k not in pool for s in syms if s}
+held = {keys[k][0]: k for k in pool if keys[k][0]}
+
+
+def typed(run):
+    subprocess.run(["xdotool", "type", "--delay", "12", "--", run], check=True)
+
+
+run, bound = "", set()
+for c in text:
+    ks = keysym(c) if c not in "\n\t" else 0
+    if ks and ks not in real and ks not in held:
+        if not pool:
+            sys.exit("the keyboard has no spare keycode to type %r with" % c)
+        free = [k for k in pool if keys[k][0] not in bound]
+        if not free:  # every spare key is needed by this run: type it, then rebind
+            typed(run)
+            time.sleep(0.2)
+            run, bound = "", set()
+            free = pool
+        k = free[0]
+        old = keys[k][0]
+        held.pop(old, None)
+        syms = (ctypes.c_ulong * 2)(ks, ks)
+        x.XChangeKeyboardMapping(d, k, 2, syms, 1)
+        x.XSync(d, 0)
+        keys[k] = [ks, ks]
+        held[ks] = k
+        time.sleep(0.05)  # let clients read the new map before its first use
+    if ks in held:
+        bound.add(ks)
+    run += c
+if run:
+    typed(run)
+EOS
+chmod 0755 "$D/type"
+
 # StartLimitIntervalSec=0: never give up restarting. RuntimeDirectoryMode 0750 and UMask 0027: the
 # screen (Xvfb_screen0) and the cookie are the agent user's only.
 cat > /etc/systemd/system/boxery-desktop.service <<'EOS'
@@ -110,6 +208,7 @@ RuntimeDirectoryMode=0750
 UMask=0027
 ExecStart=/usr/local/lib/boxery/desktop/xvfb
 ExecStartPost=/usr/local/lib/boxery/desktop/xvfb --wait
+TimeoutStartSec=150
 Restart=always
 RestartSec=1
 
@@ -226,5 +325,12 @@ EOS
 if [ ! -e /home/agent/.Xdefaults ]; then
   printf 'XTerm*faceName: DejaVu Sans Mono\nXTerm*faceSize: 11\n' > /home/agent/.Xdefaults
   chown agent:agent /home/agent/.Xdefaults
+fi
+# jwm depends on "rxvt-unicode | … | x-terminal-emulator" and debootstrap takes the first
+# alternative: xterm is the terminal here, so rxvt-unicode goes (apt lets it: xterm provides
+# x-terminal-emulator)
+if [ "$(dpkg-query -W -f='${db:Status-Abbrev}' rxvt-unicode 2>/dev/null | cut -c1-2)" = ii ] &&
+   [ "$(dpkg-query -W -f='${db:Status-Abbrev}' xterm 2>/dev/null | cut -c1-2)" = ii ]; then
+  apt-get purge -y -q rxvt-unicode >/dev/null
 fi
 echo "desktop: done ($(dpkg-query -W -f='xvfb ${Version}, ' xvfb)$(dpkg-query -W -f='jwm ${Version}' jwm))"
