@@ -110,6 +110,7 @@ async fn raw_boot(env: &Env, run: usize, tb_size: Option<u32>) -> (f64, f64, (u6
         incoming: false,
         ram: None,
         frozen: false,
+        screen: true,
     };
     let t = Instant::now();
     let st = tokio::process::Command::new("qemu-system-x86_64")

@@ -913,7 +913,7 @@ pub fn layers_table() -> String {
 pub fn backends_table(home: &std::path::Path) -> String {
     let yes = |b: bool| if b { "yes" } else { "no" };
     let mut out = String::from(
-        "| backend | stability | platforms | requires | resize | live capture | suspend/resume | memory snapshots, forks with memory | builds stock images | host key | sshd in guests | usage samples |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| backend | stability | platforms | requires | resize | live capture | suspend/resume | memory snapshots, forks with memory | builds stock images | host key | sshd in guests | usage samples | console screen |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for name in boxery_backends::BACKENDS {
         let Ok(b) = boxery_backends::by_name(name, home) else {
@@ -921,7 +921,7 @@ pub fn backends_table(home: &std::path::Path) -> String {
         };
         let c = b.capabilities();
         out.push_str(&format!(
-            "| `{}` | {:?} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| `{}` | {:?} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             c.name,
             c.stability,
             c.platforms.join(", "),
@@ -937,7 +937,8 @@ pub fn backends_table(home: &std::path::Path) -> String {
             yes(c.build_stock_image),
             yes(c.host_key),
             yes(c.ssh),
-            yes(c.usage)
+            yes(c.usage),
+            yes(c.screen)
         ));
     }
     out

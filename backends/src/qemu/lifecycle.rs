@@ -52,6 +52,7 @@ impl Inner {
             incoming: false,
             ram: None,
             frozen: false,
+            screen: true,
         }
     }
 
@@ -85,6 +86,8 @@ impl Inner {
         self.remove_unused(name, &chain)?;
         let mut spec = self.launch_spec(cfg, &base, &chain);
         if let Some(rec) = &saved {
+            // a state saved before VMs had screens comes back without one
+            spec.screen = super::memory::had_screen(&rec.args);
             self.check_restorable(cfg, rec, &spec)?;
             spec.incoming = true;
             if rec.shared_ram {

@@ -191,6 +191,14 @@ impl StateFiles {
     }
 }
 
+/// Whether a saved state's command line gives the VM a screen: one saved before VMs had
+/// screens does not, and is restored without one (the devices are part of the state), so an
+/// upgrade loses no suspended VM and no memory image.
+pub(super) fn had_screen(args: &[String]) -> bool {
+    args.windows(process::SCREEN_DEVICES.len())
+        .any(|w| w.iter().zip(process::SCREEN_DEVICES).all(|(a, b)| a == b))
+}
+
 /// The arguments of launch spec `spec` a saved state is tied to ([`tie`]).
 fn tied_args(spec: &LaunchSpec) -> Vec<String> {
     tie(process::command_line(spec)
@@ -454,7 +462,7 @@ impl Inner {
             )));
         };
         // the block graph is not part of the tie: any chain stands in for it
-        let args = self.own_tied_args(cfg, base);
+        let args = self.own_tied_args(cfg, base, had_screen(&rec.args));
         Ok(self.why_stale(&rec, Some(&args))?.map(|why| {
             format!(
                 "image {image}'s memory cannot return to VM {}: {why} (memory returns only to the VM it was taken from, under the same QEMU); revert without memory",
@@ -524,7 +532,7 @@ impl Inner {
         if let Some(why) = self.fit_refusal(&rec, image, cfg.cpus, cfg.memory_mib)? {
             return Err(refused(why));
         }
-        let own = self.own_tied_args(cfg, base);
+        let own = self.own_tied_args(cfg, base, had_screen(&rec.portable));
         let theirs = MemoryRecord {
             args: std::mem::take(&mut rec.portable),
             ..rec.clone()
@@ -543,10 +551,17 @@ impl Inner {
     }
 
     /// The arguments VM `cfg`'s QEMU is tied to ([`tie`]; the block graph is not part of it,
-    /// so any chain stands in for it).
-    pub(super) fn own_tied_args(&self, cfg: &VmConfig, base: &BaseRecord) -> Vec<String> {
+    /// so any chain stands in for it), with a screen or without ([`had_screen`]).
+    pub(super) fn own_tied_args(
+        &self,
+        cfg: &VmConfig,
+        base: &BaseRecord,
+        screen: bool,
+    ) -> Vec<String> {
         let chain = [self.layout.vm_disk(&cfg.name, 1), self.base_disk(&base.id)];
-        tied_args(&self.launch_spec(cfg, base, &chain))
+        let mut spec = self.launch_spec(cfg, base, &chain);
+        spec.screen = screen;
+        tied_args(&spec)
     }
 
     /// What VM `name` must still take to be itself (it started from another VM's memory).
@@ -685,6 +700,7 @@ impl Inner {
             .await
             .map_err(|e| BackendError::failed("make a scratch disk", e))?;
         let mut spec = self.launch_spec(cfg, &base, &[disk, base_disk]);
+        spec.screen = had_screen(&rec.args);
         spec.dir = scratch.clone();
         spec.qmp = scratch.join("qmp.sock");
         spec.qga = scratch.join("qga.sock");
@@ -1160,6 +1176,24 @@ fn available_memory() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A state saved before VMs had screens (its command line without the screen's devices)
+    /// is restored by a QEMU without them: the command lines compared are then the same.
+    #[test]
+    fn a_state_from_before_screens_is_restored_without_one() {
+        let words = |s: &str| s.split(' ').map(String::from).collect::<Vec<_>>();
+        let now = words("-m 512 -device virtio-rng-pci -device VGA -device virtio-tablet-pci");
+        let before = words("-m 512 -device virtio-rng-pci");
+        assert!(had_screen(&now));
+        assert!(!had_screen(&before));
+        assert!(!had_screen(&words("-device VGA")), "both devices, in order");
+        let mut spec = crate::qemu::process::tests::spec();
+        let with: Vec<String> = tied_args(&spec);
+        spec.screen = had_screen(&before);
+        let without = tied_args(&spec);
+        assert!(had_screen(&with) && !had_screen(&without));
+        assert_eq!(with.len(), without.len() + process::SCREEN_DEVICES.len());
+    }
 
     fn words(s: &str) -> Vec<String> {
         s.split(' ').map(String::from).collect()

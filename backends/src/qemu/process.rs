@@ -154,6 +154,9 @@ pub struct LaunchSpec {
     pub ram: Option<RamFile>,
     /// Never run the guest (`-S`; a conversion of saved memory, which only loads and saves).
     pub frozen: bool,
+    /// Give it a screen ([`SCREEN_DEVICES`]). Always, but for a restore of a state saved
+    /// before VMs had screens: its devices are the state's (super::memory::had_screen).
+    pub screen: bool,
 }
 
 /// A file that holds the guest's RAM (`-object memory-backend-file,id=pc.ram`, the id of the
@@ -343,7 +346,9 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
     } else {
         user_network(spec, &mut a);
     }
-    a.extend(SCREEN_DEVICES.iter().map(os));
+    if spec.screen {
+        a.extend(SCREEN_DEVICES.iter().map(os));
+    }
     a
 }
 
@@ -685,10 +690,11 @@ pub fn port_free(port: u16) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn spec() -> LaunchSpec {
+    /// A launch spec of VM `dev1` (also for super::memory's tests).
+    pub(crate) fn spec() -> LaunchSpec {
         let dir = PathBuf::from("/state/qemu/vms/dev1");
         LaunchSpec {
             name: "dev1".into(),
@@ -724,6 +730,7 @@ mod tests {
             incoming: false,
             ram: None,
             frozen: false,
+            screen: true,
             dir,
         }
     }
