@@ -52,6 +52,21 @@ const DIRECT_COLOR: u32 = 5;
 /// One colour map entry's bytes (what follows the header and is skipped: true colour).
 const COLOR_ENTRY: usize = 12;
 
+/// `data` gunzipped, at most `cap` bytes of it (a guest's bomb is cut there, and then is not
+/// a whole picture).
+pub fn gunzip(data: &[u8], cap: usize) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(data)
+        .take(cap as u64 + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| bad(format!("not gzip: {e}")))?;
+    if out.len() > cap {
+        return Err(bad(format!("over {cap} bytes")));
+    }
+    Ok(out)
+}
+
 /// The bytes of the header's fields: what [`size`] reads.
 pub const HEADER: usize = FIELDS * 4;
 
@@ -206,6 +221,19 @@ pub(crate) mod tests {
         assert_eq!(&rgb.pixels[9..12], &[0, 200, 7]);
         assert_eq!(size(&file[..HEADER]).unwrap(), (3, 2));
         assert!(size(&file[..HEADER - 1]).is_err());
+    }
+
+    #[test]
+    fn a_gzipped_framebuffer_is_read_and_a_bomb_is_cut() {
+        use std::io::Write;
+        let file = xwd(64, 48, |x, y| [x as u8, y as u8, 9]);
+        let mut z = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        z.write_all(&file).unwrap();
+        let z = z.finish().unwrap();
+        assert_eq!(gunzip(&z, 1 << 20).unwrap(), file);
+        let e = gunzip(&z, 100).unwrap_err().to_string();
+        assert!(e.contains("over 100 bytes"), "{e}");
+        assert!(gunzip(b"plain", 100).is_err());
     }
 
     #[test]
