@@ -46,7 +46,12 @@ fn find(path: &Path, rgb: [u8; 3]) -> Option<([i64; 2], usize)> {
 
 /// Run `actions` through `vm_computer` with the official MCP SDK; the results, each with the
 /// path of its image.
-fn computer(h: &RealHome, vm: &str, out: &Path, actions: serde_json::Value) -> Vec<serde_json::Value> {
+fn computer(
+    h: &RealHome,
+    vm: &str,
+    out: &Path,
+    actions: serde_json::Value,
+) -> Vec<serde_json::Value> {
     std::fs::create_dir_all(out).unwrap();
     let mut py = std::process::Command::new(repo().join("target/mcp-venv/bin/python"));
     py.arg(repo().join("tests/mcp/client.py"))
@@ -87,7 +92,10 @@ pub(super) fn desktop_computer_use(kind: Kind) {
     // headless: false is the desktop layer
     let layers = h.ok(&["get", "vm", "desk1", "-o", "jsonpath={.spec.layers}"]);
     assert!(layers.contains("desktop"), "{layers}");
-    assert_eq!(h.run("desk1", "systemctl is-active boxery-desktop"), "active");
+    assert_eq!(
+        h.run("desk1", "systemctl is-active boxery-desktop"),
+        "active"
+    );
     // the app, started as the agent user from an ssh session, on the desktop
     let app = h.home.write("app.py", APP);
     h.ok(&["cp", app.to_str().unwrap(), "desk1:/tmp/app.py"]);
@@ -95,10 +103,12 @@ pub(super) fn desktop_computer_use(kind: Kind) {
         "desk1",
         "(DISPLAY=:0 setsid nohup python3 /tmp/app.py >/tmp/app.log 2>&1 &); DISPLAY=:0 timeout 120 xdotool search --sync --onlyvisible --name boxery-test >/dev/null",
     );
-    // a person's screenshot: the whole screen
-    let png = h.home.path().join("screen.png");
+    // the whole screen again, with the app
     let said = h.ok(&["screenshot", "desk1", png.to_str().unwrap()]);
-    assert!(said.contains("1280×800") && said.contains("desktop"), "{said}");
+    assert!(
+        said.contains("1280×800") && said.contains("desktop"),
+        "{said}"
+    );
     let (button, _) = find(&png, [255, 0, 255]).expect("the button (magenta) is on the screen");
     let (field, _) = find(&png, [0, 255, 255]).expect("the text field (cyan) is on the screen");
     // an agent's: vm_computer finds the same, and clicks it
@@ -117,9 +127,21 @@ pub(super) fn desktop_computer_use(kind: Kind) {
     assert_eq!(r[2]["data"]["path"], "console", "{:?}", r[2]);
     assert_eq!(r[2]["data"]["shot"]["width"], 720, "{:?}", r[2]);
     let console = h.home.path().join("console.png");
-    let said = h.ok(&["screenshot", "desk1", "--console", console.to_str().unwrap()]);
-    assert!(said.contains("720×400") && said.contains("console"), "{said}");
-    let shot = Path::new(r[0]["image"].as_str().expect("the screenshot is image content"));
+    let said = h.ok(&[
+        "screenshot",
+        "desk1",
+        "--console",
+        console.to_str().unwrap(),
+    ]);
+    assert!(
+        said.contains("720×400") && said.contains("console"),
+        "{said}"
+    );
+    let shot = Path::new(
+        r[0]["image"]
+            .as_str()
+            .expect("the screenshot is image content"),
+    );
     assert_eq!(r[0]["data"]["shot"]["width"], 1280, "{:?}", r[0]);
     assert_eq!(r[0]["data"]["path"], "desktop", "{:?}", r[0]);
     assert_eq!(find(shot, [255, 0, 255]).map(|f| f.0), Some(button));
@@ -140,10 +162,27 @@ pub(super) fn desktop_computer_use(kind: Kind) {
             {"action": "cursor_position"},
         ]),
     );
-    assert!(r[2]["text"].as_str().unwrap().contains("off the screen"), "{:?}", r[2]);
-    assert!(r[3]["text"].as_str().unwrap().contains("no key `Bogus`"), "{:?}", r[3]);
-    assert!(r[4]["text"].as_str().unwrap().contains("U+001B"), "{:?}", r[4]);
-    assert_eq!(r[7]["data"]["cursor"], serde_json::json!([640, 700]), "{:?}", r[7]);
+    assert!(
+        r[2]["text"].as_str().unwrap().contains("off the screen"),
+        "{:?}",
+        r[2]
+    );
+    assert!(
+        r[3]["text"].as_str().unwrap().contains("no key `Bogus`"),
+        "{:?}",
+        r[3]
+    );
+    assert!(
+        r[4]["text"].as_str().unwrap().contains("U+001B"),
+        "{:?}",
+        r[4]
+    );
+    assert_eq!(
+        r[7]["data"]["cursor"],
+        serde_json::json!([640, 700]),
+        "{:?}",
+        r[7]
+    );
     assert_eq!(saved(&h, "desk1"), TEXT);
     let took: Vec<f64> = r.iter().map(|a| a["seconds"].as_f64().unwrap()).collect();
     eprintln!("vm_computer actions took {took:?} s");

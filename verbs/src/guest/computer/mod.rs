@@ -462,11 +462,15 @@ async fn grab(v: &Verbs, vm: &str, path: Path, ct: &CancellationToken) -> Result
     }
 }
 
+/// The guest's shell that waits (at most a minute) while the desktop is starting: its display
+/// comes up some seconds after sshd at boot, and after a restart.
+const WAIT_FOR_DESKTOP: &str = "for _ in $(seq 600); do [ -S /tmp/.X11-unix/X0 ] && [ -r /run/boxery-desktop/Xvfb_screen0 ] && break; case $(systemctl is-active boxery-desktop 2>/dev/null) in activating|reloading) sleep 0.1 ;; *) break ;; esac; done; ";
+
 /// The guest's script that runs `read` on the desktop's framebuffer file, or says there is
 /// none.
 fn framebuffer_script(vm: &str, read: &str) -> String {
     format!(
-        "f={FRAMEBUFFER}; [ -r \"$f\" ] || {{ echo \"VM {vm} runs no desktop ($f is missing): is boxery-desktop.service running? (systemctl status boxery-desktop)\" >&2; exit 3; }}; exec {read} \"$f\""
+        "{WAIT_FOR_DESKTOP}f={FRAMEBUFFER}; [ -r \"$f\" ] || {{ echo \"VM {vm} runs no desktop ($f is missing): is boxery-desktop.service running? (systemctl status boxery-desktop)\" >&2; exit 3; }}; exec {read} \"$f\""
     )
 }
 
@@ -631,7 +635,7 @@ fn button_word(b: PointerButton) -> &'static str {
 /// The shell that runs xdotool on the desktop's display, or says there is none.
 pub fn xdotool_preamble(vm: &str) -> String {
     format!(
-        "export DISPLAY=:0; [ -S /tmp/.X11-unix/X0 ] || {{ echo \"VM {vm} runs no desktop (display :0 is down): is boxery-desktop.service running? (systemctl status boxery-desktop)\" >&2; exit 3; }}; command -v xdotool >/dev/null || {{ echo \"VM {vm} has no xdotool: make it with the desktop layer\" >&2; exit 3; }}; "
+        "{WAIT_FOR_DESKTOP}export DISPLAY=:0; [ -S /tmp/.X11-unix/X0 ] || {{ echo \"VM {vm} runs no desktop (display :0 is down): is boxery-desktop.service running? (systemctl status boxery-desktop)\" >&2; exit 3; }}; command -v xdotool >/dev/null || {{ echo \"VM {vm} has no xdotool: make it with the desktop layer\" >&2; exit 3; }}; "
     )
 }
 
