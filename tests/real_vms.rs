@@ -15,10 +15,10 @@
 #[path = "real_vms/cloud_image.rs"]
 mod cloud_image;
 mod common;
-#[path = "real_vms/dev_traffic.rs"]
-mod dev_traffic;
 #[path = "real_vms/desktop.rs"]
 mod desktop;
+#[path = "real_vms/dev_traffic.rs"]
+mod dev_traffic;
 #[path = "real_vms/layers.rs"]
 mod layers;
 #[path = "real_vms/ssh_agent.rs"]

@@ -514,7 +514,8 @@ async def computer_mode(binary, vm, outdir, actions_json):
                 images = [c for c in res.content if getattr(c, "type", "") == "image"]
                 saved = None
                 for c in images:
-                    check(c.mimeType == "image/png", f"image content of {c.mimeType}")
+                    mime = getattr(c, "mime_type", None) or getattr(c, "mimeType", None)
+                    check(mime == "image/png", f"image content of {mime}")
                     saved = os.path.join(outdir, f"shot-{i}.png")
                     with open(saved, "wb") as f:
                         f.write(base64.b64decode(c.data))

@@ -92,9 +92,15 @@ pub(super) fn desktop_computer_use(kind: Kind) {
     // headless: false is the desktop layer
     let layers = h.ok(&["get", "vm", "desk1", "-o", "jsonpath={.spec.layers}"]);
     assert!(layers.contains("desktop"), "{layers}");
-    assert_eq!(
-        h.run("desk1", "systemctl is-active boxery-desktop"),
-        "active"
+    // a person's screenshot straight after the VM is Ready: it waits for the desktop to
+    // come up (some seconds after sshd at boot)
+    let png = h.home.path().join("screen.png");
+    let said = h.ok(&["screenshot", "desk1", png.to_str().unwrap()]);
+    assert!(said.contains("1280×800") && said.contains("desktop"), "{said}");
+    // the display unit settles (its start ends once the display answers; slow at boot)
+    h.run(
+        "desk1",
+        "for i in $(seq 600); do systemctl is-active -q boxery-desktop && exit 0; sleep 0.2; done; systemctl status boxery-desktop; exit 1",
     );
     // the app, started as the agent user from an ssh session, on the desktop
     let app = h.home.write("app.py", APP);
