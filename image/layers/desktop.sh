@@ -2,7 +2,7 @@
 # desktop layer (root, idempotent): a virtual X display :0 for the agent user, driven by
 # programs (xdotool) and read as a file, with a small window manager. Debian 12 packages only.
 #   boxery-desktop.service     Xvfb :0 as `agent`, started at boot, Restart=always; the screen is
-#                              BOXERY_DISPLAY=WIDTHxHEIGHT from /run/boxery/desktop.env (optional,
+#                              BOXERY_DISPLAY=WIDTHxHEIGHT from /etc/boxery/desktop.env (optional,
 #                              default 1280x800), depth 24; with -fbdir the framebuffer is the XWD
 #                              file /run/boxery-desktop/Xvfb_screen0 (a screenshot is `cat`)
 #   boxery-desktop-wm.service  jwm on :0 as `agent`, bound to the display (restarted with it, and
@@ -202,7 +202,7 @@ StartLimitIntervalSec=0
 User=agent
 Group=agent
 Environment=BOXERY_DISPLAY=1280x800
-EnvironmentFile=-/run/boxery/desktop.env
+EnvironmentFile=-/etc/boxery/desktop.env
 RuntimeDirectory=boxery-desktop
 RuntimeDirectoryMode=0750
 UMask=0027
