@@ -115,7 +115,10 @@ impl Mcp {
         self.send(&json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}));
         loop {
             let mut line = String::new();
-            assert!(self.rx.read_line(&mut line).unwrap() > 0, "boxery mcp ended");
+            assert!(
+                self.rx.read_line(&mut line).unwrap() > 0,
+                "boxery mcp ended"
+            );
             let v: Value = serde_json::from_str(&line).unwrap();
             if v["id"] == id {
                 return v;
@@ -124,7 +127,10 @@ impl Mcp {
     }
     /// `vm_computer` with `args`; panics on a tool error.
     fn computer(&mut self, args: Value) -> Value {
-        let r = self.request("tools/call", json!({"name": "vm_computer", "arguments": args}));
+        let r = self.request(
+            "tools/call",
+            json!({"name": "vm_computer", "arguments": args}),
+        );
         assert!(
             r["result"]["isError"] != true && r.get("error").is_none(),
             "vm_computer {args}: {r}"
@@ -157,7 +163,10 @@ fn qmp_screendump(sock: &Path, out: &Path) {
     ask(json!({"execute": "screendump",
                "arguments": {"filename": out.to_str().unwrap(), "format": "png"}}));
     let mut png = Vec::new();
-    std::fs::File::open(out).unwrap().read_to_end(&mut png).unwrap();
+    std::fs::File::open(out)
+        .unwrap()
+        .read_to_end(&mut png)
+        .unwrap();
     std::hint::black_box(png.len());
 }
 
@@ -171,7 +180,11 @@ fn ms(d: Duration) -> String {
 }
 
 /// `n` interleaved pairs: `a` then `b`, `b` then `a`, …
-fn pairs(n: usize, mut a: impl FnMut(usize), mut b: impl FnMut(usize)) -> (Vec<Duration>, Vec<Duration>) {
+fn pairs(
+    n: usize,
+    mut a: impl FnMut(usize),
+    mut b: impl FnMut(usize),
+) -> (Vec<Duration>, Vec<Duration>) {
     let (mut ta, mut tb) = (Vec::new(), Vec::new());
     for i in 0..n {
         let mut time = |f: &mut dyn FnMut(usize)| {
@@ -215,7 +228,8 @@ fn main() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap());
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/examples/desktop-vm.yaml");
+    let manifest =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/examples/desktop-vm.yaml");
     h.ok(&[
         "apply",
         "-f",
@@ -244,11 +258,7 @@ fn main() {
         },
         |_| h.ssh(vm, &format!("gzip -1 -c {fb}")),
     );
-    let (mut _c, mut raw) = pairs(
-        (n / 4).max(2),
-        |_| {},
-        |_| h.ssh(vm, &format!("cat {fb}")),
-    );
+    let (mut _c, mut raw) = pairs((n / 4).max(2), |_| {}, |_| h.ssh(vm, &format!("cat {fb}")));
     let (mut ma, mut mb) = pairs(
         n,
         |i| {

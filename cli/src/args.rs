@@ -567,8 +567,9 @@ pub(crate) enum Command {
         /// The action (screenshot, left_click, right_click, middle_click, double_click,
         /// triple_click, mouse_move, left_click_drag, type, key, scroll, cursor_position, wait).
         action: String,
-        /// The action's arguments (see below).
-        #[arg(allow_hyphen_values = true, value_name = "ARG")]
+        /// The action's arguments (see below); options may come before or after them, and
+        /// text that starts with `-` goes after `--` (`type -- -x`).
+        #[arg(allow_negative_numbers = true, value_name = "ARG")]
         args: Vec<String>,
         /// Keys held during a click (shift, ctrl+alt).
         #[arg(long, value_name = "KEYS")]

@@ -362,3 +362,51 @@ pub async fn computer(
     outln!("{}", done.said);
     Ok(ExitCode::SUCCESS)
 }
+
+#[cfg(test)]
+mod computer_tests {
+    use clap::Parser;
+
+    /// The command line as docs/desktop.md and `boxery computer --help` write it: options after
+    /// the action's words are options, never words of the action (a text typed on the wrong
+    /// screen).
+    #[test]
+    fn options_after_the_words_are_options() {
+        let parse = |line: &str| {
+            let argv = std::iter::once("boxery").chain(line.split(' '));
+            match crate::Cli::try_parse_from(argv).unwrap().command {
+                crate::Command::Computer {
+                    action,
+                    args,
+                    hold,
+                    at,
+                    output,
+                    console,
+                    ..
+                } => {
+                    let a = super::computer_action(&action, &args, hold, at.as_deref()).unwrap();
+                    (a, output, console)
+                }
+                _ => unreachable!(),
+            }
+        };
+        let (a, _, console) = parse("computer desk1 type hello --console");
+        assert_eq!(a.text.as_deref(), Some("hello"));
+        assert!(console);
+        let (a, _, _) = parse("computer desk1 scroll down 5 --at 640,400");
+        assert_eq!((a.scroll_amount, a.coordinate), (Some(5), Some([640, 400])));
+        let (a, out, _) = parse("computer desk1 wait 2 -o after.png");
+        assert_eq!(a.duration, Some(2.0));
+        assert_eq!(out.unwrap().to_str(), Some("after.png"));
+        let (a, _, _) = parse("computer desk1 left_click 640 400 --hold shift");
+        assert_eq!(
+            (a.coordinate, a.text.as_deref()),
+            (Some([640, 400]), Some("shift"))
+        );
+        let (a, _, _) = parse("computer desk1 type -- -x --console");
+        assert_eq!(a.text.as_deref(), Some("-x --console"));
+        // a negative coordinate is a number (refused later as off the screen), not an option
+        let (a, _, _) = parse("computer desk1 mouse_move -5 10");
+        assert_eq!(a.coordinate, Some([-5, 10]));
+    }
+}

@@ -96,7 +96,10 @@ pub(super) fn desktop_computer_use(kind: Kind) {
     // come up (some seconds after sshd at boot)
     let png = h.home.path().join("screen.png");
     let said = h.ok(&["screenshot", "desk1", png.to_str().unwrap()]);
-    assert!(said.contains("1280×800") && said.contains("desktop"), "{said}");
+    assert!(
+        said.contains("1280×800") && said.contains("desktop"),
+        "{said}"
+    );
     // the display unit settles (its start ends once the display answers; slow at boot)
     h.run(
         "desk1",

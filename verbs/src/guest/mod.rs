@@ -51,8 +51,24 @@ pub async fn helper(
     timeout: Duration,
     ct: &CancellationToken,
 ) -> Result<Vec<u8>> {
+    helper_stopped(v, vm, script, stdin, cap, timeout, ct, None).await
+}
+
+/// [`helper`], with `on_stop` run in the guest when the call times out or is cancelled (what
+/// kills what the script started: [`exec::kill_script`]).
+#[allow(clippy::too_many_arguments)]
+pub async fn helper_stopped(
+    v: &Verbs,
+    vm: &str,
+    script: &str,
+    stdin: Option<Vec<u8>>,
+    cap: usize,
+    timeout: Duration,
+    ct: &CancellationToken,
+    on_stop: Option<&str>,
+) -> Result<Vec<u8>> {
     let ssh = v.reach(vm).await?;
-    let r = exec::run(&ssh, script, stdin, cap, timeout, ct, None).await?;
+    let r = exec::run(&ssh, script, stdin, cap, timeout, ct, on_stop).await?;
     if r.cancelled {
         return Err(cancelled());
     }

@@ -38,14 +38,20 @@ use crate::{Result, VerbError, Verbs};
 
 /// The longest text `type` takes.
 pub const MAX_TEXT: usize = 4096;
+/// The longest text `type` takes on the console: its keyboard takes about 40 characters a
+/// second, and a batch holds the VM's monitor connection while it types.
+pub const MAX_CONSOLE_TEXT: usize = 256;
 /// The longest `wait`.
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
 /// The most notches one `scroll` turns.
 pub const MAX_SCROLL: u32 = 50;
 /// The framebuffer file Xvfb keeps (`-fbdir`) in a desktop VM.
 pub const FRAMEBUFFER: &str = "/run/boxery-desktop/Xvfb_screen0";
-/// The largest framebuffer read: 8192 × 8192 at 32 bits.
-const FRAMEBUFFER_CAP: usize = 256 << 20;
+/// The most gzipped framebuffer read (a real 7680 × 4320 screen is a few MB of it).
+const FRAMEBUFFER_CAP: usize = 32 << 20;
+/// The largest framebuffer ungzipped: the desktop layer's largest screen, 7680 × 4320 at 32
+/// bits, and its header.
+const FRAMEBUFFER_MAX: usize = 7680 * 4320 * 4 + (64 << 10);
 /// The desktop layer's exact typist (image/layers/desktop.sh).
 const TYPE: &str = "/usr/local/lib/boxery/desktop/type";
 /// How long one action may take in the guest.
@@ -392,8 +398,7 @@ pub async fn path_of(v: &Verbs, vm: &str, console: bool) -> Result<Path> {
     }
     let obj = crate::vm::get_vm(v, vm).await?;
     let has = |l: &[String]| l.iter().any(|l| l == "desktop");
-    let desktop = !obj.spec.headless
-        || has(&obj.status.layers)
+    let desktop = has(&obj.status.layers)
         || has(&obj.spec.layers)
         || obj
             .status
@@ -445,7 +450,7 @@ async fn grab(v: &Verbs, vm: &str, path: Path, ct: &CancellationToken) -> Result
             let script = framebuffer_script(vm, "gzip -1 -c");
             let bytes =
                 super::helper(v, vm, &script, None, FRAMEBUFFER_CAP, ACTION_TIMEOUT, ct).await?;
-            tokio::task::spawn_blocking(move || xwd::decode(&xwd::gunzip(&bytes, FRAMEBUFFER_CAP)?))
+            tokio::task::spawn_blocking(move || xwd::decode(&xwd::gunzip(&bytes, FRAMEBUFFER_MAX)?))
                 .await
                 .map_err(|e| VerbError::failed(format!("reading the screenshot: {e}")))?
         }
@@ -462,15 +467,15 @@ async fn grab(v: &Verbs, vm: &str, path: Path, ct: &CancellationToken) -> Result
     }
 }
 
-/// The guest's shell that waits (at most a minute) while the desktop is starting: its display
+/// The guest's shell that waits (at most 45 s) while the desktop is starting: its display
 /// comes up some seconds after sshd at boot, and after a restart.
-const WAIT_FOR_DESKTOP: &str = "for _ in $(seq 600); do [ -S /tmp/.X11-unix/X0 ] && [ -r /run/boxery-desktop/Xvfb_screen0 ] && break; case $(systemctl is-active boxery-desktop 2>/dev/null) in activating|reloading) sleep 0.1 ;; *) break ;; esac; done; ";
+const WAIT_FOR_DESKTOP: &str = "end=$(($(date +%s) + 45)); while [ \"$(date +%s)\" -lt \"$end\" ]; do [ -S /tmp/.X11-unix/X0 ] && [ -r /run/boxery-desktop/Xvfb_screen0 ] && break; case $(systemctl is-active boxery-desktop 2>/dev/null) in activating|reloading|deactivating) sleep 0.2 ;; *) break ;; esac; done; ";
 
 /// The guest's script that runs `read` on the desktop's framebuffer file, or says there is
 /// none.
 fn framebuffer_script(vm: &str, read: &str) -> String {
     format!(
-        "{WAIT_FOR_DESKTOP}f={FRAMEBUFFER}; [ -r \"$f\" ] || {{ echo \"VM {vm} runs no desktop ($f is missing): is boxery-desktop.service running? (systemctl status boxery-desktop)\" >&2; exit 3; }}; exec {read} \"$f\""
+        "{WAIT_FOR_DESKTOP}f={FRAMEBUFFER}; [ -r \"$f\" ] || {{ echo \"VM {vm} runs no desktop ($f is missing): is its desktop running? (boxery run {vm} -- systemctl status boxery-desktop)\" >&2; exit 3; }}; exec {read} \"$f\""
     )
 }
 
@@ -635,7 +640,7 @@ fn button_word(b: PointerButton) -> &'static str {
 /// The shell that runs xdotool on the desktop's display, or says there is none.
 pub fn xdotool_preamble(vm: &str) -> String {
     format!(
-        "{WAIT_FOR_DESKTOP}export DISPLAY=:0; [ -S /tmp/.X11-unix/X0 ] || {{ echo \"VM {vm} runs no desktop (display :0 is down): is boxery-desktop.service running? (systemctl status boxery-desktop)\" >&2; exit 3; }}; command -v xdotool >/dev/null || {{ echo \"VM {vm} has no xdotool: make it with the desktop layer\" >&2; exit 3; }}; "
+        "{WAIT_FOR_DESKTOP}export DISPLAY=:0; [ -S /tmp/.X11-unix/X0 ] || {{ echo \"VM {vm} runs no desktop (display :0 is down): is its desktop running? (boxery run {vm} -- systemctl status boxery-desktop)\" >&2; exit 3; }}; command -v xdotool >/dev/null || {{ echo \"VM {vm} has no xdotool: make it with the desktop layer\" >&2; exit 3; }}; "
     )
 }
 
@@ -752,8 +757,20 @@ async fn desktop(
     ct: &CancellationToken,
 ) -> Result<(String, Option<[u32; 2]>)> {
     let (cmd, said) = xdotool(c, scale)?;
-    let script = format!("{}{cmd}", xdotool_preamble(vm));
-    let out = super::helper(v, vm, &script, None, 4096, ACTION_TIMEOUT, ct).await?;
+    // tagged, so that a call that times out or is cancelled stops typing in the guest
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let script = format!(
+        "export {}={id}; {}{cmd}",
+        super::exec::CALL_TAG,
+        xdotool_preamble(vm)
+    );
+    let timeout = match c {
+        // 12 ms a character, 50 ms a key bound, and the guest's own pace under emulation
+        Checked::Type(t) => ACTION_TIMEOUT + Duration::from_millis(100) * t.chars().count() as u32,
+        _ => ACTION_TIMEOUT,
+    };
+    let kill = super::exec::kill_script(&id);
+    let out = super::helper_stopped(v, vm, &script, None, 4096, timeout, ct, Some(&kill)).await?;
     if let Checked::Cursor = c {
         let out = String::from_utf8_lossy(&out);
         let field = |k: &str| {
@@ -813,6 +830,11 @@ fn console_events(c: &Checked, scale: Option<Scale>) -> Result<(Vec<InputEvent>,
     let mut ev = Vec::new();
     let said = match c {
         Checked::Type(t) => {
+            if t.len() > MAX_CONSOLE_TEXT {
+                return Err(refuse(format!(
+                    "the console types at most {MAX_CONSOLE_TEXT} characters at a time (its keyboard takes about 40 a second): type it in parts"
+                )));
+            }
             for ch in t.chars() {
                 let k = keys::of_char(ch).ok_or_else(|| {
                     refuse(format!(
@@ -1068,6 +1090,8 @@ mod tests {
                 "+shift", "+a", "-a", "-shift", "+shift", "+1", "-1", "-shift"
             ]
         );
+        let long = console_events(&Checked::Type("a".repeat(MAX_CONSOLE_TEXT + 1)), None);
+        assert!(long.unwrap_err().to_string().contains("at most 256"));
         let e = console_events(&Checked::Type("é".into()), None)
             .unwrap_err()
             .to_string();

@@ -161,11 +161,11 @@ pub fn decode(data: &[u8]) -> Result<Rgb> {
                 (_, false) => u32::from_be_bytes([0, px[0], px[1], px[2]]),
             };
             for c in 0..3 {
-                let x = (v & masks[c]) >> shifts[c];
+                let x = u64::from((v & masks[c]) >> shifts[c]);
                 pixels.push(if maxes[c] == 255 {
                     x as u8
                 } else {
-                    (x * 255 / maxes[c]) as u8
+                    (x * 255 / u64::from(maxes[c])) as u8
                 });
             }
         }
@@ -251,6 +251,12 @@ pub(crate) mod tests {
                 let _ = decode(&f);
             }
         }
+        // a mask of 32 bits and a pixel of all ones: no overflow
+        let mut wide = good.clone();
+        wide[RED_MASK * 4..RED_MASK * 4 + 4].copy_from_slice(&u32::MAX.to_be_bytes());
+        let start = good.len() - 16 * 4;
+        wide[start..].fill(0xff);
+        assert!(decode(&wide).is_ok());
         let mut huge = good.clone();
         huge[WIDTH * 4..WIDTH * 4 + 4].copy_from_slice(&(MAX_SIDE + 1).to_be_bytes());
         assert!(decode(&huge).is_err());
