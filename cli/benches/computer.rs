@@ -187,7 +187,7 @@ fn pairs(
 ) -> (Vec<Duration>, Vec<Duration>) {
     let (mut ta, mut tb) = (Vec::new(), Vec::new());
     for i in 0..n {
-        let mut time = |f: &mut dyn FnMut(usize)| {
+        let time = |f: &mut dyn FnMut(usize)| {
             let t = Instant::now();
             f(i);
             t.elapsed()
