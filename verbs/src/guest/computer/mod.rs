@@ -134,7 +134,7 @@ pub struct Action {
 }
 
 /// How a VM's screen is reached.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema, Hash)]
 #[serde(rename_all = "lowercase")]
 pub enum Path {
     /// The desktop layer's X display in the guest, over ssh.
@@ -421,24 +421,74 @@ pub async fn screenshot(
     ct: &CancellationToken,
 ) -> Result<Shot> {
     let path = path_of(v, vm, console).await?;
-    let rgb = grab(v, vm, path, ct).await?;
-    let (w, h) = (rgb.width, rgb.height);
-    let scale = if for_model {
-        Scale::for_model(w, h)
-    } else {
-        Scale::none(w, h)
+    let scale_of = |w, h| {
+        if for_model {
+            Scale::for_model(w, h)
+        } else {
+            Scale::none(w, h)
+        }
     };
+    // the console's PNG as the hypervisor made it, when it is shown at its own size
+    if path == Path::Console {
+        let screen = screendump(v, vm).await?;
+        let scale = scale_of(screen.width, screen.height);
+        remember(v, vm, path, scale.screen);
+        let png = if scale.shown == scale.screen {
+            screen.png
+        } else {
+            tokio::task::spawn_blocking(move || {
+                picture::png(picture::from_png(&screen.png)?, scale)
+            })
+            .await
+            .map_err(|e| VerbError::failed(format!("encoding the screenshot: {e}")))??
+        };
+        return Ok(shot(png, scale, path));
+    }
+    let rgb = grab(v, vm, path, ct).await?;
+    let scale = scale_of(rgb.width, rgb.height);
+    remember(v, vm, path, scale.screen);
     let png = tokio::task::spawn_blocking(move || picture::png(rgb, scale))
         .await
         .map_err(|e| VerbError::failed(format!("encoding the screenshot: {e}")))??;
-    Ok(Shot {
+    Ok(shot(png, scale, path))
+}
+
+fn shot(png: Vec<u8>, scale: Scale, path: Path) -> Shot {
+    Shot {
         png,
         width: scale.shown.0,
         height: scale.shown.1,
-        screen_width: w,
-        screen_height: h,
+        screen_width: scale.screen.0,
+        screen_height: scale.screen.1,
         path,
-    })
+    }
+}
+
+/// The size of each screen last shown in this process (by home, VM and path): what a model's
+/// coordinates are pixels of. An action on the desktop checks in the guest that the screen is
+/// still that size (else it is refused: take a screenshot), so it needs no read of its own.
+type Sizes = std::collections::HashMap<(std::path::PathBuf, String, Path), (u32, u32)>;
+static SIZES: std::sync::Mutex<Option<Sizes>> = std::sync::Mutex::new(None);
+
+fn remember(v: &Verbs, vm: &str, path: Path, size: (u32, u32)) {
+    let mut m = SIZES.lock().unwrap_or_else(|p| p.into_inner());
+    m.get_or_insert_with(Default::default)
+        .insert((v.env.home.clone(), vm.to_string(), path), size);
+}
+
+fn remembered(v: &Verbs, vm: &str, path: Path) -> Option<(u32, u32)> {
+    let m = SIZES.lock().unwrap_or_else(|p| p.into_inner());
+    m.as_ref()?
+        .get(&(v.env.home.clone(), vm.to_string(), path))
+        .copied()
+}
+
+async fn screendump(v: &Verbs, vm: &str) -> Result<boxery_backends::Screen> {
+    console_backend(v)
+        .await?
+        .screendump(vm)
+        .await
+        .map_err(|e| backend_error(vm, e))
 }
 
 /// The screen's pixels.
@@ -455,11 +505,7 @@ async fn grab(v: &Verbs, vm: &str, path: Path, ct: &CancellationToken) -> Result
                 .map_err(|e| VerbError::failed(format!("reading the screenshot: {e}")))?
         }
         Path::Console => {
-            let screen = console_backend(v)
-                .await?
-                .screendump(vm)
-                .await
-                .map_err(|e| backend_error(vm, e))?;
+            let screen = screendump(v, vm).await?;
             tokio::task::spawn_blocking(move || picture::from_png(&screen.png))
                 .await
                 .map_err(|e| VerbError::failed(format!("reading the screenshot: {e}")))?
@@ -486,11 +532,14 @@ async fn size(v: &Verbs, vm: &str, path: Path, ct: &CancellationToken) -> Result
         Path::Desktop => {
             let script = framebuffer_script(vm, &format!("head -c {}", xwd::HEADER));
             let head = super::helper(v, vm, &script, None, xwd::HEADER, ACTION_TIMEOUT, ct).await?;
-            xwd::size(&head)
+            let size = xwd::size(&head)?;
+            remember(v, vm, path, size);
+            Ok(size)
         }
         Path::Console => {
-            let rgb = grab(v, vm, path, ct).await?;
-            Ok((rgb.width, rgb.height))
+            let screen = screendump(v, vm).await?;
+            remember(v, vm, path, (screen.width, screen.height));
+            Ok((screen.width, screen.height))
         }
     }
 }
@@ -565,8 +614,12 @@ pub async fn act(
         _ => {}
     }
     // the screen's size, to check and scale coordinates, asked of the screen itself
+    let known = remembered(v, vm, path);
     let scale = if needs_scale(&checked) {
-        let (w, h) = size(v, vm, path, ct).await?;
+        let (w, h) = match known {
+            Some(size) => size,
+            None => size(v, vm, path, ct).await?,
+        };
         Some(if for_model {
             Scale::for_model(w, h)
         } else {
@@ -577,7 +630,17 @@ pub async fn act(
     };
     let doing = v.doing("computer", Some(vm), describe(action));
     let r = match path {
-        Path::Desktop => desktop(v, vm, &checked, scale, ct).await,
+        Path::Desktop => {
+            desktop(
+                v,
+                vm,
+                &checked,
+                scale.filter(|_| known.is_some()),
+                scale,
+                ct,
+            )
+            .await
+        }
         Path::Console => console_act(v, vm, &checked, scale).await,
     };
     match &r {
@@ -641,6 +704,14 @@ fn button_word(b: PointerButton) -> &'static str {
 pub fn xdotool_preamble(vm: &str) -> String {
     format!(
         "{WAIT_FOR_DESKTOP}export DISPLAY=:0; [ -S /tmp/.X11-unix/X0 ] || {{ echo \"VM {vm} runs no desktop (display :0 is down): is its desktop running? (boxery run {vm} -- systemctl status boxery-desktop)\" >&2; exit 3; }}; command -v xdotool >/dev/null || {{ echo \"VM {vm} has no xdotool: make it with the desktop layer\" >&2; exit 3; }}; "
+    )
+}
+
+/// The guest's shell that refuses (exit 5) when the desktop is no longer `size` (the size of
+/// the screen a model's coordinates are pixels of), from its framebuffer's header.
+fn same_size(framebuffer: &str, (w, h): (u32, u32)) -> String {
+    format!(
+        "set -- $(od -An -tu4 -j16 -N8 --endian=big {framebuffer}); [ \"$1x$2\" = {w}x{h} ] || {{ echo \"the screen is now $1×$2, not the {w}×{h} of the last screenshot: take a screenshot, and use its coordinates\" >&2; exit 5; }}; "
     )
 }
 
@@ -753,10 +824,14 @@ async fn desktop(
     v: &Verbs,
     vm: &str,
     c: &Checked,
+    guard: Option<Scale>,
     scale: Option<Scale>,
     ct: &CancellationToken,
 ) -> Result<(String, Option<[u32; 2]>)> {
-    let (cmd, said) = xdotool(c, scale)?;
+    let (mut cmd, said) = xdotool(c, scale)?;
+    if let Some(g) = guard {
+        cmd = format!("{}{cmd}", same_size(FRAMEBUFFER, g.screen));
+    }
     // tagged, so that a call that times out or is cancelled stops typing in the guest
     let id = uuid::Uuid::new_v4().simple().to_string();
     let script = format!(
@@ -1070,6 +1145,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("off the screen"), "{e}");
+    }
+
+    /// An action checks in the guest that the screen is the size of the last screenshot.
+    #[test]
+    fn an_action_is_refused_when_the_screen_changed_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let fb = dir.path().join("Xvfb_screen0");
+        std::fs::write(&fb, xwd::tests::xwd(1280, 800, |_, _| [0, 0, 0])).unwrap();
+        let run = |size| {
+            std::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!(
+                    "{}echo acted",
+                    same_size(fb.to_str().unwrap(), size)
+                ))
+                .output()
+                .unwrap()
+        };
+        let o = run((1280, 800));
+        assert_eq!(String::from_utf8_lossy(&o.stdout), "acted\n");
+        let o = run((1920, 1080));
+        assert_eq!(o.status.code(), Some(5));
+        assert!(o.stdout.is_empty());
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(e.contains("now 1280×800, not the 1920×1080"), "{e}");
     }
 
     #[test]
