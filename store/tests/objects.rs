@@ -332,56 +332,47 @@ fn open_creates_directories_and_reopens_with_data() {
 /// deleted; only setting such a field anew is refused (ratcheting).
 #[test]
 fn fields_nothing_implements_are_refused_only_when_set_anew() {
+    // (a Pool's replicas without a template: nothing could make those members)
     let (_d, s) = common::store();
-    let with_desktop = serde_json::json!({
-        "apiVersion": boxery_api::API_VERSION, "kind": "Vm",
-        "metadata": {"name": "old", "finalizers": ["boxery.dev/vm"]},
-        "spec": {"source": {"image": "debian-12"}, "headless": false}
-    });
-    let e = s
-        .create(serde_json::from_value(with_desktop.clone()).unwrap())
-        .unwrap_err();
-    assert!(e.to_string().contains("spec.headless"), "{e}");
-    assert!(e.to_string().contains("not implemented yet"), "{e}");
+    let pool = |name: &str, replicas: u32| -> boxery_api::DynObject {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": boxery_api::API_VERSION, "kind": "Pool",
+            "metadata": {"name": name},
+            "spec": {"replicas": replicas}
+        }))
+        .unwrap()
+    };
+    let e = s.create(pool("old", 2)).unwrap_err();
+    assert!(e.to_string().contains("spec.replicas"), "{e}");
+    assert!(e.to_string().contains("no template"), "{e}");
 
     // An object an older boxery stored with the field, written into the file directly.
-    let clean = s.create(common::vm("old")).unwrap();
+    let clean = s.create(pool("old", 0)).unwrap();
     let mut stored: serde_json::Value = serde_json::to_value(&clean).unwrap();
-    stored["spec"]["headless"] = serde_json::json!(false);
-    stored["metadata"]["finalizers"] = serde_json::json!(["boxery.dev/vm"]);
+    stored["spec"]["replicas"] = serde_json::json!(2);
     let conn = rusqlite::Connection::open(s.path()).unwrap();
     conn.execute(
-        "UPDATE objects SET json = ?1 WHERE kind = 'Vm' AND name = 'old'",
+        "UPDATE objects SET json = ?1 WHERE kind = 'Pool' AND name = 'old'",
         [stored.to_string()],
     )
     .unwrap();
     drop(conn);
 
-    // Status, labels and finalizers are written; the spec is untouched.
-    let mut o = s.get("Vm", "old").unwrap().unwrap();
+    // Status and labels are written; the spec is untouched.
+    let mut o = s.get("Pool", "old").unwrap().unwrap();
     o.metadata.labels.insert("team".into(), "a".into());
     let o = s.update(o).unwrap();
     let mut st = o.clone();
     st.rest
-        .insert("status".into(), serde_json::json!({"phase": "Running"}));
+        .insert("status".into(), serde_json::json!({"replicas": 0}));
     s.update_status(st).unwrap();
     // A spec change that keeps the field as it was is accepted; a new object setting it is not.
-    let mut o = s.get("Vm", "old").unwrap().unwrap();
-    o.rest["spec"]["resources"] = serde_json::json!({"cpus": 2});
+    let mut o = s.get("Pool", "old").unwrap().unwrap();
+    o.rest["spec"]["lease"] = serde_json::json!({"defaultTtlSeconds": 600, "maxTtlSeconds": 3600});
     s.update(o).unwrap();
-    let mut fresh = with_desktop.clone();
-    fresh["metadata"]["name"] = serde_json::json!("new");
-    let e = s
-        .create(serde_json::from_value(fresh).unwrap())
-        .unwrap_err();
-    assert!(e.to_string().contains("spec.headless"), "{e}");
-    // It can be deleted: the finalizer's removal goes through.
-    assert!(matches!(
-        s.delete("Vm", "old").unwrap(),
-        boxery_store::DeleteOutcome::Marked(_)
-    ));
-    let mut o = s.get("Vm", "old").unwrap().unwrap();
-    o.metadata.finalizers.clear();
-    s.update(o).unwrap();
-    assert!(s.get("Vm", "old").unwrap().is_none());
+    let e = s.create(pool("new", 2)).unwrap_err();
+    assert!(e.to_string().contains("spec.replicas"), "{e}");
+    // It can be deleted.
+    s.delete("Pool", "old").unwrap();
+    assert!(s.get("Pool", "old").unwrap().is_none());
 }
