@@ -947,9 +947,15 @@ fn kind_slash_name_and_several_kinds() {
 fn edit_opens_the_editor_and_applies_on_save() {
     let home = Home::new();
     home.ok(&["new", "e1", "--from", "tiny", "--stopped", "--wait"]);
+    // the text a stopped edit keeps goes to TMPDIR: the test's own, not the machine's /tmp
+    let tmp = home.path().join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
     let edit = |editor: &str, args: &[&str]| {
         let mut c = home.cmd();
-        c.env("EDITOR", editor).env_remove("KUBE_EDITOR").args(args);
+        c.env("EDITOR", editor)
+            .env("TMPDIR", &tmp)
+            .env_remove("KUBE_EDITOR")
+            .args(args);
         c.output().unwrap()
     };
     // (the spec's cpus, not the status's)
@@ -1009,6 +1015,9 @@ fn edit_opens_the_editor_and_applies_on_save() {
             String::from_utf8_lossy(&o.stderr)
         );
     }
+    // each stopped edit kept the person's text where it said, in TMPDIR
+    let kept = std::fs::read_dir(&tmp).unwrap().flatten().count();
+    assert_eq!(kept, 3, "one kept text per stopped edit");
     assert_eq!(
         home.ok(&["get", "vm", "e1", "-o", "jsonpath={.spec.resources.cpus}"]),
         "3\n"
