@@ -883,4 +883,34 @@ fn an_agent_cannot_raise_or_remove_a_budget() {
         r#"{"spec": {"budget": {"tokensPerMonth": 5000}}}"#,
     ]);
     assert_eq!(budgets(), (Some(0.5), Some(5000)));
+    // nor delete the budgeted pool (to make it again without one)
+    let (err, text) = mcp.call("vm_delete", json!({"kind": "pool", "names": ["bp"]}));
+    assert!(
+        err && text.contains("an agent cannot delete pool bp"),
+        "{text}"
+    );
+    assert!(
+        home.store()
+            .get_as::<boxery_api::Pool>("bp")
+            .unwrap()
+            .is_some()
+    );
+    // nor loosen a pool template's egress by removing the template first
+    let strict = home.write(
+        "sp.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: sp}\nspec:\n  replicas: 0\n  template: {spec: {source: {image: tiny}, network: {egress: {policy: Deny}}}}\n",
+    );
+    home.ok(&["apply", "-f", strict.to_str().unwrap()]);
+    let (err, text) = mcp.call(
+        "vm_patch",
+        json!({"kind": "pool", "name": "sp", "patch": r#"{"spec": {"template": null}}"#}),
+    );
+    assert!(err && text.contains("an agent cannot loosen"), "{text}");
+    // nor take over boxery's own labels with an apply (a pool's membership holds a budget)
+    let (err, text) = mcp.call(
+        "vm_apply",
+        json!({"manifest": "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: sp, labels: {boxery.dev/pool: other}}\nspec:\n  replicas: 0\n  template: {spec: {source: {image: tiny}, network: {egress: {policy: Deny}}}}\n",
+               "force_conflicts": true}),
+    );
+    assert!(err && text.contains("keys under boxery.dev/"), "{text}");
 }

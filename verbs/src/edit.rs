@@ -653,6 +653,27 @@ fn same_as_stored(cur: &DynObject, new: &DynObject) -> bool {
     strip(cur) == strip(new)
 }
 
+/// Refuse `new` when its labels under `boxery.dev/` differ from `cur`'s (none when it is new):
+/// they are boxery's own (a pool's membership, an apply set), on every write a caller makes.
+pub(crate) fn same_system_labels(cur: Option<&DynObject>, new: &DynObject) -> Result<()> {
+    fn system(o: Option<&DynObject>) -> Vec<(&String, &String)> {
+        o.map(|o| {
+            o.metadata
+                .labels
+                .iter()
+                .filter(|(k, _)| k.starts_with(SYSTEM_PREFIX))
+                .collect()
+        })
+        .unwrap_or_default()
+    }
+    if system(cur) != system(Some(new)) {
+        return Err(VerbError::invalid(
+            "metadata.labels cannot be changed here: keys under boxery.dev/ are boxery's own (a pool's membership, an apply set)",
+        ));
+    }
+    Ok(())
+}
+
 /// Refuse a change of what is not a person's to change here, naming the field.
 fn check_owned_fields(cur: &DynObject, new: &DynObject) -> Result<()> {
     let (a, b) = (&cur.metadata, &new.metadata);
@@ -697,12 +718,7 @@ fn check_owned_fields(cur: &DynObject, new: &DynObject) -> Result<()> {
             "keys under boxery.dev/ are boxery's own",
         );
     }
-    if system(&a.labels) != system(&b.labels) {
-        return refuse(
-            "metadata.labels",
-            "keys under boxery.dev/ are boxery's own (a pool's membership, an apply set)",
-        );
-    }
+    same_system_labels(Some(cur), new)?;
     let status = |o: &DynObject| o.rest.get("status").cloned();
     if status(new).is_some() && status(cur) != status(new) {
         return refuse(

@@ -27,9 +27,12 @@ pub fn of(o: &DynObject) -> Option<Egress> {
 /// Refuse a change from `cur` to `new` that lets the guest reach more (asked by
 /// [`crate::loosen::check`], in the tool voice).
 pub(crate) fn check(cur: &DynObject, new: &DynObject) -> Result<()> {
-    let (Some(before), Some(after)) = (of(cur), of(new)) else {
+    // a Pool whose template is removed sets none: what a template added later would be
+    // compared with is the default, Public
+    let Some(before) = of(cur) else {
         return Ok(());
     };
+    let after = of(new).unwrap_or_default();
     match after.looser_than(&before) {
         None => Ok(()),
         Some(how) => {

@@ -21,6 +21,15 @@ pub fn check(v: &Verbs, cur: &DynObject, new: &DynObject) -> Result<()> {
         return Ok(());
     }
     crate::egress::check(cur, new)?;
+    // a lease is held by its pool's budgets: moved to another pool, it would leave them
+    let pool = |o: &DynObject| o.rest.get("spec").and_then(|s| s.get("pool")).cloned();
+    if new.kind == "Lease" && pool(cur) != pool(new) {
+        let name = &new.metadata.name;
+        return Err(VerbError::invalid(format!(
+            "an agent cannot move lease {name} to another pool (its pool's budgets hold it): \
+             release it and acquire one from the other pool"
+        )));
+    }
     let Some(how) = looser_budget(cur, new) else {
         return Ok(());
     };
@@ -29,6 +38,28 @@ pub fn check(v: &Verbs, cur: &DynObject, new: &DynObject) -> Result<()> {
         "an agent cannot raise or remove {} {name}'s budget ({how}): a person does, with \
          `boxery patch {kind} {name} …` or `boxery edit {kind} {name}`; lowering it is allowed",
         new.kind
+    )))
+}
+
+/// Refuse, in the tool voice, deleting `cur` when that lifts a limit: a Pool with a budget
+/// (made again without one, its leases would run unbounded).
+pub fn may_delete(v: &Verbs, cur: &DynObject) -> Result<()> {
+    if v.voice != Voice::Tool || cur.kind != "Pool" {
+        return Ok(());
+    }
+    let spec = cur.rest.get("spec");
+    let budgeted = spec.and_then(|s| s.get("budget")).is_some()
+        || spec
+            .and_then(|s| s.get("lease"))
+            .and_then(|l| l.get("budget"))
+            .is_some();
+    if !budgeted {
+        return Ok(());
+    }
+    let name = &cur.metadata.name;
+    Err(VerbError::invalid(format!(
+        "an agent cannot delete pool {name}: it has a budget, which a person lifts \
+         (`boxery delete pool {name}`)"
     )))
 }
 

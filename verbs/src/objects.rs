@@ -154,7 +154,8 @@ pub async fn apply(v: &Verbs, objs: Vec<DynObject>, mut opts: ApplyOptions) -> R
     let dry_run = opts.dry_run;
     if v.voice == Voice::Tool {
         // What the apply would make, against what is stored: an agent never loosens an
-        // egress policy or a budget (crate::loosen), whichever field manager owns it.
+        // egress policy or a budget (crate::loosen), whichever field manager owns it, nor
+        // sets or takes over boxery's own labels.
         let would = v
             .store()
             .apply_all(
@@ -166,11 +167,14 @@ pub async fn apply(v: &Verbs, objs: Vec<DynObject>, mut opts: ApplyOptions) -> R
             )
             .await
             .map_err(|e| refused(v, e))?;
-        for (_, new) in &would {
-            if !crate::loosen::guarded(new) {
+        for (action, new) in &would {
+            if *action == ApplyAction::Pruned {
+                crate::loosen::may_delete(v, new)?;
                 continue;
             }
-            if let Some(cur) = v.store().get(&ObjectRef::to(new)).await? {
+            let cur = v.store().get(&ObjectRef::to(new)).await?;
+            crate::edit::same_system_labels(cur.as_ref(), new)?;
+            if let Some(cur) = cur.filter(|_| crate::loosen::guarded(new)) {
                 crate::loosen::check(v, &cur, new)?;
             }
         }
@@ -497,6 +501,11 @@ pub async fn delete(v: &Verbs, info: &'static KindInfo, names: &[String]) -> Res
     }
     let mut out = Vec::new();
     for n in names {
+        if v.voice == Voice::Tool
+            && let Some(cur) = v.store().get(&ObjectRef::new(info.kind, n)).await?
+        {
+            crate::loosen::may_delete(v, &cur)?;
+        }
         let r = match v.store().delete(&ObjectRef::new(info.kind, n)).await {
             Err(StoreError::NotFound { .. }) if info.kind == "Vm" && v.voice == Voice::Tool => {
                 return Err(v.vm_not_found(n).await);
