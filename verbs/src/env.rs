@@ -224,28 +224,39 @@ impl Env {
         boxery_backends::by_name(&self.backend_name, &self.home).map_err(VerbError::invalid)
     }
 
+    /// An error when `kind` `name`'s status says it lives on another backend than the one
+    /// selected: one home drives one backend.
+    fn elsewhere(&self, kind: &str, name: &str, on: &Option<String>) -> Option<VerbError> {
+        let selected = self.backend_name.as_str();
+        on.as_deref().filter(|b| *b != selected).map(|b| {
+            VerbError::invalid(format!(
+                "{kind} {name} in {} lives on the `{b}` backend, not `{selected}`: one home \
+                 drives one backend. Use another BOXERY_HOME for `{selected}`, or select \
+                 `{b}` again (--backend, BOXERY_BACKEND or config.yaml)",
+                self.home.display()
+            ))
+        })
+    }
+
+    /// The backend VM `vm` lives on: the selected one, unless its status names another.
+    pub fn backend_of(&self, vm: &boxery_api::Vm) -> Result<Arc<dyn Backend>> {
+        match self.elsewhere("Vm", vm.name(), &vm.status.backend) {
+            Some(e) => Err(e),
+            None => self.backend(),
+        }
+    }
+
     /// The backend, once the store's VMs and images are known to live on it. One home drives
     /// one backend: controllers on another would find every VM missing and mark it `Lost`.
     pub async fn backend_for(&self, store: &dyn ObjectStore) -> Result<Arc<dyn Backend>> {
-        let selected = self.backend_name.as_str();
-        let elsewhere = |kind: &str, name: &str, on: &Option<String>| {
-            on.as_deref().filter(|b| *b != selected).map(|b| {
-                VerbError::invalid(format!(
-                    "{kind} {name} in {} lives on the `{b}` backend, not `{selected}`: one home \
-                     drives one backend. Use another BOXERY_HOME for `{selected}`, or select \
-                     `{b}` again (--backend, BOXERY_BACKEND or config.yaml)",
-                    self.home.display()
-                ))
-            })
-        };
         let all = boxery_api::Selector::default();
         for vm in store.list_as::<boxery_api::Vm>(&all).await? {
-            if let Some(e) = elsewhere("Vm", vm.name(), &vm.status.backend) {
+            if let Some(e) = self.elsewhere("Vm", vm.name(), &vm.status.backend) {
                 return Err(e);
             }
         }
         for img in store.list_as::<boxery_api::Image>(&all).await? {
-            if let Some(e) = elsewhere("Image", img.name(), &img.status.backend) {
+            if let Some(e) = self.elsewhere("Image", img.name(), &img.status.backend) {
                 return Err(e);
             }
         }

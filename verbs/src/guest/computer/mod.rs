@@ -27,7 +27,9 @@ pub mod xwd;
 
 use std::time::Duration;
 
-use boxery_backends::{InputEvent, PointerButton};
+use std::sync::Arc;
+
+use boxery_backends::{Backend, InputEvent, PointerButton};
 use boxery_hands::shell_quote;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -390,14 +392,28 @@ impl Action {
     }
 }
 
-/// Which way VM `vm`'s screen is reached: the desktop when it was made with the desktop layer
-/// (or had it added) and the console is not asked for.
-pub async fn path_of(v: &Verbs, vm: &str, console: bool) -> Result<Path> {
-    if console {
-        return Ok(Path::Console);
+/// Which way a VM's screen is reached, with the backend for the console.
+enum Way {
+    /// The desktop layer's display, over ssh.
+    Desktop,
+    /// The hypervisor's screen, through the VM's backend.
+    Console(Arc<dyn Backend>),
+}
+
+impl Way {
+    fn path(&self) -> Path {
+        match self {
+            Way::Desktop => Path::Desktop,
+            Way::Console(_) => Path::Console,
+        }
     }
+}
+
+/// Which way VM `vm`'s screen is reached (it must be in the store): the desktop when it was
+/// made with the desktop layer (or had it added) and the console is not asked for.
+async fn way(v: &Verbs, vm: &str, console: bool) -> Result<Way> {
     let obj = crate::vm::get_vm(v, vm).await?;
-    let has = |l: &[String]| l.iter().any(|l| l == "desktop");
+    let has = |l: &[String]| l.iter().any(|l| l == boxery_api::vm::DESKTOP);
     let desktop = has(&obj.status.layers)
         || has(&obj.spec.layers)
         || obj
@@ -405,11 +421,15 @@ pub async fn path_of(v: &Verbs, vm: &str, console: bool) -> Result<Path> {
             .build_info
             .as_ref()
             .is_some_and(|b| has(&b.layers));
-    Ok(if desktop {
-        Path::Desktop
-    } else {
-        Path::Console
-    })
+    if desktop && !console {
+        return Ok(Way::Desktop);
+    }
+    if v.remote_plane().is_some() {
+        return Err(VerbError::invalid(
+            "the console is reached on the VM's host: run this there, or use a VM with the desktop layer (its desktop is reached through the context)",
+        ));
+    }
+    Ok(Way::Console(v.env.backend_of(&obj)?))
 }
 
 /// A screenshot of VM `vm`'s screen, scaled for a model (`for_model`) or whole.
@@ -420,7 +440,17 @@ pub async fn screenshot(
     for_model: bool,
     ct: &CancellationToken,
 ) -> Result<Shot> {
-    let path = path_of(v, vm, console).await?;
+    let way = way(v, vm, console).await?;
+    shoot(v, vm, &way, for_model, ct).await
+}
+
+async fn shoot(
+    v: &Verbs,
+    vm: &str,
+    way: &Way,
+    for_model: bool,
+    ct: &CancellationToken,
+) -> Result<Shot> {
     let scale_of = |w, h| {
         if for_model {
             Scale::for_model(w, h)
@@ -428,28 +458,33 @@ pub async fn screenshot(
             Scale::none(w, h)
         }
     };
-    // the console's PNG as the hypervisor made it, when it is shown at its own size
-    if path == Path::Console {
-        let screen = screendump(v, vm).await?;
-        let scale = scale_of(screen.width, screen.height);
-        remember(v, vm, path, scale.screen);
-        let png = if scale.shown == scale.screen {
-            screen.png
-        } else {
-            tokio::task::spawn_blocking(move || {
-                picture::png(picture::from_png(&screen.png)?, scale)
-            })
-            .await
-            .map_err(|e| VerbError::failed(format!("encoding the screenshot: {e}")))??
-        };
-        return Ok(shot(png, scale, path));
-    }
-    let rgb = grab(v, vm, path, ct).await?;
-    let scale = scale_of(rgb.width, rgb.height);
+    let path = way.path();
+    let (png, scale) = match way {
+        Way::Console(backend) => {
+            let screen = screendump(backend, vm).await?;
+            let scale = scale_of(screen.width, screen.height);
+            // the hypervisor's PNG as it is, when it is shown at its own size
+            if scale.shown == scale.screen {
+                (screen.png, scale)
+            } else {
+                let png = tokio::task::spawn_blocking(move || {
+                    picture::png(picture::from_png(&screen.png)?, scale)
+                })
+                .await
+                .map_err(|e| VerbError::failed(format!("encoding the screenshot: {e}")))??;
+                (png, scale)
+            }
+        }
+        Way::Desktop => {
+            let rgb = framebuffer(v, vm, ct).await?;
+            let scale = scale_of(rgb.width, rgb.height);
+            let png = tokio::task::spawn_blocking(move || picture::png(rgb, scale))
+                .await
+                .map_err(|e| VerbError::failed(format!("encoding the screenshot: {e}")))??;
+            (png, scale)
+        }
+    };
     remember(v, vm, path, scale.screen);
-    let png = tokio::task::spawn_blocking(move || picture::png(rgb, scale))
-        .await
-        .map_err(|e| VerbError::failed(format!("encoding the screenshot: {e}")))??;
     Ok(shot(png, scale, path))
 }
 
@@ -483,34 +518,22 @@ fn remembered(v: &Verbs, vm: &str, path: Path) -> Option<(u32, u32)> {
         .copied()
 }
 
-async fn screendump(v: &Verbs, vm: &str) -> Result<boxery_backends::Screen> {
-    console_backend(v)
-        .await?
+async fn screendump(backend: &Arc<dyn Backend>, vm: &str) -> Result<boxery_backends::Screen> {
+    backend
         .screendump(vm)
         .await
         .map_err(|e| backend_error(vm, e))
 }
 
-/// The screen's pixels.
-async fn grab(v: &Verbs, vm: &str, path: Path, ct: &CancellationToken) -> Result<xwd::Rgb> {
-    match path {
-        Path::Desktop => {
-            // gzip -1 in the guest: 25 times fewer bytes through ssh, which costs more under
-            // emulation than the compression (docs/benchmarks.md)
-            let script = framebuffer_script(vm, "gzip -1 -c");
-            let bytes =
-                super::helper(v, vm, &script, None, FRAMEBUFFER_CAP, ACTION_TIMEOUT, ct).await?;
-            tokio::task::spawn_blocking(move || xwd::decode(&xwd::gunzip(&bytes, FRAMEBUFFER_MAX)?))
-                .await
-                .map_err(|e| VerbError::failed(format!("reading the screenshot: {e}")))?
-        }
-        Path::Console => {
-            let screen = screendump(v, vm).await?;
-            tokio::task::spawn_blocking(move || picture::from_png(&screen.png))
-                .await
-                .map_err(|e| VerbError::failed(format!("reading the screenshot: {e}")))?
-        }
-    }
+/// The desktop's pixels, from its framebuffer file.
+async fn framebuffer(v: &Verbs, vm: &str, ct: &CancellationToken) -> Result<xwd::Rgb> {
+    // gzip -1 in the guest: 25 times fewer bytes through ssh, which costs more under
+    // emulation than the compression (docs/benchmarks.md)
+    let script = framebuffer_script(vm, "gzip -1 -c");
+    let bytes = super::helper(v, vm, &script, None, FRAMEBUFFER_CAP, ACTION_TIMEOUT, ct).await?;
+    tokio::task::spawn_blocking(move || xwd::decode(&xwd::gunzip(&bytes, FRAMEBUFFER_MAX)?))
+        .await
+        .map_err(|e| VerbError::failed(format!("reading the screenshot: {e}")))?
 }
 
 /// The guest's shell that waits (at most 45 s) while the desktop is starting: its display
@@ -527,30 +550,20 @@ fn framebuffer_script(vm: &str, read: &str) -> String {
 
 /// The screen's size: the desktop's from its framebuffer's header, the console's from a
 /// screendump.
-async fn size(v: &Verbs, vm: &str, path: Path, ct: &CancellationToken) -> Result<(u32, u32)> {
-    match path {
-        Path::Desktop => {
+async fn size(v: &Verbs, vm: &str, way: &Way, ct: &CancellationToken) -> Result<(u32, u32)> {
+    let size = match way {
+        Way::Desktop => {
             let script = framebuffer_script(vm, &format!("head -c {}", xwd::HEADER));
             let head = super::helper(v, vm, &script, None, xwd::HEADER, ACTION_TIMEOUT, ct).await?;
-            let size = xwd::size(&head)?;
-            remember(v, vm, path, size);
-            Ok(size)
+            xwd::size(&head)?
         }
-        Path::Console => {
-            let screen = screendump(v, vm).await?;
-            remember(v, vm, path, (screen.width, screen.height));
-            Ok((screen.width, screen.height))
+        Way::Console(backend) => {
+            let screen = screendump(backend, vm).await?;
+            (screen.width, screen.height)
         }
-    }
-}
-
-async fn console_backend(v: &Verbs) -> Result<std::sync::Arc<dyn boxery_backends::Backend>> {
-    if v.remote_plane().is_some() {
-        return Err(VerbError::invalid(
-            "the console is reached on the VM's host: run this there, or use a VM with the desktop layer (its desktop is reached through the context)",
-        ));
-    }
-    v.env.backend_for(v.store()).await
+    };
+    remember(v, vm, way.path(), size);
+    Ok(size)
 }
 
 fn backend_error(vm: &str, e: boxery_backends::BackendError) -> VerbError {
@@ -577,7 +590,8 @@ pub async fn act(
     ct: &CancellationToken,
 ) -> Result<Done> {
     let checked = action.check()?;
-    let path = path_of(v, vm, console).await?;
+    let way = way(v, vm, console).await?;
+    let path = way.path();
     let done = |said: String| Done {
         vm: vm.to_string(),
         action: action.action,
@@ -588,7 +602,7 @@ pub async fn act(
     };
     match checked {
         Checked::Shot => {
-            let shot = screenshot(v, vm, console, for_model, ct).await?;
+            let shot = shoot(v, vm, &way, for_model, ct).await?;
             let said = format!(
                 "a screenshot of {}, {}×{}",
                 path.describe(),
@@ -605,7 +619,7 @@ pub async fn act(
                 _ = tokio::time::sleep(d) => {}
                 _ = ct.cancelled() => return Err(super::cancelled()),
             }
-            let shot = screenshot(v, vm, console, for_model, ct).await?;
+            let shot = shoot(v, vm, &way, for_model, ct).await?;
             return Ok(Done {
                 shot: Some(shot),
                 ..done(format!("waited {:.1}s", d.as_secs_f64()))
@@ -613,12 +627,13 @@ pub async fn act(
         }
         _ => {}
     }
-    // the screen's size, to check and scale coordinates, asked of the screen itself
+    // the screen's size, to check and scale coordinates: the one the last screenshot showed
+    // (the desktop checks it still is), else asked of the screen
     let known = remembered(v, vm, path);
     let scale = if needs_scale(&checked) {
         let (w, h) = match known {
             Some(size) => size,
-            None => size(v, vm, path, ct).await?,
+            None => size(v, vm, &way, ct).await?,
         };
         Some(if for_model {
             Scale::for_model(w, h)
@@ -629,19 +644,9 @@ pub async fn act(
         None
     };
     let doing = v.doing("computer", Some(vm), describe(action));
-    let r = match path {
-        Path::Desktop => {
-            desktop(
-                v,
-                vm,
-                &checked,
-                scale.filter(|_| known.is_some()),
-                scale,
-                ct,
-            )
-            .await
-        }
-        Path::Console => console_act(v, vm, &checked, scale).await,
+    let r = match &way {
+        Way::Desktop => desktop(v, vm, &checked, scale, known.is_some(), ct).await,
+        Way::Console(backend) => console_act(backend, vm, &checked, scale).await,
     };
     match &r {
         Ok(said) => doing.done(said.0.clone(), None),
@@ -820,17 +825,19 @@ fn xdotool(c: &Checked, scale: Option<Scale>) -> Result<(String, String)> {
     })
 }
 
+/// Run a checked action on the desktop; `remembered`: its scale is the size the last
+/// screenshot showed, which the guest checks first.
 async fn desktop(
     v: &Verbs,
     vm: &str,
     c: &Checked,
-    guard: Option<Scale>,
     scale: Option<Scale>,
+    remembered: bool,
     ct: &CancellationToken,
 ) -> Result<(String, Option<[u32; 2]>)> {
     let (mut cmd, said) = xdotool(c, scale)?;
-    if let Some(g) = guard {
-        cmd = format!("{}{cmd}", same_size(FRAMEBUFFER, g.screen));
+    if let Some(s) = scale.filter(|_| remembered) {
+        cmd = format!("{}{cmd}", same_size(FRAMEBUFFER, s.screen));
     }
     // tagged, so that a call that times out or is cancelled stops typing in the guest
     let id = uuid::Uuid::new_v4().simple().to_string();
@@ -1003,14 +1010,13 @@ fn console_events(c: &Checked, scale: Option<Scale>) -> Result<(Vec<InputEvent>,
 }
 
 async fn console_act(
-    v: &Verbs,
+    backend: &Arc<dyn Backend>,
     vm: &str,
     c: &Checked,
     scale: Option<Scale>,
 ) -> Result<(String, Option<[u32; 2]>)> {
     let (events, said) = console_events(c, scale)?;
-    console_backend(v)
-        .await?
+    backend
         .send_input(vm, &events)
         .await
         .map_err(|e| backend_error(vm, e))?;
