@@ -156,7 +156,7 @@ async fn damaged_or_mismatched_states_are_kept_and_interrupted_suspends_settle()
     assert!(info.memory.unwrap().stale.is_some());
     assert!(env.qemu_pids().is_empty());
     // (a state saved before VMs had a screen is restored without one: qemu::memory's unit
-    // test `a_state_from_before_screens_is_restored_without_one`)
+    // test `a_spec_follows_a_saved_states_screen` checks the command line it is held to)
     std::fs::write(&record, &saved).unwrap();
 
     // a truncated state: the resume fails, nothing runs, the state is still there

@@ -42,10 +42,7 @@ impl Inner {
                 "VM {name} is {state}: it has a screen only while it runs (`boxery start {name}`)"
             )));
         }
-        let live = d
-            .dom
-            .xml_desc(0)
-            .map_err(|e| BackendError::failed(format!("read the domain XML of VM {name}"), e))?;
+        let live = Self::xml_of(&d, 0)?;
         if !xml::has_screen(&live) {
             return Err(BackendError::Invalid(format!(
                 "VM {name} was started from a definition older than boxery's screens: stop and start it to give it one"
@@ -118,12 +115,30 @@ impl Inner {
         };
         let events = screen::qmp_events(name, events, size)?;
         let n = name.to_string();
+        // the batch stops at the deadline, before the call's own limit: nothing is typed after
+        // this call has returned
+        let deadline = std::time::Instant::now() + SCREEN_TIMEOUT - Duration::from_secs(5);
         self.screen_call(step.clone(), move |me, conn| {
-            let (d, _) = me.screen_domain(conn, &n)?;
+            let (d, now) = me.screen_domain(conn, &n)?;
+            if now != id {
+                return Err(BackendError::failed(
+                    step,
+                    format!("VM {n} restarted while its input was prepared: send it again"),
+                ));
+            }
             let mut sent = 0;
             for chunk in screen::chunks(&events) {
                 if sent > 0 {
                     std::thread::sleep(screen::CHUNK_PAUSE);
+                }
+                if std::time::Instant::now() > deadline {
+                    return Err(BackendError::failed(
+                        step,
+                        format!(
+                            "the batch ran out of time: {sent} of its {} QEMU events were sent",
+                            events.len()
+                        ),
+                    ));
                 }
                 let command = serde_json::json!({
                     "execute": "input-send-event",
@@ -134,7 +149,8 @@ impl Inner {
                     .qemu_monitor_command(&command.to_string(), MONITOR_QMP)
                     .map_err(|e| BackendError::failed(step.clone(), e))?;
                 // libvirt hands QEMU's reply over as it is, an error included
-                let reply: serde_json::Value = serde_json::from_str(&reply).unwrap_or_default();
+                let reply: serde_json::Value = serde_json::from_str(&reply)
+                    .map_err(|e| BackendError::failed(step.clone(), e))?;
                 if let Some(err) = reply.get("error") {
                     let desc = err["desc"].as_str().unwrap_or("no reason given");
                     return Err(screen::refused(&n, desc, sent, events.len()));

@@ -87,7 +87,7 @@ impl Inner {
         let mut spec = self.launch_spec(cfg, &base, &chain);
         if let Some(rec) = &saved {
             // a state saved before VMs had screens comes back without one
-            spec.screen = super::memory::had_screen(&rec.args);
+            spec.screen = process::had_screen(&rec.args);
             self.check_restorable(cfg, rec, &spec)?;
             spec.incoming = true;
             if rec.shared_ram {

@@ -155,7 +155,7 @@ pub struct LaunchSpec {
     /// Never run the guest (`-S`; a conversion of saved memory, which only loads and saves).
     pub frozen: bool,
     /// Give it a screen ([`SCREEN_DEVICES`]). Always, but for a restore of a state saved
-    /// before VMs had screens: its devices are the state's (super::memory::had_screen).
+    /// before VMs had screens: its devices are the state's ([`had_screen`]).
     pub screen: bool,
 }
 
@@ -360,6 +360,15 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
 /// ignores it). No window and no listener (`-display none`): the screen is read with QMP's
 /// `screendump` and driven with `input-send-event` (super::screen).
 pub const SCREEN_DEVICES: [&str; 4] = ["-device", "VGA", "-device", "virtio-tablet-pci"];
+
+/// Whether a QEMU command line (a running QEMU's, or the one a saved state is tied to) gives
+/// the VM a screen. One from before VMs had screens does not: a state saved under it is
+/// restored without one (the devices are part of the state), so an upgrade loses no suspended
+/// VM and no memory image.
+pub fn had_screen(args: &[String]) -> bool {
+    args.windows(SCREEN_DEVICES.len())
+        .any(|w| w.iter().zip(SCREEN_DEVICES).all(|(a, b)| a == b))
+}
 
 /// QEMU's own user network (slirp) for `spec`, into `a`.
 fn user_network(spec: &LaunchSpec, a: &mut Vec<OsString>) {

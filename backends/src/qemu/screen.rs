@@ -53,10 +53,7 @@ impl Inner {
                 "VM {name} is {state}: it has a screen only while it runs (`boxery start {name}`)"
             )));
         };
-        let has_screen = process::launched_args(pid).is_some_and(|a| {
-            a.windows(process::SCREEN_DEVICES.len())
-                .any(|w| w == process::SCREEN_DEVICES)
-        });
+        let has_screen = process::launched_args(pid).is_some_and(|a| process::had_screen(&a));
         if !has_screen {
             return Err(BackendError::Invalid(format!(
                 "VM {name} runs in a QEMU started before boxery gave VMs a screen: stop and start it to give it one"
