@@ -913,4 +913,16 @@ fn an_agent_cannot_raise_or_remove_a_budget() {
                "force_conflicts": true}),
     );
     assert!(err && text.contains("keys under boxery.dev/"), "{text}");
+    // nor move a lease out of the budgeted pool (a person may)
+    home.ok(&["lease", "acquire", "bp", "--name", "l1"]);
+    let (err, text) = mcp.call(
+        "vm_patch",
+        json!({"kind": "lease", "name": "l1", "patch": r#"{"spec": {"pool": "sp"}}"#}),
+    );
+    assert!(err && text.contains("cannot move lease l1"), "{text}");
+    let pool_of = || {
+        let l: boxery_api::Lease = home.store().get_as("l1").unwrap().unwrap();
+        l.spec.pool
+    };
+    assert_eq!(pool_of(), "bp");
 }

@@ -84,6 +84,7 @@ impl Failure {
             ErrorKind::Invalid => {
                 Failure::new(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", message)
             }
+            ErrorKind::Forbidden => Failure::forbidden(message),
             ErrorKind::NotFound => Failure::new(StatusCode::NOT_FOUND, "NotFound", message),
             ErrorKind::Conflict => Failure::new(StatusCode::CONFLICT, "Conflict", message),
             ErrorKind::NotReady => Failure::new(

@@ -4,7 +4,7 @@
 //! |---|---|
 //! | 0 | success (`diff`: no differences) |
 //! | 1 | the operation failed (`diff`: differences found) |
-//! | 2 | invalid input: bad arguments, a manifest that does not validate |
+//! | 2 | invalid input: bad arguments, a manifest that does not validate; or not the caller's to do |
 //! | 3 | not found |
 //! | 4 | timed out waiting for a condition |
 //! | 5 | conflict: someone else changed the object, or it is being deleted |
@@ -66,7 +66,7 @@ impl From<boxery_verbs::ErrorKind> for Code {
     fn from(k: boxery_verbs::ErrorKind) -> Self {
         use boxery_verbs::ErrorKind as K;
         match k {
-            K::Invalid => Code::Invalid,
+            K::Invalid | K::Forbidden => Code::Invalid,
             K::NotFound => Code::NotFound,
             K::NotReady | K::Conflict => Code::Conflict,
             K::Timeout => Code::Timeout,

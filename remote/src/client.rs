@@ -102,6 +102,7 @@ impl Client {
         let code = r.status().as_u16();
         let kind = match code {
             400 => boxery_verbs::ErrorKind::Invalid,
+            403 => boxery_verbs::ErrorKind::Forbidden,
             404 => boxery_verbs::ErrorKind::NotFound,
             409 | 503 => boxery_verbs::ErrorKind::NotReady,
             _ => return VerbError::from(self.refused(r).await),

@@ -37,7 +37,7 @@ pub(crate) fn check(cur: &DynObject, new: &DynObject) -> Result<()> {
         None => Ok(()),
         Some(how) => {
             let (kind, name) = (new.kind.to_ascii_lowercase(), &new.metadata.name);
-            Err(VerbError::invalid(format!(
+            Err(VerbError::forbidden(format!(
                 "an agent cannot loosen {} {name}'s egress policy ({how}): a person does, with \
                  `boxery patch {kind} {name} …` or `boxery edit {kind} {name}`; tightening it is \
                  allowed",

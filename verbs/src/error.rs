@@ -11,6 +11,9 @@ use boxery_store::StoreError;
 pub enum ErrorKind {
     /// The input is wrong (arguments, a manifest that does not validate).
     Invalid,
+    /// The caller may not do this (a token's scope, a limit only a person lifts); the message
+    /// says who may.
+    Forbidden,
     /// An object, VM, file or job does not exist.
     NotFound,
     /// The VM exists but cannot be reached now.
@@ -73,6 +76,10 @@ impl VerbError {
     pub fn invalid(message: impl std::fmt::Display) -> VerbError {
         VerbError::new(ErrorKind::Invalid, message)
     }
+    /// Not the caller's to do: the message says who may.
+    pub fn forbidden(message: impl std::fmt::Display) -> VerbError {
+        VerbError::new(ErrorKind::Forbidden, message)
+    }
     /// Not found.
     pub fn not_found(message: impl std::fmt::Display) -> VerbError {
         VerbError::new(ErrorKind::NotFound, message)
@@ -118,9 +125,8 @@ impl VerbError {
     fn kind_of_store(e: &StoreError) -> ErrorKind {
         match e {
             StoreError::NotFound { .. } => ErrorKind::NotFound,
-            StoreError::Invalid(_)
-            | StoreError::AlreadyExists { .. }
-            | StoreError::Forbidden { .. } => ErrorKind::Invalid,
+            StoreError::Invalid(_) | StoreError::AlreadyExists { .. } => ErrorKind::Invalid,
+            StoreError::Forbidden { .. } => ErrorKind::Forbidden,
             StoreError::Conflict { .. }
             | StoreError::BeingDeleted { .. }
             | StoreError::FieldConflicts { .. } => ErrorKind::Conflict,

@@ -25,7 +25,7 @@ pub fn check(v: &Verbs, cur: &DynObject, new: &DynObject) -> Result<()> {
     let pool = |o: &DynObject| o.rest.get("spec").and_then(|s| s.get("pool")).cloned();
     if new.kind == "Lease" && pool(cur) != pool(new) {
         let name = &new.metadata.name;
-        return Err(VerbError::invalid(format!(
+        return Err(VerbError::forbidden(format!(
             "an agent cannot move lease {name} to another pool (its pool's budgets hold it): \
              release it and acquire one from the other pool"
         )));
@@ -34,7 +34,7 @@ pub fn check(v: &Verbs, cur: &DynObject, new: &DynObject) -> Result<()> {
         return Ok(());
     };
     let (kind, name) = (new.kind.to_ascii_lowercase(), &new.metadata.name);
-    Err(VerbError::invalid(format!(
+    Err(VerbError::forbidden(format!(
         "an agent cannot raise or remove {} {name}'s budget ({how}): a person does, with \
          `boxery patch {kind} {name} …` or `boxery edit {kind} {name}`; lowering it is allowed",
         new.kind
@@ -57,7 +57,7 @@ pub fn may_delete(v: &Verbs, cur: &DynObject) -> Result<()> {
         return Ok(());
     }
     let name = &cur.metadata.name;
-    Err(VerbError::invalid(format!(
+    Err(VerbError::forbidden(format!(
         "an agent cannot delete pool {name}: it has a budget, which a person lifts \
          (`boxery delete pool {name}`)"
     )))
