@@ -182,6 +182,10 @@ fn explained(e: &jsonschema::ValidationError<'_>, root: &Value) -> String {
             let allowed = node.map(|n| allowed_values(root, n)).unwrap_or_default();
             let got = short(e.instance());
             if allowed.is_empty() {
+                // one form or null (an optional field): what is wrong inside that form
+                if let Some(msg) = node.and_then(|n| within_the_one_form(root, n, e.instance())) {
+                    return msg;
+                }
                 // not a set of constants: what each accepted form is, in the schema's words
                 let forms: Vec<String> = node
                     .into_iter()
@@ -235,6 +239,44 @@ fn explained(e: &jsonschema::ValidationError<'_>, root: &Value) -> String {
         }
         _ => e.to_string(),
     }
+}
+
+/// Where `node` is `anyOf`/`oneOf` of one form and `null` (what an `Option` field's schema
+/// is) and `value` is not null: the errors of `value` against that form, each with its path
+/// inside it (`height: 9000 is greater than the maximum of 4320`), rather than "not valid".
+fn within_the_one_form(root: &Value, node: &Value, value: &Value) -> Option<String> {
+    if value.is_null() {
+        return None;
+    }
+    let forms: Vec<&Value> = ["oneOf", "anyOf"]
+        .iter()
+        .filter_map(|k| node.get(*k).and_then(Value::as_array))
+        .flatten()
+        .filter(|sub| deref(root, sub).get("type") != Some(&Value::from("null")))
+        .collect();
+    let [form] = forms.as_slice() else {
+        return None;
+    };
+    let mut schema = (*form).clone();
+    let obj = schema.as_object_mut()?;
+    for k in ["$defs", "definitions"] {
+        if let Some(d) = root.get(k) {
+            obj.insert(k.into(), d.clone());
+        }
+    }
+    let validator = jsonschema::validator_for(&schema).ok()?;
+    let said: Vec<String> = validator
+        .iter_errors(value)
+        .map(|e| {
+            let (at, what) = (dotted(e.instance_path().as_str()), explained(&e, &schema));
+            if at.is_empty() {
+                what
+            } else {
+                format!("{at}: {what}")
+            }
+        })
+        .collect();
+    (!said.is_empty()).then(|| said.join("; "))
 }
 
 /// `node`, or what its `$ref` (`#/$defs/X`) points at.
@@ -547,6 +589,21 @@ mod tests {
         .unwrap_err();
         assert_eq!(e.errors[0].path, "spec.resources.memory", "{e}");
         assert!(e.to_string().contains("at least 1024Mi"), "{e}");
+        // its screen size: on a desktop only, within what X and the tools take
+        let v = normalize(vm(
+            json!({"source": {"image": "debian-12"}, "headless": false, "display": {"width": 1920, "height": 1080}}),
+        ))
+        .unwrap();
+        assert_eq!(v.rest["spec"]["display"], json!({"width": 1920, "height": 1080}));
+        for (spec, says) in [
+            (json!({"source": {"image": "debian-12"}, "display": {"width": 1920, "height": 1080}}), "only a VM with a desktop"),
+            (json!({"source": {"image": "debian-12"}, "headless": false, "display": {"width": 100, "height": 1080}}), "640"),
+            (json!({"source": {"image": "debian-12"}, "headless": false, "display": {"width": 1920, "height": 9000}}), "4320"),
+            (json!({"source": {"image": "debian-12"}, "headless": false, "display": {"width": 1920}}), "height"),
+        ] {
+            let e = normalize(vm(spec.clone())).unwrap_err();
+            assert!(e.to_string().contains("spec.display") && e.to_string().contains(says), "{spec}: {e}");
+        }
         // a VM of another image has that image's desktop: headless: false is kept as said
         let v = normalize(vm(
             json!({"source": {"image": "dev1.snap"}, "headless": false}),

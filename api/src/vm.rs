@@ -105,6 +105,49 @@ pub struct VmSpec {
     /// (docs/live-memory.md, "Auto-suspend"). Default: never.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle: Option<Idle>,
+    /// The desktop's screen size, on a VM with a desktop (`headless: false`). Default
+    /// 1280×800. Changed on a running VM, the desktop starts again at the new size (its
+    /// windows close); docs/desktop.md.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display: Option<Display>,
+}
+
+/// A desktop's screen size, in pixels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Display {
+    /// Width: 640 to 7680.
+    #[schemars(range(min = 640, max = 7680))]
+    pub width: u32,
+    /// Height: 480 to 4320.
+    #[schemars(range(min = 480, max = 4320))]
+    pub height: u32,
+}
+
+impl Display {
+    /// The size a desktop has when `spec.display` is not set.
+    pub const DEFAULT: Display = Display {
+        width: 1280,
+        height: 800,
+    };
+    /// The widths allowed.
+    pub const WIDTHS: std::ops::RangeInclusive<u32> = 640..=7680;
+    /// The heights allowed.
+    pub const HEIGHTS: std::ops::RangeInclusive<u32> = 480..=4320;
+}
+
+impl std::fmt::Display for Display {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x{}", self.width, self.height)
+    }
+}
+
+impl VmSpec {
+    /// The screen size of the desktop this spec asks for: `None` for a headless VM (after
+    /// normalizing, a VM with the desktop layer is not headless).
+    pub fn desktop_display(&self) -> Option<Display> {
+        (!self.headless).then(|| self.display.unwrap_or(Display::DEFAULT))
+    }
 }
 
 /// When an unused VM is suspended.
@@ -568,6 +611,22 @@ fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
                 eff.memory
             ),
         ));
+    }
+    if let Some(d) = vm.spec.display {
+        if vm.spec.headless {
+            errs.push(FieldError::new(
+                "spec.display",
+                "only a VM with a desktop has a display: set headless: false, or remove spec.display".into(),
+            ));
+        }
+        if !Display::WIDTHS.contains(&d.width) || !Display::HEIGHTS.contains(&d.height) {
+            errs.push(FieldError::new(
+                "spec.display",
+                format!(
+                    "{d} is outside 640x480 to 7680x4320: set a width of 640 to 7680 and a height of 480 to 4320"
+                ),
+            ));
+        }
     }
     vm.spec.resources.cpus = Some(eff.cpus);
     vm.spec.resources.memory = Some(eff.memory);

@@ -813,6 +813,7 @@ mod tests {
             grants: vec![],
             vm: "dev1".into(),
             egress: Default::default(),
+            display: None,
         };
         let export = format!("export SSH_AUTH_SOCK={GUEST_SOCK}\n");
         let f = crate::guest::files(&plan, dir.path()).await;

@@ -78,12 +78,15 @@ pub struct Plan {
     pub vm: String,
     /// Its egress policy, for the agents' context file.
     pub egress: boxery_api::network::Egress,
+    /// Its desktop's screen size (`spec.display`), with the desktop layer.
+    pub display: Option<boxery_api::vm::Display>,
 }
 
 impl Plan {
     /// What `vm`'s guest should hold now: `None` when it has no token (a free pool member, a
     /// VM being removed) or no way to the proxy.
-    pub fn of(ctx: &Ctx, vm: &str) -> Option<Plan> {
+    pub fn of(ctx: &Ctx, v: &Vm) -> Option<Plan> {
+        let vm = v.metadata.name.as_str();
         let g = ctx.backend.guest_proxy(vm)?;
         let (url, channel) = (
             g.url,
@@ -101,6 +104,7 @@ impl Plan {
             grants,
             vm: vm.to_string(),
             egress: boxery_home::egress::read(&ctx.home, vm),
+            display: v.spec.desktop_display(),
         })
     }
 
@@ -115,6 +119,9 @@ impl Plan {
             .part(self.egress.policy.as_str().as_bytes());
         for a in &self.egress.allow {
             h.part(a.as_bytes());
+        }
+        if let Some(d) = self.display {
+            h.part(d.to_string().as_bytes());
         }
         for e in &self.grants {
             h.part(e.name.as_bytes())
@@ -150,6 +157,8 @@ pub struct Files {
     /// The Docker daemon's proxy settings, a systemd drop-in ([`docker_dropin`]): written
     /// where the guest runs Docker.
     pub docker: String,
+    /// The desktop's screen size (`WIDTHxHEIGHT`), where the guest has the desktop layer.
+    pub display: Option<String>,
 }
 
 /// Where the Docker daemon's proxy drop-in goes: on the disk when its proxy URL holds no token
@@ -198,7 +207,10 @@ fn provider_v1(url: &str, p: &str) -> String {
 /// The guest files for `plan`, reading the values of its `env` and `file` grants.
 pub async fn files(plan: &Plan, home: &Path) -> Files {
     let (url, token) = (&plan.url, &plan.token);
-    let mut out = Files::default();
+    let mut out = Files {
+        display: plan.display.map(|d| d.to_string()),
+        ..Files::default()
+    };
     let mut env = format!(
         "# Written by boxery's control plane (docs/grants.md): the credential proxy, this VM's\n\
          # token, and what its grants give. Replaced at every change; gone at reboot.\n\
@@ -568,6 +580,9 @@ pub fn script(f: &Files, rev: &str) -> String {
          sudo -n install -d -m 0755 \"$(dirname \"$k\")\" && printf '%s\\n' \"$c\" | sudo -n tee \"$k.new\" >/dev/null && sudo -n chmod 0600 \"$k.new\" && sudo -n mv \"$k.new\" \"$k\" && sudo -n systemctl daemon-reload && {{ sudo -n systemctl try-restart docker.service || echo 'boxery: dockerd did not restart with the proxy settings (journalctl -u docker)' >&2; }}; fi; fi\n",
         c = base64::engine::general_purpose::STANDARD.encode(&f.docker)
     ));
+    if let Some(size) = &f.display {
+        s.push_str(&display_script(size));
+    }
     if let Some(proxy) = &f.system_proxy {
         // apt and sudo do not read the login shell's variables: static files (no token).
         let apt = format!(
@@ -586,6 +601,23 @@ pub fn script(f: &Files, rev: &str) -> String {
         ));
     }
     s
+}
+
+/// The part of [`script`] that gives the desktop (the desktop layer's `boxery-desktop`
+/// service) the screen size `size` (`WIDTHxHEIGHT`, checked by the API): written to
+/// `/etc/boxery/desktop.env` (no value: on the disk), and the display started again only when
+/// the size it runs at differs, so an unchanged push (every boot) restarts nothing.
+fn display_script(size: &str) -> String {
+    format!(
+        "e=/etc/boxery/desktop.env
+         if [ -e /etc/systemd/system/boxery-desktop.service ]; then \
+         cur=$(sed -n 's/^BOXERY_DISPLAY=//p' \"$e\" 2>/dev/null | tail -n 1); \
+         if [ \"${{cur:-{default}}}\" != {size} ]; then \
+         sudo -n install -d -m 0755 /etc/boxery && printf 'BOXERY_DISPLAY=%s\\n' {size} | sudo -n tee \"$e.new\" >/dev/null && sudo -n chmod 0644 \"$e.new\" && sudo -n mv \"$e.new\" \"$e\" && \
+         {{ sudo -n systemctl try-restart boxery-desktop.service || echo 'boxery: the desktop did not start again at {size} (journalctl -u boxery-desktop)' >&2; }}; fi; fi\n",
+        default = boxery_api::vm::Display::DEFAULT,
+        size = shell_quote(size),
+    )
 }
 
 /// The part of [`script`] that installs `f` under `$d` (set, existing, the caller's), each
@@ -694,7 +726,7 @@ pub async fn sync(ctx: &Ctx, v: &Vm) -> Result<bool, String> {
     // away what a grant marked Applied had just pushed.
     let lock = ctx.vm_lock(&format!("guest-push:{name}"));
     let _one = lock.lock().await;
-    let Some(plan) = Plan::of(ctx, name) else {
+    let Some(plan) = Plan::of(ctx, v) else {
         return Ok(false);
     };
     let rev = plan.rev(&boot);
@@ -895,6 +927,7 @@ mod tests {
             token: "bxt_abc".into(),
             vm: "dev1".into(),
             egress: Default::default(),
+            display: None,
             grants: vec![
                 entry(
                     "g-llm",
@@ -1132,6 +1165,7 @@ mod tests {
             token: "bxt_abc".into(),
             vm: "dev1".into(),
             egress: Default::default(),
+            display: None,
             grants,
         };
         // no llm grant: nothing for the agents
@@ -1240,6 +1274,7 @@ mod tests {
                 token: "bxt_abc".into(),
                 vm: "dev1".into(),
                 egress: Default::default(),
+                display: None,
                 grants: vec![entry(
                     "o",
                     GrantType::Llm,
@@ -1273,6 +1308,7 @@ mod tests {
             token: "bxt_1".into(),
             vm: "dev1".into(),
             egress: Default::default(),
+            display: None,
             grants: vec![entry("g", GrantType::Env, "A", ValueFrom::Env("A".into()))],
         };
         let r = plan.rev("boot1");

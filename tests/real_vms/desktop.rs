@@ -195,6 +195,31 @@ pub(super) fn desktop_computer_use(kind: Kind) {
     assert_eq!(saved(&h, "desk1"), TEXT);
     let took: Vec<f64> = r.iter().map(|a| a["seconds"].as_f64().unwrap()).collect();
     eprintln!("vm_computer actions took {took:?} s");
+    // another screen size on the running VM (spec.display): the desktop starts again at it,
+    // and every screenshot meanwhile is whole, at the old size or the new one
+    h.ok(&[
+        "patch",
+        "vm",
+        "desk1",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"display":{"width":1024,"height":768}}}"#,
+    ]);
+    let t = std::time::Instant::now();
+    loop {
+        let said = h.ok(&["screenshot", "desk1", png.to_str().unwrap()]);
+        if said.contains("1024×768") {
+            break;
+        }
+        assert!(said.contains("1280×800"), "{said}");
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "the display is still not 1024x768: {said}"
+        );
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    eprintln!("the display took {:?} to change size", t.elapsed());
+    assert_eq!(image::open(&png).unwrap().into_rgb8().dimensions(), (1024, 768));
     h.ok(&["delete", "vm", "desk1", "--wait", "--timeout", "5m"]);
     drop(serve);
 }

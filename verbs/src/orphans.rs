@@ -190,6 +190,7 @@ async fn write_again(v: &Verbs, kind: &str, name: &str, uid: &str) -> Result {
                 restore: None,
                 network: Default::default(),
                 idle: None,
+                display: None,
             },
         );
         vm.status.created_at = Some(boxery_api::now());

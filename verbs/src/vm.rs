@@ -188,6 +188,7 @@ pub async fn new(v: &Verbs, input: NewVm) -> Result<Plan> {
         restore: None,
         network: Default::default(),
         idle: None,
+        display: None,
     };
     create_vm(v, &Vm::new(&input.name, spec), "new").await?;
     let until = if input.stopped { stopped() } else { ready() };
@@ -308,6 +309,7 @@ pub async fn fork(
             // A fork of a confined VM is as confined (docs/egress.md).
             network: s.spec.network.clone(),
             idle: s.spec.idle.clone(),
+            display: s.spec.display,
         };
         let mut vm = Vm::new(n, spec);
         vm.metadata.labels = s.metadata.labels.clone();

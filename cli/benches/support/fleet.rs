@@ -20,6 +20,7 @@ pub fn vms(n: usize) -> Vec<DynObject> {
                 restore: None,
                 network: Default::default(),
                 idle: None,
+                display: None,
             };
             DynObject::from_typed(&Vm::new(format!("vm-{i:04}"), spec)).unwrap()
         })
