@@ -49,12 +49,13 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   runner=(cargo test)
 fi
 
-step "python clients (for tests/mcp.rs and tests/api.rs)"
+step "python clients (for tests/mcp.rs, tests/api.rs and the desktop test)"
 # The official MCP client drives `boxery mcp` in tests/mcp.rs, the official Kubernetes client
-# drives `serve --api-listen` in tests/api.rs; kept in a venv under target/.
-if ! target/mcp-venv/bin/python -c 'import mcp, jsonschema, kubernetes' 2>/dev/null; then
+# drives `serve --api-listen` in tests/api.rs, Playwright drives Debian's chromium (no browser
+# download) on `boxery desktop`'s page in tests/real_vms/desktop.rs; kept in a venv under target/.
+if ! target/mcp-venv/bin/python -c 'import mcp, jsonschema, kubernetes, playwright' 2>/dev/null; then
   python3 -m venv target/mcp-venv
-  target/mcp-venv/bin/pip install -q --disable-pip-version-check mcp jsonschema kubernetes
+  target/mcp-venv/bin/pip install -q --disable-pip-version-check mcp jsonschema kubernetes playwright
 fi
 
 step "format and lints"

@@ -186,7 +186,10 @@ fn a_lease_token_stays_within_its_lease() {
     ] {
         let e = refused(&["patch", "lease", "mine", "--type=merge", "-p", p]);
         // (the pool: refused first as an agent's move out of its pool's budgets)
-        assert!(e.contains("renew") || e.contains("cannot move lease mine"), "{e}");
+        assert!(
+            e.contains("renew") || e.contains("cannot move lease mine"),
+            "{e}"
+        );
     }
     // a renewal, at the server's time whatever it sends
     let o = patched(

@@ -594,15 +594,33 @@ mod tests {
             json!({"source": {"image": "debian-12"}, "headless": false, "display": {"width": 1920, "height": 1080}}),
         ))
         .unwrap();
-        assert_eq!(v.rest["spec"]["display"], json!({"width": 1920, "height": 1080}));
+        assert_eq!(
+            v.rest["spec"]["display"],
+            json!({"width": 1920, "height": 1080})
+        );
         for (spec, says) in [
-            (json!({"source": {"image": "debian-12"}, "display": {"width": 1920, "height": 1080}}), "only a VM with a desktop"),
-            (json!({"source": {"image": "debian-12"}, "headless": false, "display": {"width": 100, "height": 1080}}), "640"),
-            (json!({"source": {"image": "debian-12"}, "headless": false, "display": {"width": 1920, "height": 9000}}), "4320"),
-            (json!({"source": {"image": "debian-12"}, "headless": false, "display": {"width": 1920}}), "height"),
+            (
+                json!({"source": {"image": "debian-12"}, "display": {"width": 1920, "height": 1080}}),
+                "only a VM with a desktop",
+            ),
+            (
+                json!({"source": {"image": "debian-12"}, "headless": false, "display": {"width": 100, "height": 1080}}),
+                "640",
+            ),
+            (
+                json!({"source": {"image": "debian-12"}, "headless": false, "display": {"width": 1920, "height": 9000}}),
+                "4320",
+            ),
+            (
+                json!({"source": {"image": "debian-12"}, "headless": false, "display": {"width": 1920}}),
+                "height",
+            ),
         ] {
             let e = normalize(vm(spec.clone())).unwrap_err();
-            assert!(e.to_string().contains("spec.display") && e.to_string().contains(says), "{spec}: {e}");
+            assert!(
+                e.to_string().contains("spec.display") && e.to_string().contains(says),
+                "{spec}: {e}"
+            );
         }
         // a VM of another image has that image's desktop: headless: false is kept as said
         let v = normalize(vm(

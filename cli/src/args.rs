@@ -527,6 +527,29 @@ pub(crate) enum Command {
         #[arg(long, default_value = "127.0.0.1")]
         address: std::net::IpAddr,
     },
+    /// Watch a VM's desktop live in a browser: prints a link to a page (noVNC) served on
+    /// this machine's loopback, and serves it until interrupted. The link works once, in one
+    /// browser; the stream is carried over the VM's ssh connection (no VNC port is opened).
+    /// View only unless --control.
+    #[command(after_help = "Examples:\n  \
+        boxery desktop desk1              # prints http://127.0.0.1:PORT/?token=…\n  \
+        boxery desktop desk1 --open       # and opens it ($BROWSER, else xdg-open)\n  \
+        boxery desktop desk1 --control    # keys and the pointer reach the VM\n\n\
+        Needs Debian's novnc package (scripts/install-deps.sh installs it). docs/desktop.md.")]
+    Desktop {
+        /// The VM (one with a desktop: `headless: false`).
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// Let the browser send keys and the pointer to the VM (default: view only).
+        #[arg(long)]
+        control: bool,
+        /// Open the link in a browser ($BROWSER, else xdg-open).
+        #[arg(long)]
+        open: bool,
+        /// The port on 127.0.0.1 to serve on (0: any free one, printed).
+        #[arg(long, default_value_t = 0)]
+        port: u16,
+    },
     /// Save a picture of a VM's screen as PNG: its desktop (a VM made with the desktop layer)
     /// or its console (any other VM, or --console), at the screen's own size.
     #[command(after_help = "Examples:\n  \

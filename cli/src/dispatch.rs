@@ -284,6 +284,12 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         } => return guest::forward(v, &vm, &ports, reverse, address).await,
         Command::Prompt { vm, agent, text } => return guest::prompt(v, &vm, &agent, &text).await,
         Command::Attach { vm, agent } => return guest::attach(v, &vm, &agent).await,
+        Command::Desktop {
+            vm,
+            control,
+            open,
+            port,
+        } => return crate::desktop::desktop(v, &vm, control, open, port).await,
         Command::Screenshot { vm, file, console } => {
             return guest::screenshot(v, &vm, &file, console).await;
         }

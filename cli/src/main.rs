@@ -12,6 +12,7 @@ mod changes;
 mod commands;
 mod completion;
 mod contexts;
+mod desktop;
 mod dispatch;
 mod drill;
 mod exit;

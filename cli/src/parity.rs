@@ -31,6 +31,10 @@ const CLI_ONLY: &[(&str, &str)] = &[
         "holds a port open on the person's machine until interrupted; an agent reaches a guest's ports from inside it with vm_bash",
     ),
     (
+        "desktop",
+        "serves a page to a person's browser until interrupted; an agent sees and drives the screen with vm_computer",
+    ),
+    (
         "images",
         "reference for operators (the guest layers); an agent asks for layers in an Image it writes with vm_apply",
     ),

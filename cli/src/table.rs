@@ -121,6 +121,7 @@ pub fn row(command: &Command) -> Row<'_> {
         | Command::Prompt { .. }
         | Command::Attach { .. }
         | Command::Screenshot { .. }
+        | Command::Desktop { .. }
         | Command::Computer { .. }
         | Command::Run { .. }
         | Command::Cp { .. }

@@ -195,6 +195,7 @@ pub(super) fn desktop_computer_use(kind: Kind) {
     assert_eq!(saved(&h, "desk1"), TEXT);
     let took: Vec<f64> = r.iter().map(|a| a["seconds"].as_f64().unwrap()).collect();
     eprintln!("vm_computer actions took {took:?} s");
+    watched_live(&h, &png, button);
     // another screen size on the running VM (spec.display): the desktop starts again at it,
     // and every screenshot meanwhile is whole, at the old size or the new one
     h.ok(&[
@@ -219,7 +220,141 @@ pub(super) fn desktop_computer_use(kind: Kind) {
         std::thread::sleep(Duration::from_secs(1));
     }
     eprintln!("the display took {:?} to change size", t.elapsed());
-    assert_eq!(image::open(&png).unwrap().into_rgb8().dimensions(), (1024, 768));
+    assert_eq!(
+        image::open(&png).unwrap().into_rgb8().dimensions(),
+        (1024, 768)
+    );
     h.ok(&["delete", "vm", "desk1", "--wait", "--timeout", "5m"]);
     drop(serve);
+}
+
+/// `boxery desktop` watched in a real browser (Debian's chromium through Playwright): the
+/// canvas shows what a screenshot shows; the link works once and nothing answers without it;
+/// view only, a click does nothing; with `--control` the same click reaches the app.
+fn watched_live(h: &RealHome, png: &Path, button: [i64; 2]) {
+    h.run("desk1", "rm -f /tmp/clicked.txt");
+    let shot = h.ok(&["screenshot", "desk1", png.to_str().unwrap()]);
+    assert!(shot.contains("1280×800"), "{shot}");
+    let (mut server, url) = Desktop::start(h, &[]);
+    let port = url
+        .strip_prefix("http://127.0.0.1:")
+        .and_then(|r| r.split('/').next())
+        .expect("a loopback link")
+        .to_string();
+    let token = url.split("token=").nth(1).expect("a token in the link");
+    // nothing without the link's token, nor for another host name
+    assert_eq!(http_status(&port, "/vnc.html", "127.0.0.1"), 403);
+    assert_eq!(http_status(&port, "/websockify", "127.0.0.1"), 403);
+    assert_eq!(http_status(&port, "/?token=0000", "127.0.0.1"), 403);
+    let other = format!("/?token={token}");
+    assert_eq!(http_status(&port, &other, "rebound.example"), 403);
+    // a person's browser: the screen, then a click at the app's button (view only)
+    let canvas = png.with_file_name("canvas.png");
+    let t = std::time::Instant::now();
+    let said = browser(&url, &canvas, Some(button));
+    eprintln!("the browser showed the desktop in {:?}", t.elapsed());
+    assert_eq!(said["status"], 200, "{said}");
+    assert_eq!(
+        image::open(&canvas).unwrap().into_rgb8().dimensions(),
+        (1280, 800)
+    );
+    assert_eq!(
+        find(&canvas, [255, 0, 255]).map(|f| f.0),
+        Some(button),
+        "the canvas shows the button where the screenshot does"
+    );
+    assert_eq!(
+        find(&canvas, [0, 255, 255]).map(|f| f.0),
+        find(png, [0, 255, 255]).map(|f| f.0)
+    );
+    // the link was spent
+    assert_eq!(http_status(&port, &other, "127.0.0.1"), 403);
+    std::thread::sleep(Duration::from_secs(2));
+    h.run(
+        "desk1",
+        "test ! -e /tmp/clicked.txt || { echo 'a view-only click reached the app' >&2; exit 1; }",
+    );
+    server.stop();
+    // with control, the same click saves the field
+    let (mut server, url) = Desktop::start(h, &["--control"]);
+    let said = browser(&url, &canvas, Some(button));
+    assert_eq!(said["status"], 200, "{said}");
+    assert_eq!(saved(h, "desk1"), TEXT);
+    server.stop();
+    // every viewer's x11vnc ended with its page
+    h.run(
+        "desk1",
+        "for i in $(seq 100); do pgrep -x x11vnc >/dev/null || exit 0; sleep 0.2; done; pgrep -a x11vnc; exit 1",
+    );
+}
+
+/// A running `boxery desktop desk1`, stopped (and waited for) when dropped.
+struct Desktop(std::process::Child);
+
+impl Desktop {
+    /// Start it; it and the link it printed.
+    fn start(h: &RealHome, extra: &[&str]) -> (Desktop, String) {
+        use std::io::BufRead;
+        let mut c = h.home.cmd();
+        c.args(["desktop", "desk1"])
+            .args(extra)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit());
+        let mut child = Desktop(c.spawn().expect("run boxery desktop"));
+        let out = child.0.stdout.take().unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(out)
+            .read_line(&mut line)
+            .expect("boxery desktop prints its link");
+        let url = line.trim().to_string();
+        assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+        (child, url)
+    }
+
+    fn stop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Desktop {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The status of a GET of `path` at 127.0.0.1:`port`, naming `host` in its Host header.
+fn http_status(port: &str, path: &str, host: &str) -> u16 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(format!("127.0.0.1:{port}")).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).unwrap();
+    String::from_utf8_lossy(&head[9..12]).parse().unwrap()
+}
+
+/// tests/desktop/browser.py on `url`: waits for the screen (1280×800, with the app's magenta
+/// button), saves the canvas to `out`, clicks at `click` (screen pixels). Its JSON line.
+fn browser(url: &str, out: &Path, click: Option<[i64; 2]>) -> serde_json::Value {
+    let mut py = std::process::Command::new(repo().join("target/mcp-venv/bin/python"));
+    py.arg(repo().join("tests/desktop/browser.py"))
+        .arg(url)
+        .arg(out)
+        .args(["1280x800", "ff00ff"]);
+    if let Some([x, y]) = click {
+        py.arg(format!("{x},{y}"));
+    }
+    let o = bounded(py, Duration::from_secs(300)).expect("the browser finished");
+    assert!(
+        o.status.success(),
+        "the browser: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&o.stdout).expect("one JSON line")
 }

@@ -1,6 +1,7 @@
 //! Guest actions: what an agent or a person does inside a VM, over the hands' ssh — run a
 //! command ([`exec`]), read, write and edit files ([`files`]), background jobs ([`jobs`]) and
-//! copies local ⇄ VM and VM ⇄ VM ([`copy`]), port forwards ([`forward`]), a coding agent run on a prompt ([`prompt`]). Each is a typed function over [`Verbs`] with a
+//! copies local ⇄ VM and VM ⇄ VM ([`copy`]), port forwards ([`forward`]), a coding agent run on a prompt ([`prompt`]), the screen
+//! ([`computer`]) and the desktop as a VNC stream ([`desktop`]). Each is a typed function over [`Verbs`] with a
 //! typed input and result and [`VerbError`] as its error; the MCP tools (`vm_bash`,
 //! `vm_read`, …) and the CLI (`boxery file …`, `jobs`, `cp`) are thin adapters that choose the
 //! VM, call one and render its result.
@@ -14,6 +15,7 @@
 
 pub mod computer;
 pub mod copy;
+pub mod desktop;
 pub mod exec;
 pub mod files;
 pub mod forward;

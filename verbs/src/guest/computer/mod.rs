@@ -411,17 +411,22 @@ impl Way {
 
 /// Which way VM `vm`'s screen is reached (it must be in the store): the desktop when it was
 /// made with the desktop layer (or had it added) and the console is not asked for.
-async fn way(v: &Verbs, vm: &str, console: bool) -> Result<Way> {
-    let obj = crate::vm::get_vm(v, vm).await?;
+/// Whether VM `obj` has the desktop layer: in its spec, what it was made with or given in
+/// place, or its image's build record.
+pub fn has_desktop(obj: &boxery_api::Vm) -> bool {
     let has = |l: &[String]| l.iter().any(|l| l == boxery_api::vm::DESKTOP);
-    let desktop = has(&obj.status.layers)
+    has(&obj.status.layers)
         || has(&obj.spec.layers)
         || obj
             .status
             .build_info
             .as_ref()
-            .is_some_and(|b| has(&b.layers));
-    if desktop && !console {
+            .is_some_and(|b| has(&b.layers))
+}
+
+async fn way(v: &Verbs, vm: &str, console: bool) -> Result<Way> {
+    let obj = crate::vm::get_vm(v, vm).await?;
+    if has_desktop(&obj) && !console {
         return Ok(Way::Desktop);
     }
     if v.remote_plane().is_some() {

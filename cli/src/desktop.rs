@@ -1,0 +1,418 @@
+//! `boxery desktop VM`: a VM's desktop live in a person's browser. A small web server on this
+//! machine's loopback serves noVNC (Debian's `novnc`, [`NOVNC`]) and carries each of its
+//! websockets to one VNC session in the guest ([`boxery_verbs::guest::desktop`]: `x11vnc
+//! -inetd` over the VM's pinned ssh connection, so no VNC port is open anywhere).
+//!
+//! Who may look: the printed link holds a one-time token. Its first use sets a cookie for this
+//! port (`HttpOnly`, `SameSite=Strict`) and redirects to the viewer; the token is then spent,
+//! and every request (a page, a script, the websocket) needs the cookie. A request naming
+//! another host than `127.0.0.1:PORT`/`localhost:PORT` is refused (a page of another site
+//! cannot reach the server through DNS rebinding), and so is a websocket from another origin.
+//! Without `--control` the guest's x11vnc drops keys and the pointer (`-viewonly`).
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{FromRequestParts, Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use boxery_verbs::Verbs;
+use boxery_verbs::guest::desktop::Viewer;
+use futures::{SinkExt, StreamExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::exit::{CliError, CliResult};
+use crate::out::outln;
+
+/// Where Debian's `novnc` package puts the viewer's page and scripts.
+pub const NOVNC: &str = "/usr/share/novnc";
+/// Viewers at once (each is an x11vnc in the guest).
+const MAX_VIEWERS: usize = 4;
+/// The largest file served (noVNC's largest is about 100 KiB).
+const MAX_FILE: u64 = 4 << 20;
+
+/// One `boxery desktop` session.
+struct Desk {
+    viewer: Viewer,
+    web: PathBuf,
+    port: u16,
+    /// The link's token, until its first use.
+    link: Mutex<Option<String>>,
+    /// The cookie the link's use sets.
+    cookie: String,
+    viewers: Arc<tokio::sync::Semaphore>,
+}
+
+/// `desktop VM [--control] [--open] [--port N]`: serve the desktop until interrupted.
+pub async fn desktop(
+    v: &Verbs,
+    vm: &str,
+    control: bool,
+    open: bool,
+    port: u16,
+) -> CliResult<ExitCode> {
+    let web = PathBuf::from(NOVNC);
+    if !web.join("vnc.html").is_file() {
+        return Err(CliError::invalid(format!(
+            "noVNC is not installed ({NOVNC}/vnc.html): `sudo apt-get install novnc` (or scripts/install-deps.sh)"
+        )));
+    }
+    let viewer = boxery_verbs::guest::desktop::open(v, vm, control).await?;
+    let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, port))
+        .await
+        .map_err(|e| CliError::invalid(format!("cannot listen on 127.0.0.1:{port}: {e}")))?;
+    let port = listener
+        .local_addr()
+        .map_err(|e| CliError::invalid(format!("the listening socket: {e}")))?
+        .port();
+    let token = secret();
+    let desk = Arc::new(Desk {
+        viewer,
+        web,
+        port,
+        link: Mutex::new(Some(token.clone())),
+        cookie: secret(),
+        viewers: Arc::new(tokio::sync::Semaphore::new(MAX_VIEWERS)),
+    });
+    let url = format!("http://127.0.0.1:{port}/?token={token}");
+    outln!("{url}");
+    eprintln!(
+        "boxery: serving {vm}'s desktop ({}) on 127.0.0.1:{port} until interrupted (Ctrl-C); the link works once, in one browser",
+        if control {
+            "with control: keys and the pointer reach it"
+        } else {
+            "view only; --control to drive it"
+        }
+    );
+    if open {
+        open_browser(&url);
+    }
+    let _session = v
+        .local()
+        .is_ok()
+        .then(|| boxery_home::activity::Ticker::start(&v.env.home, vm));
+    let app = axum::Router::new().fallback(serve).with_state(desk);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .map_err(|e| CliError::new(crate::exit::Code::Failed, e))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// 32 random bytes, hex.
+fn secret() -> String {
+    let mut raw = [0u8; 32];
+    rand::fill(&mut raw);
+    raw.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `a == b` in time that depends on their lengths only.
+fn same(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// Open `url` in the person's browser (`$BROWSER`, else `xdg-open`), or say how.
+fn open_browser(url: &str) {
+    let browser = std::env::var("BROWSER").unwrap_or_else(|_| "xdg-open".into());
+    let started = std::process::Command::new(&browser)
+        .arg(url)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn();
+    if let Err(e) = started {
+        eprintln!("boxery: could not start {browser} ({e}): open the link yourself");
+    }
+}
+
+fn refuse(code: StatusCode, why: &str) -> Response {
+    let mut r = (code, format!("{why}\n")).into_response();
+    secure(r.headers_mut());
+    r
+}
+
+/// Headers on every answer: nothing cached, no sniffing, no framing by another page, no
+/// referrer.
+fn secure(h: &mut HeaderMap) {
+    for (k, v) in [
+        (header::CACHE_CONTROL, "no-store"),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::REFERRER_POLICY, "no-referrer"),
+    ] {
+        h.insert(k, HeaderValue::from_static(v));
+    }
+}
+
+impl Desk {
+    fn cookie_name(&self) -> String {
+        format!("boxery-desktop-{}", self.port)
+    }
+
+    /// Whether the request names this server (`127.0.0.1:PORT` or `localhost:PORT`).
+    fn ours(&self, h: &HeaderMap) -> bool {
+        let host = h.get(header::HOST).and_then(|v| v.to_str().ok());
+        let port = self.port;
+        host.is_some_and(|h| h == format!("127.0.0.1:{port}") || h == format!("localhost:{port}"))
+    }
+
+    /// Whether the request carries the session's cookie.
+    fn admitted(&self, h: &HeaderMap) -> bool {
+        let name = self.cookie_name();
+        h.get_all(header::COOKIE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(';'))
+            .filter_map(|c| c.trim().split_once('='))
+            .any(|(k, v)| k == name && same(v, &self.cookie))
+    }
+
+    /// The viewer's address, with this session's options.
+    fn viewer_page(&self) -> String {
+        format!(
+            "/vnc.html?autoconnect=1&resize=scale&reconnect=1&reconnect_delay=2000&path=websockify&view_only={}",
+            u8::from(!self.viewer.control())
+        )
+    }
+
+    /// The link's use: the token spent, the cookie set, on to the viewer. A browser that
+    /// already holds the cookie goes on too.
+    fn redeem(&self, token: &str, h: &HeaderMap) -> Response {
+        let fresh = {
+            let mut link = self.link.lock().unwrap_or_else(|e| e.into_inner());
+            match link.as_deref() {
+                Some(t) if same(t, token) => {
+                    *link = None;
+                    true
+                }
+                _ => false,
+            }
+        };
+        if !fresh && !self.admitted(h) {
+            return refuse(
+                StatusCode::FORBIDDEN,
+                "this link is not valid, or was used already: run `boxery desktop` again for a new one",
+            );
+        }
+        let mut r = Response::builder()
+            .status(StatusCode::SEE_OTHER)
+            .header(header::LOCATION, self.viewer_page())
+            .header(
+                header::SET_COOKIE,
+                format!(
+                    "{}={}; Path=/; HttpOnly; SameSite=Strict",
+                    self.cookie_name(),
+                    self.cookie
+                ),
+            )
+            .body(Body::empty())
+            .unwrap_or_default();
+        secure(r.headers_mut());
+        r
+    }
+}
+
+async fn serve(State(d): State<Arc<Desk>>, req: Request) -> Response {
+    let (mut parts, _) = req.into_parts();
+    if !d.ours(&parts.headers) {
+        return refuse(
+            StatusCode::FORBIDDEN,
+            "this server answers only to 127.0.0.1 and localhost at its own port",
+        );
+    }
+    if parts.method != Method::GET && parts.method != Method::HEAD {
+        return refuse(StatusCode::METHOD_NOT_ALLOWED, "only GET");
+    }
+    let path = parts.uri.path().to_string();
+    if path == "/"
+        && let Some(token) = parts
+            .uri
+            .query()
+            .into_iter()
+            .flat_map(|q| q.split('&'))
+            .find_map(|kv| kv.strip_prefix("token="))
+    {
+        return d.redeem(token, &parts.headers);
+    }
+    if !d.admitted(&parts.headers) {
+        return refuse(
+            StatusCode::FORBIDDEN,
+            "open the link `boxery desktop` printed (it works once, in one browser)",
+        );
+    }
+    if path == "/websockify" {
+        let origin = parts
+            .headers
+            .get(header::ORIGIN)
+            .and_then(|v| v.to_str().ok());
+        let port = d.port;
+        if !origin.is_some_and(|o| {
+            o == format!("http://127.0.0.1:{port}") || o == format!("http://localhost:{port}")
+        }) {
+            return refuse(StatusCode::FORBIDDEN, "a websocket from another page");
+        }
+        let Ok(permit) = d.viewers.clone().try_acquire_owned() else {
+            return refuse(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too many viewers of this desktop at once",
+            );
+        };
+        return match WebSocketUpgrade::from_request_parts(&mut parts, &()).await {
+            Ok(ws) => ws.on_upgrade(move |socket| async move {
+                bridge(socket, &d).await;
+                drop(permit);
+            }),
+            Err(e) => e.into_response(),
+        };
+    }
+    file(&d.web, &path).await
+}
+
+/// A file of noVNC's: each part of the path plain (letters, digits, `.`, `-`, `_`, not
+/// starting with a dot), a regular file, of a type it has.
+async fn file(web: &Path, path: &str) -> Response {
+    let rel = path.trim_start_matches('/');
+    let rel = if rel.is_empty() { "vnc.html" } else { rel };
+    let plain = rel.split('/').all(|p| {
+        !p.is_empty()
+            && !p.starts_with('.')
+            && p.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    });
+    let ext = rel.rsplit_once('.').map_or("", |(_, e)| e);
+    let kind = match ext {
+        "html" => "text/html; charset=utf-8",
+        "js" => "text/javascript; charset=utf-8",
+        "css" => "text/css; charset=utf-8",
+        "svg" => "image/svg+xml",
+        "png" => "image/png",
+        "ico" => "image/x-icon",
+        "json" => "application/json",
+        "woff" => "font/woff",
+        "woff2" => "font/woff2",
+        "ttf" => "font/ttf",
+        "mp3" => "audio/mpeg",
+        "oga" => "audio/ogg",
+        _ => "",
+    };
+    let full = web.join(rel);
+    let ok = plain
+        && !kind.is_empty()
+        && tokio::fs::metadata(&full)
+            .await
+            .is_ok_and(|m| m.is_file() && m.len() <= MAX_FILE);
+    let body = match ok {
+        true => tokio::fs::read(&full).await.ok(),
+        false => None,
+    };
+    let Some(body) = body else {
+        return refuse(StatusCode::NOT_FOUND, "not found");
+    };
+    let mut r = (StatusCode::OK, body).into_response();
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(kind));
+    secure(r.headers_mut());
+    r
+}
+
+/// Carry one websocket to a VNC session in the guest until either ends.
+async fn bridge(socket: WebSocket, d: &Desk) {
+    let vm = d.viewer.vm();
+    let mut child = match d.viewer.connect() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("boxery: a viewer could not reach {vm}'s desktop: {e}");
+            return;
+        }
+    };
+    let (Some(mut stdin), Some(mut stdout)) = (child.stdin.take(), child.stdout.take()) else {
+        return;
+    };
+    eprintln!("boxery: a viewer connected");
+    let (mut tx, mut rx) = socket.split();
+    let up = async {
+        while let Some(Ok(m)) = rx.next().await {
+            let b = match m {
+                Message::Binary(b) => b,
+                Message::Close(_) => break,
+                _ => continue,
+            };
+            if stdin.write_all(&b).await.is_err() {
+                break;
+            }
+        }
+    };
+    let down = async {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            match stdout.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    let bytes = axum::body::Bytes::copy_from_slice(&buf[..n]);
+                    if tx.send(Message::Binary(bytes)).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = tx.send(Message::Close(None)).await;
+    };
+    tokio::select! {
+        _ = up => {}
+        _ = down => {}
+    }
+    let _ = child.start_kill();
+    let _ = child.wait().await;
+    eprintln!("boxery: a viewer left");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_long_and_compared_whole() {
+        let (a, b) = (secret(), secret());
+        assert_eq!(a.len(), 64);
+        assert_ne!(a, b);
+        assert!(same(&a, &a.clone()));
+        assert!(!same(&a, &b));
+        assert!(!same(&a, &a[..63]));
+        assert!(!same("", &a));
+    }
+
+    #[tokio::test]
+    async fn only_plain_paths_of_known_types_are_served() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("vnc.html"), "<html>").unwrap();
+        std::fs::create_dir(dir.path().join("app")).unwrap();
+        std::fs::write(dir.path().join("app/ui.js"), "x").unwrap();
+        std::fs::write(dir.path().join("secret.key"), "k").unwrap();
+        std::fs::write(dir.path().join(".hidden.js"), "h").unwrap();
+        for (p, code) in [
+            ("/", StatusCode::OK),
+            ("/vnc.html", StatusCode::OK),
+            ("/app/ui.js", StatusCode::OK),
+            ("/secret.key", StatusCode::NOT_FOUND),
+            ("/.hidden.js", StatusCode::NOT_FOUND),
+            ("/app/../vnc.html", StatusCode::NOT_FOUND),
+            ("/app//ui.js", StatusCode::NOT_FOUND),
+            ("/app", StatusCode::NOT_FOUND),
+            ("/%2e%2e/etc/passwd", StatusCode::NOT_FOUND),
+        ] {
+            assert_eq!(file(dir.path(), p).await.status(), code, "{p}");
+        }
+        let r = file(dir.path(), "/app/ui.js").await;
+        assert_eq!(
+            r.headers()[header::CONTENT_TYPE],
+            "text/javascript; charset=utf-8"
+        );
+        assert_eq!(r.headers()[header::X_FRAME_OPTIONS], "DENY");
+    }
+}
