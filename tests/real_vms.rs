@@ -2587,6 +2587,11 @@ mod qemu {
     fn desktop_driven_through_vm_computer() {
         super::desktop::desktop_computer_use(super::Kind::Qemu)
     }
+
+    #[test]
+    fn browser_driven_through_vm_browser() {
+        super::desktop::browser_driven_through_vm_browser(super::Kind::Qemu)
+    }
 }
 
 #[cfg(feature = "libvirt")]

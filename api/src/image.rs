@@ -114,6 +114,8 @@ pub struct Layer {
     /// VM"). Empty for the base's layers, and for a layer that cannot be added to a running VM
     /// ([`Layer::in_place`]).
     pub files: &'static [&'static str],
+    /// The layers it needs, added with it when not asked for (`browser` needs `desktop`).
+    pub needs: &'static [&'static str],
 }
 
 impl Layer {
@@ -137,12 +139,14 @@ pub const LAYERS: &[Layer] = &[
         installs: "the agent user (passwordless sudo), sshd settings, cloud-init's user, tmux, socat, qemu-guest-agent, security updates",
         in_base: true,
         files: &[],
+        needs: &[],
     },
     Layer {
         name: "devtools",
         installs: "git, python3 (venv), jq, ripgrep, fd, curl, build-essential, pkg-config, unzip, xz, file",
         in_base: true,
         files: &[],
+        needs: &[],
     },
     Layer {
         name: "agents",
@@ -154,24 +158,35 @@ pub const LAYERS: &[Layer] = &[
             "/usr/local/bin",
             "/etc/profile.d/boxery-agents.sh",
         ],
+        needs: &[],
     },
     Layer {
         name: "desktop",
         installs: "a virtual X display :0 (Xvfb, 1280x800 by default, its framebuffer readable as an XWD file) with the jwm window manager, started at boot as the agent user; xdotool, xterm, x11-utils, python3-tk, x11vnc (not started); not added to a running VM (make the VM with it)",
         in_base: false,
         files: &[],
+        needs: &[],
+    },
+    Layer {
+        name: "browser",
+        installs: "Chromium, which the agent drives (vm_browser, `boxery browser`) on the desktop's display, going out through boxery's egress proxy; with the desktop layer (added with it); not added to a running VM (make the VM with it)",
+        in_base: false,
+        files: &[],
+        needs: &["desktop"],
     },
     Layer {
         name: "docker",
         installs: "Docker (Debian's docker.io: dockerd, the docker CLI, containerd, runc), started at boot, the agent user in the docker group; its daemon goes out through boxery's egress proxy; not added to a running VM (make the VM with it)",
         in_base: false,
         files: &[],
+        needs: &[],
     },
     Layer {
         name: "rust",
         installs: "Rust and cargo (Debian's rustc-web and cargo-web: the toolchain Debian 12 keeps current, 1.96 with security updates); cargo goes out through boxery's egress proxy; not added to a running VM (make the VM with it)",
         in_base: false,
         files: &[],
+        needs: &[],
     },
 ];
 
@@ -232,9 +247,15 @@ pub fn normalize_layers(base: &str, layers: &[String]) -> Result<Vec<String>, St
             Some(_) => {}
         }
     }
+    // with what they need (a layer needs only layers built before it)
+    let wanted = |k: &Layer| {
+        layers
+            .iter()
+            .any(|l| l == k.name || layer(l).is_some_and(|asked| asked.needs.contains(&k.name)))
+    };
     Ok(LAYERS
         .iter()
-        .filter(|k| layers.iter().any(|l| l == k.name))
+        .filter(|k| wanted(k))
         .map(|k| k.name.to_string())
         .collect())
 }
@@ -573,5 +594,24 @@ mod layer_tests {
         let mut table: Vec<String> = LAYERS.iter().map(|l| l.name.to_string()).collect();
         table.sort();
         assert_eq!(scripts, table);
+    }
+
+    #[test]
+    fn a_layer_brings_what_it_needs_built_before_it() {
+        for (i, l) in LAYERS.iter().enumerate() {
+            for n in l.needs {
+                let at = LAYERS.iter().position(|k| k.name == *n);
+                assert!(at.is_some_and(|at| at < i), "{} needs {n}", l.name);
+            }
+        }
+        let v = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            normalize_layers("debian-12", &v(&["browser"])).unwrap(),
+            v(&["desktop", "browser"])
+        );
+        assert_eq!(
+            normalize_layers("debian-12", &v(&["browser", "agents", "desktop"])).unwrap(),
+            v(&["agents", "desktop", "browser"])
+        );
     }
 }

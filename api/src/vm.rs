@@ -601,6 +601,8 @@ fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
     if let Err(e) = normalize_spec_layers(&mut vm.spec) {
         errs.push(e);
     }
+    // (a layer that needs the desktop, added with it)
+    desktop_is_a_layer(&mut vm.spec);
     // Defaults are written into the object, so an upgrade never changes a stored VM's size.
     let eff = vm.spec.resources.effective();
     if vm.spec.layers.iter().any(|l| l == DESKTOP) && eff.memory.as_mib() < DESKTOP_MIN_MIB {

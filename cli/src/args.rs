@@ -607,6 +607,40 @@ pub(crate) enum Command {
         #[arg(long)]
         console: bool,
     },
+    /// Drive the browser of a VM made with the browser layer, as `vm_browser` does: open a
+    /// page, read it, click or fill an element (CSS selectors), evaluate JavaScript, or save a
+    /// screenshot. The browser goes out through the VM's egress policy.
+    #[command(after_help = "Actions:\n  \
+        open URL                 go there and wait for it; its text on stdout\n  \
+        read                     the current page's text\n  \
+        click SELECTOR           click the first element it matches\n  \
+        fill SELECTOR [TEXT]     replace the field's text (none: clear it)\n  \
+        evaluate EXPRESSION      run JavaScript; its value as JSON\n  \
+        screenshot -o FILE       the page's viewport as PNG (-: stdout)\n\n\
+        Examples:\n  \
+        boxery browser web1 open http://127.0.0.1:8000/\n  \
+        boxery browser web1 fill '#name' 'Ada'\n  \
+        boxery browser web1 click 'button[type=submit]'\n  \
+        boxery browser web1 evaluate 'document.title'\n\n\
+        The line about the page (address, HTTP status, title) goes to stderr. docs/desktop.md.")]
+    Browser {
+        /// The VM (one made with `layers: [browser]`).
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The action: open, read, click, fill, evaluate, screenshot.
+        #[arg(value_parser = ["open", "read", "click", "fill", "evaluate", "screenshot"])]
+        action: String,
+        /// The action's arguments (above); text that starts with `-` goes after `--`.
+        #[arg(value_name = "ARG")]
+        args: Vec<String>,
+        /// Where a screenshot writes its PNG (`-`: standard output).
+        #[arg(short = 'o', long, value_name = "FILE")]
+        output: Option<std::path::PathBuf>,
+        /// Seconds the action may take (default 180, at most 300; the first action starts the
+        /// browser: a minute or two under emulation).
+        #[arg(long, value_name = "SECONDS")]
+        timeout: Option<u64>,
+    },
     /// Run a coding agent in a VM on a prompt, headless (`claude -p`, `codex exec`, `opencode
     /// run`): its output is streamed and boxery exits with its exit code. The VM needs the
     /// agents layer, and an `llm` grant for the agent's provider (docs/agents.md).

@@ -3,19 +3,21 @@
 //! websockets to one VNC session in the guest ([`boxery_verbs::guest::desktop`]: `x11vnc
 //! -inetd` over the VM's pinned ssh connection, so no VNC port is open anywhere).
 //!
-//! Who may look: the printed link holds a one-time token. Its first use sets a cookie for this
-//! port (`HttpOnly`, `SameSite=Strict`) and redirects to the viewer; the token is then spent,
-//! and every request (a page, a script, the websocket) needs the cookie. A request naming
-//! another host than `127.0.0.1:PORT`/`localhost:PORT` is refused (a page of another site
-//! cannot reach the server through DNS rebinding), and so is a websocket from another origin.
-//! Without `--control` the guest's x11vnc drops keys and the pointer (`-viewonly`).
+//! Who may look: the printed link holds a one-time token. Its first use (a GET) answers a page
+//! that sends the browser on to the viewer under a session path, `/s/SECRET/`, that only this
+//! browser learns; the token is then spent, and every request (a page, a script, the
+//! websocket) must be under that path. No cookie: a cookie for 127.0.0.1 would go to every
+//! other server on 127.0.0.1 too. A request naming another host than `127.0.0.1:PORT` or
+//! `localhost:PORT` is refused (a page of another site cannot reach the server through DNS
+//! rebinding), and so is a websocket from another origin. `--open` hands the browser a private
+//! file that leads to the link, so the token is never on a command line. Without
+//! `--control` the guest's x11vnc drops keys and the pointer (`-viewonly`).
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 
-use axum::body::Body;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
@@ -42,8 +44,8 @@ struct Desk {
     port: u16,
     /// The link's token, until its first use.
     link: Mutex<Option<String>>,
-    /// The cookie the link's use sets.
-    cookie: String,
+    /// The session path's secret (`/s/SECRET/…`), which only the link's browser learns.
+    session: String,
     viewers: Arc<tokio::sync::Semaphore>,
 }
 
@@ -75,7 +77,7 @@ pub async fn desktop(
         web,
         port,
         link: Mutex::new(Some(token.clone())),
-        cookie: secret(),
+        session: secret(),
         viewers: Arc::new(tokio::sync::Semaphore::new(MAX_VIEWERS)),
     });
     let url = format!("http://127.0.0.1:{port}/?token={token}");
@@ -88,9 +90,11 @@ pub async fn desktop(
             "view only; --control to drive it"
         }
     );
-    if open {
-        open_browser(&url);
-    }
+    // (kept until the server ends: the browser may read it late)
+    let _page = match open {
+        true => open_browser(&url),
+        false => None,
+    };
     let _session = v
         .local()
         .is_ok()
@@ -117,18 +121,49 @@ fn same(a: &str, b: &str) -> bool {
     a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
-/// Open `url` in the person's browser (`$BROWSER`, else `xdg-open`), or say how.
-fn open_browser(url: &str) {
+/// A page that sends its browser to `url` (the link, or the viewer): the token or the session
+/// path never on a command line or in a Referer.
+fn onward_page(url: &str) -> String {
+    // (a JSON string, with `<` escaped: nothing in it can end the script element)
+    let json = serde_json::Value::from(url)
+        .to_string()
+        .replace('<', "\\u003c");
+    format!(
+        "<!doctype html>\n<meta charset=\"utf-8\">\n<meta name=\"referrer\" content=\"no-referrer\">\n<title>boxery desktop</title>\n<script>location.replace({json});</script>\n<noscript>This page needs JavaScript (noVNC does).</noscript>\n"
+    )
+}
+
+/// Open `url` in the person's browser (`$BROWSER`, else `xdg-open`) through a private file
+/// (0600, removed when the returned handle drops) that leads to it, or say how.
+fn open_browser(url: &str) -> Option<tempfile::NamedTempFile> {
+    use std::io::Write;
+    let page = tempfile::Builder::new()
+        .prefix("boxery-desktop-")
+        .suffix(".html")
+        .tempfile()
+        .and_then(|mut f| f.write_all(onward_page(url).as_bytes()).map(|()| f));
+    let page = match page {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!(
+                "boxery: could not write the page that opens the link ({e}): open the link yourself"
+            );
+            return None;
+        }
+    };
     let browser = std::env::var("BROWSER").unwrap_or_else(|_| "xdg-open".into());
     let started = std::process::Command::new(&browser)
-        .arg(url)
+        .arg(page.path())
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn();
-    if let Err(e) = started {
-        eprintln!("boxery: could not start {browser} ({e}): open the link yourself");
+    match started {
+        // (waited for on a thread of its own: no zombie)
+        Ok(mut child) => drop(std::thread::spawn(move || child.wait())),
+        Err(e) => eprintln!("boxery: could not start {browser} ({e}): open the link yourself"),
     }
+    Some(page)
 }
 
 fn refuse(code: StatusCode, why: &str) -> Response {
@@ -151,10 +186,6 @@ fn secure(h: &mut HeaderMap) {
 }
 
 impl Desk {
-    fn cookie_name(&self) -> String {
-        format!("boxery-desktop-{}", self.port)
-    }
-
     /// Whether the request names this server (`127.0.0.1:PORT` or `localhost:PORT`).
     fn ours(&self, h: &HeaderMap) -> bool {
         let host = h.get(header::HOST).and_then(|v| v.to_str().ok());
@@ -162,28 +193,26 @@ impl Desk {
         host.is_some_and(|h| h == format!("127.0.0.1:{port}") || h == format!("localhost:{port}"))
     }
 
-    /// Whether the request carries the session's cookie.
-    fn admitted(&self, h: &HeaderMap) -> bool {
-        let name = self.cookie_name();
-        h.get_all(header::COOKIE)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(';'))
-            .filter_map(|c| c.trim().split_once('='))
-            .any(|(k, v)| k == name && same(v, &self.cookie))
+    /// Whether a websocket comes from this server's own page.
+    fn same_origin(&self, h: &HeaderMap) -> bool {
+        let origin = h.get(header::ORIGIN).and_then(|v| v.to_str().ok());
+        let port = self.port;
+        origin.is_some_and(|o| {
+            o == format!("http://127.0.0.1:{port}") || o == format!("http://localhost:{port}")
+        })
     }
 
     /// The viewer's address, with this session's options.
     fn viewer_page(&self) -> String {
+        let s = &self.session;
         format!(
-            "/vnc.html?autoconnect=1&resize=scale&reconnect=1&reconnect_delay=2000&path=websockify&view_only={}",
+            "/s/{s}/vnc.html?autoconnect=1&resize=scale&reconnect=1&reconnect_delay=2000&path=s/{s}/websockify&view_only={}",
             u8::from(!self.viewer.control())
         )
     }
 
-    /// The link's use: the token spent, the cookie set, on to the viewer. A browser that
-    /// already holds the cookie goes on too.
-    fn redeem(&self, token: &str, h: &HeaderMap) -> Response {
+    /// The link's use: the token spent, on to the viewer.
+    fn redeem(&self, token: &str) -> Response {
         let fresh = {
             let mut link = self.link.lock().unwrap_or_else(|e| e.into_inner());
             match link.as_deref() {
@@ -194,25 +223,18 @@ impl Desk {
                 _ => false,
             }
         };
-        if !fresh && !self.admitted(h) {
+        if !fresh {
             return refuse(
                 StatusCode::FORBIDDEN,
                 "this link is not valid, or was used already: run `boxery desktop` again for a new one",
             );
         }
-        let mut r = Response::builder()
-            .status(StatusCode::SEE_OTHER)
-            .header(header::LOCATION, self.viewer_page())
-            .header(
-                header::SET_COOKIE,
-                format!(
-                    "{}={}; Path=/; HttpOnly; SameSite=Strict",
-                    self.cookie_name(),
-                    self.cookie
-                ),
-            )
-            .body(Body::empty())
-            .unwrap_or_default();
+        let mut r = (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+            onward_page(&self.viewer_page()),
+        )
+            .into_response();
         secure(r.headers_mut());
         r
     }
@@ -226,35 +248,40 @@ async fn serve(State(d): State<Arc<Desk>>, req: Request) -> Response {
             "this server answers only to 127.0.0.1 and localhost at its own port",
         );
     }
-    if parts.method != Method::GET && parts.method != Method::HEAD {
+    let head = parts.method == Method::HEAD;
+    if parts.method != Method::GET && !head {
         return refuse(StatusCode::METHOD_NOT_ALLOWED, "only GET");
     }
     let path = parts.uri.path().to_string();
-    if path == "/"
-        && let Some(token) = parts
+    if path == "/" {
+        let token = parts
             .uri
             .query()
             .into_iter()
             .flat_map(|q| q.split('&'))
-            .find_map(|kv| kv.strip_prefix("token="))
-    {
-        return d.redeem(token, &parts.headers);
+            .find_map(|kv| kv.strip_prefix("token="));
+        return match token {
+            // (a link previewer's HEAD does not spend it)
+            Some(_) if head => refuse(StatusCode::METHOD_NOT_ALLOWED, "open the link in a browser"),
+            Some(token) => d.redeem(token),
+            None => refuse(
+                StatusCode::FORBIDDEN,
+                "open the link `boxery desktop` printed (it works once, in one browser)",
+            ),
+        };
     }
-    if !d.admitted(&parts.headers) {
+    let inside = path
+        .strip_prefix("/s/")
+        .and_then(|rest| rest.split_once('/'))
+        .filter(|(secret, _)| same(secret, &d.session));
+    let Some((_, rest)) = inside else {
         return refuse(
             StatusCode::FORBIDDEN,
             "open the link `boxery desktop` printed (it works once, in one browser)",
         );
-    }
-    if path == "/websockify" {
-        let origin = parts
-            .headers
-            .get(header::ORIGIN)
-            .and_then(|v| v.to_str().ok());
-        let port = d.port;
-        if !origin.is_some_and(|o| {
-            o == format!("http://127.0.0.1:{port}") || o == format!("http://localhost:{port}")
-        }) {
+    };
+    if rest == "websockify" {
+        if !d.same_origin(&parts.headers) {
             return refuse(StatusCode::FORBIDDEN, "a websocket from another page");
         }
         let Ok(permit) = d.viewers.clone().try_acquire_owned() else {
@@ -271,13 +298,12 @@ async fn serve(State(d): State<Arc<Desk>>, req: Request) -> Response {
             Err(e) => e.into_response(),
         };
     }
-    file(&d.web, &path).await
+    file(&d.web, rest).await
 }
 
-/// A file of noVNC's: each part of the path plain (letters, digits, `.`, `-`, `_`, not
-/// starting with a dot), a regular file, of a type it has.
-async fn file(web: &Path, path: &str) -> Response {
-    let rel = path.trim_start_matches('/');
+/// A file of noVNC's (`rel`, relative to `web`): each part of the path plain (letters, digits,
+/// `.`, `-`, `_`, not starting with a dot), a regular file, of a type it has.
+async fn file(web: &Path, rel: &str) -> Response {
     let rel = if rel.is_empty() { "vnc.html" } else { rel };
     let plain = rel.split('/').all(|p| {
         !p.is_empty()
@@ -321,7 +347,8 @@ async fn file(web: &Path, path: &str) -> Response {
     r
 }
 
-/// Carry one websocket to a VNC session in the guest until either ends.
+/// Carry one websocket to a VNC session in the guest until either ends; when the guest side
+/// ends before sending anything, say why (ssh's stderr).
 async fn bridge(socket: WebSocket, d: &Desk) {
     let vm = d.viewer.vm();
     let mut child = match d.viewer.connect() {
@@ -331,10 +358,16 @@ async fn bridge(socket: WebSocket, d: &Desk) {
             return;
         }
     };
-    let (Some(mut stdin), Some(mut stdout)) = (child.stdin.take(), child.stdout.take()) else {
+    let (Some(mut stdin), Some(mut stdout), Some(mut stderr)) =
+        (child.stdin.take(), child.stdout.take(), child.stderr.take())
+    else {
         return;
     };
-    eprintln!("boxery: a viewer connected");
+    let why = tokio::spawn(async move {
+        let mut buf = Vec::new();
+        let _ = (&mut stderr).take(4096).read_to_end(&mut buf).await;
+        buf
+    });
     let (mut tx, mut rx) = socket.split();
     let up = async {
         while let Some(Ok(m)) = rx.next().await {
@@ -348,12 +381,17 @@ async fn bridge(socket: WebSocket, d: &Desk) {
             }
         }
     };
+    let mut sent = false;
     let down = async {
         let mut buf = vec![0u8; 64 << 10];
         loop {
             match stdout.read(&mut buf).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
+                    if !sent {
+                        sent = true;
+                        eprintln!("boxery: a viewer connected");
+                    }
                     let bytes = axum::body::Bytes::copy_from_slice(&buf[..n]);
                     if tx.send(Message::Binary(bytes)).await.is_err() {
                         break;
@@ -369,7 +407,19 @@ async fn bridge(socket: WebSocket, d: &Desk) {
     }
     let _ = child.start_kill();
     let _ = child.wait().await;
-    eprintln!("boxery: a viewer left");
+    if sent {
+        eprintln!("boxery: a viewer left");
+    } else {
+        let why = why.await.unwrap_or_default();
+        let why = String::from_utf8_lossy(&why);
+        eprintln!(
+            "boxery: a viewer could not reach {vm}'s desktop: {}",
+            match boxery_verbs::render::safe(why.trim()) {
+                w if w.is_empty() => "the guest ended the stream".into(),
+                w => w,
+            }
+        );
+    }
 }
 
 #[cfg(test)]
@@ -396,23 +446,31 @@ mod tests {
         std::fs::write(dir.path().join("secret.key"), "k").unwrap();
         std::fs::write(dir.path().join(".hidden.js"), "h").unwrap();
         for (p, code) in [
-            ("/", StatusCode::OK),
-            ("/vnc.html", StatusCode::OK),
-            ("/app/ui.js", StatusCode::OK),
-            ("/secret.key", StatusCode::NOT_FOUND),
-            ("/.hidden.js", StatusCode::NOT_FOUND),
-            ("/app/../vnc.html", StatusCode::NOT_FOUND),
-            ("/app//ui.js", StatusCode::NOT_FOUND),
-            ("/app", StatusCode::NOT_FOUND),
-            ("/%2e%2e/etc/passwd", StatusCode::NOT_FOUND),
+            ("", StatusCode::OK),
+            ("vnc.html", StatusCode::OK),
+            ("app/ui.js", StatusCode::OK),
+            ("secret.key", StatusCode::NOT_FOUND),
+            (".hidden.js", StatusCode::NOT_FOUND),
+            ("app/../vnc.html", StatusCode::NOT_FOUND),
+            ("app//ui.js", StatusCode::NOT_FOUND),
+            ("/etc/passwd", StatusCode::NOT_FOUND),
+            ("app", StatusCode::NOT_FOUND),
+            ("%2e%2e/etc/passwd", StatusCode::NOT_FOUND),
         ] {
             assert_eq!(file(dir.path(), p).await.status(), code, "{p}");
         }
-        let r = file(dir.path(), "/app/ui.js").await;
+        let r = file(dir.path(), "app/ui.js").await;
         assert_eq!(
             r.headers()[header::CONTENT_TYPE],
             "text/javascript; charset=utf-8"
         );
         assert_eq!(r.headers()[header::X_FRAME_OPTIONS], "DENY");
+    }
+
+    #[test]
+    fn the_onward_page_quotes_its_address() {
+        let p = onward_page("/s/x/vnc.html?a=1&b=</script><script>alert(1)");
+        assert!(!p.contains("</script><script>alert"), "{p}");
+        assert!(p.contains("location.replace("));
     }
 }

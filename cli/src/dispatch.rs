@@ -284,6 +284,16 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
         } => return guest::forward(v, &vm, &ports, reverse, address).await,
         Command::Prompt { vm, agent, text } => return guest::prompt(v, &vm, &agent, &text).await,
         Command::Attach { vm, agent } => return guest::attach(v, &vm, &agent).await,
+        Command::Browser {
+            vm,
+            action,
+            args,
+            output,
+            timeout,
+        } => {
+            let a = guest::browser_action(&action, &args, timeout)?;
+            return guest::browser(v, &vm, &a, output.as_deref()).await;
+        }
         Command::Desktop {
             vm,
             control,

@@ -363,6 +363,158 @@ pub async fn computer(
     Ok(ExitCode::SUCCESS)
 }
 
+/// The browser action a command line says (`open URL`, `click SELECTOR`, …).
+pub fn browser_action(
+    name: &str,
+    words: &[String],
+    timeout: Option<u64>,
+) -> CliResult<boxery_verbs::guest::browser::Browse> {
+    use boxery_verbs::guest::browser::{Browse, BrowserAction as A};
+    let wrong = |usage: &str| CliError::invalid(format!("usage: browser VM {name} {usage}"));
+    let action = match name {
+        "open" => A::Open,
+        "read" => A::Read,
+        "click" => A::Click,
+        "fill" => A::Fill,
+        "evaluate" => A::Evaluate,
+        "screenshot" => A::Screenshot,
+        other => return Err(CliError::invalid(format!("no browser action `{other}`"))),
+    };
+    let mut b = Browse {
+        action,
+        url: None,
+        selector: None,
+        text: None,
+        expression: None,
+        timeout_seconds: timeout,
+    };
+    match (action, words) {
+        (A::Open, [url]) => b.url = Some(url.clone()),
+        (A::Open, _) => return Err(wrong("URL")),
+        (A::Read | A::Screenshot, []) => {}
+        (A::Read | A::Screenshot, _) => return Err(wrong("(no arguments)")),
+        (A::Click, [sel]) => b.selector = Some(sel.clone()),
+        (A::Click, _) => return Err(wrong("SELECTOR")),
+        (A::Fill, [sel]) => b.selector = Some(sel.clone()),
+        (A::Fill, [sel, text @ ..]) => {
+            b.selector = Some(sel.clone());
+            b.text = Some(text.join(" "));
+        }
+        (A::Fill, []) => return Err(wrong("SELECTOR [TEXT]")),
+        (A::Evaluate, []) => return Err(wrong("EXPRESSION")),
+        (A::Evaluate, expr) => b.expression = Some(expr.join(" ")),
+    }
+    Ok(b)
+}
+
+/// A page's text for a terminal: lines and tabs kept, every other character a terminal would
+/// act on (escapes, bidirectional controls) escaped.
+fn page_text(t: &str) -> String {
+    t.split('\n')
+        .map(|line| {
+            line.split('\t')
+                .map(|p| boxery_verbs::render::safe(p).into_owned())
+                .collect::<Vec<_>>()
+                .join("\t")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `browser VM ACTION …`: one action; the page's text or a value on stdout, the line about
+/// the page on stderr.
+pub async fn browser(
+    v: &Verbs,
+    vm: &str,
+    a: &boxery_verbs::guest::browser::Browse,
+    output: Option<&std::path::Path>,
+) -> CliResult<ExitCode> {
+    use boxery_verbs::guest::browser::{self, BrowserAction as A};
+    if a.action == A::Screenshot && output.is_none() {
+        return Err(CliError::invalid("screenshot needs -o FILE (- for stdout)"));
+    }
+    if output.is_some() && a.action != A::Screenshot {
+        return Err(CliError::invalid("-o is for screenshot"));
+    }
+    let ct = CancellationToken::new();
+    let done = tokio::select! {
+        r = browser::browse(v, vm, a, &ct) => r?,
+        _ = tokio::signal::ctrl_c() => { ct.cancel(); return Ok(ExitCode::from(130)); }
+    };
+    let safe = |s: &str| boxery_verbs::render::safe(s).into_owned();
+    eprintln!("boxery: {}", safe(&done.said()));
+    if let (Some(file), Some(png)) = (output, &done.png) {
+        save_png(file, png)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    match a.action {
+        A::Open | A::Read => {
+            if let Some(t) = &done.text {
+                // (the page's text as it is, but for escape sequences a terminal would obey)
+                out!("{}", page_text(t));
+                if !t.ends_with('\n') && !t.is_empty() {
+                    outln!("");
+                }
+            }
+            if done.error.is_some() {
+                return Ok(ExitCode::from(exit::Code::Failed as u8));
+            }
+        }
+        A::Evaluate => match (&done.value, &done.error) {
+            (_, Some(_)) => return Ok(ExitCode::from(exit::Code::Failed as u8)),
+            (Some(v), None) => outln!(
+                "{}",
+                safe(&serde_json::to_string_pretty(v).unwrap_or_default())
+            ),
+            (None, None) => outln!("undefined"),
+        },
+        _ => {}
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod browser_tests {
+    use clap::Parser;
+
+    fn parse(argv: &[&str]) -> crate::exit::CliResult<boxery_verbs::guest::browser::Browse> {
+        let argv = std::iter::once("boxery").chain(argv.iter().copied());
+        match crate::Cli::try_parse_from(argv).unwrap().command {
+            crate::Command::Browser {
+                action,
+                args,
+                timeout,
+                ..
+            } => super::browser_action(&action, &args, timeout),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn the_words_are_the_actions_fields() {
+        let b = parse(&["browser", "web1", "fill", "#name", "Ada", "Lovelace"]).unwrap();
+        assert_eq!(b.selector.as_deref(), Some("#name"));
+        assert_eq!(b.text.as_deref(), Some("Ada Lovelace"));
+        let b = parse(&["browser", "web1", "fill", "#name", "--", "-x"]).unwrap();
+        assert_eq!(b.text.as_deref(), Some("-x"));
+        let b = parse(&["browser", "web1", "open", "http://a/", "--timeout", "9"]).unwrap();
+        assert_eq!(
+            (b.url.as_deref(), b.timeout_seconds),
+            (Some("http://a/"), Some(9))
+        );
+        let b = parse(&["browser", "web1", "evaluate", "1", "+", "1"]).unwrap();
+        assert_eq!(b.expression.as_deref(), Some("1 + 1"));
+        for bad in [
+            &["browser", "web1", "open"][..],
+            &["browser", "web1", "read", "x"],
+            &["browser", "web1", "click"],
+            &["browser", "web1", "click", "a", "b"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+    }
+}
+
 #[cfg(test)]
 mod computer_tests {
     use clap::Parser;

@@ -122,6 +122,7 @@ pub fn row(command: &Command) -> Row<'_> {
         | Command::Attach { .. }
         | Command::Screenshot { .. }
         | Command::Desktop { .. }
+        | Command::Browser { .. }
         | Command::Computer { .. }
         | Command::Run { .. }
         | Command::Cp { .. }

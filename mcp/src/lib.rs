@@ -10,6 +10,7 @@
 //! waits without a bound, and fails with the verbs' [`VerbError`], whose message a model can
 //! act on.
 
+pub mod browser;
 pub mod computer;
 pub mod conns;
 pub mod exec;
@@ -359,6 +360,13 @@ pub fn tools() -> &'static [Tool] {
                 destructive,
                 CliSide::Commands(&["computer", "screenshot"]),
                 computer::computer,
+            ),
+            tool(
+                "vm_browser",
+                "Drive the VM's web browser (Chromium, on its desktop; the VM needs the browser layer: layers: [browser]): open (url: http, https or about:blank; waits for the page to load and returns its address, HTTP status, title and text), read (the current page), click (selector: a CSS selector; the first element it matches is clicked as a mouse would), fill (selector and text: the field's text replaced, as typed; no text clears it), evaluate (expression: JavaScript run in the page, its value returned as JSON; a promise is awaited), screenshot (the viewport, returned as an image). The browser goes out through the VM's egress policy: a site the policy refuses comes back as HTTP 403 from boxery's proxy. A page served inside the VM is at http://127.0.0.1:PORT/. Bounded by timeout_seconds (default 180, at most 300): the first action starts the browser, which takes a minute or two under emulation; a call that runs out of time leaves it starting, so the next one finds it.",
+                destructive,
+                CliSide::Commands(&["browser"]),
+                browser::browser,
             ),
             tool(
                 "vm_read",

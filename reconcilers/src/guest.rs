@@ -78,8 +78,9 @@ pub struct Plan {
     pub vm: String,
     /// Its egress policy, for the agents' context file.
     pub egress: boxery_api::network::Egress,
-    /// Its desktop's screen size (`spec.display`), with the desktop layer.
-    pub display: Option<boxery_api::vm::Display>,
+    /// For a VM with a desktop: the screen size its spec sets (`spec.display`), `None` when
+    /// it sets none (then a size boxery wrote before is taken back, one set by hand is kept).
+    pub display: Option<Option<boxery_api::vm::Display>>,
 }
 
 impl Plan {
@@ -104,7 +105,7 @@ impl Plan {
             grants,
             vm: vm.to_string(),
             egress: boxery_home::egress::read(&ctx.home, vm),
-            display: v.spec.desktop_display(),
+            display: (!v.spec.headless).then_some(v.spec.display),
         })
     }
 
@@ -120,9 +121,11 @@ impl Plan {
         for a in &self.egress.allow {
             h.part(a.as_bytes());
         }
-        if let Some(d) = self.display {
-            h.part(d.to_string().as_bytes());
-        }
+        match self.display {
+            Some(Some(d)) => h.part(d.to_string().as_bytes()),
+            Some(None) => h.part(b"display unset"),
+            None => &mut h,
+        };
         for e in &self.grants {
             h.part(e.name.as_bytes())
                 .part(e.uid.as_bytes())
@@ -157,8 +160,9 @@ pub struct Files {
     /// The Docker daemon's proxy settings, a systemd drop-in ([`docker_dropin`]): written
     /// where the guest runs Docker.
     pub docker: String,
-    /// The desktop's screen size (`WIDTHxHEIGHT`), where the guest has the desktop layer.
-    pub display: Option<String>,
+    /// For a VM with a desktop, the screen size its spec sets (`WIDTHxHEIGHT`), if any
+    /// ([`display_script`]).
+    pub display: Option<Option<String>>,
 }
 
 /// Where the Docker daemon's proxy drop-in goes: on the disk when its proxy URL holds no token
@@ -208,7 +212,7 @@ fn provider_v1(url: &str, p: &str) -> String {
 pub async fn files(plan: &Plan, home: &Path) -> Files {
     let (url, token) = (&plan.url, &plan.token);
     let mut out = Files {
-        display: plan.display.map(|d| d.to_string()),
+        display: plan.display.map(|d| d.map(|d| d.to_string())),
         ..Files::default()
     };
     let mut env = format!(
@@ -581,7 +585,7 @@ pub fn script(f: &Files, rev: &str) -> String {
         c = base64::engine::general_purpose::STANDARD.encode(&f.docker)
     ));
     if let Some(size) = &f.display {
-        s.push_str(&display_script(size));
+        s.push_str(&display_script(size.as_deref()));
     }
     if let Some(proxy) = &f.system_proxy {
         // apt and sudo do not read the login shell's variables: static files (no token).
@@ -603,20 +607,36 @@ pub fn script(f: &Files, rev: &str) -> String {
     s
 }
 
+/// The first line of a `/etc/boxery/desktop.env` boxery wrote: a file without it was written
+/// by hand, and is left alone when the spec sets no size.
+const DISPLAY_MARK: &str = "# boxery: spec.display";
+
 /// The part of [`script`] that gives the desktop (the desktop layer's `boxery-desktop`
-/// service) the screen size `size` (`WIDTHxHEIGHT`, checked by the API): written to
-/// `/etc/boxery/desktop.env` (no value: on the disk), and the display started again only when
-/// the size it runs at differs, so an unchanged push (every boot) restarts nothing.
-fn display_script(size: &str) -> String {
+/// service) the screen size `size` (`WIDTHxHEIGHT`, checked by the API) in
+/// `/etc/boxery/desktop.env` (no value: on the disk), marked as boxery's; with no size, takes
+/// back a file boxery wrote (a size set by hand stays). The display starts again only when the
+/// size it runs at changes, so a push that changes nothing (every boot) restarts nothing.
+fn display_script(size: Option<&str>) -> String {
+    let default = boxery_api::vm::Display::DEFAULT;
+    let restart = "{ sudo -n systemctl try-restart boxery-desktop.service || echo 'boxery: the desktop did not start again (journalctl -u boxery-desktop)' >&2; }";
+    let change = match size {
+        Some(size) => format!(
+            "if [ \"$cur\" != {q} ] || ! grep -qs {mark} \"$e\"; then \
+             sudo -n install -d -m 0755 /etc/boxery && printf '%s\\n' {mark} 'BOXERY_DISPLAY='{q} | sudo -n tee \"$e.new\" >/dev/null && sudo -n chmod 0644 \"$e.new\" && sudo -n mv \"$e.new\" \"$e\" && \
+             if [ \"$cur\" != {q} ]; then {restart}; fi; fi",
+            q = shell_quote(size),
+            mark = shell_quote(DISPLAY_MARK),
+        ),
+        None => format!(
+            "if grep -qs {mark} \"$e\"; then sudo -n rm -f \"$e\" && if [ \"$cur\" != {default} ]; then {restart}; fi; fi",
+            mark = shell_quote(DISPLAY_MARK),
+        ),
+    };
     format!(
-        "e=/etc/boxery/desktop.env
+        "e=/etc/boxery/desktop.env\n\
          if [ -e /etc/systemd/system/boxery-desktop.service ]; then \
-         cur=$(sed -n 's/^BOXERY_DISPLAY=//p' \"$e\" 2>/dev/null | tail -n 1); \
-         if [ \"${{cur:-{default}}}\" != {size} ]; then \
-         sudo -n install -d -m 0755 /etc/boxery && printf 'BOXERY_DISPLAY=%s\\n' {size} | sudo -n tee \"$e.new\" >/dev/null && sudo -n chmod 0644 \"$e.new\" && sudo -n mv \"$e.new\" \"$e\" && \
-         {{ sudo -n systemctl try-restart boxery-desktop.service || echo 'boxery: the desktop did not start again at {size} (journalctl -u boxery-desktop)' >&2; }}; fi; fi\n",
-        default = boxery_api::vm::Display::DEFAULT,
-        size = shell_quote(size),
+         cur=$(sed -n 's/^BOXERY_DISPLAY=//p' \"$e\" 2>/dev/null | tail -n 1); cur=${{cur:-{default}}}; \
+         {change}; fi\n"
     )
 }
 
@@ -845,6 +865,70 @@ pub async fn keep(ctx: Arc<Ctx>, vms: Cache, shutdown: CancellationToken) {
                 }
             })
             .await;
+    }
+}
+
+#[cfg(test)]
+mod display_tests {
+    use super::display_script;
+
+    /// Run the display part against a root of its own (`/etc` moved under `root`), with sudo
+    /// and systemctl as shims; what systemctl was asked.
+    fn run(root: &std::path::Path, size: Option<&str>) -> String {
+        let script = display_script(size).replace("/etc/", &format!("{}/etc/", root.display()));
+        let log = root.join("systemctl.log");
+        let shims = format!(
+            "sudo() {{ shift; \"$@\"; }}\nsystemctl() {{ echo \"$*\" >> {}; }}\n",
+            log.display()
+        );
+        let o = std::process::Command::new("sh")
+            .args(["-euc", &format!("{shims}{script}")])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let said = std::fs::read_to_string(&log).unwrap_or_default();
+        let _ = std::fs::remove_file(&log);
+        said
+    }
+
+    #[test]
+    fn the_size_is_written_marked_and_restarts_only_on_a_change() {
+        let root = tempfile::tempdir().unwrap();
+        let env = root.path().join("etc/boxery/desktop.env");
+        // no desktop: nothing
+        assert_eq!(run(root.path(), Some("1024x768")), "");
+        assert!(!env.exists());
+        std::fs::create_dir_all(root.path().join("etc/systemd/system")).unwrap();
+        std::fs::write(
+            root.path()
+                .join("etc/systemd/system/boxery-desktop.service"),
+            "",
+        )
+        .unwrap();
+        // nothing set, no file: nothing
+        assert_eq!(run(root.path(), None), "");
+        // a size: written, restarted; again: nothing
+        assert!(run(root.path(), Some("1024x768")).contains("try-restart"));
+        let f = std::fs::read_to_string(&env).unwrap();
+        assert!(
+            f.starts_with("# boxery: spec.display") && f.contains("BOXERY_DISPLAY=1024x768"),
+            "{f}"
+        );
+        assert_eq!(run(root.path(), Some("1024x768")), "");
+        // the spec's size removed: the file taken back, the default restored
+        assert!(run(root.path(), None).contains("try-restart"));
+        assert!(!env.exists());
+        // a size set by hand: kept when the spec sets none
+        std::fs::write(&env, "BOXERY_DISPLAY=1920x1080\n").unwrap();
+        assert_eq!(run(root.path(), None), "");
+        assert!(env.exists());
+        // the spec's size over a hand's file of the same size: marked, no restart
+        assert_eq!(run(root.path(), Some("1920x1080")), "");
+        assert!(
+            std::fs::read_to_string(&env)
+                .unwrap()
+                .starts_with("# boxery")
+        );
     }
 }
 

@@ -11,6 +11,8 @@
                                                # with "expect_error": true must fail); each
                                                # image saved as OUTDIR/shot-N.png, the results
                                                # as OUTDIR/results.json
+    python client.py browser BOXERY_BIN VM OUTDIR ACTIONS_JSON
+                                               # the same with vm_browser
 
 BOXERY_HOME and BOXERY_BACKEND come from the environment. Exits non-zero with the reason on
 the first failed check.
@@ -59,7 +61,7 @@ async def tools_mode(binary):
             names = {t.name for t in listed}
             for want in ["vm_apply", "vm_get", "vm_describe", "vm_delete", "vm_wait", "vm_manage",
                          "vm_lease", "vm_bash", "vm_read", "vm_write", "vm_edit", "vm_copy",
-                         "vm_jobs", "vm_use", "vm_grant", "vm_patch", "vm_computer"]:
+                         "vm_jobs", "vm_use", "vm_grant", "vm_patch", "vm_computer", "vm_browser"]:
                 check(want in names, f"tool {want} missing from {sorted(names)}")
             for t in listed:
                 schema = t.input_schema
@@ -500,7 +502,7 @@ async def remote_mode(binary, vm, outdir):
     print("remote: ok")
 
 
-async def computer_mode(binary, vm, outdir, actions_json):
+async def computer_mode(binary, vm, outdir, actions_json, tool="vm_computer"):
     import base64
     results = []
     async with stdio_client(stdio_params(binary)) as (r, w):
@@ -509,7 +511,7 @@ async def computer_mode(binary, vm, outdir, actions_json):
             for i, a in enumerate(json.loads(actions_json)):
                 expect_error = a.pop("expect_error", False)
                 started = time.time()
-                res, t = await call(s, "vm_computer", {"vm": vm, **a}, ok=not expect_error)
+                res, t = await call(s, tool, {"vm": vm, **a}, ok=not expect_error)
                 took = time.time() - started
                 images = [c for c in res.content if getattr(c, "type", "") == "image"]
                 saved = None
@@ -524,7 +526,7 @@ async def computer_mode(binary, vm, outdir, actions_json):
                                 "seconds": took})
     with open(os.path.join(outdir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    print("computer: ok")
+    print(f"{tool}: ok")
 
 
 def main():
@@ -546,6 +548,8 @@ def main():
         asyncio.run(remote_mode(sys.argv[2], sys.argv[3], sys.argv[4]))
     elif mode == "computer":
         asyncio.run(computer_mode(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]))
+    elif mode == "browser":
+        asyncio.run(computer_mode(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], "vm_browser"))
     else:
         raise SystemExit(f"unknown mode {mode}")
     print(f"{mode}: {time.time() - started:.1f}s")

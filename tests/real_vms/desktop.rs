@@ -52,10 +52,22 @@ fn computer(
     out: &Path,
     actions: serde_json::Value,
 ) -> Vec<serde_json::Value> {
+    tool_calls(h, "computer", vm, out, actions)
+}
+
+/// Run `actions` through `vm_MODE` (computer, browser) with the official MCP SDK; the results,
+/// each with the path of its image.
+fn tool_calls(
+    h: &RealHome,
+    mode: &str,
+    vm: &str,
+    out: &Path,
+    actions: serde_json::Value,
+) -> Vec<serde_json::Value> {
     std::fs::create_dir_all(out).unwrap();
     let mut py = std::process::Command::new(repo().join("target/mcp-venv/bin/python"));
     py.arg(repo().join("tests/mcp/client.py"))
-        .args(["computer", common::bin(), vm])
+        .args([mode, common::bin(), vm])
         .arg(out)
         .arg(actions.to_string());
     for (k, v) in h.home.cmd().get_envs() {
@@ -67,7 +79,7 @@ fn computer(
     let o = bounded(py, Duration::from_secs(600)).expect("the MCP client finished");
     assert!(
         o.status.success(),
-        "vm_computer: {}{}",
+        "vm_{mode}: {}{}",
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     );
@@ -267,8 +279,34 @@ fn watched_live(h: &RealHome, png: &Path, button: [i64; 2]) {
         find(&canvas, [0, 255, 255]).map(|f| f.0),
         find(png, [0, 255, 255]).map(|f| f.0)
     );
-    // the link was spent
+    // the link was spent; the session lives under a path only the browser learned
     assert_eq!(http_status(&port, &other, "127.0.0.1"), 403);
+    let page = said["final"].as_str().unwrap().to_string();
+    let session = page
+        .split_once(&format!("127.0.0.1:{port}"))
+        .and_then(|(_, p)| p.split_once("/vnc.html"))
+        .map(|(s, _)| s.to_string())
+        .expect("the viewer is under a session path");
+    assert!(
+        session.starts_with("/s/") && session.len() > 60,
+        "{session}"
+    );
+    assert_eq!(
+        http_status(&port, &format!("{session}/vnc.html"), "127.0.0.1"),
+        200
+    );
+    assert_eq!(http_status(&port, "/s/0000/vnc.html", "127.0.0.1"), 403);
+    // a websocket from another page is refused
+    let upgrade = "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n";
+    assert_eq!(
+        http_status_with(
+            &port,
+            &format!("{session}/websockify"),
+            "127.0.0.1",
+            &format!("{upgrade}Origin: http://evil.example\r\n")
+        ),
+        403
+    );
     std::thread::sleep(Duration::from_secs(2));
     h.run(
         "desk1",
@@ -325,12 +363,17 @@ impl Drop for Desktop {
 
 /// The status of a GET of `path` at 127.0.0.1:`port`, naming `host` in its Host header.
 fn http_status(port: &str, path: &str, host: &str) -> u16 {
+    http_status_with(port, path, host, "")
+}
+
+/// [`http_status`] with more header lines (each ending in CRLF).
+fn http_status_with(port: &str, path: &str, host: &str, headers: &str) -> u16 {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(format!("127.0.0.1:{port}")).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{headers}Connection: close\r\n\r\n"
     )
     .unwrap();
     let mut head = [0u8; 12];
@@ -357,4 +400,136 @@ fn browser(url: &str, out: &Path, click: Option<[i64; 2]>) -> serde_json::Value 
         String::from_utf8_lossy(&o.stderr)
     );
     serde_json::from_slice(&o.stdout).expect("one JSON line")
+}
+
+/// A form served in the guest (127.0.0.1:8000): its POST writes the name sent to
+/// /tmp/submitted.txt (whole, then renamed) and answers "thanks NAME".
+const FORM_SERVER: &str = r##"import html, http.server, os, urllib.parse
+PAGE = '<!doctype html><meta charset="utf-8"><title>Form</title><form method="post" action="/submit"><input id="name" name="name"><button id="go" type="submit">Send</button></form>'
+class H(http.server.BaseHTTPRequestHandler):
+    def reply(self, body):
+        b = body.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(b)))
+        self.end_headers()
+        self.wfile.write(b)
+    def do_GET(self):
+        self.reply(PAGE)
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
+        name = urllib.parse.parse_qs(body).get("name", [""])[0]
+        with open("/tmp/submitted.tmp", "w", encoding="utf-8") as f:
+            f.write(name)
+        os.replace("/tmp/submitted.tmp", "/tmp/submitted.txt")
+        self.reply('<!doctype html><meta charset="utf-8"><title>Thanks</title><p id="done">thanks %s</p>' % html.escape(name))
+http.server.HTTPServer(("127.0.0.1", 8000), H).serve_forever()
+"##;
+
+/// What the form is filled with: accents, a symbol, CJK, markup.
+const NAME: &str = "Ada Lovelace ✓ 日本 <&>";
+
+/// The agent's browser (`vm_browser`, the browser layer): a form served in the guest is opened,
+/// filled and submitted, and the server sees exactly what was typed; a site outside the VM's
+/// egress allow list is refused by the egress proxy (403, and why); bad actions send nothing.
+pub(super) fn browser_driven_through_vm_browser(kind: Kind) {
+    let h = RealHome::new(kind);
+    let serve = h.serve();
+    serve.wait_leading();
+    let f = h.home.write(
+        "web.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {name: web1}\nspec:\n  source: {image: debian-12}\n  layers: [browser]\n  resources: {cpus: 1, memory: 2Gi}\n  network:\n    egress: {policy: Allowlist, allow: [allowed.test]}\n",
+    );
+    h.apply_file(&f, "45m");
+    let layers = h.ok(&["get", "vm", "web1", "-o", "jsonpath={.spec.layers}"]);
+    assert!(
+        layers.contains("desktop") && layers.contains("browser"),
+        "{layers}"
+    );
+    // the egress proxy's address reaches the guest before the browser first starts
+    common::eventually(Duration::from_secs(120), || {
+        let o = h.cmd(&["run", "web1", "--", "grep -q http_proxy /run/boxery/env"]);
+        o.status.success().then_some(())
+    })
+    .expect("the egress proxy settings reach the guest");
+    let server = h.home.write("form.py", FORM_SERVER);
+    h.ok(&["cp", server.to_str().unwrap(), "web1:/tmp/form.py"]);
+    h.run(
+        "web1",
+        "(setsid nohup python3 /tmp/form.py </dev/null >/tmp/form.log 2>&1 &); for i in $(seq 300); do curl -sf -o /dev/null http://127.0.0.1:8000/ && exit 0; sleep 0.2; done; cat /tmp/form.log; exit 1",
+    );
+    let out = h.home.path().join("browser");
+    let t = std::time::Instant::now();
+    let r = tool_calls(
+        &h,
+        "browser",
+        "web1",
+        &out,
+        serde_json::json!([
+            {"action": "open", "url": "http://127.0.0.1:8000/", "timeout_seconds": 240},
+            {"action": "fill", "selector": "#name", "text": NAME},
+            {"action": "click", "selector": "#go"},
+            {"action": "read"},
+            {"action": "screenshot"},
+            {"action": "evaluate", "expression": "document.querySelector('#done').textContent"},
+            {"action": "click", "selector": "#nope", "expect_error": true},
+            {"action": "open", "url": "file:///etc/passwd", "expect_error": true},
+            {"action": "fill", "selector": "#name", "text": "a\u{1b}[2J", "expect_error": true},
+            {"action": "open", "url": "http://blocked.test/"},
+        ]),
+    );
+    eprintln!("vm_browser: {} actions in {:?}", r.len(), t.elapsed());
+    let took: Vec<f64> = r.iter().map(|a| a["seconds"].as_f64().unwrap()).collect();
+    eprintln!("vm_browser actions took {took:?} s");
+    assert_eq!(r[0]["data"]["status"], 200, "{:?}", r[0]);
+    assert_eq!(r[0]["data"]["title"], "Form", "{:?}", r[0]);
+    assert_eq!(r[1]["data"]["value"], NAME, "{:?}", r[1]);
+    // the server saw exactly what was typed
+    let sent = h.run("web1", "cat /tmp/submitted.txt");
+    assert_eq!(sent, NAME);
+    assert_eq!(
+        r[2]["data"]["url"], "http://127.0.0.1:8000/submit",
+        "{:?}",
+        r[2]
+    );
+    let text = r[3]["text"].as_str().unwrap();
+    assert!(text.contains(&format!("thanks {NAME}")), "{text}");
+    let shot = r[4]["image"]
+        .as_str()
+        .expect("a screenshot is image content");
+    let (w, h_) = image::open(shot).unwrap().into_rgb8().dimensions();
+    assert!(w >= 640 && h_ >= 400, "{w}x{h_}");
+    assert_eq!(
+        r[5]["data"]["value"],
+        format!("thanks {NAME}"),
+        "{:?}",
+        r[5]
+    );
+    assert!(
+        r[6]["text"]
+            .as_str()
+            .unwrap()
+            .contains("no element matches"),
+        "{:?}",
+        r[6]
+    );
+    for i in [7, 8] {
+        let t = r[i]["text"].as_str().unwrap();
+        assert!(t.contains("nothing was sent"), "{t}");
+    }
+    // the egress policy applies to the browser: the proxy refuses, saying why
+    assert_eq!(r[9]["data"]["status"], 403, "{:?}", r[9]);
+    let refused = r[9]["text"].as_str().unwrap();
+    assert!(
+        refused.contains("blocked.test is not in VM web1's egress allow list"),
+        "{refused}"
+    );
+    // and the CLI: the same browser, the page's text on stdout
+    let page = h.ok(&["browser", "web1", "read"]);
+    assert!(
+        page.contains("not in VM web1's egress allow list"),
+        "{page}"
+    );
+    h.ok(&["delete", "vm", "web1", "--wait", "--timeout", "5m"]);
+    drop(serve);
 }

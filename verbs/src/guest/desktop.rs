@@ -13,17 +13,23 @@ use boxery_hands::Reach;
 
 use crate::{Result, VerbError, Verbs};
 
-/// The line run in the guest for one viewer: x11vnc speaking RFB to one client it is handed
-/// (`-inetd`: no listening socket), on the desktop's display, with the login user's cookie, no
-/// password (the stream is the ssh channel's), quiet, its log dropped. libvncserver peeks at
-/// its client as a socket (a websocket handshake test), so socat (the plumbing layer's) hands
-/// it one end of a socket pair and carries the other to ssh's stdin and stdout. (The display
-/// is in the environment: socat splits its addresses at `:`.) When the viewer goes (ssh's
-/// stdin ends), socat ends; x11vnc does not always notice its client gone, so the pair runs
-/// as a job of its own (`set -m`: its own process group) and the group is ended after socat.
+/// The line run in the guest for one viewer (POSIX sh): wait for the display (at most 60 s: it
+/// may be starting again, after a new `spec.display`), then x11vnc speaking RFB to one client
+/// it is handed (`-inetd`: no listening socket), with the login user's cookie, no password
+/// (the stream is the ssh channel's), its log dropped. libvncserver peeks at its client as a
+/// socket (a websocket handshake test), so socat (the plumbing layer's) hands it one end of a
+/// socket pair and carries the other to ssh's stdin and stdout (the display is in the
+/// environment: socat splits its addresses at `:`). When the viewer goes, ssh's stdin ends and
+/// socat with it; x11vnc does not always notice, so the pair runs in a session of its own
+/// (`setsid`, its stdin kept explicitly: a background job's would be /dev/null) and the whole
+/// group is ended after socat: TERM, and KILL 2 s later (an x11vnc whose client went has been
+/// seen to outlive a TERM). Failures go to stderr, which the caller shows.
 pub fn vnc_line(control: bool) -> String {
     format!(
-        "export DISPLAY=:0; set -m; socat STDIO EXEC:'x11vnc -inetd -auth '\"$HOME\"'/.Xauthority -nopw -quiet -nolookup -noipv6 -noxrecord{} -o /dev/null' 2>/dev/null & wait $!; kill -TERM -- -$! 2>/dev/null; exit 0",
+        "export DISPLAY=:0 XAUTHORITY=\"$HOME/.Xauthority\"; i=0; \
+         until xdpyinfo >/dev/null 2>&1; do i=$((i+1)); if [ $i -ge 300 ]; then echo 'the desktop (display :0) is not up: systemctl status boxery-desktop' >&2; exit 1; fi; sleep 0.2; done; \
+         setsid socat STDIO EXEC:'x11vnc -inetd -auth '\"$HOME\"'/.Xauthority -nopw -quiet -nolookup -noipv6 -noxrecord{} -o /dev/null' 0<&0 & p=$!; \
+         wait \"$p\"; kill -TERM -- -\"$p\" 2>/dev/null; sleep 2; kill -KILL -- -\"$p\" 2>/dev/null; exit 0",
         if control { "" } else { " -viewonly" }
     )
 }
@@ -47,7 +53,7 @@ impl Viewer {
     }
 
     /// Start one VNC session in the guest: the child's stdin takes the client's RFB messages,
-    /// its stdout gives the server's. It is killed when dropped.
+    /// its stdout gives the server's, its stderr says why it failed. It is killed when dropped.
     pub fn connect(&self) -> Result<tokio::process::Child> {
         self.reach
             .command()
@@ -55,7 +61,7 @@ impl Viewer {
             .arg(vnc_line(self.control))
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| VerbError::failed(format!("cannot run ssh: {e}")))

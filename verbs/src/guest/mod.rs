@@ -1,7 +1,7 @@
 //! Guest actions: what an agent or a person does inside a VM, over the hands' ssh — run a
 //! command ([`exec`]), read, write and edit files ([`files`]), background jobs ([`jobs`]) and
 //! copies local ⇄ VM and VM ⇄ VM ([`copy`]), port forwards ([`forward`]), a coding agent run on a prompt ([`prompt`]), the screen
-//! ([`computer`]) and the desktop as a VNC stream ([`desktop`]). Each is a typed function over [`Verbs`] with a
+//! ([`computer`]), the desktop as a VNC stream ([`desktop`]) and the agent's browser ([`browser`]). Each is a typed function over [`Verbs`] with a
 //! typed input and result and [`VerbError`] as its error; the MCP tools (`vm_bash`,
 //! `vm_read`, …) and the CLI (`boxery file …`, `jobs`, `cp`) are thin adapters that choose the
 //! VM, call one and render its result.
@@ -13,6 +13,7 @@
 //! busybox in `tiny`). Caveats: a guest's messages (a helper script's stderr) are shown as
 //! the guest wrote them, escaped; a compromised guest can lie about its own files.
 
+pub mod browser;
 pub mod computer;
 pub mod copy;
 pub mod desktop;
@@ -100,6 +101,19 @@ pub async fn helper_stopped(
             }
         ))),
     }
+}
+
+/// Whether VM `obj` has layer `layer`: in its spec, what it was made with or given in place,
+/// or its image's build record (a VM made from a snapshot of a layered VM).
+pub fn has_layer(obj: &boxery_api::Vm, layer: &str) -> bool {
+    let has = |l: &[String]| l.iter().any(|l| l == layer);
+    has(&obj.status.layers)
+        || has(&obj.spec.layers)
+        || obj
+            .status
+            .build_info
+            .as_ref()
+            .is_some_and(|b| has(&b.layers))
 }
 
 /// The caller cancelled the call.

@@ -411,17 +411,9 @@ impl Way {
 
 /// Which way VM `vm`'s screen is reached (it must be in the store): the desktop when it was
 /// made with the desktop layer (or had it added) and the console is not asked for.
-/// Whether VM `obj` has the desktop layer: in its spec, what it was made with or given in
-/// place, or its image's build record.
+/// Whether VM `obj` has the desktop layer.
 pub fn has_desktop(obj: &boxery_api::Vm) -> bool {
-    let has = |l: &[String]| l.iter().any(|l| l == boxery_api::vm::DESKTOP);
-    has(&obj.status.layers)
-        || has(&obj.spec.layers)
-        || obj
-            .status
-            .build_info
-            .as_ref()
-            .is_some_and(|b| has(&b.layers))
+    super::has_layer(obj, boxery_api::vm::DESKTOP)
 }
 
 async fn way(v: &Verbs, vm: &str, console: bool) -> Result<Way> {

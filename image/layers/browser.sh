@@ -1,0 +1,388 @@
+#!/bin/bash
+# browser layer (root, idempotent): a browser the agent drives (boxery's `vm_browser`, `boxery
+# browser`), on the desktop layer's display, so a person sees it (`boxery desktop`) and the
+# computer-use actions reach it too. Debian 12 packages only: chromium (kept current by
+# Debian's security updates), dbus-user-session.
+#   /usr/local/lib/boxery/browser/drive   one action, a JSON request on stdin, a JSON answer on
+#                                         stdout (run as agent); starts the browser when it is
+#                                         not running: chromium on :0, its DevTools endpoint on
+#                                         the guest's 127.0.0.1:9222 only, its profile in
+#                                         ~/.cache/boxery-browser, going out through the egress
+#                                         proxy of /run/boxery/env (the guest's policy applies)
+# Needs the desktop layer (boxery adds it with this one). Not added to a running VM (packages):
+# make the VM with it. `browser.sh --print-packages` prints the packages.
+set -euo pipefail
+# (The driver speaks to Chromium's DevTools over a plain socket: python3 only.)
+# dbus-user-session: chromium's dconf-service needs a session bus, a virtual package that
+# debootstrap does not resolve by itself
+PACKAGES="chromium dbus-user-session"
+[ "${1:-}" = --print-packages ] && { echo $PACKAGES; exit 0; }
+[ "$(id -u)" = 0 ] || { echo "browser: run as root" >&2; exit 1; }
+export DEBIAN_FRONTEND=noninteractive
+. "$(dirname "$0")/lib.sh"
+install_missing browser $PACKAGES
+D=/usr/local/lib/boxery/browser
+install -d -m 0755 "$D"
+# The driver. Exit codes as boxery's guest helpers read them: 0 done (the answer on stdout), 3 not
+# found (no element matches the selector), 4 invalid (a request it cannot do), 1 failed; the
+# message on stderr.
+cat > "$D/drive" <<'EOS'
+#!/usr/bin/python3
+"""drive: one browser action (the browser layer's header). Request on stdin, JSON:
+{"action": "open"|"read"|"click"|"fill"|"evaluate"|"screenshot", "url", "selector", "text",
+ "expression", "timeout"}; answer on stdout, JSON. Only small modules are imported (urllib or a
+websocket library cost seconds of a call under emulation): HTTP and the websocket to Chromium's
+DevTools endpoint are spoken over a plain socket."""
+import binascii, json, os, socket, sys, time
+
+PORT = 9222
+HOME = os.path.expanduser("~")
+PROFILE = os.path.join(HOME, ".cache", "boxery-browser")
+LOG = os.path.join(HOME, ".cache", "boxery-browser.log")
+TEXT_CAP = 256 * 1024
+
+
+def fail(code, msg):
+    print(msg, file=sys.stderr)
+    sys.exit(code)
+
+
+req = json.load(sys.stdin)
+action = req.get("action")
+deadline = time.monotonic() + float(req.get("timeout") or 60)
+
+
+def left():
+    return max(0.5, deadline - time.monotonic())
+
+
+def endpoint(path, method="GET", probe=False):
+    """GET (or PUT) a DevTools JSON endpoint; OSError when it does not answer 200 (a probe
+    waits 2 s at most; otherwise the call's time: a browser just started answers slowly)."""
+    with socket.create_connection(("127.0.0.1", PORT), timeout=min(2, left()) if probe else left()) as s:
+        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{PORT}\r\nConnection: close\r\n\r\n".encode())
+        # (read to the body's length: the endpoint keeps the connection open)
+        data = bytearray()
+        while b"\r\n\r\n" not in data:
+            b = s.recv(65536)
+            if not b:
+                break
+            data += b
+        head, _, body = bytes(data).partition(b"\r\n\r\n")
+        parts = head.split(b" ", 2)
+        if len(parts) < 2 or parts[1] != b"200":
+            raise OSError(f"DevTools {path}: {head[:80]!r}")
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            k, _, v = line.partition(b":")
+            if k.strip().lower() == b"content-length":
+                length = int(v.strip())
+        body = bytearray(body)
+        while len(body) < length:
+            b = s.recv(65536)
+            if not b:
+                break
+            body += b
+    return json.loads(bytes(body[:length]) if length else bytes(body))
+
+
+class WebSocket:
+    """A client websocket (RFC 6455) on a plain socket: text frames, masked; pings answered."""
+
+    def __init__(self, url):
+        hostport, _, path = url[len("ws://"):].partition("/")
+        host, _, port = hostport.rpartition(":")
+        self.s = socket.create_connection((host, int(port)), timeout=left())
+        key = binascii.b2a_base64(os.urandom(16)).strip().decode()
+        self.s.sendall((f"GET /{path} HTTP/1.1\r\nHost: {hostport}\r\nUpgrade: websocket\r\n"
+                        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                        "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+        self.buf = bytearray()
+        while b"\r\n\r\n" not in self.buf:
+            self.more()
+        head, _, rest = bytes(self.buf).partition(b"\r\n\r\n")
+        if b" 101 " not in head.split(b"\r\n")[0] + b" ":
+            fail(1, f"the browser refused its DevTools websocket: {head[:120]!r}")
+        self.buf = bytearray(rest)
+
+    def more(self, within=None):
+        """Read more; past `within` seconds raise socket.timeout, else fail at the deadline."""
+        self.s.settimeout(within if within is not None else left())
+        try:
+            b = self.s.recv(1 << 20)
+        except socket.timeout:
+            if within is not None:
+                raise
+            fail(1, "the browser did not answer within the call's time")
+        if not b:
+            fail(1, "the browser closed its DevTools connection")
+        self.buf += b
+
+    def whole(self):
+        """The length of the frame at the buffer's start when it is all there, else 0."""
+        if len(self.buf) < 2:
+            return 0
+        n, off = self.buf[1] & 0x7F, 2
+        if n == 126:
+            if len(self.buf) < 4:
+                return 0
+            n, off = int.from_bytes(self.buf[2:4], "big"), 4
+        elif n == 127:
+            if len(self.buf) < 10:
+                return 0
+            n, off = int.from_bytes(self.buf[2:10], "big"), 10
+        if self.buf[1] & 0x80:
+            off += 4
+        return off + n if len(self.buf) >= off + n else 0
+
+    def frame(self, opcode, data):
+        n = len(data)
+        head = bytearray([0x80 | opcode])
+        if n < 126:
+            head.append(0x80 | n)
+        elif n < 65536:
+            head.append(0x80 | 126)
+            head += n.to_bytes(2, "big")
+        else:
+            head.append(0x80 | 127)
+            head += n.to_bytes(8, "big")
+        mask = os.urandom(4)
+        key = (mask * (n // 4 + 1))[:n]
+        body = (int.from_bytes(data, "big") ^ int.from_bytes(key, "big")).to_bytes(n, "big") if n else b""
+        self.s.sendall(bytes(head) + mask + body)
+
+    def send(self, text):
+        self.frame(0x1, text.encode())
+
+    def recv(self, within=None):
+        """The next message (a whole frame is read before any of it is taken, so a timeout
+        leaves the stream as it was)."""
+        parts = []
+        while True:
+            size = self.whole()
+            while not size:
+                self.more(within)
+                size = self.whole()
+            f = bytes(self.buf[:size])
+            del self.buf[:size]
+            b0, b1 = f[0], f[1]
+            n, off = b1 & 0x7F, 2
+            if n == 126:
+                off = 4
+            elif n == 127:
+                off = 10
+            mask = None
+            if b1 & 0x80:
+                mask, off = f[off:off + 4], off + 4
+            data = f[off:]
+            if mask:
+                data = bytes(c ^ mask[i % 4] for i, c in enumerate(data))
+            op = b0 & 0x0F
+            if op == 0x9:
+                self.frame(0xA, data)
+                continue
+            if op == 0x8:
+                fail(1, "the browser closed its DevTools connection")
+            if op in (0x1, 0x2, 0x0):
+                parts.append(data)
+                if b0 & 0x80:
+                    return b"".join(parts).decode("utf-8", "replace")
+
+
+def proxy_env():
+    """The egress proxy and the hosts to reach directly, from /run/boxery/env (pushed by the
+    control plane), as a shell sees them."""
+    import subprocess
+    if not os.access("/run/boxery/env", os.R_OK):
+        return "", ""
+    out = subprocess.run(["sh", "-c", '. /run/boxery/env >/dev/null 2>&1; printf "%s\\n%s" "${http_proxy:-}" "${no_proxy:-}"'],
+                         capture_output=True, text=True, timeout=10)
+    proxy, _, direct = out.stdout.partition("\n")
+    return proxy.strip(), direct.strip()
+
+
+def display_size():
+    import subprocess
+    try:
+        out = subprocess.run(["xdpyinfo", "-display", ":0"], capture_output=True, text=True,
+                             timeout=10).stdout
+        for line in out.splitlines():
+            if "dimensions:" in line:
+                w, h = line.split()[1].split("x")
+                return int(w), int(h)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return 1280, 800
+
+
+def start():
+    """Start chromium on :0 when its DevTools endpoint does not answer; wait for it."""
+    try:
+        return endpoint("/json/version", probe=True)
+    except OSError:
+        pass
+    import subprocess
+    os.makedirs(PROFILE, exist_ok=True)
+    w, h = display_size()
+    proxy, direct = proxy_env()
+    args = ["chromium", f"--user-data-dir={PROFILE}", "--remote-debugging-address=127.0.0.1",
+            f"--remote-debugging-port={PORT}", "--no-first-run", "--no-default-browser-check",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--disable-features=Translate,MediaRouter,OptimizationHints", "--password-store=basic",
+            "--disable-session-crashed-bubble", "--hide-crash-restore-bubble",
+            "--window-position=0,0", f"--window-size={w},{h}"]
+    # (Chromium reaches loopback directly by itself; `<-loopback>` would send it to the proxy)
+    if proxy:
+        args.append(f"--proxy-server={proxy}")
+        hosts = [h.strip() for h in direct.split(",") if h.strip()]
+        if hosts:
+            args.append("--proxy-bypass-list=" + ";".join(hosts))
+    args.append("about:blank")
+    env = dict(os.environ, DISPLAY=":0")
+    with open(LOG, "ab") as log:
+        subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                         start_new_session=True)
+    while time.monotonic() < deadline:
+        try:
+            return endpoint("/json/version", probe=True)
+        except OSError:
+            time.sleep(0.25)
+    fail(1, f"the browser did not start within the call's time (its log: {LOG})")
+
+
+class Page:
+    def __init__(self):
+        start()
+        pages = [t for t in endpoint("/json/list") if t.get("type") == "page"]
+        if not pages:
+            pages = [endpoint("/json/new?about:blank", "PUT")]
+        self.ws = WebSocket(pages[0]["webSocketDebuggerUrl"])
+        self.n = 0
+
+    def call(self, method, **params):
+        self.n += 1
+        me = self.n
+        self.ws.send(json.dumps({"id": me, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv())
+            if msg.get("id") == me:
+                if "error" in msg:
+                    fail(1, f"{method}: {msg['error'].get('message')}")
+                return msg.get("result", {})
+
+    def js(self, expression):
+        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in r:
+            d = r["exceptionDetails"]
+            what = (d.get("exception") or {}).get("description") or d.get("text")
+            return None, str(what)
+        return (r.get("result") or {}).get("value"), None
+
+    def event(self, names, within):
+        """Wait up to `within` seconds for one of the events `names` (Page.enable first);
+        its name, or None."""
+        end = min(deadline, time.monotonic() + within)
+        while time.monotonic() < end:
+            try:
+                msg = json.loads(self.ws.recv(max(0.05, end - time.monotonic())))
+            except socket.timeout:
+                return None
+            if msg.get("method") in names:
+                return msg["method"]
+        return None
+
+    def settle(self):
+        """Wait until the page has loaded (readyState complete), within the call's time."""
+        while time.monotonic() < deadline:
+            state, _ = self.js("document.readyState")
+            if state == "complete":
+                return
+            time.sleep(0.2)
+
+    def state(self, text=True):
+        v, _ = self.js("""(() => { const n = performance.getEntriesByType('navigation')[0];
+            return {url: location.href, title: document.title,
+                    status: n && n.responseStatus ? n.responseStatus : null,
+                    text: document.body ? document.body.innerText : ''}; })()""")
+        v = v or {}
+        out = {"url": v.get("url", ""), "title": v.get("title", ""), "status": v.get("status")}
+        if text:
+            t = v.get("text") or ""
+            out["text"] = t[:TEXT_CAP]
+            out["truncated"] = len(t) > TEXT_CAP
+        return out
+
+    def element(self, selector):
+        """The element's centre in CSS pixels, scrolled into view; exit 3 when none matches."""
+        v, err = self.js("(() => { const e = document.querySelector(%s); if (!e) return null;"
+                         " e.scrollIntoView({block: 'center', inline: 'center'});"
+                         " const r = e.getBoundingClientRect();"
+                         " return [r.x + r.width / 2, r.y + r.height / 2]; })()" % json.dumps(selector))
+        if err:
+            fail(4, f"selector {selector!r}: {err}")
+        if v is None:
+            fail(3, f"no element matches {selector!r} on {self.state(False)['url']}")
+        return v
+
+
+try:
+    p = Page()
+except (OSError, ValueError) as e:
+    fail(1, f"the browser's DevTools endpoint: {e} (its log: {LOG})")
+if action == "open":
+    r = p.call("Page.navigate", url=req["url"])
+    if r.get("errorText"):
+        out = {"url": req["url"], "title": "", "status": None, "error": r["errorText"], "text": ""}
+        print(json.dumps(out))
+        sys.exit(0)
+    p.settle()
+    print(json.dumps(p.state()))
+elif action == "read":
+    print(json.dumps(p.state()))
+elif action == "click":
+    x, y = p.element(req["selector"])
+    p.call("Page.enable")
+    for kind in ("mousePressed", "mouseReleased"):
+        p.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+    # a click that navigates (a link, a form) starts loading at once: then wait for the page
+    if p.event({"Page.frameRequestedNavigation", "Page.frameStartedLoading", "Page.frameNavigated"}, 2):
+        p.event({"Page.loadEventFired"}, left())
+        p.settle()
+    print(json.dumps(p.state(False)))
+elif action == "fill":
+    sel = json.dumps(req["selector"])
+    p.element(req["selector"])
+    _, err = p.js("(() => { const e = document.querySelector(%s); e.focus();"
+                  " if (typeof e.select === 'function') e.select();"
+                  " else document.execCommand('selectAll'); })()" % sel)
+    if err:
+        fail(4, f"selector {req['selector']!r}: {err}")
+    if req.get("text"):
+        p.call("Input.insertText", text=req["text"])
+    else:
+        p.call("Input.dispatchKeyEvent", type="keyDown", key="Delete", code="Delete",
+               windowsVirtualKeyCode=46)
+        p.call("Input.dispatchKeyEvent", type="keyUp", key="Delete", code="Delete",
+               windowsVirtualKeyCode=46)
+    v, _ = p.js("(() => { const e = document.querySelector(%s); return e && 'value' in e ? e.value : (e ? e.textContent : null); })()" % sel)
+    out = p.state(False)
+    out["value"] = v
+    print(json.dumps(out))
+elif action == "evaluate":
+    v, err = p.js(req["expression"])
+    out = p.state(False)
+    if err:
+        out["error"] = err
+    else:
+        out["value"] = v
+    print(json.dumps(out))
+elif action == "screenshot":
+    r = p.call("Page.captureScreenshot", format="png")
+    out = p.state(False)
+    out["png"] = r.get("data", "")
+    print(json.dumps(out))
+else:
+    fail(4, f"no action {action!r}")
+EOS
+chmod 0755 "$D/drive"
+echo "browser: done ($(chromium --version 2>/dev/null || echo chromium))"
