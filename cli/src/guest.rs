@@ -456,6 +456,12 @@ pub async fn browser(
                     outln!("");
                 }
             }
+            if done.truncated {
+                eprintln!(
+                    "boxery: the page's text was cut at {} bytes",
+                    boxery_verbs::guest::browser::TEXT_CAP
+                );
+            }
             if done.error.is_some() {
                 return Ok(ExitCode::from(exit::Code::Failed as u8));
             }

@@ -47,6 +47,13 @@ def fail(code, msg):
     sys.exit(code)
 
 
+def answer(out):
+    """The answer on stdout: JSON in UTF-8 (a page's lone surrogates replaced, which JSON
+    parsers refuse)."""
+    sys.stdout.buffer.write(json.dumps(out, ensure_ascii=False).encode("utf-8", "replace"))
+    sys.stdout.buffer.write(b"\n")
+
+
 req = json.load(sys.stdin)
 action = req.get("action")
 deadline = time.monotonic() + float(req.get("timeout") or 60)
@@ -104,6 +111,7 @@ class WebSocket:
         if b" 101 " not in head.split(b"\r\n")[0] + b" ":
             fail(1, f"the browser refused its DevTools websocket: {head[:120]!r}")
         self.buf = bytearray(rest)
+        self.parts = []
 
     def more(self, within=None):
         """Read more; past `within` seconds raise socket.timeout, else fail at the deadline."""
@@ -157,7 +165,6 @@ class WebSocket:
     def recv(self, within=None):
         """The next message (a whole frame is read before any of it is taken, so a timeout
         leaves the stream as it was)."""
-        parts = []
         while True:
             size = self.whole()
             while not size:
@@ -184,9 +191,10 @@ class WebSocket:
             if op == 0x8:
                 fail(1, "the browser closed its DevTools connection")
             if op in (0x1, 0x2, 0x0):
-                parts.append(data)
+                self.parts.append(data)
                 if b0 & 0x80:
-                    return b"".join(parts).decode("utf-8", "replace")
+                    whole, self.parts = b"".join(self.parts), []
+                    return whole.decode("utf-8", "replace")
 
 
 def proxy_env():
@@ -258,6 +266,7 @@ class Page:
             pages = [endpoint("/json/new?about:blank", "PUT")]
         self.ws = WebSocket(pages[0]["webSocketDebuggerUrl"])
         self.n = 0
+        self.events = []
 
     def call(self, method, **params):
         self.n += 1
@@ -265,6 +274,10 @@ class Page:
         self.ws.send(json.dumps({"id": me, "method": method, "params": params}))
         while True:
             msg = json.loads(self.ws.recv())
+            if "method" in msg:
+                # (an event: kept for event(), which may be waiting for it)
+                self.events.append(msg["method"])
+                continue
             if msg.get("id") == me:
                 if "error" in msg:
                     fail(1, f"{method}: {msg['error'].get('message')}")
@@ -281,6 +294,11 @@ class Page:
     def event(self, names, within):
         """Wait up to `within` seconds for one of the events `names` (Page.enable first);
         its name, or None."""
+        for i, seen in enumerate(self.events):
+            if seen in names:
+                del self.events[:i + 1]
+                return seen
+        self.events.clear()
         end = min(deadline, time.monotonic() + within)
         while time.monotonic() < end:
             try:
@@ -292,18 +310,23 @@ class Page:
         return None
 
     def settle(self):
-        """Wait until the page has loaded (readyState complete), within the call's time."""
-        while time.monotonic() < deadline:
+        """Wait until the page has loaded (readyState complete), keeping 3 s of the call's
+        time; whether it did (if not, its loading is stopped)."""
+        while True:
             state, _ = self.js("document.readyState")
             if state == "complete":
-                return
+                return True
+            if time.monotonic() >= deadline - 3:
+                break
             time.sleep(0.2)
+        self.call("Page.stopLoading")
+        return False
 
     def state(self, text=True):
         v, _ = self.js("""(() => { const n = performance.getEntriesByType('navigation')[0];
             return {url: location.href, title: document.title,
                     status: n && n.responseStatus ? n.responseStatus : null,
-                    text: document.body ? document.body.innerText : ''}; })()""")
+                    text: document.body ? String(document.body.innerText).slice(0, %d) : ''}; })()""" % (TEXT_CAP + 1))
         v = v or {}
         out = {"url": v.get("url", ""), "title": v.get("title", ""), "status": v.get("status")}
         if text:
@@ -325,64 +348,76 @@ class Page:
         return v
 
 
-try:
-    p = Page()
-except (OSError, ValueError) as e:
-    fail(1, f"the browser's DevTools endpoint: {e} (its log: {LOG})")
-if action == "open":
-    r = p.call("Page.navigate", url=req["url"])
-    if r.get("errorText"):
-        out = {"url": req["url"], "title": "", "status": None, "error": r["errorText"], "text": ""}
-        print(json.dumps(out))
-        sys.exit(0)
-    p.settle()
-    print(json.dumps(p.state()))
-elif action == "read":
-    print(json.dumps(p.state()))
-elif action == "click":
-    x, y = p.element(req["selector"])
-    p.call("Page.enable")
-    for kind in ("mousePressed", "mouseReleased"):
-        p.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
-    # a click that navigates (a link, a form) starts loading at once: then wait for the page
-    if p.event({"Page.frameRequestedNavigation", "Page.frameStartedLoading", "Page.frameNavigated"}, 2):
-        p.event({"Page.loadEventFired"}, left())
-        p.settle()
-    print(json.dumps(p.state(False)))
-elif action == "fill":
-    sel = json.dumps(req["selector"])
-    p.element(req["selector"])
-    _, err = p.js("(() => { const e = document.querySelector(%s); e.focus();"
-                  " if (typeof e.select === 'function') e.select();"
-                  " else document.execCommand('selectAll'); })()" % sel)
-    if err:
-        fail(4, f"selector {req['selector']!r}: {err}")
-    if req.get("text"):
-        p.call("Input.insertText", text=req["text"])
-    else:
-        p.call("Input.dispatchKeyEvent", type="keyDown", key="Delete", code="Delete",
-               windowsVirtualKeyCode=46)
-        p.call("Input.dispatchKeyEvent", type="keyUp", key="Delete", code="Delete",
-               windowsVirtualKeyCode=46)
-    v, _ = p.js("(() => { const e = document.querySelector(%s); return e && 'value' in e ? e.value : (e ? e.textContent : null); })()" % sel)
-    out = p.state(False)
-    out["value"] = v
-    print(json.dumps(out))
-elif action == "evaluate":
-    v, err = p.js(req["expression"])
-    out = p.state(False)
-    if err:
-        out["error"] = err
-    else:
+
+
+def act():
+    try:
+        p = Page()
+    except (OSError, ValueError, KeyError) as e:
+        fail(1, f"the browser's DevTools endpoint: {e} (its log: {LOG})")
+    if action == "open":
+        r = p.call("Page.navigate", url=req["url"])
+        if r.get("errorText"):
+            out = {"url": req["url"], "title": "", "status": None, "error": r["errorText"], "text": ""}
+            answer(out)
+            sys.exit(0)
+        loaded = p.settle()
+        out = p.state()
+        if not loaded:
+            out["error"] = "the page was still loading when the action's time was up (its loading stopped)"
+        answer(out)
+    elif action == "read":
+        answer(p.state())
+    elif action == "click":
+        x, y = p.element(req["selector"])
+        p.call("Page.enable")
+        for kind in ("mousePressed", "mouseReleased"):
+            p.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+        # a click that navigates (a link, a form) starts loading at once: then wait for the page
+        if p.event({"Page.frameRequestedNavigation", "Page.frameStartedLoading", "Page.frameNavigated"}, 2):
+            p.event({"Page.loadEventFired"}, max(0.5, left() - 3))
+            p.settle()
+        answer(p.state(False))
+    elif action == "fill":
+        sel = json.dumps(req["selector"])
+        p.element(req["selector"])
+        _, err = p.js("(() => { const e = document.querySelector(%s); e.focus();"
+                      " if (typeof e.select === 'function') e.select();"
+                      " else document.execCommand('selectAll'); })()" % sel)
+        if err:
+            fail(4, f"selector {req['selector']!r}: {err}")
+        if req.get("text"):
+            p.call("Input.insertText", text=req["text"])
+        else:
+            p.call("Input.dispatchKeyEvent", type="keyDown", key="Delete", code="Delete",
+                   windowsVirtualKeyCode=46)
+            p.call("Input.dispatchKeyEvent", type="keyUp", key="Delete", code="Delete",
+                   windowsVirtualKeyCode=46)
+        v, _ = p.js("(() => { const e = document.querySelector(%s); return e && 'value' in e ? e.value : (e ? e.textContent : null); })()" % sel)
+        out = p.state(False)
         out["value"] = v
-    print(json.dumps(out))
-elif action == "screenshot":
-    r = p.call("Page.captureScreenshot", format="png")
-    out = p.state(False)
-    out["png"] = r.get("data", "")
-    print(json.dumps(out))
-else:
-    fail(4, f"no action {action!r}")
+        answer(out)
+    elif action == "evaluate":
+        v, err = p.js(req["expression"])
+        out = p.state(False)
+        if err:
+            out["error"] = err
+        else:
+            out["value"] = v
+        answer(out)
+    elif action == "screenshot":
+        r = p.call("Page.captureScreenshot", format="png")
+        out = p.state(False)
+        out["png"] = r.get("data", "")
+        answer(out)
+    else:
+        fail(4, f"no action {action!r}")
+
+
+try:
+    act()
+except (OSError, ValueError, KeyError, TypeError) as e:
+    fail(1, f"the browser: {type(e).__name__}: {e} (its log: {LOG})")
 EOS
 chmod 0755 "$D/drive"
 echo "browser: done ($(chromium --version 2>/dev/null || echo chromium))"

@@ -27,9 +27,10 @@ pub async fn browser(session: Arc<Session>, a: BrowserArgs, ct: CancellationToke
     let mut done = browser::browse(session.verbs()?, &vm, &a.action, &ct).await?;
     let png = done.png.take();
     let mut text = done.said();
-    if let Some(t) = &done.text {
+    // (the page's text once: in the text, not again in the structured result)
+    if let Some(t) = done.text.take() {
         text.push_str("\n\n");
-        text.push_str(t);
+        text.push_str(&t);
         if done.truncated {
             text.push_str(&format!("\n[… cut at {} bytes]", browser::TEXT_CAP));
         }

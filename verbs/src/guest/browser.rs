@@ -287,9 +287,9 @@ fn check_url(u: &str) -> std::result::Result<(), String> {
     if u == "about:blank" {
         return Ok(());
     }
-    let rest = u
-        .strip_prefix("http://")
-        .or_else(|| u.strip_prefix("https://"))
+    let scheme = u.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    let rest = matches!(scheme.as_deref(), Some("http" | "https"))
+        .then(|| u.split_once("://").map_or("", |(_, r)| r))
         .ok_or_else(|| {
             format!(
                 "`{}` is not an http or https address (or about:blank)",
@@ -304,6 +304,21 @@ fn check_url(u: &str) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// `u` with the password of any `user:password@` replaced (for the actions log).
+fn without_password(u: &str) -> std::borrow::Cow<'_, str> {
+    let Some((scheme, rest)) = u.split_once("://") else {
+        return u.into();
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..end].rsplit_once('@') {
+        Some((who, host)) if who.contains(':') => {
+            let user = who.split_once(':').map_or(who, |(u, _)| u);
+            format!("{scheme}://{user}:***@{host}{}", &rest[end..]).into()
+        }
+        _ => u.into(),
+    }
+}
+
 /// Do `a` in VM `vm`'s browser.
 pub async fn browse(v: &Verbs, vm: &str, a: &Browse, ct: &CancellationToken) -> Result<Browsed> {
     let req = a.check()?;
@@ -316,7 +331,7 @@ pub async fn browse(v: &Verbs, vm: &str, a: &Browse, ct: &CancellationToken) -> 
     let timeout = Duration::from_secs(req.timeout);
     let body = serde_json::to_vec(&req)?;
     let what = match a.action {
-        BrowserAction::Open => format!("open {}", req.url.unwrap_or_default()),
+        BrowserAction::Open => format!("open {}", without_password(req.url.unwrap_or_default())),
         BrowserAction::Click | BrowserAction::Fill => {
             format!("{} {}", a.action.name(), req.selector.unwrap_or_default())
         }
@@ -353,7 +368,14 @@ fn read_answer(vm: &str, action: BrowserAction, out: &[u8]) -> Result<Browsed> {
             let png = base64::engine::general_purpose::STANDARD
                 .decode(b64.as_bytes())
                 .map_err(|e| strange(format!("a screenshot that is not base64: {e}")))?;
-            if png.len() > PNG_CAP || !png.starts_with(b"\x89PNG\r\n\x1a\n") {
+            if png.len() > PNG_CAP {
+                return Err(strange(format!(
+                    "a screenshot of {} MiB, over the {} MiB cap (a smaller spec.display)",
+                    png.len() >> 20,
+                    PNG_CAP >> 20
+                )));
+            }
+            if !png.starts_with(b"\x89PNG\r\n\x1a\n") {
                 return Err(strange("a screenshot that is not a PNG".into()));
             }
             Some(png)
@@ -381,8 +403,8 @@ fn read_answer(vm: &str, action: BrowserAction, out: &[u8]) -> Result<Browsed> {
     };
     let value = match a.value {
         Some(v) if v.to_string().len() > TEXT_CAP => {
-            return Err(VerbError::invalid(format!(
-                "the value is over {TEXT_CAP} bytes as JSON: return less (a slice, a count)"
+            return Err(VerbError::failed(format!(
+                "the expression ran, but its value is over {TEXT_CAP} bytes as JSON: return less (a slice, a count)"
             )));
         }
         v => v,
@@ -470,10 +492,16 @@ mod tests {
         let ok = b(serde_json::json!({"action": "fill", "selector": "#name"}));
         let r = ok.check().unwrap();
         assert_eq!(r.text, Some(""), "fill without text clears the field");
+        assert_eq!(
+            without_password("https://ada:secret@example.com/a?b"),
+            "https://ada:***@example.com/a?b"
+        );
+        assert_eq!(without_password("http://a/b@c:d"), "http://a/b@c:d");
         for u in [
             "https://example.com/a?b#c",
             "http://127.0.0.1:8000/",
             "about:blank",
+            "HTTPS://A/",
         ] {
             assert!(check_url(u).is_ok(), "{u}");
         }
