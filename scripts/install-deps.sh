@@ -40,9 +40,9 @@ BASE_PKGS+=(prometheus)
 # kubectl: `apply|diff|delete -k DIR` build kustomizations with `kubectl kustomize`, and boxery
 # works as a kubectl plugin (tests/cli.rs). Debian's kubernetes-client when none is on PATH.
 command -v kubectl >/dev/null 2>&1 || BASE_PKGS+=(kubernetes-client)
-# novnc: `boxery desktop` serves its page (/usr/share/novnc) to the person's browser; chromium:
-# tests/real_vms/desktop.rs opens that page headless, as a person's browser would.
-BASE_PKGS+=(novnc chromium)
+# novnc: `boxery desktop` serves its page (/usr/share/novnc) to the person's browser. (The tests'
+# own browser, chromium, is installed by scripts/test.sh.)
+BASE_PKGS+=(novnc)
 
 SRC=/etc/apt/sources.list.d/boxery-bookworm-backports.sources
 CHECK_ONLY=0

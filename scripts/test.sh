@@ -53,6 +53,10 @@ step "python clients (for tests/mcp.rs, tests/api.rs and the desktop test)"
 # The official MCP client drives `boxery mcp` in tests/mcp.rs, the official Kubernetes client
 # drives `serve --api-listen` in tests/api.rs, Playwright drives Debian's chromium (no browser
 # download) on `boxery desktop`'s page in tests/real_vms/desktop.rs; kept in a venv under target/.
+# Playwright drives Debian's chromium, which only the tests need (not `scripts/setup.sh`).
+if ! command -v chromium >/dev/null; then
+  apt-get install -y -q --no-install-recommends chromium
+fi
 if ! target/mcp-venv/bin/python -c 'import mcp, jsonschema, kubernetes, playwright' 2>/dev/null; then
   python3 -m venv target/mcp-venv
   target/mcp-venv/bin/pip install -q --disable-pip-version-check mcp jsonschema kubernetes playwright

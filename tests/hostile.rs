@@ -818,6 +818,17 @@ fn patches_keep_boxerys_own_labels() {
     );
     assert!(!err, "{text}");
     assert!(label().contains("\"team\":\"web\"") && label().contains("boxery.dev/pool"));
+    // a fork takes the labels, not boxery's own: it is no member of the source's pool
+    let (err, text) = mcp.call(
+        "vm_manage",
+        json!({"action": "fork", "vm": "v1", "names": ["f1"]}),
+    );
+    assert!(!err, "{text}");
+    let forked = home.ok(&["get", "vm", "f1", "-o", "jsonpath={.metadata.labels}"]);
+    assert!(
+        forked.contains("\"team\":\"web\"") && !forked.contains("boxery.dev/"),
+        "{forked}"
+    );
 }
 
 /// An agent (the MCP tools) may lower a pool's budgets, never raise or remove them, by a patch
@@ -913,6 +924,13 @@ fn an_agent_cannot_raise_or_remove_a_budget() {
                "force_conflicts": true}),
     );
     assert!(err && text.contains("keys under boxery.dev/"), "{text}");
+    // nor the controllers' annotations (a wake-up, a start from memory)
+    let (err, text) = mcp.call(
+        "vm_apply",
+        json!({"manifest": "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: sp, annotations: {boxery.dev/start-from-memory: x}}\nspec:\n  replicas: 0\n  template: {spec: {source: {image: tiny}, network: {egress: {policy: Deny}}}}\n",
+               "force_conflicts": true}),
+    );
+    assert!(err && text.contains("metadata.annotations"), "{text}");
     // nor move a lease out of the budgeted pool (a person may)
     home.ok(&["lease", "acquire", "bp", "--name", "l1"]);
     let (err, text) = mcp.call(

@@ -142,14 +142,6 @@ impl std::fmt::Display for Display {
     }
 }
 
-impl VmSpec {
-    /// The screen size of the desktop this spec asks for: `None` for a headless VM (after
-    /// normalizing, a VM with the desktop layer is not headless).
-    pub fn desktop_display(&self) -> Option<Display> {
-        (!self.headless).then(|| self.display.unwrap_or(Display::DEFAULT))
-    }
-}
-
 /// When an unused VM is suspended.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -625,7 +617,15 @@ fn normalize_vm(vm: &mut Vm) -> Result<(), Vec<FieldError>> {
             errs.push(FieldError::new(
                 "spec.display",
                 format!(
-                    "{d} is outside 640x480 to 7680x4320: set a width of 640 to 7680 and a height of 480 to 4320"
+                    "{d} is outside {}x{} to {}x{}: set a width of {}–{} and a height of {}–{} (the schema says the same)",
+                    Display::WIDTHS.start(),
+                    Display::HEIGHTS.start(),
+                    Display::WIDTHS.end(),
+                    Display::HEIGHTS.end(),
+                    Display::WIDTHS.start(),
+                    Display::WIDTHS.end(),
+                    Display::HEIGHTS.start(),
+                    Display::HEIGHTS.end(),
                 ),
             ));
         }

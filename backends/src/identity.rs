@@ -63,7 +63,7 @@ impl From<IdentityError> for BackendError {
 }
 
 /// Random bytes as lowercase hex.
-fn random_hex(bytes: usize) -> String {
+pub fn random_hex(bytes: usize) -> String {
     let mut buf = vec![0u8; bytes];
     rand::rng().fill_bytes(&mut buf);
     buf.iter().map(|b| format!("{b:02x}")).collect()

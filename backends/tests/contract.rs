@@ -328,10 +328,13 @@ async fn contract(s: Subject) {
             .screendump("a")
             .await
             .unwrap_or_else(|e| panic!("{name}: screendump a: {}", e.chain()));
-        // a PNG of the size it reports (what the guest shows is the screen suites' to check:
-        // the contract's guest may show a blank console)
-        let px = screen_support::pixels(&shown);
-        assert_eq!(px.len(), (shown.width * shown.height) as usize, "{name}");
+        // a PNG of the size it reports (`pixels` checks it; what the guest shows is the screen
+        // suites' to check: the contract's guest may show a blank console)
+        screen_support::pixels(&shown);
+        assert!(
+            shown.width > 0 && shown.height > 0,
+            "{name}: an empty screen"
+        );
         b.send_input("a", &screen_support::keys("a"))
             .await
             .unwrap_or_else(|e| panic!("{name}: send_input a: {}", e.chain()));

@@ -628,7 +628,6 @@ pub(crate) enum Command {
         #[arg(value_parser = args::label)]
         vm: String,
         /// The action: open, read, click, fill, evaluate, screenshot.
-        #[arg(value_parser = ["open", "read", "click", "fill", "evaluate", "screenshot"])]
         action: String,
         /// The action's arguments (above); text that starts with `-` goes after `--`.
         #[arg(value_name = "ARG")]

@@ -111,14 +111,12 @@ pub async fn desktop(
 
 /// 32 random bytes, hex.
 fn secret() -> String {
-    let mut raw = [0u8; 32];
-    rand::fill(&mut raw);
-    raw.iter().map(|b| format!("{b:02x}")).collect()
+    boxery_backends::identity::random_hex(32)
 }
 
 /// `a == b` in time that depends on their lengths only.
 fn same(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+    boxery_mcp::server::same(a.as_bytes(), b.as_bytes())
 }
 
 /// A page that sends its browser to `url` (the link, or the viewer): the token or the session
@@ -186,20 +184,24 @@ fn secure(h: &mut HeaderMap) {
 }
 
 impl Desk {
-    /// Whether the request names this server (`127.0.0.1:PORT` or `localhost:PORT`).
-    fn ours(&self, h: &HeaderMap) -> bool {
-        let host = h.get(header::HOST).and_then(|v| v.to_str().ok());
+    /// Whether header `name` names this server: `127.0.0.1:PORT` or `localhost:PORT`, after
+    /// `prefix` (`http://` for an Origin).
+    fn names_us(&self, h: &HeaderMap, name: header::HeaderName, prefix: &str) -> bool {
         let port = self.port;
-        host.is_some_and(|h| h == format!("127.0.0.1:{port}") || h == format!("localhost:{port}"))
+        h.get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix(prefix))
+            .is_some_and(|v| v == format!("127.0.0.1:{port}") || v == format!("localhost:{port}"))
     }
 
-    /// Whether a websocket comes from this server's own page.
+    /// Whether the request names this server (its Host).
+    fn ours(&self, h: &HeaderMap) -> bool {
+        self.names_us(h, header::HOST, "")
+    }
+
+    /// Whether a websocket comes from this server's own page (its Origin).
     fn same_origin(&self, h: &HeaderMap) -> bool {
-        let origin = h.get(header::ORIGIN).and_then(|v| v.to_str().ok());
-        let port = self.port;
-        origin.is_some_and(|o| {
-            o == format!("http://127.0.0.1:{port}") || o == format!("http://localhost:{port}")
-        })
+        self.names_us(h, header::ORIGIN, "http://")
     }
 
     /// The viewer's address, with this session's options.

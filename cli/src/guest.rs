@@ -371,15 +371,13 @@ pub fn browser_action(
 ) -> CliResult<boxery_verbs::guest::browser::Browse> {
     use boxery_verbs::guest::browser::{Browse, BrowserAction as A};
     let wrong = |usage: &str| CliError::invalid(format!("usage: browser VM {name} {usage}"));
-    let action = match name {
-        "open" => A::Open,
-        "read" => A::Read,
-        "click" => A::Click,
-        "fill" => A::Fill,
-        "evaluate" => A::Evaluate,
-        "screenshot" => A::Screenshot,
-        other => return Err(CliError::invalid(format!("no browser action `{other}`"))),
-    };
+    // (the action's names are its wire names: one table, in the verbs)
+    let action: A = serde_json::from_value(serde_json::Value::from(name)).map_err(|_| {
+        CliError::invalid(format!(
+            "no browser action `{}`: open, read, click, fill, evaluate, screenshot",
+            boxery_verbs::render::safe(name)
+        ))
+    })?;
     let mut b = Browse {
         action,
         url: None,
@@ -515,6 +513,7 @@ mod browser_tests {
             &["browser", "web1", "read", "x"],
             &["browser", "web1", "click"],
             &["browser", "web1", "click", "a", "b"],
+            &["browser", "web1", "scroll"],
         ] {
             assert!(parse(bad).is_err(), "{bad:?}");
         }

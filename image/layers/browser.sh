@@ -12,7 +12,7 @@
 # Needs the desktop layer (boxery adds it with this one). Not added to a running VM (packages):
 # make the VM with it. `browser.sh --print-packages` prints the packages.
 set -euo pipefail
-# (The driver speaks to Chromium's DevTools over a plain socket: python3 only.)
+# (The driver speaks to Chromium's DevTools over a plain socket: the base image's python3 only.)
 # dbus-user-session: chromium's dconf-service needs a session bus, a virtual package that
 # debootstrap does not resolve by itself
 PACKAGES="chromium dbus-user-session"
@@ -56,7 +56,7 @@ def answer(out):
 
 req = json.load(sys.stdin)
 action = req.get("action")
-deadline = time.monotonic() + float(req.get("timeout") or 60)
+deadline = time.monotonic() + float(req["timeout"])  # (the host always sends it)
 
 
 def left():
@@ -323,10 +323,13 @@ class Page:
         return False
 
     def state(self, text=True):
+        """The page's address, title and status, and its text when asked (innerText lays the
+        page out: seconds under emulation, so only when it is wanted)."""
+        body = "document.body ? String(document.body.innerText).slice(0, %d) : ''" % (TEXT_CAP + 1)
         v, _ = self.js("""(() => { const n = performance.getEntriesByType('navigation')[0];
             return {url: location.href, title: document.title,
                     status: n && n.responseStatus ? n.responseStatus : null,
-                    text: document.body ? String(document.body.innerText).slice(0, %d) : ''}; })()""" % (TEXT_CAP + 1))
+                    text: %s}; })()""" % (body if text else "''"))
         v = v or {}
         out = {"url": v.get("url", ""), "title": v.get("title", ""), "status": v.get("status")}
         if text:
@@ -346,8 +349,6 @@ class Page:
         if v is None:
             fail(3, f"no element matches {selector!r} on {self.state(False)['url']}")
         return v
-
-
 
 
 def act():

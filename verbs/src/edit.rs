@@ -300,7 +300,7 @@ impl std::io::Write for Count {
 
 /// The length of `v` as compact JSON, or `None` when it is over `cap` (found without
 /// writing more than `cap` bytes anywhere).
-fn json_len_upto<T: serde::Serialize + ?Sized>(v: &T, cap: usize) -> Option<usize> {
+pub(crate) fn json_len_upto<T: serde::Serialize + ?Sized>(v: &T, cap: usize) -> Option<usize> {
     let mut c = Count { n: 0, cap };
     serde_json::to_writer(&mut c, v).ok().map(|()| c.n)
 }
@@ -653,22 +653,35 @@ fn same_as_stored(cur: &DynObject, new: &DynObject) -> bool {
     strip(cur) == strip(new)
 }
 
-/// Refuse `new` when its labels under `boxery.dev/` differ from `cur`'s (none when it is new):
-/// they are boxery's own (a pool's membership, an apply set), on every write a caller makes.
+/// Refuse `new` when its labels or annotations under `boxery.dev/` differ from `cur`'s (none
+/// when it is new): they are boxery's own (a pool's membership, an apply set, a wake-up, a
+/// start from memory), on every write a caller makes. The apply record (`last-applied`) is
+/// the apply's own and is left to it.
 pub(crate) fn same_system_labels(cur: Option<&DynObject>, new: &DynObject) -> Result<()> {
-    fn system(o: Option<&DynObject>) -> Vec<(&String, &String)> {
-        o.map(|o| {
-            o.metadata
-                .labels
-                .iter()
-                .filter(|(k, _)| k.starts_with(SYSTEM_PREFIX))
+    fn system(m: Option<&std::collections::BTreeMap<String, String>>) -> Vec<(&String, &String)> {
+        m.map(|m| {
+            m.iter()
+                .filter(|(k, _)| {
+                    k.starts_with(SYSTEM_PREFIX) && k.as_str() != boxery_store::LAST_APPLIED
+                })
                 .collect()
         })
         .unwrap_or_default()
     }
-    if system(cur) != system(Some(new)) {
-        return Err(VerbError::invalid(
+    fn labels(o: Option<&DynObject>) -> Vec<(&String, &String)> {
+        system(o.map(|o| &o.metadata.labels))
+    }
+    fn annotations(o: Option<&DynObject>) -> Vec<(&String, &String)> {
+        system(o.map(|o| &o.metadata.annotations))
+    }
+    if labels(cur) != labels(Some(new)) {
+        return Err(VerbError::forbidden(
             "metadata.labels cannot be changed here: keys under boxery.dev/ are boxery's own (a pool's membership, an apply set)",
+        ));
+    }
+    if annotations(cur) != annotations(Some(new)) {
+        return Err(VerbError::forbidden(
+            "metadata.annotations cannot be changed here: keys under boxery.dev/ are boxery's own (a wake-up, a start from memory)",
         ));
     }
     Ok(())

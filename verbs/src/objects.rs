@@ -168,11 +168,17 @@ pub async fn apply(v: &Verbs, objs: Vec<DynObject>, mut opts: ApplyOptions) -> R
             .await
             .map_err(|e| refused(v, e))?;
         for (action, new) in &would {
-            if *action == ApplyAction::Pruned {
-                crate::loosen::may_delete(v, new)?;
-                continue;
-            }
-            let cur = v.store().get(&ObjectRef::to(new)).await?;
+            // (the stored object is read only for a change: a new one has none, an unchanged
+            // one changes nothing)
+            let cur = match action {
+                ApplyAction::Pruned => {
+                    crate::loosen::may_delete(v, new)?;
+                    continue;
+                }
+                ApplyAction::Unchanged => continue,
+                ApplyAction::Created => None,
+                ApplyAction::Configured => v.store().get(&ObjectRef::to(new)).await?,
+            };
             crate::edit::same_system_labels(cur.as_ref(), new)?;
             if let Some(cur) = cur.filter(|_| crate::loosen::guarded(new)) {
                 crate::loosen::check(v, &cur, new)?;

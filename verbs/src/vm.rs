@@ -312,7 +312,15 @@ pub async fn fork(
             display: s.spec.display,
         };
         let mut vm = Vm::new(n, spec);
-        vm.metadata.labels = s.metadata.labels.clone();
+        // its labels, but not boxery's own (a pool's membership, an apply set): a fork of a
+        // pool member is no member of that pool
+        vm.metadata.labels = s
+            .metadata
+            .labels
+            .iter()
+            .filter(|(k, _)| !k.starts_with(crate::edit::SYSTEM_PREFIX))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         create_vm(v, &vm, "fork").await?;
     }
     Ok(Plan::vms(names, vec![ready()]))

@@ -54,15 +54,12 @@ pub enum BrowserAction {
 }
 
 impl BrowserAction {
-    fn name(self) -> &'static str {
-        match self {
-            BrowserAction::Open => "open",
-            BrowserAction::Read => "read",
-            BrowserAction::Click => "click",
-            BrowserAction::Fill => "fill",
-            BrowserAction::Evaluate => "evaluate",
-            BrowserAction::Screenshot => "screenshot",
-        }
+    /// Its name, as the wire (serde) writes it.
+    fn name(self) -> String {
+        serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default()
     }
 }
 
@@ -93,7 +90,7 @@ pub struct Browse {
 /// What the driver is sent (the request, checked).
 #[derive(Debug, Serialize)]
 struct Request<'a> {
-    action: &'static str,
+    action: BrowserAction,
     #[serde(skip_serializing_if = "Option::is_none")]
     url: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -219,19 +216,12 @@ impl Browse {
         if let Some(Err(why)) = self.url.as_deref().map(check_url) {
             return bad(why);
         }
-        if let Some(s) = &self.selector {
-            if s.trim().is_empty() || s.len() > SHORT_CAP {
-                return bad(format!(
-                    "the selector must be 1 to {SHORT_CAP} bytes, not {}",
-                    s.len()
-                ));
-            }
-            if let Some(c) = control(s, false) {
-                return bad(format!(
-                    "the selector holds a control character (U+{:04X})",
-                    c as u32
-                ));
-            }
+        if let Some(Err(why)) = self
+            .selector
+            .as_deref()
+            .map(|s| boxery_api::name::check_text(s, SHORT_CAP))
+        {
+            return bad(format!("the selector: {why}"));
         }
         for (field, v) in [("text", &self.text), ("expression", &self.expression)] {
             if let Some(v) = v {
@@ -261,7 +251,7 @@ impl Browse {
             ));
         }
         Ok(Request {
-            action: self.action.name(),
+            action: self.action,
             url: self.url.as_deref(),
             selector: self.selector.as_deref(),
             text: match self.action {
@@ -385,14 +375,10 @@ fn read_answer(vm: &str, action: BrowserAction, out: &[u8]) -> Result<Browsed> {
         return Err(strange("no screenshot".into()));
     }
     let cut = |s: String, cap: usize| -> (String, bool) {
-        if s.len() <= cap {
-            return (s, false);
+        match s.len() <= cap {
+            true => (s, false),
+            false => (s[..s.floor_char_boundary(cap)].to_string(), true),
         }
-        let mut end = cap;
-        while !s.is_char_boundary(end) {
-            end -= 1;
-        }
-        (s[..end].to_string(), true)
     };
     let (text, truncated) = match a.text {
         Some(t) => {
@@ -402,7 +388,7 @@ fn read_answer(vm: &str, action: BrowserAction, out: &[u8]) -> Result<Browsed> {
         None => (None, false),
     };
     let value = match a.value {
-        Some(v) if v.to_string().len() > TEXT_CAP => {
+        Some(v) if crate::edit::json_len_upto(&v, TEXT_CAP).is_none() => {
             return Err(VerbError::failed(format!(
                 "the expression ran, but its value is over {TEXT_CAP} bytes as JSON: return less (a slice, a count)"
             )));
@@ -458,7 +444,7 @@ mod tests {
             (serde_json::json!({"action": "click"}), "needs `selector`"),
             (
                 serde_json::json!({"action": "click", "selector": "a\u{1b}[2J"}),
-                "U+001B",
+                "control characters",
             ),
             (
                 serde_json::json!({"action": "click", "selector": "  "}),

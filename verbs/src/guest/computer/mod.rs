@@ -409,13 +409,13 @@ impl Way {
     }
 }
 
-/// Which way VM `vm`'s screen is reached (it must be in the store): the desktop when it was
-/// made with the desktop layer (or had it added) and the console is not asked for.
 /// Whether VM `obj` has the desktop layer.
 pub fn has_desktop(obj: &boxery_api::Vm) -> bool {
     super::has_layer(obj, boxery_api::vm::DESKTOP)
 }
 
+/// Which way VM `vm`'s screen is reached (it must be in the store): the desktop when it was
+/// made with the desktop layer (or had it added) and the console is not asked for.
 async fn way(v: &Verbs, vm: &str, console: bool) -> Result<Way> {
     let obj = crate::vm::get_vm(v, vm).await?;
     if has_desktop(&obj) && !console {
