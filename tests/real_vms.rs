@@ -579,11 +579,12 @@ fn tiny_vm(name: &str) -> String {
 /// stand-ins live in a network namespace it makes); without it the drill fails saying so.
 fn egress_drill(kind: Kind) {
     let h = RealHome::new(kind);
-    // The name the allow list names, answered by the egress proxy with the drill's internet
-    // stand-in (no DNS for it on a test machine).
+    // The name the allow list names, answered by the egress proxy (and, on qemu, to the
+    // guest's name lookups) with the drill's internet stand-in (no DNS for it on a test
+    // machine), and one no allow list names, whose lookup shows the policy refusing it.
     h.home.write(
         "config.yaml",
-        "proxy: {egress: {resolve: {internet.drill.test: 203.0.113.10}}}\n",
+        "proxy: {egress: {resolve: {internet.drill.test: 203.0.113.10, unlisted.drill.invalid: 203.0.113.10}}}\n",
     );
     let serve = h.serve();
     serve.wait_leading();
@@ -640,6 +641,40 @@ fn egress_drill(kind: Kind) {
                 row.split_whitespace().any(|w| w == "reached"),
                 "the listed name reaches the stand-in:\n{out}"
             );
+        }
+        // on qemu the control plane answers the guest's lookups, by the policy
+        let lookup = |name: &str| {
+            out.lines()
+                .find(|l| l.contains(&format!("name lookup of {name}")))
+                .map(str::to_string)
+        };
+        match (kind, policy) {
+            (Kind::Qemu, "Deny") => {
+                let row = lookup("internet.drill.test (not allowed)")
+                    .unwrap_or_else(|| panic!("a refused lookup probed:\n{out}"));
+                assert!(
+                    row.trim_start().starts_with("ok ") && row.contains("no answer"),
+                    "{row}"
+                );
+            }
+            (Kind::Qemu, _) => {
+                let row = lookup("internet.drill.test (allowed)")
+                    .unwrap_or_else(|| panic!("an allowed lookup probed:\n{out}"));
+                assert!(
+                    row.trim_start().starts_with("ok ") && row.contains(" answer "),
+                    "{row}"
+                );
+                if policy == "Allowlist" {
+                    assert!(
+                        lookup("unlisted.drill.invalid (not allowed)").is_some(),
+                        "a refused lookup probed:\n{out}"
+                    );
+                }
+            }
+            _ => assert!(
+                lookup("internet.drill.test").is_none(),
+                "libvirt's guests use their network's DNS:\n{out}"
+            ),
         }
     }
     // The Ready condition never changed: the policies changed on the running VM.

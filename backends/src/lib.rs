@@ -474,6 +474,20 @@ pub struct GuestProxy {
     pub url: String,
     /// Where the control plane serves the proxy for this guest.
     pub listen: ProxyListen,
+    /// Where the control plane answers this guest's name lookups; `None`: the guest's
+    /// lookups get no answer from boxery (libvirt: its network's own DNS, or none when
+    /// confined).
+    pub dns: Option<GuestDns>,
+}
+
+/// A guest's name lookups answered by the control plane (docs/egress.md, "Name lookups").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestDns {
+    /// The unix datagram socket the VM's network helper sends them to (`boxery_net::dns`),
+    /// where the control plane answers.
+    pub listen: PathBuf,
+    /// The DNS server's address as the guest uses it (the guest is told it at each boot).
+    pub addr: std::net::Ipv4Addr,
 }
 
 /// Where the control plane serves the credential proxy for a guest.

@@ -881,7 +881,8 @@ async fn guest_reaches_the_proxy_port_only() {
         gp,
         GuestProxy {
             url: format!("http://{addr}"),
-            listen: ProxyListen::Tcp(addr)
+            listen: ProxyListen::Tcp(addr),
+            dns: None,
         }
     );
     let net = String::from_utf8_lossy(&virsh(&["net-dumpxml", "default"]).stdout).to_string();

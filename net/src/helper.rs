@@ -42,10 +42,11 @@ use std::net::Ipv4Addr;
 use std::os::fd::AsFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::{UnixDatagram, UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::dns;
 use crate::slirp::{Guest, Network, Slirp, SlirpError};
 use crate::sys::{StopSignals, with_umask};
 
@@ -73,6 +74,9 @@ pub struct Options {
     pub ssh_port: u16,
     /// The unix socket guest connections to 10.0.2.100:80 are connected to.
     pub proxy_sock: PathBuf,
+    /// The control plane's datagram socket that answers the guest's name lookups
+    /// ([`crate::dns`]); `None`: lookups go to slirp, which drops them.
+    pub dns_sock: Option<PathBuf>,
     /// Where to write the helper's pid once it is ready.
     pub pidfile: Option<PathBuf>,
     /// QEMU's pidfile: the helper ends when the QEMU it names has exited (or when none has
@@ -444,6 +448,82 @@ pub fn refusal_path(net_sock: &Path) -> PathBuf {
     net_sock.with_extension("503.sock")
 }
 
+/// The helper's own datagram socket that the control plane answers name lookups to: beside
+/// the net socket, `NAME.dns.sock` for `NAME.sock`.
+pub fn dns_reply_path(net_sock: &Path) -> PathBuf {
+    net_sock.with_extension("dns.sock")
+}
+
+/// The guest's name lookups on their way to the control plane and back ([`crate::dns`]).
+#[derive(Debug)]
+struct DnsRelay {
+    /// Bound at [`dns_reply_path`]: the control plane's answers arrive here.
+    sock: UnixDatagram,
+    /// The control plane's socket.
+    to: PathBuf,
+    /// Queries that could not be sent (no control plane, its queue full).
+    unsent: u64,
+}
+
+impl DnsRelay {
+    /// Bind the reply socket at `path` (mode 0600, non-blocking); a socket left there by an
+    /// earlier helper is replaced (the net socket, checked first, is this helper's).
+    fn bind(path: &Path, to: PathBuf, cleanup: &mut Cleanup) -> Result<Self, HelperError> {
+        check_sock_path(path)?;
+        let listen_err = |source| HelperError::Listen {
+            path: path.into(),
+            source,
+        };
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if !m.file_type().is_socket() => {
+                return Err(HelperError::NotASocket { path: path.into() });
+            }
+            Ok(_) => std::fs::remove_file(path).map_err(listen_err)?,
+            Err(_) => {}
+        }
+        let sock = with_umask(0o177, || UnixDatagram::bind(path)).map_err(listen_err)?;
+        let meta = std::fs::symlink_metadata(path).map_err(listen_err)?;
+        cleanup.sockets.push((path.into(), meta.dev(), meta.ino()));
+        sock.set_nonblocking(true).map_err(listen_err)?;
+        Ok(DnsRelay {
+            sock,
+            to,
+            unsent: 0,
+        })
+    }
+
+    /// Send a guest's query on, tagged; dropped when it cannot go (the guest asks again).
+    fn send(&mut self, tag: &[u8; dns::TAG], query: &[u8]) {
+        let msg = [&tag[..], query].concat();
+        if self.sock.send_to(&msg, &self.to).is_err() {
+            self.unsent += 1;
+            if self.unsent.is_power_of_two() {
+                eprintln!(
+                    "boxery-net: {} name lookups not sent: nothing answers at {}",
+                    self.unsent,
+                    self.to.display()
+                );
+            }
+        }
+    }
+
+    /// Every answer waiting, as frames for the guest.
+    fn receive(&mut self, guest: &mut Outbox) {
+        let mut buf = [0u8; dns::TAG + dns::MAX_ANSWER + 1];
+        loop {
+            match self.sock.recv(&mut buf) {
+                Ok(n) => {
+                    if let Some(frame) = dns::answer_frame(&buf[..n]) {
+                        guest.send(&frame);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return, // WouldBlock: all read
+            }
+        }
+    }
+}
+
 /// What a guest connection to the proxy gets while no control plane serves it (the same
 /// words `boxery-relay` writes): its client (curl, apt, pip through `http_proxy`) shows it
 /// instead of a bare reset, and its person learns what to run.
@@ -460,16 +540,19 @@ const PROXY_CHECK_EVERY: Duration = Duration::from_millis(500);
 struct ProxyRoute {
     proxy: PathBuf,
     refusal: PathBuf,
+    /// The refusal socket's listener (answered by [`refuse`]).
+    refusals: UnixListener,
     /// The route in place: `Some(true)` to the proxy.
     to_proxy: Option<bool>,
     last_check: Instant,
 }
 
 impl ProxyRoute {
-    fn new(proxy: PathBuf, refusal: PathBuf) -> Self {
+    fn new(proxy: PathBuf, refusal: PathBuf, refusals: UnixListener) -> Self {
         ProxyRoute {
             proxy,
             refusal,
+            refusals,
             to_proxy: None,
             last_check: Instant::now(),
         }
@@ -589,8 +672,16 @@ pub fn run(opts: &Options) -> Result<Stopped, HelperError> {
     };
     let listener = listen(&opts.net_sock, &mut cleanup)?;
     let refusal = listen(&refusal_sock, &mut cleanup)?;
-    let mut proxy = ProxyRoute::new(opts.proxy_sock.clone(), refusal_sock);
+    let mut proxy = ProxyRoute::new(opts.proxy_sock.clone(), refusal_sock, refusal);
     proxy.route(&mut slirp)?;
+    let mut dns = match &opts.dns_sock {
+        Some(to) => {
+            check_sock_path(to)?;
+            let at = dns_reply_path(&opts.net_sock);
+            Some(DnsRelay::bind(&at, to.clone(), &mut cleanup)?)
+        }
+        None => None,
+    };
     if let Some(path) = &opts.pidfile {
         write_pidfile(path).map_err(|source| HelperError::Pidfile {
             path: path.clone(),
@@ -610,8 +701,8 @@ pub fn run(opts: &Options) -> Result<Stopped, HelperError> {
     let stopped = serve(
         &mut slirp,
         &listener,
-        &refusal,
         &mut proxy,
+        dns.as_mut(),
         &signals,
         watch.as_mut(),
         stats.as_mut(),
@@ -624,8 +715,8 @@ pub fn run(opts: &Options) -> Result<Stopped, HelperError> {
 fn serve(
     slirp: &mut Slirp<Outbox>,
     listener: &UnixListener,
-    refusal: &UnixListener,
     proxy: &mut ProxyRoute,
+    mut dns: Option<&mut DnsRelay>,
     signals: &StopSignals,
     mut watch: Option<&mut QemuWatch>,
     mut stats: Option<&mut StatsFile>,
@@ -649,18 +740,27 @@ fn serve(
             ),
             None => (listener.as_fd(), libc::POLLIN),
         };
+        // without a relay, the refusal socket stands in (polled twice, harmless)
+        let refusal = &proxy.refusals;
+        let answers = dns.as_deref().map_or(refusal.as_fd(), |d| d.sock.as_fd());
         let own = [
             (signals.as_fd(), libc::POLLIN),
             link,
             (refusal.as_fd(), libc::POLLIN),
+            (answers, libc::POLLIN),
         ];
-        let [sig, q, r] = match slirp.wait(own, MAX_SLEEP_MS) {
+        let [sig, q, r, a] = match slirp.wait(own, MAX_SLEEP_MS) {
             Ok(r) => r,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => [0, 0, 0],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => [0, 0, 0, 0],
             Err(e) => return Err(HelperError::Poll(e)),
         };
         if r != 0 {
             refuse(refusal);
+        }
+        if a != 0
+            && let Some(d) = dns.as_deref_mut()
+        {
+            d.receive(slirp.guest());
         }
         if proxy.due()
             && let Err(e) = proxy.route(slirp)
@@ -698,7 +798,8 @@ fn serve(
                         Ok(0) => gone = Some("closed the connection".into()),
                         Ok(n) => {
                             have += n;
-                            let (bad, bytes) = feed(slirp, &mut inbuf, &mut have);
+                            let (bad, bytes) =
+                                feed(slirp, dns.as_deref_mut(), &mut inbuf, &mut have);
                             from_guest += bytes;
                             gone = bad;
                         }
@@ -737,18 +838,27 @@ fn serve(
     }
 }
 
-/// Give slirp every whole frame at the start of `buf[..have]` and keep the rest; `Some(why)`
-/// when the stream is out of step, and the bytes of the frames given.
-fn feed(slirp: &mut Slirp<Outbox>, buf: &mut [u8], have: &mut usize) -> (Option<String>, u64) {
+/// Give slirp every whole frame at the start of `buf[..have]` (a name lookup to `dns`
+/// instead) and keep the rest; `Some(why)` when the stream is out of step, and the bytes of
+/// the frames given.
+fn feed(
+    slirp: &mut Slirp<Outbox>,
+    mut dns: Option<&mut DnsRelay>,
+    buf: &mut [u8],
+    have: &mut usize,
+) -> (Option<String>, u64) {
     let mut off = 0;
     let mut bytes = 0;
     let bad = loop {
         match frame_at(&buf[off..*have]) {
             Frame::Whole(len) => {
-                if len > 0 {
-                    slirp.input(&buf[off + 4..off + 4 + len]);
-                    bytes += len as u64;
+                let frame = &buf[off + 4..off + 4 + len];
+                match (dns.as_deref_mut(), dns::query(frame)) {
+                    (Some(d), Some((tag, q))) => d.send(&tag, q),
+                    _ if len > 0 => slirp.input(frame),
+                    _ => {}
                 }
+                bytes += len as u64;
                 off += 4 + len;
             }
             Frame::Partial => break None,

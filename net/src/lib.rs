@@ -6,9 +6,11 @@
 //!
 //! - [`slirp`]: the hand-written FFI to libslirp and a safe wrapper around one stack.
 //! - [`helper`]: the helper's options, set-up and poll loop.
+//! - [`dns`]: the guest's name lookups taken out of its frames, and their answers put back.
 //!
 //! Only this crate links libslirp: `boxery` itself does not need it.
 
+pub mod dns;
 pub mod helper;
 pub mod slirp;
 mod sys;

@@ -1,7 +1,7 @@
 //! `boxery-net`: one VM's network, slirp outside QEMU.
 //!
 //! ```text
-//! boxery-net --net-sock PATH --ssh-port PORT --proxy-sock PATH [--pidfile PATH] [--qemu-pidfile PATH]
+//! boxery-net --net-sock PATH --ssh-port PORT --proxy-sock PATH [--dns-sock PATH] [--pidfile PATH] [--qemu-pidfile PATH]
 //! ```
 //! Listens on the unix socket `--net-sock` (mode 0600; a stale socket there is replaced) for
 //! QEMU started with
@@ -9,7 +9,9 @@
 //! The guest's network is QEMU's restricted user network: 10.0.2.0/24, host 10.0.2.2, DHCP
 //! from 10.0.2.15, DNS 10.0.2.3, IPv6 off, no way out but the two forwards:
 //! - host `127.0.0.1:PORT` → the guest's sshd (port 22);
-//! - guest `10.0.2.100:80` → a `connect()` to the unix socket `--proxy-sock`, per connection.
+//! - guest `10.0.2.100:80` → a `connect()` to the unix socket `--proxy-sock`, per connection;
+//! - with `--dns-sock`, the guest's name lookups (UDP to 10.0.2.3:53) → datagrams to that
+//!   socket, answered by the control plane (`boxery_net::dns`).
 //!
 //! When QEMU disconnects the helper waits for it to reconnect. SIGTERM or SIGINT stop it, and
 //! so does the exit of the QEMU named in `--qemu-pidfile`: the socket and the pidfile are
@@ -25,7 +27,8 @@ use clap::Parser;
 ///
 /// The guest gets QEMU's restricted user network (10.0.2.0/24, host 10.0.2.2, DHCP from
 /// 10.0.2.15, DNS 10.0.2.3, IPv6 off) with two forwards only: host 127.0.0.1:SSH_PORT to the
-/// guest's port 22, and the guest's 10.0.2.100:80 to the unix socket PROXY_SOCK. Start QEMU
+/// guest's port 22, and the guest's 10.0.2.100:80 to the unix socket PROXY_SOCK; with
+/// --dns-sock, its name lookups go to the control plane, which answers them by its policy. Start QEMU
 /// with `-netdev stream,id=n0,server=off,addr.type=unix,addr.path=NET_SOCK,reconnect-ms=200`.
 /// When QEMU disconnects, boxery-net waits for it to reconnect. SIGTERM or SIGINT stop it, as
 /// does the exit of the QEMU named in --qemu-pidfile; NET_SOCK and the pidfile are removed.
@@ -42,6 +45,11 @@ struct Args {
     /// later: slirp connects at each guest connection)
     #[arg(long, value_name = "PATH")]
     proxy_sock: PathBuf,
+    /// The unix datagram socket the guest's name lookups (UDP to 10.0.2.3:53) are sent to,
+    /// tagged; its answers come back on NET_SOCK's `.dns.sock` sibling. Without it, lookups
+    /// get no answer
+    #[arg(long, value_name = "PATH")]
+    dns_sock: Option<PathBuf>,
     /// Write the pid here once ready (everything listening); removed on exit
     #[arg(long, value_name = "PATH")]
     pidfile: Option<PathBuf>,
@@ -61,6 +69,7 @@ fn main() -> ExitCode {
         net_sock: args.net_sock,
         ssh_port: args.ssh_port,
         proxy_sock: args.proxy_sock,
+        dns_sock: args.dns_sock,
         pidfile: args.pidfile,
         qemu_pidfile: args.qemu_pidfile,
         stats: args.stats,

@@ -2,10 +2,12 @@
 //! TCG as image/boot-test.sh does, but on `-netdev stream` to a boxery-net started first.
 //!
 //! One test, in order: (a) DHCP lease and ssh through the hostfwd with the seed's pinned host
-//! key; (b) the guest's 10.0.2.100:80 reaches a unix-socket listener of the test, data both
-//! ways, then a 32 MiB download through it; (c) restricted: the guest cannot reach a host loopback listener the host itself
-//! reaches; (d) boxery-net killed (SIGKILL, its socket left behind) and started again on the
-//! same socket: QEMU reconnects and ssh works again within seconds; then SIGTERM stops it
+//! key; (a2) a name lookup reaches the DNS socket tagged with its asker, and the answer the
+//! guest; (b) the guest's 10.0.2.100:80 reaches a unix-socket listener of the test, data both
+//! ways, then a 32 MiB download through it; (c) restricted: the guest cannot reach a host
+//! loopback listener the host itself reaches; (d) boxery-net killed (SIGKILL, its socket left
+//! behind) and started again on the same socket: QEMU reconnects and ssh works again within
+//! seconds; then SIGTERM stops it
 //! cleanly (exit 0, socket and pidfile removed), and so does the exit of its QEMU. With the
 //! proxy's socket gone, the guest gets a 503 saying what to run; back, it is reached again.
 //!
@@ -17,7 +19,7 @@
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::{UnixDatagram, UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::thread;
@@ -225,6 +227,8 @@ impl World {
             .args(["--ssh-port", &self.ssh_port.to_string()])
             .arg("--proxy-sock")
             .arg(self.path("proxy.sock"))
+            .arg("--dns-sock")
+            .arg(self.path("dns.sock"))
             .arg("--pidfile")
             .arg(self.path("net.pid"))
             .arg("--qemu-pidfile")
@@ -411,6 +415,31 @@ fn proxy_side(listener: UnixListener, timeout: Duration) -> io::Result<usize> {
 }
 
 /// CPU seconds (user + system) process `pid` has used.
+/// Answer one tagged query on `sock` with `203.0.113.9` (an A record after the question, the
+/// header copied, made a response); the query's tag.
+fn answer_one(sock: &UnixDatagram, timeout: Duration) -> io::Result<Vec<u8>> {
+    sock.set_read_timeout(Some(timeout))?;
+    let mut buf = [0u8; 2048];
+    loop {
+        let (n, from) = sock.recv_from(&mut buf)?;
+        let (tag, q) = buf[..n].split_at(12);
+        // the first question only: busybox asks A and AAAA; answer A (type 1)
+        let qtype = u16::from_be_bytes([q[q.len() - 4], q[q.len() - 3]]);
+        let mut a = q.to_vec();
+        a[2] = 0x81; // QR, RD
+        a[3] = 0x80; // RA, NOERROR
+        if qtype == 1 {
+            a[7] = 1; // one answer
+            a.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 30, 0, 4, 203, 0, 113, 9]);
+        }
+        let to = from.as_pathname().expect("the helper's socket has a name");
+        sock.send_to(&[tag, &a].concat(), to)?;
+        if qtype == 1 {
+            return Ok(tag.to_vec());
+        }
+    }
+}
+
 fn cpu_secs(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let after = stat.rsplit(')').next().unwrap_or_default();
@@ -458,6 +487,7 @@ fn a_guest_behind_boxery_net() {
     };
     w.make_identity();
     let proxy = UnixListener::bind(w.path("proxy.sock")).unwrap();
+    let dns = UnixDatagram::bind(w.path("dns.sock")).unwrap();
 
     w.start_net();
     let mode = std::fs::metadata(w.path("net.sock"))
@@ -472,6 +502,21 @@ fn a_guest_behind_boxery_net() {
     eprintln!("boot to ssh through boxery-net: {boot:.1?}");
     let addr = w.guest("ip -4 -o addr show dev eth0");
     assert!(addr.contains(" 10.0.2.15/24 "), "the DHCP lease: {addr}");
+
+    // (a2) a name lookup (busybox's own UDP resolver, to slirp's DNS address) comes to
+    // the control plane's socket tagged with the asker, and the answer goes back to it
+    let mac = w.guest("cat /sys/class/net/eth0/address");
+    let answered = thread::spawn(move || answer_one(&dns, Duration::from_secs(60)));
+    let out = w.guest("timeout 30 nslookup probe.test 10.0.2.3; echo rc=$?");
+    eprintln!("guest name lookup through boxery-net: {out:?}");
+    let tag = answered.join().unwrap().expect("a query on the DNS socket");
+    let hex: Vec<String> = tag[..6].iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(hex.join(":"), mac.trim(), "tagged with the guest's MAC");
+    assert_eq!(&tag[6..10], &[10, 0, 2, 15], "and its address");
+    assert!(
+        out.contains("203.0.113.9") && out.ends_with("rc=0"),
+        "the guest got the answer: {out}"
+    );
 
     // (b) the guest's 10.0.2.100:80 reaches the unix socket; data both ways (echoed after
     // the guest's half-close)

@@ -10,6 +10,8 @@
 //! - A per-VM socket serves [`Proxy::router`] with that VM as its channel: another VM's token
 //!   is refused there. It is created 0600 (QEMU runs as this user) and removed with the
 //!   channel, and when [`keep`] stops.
+//! - A VM's own channel also answers its guest's name lookups where its backend says where
+//!   ([`GuestProxy::dns`], [`crate::dns`]); that socket lives and goes with the channel.
 //! - A TCP address that cannot be bound is retried every pass and reported once until it is.
 //!
 //! # Caveats
@@ -18,10 +20,11 @@
 
 use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use boxery_backends::{Backend, ProxyListen};
+use boxery_backends::{Backend, GuestProxy, ProxyListen};
 use tokio_util::sync::CancellationToken;
 
 use crate::Proxy;
@@ -32,6 +35,19 @@ pub const EVERY: Duration = Duration::from_millis(500);
 /// One channel being served.
 struct Served {
     stop: CancellationToken,
+    /// Its VM's name-lookup socket ([`crate::dns`]), when it has one.
+    dns: Option<PathBuf>,
+}
+
+impl Served {
+    /// Stop serving and remove the sockets.
+    fn end(self, listen: &ProxyListen) {
+        self.stop.cancel();
+        remove_socket(listen);
+        if let Some(dns) = &self.dns {
+            remove_socket_file(dns);
+        }
+    }
 }
 
 /// Keep a channel for every VM with a token until `stop`.
@@ -47,27 +63,30 @@ pub async fn keep(proxy: Proxy, backend: Arc<dyn Backend>, stop: CancellationTok
             _ = tick.tick() => {}
         }
         // What should be served: each VM with a token, at the place its backend names.
-        let mut want: HashMap<ProxyListen, (Option<String>, String)> = HashMap::new();
+        let mut want: HashMap<ProxyListen, GuestProxy> = HashMap::new();
+        let mut channels: HashMap<ProxyListen, String> = HashMap::new();
         for vm in boxery_home::tokens::vms(&home) {
             if let Some(g) = backend.guest_proxy(&vm) {
-                let channel = matches!(g.listen, ProxyListen::Unix(_)).then_some(vm);
-                want.insert(g.listen, (channel, g.url));
+                if matches!(g.listen, ProxyListen::Unix(_)) {
+                    channels.insert(g.listen.clone(), vm);
+                }
+                want.insert(g.listen.clone(), g);
             }
         }
-        served.retain(|listen, s| {
-            let keep = want.contains_key(listen);
-            if !keep {
-                s.stop.cancel();
-                remove_socket(listen);
+        for listen in served.keys().cloned().collect::<Vec<_>>() {
+            if !want.contains_key(&listen)
+                && let Some(s) = served.remove(&listen)
+            {
+                s.end(&listen);
             }
-            keep
-        });
+        }
         failed.retain(|l| want.contains_key(l));
-        for (listen, (channel, url)) in want {
+        for (listen, g) in want {
             if served.contains_key(&listen) {
                 continue;
             }
-            match start(&proxy, &listen, channel, &url, stop.child_token()).await {
+            let channel = channels.remove(&listen);
+            match start(&proxy, &g, channel, stop.child_token()).await {
                 Ok(s) => {
                     if failed.remove(&listen) {
                         tracing::info!(channel = ?listen, "credential proxy channel serving");
@@ -86,28 +105,37 @@ pub async fn keep(proxy: Proxy, backend: Arc<dyn Backend>, stop: CancellationTok
         }
     }
     for (listen, s) in served {
-        s.stop.cancel();
-        remove_socket(&listen);
+        s.end(&listen);
     }
 }
 
-/// Remove a channel's socket file (only a socket: never anything else at that path).
+/// Remove a channel's socket file.
 fn remove_socket(listen: &ProxyListen) {
-    if let ProxyListen::Unix(path) = listen
-        && std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket())
-    {
+    if let ProxyListen::Unix(path) = listen {
+        remove_socket_file(path);
+    }
+}
+
+/// Remove the socket at `path` (only a socket: never anything else there).
+fn remove_socket_file(path: &Path) {
+    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
         let _ = std::fs::remove_file(path);
     }
 }
 
+/// Serve `g` (its VM's name lookups too, on a VM's own channel) until `stop`.
 async fn start(
     proxy: &Proxy,
-    listen: &ProxyListen,
+    g: &GuestProxy,
     channel: Option<String>,
-    url: &str,
     stop: CancellationToken,
 ) -> std::io::Result<Served> {
-    let router = proxy.router_seen_at(channel, Some(url));
+    let listen = &g.listen;
+    let dns = match (&channel, &g.dns) {
+        (Some(vm), Some(d)) => Some((vm.clone(), d.listen.clone())),
+        _ => None,
+    };
+    let router = proxy.router_seen_at(channel, Some(&g.url));
     let done = stop.clone();
     match listen {
         ProxyListen::Unix(path) => {
@@ -123,6 +151,14 @@ async fn start(
                     .with_graceful_shutdown(done.cancelled_owned())
                     .await;
             });
+            if let Some((vm, path)) = &dns
+                && let Err(e) = crate::dns::start(proxy, vm, path, stop.child_token())
+            {
+                // the proxy serves; lookups are retried with the channel
+                stop.cancel();
+                remove_socket(listen);
+                return Err(e);
+            }
         }
         ProxyListen::Tcp(addr) => {
             use axum::serve::ListenerExt;
@@ -136,5 +172,8 @@ async fn start(
             });
         }
     }
-    Ok(Served { stop })
+    Ok(Served {
+        stop,
+        dns: dns.map(|(_, path)| path),
+    })
 }

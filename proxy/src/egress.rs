@@ -241,33 +241,42 @@ fn bare(host: &str) -> &str {
         .unwrap_or(host)
 }
 
-/// Decide and resolve: the addresses `host` may be reached at under `policy`.
-async fn admit(
+/// Why `policy` refuses VM `vm` the name (or address literal) `host`, in words for its person;
+/// `None` when it allows it.
+pub(crate) fn policy_refusal(vm: &str, policy: &Egress, host: &str) -> Option<String> {
+    if policy.allows_name(host) {
+        return None;
+    }
+    Some(match policy.policy {
+        boxery_api::network::EgressPolicy::Deny => format!(
+            "VM {vm}'s egress policy is Deny: nothing goes out but its grants through \
+             $BOXERY_PROXY (change spec.network.egress to allow {host})"
+        ),
+        _ if host.parse::<IpAddr>().is_ok() => format!(
+            "VM {vm}'s egress policy is Allowlist, which lists names, not addresses: \
+             ask for {host} by name"
+        ),
+        _ => format!("{host} is not in VM {vm}'s egress allow list (spec.network.egress.allow)"),
+    })
+}
+
+/// Why a name's addresses are not given to a guest.
+#[derive(Debug)]
+pub(crate) enum Unreachable {
+    /// It does not resolve (or not within [`RESOLVE_TIMEOUT`]).
+    Unresolved,
+    /// Every address it has is out of every guest's reach: why, in words.
+    Forbidden(String),
+}
+
+/// The addresses of `host` (an address literal, a name of config `proxy.egress.resolve`, or
+/// one the host's resolver knows) that a guest may reach, at `port`.
+pub(crate) async fn lookup(
     p: &Inner,
-    vm: &str,
-    policy: &Egress,
     host: &str,
     port: u16,
-) -> Result<Vec<SocketAddr>, Response> {
-    let denied = |msg: String| answer(refuse(StatusCode::FORBIDDEN, msg), "denied");
-    let literal = host.parse::<IpAddr>().ok();
-    if !policy.allows_name(host) {
-        let why = match policy.policy {
-            boxery_api::network::EgressPolicy::Deny => format!(
-                "VM {vm}'s egress policy is Deny: nothing goes out but its grants through \
-                 $BOXERY_PROXY (change spec.network.egress to allow {host})"
-            ),
-            _ if literal.is_some() => format!(
-                "VM {vm}'s egress policy is Allowlist, which lists names, not addresses: \
-                 ask for {host} by name"
-            ),
-            _ => {
-                format!("{host} is not in VM {vm}'s egress allow list (spec.network.egress.allow)")
-            }
-        };
-        return Err(denied(why));
-    }
-    let addrs: Vec<SocketAddr> = if let Some(ip) = literal {
+) -> Result<Vec<SocketAddr>, Unreachable> {
+    let addrs: Vec<SocketAddr> = if let Ok(ip) = host.parse::<IpAddr>() {
         vec![SocketAddr::new(ip, port)]
     } else if let Some(ip) = p
         .config
@@ -279,15 +288,7 @@ async fn admit(
     } else {
         match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port))).await {
             Ok(Ok(a)) => a.collect(),
-            Ok(Err(_)) | Err(_) => {
-                return Err(answer(
-                    refuse(
-                        StatusCode::BAD_GATEWAY,
-                        format!("{host} could not be resolved"),
-                    ),
-                    "failed",
-                ));
-            }
+            Ok(Err(_)) | Err(_) => return Err(Unreachable::Unresolved),
         }
     };
     let (ok, bad): (Vec<SocketAddr>, Vec<SocketAddr>) = addrs
@@ -303,11 +304,35 @@ async fn admit(
                 )
             })
             .unwrap_or_default();
-        return Err(denied(format!(
+        return Err(Unreachable::Forbidden(format!(
             "{host} is {addr}, a {range} address: no guest reaches it through boxery"
         )));
     }
     Ok(ok)
+}
+
+/// Decide and resolve: the addresses `host` may be reached at under `policy`.
+async fn admit(
+    p: &Inner,
+    vm: &str,
+    policy: &Egress,
+    host: &str,
+    port: u16,
+) -> Result<Vec<SocketAddr>, Response> {
+    let denied = |msg: String| answer(refuse(StatusCode::FORBIDDEN, msg), "denied");
+    if let Some(why) = policy_refusal(vm, policy, host) {
+        return Err(denied(why));
+    }
+    lookup(p, host, port).await.map_err(|e| match e {
+        Unreachable::Forbidden(why) => denied(why),
+        Unreachable::Unresolved => answer(
+            refuse(
+                StatusCode::BAD_GATEWAY,
+                format!("{host} could not be resolved"),
+            ),
+            "failed",
+        ),
+    })
 }
 
 async fn connect(addrs: &[SocketAddr]) -> std::io::Result<TcpStream> {

@@ -40,6 +40,7 @@
 mod admit;
 pub mod audit;
 pub mod channels;
+pub mod dns;
 pub mod egress;
 mod forward;
 pub mod routes;

@@ -814,6 +814,7 @@ mod tests {
             vm: "dev1".into(),
             egress: Default::default(),
             display: None,
+            dns: None,
         };
         let export = format!("export SSH_AUTH_SOCK={GUEST_SOCK}\n");
         let f = crate::guest::files(&plan, dir.path()).await;

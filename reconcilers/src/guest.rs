@@ -81,6 +81,9 @@ pub struct Plan {
     /// For a VM with a desktop: the screen size its spec sets (`spec.display`), `None` when
     /// it sets none (then a size boxery wrote before is taken back, one set by hand is kept).
     pub display: Option<Option<boxery_api::vm::Display>>,
+    /// Where the guest's resolver should send name lookups, when the control plane answers
+    /// them ([`dns_script`]).
+    pub dns: Option<std::net::Ipv4Addr>,
 }
 
 impl Plan {
@@ -89,9 +92,10 @@ impl Plan {
     pub fn of(ctx: &Ctx, v: &Vm) -> Option<Plan> {
         let vm = v.metadata.name.as_str();
         let g = ctx.backend.guest_proxy(vm)?;
-        let (url, channel) = (
+        let (url, channel, dns) = (
             g.url,
             matches!(g.listen, boxery_backends::ProxyListen::Unix(_)),
+            g.dns.map(|d| d.addr),
         );
         let (owner, token) = boxery_home::tokens::read(&ctx.home, vm)?;
         let grants = boxery_home::grants::read_state(&ctx.home, vm)
@@ -106,6 +110,7 @@ impl Plan {
             vm: vm.to_string(),
             egress: boxery_home::egress::read(&ctx.home, vm),
             display: (!v.spec.headless).then_some(v.spec.display),
+            dns,
         })
     }
 
@@ -126,6 +131,9 @@ impl Plan {
             Some(None) => h.part(b"display unset"),
             None => &mut h,
         };
+        if let Some(dns) = self.dns {
+            h.part(dns.to_string().as_bytes());
+        }
         for e in &self.grants {
             h.part(e.name.as_bytes())
                 .part(e.uid.as_bytes())
@@ -163,6 +171,8 @@ pub struct Files {
     /// For a VM with a desktop, the screen size its spec sets (`WIDTHxHEIGHT`), if any
     /// ([`display_script`]).
     pub display: Option<Option<String>>,
+    /// The guest's DNS server, when the control plane answers its lookups ([`dns_script`]).
+    pub dns: Option<std::net::Ipv4Addr>,
 }
 
 /// Where the Docker daemon's proxy drop-in goes: on the disk when its proxy URL holds no token
@@ -213,6 +223,7 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
     let (url, token) = (&plan.url, &plan.token);
     let mut out = Files {
         display: plan.display.map(|d| d.map(|d| d.to_string())),
+        dns: plan.dns,
         ..Files::default()
     };
     let mut env = format!(
@@ -518,6 +529,11 @@ pub fn context(plan: &Plan) -> String {
     if grants.is_empty() {
         grants.push_str("- none\n");
     }
+    let lookups = if plan.dns.is_some() {
+        "name lookups answer for the hosts the policy allows and nothing else; "
+    } else {
+        ""
+    };
     format!(
         "# Where you are\n\n\
          You are working in `{vm}`, a virtual machine that boxery gives coding agents as their hands. \
@@ -525,7 +541,7 @@ pub fn context(plan: &Plan) -> String {
          Nothing you do here reaches the machine of the person you work for, except through boxery.\n\n\
          ## Network\n\n{network} Anything that does not go through the proxy fails: HTTP(S) clients use it by \
          themselves (`http_proxy`, `https_proxy`), and so do `ssh` and git over ssh (`git@host:…`) to \
-         hosts the policy allows (the guest's ssh config), and Docker's daemon (`docker pull`) where the guest has Docker; DNS and other raw TCP or UDP do not work.\n\n\
+         hosts the policy allows (the guest's ssh config), and Docker's daemon (`docker pull`) where the guest has Docker; {lookups}other raw TCP or UDP does not work.\n\n\
          ## Credentials\n\n\
          This VM holds no real keys. Its grants, used through boxery's credential proxy, which adds \
          the real credential on the way out (the `*_API_KEY` variables hold this VM's boxery token):\n\n{grants}\n\
@@ -587,6 +603,9 @@ pub fn script(f: &Files, rev: &str) -> String {
     if let Some(size) = &f.display {
         s.push_str(&display_script(size.as_deref()));
     }
+    if let Some(dns) = f.dns {
+        s.push_str(&dns_script(dns));
+    }
     if let Some(proxy) = &f.system_proxy {
         // apt and sudo do not read the login shell's variables: static files (no token).
         let apt = format!(
@@ -605,6 +624,28 @@ pub fn script(f: &Files, rev: &str) -> String {
         ));
     }
     s
+}
+
+/// The part of [`script`] that points the guest's resolver at `dns`, where the control plane
+/// answers name lookups by the VM's egress policy (docs/egress.md, "Name lookups"): a
+/// systemd-resolved drop-in on tmpfs (written at every boot; the image is not changed, so it
+/// boots elsewhere unaffected), resolved restarted when it changed; without resolved, a
+/// `nameserver` line in an `/etc/resolv.conf` that has none (busybox's, as DHCP left it).
+fn dns_script(dns: std::net::Ipv4Addr) -> String {
+    let conf = format!(
+        "# boxery (docs/egress.md): name lookups go to the control plane, which answers by the VM's egress policy\n\
+         [Resolve]\nDNS={dns}\n"
+    );
+    format!(
+        "r=/run/systemd/resolved.conf.d/90-boxery-dns.conf\n\
+         if [ -d /run/systemd/resolve ]; then \
+         if [ \"$(cat \"$r\" 2>/dev/null)\" != \"$(printf '%s' {c})\" ]; then \
+         sudo -n install -d -m 0755 \"$(dirname \"$r\")\" && printf '%s' {c} | sudo -n tee \"$r\" >/dev/null && \
+         {{ sudo -n systemctl try-restart systemd-resolved.service || echo 'boxery: systemd-resolved did not restart (journalctl -u systemd-resolved)' >&2; }}; fi; \
+         elif [ -f /etc/resolv.conf ] && [ ! -L /etc/resolv.conf ] && ! grep -qs '^nameserver' /etc/resolv.conf; then \
+         printf 'nameserver %s\\n' {dns} | sudo -n tee -a /etc/resolv.conf >/dev/null; fi\n",
+        c = shell_quote(&conf),
+    )
 }
 
 /// The first line of a `/etc/boxery/desktop.env` boxery wrote: a file without it was written
@@ -933,6 +974,76 @@ mod display_tests {
 }
 
 #[cfg(test)]
+mod dns_tests {
+    use super::dns_script;
+
+    /// Run the name-lookup part against a root of its own (`/run` and `/etc` moved under
+    /// `root`), with sudo and systemctl as shims; what systemctl was asked.
+    fn run(root: &std::path::Path) -> String {
+        let r = root.display();
+        let script = dns_script(std::net::Ipv4Addr::new(10, 0, 2, 3))
+            .replace("/run/", &format!("{r}/run/"))
+            .replace("/etc/", &format!("{r}/etc/"));
+        let log = root.join("systemctl.log");
+        let shims = format!(
+            "sudo() {{ shift; \"$@\"; }}\nsystemctl() {{ echo \"$*\" >> {}; }}\n",
+            log.display()
+        );
+        let o = std::process::Command::new("sh")
+            .args(["-euc", &format!("{shims}{script}")])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let said = std::fs::read_to_string(&log).unwrap_or_default();
+        let _ = std::fs::remove_file(&log);
+        said
+    }
+
+    #[test]
+    fn resolved_is_pointed_at_the_control_plane_once_per_boot() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("run/systemd/resolve")).unwrap();
+        assert!(run(root.path()).contains("try-restart systemd-resolved.service"));
+        let conf = root
+            .path()
+            .join("run/systemd/resolved.conf.d/90-boxery-dns.conf");
+        let f = std::fs::read_to_string(&conf).unwrap();
+        assert!(f.contains("[Resolve]\nDNS=10.0.2.3\n"), "{f}");
+        // pushed again (the same boot): nothing restarted
+        assert_eq!(run(root.path()), "");
+        assert!(
+            !root.path().join("etc/resolv.conf").exists(),
+            "resolved's guest: no resolv.conf"
+        );
+    }
+
+    #[test]
+    fn a_resolv_conf_without_a_name_server_gets_one_and_one_with_its_own_is_left() {
+        let root = tempfile::tempdir().unwrap();
+        let rc = root.path().join("etc/resolv.conf");
+        std::fs::create_dir_all(rc.parent().unwrap()).unwrap();
+        std::fs::write(&rc, "").unwrap();
+        assert_eq!(run(root.path()), "");
+        assert_eq!(
+            std::fs::read_to_string(&rc).unwrap(),
+            "nameserver 10.0.2.3\n"
+        );
+        run(root.path());
+        assert_eq!(
+            std::fs::read_to_string(&rc).unwrap(),
+            "nameserver 10.0.2.3\n",
+            "once"
+        );
+        std::fs::write(&rc, "nameserver 192.0.2.53\n").unwrap();
+        run(root.path());
+        assert_eq!(
+            std::fs::read_to_string(&rc).unwrap(),
+            "nameserver 192.0.2.53\n"
+        );
+    }
+}
+
+#[cfg(test)]
 mod tests {
 
     #[test]
@@ -1012,6 +1123,7 @@ mod tests {
             vm: "dev1".into(),
             egress: Default::default(),
             display: None,
+            dns: None,
             grants: vec![
                 entry(
                     "g-llm",
@@ -1250,6 +1362,7 @@ mod tests {
             vm: "dev1".into(),
             egress: Default::default(),
             display: None,
+            dns: None,
             grants,
         };
         // no llm grant: nothing for the agents
@@ -1359,6 +1472,7 @@ mod tests {
                 vm: "dev1".into(),
                 egress: Default::default(),
                 display: None,
+                dns: None,
                 grants: vec![entry(
                     "o",
                     GrantType::Llm,
@@ -1393,6 +1507,7 @@ mod tests {
             vm: "dev1".into(),
             egress: Default::default(),
             display: None,
+            dns: None,
             grants: vec![entry("g", GrantType::Env, "A", ValueFrom::Env("A".into()))],
         };
         let r = plan.rev("boot1");

@@ -501,6 +501,7 @@ impl Backend for LibvirtBackend {
         Some(GuestProxy {
             url: format!("http://{addr}"),
             listen: ProxyListen::Tcp(addr),
+            dns: None,
         })
     }
 }

@@ -144,6 +144,11 @@ impl Layout {
     pub fn vm_proxy(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("proxy.sock")
     }
+    /// `vms/<name>/dns.sock`: the control plane's answers to this VM's name lookups (a
+    /// datagram socket `boxery-net` sends them to).
+    pub fn vm_dns(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("dns.sock")
+    }
     /// `vms/<name>/net.sock`: where QEMU's stream netdev reaches the VM's `boxery-net`.
     pub fn vm_net_sock(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("net.sock")

@@ -66,6 +66,7 @@ impl Inner {
             qemu_pidfile: self.layout.vm_pidfile(name),
             stats: self.layout.vm_net_stats(name),
             proxy: self.layout.vm_proxy(name),
+            dns: self.layout.vm_dns(name),
             port,
         }
     }

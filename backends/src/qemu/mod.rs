@@ -377,6 +377,10 @@ impl Backend for QemuBackend {
                 process::GUEST_PROXY_ADDR.trim_end_matches(":80")
             ),
             listen: crate::ProxyListen::Unix(self.inner.layout.vm_proxy(name)),
+            dns: Some(crate::GuestDns {
+                listen: self.inner.layout.vm_dns(name),
+                addr: process::GUEST_DNS,
+            }),
         })
     }
 

@@ -38,6 +38,8 @@ pub struct NetSpec {
     pub stats: PathBuf,
     /// The credential proxy's channel (the VM's `proxy.sock`).
     pub proxy: PathBuf,
+    /// Where the control plane answers the guest's name lookups (the VM's `dns.sock`).
+    pub dns: PathBuf,
     /// The loopback port forwarded to the guest's sshd.
     pub port: u16,
 }
@@ -93,6 +95,8 @@ pub async fn start(binary: &Path, spec: &NetSpec, timeout: Duration) -> Result<i
         .arg(spec.port.to_string())
         .arg("--proxy-sock")
         .arg(&spec.proxy)
+        .arg("--dns-sock")
+        .arg(&spec.dns)
         .arg("--pidfile")
         .arg(&spec.pidfile)
         .arg("--qemu-pidfile")

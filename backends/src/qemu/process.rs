@@ -197,6 +197,11 @@ pub const GUEST_PROXY_ADDR: &str = "10.0.2.100:80";
 /// reached there only through what is forwarded).
 pub const GUEST_GATEWAY: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 0, 2, 2);
 
+/// slirp's DNS address, where a qemu guest's name lookups go (`boxery-net` takes them to the
+/// control plane); the guest push names it to the guest's resolver (restricted slirp's DHCP
+/// names none).
+pub const GUEST_DNS: std::net::Ipv4Addr = std::net::Ipv4Addr::new(10, 0, 2, 3);
+
 /// The name of the node the base is opened as (every stream job names it as its base).
 pub const BASE_NODE: &str = "base";
 /// The qdev id of the VM's disk.

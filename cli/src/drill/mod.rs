@@ -82,10 +82,18 @@ pub async fn run(v: &Verbs, vm: &str, sibling: Option<&str>) -> Result<Vec<Row>>
     let target = boxery_verbs::vm::get_vm(v, vm).await?;
     let backend = target.status.backend.clone().unwrap_or_default();
     let reach = v.reach(vm).await?;
-    let net = boxery_backends::by_name(&backend, v.home())?
+    let hypervisor = boxery_backends::by_name(&backend, v.home())?;
+    let net = hypervisor
         .guest_network(vm)
         .await?
         .with_context(|| format!("VM {vm}'s guest has no network on the {backend} backend"))?;
+    let dns = hypervisor.guest_proxy(vm).is_some_and(|g| g.dns.is_some());
+    let resolve = boxery_verbs::env::read_config(v.home())?
+        .proxy
+        .egress
+        .resolve
+        .into_keys()
+        .collect();
     let sibling = sibling_of(v, &target, sibling).await?;
     // The guest side: where it reaches the proxy (waited for, bounded, before the host-wide
     // lock is taken).
@@ -114,6 +122,8 @@ pub async fn run(v: &Verbs, vm: &str, sibling: Option<&str>) -> Result<Vec<Row>>
             Ok(s) => Ok(bind_standins(s, &reply)?),
             Err(why) => Err(why.clone()),
         },
+        dns,
+        resolve,
     };
     let rows = exec::execute(&reach, vm, &Plan::of(&targets), &proxy, &nonce)?;
     drop(made);

@@ -117,6 +117,12 @@ pub(super) struct Targets {
     pub(super) sibling: Option<(String, SocketAddr)>,
     /// The stand-ins, or why they could not be made.
     pub(super) standins: Result<Standins, String>,
+    /// Whether the control plane answers the guest's name lookups (its backend's
+    /// `GuestProxy::dns`).
+    pub(super) dns: bool,
+    /// The names config `proxy.egress.resolve` maps: answered without the host's DNS, so a
+    /// lookup's answer shows the policy and nothing else.
+    pub(super) resolve: Vec<String>,
 }
 
 /// A drill's plan: the guest probes in the table's order, and what is skipped and why.
@@ -134,6 +140,7 @@ impl Plan {
         let mut p = Plan::default();
         p.host(t);
         p.sibling(t);
+        p.lookups(t);
         match &t.standins {
             Ok(s) => p.standins(t, s),
             Err(why) => p.skip(
@@ -249,6 +256,14 @@ impl Plan {
             Expect::NoAnswer,
             Control::Probe("dns-control"),
         );
+    }
+
+    /// Name lookups: localhost (the guest's own, which shows the lookup works), and where the
+    /// control plane answers the guest's lookups, a name it answers by itself that the policy
+    /// allows (an answer) and one it does not (none). Without such names (config
+    /// `proxy.egress.resolve`), or on a backend whose guests use their network's own DNS,
+    /// there is nothing to probe: no row, not a failure.
+    fn lookups(&mut self, t: &Targets) {
         self.push(
             "name lookup of localhost (the lookup works)".into(),
             "dns-control",
@@ -256,6 +271,33 @@ impl Plan {
             Expect::Answer,
             Control::None,
         );
+        if !t.dns {
+            return;
+        }
+        let allowed = t.resolve.iter().find(|n| t.policy.allows_name(n));
+        let refused = t.resolve.iter().find(|n| !t.policy.allows_name(n));
+        if let Some(n) = allowed {
+            self.push(
+                format!("name lookup of {n} (allowed)"),
+                "dns-allowed",
+                How::Lookup(n.clone()),
+                Expect::Answer,
+                Control::None,
+            );
+        }
+        if let Some(n) = refused {
+            self.push(
+                format!("name lookup of {n} (not allowed)"),
+                "dns-refused",
+                How::Lookup(n.clone()),
+                Expect::NoAnswer,
+                Control::Probe(if allowed.is_some() {
+                    "dns-allowed"
+                } else {
+                    "dns-control"
+                }),
+            );
+        }
     }
 
     /// The LAN, metadata and internet stand-ins, and names through the policy.
@@ -399,6 +441,8 @@ mod tests {
                 internet: a("203.0.113.10:4004"),
                 internet6: None,
             }),
+            dns: true,
+            resolve: vec!["internet.drill.test".into(), "unlisted.drill.test".into()],
         }
     }
 
@@ -447,5 +491,46 @@ mod tests {
         // what cannot be probed is a row that fails the drill
         let skipped: Vec<&str> = p.skipped.iter().map(|(w, _)| w.as_str()).collect();
         assert_eq!(skipped, ["host address", "IPv6"]);
+    }
+
+    /// Name lookups are probed with names the control plane answers by itself, by the policy:
+    /// one allowed (an answer), one not (none, with the allowed one as its control).
+    #[test]
+    fn lookups_follow_the_policy() {
+        let user = GuestNetwork {
+            gateway: "10.0.2.2".parse().unwrap(),
+            ssh_on_host_loopback: true,
+            direct_public: false,
+        };
+        let mut t = targets(user, EgressPolicy::Allowlist);
+        t.policy.allow = vec!["internet.drill.test".into()];
+        let p = Plan::of(&t);
+        let allowed = probe(&p, "dns-allowed");
+        assert_eq!(allowed.how, How::Lookup("internet.drill.test".into()));
+        assert_eq!(allowed.expect, Expect::Answer);
+        let refused = probe(&p, "dns-refused");
+        assert_eq!(refused.how, How::Lookup("unlisted.drill.test".into()));
+        assert_eq!(refused.expect, Expect::NoAnswer);
+        assert_eq!(refused.control, Control::Probe("dns-allowed"));
+        // Deny: nothing answers; the guest's own lookup is the control
+        let p = Plan::of(&targets(user, EgressPolicy::Deny));
+        assert!(p.probes.iter().all(|p| p.key != "dns-allowed"));
+        assert_eq!(
+            probe(&p, "dns-refused").control,
+            Control::Probe("dns-control")
+        );
+        // Public: every such name is allowed
+        let p = Plan::of(&targets(user, EgressPolicy::Public));
+        assert_eq!(probe(&p, "dns-allowed").expect, Expect::Answer);
+        assert!(p.probes.iter().all(|p| p.key != "dns-refused"));
+        // a backend whose guests use their own network's DNS: not probed
+        let mut t = targets(user, EgressPolicy::Public);
+        t.dns = false;
+        let p = Plan::of(&t);
+        assert!(
+            p.probes
+                .iter()
+                .all(|p| !p.key.starts_with("dns-") || p.key == "dns-control")
+        );
     }
 }
