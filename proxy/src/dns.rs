@@ -63,7 +63,11 @@ pub(crate) async fn serve(proxy: Proxy, vm: String, sock: UnixDatagram, stop: Ca
             _ = stop.cancelled() => return,
             got = sock.recv_from(&mut buf) => got,
         };
-        let Ok((n, from)) = got else { continue };
+        let Ok((n, from)) = got else {
+            // (not a hot loop on a socket that keeps failing)
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            continue;
+        };
         let Some(to) = from.as_pathname().map(Path::to_path_buf) else {
             continue; // an unnamed sender cannot be answered
         };

@@ -626,7 +626,8 @@ pub fn script(f: &Files, rev: &str) -> String {
     s
 }
 
-/// The part of [`script`] that points the guest's resolver at `dns`, where the control plane
+/// The part of [`script`] that points the guest's resolver at `dns` (readable by all: resolved
+/// runs as its own user; the script's umask is 077), where the control plane
 /// answers name lookups by the VM's egress policy (docs/egress.md, "Name lookups"): a
 /// systemd-resolved drop-in on tmpfs (written at every boot; the image is not changed, so it
 /// boots elsewhere unaffected), resolved restarted when it changed; without resolved, a
@@ -640,7 +641,7 @@ fn dns_script(dns: std::net::Ipv4Addr) -> String {
         "r=/run/systemd/resolved.conf.d/90-boxery-dns.conf\n\
          if [ -d /run/systemd/resolve ]; then \
          if [ \"$(cat \"$r\" 2>/dev/null)\" != \"$(printf '%s' {c})\" ]; then \
-         sudo -n install -d -m 0755 \"$(dirname \"$r\")\" && printf '%s' {c} | sudo -n tee \"$r\" >/dev/null && \
+         sudo -n install -d -m 0755 \"$(dirname \"$r\")\" && printf '%s' {c} | sudo -n tee \"$r.new\" >/dev/null && sudo -n chmod 0644 \"$r.new\" && sudo -n mv \"$r.new\" \"$r\" && \
          {{ sudo -n systemctl try-restart systemd-resolved.service || echo 'boxery: systemd-resolved did not restart (journalctl -u systemd-resolved)' >&2; }}; fi; \
          elif [ -f /etc/resolv.conf ] && [ ! -L /etc/resolv.conf ] && ! grep -qs '^nameserver' /etc/resolv.conf; then \
          printf 'nameserver %s\\n' {dns} | sudo -n tee -a /etc/resolv.conf >/dev/null; fi\n",
@@ -978,7 +979,8 @@ mod dns_tests {
     use super::dns_script;
 
     /// Run the name-lookup part against a root of its own (`/run` and `/etc` moved under
-    /// `root`), with sudo and systemctl as shims; what systemctl was asked.
+    /// `root`), with sudo and systemctl as shims, under the push script's umask; what
+    /// systemctl was asked.
     fn run(root: &std::path::Path) -> String {
         let r = root.display();
         let script = dns_script(std::net::Ipv4Addr::new(10, 0, 2, 3))
@@ -990,7 +992,7 @@ mod dns_tests {
             log.display()
         );
         let o = std::process::Command::new("sh")
-            .args(["-euc", &format!("{shims}{script}")])
+            .args(["-euc", &format!("umask 077\n{shims}{script}")])
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -1009,6 +1011,9 @@ mod dns_tests {
             .join("run/systemd/resolved.conf.d/90-boxery-dns.conf");
         let f = std::fs::read_to_string(&conf).unwrap();
         assert!(f.contains("[Resolve]\nDNS=10.0.2.3\n"), "{f}");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&conf).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o644, "resolved (its own user) reads it");
         // pushed again (the same boot): nothing restarted
         assert_eq!(run(root.path()), "");
         assert!(
