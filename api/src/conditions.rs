@@ -28,6 +28,9 @@ pub const LAYERS_APPLIED: &str = "LayersApplied";
 /// Whether a suspended Vm's saved memory can be restored (`False`, reason `StaleMemory`,
 /// when it no longer matches what can restore it; present only while suspended).
 pub const MEMORY_RESTORABLE: &str = "MemoryRestorable";
+/// Whether a Vm with a desktop (`headless: false`) has a display that answers: present only
+/// while it is Ready (`True` reason `DisplayAnswers`, `False` reason `DisplayDown`).
+pub const DISPLAY_READY: &str = "DisplayReady";
 /// Whether a budget is used up (a Lease's or its Pool's, on the Lease, the Pool and the leased
 /// Vm, which is then held suspended or stopped): `True` with reason `LeaseBudget` or
 /// `PoolBudget` and what was used, `False` once it is not.
@@ -75,6 +78,10 @@ pub mod reasons {
     pub const BACKEND_UNREACHABLE: &str = "BackendUnreachable";
     /// The backend has a VM of this name that was not made for this object.
     pub const NAME_TAKEN: &str = "NameTaken";
+    /// A desktop's display `:0` answers (`DisplayReady`).
+    pub const DISPLAY_ANSWERS: &str = "DisplayAnswers";
+    /// A desktop's display does not answer; systemd starts it again (`DisplayReady`).
+    pub const DISPLAY_DOWN: &str = "DisplayDown";
     /// A disk shrink was refused.
     pub const DISK_SHRINK_REFUSED: &str = "DiskShrinkRefused";
     /// The source image is ready.

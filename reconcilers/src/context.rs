@@ -74,6 +74,8 @@ pub struct Ctx {
     pub ssh: Option<crate::ssh::SshDir>,
     /// What was pushed to each guest ([`crate::guest`]).
     pub(crate) guest: crate::guest::Pushed,
+    /// When each desktop VM's display was last asked about ([`crate::display`]).
+    pub(crate) display: crate::display::Asked,
     writes: Arc<WriteThrough>,
     pool_caches: std::sync::OnceLock<crate::pool::Caches>,
     observed: std::sync::OnceLock<crate::metrics::Observed>,
@@ -144,6 +146,7 @@ impl Ctx {
             ledger: std::sync::OnceLock::new(),
             locks: Mutex::new(HashMap::new()),
             reported: Mutex::new(Default::default()),
+            display: Default::default(),
         }
     }
 

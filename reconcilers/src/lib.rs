@@ -8,6 +8,7 @@ pub mod backoff;
 pub mod boot;
 pub mod budget;
 pub mod context;
+pub mod display;
 pub mod error;
 pub mod grant;
 pub mod guest;

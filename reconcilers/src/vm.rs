@@ -778,9 +778,11 @@ async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     );
     vm.status.failures = 0;
     vm.status.last_failure = None;
+    let mut display_again = None;
     if matches!(readiness, Readiness::Ready(_)) {
         // (not at each of a booting VM's polls)
         crate::budget::vm(ctx, &mut vm).await;
+        display_again = crate::display::check(ctx, &mut vm).await;
     }
     if vm.status != before {
         save(ctx, &vm).await?;
@@ -791,14 +793,14 @@ async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
         Readiness::NotAnswering(_) => return Ok(Action::requeue(Duration::from_secs(5))),
         Readiness::Ready(_) => {}
     }
-    Ok(
-        if info.state == PowerState::Running && ctx.backend.capabilities().usage {
-            // status.usage grows while it runs (the backend's use is sampled)
-            Action::requeue(crate::budget::VM_REFRESH_EVERY)
-        } else {
-            Action::await_change()
-        },
-    )
+    let usage_again = (info.state == PowerState::Running && ctx.backend.capabilities().usage)
+        // status.usage grows while it runs (the backend's use is sampled)
+        .then_some(crate::budget::VM_REFRESH_EVERY);
+    Ok(match (usage_again, display_again) {
+        (Some(a), Some(b)) => Action::requeue(a.min(b)),
+        (Some(a), None) | (None, Some(a)) => Action::requeue(a),
+        (None, None) => Action::await_change(),
+    })
 }
 
 /// Check that a running VM answers over ssh with its pinned host key. A VM found ready for
@@ -921,6 +923,15 @@ fn finish_status(
         .filter(|c| c.status == ConditionStatus::False)
         .map(|c| (c.reason.clone(), c.message.clone()));
     vm.status.phase = phase;
+    // a display is asked about only while the VM is Ready (crate::display)
+    if !matches!(
+        (state, readiness),
+        (PowerState::Running, Readiness::Ready(_))
+    ) {
+        vm.status
+            .conditions
+            .remove_condition(conditions::DISPLAY_READY);
+    }
     match &refused {
         Some((reason, msg)) => vm.status.conditions.set_condition(
             READY,

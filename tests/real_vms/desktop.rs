@@ -97,7 +97,8 @@ fn saved(h: &RealHome, vm: &str) -> String {
 
 pub(super) fn desktop_computer_use(kind: Kind) {
     let h = RealHome::new(kind);
-    let serve = h.serve();
+    // (with the API: `boxery desktop` through a context, below)
+    let serve = h.serve_args(&["--api-listen", "127.0.0.1:0"], &[]);
     serve.wait_leading();
     // the example in docs/desktop.md, as it is: desk1
     h.apply_file(&repo().join("manifests/examples/desktop-vm.yaml"), "45m");
@@ -208,6 +209,7 @@ pub(super) fn desktop_computer_use(kind: Kind) {
     let took: Vec<f64> = r.iter().map(|a| a["seconds"].as_f64().unwrap()).collect();
     eprintln!("vm_computer actions took {took:?} s");
     watched_live(&h, &png, button);
+    watched_through_a_context(&h);
     // another screen size on the running VM (spec.display): the desktop starts again at it,
     // and every screenshot meanwhile is whole, at the old size or the new one
     h.ok(&[
@@ -236,8 +238,73 @@ pub(super) fn desktop_computer_use(kind: Kind) {
         image::open(&png).unwrap().into_rgb8().dimensions(),
         (1024, 768)
     );
+    display_health(&h);
     h.ok(&["delete", "vm", "desk1", "--wait", "--timeout", "5m"]);
     drop(serve);
+}
+
+/// `DisplayReady` follows the display: `True` at its size; the display stopped, `False`
+/// saying the unit's state; started again, `True`; killed, systemd starts it again and the
+/// condition is `True` again.
+fn display_health(h: &RealHome) {
+    let condition = |h: &RealHome| {
+        let v = h.vm_json("desk1");
+        v["status"]["conditions"]
+            .as_array()
+            .and_then(|a| a.iter().find(|c| c["type"] == "DisplayReady").cloned())
+            .unwrap_or_default()
+    };
+    let until = |h: &RealHome, status: &str, says: &str| {
+        let t = std::time::Instant::now();
+        common::eventually(Duration::from_secs(60), || {
+            let c = condition(h);
+            (c["status"] == status && c["message"].as_str().unwrap_or_default().contains(says))
+                .then_some(c)
+        })
+        .unwrap_or_else(|| panic!("DisplayReady is not {status} ({says}): {}", condition(h)));
+        t.elapsed()
+    };
+    // (asked every 15 s: the new size within that)
+    let took = until(h, "True", "answers at 1024x768");
+    let c = condition(h);
+    assert_eq!(c["reason"], "DisplayAnswers", "{c}");
+    h.run("desk1", "sudo systemctl stop boxery-desktop.service");
+    let down = until(h, "False", "boxery-desktop.service is inactive");
+    let c = condition(h);
+    assert_eq!(c["reason"], "DisplayDown", "{c}");
+    assert!(
+        c["message"]
+            .as_str()
+            .unwrap()
+            .contains("boxery-desktop.service is inactive"),
+        "{c}"
+    );
+    h.run("desk1", "sudo systemctl start boxery-desktop.service");
+    let up = until(h, "True", "answers at 1024x768");
+    // killed: systemd starts it again (another Xvfb), and the condition is True again
+    let pid = |h: &RealHome| {
+        h.run(
+            "desk1",
+            "systemctl show -p MainPID --value boxery-desktop.service",
+        )
+    };
+    let before = pid(h);
+    h.run(
+        "desk1",
+        "sudo kill -KILL \"$(systemctl show -p MainPID --value boxery-desktop.service)\"",
+    );
+    common::eventually(Duration::from_secs(60), || {
+        let now = pid(h);
+        (now != before && now != "0").then_some(())
+    })
+    .expect("systemd starts the killed display again");
+    until(h, "True", "answers at 1024x768");
+    eprintln!(
+        "DisplayReady: True {:.1} s after the size change, False {:.1} s after a stop, True {:.1} s after a start",
+        took.as_secs_f64(),
+        down.as_secs_f64(),
+        up.as_secs_f64()
+    );
 }
 
 /// `boxery desktop` watched in a real browser (Debian's chromium through Playwright): the
@@ -326,14 +393,89 @@ fn watched_live(h: &RealHome, png: &Path, button: [i64; 2]) {
     );
 }
 
+/// `boxery desktop` on another machine, through a context to this one's API (the way `boxery
+/// ssh` goes): the link leads to the viewer, and its websocket carries the guest's VNC server
+/// (its RFB greeting).
+fn watched_through_a_context(h: &RealHome) {
+    use std::io::{Read, Write};
+    let addr = h.home.path().join("api/addr");
+    common::eventually(Duration::from_secs(30), || addr.exists().then_some(()))
+        .expect("serve wrote api/addr");
+    let kc = h
+        .home
+        .write("kc.yaml", &h.ok(&["kubeconfig", "--name", "laptop"]));
+    let laptop = common::Home::new();
+    let mut c = laptop.cmd();
+    c.args(["config", "add-context", "vmhost", "-f"]).arg(&kc);
+    let o = bounded(c, Duration::from_secs(60)).expect("add-context finished");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut c = laptop.cmd();
+    c.env("BOXERY_CONTEXT", "vmhost");
+    let (mut server, url) = Desktop::start_with(c, &[]);
+    let port = url
+        .strip_prefix("http://127.0.0.1:")
+        .and_then(|r| r.split('/').next())
+        .expect("a loopback link")
+        .to_string();
+    let host = format!("127.0.0.1:{port}");
+    let request = |head: &str| -> (std::net::TcpStream, String) {
+        let mut s = std::net::TcpStream::connect(&host).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        s.write_all(head.as_bytes()).unwrap();
+        let mut got = Vec::new();
+        let mut b = [0u8; 1];
+        while !got.ends_with(b"\r\n\r\n") {
+            assert_eq!(s.read(&mut b).unwrap(), 1, "a response head");
+            got.push(b[0]);
+        }
+        (s, String::from_utf8_lossy(&got).into_owned())
+    };
+    let path = url.trim_start_matches(&format!("http://{host}"));
+    let (mut s, head) = request(&format!(
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    ));
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let mut page = String::new();
+    s.read_to_string(&mut page).unwrap();
+    let session = page
+        .split("\"/s/")
+        .nth(1)
+        .and_then(|r| r.split("/vnc.html").next())
+        .map(|s| format!("/s/{s}"))
+        .unwrap_or_else(|| panic!("the page leads to a session: {page}"));
+    let (mut ws, head) = request(&format!(
+        "GET {session}/websockify HTTP/1.1\r\nHost: {host}\r\nOrigin: http://{host}\r\n\
+         Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    ));
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    // the first frame (binary, unmasked from a server): the guest VNC server's greeting
+    let mut frame = [0u8; 2];
+    ws.read_exact(&mut frame).unwrap();
+    assert_eq!(frame[0] & 0x0f, 2, "a binary frame");
+    let mut greeting = vec![0u8; usize::from(frame[1] & 0x7f)];
+    ws.read_exact(&mut greeting).unwrap();
+    assert!(
+        greeting.starts_with(b"RFB 003.008"),
+        "{:?}",
+        String::from_utf8_lossy(&greeting)
+    );
+    drop(ws);
+    server.stop();
+}
+
 /// A running `boxery desktop desk1`, stopped (and waited for) when dropped.
 struct Desktop(std::process::Child);
 
 impl Desktop {
     /// Start it; it and the link it printed.
     fn start(h: &RealHome, extra: &[&str]) -> (Desktop, String) {
+        Self::start_with(h.home.cmd(), extra)
+    }
+
+    /// Start it with `c` (a `boxery` command of some home); it and the link it printed.
+    fn start_with(mut c: std::process::Command, extra: &[&str]) -> (Desktop, String) {
         use std::io::BufRead;
-        let mut c = h.home.cmd();
         c.args(["desktop", "desk1"])
             .args(extra)
             .stdout(std::process::Stdio::piped())
@@ -530,6 +672,21 @@ pub(super) fn browser_driven_through_vm_browser(kind: Kind) {
         page.contains("not in VM web1's egress allow list"),
         "{page}"
     );
+    // Firefox ESR is there too, and renders the guest's page (headless, as an agent's script
+    // would run it)
+    let t = std::time::Instant::now();
+    let out = h.run(
+        "web1",
+        "rm -f /tmp/ff.png; timeout 400 firefox-esr --headless --window-size 800,600 --screenshot /tmp/ff.png http://127.0.0.1:8000/ >/tmp/ff.log 2>&1; echo rc=$?; stat -c %s /tmp/ff.png 2>/dev/null || tail -5 /tmp/ff.log",
+    );
+    eprintln!(
+        "firefox-esr --headless --screenshot took {:?}: {out:?}",
+        t.elapsed()
+    );
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("rc=0"), "{out}");
+    let bytes: u64 = lines.next().and_then(|l| l.parse().ok()).unwrap_or(0);
+    assert!(bytes > 2000, "Firefox's screenshot of the form: {out}");
     h.ok(&["delete", "vm", "web1", "--wait", "--timeout", "5m"]);
     drop(serve);
 }
