@@ -2,7 +2,9 @@
 # browser layer (root, idempotent): a browser the agent drives (boxery's `vm_browser`, `boxery
 # browser`), on the desktop layer's display, so a person sees it (`boxery desktop`) and the
 # computer-use actions reach it too. Debian 12 packages only: chromium (kept current by
-# Debian's security updates), dbus-user-session.
+# Debian's security updates), dbus-user-session; and firefox-esr, for people and agents who
+# test in Firefox (on the desktop, or `firefox-esr --headless --screenshot`; not driven by
+# `vm_browser`). Both read the egress proxy from a login shell's environment.
 #   /usr/local/lib/boxery/browser/drive   one action, a JSON request on stdin, a JSON answer on
 #                                         stdout (run as agent); starts the browser when it is
 #                                         not running: chromium on :0, its DevTools endpoint on
@@ -15,7 +17,7 @@ set -euo pipefail
 # (The driver speaks to Chromium's DevTools over a plain socket: the base image's python3 only.)
 # dbus-user-session: chromium's dconf-service needs a session bus, a virtual package that
 # debootstrap does not resolve by itself
-PACKAGES="chromium dbus-user-session"
+PACKAGES="chromium firefox-esr dbus-user-session"
 [ "${1:-}" = --print-packages ] && { echo $PACKAGES; exit 0; }
 [ "$(id -u)" = 0 ] || { echo "browser: run as root" >&2; exit 1; }
 export DEBIAN_FRONTEND=noninteractive
