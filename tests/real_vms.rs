@@ -2627,6 +2627,11 @@ mod qemu {
     fn browser_driven_through_vm_browser() {
         super::desktop::browser_driven_through_vm_browser(super::Kind::Qemu)
     }
+
+    #[test]
+    fn console_watched_live() {
+        super::desktop::console_watched_live(super::Kind::Qemu)
+    }
 }
 
 #[cfg(feature = "libvirt")]

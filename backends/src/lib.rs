@@ -726,6 +726,18 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
             what: "send input to a VM's screen".into(),
         })
     }
+    /// A VNC (RFB) connection to the running VM `name`'s screen, served by its hypervisor on
+    /// the host where the backend has one ([`Capabilities::screen`]): nothing in the guest
+    /// (a headless VM's console, a guest stuck at boot). `Unsupported` otherwise, `Invalid`
+    /// when the VM is not running or its hypervisor serves none. Every key and pointer event
+    /// a client sends reaches the VM: a caller that must only watch filters them.
+    async fn console_vnc(&self, name: &str) -> Result<tokio::net::UnixStream> {
+        let _ = name;
+        Err(BackendError::Unsupported {
+            backend: self.name().into(),
+            what: "watch a VM's console".into(),
+        })
+    }
 }
 
 /// The last line of a hypervisor log worth showing: not blank, not libvirt's own

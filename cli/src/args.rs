@@ -529,12 +529,14 @@ pub(crate) enum Command {
     },
     /// Watch a VM's desktop live in a browser: prints a link to a page (noVNC) served on
     /// this machine's loopback, and serves it until interrupted. The link works once, in one
-    /// browser; the stream is carried over the VM's ssh connection (no VNC port is opened).
-    /// View only unless --control.
+    /// browser; the stream is carried over the VM's ssh connection (no VNC port is opened). A
+    /// VM without a desktop shows its console (the hypervisor's screen of it: boot messages,
+    /// a text login), from its VNC socket on the VM's host. View only unless --control.
     #[command(after_help = "Examples:\n  \
         boxery desktop desk1              # prints http://127.0.0.1:PORT/?token=…\n  \
         boxery desktop desk1 --open       # and opens it ($BROWSER, else xdg-open)\n  \
-        boxery desktop desk1 --control    # keys and the pointer reach the VM\n\n\
+        boxery desktop desk1 --control    # keys and the pointer reach the VM\n  \
+        boxery desktop dev1               # a VM without a desktop: its console\n\n\
         Needs Debian's novnc package (scripts/install-deps.sh installs it). docs/desktop.md.")]
     Desktop {
         /// The VM (one with a desktop: `headless: false`).

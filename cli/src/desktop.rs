@@ -83,11 +83,15 @@ pub async fn desktop(
     let url = format!("http://127.0.0.1:{port}/?token={token}");
     outln!("{url}");
     eprintln!(
-        "boxery: serving {vm}'s desktop ({}) on 127.0.0.1:{port} until interrupted (Ctrl-C); the link works once, in one browser",
+        "boxery: serving {vm}'s {}, {}, on 127.0.0.1:{port} until interrupted (Ctrl-C); the link works once, in one browser",
+        match desk.viewer.console() {
+            true => "console (the hypervisor's screen: the VM has no desktop)",
+            false => "desktop",
+        },
         if control {
-            "with control: keys and the pointer reach it"
+            "with control (keys and the pointer reach it)"
         } else {
-            "view only; --control to drive it"
+            "view only (--control to drive it)"
         }
     );
     // (kept until the server ends: the browser may read it late)
@@ -353,24 +357,24 @@ async fn file(web: &Path, rel: &str) -> Response {
 /// ends before sending anything, say why (ssh's stderr).
 async fn bridge(socket: WebSocket, d: &Desk) {
     let vm = d.viewer.vm();
-    let mut child = match d.viewer.connect() {
+    let what = screen_word(&d.viewer);
+    let mut session = match d.viewer.connect().await {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("boxery: a viewer could not reach {vm}'s desktop: {e}");
+            eprintln!("boxery: a viewer could not reach {vm}'s {what}: {e}");
             return;
         }
     };
-    let (Some(mut stdin), Some(mut stdout), Some(mut stderr)) =
-        (child.stdin.take(), child.stdout.take(), child.stderr.take())
-    else {
-        return;
-    };
-    let why = tokio::spawn(async move {
-        let mut buf = Vec::new();
-        let _ = (&mut stderr).take(4096).read_to_end(&mut buf).await;
-        buf
+    let why = session.why.take().map(|mut stderr| {
+        tokio::spawn(async move {
+            let mut buf = Vec::new();
+            let _ = (&mut stderr).take(4096).read_to_end(&mut buf).await;
+            buf
+        })
     });
     let (mut tx, mut rx) = socket.split();
+    let (to, from, filter) = (&mut session.to, &mut session.from, &mut session.filter);
+    let mut refused: Option<String> = None;
     let up = async {
         while let Some(Ok(m)) = rx.next().await {
             let b = match m {
@@ -378,7 +382,15 @@ async fn bridge(socket: WebSocket, d: &Desk) {
                 Message::Close(_) => break,
                 _ => continue,
             };
-            if stdin.write_all(&b).await.is_err() {
+            let b = match filter.as_mut().map(|f| f.feed(&b)) {
+                None => b.to_vec(),
+                Some(Ok(passed)) => passed,
+                Some(Err(why)) => {
+                    refused = Some(why);
+                    break;
+                }
+            };
+            if to.write_all(&b).await.is_err() {
                 break;
             }
         }
@@ -387,7 +399,7 @@ async fn bridge(socket: WebSocket, d: &Desk) {
     let down = async {
         let mut buf = vec![0u8; 64 << 10];
         loop {
-            match stdout.read(&mut buf).await {
+            match from.read(&mut buf).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
                     if !sent {
@@ -407,21 +419,30 @@ async fn bridge(socket: WebSocket, d: &Desk) {
         _ = up => {}
         _ = down => {}
     }
-    let _ = child.start_kill();
-    let _ = child.wait().await;
-    if sent {
+    session.end().await;
+    if let Some(why) = refused {
+        eprintln!("boxery: a view-only viewer was disconnected: {why}");
+    } else if sent {
         eprintln!("boxery: a viewer left");
     } else {
-        let why = why.await.unwrap_or_default();
+        let why = match why {
+            Some(w) => w.await.unwrap_or_default(),
+            None => Vec::new(),
+        };
         let why = String::from_utf8_lossy(&why);
         eprintln!(
-            "boxery: a viewer could not reach {vm}'s desktop: {}",
+            "boxery: a viewer could not reach {vm}'s {what}: {}",
             match boxery_verbs::render::safe(why.trim()) {
-                w if w.is_empty() => "the guest ended the stream".into(),
+                w if w.is_empty() => "the stream ended".into(),
                 w => w,
             }
         );
     }
+}
+
+/// What a viewer watches, in words.
+fn screen_word(v: &boxery_verbs::guest::desktop::Viewer) -> &'static str {
+    if v.console() { "console" } else { "desktop" }
 }
 
 #[cfg(test)]

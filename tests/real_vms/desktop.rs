@@ -397,7 +397,6 @@ fn watched_live(h: &RealHome, png: &Path, button: [i64; 2]) {
 /// ssh` goes): the link leads to the viewer, and its websocket carries the guest's VNC server
 /// (its RFB greeting).
 fn watched_through_a_context(h: &RealHome) {
-    use std::io::{Read, Write};
     let addr = h.home.path().join("api/addr");
     common::eventually(Duration::from_secs(30), || addr.exists().then_some(()))
         .expect("serve wrote api/addr");
@@ -411,72 +410,211 @@ fn watched_through_a_context(h: &RealHome) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let mut c = laptop.cmd();
     c.env("BOXERY_CONTEXT", "vmhost");
-    let (mut server, url) = Desktop::start_with(c, &[]);
-    let port = url
-        .strip_prefix("http://127.0.0.1:")
-        .and_then(|r| r.split('/').next())
-        .expect("a loopback link")
-        .to_string();
-    let host = format!("127.0.0.1:{port}");
-    let request = |head: &str| -> (std::net::TcpStream, String) {
-        let mut s = std::net::TcpStream::connect(&host).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-        s.write_all(head.as_bytes()).unwrap();
-        let mut got = Vec::new();
-        let mut b = [0u8; 1];
-        while !got.ends_with(b"\r\n\r\n") {
-            assert_eq!(s.read(&mut b).unwrap(), 1, "a response head");
-            got.push(b[0]);
-        }
-        (s, String::from_utf8_lossy(&got).into_owned())
-    };
-    let path = url.trim_start_matches(&format!("http://{host}"));
-    let (mut s, head) = request(&format!(
-        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    ));
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    let mut page = String::new();
-    s.read_to_string(&mut page).unwrap();
-    let session = page
-        .split("\"/s/")
-        .nth(1)
-        .and_then(|r| r.split("/vnc.html").next())
-        .map(|s| format!("/s/{s}"))
-        .unwrap_or_else(|| panic!("the page leads to a session: {page}"));
-    let (mut ws, head) = request(&format!(
-        "GET {session}/websockify HTTP/1.1\r\nHost: {host}\r\nOrigin: http://{host}\r\n\
-         Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n\
-         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
-    ));
-    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
-    // the first frame (binary, unmasked from a server): the guest VNC server's greeting
-    let mut frame = [0u8; 2];
-    ws.read_exact(&mut frame).unwrap();
-    assert_eq!(frame[0] & 0x0f, 2, "a binary frame");
-    let mut greeting = vec![0u8; usize::from(frame[1] & 0x7f)];
-    ws.read_exact(&mut greeting).unwrap();
-    assert!(
-        greeting.starts_with(b"RFB 003.008"),
-        "{:?}",
-        String::from_utf8_lossy(&greeting)
+    let (mut server, url) = Desktop::start_with(c, "desk1", &[]);
+    let mut ws = Ws::open(&url);
+    assert_eq!(
+        ws.read(12),
+        b"RFB 003.008\n",
+        "the guest VNC server's greeting"
     );
     drop(ws);
     server.stop();
 }
 
-/// A running `boxery desktop desk1`, stopped (and waited for) when dropped.
+/// A VM without a desktop watched live: `boxery desktop` serves its console, QEMU's own screen
+/// of it, from the VM's VNC socket. A viewer's handshake, the screen's size (the console
+/// screenshot's), and a whole picture; view only, the keys and pointer it sends are dropped
+/// and the stream goes on; with `--control` the same.
+pub(super) fn console_watched_live(kind: Kind) {
+    let h = RealHome::new(kind);
+    let serve = h.serve();
+    serve.wait_leading();
+    let f = h.home.write("con.yaml", &super::tiny_vm("con1"));
+    h.apply_file(&f, "10m");
+    let png = h.home.path().join("console.png");
+    let said = h.ok(&["screenshot", "con1", "--console", png.to_str().unwrap()]);
+    for extra in [&[][..], &["--control"][..]] {
+        let (mut server, url) = Desktop::start_with(boxery(&h), "con1", extra);
+        let t = std::time::Instant::now();
+        let mut ws = Ws::open(&url);
+        let (w, ht, bpp) = rfb_handshake(&mut ws);
+        assert!(
+            said.contains(&format!("{w}×{ht}")),
+            "the console's size {w}x{ht}, as its screenshot: {said}"
+        );
+        // keys and the pointer (dropped unless --control), then a request for the whole screen
+        ws.send(&[2, 0, 0, 1, 0, 0, 0, 0]); // raw encoding only
+        ws.send(&[4, 1, 0, 0, 0, 0, 0, 0x61]);
+        ws.send(&[5, 1, 0, 10, 0, 20]);
+        let picture = whole_picture(&mut ws, w, ht, bpp);
+        eprintln!(
+            "console {w}x{ht} over VNC ({}): a whole picture of {picture} bytes {:.1} s after the link",
+            extra.first().unwrap_or(&"view only"),
+            t.elapsed().as_secs_f64()
+        );
+        // and again: the stream goes on
+        whole_picture(&mut ws, w, ht, bpp);
+        drop(ws);
+        server.stop();
+    }
+    h.ok(&["delete", "vm", "con1", "--wait", "--timeout", "3m"]);
+    drop(serve);
+}
+
+/// An RFB 3.8 client's handshake (security None, not shared): the screen's width, height and
+/// bits per pixel.
+fn rfb_handshake(ws: &mut Ws) -> (usize, usize, usize) {
+    assert_eq!(ws.read(12), b"RFB 003.008\n");
+    ws.send(b"RFB 003.008\n");
+    let n = usize::from(ws.read(1)[0]);
+    assert!(ws.read(n).contains(&1), "security None offered");
+    ws.send(&[1]);
+    assert_eq!(ws.read(4), [0, 0, 0, 0], "security result: OK");
+    ws.send(&[0]);
+    let init = ws.read(24);
+    let be16 = |at: usize| usize::from(u16::from_be_bytes([init[at], init[at + 1]]));
+    let name = u32::from_be_bytes([init[20], init[21], init[22], init[23]]) as usize;
+    ws.read(name);
+    (be16(0), be16(2), usize::from(init[4]))
+}
+
+/// Ask for the whole screen and read the update (raw rectangles): its pixels' bytes.
+fn whole_picture(ws: &mut Ws, w: usize, h: usize, bpp: usize) -> usize {
+    let [w1, w0] = (w as u16).to_be_bytes();
+    let [h1, h0] = (h as u16).to_be_bytes();
+    ws.send(&[3, 0, 0, 0, 0, 0, w1, w0, h1, h0]);
+    let head = ws.read(4);
+    assert_eq!(head[0], 0, "a framebuffer update");
+    let rects = u16::from_be_bytes([head[2], head[3]]);
+    let mut bytes = 0;
+    for _ in 0..rects {
+        let r = ws.read(12);
+        let be16 = |at: usize| usize::from(u16::from_be_bytes([r[at], r[at + 1]]));
+        assert_eq!(&r[8..12], &[0, 0, 0, 0], "raw encoding");
+        let n = be16(4) * be16(6) * bpp / 8;
+        ws.read(n);
+        bytes += n;
+    }
+    assert_eq!(bytes, w * h * bpp / 8, "the whole screen");
+    bytes
+}
+
+/// A websocket client of `boxery desktop`'s viewer, by hand (RFC 6455, binary frames): the
+/// link followed (its token spent) to the session's websocket.
+struct Ws {
+    s: std::net::TcpStream,
+    /// Bytes of the server's stream read but not taken.
+    got: Vec<u8>,
+}
+
+impl Ws {
+    fn open(url: &str) -> Ws {
+        use std::io::{Read, Write};
+        let host = url
+            .strip_prefix("http://")
+            .and_then(|r| r.split('/').next())
+            .expect("a link")
+            .to_string();
+        let request = |head: &str| -> (std::net::TcpStream, String) {
+            let mut s = std::net::TcpStream::connect(&host).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+            s.write_all(head.as_bytes()).unwrap();
+            let mut got = Vec::new();
+            let mut b = [0u8; 1];
+            while !got.ends_with(b"\r\n\r\n") {
+                assert_eq!(s.read(&mut b).unwrap(), 1, "a response head");
+                got.push(b[0]);
+            }
+            (s, String::from_utf8_lossy(&got).into_owned())
+        };
+        let path = url.trim_start_matches(&format!("http://{host}"));
+        let (mut s, head) = request(&format!(
+            "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        ));
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        let mut page = String::new();
+        s.read_to_string(&mut page).unwrap();
+        let session = page
+            .split("\"/s/")
+            .nth(1)
+            .and_then(|r| r.split("/vnc.html").next())
+            .map(|s| format!("/s/{s}"))
+            .unwrap_or_else(|| panic!("the page leads to a session: {page}"));
+        let (s, head) = request(&format!(
+            "GET {session}/websockify HTTP/1.1\r\nHost: {host}\r\nOrigin: http://{host}\r\n\
+             Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n\
+             Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+        ));
+        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        Ws { s, got: Vec::new() }
+    }
+
+    /// One binary frame, masked (as every client's).
+    fn send(&mut self, data: &[u8]) {
+        use std::io::Write;
+        let key = [0x12, 0x34, 0x56, 0x78];
+        let mut f = vec![0x82];
+        match data.len() {
+            n @ 0..=125 => f.push(0x80 | n as u8),
+            n => {
+                f.push(0x80 | 126);
+                f.extend_from_slice(&(n as u16).to_be_bytes());
+            }
+        }
+        f.extend_from_slice(&key);
+        f.extend(data.iter().enumerate().map(|(i, b)| b ^ key[i % 4]));
+        self.s.write_all(&f).unwrap();
+    }
+
+    /// The next `n` bytes of the server's stream, across frames.
+    fn read(&mut self, n: usize) -> Vec<u8> {
+        use std::io::Read;
+        while self.got.len() < n {
+            let mut h = [0u8; 2];
+            self.s.read_exact(&mut h).unwrap();
+            assert_eq!(h[0] & 0x0f, 2, "a binary frame: {h:?}");
+            let len = match h[1] & 0x7f {
+                126 => {
+                    let mut l = [0u8; 2];
+                    self.s.read_exact(&mut l).unwrap();
+                    usize::from(u16::from_be_bytes(l))
+                }
+                127 => {
+                    let mut l = [0u8; 8];
+                    self.s.read_exact(&mut l).unwrap();
+                    u64::from_be_bytes(l) as usize
+                }
+                l => usize::from(l),
+            };
+            let mut payload = vec![0u8; len];
+            self.s.read_exact(&mut payload).unwrap();
+            self.got.extend(payload);
+        }
+        self.got.drain(..n).collect()
+    }
+}
+
+/// `boxery` of `h`'s home and backend, to finish and run.
+fn boxery(h: &RealHome) -> std::process::Command {
+    let mut c = h.home.cmd();
+    c.env("BOXERY_BACKEND", h.kind.name());
+    c
+}
+
+/// A running `boxery desktop`, stopped (and waited for) when dropped.
 struct Desktop(std::process::Child);
 
 impl Desktop {
     /// Start it; it and the link it printed.
     fn start(h: &RealHome, extra: &[&str]) -> (Desktop, String) {
-        Self::start_with(h.home.cmd(), extra)
+        Self::start_with(boxery(h), "desk1", extra)
     }
 
-    /// Start it with `c` (a `boxery` command of some home); it and the link it printed.
-    fn start_with(mut c: std::process::Command, extra: &[&str]) -> (Desktop, String) {
+    /// Start `boxery desktop VM` with `c` (a `boxery` command of some home); it and the link
+    /// it printed.
+    fn start_with(mut c: std::process::Command, vm: &str, extra: &[&str]) -> (Desktop, String) {
         use std::io::BufRead;
-        c.args(["desktop", "desk1"])
+        c.args(["desktop", vm])
             .args(extra)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::inherit());

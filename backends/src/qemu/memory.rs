@@ -1068,14 +1068,16 @@ impl Inner {
 }
 
 /// The part of a QEMU command line a saved state is tied to: all of it but the disk's block
-/// graph (`-blockdev`, and which node a disk device is attached to). Devices are matched by
-/// their ids across a migration, and the chain under the disk changes while the VM runs (a
-/// stream pulls a layer into the overlay) without changing what the guest sees.
+/// graph (`-blockdev`, and which node a disk device is attached to) and the VNC server
+/// (`-vnc`). Devices are matched by their ids across a migration, and the chain under the disk
+/// changes while the VM runs (a stream pulls a layer into the overlay) without changing what
+/// the guest sees; a VNC server is the host's, not the machine's.
 fn tie(args: impl IntoIterator<Item = String>) -> Vec<String> {
     let mut out = Vec::new();
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
-        if a == "-blockdev" {
+        // (a state saved before VMs had a VNC server restores under one, and back)
+        if a == "-blockdev" || a == "-vnc" {
             it.next();
             continue;
         }
@@ -1191,6 +1193,28 @@ mod tests {
 
     fn words(s: &str) -> Vec<String> {
         s.split(' ').map(String::from).collect()
+    }
+
+    /// The VNC server is not part of the machine: a state saved by a QEMU without one (before
+    /// boxery gave VMs one) is restored by a QEMU with it, and the other way round.
+    #[test]
+    fn a_saved_state_is_not_tied_to_the_vnc_server() {
+        let spec = crate::qemu::process::tests::spec();
+        let full: Vec<String> = process::command_line(&spec)
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert!(full.iter().any(|a| a == "-vnc"), "{full:?}");
+        let tied = tied_args(&spec);
+        assert!(
+            tied.iter().all(|a| a != "-vnc" && !a.starts_with("unix:")),
+            "{tied:?}"
+        );
+        // the same command line without the VNC server ties to the same
+        let mut without = full.clone();
+        let at = without.iter().position(|a| a == "-vnc").unwrap();
+        without.drain(at..at + 2);
+        assert_eq!(tie(without), tied);
     }
 
     #[test]

@@ -954,6 +954,11 @@ impl Backend for QemuBackend {
         self.inner.send_input(name, events).await
     }
 
+    /// QEMU's VNC server on the VM's own socket (`vms/NAME/vnc.sock`).
+    async fn console_vnc(&self, name: &str) -> Result<tokio::net::UnixStream> {
+        self.inner.console_vnc(name).await
+    }
+
     /// The last line of `qemu-run.log` (QEMU's stderr since its last start).
     async fn last_exit(&self, name: &str) -> Option<String> {
         if self.inner.pid(name).is_some() {

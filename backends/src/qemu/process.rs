@@ -352,9 +352,19 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
         user_network(spec, &mut a);
     }
     if spec.screen {
+        // its VNC server on the VM's own socket, for a person to watch (`boxery desktop`)
+        a.push(os("-vnc"));
+        a.push(os(format!("unix:{}", p(&vnc_socket(&spec.dir)))));
         a.extend(SCREEN_DEVICES.iter().map(os));
     }
     a
+}
+
+/// `DIR/vnc.sock`: where the QEMU of the VM in `DIR` serves its screen as VNC (no listener
+/// elsewhere; the socket is QEMU's user's alone). Not tied to a saved state: a VNC server is
+/// not part of the guest's machine.
+pub fn vnc_socket(dir: &Path) -> PathBuf {
+    dir.join("vnc.sock")
 }
 
 /// The VM's screen, added after every other device so theirs keep the PCI addresses they had
@@ -362,8 +372,9 @@ pub fn command_line(spec: &LaunchSpec) -> Vec<OsString> {
 /// mode is what a guest without a graphics driver shows (the tiny guest's and Debian's cloud
 /// kernels have VGA text consoles and no DRM), with QEMU's PS/2 keyboard (always on the
 /// machine) for keys, and a virtio tablet for an absolute pointer (a guest without its driver
-/// ignores it). No window and no listener (`-display none`): the screen is read with QMP's
-/// `screendump` and driven with `input-send-event` (super::screen).
+/// ignores it). No window (`-display none`): the screen is read with QMP's `screendump` and
+/// driven with `input-send-event` (super::screen), and watched over VNC on the VM's own unix
+/// socket ([`vnc_socket`]).
 pub const SCREEN_DEVICES: [&str; 4] = ["-device", "VGA", "-device", "virtio-tablet-pci"];
 
 /// Whether a QEMU command line (a running QEMU's, or the one a saved state is tied to) gives
@@ -861,7 +872,13 @@ pub(crate) mod tests {
             );
             let joined = args.join(" ");
             assert!(joined.contains("-nodefaults -no-user-config -display none"));
-            assert!(!joined.contains("-vnc") && !joined.contains("-spice"));
+            // VNC on the VM's own socket only
+            assert!(
+                joined.contains(&format!("-vnc unix:{}/vnc.sock", s.dir.display())),
+                "{joined}"
+            );
+            assert_eq!(joined.matches("-vnc").count(), 1);
+            assert!(!joined.contains("-spice"));
             // the devices a VM had before keep their order, so their PCI slots
             let devices: Vec<&str> = args
                 .windows(2)

@@ -89,6 +89,20 @@ impl Inner {
         Ok(shown)
     }
 
+    /// A connection to VM `name`'s VNC server (its QEMU's, on the VM's own socket).
+    pub(super) async fn console_vnc(&self, name: &str) -> Result<tokio::net::UnixStream> {
+        let pid = self.screen_pid(name)?;
+        if !process::launched_args(pid).is_some_and(|a| a.iter().any(|x| x == "-vnc")) {
+            return Err(BackendError::Invalid(format!(
+                "VM {name} runs in a QEMU started before boxery served its screen over VNC: stop and start it to watch its console"
+            )));
+        }
+        let path = process::vnc_socket(&self.vm_dir(name));
+        tokio::net::UnixStream::connect(&path)
+            .await
+            .map_err(|e| BackendError::failed(format!("reach the screen of VM {name}"), e))
+    }
+
     /// Send `events` to VM `name`'s keyboard and tablet.
     pub(super) async fn send_input(&self, name: &str, events: &[InputEvent]) -> Result<()> {
         let pid = self.screen_pid(name)?;

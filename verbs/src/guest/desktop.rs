@@ -1,15 +1,24 @@
-//! `boxery desktop`: a VM's desktop as a VNC stream, for a person's browser (the CLI serves
+//! `boxery desktop`: a VM's screen as a VNC stream, for a person's browser (the CLI serves
 //! noVNC and carries each of its websockets to one [`Viewer::connect`]).
 //!
-//! Guarantees: no VNC port is opened anywhere. Each connection is one `x11vnc -inetd` in the
-//! guest, run as the login user over the VM's pinned ssh connection (the way [`Verbs::reach`]
-//! finds, through the API under a remote context): the RFB stream is its stdin and stdout,
-//! and it ends when the ssh channel does. It reads the desktop layer's display `:0` with the
-//! user's own cookie; without `control` it is started `-viewonly` (keys and the pointer are
-//! dropped in the guest, whatever the browser sends). Only a VM with the desktop layer has
-//! one: others are refused with what to use instead.
+//! Guarantees: no VNC port is opened anywhere.
+//! - A VM with the desktop layer: each connection is one `x11vnc -inetd` in the guest, run as
+//!   the login user over the VM's pinned ssh connection (the way [`Verbs::reach`] finds,
+//!   through the API under a remote context): the RFB stream is its stdin and stdout, and it
+//!   ends when the ssh channel does. It reads the desktop layer's display `:0` with the user's
+//!   own cookie; without `control` it is started `-viewonly` (keys and the pointer are dropped
+//!   in the guest, whatever the browser sends).
+//! - Any other VM: its console, the hypervisor's own screen of it (nothing in the guest),
+//!   through the backend's VNC server on the VM's own unix socket
+//!   ([`Backend::console_vnc`]); on the VM's host only. That server has no view-only mode:
+//!   without `control` the client's messages go through [`super::rfb::ViewOnly`], which passes
+//!   only what asks for pictures.
 
+use std::sync::Arc;
+
+use boxery_backends::Backend;
 use boxery_hands::Reach;
+use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::{Result, VerbError, Verbs};
 
@@ -34,17 +43,52 @@ pub fn vnc_line(control: bool) -> String {
     )
 }
 
-/// The way to one VM's desktop.
+/// Which screen a viewer watches.
+#[derive(Clone)]
+enum Way {
+    /// The guest's desktop, through x11vnc over ssh.
+    Desktop(Reach),
+    /// The hypervisor's own screen of the VM (its console), through the backend's VNC server.
+    Console(Arc<dyn Backend>),
+}
+
+/// The way to one VM's screen.
 #[derive(Clone)]
 pub struct Viewer {
-    reach: Reach,
+    vm: String,
+    way: Way,
     control: bool,
+}
+
+/// One viewer's VNC stream: `from` gives the server's RFB messages, `to` takes the client's
+/// (through `filter`, when there is one: a view-only viewer of a server that has no view-only
+/// mode), `why` says why a guest's session failed.
+pub struct Session {
+    /// The server's side.
+    pub from: Box<dyn AsyncRead + Send + Unpin>,
+    /// The client's side, to the server.
+    pub to: Box<dyn AsyncWrite + Send + Unpin>,
+    /// What the client's bytes go through first.
+    pub filter: Option<super::rfb::ViewOnly>,
+    /// The guest session's stderr.
+    pub why: Option<tokio::process::ChildStderr>,
+    child: Option<tokio::process::Child>,
+}
+
+impl Session {
+    /// End it (the guest's session killed and waited for).
+    pub async fn end(mut self) {
+        if let Some(c) = &mut self.child {
+            let _ = c.start_kill();
+            let _ = c.wait().await;
+        }
+    }
 }
 
 impl Viewer {
     /// The VM.
     pub fn vm(&self) -> &str {
-        self.reach.vm()
+        &self.vm
     }
 
     /// Whether viewers may send keys and the pointer.
@@ -52,33 +96,94 @@ impl Viewer {
         self.control
     }
 
-    /// Start one VNC session in the guest: the child's stdin takes the client's RFB messages,
-    /// its stdout gives the server's, its stderr says why it failed. It is killed when dropped.
-    pub fn connect(&self) -> Result<tokio::process::Child> {
-        self.reach
-            .command()
-            .args(["-T", "-o", "BatchMode=yes", "--"])
-            .arg(vnc_line(self.control))
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| VerbError::failed(format!("cannot run ssh: {e}")))
+    /// Whether it watches the VM's console (the hypervisor's screen) rather than a desktop.
+    pub fn console(&self) -> bool {
+        matches!(self.way, Way::Console(_))
+    }
+
+    /// Start one VNC session: x11vnc in the guest (killed with the session), or a connection
+    /// to the hypervisor's VNC server, view-only through [`super::rfb::ViewOnly`] unless
+    /// `control`.
+    pub async fn connect(&self) -> Result<Session> {
+        match &self.way {
+            Way::Desktop(reach) => {
+                let mut child = reach
+                    .command()
+                    .args(["-T", "-o", "BatchMode=yes", "--"])
+                    .arg(vnc_line(self.control))
+                    .stdin(std::process::Stdio::piped())
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .kill_on_drop(true)
+                    .spawn()
+                    .map_err(|e| VerbError::failed(format!("cannot run ssh: {e}")))?;
+                let (Some(to), Some(from), why) =
+                    (child.stdin.take(), child.stdout.take(), child.stderr.take())
+                else {
+                    return Err(VerbError::failed("ssh's pipes"));
+                };
+                Ok(Session {
+                    from: Box::new(from),
+                    to: Box::new(to),
+                    filter: None,
+                    why,
+                    child: Some(child),
+                })
+            }
+            Way::Console(backend) => {
+                let stream = backend
+                    .console_vnc(&self.vm)
+                    .await
+                    .map_err(|e| console_error(&self.vm, e))?;
+                let (from, to) = stream.into_split();
+                Ok(Session {
+                    from: Box::new(from),
+                    to: Box::new(to),
+                    filter: (!self.control).then(super::rfb::ViewOnly::default),
+                    why: None,
+                    child: None,
+                })
+            }
+        }
     }
 }
 
-/// The way to VM `vm`'s desktop: it must have the desktop layer and be reachable.
+fn console_error(vm: &str, e: boxery_backends::BackendError) -> VerbError {
+    match e {
+        boxery_backends::BackendError::Unsupported { backend, .. } => VerbError::invalid(format!(
+            "VM {vm} has no desktop, and the {backend} backend serves no console to watch: make one with `headless: false` (docs/desktop.md)"
+        )),
+        e => super::computer::backend_error(vm, e),
+    }
+}
+
+/// The way to VM `vm`'s screen: its desktop when it has the desktop layer (reachable as
+/// `boxery ssh` reaches it), else its console, from the hypervisor on this host.
 pub async fn open(v: &Verbs, vm: &str, control: bool) -> Result<Viewer> {
     let obj = crate::vm::get_vm(v, vm).await?;
-    if !super::computer::has_desktop(&obj) {
-        return Err(VerbError::invalid(format!(
-            "VM {vm} has no desktop to watch: make one with `headless: false` (docs/desktop.md); \
-             its console is `boxery screenshot {vm} --console FILE`"
-        )));
-    }
-    let reach = v.reach(vm).await?;
-    Ok(Viewer { reach, control })
+    let way = if super::computer::has_desktop(&obj) {
+        Way::Desktop(v.reach(vm).await?)
+    } else {
+        if v.remote_plane().is_some() {
+            return Err(VerbError::invalid(format!(
+                "VM {vm} has no desktop, and its console is watched on its host: run `boxery desktop {vm}` there, or make a VM with `headless: false` (docs/desktop.md)"
+            )));
+        }
+        let backend = v.env.backend_of(&obj)?;
+        // reached once now: a VM that is not running, or a backend without one, says so here
+        drop(
+            backend
+                .console_vnc(vm)
+                .await
+                .map_err(|e| console_error(vm, e))?,
+        );
+        Way::Console(backend)
+    };
+    Ok(Viewer {
+        vm: vm.to_string(),
+        way,
+        control,
+    })
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! Guest actions: what an agent or a person does inside a VM, over the hands' ssh — run a
 //! command ([`exec`]), read, write and edit files ([`files`]), background jobs ([`jobs`]) and
 //! copies local ⇄ VM and VM ⇄ VM ([`copy`]), port forwards ([`forward`]), a coding agent run on a prompt ([`prompt`]), the screen
-//! ([`computer`]), the desktop as a VNC stream ([`desktop`]) and the agent's browser ([`browser`]). Each is a typed function over [`Verbs`] with a
+//! ([`computer`]), a VM's screen as a VNC stream ([`desktop`], a watcher's filter in [`rfb`]) and the agent's browser ([`browser`]). Each is a typed function over [`Verbs`] with a
 //! typed input and result and [`VerbError`] as its error; the MCP tools (`vm_bash`,
 //! `vm_read`, …) and the CLI (`boxery file …`, `jobs`, `cp`) are thin adapters that choose the
 //! VM, call one and render its result.
@@ -22,6 +22,7 @@ pub mod files;
 pub mod forward;
 pub mod jobs;
 pub mod prompt;
+pub mod rfb;
 
 use std::time::Duration;
 

@@ -563,7 +563,7 @@ async fn size(v: &Verbs, vm: &str, way: &Way, ct: &CancellationToken) -> Result<
     Ok(size)
 }
 
-fn backend_error(vm: &str, e: boxery_backends::BackendError) -> VerbError {
+pub(crate) fn backend_error(vm: &str, e: boxery_backends::BackendError) -> VerbError {
     use boxery_backends::BackendError as B;
     match e {
         B::Invalid(m) => VerbError::invalid(m),
