@@ -1779,9 +1779,9 @@ fn forward_ports(kind: Kind) {
     h.ok(&["delete", "vm", "fw1", "--wait", "--timeout", "3m"]);
 }
 
-fn remote_context(kind: Kind) {
-    let h = RealHome::new(kind);
-    let _serve = h.serve_args(&["--api-listen", "127.0.0.1:0"], &[]);
+/// Another machine's home (a "laptop") with a context `vmhost` to `h`'s API (its `serve` runs
+/// with `--api-listen`): the kubeconfig `h` gives it, added (not yet in use).
+fn laptop_of(h: &RealHome) -> Home {
     let addr = h.home.path().join("api/addr");
     common::eventually(Duration::from_secs(30), || addr.exists().then_some(()))
         .expect("serve wrote api/addr");
@@ -1789,6 +1789,21 @@ fn remote_context(kind: Kind) {
         .home
         .write("kc.yaml", &h.ok(&["kubeconfig", "--name", "laptop"]));
     let laptop = Home::new();
+    let mut c = laptop.cmd();
+    c.args(["config", "add-context", "vmhost", "-f"]).arg(&kc);
+    let o = bounded(c, Duration::from_secs(60)).expect("add-context finished");
+    assert!(
+        o.status.success(),
+        "boxery config add-context (laptop): {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    laptop
+}
+
+fn remote_context(kind: Kind) {
+    let h = RealHome::new(kind);
+    let _serve = h.serve_args(&["--api-listen", "127.0.0.1:0"], &[]);
+    let laptop = laptop_of(&h);
     let lap = |args: &[&str]| -> std::process::Output {
         let mut c = laptop.cmd();
         c.env("BOXERY_CONTEXT", "vmhost")
@@ -1810,13 +1825,6 @@ fn remote_context(kind: Kind) {
         );
         String::from_utf8_lossy(&o.stdout).into_owned()
     };
-    lap_ok(&[
-        "config",
-        "add-context",
-        "vmhost",
-        "-f",
-        kc.to_str().unwrap(),
-    ]);
     let f = laptop.write("vm.yaml", &tiny_vm("far1"));
     lap_ok(&[
         "apply",

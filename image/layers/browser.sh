@@ -41,6 +41,8 @@ PORT = 9222
 HOME = os.path.expanduser("~")
 PROFILE = os.path.join(HOME, ".cache", "boxery-browser")
 LOG = os.path.join(HOME, ".cache", "boxery-browser.log")
+# the tab every call acts on (a tab a page opens does not take the calls over)
+TAB = os.path.join(HOME, ".cache", "boxery-browser.tab")
 TEXT_CAP = 256 * 1024
 
 
@@ -211,6 +213,31 @@ def proxy_env():
     return proxy.strip(), direct.strip()
 
 
+def proxy_said(url):
+    """What the egress proxy answers a tunnel to `url`'s host (Chromium shows only
+    ERR_TUNNEL_CONNECTION_FAILED): its status line, which says why (': the proxy said 403
+    Forbidden: … is not in VM …'s egress allow list'), or nothing."""
+    from urllib.parse import unquote, urlsplit
+    proxy, _ = proxy_env()
+    try:
+        u, p = urlsplit(url), urlsplit(proxy)
+        host = f"[{u.hostname}]" if ":" in (u.hostname or "") else u.hostname
+        target = f"{host}:{u.port or 443}"
+        auth = ""
+        if p.password:  # a shared listener's: the VM's token as the proxy password
+            cred = binascii.b2a_base64(f"{unquote(p.username or '')}:{unquote(p.password)}".encode(), newline=False).decode()
+            auth = f"Proxy-Authorization: Basic {cred}\r\n"
+        with socket.create_connection((p.hostname, p.port or 80), timeout=min(5, left())) as s:
+            s.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n".encode())
+            line = s.makefile("rb").readline(1024).decode("utf-8", "replace").strip()
+    except (OSError, ValueError):
+        return ""
+    parts = line.split(" ", 1)
+    if len(parts) < 2 or parts[1].startswith("200"):
+        return ""
+    return f": the egress proxy said {''.join(c if c.isprintable() else '?' for c in parts[1])}"
+
+
 def display_size():
     import subprocess
     try:
@@ -260,33 +287,104 @@ def start():
     fail(1, f"the browser did not start within the call's time (its log: {LOG})")
 
 
+def the_tab():
+    """The tab the calls act on: the one used before while it is open, else the first (or a
+    new one), remembered."""
+    pages = [t for t in endpoint("/json/list") if t.get("type") == "page"]
+    try:
+        with open(TAB) as f:
+            kept = f.read().strip()
+    except OSError:
+        kept = ""
+    tab = next((t for t in pages if t.get("id") == kept), None)
+    if tab is None:
+        tab = pages[-1] if pages else endpoint("/json/new?about:blank", "PUT")
+        tmp = TAB + ".new"
+        with open(tmp, "w") as f:
+            f.write(tab.get("id", ""))
+        os.replace(tmp, TAB)
+    return tab
+
+
 class Page:
     def __init__(self):
         start()
-        pages = [t for t in endpoint("/json/list") if t.get("type") == "page"]
-        if not pages:
-            pages = [endpoint("/json/new?about:blank", "PUT")]
-        self.ws = WebSocket(pages[0]["webSocketDebuggerUrl"])
+        self.ws = WebSocket(the_tab()["webSocketDebuggerUrl"])
         self.n = 0
         self.events = []
+        # boxery's own scripts run in a world of their own: a page's scripts cannot change
+        # what they read or where a click goes (the page's own world is for `evaluate`)
+        self.world = None
+        # the tab acted on is the one shown (a tab in the background draws no picture)
+        self.call("Page.bringToFront")
 
-    def call(self, method, **params):
+    def send(self, method, **params):
+        """Send one DevTools call; its id."""
         self.n += 1
-        me = self.n
-        self.ws.send(json.dumps({"id": me, "method": method, "params": params}))
+        self.ws.send(json.dumps({"id": self.n, "method": method, "params": params}))
+        return self.n
+
+    def reply(self, me, until=None):
+        """The answer to call `me`: (its result, None) or (None, the browser's error message);
+        socket.timeout past `until` (else a failure at the call's deadline)."""
         while True:
-            msg = json.loads(self.ws.recv())
+            within = None if until is None else max(0.05, until - time.monotonic())
+            msg = json.loads(self.ws.recv(within))
             if "method" in msg:
                 # (an event: kept for event(), which may be waiting for it)
                 self.events.append(msg["method"])
                 continue
             if msg.get("id") == me:
                 if "error" in msg:
-                    fail(1, f"{method}: {msg['error'].get('message')}")
-                return msg.get("result", {})
+                    return None, msg["error"].get("message") or "an error"
+                return msg.get("result", {}), None
 
-    def js(self, expression):
-        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+    def request(self, method, **params):
+        """One DevTools call: (its result, None) or (None, the browser's error message)."""
+        return self.reply(self.send(method, **params))
+
+    def call(self, method, **params):
+        r, err = self.request(method, **params)
+        if err is not None:
+            fail(1, f"{method}: {err}")
+        return r
+
+    def isolated(self):
+        if self.world is None:
+            frame = self.call("Page.getFrameTree")["frameTree"]["frame"]["id"]
+            self.world = self.call("Page.createIsolatedWorld", frameId=frame, worldName="boxery",
+                                   grantUniveralAccess=False)["executionContextId"]
+        return self.world
+
+    def js(self, expression, page_world=False):
+        """Evaluate `expression` (in boxery's world, or the page's own): (its value, None) or
+        (None, why). A script still running near the call's deadline is stopped (V8's own
+        timeout, and Runtime.terminateExecution, which the browser takes while the page is
+        busy)."""
+        stop_at = deadline - 4
+        params = dict(expression=expression, returnByValue=True, awaitPromise=True,
+                      timeout=int(max(0.5, stop_at - time.monotonic()) * 1000))
+        r, err = None, "the page kept changing under the action"
+        for _ in range(3):
+            if not page_world:
+                params["contextId"] = self.isolated()
+            me = self.send("Runtime.evaluate", **params)
+            try:
+                r, err = self.reply(me, until=stop_at)
+            except socket.timeout:
+                self.send("Runtime.terminateExecution")
+                try:
+                    self.reply(me, until=deadline - 0.5)
+                except socket.timeout:
+                    fail(1, "the expression ran past the action's time and could not be stopped")
+                fail(1, "the expression ran past the action's time and was stopped")
+            if err is None or page_world or "context" not in err.lower():
+                break
+            self.world = None  # (a navigation destroyed it: made again)
+        if err is not None:
+            if time.monotonic() >= stop_at - 0.5:
+                fail(1, "the expression ran past the action's time and was stopped")
+            fail(1, f"Runtime.evaluate: {err}")
         if "exceptionDetails" in r:
             d = r["exceptionDetails"]
             what = (d.get("exception") or {}).get("description") or d.get("text")
@@ -361,7 +459,10 @@ def act():
     if action == "open":
         r = p.call("Page.navigate", url=req["url"])
         if r.get("errorText"):
-            out = {"url": req["url"], "title": "", "status": None, "error": r["errorText"], "text": ""}
+            why = r["errorText"]
+            if why == "net::ERR_TUNNEL_CONNECTION_FAILED":
+                why += proxy_said(req["url"])
+            out = {"url": req["url"], "title": "", "status": None, "error": why, "text": ""}
             answer(out)
             sys.exit(0)
         loaded = p.settle()
@@ -401,7 +502,7 @@ def act():
         out["value"] = v
         answer(out)
     elif action == "evaluate":
-        v, err = p.js(req["expression"])
+        v, err = p.js(req["expression"], page_world=True)
         out = p.state(False)
         if err:
             out["error"] = err

@@ -14,8 +14,8 @@
 //!
 //! # Caveats
 //! - DNS over TCP to `10.0.2.3:53` is not carried (answers are kept small enough for UDP).
-//! - No control plane serving the VM: a query gets no answer (the guest's resolver times out),
-//!   as everything else of the guest's way out does.
+//! - No control plane serving the VM: a query is answered SERVFAIL by the helper itself
+//!   ([`servfail`]), at once, as everything else of the guest's way out fails.
 
 use std::net::Ipv4Addr;
 
@@ -65,6 +65,34 @@ pub fn query(frame: &[u8]) -> Option<([u8; TAG], &[u8])> {
     tag[6..10].copy_from_slice(&ip[12..16]); // its address
     tag[10..].copy_from_slice(&udp[..2]); // its port
     Some((tag, &udp[UDP..len]))
+}
+
+/// The SERVFAIL answer to `query` (its header and one question echoed, nothing looked up):
+/// what the guest gets at once when no control plane answers, rather than waiting out its
+/// resolver's timeouts. `None` when `query` is not one question (uncompressed, as queries are).
+pub fn servfail(query: &[u8]) -> Option<Vec<u8>> {
+    if query.len() < DNS_HEADER || be16(query, 4)? != 1 || query[2] & 0x80 != 0 {
+        return None;
+    }
+    let mut at = DNS_HEADER;
+    loop {
+        let len = usize::from(*query.get(at)?);
+        if len & 0xc0 != 0 {
+            return None; // (a pointer: not in a query)
+        }
+        at += 1 + len;
+        if len == 0 {
+            break;
+        }
+    }
+    let question = query.get(DNS_HEADER..at + 4)?;
+    let mut a = Vec::with_capacity(DNS_HEADER + question.len());
+    a.extend_from_slice(&query[..2]); // the id
+    a.push(0x80 | (query[2] & 0x79)); // QR, the opcode and RD kept
+    a.push(0x80 | 2); // RA, SERVFAIL
+    a.extend_from_slice(&[0, 1, 0, 0, 0, 0, 0, 0]);
+    a.extend_from_slice(question);
+    Some(a)
 }
 
 /// slirp's MAC for one of its own addresses: `52:55` and the address (as slirp answers ARP).
@@ -204,6 +232,30 @@ mod tests {
         f[ETH + 2..ETH + 4].copy_from_slice(&((IPV4 + UDP + 4) as u16).to_be_bytes());
         f[ETH + IPV4 + 4..ETH + IPV4 + 6].copy_from_slice(&((UDP + 4) as u16).to_be_bytes());
         assert!(query(&f).is_none(), "no DNS header");
+    }
+
+    #[test]
+    fn servfail_echoes_the_question() {
+        let a = servfail(&dns_query()).unwrap();
+        assert_eq!(&a[..2], &[0x12, 0x34], "the id");
+        assert_eq!(a[2], 0x81, "a response, RD kept");
+        assert_eq!(a[3] & 0x0f, 2, "SERVFAIL");
+        assert_eq!(&a[4..12], &[0, 1, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(&a[12..], &dns_query()[12..], "the question");
+        // not a query of one question: nothing
+        let mut two = dns_query();
+        two[5] = 2;
+        assert!(servfail(&two).is_none());
+        let mut resp = dns_query();
+        resp[2] |= 0x80;
+        assert!(servfail(&resp).is_none());
+        let q = dns_query();
+        for n in 0..q.len() {
+            assert!(servfail(&q[..n]).is_none(), "cut at {n}");
+        }
+        let mut pointer = dns_query();
+        pointer[12] = 0xc0;
+        assert!(servfail(&pointer).is_none());
     }
 
     #[test]

@@ -492,10 +492,16 @@ impl DnsRelay {
         })
     }
 
-    /// Send a guest's query on, tagged; dropped when it cannot go (the guest asks again).
-    fn send(&mut self, tag: &[u8; dns::TAG], query: &[u8]) {
+    /// Send a guest's query on, tagged; when it cannot go (no control plane), answer it
+    /// SERVFAIL at once.
+    fn send(&mut self, tag: &[u8; dns::TAG], query: &[u8], guest: &mut Outbox) {
         let msg = [&tag[..], query].concat();
         if self.sock.send_to(&msg, &self.to).is_err() {
+            if let Some(frame) =
+                dns::servfail(query).and_then(|a| dns::answer_frame(&[&tag[..], &a].concat()))
+            {
+                guest.send(&frame);
+            }
             self.unsent += 1;
             if self.unsent.is_power_of_two() {
                 eprintln!(
@@ -854,7 +860,7 @@ fn feed(
             Frame::Whole(len) => {
                 let frame = &buf[off + 4..off + 4 + len];
                 match (dns.as_deref_mut(), dns::query(frame)) {
-                    (Some(d), Some((tag, q))) => d.send(&tag, q),
+                    (Some(d), Some((tag, q))) => d.send(&tag, q, slirp.guest()),
                     _ if len > 0 => slirp.input(frame),
                     _ => {}
                 }

@@ -3,7 +3,7 @@
 //!
 //! One test, in order: (a) DHCP lease and ssh through the hostfwd with the seed's pinned host
 //! key; (a2) a name lookup reaches the DNS socket tagged with its asker, and the answer the
-//! guest; (b) the guest's 10.0.2.100:80 reaches a unix-socket listener of the test, data both
+//! guest, and with nothing at the socket it is answered SERVFAIL at once; (b) the guest's 10.0.2.100:80 reaches a unix-socket listener of the test, data both
 //! ways, then a 32 MiB download through it; (c) restricted: the guest cannot reach a host
 //! loopback listener the host itself reaches; (d) boxery-net killed (SIGKILL, its socket left
 //! behind) and started again on the same socket: QEMU reconnects and ssh works again within
@@ -415,15 +415,21 @@ fn proxy_side(listener: UnixListener, timeout: Duration) -> io::Result<usize> {
 }
 
 /// CPU seconds (user + system) process `pid` has used.
-/// Answer one tagged query on `sock` with `203.0.113.9` (an A record after the question, the
-/// header copied, made a response); the query's tag.
+/// Answer the tagged queries on `sock` with `203.0.113.9` (an A record after the question, the
+/// header copied, made a response; other types answered empty) until an A query was answered
+/// and nothing more comes for 3 s; the A query's tag.
 fn answer_one(sock: &UnixDatagram, timeout: Duration) -> io::Result<Vec<u8>> {
     sock.set_read_timeout(Some(timeout))?;
     let mut buf = [0u8; 2048];
+    let mut tag_of_a = None;
     loop {
-        let (n, from) = sock.recv_from(&mut buf)?;
+        let (n, from) = match sock.recv_from(&mut buf) {
+            Ok(got) => got,
+            Err(e) if tag_of_a.is_some() && e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) => return Err(e),
+        };
         let (tag, q) = buf[..n].split_at(12);
-        // the first question only: busybox asks A and AAAA; answer A (type 1)
+        // busybox asks A and AAAA (type 1 and 28)
         let qtype = u16::from_be_bytes([q[q.len() - 4], q[q.len() - 3]]);
         let mut a = q.to_vec();
         a[2] = 0x81; // QR, RD
@@ -431,13 +437,13 @@ fn answer_one(sock: &UnixDatagram, timeout: Duration) -> io::Result<Vec<u8>> {
         if qtype == 1 {
             a[7] = 1; // one answer
             a.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 30, 0, 4, 203, 0, 113, 9]);
+            tag_of_a = Some(tag.to_vec());
+            sock.set_read_timeout(Some(Duration::from_secs(3)))?;
         }
         let to = from.as_pathname().expect("the helper's socket has a name");
         sock.send_to(&[tag, &a].concat(), to)?;
-        if qtype == 1 {
-            return Ok(tag.to_vec());
-        }
     }
+    Ok(tag_of_a.expect("an A query"))
 }
 
 fn cpu_secs(pid: u32) -> f64 {
@@ -517,6 +523,16 @@ fn a_guest_behind_boxery_net() {
         out.contains("203.0.113.9") && out.ends_with("rc=0"),
         "the guest got the answer: {out}"
     );
+    // (a3) nothing answers at the DNS socket (no control plane): the helper answers SERVFAIL
+    // at once, rather than leaving the guest's resolver to time out
+    let t = Instant::now();
+    let out = w.guest("timeout 30 nslookup probe.test 10.0.2.3; echo rc=$?");
+    let took = t.elapsed();
+    assert!(
+        out.contains("SERVFAIL") && out.ends_with("rc=1"),
+        "no control plane: {out}"
+    );
+    assert!(took < Duration::from_secs(10), "SERVFAIL at once: {took:?}");
 
     // (b) the guest's 10.0.2.100:80 reaches the unix socket; data both ways (echoed after
     // the guest's half-close)

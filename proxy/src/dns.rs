@@ -15,9 +15,10 @@
 //! - Only one question of class IN and opcode QUERY is answered; other types of an allowed
 //!   name (AAAA: the guest has no IPv6; MX, TXT, …) get an empty answer; malformed queries,
 //!   responses and names that are not host names get nothing looked up.
-//! - At most [`IN_FLIGHT`] lookups of one VM at a time; more are dropped (the guest's
-//!   resolver asks again). Every answered lookup is audited (`DNS`, the name, the type, the
-//!   status: 200 answered, 403 refused, 404 not found).
+//! - At most [`IN_FLIGHT`] lookups of one VM at a time, and [`PER_SECOND`] a second after a
+//!   burst of [`BURST`]; more are dropped unanswered (the guest's resolver asks again). Every
+//!   answered lookup is audited (`DNS`, the name, the type, the status: 200 answered, 403
+//!   refused, 404 not found, 502 the host's resolver did not answer: SERVFAIL).
 //!
 //! # Caveats
 //! - An allowed name's answer says where it is; a guest still reaches it only through the
@@ -42,12 +43,49 @@ use crate::{Inner, Proxy};
 pub const TAG: usize = 12;
 /// The longest query taken (a DNS message over UDP with EDNS's common limit).
 pub const MAX_QUERY: usize = 1232;
-/// The most addresses in one answer (keeps it within 512 bytes, UDP without EDNS).
+/// The most addresses in one answer (fewer when the answer would pass the client's size:
+/// 512 bytes without EDNS).
 pub const MAX_ADDRS: usize = 16;
 /// Seconds an answer may be cached.
 pub const TTL: u32 = 30;
 /// Lookups of one VM at a time.
 pub const IN_FLIGHT: usize = 32;
+/// Lookups one VM may make in a burst, and each second after it ([`Bucket`]): more are
+/// dropped unanswered and unaudited, so a guest cannot flood the audit log (a guest's
+/// resolver caches answers: far fewer in use).
+pub const BURST: f64 = 100.0;
+/// See [`BURST`].
+pub const PER_SECOND: f64 = 20.0;
+
+/// A token bucket of [`BURST`] tokens refilled at [`PER_SECOND`].
+#[derive(Debug)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn new() -> Self {
+        Bucket {
+            tokens: BURST,
+            at: Instant::now(),
+        }
+    }
+
+    /// Take a token if there is one.
+    fn take(&mut self) -> bool {
+        let now = Instant::now();
+        self.tokens =
+            (self.tokens + now.duration_since(self.at).as_secs_f64() * PER_SECOND).min(BURST);
+        self.at = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
 /// The Extended DNS Error option (RFC 8914) and its "Blocked" code.
 const EDE_OPTION: u16 = 15;
 const EDE_BLOCKED: u16 = 15;
@@ -58,6 +96,8 @@ const EDE_TEXT: usize = 200;
 pub(crate) async fn serve(proxy: Proxy, vm: String, sock: UnixDatagram, stop: CancellationToken) {
     let sock = Arc::new(sock);
     let mut buf = vec![0u8; TAG + MAX_QUERY + 1];
+    let mut bucket = Bucket::new();
+    let mut dropped = 0u64;
     loop {
         let got = tokio::select! {
             _ = stop.cancelled() => return,
@@ -72,6 +112,13 @@ pub(crate) async fn serve(proxy: Proxy, vm: String, sock: UnixDatagram, stop: Ca
             continue; // an unnamed sender cannot be answered
         };
         if !(TAG..=TAG + MAX_QUERY).contains(&n) {
+            continue;
+        }
+        if !bucket.take() {
+            dropped += 1;
+            if dropped.is_power_of_two() {
+                tracing::warn!(vm = %vm, dropped, "a guest's name lookups past {PER_SECOND}/s are dropped");
+            }
             continue;
         }
         let Some(permit) = proxy.inner.permit(&format!("dns {vm}"), IN_FLIGHT) else {
@@ -167,6 +214,7 @@ pub(crate) async fn answer(p: &Inner, vm: &str, query: &[u8]) -> Option<Vec<u8>>
                 None
             }
             Err(Unreachable::Unresolved) => Some((404, None)),
+            Err(Unreachable::Unanswered) => Some((502, None)),
             Err(Unreachable::Forbidden(why)) => Some((403, Some(why))),
         }
     } else {
@@ -174,6 +222,8 @@ pub(crate) async fn answer(p: &Inner, vm: &str, query: &[u8]) -> Option<Vec<u8>>
     };
     let code = match &refusal {
         None => ResponseCode::NoError,
+        // the host's resolver did not answer: the guest may ask again
+        Some((502, _)) => ResponseCode::ServFail,
         Some(_) => ResponseCode::NXDomain,
     };
     if let Some((_, Some(why))) = &refusal
@@ -190,7 +240,19 @@ pub(crate) async fn answer(p: &Inner, vm: &str, query: &[u8]) -> Option<Vec<u8>>
     rec.reason = reason;
     rec.ms = started.elapsed().as_millis() as u64;
     p.audit.write(&rec);
-    answered(r, code)
+    // within what the client takes (512 bytes without EDNS): addresses left out, not cut
+    let limit = match &q.edns {
+        Some(e) => usize::from(e.max_payload()).clamp(512, MAX_QUERY),
+        None => 512,
+    };
+    r.metadata.response_code = code;
+    loop {
+        let bytes = r.to_vec().ok()?;
+        if bytes.len() <= limit || r.answers.is_empty() {
+            return Some(bytes);
+        }
+        r.answers.pop();
+    }
 }
 
 /// Bind VM `vm`'s socket at `path` (mode 0600, a socket left there replaced) and answer its

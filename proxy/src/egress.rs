@@ -263,8 +263,10 @@ pub(crate) fn policy_refusal(vm: &str, policy: &Egress, host: &str) -> Option<St
 /// Why a name's addresses are not given to a guest.
 #[derive(Debug)]
 pub(crate) enum Unreachable {
-    /// It does not resolve (or not within [`RESOLVE_TIMEOUT`]).
+    /// The resolver says there is no such name.
     Unresolved,
+    /// The resolver did not answer within [`RESOLVE_TIMEOUT`], or failed for now.
+    Unanswered,
     /// Every address it has is out of every guest's reach: why, in words.
     Forbidden(String),
 }
@@ -288,7 +290,12 @@ pub(crate) async fn lookup(
     } else {
         match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port))).await {
             Ok(Ok(a)) => a.collect(),
-            Ok(Err(_)) | Err(_) => return Err(Unreachable::Unresolved),
+            // (getaddrinfo's EAI_AGAIN: a resolver that could not answer now)
+            Ok(Err(e)) if e.to_string().contains("Temporary failure") => {
+                return Err(Unreachable::Unanswered);
+            }
+            Ok(Err(_)) => return Err(Unreachable::Unresolved),
+            Err(_) => return Err(Unreachable::Unanswered),
         }
     };
     let (ok, bad): (Vec<SocketAddr>, Vec<SocketAddr>) = addrs
@@ -325,7 +332,7 @@ async fn admit(
     }
     lookup(p, host, port).await.map_err(|e| match e {
         Unreachable::Forbidden(why) => denied(why),
-        Unreachable::Unresolved => answer(
+        Unreachable::Unresolved | Unreachable::Unanswered => answer(
             refuse(
                 StatusCode::BAD_GATEWAY,
                 format!("{host} could not be resolved"),

@@ -122,19 +122,26 @@ pub(crate) async fn check(ctx: &Ctx, vm: &mut Vm) -> Option<Duration> {
             Some(EVERY)
         }
         Some(Seen::Down(state)) => {
-            let unit = if state.is_empty() {
-                String::new()
-            } else {
-                format!(" (boxery-desktop.service is {state})")
+            let msg = match state.as_str() {
+                // running but not answering: systemd sees nothing to restart
+                "active" => format!(
+                    "display :0 does not answer though boxery-desktop.service runs: \
+                     `boxery run {name} -- sudo systemctl restart boxery-desktop` starts it again"
+                ),
+                "" => format!(
+                    "display :0 does not answer; systemd starts it again: \
+                     `boxery run {name} -- journalctl -u boxery-desktop` says why"
+                ),
+                state => format!(
+                    "display :0 does not answer (boxery-desktop.service is {state}); systemd \
+                     starts it again: `boxery run {name} -- journalctl -u boxery-desktop` says why"
+                ),
             };
             vm.status.conditions.set_condition(
                 DISPLAY_READY,
                 ConditionStatus::False,
                 reasons::DISPLAY_DOWN,
-                &format!(
-                    "display :0 does not answer{unit}; systemd starts it again: \
-                     `boxery run {name} -- journalctl -u boxery-desktop` says why"
-                ),
+                &msg,
                 generation,
             );
             Some(DOWN_EVERY)

@@ -529,10 +529,10 @@ pub fn context(plan: &Plan) -> String {
     if grants.is_empty() {
         grants.push_str("- none\n");
     }
-    let lookups = if plan.dns.is_some() {
-        "name lookups answer for the hosts the policy allows and nothing else; "
-    } else {
-        ""
+    let lookups = match (plan.dns, plan.egress.policy) {
+        (Some(_), _) => "name lookups answer for the hosts the policy allows and nothing else; ",
+        (None, EgressPolicy::Public) => "",
+        (None, _) => "name lookups (DNS) get no answer; ",
     };
     format!(
         "# Where you are\n\n\
@@ -642,9 +642,9 @@ fn dns_script(dns: std::net::Ipv4Addr) -> String {
          if [ -d /run/systemd/resolve ]; then \
          if [ \"$(cat \"$r\" 2>/dev/null)\" != \"$(printf '%s' {c})\" ]; then \
          sudo -n install -d -m 0755 \"$(dirname \"$r\")\" && printf '%s' {c} | sudo -n tee \"$r.new\" >/dev/null && sudo -n chmod 0644 \"$r.new\" && sudo -n mv \"$r.new\" \"$r\" && \
-         {{ sudo -n systemctl try-restart systemd-resolved.service || echo 'boxery: systemd-resolved did not restart (journalctl -u systemd-resolved)' >&2; }}; fi; \
+         {{ sudo -n systemctl try-restart systemd-resolved.service || echo 'boxery: systemd-resolved did not restart (journalctl -u systemd-resolved)' >&2; }} || echo 'boxery: cannot point systemd-resolved at the name server' >&2; fi; \
          elif [ -f /etc/resolv.conf ] && [ ! -L /etc/resolv.conf ] && ! grep -qs '^nameserver' /etc/resolv.conf; then \
-         printf 'nameserver %s\\n' {dns} | sudo -n tee -a /etc/resolv.conf >/dev/null; fi\n",
+         {{ printf 'nameserver %s\\n' {dns} | sudo -n tee -a /etc/resolv.conf >/dev/null || echo 'boxery: cannot add the name server to /etc/resolv.conf' >&2; }}; fi\n",
         c = shell_quote(&conf),
     )
 }
@@ -910,27 +910,39 @@ pub async fn keep(ctx: Arc<Ctx>, vms: Cache, shutdown: CancellationToken) {
     }
 }
 
+/// Running a part of the push script against a root of a test's own.
 #[cfg(test)]
-mod display_tests {
-    use super::display_script;
-
-    /// Run the display part against a root of its own (`/etc` moved under `root`), with sudo
-    /// and systemctl as shims; what systemctl was asked.
-    fn run(root: &std::path::Path, size: Option<&str>) -> String {
-        let script = display_script(size).replace("/etc/", &format!("{}/etc/", root.display()));
+mod shimmed {
+    /// Run `script` with `/run` and `/etc` moved under `root`, under the push script's umask,
+    /// with sudo and systemctl as shims; what systemctl was asked.
+    pub(super) fn run(root: &std::path::Path, script: &str) -> String {
+        let r = root.display();
+        let script = script
+            .replace("/run/", &format!("{r}/run/"))
+            .replace("/etc/", &format!("{r}/etc/"));
         let log = root.join("systemctl.log");
         let shims = format!(
             "sudo() {{ shift; \"$@\"; }}\nsystemctl() {{ echo \"$*\" >> {}; }}\n",
             log.display()
         );
         let o = std::process::Command::new("sh")
-            .args(["-euc", &format!("{shims}{script}")])
+            .args(["-euc", &format!("umask 077\n{shims}{script}")])
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let said = std::fs::read_to_string(&log).unwrap_or_default();
         let _ = std::fs::remove_file(&log);
         said
+    }
+}
+
+#[cfg(test)]
+mod display_tests {
+    use super::display_script;
+
+    /// The display part run against `root` ([`super::shimmed::run`]).
+    fn run(root: &std::path::Path, size: Option<&str>) -> String {
+        super::shimmed::run(root, &display_script(size))
     }
 
     #[test]
@@ -978,27 +990,9 @@ mod display_tests {
 mod dns_tests {
     use super::dns_script;
 
-    /// Run the name-lookup part against a root of its own (`/run` and `/etc` moved under
-    /// `root`), with sudo and systemctl as shims, under the push script's umask; what
-    /// systemctl was asked.
+    /// The name-lookup part run against `root` ([`super::shimmed::run`]).
     fn run(root: &std::path::Path) -> String {
-        let r = root.display();
-        let script = dns_script(std::net::Ipv4Addr::new(10, 0, 2, 3))
-            .replace("/run/", &format!("{r}/run/"))
-            .replace("/etc/", &format!("{r}/etc/"));
-        let log = root.join("systemctl.log");
-        let shims = format!(
-            "sudo() {{ shift; \"$@\"; }}\nsystemctl() {{ echo \"$*\" >> {}; }}\n",
-            log.display()
-        );
-        let o = std::process::Command::new("sh")
-            .args(["-euc", &format!("umask 077\n{shims}{script}")])
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let said = std::fs::read_to_string(&log).unwrap_or_default();
-        let _ = std::fs::remove_file(&log);
-        said
+        super::shimmed::run(root, &dns_script(std::net::Ipv4Addr::new(10, 0, 2, 3)))
     }
 
     #[test]

@@ -782,7 +782,9 @@ async fn settle(mut vm: Vm, info: &VmInfo, ctx: &Ctx) -> Result<Action> {
     if matches!(readiness, Readiness::Ready(_)) {
         // (not at each of a booting VM's polls)
         crate::budget::vm(ctx, &mut vm).await;
-        display_again = crate::display::check(ctx, &mut vm).await;
+        if info.state == PowerState::Running {
+            display_again = crate::display::check(ctx, &mut vm).await;
+        }
     }
     if vm.status != before {
         save(ctx, &vm).await?;

@@ -88,11 +88,14 @@ pub async fn run(v: &Verbs, vm: &str, sibling: Option<&str>) -> Result<Vec<Row>>
         .await?
         .with_context(|| format!("VM {vm}'s guest has no network on the {backend} backend"))?;
     let dns = hypervisor.guest_proxy(vm).is_some_and(|g| g.dns.is_some());
+    // (a name mapped to an address no guest reaches has no answer whatever the policy)
     let resolve = boxery_verbs::env::read_config(v.home())?
         .proxy
         .egress
         .resolve
-        .into_keys()
+        .into_iter()
+        .filter(|(_, ip)| boxery_api::network::forbidden(*ip).is_none())
+        .map(|(name, _)| name)
         .collect();
     let sibling = sibling_of(v, &target, sibling).await?;
     // The guest side: where it reaches the proxy (waited for, bounded, before the host-wide

@@ -120,8 +120,8 @@ pub(super) struct Targets {
     /// Whether the control plane answers the guest's name lookups (its backend's
     /// `GuestProxy::dns`).
     pub(super) dns: bool,
-    /// The names config `proxy.egress.resolve` maps: answered without the host's DNS, so a
-    /// lookup's answer shows the policy and nothing else.
+    /// The names config `proxy.egress.resolve` maps to addresses a guest may reach: answered
+    /// without the host's DNS, so a lookup's answer shows the policy and nothing else.
     pub(super) resolve: Vec<String>,
 }
 
