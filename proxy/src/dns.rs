@@ -268,3 +268,22 @@ pub fn start(proxy: &Proxy, vm: &str, path: &Path, stop: CancellationToken) -> s
     tokio::spawn(serve(proxy, vm, sock, stop));
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_burst_then_a_steady_rate() {
+        let mut b = Bucket::new();
+        let took = (0..1000).filter(|_| b.take()).count();
+        assert_eq!(took, BURST as usize, "a burst, then nothing at once");
+        // a second later: the rate's worth again
+        b.at -= std::time::Duration::from_secs(1);
+        let took = (0..1000).filter(|_| b.take()).count();
+        assert_eq!(took, PER_SECOND as usize);
+        // never more than a burst, however long it rested
+        b.at -= std::time::Duration::from_secs(3600);
+        assert_eq!((0..1000).filter(|_| b.take()).count(), BURST as usize);
+    }
+}
