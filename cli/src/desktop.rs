@@ -84,9 +84,9 @@ pub async fn desktop(
     outln!("{url}");
     eprintln!(
         "boxery: serving {vm}'s {}, {}, on 127.0.0.1:{port} until interrupted (Ctrl-C); the link works once, in one browser",
-        match desk.viewer.console() {
-            true => "console (the hypervisor's screen: the VM has no desktop)",
-            false => "desktop",
+        match screen_word(&desk.viewer) {
+            "console" => "console (the hypervisor's screen: the VM has no desktop)",
+            w => w,
         },
         if control {
             "with control (keys and the pointer reach it)"
@@ -297,10 +297,13 @@ async fn serve(State(d): State<Arc<Desk>>, req: Request) -> Response {
             );
         };
         return match WebSocketUpgrade::from_request_parts(&mut parts, &()).await {
-            Ok(ws) => ws.on_upgrade(move |socket| async move {
-                bridge(socket, &d).await;
-                drop(permit);
-            }),
+            // (a viewer's RFB messages are small; a clipboard past this is refused)
+            Ok(ws) => ws
+                .max_message_size(MAX_MESSAGE)
+                .on_upgrade(move |socket| async move {
+                    bridge(socket, &d).await;
+                    drop(permit);
+                }),
             Err(e) => e.into_response(),
         };
     }
@@ -355,6 +358,10 @@ async fn file(web: &Path, rel: &str) -> Response {
 
 /// Carry one websocket to a VNC session in the guest until either ends; when the guest side
 /// ends before sending anything, say why (ssh's stderr).
+/// The largest websocket message a viewer may send (a page's RFB messages are bytes; its
+/// clipboard text, which a view-only viewer's filter reads through, is the large one).
+const MAX_MESSAGE: usize = 1 << 20;
+
 async fn bridge(socket: WebSocket, d: &Desk) {
     let vm = d.viewer.vm();
     let what = screen_word(&d.viewer);

@@ -20,8 +20,8 @@ use crate::Verbs;
 use crate::error::{Result, VerbError};
 use crate::objects::DryRun;
 
-/// Annotations with this prefix are the system's.
-pub const SYSTEM_PREFIX: &str = "boxery.dev/";
+/// Labels and annotations with this prefix are the system's (the store's one definition).
+pub use boxery_store::guard::SYSTEM_PREFIX;
 
 /// How many times a change is read and applied again when the object moved on under it.
 const RETRIES: usize = 10;

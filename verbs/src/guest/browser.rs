@@ -183,9 +183,9 @@ impl Browsed {
 }
 
 /// Control characters (but newline and tab) in `s`, as the first one found.
-fn control(s: &str, newlines: bool) -> Option<char> {
+fn control(s: &str) -> Option<char> {
     s.chars()
-        .find(|c| c.is_control() && !(newlines && (*c == '\n' || *c == '\t')))
+        .find(|c| c.is_control() && *c != '\n' && *c != '\t')
 }
 
 impl Browse {
@@ -233,7 +233,7 @@ impl Browse {
                 if v.len() > INPUT_CAP {
                     return bad(format!("`{field}` is over {INPUT_CAP} bytes"));
                 }
-                if let Some(c) = control(v, true) {
+                if let Some(c) = control(v) {
                     return bad(format!(
                         "`{field}` holds a control character (U+{:04X})",
                         c as u32
