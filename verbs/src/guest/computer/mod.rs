@@ -527,10 +527,33 @@ async fn framebuffer(v: &Verbs, vm: &str, ct: &CancellationToken) -> Result<xwd:
     // gzip -1 in the guest: 25 times fewer bytes through ssh, which costs more under
     // emulation than the compression (docs/benchmarks.md)
     let script = framebuffer_script(vm, "gzip -1 -c");
-    let bytes = super::helper(v, vm, &script, None, FRAMEBUFFER_CAP, ACTION_TIMEOUT, ct).await?;
-    tokio::task::spawn_blocking(move || xwd::decode(&xwd::gunzip(&bytes, FRAMEBUFFER_MAX)?))
-        .await
-        .map_err(|e| VerbError::failed(format!("reading the screenshot: {e}")))?
+    let started = std::time::Instant::now();
+    loop {
+        let bytes =
+            super::helper(v, vm, &script, None, FRAMEBUFFER_CAP, ACTION_TIMEOUT, ct).await?;
+        let raw = tokio::task::spawn_blocking(move || xwd::gunzip(&bytes, FRAMEBUFFER_MAX))
+            .await
+            .map_err(|e| VerbError::failed(format!("reading the screenshot: {e}")))??;
+        if xwd::unwritten(&raw) && started.elapsed() < UNWRITTEN_WAIT {
+            pause(ct).await?;
+            continue;
+        }
+        return tokio::task::spawn_blocking(move || xwd::decode(&raw))
+            .await
+            .map_err(|e| VerbError::failed(format!("reading the screenshot: {e}")))?;
+    }
+}
+
+/// How long a framebuffer Xvfb has not yet written ([`xwd::unwritten`]) is read again: it
+/// writes it within milliseconds of making it, so this bounds only a broken guest.
+const UNWRITTEN_WAIT: Duration = Duration::from_secs(10);
+
+/// A fifth of a second before another read, or the caller's cancel.
+async fn pause(ct: &CancellationToken) -> Result<()> {
+    tokio::select! {
+        _ = tokio::time::sleep(Duration::from_millis(200)) => Ok(()),
+        _ = ct.cancelled() => Err(super::cancelled()),
+    }
 }
 
 /// The guest's shell that waits (at most 45 s) while the desktop is starting: its display
@@ -551,8 +574,16 @@ async fn size(v: &Verbs, vm: &str, way: &Way, ct: &CancellationToken) -> Result<
     let size = match way {
         Way::Desktop => {
             let script = framebuffer_script(vm, &format!("head -c {}", xwd::HEADER));
-            let head = super::helper(v, vm, &script, None, xwd::HEADER, ACTION_TIMEOUT, ct).await?;
-            xwd::size(&head)?
+            let started = std::time::Instant::now();
+            loop {
+                let head =
+                    super::helper(v, vm, &script, None, xwd::HEADER, ACTION_TIMEOUT, ct).await?;
+                if xwd::unwritten(&head) && started.elapsed() < UNWRITTEN_WAIT {
+                    pause(ct).await?;
+                    continue;
+                }
+                break xwd::size(&head)?;
+            }
         }
         Way::Console(backend) => {
             let screen = screendump(backend, vm).await?;
@@ -713,7 +744,7 @@ pub fn xdotool_preamble(vm: &str) -> String {
 /// the screen a model's coordinates are pixels of), from its framebuffer's header.
 fn same_size(framebuffer: &str, (w, h): (u32, u32)) -> String {
     format!(
-        "set -- $(od -An -tu4 -j16 -N8 --endian=big {framebuffer}); [ \"$1x$2\" = {w}x{h} ] || {{ echo \"the screen is now $1×$2, not the {w}×{h} of the last screenshot: take a screenshot, and use its coordinates\" >&2; exit 5; }}; "
+        "set -- $(od -An -tu4 -j16 -N8 --endian=big {framebuffer}); [ \"${{1:-0}}\" != 0 ] || {{ echo \"the desktop is starting again: take a screenshot once it is up\" >&2; exit 5; }}; [ \"$1x$2\" = {w}x{h} ] || {{ echo \"the screen is now $1×$2, not the {w}×{h} of the last screenshot: take a screenshot, and use its coordinates\" >&2; exit 5; }}; "
     )
 }
 
@@ -1186,6 +1217,12 @@ mod tests {
         assert!(o.stdout.is_empty());
         let e = String::from_utf8_lossy(&o.stderr);
         assert!(e.contains("now 1280×800, not the 1920×1080"), "{e}");
+        // a display starting again: Xvfb's new file is zeros until it writes the header
+        std::fs::write(&fb, vec![0u8; 4096]).unwrap();
+        let o = run((1280, 800));
+        assert_eq!(o.status.code(), Some(5));
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(e.contains("starting again"), "{e}");
     }
 
     #[test]

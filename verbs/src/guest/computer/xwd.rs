@@ -70,6 +70,13 @@ pub fn gunzip(data: &[u8], cap: usize) -> Result<Vec<u8>> {
 /// The bytes of the header's fields: what [`size`] reads.
 pub const HEADER: usize = FIELDS * 4;
 
+/// Whether `data` is a framebuffer file Xvfb has made but not yet written its header to: it
+/// fills a new file with zeros first, then writes the header, and its display's socket is up
+/// before that (at start, and at each restart for a new `spec.display`). Worth another read.
+pub fn unwritten(data: &[u8]) -> bool {
+    data.len() < HEADER || data[..8].iter().all(|b| *b == 0)
+}
+
 /// The screen's size from the start of its XWD file (at least [`HEADER`] bytes).
 pub fn size(data: &[u8]) -> Result<(u32, u32)> {
     let (f, _) = fields(data)?;
@@ -234,6 +241,17 @@ pub(crate) mod tests {
         let e = gunzip(&z, 100).unwrap_err().to_string();
         assert!(e.contains("over 100 bytes"), "{e}");
         assert!(gunzip(b"plain", 100).is_err());
+    }
+
+    /// A file Xvfb has made but not filled (zeros, or shorter than a header) is worth another
+    /// read; a written one, or one of another format, is not.
+    #[test]
+    fn a_file_xvfb_has_not_written_is_told_apart() {
+        assert!(unwritten(&[]));
+        assert!(unwritten(&[0; HEADER - 1]));
+        assert!(unwritten(&[0; 65536]));
+        assert!(!unwritten(&xwd(4, 2, |_, _| [0, 0, 0])));
+        assert!(!unwritten(&[0xff; 65536]));
     }
 
     #[test]
