@@ -233,3 +233,71 @@ async fn malformed_and_odd_queries_get_nothing_looked_up() {
     let m = d.ask(&query("mirror.test.", RecordType::A, false)).await;
     assert_eq!(addrs(&m), vec![Ipv4Addr::new(203, 0, 113, 7)]);
 }
+
+/// On a shared UDP address (libvirt's guests), each query is the VM's whose guest address it
+/// comes from, answered by that VM's policy; an address no VM has gets nothing, and one that
+/// leaves the map is no longer answered.
+#[tokio::test]
+async fn a_shared_address_answers_each_guest_by_its_address() {
+    let d = Dns::start().await;
+    let write = |vm: &str, policy, allow: &[&str]| {
+        boxery_home::egress::write(
+            d.f.home(),
+            vm,
+            &Egress {
+                policy,
+                allow: allow.iter().map(|s| s.to_string()).collect(),
+            },
+        )
+        .unwrap();
+    };
+    write("s1", EgressPolicy::Allowlist, &["mirror.test"]);
+    write("s2", EgressPolicy::Public, &[]);
+    let askers: boxery_proxy::dns::Askers = Default::default();
+    askers.write().unwrap().extend([
+        ([127, 0, 0, 1].into(), "s1".to_string()),
+        ([127, 0, 0, 2].into(), "s2".to_string()),
+    ]);
+    let at = boxery_proxy::dns::start_shared(
+        &d.f.server,
+        "127.0.0.1:0".parse().unwrap(),
+        askers.clone(),
+        d.f.stop.child_token(),
+    )
+    .await
+    .unwrap();
+    let ask = |from: [u8; 4], name: &'static str| async move {
+        let c = tokio::net::UdpSocket::bind((Ipv4Addr::from(from), 0))
+            .await
+            .unwrap();
+        let q = query(name, RecordType::A, true);
+        c.send_to(&q.to_vec().unwrap(), at).await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_millis(500), c.recv(&mut buf))
+            .await
+            .ok()?
+            .unwrap();
+        let m = Message::from_vec(&buf[..n]).unwrap();
+        assert_eq!(m.metadata.id, q.metadata.id);
+        Some(m)
+    };
+    let m = ask([127, 0, 0, 1], "mirror.test").await.expect("an answer");
+    assert_eq!(addrs(&m), [Ipv4Addr::new(203, 0, 113, 7)]);
+    let m = ask([127, 0, 0, 1], "other.test").await.expect("an answer");
+    assert_eq!(
+        m.metadata.response_code,
+        ResponseCode::NXDomain,
+        "s1's allow list"
+    );
+    let m = ask([127, 0, 0, 2], "other.test").await.expect("an answer");
+    assert_eq!(addrs(&m), [Ipv4Addr::new(203, 0, 113, 8)], "s2 is Public");
+    assert!(
+        ask([127, 0, 0, 3], "mirror.test").await.is_none(),
+        "no VM's address"
+    );
+    askers.write().unwrap().remove(&[127, 0, 0, 2].into());
+    assert!(
+        ask([127, 0, 0, 2], "other.test").await.is_none(),
+        "gone from the map"
+    );
+}
