@@ -483,29 +483,11 @@ pub struct GuestProxy {
 /// A guest's name lookups answered by the control plane (docs/egress.md, "Name lookups").
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GuestDns {
-    /// Where the control plane takes them.
-    pub listen: DnsListen,
-    /// The name server as the guest uses it (the guest is told it at each boot): slirp's
-    /// `10.0.2.3:53` (qemu), the proxy's address and port on the bridge (libvirt).
-    pub server: std::net::SocketAddrV4,
-}
-
-/// Where the control plane takes a guest's name lookups.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum DnsListen {
-    /// A unix datagram socket of this one VM, where its network helper sends each query tagged
-    /// with its asker (`boxery_net::dns`): the socket names the VM.
-    Unix(PathBuf),
-    /// A UDP address shared by the backend's VMs (libvirt: the credential proxy's address and
-    /// port on the bridge): a query is this VM's when it comes from `guest`, the address its NIC
-    /// filter pins (no guest can send from another's). `None` while the backend does not know
-    /// it yet: no query is taken as this VM's.
-    Udp {
-        /// The address to bind.
-        addr: std::net::SocketAddr,
-        /// The guest's own address.
-        guest: Option<std::net::Ipv4Addr>,
-    },
+    /// The unix datagram socket the VM's network helper sends them to (`boxery_net::dns`),
+    /// where the control plane answers.
+    pub listen: PathBuf,
+    /// The DNS server's address as the guest uses it (the guest is told it at each boot).
+    pub addr: std::net::Ipv4Addr,
 }
 
 /// Where the control plane serves the credential proxy for a guest.

@@ -870,26 +870,19 @@ fn free_address() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guest_reaches_the_proxy_port_only() {
     use boxery_backends::libvirt::{PROXY_PORTS, xml};
-    use boxery_backends::{DnsListen, GuestDns, GuestProxy, ProxyListen};
+    use boxery_backends::{GuestProxy, ProxyListen};
     let env = Env::new().await;
     let b = &env.backend;
     let gp = b.guest_proxy("p1").expect("a guest proxy once init ran");
     let ProxyListen::Tcp(addr) = gp.listen else {
         panic!("a TCP listener: {gp:?}")
     };
-    let std::net::SocketAddr::V4(server) = addr else {
-        panic!("an IPv4 gateway: {addr}")
-    };
     assert_eq!(
         gp,
         GuestProxy {
             url: format!("http://{addr}"),
             listen: ProxyListen::Tcp(addr),
-            // the guest's address unknown before it runs: no lookup is taken as its
-            dns: Some(GuestDns {
-                listen: DnsListen::Udp { addr, guest: None },
-                server,
-            }),
+            dns: None,
         }
     );
     let net = String::from_utf8_lossy(&virsh(&["net-dumpxml", "default"]).stdout).to_string();
@@ -951,44 +944,6 @@ async fn guest_reaches_the_proxy_port_only() {
         filter_state(&dom)
     );
     assert_eq!(other.hits(), before, "the other listener saw no connection");
-
-    // Name lookups: UDP to the proxy's port reaches the host from the guest's own address,
-    // which the backend reports as the VM's; UDP to another port of the gateway is dropped.
-    let guest_ip: std::net::Ipv4Addr = env
-        .endpoint("p1", Duration::from_secs(10))
-        .await
-        .rsplit_once(':')
-        .unwrap()
-        .0
-        .parse()
-        .unwrap();
-    assert_eq!(
-        b.guest_proxy("p1").and_then(|g| g.dns).map(|d| d.listen),
-        Some(DnsListen::Udp {
-            addr,
-            guest: Some(guest_ip)
-        })
-    );
-    let udp = std::net::UdpSocket::bind(addr).unwrap();
-    let udp_other = std::net::UdpSocket::bind(std::net::SocketAddr::new(addr.ip(), 0)).unwrap();
-    let ask = |to: std::net::SocketAddr| {
-        format!("timeout 3 nslookup probe.invalid {to} >/dev/null 2>&1; echo asked")
-    };
-    assert_eq!(env.run("p1", &ask(addr)).await, "asked");
-    assert_eq!(
-        udp_from(&udp),
-        Some(std::net::IpAddr::V4(guest_ip)),
-        "a lookup reaches the proxy's port from the guest's address"
-    );
-    assert_eq!(
-        env.run("p1", &ask(udp_other.local_addr().unwrap())).await,
-        "asked"
-    );
-    assert_eq!(
-        udp_from(&udp_other),
-        None,
-        "UDP to another port of the gateway is dropped"
-    );
 
     // The host before this version: the isolation filter without its gateway rule, and a
     // domain started then, whose NIC references the isolation filter alone (no PROXY_PORT).
@@ -1104,18 +1059,6 @@ async fn guest_reaches_the_proxy_port_only() {
 
     b.remove("p1").await.unwrap();
     assert!(env.domains().is_empty(), "no domain left");
-}
-
-/// Where the first datagram on `sock` came from, waiting 2 s at most; `None` when none came.
-fn udp_from(sock: &std::net::UdpSocket) -> Option<std::net::IpAddr> {
-    sock.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-    let mut buf = [0u8; 1500];
-    let got = sock.recv_from(&mut buf).ok().map(|(_, from)| from.ip());
-    // the rest (the resolver's retries) drained
-    sock.set_nonblocking(true).unwrap();
-    while sock.recv_from(&mut buf).is_ok() {}
-    sock.set_nonblocking(false).unwrap();
-    got
 }
 
 /// A guest's command for an HTTP request to `ip:port` (busybox `nc`; the tiny guest's busybox
@@ -1234,21 +1177,6 @@ async fn set_egress_confines_a_running_guest_and_lets_it_go() {
         "proxy",
         "confined: the proxy port answers"
     );
-    // the control plane's name lookups: UDP to the proxy's port
-    let udp = std::net::UdpSocket::bind(addr).unwrap();
-    assert_eq!(
-        env.run(
-            "e1",
-            &format!("timeout 3 nslookup probe.invalid {addr} >/dev/null 2>&1; echo asked")
-        )
-        .await,
-        "asked"
-    );
-    assert!(
-        udp_from(&udp).is_some(),
-        "confined: a lookup reaches the proxy's port"
-    );
-    drop(udp);
     assert_eq!(
         env.run("e1", &fetch(gw, other.addr.port(), 1)).await,
         "dropped",

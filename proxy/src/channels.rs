@@ -11,10 +11,7 @@
 //!   is refused there. It is created 0600 (QEMU runs as this user) and removed with the
 //!   channel, and when [`keep`] stops.
 //! - A VM's own channel also answers its guest's name lookups where its backend says where
-//!   ([`GuestProxy::dns`], [`crate::dns`]); that socket lives and goes with the channel. A
-//!   shared lookup address ([`DnsListen::Udp`]) is served while a VM with a token uses it, and
-//!   takes each query as the VM's whose guest address it comes from, as the backend reports
-//!   them each pass (an address two VMs claim is nobody's).
+//!   ([`GuestProxy::dns`], [`crate::dns`]); that socket lives and goes with the channel.
 //! - A TCP address that cannot be bound is retried every pass and reported once until it is.
 //!
 //! # Caveats
@@ -22,13 +19,12 @@
 //!   checked against the token file.
 
 use std::collections::{HashMap, HashSet};
-use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use boxery_backends::{Backend, DnsListen, GuestDns, GuestProxy, ProxyListen};
+use boxery_backends::{Backend, GuestProxy, ProxyListen};
 use tokio_util::sync::CancellationToken;
 
 use crate::Proxy;
@@ -54,20 +50,11 @@ impl Served {
     }
 }
 
-/// A shared address where the guests of several VMs send their name lookups
-/// ([`DnsListen::Udp`]).
-struct SharedDns {
-    stop: CancellationToken,
-    askers: crate::dns::Askers,
-}
-
 /// Keep a channel for every VM with a token until `stop`.
 pub async fn keep(proxy: Proxy, backend: Arc<dyn Backend>, stop: CancellationToken) {
     let home = proxy.inner.home.clone();
     let mut served: HashMap<ProxyListen, Served> = HashMap::new();
     let mut failed: HashSet<ProxyListen> = HashSet::new();
-    let mut shared: HashMap<SocketAddr, SharedDns> = HashMap::new();
-    let mut shared_failed: HashSet<SocketAddr> = HashSet::new();
     let mut tick = tokio::time::interval(EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -78,29 +65,14 @@ pub async fn keep(proxy: Proxy, backend: Arc<dyn Backend>, stop: CancellationTok
         // What should be served: each VM with a token, at the place its backend names.
         let mut want: HashMap<ProxyListen, GuestProxy> = HashMap::new();
         let mut channels: HashMap<ProxyListen, String> = HashMap::new();
-        // each shared lookup address's askers: a guest address two VMs claim is nobody's
-        let mut askers: HashMap<SocketAddr, HashMap<Ipv4Addr, Option<String>>> = HashMap::new();
         for vm in boxery_home::tokens::vms(&home) {
             if let Some(g) = backend.guest_proxy(&vm) {
-                if let Some(GuestDns {
-                    listen: DnsListen::Udp { addr, guest },
-                    ..
-                }) = &g.dns
-                {
-                    let at = askers.entry(*addr).or_default();
-                    if let Some(ip) = guest {
-                        at.entry(*ip)
-                            .and_modify(|v| *v = None)
-                            .or_insert_with(|| Some(vm.clone()));
-                    }
-                }
                 if matches!(g.listen, ProxyListen::Unix(_)) {
                     channels.insert(g.listen.clone(), vm);
                 }
                 want.insert(g.listen.clone(), g);
             }
         }
-        keep_shared(&proxy, &mut shared, &mut shared_failed, askers, &stop).await;
         for listen in served.keys().cloned().collect::<Vec<_>>() {
             if !want.contains_key(&listen)
                 && let Some(s) = served.remove(&listen)
@@ -135,55 +107,6 @@ pub async fn keep(proxy: Proxy, backend: Arc<dyn Backend>, stop: CancellationTok
     for (listen, s) in served {
         s.end(&listen);
     }
-    for s in shared.into_values() {
-        s.stop.cancel();
-    }
-}
-
-/// Serve each shared lookup address in `want` with its askers, and no other.
-async fn keep_shared(
-    proxy: &Proxy,
-    shared: &mut HashMap<SocketAddr, SharedDns>,
-    failed: &mut HashSet<SocketAddr>,
-    want: HashMap<SocketAddr, HashMap<Ipv4Addr, Option<String>>>,
-    stop: &CancellationToken,
-) {
-    shared.retain(|addr, s| {
-        let keep = want.contains_key(addr);
-        if !keep {
-            s.stop.cancel();
-        }
-        keep
-    });
-    failed.retain(|a| want.contains_key(a));
-    for (addr, askers) in want {
-        let askers: HashMap<Ipv4Addr, String> = askers
-            .into_iter()
-            .filter_map(|(ip, vm)| Some((ip, vm?)))
-            .collect();
-        if let Some(s) = shared.get(&addr) {
-            *s.askers.write().unwrap_or_else(|p| p.into_inner()) = askers;
-            continue;
-        }
-        let s = SharedDns {
-            stop: stop.child_token(),
-            askers: Arc::new(std::sync::RwLock::new(askers)),
-        };
-        match crate::dns::start_shared(proxy, addr, s.askers.clone(), s.stop.clone()).await {
-            Ok(_) => {
-                if failed.remove(&addr) {
-                    tracing::info!(%addr, "answering guests' name lookups");
-                }
-                shared.insert(addr, s);
-            }
-            Err(e) => {
-                if failed.insert(addr) {
-                    tracing::warn!(%addr, error = %e,
-                        "cannot answer guests' name lookups where they send them; retrying");
-                }
-            }
-        }
-    }
 }
 
 /// Remove a channel's socket file.
@@ -209,13 +132,7 @@ async fn start(
 ) -> std::io::Result<Served> {
     let listen = &g.listen;
     let dns = match (&channel, &g.dns) {
-        (
-            Some(vm),
-            Some(GuestDns {
-                listen: DnsListen::Unix(path),
-                ..
-            }),
-        ) => Some((vm.clone(), path.clone())),
+        (Some(vm), Some(d)) => Some((vm.clone(), d.listen.clone())),
         _ => None,
     };
     let router = proxy.router_seen_at(channel, Some(&g.url));

@@ -1,13 +1,10 @@
-//! The guests' name lookups (docs/egress.md, "Name lookups"), answered by the asking VM's
-//! egress policy, as the egress proxy decides a connection. Two ways in: on qemu a VM's
-//! network helper sends each DNS query its guest makes (tagged with where the answer goes,
-//! `boxery_net::dns`) to the VM's own datagram socket ([`start`]); on libvirt the guests send
-//! them to one UDP address on the bridge, the proxy's ([`start_shared`]).
+//! The guests' name lookups (docs/egress.md, "Name lookups"): a VM's network helper sends
+//! each DNS query its guest makes (tagged with where the answer goes, `boxery_net::dns`) to
+//! the VM's own datagram socket, and this answers it by the VM's egress policy, as the egress
+//! proxy decides a connection.
 //!
 //! # Guarantees
-//! - The VM is the socket's, or on a shared address the one whose guest address the query
-//!   comes from (its NIC filter pins it: no guest sends from another's, [`Askers`]; an address
-//!   two VMs claim is nobody's); its policy is read per query (`$BOXERY_HOME/egress/<vm>`).
+//! - The VM is the socket's; its policy is read per query (`$BOXERY_HOME/egress/<vm>`).
 //! - A name the policy refuses is never looked up: the answer is NXDOMAIN with an Extended
 //!   DNS Error "Blocked" (RFC 8914, when the query has EDNS) that says why in the words of
 //!   the egress proxy's refusal.
@@ -27,8 +24,7 @@
 //! - An allowed name's answer says where it is; a guest still reaches it only through the
 //!   egress proxy, which resolves and checks again.
 
-use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -36,7 +32,7 @@ use std::time::Instant;
 use hickory_proto::op::{Edns, Message, MessageType, OpCode, ResponseCode};
 use hickory_proto::rr::rdata::opt::EdnsOption;
 use hickory_proto::rr::{DNSClass, RData, Record, RecordType, rdata::A};
-use tokio::net::{UdpSocket, UnixDatagram};
+use tokio::net::UnixDatagram;
 use tokio_util::sync::CancellationToken;
 
 use crate::audit;
@@ -96,39 +92,12 @@ const EDE_BLOCKED: u16 = 15;
 /// The longest reason carried in an Extended DNS Error.
 const EDE_TEXT: usize = 200;
 
-/// One VM's lookups let through: its [`Bucket`], and how many were dropped past it.
-#[derive(Debug)]
-struct Gate {
-    bucket: Bucket,
-    dropped: u64,
-}
-
-impl Gate {
-    fn new() -> Self {
-        Gate {
-            bucket: Bucket::new(),
-            dropped: 0,
-        }
-    }
-
-    /// Whether VM `vm`'s next lookup is taken (a warning now and then when it is not).
-    fn admit(&mut self, vm: &str) -> bool {
-        if self.bucket.take() {
-            return true;
-        }
-        self.dropped += 1;
-        if self.dropped.is_power_of_two() {
-            tracing::warn!(vm = %vm, dropped = self.dropped, "a guest's name lookups past {PER_SECOND}/s are dropped");
-        }
-        false
-    }
-}
-
 /// Answer VM `vm`'s lookups arriving on `sock` until `stop`.
 pub(crate) async fn serve(proxy: Proxy, vm: String, sock: UnixDatagram, stop: CancellationToken) {
     let sock = Arc::new(sock);
     let mut buf = vec![0u8; TAG + MAX_QUERY + 1];
-    let mut gate = Gate::new();
+    let mut bucket = Bucket::new();
+    let mut dropped = 0u64;
     loop {
         let got = tokio::select! {
             _ = stop.cancelled() => return,
@@ -145,7 +114,11 @@ pub(crate) async fn serve(proxy: Proxy, vm: String, sock: UnixDatagram, stop: Ca
         if !(TAG..=TAG + MAX_QUERY).contains(&n) {
             continue;
         }
-        if !gate.admit(&vm) {
+        if !bucket.take() {
+            dropped += 1;
+            if dropped.is_power_of_two() {
+                tracing::warn!(vm = %vm, dropped, "a guest's name lookups past {PER_SECOND}/s are dropped");
+            }
             continue;
         }
         let Some(permit) = proxy.inner.permit(&format!("dns {vm}"), IN_FLIGHT) else {
@@ -156,66 +129,6 @@ pub(crate) async fn serve(proxy: Proxy, vm: String, sock: UnixDatagram, stop: Ca
         tokio::spawn(async move {
             if let Some(answer) = answer(&proxy.inner, &vm, &query).await {
                 let _ = sock.send_to(&[&tag[..], &answer].concat(), &to).await;
-            }
-            drop(permit);
-        });
-    }
-}
-
-/// The VM of each guest address asking on a shared listener (`DnsListen::Udp`), kept by
-/// `channels::keep` from the backend's pinned addresses.
-pub type Askers = Arc<std::sync::RwLock<HashMap<Ipv4Addr, String>>>;
-
-/// Answer the lookups arriving on `sock`, a UDP socket the guests of several VMs share, until
-/// `stop`: each query is the VM's whose guest address it comes from (`askers`); a query from
-/// an address no VM has is dropped unanswered (its guest's address is not pinned yet, or it
-/// is no guest of ours).
-pub(crate) async fn serve_shared(
-    proxy: Proxy,
-    sock: UdpSocket,
-    askers: Askers,
-    stop: CancellationToken,
-) {
-    let sock = Arc::new(sock);
-    let mut buf = vec![0u8; MAX_QUERY + 1];
-    let mut gates: HashMap<String, Gate> = HashMap::new();
-    loop {
-        let got = tokio::select! {
-            _ = stop.cancelled() => return,
-            got = sock.recv_from(&mut buf) => got,
-        };
-        let Ok((n, from)) = got else {
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            continue;
-        };
-        let IpAddr::V4(ip) = from.ip() else { continue };
-        let Some(vm) = askers
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&ip)
-            .cloned()
-        else {
-            continue;
-        };
-        if !(1..=MAX_QUERY).contains(&n) {
-            continue;
-        }
-        if gates.len() > 4 * IN_FLIGHT && !gates.contains_key(&vm) {
-            // VMs gone since: their gates go (a VM that comes back starts with a full bucket)
-            let live = askers.read().unwrap_or_else(|p| p.into_inner()).clone();
-            gates.retain(|v, _| live.values().any(|l| l == v));
-        }
-        if !gates.entry(vm.clone()).or_insert_with(Gate::new).admit(&vm) {
-            continue;
-        }
-        let Some(permit) = proxy.inner.permit(&format!("dns {vm}"), IN_FLIGHT) else {
-            continue;
-        };
-        let query = buf[..n].to_vec();
-        let (proxy, sock) = (proxy.clone(), sock.clone());
-        tokio::spawn(async move {
-            if let Some(answer) = answer(&proxy.inner, &vm, &query).await {
-                let _ = sock.send_to(&answer, from).await;
             }
             drop(permit);
         });
@@ -354,20 +267,6 @@ pub fn start(proxy: &Proxy, vm: &str, path: &Path, stop: CancellationToken) -> s
     let (proxy, vm) = (proxy.clone(), vm.to_string());
     tokio::spawn(serve(proxy, vm, sock, stop));
     Ok(())
-}
-
-/// Bind the shared UDP address `addr` and answer the lookups of the VMs in `askers` there
-/// until `stop`: the address bound.
-pub async fn start_shared(
-    proxy: &Proxy,
-    addr: std::net::SocketAddr,
-    askers: Askers,
-    stop: CancellationToken,
-) -> std::io::Result<std::net::SocketAddr> {
-    let sock = UdpSocket::bind(addr).await?;
-    let bound = sock.local_addr()?;
-    tokio::spawn(serve_shared(proxy.clone(), sock, askers, stop));
-    Ok(bound)
 }
 
 #[cfg(test)]

@@ -83,7 +83,7 @@ pub struct Plan {
     pub display: Option<Option<boxery_api::vm::Display>>,
     /// Where the guest's resolver should send name lookups, when the control plane answers
     /// them ([`dns_script`]).
-    pub dns: Option<std::net::SocketAddrV4>,
+    pub dns: Option<std::net::Ipv4Addr>,
 }
 
 impl Plan {
@@ -95,7 +95,7 @@ impl Plan {
         let (url, channel, dns) = (
             g.url,
             matches!(g.listen, boxery_backends::ProxyListen::Unix(_)),
-            g.dns.map(|d| d.server),
+            g.dns.map(|d| d.addr),
         );
         let (owner, token) = boxery_home::tokens::read(&ctx.home, vm)?;
         let grants = boxery_home::grants::read_state(&ctx.home, vm)
@@ -172,7 +172,7 @@ pub struct Files {
     /// ([`display_script`]).
     pub display: Option<Option<String>>,
     /// The guest's DNS server, when the control plane answers its lookups ([`dns_script`]).
-    pub dns: Option<std::net::SocketAddrV4>,
+    pub dns: Option<std::net::Ipv4Addr>,
 }
 
 /// Where the Docker daemon's proxy drop-in goes: on the disk when its proxy URL holds no token
@@ -630,29 +630,13 @@ pub fn script(f: &Files, rev: &str) -> String {
 /// runs as its own user; the script's umask is 077), where the control plane
 /// answers name lookups by the VM's egress policy (docs/egress.md, "Name lookups"): a
 /// systemd-resolved drop-in on tmpfs (written at every boot; the image is not changed, so it
-/// boots elsewhere unaffected) that sends every name there (`Domains=~.`: not also to a name
-/// server DHCP gave the link, libvirt's dnsmasq), resolved restarted when it changed; without
-/// resolved, a `nameserver` line in an `/etc/resolv.conf` that has none (busybox's, as DHCP
-/// left it), which can only name port 53 (libvirt's port is another: such a guest gets no
-/// lookups there, and is told so).
-fn dns_script(dns: std::net::SocketAddrV4) -> String {
-    let server = match dns.port() {
-        53 => dns.ip().to_string(),
-        _ => dns.to_string(),
-    };
+/// boots elsewhere unaffected), resolved restarted when it changed; without resolved, a
+/// `nameserver` line in an `/etc/resolv.conf` that has none (busybox's, as DHCP left it).
+fn dns_script(dns: std::net::Ipv4Addr) -> String {
     let conf = format!(
         "# boxery (docs/egress.md): name lookups go to the control plane, which answers by the VM's egress policy\n\
-         [Resolve]\nDNS={server}\nDomains=~.\n"
+         [Resolve]\nDNS={dns}\n"
     );
-    let resolv_conf = match dns.port() {
-        53 => format!(
-            "{{ printf 'nameserver %s\\n' {ip} | sudo -n tee -a /etc/resolv.conf >/dev/null || echo 'boxery: cannot add the name server to /etc/resolv.conf' >&2; }}",
-            ip = dns.ip()
-        ),
-        port => format!(
-            "echo 'boxery: name lookups are answered on port {port}, which /etc/resolv.conf cannot name: this guest needs systemd-resolved for them' >&2"
-        ),
-    };
     format!(
         "r=/run/systemd/resolved.conf.d/90-boxery-dns.conf\n\
          if [ -d /run/systemd/resolve ]; then \
@@ -660,7 +644,7 @@ fn dns_script(dns: std::net::SocketAddrV4) -> String {
          sudo -n install -d -m 0755 \"$(dirname \"$r\")\" && printf '%s' {c} | sudo -n tee \"$r.new\" >/dev/null && sudo -n chmod 0644 \"$r.new\" && sudo -n mv \"$r.new\" \"$r\" && \
          {{ sudo -n systemctl try-restart systemd-resolved.service || echo 'boxery: systemd-resolved did not restart (journalctl -u systemd-resolved)' >&2; }} || echo 'boxery: cannot point systemd-resolved at the name server' >&2; fi; \
          elif [ -f /etc/resolv.conf ] && [ ! -L /etc/resolv.conf ] && ! grep -qs '^nameserver' /etc/resolv.conf; then \
-         {resolv_conf}; fi\n",
+         {{ printf 'nameserver %s\\n' {dns} | sudo -n tee -a /etc/resolv.conf >/dev/null || echo 'boxery: cannot add the name server to /etc/resolv.conf' >&2; }}; fi\n",
         c = shell_quote(&conf),
     )
 }
@@ -1008,7 +992,7 @@ mod dns_tests {
 
     /// The name-lookup part run against `root` ([`super::shimmed::run`]).
     fn run(root: &std::path::Path) -> String {
-        super::shimmed::run(root, &dns_script("10.0.2.3:53".parse().unwrap()))
+        super::shimmed::run(root, &dns_script(std::net::Ipv4Addr::new(10, 0, 2, 3)))
     }
 
     #[test]
@@ -1020,7 +1004,7 @@ mod dns_tests {
             .path()
             .join("run/systemd/resolved.conf.d/90-boxery-dns.conf");
         let f = std::fs::read_to_string(&conf).unwrap();
-        assert!(f.contains("[Resolve]\nDNS=10.0.2.3\nDomains=~.\n"), "{f}");
+        assert!(f.contains("[Resolve]\nDNS=10.0.2.3\n"), "{f}");
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(&conf).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o644, "resolved (its own user) reads it");
@@ -1055,34 +1039,6 @@ mod dns_tests {
             std::fs::read_to_string(&rc).unwrap(),
             "nameserver 192.0.2.53\n"
         );
-    }
-
-    /// libvirt's server listens on the proxy's port: resolved is given it; a resolv.conf
-    /// cannot name a port, so it is left, and the guest is told why it gets no lookups.
-    #[test]
-    fn a_server_on_another_port_is_for_resolved_only() {
-        let server = "192.168.122.1:24123".parse().unwrap();
-        let root = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(root.path().join("run/systemd/resolve")).unwrap();
-        super::shimmed::run(root.path(), &dns_script(server));
-        let f = std::fs::read_to_string(
-            root.path()
-                .join("run/systemd/resolved.conf.d/90-boxery-dns.conf"),
-        )
-        .unwrap();
-        assert!(
-            f.contains("[Resolve]\nDNS=192.168.122.1:24123\nDomains=~.\n"),
-            "{f}"
-        );
-        let root = tempfile::tempdir().unwrap();
-        let rc = root.path().join("etc/resolv.conf");
-        std::fs::create_dir_all(rc.parent().unwrap()).unwrap();
-        std::fs::write(&rc, "").unwrap();
-        super::shimmed::run(root.path(), &dns_script(server));
-        assert_eq!(std::fs::read_to_string(&rc).unwrap(), "");
-        assert!(dns_script(server).contains(
-            "name lookups are answered on port 24123, which /etc/resolv.conf cannot name"
-        ));
     }
 }
 

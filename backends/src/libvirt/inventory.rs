@@ -68,12 +68,6 @@ impl Inner {
                 ));
             }
             out.sort_by(|a, b| a.name.cmp(&b.name));
-            // a guest that no longer runs holds no address: its lookups' answers (keyed by
-            // the address, guest_proxy) must not go to whoever gets it next
-            me.pinned
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .retain(|name, _| out.iter().any(|v| &v.name == name && v.ssh.is_some()));
             Ok(out)
         })
         .await

@@ -491,31 +491,17 @@ impl Backend for LibvirtBackend {
     }
 
     /// The network's gateway and this home's port, one listener for every VM of the home
-    /// (the nwfilter lets each guest reach that one port of the host, TCP for the proxy and
-    /// UDP for name lookups). `None` until `init` (or a domain definition) has read the
-    /// network. Lookups only with isolation on: the NIC filter's pinned address is what names
-    /// the VM of a query (`Inner::pin_address`), and it is known from the guest's first
-    /// inventory row on.
+    /// (the nwfilter lets each guest reach that one port of the host). `None` until `init` (or
+    /// a domain definition) has read the network.
     fn guest_proxy(&self, name: &str) -> Option<GuestProxy> {
         if !valid_name(name) {
             return None;
         }
         let addr = (*self.inner.proxy.lock().unwrap_or_else(|p| p.into_inner()))?;
-        let dns = match addr {
-            std::net::SocketAddr::V4(server) if self.inner.config.isolation => {
-                let pinned = self.inner.pinned.lock().unwrap_or_else(|p| p.into_inner());
-                let guest = pinned.get(name).and_then(|(_, a)| a.parse().ok());
-                Some(crate::GuestDns {
-                    listen: crate::DnsListen::Udp { addr, guest },
-                    server,
-                })
-            }
-            _ => None,
-        };
         Some(GuestProxy {
             url: format!("http://{addr}"),
             listen: ProxyListen::Tcp(addr),
-            dns,
+            dns: None,
         })
     }
 }

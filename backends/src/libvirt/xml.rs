@@ -419,19 +419,16 @@ pub fn isolation_filter(uuid: Option<&str>) -> String {
     nwfilter(FILTER, uuid, &rules)
 }
 
-/// The rules that let a guest reach the control plane on the host: TCP (the credential and
-/// egress proxy) and UDP (its name lookups, answered by its egress policy) to
-/// `$GATEWAY:$PROXY_PORT`, with their replies (connection tracking).
-const TO_PROXY: &str = "  <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/></rule>
-  <rule action='accept' direction='out' priority='110'><udp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/></rule>
-";
-
-/// The filter on every guest NIC ([`GUEST_FILTER`]): the isolation filter, plus TCP and UDP
-/// from the guest to the control plane on the host ([`TO_PROXY`]), accepted before the
-/// isolation filter's drops (libvirt orders the rules of a filter and the filters it
+/// The filter on every guest NIC ([`GUEST_FILTER`]): the isolation filter, plus TCP from the
+/// guest to the credential proxy on the host (`$GATEWAY:$PROXY_PORT`) and its replies, accepted
+/// before the isolation filter's drops (libvirt orders the rules of a filter and the filters it
 /// references by priority). `uuid` keeps the filter's identity when it is redefined.
 pub fn guest_filter(uuid: Option<&str>) -> String {
-    let rules = format!("  <filterref filter='{FILTER}'/>\n{TO_PROXY}");
+    let rules = format!(
+        "  <filterref filter='{FILTER}'/>
+  <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/></rule>
+"
+    );
     nwfilter(GUEST_FILTER, uuid, &rules)
 }
 
@@ -439,15 +436,16 @@ pub fn guest_filter(uuid: Option<&str>) -> String {
 /// `Allowlist` or `Deny`, where its HTTP(S) goes through the egress proxy on the credential
 /// proxy's port): a complete filter, not the isolation filter's rules with exceptions. The same
 /// anti-spoofing and layer-2 rules (ARP and IPv4 only, so no IPv6); DHCP with the host
-/// (`$GATEWAY`); TCP and UDP from the guest to the control plane on the host ([`TO_PROXY`])
-/// and ssh into the guest from the host, with their replies (connection tracking); everything
-/// else dropped: no DNS but the control plane's (so the guest cannot ask dnsmasq for other
-/// guests' names), nothing NAT'd out, nothing of the LAN or of other guests. It takes the
+/// (`$GATEWAY`); TCP from the guest to the credential proxy on the host
+/// (`$GATEWAY:$PROXY_PORT`) and ssh into the guest from the host, with their replies
+/// (connection tracking); everything else dropped: no DNS (so the guest cannot ask dnsmasq for
+/// other guests' names), nothing NAT'd out, nothing of the LAN or of other guests. It takes the
 /// same parameters as [`GUEST_FILTER`], so libvirt accepts a live switch between the two
 /// (`Backend::set_egress`). `uuid` keeps the filter's identity when it is redefined.
 pub fn confined_filter(uuid: Option<&str>) -> String {
     let rules = format!(
-        "{GUARDS}{TO_PROXY}  <rule action='accept' direction='in' priority='120'><tcp srcipaddr='$GATEWAY' dstportstart='22'/></rule>
+        "{GUARDS}  <rule action='accept' direction='out' priority='110'><tcp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/></rule>
+  <rule action='accept' direction='in' priority='120'><tcp srcipaddr='$GATEWAY' dstportstart='22'/></rule>
   <rule action='drop' direction='inout' priority='400'><all/></rule>
 "
     );
@@ -470,27 +468,17 @@ pub fn filter_is_current(name: &str, xml: &str) -> bool {
     match name {
         // the explicit drop of the rest of the host's address
         FILTER => xml.contains("priority='190'"),
-        // the control plane's port, for name lookups too (UDP)
-        GUEST_FILTER => udp_to_proxy(xml),
-        // the control plane's port (TCP and UDP) and ssh from the host, without the isolation
+        // the credential proxy's port
+        GUEST_FILTER => xml.contains("$PROXY_PORT"),
+        // its first version: the proxy's port and ssh from the host, without the isolation
         // filter (a complete filter of its own)
         CONFINED_FILTER => {
-            udp_to_proxy(xml)
+            xml.contains("$PROXY_PORT")
                 && xml.contains("dstportstart='22'")
                 && !xml.contains(&format!("filter='{FILTER}'"))
         }
         _ => false,
     }
-}
-
-/// Whether a filter's XML (as libvirt dumps it: its own order of attributes) has a UDP rule
-/// to `$PROXY_PORT` ([`TO_PROXY`]).
-fn udp_to_proxy(xml: &str) -> bool {
-    xml.split("<udp ").skip(1).any(|r| {
-        r.split('>')
-            .next()
-            .is_some_and(|r| r.contains("$PROXY_PORT"))
-    })
 }
 
 /// The first `<ip address='…'` of a network's XML (its gateway on the bridge).
@@ -549,24 +537,6 @@ mod tests {
             !filter_is_current(CONFINED_FILTER, &guest_filter(None)),
             "the guest filter is not the confined one"
         );
-        // the versions before name lookups: TCP to the proxy's port only
-        let udp = "  <rule action='accept' direction='out' priority='110'><udp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/></rule>\n";
-        for (name, f) in [
-            (GUEST_FILTER, guest_filter(None)),
-            (CONFINED_FILTER, confined_filter(None)),
-        ] {
-            assert!(f.contains(udp), "{f}");
-            assert!(!filter_is_current(name, &f.replace(udp, "")), "{name}");
-        }
-        // as libvirt dumps it (its own order of attributes)
-        assert!(filter_is_current(
-            GUEST_FILTER,
-            "<filter name='boxery-guest'><rule action='accept' direction='out' priority='110'><udp dstportstart='$PROXY_PORT' dstipaddr='$GATEWAY'/></rule></filter>"
-        ));
-        assert!(!filter_is_current(
-            GUEST_FILTER,
-            "<rule><udp dstportstart='53'/></rule><rule><tcp dstportstart='$PROXY_PORT'/></rule>"
-        ));
     }
 
     use super::*;
@@ -743,8 +713,6 @@ mod tests {
             priority(&guest, proxy) < drop_gw,
             "accepted before the drop"
         );
-        let lookups = "<udp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/>";
-        assert!(priority(&guest, lookups) < drop_gw, "name lookups too");
         assert!(priority(&guest, proxy) < priority(&iso, "dstipaddr='192.168.0.0'"));
         assert!(
             !guest.contains("statematch"),
@@ -868,13 +836,12 @@ mod tests {
         ));
         assert!(f.contains("<rule action='accept' direction='inout' priority='-500'><mac protocolid='ipv4'/></rule>"));
         assert!(f.contains("<rule action='drop' direction='inout' priority='-400'/>"));
-        // the accepts: DHCP (3 rules), the proxy's port out (TCP, and UDP for name lookups),
-        // ssh in from the host
+        // the accepts: DHCP (3 rules), the proxy's port out, ssh in from the host
         let accepts: Vec<&str> = f
             .lines()
             .filter(|l| l.contains("action='accept'") && !l.contains("<mac "))
             .collect();
-        assert_eq!(accepts.len(), 6, "{accepts:#?}");
+        assert_eq!(accepts.len(), 5, "{accepts:#?}");
         assert_eq!(
             accepts
                 .iter()
@@ -889,14 +856,7 @@ mod tests {
         assert!(f.contains(
             "<rule action='accept' direction='in' priority='120'><tcp srcipaddr='$GATEWAY' dstportstart='22'/></rule>"
         ));
-        assert!(
-            !f.contains("dstportstart='53'"),
-            "no DNS but the control plane's"
-        );
-        let lookups = "<udp dstipaddr='$GATEWAY' dstportstart='$PROXY_PORT'/>";
-        assert!(f.contains(&format!(
-            "<rule action='accept' direction='out' priority='110'>{lookups}</rule>"
-        )));
+        assert!(!f.contains("dstportstart='53'"), "no DNS");
         assert!(f.ends_with(
             "<rule action='drop' direction='inout' priority='400'><all/></rule>\n</filter>\n"
         ));

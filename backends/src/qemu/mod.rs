@@ -378,8 +378,8 @@ impl Backend for QemuBackend {
             ),
             listen: crate::ProxyListen::Unix(self.inner.layout.vm_proxy(name)),
             dns: Some(crate::GuestDns {
-                listen: crate::DnsListen::Unix(self.inner.layout.vm_dns(name)),
-                server: std::net::SocketAddrV4::new(process::GUEST_DNS, 53),
+                listen: self.inner.layout.vm_dns(name),
+                addr: process::GUEST_DNS,
             }),
         })
     }

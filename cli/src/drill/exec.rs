@@ -127,9 +127,6 @@ fn script(probes: &[Probe], proxy: &str) -> String {
          else echo 'no nc or bash in the guest'; fi; }}\n\
          lookup() {{ if command -v getent >/dev/null 2>&1; then timeout $T getent hosts \"$1\" && echo ANSWERED; \
          else o=$(timeout $T nc -w 1 \"$1\" 9 </dev/null 2>&1); echo \"$o\"; case \"$o\" in *'bad address'*|'') ;; *'('*')'*) echo ANSWERED;; esac; fi; }}\n\
-         ask() {{ if [ -d /run/systemd/resolve ] || [ \"${{2##*:}}\" = 53 ]; then lookup \"$1\"; \
-         elif command -v nslookup >/dev/null 2>&1; then echo \"(asked of $2: the guest's resolver cannot use a port other than 53)\"; o=$(timeout $T nslookup \"$1\" \"$2\" 2>&1); echo \"$o\"; \
-         case \"$o\" in *Name:*Address*) echo ANSWERED;; esac; else echo \"the guest has no resolver that can use $2\"; fi; }}\n\
          auth=''; if [ -n \"${{BOXERY_TOKEN:-}}\" ]; then auth=\"Proxy-Authorization: Bearer $BOXERY_TOKEN\\r\\n\"; fi\n",
         shell_quote(phost),
         pport,
@@ -152,7 +149,6 @@ fn script(probes: &[Probe], proxy: &str) -> String {
                 )
             }
             How::Lookup(n) => format!("lookup {}", shell_quote(n)),
-            How::Ask(n, server) => format!("ask {} {server}", shell_quote(n)),
             How::Token(with) => {
                 let h = if *with {
                     "x-boxery-token: ${BOXERY_TOKEN:-none}\\r\\n"
@@ -205,7 +201,7 @@ fn outcome(out: &str, nonce: &str, how: &How) -> Expect {
         .and_then(|l| l.split_whitespace().nth(1))
         .unwrap_or("");
     match how {
-        How::Lookup(_) | How::Ask(..) => {
+        How::Lookup(_) => {
             if out.contains("ANSWERED") {
                 Expect::Answer
             } else {

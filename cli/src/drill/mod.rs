@@ -87,12 +87,7 @@ pub async fn run(v: &Verbs, vm: &str, sibling: Option<&str>) -> Result<Vec<Row>>
         .guest_network(vm)
         .await?
         .with_context(|| format!("VM {vm}'s guest has no network on the {backend} backend"))?;
-    // (where its guests reach the control plane is known once the backend read its network)
-    hypervisor.init().await?;
-    let dns = hypervisor
-        .guest_proxy(vm)
-        .and_then(|g| g.dns)
-        .map(|d| d.server);
+    let dns = hypervisor.guest_proxy(vm).is_some_and(|g| g.dns.is_some());
     // (a name mapped to an address no guest reaches has no answer whatever the policy)
     let resolve = boxery_verbs::env::read_config(v.home())?
         .proxy

@@ -2,7 +2,7 @@
 //! made from the drill's targets (the listeners, a sibling VM, the stand-ins), the VM's egress
 //! policy and how its backend wires the guest's network. Nothing here touches the network.
 
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::SocketAddr;
 
 use boxery_api::network::{Egress, EgressPolicy};
 use boxery_backends::GuestNetwork;
@@ -56,10 +56,6 @@ pub(super) enum How {
     Connect(String, u16),
     /// A name lookup in the guest.
     Lookup(String),
-    /// A name lookup in the guest, of boxery's name server there (what it is told to use): the
-    /// guest's resolver where it can use that server, else the server asked directly (a
-    /// server on another port than 53, libvirt's, and a guest without systemd-resolved).
-    Ask(String, SocketAddrV4),
     /// A credential-proxy request, with the VM's token or without.
     Token(bool),
 }
@@ -121,9 +117,9 @@ pub(super) struct Targets {
     pub(super) sibling: Option<(String, SocketAddr)>,
     /// The stand-ins, or why they could not be made.
     pub(super) standins: Result<Standins, String>,
-    /// Where the control plane answers the guest's name lookups, as the guest reaches it (its
-    /// backend's `GuestProxy::dns`), when it does.
-    pub(super) dns: Option<SocketAddrV4>,
+    /// Whether the control plane answers the guest's name lookups (its backend's
+    /// `GuestProxy::dns`).
+    pub(super) dns: bool,
     /// The names config `proxy.egress.resolve` maps to addresses a guest may reach: answered
     /// without the host's DNS, so a lookup's answer shows the policy and nothing else.
     pub(super) resolve: Vec<String>,
@@ -275,16 +271,16 @@ impl Plan {
             Expect::Answer,
             Control::None,
         );
-        let Some(server) = t.dns else {
+        if !t.dns {
             return;
-        };
+        }
         let allowed = t.resolve.iter().find(|n| t.policy.allows_name(n));
         let refused = t.resolve.iter().find(|n| !t.policy.allows_name(n));
         if let Some(n) = allowed {
             self.push(
                 format!("name lookup of {n} (allowed)"),
                 "dns-allowed",
-                How::Ask(n.clone(), server),
+                How::Lookup(n.clone()),
                 Expect::Answer,
                 Control::None,
             );
@@ -293,7 +289,7 @@ impl Plan {
             self.push(
                 format!("name lookup of {n} (not allowed)"),
                 "dns-refused",
-                How::Ask(n.clone(), server),
+                How::Lookup(n.clone()),
                 Expect::NoAnswer,
                 Control::Probe(if allowed.is_some() {
                     "dns-allowed"
@@ -445,7 +441,7 @@ mod tests {
                 internet: a("203.0.113.10:4004"),
                 internet6: None,
             }),
-            dns: Some("10.0.2.3:53".parse().unwrap()),
+            dns: true,
             resolve: vec!["internet.drill.test".into(), "unlisted.drill.test".into()],
         }
     }
@@ -510,11 +506,10 @@ mod tests {
         t.policy.allow = vec!["internet.drill.test".into()];
         let p = Plan::of(&t);
         let allowed = probe(&p, "dns-allowed");
-        let server = "10.0.2.3:53".parse().unwrap();
-        assert_eq!(allowed.how, How::Ask("internet.drill.test".into(), server));
+        assert_eq!(allowed.how, How::Lookup("internet.drill.test".into()));
         assert_eq!(allowed.expect, Expect::Answer);
         let refused = probe(&p, "dns-refused");
-        assert_eq!(refused.how, How::Ask("unlisted.drill.test".into(), server));
+        assert_eq!(refused.how, How::Lookup("unlisted.drill.test".into()));
         assert_eq!(refused.expect, Expect::NoAnswer);
         assert_eq!(refused.control, Control::Probe("dns-allowed"));
         // Deny: nothing answers; the guest's own lookup is the control
@@ -530,7 +525,7 @@ mod tests {
         assert!(p.probes.iter().all(|p| p.key != "dns-refused"));
         // a backend whose guests use their own network's DNS: not probed
         let mut t = targets(user, EgressPolicy::Public);
-        t.dns = None;
+        t.dns = false;
         let p = Plan::of(&t);
         assert!(
             p.probes
