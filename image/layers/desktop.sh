@@ -4,7 +4,8 @@
 #   boxery-desktop.service     Xvfb :0 as `agent`, started at boot, Restart=always; the screen is
 #                              BOXERY_DISPLAY=WIDTHxHEIGHT from /etc/boxery/desktop.env (optional,
 #                              default 1280x800), depth 24; with -fbdir the framebuffer is the XWD
-#                              file /run/boxery-desktop/Xvfb_screen0 (a screenshot is `cat`)
+#                              file /run/boxery-desktop/Xvfb_screen0 (a screenshot is `cat`), its
+#                              size marked beside it (size-WIDTHxHEIGHT)
 #   boxery-desktop-wm.service  jwm on :0 as `agent`, bound to the display (restarted with it, and
 #                              on its own when it dies); config /usr/local/lib/boxery/desktop/jwmrc
 #   xterm, xdotool, x11-utils (xwininfo, xprop, xdpyinfo), python3-tk, fonts-dejavu-core, xauth
@@ -90,6 +91,10 @@ except (OSError, struct.error):
 write(server, wild)
 write(client, wild + keep)
 EOP
+# the size the display starts at, marked beside its framebuffer: an action of computer use checks
+# the screen is still the size of the last screenshot with a test of the shell, no process
+rm -f -- "$RUN"/size-*
+: > "$RUN/size-$size"
 # -s 0: no screen saver (it would blank the framebuffer after 10 minutes)
 exec /usr/bin/Xvfb :0 -screen 0 "${size}x24" -fbdir "$RUN" -auth "$RUN/auth" -nolisten tcp -s 0
 EOS

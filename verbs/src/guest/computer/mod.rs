@@ -526,26 +526,48 @@ async fn screendump(backend: &Arc<dyn Backend>, vm: &str) -> Result<boxery_backe
 async fn framebuffer(v: &Verbs, vm: &str, ct: &CancellationToken) -> Result<xwd::Rgb> {
     // gzip -1 in the guest: 25 times fewer bytes through ssh, which costs more under
     // emulation than the compression (docs/benchmarks.md)
-    let script = framebuffer_script(vm, "gzip -1 -c");
+    let bytes = read_framebuffer(v, vm, "gzip -1 -c", FRAMEBUFFER_CAP, ct, |b| {
+        xwd::unwritten(&xwd::gunzip_head(b, xwd::HEADER))
+    })
+    .await?;
+    tokio::task::spawn_blocking(move || xwd::decode(&xwd::gunzip(&bytes, FRAMEBUFFER_MAX)?))
+        .await
+        .map_err(|e| VerbError::failed(format!("reading the screenshot: {e}")))?
+}
+
+/// What the guest's `read` (at most `cap` bytes) gives of the desktop's framebuffer, read
+/// again while the display is starting (at boot, and at each restart for a new
+/// `spec.display`): not there yet, gone while it was read ([`framebuffer_script`]), or not
+/// written yet (`unwritten` of what was read), for up to [`UNWRITTEN_WAIT`].
+async fn read_framebuffer(
+    v: &Verbs,
+    vm: &str,
+    read: &str,
+    cap: usize,
+    ct: &CancellationToken,
+    unwritten: impl Fn(&[u8]) -> bool,
+) -> Result<Vec<u8>> {
+    let script = framebuffer_script(vm, read);
     let started = std::time::Instant::now();
     loop {
-        let bytes =
-            super::helper(v, vm, &script, None, FRAMEBUFFER_CAP, ACTION_TIMEOUT, ct).await?;
-        let raw = tokio::task::spawn_blocking(move || xwd::gunzip(&bytes, FRAMEBUFFER_MAX))
-            .await
-            .map_err(|e| VerbError::failed(format!("reading the screenshot: {e}")))??;
-        if xwd::unwritten(&raw) && started.elapsed() < UNWRITTEN_WAIT {
-            pause(ct).await?;
-            continue;
+        let again = started.elapsed() < UNWRITTEN_WAIT;
+        match super::helper(v, vm, &script, None, cap, ACTION_TIMEOUT, ct).await {
+            // between the display's stop and its start
+            Err(e) if again && e.kind() == crate::ErrorKind::NotFound => {}
+            Ok(b) if again && (b.is_empty() || unwritten(&b)) => {}
+            Ok(b) if b.is_empty() => {
+                return Err(VerbError::failed(format!(
+                    "VM {vm}'s framebuffer kept going while it was read: is its display starting again and again? (boxery run {vm} -- journalctl -u boxery-desktop)"
+                )));
+            }
+            r => return r,
         }
-        return tokio::task::spawn_blocking(move || xwd::decode(&raw))
-            .await
-            .map_err(|e| VerbError::failed(format!("reading the screenshot: {e}")))?;
+        pause(ct).await?;
     }
 }
 
-/// How long a framebuffer Xvfb has not yet written ([`xwd::unwritten`]) is read again: it
-/// writes it within milliseconds of making it, so this bounds only a broken guest.
+/// How long a starting display's framebuffer is read again ([`read_framebuffer`]): Xvfb
+/// writes it within a second of its start, so this bounds only a broken guest.
 const UNWRITTEN_WAIT: Duration = Duration::from_secs(10);
 
 /// A fifth of a second before another read, or the caller's cancel.
@@ -561,10 +583,12 @@ async fn pause(ct: &CancellationToken) -> Result<()> {
 const WAIT_FOR_DESKTOP: &str = "[ -S /tmp/.X11-unix/X0 ] && [ -r /run/boxery-desktop/Xvfb_screen0 ] || { end=$(($(date +%s) + 45)); while [ \"$(date +%s)\" -lt \"$end\" ]; do [ -S /tmp/.X11-unix/X0 ] && [ -r /run/boxery-desktop/Xvfb_screen0 ] && break; case $(systemctl is-active boxery-desktop 2>/dev/null) in activating|reloading|deactivating) sleep 0.2 ;; *) break ;; esac; done; }; ";
 
 /// The guest's script that runs `read` on the desktop's framebuffer file, or says there is
-/// none.
+/// none. A read that fails because the file went meanwhile (the display stopping to start
+/// again, at a new size) prints nothing and succeeds: the caller reads again, as it does a
+/// file not yet written ([`xwd::unwritten`]).
 fn framebuffer_script(vm: &str, read: &str) -> String {
     format!(
-        "{WAIT_FOR_DESKTOP}f={FRAMEBUFFER}; [ -r \"$f\" ] || {{ echo \"VM {vm} runs no desktop ($f is missing): is its desktop running? (boxery run {vm} -- systemctl status boxery-desktop)\" >&2; exit 3; }}; exec {read} \"$f\""
+        "{WAIT_FOR_DESKTOP}f={FRAMEBUFFER}; [ -r \"$f\" ] || {{ echo \"VM {vm} runs no desktop ($f is missing): is its desktop running? (boxery run {vm} -- systemctl status boxery-desktop)\" >&2; exit 3; }}; {read} \"$f\" || {{ s=$?; [ -e \"$f\" ] && exit $s; exit 0; }}"
     )
 }
 
@@ -573,17 +597,9 @@ fn framebuffer_script(vm: &str, read: &str) -> String {
 async fn size(v: &Verbs, vm: &str, way: &Way, ct: &CancellationToken) -> Result<(u32, u32)> {
     let size = match way {
         Way::Desktop => {
-            let script = framebuffer_script(vm, &format!("head -c {}", xwd::HEADER));
-            let started = std::time::Instant::now();
-            loop {
-                let head =
-                    super::helper(v, vm, &script, None, xwd::HEADER, ACTION_TIMEOUT, ct).await?;
-                if xwd::unwritten(&head) && started.elapsed() < UNWRITTEN_WAIT {
-                    pause(ct).await?;
-                    continue;
-                }
-                break xwd::size(&head)?;
-            }
+            let read = format!("head -c {}", xwd::HEADER);
+            let head = read_framebuffer(v, vm, &read, xwd::HEADER, ct, xwd::unwritten).await?;
+            xwd::size(&head)?
         }
         Way::Console(backend) => {
             let screen = screendump(backend, vm).await?;
@@ -741,10 +757,15 @@ pub fn xdotool_preamble(vm: &str) -> String {
 }
 
 /// The guest's shell that refuses (exit 5) when the desktop is no longer `size` (the size of
-/// the screen a model's coordinates are pixels of), from its framebuffer's header.
+/// the screen a model's coordinates are pixels of). The desktop layer's display marks the size
+/// it starts at beside the framebuffer (`size-WxH`, in the runtime directory made afresh at
+/// each start), which the shell tests without starting a process (a process costs about 50 ms
+/// under emulation: docs/benchmarks.md); without that mark (another size, or an image from
+/// before it), the framebuffer's header says.
 fn same_size(framebuffer: &str, (w, h): (u32, u32)) -> String {
+    let dir = framebuffer.rsplit_once('/').map_or(".", |(d, _)| d);
     format!(
-        "set -- $(od -An -tu4 -j16 -N8 --endian=big {framebuffer}); [ \"${{1:-0}}\" != 0 ] || {{ echo \"the desktop is starting again: take a screenshot once it is up\" >&2; exit 5; }}; [ \"$1x$2\" = {w}x{h} ] || {{ echo \"the screen is now $1×$2, not the {w}×{h} of the last screenshot: take a screenshot, and use its coordinates\" >&2; exit 5; }}; "
+        "[ -e {dir}/size-{w}x{h} ] || {{ set -- $(od -An -tu4 -j16 -N8 --endian=big {framebuffer}); [ \"${{1:-0}}\" != 0 ] || {{ echo \"the desktop is starting again: take a screenshot once it is up\" >&2; exit 5; }}; [ \"$1x$2\" = {w}x{h} ] || {{ echo \"the screen is now $1×$2, not the {w}×{h} of the last screenshot: take a screenshot, and use its coordinates\" >&2; exit 5; }}; }}; "
     )
 }
 
@@ -1194,6 +1215,34 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(10));
     }
 
+    /// A read that fails because the framebuffer went meanwhile prints nothing and succeeds
+    /// (read again); any other failure keeps its status.
+    #[test]
+    fn a_framebuffer_gone_while_read_is_read_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let fb = dir.path().join("Xvfb_screen0");
+        let run = |read: &str| {
+            std::fs::write(&fb, "x").unwrap();
+            let script = framebuffer_script("d1", read)
+                .replace(FRAMEBUFFER, fb.to_str().unwrap())
+                .replace(WAIT_FOR_DESKTOP, "");
+            std::process::Command::new("sh")
+                .args(["-c", &script])
+                .output()
+                .unwrap()
+        };
+        let o = run("cat");
+        assert_eq!((o.status.code(), &o.stdout[..]), (Some(0), &b"x"[..]));
+        let o = run(&format!("rm -f {}; cat", fb.display()));
+        assert_eq!(
+            (o.status.code(), &o.stdout[..]),
+            (Some(0), &b""[..]),
+            "gone: read again"
+        );
+        let o = run("false");
+        assert_eq!(o.status.code(), Some(1), "a failure of its own");
+    }
+
     /// An action checks in the guest that the screen is the size of the last screenshot.
     #[test]
     fn an_action_is_refused_when_the_screen_changed_size() {
@@ -1223,6 +1272,13 @@ mod tests {
         assert_eq!(o.status.code(), Some(5));
         let e = String::from_utf8_lossy(&o.stderr);
         assert!(e.contains("starting again"), "{e}");
+        // the display's mark of its size: believed without reading the framebuffer; another
+        // size's mark is not
+        std::fs::write(dir.path().join("size-1280x800"), "").unwrap();
+        let o = run((1280, 800));
+        assert_eq!(String::from_utf8_lossy(&o.stdout), "acted\n");
+        let o = run((1024, 768));
+        assert_eq!(o.status.code(), Some(5), "the header still says");
     }
 
     #[test]

@@ -67,6 +67,17 @@ pub fn gunzip(data: &[u8], cap: usize) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// At most the first `n` bytes of gzipped `data` (fewer, and no error, when it is shorter or
+/// broken): enough to tell an [`unwritten`] file without inflating the rest.
+pub fn gunzip_head(data: &[u8], n: usize) -> Vec<u8> {
+    use std::io::Read;
+    let mut out = Vec::with_capacity(n);
+    let _ = flate2::read::GzDecoder::new(data)
+        .take(n as u64)
+        .read_to_end(&mut out);
+    out
+}
+
 /// The bytes of the header's fields: what [`size`] reads.
 pub const HEADER: usize = FIELDS * 4;
 
@@ -252,6 +263,18 @@ pub(crate) mod tests {
         assert!(unwritten(&[0; 65536]));
         assert!(!unwritten(&xwd(4, 2, |_, _| [0, 0, 0])));
         assert!(!unwritten(&[0xff; 65536]));
+        // from its gzip, without inflating the rest
+        let gz = |b: &[u8]| {
+            use std::io::Write;
+            let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+            e.write_all(b).unwrap();
+            e.finish().unwrap()
+        };
+        assert!(unwritten(&gunzip_head(&gz(&[0; 65536]), HEADER)));
+        let written = gunzip_head(&gz(&xwd(4, 2, |_, _| [0, 0, 0])), HEADER);
+        assert_eq!(written.len(), HEADER);
+        assert!(!unwritten(&written));
+        assert!(unwritten(&gunzip_head(b"not gzip", HEADER)));
     }
 
     #[test]
