@@ -84,9 +84,10 @@ pub async fn desktop(
     outln!("{url}");
     eprintln!(
         "boxery: serving {vm}'s {}, {}, on 127.0.0.1:{port} until interrupted (Ctrl-C); the link works once, in one browser",
-        match screen_word(&desk.viewer) {
-            "console" => "console (the hypervisor's screen: the VM has no desktop)",
-            w => w,
+        if desk.viewer.console() {
+            "console (the hypervisor's screen: the VM has no desktop)"
+        } else {
+            screen_word(&desk.viewer)
         },
         if control {
             "with control (keys and the pointer reach it)"
@@ -356,12 +357,12 @@ async fn file(web: &Path, rel: &str) -> Response {
     r
 }
 
-/// Carry one websocket to a VNC session in the guest until either ends; when the guest side
-/// ends before sending anything, say why (ssh's stderr).
 /// The largest websocket message a viewer may send (a page's RFB messages are bytes; its
 /// clipboard text, which a view-only viewer's filter reads through, is the large one).
 const MAX_MESSAGE: usize = 1 << 20;
 
+/// Carry one websocket to a VNC session in the guest until either ends; when the guest side
+/// ends before sending anything, say why (ssh's stderr).
 async fn bridge(socket: WebSocket, d: &Desk) {
     let vm = d.viewer.vm();
     let what = screen_word(&d.viewer);

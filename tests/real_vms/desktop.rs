@@ -812,9 +812,9 @@ pub(super) fn browser_driven_through_vm_browser(kind: Kind) {
         "{page}"
     );
     // Firefox ESR is there too, and renders the guest's page (headless, as an agent's script
-    // would run it). Its first start under emulation took 115 to 172 s on an idle machine and
-    // over 360 s (one command's bound here) beside the rest of the suite: started on its own
-    // in the guest, and its end awaited with a bound of its own.
+    // would run it). Its first start under emulation took 115 to 172 s: started on its own in
+    // the guest and its end awaited with a bound of its own, so a slower start is not cut by
+    // one command's 360 s bound.
     let t = std::time::Instant::now();
     h.run(
         "web1",

@@ -557,7 +557,8 @@ async fn read_framebuffer(
             Ok(b) if again && (b.is_empty() || unwritten(&b)) => {}
             Ok(b) if b.is_empty() => {
                 return Err(VerbError::failed(format!(
-                    "VM {vm}'s framebuffer kept going while it was read: is its display starting again and again? (boxery run {vm} -- journalctl -u boxery-desktop)"
+                    "VM {vm}'s framebuffer vanished each time it was read for {}s: is its display starting again and again? (boxery run {vm} -- journalctl -u boxery-desktop)",
+                    UNWRITTEN_WAIT.as_secs()
                 )));
             }
             r => return r,
