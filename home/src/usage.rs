@@ -210,15 +210,17 @@ pub struct Totals {
     pub llm: Vec<(String, u64, u64, u64)>,
 }
 
+/// How long a ledger's connection waits for another's lock.
+const BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The ledger: one SQLite connection.
 #[derive(Debug)]
 pub struct Ledger {
     conn: Mutex<Connection>,
 }
 
+/// The tables, made in one `BEGIN IMMEDIATE` transaction (see [`Ledger::open`]).
 const SCHEMA: &str = "
-PRAGMA journal_mode=WAL;
-PRAGMA synchronous=NORMAL;
 CREATE TABLE IF NOT EXISTS llm (
   hour INTEGER NOT NULL, vm TEXT NOT NULL, owner TEXT NOT NULL, grant_uid TEXT NOT NULL,
   grant_name TEXT NOT NULL, provider TEXT NOT NULL, model TEXT NOT NULL,
@@ -261,9 +263,33 @@ impl Ledger {
                 .open(&path)?;
         }
         let conn = Connection::open(&path).map_err(sql)?;
-        conn.busy_timeout(std::time::Duration::from_secs(5))
+        conn.busy_timeout(BUSY_TIMEOUT).map_err(sql)?;
+        conn.pragma_update(None, "synchronous", "NORMAL")
             .map_err(sql)?;
-        conn.execute_batch(SCHEMA).map_err(sql)?;
+        // Several openers at once is the ordinary case (`serve`'s sampler and its credential
+        // proxy open it together at start, `boxery usage` any time). SQLite answers BUSY at
+        // once, without its busy handler, to a switch to WAL while another connection opens
+        // the same new file, and to a plain `CREATE … IF NOT EXISTS` that would have to
+        // upgrade a read lock another writer waits on: the switch is tried again, and the
+        // tables are made in a transaction that takes the write lock first (so the busy
+        // handler waits for it).
+        let deadline = std::time::Instant::now() + BUSY_TIMEOUT;
+        loop {
+            match conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get::<_, String>(0)) {
+                Ok(_) => break,
+                Err(rusqlite::Error::SqliteFailure(e, _))
+                    if matches!(
+                        e.code,
+                        rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+                    ) && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                Err(e) => return Err(sql(e)),
+            }
+        }
+        conn.execute_batch(&format!("BEGIN IMMEDIATE;{SCHEMA}COMMIT;"))
+            .map_err(sql)?;
         Ok(Ledger {
             conn: Mutex::new(conn),
         })
@@ -550,6 +576,31 @@ mod tests {
             requests: 1,
             input: i,
             output: o,
+        }
+    }
+
+    /// `serve`'s sampler and its credential proxy open a new ledger at the same moment: a
+    /// plain open lost that race about one time in five ("database is locked"), and the
+    /// loser recorded nothing for the life of the process (CI: a lease's budget never ran
+    /// out).
+    #[test]
+    fn many_opening_a_new_ledger_at_once_all_open_it() {
+        for _ in 0..50 {
+            let home = tempfile::tempdir().unwrap();
+            let start = std::sync::Arc::new(std::sync::Barrier::new(6));
+            let opened: Vec<_> = (0..6)
+                .map(|_| {
+                    let (start, home) = (start.clone(), home.path().to_path_buf());
+                    std::thread::spawn(move || {
+                        start.wait();
+                        Ledger::open(&home).map(|l| l.totals(&Scope::Vm("a".into()), 0))
+                    })
+                })
+                .collect();
+            for o in opened {
+                let t = o.join().unwrap().unwrap().unwrap();
+                assert_eq!(t, Totals::default());
+            }
         }
     }
 

@@ -56,6 +56,9 @@ impl Default for Settings {
     }
 }
 
+/// How long after a failed open the usage ledger is tried again.
+pub const LEDGER_RETRY: Duration = Duration::from_secs(30);
+
 /// Shared state of the reconcilers.
 pub struct Ctx {
     /// The store, written through to the controllers' caches (see [`Ctx::read_own_writes`]).
@@ -79,7 +82,8 @@ pub struct Ctx {
     writes: Arc<WriteThrough>,
     pool_caches: std::sync::OnceLock<crate::pool::Caches>,
     observed: std::sync::OnceLock<crate::metrics::Observed>,
-    ledger: std::sync::OnceLock<Option<Arc<boxery_home::usage::Ledger>>>,
+    /// The usage ledger once opened, or when opening it last failed.
+    ledger: Mutex<Option<Result<Arc<boxery_home::usage::Ledger>, std::time::Instant>>>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     reported: Mutex<std::collections::HashSet<String>>,
 }
@@ -143,7 +147,7 @@ impl Ctx {
             guest: Default::default(),
             pool_caches: std::sync::OnceLock::new(),
             observed: std::sync::OnceLock::new(),
-            ledger: std::sync::OnceLock::new(),
+            ledger: Mutex::new(None),
             locks: Mutex::new(HashMap::new()),
             reported: Mutex::new(Default::default()),
             display: Default::default(),
@@ -174,17 +178,28 @@ impl Ctx {
         let _ = self.observed.set(observed);
     }
 
-    /// This home's usage ledger, opened on first use (`None`, said once, when it cannot be).
+    /// This home's usage ledger, opened on first use; `None` while it cannot be (said each
+    /// time it is tried, at most every [`LEDGER_RETRY`]: a failure is not kept for the life of
+    /// the process).
     pub fn ledger(&self) -> Option<Arc<boxery_home::usage::Ledger>> {
-        self.ledger
-            .get_or_init(|| match boxery_home::usage::Ledger::open(&self.home) {
-                Ok(l) => Some(Arc::new(l)),
-                Err(e) => {
-                    tracing::error!(error = %e, "the usage ledger cannot be opened: use is not recorded");
-                    None
-                }
-            })
-            .clone()
+        let mut slot = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
+        match &*slot {
+            Some(Ok(l)) => return Some(l.clone()),
+            Some(Err(failed)) if failed.elapsed() < LEDGER_RETRY => return None,
+            _ => {}
+        }
+        match boxery_home::usage::Ledger::open(&self.home) {
+            Ok(l) => {
+                let l = Arc::new(l);
+                *slot = Some(Ok(l.clone()));
+                Some(l)
+            }
+            Err(e) => {
+                tracing::error!(error = %e, retry_in_s = LEDGER_RETRY.as_secs(), "the usage ledger cannot be opened: use is not recorded, nor budgets judged, until it can");
+                *slot = Some(Err(std::time::Instant::now()));
+                None
+            }
+        }
     }
 
     /// What `/metrics` reads, when `serve` asked for it.

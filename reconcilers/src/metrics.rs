@@ -96,7 +96,6 @@ pub(crate) async fn sample(
     samples: Arc<RwLock<Samples>>,
     shutdown: CancellationToken,
 ) {
-    let ledger = ctx.ledger();
     let mut charged = Charged::default();
     let mut tick = tokio::time::interval(SAMPLE_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -112,10 +111,9 @@ pub(crate) async fn sample(
                 continue;
             }
         };
-        if let Some(l) = &ledger {
+        if let Some(l) = ctx.ledger() {
             let (rows, owners) = charged.next(&usage, &vms, &leases);
             let uids: Vec<String> = owners.iter().map(|o| o.uid.clone()).collect();
-            let l = l.clone();
             let wrote = tokio::task::spawn_blocking(move || {
                 l.note_owners(&owners)?;
                 l.add_compute(&rows)
