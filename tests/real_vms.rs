@@ -2550,6 +2550,11 @@ macro_rules! on_backend {
         fn a_lease_past_its_budget_is_suspended_until_it_is_raised() {
             super::usage::budget_suspends_a_leased_vm($kind)
         }
+
+        #[test]
+        fn console_watched_live() {
+            super::desktop::console_watched_live($kind)
+        }
     };
 }
 
@@ -2634,11 +2639,6 @@ mod qemu {
     #[test]
     fn browser_driven_through_vm_browser() {
         super::desktop::browser_driven_through_vm_browser(super::Kind::Qemu)
-    }
-
-    #[test]
-    fn console_watched_live() {
-        super::desktop::console_watched_live(super::Kind::Qemu)
     }
 }
 

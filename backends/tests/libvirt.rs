@@ -1420,13 +1420,39 @@ fn scopeguard(d: Vec<String>) -> Guard {
     Guard(d)
 }
 
-/// The host path (a VM's screen) on libvirt: the domain has a VGA and a virtio tablet and no
-/// `<graphics>` listener; a running VM's screendump (`virDomainScreenshot`) is a PNG of the
+/// An RFB client's handshake on `s` (version 3.8, no authentication, a shared session): the
+/// screen's size the server announces.
+async fn rfb_size(mut s: tokio::net::UnixStream) -> (u32, u32) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let io = async {
+        let mut version = [0u8; 12];
+        s.read_exact(&mut version).await?;
+        assert_eq!(&version, b"RFB 003.008\n");
+        s.write_all(&version).await?;
+        let n = s.read_u8().await?;
+        let mut types = vec![0u8; usize::from(n)];
+        s.read_exact(&mut types).await?;
+        assert!(types.contains(&1), "no authentication offered: {types:?}");
+        s.write_all(&[1]).await?;
+        assert_eq!(s.read_u32().await?, 0, "the security result");
+        s.write_all(&[1]).await?;
+        let (w, h) = (s.read_u16().await?, s.read_u16().await?);
+        std::io::Result::Ok((u32::from(w), u32::from(h)))
+    };
+    tokio::time::timeout(Duration::from_secs(30), io)
+        .await
+        .expect("the VNC server answers within 30 s")
+        .unwrap()
+}
+
+/// The host path (a VM's screen) on libvirt: the domain has a VGA, a virtio tablet and a VNC
+/// display without a listener; a running VM's screendump (`virDomainScreenshot`) is a PNG of the
 /// size it reports, showing the console's text; keys typed (QMP through libvirt's monitor
 /// passthrough) reach the guest's console, none lost in a long batch, and change the screen;
 /// pointer events inside the screen are taken (a backend that has not seen it takes a
-/// screendump first), one outside it and an unknown key are `Invalid`; a stopped VM has no
-/// screen (`Invalid`).
+/// screendump first), one outside it and an unknown key are `Invalid`; its console over VNC
+/// (`virDomainOpenGraphics`) greets a viewer with the screen's size; a stopped VM has no
+/// screen nor console (`Invalid`).
 ///
 /// The tiny guest runs no getty: the test puts a reader on tty1 over ssh
 /// ([`screen_support::CONSOLE_READER`]), whose line discipline echoes what is typed.
@@ -1443,7 +1469,12 @@ async fn screen_shows_the_console_and_takes_keys_and_a_pointer() {
         boxery_backends::libvirt::xml::has_screen(&xml),
         "a VGA and a virtio tablet: {xml}"
     );
-    assert!(!xml.contains("<graphics"), "no listener: {xml}");
+    assert!(
+        boxery_backends::libvirt::xml::has_console(&xml)
+            && !xml.contains("port=\"5")
+            && !xml.contains("socket="),
+        "a VNC display without a listener: {xml}"
+    );
     assert_eq!(env.run("s1", CONSOLE_READER).await, "reading");
 
     let before = b.screendump("s1").await.unwrap();
@@ -1494,6 +1525,11 @@ async fn screen_shows_the_console_and_takes_keys_and_a_pointer() {
     );
 
     let (w, h) = (after.width, after.height);
+    // the console over VNC, from libvirt's socket pair: a viewer's handshake, and the
+    // server's screen is the screendump's size
+    let (vw, vh) = rfb_size(b.console_vnc("s1").await.unwrap()).await;
+    eprintln!("console over VNC: {vw}x{vh}");
+    assert_eq!((vw, vh), (w, h));
     let fresh = LibvirtBackend::with_config(env.tmp.path().join("libvirt"), b.config().clone());
     let button = |button, down| InputEvent::Button { button, down };
     let pointer = [
@@ -1538,6 +1574,11 @@ async fn screen_shows_the_console_and_takes_keys_and_a_pointer() {
     );
     let e = b.send_input("s1", &keys("a")).await.unwrap_err();
     assert!(matches!(e, BackendError::Invalid(_)), "{e}");
+    let e = b.console_vnc("s1").await.unwrap_err();
+    assert!(
+        matches!(&e, BackendError::Invalid(m) if m.contains("stopped")),
+        "{e}"
+    );
     let e = b.screendump("nope").await.unwrap_err();
     assert!(matches!(e, BackendError::NotFound { .. }), "{e}");
     b.remove("s1").await.unwrap();

@@ -412,7 +412,8 @@ fn watched_through_a_context(h: &RealHome) {
 }
 
 /// A VM without a desktop watched live: `boxery desktop` serves its console, QEMU's own screen
-/// of it, from the VM's VNC socket. A viewer's handshake, the screen's size (the console
+/// of it, from the VM's VNC server (qemu: the VM's own socket; libvirt: a socket pair libvirt
+/// hands QEMU). A viewer's handshake, the screen's size (the console
 /// screenshot's), and a whole picture; view only, the keys and pointer it sends are dropped
 /// and the stream goes on; with `--control` the same.
 pub(super) fn console_watched_live(kind: Kind) {

@@ -67,9 +67,10 @@
 //!   the guest's lease address as the filter's `IP`, and every start defines the domain
 //!   afresh (without `IP`: libvirt learns it).
 //!
-//! - **Screen**: a VGA video device and a virtio tablet in every domain, no `<graphics>`
-//!   listener; `virDomainScreenshot` reads it, QMP's `input-send-event` through libvirt's
-//!   monitor passthrough drives it (the screen module). A domain gets them at its next cold
+//! - **Screen**: a VGA video device, a virtio tablet and a VNC display without a listener
+//!   (`<graphics type='vnc'><listen type='none'/>`) in every domain; `virDomainScreenshot`
+//!   reads it, QMP's `input-send-event` through libvirt's monitor passthrough drives it, and
+//!   `virDomainOpenGraphics` watches it (the screen module). A domain gets them at its next cold
 //!   start (every start defines it afresh); one resumed from a managed save keeps the devices
 //!   it was saved with.
 //! - **Storage** (bases, images, seeds, builds) is the storage module's ([`crate::storage`]),
@@ -488,6 +489,10 @@ impl Backend for LibvirtBackend {
     /// process has none of this run of the domain).
     async fn send_input(&self, name: &str, events: &[crate::InputEvent]) -> Result<()> {
         self.inner.send_input(name, events).await
+    }
+
+    async fn console_vnc(&self, name: &str) -> Result<tokio::net::UnixStream> {
+        self.inner.console_vnc(name).await
     }
 
     /// The network's gateway and this home's port, one listener for every VM of the home

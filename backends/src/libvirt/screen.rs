@@ -11,6 +11,10 @@
 //!   carry a batch. Caveat: libvirt marks a domain that had a passthrough command as tainted
 //!   (`custom-monitor`, one line in libvirtd's log); it runs the same.
 //!
+//! - **Console**: a VNC display with no listener (`<listen type='none'/>`: no port, no
+//!   socket); `virDomainOpenGraphics` hands QEMU's VNC server one end of a socket pair we
+//!   make and keep the other of ([`crate::Backend::console_vnc`]).
+//!
 //! Every call is bounded ([`SCREEN_TIMEOUT`]) and runs off the async workers; the VM's lock is
 //! not taken (nothing of the VM changes).
 
@@ -84,6 +88,39 @@ impl Inner {
             .await?;
         self.screens.set(name, u64::from(id), &shown);
         Ok(shown)
+    }
+
+    /// A connection to VM `name`'s VNC display: one end of a socket pair made here, the
+    /// other handed to QEMU's VNC server as a client (`virDomainOpenGraphics`, QMP
+    /// `add_client` underneath). The display has no listener, so this is the only way to it.
+    pub(super) async fn console_vnc(
+        self: &Arc<Self>,
+        name: &str,
+    ) -> Result<tokio::net::UnixStream> {
+        use std::os::fd::AsRawFd;
+        self.storage.check_name("VM", name)?;
+        let n = name.to_string();
+        let step = format!("reach the screen of VM {name}");
+        let ours = self
+            .screen_call(step.clone(), move |me, conn| {
+                let (d, _) = me.screen_domain(conn, &n)?;
+                if !xml::has_console(&Self::xml_of(&d, 0)?) {
+                    return Err(BackendError::Invalid(format!(
+                        "VM {n} was started from a definition older than boxery's console over VNC: stop and start it to watch its console"
+                    )));
+                }
+                let (ours, qemus) = std::os::unix::net::UnixStream::pair()
+                    .map_err(|e| BackendError::failed(step.clone(), e))?;
+                // libvirt passes a copy of `qemus` on; ours is closed when this returns
+                d.dom
+                    .open_graphics(0, qemus.as_raw_fd(), 0)
+                    .map_err(|e| BackendError::failed(step, e))?;
+                Ok(ours)
+            })
+            .await?;
+        ours.set_nonblocking(true)
+            .and_then(|()| tokio::net::UnixStream::from_std(ours))
+            .map_err(|e| BackendError::failed(format!("reach the screen of VM {name}"), e))
     }
 
     /// Send `events` to VM `name`'s keyboard and tablet.

@@ -152,6 +152,7 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
     <memballoon model='none'/>
     <input type='tablet' bus='virtio'/>
     <video><model type='vga'/></video>
+    <graphics type='vnc'><listen type='none'/></graphics>
   </devices>
 </domain>
 ",
@@ -203,6 +204,16 @@ pub fn has_screen(xml: &str) -> bool {
         attr(h, "type").as_deref() == Some("tablet") && attr(h, "bus").as_deref() == Some("virtio")
     });
     vga && tablet
+}
+
+/// Whether a domain's XML (live or defined, either quote style) has the console [`domain`]
+/// gives it: a VNC display without a listener (`<graphics type='vnc'>`, reached only through
+/// `virDomainOpenGraphics`). A domain started from a definition older than that has none
+/// until it is started again.
+pub fn has_console(xml: &str) -> bool {
+    xml.split("<graphics ")
+        .skip(1)
+        .any(|g| attr(&g[..g.find('>').unwrap_or(g.len())], "type").as_deref() == Some("vnc"))
 }
 
 /// The `<filterref>` of a guest's NIC: [`CONFINED_FILTER`] when `confined`, else
@@ -620,13 +631,14 @@ mod tests {
             "<kernel>/p/k</kernel><initrd>/p/i</initrd><cmdline>console=ttyS0</cmdline>"
         ));
         assert!(!x.contains("<boot dev="));
-        // a screen: VGA (text mode) and a virtio tablet, no window, no listener
-        assert!(has_screen(&x), "{x}");
-        assert!(!x.contains("<graphics"), "{x}");
+        // a screen: VGA (text mode) and a virtio tablet, and a VNC display with no listener
+        // (no port, no socket: reached through libvirt only)
+        assert!(has_screen(&x) && has_console(&x), "{x}");
         assert!(
-            x.contains("<input type='tablet' bus='virtio'/>\n    <video><model type='vga'/></video>\n  </devices>"),
+            x.contains("<input type='tablet' bus='virtio'/>\n    <video><model type='vga'/></video>\n    <graphics type='vnc'><listen type='none'/></graphics>\n  </devices>"),
             "{x}"
         );
+        assert_eq!(x.matches("<graphics").count(), 1, "{x}");
         // a cloud image: no kernel, the firmware boots the disk
         let y = domain(&DomainSpec {
             kernel: "",
@@ -663,6 +675,13 @@ mod tests {
             &live.replace("type=\"vga\"", "type=\"virtio\"")
         ));
         assert!(!has_screen(&live.replace("bus=\"virtio\"", "bus=\"usb\"")));
+        // the console as libvirt shows it live, and a domain started before it had one
+        let vnc = r#"<devices><graphics type="vnc" port="-1" autoport="yes">
+      <listen type="none"/>
+    </graphics></devices>"#;
+        assert!(has_console(vnc) && has_console(&vnc.replace('"', "'")));
+        assert!(!has_console(live));
+        assert!(!has_console(&vnc.replace("\"vnc\"", "\"spice\"")));
     }
 
     #[test]
