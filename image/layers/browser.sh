@@ -8,8 +8,10 @@
 #   /usr/local/lib/boxery/browser/drive   one action, a JSON request on stdin, a JSON answer on
 #                                         stdout (run as agent); starts the browser when it is
 #                                         not running: chromium on :0, its DevTools endpoint on
-#                                         the guest's 127.0.0.1:9222 only, its profile in
-#                                         ~/.cache/boxery-browser, going out through the egress
+#                                         the guest's 127.0.0.1 only, on a port the kernel picks
+#                                         (Chromium writes it in the profile's DevToolsActivePort:
+#                                         no fixed port to collide with a developer's own), its
+#                                         profile in ~/.cache/boxery-browser, going out through the egress
 #                                         proxy of /run/boxery/env (the guest's policy applies)
 # Needs the desktop layer (boxery adds it with this one). Not added to a running VM (packages):
 # make the VM with it. `browser.sh --print-packages` prints the packages.
@@ -37,9 +39,10 @@ websocket library cost seconds of a call under emulation): HTTP and the websocke
 DevTools endpoint are spoken over a plain socket."""
 import binascii, json, os, socket, sys, time
 
-PORT = 9222
 HOME = os.path.expanduser("~")
 PROFILE = os.path.join(HOME, ".cache", "boxery-browser")
+# where Chromium writes the DevTools port it was given (`--remote-debugging-port=0`)
+ACTIVE_PORT = os.path.join(PROFILE, "DevToolsActivePort")
 LOG = os.path.join(HOME, ".cache", "boxery-browser.log")
 # the tab every call acts on (a tab a page opens does not take the calls over)
 TAB = os.path.join(HOME, ".cache", "boxery-browser.tab")
@@ -67,11 +70,21 @@ def left():
     return max(0.5, deadline - time.monotonic())
 
 
+def port():
+    """The running browser's DevTools port, from its profile; OSError while there is none."""
+    with open(ACTIVE_PORT) as f:
+        p = f.readline().strip()
+    if not p.isdigit() or not 0 < int(p) < 65536:
+        raise OSError(f"no DevTools port in {ACTIVE_PORT} yet")
+    return int(p)
+
+
 def endpoint(path, method="GET", probe=False):
     """GET (or PUT) a DevTools JSON endpoint; OSError when it does not answer 200 (a probe
     waits 2 s at most; otherwise the call's time: a browser just started answers slowly)."""
-    with socket.create_connection(("127.0.0.1", PORT), timeout=min(2, left()) if probe else left()) as s:
-        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{PORT}\r\nConnection: close\r\n\r\n".encode())
+    p = port()
+    with socket.create_connection(("127.0.0.1", p), timeout=min(2, left()) if probe else left()) as s:
+        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{p}\r\nConnection: close\r\n\r\n".encode())
         # (read to the body's length: the endpoint keeps the connection open)
         data = bytearray()
         while b"\r\n\r\n" not in data:
@@ -253,17 +266,45 @@ def display_size():
 
 
 def start():
-    """Start chromium on :0 when its DevTools endpoint does not answer; wait for it."""
+    """Start chromium on :0 when its DevTools endpoint does not answer; wait for it. Calls at
+    once start one browser: the check and the start are under a lock beside the profile."""
     try:
         return endpoint("/json/version", probe=True)
     except OSError:
         pass
-    import subprocess
+    import fcntl
     os.makedirs(PROFILE, exist_ok=True)
+    lock = open(PROFILE + ".lock", "w")
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                fail(1, "another call is starting the browser: try again")
+            time.sleep(0.1)
+    try:
+        return launch()
+    finally:
+        lock.close()
+
+
+def launch():
+    """Start chromium (under start's lock) unless the call that held the lock before did."""
+    import subprocess
+    try:
+        return endpoint("/json/version", probe=True)
+    except OSError:
+        pass
+    # a browser that is gone left its port behind: the new one writes its own
+    try:
+        os.unlink(ACTIVE_PORT)
+    except FileNotFoundError:
+        pass
     w, h = display_size()
     proxy, direct = proxy_env()
     args = ["chromium", f"--user-data-dir={PROFILE}", "--remote-debugging-address=127.0.0.1",
-            f"--remote-debugging-port={PORT}", "--no-first-run", "--no-default-browser-check",
+            "--remote-debugging-port=0", "--no-first-run", "--no-default-browser-check",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
             "--disable-features=Translate,MediaRouter,OptimizationHints", "--password-store=basic",
             "--disable-session-crashed-bubble", "--hide-crash-restore-bubble",
