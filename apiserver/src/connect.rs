@@ -56,19 +56,30 @@ pub async fn connect(
     r
 }
 
-async fn open(
+/// Whether `caller` may reach VM `name`'s shell or screen (`what`, for the refusal): a full
+/// token, or a lease token for its lease's VM.
+pub(crate) async fn may_reach(
     sh: &Arc<Shared>,
     caller: &Caller,
     name: &str,
-    req: &mut Request,
-) -> Result<Response, Failure> {
+    what: &str,
+) -> Result<(), Failure> {
     if matches!(caller.scope, Scope::Read) {
         return Err(Failure::forbidden(format!(
-            "token {} has scope read: reaching a VM's shell needs a full token (or a lease token, for its lease's VM)",
+            "token {} has scope read: reaching a VM's {what} needs a full token (or a lease token, for its lease's VM)",
             caller.name
         )));
     }
     scope::allow(sh, caller, Access::Write, &Vm::INFO, Some(name)).await?;
+    Ok(())
+}
+
+/// Check that `req` asks for the raw byte stream (`Upgrade: boxery-tcp`; `how`: the command
+/// that asks so, for the refusal) and take its upgrade.
+pub(crate) fn upgrade_of(
+    req: &mut Request,
+    how: &str,
+) -> Result<hyper::upgrade::OnUpgrade, Failure> {
     let wants = req
         .headers()
         .get(header::UPGRADE)
@@ -76,9 +87,32 @@ async fn open(
         .is_some_and(|v| v.eq_ignore_ascii_case(CONNECT_PROTOCOL));
     if !wants {
         return Err(Failure::bad_request(format!(
-            "connect is an upgrade: send `Connection: upgrade` and `Upgrade: {CONNECT_PROTOCOL}` (`boxery connect VM` does)"
+            "this is an upgrade: send `Connection: upgrade` and `Upgrade: {CONNECT_PROTOCOL}` (`{how}` does)"
         )));
     }
+    req.extensions_mut()
+        .remove::<hyper::upgrade::OnUpgrade>()
+        .ok_or_else(|| Failure::bad_request("this connection cannot be upgraded (HTTP/1.1 only)"))
+}
+
+/// The answer that switches a connection to the raw byte stream.
+pub(crate) fn switched() -> Response {
+    let mut r = StatusCode::SWITCHING_PROTOCOLS.into_response();
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    r.headers_mut()
+        .insert(header::UPGRADE, HeaderValue::from_static(CONNECT_PROTOCOL));
+    r
+}
+
+async fn open(
+    sh: &Arc<Shared>,
+    caller: &Caller,
+    name: &str,
+    req: &mut Request,
+) -> Result<Response, Failure> {
+    may_reach(sh, caller, name, "shell").await?;
+    let on = upgrade_of(req, "boxery connect VM")?;
     let vm = vm_named(sh, name).await?;
     if let Some(e) = boxery_hands::not_ready(&vm, boxery_hands::Voice::Cli) {
         return Err(Failure::new(
@@ -93,12 +127,6 @@ async fn open(
         .map_err(|_| unavailable(name, "its sshd did not answer within 10 s"))?
         .map_err(|e| unavailable(name, &e.to_string()))?;
     let _ = tcp.set_nodelay(true);
-    let on = req
-        .extensions_mut()
-        .remove::<hyper::upgrade::OnUpgrade>()
-        .ok_or_else(|| {
-            Failure::bad_request("this connection cannot be upgraded (HTTP/1.1 only)")
-        })?;
     let slot = crate::watch::slot(sh, caller)?;
     let (vm_name, token) = (name.to_string(), caller.name.clone());
     tokio::spawn(async move {
@@ -113,12 +141,7 @@ async fn open(
             Err(e) => tracing::debug!(vm = %vm_name, error = %e, "connect: the upgrade failed"),
         }
     });
-    let mut r = StatusCode::SWITCHING_PROTOCOLS.into_response();
-    r.headers_mut()
-        .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-    r.headers_mut()
-        .insert(header::UPGRADE, HeaderValue::from_static(CONNECT_PROTOCOL));
-    Ok(r)
+    Ok(switched())
 }
 
 /// Where VM `vm`'s sshd is, as its backend observes it now: never an address the caller

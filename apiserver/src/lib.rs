@@ -21,6 +21,7 @@ pub mod query;
 pub mod resources;
 pub mod scale;
 pub mod scope;
+pub mod screen;
 pub mod status;
 pub mod store_rpc;
 pub mod structural;
@@ -406,6 +407,7 @@ pub fn router(sh: Arc<Shared>, mcp: Option<Router>) -> Router {
         .route("/metrics", get(metrics))
         .route(boxery_store::wire::WATCH_PATH, get(store_rpc::watch))
         .route(boxery_store::wire::CONNECT_ROUTE, get(connect::connect))
+        .route(boxery_store::wire::SCREEN_ROUTE, get(screen::screen))
         .route(
             boxery_store::wire::AUTHORIZE_ROUTE,
             axum::routing::post(connect::authorize),

@@ -531,7 +531,8 @@ pub(crate) enum Command {
     /// this machine's loopback, and serves it until interrupted. The link works once, in one
     /// browser; the stream is carried over the VM's ssh connection (no VNC port is opened). A
     /// VM without a desktop shows its console (the hypervisor's screen of it: boot messages,
-    /// a text login), from its VNC socket on the VM's host. View only unless --control.
+    /// a text login), from its hypervisor on the VM's host (through the API under a
+    /// context). View only unless --control.
     #[command(after_help = "Examples:\n  \
         boxery desktop desk1              # prints http://127.0.0.1:PORT/?token=…\n  \
         boxery desktop desk1 --open       # and opens it ($BROWSER, else xdg-open)\n  \
@@ -539,7 +540,7 @@ pub(crate) enum Command {
         boxery desktop dev1               # a VM without a desktop: its console\n\n\
         Needs Debian's novnc package (scripts/install-deps.sh installs it). docs/desktop.md.")]
     Desktop {
-        /// The VM (one with a desktop: `headless: false`).
+        /// The VM (its desktop, `headless: false`; else its console).
         #[arg(value_parser = args::label)]
         vm: String,
         /// Let the browser send keys and the pointer to the VM (default: view only).

@@ -5,13 +5,14 @@
 //! which the VM host's control plane puts in the VM's `authorized_keys` when a full token asks
 //! (`POST /boxery/v1/vms/NAME/authorize`, once per VM: [`Hands::via`] remembers it in
 //! `contexts/NAME/ssh/authorized/`). The host key is the pinned one of the VM's object, read
-//! over the API's TLS, as on the VM host.
+//! over the API's TLS, as on the VM host. A VM's console for `boxery desktop` comes the same
+//! way, upgraded on `GET /boxery/v1/vms/VM/screen` ([`boxery_verbs::Remote::screen`]).
 
 use std::path::PathBuf;
 
 use boxery_hands::ssh::{SshDir, Via};
 use boxery_store::wire::{
-    AuthorizeReply, AuthorizeRequest, CONNECT_PROTOCOL, authorize_path, connect_path,
+    AuthorizeReply, AuthorizeRequest, CONNECT_PROTOCOL, authorize_path, connect_path, screen_path,
 };
 use boxery_verbs::{Result, VerbError};
 use tokio::io::AsyncWriteExt;
@@ -26,20 +27,7 @@ pub async fn tunnel(ctx: &Context, vm: &str) -> Result {
     boxery_api::Name::label(vm)
         .map_err(|e| VerbError::invalid(format!("{}: {}", boxery_api::name::shown(vm), e.0)))?;
     let client = Client::new(ctx)?;
-    let r = client
-        .request(reqwest::Method::GET, &connect_path(vm))
-        .header(reqwest::header::CONNECTION, "upgrade")
-        .header(reqwest::header::UPGRADE, CONNECT_PROTOCOL)
-        .send()
-        .await
-        .map_err(|e| VerbError::from(client.unreachable(&e)))?;
-    if r.status() != reqwest::StatusCode::SWITCHING_PROTOCOLS {
-        return Err(client.vm_error(r).await);
-    }
-    let upgraded = r
-        .upgrade()
-        .await
-        .map_err(|e| VerbError::from(client.unreachable(&e)))?;
+    let upgraded = upgrade(&client, &connect_path(vm)).await?;
     let (mut from_vm, mut to_vm) = tokio::io::split(upgraded);
     let up = async {
         let mut stdin = tokio::io::stdin();
@@ -71,6 +59,23 @@ pub async fn tunnel(ctx: &Context, vm: &str) -> Result {
             }
         }
     }
+}
+
+/// `GET path` on the API, upgraded to a raw byte stream (`Upgrade: boxery-tcp`).
+async fn upgrade(client: &Client, path: &str) -> Result<reqwest::Upgraded> {
+    let r = client
+        .request(reqwest::Method::GET, path)
+        .header(reqwest::header::CONNECTION, "upgrade")
+        .header(reqwest::header::UPGRADE, CONNECT_PROTOCOL)
+        .send()
+        .await
+        .map_err(|e| VerbError::from(client.unreachable(&e)))?;
+    if r.status() != reqwest::StatusCode::SWITCHING_PROTOCOLS {
+        return Err(client.vm_error(r).await);
+    }
+    r.upgrade()
+        .await
+        .map_err(|e| VerbError::from(client.unreachable(&e)))
 }
 
 /// How this machine reaches a context's VMs (the verbs' [`boxery_verbs::Remote`]).
@@ -209,6 +214,14 @@ impl boxery_verbs::Remote for Hands {
         Ok(Via {
             proxy_command: self.proxy_command(),
         })
+    }
+
+    async fn screen(&self, vm: &str, control: bool) -> Result<Box<dyn boxery_verbs::Duplex>> {
+        boxery_api::Name::label(vm)
+            .map_err(|e| VerbError::invalid(format!("{}: {}", boxery_api::name::shown(vm), e.0)))?;
+        Ok(Box::new(
+            upgrade(&self.client, &screen_path(vm, control)).await?,
+        ))
     }
 
     fn describe(&self) -> String {

@@ -32,6 +32,16 @@ pub const CONNECT_ROUTE: &str = "/boxery/v1/vms/{name}/connect";
 /// The protocol named in a connect's upgrade.
 pub const CONNECT_PROTOCOL: &str = "boxery-tcp";
 
+/// The path of a VM's screen endpoint: an upgrade (`Upgrade: boxery-tcp`) to the VM's screen
+/// as an RFB (VNC) byte stream, the server's own viewer of it (`boxery desktop` through a
+/// context); view only unless `control`, the server filtering what the client sends.
+pub fn screen_path(vm: &str, control: bool) -> String {
+    format!("/boxery/v1/vms/{vm}/screen?control={control}")
+}
+
+/// The route of [`screen_path`], as the server matches it.
+pub const SCREEN_ROUTE: &str = "/boxery/v1/vms/{name}/screen";
+
 /// The path a full token has its ssh key put in a VM's `authorized_keys` at
 /// ([`AuthorizeRequest`]).
 pub fn authorize_path(vm: &str) -> String {

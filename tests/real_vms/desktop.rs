@@ -418,7 +418,7 @@ fn watched_through_a_context(h: &RealHome) {
 /// and the stream goes on; with `--control` the same.
 pub(super) fn console_watched_live(kind: Kind) {
     let h = RealHome::new(kind);
-    let serve = h.serve();
+    let serve = h.serve_args(&["--api-listen", "127.0.0.1:0"], &[]);
     serve.wait_leading();
     let f = h.home.write("con.yaml", &super::tiny_vm("con1"));
     h.apply_file(&f, "10m");
@@ -448,8 +448,54 @@ pub(super) fn console_watched_live(kind: Kind) {
         drop(ws);
         server.stop();
     }
+    console_through_a_context(&h, &said);
     h.ok(&["delete", "vm", "con1", "--wait", "--timeout", "3m"]);
     drop(serve);
+}
+
+/// The console of `con1` watched from another machine through a context: the VM's host makes
+/// the viewer (its API's screen endpoint) and filters a view-only one's messages there; the
+/// stream carries the same screen (`said`: its console screenshot's words). A token of scope
+/// read may not watch it.
+fn console_through_a_context(h: &RealHome, said: &str) {
+    let laptop = super::laptop_of(h);
+    for extra in [&[][..], &["--control"][..]] {
+        let mut c = laptop.cmd();
+        c.env("BOXERY_CONTEXT", "vmhost");
+        let (mut server, url) = Desktop::start_with(c, "con1", extra);
+        let mut ws = Ws::open(&url);
+        let (w, ht, bpp) = rfb_handshake(&mut ws);
+        assert!(
+            said.contains(&format!("{w}×{ht}")),
+            "the console's size {w}x{ht} through the context, as its screenshot: {said}"
+        );
+        ws.send(&[2, 0, 0, 1, 0, 0, 0, 0]);
+        ws.send(&[4, 1, 0, 0, 0, 0, 0, 0x61]);
+        ws.send(&[5, 1, 0, 10, 0, 20]);
+        let picture = whole_picture(&mut ws, w, ht, bpp);
+        eprintln!(
+            "console {w}x{ht} through a context ({}): a whole picture of {picture} bytes",
+            extra.first().unwrap_or(&"view only")
+        );
+        whole_picture(&mut ws, w, ht, bpp);
+        drop(ws);
+        server.stop();
+    }
+    let kc = h.home.write(
+        "kc-ro.yaml",
+        &h.ok(&["kubeconfig", "--scope", "read", "--name", "ro"]),
+    );
+    let mut c = laptop.cmd();
+    c.args(["config", "add-context", "ro", "-f"]).arg(&kc);
+    assert!(c.status().unwrap().success());
+    let mut c = laptop.cmd();
+    c.env("BOXERY_CONTEXT", "ro").args(["desktop", "con1"]);
+    let o = super::bounded(c, std::time::Duration::from_secs(120)).expect("boxery desktop ends");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("scope read"),
+        "a read token watches no screen: {err}"
+    );
 }
 
 /// An RFB 3.8 client's handshake (security None, not shared): the screen's width, height and

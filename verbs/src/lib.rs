@@ -91,9 +91,16 @@ pub trait Remote: Send + Sync + std::fmt::Debug {
     /// How ssh reaches VM `vm` of it from this machine: a proxy command through its API, with
     /// this machine's key in the VM's `authorized_keys` (put there on first use).
     async fn via(&self, vm: &boxery_api::Vm) -> Result<boxery_hands::ssh::Via>;
+    /// VM `vm`'s screen as an RFB (VNC) byte stream through its API: the viewer its host
+    /// makes (view only unless `control`, what this side sends filtered there).
+    async fn screen(&self, vm: &str, control: bool) -> Result<Box<dyn Duplex>>;
     /// Its name, for messages (`context NAME (https://…)`).
     fn describe(&self) -> String;
 }
+
+/// A byte stream both ways.
+pub trait Duplex: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Duplex for T {}
 
 impl Verbs {
     /// The verbs over the store in `env`'s home (opened, created if needed).

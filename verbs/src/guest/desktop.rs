@@ -9,10 +9,11 @@
 //!   own cookie; without `control` it is started `-viewonly` (keys and the pointer are dropped
 //!   in the guest, whatever the browser sends).
 //! - Any other VM: its console, the hypervisor's own screen of it (nothing in the guest),
-//!   through the backend's VNC server on the VM's own unix socket
-//!   ([`Backend::console_vnc`]); on the VM's host only. That server has no view-only mode:
-//!   without `control` the client's messages go through [`super::rfb::ViewOnly`], which passes
-//!   only what asks for pictures.
+//!   through the backend's VNC server ([`Backend::console_vnc`]). That server has no
+//!   view-only mode: without `control` the client's messages go through
+//!   [`super::rfb::ViewOnly`], which passes only what asks for pictures. Under a remote
+//!   context, the VM's host does this ([`crate::Remote::screen`]: the API's screen endpoint
+//!   makes the viewer there and filters there) and this side carries the bytes.
 
 use std::sync::Arc;
 
@@ -50,6 +51,8 @@ enum Way {
     Desktop(Reach),
     /// The hypervisor's own screen of the VM (its console), through the backend's VNC server.
     Console(Arc<dyn Backend>),
+    /// The console of a VM of a control plane on another machine, through its API.
+    Remote(Arc<dyn crate::Remote>),
 }
 
 /// The way to one VM's screen.
@@ -98,7 +101,7 @@ impl Viewer {
 
     /// Whether it watches the VM's console (the hypervisor's screen) rather than a desktop.
     pub fn console(&self) -> bool {
-        matches!(self.way, Way::Console(_))
+        matches!(self.way, Way::Console(_) | Way::Remote(_))
     }
 
     /// Start one VNC session: x11vnc in the guest (killed with the session), or a connection
@@ -144,6 +147,17 @@ impl Viewer {
                     child: None,
                 })
             }
+            Way::Remote(remote) => {
+                // the far side filters a view-only viewer's messages
+                let (from, to) = tokio::io::split(remote.screen(&self.vm, self.control).await?);
+                Ok(Session {
+                    from: Box::new(from),
+                    to: Box::new(to),
+                    filter: None,
+                    why: None,
+                    child: None,
+                })
+            }
         }
     }
 }
@@ -158,17 +172,17 @@ fn console_error(vm: &str, e: boxery_backends::BackendError) -> VerbError {
 }
 
 /// The way to VM `vm`'s screen: its desktop when it has the desktop layer (reachable as
-/// `boxery ssh` reaches it), else its console, from the hypervisor on this host.
+/// `boxery ssh` reaches it), else its console, from the hypervisor on the VM's host (this one,
+/// or through a context's API).
 pub async fn open(v: &Verbs, vm: &str, control: bool) -> Result<Viewer> {
     let obj = crate::vm::get_vm(v, vm).await?;
     let way = if super::computer::has_desktop(&obj) {
         Way::Desktop(v.reach(vm).await?)
+    } else if let Some(remote) = v.remote_plane() {
+        // reached once now: a VM that is not running, or a token that may not, says so here
+        drop(remote.screen(vm, control).await?);
+        Way::Remote(remote.clone())
     } else {
-        if v.remote_plane().is_some() {
-            return Err(VerbError::invalid(format!(
-                "VM {vm} has no desktop, and its console is watched on its host: run `boxery desktop {vm}` there, or make a VM with `headless: false` (docs/desktop.md)"
-            )));
-        }
         let backend = v.env.backend_of(&obj)?;
         // reached once now: a VM that is not running, or a backend without one, says so here
         drop(
