@@ -2555,6 +2555,11 @@ macro_rules! on_backend {
         fn console_watched_live() {
             super::desktop::console_watched_live($kind)
         }
+
+        #[test]
+        fn browser_driven_through_vm_browser() {
+            super::desktop::browser_driven_through_vm_browser($kind)
+        }
     };
 }
 
@@ -2636,10 +2641,6 @@ mod qemu {
         super::desktop::desktop_computer_use(super::Kind::Qemu)
     }
 
-    #[test]
-    fn browser_driven_through_vm_browser() {
-        super::desktop::browser_driven_through_vm_browser(super::Kind::Qemu)
-    }
 }
 
 #[cfg(feature = "libvirt")]

@@ -44,6 +44,8 @@ PROFILE = os.path.join(HOME, ".cache", "boxery-browser")
 # where Chromium writes the DevTools port it was given (`--remote-debugging-port=0`)
 ACTIVE_PORT = os.path.join(PROFILE, "DevToolsActivePort")
 LOG = os.path.join(HOME, ".cache", "boxery-browser.log")
+# the browser's relay to the egress proxy: "PORT PID" (written by the relay)
+RELAY = os.path.join(HOME, ".cache", "boxery-browser.relay")
 # the tab every call acts on (a tab a page opens does not take the calls over)
 TAB = os.path.join(HOME, ".cache", "boxery-browser.tab")
 TEXT_CAP = 256 * 1024
@@ -265,11 +267,58 @@ def display_size():
     return 1280, 800
 
 
+def relay_running():
+    """The relay's port when it runs, else (None, the port it had, if any)."""
+    try:
+        with open(RELAY) as f:
+            port, pid = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return None, None
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"/browser/relay" in f.read():
+                return port, port
+    except OSError:
+        pass
+    return None, port
+
+
+def relay(again=True):
+    """The port of the browser's relay to the egress proxy, started when it is not running
+    (on the port it had, which the browser was started with, when that is still free)."""
+    import subprocess
+    running, had = relay_running()
+    if running:
+        return running
+    for port in ([had] if had and again else []) + [None]:
+        try:
+            os.unlink(RELAY)
+        except FileNotFoundError:
+            pass
+        args = ["/usr/local/lib/boxery/browser/relay", RELAY] + ([str(port)] if port else [])
+        with open(LOG, "ab") as log:
+            subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                             start_new_session=True)
+        until = min(deadline, time.monotonic() + 10)
+        while time.monotonic() < until:
+            running, _ = relay_running()
+            if running:
+                return running
+            time.sleep(0.05)
+    fail(1, f"the browser's relay to the egress proxy did not start (its log: {LOG})")
+
+
 def start():
     """Start chromium on :0 when its DevTools endpoint does not answer; wait for it. Calls at
     once start one browser: the check and the start are under a lock beside the profile."""
     try:
-        return endpoint("/json/version", probe=True)
+        version = endpoint("/json/version", probe=True)
+        running, had = relay_running()
+        if had and running is None:
+            # the browser goes out through it: back on the same port
+            if relay() != had:
+                fail(1, f"the browser's relay to the egress proxy could not take its port again: close the browser (pkill -u agent chromium) and call again (its log: {LOG})")
+        return version
     except OSError:
         pass
     import fcntl
@@ -311,7 +360,9 @@ def launch():
             "--window-position=0,0", f"--window-size={w},{h}"]
     # (Chromium reaches loopback directly by itself; `<-loopback>` would send it to the proxy)
     if proxy:
-        args.append(f"--proxy-server={proxy}")
+        # through the relay: it adds the proxy's credentials (Chromium cannot send those from
+        # --proxy-server) and follows a new proxy in /run/boxery/env
+        args.append(f"--proxy-server=http://127.0.0.1:{relay(again=False)}")
         hosts = [h.strip() for h in direct.split(",") if h.strip()]
         if hosts:
             args.append("--proxy-bypass-list=" + ";".join(hosts))
@@ -565,4 +616,110 @@ except (OSError, ValueError, KeyError, TypeError) as e:
     fail(1, f"the browser: {type(e).__name__}: {e} (its log: {LOG})")
 EOS
 chmod 0755 "$D/drive"
+cat > "$D/relay" <<'EOS'
+#!/usr/bin/python3
+"""relay PORTFILE [PORT]: the agent's browser's way to the egress proxy (the browser layer's
+header). Listens on 127.0.0.1 (PORT, else one the kernel picks, written to PORTFILE); for
+each connection it reads the request's head, adds the proxy's credentials when the proxy has
+them (libvirt's shared proxy takes the VM's token as its password, which Chromium cannot send
+from --proxy-server), asks for the connection to close after one request (the proxy checks
+every request, and only the first has the credentials added), and carries the rest both ways.
+The proxy is read from /run/boxery/env again whenever that file changes, so a new egress
+proxy or token applies to the next connection without restarting the browser."""
+import base64, os, shlex, socket, sys, threading
+from urllib.parse import unquote, urlsplit
+
+ENV = "/run/boxery/env"
+HOP = (b"proxy-authorization", b"proxy-connection", b"connection", b"keep-alive")
+seen = {"mtime": None, "proxy": None}
+
+
+def proxy():
+    """(host, port, Basic credentials or None) of the egress proxy now; None without one."""
+    try:
+        m = os.stat(ENV).st_mtime_ns
+    except OSError:
+        return None
+    if m != seen["mtime"]:
+        found = None
+        with open(ENV) as f:
+            for line in f:
+                if "http_proxy=" not in line:
+                    continue
+                for word in shlex.split(line, comments=True):
+                    if word.startswith("http_proxy="):
+                        u = urlsplit(word[len("http_proxy="):])
+                        cred = None
+                        if u.password is not None:
+                            pair = f"{unquote(u.username or '')}:{unquote(u.password)}"
+                            cred = base64.b64encode(pair.encode())
+                        found = (u.hostname, u.port or 80, cred)
+        seen["mtime"], seen["proxy"] = m, found
+    return seen["proxy"]
+
+
+def pipe(a, b):
+    try:
+        while True:
+            data = a.recv(65536)
+            if not data:
+                break
+            b.sendall(data)
+    except OSError:
+        pass
+    for s in (b,):
+        try:
+            s.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+def serve(c):
+    up = None
+    try:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = c.recv(65536)
+            if not data or len(head) > 65536:
+                return
+            head += data
+        head, _, rest = head.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        p = proxy()
+        if p is None:
+            c.sendall(b"HTTP/1.1 502 No egress proxy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            return
+        kept = [l for l in lines[1:] if l.split(b":", 1)[0].strip().lower() not in HOP]
+        if not lines[0].upper().startswith(b"CONNECT "):
+            kept.append(b"Connection: close")
+        if p[2]:
+            kept.append(b"Proxy-Authorization: Basic " + p[2])
+        up = socket.create_connection((p[0], p[1]), timeout=30)
+        up.settimeout(None)
+        up.sendall(b"\r\n".join([lines[0]] + kept) + b"\r\n\r\n" + rest)
+        t = threading.Thread(target=pipe, args=(c, up), daemon=True)
+        t.start()
+        pipe(up, c)
+        t.join()
+    except OSError:
+        pass
+    finally:
+        for s in (c, up):
+            if s is not None:
+                s.close()
+
+
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", int(sys.argv[2]) if len(sys.argv) > 2 else 0))
+srv.listen(64)
+tmp = sys.argv[1] + ".new"
+with open(tmp, "w") as f:
+    f.write(f"{srv.getsockname()[1]} {os.getpid()}\n")
+os.replace(tmp, sys.argv[1])
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+EOS
+chmod 0755 "$D/relay"
 echo "browser: done ($(chromium --version 2>/dev/null || echo chromium))"
