@@ -334,15 +334,19 @@ pub async fn browse(v: &Verbs, vm: &str, a: &Browse, ct: &CancellationToken) -> 
     };
     let doing = v.doing("browser", Some(vm), what);
     // (the driver keeps to the call's time from its start; the host waits longer by the
-    // margin it takes to start)
-    let r = super::helper(
+    // margin it takes to start.) The call's tag is in the driver's command line only, not in
+    // its environment: a call cancelled or out of time ends its driver
+    // ([`super::exec::kill_script`]), never the browser or the relay the driver started.
+    let id = format!("w{}", uuid::Uuid::new_v4().simple());
+    let r = super::helper_stopped(
         v,
         vm,
-        "exec /usr/local/lib/boxery/browser/drive",
+        &driver_line(&id),
         Some(body),
         PNG_CAP * 2 + TEXT_CAP * 8,
         timeout + DRIVER_START,
         ct,
+        Some(&super::exec::kill_script(&id)),
     )
     .await
     .and_then(|out| read_answer(vm, a.action, &out));
@@ -351,6 +355,15 @@ pub async fn browse(v: &Verbs, vm: &str, a: &Browse, ct: &CancellationToken) -> 
         Err(_) => doing.ended(&r, None),
     }
     r
+}
+
+/// The guest's line for one driver call tagged `id`: the tag is an argument, in the
+/// driver's command line alone (the browser and relay it starts do not inherit it).
+fn driver_line(id: &str) -> String {
+    format!(
+        "exec /usr/local/lib/boxery/browser/drive {}={id}",
+        super::exec::CALL_TAG
+    )
 }
 
 /// The driver's answer, checked.
@@ -521,5 +534,14 @@ mod tests {
         let r = read_answer("v", BrowserAction::Screenshot, png.as_bytes()).unwrap();
         assert_eq!(r.status, Some(200));
         assert!(r.png.is_some());
+    }
+
+    #[test]
+    fn a_call_is_tagged_in_the_drivers_command_line_only() {
+        let line = driver_line("w1");
+        assert_eq!(line, "exec /usr/local/lib/boxery/browser/drive BOXERY_CALL=w1");
+        // what a cancelled call runs finds the tag wherever it is: only the driver has it
+        assert!(super::super::exec::kill_script("w1").contains("w1"));
+        assert!(!line.contains("export"));
     }
 }
