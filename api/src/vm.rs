@@ -134,6 +134,18 @@ impl Display {
     pub const WIDTHS: std::ops::RangeInclusive<u32> = 640..=7680;
     /// The heights allowed.
     pub const HEIGHTS: std::ops::RangeInclusive<u32> = 480..=4320;
+    /// The guest's file that gives the desktop layer's display its size (`BOXERY_DISPLAY=WxH`):
+    /// written by a new VM's seed, so the display starts at its size at the first boot, and by
+    /// the control plane when `spec.display` changes.
+    pub const FILE: &'static str = "/etc/boxery/desktop.env";
+    /// The first line of a [`Display::FILE`] boxery wrote: a file without it was written by
+    /// hand, and is left alone when the spec sets no size.
+    pub const MARK: &'static str = "# boxery: spec.display";
+
+    /// What boxery writes in [`Display::FILE`] for this size.
+    pub fn file_text(&self) -> String {
+        format!("{}\nBOXERY_DISPLAY={self}\n", Self::MARK)
+    }
 }
 
 impl std::fmt::Display for Display {

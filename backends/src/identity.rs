@@ -132,6 +132,7 @@ pub fn generate(name: &str, authorized_keys: &[String]) -> Result<Identity, Iden
         host_key: Some(host_key),
         authorized_keys: authorized_keys.to_vec(),
         proxy_token: Some(proxy_token()),
+        display: None,
     })
 }
 

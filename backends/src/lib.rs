@@ -177,6 +177,10 @@ pub struct Identity {
     pub authorized_keys: Vec<String>,
     /// The per-VM proxy token written into the guest.
     pub proxy_token: Option<String>,
+    /// The size the desktop layer's display starts at (`spec.display` of a VM with a
+    /// desktop), written as [`boxery_api::vm::Display::FILE`] before the display first starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display: Option<boxery_api::vm::Display>,
 }
 
 /// Where a new VM's disk comes from.

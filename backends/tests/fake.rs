@@ -50,6 +50,7 @@ fn new_vm(name: &str, uid: &str, image: &str) -> NewVm {
             host_key: None,
             authorized_keys: vec!["ssh-ed25519 AAAA test".into()],
             proxy_token: Some(format!("token-{name}")),
+            display: None,
         },
         egress: boxery_api::network::EgressPolicy::Public,
         memory: false,

@@ -255,6 +255,7 @@ mod tests {
                 )),
                 authorized_keys: vec![],
                 proxy_token: Some("bxt_'; rm -rf /".into()),
+                display: None,
             },
             mac: Some("52:54:00:AB:cd:01".into()),
         }

@@ -649,17 +649,14 @@ fn dns_script(dns: std::net::Ipv4Addr) -> String {
     )
 }
 
-/// The first line of a `/etc/boxery/desktop.env` boxery wrote: a file without it was written
-/// by hand, and is left alone when the spec sets no size.
-const DISPLAY_MARK: &str = "# boxery: spec.display";
-
 /// The part of [`script`] that gives the desktop (the desktop layer's `boxery-desktop`
 /// service) the screen size `size` (`WIDTHxHEIGHT`, checked by the API) in
 /// `/etc/boxery/desktop.env` (no value: on the disk), marked as boxery's; with no size, takes
 /// back a file boxery wrote (a size set by hand stays). The display starts again only when the
 /// size it runs at changes, so a push that changes nothing (every boot) restarts nothing.
 fn display_script(size: Option<&str>) -> String {
-    let default = boxery_api::vm::Display::DEFAULT;
+    use boxery_api::vm::Display;
+    let default = Display::DEFAULT;
     let restart = "{ sudo -n systemctl try-restart boxery-desktop.service || echo 'boxery: the desktop did not start again (journalctl -u boxery-desktop)' >&2; }";
     let change = match size {
         Some(size) => format!(
@@ -667,18 +664,19 @@ fn display_script(size: Option<&str>) -> String {
              sudo -n install -d -m 0755 /etc/boxery && printf '%s\\n' {mark} 'BOXERY_DISPLAY='{q} | sudo -n tee \"$e.new\" >/dev/null && sudo -n chmod 0644 \"$e.new\" && sudo -n mv \"$e.new\" \"$e\" && \
              if [ \"$cur\" != {q} ]; then {restart}; fi; fi",
             q = shell_quote(size),
-            mark = shell_quote(DISPLAY_MARK),
+            mark = shell_quote(Display::MARK),
         ),
         None => format!(
             "if grep -qs {mark} \"$e\"; then sudo -n rm -f \"$e\" && if [ \"$cur\" != {default} ]; then {restart}; fi; fi",
-            mark = shell_quote(DISPLAY_MARK),
+            mark = shell_quote(Display::MARK),
         ),
     };
     format!(
-        "e=/etc/boxery/desktop.env\n\
+        "e={}\n\
          if [ -e /etc/systemd/system/boxery-desktop.service ]; then \
          cur=$(sed -n 's/^BOXERY_DISPLAY=//p' \"$e\" 2>/dev/null | tail -n 1); cur=${{cur:-{default}}}; \
-         {change}; fi\n"
+         {change}; fi\n",
+        shell_quote(Display::FILE)
     )
 }
 
@@ -983,6 +981,15 @@ mod display_tests {
                 .unwrap()
                 .starts_with("# boxery")
         );
+        // what a new VM's seed wrote (the display's size at its first start): the first push
+        // of the same size neither rewrites it nor restarts the display
+        let d = boxery_api::vm::Display {
+            width: 800,
+            height: 600,
+        };
+        std::fs::write(&env, d.file_text()).unwrap();
+        assert_eq!(run(root.path(), Some("800x600")), "");
+        assert_eq!(std::fs::read_to_string(&env).unwrap(), d.file_text());
     }
 }
 

@@ -1695,6 +1695,8 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     // exists, so no ssh ever trusts on first use), machine-id and token, and the control
     // plane's key as the only authorized key.
     let mut identity = new_identity(ctx, &name).await?;
+    // a desktop starts at its size at the first boot (the control plane's push comes later)
+    identity.display = (!vm.spec.headless).then_some(vm.spec.display).flatten();
     // A VM outside any pool has its own proxy token from birth (the one in its seed); a pool
     // member gets one per lease instead, so its clean image carries none that works.
     if !pool_member(&vm)

@@ -65,7 +65,13 @@ fn tool_calls(
     actions: serde_json::Value,
 ) -> Vec<serde_json::Value> {
     std::fs::create_dir_all(out).unwrap();
-    let mut py = std::process::Command::new(repo().join("target/mcp-venv/bin/python"));
+    let python = repo().join("target/mcp-venv/bin/python");
+    assert!(
+        python.exists(),
+        "no python with the MCP SDK at {}: scripts/test.sh installs it into target/mcp-venv (pip install mcp jsonschema kubernetes playwright)",
+        python.display()
+    );
+    let mut py = std::process::Command::new(python);
     py.arg(repo().join("tests/mcp/client.py"))
         .args([mode, common::bin(), vm])
         .arg(out)
@@ -757,7 +763,7 @@ pub(super) fn browser_driven_through_vm_browser(kind: Kind) {
     serve.wait_leading();
     let f = h.home.write(
         "web.yaml",
-        "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {name: web1}\nspec:\n  source: {image: debian-12}\n  layers: [browser]\n  resources: {cpus: 1, memory: 2Gi}\n  network:\n    egress: {policy: Allowlist, allow: [allowed.test]}\n",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {name: web1}\nspec:\n  source: {image: debian-12}\n  layers: [browser]\n  display: {width: 1024, height: 768}\n  resources: {cpus: 1, memory: 2Gi}\n  network:\n    egress: {policy: Allowlist, allow: [allowed.test]}\n",
     );
     h.apply_file(&f, "45m");
     let layers = h.ok(&["get", "vm", "web1", "-o", "jsonpath={.spec.layers}"]);
@@ -765,6 +771,11 @@ pub(super) fn browser_driven_through_vm_browser(kind: Kind) {
         layers.contains("desktop") && layers.contains("browser"),
         "{layers}"
     );
+    // the first boot's display starts at spec.display (the seed gives it), not at the default
+    // and then again at the size the control plane pushes later
+    let png = h.home.path().join("first.png");
+    let said = h.ok(&["screenshot", "web1", png.to_str().unwrap()]);
+    assert!(said.contains("1024×768"), "the first screenshot: {said}");
     // the egress proxy's address reaches the guest before the browser first starts
     common::eventually(Duration::from_secs(120), || {
         let o = h.cmd(&["run", "web1", "--", "grep -q http_proxy /run/boxery/env"]);
@@ -799,6 +810,12 @@ pub(super) fn browser_driven_through_vm_browser(kind: Kind) {
         ]),
     );
     eprintln!("vm_browser: {} actions in {:?}", r.len(), t.elapsed());
+    // minutes after the boot (the control plane's pushes done): the display started once
+    let starts = h.run(
+        "web1",
+        "sudo -n journalctl -b -u boxery-desktop.service -o cat | grep -c '^Starting boxery-desktop' || true",
+    );
+    assert_eq!(starts.trim(), "1", "the display started again after the first boot");
     let took: Vec<f64> = r.iter().map(|a| a["seconds"].as_f64().unwrap()).collect();
     eprintln!("vm_browser actions took {took:?} s");
     assert_eq!(r[0]["data"]["status"], 200, "{:?}", r[0]);

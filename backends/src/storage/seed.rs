@@ -315,6 +315,16 @@ pub fn user_data(name: &str, identity: &Identity, guest: Guest) -> Result<String
         f
     };
     s.push_str("write_files:\n");
+    if let Some(d) = &identity.display {
+        // before the desktop layer's display first starts (its unit is ordered after
+        // cloud-init), so it starts at its size
+        s.push_str(&file(
+            boxery_api::vm::Display::FILE,
+            "0644",
+            None,
+            d.file_text().as_bytes(),
+        ));
+    }
     s.push_str(&file(
         "/etc/ssh/boxery_host_ed25519_key",
         "0600",
@@ -434,6 +444,7 @@ mod tests {
             )),
             authorized_keys: vec!["ssh-ed25519 BBBB me@laptop".into()],
             proxy_token: Some("bxt_1".into()),
+            display: None,
         }
     }
 
@@ -452,6 +463,26 @@ mod tests {
         let mut bad_host = identity();
         bad_host.hostname = "a.b".into();
         assert!(user_data("dev1", &bad_host, Guest::Boxery).is_err());
+        // no spec.display: no file for the desktop; one: the size it first starts at
+        assert!(!u.contains("desktop.env"), "{u}");
+        let mut desk = identity();
+        desk.display = Some(boxery_api::vm::Display {
+            width: 1024,
+            height: 768,
+        });
+        let doc: serde_json::Value =
+            serde_saphyr::from_str(&user_data("dev1", &desk, Guest::Boxery).unwrap()).unwrap();
+        let f = doc["write_files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["path"] == "/etc/boxery/desktop.env")
+            .expect("the desktop's size");
+        assert_eq!(f["permissions"], "0644");
+        assert_eq!(
+            f["content"],
+            base64(b"# boxery: spec.display\nBOXERY_DISPLAY=1024x768\n")
+        );
     }
 
     /// A cloud image's seed makes `agent` with the keys (none at the top, where they would go
