@@ -2640,7 +2640,6 @@ mod qemu {
     fn desktop_driven_through_vm_computer() {
         super::desktop::desktop_computer_use(super::Kind::Qemu)
     }
-
 }
 
 #[cfg(feature = "libvirt")]

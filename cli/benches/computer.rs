@@ -104,8 +104,11 @@ fn main() {
     let (mut ma, mut mb) = pairs(
         n,
         |i| {
-            mcp.tool("vm_computer", json!({"vm": vm, "action": "mouse_move",
-                                "coordinate": [300 + (i % 2) * 400, 300]}));
+            mcp.tool(
+                "vm_computer",
+                json!({"vm": vm, "action": "mouse_move",
+                                "coordinate": [300 + (i % 2) * 400, 300]}),
+            );
         },
         |i| {
             h.ssh(
@@ -119,7 +122,10 @@ fn main() {
     let (mut ca, mut cb) = pairs(
         n,
         |_| {
-            mcp.tool("vm_computer", json!({"vm": vm, "action": "screenshot", "console": true}));
+            mcp.tool(
+                "vm_computer",
+                json!({"vm": vm, "action": "screenshot", "console": true}),
+            );
         },
         |_| qmp_screendump(&qmp, &dump),
     );

@@ -815,7 +815,11 @@ pub(super) fn browser_driven_through_vm_browser(kind: Kind) {
         "web1",
         "sudo -n journalctl -b -u boxery-desktop.service -o cat | grep -c '^Starting boxery-desktop' || true",
     );
-    assert_eq!(starts.trim(), "1", "the display started again after the first boot");
+    assert_eq!(
+        starts.trim(),
+        "1",
+        "the display started again after the first boot"
+    );
     let took: Vec<f64> = r.iter().map(|a| a["seconds"].as_f64().unwrap()).collect();
     eprintln!("vm_browser actions took {took:?} s");
     assert_eq!(r[0]["data"]["status"], 200, "{:?}", r[0]);

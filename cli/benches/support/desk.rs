@@ -174,7 +174,14 @@ pub fn pairs(
     (ta, tb)
 }
 
-pub fn row(what: &str, n: usize, a: &mut [Duration], b: &mut [Duration], floor: &str, target: &str) {
+pub fn row(
+    what: &str,
+    n: usize,
+    a: &mut [Duration],
+    b: &mut [Duration],
+    floor: &str,
+    target: &str,
+) {
     let (a50, b50) = (pct(a, 0.5), pct(b, 0.5));
     println!(
         "| {what} ({n} pairs) | {} (p90 {}) | {floor}: {} (p90 {}) | {:.2}× | {target} |",
@@ -185,4 +192,3 @@ pub fn row(what: &str, n: usize, a: &mut [Duration], b: &mut [Duration], floor: 
         a50.as_secs_f64() / b50.as_secs_f64()
     );
 }
-

@@ -539,7 +539,10 @@ mod tests {
     #[test]
     fn a_call_is_tagged_in_the_drivers_command_line_only() {
         let line = driver_line("w1");
-        assert_eq!(line, "exec /usr/local/lib/boxery/browser/drive BOXERY_CALL=w1");
+        assert_eq!(
+            line,
+            "exec /usr/local/lib/boxery/browser/drive BOXERY_CALL=w1"
+        );
         // what a cancelled call runs finds the tag wherever it is: only the driver has it
         assert!(super::super::exec::kill_script("w1").contains("w1"));
         assert!(!line.contains("export"));
