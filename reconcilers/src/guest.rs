@@ -168,6 +168,9 @@ pub struct Files {
     /// The Docker daemon's proxy settings, a systemd drop-in ([`docker_dropin`]): written
     /// where the guest runs Docker.
     pub docker: String,
+    /// The proxies Docker's client gives containers and builds ([`docker_client_proxies`],
+    /// JSON): put in the login user's `~/.docker/config.json` where the guest has Docker.
+    pub docker_client: String,
     /// For a VM with a desktop, the screen size its spec sets (`WIDTHxHEIGHT`), if any
     /// ([`display_script`]).
     pub display: Option<Option<String>>,
@@ -186,6 +189,44 @@ fn docker_dropin(egress: &str, no_proxy: &str) -> String {
         "# boxery (docs/egress.md): the Docker daemon's way out is the control plane's egress proxy\n\
          [Service]\n\
          Environment=\"HTTP_PROXY={egress}\" \"HTTPS_PROXY={egress}\" \"NO_PROXY={no_proxy}\"\n"
+    )
+}
+
+/// The proxies Docker's client gives the containers it makes and the builds it runs
+/// (`~/.docker/config.json`'s `proxies.default`, docs/egress.md, "Developer traffic"): the
+/// daemon's drop-in covers its own pulls, not what runs inside a container.
+fn docker_client_proxies(egress: &str, no_proxy: &str) -> String {
+    serde_json::json!({"httpProxy": egress, "httpsProxy": egress, "noProxy": no_proxy}).to_string()
+}
+
+/// The part of [`script`] that puts `proxies` ([`docker_client_proxies`], JSON) in the login
+/// user's `~/.docker/config.json` where the guest has Docker's client: merged into what the
+/// file holds (a `docker login`'s credentials stay), written 0600 through a temporary file,
+/// and not written again when it holds them already. A file that is not a JSON object is
+/// left alone, and that is said.
+fn docker_client_script(proxies: &str) -> String {
+    const MERGE: &str = "import json, os, sys
+p, want = sys.argv[1], json.loads(sys.argv[2])
+try:
+    c = json.load(open(p))
+except FileNotFoundError:
+    c = {}
+if not isinstance(c, dict) or not isinstance(c.get(\"proxies\", {}), dict):
+    sys.exit(\"boxery: \" + p + \" is not what Docker writes: its proxies are left as they are\")
+if c.get(\"proxies\", {}).get(\"default\") == want:
+    sys.exit(0)
+c.setdefault(\"proxies\", {})[\"default\"] = want
+os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
+t = p + \".new\"
+with os.fdopen(os.open(t, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), \"w\") as f:
+    json.dump(c, f, indent=1)
+os.replace(t, p)
+";
+    format!(
+        "if command -v docker >/dev/null 2>&1 && command -v python3 >/dev/null 2>&1; then \
+         python3 -c {} \"$HOME/.docker/config.json\" \"$(printf '%s' {} | base64 -d)\" || true; fi\n",
+        shell_quote(MERGE),
+        shell_quote(&base64::engine::general_purpose::STANDARD.encode(proxies))
     )
 }
 
@@ -238,6 +279,7 @@ pub async fn files(plan: &Plan, home: &Path) -> Files {
     let host = proxy_host_port(plan).0;
     let no_proxy = format!("{host},localhost,127.0.0.1,::1");
     out.docker = docker_dropin(&egress, &no_proxy);
+    out.docker_client = docker_client_proxies(&egress, &no_proxy);
     env.push_str(&format!(
         "# egress (docs/egress.md): everything goes through the control plane's egress proxy
          export http_proxy={e} https_proxy={e} HTTP_PROXY={e} HTTPS_PROXY={e} \
@@ -600,6 +642,7 @@ pub fn script(f: &Files, rev: &str) -> String {
          sudo -n install -d -m 0755 \"$(dirname \"$k\")\" && printf '%s\\n' \"$c\" | sudo -n tee \"$k.new\" >/dev/null && sudo -n chmod 0600 \"$k.new\" && sudo -n mv \"$k.new\" \"$k\" && sudo -n systemctl daemon-reload && {{ sudo -n systemctl try-restart docker.service || echo 'boxery: dockerd did not restart with the proxy settings (journalctl -u docker)' >&2; }}; fi; fi\n",
         c = base64::engine::general_purpose::STANDARD.encode(&f.docker)
     ));
+    s.push_str(&docker_client_script(&f.docker_client));
     if let Some(size) = &f.display {
         s.push_str(&display_script(size.as_deref()));
     }
@@ -931,6 +974,82 @@ mod shimmed {
         let said = std::fs::read_to_string(&log).unwrap_or_default();
         let _ = std::fs::remove_file(&log);
         said
+    }
+}
+
+#[cfg(test)]
+mod docker_client_tests {
+    use super::{docker_client_proxies, docker_client_script};
+
+    /// The Docker client part run with `home` as `$HOME` and a `docker` on the PATH or not.
+    fn run(home: &std::path::Path, docker: bool) -> std::process::Output {
+        let bin = home.join("bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let shim = bin.join("docker");
+        if docker {
+            std::fs::write(&shim, "#!/bin/sh\n").unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&shim, std::fs::Permissions::from_mode(0o755)).unwrap();
+        } else {
+            let _ = std::fs::remove_file(&shim);
+        }
+        let proxies =
+            docker_client_proxies("http://boxery:bxt_1@10.0.2.100:80", "10.0.2.100,localhost");
+        std::process::Command::new("sh")
+            .args(["-euc", &docker_client_script(&proxies)])
+            .env("HOME", home)
+            .env("PATH", format!("{}:/usr/bin:/bin", bin.display()))
+            .output()
+            .unwrap()
+    }
+
+    #[test]
+    fn containers_get_the_proxy_and_a_logins_credentials_stay() {
+        let home = tempfile::tempdir().unwrap();
+        let cfg = home.path().join(".docker/config.json");
+        // no Docker: nothing written
+        assert!(run(home.path(), false).status.success());
+        assert!(!cfg.exists());
+        // Docker: the proxies, 0600
+        assert!(run(home.path(), true).status.success());
+        let c: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+        assert_eq!(
+            c["proxies"]["default"]["httpsProxy"],
+            "http://boxery:bxt_1@10.0.2.100:80"
+        );
+        assert_eq!(c["proxies"]["default"]["noProxy"], "10.0.2.100,localhost");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(&cfg).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        // a docker login's credentials, and proxies of other daemons, stay
+        std::fs::write(
+            &cfg,
+            r#"{"auths": {"registry.test": {"auth": "eDp5"}}, "proxies": {"tcp://other:2376": {"httpProxy": "http://x"}}}"#,
+        )
+        .unwrap();
+        assert!(run(home.path(), true).status.success());
+        let c: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+        assert_eq!(c["auths"]["registry.test"]["auth"], "eDp5");
+        assert_eq!(c["proxies"]["tcp://other:2376"]["httpProxy"], "http://x");
+        assert_eq!(
+            c["proxies"]["default"]["httpProxy"],
+            "http://boxery:bxt_1@10.0.2.100:80"
+        );
+        // unchanged: not written again
+        let before = std::fs::metadata(&cfg).unwrap().modified().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(run(home.path(), true).status.success());
+        assert_eq!(std::fs::metadata(&cfg).unwrap().modified().unwrap(), before);
+        // not Docker's: left alone, said, and the push goes on
+        std::fs::write(&cfg, "[1]").unwrap();
+        let o = run(home.path(), true);
+        assert!(o.status.success());
+        assert!(String::from_utf8_lossy(&o.stderr).contains("left as they are"));
+        assert_eq!(std::fs::read_to_string(&cfg).unwrap(), "[1]");
     }
 }
 

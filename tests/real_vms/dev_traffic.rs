@@ -671,6 +671,19 @@ pub(super) fn developer_traffic_through_egress() {
         &nonce,
     );
 
+    // what runs in a container goes out the same way: Docker's client gives it the proxy
+    // (~/.docker/config.json, written by boxery), and the stand-in's name resolves only there
+    let said = h.run(
+        "d1",
+        &format!(
+            "docker run --rm {DOCKER}/standin/hello:1.0 /busybox sh -c 'echo \"$http_proxy\"; /busybox wget -q -O /dev/null http://{APT}/from-a-container-{nonce} || true'"
+        ),
+    );
+    assert!(
+        said.contains("http://10.0.2.100:80"),
+        "a container has the egress proxy: {said}"
+    );
+
     // The stand-ins saw each tool arrive by its name, through the proxy.
     let seen = s.log("https");
     for want in [
@@ -695,6 +708,10 @@ pub(super) fn developer_traffic_through_egress() {
             .any(|l| l.starts_with(&format!("{APT} \"GET /debian/"))
                 && l.contains("standin-hello_1.0_all.deb")),
         "{seen}"
+    );
+    assert!(
+        seen.contains(&format!("{APT} \"GET /from-a-container-{nonce}")),
+        "a container's request reached the stand-in through the proxy: {seen}"
     );
     let audit = std::fs::read_to_string(h.home.path().join("audit/proxy.log")).unwrap_or_default();
     for want in [
