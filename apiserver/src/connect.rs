@@ -113,6 +113,8 @@ async fn open(
 ) -> Result<Response, Failure> {
     may_reach(sh, caller, name, "shell").await?;
     let on = upgrade_of(req, "boxery connect VM")?;
+    // the token's stream limit before any work for it
+    let slot = crate::watch::slot(sh, caller)?;
     let vm = vm_named(sh, name).await?;
     if let Some(e) = boxery_hands::not_ready(&vm, boxery_hands::Voice::Cli) {
         return Err(Failure::new(
@@ -127,7 +129,6 @@ async fn open(
         .map_err(|_| unavailable(name, "its sshd did not answer within 10 s"))?
         .map_err(|e| unavailable(name, &e.to_string()))?;
     let _ = tcp.set_nodelay(true);
-    let slot = crate::watch::slot(sh, caller)?;
     let (vm_name, token) = (name.to_string(), caller.name.clone());
     tokio::spawn(async move {
         let _slot = slot;

@@ -69,9 +69,25 @@ async fn open(
 ) -> Result<Response, Failure> {
     may_reach(sh, caller, name, "screen").await?;
     let on = upgrade_of(req, "boxery desktop VM")?;
-    let viewer = boxery_verbs::guest::desktop::open(&sh.verbs, name, control).await?;
+    // the token's stream limit before any work for it
     let slot = crate::watch::slot(sh, caller)?;
+    let viewer = boxery_verbs::guest::desktop::open(&sh.verbs, name, control).await?;
     let mut session = viewer.connect().await?;
+    // a desktop's guest session says why it failed on its stderr: read (never left to fill
+    // its pipe) and logged
+    if let Some(mut why) = session.why.take() {
+        let vm = name.to_string();
+        tokio::spawn(async move {
+            let mut buf = Vec::new();
+            let _ = (&mut why).take(4096).read_to_end(&mut buf).await;
+            let said = String::from_utf8_lossy(&buf);
+            if !said.trim().is_empty() {
+                tracing::info!(vm = %vm, said = %boxery_verbs::render::safe(said.trim()), "screen: the guest's session said");
+            }
+            // the rest, unread, would fill the pipe
+            let _ = tokio::io::copy(&mut why, &mut tokio::io::sink()).await;
+        });
+    }
     let vm = name.to_string();
     tokio::spawn(async move {
         let _slot = slot;

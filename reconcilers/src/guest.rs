@@ -203,14 +203,17 @@ fn docker_client_proxies(egress: &str, no_proxy: &str) -> String {
 /// user's `~/.docker/config.json` where the guest has Docker's client: merged into what the
 /// file holds (a `docker login`'s credentials stay), written 0600 through a temporary file,
 /// and not written again when it holds them already. A file that is not a JSON object is
-/// left alone, and that is said.
+/// left alone, and that is said. The proxies (on libvirt, the URL holds the VM's token) go on
+/// python's stdin, never its command line, which every guest user can read.
 fn docker_client_script(proxies: &str) -> String {
     const MERGE: &str = "import json, os, sys
-p, want = sys.argv[1], json.loads(sys.argv[2])
+p, want = sys.argv[1], json.load(sys.stdin)
 try:
     c = json.load(open(p))
 except FileNotFoundError:
     c = {}
+except ValueError:
+    c = None
 if not isinstance(c, dict) or not isinstance(c.get(\"proxies\", {}), dict):
     sys.exit(\"boxery: \" + p + \" is not what Docker writes: its proxies are left as they are\")
 if c.get(\"proxies\", {}).get(\"default\") == want:
@@ -224,9 +227,9 @@ os.replace(t, p)
 ";
     format!(
         "if command -v docker >/dev/null 2>&1 && command -v python3 >/dev/null 2>&1; then \
-         python3 -c {} \"$HOME/.docker/config.json\" \"$(printf '%s' {} | base64 -d)\" || true; fi\n",
-        shell_quote(MERGE),
-        shell_quote(&base64::engine::general_purpose::STANDARD.encode(proxies))
+         printf '%s' {} | base64 -d | python3 -c {} \"$HOME/.docker/config.json\" || true; fi\n",
+        shell_quote(&base64::engine::general_purpose::STANDARD.encode(proxies)),
+        shell_quote(MERGE)
     )
 }
 
@@ -1044,12 +1047,27 @@ mod docker_client_tests {
         std::thread::sleep(std::time::Duration::from_millis(20));
         assert!(run(home.path(), true).status.success());
         assert_eq!(std::fs::metadata(&cfg).unwrap().modified().unwrap(), before);
-        // not Docker's: left alone, said, and the push goes on
-        std::fs::write(&cfg, "[1]").unwrap();
-        let o = run(home.path(), true);
-        assert!(o.status.success());
-        assert!(String::from_utf8_lossy(&o.stderr).contains("left as they are"));
-        assert_eq!(std::fs::read_to_string(&cfg).unwrap(), "[1]");
+        // not Docker's (not an object, not JSON): left alone, said, and the push goes on
+        for other in ["[1]", "{not json"] {
+            std::fs::write(&cfg, other).unwrap();
+            let o = run(home.path(), true);
+            assert!(o.status.success());
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(
+                err.contains("left as they are") && !err.contains("Traceback"),
+                "{err}"
+            );
+            assert_eq!(std::fs::read_to_string(&cfg).unwrap(), other);
+        }
+        // the token is never on a command line: printf is the shell's own, and python reads
+        // the proxies on its stdin (its arguments: the program and the file)
+        let script = docker_client_script(&docker_client_proxies("http://boxery:bxt_1@h:80", ""));
+        assert!(!script.contains("bxt_1"), "{script}");
+        assert!(
+            script.contains("| base64 -d | python3 -c ")
+                && script.ends_with("\"$HOME/.docker/config.json\" || true; fi\n"),
+            "{script}"
+        );
     }
 }
 

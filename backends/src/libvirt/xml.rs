@@ -152,7 +152,7 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
     <memballoon model='none'/>
     <input type='tablet' bus='virtio'/>
     <video><model type='vga'/></video>
-    <graphics type='vnc'><listen type='none'/></graphics>
+    <graphics type='vnc' sharePolicy='force-shared'><listen type='none'/></graphics>
   </devices>
 </domain>
 ",
@@ -635,7 +635,7 @@ mod tests {
         // (no port, no socket: reached through libvirt only)
         assert!(has_screen(&x) && has_console(&x), "{x}");
         assert!(
-            x.contains("<input type='tablet' bus='virtio'/>\n    <video><model type='vga'/></video>\n    <graphics type='vnc'><listen type='none'/></graphics>\n  </devices>"),
+            x.contains("<input type='tablet' bus='virtio'/>\n    <video><model type='vga'/></video>\n    <graphics type='vnc' sharePolicy='force-shared'><listen type='none'/></graphics>\n  </devices>"),
             "{x}"
         );
         assert_eq!(x.matches("<graphics").count(), 1, "{x}");
