@@ -46,6 +46,8 @@ ACTIVE_PORT = os.path.join(PROFILE, "DevToolsActivePort")
 LOG = os.path.join(HOME, ".cache", "boxery-browser.log")
 # the browser's relay to the egress proxy: "PORT PID" (written by the relay)
 RELAY = os.path.join(HOME, ".cache", "boxery-browser.relay")
+# the relay's port the running browser was started with (--proxy-server)
+LAUNCHED = RELAY + ".browser"
 # the tab every call acts on (a tab a page opens does not take the calls over)
 TAB = os.path.join(HOME, ".cache", "boxery-browser.tab")
 TEXT_CAP = 256 * 1024
@@ -268,57 +270,70 @@ def display_size():
 
 
 def relay_running():
-    """The relay's port when it runs, else (None, the port it had, if any)."""
+    """The running relay's port, else None."""
     try:
         with open(RELAY) as f:
             port, pid = (int(x) for x in f.read().split())
-    except (OSError, ValueError):
-        return None, None
-    try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if b"/browser/relay" in f.read():
-                return port, port
-    except OSError:
+                return port
+    except (OSError, ValueError):
         pass
-    return None, port
+    return None
 
 
-def relay(again=True):
-    """The port of the browser's relay to the egress proxy, started when it is not running
-    (on the port it had, which the browser was started with, when that is still free)."""
+def launched_relay():
+    """The relay's port the running browser was started with (None: started without one)."""
+    try:
+        with open(LAUNCHED) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def start_relay(port):
+    """Start the relay on `port` (None: one the kernel picks); its port."""
     import subprocess
-    running, had = relay_running()
-    if running:
-        return running
-    for port in ([had] if had and again else []) + [None]:
-        try:
-            os.unlink(RELAY)
-        except FileNotFoundError:
-            pass
-        args = ["/usr/local/lib/boxery/browser/relay", RELAY] + ([str(port)] if port else [])
-        with open(LOG, "ab") as log:
-            subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                             start_new_session=True)
-        until = min(deadline, time.monotonic() + 10)
-        while time.monotonic() < until:
-            running, _ = relay_running()
-            if running:
-                return running
-            time.sleep(0.05)
+    try:
+        os.unlink(RELAY)
+    except FileNotFoundError:
+        pass
+    args = ["/usr/local/lib/boxery/browser/relay", RELAY] + ([str(port)] if port else [])
+    with open(LOG, "ab") as log:
+        subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                         start_new_session=True)
+    until = min(deadline, time.monotonic() + 10)
+    while time.monotonic() < until:
+        got = relay_running()
+        if got:
+            return got
+        time.sleep(0.05)
+    if port:
+        fail(1, f"the browser's relay to the egress proxy could not take its port {port} again: close the browser (pkill -u agent -x chromium) and call again (its log: {LOG})")
     fail(1, f"the browser's relay to the egress proxy did not start (its log: {LOG})")
 
 
+def browser_pid():
+    """The Chromium that holds the profile (its SingletonLock names it), when it runs."""
+    try:
+        pid = os.readlink(os.path.join(PROFILE, "SingletonLock")).rpartition("-")[2]
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
+            if b"chromium" in f.read():
+                return int(pid)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def start():
-    """Start chromium on :0 when its DevTools endpoint does not answer; wait for it. Calls at
-    once start one browser: the check and the start are under a lock beside the profile."""
+    """The browser's DevTools endpoint, the browser started when it does not run (and its
+    relay when that is gone); waited for. Calls at once start one browser: what is started is
+    started under a lock beside the profile."""
     try:
         version = endpoint("/json/version", probe=True)
-        running, had = relay_running()
-        if had and running is None:
-            # the browser goes out through it: back on the same port
-            if relay() != had:
-                fail(1, f"the browser's relay to the egress proxy could not take its port again: close the browser (pkill -u agent chromium) and call again (its log: {LOG})")
-        return version
+        want = launched_relay()
+        if want is None or relay_running() == want:
+            return version
     except OSError:
         pass
     import fcntl
@@ -338,18 +353,31 @@ def start():
         lock.close()
 
 
+def wait_endpoint(why):
+    while time.monotonic() < deadline:
+        try:
+            return endpoint("/json/version", probe=True)
+        except OSError:
+            time.sleep(0.25)
+    fail(1, why)
+
+
 def launch():
-    """Start chromium (under start's lock) unless the call that held the lock before did."""
+    """Under start's lock: a running browser's relay back on its port; else a new browser
+    (with its relay, when the guest has an egress proxy)."""
     import subprocess
-    try:
-        return endpoint("/json/version", probe=True)
-    except OSError:
-        pass
-    # a browser that is gone left its port behind: the new one writes its own
-    try:
-        os.unlink(ACTIVE_PORT)
-    except FileNotFoundError:
-        pass
+    if browser_pid() is not None:
+        # running (slow to answer, or its relay gone): never a second one
+        want = launched_relay()
+        if want is not None and relay_running() != want:
+            start_relay(want)
+        return wait_endpoint(f"the browser runs but its DevTools endpoint did not answer within the call's time: call again, or close it (pkill -u agent -x chromium) (its log: {LOG})")
+    # a browser that is gone left its port and relay port behind: the new one writes its own
+    for stale in (ACTIVE_PORT, LAUNCHED):
+        try:
+            os.unlink(stale)
+        except FileNotFoundError:
+            pass
     w, h = display_size()
     proxy, direct = proxy_env()
     args = ["chromium", f"--user-data-dir={PROFILE}", "--remote-debugging-address=127.0.0.1",
@@ -362,7 +390,12 @@ def launch():
     if proxy:
         # through the relay: it adds the proxy's credentials (Chromium cannot send those from
         # --proxy-server) and follows a new proxy in /run/boxery/env
-        args.append(f"--proxy-server=http://127.0.0.1:{relay(again=False)}")
+        port = relay_running() or start_relay(None)
+        tmp = LAUNCHED + ".new"
+        with open(tmp, "w") as f:
+            f.write(f"{port}\n")
+        os.replace(tmp, LAUNCHED)
+        args.append(f"--proxy-server=http://127.0.0.1:{port}")
         hosts = [h.strip() for h in direct.split(",") if h.strip()]
         if hosts:
             args.append("--proxy-bypass-list=" + ";".join(hosts))
@@ -371,12 +404,7 @@ def launch():
     with open(LOG, "ab") as log:
         subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                          start_new_session=True)
-    while time.monotonic() < deadline:
-        try:
-            return endpoint("/json/version", probe=True)
-        except OSError:
-            time.sleep(0.25)
-    fail(1, f"the browser did not start within the call's time (its log: {LOG})")
+    return wait_endpoint(f"the browser did not start within the call's time (its log: {LOG})")
 
 
 def the_tab():
@@ -619,43 +647,61 @@ chmod 0755 "$D/drive"
 cat > "$D/relay" <<'EOS'
 #!/usr/bin/python3
 """relay PORTFILE [PORT]: the agent's browser's way to the egress proxy (the browser layer's
-header). Listens on 127.0.0.1 (PORT, else one the kernel picks, written to PORTFILE); for
-each connection it reads the request's head, adds the proxy's credentials when the proxy has
-them (libvirt's shared proxy takes the VM's token as its password, which Chromium cannot send
-from --proxy-server), asks for the connection to close after one request (the proxy checks
-every request, and only the first has the credentials added), and carries the rest both ways.
-The proxy is read from /run/boxery/env again whenever that file changes, so a new egress
-proxy or token applies to the next connection without restarting the browser."""
+header). Listens on 127.0.0.1 (PORT, else one the kernel picks, written with its pid to
+PORTFILE); for each connection it reads the request's head, adds the proxy's credentials when
+the proxy has them (libvirt's shared proxy takes the VM's token as its password, which
+Chromium cannot send from --proxy-server), asks for the connection to close after one request
+(the proxy checks every request, and only the first has the credentials added), and carries
+the rest both ways. The proxy is read from /run/boxery/env again whenever that file changes,
+so a new egress proxy or token applies to the next connection without restarting the browser.
+A proxy that refuses the credentials (407) is answered 502, never a login prompt; a refused
+tunnel is closed."""
 import base64, os, shlex, socket, sys, threading
 from urllib.parse import unquote, urlsplit
 
 ENV = "/run/boxery/env"
 HOP = (b"proxy-authorization", b"proxy-connection", b"connection", b"keep-alive")
-seen = {"mtime": None, "proxy": None}
+HEAD_MAX = 64 * 1024
+# connections at once; more are closed at once
+SLOTS = threading.BoundedSemaphore(256)
+seen = {"key": None, "proxy": None}
+seen_lock = threading.Lock()
+
+
+def read_env():
+    """(host, port, Basic credentials or None) of the egress proxy in ENV; None without one
+    (or when it cannot be read as the control plane writes it)."""
+    try:
+        with open(ENV) as f:
+            text = f.read()
+        for line in text.splitlines():
+            if "http_proxy=" not in line:
+                continue
+            for word in shlex.split(line, comments=True):
+                if word.startswith("http_proxy="):
+                    u = urlsplit(word[len("http_proxy="):])
+                    cred = None
+                    if u.password is not None:
+                        pair = f"{unquote(u.username or '')}:{unquote(u.password)}"
+                        cred = base64.b64encode(pair.encode())
+                    if u.hostname:
+                        return (u.hostname, u.port or 80, cred)
+    except (OSError, ValueError) as e:
+        print(f"relay: {ENV}: {e}", file=sys.stderr, flush=True)
+    return None
 
 
 def proxy():
-    """(host, port, Basic credentials or None) of the egress proxy now; None without one."""
+    """The egress proxy now (ENV read again when it changed)."""
     try:
-        m = os.stat(ENV).st_mtime_ns
+        st = os.stat(ENV)
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
     except OSError:
         return None
-    if m != seen["mtime"]:
-        found = None
-        with open(ENV) as f:
-            for line in f:
-                if "http_proxy=" not in line:
-                    continue
-                for word in shlex.split(line, comments=True):
-                    if word.startswith("http_proxy="):
-                        u = urlsplit(word[len("http_proxy="):])
-                        cred = None
-                        if u.password is not None:
-                            pair = f"{unquote(u.username or '')}:{unquote(u.password)}"
-                            cred = base64.b64encode(pair.encode())
-                        found = (u.hostname, u.port or 80, cred)
-        seen["mtime"], seen["proxy"] = m, found
-    return seen["proxy"]
+    with seen_lock:
+        if key != seen["key"]:
+            seen["key"], seen["proxy"] = key, read_env()
+        return seen["proxy"]
 
 
 def pipe(a, b):
@@ -667,38 +713,67 @@ def pipe(a, b):
             b.sendall(data)
     except OSError:
         pass
-    for s in (b,):
-        try:
-            s.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
+    try:
+        b.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
+def head_of(s):
+    """A message's head (up to its blank line) and what came after it; None when the peer
+    closed first or sent more than HEAD_MAX."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = s.recv(65536)
+        if not more or len(data) > HEAD_MAX:
+            return None
+        data += more
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head, rest
 
 
 def serve(c):
     up = None
     try:
-        head = b""
-        while b"\r\n\r\n" not in head:
-            data = c.recv(65536)
-            if not data or len(head) > 65536:
-                return
-            head += data
-        head, _, rest = head.partition(b"\r\n\r\n")
+        c.settimeout(30)  # a request's head comes at once, or not at all
+        got = head_of(c)
+        if got is None:
+            return
+        c.settimeout(None)
+        head, rest = got
         lines = head.split(b"\r\n")
         p = proxy()
         if p is None:
-            c.sendall(b"HTTP/1.1 502 No egress proxy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            c.sendall(b"HTTP/1.1 502 No egress proxy in /run/boxery/env\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
             return
+        tunnel = lines[0].upper().startswith(b"CONNECT ")
         kept = [l for l in lines[1:] if l.split(b":", 1)[0].strip().lower() not in HOP]
-        if not lines[0].upper().startswith(b"CONNECT "):
+        if not tunnel:
             kept.append(b"Connection: close")
         if p[2]:
             kept.append(b"Proxy-Authorization: Basic " + p[2])
         up = socket.create_connection((p[0], p[1]), timeout=30)
         up.settimeout(None)
         up.sendall(b"\r\n".join([lines[0]] + kept) + b"\r\n\r\n" + rest)
+        # a request's body goes on while its answer is awaited; a tunnel's bytes only once
+        # the proxy has opened it
         t = threading.Thread(target=pipe, args=(c, up), daemon=True)
-        t.start()
+        if not tunnel:
+            t.start()
+        got = head_of(up)
+        if got is None:
+            return
+        answer, after = got
+        status = (answer.split(b" ", 2)[1:2] or [b""])[0]
+        if status == b"407":
+            # the proxy refused the VM's token: no login prompt in the browser
+            answer = b"HTTP/1.1 502 The egress proxy refused this VM's token\r\nContent-Length: 0\r\nConnection: close"
+            after = b""
+        c.sendall(answer + b"\r\n\r\n" + after)
+        if status == b"407" or (tunnel and not status.startswith(b"2")):
+            return  # a refused tunnel is closed
+        if tunnel:
+            t.start()
         pipe(up, c)
         t.join()
     except OSError:
@@ -707,6 +782,7 @@ def serve(c):
         for s in (c, up):
             if s is not None:
                 s.close()
+        SLOTS.release()
 
 
 srv = socket.socket()
@@ -718,8 +794,20 @@ with open(tmp, "w") as f:
     f.write(f"{srv.getsockname()[1]} {os.getpid()}\n")
 os.replace(tmp, sys.argv[1])
 while True:
-    c, _ = srv.accept()
-    threading.Thread(target=serve, args=(c,), daemon=True).start()
+    try:
+        c, _ = srv.accept()
+    except OSError as e:  # out of descriptors, for one: try again in a moment
+        print(f"relay: accept: {e}", file=sys.stderr, flush=True)
+        threading.Event().wait(0.1)
+        continue
+    if not SLOTS.acquire(blocking=False):
+        c.close()
+        continue
+    try:
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+    except RuntimeError:
+        c.close()
+        SLOTS.release()
 EOS
 chmod 0755 "$D/relay"
 echo "browser: done ($(chromium --version 2>/dev/null || echo chromium))"

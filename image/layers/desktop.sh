@@ -196,14 +196,15 @@ if run:
 EOS
 chmod 0755 "$D/type"
 
-# StartLimitIntervalSec=0: never give up restarting. After=cloud-init.service: a new VM's seed
-# writes /etc/boxery/desktop.env (spec.display) there, so the first start has its size (no start at
+# StartLimitIntervalSec=0: never give up restarting. After=cloud-init.service (named
+# cloud-init-network.service from cloud-init 24.3): a new VM's seed writes /etc/boxery/desktop.env
+# (spec.display) there, so the first start has its size (no start at
 # the default and another when the control plane pushes the size). RuntimeDirectoryMode 0750 and
 # UMask 0027: the screen (Xvfb_screen0) and the cookie are the agent user's only.
 cat > /etc/systemd/system/boxery-desktop.service <<'EOS'
 [Unit]
 Description=boxery desktop: virtual X display :0 (Xvfb), framebuffer /run/boxery-desktop/Xvfb_screen0
-After=cloud-init.service
+After=cloud-init.service cloud-init-network.service
 StartLimitIntervalSec=0
 
 [Service]
