@@ -43,17 +43,29 @@ pub async fn connect(
         Err(f) => f.into_response(),
     };
     // a shell session through the API (`boxery ssh`, `run`, `cp` of a context) starts here
+    audit(&sh, &caller, "connect", &name, "ssh", &r);
+    r
+}
+
+/// Record a stream opened (or refused) for `caller` to VM `name` in the actions log.
+pub(crate) fn audit(
+    sh: &Shared,
+    caller: &Caller,
+    action: &'static str,
+    name: &str,
+    what: &str,
+    r: &Response,
+) {
     sh.verbs
         .acting_for(&format!("token:{}", caller.name), "api")
         .doing(
-            "connect",
-            boxery_api::name::check_label_name(&name)
+            action,
+            boxery_api::name::check_label_name(name)
                 .is_ok()
-                .then_some(name.as_str()),
-            "ssh",
+                .then_some(name),
+            what,
         )
         .done(format!("HTTP {}", r.status().as_u16()), None);
-    r
 }
 
 /// Whether `caller` may reach VM `name`'s shell or screen (`what`, for the refusal): a full

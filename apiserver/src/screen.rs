@@ -36,16 +36,8 @@ pub async fn screen(
         Err(f) => Err(f),
     };
     let r = r.unwrap_or_else(IntoResponse::into_response);
-    sh.verbs
-        .acting_for(&format!("token:{}", caller.name), "api")
-        .doing(
-            "screen",
-            boxery_api::name::check_label_name(&name)
-                .is_ok()
-                .then_some(name.as_str()),
-            if control { "control" } else { "view" },
-        )
-        .done(format!("HTTP {}", r.status().as_u16()), None);
+    let what = if control { "control" } else { "view" };
+    crate::connect::audit(&sh, &caller, "screen", &name, what, &r);
     r
 }
 

@@ -12,29 +12,18 @@
 //! starts Chromium (1 to 2 minutes) before anything is timed. `cargo bench -p boxery --bench
 //! browser` (release); `BOXERY_BENCH_PAIRS=N` (default 10).
 
-use std::process::Stdio;
-
 use serde_json::json;
 
 #[path = "support/desk.rs"]
 mod desk;
-use desk::{Home, Kid, Mcp, pairs, row};
+use desk::{Home, Mcp, bench_pairs, pairs, row, serving};
 
 const DRIVE: &str = "exec /usr/local/lib/boxery/browser/drive";
 
 fn main() {
-    let n: usize = std::env::var("BOXERY_BENCH_PAIRS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(10);
-    let dir = tempfile::tempdir().unwrap();
-    let h = Home(dir.path().to_path_buf());
-    let _serve = Kid(h
-        .cmd(&["serve"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap());
+    let n = bench_pairs(10);
+    // (the directory and `serve` live to the end)
+    let (_dir, h, _serve) = serving();
     let manifest = h.0.join("web.yaml");
     std::fs::write(
         &manifest,

@@ -17,14 +17,13 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::{Value, json};
 
 #[path = "support/desk.rs"]
 mod desk;
-use desk::{Home, Kid, Mcp, ms, pairs, pct, row};
+use desk::{Mcp, bench_pairs, ms, pairs, pct, row, serving};
 
 /// QEMU's own `screendump` on the VM's QMP socket (a new connection, as a client would).
 fn qmp_screendump(sock: &Path, out: &Path) {
@@ -58,18 +57,9 @@ fn qmp_screendump(sock: &Path, out: &Path) {
 }
 
 fn main() {
-    let n: usize = std::env::var("BOXERY_BENCH_PAIRS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20);
-    let dir = tempfile::tempdir().unwrap();
-    let h = Home(dir.path().to_path_buf());
-    let _serve = Kid(h
-        .cmd(&["serve"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap());
+    let n = bench_pairs(20);
+    // (the directory and `serve` live to the end)
+    let (_dir, h, _serve) = serving();
     let manifest =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/examples/desktop-vm.yaml");
     h.ok(&[

@@ -141,6 +141,28 @@ impl Mcp {
     }
 }
 
+/// The pairs a bench times: `$BOXERY_BENCH_PAIRS`, else `default`.
+pub fn bench_pairs(default: usize) -> usize {
+    std::env::var("BOXERY_BENCH_PAIRS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A new home in a temporary directory with its `serve` running: the directory (removed when
+/// dropped), the home and the `serve` (killed when dropped).
+pub fn serving() -> (tempfile::TempDir, Home, Kid) {
+    let dir = tempfile::tempdir().unwrap();
+    let h = Home(dir.path().to_path_buf());
+    let serve = Kid(h
+        .cmd(&["serve"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap());
+    (dir, h, serve)
+}
+
 pub fn pct(v: &mut [Duration], p: f64) -> Duration {
     v.sort();
     v[((v.len() as f64 - 1.0) * p).round() as usize]
