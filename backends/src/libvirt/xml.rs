@@ -152,7 +152,7 @@ pub fn domain(s: &DomainSpec<'_>) -> String {
     <memballoon model='none'/>
     <input type='tablet' bus='virtio'/>
     <video><model type='vga'/></video>
-    <graphics type='vnc' sharePolicy='force-shared'><listen type='none'/></graphics>
+    <graphics type='vnc' sharePolicy='ignore'><listen type='none'/></graphics>
   </devices>
 </domain>
 ",
@@ -207,7 +207,9 @@ pub fn has_screen(xml: &str) -> bool {
 }
 
 /// Whether a domain's XML (live or defined, either quote style) has the console [`domain`]
-/// gives it: a VNC display without a listener (`<graphics type='vnc'>`, reached only through
+/// gives it (with `sharePolicy='ignore'`: every viewer is let in beside the others, whatever
+/// it asks; `force-shared` would turn away a client asking for exclusive access, and the
+/// default lets such a client turn the others away): a VNC display without a listener (`<graphics type='vnc'>`, reached only through
 /// `virDomainOpenGraphics`). A domain started from a definition older than that has none
 /// until it is started again.
 pub fn has_console(xml: &str) -> bool {
@@ -635,7 +637,7 @@ mod tests {
         // (no port, no socket: reached through libvirt only)
         assert!(has_screen(&x) && has_console(&x), "{x}");
         assert!(
-            x.contains("<input type='tablet' bus='virtio'/>\n    <video><model type='vga'/></video>\n    <graphics type='vnc' sharePolicy='force-shared'><listen type='none'/></graphics>\n  </devices>"),
+            x.contains("<input type='tablet' bus='virtio'/>\n    <video><model type='vga'/></video>\n    <graphics type='vnc' sharePolicy='ignore'><listen type='none'/></graphics>\n  </devices>"),
             "{x}"
         );
         assert_eq!(x.matches("<graphics").count(), 1, "{x}");
