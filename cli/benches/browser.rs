@@ -44,7 +44,8 @@ fn main() {
         "run",
         vm,
         "--",
-        "mkdir -p /tmp/site && printf '<title>bench</title><p id=t>hello from the guest</p>' > /tmp/site/index.html && (cd /tmp/site && setsid python3 -m http.server 8000 --bind 127.0.0.1 </dev/null >/dev/null 2>&1 &) && sleep 2",
+        // (the server alone in the background, every descriptor of it away from ssh's)
+        "mkdir -p /tmp/site && printf '<title>bench</title><p id=t>hello from the guest</p>' > /tmp/site/index.html && (setsid python3 -m http.server 8000 --bind 127.0.0.1 --directory /tmp/site </dev/null >/dev/null 2>&1 &) && sleep 2",
     ]);
     let mut mcp = Mcp::start(&h);
     // the first action starts Chromium
