@@ -262,32 +262,15 @@ impl Ledger {
                 .mode(0o600)
                 .open(&path)?;
         }
-        let conn = Connection::open(&path).map_err(sql)?;
-        conn.busy_timeout(BUSY_TIMEOUT).map_err(sql)?;
-        conn.pragma_update(None, "synchronous", "NORMAL")
-            .map_err(sql)?;
         // Several openers at once is the ordinary case (`serve`'s sampler and its credential
         // proxy open it together at start, `boxery usage` any time). SQLite answers BUSY at
         // once, without its busy handler, to a switch to WAL while another connection opens
-        // the same new file, and to a plain `CREATE … IF NOT EXISTS` that would have to
-        // upgrade a read lock another writer waits on: the switch is tried again, and the
-        // tables are made in a transaction that takes the write lock first (so the busy
-        // handler waits for it).
-        let deadline = std::time::Instant::now() + BUSY_TIMEOUT;
-        loop {
-            match conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get::<_, String>(0)) {
-                Ok(_) => break,
-                Err(rusqlite::Error::SqliteFailure(e, _))
-                    if matches!(
-                        e.code,
-                        rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
-                    ) && std::time::Instant::now() < deadline =>
-                {
-                    std::thread::sleep(std::time::Duration::from_millis(2));
-                }
-                Err(e) => return Err(sql(e)),
-            }
-        }
+        // the same new file (the store's way of opening tries it again), and to a plain
+        // `CREATE … IF NOT EXISTS` that would have to upgrade a read lock another writer
+        // waits on: the tables are made in a transaction that takes the write lock first (so
+        // the busy handler waits for it).
+        let conn = boxery_store::connect_sqlite(&path, BUSY_TIMEOUT)
+            .map_err(|e| std::io::Error::other(format!("the usage ledger: {e}")))?;
         conn.execute_batch(&format!("BEGIN IMMEDIATE;{SCHEMA}COMMIT;"))
             .map_err(sql)?;
         Ok(Ledger {

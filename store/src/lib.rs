@@ -49,6 +49,10 @@ mod schema;
 mod snapshot;
 /// The store schema version this build writes (`PRAGMA user_version`).
 pub use schema::SCHEMA_VERSION;
+/// Open an existing SQLite file as every store connection is opened: WAL (the switch tried
+/// again while another connection sets up the same new file), `synchronous=NORMAL`, a busy
+/// timeout. The usage ledger (`boxery_home::usage`) opens with it too.
+pub use schema::connect as connect_sqlite;
 mod watch;
 pub mod wire;
 mod write;

@@ -83,8 +83,9 @@ CREATE TABLE IF NOT EXISTS leaders (
 "#;
 
 /// Open one connection to the store's file with the settings every connection shares:
-/// WAL, `synchronous=NORMAL`, a busy timeout, foreign keys off (the schema has none).
-pub(crate) fn connect(path: &Path, busy_timeout: Duration) -> Result<Connection> {
+/// WAL, `synchronous=NORMAL`, a busy timeout, foreign keys off (the schema has none). Also
+/// what boxery's other SQLite file, the usage ledger, opens with ([`crate::connect_sqlite`]).
+pub fn connect(path: &Path, busy_timeout: Duration) -> Result<Connection> {
     let open_db = |source| StoreError::OpenDb {
         path: path.display().to_string(),
         source,
