@@ -100,10 +100,9 @@ async fn open(
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,
                 };
-                let passed = match filter.as_mut().map(|f| f.feed(&buf[..n])) {
-                    None => buf[..n].to_vec(),
-                    Some(Ok(passed)) => passed,
-                    Some(Err(why)) => {
+                let passed = match boxery_verbs::guest::rfb::pass(filter, &buf[..n]) {
+                    Ok(passed) => passed,
+                    Err(why) => {
                         tracing::info!(vm = %vm, why = %why, "screen: a view-only viewer was disconnected");
                         return;
                     }

@@ -390,10 +390,9 @@ async fn bridge(socket: WebSocket, d: &Desk) {
                 Message::Close(_) => break,
                 _ => continue,
             };
-            let b = match filter.as_mut().map(|f| f.feed(&b)) {
-                None => b.to_vec(),
-                Some(Ok(passed)) => passed,
-                Some(Err(why)) => {
+            let b = match boxery_verbs::guest::rfb::pass(filter, &b) {
+                Ok(passed) => passed,
+                Err(why) => {
                     refused = Some(why);
                     break;
                 }

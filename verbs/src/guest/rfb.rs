@@ -64,6 +64,19 @@ fn be16(b: &[u8], at: usize) -> usize {
     usize::from(u16::from_be_bytes([b[at], b[at + 1]]))
 }
 
+/// What of `input` (a viewer's next bytes) goes on to the server: all of it without a
+/// filter (a viewer with control, or a server that filters for itself), else what `filter`
+/// passes. An error: close the connection ([`ViewOnly::feed`]).
+pub fn pass<'a>(
+    filter: &mut Option<ViewOnly>,
+    input: &'a [u8],
+) -> Result<std::borrow::Cow<'a, [u8]>, String> {
+    match filter {
+        None => Ok(std::borrow::Cow::Borrowed(input)),
+        Some(f) => f.feed(input).map(std::borrow::Cow::Owned),
+    }
+}
+
 impl ViewOnly {
     /// The part of `input` (what the client sent next) to pass on to the server. An error:
     /// the stream is not one a watcher may send; close the connection.
@@ -225,6 +238,15 @@ mod tests {
     const POINTER: &[u8] = &[5, 1, 0, 10, 0, 20];
     const QEMU_KEY: &[u8] = &[255, 0, 0, 1, 0, 0, 0, 0x61, 0, 0, 0, 0x1e];
     const FENCE: &[u8] = &[248, 0, 0, 0, 0, 0, 0, 3, 2, 9, 9];
+
+    #[test]
+    fn without_a_filter_everything_passes_and_with_one_input_is_dropped() {
+        let input = stream(&[KEY]);
+        assert_eq!(&*pass(&mut None, &input).unwrap(), &input[..]);
+        let mut f = Some(ViewOnly::default());
+        // the handshake passes (a shared session asked for), the key does not
+        assert_eq!(&*pass(&mut f, &input).unwrap(), b"RFB 003.008\n\x01\x01");
+    }
 
     #[test]
     fn pictures_pass_and_input_is_dropped() {
