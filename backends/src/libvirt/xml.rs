@@ -207,11 +207,12 @@ pub fn has_screen(xml: &str) -> bool {
 }
 
 /// Whether a domain's XML (live or defined, either quote style) has the console [`domain`]
-/// gives it (with `sharePolicy='ignore'`: every viewer is let in beside the others, whatever
-/// it asks; `force-shared` would turn away a client asking for exclusive access, and the
-/// default lets such a client turn the others away): a VNC display without a listener (`<graphics type='vnc'>`, reached only through
+/// gives it: a VNC display without a listener (`<graphics type='vnc'>`, reached only through
 /// `virDomainOpenGraphics`). A domain started from a definition older than that has none
-/// until it is started again.
+/// until it is started again. Its `sharePolicy='ignore'` lets every viewer in beside the
+/// others, whatever it asks: `force-shared` turns away a client asking for exclusive access
+/// (a `--control` viewer passes that through), and the default lets such a client turn the
+/// others away.
 pub fn has_console(xml: &str) -> bool {
     xml.split("<graphics ")
         .skip(1)

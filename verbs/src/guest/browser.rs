@@ -543,8 +543,5 @@ mod tests {
             line,
             "exec /usr/local/lib/boxery/browser/drive BOXERY_CALL=w1"
         );
-        // what a cancelled call runs finds the tag wherever it is: only the driver has it
-        assert!(super::super::exec::kill_script("w1").contains("w1"));
-        assert!(!line.contains("export"));
     }
 }
