@@ -14,9 +14,9 @@
 
 use serde_json::json;
 
-#[path = "support/desk.rs"]
-mod desk;
-use desk::{Home, Mcp, bench_pairs, pairs, row, serving};
+#[path = "support/realvm.rs"]
+mod realvm;
+use realvm::{Home, Mcp, bench_pairs, pairs, row, serving};
 
 const DRIVE: &str = "exec /usr/local/lib/boxery/browser/drive";
 
@@ -24,20 +24,11 @@ fn main() {
     let n = bench_pairs(10);
     // (the directory and `serve` live to the end)
     let (_dir, h, _serve) = serving();
-    let manifest = h.0.join("web.yaml");
-    std::fs::write(
-        &manifest,
+    let manifest = h.write(
+        "web.yaml",
         "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {name: web1}\nspec:\n  source: {image: debian-12}\n  layers: [browser]\n  resources: {cpus: 1, memory: 2Gi}\n",
-    )
-    .unwrap();
-    h.ok(&[
-        "apply",
-        "-f",
-        manifest.to_str().unwrap(),
-        "--wait",
-        "--timeout",
-        "45m",
-    ]);
+    );
+    h.apply_wait(&manifest, "45m");
     let vm = "web1";
     // a page in the guest
     h.ok(&[

@@ -21,9 +21,9 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-#[path = "support/desk.rs"]
-mod desk;
-use desk::{Mcp, bench_pairs, ms, pairs, pct, row, serving};
+#[path = "support/realvm.rs"]
+mod realvm;
+use realvm::{Mcp, bench_pairs, ms, pairs, pct, row, serving};
 
 /// QEMU's own `screendump` on the VM's QMP socket (a new connection, as a client would).
 fn qmp_screendump(sock: &Path, out: &Path) {
@@ -62,14 +62,7 @@ fn main() {
     let (_dir, h, _serve) = serving();
     let manifest =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/examples/desktop-vm.yaml");
-    h.ok(&[
-        "apply",
-        "-f",
-        manifest.to_str().unwrap(),
-        "--wait",
-        "--timeout",
-        "45m",
-    ]);
+    h.apply_wait(&manifest, "45m");
     let vm = "desk1";
     // something on the screen: an xterm
     h.ok(&[

@@ -10,54 +10,14 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_boxery")
-}
+#[path = "support/realvm.rs"]
+mod realvm;
+use realvm::{Kid, bench_pairs, ms, pct, serving};
 
-struct Home(PathBuf);
-
-impl Home {
-    fn cmd(&self, args: &[&str]) -> Command {
-        let mut c = Command::new(bin());
-        c.args(args)
-            .env("BOXERY_HOME", &self.0)
-            .env("BOXERY_BACKEND", "qemu")
-            .env_remove("BOXERY_CONTEXT")
-            .stdin(Stdio::null());
-        c
-    }
-    fn ok(&self, args: &[&str]) -> String {
-        let o = self.cmd(args).output().unwrap();
-        assert!(
-            o.status.success(),
-            "{args:?} ({:?}): {}{}",
-            o.status.code(),
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        String::from_utf8_lossy(&o.stdout).into_owned()
-    }
-    fn write(&self, name: &str, text: &str) -> PathBuf {
-        let p = self.0.join(name);
-        std::fs::write(&p, text).unwrap();
-        p
-    }
-}
-
-/// A child killed (and reaped) when dropped.
-struct Kid(Child);
-impl Drop for Kid {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Spawn a forwarder and wait until `port` on 127.0.0.1 takes connections.
 fn forwarder(mut c: Command, port: u16) -> Kid {
     let kid = Kid(c
         .stdout(Stdio::null())
@@ -95,16 +55,6 @@ fn get(port: u16, path: &str) -> usize {
     body.len()
 }
 
-fn pct(v: &mut [Duration], p: f64) -> Duration {
-    v.sort();
-    v[((v.len() as f64 - 1.0) * p).round() as usize]
-}
-
-fn ms(d: Duration) -> String {
-    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
-}
-
-/// `n` interleaved pairs of `f` through boxery's port and ssh's.
 fn pairs(n: usize, ours: u16, theirs: u16, f: impl Fn(u16)) -> (Vec<Duration>, Vec<Duration>) {
     let time = |p: u16| {
         let t = Instant::now();
@@ -133,31 +83,15 @@ fn free_port() -> u16 {
 }
 
 fn main() {
-    let n: usize = std::env::var("BOXERY_BENCH_PAIRS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(50);
-    let dir = tempfile::tempdir().unwrap();
-    let h = Home(dir.path().to_path_buf());
-    let _serve = Kid(h
-        .cmd(&["serve"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap());
+    let n = bench_pairs(50);
+    // (the directory and `serve` live to the end)
+    let (_dir, h, _serve) = serving();
     let vm = h.write(
         "vm.yaml",
         "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {name: f0}\n\
          spec:\n  source: {image: tiny}\n  resources: {cpus: 1, memory: 256Mi, disk: 2Gi}\n",
     );
-    h.ok(&[
-        "apply",
-        "-f",
-        vm.to_str().unwrap(),
-        "--wait",
-        "--timeout",
-        "10m",
-    ]);
+    h.apply_wait(&vm, "10m");
     h.ok(&[
         "run",
         "f0",

@@ -1,6 +1,7 @@
-//! What the desktop benches (computer use, the agent's browser) share: a home with its
-//! `serve`, a bare ssh through the home's ControlMaster, one `boxery mcp` session, and paired
-//! timings interleaved so the machine's drift hits both sides alike.
+//! What the benches of a real VM (computer use, the agent's browser, `boxery forward`) share:
+//! a home with its `serve`, a manifest applied and waited for, a bare ssh through the home's
+//! ControlMaster, one `boxery mcp` session, and paired timings interleaved so the machine's
+//! drift hits both sides alike.
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Write};
@@ -25,6 +26,23 @@ impl Home {
             .env_remove("BOXERY_CONTEXT")
             .stdin(Stdio::null());
         c
+    }
+    /// Write `text` as the home's file `name`; its path.
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.0.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+    /// `boxery apply -f manifest --wait --timeout timeout`.
+    pub fn apply_wait(&self, manifest: &std::path::Path, timeout: &str) {
+        self.ok(&[
+            "apply",
+            "-f",
+            manifest.to_str().unwrap(),
+            "--wait",
+            "--timeout",
+            timeout,
+        ]);
     }
     pub fn ok(&self, args: &[&str]) -> String {
         let o = self.cmd(args).output().unwrap();
