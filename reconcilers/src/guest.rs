@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 use base64::Engine;
 use boxery_api::conditions::READY;
 use boxery_api::grant::GrantType;
+use boxery_api::vm::Display;
 use boxery_api::{ConditionStatus, Conditions, Vm};
 use boxery_controller::{Cache, CancellationToken};
 use boxery_hands::shell_quote;
@@ -80,7 +81,7 @@ pub struct Plan {
     pub egress: boxery_api::network::Egress,
     /// For a VM with a desktop: the screen size its spec sets (`spec.display`), `None` when
     /// it sets none (then a size boxery wrote before is taken back, one set by hand is kept).
-    pub display: Option<Option<boxery_api::vm::Display>>,
+    pub display: Option<Option<Display>>,
     /// Where the guest's resolver should send name lookups, when the control plane answers
     /// them ([`dns_script`]).
     pub dns: Option<std::net::Ipv4Addr>,
@@ -173,7 +174,7 @@ pub struct Files {
     pub docker_client: String,
     /// For a VM with a desktop, the screen size its spec sets (`WIDTHxHEIGHT`), if any
     /// ([`display_script`]).
-    pub display: Option<Option<String>>,
+    pub display: Option<Option<Display>>,
     /// The guest's DNS server, when the control plane answers its lookups ([`dns_script`]).
     pub dns: Option<std::net::Ipv4Addr>,
 }
@@ -266,7 +267,7 @@ fn provider_v1(url: &str, p: &str) -> String {
 pub async fn files(plan: &Plan, home: &Path) -> Files {
     let (url, token) = (&plan.url, &plan.token);
     let mut out = Files {
-        display: plan.display.map(|d| d.map(|d| d.to_string())),
+        display: plan.display,
         dns: plan.dns,
         ..Files::default()
     };
@@ -647,7 +648,7 @@ pub fn script(f: &Files, rev: &str) -> String {
     ));
     s.push_str(&docker_client_script(&f.docker_client));
     if let Some(size) = &f.display {
-        s.push_str(&display_script(size.as_deref()));
+        s.push_str(&display_script(size.as_ref()));
     }
     if let Some(dns) = f.dns {
         s.push_str(&dns_script(dns));
@@ -696,21 +697,21 @@ fn dns_script(dns: std::net::Ipv4Addr) -> String {
 }
 
 /// The part of [`script`] that gives the desktop (the desktop layer's `boxery-desktop`
-/// service) the screen size `size` (`WIDTHxHEIGHT`, checked by the API) in
-/// `/etc/boxery/desktop.env` (no value: on the disk), marked as boxery's; with no size, takes
+/// service) the screen size `size` (checked by the API) in [`Display::FILE`] (no value: on the
+/// disk), as [`Display::file_text`] (what a new VM's seed writes too); with no size, takes
 /// back a file boxery wrote (a size set by hand stays). The display starts again only when the
 /// size it runs at changes, so a push that changes nothing (every boot) restarts nothing.
-fn display_script(size: Option<&str>) -> String {
-    use boxery_api::vm::Display;
+fn display_script(size: Option<&Display>) -> String {
     let default = Display::DEFAULT;
     let restart = "{ sudo -n systemctl try-restart boxery-desktop.service || echo 'boxery: the desktop did not start again (journalctl -u boxery-desktop)' >&2; }";
     let change = match size {
         Some(size) => format!(
             "if [ \"$cur\" != {q} ] || ! grep -qs {mark} \"$e\"; then \
-             sudo -n install -d -m 0755 /etc/boxery && printf '%s\\n' {mark} 'BOXERY_DISPLAY='{q} | sudo -n tee \"$e.new\" >/dev/null && sudo -n chmod 0644 \"$e.new\" && sudo -n mv \"$e.new\" \"$e\" && \
+             sudo -n install -d -m 0755 \"$(dirname \"$e\")\" && printf '%s' {text} | sudo -n tee \"$e.new\" >/dev/null && sudo -n chmod 0644 \"$e.new\" && sudo -n mv \"$e.new\" \"$e\" && \
              if [ \"$cur\" != {q} ]; then {restart}; fi; fi",
-            q = shell_quote(size),
+            q = shell_quote(&size.to_string()),
             mark = shell_quote(Display::MARK),
+            text = shell_quote(&size.file_text()),
         ),
         None => format!(
             "if grep -qs {mark} \"$e\"; then sudo -n rm -f \"$e\" && if [ \"$cur\" != {default} ]; then {restart}; fi; fi",
@@ -1074,9 +1075,16 @@ mod docker_client_tests {
 mod display_tests {
     use super::display_script;
 
-    /// The display part run against `root` ([`super::shimmed::run`]).
+    /// The display part run against `root` ([`super::shimmed::run`]), for a size `WxH`.
     fn run(root: &std::path::Path, size: Option<&str>) -> String {
-        super::shimmed::run(root, &display_script(size))
+        let size = size.map(|s| {
+            let (w, h) = s.split_once('x').unwrap();
+            boxery_api::vm::Display {
+                width: w.parse().unwrap(),
+                height: h.parse().unwrap(),
+            }
+        });
+        super::shimmed::run(root, &display_script(size.as_ref()))
     }
 
     #[test]
