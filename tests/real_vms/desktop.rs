@@ -459,10 +459,11 @@ pub(super) fn console_watched_live(kind: Kind) {
     drop(serve);
 }
 
-/// The console of `con1` watched from another machine through a context: the VM's host makes
-/// the viewer (its API's screen endpoint) and filters a view-only one's messages there; the
-/// stream carries the same screen (`said`: its console screenshot's words). A token of scope
-/// read may not watch it.
+/// The console of `con1` watched from another machine through a context (the VM's host makes
+/// the viewer at its API's screen endpoint, and filters a view-only one there: what the filter
+/// drops is `guest::rfb`'s tests'): view only and with control, the handshake gives the same
+/// screen (`said`: its console screenshot's words) and whole pictures come after a key and a
+/// pointer event. A token of scope read may not watch it.
 fn console_through_a_context(h: &RealHome, said: &str) {
     let laptop = super::laptop_of(h);
     for extra in [&[][..], &["--control"][..]] {
