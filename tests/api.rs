@@ -15,22 +15,7 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The python with `module`: $BOXERY_TEST_PYTHON, else target/mcp-venv (scripts/test.sh
-/// installs the MCP SDK and the kubernetes client there); a missing one fails, saying so.
-fn python_with(module: &str) -> PathBuf {
-    let python = std::env::var_os("BOXERY_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target/mcp-venv/bin/python"));
-    let has = Command::new(&python)
-        .args(["-c", &format!("import {module}")])
-        .output();
-    assert!(
-        has.is_ok_and(|o| o.status.success()),
-        "no python with `{module}` at {}: scripts/test.sh installs it into target/mcp-venv (pip install mcp jsonschema kubernetes)",
-        python.display()
-    );
-    python
-}
+use common::python_with;
 
 fn vm(name: &str, cpus: u32) -> String {
     format!(

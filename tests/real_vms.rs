@@ -1899,7 +1899,7 @@ fn remote_context(kind: Kind) {
     // MCP through the context (the official SDK)
     let out = laptop.path().join("mcp-out");
     std::fs::create_dir_all(&out).unwrap();
-    let mut py = std::process::Command::new(repo().join("target/mcp-venv/bin/python"));
+    let mut py = std::process::Command::new(common::python_with("mcp"));
     py.arg(repo().join("tests/mcp/client.py"))
         .args(["remote", common::bin(), "far1"])
         .arg(&out)

@@ -15,6 +15,26 @@ use std::time::{Duration, Instant};
 use boxery_backends::fake::FakeBackend;
 use boxery_store::Store;
 
+/// The python with `modules` (`mcp, jsonschema`): $BOXERY_TEST_PYTHON, else
+/// target/mcp-venv (scripts/test.sh installs the MCP SDK, the kubernetes client and
+/// Playwright there); a missing one fails the test, saying so.
+pub fn python_with(modules: &str) -> PathBuf {
+    let python = std::env::var_os("BOXERY_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/mcp-venv/bin/python")
+        });
+    let has = Command::new(&python)
+        .args(["-c", &format!("import {modules}")])
+        .output();
+    assert!(
+        has.is_ok_and(|o| o.status.success()),
+        "no python with `{modules}` at {}: scripts/test.sh installs it into target/mcp-venv (pip install mcp jsonschema kubernetes playwright)",
+        python.display()
+    );
+    python
+}
+
 /// The boxery binary under test.
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_boxery")

@@ -65,13 +65,7 @@ fn tool_calls(
     actions: serde_json::Value,
 ) -> Vec<serde_json::Value> {
     std::fs::create_dir_all(out).unwrap();
-    let python = repo().join("target/mcp-venv/bin/python");
-    assert!(
-        python.exists(),
-        "no python with the MCP SDK at {}: scripts/test.sh installs it into target/mcp-venv (pip install mcp jsonschema kubernetes playwright)",
-        python.display()
-    );
-    let mut py = std::process::Command::new(python);
+    let mut py = std::process::Command::new(common::python_with("mcp"));
     py.arg(repo().join("tests/mcp/client.py"))
         .args([mode, common::bin(), vm])
         .arg(out)
@@ -708,7 +702,7 @@ fn http_status_with(port: &str, path: &str, host: &str, headers: &str) -> u16 {
 /// tests/desktop/browser.py on `url`: waits for the screen (1280×800, with the app's magenta
 /// button), saves the canvas to `out`, clicks at `click` (screen pixels). Its JSON line.
 fn browser(url: &str, out: &Path, click: Option<[i64; 2]>) -> serde_json::Value {
-    let mut py = std::process::Command::new(repo().join("target/mcp-venv/bin/python"));
+    let mut py = std::process::Command::new(common::python_with("playwright"));
     py.arg(repo().join("tests/desktop/browser.py"))
         .arg(url)
         .arg(out)
