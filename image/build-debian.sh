@@ -15,18 +15,32 @@
 #   OUT_DIR/debian-12.qcow2  OUT_DIR/debian-12.vmlinuz  OUT_DIR/debian-12.initrd
 #   OUT_DIR/debian-12.build-info  OUT_DIR/debian-12.json (manifest)
 #
+# With BOXERY_GUEST_KIND=container (the incus backend's system containers): no kernel, no
+# initramfs, no fstab; step 4 packs the tree as an Incus unified image instead (metadata.yaml
+# and rootfs/ in one plain tar), in OUT_DIR/container/:
+#
+#   OUT_DIR/container/debian-12.tar  OUT_DIR/container/debian-12.build-info
+#   OUT_DIR/container/debian-12.json (manifest)
+#
 # Cached by a hash of its inputs (this script, lib.sh, the layers, the package list, suite,
 # mirror, disk size): a second run with the same inputs returns at once. --force rebuilds.
 # Runs as root (debootstrap, chroot). Needs network access to the Debian archive.
 # Env: BOXERY_EXTRA_LAYERS (layers after plumbing and devtools: the output is debian-12-LAYER…),
 #      BOXERY_MIRROR (default http://deb.debian.org/debian), DEBIAN_DISK_SIZE (default 4G),
-#      BOXERY_DEBOOTSTRAP_CACHE (default /var/cache/boxery/debootstrap: downloaded .debs).
+#      BOXERY_DEBOOTSTRAP_CACHE (default /var/cache/boxery/debootstrap: downloaded .debs),
+#      BOXERY_GUEST_KIND (vm, the default, or container).
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 
 FORCE=0
 [ "${1:-}" = --force ] && { FORCE=1; shift; }
 OUT=${1:-$BOXERY_DEFAULT_OUT}
+KIND=${BOXERY_GUEST_KIND:-vm}
+case "$KIND" in
+  vm) ;;
+  container) OUT=$OUT/container ;;
+  *) die "BOXERY_GUEST_KIND must be vm or container, not '$KIND'" ;;
+esac
 # More layers on top of plumbing and devtools (an Image's spec.source.build.layers): the
 # output is then named debian-12-LAYER[-LAYER…], beside the plain one.
 EXTRA=$(echo ${BOXERY_EXTRA_LAYERS:-})
@@ -44,12 +58,14 @@ for l in $EXTRA; do
   [ -f "$L/$l.sh" ] || die "no layer $L/$l.sh (layers: $(cd "$L" && ls *.sh | sed 's/\.sh$//' | grep -vx 'provision\|lib' | tr '\n' ' '))"
 done
 [ "$(id -u)" = 0 ] || die "build-debian.sh must run as root (debootstrap, chroot)"
-require debootstrap chroot mkfs.ext4 qemu-img sha256sum mount umount
+require debootstrap chroot mkfs.ext4 qemu-img sha256sum mount umount tar
 
 # The base system. python3-cffi-backend: debootstrap does not resolve the virtual
 # python3-cffi-backend-api-min that cloud-init's python3-cryptography needs.
 BASE_PKGS="systemd-sysv udev dbus systemd-resolved openssh-server sudo qemu-guest-agent cloud-init
-python3-cffi-backend linux-image-cloud-amd64 initramfs-tools iproute2 netbase ca-certificates"
+python3-cffi-backend iproute2 netbase ca-certificates"
+# a VM boots its own kernel (from outside its disk); a container runs on the host's
+[ "$KIND" = vm ] && BASE_PKGS="$BASE_PKGS linux-image-cloud-amd64 initramfs-tools"
 LAYER_PKGS=""
 for l in $LAYERS; do LAYER_PKGS="$LAYER_PKGS $(bash "$L/$l.sh" --print-packages)"; done
 INCLUDE=$(echo $BASE_PKGS $LAYER_PKGS | tr ' ' '\n' | awk 'NF && !seen[$0]++' | paste -sd,)
@@ -65,10 +81,15 @@ disk_size=$DISK_SIZE
 include=$INCLUDE
 cmdline=$CMDLINE
 layers=$LAYERS
+kind=$KIND
 npm_registry=${BOXERY_NPM_REGISTRY:-https://registry.npmjs.org}
 EOI
 )
-OUTPUTS=("$NAME.qcow2" "$NAME.vmlinuz" "$NAME.initrd" "$NAME.build-info")
+if [ "$KIND" = vm ]; then
+  OUTPUTS=("$NAME.qcow2" "$NAME.vmlinuz" "$NAME.initrd" "$NAME.build-info")
+else
+  OUTPUTS=("$NAME.tar" "$NAME.build-info")
+fi
 if [ $FORCE = 0 ] && cache_hit "$OUT" "$NAME" "$KEY" "${OUTPUTS[@]}"; then
   phase "up to date: $OUT/$NAME.json (input hash ${KEY:0:16})"
   exit 0
@@ -115,7 +136,7 @@ debootstrap --variant=minbase --include="$INCLUDE" --cache-dir="$DEB_CACHE" \
       n[st]++; if (st != last || now - lastp >= 10) { last = st; lastp = now;
         printf "[%7.2fs]   debootstrap: %s (%d)\n", now - t0 / 1e9, substr($0, 4), n[st]; fflush() } }' \
   || { tail -30 "$W/debootstrap.log"; die "debootstrap failed (log above)"; }
-[ -x "$ROOT/usr/bin/apt-get" ] && [ -d "$ROOT/lib/modules" ] || { tail -30 "$W/debootstrap.log"; die "debootstrap failed"; }
+[ -x "$ROOT/usr/bin/apt-get" ] && { [ "$KIND" = container ] || [ -d "$ROOT/lib/modules" ]; } || { tail -30 "$W/debootstrap.log"; die "debootstrap failed"; }
 phase "debootstrap done: $(du -sm "$ROOT" | cut -f1) MiB, $(chroot "$ROOT" dpkg-query -W | wc -l) packages"
 
 # --- 2. configure the tree ---------------------------------------------------------------------
@@ -135,7 +156,11 @@ Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 EOS
 echo "$NAME" > "$ROOT/etc/hostname"
 printf '127.0.0.1 localhost\n127.0.1.1 %s\n::1 localhost ip6-localhost ip6-loopback\n' "$NAME" > "$ROOT/etc/hosts"
-echo '/dev/vda / ext4 defaults,discard,errors=remount-ro 0 1' > "$ROOT/etc/fstab"
+if [ "$KIND" = vm ]; then
+  echo '/dev/vda / ext4 defaults,discard,errors=remount-ro 0 1' > "$ROOT/etc/fstab"
+else
+  : > "$ROOT/etc/fstab"   # the container manager mounts the root
+fi
 echo 'LANG=C.UTF-8' > "$ROOT/etc/default/locale"
 # networking: DHCP on every ethernet NIC, whatever its name; DNS through systemd-resolved
 mkdir -p "$ROOT/etc/systemd/network"
@@ -198,20 +223,23 @@ if [ -d "$BUILD_CAS" ]; then
   rm -rf "$BUILD_CAS"; chroot "$ROOT" update-ca-certificates --fresh >/dev/null 2>&1 || true
 fi
 
-# the kernel boots from outside the disk (direct kernel boot): keep only the newest, and hold it
-# so an upgrade inside a VM never removes the modules of the kernel the VM boots
-KVER=$(ls "$ROOT/lib/modules" | sort -V | tail -1)
-for k in $(ls "$ROOT/lib/modules" | sort -V | head -n -1); do
-  phase "  removing older kernel $k"
-  chroot "$ROOT" env DEBIAN_FRONTEND=noninteractive apt-get purge -y -q "linux-image-$k" >/dev/null
-done
-chroot "$ROOT" apt-mark hold "linux-image-$KVER" linux-image-cloud-amd64 >/dev/null
-[ -f "$ROOT/boot/initrd.img-$KVER" ] || chroot "$ROOT" update-initramfs -c -k "$KVER" >/dev/null
+KVER=none
+if [ "$KIND" = vm ]; then
+  # the kernel boots from outside the disk (direct kernel boot): keep only the newest, and hold it
+  # so an upgrade inside a VM never removes the modules of the kernel the VM boots
+  KVER=$(ls "$ROOT/lib/modules" | sort -V | tail -1)
+  for k in $(ls "$ROOT/lib/modules" | sort -V | head -n -1); do
+    phase "  removing older kernel $k"
+    chroot "$ROOT" env DEBIAN_FRONTEND=noninteractive apt-get purge -y -q "linux-image-$k" >/dev/null
+  done
+  chroot "$ROOT" apt-mark hold "linux-image-$KVER" linux-image-cloud-amd64 >/dev/null
+  [ -f "$ROOT/boot/initrd.img-$KVER" ] || chroot "$ROOT" update-initramfs -c -k "$KVER" >/dev/null
+fi
 chroot "$ROOT" systemctl enable systemd-networkd.service systemd-resolved.service >/dev/null 2>&1
 chroot "$ROOT" systemctl mask apt-daily.timer apt-daily-upgrade.timer >/dev/null 2>&1
 chroot "$ROOT" apt-get clean
 unmount_all
-phase "layers done; kernel $KVER"
+if [ "$KIND" = vm ]; then phase "layers done; kernel $KVER"; else phase "layers done"; fi
 
 # leave nothing instance-specific: host keys, machine-id, cloud-init state, logs, apt lists
 rm -f "$ROOT"/etc/ssh/ssh_host_* "$ROOT/usr/sbin/policy-rc.d"
@@ -221,12 +249,52 @@ rm -rf "$ROOT"/var/lib/cloud/* "$ROOT"/var/lib/apt/lists/* "$ROOT"/var/cache/apt
   "$ROOT"/var/log/journal/* "$ROOT"/tmp/* "$ROOT"/var/tmp/* "$ROOT/root/.bash_history"
 find "$ROOT/var/log" -type f ! -name 'boxery-provision.*' -delete
 rm -f "$ROOT/etc/resolv.conf"; ln -s ../run/systemd/resolve/stub-resolv.conf "$ROOT/etc/resolv.conf"
-cp "$ROOT/boot/vmlinuz-$KVER" "$W/$NAME.vmlinuz"; cp "$ROOT/boot/initrd.img-$KVER" "$W/$NAME.initrd"
+if [ "$KIND" = vm ]; then
+  cp "$ROOT/boot/vmlinuz-$KVER" "$W/$NAME.vmlinuz"; cp "$ROOT/boot/initrd.img-$KVER" "$W/$NAME.initrd"
+fi
 cp "$ROOT/etc/boxery/build-info" "$W/$NAME.build-info"
 PKG_COUNT=$(dpkg-query --admindir="$ROOT/var/lib/dpkg" -W | wc -l)
 phase "tree cleaned: $(du -sm "$ROOT" | cut -f1) MiB, $PKG_COUNT packages"
 
-# --- 4. filesystem and qcow2 -------------------------------------------------------------------
+# --- 4. filesystem and qcow2 (a VM), or an Incus unified image (a container) -------------------
+if [ "$KIND" = container ]; then
+  BUILT_AT=$(sed -n 's/^built_at=//p' "$W/$NAME.build-info")
+  cat > "$W/metadata.yaml" <<EOM
+architecture: x86_64
+creation_date: $(date +%s)
+properties:
+  os: debian
+  release: bookworm
+  description: boxery $NAME (layers $LAYERS, input hash ${KEY:0:16})
+EOM
+  # plain tar (no compression: Incus unpacks it once, and xz costs minutes on 2 cores);
+  # numeric owners, with extended attributes (file capabilities: ping)
+  tar --numeric-owner --xattrs --xattrs-include='*' -C "$W" -cf "$W/$NAME.tar" metadata.yaml rootfs
+  phase "unified image: $(($(file_size "$W/$NAME.tar") / 1048576)) MiB"
+  TAR_SHA=$(sha256sum < "$W/$NAME.tar" | cut -d' ' -f1)
+  cat > "$W/$NAME.json" <<EOJ
+{
+  "name": "$NAME",
+  "kind": "container",
+  "format": "incus-unified-tar",
+  "image": "$NAME.tar",
+  "image_size": $(file_size "$W/$NAME.tar"),
+  "image_sha256": "$TAR_SHA",
+  "ssh_user": "agent",
+  "layers": "$LAYERS",
+  "packages": $PKG_COUNT,
+  "build_info": "$NAME.build-info",
+  "built_at": "$BUILT_AT",
+  "build_seconds": $(secs_since "$BOXERY_T0"),
+  "input_hash": "$KEY"
+}
+EOJ
+  rm -f "$OUT/$NAME.json"   # the manifest goes last: it is what marks a complete build
+  for f in "${OUTPUTS[@]}"; do rm -f "$OUT/$f"; mv "$W/$f" "$OUT/$f"; done
+  mv "$W/$NAME.json" "$OUT/$NAME.json"
+  phase "done: $OUT/$NAME.{tar,build-info,json}"
+  exit 0
+fi
 truncate -s "$DISK_SIZE" "$W/root.raw"
 mkfs.ext4 -q -F -L boxery-root -d "$ROOT" "$W/root.raw"
 phase "mkfs.ext4 -d ($DISK_SIZE)"

@@ -25,6 +25,8 @@ pub mod fake;
 #[cfg(any(feature = "qemu", feature = "libvirt"))]
 pub mod host;
 pub mod identity;
+#[cfg(feature = "incus")]
+pub mod incus;
 #[cfg(feature = "libvirt")]
 pub mod libvirt;
 pub mod mark;
@@ -756,20 +758,28 @@ pub(crate) fn last_words(log: &str) -> Option<String> {
     Some(line.chars().take(300).collect())
 }
 
+/// 8 hex digits of FNV-1a over `s`: a stable namespace id for a state directory (the libvirt
+/// and incus backends name what they make on a shared daemon with it).
+pub fn namespace_of(s: &str) -> String {
+    let h = boxery_api::fnv::fnv1a(s.as_bytes());
+    format!("{:08x}", (h ^ (h >> 32)) as u32)
+}
+
 /// Where a backend keeps its state: `$BOXERY_HOME/<backend>/`.
 pub fn state_dir(home: &std::path::Path, backend: &str) -> PathBuf {
     boxery_home::layout::backend(home, backend)
 }
 
 /// Names of the backends this build has.
-#[cfg(not(feature = "qemu"))]
-pub const BACKENDS: &[&str] = &["fake"];
-/// Names of the backends this build has.
-#[cfg(all(feature = "qemu", not(feature = "libvirt")))]
-pub const BACKENDS: &[&str] = &["fake", "qemu"];
-/// Names of the backends this build has.
-#[cfg(feature = "libvirt")]
-pub const BACKENDS: &[&str] = &["fake", "qemu", "libvirt"];
+pub const BACKENDS: &[&str] = &[
+    "fake",
+    #[cfg(feature = "qemu")]
+    "qemu",
+    #[cfg(feature = "libvirt")]
+    "libvirt",
+    #[cfg(feature = "incus")]
+    "incus",
+];
 
 /// Make a backend by name, its state under `home`.
 pub fn by_name(name: &str, home: &std::path::Path) -> Result<Arc<dyn Backend>> {
@@ -781,6 +791,8 @@ pub fn by_name(name: &str, home: &std::path::Path) -> Result<Arc<dyn Backend>> {
         "libvirt" => Ok(Arc::new(libvirt::LibvirtBackend::new(state_dir(
             home, "libvirt",
         )))),
+        #[cfg(feature = "incus")]
+        "incus" => Ok(Arc::new(incus::IncusBackend::new(state_dir(home, "incus")))),
         other => Err(BackendError::Invalid(format!(
             "unknown backend `{other}`: use one of {}",
             BACKENDS.join(", ")

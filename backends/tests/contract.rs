@@ -1,6 +1,6 @@
 //! The backend contract (seed 001: "VMs", "Images", "Identity", "Crash recovery contract";
 //! `docs/backends.md`, "The contract"), one suite run unchanged against every backend this
-//! build has: `fake` always, `qemu` and `libvirt` with their cargo features. It sees a backend
+//! build has: `fake` always, `qemu`, `libvirt` and `incus` with their cargo features. It sees a backend
 //! only as `Arc<dyn Backend>`; what differs between backends is the fixture that makes one
 //! (a [`Subject`]) and the capabilities the backend declares, which the suite honours.
 //!
@@ -15,7 +15,7 @@
 //! A new backend: its driver folder, a fixture making its `Subject`, and one line at the end of
 //! this file (`contract!(name, "feature", fixture);`).
 //!
-//! `cargo nextest run -p boxery-backends --features qemu,libvirt --test contract`
+//! `cargo nextest run -p boxery-backends --features qemu,libvirt,incus --test contract`
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -808,6 +808,23 @@ async fn libvirt() -> Subject {
     }
 }
 
+#[cfg(feature = "incus")]
+mod incus_support;
+
+#[cfg(feature = "incus")]
+async fn incus() -> Subject {
+    let home = incus_support::Home::new().await;
+    Subject {
+        backend: Arc::new(home.backend.clone()),
+        unreachable: Arc::new(home.unreachable()),
+        // a system container of the debian-12 guest (there is no tiny one)
+        stock: "debian-12",
+        _cleanup: Box::new(home),
+        tmp: tempfile::tempdir().unwrap(),
+    }
+}
+
 contract!(fake_backend, fake);
 contract!(qemu_backend, "qemu", qemu);
 contract!(libvirt_backend, "libvirt", libvirt);
+contract!(incus_backend, "incus", incus);

@@ -32,7 +32,8 @@ echo "$LAYERS" > /etc/boxery/layers
 case " $LAYERS " in *" desktop "*) rm -f /etc/boxery/headless ;; *) : > /etc/boxery/headless ;; esac
 files=(provision.sh lib.sh); for l in $LAYERS; do files+=("$l.sh"); done
 HASH=$(cd "$DIR" && sha256sum "${files[@]}" | sha256sum | cut -d' ' -f1)
-KERNEL=$(ls /lib/modules 2>/dev/null | sort -V | tail -1)
+# none in a container image (it runs on the host's kernel)
+KERNEL=$(ls /lib/modules 2>/dev/null | sort -V | tail -1 || true)
 {
   echo "built_at=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
   [ -n "${BOXERY_IMAGE:-}" ] && echo "image=$BOXERY_IMAGE"

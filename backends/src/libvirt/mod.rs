@@ -190,11 +190,7 @@ fn is_code(e: &virt::error::Error, code: virt::error::ErrorNumber) -> bool {
     e.code().is(code)
 }
 
-/// 8 hex digits of FNV-1a over `s`: a stable namespace id for a state directory.
-pub fn namespace_of(s: &str) -> String {
-    let h = boxery_api::fnv::fnv1a(s.as_bytes());
-    format!("{:08x}", (h ^ (h >> 32)) as u32)
-}
+pub use crate::namespace_of;
 
 /// A VM as read from its domain.
 #[derive(Clone)]

@@ -59,45 +59,14 @@ impl Storage {
         let state = &self.places.state;
         std::fs::create_dir_all(state).map_err(io("creating the state directory"))?;
         let stderr_path = state.join(format!(".build-{image}.log"));
-        let stderr = std::fs::File::create(&stderr_path)
-            .map_err(io(format!("creating {}", stderr_path.display())))?;
         // the builder names a layered output NAME-LAYER…, beside the plain one
         let built = std::iter::once(name)
             .chain(layers.iter().map(String::as_str))
             .collect::<Vec<_>>()
             .join("-");
-        let mut child = tokio::process::Command::new("bash")
-            .arg(&script_path)
-            .arg(&out)
-            .env("BOXERY_EXTRA_LAYERS", layers.join(" "))
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(stderr)
-            // a group of its own, ended with TERM when this build is dropped (below)
-            .process_group(0)
-            .spawn()
-            .map_err(io(format!("running {}", script_path.display())))?;
-        let mut group = TermOnDrop(child.id());
-        if let Some(stdout) = child.stdout.take() {
-            use tokio::io::AsyncBufReadExt;
-            let mut lines = tokio::io::BufReader::new(stdout).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                progress(&line);
-            }
-        }
-        let status = child
-            .wait()
+        run_builder(&script_path, &out, layers, &[], &stderr_path, &progress)
             .await
-            .map_err(io(format!("waiting for {}", script_path.display())))?;
-        group.0 = None;
-        if !status.success() {
-            let tail = tail(&stderr_path, 15);
-            return Err(BackendError::failed(
-                format!("build stock image {name}"),
-                format!("{} exited with {status}: {tail}", script_path.display()),
-            ));
-        }
-        let _ = remove_file_if_exists(&stderr_path);
+            .map_err(|why| BackendError::failed(format!("build stock image {name}"), why))?;
         let base = self
             .register_base(&out.join(format!("{built}.json")))
             .await?;
@@ -125,6 +94,56 @@ impl Storage {
         self.image_from_base(image, uid, &base, &format!("file:{}", path.display()))
             .await
     }
+}
+
+/// Run image builder `script` into `out` with `layers` (and `env`), its stderr in `log`,
+/// forwarding every line it prints to `progress` as it prints it. `Err`: why it failed, with
+/// the end of its log. The builder is stopped (TERM to its process group) when this is
+/// dropped.
+pub(crate) async fn run_builder(
+    script: &Path,
+    out: &Path,
+    layers: &[String],
+    env: &[(&str, &str)],
+    log: &Path,
+    progress: &Progress,
+) -> std::result::Result<(), String> {
+    let stderr =
+        std::fs::File::create(log).map_err(|e| format!("creating {}: {e}", log.display()))?;
+    let mut child = tokio::process::Command::new("bash")
+        .arg(script)
+        .arg(out)
+        .env("BOXERY_EXTRA_LAYERS", layers.join(" "))
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(stderr)
+        // a group of its own, ended with TERM when this build is dropped (below)
+        .process_group(0)
+        .spawn()
+        .map_err(|e| format!("running {}: {e}", script.display()))?;
+    let mut group = TermOnDrop(child.id());
+    if let Some(stdout) = child.stdout.take() {
+        use tokio::io::AsyncBufReadExt;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            progress(&line);
+        }
+    }
+    let status = child
+        .wait()
+        .await
+        .map_err(|e| format!("waiting for {}: {e}", script.display()))?;
+    group.0 = None;
+    if !status.success() {
+        return Err(format!(
+            "{} exited with {status}: {}",
+            script.display(),
+            tail(log, 15)
+        ));
+    }
+    let _ = remove_file_if_exists(log);
+    Ok(())
 }
 
 /// A builder's process group, sent TERM when the build is dropped (`serve` stopping, the

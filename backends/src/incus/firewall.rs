@@ -1,0 +1,181 @@
+//! The host firewall of this home's guests: two nftables tables of its own (`boxery-<ns>`, in
+//! the `bridge` and `inet` families), made whole at `init` and again whenever a VM's egress
+//! policy changes, in one `nft -f` transaction (never a moment without them once made).
+//!
+//! - **Guest → host**: from the bridge, the host accepts DHCP, the credential proxy's port on
+//!   the gateway and, for a guest whose policy is `Public`, DNS on the gateway; replies to
+//!   what the host opened (ssh) pass; everything else to any address of the host is dropped.
+//! - **Guest → elsewhere** (routed, NAT): a confined guest (`Allowlist`, `Deny`: its web goes
+//!   through the egress proxy on the proxy port) sends nothing; a `Public` guest reaches
+//!   everything but private, CGNAT, link-local, loopback, multicast and reserved ranges; no
+//!   IPv6 at all.
+//! - **Guest → guest** never reaches this: the NICs are isolated bridge ports.
+//!
+//! Which guest is confined is told by its NIC's host-side name (set by boxery, [`veth_name`])
+//! in the bridge table's `confined` set: the bridge family sees the port a frame came in on,
+//! and marks it; the inet family, which does not, reads the mark. An address would not do: a
+//! guest can change its own.
+
+use std::fmt::Write as _;
+
+use super::*;
+
+/// The packet mark of a confined guest's traffic.
+const CONFINED_MARK: &str = "0x0b0c0001";
+
+/// The host-side name boxery gives instance `inst`'s NIC (home `ns`): `bv` and 8 hex digits.
+pub(super) fn veth_name(ns: &str, inst: &str) -> String {
+    format!(
+        "bv{:08x}",
+        boxery_api::fnv::fnv1a(format!("{ns}/{inst}").as_bytes()) as u32
+    )
+}
+
+/// The ranges a `Public` guest never reaches (RFC 1918, CGNAT, link-local, loopback, this
+/// network, multicast and reserved).
+const FORBIDDEN: &str = "10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16, 100.64.0.0/10, \
+                         169.254.0.0/16, 127.0.0.0/8, 0.0.0.0/8, 224.0.0.0/3";
+
+/// The whole ruleset for home `ns` with bridge `bridge`, gateway `gw`, proxy port `port` and
+/// the confined guests' NIC names `confined`, as one `nft -f` transaction that replaces what
+/// was there.
+pub(super) fn ruleset(
+    ns: &str,
+    bridge: &str,
+    gw: Ipv4Addr,
+    port: u16,
+    confined: &[String],
+) -> String {
+    let table = format!("boxery-{ns}");
+    let mut s = String::new();
+    // declare, delete, make: one transaction that works whether the tables exist or not
+    for family in ["bridge", "inet"] {
+        let _ = writeln!(s, "table {family} {table}\ndelete table {family} {table}");
+    }
+    let elements = if confined.is_empty() {
+        String::new()
+    } else {
+        let names: Vec<String> = confined.iter().map(|n| format!("\"{n}\"")).collect();
+        format!(" elements = {{ {} }};", names.join(", "))
+    };
+    let _ = writeln!(
+        s,
+        "table bridge {table} {{\n  \
+           set confined {{ type ifname;{elements} }}\n  \
+           chain guests_in {{ type filter hook prerouting priority -300; policy accept;\n    \
+             iifname @confined meta mark set {CONFINED_MARK}\n  }}\n}}"
+    );
+    let _ = writeln!(
+        s,
+        "table inet {table} {{\n  \
+           chain to_host {{ type filter hook input priority 0; policy accept;\n    \
+             iifname != \"{bridge}\" accept\n    \
+             ct state established,related accept\n    \
+             udp dport 67 accept\n    \
+             ip daddr {gw} tcp dport {port} accept\n    \
+             meta mark != {CONFINED_MARK} ip daddr {gw} meta l4proto {{ tcp, udp }} th dport 53 accept\n    \
+             counter drop\n  }}\n  \
+           chain out {{ type filter hook forward priority 0; policy accept;\n    \
+             iifname != \"{bridge}\" accept\n    \
+             ct state established,related accept\n    \
+             meta mark {CONFINED_MARK} counter drop\n    \
+             meta nfproto ipv6 counter drop\n    \
+             ip daddr {{ {FORBIDDEN} }} counter drop\n  }}\n}}"
+    );
+    s
+}
+
+/// Remove home `ns`'s tables (when the home's network goes).
+pub(super) fn teardown(ns: &str) -> String {
+    let table = format!("boxery-{ns}");
+    let mut s = String::new();
+    for family in ["bridge", "inet"] {
+        let _ = writeln!(s, "table {family} {table}\ndelete table {family} {table}");
+    }
+    s
+}
+
+/// Run `nft -f -` with `script`.
+pub(super) async fn nft(script: &str) -> Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let mut child = tokio::process::Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| {
+            BackendError::Invalid(format!(
+                "cannot run nft ({e}): the incus backend's firewall needs nftables \
+                 (scripts/install-incus.sh)"
+            ))
+        })?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(script.as_bytes())
+            .await
+            .map_err(crate::io("writing the firewall rules to nft"))?;
+    }
+    let out = child
+        .wait_with_output()
+        .await
+        .map_err(crate::io("running nft"))?;
+    if !out.status.success() {
+        return Err(BackendError::failed(
+            "set the guests' firewall (nft)",
+            String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        ));
+    }
+    Ok(())
+}
+
+impl Inner {
+    /// Make the firewall match the VMs' policies now (every instance's `user.boxery.egress`).
+    pub(super) async fn apply_firewall(&self) -> Result<()> {
+        let gw = (*self.gateway.lock().unwrap()).ok_or_else(|| {
+            BackendError::failed("set the guests' firewall", "init has not read the network")
+        })?;
+        let mut confined: Vec<String> = self
+            .instances(&self.project)
+            .await?
+            .iter()
+            .filter(|i| instances::cfg(i, instances::EGRESS).is_some_and(|p| p != "Public"))
+            .filter_map(|i| i["name"].as_str())
+            .map(|inst| veth_name(&self.ns, inst))
+            .collect();
+        confined.sort();
+        nft(&ruleset(
+            &self.ns,
+            &self.network,
+            gw,
+            self.proxy_port(),
+            &confined,
+        ))
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ruleset_confines_the_named_nics_and_replaces_itself() {
+        let r = ruleset(
+            "0a1b2c3d",
+            "bx0a1b2c3d",
+            Ipv4Addr::new(10, 1, 2, 1),
+            24001,
+            &["bv00000001".into()],
+        );
+        assert!(r.starts_with("table bridge boxery-0a1b2c3d\ndelete table bridge"));
+        assert!(r.contains("elements = { \"bv00000001\" }"));
+        assert!(r.contains("ip daddr 10.1.2.1 tcp dport 24001 accept"));
+        let none = ruleset("0a1b2c3d", "bx0a1b2c3d", Ipv4Addr::new(10, 1, 2, 1), 1, &[]);
+        assert!(none.contains("set confined { type ifname; }"));
+        assert_eq!(veth_name("a", "b"), veth_name("a", "b"));
+        assert_ne!(veth_name("a", "b"), veth_name("c", "b"));
+        assert_eq!(veth_name("a", "b").len(), 10);
+    }
+}

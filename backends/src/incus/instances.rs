@@ -1,0 +1,640 @@
+//! VMs as Incus instances: make, read, power, resize, remove, usage; the keys boxery writes
+//! on its instances and the seed it puts in them.
+
+use hyper::Method;
+use serde_json::{Map, Value, json};
+
+use super::*;
+use crate::mark::Mark;
+use crate::storage::seed;
+use boxery_api::network::EgressPolicy;
+
+/// boxery's mark (`<object uid>@<store uid>`).
+pub(super) const MARK: &str = "user.boxery.mark";
+/// The boxery name of the VM or image the instance is.
+pub(super) const BXNAME: &str = "user.boxery.name";
+/// Present while the instance is being made: it is not yet the VM (or image) it will be.
+pub(super) const PARTIAL: &str = "user.boxery.partial";
+/// `vm` or `image`.
+pub(super) const KIND: &str = "user.boxery.kind";
+/// The pinned public host key.
+pub(super) const HOST_KEY: &str = "user.boxery.host-key";
+/// The seed's instance-id.
+pub(super) const INSTANCE_ID: &str = "user.boxery.instance-id";
+/// The disk size asked for, in GiB.
+pub(super) const DISK: &str = "user.boxery.disk-gib";
+/// The image a VM was made from, or what an image was made from.
+pub(super) const SOURCE: &str = "user.boxery.source";
+/// When an image was made (RFC 3339).
+pub(super) const CREATED: &str = "user.boxery.created";
+/// The VM's egress policy (`Public`, `Allowlist`, `Deny`): what the firewall confines.
+pub(super) const EGRESS: &str = "user.boxery.egress";
+/// On the new instance of a reimage until it has taken the VM's place.
+pub(super) const REIMAGE: &str = "user.boxery.reimage";
+
+/// Where cloud-init's NoCloud datasource reads a seed from a directory.
+const SEED_DIR: &str = "/var/lib/cloud/seed/nocloud";
+
+/// A configuration value of an instance.
+pub(super) fn cfg<'a>(inst: &'a Value, key: &str) -> Option<&'a str> {
+    inst["config"][key].as_str()
+}
+
+/// Whether instance `inst` is boxery's `name` (its name key says so, and it is at the
+/// instance name `name` gets: a reimage's side instances are not).
+pub(super) fn is_named(inst: &Value, name: &str) -> bool {
+    cfg(inst, BXNAME) == Some(name) && inst["name"].as_str() == Some(&instance_name(name))
+}
+
+/// Its mark when it is complete.
+pub(super) fn complete_mark(inst: &Value) -> Option<&str> {
+    if cfg(inst, PARTIAL).is_some() {
+        return None;
+    }
+    cfg(inst, MARK).filter(|m| !m.is_empty())
+}
+
+/// The name of a side instance (`bx-new-…`, `bx-old-…`) of a reimage of instance `inst`.
+pub(super) fn side_name(what: &str, inst: &str) -> String {
+    format!(
+        "bx-{what}-{:08x}",
+        boxery_api::fnv::fnv1a(inst.as_bytes()) as u32
+    )
+}
+
+/// `256MiB` → 256; `1GiB` → 1024; a bare number is bytes.
+fn parse_mib(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, ""), |i| s.split_at(i));
+    let n: u64 = num.parse().ok()?;
+    Some(match unit {
+        "MiB" | "MB" => n,
+        "GiB" | "GB" => n * 1024,
+        "KiB" | "kB" => n / 1024,
+        "" | "B" => n / (1024 * 1024),
+        _ => return None,
+    })
+}
+
+/// The guest's IPv4 address on its NIC, from the instance's state.
+fn address(inst: &Value) -> Option<String> {
+    inst["state"]["network"]["eth0"]["addresses"]
+        .as_array()?
+        .iter()
+        .find(|a| a["family"] == "inet" && a["scope"] == "global")
+        .and_then(|a| a["address"].as_str())
+        .map(str::to_string)
+}
+
+/// A VM as boxery sees its instance.
+fn info(inst: &Value) -> VmInfo {
+    let running = matches!(inst["status"].as_str(), Some("Running" | "Frozen"));
+    VmInfo {
+        name: cfg(inst, BXNAME)
+            .or(inst["name"].as_str())
+            .unwrap_or_default()
+            .to_string(),
+        mark: complete_mark(inst).map(str::to_string),
+        state: if running {
+            PowerState::Running
+        } else {
+            PowerState::Stopped
+        },
+        size: VmSize {
+            cpus: cfg(inst, "limits.cpu")
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(1),
+            memory_mib: cfg(inst, "limits.memory").and_then(parse_mib).unwrap_or(0),
+            disk_gib: cfg(inst, DISK).and_then(|d| d.parse().ok()).unwrap_or(0),
+        },
+        ssh: running
+            .then(|| address(inst))
+            .flatten()
+            .map(|a| format!("{a}:22")),
+        disk_used_bytes: inst["state"]["disk"]["root"]["usage"]
+            .as_u64()
+            .filter(|u| *u > 0),
+        degraded: None,
+        memory: None,
+        inherited: false,
+    }
+}
+
+impl Inner {
+    /// `/1.0/instances/INST?project=PROJECT` (with `more` appended to the query).
+    pub(super) fn path(&self, project: &str, inst: &str, more: &str) -> String {
+        format!("/1.0/instances/{inst}?project={project}{more}")
+    }
+
+    /// Instance `inst` of `project`, in full (state included); `None` when there is none.
+    pub(super) async fn instance(&self, project: &str, inst: &str) -> Result<Option<Value>> {
+        self.client
+            .get_opt(&self.path(project, inst, "&recursion=1"))
+            .await
+            .map_err(api(format!("read instance {inst}")))
+    }
+
+    /// Every instance of `project`, in full.
+    pub(super) async fn instances(&self, project: &str) -> Result<Vec<Value>> {
+        let v = self
+            .client
+            .get(&format!("/1.0/instances?project={project}&recursion=2"))
+            .await
+            .map_err(api(format!("list the instances of project {project}")))?;
+        Ok(v.as_array().cloned().unwrap_or_default())
+    }
+
+    /// VM `name`'s instance when it is boxery's (complete or not).
+    pub(super) async fn vm_instance(&self, name: &str) -> Result<Option<Value>> {
+        let inst = instance_name(name);
+        Ok(self
+            .instance(&self.project, &inst)
+            .await?
+            .filter(|i| is_named(i, name)))
+    }
+
+    /// VM `name`'s instance, complete: `NotFound` otherwise.
+    async fn complete_vm(&self, name: &str) -> Result<Value> {
+        self.vm_instance(name)
+            .await?
+            .filter(|i| complete_mark(i).is_some())
+            .ok_or_else(|| BackendError::not_found(NAME, format!("VM {name}")))
+    }
+
+    /// Change instance `inst`'s configuration and devices with `f`, sent back with the ETag
+    /// it was read with (read again and redone when it changed in between).
+    pub(super) async fn update(
+        &self,
+        project: &str,
+        inst: &str,
+        f: impl Fn(&mut Map<String, Value>, &mut Map<String, Value>) -> Result<()>,
+    ) -> Result<()> {
+        let path = self.path(project, inst, "");
+        for _ in 0..5 {
+            let (mut v, etag) = self
+                .client
+                .get_etag(&path)
+                .await
+                .map_err(api(format!("read instance {inst}")))?;
+            let mut config = v["config"].as_object().cloned().unwrap_or_default();
+            let mut devices = v["devices"].as_object().cloned().unwrap_or_default();
+            f(&mut config, &mut devices)?;
+            v["config"] = Value::Object(config);
+            v["devices"] = Value::Object(devices);
+            let put = json!({
+                "architecture": v["architecture"],
+                "config": v["config"],
+                "devices": v["devices"],
+                "ephemeral": v["ephemeral"],
+                "profiles": v["profiles"],
+                "stateful": v["stateful"],
+                "description": v["description"],
+            });
+            match self.client.put_if_match(&path, put, etag.as_deref()).await {
+                Ok(_) => return Ok(()),
+                Err(ApiError::Changed) => continue,
+                Err(e) => return Err(api(format!("update instance {inst}"))(e)),
+            }
+        }
+        Err(BackendError::failed(
+            format!("update instance {inst}"),
+            "it kept changing while boxery updated it",
+        ))
+    }
+
+    /// Take `PARTIAL` off instance `inst`: it is now what it was made to be.
+    pub(super) async fn commit(&self, project: &str, inst: &str) -> Result<()> {
+        self.update(project, inst, |c, _| {
+            c.remove(PARTIAL);
+            c.remove(REIMAGE);
+            Ok(())
+        })
+        .await
+    }
+
+    /// Delete instance `inst` of `project`, stopping it first; gone already is fine.
+    pub(super) async fn delete(&self, project: &str, inst: &str) -> Result<()> {
+        let state = self
+            .client
+            .call(
+                Method::PUT,
+                &format!("/1.0/instances/{inst}/state?project={project}"),
+                json!({"action": "stop", "force": true}),
+            )
+            .await;
+        match state {
+            Ok(_) => {}
+            Err(e) if e.is_not_found() => return Ok(()),
+            // already stopped
+            Err(ApiError::Status { status: 400, .. }) => {}
+            Err(e) => return Err(api(format!("stop instance {inst}"))(e)),
+        }
+        match self
+            .client
+            .call(Method::DELETE, &self.path(project, inst, ""), Value::Null)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if e.is_not_found() => Ok(()),
+            Err(e) => Err(api(format!("delete instance {inst}"))(e)),
+        }
+    }
+
+    /// The devices of VM instance `inst`: its root disk on the pool, its NIC on the bridge
+    /// (under the host-side name the firewall knows it by).
+    pub(super) fn devices(&self, inst: &str) -> Value {
+        json!({
+            "root": {"type": "disk", "path": "/", "pool": self.pool},
+            "eth0": {
+                "type": "nic",
+                "name": "eth0",
+                "network": self.network,
+                // no guest reaches another on the bridge (a bridge port flag: guest → guest
+                // frames never leave the bridge, where no L3 rule would see them)
+                "security.port_isolation": "true",
+                "host_name": firewall::veth_name(&self.ns, inst),
+            },
+        })
+    }
+
+    /// Put the seed (`user-data`, `meta-data`) into instance `inst` of `project`, where
+    /// cloud-init's NoCloud datasource reads it at the next boot. Root's only (it holds the
+    /// host's private key and the token).
+    pub(super) async fn write_seed(
+        &self,
+        project: &str,
+        inst: &str,
+        user: &str,
+        meta: &str,
+    ) -> Result<()> {
+        let step = || api(format!("write the seed of instance {inst}"));
+        for (dir, mode) in [
+            ("/var/lib/cloud", 0o755),
+            ("/var/lib/cloud/seed", 0o755),
+            (SEED_DIR, 0o700),
+        ] {
+            self.client
+                .mkdir(project, inst, dir, mode)
+                .await
+                .map_err(step())?;
+        }
+        for (file, data) in [("meta-data", meta), ("user-data", user)] {
+            self.client
+                .push_file(
+                    project,
+                    inst,
+                    &format!("{SEED_DIR}/{file}"),
+                    data.as_bytes(),
+                    0o600,
+                    0,
+                    0,
+                )
+                .await
+                .map_err(step())?;
+        }
+        Ok(())
+    }
+
+    /// The seed files (`user-data`, `meta-data`) in instance `inst`, when both are there.
+    pub(super) async fn read_seed(
+        &self,
+        project: &str,
+        inst: &str,
+    ) -> Result<Option<(String, String)>> {
+        let step = || api(format!("read the seed of instance {inst}"));
+        let user = self
+            .client
+            .pull_file(project, inst, &format!("{SEED_DIR}/user-data"))
+            .await
+            .map_err(step())?;
+        let meta = self
+            .client
+            .pull_file(project, inst, &format!("{SEED_DIR}/meta-data"))
+            .await
+            .map_err(step())?;
+        Ok(match (user, meta) {
+            (Some(u), Some(m)) => Some((
+                String::from_utf8_lossy(&u).into_owned(),
+                String::from_utf8_lossy(&m).into_owned(),
+            )),
+            _ => None,
+        })
+    }
+
+    pub(super) async fn create(&self, vm: &NewVm) -> Result<()> {
+        if !crate::storage::files::valid_name(&vm.name) {
+            return Err(BackendError::Invalid(format!(
+                "`{}` cannot name an Incus VM: 1-63 of a-z 0-9 - .",
+                vm.name
+            )));
+        }
+        if vm.memory {
+            return Err(BackendError::Invalid(
+                "the incus backend cannot start a VM from memory".into(),
+            ));
+        }
+        if vm.cpus == 0 || vm.memory_mib < 64 {
+            return Err(BackendError::Invalid(format!(
+                "VM {} needs at least 1 CPU and 64 MiB (asked: {} CPUs, {} MiB)",
+                vm.name, vm.cpus, vm.memory_mib
+            )));
+        }
+        let crate::DiskSource::Image(image) = &vm.source;
+        let img = self.image_instance(image).await?;
+        let Some(img) = img.filter(|i| complete_mark(i).is_some()) else {
+            return Err(BackendError::not_found(NAME, format!("image {image}")));
+        };
+        let inst = instance_name(&vm.name);
+        if let Some(cur) = self.instance(&self.project, &inst).await? {
+            if cfg(&cur, BXNAME) != Some(vm.name.as_str()) {
+                return Err(BackendError::Invalid(format!(
+                    "the Incus instance {inst} in project {} is not VM {}: rename one of them",
+                    self.project, vm.name
+                )));
+            }
+            match complete_mark(&cur) {
+                None => self.delete(&self.project, &inst).await?,
+                Some(m) if Mark::same_object(m, &vm.uid) => {
+                    if vm.start {
+                        self.start(&vm.name).await?;
+                    }
+                    return Ok(());
+                }
+                Some(_) => {
+                    return Err(BackendError::Invalid(format!(
+                        "VM {} exists, made for another object",
+                        vm.name
+                    )));
+                }
+            }
+        }
+        let identity = seed::complete_identity(&vm.name, &vm.identity)?;
+        let instance_id = seed::new_instance_id();
+        let user = seed::user_data(&vm.name, &identity, seed::Guest::Boxery)
+            .map_err(|e| BackendError::Invalid(e.to_string()))?;
+        let meta = seed::meta_data(&instance_id, &identity.hostname);
+        let public = identity
+            .host_key
+            .as_ref()
+            .map(|(_, p)| p.trim().to_string())
+            .unwrap_or_default();
+        let body = json!({
+            "name": inst,
+            "type": "container",
+            "source": {
+                "type": "copy",
+                "source": img["name"],
+                "project": self.images,
+                "instance_only": true,
+            },
+            "profiles": [],
+            "config": {
+                MARK: vm.uid,
+                BXNAME: vm.name,
+                PARTIAL: "1",
+                KIND: "vm",
+                HOST_KEY: public,
+                INSTANCE_ID: instance_id,
+                DISK: vm.disk_gib.to_string(),
+                SOURCE: image,
+                EGRESS: vm.egress.as_str(),
+                CREATED: boxery_api::now().to_rfc3339(),
+                "limits.cpu": vm.cpus.to_string(),
+                "limits.memory": format!("{}MiB", vm.memory_mib),
+                "security.privileged": "false",
+                "security.nesting": "false",
+                "boot.autostart": "false",
+            },
+            "devices": self.devices(&inst),
+        });
+        self.client
+            .call(
+                Method::POST,
+                &format!("/1.0/instances?project={}", self.project),
+                body,
+            )
+            .await
+            .map_err(api(format!("make instance {inst} from image {image}")))?;
+        self.write_seed(&self.project, &inst, &user, &meta).await?;
+        self.commit(&self.project, &inst).await?;
+        if vm.egress != EgressPolicy::Public {
+            // confined from its first boot
+            self.apply_firewall().await?;
+        }
+        if vm.start {
+            self.start(&vm.name).await?;
+        }
+        Ok(())
+    }
+
+    pub(super) async fn get(&self, name: &str) -> Result<Option<VmInfo>> {
+        Ok(self
+            .vm_instance(name)
+            .await?
+            .filter(|i| complete_mark(i).is_some())
+            .map(|i| info(&i)))
+    }
+
+    pub(super) async fn list(&self) -> Result<Vec<VmInfo>> {
+        let mut out: Vec<VmInfo> = self
+            .instances(&self.project)
+            .await?
+            .iter()
+            // a reimage's side instances are not VMs of their own
+            .filter(|i| {
+                cfg(i, REIMAGE).is_none() && !i["name"].as_str().unwrap_or("").starts_with("bx-")
+            })
+            .map(info)
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// Send instance `inst` a state change.
+    pub(super) async fn set_state(&self, inst: &str, body: Value) -> Result<()> {
+        self.client
+            .call(
+                Method::PUT,
+                &format!("/1.0/instances/{inst}/state?project={}", self.project),
+                body.clone(),
+            )
+            .await
+            .map(|_| ())
+            .map_err(api(format!("{} instance {inst}", body["action"])))
+    }
+
+    pub(super) async fn start(&self, name: &str) -> Result<()> {
+        let cur = self.complete_vm(name).await?;
+        let inst = instance_name(name);
+        match cur["status"].as_str() {
+            Some("Running") => Ok(()),
+            Some("Frozen") => self.set_state(&inst, json!({"action": "unfreeze"})).await,
+            _ => self.set_state(&inst, json!({"action": "start"})).await,
+        }
+    }
+
+    pub(super) async fn stop(&self, name: &str) -> Result<()> {
+        let cur = self.complete_vm(name).await?;
+        if cur["status"] == "Stopped" {
+            return Ok(());
+        }
+        let inst = instance_name(name);
+        let clean = self
+            .set_state(
+                &inst,
+                json!({
+                    "action": "stop",
+                    "timeout": self.config.stop_timeout.as_secs(),
+                    "force": false,
+                }),
+            )
+            .await;
+        if clean.is_err() {
+            tracing::warn!(
+                vm = name,
+                "the container did not shut down in time; stopping it by force"
+            );
+            self.set_state(&inst, json!({"action": "stop", "force": true}))
+                .await?;
+        }
+        Ok(())
+    }
+
+    pub(super) async fn remove(&self, name: &str) -> Result<()> {
+        if self.vm_instance(name).await?.is_some() {
+            self.delete(&self.project, &instance_name(name)).await?;
+        }
+        self.remove_sides(name).await
+    }
+
+    /// Delete what an interrupted reimage of VM `name` left beside it.
+    pub(super) async fn remove_sides(&self, name: &str) -> Result<()> {
+        let inst = instance_name(name);
+        for what in ["new", "old"] {
+            let side = side_name(what, &inst);
+            if let Some(s) = self.instance(&self.project, &side).await?
+                && cfg(&s, BXNAME) == Some(name)
+            {
+                self.delete(&self.project, &side).await?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) async fn cleanup_new(&self, name: &str) -> Result<()> {
+        if let Some(cur) = self.vm_instance(name).await?
+            && complete_mark(&cur).is_none()
+        {
+            self.delete(&self.project, &instance_name(name)).await?;
+        }
+        Ok(())
+    }
+
+    pub(super) async fn resize(&self, name: &str, size: VmSize) -> Result<()> {
+        let cur = info(&self.complete_vm(name).await?);
+        if size.cpus == 0 || size.memory_mib < 64 {
+            return Err(BackendError::Invalid(format!(
+                "VM {name} needs at least 1 CPU and 64 MiB (asked: {} CPUs, {} MiB)",
+                size.cpus, size.memory_mib
+            )));
+        }
+        if size.disk_gib < cur.size.disk_gib {
+            return Err(BackendError::Invalid(format!(
+                "VM {name}'s disk is {} GiB: disks only grow (asked: {} GiB)",
+                cur.size.disk_gib, size.disk_gib
+            )));
+        }
+        if size == cur.size {
+            return Ok(());
+        }
+        // limits apply live to a running container
+        self.update(&self.project, &instance_name(name), |c, _| {
+            c.insert("limits.cpu".into(), size.cpus.to_string().into());
+            c.insert(
+                "limits.memory".into(),
+                format!("{}MiB", size.memory_mib).into(),
+            );
+            c.insert(DISK.into(), size.disk_gib.to_string().into());
+            Ok(())
+        })
+        .await
+    }
+
+    pub(super) async fn set_egress(&self, name: &str, policy: EgressPolicy) -> Result<()> {
+        let cur = self.complete_vm(name).await?;
+        if cfg(&cur, EGRESS) == Some(policy.as_str()) {
+            return Ok(());
+        }
+        self.update(&self.project, &instance_name(name), |c, _| {
+            c.insert(EGRESS.into(), policy.as_str().into());
+            Ok(())
+        })
+        .await?;
+        self.apply_firewall().await
+    }
+
+    pub(super) async fn host_key(&self, name: &str) -> Result<Option<String>> {
+        Ok(self
+            .vm_instance(name)
+            .await?
+            .and_then(|i| cfg(&i, HOST_KEY).map(str::to_string))
+            .filter(|k| !k.is_empty()))
+    }
+
+    pub(super) async fn usage(&self) -> Result<Vec<VmUsage>> {
+        Ok(self
+            .instances(&self.project)
+            .await?
+            .iter()
+            .filter(|i| i["status"] == "Running" && complete_mark(i).is_some())
+            .filter(|i| cfg(i, BXNAME).is_some_and(|n| is_named(i, n)))
+            .map(|i| {
+                let s = &i["state"];
+                let net = &s["network"]["eth0"]["counters"];
+                VmUsage {
+                    name: cfg(i, BXNAME).unwrap_or_default().to_string(),
+                    cpu_seconds: s["cpu"]["usage"].as_u64().unwrap_or(0) as f64 / 1e9,
+                    rss_bytes: s["memory"]["usage"].as_u64().unwrap_or(0),
+                    network_rx_bytes: net["bytes_received"].as_u64(),
+                    network_tx_bytes: net["bytes_sent"].as_u64(),
+                }
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_sizes_as_incus_writes_them() {
+        assert_eq!(parse_mib("256MiB"), Some(256));
+        assert_eq!(parse_mib("2GiB"), Some(2048));
+        assert_eq!(parse_mib("268435456"), Some(256));
+        assert_eq!(parse_mib("lots"), None);
+    }
+
+    #[test]
+    fn names_incus_refuses_get_a_name_of_their_own() {
+        assert_eq!(instance_name("dev1"), "dev1");
+        let dotted = instance_name("a.b");
+        assert!(dotted.starts_with("a-b-") && dotted.len() == 10, "{dotted}");
+        assert_ne!(instance_name("a.b"), instance_name("a-b"));
+        let long = instance_name(&format!("{}.x", "a".repeat(61)));
+        assert!(long.len() <= 63, "{long}");
+    }
+
+    #[test]
+    fn a_partial_instance_has_no_mark() {
+        let done = json!({"name": "a", "config": {MARK: "u@s", BXNAME: "a"}});
+        let partial = json!({"name": "a", "config": {MARK: "u@s", BXNAME: "a", PARTIAL: "1"}});
+        assert_eq!(complete_mark(&done), Some("u@s"));
+        assert_eq!(complete_mark(&partial), None);
+        assert!(is_named(&done, "a"));
+        let side = json!({"name": side_name("new", "a"), "config": {BXNAME: "a"}});
+        assert!(!is_named(&side, "a"));
+    }
+}

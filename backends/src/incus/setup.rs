@@ -1,0 +1,272 @@
+//! What `check` and `init` do: the daemon answers, and this home's projects, storage pool and
+//! bridge exist (made once, kept).
+
+use hyper::Method;
+use serde_json::{Value, json};
+
+use super::*;
+
+impl Inner {
+    pub(super) async fn check(&self) -> Result<()> {
+        let server = self.client.get("/1.0").await.map_err(|e| match e {
+            ApiError::Connect { .. } => BackendError::unreachable(
+                NAME,
+                format!(
+                    "{e}: start incusd (`systemctl start incus` on a systemd host, \
+                     `scripts/incusd.sh start` elsewhere; `scripts/install-incus.sh` installs it)"
+                ),
+            ),
+            e => BackendError::failed("ask incusd what it is", e),
+        })?;
+        if server["auth"] != "trusted" {
+            return Err(BackendError::Invalid(format!(
+                "incusd at {} does not trust this user: run boxery as root or as a member of \
+                 the incus-admin group",
+                self.client.socket().display()
+            )));
+        }
+        let drivers = server["environment"]["driver"].as_str().unwrap_or("");
+        if !drivers.split(" | ").any(|d| d == "lxc") {
+            return Err(BackendError::Invalid(format!(
+                "incusd runs no container driver (it offers `{drivers}`): boxery's incus \
+                 backend runs system containers"
+            )));
+        }
+        Ok(())
+    }
+
+    pub(super) async fn init(&self) -> Result<()> {
+        self.check().await?;
+        std::fs::create_dir_all(&self.state)
+            .map_err(crate::io(format!("creating {}", self.state.display())))?;
+        for (project, what) in [
+            (&self.project, "boxery's VMs"),
+            (&self.images, "boxery's images"),
+        ] {
+            self.ensure(
+                "/1.0/projects",
+                json!({
+                    "name": project,
+                    "description": format!("{what} (home {}, namespace {})", self.state.display(), self.ns),
+                    "config": {
+                        "features.images": "true",
+                        "features.profiles": "true",
+                        "features.storage.volumes": "true",
+                        "features.networks": "false",
+                    },
+                }),
+                &format!("make project {project}"),
+            )
+            .await?;
+        }
+        // Incus wants the source directory there (and empty when the pool is new)
+        let pool_dir = self.state.join("pool");
+        std::fs::create_dir_all(pool_dir.join("dir"))
+            .map_err(crate::io(format!("creating {}", pool_dir.display())))?;
+        self.ensure(
+            "/1.0/storage-pools",
+            json!({
+                "name": self.pool,
+                "driver": "dir",
+                "description": format!("boxery's disks (namespace {})", self.ns),
+                "config": {"source": pool_dir.join("dir").to_string_lossy()},
+            }),
+            &format!("make storage pool {}", self.pool),
+        )
+        .await?;
+        let have_net = self
+            .client
+            .get_opt(&format!("/1.0/networks/{}", self.network))
+            .await
+            .map_err(api(format!("read network {}", self.network)))?;
+        let subnet = match (&have_net, self.config.subnet) {
+            (Some(_), _) => None,
+            (None, Some(gw)) => Some(gw),
+            (None, None) => Some(free_subnet(&self.ns, &host_routes())?),
+        };
+        if let Some(gw) = subnet {
+            self.ensure(
+                "/1.0/networks",
+                json!({
+                    "name": self.network,
+                    "type": "bridge",
+                    "description": format!("boxery's guests (namespace {})", self.ns),
+                    "config": {
+                        // picked here: Incus's `auto` pings candidates, and on a network that
+                        // answers for every address it finds none free
+                        "ipv4.address": format!("{gw}/24"),
+                        "ipv4.nat": "true",
+                        // every isolation rule is IPv4: IPv6 would be a path around them
+                        "ipv6.address": "none",
+                        // no DNS records of the guests: none can look its siblings up
+                        "dns.mode": "none",
+                    },
+                }),
+                &format!("make network {}", self.network),
+            )
+            .await?;
+        }
+        let net = self
+            .client
+            .get(&format!("/1.0/networks/{}", self.network))
+            .await
+            .map_err(api(format!("read network {}", self.network)))?;
+        let gw = gateway_of(&net).ok_or_else(|| {
+            BackendError::Invalid(format!(
+                "Incus network {} has no IPv4 address ({}): remove it (`incus network delete \
+                 {}`) and boxery makes it again",
+                self.network, net["config"], self.network
+            ))
+        })?;
+        *self.gateway.lock().unwrap() = Some(gw);
+        // the firewall before any guest of this home runs (after a host's restart, too)
+        self.apply_firewall().await
+    }
+
+    pub(super) async fn teardown(&self) -> Result<()> {
+        for project in [&self.project, &self.images] {
+            let exists = self
+                .client
+                .get_opt(&format!("/1.0/projects/{project}"))
+                .await
+                .map_err(api(format!("read project {project}")))?;
+            if exists.is_none() {
+                continue;
+            }
+            for inst in self.instances(project).await? {
+                if let Some(name) = inst["name"].as_str() {
+                    self.delete(project, name).await?;
+                }
+            }
+            let images = self
+                .client
+                .get(&format!("/1.0/images?project={project}"))
+                .await
+                .map_err(api(format!("list the images of project {project}")))?;
+            for url in images.as_array().into_iter().flatten() {
+                if let Some(url) = url.as_str() {
+                    self.gone(Method::DELETE, &format!("{url}?project={project}"))
+                        .await?;
+                }
+            }
+            self.gone(Method::DELETE, &format!("/1.0/projects/{project}"))
+                .await?;
+        }
+        self.gone(Method::DELETE, &format!("/1.0/networks/{}", self.network))
+            .await?;
+        self.gone(Method::DELETE, &format!("/1.0/storage-pools/{}", self.pool))
+            .await?;
+        firewall::nft(&firewall::teardown(&self.ns)).await?;
+        *self.gateway.lock().unwrap() = None;
+        Ok(())
+    }
+
+    /// `METHOD path` where a 404 is success (it is gone either way).
+    async fn gone(&self, method: Method, path: &str) -> Result<()> {
+        match self.client.call(method, path, Value::Null).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.is_not_found() => Ok(()),
+            Err(e) => Err(api(format!("delete {path}"))(e)),
+        }
+    }
+
+    /// `POST collection` with `body`, where an object of that name already there is kept.
+    async fn ensure(&self, collection: &str, body: Value, step: &str) -> Result<()> {
+        match self.client.call(Method::POST, collection, body).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.is_conflict() => Ok(()),
+            Err(e) => Err(api(step)(e)),
+        }
+    }
+}
+
+/// The IPv4 networks the host routes (`/proc/net/route`): (address, prefix length).
+fn host_routes() -> Vec<(Ipv4Addr, u32)> {
+    let Ok(text) = std::fs::read_to_string("/proc/net/route") else {
+        return Vec::new();
+    };
+    text.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let dest = u32::from_str_radix(f.get(1)?, 16).ok()?;
+            let mask = u32::from_str_radix(f.get(7)?, 16).ok()?;
+            // the kernel prints the address's bytes as a number in the host's byte order
+            let dest = Ipv4Addr::from(dest.to_ne_bytes());
+            let len = mask.count_ones();
+            (len > 0).then_some((dest, len))
+        })
+        .collect()
+}
+
+/// A gateway address for this home's bridge: the `.1` of a /24 in 10.200.0.0/13 that no route
+/// of the host overlaps, starting at one the namespace gives (homes on one host start apart).
+fn free_subnet(ns: &str, routes: &[(Ipv4Addr, u32)]) -> Result<Ipv4Addr> {
+    const BASE: u32 = 10 << 24 | 200 << 16;
+    const COUNT: u32 = 2048;
+    let start = u32::from_str_radix(ns, 16).unwrap_or(0) % COUNT;
+    let overlaps = |net: u32| {
+        routes.iter().any(|(a, len)| {
+            let len = (*len).min(24);
+            let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+            (u32::from(*a) & mask) == (net & mask)
+        })
+    };
+    (0..COUNT)
+        .map(|i| BASE + ((start + i) % COUNT) * 256)
+        .find(|net| !overlaps(*net))
+        .map(|net| Ipv4Addr::from(net + 1))
+        .ok_or_else(|| {
+            BackendError::Invalid(
+                "no /24 in 10.200.0.0/13 is free of the host's routes: set                  BOXERY_INCUS_SUBNET to the bridge's gateway address (an a.b.c.1)"
+                    .into(),
+            )
+        })
+}
+
+/// The gateway address of a network as Incus shows it (`config."ipv4.address"` =
+/// `10.1.2.1/24`).
+pub(super) fn gateway_of(net: &Value) -> Option<Ipv4Addr> {
+    net["config"]["ipv4.address"]
+        .as_str()?
+        .split('/')
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_gateway_is_the_bridges_ipv4_address() {
+        let net = serde_json::json!({"config": {"ipv4.address": "10.77.3.1/24"}});
+        assert_eq!(
+            super::gateway_of(&net),
+            Some(std::net::Ipv4Addr::new(10, 77, 3, 1))
+        );
+        assert_eq!(super::gateway_of(&serde_json::json!({"config": {}})), None);
+    }
+
+    #[test]
+    fn a_subnet_no_route_overlaps() {
+        use std::net::Ipv4Addr;
+        let gw = super::free_subnet("00000000", &[]).unwrap();
+        assert_eq!(gw, Ipv4Addr::new(10, 200, 0, 1));
+        // taken: the /24 itself, then a /16 over the next ones
+        let routes = [
+            (Ipv4Addr::new(10, 200, 0, 0), 24),
+            (Ipv4Addr::new(10, 200, 1, 0), 24),
+        ];
+        assert_eq!(
+            super::free_subnet("00000000", &routes).unwrap(),
+            Ipv4Addr::new(10, 200, 2, 1)
+        );
+        let wide = [(Ipv4Addr::new(10, 200, 0, 0), 16)];
+        assert_eq!(
+            super::free_subnet("00000000", &wide).unwrap(),
+            Ipv4Addr::new(10, 201, 0, 1)
+        );
+        // a default route overlaps nothing (prefix 0 is skipped)
+        assert!(super::host_routes().iter().all(|(_, l)| *l > 0));
+    }
+}
