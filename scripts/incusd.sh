@@ -7,8 +7,11 @@
 #   scripts/incusd.sh stop     # stop the one this script started (by PID, checked by name)
 #   scripts/incusd.sh status   # exit 0 when incusd answers on its socket
 #
-# PID file: $BOXERY_INCUSD_RUN (default /run/boxery-incusd)/incusd.pid; its log is incusd.log
-# beside it. A daemon started some other way is never stopped. Stopping incusd (TERM) leaves
+# lxcfs goes first (as on a systemd host, where incus.service requires lxcfs.service): it gives
+# each container a /proc/meminfo, /proc/cpuinfo and uptime of its own limits, not the host's.
+#
+# PID files: $BOXERY_INCUSD_RUN (default /run/boxery-incusd)/{lxcfs,incusd}.pid; the logs
+# beside them. A daemon started some other way is never stopped. Stopping incusd (TERM) leaves
 # running containers and the networks' dnsmasq alone, as a systemd stop does; the tests remove
 # what they made before that (IncusBackend::teardown).
 set -euo pipefail
@@ -17,15 +20,18 @@ INCUSD=${BOXERY_INCUSD:-/usr/libexec/incus/incusd}
 say() { printf 'incusd.sh: %s\n' "$*" >&2; }
 answers() { timeout 10 "$INCUSD" waitready --timeout 5 >/dev/null 2>&1; }
 
-# ours: the PID in incusd.pid when that process is alive and is incusd
+# ours [NAME]: the PID in NAME.pid (default incusd) when that process is alive and is NAME
 ours() {
-  local f=$RUN/incusd.pid pid
+  local name=${1:-incusd} f pid
+  f=$RUN/$name.pid
   [ -f "$f" ] || return 1
   pid=$(cat "$f" 2>/dev/null) || return 1
   [[ $pid =~ ^[0-9]+$ ]] || return 1
-  [ "$(cat /proc/"$pid"/comm 2>/dev/null)" = incusd ] || return 1
+  [ "$(cat /proc/"$pid"/comm 2>/dev/null)" = "$name" ] || return 1
   echo "$pid"
 }
+LXCFS_DIR=/var/lib/lxcfs
+lxcfs_up() { grep -q " $LXCFS_DIR fuse.lxcfs " /proc/mounts; }
 
 # One start or stop at a time (tests run in parallel, and each starts incusd when none
 # answers): the second waits, then finds it answering.
@@ -40,6 +46,14 @@ start() {
   if answers; then say "incusd already answers"; return 0; fi
   serialize
   if answers; then say "incusd already answers"; return 0; fi
+  if ! lxcfs_up && command -v lxcfs >/dev/null; then
+    rm -f "$RUN/lxcfs.pid"
+    mkdir -p "$LXCFS_DIR"
+    setsid lxcfs "$LXCFS_DIR" </dev/null >>"$RUN/lxcfs.log" 2>&1 9>&- &
+    echo $! > "$RUN/lxcfs.pid"
+    for _ in $(seq 1 50); do lxcfs_up && break; sleep 0.1; done
+    lxcfs_up || say "lxcfs did not mount $LXCFS_DIR (see $RUN/lxcfs.log): containers will see the host's /proc/meminfo"
+  fi
   if ! ours >/dev/null; then
     rm -f "$RUN/incusd.pid"
     # its own session (no terminal's signals), its output in its log; the lock not inherited
@@ -57,15 +71,18 @@ start() {
 }
 
 stop() {
-  local pid
+  local pid d
   serialize
-  if pid=$(ours); then
-    kill "$pid"
-    for _ in $(seq 1 150); do [ -d /proc/"$pid" ] || break; sleep 0.1; done
-    [ -d /proc/"$pid" ] && kill -9 "$pid"
-    say "stopped incusd (pid $pid)"
-  fi
-  rm -f "$RUN/incusd.pid"
+  for d in incusd lxcfs; do
+    if pid=$(ours "$d"); then
+      kill "$pid"
+      for _ in $(seq 1 150); do [ -d /proc/"$pid" ] || break; sleep 0.1; done
+      [ -d /proc/"$pid" ] && kill -9 "$pid"
+      say "stopped $d (pid $pid)"
+      [ "$d" = lxcfs ] && { fusermount -u "$LXCFS_DIR" 2>/dev/null || umount -l "$LXCFS_DIR" 2>/dev/null || true; }
+    fi
+    rm -f "$RUN/$d.pid"
+  done
 }
 
 case "${1:-}" in

@@ -2,7 +2,7 @@
 # The whole test suite, from a clean clone on Debian 12: installs what the tests need (host
 # packages, as root), then runs every test of the workspace — unit, store, controller, fake
 # backend, the CLI end to end, the crash-recovery torture test, and the real-VM tests on the
-# qemu and libvirt backends.
+# qemu and libvirt backends and on the incus backend's system containers.
 #
 #   scripts/test.sh            # everything
 #   scripts/test.sh -E 'test(torture)'   # extra arguments go to cargo nextest
@@ -11,18 +11,20 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n== %s (%ss)\n' "$*" "$SECONDS"; }
 
-# Both real backends are tested: qemu (direct QEMU) and libvirt (a real libvirtd, started by
-# the tests through scripts/libvirtd.sh when none answers, and stopped again at the end).
-features=boxery-backends/qemu,boxery-backends/libvirt,boxery/libvirt
+# Every real backend is tested: qemu (direct QEMU), libvirt (a real libvirtd, started by the
+# tests through scripts/libvirtd.sh when none answers, and stopped again at the end) and incus
+# (a real incusd, the same way through scripts/incusd.sh).
+features=boxery-backends/qemu,boxery-backends/libvirt,boxery-backends/incus,boxery/libvirt
 
 step "disk space"
 # A full disk fails the real-VM tests one slow timeout at a time (a CI run once spent its 90
 # minutes that way), so say it first. A clean test build takes about 8 GiB in target/, the
 # guest images about 8 GiB in the image cache, the VMs' disks and images the tests make a few
-# GiB in the temporary directory; all on one filesystem here. BOXERY_TEST_MIN_FREE_GIB
-# overrides the estimate.
+# GiB in the temporary directory (the incus tests' containers are whole copies of a ~0.7 GiB
+# tree each: a few GiB more); all on one filesystem here. BOXERY_TEST_MIN_FREE_GIB overrides
+# the estimate.
 images="${BOXERY_IMAGE_CACHE:-/var/cache/boxery/images}"
-need=6
+need=10
 [ -e target/debug/boxery ] || need=$((need + 9))
 [ -e "$images/debian-12-agents-docker-rust.qcow2" ] || need=$((need + 8))
 need="${BOXERY_TEST_MIN_FREE_GIB:-$need}"
@@ -41,6 +43,7 @@ echo "enough free space (needs about $need GiB)"
 
 step "host packages"
 scripts/install-libvirt.sh
+scripts/install-incus.sh
 
 command -v cargo >/dev/null || { echo "cargo is missing: install Rust 1.95 (rustup) first" >&2; exit 1; }
 runner=(cargo nextest run)
@@ -69,16 +72,19 @@ cargo clippy --workspace --all-targets --features "$features" -- -D warnings
 step "tests"
 # The libvirt tests start libvirtd (and its default network) when they are not up, but none of
 # them knows it is the last: afterwards, stop what was not running before the suite.
-libvirtd_was_up=no; net_was_up=no
+libvirtd_was_up=no; net_was_up=no; incusd_was_up=no
 if scripts/libvirtd.sh status; then
   libvirtd_was_up=yes
   virsh -q -c qemu:///system net-info default 2>/dev/null | grep -q '^Active: *yes' && net_was_up=yes
 fi
-cleanup_libvirt() {
+scripts/incusd.sh status && incusd_was_up=yes
+cleanup_daemons() {
   [ "$net_was_up" = yes ] || virsh -q -c qemu:///system net-destroy default >/dev/null 2>&1 || true
   [ "$libvirtd_was_up" = yes ] || scripts/libvirtd.sh stop || true
+  # every incus test tears down what its home made (instances, projects, network, pool)
+  [ "$incusd_was_up" = yes ] || scripts/incusd.sh stop || true
 }
-trap cleanup_libvirt EXIT
+trap cleanup_daemons EXIT
 if [ "${runner[1]}" = nextest ]; then
   cargo nextest run --workspace --features "$features" --no-fail-fast "$@"
 else

@@ -696,6 +696,19 @@ pub(crate) enum Command {
         #[arg(long, value_parser = args::label)]
         sibling: Option<String>,
     },
+    /// Hand a command to Incus for an incus backend's VM, verbatim: `boxery incus dev1 -- info
+    /// dev1` runs `incus --project <home's project> info <dev1's instance>` (the VM's name, as
+    /// a word or before `/PATH`, becomes its instance's). Only an instance boxery made for this
+    /// VM; a command that can take it off boxery's isolation stack (its devices, profiles,
+    /// network, `security.*`, `raw.*`) is run after a warning. Exits with Incus's code.
+    Incus {
+        /// The VM (an incus backend's).
+        #[arg(value_parser = args::label)]
+        vm: String,
+        /// The incus command and its arguments (after `--`).
+        #[arg(last = true, required = true)]
+        args: Vec<String>,
+    },
     /// Copy files or directories between this host and a VM (`VM:PATH` names the VM side),
     /// streamed through tar over ssh.
     Cp {

@@ -328,6 +328,7 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
             return Ok(std::process::ExitCode::from(code?));
         }
         Command::Drill { vm, sibling } => return drill_command(v, &vm, sibling.as_deref()).await,
+        Command::Incus { vm, args } => return crate::incus::incus_command(v, &vm, &args).await,
         Command::Cp { src, dst } => return guest::cp(v, &src, &dst).await,
         command => vm_command(v, command).await?,
     }

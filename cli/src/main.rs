@@ -20,6 +20,7 @@ mod explain;
 mod git;
 mod grants;
 mod guest;
+mod incus;
 mod kubeconfig;
 mod manifests;
 mod orphans;

@@ -84,6 +84,7 @@ pub fn row(command: &Command) -> Row<'_> {
         Command::Audit { .. } => home_only("audit", "reads the VM host's audit log"),
         Command::Top { .. } => home_only("top", "reads the VM host's backend"),
         Command::Drill { .. } => home_only("drill", "makes interfaces on the VM host"),
+        Command::Incus { .. } => home_only("incus", "runs the VM host's incus client"),
         Command::Grant(a) if grants::decides(a) => home_only(
             "grant approve/deny",
             "is a person's decision at the VM host's terminal (the API refuses it to any token)",

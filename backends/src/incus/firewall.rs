@@ -132,10 +132,25 @@ pub(super) async fn nft(script: &str) -> Result<()> {
 
 impl Inner {
     /// Make the firewall match the VMs' policies now (every instance's `user.boxery.egress`).
+    /// One process at a time (a lock file in the state directory): a ruleset made from
+    /// policies read before another process changed one would undo its change.
     pub(super) async fn apply_firewall(&self) -> Result<()> {
         let gw = (*self.gateway.lock().unwrap()).ok_or_else(|| {
             BackendError::failed("set the guests' firewall", "init has not read the network")
         })?;
+        let path = self.state.join("firewall.lock");
+        let _held = tokio::task::spawn_blocking(move || -> std::io::Result<std::fs::File> {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)?;
+            rustix::fs::flock(&f, rustix::fs::FlockOperation::LockExclusive)?;
+            Ok(f)
+        })
+        .await
+        .map_err(|e| BackendError::failed("lock the firewall", e))?
+        .map_err(crate::io("locking the firewall"))?;
         let mut confined: Vec<String> = self
             .instances(&self.project)
             .await?

@@ -201,12 +201,16 @@ impl Inner {
             uid,
         } = stock;
         Self::check_image_name(image)?;
-        if name != "debian-12" {
+        // `tiny` is the small guest of the VM backends (a kernel and busybox, quick to boot
+        // under emulation); a container needs no kernel and starts in a second, so the small
+        // guest here is the debian-12 container itself
+        if name != "debian-12" && name != "tiny" {
             return Err(BackendError::Invalid(format!(
                 "the incus backend cannot build stock image `{name}`: it builds debian-12 (as \
-                 a system container)"
+                 a system container; `tiny` is the same image here)"
             )));
         }
+        let name = "debian-12";
         if let Some(done) = self.existing_image(image, uid).await {
             return done;
         }

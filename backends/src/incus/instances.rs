@@ -122,7 +122,80 @@ fn info(inst: &Value) -> VmInfo {
     }
 }
 
+/// How long a disk usage measured by `du` is reported before it is measured again.
+const DISK_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
 impl Inner {
+    /// Fill in what `infos`' files take on the pool where incusd does not report it (a `dir`
+    /// pool keeps no accounting): from a `du` of each instance's directory, made in the
+    /// background at most once a minute per VM, so that a listing never waits for one. A VM
+    /// never measured yet reports nothing (the first listing starts its measure).
+    pub(super) fn disk_used(this: &Arc<Inner>, infos: &mut [VmInfo]) {
+        let now = std::time::Instant::now();
+        let mut stale = Vec::new();
+        {
+            let cache = this.disk.lock().unwrap();
+            for i in infos.iter_mut().filter(|i| i.disk_used_bytes.is_none()) {
+                let inst = instance_name(&i.name);
+                match cache.get(&inst) {
+                    Some((at, bytes)) => {
+                        i.disk_used_bytes = *bytes;
+                        if now.duration_since(*at) > DISK_EVERY {
+                            stale.push(inst);
+                        }
+                    }
+                    None => stale.push(inst),
+                }
+            }
+        }
+        if stale.is_empty() {
+            return;
+        }
+        {
+            // measured once at a time: mark them measured now, so concurrent listings do not
+            // start another `du` of the same tree
+            let mut cache = this.disk.lock().unwrap();
+            for inst in &stale {
+                let old = cache.get(inst).and_then(|(_, b)| *b);
+                cache.insert(inst.clone(), (now, old));
+            }
+        }
+        let this = this.clone();
+        tokio::spawn(async move {
+            for inst in stale {
+                let dir = this
+                    .state
+                    .join("pool/dir/containers")
+                    .join(format!("{}_{inst}", this.project));
+                let out = tokio::process::Command::new("du")
+                    .args(["-s", "-x", "-B1"])
+                    .arg(&dir)
+                    .stdin(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .kill_on_drop(true)
+                    .output()
+                    .await;
+                let bytes = out.ok().and_then(|o| {
+                    String::from_utf8_lossy(&o.stdout)
+                        .split_whitespace()
+                        .next()?
+                        .parse::<u64>()
+                        .ok()
+                });
+                // not measurable (gone, not yet made): asked again at the next listing
+                let mut cache = this.disk.lock().unwrap();
+                match bytes {
+                    Some(b) => {
+                        cache.insert(inst, (std::time::Instant::now(), Some(b)));
+                    }
+                    None => {
+                        cache.remove(&inst);
+                    }
+                }
+            }
+        });
+    }
+
     /// `/1.0/instances/INST?project=PROJECT` (with `more` appended to the query).
     pub(super) fn path(&self, project: &str, inst: &str, more: &str) -> String {
         format!("/1.0/instances/{inst}?project={project}{more}")

@@ -96,6 +96,9 @@ struct Inner {
     network: String,
     /// The bridge's address, read at `init`.
     gateway: Mutex<Option<Ipv4Addr>>,
+    /// Bytes each VM instance's files take on the pool, by instance: when measured, and what.
+    /// (`None`: being measured for the first time).
+    disk: Mutex<std::collections::HashMap<String, (std::time::Instant, Option<u64>)>>,
 }
 
 /// The Incus instance name of boxery VM or image `name`: the name itself when Incus takes it
@@ -141,6 +144,7 @@ impl IncusBackend {
                 state,
                 config,
                 gateway: Mutex::new(None),
+                disk: Mutex::new(Default::default()),
             }),
         }
     }
@@ -223,10 +227,16 @@ impl Backend for IncusBackend {
         self.inner.create(vm).await
     }
     async fn get(&self, name: &str) -> Result<Option<VmInfo>> {
-        self.inner.get(name).await
+        let mut info = self.inner.get(name).await?;
+        if let Some(i) = info.as_mut() {
+            Inner::disk_used(&self.inner, std::slice::from_mut(i));
+        }
+        Ok(info)
     }
     async fn list(&self) -> Result<Vec<VmInfo>> {
-        self.inner.list().await
+        let mut infos = self.inner.list().await?;
+        Inner::disk_used(&self.inner, &mut infos);
+        Ok(infos)
     }
     async fn start(&self, name: &str) -> Result<()> {
         self.inner.start(name).await
@@ -291,9 +301,14 @@ impl Backend for IncusBackend {
     }
     async fn guest_network(&self, name: &str) -> Result<Option<GuestNetwork>> {
         let _ = name;
-        let gw = match *self.inner.gateway.lock().unwrap() {
+        let cached = *self.inner.gateway.lock().unwrap();
+        let gw = match cached {
             Some(gw) => gw,
-            None => return Ok(None),
+            // a process that did not `init` (`boxery drill`): the network as incusd has it
+            None => match self.inner.read_gateway().await? {
+                Some(gw) => gw,
+                None => return Ok(None),
+            },
         };
         Ok(Some(GuestNetwork {
             gateway: gw.into(),
@@ -302,7 +317,12 @@ impl Backend for IncusBackend {
         }))
     }
     fn accelerator(&self) -> Option<String> {
-        Some("none (system containers share the host's kernel)".into())
+        // shown in the VM's status and its Created event: the user is told what they got
+        Some(
+            "a system container: it shares the host's kernel, a weaker boundary than a VM \
+             (docs/security.md)"
+                .into(),
+        )
     }
     async fn host_key(&self, name: &str) -> Result<Option<String>> {
         self.inner.host_key(name).await

@@ -161,6 +161,21 @@ impl Inner {
         Ok(())
     }
 
+    /// The bridge's gateway as incusd has it (kept for `guest_proxy`); `None` when the
+    /// network is not there (no `init` yet).
+    pub(super) async fn read_gateway(&self) -> Result<Option<Ipv4Addr>> {
+        let net = self
+            .client
+            .get_opt(&format!("/1.0/networks/{}", self.network))
+            .await
+            .map_err(api(format!("read network {}", self.network)))?;
+        let gw = net.as_ref().and_then(gateway_of);
+        if gw.is_some() {
+            *self.gateway.lock().unwrap() = gw;
+        }
+        Ok(gw)
+    }
+
     /// `METHOD path` where a 404 is success (it is gone either way).
     async fn gone(&self, method: Method, path: &str) -> Result<()> {
         match self.client.call(method, path, Value::Null).await {
@@ -170,12 +185,27 @@ impl Inner {
         }
     }
 
-    /// `POST collection` with `body`, where an object of that name already there is kept.
+    /// `POST collection` with `body`, where an object of that name already there is kept:
+    /// made by someone else in between too (two `init`s at once: Incus answers the loser with
+    /// a 500 about a database constraint, not a 409), which a second look tells.
     async fn ensure(&self, collection: &str, body: Value, step: &str) -> Result<()> {
+        let name = body["name"].as_str().unwrap_or_default().to_string();
         match self.client.call(Method::POST, collection, body).await {
             Ok(_) => Ok(()),
             Err(e) if e.is_conflict() => Ok(()),
-            Err(e) => Err(api(step)(e)),
+            Err(e @ ApiError::Connect { .. }) => Err(api(step)(e)),
+            Err(e) => {
+                let there = self
+                    .client
+                    .get_opt(&format!("{collection}/{name}"))
+                    .await
+                    .map_err(api(step))?;
+                if there.is_some() {
+                    Ok(())
+                } else {
+                    Err(api(step)(e))
+                }
+            }
         }
     }
 }
