@@ -2244,9 +2244,11 @@ fn guest_uses_grants(kind: Kind) {
     // A client that ignores no_proxy sends the call to $http_proxy, in absolute form, for the
     // proxy's own address: it is served as if sent directly (it used to be refused, 403, as a
     // private address).
-    let absolute = format!("{NC_FALLBACK}hp=${{BOXERY_PROXY#http://}}; h=${{hp%:*}}; p=${{hp##*:}}; [ \"$p\" != \"$hp\" ] || p=80; \
+    let absolute = format!(
+        "{NC_FALLBACK}hp=${{BOXERY_PROXY#http://}}; h=${{hp%:*}}; p=${{hp##*:}}; [ \"$p\" != \"$hp\" ] || p=80; \
          {{ printf 'POST %s/llm/anthropic/v1/messages HTTP/1.1\\r\\nhost: %s\\r\\nproxy-authorization: Bearer %s\\r\\nx-api-key: %s\\r\\ncontent-type: application/json\\r\\ncontent-length: 2\\r\\nconnection: close\\r\\n\\r\\n{{}}' \"$BOXERY_PROXY\" \"$hp\" \"$BOXERY_TOKEN\" \"$ANTHROPIC_API_KEY\"; sleep 2; }} \
-         | nc \"$h\" \"$p\" | tr -d '\\r'");
+         | nc \"$h\" \"$p\" | tr -d '\\r'"
+    );
     let answer = h.run("g1", &absolute);
     assert!(
         answer.starts_with("HTTP/1.1 200") && answer.ends_with("{\"ok\":true}"),

@@ -66,17 +66,18 @@ pub async fn incus_command(v: &Verbs, vm: &str, args: &[String]) -> CliResult<Ex
         return Err(CliError::invalid(format!(
             "VM {vm} runs on the {} backend: `boxery incus` hands commands to Incus for the \
              incus backend's VMs only",
-            if backend.is_empty() { "(not yet chosen)" } else { backend }
+            if backend.is_empty() {
+                "(not yet chosen)"
+            } else {
+                backend
+            }
         )));
     }
     let b = IncusBackend::new(boxery_backends::state_dir(&v.env.home, "incus"));
     let inst = instance_name(vm);
     let found = b
         .client()
-        .get_opt(&format!(
-            "/1.0/instances/{inst}?project={}",
-            b.project()
-        ))
+        .get_opt(&format!("/1.0/instances/{inst}?project={}", b.project()))
         .await
         .map_err(|e| CliError::new(crate::exit::Code::Failed, anyhow::anyhow!("{e}")))?;
     let mark = found
@@ -110,10 +111,14 @@ pub async fn incus_command(v: &Verbs, vm: &str, args: &[String]) -> CliResult<Ex
         .map_err(|e| {
             CliError::new(
                 crate::exit::Code::Failed,
-                anyhow::anyhow!("could not run incus ({e}): install it with scripts/install-incus.sh"),
+                anyhow::anyhow!(
+                    "could not run incus ({e}): install it with scripts/install-incus.sh"
+                ),
             )
         })?;
-    Ok(ExitCode::from(status.code().unwrap_or(1).clamp(0, 255) as u8))
+    Ok(ExitCode::from(
+        status.code().unwrap_or(1).clamp(0, 255) as u8
+    ))
 }
 
 #[cfg(test)]
@@ -127,10 +132,17 @@ mod tests {
     #[test]
     fn the_vms_name_becomes_the_instances() {
         assert_eq!(
-            aimed(&s(&["file", "pull", "a.b/etc/hostname", "."]), "a.b", "a-b-0f0f0f"),
+            aimed(
+                &s(&["file", "pull", "a.b/etc/hostname", "."]),
+                "a.b",
+                "a-b-0f0f0f"
+            ),
             s(&["file", "pull", "a-b-0f0f0f/etc/hostname", "."])
         );
-        assert_eq!(aimed(&s(&["info", "dev"]), "dev", "dev"), s(&["info", "dev"]));
+        assert_eq!(
+            aimed(&s(&["info", "dev"]), "dev", "dev"),
+            s(&["info", "dev"])
+        );
     }
 
     #[test]
@@ -138,7 +150,12 @@ mod tests {
         for cmd in [
             &["config", "device", "remove", "dev", "eth0"][..],
             &["config", "set", "dev", "security.privileged=true"],
-            &["config", "set", "dev", "raw.lxc=lxc.apparmor.profile=unconfined"],
+            &[
+                "config",
+                "set",
+                "dev",
+                "raw.lxc=lxc.apparmor.profile=unconfined",
+            ],
             &["profile", "edit", "default"],
             &["network", "set", "bx00", "ipv4.nat=false"],
             &["config", "edit", "dev"],

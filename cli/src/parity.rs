@@ -42,6 +42,10 @@ const CLI_ONLY: &[(&str, &str)] = &[
         "drill",
         "an operator's isolation check that makes host interfaces (as root); an agent must not probe the host",
     ),
+    (
+        "incus",
+        "an operator's escape hatch to Incus on the VM host: it can take a container off the isolation stack, which an agent must never do",
+    ),
     ("serve", "runs the control plane (and serves MCP over HTTP)"),
     (
         "kubeconfig",

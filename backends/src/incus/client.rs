@@ -307,7 +307,7 @@ impl Client {
     }
 
     /// Write `data` to `path` inside instance `instance` of project `project` (mode `mode`,
-    /// owned by `uid`:`gid`), through the files API: works on a stopped instance too.
+    /// owned by root), through the files API: works on a stopped instance too.
     pub async fn push_file(
         &self,
         project: &str,
@@ -315,8 +315,6 @@ impl Client {
         path: &str,
         data: &[u8],
         mode: u32,
-        uid: u32,
-        gid: u32,
     ) -> Result<(), ApiError> {
         let body = Full::new(Bytes::copy_from_slice(data))
             .map_err(|e| match e {})
@@ -325,8 +323,8 @@ impl Client {
             ("content-type", "application/octet-stream".to_string()),
             ("x-incus-type", "file".to_string()),
             ("x-incus-mode", format!("{mode:04o}")),
-            ("x-incus-uid", uid.to_string()),
-            ("x-incus-gid", gid.to_string()),
+            ("x-incus-uid", "0".to_string()),
+            ("x-incus-gid", "0".to_string()),
             ("x-incus-write", "overwrite".to_string()),
         ];
         self.envelope(

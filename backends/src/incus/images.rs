@@ -382,12 +382,11 @@ impl Inner {
         if here.is_none() && waiting.is_some() {
             self.rename(&new, &inst).await?;
         }
-        if self.instance(&self.project, &inst).await?.is_some() {
-            if let Some(o) = self.instance(&self.project, &old).await?
-                && cfg(&o, BXNAME) == Some(vm)
-            {
-                self.delete(&self.project, &old).await?;
-            }
+        if self.instance(&self.project, &inst).await?.is_some()
+            && let Some(o) = self.instance(&self.project, &old).await?
+            && cfg(&o, BXNAME) == Some(vm)
+        {
+            self.delete(&self.project, &old).await?;
         }
         Ok(())
     }

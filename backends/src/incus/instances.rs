@@ -287,9 +287,11 @@ impl Inner {
         .await
     }
 
-    /// Delete instance `inst` of `project`, stopping it first; gone already is fine.
+    /// Delete instance `inst` of `project`, stopping it first; gone already is fine, also
+    /// when it went while this ran (another process deleting it at the same moment: Incus
+    /// then answers the loser with a 500 about a finished operation, not a 404).
     pub(super) async fn delete(&self, project: &str, inst: &str) -> Result<()> {
-        let state = self
+        let stopped = self
             .client
             .call(
                 Method::PUT,
@@ -297,12 +299,12 @@ impl Inner {
                 json!({"action": "stop", "force": true}),
             )
             .await;
-        match state {
-            Ok(_) => {}
-            Err(e) if e.is_not_found() => return Ok(()),
-            // already stopped
-            Err(ApiError::Status { status: 400, .. }) => {}
-            Err(e) => return Err(api(format!("stop instance {inst}"))(e)),
+        if let Err(e) = stopped {
+            match self.instance(project, inst).await? {
+                None => return Ok(()),
+                Some(i) if i["status"] == "Stopped" => {}
+                Some(_) => return Err(api(format!("stop instance {inst}"))(e)),
+            }
         }
         match self
             .client
@@ -310,8 +312,11 @@ impl Inner {
             .await
         {
             Ok(_) => Ok(()),
-            Err(e) if e.is_not_found() => Ok(()),
-            Err(e) => Err(api(format!("delete instance {inst}"))(e)),
+            Err(e @ ApiError::Connect { .. }) => Err(api(format!("delete instance {inst}"))(e)),
+            Err(e) => match self.instance(project, inst).await? {
+                None => Ok(()),
+                Some(_) => Err(api(format!("delete instance {inst}"))(e)),
+            },
         }
     }
 
@@ -361,8 +366,6 @@ impl Inner {
                     &format!("{SEED_DIR}/{file}"),
                     data.as_bytes(),
                     0o600,
-                    0,
-                    0,
                 )
                 .await
                 .map_err(step())?;

@@ -204,7 +204,11 @@ impl Backend for IncusBackend {
             name: NAME,
             stability: Stability::Experimental,
             platforms: &["linux-x86_64"],
-            requirements: &["incus >= 6.0 (incusd running)", "dnsmasq"],
+            requirements: &[
+                "incus >= 6.0 (Debian 12: from bookworm-backports) with lxcfs, incusd running",
+                "dnsmasq-base",
+                "nftables",
+            ],
             resize: true,
             live_capture: true,
             suspend: false,
