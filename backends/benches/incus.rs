@@ -19,7 +19,6 @@
 #[path = "../tests/incus_support/mod.rs"]
 mod incus_support;
 #[path = "../tests/qemu_support/mod.rs"]
-#[allow(dead_code)]
 mod qemu_support;
 
 use std::path::{Path, PathBuf};
@@ -95,7 +94,10 @@ async fn run(b: &dyn Backend, dir: &Path, key: &Path, vm: &str, cmd: &str) -> St
                 return String::from_utf8_lossy(&o.stdout).trim().to_string();
             }
         }
-        assert!(t.elapsed() < BOOT, "{vm} did not answer `{cmd}` in {BOOT:?}");
+        assert!(
+            t.elapsed() < BOOT,
+            "{vm} did not answer `{cmd}` in {BOOT:?}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -214,7 +216,13 @@ async fn round(b: &IncusBackend, dir: &Path, key: &Path, public: &str, n: usize,
     incus(&p, &["snapshot", "create", &raw, "snap"]).await;
     incus(
         &p,
-        &["copy", &format!("{raw}/snap"), &format!("{raw}-img"), "--target-project", &ip],
+        &[
+            "copy",
+            &format!("{raw}/snap"),
+            &format!("{raw}-img"),
+            "--target-project",
+            &ip,
+        ],
     )
     .await;
     incus(&p, &["snapshot", "delete", &raw, "snap"]).await;
@@ -231,7 +239,11 @@ async fn round(b: &IncusBackend, dir: &Path, key: &Path, public: &str, n: usize,
     assert_eq!(back, "one", "revert brought the captured file back");
     let t = Instant::now();
     incus(&p, &["delete", "-f", &raw]).await;
-    incus(&ip, &["copy", &format!("{raw}-img"), &raw, "--target-project", &p]).await;
+    incus(
+        &ip,
+        &["copy", &format!("{raw}-img"), &raw, "--target-project", &p],
+    )
+    .await;
     incus(&p, &["start", &raw]).await;
     exec_ready(&p, &raw).await;
     f.revert.1.push(t.elapsed().as_secs_f64());
