@@ -9,12 +9,15 @@
 # Incus 6.0 LTS comes from bookworm-backports. The package's service is not started here:
 # scripts/incusd.sh starts the daemon by hand on machines without systemd (these CI machines),
 # and `systemctl enable --now incus.socket` does on a systemd host. nftables: the backend's
-# host firewall rules (guest → host, guest → guest) are an nftables table of its own.
+# host firewall rules (guest → host, guest → out) are nftables tables of its own.
+# dnsmasq-base: Incus runs dnsmasq for its managed bridges (DHCP for the guests).
+# btrfs-progs: the backend's storage pool is btrfs on a loop file Incus makes (copies and
+# snapshots are copy-on-write, disk sizes are quotas); the kernel's btrfs is enough.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 INCUS_PKGS=(incus)
-BASE_PKGS=(nftables iproute2 dnsmasq-base)
+BASE_PKGS=(nftables iproute2 dnsmasq-base btrfs-progs)
 
 say() { printf 'install-incus: %s\n' "$*"; }
 missing() {

@@ -2634,6 +2634,59 @@ while True:
     if not d: break
     sys.stdout.buffer.write(d)' \"$@\"; }; ";
 
+/// A socat relay to a daemon's socket (libvirtd's, incusd's) that the test can cut: the
+/// control plane's view of the daemon going away and coming back, without stopping the daemon
+/// other tests share.
+struct Relay {
+    sock: std::path::PathBuf,
+    /// The daemon's own socket.
+    target: &'static str,
+    child: Option<std::process::Child>,
+}
+
+impl Relay {
+    fn uri(&self) -> String {
+        format!("qemu+unix:///system?socket={}", self.sock.display())
+    }
+    fn up(&mut self) {
+        use std::os::unix::process::CommandExt;
+        // In a process group of its own: socat forks a child per connection, and a cut
+        // ends those too.
+        let child = std::process::Command::new("socat")
+            .arg(format!(
+                "UNIX-LISTEN:{},fork,unlink-early",
+                self.sock.display()
+            ))
+            .arg(format!("UNIX-CONNECT:{}", self.target))
+            .process_group(0)
+            .spawn()
+            .expect("socat is installed (scripts/install-deps.sh)");
+        self.child = Some(child);
+        common::eventually(Duration::from_secs(10), || self.sock.exists().then_some(()))
+            .expect("the relay listens");
+    }
+    /// Cut the relay as libvirtd's death would: the listener and every relayed connection
+    /// end (the control plane keeps one connection open and must see it drop), and no
+    /// new connection gets through.
+    fn down(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // The group is socat's own (`process_group(0)` above): its pid is the pgid.
+            if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
+                let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_file(&self.sock);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.down();
+    }
+}
+
 /// The same tests on each real backend.
 macro_rules! on_backend {
     ($kind:expr) => {
@@ -2764,56 +2817,6 @@ mod libvirt {
 
     on_backend!(super::Kind::Libvirt);
 
-    /// A socat relay to libvirtd's socket that the test can cut: the control plane's view of
-    /// libvirtd going away and coming back, without stopping the daemon other tests share.
-    struct Relay {
-        sock: std::path::PathBuf,
-        child: Option<std::process::Child>,
-    }
-
-    impl Relay {
-        fn uri(&self) -> String {
-            format!("qemu+unix:///system?socket={}", self.sock.display())
-        }
-        fn up(&mut self) {
-            use std::os::unix::process::CommandExt;
-            // In a process group of its own: socat forks a child per connection, and a cut
-            // ends those too.
-            let child = std::process::Command::new("socat")
-                .arg(format!(
-                    "UNIX-LISTEN:{},fork,unlink-early",
-                    self.sock.display()
-                ))
-                .arg("UNIX-CONNECT:/var/run/libvirt/libvirt-sock")
-                .process_group(0)
-                .spawn()
-                .expect("socat is installed (scripts/install-deps.sh)");
-            self.child = Some(child);
-            super::common::eventually(Duration::from_secs(10), || self.sock.exists().then_some(()))
-                .expect("the relay listens");
-        }
-        /// Cut the relay as libvirtd's death would: the listener and every relayed connection
-        /// end (the control plane keeps one connection open and must see it drop), and no
-        /// new connection gets through.
-        fn down(&mut self) {
-            if let Some(mut c) = self.child.take() {
-                // The group is socat's own (`process_group(0)` above): its pid is the pgid.
-                if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
-                    let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-                }
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-            let _ = std::fs::remove_file(&self.sock);
-        }
-    }
-
-    impl Drop for Relay {
-        fn drop(&mut self) {
-            self.down();
-        }
-    }
-
     #[test]
     fn a_cloud_image_brought_by_its_user_boots_with_boxerys_seed() {
         super::cloud_image::cloud_image(super::Kind::Libvirt)
@@ -2830,8 +2833,9 @@ mod libvirt {
     #[test]
     fn unreachable_libvirtd_is_a_condition_not_a_deletion() {
         let dir = tempfile::tempdir().unwrap();
-        let mut relay = Relay {
+        let mut relay = super::Relay {
             sock: dir.path().join("lv.sock"),
+            target: "/var/run/libvirt/libvirt-sock",
             child: None,
         };
         // every command of this home goes through the relay: a `wait` that finds no leader
@@ -2925,6 +2929,78 @@ mod incus {
     #[test]
     fn guest_uses_grants_through_the_proxy() {
         super::guest_uses_grants(super::Kind::Incus)
+    }
+
+    /// incusd out of reach (its socket cut by a relay): the Vm gets `BackendReachable=False`,
+    /// is neither deleted nor marked Lost, and its container keeps running; reachable again,
+    /// it is Ready, the same VM. Then its instance deleted behind boxery's back is drift the
+    /// ordinary reconcile settles, as on the other backends.
+    #[test]
+    fn unreachable_incusd_is_a_condition_and_a_deleted_instance_is_drift() {
+        use super::{RealHome, common, tiny_vm};
+        use std::time::Duration;
+        let dir = tempfile::tempdir().unwrap();
+        let mut relay = super::Relay {
+            sock: dir.path().join("incus.sock"),
+            target: "/var/lib/incus/unix.socket",
+            child: None,
+        };
+        let mut h = RealHome::new(super::Kind::Incus);
+        h.env.push((
+            "BOXERY_INCUS_SOCKET".into(),
+            relay.sock.display().to_string(),
+        ));
+        relay.up();
+        let serve = h.serve();
+        let f = h.home.write("u.yaml", &tiny_vm("u1"));
+        h.ok(&["apply", "-f", f.to_str().unwrap()]);
+        h.ok(&["wait", "vm", "u1", "--for=condition=Ready", "--timeout=10m"]);
+        h.run("u1", "echo kept > ~/mark && sync");
+        let uid = h.vm_json("u1")["metadata"]["uid"].clone();
+
+        relay.down();
+        h.ok(&[
+            "wait",
+            "vm",
+            "u1",
+            "--for=condition=BackendReachable=False",
+            "--timeout=2m",
+        ]);
+        std::thread::sleep(Duration::from_secs(5)); // a few inventory passes
+        let v = h.vm_json("u1");
+        assert_eq!(v["metadata"]["uid"], uid, "the Vm is the same object");
+        assert_ne!(v["status"]["phase"], "Lost", "not marked Lost: {v}");
+        assert!(v["metadata"]["deletionTimestamp"].is_null(), "not deleted");
+        assert_eq!(h.running().len(), 1, "the container keeps running");
+
+        relay.up();
+        h.ok(&["wait", "vm", "u1", "--for=condition=Ready", "--timeout=5m"]);
+        assert_eq!(h.run("u1", "hostname; cat ~/mark"), "u1\nkept");
+        assert!(serve.alive());
+
+        // the instance deleted behind boxery's back
+        let b = h.incus_backend();
+        super::incus(&[
+            "delete",
+            "-f",
+            "--project",
+            b.project(),
+            &boxery_backends::incus::instance_name("u1"),
+        ]);
+        let d = common::eventually(Duration::from_secs(120), || {
+            let d = h.ok(&["describe", "vm", "u1"]);
+            (d.contains("Lost") || d.contains("Recreat") || d.contains("Restarted")).then_some(d)
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "no reaction to the deleted instance:\n{}",
+                h.ok(&["describe", "vm", "u1"])
+            )
+        });
+        eprintln!("after the instance was deleted:\n{d}");
+        h.ok(&["rm", "u1", "--wait", "--timeout", "3m"]);
+        h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
+        assert!(h.leftovers().is_empty(), "left behind: {:?}", h.leftovers());
     }
 }
 

@@ -11,17 +11,76 @@ use boxery_verbs::Verbs;
 
 use crate::exit::{CliError, CliResult};
 
-/// What can take a container off boxery's isolation stack: its NIC, its devices, its profiles,
-/// its security settings, raw LXC configuration, the network itself.
+/// The words before the first `--` (what incus parses; after it, the command `exec` runs).
+fn incus_words(args: &[String]) -> &[String] {
+    let end = args.iter().position(|a| a == "--").unwrap_or(args.len());
+    &args[..end]
+}
+
+/// The subcommand: the first word that is not a flag.
+fn subcommand(args: &[String]) -> Option<&str> {
+    incus_words(args)
+        .iter()
+        .map(String::as_str)
+        .find(|w| !w.starts_with('-'))
+}
+
+/// Why `args` is not a command about one instance of boxery's project, when it is not: another
+/// remote or project, the server's own settings, objects that are not this VM's.
+fn refused(args: &[String]) -> Option<String> {
+    let words = incus_words(args);
+    for w in words {
+        let flag = w.split('=').next().unwrap_or(w);
+        if matches!(
+            flag,
+            "--project" | "--target-project" | "--target" | "--all-projects"
+        ) {
+            return Some(format!("`{flag}` aims it at another project or server"));
+        }
+        if !w.starts_with('-') && !w.contains('=') && w.contains(':') {
+            return Some(format!(
+                "`{w}` names another remote (boxery hands commands to the local incusd only)"
+            ));
+        }
+    }
+    let sub = subcommand(args)?;
+    if matches!(
+        sub,
+        "query"
+            | "project"
+            | "storage"
+            | "admin"
+            | "remote"
+            | "cluster"
+            | "network"
+            | "profile"
+            | "image"
+            | "operation"
+            | "warning"
+            | "alias"
+    ) {
+        return Some(format!(
+            "`incus {sub}` is not about VM's instance: use incus itself for that"
+        ));
+    }
+    let words: Vec<&str> = words.iter().map(String::as_str).collect();
+    if sub == "config"
+        && words
+            .iter()
+            .any(|w| *w == "trust" || w.starts_with("core."))
+    {
+        return Some("it changes the server's own settings: use incus itself for that".into());
+    }
+    None
+}
+
+/// What can take a container off boxery's isolation stack or out of its hands: its NIC, its
+/// devices, its security settings, raw LXC configuration, boxery's own keys, the instance's
+/// name or its files carried elsewhere.
 fn moves_off_the_stack(args: &[String]) -> Option<&'static str> {
-    let words: Vec<&str> = args.iter().map(String::as_str).collect();
+    let words: Vec<&str> = incus_words(args).iter().map(String::as_str).collect();
+    let sub = subcommand(args).unwrap_or("");
     let has = |w: &str| words.contains(&w);
-    if words.first() == Some(&"network") {
-        return Some("it changes a network");
-    }
-    if words.first() == Some(&"profile") {
-        return Some("it changes a profile");
-    }
     if has("device") {
         return Some("it changes the container's devices (its NIC, its disks)");
     }
@@ -31,23 +90,37 @@ fn moves_off_the_stack(args: &[String]) -> Option<&'static str> {
     {
         return Some("it changes the container's security settings");
     }
-    if words.first() == Some(&"config")
-        && (has("edit") || words.iter().any(|w| w.starts_with("volatile.")))
-    {
-        return Some("it edits the container's whole configuration");
+    if words.iter().any(|w| {
+        w.starts_with("user.boxery.") || w.starts_with("boot.") || w.starts_with("volatile.")
+    }) {
+        return Some(
+            "it changes what boxery keeps on the container (its mark, policy, identity, boot)",
+        );
     }
-    if words.first() == Some(&"move") || words.first() == Some(&"copy") {
-        return Some("it moves or copies the container out of boxery's project");
+    match sub {
+        "config" if has("edit") => Some("it edits the container's whole configuration"),
+        "move" | "copy" => Some("it moves or copies the container out of boxery's hands"),
+        "rename" | "delete" | "rebuild" => Some(
+            "it renames, deletes or rebuilds the container under boxery (boxery repairs what it can)",
+        ),
+        "publish" | "export" => Some(
+            "it carries the container's files (its seed: host key and token) out of boxery's project",
+        ),
+        _ => None,
     }
-    None
 }
 
 /// `args` with the VM's name made the instance's: the word itself and `VM/PATH` (`incus file
 /// pull VM/etc/hostname .`).
 fn aimed(args: &[String], vm: &str, inst: &str) -> Vec<String> {
+    let end = incus_words(args).len();
     args.iter()
-        .map(|a| {
-            if a == vm {
+        .enumerate()
+        .map(|(i, a)| {
+            if i >= end {
+                // the command `exec` runs in the guest: as written
+                a.clone()
+            } else if a == vm {
                 inst.to_string()
             } else if let Some(rest) = a.strip_prefix(&format!("{vm}/")) {
                 format!("{inst}/{rest}")
@@ -95,17 +168,56 @@ pub async fn incus_command(v: &Verbs, vm: &str, args: &[String]) -> CliResult<Ex
             "give Incus a command after `--`: `boxery incus {vm} -- info {vm}`"
         )));
     }
+    if let Some(why) = refused(args) {
+        return Err(CliError::invalid(format!(
+            "not handed to Incus: {}",
+            why.replace("VM's", &format!("VM {vm}'s"))
+        )));
+    }
+    // no other instance of the project: every instance named is this VM's
+    let listed = b
+        .client()
+        .get(&format!("/1.0/instances?project={}", b.project()))
+        .await
+        .map_err(|e| CliError::new(crate::exit::Code::Failed, anyhow::anyhow!("{e}")))?;
+    for url in listed
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|u| u.as_str())
+    {
+        let other = url.rsplit('/').next().unwrap_or("");
+        let other = other.split('?').next().unwrap_or(other);
+        if other == inst {
+            continue;
+        }
+        if incus_words(args)
+            .iter()
+            .any(|w| w == other || w.starts_with(&format!("{other}/")))
+        {
+            return Err(CliError::invalid(format!(
+                "not handed to Incus: it names instance {other}, which is not VM {vm}'s \
+                 (`boxery incus {other_vm} -- …` for that one)",
+                other_vm = other
+            )));
+        }
+    }
     if let Some(why) = moves_off_the_stack(args) {
         eprintln!(
             "boxery: warning: this can take VM {vm} off boxery's isolation stack ({why}); from \
              there the trust boundary is yours to keep"
         );
     }
+    // a client configuration of its own, empty: no remote but the local daemon, whatever the
+    // user's own configuration names as its default
+    let conf = tempfile::tempdir()
+        .map_err(|e| CliError::new(crate::exit::Code::Failed, anyhow::anyhow!("{e}")))?;
     let status = tokio::process::Command::new("incus")
         .arg("--project")
         .arg(b.project())
         .args(aimed(args, vm, &inst))
         .env("INCUS_SOCKET", b.client().socket())
+        .env("INCUS_CONF", conf.path())
         .status()
         .await
         .map_err(|e| {

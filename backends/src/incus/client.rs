@@ -20,9 +20,14 @@ use serde_json::Value;
 
 /// How long one request (not an operation) may take before it is given up.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long an upload (an image tarball) may take.
+const UPLOAD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// How long one `wait` on an operation asks Incus to hold the request (it is asked again
 /// until the operation ends).
 const WAIT_SECONDS: u64 = 30;
+/// How long an operation may run before it is given up (copying a large tree on a slow
+/// disk takes minutes; nothing boxery asks of Incus takes half an hour).
+const OPERATION_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// What a request to Incus can end in.
 #[derive(Debug, thiserror::Error)]
@@ -109,6 +114,7 @@ impl Client {
         path: &str,
         body: Body,
         headers: &[(&str, String)],
+        limit: Duration,
     ) -> Result<Answer, ApiError> {
         let stream = tokio::net::UnixStream::connect(&self.socket)
             .await
@@ -147,13 +153,11 @@ impl Client {
                 .to_bytes();
             Ok(Answer { status, etag, body })
         };
-        let out = tokio::time::timeout(REQUEST_TIMEOUT, work)
-            .await
-            .unwrap_or_else(|_| {
-                Err(ApiError::Transport(format!(
-                    "no answer to {path} within {REQUEST_TIMEOUT:?}"
-                )))
-            });
+        let out = tokio::time::timeout(limit, work).await.unwrap_or_else(|_| {
+            Err(ApiError::Transport(format!(
+                "no answer to {path} within {limit:?}"
+            )))
+        });
         conn.abort();
         out
     }
@@ -166,7 +170,20 @@ impl Client {
         body: Body,
         headers: &[(&str, String)],
     ) -> Result<(Value, Option<String>), ApiError> {
-        let a = self.send(method, path, body, headers).await?;
+        self.envelope_within(method, path, body, headers, REQUEST_TIMEOUT)
+            .await
+    }
+
+    /// [`Client::envelope`] with its own time limit.
+    async fn envelope_within(
+        &self,
+        method: Method,
+        path: &str,
+        body: Body,
+        headers: &[(&str, String)],
+        limit: Duration,
+    ) -> Result<(Value, Option<String>), ApiError> {
+        let a = self.send(method, path, body, headers, limit).await?;
         if a.status == StatusCode::PRECONDITION_FAILED {
             return Err(ApiError::Changed);
         }
@@ -198,7 +215,13 @@ impl Client {
             .as_str()
             .ok_or_else(|| ApiError::Transport("an async answer without its operation".into()))?
             .to_string();
+        let started = std::time::Instant::now();
         loop {
+            if started.elapsed() > OPERATION_TIMEOUT {
+                return Err(ApiError::Transport(format!(
+                    "operation {op} still running after {OPERATION_TIMEOUT:?}: given up"
+                )));
+            }
             let (v, _) = self
                 .envelope(
                     Method::GET,
@@ -302,7 +325,9 @@ impl Client {
         let mut h = headers.to_vec();
         h.push(("content-type", "application/octet-stream".into()));
         h.push(("content-length", len.to_string()));
-        let (v, _) = self.envelope(Method::POST, path, body, &h).await?;
+        let (v, _) = self
+            .envelope_within(Method::POST, path, body, &h, UPLOAD_TIMEOUT)
+            .await?;
         self.wait(v).await
     }
 
@@ -370,34 +395,6 @@ impl Client {
             Ok(_) => Ok(()),
             Err(e) if e.is_conflict() => Ok(()),
             Err(e) => Err(e),
-        }
-    }
-
-    /// Read file `path` inside instance `instance`; `None` when it does not exist.
-    pub async fn pull_file(
-        &self,
-        project: &str,
-        instance: &str,
-        path: &str,
-    ) -> Result<Option<Bytes>, ApiError> {
-        let a = self
-            .send(
-                Method::GET,
-                &format!(
-                    "/1.0/instances/{instance}/files?project={project}&path={}",
-                    encode(path)
-                ),
-                empty(),
-                &[],
-            )
-            .await?;
-        match a.status {
-            StatusCode::OK => Ok(Some(a.body)),
-            StatusCode::NOT_FOUND => Ok(None),
-            s => Err(ApiError::Status {
-                status: s.as_u16(),
-                message: String::from_utf8_lossy(&a.body[..a.body.len().min(300)]).into(),
-            }),
         }
     }
 }

@@ -6,9 +6,14 @@
 //!   the gateway and, for a guest whose policy is `Public`, DNS on the gateway; replies to
 //!   what the host opened (ssh) pass; everything else to any address of the host is dropped.
 //! - **Guest → elsewhere** (routed, NAT): a confined guest (`Allowlist`, `Deny`: its web goes
-//!   through the egress proxy on the proxy port) sends nothing; a `Public` guest reaches
-//!   everything but private, CGNAT, link-local, loopback, multicast and reserved ranges; no
-//!   IPv6 at all.
+//!   through the egress proxy on the proxy port) sends nothing, also on a connection it opened
+//!   while it was `Public`; a `Public` guest reaches everything but private, CGNAT,
+//!   link-local, loopback, multicast and reserved ranges; no IPv6 at all.
+//! - **Elsewhere → guest**: nothing routed through the host opens a connection to a guest
+//!   (another machine of the LAN that routes the bridge's subnet here); the host's own (its
+//!   ssh) are not routed.
+//! - **Fail closed**: a VM whose policy is anything but exactly `Public` (unknown, missing)
+//!   is confined.
 //! - **Guest → guest** never reaches this: the NICs are isolated bridge ports.
 //!
 //! Which guest is confined is told by its NIC's host-side name (set by boxery, [`veth_name`])
@@ -76,9 +81,10 @@ pub(super) fn ruleset(
              meta mark != {CONFINED_MARK} ip daddr {gw} meta l4proto {{ tcp, udp }} th dport 53 accept\n    \
              counter drop\n  }}\n  \
            chain out {{ type filter hook forward priority 0; policy accept;\n    \
+             oifname \"{bridge}\" ct state new counter drop\n    \
              iifname != \"{bridge}\" accept\n    \
-             ct state established,related accept\n    \
              meta mark {CONFINED_MARK} counter drop\n    \
+             ct state established,related accept\n    \
              meta nfproto ipv6 counter drop\n    \
              ip daddr {{ {FORBIDDEN} }} counter drop\n  }}\n}}"
     );
@@ -155,19 +161,60 @@ impl Inner {
             .instances(&self.project)
             .await?
             .iter()
-            .filter(|i| instances::cfg(i, instances::EGRESS).is_some_and(|p| p != "Public"))
+            // fail closed: only a VM known to be Public goes unconfined
+            .filter(|i| instances::cfg(i, instances::EGRESS) != Some("Public"))
             .filter_map(|i| i["name"].as_str())
             .map(|inst| veth_name(&self.ns, inst))
             .collect();
         confined.sort();
-        nft(&ruleset(
+        let made = nft(&ruleset(
             &self.ns,
             &self.network,
             gw,
             self.proxy_port(),
             &confined,
         ))
-        .await
+        .await;
+        self.firewall_stale
+            .store(made.is_err(), std::sync::atomic::Ordering::SeqCst);
+        made
+    }
+
+    /// Whether this home's tables are in the kernel now (a host restart, an `nft flush
+    /// ruleset` by a firewall service's reload, removes them).
+    pub(super) async fn firewall_present(&self) -> Result<bool> {
+        let out = tokio::process::Command::new("nft")
+            .args(["list", "tables"])
+            .stdin(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output()
+            .await
+            .map_err(crate::io("running nft"))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let table = format!("boxery-{}", self.ns);
+        let has = |family: &str| {
+            text.lines()
+                .any(|l| l.trim() == format!("table {family} {table}"))
+        };
+        Ok(out.status.success() && has("bridge") && has("inet"))
+    }
+
+    /// Make the firewall whole again when it is gone (see [`Inner::firewall_present`]) or
+    /// its last change failed.
+    pub(super) async fn ensure_firewall(&self) -> Result<()> {
+        if !self
+            .firewall_stale
+            .load(std::sync::atomic::Ordering::SeqCst)
+            && self.firewall_present().await?
+        {
+            return Ok(());
+        }
+        tracing::warn!(
+            namespace = %self.ns,
+            "the guests' firewall tables were gone (a host restart, a ruleset flush): made again"
+        );
+        self.apply_firewall().await
     }
 }
 

@@ -54,13 +54,7 @@ impl Inner {
     }
 
     fn check_image_name(image: &str) -> Result<()> {
-        if crate::storage::files::valid_name(image) {
-            Ok(())
-        } else {
-            Err(BackendError::Invalid(format!(
-                "`{image}` cannot name an Incus image: 1-63 of a-z 0-9 - ."
-            )))
-        }
+        check_name("image", image)
     }
 
     pub(super) async fn images(&self) -> Result<Vec<ImageInfo>> {
@@ -160,6 +154,7 @@ impl Inner {
                         BXNAME: image,
                         PARTIAL: "1",
                         KIND: "image",
+                        "boot.autostart": "false",
                         SOURCE: format!("vm:{vm}"),
                         CREATED: boxery_api::now().to_rfc3339(),
                     },
@@ -357,6 +352,7 @@ impl Inner {
                         BXNAME: image,
                         PARTIAL: "1",
                         KIND: "image",
+                        "boot.autostart": "false",
                         SOURCE: source,
                         CREATED: boxery_api::now().to_rfc3339(),
                     },
@@ -369,11 +365,13 @@ impl Inner {
     }
 
     /// Finish a reimage of VM `vm` that was interrupted after its instance was renamed away
-    /// (its new instance then waits under its side name): the new one takes its place.
-    async fn finish_swap(&self, vm: &str) -> Result<()> {
+    /// (its new instance then waits under its side name): the new one takes its place, is
+    /// committed, and the old one goes. Whether it changed anything.
+    async fn finish_swap(&self, vm: &str) -> Result<bool> {
         let inst = instance_name(vm);
         let new = side_name("new", &inst);
         let old = side_name("old", &inst);
+        let mut changed = false;
         let here = self.instance(&self.project, &inst).await?;
         let waiting = self
             .instance(&self.project, &new)
@@ -381,14 +379,36 @@ impl Inner {
             .filter(|i| cfg(i, BXNAME) == Some(vm) && cfg(i, PARTIAL).is_none());
         if here.is_none() && waiting.is_some() {
             self.rename(&new, &inst).await?;
+            changed = true;
         }
-        if self.instance(&self.project, &inst).await?.is_some()
-            && let Some(o) = self.instance(&self.project, &old).await?
-            && cfg(&o, BXNAME) == Some(vm)
+        if let Some(i) = self.instance(&self.project, &inst).await?
+            && cfg(&i, BXNAME) == Some(vm)
         {
-            self.delete(&self.project, &old).await?;
+            if cfg(&i, REIMAGE).is_some() {
+                self.commit(&self.project, &inst).await?;
+                changed = true;
+            }
+            if self.delete_side(&old, vm).await? {
+                changed = true;
+            }
         }
-        Ok(())
+        Ok(changed)
+    }
+
+    /// Delete side instance `side` of VM `vm`'s reimage when it is there and is that VM's;
+    /// whether it was there.
+    async fn delete_side(&self, side: &str, vm: &str) -> Result<bool> {
+        match self.instance(&self.project, side).await? {
+            None => Ok(false),
+            Some(i) if cfg(&i, BXNAME) == Some(vm) => {
+                self.delete(&self.project, side).await?;
+                Ok(true)
+            }
+            Some(_) => Err(BackendError::Invalid(format!(
+                "the Incus instance {side} in project {} is not VM {vm}'s: rename or remove it",
+                self.project
+            ))),
+        }
     }
 
     async fn rename(&self, from: &str, to: &str) -> Result<()> {
@@ -404,20 +424,28 @@ impl Inner {
     }
 
     pub(super) async fn reimage(&self, vm: &str, image: &str, identity: &Identity) -> Result<()> {
-        self.finish_swap(vm).await?;
+        // an interrupted swap is finished first: the VM has changed then, and no later error
+        // of this call is `Unchanged`
+        let touched = self.finish_swap(vm).await?;
         let inst = instance_name(vm);
         let cur = self
             .vm_instance(vm)
             .await?
             .filter(|i| complete_mark(i).is_some())
             .ok_or_else(|| BackendError::not_found(NAME, format!("VM {vm}")))?;
-        let unchanged = |e: BackendError| BackendError::Unchanged(e.chain());
+        let unchanged = |e: BackendError| {
+            if touched {
+                e
+            } else {
+                BackendError::Unchanged(e.chain())
+            }
+        };
         let img = self
             .image_instance(image)
             .await
             .map_err(unchanged)?
             .filter(|i| complete_mark(i).is_some())
-            .ok_or_else(|| BackendError::Unchanged(format!("image {image} not found")))?;
+            .ok_or_else(|| unchanged(BackendError::not_found(NAME, format!("image {image}"))))?;
         // the identity: the VM's own seed, unless the caller gives a new host key
         let new_key = identity
             .host_key
@@ -425,14 +453,12 @@ impl Inner {
             .map(|(_, p)| p.trim().to_string());
         let (user, meta, public, instance_id) =
             if new_key.is_none() || new_key.as_deref() == cfg(&cur, HOST_KEY) {
-                let Some((user, meta)) = self
-                    .read_seed(&self.project, &inst)
-                    .await
-                    .map_err(unchanged)?
-                else {
-                    return Err(BackendError::Unchanged(format!(
-                        "VM {vm}'s seed is gone from its disk; give it a new identity"
-                    )));
+                // the host's copy, never the guest's (which the guest may have changed)
+                let Some((user, meta)) = self.kept_seed(vm).map_err(unchanged)? else {
+                    return Err(unchanged(BackendError::Invalid(format!(
+                        "VM {vm}'s seed is not on the host ({}); give it a new identity",
+                        self.seed_dir(vm).display()
+                    ))));
                 };
                 (
                     user,
@@ -444,13 +470,13 @@ impl Inner {
                 let id = seed::complete_identity(vm, identity).map_err(unchanged)?;
                 let iid = seed::new_instance_id();
                 let user = seed::user_data(vm, &id, seed::Guest::Boxery)
-                    .map_err(|e| BackendError::Unchanged(e.to_string()))?;
+                    .map_err(|e| unchanged(BackendError::Invalid(e.to_string())))?;
                 let meta = seed::meta_data(&iid, &id.hostname);
                 (user, meta, new_key.unwrap_or_default(), iid)
             };
         // 1. the new instance beside the VM: the image's files, the VM's identity and MAC
         let new = side_name("new", &inst);
-        self.delete(&self.project, &new).await.map_err(unchanged)?;
+        self.delete_side(&new, vm).await.map_err(unchanged)?;
         let mut config = serde_json::Map::new();
         for (k, v) in cur["config"].as_object().into_iter().flatten() {
             if k.starts_with("user.") || k.starts_with("limits.") || k.starts_with("security.") {
@@ -465,6 +491,7 @@ impl Inner {
         config.insert(HOST_KEY.into(), public.into());
         config.insert(INSTANCE_ID.into(), instance_id.into());
         config.insert(SOURCE.into(), image.into());
+        config.insert("boot.autostart".into(), "false".into());
         let made = async {
             self.client
                 .call(
@@ -502,10 +529,12 @@ impl Inner {
         }
         // 2. the swap: from here a retry finishes it (finish_swap)
         let old = side_name("old", &inst);
-        self.delete(&self.project, &old).await?;
+        self.delete_side(&old, vm).await?;
         self.stop_now(&inst).await?;
         self.rename(&inst, &old).await?;
         self.rename(&new, &inst).await?;
+        // the host's copy of the seed follows the identity the VM now has
+        self.keep_seed(vm, &user, &meta)?;
         self.delete(&self.project, &old).await?;
         self.commit(&self.project, &inst).await?;
         self.start(vm).await

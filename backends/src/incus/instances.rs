@@ -78,18 +78,25 @@ fn parse_mib(s: &str) -> Option<u64> {
     })
 }
 
-/// The guest's IPv4 address on its NIC, from the instance's state.
-fn address(inst: &Value) -> Option<String> {
-    inst["state"]["network"]["eth0"]["addresses"]
-        .as_array()?
+/// The guest's IPv4 address: its NIC's DHCP lease on the bridge (by the MAC Incus gave the NIC),
+/// as the host's dnsmasq handed it out; never what the guest says of itself (the instance
+/// state's addresses are read from inside the guest).
+fn address(inst: &Value, leases: &[Value]) -> Option<String> {
+    let mac = cfg(inst, "volatile.eth0.hwaddr")?;
+    leases
         .iter()
-        .find(|a| a["family"] == "inet" && a["scope"] == "global")
-        .and_then(|a| a["address"].as_str())
+        .filter(|l| {
+            l["hwaddr"]
+                .as_str()
+                .is_some_and(|h| h.eq_ignore_ascii_case(mac))
+        })
+        .filter_map(|l| l["address"].as_str())
+        .find(|a| a.parse::<std::net::Ipv4Addr>().is_ok())
         .map(str::to_string)
 }
 
-/// A VM as boxery sees its instance.
-fn info(inst: &Value) -> VmInfo {
+/// A VM as boxery sees its instance (`leases`: the bridge's DHCP leases).
+fn info(inst: &Value, leases: &[Value]) -> VmInfo {
     let running = matches!(inst["status"].as_str(), Some("Running" | "Frozen"));
     VmInfo {
         name: cfg(inst, BXNAME)
@@ -110,7 +117,7 @@ fn info(inst: &Value) -> VmInfo {
             disk_gib: cfg(inst, DISK).and_then(|d| d.parse().ok()).unwrap_or(0),
         },
         ssh: running
-            .then(|| address(inst))
+            .then(|| address(inst, leases))
             .flatten()
             .map(|a| format!("{a}:22")),
         disk_used_bytes: inst["state"]["disk"]["root"]["usage"]
@@ -131,6 +138,10 @@ impl Inner {
     /// background at most once a minute per VM, so that a listing never waits for one. A VM
     /// never measured yet reports nothing (the first listing starts its measure).
     pub(super) fn disk_used(this: &Arc<Inner>, infos: &mut [VmInfo]) {
+        // only a `dir` pool leaves it to boxery (btrfs quotas are counted by incusd)
+        if this.config.driver != PoolDriver::Dir {
+            return;
+        }
         let now = std::time::Instant::now();
         let mut stale = Vec::new();
         {
@@ -320,11 +331,21 @@ impl Inner {
         }
     }
 
+    /// The root disk of `disk_gib` GiB on the pool: its size a quota where the pool enforces
+    /// one (btrfs), else left out (a `dir` pool refuses none, but enforces none either).
+    pub(super) fn root_disk(&self, disk_gib: u64) -> Value {
+        let mut root = json!({"type": "disk", "path": "/", "pool": self.pool});
+        if self.config.driver == PoolDriver::Btrfs {
+            root["size"] = format!("{disk_gib}GiB").into();
+        }
+        root
+    }
+
     /// The devices of VM instance `inst`: its root disk on the pool, its NIC on the bridge
     /// (under the host-side name the firewall knows it by).
-    pub(super) fn devices(&self, inst: &str) -> Value {
+    pub(super) fn devices(&self, inst: &str, disk_gib: u64) -> Value {
         json!({
-            "root": {"type": "disk", "path": "/", "pool": self.pool},
+            "root": self.root_disk(disk_gib),
             "eth0": {
                 "type": "nic",
                 "name": "eth0",
@@ -332,6 +353,11 @@ impl Inner {
                 // no guest reaches another on the bridge (a bridge port flag: guest → guest
                 // frames never leave the bridge, where no L3 rule would see them)
                 "security.port_isolation": "true",
+                // no frame from another MAC, no packet from another IPv4 address than the one
+                // the host's DHCP gave it, no ARP claiming one (the NIC's address is then a
+                // static allocation of the bridge's dnsmasq)
+                "security.mac_filtering": "true",
+                "security.ipv4_filtering": "true",
                 "host_name": firewall::veth_name(&self.ns, inst),
             },
         })
@@ -373,39 +399,8 @@ impl Inner {
         Ok(())
     }
 
-    /// The seed files (`user-data`, `meta-data`) in instance `inst`, when both are there.
-    pub(super) async fn read_seed(
-        &self,
-        project: &str,
-        inst: &str,
-    ) -> Result<Option<(String, String)>> {
-        let step = || api(format!("read the seed of instance {inst}"));
-        let user = self
-            .client
-            .pull_file(project, inst, &format!("{SEED_DIR}/user-data"))
-            .await
-            .map_err(step())?;
-        let meta = self
-            .client
-            .pull_file(project, inst, &format!("{SEED_DIR}/meta-data"))
-            .await
-            .map_err(step())?;
-        Ok(match (user, meta) {
-            (Some(u), Some(m)) => Some((
-                String::from_utf8_lossy(&u).into_owned(),
-                String::from_utf8_lossy(&m).into_owned(),
-            )),
-            _ => None,
-        })
-    }
-
     pub(super) async fn create(&self, vm: &NewVm) -> Result<()> {
-        if !crate::storage::files::valid_name(&vm.name) {
-            return Err(BackendError::Invalid(format!(
-                "`{}` cannot name an Incus VM: 1-63 of a-z 0-9 - .",
-                vm.name
-            )));
-        }
+        check_name("VM", &vm.name)?;
         if vm.memory {
             return Err(BackendError::Invalid(
                 "the incus backend cannot start a VM from memory".into(),
@@ -481,9 +476,11 @@ impl Inner {
                 "limits.memory": format!("{}MiB", vm.memory_mib),
                 "security.privileged": "false",
                 "security.nesting": "false",
+                // incusd never starts it on its own (at the host's boot, before `init` has
+                // made the firewall)
                 "boot.autostart": "false",
             },
-            "devices": self.devices(&inst),
+            "devices": self.devices(&inst, vm.disk_gib),
         });
         self.client
             .call(
@@ -493,27 +490,50 @@ impl Inner {
             )
             .await
             .map_err(api(format!("make instance {inst} from image {image}")))?;
+        self.keep_seed(&vm.name, &user, &meta)?;
         self.write_seed(&self.project, &inst, &user, &meta).await?;
+        // the firewall made from the instances as they are now (this one's policy in them),
+        // before the commit: a VM is never complete without its confinement in force
+        self.apply_firewall().await?;
         self.commit(&self.project, &inst).await?;
-        if vm.egress != EgressPolicy::Public {
-            // confined from its first boot
-            self.apply_firewall().await?;
-        }
         if vm.start {
             self.start(&vm.name).await?;
         }
         Ok(())
     }
 
+    /// The DHCP leases of the bridge, of the VMs' project's instances (Incus lists the leases
+    /// of the project asked for).
+    async fn leases(&self) -> Result<Vec<Value>> {
+        let v = self
+            .client
+            .get_opt(&format!(
+                "/1.0/networks/{}/leases?project={}",
+                self.network, self.project
+            ))
+            .await
+            .map_err(api(format!("read the leases of network {}", self.network)))?;
+        Ok(v.and_then(|v| v.as_array().cloned()).unwrap_or_default())
+    }
+
     pub(super) async fn get(&self, name: &str) -> Result<Option<VmInfo>> {
-        Ok(self
+        let Some(inst) = self
             .vm_instance(name)
             .await?
             .filter(|i| complete_mark(i).is_some())
-            .map(|i| info(&i)))
+        else {
+            return Ok(None);
+        };
+        let leases = if inst["status"] == "Running" {
+            self.leases().await?
+        } else {
+            Vec::new()
+        };
+        Ok(Some(info(&inst, &leases)))
     }
 
     pub(super) async fn list(&self) -> Result<Vec<VmInfo>> {
+        let leases = self.leases().await?;
         let mut out: Vec<VmInfo> = self
             .instances(&self.project)
             .await?
@@ -522,7 +542,7 @@ impl Inner {
             .filter(|i| {
                 cfg(i, REIMAGE).is_none() && !i["name"].as_str().unwrap_or("").starts_with("bx-")
             })
-            .map(info)
+            .map(|i| info(i, &leases))
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
@@ -544,6 +564,10 @@ impl Inner {
     pub(super) async fn start(&self, name: &str) -> Result<()> {
         let cur = self.complete_vm(name).await?;
         let inst = instance_name(name);
+        if cur["status"] != "Running" {
+            // never a guest running without its firewall
+            self.ensure_firewall().await?;
+        }
         match cur["status"].as_str() {
             Some("Running") => Ok(()),
             Some("Frozen") => self.set_state(&inst, json!({"action": "unfreeze"})).await,
@@ -582,7 +606,44 @@ impl Inner {
         if self.vm_instance(name).await?.is_some() {
             self.delete(&self.project, &instance_name(name)).await?;
         }
-        self.remove_sides(name).await
+        self.remove_sides(name).await?;
+        crate::storage::files::remove_dir_if_exists(&self.seed_dir(name))
+            .map_err(crate::io(format!("removing VM {name}'s seed")))
+    }
+
+    /// Where VM `name`'s seed is kept on the host (0700; the files 0600): what a reimage
+    /// that keeps its identity writes again, never read back from the guest's disk, which
+    /// the guest may have changed.
+    pub(super) fn seed_dir(&self, name: &str) -> std::path::PathBuf {
+        self.state.join("seeds").join(instance_name(name))
+    }
+
+    /// Keep VM `name`'s seed on the host ([`Inner::seed_dir`]).
+    pub(super) fn keep_seed(&self, name: &str, user: &str, meta: &str) -> Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = self.seed_dir(name);
+        let io = |what: &str| crate::io(format!("keeping VM {name}'s seed ({what})"));
+        std::fs::create_dir_all(&dir).map_err(io("its directory"))?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(io("its directory"))?;
+        crate::storage::files::write_atomic(&dir.join("user-data"), user.as_bytes(), 0o600)
+            .map_err(io("user-data"))?;
+        crate::storage::files::write_atomic(&dir.join("meta-data"), meta.as_bytes(), 0o600)
+            .map_err(io("meta-data"))
+    }
+
+    /// VM `name`'s seed as the host keeps it; `None` when it is not there.
+    pub(super) fn kept_seed(&self, name: &str) -> Result<Option<(String, String)>> {
+        let dir = self.seed_dir(name);
+        let read = |f: &str| match std::fs::read_to_string(dir.join(f)) {
+            Ok(s) => Ok(Some(s)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(BackendError::io(format!("reading VM {name}'s seed"), e)),
+        };
+        Ok(match (read("user-data")?, read("meta-data")?) {
+            (Some(u), Some(m)) => Some((u, m)),
+            _ => None,
+        })
     }
 
     /// Delete what an interrupted reimage of VM `name` left beside it.
@@ -609,7 +670,7 @@ impl Inner {
     }
 
     pub(super) async fn resize(&self, name: &str, size: VmSize) -> Result<()> {
-        let cur = info(&self.complete_vm(name).await?);
+        let cur = info(&self.complete_vm(name).await?, &[]);
         if size.cpus == 0 || size.memory_mib < 64 {
             return Err(BackendError::Invalid(format!(
                 "VM {name} needs at least 1 CPU and 64 MiB (asked: {} CPUs, {} MiB)",
@@ -625,14 +686,16 @@ impl Inner {
         if size == cur.size {
             return Ok(());
         }
-        // limits apply live to a running container
-        self.update(&self.project, &instance_name(name), |c, _| {
+        // limits apply live to a running container, a btrfs quota too
+        let root = self.root_disk(size.disk_gib);
+        self.update(&self.project, &instance_name(name), |c, d| {
             c.insert("limits.cpu".into(), size.cpus.to_string().into());
             c.insert(
                 "limits.memory".into(),
                 format!("{}MiB", size.memory_mib).into(),
             );
             c.insert(DISK.into(), size.disk_gib.to_string().into());
+            d.insert("root".into(), root.clone());
             Ok(())
         })
         .await
@@ -641,7 +704,8 @@ impl Inner {
     pub(super) async fn set_egress(&self, name: &str, policy: EgressPolicy) -> Result<()> {
         let cur = self.complete_vm(name).await?;
         if cfg(&cur, EGRESS) == Some(policy.as_str()) {
-            return Ok(());
+            // cheap when in force; made again when the tables went or a change failed
+            return self.ensure_firewall().await;
         }
         self.update(&self.project, &instance_name(name), |c, _| {
             c.insert(EGRESS.into(), policy.as_str().into());
@@ -701,6 +765,36 @@ mod tests {
         assert_ne!(instance_name("a.b"), instance_name("a-b"));
         let long = instance_name(&format!("{}.x", "a".repeat(61)));
         assert!(long.len() <= 63, "{long}");
+    }
+
+    #[test]
+    fn the_address_is_the_hosts_lease_for_the_nics_mac_never_the_guests_word() {
+        let inst = json!({
+            "config": {"volatile.eth0.hwaddr": "10:66:6a:00:00:01"},
+            "state": {"network": {"eth0": {"addresses": [
+                {"family": "inet", "scope": "global", "address": "10.200.0.99"}
+            ]}}},
+        });
+        let leases = [
+            json!({"hwaddr": "10:66:6a:00:00:02", "address": "10.200.0.7"}),
+            json!({"hwaddr": "10:66:6A:00:00:01", "address": "10.200.0.8"}),
+        ];
+        assert_eq!(address(&inst, &leases).as_deref(), Some("10.200.0.8"));
+        assert_eq!(address(&inst, &leases[..1]), None);
+    }
+
+    #[test]
+    fn names_of_the_backends_own_are_refused() {
+        assert!(check_name("VM", "dev1").is_ok());
+        assert!(matches!(
+            check_name("VM", "bx-new-0a0b0c0d"),
+            Err(BackendError::Invalid(_))
+        ));
+        assert!(matches!(
+            check_name("VM", "-a"),
+            Err(BackendError::Invalid(_))
+        ));
+        assert!(instance_name("1abc").starts_with("x1abc-"));
     }
 
     #[test]

@@ -61,7 +61,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 
 pub use client::{ApiError, Client};
-pub use config::IncusConfig;
+pub use config::{IncusConfig, PoolDriver};
 
 use crate::{
     Backend, BackendError, Capabilities, GuestNetwork, GuestProxy, Identity, ImageInfo, NewVm,
@@ -96,20 +96,44 @@ struct Inner {
     network: String,
     /// The bridge's address, read at `init`.
     gateway: Mutex<Option<Ipv4Addr>>,
+    /// The last firewall change failed: the tables may not hold the VMs' policies (made whole
+    /// again by the next `ensure_firewall`).
+    firewall_stale: std::sync::atomic::AtomicBool,
     /// Bytes each VM instance's files take on the pool, by instance: when measured, and what.
     /// (`None`: being measured for the first time).
     disk: Mutex<std::collections::HashMap<String, (std::time::Instant, Option<u64>)>>,
 }
 
 /// The Incus instance name of boxery VM or image `name`: the name itself when Incus takes it
-/// (a hostname), else its `.` as `-` and 6 hex digits of a hash of the name.
+/// (a hostname label that starts with a letter), else its `.` as `-`, an `x` in front of a
+/// leading digit, and 6 hex digits of a hash of the name.
 pub fn instance_name(name: &str) -> String {
-    if !name.contains('.') {
+    let letter_first = name.starts_with(|c: char| c.is_ascii_lowercase());
+    if !name.contains('.') && letter_first {
         return name.to_string();
     }
     let h = boxery_api::fnv::fnv1a(name.as_bytes());
-    let flat: String = name.replace('.', "-").chars().take(56).collect();
-    format!("{}-{:06x}", flat.trim_end_matches('-'), h & 0xff_ffff)
+    let lead = if letter_first { "" } else { "x" };
+    let flat: String = name.replace('.', "-").chars().take(55).collect();
+    format!("{lead}{}-{:06x}", flat.trim_end_matches('-'), h & 0xff_ffff)
+}
+
+/// Whether `name` can name a VM or image of this backend: boxery's name rules
+/// ([`crate::storage::files::valid_name`]), and not `bx-…` (the names of a reimage's side
+/// instances). `Invalid` saying so otherwise.
+pub(crate) fn check_name(what: &str, name: &str) -> Result<()> {
+    if !crate::storage::files::valid_name(name) {
+        return Err(BackendError::Invalid(format!(
+            "`{name}` cannot name an Incus {what}: 1-63 of a-z 0-9 - ., starting and ending \
+             with a letter or digit"
+        )));
+    }
+    if name.starts_with("bx-") {
+        return Err(BackendError::Invalid(format!(
+            "`{name}` cannot name an Incus {what}: names starting `bx-` are the backend's own"
+        )));
+    }
+    Ok(())
 }
 
 /// The error for an Incus call `step` that failed: `Unreachable` when the daemon cannot be
@@ -144,6 +168,7 @@ impl IncusBackend {
                 state,
                 config,
                 gateway: Mutex::new(None),
+                firewall_stale: std::sync::atomic::AtomicBool::new(false),
                 disk: Mutex::new(Default::default()),
             }),
         }

@@ -59,19 +59,34 @@ impl Inner {
             )
             .await?;
         }
-        // Incus wants the source directory there (and empty when the pool is new)
-        let pool_dir = self.state.join("pool");
-        std::fs::create_dir_all(pool_dir.join("dir"))
-            .map_err(crate::io(format!("creating {}", pool_dir.display())))?;
+        let pool = match self.config.driver {
+            PoolDriver::Btrfs => json!({
+                "name": self.pool,
+                "driver": "btrfs",
+                "description": format!("boxery's disks (namespace {})", self.ns),
+                "config": {"size": self.config.pool_size},
+            }),
+            PoolDriver::Dir => {
+                // Incus wants the source directory there (and empty when the pool is new)
+                let pool_dir = self.state.join("pool");
+                std::fs::create_dir_all(pool_dir.join("dir"))
+                    .map_err(crate::io(format!("creating {}", pool_dir.display())))?;
+                json!({
+                    "name": self.pool,
+                    "driver": "dir",
+                    "description": format!("boxery's disks (namespace {})", self.ns),
+                    "config": {"source": pool_dir.join("dir").to_string_lossy()},
+                })
+            }
+        };
         self.ensure(
             "/1.0/storage-pools",
-            json!({
-                "name": self.pool,
-                "driver": "dir",
-                "description": format!("boxery's disks (namespace {})", self.ns),
-                "config": {"source": pool_dir.join("dir").to_string_lossy()},
-            }),
-            &format!("make storage pool {}", self.pool),
+            pool,
+            &format!(
+                "make storage pool {} (btrfs needs btrfs-progs: scripts/install-incus.sh; \
+                 BOXERY_INCUS_STORAGE=dir makes a directory pool instead)",
+                self.pool
+            ),
         )
         .await?;
         let have_net = self
@@ -248,7 +263,8 @@ fn free_subnet(ns: &str, routes: &[(Ipv4Addr, u32)]) -> Result<Ipv4Addr> {
         .map(|net| Ipv4Addr::from(net + 1))
         .ok_or_else(|| {
             BackendError::Invalid(
-                "no /24 in 10.200.0.0/13 is free of the host's routes: set                  BOXERY_INCUS_SUBNET to the bridge's gateway address (an a.b.c.1)"
+                "no /24 in 10.200.0.0/13 is free of the host's routes: set \
+                 BOXERY_INCUS_SUBNET to the bridge's gateway address (an a.b.c.1)"
                     .into(),
             )
         })
