@@ -2305,10 +2305,20 @@ fn guest_uses_grants(kind: Kind) {
             d
         }
         Kind::Libvirt => files(h.pool_dir()),
-        // a container's disk is a directory tree: every file of it
+        // a container's disk is a directory tree in the pool: every file of the VM's and of
+        // its snapshot's
         Kind::Incus => {
+            let b = h.incus_backend();
+            let pool = PathBuf::from("/var/lib/incus/storage-pools")
+                .join(b.pool())
+                .join("containers");
             let o = std::process::Command::new("find")
-                .arg(h.home.path().join("incus/pool"))
+                .arg(pool.join(format!("{}_g1", b.project())))
+                .arg(pool.join(format!(
+                    "{}_{}",
+                    b.image_project(),
+                    boxery_backends::incus::instance_name("g1.s1")
+                )))
                 .args(["-xdev", "-type", "f", "-size", "-64M"])
                 .output()
                 .unwrap();
@@ -2951,7 +2961,7 @@ mod incus {
             relay.sock.display().to_string(),
         ));
         relay.up();
-        let serve = h.serve();
+        let mut serve = h.serve();
         let f = h.home.write("u.yaml", &tiny_vm("u1"));
         h.ok(&["apply", "-f", f.to_str().unwrap()]);
         h.ok(&["wait", "vm", "u1", "--for=condition=Ready", "--timeout=10m"]);

@@ -6,8 +6,9 @@
 //! - **Namespace.** Everything lives in Incus objects of this home's own, named from the
 //!   namespace `<ns>` (8 hex digits of the state directory's path, as the libvirt backend's):
 //!   the project `boxery-<ns>` holds the VMs, the project `boxery-<ns>-images` holds the
-//!   images, the `dir` storage pool `boxery-<ns>` (its directory under the state directory)
-//!   holds their disks, and the bridge `bx<ns>` is their network. Every instance carries
+//!   images, the storage pool `boxery-<ns>` holds their files (btrfs on a loop file Incus
+//!   makes: copies and snapshots are copy-on-write; or a directory under the state directory,
+//!   [`PoolDriver`]), and the bridge `bx<ns>` is their network. Every instance carries
 //!   boxery's mark in `user.boxery.mark` and its boxery name in `user.boxery.name`; an
 //!   instance without them is never read as ours, and nothing outside the two projects is
 //!   ever listed or touched.
@@ -25,18 +26,20 @@
 //!   into a new image instance and deletes the snapshot.
 //! - **Identity** is the same NoCloud seed the other backends write (`storage::seed`), put
 //!   into the container's `/var/lib/cloud/seed/nocloud/` through the files API before its
-//!   first start: cloud-init reads it as it reads the VMs' `cidata` disk (host key, keys,
+//!   first start, and kept on the host (`seeds/`: what a reimage writes again): cloud-init reads it as it reads the VMs' `cidata` disk (host key, keys,
 //!   hostname, machine-id, token). A new `instance-id` makes the guest redo its per-instance
 //!   steps. Incus gives every copy a new MAC.
 //! - **Reimage** makes the new instance first (`<instance>-bx-new`, a copy of the image with
 //!   the VM's identity and MAC), then stops the VM, renames it away, renames the new one into
 //!   its place and deletes the old: a failure before the stop is `Unchanged`, and a retry
 //!   after an interruption finishes the swap.
-//! - **Size**: `limits.cpu` and `limits.memory`, changed live; the root disk's `size` where the
-//!   pool enforces it (a `dir` pool does not: the size is recorded and reported).
+//! - **Size**: `limits.cpu` and `limits.memory`, changed live; the root disk's `size`, a btrfs
+//!   quota (a `dir` pool enforces none: the size is recorded and reported).
 //! - **Network**: one NIC on the bridge, with `security.port_isolation` (no guest reaches
-//!   another on the bridge), `dns.mode=none` (no records of the siblings), no IPv6. ssh goes
-//!   from the host to the guest's DHCP address (`VmInfo.ssh` = `10.x.y.z:22`). The credential
+//!   another on the bridge), MAC and IPv4 filtering (no spoofing), `dns.mode=none` (no records
+//!   of the siblings), no IPv6; the host's firewall (the firewall module). ssh goes from the
+//!   host to the guest's DHCP lease (`VmInfo.ssh` = `10.x.y.z:22`, from the bridge's leases,
+//!   never from what the guest reports). The credential
 //!   proxy is served on the bridge's gateway at this home's proxy port ([`PROXY_PORTS`]).
 //! - **Calls** go over one unix socket, one HTTP/1 connection per request; asynchronous
 //!   operations are waited on (`/1.0/operations/ID/wait`), and configuration updates carry the
