@@ -256,6 +256,15 @@ cp "$ROOT/etc/boxery/build-info" "$W/$NAME.build-info"
 PKG_COUNT=$(dpkg-query --admindir="$ROOT/var/lib/dpkg" -W | wc -l)
 phase "tree cleaned: $(du -sm "$ROOT" | cut -f1) MiB, $PKG_COUNT packages"
 
+# publish_outputs: move the outputs from the work directory into OUT, the manifest last (it is
+# what marks a complete build)
+publish_outputs() {
+  rm -f "$OUT/$NAME.json"
+  local f
+  for f in "${OUTPUTS[@]}"; do rm -f "$OUT/$f"; mv "$W/$f" "$OUT/$f"; done
+  mv "$W/$NAME.json" "$OUT/$NAME.json"
+}
+
 # --- 4. filesystem and qcow2 (a VM), or an Incus unified image (a container) -------------------
 if [ "$KIND" = container ]; then
   BUILT_AT=$(sed -n 's/^built_at=//p' "$W/$NAME.build-info")
@@ -289,9 +298,7 @@ EOM
   "input_hash": "$KEY"
 }
 EOJ
-  rm -f "$OUT/$NAME.json"   # the manifest goes last: it is what marks a complete build
-  for f in "${OUTPUTS[@]}"; do rm -f "$OUT/$f"; mv "$W/$f" "$OUT/$f"; done
-  mv "$W/$NAME.json" "$OUT/$NAME.json"
+  publish_outputs
   phase "done: $OUT/$NAME.{tar,build-info,json}"
   exit 0
 fi
@@ -337,7 +344,5 @@ cat > "$W/$NAME.json" <<EOJ
   "input_hash": "$KEY"
 }
 EOJ
-rm -f "$OUT/$NAME.json"   # the manifest goes last: it is what marks a complete build
-for f in "${OUTPUTS[@]}"; do rm -f "$OUT/$f"; mv "$W/$f" "$OUT/$f"; done
-mv "$W/$NAME.json" "$OUT/$NAME.json"
+publish_outputs
 phase "done: $OUT/$NAME.{qcow2,vmlinuz,initrd,build-info,json}"
