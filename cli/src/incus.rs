@@ -211,6 +211,14 @@ pub async fn incus_command(v: &Verbs, vm: &str, args: &[String]) -> CliResult<Ex
     // a client configuration of its own, empty: no remote but the local daemon, whatever the
     // user's own configuration names as its default
     let conf = tempfile::tempdir()
+        .and_then(|d| {
+            // written, so the client neither greets a first run nor reads the user's remotes
+            std::fs::write(
+                d.path().join("config.yml"),
+                "default-remote: local\nremotes:\n  local:\n    addr: unix://\n    public: false\n",
+            )?;
+            Ok(d)
+        })
         .map_err(|e| CliError::new(crate::exit::Code::Failed, anyhow::anyhow!("{e}")))?;
     let status = tokio::process::Command::new("incus")
         .arg("--project")
@@ -268,8 +276,6 @@ mod tests {
                 "dev",
                 "raw.lxc=lxc.apparmor.profile=unconfined",
             ],
-            &["profile", "edit", "default"],
-            &["network", "set", "bx00", "ipv4.nat=false"],
             &["config", "edit", "dev"],
             &["move", "dev", "other"],
         ] {
@@ -282,6 +288,55 @@ mod tests {
             &["snapshot", "list", "dev"],
         ] {
             assert!(moves_off_the_stack(&s(cmd)).is_none(), "{cmd:?}");
+        }
+    }
+
+    #[test]
+    fn the_guests_command_after_the_separator_is_left_as_written() {
+        assert_eq!(
+            aimed(
+                &s(&["exec", "a.b", "--", "echo", "a.b"]),
+                "a.b",
+                "a-b-0f0f0f"
+            ),
+            s(&["exec", "a-b-0f0f0f", "--", "echo", "a.b"])
+        );
+    }
+
+    #[test]
+    fn more_ways_off_the_stack_are_named() {
+        for cmd in [
+            &["config", "set", "dev", "user.boxery.egress=Public"][..],
+            &["config", "unset", "dev", "boot.autostart"],
+            &["rename", "dev", "dev2"],
+            &["publish", "dev"],
+            &["--debug", "delete", "dev"],
+        ] {
+            assert!(moves_off_the_stack(&s(cmd)).is_some(), "{cmd:?}");
+        }
+    }
+
+    #[test]
+    fn commands_about_anything_but_this_instance_are_refused() {
+        for cmd in [
+            &["--project", "default", "delete", "x"][..],
+            &["copy", "dev", "x", "--target-project=default"],
+            &["exec", "prod:dev", "--", "true"],
+            &["query", "/1.0/instances"],
+            &["project", "list"],
+            &["config", "trust", "list"],
+            &["config", "set", "core.https_address=:8443"],
+            &["network", "set", "bx00", "ipv4.nat=false"],
+            &["profile", "edit", "default"],
+        ] {
+            assert!(refused(&s(cmd)).is_some(), "{cmd:?}");
+        }
+        for cmd in [
+            &["info", "dev"][..],
+            &["exec", "dev", "--", "sh", "-c", "echo a:b --project x"],
+            &["config", "set", "dev", "limits.cpu=2"],
+        ] {
+            assert!(refused(&s(cmd)).is_none(), "{cmd:?}");
         }
     }
 }
