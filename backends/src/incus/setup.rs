@@ -167,13 +167,25 @@ impl Inner {
             self.gone(Method::DELETE, &format!("/1.0/projects/{project}"))
                 .await?;
         }
-        self.gone(Method::DELETE, &format!("/1.0/networks/{}", self.network))
-            .await?;
-        self.gone(Method::DELETE, &format!("/1.0/storage-pools/{}", self.pool))
-            .await?;
-        firewall::nft(&firewall::teardown(&self.ns)).await?;
+        // each of the rest is tried even when one before failed; the network once more after
+        // a pause: incusd lists the host's interfaces to find the bridge's, and one that goes
+        // meanwhile (another VM's tap) fails the delete ("Device … does not exist")
+        let net = format!("/1.0/networks/{}", self.network);
+        let mut first = self.gone(Method::DELETE, &net).await.err();
+        if first.is_some() {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            first = self.gone(Method::DELETE, &net).await.err();
+        }
+        let pool = self
+            .gone(Method::DELETE, &format!("/1.0/storage-pools/{}", self.pool))
+            .await
+            .err();
+        let tables = firewall::nft(&firewall::teardown(&self.ns)).await.err();
         *self.gateway.lock().unwrap() = None;
-        Ok(())
+        match first.or(pool).or(tables) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// The bridge's gateway as incusd has it (kept for `guest_proxy`); `None` when the
