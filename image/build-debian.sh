@@ -58,7 +58,7 @@ for l in $EXTRA; do
   [ -f "$L/$l.sh" ] || die "no layer $L/$l.sh (layers: $(cd "$L" && ls *.sh | sed 's/\.sh$//' | grep -vx 'provision\|lib' | tr '\n' ' '))"
 done
 [ "$(id -u)" = 0 ] || die "build-debian.sh must run as root (debootstrap, chroot)"
-require debootstrap chroot mkfs.ext4 qemu-img sha256sum mount umount tar
+require debootstrap chroot mkfs.ext4 qemu-img sha256sum mount umount tar flock
 
 # The base system. python3-cffi-backend: debootstrap does not resolve the virtual
 # python3-cffi-backend-api-min that cloud-init's python3-cryptography needs.
@@ -89,6 +89,14 @@ if [ "$KIND" = vm ]; then
   OUTPUTS=("$NAME.qcow2" "$NAME.vmlinuz" "$NAME.initrd" "$NAME.build-info")
 else
   OUTPUTS=("$NAME.tar" "$NAME.build-info")
+fi
+# One build of an output at a time (tests and control planes start builds of the same stock
+# image at once): a second waits here, then finds the first one's output in the cache.
+mkdir -p "$OUT"
+exec 8>"$OUT/.build-$NAME.lock"
+if ! flock -n 8; then
+  phase "waiting for another build of $NAME into $OUT"
+  flock 8
 fi
 if [ $FORCE = 0 ] && cache_hit "$OUT" "$NAME" "$KEY" "${OUTPUTS[@]}"; then
   phase "up to date: $OUT/$NAME.json (input hash ${KEY:0:16})"
