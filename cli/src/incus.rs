@@ -27,7 +27,7 @@ fn subcommand(args: &[String]) -> Option<&str> {
 
 /// Why `args` is not a command about one instance of boxery's project, when it is not: another
 /// remote or project, the server's own settings, objects that are not this VM's.
-fn refused(args: &[String]) -> Option<String> {
+fn refused(args: &[String], vm: &str) -> Option<String> {
     let words = incus_words(args);
     for w in words {
         let flag = w.split('=').next().unwrap_or(w);
@@ -60,7 +60,7 @@ fn refused(args: &[String]) -> Option<String> {
             | "alias"
     ) {
         return Some(format!(
-            "`incus {sub}` is not about VM's instance: use incus itself for that"
+            "`incus {sub}` is not about VM {vm}'s instance: use incus itself for that"
         ));
     }
     let words: Vec<&str> = words.iter().map(String::as_str).collect();
@@ -168,37 +168,32 @@ pub async fn incus_command(v: &Verbs, vm: &str, args: &[String]) -> CliResult<Ex
             "give Incus a command after `--`: `boxery incus {vm} -- info {vm}`"
         )));
     }
-    if let Some(why) = refused(args) {
-        return Err(CliError::invalid(format!(
-            "not handed to Incus: {}",
-            why.replace("VM's", &format!("VM {vm}'s"))
-        )));
+    if let Some(why) = refused(args, vm) {
+        return Err(CliError::invalid(format!("not handed to Incus: {why}")));
     }
     // no other instance of the project: every instance named is this VM's
     let listed = b
         .client()
-        .get(&format!("/1.0/instances?project={}", b.project()))
+        .get(&format!(
+            "/1.0/instances?project={}&recursion=1",
+            b.project()
+        ))
         .await
         .map_err(|e| CliError::new(crate::exit::Code::Failed, anyhow::anyhow!("{e}")))?;
-    for url in listed
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|u| u.as_str())
-    {
-        let other = url.rsplit('/').next().unwrap_or("");
-        let other = other.split('?').next().unwrap_or(other);
-        if other == inst {
+    for other in listed.as_array().into_iter().flatten() {
+        let Some(name) = other["name"].as_str().filter(|n| *n != inst) else {
             continue;
-        }
+        };
         if incus_words(args)
             .iter()
-            .any(|w| w == other || w.starts_with(&format!("{other}/")))
+            .any(|w| w == name || w.starts_with(&format!("{name}/")))
         {
+            let whose = match other["config"]["user.boxery.name"].as_str() {
+                Some(vm2) => format!("VM {vm2}'s (`boxery incus {vm2} -- …` for that one)"),
+                None => "no VM's".into(),
+            };
             return Err(CliError::invalid(format!(
-                "not handed to Incus: it names instance {other}, which is not VM {vm}'s \
-                 (`boxery incus {other_vm} -- …` for that one)",
-                other_vm = other
+                "not handed to Incus: it names instance {name}, which is {whose}"
             )));
         }
     }
@@ -329,14 +324,14 @@ mod tests {
             &["network", "set", "bx00", "ipv4.nat=false"],
             &["profile", "edit", "default"],
         ] {
-            assert!(refused(&s(cmd)).is_some(), "{cmd:?}");
+            assert!(refused(&s(cmd), "dev").is_some(), "{cmd:?}");
         }
         for cmd in [
             &["info", "dev"][..],
             &["exec", "dev", "--", "sh", "-c", "echo a:b --project x"],
             &["config", "set", "dev", "limits.cpu=2"],
         ] {
-            assert!(refused(&s(cmd)).is_none(), "{cmd:?}");
+            assert!(refused(&s(cmd), "dev").is_none(), "{cmd:?}");
         }
     }
 }

@@ -144,19 +144,9 @@ impl Inner {
         let gw = (*self.gateway.lock().unwrap()).ok_or_else(|| {
             BackendError::failed("set the guests' firewall", "init has not read the network")
         })?;
-        let path = self.state.join("firewall.lock");
-        let _held = tokio::task::spawn_blocking(move || -> std::io::Result<std::fs::File> {
-            let f = std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&path)?;
-            rustix::fs::flock(&f, rustix::fs::FlockOperation::LockExclusive)?;
-            Ok(f)
-        })
-        .await
-        .map_err(|e| BackendError::failed("lock the firewall", e))?
-        .map_err(crate::io("locking the firewall"))?;
+        let _held = crate::storage::files::FileLock::acquire(self.state.join("firewall.lock"))
+            .await
+            .map_err(crate::io("locking the firewall"))?;
         let mut confined: Vec<String> = self
             .instances(&self.project)
             .await?

@@ -2,6 +2,8 @@
 //! tarball, captured from a VM, deleted; and reimage, which swaps a VM's instance for a copy
 //! of one.
 
+use std::path::PathBuf;
+
 use hyper::Method;
 use serde_json::{Value, json};
 
@@ -18,10 +20,43 @@ use crate::storage::seed;
 #[derive(Debug, serde::Deserialize)]
 struct Manifest {
     kind: String,
-    image: String,
+    image: PathBuf,
     image_sha256: String,
     #[serde(default)]
     image_size: u64,
+}
+
+/// The builder's manifest at `manifest`, checked: a container image, its tarball a file beside
+/// it (a manifest can come from a file someone imports), its sha256 a sha256 (it goes into an
+/// API path). The manifest, the tarball's path and the fingerprint.
+fn read_manifest(manifest: &Path) -> Result<(Manifest, PathBuf, String)> {
+    let text = std::fs::read_to_string(manifest)
+        .map_err(crate::io(format!("reading {}", manifest.display())))?;
+    let m: Manifest = serde_json::from_str(&text).map_err(|e| {
+        BackendError::Invalid(format!(
+            "{} is not a builder's manifest: {e}",
+            manifest.display()
+        ))
+    })?;
+    if m.kind != "container" {
+        return Err(BackendError::Invalid(format!(
+            "{} describes a `{}` image: the incus backend runs container images \
+                 (BOXERY_GUEST_KIND=container)",
+            manifest.display(),
+            m.kind
+        )));
+    }
+    crate::storage::bases::check_manifest_files(manifest, &m.image, None, None)?;
+    if m.image_sha256.len() != 64 || !m.image_sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(BackendError::Invalid(format!(
+            "image manifest {}: `image_sha256` must be a sha256 (64 hex digits)",
+            manifest.display()
+        )));
+    }
+    let fp = m.image_sha256.to_ascii_lowercase();
+    let dir = manifest.parent().unwrap_or(Path::new("."));
+    let tar = dir.join(&m.image);
+    Ok((m, tar, fp))
 }
 
 impl Inner {
@@ -285,25 +320,7 @@ impl Inner {
         source: &str,
         progress: &Progress,
     ) -> Result<()> {
-        let text = std::fs::read_to_string(manifest)
-            .map_err(crate::io(format!("reading {}", manifest.display())))?;
-        let m: Manifest = serde_json::from_str(&text).map_err(|e| {
-            BackendError::Invalid(format!(
-                "{} is not a builder's manifest: {e}",
-                manifest.display()
-            ))
-        })?;
-        if m.kind != "container" {
-            return Err(BackendError::Invalid(format!(
-                "{} describes a `{}` image: the incus backend runs container images \
-                 (BOXERY_GUEST_KIND=container)",
-                manifest.display(),
-                m.kind
-            )));
-        }
-        let fp = m.image_sha256.clone();
-        let dir = manifest.parent().unwrap_or(Path::new("."));
-        let tar = dir.join(&m.image);
+        let (m, tar, fp) = read_manifest(manifest)?;
         let have = self
             .client
             .get_opt(&format!("/1.0/images/{fp}?project={}", self.images))
@@ -560,6 +577,42 @@ impl Inner {
                     Err(e)
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_manifest_names_a_file_beside_it_and_a_real_sha256() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |image: &str, sha: &str| {
+            let p = dir.path().join("m.json");
+            std::fs::write(
+                &p,
+                serde_json::json!({"kind": "container", "image": image, "image_sha256": sha})
+                    .to_string(),
+            )
+            .unwrap();
+            p
+        };
+        let good = "a".repeat(64);
+        let (_, tar, fp) = super::read_manifest(&write("d.tar", &good)).unwrap();
+        assert_eq!(tar, dir.path().join("d.tar"));
+        assert_eq!(fp, good);
+        for (image, sha) in [
+            ("../../etc/shadow", good.as_str()),
+            ("/etc/shadow", good.as_str()),
+            ("d.tar", "x?project=default"),
+            ("d.tar", &"g".repeat(64)),
+        ] {
+            assert!(
+                matches!(
+                    super::read_manifest(&write(image, sha)),
+                    Err(crate::BackendError::Invalid(_))
+                ),
+                "{image} {sha}"
+            );
         }
     }
 }

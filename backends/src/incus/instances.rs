@@ -538,10 +538,10 @@ impl Inner {
             .instances(&self.project)
             .await?
             .iter()
-            // a reimage's side instances are not VMs of their own
-            .filter(|i| {
-                cfg(i, REIMAGE).is_none() && !i["name"].as_str().unwrap_or("").starts_with("bx-")
-            })
+            // a VM is at the instance name its boxery name gives; a reimage's side instances
+            // (its name at another instance) are not VMs of their own; an instance without
+            // the key is listed, unmarked
+            .filter(|i| cfg(i, BXNAME).is_none_or(|n| is_named(i, n)))
             .map(|i| info(i, &leases))
             .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -795,6 +795,23 @@ mod tests {
             Err(BackendError::Invalid(_))
         ));
         assert!(instance_name("1abc").starts_with("x1abc-"));
+        // nothing but a-z 0-9 - reaches an API path or a file name, whatever the name holds
+        for hostile in [
+            "x?project=default",
+            "a/../../etc",
+            "A.B",
+            "x y",
+            &"a".repeat(80),
+        ] {
+            let inst = instance_name(hostile);
+            assert!(
+                inst.len() <= 63
+                    && inst
+                        .chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'),
+                "{hostile:?} → {inst:?}"
+            );
+        }
     }
 
     #[test]

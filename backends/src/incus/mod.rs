@@ -108,16 +108,22 @@ struct Inner {
 }
 
 /// The Incus instance name of boxery VM or image `name`: the name itself when Incus takes it
-/// (a hostname label that starts with a letter), else its `.` as `-`, an `x` in front of a
-/// leading digit, and 6 hex digits of a hash of the name.
+/// (a hostname label: a-z first, then a-z 0-9 -, at most 63), else every other character as
+/// `-`, an `x` in front of a leading digit, and 6 hex digits of a hash of the name. Whatever
+/// `name` holds, the result is only `[a-z0-9-]`: it goes into API paths and file names as is.
 pub fn instance_name(name: &str) -> String {
+    let label = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-';
     let letter_first = name.starts_with(|c: char| c.is_ascii_lowercase());
-    if !name.contains('.') && letter_first {
+    if letter_first && name.len() <= 63 && name.chars().all(label) {
         return name.to_string();
     }
     let h = boxery_api::fnv::fnv1a(name.as_bytes());
     let lead = if letter_first { "" } else { "x" };
-    let flat: String = name.replace('.', "-").chars().take(55).collect();
+    let flat: String = name
+        .chars()
+        .map(|c| if label(c) { c } else { '-' })
+        .take(55)
+        .collect();
     format!("{lead}{}-{:06x}", flat.trim_end_matches('-'), h & 0xff_ffff)
 }
 
