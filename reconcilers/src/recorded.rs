@@ -23,7 +23,8 @@
 //!   write that recorded the failure (that write wakes the controller at once; the wake-up
 //!   finds the wait and requeues for what is left of it). A failure the backend calls invalid
 //!   (terminal) waits 60 s. A new generation of the spec, or a deletion asked for after the
-//!   failure, goes ahead at once.
+//!   failure, goes ahead at once; so does one asked for while a step ran that then failed
+//!   (that failure is told, not counted).
 //! - One error policy: a failed step is recorded in the object's status (`failures`,
 //!   `lastFailure`, `observedGeneration`, `Ready=False` with reason `StepFailed` or
 //!   `InvalidRequest` and the whole cause chain, the kind's failed phase) and as a Warning
@@ -169,6 +170,7 @@ where
         None => None,
     };
     let name = obj.name().to_string();
+    let cleanup = obj.meta().is_deleting();
     let done = finalizer(
         ctx.store.as_ref(),
         R::FINALIZER,
@@ -184,7 +186,7 @@ where
     .await
     .map_err(ReconcileError::from);
     match done {
-        Err(e) if !e.is_conflict() => record_failure::<R>(ctx, &name, e).await,
+        Err(e) if !e.is_conflict() => record_failure::<R>(ctx, &name, cleanup, e).await,
         other => other,
     }
 }
@@ -208,8 +210,17 @@ async fn begin<R: Recorded>(obj: Arc<R>, ctx: &Ctx) -> Result<Arc<R>> {
 }
 
 /// The one error policy: record the failure in the object's status and as an event, and
-/// requeue after the backoff; a failure that cannot be recorded is returned.
-async fn record_failure<R: Recorded>(ctx: &Ctx, name: &str, e: ReconcileError) -> Result<Action> {
+/// requeue after the backoff; a failure that cannot be recorded is returned. `cleanup`: the
+/// failed step was the deletion's cleanup.
+///
+/// A step that began before a deletion was asked for and failed after it is told (condition,
+/// event) but not counted: its backoff would hold back the cleanup the user asked for since.
+async fn record_failure<R: Recorded>(
+    ctx: &Ctx,
+    name: &str,
+    cleanup: bool,
+    e: ReconcileError,
+) -> Result<Action> {
     let key = format!("{}/{name}", R::INFO.kind);
     tracing::warn!(object = %key, error = %e.chain(), "reconcile failed");
     let mut cur = match ctx.store.get_as::<R>(name).await {
@@ -221,7 +232,9 @@ async fn record_failure<R: Recorded>(ctx: &Ctx, name: &str, e: ReconcileError) -
         }
     };
     let r = e.recorded();
-    cur.count_failure(r.failure);
+    if cleanup || !cur.meta().is_deleting() {
+        cur.count_failure(r.failure);
+    }
     let generation = cur.meta().generation;
     cur.conditions_mut().set_condition(
         READY,

@@ -6,7 +6,7 @@ use std::time::Duration;
 use boxery_api::conditions::{READY, reasons};
 use boxery_api::vm::OperationType;
 use boxery_api::{ConditionStatus, Conditions, Image, ImagePhase};
-use boxery_backends::fake::JournalOp;
+use boxery_backends::fake::{FaultAction, FaultConfig, FaultRule, JournalOp};
 use boxery_reconcilers::testing::{self, Harness, Part, interrupted};
 use boxery_reconcilers::{image, vm};
 use serde_json::json;
@@ -162,4 +162,44 @@ async fn deletion_removes_the_image_from_the_backend_then_the_finalizer() {
         h.calls()
             .contains(&(JournalOp::RemoveImage, "tiny".to_string()))
     );
+}
+
+/// A deletion asked for while a step runs, and that step then failing: the failure is told
+/// but holds nothing back; the next reconcile is the cleanup, not a backoff.
+#[tokio::test]
+async fn a_deletion_during_a_failing_step_is_not_held_by_its_backoff() {
+    let h = Harness::new();
+    h.put(&tiny());
+    h.backend
+        .set_faults(&FaultConfig {
+            latency_ms: 0,
+            rules: vec![
+                FaultRule::new("build", FaultAction::Sleep).ms(500),
+                FaultRule::new("build.commit", FaultAction::Fail),
+            ],
+        })
+        .unwrap();
+    // the first reconcile puts the finalizer on; the next one builds
+    h.reconcile(image::reconcile, "tiny").await.unwrap();
+    assert_eq!(h.calls(), [], "nothing built yet");
+    let step = tokio::spawn({
+        let ctx = h.ctx.clone();
+        let img: Image = h.get("tiny");
+        async move { image::reconcile(std::sync::Arc::new(img), ctx).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    h.delete::<Image>("tiny");
+    let next = step.await.unwrap().unwrap();
+    let img: Image = h.get("tiny");
+    assert!(img.metadata.is_deleting());
+    assert_eq!(img.status.failures, 0, "not counted");
+    assert_eq!(
+        ready(&img),
+        (ConditionStatus::False, reasons::STEP_FAILED.into()),
+        "but told"
+    );
+    assert!(next.requeue_after().is_some());
+    h.heal();
+    h.reconcile(image::reconcile, "tiny").await.unwrap();
+    assert!(h.find::<Image>("tiny").is_none(), "cleaned up at once");
 }
