@@ -65,6 +65,34 @@ if ! target/mcp-venv/bin/python -c 'import mcp, jsonschema, kubernetes, playwrig
   target/mcp-venv/bin/pip install -q --disable-pip-version-check mcp jsonschema kubernetes playwright
 fi
 
+step "guest images: built in the background, beside the lints and the test build"
+# The real-VM tests build the guest images they boot when the cache lacks them (keyed by the
+# builders' inputs, so an edit of image/ means new builds). Built by the tests, five builds
+# ran at once beside the tests' TCG guests on two cores, and a test whose own image came
+# last used up its 30 minutes before its first step (CI, issue 33). Built here first, one at a
+# time, every test starts with its image in the cache; a cached image takes a second. The
+# list is what the tests ask for; one not in it is still built by its test.
+image_log=$(mktemp /tmp/boxery-test-images.XXXXXX.log)
+build_images() {
+  set -e
+  image/build-tiny.sh "$images"
+  image/build-debian.sh "$images"
+  for layers in agents "agents docker rust" desktop "desktop browser"; do
+    BOXERY_EXTRA_LAYERS="$layers" image/build-debian.sh "$images"
+  done
+  BOXERY_GUEST_KIND=container image/build-debian.sh "$images"
+  image/build-cloud.sh "$images"
+}
+# a process group of its own (job control on for this one job), so that a run stopped early
+# stops every builder in it with TERM (the builders then unmount and clean up)
+set -m
+build_images >"$image_log" 2>&1 &
+image_pid=$!
+set +m
+stop_images() { [ -n "${image_pid:-}" ] && kill -TERM -- "-$image_pid" 2>/dev/null || true; }
+trap stop_images EXIT
+echo "building or finding them (pid $image_pid, log $image_log)"
+
 step "format and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --features "$features" -- -D warnings
@@ -84,7 +112,18 @@ cleanup_daemons() {
   # every incus test tears down what its home made (instances, projects, network, pool)
   [ "$incusd_was_up" = yes ] || scripts/incusd.sh stop || true
 }
-trap cleanup_daemons EXIT
+trap 'stop_images; cleanup_daemons' EXIT
+# the test binaries first (the same build nextest runs), then the images they need
+cargo test --workspace --features "$features" --no-run --quiet
+step "waiting for the guest images (log: $image_log)"
+if ! wait "$image_pid"; then
+  image_pid=
+  echo "building the guest images failed; the end of $image_log:" >&2
+  tail -n 30 "$image_log" >&2
+  exit 1
+fi
+image_pid=
+grep -E '\] (up to date|done)' "$image_log" || tail -n 8 "$image_log"
 if [ "${runner[1]}" = nextest ]; then
   cargo nextest run --workspace --features "$features" --no-fail-fast "$@"
 else
