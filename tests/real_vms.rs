@@ -2967,6 +2967,23 @@ mod incus {
         h.ok(&["wait", "vm", "u1", "--for=condition=Ready", "--timeout=10m"]);
         h.run("u1", "echo kept > ~/mark && sync");
         let uid = h.vm_json("u1")["metadata"]["uid"].clone();
+        assert_eq!(h.vm_json("u1")["status"]["instanceType"], "container");
+        // a VM that must be a virtual machine is refused here, not made a container
+        let f = h.home.write(
+            "vmx.yaml",
+            &tiny_vm("vmx").replace("spec:\n", "spec:\n  instanceType: virtual-machine\n"),
+        );
+        h.ok(&["apply", "-f", f.to_str().unwrap()]);
+        let said = common::eventually(Duration::from_secs(60), || {
+            let d = h.ok(&["describe", "vm", "vmx"]);
+            d.contains("InvalidRequest").then_some(d)
+        })
+        .unwrap_or_else(|| panic!("not refused:\n{}", h.ok(&["describe", "vm", "vmx"])));
+        assert!(
+            said.contains("the incus backend makes container only"),
+            "{said}"
+        );
+        h.ok(&["rm", "vmx", "--wait", "--timeout", "1m"]);
 
         relay.down();
         h.ok(&[

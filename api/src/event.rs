@@ -90,6 +90,7 @@ impl Resource for Event {
         ],
         settled: NOT_AWAITED,
         force_delete: ForceDelete::Finalizers,
+        immutable: &[],
         typed: Typed::of::<Event>(),
     };
     fn meta(&self) -> &ObjectMeta {

@@ -57,6 +57,7 @@ impl_resource!(
         ],
         settled: |_| &[Settled::Observed],
         force_delete: ForceDelete::GrantState,
+        immutable: &[],
         typed: Typed::of::<Grant>(),
     },
     normalize = normalize_grant

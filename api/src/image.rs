@@ -49,6 +49,7 @@ impl_resource!(
         ],
         settled: |_| &[READY],
         force_delete: ForceDelete::BackendImage,
+        immutable: &[],
         typed: Typed::of::<Image>(),
     },
     normalize = normalize_image

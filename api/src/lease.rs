@@ -32,6 +32,7 @@ impl_resource!(
         ],
         settled: |_| &[Settled::Phase("Bound")],
         force_delete: ForceDelete::Finalizers,
+        immutable: &[],
         typed: Typed::of::<Lease>(),
     },
     normalize = normalize_lease

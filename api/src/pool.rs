@@ -47,6 +47,7 @@ impl_resource!(
             ]
         },
         force_delete: ForceDelete::Finalizers,
+        immutable: &[],
         typed: Typed::of::<Pool>(),
     },
     normalize = normalize_pool,
@@ -366,6 +367,7 @@ impl_resource!(
         columns: columns::DEFAULT,
         settled: NOT_AWAITED,
         force_delete: ForceDelete::Finalizers,
+        immutable: &[],
         typed: Typed::of::<PoolMember>(),
     },
     normalize = normalize_member

@@ -42,6 +42,9 @@ pub struct KindInfo {
     /// What `delete --force` must see gone outside the store before it drops the object's
     /// finalizers.
     pub force_delete: ForceDelete,
+    /// The fields fixed once the object exists, as JSON pointers (`/spec/source`): an update
+    /// that changes one (sets, unsets or alters it) is refused, saying so.
+    pub immutable: &'static [&'static str],
     /// The functions of its Rust type: `Typed::of::<ITS TYPE>()`.
     pub typed: Typed,
 }

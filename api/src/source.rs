@@ -45,6 +45,7 @@ impl_resource!(
         ],
         settled: NOT_AWAITED,
         force_delete: ForceDelete::Finalizers,
+        immutable: &[],
         typed: Typed::of::<Source>(),
     },
     normalize = normalize_source

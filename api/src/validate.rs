@@ -48,6 +48,44 @@ pub fn unimplemented(obj: &crate::DynObject) -> Vec<FieldError> {
         .unwrap_or_default()
 }
 
+/// The fields of `new` fixed once the object exists ([`KindInfo::immutable`]) that differ
+/// from `old`'s (set, unset or altered), each with what it is and what to do instead.
+///
+/// [`KindInfo::immutable`]: crate::resource::KindInfo::immutable
+pub fn changed_fixed(old: &DynObject, new: &DynObject) -> Vec<FieldError> {
+    let Some(kind) = KINDS.iter().find(|k| k.kind == new.kind) else {
+        return Vec::new();
+    };
+    let at = |o: &DynObject, pointer: &str| -> Option<Value> {
+        let mut parts = pointer.trim_start_matches('/').split('/');
+        let mut v = o.rest.get(parts.next()?)?;
+        for p in parts {
+            v = v.get(p)?;
+        }
+        Some(v.clone())
+    };
+    kind.immutable
+        .iter()
+        .filter_map(|pointer| {
+            let (was, is) = (at(old, pointer), at(new, pointer));
+            (was != is).then(|| {
+                let path = pointer.trim_start_matches('/').replace('/', ".");
+                let was = match was {
+                    Some(v) => format!("it is {}", v),
+                    None => "it was not set".to_string(),
+                };
+                FieldError::new(
+                    &path,
+                    format!(
+                        "fixed once the {} exists ({was}): delete the {} and make it again to change it",
+                        kind.kind, kind.kind
+                    ),
+                )
+            })
+        })
+        .collect()
+}
+
 /// A field that validates but that nothing acts on yet: refused, so that nobody's manifest
 /// asks for something boxery would silently not do. `instead` says what to do.
 #[allow(dead_code)] // no field waits for its implementation today

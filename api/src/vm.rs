@@ -1,5 +1,7 @@
 //! `Vm`: one virtual machine, its source, size and run strategy.
 
+use std::fmt;
+
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -56,6 +58,7 @@ impl_resource!(
             }
         },
         force_delete: ForceDelete::BackendVm,
+        immutable: &["/spec/source", "/spec/instanceType"],
         typed: Typed::of::<Vm>(),
     },
     normalize = normalize_vm,
@@ -76,6 +79,13 @@ pub const STOCK_IMAGES: &[&str] = &["debian-12", "tiny"];
 pub struct VmSpec {
     /// Where the VM's disk comes from. Fixed once the VM is created.
     pub source: VmSource,
+    /// What kind of instance it is: `virtual-machine` (its own kernel) or `container` (a
+    /// system container on the incus backend: the host's kernel, a weaker boundary;
+    /// docs/security.md). Unset, the backend makes the kind it runs (`boxery backends`);
+    /// set, a backend that cannot make that kind refuses the VM instead of making another.
+    /// `status.instanceType` says what was made. Fixed once the VM is created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_type: Option<InstanceType>,
     /// CPUs, memory and disk. Missing fields come from `shape` (default `small`).
     #[serde(default)]
     pub resources: Resources,
@@ -313,6 +323,32 @@ impl Resources {
     }
 }
 
+/// What kind of instance a VM is ([`VmSpec::instance_type`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum InstanceType {
+    /// A virtual machine: its own kernel, behind the hypervisor.
+    VirtualMachine,
+    /// A system container: its own init and users, the host's kernel.
+    Container,
+}
+
+impl InstanceType {
+    /// Its name in manifests (`virtual-machine`, `container`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InstanceType::VirtualMachine => "virtual-machine",
+            InstanceType::Container => "container",
+        }
+    }
+}
+
+impl fmt::Display for InstanceType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Whether a VM should run: an intent, not a bool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 pub enum RunStrategy {
@@ -420,6 +456,10 @@ recorded_status! {
         /// backend said when it created the VM.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub acceleration: Option<String>,
+        /// What kind of instance the backend made (`spec.instanceType`, or the backend's own
+        /// kind when that is unset).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub instance_type: Option<InstanceType>,
         /// The image the VM's disk was made from.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub source_image: Option<String>,

@@ -621,6 +621,7 @@ impl Backend for FakeBackend {
             ssh: false,
             usage: false,
             screen: false,
+            instance_types: &[crate::InstanceType::VirtualMachine],
         }
     }
 

@@ -42,6 +42,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use boxery_api::network::EgressPolicy;
+pub use boxery_api::vm::InstanceType;
 use serde::{Deserialize, Serialize};
 
 /// Backend errors: one variant per kind of failure the reconcilers treat differently.
@@ -366,6 +367,40 @@ pub struct Capabilities {
     /// guest ([`Backend::screendump`], [`Backend::send_input`]): the console of a headless VM,
     /// a guest stuck at boot.
     pub screen: bool,
+    /// The kinds of instance it makes (`spec.instanceType`), the one it makes when none is
+    /// asked for first. Asked for another, the VM is refused before anything is made.
+    pub instance_types: &'static [InstanceType],
+}
+
+impl Capabilities {
+    /// The kind of instance a VM that asks for `asked` (or for none) is made as here, or why
+    /// this backend will not make it.
+    pub fn instance_type(&self, asked: Option<InstanceType>) -> Result<InstanceType, String> {
+        let made = &self.instance_types;
+        match asked {
+            None => made
+                .first()
+                .copied()
+                .ok_or_else(|| format!("the {} backend makes no kind of instance", self.name)),
+            Some(t) if made.contains(&t) => Ok(t),
+            Some(t) => Err(format!(
+                "spec.instanceType is {t}, and the {} backend makes {} only{}",
+                self.name,
+                made.iter()
+                    .map(|t| t.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" and "),
+                match t {
+                    InstanceType::VirtualMachine => {
+                        ": use the qemu or libvirt backend for a virtual machine (BOXERY_BACKEND, or `backend:` in config.yaml)"
+                    }
+                    InstanceType::Container => {
+                        ": system containers are the incus backend's (docs/backends.md); leave instanceType out for this backend's virtual machines"
+                    }
+                }
+            )),
+        }
+    }
 }
 
 /// A VM's screen as its hypervisor draws it ([`Backend::screendump`]).

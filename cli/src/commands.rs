@@ -889,8 +889,6 @@ pub fn version(env: &boxery_verbs::env::Env) -> CliResult {
     Ok(())
 }
 
-/// The backend support table, from each backend's own `capabilities()` (the one source of
-/// truth; docs/backends.md holds a copy a test keeps equal).
 /// `images layers`: the layer table ([`boxery_api::image::LAYERS`]).
 pub fn layers_table() -> String {
     let mut t = comfy_table::Table::new();
@@ -910,10 +908,12 @@ pub fn layers_table() -> String {
     format!("{}\n", t.trim_fmt())
 }
 
+/// The backend support table, from each backend's own `capabilities()` (the one source of
+/// truth; docs/backends.md holds a copy a test keeps equal).
 pub fn backends_table(home: &std::path::Path) -> String {
     let yes = |b: bool| if b { "yes" } else { "no" };
     let mut out = String::from(
-        "| backend | stability | platforms | requires | resize | live capture | suspend/resume | memory snapshots, forks with memory | builds stock images | host key | sshd in guests | usage samples | console screen |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| backend | stability | platforms | requires | instance types | resize | live capture | suspend/resume | memory snapshots, forks with memory | builds stock images | host key | sshd in guests | usage samples | console screen |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for name in boxery_backends::BACKENDS {
         let Ok(b) = boxery_backends::by_name(name, home) else {
@@ -921,7 +921,7 @@ pub fn backends_table(home: &std::path::Path) -> String {
         };
         let c = b.capabilities();
         out.push_str(&format!(
-            "| `{}` | {:?} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| `{}` | {:?} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             c.name,
             c.stability,
             c.platforms.join(", "),
@@ -930,6 +930,11 @@ pub fn backends_table(home: &std::path::Path) -> String {
             } else {
                 c.requirements.join(", ")
             },
+            c.instance_types
+                .iter()
+                .map(|t| format!("`{t}`"))
+                .collect::<Vec<_>>()
+                .join(", "),
             yes(c.resize),
             yes(c.live_capture),
             yes(c.suspend),

@@ -1167,6 +1167,12 @@ async fn recover_create(mut vm: Vm, op: Operation, ctx: &Ctx) -> Result<Action> 
             vm.status.source_image = op.image.clone();
             vm.status.size = Some(api_size(info.size));
             vm.status.backend = Some(ctx.backend.name().to_string());
+            vm.status.acceleration = ctx.backend.accelerator();
+            vm.status.instance_type = ctx
+                .backend
+                .capabilities()
+                .instance_type(vm.spec.instance_type)
+                .ok();
             let vm = save(ctx, &vm).await?;
             ctx.event(
                 &vm,
@@ -1677,6 +1683,13 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
     let name = vm.name().to_string();
     let obj = format!("Vm/{name}");
     let generation = vm.metadata.generation;
+    // the kind of instance first: a backend that cannot make the one asked for refuses the VM
+    // before an image is built for it or anything is made
+    let instance_type = ctx
+        .backend
+        .capabilities()
+        .instance_type(vm.spec.instance_type)
+        .map_err(|why| ReconcileError::backend("create", &obj, BackendError::Invalid(why)))?;
     let Some(image) = source_image(&mut vm, ctx).await? else {
         // Image changes wake us (the controller watches Images); poll slowly as a fallback.
         return Ok(Action::requeue(Duration::from_secs(5)));
@@ -1762,6 +1775,7 @@ async fn create(mut vm: Vm, ctx: &Ctx) -> Result<Action> {
         .and_then(|i| i.status.build_info);
     vm.status.backend = Some(ctx.backend.name().to_string());
     vm.status.acceleration = ctx.backend.accelerator();
+    vm.status.instance_type = Some(instance_type);
     vm.status.size = Some(api_size(size));
     vm.status.failures = 0;
     vm.status.last_failure = None;

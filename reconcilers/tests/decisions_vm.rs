@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use boxery_api::conditions::{self, READY, reasons};
-use boxery_api::vm::OperationType;
+use boxery_api::vm::{InstanceType, OperationType};
 use boxery_api::{ConditionStatus, Conditions, Image, ImagePhase, Vm, VmPhase, now};
 use boxery_backends::fake::JournalOp;
 use boxery_backends::{Backend, PowerState};
@@ -101,6 +101,7 @@ async fn a_vm_is_created_from_a_ready_image_and_reported_running() {
     );
     assert_eq!(a.status.operation, None, "the intent is cleared");
     assert_eq!(a.status.source_image.as_deref(), Some("base"));
+    assert_eq!(a.status.instance_type, Some(InstanceType::VirtualMachine));
     assert_eq!(a.status.observed_generation, a.metadata.generation);
     assert_eq!(h.reasons::<Vm>("a"), ["Created"]);
     let rec = h.backend.vm_record("a").unwrap().unwrap();
@@ -116,6 +117,44 @@ async fn a_vm_is_created_from_a_ready_image_and_reported_running() {
     );
     assert_eq!(h.get::<Vm>("a").metadata.resource_version, rv);
     assert_eq!(h.calls().len(), 1);
+}
+
+/// A VM that asks for a kind of instance its backend does not make is refused before
+/// anything is made or built for it, saying what the backend makes; one that asks for the
+/// backend's own kind is made as it.
+#[tokio::test]
+async fn an_instance_type_the_backend_does_not_make_is_refused_before_anything_is_made() {
+    let h = Harness::new();
+    let mut c = testing::vm("c", "tiny");
+    c.spec.instance_type = Some(InstanceType::Container);
+    h.put(&c);
+    h.settle(vm::reconcile, "c").await.unwrap();
+    let c: Vm = h.get("c");
+    let ready = c.status.conditions.get_condition(READY).unwrap();
+    assert_eq!(
+        (ready.status, ready.reason.as_str()),
+        (ConditionStatus::False, reasons::INVALID_REQUEST)
+    );
+    assert!(
+        ready.message.contains("spec.instanceType is container")
+            && ready
+                .message
+                .contains("the fake backend makes virtual-machine only"),
+        "{}",
+        ready.message
+    );
+    assert_eq!(c.status.instance_type, None);
+    assert!(h.calls().is_empty(), "nothing made");
+    assert!(h.find::<Image>("tiny").is_none(), "nor built");
+
+    h.ready_image("base");
+    let mut v = testing::vm("v", "base");
+    v.spec.instance_type = Some(InstanceType::VirtualMachine);
+    h.put(&v);
+    h.settle(vm::reconcile, "v").await.unwrap();
+    let v: Vm = h.get("v");
+    assert_eq!(v.status.instance_type, Some(InstanceType::VirtualMachine));
+    assert_eq!(v.status.phase, VmPhase::Running);
 }
 
 #[tokio::test]

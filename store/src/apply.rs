@@ -194,7 +194,7 @@ fn apply_one(
     let mut new = boxery_api::normalize(serde_json::to_value(&new)?)?;
     let spec_changed = !same_spec(&cur, &new);
     if spec_changed {
-        crate::write::refuse_unimplemented(Some(&cur), &new)?;
+        crate::write::refuse_spec_change(&cur, &new)?;
         new.metadata.generation = Some(cur.metadata.generation.unwrap_or(0) + 1);
     }
     if new == cur {

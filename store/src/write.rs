@@ -360,7 +360,7 @@ impl<'c> Tx<'c> {
         let mut new = cur.clone();
         let spec_changed = replace_spec(&mut new.rest, &obj.rest);
         if spec_changed {
-            refuse_unimplemented(Some(&cur), &new)?;
+            refuse_spec_change(&cur, &new)?;
         }
         let m = &mut new.metadata;
         m.labels = obj.metadata.labels;
@@ -454,7 +454,19 @@ pub(crate) fn replace_spec(dst: &mut Map<String, Value>, src: &Map<String, Value
     !before.iter().map(|(k, v)| (k, v)).eq(after)
 }
 
-/// An `Invalid` error about one field of `obj`.
+/// Refuse an update of `cur`'s spec to `new`'s that changes a field fixed once the object
+/// exists ([`boxery_api::validate::changed_fixed`]) or sets one nothing implements yet.
+pub(crate) fn refuse_spec_change(cur: &DynObject, new: &DynObject) -> Result<()> {
+    let errors = boxery_api::validate::changed_fixed(cur, new);
+    if !errors.is_empty() {
+        return Err(StoreError::Invalid(ValidationError {
+            object: new.key(),
+            errors,
+        }));
+    }
+    refuse_unimplemented(Some(cur), new)
+}
+
 /// Refuse `new` when it sets a field nothing implements yet
 /// ([`boxery_api::validate::unimplemented`]) that `old` (the stored object, if any) did not
 /// already set the same way: an object from an older boxery keeps working until a write would
@@ -476,6 +488,7 @@ pub(crate) fn refuse_unimplemented(old: Option<&DynObject>, new: &DynObject) -> 
     }))
 }
 
+/// An `Invalid` error about one field of `obj`.
 pub(crate) fn invalid(obj: &DynObject, path: &str, message: String) -> StoreError {
     StoreError::Invalid(ValidationError {
         object: obj.key(),

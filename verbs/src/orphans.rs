@@ -169,6 +169,7 @@ async fn write_again(v: &Verbs, kind: &str, name: &str, uid: &str) -> Result {
             name.as_str(),
             boxery_api::vm::VmSpec {
                 source: boxery_api::VmSource::Image(ADOPTED.into()),
+                instance_type: None,
                 resources: boxery_api::vm::Resources {
                     shape: None,
                     cpus: Some(info.size.cpus),

@@ -177,6 +177,7 @@ pub async fn new(v: &Verbs, input: NewVm) -> Result<Plan> {
     };
     let spec = VmSpec {
         source,
+        instance_type: None,
         resources: input.size.over(Resources::default()),
         headless: true,
         layers: vec![],
@@ -301,6 +302,8 @@ pub async fn fork(
     for n in names {
         let spec = VmSpec {
             source: source.clone(),
+            // the kind the source asked for (a fork is what its source is)
+            instance_type: s.spec.instance_type,
             resources: size.over(s.spec.resources.clone()),
             headless: s.spec.headless,
             layers: s.spec.layers.clone(),

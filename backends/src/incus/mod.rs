@@ -252,6 +252,7 @@ impl Backend for IncusBackend {
             ssh: true,
             usage: true,
             screen: false,
+            instance_types: &[crate::InstanceType::Container],
         }
     }
 

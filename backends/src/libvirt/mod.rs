@@ -301,6 +301,7 @@ impl Backend for LibvirtBackend {
             ssh: true,
             usage: true,
             screen: true,
+            instance_types: &[crate::InstanceType::VirtualMachine],
         }
     }
 

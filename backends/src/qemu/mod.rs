@@ -451,6 +451,7 @@ impl Backend for QemuBackend {
             ssh: true,
             usage: true,
             screen: true,
+            instance_types: &[crate::InstanceType::VirtualMachine],
         }
     }
 

@@ -13,6 +13,7 @@ pub fn vms(n: usize) -> Vec<DynObject> {
         .map(|i| {
             let spec = VmSpec {
                 source: VmSource::Image("debian-12".into()),
+                instance_type: None,
                 resources: Resources::default(),
                 headless: true,
                 layers: vec![],

@@ -90,6 +90,7 @@ macro_rules! suite {
             list_named_prefix_returns_exactly_the_names_that_start_with_it,
             list_at_reads_the_past_or_says_it_cannot,
             generation_grows_with_spec_changes_only,
+            fields_fixed_at_creation_are_refused_by_update_and_apply,
             a_stale_resource_version_conflicts_and_writes_nothing,
             an_update_without_resource_version_is_unconditional,
             concurrent_conditional_updates_never_lose_one,
@@ -393,6 +394,78 @@ pub async fn generation_grows_with_spec_changes_only(imp: &dyn Implementation) {
     );
     assert_eq!(rev(s).await, at);
     assert_eq!(get(s, "Vm", "dev1").await, Some(v6));
+}
+
+/// A field fixed once the object exists (a Vm's `spec.source`, `spec.instanceType`) is
+/// refused when an update or an apply would set, unset or change it, saying what it is and
+/// what to do, and nothing is written; the same value again, and other fields, go through.
+pub async fn fields_fixed_at_creation_are_refused_by_update_and_apply(imp: &dyn Implementation) {
+    let sub = imp.fresh();
+    let s = &sub.store;
+    let typed = with_spec(vm("c1"), "instanceType", json!("container"));
+    let v = s.create(typed).await.unwrap();
+    let at = rev(s).await;
+    for (field, value) in [
+        ("instanceType", json!("virtual-machine")),
+        ("instanceType", serde_json::Value::Null),
+        ("source", json!({"image": "tiny"})),
+    ] {
+        let mut changed = with_spec(v.clone(), field, value.clone());
+        if value.is_null() {
+            changed
+                .rest
+                .get_mut("spec")
+                .unwrap()
+                .as_object_mut()
+                .unwrap()
+                .remove(field);
+        }
+        let e = s.update(changed.clone()).await.unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("spec.{field}"))
+                && e.contains("fixed once the Vm exists")
+                && e.contains("delete the Vm and make it again"),
+            "update of {field}: {e}"
+        );
+        if value.is_null() {
+            // an apply that leaves out a field it never set leaves it as it is
+            continue;
+        }
+        changed.metadata.resource_version = None;
+        let e = s
+            .apply_all(vec![changed], &apply_opts())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&format!("spec.{field}")),
+            "apply of {field}: {e}"
+        );
+    }
+    let e = s
+        .update(with_spec(v.clone(), "source", json!({"image": "tiny"})))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(r#"it is {"image":"debian-12"}"#), "{e}");
+    assert_eq!(rev(s).await, at, "nothing written");
+    let same = s
+        .update(with_spec(v.clone(), "instanceType", json!("container")).cpus(3))
+        .await
+        .unwrap();
+    assert_eq!(
+        same.metadata.generation,
+        Some(2),
+        "the rest of the spec changes"
+    );
+    // set where it was not: refused too (what was made was made without it)
+    let plain = s.create(vm("p1")).await.unwrap();
+    let e = s
+        .update(with_spec(plain, "instanceType", json!("virtual-machine")))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("it was not set"), "{e}");
 }
 
 /// A write carrying a stale `resourceVersion` is `Conflict` (saying both versions) and writes
