@@ -470,6 +470,10 @@ async fn contract(s: Subject) {
     );
     let mut keep = a_id.clone();
     keep.host_key = None; // the pinned key stays: same identity
+    let mac = match &guest {
+        Some(g) => Some(g.run("a", "cat /sys/class/net/eth0/address").await),
+        None => None,
+    };
     let e = b.reimage("a", "no-such-image", &keep).await.unwrap_err();
     assert!(
         matches!(e, BackendError::Unchanged(_)),
@@ -497,6 +501,11 @@ async fn contract(s: Subject) {
     if let Some(g) = &guest {
         assert_eq!(g.run("a", "cat /home/agent/f").await, "one");
         assert_eq!(g.run("a", "hostname").await, "a");
+        assert_eq!(
+            Some(g.run("a", "cat /sys/class/net/eth0/address").await),
+            mac,
+            "{name}: a reimage keeps the MAC address"
+        );
     }
 
     step("the image is deleted while b uses it: b keeps working (images are independent)");

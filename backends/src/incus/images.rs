@@ -8,7 +8,7 @@ use hyper::Method;
 use serde_json::{Value, json};
 
 use super::instances::{
-    BXNAME, CREATED, HOST_KEY, INSTANCE_ID, KIND, MARK, PARTIAL, REIMAGE, SOURCE, cfg,
+    BXNAME, CREATED, HOST_KEY, HWADDR, INSTANCE_ID, KIND, MAC, MARK, PARTIAL, REIMAGE, SOURCE, cfg,
     complete_mark, is_named, side_name,
 };
 use super::*;
@@ -401,11 +401,12 @@ impl Inner {
         if let Some(i) = self.instance(&self.project, &inst).await?
             && cfg(&i, BXNAME) == Some(vm)
         {
-            if cfg(&i, REIMAGE).is_some() {
-                self.commit(&self.project, &inst).await?;
+            // the old instance first: the commit gives the new one its MAC
+            if self.delete_side(&old, vm).await? {
                 changed = true;
             }
-            if self.delete_side(&old, vm).await? {
+            if cfg(&i, REIMAGE).is_some() {
+                self.commit(&self.project, &inst).await?;
                 changed = true;
             }
         }
@@ -500,8 +501,9 @@ impl Inner {
                 config.insert(k.clone(), v.clone());
             }
         }
-        if let Some(mac) = cfg(&cur, "volatile.eth0.hwaddr") {
-            config.insert("volatile.eth0.hwaddr".into(), mac.into());
+        // the VM's MAC, taken when the old instance is gone (`MAC`)
+        if let Some(mac) = cfg(&cur, HWADDR) {
+            config.insert(MAC.into(), mac.into());
         }
         config.insert(PARTIAL.into(), "1".into());
         config.insert(REIMAGE.into(), "1".into());
@@ -552,6 +554,7 @@ impl Inner {
         self.rename(&new, &inst).await?;
         // the host's copy of the seed follows the identity the VM now has
         self.keep_seed(vm, &user, &meta)?;
+        // the old instance goes before the new one takes its MAC (commit)
         self.delete(&self.project, &old).await?;
         self.commit(&self.project, &inst).await?;
         self.start(vm).await

@@ -31,6 +31,13 @@ pub(super) const CREATED: &str = "user.boxery.created";
 pub(super) const EGRESS: &str = "user.boxery.egress";
 /// On the new instance of a reimage until it has taken the VM's place.
 pub(super) const REIMAGE: &str = "user.boxery.reimage";
+/// On the new instance of a reimage: the VM's MAC address, which becomes the instance's own
+/// (`volatile.eth0.hwaddr`) when it commits, once the old instance is gone. Incus refuses a
+/// NIC whose MAC another NIC has ("already defined on another NIC"), and an instance made
+/// beside the VM with its MAC then started 15 s late.
+pub(super) const MAC: &str = "user.boxery.mac";
+/// Where Incus keeps the MAC address of an instance's `eth0`.
+pub(super) const HWADDR: &str = "volatile.eth0.hwaddr";
 
 /// Where cloud-init's NoCloud datasource reads a seed from a directory.
 const SEED_DIR: &str = "/var/lib/cloud/seed/nocloud";
@@ -293,6 +300,9 @@ impl Inner {
         self.update(project, inst, |c, _| {
             c.remove(PARTIAL);
             c.remove(REIMAGE);
+            if let Some(mac) = c.remove(MAC) {
+                c.insert(HWADDR.into(), mac);
+            }
             Ok(())
         })
         .await
