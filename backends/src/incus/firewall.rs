@@ -165,8 +165,7 @@ impl Inner {
             &confined,
         ))
         .await;
-        self.firewall_stale
-            .store(made.is_err(), std::sync::atomic::Ordering::SeqCst);
+        *self.firewall_seen.lock().unwrap() = made.is_ok().then(std::time::Instant::now);
         made
     }
 
@@ -190,20 +189,25 @@ impl Inner {
         Ok(out.status.success() && has("bridge") && has("inet"))
     }
 
-    /// Make the firewall whole again when it is gone (see [`Inner::firewall_present`]) or
-    /// its last change failed.
-    pub(super) async fn ensure_firewall(&self) -> Result<()> {
-        if !self
-            .firewall_stale
-            .load(std::sync::atomic::Ordering::SeqCst)
-            && self.firewall_present().await?
-        {
-            return Ok(());
+    /// Make the firewall whole again when it is gone (see [`Inner::firewall_present`]), its
+    /// last change failed, or this process has not made it yet. A firewall made or seen whole
+    /// less than `max_age` ago is taken as it is: a booting VM is reconciled every 100 ms, and
+    /// each would otherwise run `nft`.
+    pub(super) async fn ensure_firewall(&self, max_age: std::time::Duration) -> Result<()> {
+        let seen = *self.firewall_seen.lock().unwrap();
+        if let Some(at) = seen {
+            if at.elapsed() < max_age {
+                return Ok(());
+            }
+            if self.firewall_present().await? {
+                *self.firewall_seen.lock().unwrap() = Some(std::time::Instant::now());
+                return Ok(());
+            }
+            tracing::warn!(
+                namespace = %self.ns,
+                "the guests' firewall tables were gone (a host restart, a ruleset flush): made again"
+            );
         }
-        tracing::warn!(
-            namespace = %self.ns,
-            "the guests' firewall tables were gone (a host restart, a ruleset flush): made again"
-        );
         self.apply_firewall().await
     }
 }

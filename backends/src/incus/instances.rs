@@ -32,12 +32,19 @@ pub(super) const EGRESS: &str = "user.boxery.egress";
 /// On the new instance of a reimage until it has taken the VM's place.
 pub(super) const REIMAGE: &str = "user.boxery.reimage";
 /// On the new instance of a reimage: the VM's MAC address, which becomes the instance's own
-/// (`volatile.eth0.hwaddr`) when it commits, once the old instance is gone. Incus refuses a
-/// NIC whose MAC another NIC has ("already defined on another NIC"), and an instance made
-/// beside the VM with its MAC then started 15 s late.
+/// (`volatile.eth0.hwaddr`) when it commits, once the old instance is gone. Made beside the
+/// VM with the VM's MAC, its NIC was refused ("MAC address already defined on another NIC",
+/// incusd skipping the device's add).
 pub(super) const MAC: &str = "user.boxery.mac";
+/// Whether incusd starts an instance at its own start: `false` on everything boxery makes
+/// (at the host's boot incusd would start a guest before boxery's `init` made its firewall).
+pub(super) const AUTOSTART: &str = "boot.autostart";
 /// Where Incus keeps the MAC address of an instance's `eth0`.
 pub(super) const HWADDR: &str = "volatile.eth0.hwaddr";
+
+/// How long a firewall made or seen whole is taken as it is on a reconcile step (a start
+/// always looks).
+const FIREWALL_RECHECK: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Where cloud-init's NoCloud datasource reads a seed from a directory.
 const SEED_DIR: &str = "/var/lib/cloud/seed/nocloud";
@@ -89,7 +96,7 @@ fn parse_mib(s: &str) -> Option<u64> {
 /// as the host's dnsmasq handed it out; never what the guest says of itself (the instance
 /// state's addresses are read from inside the guest).
 fn address(inst: &Value, leases: &[Value]) -> Option<String> {
-    let mac = cfg(inst, "volatile.eth0.hwaddr")?;
+    let mac = cfg(inst, HWADDR)?;
     leases
         .iter()
         .filter(|l| {
@@ -488,7 +495,7 @@ impl Inner {
                 "security.nesting": "false",
                 // incusd never starts it on its own (at the host's boot, before `init` has
                 // made the firewall)
-                "boot.autostart": "false",
+                AUTOSTART: "false",
             },
             "devices": self.devices(&inst, vm.disk_gib),
         });
@@ -575,8 +582,8 @@ impl Inner {
         let cur = self.complete_vm(name).await?;
         let inst = instance_name(name);
         if cur["status"] != "Running" {
-            // never a guest running without its firewall
-            self.ensure_firewall().await?;
+            // never a guest running without its firewall: looked at now, whatever was seen
+            self.ensure_firewall(std::time::Duration::ZERO).await?;
         }
         match cur["status"].as_str() {
             Some("Running") => Ok(()),
@@ -715,7 +722,7 @@ impl Inner {
         let cur = self.complete_vm(name).await?;
         if cfg(&cur, EGRESS) == Some(policy.as_str()) {
             // cheap when in force; made again when the tables went or a change failed
-            return self.ensure_firewall().await;
+            return self.ensure_firewall(FIREWALL_RECHECK).await;
         }
         self.update(&self.project, &instance_name(name), |c, _| {
             c.insert(EGRESS.into(), policy.as_str().into());

@@ -26,21 +26,23 @@
 //!   into a new image instance and deletes the snapshot.
 //! - **Identity** is the same NoCloud seed the other backends write (`storage::seed`), put
 //!   into the container's `/var/lib/cloud/seed/nocloud/` through the files API before its
-//!   first start, and kept on the host (`seeds/`: what a reimage writes again): cloud-init reads it as it reads the VMs' `cidata` disk (host key, keys,
-//!   hostname, machine-id, token). A new `instance-id` makes the guest redo its per-instance
-//!   steps. Incus gives every copy a new MAC.
-//! - **Reimage** makes the new instance first (`<instance>-bx-new`, a copy of the image with
-//!   the VM's identity and MAC), then stops the VM, renames it away, renames the new one into
-//!   its place and deletes the old: a failure before the stop is `Unchanged`, and a retry
-//!   after an interruption finishes the swap.
+//!   first start, and kept on the host (`seeds/`: what a reimage writes again). cloud-init
+//!   reads it as it reads the VMs' `cidata` disk (host key, keys, hostname, machine-id,
+//!   token). A new `instance-id` makes the guest redo its per-instance steps. Incus gives
+//!   every copy a new MAC.
+//! - **Reimage** makes the new instance first (`bx-new-<hash>`, a copy of the image with the
+//!   VM's identity), then stops the VM, renames it away (`bx-old-<hash>`), renames the new
+//!   one into its place, deletes the old and commits the new one, which takes the VM's MAC
+//!   then (two NICs with one MAC are refused): a failure before the stop is `Unchanged`, and
+//!   a retry after an interruption finishes the swap.
 //! - **Size**: `limits.cpu` and `limits.memory`, changed live; the root disk's `size`, a btrfs
 //!   quota (a `dir` pool enforces none: the size is recorded and reported).
 //! - **Network**: one NIC on the bridge, with `security.port_isolation` (no guest reaches
 //!   another on the bridge), MAC and IPv4 filtering (no spoofing), `dns.mode=none` (no records
 //!   of the siblings), no IPv6; the host's firewall (the firewall module). ssh goes from the
 //!   host to the guest's DHCP lease (`VmInfo.ssh` = `10.x.y.z:22`, from the bridge's leases,
-//!   never from what the guest reports). The credential
-//!   proxy is served on the bridge's gateway at this home's proxy port ([`PROXY_PORTS`]).
+//!   never from what the guest reports). The credential proxy is served on the bridge's
+//!   gateway at this home's proxy port ([`PROXY_PORTS`]).
 //! - **Calls** go over one unix socket, one HTTP/1 connection per request; asynchronous
 //!   operations are waited on (`/1.0/operations/ID/wait`), and configuration updates carry the
 //!   ETag they were read with.
@@ -99,9 +101,10 @@ struct Inner {
     network: String,
     /// The bridge's address, read at `init`.
     gateway: Mutex<Option<Ipv4Addr>>,
-    /// The last firewall change failed: the tables may not hold the VMs' policies (made whole
-    /// again by the next `ensure_firewall`).
-    firewall_stale: std::sync::atomic::AtomicBool,
+    /// When this process last made the firewall or saw it whole; `None`: not yet, or its
+    /// last change failed (the tables may not hold the VMs' policies). `ensure_firewall`
+    /// makes it again then.
+    firewall_seen: Mutex<Option<std::time::Instant>>,
     /// Bytes each VM instance's files take on the pool, by instance: when measured, and what.
     /// (`None`: being measured for the first time).
     disk: Mutex<std::collections::HashMap<String, (std::time::Instant, Option<u64>)>>,
@@ -177,7 +180,7 @@ impl IncusBackend {
                 state,
                 config,
                 gateway: Mutex::new(None),
-                firewall_stale: std::sync::atomic::AtomicBool::new(false),
+                firewall_seen: Mutex::new(None),
                 disk: Mutex::new(Default::default()),
             }),
         }
