@@ -8,6 +8,12 @@ use super::*;
 
 impl Inner {
     pub(super) async fn check(&self) -> Result<()> {
+        if !self.config.invalid.is_empty() {
+            return Err(BackendError::Invalid(format!(
+                "the incus backend's settings do not parse: {}",
+                self.config.invalid.join("; ")
+            )));
+        }
         let server = self.client.get("/1.0").await.map_err(|e| match e {
             ApiError::Connect { .. } => BackendError::unreachable(
                 NAME,
@@ -59,26 +65,25 @@ impl Inner {
             )
             .await?;
         }
-        let pool = match self.config.driver {
-            PoolDriver::Btrfs => json!({
-                "name": self.pool,
-                "driver": "btrfs",
-                "description": format!("boxery's disks (namespace {})", self.ns),
-                "config": {"size": self.config.pool_size},
-            }),
+        let config = match self.config.driver {
+            PoolDriver::Btrfs => json!({"size": self.config.pool_size}),
             PoolDriver::Dir => {
                 // Incus wants the source directory there (and empty when the pool is new)
-                let pool_dir = self.state.join("pool");
-                std::fs::create_dir_all(pool_dir.join("dir"))
-                    .map_err(crate::io(format!("creating {}", pool_dir.display())))?;
-                json!({
-                    "name": self.pool,
-                    "driver": "dir",
-                    "description": format!("boxery's disks (namespace {})", self.ns),
-                    "config": {"source": pool_dir.join("dir").to_string_lossy()},
-                })
+                let dir = self.state.join("pool").join("dir");
+                std::fs::create_dir_all(&dir)
+                    .map_err(crate::io(format!("creating {}", dir.display())))?;
+                json!({"source": dir.to_string_lossy()})
             }
         };
+        let pool = json!({
+            "name": self.pool,
+            "driver": match self.config.driver {
+                PoolDriver::Btrfs => "btrfs",
+                PoolDriver::Dir => "dir",
+            },
+            "description": format!("boxery's disks (namespace {})", self.ns),
+            "config": config,
+        });
         self.ensure(
             "/1.0/storage-pools",
             pool,
