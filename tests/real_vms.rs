@@ -2655,6 +2655,14 @@ struct Relay {
 }
 
 impl Relay {
+    /// A relay (not up yet) listening at `sock` for the daemon's socket `target`.
+    fn new(sock: std::path::PathBuf, target: &'static str) -> Relay {
+        Relay {
+            sock,
+            target,
+            child: None,
+        }
+    }
     fn uri(&self) -> String {
         format!("qemu+unix:///system?socket={}", self.sock.display())
     }
@@ -2843,11 +2851,8 @@ mod libvirt {
     #[test]
     fn unreachable_libvirtd_is_a_condition_not_a_deletion() {
         let dir = tempfile::tempdir().unwrap();
-        let mut relay = super::Relay {
-            sock: dir.path().join("lv.sock"),
-            target: "/var/run/libvirt/libvirt-sock",
-            child: None,
-        };
+        let mut relay =
+            super::Relay::new(dir.path().join("lv.sock"), "/var/run/libvirt/libvirt-sock");
         // every command of this home goes through the relay: a `wait` that finds no leader
         // runs the controllers itself, and must not reach libvirtd around the cut
         let mut h = RealHome::new(Kind::Libvirt);
@@ -2950,11 +2955,8 @@ mod incus {
         use super::{RealHome, common, tiny_vm};
         use std::time::Duration;
         let dir = tempfile::tempdir().unwrap();
-        let mut relay = super::Relay {
-            sock: dir.path().join("incus.sock"),
-            target: "/var/lib/incus/unix.socket",
-            child: None,
-        };
+        let mut relay =
+            super::Relay::new(dir.path().join("incus.sock"), "/var/lib/incus/unix.socket");
         let mut h = RealHome::new(super::Kind::Incus);
         h.env.push((
             "BOXERY_INCUS_SOCKET".into(),

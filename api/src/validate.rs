@@ -56,14 +56,17 @@ pub fn changed_fixed(old: &DynObject, new: &DynObject) -> Vec<FieldError> {
     let Some(kind) = KINDS.iter().find(|k| k.kind == new.kind) else {
         return Vec::new();
     };
-    let at = |o: &DynObject, pointer: &str| -> Option<Value> {
-        let mut parts = pointer.trim_start_matches('/').split('/');
-        let mut v = o.rest.get(parts.next()?)?;
-        for p in parts {
-            v = v.get(p)?;
+    // a JSON pointer into the object's fields (`/spec/source`)
+    fn at<'o>(o: &'o DynObject, pointer: &str) -> Option<&'o Value> {
+        let path = pointer.trim_start_matches('/');
+        let (top, inner) = path.split_once('/').unwrap_or((path, ""));
+        let v = o.rest.get(top)?;
+        if inner.is_empty() {
+            Some(v)
+        } else {
+            v.pointer(&format!("/{inner}"))
         }
-        Some(v.clone())
-    };
+    }
     kind.immutable
         .iter()
         .filter_map(|pointer| {
@@ -71,7 +74,7 @@ pub fn changed_fixed(old: &DynObject, new: &DynObject) -> Vec<FieldError> {
             (was != is).then(|| {
                 let path = pointer.trim_start_matches('/').replace('/', ".");
                 let was = match was {
-                    Some(v) => format!("it is {}", v),
+                    Some(v) => format!("it is {v}"),
                     None => "it was not set".to_string(),
                 };
                 FieldError::new(

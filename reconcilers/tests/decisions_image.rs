@@ -174,7 +174,7 @@ async fn a_deletion_during_a_failing_step_is_not_held_by_its_backoff() {
         .set_faults(&FaultConfig {
             latency_ms: 0,
             rules: vec![
-                FaultRule::new("build", FaultAction::Sleep).ms(500),
+                FaultRule::new("build", FaultAction::Sleep).ms(3_000),
                 FaultRule::new("build.commit", FaultAction::Fail),
             ],
         })
@@ -187,7 +187,16 @@ async fn a_deletion_during_a_failing_step_is_not_held_by_its_backoff() {
         let img: Image = h.get("tiny");
         async move { image::reconcile(std::sync::Arc::new(img), ctx).await }
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // the deletion once the step is in the backend's build (its intent written before),
+    // which holds it for 3 s
+    let building = async {
+        while !h.backend.fault_counts().unwrap().contains_key("build") {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), building)
+        .await
+        .expect("the step reaches the build");
     h.delete::<Image>("tiny");
     let next = step.await.unwrap().unwrap();
     let img: Image = h.get("tiny");

@@ -162,20 +162,9 @@ impl Client {
         out
     }
 
-    /// Send and read the envelope: `Ok((envelope, etag))` for sync and async answers.
+    /// Send and read the envelope, giving up after `limit` (`REQUEST_TIMEOUT` but for an
+    /// upload): `Ok((envelope, etag))` for sync and async answers.
     async fn envelope(
-        &self,
-        method: Method,
-        path: &str,
-        body: Body,
-        headers: &[(&str, String)],
-    ) -> Result<(Value, Option<String>), ApiError> {
-        self.envelope_within(method, path, body, headers, REQUEST_TIMEOUT)
-            .await
-    }
-
-    /// [`Client::envelope`] with its own time limit.
-    async fn envelope_within(
         &self,
         method: Method,
         path: &str,
@@ -228,6 +217,7 @@ impl Client {
                     &format!("{op}/wait?timeout={WAIT_SECONDS}"),
                     empty(),
                     &[],
+                    REQUEST_TIMEOUT,
                 )
                 .await?;
             let m = &v["metadata"];
@@ -257,7 +247,9 @@ impl Client {
 
     /// `GET path`: its `metadata` and ETag.
     pub async fn get_etag(&self, path: &str) -> Result<(Value, Option<String>), ApiError> {
-        let (v, etag) = self.envelope(Method::GET, path, empty(), &[]).await?;
+        let (v, etag) = self
+            .envelope(Method::GET, path, empty(), &[], REQUEST_TIMEOUT)
+            .await?;
         Ok((v["metadata"].clone(), etag))
     }
 
@@ -281,7 +273,9 @@ impl Client {
                 vec![("content-type", "application/json".to_string())],
             )
         };
-        let (v, _) = self.envelope(method, path, body, &headers).await?;
+        let (v, _) = self
+            .envelope(method, path, body, &headers, REQUEST_TIMEOUT)
+            .await?;
         self.wait(v).await
     }
 
@@ -298,7 +292,13 @@ impl Client {
             headers.push(("if-match", e.to_string()));
         }
         let (v, _) = self
-            .envelope(Method::PUT, path, json_body(&body), &headers)
+            .envelope(
+                Method::PUT,
+                path,
+                json_body(&body),
+                &headers,
+                REQUEST_TIMEOUT,
+            )
             .await?;
         self.wait(v).await
     }
@@ -326,7 +326,7 @@ impl Client {
         h.push(("content-type", "application/octet-stream".into()));
         h.push(("content-length", len.to_string()));
         let (v, _) = self
-            .envelope_within(Method::POST, path, body, &h, UPLOAD_TIMEOUT)
+            .envelope(Method::POST, path, body, &h, UPLOAD_TIMEOUT)
             .await?;
         self.wait(v).await
     }
@@ -360,6 +360,7 @@ impl Client {
             ),
             body,
             &headers,
+            REQUEST_TIMEOUT,
         )
         .await?;
         Ok(())
@@ -389,6 +390,7 @@ impl Client {
                 ),
                 empty(),
                 &headers,
+                REQUEST_TIMEOUT,
             )
             .await
         {

@@ -8,8 +8,8 @@ use hyper::Method;
 use serde_json::{Value, json};
 
 use super::instances::{
-    BXNAME, CREATED, HOST_KEY, HWADDR, INSTANCE_ID, KIND, MAC, MARK, PARTIAL, REIMAGE, SOURCE, cfg,
-    complete_mark, is_named, side_name,
+    AUTOSTART, BXNAME, CREATED, HOST_KEY, HWADDR, INSTANCE_ID, KIND, MAC, MARK, PARTIAL, REIMAGE,
+    SOURCE, cfg, complete_mark, is_named, side_name,
 };
 use super::*;
 use crate::mark::Mark;
@@ -88,10 +88,6 @@ impl Inner {
         }
     }
 
-    fn check_image_name(image: &str) -> Result<()> {
-        check_name("image", image)
-    }
-
     pub(super) async fn images(&self) -> Result<Vec<ImageInfo>> {
         let mut out: Vec<ImageInfo> = self
             .instances(&self.images)
@@ -150,7 +146,7 @@ impl Inner {
     }
 
     pub(super) async fn capture(&self, vm: &str, image: &str, uid: &str) -> Result<()> {
-        Self::check_image_name(image)?;
+        check_name("image", image)?;
         if let Some(done) = self.existing_image(image, uid).await {
             return done;
         }
@@ -189,7 +185,7 @@ impl Inner {
                         BXNAME: image,
                         PARTIAL: "1",
                         KIND: "image",
-                        "boot.autostart": "false",
+                        AUTOSTART: "false",
                         SOURCE: format!("vm:{vm}"),
                         CREATED: boxery_api::now().to_rfc3339(),
                     },
@@ -230,7 +226,7 @@ impl Inner {
             image,
             uid,
         } = stock;
-        Self::check_image_name(image)?;
+        check_name("image", image)?;
         // `tiny` is the small guest of the VM backends (a kernel and busybox, quick to boot
         // under emulation); a container needs no kernel and starts in a second, so the small
         // guest here is the debian-12 container itself
@@ -281,7 +277,7 @@ impl Inner {
     }
 
     pub(super) async fn import_image(&self, path: &Path, image: &str, uid: &str) -> Result<()> {
-        Self::check_image_name(image)?;
+        check_name("image", image)?;
         if let Some(done) = self.existing_image(image, uid).await {
             return done;
         }
@@ -369,7 +365,7 @@ impl Inner {
                         BXNAME: image,
                         PARTIAL: "1",
                         KIND: "image",
-                        "boot.autostart": "false",
+                        AUTOSTART: "false",
                         SOURCE: source,
                         CREATED: boxery_api::now().to_rfc3339(),
                     },
@@ -510,7 +506,7 @@ impl Inner {
         config.insert(HOST_KEY.into(), public.into());
         config.insert(INSTANCE_ID.into(), instance_id.into());
         config.insert(SOURCE.into(), image.into());
-        config.insert("boot.autostart".into(), "false".into());
+        config.insert(AUTOSTART.into(), "false".into());
         let made = async {
             self.client
                 .call(
