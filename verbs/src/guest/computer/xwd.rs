@@ -81,11 +81,40 @@ pub fn gunzip_head(data: &[u8], n: usize) -> Vec<u8> {
 /// The bytes of the header's fields: what [`size`] reads.
 pub const HEADER: usize = FIELDS * 4;
 
-/// Whether `data` is a framebuffer file Xvfb has made but not yet written its header to: it
-/// fills a new file with zeros first, then writes the header, and its display's socket is up
-/// before that (at start, and at each restart for a new `spec.display`). Worth another read.
+/// Whether `data` is a framebuffer file Xvfb has made but not yet finished its header in:
+/// worth another read. Xvfb fills a new file with zeros, writes the header's fields in the
+/// host's byte order, then swaps them one by one to big-endian, all in the mapped file, and
+/// its display's socket is up before that ends (at start, and at each restart for a new
+/// `spec.display`). So a read may see zeros, or a header part swapped ([`in_one_order`]).
 pub fn unwritten(data: &[u8]) -> bool {
-    data.len() < HEADER || data[..8].iter().all(|b| *b == 0)
+    if data.len() < HEADER || data[..8].iter().all(|b| *b == 0) {
+        return true;
+    }
+    let xwd = [true, false]
+        .into_iter()
+        .any(|big| read_field(data, VERSION, big) == XWD_VERSION);
+    xwd && !in_one_order(data)
+}
+
+/// Whether a header's fields (at least [`HEADER`] bytes) all read in the byte order its
+/// version reads in. Every field but the colour masks is under 2^16 in an Xvfb header (sizes
+/// within [`MAX_SIDE`], small enums, offsets of 0), and a nonzero value under 2^16 read in
+/// the other order is at least 2^16: a field still in the other order shows.
+fn in_one_order(data: &[u8]) -> bool {
+    let big = read_field(data, VERSION, true) == XWD_VERSION;
+    (0..FIELDS)
+        .filter(|i| ![RED_MASK, GREEN_MASK, BLUE_MASK].contains(i))
+        .all(|i| read_field(data, i, big) < 1 << 16)
+}
+
+/// Field `i` of a header (at least [`HEADER`] bytes), big- or little-endian.
+fn read_field(data: &[u8], i: usize, big: bool) -> u32 {
+    let b: [u8; 4] = data[i * 4..i * 4 + 4].try_into().expect("four bytes");
+    if big {
+        u32::from_be_bytes(b)
+    } else {
+        u32::from_le_bytes(b)
+    }
 }
 
 /// The screen's size from the start of its XWD file (at least [`HEADER`] bytes).
@@ -100,19 +129,14 @@ fn fields(data: &[u8]) -> Result<([u32; FIELDS], bool)> {
     if data.len() < HEADER {
         return Err(bad(format!("{} bytes, shorter than a header", data.len())));
     }
-    // The header is written big-endian by xwd; read it the other way if that gives nonsense.
-    let field = |i: usize, big: bool| {
-        let b: [u8; 4] = data[i * 4..i * 4 + 4].try_into().expect("four bytes");
-        if big {
-            u32::from_be_bytes(b)
-        } else {
-            u32::from_le_bytes(b)
-        }
-    };
-    let big = field(VERSION, true) == XWD_VERSION;
-    let f: [u32; FIELDS] = std::array::from_fn(|i| field(i, big));
+    // The header is written big-endian by Xvfb; read it the other way if that gives nonsense.
+    let big = read_field(data, VERSION, true) == XWD_VERSION;
+    let f: [u32; FIELDS] = std::array::from_fn(|i| read_field(data, i, big));
     if f[VERSION] != XWD_VERSION {
         return Err(bad("not XWD version 7"));
+    }
+    if !in_one_order(data) {
+        return Err(bad("a header in two byte orders, as while Xvfb writes it"));
     }
     let (width, height) = (f[WIDTH], f[HEIGHT]);
     if width == 0 || height == 0 || width > MAX_SIDE || height > MAX_SIDE {
@@ -207,7 +231,6 @@ pub(crate) mod tests {
         f[HEADER_SIZE] = header_size;
         f[VERSION] = 7;
         f[FORMAT] = 2;
-        f[3] = 24;
         f[WIDTH] = width;
         f[HEIGHT] = height;
         f[BYTE_ORDER] = 0;
@@ -218,6 +241,10 @@ pub(crate) mod tests {
         f[GREEN_MASK] = 0xff00;
         f[BLUE_MASK] = 0xff;
         f[NCOLORS] = 2;
+        // as Xvfb sets them: depth, bitmap unit, bit order, pad; bits per RGB, colour map
+        // entries; the window's size
+        (f[3], f[8], f[9], f[10], f[17], f[18]) = (24, 32, 0, 32, 8, 256);
+        (f[20], f[21]) = (width, height);
         let mut out: Vec<u8> = f.iter().flat_map(|v| v.to_be_bytes()).collect();
         out.extend_from_slice(name);
         out.extend(std::iter::repeat_n(0u8, 2 * COLOR_ENTRY));
@@ -275,6 +302,38 @@ pub(crate) mod tests {
         assert_eq!(written.len(), HEADER);
         assert!(!unwritten(&written));
         assert!(unwritten(&gunzip_head(b"not gzip", HEADER)));
+    }
+
+    /// Xvfb writes its header in the host's order, then swaps it field by field to
+    /// big-endian: a read at any point of that is worth another, and the same header whole in
+    /// either order is read. (CI met a read with the version swapped and the visual class
+    /// not: "visual class 67108864".)
+    #[test]
+    fn a_header_caught_while_xvfb_swaps_it_is_unwritten() {
+        let big = xwd(640, 480, |_, _| [1, 2, 3]);
+        let mut little = big.clone();
+        for w in little[..HEADER].chunks_exact_mut(4) {
+            w.reverse();
+        }
+        for whole in [&big, &little] {
+            assert!(!unwritten(whole));
+            assert_eq!(decode(whole).unwrap().width, 640);
+        }
+        for swapped in 1..FIELDS {
+            let mut part = little.clone();
+            part[..swapped * 4].copy_from_slice(&big[..swapped * 4]);
+            if part[..HEADER] == big[..HEADER] {
+                // the fields left are zeros, the same in either order
+                assert!(!unwritten(&part));
+                continue;
+            }
+            assert!(unwritten(&part), "{swapped} fields swapped");
+            let e = decode(&part).unwrap_err().to_string();
+            assert!(
+                e.contains("two byte orders") || e.contains("not XWD"),
+                "{swapped}: {e}"
+            );
+        }
     }
 
     #[test]
