@@ -8,7 +8,7 @@ use boxery_api::{DynObject, ValidationError};
 use serde_json::Value;
 
 use crate::fields::{self, SYSTEM_PREFIX};
-use crate::write::{EventType, Tx};
+use crate::rules::{EventType, Rules, WriteTxn};
 use crate::{ApplyAction, ApplyOptions, DeleteOutcome, LAST_APPLIED, Result, StoreError};
 
 /// The manifest as recorded in `LAST_APPLIED`: as given, without status, the server's
@@ -45,8 +45,8 @@ pub(crate) fn last_applied(obj: &DynObject) -> Result<Value> {
 
 /// Apply every object of the set inside `tx`, then prune. Returns what happened to each
 /// object, in the order given, then the pruned ones.
-pub(crate) fn apply_all(
-    tx: &mut Tx<'_>,
+pub(crate) fn apply_all<T: WriteTxn + ?Sized>(
+    tx: &mut T,
     objs: Vec<DynObject>,
     opts: &ApplyOptions,
 ) -> Result<Vec<(ApplyAction, DynObject)>> {
@@ -146,8 +146,8 @@ pub(crate) fn apply_all(
     Ok(out)
 }
 
-fn apply_one(
-    tx: &mut Tx<'_>,
+fn apply_one<T: WriteTxn + ?Sized>(
+    tx: &mut T,
     obj: DynObject,
     opts: &ApplyOptions,
 ) -> Result<(ApplyAction, DynObject)> {
@@ -194,7 +194,7 @@ fn apply_one(
     let mut new = boxery_api::normalize(serde_json::to_value(&new)?)?;
     let spec_changed = !same_spec(&cur, &new);
     if spec_changed {
-        crate::write::refuse_spec_change(&cur, &new)?;
+        crate::rules::refuse_spec_change(&cur, &new)?;
         new.metadata.generation = Some(cur.metadata.generation.unwrap_or(0) + 1);
     }
     if new == cur {

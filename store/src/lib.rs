@@ -39,6 +39,7 @@ mod fields;
 pub mod guard;
 mod leader;
 mod object_store;
+mod rules;
 /// What [`reads_from!`] names, for the crates that use it.
 #[doc(hidden)]
 pub mod __private {
@@ -68,6 +69,7 @@ use rusqlite::{Connection, OptionalExtension};
 pub use crate::fields::{APPLY_MANAGER, FieldConflict, UNNAMED_MANAGER, entry_fields};
 pub use crate::leader::boot_id;
 pub use crate::object_store::{ObjectRef, ObjectStore, ObjectStoreExt, WatchStream};
+use crate::rules::Rules;
 use crate::schema::connect;
 use crate::write::Tx;
 
@@ -225,9 +227,9 @@ pub enum StoreError {
         /// Why.
         why: String,
     },
-    /// SQLite failed.
+    /// The database under the store (SQLite, etcd) failed.
     #[error("the store's database failed")]
-    Db(#[from] rusqlite::Error),
+    Db(#[source] DbError),
     /// JSON (de)serialization failed.
     #[error("a stored object could not be read")]
     Json(#[from] serde_json::Error),
@@ -240,14 +242,14 @@ pub enum StoreError {
         #[source]
         source: std::io::Error,
     },
-    /// Opening the store's SQLite file failed.
+    /// Opening the store's database failed.
     #[error("cannot open the store's database at {path}: check the path and its permissions")]
     OpenDb {
-        /// The file.
+        /// The file (or the database's address).
         path: String,
         /// The cause.
         #[source]
-        source: rusqlite::Error,
+        source: DbError,
     },
     /// The file is not a boxery store: empty, truncated, corrupted, or another program's.
     #[error(
@@ -273,7 +275,60 @@ pub enum StoreError {
     },
 }
 
+/// The error of the database under the store, as that database gave it: SQLite's, etcd's.
+/// Kept opaque so that nothing above the store depends on which database it is; the store
+/// itself reads it back with [`DbError::get`].
+pub struct DbError(Box<dyn std::error::Error + Send + Sync + 'static>);
+
+impl DbError {
+    /// The database's own error.
+    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> DbError {
+        DbError(Box::new(e))
+    }
+
+    /// The database's error, when it is an `E`.
+    pub fn get<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        self.0.downcast_ref()
+    }
+}
+
+impl std::fmt::Debug for DbError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl std::fmt::Display for DbError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for DbError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(e: rusqlite::Error) -> StoreError {
+        StoreError::Db(DbError::new(e))
+    }
+}
+
 impl StoreError {
+    /// SQLite's error code, when SQLite failed (opening its file, or a statement).
+    pub(crate) fn sqlite_code(&self) -> Option<rusqlite::ErrorCode> {
+        let source = match self {
+            StoreError::Db(e) | StoreError::OpenDb { source: e, .. } => e,
+            _ => return None,
+        };
+        match source.get::<rusqlite::Error>()? {
+            rusqlite::Error::SqliteFailure(f, _) => Some(f.code),
+            _ => None,
+        }
+    }
+
     fn not_found(kind: &str, name: &str) -> StoreError {
         let plural = boxery_api::lookup_kind(kind)
             .map(|k| k.plural.to_string())
@@ -520,7 +575,7 @@ impl Inner {
     ) -> Result<(Arc<Inner>, mpsc::Receiver<()>)> {
         let open_db = |source| StoreError::OpenDb {
             path: path.display().to_string(),
-            source,
+            source: DbError::new(source),
         };
         let rev = schema::meta(&writer, "revision").map_err(open_db)?;
         let uid = schema::identity(&writer).map_err(open_db)?;
@@ -690,20 +745,23 @@ impl Store {
             }
         }
         let not_a_db = |e: StoreError| match e {
-            StoreError::OpenDb {
-                source: rusqlite::Error::SqliteFailure(f, _),
-                ..
-            } if f.code == rusqlite::ErrorCode::NotADatabase => StoreError::NotAStore {
-                path: path.display().to_string(),
-                why: "the file is not an SQLite database: it is corrupted or was replaced".into(),
-            },
-            StoreError::OpenDb {
-                source: rusqlite::Error::SqliteFailure(f, _),
-                ..
-            } if f.code == rusqlite::ErrorCode::DatabaseCorrupt => StoreError::NotAStore {
-                path: path.display().to_string(),
-                why: "the database is corrupted (truncated or partly overwritten)".into(),
-            },
+            StoreError::OpenDb { .. }
+                if e.sqlite_code() == Some(rusqlite::ErrorCode::NotADatabase) =>
+            {
+                StoreError::NotAStore {
+                    path: path.display().to_string(),
+                    why: "the file is not an SQLite database: it is corrupted or was replaced"
+                        .into(),
+                }
+            }
+            StoreError::OpenDb { .. }
+                if e.sqlite_code() == Some(rusqlite::ErrorCode::DatabaseCorrupt) =>
+            {
+                StoreError::NotAStore {
+                    path: path.display().to_string(),
+                    why: "the database is corrupted (truncated or partly overwritten)".into(),
+                }
+            }
             e => e,
         };
         let mut writer = connect(path, options.busy_timeout).map_err(not_a_db)?;
@@ -736,7 +794,7 @@ impl Store {
         let path = PathBuf::from(format!("memory:{}", uuid::Uuid::new_v4().simple()));
         let writer = schema::memory().map_err(|source| StoreError::OpenDb {
             path: path.display().to_string(),
-            source,
+            source: DbError::new(source),
         })?;
         let options = StoreOptions {
             auto_compact: None,

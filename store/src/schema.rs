@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
 
-use crate::{Result, StoreError};
+use crate::{DbError, Result, StoreError};
 
 /// The schema version this code reads and writes.
 pub const SCHEMA_VERSION: i64 = 2;
@@ -88,7 +88,7 @@ CREATE TABLE IF NOT EXISTS leaders (
 pub fn connect(path: &Path, busy_timeout: Duration) -> Result<Connection> {
     let open_db = |source| StoreError::OpenDb {
         path: path.display().to_string(),
-        source,
+        source: DbError::new(source),
     };
     // Never SQLITE_OPEN_CREATE: a new store is made whole by `create_new`, so a missing file
     // here is an error, not a new empty store.
@@ -162,7 +162,7 @@ pub(crate) fn create_new(path: &Path) -> Result<bool> {
     let made = (|| -> Result<()> {
         let open_db = |source| StoreError::OpenDb {
             path: tmp.display().to_string(),
-            source,
+            source: DbError::new(source),
         };
         {
             use std::os::unix::fs::OpenOptionsExt;
@@ -304,11 +304,11 @@ pub(crate) fn init(conn: &mut Connection, path: &Path, busy_timeout: Duration) -
     let deadline = Instant::now() + busy_timeout;
     loop {
         match init_once(conn, path) {
-            Err(StoreError::OpenDb {
-                source: rusqlite::Error::SqliteFailure(e, _),
-                ..
-            }) if matches!(e.code, ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked)
-                && Instant::now() < deadline =>
+            Err(e @ StoreError::OpenDb { .. })
+                if matches!(
+                    e.sqlite_code(),
+                    Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked)
+                ) && Instant::now() < deadline =>
             {
                 std::thread::sleep(Duration::from_millis(2));
             }
@@ -320,7 +320,7 @@ pub(crate) fn init(conn: &mut Connection, path: &Path, busy_timeout: Duration) -
 fn init_once(conn: &mut Connection, path: &Path) -> Result<()> {
     let open_db = |source| StoreError::OpenDb {
         path: path.display().to_string(),
-        source,
+        source: DbError::new(source),
     };
     // A store already at this version (every open but the first after an upgrade) is only
     // read: opening never takes the write lock, so a command that only reads never waits for

@@ -641,7 +641,7 @@ mod tests {
                 floor: 9
             }
         ));
-        let db = StoreError::Db(rusqlite::Error::InvalidQuery);
+        let db = StoreError::from(rusqlite::Error::InvalidQuery);
         match StoreError::from(WireError::from(&db)) {
             StoreError::Unavailable { why } => assert!(why.contains("database"), "{why}"),
             other => panic!("{other:?}"),
