@@ -114,12 +114,7 @@ async fn main() {
         .apply_all(objs, &boxery_store::ApplyOptions::default())
         .unwrap();
     let env = Env::resolve(Some(home.clone()), Some("fake".into())).unwrap();
-    let verbs = Verbs::with_store(
-        env,
-        Voice::Cli,
-        Arc::new(store.clone()),
-        Some(store.clone()),
-    );
+    let verbs = Verbs::with_store(env, Voice::Cli, Arc::new(store.clone()), true);
     let server = boxery_apiserver::ApiServer::bind(
         verbs,
         "127.0.0.1:0".parse().unwrap(),

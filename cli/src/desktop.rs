@@ -101,8 +101,7 @@ pub async fn desktop(
         false => None,
     };
     let _session = v
-        .local()
-        .is_ok()
+        .is_home_store()
         .then(|| boxery_home::activity::Ticker::start(&v.env.home, vm));
     let app = axum::Router::new().fallback(serve).with_state(desk);
     axum::serve(listener, app)

@@ -262,8 +262,7 @@ async fn verb_command_inner(v: &Verbs, command: Command) -> CliResult<ExitCode> 
             }
             // a session is a use for as long as it lasts (spec.idle)
             let _session = v
-                .local()
-                .is_ok()
+                .is_home_store()
                 .then(|| boxery_home::activity::Ticker::start(&v.env.home, &vm));
             let what = boxery_hands::line_of(&cmd);
             v.doing("ssh", Some(&vm), what.clone())

@@ -129,8 +129,7 @@ pub async fn forward(
     }
     eprintln!("boxery: forwarding until interrupted (Ctrl-C)");
     let _session = v
-        .local()
-        .is_ok()
+        .is_home_store()
         .then(|| boxery_home::activity::Ticker::start(&v.env.home, vm));
     let say: boxery_hands::forward::Say = std::sync::Arc::new(|line| eprintln!("{line}"));
     tokio::select! {
@@ -169,8 +168,7 @@ pub async fn attach(v: &Verbs, vm: &str, agent: &str) -> CliResult<ExitCode> {
     }
     let reach = v.reach(vm).await?;
     let _session = v
-        .local()
-        .is_ok()
+        .is_home_store()
         .then(|| boxery_home::activity::Ticker::start(&v.env.home, vm));
     Ok(boxery_hands::ssh_line(
         &reach,

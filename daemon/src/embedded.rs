@@ -8,20 +8,20 @@ use boxery_backends::{Backend, BackendError};
 use boxery_controller::CancellationToken;
 use boxery_controller::leader::{LeaderElector, Leading, this_process};
 use boxery_reconcilers::{Ctx, Settings};
-use boxery_store::{Leadership, Store};
+use boxery_store::{Leadership, ObjectStore};
 use boxery_verbs::control::{ControlPlane, LOCK, Running, Started};
 use boxery_verbs::{Env, Result, VerbError};
 
 /// The controllers' shared context, for the home `home` whose store is `store`.
 pub fn context(
-    store: &Store,
+    store: &Arc<dyn ObjectStore>,
     home: &std::path::Path,
     backend: Arc<dyn Backend>,
     settings: Settings,
     holder: &str,
 ) -> Arc<Ctx> {
     Arc::new(Ctx::new(
-        Arc::new(store.clone()),
+        store.clone(),
         home.to_path_buf(),
         backend,
         holder.to_string(),
@@ -36,7 +36,7 @@ pub struct Embedder;
 
 #[async_trait::async_trait]
 impl ControlPlane for Embedder {
-    async fn start_if_needed(&self, env: &Env, store: &Store) -> Result<Started> {
+    async fn start_if_needed(&self, env: &Env, store: &Arc<dyn ObjectStore>) -> Result<Started> {
         start_if_needed(env, store).await
     }
 }
@@ -60,21 +60,21 @@ impl Running for Embedded {
 }
 
 /// Start the controllers here if nothing leads the store.
-async fn start_if_needed(env: &Env, store: &Store) -> Result<Started> {
+async fn start_if_needed(env: &Env, store: &Arc<dyn ObjectStore>) -> Result<Started> {
     // Read before leading: an error after it would leave the leadership to time out.
     let config = boxery_verbs::env::read_config(&env.home)?;
     let me = this_process();
     let ttl = Duration::from_secs(4);
-    match store.try_lead(LOCK, &me, ttl)? {
+    match store.try_lead(LOCK, &me, ttl).await? {
         Leadership::Follower { .. } => return Ok(Started::Elsewhere),
         Leadership::Leader { .. } => {}
     }
-    let elector = LeaderElector::new(Arc::new(store.clone()), LOCK, me.clone(), ttl);
+    let elector = LeaderElector::new(store.clone(), LOCK, me.clone(), ttl);
     let leading = elector
         .acquire()
         .await
         .map_err(|e| VerbError::failed(format!("leader election failed: {e}")))?;
-    let backend = match env.backend_for(store).await {
+    let backend = match env.backend_for(&**store).await {
         Ok(b) => b,
         Err(e) => {
             let _ = leading.resign().await;

@@ -11,6 +11,7 @@ use boxery_backends::BackendError;
 use boxery_controller::CancellationToken;
 use boxery_controller::leader::{LeaderElector, this_process};
 use boxery_reconcilers::Settings;
+use boxery_store::ObjectStore;
 use boxery_verbs::control::LOCK;
 use boxery_verbs::{Env, Result, VerbError, Verbs, Voice};
 
@@ -261,12 +262,12 @@ async fn lead_and_run(
     proxy: Option<boxery_proxy::Proxy>,
     observed: boxery_reconcilers::metrics::Observed,
 ) -> Result {
-    let store = env.store()?;
-    let backend = env.backend_for(&store).await?;
+    let store: Arc<dyn ObjectStore> = Arc::new(env.store()?);
+    let backend = env.backend_for(&*store).await?;
     // Read before leading: an error after it would leave the leadership to time out.
     let config = boxery_verbs::env::read_config(&env.home)?;
     let me = this_process();
-    let elector = LeaderElector::new(Arc::new(store.clone()), LOCK, me.clone(), lease);
+    let elector = LeaderElector::new(store.clone(), LOCK, me.clone(), lease);
     let shutdown = on_signal();
     if !backend_ready(env, backend.as_ref(), &shutdown).await? {
         return Ok(());

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use boxery_api::lease::LeasePhase;
 use boxery_api::{Lease, Name};
 use boxery_backends::confined;
-use boxery_store::Store;
+use boxery_store::{ObjectStore, ObjectStoreExt};
 
 /// The directory holding the key pairs of the leases this host holds.
 pub fn leases_root(home: &Path) -> PathBuf {
@@ -30,20 +30,25 @@ pub fn forget_key(home: &Path, lease: &Name) {
 
 /// The private key of a lease this host holds on `vm`, if any. Only the leases with a key
 /// pair here are read (one store read each; none at all when this host holds no lease).
-pub fn held_key(home: &Path, store: &Store, vm: &str) -> Option<PathBuf> {
+pub async fn held_key(home: &Path, store: &dyn ObjectStore, vm: &str) -> Option<PathBuf> {
     let dir = std::fs::read_dir(leases_root(home)).ok()?;
     let mut names: Vec<String> = dir
         .flatten()
         .filter_map(|e| e.file_name().to_str().map(String::from))
         .collect();
     names.sort();
-    names.into_iter().find_map(|n| {
-        let name = Name::label(&n).ok()?;
+    for n in names {
+        let Ok(name) = Name::label(&n) else { continue };
         let k = lease_dir(home, &name).join("id_ed25519");
         if !k.exists() {
-            return None;
+            continue;
         }
-        let l = store.get_as::<Lease>(&n).ok()??;
-        (l.status.phase == LeasePhase::Bound && l.status.vm.as_deref() == Some(vm)).then_some(k)
-    })
+        let Ok(Some(l)) = store.get_as::<Lease>(&n).await else {
+            continue;
+        };
+        if l.status.phase == LeasePhase::Bound && l.status.vm.as_deref() == Some(vm) {
+            return Some(k);
+        }
+    }
+    None
 }

@@ -10,7 +10,7 @@ use std::process::{ExitCode, Stdio};
 
 use boxery_api::name::safe;
 use boxery_api::{Vm, VmPhase};
-use boxery_store::Store;
+use boxery_store::{ObjectStore, ObjectStoreExt};
 
 use crate::ssh::{SshDir, Target};
 
@@ -235,18 +235,23 @@ fn not_ready_from(v: &Vm, voice: Voice, on_host: bool) -> Option<HandsError> {
     }))
 }
 
-/// Check that VM `vm` can be reached and write its ssh files; returns how to reach it (with
-/// the key of a lease this host holds on it). The one way both front ends get to a VM in
-/// this home's store: one read of the VM (the others are listed only to say a name is not
-/// found), its own files written only when they changed.
-pub fn reach(home: &Path, store: &Store, vm: &str, voice: Voice) -> Result<Reach> {
-    let Some(v) = store.get_as::<Vm>(vm)? else {
-        let all = store.list_as::<Vm>(&Default::default())?;
+/// What reaching VM `vm` of this home's store needs read: the VM, and the key of a lease this
+/// host holds on it. The one way both front ends get to a VM in this home: one read of the VM
+/// (the others are listed only to say a name is not found), then [`reach_vm`] (which writes
+/// files: off the async workers).
+pub async fn reach_read(
+    home: &Path,
+    store: &dyn ObjectStore,
+    vm: &str,
+    voice: Voice,
+) -> Result<(Vm, Option<PathBuf>)> {
+    let Some(v) = store.get_as::<Vm>(vm).await? else {
+        let all = store.list_as::<Vm>(&Default::default()).await?;
         let names: Vec<String> = all.into_iter().map(|v| v.metadata.name).collect();
         return Err(vm_not_found(vm, &names, voice));
     };
-    let key = keys::held_key(home, store, vm);
-    reach_vm(SshDir::new(home), &v, key, voice)
+    let key = keys::held_key(home, store, vm).await;
+    Ok((v, key))
 }
 
 /// [`reach`] for a VM already read (from any store: a remote one's VMs are reached through

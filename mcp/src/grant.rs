@@ -243,10 +243,11 @@ mod tests {
             .await
     }
 
-    fn grant_status(s: &Session, name: &str) -> Value {
-        let store = s.verbs().unwrap().local().unwrap().clone();
+    async fn grant_status(s: &Session, name: &str) -> Value {
+        let store = s.verbs().unwrap().home_store().unwrap().clone();
         store
-            .get("Grant", name)
+            .get(&boxery_store::ObjectRef::new("Grant", name))
+            .await
             .unwrap()
             .map(|o| o.status().clone())
             .unwrap_or(Value::Null)
@@ -270,7 +271,7 @@ mod tests {
                 .await
                 .unwrap();
             assert!(r.text.contains("grant/g1"), "{}", r.text);
-            let st = grant_status(&s, "g1");
+            let st = grant_status(&s, "g1").await;
             assert!(
                 st["approvedBy"].is_null() && st["approvedGeneration"].is_null(),
                 "{st}"
@@ -314,7 +315,7 @@ mod tests {
             "{}",
             r.text
         );
-        assert!(grant_status(&s, "dev1-llm-anthropic")["approvedBy"].is_null());
+        assert!(grant_status(&s, "dev1-llm-anthropic").await["approvedBy"].is_null());
         // Asking again is idempotent; another spec under that name is refused.
         let again = call(
             &s,

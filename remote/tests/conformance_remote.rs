@@ -83,8 +83,7 @@ impl Implementation for Remote {
                     .expect("runtime");
                 rt.block_on(async move {
                     let env = Env::resolve(Some(home), Some("fake".into())).expect("env");
-                    let verbs =
-                        Verbs::with_store(env, Voice::Cli, Arc::new(store.clone()), Some(store));
+                    let verbs = Verbs::with_store(env, Voice::Cli, Arc::new(store), true);
                     let limits = boxery_apiserver::Limits {
                         rate_per_token: 1e9,
                         burst_per_token: 1e9,

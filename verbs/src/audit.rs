@@ -181,7 +181,7 @@ impl Verbs {
     /// Record a finished action (only for this home's own VMs: a context's control plane
     /// records its own).
     pub fn record(&self, mut a: Action) {
-        if self.local.is_none() {
+        if self.home_store.is_none() {
             return;
         }
         if a.who.is_empty() {

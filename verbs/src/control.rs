@@ -5,7 +5,9 @@
 //! asks the [`ControlPlane`] in its [`Env`](crate::Env) to run them here (embedded mode), and
 //! without one it watches the store only.
 
-use boxery_store::Store;
+use std::sync::Arc;
+
+use boxery_store::ObjectStore;
 
 use crate::env::Env;
 use crate::error::Result;
@@ -35,7 +37,7 @@ pub async fn unreconciled_note(v: &crate::Verbs) -> Result<Option<String>> {
 #[async_trait::async_trait]
 pub trait ControlPlane: Send + Sync + std::fmt::Debug {
     /// Start the controllers of `env`'s home here if nothing leads `store`.
-    async fn start_if_needed(&self, env: &Env, store: &Store) -> Result<Started>;
+    async fn start_if_needed(&self, env: &Env, store: &Arc<dyn ObjectStore>) -> Result<Started>;
 }
 
 /// Controllers running in this process, until stopped.

@@ -2,6 +2,7 @@
 //! dropped once the backend confirms the thing it stood for is gone.
 
 use boxery_api::ForceDelete;
+use boxery_store::{ObjectRef, ObjectStoreExt};
 
 use crate::error::{Result, VerbError};
 
@@ -16,9 +17,10 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
             kind.to_ascii_lowercase()
         ));
     }
-    let store = v.local()?;
-    let backend = v.env.backend_for(store).await?;
-    let uid = store.get(kind, name)?.and_then(|o| o.metadata.uid);
+    let store = v.home_store()?;
+    let backend = v.env.backend_for(&**store).await?;
+    let key = ObjectRef::new(kind, name);
+    let uid = store.get(&key).await?.and_then(|o| o.metadata.uid);
     let undo = boxery_api::KINDS
         .iter()
         .find(|k| k.kind == kind)
@@ -89,7 +91,7 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
         }
         ForceDelete::GrantState => {
             // Revoked first: its entry leaves the grant state before the object goes.
-            if let Some(g) = store.get_as::<boxery_api::Grant>(name)?
+            if let Some(g) = store.get_as::<boxery_api::Grant>(name).await?
                 && let Some(uid) = g.metadata.uid.as_deref()
             {
                 for vm in g.status.vm.iter().chain(g.spec.vm.iter()) {
@@ -107,7 +109,7 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
     // Every finalizer goes, boxery's and any other (a finalizer nothing removes would keep
     // the object forever); the ones boxery does not own are named.
     for _ in 0..10 {
-        let Some(mut obj) = store.get(kind, name)? else {
+        let Some(mut obj) = store.get(&key).await? else {
             return Ok(());
         };
         let foreign: Vec<String> = obj
@@ -118,7 +120,7 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
             .map(|f| boxery_api::name::shown(f))
             .collect();
         obj.metadata.finalizers.clear();
-        match store.update(obj) {
+        match store.update(obj).await {
             Ok(_) | Err(boxery_store::StoreError::NotFound { .. }) => {
                 if !foreign.is_empty() {
                     crate::notes::say(&format!(
@@ -126,7 +128,7 @@ pub async fn force_delete(v: &crate::Verbs, kind: &str, name: &str) -> Result {
                         foreign.join(", ")
                     ));
                 }
-                if store.get(kind, name)?.is_some() {
+                if store.get(&key).await?.is_some() {
                     return Err(VerbError::failed(format!(
                         "{kind} {name} is still in the store after its finalizers were dropped: nothing else was changed; `boxery describe {} {name}` shows it",
                         kind.to_ascii_lowercase()

@@ -49,7 +49,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use boxery_hands::Voice;
-use boxery_store::{ObjectStore, ObjectStoreExt, Store};
+use boxery_store::{ObjectStore, ObjectStoreExt};
 
 pub use crate::env::Env;
 pub use crate::error::{ErrorKind, Result, VerbError};
@@ -67,10 +67,10 @@ pub struct Verbs {
     /// Who reads the messages.
     pub voice: Voice,
     store: Arc<dyn ObjectStore>,
-    /// The SQLite store this process opened, when it did: what the embedded controllers, the
-    /// ssh hands and the lease keeper still take (the controller runtime and the reconcilers'
-    /// context are bound to it until they take the trait).
-    local: Option<Store>,
+    /// This home's own store, when `store` is it (opened by this process, its VMs made by
+    /// this host's backend and reached by its hands), not a context's. Unguarded: what the
+    /// controllers this process runs write with ([`Verbs::guarded`] guards `store` only).
+    home_store: Option<Arc<dyn ObjectStore>>,
     /// The field manager every write is recorded as, when the caller names one (the API's
     /// `fieldManager`); else [`Verbs::manager`] names it by voice and verb.
     manager: Option<String>,
@@ -105,28 +105,23 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Duplex for 
 impl Verbs {
     /// The verbs over the store in `env`'s home (opened, created if needed).
     pub fn open(env: Env, voice: Voice) -> Result<Verbs> {
-        let local = env.store()?;
-        Ok(Verbs::with_store(
-            env,
-            voice,
-            Arc::new(local.clone()),
-            Some(local),
-        ))
+        let store: Arc<dyn ObjectStore> = Arc::new(env.store()?);
+        Ok(Verbs::with_store(env, voice, store, true))
     }
 
-    /// The verbs over any store (`local`: the same store as SQLite, when it is one, for the
-    /// verbs that need the controllers or the hands).
+    /// The verbs over any store; `home_store` when it is the store of `env`'s home (the verbs
+    /// that run the controllers or reach VMs with this host's hands need it to be).
     pub fn with_store(
         env: Env,
         voice: Voice,
         store: Arc<dyn ObjectStore>,
-        local: Option<Store>,
+        home_store: bool,
     ) -> Verbs {
         Verbs {
             env,
             voice,
+            home_store: home_store.then(|| store.clone()),
             store,
-            local,
             manager: None,
             remote: None,
             actor: None,
@@ -144,7 +139,7 @@ impl Verbs {
     ) -> Verbs {
         Verbs {
             remote: Some(remote),
-            ..Verbs::with_store(env, voice, store, None)
+            ..Verbs::with_store(env, voice, store, false)
         }
     }
 
@@ -167,7 +162,7 @@ impl Verbs {
             }
             r => r?,
         };
-        if self.local.is_some() {
+        if self.home_store.is_some() {
             let _ = boxery_home::activity::touch(&self.env.home, vm);
         }
         Ok(reach)
@@ -175,12 +170,13 @@ impl Verbs {
 
     /// [`Verbs::reach`] as the VM is now.
     async fn reach_now(&self, vm: &str) -> Result<boxery_hands::Reach> {
-        if let Some(store) = &self.local {
-            // reads the store and writes the ssh files: off the async workers
-            let (home, store) = (self.env.home.clone(), store.clone());
-            let (vm, voice) = (vm.to_string(), self.voice);
+        if let Some(store) = &self.home_store {
+            let (v, key) =
+                boxery_hands::reach_read(&self.env.home, &**store, vm, self.voice).await?;
+            // writes the ssh files: off the async workers
+            let (ssh, voice) = (boxery_hands::ssh::SshDir::new(&self.env.home), self.voice);
             return tokio::task::spawn_blocking(move || {
-                boxery_hands::reach(&home, &store, &vm, voice)
+                boxery_hands::reach_vm(ssh, &v, key, voice)
             })
             .await
             .map_err(|e| VerbError::failed(format!("the ssh check failed: {e}")))?
@@ -257,13 +253,19 @@ impl Verbs {
         self.store.clone()
     }
 
-    /// The local SQLite store, for what cannot work on another store yet.
-    pub fn local(&self) -> Result<&Store> {
-        self.local.as_ref().ok_or_else(|| {
+    /// The store, when it is this home's own: what the verbs that run the controllers or
+    /// this host's backend need.
+    pub fn home_store(&self) -> Result<&Arc<dyn ObjectStore>> {
+        self.home_store.as_ref().ok_or_else(|| {
             VerbError::failed(
                 "this needs boxery's own store on this host, which this process did not open",
             )
         })
+    }
+
+    /// Whether the store is this home's own, not a context's.
+    pub fn is_home_store(&self) -> bool {
+        self.home_store.is_some()
     }
 
     /// `$BOXERY_HOME`.

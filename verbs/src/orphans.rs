@@ -6,7 +6,7 @@
 use boxery_api::{Conditions, Image, ImagePhase, Name, Vm};
 use boxery_backends::mark::Mark;
 use boxery_reconcilers::inventory::{Verdict, orphan_verdict};
-use boxery_store::{ObjectRef, ObjectStore};
+use boxery_store::ObjectRef;
 
 use crate::Verbs;
 use crate::error::{Result, VerbError};
@@ -29,10 +29,10 @@ pub struct Orphan {
 
 /// Every VM and image of the backend without an owning object here.
 pub async fn list(v: &Verbs) -> Result<Vec<Orphan>> {
-    let store = v.local()?;
-    let backend = v.env.backend_for(store).await?;
+    let store = v.home_store()?;
+    let backend = v.env.backend_for(&**store).await?;
     let ctx = std::sync::Arc::new(boxery_reconcilers::Ctx::new(
-        std::sync::Arc::new(store.clone()),
+        store.clone(),
         v.env.home.clone(),
         backend.clone(),
         "boxery-orphans".to_string(),
@@ -73,7 +73,7 @@ pub async fn list(v: &Verbs) -> Result<Vec<Orphan>> {
         .map(|i| ("Vm", i.name, i.mark))
         .chain(images.into_iter().map(|i| ("Image", i.name, i.mark)));
     for (kind, name, mark) in things {
-        let cur = ObjectStore::get(store, &ObjectRef::new(kind, name.clone())).await?;
+        let cur = store.get(&ObjectRef::new(kind, name.clone())).await?;
         let v = orphan_verdict(&ctx, mark.as_deref(), cur.as_ref().map(|o| &o.metadata))
             .await
             .map_err(|e| VerbError::failed(e.chain()))?;

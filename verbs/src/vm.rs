@@ -485,7 +485,7 @@ pub async fn power(v: &Verbs, names: &[String], run: RunStrategy) -> Result<Plan
         let vm = edit_vm(v, n, verb, |vm| vm.spec.run_strategy = run).await?;
         // `resume` of a VM suspended while idle: runStrategy was Running already
         if run == RunStrategy::Running && sleeps(&vm) {
-            if v.local().is_ok() {
+            if v.is_home_store() {
                 let _ = boxery_home::activity::touch(&v.env.home, n);
             }
             wake(v, n).await?;

@@ -324,7 +324,7 @@ async fn lead_if_needed(
     taking_over: bool,
     progress: &dyn Progress,
 ) -> Result<Option<Box<dyn Running>>> {
-    let (Ok(store), Some(control)) = (v.local(), v.env.control.as_ref()) else {
+    let (Ok(store), Some(control)) = (v.home_store(), v.env.control.as_ref()) else {
         return Ok(None);
     };
     Ok(match control.start_if_needed(&v.env, store).await? {
