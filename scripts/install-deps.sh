@@ -43,6 +43,11 @@ command -v kubectl >/dev/null 2>&1 || BASE_PKGS+=(kubernetes-client)
 # novnc: `boxery desktop` serves its page (/usr/share/novnc) to the person's browser. (The tests'
 # own browser, chromium, is installed by scripts/test.sh.)
 BASE_PKGS+=(novnc)
+# protobuf-compiler: the etcd client crate (store-etcd/) generates its gRPC code with protoc at
+# build time. etcd-server and etcd-client (etcdctl): the etcd store's tests start their own
+# three-member cluster on loopback ports (store-etcd/tests/cluster/); the package's own service
+# is not wanted: a fresh install has it disabled again (below).
+BASE_PKGS+=(protobuf-compiler etcd-server etcd-client)
 
 SRC=/etc/apt/sources.list.d/boxery-bookworm-backports.sources
 CHECK_ONLY=0
@@ -158,6 +163,9 @@ if [ -n "$MISS_BASE" ]; then
   # package started is stopped and disabled (a Prometheus installed before is left alone).
   if echo "$MISS_BASE" | grep -qx prometheus && [ -d /run/systemd/system ]; then
     systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
+  if echo "$MISS_BASE" | grep -qx etcd-server && [ -d /run/systemd/system ]; then
+    systemctl disable --now etcd >/dev/null 2>&1 || true
   fi
 fi
 

@@ -45,7 +45,7 @@ pub(crate) fn last_applied(obj: &DynObject) -> Result<Value> {
 
 /// Apply every object of the set inside `tx`, then prune. Returns what happened to each
 /// object, in the order given, then the pruned ones.
-pub(crate) fn apply_all<T: WriteTxn + ?Sized>(
+pub fn apply_all<T: WriteTxn + ?Sized>(
     tx: &mut T,
     objs: Vec<DynObject>,
     opts: &ApplyOptions,

@@ -39,7 +39,7 @@ mod fields;
 pub mod guard;
 mod leader;
 mod object_store;
-mod rules;
+pub mod rules;
 /// What [`reads_from!`] names, for the crates that use it.
 #[doc(hidden)]
 pub mod __private {
@@ -76,7 +76,7 @@ use crate::write::Tx;
 /// The kinds whose removal is remembered (their uids, in `tombstones`): the kinds a backend
 /// makes things for, so that an orphan in the backend is removed only when this store knew
 /// its object and deleted it.
-pub(crate) const TOMBSTONED_KINDS: [&str; 2] = ["Vm", "Image"];
+pub const TOMBSTONED_KINDS: [&str; 2] = ["Vm", "Image"];
 
 /// Annotation holding the manifest last applied (for `diff` and `--prune`).
 pub const LAST_APPLIED: &str = "boxery.dev/last-applied";

@@ -12,18 +12,23 @@ use boxery_api::validate::FieldError;
 use boxery_api::{DynObject, ValidationError};
 use serde_json::{Map, Value};
 
+pub use crate::apply::apply_all;
 use crate::{DeleteOutcome, Result, StoreError};
 
 /// The type of a change, as the log and watchers see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum EventType {
+pub enum EventType {
+    /// Created.
     Added,
+    /// Changed.
     Modified,
+    /// Removed.
     Deleted,
 }
 
 impl EventType {
-    pub(crate) fn as_str(self) -> &'static str {
+    /// Its name in the log (`Added`, `Modified`, `Deleted`).
+    pub fn as_str(self) -> &'static str {
         match self {
             EventType::Added => "Added",
             EventType::Modified => "Modified",
@@ -33,7 +38,7 @@ impl EventType {
 }
 
 /// What a store gives the write rules: the reads and the two writes of one transaction.
-pub(crate) trait WriteTxn {
+pub trait WriteTxn {
     /// The current object of a key.
     fn load(&self, kind: &str, name: &str) -> Result<Option<DynObject>>;
 
@@ -73,7 +78,7 @@ pub(crate) trait WriteTxn {
 }
 
 /// The write rules, for every [`WriteTxn`].
-pub(crate) trait Rules: WriteTxn {
+pub trait Rules: WriteTxn {
     /// Store `obj` over `old` (none for a new object) after checking that each
     /// ownerReference it adds names a current object: one that names a uid nobody has would
     /// never be garbage-collected.

@@ -1,0 +1,250 @@
+//! One write transaction on etcd, as the store's write rules need it ([`WriteTxn`]).
+//!
+//! Optimistic, and serial like SQLite's: the transaction reads the store's revision key
+//! (`P/meta/rev`) first, then every key it reads at the etcd revision of that read (one
+//! snapshot); its writes are kept here, and its own reads see them. At commit, one etcd
+//! transaction compares the revision key's `mod_revision` with the one read and, when it has
+//! not moved, writes everything and the new revision. Every object write moves that key, so a
+//! commit that succeeds is one nothing changed under; one that fails is run again from the
+//! start by the caller ([`crate::EtcdStore`]), the rules and all.
+
+use std::collections::BTreeMap;
+
+use boxery_api::DynObject;
+use boxery_store::Result;
+use boxery_store::rules::{EventType, WriteTxn};
+use etcd_client::{Compare, CompareOp, GetOptions, KvClient, Txn, TxnOp};
+use tokio::runtime::Handle;
+
+use crate::keys::{Keys, range_end};
+use crate::log::Entry;
+use crate::{etcd_error, parse_u64};
+
+pub(crate) struct EtcdTxn {
+    kv: KvClient,
+    handle: Handle,
+    keys: Keys,
+    /// The etcd revision every read is made at.
+    snapshot: i64,
+    /// The revision key's `mod_revision` at the start: the commit's condition.
+    rev_mod: i64,
+    rev: u64,
+    /// What the transaction wrote, by key: `None` for a deletion.
+    writes: BTreeMap<String, Option<Vec<u8>>>,
+}
+
+/// What a commit did.
+pub(crate) enum Commit {
+    /// Written (or nothing to write).
+    Done,
+    /// The store moved since the transaction read it: run it again.
+    Moved,
+}
+
+impl EtcdTxn {
+    /// Start: read the store's revision, and fix the snapshot the reads are made at. Called on
+    /// a thread that may block (not an async worker).
+    pub(crate) fn begin(kv: &KvClient, handle: &Handle, keys: &Keys) -> Result<EtcdTxn> {
+        let mut c = kv.clone();
+        let key = keys.rev();
+        let r = handle
+            .block_on(c.get(key.as_str(), None))
+            .map_err(etcd_error)?;
+        let snapshot = r.header().map_or(0, |h| h.revision());
+        let (rev, rev_mod) = match r.kvs().first() {
+            Some(kv) => (parse_u64(kv.value())?, kv.mod_revision()),
+            None => (0, 0),
+        };
+        Ok(EtcdTxn {
+            kv: kv.clone(),
+            handle: handle.clone(),
+            keys: keys.clone(),
+            snapshot,
+            rev_mod,
+            rev,
+            writes: BTreeMap::new(),
+        })
+    }
+
+    /// Write what the transaction wrote, if the store has not moved.
+    pub(crate) fn commit(self) -> Result<Commit> {
+        if self.writes.is_empty() {
+            return Ok(Commit::Done);
+        }
+        let mut ops: Vec<TxnOp> = self
+            .writes
+            .into_iter()
+            .map(|(k, v)| match v {
+                Some(v) => TxnOp::put(k, v, None),
+                None => TxnOp::delete(k, None),
+            })
+            .collect();
+        ops.push(TxnOp::put(self.keys.rev(), self.rev.to_string(), None));
+        let when = if self.rev_mod == 0 {
+            Compare::version(self.keys.rev(), CompareOp::Equal, 0)
+        } else {
+            Compare::mod_revision(self.keys.rev(), CompareOp::Equal, self.rev_mod)
+        };
+        let mut c = self.kv.clone();
+        let r = self
+            .handle
+            .block_on(c.txn(Txn::new().when([when]).and_then(ops)))
+            .map_err(etcd_error)?;
+        Ok(if r.succeeded() {
+            Commit::Done
+        } else {
+            Commit::Moved
+        })
+    }
+
+    /// A key's value: this transaction's write of it, else the snapshot's.
+    fn read(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        if let Some(w) = self.writes.get(key) {
+            return Ok(w.clone());
+        }
+        let mut c = self.kv.clone();
+        let r = self
+            .handle
+            .block_on(c.get(key, Some(GetOptions::new().with_revision(self.snapshot))))
+            .map_err(etcd_error)?;
+        Ok(r.kvs().first().map(|kv| kv.value().to_vec()))
+    }
+
+    /// Every key under `prefix` and its value, in key order: the snapshot's, with this
+    /// transaction's writes over them.
+    fn read_prefix(&self, prefix: &str) -> Result<BTreeMap<String, Vec<u8>>> {
+        let mut c = self.kv.clone();
+        let r = self
+            .handle
+            .block_on(
+                c.get(
+                    prefix,
+                    Some(
+                        GetOptions::new()
+                            .with_range(range_end(prefix))
+                            .with_revision(self.snapshot),
+                    ),
+                ),
+            )
+            .map_err(etcd_error)?;
+        let mut out: BTreeMap<String, Vec<u8>> = r
+            .kvs()
+            .iter()
+            .filter_map(|kv| Some((kv.key_str().ok()?.to_string(), kv.value().to_vec())))
+            .collect();
+        for (k, v) in self
+            .writes
+            .range(prefix.to_string()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+        {
+            match v {
+                Some(v) => out.insert(k.clone(), v.clone()),
+                None => out.remove(k),
+            };
+        }
+        Ok(out)
+    }
+
+    fn put(&mut self, key: String, value: impl Into<Vec<u8>>) {
+        self.writes.insert(key, Some(value.into()));
+    }
+
+    fn delete(&mut self, key: String) {
+        self.writes.insert(key, None);
+    }
+
+    /// Log change `rev`: `obj` (as it is now, or last, for a deletion) as `ev`.
+    fn log(&mut self, rev: u64, ev: EventType, obj: &DynObject) -> Result<()> {
+        let entry = Entry::new(ev, obj);
+        let json = serde_json::to_vec(&entry)?;
+        self.put(self.keys.log_entry(rev), json);
+        Ok(())
+    }
+}
+
+impl WriteTxn for EtcdTxn {
+    fn load(&self, kind: &str, name: &str) -> Result<Option<DynObject>> {
+        match self.read(&self.keys.object(kind, name))? {
+            Some(v) => Ok(Some(serde_json::from_slice(&v)?)),
+            None => Ok(None),
+        }
+    }
+
+    fn load_kind(&self, kind: &str) -> Result<Vec<DynObject>> {
+        // in key order, which is name order
+        self.read_prefix(&self.keys.kind(kind))?
+            .values()
+            .map(|v| Ok(serde_json::from_slice(v)?))
+            .collect()
+    }
+
+    fn uid_exists(&self, uid: &str) -> Result<bool> {
+        Ok(self.read(&self.keys.uid_index(uid))?.is_some())
+    }
+
+    fn was_removed(&self, uid: &str) -> Result<bool> {
+        Ok(self.read(&self.keys.tombstone(uid))?.is_some())
+    }
+
+    fn owned_by(&self, uid: &str) -> Result<Vec<(String, String)>> {
+        let prefix = self.keys.owned(uid);
+        Ok(self
+            .read_prefix(&prefix)?
+            .keys()
+            .filter_map(|k| {
+                let (kind, name) = k.strip_prefix(&prefix)?.split_once('/')?;
+                Some((kind.to_string(), name.to_string()))
+            })
+            .collect())
+    }
+
+    fn store_object(
+        &mut self,
+        obj: &mut DynObject,
+        ev: EventType,
+        old: Option<&DynObject>,
+    ) -> Result<()> {
+        self.rev += 1;
+        let rev = self.rev;
+        obj.metadata.resource_version = Some(rev.to_string());
+        let json = serde_json::to_vec(&obj)?;
+        let (kind, name) = (obj.kind.clone(), obj.metadata.name.clone());
+        self.put(self.keys.object(&kind, &name), json);
+        self.log(rev, ev, obj)?;
+        let uid = obj.metadata.uid.clone().unwrap_or_default();
+        if old.and_then(|o| o.metadata.uid.as_deref()) != Some(uid.as_str()) {
+            self.put(self.keys.uid_index(&uid), format!("{kind}/{name}"));
+        }
+        let old_refs = old
+            .map(|o| o.metadata.owner_references.as_slice())
+            .unwrap_or_default();
+        if old_refs != obj.metadata.owner_references.as_slice() {
+            for r in old_refs {
+                self.delete(self.keys.owner(&r.uid, &kind, &name));
+            }
+            for r in &obj.metadata.owner_references {
+                self.put(self.keys.owner(&r.uid, &kind, &name), Vec::new());
+            }
+        }
+        Ok(())
+    }
+
+    fn erase_object(&mut self, obj: &mut DynObject) -> Result<()> {
+        self.rev += 1;
+        let rev = self.rev;
+        obj.metadata.resource_version = Some(rev.to_string());
+        let (kind, name) = (obj.kind.clone(), obj.metadata.name.clone());
+        self.delete(self.keys.object(&kind, &name));
+        for r in &obj.metadata.owner_references {
+            self.delete(self.keys.owner(&r.uid, &kind, &name));
+        }
+        self.log(rev, EventType::Deleted, obj)?;
+        if let Some(uid) = obj.metadata.uid.clone() {
+            self.delete(self.keys.uid_index(&uid));
+            if boxery_store::TOMBSTONED_KINDS.contains(&kind.as_str()) {
+                self.put(self.keys.tombstone(&uid), format!("{kind}/{name}"));
+            }
+        }
+        Ok(())
+    }
+}

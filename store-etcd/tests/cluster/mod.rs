@@ -1,0 +1,198 @@
+//! A real etcd cluster for tests: `n` members (the Debian package's `etcd`, 3.4) on loopback
+//! ports, each data directory in one temp dir. Each member runs under `setpriv --pdeathsig
+//! KILL`, so it dies with the thread that started it even when the test process is killed;
+//! dropping the cluster kills every member (by its PID) and removes the data.
+#![allow(dead_code)] // each test binary uses what it needs
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// One member.
+struct Member {
+    name: String,
+    client: u16,
+    peer: u16,
+    child: Option<Child>,
+}
+
+/// A running cluster.
+pub struct Cluster {
+    members: Vec<Member>,
+    dir: tempfile::TempDir,
+    token: String,
+}
+
+/// Fails the test with what to do when etcd is not installed.
+fn etcd_binary() -> &'static str {
+    let ok = Command::new("etcd")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "etcd is not installed: `apt-get install etcd-server` (scripts/test.sh installs it)"
+    );
+    "etcd"
+}
+
+/// A free loopback port, and its listener (held until the member is about to bind it).
+fn free_port() -> (u16, TcpListener) {
+    let l = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+    (l.local_addr().expect("its address").port(), l)
+}
+
+impl Cluster {
+    /// Start `n` members and wait until the cluster answers.
+    pub fn start(n: usize) -> Cluster {
+        etcd_binary();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut held = Vec::new();
+        let members: Vec<Member> = (0..n)
+            .map(|i| {
+                let (client, a) = free_port();
+                let (peer, b) = free_port();
+                held.push(a);
+                held.push(b);
+                Member {
+                    name: format!("m{i}"),
+                    client,
+                    peer,
+                    child: None,
+                }
+            })
+            .collect();
+        drop(held);
+        let mut c = Cluster {
+            members,
+            dir,
+            token: format!("boxery-test-{}", std::process::id()),
+        };
+        for i in 0..n {
+            c.spawn(i, "new");
+        }
+        c.wait_healthy(Duration::from_secs(60));
+        c
+    }
+
+    fn data(&self, i: usize) -> PathBuf {
+        self.dir.path().join(&self.members[i].name)
+    }
+
+    fn log(&self, i: usize) -> PathBuf {
+        self.dir
+            .path()
+            .join(format!("{}.log", self.members[i].name))
+    }
+
+    fn spawn(&mut self, i: usize, state: &str) {
+        let initial: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer))
+            .collect();
+        let m = &self.members[i];
+        let client = format!("http://127.0.0.1:{}", m.client);
+        let peer = format!("http://127.0.0.1:{}", m.peer);
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(self.log(i))
+            .expect("member log");
+        let child = Command::new("setpriv")
+            .args(["--pdeathsig", "KILL", "--", "etcd"])
+            .args(["--name", &m.name])
+            .arg("--data-dir")
+            .arg(self.data(i))
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &initial.join(",")])
+            .args(["--initial-cluster-state", state])
+            .args(["--initial-cluster-token", &self.token])
+            // a changed object is two to five operations of a transaction
+            .args(["--max-txn-ops", "4096"])
+            .args(["--logger", "zap", "--log-level", "warn"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("setpriv and etcd start");
+        self.members[i].child = Some(child);
+    }
+
+    /// `host:port` of every member's client URL, comma separated.
+    pub fn hosts(&self) -> String {
+        self.members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.client))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Wait until every running member says it is healthy (`etcdctl endpoint health`).
+    pub fn wait_healthy(&mut self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            for (i, m) in self.members.iter_mut().enumerate() {
+                if let Some(c) = m.child.as_mut()
+                    && let Ok(Some(status)) = c.try_wait()
+                {
+                    let log =
+                        std::fs::read_to_string(self.dir.path().join(format!("{}.log", m.name)))
+                            .unwrap_or_default();
+                    panic!("etcd member {i} exited ({status}):\n{log}");
+                }
+            }
+            let endpoints: Vec<String> = self
+                .members
+                .iter()
+                .filter(|m| m.child.is_some())
+                .map(|m| format!("http://127.0.0.1:{}", m.client))
+                .collect();
+            let ok = Command::new("etcdctl")
+                .env("ETCDCTL_API", "3")
+                .args(["--endpoints", &endpoints.join(","), "--command-timeout=2s"])
+                .args(["endpoint", "health"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if ok {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the etcd cluster was not healthy within {within:?}; its logs are in {}",
+                self.dir.path().display()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Kill member `i` (SIGKILL), as a crash.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Start member `i` again on its data.
+    pub fn restart(&mut self, i: usize) {
+        self.kill(i);
+        self.spawn(i, "existing");
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+    }
+}
