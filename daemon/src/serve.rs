@@ -262,7 +262,7 @@ async fn lead_and_run(
     proxy: Option<boxery_proxy::Proxy>,
     observed: boxery_reconcilers::metrics::Observed,
 ) -> Result {
-    let store: Arc<dyn ObjectStore> = Arc::new(env.store()?);
+    let store = env.store()?;
     let backend = env.backend_for(&*store).await?;
     // Read before leading: an error after it would leave the leadership to time out.
     let config = boxery_verbs::env::read_config(&env.home)?;
@@ -301,6 +301,11 @@ async fn lead_and_run(
             shutdown.child_token(),
         ));
     }
+    if env.store_on_etcd()? {
+        // the SQLite store compacts its log in a thread of its own; the leader does it for
+        // a store on etcd
+        tokio::spawn(compact_log(store.clone(), shutdown.child_token()));
+    }
     let run = boxery_reconcilers::runtime::run(ctx, shutdown.child_token());
     tokio::select! {
         _ = run => {}
@@ -314,6 +319,27 @@ async fn lead_and_run(
         tracing::warn!(error = %e, "resigning leadership failed; a standby takes over when the lease expires");
     }
     Ok(())
+}
+
+/// The store's history kept: the newest 10,000 revisions, as the SQLite store keeps (a watcher
+/// further behind lists again).
+const KEEP_REVISIONS: u64 = 10_000;
+
+/// Compact the store's log every minute until `stop`.
+async fn compact_log(store: Arc<dyn ObjectStore>, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(60)) => {}
+            _ = stop.cancelled() => return,
+        }
+        match store.compact(KEEP_REVISIONS).await {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(removed = n, "compacted the store's log"),
+            Err(e) => {
+                tracing::warn!(error = %e, "compacting the store's log failed; trying again in a minute")
+            }
+        }
+    }
 }
 
 /// Wait for the backend: one that is not up yet (libvirtd starting after boxery at boot) is

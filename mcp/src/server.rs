@@ -175,7 +175,6 @@ fn embed_controllers(env: Env) -> tokio::task::JoinHandle<()> {
             return;
         };
         let Ok(store) = env.store() else { return };
-        let store: Arc<dyn boxery_store::ObjectStore> = Arc::new(store);
         let mut embedded = None;
         loop {
             if embedded.is_none() {

@@ -27,6 +27,7 @@
 mod keys;
 mod leader;
 mod log;
+mod ride;
 mod txn;
 mod watch;
 
@@ -120,12 +121,17 @@ impl Drop for Inner {
 }
 
 impl Inner {
-    /// Run `f` on the store's runtime.
-    async fn run<T: Send + 'static>(
+    /// Run the call `f` makes on the store's runtime, again while etcd is unavailable
+    /// ([`ride`]).
+    async fn run<T: Send + 'static, F>(
         &self,
-        f: impl std::future::Future<Output = Result<T>> + Send + 'static,
-    ) -> Result<T> {
-        self.handle.spawn(f).await.map_err(|e| {
+        f: impl Fn() -> F + Send + Sync + 'static,
+    ) -> Result<T>
+    where
+        F: std::future::Future<Output = Result<T>> + Send,
+    {
+        let call = async move { ride::retry(&f).await };
+        self.handle.spawn(call).await.map_err(|e| {
             if e.is_panic() {
                 std::panic::resume_unwind(e.into_panic())
             }
@@ -136,12 +142,15 @@ impl Inner {
     }
 
     async fn get_u64(&self, key: String) -> Result<u64> {
-        let mut kv = self.client.kv_client();
-        self.run(async move {
-            let r = kv.get(key, None).await.map_err(etcd_error)?;
-            match r.kvs().first() {
-                Some(kv) => parse_u64(kv.value()),
-                None => Ok(0),
+        let kv = self.client.kv_client();
+        self.run(move || {
+            let (mut kv, key) = (kv.clone(), key.clone());
+            async move {
+                let r = kv.get(key, None).await.map_err(etcd_error)?;
+                match r.kvs().first() {
+                    Some(kv) => parse_u64(kv.value()),
+                    None => Ok(0),
+                }
             }
         })
         .await
@@ -187,34 +196,39 @@ impl EtcdStore {
                 let options = etcd_client::ConnectOptions::new()
                     .with_connect_timeout(Duration::from_secs(5))
                     .with_timeout(Duration::from_secs(10));
-                let mut client = Client::connect(&endpoints, Some(options))
+                let client = Client::connect(&endpoints, Some(options))
                     .await
                     .map_err(|e| StoreError::OpenDb {
                         path: endpoints.join(","),
                         source: DbError::new(e),
                     })?;
-                let uid = uuid::Uuid::new_v4().to_string();
-                client
-                    .txn(
-                        Txn::new()
-                            .when([Compare::version(k.uid(), CompareOp::Equal, 0)])
-                            .and_then([
-                                TxnOp::put(k.uid(), uid, None),
-                                TxnOp::put(k.rev(), "0", None),
-                                TxnOp::put(k.compacted(), "0", None),
-                            ]),
-                    )
-                    .await
-                    .map_err(etcd_error)?;
-                let r = client.get(k.uid(), None).await.map_err(etcd_error)?;
-                let uid = r
-                    .kvs()
-                    .first()
-                    .and_then(|kv| kv.value_str().ok())
-                    .map(str::to_string)
-                    .ok_or_else(|| StoreError::Unavailable {
-                        why: "the store's identity vanished as it was made".into(),
-                    })?;
+                let made = uuid::Uuid::new_v4().to_string();
+                let uid = ride::retry(|| {
+                    let (mut client, k, made) = (client.clone(), k.clone(), made.clone());
+                    async move {
+                        client
+                            .txn(
+                                Txn::new()
+                                    .when([Compare::version(k.uid(), CompareOp::Equal, 0)])
+                                    .and_then([
+                                        TxnOp::put(k.uid(), made, None),
+                                        TxnOp::put(k.rev(), "0", None),
+                                        TxnOp::put(k.compacted(), "0", None),
+                                    ]),
+                            )
+                            .await
+                            .map_err(etcd_error)?;
+                        let r = client.get(k.uid(), None).await.map_err(etcd_error)?;
+                        r.kvs()
+                            .first()
+                            .and_then(|kv| kv.value_str().ok())
+                            .map(str::to_string)
+                            .ok_or_else(|| {
+                                corrupt("the store's identity vanished as it was made".into())
+                            })
+                    }
+                })
+                .await?;
                 Ok::<_, StoreError>((client, uid))
             })
             .await
@@ -308,16 +322,24 @@ pub(crate) fn etcd_error(e: etcd_client::Error) -> StoreError {
     }
 }
 
+/// A record of the store that is not what the store writes (an error that no retry mends).
+pub(crate) fn corrupt(why: String) -> StoreError {
+    StoreError::Db(DbError::new(std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        why,
+    )))
+}
+
 /// A decimal number the store wrote.
 pub(crate) fn parse_u64(v: &[u8]) -> Result<u64> {
     std::str::from_utf8(v)
         .ok()
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| StoreError::Unavailable {
-            why: format!(
+        .ok_or_else(|| {
+            corrupt(format!(
                 "the store holds {:?} where a number belongs: is another program writing under its prefix?",
                 String::from_utf8_lossy(v)
-            ),
+            ))
         })
 }
 
@@ -332,13 +354,16 @@ impl ObjectStore for EtcdStore {
             return Ok(None);
         }
         let k = self.inner.keys.object(&key.kind, &key.name);
-        let mut kv = self.inner.client.kv_client();
+        let kv = self.inner.client.kv_client();
         self.inner
-            .run(async move {
-                let r = kv.get(k, None).await.map_err(etcd_error)?;
-                match r.kvs().first() {
-                    Some(kv) => Ok(Some(serde_json::from_slice(kv.value())?)),
-                    None => Ok(None),
+            .run(move || {
+                let (mut kv, k) = (kv.clone(), k.clone());
+                async move {
+                    let r = kv.get(k, None).await.map_err(etcd_error)?;
+                    match r.kvs().first() {
+                        Some(kv) => Ok(Some(serde_json::from_slice(kv.value())?)),
+                        None => Ok(None),
+                    }
                 }
             })
             .await
@@ -348,58 +373,65 @@ impl ObjectStore for EtcdStore {
         let prefix = self.inner.keys.kind(kind);
         let rev = self.inner.keys.rev();
         let selector = selector.clone();
-        let mut kv = self.inner.client.kv_client();
+        let kv = self.inner.client.kv_client();
         self.inner
-            .run(async move {
-                // the kind and the revision at one etcd revision
-                let r = kv
-                    .txn(Txn::new().and_then([
-                        TxnOp::get(rev, None),
-                        TxnOp::get(
-                            prefix.as_str(),
-                            Some(GetOptions::new().with_range(range_end(&prefix))),
-                        ),
-                    ]))
-                    .await
-                    .map_err(etcd_error)?;
-                let mut at = 0;
-                let mut out = Vec::new();
-                for (i, op) in r.op_responses().into_iter().enumerate() {
-                    let TxnOpResponse::Get(g) = op else { continue };
-                    if i == 0 {
-                        if let Some(kv) = g.kvs().first() {
-                            at = parse_u64(kv.value())?;
+            .run(move || {
+                let (mut kv, rev, prefix, selector) =
+                    (kv.clone(), rev.clone(), prefix.clone(), selector.clone());
+                async move {
+                    // the kind and the revision at one etcd revision
+                    let r = kv
+                        .txn(Txn::new().and_then([
+                            TxnOp::get(rev, None),
+                            TxnOp::get(
+                                prefix.as_str(),
+                                Some(GetOptions::new().with_range(range_end(&prefix))),
+                            ),
+                        ]))
+                        .await
+                        .map_err(etcd_error)?;
+                    let mut at = 0;
+                    let mut out = Vec::new();
+                    for (i, op) in r.op_responses().into_iter().enumerate() {
+                        let TxnOpResponse::Get(g) = op else { continue };
+                        if i == 0 {
+                            if let Some(kv) = g.kvs().first() {
+                                at = parse_u64(kv.value())?;
+                            }
+                            continue;
                         }
-                        continue;
-                    }
-                    for kv in g.kvs() {
-                        let obj: DynObject = serde_json::from_slice(kv.value())?;
-                        if selector.matches(&obj.metadata.labels) {
-                            out.push(obj);
+                        for kv in g.kvs() {
+                            let obj: DynObject = serde_json::from_slice(kv.value())?;
+                            if selector.matches(&obj.metadata.labels) {
+                                out.push(obj);
+                            }
                         }
                     }
+                    Ok((out, at))
                 }
-                Ok((out, at))
             })
             .await
     }
 
     async fn list_named_prefix(&self, kind: &str, prefix: &str) -> Result<Vec<DynObject>> {
         let start = format!("{}{prefix}", self.inner.keys.kind(kind));
-        let mut kv = self.inner.client.kv_client();
+        let kv = self.inner.client.kv_client();
         self.inner
-            .run(async move {
-                let r = kv
-                    .get(
-                        start.as_str(),
-                        Some(GetOptions::new().with_range(range_end(&start))),
-                    )
-                    .await
-                    .map_err(etcd_error)?;
-                r.kvs()
-                    .iter()
-                    .map(|kv| Ok(serde_json::from_slice(kv.value())?))
-                    .collect()
+            .run(move || {
+                let (mut kv, start) = (kv.clone(), start.clone());
+                async move {
+                    let r = kv
+                        .get(
+                            start.as_str(),
+                            Some(GetOptions::new().with_range(range_end(&start))),
+                        )
+                        .await
+                        .map_err(etcd_error)?;
+                    r.kvs()
+                        .iter()
+                        .map(|kv| Ok(serde_json::from_slice(kv.value())?))
+                        .collect()
+                }
             })
             .await
     }
@@ -460,66 +492,69 @@ impl ObjectStore for EtcdStore {
 
     async fn compact(&self, keep_revisions: u64) -> Result<u64> {
         let keys = self.inner.keys.clone();
-        let mut kv = self.inner.client.kv_client();
+        let kv = self.inner.client.kv_client();
         self.inner
-            .run(async move {
-                loop {
-                    let r = kv
-                        .txn(Txn::new().and_then([
-                            TxnOp::get(keys.rev(), None),
-                            TxnOp::get(keys.compacted(), None),
-                        ]))
-                        .await
-                        .map_err(etcd_error)?;
-                    let mut vals = [(0u64, 0i64); 2];
-                    for (i, op) in r.op_responses().into_iter().enumerate().take(2) {
-                        if let TxnOpResponse::Get(g) = op
-                            && let Some(kv) = g.kvs().first()
-                        {
-                            vals[i] = (parse_u64(kv.value())?, kv.mod_revision());
+            .run(move || {
+                let (mut kv, keys) = (kv.clone(), keys.clone());
+                async move {
+                    loop {
+                        let r = kv
+                            .txn(Txn::new().and_then([
+                                TxnOp::get(keys.rev(), None),
+                                TxnOp::get(keys.compacted(), None),
+                            ]))
+                            .await
+                            .map_err(etcd_error)?;
+                        let mut vals = [(0u64, 0i64); 2];
+                        for (i, op) in r.op_responses().into_iter().enumerate().take(2) {
+                            if let TxnOpResponse::Get(g) = op
+                                && let Some(kv) = g.kvs().first()
+                            {
+                                vals[i] = (parse_u64(kv.value())?, kv.mod_revision());
+                            }
                         }
-                    }
-                    let [(rev, _), (floor, floor_mod)] = vals;
-                    let new_floor = rev.saturating_sub(keep_revisions);
-                    if new_floor <= floor {
-                        return Ok(0);
-                    }
-                    // the floor first (one transaction): a watcher that finds an entry gone
-                    // finds the floor that says why
-                    let r = kv
-                        .txn(
-                            Txn::new()
-                                .when([Compare::mod_revision(
-                                    keys.compacted(),
-                                    CompareOp::Equal,
-                                    floor_mod,
-                                )])
-                                .and_then([
-                                    TxnOp::put(keys.compacted(), new_floor.to_string(), None),
-                                    TxnOp::delete(
-                                        keys.log_entry(floor + 1),
-                                        Some(
-                                            etcd_client::DeleteOptions::new()
-                                                .with_range(keys.log_entry(new_floor + 1)),
+                        let [(rev, _), (floor, floor_mod)] = vals;
+                        let new_floor = rev.saturating_sub(keep_revisions);
+                        if new_floor <= floor {
+                            return Ok(0);
+                        }
+                        // the floor first (one transaction): a watcher that finds an entry gone
+                        // finds the floor that says why
+                        let r = kv
+                            .txn(
+                                Txn::new()
+                                    .when([Compare::mod_revision(
+                                        keys.compacted(),
+                                        CompareOp::Equal,
+                                        floor_mod,
+                                    )])
+                                    .and_then([
+                                        TxnOp::put(keys.compacted(), new_floor.to_string(), None),
+                                        TxnOp::delete(
+                                            keys.log_entry(floor + 1),
+                                            Some(
+                                                etcd_client::DeleteOptions::new()
+                                                    .with_range(keys.log_entry(new_floor + 1)),
+                                            ),
                                         ),
-                                    ),
-                                ]),
-                        )
-                        .await
-                        .map_err(etcd_error)?;
-                    if !r.succeeded() {
-                        // another compaction moved the floor: look again
-                        continue;
+                                    ]),
+                            )
+                            .await
+                            .map_err(etcd_error)?;
+                        if !r.succeeded() {
+                            // another compaction moved the floor: look again
+                            continue;
+                        }
+                        let deleted = r
+                            .op_responses()
+                            .into_iter()
+                            .find_map(|op| match op {
+                                TxnOpResponse::Delete(d) => Some(d.deleted()),
+                                _ => None,
+                            })
+                            .unwrap_or(0);
+                        return Ok(deleted.max(0) as u64);
                     }
-                    let deleted = r
-                        .op_responses()
-                        .into_iter()
-                        .find_map(|op| match op {
-                            TxnOpResponse::Delete(d) => Some(d.deleted()),
-                            _ => None,
-                        })
-                        .unwrap_or(0);
-                    return Ok(deleted.max(0) as u64);
                 }
             })
             .await
@@ -531,30 +566,39 @@ impl ObjectStore for EtcdStore {
 
     async fn was_removed(&self, uid: &str) -> Result<bool> {
         let k = self.inner.keys.tombstone(uid);
-        let mut kv = self.inner.client.kv_client();
+        let kv = self.inner.client.kv_client();
         self.inner
-            .run(async move {
-                let r = kv.get(k, None).await.map_err(etcd_error)?;
-                Ok(!r.kvs().is_empty())
+            .run(move || {
+                let (mut kv, k) = (kv.clone(), k.clone());
+                async move {
+                    let r = kv.get(k, None).await.map_err(etcd_error)?;
+                    Ok(!r.kvs().is_empty())
+                }
             })
             .await
     }
 
     async fn try_lead(&self, lock: &str, me: &Candidate, ttl: Duration) -> Result<Leadership> {
         let (kv, key) = (self.inner.client.kv_client(), self.inner.keys.leader(lock));
+        let me = me.clone();
         self.inner
-            .run(leader::try_lead(kv, key, me.clone(), ttl))
+            .run(move || leader::try_lead(kv.clone(), key.clone(), me.clone(), ttl))
             .await
     }
 
     async fn resign(&self, lock: &str, me: &Candidate) -> Result<()> {
         let (kv, key) = (self.inner.client.kv_client(), self.inner.keys.leader(lock));
-        self.inner.run(leader::resign(kv, key, me.clone())).await
+        let me = me.clone();
+        self.inner
+            .run(move || leader::resign(kv.clone(), key.clone(), me.clone()))
+            .await
     }
 
     async fn leader(&self, lock: &str) -> Result<Option<String>> {
         let (kv, key) = (self.inner.client.kv_client(), self.inner.keys.leader(lock));
-        self.inner.run(leader::holder(kv, key)).await
+        self.inner
+            .run(move || leader::holder(kv.clone(), key.clone()))
+            .await
     }
 }
 

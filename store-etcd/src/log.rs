@@ -32,9 +32,9 @@ impl Entry {
             "Modified" => WatchEvent::Modified(self.object),
             "Deleted" => WatchEvent::Deleted(self.object),
             other => {
-                return Err(boxery_store::StoreError::Unavailable {
-                    why: format!("the store's log holds a change of unknown type {other:?}"),
-                });
+                return Err(crate::corrupt(format!(
+                    "the store's log holds a change of unknown type {other:?}"
+                )));
             }
         })
     }

@@ -18,6 +18,7 @@ use tokio::runtime::Handle;
 
 use crate::keys::{Keys, range_end};
 use crate::log::Entry;
+use crate::ride::{self, retry_blocking};
 use crate::{etcd_error, parse_u64};
 
 pub(crate) struct EtcdTxn {
@@ -45,11 +46,13 @@ impl EtcdTxn {
     /// Start: read the store's revision, and fix the snapshot the reads are made at. Called on
     /// a thread that may block (not an async worker).
     pub(crate) fn begin(kv: &KvClient, handle: &Handle, keys: &Keys) -> Result<EtcdTxn> {
-        let mut c = kv.clone();
         let key = keys.rev();
-        let r = handle
-            .block_on(c.get(key.as_str(), None))
-            .map_err(etcd_error)?;
+        let r = retry_blocking(|| {
+            let mut c = kv.clone();
+            handle
+                .block_on(c.get(key.as_str(), None))
+                .map_err(etcd_error)
+        })?;
         let snapshot = r.header().map_or(0, |h| h.revision());
         let (rev, rev_mod) = match r.kvs().first() {
             Some(kv) => (parse_u64(kv.value())?, kv.mod_revision()),
@@ -71,9 +74,12 @@ impl EtcdTxn {
         if self.writes.is_empty() {
             return Ok(Commit::Done);
         }
+        let first = self.keys.log_entry(self.first_rev());
+        let ours = self.writes_of(&first);
         let mut ops: Vec<TxnOp> = self
             .writes
-            .into_iter()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
             .map(|(k, v)| match v {
                 Some(v) => TxnOp::put(k, v, None),
                 None => TxnOp::delete(k, None),
@@ -86,15 +92,63 @@ impl EtcdTxn {
             Compare::mod_revision(self.keys.rev(), CompareOp::Equal, self.rev_mod)
         };
         let mut c = self.kv.clone();
-        let r = self
+        match self
             .handle
-            .block_on(c.txn(Txn::new().when([when]).and_then(ops)))
-            .map_err(etcd_error)?;
-        Ok(if r.succeeded() {
+            .block_on(c.txn(Txn::new().when([when.clone()]).and_then(ops)))
+            .map_err(etcd_error)
+        {
+            Ok(r) if r.succeeded() => Ok(Commit::Done),
+            Ok(_) => Ok(Commit::Moved),
+            // etcd did not say: the transaction may still be applied
+            Err(e) if ride::transient(&e) => self.settle(when, &first, ours),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The first revision this transaction wrote.
+    fn first_rev(&self) -> u64 {
+        self.writes
+            .keys()
+            .filter_map(|k| crate::keys::log_rev(k.as_bytes()))
+            .min()
+            .unwrap_or(self.rev)
+    }
+
+    /// What this transaction writes at `key`.
+    fn writes_of(&self, key: &str) -> Option<Vec<u8>> {
+        self.writes.get(key).cloned().flatten()
+    }
+
+    /// Whether a commit etcd did not answer was applied. First a fence: a write of the
+    /// revision key as it is, on the same condition, so the unanswered one can no longer be
+    /// applied after this looks. The fence applied: the commit was not (run again). The fence
+    /// refused: something was applied; it was this commit when its first log entry is ours.
+    fn settle(&self, when: Compare, first: &str, ours: Option<Vec<u8>>) -> Result<Commit> {
+        let fence = TxnOp::put(self.keys.rev(), self.rev_before().to_string(), None);
+        let r = retry_blocking(|| {
+            let mut c = self.kv.clone();
+            self.handle
+                .block_on(c.txn(Txn::new().when([when.clone()]).and_then([fence.clone()])))
+                .map_err(etcd_error)
+        })?;
+        if r.succeeded() {
+            return Ok(Commit::Moved);
+        }
+        let found = retry_blocking(|| {
+            let mut c = self.kv.clone();
+            self.handle.block_on(c.get(first, None)).map_err(etcd_error)
+        })?;
+        let applied = found.kvs().first().map(|kv| kv.value().to_vec());
+        Ok(if applied.is_some() && applied == ours {
             Commit::Done
         } else {
             Commit::Moved
         })
+    }
+
+    /// The store's revision this transaction started from.
+    fn rev_before(&self) -> u64 {
+        self.first_rev().saturating_sub(1)
     }
 
     /// A key's value: this transaction's write of it, else the snapshot's.
@@ -102,31 +156,33 @@ impl EtcdTxn {
         if let Some(w) = self.writes.get(key) {
             return Ok(w.clone());
         }
-        let mut c = self.kv.clone();
-        let r = self
-            .handle
-            .block_on(c.get(key, Some(GetOptions::new().with_revision(self.snapshot))))
-            .map_err(etcd_error)?;
+        let r = retry_blocking(|| {
+            let mut c = self.kv.clone();
+            self.handle
+                .block_on(c.get(key, Some(GetOptions::new().with_revision(self.snapshot))))
+                .map_err(etcd_error)
+        })?;
         Ok(r.kvs().first().map(|kv| kv.value().to_vec()))
     }
 
     /// Every key under `prefix` and its value, in key order: the snapshot's, with this
     /// transaction's writes over them.
     fn read_prefix(&self, prefix: &str) -> Result<BTreeMap<String, Vec<u8>>> {
-        let mut c = self.kv.clone();
-        let r = self
-            .handle
-            .block_on(
-                c.get(
-                    prefix,
-                    Some(
-                        GetOptions::new()
-                            .with_range(range_end(prefix))
-                            .with_revision(self.snapshot),
+        let r = retry_blocking(|| {
+            let mut c = self.kv.clone();
+            self.handle
+                .block_on(
+                    c.get(
+                        prefix,
+                        Some(
+                            GetOptions::new()
+                                .with_range(range_end(prefix))
+                                .with_revision(self.snapshot),
+                        ),
                     ),
-                ),
-            )
-            .map_err(etcd_error)?;
+                )
+                .map_err(etcd_error)
+        })?;
         let mut out: BTreeMap<String, Vec<u8>> = r
             .kvs()
             .iter()

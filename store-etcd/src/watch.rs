@@ -4,6 +4,7 @@
 //! seen means compaction took entries this watcher had not read: `TooOld`, never a silent gap.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use boxery_store::{Result, StoreError, WatchEvent, WatchStream};
 use etcd_client::{EventType, GetOptions, WatchOptions};
@@ -12,7 +13,7 @@ use tokio::sync::mpsc;
 
 use crate::keys::{log_rev, range_end};
 use crate::log::Entry;
-use crate::{Inner, etcd_error, parse_u64};
+use crate::{Inner, etcd_error, parse_u64, ride};
 
 /// Log entries read per request while catching up.
 const PAGE: i64 = 500;
@@ -28,8 +29,27 @@ pub(crate) fn stream(inner: Arc<Inner>, kind: Option<String>, from: u64) -> Watc
             from,
             tx,
         };
-        if let Err(e) = w.run().await {
-            let _ = w.tx.send(Err(e)).await;
+        // etcd unavailable for a while (a member lost, a new leader): the watch goes on from
+        // where it was, unless it makes no progress for as long as a call rides it out
+        let mut since = Instant::now();
+        loop {
+            let at = w.from;
+            match w.run().await {
+                Ok(()) => return,
+                Err(e)
+                    if ride::transient(&e) && (w.from > at || since.elapsed() < ride::RIDE_OUT) =>
+                {
+                    if w.from > at {
+                        since = Instant::now();
+                    }
+                    tracing::debug!(error = %e, "the watch lost etcd; watching again");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => {
+                    let _ = w.tx.send(Err(e)).await;
+                    return;
+                }
+            }
         }
     });
     // fused: a stream that ended (an error, or the store gone) stays ended

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use boxery_api::Resource as _;
 use boxery_backends::Backend;
 use boxery_store::{ObjectStore, ObjectStoreExt, Store};
+use boxery_store_etcd::{EtcdConfig, EtcdStore};
 
 use crate::error::{ErrorKind, Result, VerbError};
 
@@ -101,7 +102,11 @@ impl Env {
     /// Open (creating if needed) the store. A home this process already opened and that is
     /// gone now was removed under it: that is an error, not a new empty home (a long-running
     /// `mcp` or `serve` must not bring back a home that was deleted).
-    pub fn store(&self) -> Result<Store> {
+    ///
+    /// The store is the home's SQLite file (`store.db`), or the etcd cluster `config.yaml`
+    /// names (`store: {etcd: {endpoints: [HOST:PORT, …], prefix: /boxery}}`): the one place
+    /// that chooses.
+    pub fn store(&self) -> Result<Arc<dyn ObjectStore>> {
         let mut opened = OPENED_HOMES.lock().unwrap_or_else(|e| e.into_inner());
         if !self.home.exists() && opened.contains(&self.home) {
             return Err(VerbError::failed(format!(
@@ -110,9 +115,17 @@ impl Env {
             )));
         }
         self.ensure_home()?;
-        let store = Store::open(&boxery_home::layout::store(&self.home))?;
+        let store: Arc<dyn ObjectStore> = match read_config(&self.home)?.store.etcd {
+            Some(etcd) => Arc::new(connect_etcd(&self.home, etcd.config()?)?),
+            None => Arc::new(Store::open(&boxery_home::layout::store(&self.home))?),
+        };
         opened.insert(self.home.clone());
         Ok(store)
+    }
+
+    /// Whether this home's store is on etcd (`config.yaml`'s `store.etcd`), not its own file.
+    pub fn store_on_etcd(&self) -> Result<bool> {
+        Ok(read_config(&self.home)?.store.etcd.is_some())
     }
 
     /// Make `$BOXERY_HOME` private to its owner: created 0700 (whatever the umask), and an
@@ -284,6 +297,10 @@ pub struct Config {
     /// memory images may take together; docs/live-memory.md).
     #[serde(default)]
     pub memory: MemoryConfig,
+    /// Where the objects live (`store: {etcd: …}`; docs/scale-out.md). Absent: the home's
+    /// SQLite file.
+    #[serde(default)]
+    pub store: StoreConfig,
 }
 
 /// `memory:` in `config.yaml`.
@@ -314,6 +331,84 @@ impl Default for GrantsConfig {
 
 fn yes() -> bool {
     true
+}
+
+/// Connect to the store on etcd (from a thread of its own: callers may be inside a runtime).
+fn connect_etcd(home: &Path, config: EtcdConfig) -> Result<EtcdStore> {
+    let shown = config.endpoints.join(", ");
+    let c = config.clone();
+    std::thread::spawn(move || futures::executor::block_on(EtcdStore::connect(&c)))
+        .join()
+        .map_err(|_| VerbError::failed("connecting to etcd failed"))?
+        .map_err(|e| {
+            VerbError::failed(format!(
+                "cannot reach the store on etcd at {shown} ({}: store.etcd): {}; is the cluster up? `etcdctl --endpoints {} endpoint health` says",
+                boxery_home::layout::config(home).display(),
+                crate::error::chain(&e),
+                config.endpoints.join(",")
+            ))
+        })
+}
+
+/// `store:` in `config.yaml`: where the objects live. Absent: the home's SQLite file.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct StoreConfig {
+    /// An etcd cluster (`etcd: {endpoints: [10.0.0.1:2379, …], prefix: /boxery}`).
+    #[serde(default)]
+    pub etcd: Option<EtcdSection>,
+}
+
+/// `store.etcd:` in `config.yaml`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct EtcdSection {
+    /// Each member's client address: `HOST:PORT` or `http://HOST:PORT`.
+    pub endpoints: Vec<String>,
+    /// The prefix of every key the store writes (default `/boxery`): several control planes
+    /// may share a cluster under different prefixes.
+    #[serde(default)]
+    pub prefix: Option<String>,
+}
+
+impl EtcdSection {
+    /// The store's address as the etcd store takes it.
+    pub fn config(&self) -> Result<EtcdConfig> {
+        if self.endpoints.is_empty() {
+            return Err(VerbError::invalid(
+                "config.yaml: store.etcd.endpoints is empty: list each member's HOST:PORT",
+            ));
+        }
+        let mut endpoints = Vec::new();
+        for e in &self.endpoints {
+            let host = e.strip_prefix("http://").unwrap_or(e);
+            if e.starts_with("https://") {
+                return Err(VerbError::invalid(format!(
+                    "config.yaml: store.etcd.endpoints: {e}: TLS to etcd is not supported yet; use http:// on a network only the control plane's hosts reach"
+                )));
+            }
+            if host.is_empty() || host.contains('/') || !host.contains(':') {
+                return Err(VerbError::invalid(format!(
+                    "config.yaml: store.etcd.endpoints: {e:?} is not HOST:PORT"
+                )));
+            }
+            endpoints.push(format!("http://{host}"));
+        }
+        let prefix = self
+            .prefix
+            .as_deref()
+            .unwrap_or("/boxery")
+            .trim_matches('/');
+        if prefix.is_empty() {
+            return Err(VerbError::invalid(
+                "config.yaml: store.etcd.prefix may not be empty or `/`: the store's keys need a prefix of their own",
+            ));
+        }
+        Ok(EtcdConfig {
+            endpoints,
+            prefix: format!("/{prefix}"),
+        })
+    }
 }
 
 /// Read `config.yaml` (all defaults when there is none).

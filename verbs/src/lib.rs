@@ -105,7 +105,7 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Duplex for 
 impl Verbs {
     /// The verbs over the store in `env`'s home (opened, created if needed).
     pub fn open(env: Env, voice: Voice) -> Result<Verbs> {
-        let store: Arc<dyn ObjectStore> = Arc::new(env.store()?);
+        let store = env.store()?;
         Ok(Verbs::with_store(env, voice, store, true))
     }
 

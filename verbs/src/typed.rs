@@ -38,8 +38,11 @@ impl Verbs {
 /// Who leads the store of `env`'s home: `Ok(None)` when nothing does, or when the home has
 /// no store yet (`boxery version` opens nothing it would create).
 pub fn leader(env: &crate::Env) -> Result<Option<String>> {
-    if !boxery_home::layout::store(&env.home).exists() {
+    if !env.store_on_etcd()? && !boxery_home::layout::store(&env.home).exists() {
         return Ok(None);
     }
-    Ok(env.store()?.leader(crate::control::LOCK)?)
+    let store = env.store()?;
+    Ok(futures::executor::block_on(
+        store.leader(crate::control::LOCK),
+    )?)
 }
