@@ -103,19 +103,21 @@ pub(crate) struct Inner {
     uid: String,
     address: String,
     handle: Handle,
-    /// The store's own runtime: shut down (without waiting) with the last handle.
-    runtime: std::sync::Mutex<Option<Runtime>>,
+    /// The store's own runtime, shut down with the last handle.
+    _runtime: OwnRuntime,
 }
 
-impl Drop for Inner {
+/// A runtime shut down when dropped, without waiting for its tasks, from a thread of its own:
+/// the last handle may go in any context, an async one, or one of this runtime's own threads
+/// (a watch ending, a write whose caller went away), where a runtime may not be dropped.
+struct OwnRuntime(Option<Runtime>);
+
+impl Drop for OwnRuntime {
     fn drop(&mut self) {
-        if let Some(rt) = self
-            .runtime
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            rt.shutdown_background();
+        if let Some(rt) = self.0.take() {
+            let _ = std::thread::Builder::new()
+                .name("boxery-etcd-stop".into())
+                .spawn(move || rt.shutdown_background());
         }
     }
 }
@@ -188,6 +190,8 @@ impl EtcdStore {
                 why: format!("cannot start the etcd store's runtime: {e}"),
             })?;
         let handle = runtime.handle().clone();
+        // dropped safely on every path, an error's included
+        let runtime = OwnRuntime(Some(runtime));
         let keys = Keys::new(&config.prefix);
         let endpoints = config.endpoints.clone();
         let k = keys.clone();
@@ -224,7 +228,7 @@ impl EtcdStore {
                             .and_then(|kv| kv.value_str().ok())
                             .map(str::to_string)
                             .ok_or_else(|| {
-                                corrupt("the store's identity vanished as it was made".into())
+                                db_failure("the store's identity vanished as it was made".into())
                             })
                     }
                 })
@@ -242,7 +246,7 @@ impl EtcdStore {
                 keys,
                 uid,
                 handle,
-                runtime: std::sync::Mutex::new(Some(runtime)),
+                _runtime: runtime,
             }),
         })
     }
@@ -322,8 +326,21 @@ pub(crate) fn etcd_error(e: etcd_client::Error) -> StoreError {
     }
 }
 
-/// A record of the store that is not what the store writes (an error that no retry mends).
-pub(crate) fn corrupt(why: String) -> StoreError {
+/// An error and its causes, `: `-separated.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}
+
+/// A failure of the database that no retry mends (a record that is not what the store writes,
+/// a transaction etcd refuses).
+pub(crate) fn db_failure(why: String) -> StoreError {
     StoreError::Db(DbError::new(std::io::Error::new(
         std::io::ErrorKind::InvalidData,
         why,
@@ -336,7 +353,7 @@ pub(crate) fn parse_u64(v: &[u8]) -> Result<u64> {
         .ok()
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| {
-            corrupt(format!(
+            db_failure(format!(
                 "the store holds {:?} where a number belongs: is another program writing under its prefix?",
                 String::from_utf8_lossy(v)
             ))

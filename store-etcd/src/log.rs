@@ -32,7 +32,7 @@ impl Entry {
             "Modified" => WatchEvent::Modified(self.object),
             "Deleted" => WatchEvent::Deleted(self.object),
             other => {
-                return Err(crate::corrupt(format!(
+                return Err(crate::db_failure(format!(
                     "the store's log holds a change of unknown type {other:?}"
                 )));
             }

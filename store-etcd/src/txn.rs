@@ -11,8 +11,8 @@
 use std::collections::BTreeMap;
 
 use boxery_api::DynObject;
-use boxery_store::Result;
 use boxery_store::rules::{EventType, WriteTxn};
+use boxery_store::{Result, StoreError};
 use etcd_client::{Compare, CompareOp, GetOptions, KvClient, Txn, TxnOp};
 use tokio::runtime::Handle;
 
@@ -32,6 +32,12 @@ pub(crate) struct EtcdTxn {
     rev: u64,
     /// What the transaction wrote, by key: `None` for a deletion.
     writes: BTreeMap<String, Option<Vec<u8>>>,
+}
+
+/// Whether etcd refused a transaction for its size (`--max-txn-ops`, `--max-request-bytes`).
+fn too_big(e: &StoreError) -> bool {
+    let shown = crate::error_chain(e);
+    shown.contains("too many operations in txn request") || shown.contains("request is too large")
 }
 
 /// What a commit did.
@@ -99,6 +105,10 @@ impl EtcdTxn {
         {
             Ok(r) if r.succeeded() => Ok(Commit::Done),
             Ok(_) => Ok(Commit::Moved),
+            Err(e) if too_big(&e) => Err(crate::db_failure(format!(
+                "this write changes more than one etcd transaction may hold ({}): start the etcd members with a higher --max-txn-ops (and --max-request-bytes), docs/scale-out.md, or apply fewer objects at once",
+                crate::error_chain(&e)
+            ))),
             // etcd did not say: the transaction may still be applied
             Err(e) if ride::transient(&e) => self.settle(when, &first, ours),
             Err(e) => Err(e),

@@ -22,6 +22,7 @@ pub struct Cluster {
     members: Vec<Member>,
     dir: tempfile::TempDir,
     token: String,
+    max_txn_ops: u32,
 }
 
 /// Fails the test with what to do when etcd is not installed.
@@ -48,6 +49,11 @@ fn free_port() -> (u16, TcpListener) {
 impl Cluster {
     /// Start `n` members and wait until the cluster answers.
     pub fn start(n: usize) -> Cluster {
+        Cluster::start_with(n, 4096)
+    }
+
+    /// [`Cluster::start`] with `--max-txn-ops` set to `max_txn_ops`.
+    pub fn start_with(n: usize, max_txn_ops: u32) -> Cluster {
         etcd_binary();
         let dir = tempfile::tempdir().expect("temp dir");
         let mut held = Vec::new();
@@ -70,6 +76,7 @@ impl Cluster {
             members,
             dir,
             token: format!("boxery-test-{}", std::process::id()),
+            max_txn_ops,
         };
         for i in 0..n {
             c.spawn(i, "new");
@@ -115,7 +122,7 @@ impl Cluster {
             .args(["--initial-cluster-state", state])
             .args(["--initial-cluster-token", &self.token])
             // a changed object is two to five operations of a transaction
-            .args(["--max-txn-ops", "4096"])
+            .args(["--max-txn-ops", &self.max_txn_ops.to_string()])
             .args(["--logger", "zap", "--log-level", "warn"])
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
