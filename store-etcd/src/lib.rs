@@ -310,7 +310,7 @@ pub(crate) fn etcd_error(e: etcd_client::Error) -> StoreError {
     use etcd_client::Error as E;
     match &e {
         E::TransportError(_) | E::IoError(_) => StoreError::Unavailable {
-            why: format!("etcd cannot be reached: {e}"),
+            why: format!("etcd cannot be reached: {}", error_chain(&e)),
         },
         E::GRpcStatus(s)
             if matches!(

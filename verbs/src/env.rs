@@ -342,7 +342,7 @@ fn connect_etcd(home: &Path, config: EtcdConfig) -> Result<EtcdStore> {
         .map_err(|_| VerbError::failed("connecting to etcd failed"))?
         .map_err(|e| {
             VerbError::failed(format!(
-                "cannot reach the store on etcd at {shown} ({}: store.etcd): {}; is the cluster up? `etcdctl --endpoints {} endpoint health` says",
+                "cannot reach the store on etcd at {shown} ({}: store.etcd): {}. Is the cluster up? `etcdctl --endpoints {} endpoint health` tells",
                 boxery_home::layout::config(home).display(),
                 crate::error::chain(&e),
                 config.endpoints.join(",")
