@@ -103,6 +103,11 @@ pub(crate) struct Inner {
     uid: String,
     address: String,
     handle: Handle,
+    /// Held by a write from its first read to its commit: this process's writers take turns
+    /// instead of racing each other on the revision key (each lost race is a whole transaction
+    /// run again; 8 writers racing got a third of one writer's rate). Other processes still
+    /// race, and the compare-and-swap still decides.
+    writing: std::sync::Mutex<()>,
     /// The store's own runtime, shut down with the last handle.
     _runtime: OwnRuntime,
 }
@@ -246,6 +251,7 @@ impl EtcdStore {
                 keys,
                 uid,
                 handle,
+                writing: std::sync::Mutex::new(()),
                 _runtime: runtime,
             }),
         })
@@ -267,6 +273,7 @@ impl EtcdStore {
         let handle = inner.handle.clone();
         let work = handle.spawn_blocking(move || {
             let kv = inner.client.kv_client();
+            let _turn = inner.writing.lock().unwrap_or_else(|e| e.into_inner());
             let started = Instant::now();
             loop {
                 let mut tx = EtcdTxn::begin(&kv, &inner.handle, &inner.keys)?;
