@@ -138,14 +138,7 @@ impl Inner {
         F: std::future::Future<Output = Result<T>> + Send,
     {
         let call = async move { ride::retry(&f).await };
-        self.handle.spawn(call).await.map_err(|e| {
-            if e.is_panic() {
-                std::panic::resume_unwind(e.into_panic())
-            }
-            StoreError::Unavailable {
-                why: "the etcd store is shutting down".into(),
-            }
-        })?
+        self.handle.spawn(call).await.map_err(joined)?
     }
 
     async fn get_u64(&self, key: String) -> Result<u64> {
@@ -295,19 +288,23 @@ impl EtcdStore {
                 }
             }
         });
-        work.await.map_err(|e| {
-            if e.is_panic() {
-                std::panic::resume_unwind(e.into_panic())
-            }
-            StoreError::Unavailable {
-                why: "the etcd store is shutting down".into(),
-            }
-        })?
+        work.await.map_err(joined)?
     }
 
     /// An object as every write takes it: validated and defaulted.
     fn normalized(obj: DynObject) -> Result<DynObject> {
         Ok(boxery_api::normalize(serde_json::to_value(&obj)?)?)
+    }
+}
+
+/// A task of the store's runtime that did not finish: its panic goes on in the caller; a
+/// runtime shutting down is `Unavailable`.
+fn joined(e: tokio::task::JoinError) -> StoreError {
+    if e.is_panic() {
+        std::panic::resume_unwind(e.into_panic())
+    }
+    StoreError::Unavailable {
+        why: "the etcd store is shutting down".into(),
     }
 }
 

@@ -29,6 +29,8 @@ pub(crate) struct EtcdTxn {
     snapshot: i64,
     /// The revision key's `mod_revision` at the start: the commit's condition.
     rev_mod: i64,
+    /// The store's revision at the start; `rev` is the last one written.
+    start: u64,
     rev: u64,
     /// What the transaction wrote, by key: `None` for a deletion.
     writes: BTreeMap<String, Option<Vec<u8>>>,
@@ -70,22 +72,21 @@ impl EtcdTxn {
             keys: keys.clone(),
             snapshot,
             rev_mod,
+            start: rev,
             rev,
             writes: BTreeMap::new(),
         })
     }
 
     /// Write what the transaction wrote, if the store has not moved.
-    pub(crate) fn commit(self) -> Result<Commit> {
+    pub(crate) fn commit(mut self) -> Result<Commit> {
         if self.writes.is_empty() {
             return Ok(Commit::Done);
         }
-        let first = self.keys.log_entry(self.first_rev());
+        let first = self.keys.log_entry(self.start + 1);
         let ours = self.writes_of(&first);
-        let mut ops: Vec<TxnOp> = self
-            .writes
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
+        let mut ops: Vec<TxnOp> = std::mem::take(&mut self.writes)
+            .into_iter()
             .map(|(k, v)| match v {
                 Some(v) => TxnOp::put(k, v, None),
                 None => TxnOp::delete(k, None),
@@ -115,15 +116,6 @@ impl EtcdTxn {
         }
     }
 
-    /// The first revision this transaction wrote.
-    fn first_rev(&self) -> u64 {
-        self.writes
-            .keys()
-            .filter_map(|k| crate::keys::log_rev(k.as_bytes()))
-            .min()
-            .unwrap_or(self.rev)
-    }
-
     /// What this transaction writes at `key`.
     fn writes_of(&self, key: &str) -> Option<Vec<u8>> {
         self.writes.get(key).cloned().flatten()
@@ -134,7 +126,7 @@ impl EtcdTxn {
     /// applied after this looks. The fence applied: the commit was not (run again). The fence
     /// refused: something was applied; it was this commit when its first log entry is ours.
     fn settle(&self, when: Compare, first: &str, ours: Option<Vec<u8>>) -> Result<Commit> {
-        let fence = TxnOp::put(self.keys.rev(), self.rev_before().to_string(), None);
+        let fence = TxnOp::put(self.keys.rev(), self.start.to_string(), None);
         let r = retry_blocking(|| {
             let mut c = self.kv.clone();
             self.handle
@@ -154,11 +146,6 @@ impl EtcdTxn {
         } else {
             Commit::Moved
         })
-    }
-
-    /// The store's revision this transaction started from.
-    fn rev_before(&self) -> u64 {
-        self.first_rev().saturating_sub(1)
     }
 
     /// A key's value: this transaction's write of it, else the snapshot's.
