@@ -382,7 +382,8 @@ fn serve_and_standby_takeover() {
     std::thread::sleep(Duration::from_millis(500));
     assert!(second.alive(), "the standby must wait, not exit");
     first.kill();
-    // The standby takes over within two lease periods (2 s each here).
+    // The standby takes over within two lease periods (4 s each); at once here, as the first's
+    // PID is gone.
     let t = Instant::now();
     let f = home.write("b.yaml", &vm_yaml("b"));
     home.ok(&["apply", "-f", f.to_str().unwrap()]);
@@ -395,6 +396,65 @@ fn serve_and_standby_takeover() {
     assert!(second.alive());
     // With a serve running, --wait does not start controllers of its own: it just waits.
     home.ok(&["new", "c", "--wait", "--timeout", "30s"]);
+}
+
+/// A `serve` whose lead was taken while it could not renew it (stopped here with SIGSTOP, as a
+/// host too loaded to write its store within the lease would hold it up) stops its
+/// controllers and stands by, then leads again: it neither exits (which took its API and
+/// usage sampler with it) nor runs beside the new leader.
+#[test]
+fn a_serve_that_loses_the_lead_stands_by_and_leads_again() {
+    let home = Home::new();
+    let mut serve = home.serve(&[]);
+    serve.wait_leading();
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &serve.pid().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig}");
+    };
+    signal("-STOP");
+    // Past its 4 s lease: the store is unled, and the wait runs the controllers itself.
+    std::thread::sleep(Duration::from_secs(5));
+    let f = home.write("a.yaml", &vm_yaml("a"));
+    let out = home.ok(&[
+        "apply",
+        "-f",
+        f.to_str().unwrap(),
+        "--wait",
+        "--timeout",
+        "30s",
+    ]);
+    assert!(out.contains("vm/a condition met"), "{out}");
+    signal("-CONT");
+    let log_file = serve.log.clone();
+    let log = || std::fs::read_to_string(&log_file).unwrap_or_default();
+    common::eventually(Duration::from_secs(20), || {
+        let l = log();
+        (l.contains("lost the lead of the store") && l.matches("leading (pid").count() == 2)
+            .then_some(())
+    })
+    .unwrap_or_else(|| panic!("serve did not stand by and lead again:\n{}", log()));
+    assert!(serve.alive(), "serve exited:\n{}", log());
+    // It leads: a VM applied without --wait (no command runs controllers) becomes Ready.
+    let f = home.write("b.yaml", &vm_yaml("b"));
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    common::eventually(Duration::from_secs(30), || {
+        let vm: boxery_api::Vm = home.store().get_as("b").unwrap()?;
+        vm.status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == boxery_api::meta::ConditionStatus::True)
+            .then_some(())
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "b is not Ready under the serve that leads again:\n{}",
+            log()
+        )
+    });
 }
 
 #[test]

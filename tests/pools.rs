@@ -1023,3 +1023,45 @@ fn pool_counts_follow_a_claim_within_seconds() {
         )
     });
 }
+
+/// Budgets are judged wherever the controllers run. With no `serve`, a `wait` runs them in
+/// its own process, the usage sampler with them, and a lease past its budget turns
+/// `BudgetExhausted` there. (CI once waited 5 minutes for it: a `serve` that lost the lead to
+/// such a wait left nothing sampling, as a wait's controllers had no sampler.)
+#[test]
+fn a_wait_without_serve_judges_a_lease_budget() {
+    let home = Home::new();
+    // 0.001 vCPU-hours is 3.6 vCPU-seconds: one 10 s sample of a 2-CPU VM is past it.
+    let f = home.write(
+        "bp.yaml",
+        "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: bp}\nspec:\n  replicas: 1\n  lease:\n    defaultTtlSeconds: 1800\n    maxTtlSeconds: 3600\n    budget: {vcpuHours: 0.001}\n  template:\n    spec:\n      source: {image: debian-12}\n      resources: {cpus: 2}\n",
+    );
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    home.ok(&[
+        "lease",
+        "acquire",
+        "bp",
+        "--holder",
+        "agent-1",
+        "--name",
+        "lb",
+        "--wait",
+        "--timeout",
+        "60s",
+    ]);
+    let t = std::time::Instant::now();
+    home.ok(&[
+        "wait",
+        "lease",
+        "lb",
+        "--for=condition=BudgetExhausted",
+        "--timeout=60s",
+    ]);
+    eprintln!(
+        "BudgetExhausted {:.1} s into the wait that ran the controllers",
+        t.elapsed().as_secs_f64()
+    );
+    let l: Lease = home.store().get_as("lb").unwrap().unwrap();
+    let used = l.status.usage.as_ref().map(|u| u.vcpu_hours);
+    assert!(used.is_some_and(|u| u >= 0.001), "{:?}", l.status);
+}

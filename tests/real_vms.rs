@@ -172,10 +172,18 @@ impl RealHome {
         );
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
-    /// For a failure message: every object of this home described (status, conditions,
-    /// events) and the end of serve's log.
+    /// For a failure message: the end of serve's log (first: CI shows the start of a long
+    /// failure message) and who leads the store, then every object of this home described
+    /// (status, conditions, events).
     fn state_report(&self) -> String {
-        let mut out = String::new();
+        let log = std::fs::read_to_string(self.home.path().join("serve.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(40).collect();
+        let version = self.cmd(&["version"]);
+        let mut out = format!(
+            "--- serve.log, newest first:\n{}\n--- boxery version:\n{}",
+            tail.join("\n"),
+            String::from_utf8_lossy(&version.stdout)
+        );
         for kind in ["vm", "image", "pool", "lease"] {
             let names = self.cmd(&["get", kind, "-o", "name"]);
             for n in String::from_utf8_lossy(&names.stdout).lines() {
@@ -187,12 +195,6 @@ impl RealHome {
                 ));
             }
         }
-        let log = std::fs::read_to_string(self.home.path().join("serve.log")).unwrap_or_default();
-        let tail: Vec<&str> = log.lines().rev().take(40).collect();
-        out.push_str(&format!(
-            "--- serve.log, newest first:\n{}",
-            tail.join("\n")
-        ));
         out
     }
     /// `boxery run VM -- CMD`; on failure, the end of ssh's own debug log (`BOXERY_SSH_LOG`,

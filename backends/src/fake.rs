@@ -619,6 +619,7 @@ impl Backend for FakeBackend {
             build_stock_image: true,
             host_key: false,
             ssh: false,
+            // it measures nothing (`usage` lists its running VMs with zero use)
             usage: false,
             screen: false,
             instance_types: &[crate::InstanceType::VirtualMachine],
@@ -735,6 +736,25 @@ impl Backend for FakeBackend {
             .scan::<VmRecord>("vms", VM_JSON)?
             .into_iter()
             .map(|r| self.vm_info(r))
+            .collect())
+    }
+
+    /// Each running VM, using nothing of the host (it has no process, so it measures nothing:
+    /// [`Capabilities::usage`] is false). The usage sampler still charges each its size over
+    /// time, as on every backend, so budgets can be tested on it.
+    async fn usage(&self) -> Result<Vec<crate::VmUsage>> {
+        self.step("usage").await?;
+        Ok(self
+            .scan::<VmRecord>("vms", VM_JSON)?
+            .into_iter()
+            .filter(|r| r.state == PowerState::Running)
+            .map(|r| crate::VmUsage {
+                name: r.name,
+                cpu_seconds: 0.0,
+                rss_bytes: 0,
+                network_rx_bytes: None,
+                network_tx_bytes: None,
+            })
             .collect())
     }
 

@@ -1,6 +1,7 @@
 //! `boxery serve`: the listeners bound first (a taken port or a bad token file fails at
-//! once), then wait to lead the store and run the controllers until interrupted or until
-//! leadership is lost.
+//! once), then wait to lead the store and run the controllers until interrupted. Leadership
+//! lost (another process took the store while this one's renewal lagged) stops the
+//! controllers and stands by again; the listeners stay up.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -11,7 +12,6 @@ use boxery_backends::BackendError;
 use boxery_controller::CancellationToken;
 use boxery_controller::leader::{LeaderElector, this_process};
 use boxery_reconcilers::Settings;
-use boxery_store::ObjectStore;
 use boxery_verbs::control::LOCK;
 use boxery_verbs::{Env, Result, VerbError, Verbs, Voice};
 
@@ -98,8 +98,9 @@ pub struct Options {
 const TRIM_EVERY: Duration = Duration::from_secs(5);
 
 /// `serve`: bind the listeners `options` asks for, wait to lead the store, run the
-/// controllers; exit when interrupted (SIGINT, SIGTERM) or when leadership is lost. What it
-/// does is said on stderr (`boxery serve: …`): it is a daemon, its lines are its report.
+/// controllers; exit when interrupted (SIGINT, SIGTERM). Leadership lost stops the
+/// controllers, and this process stands by to lead again. What it does is said on stderr
+/// (`boxery serve: …`): it is a daemon, its lines are its report.
 pub async fn serve(env: &Env, options: Options) -> Result {
     check_ranges(&options)?;
     // A fresh home: made (0700) before the listeners write their address files into it.
@@ -254,7 +255,9 @@ fn on_signal() -> CancellationToken {
 
 /// Wait to lead, run the controllers (and the guests' side of `proxy`, the credential proxy
 /// served where each guest reaches it while this process leads; `None`: `--proxy-listen off`),
-/// exit when interrupted or when leadership is lost.
+/// until interrupted. Leadership lost (a renewal that lagged past the lease while a command's
+/// `--wait` found the store unled and took it) ends this term: the controllers stop, and this
+/// process stands by to lead again, as a second `serve` would.
 async fn lead_and_run(
     env: &Env,
     inventory_every: Duration,
@@ -272,19 +275,6 @@ async fn lead_and_run(
     if !backend_ready(env, backend.as_ref(), &shutdown).await? {
         return Ok(());
     }
-    eprintln!(
-        "boxery serve: waiting to lead the store at {} (backend {})",
-        env.home.display(),
-        env.backend_name
-    );
-    let leading = tokio::select! {
-        l = elector.acquire() => l.map_err(|e| VerbError::failed(format!("leader election failed: {e}")))?,
-        _ = shutdown.cancelled() => return Ok(()),
-    };
-    eprintln!(
-        "boxery serve: leading (pid {}); controllers running",
-        std::process::id()
-    );
     let settings = Settings {
         inventory_every,
         import_roots: config.import_roots,
@@ -292,53 +282,53 @@ async fn lead_and_run(
         prices: config.proxy.prices.clone(),
         ..Settings::default()
     };
-    let ctx = context(&store, &env.home, backend.clone(), settings, &me.id);
-    ctx.keep_observed(observed);
-    if let Some(p) = proxy {
-        tokio::spawn(boxery_proxy::channels::keep(
-            p,
-            backend.clone(),
-            shutdown.child_token(),
-        ));
-    }
-    if env.store_on_etcd()? {
-        // the SQLite store compacts its log in a thread of its own; the leader does it for
-        // a store on etcd
-        tokio::spawn(compact_log(store.clone(), shutdown.child_token()));
-    }
-    let run = boxery_reconcilers::runtime::run(ctx, shutdown.child_token());
-    tokio::select! {
-        _ = run => {}
-        _ = leading.lost() => {
-            shutdown.cancel();
-            return Err(VerbError::failed("lost leadership of the store (another control plane took over): exiting"));
-        }
-        _ = shutdown.cancelled() => {}
-    }
-    if let Err(e) = leading.resign().await {
-        tracing::warn!(error = %e, "resigning leadership failed; a standby takes over when the lease expires");
-    }
-    Ok(())
-}
-
-/// The store's history kept: the newest 10,000 revisions, as the SQLite store keeps (a watcher
-/// further behind lists again).
-const KEEP_REVISIONS: u64 = 10_000;
-
-/// Compact the store's log every minute until `stop`.
-async fn compact_log(store: Arc<dyn ObjectStore>, stop: CancellationToken) {
     loop {
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_secs(60)) => {}
-            _ = stop.cancelled() => return,
+        eprintln!(
+            "boxery serve: waiting to lead the store at {} (backend {})",
+            env.home.display(),
+            env.backend_name
+        );
+        let leading = tokio::select! {
+            l = elector.acquire() => l.map_err(|e| VerbError::failed(format!("leader election failed: {e}")))?,
+            _ = shutdown.cancelled() => return Ok(()),
+        };
+        eprintln!(
+            "boxery serve: leading (pid {}); controllers running",
+            std::process::id()
+        );
+        // One term's work, stopped with it.
+        let term = shutdown.child_token();
+        let ctx = context(&store, &env.home, backend.clone(), settings.clone(), &me.id);
+        ctx.keep_observed(observed.clone());
+        let guests = proxy.clone().map(|p| {
+            tokio::spawn(boxery_proxy::channels::keep(
+                p,
+                backend.clone(),
+                term.clone(),
+            ))
+        });
+        let run = boxery_reconcilers::runtime::run(ctx, term.clone());
+        tokio::pin!(run);
+        let lost = tokio::select! {
+            _ = &mut run => false,
+            _ = leading.lost() => true,
+            _ = shutdown.cancelled() => false,
+        };
+        term.cancel();
+        run.await;
+        if let Some(g) = guests {
+            let _ = g.await;
         }
-        match store.compact(KEEP_REVISIONS).await {
-            Ok(0) => {}
-            Ok(n) => tracing::debug!(removed = n, "compacted the store's log"),
-            Err(e) => {
-                tracing::warn!(error = %e, "compacting the store's log failed; trying again in a minute")
-            }
+        if lost {
+            eprintln!(
+                "boxery serve: lost the lead of the store (its renewal was late and another process took it); controllers stopped, standing by"
+            );
+            continue;
         }
+        if let Err(e) = leading.resign().await {
+            tracing::warn!(error = %e, "resigning leadership failed; a standby takes over when the lease expires");
+        }
+        return Ok(());
     }
 }
 

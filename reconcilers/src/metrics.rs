@@ -104,42 +104,59 @@ pub(crate) async fn sample(
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let usage = match ctx.backend.usage().await {
-            Ok(u) => u,
-            Err(e) => {
-                tracing::debug!(error = %e.chain(), "sampling the VMs' usage failed");
-                continue;
-            }
-        };
-        if let Some(l) = ctx.ledger() {
-            let (rows, owners) = charged.next(&usage, &vms, &leases);
-            let uids: Vec<String> = owners.iter().map(|o| o.uid.clone()).collect();
-            let wrote = tokio::task::spawn_blocking(move || {
-                l.note_owners(&owners)?;
-                l.add_compute(&rows)
-            })
-            .await;
-            match wrote {
-                // noted once written: a failed write names them again next time
-                Ok(Ok(())) => charged.noted.extend(uids),
-                Ok(Err(e)) => tracing::warn!(error = %e, "recording compute use failed"),
-                Err(e) => tracing::warn!(error = %e, "recording compute use failed"),
-            }
+        // A sample waits on the backend and on the Vm cache: the controllers stop without
+        // waiting for it (a command's `--wait` may end before the cache is first filled).
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            () = sample_once(&ctx, &mut charged, &vms, &leases, &samples) => {}
         }
-        let disk = match ctx.backend.list().await {
-            Ok(list) => list
-                .into_iter()
-                .filter_map(|i| Some((i.name, i.disk_used_bytes?)))
-                .collect(),
-            Err(_) => HashMap::new(),
-        };
-        *samples.write().unwrap_or_else(|e| e.into_inner()) = Samples { usage, disk };
-        vms.wait_ready().await;
-        let live: std::collections::HashSet<String> = vms.names().into_iter().collect();
-        boxery_metrics::METRICS
-            .proxy
-            .retain_vms(|vm| live.contains(vm));
     }
+}
+
+/// One sample: the backend's usage into the ledger and the samples, the proxy's series of
+/// VMs that are gone dropped.
+async fn sample_once(
+    ctx: &Ctx,
+    charged: &mut Charged,
+    vms: &Cache,
+    leases: &Cache,
+    samples: &RwLock<Samples>,
+) {
+    let usage = match ctx.backend.usage().await {
+        Ok(u) => u,
+        Err(e) => {
+            tracing::debug!(error = %e.chain(), "sampling the VMs' usage failed");
+            return;
+        }
+    };
+    if let Some(l) = ctx.ledger() {
+        let (rows, owners) = charged.next(&usage, vms, leases);
+        let uids: Vec<String> = owners.iter().map(|o| o.uid.clone()).collect();
+        let wrote = tokio::task::spawn_blocking(move || {
+            l.note_owners(&owners)?;
+            l.add_compute(&rows)
+        })
+        .await;
+        match wrote {
+            // noted once written: a failed write names them again next time
+            Ok(Ok(())) => charged.noted.extend(uids),
+            Ok(Err(e)) => tracing::warn!(error = %e, "recording compute use failed"),
+            Err(e) => tracing::warn!(error = %e, "recording compute use failed"),
+        }
+    }
+    let disk = match ctx.backend.list().await {
+        Ok(list) => list
+            .into_iter()
+            .filter_map(|i| Some((i.name, i.disk_used_bytes?)))
+            .collect(),
+        Err(_) => HashMap::new(),
+    };
+    *samples.write().unwrap_or_else(|e| e.into_inner()) = Samples { usage, disk };
+    vms.wait_ready().await;
+    let live: std::collections::HashSet<String> = vms.names().into_iter().collect();
+    boxery_metrics::METRICS
+        .proxy
+        .retain_vms(|vm| live.contains(vm));
 }
 
 /// What the last sample saw of each VM, for the next one's differences.

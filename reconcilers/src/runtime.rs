@@ -1,6 +1,7 @@
 //! Running every reconciler on one store and backend: the Vm, Image, Pool, Lease and Grant
-//! controllers, the grant state rebuild, the inventory resync and history compaction, on one [`Manager`]. Used by
-//! `boxery serve` and the CLI's embedded mode.
+//! controllers, the grant state rebuild, the inventory resync, the usage sampler and history
+//! compaction, on one [`Manager`]. Used by `boxery serve` and the CLI's embedded mode: the
+//! same set wherever the controllers run.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,9 +14,6 @@ use boxery_controller::{
 
 use crate::context::Ctx;
 use crate::{agent_forward, budget, grant, guest, image, inventory, lease, metrics, pool, vm};
-
-/// How many store revisions of history to keep for watchers.
-pub const KEEP_REVISIONS: u64 = 20_000;
 
 /// A controller for `R` on `ctx`'s store whose reconciles read their own writes, with the
 /// settings every boxery controller shares.
@@ -76,8 +74,11 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
 
     let mut m = Manager::new(shutdown);
     let token = m.token();
+    // The usage sampler runs wherever the controllers do (a `serve`, or a command's embedded
+    // controllers): budgets are judged from what it records. `/metrics` reads its samples
+    // where a `serve` exposes them.
+    let samples = Arc::default();
     if let Some(observed) = ctx.observed() {
-        let samples = Arc::default();
         observed.attach(metrics::Attached {
             vms: vm_ctl.cache(),
             images: image_ctl.cache(),
@@ -86,17 +87,17 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
             grants: grant_ctl.cache(),
             samples: Arc::clone(&samples),
         });
-        m.add(
-            "samples",
-            metrics::sample(
-                ctx.clone(),
-                vm_ctl.cache(),
-                lease_ctl.cache(),
-                samples,
-                token.clone(),
-            ),
-        );
     }
+    m.add(
+        "samples",
+        metrics::sample(
+            ctx.clone(),
+            vm_ctl.cache(),
+            lease_ctl.cache(),
+            samples,
+            token.clone(),
+        ),
+    );
     m.add(
         "vm-metadata",
         vm_metadata.run(ctx.store.clone(), token.clone()),
@@ -180,7 +181,7 @@ async fn compact(ctx: Arc<Ctx>, shutdown: CancellationToken) {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {
-                if let Err(e) = ctx.store.compact(KEEP_REVISIONS).await {
+                if let Err(e) = ctx.store.compact(boxery_store::KEEP_REVISIONS).await {
                     tracing::warn!(error = %e, "history compaction failed");
                 }
             }

@@ -68,7 +68,9 @@ use rusqlite::{Connection, OptionalExtension};
 
 pub use crate::fields::{APPLY_MANAGER, FieldConflict, UNNAMED_MANAGER, entry_fields};
 pub use crate::leader::boot_id;
-pub use crate::object_store::{ObjectRef, ObjectStore, ObjectStoreExt, WatchStream};
+pub use crate::object_store::{
+    KEEP_REVISIONS, ObjectRef, ObjectStore, ObjectStoreExt, WatchStream,
+};
 use crate::rules::Rules;
 use crate::schema::connect;
 use crate::write::Tx;
@@ -499,7 +501,7 @@ impl Default for StoreOptions {
     fn default() -> Self {
         StoreOptions {
             auto_compact: Some(AutoCompact {
-                keep_revisions: 10_000,
+                keep_revisions: KEEP_REVISIONS,
                 every: Duration::from_secs(60),
             }),
             busy_timeout: Duration::from_secs(5),

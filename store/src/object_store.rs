@@ -1,10 +1,12 @@
 //! The object store as an async trait: what the controller runtime, the reconcilers and the
 //! verbs need from a store, whatever keeps the objects. [`Store`] (SQLite) implements it and
 //! does its blocking work on tokio's blocking pool, so async workers never wait on SQLite;
-//! `boxery_remote::RemoteStore` (a home's store through its API, for contexts) is another, an
-//! etcd-backed store is not built yet. `store/tests/conformance/mod.rs` is the suite every
-//! implementation must pass unchanged (`store/tests/conformance_sqlite.rs` runs it for
-//! [`Store`], `remote/tests/conformance_remote.rs` for the remote store).
+//! `boxery_remote::RemoteStore` (a home's store through its API, for contexts) is another,
+//! `boxery_store_etcd::EtcdStore` (the objects on an etcd cluster) a third.
+//! `store/tests/conformance/mod.rs` is the suite every implementation must pass unchanged
+//! (`store/tests/conformance_sqlite.rs` runs it for [`Store`],
+//! `remote/tests/conformance_remote.rs` for the remote store, `store-etcd/tests/
+//! conformance_etcd.rs` against a 3-member etcd cluster).
 //!
 //! # Guarantees every implementation gives
 //! - One global, increasing revision; each changed object's `resourceVersion` is the revision
@@ -41,6 +43,11 @@ use crate::{
     ApplyAction, ApplyOptions, Candidate, DeleteOutcome, Leadership, Result, Store, StoreError,
     WatchEvent,
 };
+
+/// How much history boxery keeps in a store (its watchers resume within it; one further
+/// behind lists again): the newest 10,000 revisions, trimmed every minute by the SQLite
+/// store's own upkeep and by the controllers wherever they run.
+pub const KEEP_REVISIONS: u64 = 10_000;
 
 /// The key of one object. Objects are cluster-scoped today; the struct is non-exhaustive so a
 /// namespace can join the key without breaking callers.
@@ -169,7 +176,8 @@ pub trait ObjectStore: Send + Sync + std::fmt::Debug + 'static {
     /// Every change after `from` (of one kind, or all), in order, then each new one.
     fn watch(&self, kind: Option<&str>, from: u64) -> WatchStream;
 
-    /// Trim history to the newest `keep_revisions` revisions; returns the entries removed.
+    /// Trim history to the newest `keep_revisions` revisions ([`KEEP_REVISIONS`] is what
+    /// boxery keeps); returns the entries removed.
     async fn compact(&self, keep_revisions: u64) -> Result<u64>;
 
     /// The compaction floor: history holds every change after it.

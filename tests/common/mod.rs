@@ -114,7 +114,7 @@ impl Home {
         };
         let child = self
             .cmd()
-            .args(["serve", "--lease", "2s"])
+            .args(["serve"])
             .args(inventory)
             .args(extra)
             .env("BOXERY_LOG", "warn")

@@ -48,6 +48,7 @@ pub const STEPS: &[&str] = &[
     "get",
     "list",
     "ssh_endpoint",
+    "usage",
     "start",
     "stop",
     "repair",
