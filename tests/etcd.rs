@@ -109,3 +109,115 @@ fn a_bad_store_setting_is_refused_with_what_to_write() {
         assert!(err.contains(says), "{config}: {err}");
     }
 }
+
+const POOL: &str = "apiVersion: boxery.dev/v1alpha1\nkind: Pool\nmetadata: {name: p}\nspec:\n  replicas: 20\n  template:\n    spec:\n      source: {image: debian-12}\n";
+
+/// Each lease's phase and VM, read through the CLI (the home's store is on etcd).
+fn leases(home: &Home) -> Vec<(String, String, Option<String>)> {
+    let all: serde_json::Value =
+        serde_json::from_str(&home.ok(&["get", "leases", "-o", "json"])).unwrap();
+    all["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| {
+            (
+                l["metadata"]["name"].as_str().unwrap().to_string(),
+                l["status"]["phase"].as_str().unwrap_or("").to_string(),
+                l["status"]["vm"].as_str().map(String::from),
+            )
+        })
+        .collect()
+}
+
+/// The leases Bound, each with its own VM (panics on a VM in two), and how many wait.
+fn bound_and_waiting(home: &Home) -> (std::collections::BTreeMap<String, String>, usize) {
+    let mut bound = std::collections::BTreeMap::new();
+    let mut waiting = 0;
+    for (name, phase, vm) in leases(home) {
+        match phase.as_str() {
+            "Bound" => {
+                let vm = vm.unwrap_or_else(|| panic!("lease {name} is Bound without a VM"));
+                if let Some(other) = bound.insert(vm.clone(), name.clone()) {
+                    panic!("{vm} is held by two leases: {other} and {name}");
+                }
+            }
+            "Pending" => waiting += 1,
+            other => panic!("lease {name} is {other}"),
+        }
+    }
+    (bound, waiting)
+}
+
+/// Claims through a `serve` whose store is on etcd while etcd loses its leader (issue 35):
+/// 500 `boxery lease acquire`s on a pool of 20, 20 at a time; etcd's leader is killed after
+/// the first 140 and started again after 340. No acquire fails, exactly 20 leases are Bound,
+/// each on a member of its own, the other 480 wait; releasing 10 binds 10 more.
+#[test]
+fn claims_go_on_while_etcd_loses_its_leader() {
+    let mut cluster = cluster::Cluster::start(3);
+    let home = on_etcd(&cluster, "/boxery-claims");
+    let serve = home.serve(&[]);
+    serve.wait_leading();
+    let f = home.write("p.yaml", POOL);
+    home.ok(&["apply", "-f", f.to_str().unwrap()]);
+    home.ok(&[
+        "wait",
+        "pool",
+        "p",
+        "--for=condition=Ready",
+        "--timeout=120s",
+    ]);
+    let t = std::time::Instant::now();
+    let mut killed = None;
+    for batch in 0..25 {
+        if batch == 7 {
+            let l = cluster.leader().expect("etcd has a leader");
+            cluster.kill(l);
+            killed = Some(l);
+        }
+        if batch == 17 {
+            cluster.restart(killed.expect("a member was killed"));
+        }
+        let children: Vec<_> = (0..20)
+            .map(|j| {
+                let i = batch * 20 + j;
+                home.cmd()
+                    .args(["lease", "acquire", "p", "--holder", &format!("h{i}")])
+                    .args(["--name", &format!("l{i}")])
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for c in children {
+            let o = c.wait_with_output().unwrap();
+            assert!(
+                o.status.success(),
+                "an acquire failed: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+    }
+    eprintln!(
+        "500 acquires written in {:.1} s, etcd's leader (member {killed:?}) killed for 200 of them",
+        t.elapsed().as_secs_f64()
+    );
+    cluster.wait_healthy(Duration::from_secs(60));
+    common::eventually(Duration::from_secs(60), || {
+        (bound_and_waiting(&home).0.len() == 20).then_some(())
+    })
+    .expect("20 leases bound");
+    std::thread::sleep(Duration::from_secs(2));
+    let (bound, waiting) = bound_and_waiting(&home);
+    assert_eq!((bound.len(), waiting), (20, 480));
+    for name in bound.values().take(10) {
+        home.ok(&["lease", "release", name]);
+    }
+    common::eventually(Duration::from_secs(90), || {
+        let (b, w) = bound_and_waiting(&home);
+        (b.len() == 20 && w == 470).then_some(())
+    })
+    .expect("ten more bound after ten releases");
+}

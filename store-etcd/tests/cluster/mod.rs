@@ -181,6 +181,39 @@ impl Cluster {
         }
     }
 
+    /// The member etcd elected leader, as its members say (`etcdctl endpoint status`); `None`
+    /// while there is none.
+    pub fn leader(&self) -> Option<usize> {
+        let running: Vec<usize> = (0..self.members.len())
+            .filter(|&i| self.members[i].child.is_some())
+            .collect();
+        let endpoints: Vec<String> = running
+            .iter()
+            .map(|&i| format!("http://127.0.0.1:{}", self.members[i].client))
+            .collect();
+        let out = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &endpoints.join(","), "--command-timeout=2s"])
+            .args(["endpoint", "status", "-w", "json"])
+            .stderr(Stdio::null())
+            .output()
+            .ok()?;
+        let all: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        all.as_array()?.iter().find_map(|e| {
+            let s = &e["Status"];
+            let me = s["header"]["member_id"].as_u64()?;
+            let client = e["Endpoint"].as_str()?;
+            (me == s["leader"].as_u64()?)
+                .then(|| {
+                    running
+                        .iter()
+                        .copied()
+                        .find(|&i| client.ends_with(&format!(":{}", self.members[i].client)))
+                })
+                .flatten()
+        })
+    }
+
     /// Kill member `i` (SIGKILL), as a crash.
     pub fn kill(&mut self, i: usize) {
         if let Some(mut c) = self.members[i].child.take() {
