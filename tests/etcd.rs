@@ -94,7 +94,10 @@ fn a_bad_store_setting_is_refused_with_what_to_write() {
     let home = Home::new();
     for (config, says) in [
         ("store:\n  etcd:\n    endpoints: []\n", "endpoints is empty"),
-        ("store:\n  etcd:\n    endpoints: [https://h:2379]\n", "TLS"),
+        (
+            "store:\n  etcd:\n    endpoints: [https://h:2379]\n",
+            "store.etcd.tls.ca",
+        ),
         ("store:\n  etcd:\n    endpoints: [justahost]\n", "HOST:PORT"),
         (
             "store:\n  etcd:\n    endpoints: [h:1]\n    prefix: /\n",
@@ -130,7 +133,8 @@ fn leases(home: &Home) -> Vec<(String, String, Option<String>)> {
         .collect()
 }
 
-/// The leases Bound, each with its own VM (panics on a VM in two), and how many wait.
+/// The leases Bound, each with its own VM (panics on a VM in two), and how many wait (a
+/// released lease finishing is neither).
 fn bound_and_waiting(home: &Home) -> (std::collections::BTreeMap<String, String>, usize) {
     let mut bound = std::collections::BTreeMap::new();
     let mut waiting = 0;
@@ -139,10 +143,20 @@ fn bound_and_waiting(home: &Home) -> (std::collections::BTreeMap<String, String>
             "Bound" => {
                 let vm = vm.unwrap_or_else(|| panic!("lease {name} is Bound without a VM"));
                 if let Some(other) = bound.insert(vm.clone(), name.clone()) {
-                    panic!("{vm} is held by two leases: {other} and {name}");
+                    let show = |kind: &str, n: &str| {
+                        String::from_utf8_lossy(&home.run(&["get", kind, n, "-o", "yaml"]).stdout)
+                            .into_owned()
+                    };
+                    panic!(
+                        "{vm} is held by two leases: {other} and {name}\n{}\n{}\n{}",
+                        show("lease", &other),
+                        show("lease", &name),
+                        show("poolmember", &vm)
+                    );
                 }
             }
             "Pending" => waiting += 1,
+            "Released" => {}
             other => panic!("lease {name} is {other}"),
         }
     }
@@ -220,4 +234,86 @@ fn claims_go_on_while_etcd_loses_its_leader() {
         (b.len() == 20 && w == 470).then_some(())
     })
     .expect("ten more bound after ten releases");
+}
+
+/// A cluster whose clients must speak TLS and show a certificate (`--client-cert-auth`):
+/// reached with `store.etcd.tls`; refused, with what to set, without it or with a CA that did
+/// not sign the members' certificates.
+#[test]
+fn a_home_reaches_etcd_over_tls_and_a_stranger_is_refused() {
+    let cluster = cluster::Cluster::start_tls(3);
+    let tls = cluster.tls().expect("TLS files");
+    let endpoints = cluster.hosts().replace(',', ", ");
+    let config = |ca: &std::path::Path, client: bool| {
+        let mut c = format!(
+            "store:\n  etcd:\n    endpoints: [{endpoints}]\n    prefix: /boxery-tls\n    tls:\n      ca: {}\n",
+            ca.display()
+        );
+        if client {
+            c.push_str(&format!(
+                "      cert: {}\n      key: {}\n",
+                tls.cert.display(),
+                tls.key.display()
+            ));
+        }
+        c
+    };
+    let home = Home::new();
+    home.write("config.yaml", &config(&tls.ca, true));
+    apply(&home, "dev1");
+    assert!(home.ok(&["get", "vms"]).contains("dev1"));
+
+    let refused = |config: String, says: &[&str]| {
+        let other = Home::new();
+        other.write("config.yaml", &config);
+        let o = other.run(&["get", "vms"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{config}: {err}");
+        eprintln!("refused: {err}");
+        for s in says {
+            assert!(err.contains(s), "{config}: {s:?} not in {err}");
+        }
+    };
+    // no TLS at all: the members answer nothing a plain client understands
+    refused(
+        format!("store:\n  etcd:\n    endpoints: [{endpoints}]\n    prefix: /boxery-tls\n"),
+        &["cannot reach the store on etcd", "set store.etcd.tls"],
+    );
+    // the CA is right but no client certificate is shown
+    refused(
+        config(&tls.ca, false),
+        &[
+            "cannot reach the store on etcd",
+            "store.etcd.tls.cert and key",
+        ],
+    );
+    // a CA that did not sign the members' certificates: a certificate error
+    let stranger = Home::new();
+    let other_ca = stranger.write("other-ca.pem", &std::fs::read_to_string(&tls.cert).unwrap());
+    refused(
+        config(&other_ca, true),
+        &[
+            "cannot reach the store on etcd",
+            "UnknownIssuer",
+            "--cacert",
+        ],
+    );
+    // https endpoints without a CA, and half a client identity, say what to write
+    refused(
+        "store:\n  etcd:\n    endpoints: [https://127.0.0.1:1]\n".into(),
+        &["store.etcd.tls.ca"],
+    );
+    refused(
+        format!(
+            "store:\n  etcd:\n    endpoints: [{endpoints}]\n    tls:\n      ca: {}\n      cert: {}\n",
+            tls.ca.display(),
+            tls.cert.display()
+        ),
+        &["cert and key go together"],
+    );
+    refused(
+        "store:\n  etcd:\n    endpoints: [127.0.0.1:1]\n    tls:\n      ca: /nonexistent/ca.pem\n"
+            .into(),
+        &["store.etcd.tls.ca", "/nonexistent/ca.pem"],
+    );
 }

@@ -147,6 +147,8 @@ pub mod reasons {
     pub const DURATION_TOO_LONG: &str = "DurationTooLong";
     /// A lease ran out.
     pub const LEASE_EXPIRED: &str = "LeaseExpired";
+    /// A lease was released (deleted): its VM goes back to its pool.
+    pub const RELEASED: &str = "Released";
     /// The host rebooted: every lease is void.
     pub const HOST_REBOOTED: &str = "HostRebooted";
     /// An expired lease cannot be renewed.

@@ -278,6 +278,7 @@ fn main() {
                 EtcdStore::connect(&EtcdConfig {
                     endpoints: urls,
                     prefix: "/fleet-bench".into(),
+                    tls: None,
                 })
                 .await
                 .expect("the etcd store"),

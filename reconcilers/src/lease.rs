@@ -190,21 +190,31 @@ pub async fn reconcile(lease: Arc<Lease>, ctx: Arc<Ctx>) -> Result<Action> {
     Ok(done?)
 }
 
-/// A released (deleted) lease: its member is reset and goes back to the pool.
+/// A released (deleted) lease: it says `Released` first, then its member is reset and goes
+/// back to the pool (so no one reads it `Bound` while its VM is another's).
 async fn release(l: &Lease, ctx: &Ctx) -> Result<Action> {
-    let_go(ctx, l, "its lease was released").await?;
     if l.status.phase == LeasePhase::Bound {
-        ctx.event(
-            l,
-            EventType::Normal,
-            "Released",
-            &format!(
-                "{} goes back to the pool after a reset",
-                l.status.vm.clone().unwrap_or_default()
-            ),
-        )
-        .await;
+        let msg = format!(
+            "{} goes back to the pool after a reset",
+            l.status.vm.clone().unwrap_or_default()
+        );
+        let mut ended = l.clone();
+        crate::budget::lease_final(ctx, &mut ended).await;
+        ended.status.phase = LeasePhase::Released;
+        let generation = ended.metadata.generation;
+        ended.status.conditions.set_condition(
+            READY,
+            ConditionStatus::False,
+            reasons::RELEASED,
+            &msg,
+            generation,
+        );
+        let ended = save(ctx, &ended).await?;
+        let_go(ctx, &ended, "its lease was released").await?;
+        ctx.event(&ended, EventType::Normal, "Released", &msg).await;
+        return Ok(Action::await_change());
     }
+    let_go(ctx, l, "its lease was released").await?;
     Ok(Action::await_change())
 }
 
@@ -366,13 +376,15 @@ async fn finish(
     msg: &str,
 ) -> Result<Action> {
     let generation = l.metadata.generation;
-    let_go(ctx, &l, msg).await?;
+    // Ended first, then its member let go: no one reads it `Bound` while its VM is another's.
+    // A let-go that fails is done again by `ended`.
     crate::budget::lease_final(ctx, &mut l).await;
     l.status.phase = phase;
     l.status
         .conditions
         .set_condition(READY, ConditionStatus::False, reason, msg, generation);
     let l = save(ctx, &l).await?;
+    let_go(ctx, &l, msg).await?;
     ctx.event(&l, type_, reason, msg).await;
     Ok(Action::await_change())
 }

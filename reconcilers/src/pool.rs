@@ -864,13 +864,15 @@ async fn held(ctx: &Ctx, m: &mut MemberStatus) -> Result<()> {
     Ok(())
 }
 
-/// Whether lease `name` (uid `uid`) still holds its member: it exists, is not being deleted
-/// and has not ended. Read from the lease cache when the runtime keeps one; a "no" is
-/// confirmed against the store before a member is taken from its lease.
+/// Whether lease `name` (uid `uid`) still holds its member: it exists and has not ended. A
+/// lease being deleted holds it until its own cleanup says `Released` and lets it go: were
+/// the pool to reset the member first, it could give it to another lease while the deleted
+/// one still read `Bound` (two leases on one VM, seen on a loaded store). Read from the lease
+/// cache when the runtime keeps one; a "no" is confirmed against the store before a member
+/// is taken from its lease.
 pub async fn lease_holds(ctx: &Ctx, name: &str, uid: &str) -> Result<bool> {
     let holds = |l: &boxery_api::DynObject| {
         l.metadata.uid.as_deref() == Some(uid)
-            && !l.metadata.is_deleting()
             && !matches!(
                 l.status()["phase"].as_str(),
                 Some("Expired" | "Released" | "Lost")

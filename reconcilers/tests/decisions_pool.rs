@@ -275,6 +275,31 @@ async fn a_released_lease_lets_its_member_go_before_it_is_removed() {
     assert_eq!(state(&h, "p-0"), MemberState::Resetting);
 }
 
+/// A lease being deleted holds its member until its own cleanup: the pool, reconciled first,
+/// leaves the member Leased (were it reset then, another lease could take it while the
+/// deleted one still read `Bound`); the cleanup says `Released` before the member goes to
+/// Resetting.
+#[tokio::test]
+async fn a_deleted_lease_holds_its_member_until_it_says_released() {
+    let h = Harness::new();
+    bound(&h).await;
+    h.delete::<Lease>("l1");
+    h.settle(pool::reconcile, "p").await.unwrap();
+    assert_eq!(state(&h, "p-0"), MemberState::Leased, "the pool waits");
+    // the cleanup's first write: Released, while the member is still this lease's
+    use futures::StreamExt;
+    let mut watch = h.store.watch(Some("Lease"), h.store.revision().unwrap());
+    h.reconcile(lease::reconcile, "l1").await.unwrap();
+    let (_, first) = tokio::time::timeout(std::time::Duration::from_secs(5), watch.next())
+        .await
+        .expect("the cleanup wrote the lease")
+        .expect("an event")
+        .expect("a change");
+    let l: Lease = first.object().to_typed().unwrap();
+    assert_eq!(l.status.phase, LeasePhase::Released, "said Released first");
+    assert_eq!(state(&h, "p-0"), MemberState::Resetting);
+}
+
 #[tokio::test]
 async fn a_leased_member_leaves_a_scaled_down_pool_only_after_its_lease() {
     let h = Harness::new();

@@ -129,6 +129,7 @@ fn main() {
             EtcdStore::connect(&EtcdConfig {
                 endpoints: endpoints.clone(),
                 prefix: "/bench".into(),
+                tls: None,
             })
             .await
             .expect("the etcd store"),

@@ -50,13 +50,34 @@ use crate::txn::{Commit, EtcdTxn};
 /// How long a write keeps running again when other writers keep winning the race.
 const CONTENDED_FOR: Duration = Duration::from_secs(30);
 
-/// Where a store lives: etcd's endpoints and the store's prefix.
+/// Where a store lives: etcd's endpoints, the store's prefix, and how to reach them over TLS.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EtcdConfig {
-    /// `http://host:port` of each member.
+    /// `http://host:port` of each member (`https://` with [`EtcdConfig::tls`]).
     pub endpoints: Vec<String>,
     /// The prefix of every key of the store (`/boxery`).
     pub prefix: String,
+    /// TLS to the members: the CA that signed their certificates, and this client's own
+    /// certificate where the cluster asks for one (`--client-cert-auth`).
+    pub tls: Option<EtcdTls>,
+}
+
+/// TLS settings, as PEM text.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// The CA certificate(s) the members' certificates must chain to.
+    pub ca: String,
+    /// This client's certificate and private key.
+    pub identity: Option<(String, String)>,
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // never the private key
+        f.debug_struct("EtcdTls")
+            .field("client_certificate", &self.identity.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl EtcdConfig {
@@ -82,15 +103,19 @@ impl EtcdConfig {
         Ok(EtcdConfig {
             endpoints,
             prefix: format!("/{}", prefix.trim_matches('/')),
+            tls: None,
         })
     }
 
-    /// The address [`EtcdConfig::parse`] reads back.
+    /// The address [`EtcdConfig::parse`] reads back (the TLS settings are not in it).
     pub fn address(&self) -> String {
         let hosts: Vec<&str> = self
             .endpoints
             .iter()
-            .map(|e| e.trim_start_matches("http://"))
+            .map(|e| {
+                e.trim_start_matches("http://")
+                    .trim_start_matches("https://")
+            })
             .collect();
         format!("etcd://{}{}", hosts.join(","), self.prefix)
     }
@@ -192,12 +217,21 @@ impl EtcdStore {
         let runtime = OwnRuntime(Some(runtime));
         let keys = Keys::new(&config.prefix);
         let endpoints = config.endpoints.clone();
+        let tls = config.tls.clone();
         let k = keys.clone();
         let (client, uid) = handle
             .spawn(async move {
-                let options = etcd_client::ConnectOptions::new()
+                let mut options = etcd_client::ConnectOptions::new()
                     .with_connect_timeout(Duration::from_secs(5))
                     .with_timeout(Duration::from_secs(10));
+                if let Some(tls) = tls {
+                    let mut t = etcd_client::TlsOptions::new()
+                        .ca_certificate(etcd_client::Certificate::from_pem(tls.ca));
+                    if let Some((cert, key)) = tls.identity {
+                        t = t.identity(etcd_client::Identity::from_pem(cert, key));
+                    }
+                    options = options.with_tls(t);
+                }
                 let client = Client::connect(&endpoints, Some(options))
                     .await
                     .map_err(|e| StoreError::OpenDb {

@@ -116,7 +116,7 @@ impl Env {
         }
         self.ensure_home()?;
         let store: Arc<dyn ObjectStore> = match read_config(&self.home)?.store.etcd {
-            Some(etcd) => Arc::new(connect_etcd(&self.home, etcd.config()?)?),
+            Some(etcd) => Arc::new(connect_etcd(&self.home, etcd.config(&self.home)?)?),
             None => Arc::new(Store::open(&boxery_home::layout::store(&self.home))?),
         };
         opened.insert(self.home.clone());
@@ -336,13 +336,29 @@ fn yes() -> bool {
 /// Connect to the store on etcd (from a thread of its own: callers may be inside a runtime).
 fn connect_etcd(home: &Path, config: EtcdConfig) -> Result<EtcdStore> {
     let shown = config.endpoints.join(", ");
+    let tls_flags = if config.tls.is_some() {
+        " --cacert CA --cert CERT --key KEY (the files of store.etcd.tls)"
+    } else {
+        ""
+    };
+    // A member that wants what this client does not offer closes the connection: say what
+    // to set, as the transport's error cannot.
+    let ask = match &config.tls {
+        None => {
+            " A cluster that speaks TLS closes a plain connection: then set store.etcd.tls (docs/scale-out.md)."
+        }
+        Some(t) if t.identity.is_none() => {
+            " A cluster started with --client-cert-auth closes a connection without a client certificate: then set store.etcd.tls.cert and key."
+        }
+        Some(_) => "",
+    };
     let c = config.clone();
     std::thread::spawn(move || futures::executor::block_on(EtcdStore::connect(&c)))
         .join()
         .map_err(|_| VerbError::failed("connecting to etcd failed"))?
         .map_err(|e| {
             VerbError::failed(format!(
-                "cannot reach the store on etcd at {shown} ({}: store.etcd): {}. Is the cluster up? `etcdctl --endpoints {} endpoint health` tells",
+                "cannot reach the store on etcd at {shown} ({}: store.etcd): {}. Is the cluster up? `etcdctl --endpoints {}{tls_flags} endpoint health` tells.{ask}",
                 boxery_home::layout::config(home).display(),
                 crate::error::chain(&e),
                 config.endpoints.join(",")
@@ -369,31 +385,96 @@ pub struct EtcdSection {
     /// may share a cluster under different prefixes.
     #[serde(default)]
     pub prefix: Option<String>,
+    /// TLS to the members (`tls: {ca: PATH, cert: PATH, key: PATH}`; paths relative to the
+    /// home): the endpoints are then `https://`.
+    #[serde(default)]
+    pub tls: Option<EtcdTlsSection>,
+}
+
+/// `store.etcd.tls:` in `config.yaml`: PEM files.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct EtcdTlsSection {
+    /// The CA certificate that signed the members' certificates (etcd's `--trusted-ca-file`
+    /// on their side).
+    pub ca: PathBuf,
+    /// This client's certificate, for a cluster started with `--client-cert-auth`.
+    #[serde(default)]
+    pub cert: Option<PathBuf>,
+    /// Its private key.
+    #[serde(default)]
+    pub key: Option<PathBuf>,
+}
+
+impl EtcdTlsSection {
+    /// The PEM texts, each file read (relative to `home`).
+    fn read(&self, home: &Path) -> Result<boxery_store_etcd::EtcdTls> {
+        let read = |what: &str, p: &Path| {
+            let path = home.join(p);
+            std::fs::read_to_string(&path).map_err(|e| {
+                VerbError::invalid(format!(
+                    "config.yaml: store.etcd.tls.{what}: cannot read {}: {e}",
+                    path.display()
+                ))
+            })
+        };
+        let identity = match (&self.cert, &self.key) {
+            (Some(c), Some(k)) => Some((read("cert", c)?, read("key", k)?)),
+            (None, None) => None,
+            _ => {
+                return Err(VerbError::invalid(
+                    "config.yaml: store.etcd.tls: cert and key go together (this client's certificate and its private key): give both or neither",
+                ));
+            }
+        };
+        Ok(boxery_store_etcd::EtcdTls {
+            ca: read("ca", &self.ca)?,
+            identity,
+        })
+    }
 }
 
 impl EtcdSection {
-    /// The store's address as the etcd store takes it.
-    pub fn config(&self) -> Result<EtcdConfig> {
+    /// The store's address as the etcd store takes it (TLS files read relative to `home`).
+    pub fn config(&self, home: &Path) -> Result<EtcdConfig> {
         if self.endpoints.is_empty() {
             return Err(VerbError::invalid(
                 "config.yaml: store.etcd.endpoints is empty: list each member's HOST:PORT",
             ));
         }
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
         let mut endpoints = Vec::new();
         for e in &self.endpoints {
-            let host = e.strip_prefix("http://").unwrap_or(e);
-            if e.starts_with("https://") {
-                return Err(VerbError::invalid(format!(
-                    "config.yaml: store.etcd.endpoints: {e}: TLS to etcd is not supported yet; use http:// on a network only the control plane's hosts reach"
-                )));
-            }
+            let host = match e.split_once("://") {
+                Some((s, host)) if s == scheme => host,
+                Some(("https", _)) => {
+                    return Err(VerbError::invalid(format!(
+                        "config.yaml: store.etcd.endpoints: {e} is TLS: give the CA that signed the members' certificates in store.etcd.tls.ca (and cert and key where the cluster asks for a client certificate)"
+                    )));
+                }
+                Some(("http", _)) => {
+                    return Err(VerbError::invalid(format!(
+                        "config.yaml: store.etcd.endpoints: {e} is plain http while store.etcd.tls is set: write HOST:PORT or https://HOST:PORT"
+                    )));
+                }
+                Some(_) => {
+                    return Err(VerbError::invalid(format!(
+                        "config.yaml: store.etcd.endpoints: {e:?} is not HOST:PORT"
+                    )));
+                }
+                None => e.as_str(),
+            };
             if host.is_empty() || host.contains('/') || !host.contains(':') {
                 return Err(VerbError::invalid(format!(
                     "config.yaml: store.etcd.endpoints: {e:?} is not HOST:PORT"
                 )));
             }
-            endpoints.push(format!("http://{host}"));
+            endpoints.push(format!("{scheme}://{host}"));
         }
+        let tls = match &self.tls {
+            Some(t) => Some(t.read(home)?),
+            None => None,
+        };
         let prefix = self
             .prefix
             .as_deref()
@@ -407,6 +488,7 @@ impl EtcdSection {
         Ok(EtcdConfig {
             endpoints,
             prefix: format!("/{prefix}"),
+            tls,
         })
     }
 }

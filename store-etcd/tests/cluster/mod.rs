@@ -23,6 +23,54 @@ pub struct Cluster {
     dir: tempfile::TempDir,
     token: String,
     max_txn_ops: u32,
+    /// Clients speak TLS to it, with a certificate of their own.
+    tls: Option<Tls>,
+}
+
+/// The PEM files of a cluster whose clients speak TLS (`--client-cert-auth`): its CA, the
+/// members' certificate (for 127.0.0.1), and a client certificate.
+pub struct Tls {
+    /// The CA that signed both certificates.
+    pub ca: PathBuf,
+    /// A client's certificate and key.
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    server_cert: PathBuf,
+    server_key: PathBuf,
+}
+
+/// A CA, and a certificate for 127.0.0.1 and one for a client, signed by it; written into `dir`.
+fn make_tls(dir: &std::path::Path) -> Tls {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let write = |name: &str, pem: String| {
+        let p = dir.join(name);
+        std::fs::write(&p, pem).expect("a PEM file");
+        p
+    };
+    let ca_key = KeyPair::generate().expect("a key");
+    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "boxery test etcd CA");
+    let ca_cert = ca.self_signed(&ca_key).expect("the CA");
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let signed = |names: Vec<String>| {
+        let key = KeyPair::generate().expect("a key");
+        let cert = CertificateParams::new(names)
+            .expect("params")
+            .signed_by(&key, &issuer)
+            .expect("signed");
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server, server_key) = signed(vec!["127.0.0.1".into(), "localhost".into()]);
+    let (client, client_key) = signed(vec!["boxery-client".into()]);
+    Tls {
+        ca: write("ca.pem", ca_cert.pem()),
+        cert: write("client.pem", client),
+        key: write("client-key.pem", client_key),
+        server_cert: write("server.pem", server),
+        server_key: write("server-key.pem", server_key),
+    }
 }
 
 /// Fails the test with what to do when etcd is not installed.
@@ -54,8 +102,24 @@ impl Cluster {
 
     /// [`Cluster::start`] with `--max-txn-ops` set to `max_txn_ops`.
     pub fn start_with(n: usize, max_txn_ops: u32) -> Cluster {
+        Cluster::start_all(n, max_txn_ops, false)
+    }
+
+    /// [`Cluster::start`] whose clients speak TLS and show a certificate signed by its CA
+    /// ([`Cluster::tls`]).
+    pub fn start_tls(n: usize) -> Cluster {
+        Cluster::start_all(n, 4096, true)
+    }
+
+    /// The cluster's certificates, when its clients speak TLS.
+    pub fn tls(&self) -> Option<&Tls> {
+        self.tls.as_ref()
+    }
+
+    fn start_all(n: usize, max_txn_ops: u32, tls: bool) -> Cluster {
         etcd_binary();
         let dir = tempfile::tempdir().expect("temp dir");
+        let tls = tls.then(|| make_tls(dir.path()));
         let mut held = Vec::new();
         let members: Vec<Member> = (0..n)
             .map(|i| {
@@ -77,6 +141,7 @@ impl Cluster {
             dir,
             token: format!("boxery-test-{}", std::process::id()),
             max_txn_ops,
+            tls,
         };
         for i in 0..n {
             c.spawn(i, "new");
@@ -102,15 +167,25 @@ impl Cluster {
             .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer))
             .collect();
         let m = &self.members[i];
-        let client = format!("http://127.0.0.1:{}", m.client);
+        let client = format!("{}://127.0.0.1:{}", self.scheme(), m.client);
         let peer = format!("http://127.0.0.1:{}", m.peer);
         let log = std::fs::File::options()
             .create(true)
             .append(true)
             .open(self.log(i))
             .expect("member log");
-        let child = Command::new("setpriv")
-            .args(["--pdeathsig", "KILL", "--", "etcd"])
+        let mut etcd = Command::new("setpriv");
+        etcd.args(["--pdeathsig", "KILL", "--", "etcd"]);
+        if let Some(t) = &self.tls {
+            etcd.arg("--cert-file")
+                .arg(&t.server_cert)
+                .arg("--key-file")
+                .arg(&t.server_key)
+                .arg("--trusted-ca-file")
+                .arg(&t.ca)
+                .arg("--client-cert-auth");
+        }
+        let child = etcd
             .args(["--name", &m.name])
             .arg("--data-dir")
             .arg(self.data(i))
@@ -130,6 +205,36 @@ impl Cluster {
             .spawn()
             .expect("setpriv and etcd start");
         self.members[i].child = Some(child);
+    }
+
+    fn scheme(&self) -> &'static str {
+        if self.tls.is_some() { "https" } else { "http" }
+    }
+
+    /// `etcdctl` (API 3) on the running members, with this cluster's client certificate when
+    /// it speaks TLS.
+    fn etcdctl(&self) -> Command {
+        let endpoints: Vec<String> = self
+            .members
+            .iter()
+            .filter(|m| m.child.is_some())
+            .map(|m| format!("{}://127.0.0.1:{}", self.scheme(), m.client))
+            .collect();
+        let mut c = Command::new("etcdctl");
+        c.env("ETCDCTL_API", "3").args([
+            "--endpoints",
+            &endpoints.join(","),
+            "--command-timeout=2s",
+        ]);
+        if let Some(t) = &self.tls {
+            c.arg("--cacert")
+                .arg(&t.ca)
+                .arg("--cert")
+                .arg(&t.cert)
+                .arg("--key")
+                .arg(&t.key);
+        }
+        c
     }
 
     /// `host:port` of every member's client URL, comma separated.
@@ -155,15 +260,8 @@ impl Cluster {
                     panic!("etcd member {i} exited ({status}):\n{log}");
                 }
             }
-            let endpoints: Vec<String> = self
-                .members
-                .iter()
-                .filter(|m| m.child.is_some())
-                .map(|m| format!("http://127.0.0.1:{}", m.client))
-                .collect();
-            let ok = Command::new("etcdctl")
-                .env("ETCDCTL_API", "3")
-                .args(["--endpoints", &endpoints.join(","), "--command-timeout=2s"])
+            let ok = self
+                .etcdctl()
                 .args(["endpoint", "health"])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
@@ -187,13 +285,8 @@ impl Cluster {
         let running: Vec<usize> = (0..self.members.len())
             .filter(|&i| self.members[i].child.is_some())
             .collect();
-        let endpoints: Vec<String> = running
-            .iter()
-            .map(|&i| format!("http://127.0.0.1:{}", self.members[i].client))
-            .collect();
-        let out = Command::new("etcdctl")
-            .env("ETCDCTL_API", "3")
-            .args(["--endpoints", &endpoints.join(","), "--command-timeout=2s"])
+        let out = self
+            .etcdctl()
             .args(["endpoint", "status", "-w", "json"])
             .stderr(Stdio::null())
             .output()
