@@ -309,13 +309,16 @@ async fn lead_and_run(
         });
         let run = boxery_reconcilers::runtime::run(ctx, term.clone());
         tokio::pin!(run);
-        let lost = tokio::select! {
-            _ = &mut run => false,
-            _ = leading.lost() => true,
-            _ = shutdown.cancelled() => false,
+        // (whether the controllers ended on their own, whether the lead was lost)
+        let (ended, lost) = tokio::select! {
+            _ = &mut run => (true, false),
+            _ = leading.lost() => (false, true),
+            _ = shutdown.cancelled() => (false, false),
         };
         term.cancel();
-        run.await;
+        if !ended {
+            run.await;
+        }
         if let Some(g) = guests {
             let _ = g.await;
         }
