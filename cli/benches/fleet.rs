@@ -16,34 +16,24 @@
 
 #[path = "../../store-etcd/tests/cluster/mod.rs"]
 mod cluster;
+#[path = "support/fleet.rs"]
+mod fleet;
 
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use boxery_api::lease::{LeasePhase, LeaseSpec};
+use boxery_api::lease::LeasePhase;
 use boxery_api::pool::{PoolMember, PoolMemberSpec};
 use boxery_api::vm::VmPhase;
 use boxery_api::{DynObject, Lease, Pool, Vm};
 use boxery_store::{ApplyOptions, ObjectStore, ObjectStoreExt};
 use boxery_store_etcd::{EtcdConfig, EtcdStore};
-
-const KEY: &str =
-    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb0uMmDhD7Z3hSR6rW9q2x5Zk2kq3w5b5dB8kKTtJxk bench";
+use fleet::{Serve, lease, vms};
 
 /// How many objects one write carries.
 const BATCH: usize = 200;
-
-/// A `boxery serve` on a home, killed on drop.
-struct Serve(std::process::Child);
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn serve(home: &Path) -> Serve {
     let log = std::fs::File::create(home.join("serve.log")).expect("serve's log");
@@ -111,26 +101,13 @@ async fn pool(store: &dyn ObjectStore, name: &str, n: u32) {
     .await;
 }
 
-fn lease(pool: &str, name: &str) -> DynObject {
-    DynObject::from_typed(&Lease::new(
-        name,
-        LeaseSpec {
-            pool: pool.into(),
-            holder_identity: "bench".into(),
-            lease_duration_seconds: 1800,
-            renew_time: None,
-            public_key: KEY.into(),
-            budget: None,
-        },
-    ))
-    .expect("a lease")
-}
-
 /// `n` leases written at once on a pool of `n` free members → all Bound: how long, and the
 /// store revisions each claim took.
 async fn claims(store: &dyn ObjectStore, n: u32) -> (Duration, f64) {
     pool(store, "claims", n).await;
-    let leases = (0..n).map(|i| lease("claims", &format!("c{i}"))).collect();
+    let leases = (0..n)
+        .map(|i| DynObject::from_typed(&lease("claims", &format!("c{i}"))).expect("a lease"))
+        .collect();
     let rev0 = store.revision().await.expect("revision");
     let t = Instant::now();
     write_all(store, leases).await;
@@ -152,22 +129,15 @@ async fn claims(store: &dyn ObjectStore, n: u32) -> (Duration, f64) {
 
 /// `v` Vms written at once → all Running: how long.
 async fn converge(store: &dyn ObjectStore, v: u32) -> Duration {
-    let vms = (0..v)
-        .map(|i| {
-            manifest(&format!(
-                "apiVersion: boxery.dev/v1alpha1\nkind: Vm\nmetadata: {{name: v{i}}}\nspec: {{source: {{image: debian-12}}}}\n"
-            ))
-        })
-        .collect();
     let t = Instant::now();
-    write_all(store, vms).await;
+    write_all(store, vms(v as usize)).await;
     until("every Vm Running", Duration::from_secs(1800), || async {
         store
             .list_as::<Vm>(&Default::default())
             .await
             .expect("list")
             .iter()
-            .filter(|vm| vm.metadata.name.starts_with('v') && vm.status.phase == VmPhase::Running)
+            .filter(|vm| vm.metadata.name.starts_with("vm-") && vm.status.phase == VmPhase::Running)
             .count()
             == v as usize
     })

@@ -12,27 +12,20 @@
 //! `cargo bench -p boxery --bench pools`. `BOXERY_BENCH_MEMBERS=N` (default 1000),
 //! `BOXERY_BENCH_CLI=N` (default 500).
 
+#[path = "support/fleet.rs"]
+mod fleet;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use boxery_api::lease::{LeasePhase, LeaseSpec};
+use boxery_api::lease::LeasePhase;
 use boxery_api::pool::{PoolMember, PoolMemberSpec};
 use boxery_api::{DynObject, Lease, Pool};
 use boxery_store::{ApplyOptions, Store};
-
-const KEY: &str =
-    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb0uMmDhD7Z3hSR6rW9q2x5Zk2kq3w5b5dB8kKTtJxk bench";
+use fleet::{Serve, lease};
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_boxery")
-}
-
-struct Serve(std::process::Child);
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn serve(home: &std::path::Path) -> Serve {
@@ -72,20 +65,6 @@ fn pool(store: &Store, name: &str, n: u32) {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-fn lease(pool: &str, name: &str) -> Lease {
-    Lease::new(
-        name,
-        LeaseSpec {
-            pool: pool.into(),
-            holder_identity: "bench".into(),
-            lease_duration_seconds: 1800,
-            renew_time: None,
-            public_key: KEY.into(),
-            budget: None,
-        },
-    )
 }
 
 fn pct(v: &mut [Duration], p: f64) -> Duration {

@@ -195,24 +195,18 @@ pub async fn reconcile(lease: Arc<Lease>, ctx: Arc<Ctx>) -> Result<Action> {
 async fn release(l: &Lease, ctx: &Ctx) -> Result<Action> {
     if l.status.phase == LeasePhase::Bound {
         let msg = format!(
-            "{} goes back to the pool after a reset",
+            "its lease was released: {} goes back to the pool after a reset",
             l.status.vm.clone().unwrap_or_default()
         );
-        let mut ended = l.clone();
-        crate::budget::lease_final(ctx, &mut ended).await;
-        ended.status.phase = LeasePhase::Released;
-        let generation = ended.metadata.generation;
-        ended.status.conditions.set_condition(
-            READY,
-            ConditionStatus::False,
+        return finish(
+            l.clone(),
+            ctx,
+            LeasePhase::Released,
+            EventType::Normal,
             reasons::RELEASED,
             &msg,
-            generation,
-        );
-        let ended = save(ctx, &ended).await?;
-        let_go(ctx, &ended, "its lease was released").await?;
-        ctx.event(&ended, EventType::Normal, "Released", &msg).await;
-        return Ok(Action::await_change());
+        )
+        .await;
     }
     let_go(ctx, l, "its lease was released").await?;
     Ok(Action::await_change())

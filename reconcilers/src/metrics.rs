@@ -85,15 +85,15 @@ impl Observed {
     }
 }
 
-/// Sample every VM's runtime every [`SAMPLE_EVERY`] until `shutdown`: for `/metrics`, and
-/// into the usage ledger (each running VM's vCPU- and GiB-seconds since the last sample, and
-/// the CPU seconds its hypervisor used, charged to the lease holding it or to the VM); drop
-/// the proxy's series of VMs that are gone.
+/// Sample every VM's runtime every [`SAMPLE_EVERY`] until `shutdown`: into the usage ledger
+/// (each running VM's vCPU- and GiB-seconds since the last sample, and the CPU seconds its
+/// hypervisor used, charged to the lease holding it or to the VM), and, with `samples` (where
+/// `/metrics` is served), for `/metrics`, dropping the proxy's series of VMs that are gone.
 pub(crate) async fn sample(
     ctx: Arc<Ctx>,
     vms: Cache,
     leases: Cache,
-    samples: Arc<RwLock<Samples>>,
+    samples: Option<Arc<RwLock<Samples>>>,
     shutdown: CancellationToken,
 ) {
     let mut charged = Charged::default();
@@ -108,19 +108,19 @@ pub(crate) async fn sample(
         // waiting for it (a command's `--wait` may end before the cache is first filled).
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            () = sample_once(&ctx, &mut charged, &vms, &leases, &samples) => {}
+            () = sample_once(&ctx, &mut charged, &vms, &leases, samples.as_deref()) => {}
         }
     }
 }
 
-/// One sample: the backend's usage into the ledger and the samples, the proxy's series of
-/// VMs that are gone dropped.
+/// One sample: the backend's usage into the ledger; with `samples`, also each VM's disk (a
+/// listing of the backend's VMs) and the proxy's series of VMs that are gone dropped.
 async fn sample_once(
     ctx: &Ctx,
     charged: &mut Charged,
     vms: &Cache,
     leases: &Cache,
-    samples: &RwLock<Samples>,
+    samples: Option<&RwLock<Samples>>,
 ) {
     let usage = match ctx.backend.usage().await {
         Ok(u) => u,
@@ -144,6 +144,8 @@ async fn sample_once(
             Err(e) => tracing::warn!(error = %e, "recording compute use failed"),
         }
     }
+    // what only `/metrics` reads: not worth a listing of the backend's VMs elsewhere
+    let Some(samples) = samples else { return };
     let disk = match ctx.backend.list().await {
         Ok(list) => list
             .into_iter()

@@ -76,9 +76,9 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
     let token = m.token();
     // The usage sampler runs wherever the controllers do (a `serve`, or a command's embedded
     // controllers): budgets are judged from what it records. `/metrics` reads its samples
-    // where a `serve` exposes them.
-    let samples = Arc::default();
-    if let Some(observed) = ctx.observed() {
+    // where a `serve` exposes them; elsewhere it keeps none.
+    let samples = ctx.observed().map(|observed| {
+        let samples = Arc::default();
         observed.attach(metrics::Attached {
             vms: vm_ctl.cache(),
             images: image_ctl.cache(),
@@ -87,7 +87,8 @@ pub async fn run(ctx: Arc<Ctx>, shutdown: CancellationToken) {
             grants: grant_ctl.cache(),
             samples: Arc::clone(&samples),
         });
-    }
+        samples
+    });
     m.add(
         "samples",
         metrics::sample(

@@ -471,10 +471,7 @@ impl EtcdSection {
             }
             endpoints.push(format!("{scheme}://{host}"));
         }
-        let tls = match &self.tls {
-            Some(t) => Some(t.read(home)?),
-            None => None,
-        };
+        let tls = self.tls.as_ref().map(|t| t.read(home)).transpose()?;
         let prefix = self
             .prefix
             .as_deref()

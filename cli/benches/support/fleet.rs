@@ -1,11 +1,31 @@
-//! What the control-plane benches share: a fleet of Vm objects, a process's RSS, and a
-//! `serve` child killed when dropped.
+//! What the control-plane benches share: a fleet of Vm objects, a lease on a pool, a
+//! process's RSS, and a `serve` child killed when dropped.
 #![allow(dead_code)]
 
 use std::process::Child;
 
+use boxery_api::lease::LeaseSpec;
 use boxery_api::vm::{Resources, VmSpec};
-use boxery_api::{DynObject, RunStrategy, Vm, VmSource};
+use boxery_api::{DynObject, Lease, RunStrategy, Vm, VmSource};
+
+/// The public key the benches' leases carry.
+const KEY: &str =
+    "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHb0uMmDhD7Z3hSR6rW9q2x5Zk2kq3w5b5dB8kKTtJxk bench";
+
+/// Lease `name` on `pool`, for 30 minutes, held by `bench`.
+pub fn lease(pool: &str, name: &str) -> Lease {
+    Lease::new(
+        name,
+        LeaseSpec {
+            pool: pool.into(),
+            holder_identity: "bench".into(),
+            lease_duration_seconds: 1800,
+            renew_time: None,
+            public_key: KEY.into(),
+            budget: None,
+        },
+    )
+}
 
 /// `n` Vms (`vm-0000`…) of the stock image, running.
 pub fn vms(n: usize) -> Vec<DynObject> {

@@ -32,15 +32,16 @@ pub struct Cluster {
 pub struct Tls {
     /// The CA that signed both certificates.
     pub ca: PathBuf,
-    /// A client's certificate and key.
+    /// A client's certificate.
     pub cert: PathBuf,
+    /// Its private key.
     pub key: PathBuf,
     server_cert: PathBuf,
     server_key: PathBuf,
 }
 
 /// A CA, and a certificate for 127.0.0.1 and one for a client, signed by it; written into `dir`.
-fn make_tls(dir: &std::path::Path) -> Tls {
+pub fn make_tls(dir: &std::path::Path) -> Tls {
     use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
     let write = |name: &str, pem: String| {
         let p = dir.join(name);
@@ -292,19 +293,14 @@ impl Cluster {
             .output()
             .ok()?;
         let all: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-        all.as_array()?.iter().find_map(|e| {
+        let says_leader = all.as_array()?.iter().find(|e| {
             let s = &e["Status"];
-            let me = s["header"]["member_id"].as_u64()?;
-            let client = e["Endpoint"].as_str()?;
-            (me == s["leader"].as_u64()?)
-                .then(|| {
-                    running
-                        .iter()
-                        .copied()
-                        .find(|&i| client.ends_with(&format!(":{}", self.members[i].client)))
-                })
-                .flatten()
-        })
+            s["header"]["member_id"].as_u64().is_some() && s["header"]["member_id"] == s["leader"]
+        })?;
+        let client = says_leader["Endpoint"].as_str()?;
+        running
+            .into_iter()
+            .find(|&i| client.ends_with(&format!(":{}", self.members[i].client)))
     }
 
     /// Kill member `i` (SIGKILL), as a crash.
