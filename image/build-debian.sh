@@ -170,12 +170,24 @@ else
   : > "$ROOT/etc/fstab"   # the container manager mounts the root
 fi
 echo 'LANG=C.UTF-8' > "$ROOT/etc/default/locale"
-# networking: DHCP on every ethernet NIC, whatever its name; DNS through systemd-resolved
+# networking: DHCP on the machine's own NICs, whatever their names; DNS through
+# systemd-resolved. Only the machine's own: links that software in the guest makes (a Docker
+# container's veth, a bridge, a tunnel) belong to that software, and DHCP on them took them
+# from it (no Docker container had a network). A VM's NICs are devices with no link kind
+# (virtio-net, e1000); a container's NIC is a veth like any other, so there it is matched by
+# the name its manager gives it (Incus: eth0, eth1, ...).
+if [ "$KIND" = vm ]; then
+  NIC_MATCH='Type=ether
+Kind=!*'
+else
+  NIC_MATCH='Type=ether
+Name=eth*'
+fi
 mkdir -p "$ROOT/etc/systemd/network"
-cat > "$ROOT/etc/systemd/network/20-boxery-dhcp.network" <<'EON'
-# boxery: DHCP on every ethernet NIC (QEMU user networking: 10.0.2.15, gateway 10.0.2.2)
+cat > "$ROOT/etc/systemd/network/20-boxery-dhcp.network" <<EON
+# boxery: DHCP on the machine's own NICs (QEMU user networking: 10.0.2.15, gateway 10.0.2.2)
 [Match]
-Type=ether
+$NIC_MATCH
 
 [Network]
 DHCP=ipv4

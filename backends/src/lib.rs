@@ -527,6 +527,9 @@ pub struct GuestDns {
     /// The unix datagram socket the VM's network helper sends them to (`boxery_net::dns`),
     /// where the control plane answers.
     pub listen: PathBuf,
+    /// The unix stream socket the helper connects the guest's lookups over TCP to, where
+    /// the control plane answers them; `None`: not carried.
+    pub listen_tcp: Option<PathBuf>,
     /// The DNS server's address as the guest uses it (the guest is told it at each boot).
     pub addr: std::net::Ipv4Addr,
 }

@@ -300,17 +300,35 @@ def start_relay(port):
         pass
     args = ["/usr/local/lib/boxery/browser/relay", RELAY] + ([str(port)] if port else [])
     with open(LOG, "ab") as log:
-        subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                         start_new_session=True)
-    until = min(deadline, time.monotonic() + 10)
-    while time.monotonic() < until:
+        relay = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                 start_new_session=True)
+    # waited for as long as the call may take, not a guess: a guest under load (TCG, a busy
+    # host) can take many seconds to start Python; a relay that ends is reported at once
+    while time.monotonic() < deadline:
         got = relay_running()
         if got:
             return got
+        code = relay.poll()
+        if code is not None:
+            said = log_tail()
+            if port:
+                fail(1, f"the browser's relay to the egress proxy could not take its port {port} again (it ended with {code}{said}): close the browser (pkill -u agent -x chromium) and call again (its log: {LOG})")
+            fail(1, f"the browser's relay to the egress proxy ended with {code}{said} (its log: {LOG})")
         time.sleep(0.05)
-    if port:
-        fail(1, f"the browser's relay to the egress proxy could not take its port {port} again: close the browser (pkill -u agent -x chromium) and call again (its log: {LOG})")
-    fail(1, f"the browser's relay to the egress proxy did not start (its log: {LOG})")
+    fail(1, f"the browser's relay to the egress proxy did not start within the call's time: call again with a longer timeout (its log: {LOG})")
+
+
+def log_tail():
+    """The log's last line, as ': LINE' (printable only), or nothing."""
+    try:
+        with open(LOG, "rb") as f:
+            f.seek(max(0, os.path.getsize(LOG) - 4096))
+            lines = [l for l in f.read().decode("utf-8", "replace").splitlines() if l.strip()]
+    except OSError:
+        return ""
+    if not lines:
+        return ""
+    return ": " + "".join(c if c.isprintable() else "?" for c in lines[-1])[:300]
 
 
 def browser_pid():

@@ -14,19 +14,7 @@ PACKAGES="docker.io apparmor"
 export DEBIAN_FRONTEND=noninteractive
 . "$(dirname "$0")/lib.sh"
 install_missing docker $PACKAGES
-# Docker's container links are Docker's, not systemd-networkd's: the plumbing layer's DHCP on
-# every ethernet link (20-boxery-dhcp.network, Type=ether) also matches a container's veth,
-# and networkd then takes it out of docker0, so no container had a network at all. An earlier
-# file wins the match.
-install -d -m 0755 /etc/systemd/network
-cat > /etc/systemd/network/10-boxery-docker-veth.network <<'EOS'
-# boxery docker layer: a container's veth is Docker's (it enslaves it to its bridge)
-[Match]
-Driver=veth
-
-[Link]
-Unmanaged=yes
-EOS
+# (a container's veth stays Docker's: the base image's DHCP matches only the machine's own NICs)
 getent group docker >/dev/null || groupadd --system docker
 if id agent >/dev/null 2>&1; then usermod -aG docker agent; fi
 # started at boot (the package enables it; a chroot build has no systemd to ask, so the links

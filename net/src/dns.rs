@@ -12,8 +12,14 @@
 //!   with the frame is taken; every other frame goes to slirp unchanged.
 //! - An answer shorter than a tag and a DNS header, or longer than [`MAX_ANSWER`], is dropped.
 //!
+//! DNS over TCP (a resolver's retry after a truncated answer, `dig +tcp`, Go's resolver) to
+//! `10.0.2.3:53` is carried too, by slirp itself: restricted slirp forwards nothing to its DNS
+//! address, so the helper gives the guest's TCP segments to [`DNS_TCP_ADDR`] instead
+//! ([`tcp_to_forward`]), where a slirp forward connects them to the control plane's stream
+//! socket, and gives slirp's answers back from `10.0.2.3` ([`tcp_from_forward`]). The guest
+//! sees only `10.0.2.3`; the stream socket is the VM's own, as the datagram socket is.
+//!
 //! # Caveats
-//! - DNS over TCP to `10.0.2.3:53` is not carried (answers are kept small enough for UDP).
 //! - No control plane serving the VM: a query is answered SERVFAIL by the helper itself
 //!   ([`servfail`]), at once, as everything else of the guest's way out fails.
 
@@ -21,6 +27,10 @@ use std::net::Ipv4Addr;
 
 /// slirp's DNS address, which DHCP hands the guest.
 pub const DNS_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 3);
+/// Where the guest's TCP connections to [`DNS_ADDR`]:53 are given to slirp: an address of
+/// slirp's network that is none of its own (gateway, DNS), outside its DHCP range (.15 up)
+/// and not the proxy's (`.100`), whose port 53 is forwarded to the control plane.
+pub const DNS_TCP_ADDR: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 53);
 /// The DNS port.
 pub const DNS_PORT: u16 = 53;
 /// The tag before each query and answer: the guest's MAC (6), IPv4 address (4), UDP port (2).
@@ -35,6 +45,9 @@ const IPV4: usize = 20;
 const UDP: usize = 8;
 const ETHERTYPE_IPV4: u16 = 0x0800;
 const PROTO_UDP: u8 = 17;
+const PROTO_TCP: u8 = 6;
+/// A TCP header's checksum offset.
+const TCP_CHECKSUM: usize = 16;
 
 fn be16(b: &[u8], at: usize) -> Option<u16> {
     Some(u16::from_be_bytes([*b.get(at)?, *b.get(at + 1)?]))
@@ -118,6 +131,83 @@ fn fold(mut sum: u32) -> u16 {
         sum = (sum & 0xffff) + (sum >> 16);
     }
     !(sum as u16)
+}
+
+/// Which end of a segment [`readdress`] moves.
+#[derive(Clone, Copy)]
+enum End {
+    /// The destination (address at IPv4 offset 16, port at TCP offset 2).
+    To,
+    /// The source (address at IPv4 offset 12, port at TCP offset 0).
+    From,
+}
+
+/// Move one end of an unfragmented IPv4/TCP segment of `frame` from `from`:[`DNS_PORT`] to
+/// `to`:[`DNS_PORT`], both checksums adjusted (RFC 1624); whether it was such a segment.
+/// Anything else (another protocol, port or address, a fragment, lengths that disagree) is
+/// left as it is.
+fn readdress(frame: &mut [u8], end: End, from: Ipv4Addr, to: Ipv4Addr) -> bool {
+    let ok = (|| {
+        if be16(frame, 12)? != ETHERTYPE_IPV4 {
+            return None;
+        }
+        let ip = frame.get(ETH..)?;
+        let (version, ihl) = (ip.first()? >> 4, usize::from(ip[0] & 0x0f) * 4);
+        let total = usize::from(be16(ip, 2)?);
+        let fragmented = be16(ip, 6)? & 0x3fff != 0;
+        if version != 4 || ihl < IPV4 || total < ihl + 20 || total > ip.len() || fragmented {
+            return None;
+        }
+        let (addr_at, port_at) = match end {
+            End::To => (16, 2),
+            End::From => (12, 0),
+        };
+        if ip[9] != PROTO_TCP
+            || ip.get(addr_at..addr_at + 4)? != from.octets()
+            || be16(ip, ihl + port_at)? != DNS_PORT
+        {
+            return None;
+        }
+        Some(ihl)
+    })();
+    let Some(ihl) = ok else {
+        return false;
+    };
+    let ip = &mut frame[ETH..];
+    let addr_at = match end {
+        End::To => 16,
+        End::From => 12,
+    };
+    let (old, new) = (from.octets(), to.octets());
+    ip[addr_at..addr_at + 4].copy_from_slice(&new);
+    for at in [10, ihl + TCP_CHECKSUM] {
+        let sum = u16::from_be_bytes([ip[at], ip[at + 1]]);
+        ip[at..at + 2].copy_from_slice(&adjusted(sum, old, new).to_be_bytes());
+    }
+    true
+}
+
+/// A checksum over data in which the 4 bytes `old` became `new` (RFC 1624, eqn. 3:
+/// `HC' = ~(~HC + ~m + m')`, word by word).
+fn adjusted(sum: u16, old: [u8; 4], new: [u8; 4]) -> u16 {
+    let mut acc = u32::from(!sum);
+    for i in [0, 2] {
+        acc += u32::from(!u16::from_be_bytes([old[i], old[i + 1]]));
+        acc += u32::from(u16::from_be_bytes([new[i], new[i + 1]]));
+    }
+    fold(acc)
+}
+
+/// A guest's TCP segment to [`DNS_ADDR`]:53, made one to [`DNS_TCP_ADDR`]:53 in place (for
+/// slirp, whose forward there reaches the control plane); whether it was one.
+pub fn tcp_to_forward(frame: &mut [u8]) -> bool {
+    readdress(frame, End::To, DNS_ADDR, DNS_TCP_ADDR)
+}
+
+/// slirp's TCP segment from [`DNS_TCP_ADDR`]:53, made one from [`DNS_ADDR`]:53 in place (for
+/// the guest, which asked `10.0.2.3`); whether it was one.
+pub fn tcp_from_forward(frame: &mut [u8]) -> bool {
+    readdress(frame, End::From, DNS_TCP_ADDR, DNS_ADDR)
 }
 
 /// The frame that carries `answer` (tagged as [`query`] tagged its question) from
@@ -256,6 +346,109 @@ mod tests {
         let mut pointer = dns_query();
         pointer[12] = 0xc0;
         assert!(servfail(&pointer).is_none());
+    }
+
+    /// A guest's TCP segment from 10.0.2.15:40000 to `to`:`port` with `payload`, both
+    /// checksums right.
+    fn tcp_frame(to: Ipv4Addr, port: u16, payload: &[u8]) -> Vec<u8> {
+        let total = (IPV4 + 20 + payload.len()) as u16;
+        let mut f = Vec::new();
+        f.extend_from_slice(&mac_of(DNS_ADDR));
+        f.extend_from_slice(&GUEST_MAC);
+        f.extend_from_slice(&ETHERTYPE_IPV4.to_be_bytes());
+        f.extend_from_slice(&[0x45, 0]);
+        f.extend_from_slice(&total.to_be_bytes());
+        f.extend_from_slice(&[0x12, 0x34, 0x40, 0, 64, PROTO_TCP, 0, 0]);
+        f.extend_from_slice(&GUEST.octets());
+        f.extend_from_slice(&to.octets());
+        let sum = fold(sum16(0, &f[ETH..ETH + IPV4]));
+        f[ETH + 10..ETH + 12].copy_from_slice(&sum.to_be_bytes());
+        f.extend_from_slice(&40000u16.to_be_bytes());
+        f.extend_from_slice(&port.to_be_bytes());
+        // seq, ack, offset 5 words, PSH|ACK, window, checksum (0 for now), urgent
+        f.extend_from_slice(&[
+            0, 0, 0x10, 0, 0, 0, 0x20, 0, 0x50, 0x18, 0xff, 0xff, 0, 0, 0, 0,
+        ]);
+        f.extend_from_slice(payload);
+        let sum = fold(tcp_sum(&f));
+        f[ETH + IPV4 + 16..ETH + IPV4 + 18].copy_from_slice(&sum.to_be_bytes());
+        f
+    }
+
+    /// The TCP checksum sum over `frame`'s pseudo-header and segment (0 folded: right).
+    fn tcp_sum(frame: &[u8]) -> u32 {
+        let ip = &frame[ETH..];
+        let seg = &ip[IPV4..];
+        let pseudo = sum16(0, &ip[12..20]) + u32::from(PROTO_TCP) + seg.len() as u32;
+        sum16(pseudo, seg)
+    }
+
+    fn checksums_hold(frame: &[u8]) {
+        assert_eq!(
+            fold(sum16(0, &frame[ETH..ETH + IPV4])),
+            0,
+            "the IPv4 checksum"
+        );
+        assert_eq!(fold(tcp_sum(frame)), 0, "the TCP checksum");
+    }
+
+    #[test]
+    fn a_tcp_lookup_goes_to_the_forward_and_its_answer_comes_from_slirps_dns_address() {
+        // payloads of odd and even length, one whose checksum word is 0xffff-prone
+        for payload in [&b"\x00\x1dquery"[..], b"\x00\x1cquer", &[0xff; 64]] {
+            let mut f = tcp_frame(DNS_ADDR, 53, payload);
+            checksums_hold(&f);
+            assert!(tcp_to_forward(&mut f));
+            assert_eq!(&f[ETH + 16..ETH + 20], &DNS_TCP_ADDR.octets());
+            checksums_hold(&f);
+            assert_eq!(&f[ETH + IPV4 + 20..], payload, "the payload untouched");
+            assert!(!tcp_to_forward(&mut f), "once only");
+
+            // slirp's answer: the ends swapped
+            let mut a = f.clone();
+            a.copy_within(ETH + 12..ETH + 16, ETH + 16);
+            a[ETH + 12..ETH + 16].copy_from_slice(&DNS_TCP_ADDR.octets());
+            a[ETH + IPV4..ETH + IPV4 + 2].copy_from_slice(&53u16.to_be_bytes());
+            a[ETH + IPV4 + 2..ETH + IPV4 + 4].copy_from_slice(&40000u16.to_be_bytes());
+            a[ETH + 10..ETH + 12].copy_from_slice(&[0, 0]);
+            let sum = fold(sum16(0, &a[ETH..ETH + IPV4]));
+            a[ETH + 10..ETH + 12].copy_from_slice(&sum.to_be_bytes());
+            a[ETH + IPV4 + 16..ETH + IPV4 + 18].copy_from_slice(&[0, 0]);
+            let sum = fold(tcp_sum(&a));
+            a[ETH + IPV4 + 16..ETH + IPV4 + 18].copy_from_slice(&sum.to_be_bytes());
+            assert!(tcp_from_forward(&mut a));
+            assert_eq!(&a[ETH + 12..ETH + 16], &DNS_ADDR.octets());
+            checksums_hold(&a);
+        }
+    }
+
+    #[test]
+    fn other_segments_are_left_as_they_are() {
+        let untouched = |mut f: Vec<u8>, why: &str| {
+            let before = f.clone();
+            assert!(!tcp_to_forward(&mut f), "{why}");
+            assert!(!tcp_from_forward(&mut f), "{why}");
+            assert_eq!(f, before, "{why}");
+        };
+        untouched(tcp_frame(DNS_ADDR, 80, b"x"), "another port");
+        untouched(
+            tcp_frame(Ipv4Addr::new(10, 0, 2, 2), 53, b"x"),
+            "another address",
+        );
+        untouched(
+            query_frame(&dns_query(), DNS_ADDR, 53),
+            "UDP (taken as a query instead)",
+        );
+        let mut frag = tcp_frame(DNS_ADDR, 53, b"x");
+        frag[ETH + 6] |= 0x20; // more fragments
+        untouched(frag, "a fragment");
+        let mut long = tcp_frame(DNS_ADDR, 53, b"x");
+        long[ETH + 2..ETH + 4].copy_from_slice(&9000u16.to_be_bytes());
+        untouched(long, "a length past the frame");
+        let f = tcp_frame(DNS_ADDR, 53, b"xy");
+        for n in 0..f.len() - 2 {
+            untouched(f[..n].to_vec(), "cut short");
+        }
     }
 
     #[test]

@@ -77,6 +77,9 @@ pub struct Options {
     /// The control plane's datagram socket that answers the guest's name lookups
     /// ([`crate::dns`]); `None`: lookups go to slirp, which drops them.
     pub dns_sock: Option<PathBuf>,
+    /// The control plane's stream socket the guest's DNS-over-TCP connections (to
+    /// `10.0.2.3:53`) are connected to ([`crate::dns`]); `None`: they are refused.
+    pub dns_tcp_sock: Option<PathBuf>,
     /// Where to write the helper's pid once it is ready.
     pub pidfile: Option<PathBuf>,
     /// QEMU's pidfile: the helper ends when the QEMU it names has exited (or when none has
@@ -282,6 +285,9 @@ struct Outbox {
     dropped: u64,
     /// Bytes of the frames taken for the guest (its received bytes), since the start.
     to_guest: u64,
+    /// DNS over TCP is carried: slirp's segments from its forward are given back from
+    /// slirp's DNS address ([`dns::tcp_from_forward`]).
+    dns_tcp: bool,
 }
 
 impl Guest for Outbox {
@@ -295,7 +301,11 @@ impl Guest for Outbox {
         }
         self.buf
             .extend_from_slice(&(frame.len() as u32).to_be_bytes());
+        let at = self.buf.len();
         self.buf.extend_from_slice(frame);
+        if self.dns_tcp {
+            dns::tcp_from_forward(&mut self.buf[at..]);
+        }
         self.to_guest += frame.len() as u64;
     }
 }
@@ -671,6 +681,12 @@ pub fn run(opts: &Options) -> Result<Stopped, HelperError> {
 
     let mut slirp = Slirp::new(&Network::default(), Outbox::default())?;
     slirp.add_hostfwd(Ipv4Addr::LOCALHOST, opts.ssh_port, GUEST_SSH_PORT)?;
+    if let Some(path) = &opts.dns_tcp_sock {
+        check_sock_path(path)?;
+        // (slirp connects at each guest connection: the socket may come later)
+        slirp.add_unix(path, dns::DNS_TCP_ADDR, dns::DNS_PORT)?;
+        slirp.guest().dns_tcp = true;
+    }
 
     let mut cleanup = Cleanup {
         sockets: Vec::new(),
@@ -858,10 +874,15 @@ fn feed(
     let bad = loop {
         match frame_at(&buf[off..*have]) {
             Frame::Whole(len) => {
-                let frame = &buf[off + 4..off + 4 + len];
+                let frame = &mut buf[off + 4..off + 4 + len];
                 match (dns.as_deref_mut(), dns::query(frame)) {
                     (Some(d), Some((tag, q))) => d.send(&tag, q, slirp.guest()),
-                    _ if len > 0 => slirp.input(frame),
+                    _ if len > 0 => {
+                        if slirp.guest().dns_tcp {
+                            dns::tcp_to_forward(frame);
+                        }
+                        slirp.input(frame)
+                    }
                     _ => {}
                 }
                 bytes += len as u64;

@@ -50,6 +50,10 @@ struct Args {
     /// get no answer
     #[arg(long, value_name = "PATH")]
     dns_sock: Option<PathBuf>,
+    /// The unix stream socket the guest's name lookups over TCP (to 10.0.2.3:53) are
+    /// connected to (it may appear later). Without it, they are refused
+    #[arg(long, value_name = "PATH")]
+    dns_tcp_sock: Option<PathBuf>,
     /// Write the pid here once ready (everything listening); removed on exit
     #[arg(long, value_name = "PATH")]
     pidfile: Option<PathBuf>,
@@ -70,6 +74,7 @@ fn main() -> ExitCode {
         ssh_port: args.ssh_port,
         proxy_sock: args.proxy_sock,
         dns_sock: args.dns_sock,
+        dns_tcp_sock: args.dns_tcp_sock,
         pidfile: args.pidfile,
         qemu_pidfile: args.qemu_pidfile,
         stats: args.stats,

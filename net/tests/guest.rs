@@ -229,6 +229,8 @@ impl World {
             .arg(self.path("proxy.sock"))
             .arg("--dns-sock")
             .arg(self.path("dns.sock"))
+            .arg("--dns-tcp-sock")
+            .arg(self.path("dns-tcp.sock"))
             .arg("--pidfile")
             .arg(self.path("net.pid"))
             .arg("--qemu-pidfile")
@@ -533,6 +535,35 @@ fn a_guest_behind_boxery_net() {
         "no control plane: {out}"
     );
     assert!(took < Duration::from_secs(10), "SERVFAIL at once: {took:?}");
+
+    // (a4) a lookup over TCP to slirp's DNS address reaches the control plane's stream
+    // socket, and its answer comes back as from 10.0.2.3 (the helper carries bytes; what
+    // they mean is the control plane's: proxy/tests/dns.rs)
+    let dns_tcp = UnixListener::bind(w.path("dns-tcp.sock")).unwrap();
+    let tcp_side = thread::spawn(move || -> io::Result<Vec<u8>> {
+        let mut c = accept_within(&dns_tcp, Duration::from_secs(60))?;
+        c.set_read_timeout(Some(Duration::from_secs(30)))?;
+        let mut asked = [0u8; 6];
+        c.read_exact(&mut asked)?;
+        c.write_all(b"\x00\x06answer")?;
+        Ok(asked.to_vec())
+    });
+    let out = w.guest(
+        "printf '\\000\\004ping' | timeout 30 nc -w 10 10.0.2.3 53 | od -An -c | tr -s ' '; echo rc=$?",
+    );
+    eprintln!("guest TCP 10.0.2.3:53 through boxery-net: {out:?}");
+    assert_eq!(
+        tcp_side
+            .join()
+            .unwrap()
+            .expect("a connection on the DNS stream socket"),
+        b"\x00\x04ping",
+        "the guest's bytes reached the stream socket"
+    );
+    assert!(
+        out.contains("a n s w e r") && out.ends_with("rc=0"),
+        "the guest got the answer back from 10.0.2.3: {out}"
+    );
 
     // (b) the guest's 10.0.2.100:80 reaches the unix socket; data both ways (echoed after
     // the guest's half-close)

@@ -35,8 +35,8 @@ pub const EVERY: Duration = Duration::from_millis(500);
 /// One channel being served.
 struct Served {
     stop: CancellationToken,
-    /// Its VM's name-lookup socket ([`crate::dns`]), when it has one.
-    dns: Option<PathBuf>,
+    /// Its VM's name-lookup sockets ([`crate::dns`]), when it has them.
+    dns: Vec<PathBuf>,
 }
 
 impl Served {
@@ -44,7 +44,7 @@ impl Served {
     fn end(self, listen: &ProxyListen) {
         self.stop.cancel();
         remove_socket(listen);
-        if let Some(dns) = &self.dns {
+        for dns in &self.dns {
             remove_socket_file(dns);
         }
     }
@@ -132,7 +132,7 @@ async fn start(
 ) -> std::io::Result<Served> {
     let listen = &g.listen;
     let dns = match (&channel, &g.dns) {
-        (Some(vm), Some(d)) => Some((vm.clone(), d.listen.clone())),
+        (Some(vm), Some(d)) => Some((vm.clone(), d)),
         _ => None,
     };
     let router = proxy.router_seen_at(channel, Some(&g.url));
@@ -151,8 +151,14 @@ async fn start(
                     .with_graceful_shutdown(done.cancelled_owned())
                     .await;
             });
-            if let Some((vm, path)) = &dns
-                && let Err(e) = crate::dns::start(proxy, vm, path, stop.child_token())
+            if let Some((vm, d)) = &dns
+                && let Err(e) = crate::dns::start(
+                    proxy,
+                    vm,
+                    &d.listen,
+                    d.listen_tcp.as_deref(),
+                    stop.child_token(),
+                )
             {
                 // the proxy serves; lookups are retried with the channel
                 stop.cancel();
@@ -174,6 +180,12 @@ async fn start(
     }
     Ok(Served {
         stop,
-        dns: dns.map(|(_, path)| path),
+        dns: dns
+            .map(|(_, d)| {
+                std::iter::once(d.listen.clone())
+                    .chain(d.listen_tcp.clone())
+                    .collect()
+            })
+            .unwrap_or_default(),
     })
 }

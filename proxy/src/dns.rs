@@ -1,7 +1,9 @@
 //! The guests' name lookups (docs/egress.md, "Name lookups"): a VM's network helper sends
 //! each DNS query its guest makes (tagged with where the answer goes, `boxery_net::dns`) to
 //! the VM's own datagram socket, and this answers it by the VM's egress policy, as the egress
-//! proxy decides a connection.
+//! proxy decides a connection. Lookups over TCP (RFC 7766: each message after its 2-byte
+//! length) arrive on the VM's own stream socket, each connection one of its guest's, and are
+//! answered the same way.
 //!
 //! # Guarantees
 //! - The VM is the socket's; its policy is read per query (`$BOXERY_HOME/egress/<vm>`).
@@ -16,7 +18,10 @@
 //!   name (AAAA: the guest has no IPv6; MX, TXT, …) get an empty answer; malformed queries,
 //!   responses and names that are not host names get nothing looked up.
 //! - At most [`IN_FLIGHT`] lookups of one VM at a time, and [`PER_SECOND`] a second after a
-//!   burst of [`BURST`]; more are dropped unanswered (the guest's resolver asks again). Every
+//!   burst of [`BURST`], over UDP and TCP together; more are dropped unanswered (the guest's
+//!   resolver asks again; over TCP the connection is closed). Over TCP: at most
+//!   [`TCP_CONNECTIONS`] connections of one VM (more are closed at once), each closed after
+//!   [`TCP_IDLE`] without a whole query, or at a length outside a DNS query's. Every
 //!   answered lookup is audited (`DNS`, the name, the type, the status: 200 answered, 403
 //!   refused, 404 not found, 502 the host's resolver did not answer: SERVFAIL).
 //!
@@ -26,13 +31,14 @@
 
 use std::net::IpAddr;
 use std::path::Path;
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use hickory_proto::op::{Edns, Message, MessageType, OpCode, ResponseCode};
 use hickory_proto::rr::rdata::opt::EdnsOption;
 use hickory_proto::rr::{DNSClass, RData, Record, RecordType, rdata::A};
-use tokio::net::UnixDatagram;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixDatagram, UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::audit;
@@ -56,6 +62,12 @@ pub const IN_FLIGHT: usize = 32;
 pub const BURST: f64 = 100.0;
 /// See [`BURST`].
 pub const PER_SECOND: f64 = 20.0;
+/// A VM's lookup connections over TCP at once.
+pub const TCP_CONNECTIONS: usize = 8;
+/// How long a TCP connection may wait for its next whole query (or take an answer).
+pub const TCP_IDLE: Duration = Duration::from_secs(10);
+/// The shortest DNS message (its header).
+const DNS_HEADER: usize = 12;
 
 /// A token bucket of [`BURST`] tokens refilled at [`PER_SECOND`].
 #[derive(Debug)]
@@ -92,12 +104,39 @@ const EDE_BLOCKED: u16 = 15;
 /// The longest reason carried in an Extended DNS Error.
 const EDE_TEXT: usize = 200;
 
+/// One VM's lookup rate ([`Bucket`]), over UDP and TCP together, and how many were dropped.
+#[derive(Debug)]
+struct Rate {
+    bucket: Bucket,
+    dropped: u64,
+}
+
+impl Rate {
+    /// Whether one more lookup of `vm` may be answered now (a warning at each power of two
+    /// dropped).
+    fn take(rate: &Mutex<Rate>, vm: &str) -> bool {
+        let mut r = rate.lock().unwrap_or_else(|e| e.into_inner());
+        if r.bucket.take() {
+            return true;
+        }
+        r.dropped += 1;
+        if r.dropped.is_power_of_two() {
+            tracing::warn!(vm = %vm, dropped = r.dropped, "a guest's name lookups past {PER_SECOND}/s are dropped");
+        }
+        false
+    }
+}
+
 /// Answer VM `vm`'s lookups arriving on `sock` until `stop`.
-pub(crate) async fn serve(proxy: Proxy, vm: String, sock: UnixDatagram, stop: CancellationToken) {
+async fn serve(
+    proxy: Proxy,
+    vm: String,
+    sock: UnixDatagram,
+    rate: Arc<Mutex<Rate>>,
+    stop: CancellationToken,
+) {
     let sock = Arc::new(sock);
     let mut buf = vec![0u8; TAG + MAX_QUERY + 1];
-    let mut bucket = Bucket::new();
-    let mut dropped = 0u64;
     loop {
         let got = tokio::select! {
             _ = stop.cancelled() => return,
@@ -114,11 +153,7 @@ pub(crate) async fn serve(proxy: Proxy, vm: String, sock: UnixDatagram, stop: Ca
         if !(TAG..=TAG + MAX_QUERY).contains(&n) {
             continue;
         }
-        if !bucket.take() {
-            dropped += 1;
-            if dropped.is_power_of_two() {
-                tracing::warn!(vm = %vm, dropped, "a guest's name lookups past {PER_SECOND}/s are dropped");
-            }
+        if !Rate::take(&rate, &vm) {
             continue;
         }
         let Some(permit) = proxy.inner.permit(&format!("dns {vm}"), IN_FLIGHT) else {
@@ -127,12 +162,96 @@ pub(crate) async fn serve(proxy: Proxy, vm: String, sock: UnixDatagram, stop: Ca
         let (tag, query) = (buf[..TAG].to_vec(), buf[TAG..n].to_vec());
         let (proxy, vm, sock) = (proxy.clone(), vm.clone(), sock.clone());
         tokio::spawn(async move {
-            if let Some(answer) = answer(&proxy.inner, &vm, &query).await {
+            if let Some(answer) = answer(&proxy.inner, &vm, &query, Transport::Udp).await {
                 let _ = sock.send_to(&[&tag[..], &answer].concat(), &to).await;
             }
             drop(permit);
         });
     }
+}
+
+/// Answer VM `vm`'s lookups over TCP arriving on `listener` until `stop`.
+async fn serve_tcp(
+    proxy: Proxy,
+    vm: String,
+    listener: UnixListener,
+    rate: Arc<Mutex<Rate>>,
+    stop: CancellationToken,
+) {
+    let open = Arc::new(tokio::sync::Semaphore::new(TCP_CONNECTIONS));
+    loop {
+        let got = tokio::select! {
+            _ = stop.cancelled() => return,
+            got = listener.accept() => got,
+        };
+        let Ok((conn, _)) = got else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let Ok(slot) = open.clone().try_acquire_owned() else {
+            continue; // closed at once: the guest's resolver asks again
+        };
+        let (proxy, vm, rate, stop) = (proxy.clone(), vm.clone(), rate.clone(), stop.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = connection(&proxy, &vm, conn, &rate) => {}
+            }
+            drop(slot);
+        });
+    }
+}
+
+/// One TCP connection's queries, answered in order, until it closes, idles past
+/// [`TCP_IDLE`], sends a length no query has, or passes the VM's rate.
+async fn connection(proxy: &Proxy, vm: &str, mut conn: UnixStream, rate: &Mutex<Rate>) {
+    use tokio::time::timeout;
+    loop {
+        let mut len = [0u8; 2];
+        if !matches!(
+            timeout(TCP_IDLE, conn.read_exact(&mut len)).await,
+            Ok(Ok(_))
+        ) {
+            return;
+        }
+        let n = usize::from(u16::from_be_bytes(len));
+        if !(DNS_HEADER..=MAX_QUERY).contains(&n) {
+            return;
+        }
+        let mut query = vec![0u8; n];
+        if !matches!(
+            timeout(TCP_IDLE, conn.read_exact(&mut query)).await,
+            Ok(Ok(_))
+        ) {
+            return;
+        }
+        if !Rate::take(rate, vm) {
+            return;
+        }
+        let Some(permit) = proxy.inner.permit(&format!("dns {vm}"), IN_FLIGHT) else {
+            return;
+        };
+        let Some(answer) = answer(&proxy.inner, vm, &query, Transport::Tcp).await else {
+            return; // not a query: nothing more is read from this connection
+        };
+        drop(permit);
+        let Ok(len) = u16::try_from(answer.len()) else {
+            return;
+        };
+        let framed = [&len.to_be_bytes()[..], &answer].concat();
+        if !matches!(timeout(TCP_IDLE, conn.write_all(&framed)).await, Ok(Ok(()))) {
+            return;
+        }
+    }
+}
+
+/// How a query came, which bounds its answer's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Transport {
+    /// A datagram: within the client's size (512 bytes without EDNS).
+    Udp,
+    /// A stream: a message's 2-byte length is the only bound.
+    Tcp,
 }
 
 /// Whether `name` (without its final dot) is a host name: labels of letters, digits, `-` and
@@ -148,7 +267,12 @@ fn host_name(name: &str) -> bool {
 }
 
 /// The answer to one query of VM `vm`, `None` when it gets none.
-pub(crate) async fn answer(p: &Inner, vm: &str, query: &[u8]) -> Option<Vec<u8>> {
+pub(crate) async fn answer(
+    p: &Inner,
+    vm: &str,
+    query: &[u8],
+    transport: Transport,
+) -> Option<Vec<u8>> {
     let started = Instant::now();
     let q = Message::from_vec(query).ok()?;
     if q.metadata.message_type != MessageType::Query {
@@ -241,9 +365,10 @@ pub(crate) async fn answer(p: &Inner, vm: &str, query: &[u8]) -> Option<Vec<u8>>
     rec.ms = started.elapsed().as_millis() as u64;
     p.audit.write(&rec);
     // within what the client takes (512 bytes without EDNS): addresses left out, not cut
-    let limit = match &q.edns {
-        Some(e) => usize::from(e.max_payload()).clamp(512, MAX_QUERY),
-        None => 512,
+    let limit = match (transport, &q.edns) {
+        (Transport::Tcp, _) => usize::from(u16::MAX),
+        (Transport::Udp, Some(e)) => usize::from(e.max_payload()).clamp(512, MAX_QUERY),
+        (Transport::Udp, None) => 512,
     };
     r.metadata.response_code = code;
     loop {
@@ -255,17 +380,46 @@ pub(crate) async fn answer(p: &Inner, vm: &str, query: &[u8]) -> Option<Vec<u8>>
     }
 }
 
-/// Bind VM `vm`'s socket at `path` (mode 0600, a socket left there replaced) and answer its
-/// lookups until `stop`.
-pub fn start(proxy: &Proxy, vm: &str, path: &Path, stop: CancellationToken) -> std::io::Result<()> {
-    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+/// Bind VM `vm`'s datagram socket at `path`, and its stream socket at `tcp` when given (each
+/// mode 0600, a socket left there replaced), and answer its lookups until `stop`.
+pub fn start(
+    proxy: &Proxy,
+    vm: &str,
+    path: &Path,
+    tcp: Option<&Path>,
+    stop: CancellationToken,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    clear(path)?;
+    let sock = UnixDatagram::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    let listener = match tcp {
+        Some(tcp) => {
+            clear(tcp)?;
+            let listener = UnixListener::bind(tcp)?;
+            std::fs::set_permissions(tcp, std::fs::Permissions::from_mode(0o600))?;
+            Some(listener)
+        }
+        None => None,
+    };
+    let rate = Arc::new(Mutex::new(Rate {
+        bucket: Bucket::new(),
+        dropped: 0,
+    }));
+    if let Some(listener) = listener {
+        let (proxy, vm, rate, stop) = (proxy.clone(), vm.to_string(), rate.clone(), stop.clone());
+        tokio::spawn(serve_tcp(proxy, vm, listener, rate, stop));
+    }
+    tokio::spawn(serve(proxy.clone(), vm.to_string(), sock, rate, stop));
+    Ok(())
+}
+
+/// Remove a socket left at `path` (anything else there stays, and binding fails on it).
+fn clear(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
     if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
         std::fs::remove_file(path)?;
     }
-    let sock = UnixDatagram::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    let (proxy, vm) = (proxy.clone(), vm.to_string());
-    tokio::spawn(serve(proxy, vm, sock, stop));
     Ok(())
 }
 

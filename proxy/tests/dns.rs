@@ -1,6 +1,7 @@
 //! The guests' name lookups over the real datagram socket, as a VM's network helper sends
 //! them (tagged): answered by the VM's egress policy, refusals saying why, nothing looked up
-//! that the policy refuses, malformed queries unanswered. The helper's side (frames to and
+//! that the policy refuses, malformed queries unanswered; and over the VM's stream socket
+//! (DNS over TCP: several queries a connection, the same answers). The helper's side (frames to and
 //! from a real guest) is `net/tests/guest.rs`.
 
 mod support;
@@ -13,7 +14,8 @@ use boxery_api::network::{Egress, EgressPolicy};
 use hickory_proto::op::{Edns, Message, OpCode, ResponseCode};
 use hickory_proto::rr::{DNSClass, Name, RData, RecordType};
 use support::Fixture;
-use tokio::net::UnixDatagram;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixDatagram, UnixStream};
 
 const VM: &str = "d1";
 const TAG: [u8; 12] = *b"tag-echoed!!";
@@ -23,6 +25,8 @@ struct Dns {
     f: Fixture,
     client: UnixDatagram,
     server: PathBuf,
+    /// The stream socket (lookups over TCP).
+    tcp: PathBuf,
     _dir: tempfile::TempDir,
 }
 
@@ -40,12 +44,14 @@ impl Dns {
         .await;
         let dir = tempfile::tempdir().unwrap();
         let server = dir.path().join("dns.sock");
-        boxery_proxy::dns::start(&f.server, VM, &server, f.stop.child_token()).unwrap();
+        let tcp = dir.path().join("dns-tcp.sock");
+        boxery_proxy::dns::start(&f.server, VM, &server, Some(&tcp), f.stop.child_token()).unwrap();
         let client = UnixDatagram::bind(dir.path().join("net.dns.sock")).unwrap();
         Dns {
             f,
             client,
             server,
+            tcp,
             _dir: dir,
         }
     }
@@ -80,6 +86,24 @@ impl Dns {
         assert_eq!(m.metadata.id, q.metadata.id);
         m
     }
+}
+
+/// One query over a stream (its 2-byte length first); the answer, `None` when the connection
+/// closes (or nothing comes in 2 s).
+async fn over_tcp(c: &mut UnixStream, query: &[u8]) -> Option<Vec<u8>> {
+    let framed = [&(query.len() as u16).to_be_bytes()[..], query].concat();
+    c.write_all(&framed).await.ok()?;
+    let read = async {
+        let mut len = [0u8; 2];
+        c.read_exact(&mut len).await.ok()?;
+        let mut answer = vec![0u8; usize::from(u16::from_be_bytes(len))];
+        c.read_exact(&mut answer).await.ok()?;
+        Some(answer)
+    };
+    tokio::time::timeout(Duration::from_secs(2), read)
+        .await
+        .ok()
+        .flatten()
 }
 
 async fn send(c: &UnixDatagram, to: &Path, msg: &[u8]) {
@@ -232,4 +256,89 @@ async fn malformed_and_odd_queries_get_nothing_looked_up() {
     // and the socket still answers
     let m = d.ask(&query("mirror.test.", RecordType::A, false)).await;
     assert_eq!(addrs(&m), vec![Ipv4Addr::new(203, 0, 113, 7)]);
+}
+
+#[tokio::test]
+async fn lookups_over_tcp_are_answered_the_same_and_bounded() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = Dns::start().await;
+    let mode = std::fs::metadata(&d.tcp).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "the stream socket is private");
+    d.policy(EgressPolicy::Allowlist, &["mirror.test"]);
+
+    // several queries on one connection, answered in order, as over UDP
+    let mut c = UnixStream::connect(&d.tcp).await.unwrap();
+    let q = query("mirror.test.", RecordType::A, false);
+    let m = Message::from_vec(&over_tcp(&mut c, &q.to_vec().unwrap()).await.unwrap()).unwrap();
+    assert_eq!(m.metadata.id, q.metadata.id);
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    assert_eq!(addrs(&m), vec![Ipv4Addr::new(203, 0, 113, 7)]);
+    let q = query("other.test.", RecordType::A, true);
+    let m = Message::from_vec(&over_tcp(&mut c, &q.to_vec().unwrap()).await.unwrap()).unwrap();
+    assert_eq!(
+        m.metadata.response_code,
+        ResponseCode::NXDomain,
+        "refused by the policy over TCP too"
+    );
+    let (code, why) = ede(&m).expect("an extended error");
+    assert_eq!(code, 15);
+    assert!(why.contains("other.test"), "{why}");
+    let audit = d.f.audit();
+    assert!(
+        audit.contains(r#""host":"other.test""#),
+        "audited as a UDP lookup is: {audit}"
+    );
+
+    drop(c);
+
+    // a length no query has (shorter than a header, longer than a query): closed
+    for bad in [&[0u8, 3, 1, 2, 3][..], &[0xff, 0xff]] {
+        let mut c = UnixStream::connect(&d.tcp).await.unwrap();
+        c.write_all(bad).await.unwrap();
+        let mut buf = [0u8; 16];
+        let n = tokio::time::timeout(Duration::from_secs(2), c.read(&mut buf))
+            .await
+            .expect("closed at once, not left waiting")
+            .unwrap_or(0);
+        assert_eq!(n, 0, "nothing answered to {bad:?}");
+    }
+    // not a query (a response): closed, nothing looked up
+    let mut r = query("mirror.test.", RecordType::A, false);
+    r.metadata.message_type = hickory_proto::op::MessageType::Response;
+    let mut c = UnixStream::connect(&d.tcp).await.unwrap();
+    assert_eq!(over_tcp(&mut c, &r.to_vec().unwrap()).await, None);
+
+    // more connections than a VM may hold: the extra ones are closed, the others still answer
+    // (a closed connection's slot comes back once the server has read its end: waited for)
+    drop(c);
+    let q = query("mirror.test.", RecordType::A, false);
+    let held = async || {
+        let t = std::time::Instant::now();
+        loop {
+            let mut c = UnixStream::connect(&d.tcp).await.unwrap();
+            if over_tcp(&mut c, &q.to_vec().unwrap()).await.is_some() {
+                return c;
+            }
+            assert!(t.elapsed() < Duration::from_secs(5), "no slot came back");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let mut open = Vec::new();
+    for _ in 0..boxery_proxy::dns::TCP_CONNECTIONS {
+        open.push(held().await);
+    }
+    let mut extra = UnixStream::connect(&d.tcp).await.unwrap();
+    assert_eq!(
+        over_tcp(&mut extra, &q.to_vec().unwrap()).await,
+        None,
+        "past {} connections",
+        boxery_proxy::dns::TCP_CONNECTIONS
+    );
+    assert!(
+        over_tcp(&mut open[0], &q.to_vec().unwrap()).await.is_some(),
+        "a held connection still answers"
+    );
+    drop(open);
+    // their slots come back once they close
+    held().await;
 }

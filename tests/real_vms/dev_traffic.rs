@@ -438,6 +438,32 @@ fn cargo_fetch(name: &str, host: &str) -> String {
 }
 
 /// A step's duration, printed for docs/benchmarks.md.
+/// A guest command that looks `name` up over TCP at the guest's DNS address (Python, as the
+/// image has no `dig`) and prints `rcode=N answers=N ADDRESS-or--`.
+fn tcp_lookup(name: &str) -> String {
+    format!(
+        r#"python3 - <<'PY'
+import socket, struct
+q = struct.pack(">6H", 0x4242, 0x0100, 1, 0, 0, 0)
+q += b"".join(bytes([len(l)]) + l.encode() for l in "{name}".split(".")) + b"\0"
+q += struct.pack(">2H", 1, 1)
+s = socket.create_connection(("10.0.2.3", 53), timeout=20)
+s.sendall(struct.pack(">H", len(q)) + q)
+def exact(n):
+    b = b""
+    while len(b) < n:
+        m = s.recv(n - len(b))
+        if not m:
+            raise SystemExit("closed after " + repr(b))
+        b += m
+    return b
+a = exact(struct.unpack(">H", exact(2))[0])
+n = struct.unpack(">H", a[6:8])[0]
+print("rcode=%d answers=%d %s" % (a[3] & 15, n, ".".join(map(str, a[-4:])) if n else "-"))
+PY"#
+    )
+}
+
 fn timed<T>(what: &str, f: impl FnOnce() -> T) -> T {
     let t = Instant::now();
     let r = f();
@@ -801,6 +827,22 @@ pub(super) fn developer_traffic_through_egress() {
         )
     });
     assert_eq!(out.trim(), "exit=2", "an unlisted name's lookup: {out}");
+    // the same over TCP (a resolver's retry after a truncated answer, `dig +tcp`): answered
+    // by the same policy, the answer from 10.0.2.3
+    let out = timed("a name lookup over TCP in the guest", || {
+        h.run("d1", &tcp_lookup(PYPI))
+    });
+    assert_eq!(
+        out.trim(),
+        format!("rcode=0 answers=1 {STANDIN}"),
+        "a listed name over TCP"
+    );
+    let out = h.run("d1", &tcp_lookup(UNLISTED));
+    assert_eq!(
+        out.trim(),
+        "rcode=3 answers=0 -",
+        "an unlisted name over TCP"
+    );
 
     // accept-new is not accept-all: the same host with another key is refused.
     s.stop("sshd");

@@ -149,6 +149,11 @@ impl Layout {
     pub fn vm_dns(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("dns.sock")
     }
+    /// `vms/<name>/dns-tcp.sock`: the control plane's end of this VM's name lookups over TCP
+    /// (a stream socket `boxery-net`'s slirp connects each of them to).
+    pub fn vm_dns_tcp(&self, name: &str) -> PathBuf {
+        self.vm_dir(name).join("dns-tcp.sock")
+    }
     /// `vms/<name>/net.sock`: where QEMU's stream netdev reaches the VM's `boxery-net`.
     pub fn vm_net_sock(&self, name: &str) -> PathBuf {
         self.vm_dir(name).join("net.sock")

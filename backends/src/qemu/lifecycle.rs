@@ -67,6 +67,7 @@ impl Inner {
             stats: self.layout.vm_net_stats(name),
             proxy: self.layout.vm_proxy(name),
             dns: self.layout.vm_dns(name),
+            dns_tcp: self.layout.vm_dns_tcp(name),
             port,
         }
     }

@@ -379,6 +379,7 @@ impl Backend for QemuBackend {
             listen: crate::ProxyListen::Unix(self.inner.layout.vm_proxy(name)),
             dns: Some(crate::GuestDns {
                 listen: self.inner.layout.vm_dns(name),
+                listen_tcp: Some(self.inner.layout.vm_dns_tcp(name)),
                 addr: process::GUEST_DNS,
             }),
         })

@@ -40,6 +40,8 @@ pub struct NetSpec {
     pub proxy: PathBuf,
     /// Where the control plane answers the guest's name lookups (the VM's `dns.sock`).
     pub dns: PathBuf,
+    /// Where it answers them over TCP (the VM's `dns-tcp.sock`).
+    pub dns_tcp: PathBuf,
     /// The loopback port forwarded to the guest's sshd.
     pub port: u16,
 }
@@ -97,6 +99,8 @@ pub async fn start(binary: &Path, spec: &NetSpec, timeout: Duration) -> Result<i
         .arg(&spec.proxy)
         .arg("--dns-sock")
         .arg(&spec.dns)
+        .arg("--dns-tcp-sock")
+        .arg(&spec.dns_tcp)
         .arg("--pidfile")
         .arg(&spec.pidfile)
         .arg("--qemu-pidfile")
