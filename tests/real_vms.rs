@@ -2919,6 +2919,54 @@ mod libvirt {
 
 /// The backend-neutral tests on system containers (no screen, no memory snapshots).
 mod incus {
+    /// Incus's own events wake the inventory (`Backend::changes`): with its periodic pass 10
+    /// minutes away, a container stopped behind boxery's back is seen as exited and started again,
+    /// and one deleted is seen as lost, each within seconds (the Vm controller's own resync is a
+    /// minute: without the events, neither is seen within the bound). Timed for
+    /// docs/benchmarks.md.
+    #[test]
+    fn a_change_behind_boxerys_back_is_seen_at_once() {
+        use super::{Kind, RealHome, common, tiny_vm};
+        use std::time::{Duration, Instant};
+        // within this, a change behind boxery's back is seen (the events' settle is 0.3 s)
+        const SEEN_WITHIN: Duration = Duration::from_secs(20);
+        let h = RealHome::new(Kind::Incus);
+        let _serve = h.serve_args(&["--inventory-every", "10m"], &[]);
+        let f = h.home.write("e.yaml", &tiny_vm("e1"));
+        h.ok(&["apply", "-f", f.to_str().unwrap()]);
+        h.ok(&["wait", "vm", "e1", "--for=condition=Ready", "--timeout=10m"]);
+        let b = h.incus_backend();
+        let instance = boxery_backends::incus::instance_name("e1");
+        // from before the change is made (`incus stop` returns once the container is down)
+        let seen = |t: Instant, what: &str, reason: &str| {
+            let d = common::eventually(SEEN_WITHIN, || {
+                let d = h.ok(&["describe", "vm", "e1"]);
+                d.contains(reason).then_some(d)
+            })
+            .unwrap_or_else(|| {
+                panic!(
+                    "{what}: not seen within {SEEN_WITHIN:?}:\n{}",
+                    h.ok(&["describe", "vm", "e1"])
+                )
+            });
+            eprintln!(
+                "incus events: {what} seen in {:.1} s",
+                t.elapsed().as_secs_f64()
+            );
+            d
+        };
+        let t = Instant::now();
+        super::incus(&["stop", "-f", "--project", b.project(), &instance]);
+        seen(t, "a container stopped behind boxery's back", "Exited");
+        h.ok(&["wait", "vm", "e1", "--for=condition=Ready", "--timeout=5m"]);
+        let t = Instant::now();
+        super::incus(&["delete", "-f", "--project", b.project(), &instance]);
+        seen(t, "a container deleted behind boxery's back", "Lost");
+        h.ok(&["rm", "e1", "--wait", "--timeout", "3m"]);
+        h.ok(&["delete", "image", "tiny", "--wait", "--timeout", "1m"]);
+        assert!(h.leftovers().is_empty(), "left behind: {:?}", h.leftovers());
+    }
+
     #[test]
     fn lifecycle_with_real_vms() {
         super::lifecycle(super::Kind::Incus)

@@ -582,6 +582,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     async fn get(&self, name: &str) -> Result<Option<VmInfo>>;
     /// Every VM in boxery's namespace (marked or not; never another tool's).
     async fn list(&self) -> Result<Vec<VmInfo>>;
+    /// The hypervisor's own word that its VMs changed (made, started, stopped, deleted: by
+    /// boxery or anyone), so the inventory looks at once rather than at its next pass. The
+    /// counter moves at each change; a feed that was cut and is back moves it too (what
+    /// happened meanwhile was not seen). `None` (the default): no such feed, the inventory's
+    /// periodic passes only. Called from within the runtime, once per inventory loop.
+    fn changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
     /// Where the VM's sshd is, now (by default: what [`Backend::get`] reports).
     async fn ssh_endpoint(&self, name: &str) -> Result<Option<String>> {
         Ok(self.get(name).await?.and_then(|i| i.ssh))

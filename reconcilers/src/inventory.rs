@@ -19,6 +19,9 @@
 //!   touched.
 //! - The backend is listed before the store, so a VM created in between is never seen as an
 //!   orphan (objects are written before their backend VM exists).
+//! - Passes run every `inventory_every`, and [`CHANGES_SETTLE`] after a change the backend
+//!   reports itself (`Backend::changes`: Incus's events), so a VM deleted or stopped behind
+//!   boxery's back there is seen in about a second.
 
 use std::collections::HashMap;
 
@@ -540,7 +543,14 @@ pub async fn unreachable(ctx: &Ctx, e: &BackendError) -> Result<(), ReconcileErr
     Ok(())
 }
 
-/// Run passes every `ctx.settings.inventory_every` until `shutdown` resolves.
+/// How long a change the backend reports ([`Backend::changes`]) waits for more before the
+/// pass it causes: a pool reset stops, copies and starts several VMs, one pass sees them all.
+///
+/// [`Backend::changes`]: boxery_backends::Backend::changes
+pub const CHANGES_SETTLE: std::time::Duration = std::time::Duration::from_millis(300);
+
+/// Run passes every `ctx.settings.inventory_every`, and soon after each change the backend
+/// reports where it has such a feed, until `shutdown` resolves.
 pub async fn run(
     ctx: std::sync::Arc<Ctx>,
     objects: impl Objects,
@@ -549,14 +559,34 @@ pub async fn run(
     tokio::pin!(shutdown);
     let mut tick = tokio::time::interval(ctx.settings.inventory_every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut changes = ctx.backend.changes();
     loop {
+        let changed = async {
+            match changes.as_mut() {
+                Some(c) => c.changed().await.is_ok(),
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             _ = &mut shutdown => return,
-            _ = tick.tick() => {
-                if let Err(e) = pass(&ctx, &objects).await {
-                    tracing::warn!(error = %e.chain(), "inventory pass failed");
+            _ = tick.tick() => {}
+            still = changed => {
+                if !still {
+                    changes = None; // the feed ended: the periodic passes go on
+                    continue;
                 }
+                tokio::select! {
+                    _ = &mut shutdown => return,
+                    _ = tokio::time::sleep(CHANGES_SETTLE) => {}
+                }
+                if let Some(c) = changes.as_mut() {
+                    c.borrow_and_update();
+                }
+                tick.reset();
             }
+        }
+        if let Err(e) = pass(&ctx, &objects).await {
+            tracing::warn!(error = %e.chain(), "inventory pass failed");
         }
     }
 }

@@ -54,6 +54,7 @@
 
 mod client;
 mod config;
+mod events;
 mod firewall;
 mod images;
 mod instances;
@@ -108,6 +109,8 @@ struct Inner {
     /// Bytes each VM instance's files take on the pool, by instance: when measured, and what.
     /// (`None`: being measured for the first time).
     disk: Mutex<std::collections::HashMap<String, (std::time::Instant, Option<u64>)>>,
+    /// The events feed ([`events`]), started at the first [`Backend::changes`].
+    changes: std::sync::OnceLock<tokio::sync::watch::Receiver<u64>>,
 }
 
 /// The Incus instance name of boxery VM or image `name`: the name itself when Incus takes it
@@ -182,6 +185,7 @@ impl IncusBackend {
                 gateway: Mutex::new(None),
                 firewall_seen: Mutex::new(None),
                 disk: Mutex::new(Default::default()),
+                changes: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -279,6 +283,14 @@ impl Backend for IncusBackend {
         let mut infos = self.inner.list().await?;
         Inner::disk_used(&self.inner, &mut infos);
         Ok(infos)
+    }
+    /// Incus's lifecycle events of the VMs' project ([`events`]).
+    fn changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        tokio::runtime::Handle::try_current().ok()?;
+        let rx = self.inner.changes.get_or_init(|| {
+            events::follow(self.inner.config.socket.clone(), self.inner.project.clone())
+        });
+        Some(rx.clone())
     }
     async fn start(&self, name: &str) -> Result<()> {
         self.inner.start(name).await
