@@ -48,6 +48,8 @@ const PROTO_UDP: u8 = 17;
 const PROTO_TCP: u8 = 6;
 /// A TCP header's checksum offset.
 const TCP_CHECKSUM: usize = 16;
+/// The shortest TCP header.
+const TCP_HEADER: usize = 20;
 
 fn be16(b: &[u8], at: usize) -> Option<u16> {
     Some(u16::from_be_bytes([*b.get(at)?, *b.get(at + 1)?]))
@@ -55,17 +57,9 @@ fn be16(b: &[u8], at: usize) -> Option<u16> {
 
 /// The tag and the DNS message of `frame` when it is a guest's query to [`DNS_ADDR`]:53.
 pub fn query(frame: &[u8]) -> Option<([u8; TAG], &[u8])> {
-    if be16(frame, 12)? != ETHERTYPE_IPV4 {
-        return None;
-    }
-    let ip = frame.get(ETH..)?;
-    let (version, ihl) = (ip.first()? >> 4, usize::from(ip[0] & 0x0f) * 4);
-    let total = usize::from(be16(ip, 2)?);
-    let fragmented = be16(ip, 6)? & 0x3fff != 0; // MF set or an offset
-    if version != 4 || ihl < IPV4 || total < ihl + UDP || total > ip.len() || fragmented {
-        return None;
-    }
-    if ip[9] != PROTO_UDP || ip.get(16..20)? != DNS_ADDR.octets() {
+    let (ihl, total) = ipv4(frame, PROTO_UDP, UDP)?;
+    let ip = &frame[ETH..];
+    if ip[16..20] != DNS_ADDR.octets() {
         return None;
     }
     let udp = &ip[ihl..total];
@@ -78,6 +72,21 @@ pub fn query(frame: &[u8]) -> Option<([u8; TAG], &[u8])> {
     tag[6..10].copy_from_slice(&ip[12..16]); // its address
     tag[10..].copy_from_slice(&udp[..2]); // its port
     Some((tag, &udp[UDP..len]))
+}
+
+/// The header length and total length of the IPv4 packet `frame` carries, when it is one
+/// whole packet of protocol `proto` (not a fragment: neither MF nor an offset) with at least
+/// `transport` bytes after its header, and lengths that agree with the frame.
+fn ipv4(frame: &[u8], proto: u8, transport: usize) -> Option<(usize, usize)> {
+    if be16(frame, 12)? != ETHERTYPE_IPV4 {
+        return None;
+    }
+    let ip = frame.get(ETH..)?;
+    let (version, ihl) = (ip.first()? >> 4, usize::from(ip[0] & 0x0f) * 4);
+    let total = usize::from(be16(ip, 2)?);
+    let fragmented = be16(ip, 6)? & 0x3fff != 0;
+    let whole = version == 4 && ihl >= IPV4 && total >= ihl + transport && total <= ip.len();
+    (whole && !fragmented && ip[9] == proto).then_some((ihl, total))
 }
 
 /// The SERVFAIL answer to `query` (its header and one question echoed, nothing looked up):
@@ -147,37 +156,17 @@ enum End {
 /// Anything else (another protocol, port or address, a fragment, lengths that disagree) is
 /// left as it is.
 fn readdress(frame: &mut [u8], end: End, from: Ipv4Addr, to: Ipv4Addr) -> bool {
-    let ok = (|| {
-        if be16(frame, 12)? != ETHERTYPE_IPV4 {
-            return None;
-        }
-        let ip = frame.get(ETH..)?;
-        let (version, ihl) = (ip.first()? >> 4, usize::from(ip[0] & 0x0f) * 4);
-        let total = usize::from(be16(ip, 2)?);
-        let fragmented = be16(ip, 6)? & 0x3fff != 0;
-        if version != 4 || ihl < IPV4 || total < ihl + 20 || total > ip.len() || fragmented {
-            return None;
-        }
-        let (addr_at, port_at) = match end {
-            End::To => (16, 2),
-            End::From => (12, 0),
-        };
-        if ip[9] != PROTO_TCP
-            || ip.get(addr_at..addr_at + 4)? != from.octets()
-            || be16(ip, ihl + port_at)? != DNS_PORT
-        {
-            return None;
-        }
-        Some(ihl)
-    })();
-    let Some(ihl) = ok else {
+    let Some((ihl, _)) = ipv4(frame, PROTO_TCP, TCP_HEADER) else {
         return false;
     };
-    let ip = &mut frame[ETH..];
-    let addr_at = match end {
-        End::To => 16,
-        End::From => 12,
+    let (addr_at, port_at) = match end {
+        End::To => (16, 2),
+        End::From => (12, 0),
     };
+    let ip = &mut frame[ETH..];
+    if ip[addr_at..addr_at + 4] != from.octets() || be16(ip, ihl + port_at) != Some(DNS_PORT) {
+        return false;
+    }
     let (old, new) = (from.octets(), to.octets());
     ip[addr_at..addr_at + 4].copy_from_slice(&new);
     for at in [10, ihl + TCP_CHECKSUM] {

@@ -19,7 +19,7 @@
 //!   checked against the token file.
 
 use std::collections::{HashMap, HashSet};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -118,9 +118,7 @@ fn remove_socket(listen: &ProxyListen) {
 
 /// Remove the socket at `path` (only a socket: never anything else there).
 fn remove_socket_file(path: &Path) {
-    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
-        let _ = std::fs::remove_file(path);
-    }
+    let _ = crate::clear_socket(path);
 }
 
 /// Serve `g` (its VM's name lookups too, on a VM's own channel) until `stop`.

@@ -43,7 +43,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::audit;
 use crate::egress::{Unreachable, lookup, policy_refusal};
-use crate::{Inner, Proxy};
+use crate::{Inner, Proxy, clear_socket};
 
 /// The tag before each query and its answer (`boxery_net::dns::TAG`): echoed unchanged.
 pub const TAG: usize = 12;
@@ -390,12 +390,12 @@ pub fn start(
     stop: CancellationToken,
 ) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
-    clear(path)?;
+    clear_socket(path)?;
     let sock = UnixDatagram::bind(path)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     let listener = match tcp {
         Some(tcp) => {
-            clear(tcp)?;
+            clear_socket(tcp)?;
             let listener = UnixListener::bind(tcp)?;
             std::fs::set_permissions(tcp, std::fs::Permissions::from_mode(0o600))?;
             Some(listener)
@@ -411,15 +411,6 @@ pub fn start(
         tokio::spawn(serve_tcp(proxy, vm, listener, rate, stop));
     }
     tokio::spawn(serve(proxy.clone(), vm.to_string(), sock, rate, stop));
-    Ok(())
-}
-
-/// Remove a socket left at `path` (anything else there stays, and binding fails on it).
-fn clear(path: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::FileTypeExt;
-    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
-        std::fs::remove_file(path)?;
-    }
     Ok(())
 }
 

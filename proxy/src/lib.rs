@@ -309,3 +309,12 @@ impl IntoResponse for Refusal {
         r
     }
 }
+
+/// Remove a socket left at `path` (anything else there stays, and binding fails on it).
+pub(crate) fn clear_socket(path: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+        std::fs::remove_file(path)?;
+    }
+    Ok(())
+}

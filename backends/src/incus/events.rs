@@ -11,7 +11,7 @@
 //! - Only `lifecycle` events whose action starts with `instance-` count; anything else,
 //!   malformed JSON included, is ignored.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -80,7 +80,7 @@ async fn run(socket: PathBuf, project: String, tx: watch::Sender<u64>) {
 
 type Events = tokio_tungstenite::WebSocketStream<tokio::net::UnixStream>;
 
-async fn connect(socket: &PathBuf, project: &str) -> Result<Events, String> {
+async fn connect(socket: &Path, project: &str) -> Result<Events, String> {
     let stream = tokio::net::UnixStream::connect(socket)
         .await
         .map_err(|e| e.to_string())?;
